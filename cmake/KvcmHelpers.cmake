@@ -1,0 +1,73 @@
+# Small helpers so every project target gets the same flags and usage requirements.
+#
+#   kvcm_library(NAME SRCS ... [HDRS ...] [DEPS ...] [PRIVATE_DEPS ...])
+#   kvcm_executable(NAME SRCS ... [DEPS ...])
+#   kvcm_test(NAME SRCS ... [DEPS ...] [LABELS unit|integration|fault|fuzz|gpu ...] [TIMEOUT s])
+#   kvcm_benchmark(NAME SRCS ... [DEPS ...])
+#
+# Include paths are rooted at the repository (#include "common/block/block_ledger.h").
+
+set(KVCM_WARNINGS -Wall -Wextra -Wpedantic -Wshadow -Wnon-virtual-dtor -Wold-style-cast
+                  -Wcast-align -Wunused -Woverloaded-virtual -Wnull-dereference
+                  -Wimplicit-fallthrough)
+if(KVCM_WERROR)
+  list(APPEND KVCM_WARNINGS -Werror)
+endif()
+
+function(kvcm_set_flags target)
+  target_compile_options(${target} PRIVATE
+      $<$<COMPILE_LANGUAGE:CXX>:${KVCM_WARNINGS}>
+      $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall$<SEMICOLON>-Werror=all-warnings>)
+endfunction()
+
+function(kvcm_library name)
+  cmake_parse_arguments(ARG "" "" "SRCS;HDRS;DEPS;PRIVATE_DEPS" ${ARGN})
+  if(ARG_SRCS)
+    add_library(${name} STATIC ${ARG_SRCS} ${ARG_HDRS})
+    target_include_directories(${name} PUBLIC ${PROJECT_SOURCE_DIR})
+    target_link_libraries(${name} PUBLIC ${ARG_DEPS} PRIVATE ${ARG_PRIVATE_DEPS})
+    kvcm_set_flags(${name})
+  else()
+    add_library(${name} INTERFACE ${ARG_HDRS})
+    target_include_directories(${name} INTERFACE ${PROJECT_SOURCE_DIR})
+    target_link_libraries(${name} INTERFACE ${ARG_DEPS})
+  endif()
+  add_library(kvcm::${name} ALIAS ${name})
+endfunction()
+
+function(kvcm_executable name)
+  cmake_parse_arguments(ARG "" "OUTPUT_NAME" "SRCS;DEPS" ${ARGN})
+  add_executable(${name} ${ARG_SRCS})
+  target_link_libraries(${name} PRIVATE ${ARG_DEPS})
+  kvcm_set_flags(${name})
+  if(ARG_OUTPUT_NAME)
+    set_target_properties(${name} PROPERTIES OUTPUT_NAME ${ARG_OUTPUT_NAME})
+  endif()
+  set_target_properties(${name} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${PROJECT_BINARY_DIR}/bin)
+endfunction()
+
+include(GoogleTest OPTIONAL)
+function(kvcm_test name)
+  cmake_parse_arguments(ARG "" "TIMEOUT" "SRCS;DEPS;LABELS" ${ARGN})
+  if(NOT ARG_LABELS)
+    set(ARG_LABELS unit)
+  endif()
+  if(NOT ARG_TIMEOUT)
+    set(ARG_TIMEOUT 300)
+  endif()
+  add_executable(${name} ${ARG_SRCS})
+  target_link_libraries(${name} PRIVATE ${ARG_DEPS} GTest::gtest GTest::gmock GTest::gtest_main)
+  kvcm_set_flags(${name})
+  set_target_properties(${name} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
+  gtest_discover_tests(${name}
+      PROPERTIES LABELS "${ARG_LABELS}" TIMEOUT ${ARG_TIMEOUT}
+      DISCOVERY_TIMEOUT 60)
+endfunction()
+
+function(kvcm_benchmark name)
+  cmake_parse_arguments(ARG "" "" "SRCS;DEPS" ${ARGN})
+  add_executable(${name} ${ARG_SRCS})
+  target_link_libraries(${name} PRIVATE ${ARG_DEPS} benchmark::benchmark)
+  kvcm_set_flags(${name})
+  set_target_properties(${name} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${PROJECT_BINARY_DIR}/bench)
+endfunction()
