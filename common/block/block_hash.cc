@@ -1,0 +1,226 @@
+#include "common/block/block_hash.h"
+
+#include <openssl/evp.h>
+
+#include <bit>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/escaping.h"
+#include "common/base/check.h"
+
+namespace kvcm {
+namespace {
+
+static_assert(std::endian::native == std::endian::little,
+              "the block hash encoding writes integers little-endian; add byte swaps "
+              "before building on a big-endian machine");
+
+constexpr std::string_view kRootTag = "kvcm.root.v1";
+
+// One SHA-256 context per thread, initialised once; each digest re-initialises it from
+// the pre-fetched algorithm (no per-call algorithm lookup or allocation).
+class Sha256Context {
+ public:
+  Sha256Context() : md_(EVP_MD_fetch(nullptr, "SHA256", nullptr)), ctx_(EVP_MD_CTX_new()) {
+    KVCM_CHECK(md_ != nullptr && ctx_ != nullptr) << "OpenSSL has no SHA256";
+  }
+  ~Sha256Context() {
+    EVP_MD_CTX_free(ctx_);
+    EVP_MD_free(md_);
+  }
+  Sha256Context(const Sha256Context&) = delete;
+  Sha256Context& operator=(const Sha256Context&) = delete;
+
+  BlockHash Digest(std::span<const uint8_t> bytes) {
+    BlockHash out;
+    unsigned int len = 0;
+    KVCM_CHECK(EVP_DigestInit_ex2(ctx_, md_, nullptr) == 1 &&
+               EVP_DigestUpdate(ctx_, bytes.data(), bytes.size()) == 1 &&
+               EVP_DigestFinal_ex(ctx_, out.bytes.data(), &len) == 1 && len == 32)
+        << "SHA-256 failed";
+    return out;
+  }
+
+ private:
+  EVP_MD* md_;
+  EVP_MD_CTX* ctx_;
+};
+
+Sha256Context& ThreadSha256() {
+  thread_local Sha256Context context;
+  return context;
+}
+
+// MurmurHash3 x64 128 (Austin Appleby's public-domain algorithm), seed 0.
+inline uint64_t FMix64(uint64_t k) {
+  k ^= k >> 33;
+  k *= 0xff51afd7ed558ccdULL;
+  k ^= k >> 33;
+  k *= 0xc4ceb9fe1a85ec53ULL;
+  k ^= k >> 33;
+  return k;
+}
+
+inline uint64_t Load64(const uint8_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+BlockHash Murmur3X64128(const uint8_t* data, size_t len) {
+  constexpr uint64_t c1 = 0x87c37b91114253d5ULL;
+  constexpr uint64_t c2 = 0x4cf5ad432745937fULL;
+  uint64_t h1 = 0;
+  uint64_t h2 = 0;
+  const size_t nblocks = len / 16;
+  for (size_t i = 0; i < nblocks; ++i) {
+    uint64_t k1 = Load64(data + 16 * i);
+    uint64_t k2 = Load64(data + 16 * i + 8);
+    k1 *= c1;
+    k1 = std::rotl(k1, 31);
+    k1 *= c2;
+    h1 ^= k1;
+    h1 = std::rotl(h1, 27);
+    h1 += h2;
+    h1 = h1 * 5 + 0x52dce729;
+    k2 *= c2;
+    k2 = std::rotl(k2, 33);
+    k2 *= c1;
+    h2 ^= k2;
+    h2 = std::rotl(h2, 31);
+    h2 += h1;
+    h2 = h2 * 5 + 0x38495ab5;
+  }
+  const uint8_t* tail = data + nblocks * 16;
+  const size_t rest = len & 15;
+  uint64_t k1 = 0;
+  uint64_t k2 = 0;
+  for (size_t i = rest; i > 8; --i) k2 ^= uint64_t{tail[i - 1]} << (8 * (i - 9));
+  if (rest > 8) {
+    k2 *= c2;
+    k2 = std::rotl(k2, 33);
+    k2 *= c1;
+    h2 ^= k2;
+  }
+  for (size_t i = std::min<size_t>(rest, 8); i > 0; --i) k1 ^= uint64_t{tail[i - 1]} << (8 * (i - 1));
+  if (rest > 0) {
+    k1 *= c1;
+    k1 = std::rotl(k1, 31);
+    k1 *= c2;
+    h1 ^= k1;
+  }
+  h1 ^= len;
+  h2 ^= len;
+  h1 += h2;
+  h2 += h1;
+  h1 = FMix64(h1);
+  h2 = FMix64(h2);
+  h1 += h2;
+  h2 += h1;
+  BlockHash out;
+  std::memcpy(out.bytes.data(), &h1, 8);
+  std::memcpy(out.bytes.data() + 8, &h2, 8);
+  return out;
+}
+
+// Builds the encoded message in a reusable per-thread buffer.
+class Encoder {
+ public:
+  void Clear() { buf_.clear(); }
+  void PutU32(uint32_t v) { PutBytes(&v, sizeof(v)); }
+  void PutBytes(const void* p, size_t n) {
+    const size_t at = buf_.size();
+    buf_.resize(at + n);
+    if (n != 0) std::memcpy(buf_.data() + at, p, n);
+  }
+  std::span<const uint8_t> bytes() const { return buf_; }
+
+ private:
+  std::vector<uint8_t> buf_;
+};
+
+Encoder& ThreadEncoder() {
+  thread_local Encoder encoder;
+  return encoder;
+}
+
+BlockHash Digest(HashAlgorithm algorithm, std::span<const uint8_t> bytes) {
+  switch (algorithm) {
+    case HashAlgorithm::kSha256:
+      return Sha256Digest(bytes);
+    case HashAlgorithm::kFast128:
+      return Fast128Digest(bytes);
+  }
+  KVCM_CHECK(false) << "unknown hash algorithm " << static_cast<int>(algorithm);
+  return {};
+}
+
+}  // namespace
+
+std::string_view HashAlgorithmName(HashAlgorithm algorithm) {
+  switch (algorithm) {
+    case HashAlgorithm::kSha256:
+      return "sha256";
+    case HashAlgorithm::kFast128:
+      return "fast128";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<HashAlgorithm> ParseHashAlgorithm(std::string_view name) {
+  if (name == "sha256") return HashAlgorithm::kSha256;
+  if (name == "fast128") return HashAlgorithm::kFast128;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown hash algorithm '", std::string(name), "' (expected sha256 or fast128)"));
+}
+
+std::string BlockHash::ToHex() const {
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
+}
+
+BlockHash Sha256Digest(std::span<const uint8_t> bytes) { return ThreadSha256().Digest(bytes); }
+
+BlockHash Fast128Digest(std::span<const uint8_t> bytes) {
+  return Murmur3X64128(bytes.data(), bytes.size());
+}
+
+BlockHash RootHash(HashAlgorithm algorithm, std::string_view salt) {
+  Encoder& enc = ThreadEncoder();
+  enc.Clear();
+  enc.PutBytes(kRootTag.data(), kRootTag.size());
+  enc.PutU32(static_cast<uint32_t>(salt.size()));
+  enc.PutBytes(salt.data(), salt.size());
+  return Digest(algorithm, enc.bytes());
+}
+
+BlockHash ChainBlockHash(HashAlgorithm algorithm, const BlockHash& parent,
+                         std::span<const int32_t> tokens,
+                         std::span<const std::string_view> extra_keys) {
+  Encoder& enc = ThreadEncoder();
+  enc.Clear();
+  enc.PutBytes(parent.bytes.data(), parent.bytes.size());
+  enc.PutU32(static_cast<uint32_t>(tokens.size()));
+  enc.PutBytes(tokens.data(), tokens.size_bytes());
+  enc.PutU32(static_cast<uint32_t>(extra_keys.size()));
+  for (std::string_view key : extra_keys) {
+    enc.PutU32(static_cast<uint32_t>(key.size()));
+    enc.PutBytes(key.data(), key.size());
+  }
+  return Digest(algorithm, enc.bytes());
+}
+
+void HashFullBlocks(HashAlgorithm algorithm, const BlockHash& parent,
+                    std::span<const int32_t> tokens, int32_t block_size,
+                    std::vector<BlockHash>* out) {
+  KVCM_CHECK(block_size > 0) << "block_size " << block_size;
+  const size_t full = tokens.size() / static_cast<size_t>(block_size);
+  out->reserve(out->size() + full);
+  BlockHash prev = parent;
+  for (size_t i = 0; i < full; ++i) {
+    prev = ChainBlockHash(algorithm, prev, tokens.subspan(i * block_size, block_size));
+    out->push_back(prev);
+  }
+}
+
+}  // namespace kvcm

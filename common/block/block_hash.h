@@ -1,0 +1,93 @@
+#pragma once
+
+// Chained block hashes for prefix caching.
+//
+// Block i of a sequence is identified by
+//
+//   h_i = H(h_{i-1}, tokens of block i, extra keys of block i)     (h_{-1} = RootHash(salt))
+//
+// so a block matches only if every token before it matches too. The hash is a pure
+// function of its inputs — no process-local seeds — so the router can compute it, the
+// cache manager can index it, KV events can carry it, and all agree across processes and
+// restarts.
+//
+// Byte encoding (version 1). All integers little-endian. H is applied to exactly:
+//
+//   RootHash(salt):   "kvcm.root.v1" (12 bytes) || u32 len(salt) || salt bytes
+//   BlockHash:        parent (32 bytes) || u32 num_tokens || num_tokens × i32 token ||
+//                     u32 num_extra_keys || for each key: u32 len || key bytes
+//
+// The salt (model name/revision, tenant, LoRA adapter, ...) enters only through the root,
+// and therefore every block hash of the chain. Per-block extra keys carry content that the
+// token ids do not (for example the hash of an image whose placeholder tokens fall in the
+// block); most callers pass none.
+//
+// Algorithms:
+//   kSha256:  SHA-256 (OpenSSL), all 32 bytes. The default; collision-resistant, so a
+//             tenant cannot craft a prompt that reads another tenant's KV.
+//   kFast128: MurmurHash3 x64 128-bit, seed 0, in bytes [0, 16); bytes [16, 32) are zero.
+//             Several times faster; only for deployments where every client is trusted.
+//
+// Thread safety: all functions are thread-safe (SHA-256 contexts are thread-local).
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace kvcm {
+
+enum class HashAlgorithm : uint8_t { kSha256 = 0, kFast128 = 1 };
+
+// "sha256" or "fast128".
+std::string_view HashAlgorithmName(HashAlgorithm algorithm);
+absl::StatusOr<HashAlgorithm> ParseHashAlgorithm(std::string_view name);
+
+struct BlockHash {
+  std::array<uint8_t, 32> bytes{};
+
+  friend bool operator==(const BlockHash&, const BlockHash&) = default;
+
+  // Lower-case hex of all 32 bytes.
+  std::string ToHex() const;
+  // The first 8 bytes as an integer: already uniformly distributed, used to bucket hashes.
+  uint64_t Prefix64() const {
+    uint64_t v;
+    std::memcpy(&v, bytes.data(), sizeof(v));
+    return v;
+  }
+  template <typename H>
+  friend H AbslHashValue(H h, const BlockHash& hash) {
+    return H::combine(std::move(h), hash.Prefix64());
+  }
+};
+
+// Hash-map functor using the digest's own uniformity (no re-hashing of 32 bytes).
+struct BlockHashHasher {
+  size_t operator()(const BlockHash& hash) const { return hash.Prefix64(); }
+};
+
+// The chain's starting point for a given salt ("" for none).
+BlockHash RootHash(HashAlgorithm algorithm, std::string_view salt);
+
+// h_i from h_{i-1}. `tokens` is the block's tokens (block_size of them for a full block).
+BlockHash ChainBlockHash(HashAlgorithm algorithm, const BlockHash& parent,
+                         std::span<const int32_t> tokens,
+                         std::span<const std::string_view> extra_keys = {});
+
+// Hashes of every full block of `tokens` (a partial last block gets none), appended to
+// `out`. Starts from `parent` (usually RootHash). REQUIRES: block_size > 0.
+void HashFullBlocks(HashAlgorithm algorithm, const BlockHash& parent,
+                    std::span<const int32_t> tokens, int32_t block_size,
+                    std::vector<BlockHash>* out);
+
+// Raw digests over arbitrary bytes, exposed for benchmarks and cross-language tests.
+BlockHash Sha256Digest(std::span<const uint8_t> bytes);
+BlockHash Fast128Digest(std::span<const uint8_t> bytes);
+
+}  // namespace kvcm

@@ -1,0 +1,713 @@
+#include "common/block/block_ledger.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "common/base/check.h"
+#include "common/base/status_macros.h"
+
+namespace kvcm {
+
+std::string_view BlockStateName(BlockState state) {
+  switch (state) {
+    case BlockState::kFree:
+      return "free";
+    case BlockState::kInUse:
+      return "in_use";
+    case BlockState::kCached:
+      return "cached";
+    case BlockState::kPinned:
+      return "pinned";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<BlockLedger> BlockLedger::Create(const Options& options) {
+  if (options.num_blocks <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_blocks must be positive, got ", options.num_blocks));
+  }
+  if (options.block_size <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block_size must be positive, got ", options.block_size));
+  }
+  if (int64_t{options.num_blocks} * options.block_size > int64_t{INT32_MAX}) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "num_blocks × block_size = ", int64_t{options.num_blocks} * options.block_size,
+        " tokens does not fit a 32-bit token count"));
+  }
+  if (options.sliding_window_tokens < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sliding_window_tokens must be >= 0 (0 = full attention), got ",
+        options.sliding_window_tokens));
+  }
+  if (options.max_pinned_blocks < 0 || options.max_pinned_blocks > options.num_blocks) {
+    return absl::InvalidArgumentError(absl::StrCat("max_pinned_blocks must be in [0, ",
+                                                   options.num_blocks, "], got ",
+                                                   options.max_pinned_blocks));
+  }
+  return BlockLedger(options);
+}
+
+BlockLedger::BlockLedger(const Options& options) : options_(options) {
+  const int32_t n = options_.num_blocks;
+  if (options_.max_pinned_blocks == 0) options_.max_pinned_blocks = n / 2;
+  ref_count_.assign(n, 0);
+  pin_count_.assign(n, 0);
+  indexed_.assign(n, 0);
+  hash_.resize(n);
+  parent_hash_.resize(n);
+  lru_prev_.assign(n, kNoBlock);
+  lru_next_.assign(n, kNoBlock);
+  free_ = FreeBlockSet(n, /*all_free=*/true);
+  counters_.num_blocks = n;
+  counters_.block_size = options_.block_size;
+}
+
+// --- Lookup helpers ------------------------------------------------------------------------
+
+const BlockLedger::Sequence* BlockLedger::FindSeq(SeqId seq) const {
+  auto it = seq_index_.find(seq);
+  return it == seq_index_.end() ? nullptr : &slots_[it->second];
+}
+
+BlockLedger::Sequence* BlockLedger::FindSeq(SeqId seq) {
+  auto it = seq_index_.find(seq);
+  return it == seq_index_.end() ? nullptr : &slots_[it->second];
+}
+
+absl::Status BlockLedger::NotFound(SeqId seq) const {
+  return absl::NotFoundError(
+      absl::StrCat("unknown sequence ", seq, " (never allocated, or already freed)"));
+}
+
+int32_t BlockLedger::AcquireSlot() {
+  if (!free_slots_.empty()) {
+    const int32_t slot = free_slots_.back();
+    free_slots_.pop_back();
+    return slot;
+  }
+  slots_.emplace_back();
+  return static_cast<int32_t>(slots_.size() - 1);
+}
+
+void BlockLedger::ReleaseSlot(int32_t slot) {
+  Sequence& s = slots_[slot];
+  s.blocks.clear();
+  s.hashes.clear();
+  free_slots_.push_back(slot);
+}
+
+// --- Block moves -------------------------------------------------------------------------
+
+void BlockLedger::LruPushBack(BlockId block) {
+  lru_prev_[block] = lru_tail_;
+  lru_next_[block] = kNoBlock;
+  if (lru_tail_ != kNoBlock) {
+    lru_next_[lru_tail_] = block;
+  } else {
+    lru_head_ = block;
+  }
+  lru_tail_ = block;
+  ++lru_size_;
+}
+
+void BlockLedger::LruRemove(BlockId block) {
+  const BlockId prev = lru_prev_[block];
+  const BlockId next = lru_next_[block];
+  if (prev != kNoBlock) {
+    lru_next_[prev] = next;
+  } else {
+    KVCM_CHECK(lru_head_ == block) << "block " << block << " not in the LRU list";
+    lru_head_ = next;
+  }
+  if (next != kNoBlock) {
+    lru_prev_[next] = prev;
+  } else {
+    lru_tail_ = prev;
+  }
+  lru_prev_[block] = kNoBlock;
+  lru_next_[block] = kNoBlock;
+  --lru_size_;
+}
+
+void BlockLedger::Unindex(BlockId block) {
+  KVCM_CHECK(indexed_[block]) << "block " << block;
+  index_.erase(hash_[block]);
+  indexed_[block] = 0;
+  if (options_.record_events) {
+    events_.push_back({BlockEvent::Kind::kRemoved, hash_[block], BlockHash{}, block});
+  }
+}
+
+BlockId BlockLedger::TakeBlock() {
+  BlockId block;
+  if (!free_.empty()) {
+    block = free_.PopLowest();
+  } else {
+    block = lru_head_;
+    KVCM_CHECK(block != kNoBlock) << "TakeBlock with no free or cached block";
+    LruRemove(block);
+    Unindex(block);
+    ++counters_.evictions;
+  }
+  KVCM_CHECK(ref_count_[block] == 0 && pin_count_[block] == 0) << "block " << block;
+  ref_count_[block] = 1;
+  ++in_use_blocks_;
+  ++counters_.blocks_allocated;
+  return block;
+}
+
+void BlockLedger::TakeBlocks(int32_t n, std::vector<BlockId>* out) {
+  const int32_t from_free = std::min(n, free_.size());
+  const size_t at = out->size();
+  out->resize(at + static_cast<size_t>(from_free));
+  BlockId* ids = out->data() + at;
+  free_.PopLowest(from_free, ids);
+  int32_t* refs = ref_count_.data();
+  for (int32_t i = 0; i < from_free; ++i) refs[ids[i]] = 1;
+  in_use_blocks_ += from_free;
+  counters_.blocks_allocated += static_cast<uint64_t>(from_free);
+  for (int32_t i = from_free; i < n; ++i) out->push_back(TakeBlock());
+}
+
+void BlockLedger::ReleaseTailFirst(std::span<const BlockId> blocks) {
+  // Counts accumulate in locals: members could alias the per-block arrays.
+  int32_t* refs = ref_count_.data();
+  int32_t released = 0;
+  for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) {
+    const BlockId b = *it;
+    if (b == kNoBlock) continue;
+    KVCM_CHECK(refs[b] > 0) << "release of unreferenced block " << b;
+    if (--refs[b] > 0) continue;
+    ++released;
+    if (pin_count_[b] > 0) {
+      ++pinned_idle_blocks_;
+    } else if (indexed_[b]) {
+      LruPushBack(b);
+    } else {
+      free_.Insert(b);
+    }
+  }
+  in_use_blocks_ -= released;
+  counters_.blocks_released += static_cast<uint64_t>(released);
+}
+
+void BlockLedger::Reuse(BlockId block) {
+  if (ref_count_[block] == 0) {
+    if (pin_count_[block] > 0) {
+      --pinned_idle_blocks_;
+    } else {
+      LruRemove(block);
+    }
+    ++in_use_blocks_;
+  }
+  ++ref_count_[block];
+}
+
+void BlockLedger::Release(BlockId block) {
+  KVCM_CHECK(ref_count_[block] > 0) << "release of unreferenced block " << block;
+  if (--ref_count_[block] > 0) return;
+  --in_use_blocks_;
+  ++counters_.blocks_released;
+  if (pin_count_[block] > 0) {
+    ++pinned_idle_blocks_;
+  } else if (indexed_[block]) {
+    LruPushBack(block);
+  } else {
+    free_.Insert(block);
+  }
+}
+
+// --- Allocate ------------------------------------------------------------------------------
+
+absl::StatusOr<AdmissionPlan> BlockLedger::PlanAllocate(
+    SeqId seq, int32_t num_tokens, std::span<const BlockHash> block_hashes,
+    std::vector<BlockId>* hits) const {
+  if (seq_index_.contains(seq)) {
+    return absl::AlreadyExistsError(absl::StrCat("sequence ", seq, " is already live"));
+  }
+  if (num_tokens < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sequence ", seq, ": negative token count ", num_tokens));
+  }
+  const int32_t total_blocks = BlocksFor(num_tokens);
+  if (total_blocks > options_.num_blocks) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sequence ", seq, ": ", num_tokens, " tokens need ", total_blocks, " blocks of ",
+        options_.block_size, " tokens, but the whole pool has ", options_.num_blocks,
+        " blocks (max total tokens ", int64_t{options_.num_blocks} * options_.block_size, ")"));
+  }
+  const size_t full_blocks = static_cast<size_t>(num_tokens / options_.block_size);
+  if (block_hashes.size() > full_blocks) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sequence ", seq, ": ", block_hashes.size(), " block hashes for ", num_tokens,
+        " tokens, which fill only ", full_blocks, " blocks"));
+  }
+  // A hit never covers the last prompt token (it must be computed to get logits).
+  const size_t matchable = std::min(
+      block_hashes.size(),
+      num_tokens > 0 ? static_cast<size_t>((num_tokens - 1) / options_.block_size) : 0);
+  AdmissionPlan plan;
+  int32_t hits_from_lru = 0;
+  for (size_t i = 0; i < matchable; ++i) {
+    auto it = index_.find(block_hashes[i]);
+    if (it == index_.end()) break;
+    ++plan.prefix_hit_blocks;
+    const BlockId b = it->second;
+    if (hits != nullptr) hits->push_back(b);
+    if (ref_count_[b] == 0 && pin_count_[b] == 0) ++hits_from_lru;
+  }
+  plan.blocks_needed = total_blocks - plan.prefix_hit_blocks;
+  // Cached blocks that this allocation reuses cannot also be evicted for it.
+  const int32_t available = AvailableBlocks() - hits_from_lru;
+  if (plan.blocks_needed > available) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "sequence ", seq, ": needs ", plan.blocks_needed, " new blocks (", num_tokens,
+        " tokens, ", plan.prefix_hit_blocks, " blocks cached), but only ", available,
+        " can be taken now (", free_.size(), " free, ", lru_size_ - hits_from_lru,
+        " cached evictable)"));
+  }
+  plan.evictions = std::max(0, plan.blocks_needed - free_.size());
+  return plan;
+}
+
+absl::StatusOr<AdmissionPlan> BlockLedger::CanAllocate(
+    SeqId seq, int32_t num_tokens, std::span<const BlockHash> block_hashes) const {
+  return PlanAllocate(seq, num_tokens, block_hashes, nullptr);
+}
+
+absl::StatusOr<AllocateResult> BlockLedger::Allocate(SeqId seq, int32_t num_tokens,
+                                                     std::span<const BlockHash> block_hashes) {
+  scratch_hits_.clear();
+  absl::StatusOr<AdmissionPlan> plan =
+      PlanAllocate(seq, num_tokens, block_hashes, &scratch_hits_);
+  if (!plan.ok()) {
+    if (absl::IsResourceExhausted(plan.status())) ++counters_.allocation_failures;
+    return plan.status();
+  }
+  const int32_t slot = AcquireSlot();
+  Sequence& s = slots_[slot];
+  s.id = seq;
+  s.num_tokens = num_tokens;
+  s.num_committed = plan->prefix_hit_blocks * options_.block_size;
+  s.num_registered = plan->prefix_hit_blocks;
+  s.first_live = 0;
+  s.blocks.clear();
+  s.blocks.reserve(static_cast<size_t>(plan->prefix_hit_blocks + plan->blocks_needed));
+  s.hashes.assign(block_hashes.begin(), block_hashes.end());
+  for (BlockId b : scratch_hits_) {
+    Reuse(b);
+    s.blocks.push_back(b);
+  }
+  TakeBlocks(plan->blocks_needed, &s.blocks);
+  seq_index_.emplace(seq, slot);
+
+  counters_.prefix_query_tokens += static_cast<uint64_t>(num_tokens);
+  counters_.prefix_hit_tokens += static_cast<uint64_t>(s.num_committed);
+  AllocateResult result;
+  result.blocks = s.blocks;
+  result.num_cached_tokens = s.num_committed;
+  return result;
+}
+
+// --- Append --------------------------------------------------------------------------------
+
+absl::StatusOr<AdmissionPlan> BlockLedger::PlanAppend(const Sequence& s,
+                                                      int32_t num_new_tokens) const {
+  if (num_new_tokens < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sequence ", s.id, ": negative token count ", num_new_tokens));
+  }
+  const int64_t new_total = int64_t{s.num_tokens} + num_new_tokens;
+  const int64_t capacity = int64_t{options_.num_blocks} * options_.block_size;
+  if (new_total > capacity) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sequence ", s.id, ": ", new_total, " tokens exceed what the whole pool can hold (",
+        options_.num_blocks, " blocks × ", options_.block_size, " = ", capacity, " tokens)"));
+  }
+  AdmissionPlan plan;
+  const bool partial = s.num_tokens % options_.block_size != 0;
+  if (num_new_tokens > 0 && partial && ref_count_[s.blocks.back()] > 1) plan.copies = 1;
+  plan.blocks_needed = BlocksFor(static_cast<int32_t>(new_total)) -
+                       static_cast<int32_t>(s.blocks.size()) + plan.copies;
+  if (plan.blocks_needed > AvailableBlocks()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "sequence ", s.id, ": appending ", num_new_tokens, " tokens needs ",
+        plan.blocks_needed, " new blocks, but only ", AvailableBlocks(), " can be taken now (",
+        free_.size(), " free, ", lru_size_, " cached evictable)"));
+  }
+  plan.evictions = std::max(0, plan.blocks_needed - free_.size());
+  return plan;
+}
+
+absl::StatusOr<AdmissionPlan> BlockLedger::CanAppend(SeqId seq, int32_t num_new_tokens) const {
+  const Sequence* s = FindSeq(seq);
+  if (s == nullptr) return NotFound(seq);
+  return PlanAppend(*s, num_new_tokens);
+}
+
+absl::StatusOr<AppendResult> BlockLedger::Append(SeqId seq, int32_t num_new_tokens) {
+  Sequence* s = FindSeq(seq);
+  if (s == nullptr) return NotFound(seq);
+  absl::StatusOr<AdmissionPlan> plan = PlanAppend(*s, num_new_tokens);
+  if (!plan.ok()) {
+    if (absl::IsResourceExhausted(plan.status())) ++counters_.allocation_failures;
+    return plan.status();
+  }
+  AppendResult result;
+  if (plan->copies > 0) {
+    // The partly filled last block is shared (fork): give this sequence a private copy.
+    const BlockId old_block = s->blocks.back();
+    const BlockId copy = TakeBlock();
+    result.copies.push_back({old_block, copy});
+    result.replaced_last = copy;
+    s->blocks.back() = copy;
+    Release(old_block);
+    ++counters_.cow_copies;
+  }
+  TakeBlocks(plan->blocks_needed - plan->copies, &result.new_blocks);
+  s->blocks.insert(s->blocks.end(), result.new_blocks.begin(), result.new_blocks.end());
+  s->num_tokens += num_new_tokens;
+  return result;
+}
+
+// --- Fork, commit, free ------------------------------------------------------------------
+
+absl::Status BlockLedger::Fork(SeqId parent, SeqId child) {
+  auto parent_it = seq_index_.find(parent);
+  if (parent_it == seq_index_.end()) return NotFound(parent);
+  if (seq_index_.contains(child)) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("cannot fork ", parent, " into ", child, ": sequence ", child,
+                     " is already live"));
+  }
+  const int32_t parent_slot = parent_it->second;
+  const int32_t child_slot = AcquireSlot();  // may move slots_: index, don't hold pointers
+  const Sequence& p = slots_[parent_slot];
+  Sequence& c = slots_[child_slot];
+  c.id = child;
+  c.num_tokens = p.num_tokens;
+  c.num_committed = p.num_committed;
+  c.num_registered = p.num_registered;
+  c.first_live = p.first_live;
+  c.blocks = p.blocks;
+  c.hashes = p.hashes;
+  for (BlockId b : c.blocks) {
+    if (b != kNoBlock) Reuse(b);
+  }
+  seq_index_.emplace(child, child_slot);
+  return absl::OkStatus();
+}
+
+void BlockLedger::Register(Sequence& s) {
+  const int32_t limit = std::min(static_cast<int32_t>(s.hashes.size()),
+                                 s.num_committed / options_.block_size);
+  for (int32_t i = s.num_registered; i < limit; ++i) {
+    const BlockId b = s.blocks[i];
+    if (b == kNoBlock || indexed_[b]) continue;
+    auto [it, inserted] = index_.try_emplace(s.hashes[i], b);
+    if (!inserted) continue;  // same content already indexed in another block: a duplicate
+    indexed_[b] = 1;
+    hash_[b] = s.hashes[i];
+    parent_hash_[b] = i > 0 ? s.hashes[i - 1] : BlockHash{};
+    if (options_.record_events) {
+      events_.push_back({BlockEvent::Kind::kStored, hash_[b], parent_hash_[b], b});
+    }
+  }
+  s.num_registered = std::max(s.num_registered, limit);
+}
+
+void BlockLedger::ApplyWindow(Sequence& s) {
+  const int64_t window = options_.sliding_window_tokens;
+  if (window == 0) return;
+  const int64_t first_needed_token = int64_t{s.num_committed} - window + 1;
+  if (first_needed_token <= 0) return;
+  const int32_t release_upto = static_cast<int32_t>(
+      std::min<int64_t>(first_needed_token / options_.block_size,
+                        static_cast<int64_t>(s.blocks.size())));
+  for (int32_t i = s.first_live; i < release_upto; ++i) {
+    if (s.blocks[i] == kNoBlock) continue;
+    Release(s.blocks[i]);
+    s.blocks[i] = kNoBlock;
+    ++counters_.window_released;
+  }
+  s.first_live = std::max(s.first_live, release_upto);
+}
+
+absl::Status BlockLedger::Commit(SeqId seq, int32_t num_committed_tokens,
+                                 std::span<const BlockHash> new_block_hashes) {
+  Sequence* s = FindSeq(seq);
+  if (s == nullptr) return NotFound(seq);
+  if (num_committed_tokens < s->num_committed) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sequence ", seq, ": commit point cannot go back from ", s->num_committed,
+                     " to ", num_committed_tokens, " tokens"));
+  }
+  if (num_committed_tokens > s->num_tokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sequence ", seq, ": cannot commit ", num_committed_tokens,
+                     " tokens, it holds only ", s->num_tokens));
+  }
+  const size_t full_blocks = static_cast<size_t>(s->num_tokens / options_.block_size);
+  if (s->hashes.size() + new_block_hashes.size() > full_blocks) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sequence ", seq, ": ", s->hashes.size() + new_block_hashes.size(),
+        " block hashes in all, but only ", full_blocks, " blocks are full"));
+  }
+  s->hashes.insert(s->hashes.end(), new_block_hashes.begin(), new_block_hashes.end());
+  s->num_committed = num_committed_tokens;
+  Register(*s);
+  ApplyWindow(*s);
+  return absl::OkStatus();
+}
+
+absl::Status BlockLedger::Free(SeqId seq) {
+  auto it = seq_index_.find(seq);
+  if (it == seq_index_.end()) return NotFound(seq);
+  const int32_t slot = it->second;
+  Sequence& s = slots_[slot];
+  // Tail first: among blocks released together, the tail is evicted before the head.
+  ReleaseTailFirst(s.blocks);
+  seq_index_.erase(it);
+  ReleaseSlot(slot);
+  return absl::OkStatus();
+}
+
+// --- Prefix cache --------------------------------------------------------------------------
+
+int32_t BlockLedger::Lookup(std::span<const BlockHash> block_hashes) const {
+  int32_t n = 0;
+  for (const BlockHash& h : block_hashes) {
+    if (!index_.contains(h)) break;
+    ++n;
+  }
+  return n;
+}
+
+absl::Status BlockLedger::Pin(const std::string& name, std::span<const BlockHash> block_hashes) {
+  if (name.empty()) return absl::InvalidArgumentError("pin name must not be empty");
+  if (block_hashes.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("pin '", name, "' names no blocks"));
+  }
+  if (pins_.contains(name)) {
+    return absl::AlreadyExistsError(absl::StrCat("pin '", name, "' already exists"));
+  }
+  std::vector<BlockId> blocks;
+  blocks.reserve(block_hashes.size());
+  for (size_t i = 0; i < block_hashes.size(); ++i) {
+    auto it = index_.find(block_hashes[i]);
+    if (it == index_.end()) {
+      return absl::NotFoundError(absl::StrCat("pin '", name, "': block ", i, " of ",
+                                              block_hashes.size(), " (hash ",
+                                              block_hashes[i].ToHex().substr(0, 16),
+                                              "…) is not in the prefix cache"));
+    }
+    blocks.push_back(it->second);
+  }
+  {  // Drop repeats, keeping chain order (head first).
+    absl::flat_hash_set<BlockId> seen;
+    blocks.erase(std::remove_if(blocks.begin(), blocks.end(),
+                                [&](BlockId b) { return !seen.insert(b).second; }),
+                 blocks.end());
+  }
+  int32_t newly_pinned = 0;
+  for (BlockId b : blocks) newly_pinned += pin_count_[b] == 0 ? 1 : 0;
+  if (pinned_blocks_total_ + newly_pinned > options_.max_pinned_blocks) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "pin '", name, "' would pin ", pinned_blocks_total_ + newly_pinned,
+        " blocks, over the limit of ", options_.max_pinned_blocks));
+  }
+  for (BlockId b : blocks) {
+    if (pin_count_[b]++ > 0) continue;
+    ++pinned_blocks_total_;
+    if (ref_count_[b] == 0) {
+      LruRemove(b);
+      ++pinned_idle_blocks_;
+    }
+  }
+  pins_.emplace(name, PinEntry{std::move(blocks)});
+  return absl::OkStatus();
+}
+
+absl::Status BlockLedger::Unpin(const std::string& name) {
+  auto it = pins_.find(name);
+  if (it == pins_.end()) return absl::NotFoundError(absl::StrCat("no pin named '", name, "'"));
+  // Tail first, so that the prefix's tail is evicted before its head.
+  for (auto rit = it->second.blocks.rbegin(); rit != it->second.blocks.rend(); ++rit) {
+    const BlockId b = *rit;
+    if (--pin_count_[b] > 0) continue;
+    --pinned_blocks_total_;
+    if (ref_count_[b] == 0) {
+      --pinned_idle_blocks_;
+      LruPushBack(b);
+    }
+  }
+  pins_.erase(it);
+  return absl::OkStatus();
+}
+
+int32_t BlockLedger::EvictAllCached() {
+  int32_t n = 0;
+  while (lru_head_ != kNoBlock) {
+    const BlockId b = lru_head_;
+    LruRemove(b);
+    Unindex(b);
+    free_.Insert(b);
+    ++counters_.evictions;
+    ++n;
+  }
+  return n;
+}
+
+// --- Introspection -------------------------------------------------------------------------
+
+LedgerStats BlockLedger::Stats() const {
+  LedgerStats stats = counters_;
+  stats.free_blocks = free_.size();
+  stats.in_use_blocks = in_use_blocks_;
+  stats.cached_blocks = lru_size_;
+  stats.pinned_blocks = pinned_idle_blocks_;
+  stats.live_sequences = static_cast<int32_t>(seq_index_.size());
+  const double n = options_.num_blocks;
+  stats.usage_ratio = in_use_blocks_ / n;
+  stats.occupancy_ratio = (in_use_blocks_ + lru_size_ + pinned_idle_blocks_) / n;
+  return stats;
+}
+
+BlockState BlockLedger::StateOf(BlockId block) const {
+  KVCM_CHECK(block >= 0 && block < options_.num_blocks) << "block " << block;
+  if (ref_count_[block] > 0) return BlockState::kInUse;
+  if (pin_count_[block] > 0) return BlockState::kPinned;
+  if (indexed_[block]) return BlockState::kCached;
+  return BlockState::kFree;
+}
+
+absl::StatusOr<std::vector<BlockId>> BlockLedger::BlockTable(SeqId seq) const {
+  const Sequence* s = FindSeq(seq);
+  if (s == nullptr) return NotFound(seq);
+  return s->blocks;
+}
+
+absl::StatusOr<int32_t> BlockLedger::NumTokens(SeqId seq) const {
+  const Sequence* s = FindSeq(seq);
+  if (s == nullptr) return NotFound(seq);
+  return s->num_tokens;
+}
+
+absl::StatusOr<int32_t> BlockLedger::NumCommittedTokens(SeqId seq) const {
+  const Sequence* s = FindSeq(seq);
+  if (s == nullptr) return NotFound(seq);
+  return s->num_committed;
+}
+
+std::vector<BlockId> BlockLedger::EvictionOrderForTest() const {
+  std::vector<BlockId> order;
+  for (BlockId b = lru_head_; b != kNoBlock; b = lru_next_[b]) order.push_back(b);
+  return order;
+}
+
+std::vector<BlockEvent> BlockLedger::TakeEvents() { return std::exchange(events_, {}); }
+
+absl::Status BlockLedger::CheckInvariants() const {
+  const int32_t n = options_.num_blocks;
+  auto broken = [](auto&&... parts) { return absl::InternalError(absl::StrCat(parts...)); };
+
+  // Reference counts equal the references held by live sequences.
+  std::vector<int32_t> refs(n, 0);
+  for (const auto& [id, slot] : seq_index_) {
+    const Sequence& s = slots_[slot];
+    if (s.id != id) return broken("slot ", slot, " holds sequence ", s.id, " not ", id);
+    if (s.num_tokens < 0 || s.num_committed < 0 || s.num_committed > s.num_tokens) {
+      return broken("sequence ", id, ": tokens ", s.num_tokens, ", committed ",
+                    s.num_committed);
+    }
+    if (static_cast<int32_t>(s.blocks.size()) != BlocksFor(s.num_tokens)) {
+      return broken("sequence ", id, ": ", s.blocks.size(), " blocks for ", s.num_tokens,
+                    " tokens");
+    }
+    if (s.hashes.size() > static_cast<size_t>(s.num_tokens / options_.block_size)) {
+      return broken("sequence ", id, ": hashes for non-full blocks");
+    }
+    for (size_t i = 0; i < s.blocks.size(); ++i) {
+      const BlockId b = s.blocks[i];
+      if (b == kNoBlock) {
+        if (static_cast<int32_t>(i) >= s.first_live) {
+          return broken("sequence ", id, ": released block ", i, " inside the window");
+        }
+        continue;
+      }
+      if (b < 0 || b >= n) return broken("sequence ", id, ": block id ", b, " out of range");
+      ++refs[b];
+    }
+  }
+  int32_t free_count = 0, in_use = 0, cached = 0, pinned_idle = 0, pinned_any = 0, indexed = 0;
+  for (BlockId b = 0; b < n; ++b) {
+    if (refs[b] != ref_count_[b]) {
+      return broken("block ", b, ": ref count ", ref_count_[b], " but ", refs[b],
+                    " references");
+    }
+    if (pin_count_[b] < 0) return broken("block ", b, ": negative pin count");
+    if (pin_count_[b] > 0) ++pinned_any;
+    if (indexed_[b]) {
+      ++indexed;
+      auto it = index_.find(hash_[b]);
+      if (it == index_.end() || it->second != b) {
+        return broken("block ", b, ": marked indexed but the index disagrees");
+      }
+    }
+    const bool in_free = free_.Contains(b);
+    const bool in_lru = lru_prev_[b] != kNoBlock || lru_next_[b] != kNoBlock || lru_head_ == b;
+    switch (StateOf(b)) {
+      case BlockState::kInUse:
+        ++in_use;
+        if (in_free || in_lru) return broken("in-use block ", b, " on a free or LRU list");
+        break;
+      case BlockState::kPinned:
+        ++pinned_idle;
+        if (!indexed_[b]) return broken("pinned block ", b, " is not in the prefix index");
+        if (in_free || in_lru) return broken("pinned block ", b, " on a free or LRU list");
+        break;
+      case BlockState::kCached:
+        ++cached;
+        if (in_free || !in_lru) return broken("cached block ", b, " not (only) on the LRU");
+        break;
+      case BlockState::kFree:
+        ++free_count;
+        if (!in_free || in_lru) return broken("free block ", b, " not (only) in the free set");
+        break;
+    }
+  }
+  if (free_count + in_use + cached + pinned_idle != n) return broken("states do not partition");
+  if (free_count != free_.size() || !free_.ConsistentForTest()) {
+    return broken("free set holds ", free_.size(), " but ", free_count, " blocks are free");
+  }
+  if (in_use != in_use_blocks_) return broken("in-use count ", in_use_blocks_, " vs ", in_use);
+  if (pinned_idle != pinned_idle_blocks_) return broken("pinned count mismatch");
+  if (pinned_any != pinned_blocks_total_) return broken("pinned total mismatch");
+  if (indexed != static_cast<int32_t>(index_.size())) return broken("index size mismatch");
+  // Walk the LRU list both ways.
+  int32_t walked = 0;
+  BlockId prev = kNoBlock;
+  for (BlockId b = lru_head_; b != kNoBlock; b = lru_next_[b]) {
+    if (lru_prev_[b] != prev) return broken("LRU list broken at block ", b);
+    if (++walked > n) return broken("LRU list has a cycle");
+    prev = b;
+  }
+  if (prev != lru_tail_ || walked != lru_size_ || walked != cached) {
+    return broken("LRU list length ", walked, ", size ", lru_size_, ", cached ", cached);
+  }
+  // Pin counts equal the named pins.
+  std::vector<int32_t> pins(n, 0);
+  for (const auto& [name, entry] : pins_) {
+    for (BlockId b : entry.blocks) ++pins[b];
+  }
+  for (BlockId b = 0; b < n; ++b) {
+    if (pins[b] != pin_count_[b]) return broken("block ", b, ": pin count mismatch");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvcm

@@ -1,0 +1,330 @@
+#pragma once
+
+// BlockLedger: the bookkeeping of a fixed pool of KV-cache blocks. No I/O, no memory: it
+// decides which block ids hold which sequence's tokens; the pool memory lives elsewhere
+// (common/memory/) and is addressed by these ids.
+//
+// States (they partition the pool; CheckInvariants() verifies it):
+//   free    ref count 0, holds nothing reusable.
+//   in use  ref count > 0: referenced by one or more live sequences (shared after a fork
+//           or a prefix hit).
+//   cached  ref count 0, full, committed and hashed: reusable by a later sequence with the
+//           same prefix until evicted (least recently used first).
+//   pinned  ref count 0 and pinned by a named prefix: cached and never evicted.
+//
+// Lifecycle of a sequence (ids chosen by the caller, the router):
+//   Allocate(seq, num_tokens, hashes)  blocks for a prompt; leading blocks whose hashes are
+//                                      cached are shared instead of allocated (prefix hit).
+//   Append(seq, n)                     room for n more tokens; may return copy orders
+//                                      (copy-on-write of a shared, partly filled block).
+//   Fork(parent, child)                child shares all of parent's blocks.
+//   Commit(seq, tokens, hashes)        the executor wrote the KV of the first `tokens`
+//                                      tokens: full blocks with known hashes become
+//                                      matchable (never earlier: no reads of unwritten KV).
+//   Free(seq)                          drop the sequence; committed, hashed blocks stay
+//                                      cached, the rest become free.
+//
+// Every mutating call is all-or-nothing: it first builds a plan without changing anything
+// (the Plan*() methods) and applies it only if the whole plan fits. On error the ledger is
+// exactly as it was. Dry runs (CanAllocate, CanAppend) return the plan's summary for
+// admission control.
+//
+// Choices (where the design left room):
+// - A prefix hit never covers the prompt's last token: the caller must compute at least
+//   one token to get logits (as vLLM does), so a prompt of exactly k full cached blocks
+//   hits k-1 of them.
+// - Free blocks are handed out before any cached block is evicted, lowest ids first, so a
+//   sequence's blocks form ascending runs whenever the pool allows.
+// - Eviction takes the least recently released cached block first. A sequence's blocks are
+//   released tail first, so among blocks released together the tail goes before the head
+//   (a tail is only useful if its head is still there).
+// - When two sequences commit blocks with the same hash, the first stays matchable; the
+//   second is a private duplicate, freed (not cached) when released.
+// - Sliding window (Options::sliding_window_tokens = W > 0): a query at position p attends
+//   to positions (p - W, p]. After Commit(seq, c), no future query (p >= c) needs a token
+//   before c - W + 1, so blocks lying wholly before it are released (their table entries
+//   become kNoBlock). Released blocks follow the same path as Free.
+//
+// Thread safety: none. One owner thread (the cache manager's ledger thread) calls it.
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/block/block_hash.h"
+#include "common/block/free_block_set.h"
+
+namespace kvcm {
+
+using BlockId = int32_t;
+using SeqId = uint64_t;
+inline constexpr BlockId kNoBlock = -1;
+
+enum class BlockState : uint8_t { kFree, kInUse, kCached, kPinned };
+std::string_view BlockStateName(BlockState state);
+
+// Copy the KV of block `src` into block `dst` (all layers, K and V), before the step that
+// writes into `dst` runs.
+struct CopyOrder {
+  BlockId src = kNoBlock;
+  BlockId dst = kNoBlock;
+  friend bool operator==(const CopyOrder&, const CopyOrder&) = default;
+};
+
+struct AllocateResult {
+  std::vector<BlockId> blocks;      // the sequence's whole block table
+  int32_t num_cached_tokens = 0;    // leading tokens whose KV is already in the pool
+};
+
+struct AppendResult {
+  std::vector<BlockId> new_blocks;  // appended to the block table, in order
+  std::vector<CopyOrder> copies;    // copy-on-write orders (at most one per call)
+  // The block that replaced a shared partial last block (also named in `copies`), or
+  // kNoBlock. The table entry at (old size - 1) now holds it.
+  BlockId replaced_last = kNoBlock;
+};
+
+// What an operation would do, computed without changing anything.
+struct AdmissionPlan {
+  int32_t blocks_needed = 0;       // new blocks the operation takes from the pool
+  int32_t prefix_hit_blocks = 0;   // leading blocks shared instead of allocated
+  int32_t evictions = 0;           // cached blocks that would be evicted to make room
+  int32_t copies = 0;              // copy-on-write copies
+};
+
+// Something the prefix index gained or lost, for the KV event stream.
+struct BlockEvent {
+  enum class Kind : uint8_t { kStored, kRemoved, kAllCleared };
+  Kind kind = Kind::kStored;
+  BlockHash hash;                  // unset for kAllCleared
+  BlockHash parent_hash;           // kStored only: hash of the previous block (or the root)
+  BlockId block = kNoBlock;
+};
+
+// One snapshot. Counts by state sum to num_blocks. Counters are totals since construction.
+struct LedgerStats {
+  int32_t num_blocks = 0;
+  int32_t block_size = 0;
+  int32_t free_blocks = 0;
+  int32_t in_use_blocks = 0;
+  int32_t cached_blocks = 0;
+  int32_t pinned_blocks = 0;
+  int32_t live_sequences = 0;
+  // in_use_blocks / num_blocks: blocks that cannot be handed out without ending a sequence.
+  // Cached and pinned blocks are not counted (they hold reusable KV; cached ones can be
+  // evicted at any time). occupancy_ratio counts everything that holds KV.
+  double usage_ratio = 0;
+  // (in_use + cached + pinned) / num_blocks.
+  double occupancy_ratio = 0;
+  uint64_t prefix_query_tokens = 0;  // prompt tokens of successful Allocate calls
+  uint64_t prefix_hit_tokens = 0;    // of which already cached
+  uint64_t blocks_allocated = 0;     // blocks taken from the pool (free or evicted)
+  uint64_t blocks_released = 0;      // references dropped that left a block unused
+  uint64_t evictions = 0;            // cached blocks evicted to make room
+  uint64_t allocation_failures = 0;  // Allocate/Append refused for lack of blocks
+  uint64_t cow_copies = 0;           // copy-on-write orders issued
+  uint64_t window_released = 0;      // blocks released by the sliding window
+};
+
+class BlockLedger {
+ public:
+  struct Options {
+    // Blocks in the pool. REQUIRES: > 0.
+    int32_t num_blocks = 0;
+    // Tokens per block. REQUIRES: > 0. Small blocks waste less memory (at most one partly
+    // filled block per sequence) and share prefixes more finely; large blocks make
+    // attention kernels and bookkeeping cheaper.
+    int32_t block_size = 16;
+    // Sliding attention window in tokens; 0 = full attention.
+    int32_t sliding_window_tokens = 0;
+    // Most blocks that named pins may hold, so pins cannot starve the pool.
+    // 0 = num_blocks / 2.
+    int32_t max_pinned_blocks = 0;
+    // Record BlockEvents for TakeEvents() (the cache manager's event publisher).
+    bool record_events = false;
+  };
+
+  // Validates options: INVALID_ARGUMENT on nonsense.
+  static absl::StatusOr<BlockLedger> Create(const Options& options);
+
+  BlockLedger(BlockLedger&&) = default;
+  BlockLedger& operator=(BlockLedger&&) = default;
+
+  const Options& options() const { return options_; }
+  int32_t num_blocks() const { return options_.num_blocks; }
+  int32_t block_size() const { return options_.block_size; }
+
+  // --- Sequences -------------------------------------------------------------------------
+
+  // Creates sequence `seq` holding `num_tokens` tokens. `block_hashes` are the hashes of its
+  // leading full blocks (any number up to num_tokens / block_size; fewer disables matching
+  // and caching beyond them). Leading blocks found in the prefix index are shared.
+  // Errors: ALREADY_EXISTS (seq live), INVALID_ARGUMENT (negative tokens, too many hashes,
+  // more tokens than the pool can ever hold), RESOURCE_EXHAUSTED (not enough free or
+  // evictable blocks now).
+  absl::StatusOr<AllocateResult> Allocate(SeqId seq, int32_t num_tokens,
+                                          std::span<const BlockHash> block_hashes = {});
+  // Dry run of Allocate: the same checks and the plan, changing nothing (no stats either).
+  absl::StatusOr<AdmissionPlan> CanAllocate(SeqId seq, int32_t num_tokens,
+                                            std::span<const BlockHash> block_hashes = {}) const;
+
+  // Makes room for `num_new_tokens` more tokens.
+  // Errors: NOT_FOUND (unknown seq), INVALID_ARGUMENT (negative, or beyond what the pool
+  // can ever hold), RESOURCE_EXHAUSTED.
+  absl::StatusOr<AppendResult> Append(SeqId seq, int32_t num_new_tokens);
+  absl::StatusOr<AdmissionPlan> CanAppend(SeqId seq, int32_t num_new_tokens) const;
+
+  // Creates `child` sharing every block of `parent` (same tokens, same commit point).
+  // Errors: NOT_FOUND (parent), ALREADY_EXISTS (child).
+  absl::Status Fork(SeqId parent, SeqId child);
+
+  // Records that the KV of the first `num_committed_tokens` tokens has been written, and
+  // adds `new_block_hashes` to the hashes known for the sequence's full blocks (continuing
+  // where the known hashes end). Full, committed blocks with a known hash enter the prefix
+  // index. Applies the sliding window.
+  // Errors: NOT_FOUND, INVALID_ARGUMENT (beyond num_tokens, going backwards, hashes for
+  // blocks that are not full).
+  absl::Status Commit(SeqId seq, int32_t num_committed_tokens,
+                      std::span<const BlockHash> new_block_hashes = {});
+
+  // Ends the sequence. Errors: NOT_FOUND (unknown or already freed).
+  absl::Status Free(SeqId seq);
+
+  // --- Prefix cache ----------------------------------------------------------------------
+
+  // Number of leading `block_hashes` whose blocks are in the prefix index (cached, pinned or
+  // in use). Changes nothing.
+  int32_t Lookup(std::span<const BlockHash> block_hashes) const;
+
+  // Pins the blocks of `block_hashes` (all must be in the prefix index) under `name`, so
+  // they are never evicted. Errors: ALREADY_EXISTS (name), NOT_FOUND (a hash not cached;
+  // the message says which), RESOURCE_EXHAUSTED (over max_pinned_blocks),
+  // INVALID_ARGUMENT (empty name or list).
+  absl::Status Pin(const std::string& name, std::span<const BlockHash> block_hashes);
+  // Drops the pin. Its blocks that no sequence uses become cached again, the prefix's tail
+  // first in eviction order. Errors: NOT_FOUND.
+  absl::Status Unpin(const std::string& name);
+
+  // Evicts every cached (unpinned, unreferenced) block; returns how many.
+  int32_t EvictAllCached();
+
+  // --- Introspection ---------------------------------------------------------------------
+
+  LedgerStats Stats() const;
+  BlockState StateOf(BlockId block) const;
+  int32_t RefCount(BlockId block) const { return ref_count_[block]; }
+  bool IsLive(SeqId seq) const { return seq_index_.contains(seq); }
+  // The sequence's block table (kNoBlock where the sliding window released a block).
+  absl::StatusOr<std::vector<BlockId>> BlockTable(SeqId seq) const;
+  absl::StatusOr<int32_t> NumTokens(SeqId seq) const;
+  absl::StatusOr<int32_t> NumCommittedTokens(SeqId seq) const;
+  // Cached blocks in eviction order (next victim first).
+  std::vector<BlockId> EvictionOrderForTest() const;
+
+  // Verifies that the states partition the pool, ref counts equal the references held by
+  // live sequences, the prefix index, LRU list, free set and pin counts agree, and every
+  // sequence is well formed. Returns INTERNAL naming the first broken rule.
+  absl::Status CheckInvariants() const;
+
+  // Events since the last call, oldest first (empty unless Options::record_events).
+  std::vector<BlockEvent> TakeEvents();
+
+ private:
+  struct Sequence {
+    SeqId id = 0;
+    int32_t num_tokens = 0;
+    int32_t num_committed = 0;
+    // Blocks [0, num_registered) have been offered to the prefix index.
+    int32_t num_registered = 0;
+    // Blocks [0, first_live) were released by the sliding window.
+    int32_t first_live = 0;
+    std::vector<BlockId> blocks;
+    std::vector<BlockHash> hashes;  // known hashes of full blocks [0, hashes.size())
+  };
+
+  explicit BlockLedger(const Options& options);
+
+  int32_t BlocksFor(int32_t num_tokens) const {
+    return static_cast<int32_t>((int64_t{num_tokens} + options_.block_size - 1) /
+                                options_.block_size);
+  }
+  const Sequence* FindSeq(SeqId seq) const;
+  Sequence* FindSeq(SeqId seq);
+  // Blocks that can be taken now without ending a sequence.
+  int32_t AvailableBlocks() const { return free_.size() + lru_size_; }
+
+  // Plans (const) and their application.
+  // `hits`, when given, receives the prefix-hit block ids so Allocate need not look them up
+  // again.
+  absl::StatusOr<AdmissionPlan> PlanAllocate(SeqId seq, int32_t num_tokens,
+                                             std::span<const BlockHash> block_hashes,
+                                             std::vector<BlockId>* hits) const;
+  absl::StatusOr<AdmissionPlan> PlanAppend(const Sequence& s, int32_t num_new_tokens) const;
+  absl::Status NotFound(SeqId seq) const;
+
+  // Takes one block: lowest free id, else evicts the least recently used cached block.
+  // REQUIRES: AvailableBlocks() > 0.
+  BlockId TakeBlock();
+  // Appends `n` taken blocks to `out`: the lowest free ids (ascending), then evictions.
+  // REQUIRES: AvailableBlocks() >= n.
+  void TakeBlocks(int32_t n, std::vector<BlockId>* out);
+  // Release() of every block of `blocks` (kNoBlock skipped), last to first.
+  void ReleaseTailFirst(std::span<const BlockId> blocks);
+  // Drops one reference; the block becomes cached (if indexed and not pinned), pinned or
+  // free when the count reaches 0.
+  void Release(BlockId block);
+  // Adds a reference to a block found in the prefix index.
+  void Reuse(BlockId block);
+  void Register(Sequence& s);
+  void ApplyWindow(Sequence& s);
+  void Unindex(BlockId block);
+
+  int32_t AcquireSlot();
+  void ReleaseSlot(int32_t slot);
+
+  // Intrusive LRU list of cached blocks: head_ is the next victim.
+  void LruPushBack(BlockId block);
+  void LruRemove(BlockId block);
+
+  Options options_;
+
+  // Per-block metadata, indexed by BlockId.
+  std::vector<int32_t> ref_count_;
+  std::vector<int32_t> pin_count_;
+  std::vector<uint8_t> indexed_;        // 1 if hash_[b] maps to b in index_
+  std::vector<BlockHash> hash_;         // valid where indexed_
+  std::vector<BlockHash> parent_hash_;  // valid where indexed_ (for events)
+  std::vector<BlockId> lru_prev_;
+  std::vector<BlockId> lru_next_;
+  BlockId lru_head_ = kNoBlock;
+  BlockId lru_tail_ = kNoBlock;
+  int32_t lru_size_ = 0;
+  FreeBlockSet free_;
+
+  absl::flat_hash_map<BlockHash, BlockId, BlockHashHasher> index_;
+
+  // Sequences live in reusable slots so their vectors keep their capacity.
+  std::vector<Sequence> slots_;
+  std::vector<int32_t> free_slots_;
+  absl::flat_hash_map<SeqId, int32_t> seq_index_;
+
+  struct PinEntry {
+    std::vector<BlockId> blocks;
+  };
+  absl::flat_hash_map<std::string, PinEntry> pins_;
+  int32_t pinned_blocks_total_ = 0;  // distinct blocks with pin_count_ > 0
+
+  int32_t in_use_blocks_ = 0;
+  int32_t pinned_idle_blocks_ = 0;  // ref 0 and pinned
+
+  LedgerStats counters_;
+  std::vector<BlockEvent> events_;
+  std::vector<BlockId> scratch_hits_;  // PlanAllocate → Allocate, reused across calls
+};
+
+}  // namespace kvcm

@@ -1,0 +1,111 @@
+#include "common/block/block_hash.h"
+
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "gtest/gtest.h"
+
+namespace kvcm {
+namespace {
+
+// Expected digests come from tools/block_hash_reference.py, an independent implementation of
+// the byte encoding documented in common/block/block_hash.h (Python hashlib and mmh3). A
+// change here is a wire change: caches and peers built with the old encoding stop matching.
+constexpr char kRootSha[] = "8c9082fa5d3a4c3cac833d8ac1072441f1186b25142614bc16cebc5a653fdb92";
+constexpr char kRootSaltSha[] =
+    "8b28482fa8d151e376299e35fa88d95b1f686df13c640c1c3c5f8a33c4ac8399";
+constexpr char kBlock0Sha[] = "5da00b179036ba4b20f0db6b24d87a012ea20fc76afcea50b885ac05429ffef6";
+constexpr char kBlock1Sha[] = "0eff7bf9c0453beb736638ddb0ab3c48eb9bc1ed8b49e0393b6abcd3d46d0ad2";
+constexpr char kRootFast[] = "8191260192c41afbaf2c19d6f7ca3d6d00000000000000000000000000000000";
+constexpr char kBlock0Fast[] =
+    "9971f11f30493bcf64193fde4058db8000000000000000000000000000000000";
+
+std::span<const uint8_t> Bytes(std::string_view s) {
+  return {reinterpret_cast<const uint8_t*>(s.data()), s.size()};
+}
+
+TEST(BlockHashTest, Sha256MatchesTheDocumentedEncoding) {
+  const BlockHash root = RootHash(HashAlgorithm::kSha256, "");
+  EXPECT_EQ(root.ToHex(), kRootSha);
+  EXPECT_EQ(RootHash(HashAlgorithm::kSha256, "llama").ToHex(), kRootSaltSha);
+  const std::vector<int32_t> block0 = {1, 2, 3, 4};
+  const BlockHash h0 = ChainBlockHash(HashAlgorithm::kSha256, root, block0);
+  EXPECT_EQ(h0.ToHex(), kBlock0Sha);
+  const std::vector<int32_t> block1 = {5, 6, 7, -1};
+  const std::vector<std::string_view> extra = {"img"};
+  EXPECT_EQ(ChainBlockHash(HashAlgorithm::kSha256, h0, block1, extra).ToHex(), kBlock1Sha);
+}
+
+TEST(BlockHashTest, Fast128MatchesMurmur3Reference) {
+  // MurmurHash3 x64 128, seed 0: published vectors ("" hashes to zero).
+  EXPECT_EQ(Fast128Digest(Bytes("")).ToHex(), std::string(64, '0'));
+  EXPECT_EQ(Fast128Digest(Bytes("hello")).ToHex().substr(0, 32),
+            "029bbd41b3a7d8cb191dae486a901e5b");
+  EXPECT_EQ(Fast128Digest(Bytes("The quick brown fox jumps over the lazy dog")).ToHex().substr(0, 32),
+            "6c1b07bc7bbc4be347939ac4a93c437a");
+  const BlockHash root = RootHash(HashAlgorithm::kFast128, "");
+  EXPECT_EQ(root.ToHex(), kRootFast);
+  const std::vector<int32_t> block0 = {1, 2, 3, 4};
+  EXPECT_EQ(ChainBlockHash(HashAlgorithm::kFast128, root, block0).ToHex(), kBlock0Fast);
+}
+
+TEST(BlockHashTest, Fast128HandlesEveryTailLength) {
+  // Every tail length 0..15 and several block counts give distinct digests.
+  absl::flat_hash_set<std::string> seen;
+  std::string data;
+  for (int len = 0; len < 64; ++len) {
+    EXPECT_TRUE(seen.insert(Fast128Digest(Bytes(data)).ToHex()).second) << len;
+    data.push_back(static_cast<char>('a' + len % 26));
+  }
+}
+
+TEST(BlockHashTest, ChainDependsOnEveryInput) {
+  for (HashAlgorithm algo : {HashAlgorithm::kSha256, HashAlgorithm::kFast128}) {
+    const BlockHash root = RootHash(algo, "");
+    const std::vector<int32_t> tokens = {10, 20, 30, 40};
+    const BlockHash base = ChainBlockHash(algo, root, tokens);
+    EXPECT_EQ(base, ChainBlockHash(algo, root, tokens));  // deterministic
+    EXPECT_NE(base, ChainBlockHash(algo, RootHash(algo, "tenant-b"), tokens));  // salt
+    std::vector<int32_t> other = tokens;
+    other[3] = 41;
+    EXPECT_NE(base, ChainBlockHash(algo, root, other));  // tokens
+    const std::vector<int32_t> shorter = {10, 20, 30};
+    EXPECT_NE(base, ChainBlockHash(algo, root, shorter));  // length
+    const std::vector<std::string_view> extra = {"lora-7"};
+    EXPECT_NE(base, ChainBlockHash(algo, root, tokens, extra));  // extra keys
+    // Extra keys are length-prefixed: ("ab","c") differs from ("a","bc").
+    const std::vector<std::string_view> k1 = {"ab", "c"};
+    const std::vector<std::string_view> k2 = {"a", "bc"};
+    EXPECT_NE(ChainBlockHash(algo, root, tokens, k1), ChainBlockHash(algo, root, tokens, k2));
+  }
+}
+
+TEST(BlockHashTest, HashFullBlocksChainsAndSkipsPartialBlock) {
+  std::vector<int32_t> tokens(10);
+  for (int i = 0; i < 10; ++i) tokens[i] = i;
+  const BlockHash root = RootHash(HashAlgorithm::kSha256, "");
+  std::vector<BlockHash> hashes;
+  HashFullBlocks(HashAlgorithm::kSha256, root, tokens, 4, &hashes);
+  ASSERT_EQ(hashes.size(), 2u);
+  EXPECT_EQ(hashes[0], ChainBlockHash(HashAlgorithm::kSha256, root, std::span(tokens).first(4)));
+  EXPECT_EQ(hashes[1],
+            ChainBlockHash(HashAlgorithm::kSha256, hashes[0], std::span(tokens).subspan(4, 4)));
+  // Same prefix, different continuation: the first block matches, the second does not.
+  std::vector<int32_t> forked = tokens;
+  forked[5] = 99;
+  std::vector<BlockHash> other;
+  HashFullBlocks(HashAlgorithm::kSha256, root, forked, 4, &other);
+  EXPECT_EQ(other[0], hashes[0]);
+  EXPECT_NE(other[1], hashes[1]);
+}
+
+TEST(BlockHashTest, ParsesAlgorithmNames) {
+  EXPECT_EQ(*ParseHashAlgorithm("sha256"), HashAlgorithm::kSha256);
+  EXPECT_EQ(*ParseHashAlgorithm("fast128"), HashAlgorithm::kFast128);
+  EXPECT_EQ(ParseHashAlgorithm("md5").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(HashAlgorithmName(HashAlgorithm::kFast128), "fast128");
+}
+
+}  // namespace
+}  // namespace kvcm

@@ -1,0 +1,531 @@
+// Exact scenarios on tiny pools: every block id, state and order is spelled out.
+
+#include "common/block/block_ledger.h"
+
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/common/block/ledger_test_util.h"
+
+namespace kvcm {
+namespace {
+
+using ::kvcm::testing::HashesOf;
+using ::kvcm::testing::Iota;
+using ::kvcm::testing::Snapshot;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+constexpr BlockId X = kNoBlock;
+
+BlockLedger MakeLedger(int32_t num_blocks, int32_t block_size, int32_t window = 0,
+                       bool events = false) {
+  BlockLedger::Options options;
+  options.num_blocks = num_blocks;
+  options.block_size = block_size;
+  options.sliding_window_tokens = window;
+  options.record_events = events;
+  auto ledger = BlockLedger::Create(options);
+  EXPECT_TRUE(ledger.ok()) << ledger.status();
+  return std::move(ledger).value();
+}
+
+#define EXPECT_INVARIANTS(ledger) \
+  EXPECT_TRUE((ledger).CheckInvariants().ok()) << (ledger).CheckInvariants()
+
+// Block sizes 4 and 16: scenarios are written in units of `bs`.
+class LedgerScenarioTest : public ::testing::TestWithParam<int32_t> {
+ protected:
+  int32_t bs() const { return GetParam(); }
+};
+
+TEST_P(LedgerScenarioTest, AllocatesLowestFreeBlocksInAscendingRuns) {
+  BlockLedger ledger = MakeLedger(8, bs());
+  auto a = ledger.Allocate(1, 2 * bs() + 1);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_THAT(a->blocks, ElementsAre(0, 1, 2));
+  EXPECT_EQ(a->num_cached_tokens, 0);
+  auto b = ledger.Allocate(2, bs());
+  EXPECT_THAT(b->blocks, ElementsAre(3));
+  ASSERT_TRUE(ledger.Free(1).ok());
+  EXPECT_INVARIANTS(ledger);
+  // Freed ids are reused lowest first: 0, 1 then 4 (3 is taken).
+  auto c = ledger.Allocate(3, 3 * bs());
+  EXPECT_THAT(c->blocks, ElementsAre(0, 1, 2));
+  auto d = ledger.Allocate(4, 2 * bs());
+  EXPECT_THAT(d->blocks, ElementsAre(4, 5));
+  EXPECT_INVARIANTS(ledger);
+  const LedgerStats stats = ledger.Stats();
+  EXPECT_EQ(stats.in_use_blocks, 6);
+  EXPECT_EQ(stats.free_blocks, 2);
+  EXPECT_DOUBLE_EQ(stats.usage_ratio, 6.0 / 8);
+}
+
+TEST_P(LedgerScenarioTest, ZeroTokenSequenceHoldsNoBlocksUntilAppend) {
+  BlockLedger ledger = MakeLedger(4, bs());
+  auto a = ledger.Allocate(1, 0);
+  ASSERT_TRUE(a.ok());
+  EXPECT_TRUE(a->blocks.empty());
+  auto app = ledger.Append(1, 1);
+  ASSERT_TRUE(app.ok());
+  EXPECT_THAT(app->new_blocks, ElementsAre(0));
+  EXPECT_INVARIANTS(ledger);
+}
+
+TEST_P(LedgerScenarioTest, PrefixHitNeedsCommitAndSharesBlocks) {
+  BlockLedger ledger = MakeLedger(16, bs());
+  const auto prompt = Iota(3 * bs() + 1);  // 3 full blocks and one token
+  const auto hashes = HashesOf(prompt, bs());
+  ASSERT_EQ(hashes.size(), 3u);
+  auto a = ledger.Allocate(1, static_cast<int32_t>(prompt.size()), hashes);
+  EXPECT_THAT(a->blocks, ElementsAre(0, 1, 2, 3));
+
+  // Not committed yet: nothing is matchable (its KV may not be written).
+  auto b = ledger.Allocate(2, static_cast<int32_t>(prompt.size()), hashes);
+  EXPECT_EQ(b->num_cached_tokens, 0);
+  EXPECT_THAT(b->blocks, ElementsAre(4, 5, 6, 7));
+  EXPECT_EQ(ledger.Lookup(hashes), 0);
+
+  ASSERT_TRUE(ledger.Commit(1, 2 * bs()).ok());  // two blocks written
+  EXPECT_EQ(ledger.Lookup(hashes), 2);
+  auto c = ledger.Allocate(3, static_cast<int32_t>(prompt.size()), hashes);
+  EXPECT_EQ(c->num_cached_tokens, 2 * bs());
+  EXPECT_THAT(c->blocks, ElementsAre(0, 1, 8, 9));
+  EXPECT_EQ(ledger.RefCount(0), 2);
+  EXPECT_EQ(ledger.RefCount(8), 1);
+  EXPECT_EQ(*ledger.NumCommittedTokens(3), 2 * bs());
+  const LedgerStats stats = ledger.Stats();
+  EXPECT_EQ(stats.prefix_query_tokens, 3u * prompt.size());
+  EXPECT_EQ(stats.prefix_hit_tokens, 2u * bs());
+  EXPECT_INVARIANTS(ledger);
+}
+
+TEST_P(LedgerScenarioTest, HitNeverCoversTheLastPromptToken) {
+  BlockLedger ledger = MakeLedger(8, bs());
+  const auto prompt = Iota(2 * bs());
+  const auto hashes = HashesOf(prompt, bs());
+  ASSERT_TRUE(ledger.Allocate(1, 2 * bs(), hashes).ok());
+  ASSERT_TRUE(ledger.Commit(1, 2 * bs()).ok());
+  ASSERT_TRUE(ledger.Free(1).ok());
+  EXPECT_EQ(ledger.Stats().cached_blocks, 2);
+  // Same prompt again: block 1 holds the last token, which must be computed for logits.
+  auto b = ledger.Allocate(2, 2 * bs(), hashes);
+  EXPECT_EQ(b->num_cached_tokens, bs());
+  EXPECT_THAT(b->blocks, ElementsAre(0, 2));
+  EXPECT_INVARIANTS(ledger);
+}
+
+TEST_P(LedgerScenarioTest, FreeKeepsCommittedFullBlocksCachedAndFreesTheRest) {
+  BlockLedger ledger = MakeLedger(8, bs());
+  const auto prompt = Iota(2 * bs() + 2);
+  auto a = ledger.Allocate(1, static_cast<int32_t>(prompt.size()), HashesOf(prompt, bs()));
+  ASSERT_TRUE(ledger.Commit(1, bs() + 1).ok());  // only block 0 fully written
+  ASSERT_TRUE(ledger.Free(1).ok());
+  EXPECT_EQ(ledger.StateOf(0), BlockState::kCached);
+  EXPECT_EQ(ledger.StateOf(1), BlockState::kFree);
+  EXPECT_EQ(ledger.StateOf(2), BlockState::kFree);
+  EXPECT_INVARIANTS(ledger);
+}
+
+TEST_P(LedgerScenarioTest, EvictsLeastRecentlyReleasedAndTailBeforeHead) {
+  BlockLedger ledger = MakeLedger(6, bs());
+  const auto doc_a = Iota(3 * bs(), 0);
+  const auto doc_b = Iota(2 * bs(), 1000);
+  ASSERT_TRUE(ledger.Allocate(1, 3 * bs(), HashesOf(doc_a, bs())).ok());  // 0 1 2
+  ASSERT_TRUE(ledger.Allocate(2, 2 * bs(), HashesOf(doc_b, bs())).ok());  // 3 4
+  ASSERT_TRUE(ledger.Commit(1, 3 * bs()).ok());
+  ASSERT_TRUE(ledger.Commit(2, 2 * bs()).ok());
+  ASSERT_TRUE(ledger.Free(1).ok());
+  ASSERT_TRUE(ledger.Free(2).ok());
+  EXPECT_THAT(ledger.EvictionOrderForTest(), ElementsAre(2, 1, 0, 4, 3));
+
+  // Three blocks: the one free block first, then two victims from the LRU end.
+  auto plan = ledger.CanAllocate(3, 3 * bs());
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->blocks_needed, 3);
+  EXPECT_EQ(plan->evictions, 2);
+  auto c = ledger.Allocate(3, 3 * bs());
+  EXPECT_THAT(c->blocks, ElementsAre(5, 2, 1));
+  EXPECT_EQ(ledger.Stats().evictions, 2u);
+  EXPECT_EQ(ledger.Lookup(HashesOf(doc_a, bs())), 1);  // head of A survived
+  EXPECT_EQ(ledger.Lookup(HashesOf(doc_b, bs())), 2);
+  EXPECT_INVARIANTS(ledger);
+}
+
+TEST_P(LedgerScenarioTest, PrefixHitMovesBlocksToMostRecentlyUsed) {
+  BlockLedger ledger = MakeLedger(6, bs());
+  const auto doc_a = Iota(2 * bs(), 0);
+  const auto doc_b = Iota(2 * bs(), 1000);
+  ASSERT_TRUE(ledger.Allocate(1, 2 * bs(), HashesOf(doc_a, bs())).ok());  // 0 1
+  ASSERT_TRUE(ledger.Allocate(2, 2 * bs(), HashesOf(doc_b, bs())).ok());  // 2 3
+  ASSERT_TRUE(ledger.Commit(1, 2 * bs()).ok());
+  ASSERT_TRUE(ledger.Commit(2, 2 * bs()).ok());
+  ASSERT_TRUE(ledger.Free(1).ok());
+  ASSERT_TRUE(ledger.Free(2).ok());
+  EXPECT_THAT(ledger.EvictionOrderForTest(), ElementsAre(1, 0, 3, 2));
+  // Reuse A's head (prompt = A's first block + 1 token) and release it again.
+  auto prompt = Iota(bs() + 1, 0);
+  auto hit = ledger.Allocate(3, bs() + 1, HashesOf(prompt, bs()));
+  EXPECT_EQ(hit->num_cached_tokens, bs());
+  EXPECT_THAT(hit->blocks, ElementsAre(0, 4));
+  ASSERT_TRUE(ledger.Free(3).ok());
+  EXPECT_THAT(ledger.EvictionOrderForTest(), ElementsAre(1, 3, 2, 0));
+  EXPECT_INVARIANTS(ledger);
+}
+
+TEST_P(LedgerScenarioTest, ForkSharesBlocksAndCopiesPartialBlockOnWrite) {
+  BlockLedger ledger = MakeLedger(8, bs());
+  ASSERT_TRUE(ledger.Allocate(1, bs() + 2).ok());  // blocks 0 (full), 1 (2 tokens)
+  ASSERT_TRUE(ledger.Fork(1, 2).ok());
+  EXPECT_EQ(ledger.RefCount(0), 2);
+  EXPECT_EQ(ledger.RefCount(1), 2);
+  EXPECT_INVARIANTS(ledger);
+
+  auto plan = ledger.CanAppend(2, 1);
+  EXPECT_EQ(plan->copies, 1);
+  auto child = ledger.Append(2, 1);
+  ASSERT_TRUE(child.ok()) << child.status();
+  EXPECT_THAT(child->copies, ElementsAre(CopyOrder{1, 2}));
+  EXPECT_EQ(child->replaced_last, 2);
+  EXPECT_TRUE(child->new_blocks.empty());
+  EXPECT_THAT(*ledger.BlockTable(2), ElementsAre(0, 2));
+  EXPECT_EQ(ledger.RefCount(1), 1);
+  EXPECT_EQ(ledger.RefCount(0), 2);
+
+  // The parent now owns block 1 alone: appending writes in place, no copy.
+  auto parent = ledger.Append(1, bs());  // crosses into a new block
+  EXPECT_TRUE(parent->copies.empty());
+  EXPECT_THAT(parent->new_blocks, ElementsAre(3));
+  EXPECT_THAT(*ledger.BlockTable(1), ElementsAre(0, 1, 3));
+  EXPECT_EQ(ledger.Stats().cow_copies, 1u);
+  EXPECT_INVARIANTS(ledger);
+
+  // Freeing the parent leaves the child's shared head intact.
+  ASSERT_TRUE(ledger.Free(1).ok());
+  EXPECT_EQ(ledger.RefCount(0), 1);
+  EXPECT_EQ(ledger.StateOf(1), BlockState::kFree);
+  EXPECT_INVARIANTS(ledger);
+}
+
+TEST_P(LedgerScenarioTest, ForkWithFullLastBlockNeedsNoCopy) {
+  BlockLedger ledger = MakeLedger(8, bs());
+  ASSERT_TRUE(ledger.Allocate(1, 2 * bs()).ok());
+  ASSERT_TRUE(ledger.Fork(1, 2).ok());
+  auto child = ledger.Append(2, 1);
+  EXPECT_TRUE(child->copies.empty());
+  EXPECT_THAT(child->new_blocks, ElementsAre(2));
+  EXPECT_INVARIANTS(ledger);
+}
+
+TEST_P(LedgerScenarioTest, AppendCrossesSeveralBoundariesAtOnce) {
+  BlockLedger ledger = MakeLedger(8, bs());
+  ASSERT_TRUE(ledger.Allocate(1, 3).ok());
+  auto app = ledger.Append(1, 3 * bs());
+  ASSERT_TRUE(app.ok());
+  EXPECT_THAT(app->new_blocks, ElementsAre(1, 2, 3));
+  EXPECT_EQ(*ledger.NumTokens(1), 3 * bs() + 3);
+  auto none = ledger.Append(1, 0);
+  EXPECT_TRUE(none->new_blocks.empty());
+  EXPECT_INVARIANTS(ledger);
+}
+
+TEST_P(LedgerScenarioTest, SlidingWindowReleasesBlocksOutsideTheWindow) {
+  const int32_t window = 2 * bs();
+  BlockLedger ledger = MakeLedger(16, bs(), window);
+  const auto prompt = Iota(5 * bs());
+  const auto hashes = HashesOf(prompt, bs());
+  ASSERT_TRUE(ledger.Allocate(1, 5 * bs(), hashes).ok());  // 0..4
+  ASSERT_TRUE(ledger.Allocate(2, 5 * bs()).ok());          // 5..9, no hashes
+  // Nothing is released until the commit point leaves the window behind.
+  ASSERT_TRUE(ledger.Commit(1, 2 * bs()).ok());
+  EXPECT_THAT(*ledger.BlockTable(1), ElementsAre(0, 1, 2, 3, 4));
+  // Committed 5 blocks: the next query (position 5bs) sees (5bs - 2bs, 5bs]; tokens before
+  // 3bs + 1 are never read again, so blocks 0..2 (ending at 3bs) go.
+  ASSERT_TRUE(ledger.Commit(1, 5 * bs()).ok());
+  ASSERT_TRUE(ledger.Commit(2, 5 * bs()).ok());
+  EXPECT_THAT(*ledger.BlockTable(1), ElementsAre(X, X, X, 3, 4));
+  EXPECT_THAT(*ledger.BlockTable(2), ElementsAre(X, X, X, 8, 9));
+  // Committed, hashed blocks stay cached; unhashed ones are free.
+  for (BlockId b : {0, 1, 2}) EXPECT_EQ(ledger.StateOf(b), BlockState::kCached) << b;
+  for (BlockId b : {5, 6, 7}) EXPECT_EQ(ledger.StateOf(b), BlockState::kFree) << b;
+  EXPECT_EQ(ledger.Stats().window_released, 6u);
+  EXPECT_INVARIANTS(ledger);
+  // Decoding on (new blocks come from the lowest free ids, 5 and 6): block 3 goes once the
+  // commit point passes 4bs + window - 1.
+  ASSERT_TRUE(ledger.Append(1, 1).ok());
+  ASSERT_TRUE(ledger.Commit(1, 5 * bs() + 1).ok());
+  EXPECT_THAT(*ledger.BlockTable(1), ElementsAre(X, X, X, 3, 4, 5));
+  ASSERT_TRUE(ledger.Append(1, bs()).ok());
+  ASSERT_TRUE(ledger.Commit(1, 6 * bs() + 1).ok());
+  EXPECT_THAT(*ledger.BlockTable(1), ElementsAre(X, X, X, X, 4, 5, 6));
+  // A fork shares only the live blocks; freeing both skips the released entries.
+  ASSERT_TRUE(ledger.Fork(1, 3).ok());
+  EXPECT_INVARIANTS(ledger);
+  ASSERT_TRUE(ledger.Free(1).ok());
+  ASSERT_TRUE(ledger.Free(3).ok());
+  ASSERT_TRUE(ledger.Free(2).ok());
+  EXPECT_EQ(ledger.Stats().in_use_blocks, 0);
+  EXPECT_INVARIANTS(ledger);
+}
+
+TEST_P(LedgerScenarioTest, PinnedBlocksAreNeverEvicted) {
+  BlockLedger ledger = MakeLedger(4, bs());
+  const auto system_prompt = Iota(2 * bs(), 7);
+  const auto hashes = HashesOf(system_prompt, bs());
+  ASSERT_TRUE(ledger.Allocate(1, 2 * bs(), hashes).ok());
+  ASSERT_TRUE(ledger.Commit(1, 2 * bs()).ok());
+  ASSERT_TRUE(ledger.Pin("system", hashes).ok());
+  // Pinned while in use: still in use until released.
+  EXPECT_EQ(ledger.StateOf(0), BlockState::kInUse);
+  ASSERT_TRUE(ledger.Free(1).ok());
+  EXPECT_EQ(ledger.StateOf(0), BlockState::kPinned);
+  EXPECT_EQ(ledger.StateOf(1), BlockState::kPinned);
+  EXPECT_TRUE(ledger.EvictionOrderForTest().empty());
+  EXPECT_INVARIANTS(ledger);
+
+  // Only the 2 unpinned blocks can be handed out.
+  auto too_big = ledger.Allocate(2, 3 * bs());
+  EXPECT_EQ(too_big.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(ledger.EvictAllCached(), 0);
+  EXPECT_EQ(ledger.Lookup(hashes), 2);
+  // A pinned prefix is still shared by a new sequence.
+  auto prompt = system_prompt;
+  prompt.push_back(99);
+  auto hit = ledger.Allocate(3, static_cast<int32_t>(prompt.size()), HashesOf(prompt, bs()));
+  EXPECT_EQ(hit->num_cached_tokens, 2 * bs());
+  EXPECT_THAT(hit->blocks, ElementsAre(0, 1, 2));
+  ASSERT_TRUE(ledger.Free(3).ok());
+  EXPECT_EQ(ledger.Stats().pinned_blocks, 2);
+
+  ASSERT_TRUE(ledger.Unpin("system").ok());
+  EXPECT_EQ(ledger.StateOf(0), BlockState::kCached);
+  EXPECT_EQ(ledger.Stats().pinned_blocks, 0);
+  EXPECT_EQ(ledger.EvictAllCached(), 2);
+  EXPECT_EQ(ledger.Lookup(hashes), 0);
+  EXPECT_INVARIANTS(ledger);
+}
+
+TEST_P(LedgerScenarioTest, PinErrorsChangeNothing) {
+  BlockLedger ledger = MakeLedger(4, bs());
+  const auto doc = Iota(3 * bs());
+  const auto hashes = HashesOf(doc, bs());
+  ASSERT_TRUE(ledger.Allocate(1, 3 * bs(), hashes).ok());
+  ASSERT_TRUE(ledger.Commit(1, 2 * bs()).ok());  // block 2 not committed: not cached
+  const auto before = Snapshot(ledger, {1});
+
+  auto missing = ledger.Pin("p", hashes);
+  EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(missing.message(), HasSubstr("block 2 of 3"));
+  EXPECT_EQ(ledger.Pin("", hashes).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ledger.Pin("p", {}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ledger.Unpin("nope").code(), absl::StatusCode::kNotFound);
+  // Limit: num_blocks / 2 = 2 blocks by default.
+  ASSERT_TRUE(ledger.Pin("p", std::span(hashes).first(2)).ok());
+  EXPECT_EQ(ledger.Pin("p", std::span(hashes).first(1)).code(),
+            absl::StatusCode::kAlreadyExists);
+  ASSERT_TRUE(ledger.Pin("q", std::span(hashes).first(1)).ok());  // same block: no new one
+  ASSERT_TRUE(ledger.Unpin("q").ok());
+  ASSERT_TRUE(ledger.Unpin("p").ok());
+  EXPECT_EQ(Snapshot(ledger, {1}), before);
+  EXPECT_INVARIANTS(ledger);
+}
+
+TEST_P(LedgerScenarioTest, PinLimitIsEnforced) {
+  BlockLedger::Options options;
+  options.num_blocks = 8;
+  options.block_size = bs();
+  options.max_pinned_blocks = 1;
+  BlockLedger ledger = *BlockLedger::Create(options);
+  const auto doc = Iota(2 * bs());
+  const auto hashes = HashesOf(doc, bs());
+  ASSERT_TRUE(ledger.Allocate(1, 2 * bs(), hashes).ok());
+  ASSERT_TRUE(ledger.Commit(1, 2 * bs()).ok());
+  const auto before = Snapshot(ledger, {1});
+  EXPECT_EQ(ledger.Pin("both", hashes).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(Snapshot(ledger, {1}), before);
+  EXPECT_TRUE(ledger.Pin("head", std::span(hashes).first(1)).ok());
+}
+
+TEST_P(LedgerScenarioTest, ExhaustionIsAllOrNothing) {
+  BlockLedger ledger = MakeLedger(4, bs());
+  ASSERT_TRUE(ledger.Allocate(1, 2 * bs()).ok());
+  ASSERT_TRUE(ledger.Allocate(3, bs()).ok());
+  const auto before = Snapshot(ledger, {1, 2, 3});
+  auto dry = ledger.CanAllocate(2, 2 * bs());
+  EXPECT_EQ(dry.status().code(), absl::StatusCode::kResourceExhausted);
+  auto failed = ledger.Allocate(2, 2 * bs());
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(failed.status().message(), HasSubstr("needs 2 new blocks"));
+  EXPECT_EQ(ledger.CanAppend(1, 2 * bs()).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(ledger.Append(1, 2 * bs()).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(Snapshot(ledger, {1, 2, 3}), before);
+  EXPECT_EQ(ledger.Stats().allocation_failures, 2u);  // dry runs are not counted
+  // Exactly the last block still fits.
+  EXPECT_TRUE(ledger.Allocate(2, bs()).ok());
+  EXPECT_EQ(ledger.Stats().free_blocks, 0);
+  EXPECT_INVARIANTS(ledger);
+}
+
+TEST_P(LedgerScenarioTest, CachedBlocksReusedByAnAllocationAreNotEvictedForIt) {
+  BlockLedger ledger = MakeLedger(4, bs());
+  const auto doc = Iota(2 * bs() + 1);
+  const auto hashes = HashesOf(doc, bs());
+  ASSERT_TRUE(ledger.Allocate(1, 2 * bs() + 1, hashes).ok());
+  ASSERT_TRUE(ledger.Commit(1, 2 * bs() + 1).ok());
+  ASSERT_TRUE(ledger.Free(1).ok());           // 0 1 cached, 2 3 free
+  ASSERT_TRUE(ledger.Allocate(9, bs()).ok());  // takes 2
+  // The prompt plus one more block hits the 2 cached blocks and needs 2 new ones: 1 is free
+  // and the only evictable blocks are the hit itself, so it must fail and change nothing.
+  auto longer = doc;
+  for (int i = 0; i < bs(); ++i) longer.push_back(500 + i);
+  const auto before = Snapshot(ledger, {2, 9});
+  auto r = ledger.Allocate(2, static_cast<int32_t>(longer.size()), HashesOf(longer, bs()));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  EXPECT_EQ(Snapshot(ledger, {2, 9}), before);
+  // The original prompt fits: 2 hits + 1 new.
+  auto ok = ledger.Allocate(2, static_cast<int32_t>(doc.size()), hashes);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_THAT(ok->blocks, ElementsAre(0, 1, 3));
+  EXPECT_INVARIANTS(ledger);
+}
+
+TEST_P(LedgerScenarioTest, DuplicateContentIsIndexedOnceAndTheCopyFreed) {
+  BlockLedger ledger = MakeLedger(8, bs());
+  const auto doc = Iota(bs() + 1);
+  const auto hashes = HashesOf(doc, bs());
+  ASSERT_TRUE(ledger.Allocate(1, bs() + 1, hashes).ok());  // 0 1
+  ASSERT_TRUE(ledger.Allocate(2, bs() + 1, hashes).ok());  // 2 3 (nothing committed yet)
+  ASSERT_TRUE(ledger.Commit(1, bs() + 1).ok());
+  ASSERT_TRUE(ledger.Commit(2, bs() + 1).ok());
+  ASSERT_TRUE(ledger.Free(2).ok());
+  ASSERT_TRUE(ledger.Free(1).ok());
+  EXPECT_EQ(ledger.StateOf(0), BlockState::kCached);
+  EXPECT_EQ(ledger.StateOf(2), BlockState::kFree);
+  EXPECT_EQ(ledger.Stats().cached_blocks, 1);
+  EXPECT_INVARIANTS(ledger);
+}
+
+TEST_P(LedgerScenarioTest, CommitAddsHashesForGeneratedBlocks) {
+  BlockLedger ledger = MakeLedger(8, bs());
+  auto tokens = Iota(bs() + 1);
+  ASSERT_TRUE(ledger.Allocate(1, bs() + 1, HashesOf(tokens, bs())).ok());
+  // Decode bs - 1 more tokens: block 1 becomes full; its hash arrives with the commit.
+  ASSERT_TRUE(ledger.Append(1, bs() - 1).ok());
+  for (int i = 0; i < bs() - 1; ++i) tokens.push_back(900 + i);
+  const auto hashes = HashesOf(tokens, bs());
+  ASSERT_EQ(hashes.size(), 2u);
+  EXPECT_EQ(ledger.Commit(1, 2 * bs(), std::span(hashes).subspan(1, 1)).code(),
+            absl::StatusCode::kOk);
+  EXPECT_EQ(ledger.Lookup(hashes), 2);
+  // A hash for a block that is not full is refused.
+  EXPECT_EQ(ledger.Commit(1, 2 * bs(), std::span(hashes).first(1)).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_INVARIANTS(ledger);
+}
+
+TEST_P(LedgerScenarioTest, ErrorsAreClearAndChangeNothing) {
+  BlockLedger ledger = MakeLedger(4, bs());
+  ASSERT_TRUE(ledger.Allocate(1, bs() + 1).ok());
+  ASSERT_TRUE(ledger.Fork(1, 2).ok());
+  ASSERT_TRUE(ledger.Commit(1, 2).ok());
+  const std::vector<SeqId> seqs = {1, 2, 3, 4};
+  const auto before = Snapshot(ledger, seqs);
+  auto expect_unchanged = [&](absl::Status status, absl::StatusCode code,
+                              std::string_view text) {
+    EXPECT_EQ(status.code(), code) << status;
+    EXPECT_THAT(std::string(status.message()), HasSubstr(std::string(text)));
+    EXPECT_EQ(Snapshot(ledger, seqs), before);
+    EXPECT_INVARIANTS(ledger);
+  };
+  using C = absl::StatusCode;
+  expect_unchanged(ledger.Append(9, 1).status(), C::kNotFound, "unknown sequence 9");
+  expect_unchanged(ledger.Commit(9, 1), C::kNotFound, "unknown sequence 9");
+  expect_unchanged(ledger.Free(9), C::kNotFound, "unknown sequence 9");
+  expect_unchanged(ledger.Fork(9, 3), C::kNotFound, "unknown sequence 9");
+  expect_unchanged(ledger.Fork(1, 2), C::kAlreadyExists, "already live");
+  expect_unchanged(ledger.Allocate(1, 1).status(), C::kAlreadyExists, "already live");
+  expect_unchanged(ledger.Allocate(3, -1).status(), C::kInvalidArgument, "negative");
+  expect_unchanged(ledger.Append(1, -1).status(), C::kInvalidArgument, "negative");
+  expect_unchanged(ledger.Allocate(3, 4 * bs() + 1).status(), C::kInvalidArgument,
+                   "whole pool has 4 blocks");
+  expect_unchanged(ledger.Append(1, 3 * bs()).status(), C::kInvalidArgument,
+                   "exceed what the whole pool can hold");
+  expect_unchanged(ledger.Commit(1, 1), C::kInvalidArgument, "cannot go back");
+  expect_unchanged(ledger.Commit(1, bs() + 2), C::kInvalidArgument, "holds only");
+  const auto two_blocks = HashesOf(Iota(2 * bs()), bs());
+  expect_unchanged(ledger.Allocate(3, bs(), two_blocks).status(), C::kInvalidArgument,
+                   "fill only 1 blocks");
+
+  // Free the forked parent, then free it again: the second is NOT_FOUND and the child
+  // keeps its blocks.
+  ASSERT_TRUE(ledger.Free(1).ok());
+  const auto after_free = Snapshot(ledger, seqs);
+  EXPECT_EQ(ledger.Free(1).code(), C::kNotFound);
+  EXPECT_EQ(ledger.Append(1, 1).status().code(), C::kNotFound);  // append to freed
+  EXPECT_EQ(Snapshot(ledger, seqs), after_free);
+  EXPECT_EQ(ledger.RefCount(0), 1);
+  EXPECT_THAT(*ledger.BlockTable(2), ElementsAre(0, 1));
+  ASSERT_TRUE(ledger.Free(2).ok());
+  EXPECT_EQ(ledger.Stats().free_blocks, 4);
+  EXPECT_INVARIANTS(ledger);
+}
+
+TEST_P(LedgerScenarioTest, RecordsStoredAndRemovedEvents) {
+  BlockLedger ledger = MakeLedger(2, bs(), 0, /*events=*/true);
+  const auto doc = Iota(2 * bs());
+  const auto hashes = HashesOf(doc, bs());
+  ASSERT_TRUE(ledger.Allocate(1, 2 * bs(), hashes).ok());
+  ASSERT_TRUE(ledger.Commit(1, 2 * bs()).ok());
+  auto events = ledger.TakeEvents();
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[0].kind, BlockEvent::Kind::kStored);
+  EXPECT_EQ(events[0].hash, hashes[0]);
+  EXPECT_EQ(events[0].parent_hash, BlockHash{});
+  EXPECT_EQ(events[1].hash, hashes[1]);
+  EXPECT_EQ(events[1].parent_hash, hashes[0]);
+  EXPECT_EQ(events[1].block, 1);
+  ASSERT_TRUE(ledger.Free(1).ok());
+  EXPECT_TRUE(ledger.TakeEvents().empty());  // cached, not removed
+  ASSERT_TRUE(ledger.Allocate(2, 1).ok());   // evicts the tail block
+  events = ledger.TakeEvents();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].kind, BlockEvent::Kind::kRemoved);
+  EXPECT_EQ(events[0].hash, hashes[1]);
+}
+
+INSTANTIATE_TEST_SUITE_P(BlockSizes, LedgerScenarioTest, ::testing::Values(4, 16),
+                         [](const auto& param_info) { return "bs" + std::to_string(param_info.param); });
+
+TEST(LedgerOptionsTest, RejectsNonsense) {
+  BlockLedger::Options options;
+  options.num_blocks = 0;
+  EXPECT_EQ(BlockLedger::Create(options).status().code(), absl::StatusCode::kInvalidArgument);
+  options.num_blocks = 4;
+  options.block_size = 0;
+  EXPECT_EQ(BlockLedger::Create(options).status().code(), absl::StatusCode::kInvalidArgument);
+  options.block_size = 16;
+  options.sliding_window_tokens = -1;
+  EXPECT_EQ(BlockLedger::Create(options).status().code(), absl::StatusCode::kInvalidArgument);
+  options.sliding_window_tokens = 0;
+  options.max_pinned_blocks = 5;
+  EXPECT_EQ(BlockLedger::Create(options).status().code(), absl::StatusCode::kInvalidArgument);
+  options.max_pinned_blocks = 0;
+  options.num_blocks = 1 << 28;
+  EXPECT_EQ(BlockLedger::Create(options).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(LedgerBlockSizeOneTest, EveryTokenIsABlock) {
+  BlockLedger ledger = MakeLedger(8, 1);
+  const auto doc = Iota(5);
+  const auto hashes = HashesOf(doc, 1);
+  ASSERT_TRUE(ledger.Allocate(1, 5, hashes).ok());
+  ASSERT_TRUE(ledger.Commit(1, 5).ok());
+  auto hit = ledger.Allocate(2, 5, hashes);
+  EXPECT_EQ(hit->num_cached_tokens, 4);
+  EXPECT_THAT(hit->blocks, ElementsAre(0, 1, 2, 3, 5));
+  EXPECT_INVARIANTS(ledger);
+}
+
+}  // namespace
+}  // namespace kvcm
