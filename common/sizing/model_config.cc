@@ -1,0 +1,174 @@
+#include "common/sizing/model_config.h"
+
+#include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <optional>
+#include <string>
+#include <system_error>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "common/base/status_macros.h"
+#include "common/sizing/kv_cache_spec.h"
+#include "nlohmann/json.hpp"
+
+namespace kvcm {
+namespace {
+
+using Json = nlohmann::json;
+
+absl::Status ConfigError(absl::string_view message) {
+  return absl::InvalidArgumentError(absl::StrCat("model config: ", message));
+}
+
+bool Present(const Json& object, const char* key) {
+  const auto it = object.find(key);
+  return it != object.end() && !it->is_null();
+}
+
+// The value of an optional positive integer key; nullopt when absent or null.
+absl::StatusOr<std::optional<int32_t>> OptionalPositiveInt(const Json& object, const char* key) {
+  const auto it = object.find(key);
+  if (it == object.end() || it->is_null()) return std::optional<int32_t>();
+  if (!it->is_number_integer()) {
+    return ConfigError(absl::StrCat("key \"", key, "\" must be an integer, got ", it->type_name(),
+                                    " ", it->dump()));
+  }
+  int64_t value = 0;
+  if (it->is_number_unsigned()) {
+    const uint64_t u = it->get<uint64_t>();
+    value = u > static_cast<uint64_t>(std::numeric_limits<int32_t>::max())
+                ? std::numeric_limits<int64_t>::max()
+                : static_cast<int64_t>(u);
+  } else {
+    value = it->get<int64_t>();
+  }
+  if (value <= 0 || value > std::numeric_limits<int32_t>::max()) {
+    return ConfigError(
+        absl::StrCat("key \"", key, "\" must be a positive 32-bit integer, got ", it->dump()));
+  }
+  return std::optional<int32_t>(static_cast<int32_t>(value));
+}
+
+absl::StatusOr<int32_t> RequiredPositiveInt(const Json& object, const char* key) {
+  KVCM_ASSIGN_OR_RETURN(std::optional<int32_t> value, OptionalPositiveInt(object, key));
+  if (!value.has_value()) {
+    return ConfigError(absl::StrCat("missing required key \"", key, "\""));
+  }
+  return *value;
+}
+
+absl::StatusOr<DType> DTypeFromConfig(const Json& section, const Json& root) {
+  // transformers writes "torch_dtype"; releases since 4.56 write "dtype" instead.
+  for (const Json* object : {&section, &root}) {
+    for (const char* key : {"torch_dtype", "dtype"}) {
+      const auto it = object->find(key);
+      if (it == object->end() || it->is_null()) continue;
+      if (!it->is_string()) {
+        return ConfigError(absl::StrCat("key \"", key, "\" must be a string, got ", it->type_name(),
+                                        " ", it->dump()));
+      }
+      const std::string name = it->get<std::string>();
+      absl::StatusOr<DType> dtype = ParseDType(name);
+      if (!dtype.ok()) {
+        return ConfigError(absl::StrCat("unsupported ", key, " \"", name,
+                                        "\"; give the KV-cache dtype explicitly"));
+      }
+      return *dtype;
+    }
+  }
+  return ConfigError(
+      "missing key \"torch_dtype\" (or \"dtype\"); give the KV-cache dtype explicitly");
+}
+
+}  // namespace
+
+absl::StatusOr<KvCacheSpec> SpecFromHfConfig(const std::string& json_text, int32_t block_size,
+                                             std::optional<DType> dtype_override) {
+  Json root;
+  try {
+    root = Json::parse(json_text);
+  } catch (const Json::exception& e) {
+    return ConfigError(absl::StrCat("malformed JSON: ", e.what()));
+  }
+  if (!root.is_object()) {
+    return ConfigError(absl::StrCat("expected a JSON object, got ", root.type_name()));
+  }
+
+  // Multimodal configs (Llama 4, Gemma 3, ...) nest the language model under text_config.
+  const Json* section = &root;
+  if (!Present(root, "num_hidden_layers")) {
+    const auto it = root.find("text_config");
+    if (it != root.end() && it->is_object()) section = &*it;
+  }
+
+  if (Present(*section, "kv_lora_rank")) {
+    return ConfigError(
+        "multi-head latent attention (\"kv_lora_rank\") is not supported: its cache holds a "
+        "compressed latent, not per-head K and V; give the dimensions explicitly");
+  }
+
+  KvCacheSpec spec;
+  spec.block_size = block_size;
+  KVCM_ASSIGN_OR_RETURN(spec.num_layers, RequiredPositiveInt(*section, "num_hidden_layers"));
+  KVCM_ASSIGN_OR_RETURN(const int32_t num_attention_heads,
+                        RequiredPositiveInt(*section, "num_attention_heads"));
+
+  KVCM_ASSIGN_OR_RETURN(const std::optional<int32_t> num_kv_heads,
+                        OptionalPositiveInt(*section, "num_key_value_heads"));
+  spec.num_kv_heads = num_kv_heads.value_or(num_attention_heads);  // absent: MHA
+
+  KVCM_ASSIGN_OR_RETURN(const std::optional<int32_t> head_dim,
+                        OptionalPositiveInt(*section, "head_dim"));
+  if (head_dim.has_value()) {
+    spec.head_dim = *head_dim;
+  } else {
+    KVCM_ASSIGN_OR_RETURN(const int32_t hidden_size, RequiredPositiveInt(*section, "hidden_size"));
+    if (hidden_size % num_attention_heads != 0) {
+      return ConfigError(absl::StrCat("no \"head_dim\", and \"hidden_size\" (", hidden_size,
+                                      ") is not divisible by \"num_attention_heads\" (",
+                                      num_attention_heads, ")"));
+    }
+    spec.head_dim = hidden_size / num_attention_heads;
+  }
+
+  if (dtype_override.has_value()) {
+    spec.dtype = *dtype_override;
+  } else {
+    KVCM_ASSIGN_OR_RETURN(spec.dtype, DTypeFromConfig(*section, root));
+  }
+
+  KVCM_RETURN_IF_ERROR(spec.Validate());
+  return spec;
+}
+
+absl::StatusOr<KvCacheSpec> SpecFromHfConfigFile(const std::string& path, int32_t block_size,
+                                                 std::optional<DType> dtype_override) {
+  std::FILE* file = std::fopen(path.c_str(), "rb");
+  if (file == nullptr) {
+    return absl::NotFoundError(absl::StrCat("cannot open model config \"", path,
+                                            "\": ", std::generic_category().message(errno)));
+  }
+  std::string text;
+  char buffer[1 << 14];
+  size_t n = 0;
+  while ((n = std::fread(buffer, 1, sizeof(buffer), file)) > 0) text.append(buffer, n);
+  const bool read_failed = std::ferror(file) != 0;
+  const int read_errno = errno;
+  std::fclose(file);
+  if (read_failed) {
+    return absl::NotFoundError(absl::StrCat("cannot read model config \"", path,
+                                            "\": ", std::generic_category().message(read_errno)));
+  }
+  absl::StatusOr<KvCacheSpec> spec = SpecFromHfConfig(text, block_size, dtype_override);
+  if (!spec.ok()) {
+    return absl::Status(spec.status().code(), absl::StrCat(path, ": ", spec.status().message()));
+  }
+  return spec;
+}
+
+}  // namespace kvcm

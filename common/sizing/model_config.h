@@ -1,0 +1,51 @@
+#pragma once
+
+// A KvCacheSpec from a Hugging Face `config.json`, so users need not copy model dimensions
+// by hand.
+//
+// Keys read (from the top level, or from "text_config" when the top level has no
+// "num_hidden_layers", as in multimodal configs):
+//
+//   num_hidden_layers     required                                  -> num_layers
+//   num_attention_heads   required                                  (query heads)
+//   num_key_value_heads   optional; absent or null means multi-head
+//                         attention, num_attention_heads            -> num_kv_heads
+//   head_dim              optional; absent or null means
+//                         hidden_size / num_attention_heads, which
+//                         must divide exactly                       -> head_dim
+//   torch_dtype           (or "dtype", its newer name) bfloat16,
+//                         float16 or float32; not read when a dtype
+//                         override is given                         -> dtype
+//
+// Configs with multi-head latent attention ("kv_lora_rank", DeepSeek-V2/V3) cache a
+// compressed latent rather than per-head K and V; the formula above does not describe
+// them, so they are rejected rather than sized wrongly. Sliding-window attention does not
+// change the size of a block, only how many a sequence keeps.
+//
+// Errors:
+//   INVALID_ARGUMENT  malformed JSON (with the parser's message); a required key missing or
+//                     of the wrong type (the message names the key); a value out of range
+//                     (via KvCacheSpec::Validate); an unknown torch_dtype without override.
+//   NOT_FOUND         (file overload) the file cannot be opened or read; names the path.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "common/sizing/kv_cache_spec.h"
+
+namespace kvcm {
+
+// Parses the text of a config.json. `block_size` is not in the model config; the caller
+// chooses it. `dtype_override` is the KV-cache dtype when set (e.g. fp8 for a bf16 model);
+// otherwise the config's torch_dtype is used.
+absl::StatusOr<KvCacheSpec> SpecFromHfConfig(const std::string& json_text, int32_t block_size,
+                                             std::optional<DType> dtype_override);
+
+// Reads the file at `path` and calls SpecFromHfConfig on its contents. Errors from parsing
+// are prefixed with the path.
+absl::StatusOr<KvCacheSpec> SpecFromHfConfigFile(const std::string& path, int32_t block_size,
+                                                 std::optional<DType> dtype_override);
+
+}  // namespace kvcm

@@ -1,0 +1,97 @@
+#pragma once
+
+// `kvcmctl plan`: how many KV-cache blocks a memory budget buys for a model shape, and what
+// that means in tokens and sequences. Pure arithmetic: it touches no device and no running
+// cache manager.
+//
+//   kvcmctl plan --layers 32 --kv-heads 8 --head-dim 128 --dtype bf16 --block-size 16
+//                --pool-bytes 64GiB   (one line)
+//   kvcmctl plan --model-config path/config.json --memory-fraction 0.9 --free-memory 80GiB
+//   kvcmctl plan --model-config path/config.json --dtype fp8 --num-blocks 4096 --json
+//
+// Split into parse / build / format so that each step is testable without a process.
+
+#include <cstdint>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "common/sizing/kv_cache_spec.h"
+#include "common/sizing/pool_plan.h"
+
+namespace kvcm::kvcmctl {
+
+// Sequence lengths always shown, besides --seq-len.
+inline constexpr int64_t kStandardSeqLens[] = {1024, 4096, 32768};
+
+// The options of `kvcmctl plan`, one field per flag.
+struct PlanOptions {
+  bool help = false;  // --help / -h: print usage and exit 0
+
+  // Model shape: from a config.json (--model-config), or from --layers, --kv-heads and
+  // --head-dim together; never both.
+  std::string model_config;  // --model-config PATH; empty: use the dimension flags
+  int32_t num_layers = 0;    // --layers N
+  int32_t num_kv_heads = 0;  // --kv-heads N: KV heads, fewer than query heads under GQA
+  int32_t head_dim = 0;      // --head-dim N
+
+  // --dtype: the KV-cache dtype. Unset: the config's torch_dtype with --model-config, bf16
+  // with the dimension flags (2 bytes, as fp16).
+  std::optional<DType> dtype;
+
+  // --block-size: tokens per block. Default 16, TGI's and vLLM's CUDA default: smaller
+  // blocks waste less and share prefixes more finely, larger ones cost less bookkeeping.
+  int32_t block_size = 16;
+
+  // Exactly one of --pool-bytes BYTES, --memory-fraction F (with --free-memory BYTES and
+  // optional --margin M, default 0.10), or --num-blocks N.
+  PoolBudget budget;
+
+  // --seq-len N: a sequence length (prompt + generated) to show how many fit, besides
+  // kStandardSeqLens. Default 4096.
+  int64_t seq_len = 4096;
+
+  bool json = false;  // --json: print one JSON object instead of text
+};
+
+// Parses the words after "plan". INVALID_ARGUMENT naming the flag for an unknown or
+// repeated flag, a bad value, a missing or conflicting model shape, or not exactly one pool
+// size.
+absl::StatusOr<PlanOptions> ParsePlanOptions(absl::Span<const std::string> args);
+
+// The usage text of `kvcmctl plan`.
+std::string PlanUsage();
+
+// Everything `plan` prints.
+struct PlanReport {
+  std::string model_config;  // the config.json read, if any
+  PoolPlan plan;
+  std::vector<SequenceFit> fits;  // kStandardSeqLens and seq_len, ascending, no repeats
+};
+
+// Reads the model config if any and plans the pool. Errors: those of SpecFromHfConfigFile
+// and PlanPool (NOT_FOUND for an unreadable config, RESOURCE_EXHAUSTED when not one block
+// fits, INVALID_ARGUMENT otherwise).
+// REQUIRES: `options` came from ParsePlanOptions with help == false.
+absl::StatusOr<PlanReport> BuildPlanReport(const PlanOptions& options);
+
+// The breakdown for people: formulas with the numbers filled in, then the sequences table.
+std::string FormatPlanText(const PlanReport& report);
+
+// The same figures as one JSON object (pretty-printed, ends with a newline), keys in this
+// order: model_config (only with --model-config), num_layers, num_kv_heads, head_dim, dtype
+// (DTypeName), dtype_bytes, block_size, bytes_per_token, bytes_per_block, budget
+// ({"kind": "pool-bytes", "pool_bytes"} | {"kind": "memory-fraction", "free_bytes",
+// "fraction", "margin"} | {"kind": "num-blocks", "num_blocks"}), usable_bytes, num_blocks,
+// pool_bytes, unused_bytes, max_total_tokens, sequences (one object per SequenceFit with
+// its field names). Counts are JSON integers, exact.
+std::string FormatPlanJson(const PlanReport& report);
+
+// The `plan` entry of main.cc's command table: parse, build, print.
+// Exit codes: kExitOk; kExitUsage for a bad command line; kExitFailure when planning fails.
+int RunPlanCommand(absl::Span<const std::string> args, std::ostream& out, std::ostream& err);
+
+}  // namespace kvcm::kvcmctl
