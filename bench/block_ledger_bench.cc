@@ -6,6 +6,8 @@
 // Baselines:
 //   BareFreeList/N   a vector of free block ids: pop N, push N back. The floor for handing
 //                    out blocks; it keeps no sequence, no state, no order.
+//   BareFreeListWithSeqMap/N  the same plus inserting and erasing the sequence's table in a
+//                    hash map and copying it out: the fixed cost per sequence (informative).
 //   BareSha256/T     SHA-256 (OpenSSL EVP, algorithm fetched once, context reused) over the
 //                    exact bytes that hashing one block of T tokens feeds it.
 // Goals (issue "Foundation"): ledger ≤ 2× the bare free list per block; block hashing ≤ 1.3×
@@ -17,6 +19,7 @@
 #include <numeric>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "bench/ratio_reporter.h"
 #include "common/block/block_hash.h"
 #include "common/block/block_ledger.h"
@@ -41,6 +44,31 @@ void BareFreeList(benchmark::State& state) {
     benchmark::DoNotOptimize(taken.data());
     for (auto it = taken.rbegin(); it != taken.rend(); ++it) free_list.push_back(*it);
     taken.clear();
+    benchmark::ClobberMemory();
+  }
+  state.counters["units"] = batch;
+}
+
+// The same free list plus the least a sequence-aware allocator must do: insert the
+// sequence's block table into a hash map and erase it again. Shows the fixed cost per
+// sequence that no ledger can avoid; printed as a second, informative baseline.
+void BareFreeListWithSeqMap(benchmark::State& state) {
+  const int32_t batch = static_cast<int32_t>(state.range(0));
+  std::vector<int32_t> free_list(kPoolBlocks);
+  std::iota(free_list.rbegin(), free_list.rend(), 0);
+  absl::flat_hash_map<uint64_t, std::vector<int32_t>> seqs;
+  for (uint64_t s = 1000; s < 1064; ++s) seqs[s];
+  for (auto _ : state) {
+    std::vector<int32_t>& taken = seqs[1];
+    for (int32_t i = 0; i < batch; ++i) {
+      taken.push_back(free_list.back());
+      free_list.pop_back();
+    }
+    std::vector<int32_t> copy = taken;  // the table handed back to the caller
+    benchmark::DoNotOptimize(copy.data());
+    auto it = seqs.find(1);
+    for (auto b = it->second.rbegin(); b != it->second.rend(); ++b) free_list.push_back(*b);
+    seqs.erase(it);
     benchmark::ClobberMemory();
   }
   state.counters["units"] = batch;
@@ -92,6 +120,7 @@ void LedgerAllocateFreePrefixHit(benchmark::State& state) {
 }
 
 BENCHMARK(BareFreeList)->Arg(1)->Arg(16)->Arg(256);
+BENCHMARK(BareFreeListWithSeqMap)->Arg(1)->Arg(16)->Arg(256);
 BENCHMARK(LedgerAllocateFree)->Arg(1)->Arg(16)->Arg(256);
 BENCHMARK(LedgerAllocateFreePrefixHit)->Arg(1)->Arg(16)->Arg(256);
 
@@ -166,6 +195,7 @@ int main(int argc, char** argv) {
   kvcm::bench::RatioReporter reporter;
   reporter.AddPair("LedgerAllocateFree/", "BareFreeList/", 2.0, "block");
   reporter.AddPair("LedgerAllocateFreePrefixHit/", "BareFreeList/", 2.0, "block");
+  reporter.AddPair("LedgerAllocateFree/", "BareFreeListWithSeqMap/", 2.0, "block");
   reporter.AddPair("ChainHashSha256/", "BareSha256PerBlock/", 1.3, "token");
   reporter.AddPair("ChainHashFast128/", "BareSha256PerBlock/", 1.3, "token");
   return kvcm::bench::RunWithRatios(argc, argv, reporter);

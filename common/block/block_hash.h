@@ -51,7 +51,13 @@ absl::StatusOr<HashAlgorithm> ParseHashAlgorithm(std::string_view name);
 struct BlockHash {
   std::array<uint8_t, 32> bytes{};
 
-  friend bool operator==(const BlockHash&, const BlockHash&) = default;
+  // Four word compares, inlined (a defaulted array compare calls memcmp).
+  friend bool operator==(const BlockHash& a, const BlockHash& b) {
+    uint64_t x[4], y[4];
+    std::memcpy(x, a.bytes.data(), sizeof(x));
+    std::memcpy(y, b.bytes.data(), sizeof(y));
+    return ((x[0] ^ y[0]) | (x[1] ^ y[1]) | (x[2] ^ y[2]) | (x[3] ^ y[3])) == 0;
+  }
 
   // Lower-case hex of all 32 bytes.
   std::string ToHex() const;

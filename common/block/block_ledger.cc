@@ -102,7 +102,7 @@ void BlockLedger::ReleaseSlot(int32_t slot) {
 
 // --- Block moves -------------------------------------------------------------------------
 
-void BlockLedger::LruPushBack(BlockId block) {
+inline void BlockLedger::LruPushBack(BlockId block) {
   lru_prev_[block] = lru_tail_;
   lru_next_[block] = kNoBlock;
   if (lru_tail_ != kNoBlock) {
@@ -114,7 +114,7 @@ void BlockLedger::LruPushBack(BlockId block) {
   ++lru_size_;
 }
 
-void BlockLedger::LruRemove(BlockId block) {
+inline void BlockLedger::LruRemove(BlockId block) {
   const BlockId prev = lru_prev_[block];
   const BlockId next = lru_next_[block];
   if (prev != kNoBlock) {

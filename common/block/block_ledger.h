@@ -288,8 +288,8 @@ class BlockLedger {
   void ReleaseSlot(int32_t slot);
 
   // Intrusive LRU list of cached blocks: head_ is the next victim.
-  void LruPushBack(BlockId block);
-  void LruRemove(BlockId block);
+  [[gnu::always_inline]] inline void LruPushBack(BlockId block);
+  [[gnu::always_inline]] inline void LruRemove(BlockId block);
 
   Options options_;
 
