@@ -160,29 +160,19 @@ void BareSha256PerBlock(benchmark::State& state) {
   state.counters["units"] = tokens;
 }
 
-void ChainHashSha256(benchmark::State& state) {
+void ChainHash(benchmark::State& state, HashAlgorithm algorithm) {
   const int32_t tokens = static_cast<int32_t>(state.range(0));
   std::vector<int32_t> block(static_cast<size_t>(tokens));
   std::iota(block.begin(), block.end(), 1);
-  BlockHash h = RootHash(HashAlgorithm::kSha256, "");
+  BlockHash h = RootHash(algorithm, "");
   for (auto _ : state) {
-    h = ChainBlockHash(HashAlgorithm::kSha256, h, block);
+    h = ChainBlockHash(algorithm, h, block);
     benchmark::DoNotOptimize(h);
   }
   state.counters["units"] = tokens;
 }
-
-void ChainHashFast128(benchmark::State& state) {
-  const int32_t tokens = static_cast<int32_t>(state.range(0));
-  std::vector<int32_t> block(static_cast<size_t>(tokens));
-  std::iota(block.begin(), block.end(), 1);
-  BlockHash h = RootHash(HashAlgorithm::kFast128, "");
-  for (auto _ : state) {
-    h = ChainBlockHash(HashAlgorithm::kFast128, h, block);
-    benchmark::DoNotOptimize(h);
-  }
-  state.counters["units"] = tokens;
-}
+void ChainHashSha256(benchmark::State& state) { ChainHash(state, HashAlgorithm::kSha256); }
+void ChainHashFast128(benchmark::State& state) { ChainHash(state, HashAlgorithm::kFast128); }
 
 BENCHMARK(BareSha256PerBlock)->Arg(16)->Arg(64)->Arg(256);
 BENCHMARK(ChainHashSha256)->Arg(16)->Arg(64)->Arg(256);
