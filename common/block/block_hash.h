@@ -67,10 +67,6 @@ struct BlockHash {
     std::memcpy(&v, bytes.data(), sizeof(v));
     return v;
   }
-  template <typename H>
-  friend H AbslHashValue(H h, const BlockHash& hash) {
-    return H::combine(std::move(h), hash.Prefix64());
-  }
 };
 
 // Hash-map functor using the digest's own uniformity (no re-hashing of 32 bytes).

@@ -58,7 +58,6 @@ BlockLedger::BlockLedger(const Options& options) : options_(options) {
   pin_count_.assign(n, 0);
   indexed_.assign(n, 0);
   hash_.resize(n);
-  parent_hash_.resize(n);
   lru_prev_.assign(n, kNoBlock);
   lru_next_.assign(n, kNoBlock);
   free_ = FreeBlockSet(n, /*all_free=*/true);
@@ -142,16 +141,21 @@ void BlockLedger::Unindex(BlockId block) {
   }
 }
 
+BlockId BlockLedger::EvictLruHead() {
+  const BlockId block = lru_head_;
+  LruRemove(block);
+  Unindex(block);
+  ++counters_.evictions;
+  return block;
+}
+
 BlockId BlockLedger::TakeBlock() {
   BlockId block;
   if (!free_.empty()) {
     block = free_.PopLowest();
   } else {
-    block = lru_head_;
-    KVCM_CHECK(block != kNoBlock) << "TakeBlock with no free or cached block";
-    LruRemove(block);
-    Unindex(block);
-    ++counters_.evictions;
+    KVCM_CHECK(lru_head_ != kNoBlock) << "TakeBlock with no free or cached block";
+    block = EvictLruHead();
   }
   KVCM_CHECK(ref_count_[block] == 0 && pin_count_[block] == 0) << "block " << block;
   ref_count_[block] = 1;
@@ -207,19 +211,7 @@ void BlockLedger::Reuse(BlockId block) {
   ++ref_count_[block];
 }
 
-void BlockLedger::Release(BlockId block) {
-  KVCM_CHECK(ref_count_[block] > 0) << "release of unreferenced block " << block;
-  if (--ref_count_[block] > 0) return;
-  --in_use_blocks_;
-  ++counters_.blocks_released;
-  if (pin_count_[block] > 0) {
-    ++pinned_idle_blocks_;
-  } else if (indexed_[block]) {
-    LruPushBack(block);
-  } else {
-    free_.Insert(block);
-  }
-}
+void BlockLedger::Release(BlockId block) { ReleaseTailFirst(std::span(&block, 1)); }
 
 // --- Allocate ------------------------------------------------------------------------------
 
@@ -412,9 +404,9 @@ void BlockLedger::Register(Sequence& s) {
     if (!inserted) continue;  // same content already indexed in another block: a duplicate
     indexed_[b] = 1;
     hash_[b] = s.hashes[i];
-    parent_hash_[b] = i > 0 ? s.hashes[i - 1] : BlockHash{};
     if (options_.record_events) {
-      events_.push_back({BlockEvent::Kind::kStored, hash_[b], parent_hash_[b], b});
+      const BlockHash parent = i > 0 ? s.hashes[i - 1] : BlockHash{};
+      events_.push_back({BlockEvent::Kind::kStored, hash_[b], parent, b});
     }
   }
   s.num_registered = std::max(s.num_registered, limit);
@@ -552,11 +544,7 @@ absl::Status BlockLedger::Unpin(const std::string& name) {
 int32_t BlockLedger::EvictAllCached() {
   int32_t n = 0;
   while (lru_head_ != kNoBlock) {
-    const BlockId b = lru_head_;
-    LruRemove(b);
-    Unindex(b);
-    free_.Insert(b);
-    ++counters_.evictions;
+    free_.Insert(EvictLruHead());
     ++n;
   }
   return n;

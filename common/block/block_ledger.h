@@ -283,6 +283,9 @@ class BlockLedger {
   void Register(Sequence& s);
   void ApplyWindow(Sequence& s);
   void Unindex(BlockId block);
+  // Takes the least recently used cached block out of the LRU list and the prefix index
+  // and counts the eviction; the caller decides where it goes. REQUIRES: lru_size_ > 0.
+  BlockId EvictLruHead();
 
   int32_t AcquireSlot();
   void ReleaseSlot(int32_t slot);
@@ -298,7 +301,6 @@ class BlockLedger {
   std::vector<int32_t> pin_count_;
   std::vector<uint8_t> indexed_;        // 1 if hash_[b] maps to b in index_
   std::vector<BlockHash> hash_;         // valid where indexed_
-  std::vector<BlockHash> parent_hash_;  // valid where indexed_ (for events)
   std::vector<BlockId> lru_prev_;
   std::vector<BlockId> lru_next_;
   BlockId lru_head_ = kNoBlock;

@@ -31,6 +31,19 @@ std::optional<int64_t> KvBytes(const KvCacheSpec& spec, int64_t tokens) {
   return bytes;
 }
 
+// False for a value outside the enum (a spec built from a bad cast or a peer's bytes).
+bool IsKnownDType(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+    case DType::kFloat16:
+    case DType::kBFloat16:
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E5M2:
+      return true;
+  }
+  return false;
+}
+
 absl::Status RequirePositive(absl::string_view field, int32_t value) {
   if (value > 0) return absl::OkStatus();
   return absl::InvalidArgumentError(
@@ -98,16 +111,9 @@ absl::Status KvCacheSpec::Validate() const {
                                                    kMaxBlockSize, " tokens, got ", block_size,
                                                    " (it counts tokens, not bytes)"));
   }
-  switch (dtype) {
-    case DType::kFloat32:
-    case DType::kFloat16:
-    case DType::kBFloat16:
-    case DType::kFloat8E4M3:
-    case DType::kFloat8E5M2:
-      break;
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("KV-cache spec: unknown dtype value ", static_cast<int>(dtype)));
+  if (!IsKnownDType(dtype)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("KV-cache spec: unknown dtype value ", static_cast<int>(dtype)));
   }
   if (!KvBytes(*this, block_size).has_value()) {
     return absl::InvalidArgumentError(
@@ -129,20 +135,11 @@ int64_t KvCacheSpec::BytesPerBlock() const {
 }
 
 std::string KvCacheSpec::ToString() const {
-  // Not DTypeName(): ToString must not CHECK-fail on a garbage dtype in a spec being
-  // reported as invalid.
-  std::string dtype_name;
-  switch (dtype) {
-    case DType::kFloat32:
-    case DType::kFloat16:
-    case DType::kBFloat16:
-    case DType::kFloat8E4M3:
-    case DType::kFloat8E5M2:
-      dtype_name = std::string(DTypeName(dtype));
-      break;
-    default:
-      dtype_name = absl::StrCat("dtype#", static_cast<int>(dtype));
-  }
+  // DTypeName() CHECK-fails on a value outside the enum; a spec reported as invalid may
+  // carry one.
+  const std::string dtype_name = IsKnownDType(dtype)
+                                     ? std::string(DTypeName(dtype))
+                                     : absl::StrCat("dtype#", static_cast<int>(dtype));
   return absl::StrCat(num_layers, " layers x ", num_kv_heads, " KV heads x head dim ", head_dim,
                       ", ", dtype_name, ", block size ", block_size);
 }
