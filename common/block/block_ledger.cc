@@ -599,6 +599,15 @@ std::vector<BlockId> BlockLedger::EvictionOrderForTest() const {
 
 std::vector<BlockEvent> BlockLedger::TakeEvents() { return std::exchange(events_, {}); }
 
+std::vector<std::pair<BlockId, BlockHash>> BlockLedger::IndexedBlocks() const {
+  std::vector<std::pair<BlockId, BlockHash>> out;
+  out.reserve(index_.size());
+  for (BlockId b = 0; b < options_.num_blocks; ++b) {
+    if (indexed_[b]) out.emplace_back(b, hash_[b]);
+  }
+  return out;
+}
+
 absl::Status BlockLedger::CheckInvariants() const {
   const int32_t n = options_.num_blocks;
   auto broken = [](auto&&... parts) { return absl::InternalError(absl::StrCat(parts...)); };

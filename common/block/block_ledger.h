@@ -51,6 +51,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -233,6 +234,10 @@ class BlockLedger {
 
   // Events since the last call, oldest first (empty unless Options::record_events).
   std::vector<BlockEvent> TakeEvents();
+
+  // Every block in the prefix index (in use, cached or pinned) with its hash, by ascending
+  // block id: the state that the recorded Stored/Removed events add up to. O(num_blocks).
+  std::vector<std::pair<BlockId, BlockHash>> IndexedBlocks() const;
 
  private:
   struct Sequence {
