@@ -24,6 +24,7 @@ PACKAGES=(
   libzmq3-dev                # ZeroMQ transport
   cppzmq-dev
   prometheus-cpp-dev         # /metrics
+  prometheus                 # prometheus + promtool: integration tests scrape and lint /metrics
   nlohmann-json3-dev         # Hugging Face config.json
   libgtest-dev               # tests
   libgmock-dev

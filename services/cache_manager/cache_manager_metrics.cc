@@ -1,0 +1,318 @@
+#include "services/cache_manager/cache_manager_metrics.h"
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "common/base/check.h"
+#include "common/metrics/scrape_registry.h"
+#include "prometheus/collectable.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/histogram.h"
+#include "prometheus/metric_family.h"
+#include "prometheus/registry.h"
+
+namespace kvcm {
+namespace {
+
+using prometheus::MetricType;
+
+// --- The cache manager's metrics: the one list ---------------------------------------------
+// Snapshot metrics (built at scrape time from one CacheManagerSnapshot) first, then event
+// metrics (updated as things happen). Specs() returns them in this order.
+
+constexpr MetricSpec kCapacityBlocks{"kvcm_cache_capacity_blocks", MetricType::Gauge, "",
+                                     "Blocks in the KV-cache pool. Fixed at start-up."};
+constexpr MetricSpec kBlocks{
+    "kvcm_cache_blocks", MetricType::Gauge, "state",
+    "Blocks by state, from one snapshot, so the states sum to kvcm_cache_capacity_blocks: "
+    "free (holds nothing), in_use (referenced by a live sequence of a healthy session), "
+    "cached (reusable prefix, evictable), pinned (reusable prefix, never evicted), "
+    "quarantined (held only by hung sessions; unusable until they are proven dead)."};
+constexpr MetricSpec kUsageRatio{
+    "kvcm_cache_usage_ratio", MetricType::Gauge, "",
+    "In-use blocks (quarantined included) / capacity: the share of the pool that cannot be "
+    "handed out without ending a sequence. Cached and pinned blocks do not count, as in "
+    "vLLM's kv_cache_usage_perc."};
+constexpr MetricSpec kOccupancyRatio{
+    "kvcm_cache_occupancy_ratio", MetricType::Gauge, "",
+    "(In use + cached + pinned blocks) / capacity: the share of the pool holding KV, "
+    "reusable prefixes included. 1 - free share."};
+constexpr MetricSpec kPoolBytes{"kvcm_cache_pool_bytes", MetricType::Gauge, "",
+                                "Bytes of KV-cache pool memory: all blocks, all layers, K and V."};
+constexpr MetricSpec kInfo{
+    "kvcm_cache_info", MetricType::Gauge, "block_size,block_bytes,dtype,backend,hash_algorithm",
+    "Always 1; the labels describe the pool: tokens per block, bytes per block, KV dtype, "
+    "memory backend and block hash algorithm."};
+constexpr MetricSpec kLiveSequences{"kvcm_cache_live_sequences", MetricType::Gauge, "",
+                                    "Sequences holding blocks (allocated and not yet freed)."};
+constexpr MetricSpec kBlockAllocations{
+    "kvcm_cache_block_allocations_total", MetricType::Counter, "",
+    "Blocks taken from the pool for sequences, from the free set or by evicting a cached "
+    "block. Prefix hits share blocks and do not count."};
+constexpr MetricSpec kBlockReleases{
+    "kvcm_cache_block_releases_total", MetricType::Counter, "",
+    "Block references dropped that left the block unreferenced (it became cached or free)."};
+constexpr MetricSpec kBlockEvictions{
+    "kvcm_cache_block_evictions_total", MetricType::Counter, "",
+    "Cached blocks evicted (least recently used first) to make room for an allocation."};
+constexpr MetricSpec kCowCopies{
+    "kvcm_cache_cow_copies_total", MetricType::Counter, "",
+    "Copy-on-write block copies ordered: an append into a shared, partly filled block."};
+constexpr MetricSpec kPrefixQueryTokens{
+    "kvcm_cache_prefix_query_tokens_total", MetricType::Counter, "",
+    "Prompt tokens of successful allocations, looked up in the prefix cache."};
+constexpr MetricSpec kPrefixHitTokens{
+    "kvcm_cache_prefix_hit_tokens_total", MetricType::Counter, "",
+    "Of kvcm_cache_prefix_query_tokens_total, tokens whose KV was already cached. "
+    "Hit ratio = rate(hit) / rate(query)."};
+constexpr MetricSpec kAllocationFailures{
+    "kvcm_cache_allocation_failures_total", MetricType::Counter, "",
+    "Allocations and appends refused for lack of free or evictable blocks."};
+constexpr MetricSpec kWindowReleasedBlocks{
+    "kvcm_cache_window_released_blocks_total", MetricType::Counter, "",
+    "Blocks released because they slid wholly out of the model's attention window."};
+constexpr MetricSpec kSessions{"kvcm_cache_manager_sessions", MetricType::Gauge, "role",
+                               "Live client sessions, by role."};
+constexpr MetricSpec kEpoch{
+    "kvcm_cache_manager_epoch", MetricType::Gauge, "",
+    "This cache manager's epoch; it changes at each start, and executors reattach when it "
+    "does."};
+constexpr MetricSpec kEventsPublished{
+    "kvcm_cache_manager_events_published_total", MetricType::Counter, "",
+    "KV events published (BlockStored, BlockRemoved, AllBlocksCleared)."};
+constexpr MetricSpec kRequests{"kvcm_cache_manager_requests_total", MetricType::Counter, "type",
+                               "Requests handled, by message type."};
+constexpr MetricSpec kRequestDuration{
+    "kvcm_cache_manager_request_duration_seconds", MetricType::Histogram, "type",
+    "Time to handle a request, from receipt to reply, by message type."};
+constexpr MetricSpec kRejectedMessages{
+    "kvcm_cache_manager_rejected_messages_total", MetricType::Counter, "reason",
+    "Inbound messages refused, by reason; a refused message changes nothing."};
+constexpr MetricSpec kReclaimedBlocks{
+    "kvcm_cache_manager_reclaimed_blocks_total", MetricType::Counter, "reason",
+    "Blocks returned to the pool when a session ended, by reason: its client died, said "
+    "goodbye, or was replaced by a new session of the same client."};
+
+constexpr std::array kSpecs = {
+    kCapacityBlocks,
+    kBlocks,
+    kUsageRatio,
+    kOccupancyRatio,
+    kPoolBytes,
+    kInfo,
+    kLiveSequences,
+    kBlockAllocations,
+    kBlockReleases,
+    kBlockEvictions,
+    kCowCopies,
+    kPrefixQueryTokens,
+    kPrefixHitTokens,
+    kAllocationFailures,
+    kWindowReleasedBlocks,
+    kSessions,
+    kEpoch,
+    kEventsPublished,
+    kRequests,
+    kRequestDuration,
+    kRejectedMessages,
+    kReclaimedBlocks,
+};
+
+// --- Label values --------------------------------------------------------------------------
+
+constexpr std::array<std::string_view, kRequestTypes> kRequestTypeNames = {
+    "hello", "attach", "step",      "lookup",  "pin",
+    "unpin", "stats",  "heartbeat", "goodbye", "event_snapshot"};
+constexpr std::array<std::string_view, kRejectReasons> kRejectReasonNames = {
+    "malformed",     "unsupported_version", "oversized",        "not_registered",
+    "stale_session", "stale_epoch",         "invalid_argument", "unknown_sequence",
+    "wrong_owner",   "duplicate_sequence",  "permission_denied"};
+constexpr std::array<std::string_view, kSessionRoles> kSessionRoleNames = {"router", "executor",
+                                                                           "control"};
+constexpr std::array<std::string_view, kReclaimReasons> kReclaimReasonNames = {
+    "client_died", "goodbye", "session_replaced"};
+
+template <size_t N>
+constexpr bool AllNamed(const std::array<std::string_view, N>& names) {
+  for (std::string_view name : names) {
+    if (name.empty()) return false;
+  }
+  return true;
+}
+static_assert(AllNamed(kRequestTypeNames) && AllNamed(kRejectReasonNames) &&
+              AllNamed(kSessionRoleNames) && AllNamed(kReclaimReasonNames));
+
+template <typename Enum, size_t N>
+std::string_view NameOf(const std::array<std::string_view, N>& names, Enum value) {
+  const size_t index = static_cast<size_t>(value);
+  KVCM_CHECK(index < N) << "enum value " << index << " has no label";
+  return names[index];
+}
+
+// Block states as exported; they partition the pool.
+enum ExportedState {
+  kFreeState,
+  kInUseState,
+  kCachedState,
+  kPinnedState,
+  kQuarantinedState,
+  kExportedStates
+};
+constexpr std::array<std::string_view, kExportedStates> kExportedStateNames = {
+    "free", "in_use", "cached", "pinned", "quarantined"};
+
+prometheus::ClientMetric::Label Label(const char* name, std::string_view value) {
+  return {name, std::string(value)};
+}
+
+}  // namespace
+
+std::string_view RequestTypeName(RequestType type) { return NameOf(kRequestTypeNames, type); }
+std::string_view RejectReasonName(RejectReason reason) {
+  return NameOf(kRejectReasonNames, reason);
+}
+std::string_view SessionRoleName(SessionRole role) { return NameOf(kSessionRoleNames, role); }
+std::string_view ReclaimReasonName(ReclaimReason reason) {
+  return NameOf(kReclaimReasonNames, reason);
+}
+
+// Holds the last snapshot and builds the snapshot metrics from it at scrape time.
+class CacheManagerMetrics::SnapshotCollector : public prometheus::Collectable {
+ public:
+  explicit SnapshotCollector(const CacheInfo& info) : info_(info) {
+    snapshot_.ledger.num_blocks = info.num_blocks;
+    snapshot_.ledger.block_size = info.block_size;
+    snapshot_.ledger.free_blocks = info.num_blocks;
+  }
+
+  void Publish(const CacheManagerSnapshot& snapshot) {
+    const LedgerStats& ledger = snapshot.ledger;
+    KVCM_CHECK(ledger.num_blocks == info_.num_blocks)
+        << "snapshot of " << ledger.num_blocks << " blocks for a pool of " << info_.num_blocks;
+    KVCM_CHECK(ledger.free_blocks + ledger.in_use_blocks + ledger.cached_blocks +
+                   ledger.pinned_blocks ==
+               ledger.num_blocks)
+        << "block states do not partition the pool";
+    KVCM_CHECK(snapshot.quarantined_blocks >= 0 &&
+               snapshot.quarantined_blocks <= ledger.in_use_blocks)
+        << "quarantined " << snapshot.quarantined_blocks << " of " << ledger.in_use_blocks
+        << " in use";
+    absl::MutexLock lock(&mu_);
+    snapshot_ = snapshot;
+  }
+
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    CacheManagerSnapshot s;
+    {
+      absl::MutexLock lock(&mu_);
+      s = snapshot_;
+    }
+    const LedgerStats& ledger = s.ledger;
+    std::vector<prometheus::MetricFamily> families;
+    auto add = [&families](const MetricSpec& spec, double value) {
+      families.push_back(NewFamily(spec));
+      AddSample(families.back(), value);
+    };
+
+    add(kCapacityBlocks, ledger.num_blocks);
+    families.push_back(NewFamily(kBlocks));
+    const std::array<int32_t, kExportedStates> by_state = {
+        ledger.free_blocks, ledger.in_use_blocks - s.quarantined_blocks, ledger.cached_blocks,
+        ledger.pinned_blocks, s.quarantined_blocks};
+    for (int i = 0; i < kExportedStates; ++i) {
+      AddSample(families.back(), by_state[i], {Label("state", kExportedStateNames[i])});
+    }
+    add(kUsageRatio, ledger.usage_ratio);
+    add(kOccupancyRatio, ledger.occupancy_ratio);
+    add(kPoolBytes, static_cast<double>(info_.pool_bytes));
+    families.push_back(NewFamily(kInfo));
+    AddSample(families.back(), 1,
+              {Label("block_size", std::to_string(info_.block_size)),
+               Label("block_bytes", std::to_string(info_.block_bytes)), Label("dtype", info_.dtype),
+               Label("backend", info_.backend), Label("hash_algorithm", info_.hash_algorithm)});
+    add(kLiveSequences, ledger.live_sequences);
+    add(kBlockAllocations, static_cast<double>(ledger.blocks_allocated));
+    add(kBlockReleases, static_cast<double>(ledger.blocks_released));
+    add(kBlockEvictions, static_cast<double>(ledger.evictions));
+    add(kCowCopies, static_cast<double>(ledger.cow_copies));
+    add(kPrefixQueryTokens, static_cast<double>(ledger.prefix_query_tokens));
+    add(kPrefixHitTokens, static_cast<double>(ledger.prefix_hit_tokens));
+    add(kAllocationFailures, static_cast<double>(ledger.allocation_failures));
+    add(kWindowReleasedBlocks, static_cast<double>(ledger.window_released));
+    families.push_back(NewFamily(kSessions));
+    for (int i = 0; i < kSessionRoles; ++i) {
+      AddSample(families.back(), s.sessions_by_role[i], {Label("role", kSessionRoleNames[i])});
+    }
+    add(kEpoch, static_cast<double>(s.epoch));
+    add(kEventsPublished, static_cast<double>(s.events_published));
+    return families;
+  }
+
+ private:
+  const CacheInfo info_;
+  mutable absl::Mutex mu_;
+  CacheManagerSnapshot snapshot_ ABSL_GUARDED_BY(mu_);
+};
+
+CacheManagerMetrics::CacheManagerMetrics(const CacheInfo& info)
+    : registry_(std::make_shared<ScrapeRegistry>()),
+      collector_(std::make_shared<SnapshotCollector>(info)) {
+  KVCM_CHECK(info.num_blocks > 0) << info.num_blocks;
+  KVCM_CHECK(info.block_size > 0) << info.block_size;
+  registry_->AddCollector(collector_);
+
+  // Every label set now, at 0.
+  auto& requests = AddCounterFamily(*registry_, kRequests);
+  auto& durations = AddHistogramFamily(*registry_, kRequestDuration);
+  const std::vector<double> buckets = RequestLatencyBucketsSeconds();
+  for (int i = 0; i < kRequestTypes; ++i) {
+    const std::string type(kRequestTypeNames[i]);
+    requests_[i] = &requests.Add({{"type", type}});
+    request_durations_[i] = &durations.Add({{"type", type}}, buckets);
+  }
+  auto& rejected = AddCounterFamily(*registry_, kRejectedMessages);
+  for (int i = 0; i < kRejectReasons; ++i) {
+    rejected_[i] = &rejected.Add({{"reason", std::string(kRejectReasonNames[i])}});
+  }
+  auto& reclaimed = AddCounterFamily(*registry_, kReclaimedBlocks);
+  for (int i = 0; i < kReclaimReasons; ++i) {
+    reclaimed_[i] = &reclaimed.Add({{"reason", std::string(kReclaimReasonNames[i])}});
+  }
+}
+
+CacheManagerMetrics::~CacheManagerMetrics() = default;
+
+void CacheManagerMetrics::ObserveRequest(RequestType type, double seconds) {
+  const size_t i = static_cast<size_t>(type);
+  KVCM_CHECK(i < requests_.size()) << i;
+  requests_[i]->Increment();
+  request_durations_[i]->Observe(seconds);
+}
+
+void CacheManagerMetrics::CountRejected(RejectReason reason) {
+  const size_t i = static_cast<size_t>(reason);
+  KVCM_CHECK(i < rejected_.size()) << i;
+  rejected_[i]->Increment();
+}
+
+void CacheManagerMetrics::CountReclaimed(ReclaimReason reason, int64_t blocks) {
+  const size_t i = static_cast<size_t>(reason);
+  KVCM_CHECK(i < reclaimed_.size()) << i;
+  KVCM_CHECK(blocks >= 0) << blocks;
+  reclaimed_[i]->Increment(static_cast<double>(blocks));
+}
+
+void CacheManagerMetrics::PublishSnapshot(const CacheManagerSnapshot& snapshot) {
+  collector_->Publish(snapshot);
+}
+
+std::shared_ptr<prometheus::Registry> CacheManagerMetrics::registry() const { return registry_; }
+
+std::span<const MetricSpec> CacheManagerMetrics::Specs() { return kSpecs; }
+
+}  // namespace kvcm
