@@ -1,0 +1,294 @@
+#include "services/cache_manager/cache_manager_server.h"
+
+#include <sys/signalfd.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/base/log.h"
+#include "common/base/unique_fd.h"
+#include "common/memory/pool_layout.h"
+
+namespace kvcm {
+namespace {
+
+constexpr char kComponent[] = "kvcm-cache-manager";
+constexpr char kEventTopic[] = "kvcm.events";
+// Events waiting for slow subscribers before PUB drops them (they then see a gap and ask
+// for a snapshot).
+constexpr int kEventHighWaterMark = 100000;
+
+void Log(std::string_view text) { LogLine(kComponent, text); }
+
+}  // namespace
+
+// Watches client processes with pidfds (Linux 5.3+), polled in Run().
+class CacheManagerServer::PidfdWatcher : public ProcessWatcher {
+ public:
+  absl::Status Watch(pid_t pid) override {
+    if (fds_.contains(pid)) return absl::OkStatus();
+    const long fd = ::syscall(SYS_pidfd_open, pid, 0);
+    if (fd < 0) {
+      if (errno == ESRCH) {
+        // Already gone: report it on the next loop iteration, as if its pidfd had fired.
+        exited_.push_back(pid);
+        return absl::OkStatus();
+      }
+      return absl::InternalError(absl::StrCat("pidfd_open(", pid, "): ", std::strerror(errno)));
+    }
+    fds_.emplace(pid, UniqueFd(static_cast<int>(fd)));
+    return absl::OkStatus();
+  }
+  void Unwatch(pid_t pid) override { fds_.erase(pid); }
+
+  const absl::flat_hash_map<pid_t, UniqueFd>& fds() const { return fds_; }
+  std::vector<pid_t> TakeExited() { return std::exchange(exited_, {}); }
+
+ private:
+  absl::flat_hash_map<pid_t, UniqueFd> fds_;
+  std::vector<pid_t> exited_;
+};
+
+absl::StatusOr<std::unique_ptr<CacheManagerServer>> CacheManagerServer::Create(
+    const Options& options, RunDirectory run_dir, std::unique_ptr<PoolMemory> memory,
+    CacheManagerService::Options service_options, CacheManagerMetrics* metrics) {
+  auto layout = PoolLayout::For(service_options.spec, service_options.ledger.num_blocks);
+  if (!layout.ok()) return layout.status();
+  if (static_cast<uint64_t>(layout->total_bytes) > memory->size_bytes()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "pool memory of ", memory->size_bytes(), " bytes is smaller than the layout's ",
+        layout->total_bytes));
+  }
+  service_options.events_endpoint = run_dir.IpcEndpoint(RunDirectory::kEventSocket);
+  PoolExport& pool = service_options.pool;
+  pool.backend = memory->backend() == PoolBackend::kCuda ? wire::PoolBackend::Cuda
+                                                         : wire::PoolBackend::Shm;
+  pool.layer_stride = static_cast<uint64_t>(layout->layer_stride);
+  pool.kv_stride = static_cast<uint64_t>(layout->kv_stride);
+  pool.block_stride = static_cast<uint64_t>(layout->block_stride);
+  pool.token_stride = static_cast<uint64_t>(layout->token_stride);
+  pool.head_stride = static_cast<uint64_t>(layout->head_stride);
+  pool.elem_bytes = static_cast<uint32_t>(layout->elem_bytes);
+  pool.total_bytes = static_cast<uint64_t>(layout->total_bytes);
+  pool.cuda_device = memory->cuda_device();
+  if (auto handle = memory->cuda_ipc_handle()) {
+    pool.cuda_ipc_handle.assign(handle->begin(), handle->end());
+  }
+  if (memory->backend() == PoolBackend::kShm) {
+    pool.fd_channel_path = run_dir.File(RunDirectory::kFdChannelSocket);
+  }
+
+  std::unique_ptr<CacheManagerServer> server(
+      new CacheManagerServer(options, std::move(run_dir), std::move(memory), metrics));
+  auto service =
+      CacheManagerService::Create(service_options, server->watcher_.get(), metrics, absl::Now());
+  if (!service.ok()) return service.status();
+  server->service_ = *std::move(service);
+
+  if (server->memory_->backend() == PoolBackend::kShm) {
+    auto channel = FdChannelListener::Create(server->service_->options().pool.fd_channel_path,
+                                             {::geteuid()});
+    if (!channel.ok()) return channel.status();
+    server->fd_channel_ = std::make_unique<FdChannelListener>(*std::move(channel));
+  }
+
+  const int linger_ms = static_cast<int>(absl::ToInt64Milliseconds(options.linger));
+  try {
+    server->requests_ = zmq::socket_t(server->context_, zmq::socket_type::router);
+    server->requests_.set(zmq::sockopt::router_mandatory, 1);
+    server->requests_.set(zmq::sockopt::linger, linger_ms);
+    server->requests_.bind(server->request_endpoint());
+    if (!options.tcp_endpoint.empty()) server->requests_.bind(options.tcp_endpoint);
+    server->events_ = zmq::socket_t(server->context_, zmq::socket_type::pub);
+    server->events_.set(zmq::sockopt::sndhwm, kEventHighWaterMark);
+    server->events_.set(zmq::sockopt::linger, linger_ms);
+    server->events_.bind(server->event_endpoint());
+  } catch (const zmq::error_t& error) {
+    return absl::UnavailableError(absl::StrCat("cannot bind the cache manager's sockets: ",
+                                               error.what()));
+  }
+  // The first batch (AllBlocksCleared) tells subscribers of an earlier epoch to forget it.
+  server->PublishEvents();
+  server->PublishSnapshot();
+  return server;
+}
+
+CacheManagerServer::CacheManagerServer(const Options& options, RunDirectory run_dir,
+                                       std::unique_ptr<PoolMemory> memory,
+                                       CacheManagerMetrics* metrics)
+    : options_(options),
+      run_dir_(std::move(run_dir)),
+      memory_(std::move(memory)),
+      metrics_(metrics),
+      watcher_(std::make_unique<PidfdWatcher>()),
+      context_(1) {}
+
+CacheManagerServer::~CacheManagerServer() {
+  // Sockets close (with linger) before the pool is released and the run directory's
+  // socket files are removed.
+  requests_.close();
+  events_.close();
+  context_.close();
+  fd_channel_.reset();
+}
+
+std::string CacheManagerServer::request_endpoint() const {
+  return run_dir_.IpcEndpoint(RunDirectory::kRequestSocket);
+}
+
+std::string CacheManagerServer::event_endpoint() const {
+  return run_dir_.IpcEndpoint(RunDirectory::kEventSocket);
+}
+
+absl::Status CacheManagerServer::Run() {
+  const absl::Duration expiry_period = service_->options().heartbeat_interval / 2;
+  absl::Time next_expiry = absl::Now() + expiry_period;
+  std::vector<zmq::pollitem_t> items;
+  std::vector<pid_t> item_pids;
+  while (true) {
+    items.clear();
+    item_pids.clear();
+    items.push_back({requests_.handle(), 0, ZMQ_POLLIN, 0});
+    const size_t signal_item = items.size();
+    if (options_.signal_fd >= 0) items.push_back({nullptr, options_.signal_fd, ZMQ_POLLIN, 0});
+    const size_t channel_item = items.size();
+    if (fd_channel_) items.push_back({nullptr, fd_channel_->listen_fd(), ZMQ_POLLIN, 0});
+    const size_t first_pid_item = items.size();
+    for (const auto& [pid, fd] : watcher_->fds()) {
+      items.push_back({nullptr, fd.get(), ZMQ_POLLIN, 0});
+      item_pids.push_back(pid);
+    }
+    const auto wait = std::max<int64_t>(0, absl::ToInt64Milliseconds(next_expiry - absl::Now()));
+    try {
+      zmq::poll(items.data(), items.size(), std::chrono::milliseconds(wait));
+    } catch (const zmq::error_t& error) {
+      if (error.num() == EINTR) continue;
+      return absl::InternalError(absl::StrCat("zmq_poll: ", error.what()));
+    }
+
+    bool changed = false;
+    if (items[0].revents & ZMQ_POLLIN) changed |= DrainRequests() > 0;
+    if (fd_channel_ && (items[channel_item].revents & ZMQ_POLLIN)) ServeFdChannel();
+    std::vector<pid_t> exited = watcher_->TakeExited();
+    for (size_t i = first_pid_item; i < items.size(); ++i) {
+      if (items[i].revents & ZMQ_POLLIN) exited.push_back(item_pids[i - first_pid_item]);
+    }
+    for (pid_t pid : exited) {
+      const int32_t before = service_->ledger().Stats().in_use_blocks;
+      service_->OnProcessExited(pid);
+      Log(absl::StrCat("client pid ", pid, " exited; its sessions ended (",
+                       before - service_->ledger().Stats().in_use_blocks,
+                       " blocks no longer in use)"));
+      changed = true;
+    }
+    if (absl::Now() >= next_expiry) {
+      if (const int hung = service_->ExpireSessions(absl::Now()); hung > 0) {
+        Log(absl::StrCat(hung, " session(s) missed their heartbeats: quarantined (",
+                         service_->QuarantinedBlocks(), " blocks quarantined)"));
+      }
+      next_expiry = absl::Now() + expiry_period;
+      changed = true;
+    }
+    if (changed) {
+      PublishEvents();
+      PublishSnapshot();
+    }
+
+    if (options_.signal_fd >= 0 && (items[signal_item].revents & ZMQ_POLLIN)) {
+      signalfd_siginfo info{};
+      if (::read(options_.signal_fd, &info, sizeof(info)) == sizeof(info)) {
+        Log(absl::StrCat("received ", strsignal(static_cast<int>(info.ssi_signo)),
+                         ": no new attachments; answering queued requests"));
+      }
+      fd_channel_.reset();
+      int answered = 0;
+      for (int n; (n = DrainRequests()) > 0;) answered += n;
+      PublishEvents();
+      PublishSnapshot();
+      Log(absl::StrCat("shutting down: answered ", answered, " queued request(s); ",
+                       service_->num_sessions(), " session(s) open; releasing the pool of ",
+                       memory_->size_bytes(), " bytes"));
+      return absl::OkStatus();
+    }
+  }
+}
+
+int CacheManagerServer::DrainRequests() {
+  int handled = 0;
+  for (; handled < options_.max_batch; ++handled) {
+    zmq::message_t identity;
+    if (!requests_.recv(identity, zmq::recv_flags::dontwait)) break;
+    zmq::message_t body;
+    bool well_formed = identity.more() && requests_.recv(body, zmq::recv_flags::dontwait);
+    while (body.more()) {  // a DEALER sends one frame; anything more is malformed
+      zmq::message_t extra;
+      if (!requests_.recv(extra, zmq::recv_flags::dontwait)) break;
+      body.rebuild(0);
+      well_formed = false;
+      if (!extra.more()) break;
+    }
+    std::optional<PeerCredentials> peer;
+    if (const char* address = zmq_msg_gets(body.handle(), "Peer-Address")) {
+      peer = ParseIpcPeerAddress(address);
+    }
+    const std::span<const uint8_t> bytes =
+        well_formed ? std::span<const uint8_t>(static_cast<const uint8_t*>(body.data()),
+                                               body.size())
+                    : std::span<const uint8_t>();
+    service_->Handle(peer, bytes, absl::Now(), &reply_);
+    // Events of this request go out before the next request is handled, so that an
+    // EventSnapshot's seq counts every change it contains.
+    PublishEvents();
+    try {
+      requests_.send(identity, zmq::send_flags::sndmore | zmq::send_flags::dontwait);
+      requests_.send(zmq::const_buffer(reply_.GetBufferPointer(), reply_.GetSize()),
+                     zmq::send_flags::dontwait);
+    } catch (const zmq::error_t& error) {
+      // EHOSTUNREACH: the client disconnected before its reply. Its session stays until
+      // its process exits or its lease expires.
+      ++unroutable_replies_;
+    }
+  }
+  return handled;
+}
+
+void CacheManagerServer::ServeFdChannel() {
+  uint8_t header[8];
+  const uint64_t epoch = service_->epoch();
+  for (int i = 0; i < 8; ++i) header[i] = static_cast<uint8_t>(epoch >> (8 * i));
+  auto served = fd_channel_->ServeOne(memory_->shareable_fd(), header);
+  if (!served.ok() && !absl::IsUnavailable(served.status())) {
+    Log(absl::StrCat("pool fd channel: ", served.status().ToString()));
+    if (metrics_ != nullptr && absl::IsPermissionDenied(served.status())) {
+      metrics_->CountRejected(RejectReason::kPermissionDenied);
+    }
+  }
+}
+
+void CacheManagerServer::PublishEvents() {
+  while (const uint64_t seq = service_->TakeEventBatch(&event_batch_)) {
+    uint8_t seq_be[8];
+    for (int i = 0; i < 8; ++i) seq_be[i] = static_cast<uint8_t>(seq >> (56 - 8 * i));
+    try {
+      events_.send(zmq::const_buffer(kEventTopic, sizeof(kEventTopic) - 1),
+                   zmq::send_flags::sndmore);
+      events_.send(zmq::const_buffer(seq_be, sizeof(seq_be)), zmq::send_flags::sndmore);
+      events_.send(zmq::const_buffer(event_batch_.GetBufferPointer(), event_batch_.GetSize()),
+                   zmq::send_flags::none);
+    } catch (const zmq::error_t& error) {
+      Log(absl::StrCat("publishing event batch ", seq, ": ", error.what()));
+    }
+  }
+}
+
+void CacheManagerServer::PublishSnapshot() {
+  if (metrics_ != nullptr) metrics_->PublishSnapshot(service_->Snapshot());
+}
+
+}  // namespace kvcm

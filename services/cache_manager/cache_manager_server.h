@@ -1,0 +1,100 @@
+#pragma once
+// CacheManagerServer: the cache manager's sockets and its one socket thread.
+//
+// It wires the transport to CacheManagerService (which holds the logic):
+// - a ROUTER socket on ipc://RUN_DIR/cache-manager.sock (and optionally tcp://) for
+//   requests: each message is [routing id, envelope]; the peer's pid comes from libzmq's
+//   "Peer-Address" property (SO_PEERCRED) over ipc://;
+// - a PUB socket on ipc://RUN_DIR/events.sock: [topic, seq u64 big-endian, EventBatch];
+// - the Unix socket side channel RUN_DIR/pool-fd.sock handing the shm pool's memfd to
+//   processes of this user (header: the epoch, 8 bytes little-endian);
+// - a pidfd per registered client process, so that a death is noticed at once;
+// - a signalfd for SIGTERM/SIGINT (the signals must be blocked in every thread before the
+//   ZeroMQ context and the metrics server start; main() does it).
+//
+// Run() blocks in one zmq_poll over all of them; nothing else ever touches the sockets.
+// On a signal it stops accepting (closes the fd channel), answers the requests already
+// queued, publishes the last events and returns; the destructor closes the sockets and
+// releases the pool.
+//
+// Thread safety: create, Run() and destroy on one thread.
+
+#include <sys/types.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/memory/fd_channel.h"
+#include "common/memory/pool_memory.h"
+#include "services/cache_manager/cache_manager_metrics.h"
+#include "services/cache_manager/cache_manager_service.h"
+#include "services/cache_manager/run_directory.h"
+#include "zmq.hpp"
+
+namespace kvcm {
+
+class CacheManagerServer {
+ public:
+  struct Options {
+    // Extra ROUTER endpoint, e.g. "tcp://127.0.0.1:5557"; empty = ipc:// only. Over tcp://
+    // the client's pid cannot be verified, so a dead client is noticed by its heartbeat
+    // timeout only.
+    std::string tcp_endpoint;
+    // A signalfd for SIGTERM/SIGINT (owned by the caller); -1 = run until the process dies.
+    int signal_fd = -1;
+    // How long closing sockets may wait to deliver the last replies and events.
+    absl::Duration linger = absl::Seconds(1);
+    // Requests handled per wakeup before events and gauges are refreshed.
+    int max_batch = 256;
+  };
+
+  // Binds every socket in `run_dir` (which the caller has acquired) and starts the service.
+  // `service_options.pool` is filled in here from `memory`. Errors: the service's option
+  // checks, UNAVAILABLE when a socket cannot be bound.
+  static absl::StatusOr<std::unique_ptr<CacheManagerServer>> Create(
+      const Options& options, RunDirectory run_dir, std::unique_ptr<PoolMemory> memory,
+      CacheManagerService::Options service_options, CacheManagerMetrics* metrics);
+
+  ~CacheManagerServer();
+
+  // Serves until a signal arrives on signal_fd. Returns OK after a clean shutdown.
+  absl::Status Run();
+
+  uint64_t epoch() const { return service_->epoch(); }
+  std::string request_endpoint() const;
+  std::string event_endpoint() const;
+
+ private:
+  CacheManagerServer(const Options& options, RunDirectory run_dir,
+                     std::unique_ptr<PoolMemory> memory, CacheManagerMetrics* metrics);
+
+  class PidfdWatcher;
+
+  // Handles up to max_batch queued requests; returns how many.
+  int DrainRequests();
+  void ServeFdChannel();
+  void PublishEvents();
+  void PublishSnapshot();
+
+  const Options options_;
+  RunDirectory run_dir_;
+  std::unique_ptr<PoolMemory> memory_;
+  CacheManagerMetrics* const metrics_;
+  std::unique_ptr<PidfdWatcher> watcher_;
+  std::unique_ptr<CacheManagerService> service_;
+  std::unique_ptr<FdChannelListener> fd_channel_;
+
+  zmq::context_t context_;
+  zmq::socket_t requests_;
+  zmq::socket_t events_;
+
+  flatbuffers::FlatBufferBuilder reply_;
+  flatbuffers::FlatBufferBuilder event_batch_;
+  uint64_t unroutable_replies_ = 0;
+};
+
+}  // namespace kvcm

@@ -1,0 +1,793 @@
+#include "services/cache_manager/cache_manager_service.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/base/check.h"
+#include "common/wire/convert.h"
+
+namespace kvcm {
+namespace {
+
+constexpr size_t kMaxNameBytes = 128;
+
+std::optional<RequestType> RequestTypeOf(wire::Message type) {
+  using M = wire::Message;
+  switch (type) {
+    case M::Hello: return RequestType::kHello;
+    case M::Attach: return RequestType::kAttach;
+    case M::Step: return RequestType::kStep;
+    case M::Lookup: return RequestType::kLookup;
+    case M::Pin: return RequestType::kPin;
+    case M::Unpin: return RequestType::kUnpin;
+    case M::Stats: return RequestType::kStats;
+    case M::Heartbeat: return RequestType::kHeartbeat;
+    case M::Goodbye: return RequestType::kGoodbye;
+    case M::EventSnapshot: return RequestType::kEventSnapshot;
+    default: return std::nullopt;
+  }
+}
+
+std::optional<SessionRole> SessionRoleOf(wire::Role role) {
+  switch (role) {
+    case wire::Role::Router: return SessionRole::kRouter;
+    case wire::Role::Executor: return SessionRole::kExecutor;
+    case wire::Role::Control: return SessionRole::kControl;
+    default: return std::nullopt;
+  }
+}
+
+const char* OpName(wire::StepOp type) {
+  switch (type) {
+    case wire::StepOp::AllocateOp: return "allocate";
+    case wire::StepOp::AppendOp: return "append";
+    case wire::StepOp::ForkOp: return "fork";
+    case wire::StepOp::CommitOp: return "commit";
+    case wire::StepOp::FreeOp: return "free";
+    default: return "unknown";
+  }
+}
+
+flatbuffers::Offset<wire::KvEvent> EncodeEvent(flatbuffers::FlatBufferBuilder& builder,
+                                               wire::EventKind kind, const BlockHash* hash,
+                                               const BlockHash* parent, BlockId block) {
+  wire::BlockHash wire_hash, wire_parent;
+  if (hash != nullptr) std::memcpy(static_cast<void*>(&wire_hash), hash, sizeof(*hash));
+  if (parent != nullptr) {
+    std::memcpy(static_cast<void*>(&wire_parent), parent, sizeof(*parent));
+  }
+  wire::KvEventBuilder event(builder);
+  event.add_kind(kind);
+  if (hash != nullptr) event.add_hash(&wire_hash);
+  if (parent != nullptr) event.add_parent_hash(&wire_parent);
+  event.add_block(block);
+  return event.Finish();
+}
+
+}  // namespace
+
+const char* RoleName(wire::Role role) {
+  switch (role) {
+    case wire::Role::Router: return "router";
+    case wire::Role::Executor: return "executor";
+    case wire::Role::Control: return "control";
+    default: return "unknown";
+  }
+}
+
+absl::StatusOr<std::unique_ptr<CacheManagerService>> CacheManagerService::Create(
+    const Options& options, ProcessWatcher* watcher, CacheManagerMetrics* metrics,
+    absl::Time now) {
+  KVCM_CHECK(watcher != nullptr);
+  if (absl::Status valid = options.spec.Validate(); !valid.ok()) return valid;
+  if (options.heartbeat_interval <= absl::ZeroDuration() ||
+      options.heartbeat_timeout <= options.heartbeat_interval) {
+    return absl::InvalidArgumentError(
+        "the heartbeat timeout must be longer than the (positive) heartbeat interval");
+  }
+  if (options.max_ops_per_step <= 0 || options.max_hashes_per_message <= 0) {
+    return absl::InvalidArgumentError("message limits must be positive");
+  }
+  BlockLedger::Options ledger_options = options.ledger;
+  ledger_options.block_size = options.spec.block_size;
+  ledger_options.record_events = true;
+  auto ledger = BlockLedger::Create(ledger_options);
+  if (!ledger.ok()) return ledger.status();
+  return std::unique_ptr<CacheManagerService>(
+      new CacheManagerService(options, *std::move(ledger), watcher, metrics, now));
+}
+
+CacheManagerService::CacheManagerService(const Options& options, BlockLedger ledger,
+                                         ProcessWatcher* watcher,
+                                         CacheManagerMetrics* metrics, absl::Time now)
+    : options_(options),
+      ledger_(std::move(ledger)),
+      watcher_(watcher),
+      metrics_(metrics),
+      start_time_(now) {}
+
+// --- Dispatch ----------------------------------------------------------------------------
+
+void CacheManagerService::Handle(const std::optional<PeerCredentials>& peer,
+                                 std::span<const uint8_t> request, absl::Time now,
+                                 flatbuffers::FlatBufferBuilder* reply) {
+  reply->Clear();
+  const VerifiedEnvelope verified = VerifyEnvelope(request, options_.max_message_bytes);
+  if (verified.fault != EnvelopeFault::kNone) {
+    switch (verified.fault) {
+      case EnvelopeFault::kOversized:
+        return Reject(0, {RejectReason::kOversized, wire::ErrorCode::Malformed,
+                          verified.reason}, reply);
+      case EnvelopeFault::kUnsupportedVersion:
+        return Reject(0, {RejectReason::kUnsupportedVersion,
+                          wire::ErrorCode::UnsupportedVersion, verified.reason}, reply);
+      default:
+        return Reject(0, {RejectReason::kMalformed, wire::ErrorCode::Malformed,
+                          verified.reason}, reply);
+    }
+  }
+  const wire::Envelope& envelope = *verified.envelope;
+  const uint64_t request_id = envelope.request_id();
+  const std::optional<RequestType> type = RequestTypeOf(envelope.payload_type());
+  if (!type) {
+    return Reject(request_id,
+                  {RejectReason::kMalformed, wire::ErrorCode::Malformed,
+                   absl::StrCat("message type ",
+                                wire::EnumNameMessage(envelope.payload_type()),
+                                " is not a request")},
+                  reply);
+  }
+  // Latency by type, receipt to reply, on the real clock (`now` may be a test's).
+  struct Timer {
+    CacheManagerMetrics* metrics;
+    RequestType type;
+    std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+    ~Timer() {
+      if (metrics == nullptr) return;
+      metrics->ObserveRequest(
+          type, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+  } timer{metrics_, *type};
+  if (*type == RequestType::kHello) return HandleHello(envelope, peer, now, reply);
+
+  Rejection rejection;
+  Session* session = CheckSession(envelope, peer, &rejection);
+  if (session == nullptr) return Reject(request_id, rejection, reply);
+  session->last_seen = now;
+
+  using M = wire::Message;
+  switch (envelope.payload_type()) {
+    case M::Heartbeat: {
+      auto payload = wire::CreateHeartbeatReply(*reply);
+      return FinishEnvelope(*reply, request_id, session->id, options_.epoch,
+                            M::HeartbeatReply, payload.Union());
+    }
+    case M::Goodbye: {
+      const uint64_t id = session->id;
+      const int32_t released = EndSession(id, ReclaimReason::kGoodbye);
+      auto payload = wire::CreateGoodbyeReply(*reply, released);
+      return FinishEnvelope(*reply, request_id, id, options_.epoch, M::GoodbyeReply,
+                            payload.Union());
+    }
+    case M::Attach: return HandleAttach(envelope, reply);
+    case M::Stats: return HandleStats(envelope, now, reply);
+    case M::EventSnapshot: return HandleEventSnapshot(envelope, reply);
+    case M::Step:
+      if (session->role != wire::Role::Router) {
+        return Reject(request_id,
+                      {RejectReason::kPermissionDenied, wire::ErrorCode::PermissionDenied,
+                       absl::StrCat("only routers change sequences; this session is a ",
+                                    RoleName(session->role))},
+                      reply);
+      }
+      return HandleStep(envelope, *session, reply);
+    default: {
+      if (auto refused = HandlePrefixRequest(envelope, *session, reply)) {
+        return Reject(request_id, *refused, reply);
+      }
+      return;
+    }
+  }
+}
+
+void CacheManagerService::Reject(uint64_t request_id, const Rejection& rejection,
+                                 flatbuffers::FlatBufferBuilder* reply) {
+  CountRejected(rejection.reason);
+  reply->Clear();
+  FinishErrorReply(*reply, request_id, options_.epoch, rejection.code, rejection.message);
+}
+
+void CacheManagerService::CountRejected(RejectReason reason) {
+  ++rejected_messages_;
+  if (metrics_ != nullptr) metrics_->CountRejected(reason);
+}
+
+CacheManagerService::Session* CacheManagerService::CheckSession(
+    const wire::Envelope& envelope, const std::optional<PeerCredentials>& peer,
+    Rejection* rejection) {
+  if (envelope.epoch() != options_.epoch) {
+    *rejection = {RejectReason::kStaleEpoch, wire::ErrorCode::StaleEpoch,
+                  absl::StrCat("message for epoch ", envelope.epoch(),
+                               " but this cache manager runs epoch ", options_.epoch,
+                               ": register again (and re-attach)")};
+    return nullptr;
+  }
+  const uint64_t id = envelope.session_id();
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) {
+    if (id == 0 || id >= next_session_id_) {
+      *rejection = {RejectReason::kNotRegistered, wire::ErrorCode::NotRegistered,
+                    absl::StrCat("session ", id, " was never registered: send Hello first")};
+    } else {
+      *rejection = {RejectReason::kStaleSession, wire::ErrorCode::StaleSession,
+                    absl::StrCat("session ", id, " has ended: register again")};
+    }
+    return nullptr;
+  }
+  Session& session = it->second;
+  if (session.pid_verified && peer && peer->pid != session.pid) {
+    *rejection = {RejectReason::kPermissionDenied, wire::ErrorCode::PermissionDenied,
+                  absl::StrCat("session ", id, " belongs to pid ", session.pid,
+                               ", not to pid ", peer->pid)};
+    return nullptr;
+  }
+  if (session.quarantined) {
+    *rejection = {RejectReason::kStaleSession, wire::ErrorCode::StaleSession,
+                  absl::StrCat("session ", id, " missed its heartbeats and was quarantined; "
+                               "its sequences are gone: register again")};
+    return nullptr;
+  }
+  return &session;
+}
+
+// --- Sessions ----------------------------------------------------------------------------
+
+void CacheManagerService::HandleHello(const wire::Envelope& envelope,
+                                      const std::optional<PeerCredentials>& peer,
+                                      absl::Time now, flatbuffers::FlatBufferBuilder* reply) {
+  const uint64_t request_id = envelope.request_id();
+  const wire::Hello* hello = envelope.payload_as_Hello();
+  if (hello == nullptr || !SessionRoleOf(hello->role())) {
+    return Reject(request_id,
+                  {RejectReason::kInvalidArgument, wire::ErrorCode::InvalidArgument,
+                   "Hello needs a role: router, executor or control"},
+                  reply);
+  }
+  if (hello->name() != nullptr && hello->name()->size() > kMaxNameBytes) {
+    return Reject(request_id,
+                  {RejectReason::kInvalidArgument, wire::ErrorCode::InvalidArgument,
+                   absl::StrCat("client name of ", hello->name()->size(),
+                                " bytes is longer than ", kMaxNameBytes)},
+                  reply);
+  }
+  if (hello->pid() <= 0 && !peer) {
+    return Reject(request_id,
+                  {RejectReason::kInvalidArgument, wire::ErrorCode::InvalidArgument,
+                   "Hello needs the client's pid"},
+                  reply);
+  }
+  if (peer && hello->pid() != peer->pid) {
+    return Reject(request_id,
+                  {RejectReason::kPermissionDenied, wire::ErrorCode::PermissionDenied,
+                   absl::StrCat("Hello claims pid ", hello->pid(),
+                                " but the connection belongs to pid ", peer->pid)},
+                  reply);
+  }
+  const pid_t pid = hello->pid();
+  // The same process registering again after quarantine has given up its old session.
+  std::vector<uint64_t> replaced;
+  for (const auto& [id, session] : sessions_) {
+    if (session.quarantined && session.pid == pid) replaced.push_back(id);
+  }
+  for (uint64_t id : replaced) EndSession(id, ReclaimReason::kSessionReplaced);
+
+  Session session;
+  session.id = next_session_id_++;
+  session.role = hello->role();
+  session.pid = pid;
+  session.name = hello->name() != nullptr ? hello->name()->str() : std::string();
+  session.last_seen = now;
+  if (peer) {
+    // Only credentials the kernel vouched for are watched: a pid claimed over tcp:// may
+    // belong to anybody (or to another pid namespace).
+    session.pid_verified = watcher_->Watch(pid).ok();
+  }
+  const uint64_t id = session.id;
+  sessions_.emplace(id, std::move(session));
+
+  auto payload = wire::CreateHelloReply(
+      *reply, id, options_.epoch,
+      static_cast<uint32_t>(absl::ToInt64Milliseconds(options_.heartbeat_interval)),
+      static_cast<uint32_t>(absl::ToInt64Milliseconds(options_.heartbeat_timeout)),
+      ledger_.num_blocks(), ledger_.block_size(), ToWire(options_.hash_algorithm),
+      options_.max_ops_per_step, static_cast<uint32_t>(options_.max_message_bytes));
+  FinishEnvelope(*reply, request_id, id, options_.epoch, wire::Message::HelloReply,
+                 payload.Union());
+}
+
+int32_t CacheManagerService::EndSession(uint64_t session_id, ReclaimReason reason) {
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) return 0;
+  Session& session = it->second;
+  const uint64_t released_before = ledger_.Stats().blocks_released;
+  for (SeqId seq : session.seqs) {
+    const absl::Status freed = ledger_.Free(seq);
+    KVCM_CHECK(freed.ok()) << "session " << session_id << " owned sequence " << seq
+                           << " that the ledger does not know: " << freed.ToString();
+    seq_owner_.erase(seq);
+  }
+  const auto released =
+      static_cast<int32_t>(ledger_.Stats().blocks_released - released_before);
+  const pid_t pid = session.pid;
+  const bool watched = session.pid_verified;
+  sessions_.erase(it);
+  if (watched) {
+    const bool pid_still_used = std::any_of(
+        sessions_.begin(), sessions_.end(),
+        [pid](const auto& entry) { return entry.second.pid_verified && entry.second.pid == pid; });
+    if (!pid_still_used) watcher_->Unwatch(pid);
+  }
+  if (metrics_ != nullptr && released > 0) metrics_->CountReclaimed(reason, released);
+  return released;
+}
+
+void CacheManagerService::OnProcessExited(pid_t pid) {
+  std::vector<uint64_t> ended;
+  for (const auto& [id, session] : sessions_) {
+    if (session.pid == pid && session.pid_verified) ended.push_back(id);
+  }
+  for (uint64_t id : ended) EndSession(id, ReclaimReason::kClientDied);
+  watcher_->Unwatch(pid);
+}
+
+int CacheManagerService::ExpireSessions(absl::Time now) {
+  int quarantined = 0;
+  for (auto& [id, session] : sessions_) {
+    if (!session.quarantined && now - session.last_seen > options_.heartbeat_timeout) {
+      session.quarantined = true;
+      ++quarantined;
+    }
+  }
+  // Sessions holding nothing have nothing to quarantine: end them at once (a kvcmctl that
+  // was killed between calls, an executor that hung).
+  std::vector<uint64_t> empty;
+  for (const auto& [id, session] : sessions_) {
+    if (session.quarantined && session.seqs.empty()) empty.push_back(id);
+  }
+  for (uint64_t id : empty) EndSession(id, ReclaimReason::kClientDied);
+  return quarantined;
+}
+
+int32_t CacheManagerService::QuarantinedBlocks() const {
+  absl::flat_hash_map<BlockId, int32_t> refs;
+  for (const auto& [id, session] : sessions_) {
+    if (!session.quarantined) continue;
+    for (SeqId seq : session.seqs) {
+      auto table = ledger_.BlockTable(seq);
+      KVCM_CHECK(table.ok()) << table.status().ToString();
+      for (BlockId block : *table) {
+        if (block != kNoBlock) ++refs[block];
+      }
+    }
+  }
+  int32_t quarantined = 0;
+  for (const auto& [block, count] : refs) {
+    if (count == ledger_.RefCount(block)) ++quarantined;
+  }
+  return quarantined;
+}
+
+// --- Step ----------------------------------------------------------------------------------
+
+std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
+    const wire::Step& step, const Session& session) {
+  const auto* ops = step.ops();
+  const auto* types = step.ops_type();
+  const size_t n = ops == nullptr ? 0 : ops->size();
+  if ((types == nullptr ? 0 : types->size()) != n) {
+    return Rejection{RejectReason::kMalformed, wire::ErrorCode::Malformed,
+                     "step op types and ops differ in length"};
+  }
+  if (n > static_cast<size_t>(options_.max_ops_per_step)) {
+    return Rejection{RejectReason::kOversized, wire::ErrorCode::InvalidArgument,
+                     absl::StrCat("step of ", n, " ops exceeds the limit of ",
+                                  options_.max_ops_per_step)};
+  }
+  const int64_t max_tokens = int64_t{ledger_.num_blocks()} * ledger_.block_size();
+  int64_t hashes = 0;
+  step_seqs_.clear();
+  // Whether `seq` is live for this session after the ops validated so far; a rejection
+  // if another session owns it or nobody does.
+  auto check_owned = [&](size_t i, wire::StepOp type, SeqId seq) -> std::optional<Rejection> {
+    if (auto it = step_seqs_.find(seq); it != step_seqs_.end()) {
+      if (it->second) return std::nullopt;
+    } else if (auto owner = seq_owner_.find(seq); owner != seq_owner_.end()) {
+      if (owner->second == session.id) return std::nullopt;
+      return Rejection{RejectReason::kWrongOwner, wire::ErrorCode::PermissionDenied,
+                       absl::StrCat("op ", i, " (", OpName(type), "): sequence ", seq,
+                                    " belongs to another session")};
+    }
+    return Rejection{RejectReason::kUnknownSequence, wire::ErrorCode::NotFound,
+                     absl::StrCat("op ", i, " (", OpName(type), "): sequence ", seq,
+                                  " is not live")};
+  };
+  auto check_new = [&](size_t i, wire::StepOp type, SeqId seq) -> std::optional<Rejection> {
+    auto it = step_seqs_.find(seq);
+    const bool live = it != step_seqs_.end() ? it->second : seq_owner_.contains(seq);
+    if (!live) return std::nullopt;
+    return Rejection{RejectReason::kDuplicateSequence, wire::ErrorCode::AlreadyExists,
+                     absl::StrCat("op ", i, " (", OpName(type), "): sequence ", seq,
+                                  " is already live")};
+  };
+  auto invalid = [](size_t i, wire::StepOp type, const std::string& what) {
+    return Rejection{RejectReason::kInvalidArgument, wire::ErrorCode::InvalidArgument,
+                     absl::StrCat("op ", i, " (", OpName(type), "): ", what)};
+  };
+  auto check_tokens = [&](size_t i, wire::StepOp type, int32_t tokens,
+                          const char* field) -> std::optional<Rejection> {
+    if (tokens >= 0 && tokens <= max_tokens) return std::nullopt;
+    return invalid(i, type, absl::StrCat(field, " = ", tokens, " is outside [0, ", max_tokens,
+                                         "] (the pool's capacity in tokens)"));
+  };
+
+  for (size_t i = 0; i < n; ++i) {
+    const auto type = static_cast<wire::StepOp>(types->Get(static_cast<flatbuffers::uoffset_t>(i)));
+    const void* op = ops->Get(static_cast<flatbuffers::uoffset_t>(i));
+    if (op == nullptr) {
+      return Rejection{RejectReason::kMalformed, wire::ErrorCode::Malformed,
+                       absl::StrCat("op ", i, " is empty")};
+    }
+    std::optional<Rejection> bad;
+    switch (type) {
+      case wire::StepOp::AllocateOp: {
+        const auto* a = static_cast<const wire::AllocateOp*>(op);
+        if ((bad = check_tokens(i, type, a->num_tokens(), "num_tokens"))) return bad;
+        const size_t h = HashCount(a->block_hashes());
+        hashes += static_cast<int64_t>(h);
+        if (static_cast<int64_t>(h) > a->num_tokens() / ledger_.block_size()) {
+          return invalid(i, type, absl::StrCat(h, " block hashes for ", a->num_tokens(),
+                                               " tokens (at most one per full block)"));
+        }
+        if ((bad = check_new(i, type, a->seq()))) return bad;
+        step_seqs_[a->seq()] = true;
+        break;
+      }
+      case wire::StepOp::AppendOp: {
+        const auto* a = static_cast<const wire::AppendOp*>(op);
+        if ((bad = check_tokens(i, type, a->num_tokens(), "num_tokens"))) return bad;
+        if ((bad = check_owned(i, type, a->seq()))) return bad;
+        break;
+      }
+      case wire::StepOp::ForkOp: {
+        const auto* f = static_cast<const wire::ForkOp*>(op);
+        if ((bad = check_owned(i, type, f->parent()))) return bad;
+        if ((bad = check_new(i, type, f->child()))) return bad;
+        step_seqs_[f->child()] = true;
+        break;
+      }
+      case wire::StepOp::CommitOp: {
+        const auto* c = static_cast<const wire::CommitOp*>(op);
+        if ((bad = check_tokens(i, type, c->num_committed_tokens(), "num_committed_tokens"))) {
+          return bad;
+        }
+        const size_t h = HashCount(c->new_block_hashes());
+        hashes += static_cast<int64_t>(h);
+        if (static_cast<int64_t>(h) > c->num_committed_tokens() / ledger_.block_size()) {
+          return invalid(i, type, absl::StrCat(h, " new block hashes for ",
+                                               c->num_committed_tokens(),
+                                               " committed tokens"));
+        }
+        if ((bad = check_owned(i, type, c->seq()))) return bad;
+        break;
+      }
+      case wire::StepOp::FreeOp: {
+        const auto* f = static_cast<const wire::FreeOp*>(op);
+        if ((bad = check_owned(i, type, f->seq()))) return bad;
+        step_seqs_[f->seq()] = false;
+        break;
+      }
+      default:
+        return Rejection{RejectReason::kMalformed, wire::ErrorCode::Malformed,
+                         absl::StrCat("op ", i, " has unknown type ",
+                                      static_cast<int>(type))};
+    }
+    if (hashes > options_.max_hashes_per_message) {
+      return Rejection{RejectReason::kOversized, wire::ErrorCode::InvalidArgument,
+                       absl::StrCat("step carries more than ",
+                                    options_.max_hashes_per_message, " block hashes")};
+    }
+  }
+  return std::nullopt;
+}
+
+void CacheManagerService::HandleStep(const wire::Envelope& envelope, Session& session,
+                                     flatbuffers::FlatBufferBuilder* reply) {
+  const uint64_t request_id = envelope.request_id();
+  const wire::Step& step = *envelope.payload_as_Step();
+  if (auto rejection = ValidateStep(step, session)) {
+    return Reject(request_id, *rejection, reply);
+  }
+  const size_t n = step.ops() == nullptr ? 0 : step.ops()->size();
+  std::vector<flatbuffers::Offset<wire::OpResult>> results;
+  results.reserve(n);
+  auto failed = [&](const absl::Status& status) {
+    const auto text = reply->CreateString(status.message().data(), status.message().size());
+    wire::OpResultBuilder result(*reply);
+    result.add_code(ToWireCode(status.code()));
+    result.add_reason(text);
+    return result.Finish();
+  };
+  for (size_t i = 0; i < n; ++i) {
+    const auto index = static_cast<flatbuffers::uoffset_t>(i);
+    const auto type = static_cast<wire::StepOp>(step.ops_type()->Get(index));
+    const void* op = step.ops()->Get(index);
+    switch (type) {
+      case wire::StepOp::AllocateOp: {
+        const auto* a = static_cast<const wire::AllocateOp*>(op);
+        FromWire(a->block_hashes(), &hashes_);
+        auto allocated = ledger_.Allocate(a->seq(), a->num_tokens(), hashes_);
+        if (!allocated.ok()) {
+          results.push_back(failed(allocated.status()));
+          break;
+        }
+        seq_owner_[a->seq()] = session.id;
+        session.seqs.insert(a->seq());
+        auto blocks = reply->CreateVector(allocated->blocks);
+        results.push_back(wire::CreateOpResult(*reply, wire::ErrorCode::Ok, 0, blocks,
+                                               allocated->num_cached_tokens));
+        break;
+      }
+      case wire::StepOp::AppendOp: {
+        const auto* a = static_cast<const wire::AppendOp*>(op);
+        auto appended = ledger_.Append(a->seq(), a->num_tokens());
+        if (!appended.ok()) {
+          results.push_back(failed(appended.status()));
+          break;
+        }
+        auto blocks = reply->CreateVector(appended->new_blocks);
+        std::vector<wire::CopyOrder> copies;
+        copies.reserve(appended->copies.size());
+        for (const CopyOrder& copy : appended->copies) copies.emplace_back(copy.src, copy.dst);
+        auto wire_copies = reply->CreateVectorOfStructs(copies);
+        results.push_back(
+            wire::CreateOpResult(*reply, wire::ErrorCode::Ok, 0, blocks, 0, wire_copies));
+        break;
+      }
+      case wire::StepOp::ForkOp: {
+        const auto* f = static_cast<const wire::ForkOp*>(op);
+        if (absl::Status forked = ledger_.Fork(f->parent(), f->child()); !forked.ok()) {
+          results.push_back(failed(forked));
+          break;
+        }
+        seq_owner_[f->child()] = session.id;
+        session.seqs.insert(f->child());
+        results.push_back(wire::CreateOpResult(*reply));
+        break;
+      }
+      case wire::StepOp::CommitOp: {
+        const auto* c = static_cast<const wire::CommitOp*>(op);
+        FromWire(c->new_block_hashes(), &hashes_);
+        absl::Status committed = ledger_.Commit(c->seq(), c->num_committed_tokens(), hashes_);
+        results.push_back(committed.ok() ? wire::CreateOpResult(*reply) : failed(committed));
+        break;
+      }
+      case wire::StepOp::FreeOp: {
+        const auto* f = static_cast<const wire::FreeOp*>(op);
+        absl::Status freed = ledger_.Free(f->seq());
+        if (freed.ok()) {
+          seq_owner_.erase(f->seq());
+          session.seqs.erase(f->seq());
+        }
+        results.push_back(freed.ok() ? wire::CreateOpResult(*reply) : failed(freed));
+        break;
+      }
+      default:
+        KVCM_CHECK(false) << "op type passed validation but is unknown";
+    }
+  }
+  auto vector = reply->CreateVector(results);
+  auto payload = wire::CreateStepReply(*reply, vector);
+  FinishEnvelope(*reply, request_id, session.id, options_.epoch, wire::Message::StepReply,
+                 payload.Union());
+}
+
+// --- Prefix cache --------------------------------------------------------------------------
+
+std::optional<CacheManagerService::Rejection> CacheManagerService::HandlePrefixRequest(
+    const wire::Envelope& envelope, const Session& session,
+    flatbuffers::FlatBufferBuilder* reply) {
+  const uint64_t request_id = envelope.request_id();
+  auto too_many = [&](size_t count) -> std::optional<Rejection> {
+    if (count <= static_cast<size_t>(options_.max_hashes_per_message)) return std::nullopt;
+    return Rejection{RejectReason::kOversized, wire::ErrorCode::InvalidArgument,
+                     absl::StrCat(count, " block hashes exceed the limit of ",
+                                  options_.max_hashes_per_message)};
+  };
+  auto check_name = [&](const flatbuffers::String* name) -> std::optional<Rejection> {
+    if (name != nullptr && name->size() > 0 && name->size() <= kMaxNameBytes) {
+      return std::nullopt;
+    }
+    return Rejection{RejectReason::kInvalidArgument, wire::ErrorCode::InvalidArgument,
+                     absl::StrCat("a pin needs a name of 1 to ", kMaxNameBytes, " bytes")};
+  };
+  auto ledger_error = [&](const absl::Status& status) {
+    reply->Clear();
+    FinishErrorReply(*reply, request_id, options_.epoch, ToWireCode(status.code()),
+                     std::string_view(status.message().data(), status.message().size()));
+  };
+  switch (envelope.payload_type()) {
+    case wire::Message::Lookup: {
+      const wire::Lookup* lookup = envelope.payload_as_Lookup();
+      if (auto bad = too_many(HashCount(lookup->block_hashes()))) return bad;
+      FromWire(lookup->block_hashes(), &hashes_);
+      auto payload = wire::CreateLookupReply(*reply, ledger_.Lookup(hashes_));
+      FinishEnvelope(*reply, request_id, session.id, options_.epoch,
+                     wire::Message::LookupReply, payload.Union());
+      return std::nullopt;
+    }
+    case wire::Message::Pin: {
+      if (session.role == wire::Role::Executor) {
+        return Rejection{RejectReason::kPermissionDenied, wire::ErrorCode::PermissionDenied,
+                         "executors do not pin prefixes"};
+      }
+      const wire::Pin* pin = envelope.payload_as_Pin();
+      if (auto bad = check_name(pin->name())) return bad;
+      if (auto bad = too_many(HashCount(pin->block_hashes()))) return bad;
+      FromWire(pin->block_hashes(), &hashes_);
+      if (absl::Status pinned = ledger_.Pin(pin->name()->str(), hashes_); !pinned.ok()) {
+        ledger_error(pinned);
+        return std::nullopt;
+      }
+      auto payload = wire::CreatePinReply(*reply);
+      FinishEnvelope(*reply, request_id, session.id, options_.epoch, wire::Message::PinReply,
+                     payload.Union());
+      return std::nullopt;
+    }
+    case wire::Message::Unpin: {
+      if (session.role == wire::Role::Executor) {
+        return Rejection{RejectReason::kPermissionDenied, wire::ErrorCode::PermissionDenied,
+                         "executors do not pin prefixes"};
+      }
+      const wire::Unpin* unpin = envelope.payload_as_Unpin();
+      if (auto bad = check_name(unpin->name())) return bad;
+      if (absl::Status unpinned = ledger_.Unpin(unpin->name()->str()); !unpinned.ok()) {
+        ledger_error(unpinned);
+        return std::nullopt;
+      }
+      auto payload = wire::CreateUnpinReply(*reply);
+      FinishEnvelope(*reply, request_id, session.id, options_.epoch,
+                     wire::Message::UnpinReply, payload.Union());
+      return std::nullopt;
+    }
+    default:
+      return Rejection{RejectReason::kMalformed, wire::ErrorCode::Malformed,
+                       "unexpected request type"};
+  }
+}
+
+// --- Pool and inspection -------------------------------------------------------------------
+
+void CacheManagerService::HandleAttach(const wire::Envelope& envelope,
+                                       flatbuffers::FlatBufferBuilder* reply) {
+  const PoolExport& pool = options_.pool;
+  auto spec = ToWire(*reply, options_.spec);
+  auto layout = wire::CreatePoolLayout(*reply, pool.layer_stride, pool.kv_stride,
+                                       pool.block_stride, pool.token_stride, pool.head_stride,
+                                       pool.elem_bytes, pool.total_bytes);
+  auto path = reply->CreateString(pool.fd_channel_path);
+  auto handle = reply->CreateVector(pool.cuda_ipc_handle);
+  auto descriptor =
+      wire::CreatePoolDescriptor(*reply, spec, ledger_.num_blocks(), layout, pool.backend,
+                                 options_.epoch, path, pool.cuda_device, handle);
+  auto payload = wire::CreateAttachReply(*reply, descriptor);
+  FinishEnvelope(*reply, envelope.request_id(), envelope.session_id(), options_.epoch,
+                 wire::Message::AttachReply, payload.Union());
+}
+
+void CacheManagerService::HandleStats(const wire::Envelope& envelope, absl::Time now,
+                                      flatbuffers::FlatBufferBuilder* reply) {
+  const LedgerStats stats = ledger_.Stats();
+  auto spec = ToWire(*reply, options_.spec);
+  auto events_endpoint = reply->CreateString(options_.events_endpoint);
+  auto metrics_url = reply->CreateString(options_.metrics_url);
+  wire::StatsReplyBuilder out(*reply);
+  out.add_num_blocks(stats.num_blocks);
+  out.add_block_size(stats.block_size);
+  out.add_free_blocks(stats.free_blocks);
+  out.add_in_use_blocks(stats.in_use_blocks);
+  out.add_cached_blocks(stats.cached_blocks);
+  out.add_pinned_blocks(stats.pinned_blocks);
+  out.add_quarantined_blocks(QuarantinedBlocks());
+  out.add_live_sequences(stats.live_sequences);
+  out.add_usage_ratio(stats.usage_ratio);
+  out.add_occupancy_ratio(stats.occupancy_ratio);
+  out.add_prefix_query_tokens(stats.prefix_query_tokens);
+  out.add_prefix_hit_tokens(stats.prefix_hit_tokens);
+  out.add_blocks_allocated(stats.blocks_allocated);
+  out.add_blocks_released(stats.blocks_released);
+  out.add_evictions(stats.evictions);
+  out.add_allocation_failures(stats.allocation_failures);
+  out.add_cow_copies(stats.cow_copies);
+  out.add_epoch(options_.epoch);
+  out.add_sessions(static_cast<uint32_t>(sessions_.size()));
+  out.add_events_published(events_published_);
+  out.add_backend(options_.pool.backend);
+  out.add_pool_bytes(options_.pool.total_bytes);
+  out.add_block_bytes(static_cast<uint64_t>(options_.spec.BytesPerBlock()));
+  out.add_spec(spec);
+  out.add_uptime_seconds(absl::ToDoubleSeconds(now - start_time_));
+  out.add_rejected_messages(rejected_messages_);
+  out.add_events_endpoint(events_endpoint);
+  out.add_metrics_url(metrics_url);
+  auto payload = out.Finish();
+  FinishEnvelope(*reply, envelope.request_id(), envelope.session_id(), options_.epoch,
+                 wire::Message::StatsReply, payload.Union());
+}
+
+CacheManagerSnapshot CacheManagerService::Snapshot() const {
+  CacheManagerSnapshot snapshot;
+  snapshot.ledger = ledger_.Stats();
+  snapshot.quarantined_blocks = QuarantinedBlocks();
+  for (const auto& [id, session] : sessions_) {
+    if (auto role = SessionRoleOf(session.role)) {
+      ++snapshot.sessions_by_role[static_cast<size_t>(*role)];
+    }
+  }
+  snapshot.epoch = options_.epoch;
+  snapshot.events_published = events_published_;
+  return snapshot;
+}
+
+// --- KV events -----------------------------------------------------------------------------
+
+uint64_t CacheManagerService::TakeEventBatch(flatbuffers::FlatBufferBuilder* out) {
+  std::vector<BlockEvent> events = ledger_.TakeEvents();
+  if (events.empty() && !announce_cleared_) return 0;
+  out->Clear();
+  std::vector<flatbuffers::Offset<wire::KvEvent>> encoded;
+  encoded.reserve(events.size() + 1);
+  if (announce_cleared_) {
+    encoded.push_back(EncodeEvent(*out, wire::EventKind::AllBlocksCleared, nullptr, nullptr,
+                                  kNoBlock));
+    announce_cleared_ = false;
+  }
+  for (const BlockEvent& event : events) {
+    switch (event.kind) {
+      case BlockEvent::Kind::kStored:
+        encoded.push_back(EncodeEvent(*out, wire::EventKind::BlockStored, &event.hash,
+                                      &event.parent_hash, event.block));
+        break;
+      case BlockEvent::Kind::kRemoved:
+        encoded.push_back(EncodeEvent(*out, wire::EventKind::BlockRemoved, &event.hash,
+                                      nullptr, event.block));
+        break;
+      case BlockEvent::Kind::kAllCleared:
+        encoded.push_back(EncodeEvent(*out, wire::EventKind::AllBlocksCleared, nullptr,
+                                      nullptr, kNoBlock));
+        break;
+    }
+  }
+  auto vector = out->CreateVector(encoded);
+  const uint64_t seq = ++event_seq_;
+  out->Finish(wire::CreateEventBatch(*out, seq, options_.epoch, vector));
+  events_published_ += encoded.size();
+  return seq;
+}
+
+void CacheManagerService::HandleEventSnapshot(const wire::Envelope& envelope,
+                                              flatbuffers::FlatBufferBuilder* reply) {
+  std::vector<flatbuffers::Offset<wire::KvEvent>> encoded;
+  for (const auto& [block, hash] : ledger_.IndexedBlocks()) {
+    encoded.push_back(
+        EncodeEvent(*reply, wire::EventKind::BlockStored, &hash, nullptr, block));
+  }
+  auto vector = reply->CreateVector(encoded);
+  auto payload = wire::CreateEventSnapshotReply(*reply, event_seq_, options_.epoch, vector);
+  FinishEnvelope(*reply, envelope.request_id(), envelope.session_id(), options_.epoch,
+                 wire::Message::EventSnapshotReply, payload.Union());
+}
+
+}  // namespace kvcm

@@ -1,0 +1,204 @@
+#pragma once
+// CacheManagerService: the cache manager's logic, without sockets. It owns the block ledger
+// and the sessions, turns each verified request into ledger calls and a reply, and turns
+// ledger events into KV event batches. CacheManagerServer (cache_manager_server.h) feeds
+// it messages from the ZeroMQ sockets; tests feed it bytes directly.
+//
+// Request handling (DESIGN.md §5, §6):
+// - Envelope checks (size, Verifier, identifier, version), then the session: a request
+//   other than Hello must carry a session id this cache manager issued and still holds, the
+//   current epoch, and (over ipc://) come from the process that registered it.
+// - A message that fails any check gets an ErrorReply with a code and a reason, changes
+//   nothing, and is counted by reason (kvcm_cache_manager_rejected_messages_total).
+// - Step: the whole op list is validated first (limits, ranges, sequence ids known and
+//   owned by the sender, tracking the step's own allocations and frees in order); any
+//   failure rejects the whole message. Then the ops are applied in order, each with its own
+//   result; an op the ledger refuses (RESOURCE_EXHAUSTED, ...) changes nothing and later
+//   ops still run.
+// - Only routers change sequences (Step). Pins are global and outlive sessions.
+//
+// Sessions and leases:
+// - Every message refreshes its session's lease. A session silent for longer than the
+//   heartbeat timeout is quarantined by ExpireSessions(): its sequences stay allocated (so
+//   their blocks are never handed to anyone else while the client may still run and
+//   write), its requests are refused as StaleSession, and its blocks show as quarantined.
+// - A session's sequences are freed (committed full blocks stay cached) on Goodbye, when
+//   its process dies (OnProcessExited), or when the same process registers again after
+//   being quarantined (it has then given up the old session).
+//
+// Thread safety: none; one thread (the server's socket thread) owns the service.
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/block/block_hash.h"
+#include "common/block/block_ledger.h"
+#include "common/sizing/kv_cache_spec.h"
+#include "common/wire/envelope.h"
+#include "flatbuffers/flatbuffers.h"
+#include "schemas/kvcm_protocol_generated.h"
+#include "services/cache_manager/cache_manager_metrics.h"
+#include "services/cache_manager/peer_credentials.h"
+#include "services/cache_manager/process_watcher.h"
+
+namespace kvcm {
+
+// What an attaching client needs to reach the pool; filled in by the server from the pool
+// memory and sent in every AttachReply.
+struct PoolExport {
+  wire::PoolBackend backend = wire::PoolBackend::Shm;
+  uint64_t layer_stride = 0;
+  uint64_t kv_stride = 0;
+  uint64_t block_stride = 0;
+  uint64_t token_stride = 0;
+  uint64_t head_stride = 0;
+  uint32_t elem_bytes = 0;
+  uint64_t total_bytes = 0;
+  std::string fd_channel_path;              // shm: the Unix socket passing the memfd
+  int32_t cuda_device = -1;                 // cuda
+  std::vector<uint8_t> cuda_ipc_handle;     // cuda: 64 bytes
+};
+
+class CacheManagerService {
+ public:
+  struct Options {
+    KvCacheSpec spec;  // REQUIRES: spec.Validate().ok()
+    // num_blocks, sliding window, pin limit; block_size is taken from spec, and events are
+    // always recorded.
+    BlockLedger::Options ledger;
+    HashAlgorithm hash_algorithm = HashAlgorithm::kSha256;  // announced in HelloReply
+    // Changes at every start; < 2^53 so that the epoch gauge is exact.
+    uint64_t epoch = 1;
+    // Clients heartbeat this often; a session silent for heartbeat_timeout is quarantined.
+    // A short timeout notices hung clients sooner but quarantines clients stalled by a
+    // long GC or swap; keep it several intervals long.
+    absl::Duration heartbeat_interval = absl::Seconds(1);
+    absl::Duration heartbeat_timeout = absl::Seconds(5);
+    // Limits on one message: larger messages are refused as oversized.
+    int32_t max_ops_per_step = 4096;
+    int32_t max_hashes_per_message = 1 << 16;
+    size_t max_message_bytes = kDefaultMaxMessageBytes;
+    PoolExport pool;
+    // Reported in StatsReply so that tools can find them.
+    std::string events_endpoint;
+    std::string metrics_url;
+  };
+
+  // `watcher` and `metrics` must outlive the service; `metrics` may be null (tests).
+  static absl::StatusOr<std::unique_ptr<CacheManagerService>> Create(
+      const Options& options, ProcessWatcher* watcher, CacheManagerMetrics* metrics,
+      absl::Time now);
+
+  // Handles one inbound message and writes exactly one reply envelope into `reply` (which
+  // is cleared first). `peer` is the sender's credentials when known (ipc://).
+  void Handle(const std::optional<PeerCredentials>& peer, std::span<const uint8_t> request,
+              absl::Time now, flatbuffers::FlatBufferBuilder* reply);
+
+  // The process `pid` has exited: its sessions end and their sequences are freed.
+  void OnProcessExited(pid_t pid);
+
+  // Quarantines every active session silent since before now - heartbeat_timeout; returns
+  // how many were quarantined now.
+  int ExpireSessions(absl::Time now);
+
+  // Encodes the ledger events recorded since the last call as one EventBatch (finished
+  // without a file identifier) and returns its sequence number; 0 (and `out` untouched)
+  // if there were none. Numbers start at 1 and increase by one per batch. The first batch
+  // of an epoch is a lone AllBlocksCleared, so that subscribers of an earlier epoch drop
+  // what they knew.
+  uint64_t TakeEventBatch(flatbuffers::FlatBufferBuilder* out);
+
+  // Gauges for the metrics, computed now.
+  CacheManagerSnapshot Snapshot() const;
+
+  uint64_t epoch() const { return options_.epoch; }
+  const BlockLedger& ledger() const { return ledger_; }
+  const Options& options() const { return options_; }
+  int32_t num_sessions() const { return static_cast<int32_t>(sessions_.size()); }
+  uint64_t rejected_messages() const { return rejected_messages_; }
+
+  // Blocks held only by quarantined sessions. O(their blocks).
+  int32_t QuarantinedBlocks() const;
+
+ private:
+  struct Session {
+    uint64_t id = 0;
+    wire::Role role = wire::Role::Unknown;
+    pid_t pid = 0;              // 0 when unknown (tcp:// client)
+    bool pid_verified = false;  // pid came from ipc:// credentials (and is watched)
+    std::string name;
+    absl::Time last_seen;
+    bool quarantined = false;
+    absl::flat_hash_set<SeqId> seqs;  // sequences this session allocated and still owns
+  };
+
+  // A refusal before anything changed.
+  struct Rejection {
+    RejectReason reason;
+    wire::ErrorCode code;
+    std::string message;
+  };
+
+  CacheManagerService(const Options& options, BlockLedger ledger, ProcessWatcher* watcher,
+                      CacheManagerMetrics* metrics, absl::Time now);
+
+  void Reject(uint64_t request_id, const Rejection& rejection,
+              flatbuffers::FlatBufferBuilder* reply);
+  // Session checks for every request but Hello; null (and `rejection` set) on failure.
+  Session* CheckSession(const wire::Envelope& envelope,
+                        const std::optional<PeerCredentials>& peer, Rejection* rejection);
+
+  void HandleHello(const wire::Envelope& envelope, const std::optional<PeerCredentials>& peer,
+                   absl::Time now, flatbuffers::FlatBufferBuilder* reply);
+  void HandleStep(const wire::Envelope& envelope, Session& session,
+                  flatbuffers::FlatBufferBuilder* reply);
+  // Validates a step's op list without changing anything.
+  std::optional<Rejection> ValidateStep(const wire::Step& step, const Session& session);
+  void HandleAttach(const wire::Envelope& envelope, flatbuffers::FlatBufferBuilder* reply);
+  void HandleStats(const wire::Envelope& envelope, absl::Time now,
+                   flatbuffers::FlatBufferBuilder* reply);
+  void HandleEventSnapshot(const wire::Envelope& envelope,
+                           flatbuffers::FlatBufferBuilder* reply);
+  // Pin, Unpin, Lookup: nullopt and a reply written, or a rejection.
+  std::optional<Rejection> HandlePrefixRequest(const wire::Envelope& envelope,
+                                               const Session& session,
+                                               flatbuffers::FlatBufferBuilder* reply);
+
+  // Frees every sequence of `session` and forgets the session; counts reclaimed blocks.
+  // Returns the blocks that became unused.
+  int32_t EndSession(uint64_t session_id, ReclaimReason reason);
+
+  void CountRejected(RejectReason reason);
+
+  const Options options_;
+  BlockLedger ledger_;
+  ProcessWatcher* const watcher_;
+  CacheManagerMetrics* const metrics_;
+  const absl::Time start_time_;
+
+  absl::flat_hash_map<uint64_t, Session> sessions_;
+  absl::flat_hash_map<SeqId, uint64_t> seq_owner_;  // live sequence -> owning session
+  uint64_t next_session_id_ = 1;
+  uint64_t event_seq_ = 0;  // last batch number handed out
+  bool announce_cleared_ = true;
+  uint64_t events_published_ = 0;
+  uint64_t rejected_messages_ = 0;
+
+  // Scratch reused across messages.
+  std::vector<BlockHash> hashes_;
+  absl::flat_hash_map<SeqId, bool> step_seqs_;  // seq -> live after the ops so far
+};
+
+// Role name for logs ("router", "executor", "control", "unknown").
+const char* RoleName(wire::Role role);
+
+}  // namespace kvcm

@@ -1,0 +1,282 @@
+// kvcm-cache-manager: owns the KV block pool and the block ledger; see
+// services/cache_manager/cache_manager_server.h and docs/operations.md.
+//
+// Flags are parsed here into the Options of the pieces below; nothing below main reads
+// flags or the environment. Exit status: 0 after SIGTERM/SIGINT; 1 on a bad command line or
+// a start-up or run failure (already running, port in use, no CUDA device), with the reason
+// on stderr.
+
+#include <signal.h>
+#include <sys/signalfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <vector>
+#include <cstdio>
+#include <optional>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/base/log.h"
+#include "common/base/unique_fd.h"
+#include "common/block/block_hash.h"
+#include "common/memory/pool_memory.h"
+#include "common/metrics/metrics_server.h"
+#include "common/sizing/byte_size.h"
+#include "common/sizing/model_config.h"
+#include "common/sizing/pool_plan.h"
+#include "services/cache_manager/cache_manager_metrics.h"
+#include "services/cache_manager/cache_manager_server.h"
+#include "services/cache_manager/run_directory.h"
+
+ABSL_FLAG(std::string, run_dir, "",
+          "Directory for the sockets and the lock (mode 0700). Default: $XDG_RUNTIME_DIR/kvcm, "
+          "else /tmp/kvcm-$UID.");
+ABSL_FLAG(std::string, backend, "auto",
+          "Pool memory: auto (cuda when a device exists, else shm), shm (memfd shared over a "
+          "Unix socket) or cuda (cudaMalloc shared with CUDA IPC handles).");
+ABSL_FLAG(int32_t, cuda_device, 0, "CUDA device of the pool (cuda backend).");
+ABSL_FLAG(int32_t, block_size, 16, "Tokens per KV block.");
+ABSL_FLAG(int32_t, layers, 0, "KV shape: transformer layers (or --model-config).");
+ABSL_FLAG(int32_t, kv_heads, 0, "KV shape: KV heads per layer (or --model-config).");
+ABSL_FLAG(int32_t, head_dim, 0, "KV shape: elements per head (or --model-config).");
+ABSL_FLAG(std::string, dtype, "",
+          "KV element type: fp32, fp16, bf16, fp8_e4m3, fp8_e5m2. Default: bf16, or the "
+          "model config's torch_dtype.");
+ABSL_FLAG(std::string, model_config, "",
+          "A Hugging Face config.json giving the KV shape instead of --layers/--kv-heads/"
+          "--head-dim.");
+ABSL_FLAG(int64_t, num_blocks, 0, "Pool size as a block count (one of three sizing flags).");
+ABSL_FLAG(std::string, pool_bytes, "",
+          "Pool size as a byte budget, e.g. 24GiB (one of three sizing flags).");
+ABSL_FLAG(double, memory_fraction, 0,
+          "Pool size as a fraction of free memory (device memory for cuda, MemAvailable for "
+          "shm), minus a 10% margin (one of three sizing flags).");
+ABSL_FLAG(std::string, metrics_address, "127.0.0.1:9400",
+          "HOST:PORT serving /metrics (port 0 picks a free one; it is logged).");
+ABSL_FLAG(std::string, tcp_address, "",
+          "Also accept requests on this tcp:// endpoint, e.g. tcp://127.0.0.1:5557. Clients "
+          "over tcp cannot be watched by pid: only heartbeats detect their failure.");
+ABSL_FLAG(int32_t, heartbeat_interval_ms, 1000, "How often clients must heartbeat.");
+ABSL_FLAG(int32_t, heartbeat_timeout_ms, 5000,
+          "Silence after which a client's session is quarantined.");
+ABSL_FLAG(std::string, hash_algorithm, "sha256",
+          "Block hash announced to clients: sha256 or fast128.");
+ABSL_FLAG(int32_t, sliding_window_tokens, 0, "Attention window in tokens; 0 = full.");
+ABSL_FLAG(int32_t, max_pinned_blocks, 0, "Most blocks named pins may hold; 0 = half the pool.");
+ABSL_FLAG(int32_t, max_ops_per_step, 4096, "Most operations in one Step message.");
+
+namespace kvcm {
+namespace {
+
+constexpr char kComponent[] = "kvcm-cache-manager";
+void Log(std::string_view text) { LogLine(kComponent, text); }
+
+absl::StatusOr<KvCacheSpec> SpecFromFlags() {
+  const int32_t block_size = absl::GetFlag(FLAGS_block_size);
+  std::optional<DType> dtype;
+  if (!absl::GetFlag(FLAGS_dtype).empty()) {
+    auto parsed = ParseDType(absl::GetFlag(FLAGS_dtype));
+    if (!parsed.ok()) return parsed.status();
+    dtype = *parsed;
+  }
+  if (!absl::GetFlag(FLAGS_model_config).empty()) {
+    if (absl::GetFlag(FLAGS_layers) != 0 || absl::GetFlag(FLAGS_kv_heads) != 0 ||
+        absl::GetFlag(FLAGS_head_dim) != 0) {
+      return absl::InvalidArgumentError(
+          "give either --model-config or --layers/--kv-heads/--head-dim, not both");
+    }
+    return SpecFromHfConfigFile(absl::GetFlag(FLAGS_model_config), block_size, dtype);
+  }
+  KvCacheSpec spec;
+  spec.num_layers = absl::GetFlag(FLAGS_layers);
+  spec.num_kv_heads = absl::GetFlag(FLAGS_kv_heads);
+  spec.head_dim = absl::GetFlag(FLAGS_head_dim);
+  spec.block_size = block_size;
+  spec.dtype = dtype.value_or(DType::kBFloat16);
+  if (spec.num_layers == 0 || spec.num_kv_heads == 0 || spec.head_dim == 0) {
+    return absl::InvalidArgumentError(
+        "the KV shape is needed: --layers, --kv-heads and --head-dim, or --model-config");
+  }
+  if (absl::Status valid = spec.Validate(); !valid.ok()) return valid;
+  return spec;
+}
+
+// Picks the backend: an explicit cuda without a device is an error, auto falls back.
+absl::StatusOr<PoolBackend> ChooseBackend() {
+  const std::string name = absl::GetFlag(FLAGS_backend);
+  if (name == "auto") {
+    auto devices = CudaDeviceCount();
+    if (devices.ok() && *devices > absl::GetFlag(FLAGS_cuda_device)) return PoolBackend::kCuda;
+    Log(absl::StrCat("backend auto: using shm (",
+                     devices.ok() ? std::string("no such CUDA device")
+                                  : std::string(devices.status().message()),
+                     ")"));
+    return PoolBackend::kShm;
+  }
+  auto backend = ParsePoolBackend(name);
+  if (!backend.ok()) return backend.status();
+  if (*backend == PoolBackend::kCuda) {
+    auto devices = CudaDeviceCount();
+    if (!devices.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "--backend cuda needs a CUDA device: ", devices.status().message()));
+    }
+    if (*devices <= absl::GetFlag(FLAGS_cuda_device)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("--cuda-device ", absl::GetFlag(FLAGS_cuda_device), " does not exist (",
+                       *devices, " device(s))"));
+    }
+  }
+  return *backend;
+}
+
+absl::StatusOr<PoolBudget> BudgetFromFlags(PoolBackend backend) {
+  const int64_t num_blocks = absl::GetFlag(FLAGS_num_blocks);
+  const std::string pool_bytes = absl::GetFlag(FLAGS_pool_bytes);
+  const double fraction = absl::GetFlag(FLAGS_memory_fraction);
+  const int given = (num_blocks != 0) + !pool_bytes.empty() + (fraction != 0);
+  if (given != 1) {
+    return absl::InvalidArgumentError(
+        "give exactly one of --num-blocks, --pool-bytes and --memory-fraction");
+  }
+  if (num_blocks != 0) return PoolBudget::Blocks(num_blocks);
+  if (!pool_bytes.empty()) {
+    auto bytes = ParseByteSize(pool_bytes);
+    if (!bytes.ok()) return bytes.status();
+    return PoolBudget::Bytes(*bytes);
+  }
+  int64_t free_bytes = 0;
+  if (backend == PoolBackend::kCuda) {
+    auto info = CudaMemoryInfo(absl::GetFlag(FLAGS_cuda_device));
+    if (!info.ok()) return info.status();
+    free_bytes = static_cast<int64_t>(info->first);
+  } else {
+    auto available = AvailableHostMemoryBytes();
+    if (!available.ok()) return available.status();
+    free_bytes = static_cast<int64_t>(*available);
+  }
+  return PoolBudget::FractionOfFree(free_bytes, fraction);
+}
+
+int Main() {
+  // SIGTERM/SIGINT arrive through a signalfd polled by the socket thread. Blocked before
+  // any thread starts (ZeroMQ's I/O threads, the metrics server), so every thread inherits
+  // the mask.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  UniqueFd signal_fd(::signalfd(-1, &signals, SFD_CLOEXEC | SFD_NONBLOCK));
+  if (!signal_fd.valid()) {
+    Log("cannot create a signalfd");
+    return 1;
+  }
+  // A client that vanishes must not kill us through a write on its socket.
+  signal(SIGPIPE, SIG_IGN);
+
+  auto fail = [](const absl::Status& status) {
+    Log(absl::StrCat("error: ", status.message()));
+    return 1;
+  };
+
+  auto spec = SpecFromFlags();
+  if (!spec.ok()) return fail(spec.status());
+  auto backend = ChooseBackend();
+  if (!backend.ok()) return fail(backend.status());
+  auto budget = BudgetFromFlags(*backend);
+  if (!budget.ok()) return fail(budget.status());
+  auto plan = PlanPool(*spec, *budget);
+  if (!plan.ok()) return fail(plan.status());
+  auto hash_algorithm = ParseHashAlgorithm(absl::GetFlag(FLAGS_hash_algorithm));
+  if (!hash_algorithm.ok()) return fail(hash_algorithm.status());
+
+  // The lock first: a second instance must fail before it allocates or binds anything.
+  const std::string run_dir_path = absl::GetFlag(FLAGS_run_dir).empty()
+                                       ? RunDirectory::DefaultPath()
+                                       : absl::GetFlag(FLAGS_run_dir);
+  auto run_dir = RunDirectory::Acquire(run_dir_path);
+  if (!run_dir.ok()) return fail(run_dir.status());
+
+  Log(absl::StrCat("pool plan (", std::string(PoolBackendName(*backend)), " backend):\n",
+                   DescribePlan(*plan)));
+  const auto pool_bytes = static_cast<uint64_t>(plan->pool_bytes);
+  absl::StatusOr<std::unique_ptr<PoolMemory>> memory =
+      *backend == PoolBackend::kCuda
+          ? CreateCudaPoolMemory(absl::GetFlag(FLAGS_cuda_device), pool_bytes)
+          : CreateShmPoolMemory(pool_bytes, "kvcm-pool");
+  if (!memory.ok()) return fail(memory.status());
+
+  CacheManagerMetrics::CacheInfo info;
+  info.num_blocks = static_cast<int32_t>(plan->num_blocks);
+  info.block_size = spec->block_size;
+  info.block_bytes = spec->BytesPerBlock();
+  info.pool_bytes = pool_bytes;
+  info.dtype = std::string(DTypeName(spec->dtype));
+  info.backend = std::string(PoolBackendName(*backend));
+  info.hash_algorithm = std::string(HashAlgorithmName(*hash_algorithm));
+  CacheManagerMetrics metrics(info);
+  auto metrics_server =
+      MetricsServer::Start(absl::GetFlag(FLAGS_metrics_address), metrics.registry());
+  if (!metrics_server.ok()) return fail(metrics_server.status());
+
+  CacheManagerService::Options service;
+  service.spec = *spec;
+  service.ledger.num_blocks = static_cast<int32_t>(plan->num_blocks);
+  service.ledger.sliding_window_tokens = absl::GetFlag(FLAGS_sliding_window_tokens);
+  service.ledger.max_pinned_blocks = absl::GetFlag(FLAGS_max_pinned_blocks);
+  service.hash_algorithm = *hash_algorithm;
+  // Microseconds since 1970: different at every start, and below 2^53 until 2255.
+  service.epoch = static_cast<uint64_t>(absl::ToUnixMicros(absl::Now()));
+  service.heartbeat_interval = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_interval_ms));
+  service.heartbeat_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_timeout_ms));
+  service.max_ops_per_step = absl::GetFlag(FLAGS_max_ops_per_step);
+  service.metrics_url = (*metrics_server)->url();
+
+  CacheManagerServer::Options options;
+  options.tcp_endpoint = absl::GetFlag(FLAGS_tcp_address);
+  options.signal_fd = signal_fd.get();
+  auto server = CacheManagerServer::Create(options, *std::move(run_dir), *std::move(memory),
+                                           service, &metrics);
+  if (!server.ok()) return fail(server.status());
+
+  Log(absl::StrCat("ready epoch=", (*server)->epoch(),
+                   " endpoint=", (*server)->request_endpoint(),
+                   " events=", (*server)->event_endpoint(),
+                   " metrics=", (*metrics_server)->url()));
+  const absl::Status ran = (*server)->Run();
+  server->reset();
+  if (!ran.ok()) return fail(ran);
+  Log("stopped");
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvcm
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "owns the KV block pool and serves it to routers and executors.\n"
+      "  kvcm-cache-manager --layers 32 --kv-heads 8 --head-dim 128 --num-blocks 4096\n"
+      "  kvcm-cache-manager --model-config config.json --memory-fraction 0.9");
+  // Flags are spelled with dashes (--run-dir) as in the docs; Abseil names them with
+  // underscores. Rewrite the name part of each --flag[=value] before parsing.
+  std::vector<std::string> args(argv, argv + argc);
+  std::vector<char*> rewritten;
+  for (std::string& arg : args) {
+    if (arg.rfind("--", 0) == 0) {
+      const size_t end = std::min(arg.find('='), arg.size());
+      std::replace(arg.begin() + 2, arg.begin() + static_cast<std::ptrdiff_t>(end), '-', '_');
+    }
+    rewritten.push_back(arg.data());
+  }
+  absl::ParseCommandLine(static_cast<int>(rewritten.size()), rewritten.data());
+  return kvcm::Main();
+}

@@ -1,0 +1,54 @@
+#pragma once
+// RunDirectory: the cache manager's directory of sockets and its single-instance lock
+// (DESIGN.md §2).
+//
+// Acquire() creates the directory (mode 0700; an existing one must belong to this user and
+// is narrowed to 0700), then takes an exclusive flock on `cache-manager.lock` and writes
+// the pid into it. A second cache manager on the same directory fails there with
+// ALREADY_EXISTS naming the first one's pid, before it touches any socket: libzmq would
+// otherwise let it bind the same ipc:// path and silently steal it. The kernel drops the
+// lock when the holder dies, so a crash leaves nothing that blocks a restart; stale socket
+// files are removed by the next holder.
+//
+// Thread safety: plain value; create and destroy on one thread.
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "common/base/unique_fd.h"
+
+namespace kvcm {
+
+class RunDirectory {
+ public:
+  // Endpoint file names inside the directory.
+  static constexpr char kRequestSocket[] = "cache-manager.sock";
+  static constexpr char kEventSocket[] = "events.sock";
+  static constexpr char kFdChannelSocket[] = "pool-fd.sock";
+  static constexpr char kLockFile[] = "cache-manager.lock";
+
+  // $XDG_RUNTIME_DIR/kvcm when set, else /tmp/kvcm-$UID. Read by main() only.
+  static std::string DefaultPath();
+
+  // Errors: ALREADY_EXISTS (another instance holds the lock), PERMISSION_DENIED (directory
+  // owned by another user), INVALID_ARGUMENT (path too long for a Unix socket address),
+  // INTERNAL (mkdir/open failed, with errno text).
+  static absl::StatusOr<RunDirectory> Acquire(const std::string& path);
+
+  RunDirectory(RunDirectory&&) = default;
+  RunDirectory& operator=(RunDirectory&&) = default;
+  // Removes the socket files this instance created, then releases the lock.
+  ~RunDirectory();
+
+  const std::string& path() const { return path_; }
+  std::string File(const char* name) const { return path_ + "/" + name; }
+  std::string IpcEndpoint(const char* name) const { return "ipc://" + File(name); }
+
+ private:
+  RunDirectory(std::string path, UniqueFd lock) : path_(std::move(path)), lock_(std::move(lock)) {}
+
+  std::string path_;
+  UniqueFd lock_;  // holds the flock; invalid after a move
+};
+
+}  // namespace kvcm

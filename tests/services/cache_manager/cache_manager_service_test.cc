@@ -1,0 +1,571 @@
+// CacheManagerService without sockets: every request path, every refusal, leases and
+// events, with an injected clock and a fake process watcher. After each refusal the ledger
+// must be exactly as before (same stats, same invariants).
+
+#include "services/cache_manager/cache_manager_service.h"
+
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "common/wire/convert.h"
+#include "common/wire/envelope.h"
+#include "gtest/gtest.h"
+
+namespace kvcm {
+namespace {
+
+class FakeWatcher : public ProcessWatcher {
+ public:
+  absl::Status Watch(pid_t pid) override {
+    watched.insert(pid);
+    return absl::OkStatus();
+  }
+  void Unwatch(pid_t pid) override { watched.erase(pid); }
+  absl::flat_hash_set<pid_t> watched;
+};
+
+constexpr int32_t kBlocks = 64;
+constexpr int32_t kBlockSize = 4;
+constexpr pid_t kRouterPid = 1000;
+
+BlockHash HashOf(int i) {
+  BlockHash h;
+  h.bytes[0] = static_cast<uint8_t>(i);
+  h.bytes[1] = static_cast<uint8_t>(i >> 8);
+  h.bytes[31] = 0x5a;
+  return h;
+}
+
+// One op of a Step, encoded by the test.
+struct Op {
+  wire::StepOp type;
+  uint64_t seq = 0;
+  int32_t tokens = 0;
+  uint64_t child = 0;
+  std::vector<BlockHash> hashes;
+};
+Op Allocate(uint64_t seq, int32_t tokens, std::vector<BlockHash> hashes = {}) {
+  return {wire::StepOp::AllocateOp, seq, tokens, 0, std::move(hashes)};
+}
+Op Append(uint64_t seq, int32_t tokens) { return {wire::StepOp::AppendOp, seq, tokens, 0, {}}; }
+Op Commit(uint64_t seq, int32_t tokens, std::vector<BlockHash> hashes = {}) {
+  return {wire::StepOp::CommitOp, seq, tokens, 0, std::move(hashes)};
+}
+Op Free(uint64_t seq) { return {wire::StepOp::FreeOp, seq, 0, 0, {}}; }
+Op Fork(uint64_t parent, uint64_t child) { return {wire::StepOp::ForkOp, parent, 0, child, {}}; }
+
+class CacheManagerServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    CacheManagerService::Options options;
+    options.spec.num_layers = 2;
+    options.spec.num_kv_heads = 2;
+    options.spec.head_dim = 8;
+    options.spec.dtype = DType::kFloat16;
+    options.spec.block_size = kBlockSize;
+    options.ledger.num_blocks = kBlocks;
+    options.epoch = 777;
+    options.heartbeat_interval = absl::Seconds(1);
+    options.heartbeat_timeout = absl::Seconds(3);
+    options.max_ops_per_step = 8;
+    options.pool.backend = wire::PoolBackend::Shm;
+    options.pool.total_bytes = 4096;
+    options.pool.fd_channel_path = "/run/kvcm/pool-fd.sock";
+    auto service = CacheManagerService::Create(options, &watcher_, nullptr, now_);
+    ASSERT_TRUE(service.ok()) << service.status();
+    service_ = *std::move(service);
+  }
+
+  // Sends `bytes` as `pid` (ipc:// credentials) and returns the verified reply.
+  const wire::Envelope& Send(std::span<const uint8_t> bytes, pid_t pid = kRouterPid) {
+    PeerCredentials peer{1, 1, pid};
+    service_->Handle(peer, bytes, now_, &reply_);
+    const VerifiedEnvelope verified = VerifyEnvelope(BufferSpan(reply_));
+    EXPECT_EQ(verified.fault, EnvelopeFault::kNone) << verified.reason;
+    return *verified.envelope;
+  }
+
+  template <typename Build>
+  const wire::Envelope& Request(uint64_t session, wire::Message type, Build build,
+                                pid_t pid = kRouterPid, uint64_t epoch = 777) {
+    request_.Clear();
+    flatbuffers::Offset<void> payload = build(request_);
+    FinishEnvelope(request_, ++request_id_, session, epoch, type, payload);
+    return Send(BufferSpan(request_), pid);
+  }
+
+  uint64_t Hello(wire::Role role = wire::Role::Router, pid_t pid = kRouterPid) {
+    const wire::Envelope& reply = Request(
+        0, wire::Message::Hello,
+        [&](flatbuffers::FlatBufferBuilder& b) {
+          return wire::CreateHello(b, role, pid, b.CreateString("test")).Union();
+        },
+        pid, 0);
+    EXPECT_EQ(reply.payload_type(), wire::Message::HelloReply);
+    return reply.payload_type() == wire::Message::HelloReply
+               ? reply.payload_as_HelloReply()->session_id()
+               : 0;
+  }
+
+  const wire::Envelope& Step(uint64_t session, const std::vector<Op>& ops, pid_t pid = kRouterPid) {
+    return Request(
+        session, wire::Message::Step,
+        [&](flatbuffers::FlatBufferBuilder& b) {
+          std::vector<wire::StepOp> types;
+          std::vector<flatbuffers::Offset<void>> values;
+          for (const Op& op : ops) {
+            types.push_back(op.type);
+            switch (op.type) {
+              case wire::StepOp::AllocateOp:
+                values.push_back(
+                    wire::CreateAllocateOp(b, op.seq, op.tokens, ToWire(b, op.hashes)).Union());
+                break;
+              case wire::StepOp::AppendOp:
+                values.push_back(wire::CreateAppendOp(b, op.seq, op.tokens).Union());
+                break;
+              case wire::StepOp::CommitOp:
+                values.push_back(
+                    wire::CreateCommitOp(b, op.seq, op.tokens, ToWire(b, op.hashes)).Union());
+                break;
+              case wire::StepOp::FreeOp:
+                values.push_back(wire::CreateFreeOp(b, op.seq).Union());
+                break;
+              case wire::StepOp::ForkOp:
+                values.push_back(wire::CreateForkOp(b, op.seq, op.child).Union());
+                break;
+              default:
+                break;
+            }
+          }
+          auto type_vector = b.CreateVector(types);
+          auto value_vector = b.CreateVector(values);
+          wire::StepBuilder step(b);
+          step.add_ops_type(type_vector);
+          step.add_ops(value_vector);
+          return step.Finish().Union();
+        },
+        pid);
+  }
+
+  // The error of a reply (Ok if it is not an ErrorReply).
+  static wire::ErrorCode ErrorOf(const wire::Envelope& reply) {
+    return reply.payload_type() == wire::Message::ErrorReply ? reply.payload_as_ErrorReply()->code()
+                                                             : wire::ErrorCode::Ok;
+  }
+
+  // The ledger's observable state, to compare before and after a refused message.
+  std::string LedgerState() const {
+    const LedgerStats s = service_->ledger().Stats();
+    std::string out = absl::StrCat(s.free_blocks, "/", s.in_use_blocks, "/", s.cached_blocks, "/",
+                                   s.pinned_blocks, "/", s.live_sequences, "/", s.blocks_allocated,
+                                   "/", s.blocks_released, ":");
+    for (BlockId b = 0; b < kBlocks; ++b) {
+      absl::StrAppend(&out, service_->ledger().RefCount(b), ",");
+    }
+    return out;
+  }
+
+  void ExpectRefusedUnchanged(std::span<const uint8_t> bytes, wire::ErrorCode code,
+                              pid_t pid = kRouterPid) {
+    const std::string before = LedgerState();
+    const uint64_t rejected = service_->rejected_messages();
+    const wire::Envelope& reply = Send(bytes, pid);
+    ASSERT_EQ(reply.payload_type(), wire::Message::ErrorReply);
+    EXPECT_EQ(reply.payload_as_ErrorReply()->code(), code)
+        << reply.payload_as_ErrorReply()->reason()->str();
+    EXPECT_FALSE(reply.payload_as_ErrorReply()->reason()->str().empty());
+    EXPECT_EQ(LedgerState(), before);
+    EXPECT_EQ(service_->rejected_messages(), rejected + 1);
+    EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
+  }
+
+  FakeWatcher watcher_;
+  absl::Time now_ = absl::FromUnixSeconds(1'000'000);
+  std::unique_ptr<CacheManagerService> service_;
+  flatbuffers::FlatBufferBuilder request_;
+  flatbuffers::FlatBufferBuilder reply_;
+  uint64_t request_id_ = 0;
+};
+
+TEST_F(CacheManagerServiceTest, HelloIssuesSessionsAndWatchesThePid) {
+  const uint64_t a = Hello();
+  const uint64_t b = Hello(wire::Role::Executor, 2000);
+  EXPECT_NE(a, 0u);
+  EXPECT_NE(a, b);
+  EXPECT_TRUE(watcher_.watched.contains(kRouterPid));
+  EXPECT_TRUE(watcher_.watched.contains(2000));
+  EXPECT_EQ(service_->num_sessions(), 2);
+}
+
+TEST_F(CacheManagerServiceTest, HelloWithAnotherProcessPidIsRefused) {
+  const std::string before = LedgerState();
+  const wire::Envelope& reply = Request(
+      0, wire::Message::Hello,
+      [](flatbuffers::FlatBufferBuilder& b) {
+        return wire::CreateHello(b, wire::Role::Router, 4242).Union();
+      },
+      kRouterPid, 0);
+  EXPECT_EQ(ErrorOf(reply), wire::ErrorCode::PermissionDenied);
+  EXPECT_EQ(service_->num_sessions(), 0);
+  EXPECT_EQ(LedgerState(), before);
+}
+
+TEST_F(CacheManagerServiceTest, StepAllocatesAppendsCommitsAndFrees) {
+  const uint64_t s = Hello();
+  const wire::Envelope& reply =
+      Step(s, {Allocate(1, 10, {HashOf(1), HashOf(2)}), Append(1, 3), Commit(1, 12, {HashOf(3)})});
+  ASSERT_EQ(reply.payload_type(), wire::Message::StepReply);
+  const auto* results = reply.payload_as_StepReply()->results();
+  ASSERT_EQ(results->size(), 3u);
+  for (const auto* r : *results) EXPECT_EQ(r->code(), wire::ErrorCode::Ok);
+  EXPECT_EQ(results->Get(0)->blocks()->size(), 3u);  // 10 tokens, block size 4
+  EXPECT_EQ(results->Get(1)->blocks()->size(), 1u);  // 13 tokens need a fourth block
+  EXPECT_EQ(service_->ledger().Stats().in_use_blocks, 4);
+
+  // The same prefix again hits the cache once the first sequence is freed.
+  ASSERT_EQ(Step(s, {Free(1)}).payload_type(), wire::Message::StepReply);
+  const wire::Envelope& again = Step(s, {Allocate(2, 10, {HashOf(1), HashOf(2)})});
+  ASSERT_EQ(again.payload_type(), wire::Message::StepReply);
+  EXPECT_EQ(again.payload_as_StepReply()->results()->Get(0)->num_cached_tokens(), 8);
+  EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
+}
+
+TEST_F(CacheManagerServiceTest, OpsInOneStepSeeEachOther) {
+  const uint64_t s = Hello();
+  const wire::Envelope& reply =
+      Step(s, {Allocate(1, 4), Fork(1, 2), Free(1), Allocate(1, 4), Free(2)});
+  ASSERT_EQ(reply.payload_type(), wire::Message::StepReply);
+  for (const auto* r : *reply.payload_as_StepReply()->results()) {
+    EXPECT_EQ(r->code(), wire::ErrorCode::Ok) << r->reason()->str();
+  }
+  EXPECT_EQ(service_->ledger().Stats().live_sequences, 1);
+}
+
+TEST_F(CacheManagerServiceTest, OpRefusedByTheLedgerFailsAloneAndChangesNothing) {
+  const uint64_t s = Hello();
+  const wire::Envelope& reply =
+      Step(s, {Allocate(1, 8), Allocate(2, kBlocks * kBlockSize), Append(1, 4)});
+  ASSERT_EQ(reply.payload_type(), wire::Message::StepReply);
+  const auto* results = reply.payload_as_StepReply()->results();
+  EXPECT_EQ(results->Get(0)->code(), wire::ErrorCode::Ok);
+  EXPECT_EQ(results->Get(1)->code(), wire::ErrorCode::ResourceExhausted);
+  EXPECT_FALSE(results->Get(1)->reason()->str().empty());
+  EXPECT_EQ(results->Get(2)->code(), wire::ErrorCode::Ok);
+  EXPECT_EQ(service_->ledger().Stats().in_use_blocks, 3);
+  // The refused sequence was never created, so it can be allocated later.
+  EXPECT_EQ(Step(s, {Allocate(2, 4)}).payload_as_StepReply()->results()->Get(0)->code(),
+            wire::ErrorCode::Ok);
+}
+
+TEST_F(CacheManagerServiceTest, GarbageAndTruncatedBuffersAreRefused) {
+  const uint64_t s = Hello();
+  ASSERT_EQ(ErrorOf(Step(s, {Allocate(1, 8)})), wire::ErrorCode::Ok);
+  const uint32_t seed = 20261129;
+  std::printf("seed %u\n", seed);
+  std::mt19937 rng(seed);
+  for (int i = 0; i < 200; ++i) {
+    std::vector<uint8_t> garbage(rng() % 300);
+    for (uint8_t& byte : garbage) byte = static_cast<uint8_t>(rng());
+    ExpectRefusedUnchanged(garbage, wire::ErrorCode::Malformed);
+  }
+  ExpectRefusedUnchanged({}, wire::ErrorCode::Malformed);
+
+  // A valid step (sent once, then undone) replayed cut short at every length.
+  Step(s, {Allocate(5, 8, {HashOf(9)}), Append(1, 4)});
+  const std::vector<uint8_t> bytes(request_.GetBufferPointer(),
+                                   request_.GetBufferPointer() + request_.GetSize());
+  ASSERT_EQ(ErrorOf(Step(s, {Free(5)})), wire::ErrorCode::Ok);
+  for (size_t n = 0; n < bytes.size(); ++n) {
+    ExpectRefusedUnchanged(std::span<const uint8_t>(bytes.data(), n), wire::ErrorCode::Malformed);
+  }
+}
+
+TEST_F(CacheManagerServiceTest, WrongVersionIsRefused) {
+  const uint64_t s = Hello();
+  flatbuffers::FlatBufferBuilder b;
+  auto payload = wire::CreateStats(b);
+  wire::EnvelopeBuilder envelope(b);
+  envelope.add_version(kProtocolVersion + 1);
+  envelope.add_session_id(s);
+  envelope.add_epoch(777);
+  envelope.add_payload_type(wire::Message::Stats);
+  envelope.add_payload(payload.Union());
+  b.Finish(envelope.Finish(), kEnvelopeIdentifier);
+  ExpectRefusedUnchanged(BufferSpan(b), wire::ErrorCode::UnsupportedVersion);
+}
+
+TEST_F(CacheManagerServiceTest, ReplyTypesAreNotRequests) {
+  const uint64_t s = Hello();
+  flatbuffers::FlatBufferBuilder b;
+  FinishEnvelope(b, 1, s, 777, wire::Message::StatsReply, wire::CreateStatsReply(b).Union());
+  ExpectRefusedUnchanged(BufferSpan(b), wire::ErrorCode::Malformed);
+}
+
+TEST_F(CacheManagerServiceTest, SemanticallyBadStepsAreRefusedWhole) {
+  const uint64_t s = Hello();
+  const uint64_t other = Hello(wire::Role::Router, 3000);
+  ASSERT_EQ(ErrorOf(Step(s, {Allocate(1, 8)})), wire::ErrorCode::Ok);
+  ASSERT_EQ(ErrorOf(Step(other, {Allocate(50, 4)}, 3000)), wire::ErrorCode::Ok);
+
+  auto refused = [&](const std::vector<Op>& ops, wire::ErrorCode code) {
+    const std::string before = LedgerState();
+    const uint64_t rejected = service_->rejected_messages();
+    const wire::Envelope& reply = Step(s, ops);
+    EXPECT_EQ(ErrorOf(reply), code);
+    EXPECT_EQ(LedgerState(), before);
+    EXPECT_EQ(service_->rejected_messages(), rejected + 1);
+  };
+  // Out-of-range values; the valid first op must not be applied either.
+  refused({Allocate(2, 4), Allocate(3, -1)}, wire::ErrorCode::InvalidArgument);
+  refused({Allocate(2, 4), Allocate(3, kBlocks * kBlockSize + 1)},
+          wire::ErrorCode::InvalidArgument);
+  refused({Allocate(2, 4, {HashOf(1), HashOf(2)})}, wire::ErrorCode::InvalidArgument);
+  refused({Append(1, -5)}, wire::ErrorCode::InvalidArgument);
+  refused({Commit(1, -1)}, wire::ErrorCode::InvalidArgument);
+  // Unknown sequences, including one freed earlier in the same step.
+  refused({Allocate(2, 4), Append(99, 1)}, wire::ErrorCode::NotFound);
+  refused({Free(1), Commit(1, 4)}, wire::ErrorCode::NotFound);
+  refused({Fork(98, 4)}, wire::ErrorCode::NotFound);
+  // Another session's sequence.
+  refused({Append(50, 1)}, wire::ErrorCode::PermissionDenied);
+  refused({Free(50)}, wire::ErrorCode::PermissionDenied);
+  // Duplicates.
+  refused({Allocate(1, 4)}, wire::ErrorCode::AlreadyExists);
+  refused({Allocate(2, 4), Allocate(2, 4)}, wire::ErrorCode::AlreadyExists);
+  refused({Fork(1, 50)}, wire::ErrorCode::AlreadyExists);
+  // Oversized: more ops than the limit (8 here).
+  refused(std::vector<Op>(9, Append(1, 0)), wire::ErrorCode::InvalidArgument);
+}
+
+TEST_F(CacheManagerServiceTest, OnlyRoutersStep) {
+  const uint64_t e = Hello(wire::Role::Executor, 2000);
+  const std::string before = LedgerState();
+  EXPECT_EQ(ErrorOf(Step(e, {Allocate(1, 4)}, 2000)), wire::ErrorCode::PermissionDenied);
+  EXPECT_EQ(LedgerState(), before);
+}
+
+TEST_F(CacheManagerServiceTest, SessionChecks) {
+  const uint64_t s = Hello();
+  auto stats = [](flatbuffers::FlatBufferBuilder& b) { return wire::CreateStats(b).Union(); };
+  EXPECT_EQ(ErrorOf(Request(0, wire::Message::Stats, stats)), wire::ErrorCode::NotRegistered);
+  EXPECT_EQ(ErrorOf(Request(s + 100, wire::Message::Stats, stats)), wire::ErrorCode::NotRegistered);
+  EXPECT_EQ(ErrorOf(Request(s, wire::Message::Stats, stats, kRouterPid, 776)),
+            wire::ErrorCode::StaleEpoch);
+  // Another process presenting this session id.
+  EXPECT_EQ(ErrorOf(Request(s, wire::Message::Stats, stats, 5555)),
+            wire::ErrorCode::PermissionDenied);
+  EXPECT_EQ(ErrorOf(Request(s, wire::Message::Stats, stats)), wire::ErrorCode::Ok);
+  // After Goodbye the session is stale.
+  Request(s, wire::Message::Goodbye,
+          [](flatbuffers::FlatBufferBuilder& b) { return wire::CreateGoodbye(b).Union(); });
+  EXPECT_EQ(ErrorOf(Request(s, wire::Message::Stats, stats)), wire::ErrorCode::StaleSession);
+}
+
+TEST_F(CacheManagerServiceTest, GoodbyeFreesSequencesAndKeepsCommittedBlocksCached) {
+  const uint64_t s = Hello();
+  ASSERT_EQ(ErrorOf(Step(s, {Allocate(1, 10, {HashOf(1), HashOf(2)}), Commit(1, 10)})),
+            wire::ErrorCode::Ok);
+  const wire::Envelope& bye =
+      Request(s, wire::Message::Goodbye, [](auto& b) { return wire::CreateGoodbye(b).Union(); });
+  ASSERT_EQ(bye.payload_type(), wire::Message::GoodbyeReply);
+  EXPECT_EQ(bye.payload_as_GoodbyeReply()->blocks_released(), 3);
+  const LedgerStats stats = service_->ledger().Stats();
+  EXPECT_EQ(stats.in_use_blocks, 0);
+  EXPECT_EQ(stats.cached_blocks, 2);
+  EXPECT_EQ(stats.live_sequences, 0);
+}
+
+TEST_F(CacheManagerServiceTest, DeadProcessSequencesAreFreed) {
+  const uint64_t s = Hello();
+  const uint64_t survivor = Hello(wire::Role::Router, 3000);
+  ASSERT_EQ(ErrorOf(Step(s, {Allocate(1, 40), Allocate(2, 8)})), wire::ErrorCode::Ok);
+  ASSERT_EQ(ErrorOf(Step(survivor, {Allocate(3, 8)}, 3000)), wire::ErrorCode::Ok);
+  service_->OnProcessExited(kRouterPid);
+  EXPECT_EQ(service_->ledger().Stats().in_use_blocks, 2);
+  EXPECT_FALSE(watcher_.watched.contains(kRouterPid));
+  EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
+  // The survivor's sequence is untouched, and the freed blocks can be reused.
+  EXPECT_EQ(ErrorOf(Step(survivor, {Append(3, 4), Allocate(4, 40)}, 3000)), wire::ErrorCode::Ok);
+}
+
+TEST_F(CacheManagerServiceTest, HungSessionIsQuarantinedThenReplaced) {
+  const uint64_t s = Hello();
+  const uint64_t survivor = Hello(wire::Role::Router, 3000);
+  ASSERT_EQ(ErrorOf(Step(s, {Allocate(1, 40)})), wire::ErrorCode::Ok);  // 10 blocks
+  // The survivor keeps heartbeating; the first goes silent.
+  for (int i = 0; i < 4; ++i) {
+    now_ += absl::Seconds(1);
+    Request(
+        survivor, wire::Message::Heartbeat,
+        [](auto& b) { return wire::CreateHeartbeat(b).Union(); }, 3000);
+    service_->ExpireSessions(now_);
+  }
+  EXPECT_EQ(service_->QuarantinedBlocks(), 10);
+  EXPECT_EQ(service_->Snapshot().quarantined_blocks, 10);
+  // Quarantined blocks are not reissued: the pool has 54 other blocks, not 64.
+  const wire::Envelope& big = Step(survivor, {Allocate(7, 55 * kBlockSize)}, 3000);
+  EXPECT_EQ(big.payload_as_StepReply()->results()->Get(0)->code(),
+            wire::ErrorCode::ResourceExhausted);
+  // The hung client wakes up: its old session is refused, ledger unchanged.
+  const std::string before = LedgerState();
+  EXPECT_EQ(ErrorOf(Step(s, {Append(1, 1)})), wire::ErrorCode::StaleSession);
+  EXPECT_EQ(LedgerState(), before);
+  // It registers anew: the old session's blocks come back.
+  const uint64_t renewed = Hello();
+  EXPECT_NE(renewed, s);
+  EXPECT_EQ(service_->QuarantinedBlocks(), 0);
+  EXPECT_EQ(service_->ledger().Stats().in_use_blocks, 0);
+  EXPECT_EQ(ErrorOf(Step(renewed, {Allocate(1, 4)})), wire::ErrorCode::Ok);
+}
+
+TEST_F(CacheManagerServiceTest, QuarantinedSessionIsFreedWhenItsProcessDies) {
+  const uint64_t s = Hello();
+  ASSERT_EQ(ErrorOf(Step(s, {Allocate(1, 12)})), wire::ErrorCode::Ok);
+  now_ += absl::Seconds(10);
+  EXPECT_EQ(service_->ExpireSessions(now_), 1);
+  EXPECT_EQ(service_->QuarantinedBlocks(), 3);
+  service_->OnProcessExited(kRouterPid);
+  EXPECT_EQ(service_->QuarantinedBlocks(), 0);
+  EXPECT_EQ(service_->ledger().Stats().free_blocks, kBlocks);
+}
+
+TEST_F(CacheManagerServiceTest, PrefixRequests) {
+  const uint64_t s = Hello();
+  ASSERT_EQ(ErrorOf(Step(
+                s, {Allocate(1, 12, {HashOf(1), HashOf(2), HashOf(3)}), Commit(1, 12), Free(1)})),
+            wire::ErrorCode::Ok);
+  std::vector<BlockHash> hashes = {HashOf(1), HashOf(2), HashOf(7)};
+  const wire::Envelope& lookup = Request(s, wire::Message::Lookup, [&](auto& b) {
+    return wire::CreateLookup(b, ToWire(b, hashes)).Union();
+  });
+  ASSERT_EQ(lookup.payload_type(), wire::Message::LookupReply);
+  EXPECT_EQ(lookup.payload_as_LookupReply()->num_cached_blocks(), 2);
+
+  hashes.pop_back();
+  const wire::Envelope& pin = Request(s, wire::Message::Pin, [&](auto& b) {
+    return wire::CreatePin(b, b.CreateString("system"), ToWire(b, hashes)).Union();
+  });
+  ASSERT_EQ(pin.payload_type(), wire::Message::PinReply);
+  EXPECT_EQ(service_->ledger().Stats().pinned_blocks, 2);
+  // Pinning hashes that are not cached: NOT_FOUND from the ledger, nothing changes.
+  const std::string before = LedgerState();
+  std::vector<BlockHash> missing = {HashOf(40)};
+  EXPECT_EQ(ErrorOf(Request(
+                s, wire::Message::Pin,
+                [&](auto& b) {
+                  return wire::CreatePin(b, b.CreateString("other"), ToWire(b, missing)).Union();
+                })),
+            wire::ErrorCode::NotFound);
+  EXPECT_EQ(LedgerState(), before);
+  // A pin without a name is refused.
+  ExpectRefusedUnchanged(
+      [&] {
+        request_.Clear();
+        FinishEnvelope(request_, 1, s, 777, wire::Message::Unpin,
+                       wire::CreateUnpin(request_).Union());
+        return std::vector<uint8_t>(request_.GetBufferPointer(),
+                                    request_.GetBufferPointer() + request_.GetSize());
+      }(),
+      wire::ErrorCode::InvalidArgument);
+  const wire::Envelope& unpin = Request(s, wire::Message::Unpin, [&](auto& b) {
+    return wire::CreateUnpin(b, b.CreateString("system")).Union();
+  });
+  EXPECT_EQ(unpin.payload_type(), wire::Message::UnpinReply);
+  EXPECT_EQ(service_->ledger().Stats().pinned_blocks, 0);
+}
+
+TEST_F(CacheManagerServiceTest, AttachAndStatsDescribeThePool) {
+  const uint64_t s = Hello(wire::Role::Executor, 2000);
+  const wire::Envelope& attach = Request(
+      s, wire::Message::Attach, [](auto& b) { return wire::CreateAttach(b).Union(); }, 2000);
+  ASSERT_EQ(attach.payload_type(), wire::Message::AttachReply);
+  const wire::PoolDescriptor* d = attach.payload_as_AttachReply()->descriptor();
+  EXPECT_EQ(d->num_blocks(), kBlocks);
+  EXPECT_EQ(d->epoch(), 777u);
+  EXPECT_EQ(d->fd_channel_path()->str(), "/run/kvcm/pool-fd.sock");
+  auto spec = FromWire(d->spec());
+  ASSERT_TRUE(spec.ok());
+  EXPECT_EQ(spec->block_size, kBlockSize);
+
+  const wire::Envelope& stats = Request(
+      s, wire::Message::Stats, [](auto& b) { return wire::CreateStats(b).Union(); }, 2000);
+  ASSERT_EQ(stats.payload_type(), wire::Message::StatsReply);
+  const wire::StatsReply* r = stats.payload_as_StatsReply();
+  EXPECT_EQ(r->num_blocks(), kBlocks);
+  EXPECT_EQ(r->free_blocks() + r->in_use_blocks() + r->cached_blocks() + r->pinned_blocks(),
+            kBlocks);
+  EXPECT_EQ(r->sessions(), 1u);
+  EXPECT_EQ(r->block_bytes(), 2u * 2 * 2 * 8 * 2 * kBlockSize);
+}
+
+// Applies event batches to a map, as a subscriber would.
+void ApplyBatch(const wire::EventBatch& batch, absl::flat_hash_map<BlockId, BlockHash>* map) {
+  for (const auto* event : *batch.events()) {
+    const BlockHash hash = event->hash() != nullptr ? FromWire(*event->hash()) : BlockHash{};
+    switch (event->kind()) {
+      case wire::EventKind::BlockStored:
+        (*map)[event->block()] = hash;
+        break;
+      case wire::EventKind::BlockRemoved:
+        map->erase(event->block());
+        break;
+      case wire::EventKind::AllBlocksCleared:
+        map->clear();
+        break;
+    }
+  }
+}
+
+TEST_F(CacheManagerServiceTest, EventBatchesAreNumberedAndAddUpToTheSnapshot) {
+  flatbuffers::FlatBufferBuilder batch;
+  absl::flat_hash_map<BlockId, BlockHash> seen;
+  uint64_t expected_seq = 1;
+  auto drain = [&] {
+    while (const uint64_t seq = service_->TakeEventBatch(&batch)) {
+      EXPECT_EQ(seq, expected_seq++);
+      flatbuffers::Verifier verifier(batch.GetBufferPointer(), batch.GetSize());
+      ASSERT_TRUE(verifier.VerifyBuffer<wire::EventBatch>(nullptr));
+      const auto* decoded = flatbuffers::GetRoot<wire::EventBatch>(batch.GetBufferPointer());
+      EXPECT_EQ(decoded->seq(), seq);
+      EXPECT_EQ(decoded->epoch(), 777u);
+      ApplyBatch(*decoded, &seen);
+    }
+  };
+  drain();  // the epoch's AllBlocksCleared
+  EXPECT_EQ(expected_seq, 2u);
+  const uint64_t s = Hello();
+  const uint32_t seed = 7;
+  std::printf("seed %u\n", seed);
+  std::mt19937 rng(seed);
+  for (int round = 0; round < 50; ++round) {
+    const uint64_t seq = static_cast<uint64_t>(round) + 1;
+    const int blocks = 1 + static_cast<int>(rng() % 6);
+    std::vector<BlockHash> hashes;
+    for (int i = 0; i < blocks; ++i) hashes.push_back(HashOf(static_cast<int>(rng() % 40)));
+    // Chains need distinct hashes within a sequence to be realistic; duplicates are fine
+    // for the ledger (the first stays indexed).
+    Step(s,
+         {Allocate(seq, blocks * kBlockSize, hashes), Commit(seq, blocks * kBlockSize), Free(seq)});
+    drain();
+  }
+  // The snapshot equals what the batches added up to.
+  const wire::Envelope& snapshot = Request(s, wire::Message::EventSnapshot, [](auto& b) {
+    return wire::CreateEventSnapshot(b).Union();
+  });
+  ASSERT_EQ(snapshot.payload_type(), wire::Message::EventSnapshotReply);
+  const auto* reply = snapshot.payload_as_EventSnapshotReply();
+  EXPECT_EQ(reply->seq(), expected_seq - 1);
+  absl::flat_hash_map<BlockId, BlockHash> from_snapshot;
+  for (const auto* event : *reply->events()) {
+    from_snapshot[event->block()] = FromWire(*event->hash());
+  }
+  EXPECT_EQ(from_snapshot.size(), seen.size());
+  EXPECT_TRUE(from_snapshot == seen);
+  EXPECT_GT(seen.size(), 0u);
+}
+
+}  // namespace
+}  // namespace kvcm
