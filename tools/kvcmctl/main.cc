@@ -15,7 +15,10 @@
 
 #include "absl/strings/str_format.h"
 #include "tools/kvcmctl/command.h"
+#include "tools/kvcmctl/info_command.h"
 #include "tools/kvcmctl/plan_command.h"
+#include "tools/kvcmctl/stats_command.h"
+#include "tools/kvcmctl/watch_command.h"
 
 namespace kvcm::kvcmctl {
 namespace {
@@ -23,6 +26,10 @@ namespace {
 constexpr Command kCommands[] = {
     {"plan", "size a KV-cache pool: blocks, bytes and tokens for a model and a budget",
      &RunPlanCommand},
+    {"info", "a running cache manager's pool: spec, block bytes, blocks, backend, epoch",
+     &RunInfoCommand},
+    {"stats", "a running cache manager's blocks by state, hit rate and counters", &RunStatsCommand},
+    {"watch", "one line of cache statistics per interval", &RunWatchCommand},
 };
 
 void PrintUsage(std::ostream& os) {

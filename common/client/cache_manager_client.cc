@@ -1,0 +1,726 @@
+#include "common/client/cache_manager_client.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/base/check.h"
+#include "common/base/status_macros.h"
+#include "common/memory/fd_channel.h"
+#include "common/transport/zmq_util.h"
+#include "common/wire/convert.h"
+#include "common/wire/envelope.h"
+
+namespace kvcm {
+namespace {
+
+// Replies may be larger than requests (an EventSnapshot of a big prefix index); this caps
+// what the client verifies, far above any real reply and below FlatBuffers' 2 GiB.
+constexpr size_t kMaxReplyBytes = size_t{1} << 30;
+// Hello's name limit (schemas/kvcm_protocol.fbs).
+constexpr size_t kMaxNameBytes = 128;
+
+std::string MessageName(wire::Message type) { return wire::EnumNameMessage(type); }
+
+bool IsSessionGone(wire::ErrorCode code) {
+  return code == wire::ErrorCode::NotRegistered || code == wire::ErrorCode::StaleSession ||
+         code == wire::ErrorCode::StaleEpoch;
+}
+
+std::string ReasonOf(const wire::ErrorReply* error) {
+  return error->reason() == nullptr ? std::string() : error->reason()->str();
+}
+
+absl::Status ProtocolError(absl::string_view what) {
+  return absl::InternalError(absl::StrCat("cache manager protocol error: ", what));
+}
+
+PoolBackend FromWireBackend(wire::PoolBackend backend) {
+  return backend == wire::PoolBackend::Cuda ? PoolBackend::kCuda : PoolBackend::kShm;
+}
+
+// The payload of a reply whose type Exchange() has checked. VerifyEnvelope guarantees a
+// payload, so the CHECK states what is already true.
+template <typename T>
+const T& PayloadAs(const wire::Envelope* envelope) {
+  const void* payload = envelope->payload();
+  KVCM_CHECK(payload != nullptr);
+  return *static_cast<const T*>(payload);
+}
+
+BlockHash HashFromWire(const wire::BlockHash* hash) {
+  BlockHash out;
+  std::memcpy(out.bytes.data(), hash->bytes()->Data(), out.bytes.size());
+  return out;
+}
+
+// Configures a socket for a client: no lingering on close, so neither a destructor nor
+// process exit blocks on unsent requests to a cache manager that is gone; and a send that
+// finds the queue full (a cache manager that stopped reading) waits at most `send_timeout`.
+void ConfigureDealer(zmq::socket_t& socket, absl::Duration send_timeout) {
+  socket.set(zmq::sockopt::linger, 0);
+  socket.set(zmq::sockopt::sndtimeo,
+             static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(send_timeout),
+                                                std::numeric_limits<int>::max())));
+}
+
+}  // namespace
+
+// ---- StepBatch ------------------------------------------------------------------------------
+
+StepBatch& StepBatch::Allocate(uint64_t seq, int32_t num_tokens,
+                               std::span<const BlockHash> block_hashes) {
+  Op op;
+  op.kind = wire::StepOp::AllocateOp;
+  op.seq = seq;
+  op.num_tokens = num_tokens;
+  op.hashes.assign(block_hashes.begin(), block_hashes.end());
+  ops_.push_back(std::move(op));
+  return *this;
+}
+
+StepBatch& StepBatch::Append(uint64_t seq, int32_t num_tokens) {
+  Op op;
+  op.kind = wire::StepOp::AppendOp;
+  op.seq = seq;
+  op.num_tokens = num_tokens;
+  ops_.push_back(std::move(op));
+  return *this;
+}
+
+StepBatch& StepBatch::Fork(uint64_t parent, uint64_t child) {
+  Op op;
+  op.kind = wire::StepOp::ForkOp;
+  op.seq = parent;
+  op.child = child;
+  ops_.push_back(std::move(op));
+  return *this;
+}
+
+StepBatch& StepBatch::Commit(uint64_t seq, int32_t num_committed_tokens,
+                             std::span<const BlockHash> new_block_hashes) {
+  Op op;
+  op.kind = wire::StepOp::CommitOp;
+  op.seq = seq;
+  op.num_tokens = num_committed_tokens;
+  op.hashes.assign(new_block_hashes.begin(), new_block_hashes.end());
+  ops_.push_back(std::move(op));
+  return *this;
+}
+
+StepBatch& StepBatch::Free(uint64_t seq) {
+  Op op;
+  op.kind = wire::StepOp::FreeOp;
+  op.seq = seq;
+  ops_.push_back(std::move(op));
+  return *this;
+}
+
+// ---- Decoding helpers -----------------------------------------------------------------------
+
+absl::StatusOr<std::vector<KvEventRecord>> DecodeKvEvents(
+    const flatbuffers::Vector<flatbuffers::Offset<wire::KvEvent>>* events) {
+  std::vector<KvEventRecord> out;
+  if (events == nullptr) return out;
+  out.reserve(events->size());
+  for (flatbuffers::uoffset_t i = 0; i < events->size(); ++i) {
+    const wire::KvEvent* event = events->Get(i);
+    KvEventRecord record;
+    switch (event->kind()) {
+      case wire::EventKind::BlockStored:
+        record.kind = KvEventKind::kBlockStored;
+        break;
+      case wire::EventKind::BlockRemoved:
+        record.kind = KvEventKind::kBlockRemoved;
+        break;
+      case wire::EventKind::AllBlocksCleared:
+        record.kind = KvEventKind::kAllBlocksCleared;
+        break;
+      default:
+        return ProtocolError(
+            absl::StrCat("KV event ", i, " has unknown kind ", static_cast<int>(event->kind())));
+    }
+    if (record.kind != KvEventKind::kAllBlocksCleared) {
+      if (event->hash() == nullptr) {
+        return ProtocolError(absl::StrCat("KV event ", i, " has no block hash"));
+      }
+      record.hash = HashFromWire(event->hash());
+      record.block = event->block();
+    }
+    if (event->parent_hash() != nullptr) record.parent_hash = HashFromWire(event->parent_hash());
+    out.push_back(record);
+  }
+  return out;
+}
+
+absl::StatusOr<AttachedPool> CheckPoolDescriptor(const wire::PoolDescriptor* descriptor,
+                                                 int32_t expected_num_blocks) {
+  auto bad = [](auto&&... parts) {
+    return ProtocolError(absl::StrCat("pool descriptor: ", parts...));
+  };
+  if (descriptor == nullptr) return bad("missing");
+  AttachedPool pool;
+  absl::StatusOr<KvCacheSpec> spec = FromWire(descriptor->spec());
+  if (!spec.ok()) return bad(spec.status().message());
+  pool.spec = *spec;
+  pool.num_blocks = descriptor->num_blocks();
+  if (pool.num_blocks <= 0) return bad("num_blocks is ", pool.num_blocks);
+  if (expected_num_blocks > 0 && pool.num_blocks != expected_num_blocks) {
+    return bad("num_blocks is ", pool.num_blocks, " but Hello announced ", expected_num_blocks);
+  }
+  pool.backend = FromWireBackend(descriptor->backend());
+  if (descriptor->backend() != wire::PoolBackend::Shm &&
+      descriptor->backend() != wire::PoolBackend::Cuda) {
+    return bad("unknown backend ", static_cast<int>(descriptor->backend()));
+  }
+  pool.epoch = descriptor->epoch();
+
+  absl::StatusOr<PoolLayout> expected = PoolLayout::For(pool.spec, pool.num_blocks);
+  if (!expected.ok()) return bad(expected.status().message());
+  const wire::PoolLayout* layout = descriptor->layout();
+  if (layout == nullptr) return bad("layout missing");
+  const struct {
+    const char* name;
+    uint64_t got;
+    int64_t want;
+  } fields[] = {
+      {"elem_bytes", layout->elem_bytes(), expected->elem_bytes},
+      {"head_stride", layout->head_stride(), expected->head_stride},
+      {"token_stride", layout->token_stride(), expected->token_stride},
+      {"block_stride", layout->block_stride(), expected->block_stride},
+      {"kv_stride", layout->kv_stride(), expected->kv_stride},
+      {"layer_stride", layout->layer_stride(), expected->layer_stride},
+      {"total_bytes", layout->total_bytes(), expected->total_bytes},
+  };
+  for (const auto& field : fields) {
+    if (field.got != static_cast<uint64_t>(field.want)) {
+      return bad("layout.", field.name, " is ", field.got, " but ", pool.spec.ToString(), " with ",
+                 pool.num_blocks, " blocks needs ", field.want,
+                 " ([layer][K|V][block][token][kv head][dim])");
+    }
+  }
+  pool.layout = *expected;
+  return pool;
+}
+
+// ---- CacheManagerClient ---------------------------------------------------------------------
+
+CacheManagerClient::CacheManagerClient(Options options)
+    : options_(std::move(options)), context_(1), socket_(context_, zmq::socket_type::dealer) {
+  ConfigureDealer(socket_, options_.call_timeout);
+}
+
+absl::StatusOr<std::unique_ptr<CacheManagerClient>> CacheManagerClient::Connect(Options options) {
+  if (options.endpoint.empty()) {
+    return absl::InvalidArgumentError("cache manager endpoint is empty");
+  }
+  if (options.name.size() > kMaxNameBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("client name is ", options.name.size(), " bytes; at most ", kMaxNameBytes));
+  }
+  if (options.call_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("call_timeout must be positive");
+  }
+  KVCM_RETURN_IF_ERROR(ProbeIpcListener(options.endpoint));
+  std::unique_ptr<CacheManagerClient> client(new CacheManagerClient(std::move(options)));
+  try {
+    client->socket_.connect(client->options_.endpoint);
+  } catch (const zmq::error_t& error) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot connect to ", client->options_.endpoint, ": ", error.what()));
+  }
+  KVCM_RETURN_IF_ERROR(client->Register());
+  if (client->options_.heartbeats) KVCM_RETURN_IF_ERROR(client->StartHeartbeats());
+  return client;
+}
+
+CacheManagerClient::~CacheManagerClient() { StopHeartbeats(); }
+
+uint64_t CacheManagerClient::session_id() const {
+  std::lock_guard<std::mutex> lock(session_mu_);
+  return session_.session_id;
+}
+
+uint64_t CacheManagerClient::epoch() const {
+  std::lock_guard<std::mutex> lock(session_mu_);
+  return session_.epoch;
+}
+
+SessionInfo CacheManagerClient::session() const {
+  std::lock_guard<std::mutex> lock(session_mu_);
+  return session_;
+}
+
+std::pair<SessionInfo, uint64_t> CacheManagerClient::SessionAndGeneration() const {
+  std::lock_guard<std::mutex> lock(session_mu_);
+  return {session_, generation_};
+}
+
+bool CacheManagerClient::session_lost() const {
+  const uint64_t lost = lost_generation_.load();
+  if (lost == 0) return false;
+  std::lock_guard<std::mutex> lock(session_mu_);
+  return lost == generation_ && session_.session_id != 0;
+}
+
+absl::StatusOr<CacheManagerClient::Reply> CacheManagerClient::Exchange(
+    flatbuffers::FlatBufferBuilder& builder, uint64_t request_id, wire::Message request_type,
+    wire::Message reply_type) {
+  const absl::Time deadline = absl::Now() + options_.call_timeout;
+  const auto no_answer = [&] {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "cache manager at ", options_.endpoint, " did not answer ", MessageName(request_type),
+        " within ", absl::FormatDuration(options_.call_timeout)));
+  };
+  if (absl::Status sent = SendFrame(socket_, BufferSpan(builder)); !sent.ok()) {
+    // A full send queue: the cache manager has not read earlier requests for call_timeout.
+    if (absl::IsResourceExhausted(sent)) return no_answer();
+    return sent;
+  }
+  while (true) {
+    KVCM_ASSIGN_OR_RETURN(std::vector<zmq::message_t> frames,
+                          ReceiveMessageUntil(socket_, deadline));
+    if (frames.empty()) return no_answer();
+    if (frames.size() != 1) {
+      return ProtocolError(absl::StrCat("reply to ", MessageName(request_type), " has ",
+                                        frames.size(), " frames; expected 1"));
+    }
+    Reply reply;
+    reply.frame = std::move(frames[0]);
+    VerifiedEnvelope verified = VerifyEnvelope(FrameBytes(reply.frame), kMaxReplyBytes);
+    if (verified.envelope == nullptr) {
+      return ProtocolError(
+          absl::StrCat("reply to ", MessageName(request_type), " refused: ", verified.reason));
+    }
+    // A reply to an earlier call that timed out: its caller has given up.
+    if (verified.envelope->request_id() != request_id) continue;
+    reply.envelope = verified.envelope;
+    const wire::Message type = reply.envelope->payload_type();
+    if (type != reply_type && type != wire::Message::ErrorReply) {
+      return ProtocolError(absl::StrCat("reply to ", MessageName(request_type), " is a ",
+                                        MessageName(type), "; expected ", MessageName(reply_type)));
+    }
+    return reply;
+  }
+}
+
+absl::Status CacheManagerClient::Register() {
+  flatbuffers::FlatBufferBuilder builder(256);
+  const auto name = builder.CreateString(options_.name);
+  const auto hello =
+      wire::CreateHello(builder, options_.role, static_cast<int32_t>(getpid()), name);
+  const uint64_t request_id = next_request_id_++;
+  FinishEnvelope(builder, request_id, /*session_id=*/0, /*epoch=*/0, wire::Message::Hello,
+                 hello.Union());
+  KVCM_ASSIGN_OR_RETURN(
+      Reply reply, Exchange(builder, request_id, wire::Message::Hello, wire::Message::HelloReply));
+  if (const wire::ErrorReply* error = reply.envelope->payload_as_ErrorReply()) {
+    const absl::Status status = FromWire(error->code(), ReasonOf(error));
+    return absl::Status(status.code(),
+                        absl::StrCat("cache manager at ", options_.endpoint,
+                                     " refused Hello: ", std::string(status.message())));
+  }
+  const wire::HelloReply* hello_reply = &PayloadAs<wire::HelloReply>(reply.envelope);
+  if (hello_reply->session_id() == 0 || hello_reply->epoch() == 0) {
+    return ProtocolError("HelloReply without a session id or epoch");
+  }
+  SessionInfo info;
+  info.session_id = hello_reply->session_id();
+  info.epoch = hello_reply->epoch();
+  info.heartbeat_interval = absl::Milliseconds(hello_reply->heartbeat_interval_ms());
+  info.heartbeat_timeout = absl::Milliseconds(hello_reply->heartbeat_timeout_ms());
+  info.num_blocks = hello_reply->num_blocks();
+  info.block_size = hello_reply->block_size();
+  absl::StatusOr<HashAlgorithm> algorithm = FromWire(hello_reply->hash_algorithm());
+  if (!algorithm.ok()) return ProtocolError(algorithm.status().message());
+  info.hash_algorithm = *algorithm;
+  info.max_ops_per_step = hello_reply->max_ops_per_step();
+  info.max_message_bytes = hello_reply->max_message_bytes();
+  {
+    std::lock_guard<std::mutex> lock(session_mu_);
+    session_ = info;
+    ++generation_;
+  }
+  said_goodbye_ = false;
+  return absl::OkStatus();
+}
+
+absl::Status CacheManagerClient::Reregister(std::string_view why) {
+  const SessionInfo old_session = session();
+  KVCM_RETURN_IF_ERROR(Register());
+  const SessionInfo new_session = session();
+  if (new_session.epoch != old_session.epoch) {
+    return absl::AbortedError(absl::StrCat(
+        "cache manager restarted: epoch ", old_session.epoch, " -> ", new_session.epoch,
+        "; sequences and mappings of the old epoch are gone (", std::string(why), ")"));
+  }
+  return absl::AbortedError(absl::StrCat("cache manager ended session ", old_session.session_id,
+                                         " (", std::string(why), "); registered again as session ",
+                                         new_session.session_id, " in epoch ", new_session.epoch,
+                                         "; sequences of the old session are gone"));
+}
+
+absl::Status CacheManagerClient::CheckSession() {
+  if (said_goodbye_) {
+    return absl::FailedPreconditionError(
+        "no session: this client said Goodbye; call EnsureSession() to register again");
+  }
+  if (session_lost()) {
+    return Reregister("its heartbeat was refused");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CacheManagerClient::EnsureSession() {
+  if (said_goodbye_) return Register();
+  return CheckSession();
+}
+
+absl::StatusOr<CacheManagerClient::Reply> CacheManagerClient::Call(
+    flatbuffers::FlatBufferBuilder& builder, wire::Message type, flatbuffers::Offset<void> payload,
+    wire::Message reply_type) {
+  KVCM_RETURN_IF_ERROR(CheckSession());
+  const SessionInfo current = session();
+  const uint64_t request_id = next_request_id_++;
+  FinishEnvelope(builder, request_id, current.session_id, current.epoch, type, payload);
+  KVCM_ASSIGN_OR_RETURN(Reply reply, Exchange(builder, request_id, type, reply_type));
+  if (const wire::ErrorReply* error = reply.envelope->payload_as_ErrorReply()) {
+    const std::string reason = ReasonOf(error);
+    if (IsSessionGone(error->code())) {
+      return Reregister(absl::StrCat(std::string(WireCodeName(error->code())),
+                                     reason.empty() ? "" : ": ", reason));
+    }
+    return FromWire(error->code(), reason);
+  }
+  return reply;
+}
+
+absl::StatusOr<std::vector<OpOutcome>> CacheManagerClient::Step(const StepBatch& batch) {
+  if (batch.empty()) return std::vector<OpOutcome>{};
+  const int32_t max_ops = session().max_ops_per_step;
+  if (max_ops > 0 && batch.size() > static_cast<size_t>(max_ops)) {
+    return absl::InvalidArgumentError(absl::StrCat("step of ", batch.size(),
+                                                   " ops exceeds the cache manager's limit of ",
+                                                   max_ops, " ops per step"));
+  }
+  flatbuffers::FlatBufferBuilder builder(256 + batch.size() * 64);
+  std::vector<wire::StepOp> types;
+  std::vector<flatbuffers::Offset<void>> ops;
+  types.reserve(batch.size());
+  ops.reserve(batch.size());
+  for (const StepBatch::Op& op : batch.ops()) {
+    flatbuffers::Offset<void> offset;
+    switch (op.kind) {
+      case wire::StepOp::AllocateOp:
+        offset = wire::CreateAllocateOp(builder, op.seq, op.num_tokens, ToWire(builder, op.hashes))
+                     .Union();
+        break;
+      case wire::StepOp::AppendOp:
+        offset = wire::CreateAppendOp(builder, op.seq, op.num_tokens).Union();
+        break;
+      case wire::StepOp::ForkOp:
+        offset = wire::CreateForkOp(builder, op.seq, op.child).Union();
+        break;
+      case wire::StepOp::CommitOp:
+        offset = wire::CreateCommitOp(builder, op.seq, op.num_tokens, ToWire(builder, op.hashes))
+                     .Union();
+        break;
+      case wire::StepOp::FreeOp:
+        offset = wire::CreateFreeOp(builder, op.seq).Union();
+        break;
+      case wire::StepOp::NONE:
+        return absl::InvalidArgumentError("step op without a kind");
+    }
+    types.push_back(op.kind);
+    ops.push_back(offset);
+  }
+  const auto step =
+      wire::CreateStep(builder, builder.CreateVector(types), builder.CreateVector(ops));
+  KVCM_ASSIGN_OR_RETURN(Reply reply,
+                        Call(builder, wire::Message::Step, step.Union(), wire::Message::StepReply));
+  const auto* results = PayloadAs<wire::StepReply>(reply.envelope).results();
+  const size_t count = results == nullptr ? 0 : results->size();
+  if (count != batch.size()) {
+    return ProtocolError(
+        absl::StrCat("StepReply has ", count, " results for ", batch.size(), " ops"));
+  }
+  std::vector<OpOutcome> outcomes(count);
+  for (size_t i = 0; i < count; ++i) {
+    const wire::OpResult* result = results->Get(static_cast<flatbuffers::uoffset_t>(i));
+    OpOutcome& outcome = outcomes[i];
+    outcome.status =
+        FromWire(result->code(), result->reason() == nullptr ? std::string_view()
+                                                             : result->reason()->string_view());
+    if (const auto* blocks = result->blocks(); blocks != nullptr) {
+      outcome.blocks.assign(blocks->begin(), blocks->end());
+    }
+    outcome.num_cached_tokens = result->num_cached_tokens();
+    if (const auto* copies = result->copies(); copies != nullptr) {
+      outcome.copies.reserve(copies->size());
+      for (flatbuffers::uoffset_t c = 0; c < copies->size(); ++c) {
+        const wire::CopyOrder* copy = copies->Get(c);
+        outcome.copies.emplace_back(copy->src(), copy->dst());
+      }
+    }
+  }
+  return outcomes;
+}
+
+absl::StatusOr<int32_t> CacheManagerClient::Lookup(std::span<const BlockHash> block_hashes) {
+  flatbuffers::FlatBufferBuilder builder(128 + block_hashes.size_bytes());
+  const auto lookup = wire::CreateLookup(builder, ToWire(builder, block_hashes));
+  KVCM_ASSIGN_OR_RETURN(Reply reply, Call(builder, wire::Message::Lookup, lookup.Union(),
+                                          wire::Message::LookupReply));
+  const int32_t cached = PayloadAs<wire::LookupReply>(reply.envelope).num_cached_blocks();
+  if (cached < 0 || static_cast<size_t>(cached) > block_hashes.size()) {
+    return ProtocolError(absl::StrCat("LookupReply says ", cached, " of ", block_hashes.size(),
+                                      " blocks are cached"));
+  }
+  return cached;
+}
+
+absl::Status CacheManagerClient::Pin(std::string_view name,
+                                     std::span<const BlockHash> block_hashes) {
+  flatbuffers::FlatBufferBuilder builder(128 + block_hashes.size_bytes());
+  const auto text = builder.CreateString(name.data(), name.size());
+  const auto pin = wire::CreatePin(builder, text, ToWire(builder, block_hashes));
+  return Call(builder, wire::Message::Pin, pin.Union(), wire::Message::PinReply).status();
+}
+
+absl::Status CacheManagerClient::Unpin(std::string_view name) {
+  flatbuffers::FlatBufferBuilder builder(128);
+  const auto text = builder.CreateString(name.data(), name.size());
+  const auto unpin = wire::CreateUnpin(builder, text);
+  return Call(builder, wire::Message::Unpin, unpin.Union(), wire::Message::UnpinReply).status();
+}
+
+absl::StatusOr<StatsSnapshot> CacheManagerClient::Stats() {
+  flatbuffers::FlatBufferBuilder builder(128);
+  const auto stats = wire::CreateStats(builder);
+  KVCM_ASSIGN_OR_RETURN(
+      Reply reply, Call(builder, wire::Message::Stats, stats.Union(), wire::Message::StatsReply));
+  const wire::StatsReply* r = &PayloadAs<wire::StatsReply>(reply.envelope);
+  StatsSnapshot s;
+  s.num_blocks = r->num_blocks();
+  s.block_size = r->block_size();
+  s.free_blocks = r->free_blocks();
+  s.in_use_blocks = r->in_use_blocks();
+  s.cached_blocks = r->cached_blocks();
+  s.pinned_blocks = r->pinned_blocks();
+  s.quarantined_blocks = r->quarantined_blocks();
+  s.live_sequences = r->live_sequences();
+  s.usage_ratio = r->usage_ratio();
+  s.occupancy_ratio = r->occupancy_ratio();
+  s.prefix_query_tokens = r->prefix_query_tokens();
+  s.prefix_hit_tokens = r->prefix_hit_tokens();
+  s.blocks_allocated = r->blocks_allocated();
+  s.blocks_released = r->blocks_released();
+  s.evictions = r->evictions();
+  s.allocation_failures = r->allocation_failures();
+  s.cow_copies = r->cow_copies();
+  s.epoch = r->epoch();
+  s.sessions = r->sessions();
+  s.events_published = r->events_published();
+  s.backend = FromWireBackend(r->backend());
+  s.pool_bytes = r->pool_bytes();
+  s.block_bytes = r->block_bytes();
+  if (r->spec() != nullptr) {
+    absl::StatusOr<KvCacheSpec> spec = FromWire(r->spec());
+    if (!spec.ok()) return ProtocolError(absl::StrCat("StatsReply: ", spec.status().message()));
+    s.spec = *spec;
+  }
+  s.uptime_seconds = r->uptime_seconds();
+  s.rejected_messages = r->rejected_messages();
+  if (r->events_endpoint() != nullptr) s.events_endpoint = r->events_endpoint()->str();
+  if (r->metrics_url() != nullptr) s.metrics_url = r->metrics_url()->str();
+  return s;
+}
+
+absl::StatusOr<EventSnapshot> CacheManagerClient::Snapshot() {
+  flatbuffers::FlatBufferBuilder builder(128);
+  const auto request = wire::CreateEventSnapshot(builder);
+  KVCM_ASSIGN_OR_RETURN(Reply reply, Call(builder, wire::Message::EventSnapshot, request.Union(),
+                                          wire::Message::EventSnapshotReply));
+  const wire::EventSnapshotReply* r = &PayloadAs<wire::EventSnapshotReply>(reply.envelope);
+  EventSnapshot snapshot;
+  snapshot.seq = r->seq();
+  snapshot.epoch = r->epoch();
+  KVCM_ASSIGN_OR_RETURN(snapshot.events, DecodeKvEvents(r->events()));
+  return snapshot;
+}
+
+absl::StatusOr<AttachedPool> CacheManagerClient::Attach() {
+  flatbuffers::FlatBufferBuilder builder(128);
+  const auto attach = wire::CreateAttach(builder);
+  KVCM_ASSIGN_OR_RETURN(Reply reply, Call(builder, wire::Message::Attach, attach.Union(),
+                                          wire::Message::AttachReply));
+  const wire::PoolDescriptor* descriptor =
+      PayloadAs<wire::AttachReply>(reply.envelope).descriptor();
+  const SessionInfo current = session();
+  KVCM_ASSIGN_OR_RETURN(AttachedPool pool, CheckPoolDescriptor(descriptor, current.num_blocks));
+  if (pool.epoch != current.epoch) {
+    return ProtocolError(absl::StrCat("pool descriptor of epoch ", pool.epoch,
+                                      " in session of epoch ", current.epoch));
+  }
+  const uint64_t total_bytes = static_cast<uint64_t>(pool.layout.total_bytes);
+  if (pool.backend == PoolBackend::kShm) {
+    if (descriptor->fd_channel_path() == nullptr || descriptor->fd_channel_path()->size() == 0) {
+      return ProtocolError("shm pool descriptor without fd_channel_path");
+    }
+    const std::string path = descriptor->fd_channel_path()->str();
+    KVCM_ASSIGN_OR_RETURN(ReceivedFd received, ReceiveFdFromChannel(path, options_.call_timeout));
+    // The header is the epoch, 8 bytes little-endian: proof that the descriptor came from
+    // the cache manager we registered with, not a successor that took over the path.
+    uint64_t header_epoch = 0;
+    if (received.header.size() != sizeof(header_epoch)) {
+      return ProtocolError(absl::StrCat("fd channel ", path, " sent a header of ",
+                                        received.header.size(), " bytes; expected 8"));
+    }
+    for (size_t i = 0; i < sizeof(header_epoch); ++i) {
+      header_epoch |= uint64_t{received.header[i]} << (8 * i);
+    }
+    if (header_epoch != pool.epoch) {
+      return ProtocolError(absl::StrCat("fd channel ", path, " is of epoch ", header_epoch,
+                                        " but the descriptor says ", pool.epoch));
+    }
+    KVCM_ASSIGN_OR_RETURN(pool.mapping, MapShmPool(std::move(received.fd), total_bytes));
+  } else {
+    CudaIpcHandle handle{};
+    const auto* bytes = descriptor->cuda_ipc_handle();
+    if (bytes == nullptr || bytes->size() != handle.size()) {
+      return ProtocolError(absl::StrCat("cuda pool descriptor has an IPC handle of ",
+                                        bytes == nullptr ? 0 : bytes->size(), " bytes; expected ",
+                                        handle.size()));
+    }
+    std::memcpy(handle.data(), bytes->data(), handle.size());
+    KVCM_ASSIGN_OR_RETURN(pool.mapping,
+                          OpenCudaPool(descriptor->cuda_device(), handle, total_bytes));
+  }
+  if (pool.mapping->size_bytes() != total_bytes) {
+    return ProtocolError(absl::StrCat("mapped ", pool.mapping->size_bytes(),
+                                      " bytes; the layout needs ", total_bytes));
+  }
+  return pool;
+}
+
+absl::Status CacheManagerClient::Heartbeat() {
+  flatbuffers::FlatBufferBuilder builder(64);
+  const auto heartbeat = wire::CreateHeartbeat(builder);
+  return Call(builder, wire::Message::Heartbeat, heartbeat.Union(), wire::Message::HeartbeatReply)
+      .status();
+}
+
+absl::StatusOr<int32_t> CacheManagerClient::Goodbye() {
+  flatbuffers::FlatBufferBuilder builder(64);
+  const auto goodbye = wire::CreateGoodbye(builder);
+  KVCM_ASSIGN_OR_RETURN(Reply reply, Call(builder, wire::Message::Goodbye, goodbye.Union(),
+                                          wire::Message::GoodbyeReply));
+  said_goodbye_ = true;
+  {
+    // The heartbeat thread stops sending for session 0.
+    std::lock_guard<std::mutex> lock(session_mu_);
+    session_.session_id = 0;
+  }
+  return PayloadAs<wire::GoodbyeReply>(reply.envelope).blocks_released();
+}
+
+// ---- Heartbeat thread -----------------------------------------------------------------------
+
+absl::Status CacheManagerClient::StartHeartbeats() {
+  if (session().heartbeat_interval <= absl::ZeroDuration()) return absl::OkStatus();
+  const std::string stop_endpoint =
+      absl::StrCat("inproc://kvcm-client-heartbeat-", reinterpret_cast<uintptr_t>(this));
+  try {
+    stop_ = zmq::socket_t(context_, zmq::socket_type::pair);
+    stop_.set(zmq::sockopt::linger, 0);
+    stop_.bind(stop_endpoint);
+    zmq::socket_t thread_end(context_, zmq::socket_type::pair);
+    thread_end.set(zmq::sockopt::linger, 0);
+    thread_end.connect(stop_endpoint);
+    // The socket moves to the thread before it is used; thread creation orders memory.
+    heartbeat_thread_ = std::thread(
+        [this, stop = std::move(thread_end)]() mutable { HeartbeatLoop(std::move(stop)); });
+  } catch (const zmq::error_t& error) {
+    return absl::InternalError(absl::StrCat("heartbeat thread setup failed: ", error.what()));
+  }
+  return absl::OkStatus();
+}
+
+void CacheManagerClient::StopHeartbeats() {
+  if (!heartbeat_thread_.joinable()) return;
+  // Non-blocking: if the thread already ended (it only does on a ZeroMQ failure), its end
+  // of the pair is gone and a blocking send would wait forever.
+  try {
+    const uint8_t stop_byte = 0;
+    (void)stop_.send(zmq::const_buffer(&stop_byte, 1), zmq::send_flags::dontwait);
+  } catch (const zmq::error_t&) {
+  }
+  heartbeat_thread_.join();
+}
+
+void CacheManagerClient::HeartbeatLoop(zmq::socket_t stop) {
+  zmq::socket_t dealer;
+  try {
+    dealer = zmq::socket_t(context_, zmq::socket_type::dealer);
+    // A heartbeat that cannot be queued at once is skipped; the next one follows.
+    ConfigureDealer(dealer, absl::ZeroDuration());
+    dealer.connect(options_.endpoint);
+  } catch (const zmq::error_t&) {
+    // Connect() connected the caller's socket to the same endpoint, so this cannot fail
+    // short of running out of file descriptors; the session then expires visibly (calls
+    // return ABORTED) rather than the process dying.
+    return;
+  }
+  uint64_t next_request_id = 1;
+  uint64_t pending_request = 0;     // the heartbeat awaiting its reply (0: none)
+  uint64_t pending_generation = 0;  // the registration it was sent for
+  absl::Time next_send = absl::Now() + session().heartbeat_interval;
+  flatbuffers::FlatBufferBuilder builder(64);
+  while (true) {
+    zmq_pollitem_t items[2] = {};
+    items[0].socket = stop.handle();
+    items[0].events = ZMQ_POLLIN;
+    items[1].socket = dealer.handle();
+    items[1].events = ZMQ_POLLIN;
+    const absl::Duration wait = std::max(next_send - absl::Now(), absl::ZeroDuration());
+    const long wait_ms =
+        static_cast<long>(absl::ToInt64Milliseconds(absl::Ceil(wait, absl::Milliseconds(1))));
+    if (zmq_poll(items, 2, wait_ms) < 0 && zmq_errno() != EINTR) return;
+    if ((items[0].revents & ZMQ_POLLIN) != 0) return;
+    if ((items[1].revents & ZMQ_POLLIN) != 0) {
+      while (true) {
+        absl::StatusOr<std::vector<zmq::message_t>> frames = ReceiveMessage(dealer);
+        if (!frames.ok() || frames->empty()) break;
+        if (frames->size() != 1) continue;
+        const VerifiedEnvelope verified = VerifyEnvelope(FrameBytes((*frames)[0]));
+        if (verified.envelope == nullptr || pending_request == 0 ||
+            verified.envelope->request_id() != pending_request) {
+          continue;  // malformed or stale: the next heartbeat goes out regardless
+        }
+        pending_request = 0;
+        heartbeats_answered_.fetch_add(1);
+        if (const wire::ErrorReply* error = verified.envelope->payload_as_ErrorReply()) {
+          if (IsSessionGone(error->code())) lost_generation_.store(pending_generation);
+        }
+      }
+    }
+    const absl::Time now = absl::Now();
+    if (now < next_send) continue;
+    const auto [current, generation] = SessionAndGeneration();
+    next_send = now + current.heartbeat_interval;
+    if (current.session_id == 0 || lost_generation_.load() == generation) continue;
+    builder.Clear();
+    const auto heartbeat = wire::CreateHeartbeat(builder);
+    pending_request = next_request_id++;
+    pending_generation = generation;
+    FinishEnvelope(builder, pending_request, current.session_id, current.epoch,
+                   wire::Message::Heartbeat, heartbeat.Union());
+    if (SendFrame(dealer, BufferSpan(builder)).ok()) heartbeats_sent_.fetch_add(1);
+  }
+}
+
+}  // namespace kvcm

@@ -1,0 +1,386 @@
+#pragma once
+
+// CacheManagerClient: a router's, executor's or tool's connection to kvcm-cache-manager
+// (DESIGN.md sections 2, 5 and 6; the messages are schemas/kvcm_protocol.fbs).
+//
+//   CacheManagerClient::Options options;
+//   options.endpoint = "ipc://RUN_DIR/cache-manager.sock";
+//   options.role = wire::Role::Router;
+//   options.name = "router-0";
+//   KVCM_ASSIGN_OR_RETURN(auto client, CacheManagerClient::Connect(options));
+//   StepBatch step;
+//   step.Allocate(/*seq=*/1, /*num_tokens=*/40, hashes).Append(/*seq=*/7, 1);
+//   KVCM_ASSIGN_OR_RETURN(std::vector<OpOutcome> outcomes, client->Step(step));
+//
+// Each call is one request and one reply over a DEALER socket: the request is one frame, a
+// finished Envelope carrying a fresh request id, this client's session id and epoch; the
+// reply must pass VerifyEnvelope and echo the request id. Replies with another request id
+// (answers to calls that timed out earlier) are dropped. Every call waits at most
+// Options::call_timeout.
+//
+// Errors common to every call:
+//   DEADLINE_EXCEEDED  "cache manager at <endpoint> did not answer <Type> within <timeout>"
+//                      (not running, stopped, or overloaded; the next call may succeed).
+//                      Also when the send queue stays full for the timeout.
+//   ABORTED            the session is gone. The client has already registered again before
+//                      returning (see "Restarts"). After a restart the message names both
+//                      epochs: "cache manager restarted: epoch 3 -> 4; sequences and mappings
+//                      of the old epoch are gone (...)"; after the cache manager expired the
+//                      session (heartbeat timeout) in the same epoch: "cache manager ended
+//                      session 7 (...); registered again as session 9 in epoch 3; sequences
+//                      of the old session are gone". If that new Hello fails, its error is
+//                      returned instead.
+//   FAILED_PRECONDITION after Goodbye() until EnsureSession() registers again; also what the
+//                      cache manager answers for a request in the wrong state.
+//   INTERNAL           the reply was malformed or of the wrong type (a protocol bug), or a
+//                      ZeroMQ call failed.
+//   Any code the cache manager puts in an ErrorReply, mapped with FromWire() (e.g.
+//   INVALID_ARGUMENT for a message that contradicts the pool's limits, UNAVAILABLE while it
+//   shuts down).
+// Step: the cache manager checks every op's meaning first (sequence known, not live twice,
+// owned by this session, counts in range) and refuses the whole step, changing nothing, if
+// one fails: the call returns NOT_FOUND, ALREADY_EXISTS, PERMISSION_DENIED or
+// INVALID_ARGUMENT naming the op. Failures found while running the ops (RESOURCE_EXHAUSTED
+// when the pool is full) are per op, in OpOutcome::status; the other ops still run.
+//
+// Restarts. The cache manager's epoch changes whenever it starts; its pool, sequences and
+// sessions die with the old process. When a reply says NotRegistered, StaleSession or
+// StaleEpoch (or the heartbeat thread saw that), the client sends a new Hello, adopts the
+// new session id and epoch, and fails the call with ABORTED. The caller then rebuilds what
+// the old epoch held: a router re-admits its in-flight requests; an executor destroys its
+// AttachedPool (drop the old mapping first) and calls Attach() again. epoch() and
+// session_id() return the new values afterwards. EnsureSession() does the same check
+// without another request.
+//
+// Heartbeats. With Options::heartbeats, Connect() starts one thread that owns its own
+// DEALER socket (no socket is ever shared between threads) and sends a Heartbeat with the
+// current session and epoch every heartbeat interval the cache manager asked for. If a
+// heartbeat reply says the session is gone, the thread records that; the next call (or
+// EnsureSession()) registers again and returns ABORTED without sending its request. The
+// thread is stopped through an inproc:// PAIR socket and joined by the destructor.
+//
+// Ownership and threading: the client owns its ZeroMQ context and sockets. It is NOT
+// thread-safe: one thread at a time calls its methods (the heartbeat thread is internal and
+// shares only atomics and a mutex-guarded session with it). Destroying the client does not
+// say Goodbye (no blocking round trip in a destructor): call Goodbye() first to end the
+// session at once; otherwise the cache manager ends it when this process exits or its
+// heartbeats stop.
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/block/block_hash.h"
+#include "common/memory/pool_layout.h"
+#include "common/memory/pool_memory.h"
+#include "common/sizing/kv_cache_spec.h"
+#include "flatbuffers/flatbuffers.h"
+#include "schemas/kvcm_protocol_generated.h"
+#include "zmq.hpp"
+
+namespace kvcm {
+
+// ---- Step ---------------------------------------------------------------------------------
+
+// The block operations of one scheduler step, sent in one round trip by
+// CacheManagerClient::Step. Ops run in the order added; each gets its own outcome.
+// A plain value: build it, send it, Clear() it and reuse it.
+class StepBatch {
+ public:
+  // What one op asks for (the fields its kind uses; the others stay zero).
+  struct Op {
+    wire::StepOp kind = wire::StepOp::NONE;
+    uint64_t seq = 0;               // Allocate, Append, Commit, Free; Fork: the parent
+    uint64_t child = 0;             // Fork
+    int32_t num_tokens = 0;         // Allocate: prompt tokens; Append: more tokens;
+                                    // Commit: tokens whose KV is written
+    std::vector<BlockHash> hashes;  // Allocate: leading full blocks; Commit: new full blocks
+  };
+
+  // A new sequence `seq` of `num_tokens` tokens; `block_hashes` are the chained hashes of
+  // its leading full blocks, for prefix matching. Outcome: the whole block table and how
+  // many leading tokens were already cached.
+  StepBatch& Allocate(uint64_t seq, int32_t num_tokens,
+                      std::span<const BlockHash> block_hashes = {});
+  // Room for `num_tokens` more tokens of `seq`. Outcome: the new blocks only, and copy
+  // orders for a shared partly filled block (copy-on-write).
+  StepBatch& Append(uint64_t seq, int32_t num_tokens);
+  // `child` shares every block of `parent`.
+  StepBatch& Fork(uint64_t parent, uint64_t child);
+  // The KV of the first `num_committed_tokens` tokens of `seq` is written;
+  // `new_block_hashes` continue the hashes of its full blocks.
+  StepBatch& Commit(uint64_t seq, int32_t num_committed_tokens,
+                    std::span<const BlockHash> new_block_hashes = {});
+  // Ends `seq`; its committed full blocks stay cached.
+  StepBatch& Free(uint64_t seq);
+
+  const std::vector<Op>& ops() const { return ops_; }
+  size_t size() const { return ops_.size(); }
+  bool empty() const { return ops_.empty(); }
+  void Clear() { ops_.clear(); }
+
+ private:
+  std::vector<Op> ops_;
+};
+
+// The result of one step op, in op order.
+struct OpOutcome {
+  // OK, or the op's own failure while running, typically RESOURCE_EXHAUSTED (not enough
+  // free or evictable blocks now). A failed op changed nothing. (Ops that fail the step's
+  // validation fail the whole Step call instead.)
+  absl::Status status;
+  // Allocate: the whole block table; Append: the new blocks only; otherwise empty.
+  std::vector<int32_t> blocks;
+  // Allocate: leading tokens whose KV was already cached (a multiple of the block size).
+  int32_t num_cached_tokens = 0;
+  // Append: copy block .first into block .second before the step that writes .second.
+  std::vector<std::pair<int32_t, int32_t>> copies;
+};
+
+// ---- Replies as plain values ----------------------------------------------------------------
+
+// The session that Hello established, with the limits the cache manager announced.
+struct SessionInfo {
+  uint64_t session_id = 0;
+  uint64_t epoch = 0;
+  absl::Duration heartbeat_interval;  // send a Heartbeat at least this often
+  absl::Duration heartbeat_timeout;   // silent longer than this: the session expires
+  int32_t num_blocks = 0;
+  int32_t block_size = 0;
+  HashAlgorithm hash_algorithm = HashAlgorithm::kSha256;
+  int32_t max_ops_per_step = 0;    // Step() refuses larger batches locally
+  uint32_t max_message_bytes = 0;  // also the client's limit on replies
+};
+
+// StatsReply as a plain struct; the comments carry the cache manager's definitions.
+// The five block states partition the pool:
+//   free + (in_use - quarantined) + quarantined + cached + pinned == num_blocks.
+struct StatsSnapshot {
+  int32_t num_blocks = 0;
+  int32_t block_size = 0;
+  int32_t free_blocks = 0;
+  int32_t in_use_blocks = 0;       // ref count > 0; includes quarantined_blocks
+  int32_t cached_blocks = 0;       // ref count 0, full, hashed, evictable
+  int32_t pinned_blocks = 0;       // kept cached on purpose (Pin)
+  int32_t quarantined_blocks = 0;  // held by a hung client; never handed out
+  int32_t live_sequences = 0;
+  double usage_ratio = 0;            // in_use / num_blocks (cached and pinned not counted)
+  double occupancy_ratio = 0;        // (in_use + cached + pinned) / num_blocks = 1 - free share
+  uint64_t prefix_query_tokens = 0;  // prompt tokens of successful Allocate ops
+  uint64_t prefix_hit_tokens = 0;    // of those, found cached
+  uint64_t blocks_allocated = 0;
+  uint64_t blocks_released = 0;
+  uint64_t evictions = 0;
+  uint64_t allocation_failures = 0;
+  uint64_t cow_copies = 0;
+  uint64_t epoch = 0;
+  uint32_t sessions = 0;
+  uint64_t events_published = 0;
+  PoolBackend backend = PoolBackend::kShm;
+  uint64_t pool_bytes = 0;
+  uint64_t block_bytes = 0;
+  KvCacheSpec spec;
+  double uptime_seconds = 0;
+  uint64_t rejected_messages = 0;
+  std::string events_endpoint;  // where the KV events are published ("" if not reported)
+  std::string metrics_url;      // the cache manager's /metrics ("" if not reported)
+
+  // prefix_hit_tokens / prefix_query_tokens; 0 before any query.
+  double prefix_hit_rate() const {
+    return prefix_query_tokens == 0
+               ? 0.0
+               : static_cast<double>(prefix_hit_tokens) / static_cast<double>(prefix_query_tokens);
+  }
+};
+
+// One KV event (schemas/kvcm_protocol.fbs KvEvent).
+enum class KvEventKind : uint8_t { kBlockStored, kBlockRemoved, kAllBlocksCleared };
+
+struct KvEventRecord {
+  KvEventKind kind = KvEventKind::kBlockStored;
+  BlockHash hash;         // Stored and Removed
+  BlockHash parent_hash;  // Stored: the previous block's hash (or the root hash)
+  int32_t block = -1;     // Stored and Removed
+};
+
+// An EventSnapshotReply: every block in the prefix index as BlockStored events, and `seq`,
+// the last batch published before it (apply batches after it).
+struct EventSnapshot {
+  uint64_t seq = 0;
+  uint64_t epoch = 0;
+  std::vector<KvEventRecord> events;
+};
+
+// Decodes a KvEvent vector (null reads as empty). INTERNAL for an unknown kind or a
+// Stored/Removed event without its hash.
+absl::StatusOr<std::vector<KvEventRecord>> DecodeKvEvents(
+    const flatbuffers::Vector<flatbuffers::Offset<wire::KvEvent>>* events);
+
+// The pool as an executor sees it after Attach(): the descriptor's values, checked, and the
+// mapping. Destroy it (or reset `mapping`) to unmap; do so before attaching to a new epoch.
+struct AttachedPool {
+  KvCacheSpec spec;
+  int32_t num_blocks = 0;
+  PoolLayout layout;  // equal to PoolLayout::For(spec, num_blocks): checked at attach
+  PoolBackend backend = PoolBackend::kShm;
+  uint64_t epoch = 0;
+  std::unique_ptr<PoolMapping> mapping;
+};
+
+// Checks a PoolDescriptor's values (not its memory): the spec is valid, num_blocks is
+// positive and matches `expected_num_blocks` when that is positive, and every stride is what
+// PoolLayout::For gives. Returns the values with `mapping` null. INTERNAL naming the first
+// field that disagrees (the cache manager sent an inconsistent descriptor).
+absl::StatusOr<AttachedPool> CheckPoolDescriptor(const wire::PoolDescriptor* descriptor,
+                                                 int32_t expected_num_blocks);
+
+// ---- The client -----------------------------------------------------------------------------
+
+class CacheManagerClient {
+ public:
+  struct Options {
+    // The cache manager's request socket: "ipc://RUN_DIR/cache-manager.sock" (what its
+    // ready line prints), or "tcp://127.0.0.1:PORT".
+    std::string endpoint;
+    // What this client is; the cache manager treats a dead router's sequences differently
+    // from a dead executor's mapping (DESIGN.md section 6).
+    wire::Role role = wire::Role::Unknown;
+    // Shown in the cache manager's logs and `kvcmctl info`; at most 128 bytes.
+    std::string name;
+    // The longest any one call (including Connect's Hello) waits for its reply. Too short
+    // fails calls of a busy cache manager; too long stalls a caller whose cache manager hung.
+    absl::Duration call_timeout = absl::Seconds(5);
+    // Start the heartbeat thread. Needed by long-lived routers and executors, whose session
+    // otherwise expires after the heartbeat timeout; a one-shot tool may turn it off.
+    bool heartbeats = true;
+  };
+
+  // Connects a DEALER to options.endpoint and registers (Hello with this process's pid).
+  // For an ipc:// endpoint it first checks that something listens on the socket file.
+  // UNAVAILABLE "no socket file at ..." / "nothing listens on ..." when nothing runs there;
+  // DEADLINE_EXCEEDED when Hello is not answered in time; INVALID_ARGUMENT for an empty
+  // endpoint or a name over 128 bytes; the cache manager's error for a refused Hello.
+  static absl::StatusOr<std::unique_ptr<CacheManagerClient>> Connect(Options options);
+
+  CacheManagerClient(const CacheManagerClient&) = delete;
+  CacheManagerClient& operator=(const CacheManagerClient&) = delete;
+  // Stops and joins the heartbeat thread; closes the sockets without lingering.
+  ~CacheManagerClient();
+
+  // All ops of `batch` in one round trip; outcomes in op order. An empty batch returns an
+  // empty vector without a round trip. INVALID_ARGUMENT (nothing sent) when the batch has
+  // more ops than the session's max_ops_per_step; INTERNAL when the reply's count differs.
+  absl::StatusOr<std::vector<OpOutcome>> Step(const StepBatch& batch);
+
+  // How many leading blocks of the chain `block_hashes` are cached now.
+  absl::StatusOr<int32_t> Lookup(std::span<const BlockHash> block_hashes);
+
+  // Keeps the cached blocks of `block_hashes` cached under `name` until Unpin(name).
+  // NOT_FOUND when a block is not cached, ALREADY_EXISTS for a name in use (as answered).
+  absl::Status Pin(std::string_view name, std::span<const BlockHash> block_hashes);
+  // NOT_FOUND for an unknown name.
+  absl::Status Unpin(std::string_view name);
+
+  absl::StatusOr<StatsSnapshot> Stats();
+
+  // The prefix index now, for a KV event subscriber (kv_event_subscriber.h).
+  absl::StatusOr<EventSnapshot> Snapshot();
+
+  // Attaches to the pool: asks for the descriptor, checks it (CheckPoolDescriptor), and maps
+  // the pool. shm: receives the memfd over the descriptor's fd channel (the 8-byte
+  // little-endian epoch that travels with it must match) and maps it; cuda: opens the IPC
+  // handle on the descriptor's device. Besides the common errors: INTERNAL for a descriptor
+  // that contradicts itself or an fd-channel header of another epoch; the errors of
+  // ReceiveFdFromChannel (UNAVAILABLE, DEADLINE_EXCEEDED, DATA_LOSS), MapShmPool
+  // (FAILED_PRECONDITION for a size or seal mismatch) and OpenCudaPool (UNAVAILABLE without
+  // CUDA). After ABORTED (a new epoch) drop any old AttachedPool, then attach again.
+  absl::StatusOr<AttachedPool> Attach();
+
+  // One heartbeat now (the heartbeat thread sends its own).
+  absl::Status Heartbeat();
+
+  // Ends the session: a router's sequences are freed (committed full blocks stay cached).
+  // Returns how many blocks were released. Later calls return FAILED_PRECONDITION until
+  // EnsureSession() registers again.
+  absl::StatusOr<int32_t> Goodbye();
+
+  // OK when the session is believed alive. When the heartbeat thread saw it gone, registers
+  // again and returns ABORTED (as a call would); after Goodbye(), registers again and returns
+  // OK. Errors of Hello otherwise.
+  absl::Status EnsureSession();
+
+  uint64_t session_id() const;
+  uint64_t epoch() const;
+  // The last HelloReply's values.
+  SessionInfo session() const;
+  const Options& options() const { return options_; }
+  // True when the heartbeat thread saw the current session refused (the next call
+  // re-registers).
+  bool session_lost() const;
+  // Heartbeats the thread sent and the replies it got (for tests and logs).
+  uint64_t heartbeats_sent() const { return heartbeats_sent_.load(); }
+  uint64_t heartbeats_answered() const { return heartbeats_answered_.load(); }
+
+ private:
+  // A verified reply: the frame keeps the bytes `envelope` points into alive.
+  struct Reply {
+    zmq::message_t frame;
+    const wire::Envelope* envelope = nullptr;
+  };
+
+  explicit CacheManagerClient(Options options);
+
+  absl::Status Register();
+  absl::Status StartHeartbeats();
+  void StopHeartbeats();
+  void HeartbeatLoop(zmq::socket_t stop);
+
+  // Fails fast with ABORTED after re-registering if the heartbeat thread saw the session
+  // gone; FAILED_PRECONDITION after Goodbye.
+  absl::Status CheckSession();
+  // Sends the envelope `builder` holds (finished by the caller with `request_id`) and waits
+  // for the reply with the same id. Maps ErrorReply to a status (re-registering on
+  // NotRegistered/StaleSession/StaleEpoch) and checks the payload type.
+  absl::StatusOr<Reply> Exchange(flatbuffers::FlatBufferBuilder& builder, uint64_t request_id,
+                                 wire::Message request_type, wire::Message reply_type);
+  // Finishes `builder` around `payload` with a new request id and this session, then
+  // Exchange().
+  absl::StatusOr<Reply> Call(flatbuffers::FlatBufferBuilder& builder, wire::Message type,
+                             flatbuffers::Offset<void> payload, wire::Message reply_type);
+  // After a reply said the session is gone: Hello again, return the ABORTED status.
+  absl::Status Reregister(std::string_view why);
+  // The session and its generation, read together.
+  std::pair<SessionInfo, uint64_t> SessionAndGeneration() const;
+
+  const Options options_;
+  zmq::context_t context_;
+  zmq::socket_t socket_;  // DEALER, used by the caller's thread only
+  uint64_t next_request_id_ = 1;
+  bool said_goodbye_ = false;
+
+  // Shared with the heartbeat thread.
+  mutable std::mutex session_mu_;
+  SessionInfo session_;  // guarded by session_mu_
+  // Counts registrations: names a session unambiguously (a restarted cache manager
+  // hands out the same session ids again). Guarded by session_mu_.
+  uint64_t generation_ = 0;
+  // The generation whose session the heartbeat thread saw refused (0: none).
+  std::atomic<uint64_t> lost_generation_{0};
+  std::atomic<uint64_t> heartbeats_sent_{0};
+  std::atomic<uint64_t> heartbeats_answered_{0};
+
+  zmq::socket_t stop_;  // PAIR; the heartbeat thread holds the other end
+  std::thread heartbeat_thread_;
+};
+
+}  // namespace kvcm

@@ -1,0 +1,420 @@
+// CacheManagerClient against a real kvcm-cache-manager process (tests/support): sessions,
+// steps, prefix hits, pins, stats, deadlines, restarts and session expiry.
+
+#include "common/client/cache_manager_client.h"
+
+#include <signal.h>
+
+#include <cstdint>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/block/block_hash.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/support/cache_manager_process.h"
+#include "tests/support/subprocess.h"
+
+namespace kvcm {
+namespace {
+
+using ::kvcm::testing::CacheManagerOptions;
+using ::kvcm::testing::CacheManagerProcess;
+using ::kvcm::testing::StartCacheManager;
+using ::kvcm::testing::TempDir;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::SizeIs;
+
+constexpr int32_t kNumBlocks = 16;
+constexpr int32_t kBlockSize = 4;
+
+// Hashes of the full blocks of tokens [first, first + n).
+std::vector<BlockHash> HashesOf(int32_t first, int32_t n) {
+  std::vector<int32_t> tokens(n);
+  std::iota(tokens.begin(), tokens.end(), first);
+  std::vector<BlockHash> hashes;
+  HashFullBlocks(HashAlgorithm::kSha256, RootHash(HashAlgorithm::kSha256, "client-test"), tokens,
+                 kBlockSize, &hashes);
+  return hashes;
+}
+
+CacheManagerOptions SmallPool() {
+  CacheManagerOptions options;
+  options.num_blocks = kNumBlocks;
+  options.block_size = kBlockSize;
+  options.heartbeat_interval_ms = 100;
+  options.heartbeat_timeout_ms = 1000;
+  return options;
+}
+
+std::unique_ptr<CacheManagerClient> ConnectOrDie(const std::string& endpoint,
+                                                 wire::Role role = wire::Role::Router,
+                                                 absl::Duration timeout = absl::Seconds(5),
+                                                 bool heartbeats = true) {
+  CacheManagerClient::Options options;
+  options.endpoint = endpoint;
+  options.role = role;
+  options.name = "client-test";
+  options.call_timeout = timeout;
+  options.heartbeats = heartbeats;
+  absl::StatusOr<std::unique_ptr<CacheManagerClient>> client = CacheManagerClient::Connect(options);
+  EXPECT_TRUE(client.ok()) << client.status();
+  return client.ok() ? std::move(*client) : nullptr;
+}
+
+// The five states partition the pool.
+void ExpectPartition(const StatsSnapshot& s) {
+  EXPECT_EQ(s.free_blocks + s.in_use_blocks + s.cached_blocks + s.pinned_blocks, s.num_blocks)
+      << "free " << s.free_blocks << " in use " << s.in_use_blocks << " (quarantined "
+      << s.quarantined_blocks << ") cached " << s.cached_blocks << " pinned " << s.pinned_blocks;
+  EXPECT_LE(s.quarantined_blocks, s.in_use_blocks);
+}
+
+class CacheManagerClientTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<std::unique_ptr<CacheManagerProcess>> cm = StartCacheManager(SmallPool());
+    ASSERT_TRUE(cm.ok()) << cm.status();
+    cm_ = std::move(*cm);
+    client_ = ConnectOrDie(cm_->endpoint());
+    ASSERT_NE(client_, nullptr);
+  }
+
+  // Allocates seq with `tokens` tokens and the hashes of its full blocks, commits them all,
+  // and frees it: its full blocks end up cached.
+  std::vector<int32_t> CacheSequence(uint64_t seq, int32_t first_token, int32_t tokens) {
+    const std::vector<BlockHash> hashes = HashesOf(first_token, tokens);
+    StepBatch step;
+    step.Allocate(seq, tokens, hashes).Commit(seq, tokens).Free(seq);
+    absl::StatusOr<std::vector<OpOutcome>> outcomes = client_->Step(step);
+    EXPECT_TRUE(outcomes.ok()) << outcomes.status();
+    if (!outcomes.ok()) return {};
+    for (const OpOutcome& outcome : *outcomes) EXPECT_TRUE(outcome.status.ok()) << outcome.status;
+    return (*outcomes)[0].blocks;
+  }
+
+  std::unique_ptr<CacheManagerProcess> cm_;
+  std::unique_ptr<CacheManagerClient> client_;
+};
+
+TEST_F(CacheManagerClientTest, ConnectRegistersWithTheAnnouncedLimits) {
+  const SessionInfo session = client_->session();
+  EXPECT_NE(session.session_id, 0u);
+  EXPECT_EQ(session.epoch, cm_->epoch());
+  EXPECT_EQ(client_->epoch(), cm_->epoch());
+  EXPECT_EQ(session.num_blocks, kNumBlocks);
+  EXPECT_EQ(session.block_size, kBlockSize);
+  EXPECT_EQ(session.heartbeat_interval, absl::Milliseconds(100));
+  EXPECT_EQ(session.heartbeat_timeout, absl::Milliseconds(1000));
+  EXPECT_GT(session.max_ops_per_step, 0);
+  EXPECT_GT(session.max_message_bytes, 0u);
+  EXPECT_TRUE(client_->Heartbeat().ok());
+}
+
+TEST_F(CacheManagerClientTest, StepAllocatesAppendsCommitsFreesAndHitsThePrefix) {
+  const std::vector<BlockHash> hashes = HashesOf(0, 12);  // 3 full blocks
+  ASSERT_THAT(hashes, SizeIs(3));
+
+  StepBatch step;
+  step.Allocate(1, 10, std::span(hashes).first(2));
+  absl::StatusOr<std::vector<OpOutcome>> allocated = client_->Step(step);
+  ASSERT_TRUE(allocated.ok()) << allocated.status();
+  ASSERT_THAT(*allocated, SizeIs(1));
+  ASSERT_TRUE((*allocated)[0].status.ok()) << (*allocated)[0].status;
+  const std::vector<int32_t> table = (*allocated)[0].blocks;
+  EXPECT_THAT(table, SizeIs(3));  // ceil(10 / 4)
+  EXPECT_EQ((*allocated)[0].num_cached_tokens, 0);
+  for (int32_t block : table) {
+    EXPECT_GE(block, 0);
+    EXPECT_LT(block, kNumBlocks);
+  }
+
+  // Two tokens more still fit in block 3; then all 12 are written and block 3 is full.
+  step.Clear();
+  step.Append(1, 2).Commit(1, 12, std::span(hashes).subspan(2));
+  absl::StatusOr<std::vector<OpOutcome>> appended = client_->Step(step);
+  ASSERT_TRUE(appended.ok()) << appended.status();
+  ASSERT_THAT(*appended, SizeIs(2));
+  EXPECT_TRUE((*appended)[0].status.ok()) << (*appended)[0].status;
+  EXPECT_THAT((*appended)[0].blocks, SizeIs(0));
+  EXPECT_THAT((*appended)[0].copies, SizeIs(0));
+  EXPECT_TRUE((*appended)[1].status.ok()) << (*appended)[1].status;
+
+  absl::StatusOr<int32_t> found = client_->Lookup(hashes);
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_EQ(*found, 3);
+
+  step.Clear();
+  step.Free(1);
+  ASSERT_TRUE(client_->Step(step).ok());
+  absl::StatusOr<StatsSnapshot> stats = client_->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->cached_blocks, 3);
+  EXPECT_EQ(stats->free_blocks, kNumBlocks - 3);
+  ExpectPartition(*stats);
+
+  // Same prompt again: its two leading blocks come from the cache (a hit never covers the
+  // prompt's last token, and 10 tokens end inside block 3 anyway).
+  step.Clear();
+  step.Allocate(2, 10, std::span(hashes).first(2));
+  absl::StatusOr<std::vector<OpOutcome>> again = client_->Step(step);
+  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_TRUE((*again)[0].status.ok()) << (*again)[0].status;
+  EXPECT_EQ((*again)[0].num_cached_tokens, 8);
+  ASSERT_THAT((*again)[0].blocks, SizeIs(3));
+  EXPECT_EQ((*again)[0].blocks[0], table[0]);
+  EXPECT_EQ((*again)[0].blocks[1], table[1]);
+
+  stats = client_->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->live_sequences, 1);
+  EXPECT_GT(stats->prefix_hit_tokens, 0u);
+  EXPECT_GE(stats->prefix_query_tokens, stats->prefix_hit_tokens);
+  ExpectPartition(*stats);
+}
+
+TEST_F(CacheManagerClientTest, InvalidStepIsRefusedWholeAndChangesNothing) {
+  // Semantic checks (sequence known, not live twice, owned) run before any op: one bad op
+  // refuses the whole step.
+  StepBatch step;
+  step.Allocate(1, 4).Allocate(1, 4);
+  absl::StatusOr<std::vector<OpOutcome>> outcomes = client_->Step(step);
+  EXPECT_EQ(outcomes.status().code(), absl::StatusCode::kAlreadyExists) << outcomes.status();
+  step.Clear();
+  step.Allocate(1, 4).Free(99);
+  outcomes = client_->Step(step);
+  EXPECT_EQ(outcomes.status().code(), absl::StatusCode::kNotFound) << outcomes.status();
+
+  // Nothing of the refused steps happened: sequence 1 is new now.
+  step.Clear();
+  step.Allocate(1, 4).Append(1, 1);
+  outcomes = client_->Step(step);
+  ASSERT_TRUE(outcomes.ok()) << outcomes.status();
+  ASSERT_THAT(*outcomes, SizeIs(2));
+  EXPECT_TRUE((*outcomes)[0].status.ok()) << (*outcomes)[0].status;
+  EXPECT_TRUE((*outcomes)[1].status.ok()) << (*outcomes)[1].status;
+  EXPECT_THAT((*outcomes)[1].blocks, SizeIs(1));  // token 5 needs a second block
+
+  // Another session's sequence.
+  std::unique_ptr<CacheManagerClient> other = ConnectOrDie(cm_->endpoint());
+  ASSERT_NE(other, nullptr);
+  step.Clear();
+  step.Free(1);
+  EXPECT_EQ(other->Step(step).status().code(), absl::StatusCode::kPermissionDenied);
+}
+
+TEST_F(CacheManagerClientTest, PoolExhaustionIsResourceExhausted) {
+  StepBatch step;
+  step.Allocate(1, 40).Allocate(2, 40);  // 10 + 10 blocks of 16
+  absl::StatusOr<std::vector<OpOutcome>> outcomes = client_->Step(step);
+  ASSERT_TRUE(outcomes.ok()) << outcomes.status();
+  EXPECT_TRUE((*outcomes)[0].status.ok()) << (*outcomes)[0].status;
+  EXPECT_EQ((*outcomes)[1].status.code(), absl::StatusCode::kResourceExhausted)
+      << (*outcomes)[1].status;
+  absl::StatusOr<StatsSnapshot> stats = client_->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->in_use_blocks, 10);  // the failed op changed nothing
+  EXPECT_GE(stats->allocation_failures, 1u);
+  ExpectPartition(*stats);
+}
+
+TEST_F(CacheManagerClientTest, PinKeepsBlocksAndUnpinReleasesThem) {
+  const std::vector<BlockHash> hashes = HashesOf(100, 8);
+  CacheSequence(1, 100, 8);
+  EXPECT_TRUE(client_->Pin("system-prompt", hashes).ok());
+  absl::StatusOr<StatsSnapshot> stats = client_->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->pinned_blocks, 2);
+  EXPECT_EQ(stats->cached_blocks, 0);
+  ExpectPartition(*stats);
+
+  EXPECT_EQ(client_->Pin("system-prompt", hashes).code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(client_->Pin("unknown", HashesOf(500, 4)).code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(client_->Unpin("system-prompt").ok());
+  EXPECT_EQ(client_->Unpin("system-prompt").code(), absl::StatusCode::kNotFound);
+  stats = client_->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->pinned_blocks, 0);
+  EXPECT_EQ(stats->cached_blocks, 2);
+  ExpectPartition(*stats);
+}
+
+TEST_F(CacheManagerClientTest, StatsDescribeThePoolAndSumToCapacity) {
+  CacheSequence(1, 0, 8);  // 2 cached
+  StepBatch step;
+  step.Allocate(2, 9);  // 3 in use
+  ASSERT_TRUE(client_->Step(step).ok());
+  ASSERT_TRUE(client_->Pin("p", HashesOf(0, 4)).ok());  // 1 of the cached pinned
+
+  absl::StatusOr<StatsSnapshot> stats = client_->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->num_blocks, kNumBlocks);
+  EXPECT_EQ(stats->block_size, kBlockSize);
+  EXPECT_EQ(stats->in_use_blocks, 3);
+  EXPECT_EQ(stats->cached_blocks, 1);
+  EXPECT_EQ(stats->pinned_blocks, 1);
+  EXPECT_EQ(stats->free_blocks, kNumBlocks - 5);
+  ExpectPartition(*stats);
+  EXPECT_EQ(stats->epoch, cm_->epoch());
+  EXPECT_EQ(stats->backend, PoolBackend::kShm);
+  EXPECT_EQ(stats->spec.num_layers, 2);
+  EXPECT_EQ(stats->spec.num_kv_heads, 2);
+  EXPECT_EQ(stats->spec.head_dim, 8);
+  EXPECT_EQ(stats->spec.dtype, DType::kFloat16);
+  EXPECT_EQ(stats->spec.block_size, kBlockSize);
+  EXPECT_EQ(stats->block_bytes, static_cast<uint64_t>(stats->spec.BytesPerBlock()));
+  EXPECT_EQ(stats->pool_bytes, stats->block_bytes * kNumBlocks);
+  EXPECT_GE(stats->sessions, 1u);
+  EXPECT_GE(stats->blocks_allocated, 5u);
+  EXPECT_NEAR(stats->usage_ratio, 3.0 / kNumBlocks, 1e-9);      // in use only
+  EXPECT_NEAR(stats->occupancy_ratio, 5.0 / kNumBlocks, 1e-9);  // everything holding KV
+}
+
+TEST_F(CacheManagerClientTest, StoppedCacheManagerGivesDeadlineExceededThenRecovers) {
+  std::unique_ptr<CacheManagerClient> impatient =
+      ConnectOrDie(cm_->endpoint(), wire::Role::Control, absl::Milliseconds(300));
+  ASSERT_NE(impatient, nullptr);
+  ASSERT_TRUE(cm_->process().Signal(SIGSTOP).ok());
+  const absl::Time start = absl::Now();
+  absl::StatusOr<StatsSnapshot> stats = impatient->Stats();
+  const absl::Duration took = absl::Now() - start;
+  ASSERT_TRUE(cm_->process().Signal(SIGCONT).ok());
+  EXPECT_EQ(stats.status().code(), absl::StatusCode::kDeadlineExceeded) << stats.status();
+  EXPECT_THAT(stats.status().message(),
+              HasSubstr(absl::StrCat("cache manager at ", cm_->endpoint(),
+                                     " did not answer Stats within 300ms")));
+  EXPECT_GE(took, absl::Milliseconds(300));
+  EXPECT_LT(took, absl::Seconds(3));
+  // The late answer to the first Stats is dropped; the next call gets its own.
+  stats = impatient->Stats();
+  EXPECT_TRUE(stats.ok()) << stats.status();
+}
+
+TEST_F(CacheManagerClientTest, GoodbyeEndsTheSessionAndFreesItsSequences) {
+  StepBatch step;
+  step.Allocate(1, 8);
+  ASSERT_TRUE(client_->Step(step).ok());
+  absl::StatusOr<int32_t> released = client_->Goodbye();
+  ASSERT_TRUE(released.ok()) << released.status();
+  EXPECT_EQ(*released, 2);
+  EXPECT_EQ(client_->Stats().status().code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(client_->EnsureSession().ok());
+  absl::StatusOr<StatsSnapshot> stats = client_->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->free_blocks, kNumBlocks);
+  EXPECT_EQ(stats->live_sequences, 0);
+}
+
+TEST_F(CacheManagerClientTest, SilentSessionExpiresWhileHeartbeatsKeepAnotherAlive) {
+  std::unique_ptr<CacheManagerClient> silent =
+      ConnectOrDie(cm_->endpoint(), wire::Role::Router, absl::Seconds(5), /*heartbeats=*/false);
+  ASSERT_NE(silent, nullptr);
+  const uint64_t silent_session = silent->session_id();
+  absl::StatusOr<StatsSnapshot> stats = client_->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  const uint32_t sessions = stats->sessions;
+  // Wait (bounded) until the cache manager drops the silent session; client_ only talks
+  // through its heartbeat thread meanwhile... and these Stats calls.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < deadline) {
+    stats = client_->Stats();
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    if (stats->sessions < sessions) break;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  ASSERT_LT(stats->sessions, sessions) << "the silent session never expired";
+  EXPECT_FALSE(client_->session_lost());
+  EXPECT_GT(client_->heartbeats_answered(), 0u);
+
+  absl::StatusOr<StatsSnapshot> refused = silent->Stats();
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kAborted) << refused.status();
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr(absl::StrCat("ended session ", silent_session)));
+  EXPECT_NE(silent->session_id(), silent_session);
+  EXPECT_TRUE(silent->Stats().ok());
+}
+
+TEST(CacheManagerClientRestartTest, RestartGivesAbortedWithBothEpochsThenWorks) {
+  absl::StatusOr<TempDir> run_dir = TempDir::Create("kvcm-rs");
+  ASSERT_TRUE(run_dir.ok()) << run_dir.status();
+  CacheManagerOptions options = SmallPool();
+  options.run_dir = run_dir->path();
+  absl::StatusOr<std::unique_ptr<CacheManagerProcess>> first = StartCacheManager(options);
+  ASSERT_TRUE(first.ok()) << first.status();
+  std::unique_ptr<CacheManagerClient> client = ConnectOrDie((*first)->endpoint());
+  ASSERT_NE(client, nullptr);
+  const uint64_t old_epoch = client->epoch();
+  StepBatch step;
+  step.Allocate(1, 8);
+  ASSERT_TRUE(client->Step(step).ok());
+
+  absl::StatusOr<int> code = (*first)->Terminate();
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0) << (*first)->Output();
+  absl::StatusOr<std::unique_ptr<CacheManagerProcess>> second = StartCacheManager(options);
+  ASSERT_TRUE(second.ok()) << second.status();
+  const uint64_t new_epoch = (*second)->epoch();
+  ASSERT_NE(new_epoch, old_epoch);
+
+  absl::StatusOr<std::vector<OpOutcome>> refused = client->Step(step);
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kAborted) << refused.status();
+  EXPECT_THAT(
+      refused.status().message(),
+      HasSubstr(absl::StrCat("cache manager restarted: epoch ", old_epoch, " -> ", new_epoch,
+                             "; sequences and mappings of the old epoch are gone")));
+  EXPECT_EQ(client->epoch(), new_epoch);
+  absl::StatusOr<std::vector<OpOutcome>> retried = client->Step(step);
+  ASSERT_TRUE(retried.ok()) << retried.status();
+  EXPECT_TRUE((*retried)[0].status.ok()) << (*retried)[0].status;  // seq 1 is new here
+}
+
+TEST(CacheManagerClientRestartTest, ExecutorReattachesAfterACrash) {
+  absl::StatusOr<TempDir> run_dir = TempDir::Create("kvcm-rs");
+  ASSERT_TRUE(run_dir.ok()) << run_dir.status();
+  CacheManagerOptions options = SmallPool();
+  options.run_dir = run_dir->path();
+  absl::StatusOr<std::unique_ptr<CacheManagerProcess>> first = StartCacheManager(options);
+  ASSERT_TRUE(first.ok()) << first.status();
+  std::unique_ptr<CacheManagerClient> executor =
+      ConnectOrDie((*first)->endpoint(), wire::Role::Executor);
+  ASSERT_NE(executor, nullptr);
+  absl::StatusOr<AttachedPool> pool = executor->Attach();
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  const uint64_t old_epoch = pool->epoch;
+
+  // kill -9: the socket files and the lock stay behind; the successor must cope.
+  ASSERT_TRUE((*first)->process().Signal(SIGKILL).ok());
+  ASSERT_TRUE((*first)->process().Wait(absl::Seconds(10)).ok());
+  absl::StatusOr<std::unique_ptr<CacheManagerProcess>> second = StartCacheManager(options);
+  ASSERT_TRUE(second.ok()) << second.status();
+
+  absl::StatusOr<AttachedPool> refused = executor->Attach();
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kAborted) << refused.status();
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr(absl::StrCat("epoch ", old_epoch, " -> ", (*second)->epoch())));
+  pool->mapping.reset();  // drop the old epoch's mapping first
+  absl::StatusOr<AttachedPool> again = executor->Attach();
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->epoch, (*second)->epoch());
+}
+
+TEST(CacheManagerClientNoServerTest, MissingSocketIsUnavailableAtOnce) {
+  absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-ns");
+  ASSERT_TRUE(dir.ok());
+  CacheManagerClient::Options options;
+  options.endpoint = absl::StrCat("ipc://", dir->path(), "/cache-manager.sock");
+  options.role = wire::Role::Control;
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::unique_ptr<CacheManagerClient>> client = CacheManagerClient::Connect(options);
+  EXPECT_EQ(client.status().code(), absl::StatusCode::kUnavailable) << client.status();
+  EXPECT_THAT(client.status().message(), HasSubstr("no socket file"));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+}
+
+}  // namespace
+}  // namespace kvcm

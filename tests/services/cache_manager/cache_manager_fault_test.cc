@@ -1,0 +1,117 @@
+// The real kvcm-cache-manager process when a client dies or hangs under load: the dead
+// client's blocks come back within a second and are never reissued while it lives; a hung
+// client's blocks are quarantined, its old session refused, and it can register anew.
+// Every test checks that the pool is whole afterwards.
+
+#include "tests/services/cache_manager/live_cache_manager.h"
+
+namespace kvcm::live_test {
+namespace {
+
+TEST(CacheManagerFaultTest, KilledClientBlocksComeBackWithinASecond) {
+  auto manager = StartManager(/*heartbeat_interval_ms=*/1000, /*heartbeat_timeout_ms=*/5000);
+  ASSERT_NE(manager, nullptr);
+  auto log = kvcm::testing::TempDir::Create("kvcm-fault");
+  ASSERT_TRUE(log.ok());
+  absl::flat_hash_set<int32_t> held;
+  auto holder = StartHolder(*manager, &held, log->path() + "/holder.log");
+  ASSERT_NE(holder, nullptr);
+  auto client = Connect(*manager);
+  ASSERT_NE(client, nullptr);
+  Survivor survivor(client.get(), &held);
+  for (int i = 0; i < 50; ++i) survivor.Step();  // load while the holder is alive
+
+  ASSERT_TRUE(holder->Signal(SIGKILL).ok());
+  const absl::Time killed = absl::Now();
+  absl::Duration reclaimed_after = absl::InfiniteDuration();
+  // Keep the load going; no block of the holder may be reissued until the cache manager
+  // has taken them back, and the survivor must see no error.
+  while (absl::Now() - killed < absl::Seconds(3)) {
+    survivor.Step();
+    auto stats = client->Stats();
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    if (stats->in_use_blocks == survivor.blocks_held()) {
+      reclaimed_after = absl::Now() - killed;
+      ExpectWhole(*stats);
+      // Every held block was committed with a hash: it is cached now, not lost.
+      EXPECT_GE(stats->cached_blocks, kHeld);
+      break;
+    }
+  }
+  std::printf("blocks of the killed client back after %s (%d survivor steps)\n",
+              absl::FormatDuration(reclaimed_after).c_str(), survivor.steps());
+  EXPECT_LT(reclaimed_after, absl::Seconds(1));
+  // From now on the holder's blocks may be reused.
+  survivor.set_forbidden(nullptr);
+  for (int i = 0; i < 20; ++i) survivor.Step();
+  auto metrics = kvcm::testing::HttpGet(manager->metrics_url());
+  ASSERT_TRUE(metrics.ok());
+  auto parsed = kvcm::testing::ParseMetricsText(metrics->body);
+  ASSERT_TRUE(parsed.ok());
+  EXPECT_EQ(*parsed->Value("kvcm_cache_manager_reclaimed_blocks_total",
+                           {{"reason", "client_died"}}),
+            kHeld);
+}
+
+TEST(CacheManagerFaultTest, StoppedClientIsQuarantinedThenRefusedThenRegistersAnew) {
+  auto manager = StartManager(/*heartbeat_interval_ms=*/100, /*heartbeat_timeout_ms=*/600);
+  ASSERT_NE(manager, nullptr);
+  auto log = kvcm::testing::TempDir::Create("kvcm-fault");
+  ASSERT_TRUE(log.ok());
+  absl::flat_hash_set<int32_t> held;
+  auto holder = StartHolder(*manager, &held, log->path() + "/holder.log");
+  ASSERT_NE(holder, nullptr);
+  auto client = Connect(*manager);
+  ASSERT_NE(client, nullptr);
+
+  ASSERT_TRUE(holder->Signal(SIGSTOP).ok());
+  const absl::Time stopped = absl::Now();
+  StatsSnapshot stats;
+  while (absl::Now() - stopped < absl::Seconds(10)) {
+    auto s = client->Stats();
+    ASSERT_TRUE(s.ok()) << s.status();
+    stats = *s;
+    if (stats.quarantined_blocks == kHeld) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_EQ(stats.quarantined_blocks, kHeld) << "never quarantined";
+  std::printf("quarantined %s after SIGSTOP (timeout 600 ms)\n",
+              absl::FormatDuration(absl::Now() - stopped).c_str());
+  ExpectWhole(stats);
+
+  // Everything else can be taken, but not one quarantined block.
+  const int32_t available = kBlocks - kHeld;
+  StepBatch too_much;
+  too_much.Allocate(1, (available + 1) * kBlockSize);
+  auto refused = client->Step(too_much);
+  ASSERT_TRUE(refused.ok()) << refused.status();
+  EXPECT_TRUE(absl::IsResourceExhausted((*refused)[0].status)) << (*refused)[0].status;
+  StepBatch all;
+  all.Allocate(2, available * kBlockSize);
+  auto taken = client->Step(all);
+  ASSERT_TRUE(taken.ok() && (*taken)[0].status.ok());
+  for (int32_t block : (*taken)[0].blocks) EXPECT_FALSE(held.contains(block)) << block;
+  StepBatch release;
+  release.Free(2);
+  ASSERT_TRUE(client->Step(release).ok());
+
+  ASSERT_TRUE(holder->Signal(SIGCONT).ok());
+  auto refusal = holder->WaitForLine("refused: (.*)", absl::Now() + absl::Seconds(10));
+  ASSERT_TRUE(refusal.ok()) << refusal.status() << "\n" << holder->Output();
+  // The old session's first request after SIGCONT (its heartbeat or its Stats call) is
+  // refused as stale: the client library reports ABORTED and registers again.
+  EXPECT_NE((*refusal)[1].find("ABORTED"), std::string::npos) << (*refusal)[1];
+  auto renewed =
+      holder->WaitForLine("registered anew session=([0-9]+)", absl::Now() + absl::Seconds(10));
+  ASSERT_TRUE(renewed.ok()) << renewed.status() << "\n" << holder->Output();
+
+  auto after = client->Stats();
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->quarantined_blocks, 0);
+  EXPECT_EQ(after->in_use_blocks, 0);
+  EXPECT_GE(after->cached_blocks, kHeld);  // committed blocks of the old session stay cached
+  ExpectWhole(*after);
+}
+
+}  // namespace
+}  // namespace kvcm::live_test

@@ -1,0 +1,164 @@
+// The real kvcm-cache-manager process: a second instance on the same run directory, garbage
+// on the real socket, SIGTERM, a taken metrics port, and its /metrics through promtool and
+// a real Prometheus server. Every test checks that the pool is whole afterwards.
+
+#include "tests/services/cache_manager/live_cache_manager.h"
+
+namespace kvcm::live_test {
+namespace {
+
+TEST(CacheManagerProcessTest, SecondInstanceOnTheSameRunDirectoryRefusesToStart) {
+  auto manager = StartManager();
+  ASSERT_NE(manager, nullptr);
+  auto second = kvcm::testing::RunProgram(
+      {kvcm::testing::KvcmBinaryPath("kvcm-cache-manager"), "--run-dir", manager->run_dir(),
+       "--backend", "shm", "--num-blocks", "16", "--layers", "1", "--kv-heads", "1",
+       "--head-dim", "8", "--metrics-address", "127.0.0.1:0"},
+      "", absl::Seconds(30));
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_NE(second->exit_code, 0);
+  EXPECT_NE(second->output.find("already running"), std::string::npos) << second->output;
+  // The first keeps serving on its socket.
+  auto client = Connect(*manager);
+  ASSERT_NE(client, nullptr);
+  auto stats = client->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->epoch, manager->epoch());
+}
+
+TEST(CacheManagerProcessTest, GarbageOnTheRealSocketGetsErrorRepliesAndChangesNothing) {
+  auto manager = StartManager();
+  ASSERT_NE(manager, nullptr);
+  auto client = Connect(*manager);
+  ASSERT_NE(client, nullptr);
+  StepBatch setup;
+  setup.Allocate(1, 40).Commit(1, 40);
+  ASSERT_TRUE(client->Step(setup).ok());
+  auto before = client->Stats();
+  ASSERT_TRUE(before.ok());
+
+  zmq::context_t context(1);
+  zmq::socket_t dealer(context, zmq::socket_type::dealer);
+  dealer.set(zmq::sockopt::linger, 0);
+  dealer.set(zmq::sockopt::rcvtimeo, 5000);
+  dealer.connect(manager->endpoint());
+  const uint32_t seed = 424242;
+  std::printf("seed %u\n", seed);
+  std::mt19937 rng(seed);
+  std::vector<std::vector<uint8_t>> messages;
+  for (int i = 0; i < 50; ++i) {
+    std::vector<uint8_t> garbage(rng() % 512);
+    for (uint8_t& byte : garbage) byte = static_cast<uint8_t>(rng());
+    messages.push_back(std::move(garbage));
+  }
+  // A well-formed Stats request of another version, and one truncated.
+  flatbuffers::FlatBufferBuilder b;
+  auto payload = wire::CreateStats(b);
+  wire::EnvelopeBuilder envelope(b);
+  envelope.add_version(kProtocolVersion + 7);
+  envelope.add_payload_type(wire::Message::Stats);
+  envelope.add_payload(payload.Union());
+  b.Finish(envelope.Finish(), kEnvelopeIdentifier);
+  messages.emplace_back(b.GetBufferPointer(), b.GetBufferPointer() + b.GetSize());
+  messages.emplace_back(b.GetBufferPointer(), b.GetBufferPointer() + b.GetSize() / 2);
+  // A Step naming a sequence of another session, sent without a session.
+  for (const auto& message : messages) {
+    dealer.send(zmq::buffer(message), zmq::send_flags::none);
+    zmq::message_t reply;
+    ASSERT_TRUE(dealer.recv(reply)) << "no reply to a bad message";
+    const VerifiedEnvelope verified =
+        VerifyEnvelope({static_cast<const uint8_t*>(reply.data()), reply.size()});
+    ASSERT_EQ(verified.fault, EnvelopeFault::kNone) << verified.reason;
+    ASSERT_EQ(verified.envelope->payload_type(), wire::Message::ErrorReply);
+    EXPECT_FALSE(verified.envelope->payload_as_ErrorReply()->reason()->str().empty());
+  }
+  auto after = client->Stats();
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->in_use_blocks, before->in_use_blocks);
+  EXPECT_EQ(after->free_blocks, before->free_blocks);
+  EXPECT_EQ(after->blocks_allocated, before->blocks_allocated);
+  EXPECT_EQ(after->rejected_messages, before->rejected_messages + messages.size());
+  ExpectWhole(*after);
+
+  auto metrics = kvcm::testing::HttpGet(manager->metrics_url());
+  ASSERT_TRUE(metrics.ok());
+  auto parsed = kvcm::testing::ParseMetricsText(metrics->body);
+  ASSERT_TRUE(parsed.ok());
+  EXPECT_GE(*parsed->Value("kvcm_cache_manager_rejected_messages_total",
+                           {{"reason", "malformed"}}),
+            50);
+  EXPECT_EQ(*parsed->Value("kvcm_cache_manager_rejected_messages_total",
+                           {{"reason", "unsupported_version"}}),
+            1);
+}
+
+TEST(CacheManagerProcessTest, SigtermAnswersAndCleansUp) {
+  auto manager = StartManager();
+  ASSERT_NE(manager, nullptr);
+  auto client = Connect(*manager);
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(client->Stats().ok());
+  const std::string run_dir = manager->run_dir();
+  auto exit_code = manager->Terminate(absl::Seconds(10));
+  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+  EXPECT_EQ(*exit_code, 0) << manager->Output();
+  EXPECT_NE(manager->Output().find("stopped"), std::string::npos);
+  struct stat st {};
+  for (const char* name : {"cache-manager.sock", "events.sock", "pool-fd.sock"}) {
+    EXPECT_NE(::stat((run_dir + "/" + name).c_str(), &st), 0) << name << " left behind";
+  }
+}
+
+TEST(CacheManagerProcessTest, TakenMetricsPortIsAClearError) {
+  auto manager = StartManager();
+  ASSERT_NE(manager, nullptr);
+  const std::string url = manager->metrics_url();  // http://127.0.0.1:PORT/metrics
+  const std::string address = url.substr(7, url.find("/metrics") - 7);
+  auto dir = kvcm::testing::TempDir::Create("kvcm-port");
+  ASSERT_TRUE(dir.ok());
+  auto second = kvcm::testing::RunProgram(
+      {kvcm::testing::KvcmBinaryPath("kvcm-cache-manager"), "--run-dir", dir->path() + "/run",
+       "--backend", "shm", "--num-blocks", "16", "--layers", "1", "--kv-heads", "1",
+       "--head-dim", "8", "--metrics-address", address},
+      "", absl::Seconds(30));
+  ASSERT_TRUE(second.ok());
+  EXPECT_NE(second->exit_code, 0);
+  EXPECT_NE(second->output.find(address), std::string::npos) << second->output;
+  EXPECT_NE(second->output.find("in use"), std::string::npos) << second->output;
+}
+
+TEST(CacheManagerMetricsLiveTest, ScrapePassesPromtoolAndPrometheusSeesTheBlocks) {
+  auto manager = StartManager();
+  ASSERT_NE(manager, nullptr);
+  auto client = Connect(*manager);
+  ASSERT_NE(client, nullptr);
+  StepBatch step;
+  step.Allocate(1, 40).Commit(1, 40).Allocate(2, 13);
+  ASSERT_TRUE(client->Step(step).ok());
+  ASSERT_TRUE(client->Stats().ok());
+
+  auto metrics = kvcm::testing::HttpGet(manager->metrics_url());
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  auto promtool = kvcm::testing::PromtoolCheckMetrics(metrics->body);
+  ASSERT_TRUE(promtool.ok()) << promtool.status();
+  EXPECT_EQ(promtool->exit_code, 0) << promtool->output;
+  EXPECT_EQ(promtool->output, "") << promtool->output;
+  auto parsed = kvcm::testing::ParseMetricsText(metrics->body);
+  ASSERT_TRUE(parsed.ok());
+  EXPECT_EQ(*parsed->Value("kvcm_cache_blocks", {{"state", "in_use"}}), 14);
+  EXPECT_EQ(*parsed->Value("kvcm_cache_manager_sessions", {{"role", "router"}}), 1);
+
+  const std::string url = manager->metrics_url();
+  kvcm::testing::PrometheusServer::Options options;
+  options.targets = {url.substr(7, url.find("/metrics") - 7)};
+  auto prometheus = kvcm::testing::PrometheusServer::Start(options);
+  ASSERT_TRUE(prometheus.ok()) << prometheus.status();
+  EXPECT_TRUE((*prometheus)->WaitForValue("sum(kvcm_cache_blocks)", kBlocks, absl::Seconds(60)).ok())
+      << (*prometheus)->LogTail();
+  EXPECT_TRUE((*prometheus)
+                  ->WaitForValue("kvcm_cache_blocks{state=\"in_use\"}", 14, absl::Seconds(30))
+                  .ok());
+}
+
+}  // namespace
+}  // namespace kvcm::live_test

@@ -1,0 +1,197 @@
+// The kvcmctl binary (KVCMCTL_PATH) against a real kvcm-cache-manager (tests/support):
+// info, stats and watch in text and JSON, and "no cache manager" when nothing runs or
+// nothing answers.
+
+#include <signal.h>
+
+#include <memory>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "common/block/block_hash.h"
+#include "common/client/cache_manager_client.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/support/cache_manager_process.h"
+#include "tests/support/subprocess.h"
+
+#ifndef KVCMCTL_PATH
+#error "KVCMCTL_PATH must name the kvcmctl binary"
+#endif
+
+namespace kvcm {
+namespace {
+
+using ::kvcm::testing::CacheManagerOptions;
+using ::kvcm::testing::CacheManagerProcess;
+using ::kvcm::testing::RunProgram;
+using ::kvcm::testing::RunResult;
+using ::kvcm::testing::StartCacheManager;
+using ::kvcm::testing::TempDir;
+using ::testing::HasSubstr;
+using ::testing::SizeIs;
+
+RunResult Kvcmctl(const std::vector<std::string>& args,
+                  absl::Duration timeout = absl::Seconds(30)) {
+  std::vector<std::string> argv = {std::string(KVCMCTL_PATH)};
+  for (const std::string& arg : args) argv.push_back(arg);
+  absl::StatusOr<RunResult> result = RunProgram(argv, "", timeout);
+  EXPECT_TRUE(result.ok()) << result.status();
+  return result.ok() ? *result : RunResult{-1, result.status().ToString()};
+}
+
+class KvcmctlLiveTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    CacheManagerOptions options;
+    options.num_blocks = 16;
+    options.block_size = 4;
+    absl::StatusOr<std::unique_ptr<CacheManagerProcess>> cm = StartCacheManager(options);
+    ASSERT_TRUE(cm.ok()) << cm.status();
+    cm_ = std::move(*cm);
+
+    // Some state to report: 2 cached blocks (one pinned) and a live 3-block sequence.
+    CacheManagerClient::Options client_options;
+    client_options.endpoint = cm_->endpoint();
+    client_options.role = wire::Role::Router;
+    client_options.name = "kvcmctl-live-test";
+    absl::StatusOr<std::unique_ptr<CacheManagerClient>> client =
+        CacheManagerClient::Connect(client_options);
+    ASSERT_TRUE(client.ok()) << client.status();
+    router_ = std::move(*client);
+    std::vector<int32_t> tokens(8);
+    std::iota(tokens.begin(), tokens.end(), 0);
+    std::vector<BlockHash> hashes;
+    HashFullBlocks(HashAlgorithm::kSha256, RootHash(HashAlgorithm::kSha256, ""), tokens, 4,
+                   &hashes);
+    StepBatch step;
+    step.Allocate(1, 8, hashes).Commit(1, 8).Free(1).Allocate(2, 10, hashes);
+    ASSERT_TRUE(router_->Step(step).ok());
+    step.Clear();
+    step.Free(2);
+    ASSERT_TRUE(router_->Step(step).ok());
+    ASSERT_TRUE(router_->Pin("head", std::span(hashes).first(1)).ok());
+    step.Clear();
+    step.Allocate(3, 9);
+    ASSERT_TRUE(router_->Step(step).ok());
+  }
+
+  std::unique_ptr<CacheManagerProcess> cm_;
+  std::unique_ptr<CacheManagerClient> router_;
+};
+
+TEST_F(KvcmctlLiveTest, InfoShowsThePool) {
+  RunResult result = Kvcmctl({"info", "--run-dir", cm_->run_dir()});
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("2 layers x 2 KV heads x head dim 8, fp16, block size 4"));
+  EXPECT_THAT(result.output, HasSubstr(absl::StrCat("epoch              ", cm_->epoch())));
+  EXPECT_THAT(result.output, HasSubstr("num_blocks         16"));
+  EXPECT_THAT(result.output, HasSubstr("bytes per block    512 B"));
+  EXPECT_THAT(result.output, HasSubstr("backend            shm"));
+  EXPECT_THAT(result.output, HasSubstr(cm_->events_endpoint()));
+  EXPECT_THAT(result.output, HasSubstr(cm_->metrics_url()));
+
+  result = Kvcmctl({"info", "--endpoint", cm_->endpoint(), "--json"});
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  const nlohmann::json j = nlohmann::json::parse(result.output);
+  EXPECT_EQ(j["epoch"], cm_->epoch());
+  EXPECT_EQ(j["num_blocks"], 16);
+  EXPECT_EQ(j["block_bytes"], 512);
+  EXPECT_EQ(j["pool_bytes"], 16 * 512);
+  EXPECT_EQ(j["max_total_tokens"], 64);
+  EXPECT_EQ(j["endpoint"], cm_->endpoint());
+  EXPECT_EQ(j["events_endpoint"], cm_->events_endpoint());
+  EXPECT_EQ(j["metrics_url"], cm_->metrics_url());
+  EXPECT_EQ(j["sessions"], 2);  // the router and kvcmctl itself
+}
+
+TEST_F(KvcmctlLiveTest, StatsSumToCapacity) {
+  RunResult result = Kvcmctl({"stats", "--run-dir", cm_->run_dir(), "--json"});
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  const nlohmann::json j = nlohmann::json::parse(result.output);
+  EXPECT_EQ(j["blocks"]["in_use"], 3);
+  EXPECT_EQ(j["blocks"]["cached"], 1);
+  EXPECT_EQ(j["blocks"]["pinned"], 1);
+  EXPECT_EQ(j["blocks"]["free"], 11);
+  int64_t sum = 0;
+  for (const auto& [state, count] : j["blocks"].items()) sum += count.get<int64_t>();
+  EXPECT_EQ(sum, 16);
+  EXPECT_EQ(j["prefix_hit_tokens"], 8);
+  EXPECT_GT(j["prefix_hit_rate"].get<double>(), 0.0);
+
+  result = Kvcmctl({"stats", "--run-dir", cm_->run_dir()});
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("total                16   100.0%"));
+  EXPECT_THAT(result.output, HasSubstr("in use                3    18.8%"));
+  EXPECT_THAT(result.output, HasSubstr("Live sequences 1"));
+}
+
+TEST_F(KvcmctlLiveTest, WatchPrintsOneLinePerIntervalAndSaysGoodbye) {
+  const absl::Time start = absl::Now();
+  RunResult result =
+      Kvcmctl({"watch", "--run-dir", cm_->run_dir(), "--interval", "100ms", "--count", "3"});
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(200));
+  std::vector<std::string> lines = absl::StrSplit(result.output, '\n', absl::SkipEmpty());
+  ASSERT_THAT(lines, SizeIs(4)) << result.output;
+  EXPECT_THAT(lines[0], HasSubstr("free  in_use  cached  pinned"));
+  EXPECT_THAT(lines[1], HasSubstr("     11       3       1       1       0"));
+
+  result = Kvcmctl(
+      {"watch", "--endpoint", cm_->endpoint(), "--interval", "50ms", "--count", "2", "--json"});
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  lines = absl::StrSplit(result.output, '\n', absl::SkipEmpty());
+  ASSERT_THAT(lines, SizeIs(2)) << result.output;
+  const nlohmann::json second = nlohmann::json::parse(lines[1]);
+  EXPECT_EQ(second["blocks"]["in_use"], 3);
+  EXPECT_TRUE(second.contains("allocations_per_second"));
+
+  // Every kvcmctl said Goodbye: only the router's session is left.
+  absl::StatusOr<StatsSnapshot> stats = router_->Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->sessions, 1u);
+}
+
+TEST_F(KvcmctlLiveTest, StoppedCacheManagerIsReportedWithinTheTimeout) {
+  ASSERT_TRUE(cm_->process().Signal(SIGSTOP).ok());
+  const absl::Time start = absl::Now();
+  RunResult result = Kvcmctl({"stats", "--run-dir", cm_->run_dir(), "--timeout", "300ms"});
+  const absl::Duration took = absl::Now() - start;
+  ASSERT_TRUE(cm_->process().Signal(SIGCONT).ok());
+  EXPECT_EQ(result.exit_code, 1) << result.output;
+  EXPECT_THAT(result.output,
+              HasSubstr(absl::StrCat("kvcmctl stats: no cache manager at ", cm_->endpoint(),
+                                     ": did not answer Hello within 300ms")));
+  EXPECT_LT(took, absl::Seconds(5));
+}
+
+TEST(KvcmctlNoCacheManagerTest, NothingRunningExitsOneAtOnce) {
+  absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-ctl");
+  ASSERT_TRUE(dir.ok());
+  for (const char* command : {"info", "stats", "watch"}) {
+    const absl::Time start = absl::Now();
+    RunResult result = Kvcmctl({command, "--run-dir", dir->path()});
+    EXPECT_EQ(result.exit_code, 1) << result.output;
+    EXPECT_THAT(result.output,
+                HasSubstr(absl::StrCat("kvcmctl ", command, ": no cache manager at ipc://",
+                                       dir->path(), "/cache-manager.sock: no socket file")));
+    EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  }
+}
+
+TEST(KvcmctlNoCacheManagerTest, ConflictingFlagsAreUsageErrors) {
+  RunResult result = Kvcmctl({"info", "--run-dir", "/x", "--endpoint", "ipc:///y"});
+  EXPECT_EQ(result.exit_code, 2) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("cannot be combined"));
+  result = Kvcmctl({"watch", "--help"});
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("--interval"));
+}
+
+}  // namespace
+}  // namespace kvcm
