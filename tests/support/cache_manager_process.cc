@@ -33,25 +33,21 @@ absl::StatusOr<std::unique_ptr<CacheManagerProcess>> CacheManagerProcess::Start(
   }
 
   Subprocess::Options process_options;
-  process_options.argv = {KvcmBinaryPath("kvcm-cache-manager"),
-                          "--run-dir",
-                          cm->run_dir_,
-                          "--backend",
-                          options.backend,
-                          "--num-blocks",
-                          absl::StrCat(options.num_blocks),
-                          "--layers",
-                          absl::StrCat(options.layers),
-                          "--kv-heads",
-                          absl::StrCat(options.kv_heads),
-                          "--head-dim",
-                          absl::StrCat(options.head_dim),
-                          "--dtype",
-                          options.dtype,
-                          "--block-size",
-                          absl::StrCat(options.block_size),
-                          "--metrics-address",
-                          "127.0.0.1:0"};
+  process_options.argv = {KvcmBinaryPath("kvcm-cache-manager"), "--run-dir", cm->run_dir_,
+                          "--backend", options.backend, "--block-size",
+                          absl::StrCat(options.block_size), "--metrics-address", "127.0.0.1:0"};
+  // A zero or empty field leaves its flag out (extra_args may then give --model-config or
+  // another sizing flag).
+  auto add = [&](const char* flag, const std::string& value, bool given) {
+    if (!given) return;
+    process_options.argv.push_back(flag);
+    process_options.argv.push_back(value);
+  };
+  add("--num-blocks", absl::StrCat(options.num_blocks), options.num_blocks != 0);
+  add("--layers", absl::StrCat(options.layers), options.layers != 0);
+  add("--kv-heads", absl::StrCat(options.kv_heads), options.kv_heads != 0);
+  add("--head-dim", absl::StrCat(options.head_dim), options.head_dim != 0);
+  add("--dtype", options.dtype, !options.dtype.empty());
   if (options.heartbeat_interval_ms.has_value()) {
     process_options.argv.push_back("--heartbeat-interval-ms");
     process_options.argv.push_back(absl::StrCat(*options.heartbeat_interval_ms));

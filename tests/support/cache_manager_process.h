@@ -38,6 +38,8 @@ struct CacheManagerOptions {
   // Pass one to restart a cache manager on the same directory.
   std::string run_dir;
   std::string backend = "shm";
+  // Shape and size; 0 or "" leaves the flag out (give --model-config or another sizing
+  // flag in extra_args instead).
   int32_t num_blocks = 64;
   int32_t layers = 2;
   int32_t kv_heads = 2;

@@ -4,6 +4,8 @@
 
 #include "tests/services/cache_manager/live_cache_manager.h"
 
+#include <fstream>
+
 namespace kvcm::live_test {
 namespace {
 
@@ -125,6 +127,52 @@ TEST(CacheManagerProcessTest, TakenMetricsPortIsAClearError) {
   EXPECT_NE(second->exit_code, 0);
   EXPECT_NE(second->output.find(address), std::string::npos) << second->output;
   EXPECT_NE(second->output.find("in use"), std::string::npos) << second->output;
+}
+
+TEST(CacheManagerProcessTest, CudaBackendWithoutADeviceIsAClearError) {
+  if (CudaDeviceCount().ok()) GTEST_SKIP() << "a CUDA device is present";
+  auto dir = kvcm::testing::TempDir::Create("kvcm-cuda");
+  ASSERT_TRUE(dir.ok());
+  auto run = kvcm::testing::RunProgram(
+      {kvcm::testing::KvcmBinaryPath("kvcm-cache-manager"), "--run-dir", dir->path() + "/run",
+       "--backend", "cuda", "--num-blocks", "16", "--layers", "1", "--kv-heads", "1",
+       "--head-dim", "8", "--metrics-address", "127.0.0.1:0"},
+      "", absl::Seconds(30));
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_EQ(run->exit_code, 1) << run->output;
+  EXPECT_NE(run->output.find("--backend cuda needs a CUDA device"), std::string::npos)
+      << run->output;
+}
+
+TEST(CacheManagerProcessTest, ModelConfigAndMemoryFractionSizeThePool) {
+  auto dir = kvcm::testing::TempDir::Create("kvcm-config");
+  ASSERT_TRUE(dir.ok());
+  const std::string config = dir->path() + "/config.json";
+  {
+    std::ofstream out(config);
+    out << R"({"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "hidden_size": 64, "torch_dtype": "float16"})";
+  }
+  CacheManagerOptions options;
+  options.layers = 0;  // the shape comes from the config
+  options.kv_heads = 0;
+  options.head_dim = 0;
+  options.dtype = "";
+  options.num_blocks = 0;
+  options.extra_args = {"--model-config", config, "--memory-fraction", "0.001"};
+  auto manager = CacheManagerProcess::Start(options);
+  ASSERT_TRUE(manager.ok()) << manager.status();
+  EXPECT_NE((*manager)->Output().find("2 layers x 2 KV heads x head dim 16, fp16"),
+            std::string::npos)
+      << (*manager)->Output();
+  auto client = Connect(**manager);
+  ASSERT_NE(client, nullptr);
+  auto stats = client->Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->spec.num_layers, 2);
+  EXPECT_EQ(stats->spec.head_dim, 16);
+  EXPECT_GT(stats->num_blocks, 0);
+  EXPECT_EQ(stats->pool_bytes, static_cast<uint64_t>(stats->num_blocks) * stats->block_bytes);
 }
 
 TEST(CacheManagerMetricsLiveTest, ScrapePassesPromtoolAndPrometheusSeesTheBlocks) {
