@@ -1,0 +1,51 @@
+#include "kernels/cpu_isa.h"
+
+#include <atomic>
+
+#include "common/base/check.h"
+
+namespace kvcm::kernels {
+namespace {
+
+CpuIsa DetectCpuIsa() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c")) {
+    return CpuIsa::kAvx2;
+  }
+#endif
+  return CpuIsa::kPortable;
+}
+
+std::atomic<CpuIsa>& ActiveIsa() {
+  static std::atomic<CpuIsa> isa{BestCpuIsa()};
+  return isa;
+}
+
+}  // namespace
+
+std::string_view CpuIsaName(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kPortable:
+      return "portable";
+    case CpuIsa::kAvx2:
+      return "avx2";
+  }
+  return "?";
+}
+
+CpuIsa BestCpuIsa() {
+  static const CpuIsa best = DetectCpuIsa();
+  return best;
+}
+
+CpuIsa ActiveCpuIsa() { return ActiveIsa().load(std::memory_order_relaxed); }
+
+void SetCpuIsaForTest(CpuIsa isa) {
+  KVCM_CHECK(static_cast<int>(isa) <= static_cast<int>(BestCpuIsa()))
+      << "this CPU does not support " << CpuIsaName(isa);
+  ActiveIsa().store(isa, std::memory_order_relaxed);
+}
+
+}  // namespace kvcm::kernels

@@ -1,0 +1,32 @@
+#pragma once
+// Which vector instructions the CPU kernels use, chosen once at run time.
+//
+// The build targets baseline x86-64 (no -march flag), so the hot loops exist twice: portable
+// code (GCC vector extensions: SSE2 on x86-64, NEON elsewhere) and, on x86-64, the same code
+// compiled for AVX2 + FMA + F16C through a target pragma. The best one the CPU supports is
+// used unless a test forces another.
+//
+// Thread safety: all functions may be called from any thread.
+
+#include <cstdint>
+#include <string_view>
+
+namespace kvcm::kernels {
+
+enum class CpuIsa : uint8_t {
+  kPortable,  // always available
+  kAvx2,      // x86-64 with AVX2, FMA and F16C
+};
+
+std::string_view CpuIsaName(CpuIsa isa);
+
+// The best ISA this CPU and this build support.
+CpuIsa BestCpuIsa();
+
+// The ISA the kernels use now: BestCpuIsa() unless SetCpuIsaForTest chose another.
+CpuIsa ActiveCpuIsa();
+
+// Makes the kernels use `isa`. REQUIRES: isa <= BestCpuIsa().
+void SetCpuIsaForTest(CpuIsa isa);
+
+}  // namespace kvcm::kernels
