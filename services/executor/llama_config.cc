@@ -1,0 +1,299 @@
+#include "services/executor/llama_config.h"
+
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <optional>
+#include <sstream>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
+#include "common/base/status_macros.h"
+#include "nlohmann/json.hpp"
+
+namespace kvcm {
+namespace {
+
+using Json = nlohmann::json;
+
+absl::Status Invalid(absl::string_view message) {
+  return absl::InvalidArgumentError(absl::StrCat("config.json: ", message));
+}
+absl::Status Unimplemented(absl::string_view message) {
+  return absl::UnimplementedError(absl::StrCat("config.json: ", message));
+}
+
+const Json* Get(const Json& object, const char* key) {
+  const auto it = object.find(key);
+  return it == object.end() || it->is_null() ? nullptr : &*it;
+}
+
+absl::StatusOr<std::optional<int32_t>> OptionalInt(const Json& object, const char* key,
+                                                   int64_t min_value) {
+  const Json* value = Get(object, key);
+  if (value == nullptr) return std::optional<int32_t>();
+  if (!value->is_number_integer()) {
+    return Invalid(absl::StrCat("key \"", key, "\" must be an integer, got ", value->type_name(),
+                                " ", value->dump()));
+  }
+  const bool too_big =
+      value->is_number_unsigned() && value->get<uint64_t>() > std::numeric_limits<int32_t>::max();
+  const int64_t v = too_big ? std::numeric_limits<int64_t>::max() : value->get<int64_t>();
+  if (v < min_value || v > std::numeric_limits<int32_t>::max()) {
+    return Invalid(absl::StrCat("key \"", key, "\" must be an integer in [", min_value, ", ",
+                                std::numeric_limits<int32_t>::max(), "], got ", value->dump()));
+  }
+  return std::optional<int32_t>(static_cast<int32_t>(v));
+}
+
+absl::StatusOr<int32_t> RequiredPositiveInt(const Json& object, const char* key) {
+  KVCM_ASSIGN_OR_RETURN(const std::optional<int32_t> value, OptionalInt(object, key, 1));
+  if (!value.has_value()) return Invalid(absl::StrCat("missing required key \"", key, "\""));
+  return *value;
+}
+
+// A positive finite number, or `default_value` when absent.
+absl::StatusOr<double> OptionalPositiveNumber(const Json& object, const char* key,
+                                              double default_value) {
+  const Json* value = Get(object, key);
+  if (value == nullptr) return default_value;
+  if (!value->is_number()) {
+    return Invalid(absl::StrCat("key \"", key, "\" must be a number, got ", value->type_name(), " ",
+                                value->dump()));
+  }
+  const double v = value->get<double>();
+  if (!std::isfinite(v) || v <= 0) {
+    return Invalid(
+        absl::StrCat("key \"", key, "\" must be a positive number, got ", value->dump()));
+  }
+  return v;
+}
+
+absl::StatusOr<bool> OptionalBool(const Json& object, const char* key, bool default_value) {
+  const Json* value = Get(object, key);
+  if (value == nullptr) return default_value;
+  if (!value->is_boolean()) {
+    return Invalid(absl::StrCat("key \"", key, "\" must be true or false, got ", value->dump()));
+  }
+  return value->get<bool>();
+}
+
+// bos_token_id / eos_token_id: an int, a list of ints, or null.
+absl::StatusOr<std::vector<int32_t>> TokenIds(const Json& object, const char* key,
+                                              int32_t vocab_size) {
+  const Json* value = Get(object, key);
+  std::vector<int32_t> ids;
+  if (value == nullptr) return ids;
+  const Json list = value->is_array() ? *value : Json::array({*value});
+  for (const Json& id : list) {
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= vocab_size) {
+      return Invalid(absl::StrCat("key \"", key, "\" must be a token id in [0, vocab_size=",
+                                  vocab_size, ") or a list of them, got ", value->dump()));
+    }
+    ids.push_back(static_cast<int32_t>(id.get<int64_t>()));
+  }
+  return ids;
+}
+
+absl::StatusOr<RopeScaling> ParseRopeScaling(const Json& root) {
+  RopeScaling scaling;
+  const Json* section = Get(root, "rope_scaling");
+  if (section == nullptr) return scaling;
+  if (!section->is_object()) {
+    return Invalid(
+        absl::StrCat("key \"rope_scaling\" must be an object or null, got ", section->dump()));
+  }
+  // transformers writes "rope_type"; older configs "type".
+  const Json* type = Get(*section, "rope_type");
+  if (type == nullptr) type = Get(*section, "type");
+  if (type == nullptr || !type->is_string()) {
+    return Invalid(absl::StrCat("\"rope_scaling\" has no string \"rope_type\": ", section->dump()));
+  }
+  const std::string name = type->get<std::string>();
+  if (name == "default") return scaling;
+  if (name != "llama3" && name != "linear") {
+    return Unimplemented(absl::StrCat("\"rope_scaling\" of rope_type \"", name,
+                                      "\" is not supported (supported: llama3, linear)"));
+  }
+  KVCM_ASSIGN_OR_RETURN(scaling.factor, OptionalPositiveNumber(*section, "factor", -1));
+  if (scaling.factor < 0) {
+    return Invalid(absl::StrCat("\"rope_scaling\" of rope_type \"", name, "\" needs a \"factor\""));
+  }
+  if (name == "linear") {
+    scaling.type = RopeScaling::Type::kLinear;
+    return scaling;
+  }
+  scaling.type = RopeScaling::Type::kLlama3;
+  KVCM_ASSIGN_OR_RETURN(scaling.low_freq_factor,
+                        OptionalPositiveNumber(*section, "low_freq_factor", 1.0));
+  KVCM_ASSIGN_OR_RETURN(scaling.high_freq_factor,
+                        OptionalPositiveNumber(*section, "high_freq_factor", 4.0));
+  KVCM_ASSIGN_OR_RETURN(scaling.original_max_position_embeddings,
+                        RequiredPositiveInt(*section, "original_max_position_embeddings"));
+  if (scaling.high_freq_factor <= scaling.low_freq_factor) {
+    return Invalid("\"rope_scaling\": high_freq_factor must exceed low_freq_factor");
+  }
+  return scaling;
+}
+
+constexpr const char* kArchitectures[] = {"LlamaForCausalLM", "MistralForCausalLM"};
+constexpr const char* kModelTypes[] = {"llama", "mistral"};
+
+absl::StatusOr<std::string> Architecture(const Json& root) {
+  const Json* archs = Get(root, "architectures");
+  if (archs != nullptr) {
+    if (!archs->is_array() || archs->empty()) {
+      return Invalid(
+          absl::StrCat("key \"architectures\" must be a non-empty list, got ", archs->dump()));
+    }
+    for (const Json& a : *archs) {
+      if (!a.is_string()) continue;
+      for (const char* known : kArchitectures) {
+        if (a.get<std::string>() == known) return std::string(known);
+      }
+    }
+    return Unimplemented(
+        absl::StrCat("\"architectures\" ", archs->dump(),
+                     " is not supported (supported: ", absl::StrJoin(kArchitectures, ", "), ")"));
+  }
+  const Json* model_type = Get(root, "model_type");
+  if (model_type == nullptr) {
+    return Invalid("neither \"architectures\" nor \"model_type\" is given");
+  }
+  for (size_t i = 0; i < std::size(kModelTypes); ++i) {
+    if (model_type->is_string() && model_type->get<std::string>() == kModelTypes[i]) {
+      return std::string(kArchitectures[i]);
+    }
+  }
+  return Unimplemented(
+      absl::StrCat("\"model_type\" ", model_type->dump(),
+                   " is not supported (supported: ", absl::StrJoin(kModelTypes, ", "), ")"));
+}
+
+}  // namespace
+
+absl::StatusOr<KvCacheSpec> LlamaConfig::KvSpec(DType dtype, int32_t block_size) const {
+  KvCacheSpec spec;
+  spec.num_layers = num_hidden_layers;
+  spec.num_kv_heads = num_key_value_heads;
+  spec.head_dim = head_dim;
+  spec.dtype = dtype;
+  spec.block_size = block_size;
+  KVCM_RETURN_IF_ERROR(spec.Validate());
+  return spec;
+}
+
+std::string LlamaConfig::ToString() const {
+  return absl::StrCat(
+      architecture, ": vocab ", vocab_size, ", hidden ", hidden_size, ", intermediate ",
+      intermediate_size, ", ", num_hidden_layers, " layers, ", num_attention_heads, " heads (",
+      num_key_value_heads, " KV) x head dim ", head_dim, ", rope_theta ", rope_theta,
+      tie_word_embeddings ? ", tied embeddings" : "", torch_dtype.empty() ? "" : ", ", torch_dtype);
+}
+
+absl::StatusOr<LlamaConfig> ParseLlamaConfig(const std::string& json_text) {
+  Json root;
+  try {
+    root = Json::parse(json_text);
+  } catch (const Json::exception& e) {
+    return Invalid(absl::StrCat("malformed JSON: ", e.what()));
+  }
+  if (!root.is_object()) {
+    return Invalid(absl::StrCat("expected a JSON object, got ", root.type_name()));
+  }
+
+  LlamaConfig c;
+  KVCM_ASSIGN_OR_RETURN(c.architecture, Architecture(root));
+  KVCM_ASSIGN_OR_RETURN(c.vocab_size, RequiredPositiveInt(root, "vocab_size"));
+  KVCM_ASSIGN_OR_RETURN(c.hidden_size, RequiredPositiveInt(root, "hidden_size"));
+  KVCM_ASSIGN_OR_RETURN(c.intermediate_size, RequiredPositiveInt(root, "intermediate_size"));
+  KVCM_ASSIGN_OR_RETURN(c.num_hidden_layers, RequiredPositiveInt(root, "num_hidden_layers"));
+  KVCM_ASSIGN_OR_RETURN(c.num_attention_heads, RequiredPositiveInt(root, "num_attention_heads"));
+
+  KVCM_ASSIGN_OR_RETURN(const std::optional<int32_t> kv_heads,
+                        OptionalInt(root, "num_key_value_heads", 1));
+  c.num_key_value_heads = kv_heads.value_or(c.num_attention_heads);
+  if (c.num_attention_heads % c.num_key_value_heads != 0) {
+    return Invalid(absl::StrCat("\"num_attention_heads\" (", c.num_attention_heads,
+                                ") is not a multiple of \"num_key_value_heads\" (",
+                                c.num_key_value_heads, ")"));
+  }
+  KVCM_ASSIGN_OR_RETURN(const std::optional<int32_t> head_dim, OptionalInt(root, "head_dim", 1));
+  if (head_dim.has_value()) {
+    c.head_dim = *head_dim;
+  } else if (c.hidden_size % c.num_attention_heads != 0) {
+    return Invalid(absl::StrCat("no \"head_dim\", and \"hidden_size\" (", c.hidden_size,
+                                ") is not divisible by \"num_attention_heads\" (",
+                                c.num_attention_heads, ")"));
+  } else {
+    c.head_dim = c.hidden_size / c.num_attention_heads;
+  }
+  if (c.head_dim % 2 != 0) {
+    return Invalid(absl::StrCat("head_dim must be even for RoPE, got ", c.head_dim));
+  }
+
+  KVCM_ASSIGN_OR_RETURN(const double eps, OptionalPositiveNumber(root, "rms_norm_eps", 1e-6));
+  c.rms_norm_eps = static_cast<float>(eps);
+  KVCM_ASSIGN_OR_RETURN(c.rope_theta, OptionalPositiveNumber(root, "rope_theta", 10000.0));
+  KVCM_ASSIGN_OR_RETURN(c.rope_scaling, ParseRopeScaling(root));
+  KVCM_ASSIGN_OR_RETURN(const std::optional<int32_t> max_pos,
+                        OptionalInt(root, "max_position_embeddings", 1));
+  c.max_position_embeddings = max_pos.value_or(2048);
+  KVCM_ASSIGN_OR_RETURN(c.tie_word_embeddings, OptionalBool(root, "tie_word_embeddings", false));
+
+  KVCM_ASSIGN_OR_RETURN(const std::vector<int32_t> bos,
+                        TokenIds(root, "bos_token_id", c.vocab_size));
+  if (bos.size() > 1) {
+    return Invalid(absl::StrCat("key \"bos_token_id\" must be a single id, got ",
+                                root["bos_token_id"].dump()));
+  }
+  c.bos_token_id = bos.empty() ? -1 : bos[0];
+  KVCM_ASSIGN_OR_RETURN(c.eos_token_ids, TokenIds(root, "eos_token_id", c.vocab_size));
+
+  for (const char* key : {"torch_dtype", "dtype"}) {
+    const Json* dtype = Get(root, key);
+    if (dtype == nullptr) continue;
+    if (!dtype->is_string()) {
+      return Invalid(absl::StrCat("key \"", key, "\" must be a string, got ", dtype->dump()));
+    }
+    c.torch_dtype = dtype->get<std::string>();
+    break;
+  }
+
+  // Features this implementation does not have: refuse rather than compute wrong logits.
+  if (const Json* act = Get(root, "hidden_act"); act != nullptr && *act != "silu") {
+    return Unimplemented(
+        absl::StrCat("\"hidden_act\" ", act->dump(), " is not supported (only \"silu\")"));
+  }
+  for (const char* key : {"attention_bias", "mlp_bias"}) {
+    KVCM_ASSIGN_OR_RETURN(const bool bias, OptionalBool(root, key, false));
+    if (bias) return Unimplemented(absl::StrCat("\"", key, "\": true is not supported"));
+  }
+  if (const Json* window = Get(root, "sliding_window"); window != nullptr) {
+    if (!window->is_number_integer() || window->get<int64_t>() < c.max_position_embeddings) {
+      return Unimplemented(absl::StrCat("\"sliding_window\" ", window->dump(),
+                                        " (shorter than max_position_embeddings=",
+                                        c.max_position_embeddings, ") is not supported"));
+    }
+  }
+  return c;
+}
+
+absl::StatusOr<LlamaConfig> LoadLlamaConfig(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open \"", path, "\""));
+  std::stringstream text;
+  text << in.rdbuf();
+  if (in.bad()) return absl::NotFoundError(absl::StrCat("cannot read \"", path, "\""));
+  absl::StatusOr<LlamaConfig> config = ParseLlamaConfig(text.str());
+  if (!config.ok()) {
+    return absl::Status(config.status().code(),
+                        absl::StrCat(path, ": ", config.status().message()));
+  }
+  return config;
+}
+
+}  // namespace kvcm

@@ -1,0 +1,88 @@
+#pragma once
+// LlamaConfig: the hyperparameters of a Llama-family model, read from a Hugging Face
+// `config.json`.
+//
+// Keys (top level):
+//
+//   architectures            ["LlamaForCausalLM"] or ["MistralForCausalLM"]; when absent,
+//                            "model_type" must be "llama" or "mistral"
+//   vocab_size               required
+//   hidden_size              required
+//   intermediate_size        required
+//   num_hidden_layers        required
+//   num_attention_heads      required
+//   num_key_value_heads      default num_attention_heads (MHA); must divide it
+//   head_dim                 default hidden_size / num_attention_heads (must divide)
+//   rms_norm_eps             default 1e-6 (HF LlamaConfig's default)
+//   rope_theta               default 10000
+//   max_position_embeddings  default 2048 (HF LlamaConfig's default)
+//   tie_word_embeddings      default false
+//   bos_token_id             int, list of ints or null (default none)
+//   eos_token_id             int, list of ints or null (default none)
+//   torch_dtype (or dtype)   the checkpoint's dtype name; informational
+//   rope_scaling             null, or {"rope_type": "llama3" | "linear" | "default", ...};
+//                            "llama3" (Llama 3.1+) and "linear" are implemented
+//
+// Rejected, naming the key:
+//   UNIMPLEMENTED     another architecture; rope_scaling of another type (dynamic, yarn,
+//                     longrope, ...); attention_bias or mlp_bias true; hidden_act other than
+//                     "silu"; a Mistral sliding_window shorter than max_position_embeddings
+//   INVALID_ARGUMENT  malformed JSON, a required key missing, a value of the wrong type or
+//                     out of range (the message names the key and the value)
+//   NOT_FOUND         (LoadLlamaConfig) the file cannot be read
+//
+// Thread safety: a plain value.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/sizing/kv_cache_spec.h"
+
+namespace kvcm {
+
+// rope_scaling, resolved. kNone leaves the inverse frequencies as 1 / theta^(2i / head_dim).
+struct RopeScaling {
+  enum class Type { kNone, kLinear, kLlama3 };
+  Type type = Type::kNone;
+  double factor = 1.0;                           // linear and llama3
+  double low_freq_factor = 1.0;                  // llama3
+  double high_freq_factor = 4.0;                 // llama3
+  int32_t original_max_position_embeddings = 0;  // llama3
+};
+
+struct LlamaConfig {
+  std::string architecture;  // e.g. "LlamaForCausalLM"
+  int32_t vocab_size = 0;
+  int32_t hidden_size = 0;
+  int32_t intermediate_size = 0;
+  int32_t num_hidden_layers = 0;
+  int32_t num_attention_heads = 0;
+  int32_t num_key_value_heads = 0;
+  int32_t head_dim = 0;
+  float rms_norm_eps = 1e-6f;
+  double rope_theta = 10000.0;
+  RopeScaling rope_scaling;
+  int32_t max_position_embeddings = 2048;
+  bool tie_word_embeddings = false;
+  int32_t bos_token_id = -1;           // -1: none
+  std::vector<int32_t> eos_token_ids;  // empty: none; generation stops on any of them
+  std::string torch_dtype;             // as written, "" when absent
+
+  // The KV-cache block shape of this model: num_hidden_layers x num_key_value_heads x
+  // head_dim in `dtype`, `block_size` tokens per block. INVALID_ARGUMENT from
+  // KvCacheSpec::Validate when block_size is out of range.
+  absl::StatusOr<KvCacheSpec> KvSpec(DType dtype, int32_t block_size) const;
+
+  // One line for logs.
+  std::string ToString() const;
+};
+
+// Parses the text of a config.json (see the key table above).
+absl::StatusOr<LlamaConfig> ParseLlamaConfig(const std::string& json_text);
+
+// Reads and parses a config.json file; errors are prefixed with its path.
+absl::StatusOr<LlamaConfig> LoadLlamaConfig(const std::string& path);
+
+}  // namespace kvcm

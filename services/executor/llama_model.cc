@@ -1,0 +1,543 @@
+#include "services/executor/llama_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numbers>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/base/check.h"
+#include "common/base/status_macros.h"
+#include "kernels/paged_attention.h"
+#include "kernels/paged_kv.h"
+#include "kernels/write_kv.h"
+#include "services/executor/safetensors.h"
+
+namespace kvcm {
+namespace {
+
+// Four-lane float vectors (GCC/Clang vector extension): SSE on any x86-64, NEON on arm64.
+typedef float Float4 __attribute__((vector_size(16)));
+
+Float4 Load4(const float* p) {
+  Float4 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// a . b in a fixed order: eight lanes (two vectors) accumulated over the length, then summed
+// pairwise, then the tail. The same inputs always give the same bits.
+float Dot(const float* a, const float* b, int64_t n) {
+  Float4 acc0 = {0, 0, 0, 0};
+  Float4 acc1 = {0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    acc0 += Load4(a + i) * Load4(b + i);
+    acc1 += Load4(a + i + 4) * Load4(b + i + 4);
+  }
+  const Float4 acc = acc0 + acc1;
+  float sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// Dot(x + r * n, w, n) for r = 0 .. 3, bit for bit, sharing the loads of w: the matmul's
+// micro-kernel for several tokens.
+void Dot4(const float* x, const float* w, int64_t n, float* out, int64_t out_stride) {
+  Float4 acc[4][2] = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const Float4 w0 = Load4(w + i);
+    const Float4 w1 = Load4(w + i + 4);
+    for (int r = 0; r < 4; ++r) {
+      acc[r][0] += Load4(x + r * n + i) * w0;
+      acc[r][1] += Load4(x + r * n + i + 4) * w1;
+    }
+  }
+  for (int r = 0; r < 4; ++r) {
+    const Float4 a = acc[r][0] + acc[r][1];
+    float sum = (a[0] + a[1]) + (a[2] + a[3]);
+    for (int64_t j = i; j < n; ++j) sum += x[r * n + j] * w[j];
+    out[r * out_stride] = sum;
+  }
+}
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+// Loads tensor `name` of exactly `shape` from the folder's shards.
+absl::StatusOr<std::vector<float>> LoadTensor(const SafetensorsFolder& shards,
+                                              const std::string& folder, const std::string& name,
+                                              const std::vector<int64_t>& shape) {
+  const auto [file, info] = shards.Find(name);
+  if (file == nullptr) {
+    return absl::NotFoundError(absl::StrCat("model folder \"", folder, "\" has no tensor \"", name,
+                                            "\" (expected shape ", ShapeString(shape), ")"));
+  }
+  if (info->shape != shape) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor \"", name, "\" in \"", file->path(), "\" has shape ", ShapeString(info->shape),
+        ", expected ", ShapeString(shape), " from config.json"));
+  }
+  return file->LoadFloat32(name);
+}
+
+absl::StatusOr<kernels::KvDType> KernelDType(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return kernels::KvDType::kFloat32;
+    case DType::kFloat16:
+      return kernels::KvDType::kFloat16;
+    case DType::kBFloat16:
+      return kernels::KvDType::kBFloat16;
+    default:
+      return absl::UnimplementedError(absl::StrCat("KV pool dtype ", std::string(DTypeName(dtype)),
+                                                   " has no CPU kernel (fp32, fp16, bf16 do)"));
+  }
+}
+
+// HF's rope inverse frequencies, 1 / theta^(2i / head_dim), with rope_scaling applied
+// (transformers' _compute_linear_scaling_rope_parameters and _compute_llama3_parameters).
+std::vector<double> InverseFrequencies(const LlamaConfig& c) {
+  const int32_t half = c.head_dim / 2;
+  std::vector<double> inv_freq(static_cast<size_t>(half));
+  for (int32_t i = 0; i < half; ++i) {
+    inv_freq[static_cast<size_t>(i)] =
+        1.0 / std::pow(c.rope_theta, static_cast<double>(2 * i) / c.head_dim);
+  }
+  const RopeScaling& s = c.rope_scaling;
+  if (s.type == RopeScaling::Type::kLinear) {
+    for (double& f : inv_freq) f /= s.factor;
+  } else if (s.type == RopeScaling::Type::kLlama3) {
+    const double old_len = s.original_max_position_embeddings;
+    const double low_freq_wavelen = old_len / s.low_freq_factor;
+    const double high_freq_wavelen = old_len / s.high_freq_factor;
+    for (double& f : inv_freq) {
+      const double wavelen = 2 * std::numbers::pi / f;
+      if (wavelen > low_freq_wavelen) {
+        f /= s.factor;  // low frequencies: interpolated
+      } else if (wavelen >= high_freq_wavelen) {
+        const double smooth =
+            (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+        f = (1 - smooth) * f / s.factor + smooth * f;
+      }  // high frequencies: unchanged
+    }
+  }
+  return inv_freq;
+}
+
+}  // namespace
+
+LlamaModel::LlamaModel(LlamaConfig config, int32_t num_threads)
+    : config_(std::move(config)), pool_(num_threads) {}
+
+LlamaModel::~LlamaModel() = default;
+
+absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& folder,
+                                                             const LlamaModelOptions& options) {
+  KVCM_ASSIGN_OR_RETURN(LlamaConfig config, LoadLlamaConfig(folder + "/config.json"));
+  KVCM_ASSIGN_OR_RETURN(const std::unique_ptr<SafetensorsFolder> shards,
+                        SafetensorsFolder::Open(folder));
+  auto model = std::unique_ptr<LlamaModel>(new LlamaModel(std::move(config), options.num_threads));
+  const LlamaConfig& c = model->config_;
+  const int64_t h = c.hidden_size;
+  const int64_t q = int64_t{c.num_attention_heads} * c.head_dim;
+  const int64_t kv = int64_t{c.num_key_value_heads} * c.head_dim;
+  const int64_t inter = c.intermediate_size;
+  const int64_t vocab = c.vocab_size;
+  auto load = [&](const std::string& name, std::vector<int64_t> shape,
+                  std::vector<float>* out) -> absl::Status {
+    KVCM_ASSIGN_OR_RETURN(*out, LoadTensor(*shards, folder, name, shape));
+    return absl::OkStatus();
+  };
+
+  KVCM_RETURN_IF_ERROR(load("model.embed_tokens.weight", {vocab, h}, &model->embed_tokens_));
+  model->layers_.resize(static_cast<size_t>(c.num_hidden_layers));
+  for (int32_t l = 0; l < c.num_hidden_layers; ++l) {
+    Layer& layer = model->layers_[static_cast<size_t>(l)];
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    KVCM_RETURN_IF_ERROR(load(p + "input_layernorm.weight", {h}, &layer.input_norm));
+    KVCM_RETURN_IF_ERROR(load(p + "self_attn.q_proj.weight", {q, h}, &layer.q_proj));
+    KVCM_RETURN_IF_ERROR(load(p + "self_attn.k_proj.weight", {kv, h}, &layer.k_proj));
+    KVCM_RETURN_IF_ERROR(load(p + "self_attn.v_proj.weight", {kv, h}, &layer.v_proj));
+    KVCM_RETURN_IF_ERROR(load(p + "self_attn.o_proj.weight", {h, q}, &layer.o_proj));
+    KVCM_RETURN_IF_ERROR(load(p + "post_attention_layernorm.weight", {h}, &layer.post_norm));
+    KVCM_RETURN_IF_ERROR(load(p + "mlp.gate_proj.weight", {inter, h}, &layer.gate_proj));
+    KVCM_RETURN_IF_ERROR(load(p + "mlp.up_proj.weight", {inter, h}, &layer.up_proj));
+    KVCM_RETURN_IF_ERROR(load(p + "mlp.down_proj.weight", {h, inter}, &layer.down_proj));
+  }
+  KVCM_RETURN_IF_ERROR(load("model.norm.weight", {h}, &model->final_norm_));
+  if (!c.tie_word_embeddings) {
+    if (shards->Find("lm_head.weight").first == nullptr) {
+      return absl::NotFoundError(absl::StrCat(
+          "model folder \"", folder, "\" has no tensor \"lm_head.weight\" (expected shape [", vocab,
+          ", ", h, "]) and config.json does not set tie_word_embeddings"));
+    }
+    KVCM_RETURN_IF_ERROR(load("lm_head.weight", {vocab, h}, &model->lm_head_));
+  }
+  model->inv_freq_ = InverseFrequencies(c);
+  return model;
+}
+
+void LlamaModel::MatMul(const float* x, int64_t rows, int64_t in, const std::vector<float>& w,
+                        int64_t out, float* y) const {
+  KVCM_CHECK(static_cast<int64_t>(w.size()) == out * in) << w.size() << " != " << out << "x" << in;
+  const float* weights = w.data();
+  // Enough output features per chunk for ~64K multiply-adds, so tiny products stay on one
+  // thread.
+  const int64_t min_chunk = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, in * rows));
+  // Rows of x per pass over a chunk's weights: about 256 KiB of x, to stay in L2.
+  const int64_t row_tile = std::max<int64_t>(4, (int64_t{1} << 16) / std::max<int64_t>(1, in));
+  pool_.ParallelFor(out, min_chunk, [&](int64_t begin, int64_t end) {
+    for (int64_t r0 = 0; r0 < rows; r0 += row_tile) {
+      const int64_t r1 = std::min(rows, r0 + row_tile);
+      for (int64_t o = begin; o < end; ++o) {
+        const float* row = weights + o * in;
+        int64_t r = r0;
+        for (; r + 4 <= r1; r += 4) Dot4(x + r * in, row, in, y + r * out + o, out);
+        for (; r < r1; ++r) y[r * out + o] = Dot(x + r * in, row, in);
+      }
+    }
+  });
+}
+
+void LlamaModel::RmsNorm(const float* x, int64_t rows, const std::vector<float>& weight,
+                         float* out) const {
+  const int64_t h = config_.hidden_size;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * h;
+    double sum_sq = 0;
+    for (int64_t i = 0; i < h; ++i) sum_sq += static_cast<double>(xr[i]) * xr[i];
+    const float inv_rms =
+        static_cast<float>(1.0 / std::sqrt(sum_sq / static_cast<double>(h) + config_.rms_norm_eps));
+    for (int64_t i = 0; i < h; ++i)
+      out[r * h + i] = weight[static_cast<size_t>(i)] * (xr[i] * inv_rms);
+  }
+}
+
+void LlamaModel::ApplyRope(float* x, int64_t rows, int32_t heads,
+                           std::span<const int32_t> positions) const {
+  const int32_t d = config_.head_dim;
+  const int32_t half = d / 2;
+  std::vector<float> cos_table(static_cast<size_t>(half));
+  std::vector<float> sin_table(static_cast<size_t>(half));
+  for (int64_t r = 0; r < rows; ++r) {
+    const double position = positions[static_cast<size_t>(r)];
+    for (int32_t i = 0; i < half; ++i) {
+      const double angle = position * inv_freq_[static_cast<size_t>(i)];
+      cos_table[static_cast<size_t>(i)] = static_cast<float>(std::cos(angle));
+      sin_table[static_cast<size_t>(i)] = static_cast<float>(std::sin(angle));
+    }
+    for (int32_t hd = 0; hd < heads; ++hd) {
+      float* v = x + (r * heads + hd) * d;
+      for (int32_t i = 0; i < half; ++i) {
+        // rotate_half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), x1 = v[i], x2 = v[i + d/2].
+        const float x1 = v[i];
+        const float x2 = v[i + half];
+        const float c = cos_table[static_cast<size_t>(i)];
+        const float s = sin_table[static_cast<size_t>(i)];
+        v[i] = x1 * c - x2 * s;
+        v[i + half] = x2 * c + x1 * s;
+      }
+    }
+  }
+}
+
+void LlamaModel::Embed(std::span<const int32_t> tokens, float* x) const {
+  const int64_t h = config_.hidden_size;
+  for (size_t t = 0; t < tokens.size(); ++t) {
+    std::memcpy(x + static_cast<int64_t>(t) * h, embed_tokens_.data() + int64_t{tokens[t]} * h,
+                static_cast<size_t>(h) * sizeof(float));
+  }
+}
+
+void LlamaModel::AttentionInputs(int32_t l, const float* x, int64_t rows,
+                                 std::span<const int32_t> positions, float* q, float* k,
+                                 float* v) const {
+  const Layer& layer = layers_[static_cast<size_t>(l)];
+  const int64_t h = config_.hidden_size;
+  const int64_t q_width = int64_t{config_.num_attention_heads} * config_.head_dim;
+  const int64_t kv_width = int64_t{config_.num_key_value_heads} * config_.head_dim;
+  std::vector<float> normed(static_cast<size_t>(rows * h));
+  RmsNorm(x, rows, layer.input_norm, normed.data());
+  MatMul(normed.data(), rows, h, layer.q_proj, q_width, q);
+  MatMul(normed.data(), rows, h, layer.k_proj, kv_width, k);
+  MatMul(normed.data(), rows, h, layer.v_proj, kv_width, v);
+  ApplyRope(q, rows, config_.num_attention_heads, positions);
+  ApplyRope(k, rows, config_.num_key_value_heads, positions);
+}
+
+void LlamaModel::AttentionOutputAndMlp(int32_t l, const float* attn, int64_t rows, float* x) const {
+  const Layer& layer = layers_[static_cast<size_t>(l)];
+  const int64_t h = config_.hidden_size;
+  const int64_t q_width = int64_t{config_.num_attention_heads} * config_.head_dim;
+  const int64_t inter = config_.intermediate_size;
+  std::vector<float> proj(static_cast<size_t>(rows * h));
+  MatMul(attn, rows, q_width, layer.o_proj, h, proj.data());
+  for (int64_t i = 0; i < rows * h; ++i) x[i] += proj[static_cast<size_t>(i)];
+
+  std::vector<float> normed(static_cast<size_t>(rows * h));
+  RmsNorm(x, rows, layer.post_norm, normed.data());
+  std::vector<float> gate(static_cast<size_t>(rows * inter));
+  std::vector<float> up(static_cast<size_t>(rows * inter));
+  MatMul(normed.data(), rows, h, layer.gate_proj, inter, gate.data());
+  MatMul(normed.data(), rows, h, layer.up_proj, inter, up.data());
+  for (size_t i = 0; i < gate.size(); ++i) {
+    const float g = gate[i];
+    gate[i] = g / (1.0f + std::exp(-g)) * up[i];  // SiLU(gate) * up
+  }
+  MatMul(gate.data(), rows, inter, layer.down_proj, h, proj.data());
+  for (int64_t i = 0; i < rows * h; ++i) x[i] += proj[static_cast<size_t>(i)];
+}
+
+void LlamaModel::Logits(const float* x, std::span<const int64_t> rows,
+                        std::vector<float>* logits) const {
+  const int64_t h = config_.hidden_size;
+  std::vector<float> picked(rows.size() * static_cast<size_t>(h));
+  for (size_t i = 0; i < rows.size(); ++i) {
+    std::memcpy(picked.data() + static_cast<int64_t>(i) * h, x + rows[i] * h,
+                static_cast<size_t>(h) * sizeof(float));
+  }
+  std::vector<float> normed(picked.size());
+  RmsNorm(picked.data(), static_cast<int64_t>(rows.size()), final_norm_, normed.data());
+  logits->assign(rows.size() * static_cast<size_t>(config_.vocab_size), 0.0f);
+  MatMul(normed.data(), static_cast<int64_t>(rows.size()), h,
+         lm_head_.empty() ? embed_tokens_ : lm_head_, config_.vocab_size, logits->data());
+}
+
+absl::Status LlamaModel::CheckPool(const PagedPool& pool) const {
+  if (pool.base == nullptr) return absl::InvalidArgumentError("KV pool: base is null");
+  const KvCacheSpec& spec = pool.spec;
+  if (absl::Status s = spec.Validate(); !s.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat("KV pool: ", s.message()));
+  }
+  if (absl::Status s = pool.layout.Validate(spec); !s.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat("KV pool: ", s.message()));
+  }
+  const struct {
+    const char* name;
+    int32_t pool_value;
+    int32_t model_value;
+  } fields[] = {{"num_layers", spec.num_layers, config_.num_hidden_layers},
+                {"num_kv_heads", spec.num_kv_heads, config_.num_key_value_heads},
+                {"head_dim", spec.head_dim, config_.head_dim}};
+  for (const auto& f : fields) {
+    if (f.pool_value != f.model_value) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("KV pool spec (", spec.ToString(), ") does not fit the model: ", f.name,
+                       " is ", f.pool_value, " in the pool but ", f.model_value, " in the model"));
+    }
+  }
+  return KernelDType(spec.dtype).status();
+}
+
+absl::Status LlamaModel::CheckBatch(const ForwardBatch& b, const PagedPool& pool) const {
+  auto invalid = [](auto&&... parts) {
+    return absl::InvalidArgumentError(absl::StrCat("forward batch: ", parts...));
+  };
+  const size_t num_seqs = b.query_lens.size();
+  if (num_seqs == 0) return invalid("no sequences (query_lens is empty)");
+  if (b.context_lens.size() != num_seqs) {
+    return invalid("context_lens has ", b.context_lens.size(), " entries, query_lens ", num_seqs);
+  }
+  if (b.max_blocks_per_seq <= 0) {
+    return invalid("max_blocks_per_seq must be positive, got ", b.max_blocks_per_seq);
+  }
+  if (b.block_tables.size() != num_seqs * static_cast<size_t>(b.max_blocks_per_seq)) {
+    return invalid("block_tables has ", b.block_tables.size(), " entries, expected num_seqs (",
+                   num_seqs, ") x max_blocks_per_seq (", b.max_blocks_per_seq, ")");
+  }
+  const int32_t block_size = pool.spec.block_size;
+  int64_t total_new = 0;
+  for (size_t i = 0; i < num_seqs; ++i) {
+    const int32_t q = b.query_lens[i];
+    const int32_t ctx = b.context_lens[i];
+    if (q < 1) return invalid("query_lens[", i, "] must be at least 1, got ", q);
+    if (ctx < q) {
+      return invalid("context_lens[", i, "] (", ctx, ") is less than query_lens[", i, "] (", q,
+                     ")");
+    }
+    if (ctx > config_.max_position_embeddings) {
+      return invalid("context_lens[", i, "] (", ctx, ") exceeds max_position_embeddings (",
+                     config_.max_position_embeddings, ")");
+    }
+    const int64_t blocks_needed = (int64_t{ctx} + block_size - 1) / block_size;
+    if (blocks_needed > b.max_blocks_per_seq) {
+      return invalid("sequence ", i, " needs ", blocks_needed, " blocks for ", ctx,
+                     " tokens of block size ", block_size, " but max_blocks_per_seq is ",
+                     b.max_blocks_per_seq);
+    }
+    for (int64_t j = 0; j < blocks_needed; ++j) {
+      const int32_t block =
+          b.block_tables[i * static_cast<size_t>(b.max_blocks_per_seq) + static_cast<size_t>(j)];
+      if (block < 0 || block >= pool.layout.num_blocks) {
+        return invalid("block_tables[", i, "][", j, "] = ", block, " is outside [0, ",
+                       pool.layout.num_blocks, ")");
+      }
+    }
+    total_new += q;
+  }
+  if (static_cast<int64_t>(b.token_ids.size()) != total_new) {
+    return invalid("token_ids has ", b.token_ids.size(), " entries but query_lens sum to ",
+                   total_new);
+  }
+  for (size_t t = 0; t < b.token_ids.size(); ++t) {
+    if (b.token_ids[t] < 0 || b.token_ids[t] >= config_.vocab_size) {
+      return invalid("token_ids[", t, "] = ", b.token_ids[t],
+                     " is outside [0, vocab_size=", config_.vocab_size, ")");
+    }
+  }
+  // No slot written twice: two sequences writing one block is a ledger bug that would
+  // silently corrupt both.
+  absl::flat_hash_map<int64_t, size_t> writer;
+  for (size_t i = 0; i < num_seqs; ++i) {
+    for (int32_t p = b.context_lens[i] - b.query_lens[i]; p < b.context_lens[i]; ++p) {
+      const int64_t block = b.block_tables[i * static_cast<size_t>(b.max_blocks_per_seq) +
+                                           static_cast<size_t>(p / block_size)];
+      const int64_t slot = block * block_size + p % block_size;
+      const auto [it, inserted] = writer.emplace(slot, i);
+      if (!inserted) {
+        return invalid("slot ", slot, " (block ", block, ", offset ", p % block_size,
+                       ") is written by both sequence ", it->second, " and sequence ", i);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LlamaModel::Forward(const ForwardBatch& batch, const PagedPool& pool,
+                                 std::vector<float>* logits, LogitsScope scope) const {
+  KVCM_CHECK(logits != nullptr);
+  KVCM_RETURN_IF_ERROR(CheckPool(pool));
+  KVCM_RETURN_IF_ERROR(CheckBatch(batch, pool));
+  const LlamaConfig& c = config_;
+  const int64_t rows = static_cast<int64_t>(batch.token_ids.size());
+  const int32_t num_seqs = static_cast<int32_t>(batch.query_lens.size());
+  const int32_t block_size = pool.spec.block_size;
+
+  // Positions and slots of the new tokens; the rows whose logits are returned.
+  std::vector<int32_t> positions(static_cast<size_t>(rows));
+  std::vector<int64_t> slots(static_cast<size_t>(rows));
+  std::vector<int64_t> logit_rows;
+  int64_t row = 0;
+  for (int32_t i = 0; i < num_seqs; ++i) {
+    const int32_t* table = batch.block_tables.data() + int64_t{i} * batch.max_blocks_per_seq;
+    const int32_t ctx = batch.context_lens[static_cast<size_t>(i)];
+    for (int32_t p = ctx - batch.query_lens[static_cast<size_t>(i)]; p < ctx; ++p, ++row) {
+      positions[static_cast<size_t>(row)] = p;
+      slots[static_cast<size_t>(row)] =
+          int64_t{table[p / block_size]} * block_size + p % block_size;
+      if (scope == LogitsScope::kAllTokens || p == ctx - 1) logit_rows.push_back(row);
+    }
+  }
+
+  const int64_t h = c.hidden_size;
+  const int64_t q_width = int64_t{c.num_attention_heads} * c.head_dim;
+  const int64_t kv_width = int64_t{c.num_key_value_heads} * c.head_dim;
+  std::vector<float> x(static_cast<size_t>(rows * h));
+  std::vector<float> q(static_cast<size_t>(rows * q_width));
+  std::vector<float> k(static_cast<size_t>(rows * kv_width));
+  std::vector<float> v(static_cast<size_t>(rows * kv_width));
+  std::vector<float> attn(static_cast<size_t>(rows * q_width));
+  Embed(batch.token_ids, x.data());
+
+  kernels::PagedAttentionBatch attention;
+  attention.num_seqs = num_seqs;
+  attention.num_q_heads = c.num_attention_heads;
+  attention.query_lens = batch.query_lens.data();
+  attention.context_lens = batch.context_lens.data();
+  attention.block_tables = batch.block_tables.data();
+  attention.max_blocks_per_seq = batch.max_blocks_per_seq;
+  attention.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+
+  for (int32_t l = 0; l < c.num_hidden_layers; ++l) {
+    AttentionInputs(l, x.data(), rows, positions, q.data(), k.data(), v.data());
+    KVCM_ASSIGN_OR_RETURN(const kernels::PagedKvView view,
+                          kernels::LayerView(pool.base, pool.layout, pool.spec, l));
+    kernels::cpu::WriteKv(view, k.data(), v.data(), slots.data(), static_cast<int32_t>(rows));
+    kernels::cpu::PagedAttention(view, attention, q.data(), attn.data(), pool_.num_threads());
+    AttentionOutputAndMlp(l, attn.data(), rows, x.data());
+  }
+  Logits(x.data(), logit_rows, logits);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<float>> LlamaModel::ForwardContiguous(
+    std::span<const int32_t> tokens) const {
+  const LlamaConfig& c = config_;
+  if (tokens.empty()) return absl::InvalidArgumentError("ForwardContiguous: no tokens");
+  if (static_cast<int64_t>(tokens.size()) > c.max_position_embeddings) {
+    return absl::InvalidArgumentError(absl::StrCat("ForwardContiguous: ", tokens.size(),
+                                                   " tokens exceed max_position_embeddings (",
+                                                   c.max_position_embeddings, ")"));
+  }
+  for (size_t t = 0; t < tokens.size(); ++t) {
+    if (tokens[t] < 0 || tokens[t] >= c.vocab_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ForwardContiguous: tokens[", t, "] = ", tokens[t],
+                       " is outside [0, vocab_size=", c.vocab_size, ")"));
+    }
+  }
+  const int64_t rows = static_cast<int64_t>(tokens.size());
+  const int32_t d = c.head_dim;
+  const int32_t q_heads = c.num_attention_heads;
+  const int32_t kv_heads = c.num_key_value_heads;
+  const int32_t group = q_heads / kv_heads;
+  const int64_t h = c.hidden_size;
+  const int64_t q_width = int64_t{q_heads} * d;
+  const int64_t kv_width = int64_t{kv_heads} * d;
+  std::vector<int32_t> positions(static_cast<size_t>(rows));
+  for (int64_t i = 0; i < rows; ++i) positions[static_cast<size_t>(i)] = static_cast<int32_t>(i);
+
+  std::vector<float> x(static_cast<size_t>(rows * h));
+  std::vector<float> q(static_cast<size_t>(rows * q_width));
+  std::vector<float> k(static_cast<size_t>(rows * kv_width));  // the contiguous KV cache
+  std::vector<float> v(static_cast<size_t>(rows * kv_width));
+  std::vector<float> attn(static_cast<size_t>(rows * q_width));
+  Embed(tokens, x.data());
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+
+  for (int32_t l = 0; l < c.num_hidden_layers; ++l) {
+    AttentionInputs(l, x.data(), rows, positions, q.data(), k.data(), v.data());
+    // Causal attention, one (position, head) per task: softmax(q . k_j * scale) over j <= t.
+    pool_.ParallelFor(rows * q_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(static_cast<size_t>(rows));
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t t = task / q_heads;
+        const int32_t head = static_cast<int32_t>(task % q_heads);
+        const int32_t kv_head = head / group;
+        const float* qv = q.data() + (t * q_heads + head) * d;
+        float max_score = -INFINITY;
+        for (int64_t j = 0; j <= t; ++j) {
+          const float s = Dot(qv, k.data() + (j * kv_heads + kv_head) * d, d) * scale;
+          scores[static_cast<size_t>(j)] = s;
+          max_score = std::max(max_score, s);
+        }
+        float denom = 0;
+        for (int64_t j = 0; j <= t; ++j) {
+          scores[static_cast<size_t>(j)] = std::exp(scores[static_cast<size_t>(j)] - max_score);
+          denom += scores[static_cast<size_t>(j)];
+        }
+        float* out = attn.data() + (t * q_heads + head) * d;
+        std::fill(out, out + d, 0.0f);
+        for (int64_t j = 0; j <= t; ++j) {
+          const float p = scores[static_cast<size_t>(j)] / denom;
+          const float* vv = v.data() + (j * kv_heads + kv_head) * d;
+          for (int32_t e = 0; e < d; ++e) out[e] += p * vv[e];
+        }
+      }
+    });
+    AttentionOutputAndMlp(l, attn.data(), rows, x.data());
+  }
+  std::vector<int64_t> all_rows(static_cast<size_t>(rows));
+  for (int64_t i = 0; i < rows; ++i) all_rows[static_cast<size_t>(i)] = i;
+  std::vector<float> logits;
+  Logits(x.data(), all_rows, &logits);
+  return logits;
+}
+
+}  // namespace kvcm

@@ -1,0 +1,176 @@
+#pragma once
+// LlamaModel: a Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) on the
+// CPU, with fp32 weights, whose attention reads and writes the shared paged KV pool through
+// the kernels of kernels/ (DESIGN.md section 8).
+//
+// Two forward paths share every step but attention:
+//
+//   Forward            a batch of sequences, each adding query_lens[i] new tokens after
+//                      context_lens[i] - query_lens[i] tokens already in the pool: projects,
+//                      applies RoPE, writes the new K/V into their pool slots
+//                      (kernels::cpu::WriteKv) and attends over the pool
+//                      (kernels::cpu::PagedAttention). Prefill, decode and prefill over a
+//                      cached prefix are all this one call.
+//   ForwardContiguous  the reference: one sequence from position 0 with a private,
+//                      contiguous fp32 KV cache and plain attention; no pool, no kernels.
+//
+// Matrix products run on an internal thread pool, split over output features; each output
+// is one dot product in a fixed order, so results are bitwise the same for any number of
+// threads and for any batching of the same tokens (attention aside, which is the kernel's).
+//
+// Ownership: the model owns its weights (fp32, loaded once). The pool memory belongs to the
+// caller; Forward writes only the slots of the batch's new tokens.
+// Thread safety: const methods may be called concurrently; matrix products of concurrent
+// calls are serialized on the shared thread pool. Two concurrent Forward calls must not
+// write the same slots (the ledger guarantees this).
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/memory/pool_layout.h"
+#include "common/sizing/kv_cache_spec.h"
+#include "services/executor/llama_config.h"
+#include "services/executor/thread_pool.h"
+
+namespace kvcm {
+
+// The KV pool as the model sees it: the arena's base (host memory), its layout and block
+// shape. The spec's num_layers, num_kv_heads and head_dim must be the model's; its dtype
+// may be fp32, fp16 or bf16 (compute is fp32 either way).
+struct PagedPool {
+  uint8_t* base = nullptr;
+  PoolLayout layout;
+  KvCacheSpec spec;
+};
+
+// One step of a batch of sequences. Sequence i (i < query_lens.size()):
+//   - adds query_lens[i] >= 1 new tokens, stored back to back with the other sequences'
+//     in token_ids, in batch order;
+//   - has context_lens[i] tokens after this step (cached ones plus the new ones), so its
+//     new tokens sit at positions context_lens[i] - query_lens[i] .. context_lens[i] - 1;
+//   - keeps its KV in blocks block_tables[i * max_blocks_per_seq + j] for
+//     j < ceil(context_lens[i] / block_size); the token at position p lives in slot
+//     block_tables[i * max_blocks_per_seq + p / block_size] * block_size + p % block_size.
+// Entries of block_tables past a sequence's last block are ignored. Blocks holding a cached
+// prefix may be shared by several sequences (only read); no slot may be written twice.
+struct ForwardBatch {
+  std::vector<int32_t> token_ids;
+  std::vector<int32_t> query_lens;
+  std::vector<int32_t> context_lens;
+  std::vector<int32_t> block_tables;
+  int32_t max_blocks_per_seq = 0;
+};
+
+// Which tokens Forward returns logits for.
+enum class LogitsScope {
+  kLastTokenPerSeq,  // [num_seqs][vocab]: the last new token of each sequence (sampling)
+  kAllTokens,        // [token_ids.size()][vocab]: every new token (tests, scoring)
+};
+
+struct LlamaModelOptions {
+  // Threads for the matrix products and attention, the caller included. 0 (default): the
+  // hardware concurrency. More threads help large batches and models; results do not change.
+  int32_t num_threads = 0;
+};
+
+class LlamaModel {
+ public:
+  // Loads `folder`/config.json and the folder's safetensors shards (see safetensors.h).
+  // Tensors, as Hugging Face names them (L = num_hidden_layers, H = hidden_size,
+  // I = intermediate_size, Q = num_attention_heads x head_dim, K = num_key_value_heads x
+  // head_dim, V = vocab_size):
+  //   model.embed_tokens.weight                         [V, H]
+  //   model.layers.{l}.input_layernorm.weight           [H]
+  //   model.layers.{l}.self_attn.q_proj.weight          [Q, H]
+  //   model.layers.{l}.self_attn.k_proj.weight          [K, H]
+  //   model.layers.{l}.self_attn.v_proj.weight          [K, H]
+  //   model.layers.{l}.self_attn.o_proj.weight          [H, Q]
+  //   model.layers.{l}.post_attention_layernorm.weight  [H]
+  //   model.layers.{l}.mlp.gate_proj.weight             [I, H]
+  //   model.layers.{l}.mlp.up_proj.weight               [I, H]
+  //   model.layers.{l}.mlp.down_proj.weight             [H, I]
+  //   model.norm.weight                                 [H]
+  //   lm_head.weight                                    [V, H]  (not read when tied)
+  // Other tensors are ignored. Errors: those of LoadLlamaConfig and SafetensorsFolder::Open;
+  // NOT_FOUND naming a missing tensor; INVALID_ARGUMENT naming a tensor whose shape differs,
+  // with the expected and actual shapes; UNIMPLEMENTED for a dtype other than F32/F16/BF16.
+  static absl::StatusOr<std::unique_ptr<LlamaModel>> Load(
+      const std::string& folder, const LlamaModelOptions& options = LlamaModelOptions());
+
+  LlamaModel(const LlamaModel&) = delete;
+  LlamaModel& operator=(const LlamaModel&) = delete;
+  ~LlamaModel();
+
+  const LlamaConfig& config() const { return config_; }
+
+  // OK when the model can run on `pool`: base not null, layout.Validate(spec) OK, and the
+  // spec's layers, KV heads and head dim equal the model's (else FAILED_PRECONDITION naming
+  // the field and both values); UNIMPLEMENTED for a cache dtype without a kernel (fp8).
+  absl::Status CheckPool(const PagedPool& pool) const;
+
+  // OK when `batch` is well formed for `pool` (see ForwardBatch); otherwise
+  // INVALID_ARGUMENT naming the field and sequence: sizes that disagree, query_lens[i] < 1,
+  // context_lens[i] < query_lens[i] or > max_position_embeddings, too few block-table
+  // entries, a token id outside [0, vocab_size), a block id outside [0, num_blocks), or a
+  // slot written twice.
+  absl::Status CheckBatch(const ForwardBatch& batch, const PagedPool& pool) const;
+
+  // Runs one step: writes the new tokens' K/V into the pool and sets *logits to
+  // [num_seqs][vocab] (kLastTokenPerSeq) or [num_new_tokens][vocab] (kAllTokens), row-major.
+  // Errors: those of CheckPool and CheckBatch, before anything is written.
+  // REQUIRES: logits != nullptr.
+  absl::Status Forward(const ForwardBatch& batch, const PagedPool& pool, std::vector<float>* logits,
+                       LogitsScope scope = LogitsScope::kLastTokenPerSeq) const;
+
+  // The reference forward of one sequence from position 0: [tokens.size()][vocab] logits,
+  // row-major. INVALID_ARGUMENT for an empty sequence, a token id outside [0, vocab_size) or
+  // a sequence longer than max_position_embeddings.
+  absl::StatusOr<std::vector<float>> ForwardContiguous(std::span<const int32_t> tokens) const;
+
+ private:
+  struct Layer {
+    std::vector<float> input_norm;  // [H]
+    std::vector<float> q_proj;      // [Q, H]
+    std::vector<float> k_proj;      // [K, H]
+    std::vector<float> v_proj;      // [K, H]
+    std::vector<float> o_proj;      // [H, Q]
+    std::vector<float> post_norm;   // [H]
+    std::vector<float> gate_proj;   // [I, H]
+    std::vector<float> up_proj;     // [I, H]
+    std::vector<float> down_proj;   // [H, I]
+  };
+
+  LlamaModel(LlamaConfig config, int32_t num_threads);
+
+  // y[rows][out] = x[rows][in] . w[out][in]^T, split over `out` on the thread pool.
+  void MatMul(const float* x, int64_t rows, int64_t in, const std::vector<float>& w, int64_t out,
+              float* y) const;
+  // out[rows][H] = RMSNorm(x[rows][H]) * weight.
+  void RmsNorm(const float* x, int64_t rows, const std::vector<float>& weight, float* out) const;
+  // Rotates `heads` heads of each row in place by its position (HF rotate_half convention).
+  void ApplyRope(float* x, int64_t rows, int32_t heads, std::span<const int32_t> positions) const;
+  // x[rows][H] = embeddings of `tokens`.
+  void Embed(std::span<const int32_t> tokens, float* x) const;
+  // Layer `l` up to attention: q [rows][Q], k and v [rows][K], RoPE applied.
+  void AttentionInputs(int32_t l, const float* x, int64_t rows, std::span<const int32_t> positions,
+                       float* q, float* k, float* v) const;
+  // Layer `l` after attention: x += o_proj(attn); x += MLP(post_norm(x)).
+  void AttentionOutputAndMlp(int32_t l, const float* attn, int64_t rows, float* x) const;
+  // Final norm of the chosen rows of x, then the LM head: [rows.size()][vocab].
+  void Logits(const float* x, std::span<const int64_t> rows, std::vector<float>* logits) const;
+
+  LlamaConfig config_;
+  std::vector<double> inv_freq_;  // [head_dim / 2], rope_scaling applied
+  std::vector<float> embed_tokens_;
+  std::vector<Layer> layers_;
+  std::vector<float> final_norm_;
+  std::vector<float> lm_head_;  // empty when tied: embed_tokens_ is used
+  mutable ThreadPool pool_;
+};
+
+}  // namespace kvcm

@@ -1,0 +1,146 @@
+#include "services/executor/tokenizer.h"
+
+#include <filesystem>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "services/executor/sentencepiece_backend.h"
+
+namespace kvcm {
+namespace {
+
+absl::Status CheckIds(std::span<const int32_t> ids, int32_t vocab_size) {
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] < 0 || ids[i] >= vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "Decode: ids[", i, "] = ", ids[i], " is outside [0, vocab_size=", vocab_size, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ByteTokenizer>> ByteTokenizer::Create(int32_t vocab_size) {
+  if (vocab_size < kMinVocabSize) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "byte-level tokenizer: the model's vocab_size is ", vocab_size, ", but ", kMinVocabSize,
+        " ids are needed (3 special + 256 bytes); add a tokenizer.model to the model folder"));
+  }
+  return std::unique_ptr<ByteTokenizer>(new ByteTokenizer(vocab_size));
+}
+
+absl::StatusOr<std::vector<int32_t>> ByteTokenizer::Encode(std::string_view text) const {
+  std::vector<int32_t> ids;
+  ids.reserve(text.size());
+  for (const char ch : text) ids.push_back(static_cast<unsigned char>(ch) + kByteOffset);
+  return ids;
+}
+
+absl::StatusOr<std::string> ByteTokenizer::Decode(std::span<const int32_t> ids) const {
+  if (absl::Status s = CheckIds(ids, vocab_size_); !s.ok()) return s;
+  std::string text;
+  for (const int32_t id : ids) {
+    if (id >= kByteOffset && id < kByteOffset + 256) {
+      text.push_back(static_cast<char>(static_cast<unsigned char>(id - kByteOffset)));
+    }
+  }
+  return text;
+}
+
+SentencePieceTokenizer::SentencePieceTokenizer(
+    std::unique_ptr<internal::SentencePieceBackend> backend, int32_t vocab_size)
+    : backend_(std::move(backend)), vocab_size_(vocab_size) {}
+
+SentencePieceTokenizer::~SentencePieceTokenizer() = default;
+
+absl::StatusOr<std::unique_ptr<SentencePieceTokenizer>> SentencePieceTokenizer::Load(
+    const std::string& path, int32_t vocab_size) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) {
+    return absl::NotFoundError(absl::StrCat("SentencePiece model \"", path, "\" not found"));
+  }
+  std::string error;
+  std::unique_ptr<internal::SentencePieceBackend> backend =
+      internal::SentencePieceBackend::Load(path, &error);
+  if (backend == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot load SentencePiece model \"", path, "\": ", error));
+  }
+  if (backend->piece_size() > vocab_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("SentencePiece model \"", path, "\" has ", backend->piece_size(),
+                     " pieces, more than the model's vocab_size ", vocab_size));
+  }
+  return std::unique_ptr<SentencePieceTokenizer>(
+      new SentencePieceTokenizer(std::move(backend), vocab_size));
+}
+
+absl::StatusOr<std::vector<int32_t>> SentencePieceTokenizer::Encode(std::string_view text) const {
+  std::vector<int32_t> ids;
+  std::string error;
+  if (!backend_->Encode(text, &ids, &error)) {
+    return absl::InvalidArgumentError(absl::StrCat("SentencePiece Encode: ", error));
+  }
+  return ids;
+}
+
+absl::StatusOr<std::string> SentencePieceTokenizer::Decode(std::span<const int32_t> ids) const {
+  if (absl::Status s = CheckIds(ids, vocab_size_); !s.ok()) return s;
+  // Ids past the model's pieces (a padded vocab) have no text.
+  std::vector<int32_t> known;
+  known.reserve(ids.size());
+  for (const int32_t id : ids) {
+    if (id < backend_->piece_size()) known.push_back(id);
+  }
+  std::string text;
+  std::string error;
+  if (!backend_->Decode(known, &text, &error)) {
+    return absl::InvalidArgumentError(absl::StrCat("SentencePiece Decode: ", error));
+  }
+  return text;
+}
+
+int32_t SentencePieceTokenizer::bos_id() const { return backend_->bos_id(); }
+int32_t SentencePieceTokenizer::eos_id() const { return backend_->eos_id(); }
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::string& folder,
+                                                         const LlamaConfig& config) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path sp_path = fs::path(folder) / "tokenizer.model";
+  if (fs::exists(sp_path, ec)) {
+    absl::StatusOr<std::unique_ptr<SentencePieceTokenizer>> sp =
+        SentencePieceTokenizer::Load(sp_path.string(), config.vocab_size);
+    if (!sp.ok()) return sp.status();
+    return std::unique_ptr<Tokenizer>(std::move(*sp));
+  }
+  if (fs::exists(fs::path(folder) / "tokenizer.json", ec)) {
+    return absl::UnimplementedError(absl::StrCat(
+        "model folder \"", folder,
+        "\" has a tokenizer.json (Hugging Face fast tokenizer) but no tokenizer.model; only "
+        "SentencePiece tokenizer.model files are supported"));
+  }
+  if (config.bos_token_id != -1 && config.bos_token_id != ByteTokenizer::kBosId) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model folder \"", folder,
+                     "\" has no tokenizer.model, so the byte-level tokenizer "
+                     "(BOS 1, EOS 2) is used, but config.json sets bos_token_id ",
+                     config.bos_token_id));
+  }
+  if (!config.eos_token_ids.empty() &&
+      config.eos_token_ids != std::vector<int32_t>{ByteTokenizer::kEosId}) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model folder \"", folder,
+                     "\" has no tokenizer.model, so the byte-level tokenizer "
+                     "(BOS 1, EOS 2) is used, but config.json sets eos_token_id [",
+                     absl::StrJoin(config.eos_token_ids, ", "), "]"));
+  }
+  absl::StatusOr<std::unique_ptr<ByteTokenizer>> bytes = ByteTokenizer::Create(config.vocab_size);
+  if (!bytes.ok()) return bytes.status();
+  return std::unique_ptr<Tokenizer>(std::move(*bytes));
+}
+
+}  // namespace kvcm

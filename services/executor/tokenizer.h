@@ -1,0 +1,107 @@
+#pragma once
+// Tokenizer: text <-> token ids for a model folder.
+//
+//   SentencePieceTokenizer  the folder's `tokenizer.model` (Llama 1/2, Mistral), through
+//                           libsentencepiece.
+//   ByteTokenizer           no tokenizer file: one token per UTF-8 byte (the tiny test
+//                           models). Ids:
+//                             0                      <unk>/<pad> (never produced by Encode)
+//                             1                      BOS
+//                             2                      EOS
+//                             3 + b                  byte b, b = 0 .. 255  (so 3 .. 258)
+//                             259 .. vocab_size - 1  unused; decode to nothing
+//                           This is the Llama SentencePiece layout (<unk>, <s>, </s>, then
+//                           the byte-fallback pieces <0x00> .. <0xFF>), so a model needs
+//                           vocab_size >= 259.
+//
+// Encode never adds BOS; callers that want one prepend bos_id(). Decode skips special ids
+// (BOS, EOS, <unk>, unused ids and, for SentencePiece, ids past the model's pieces that a
+// padded vocab_size allows); an id outside [0, vocab_size) is INVALID_ARGUMENT.
+//
+// Thread safety: all methods are const and safe to call concurrently.
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "services/executor/llama_config.h"
+
+namespace kvcm {
+
+class Tokenizer {
+ public:
+  virtual ~Tokenizer() = default;
+
+  // Token ids of `text`, without BOS.
+  virtual absl::StatusOr<std::vector<int32_t>> Encode(std::string_view text) const = 0;
+  // The text of `ids`; special ids contribute nothing.
+  virtual absl::StatusOr<std::string> Decode(std::span<const int32_t> ids) const = 0;
+
+  virtual int32_t bos_id() const = 0;  // -1 when there is none
+  virtual int32_t eos_id() const = 0;  // -1 when there is none
+  // Ids are in [0, vocab_size()); equals the model's vocab_size.
+  virtual int32_t vocab_size() const = 0;
+};
+
+class ByteTokenizer final : public Tokenizer {
+ public:
+  static constexpr int32_t kUnkId = 0;
+  static constexpr int32_t kBosId = 1;
+  static constexpr int32_t kEosId = 2;
+  static constexpr int32_t kByteOffset = 3;  // byte b is id b + kByteOffset
+  static constexpr int32_t kMinVocabSize = kByteOffset + 256;
+
+  // INVALID_ARGUMENT when vocab_size < kMinVocabSize.
+  static absl::StatusOr<std::unique_ptr<ByteTokenizer>> Create(int32_t vocab_size);
+
+  absl::StatusOr<std::vector<int32_t>> Encode(std::string_view text) const override;
+  absl::StatusOr<std::string> Decode(std::span<const int32_t> ids) const override;
+  int32_t bos_id() const override { return kBosId; }
+  int32_t eos_id() const override { return kEosId; }
+  int32_t vocab_size() const override { return vocab_size_; }
+
+ private:
+  explicit ByteTokenizer(int32_t vocab_size) : vocab_size_(vocab_size) {}
+  int32_t vocab_size_;
+};
+
+namespace internal {
+class SentencePieceBackend;
+}  // namespace internal
+
+class SentencePieceTokenizer final : public Tokenizer {
+ public:
+  // Loads `path` (a tokenizer.model). NOT_FOUND when the file is missing; INVALID_ARGUMENT
+  // naming the path when the library rejects it or when it has more pieces than
+  // `vocab_size` (the model's), which would produce ids the model cannot embed.
+  static absl::StatusOr<std::unique_ptr<SentencePieceTokenizer>> Load(const std::string& path,
+                                                                      int32_t vocab_size);
+  ~SentencePieceTokenizer() override;
+
+  absl::StatusOr<std::vector<int32_t>> Encode(std::string_view text) const override;
+  absl::StatusOr<std::string> Decode(std::span<const int32_t> ids) const override;
+  int32_t bos_id() const override;
+  int32_t eos_id() const override;
+  int32_t vocab_size() const override { return vocab_size_; }
+
+ private:
+  SentencePieceTokenizer(std::unique_ptr<internal::SentencePieceBackend> backend,
+                         int32_t vocab_size);
+  std::unique_ptr<internal::SentencePieceBackend> backend_;
+  int32_t vocab_size_;
+};
+
+// The tokenizer of the model in `folder`: SentencePieceTokenizer when `tokenizer.model`
+// exists; UNIMPLEMENTED when there is only a `tokenizer.json` (a Hugging Face fast/BPE
+// tokenizer, not supported: bytes would silently produce garbage); otherwise
+// ByteTokenizer, for which config.json's bos_token_id must be absent or 1 and its
+// eos_token_id absent or 2 (INVALID_ARGUMENT naming the key otherwise, since a config that
+// expects other ids was made for another tokenizer).
+absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::string& folder,
+                                                         const LlamaConfig& config);
+
+}  // namespace kvcm

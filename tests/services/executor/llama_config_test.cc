@@ -1,0 +1,254 @@
+#include "services/executor/llama_config.h"
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+
+namespace kvcm {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using Json = nlohmann::json;
+
+// meta-llama/Llama-2-7b-hf's config.json.
+constexpr char kLlama2_7B[] = R"json({
+  "architectures": ["LlamaForCausalLM"],
+  "bos_token_id": 1,
+  "eos_token_id": 2,
+  "hidden_act": "silu",
+  "hidden_size": 4096,
+  "initializer_range": 0.02,
+  "intermediate_size": 11008,
+  "max_position_embeddings": 4096,
+  "model_type": "llama",
+  "num_attention_heads": 32,
+  "num_hidden_layers": 32,
+  "num_key_value_heads": 32,
+  "pretraining_tp": 1,
+  "rms_norm_eps": 1e-05,
+  "rope_scaling": null,
+  "tie_word_embeddings": false,
+  "torch_dtype": "float16",
+  "transformers_version": "4.31.0.dev0",
+  "use_cache": true,
+  "vocab_size": 32000
+})json";
+
+// meta-llama/Llama-3.1-8B-Instruct's config.json (llama3 rope scaling, eos list).
+constexpr char kLlama31_8B[] = R"json({
+  "architectures": ["LlamaForCausalLM"],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "bos_token_id": 128000,
+  "eos_token_id": [128001, 128008, 128009],
+  "hidden_act": "silu",
+  "hidden_size": 4096,
+  "intermediate_size": 14336,
+  "max_position_embeddings": 131072,
+  "mlp_bias": false,
+  "model_type": "llama",
+  "num_attention_heads": 32,
+  "num_hidden_layers": 32,
+  "num_key_value_heads": 8,
+  "rms_norm_eps": 1e-05,
+  "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+  "rope_theta": 500000.0,
+  "tie_word_embeddings": false,
+  "torch_dtype": "bfloat16",
+  "vocab_size": 128256
+})json";
+
+constexpr char kMinimal[] = R"json({
+  "architectures": ["LlamaForCausalLM"],
+  "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
+  "num_hidden_layers": 2, "num_attention_heads": 4
+})json";
+
+absl::Status ErrorWith(const char* base, const std::string& key, const Json& value) {
+  Json config = Json::parse(base);
+  if (value.is_discarded()) {
+    config.erase(key);
+  } else {
+    config[key] = value;
+  }
+  return ParseLlamaConfig(config.dump()).status();
+}
+
+Json Remove() { return Json(Json::value_t::discarded); }
+
+TEST(LlamaConfigTest, Llama2) {
+  absl::StatusOr<LlamaConfig> c = ParseLlamaConfig(kLlama2_7B);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->architecture, "LlamaForCausalLM");
+  EXPECT_EQ(c->vocab_size, 32000);
+  EXPECT_EQ(c->hidden_size, 4096);
+  EXPECT_EQ(c->intermediate_size, 11008);
+  EXPECT_EQ(c->num_hidden_layers, 32);
+  EXPECT_EQ(c->num_attention_heads, 32);
+  EXPECT_EQ(c->num_key_value_heads, 32);
+  EXPECT_EQ(c->head_dim, 128);
+  EXPECT_FLOAT_EQ(c->rms_norm_eps, 1e-5f);
+  EXPECT_EQ(c->rope_theta, 10000.0);
+  EXPECT_EQ(c->rope_scaling.type, RopeScaling::Type::kNone);
+  EXPECT_EQ(c->max_position_embeddings, 4096);
+  EXPECT_FALSE(c->tie_word_embeddings);
+  EXPECT_EQ(c->bos_token_id, 1);
+  EXPECT_THAT(c->eos_token_ids, ElementsAre(2));
+  EXPECT_EQ(c->torch_dtype, "float16");
+
+  absl::StatusOr<KvCacheSpec> spec = c->KvSpec(DType::kBFloat16, 16);
+  ASSERT_TRUE(spec.ok());
+  EXPECT_EQ(spec->num_layers, 32);
+  EXPECT_EQ(spec->num_kv_heads, 32);
+  EXPECT_EQ(spec->head_dim, 128);
+  EXPECT_EQ(spec->dtype, DType::kBFloat16);
+  EXPECT_EQ(spec->block_size, 16);
+  EXPECT_EQ(c->KvSpec(DType::kFloat32, 0).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(LlamaConfigTest, Llama31WithLlama3RopeScalingAndEosList) {
+  absl::StatusOr<LlamaConfig> c = ParseLlamaConfig(kLlama31_8B);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->num_key_value_heads, 8);
+  EXPECT_EQ(c->rope_theta, 500000.0);
+  EXPECT_EQ(c->rope_scaling.type, RopeScaling::Type::kLlama3);
+  EXPECT_EQ(c->rope_scaling.factor, 8.0);
+  EXPECT_EQ(c->rope_scaling.original_max_position_embeddings, 8192);
+  EXPECT_EQ(c->bos_token_id, 128000);
+  EXPECT_THAT(c->eos_token_ids, ElementsAre(128001, 128008, 128009));
+}
+
+TEST(LlamaConfigTest, Defaults) {
+  absl::StatusOr<LlamaConfig> c = ParseLlamaConfig(kMinimal);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->num_key_value_heads, 4);  // = heads
+  EXPECT_EQ(c->head_dim, 16);            // = hidden / heads
+  EXPECT_FLOAT_EQ(c->rms_norm_eps, 1e-6f);
+  EXPECT_EQ(c->rope_theta, 10000.0);
+  EXPECT_EQ(c->max_position_embeddings, 2048);
+  EXPECT_FALSE(c->tie_word_embeddings);
+  EXPECT_EQ(c->bos_token_id, -1);
+  EXPECT_TRUE(c->eos_token_ids.empty());
+  EXPECT_EQ(c->torch_dtype, "");
+}
+
+TEST(LlamaConfigTest, ExplicitHeadDimAndModelTypeOnly) {
+  Json config = Json::parse(kMinimal);
+  config.erase("architectures");
+  config["model_type"] = "mistral";
+  config["head_dim"] = 32;
+  config["sliding_window"] = nullptr;
+  config["num_key_value_heads"] = 2;
+  absl::StatusOr<LlamaConfig> c = ParseLlamaConfig(config.dump());
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->architecture, "MistralForCausalLM");
+  EXPECT_EQ(c->head_dim, 32);
+  EXPECT_EQ(c->num_key_value_heads, 2);
+}
+
+TEST(LlamaConfigTest, MissingRequiredKeysAreNamed) {
+  for (const char* key : {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                          "num_attention_heads"}) {
+    SCOPED_TRACE(key);
+    const absl::Status s = ErrorWith(kMinimal, key, Remove());
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(s.message(), AllOf(HasSubstr("missing required key"), HasSubstr(key)));
+  }
+}
+
+TEST(LlamaConfigTest, BadValuesAreNamed) {
+  struct Case {
+    const char* key;
+    Json value;
+  };
+  const Case cases[] = {
+      {"vocab_size", "320"},
+      {"hidden_size", 0},
+      {"num_hidden_layers", -2},
+      {"num_key_value_heads", 3},  // 4 % 3 != 0
+      {"rms_norm_eps", "small"},
+      {"rope_theta", -1.0},
+      {"tie_word_embeddings", 1},
+      {"eos_token_id", 320},  // >= vocab
+      {"bos_token_id", Json::array({1, 2})},
+      {"head_dim", 15},  // odd
+      {"torch_dtype", 16},
+      {"max_position_embeddings", 4294967296},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.key);
+    const absl::Status s = ErrorWith(kMinimal, c.key, c.value);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(s.message(), HasSubstr(c.key));
+  }
+  Json no_divide = Json::parse(kMinimal);
+  no_divide["num_attention_heads"] = 5;
+  EXPECT_THAT(ParseLlamaConfig(no_divide.dump()).status().message(), HasSubstr("divisible"));
+}
+
+TEST(LlamaConfigTest, MalformedJson) {
+  EXPECT_EQ(ParseLlamaConfig("{\"vocab_size\": ").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(ParseLlamaConfig("[]").status().message(), HasSubstr("JSON object"));
+}
+
+TEST(LlamaConfigTest, UnsupportedFeaturesAreUnimplementedNamingTheKey) {
+  struct Case {
+    const char* key;
+    Json value;
+    const char* expect;
+  };
+  const Case cases[] = {
+      {"architectures", Json::array({"Qwen2ForCausalLM"}), "Qwen2ForCausalLM"},
+      {"rope_scaling", Json{{"rope_type", "yarn"}, {"factor", 4.0}}, "yarn"},
+      {"rope_scaling", Json{{"type", "dynamic"}, {"factor", 2.0}}, "dynamic"},
+      {"attention_bias", true, "attention_bias"},
+      {"mlp_bias", true, "mlp_bias"},
+      {"hidden_act", "gelu", "hidden_act"},
+      {"sliding_window", 512, "sliding_window"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.key);
+    const absl::Status s = ErrorWith(kMinimal, c.key, c.value);
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+    EXPECT_THAT(s.message(), HasSubstr(c.expect));
+  }
+  Json no_arch = Json::parse(kMinimal);
+  no_arch.erase("architectures");
+  no_arch["model_type"] = "gemma";
+  EXPECT_EQ(ParseLlamaConfig(no_arch.dump()).status().code(), absl::StatusCode::kUnimplemented);
+  no_arch.erase("model_type");
+  EXPECT_EQ(ParseLlamaConfig(no_arch.dump()).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(LlamaConfigTest, RopeScalingVariants) {
+  Json config = Json::parse(kMinimal);
+  config["rope_scaling"] = {{"rope_type", "linear"}, {"factor", 2.0}};
+  absl::StatusOr<LlamaConfig> linear = ParseLlamaConfig(config.dump());
+  ASSERT_TRUE(linear.ok()) << linear.status();
+  EXPECT_EQ(linear->rope_scaling.type, RopeScaling::Type::kLinear);
+  EXPECT_EQ(linear->rope_scaling.factor, 2.0);
+
+  config["rope_scaling"] = {{"rope_type", "default"}};
+  EXPECT_EQ(ParseLlamaConfig(config.dump())->rope_scaling.type, RopeScaling::Type::kNone);
+
+  config["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}};  // no original length
+  const absl::Status s = ParseLlamaConfig(config.dump()).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("original_max_position_embeddings"));
+}
+
+TEST(LlamaConfigTest, LoadNamesThePath) {
+  const absl::Status s = LoadLlamaConfig("/nonexistent-kvcm/config.json").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(s.message(), HasSubstr("config.json"));
+}
+
+}  // namespace
+}  // namespace kvcm

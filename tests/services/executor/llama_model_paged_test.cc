@@ -1,0 +1,500 @@
+// THE test of the executor's model: a forward over the paged pool (WriteKv + PagedAttention)
+// gives the logits of the plain contiguous forward, for prefill, decode, chunked prefill,
+// prefill over a shared cached prefix, mixed batches, any block size and placement, and
+// fp32 / fp16 / bf16 caches.
+//
+// Tolerances, as max |paged - reference| / max(1, max |reference|) over a logits row:
+//   fp32 cache  1e-5  (only the order of the attention sums differs; about 7e-7 seen)
+//   fp16 cache  2e-3  (K/V rounded to 11 significant bits; about 6e-4 seen)
+//   bf16 cache  1.5e-2 (K/V rounded to 8 significant bits; about 4e-3 seen)
+// The worst error seen is printed for each case.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "common/base/check.h"
+#include "common/memory/pool_layout.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "services/executor/llama_model.h"
+#include "services/executor/sampler.h"
+#include "tests/support/subprocess.h"
+#include "tools/make_tiny_model/tiny_model.h"
+
+namespace kvcm {
+namespace {
+
+using ::testing::HasSubstr;
+
+double Tolerance(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return 1e-5;
+    case DType::kFloat16:
+      return 2e-3;
+    default:
+      return 1.5e-2;
+  }
+}
+
+// One model for the whole suite (loading is cheap but not free).
+class ModelHolder {
+ public:
+  static const LlamaModel& Get() {
+    static ModelHolder* holder = new ModelHolder();
+    return *holder->model_;
+  }
+
+ private:
+  ModelHolder() {
+    absl::StatusOr<testing::TempDir> dir = testing::TempDir::Create("kvcm-paged");
+    KVCM_CHECK(dir.ok()) << dir.status();
+    TinyModelOptions options;
+    std::printf("tiny model seed %llu\n", static_cast<unsigned long long>(options.seed));
+    KVCM_CHECK(WriteTinyModel(dir->path(), options).ok());
+    LlamaModelOptions model_options;
+    model_options.num_threads = 2;
+    auto model = LlamaModel::Load(dir->path(), model_options);
+    KVCM_CHECK(model.ok()) << model.status();
+    model_ = std::move(*model);
+  }
+  std::unique_ptr<LlamaModel> model_;
+};
+
+// A pool in plain memory, with blocks handed out in a shuffled order.
+class TestPool {
+ public:
+  TestPool(const LlamaConfig& config, DType dtype, int32_t block_size, int32_t num_blocks,
+           uint64_t seed) {
+    pool_.spec = config.KvSpec(dtype, block_size).value();
+    pool_.layout = PoolLayout::For(pool_.spec, num_blocks).value();
+    // Garbage, not zeros, so a read of an unwritten slot cannot pass by luck.
+    memory_.assign(static_cast<size_t>(pool_.layout.total_bytes), 0x5a);
+    pool_.base = memory_.data();
+    for (int32_t b = 0; b < num_blocks; ++b) free_.push_back(b);
+    std::mt19937_64 rng(seed);
+    std::shuffle(free_.begin(), free_.end(), rng);
+  }
+  int32_t TakeBlock() {
+    KVCM_CHECK(!free_.empty());
+    const int32_t b = free_.back();
+    free_.pop_back();
+    return b;
+  }
+  const PagedPool& pool() const { return pool_; }
+  int32_t block_size() const { return pool_.spec.block_size; }
+  const std::vector<uint8_t>& memory() const { return memory_; }
+
+ private:
+  std::vector<uint8_t> memory_;
+  PagedPool pool_;
+  std::vector<int32_t> free_;
+};
+
+struct Sequence {
+  std::vector<int32_t> tokens;  // all tokens so far, including ones not yet run
+  int32_t cached = 0;           // tokens whose K/V are in the pool
+  std::vector<int32_t> blocks;  // block table
+};
+
+// Runs one step: for each (sequence, number of new tokens) pair, the next `n` tokens of the
+// sequence (already appended to its tokens) are run. Returns all-token logits.
+std::vector<float> Step(const LlamaModel& model, TestPool& pool,
+                        const std::vector<std::pair<Sequence*, int32_t>>& work) {
+  ForwardBatch batch;
+  int32_t max_blocks = 1;
+  for (const auto& [seq, n] : work) {
+    const int32_t ctx = seq->cached + n;
+    while (static_cast<int32_t>(seq->blocks.size()) * pool.block_size() < ctx) {
+      seq->blocks.push_back(pool.TakeBlock());
+    }
+    max_blocks = std::max(max_blocks, static_cast<int32_t>(seq->blocks.size()));
+  }
+  batch.max_blocks_per_seq = max_blocks + 1;  // one spare entry: must be ignored
+  for (const auto& [seq, n] : work) {
+    batch.query_lens.push_back(n);
+    batch.context_lens.push_back(seq->cached + n);
+    for (int32_t i = seq->cached; i < seq->cached + n; ++i)
+      batch.token_ids.push_back(seq->tokens[i]);
+    for (int32_t j = 0; j < batch.max_blocks_per_seq; ++j) {
+      batch.block_tables.push_back(j < static_cast<int32_t>(seq->blocks.size()) ? seq->blocks[j]
+                                                                                : -1);
+    }
+  }
+  std::vector<float> logits;
+  const absl::Status s = model.Forward(batch, pool.pool(), &logits, LogitsScope::kAllTokens);
+  EXPECT_TRUE(s.ok()) << s;
+  for (const auto& [seq, n] : work) seq->cached += n;
+  return logits;
+}
+
+// max |a - ref| / max(1, max |ref|) over one row.
+double RowError(const float* a, const float* ref, int32_t vocab) {
+  double diff = 0;
+  double scale = 1;
+  for (int32_t i = 0; i < vocab; ++i) {
+    diff = std::max(diff, static_cast<double>(std::abs(a[i] - ref[i])));
+    scale = std::max(scale, static_cast<double>(std::abs(ref[i])));
+  }
+  return diff / scale;
+}
+
+// Tracks the logits a sequence got from the paged path, position by position, and compares
+// them with ForwardContiguous over its final tokens.
+class Checker {
+ public:
+  explicit Checker(const LlamaModel& model) : model_(model), vocab_(model.config().vocab_size) {}
+
+  // Records the rows of `logits` (all-token, in `work` order) against their positions.
+  void Record(const std::vector<float>& logits,
+              const std::vector<std::pair<Sequence*, int32_t>>& work) {
+    size_t row = 0;
+    for (const auto& [seq, n] : work) {
+      auto& rows = rows_[seq];
+      for (int32_t q = 0; q < n; ++q, ++row) {
+        const int32_t position = seq->cached - n + q;
+        rows.emplace_back(position, std::vector<float>(logits.begin() + row * vocab_,
+                                                       logits.begin() + (row + 1) * vocab_));
+      }
+    }
+    ASSERT_EQ(row * vocab_, logits.size());
+  }
+
+  // The worst relative error of any recorded row.
+  double WorstError() const {
+    double worst = 0;
+    for (const auto& [seq, rows] : rows_) {
+      absl::StatusOr<std::vector<float>> ref = model_.ForwardContiguous(seq->tokens);
+      EXPECT_TRUE(ref.ok()) << ref.status();
+      if (!ref.ok()) return INFINITY;
+      for (const auto& [position, row] : rows) {
+        worst =
+            std::max(worst, RowError(row.data(), ref->data() + int64_t{position} * vocab_, vocab_));
+      }
+    }
+    return worst;
+  }
+
+ private:
+  const LlamaModel& model_;
+  int32_t vocab_;
+  std::map<const Sequence*, std::vector<std::pair<int32_t, std::vector<float>>>> rows_;
+};
+
+std::vector<int32_t> RandomTokens(std::mt19937_64& rng, int32_t n, int32_t vocab) {
+  std::vector<int32_t> tokens;
+  for (int32_t i = 0; i < n; ++i) tokens.push_back(static_cast<int32_t>(rng() % vocab));
+  return tokens;
+}
+
+using Param = std::tuple<int32_t /*block_size*/, DType>;
+
+class PagedForwardTest : public ::testing::TestWithParam<Param> {
+ protected:
+  int32_t block_size() const { return std::get<0>(GetParam()); }
+  DType dtype() const { return std::get<1>(GetParam()); }
+  uint64_t Seed() const {
+    const uint64_t seed =
+        1000 + static_cast<uint64_t>(block_size()) * 10 + static_cast<uint64_t>(dtype());
+    std::printf("seed %llu (block size %d, %s cache)\n", static_cast<unsigned long long>(seed),
+                block_size(), std::string(DTypeName(dtype())).c_str());
+    return seed;
+  }
+  void ExpectWithinTolerance(double error, const char* what) {
+    std::printf("%s: worst relative error %.3g (tolerance %.1g)\n", what, error,
+                Tolerance(dtype()));
+    EXPECT_LE(error, Tolerance(dtype())) << what;
+  }
+};
+
+// Three sequences of different lengths prefilled in one batch, then decoded token by token
+// in one batch (each next token greedy on the reference logits), sequences dropping out at
+// different steps.
+TEST_P(PagedForwardTest, BatchedPrefillThenDecodeMatchesContiguous) {
+  const LlamaModel& model = ModelHolder::Get();
+  const int32_t vocab = model.config().vocab_size;
+  const uint64_t seed = Seed();
+  std::mt19937_64 rng(seed);
+  TestPool pool(model.config(), dtype(), block_size(), 200, seed);
+  Checker checker(model);
+
+  std::vector<Sequence> seqs(3);
+  const int32_t prompt_lens[] = {1, 7, 20};
+  std::vector<std::pair<Sequence*, int32_t>> work;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    seqs[i].tokens = RandomTokens(rng, prompt_lens[i], vocab);
+    work.emplace_back(&seqs[i], prompt_lens[i]);
+  }
+  checker.Record(Step(model, pool, work), work);
+
+  for (int32_t step = 0; step < 12; ++step) {
+    std::vector<std::pair<Sequence*, int32_t>> decode;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      if (step < 12 - 3 * static_cast<int32_t>(i)) decode.emplace_back(&seqs[i], 1);
+    }
+    // The next token of each: greedy from the last logits the sequence got.
+    for (auto& [seq, n] : decode) {
+      absl::StatusOr<std::vector<float>> ref = model.ForwardContiguous(seq->tokens);
+      ASSERT_TRUE(ref.ok());
+      seq->tokens.push_back(
+          Greedy(std::span<const float>(*ref).subspan((seq->tokens.size() - 1) * vocab, vocab)));
+    }
+    checker.Record(Step(model, pool, decode), decode);
+  }
+  ExpectWithinTolerance(checker.WorstError(), "prefill + decode");
+}
+
+// One prompt prefilled in chunks of 5, 6, 1 and 9 tokens: each chunk is a prefill over the
+// sequence's own cached prefix.
+TEST_P(PagedForwardTest, ChunkedPrefillMatchesContiguous) {
+  const LlamaModel& model = ModelHolder::Get();
+  const uint64_t seed = Seed();
+  std::mt19937_64 rng(seed);
+  TestPool pool(model.config(), dtype(), block_size(), 100, seed);
+  Checker checker(model);
+  Sequence seq;
+  seq.tokens = RandomTokens(rng, 21, model.config().vocab_size);
+  for (const int32_t chunk : {5, 6, 1, 9}) {
+    const std::vector<std::pair<Sequence*, int32_t>> work = {{&seq, chunk}};
+    checker.Record(Step(model, pool, work), work);
+  }
+  ExpectWithinTolerance(checker.WorstError(), "chunked prefill");
+}
+
+// Sequence A is prefilled; B starts with the same k full blocks of tokens and, as the
+// ledger does on a prefix hit, reuses A's blocks for them and prefills only its own suffix.
+// Then A and B decode together, reading the shared blocks.
+TEST_P(PagedForwardTest, PrefillOverSharedCachedPrefixMatchesContiguous) {
+  const LlamaModel& model = ModelHolder::Get();
+  const int32_t vocab = model.config().vocab_size;
+  const uint64_t seed = Seed();
+  std::mt19937_64 rng(seed);
+  TestPool pool(model.config(), dtype(), block_size(), 200, seed);
+  Checker checker(model);
+
+  Sequence a;
+  a.tokens = RandomTokens(rng, 20, vocab);
+  checker.Record(Step(model, pool, {{&a, 20}}), {{&a, 20}});
+
+  const int32_t full_blocks = 20 / block_size();
+  const int32_t shared_blocks = std::max(1, full_blocks - 1);
+  ASSERT_GE(full_blocks, 1);
+  const int32_t shared_tokens = shared_blocks * block_size();
+  Sequence b;
+  b.tokens.assign(a.tokens.begin(), a.tokens.begin() + shared_tokens);
+  const std::vector<int32_t> suffix = RandomTokens(rng, 9, vocab);
+  b.tokens.insert(b.tokens.end(), suffix.begin(), suffix.end());
+  b.blocks.assign(a.blocks.begin(), a.blocks.begin() + shared_blocks);
+  b.cached = shared_tokens;
+  std::printf("B shares %d blocks (%d tokens) of A and prefills %zu more\n", shared_blocks,
+              shared_tokens, suffix.size());
+  const std::vector<std::pair<Sequence*, int32_t>> prefill = {{&b, 9}};
+  checker.Record(Step(model, pool, prefill), prefill);
+
+  for (int32_t step = 0; step < 5; ++step) {
+    a.tokens.push_back(static_cast<int32_t>(rng() % vocab));
+    b.tokens.push_back(static_cast<int32_t>(rng() % vocab));
+    const std::vector<std::pair<Sequence*, int32_t>> decode = {{&a, 1}, {&b, 1}};
+    checker.Record(Step(model, pool, decode), decode);
+  }
+  ExpectWithinTolerance(checker.WorstError(), "shared prefix");
+}
+
+// Decode of one sequence, prefill of another and a chunk of a third in the same batch.
+TEST_P(PagedForwardTest, MixedPrefillAndDecodeBatchMatchesContiguous) {
+  const LlamaModel& model = ModelHolder::Get();
+  const int32_t vocab = model.config().vocab_size;
+  const uint64_t seed = Seed();
+  std::mt19937_64 rng(seed);
+  TestPool pool(model.config(), dtype(), block_size(), 200, seed);
+  Checker checker(model);
+  Sequence a, b, c;
+  a.tokens = RandomTokens(rng, 12, vocab);
+  c.tokens = RandomTokens(rng, 30, vocab);
+  const std::vector<std::pair<Sequence*, int32_t>> first = {{&a, 12}, {&c, 10}};
+  checker.Record(Step(model, pool, first), first);
+  a.tokens.push_back(static_cast<int32_t>(rng() % vocab));
+  b.tokens = RandomTokens(rng, 17, vocab);
+  const std::vector<std::pair<Sequence*, int32_t>> mixed = {{&b, 17}, {&a, 1}, {&c, 20}};
+  checker.Record(Step(model, pool, mixed), mixed);
+  ExpectWithinTolerance(checker.WorstError(), "mixed batch");
+}
+
+INSTANTIATE_TEST_SUITE_P(BlockSizesAndCacheDTypes, PagedForwardTest,
+                         ::testing::Combine(::testing::Values(1, 3, 16),
+                                            ::testing::Values(DType::kFloat32, DType::kFloat16,
+                                                              DType::kBFloat16)),
+                         [](const ::testing::TestParamInfo<Param>& param_info) {
+                           return absl::StrCat(
+                               "BlockSize", std::get<0>(param_info.param), "_",
+                               std::string(DTypeName(std::get<1>(param_info.param))));
+                         });
+
+// The last-token logits are the matching rows of the all-token logits, and a repeated
+// forward gives the same bits.
+TEST(PagedForwardMiscTest, LastTokenLogitsAreRowsOfAllTokenLogits) {
+  const LlamaModel& model = ModelHolder::Get();
+  const int32_t vocab = model.config().vocab_size;
+  std::mt19937_64 rng(77);
+  ForwardBatch batch;
+  batch.token_ids = RandomTokens(rng, 11, vocab);
+  batch.query_lens = {4, 7};
+  batch.context_lens = {4, 7};
+  batch.max_blocks_per_seq = 2;
+  batch.block_tables = {5, 0, 2, 9};
+
+  auto run = [&](LogitsScope scope) {
+    TestPool pool(model.config(), DType::kFloat32, 4, 12, 1);
+    std::vector<float> logits;
+    EXPECT_TRUE(model.Forward(batch, pool.pool(), &logits, scope).ok());
+    return logits;
+  };
+  const std::vector<float> all = run(LogitsScope::kAllTokens);
+  const std::vector<float> last = run(LogitsScope::kLastTokenPerSeq);
+  ASSERT_EQ(all.size(), 11u * vocab);
+  ASSERT_EQ(last.size(), 2u * vocab);
+  EXPECT_TRUE(std::equal(last.begin(), last.begin() + vocab, all.begin() + 3 * vocab));
+  EXPECT_TRUE(std::equal(last.begin() + vocab, last.end(), all.begin() + 10 * vocab));
+  EXPECT_EQ(run(LogitsScope::kLastTokenPerSeq), last);
+}
+
+// The same paged steps on models with 1 and 4 threads give bitwise equal logits.
+TEST(PagedForwardMiscTest, ResultsDoNotDependOnThreadCount) {
+  absl::StatusOr<testing::TempDir> dir = testing::TempDir::Create("kvcm-paged-threads");
+  ASSERT_TRUE(dir.ok());
+  ASSERT_TRUE(WriteTinyModel(dir->path(), TinyModelOptions()).ok());
+  std::vector<std::vector<float>> results;
+  for (const int32_t threads : {1, 4}) {
+    LlamaModelOptions options;
+    options.num_threads = threads;
+    auto model = LlamaModel::Load(dir->path(), options);
+    ASSERT_TRUE(model.ok()) << model.status();
+    std::mt19937_64 rng(5);
+    TestPool pool((*model)->config(), DType::kBFloat16, 3, 64, 5);
+    Sequence a, b;
+    a.tokens = RandomTokens(rng, 25, 320);
+    b.tokens = RandomTokens(rng, 9, 320);
+    std::vector<float> all = Step(**model, pool, {{&a, 25}, {&b, 9}});
+    for (int32_t step = 0; step < 4; ++step) {
+      a.tokens.push_back(3 + step);
+      b.tokens.push_back(4 + step);
+      const std::vector<float> next = Step(**model, pool, {{&a, 1}, {&b, 1}});
+      all.insert(all.end(), next.begin(), next.end());
+    }
+    results.push_back(std::move(all));
+  }
+  EXPECT_EQ(results[0], results[1]);
+}
+
+class PagedForwardErrorTest : public ::testing::Test {
+ protected:
+  PagedForwardErrorTest() : pool_(ModelHolder::Get().config(), DType::kFloat32, 4, 8, 1) {
+    batch_.token_ids = {3, 4, 5, 6, 7};
+    batch_.query_lens = {3, 2};
+    batch_.context_lens = {3, 6};
+    batch_.max_blocks_per_seq = 2;
+    batch_.block_tables = {0, -1, 1, 2};
+  }
+  absl::Status Run(const ForwardBatch& batch) {
+    const std::vector<uint8_t> before = pool_.memory();
+    std::vector<float> logits;
+    const absl::Status s = ModelHolder::Get().Forward(batch, pool_.pool(), &logits);
+    if (!s.ok()) {
+      EXPECT_EQ(pool_.memory(), before) << "a rejected batch wrote the pool";
+    }
+    return s;
+  }
+  ForwardBatch batch_;
+  TestPool pool_;
+};
+
+TEST_F(PagedForwardErrorTest, ValidBatchRuns) { EXPECT_TRUE(Run(batch_).ok()); }
+
+TEST_F(PagedForwardErrorTest, MalformedBatchesAreInvalidNamingTheField) {
+  struct Case {
+    const char* name;
+    std::function<void(ForwardBatch&)> edit;
+    const char* expect;
+  };
+  const std::vector<Case> cases = {
+      {"no sequences", [](ForwardBatch& b) { b.query_lens.clear(); }, "no sequences"},
+      {"context_lens size", [](ForwardBatch& b) { b.context_lens.pop_back(); }, "context_lens"},
+      {"zero query", [](ForwardBatch& b) { b.query_lens[0] = 0; }, "query_lens[0]"},
+      {"context < query", [](ForwardBatch& b) { b.context_lens[1] = 1; }, "context_lens[1]"},
+      {"token count", [](ForwardBatch& b) { b.token_ids.pop_back(); }, "token_ids"},
+      {"token id", [](ForwardBatch& b) { b.token_ids[4] = 320; }, "token_ids[4] = 320"},
+      {"negative token", [](ForwardBatch& b) { b.token_ids[0] = -1; }, "token_ids[0] = -1"},
+      {"block id", [](ForwardBatch& b) { b.block_tables[3] = 8; }, "block_tables[1][1] = 8"},
+      {"negative block", [](ForwardBatch& b) { b.block_tables[0] = -1; }, "block_tables[0][0]"},
+      {"table size", [](ForwardBatch& b) { b.block_tables.pop_back(); }, "block_tables has"},
+      {"max blocks", [](ForwardBatch& b) { b.max_blocks_per_seq = 0; }, "max_blocks_per_seq"},
+      {"too few blocks",
+       [](ForwardBatch& b) {
+         b.context_lens[1] = 9;
+         b.query_lens[1] = 2;
+       },
+       "needs 3 blocks"},
+      {"slot written twice",
+       [](ForwardBatch& b) {
+         b.block_tables = {0, -1, 0, 2};
+         b.context_lens[1] = 3;
+         b.query_lens = {3, 2};
+       },
+       "written by both"},
+      {"past max positions",
+       [](ForwardBatch& b) {
+         b.context_lens[1] = 4097;
+         b.max_blocks_per_seq = 2000;
+         b.block_tables.assign(4000, 0);
+       },
+       "max_position_embeddings"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    ForwardBatch batch = batch_;
+    c.edit(batch);
+    const absl::Status s = Run(batch);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(s.message(), HasSubstr(c.expect));
+  }
+}
+
+TEST_F(PagedForwardErrorTest, PoolThatDoesNotFitTheModelIsFailedPrecondition) {
+  const LlamaConfig& config = ModelHolder::Get().config();
+  LlamaConfig other = config;
+  other.num_key_value_heads = 4;
+  TestPool wrong_heads(other, DType::kFloat32, 4, 8, 1);
+  std::vector<float> logits;
+  absl::Status s = ModelHolder::Get().Forward(batch_, wrong_heads.pool(), &logits);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("num_kv_heads is 4 in the pool but 2 in the model"));
+
+  PagedPool bad_layout = pool_.pool();
+  bad_layout.layout.block_stride += 4;
+  s = ModelHolder::Get().Forward(batch_, bad_layout, &logits);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+
+  PagedPool null_base = pool_.pool();
+  null_base.base = nullptr;
+  EXPECT_EQ(ModelHolder::Get().Forward(batch_, null_base, &logits).code(),
+            absl::StatusCode::kInvalidArgument);
+
+  TestPool fp8(config, DType::kFloat8E4M3, 4, 8, 1);
+  s = ModelHolder::Get().Forward(batch_, fp8.pool(), &logits);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(s.message(), HasSubstr("fp8"));
+}
+
+}  // namespace
+}  // namespace kvcm

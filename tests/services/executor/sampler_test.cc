@@ -1,0 +1,139 @@
+#include "services/executor/sampler.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace kvcm {
+namespace {
+
+using ::testing::HasSubstr;
+
+Sampler Make(float temperature, float top_p = 1.0f, int32_t top_k = 0, uint64_t seed = 7) {
+  SamplingParams p;
+  p.temperature = temperature;
+  p.top_p = top_p;
+  p.top_k = top_k;
+  p.seed = seed;
+  absl::StatusOr<Sampler> sampler = Sampler::Create(p);
+  EXPECT_TRUE(sampler.ok()) << sampler.status();
+  return *sampler;
+}
+
+TEST(SamplerTest, GreedyPicksTheLowestIdOnTies) {
+  const std::vector<float> logits = {0.5f, 2.0f, -1.0f, 2.0f, 1.9f};
+  EXPECT_EQ(Greedy(logits), 1);
+  EXPECT_EQ(Make(0).Sample(logits, 0), 1);
+  EXPECT_EQ(Greedy(std::vector<float>{NAN, 3.0f, NAN}), 1);  // NaN counts as -inf
+  EXPECT_EQ(Greedy(std::vector<float>{-INFINITY, -INFINITY}), 0);
+}
+
+TEST(SamplerTest, TopKOneAndTinyTopPAreGreedy) {
+  std::vector<float> logits(64);
+  for (size_t i = 0; i < logits.size(); ++i) logits[i] = std::sin(static_cast<float>(i));
+  logits[17] = logits[40] = 3.0f;  // a tie at the top
+  for (int64_t index = 0; index < 200; ++index) {
+    EXPECT_EQ(Make(1.5f, 1.0f, /*top_k=*/1).Sample(logits, index), 17);
+    EXPECT_EQ(Make(1.5f, /*top_p=*/1e-6f).Sample(logits, index), 17);
+  }
+}
+
+TEST(SamplerTest, SamplesDependOnlyOnSeedAndTokenIndex) {
+  const std::vector<float> logits = {1.0f, 1.1f, 0.9f, 1.05f, 0.3f, 0.7f};
+  const Sampler a = Make(1.0f, 0.95f, 0, /*seed=*/1234);
+  const Sampler b = Make(1.0f, 0.95f, 0, /*seed=*/1234);
+  const Sampler c = Make(1.0f, 0.95f, 0, /*seed=*/1235);
+  std::vector<int32_t> from_a, from_b, from_c;
+  for (int64_t i = 0; i < 100; ++i) from_a.push_back(a.Sample(logits, i));
+  for (int64_t i = 99; i >= 0; --i)
+    from_b.insert(from_b.begin(), b.Sample(logits, i));  // any order
+  for (int64_t i = 0; i < 100; ++i) from_c.push_back(c.Sample(logits, i));
+  EXPECT_EQ(from_a, from_b);
+  EXPECT_NE(from_a, from_c);
+  for (int64_t i = 0; i < 100; ++i) {
+    EXPECT_GE(a.UniformForTest(i), 0.0);
+    EXPECT_LT(a.UniformForTest(i), 1.0);
+  }
+}
+
+// With a fixed seed, the frequencies over 20000 token indices follow softmax(logits / T),
+// and top-k / top-p never pick an excluded token.
+TEST(SamplerTest, TemperatureDistributionSanity) {
+  const std::vector<float> logits = {2.0f, 1.0f, 0.0f, -1.0f};
+  const uint64_t seed = 99;
+  std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+  for (const float temperature : {0.5f, 1.0f, 2.0f}) {
+    const Sampler sampler = Make(temperature, 1.0f, 0, seed);
+    std::vector<int> counts(logits.size());
+    const int n = 20000;
+    for (int64_t i = 0; i < n; ++i) ++counts[static_cast<size_t>(sampler.Sample(logits, i))];
+    double z = 0;
+    for (const float l : logits) z += std::exp(l / temperature);
+    for (size_t t = 0; t < logits.size(); ++t) {
+      const double expected = std::exp(logits[t] / temperature) / z;
+      const double observed = static_cast<double>(counts[t]) / n;
+      // 5 standard deviations of a binomial proportion.
+      const double sigma = std::sqrt(expected * (1 - expected) / n);
+      EXPECT_NEAR(observed, expected, 5 * sigma + 1e-4)
+          << "temperature " << temperature << " token " << t;
+    }
+  }
+  // Higher temperature flattens: token 0 is picked less often.
+  const Sampler cold = Make(0.5f, 1.0f, 0, seed);
+  const Sampler hot = Make(2.0f, 1.0f, 0, seed);
+  int cold0 = 0, hot0 = 0;
+  for (int64_t i = 0; i < 5000; ++i) {
+    cold0 += cold.Sample(logits, i) == 0;
+    hot0 += hot.Sample(logits, i) == 0;
+  }
+  EXPECT_GT(cold0, hot0);
+
+  // top_k = 2 only ever picks tokens 0 and 1; top_p = 0.7 at T = 1 keeps {0, 1}
+  // (p0 = 0.64, p0 + p1 = 0.88).
+  const Sampler top_k = Make(1.0f, 1.0f, 2, seed);
+  const Sampler top_p = Make(1.0f, 0.7f, 0, seed);
+  for (int64_t i = 0; i < 2000; ++i) {
+    EXPECT_LT(top_k.Sample(logits, i), 2);
+    EXPECT_LT(top_p.Sample(logits, i), 2);
+  }
+}
+
+TEST(SamplerTest, InvalidParamsAreNamed) {
+  SamplingParams p;
+  p.temperature = -1;
+  EXPECT_THAT(Sampler::Create(p).status().message(), HasSubstr("temperature"));
+  p = {};
+  p.temperature = NAN;
+  EXPECT_EQ(Sampler::Create(p).status().code(), absl::StatusCode::kInvalidArgument);
+  p = {};
+  p.top_p = 0;
+  EXPECT_THAT(Sampler::Create(p).status().message(), HasSubstr("top_p"));
+  p = {};
+  p.top_p = 1.5f;
+  EXPECT_EQ(Sampler::Create(p).status().code(), absl::StatusCode::kInvalidArgument);
+  p = {};
+  p.top_k = -1;
+  EXPECT_THAT(Sampler::Create(p).status().message(), HasSubstr("top_k"));
+  p = {};
+  p.max_tokens = 0;
+  EXPECT_THAT(Sampler::Create(p).status().message(), HasSubstr("max_tokens"));
+}
+
+TEST(SamplerTest, StopOnEosOrMaxTokens) {
+  SamplingParams p;
+  p.max_tokens = 3;
+  const std::vector<int32_t> eos = {2, 7};
+  EXPECT_EQ(CheckStop(5, 1, p, eos), StopReason::kNone);
+  EXPECT_EQ(CheckStop(7, 1, p, eos), StopReason::kEos);
+  EXPECT_EQ(CheckStop(5, 3, p, eos), StopReason::kMaxTokens);
+  EXPECT_EQ(CheckStop(2, 3, p, eos), StopReason::kEos);  // EOS wins
+  EXPECT_EQ(CheckStop(2, 1, p, {}), StopReason::kNone);
+}
+
+}  // namespace
+}  // namespace kvcm

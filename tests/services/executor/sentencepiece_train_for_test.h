@@ -1,0 +1,16 @@
+#pragma once
+// Trains a tiny SentencePiece model for the tokenizer tests. Like
+// services/executor/sentencepiece_backend.h, this header includes neither Abseil nor
+// SentencePiece (their absl::string_view declarations collide).
+
+#include <string>
+#include <vector>
+
+namespace kvcm::testing {
+
+// Trains a BPE model with <unk>=0, <s>=1, </s>=2 on `lines` and writes `model_prefix`.model.
+// Returns "" on success, else the library's error.
+std::string TrainSentencePieceForTest(const std::vector<std::string>& lines,
+                                      const std::string& model_prefix, int vocab_size);
+
+}  // namespace kvcm::testing
