@@ -10,19 +10,17 @@
 #include <sys/signalfd.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <chrono>
-#include <vector>
 #include <cstdio>
 #include <optional>
 #include <string>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/base/command_line.h"
 #include "common/base/log.h"
 #include "common/base/unique_fd.h"
 #include "common/block/block_hash.h"
@@ -266,17 +264,6 @@ int main(int argc, char** argv) {
       "owns the KV block pool and serves it to routers and executors.\n"
       "  kvcm-cache-manager --layers 32 --kv-heads 8 --head-dim 128 --num-blocks 4096\n"
       "  kvcm-cache-manager --model-config config.json --memory-fraction 0.9");
-  // Flags are spelled with dashes (--run-dir) as in the docs; Abseil names them with
-  // underscores. Rewrite the name part of each --flag[=value] before parsing.
-  std::vector<std::string> args(argv, argv + argc);
-  std::vector<char*> rewritten;
-  for (std::string& arg : args) {
-    if (arg.rfind("--", 0) == 0) {
-      const size_t end = std::min(arg.find('='), arg.size());
-      std::replace(arg.begin() + 2, arg.begin() + static_cast<std::ptrdiff_t>(end), '-', '_');
-    }
-    rewritten.push_back(arg.data());
-  }
-  absl::ParseCommandLine(static_cast<int>(rewritten.size()), rewritten.data());
+  kvcm::ParseDashedCommandLine(argc, argv);
   return kvcm::Main();
 }
