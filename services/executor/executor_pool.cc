@@ -1,0 +1,119 @@
+#include "services/executor/executor_pool.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/base/status_macros.h"
+#include "common/transport/zmq_util.h"
+
+namespace kvcm {
+namespace {
+
+std::string DescribeShape(int32_t layers, int32_t kv_heads, int32_t head_dim) {
+  return absl::StrCat(layers, " layers x ", kv_heads, " KV heads x head dim ", head_dim);
+}
+
+}  // namespace
+
+absl::Status CheckPoolFitsModel(const KvCacheSpec& spec, const ModelKvShape& shape) {
+  if (spec.num_layers != shape.num_layers || spec.num_kv_heads != shape.num_kv_heads ||
+      spec.head_dim != shape.head_dim) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the pool's KV shape (", DescribeShape(spec.num_layers, spec.num_kv_heads, spec.head_dim),
+        ") does not match the model's (",
+        DescribeShape(shape.num_layers, shape.num_kv_heads, shape.head_dim),
+        "): start the cache manager with the model's config.json (--model-config)"));
+  }
+  if (spec.dtype != DType::kFloat32 && spec.dtype != DType::kFloat16 &&
+      spec.dtype != DType::kBFloat16) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the pool's KV dtype ", std::string(DTypeName(spec.dtype)),
+                     " has no kernel here (fp32, fp16 and bf16 do)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<CacheManagerPool>> CacheManagerPool::Connect(
+    Options options, ExecutorMetrics* metrics) {
+  options.client.role = wire::Role::Executor;
+  options.client.heartbeats = true;
+  KVCM_ASSIGN_OR_RETURN(std::unique_ptr<CacheManagerClient> client,
+                        CacheManagerClient::Connect(options.client));
+  std::unique_ptr<CacheManagerPool> pool(
+      new CacheManagerPool(std::move(options), std::move(client), metrics));
+  KVCM_RETURN_IF_ERROR(pool->Reattach());
+  return pool;
+}
+
+CacheManagerPool::CacheManagerPool(Options options, std::unique_ptr<CacheManagerClient> client,
+                                   ExecutorMetrics* metrics)
+    : options_(std::move(options)), client_(std::move(client)), metrics_(metrics) {}
+
+CacheManagerPool::~CacheManagerPool() {
+  // The mapping goes before the client (whose destructor joins the heartbeat thread).
+  attached_.reset();
+}
+
+const PoolView* CacheManagerPool::pool() const { return attached_.has_value() ? &view_ : nullptr; }
+
+void CacheManagerPool::Detach() {
+  if (!attached_.has_value()) return;
+  attached_.reset();
+  view_ = PoolView{};
+  if (metrics_ != nullptr) metrics_->ObserveDetach();
+}
+
+absl::Status CacheManagerPool::Refresh() {
+  if (attached_.has_value() && !client_->session_lost()) return absl::OkStatus();
+  const absl::Time now = absl::Now();
+  if (!attached_.has_value() && now < next_attempt_) {
+    return absl::UnavailableError("no pool attached; waiting to retry");
+  }
+  return Reattach();
+}
+
+absl::Status CacheManagerPool::Reattach() {
+  // The old epoch's mapping goes first: its memory belongs to a dead (or dying) process, and
+  // a cuda IPC mapping must be closed before another is opened.
+  Detach();
+  next_attempt_ = absl::Now() + options_.retry_interval;
+  // Fail fast when nothing listens (the cache manager is down): no call timeout to wait.
+  KVCM_RETURN_IF_ERROR(ProbeIpcListener(client_->options().endpoint));
+  const absl::Time start = absl::Now();
+  // ABORTED means the client registered again (a new epoch or a new session): expected here.
+  if (absl::Status session = client_->EnsureSession(); !session.ok() && !absl::IsAborted(session)) {
+    return session;
+  }
+  absl::StatusOr<AttachedPool> attached = client_->Attach();
+  // A refusal met only now (the heartbeat had not seen the restart yet): registered again
+  // inside the call; attach once more in the new session.
+  if (absl::IsAborted(attached.status())) attached = client_->Attach();
+  if (!attached.ok()) return attached.status();
+  if (options_.host_only && attached->backend == PoolBackend::kCuda) {
+    return absl::FailedPreconditionError(
+        "the pool is in CUDA memory but this executor runs the model on the host: start the "
+        "cache manager with --backend shm");
+  }
+  KVCM_RETURN_IF_ERROR(CheckPoolFitsModel(attached->spec, options_.model));
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  view_.base = static_cast<uint8_t*>(attached->mapping->base());
+  view_.layout = attached->layout;
+  view_.spec = attached->spec;
+  view_.num_blocks = attached->num_blocks;
+  view_.epoch = attached->epoch;
+  view_.backend = attached->backend;
+  const uint64_t bytes = attached->mapping->size_bytes();
+  attached_ = std::move(*attached);
+  ++attaches_;
+  if (metrics_ != nullptr) metrics_->ObserveAttach(seconds, bytes, view_.epoch);
+  return absl::OkStatus();
+}
+
+void CacheManagerPool::Goodbye() {
+  Detach();
+  // Nobody to say it to when nothing listens; don't wait out a call timeout.
+  if (ProbeIpcListener(client_->options().endpoint).ok()) (void)client_->Goodbye();
+}
+
+}  // namespace kvcm

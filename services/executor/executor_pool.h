@@ -1,0 +1,123 @@
+#pragma once
+// The executor's view of the cache manager's KV pool, behind an interface (PoolSource) so
+// that the step logic can run on a real attached pool or on a local buffer in tests.
+//
+// CacheManagerPool is the real one: it holds the CacheManagerClient session (role Executor;
+// the client's heartbeat thread keeps it alive) and the AttachedPool mapping. When the cache
+// manager restarts (DESIGN.md section 6) the pool of the old epoch is gone: Refresh() notices
+// the refused session (the heartbeat thread saw it) and Reattach() drops the old mapping,
+// registers again and attaches to the new epoch. The model's weights are not touched.
+//
+// Thread safety: none; one thread (the executor's socket thread) owns a PoolSource.
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/client/cache_manager_client.h"
+#include "common/memory/pool_layout.h"
+#include "common/memory/pool_memory.h"
+#include "common/sizing/kv_cache_spec.h"
+#include "services/executor/executor_metrics.h"
+
+namespace kvcm {
+
+// An attached pool, as the step logic addresses it.
+struct PoolView {
+  uint8_t* base = nullptr;  // host pointer (shm) or device pointer (cuda)
+  PoolLayout layout;        // checked against spec and num_blocks
+  KvCacheSpec spec;
+  int32_t num_blocks = 0;
+  uint64_t epoch = 0;  // the cache manager's epoch the pool belongs to
+  PoolBackend backend = PoolBackend::kShm;
+};
+
+// The KV shape a model needs from the pool.
+struct ModelKvShape {
+  int32_t num_layers = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+};
+
+// OK when a pool of `spec` can hold the KV of a model of `shape` and the kernels handle its
+// dtype (fp32, fp16, bf16). Otherwise FAILED_PRECONDITION naming both shapes, e.g.
+// "the pool's KV shape (2 layers x 2 KV heads x head dim 8) does not match the model's
+// (4 layers x 2 KV heads x head dim 16)".
+absl::Status CheckPoolFitsModel(const KvCacheSpec& spec, const ModelKvShape& shape);
+
+class PoolSource {
+ public:
+  virtual ~PoolSource() = default;
+
+  // The pool attached now; null while none is (detached, or an incompatible pool).
+  virtual const PoolView* pool() const = 0;
+
+  // Cheap; called often by the socket thread. When the cache-manager session was refused
+  // (a new epoch) drops the mapping and attaches again; when no pool is attached, tries to
+  // attach (at most once per retry interval). Returns OK when nothing needed doing or the
+  // new attachment succeeded; otherwise the attachment's error (the pool stays detached).
+  virtual absl::Status Refresh() = 0;
+
+  // Drops the mapping, then attaches to the cache manager's current epoch now. Errors: the
+  // attachment's (UNAVAILABLE or DEADLINE_EXCEEDED with the cache manager down), or
+  // FAILED_PRECONDITION from CheckPoolFitsModel. The pool is detached after an error.
+  virtual absl::Status Reattach() = 0;
+
+  // Ends the cache-manager session (best effort; logs nothing).
+  virtual void Goodbye() = 0;
+};
+
+// The real PoolSource: a CacheManagerClient of role Executor and its AttachedPool.
+class CacheManagerPool : public PoolSource {
+ public:
+  struct Options {
+    // The cache manager's request socket ("ipc://RUN_DIR/cache-manager.sock"), this
+    // executor's name, timeouts. role is forced to Executor; heartbeats on.
+    CacheManagerClient::Options client;
+    // What the model needs; an attached pool that does not fit is dropped.
+    ModelKvShape model;
+    // True when the model runs on the host: a cuda pool cannot be used. (The CPU executor
+    // is the only one so far.)
+    bool host_only = true;
+    // Least time between two attach attempts while detached. Each attempt may block the
+    // socket thread up to client.call_timeout when the cache manager is down but its
+    // socket file remains; it fails at once when nothing listens.
+    absl::Duration retry_interval = absl::Milliseconds(200);
+  };
+
+  // Connects, registers and attaches once. Errors: Connect's (UNAVAILABLE when no cache
+  // manager runs at the endpoint), Attach's, and CheckPoolFitsModel's. `metrics` may be
+  // null and must otherwise outlive the pool.
+  static absl::StatusOr<std::unique_ptr<CacheManagerPool>> Connect(Options options,
+                                                                   ExecutorMetrics* metrics);
+
+  ~CacheManagerPool() override;
+
+  const PoolView* pool() const override;
+  absl::Status Refresh() override;
+  absl::Status Reattach() override;
+  void Goodbye() override;
+
+  // Successful attachments so far (1 after Connect).
+  int attaches() const { return attaches_; }
+  CacheManagerClient& client() { return *client_; }
+
+ private:
+  CacheManagerPool(Options options, std::unique_ptr<CacheManagerClient> client,
+                   ExecutorMetrics* metrics);
+  void Detach();
+
+  const Options options_;
+  std::unique_ptr<CacheManagerClient> client_;
+  ExecutorMetrics* const metrics_;
+  std::optional<AttachedPool> attached_;  // the mapping; reset before attaching again
+  PoolView view_;
+  absl::Time next_attempt_ = absl::InfinitePast();
+  int attaches_ = 0;
+};
+
+}  // namespace kvcm

@@ -1,0 +1,415 @@
+#include "services/executor/executor_service.h"
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/base/check.h"
+#include "common/base/log.h"
+#include "kernels/copy_blocks.h"
+#include "services/executor/sampler.h"
+
+namespace kvcm {
+namespace {
+
+constexpr char kComponent[] = "kvcm-executor";
+
+std::string SeqName(size_t index, uint64_t seq) {
+  return absl::StrCat("seq[", index, "] (id ", seq, ")");
+}
+
+StepError ErrorKind(const absl::Status& status) {
+  switch (status.code()) {
+    case absl::StatusCode::kUnavailable:
+      return StepError::kNoPool;
+    case absl::StatusCode::kAborted:
+      return StepError::kStaleEpoch;
+    case absl::StatusCode::kInvalidArgument:
+      return StepError::kInvalidArgument;
+    default:
+      return StepError::kInternal;
+  }
+}
+
+wire::ErrorCode WireCodeFor(const absl::Status& status) {
+  // ABORTED has no generic wire code; on this path it always means a stale epoch.
+  if (absl::IsAborted(status)) return wire::ErrorCode::StaleEpoch;
+  return ToWireCode(status.code());
+}
+
+}  // namespace
+
+ExecutorService::ExecutorService(Options options, const LlamaModel* model, PoolSource* pool,
+                                 ExecutorMetrics* metrics)
+    : options_(std::move(options)), model_(model), pool_(pool), metrics_(metrics) {
+  KVCM_CHECK(model_ != nullptr && pool_ != nullptr);
+  const LlamaConfig& c = model_->config();
+  model_info_.name = options_.model_name;
+  model_info_.num_layers = c.num_hidden_layers;
+  model_info_.hidden_size = c.hidden_size;
+  model_info_.num_attention_heads = c.num_attention_heads;
+  model_info_.num_kv_heads = c.num_key_value_heads;
+  model_info_.head_dim = c.head_dim;
+  model_info_.vocab_size = c.vocab_size;
+  model_info_.max_position_embeddings = c.max_position_embeddings;
+  model_info_.eos_token_ids = c.eos_token_ids;
+  // The checkpoint's dtype, as written in config.json (weights compute in fp32).
+  absl::StatusOr<DType> dtype = ParseDType(c.torch_dtype.empty() ? "fp32" : c.torch_dtype);
+  model_info_.weight_dtype = dtype.ok() ? *dtype : DType::kFloat32;
+}
+
+uint64_t ExecutorService::attached_epoch() const {
+  const PoolView* pool = pool_->pool();
+  return pool == nullptr ? 0 : pool->epoch;
+}
+
+// ---- From the router ------------------------------------------------------------------------
+
+ExecutorService::Handled ExecutorService::Handle(std::span<const uint8_t> bytes, absl::Time now,
+                                                 flatbuffers::FlatBufferBuilder* reply) {
+  Handled handled;
+  reply->Clear();
+  const VerifiedExecutorEnvelope verified =
+      VerifyExecutorEnvelope(bytes, options_.max_message_bytes);
+  if (verified.envelope == nullptr) {
+    const wire::ErrorCode code = verified.fault == EnvelopeFault::kUnsupportedVersion
+                                     ? wire::ErrorCode::UnsupportedVersion
+                                     : wire::ErrorCode::Malformed;
+    // The request id is unreadable: 0.
+    Refuse(0, code, verified.reason, StepError::kMalformed, reply);
+    handled.reply = true;
+    return handled;
+  }
+  const wire::ExecutorEnvelope& envelope = *verified.envelope;
+  handled.type = envelope.payload_type();
+  switch (envelope.payload_type()) {
+    case wire::ExecutorMessage::StepBatch:
+      HandleStep(envelope, now, reply);
+      handled.reply = true;
+      return handled;
+    case wire::ExecutorMessage::Heartbeat:
+      FinishExecutorEnvelope(*reply, envelope.request_id(), executor_id_, attached_epoch(),
+                             wire::ExecutorMessage::HeartbeatReply,
+                             wire::CreateHeartbeatReply(*reply).Union());
+      handled.reply = true;
+      return handled;
+    case wire::ExecutorMessage::ExecutorHelloReply: {
+      // Answers to our earlier Hellos (retries) count the same; with none pending, a stray.
+      if (hello_request_id_ == 0) return handled;
+      const auto* hello = envelope.payload_as_ExecutorHelloReply();
+      if (hello->executor_id() == 0) {
+        LogLine(kComponent, "the router answered ExecutorHello with executor id 0; ignored");
+        return handled;
+      }
+      if (executor_id_ != hello->executor_id()) {
+        LogLine(kComponent,
+                absl::StrCat("registered with the router as executor ", hello->executor_id()));
+      }
+      executor_id_ = hello->executor_id();
+      heartbeat_interval_ = absl::Milliseconds(hello->heartbeat_interval_ms());
+      hello_request_id_ = 0;
+      hello_needed_ = false;
+      return handled;
+    }
+    case wire::ExecutorMessage::Goodbye:
+      // The router is going away: forget the registration; Hello again when it is back.
+      FinishExecutorEnvelope(*reply, envelope.request_id(), executor_id_, attached_epoch(),
+                             wire::ExecutorMessage::GoodbyeReply,
+                             wire::CreateGoodbyeReply(*reply, 0).Union());
+      if (registered()) LogLine(kComponent, "the router said goodbye");
+      executor_id_ = 0;
+      hello_needed_ = true;
+      hello_request_id_ = 0;
+      handled.reply = true;
+      return handled;
+    case wire::ExecutorMessage::GoodbyeReply:
+      goodbye_answered_ = true;
+      return handled;
+    case wire::ExecutorMessage::HeartbeatReply:
+      return handled;
+    case wire::ExecutorMessage::ErrorReply: {
+      const auto* error = envelope.payload_as_ErrorReply();
+      if (error->code() == wire::ErrorCode::NotRegistered ||
+          error->code() == wire::ErrorCode::StaleSession) {
+        // The router restarted or forgot this executor: introduce ourselves again.
+        if (registered()) {
+          LogLine(kComponent, "the router no longer knows this executor; sending ExecutorHello");
+        }
+        executor_id_ = 0;
+        hello_needed_ = true;
+        hello_request_id_ = 0;
+      } else {
+        LogLine(kComponent, absl::StrCat("the router refused request ", envelope.request_id(), ": ",
+                                         std::string(WireCodeName(error->code())), " ",
+                                         error->reason() == nullptr ? "" : error->reason()->str()));
+      }
+      return handled;
+    }
+    default:
+      Refuse(envelope.request_id(), wire::ErrorCode::InvalidArgument,
+             absl::StrCat("an executor does not accept ",
+                          std::string(ExecutorMessageName(envelope.payload_type()))),
+             StepError::kInvalidArgument, reply);
+      handled.reply = true;
+      return handled;
+  }
+}
+
+void ExecutorService::Refuse(uint64_t request_id, wire::ErrorCode code, std::string_view reason,
+                             StepError error, flatbuffers::FlatBufferBuilder* reply) {
+  reply->Clear();
+  FinishExecutorError(*reply, request_id, executor_id_, attached_epoch(), code, reason);
+  if (metrics_ != nullptr) metrics_->CountStepError(error);
+}
+
+void ExecutorService::HandleStep(const wire::ExecutorEnvelope& envelope, absl::Time received,
+                                 flatbuffers::FlatBufferBuilder* reply) {
+  absl::StatusOr<StepRequest> step = DecodeStepBatch(*envelope.payload_as_StepBatch());
+  if (!step.ok()) {
+    Refuse(envelope.request_id(), wire::ErrorCode::InvalidArgument,
+           std::string(step.status().message()), StepError::kInvalidArgument, reply);
+    return;
+  }
+  absl::StatusOr<StepReport> report = RunStep(*step);
+  if (!report.ok()) {
+    Refuse(envelope.request_id(), WireCodeFor(report.status()),
+           std::string(report.status().message()), ErrorKind(report.status()), reply);
+    return;
+  }
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - received);
+  report->duration_us = static_cast<uint64_t>(std::max(0.0, seconds * 1e6));
+  reply->Clear();
+  EncodeStepResult(*reply, envelope.request_id(), executor_id_, attached_epoch(), *report);
+  if (metrics_ != nullptr) {
+    int32_t sampled = 0;
+    for (const SeqOutcome& outcome : report->results) sampled += outcome.token >= 0 ? 1 : 0;
+    metrics_->ObserveStep(static_cast<int32_t>(step->seqs.size()), report->prefill_tokens,
+                          report->decode_tokens, sampled, seconds);
+  }
+}
+
+absl::StatusOr<const PoolView*> ExecutorService::PoolForEpoch(uint64_t epoch) {
+  const PoolView* pool = pool_->pool();
+  if (pool != nullptr && epoch < pool->epoch) {
+    return absl::AbortedError(
+        absl::StrCat("stale epoch: the step's block tables are of cache-manager epoch ", epoch,
+                     " but the pool attached is of epoch ", pool->epoch,
+                     " (the cache manager restarted; re-admit the sequences)"));
+  }
+  if (pool == nullptr || epoch > pool->epoch) {
+    // A newer epoch (or none attached): the cache manager restarted and the heartbeat has
+    // not told us yet. Attach again now; the weights stay loaded.
+    const uint64_t before = pool == nullptr ? 0 : pool->epoch;
+    const absl::Status reattached = pool_->Reattach();
+    pool = pool_->pool();
+    if (!reattached.ok() || pool == nullptr) {
+      if (before == 0 && epoch == 0) {
+        return absl::UnavailableError(absl::StrCat("no pool attached: ", reattached.message()));
+      }
+      return absl::AbortedError(absl::StrCat("stale epoch, re-attaching: the step is of epoch ",
+                                             epoch, "; attaching failed: ", reattached.message()));
+    }
+    if (pool->epoch != epoch) {
+      return absl::AbortedError(absl::StrCat("stale epoch, re-attaching: the step is of epoch ",
+                                             epoch, " but the cache manager is in epoch ",
+                                             pool->epoch));
+    }
+  }
+  return pool;
+}
+
+absl::Status ExecutorService::CheckAndBuild(const StepRequest& step, const PoolView& pool) {
+  const int32_t block_size = pool.spec.block_size;
+  const int32_t num_blocks = pool.num_blocks;
+  size_t max_blocks = 1;
+  int64_t total_tokens = 0;
+  for (size_t i = 0; i < step.seqs.size(); ++i) {
+    const SeqStep& s = step.seqs[i];
+    const int64_t needed = (int64_t{s.context_len} + block_size - 1) / block_size;
+    if (static_cast<int64_t>(s.block_table.size()) < needed) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          SeqName(i, s.seq), " has ", s.block_table.size(), " blocks in its table; context_len ",
+          s.context_len, " needs ", needed, " blocks of ", block_size, " tokens"));
+    }
+    for (size_t j = 0; j < s.block_table.size(); ++j) {
+      if (s.block_table[j] >= num_blocks) {
+        return absl::InvalidArgumentError(absl::StrCat(SeqName(i, s.seq), " names block ",
+                                                       s.block_table[j], " at block_table[", j,
+                                                       "]; the pool has ", num_blocks, " blocks"));
+      }
+    }
+    max_blocks = std::max(max_blocks, s.block_table.size());
+    total_tokens += static_cast<int64_t>(s.tokens.size());
+  }
+  absl::flat_hash_set<int32_t> destinations;
+  for (size_t i = 0; i < step.copies.size(); ++i) {
+    const auto [src, dst] = step.copies[i];
+    if (src >= num_blocks || dst >= num_blocks) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "copies[", i, "] ", src, " -> ", dst, " names a block outside the pool's ", num_blocks));
+    }
+    if (src == dst || !destinations.insert(dst).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("copies[", i, "] ", src, " -> ", dst, " repeats a destination"));
+    }
+  }
+  for (size_t i = 0; i < step.copies.size(); ++i) {
+    if (destinations.contains(step.copies[i].first)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("copies[", i, "] copies from block ", step.copies[i].first,
+                       ", which another order of the step overwrites"));
+    }
+  }
+
+  forward_.token_ids.clear();
+  forward_.query_lens.clear();
+  forward_.context_lens.clear();
+  forward_.token_ids.reserve(static_cast<size_t>(total_tokens));
+  forward_.max_blocks_per_seq = static_cast<int32_t>(max_blocks);
+  forward_.block_tables.assign(step.seqs.size() * max_blocks, 0);
+  for (size_t i = 0; i < step.seqs.size(); ++i) {
+    const SeqStep& s = step.seqs[i];
+    forward_.token_ids.insert(forward_.token_ids.end(), s.tokens.begin(), s.tokens.end());
+    forward_.query_lens.push_back(static_cast<int32_t>(s.tokens.size()));
+    forward_.context_lens.push_back(s.context_len);
+    std::copy(s.block_table.begin(), s.block_table.end(),
+              forward_.block_tables.begin() + static_cast<std::ptrdiff_t>(i * max_blocks));
+  }
+  const PagedPool paged{pool.base, pool.layout, pool.spec};
+  // The pool was checked against the model when attached; Forward checks it again, but only
+  // after the copies ran: check first so that a refusal changes nothing.
+  if (absl::Status fits = model_->CheckPool(paged); !fits.ok()) {
+    return absl::InternalError(
+        absl::StrCat("the attached pool does not fit the model: ", fits.message()));
+  }
+  return model_->CheckBatch(forward_, paged);
+}
+
+absl::StatusOr<StepReport> ExecutorService::RunStep(const StepRequest& step) {
+  absl::StatusOr<const PoolView*> found = PoolForEpoch(step.epoch);
+  if (!found.ok()) return found.status();
+  const PoolView& pool = **found;
+  if (absl::Status checked = CheckAndBuild(step, pool); !checked.ok()) return checked;
+
+  StepReport report;
+  report.step_id = step.step_id;
+  report.results.reserve(step.seqs.size());
+  if (!step.copies.empty()) {
+    std::vector<kernels::BlockCopy> copies;
+    copies.reserve(step.copies.size());
+    for (const auto& [src, dst] : step.copies) copies.push_back({src, dst});
+    kernels::cpu::CopyBlocks(pool.base, pool.layout, copies.data(),
+                             static_cast<int32_t>(copies.size()));
+  }
+  if (!step.seqs.empty()) {
+    const PagedPool paged{pool.base, pool.layout, pool.spec};
+    if (absl::Status ran = model_->Forward(forward_, paged, &logits_); !ran.ok()) {
+      return absl::InternalError(absl::StrCat("forward pass failed: ", ran.message()));
+    }
+  }
+  const size_t vocab = static_cast<size_t>(model_->config().vocab_size);
+  KVCM_CHECK(logits_.size() >= step.seqs.size() * vocab || step.seqs.empty())
+      << logits_.size() << " logits for " << step.seqs.size() << " sequences";
+  for (size_t i = 0; i < step.seqs.size(); ++i) {
+    const SeqStep& s = step.seqs[i];
+    const int32_t new_tokens = static_cast<int32_t>(s.tokens.size());
+    if (new_tokens > 1 || s.context_len == new_tokens) {
+      report.prefill_tokens += new_tokens;
+    } else {
+      report.decode_tokens += new_tokens;
+    }
+    SeqOutcome outcome;
+    outcome.seq = s.seq;
+    if (s.sample) {
+      const std::span<const float> row(logits_.data() + i * vocab, vocab);
+      const int64_t index = s.sample_index >= 0 ? s.sample_index : s.context_len;
+      absl::StatusOr<int32_t> token = ChooseToken(row, s.sampling, index);
+      if (token.ok()) {
+        outcome.token = *token;
+      } else {
+        outcome.status = token.status();
+      }
+    }
+    report.results.push_back(std::move(outcome));
+  }
+  ++steps_;
+  return report;
+}
+
+absl::StatusOr<int32_t> ChooseToken(std::span<const float> logits, const SeqSampling& sampling,
+                                    int64_t index) {
+  if (logits.empty()) return absl::FailedPreconditionError("no logits to sample from");
+  for (size_t i = 0; i < logits.size(); ++i) {
+    if (std::isnan(logits[i])) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the logits hold a NaN (token ", i, "): nothing was sampled"));
+    }
+  }
+  SamplingParams params;
+  params.temperature = sampling.temperature;
+  params.top_p = sampling.top_p;
+  params.top_k = sampling.top_k;
+  params.seed = sampling.seed;
+  absl::StatusOr<Sampler> sampler = Sampler::Create(params);
+  if (!sampler.ok()) return sampler.status();
+  return sampler->Sample(logits, index);
+}
+
+// ---- To the router --------------------------------------------------------------------------
+
+ExecutorHelloInfo ExecutorService::HelloInfo() const {
+  ExecutorHelloInfo hello;
+  hello.name = options_.name;
+  hello.pid = options_.pid;
+  hello.model = model_info_;
+  hello.metrics_url = options_.metrics_url;
+  if (const PoolView* pool = pool_->pool()) {
+    hello.kv_spec = pool->spec;
+    hello.num_blocks = pool->num_blocks;
+    hello.backend = pool->backend;
+  }
+  return hello;
+}
+
+bool ExecutorService::WantsHello(absl::Time now) const {
+  const PoolView* pool = pool_->pool();
+  if (pool == nullptr) return false;
+  if (hello_request_id_ != 0) return now - hello_sent_ >= options_.hello_retry;
+  return hello_needed_ || pool->epoch != announced_epoch_;
+}
+
+bool ExecutorService::WantsHeartbeat(absl::Time now) const {
+  return registered() && heartbeat_interval_ > absl::ZeroDuration() &&
+         now - last_sent_ >= heartbeat_interval_;
+}
+
+void ExecutorService::BuildHello(absl::Time now, flatbuffers::FlatBufferBuilder* out) {
+  out->Clear();
+  hello_request_id_ = next_request_id_++;
+  announced_epoch_ = attached_epoch();
+  hello_needed_ = true;  // until its reply arrives
+  EncodeExecutorHello(*out, hello_request_id_, executor_id_, announced_epoch_, HelloInfo());
+  hello_sent_ = now;
+  last_sent_ = now;
+}
+
+void ExecutorService::HelloNotSent() { hello_request_id_ = 0; }
+
+void ExecutorService::BuildHeartbeat(absl::Time now, flatbuffers::FlatBufferBuilder* out) {
+  out->Clear();
+  FinishExecutorEnvelope(*out, next_request_id_++, executor_id_, attached_epoch(),
+                         wire::ExecutorMessage::Heartbeat, wire::CreateHeartbeat(*out).Union());
+  last_sent_ = now;
+}
+
+void ExecutorService::BuildGoodbye(absl::Time now, flatbuffers::FlatBufferBuilder* out) {
+  out->Clear();
+  FinishExecutorEnvelope(*out, next_request_id_++, executor_id_, attached_epoch(),
+                         wire::ExecutorMessage::Goodbye, wire::CreateGoodbye(*out).Union());
+  last_sent_ = now;
+}
+
+}  // namespace kvcm

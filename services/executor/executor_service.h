@@ -1,0 +1,155 @@
+#pragma once
+// ExecutorService: kvcm-executor's logic, without sockets (DESIGN.md section 8). It speaks
+// the executor protocol (schemas/kvcm_executor.fbs) with the router and runs step batches on
+// the model and the attached pool. ExecutorServer (executor_server.h) feeds it the frames of
+// its DEALER socket and sends what it builds; tests feed it bytes or StepRequests directly.
+//
+// A StepBatch, in order (nothing is written to the pool before the last check passes):
+//   1. VerifyExecutorEnvelope, DecodeStepBatch (Malformed / InvalidArgument).
+//   2. The pool: none attached -> Unavailable "no pool attached". The step's epoch is the
+//      cache-manager epoch its block tables were granted in. Earlier than the pool's:
+//      StaleEpoch (the router must re-admit). Later: the cache manager restarted and this
+//      executor has not noticed yet: PoolSource::Reattach() (the weights stay loaded), and
+//      StaleEpoch "stale epoch, re-attaching: ..." if the epochs still differ.
+//   3. Against the pool: every block id (tables and copies) < num_blocks, each table holds
+//      at least ceil(context_len / block_size) blocks, no copy destination twice or also a
+//      source; then LlamaModel::CheckBatch (token ids, positions, slots written twice).
+//      InvalidArgument naming the sequence.
+//   4. Copy-on-write orders (kernels::cpu::CopyBlocks), then one LlamaModel::Forward for all
+//      sequences, then a token for each sequence that asked for one.
+// A refused message gets an ErrorReply with a code and a reason and is counted in
+// kvcm_executor_step_errors_total{reason}.
+//
+// Sampling is a pure function of (logits, SamplingParams, index of the token chosen), done
+// by the model's Sampler (sampler.h) with the index SeqWork.sample_index (context_len when
+// -1): a request's tokens do not depend on how it is batched, on which executor runs it, or
+// on the steps before. Greedy (temperature 0) takes the argmax, lowest id on ties. Logits
+// holding a NaN fail that sequence alone (its SeqResult has FailedPrecondition).
+//
+// Registration with the router: the service builds ExecutorHello (again whenever the router
+// answers NotRegistered or says Goodbye, the attached epoch changes, or a Hello goes
+// unanswered for hello_retry), Heartbeat (when idle for the router's heartbeat interval) and
+// Goodbye, and takes in their replies. Replies are never answered.
+//
+// Thread safety: none; one thread (the server's socket thread) owns the service. The model
+// and the pool source must outlive it.
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "flatbuffers/flatbuffers.h"
+#include "services/executor/executor_metrics.h"
+#include "services/executor/executor_pool.h"
+#include "services/executor/executor_wire.h"
+#include "services/executor/llama_model.h"
+
+namespace kvcm {
+
+class ExecutorService {
+ public:
+  struct Options {
+    std::string name = "executor";  // in ExecutorHello and logs; at most 128 bytes
+    std::string model_name;         // ModelSummary.name
+    std::string metrics_url;        // announced in ExecutorHello ("" if none)
+    int32_t pid = 0;                // announced in ExecutorHello
+    // Inbound messages larger than this are refused as malformed (oversized).
+    size_t max_message_bytes = kDefaultMaxMessageBytes;
+    // A Hello unanswered this long is sent again (the router may not have been up).
+    absl::Duration hello_retry = absl::Seconds(1);
+  };
+
+  // What the service did with an inbound message.
+  struct Handled {
+    bool reply = false;  // `reply` holds an envelope to send back
+    wire::ExecutorMessage type = wire::ExecutorMessage::NONE;  // inbound type (NONE if refused)
+  };
+
+  // `model` and `pool` must outlive the service; `metrics` may be null (tests).
+  ExecutorService(Options options, const LlamaModel* model, PoolSource* pool,
+                  ExecutorMetrics* metrics);
+
+  // ---- From the router ----------------------------------------------------------------------
+
+  // Handles one inbound frame. For a request (StepBatch, Heartbeat, Goodbye) and for one that
+  // fails verification, writes exactly one reply envelope into `reply` (cleared first) and
+  // sets Handled::reply. Replies to this executor's own requests update its registration.
+  Handled Handle(std::span<const uint8_t> bytes, absl::Time now,
+                 flatbuffers::FlatBufferBuilder* reply);
+
+  // Runs one decoded step (checks 2-4 above). The error statuses carry the codes of the
+  // ErrorReply (via ToWireCode): UNAVAILABLE (no pool), ABORTED (stale epoch),
+  // INVALID_ARGUMENT, INTERNAL (the forward pass failed after the checks).
+  absl::StatusOr<StepReport> RunStep(const StepRequest& step);
+
+  // ---- To the router ------------------------------------------------------------------------
+
+  // True when an ExecutorHello should go out now (see the header comment). False while no
+  // pool is attached: an executor without a pool cannot serve steps.
+  bool WantsHello(absl::Time now) const;
+  // True when registered, heartbeats are asked for and nothing went to the router for the
+  // heartbeat interval.
+  bool WantsHeartbeat(absl::Time now) const;
+  // Build the message (a finished envelope in `out`, cleared first) and note it as sent.
+  void BuildHello(absl::Time now, flatbuffers::FlatBufferBuilder* out);
+  void BuildHeartbeat(absl::Time now, flatbuffers::FlatBufferBuilder* out);
+  void BuildGoodbye(absl::Time now, flatbuffers::FlatBufferBuilder* out);
+  // The Hello just built could not be sent (not connected yet): WantsHello() is true again.
+  void HelloNotSent();
+  // Note that some other message (a StepResult) went to the router at `now`.
+  void NoteSent(absl::Time now) { last_sent_ = now; }
+
+  bool registered() const { return executor_id_ != 0; }
+  uint64_t executor_id() const { return executor_id_; }
+  bool goodbye_answered() const { return goodbye_answered_; }
+  uint64_t steps() const { return steps_; }
+  // The Hello this executor announces (from the model and the attached pool).
+  ExecutorHelloInfo HelloInfo() const;
+
+ private:
+  // Writes an ErrorReply for `status` and counts it.
+  void Refuse(uint64_t request_id, wire::ErrorCode code, std::string_view reason, StepError error,
+              flatbuffers::FlatBufferBuilder* reply);
+  void HandleStep(const wire::ExecutorEnvelope& envelope, absl::Time received,
+                  flatbuffers::FlatBufferBuilder* reply);
+  // The pool for a step of `epoch`, re-attaching when the step is of a newer epoch.
+  absl::StatusOr<const PoolView*> PoolForEpoch(uint64_t epoch);
+  // Checks 3 above; fills forward_ on success.
+  absl::Status CheckAndBuild(const StepRequest& step, const PoolView& pool);
+  uint64_t attached_epoch() const;
+
+  const Options options_;
+  const LlamaModel* const model_;
+  PoolSource* const pool_;
+  ExecutorMetrics* const metrics_;
+  ModelInfo model_info_;
+
+  // Registration with the router.
+  uint64_t executor_id_ = 0;
+  absl::Duration heartbeat_interval_ = absl::ZeroDuration();
+  uint64_t next_request_id_ = 1;
+  uint64_t hello_request_id_ = 0;  // the Hello awaiting its reply (0: none)
+  absl::Time hello_sent_ = absl::InfinitePast();
+  uint64_t announced_epoch_ = 0;  // the epoch in the last Hello
+  bool hello_needed_ = true;      // never sent, or the router forgot us
+  absl::Time last_sent_ = absl::InfinitePast();
+  bool goodbye_answered_ = false;
+  uint64_t steps_ = 0;
+
+  // Scratch reused across steps.
+  ForwardBatch forward_;
+  std::vector<float> logits_;
+};
+
+// The token chosen from `logits` (one row, [vocab]) as the request's generated token number
+// `index`, by Sampler (sampler.h). FAILED_PRECONDITION when the logits hold a NaN (a broken
+// model or pool: sampling would hide it); INVALID_ARGUMENT from ValidateSamplingParams.
+absl::StatusOr<int32_t> ChooseToken(std::span<const float> logits, const SeqSampling& sampling,
+                                    int64_t index);
+
+}  // namespace kvcm

@@ -1,0 +1,277 @@
+#include "services/executor/executor_wire.h"
+
+#include <cmath>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "common/wire/convert.h"
+
+namespace kvcm {
+namespace {
+
+std::string ReasonOf(const flatbuffers::String* reason) {
+  return reason == nullptr ? std::string() : reason->str();
+}
+
+template <typename T>
+std::vector<T> ToVector(const flatbuffers::Vector<T>* values) {
+  return values == nullptr ? std::vector<T>() : std::vector<T>(values->begin(), values->end());
+}
+
+std::string SeqName(size_t index, uint64_t seq) {
+  return absl::StrCat("seq[", index, "] (id ", seq, ")");
+}
+
+}  // namespace
+
+VerifiedExecutorEnvelope VerifyExecutorEnvelope(std::span<const uint8_t> bytes, size_t max_bytes) {
+  VerifiedExecutorEnvelope out;
+  if (bytes.size() > max_bytes) {
+    out.fault = EnvelopeFault::kOversized;
+    out.reason = absl::StrCat("message of ", bytes.size(), " bytes exceeds the limit of ",
+                              max_bytes, " bytes");
+    return out;
+  }
+  if (bytes.size() < 8 ||
+      !flatbuffers::BufferHasIdentifier(bytes.data(), kExecutorEnvelopeIdentifier)) {
+    out.fault = EnvelopeFault::kMalformed;
+    out.reason = absl::StrCat("not a kvcm executor message (", bytes.size(),
+                              " bytes without the KVCX file identifier)");
+    return out;
+  }
+  flatbuffers::Verifier verifier(bytes.data(), bytes.size(), kVerifierMaxDepth, kVerifierMaxTables);
+  if (!wire::VerifyExecutorEnvelopeBuffer(verifier)) {
+    out.fault = EnvelopeFault::kMalformed;
+    out.reason =
+        absl::StrCat("message of ", bytes.size(), " bytes failed FlatBuffers verification");
+    return out;
+  }
+  const wire::ExecutorEnvelope* envelope = wire::GetExecutorEnvelope(bytes.data());
+  if (envelope->version() != kProtocolVersion) {
+    out.fault = EnvelopeFault::kUnsupportedVersion;
+    out.reason = absl::StrCat("protocol version ", envelope->version(),
+                              " is not supported (this side speaks ", kProtocolVersion, ")");
+    return out;
+  }
+  if (envelope->payload_type() == wire::ExecutorMessage::NONE || envelope->payload() == nullptr) {
+    out.fault = EnvelopeFault::kMalformed;
+    out.reason = "message has no payload";
+    return out;
+  }
+  out.envelope = envelope;
+  return out;
+}
+
+void FinishExecutorEnvelope(flatbuffers::FlatBufferBuilder& builder, uint64_t request_id,
+                            uint64_t executor_id, uint64_t epoch, wire::ExecutorMessage type,
+                            flatbuffers::Offset<void> payload) {
+  wire::ExecutorEnvelopeBuilder envelope(builder);
+  envelope.add_version(kProtocolVersion);
+  envelope.add_request_id(request_id);
+  envelope.add_executor_id(executor_id);
+  envelope.add_epoch(epoch);
+  envelope.add_payload_type(type);
+  envelope.add_payload(payload);
+  builder.Finish(envelope.Finish(), kExecutorEnvelopeIdentifier);
+}
+
+void FinishExecutorError(flatbuffers::FlatBufferBuilder& builder, uint64_t request_id,
+                         uint64_t executor_id, uint64_t epoch, wire::ErrorCode code,
+                         std::string_view reason) {
+  auto text = builder.CreateString(reason.data(), reason.size());
+  auto error = wire::CreateErrorReply(builder, code, text);
+  FinishExecutorEnvelope(builder, request_id, executor_id, epoch, wire::ExecutorMessage::ErrorReply,
+                         error.Union());
+}
+
+std::string_view ExecutorMessageName(wire::ExecutorMessage type) {
+  const char* name = wire::EnumNameExecutorMessage(type);
+  return name != nullptr && *name != '\0' ? std::string_view(name) : "Unknown";
+}
+
+// ---- Steps ----------------------------------------------------------------------------------
+
+void EncodeStepBatch(flatbuffers::FlatBufferBuilder& builder, uint64_t request_id,
+                     uint64_t executor_id, const StepRequest& step) {
+  std::vector<flatbuffers::Offset<wire::SeqWork>> seqs;
+  seqs.reserve(step.seqs.size());
+  for (const SeqStep& s : step.seqs) {
+    auto tokens = builder.CreateVector(s.tokens);
+    auto table = builder.CreateVector(s.block_table);
+    auto sampling = wire::CreateSamplingParams(builder, s.sampling.temperature, s.sampling.top_p,
+                                               s.sampling.top_k, s.sampling.seed);
+    seqs.push_back(wire::CreateSeqWork(builder, s.seq, tokens, s.context_len, table, sampling,
+                                       s.sample, s.sample_index));
+  }
+  std::vector<wire::CopyOrder> copies;
+  copies.reserve(step.copies.size());
+  for (const auto& [src, dst] : step.copies) copies.emplace_back(src, dst);
+  auto seq_vector = builder.CreateVector(seqs);
+  auto copy_vector = builder.CreateVectorOfStructs(copies);
+  auto batch = wire::CreateStepBatch(builder, step.step_id, step.epoch, seq_vector, copy_vector);
+  FinishExecutorEnvelope(builder, request_id, executor_id, step.epoch,
+                         wire::ExecutorMessage::StepBatch, batch.Union());
+}
+
+absl::StatusOr<StepRequest> DecodeStepBatch(const wire::StepBatch& step) {
+  StepRequest out;
+  out.step_id = step.step_id();
+  out.epoch = step.epoch();
+  if (const auto* seqs = step.seqs()) {
+    out.seqs.reserve(seqs->size());
+    absl::flat_hash_set<uint64_t> ids;
+    for (flatbuffers::uoffset_t i = 0; i < seqs->size(); ++i) {
+      const wire::SeqWork* work = seqs->Get(i);
+      SeqStep s;
+      s.seq = work->seq();
+      const std::string name = SeqName(i, s.seq);
+      if (!ids.insert(s.seq).second) {
+        return absl::InvalidArgumentError(absl::StrCat(name, " appears twice in the step"));
+      }
+      s.tokens = ToVector(work->tokens());
+      s.context_len = work->context_len();
+      s.block_table = ToVector(work->block_table());
+      s.sample = work->sample();
+      s.sample_index = work->sample_index();
+      if (s.tokens.empty()) {
+        return absl::InvalidArgumentError(absl::StrCat(name, " has no new tokens"));
+      }
+      if (s.context_len < static_cast<int64_t>(s.tokens.size())) {
+        return absl::InvalidArgumentError(absl::StrCat(name, " has context_len ", s.context_len,
+                                                       " below its ", s.tokens.size(),
+                                                       " new tokens"));
+      }
+      for (size_t j = 0; j < s.block_table.size(); ++j) {
+        if (s.block_table[j] < 0) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(name, " has block id ", s.block_table[j], " at block_table[", j, "]"));
+        }
+      }
+      if (const wire::SamplingParams* p = work->sampling()) {
+        s.sampling = {p->temperature(), p->top_p(), p->top_k(), p->seed()};
+      }
+      const SeqSampling& p = s.sampling;
+      if (!std::isfinite(p.temperature) || p.temperature < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(name, " has temperature ", p.temperature, "; must be >= 0"));
+      }
+      if (!std::isfinite(p.top_p) || p.top_p <= 0 || p.top_p > 1) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(name, " has top_p ", p.top_p, "; must be in (0, 1]"));
+      }
+      if (p.top_k < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(name, " has top_k ", p.top_k, "; must be >= 0 (0 = all tokens)"));
+      }
+      out.seqs.push_back(std::move(s));
+    }
+  }
+  if (const auto* copies = step.copies()) {
+    out.copies.reserve(copies->size());
+    for (flatbuffers::uoffset_t i = 0; i < copies->size(); ++i) {
+      const wire::CopyOrder* copy = copies->Get(i);
+      if (copy->src() < 0 || copy->dst() < 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "copies[", i, "] names block ", copy->src() < 0 ? copy->src() : copy->dst()));
+      }
+      out.copies.emplace_back(copy->src(), copy->dst());
+    }
+  }
+  return out;
+}
+
+void EncodeStepResult(flatbuffers::FlatBufferBuilder& builder, uint64_t request_id,
+                      uint64_t executor_id, uint64_t epoch, const StepReport& report) {
+  std::vector<flatbuffers::Offset<wire::SeqResult>> results;
+  results.reserve(report.results.size());
+  for (const SeqOutcome& outcome : report.results) {
+    flatbuffers::Offset<flatbuffers::String> reason;
+    if (!outcome.status.ok()) {
+      const absl::string_view message = outcome.status.message();
+      reason = builder.CreateString(message.data(), message.size());
+    }
+    results.push_back(wire::CreateSeqResult(builder, outcome.seq,
+                                            outcome.status.ok() ? outcome.token : -1,
+                                            ToWireCode(outcome.status.code()), reason));
+  }
+  auto vector = builder.CreateVector(results);
+  auto result = wire::CreateStepResult(builder, report.step_id, vector, report.prefill_tokens,
+                                       report.decode_tokens, report.duration_us);
+  FinishExecutorEnvelope(builder, request_id, executor_id, epoch, wire::ExecutorMessage::StepResult,
+                         result.Union());
+}
+
+StepReport DecodeStepResult(const wire::StepResult& result) {
+  StepReport out;
+  out.step_id = result.step_id();
+  out.prefill_tokens = result.prefill_tokens();
+  out.decode_tokens = result.decode_tokens();
+  out.duration_us = result.duration_us();
+  if (const auto* results = result.results()) {
+    out.results.reserve(results->size());
+    for (const wire::SeqResult* r : *results) {
+      SeqOutcome outcome;
+      outcome.seq = r->seq();
+      outcome.token = r->token();
+      const std::string reason = ReasonOf(r->reason());
+      outcome.status = FromWire(r->code(), reason);
+      out.results.push_back(std::move(outcome));
+    }
+  }
+  return out;
+}
+
+// ---- Registration ---------------------------------------------------------------------------
+
+void EncodeExecutorHello(flatbuffers::FlatBufferBuilder& builder, uint64_t request_id,
+                         uint64_t executor_id, uint64_t epoch, const ExecutorHelloInfo& hello) {
+  const ModelInfo& m = hello.model;
+  auto model_name = builder.CreateString(m.name);
+  auto eos = builder.CreateVector(m.eos_token_ids);
+  auto model = wire::CreateModelSummary(
+      builder, model_name, m.num_layers, m.hidden_size, m.num_attention_heads, m.num_kv_heads,
+      m.head_dim, m.vocab_size, m.max_position_embeddings, eos, ToWire(m.weight_dtype));
+  auto name = builder.CreateString(hello.name);
+  auto spec = ToWire(builder, hello.kv_spec);
+  auto metrics_url = builder.CreateString(hello.metrics_url);
+  auto payload = wire::CreateExecutorHello(
+      builder, name, hello.pid, model, spec, hello.num_blocks,
+      hello.backend == PoolBackend::kCuda ? wire::PoolBackend::Cuda : wire::PoolBackend::Shm,
+      metrics_url);
+  FinishExecutorEnvelope(builder, request_id, executor_id, epoch,
+                         wire::ExecutorMessage::ExecutorHello, payload.Union());
+}
+
+absl::StatusOr<ExecutorHelloInfo> DecodeExecutorHello(const wire::ExecutorHello& hello) {
+  ExecutorHelloInfo out;
+  out.name = ReasonOf(hello.name());
+  out.pid = hello.pid();
+  const wire::ModelSummary* m = hello.model();
+  if (m == nullptr) return absl::InvalidArgumentError("ExecutorHello has no model summary");
+  out.model.name = ReasonOf(m->name());
+  out.model.num_layers = m->num_layers();
+  out.model.hidden_size = m->hidden_size();
+  out.model.num_attention_heads = m->num_attention_heads();
+  out.model.num_kv_heads = m->num_kv_heads();
+  out.model.head_dim = m->head_dim();
+  out.model.vocab_size = m->vocab_size();
+  out.model.max_position_embeddings = m->max_position_embeddings();
+  out.model.eos_token_ids = ToVector(m->eos_token_ids());
+  auto weight_dtype = FromWire(m->weight_dtype());
+  if (!weight_dtype.ok()) return weight_dtype.status();
+  out.model.weight_dtype = *weight_dtype;
+  if (out.model.num_layers <= 0 || out.model.num_kv_heads <= 0 || out.model.head_dim <= 0 ||
+      out.model.vocab_size <= 0) {
+    return absl::InvalidArgumentError("ExecutorHello's model summary has a non-positive shape");
+  }
+  auto spec = FromWire(hello.kv_spec());
+  if (!spec.ok()) return spec.status();
+  out.kv_spec = *spec;
+  out.num_blocks = hello.num_blocks();
+  out.backend = hello.backend() == wire::PoolBackend::Cuda ? PoolBackend::kCuda : PoolBackend::kShm;
+  out.metrics_url = ReasonOf(hello.metrics_url());
+  return out;
+}
+
+}  // namespace kvcm

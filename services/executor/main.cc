@@ -1,0 +1,190 @@
+// kvcm-executor: loads a Llama model, maps the cache manager's KV pool and runs the router's
+// step batches on it; see services/executor/executor_server.h and docs/executor.md.
+//
+// Flags are parsed here into the Options of the pieces below; nothing below main reads flags
+// or the environment. Start-up order: load the model (a bad folder fails here, before any
+// connection), start /metrics, register with the cache manager as an Executor and attach
+// (the pool's KV shape must be the model's), connect to the router, serve.
+//
+// Exit status: 0 after SIGTERM/SIGINT (the step in progress is finished and answered, then
+// Goodbye to the router and the cache manager); 1 on a bad command line or a start-up
+// failure (model folder, cache manager unreachable, pool shape mismatch), with the reason on
+// stderr.
+
+#include <signal.h>
+#include <sys/signalfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "common/base/command_line.h"
+#include "common/base/log.h"
+#include "common/base/unique_fd.h"
+#include "common/metrics/metrics_server.h"
+#include "services/executor/executor_metrics.h"
+#include "services/executor/executor_pool.h"
+#include "services/executor/executor_server.h"
+#include "services/executor/executor_service.h"
+#include "services/executor/llama_model.h"
+
+ABSL_FLAG(std::string, model, "",
+          "Model folder: config.json and *.safetensors (Hugging Face layout). Required.");
+ABSL_FLAG(std::string, run_dir, "",
+          "The cache manager's run directory; its requests go to ipc://RUN_DIR/"
+          "cache-manager.sock. Default: $XDG_RUNTIME_DIR/kvcm, else /tmp/kvcm-$UID (the cache "
+          "manager's default).");
+ABSL_FLAG(std::string, cache_manager, "",
+          "The cache manager's request endpoint instead of --run-dir, e.g. "
+          "tcp://127.0.0.1:5557.");
+ABSL_FLAG(std::string, router, "",
+          "The router's executor endpoint. Default: ipc://RUN_DIR/router-executors.sock.");
+ABSL_FLAG(std::string, name, "",
+          "This executor's name in logs, the cache manager and the router (at most 128 "
+          "bytes). Default: executor-PID.");
+ABSL_FLAG(int32_t, threads, 0,
+          "Threads for the forward pass, this one included; 0 = one per CPU. Results do not "
+          "depend on it.");
+ABSL_FLAG(std::string, metrics_address, "127.0.0.1:9401",
+          "HOST:PORT serving /metrics (port 0 picks a free one; it is logged).");
+ABSL_FLAG(int32_t, call_timeout_ms, 2000,
+          "Longest wait for one cache-manager reply (attach, goodbye). The socket thread "
+          "blocks for it when the cache manager hangs.");
+
+namespace kvcm {
+namespace {
+
+constexpr char kComponent[] = "kvcm-executor";
+void Log(std::string_view text) { LogLine(kComponent, text); }
+
+// The cache manager's default run directory (services/cache_manager/run_directory.cc).
+std::string DefaultRunDir() {
+  const char* runtime = std::getenv("XDG_RUNTIME_DIR");
+  if (runtime != nullptr && runtime[0] == '/') return absl::StrCat(runtime, "/kvcm");
+  return absl::StrCat("/tmp/kvcm-", ::geteuid());
+}
+
+// The folder's last component: "models/tiny/" -> "tiny".
+std::string ModelName(const std::string& folder) {
+  std::string path(absl::StripSuffix(folder, "/"));
+  const size_t slash = path.rfind('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
+}
+
+int Main() {
+  // SIGTERM/SIGINT arrive through a signalfd polled by the socket thread. Blocked before any
+  // thread starts (the model's workers, ZeroMQ's I/O threads, the metrics server, the
+  // heartbeat thread), so every thread inherits the mask.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  UniqueFd signal_fd(::signalfd(-1, &signals, SFD_CLOEXEC | SFD_NONBLOCK));
+  if (!signal_fd.valid()) {
+    Log("error: cannot create a signalfd");
+    return 1;
+  }
+  signal(SIGPIPE, SIG_IGN);
+
+  auto fail = [](std::string_view what, const absl::Status& status) {
+    Log(absl::StrCat("error: ", std::string(what), status.message()));
+    return 1;
+  };
+
+  const std::string folder = absl::GetFlag(FLAGS_model);
+  if (folder.empty()) return fail("", absl::InvalidArgumentError("--model DIR is required"));
+  if (!absl::GetFlag(FLAGS_run_dir).empty() && !absl::GetFlag(FLAGS_cache_manager).empty()) {
+    return fail("", absl::InvalidArgumentError("give --run-dir or --cache-manager, not both"));
+  }
+  if (absl::GetFlag(FLAGS_threads) < 0) {
+    return fail("", absl::InvalidArgumentError("--threads must be >= 0"));
+  }
+  const std::string run_dir = std::string(absl::StripSuffix(
+      absl::GetFlag(FLAGS_run_dir).empty() ? DefaultRunDir() : absl::GetFlag(FLAGS_run_dir), "/"));
+  const std::string cache_manager = absl::GetFlag(FLAGS_cache_manager).empty()
+                                        ? absl::StrCat("ipc://", run_dir, "/cache-manager.sock")
+                                        : absl::GetFlag(FLAGS_cache_manager);
+  const std::string router = absl::GetFlag(FLAGS_router).empty()
+                                 ? absl::StrCat("ipc://", run_dir, "/router-executors.sock")
+                                 : absl::GetFlag(FLAGS_router);
+  const std::string name = absl::GetFlag(FLAGS_name).empty() ? absl::StrCat("executor-", ::getpid())
+                                                             : absl::GetFlag(FLAGS_name);
+
+  // 1. The model: a bad folder fails here with the loader's message (file, tensor, shape).
+  const absl::Time load_start = absl::Now();
+  LlamaModelOptions model_options;
+  model_options.num_threads = absl::GetFlag(FLAGS_threads);
+  absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(folder, model_options);
+  if (!model.ok()) {
+    return fail(absl::StrCat("cannot load the model from ", folder, ": "), model.status());
+  }
+  const double load_seconds = absl::ToDoubleSeconds(absl::Now() - load_start);
+  const LlamaConfig& config = (*model)->config();
+  Log(absl::StrCat("loaded ", folder, " in ", absl::FormatDuration(absl::Now() - load_start), ": ",
+                   config.ToString()));
+
+  // 2. Metrics.
+  ExecutorMetrics::ExecutorInfo info;
+  info.model = ModelName(folder);
+  info.weight_dtype = config.torch_dtype.empty() ? "unknown" : config.torch_dtype;
+  ExecutorMetrics metrics(info);
+  metrics.ObserveModelLoad(load_seconds);
+  auto metrics_server =
+      MetricsServer::Start(absl::GetFlag(FLAGS_metrics_address), metrics.registry());
+  if (!metrics_server.ok()) return fail("", metrics_server.status());
+
+  // 3. The pool, through the cache manager.
+  CacheManagerPool::Options pool_options;
+  pool_options.client.endpoint = cache_manager;
+  pool_options.client.name = name;
+  pool_options.client.call_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_call_timeout_ms));
+  pool_options.model = {config.num_hidden_layers, config.num_key_value_heads, config.head_dim};
+  auto pool = CacheManagerPool::Connect(pool_options, &metrics);
+  if (!pool.ok()) {
+    return fail(absl::StrCat("cannot use the pool of the cache manager at ", cache_manager, ": "),
+                pool.status());
+  }
+  const PoolView& attached = *(*pool)->pool();
+
+  // 4. The router.
+  ExecutorService::Options service_options;
+  service_options.name = name;
+  service_options.model_name = ModelName(folder);
+  service_options.metrics_url = (*metrics_server)->url();
+  service_options.pid = static_cast<int32_t>(::getpid());
+  ExecutorService service(service_options, model->get(), pool->get(), &metrics);
+  ExecutorServer::Options server_options;
+  server_options.router_endpoint = router;
+  server_options.signal_fd = signal_fd.get();
+  auto server = ExecutorServer::Create(server_options, &service, pool->get());
+  if (!server.ok()) return fail("", server.status());
+
+  Log(absl::StrCat("ready name=", name, " model=", ModelName(folder),
+                   " pool=", std::string(PoolBackendName(attached.backend)), ":",
+                   attached.num_blocks, "x", attached.spec.block_size, ":",
+                   std::string(DTypeName(attached.spec.dtype)), " epoch=", attached.epoch,
+                   " router=", router, " metrics=", (*metrics_server)->url()));
+  const absl::Status ran = (*server)->Run();
+  server->reset();
+  if (!ran.ok()) return fail("", ran);
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvcm
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "runs a Llama model on the cache manager's KV pool for a router.\n"
+      "  kvcm-executor --model DIR --run-dir RUN_DIR --router ipc://RUN_DIR/router-executors.sock");
+  kvcm::ParseDashedCommandLine(argc, argv);
+  return kvcm::Main();
+}

@@ -1,0 +1,517 @@
+// kvcm-executor as a real process, with a real kvcm-cache-manager and the scripted
+// StepDriver in the router's place:
+// - batched greedy generation equals the in-process contiguous reference, and the K/V the
+//   executor wrote into the shared pool is, bitwise, what an in-process paged Forward writes
+//   into a local pool with the same layout and block tables;
+// - bad model folders and a pool of another shape stop it at start with a clear message;
+// - malformed and inconsistent steps get error replies and it keeps serving;
+// - SIGTERM mid-step: the step is answered, Goodbye to both peers, exit 0;
+// - a cache-manager restart: it re-attaches to the new epoch without reloading weights.
+
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/client/cache_manager_client.h"
+#include "common/memory/pool_layout.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "services/executor/llama_model.h"
+#include "services/executor/sampler.h"
+#include "tests/services/executor/executor_test_util.h"
+#include "tests/services/executor/step_driver.h"
+#include "tests/support/cache_manager_process.h"
+#include "tests/support/promtool.h"
+#include "tests/support/subprocess.h"
+#include "tools/make_tiny_model/tiny_model.h"
+
+namespace kvcm {
+namespace {
+
+using ::kvcm::testing::CacheManagerOptions;
+using ::kvcm::testing::CacheManagerProcess;
+using ::kvcm::testing::ExecutorArgs;
+using ::kvcm::testing::ExecutorProcess;
+using ::kvcm::testing::KvcmBinaryPath;
+using ::kvcm::testing::MetricsText;
+using ::kvcm::testing::RunProgram;
+using ::kvcm::testing::RunResult;
+using ::kvcm::testing::StepDriver;
+using ::kvcm::testing::TempDir;
+using ::testing::ElementsAreArray;
+using ::testing::HasSubstr;
+
+constexpr uint64_t kModelSeed = 7;
+constexpr int32_t kNumBlocks = 256;
+
+const std::vector<std::vector<int32_t>> kPrompts = {
+    {1, 72, 101, 108, 108},                                                       // 5 tokens
+    {1, 84, 104, 101, 32, 113, 117, 105, 99, 107, 32},                            // 11
+    {1, 40, 32, 97, 109, 32, 97, 32, 115, 109, 97, 108, 108, 32, 116, 101, 115},  // 17
+};
+
+// The tiny model, made once by kvcm-make-tiny-model, and the in-process reference.
+class ExecutorProcessTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-ex");
+    ASSERT_TRUE(dir.ok()) << dir.status();
+    dir_ = new TempDir(std::move(*dir));
+    model_dir_ = new std::string(dir_->path() + "/tiny");
+    absl::StatusOr<RunResult> made = RunProgram({KvcmBinaryPath("kvcm-make-tiny-model"), "--output",
+                                                 *model_dir_, "--seed", absl::StrCat(kModelSeed)},
+                                                "", absl::Seconds(60));
+    ASSERT_TRUE(made.ok()) << made.status();
+    ASSERT_EQ(made->exit_code, 0) << made->output;
+    // One thread here, two in the executor: the K/V comparison below also checks that the
+    // thread count does not change a bit.
+    LlamaModelOptions model_options;
+    model_options.num_threads = 1;
+    absl::StatusOr<std::unique_ptr<LlamaModel>> model =
+        LlamaModel::Load(*model_dir_, model_options);
+    ASSERT_TRUE(model.ok()) << model.status();
+    model_ = model->release();
+  }
+  static void TearDownTestSuite() {
+    delete model_;
+    delete model_dir_;
+    delete dir_;
+  }
+
+  const LlamaConfig& config() const { return model_->config(); }
+
+  CacheManagerOptions ManagerOptions(const std::string& dtype, int32_t block_size) const {
+    CacheManagerOptions options;
+    options.num_blocks = kNumBlocks;
+    options.layers = config().num_hidden_layers;
+    options.kv_heads = config().num_key_value_heads;
+    options.head_dim = config().head_dim;
+    options.dtype = dtype;
+    options.block_size = block_size;
+    options.heartbeat_interval_ms = 100;
+    options.heartbeat_timeout_ms = 2000;
+    return options;
+  }
+
+  // A cache manager, the driver bound on `router` and an executor registered with it.
+  void StartAll(const CacheManagerOptions& manager_options) {
+    auto cm = CacheManagerProcess::Start(manager_options);
+    ASSERT_TRUE(cm.ok()) << cm.status();
+    cm_ = std::move(*cm);
+    absl::StatusOr<TempDir> sockets = TempDir::Create("kvcm-rt");
+    ASSERT_TRUE(sockets.ok()) << sockets.status();
+    sockets_.emplace(std::move(*sockets));
+    router_ = absl::StrCat("ipc://", sockets_->path(), "/router-executors.sock");
+    StepDriver::Options driver_options;
+    driver_options.router_endpoint = router_;
+    driver_options.cache_manager_endpoint = cm_->endpoint();
+    driver_options.heartbeat_interval_ms = 200;
+    auto driver = StepDriver::Start(driver_options);
+    ASSERT_TRUE(driver.ok()) << driver.status();
+    driver_ = std::move(*driver);
+    ExecutorArgs args;
+    args.model = *model_dir_;
+    args.run_dir = cm_->run_dir();
+    args.router = router_;
+    auto executor = kvcm::testing::StartExecutor(args);
+    ASSERT_TRUE(executor.ok()) << executor.status();
+    executor_ = std::move(*executor);
+    EXPECT_EQ(executor_.epoch, cm_->epoch());
+    auto hello = driver_->AwaitHello(absl::Now() + absl::Seconds(30));
+    ASSERT_TRUE(hello.ok()) << hello.status() << "\n" << executor_.Output();
+    EXPECT_EQ(hello->name, "exec-test");
+    EXPECT_EQ(hello->model.name, "tiny");
+    EXPECT_EQ(hello->num_blocks, kNumBlocks);
+    EXPECT_EQ(hello->kv_spec.num_layers, config().num_hidden_layers);
+    EXPECT_EQ(driver_->hello_epoch(), cm_->epoch());
+  }
+
+  static std::vector<int32_t> ReferenceGreedy(std::vector<int32_t> tokens, int32_t n) {
+    std::vector<int32_t> out;
+    const size_t vocab = static_cast<size_t>(model_->config().vocab_size);
+    for (int32_t i = 0; i < n; ++i) {
+      absl::StatusOr<std::vector<float>> logits = model_->ForwardContiguous(tokens);
+      EXPECT_TRUE(logits.ok()) << logits.status();
+      out.push_back(Greedy(std::span<const float>(logits->data() + logits->size() - vocab, vocab)));
+      tokens.push_back(out.back());
+    }
+    return out;
+  }
+
+  double Metric(const std::string& name, const kvcm::testing::MetricLabels& labels = {}) {
+    absl::StatusOr<MetricsText> text = kvcm::testing::ScrapeMetrics(executor_.metrics_url);
+    EXPECT_TRUE(text.ok()) << text.status();
+    if (!text.ok()) return -1;
+    absl::StatusOr<double> value = text->Value(name, labels);
+    EXPECT_TRUE(value.ok()) << name << ": " << value.status();
+    return value.ok() ? *value : -1;
+  }
+
+  static TempDir* dir_;
+  static std::string* model_dir_;
+  static LlamaModel* model_;
+  std::unique_ptr<CacheManagerProcess> cm_;
+  std::optional<TempDir> sockets_;
+  std::string router_;
+  std::unique_ptr<StepDriver> driver_;
+  ExecutorProcess executor_;
+};
+
+TempDir* ExecutorProcessTest::dir_ = nullptr;
+std::string* ExecutorProcessTest::model_dir_ = nullptr;
+LlamaModel* ExecutorProcessTest::model_ = nullptr;
+
+// ---- THE test -------------------------------------------------------------------------------
+
+class ExecutorGenerationTest
+    : public ExecutorProcessTest,
+      public ::testing::WithParamInterface<std::pair<std::string, int32_t>> {};
+
+TEST_P(ExecutorGenerationTest, BatchedGreedyTokensEqualTheReferenceAndTheKvIsInThePool) {
+  const auto [dtype, block_size] = GetParam();
+  ASSERT_NO_FATAL_FAILURE(StartAll(ManagerOptions(dtype, block_size)));
+  constexpr int32_t kNewTokens = 12;
+
+  absl::StatusOr<std::vector<StepDriver::Sequence>> seqs =
+      driver_->Generate(kPrompts, kNewTokens, /*free_at_end=*/false);
+  ASSERT_TRUE(seqs.ok()) << seqs.status() << "\n" << executor_.Output();
+  for (size_t i = 0; i < kPrompts.size(); ++i) {
+    SCOPED_TRACE(absl::StrCat("prompt ", i, " of ", kPrompts[i].size(), " tokens"));
+    EXPECT_THAT((*seqs)[i].generated, ElementsAreArray(ReferenceGreedy(kPrompts[i], kNewTokens)));
+  }
+
+  // This process attaches to the pool too (a second mapping of the same memory) ...
+  CacheManagerClient::Options client_options;
+  client_options.endpoint = cm_->endpoint();
+  client_options.role = wire::Role::Executor;
+  client_options.name = "kv-checker";
+  auto client = CacheManagerClient::Connect(client_options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  absl::StatusOr<AttachedPool> shared = (*client)->Attach();
+  ASSERT_TRUE(shared.ok()) << shared.status();
+  ASSERT_EQ(shared->backend, PoolBackend::kShm);
+  // ... and replays the driver's steps with an in-process paged Forward into a local pool of
+  // the same layout and block tables.
+  std::vector<uint8_t> local(static_cast<size_t>(shared->layout.total_bytes), 0);
+  const PagedPool local_pool{local.data(), shared->layout, shared->spec};
+  ASSERT_TRUE(kvcm::testing::ReplaySteps(*model_, driver_->sent_steps(), local_pool).ok());
+
+  // Every written (layer, K|V, position, head) vector of every sequence: bitwise equal. The
+  // same model code, tokens, positions and batches give the same bits (the model's matmuls
+  // and the attention kernel reduce in a fixed order whatever the thread count).
+  const auto* pool_bytes = static_cast<const uint8_t*>(shared->mapping->base());
+  const PoolLayout& layout = shared->layout;
+  const size_t head_bytes = static_cast<size_t>(layout.elem_bytes * shared->spec.head_dim);
+  int64_t compared = 0;
+  int64_t differing = 0;
+  bool any_nonzero = false;
+  for (const StepDriver::Sequence& seq : *seqs) {
+    ASSERT_EQ(seq.committed, seq.prompt_len + kNewTokens - 1);
+    for (int32_t p = 0; p < seq.committed; ++p) {
+      const int32_t block = seq.blocks[static_cast<size_t>(p / block_size)];
+      for (int32_t layer = 0; layer < shared->spec.num_layers; ++layer) {
+        for (int32_t kv = 0; kv < 2; ++kv) {
+          for (int32_t head = 0; head < shared->spec.num_kv_heads; ++head) {
+            const int64_t offset = layout.Offset(layer, kv, block, p % block_size, head);
+            const uint8_t* got = pool_bytes + offset;
+            differing += std::memcmp(got, local.data() + offset, head_bytes) != 0;
+            for (size_t b = 0; b < head_bytes && !any_nonzero; ++b) any_nonzero = got[b] != 0;
+            ++compared;
+          }
+        }
+      }
+    }
+  }
+  std::printf("compared %lld K/V head vectors (%s, block size %d): %lld differ\n",
+              static_cast<long long>(compared), dtype.c_str(), block_size,
+              static_cast<long long>(differing));
+  EXPECT_EQ(differing, 0);
+  EXPECT_TRUE(any_nonzero);
+  ASSERT_TRUE(driver_->Free(*seqs).ok());
+
+  EXPECT_EQ(Metric("kvcm_executor_steps_total"), kNewTokens);
+  EXPECT_EQ(Metric("kvcm_executor_tokens_processed_total", {{"phase", "prefill"}}), 5 + 11 + 17);
+  EXPECT_EQ(Metric("kvcm_executor_tokens_processed_total", {{"phase", "decode"}}),
+            3 * (kNewTokens - 1));
+  EXPECT_EQ(Metric("kvcm_executor_tokens_sampled_total"), 3 * kNewTokens);
+  EXPECT_EQ(Metric("kvcm_executor_attaches_total"), 1);
+  EXPECT_EQ(Metric("kvcm_executor_model_loads_total"), 1);
+  EXPECT_EQ(Metric("kvcm_executor_epoch"), static_cast<double>(cm_->epoch()));
+  EXPECT_EQ(Metric("kvcm_executor_mapped_bytes"), static_cast<double>(layout.total_bytes));
+  auto body = kvcm::testing::HttpGet(executor_.metrics_url);
+  ASSERT_TRUE(body.ok()) << body.status();
+  auto lint = kvcm::testing::PromtoolCheckMetrics(body->body);
+  ASSERT_TRUE(lint.ok()) << lint.status();
+  EXPECT_EQ(lint->exit_code, 0) << lint->output;
+}
+
+INSTANTIATE_TEST_SUITE_P(PoolShapes, ExecutorGenerationTest,
+                         ::testing::Values(std::make_pair(std::string("fp32"), 4),
+                                           std::make_pair(std::string("fp16"), 16)),
+                         [](const auto& test_param) {
+                           return absl::StrCat(test_param.param.first, "_block",
+                                               test_param.param.second);
+                         });
+
+// ---- Start-up failures ------------------------------------------------------------------------
+
+// Runs the executor on `folder` (no cache manager is needed: the model loads first) and
+// returns its exit code and output.
+RunResult RunOnFolder(const std::string& folder) {
+  ExecutorArgs args;
+  args.model = folder;
+  args.run_dir = "/nonexistent-kvcm-run-dir";
+  args.router = "ipc:///nonexistent-kvcm-run-dir/router.sock";
+  absl::StatusOr<RunResult> result =
+      RunProgram(kvcm::testing::ExecutorArgv(args), "", absl::Seconds(60));
+  EXPECT_TRUE(result.ok()) << result.status();
+  return result.ok() ? *result : RunResult{-1, result.status().ToString()};
+}
+
+TEST_F(ExecutorProcessTest, BadModelFoldersStopItWithTheProblemNamed) {
+  namespace fs = std::filesystem;
+  TinyModelOptions options;
+  options.seed = kModelSeed;
+  struct Case {
+    const char* what;
+    void (*spoil)(const std::string& folder, const TinyModelOptions& options);
+    std::vector<const char*> needles;
+  };
+  const Case cases[] = {
+      {"missing config.json",
+       [](const std::string& folder, const TinyModelOptions&) {
+         fs::remove(folder + "/config.json");
+       },
+       {"config.json"}},
+      {"truncated safetensors",
+       [](const std::string& folder, const TinyModelOptions&) {
+         const std::string file = folder + "/model.safetensors";
+         fs::resize_file(file, fs::file_size(file) / 2);
+       },
+       {"model.safetensors"}},
+      {"missing tensor (config asks for a fifth layer)",
+       [](const std::string& folder, const TinyModelOptions& o) {
+         TinyModelOptions more = o;
+         more.num_layers = o.num_layers + 1;
+         std::FILE* f = std::fopen((folder + "/config.json").c_str(), "w");
+         const std::string json = TinyModelConfigJson(more);
+         std::fwrite(json.data(), 1, json.size(), f);
+         std::fclose(f);
+       },
+       {"model.layers.4."}},
+      {"wrong shape (config says intermediate_size 96)",
+       [](const std::string& folder, const TinyModelOptions& o) {
+         TinyModelOptions other = o;
+         other.intermediate_size = 96;
+         std::FILE* f = std::fopen((folder + "/config.json").c_str(), "w");
+         const std::string json = TinyModelConfigJson(other);
+         std::fwrite(json.data(), 1, json.size(), f);
+         std::fclose(f);
+       },
+       {"mlp", "96"}},
+  };
+  int index = 0;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    const std::string folder = absl::StrCat(dir_->path(), "/bad", index++);
+    ASSERT_TRUE(WriteTinyModel(folder, options).ok());
+    c.spoil(folder, options);
+    const RunResult result = RunOnFolder(folder);
+    EXPECT_EQ(result.exit_code, 1) << result.output;
+    EXPECT_THAT(result.output, HasSubstr("cannot load the model from " + folder));
+    for (const char* needle : c.needles) EXPECT_THAT(result.output, HasSubstr(needle));
+    EXPECT_THAT(result.output, ::testing::Not(HasSubstr("ready")));
+  }
+  const RunResult missing = RunOnFolder(dir_->path() + "/no-such-model");
+  EXPECT_EQ(missing.exit_code, 1) << missing.output;
+  EXPECT_THAT(missing.output, HasSubstr("no-such-model"));
+}
+
+TEST_F(ExecutorProcessTest, APoolOfAnotherShapeStopsItWithBothShapes) {
+  CacheManagerOptions options = ManagerOptions("fp32", 4);
+  options.layers = 2;
+  options.head_dim = 8;
+  auto cm = CacheManagerProcess::Start(options);
+  ASSERT_TRUE(cm.ok()) << cm.status();
+  ExecutorArgs args;
+  args.model = *model_dir_;
+  args.run_dir = (*cm)->run_dir();
+  args.router = absl::StrCat("ipc://", (*cm)->run_dir(), "/router-executors.sock");
+  absl::StatusOr<RunResult> result =
+      RunProgram(kvcm::testing::ExecutorArgv(args), "", absl::Seconds(60));
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->exit_code, 1) << result->output;
+  EXPECT_THAT(result->output, HasSubstr("(2 layers x 2 KV heads x head dim 8)"));
+  EXPECT_THAT(result->output, HasSubstr("(4 layers x 2 KV heads x head dim 16)"));
+}
+
+TEST_F(ExecutorProcessTest, NoCacheManagerStopsIt) {
+  absl::StatusOr<TempDir> empty = TempDir::Create("kvcm-none");
+  ASSERT_TRUE(empty.ok());
+  ExecutorArgs args;
+  args.model = *model_dir_;
+  args.run_dir = empty->path();
+  args.router = absl::StrCat("ipc://", empty->path(), "/router-executors.sock");
+  absl::StatusOr<RunResult> result =
+      RunProgram(kvcm::testing::ExecutorArgv(args), "", absl::Seconds(60));
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->exit_code, 1) << result->output;
+  EXPECT_THAT(result->output, HasSubstr("cache-manager.sock"));
+}
+
+// ---- Bad input while serving ------------------------------------------------------------------
+
+TEST_F(ExecutorProcessTest, MalformedAndInconsistentStepsGetErrorsAndServingGoesOn) {
+  ASSERT_NO_FATAL_FAILURE(StartAll(ManagerOptions("fp32", 4)));
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+
+  // Bytes that are no executor message at all: ErrorReply Malformed, request id 0.
+  const std::string garbage = "this is not a flatbuffer, not even close";
+  ASSERT_TRUE(
+      driver_->SendRaw({reinterpret_cast<const uint8_t*>(garbage.data()), garbage.size()}).ok());
+  auto reply = driver_->AwaitReply(0, deadline);
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  ASSERT_EQ(reply->envelope->payload_type(), wire::ExecutorMessage::ErrorReply);
+  EXPECT_EQ(reply->envelope->payload_as_ErrorReply()->code(), wire::ErrorCode::Malformed);
+
+  // A block id outside the pool.
+  StepRequest step;
+  step.epoch = driver_->epoch();
+  SeqStep s;
+  s.seq = 900;
+  s.tokens = {1, 2, 3};
+  s.context_len = 3;
+  s.block_table = {kNumBlocks + 5};
+  s.sample = true;
+  step.seqs.push_back(s);
+  absl::StatusOr<StepReport> refused = driver_->RunStep(step);
+  EXPECT_TRUE(absl::IsInvalidArgument(refused.status())) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("the pool has 256 blocks"));
+
+  // Block tables of an earlier epoch.
+  step.seqs[0].block_table = {0};
+  step.epoch = driver_->epoch() - 1;
+  refused = driver_->RunStep(step);
+  EXPECT_TRUE(absl::IsAborted(refused.status())) << refused.status();  // StaleEpoch
+
+  // And it still serves.
+  auto seqs = driver_->Generate({kPrompts[1]}, 4);
+  ASSERT_TRUE(seqs.ok()) << seqs.status();
+  EXPECT_THAT((*seqs)[0].generated, ElementsAreArray(ReferenceGreedy(kPrompts[1], 4)));
+  EXPECT_EQ(Metric("kvcm_executor_step_errors_total", {{"reason", "malformed"}}), 1);
+  EXPECT_EQ(Metric("kvcm_executor_step_errors_total", {{"reason", "invalid_argument"}}), 1);
+  EXPECT_EQ(Metric("kvcm_executor_step_errors_total", {{"reason", "stale_epoch"}}), 1);
+  EXPECT_EQ(executor_.process->Poll(), std::nullopt);
+}
+
+// ---- SIGTERM ----------------------------------------------------------------------------------
+
+TEST_F(ExecutorProcessTest, SigtermMidStepAnswersTheStepAndExitsCleanly) {
+  CacheManagerOptions options = ManagerOptions("fp32", 16);
+  ASSERT_NO_FATAL_FAILURE(StartAll(options));
+  // A long prompt (the tiny model's max_position_embeddings is 2048): a prefill long enough
+  // to be caught running.
+  std::vector<int32_t> prompt(2000);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = 3 + static_cast<int32_t>(i * 37 % 300);
+  auto seq = driver_->Allocate(prompt);
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  StepRequest step;
+  step.step_id = 1;
+  step.epoch = driver_->epoch();
+  step.seqs.push_back(driver_->WorkFor(*seq, /*sample=*/true));
+
+  const pid_t pid = executor_.process->pid();
+  const int64_t idle = kvcm::testing::CpuTicks(pid);
+  auto request_id = driver_->SendStep(step);
+  ASSERT_TRUE(request_id.ok()) << request_id.status();
+  // Wait until it is computing (its CPU time moves), then SIGTERM.
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (kvcm::testing::CpuTicks(pid) < idle + 3 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_TRUE(executor_.process->Signal(SIGTERM).ok());
+
+  absl::StatusOr<StepReport> report =
+      driver_->AwaitStep(*request_id, absl::Now() + absl::Seconds(60));
+  ASSERT_TRUE(report.ok()) << report.status() << "\n" << executor_.Output();
+  ASSERT_EQ(report->results.size(), 1u);
+  EXPECT_GE(report->results[0].token, 0);
+  EXPECT_EQ(report->prefill_tokens, 2000);
+  std::printf("the step took %.1f ms\n", static_cast<double>(report->duration_us) / 1000.0);
+
+  driver_->ServeUntil(absl::Now() + absl::Seconds(10));  // answers its Goodbye
+  EXPECT_TRUE(driver_->goodbye_received());
+  absl::StatusOr<int> exit_code = executor_.process->Wait(absl::Seconds(20));
+  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+  EXPECT_EQ(*exit_code, 0) << executor_.Output();
+  EXPECT_THAT(executor_.Output(), HasSubstr("stopped after 1 step(s)"));
+  // It said Goodbye to the cache manager too: only the driver's session is left.
+  auto stats = driver_->cache_manager().Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->sessions, 1u);
+}
+
+// ---- Cache-manager restart --------------------------------------------------------------------
+
+TEST_F(ExecutorProcessTest, CacheManagerRestartReattachesWithoutReloadingWeights) {
+  absl::StatusOr<TempDir> run_dir = TempDir::Create("kvcm-rd");
+  ASSERT_TRUE(run_dir.ok());
+  CacheManagerOptions options = ManagerOptions("fp16", 4);
+  options.run_dir = run_dir->path();
+  ASSERT_NO_FATAL_FAILURE(StartAll(options));
+  const std::vector<int32_t> expected = ReferenceGreedy(kPrompts[2], 6);
+  auto before = driver_->Generate({kPrompts[2]}, 6);
+  ASSERT_TRUE(before.ok()) << before.status();
+  EXPECT_THAT((*before)[0].generated, ElementsAreArray(expected));
+
+  for (int restart = 1; restart <= 2; ++restart) {
+    SCOPED_TRACE(absl::StrCat("restart ", restart));
+    const uint64_t old_epoch = cm_->epoch();
+    ASSERT_TRUE(cm_->process().Signal(SIGKILL).ok());
+    ASSERT_TRUE(cm_->process().Wait(absl::Seconds(10)).ok());
+    auto cm = CacheManagerProcess::Start(options);
+    ASSERT_TRUE(cm.ok()) << cm.status();
+    cm_ = std::move(*cm);
+    ASSERT_NE(cm_->epoch(), old_epoch);
+    // The driver (as the router) registers again: its sequences of the old epoch are gone.
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    absl::Status session;
+    do {
+      session = driver_->cache_manager().EnsureSession();
+      if (driver_->epoch() == cm_->epoch()) break;
+      (void)driver_->cache_manager().Heartbeat();
+    } while (absl::Now() < deadline);
+    ASSERT_EQ(driver_->epoch(), cm_->epoch()) << session;
+
+    if (restart == 1) {
+      // Wait for the executor to notice by itself (its cache-manager heartbeat was refused).
+      auto line = executor_.process->WaitForLine(
+          absl::StrCat("re-attached to the pool of epoch ", cm_->epoch()), deadline);
+      ASSERT_TRUE(line.ok()) << line.status();
+    }
+    // restart 2: a step of the new epoch right away; the executor re-attaches for it if it
+    // has not yet.
+    auto after = driver_->Generate({kPrompts[2]}, 6);
+    ASSERT_TRUE(after.ok()) << after.status() << "\n" << executor_.Output();
+    EXPECT_THAT((*after)[0].generated, ElementsAreArray(expected));
+    EXPECT_EQ(Metric("kvcm_executor_attaches_total"), 1 + restart);
+    EXPECT_EQ(Metric("kvcm_executor_model_loads_total"), 1);
+    EXPECT_EQ(Metric("kvcm_executor_epoch"), static_cast<double>(cm_->epoch()));
+    EXPECT_EQ(driver_->hello_epoch(), cm_->epoch());  // it told the router the new pool
+  }
+  EXPECT_EQ(executor_.process->Poll(), std::nullopt);
+}
+
+}  // namespace
+}  // namespace kvcm

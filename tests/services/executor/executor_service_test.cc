@@ -1,0 +1,519 @@
+// ExecutorService without sockets or a cache manager: a tiny model written to a temp folder,
+// a local pool buffer behind a fake PoolSource. Steps against the contiguous reference,
+// sampling independent of batching, refused steps that leave the pool untouched, epochs,
+// and the protocol state (Hello, replies, malformed frames).
+
+#include "services/executor/executor_service.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/memory/pool_layout.h"
+#include "common/wire/envelope.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "services/executor/sampler.h"
+#include "tests/support/subprocess.h"
+#include "tools/make_tiny_model/tiny_model.h"
+
+namespace kvcm {
+namespace {
+
+using ::kvcm::testing::TempDir;
+using ::testing::ElementsAreArray;
+using ::testing::HasSubstr;
+
+constexpr int32_t kNumBlocks = 64;
+constexpr uint64_t kEpoch = 1000;
+
+// A PoolSource over a local buffer: the fake of the cache-manager attachment.
+class LocalPool : public PoolSource {
+ public:
+  LocalPool(const KvCacheSpec& spec, int32_t num_blocks, uint64_t epoch) {
+    absl::StatusOr<PoolLayout> layout = PoolLayout::For(spec, num_blocks);
+    EXPECT_TRUE(layout.ok()) << layout.status();
+    memory_.assign(static_cast<size_t>(layout->total_bytes), 0);
+    view_.base = memory_.data();
+    view_.layout = *layout;
+    view_.spec = spec;
+    view_.num_blocks = num_blocks;
+    view_.epoch = epoch;
+  }
+
+  const PoolView* pool() const override { return attached_ ? &view_ : nullptr; }
+  absl::Status Refresh() override { return absl::OkStatus(); }
+  absl::Status Reattach() override {
+    ++reattaches_;
+    if (!reattach_result_.ok()) {
+      attached_ = false;
+      return reattach_result_;
+    }
+    // A new epoch's pool: fresh memory, as after a cache-manager restart.
+    std::fill(memory_.begin(), memory_.end(), 0);
+    view_.epoch = epoch_after_reattach_;
+    attached_ = true;
+    return absl::OkStatus();
+  }
+  void Goodbye() override {}
+
+  std::vector<uint8_t>& memory() { return memory_; }
+  const PoolView& view() const { return view_; }
+  void set_attached(bool attached) { attached_ = attached; }
+  void set_epoch_after_reattach(uint64_t epoch) { epoch_after_reattach_ = epoch; }
+  void set_reattach_result(absl::Status status) { reattach_result_ = std::move(status); }
+  int reattaches() const { return reattaches_; }
+
+ private:
+  std::vector<uint8_t> memory_;
+  PoolView view_;
+  bool attached_ = true;
+  uint64_t epoch_after_reattach_ = kEpoch;
+  absl::Status reattach_result_;
+  int reattaches_ = 0;
+};
+
+class ExecutorServiceTest : public ::testing::TestWithParam<std::pair<DType, int32_t>> {
+ protected:
+  static void SetUpTestSuite() {
+    absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-exec-unit");
+    ASSERT_TRUE(dir.ok()) << dir.status();
+    dir_ = new TempDir(std::move(*dir));
+    TinyModelOptions options;
+    options.seed = 20240611;
+    ASSERT_TRUE(WriteTinyModel(dir_->path() + "/tiny", options).ok());
+    LlamaModelOptions model_options;
+    model_options.num_threads = 2;
+    absl::StatusOr<std::unique_ptr<LlamaModel>> model =
+        LlamaModel::Load(dir_->path() + "/tiny", model_options);
+    ASSERT_TRUE(model.ok()) << model.status();
+    model_ = model->release();
+  }
+  static void TearDownTestSuite() {
+    delete model_;
+    delete dir_;
+  }
+
+  void SetUp() override {
+    const auto [dtype, block_size] = GetParam();
+    absl::StatusOr<KvCacheSpec> spec = model_->config().KvSpec(dtype, block_size);
+    ASSERT_TRUE(spec.ok()) << spec.status();
+    pool_ = std::make_unique<LocalPool>(*spec, kNumBlocks, kEpoch);
+    ExecutorService::Options options;
+    options.name = "unit";
+    options.model_name = "tiny";
+    service_ = std::make_unique<ExecutorService>(options, model_, pool_.get(), nullptr);
+  }
+
+  int32_t block_size() const { return GetParam().second; }
+
+  // Blocks [first, first + n).
+  static std::vector<int32_t> Blocks(int32_t first, int32_t n) {
+    std::vector<int32_t> blocks(static_cast<size_t>(n));
+    for (int32_t i = 0; i < n; ++i) blocks[static_cast<size_t>(i)] = first + i;
+    return blocks;
+  }
+
+  // Greedy reference: ForwardContiguous over the whole sequence for each new token.
+  static std::vector<int32_t> ReferenceGreedy(std::vector<int32_t> tokens, int32_t n) {
+    std::vector<int32_t> out;
+    const size_t vocab = static_cast<size_t>(model_->config().vocab_size);
+    for (int32_t i = 0; i < n; ++i) {
+      absl::StatusOr<std::vector<float>> logits = model_->ForwardContiguous(tokens);
+      EXPECT_TRUE(logits.ok()) << logits.status();
+      const std::span<const float> last(logits->data() + logits->size() - vocab, vocab);
+      out.push_back(Greedy(last));
+      tokens.push_back(out.back());
+    }
+    return out;
+  }
+
+  // Generates `n` tokens for each prompt through RunStep, batched (prefill, then decode),
+  // sequence i in blocks starting at first_block[i].
+  std::vector<std::vector<int32_t>> Generate(const std::vector<std::vector<int32_t>>& prompts,
+                                             const std::vector<int32_t>& first_block, int32_t n,
+                                             const SeqSampling& sampling = {}) {
+    std::vector<std::vector<int32_t>> tokens = prompts;
+    std::vector<std::vector<int32_t>> generated(prompts.size());
+    const int32_t max_len = 64;
+    for (int32_t step_index = 0; step_index < n; ++step_index) {
+      StepRequest step;
+      step.step_id = static_cast<uint64_t>(step_index);
+      step.epoch = kEpoch;
+      for (size_t i = 0; i < prompts.size(); ++i) {
+        SeqStep s;
+        s.seq = i + 1;
+        const int32_t len = static_cast<int32_t>(tokens[i].size());
+        if (step_index == 0) {
+          s.tokens = tokens[i];
+        } else {
+          s.tokens = {tokens[i].back()};
+        }
+        s.context_len = len;
+        s.block_table = Blocks(first_block[i], (max_len + block_size() - 1) / block_size());
+        s.sampling = sampling;
+        s.sample = true;
+        s.sample_index = step_index;
+        step.seqs.push_back(std::move(s));
+      }
+      absl::StatusOr<StepReport> report = service_->RunStep(step);
+      EXPECT_TRUE(report.ok()) << report.status();
+      if (!report.ok()) return generated;
+      for (size_t i = 0; i < prompts.size(); ++i) {
+        EXPECT_TRUE(report->results[i].status.ok()) << report->results[i].status;
+        generated[i].push_back(report->results[i].token);
+        tokens[i].push_back(report->results[i].token);
+      }
+    }
+    return generated;
+  }
+
+  static TempDir* dir_;
+  static LlamaModel* model_;
+  std::unique_ptr<LocalPool> pool_;
+  std::unique_ptr<ExecutorService> service_;
+};
+
+TempDir* ExecutorServiceTest::dir_ = nullptr;
+LlamaModel* ExecutorServiceTest::model_ = nullptr;
+
+const std::vector<std::vector<int32_t>> kPrompts = {
+    {1, 72, 101, 108, 108},
+    {1, 84, 104, 101, 32, 113, 117, 105, 99, 107, 32},
+    {1, 40, 32, 97, 109, 32, 97, 32, 115, 109, 97, 108, 108, 32, 116, 101, 115},
+};
+
+TEST_P(ExecutorServiceTest, GreedyStepsMatchTheContiguousReference) {
+  const int32_t n = 10;
+  const std::vector<std::vector<int32_t>> got = Generate(kPrompts, {0, 20, 40}, n);
+  for (size_t i = 0; i < kPrompts.size(); ++i) {
+    SCOPED_TRACE(absl::StrCat("prompt ", i));
+    EXPECT_THAT(got[i], ElementsAreArray(ReferenceGreedy(kPrompts[i], n)));
+  }
+  EXPECT_EQ(service_->steps(), static_cast<uint64_t>(n));
+}
+
+TEST_P(ExecutorServiceTest, SampledTokensDependOnSeedAndIndexNotOnBatching) {
+  SeqSampling sampling;
+  sampling.temperature = 1.0f;
+  sampling.top_p = 0.95f;
+  sampling.seed = 77;
+  const auto alone = Generate({kPrompts[1]}, {0}, 8, sampling);
+  const auto batched = Generate({kPrompts[0], kPrompts[2], kPrompts[1]}, {20, 40, 0}, 8, sampling);
+  EXPECT_EQ(alone[0], batched[2]);
+}
+
+TEST_P(ExecutorServiceTest, RefusedStepsLeaveThePoolUntouched) {
+  // Give the pool content, so that a stray copy or write would show.
+  for (size_t i = 0; i < pool_->memory().size(); ++i) {
+    pool_->memory()[i] = static_cast<uint8_t>(i * 7);
+  }
+  const std::vector<uint8_t> before = pool_->memory();
+  const int32_t needed = (11 + block_size() - 1) / block_size();
+  auto valid = [&] {
+    StepRequest step;
+    step.epoch = kEpoch;
+    step.copies = {{1, 2}};
+    SeqStep s;
+    s.seq = 5;
+    s.tokens = kPrompts[1];
+    s.context_len = 11;
+    s.block_table = Blocks(10, needed);
+    s.sample = true;
+    step.seqs.push_back(s);
+    return step;
+  };
+  struct Case {
+    const char* what;
+    void (*mutate)(StepRequest&);
+    const char* message;
+  };
+  const Case cases[] = {
+      {"block out of range", [](StepRequest& s) { s.seqs[0].block_table.back() = kNumBlocks; },
+       "the pool has 64 blocks"},
+      {"short table", [](StepRequest& s) { s.seqs[0].block_table.pop_back(); }, "needs"},
+      {"copy out of range",
+       [](StepRequest& s) {
+         s.copies.push_back({kNumBlocks + 1, 3});
+       },
+       "outside"},
+      {"copy destination twice",
+       [](StepRequest& s) {
+         s.copies.push_back({4, 2});
+       },
+       "repeats a destination"},
+      {"copy source overwritten",
+       [](StepRequest& s) {
+         s.copies.push_back({2, 9});
+       },
+       "overwrites"},
+      {"token outside the vocabulary", [](StepRequest& s) { s.seqs[0].tokens[3] = 100000; }, ""},
+      {"slot written twice",
+       [](StepRequest& s) {
+         SeqStep other = s.seqs[0];
+         other.seq = 6;
+         s.seqs.push_back(other);
+       },
+       ""},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    StepRequest step = valid();
+    c.mutate(step);
+    absl::StatusOr<StepReport> report = service_->RunStep(step);
+    ASSERT_FALSE(report.ok());
+    EXPECT_TRUE(absl::IsInvalidArgument(report.status())) << report.status();
+    EXPECT_THAT(std::string(report.status().message()), HasSubstr(c.message));
+    EXPECT_TRUE(pool_->memory() == before) << "the pool changed";
+  }
+  // The valid step itself runs (and does change the pool).
+  absl::StatusOr<StepReport> report = service_->RunStep(valid());
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_FALSE(pool_->memory() == before);
+}
+
+TEST_P(ExecutorServiceTest, CopiesRunBeforeTheForwardPass) {
+  const PoolView& view = pool_->view();
+  // Block 3 of every layer, K and V: a pattern. Copy it to block 8 in a step that also runs a
+  // sequence in blocks 20...
+  for (int32_t layer = 0; layer < view.spec.num_layers; ++layer) {
+    for (int32_t kv = 0; kv < 2; ++kv) {
+      uint8_t* block = pool_->memory().data() + view.layout.Offset(layer, kv, 3, 0, 0);
+      for (int64_t b = 0; b < view.layout.block_stride; ++b) {
+        block[b] = static_cast<uint8_t>(layer * 31 + kv * 7 + b);
+      }
+    }
+  }
+  StepRequest step;
+  step.epoch = kEpoch;
+  step.copies = {{3, 8}};
+  SeqStep s;
+  s.seq = 1;
+  s.tokens = kPrompts[0];
+  s.context_len = 5;
+  s.block_table = Blocks(20, 4);
+  step.seqs.push_back(s);
+  absl::StatusOr<StepReport> report = service_->RunStep(step);
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_EQ(report->results[0].token, -1);  // not asked to sample
+  EXPECT_EQ(report->prefill_tokens, 5);
+  for (int32_t layer = 0; layer < view.spec.num_layers; ++layer) {
+    for (int32_t kv = 0; kv < 2; ++kv) {
+      const uint8_t* src = pool_->memory().data() + view.layout.Offset(layer, kv, 3, 0, 0);
+      const uint8_t* dst = pool_->memory().data() + view.layout.Offset(layer, kv, 8, 0, 0);
+      EXPECT_EQ(std::memcmp(src, dst, static_cast<size_t>(view.layout.block_stride)), 0)
+          << "layer " << layer << " kv " << kv;
+    }
+  }
+}
+
+TEST_P(ExecutorServiceTest, EpochsAreCheckedAndANewerOneReattaches) {
+  StepRequest step;
+  step.epoch = kEpoch - 1;
+  SeqStep s;
+  s.seq = 1;
+  s.tokens = {1, 2};
+  s.context_len = 2;
+  s.block_table = {0};
+  s.sample = true;
+  step.seqs.push_back(s);
+
+  absl::StatusOr<StepReport> stale = service_->RunStep(step);
+  EXPECT_TRUE(absl::IsAborted(stale.status())) << stale.status();
+  EXPECT_THAT(std::string(stale.status().message()), HasSubstr("stale epoch"));
+  EXPECT_EQ(pool_->reattaches(), 0);
+
+  // A newer epoch: the cache manager restarted; re-attach (no weights reloaded) and run.
+  step.epoch = kEpoch + 1;
+  pool_->set_epoch_after_reattach(kEpoch + 1);
+  absl::StatusOr<StepReport> newer = service_->RunStep(step);
+  ASSERT_TRUE(newer.ok()) << newer.status();
+  EXPECT_EQ(pool_->reattaches(), 1);
+
+  // Newer still, but the cache manager is not there: stale epoch, re-attaching.
+  step.epoch = kEpoch + 5;
+  pool_->set_reattach_result(absl::UnavailableError("nothing listens"));
+  absl::StatusOr<StepReport> failed = service_->RunStep(step);
+  EXPECT_TRUE(absl::IsAborted(failed.status())) << failed.status();
+  EXPECT_THAT(std::string(failed.status().message()), HasSubstr("stale epoch, re-attaching"));
+  EXPECT_EQ(pool_->reattaches(), 2);
+}
+
+TEST_P(ExecutorServiceTest, HandleAnswersEveryRequestAndNoReply) {
+  flatbuffers::FlatBufferBuilder reply;
+  const absl::Time now = absl::Now();
+
+  // Garbage: ErrorReply Malformed with request id 0.
+  const std::vector<uint8_t> garbage(40, 0xab);
+  ExecutorService::Handled handled = service_->Handle(garbage, now, &reply);
+  ASSERT_TRUE(handled.reply);
+  VerifiedExecutorEnvelope verified = VerifyExecutorEnvelope(BufferSpan(reply));
+  ASSERT_NE(verified.envelope, nullptr) << verified.reason;
+  ASSERT_EQ(verified.envelope->payload_type(), wire::ExecutorMessage::ErrorReply);
+  EXPECT_EQ(verified.envelope->payload_as_ErrorReply()->code(), wire::ErrorCode::Malformed);
+  EXPECT_EQ(verified.envelope->request_id(), 0u);
+
+  // A heartbeat probe: HeartbeatReply with its request id.
+  flatbuffers::FlatBufferBuilder request;
+  FinishExecutorEnvelope(request, 31, 1, kEpoch, wire::ExecutorMessage::Heartbeat,
+                         wire::CreateHeartbeat(request).Union());
+  handled = service_->Handle(BufferSpan(request), now, &reply);
+  ASSERT_TRUE(handled.reply);
+  verified = VerifyExecutorEnvelope(BufferSpan(reply));
+  ASSERT_NE(verified.envelope, nullptr);
+  EXPECT_EQ(verified.envelope->payload_type(), wire::ExecutorMessage::HeartbeatReply);
+  EXPECT_EQ(verified.envelope->request_id(), 31u);
+
+  // Something only a router receives: InvalidArgument.
+  request.Clear();
+  EncodeStepResult(request, 32, 1, kEpoch, StepReport{});
+  handled = service_->Handle(BufferSpan(request), now, &reply);
+  ASSERT_TRUE(handled.reply);
+  verified = VerifyExecutorEnvelope(BufferSpan(reply));
+  ASSERT_NE(verified.envelope, nullptr);
+  EXPECT_EQ(verified.envelope->payload_as_ErrorReply()->code(), wire::ErrorCode::InvalidArgument);
+
+  // A StepBatch with a block outside the pool: an ErrorReply naming it, with its request id.
+  StepRequest step;
+  step.epoch = kEpoch;
+  SeqStep s;
+  s.seq = 3;
+  s.tokens = {1};
+  s.context_len = 1;
+  s.block_table = {kNumBlocks + 100};
+  step.seqs.push_back(s);
+  request.Clear();
+  EncodeStepBatch(request, 33, 1, step);
+  handled = service_->Handle(BufferSpan(request), now, &reply);
+  ASSERT_TRUE(handled.reply);
+  verified = VerifyExecutorEnvelope(BufferSpan(reply));
+  ASSERT_NE(verified.envelope, nullptr);
+  EXPECT_EQ(verified.envelope->request_id(), 33u);
+  const wire::ErrorReply* error = verified.envelope->payload_as_ErrorReply();
+  ASSERT_NE(error, nullptr);
+  EXPECT_EQ(error->code(), wire::ErrorCode::InvalidArgument);
+  EXPECT_THAT(error->reason()->str(), HasSubstr("names block 164"));
+
+  // The same step with a valid block: a StepResult.
+  step.seqs[0].block_table = {2};
+  step.seqs[0].sample = true;
+  request.Clear();
+  EncodeStepBatch(request, 34, 1, step);
+  handled = service_->Handle(BufferSpan(request), now, &reply);
+  ASSERT_TRUE(handled.reply);
+  verified = VerifyExecutorEnvelope(BufferSpan(reply));
+  ASSERT_NE(verified.envelope, nullptr);
+  const wire::StepResult* result = verified.envelope->payload_as_StepResult();
+  ASSERT_NE(result, nullptr);
+  ASSERT_EQ(result->results()->size(), 1u);
+  EXPECT_GE(result->results()->Get(0)->token(), 0);
+  EXPECT_EQ(result->prefill_tokens(), 1);
+}
+
+TEST_P(ExecutorServiceTest, RegistersWithTheRouterAndAgainWhenForgotten) {
+  const absl::Time now = absl::Now();
+  EXPECT_TRUE(service_->WantsHello(now));
+  flatbuffers::FlatBufferBuilder hello;
+  service_->BuildHello(now, &hello);
+  VerifiedExecutorEnvelope verified = VerifyExecutorEnvelope(BufferSpan(hello));
+  ASSERT_NE(verified.envelope, nullptr);
+  EXPECT_EQ(verified.envelope->epoch(), kEpoch);
+  absl::StatusOr<ExecutorHelloInfo> info =
+      DecodeExecutorHello(*verified.envelope->payload_as_ExecutorHello());
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->kv_spec, pool_->view().spec);
+  EXPECT_EQ(info->model.num_layers, model_->config().num_hidden_layers);
+  EXPECT_FALSE(service_->WantsHello(now));                    // waiting for the reply
+  EXPECT_TRUE(service_->WantsHello(now + absl::Seconds(2)));  // unanswered: again
+
+  flatbuffers::FlatBufferBuilder reply;
+  flatbuffers::FlatBufferBuilder answer;
+  FinishExecutorEnvelope(answer, verified.envelope->request_id(), 9, kEpoch,
+                         wire::ExecutorMessage::ExecutorHelloReply,
+                         wire::CreateExecutorHelloReply(answer, 9, 100).Union());
+  EXPECT_FALSE(service_->Handle(BufferSpan(answer), now, &reply).reply);  // never answered
+  EXPECT_TRUE(service_->registered());
+  EXPECT_EQ(service_->executor_id(), 9u);
+  EXPECT_FALSE(service_->WantsHello(now + absl::Seconds(2)));
+  EXPECT_TRUE(service_->WantsHeartbeat(now + absl::Milliseconds(150)));
+
+  // The router forgot us (restarted): Hello again.
+  answer.Clear();
+  FinishExecutorError(answer, 5, 0, kEpoch, wire::ErrorCode::NotRegistered, "who?");
+  EXPECT_FALSE(service_->Handle(BufferSpan(answer), now, &reply).reply);
+  EXPECT_FALSE(service_->registered());
+  EXPECT_TRUE(service_->WantsHello(now));
+
+  // A Hello that could not be sent is retried at once.
+  service_->BuildHello(now, &hello);
+  EXPECT_FALSE(service_->WantsHello(now));
+  service_->HelloNotSent();
+  EXPECT_TRUE(service_->WantsHello(now));
+  service_->BuildHello(now, &hello);
+  verified = VerifyExecutorEnvelope(BufferSpan(hello));
+  ASSERT_NE(verified.envelope, nullptr);
+  answer.Clear();
+  FinishExecutorEnvelope(answer, verified.envelope->request_id(), 9, kEpoch,
+                         wire::ExecutorMessage::ExecutorHelloReply,
+                         wire::CreateExecutorHelloReply(answer, 9, 100).Union());
+  EXPECT_FALSE(service_->Handle(BufferSpan(answer), now, &reply).reply);
+  EXPECT_TRUE(service_->registered());
+
+  // The router says goodbye: answered, and Hello again later.
+  answer.Clear();
+  FinishExecutorEnvelope(answer, 6, 9, kEpoch, wire::ExecutorMessage::Goodbye,
+                         wire::CreateGoodbye(answer).Union());
+  ASSERT_TRUE(service_->Handle(BufferSpan(answer), now, &reply).reply);
+  verified = VerifyExecutorEnvelope(BufferSpan(reply));
+  ASSERT_NE(verified.envelope, nullptr);
+  EXPECT_EQ(verified.envelope->payload_type(), wire::ExecutorMessage::GoodbyeReply);
+  EXPECT_FALSE(service_->registered());
+  EXPECT_TRUE(service_->WantsHello(now));
+
+  // No pool: no Hello (nothing to serve with).
+  pool_->set_attached(false);
+  EXPECT_FALSE(service_->WantsHello(now));
+}
+
+TEST_P(ExecutorServiceTest, NoPoolIsUnavailable) {
+  pool_->set_attached(false);
+  pool_->set_reattach_result(absl::UnavailableError("nothing listens"));
+  StepRequest step;
+  step.epoch = 0;
+  absl::StatusOr<StepReport> report = service_->RunStep(step);
+  EXPECT_TRUE(absl::IsUnavailable(report.status())) << report.status();
+}
+
+INSTANTIATE_TEST_SUITE_P(DTypesAndBlockSizes, ExecutorServiceTest,
+                         ::testing::Values(std::make_pair(DType::kFloat32, 4),
+                                           std::make_pair(DType::kFloat16, 16),
+                                           std::make_pair(DType::kBFloat16, 5)),
+                         [](const auto& test_param) {
+                           return absl::StrCat(std::string(DTypeName(test_param.param.first)),
+                                               "_block", test_param.param.second);
+                         });
+
+TEST(ChooseTokenTest, GreedyTakesTheArgmaxAndNaNFails) {
+  const std::vector<float> logits = {0.5f, 3.0f, -1.0f, 3.0f};
+  absl::StatusOr<int32_t> token = ChooseToken(logits, SeqSampling{}, 0);
+  ASSERT_TRUE(token.ok());
+  EXPECT_EQ(*token, 1);  // lowest id among ties
+  std::vector<float> broken = logits;
+  broken[2] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_TRUE(absl::IsFailedPrecondition(ChooseToken(broken, SeqSampling{}, 0).status()));
+  SeqSampling hot;
+  hot.temperature = 2.0f;
+  hot.seed = 5;
+  // Pure function of (logits, params, index).
+  EXPECT_EQ(*ChooseToken(logits, hot, 7), *ChooseToken(logits, hot, 7));
+}
+
+}  // namespace
+}  // namespace kvcm

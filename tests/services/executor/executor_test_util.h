@@ -1,0 +1,152 @@
+#pragma once
+// Helpers for the tests that run a real kvcm-executor process (executor_process_test.cc):
+// start it and parse its ready line, scrape its metrics, read its CPU time, replay a
+// driver's steps on a local pool. Test support only.
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "services/executor/executor_wire.h"
+#include "services/executor/llama_model.h"
+#include "tests/support/cache_manager_process.h"
+#include "tests/support/http_client.h"
+#include "tests/support/metrics_text.h"
+#include "tests/support/subprocess.h"
+
+namespace kvcm::testing {
+
+// A real kvcm-executor with its ready line parsed:
+//   kvcm-executor: ready name=N model=M pool=shm:256x4:fp32 epoch=E router=R metrics=URL
+struct ExecutorProcess {
+  std::unique_ptr<TempDir> log_dir;  // holds the output file; removed after the process
+  std::unique_ptr<Subprocess> process;
+  std::string name;
+  uint64_t epoch = 0;
+  std::string metrics_url;
+
+  std::string Output() const { return process->Output(); }
+};
+
+struct ExecutorArgs {
+  std::string model;
+  std::string run_dir;
+  std::string router;
+  std::string name = "exec-test";
+  int32_t threads = 2;
+  std::vector<std::string> extra;
+};
+
+inline std::vector<std::string> ExecutorArgv(const ExecutorArgs& args) {
+  std::vector<std::string> argv = {KvcmBinaryPath("kvcm-executor"),
+                                   "--model",
+                                   args.model,
+                                   "--run-dir",
+                                   args.run_dir,
+                                   "--router",
+                                   args.router,
+                                   "--name",
+                                   args.name,
+                                   "--threads",
+                                   absl::StrCat(args.threads),
+                                   "--metrics-address",
+                                   "127.0.0.1:0"};
+  argv.insert(argv.end(), args.extra.begin(), args.extra.end());
+  return argv;
+}
+
+// Starts the executor and waits for its ready line. Errors: WaitForLine's (with the
+// output's tail when it exits first).
+inline absl::StatusOr<ExecutorProcess> StartExecutor(const ExecutorArgs& args,
+                                                     absl::Duration timeout = absl::Seconds(60)) {
+  ExecutorProcess executor;
+  absl::StatusOr<TempDir> log_dir = TempDir::Create("kvcm-ex-log");
+  if (!log_dir.ok()) return log_dir.status();
+  Subprocess::Options options;
+  options.argv = ExecutorArgv(args);
+  options.output_path = log_dir->path() + "/output";
+  executor.log_dir = std::make_unique<TempDir>(std::move(*log_dir));
+  absl::StatusOr<std::unique_ptr<Subprocess>> process = Subprocess::Start(options);
+  if (!process.ok()) return process.status();
+  executor.process = std::move(*process);
+  absl::StatusOr<std::vector<std::string>> ready = executor.process->WaitForLine(
+      R"(kvcm-executor: ready name=(\S+) model=(\S+) pool=(\S+) epoch=([0-9]+) router=(\S+) )"
+      R"(metrics=(\S+))",
+      absl::Now() + timeout);
+  if (!ready.ok()) return ready.status();
+  executor.name = (*ready)[1];
+  if (!absl::SimpleAtoi((*ready)[4], &executor.epoch)) {
+    return absl::InternalError(absl::StrCat("bad epoch in ", (*ready)[0]));
+  }
+  executor.metrics_url = (*ready)[6];
+  return executor;
+}
+
+// The executor's /metrics, parsed.
+inline absl::StatusOr<MetricsText> ScrapeMetrics(const std::string& url) {
+  absl::StatusOr<HttpResponse> response = HttpGet(url);
+  if (!response.ok()) return response.status();
+  if (response->status != 200) {
+    return absl::InternalError(absl::StrCat("GET ", url, ": HTTP ", response->status));
+  }
+  return ParseMetricsText(response->body);
+}
+
+// utime + stime of `pid`, in clock ticks (/proc/PID/stat fields 14 and 15).
+inline int64_t CpuTicks(pid_t pid) {
+  std::ifstream file(absl::StrCat("/proc/", pid, "/stat"));
+  std::stringstream text;
+  text << file.rdbuf();
+  const std::string stat = text.str();
+  // The command name (field 2) is in parentheses and may hold spaces: split after it.
+  const size_t close = stat.rfind(')');
+  if (close == std::string::npos) return -1;
+  const std::vector<std::string> fields =
+      absl::StrSplit(stat.substr(close + 2), ' ', absl::SkipEmpty());
+  // fields[0] is field 3 (state); utime is field 14 -> index 11, stime index 12.
+  int64_t utime = 0;
+  int64_t stime = 0;
+  if (fields.size() < 13 || !absl::SimpleAtoi(fields[11], &utime) ||
+      !absl::SimpleAtoi(fields[12], &stime)) {
+    return -1;
+  }
+  return utime + stime;
+}
+
+// Replays `steps` (as a StepDriver sent them) on a local pool with LlamaModel::Forward:
+// the same tokens, positions and block tables, batched the same way.
+inline absl::Status ReplaySteps(const LlamaModel& model, const std::vector<StepRequest>& steps,
+                                const PagedPool& pool) {
+  std::vector<float> logits;
+  for (const StepRequest& step : steps) {
+    ForwardBatch batch;
+    size_t max_blocks = 1;
+    for (const SeqStep& s : step.seqs) max_blocks = std::max(max_blocks, s.block_table.size());
+    batch.max_blocks_per_seq = static_cast<int32_t>(max_blocks);
+    batch.block_tables.assign(step.seqs.size() * max_blocks, 0);
+    for (size_t i = 0; i < step.seqs.size(); ++i) {
+      const SeqStep& s = step.seqs[i];
+      batch.token_ids.insert(batch.token_ids.end(), s.tokens.begin(), s.tokens.end());
+      batch.query_lens.push_back(static_cast<int32_t>(s.tokens.size()));
+      batch.context_lens.push_back(s.context_len);
+      std::copy(s.block_table.begin(), s.block_table.end(),
+                batch.block_tables.begin() + static_cast<std::ptrdiff_t>(i * max_blocks));
+    }
+    if (absl::Status ran = model.Forward(batch, pool, &logits); !ran.ok()) return ran;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvcm::testing
