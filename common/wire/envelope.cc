@@ -4,45 +4,6 @@
 
 namespace kvcm {
 
-VerifiedEnvelope VerifyEnvelope(std::span<const uint8_t> bytes, size_t max_bytes) {
-  VerifiedEnvelope out;
-  if (bytes.size() > max_bytes) {
-    out.fault = EnvelopeFault::kOversized;
-    out.reason = absl::StrCat("message of ", bytes.size(), " bytes exceeds the limit of ",
-                              max_bytes, " bytes");
-    return out;
-  }
-  if (bytes.size() < 8 ||
-      !flatbuffers::BufferHasIdentifier(bytes.data(), kEnvelopeIdentifier)) {
-    out.fault = EnvelopeFault::kMalformed;
-    out.reason = absl::StrCat("not a kvcm message (", bytes.size(),
-                              " bytes without the KVCP file identifier)");
-    return out;
-  }
-  flatbuffers::Verifier verifier(bytes.data(), bytes.size(), kVerifierMaxDepth,
-                                 kVerifierMaxTables);
-  if (!wire::VerifyEnvelopeBuffer(verifier)) {
-    out.fault = EnvelopeFault::kMalformed;
-    out.reason = absl::StrCat("message of ", bytes.size(),
-                              " bytes failed FlatBuffers verification");
-    return out;
-  }
-  const wire::Envelope* envelope = wire::GetEnvelope(bytes.data());
-  if (envelope->version() != kProtocolVersion) {
-    out.fault = EnvelopeFault::kUnsupportedVersion;
-    out.reason = absl::StrCat("protocol version ", envelope->version(),
-                              " is not supported (this side speaks ", kProtocolVersion, ")");
-    return out;
-  }
-  if (envelope->payload_type() == wire::Message::NONE || envelope->payload() == nullptr) {
-    out.fault = EnvelopeFault::kMalformed;
-    out.reason = "message has no payload";
-    return out;
-  }
-  out.envelope = envelope;
-  return out;
-}
-
 void FinishEnvelope(flatbuffers::FlatBufferBuilder& builder, uint64_t request_id,
                     uint64_t session_id, uint64_t epoch, wire::Message type,
                     flatbuffers::Offset<void> payload) {

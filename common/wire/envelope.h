@@ -14,6 +14,7 @@
 #include <string_view>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "flatbuffers/flatbuffers.h"
 #include "schemas/kvcm_protocol_generated.h"
 
@@ -31,17 +32,65 @@ inline constexpr size_t kVerifierMaxTables = 1u << 20;
 // Why an inbound buffer was refused before its payload was read.
 enum class EnvelopeFault : uint8_t { kNone, kOversized, kMalformed, kUnsupportedVersion };
 
-struct VerifiedEnvelope {
-  const wire::Envelope* envelope = nullptr;  // non-null iff fault == kNone
+// An inbound envelope-shaped root (a table with version(), payload_type() and payload()),
+// checked. Shared by every kvcm protocol: Envelope here, ExecutorEnvelope in
+// services/executor/executor_wire.h.
+template <typename Root>
+struct VerifiedRoot {
+  const Root* envelope = nullptr;  // non-null iff fault == kNone
   EnvelopeFault fault = EnvelopeFault::kNone;
   std::string reason;  // set when fault != kNone
 };
 
-// Checks `bytes` (which must outlive the returned pointer) and returns the envelope. The
-// payload union has been verified too, so its fields may be read (a missing optional field
-// still reads as null).
-VerifiedEnvelope VerifyEnvelope(std::span<const uint8_t> bytes,
-                                size_t max_bytes = kDefaultMaxMessageBytes);
+// Size limit, file `identifier`, FlatBuffers Verifier (payload union included), protocol
+// version, payload present. `bytes` must outlive the returned pointer.
+template <typename Root>
+VerifiedRoot<Root> VerifyEnvelopeOf(std::span<const uint8_t> bytes, size_t max_bytes,
+                                    const char* identifier) {
+  VerifiedRoot<Root> out;
+  if (bytes.size() > max_bytes) {
+    out.fault = EnvelopeFault::kOversized;
+    out.reason = absl::StrCat("message of ", bytes.size(), " bytes exceeds the limit of ",
+                              max_bytes, " bytes");
+    return out;
+  }
+  if (bytes.size() < 8 || !flatbuffers::BufferHasIdentifier(bytes.data(), identifier)) {
+    out.fault = EnvelopeFault::kMalformed;
+    out.reason = absl::StrCat("not a kvcm message (", bytes.size(), " bytes without the ",
+                              identifier, " file identifier)");
+    return out;
+  }
+  flatbuffers::Verifier verifier(bytes.data(), bytes.size(), kVerifierMaxDepth,
+                                 kVerifierMaxTables);
+  if (!verifier.VerifyBuffer<Root>(identifier)) {
+    out.fault = EnvelopeFault::kMalformed;
+    out.reason = absl::StrCat("message of ", bytes.size(),
+                              " bytes failed FlatBuffers verification");
+    return out;
+  }
+  const Root* root = flatbuffers::GetRoot<Root>(bytes.data());
+  if (root->version() != kProtocolVersion) {
+    out.fault = EnvelopeFault::kUnsupportedVersion;
+    out.reason = absl::StrCat("protocol version ", root->version(),
+                              " is not supported (this side speaks ", kProtocolVersion, ")");
+    return out;
+  }
+  if (static_cast<int>(root->payload_type()) == 0 || root->payload() == nullptr) {
+    out.fault = EnvelopeFault::kMalformed;
+    out.reason = "message has no payload";
+    return out;
+  }
+  out.envelope = root;
+  return out;
+}
+
+using VerifiedEnvelope = VerifiedRoot<wire::Envelope>;
+
+// VerifyEnvelopeOf for the cache-manager protocol.
+inline VerifiedEnvelope VerifyEnvelope(std::span<const uint8_t> bytes,
+                                       size_t max_bytes = kDefaultMaxMessageBytes) {
+  return VerifyEnvelopeOf<wire::Envelope>(bytes, max_bytes, kEnvelopeIdentifier);
+}
 
 // Wraps `payload` (of union type `type`) in an envelope and finishes the buffer with the
 // file identifier. The caller then reads builder.GetBufferSpan().

@@ -25,44 +25,6 @@ std::string SeqName(size_t index, uint64_t seq) {
 
 }  // namespace
 
-VerifiedExecutorEnvelope VerifyExecutorEnvelope(std::span<const uint8_t> bytes, size_t max_bytes) {
-  VerifiedExecutorEnvelope out;
-  if (bytes.size() > max_bytes) {
-    out.fault = EnvelopeFault::kOversized;
-    out.reason = absl::StrCat("message of ", bytes.size(), " bytes exceeds the limit of ",
-                              max_bytes, " bytes");
-    return out;
-  }
-  if (bytes.size() < 8 ||
-      !flatbuffers::BufferHasIdentifier(bytes.data(), kExecutorEnvelopeIdentifier)) {
-    out.fault = EnvelopeFault::kMalformed;
-    out.reason = absl::StrCat("not a kvcm executor message (", bytes.size(),
-                              " bytes without the KVCX file identifier)");
-    return out;
-  }
-  flatbuffers::Verifier verifier(bytes.data(), bytes.size(), kVerifierMaxDepth, kVerifierMaxTables);
-  if (!wire::VerifyExecutorEnvelopeBuffer(verifier)) {
-    out.fault = EnvelopeFault::kMalformed;
-    out.reason =
-        absl::StrCat("message of ", bytes.size(), " bytes failed FlatBuffers verification");
-    return out;
-  }
-  const wire::ExecutorEnvelope* envelope = wire::GetExecutorEnvelope(bytes.data());
-  if (envelope->version() != kProtocolVersion) {
-    out.fault = EnvelopeFault::kUnsupportedVersion;
-    out.reason = absl::StrCat("protocol version ", envelope->version(),
-                              " is not supported (this side speaks ", kProtocolVersion, ")");
-    return out;
-  }
-  if (envelope->payload_type() == wire::ExecutorMessage::NONE || envelope->payload() == nullptr) {
-    out.fault = EnvelopeFault::kMalformed;
-    out.reason = "message has no payload";
-    return out;
-  }
-  out.envelope = envelope;
-  return out;
-}
-
 void FinishExecutorEnvelope(flatbuffers::FlatBufferBuilder& builder, uint64_t request_id,
                             uint64_t executor_id, uint64_t epoch, wire::ExecutorMessage type,
                             flatbuffers::Offset<void> payload) {

@@ -31,18 +31,15 @@ namespace kvcm {
 // File identifier of ExecutorEnvelope, as in schemas/kvcm_executor.fbs.
 inline constexpr char kExecutorEnvelopeIdentifier[] = "KVCX";
 
-// An inbound executor-protocol message, checked. `fault` reuses the cache-manager
-// protocol's EnvelopeFault values.
-struct VerifiedExecutorEnvelope {
-  const wire::ExecutorEnvelope* envelope = nullptr;  // non-null iff fault == kNone
-  EnvelopeFault fault = EnvelopeFault::kNone;
-  std::string reason;  // set when fault != kNone
-};
+// An inbound executor-protocol message, checked (common/wire/envelope.h).
+using VerifiedExecutorEnvelope = VerifiedRoot<wire::ExecutorEnvelope>;
 
 // Checks `bytes` (which must outlive the returned pointer). On success the payload union has
 // been verified and may be read.
-VerifiedExecutorEnvelope VerifyExecutorEnvelope(std::span<const uint8_t> bytes,
-                                                size_t max_bytes = kDefaultMaxMessageBytes);
+inline VerifiedExecutorEnvelope VerifyExecutorEnvelope(
+    std::span<const uint8_t> bytes, size_t max_bytes = kDefaultMaxMessageBytes) {
+  return VerifyEnvelopeOf<wire::ExecutorEnvelope>(bytes, max_bytes, kExecutorEnvelopeIdentifier);
+}
 
 // Wraps `payload` (of union type `type`) in an envelope and finishes the buffer with the file
 // identifier; the caller then sends BufferSpan(builder).
