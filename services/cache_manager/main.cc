@@ -22,6 +22,7 @@
 #include "absl/time/clock.h"
 #include "common/base/command_line.h"
 #include "common/base/log.h"
+#include "common/base/termination_signals.h"
 #include "common/base/unique_fd.h"
 #include "common/block/block_hash.h"
 #include "common/memory/pool_memory.h"
@@ -164,21 +165,12 @@ absl::StatusOr<PoolBudget> BudgetFromFlags(PoolBackend backend) {
 }
 
 int Main() {
-  // SIGTERM/SIGINT arrive through a signalfd polled by the socket thread. Blocked before
-  // any thread starts (ZeroMQ's I/O threads, the metrics server), so every thread inherits
-  // the mask.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-  UniqueFd signal_fd(::signalfd(-1, &signals, SFD_CLOEXEC | SFD_NONBLOCK));
+  // Before any thread starts: see common/base/termination_signals.h.
+  UniqueFd signal_fd = BlockTerminationSignals();
   if (!signal_fd.valid()) {
     Log("cannot create a signalfd");
     return 1;
   }
-  // A client that vanishes must not kill us through a write on its socket.
-  signal(SIGPIPE, SIG_IGN);
 
   auto fail = [](const absl::Status& status) {
     Log(absl::StrCat("error: ", status.message()));

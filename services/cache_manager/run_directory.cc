@@ -60,12 +60,6 @@ std::string ReadPid(int fd) {
 
 }  // namespace
 
-std::string RunDirectory::DefaultPath() {
-  const char* runtime = std::getenv("XDG_RUNTIME_DIR");
-  if (runtime != nullptr && runtime[0] == '/') return absl::StrCat(runtime, "/kvcm");
-  return absl::StrCat("/tmp/kvcm-", ::geteuid());
-}
-
 absl::StatusOr<RunDirectory> RunDirectory::Acquire(const std::string& path_in) {
   std::string path(absl::StripSuffix(path_in, "/"));
   if (path.empty() || path[0] != '/') {

@@ -15,20 +15,22 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/base/run_dir.h"
 #include "common/base/unique_fd.h"
 
 namespace kvcm {
 
 class RunDirectory {
  public:
-  // Endpoint file names inside the directory.
-  static constexpr char kRequestSocket[] = "cache-manager.sock";
-  static constexpr char kEventSocket[] = "events.sock";
-  static constexpr char kFdChannelSocket[] = "pool-fd.sock";
-  static constexpr char kLockFile[] = "cache-manager.lock";
+  // Endpoint file names inside the directory (common/base/run_dir.h).
+  static constexpr const auto& kRequestSocket = kvcm::kCacheManagerSocket;
+  static constexpr const auto& kEventSocket = kvcm::kEventSocket;
+  static constexpr const auto& kFdChannelSocket = kvcm::kFdChannelSocket;
+  static constexpr const auto& kLockFile = kvcm::kCacheManagerLockFile;
 
-  // $XDG_RUNTIME_DIR/kvcm when set, else /tmp/kvcm-$UID. Read by main() only.
-  static std::string DefaultPath();
+  // DefaultRunDirFromEnvironment(): $XDG_RUNTIME_DIR/kvcm when set, else /tmp/kvcm-$UID.
+  // Read by main() only.
+  static std::string DefaultPath() { return DefaultRunDirFromEnvironment(); }
 
   // Errors: ALREADY_EXISTS (another instance holds the lock), PERMISSION_DENIED (directory
   // owned by another user), INVALID_ARGUMENT (path too long for a Unix socket address),
@@ -42,7 +44,7 @@ class RunDirectory {
 
   const std::string& path() const { return path_; }
   std::string File(const char* name) const { return path_ + "/" + name; }
-  std::string IpcEndpoint(const char* name) const { return "ipc://" + File(name); }
+  std::string IpcEndpoint(const char* name) const { return IpcEndpointIn(path_, name); }
 
  private:
   RunDirectory(std::string path, UniqueFd lock) : path_(std::move(path)), lock_(std::move(lock)) {}

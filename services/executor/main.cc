@@ -27,6 +27,8 @@
 #include "absl/time/clock.h"
 #include "common/base/command_line.h"
 #include "common/base/log.h"
+#include "common/base/run_dir.h"
+#include "common/base/termination_signals.h"
 #include "common/base/unique_fd.h"
 #include "common/metrics/metrics_server.h"
 #include "services/executor/executor_metrics.h"
@@ -64,13 +66,6 @@ namespace {
 constexpr char kComponent[] = "kvcm-executor";
 void Log(std::string_view text) { LogLine(kComponent, text); }
 
-// The cache manager's default run directory (services/cache_manager/run_directory.cc).
-std::string DefaultRunDir() {
-  const char* runtime = std::getenv("XDG_RUNTIME_DIR");
-  if (runtime != nullptr && runtime[0] == '/') return absl::StrCat(runtime, "/kvcm");
-  return absl::StrCat("/tmp/kvcm-", ::geteuid());
-}
-
 // The folder's last component: "models/tiny/" -> "tiny".
 std::string ModelName(const std::string& folder) {
   std::string path(absl::StripSuffix(folder, "/"));
@@ -79,20 +74,13 @@ std::string ModelName(const std::string& folder) {
 }
 
 int Main() {
-  // SIGTERM/SIGINT arrive through a signalfd polled by the socket thread. Blocked before any
-  // thread starts (the model's workers, ZeroMQ's I/O threads, the metrics server, the
-  // heartbeat thread), so every thread inherits the mask.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-  UniqueFd signal_fd(::signalfd(-1, &signals, SFD_CLOEXEC | SFD_NONBLOCK));
+  // Before any thread starts (the model's workers, ZeroMQ's I/O threads, the metrics
+  // server, the heartbeat thread): see common/base/termination_signals.h.
+  UniqueFd signal_fd = BlockTerminationSignals();
   if (!signal_fd.valid()) {
     Log("error: cannot create a signalfd");
     return 1;
   }
-  signal(SIGPIPE, SIG_IGN);
 
   auto fail = [](std::string_view what, const absl::Status& status) {
     Log(absl::StrCat("error: ", std::string(what), status.message()));
@@ -108,9 +96,10 @@ int Main() {
     return fail("", absl::InvalidArgumentError("--threads must be >= 0"));
   }
   const std::string run_dir = std::string(absl::StripSuffix(
-      absl::GetFlag(FLAGS_run_dir).empty() ? DefaultRunDir() : absl::GetFlag(FLAGS_run_dir), "/"));
+      absl::GetFlag(FLAGS_run_dir).empty() ? DefaultRunDirFromEnvironment()
+                                      : absl::GetFlag(FLAGS_run_dir), "/"));
   const std::string cache_manager = absl::GetFlag(FLAGS_cache_manager).empty()
-                                        ? absl::StrCat("ipc://", run_dir, "/cache-manager.sock")
+                                        ? IpcEndpointIn(run_dir, kCacheManagerSocket)
                                         : absl::GetFlag(FLAGS_cache_manager);
   const std::string router = absl::GetFlag(FLAGS_router).empty()
                                  ? absl::StrCat("ipc://", run_dir, "/router-executors.sock")

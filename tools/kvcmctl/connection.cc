@@ -9,12 +9,11 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "common/base/status_macros.h"
 #include "common/transport/zmq_util.h"
 
 namespace kvcm::kvcmctl {
 namespace {
-
-constexpr absl::string_view kRequestSocket = "/cache-manager.sock";
 
 absl::Status FlagError(std::string_view flag, std::string_view message) {
   return absl::InvalidArgumentError(
@@ -23,23 +22,12 @@ absl::Status FlagError(std::string_view flag, std::string_view message) {
 
 }  // namespace
 
-std::string DefaultRunDir(const char* xdg_runtime_dir, uid_t euid) {
-  if (xdg_runtime_dir != nullptr && xdg_runtime_dir[0] == '/') {
-    return absl::StrCat(xdg_runtime_dir, "/kvcm");
-  }
-  return absl::StrCat("/tmp/kvcm-", euid);
-}
-
-std::string DefaultRunDirFromEnvironment() {
-  return DefaultRunDir(std::getenv("XDG_RUNTIME_DIR"), ::geteuid());
-}
-
 std::string RequestEndpointIn(std::string_view run_dir) {
-  return absl::StrCat("ipc://", std::string(run_dir), kRequestSocket);
+  return IpcEndpointIn(run_dir, kCacheManagerSocket);
 }
 
 std::string EventsEndpointIn(std::string_view run_dir) {
-  return absl::StrCat("ipc://", std::string(run_dir), "/events.sock");
+  return IpcEndpointIn(run_dir, kEventSocket);
 }
 
 absl::Status ParseConnectionOptions(const ParsedFlags& flags, std::string_view default_run_dir,
@@ -58,9 +46,9 @@ absl::Status ParseConnectionOptions(const ParsedFlags& flags, std::string_view d
                                                 options->endpoint, "\""));
     }
     const std::optional<std::string> path = IpcPath(options->endpoint);
-    if (path.has_value() && absl::EndsWith(*path, kRequestSocket)) {
-      options->events_endpoint =
-          EventsEndpointIn(path->substr(0, path->size() - kRequestSocket.size()));
+    const std::string socket = absl::StrCat("/", kCacheManagerSocket);
+    if (path.has_value() && absl::EndsWith(*path, socket)) {
+      options->events_endpoint = EventsEndpointIn(path->substr(0, path->size() - socket.size()));
     }
   } else {
     const std::string run_dir =
@@ -115,6 +103,19 @@ absl::StatusOr<std::unique_ptr<CacheManagerClient>> ConnectToCacheManager(
       CacheManagerClient::Connect(client_options);
   if (!client.ok()) return DescribeUnreachable(client.status(), options.endpoint);
   return client;
+}
+
+absl::StatusOr<ConnectionOptions> ParseConnectionOnlyCommand(absl::Span<const std::string> args,
+                                                             std::string_view default_run_dir) {
+  const std::vector<FlagSpec> specs = WithConnectionFlags({});
+  KVCM_ASSIGN_OR_RETURN(const ParsedFlags flags, ParseFlags(specs, args));
+  if (!flags.positional().empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unexpected argument \"", flags.positional().front(), "\""));
+  }
+  ConnectionOptions options;
+  KVCM_RETURN_IF_ERROR(ParseConnectionOptions(flags, default_run_dir, &options));
+  return options;
 }
 
 }  // namespace kvcm::kvcmctl

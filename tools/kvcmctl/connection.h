@@ -16,6 +16,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/base/run_dir.h"
 #include "common/client/cache_manager_client.h"
 #include "tools/kvcmctl/flag_parser.h"
 
@@ -31,12 +32,8 @@ inline constexpr FlagSpec kConnectionFlags[] = {
     {"help", "", "print this help"},
 };
 
-// The run directory the cache manager uses by default: $XDG_RUNTIME_DIR/kvcm when that is
-// an absolute path, else /tmp/kvcm-<euid>. The caller reads the environment (main-level
-// code only) and passes it in.
-std::string DefaultRunDir(const char* xdg_runtime_dir, uid_t euid);
-// DefaultRunDir(getenv("XDG_RUNTIME_DIR"), geteuid()): for the Run*Command functions only.
-std::string DefaultRunDirFromEnvironment();
+// DefaultRunDir and DefaultRunDirFromEnvironment (the latter for the Run*Command functions
+// only) come from common/base/run_dir.h.
 
 // The sockets a cache manager creates in its run directory.
 std::string RequestEndpointIn(std::string_view run_dir);  // ipc://DIR/cache-manager.sock
@@ -61,6 +58,11 @@ absl::Status ParseConnectionOptions(const ParsedFlags& flags, std::string_view d
 
 // kConnectionFlags followed by `own`: one command's whole table.
 std::vector<FlagSpec> WithConnectionFlags(absl::Span<const FlagSpec> own);
+
+// The whole command line of a command that takes only the connection flags (info, stats):
+// no positional arguments.
+absl::StatusOr<ConnectionOptions> ParseConnectionOnlyCommand(absl::Span<const std::string> args,
+                                                             std::string_view default_run_dir);
 
 // Connects and registers as role Control, named "kvcmctl <command>". When nothing answers
 // (UNAVAILABLE, DEADLINE_EXCEEDED) the status reads "no cache manager at <endpoint>:

@@ -34,14 +34,8 @@ int64_t BytesPerToken(const KvCacheSpec& spec) {
 
 absl::StatusOr<InfoOptions> ParseInfoOptions(absl::Span<const std::string> args,
                                              std::string_view default_run_dir) {
-  const std::vector<FlagSpec> specs = WithConnectionFlags({});
-  KVCM_ASSIGN_OR_RETURN(const ParsedFlags flags, ParseFlags(specs, args));
-  if (!flags.positional().empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unexpected argument \"", flags.positional().front(), "\""));
-  }
   InfoOptions options;
-  KVCM_RETURN_IF_ERROR(ParseConnectionOptions(flags, default_run_dir, &options.connection));
+  KVCM_ASSIGN_OR_RETURN(options.connection, ParseConnectionOnlyCommand(args, default_run_dir));
   return options;
 }
 

@@ -33,14 +33,8 @@ std::string Percent(double part, double whole) {
 
 absl::StatusOr<StatsOptions> ParseStatsOptions(absl::Span<const std::string> args,
                                                std::string_view default_run_dir) {
-  const std::vector<FlagSpec> specs = WithConnectionFlags({});
-  KVCM_ASSIGN_OR_RETURN(const ParsedFlags flags, ParseFlags(specs, args));
-  if (!flags.positional().empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unexpected argument \"", flags.positional().front(), "\""));
-  }
   StatsOptions options;
-  KVCM_RETURN_IF_ERROR(ParseConnectionOptions(flags, default_run_dir, &options.connection));
+  KVCM_ASSIGN_OR_RETURN(options.connection, ParseConnectionOnlyCommand(args, default_run_dir));
   return options;
 }
 
