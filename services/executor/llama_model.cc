@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "common/base/check.h"
 #include "common/base/status_macros.h"
+#include "kernels/cpu_thread_pool.h"
 #include "kernels/paged_attention.h"
 #include "kernels/paged_kv.h"
 #include "kernels/write_kv.h"
@@ -132,8 +133,26 @@ std::vector<double> InverseFrequencies(const LlamaConfig& c) {
 
 }  // namespace
 
-LlamaModel::LlamaModel(LlamaConfig config, int32_t num_threads)
-    : config_(std::move(config)), pool_(num_threads) {}
+LlamaModel::LlamaModel(LlamaConfig config, int32_t num_threads) : config_(std::move(config)) {
+  const int32_t available = kernels::CpuThreadPool::Default().max_threads();
+  num_threads_ = num_threads <= 0 ? available : std::min(num_threads, available);
+}
+
+void LlamaModel::ParallelChunks(int64_t n, int64_t min_chunk,
+                                absl::FunctionRef<void(int64_t, int64_t)> fn) const {
+  if (n <= 0) return;
+  min_chunk = std::max<int64_t>(1, min_chunk);
+  // Four chunks per thread: a thread slowed by the machine does not hold up the others.
+  const int64_t num_chunks =
+      std::min<int64_t>((n + min_chunk - 1) / min_chunk, int64_t{num_threads_} * 4);
+  if (num_chunks <= 1) {
+    fn(0, n);
+    return;
+  }
+  kernels::CpuThreadPool::Default().ParallelFor(num_chunks, num_threads_, [&](int64_t chunk) {
+    fn(chunk * n / num_chunks, (chunk + 1) * n / num_chunks);
+  });
+}
 
 LlamaModel::~LlamaModel() = default;
 
@@ -155,10 +174,10 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& 
     return absl::OkStatus();
   };
 
-  KVCM_RETURN_IF_ERROR(load("model.embed_tokens.weight", {vocab, h}, &model->embed_tokens_));
-  model->layers_.resize(static_cast<size_t>(c.num_hidden_layers));
+  KVCM_RETURN_IF_ERROR(load("model.embed_tokens.weight", {vocab, h}, &model->weights_.embed_tokens));
+  model->weights_.layers.resize(static_cast<size_t>(c.num_hidden_layers));
   for (int32_t l = 0; l < c.num_hidden_layers; ++l) {
-    Layer& layer = model->layers_[static_cast<size_t>(l)];
+    LlamaWeights::Layer& layer = model->weights_.layers[static_cast<size_t>(l)];
     const std::string p = absl::StrCat("model.layers.", l, ".");
     KVCM_RETURN_IF_ERROR(load(p + "input_layernorm.weight", {h}, &layer.input_norm));
     KVCM_RETURN_IF_ERROR(load(p + "self_attn.q_proj.weight", {q, h}, &layer.q_proj));
@@ -170,14 +189,14 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& 
     KVCM_RETURN_IF_ERROR(load(p + "mlp.up_proj.weight", {inter, h}, &layer.up_proj));
     KVCM_RETURN_IF_ERROR(load(p + "mlp.down_proj.weight", {h, inter}, &layer.down_proj));
   }
-  KVCM_RETURN_IF_ERROR(load("model.norm.weight", {h}, &model->final_norm_));
+  KVCM_RETURN_IF_ERROR(load("model.norm.weight", {h}, &model->weights_.final_norm));
   if (!c.tie_word_embeddings) {
     if (shards->Find("lm_head.weight").first == nullptr) {
       return absl::NotFoundError(absl::StrCat(
           "model folder \"", folder, "\" has no tensor \"lm_head.weight\" (expected shape [", vocab,
           ", ", h, "]) and config.json does not set tie_word_embeddings"));
     }
-    KVCM_RETURN_IF_ERROR(load("lm_head.weight", {vocab, h}, &model->lm_head_));
+    KVCM_RETURN_IF_ERROR(load("lm_head.weight", {vocab, h}, &model->weights_.lm_head));
   }
   model->inv_freq_ = InverseFrequencies(c);
   return model;
@@ -192,7 +211,7 @@ void LlamaModel::MatMul(const float* x, int64_t rows, int64_t in, const std::vec
   const int64_t min_chunk = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, in * rows));
   // Rows of x per pass over a chunk's weights: about 256 KiB of x, to stay in L2.
   const int64_t row_tile = std::max<int64_t>(4, (int64_t{1} << 16) / std::max<int64_t>(1, in));
-  pool_.ParallelFor(out, min_chunk, [&](int64_t begin, int64_t end) {
+  ParallelChunks(out, min_chunk, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < rows; r0 += row_tile) {
       const int64_t r1 = std::min(rows, r0 + row_tile);
       for (int64_t o = begin; o < end; ++o) {
@@ -250,7 +269,7 @@ void LlamaModel::ApplyRope(float* x, int64_t rows, int32_t heads,
 void LlamaModel::Embed(std::span<const int32_t> tokens, float* x) const {
   const int64_t h = config_.hidden_size;
   for (size_t t = 0; t < tokens.size(); ++t) {
-    std::memcpy(x + static_cast<int64_t>(t) * h, embed_tokens_.data() + int64_t{tokens[t]} * h,
+    std::memcpy(x + static_cast<int64_t>(t) * h, weights_.embed_tokens.data() + int64_t{tokens[t]} * h,
                 static_cast<size_t>(h) * sizeof(float));
   }
 }
@@ -258,7 +277,7 @@ void LlamaModel::Embed(std::span<const int32_t> tokens, float* x) const {
 void LlamaModel::AttentionInputs(int32_t l, const float* x, int64_t rows,
                                  std::span<const int32_t> positions, float* q, float* k,
                                  float* v) const {
-  const Layer& layer = layers_[static_cast<size_t>(l)];
+  const LlamaWeights::Layer& layer = weights_.layers[static_cast<size_t>(l)];
   const int64_t h = config_.hidden_size;
   const int64_t q_width = int64_t{config_.num_attention_heads} * config_.head_dim;
   const int64_t kv_width = int64_t{config_.num_key_value_heads} * config_.head_dim;
@@ -272,7 +291,7 @@ void LlamaModel::AttentionInputs(int32_t l, const float* x, int64_t rows,
 }
 
 void LlamaModel::AttentionOutputAndMlp(int32_t l, const float* attn, int64_t rows, float* x) const {
-  const Layer& layer = layers_[static_cast<size_t>(l)];
+  const LlamaWeights::Layer& layer = weights_.layers[static_cast<size_t>(l)];
   const int64_t h = config_.hidden_size;
   const int64_t q_width = int64_t{config_.num_attention_heads} * config_.head_dim;
   const int64_t inter = config_.intermediate_size;
@@ -303,10 +322,10 @@ void LlamaModel::Logits(const float* x, std::span<const int64_t> rows,
                 static_cast<size_t>(h) * sizeof(float));
   }
   std::vector<float> normed(picked.size());
-  RmsNorm(picked.data(), static_cast<int64_t>(rows.size()), final_norm_, normed.data());
+  RmsNorm(picked.data(), static_cast<int64_t>(rows.size()), weights_.final_norm, normed.data());
   logits->assign(rows.size() * static_cast<size_t>(config_.vocab_size), 0.0f);
   MatMul(normed.data(), static_cast<int64_t>(rows.size()), h,
-         lm_head_.empty() ? embed_tokens_ : lm_head_, config_.vocab_size, logits->data());
+         weights_.head(), config_.vocab_size, logits->data());
 }
 
 absl::Status LlamaModel::CheckPool(const PagedPool& pool) const {
@@ -409,31 +428,39 @@ absl::Status LlamaModel::CheckBatch(const ForwardBatch& b, const PagedPool& pool
   return absl::OkStatus();
 }
 
+TokenPlan PlanTokens(const ForwardBatch& batch, int32_t block_size, LogitsScope scope) {
+  TokenPlan plan;
+  plan.positions.reserve(batch.token_ids.size());
+  plan.slots.reserve(batch.token_ids.size());
+  int64_t row = 0;
+  for (size_t i = 0; i < batch.query_lens.size(); ++i) {
+    const int32_t* table =
+        batch.block_tables.data() + static_cast<int64_t>(i) * batch.max_blocks_per_seq;
+    const int32_t ctx = batch.context_lens[i];
+    for (int32_t p = ctx - batch.query_lens[i]; p < ctx; ++p, ++row) {
+      plan.positions.push_back(p);
+      plan.slots.push_back(int64_t{table[p / block_size]} * block_size + p % block_size);
+      if (scope == LogitsScope::kAllTokens || p == ctx - 1) plan.logit_rows.push_back(row);
+    }
+  }
+  return plan;
+}
+
 absl::Status LlamaModel::Forward(const ForwardBatch& batch, const PagedPool& pool,
                                  std::vector<float>* logits, LogitsScope scope) const {
   KVCM_CHECK(logits != nullptr);
+  if (pool.cuda_device >= 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the KV pool is in the memory of CUDA device ", pool.cuda_device,
+        ": the host forward pass cannot reach it (LlamaCudaModel runs on device pools)"));
+  }
   KVCM_RETURN_IF_ERROR(CheckPool(pool));
   KVCM_RETURN_IF_ERROR(CheckBatch(batch, pool));
   const LlamaConfig& c = config_;
   const int64_t rows = static_cast<int64_t>(batch.token_ids.size());
   const int32_t num_seqs = static_cast<int32_t>(batch.query_lens.size());
-  const int32_t block_size = pool.spec.block_size;
 
-  // Positions and slots of the new tokens; the rows whose logits are returned.
-  std::vector<int32_t> positions(static_cast<size_t>(rows));
-  std::vector<int64_t> slots(static_cast<size_t>(rows));
-  std::vector<int64_t> logit_rows;
-  int64_t row = 0;
-  for (int32_t i = 0; i < num_seqs; ++i) {
-    const int32_t* table = batch.block_tables.data() + int64_t{i} * batch.max_blocks_per_seq;
-    const int32_t ctx = batch.context_lens[static_cast<size_t>(i)];
-    for (int32_t p = ctx - batch.query_lens[static_cast<size_t>(i)]; p < ctx; ++p, ++row) {
-      positions[static_cast<size_t>(row)] = p;
-      slots[static_cast<size_t>(row)] =
-          int64_t{table[p / block_size]} * block_size + p % block_size;
-      if (scope == LogitsScope::kAllTokens || p == ctx - 1) logit_rows.push_back(row);
-    }
-  }
+  const TokenPlan plan = PlanTokens(batch, pool.spec.block_size, scope);
 
   const int64_t h = c.hidden_size;
   const int64_t q_width = int64_t{c.num_attention_heads} * c.head_dim;
@@ -455,14 +482,14 @@ absl::Status LlamaModel::Forward(const ForwardBatch& batch, const PagedPool& poo
   attention.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
 
   for (int32_t l = 0; l < c.num_hidden_layers; ++l) {
-    AttentionInputs(l, x.data(), rows, positions, q.data(), k.data(), v.data());
+    AttentionInputs(l, x.data(), rows, plan.positions, q.data(), k.data(), v.data());
     KVCM_ASSIGN_OR_RETURN(const kernels::PagedKvView view,
                           kernels::LayerView(pool.base, pool.layout, pool.spec, l));
-    kernels::cpu::WriteKv(view, k.data(), v.data(), slots.data(), static_cast<int32_t>(rows));
-    kernels::cpu::PagedAttention(view, attention, q.data(), attn.data(), pool_.num_threads());
+    kernels::cpu::WriteKv(view, k.data(), v.data(), plan.slots.data(), static_cast<int32_t>(rows));
+    kernels::cpu::PagedAttention(view, attention, q.data(), attn.data(), num_threads_);
     AttentionOutputAndMlp(l, attn.data(), rows, x.data());
   }
-  Logits(x.data(), logit_rows, logits);
+  Logits(x.data(), plan.logit_rows, logits);
   return absl::OkStatus();
 }
 
@@ -504,7 +531,7 @@ absl::StatusOr<std::vector<float>> LlamaModel::ForwardContiguous(
   for (int32_t l = 0; l < c.num_hidden_layers; ++l) {
     AttentionInputs(l, x.data(), rows, positions, q.data(), k.data(), v.data());
     // Causal attention, one (position, head) per task: softmax(q . k_j * scale) over j <= t.
-    pool_.ParallelFor(rows * q_heads, 1, [&](int64_t begin, int64_t end) {
+    ParallelChunks(rows * q_heads, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores(static_cast<size_t>(rows));
       for (int64_t task = begin; task < end; ++task) {
         const int64_t t = task / q_heads;

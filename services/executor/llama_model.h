@@ -14,14 +14,15 @@
 //   ForwardContiguous  the reference: one sequence from position 0 with a private,
 //                      contiguous fp32 KV cache and plain attention; no pool, no kernels.
 //
-// Matrix products run on an internal thread pool, split over output features; each output
-// is one dot product in a fixed order, so results are bitwise the same for any number of
-// threads and for any batching of the same tokens (attention aside, which is the kernel's).
+// Matrix products run on the kernels' process-wide thread pool (kernels/cpu_thread_pool.h),
+// split over output features; each output is one dot product in a fixed order, so results
+// are bitwise the same for any number of threads and for any batching of the same tokens
+// (attention aside, which is the kernel's).
 //
 // Ownership: the model owns its weights (fp32, loaded once). The pool memory belongs to the
 // caller; Forward writes only the slots of the batch's new tokens.
-// Thread safety: const methods may be called concurrently; matrix products of concurrent
-// calls are serialized on the shared thread pool. Two concurrent Forward calls must not
+// Thread safety: const methods may be called concurrently; the parallel loops of concurrent
+// calls take turns on the shared thread pool. Two concurrent Forward calls must not
 // write the same slots (the ledger guarantees this).
 
 #include <cstdint>
@@ -30,12 +31,12 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/memory/pool_layout.h"
 #include "common/sizing/kv_cache_spec.h"
 #include "services/executor/llama_config.h"
-#include "services/executor/thread_pool.h"
 
 namespace kvcm {
 
@@ -46,6 +47,9 @@ struct PagedPool {
   uint8_t* base = nullptr;
   PoolLayout layout;
   KvCacheSpec spec;
+  // -1: `base` is host memory (LlamaModel::Forward). Otherwise the CUDA device `base` lives
+  // on: only LlamaCudaModel (llama_model_cuda.h) runs over it.
+  int32_t cuda_device = -1;
 };
 
 // One step of a batch of sequences. Sequence i (i < query_lens.size()):
@@ -74,9 +78,42 @@ enum class LogitsScope {
 
 struct LlamaModelOptions {
   // Threads for the matrix products and attention, the caller included. 0 (default): the
-  // hardware concurrency. More threads help large batches and models; results do not change.
+  // hardware concurrency; more is clamped to it. Results do not depend on it.
   int32_t num_threads = 0;
 };
+
+// The model's parameters in fp32, row-major, with Hugging Face's shapes (see
+// LlamaModel::Load): H = hidden_size, I = intermediate_size, Q = num_attention_heads x
+// head_dim, K = num_key_value_heads x head_dim, V = vocab_size.
+struct LlamaWeights {
+  struct Layer {
+    std::vector<float> input_norm;  // [H]
+    std::vector<float> q_proj;      // [Q, H]
+    std::vector<float> k_proj;      // [K, H]
+    std::vector<float> v_proj;      // [K, H]
+    std::vector<float> o_proj;      // [H, Q]
+    std::vector<float> post_norm;   // [H]
+    std::vector<float> gate_proj;   // [I, H]
+    std::vector<float> up_proj;     // [I, H]
+    std::vector<float> down_proj;   // [H, I]
+  };
+  std::vector<float> embed_tokens;  // [V, H]
+  std::vector<Layer> layers;
+  std::vector<float> final_norm;  // [H]
+  std::vector<float> lm_head;     // [V, H]; empty when tied: embed_tokens is the head
+
+  const std::vector<float>& head() const { return lm_head.empty() ? embed_tokens : lm_head; }
+};
+
+// Where each new token of a ForwardBatch goes, as both forward paths (CPU and CUDA) need it:
+// token t (in token_ids order) sits at positions[t] and is written to slots[t]; the rows
+// whose logits Forward returns are logit_rows, in order. REQUIRES: CheckBatch passed.
+struct TokenPlan {
+  std::vector<int32_t> positions;
+  std::vector<int64_t> slots;
+  std::vector<int64_t> logit_rows;
+};
+TokenPlan PlanTokens(const ForwardBatch& batch, int32_t block_size, LogitsScope scope);
 
 class LlamaModel {
  public:
@@ -107,6 +144,9 @@ class LlamaModel {
   ~LlamaModel();
 
   const LlamaConfig& config() const { return config_; }
+  const LlamaWeights& weights() const { return weights_; }
+  // RoPE inverse frequencies, [head_dim / 2], rope_scaling applied.
+  const std::vector<double>& inv_freq() const { return inv_freq_; }
 
   // OK when the model can run on `pool`: base not null, layout.Validate(spec) OK, and the
   // spec's layers, KV heads and head dim equal the model's (else FAILED_PRECONDITION naming
@@ -122,7 +162,8 @@ class LlamaModel {
 
   // Runs one step: writes the new tokens' K/V into the pool and sets *logits to
   // [num_seqs][vocab] (kLastTokenPerSeq) or [num_new_tokens][vocab] (kAllTokens), row-major.
-  // Errors: those of CheckPool and CheckBatch, before anything is written.
+  // Errors: those of CheckPool and CheckBatch, before anything is written; FAILED_PRECONDITION
+  // for a pool in CUDA memory (pool.cuda_device >= 0: LlamaCudaModel runs on those).
   // REQUIRES: logits != nullptr.
   absl::Status Forward(const ForwardBatch& batch, const PagedPool& pool, std::vector<float>* logits,
                        LogitsScope scope = LogitsScope::kLastTokenPerSeq) const;
@@ -133,19 +174,13 @@ class LlamaModel {
   absl::StatusOr<std::vector<float>> ForwardContiguous(std::span<const int32_t> tokens) const;
 
  private:
-  struct Layer {
-    std::vector<float> input_norm;  // [H]
-    std::vector<float> q_proj;      // [Q, H]
-    std::vector<float> k_proj;      // [K, H]
-    std::vector<float> v_proj;      // [K, H]
-    std::vector<float> o_proj;      // [H, Q]
-    std::vector<float> post_norm;   // [H]
-    std::vector<float> gate_proj;   // [I, H]
-    std::vector<float> up_proj;     // [I, H]
-    std::vector<float> down_proj;   // [H, I]
-  };
-
   LlamaModel(LlamaConfig config, int32_t num_threads);
+
+  // Calls fn(begin, end) for disjoint chunks covering [0, n), each at least `min_chunk` long
+  // (except a shorter n), on up to num_threads_ threads of the kernels' pool. The chunk
+  // bounds depend only on n, min_chunk and num_threads_.
+  void ParallelChunks(int64_t n, int64_t min_chunk,
+                      absl::FunctionRef<void(int64_t, int64_t)> fn) const;
 
   // y[rows][out] = x[rows][in] . w[out][in]^T, split over `out` on the thread pool.
   void MatMul(const float* x, int64_t rows, int64_t in, const std::vector<float>& w, int64_t out,
@@ -166,11 +201,8 @@ class LlamaModel {
 
   LlamaConfig config_;
   std::vector<double> inv_freq_;  // [head_dim / 2], rope_scaling applied
-  std::vector<float> embed_tokens_;
-  std::vector<Layer> layers_;
-  std::vector<float> final_norm_;
-  std::vector<float> lm_head_;  // empty when tied: embed_tokens_ is used
-  mutable ThreadPool pool_;
+  LlamaWeights weights_;
+  int32_t num_threads_ = 1;  // threads of the kernels' pool a parallel loop uses
 };
 
 }  // namespace kvcm
