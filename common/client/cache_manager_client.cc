@@ -599,6 +599,7 @@ absl::StatusOr<AttachedPool> CacheManagerClient::Attach() {
     std::memcpy(handle.data(), bytes->data(), handle.size());
     KVCM_ASSIGN_OR_RETURN(pool.mapping,
                           OpenCudaPool(descriptor->cuda_device(), handle, total_bytes));
+    pool.cuda_device = descriptor->cuda_device();
   }
   if (pool.mapping->size_bytes() != total_bytes) {
     return ProtocolError(absl::StrCat("mapped ", pool.mapping->size_bytes(),

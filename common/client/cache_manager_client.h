@@ -233,6 +233,7 @@ struct AttachedPool {
   int32_t num_blocks = 0;
   PoolLayout layout;  // equal to PoolLayout::For(spec, num_blocks): checked at attach
   PoolBackend backend = PoolBackend::kShm;
+  int32_t cuda_device = -1;  // cuda: the device the arena (and mapping) is on; shm: -1
   uint64_t epoch = 0;
   std::unique_ptr<PoolMapping> mapping;
 };

@@ -90,19 +90,24 @@ absl::Status CacheManagerPool::Reattach() {
   // inside the call; attach once more in the new session.
   if (absl::IsAborted(attached.status())) attached = client_->Attach();
   if (!attached.ok()) return attached.status();
-  if (options_.host_only && attached->backend == PoolBackend::kCuda) {
+  KVCM_RETURN_IF_ERROR(CheckPoolFitsModel(attached->spec, options_.model));
+  // The attachment's own time; what `accept` does (copying weights to a device) is not.
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  PoolView view;
+  view.base = static_cast<uint8_t*>(attached->mapping->base());
+  view.layout = attached->layout;
+  view.spec = attached->spec;
+  view.num_blocks = attached->num_blocks;
+  view.epoch = attached->epoch;
+  view.backend = attached->backend;
+  view.cuda_device = attached->cuda_device;
+  if (!options_.accept && view.backend == PoolBackend::kCuda) {
     return absl::FailedPreconditionError(
         "the pool is in CUDA memory but this executor runs the model on the host: start the "
         "cache manager with --backend shm");
   }
-  KVCM_RETURN_IF_ERROR(CheckPoolFitsModel(attached->spec, options_.model));
-  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
-  view_.base = static_cast<uint8_t*>(attached->mapping->base());
-  view_.layout = attached->layout;
-  view_.spec = attached->spec;
-  view_.num_blocks = attached->num_blocks;
-  view_.epoch = attached->epoch;
-  view_.backend = attached->backend;
+  if (options_.accept) KVCM_RETURN_IF_ERROR(options_.accept(view));
+  view_ = view;
   const uint64_t bytes = attached->mapping->size_bytes();
   attached_ = std::move(*attached);
   ++attaches_;

@@ -11,6 +11,7 @@
 // Thread safety: none; one thread (the executor's socket thread) owns a PoolSource.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -34,6 +35,7 @@ struct PoolView {
   int32_t num_blocks = 0;
   uint64_t epoch = 0;  // the cache manager's epoch the pool belongs to
   PoolBackend backend = PoolBackend::kShm;
+  int32_t cuda_device = -1;  // cuda: the device base is on; shm: -1
 };
 
 // The KV shape a model needs from the pool.
@@ -80,9 +82,10 @@ class CacheManagerPool : public PoolSource {
     CacheManagerClient::Options client;
     // What the model needs; an attached pool that does not fit is dropped.
     ModelKvShape model;
-    // True when the model runs on the host: a cuda pool cannot be used. (The CPU executor
-    // is the only one so far.)
-    bool host_only = true;
+    // Called with each pool that fits the model, before it is taken: an error drops the
+    // attachment with that error (e.g. the weights cannot go to the pool's device). Unset:
+    // a cuda pool is refused, as for a model that runs only on the host.
+    std::function<absl::Status(const PoolView&)> accept;
     // Least time between two attach attempts while detached. Each attempt may block the
     // socket thread up to client.call_timeout when the cache manager is down but its
     // socket file remains; it fails at once when nothing listens.

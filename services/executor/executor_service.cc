@@ -42,11 +42,11 @@ wire::ErrorCode WireCodeFor(const absl::Status& status) {
 
 }  // namespace
 
-ExecutorService::ExecutorService(Options options, const LlamaModel* model, PoolSource* pool,
+ExecutorService::ExecutorService(Options options, const ExecutorModel* model, PoolSource* pool,
                                  ExecutorMetrics* metrics)
     : options_(std::move(options)), model_(model), pool_(pool), metrics_(metrics) {
   KVCM_CHECK(model_ != nullptr && pool_ != nullptr);
-  const LlamaConfig& c = model_->config();
+  const LlamaConfig& c = model_->host().config();
   model_info_.name = options_.model_name;
   model_info_.num_layers = c.num_hidden_layers;
   model_info_.hidden_size = c.hidden_size;
@@ -278,14 +278,14 @@ absl::Status ExecutorService::CheckAndBuild(const StepRequest& step, const PoolV
     std::copy(s.block_table.begin(), s.block_table.end(),
               forward_.block_tables.begin() + static_cast<std::ptrdiff_t>(i * max_blocks));
   }
-  const PagedPool paged{pool.base, pool.layout, pool.spec};
+  const PagedPool paged = ExecutorModel::Paged(pool);
   // The pool was checked against the model when attached; Forward checks it again, but only
   // after the copies ran: check first so that a refusal changes nothing.
-  if (absl::Status fits = model_->CheckPool(paged); !fits.ok()) {
+  if (absl::Status fits = model_->host().CheckPool(paged); !fits.ok()) {
     return absl::InternalError(
         absl::StrCat("the attached pool does not fit the model: ", fits.message()));
   }
-  return model_->CheckBatch(forward_, paged);
+  return model_->host().CheckBatch(forward_, paged);
 }
 
 absl::StatusOr<StepReport> ExecutorService::RunStep(const StepRequest& step) {
@@ -301,16 +301,16 @@ absl::StatusOr<StepReport> ExecutorService::RunStep(const StepRequest& step) {
     std::vector<kernels::BlockCopy> copies;
     copies.reserve(step.copies.size());
     for (const auto& [src, dst] : step.copies) copies.push_back({src, dst});
-    kernels::cpu::CopyBlocks(pool.base, pool.layout, copies.data(),
-                             static_cast<int32_t>(copies.size()));
+    if (absl::Status copied = model_->CopyBlocks(pool, copies); !copied.ok()) {
+      return absl::InternalError(absl::StrCat("copy-on-write failed: ", copied.message()));
+    }
   }
   if (!step.seqs.empty()) {
-    const PagedPool paged{pool.base, pool.layout, pool.spec};
-    if (absl::Status ran = model_->Forward(forward_, paged, &logits_); !ran.ok()) {
+    if (absl::Status ran = model_->Forward(forward_, pool, &logits_); !ran.ok()) {
       return absl::InternalError(absl::StrCat("forward pass failed: ", ran.message()));
     }
   }
-  const size_t vocab = static_cast<size_t>(model_->config().vocab_size);
+  const size_t vocab = static_cast<size_t>(model_->host().config().vocab_size);
   KVCM_CHECK(logits_.size() >= step.seqs.size() * vocab || step.seqs.empty())
       << logits_.size() << " logits for " << step.seqs.size() << " sequences";
   for (size_t i = 0; i < step.seqs.size(); ++i) {

@@ -15,8 +15,8 @@
 //      at least ceil(context_len / block_size) blocks, no copy destination twice or also a
 //      source; then LlamaModel::CheckBatch (token ids, positions, slots written twice).
 //      InvalidArgument naming the sequence.
-//   4. Copy-on-write orders (kernels::cpu::CopyBlocks), then one LlamaModel::Forward for all
-//      sequences, then a token for each sequence that asked for one.
+//   4. Copy-on-write orders, then one forward pass for all sequences, on the host or on the
+//      pool's CUDA device (ExecutorModel), then a token for each sequence that asked for one.
 // A refused message gets an ErrorReply with a code and a reason and is counted in
 // kvcm_executor_step_errors_total{reason}.
 //
@@ -45,6 +45,7 @@
 #include "absl/time/time.h"
 #include "flatbuffers/flatbuffers.h"
 #include "services/executor/executor_metrics.h"
+#include "services/executor/executor_model.h"
 #include "services/executor/executor_pool.h"
 #include "services/executor/executor_wire.h"
 #include "services/executor/llama_model.h"
@@ -71,7 +72,7 @@ class ExecutorService {
   };
 
   // `model` and `pool` must outlive the service; `metrics` may be null (tests).
-  ExecutorService(Options options, const LlamaModel* model, PoolSource* pool,
+  ExecutorService(Options options, const ExecutorModel* model, PoolSource* pool,
                   ExecutorMetrics* metrics);
 
   // ---- From the router ----------------------------------------------------------------------
@@ -124,7 +125,7 @@ class ExecutorService {
   uint64_t attached_epoch() const;
 
   const Options options_;
-  const LlamaModel* const model_;
+  const ExecutorModel* const model_;
   PoolSource* const pool_;
   ExecutorMetrics* const metrics_;
   ModelInfo model_info_;

@@ -4,12 +4,13 @@
 // Flags are parsed here into the Options of the pieces below; nothing below main reads flags
 // or the environment. Start-up order: load the model (a bad folder fails here, before any
 // connection), start /metrics, register with the cache manager as an Executor and attach
-// (the pool's KV shape must be the model's), connect to the router, serve.
+// (the pool's KV shape must be the model's; for a pool in CUDA memory the weights are copied
+// to its device, once), connect to the router, serve.
 //
 // Exit status: 0 after SIGTERM/SIGINT (the step in progress is finished and answered, then
 // Goodbye to the router and the cache manager); 1 on a bad command line or a start-up
-// failure (model folder, cache manager unreachable, pool shape mismatch), with the reason on
-// stderr.
+// failure (model folder, cache manager unreachable, pool shape mismatch, a cuda pool in a
+// build without CUDA or weights that do not fit the device), with the reason on stderr.
 
 #include <signal.h>
 #include <sys/signalfd.h>
@@ -28,10 +29,12 @@
 #include "common/base/command_line.h"
 #include "common/base/log.h"
 #include "common/base/run_dir.h"
+#include "common/base/status_macros.h"
 #include "common/base/termination_signals.h"
 #include "common/base/unique_fd.h"
 #include "common/metrics/metrics_server.h"
 #include "services/executor/executor_metrics.h"
+#include "services/executor/executor_model.h"
 #include "services/executor/executor_pool.h"
 #include "services/executor/executor_server.h"
 #include "services/executor/executor_service.h"
@@ -136,6 +139,18 @@ int Main() {
   pool_options.client.name = name;
   pool_options.client.call_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_call_timeout_ms));
   pool_options.model = {config.num_hidden_layers, config.num_key_value_heads, config.head_dim};
+  ExecutorModel executor_model(model->get());
+  pool_options.accept = [&executor_model](const PoolView& view) {
+    const bool copied_before = executor_model.cuda() != nullptr;
+    const absl::Time start = absl::Now();
+    KVCM_RETURN_IF_ERROR(executor_model.Prepare(view));
+    if (!copied_before && executor_model.cuda() != nullptr) {
+      Log(absl::StrCat("copied the weights to CUDA device ", executor_model.cuda()->device(), ": ",
+                       executor_model.cuda()->weight_bytes(), " bytes in ",
+                       absl::FormatDuration(absl::Now() - start)));
+    }
+    return absl::OkStatus();
+  };
   auto pool = CacheManagerPool::Connect(pool_options, &metrics);
   if (!pool.ok()) {
     return fail(absl::StrCat("cannot use the pool of the cache manager at ", cache_manager, ": "),
@@ -149,7 +164,7 @@ int Main() {
   service_options.model_name = ModelName(folder);
   service_options.metrics_url = (*metrics_server)->url();
   service_options.pid = static_cast<int32_t>(::getpid());
-  ExecutorService service(service_options, model->get(), pool->get(), &metrics);
+  ExecutorService service(service_options, &executor_model, pool->get(), &metrics);
   ExecutorServer::Options server_options;
   server_options.router_endpoint = router;
   server_options.signal_fd = signal_fd.get();

@@ -106,47 +106,25 @@ class ExecutorProcessTest : public ::testing::Test {
 
   // A cache manager, the driver bound on `router` and an executor registered with it.
   void StartAll(const CacheManagerOptions& manager_options) {
-    auto cm = CacheManagerProcess::Start(manager_options);
-    ASSERT_TRUE(cm.ok()) << cm.status();
-    cm_ = std::move(*cm);
-    absl::StatusOr<TempDir> sockets = TempDir::Create("kvcm-rt");
-    ASSERT_TRUE(sockets.ok()) << sockets.status();
-    sockets_.emplace(std::move(*sockets));
-    router_ = absl::StrCat("ipc://", sockets_->path(), "/router-executors.sock");
-    StepDriver::Options driver_options;
-    driver_options.router_endpoint = router_;
-    driver_options.cache_manager_endpoint = cm_->endpoint();
-    driver_options.heartbeat_interval_ms = 200;
-    auto driver = StepDriver::Start(driver_options);
-    ASSERT_TRUE(driver.ok()) << driver.status();
-    driver_ = std::move(*driver);
-    ExecutorArgs args;
-    args.model = *model_dir_;
-    args.run_dir = cm_->run_dir();
-    args.router = router_;
-    auto executor = kvcm::testing::StartExecutor(args);
-    ASSERT_TRUE(executor.ok()) << executor.status();
-    executor_ = std::move(*executor);
+    kvcm::testing::ExecutorStack stack;
+    const absl::Status started =
+        kvcm::testing::StartExecutorStack(*model_dir_, manager_options, &stack);
+    cm_ = std::move(stack.cm);
+    if (stack.sockets.has_value()) sockets_.emplace(std::move(*stack.sockets));
+    router_ = stack.router;
+    driver_ = std::move(stack.driver);
+    executor_ = std::move(stack.executor);
+    ASSERT_TRUE(started.ok()) << started;
     EXPECT_EQ(executor_.epoch, cm_->epoch());
-    auto hello = driver_->AwaitHello(absl::Now() + absl::Seconds(30));
-    ASSERT_TRUE(hello.ok()) << hello.status() << "\n" << executor_.Output();
-    EXPECT_EQ(hello->name, "exec-test");
-    EXPECT_EQ(hello->model.name, "tiny");
-    EXPECT_EQ(hello->num_blocks, kNumBlocks);
-    EXPECT_EQ(hello->kv_spec.num_layers, config().num_hidden_layers);
+    EXPECT_EQ(stack.hello.name, "exec-test");
+    EXPECT_EQ(stack.hello.model.name, "tiny");
+    EXPECT_EQ(stack.hello.num_blocks, kNumBlocks);
+    EXPECT_EQ(stack.hello.kv_spec.num_layers, config().num_hidden_layers);
     EXPECT_EQ(driver_->hello_epoch(), cm_->epoch());
   }
 
   static std::vector<int32_t> ReferenceGreedy(std::vector<int32_t> tokens, int32_t n) {
-    std::vector<int32_t> out;
-    const size_t vocab = static_cast<size_t>(model_->config().vocab_size);
-    for (int32_t i = 0; i < n; ++i) {
-      absl::StatusOr<std::vector<float>> logits = model_->ForwardContiguous(tokens);
-      EXPECT_TRUE(logits.ok()) << logits.status();
-      out.push_back(Greedy(std::span<const float>(logits->data() + logits->size() - vocab, vocab)));
-      tokens.push_back(out.back());
-    }
-    return out;
+    return kvcm::testing::ReferenceGreedy(*model_, std::move(tokens), n);
   }
 
   double Metric(const std::string& name, const kvcm::testing::MetricLabels& labels = {}) {

@@ -109,7 +109,9 @@ class ExecutorServiceTest : public ::testing::TestWithParam<std::pair<DType, int
     ExecutorService::Options options;
     options.name = "unit";
     options.model_name = "tiny";
-    service_ = std::make_unique<ExecutorService>(options, model_, pool_.get(), nullptr);
+    executor_model_ = std::make_unique<ExecutorModel>(model_);
+    service_ = std::make_unique<ExecutorService>(options, executor_model_.get(), pool_.get(),
+                                                 nullptr);
   }
 
   int32_t block_size() const { return GetParam().second; }
@@ -178,6 +180,7 @@ class ExecutorServiceTest : public ::testing::TestWithParam<std::pair<DType, int
   static TempDir* dir_;
   static LlamaModel* model_;
   std::unique_ptr<LocalPool> pool_;
+  std::unique_ptr<ExecutorModel> executor_model_;
   std::unique_ptr<ExecutorService> service_;
 };
 

@@ -7,9 +7,11 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstring>
 #include <fstream>
 #include <memory>
 #include <optional>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -20,10 +22,13 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "services/executor/executor_wire.h"
+#include "services/executor/float16.h"
 #include "services/executor/llama_model.h"
+#include "services/executor/sampler.h"
 #include "tests/support/cache_manager_process.h"
 #include "tests/support/http_client.h"
 #include "tests/support/metrics_text.h"
+#include "tests/services/executor/step_driver.h"
 #include "tests/support/subprocess.h"
 
 namespace kvcm::testing {
@@ -92,6 +97,79 @@ inline absl::StatusOr<ExecutorProcess> StartExecutor(const ExecutorArgs& args,
   }
   executor.metrics_url = (*ready)[6];
   return executor;
+}
+
+// What the executor process tests run: a cache manager, the scripted driver bound on the
+// router's socket, and an executor registered with both.
+struct ExecutorStack {
+  std::unique_ptr<CacheManagerProcess> cm;
+  std::optional<TempDir> sockets;  // holds the router socket
+  std::string router;
+  std::unique_ptr<StepDriver> driver;
+  ExecutorProcess executor;
+  ExecutorHelloInfo hello;  // what the executor announced
+};
+
+// Starts the stack with the model in `model_dir` and waits for the executor's Hello.
+inline absl::Status StartExecutorStack(const std::string& model_dir,
+                                       const CacheManagerOptions& manager_options,
+                                       ExecutorStack* stack) {
+  absl::StatusOr<std::unique_ptr<CacheManagerProcess>> cm =
+      CacheManagerProcess::Start(manager_options);
+  if (!cm.ok()) return cm.status();
+  stack->cm = std::move(*cm);
+  absl::StatusOr<TempDir> sockets = TempDir::Create("kvcm-rt");
+  if (!sockets.ok()) return sockets.status();
+  stack->sockets.emplace(std::move(*sockets));
+  stack->router = absl::StrCat("ipc://", stack->sockets->path(), "/router-executors.sock");
+  StepDriver::Options driver_options;
+  driver_options.router_endpoint = stack->router;
+  driver_options.cache_manager_endpoint = stack->cm->endpoint();
+  driver_options.heartbeat_interval_ms = 200;
+  absl::StatusOr<std::unique_ptr<StepDriver>> driver = StepDriver::Start(driver_options);
+  if (!driver.ok()) return driver.status();
+  stack->driver = std::move(*driver);
+  ExecutorArgs args;
+  args.model = model_dir;
+  args.run_dir = stack->cm->run_dir();
+  args.router = stack->router;
+  absl::StatusOr<ExecutorProcess> executor = StartExecutor(args);
+  if (!executor.ok()) return executor.status();
+  stack->executor = std::move(*executor);
+  absl::StatusOr<ExecutorHelloInfo> hello =
+      stack->driver->AwaitHello(absl::Now() + absl::Seconds(30));
+  if (!hello.ok()) {
+    return absl::Status(hello.status().code(), absl::StrCat(hello.status().message(), "\n",
+                                                            stack->executor.Output()));
+  }
+  stack->hello = std::move(*hello);
+  return absl::OkStatus();
+}
+
+// One stored K/V element of `dtype` (fp32, fp16 or bf16) at `p`, as a float.
+inline float KvElementAsFloat(const uint8_t* p, DType dtype) {
+  if (dtype == DType::kFloat32) {
+    float f;
+    std::memcpy(&f, p, sizeof(f));
+    return f;
+  }
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return dtype == DType::kFloat16 ? HalfToFloat(bits) : BFloat16ToFloat(bits);
+}
+
+// Greedy generation of `n` tokens after `tokens` with the contiguous reference forward.
+inline std::vector<int32_t> ReferenceGreedy(const LlamaModel& model, std::vector<int32_t> tokens,
+                                            int32_t n) {
+  std::vector<int32_t> out;
+  const size_t vocab = static_cast<size_t>(model.config().vocab_size);
+  for (int32_t i = 0; i < n; ++i) {
+    absl::StatusOr<std::vector<float>> logits = model.ForwardContiguous(tokens);
+    if (!logits.ok()) return {};
+    out.push_back(Greedy(std::span<const float>(logits->data() + logits->size() - vocab, vocab)));
+    tokens.push_back(out.back());
+  }
+  return out;
 }
 
 // The executor's /metrics, parsed.

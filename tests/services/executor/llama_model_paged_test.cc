@@ -25,9 +25,12 @@
 #include "absl/strings/str_cat.h"
 #include "common/base/check.h"
 #include "common/memory/pool_layout.h"
+#include "common/memory/pool_memory.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/paged_kv.h"
 #include "services/executor/llama_model.h"
+#include "services/executor/llama_model_cuda.h"
 #include "services/executor/sampler.h"
 #include "tests/support/subprocess.h"
 #include "tools/make_tiny_model/tiny_model.h"
@@ -494,6 +497,34 @@ TEST_F(PagedForwardErrorTest, PoolThatDoesNotFitTheModelIsFailedPrecondition) {
   s = ModelHolder::Get().Forward(batch_, fp8.pool(), &logits);
   EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented);
   EXPECT_THAT(s.message(), HasSubstr("fp8"));
+}
+
+// A pool in device memory would be dereferenced as a host pointer: refused before any
+// access (the base here is host memory, so a read would not even crash).
+TEST_F(PagedForwardErrorTest, DevicePoolIsRefusedByTheHostForward) {
+  PagedPool device = pool_.pool();
+  device.cuda_device = 0;
+  const std::vector<uint8_t> before = pool_.memory();
+  std::vector<float> logits;
+  const absl::Status s = ModelHolder::Get().Forward(batch_, device, &logits);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(s.message(), HasSubstr("CUDA device 0"));
+  EXPECT_EQ(pool_.memory(), before);
+}
+
+// Without a device (or without CUDA in the build) the device model says why instead of
+// failing later. Runs where no device is present; the gpu tests cover the other case.
+TEST(LlamaCudaModelCreateTest, WithoutADeviceSaysWhy) {
+  absl::StatusOr<std::unique_ptr<LlamaCudaModel>> made =
+      LlamaCudaModel::Create(ModelHolder::Get(), 0);
+  if (kernels::CudaKernelsCompiled()) {
+    if (CudaDeviceCount().ok()) GTEST_SKIP() << "a CUDA device is present";
+    EXPECT_EQ(made.status().code(), absl::StatusCode::kUnavailable) << made.status();
+    EXPECT_THAT(made.status().message(), HasSubstr("no CUDA device"));
+  } else {
+    EXPECT_EQ(made.status().code(), absl::StatusCode::kUnimplemented) << made.status();
+    EXPECT_THAT(made.status().message(), HasSubstr("built without CUDA"));
+  }
 }
 
 }  // namespace

@@ -1,0 +1,49 @@
+#include "services/executor/executor_model.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/base/check.h"
+#include "common/base/status_macros.h"
+
+namespace kvcm {
+
+absl::Status ExecutorModel::Prepare(const PoolView& pool) {
+  if (pool.backend != PoolBackend::kCuda) return absl::OkStatus();
+  if (cuda_ != nullptr) {
+    if (cuda_->device() == pool.cuda_device) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the pool is on CUDA device ", pool.cuda_device, " but this executor's weights are on ",
+        "CUDA device ", cuda_->device(), ": restart the executor to move them"));
+  }
+  KVCM_ASSIGN_OR_RETURN(cuda_, LlamaCudaModel::Create(*host_, pool.cuda_device));
+  return absl::OkStatus();
+}
+
+PagedPool ExecutorModel::Paged(const PoolView& pool) {
+  return PagedPool{pool.base, pool.layout, pool.spec,
+                   pool.backend == PoolBackend::kCuda ? pool.cuda_device : -1};
+}
+
+absl::Status ExecutorModel::CopyBlocks(const PoolView& pool,
+                                       std::span<const kernels::BlockCopy> copies) const {
+  if (copies.empty()) return absl::OkStatus();
+  if (pool.backend == PoolBackend::kCuda) {
+    KVCM_CHECK(cuda_ != nullptr) << "a cuda pool that was not prepared";
+    return cuda_->CopyBlocks(Paged(pool), copies);
+  }
+  kernels::cpu::CopyBlocks(pool.base, pool.layout, copies.data(),
+                           static_cast<int32_t>(copies.size()));
+  return absl::OkStatus();
+}
+
+absl::Status ExecutorModel::Forward(const ForwardBatch& batch, const PoolView& pool,
+                                    std::vector<float>* logits) const {
+  if (pool.backend == PoolBackend::kCuda) {
+    KVCM_CHECK(cuda_ != nullptr) << "a cuda pool that was not prepared";
+    return cuda_->Forward(batch, Paged(pool), logits);
+  }
+  return host_->Forward(batch, Paged(pool), logits);
+}
+
+}  // namespace kvcm

@@ -1,0 +1,164 @@
+// kvcm-executor on a pool in device memory (label gpu): kvcm-cache-manager --backend cuda,
+// the scripted StepDriver in the router's place, and an executor that copies its weights to
+// the pool's device and runs every step there (LlamaCudaModel):
+//   - batched greedy generation gives exactly the tokens of the in-process CPU reference;
+//   - the K/V it wrote is in the shared device pool: this process opens the pool through its
+//     own CUDA IPC mapping, copies it out and finds every written element within tolerance
+//     of a CPU replay of the same steps into a host pool (fp16 cache: 4e-3 relative, as in
+//     llama_model_cuda_test.cc).
+//
+// Without a device the test skips with "no CUDA device: ..."; with KVCM_REQUIRE_GPU=1
+// (scripts/gpu-check.sh sets it) it fails instead.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/client/cache_manager_client.h"
+#include "common/memory/pool_layout.h"
+#include "common/memory/pool_memory.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/paged_kv.h"
+#include "services/executor/llama_model.h"
+#include "tests/services/executor/executor_test_util.h"
+#include "tests/services/executor/step_driver.h"
+#include "tests/support/cache_manager_process.h"
+#include "tests/support/subprocess.h"
+#include "tools/make_tiny_model/tiny_model.h"
+
+namespace kvcm {
+namespace {
+
+using ::kvcm::testing::CacheManagerOptions;
+using ::kvcm::testing::ExecutorStack;
+using ::kvcm::testing::StepDriver;
+using ::kvcm::testing::TempDir;
+using ::testing::ElementsAreArray;
+using ::testing::HasSubstr;
+
+bool g_require_gpu = false;  // set by main() from KVCM_REQUIRE_GPU
+
+constexpr double kTolerance = 4e-3;  // fp16 cache
+constexpr int32_t kBlockSize = 16;
+constexpr int32_t kNewTokens = 12;
+
+TEST(ExecutorCudaProcessTest, GreedyTokensEqualTheCpuReferenceAndTheKvIsInTheDevicePool) {
+  std::string why;
+  if (!kernels::CudaKernelsCompiled()) {
+    why = "built without CUDA";
+  } else if (absl::StatusOr<int> count = CudaDeviceCount(); !count.ok()) {
+    why = std::string(count.status().message());
+  }
+  if (!why.empty()) {
+    if (g_require_gpu) FAIL() << "KVCM_REQUIRE_GPU=1 but " << why;
+    GTEST_SKIP() << why;
+  }
+
+  absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-ex-cuda");
+  ASSERT_TRUE(dir.ok()) << dir.status();
+  TinyModelOptions tiny;
+  tiny.seed = 7;
+  std::printf("tiny model seed %llu\n", static_cast<unsigned long long>(tiny.seed));
+  const std::string model_dir = dir->path() + "/tiny";
+  ASSERT_TRUE(WriteTinyModel(model_dir, tiny).ok());
+  absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(model_dir);
+  ASSERT_TRUE(model.ok()) << model.status();
+  const LlamaConfig& config = (*model)->config();
+
+  CacheManagerOptions manager;
+  manager.backend = "cuda";
+  manager.extra_args = {"--cuda-device", "0"};
+  manager.num_blocks = 256;
+  manager.layers = config.num_hidden_layers;
+  manager.kv_heads = config.num_key_value_heads;
+  manager.head_dim = config.head_dim;
+  manager.dtype = "fp16";
+  manager.block_size = kBlockSize;
+  manager.heartbeat_interval_ms = 100;
+  manager.heartbeat_timeout_ms = 2000;
+  ExecutorStack stack;
+  const absl::Status started = kvcm::testing::StartExecutorStack(model_dir, manager, &stack);
+  ASSERT_TRUE(started.ok()) << started;
+  EXPECT_EQ(stack.hello.backend, PoolBackend::kCuda);
+  EXPECT_THAT(stack.executor.Output(), HasSubstr("copied the weights to CUDA device 0"));
+
+  const std::vector<std::vector<int32_t>> prompts = {
+      {1, 72, 101, 108, 108},
+      {1, 84, 104, 101, 32, 113, 117, 105, 99, 107, 32},
+      {1, 40, 32, 97, 109, 32, 97, 32, 115, 109, 97, 108, 108, 32, 116, 101, 115},
+  };
+  absl::StatusOr<std::vector<StepDriver::Sequence>> seqs =
+      stack.driver->Generate(prompts, kNewTokens, /*free_at_end=*/false);
+  ASSERT_TRUE(seqs.ok()) << seqs.status() << "\n" << stack.executor.Output();
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    SCOPED_TRACE(absl::StrCat("prompt ", i));
+    EXPECT_THAT((*seqs)[i].generated,
+                ElementsAreArray(kvcm::testing::ReferenceGreedy(**model, prompts[i], kNewTokens)));
+  }
+
+  // This process opens the device pool too, and copies it out.
+  CacheManagerClient::Options client_options;
+  client_options.endpoint = stack.cm->endpoint();
+  client_options.role = wire::Role::Executor;
+  client_options.name = "kv-checker";
+  auto client = CacheManagerClient::Connect(client_options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  absl::StatusOr<AttachedPool> shared = (*client)->Attach();
+  ASSERT_TRUE(shared.ok()) << shared.status();
+  ASSERT_EQ(shared->backend, PoolBackend::kCuda);
+  const PoolLayout& layout = shared->layout;
+  std::vector<uint8_t> device(static_cast<size_t>(layout.total_bytes));
+  ASSERT_TRUE(CopyFromPool(*shared->mapping, 0, device.data(), device.size()).ok());
+
+  // A CPU replay of the driver's steps into a host pool of the same layout.
+  std::vector<uint8_t> local(static_cast<size_t>(layout.total_bytes), 0);
+  const PagedPool local_pool{local.data(), layout, shared->spec, -1};
+  ASSERT_TRUE(kvcm::testing::ReplaySteps(**model, stack.driver->sent_steps(), local_pool).ok());
+
+  double worst = 0;
+  int64_t compared = 0;
+  for (const StepDriver::Sequence& seq : *seqs) {
+    for (int32_t p = 0; p < seq.committed; ++p) {
+      const int32_t block = seq.blocks[static_cast<size_t>(p / kBlockSize)];
+      for (int32_t layer = 0; layer < shared->spec.num_layers; ++layer) {
+        for (int32_t kv = 0; kv < 2; ++kv) {
+          for (int32_t head = 0; head < shared->spec.num_kv_heads; ++head) {
+            const int64_t offset = layout.Offset(layer, kv, block, p % kBlockSize, head);
+            for (int32_t d = 0; d < shared->spec.head_dim; ++d) {
+              const int64_t at = offset + int64_t{d} * layout.elem_bytes;
+              const double want = kvcm::testing::KvElementAsFloat(local.data() + at, DType::kFloat16);
+              const double got = kvcm::testing::KvElementAsFloat(device.data() + at, DType::kFloat16);
+              worst = std::max(worst, std::abs(got - want) / std::max(1.0, std::abs(want)));
+              ++compared;
+            }
+          }
+        }
+      }
+    }
+  }
+  std::printf("compared %lld K/V elements: worst relative error %.3g (tolerance %.1g)\n",
+              static_cast<long long>(compared), worst, kTolerance);
+  EXPECT_GT(compared, 0);
+  EXPECT_LE(worst, kTolerance);
+  ASSERT_TRUE(stack.driver->Free(*seqs).ok());
+}
+
+}  // namespace
+}  // namespace kvcm
+
+int main(int argc, char** argv) {
+  // Read here, in main, and nowhere below it.
+  const char* require = std::getenv("KVCM_REQUIRE_GPU");
+  kvcm::g_require_gpu = require != nullptr && std::string_view(require) == "1";
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
