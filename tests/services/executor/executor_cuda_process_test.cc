@@ -91,11 +91,7 @@ TEST(ExecutorCudaProcessTest, GreedyTokensEqualTheCpuReferenceAndTheKvIsInTheDev
   EXPECT_EQ(stack.hello.backend, PoolBackend::kCuda);
   EXPECT_THAT(stack.executor.Output(), HasSubstr("copied the weights to CUDA device 0"));
 
-  const std::vector<std::vector<int32_t>> prompts = {
-      {1, 72, 101, 108, 108},
-      {1, 84, 104, 101, 32, 113, 117, 105, 99, 107, 32},
-      {1, 40, 32, 97, 109, 32, 97, 32, 115, 109, 97, 108, 108, 32, 116, 101, 115},
-  };
+  const std::vector<std::vector<int32_t>>& prompts = kvcm::testing::TestPrompts();
   absl::StatusOr<std::vector<StepDriver::Sequence>> seqs =
       stack.driver->Generate(prompts, kNewTokens, /*free_at_end=*/false);
   ASSERT_TRUE(seqs.ok()) << seqs.status() << "\n" << stack.executor.Output();

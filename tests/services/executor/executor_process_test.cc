@@ -55,11 +55,7 @@ using ::testing::HasSubstr;
 constexpr uint64_t kModelSeed = 7;
 constexpr int32_t kNumBlocks = 256;
 
-const std::vector<std::vector<int32_t>> kPrompts = {
-    {1, 72, 101, 108, 108},                                                       // 5 tokens
-    {1, 84, 104, 101, 32, 113, 117, 105, 99, 107, 32},                            // 11
-    {1, 40, 32, 97, 109, 32, 97, 32, 115, 109, 97, 108, 108, 32, 116, 101, 115},  // 17
-};
+const std::vector<std::vector<int32_t>>& kPrompts = kvcm::testing::TestPrompts();
 
 // The tiny model, made once by kvcm-make-tiny-model, and the in-process reference.
 class ExecutorProcessTest : public ::testing::Test {

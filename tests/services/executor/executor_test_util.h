@@ -99,6 +99,17 @@ inline absl::StatusOr<ExecutorProcess> StartExecutor(const ExecutorArgs& args,
   return executor;
 }
 
+// Three prompts of 5, 11 and 17 byte-level tokens ("Hello", "The quick ", "I am a small
+// tes"), for the generation tests.
+inline const std::vector<std::vector<int32_t>>& TestPrompts() {
+  static const auto* prompts = new std::vector<std::vector<int32_t>>{
+      {1, 72, 101, 108, 108},
+      {1, 84, 104, 101, 32, 113, 117, 105, 99, 107, 32},
+      {1, 40, 32, 97, 109, 32, 97, 32, 115, 109, 97, 108, 108, 32, 116, 101, 115},
+  };
+  return *prompts;
+}
+
 // What the executor process tests run: a cache manager, the scripted driver bound on the
 // router's socket, and an executor registered with both.
 struct ExecutorStack {
