@@ -4,17 +4,26 @@
 //   build/bench/paged_attention_bench --benchmark_filter=fp16
 //   build/bench/paged_attention_bench --isa=portable            # without AVX2/FMA/F16C
 //
-// Shape: Llama-3-8B attention, one layer: 32 query heads over 8 KV heads (4 query heads per
-// KV head), head dim 128, block size 16; 8 sequences of 2048 or 8192 context tokens, one
-// query token each (decode); fp16 and fp32 storage; all hardware threads.
+// Two attention shapes, one layer each, head dim 128, block size 16; 8 sequences of 2048 or
+// 8192 context tokens, one query token each (decode); fp16 and fp32 storage; all hardware
+// threads:
+//   (no label)  Llama-3-8B: 32 query heads over 8 KV heads (GQA, 4 query heads per KV head).
+//               4 FMAs per K/V element read: on few cores, bound by arithmetic.
+//   mha/        Llama-2-7B: 32 query heads over 32 KV heads (MHA, one per KV head). 1 FMA
+//               per K/V element read: bound by memory, so it shows how close the kernel's
+//               K/V reads come to a plain read.
 //
-// Unit: one KiB of K or V read (8 seqs x context x 2 x 8 heads x 128 x dtype bytes: 64 MiB
-// to 512 MiB, well past the last-level cache); GB/s is printed beside each.
+// Unit: one KiB of K or V read (8 seqs x context x 2 x KV heads x 128 x dtype bytes: 64 MiB
+// to 512 MiB for GQA, 256 MiB to 2 GiB for MHA, well past the last-level cache); GB/s is
+// printed beside each.
 //
-//   MemRead/<dtype>/<ctx>               baseline: sum of the floats of one contiguous buffer of
-//                                       the same size, on the same thread pool and thread count
-//   PagedDecodeAscending/<dtype>/<ctx>  cpu::PagedAttention, each sequence's blocks ascending
-//   PagedDecodeShuffled/<dtype>/<ctx>   the same with the pool's blocks randomly permuted
+//   MemRead/[mha/]<dtype>/<ctx>               baseline: sum of the floats of one contiguous
+//                                             buffer of the same size, on the same thread
+//                                             pool and thread count
+//   PagedDecodeAscending/[mha/]<dtype>/<ctx>  cpu::PagedAttention, each sequence's blocks
+//                                             ascending
+//   PagedDecodeShuffled/[mha/]<dtype>/<ctx>   the same with the pool's blocks randomly
+//                                             permuted
 //
 // Goals (issue "Kernels"): ascending >= 0.8x MemRead's bandwidth (time per byte <= 1.25x);
 // shuffled no more than 1.25x slower than ascending.
@@ -41,10 +50,18 @@ namespace {
 using kernels::KvDType;
 
 constexpr int32_t kSeqs = 8;
-constexpr int32_t kKvHeads = 8;
 constexpr int32_t kQHeads = 32;
 constexpr int32_t kHeadDim = 128;
 constexpr int32_t kBlockSize = 16;
+
+// An attention shape: its prefix in benchmark names ("" or "mha/") and its KV heads.
+struct Shape {
+  const char* label;
+  int32_t kv_heads;
+};
+
+constexpr Shape kGqa{"", 8};      // Llama-3-8B
+constexpr Shape kMha{"mha/", 32};  // Llama-2-7B
 
 std::string DTypeLabel(KvDType dtype) {
   switch (dtype) {
@@ -58,12 +75,13 @@ std::string DTypeLabel(KvDType dtype) {
   return "?";
 }
 
-int64_t KvBytes(KvDType dtype, int32_t context) {
-  return int64_t{kSeqs} * context * 2 * kKvHeads * kHeadDim * kernels::KvDTypeBytes(dtype);
+int64_t KvBytes(int32_t kv_heads, KvDType dtype, int32_t context) {
+  return int64_t{kSeqs} * context * 2 * kv_heads * kHeadDim * kernels::KvDTypeBytes(dtype);
 }
 
-// One pool for a (dtype, context), kept while consecutive benchmarks use it.
+// One pool for a (KV heads, dtype, context), kept while consecutive benchmarks use it.
 struct Fixture {
+  int32_t kv_heads = 0;
   KvDType dtype = KvDType::kFloat32;
   int32_t context = 0;
   KvCacheSpec spec;
@@ -100,15 +118,19 @@ void FillPool(std::vector<uint8_t>& pool, KvDType dtype) {
   }
 }
 
-Fixture& GetFixture(KvDType dtype, int32_t context) {
+Fixture& GetFixture(int32_t kv_heads, KvDType dtype, int32_t context) {
   static std::unique_ptr<Fixture> fixture;
-  if (fixture && fixture->dtype == dtype && fixture->context == context) return *fixture;
-  fixture.reset();  // free the previous pool first
+  if (fixture && fixture->kv_heads == kv_heads && fixture->dtype == dtype &&
+      fixture->context == context) {
+    return *fixture;
+  }
+  fixture.reset();  // free the previous pool first (up to 2 GiB, plus as much for `plain`)
   auto f = std::make_unique<Fixture>();
+  f->kv_heads = kv_heads;
   f->dtype = dtype;
   f->context = context;
   f->spec.num_layers = 1;
-  f->spec.num_kv_heads = kKvHeads;
+  f->spec.num_kv_heads = kv_heads;
   f->spec.head_dim = kHeadDim;
   f->spec.block_size = kBlockSize;
   f->spec.dtype = dtype == KvDType::kFloat32   ? DType::kFloat32
@@ -131,7 +153,7 @@ Fixture& GetFixture(KvDType dtype, int32_t context) {
   f->query.resize(static_cast<size_t>(kSeqs) * kQHeads * kHeadDim);
   for (float& x : f->query) x = uniform(rng);
   f->out.resize(f->query.size());
-  f->plain.resize(static_cast<size_t>(KvBytes(dtype, context) / 4));
+  f->plain.resize(static_cast<size_t>(KvBytes(kv_heads, dtype, context) / 4));
   for (size_t i = 0; i < f->plain.size(); ++i) f->plain[i] = static_cast<float>(i % 7);
   fixture = std::move(f);
   return *fixture;
@@ -161,8 +183,14 @@ float SumFloats(const float* p, size_t n) {
   return sum;
 }
 
-void MemRead(benchmark::State& state, KvDType dtype, int32_t context) {
-  Fixture& f = GetFixture(dtype, context);
+void SetCounters(benchmark::State& state, int64_t kv_bytes) {
+  state.counters["units"] = static_cast<double>(kv_bytes) / 1024.0;
+  state.counters["GB/s"] = benchmark::Counter(static_cast<double>(kv_bytes),
+                                              benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void MemRead(benchmark::State& state, Shape shape, KvDType dtype, int32_t context) {
+  Fixture& f = GetFixture(shape.kv_heads, dtype, context);
   kernels::CpuThreadPool& pool = kernels::CpuThreadPool::Default();
   // As many tasks per thread as PagedDecode has work items (8 sequences over the threads).
   const int64_t tasks = kSeqs;
@@ -175,13 +203,12 @@ void MemRead(benchmark::State& state, KvDType dtype, int32_t context) {
     });
     benchmark::DoNotOptimize(sums.data());
   }
-  state.counters["units"] = static_cast<double>(KvBytes(dtype, context)) / 1024.0;
-  state.counters["GB/s"] = benchmark::Counter(static_cast<double>(KvBytes(dtype, context)),
-                                              benchmark::Counter::kIsIterationInvariantRate);
+  SetCounters(state, KvBytes(shape.kv_heads, dtype, context));
 }
 
-void PagedDecode(benchmark::State& state, KvDType dtype, int32_t context, bool shuffled) {
-  Fixture& f = GetFixture(dtype, context);
+void PagedDecode(benchmark::State& state, Shape shape, KvDType dtype, int32_t context,
+                 bool shuffled) {
+  Fixture& f = GetFixture(shape.kv_heads, dtype, context);
   kernels::PagedAttentionBatch batch;
   batch.num_seqs = kSeqs;
   batch.num_q_heads = kQHeads;
@@ -195,23 +222,28 @@ void PagedDecode(benchmark::State& state, KvDType dtype, int32_t context, bool s
     kernels::cpu::PagedAttention(f.view, batch, f.query.data(), f.out.data());
     benchmark::DoNotOptimize(f.out.data());
   }
-  state.counters["units"] = static_cast<double>(KvBytes(dtype, context)) / 1024.0;
-  state.counters["GB/s"] = benchmark::Counter(static_cast<double>(KvBytes(dtype, context)),
-                                              benchmark::Counter::kIsIterationInvariantRate);
+  SetCounters(state, KvBytes(shape.kv_heads, dtype, context));
 }
 
+// Benchmarks sharing a fixture run one after the other. The MHA rows have their own
+// MemRead baseline of their own bytes; the ratio table pairs "X/mha/..." with
+// "MemRead/mha/...".
 void RegisterAll() {
-  for (KvDType dtype : {KvDType::kFloat16, KvDType::kFloat32}) {
-    for (int32_t context : {2048, 8192}) {
-      const std::string suffix = DTypeLabel(dtype) + "/" + std::to_string(context);
-      benchmark::RegisterBenchmark(("MemRead/" + suffix).c_str(), MemRead, dtype, context)
-          ->UseRealTime();
-      benchmark::RegisterBenchmark(("PagedDecodeAscending/" + suffix).c_str(), PagedDecode, dtype,
-                                   context, false)
-          ->UseRealTime();
-      benchmark::RegisterBenchmark(("PagedDecodeShuffled/" + suffix).c_str(), PagedDecode, dtype,
-                                   context, true)
-          ->UseRealTime();
+  for (const Shape& shape : {kGqa, kMha}) {
+    for (KvDType dtype : {KvDType::kFloat16, KvDType::kFloat32}) {
+      for (int32_t context : {2048, 8192}) {
+        const std::string suffix =
+            shape.label + DTypeLabel(dtype) + "/" + std::to_string(context);
+        benchmark::RegisterBenchmark(("MemRead/" + suffix).c_str(), MemRead, shape, dtype,
+                                     context)
+            ->UseRealTime();
+        benchmark::RegisterBenchmark(("PagedDecodeAscending/" + suffix).c_str(), PagedDecode,
+                                     shape, dtype, context, false)
+            ->UseRealTime();
+        benchmark::RegisterBenchmark(("PagedDecodeShuffled/" + suffix).c_str(), PagedDecode,
+                                     shape, dtype, context, true)
+            ->UseRealTime();
+      }
     }
   }
 }
