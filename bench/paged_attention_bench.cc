@@ -3,6 +3,7 @@
 //   build/bench/paged_attention_bench                           # ratios at the end
 //   build/bench/paged_attention_bench --benchmark_filter=fp16
 //   build/bench/paged_attention_bench --isa=portable            # without AVX2/FMA/F16C
+//   build/bench/paged_attention_bench --isa=avx2                # without AVX-512
 //
 // Two attention shapes, one layer each, head dim 128, block size 16; 8 sequences of 2048 or
 // 8192 context tokens, one query token each (decode); fp16 and fp32 storage; all hardware
@@ -35,6 +36,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "bench/ratio_reporter.h"
@@ -252,12 +254,22 @@ void RegisterAll() {
 }  // namespace kvcm
 
 int main(int argc, char** argv) {
-  // --isa=portable: measure the portable inner loops instead of the best ones (removed from
-  // the arguments before Google Benchmark sees them).
+  // --isa=portable|avx2|avx512: measure those inner loops instead of the best ones (removed
+  // from the arguments before Google Benchmark sees them).
   std::vector<char*> args;
   for (int i = 0; i < argc; ++i) {
-    if (std::string(argv[i]) == "--isa=portable") {
-      kvcm::kernels::SetCpuIsaForTest(kvcm::kernels::CpuIsa::kPortable);
+    const std::string_view arg = argv[i];
+    if (arg.starts_with("--isa=")) {
+      kvcm::kernels::CpuIsa isa;
+      if (!kvcm::kernels::ParseCpuIsa(arg.substr(6), &isa)) {
+        std::fprintf(stderr, "unknown ISA in %s (portable, avx2, avx512)\n", argv[i]);
+        return 2;
+      }
+      if (static_cast<int>(isa) > static_cast<int>(kvcm::kernels::BestCpuIsa())) {
+        std::fprintf(stderr, "this CPU has no %s\n", argv[i] + 6);
+        return 2;
+      }
+      kvcm::kernels::SetCpuIsaForTest(isa);
     } else {
       args.push_back(argv[i]);
     }

@@ -10,10 +10,16 @@ namespace {
 CpuIsa DetectCpuIsa() {
 #if defined(__x86_64__) && defined(__GNUC__)
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c")) {
-    return CpuIsa::kAvx2;
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ||
+      !__builtin_cpu_supports("f16c")) {
+    return CpuIsa::kPortable;
   }
+  // GCC's and Clang's runtimes report AVX-512 only when the OS also saves the ZMM state.
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq")) {
+    return CpuIsa::kAvx512;
+  }
+  return CpuIsa::kAvx2;
 #endif
   return CpuIsa::kPortable;
 }
@@ -31,8 +37,20 @@ std::string_view CpuIsaName(CpuIsa isa) {
       return "portable";
     case CpuIsa::kAvx2:
       return "avx2";
+    case CpuIsa::kAvx512:
+      return "avx512";
   }
   return "?";
+}
+
+bool ParseCpuIsa(std::string_view name, CpuIsa* isa) {
+  for (CpuIsa candidate : {CpuIsa::kPortable, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+    if (name == CpuIsaName(candidate)) {
+      *isa = candidate;
+      return true;
+    }
+  }
+  return false;
 }
 
 CpuIsa BestCpuIsa() {

@@ -1,6 +1,6 @@
 // cpu::PagedAttention: splits the batch into work items, runs them on the thread pool with
 // the inner loops of the best ISA, and merges split contexts. The inner loops are in
-// paged_attention_cpu_core.inc, compiled twice below.
+// paged_attention_cpu_core.inc, compiled three times below (portable, AVX2, AVX-512).
 
 #include <algorithm>
 #include <atomic>
@@ -41,7 +41,9 @@ typedef uint16_t H8 __attribute__((vector_size(16)));
 
 namespace portable {
 #define KVCM_ISA_AVX2 0
+#define KVCM_ISA_AVX512 0
 #include "kernels/paged_attention_cpu_core.inc"  // NOLINT(build/include)
+#undef KVCM_ISA_AVX512
 #undef KVCM_ISA_AVX2
 }  // namespace portable
 
@@ -54,7 +56,9 @@ namespace portable {
 #endif
 namespace avx2 {
 #define KVCM_ISA_AVX2 1
+#define KVCM_ISA_AVX512 0
 #include "kernels/paged_attention_cpu_core.inc"  // NOLINT(build/include)
+#undef KVCM_ISA_AVX512
 #undef KVCM_ISA_AVX2
 }  // namespace avx2
 #if defined(__clang__)
@@ -62,10 +66,40 @@ namespace avx2 {
 #else
 #pragma GCC pop_options
 #endif
+
+// The AVX2 code again, with the dot products and value accumulation in 16-float chunks.
+#if defined(__clang__)
+#pragma clang attribute push(                                                    \
+    __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))), \
+    apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq")
+// GCC 12's AVX-512 intrinsics start from _mm512_undefined_*(), a self-initialised
+// variable, which -Wmaybe-uninitialized reports once inlined.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+namespace avx512 {
+#define KVCM_ISA_AVX2 1
+#define KVCM_ISA_AVX512 1
+#include "kernels/paged_attention_cpu_core.inc"  // NOLINT(build/include)
+#undef KVCM_ISA_AVX512
+#undef KVCM_ISA_AVX2
+}  // namespace avx512
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+#endif
 #else
 namespace avx2 {
 AttentionWorkFn GetWorkFn(KvDType) { return nullptr; }
 }  // namespace avx2
+namespace avx512 {
+AttentionWorkFn GetWorkFn(KvDType) { return nullptr; }
+}  // namespace avx512
 #endif
 
 #undef KVCM_SHUFFLE
@@ -118,7 +152,11 @@ using internal::kTile;
 constexpr int32_t kMinSplitPositions = 256;
 
 AttentionWorkFn WorkFn(KvDType dtype) {
-  if (ActiveCpuIsa() == CpuIsa::kAvx2) {
+  const CpuIsa isa = ActiveCpuIsa();
+  if (isa == CpuIsa::kAvx512) {
+    if (AttentionWorkFn fn = internal::avx512::GetWorkFn(dtype)) return fn;
+  }
+  if (isa == CpuIsa::kAvx2 || isa == CpuIsa::kAvx512) {
     if (AttentionWorkFn fn = internal::avx2::GetWorkFn(dtype)) return fn;
   }
   return internal::portable::GetWorkFn(dtype);

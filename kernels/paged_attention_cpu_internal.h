@@ -72,5 +72,9 @@ namespace avx2 {
 // nullptr when the build has no AVX2 path (not x86-64).
 AttentionWorkFn GetWorkFn(KvDType dtype);
 }  // namespace avx2
+namespace avx512 {
+// nullptr when the build has no AVX-512 path (not x86-64).
+AttentionWorkFn GetWorkFn(KvDType dtype);
+}  // namespace avx512
 
 }  // namespace kvcm::kernels::cpu::internal
