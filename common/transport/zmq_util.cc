@@ -95,6 +95,7 @@ absl::StatusOr<std::vector<zmq::message_t>> ReceiveMessage(zmq::socket_t& socket
         return frames;
       }
       const bool more = frame.more();
+      AlignFrame(frame);
       frames.push_back(std::move(frame));
       if (!more) return frames;
     }

@@ -69,4 +69,16 @@ inline std::span<const uint8_t> FrameBytes(const zmq::message_t& frame) {
   return {static_cast<const uint8_t*>(frame.data()), frame.size()};
 }
 
+// FlatBuffers reads a buffer's scalars in place, so a message must start on an 8-byte
+// boundary (a misaligned load is undefined behaviour in C++ even where x86 allows it, and
+// UBSan stops on it). libzmq may hand out a frame whose data starts anywhere in its receive
+// buffer: such a frame is replaced by a copy in its own allocation (malloc's, or the
+// message's inline storage for small ones, both aligned). Frame metadata (Peer-Address) is
+// not copied: read it first. ReceiveMessage and ReceiveMessageUntil do this for every frame.
+inline void AlignFrame(zmq::message_t& frame) {
+  if (reinterpret_cast<uintptr_t>(frame.data()) % 8 == 0) return;
+  zmq::message_t copy(frame.data(), frame.size());
+  frame.swap(copy);
+}
+
 }  // namespace kvcm

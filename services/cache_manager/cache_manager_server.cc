@@ -14,6 +14,7 @@
 #include "common/base/log.h"
 #include "common/base/unique_fd.h"
 #include "common/memory/pool_layout.h"
+#include "common/transport/zmq_util.h"
 
 namespace kvcm {
 namespace {
@@ -237,6 +238,7 @@ int CacheManagerServer::DrainRequests() {
     if (const char* address = zmq_msg_gets(body.handle(), "Peer-Address")) {
       peer = ParseIpcPeerAddress(address);
     }
+    AlignFrame(body);  // after reading its metadata, which the copy does not keep
     const std::span<const uint8_t> bytes =
         well_formed ? std::span<const uint8_t>(static_cast<const uint8_t*>(body.data()),
                                                body.size())

@@ -12,6 +12,7 @@
 #include "absl/time/clock.h"
 #include "common/base/log.h"
 #include "common/memory/pool_memory.h"
+#include "common/transport/zmq_util.h"
 
 namespace kvcm {
 namespace {
@@ -117,10 +118,9 @@ int ExecutorServer::Drain(bool shutting_down) {
       well_formed = false;
       if (!extra.more()) break;
     }
+    AlignFrame(frame);
     const std::span<const uint8_t> bytes =
-        well_formed
-            ? std::span<const uint8_t>(static_cast<const uint8_t*>(frame.data()), frame.size())
-            : std::span<const uint8_t>();
+        well_formed ? FrameBytes(frame) : std::span<const uint8_t>();
     const absl::Time now = absl::Now();
     if (shutting_down) {
       const VerifiedExecutorEnvelope verified = VerifyExecutorEnvelope(bytes);

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/base/status_macros.h"
+#include "common/transport/zmq_util.h"
 #include "common/wire/envelope.h"
 
 namespace kvcm::testing {
@@ -72,9 +73,9 @@ absl::StatusOr<StepDriver::Inbound> StepDriver::ReceiveOne(absl::Time deadline, 
   }
   if (!identity.more()) return absl::InternalError("a message without a body frame");
   (void)router_.recv(inbound.frame, zmq::recv_flags::none);
+  AlignFrame(inbound.frame);
   const std::string from(static_cast<const char*>(identity.data()), identity.size());
-  const VerifiedExecutorEnvelope verified = VerifyExecutorEnvelope(
-      {static_cast<const uint8_t*>(inbound.frame.data()), inbound.frame.size()});
+  const VerifiedExecutorEnvelope verified = VerifyExecutorEnvelope(FrameBytes(inbound.frame));
   if (verified.envelope == nullptr) {
     return absl::InternalError(absl::StrCat("the executor sent a bad message: ", verified.reason));
   }
