@@ -6,6 +6,8 @@
 
 #include <fstream>
 
+#include "common/transport/zmq_util.h"
+
 namespace kvcm::live_test {
 namespace {
 
@@ -68,8 +70,9 @@ TEST(CacheManagerProcessTest, GarbageOnTheRealSocketGetsErrorRepliesAndChangesNo
     dealer.send(zmq::buffer(message), zmq::send_flags::none);
     zmq::message_t reply;
     ASSERT_TRUE(dealer.recv(reply)) << "no reply to a bad message";
+    AlignFrame(reply);
     const VerifiedEnvelope verified =
-        VerifyEnvelope({static_cast<const uint8_t*>(reply.data()), reply.size()});
+        VerifyEnvelope(FrameBytes(reply));
     ASSERT_EQ(verified.fault, EnvelopeFault::kNone) << verified.reason;
     ASSERT_EQ(verified.envelope->payload_type(), wire::Message::ErrorReply);
     EXPECT_FALSE(verified.envelope->payload_as_ErrorReply()->reason()->str().empty());
