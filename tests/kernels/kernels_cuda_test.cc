@@ -11,12 +11,10 @@
 
 #include <cuda_runtime.h>
 
-#include <cstdlib>
 #include <iostream>
 #include <memory>
 #include <random>
 #include <string>
-#include <string_view>
 #include <tuple>
 #include <vector>
 
@@ -27,6 +25,7 @@
 #include "kernels/paged_kv.h"
 #include "kernels/write_kv.h"
 #include "tests/kernels/attention_case.h"
+#include "tests/support/gpu_test.h"
 
 namespace kvcm::kernels {
 namespace {
@@ -42,18 +41,9 @@ using testing_util::ToDType;
 
 constexpr double kMaxRelativeError = 1e-5;
 
-bool g_require_gpu = false;  // set by main() from KVCM_REQUIRE_GPU
-
 class CudaDeviceTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    const absl::StatusOr<int> count = CudaDeviceCount();
-    if (count.ok()) return;
-    if (g_require_gpu) {
-      FAIL() << "KVCM_REQUIRE_GPU=1 but " << count.status().message();
-    }
-    GTEST_SKIP() << count.status().message();  // "no CUDA device: ..."
-  }
+  void SetUp() override { KVCM_SKIP_WITHOUT_GPU(); }
 };
 
 void Check(cudaError_t err, const char* what) {
@@ -270,11 +260,3 @@ TEST(CudaKernelsCompiledTest, True) { EXPECT_TRUE(CudaKernelsCompiled()); }
 
 }  // namespace
 }  // namespace kvcm::kernels
-
-int main(int argc, char** argv) {
-  // Read here, in main, and nowhere below it.
-  const char* require = std::getenv("KVCM_REQUIRE_GPU");
-  kvcm::kernels::g_require_gpu = require != nullptr && std::string_view(require) == "1";
-  ::testing::InitGoogleTest(&argc, argv);
-  return RUN_ALL_TESTS();
-}

@@ -20,6 +20,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/support/cache_manager_process.h"
+#include "tests/support/gpu_test.h"
 #include "tests/support/subprocess.h"
 
 namespace kvcm {
@@ -42,9 +43,7 @@ std::string PoolPeerPath() {
 
 TEST(PoolAttachCudaTest, ExecutorProcessesShareTheDevicePool) {
   if (!CudaBackendCompiled()) GTEST_SKIP() << "built without CUDA";
-  if (absl::StatusOr<int> devices = CudaDeviceCount(); !devices.ok()) {
-    GTEST_SKIP() << devices.status();
-  }
+  KVCM_SKIP_WITHOUT_GPU();
   CacheManagerOptions options;
   options.backend = "cuda";
   options.num_blocks = 8;

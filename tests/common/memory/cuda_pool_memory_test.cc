@@ -30,6 +30,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/common/memory/memory_test_util.h"
+#include "tests/support/gpu_test.h"
 
 extern char** environ;
 
@@ -47,19 +48,10 @@ using ::testing::HasSubstr;
 constexpr std::string_view kChildFlag = "--kvcm-cuda-pool-child";
 constexpr uint64_t kMiB = uint64_t{1} << 20;
 
-bool g_require_gpu = false;  // set by main() from KVCM_REQUIRE_GPU
-
 // Skips the test when there is no CUDA device, or fails it under KVCM_REQUIRE_GPU=1.
 class CudaDeviceTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    const absl::StatusOr<int> count = CudaDeviceCount();
-    if (count.ok()) return;
-    if (g_require_gpu) {
-      FAIL() << "KVCM_REQUIRE_GPU=1 but " << count.status().message();
-    }
-    GTEST_SKIP() << count.status().message();  // "no CUDA device: ..."
-  }
+  void SetUp() override { KVCM_SKIP_WITHOUT_GPU(); }
 };
 
 std::string HandleToHex(const CudaIpcHandle& handle) {
@@ -197,11 +189,7 @@ TEST_F(CudaPoolMemoryTest, ParentAndSpawnedChildSeeEachOthersWrites) {
 class PoolRoundTripTest : public ::testing::TestWithParam<PoolBackend> {
  protected:
   void SetUp() override {
-    if (GetParam() != PoolBackend::kCuda) return;
-    const absl::StatusOr<int> count = CudaDeviceCount();
-    if (count.ok()) return;
-    if (g_require_gpu) FAIL() << "KVCM_REQUIRE_GPU=1 but " << count.status().message();
-    GTEST_SKIP() << count.status().message();
+    if (GetParam() == PoolBackend::kCuda) KVCM_SKIP_WITHOUT_GPU();
   }
 
   absl::StatusOr<std::unique_ptr<PoolMemory>> Create(uint64_t bytes) {
@@ -236,9 +224,6 @@ INSTANTIATE_TEST_SUITE_P(Backends, PoolRoundTripTest,
 
 int main(int argc, char** argv) {
   if (argc >= 2 && argv[1] == kvcm::kChildFlag) return kvcm::RunChild(argc, argv);
-  // Read here, in main, and nowhere below it.
-  const char* require = std::getenv("KVCM_REQUIRE_GPU");
-  kvcm::g_require_gpu = require != nullptr && std::string_view(require) == "1";
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
 }

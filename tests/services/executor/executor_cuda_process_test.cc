@@ -14,10 +14,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <memory>
 #include <string>
-#include <string_view>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -27,11 +25,11 @@
 #include "common/memory/pool_memory.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kernels/paged_kv.h"
 #include "services/executor/llama_model.h"
 #include "tests/services/executor/executor_test_util.h"
 #include "tests/services/executor/step_driver.h"
 #include "tests/support/cache_manager_process.h"
+#include "tests/support/gpu_test.h"
 #include "tests/support/subprocess.h"
 #include "tools/make_tiny_model/tiny_model.h"
 
@@ -45,23 +43,12 @@ using ::kvcm::testing::TempDir;
 using ::testing::ElementsAreArray;
 using ::testing::HasSubstr;
 
-bool g_require_gpu = false;  // set by main() from KVCM_REQUIRE_GPU
-
 constexpr double kTolerance = 4e-3;  // fp16 cache
 constexpr int32_t kBlockSize = 16;
 constexpr int32_t kNewTokens = 12;
 
 TEST(ExecutorCudaProcessTest, GreedyTokensEqualTheCpuReferenceAndTheKvIsInTheDevicePool) {
-  std::string why;
-  if (!kernels::CudaKernelsCompiled()) {
-    why = "built without CUDA";
-  } else if (absl::StatusOr<int> count = CudaDeviceCount(); !count.ok()) {
-    why = std::string(count.status().message());
-  }
-  if (!why.empty()) {
-    if (g_require_gpu) FAIL() << "KVCM_REQUIRE_GPU=1 but " << why;
-    GTEST_SKIP() << why;
-  }
+  KVCM_SKIP_WITHOUT_GPU();
 
   absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-ex-cuda");
   ASSERT_TRUE(dir.ok()) << dir.status();
@@ -123,23 +110,12 @@ TEST(ExecutorCudaProcessTest, GreedyTokensEqualTheCpuReferenceAndTheKvIsInTheDev
   double worst = 0;
   int64_t compared = 0;
   for (const StepDriver::Sequence& seq : *seqs) {
-    for (int32_t p = 0; p < seq.committed; ++p) {
-      const int32_t block = seq.blocks[static_cast<size_t>(p / kBlockSize)];
-      for (int32_t layer = 0; layer < shared->spec.num_layers; ++layer) {
-        for (int32_t kv = 0; kv < 2; ++kv) {
-          for (int32_t head = 0; head < shared->spec.num_kv_heads; ++head) {
-            const int64_t offset = layout.Offset(layer, kv, block, p % kBlockSize, head);
-            for (int32_t d = 0; d < shared->spec.head_dim; ++d) {
-              const int64_t at = offset + int64_t{d} * layout.elem_bytes;
-              const double want = kvcm::testing::KvElementAsFloat(local.data() + at, DType::kFloat16);
-              const double got = kvcm::testing::KvElementAsFloat(device.data() + at, DType::kFloat16);
-              worst = std::max(worst, std::abs(got - want) / std::max(1.0, std::abs(want)));
-              ++compared;
-            }
-          }
-        }
-      }
-    }
+    kvcm::testing::ForEachWrittenKvVector(
+        layout, shared->spec, seq.blocks, seq.committed, [&](int64_t at) {
+          worst = std::max(worst, kvcm::testing::WorstKvVectorError(
+                                      device.data(), local.data(), at, layout, shared->spec));
+          compared += shared->spec.head_dim;
+        });
   }
   std::printf("compared %lld K/V elements: worst relative error %.3g (tolerance %.1g)\n",
               static_cast<long long>(compared), worst, kTolerance);
@@ -150,11 +126,3 @@ TEST(ExecutorCudaProcessTest, GreedyTokensEqualTheCpuReferenceAndTheKvIsInTheDev
 
 }  // namespace
 }  // namespace kvcm
-
-int main(int argc, char** argv) {
-  // Read here, in main, and nowhere below it.
-  const char* require = std::getenv("KVCM_REQUIRE_GPU");
-  kvcm::g_require_gpu = require != nullptr && std::string_view(require) == "1";
-  ::testing::InitGoogleTest(&argc, argv);
-  return RUN_ALL_TESTS();
-}

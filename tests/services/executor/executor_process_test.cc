@@ -192,20 +192,13 @@ TEST_P(ExecutorGenerationTest, BatchedGreedyTokensEqualTheReferenceAndTheKvIsInT
   bool any_nonzero = false;
   for (const StepDriver::Sequence& seq : *seqs) {
     ASSERT_EQ(seq.committed, seq.prompt_len + kNewTokens - 1);
-    for (int32_t p = 0; p < seq.committed; ++p) {
-      const int32_t block = seq.blocks[static_cast<size_t>(p / block_size)];
-      for (int32_t layer = 0; layer < shared->spec.num_layers; ++layer) {
-        for (int32_t kv = 0; kv < 2; ++kv) {
-          for (int32_t head = 0; head < shared->spec.num_kv_heads; ++head) {
-            const int64_t offset = layout.Offset(layer, kv, block, p % block_size, head);
-            const uint8_t* got = pool_bytes + offset;
-            differing += std::memcmp(got, local.data() + offset, head_bytes) != 0;
-            for (size_t b = 0; b < head_bytes && !any_nonzero; ++b) any_nonzero = got[b] != 0;
-            ++compared;
-          }
-        }
-      }
-    }
+    kvcm::testing::ForEachWrittenKvVector(
+        layout, shared->spec, seq.blocks, seq.committed, [&](int64_t offset) {
+          const uint8_t* got = pool_bytes + offset;
+          differing += std::memcmp(got, local.data() + offset, head_bytes) != 0;
+          for (size_t b = 0; b < head_bytes && !any_nonzero; ++b) any_nonzero = got[b] != 0;
+          ++compared;
+        });
   }
   std::printf("compared %lld K/V head vectors (%s, block size %d): %lld differ\n",
               static_cast<long long>(compared), dtype.c_str(), block_size,

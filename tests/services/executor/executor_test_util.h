@@ -6,6 +6,8 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
@@ -21,6 +23,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "common/memory/pool_layout.h"
+#include "common/sizing/kv_cache_spec.h"
 #include "services/executor/executor_wire.h"
 #include "services/executor/float16.h"
 #include "services/executor/llama_model.h"
@@ -167,6 +171,37 @@ inline float KvElementAsFloat(const uint8_t* p, DType dtype) {
   uint16_t bits;
   std::memcpy(&bits, p, sizeof(bits));
   return dtype == DType::kFloat16 ? HalfToFloat(bits) : BFloat16ToFloat(bits);
+}
+
+// Calls fn(offset) with the byte offset of every (layer, K|V, KV head) vector a sequence has
+// written: positions [0, num_positions) in the blocks of its table `blocks`.
+template <typename Fn>
+void ForEachWrittenKvVector(const PoolLayout& layout, const KvCacheSpec& spec,
+                            std::span<const int32_t> blocks, int32_t num_positions, Fn fn) {
+  for (int32_t p = 0; p < num_positions; ++p) {
+    const int32_t block = blocks[static_cast<size_t>(p / spec.block_size)];
+    for (int32_t layer = 0; layer < spec.num_layers; ++layer) {
+      for (int32_t kv = 0; kv < 2; ++kv) {
+        for (int32_t head = 0; head < spec.num_kv_heads; ++head) {
+          fn(layout.Offset(layer, kv, block, p % spec.block_size, head));
+        }
+      }
+    }
+  }
+}
+
+// The worst |got - want| / max(1, |want|) over the head_dim elements of the K/V vector at
+// `offset` of two pools of the same layout.
+inline double WorstKvVectorError(const uint8_t* got, const uint8_t* want, int64_t offset,
+                                 const PoolLayout& layout, const KvCacheSpec& spec) {
+  double worst = 0;
+  for (int32_t d = 0; d < spec.head_dim; ++d) {
+    const int64_t at = offset + int64_t{d} * layout.elem_bytes;
+    const double w = KvElementAsFloat(want + at, spec.dtype);
+    const double g = KvElementAsFloat(got + at, spec.dtype);
+    worst = std::max(worst, std::abs(g - w) / std::max(1.0, std::abs(w)));
+  }
+  return worst;
 }
 
 // Greedy generation of `n` tokens after `tokens` with the contiguous reference forward.

@@ -22,12 +22,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
 #include <string>
-#include <string_view>
 #include <tuple>
 #include <vector>
 
@@ -37,11 +35,12 @@
 #include "common/memory/pool_memory.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kernels/paged_kv.h"
+#include "kernels/copy_blocks.h"
 #include "services/executor/llama_model.h"
 #include "services/executor/llama_model_cuda.h"
 #include "services/executor/sampler.h"
 #include "tests/services/executor/executor_test_util.h"
+#include "tests/support/gpu_test.h"
 #include "tests/support/subprocess.h"
 #include "tools/make_tiny_model/tiny_model.h"
 
@@ -49,8 +48,6 @@ namespace kvcm {
 namespace {
 
 using ::testing::HasSubstr;
-
-bool g_require_gpu = false;  // set by main() from KVCM_REQUIRE_GPU
 
 constexpr int32_t kNumBlocks = 96;
 
@@ -167,34 +164,11 @@ struct Sequence {
   std::vector<int32_t> blocks;  // block table
 };
 
-class DeviceTest {
- public:
-  static bool Skip(std::string* why) {
-    if (!kernels::CudaKernelsCompiled()) {
-      *why = "built without CUDA";
-      return true;
-    }
-    absl::StatusOr<int> count = CudaDeviceCount();
-    if (count.ok()) return false;
-    *why = std::string(count.status().message());
-    return true;
-  }
-};
-
-#define KVCM_SKIP_WITHOUT_DEVICE()                                         \
-  do {                                                                     \
-    std::string why;                                                       \
-    if (DeviceTest::Skip(&why)) {                                          \
-      if (g_require_gpu) FAIL() << "KVCM_REQUIRE_GPU=1 but " << why;       \
-      GTEST_SKIP() << why;                                                 \
-    }                                                                      \
-  } while (false)
-
 using Param = std::tuple<int32_t /*block_size*/, DType>;
 
 class LlamaCudaForwardTest : public ::testing::TestWithParam<Param> {
  protected:
-  void SetUp() override { KVCM_SKIP_WITHOUT_DEVICE(); }
+  void SetUp() override { KVCM_SKIP_WITHOUT_GPU(); }
   int32_t block_size() const { return std::get<0>(GetParam()); }
   DType dtype() const { return std::get<1>(GetParam()); }
 
@@ -310,24 +284,11 @@ TEST_P(LlamaCudaForwardTest, LogitsAndKvMatchTheCpuForward) {
   double kv_worst = 0;
   int64_t compared = 0;
   for (const Sequence& seq : seqs) {
-    for (int32_t p = 0; p < seq.cached; ++p) {
-      const int32_t block = seq.blocks[static_cast<size_t>(p / block_size())];
-      for (int32_t layer = 0; layer < spec.num_layers; ++layer) {
-        for (int32_t kv = 0; kv < 2; ++kv) {
-          for (int32_t head = 0; head < spec.num_kv_heads; ++head) {
-            const int64_t offset = layout.Offset(layer, kv, block, p % block_size(), head);
-            for (int32_t d = 0; d < spec.head_dim; ++d) {
-              const int64_t at = offset + int64_t{d} * layout.elem_bytes;
-              const float want = kvcm::testing::KvElementAsFloat(host.data() + at, spec.dtype);
-              const float got = kvcm::testing::KvElementAsFloat(device.data() + at, spec.dtype);
-              kv_worst = std::max(kv_worst, std::abs(static_cast<double>(got) - want) /
-                                                std::max(1.0, std::abs(static_cast<double>(want))));
-              ++compared;
-            }
-          }
-        }
-      }
-    }
+    kvcm::testing::ForEachWrittenKvVector(layout, spec, seq.blocks, seq.cached, [&](int64_t at) {
+      kv_worst = std::max(kv_worst, kvcm::testing::WorstKvVectorError(
+                                        device.data(), host.data(), at, layout, spec));
+      compared += spec.head_dim;
+    });
   }
   std::printf("K/V: %lld elements, worst relative error %.3g\n",
               static_cast<long long>(compared), kv_worst);
@@ -346,7 +307,7 @@ INSTANTIATE_TEST_SUITE_P(
 
 class LlamaCudaModelTest : public ::testing::Test {
  protected:
-  void SetUp() override { KVCM_SKIP_WITHOUT_DEVICE(); }
+  void SetUp() override { KVCM_SKIP_WITHOUT_GPU(); }
 };
 
 TEST_F(LlamaCudaModelTest, CopyOrdersMakeDestinationsEqualTheirSources) {
@@ -423,11 +384,3 @@ TEST_F(LlamaCudaModelTest, RefusalsLeaveTheDevicePoolUntouched) {
 
 }  // namespace
 }  // namespace kvcm
-
-int main(int argc, char** argv) {
-  // Read here, in main, and nowhere below it.
-  const char* require = std::getenv("KVCM_REQUIRE_GPU");
-  kvcm::g_require_gpu = require != nullptr && std::string_view(require) == "1";
-  ::testing::InitGoogleTest(&argc, argv);
-  return RUN_ALL_TESTS();
-}
