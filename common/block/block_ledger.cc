@@ -468,6 +468,20 @@ absl::Status BlockLedger::Free(SeqId seq) {
   return absl::OkStatus();
 }
 
+absl::Status BlockLedger::Rename(SeqId seq, SeqId new_id) {
+  auto it = seq_index_.find(seq);
+  if (it == seq_index_.end()) return NotFound(seq);
+  if (seq_index_.contains(new_id)) {
+    return absl::AlreadyExistsError(absl::StrCat("cannot rename ", seq, " to ", new_id,
+                                                 ": sequence ", new_id, " is already live"));
+  }
+  const int32_t slot = it->second;
+  seq_index_.erase(it);
+  slots_[slot].id = new_id;
+  seq_index_.emplace(new_id, slot);
+  return absl::OkStatus();
+}
+
 // --- Prefix cache --------------------------------------------------------------------------
 
 int32_t BlockLedger::Lookup(std::span<const BlockHash> block_hashes) const {

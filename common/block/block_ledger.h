@@ -196,6 +196,12 @@ class BlockLedger {
   // Ends the sequence. Errors: NOT_FOUND (unknown or already freed).
   absl::Status Free(SeqId seq);
 
+  // Gives the live sequence `seq` the id `new_id`, keeping its blocks, tokens and commit
+  // point: nothing else changes (no block is released or reused). The cache manager moves
+  // the sequences of a client that ended out of the clients' id space this way while they
+  // drain. Errors: NOT_FOUND (seq), ALREADY_EXISTS (new_id is live).
+  absl::Status Rename(SeqId seq, SeqId new_id);
+
   // --- Prefix cache ----------------------------------------------------------------------
 
   // Number of leading `block_hashes` whose blocks are in the prefix index (cached, pinned or

@@ -349,19 +349,13 @@ absl::Status CacheManagerClient::Register() {
   return absl::OkStatus();
 }
 
-absl::Status CacheManagerClient::Reregister(std::string_view why) {
-  const SessionInfo old_session = session();
-  KVCM_RETURN_IF_ERROR(Register());
-  const SessionInfo new_session = session();
-  if (new_session.epoch != old_session.epoch) {
-    return absl::AbortedError(absl::StrCat(
-        "cache manager restarted: epoch ", old_session.epoch, " -> ", new_session.epoch,
-        "; sequences and mappings of the old epoch are gone (", std::string(why), ")"));
-  }
-  return absl::AbortedError(absl::StrCat("cache manager ended session ", old_session.session_id,
-                                         " (", std::string(why), "); registered again as session ",
-                                         new_session.session_id, " in epoch ", new_session.epoch,
-                                         "; sequences of the old session are gone"));
+absl::Status CacheManagerClient::SessionGone(std::string_view why) {
+  const auto [current, generation] = SessionAndGeneration();
+  lost_generation_.store(generation);
+  return absl::AbortedError(absl::StrCat(
+      "cache manager ended session ", current.session_id, " of epoch ", current.epoch, " (",
+      std::string(why), "); its sequences are gone. Quiesce what writes for it, then call "
+      "Reregister()"));
 }
 
 absl::Status CacheManagerClient::CheckSession() {
@@ -369,15 +363,24 @@ absl::Status CacheManagerClient::CheckSession() {
     return absl::FailedPreconditionError(
         "no session: this client said Goodbye; call EnsureSession() to register again");
   }
-  if (session_lost()) {
-    return Reregister("its heartbeat was refused");
-  }
+  if (session_lost()) return SessionGone("its heartbeat was refused");
   return absl::OkStatus();
 }
 
 absl::Status CacheManagerClient::EnsureSession() {
   if (said_goodbye_) return Register();
   return CheckSession();
+}
+
+absl::Status CacheManagerClient::Reregister() {
+  const SessionInfo old_session = session();
+  KVCM_RETURN_IF_ERROR(Register());
+  if (session().epoch != old_session.epoch) {
+    std::lock_guard<std::mutex> lock(fence_mu_);
+    fences_.clear();
+    acked_fences_.clear();
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<CacheManagerClient::Reply> CacheManagerClient::Call(
@@ -391,8 +394,8 @@ absl::StatusOr<CacheManagerClient::Reply> CacheManagerClient::Call(
   if (const wire::ErrorReply* error = reply.envelope->payload_as_ErrorReply()) {
     const std::string reason = ReasonOf(error);
     if (IsSessionGone(error->code())) {
-      return Reregister(absl::StrCat(std::string(WireCodeName(error->code())),
-                                     reason.empty() ? "" : ": ", reason));
+      return SessionGone(absl::StrCat(std::string(WireCodeName(error->code())),
+                                      reason.empty() ? "" : ": ", reason));
     }
     return FromWire(error->code(), reason);
   }
@@ -512,6 +515,8 @@ absl::StatusOr<StatsSnapshot> CacheManagerClient::Stats() {
   s.cached_blocks = r->cached_blocks();
   s.pinned_blocks = r->pinned_blocks();
   s.quarantined_blocks = r->quarantined_blocks();
+  s.draining_blocks = r->draining_blocks();
+  s.open_fences = r->open_fences();
   s.live_sequences = r->live_sequences();
   s.usage_ratio = r->usage_ratio();
   s.occupancy_ratio = r->occupancy_ratio();
@@ -608,11 +613,40 @@ absl::StatusOr<AttachedPool> CacheManagerClient::Attach() {
   return pool;
 }
 
-absl::Status CacheManagerClient::Heartbeat() {
-  flatbuffers::FlatBufferBuilder builder(64);
-  const auto heartbeat = wire::CreateHeartbeat(builder);
-  return Call(builder, wire::Message::Heartbeat, heartbeat.Union(), wire::Message::HeartbeatReply)
-      .status();
+absl::Status CacheManagerClient::Heartbeat() { return AcknowledgeFences({}); }
+
+absl::Status CacheManagerClient::AcknowledgeFences(std::span<const uint64_t> fence_ids) {
+  flatbuffers::FlatBufferBuilder builder(64 + 8 * fence_ids.size());
+  const auto acks = fence_ids.empty()
+                        ? flatbuffers::Offset<flatbuffers::Vector<uint64_t>>()
+                        : builder.CreateVector(fence_ids.data(), fence_ids.size());
+  const auto heartbeat = wire::CreateHeartbeat(builder, acks);
+  KVCM_ASSIGN_OR_RETURN(Reply reply, Call(builder, wire::Message::Heartbeat, heartbeat.Union(),
+                                          wire::Message::HeartbeatReply));
+  std::lock_guard<std::mutex> lock(fence_mu_);
+  acked_fences_.insert(fence_ids.begin(), fence_ids.end());
+  TakeFencesLocked(PayloadAs<wire::HeartbeatReply>(reply.envelope));
+  return absl::OkStatus();
+}
+
+std::vector<FenceNotice> CacheManagerClient::PendingFences() const {
+  std::lock_guard<std::mutex> lock(fence_mu_);
+  return fences_;
+}
+
+void CacheManagerClient::TakeFencesLocked(const wire::HeartbeatReply& reply) {
+  std::vector<FenceNotice> fences;
+  if (reply.fences() != nullptr) {
+    for (const wire::Fence* fence : *reply.fences()) {
+      // A reply to a heartbeat sent before an acknowledgement may still list its fence.
+      if (acked_fences_.contains(fence->id())) continue;
+      fences.push_back({fence->id(), fence->router_session()});
+    }
+  }
+  if (fences != fences_) {
+    fences_ = std::move(fences);
+    fence_generation_.fetch_add(1);
+  }
 }
 
 absl::StatusOr<int32_t> CacheManagerClient::Goodbye() {
@@ -706,6 +740,9 @@ void CacheManagerClient::HeartbeatLoop(zmq::socket_t stop) {
         heartbeats_answered_.fetch_add(1);
         if (const wire::ErrorReply* error = verified.envelope->payload_as_ErrorReply()) {
           if (IsSessionGone(error->code())) lost_generation_.store(pending_generation);
+        } else if (const auto* reply = verified.envelope->payload_as_HeartbeatReply()) {
+          std::lock_guard<std::mutex> lock(fence_mu_);
+          TakeFencesLocked(*reply);
         }
       }
     }

@@ -22,14 +22,12 @@
 //   DEADLINE_EXCEEDED  "cache manager at <endpoint> did not answer <Type> within <timeout>"
 //                      (not running, stopped, or overloaded; the next call may succeed).
 //                      Also when the send queue stays full for the timeout.
-//   ABORTED            the session is gone. The client has already registered again before
-//                      returning (see "Restarts"). After a restart the message names both
-//                      epochs: "cache manager restarted: epoch 3 -> 4; sequences and mappings
-//                      of the old epoch are gone (...)"; after the cache manager expired the
-//                      session (heartbeat timeout) in the same epoch: "cache manager ended
-//                      session 7 (...); registered again as session 9 in epoch 3; sequences
-//                      of the old session are gone". If that new Hello fails, its error is
-//                      returned instead.
+//   ABORTED            the session is gone: "cache manager ended session 7 of epoch 3
+//                      (StaleEpoch: ...); its sequences are gone. Quiesce what writes for
+//                      it, then call Reregister()". Every later call fails the same way,
+//                      without sending, until the caller calls Reregister() (see
+//                      "Restarts"): the client never registers again behind its caller's
+//                      back.
 //   FAILED_PRECONDITION after Goodbye() until EnsureSession() registers again; also what the
 //                      cache manager answers for a request in the wrong state.
 //   INTERNAL           the reply was malformed or of the wrong type (a protocol bug), or a
@@ -45,12 +43,20 @@
 //
 // Restarts. The cache manager's epoch changes whenever it starts; its pool, sequences and
 // sessions die with the old process. When a reply says NotRegistered, StaleSession or
-// StaleEpoch (or the heartbeat thread saw that), the client sends a new Hello, adopts the
-// new session id and epoch, and fails the call with ABORTED. The caller then rebuilds what
-// the old epoch held: a router re-admits its in-flight requests; an executor destroys its
-// AttachedPool (drop the old mapping first) and calls Attach() again. epoch() and
-// session_id() return the new values afterwards. EnsureSession() does the same check
-// without another request.
+// StaleEpoch (or the heartbeat thread saw that), the call fails with ABORTED and the session
+// counts as lost. The caller first stops everything that may still write for the old
+// session (a router quiesces its executors; an executor finishes or abandons its step and
+// drops its AttachedPool), then calls Reregister(), then rebuilds: a router re-admits its
+// in-flight requests, an executor calls Attach() again. epoch() and session_id() return the
+// new values afterwards. EnsureSession() checks without a request. (Registering again at
+// once would let a new session start while the old one's writers still run: the fencing
+// of docs/architecture.md depends on the caller choosing the moment.)
+//
+// Fences (executors). Every HeartbeatReply lists the fences still waiting for this session
+// (schemas/kvcm_protocol.fbs, Fence): PendingFences() returns the latest list and
+// fence_generation() changes whenever it does, so a step loop can check it cheaply. Once
+// no step of a fenced router session runs (and later ones are refused), the executor calls
+// AcknowledgeFences().
 //
 // Heartbeats. With Options::heartbeats, Connect() starts one thread that owns its own
 // DEALER socket (no socket is ever shared between threads) and sends a Heartbeat with the
@@ -77,6 +83,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -149,6 +156,14 @@ struct OpOutcome {
 
 // ---- Replies as plain values ----------------------------------------------------------------
 
+// A fence the cache manager asks this executor to honour: stop writing for router session
+// `router_session`, then acknowledge `id`.
+struct FenceNotice {
+  uint64_t id = 0;
+  uint64_t router_session = 0;
+  bool operator==(const FenceNotice&) const = default;
+};
+
 // The session that Hello established, with the limits the cache manager announced.
 struct SessionInfo {
   uint64_t session_id = 0;
@@ -163,8 +178,9 @@ struct SessionInfo {
 };
 
 // StatsReply as a plain struct; the comments carry the cache manager's definitions.
-// The five block states partition the pool:
-//   free + (in_use - quarantined) + quarantined + cached + pinned == num_blocks.
+// The six block states partition the pool:
+//   free + (in_use - quarantined - draining) + quarantined + draining + cached + pinned
+//   == num_blocks.
 struct StatsSnapshot {
   int32_t num_blocks = 0;
   int32_t block_size = 0;
@@ -173,6 +189,8 @@ struct StatsSnapshot {
   int32_t cached_blocks = 0;       // ref count 0, full, hashed, evictable
   int32_t pinned_blocks = 0;       // kept cached on purpose (Pin)
   int32_t quarantined_blocks = 0;  // held by a hung client; never handed out
+  int32_t draining_blocks = 0;     // of an ended router, fenced; in in_use_blocks
+  uint32_t open_fences = 0;        // fences waiting for an executor's acknowledgement
   int32_t live_sequences = 0;
   double usage_ratio = 0;            // in_use / num_blocks (cached and pinned not counted)
   double occupancy_ratio = 0;        // (in_use + cached + pinned) / num_blocks = 1 - free share
@@ -310,23 +328,36 @@ class CacheManagerClient {
   // One heartbeat now (the heartbeat thread sends its own).
   absl::Status Heartbeat();
 
+  // A heartbeat carrying acknowledgements of `fence_ids`: this executor runs no step of
+  // their router sessions and refuses every later one. The fences are dropped from
+  // PendingFences(). Unknown ids are ignored by the cache manager.
+  absl::Status AcknowledgeFences(std::span<const uint64_t> fence_ids);
+  // The fences of the latest HeartbeatReply, less those acknowledged since. Thread-safe.
+  std::vector<FenceNotice> PendingFences() const;
+  // Changes whenever PendingFences() does. Thread-safe and lock-free.
+  uint64_t fence_generation() const { return fence_generation_.load(); }
+
   // Ends the session: a router's sequences are freed (committed full blocks stay cached).
   // Returns how many blocks were released. Later calls return FAILED_PRECONDITION until
   // EnsureSession() registers again.
   absl::StatusOr<int32_t> Goodbye();
 
-  // OK when the session is believed alive. When the heartbeat thread saw it gone, registers
-  // again and returns ABORTED (as a call would); after Goodbye(), registers again and returns
-  // OK. Errors of Hello otherwise.
+  // OK when the session is believed alive. ABORTED (without a request) when it is known
+  // gone; after Goodbye(), registers again and returns OK or Hello's error.
   absl::Status EnsureSession();
+
+  // Registers again (Hello) after the session was lost (ABORTED), adopting the new session
+  // id and epoch. Call it only once nothing writes for the old session any more. Errors of
+  // Hello (UNAVAILABLE, DEADLINE_EXCEEDED, the cache manager's refusal).
+  absl::Status Reregister();
 
   uint64_t session_id() const;
   uint64_t epoch() const;
   // The last HelloReply's values.
   SessionInfo session() const;
   const Options& options() const { return options_; }
-  // True when the heartbeat thread saw the current session refused (the next call
-  // re-registers).
+  // True when a reply or the heartbeat thread saw the current session refused (calls fail
+  // with ABORTED until Reregister()).
   bool session_lost() const;
   // Heartbeats the thread sent and the replies it got (for tests and logs).
   uint64_t heartbeats_sent() const { return heartbeats_sent_.load(); }
@@ -346,8 +377,7 @@ class CacheManagerClient {
   void StopHeartbeats();
   void HeartbeatLoop(zmq::socket_t stop);
 
-  // Fails fast with ABORTED after re-registering if the heartbeat thread saw the session
-  // gone; FAILED_PRECONDITION after Goodbye.
+  // Fails fast with ABORTED if the session is known gone; FAILED_PRECONDITION after Goodbye.
   absl::Status CheckSession();
   // Sends the envelope `builder` holds (finished by the caller with `request_id`) and waits
   // for the reply with the same id. Maps ErrorReply to a status (re-registering on
@@ -358,8 +388,9 @@ class CacheManagerClient {
   // Exchange().
   absl::StatusOr<Reply> Call(flatbuffers::FlatBufferBuilder& builder, wire::Message type,
                              flatbuffers::Offset<void> payload, wire::Message reply_type);
-  // After a reply said the session is gone: Hello again, return the ABORTED status.
-  absl::Status Reregister(std::string_view why);
+  // Marks the current session lost and returns the ABORTED status naming `why`.
+  absl::Status SessionGone(std::string_view why);
+  void TakeFencesLocked(const wire::HeartbeatReply& reply);
   // The session and its generation, read together.
   std::pair<SessionInfo, uint64_t> SessionAndGeneration() const;
 
@@ -379,6 +410,12 @@ class CacheManagerClient {
   std::atomic<uint64_t> lost_generation_{0};
   std::atomic<uint64_t> heartbeats_sent_{0};
   std::atomic<uint64_t> heartbeats_answered_{0};
+
+  // Fences, shared with the heartbeat thread.
+  mutable std::mutex fence_mu_;
+  std::vector<FenceNotice> fences_;              // guarded by fence_mu_
+  absl::flat_hash_set<uint64_t> acked_fences_;  // guarded by fence_mu_; this epoch's
+  std::atomic<uint64_t> fence_generation_{0};
 
   zmq::socket_t stop_;  // PAIR; the heartbeat thread holds the other end
   std::thread heartbeat_thread_;

@@ -32,10 +32,12 @@ constexpr MetricSpec kBlocks{
     "Blocks by state, from one snapshot, so the states sum to kvcm_cache_capacity_blocks: "
     "free (holds nothing), in_use (referenced by a live sequence of a healthy session), "
     "cached (reusable prefix, evictable), pinned (reusable prefix, never evicted), "
-    "quarantined (held only by hung sessions; unusable until they are proven dead)."};
+    "quarantined (held only by hung sessions; unusable until they are proven dead), "
+    "draining (released by a router that ended while an executor may still write them; "
+    "handed out again once every such executor acknowledged the fence or died)."};
 constexpr MetricSpec kUsageRatio{
     "kvcm_cache_usage_ratio", MetricType::Gauge, "",
-    "In-use blocks (quarantined included) / capacity: the share of the pool that cannot be "
+    "In-use blocks (quarantined and draining included) / capacity: the share of the pool that cannot be "
     "handed out without ending a sequence. Cached and pinned blocks do not count, as in "
     "vLLM's kv_cache_usage_perc."};
 constexpr MetricSpec kOccupancyRatio{
@@ -82,6 +84,10 @@ constexpr MetricSpec kEpoch{
     "kvcm_cache_manager_epoch", MetricType::Gauge, "",
     "This cache manager's epoch; it changes at each start, and executors reattach when it "
     "does."};
+constexpr MetricSpec kOpenFences{
+    "kvcm_cache_manager_open_fences", MetricType::Gauge, "",
+    "Fences waiting for an executor: each holds the blocks of a router that ended as "
+    "draining until every executor that may still write them acknowledged or died."};
 constexpr MetricSpec kEventsPublished{
     "kvcm_cache_manager_events_published_total", MetricType::Counter, "",
     "KV events published (BlockStored, BlockRemoved, AllBlocksCleared)."};
@@ -116,6 +122,7 @@ constexpr std::array kSpecs = {
     kWindowReleasedBlocks,
     kSessions,
     kEpoch,
+    kOpenFences,
     kEventsPublished,
     kRequests,
     kRequestDuration,
@@ -161,10 +168,11 @@ enum ExportedState {
   kCachedState,
   kPinnedState,
   kQuarantinedState,
+  kDrainingState,
   kExportedStates
 };
 constexpr std::array<std::string_view, kExportedStates> kExportedStateNames = {
-    "free", "in_use", "cached", "pinned", "quarantined"};
+    "free", "in_use", "cached", "pinned", "quarantined", "draining"};
 
 prometheus::ClientMetric::Label Label(const char* name, std::string_view value) {
   return {name, std::string(value)};
@@ -198,10 +206,10 @@ class CacheManagerMetrics::SnapshotCollector : public prometheus::Collectable {
                    ledger.pinned_blocks ==
                ledger.num_blocks)
         << "block states do not partition the pool";
-    KVCM_CHECK(snapshot.quarantined_blocks >= 0 &&
-               snapshot.quarantined_blocks <= ledger.in_use_blocks)
-        << "quarantined " << snapshot.quarantined_blocks << " of " << ledger.in_use_blocks
-        << " in use";
+    KVCM_CHECK(snapshot.quarantined_blocks >= 0 && snapshot.draining_blocks >= 0 &&
+               snapshot.quarantined_blocks + snapshot.draining_blocks <= ledger.in_use_blocks)
+        << "quarantined " << snapshot.quarantined_blocks << " and draining "
+        << snapshot.draining_blocks << " of " << ledger.in_use_blocks << " in use";
     absl::MutexLock lock(&mu_);
     snapshot_ = snapshot;
   }
@@ -222,8 +230,12 @@ class CacheManagerMetrics::SnapshotCollector : public prometheus::Collectable {
     add(kCapacityBlocks, ledger.num_blocks);
     families.push_back(NewFamily(kBlocks));
     const std::array<int32_t, kExportedStates> by_state = {
-        ledger.free_blocks, ledger.in_use_blocks - s.quarantined_blocks, ledger.cached_blocks,
-        ledger.pinned_blocks, s.quarantined_blocks};
+        ledger.free_blocks,
+        ledger.in_use_blocks - s.quarantined_blocks - s.draining_blocks,
+        ledger.cached_blocks,
+        ledger.pinned_blocks,
+        s.quarantined_blocks,
+        s.draining_blocks};
     for (int i = 0; i < kExportedStates; ++i) {
       AddSample(families.back(), by_state[i], {Label("state", kExportedStateNames[i])});
     }
@@ -249,6 +261,7 @@ class CacheManagerMetrics::SnapshotCollector : public prometheus::Collectable {
       AddSample(families.back(), s.sessions_by_role[i], {Label("role", kSessionRoleNames[i])});
     }
     add(kEpoch, static_cast<double>(s.epoch));
+    add(kOpenFences, s.open_fences);
     add(kEventsPublished, static_cast<double>(s.events_published));
     return families;
   }

@@ -97,6 +97,12 @@ struct CacheManagerSnapshot {
   // anyone until the session is proven dead. Exported as state="quarantined", and
   // state="in_use" excludes them. REQUIRES: 0 <= quarantined_blocks <= in_use_blocks.
   int32_t quarantined_blocks = 0;
+  // Of ledger.in_use_blocks, those held only by sequences of routers that ended while an
+  // executor may still write them (not quarantined): exported as state="draining".
+  // REQUIRES: quarantined_blocks + draining_blocks <= in_use_blocks.
+  int32_t draining_blocks = 0;
+  // Fences waiting for an executor's acknowledgement.
+  int32_t open_fences = 0;
   // Live sessions, indexed by SessionRole.
   std::array<int32_t, kSessionRoles> sessions_by_role{};
   // This cache manager's epoch (changes at each start). Exported as a double: exact up to

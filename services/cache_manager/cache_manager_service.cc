@@ -160,11 +160,7 @@ void CacheManagerService::Handle(const std::optional<PeerCredentials>& peer,
 
   using M = wire::Message;
   switch (envelope.payload_type()) {
-    case M::Heartbeat: {
-      auto payload = wire::CreateHeartbeatReply(*reply);
-      return FinishEnvelope(*reply, request_id, session->id, options_.epoch,
-                            M::HeartbeatReply, payload.Union());
-    }
+    case M::Heartbeat: return HandleHeartbeat(envelope, *session, reply);
     case M::Goodbye: {
       const uint64_t id = session->id;
       const int32_t released = EndSession(id, ReclaimReason::kGoodbye);
@@ -277,15 +273,20 @@ void CacheManagerService::HandleHello(const wire::Envelope& envelope,
                   reply);
   }
   const pid_t pid = hello->pid();
-  // The same process registering again after quarantine has given up its old session.
+  // The same process registering again after quarantine has given up its old session; an
+  // executor's fences go with it to the new one (it is still the same writer).
   std::vector<uint64_t> replaced;
   for (const auto& [id, session] : sessions_) {
     if (session.quarantined && session.pid == pid) replaced.push_back(id);
   }
-  for (uint64_t id : replaced) EndSession(id, ReclaimReason::kSessionReplaced);
+  const uint64_t new_id = next_session_id_++;
+  for (uint64_t id : replaced) {
+    EndSession(id, ReclaimReason::kSessionReplaced,
+               hello->role() == wire::Role::Executor ? new_id : 0);
+  }
 
   Session session;
-  session.id = next_session_id_++;
+  session.id = new_id;
   session.role = hello->role();
   session.pid = pid;
   session.name = hello->name() != nullptr ? hello->name()->str() : std::string();
@@ -296,6 +297,10 @@ void CacheManagerService::HandleHello(const wire::Envelope& envelope,
     session.pid_verified = watcher_->Watch(pid).ok();
   }
   const uint64_t id = session.id;
+  if (auto inherited = inherited_fences_.find(id); inherited != inherited_fences_.end()) {
+    session.pending_fences = std::move(inherited->second);
+    inherited_fences_.erase(inherited);
+  }
   sessions_.emplace(id, std::move(session));
 
   auto payload = wire::CreateHelloReply(
@@ -308,19 +313,14 @@ void CacheManagerService::HandleHello(const wire::Envelope& envelope,
                  payload.Union());
 }
 
-int32_t CacheManagerService::EndSession(uint64_t session_id, ReclaimReason reason) {
+int32_t CacheManagerService::EndSession(uint64_t session_id, ReclaimReason reason,
+                                       uint64_t successor) {
   auto it = sessions_.find(session_id);
   if (it == sessions_.end()) return 0;
   Session& session = it->second;
-  const uint64_t released_before = ledger_.Stats().blocks_released;
-  for (SeqId seq : session.seqs) {
-    const absl::Status freed = ledger_.Free(seq);
-    KVCM_CHECK(freed.ok()) << "session " << session_id << " owned sequence " << seq
-                           << " that the ledger does not know: " << freed.ToString();
-    seq_owner_.erase(seq);
-  }
-  const auto released =
-      static_cast<int32_t>(ledger_.Stats().blocks_released - released_before);
+  std::vector<SeqId> seqs(session.seqs.begin(), session.seqs.end());
+  for (SeqId seq : seqs) seq_owner_.erase(seq);
+  const absl::flat_hash_set<uint64_t> pending = std::move(session.pending_fences);
   const pid_t pid = session.pid;
   const bool watched = session.pid_verified;
   sessions_.erase(it);
@@ -330,8 +330,85 @@ int32_t CacheManagerService::EndSession(uint64_t session_id, ReclaimReason reaso
         [pid](const auto& entry) { return entry.second.pid_verified && entry.second.pid == pid; });
     if (!pid_still_used) watcher_->Unwatch(pid);
   }
+
+  int32_t released = 0;
+  // An executor that ended writes nothing more; one that registered again is still the
+  // writer it was.
+  for (uint64_t fence_id : pending) {
+    if (successor != 0) {
+      auto fence = fences_.find(fence_id);
+      if (fence == fences_.end()) continue;
+      fence->second.waiting.erase(session_id);
+      fence->second.waiting.insert(successor);
+      inherited_fences_[successor].insert(fence_id);
+    } else {
+      released += AcknowledgeFence(fence_id, session_id);
+    }
+  }
+  if (seqs.empty()) return released;
+
+  absl::flat_hash_set<uint64_t> writers;
+  for (const auto& [id, other] : sessions_) {
+    if (other.role == wire::Role::Executor) writers.insert(id);
+  }
+  if (writers.empty()) return released + FreeSequences(seqs, reason);
+
+  const uint64_t fence_id = next_fence_id_++;
+  Fence& fence = fences_[fence_id];
+  fence.router_session = session_id;
+  fence.reason = reason;
+  fence.seqs.reserve(seqs.size());
+  for (SeqId seq : seqs) {
+    const SeqId draining = next_draining_seq_++;
+    const absl::Status renamed = ledger_.Rename(seq, draining);
+    KVCM_CHECK(renamed.ok()) << "session " << session_id << " owned sequence " << seq
+                             << " that the ledger cannot rename: " << renamed.ToString();
+    fence.seqs.push_back(draining);
+  }
+  for (uint64_t writer : writers) sessions_[writer].pending_fences.insert(fence_id);
+  fence.waiting = std::move(writers);
+  return released;
+}
+
+int32_t CacheManagerService::AcknowledgeFence(uint64_t id, uint64_t executor) {
+  auto it = fences_.find(id);
+  if (it == fences_.end() || it->second.waiting.erase(executor) == 0) return 0;
+  if (!it->second.waiting.empty()) return 0;
+  Fence fence = std::move(it->second);
+  fences_.erase(it);
+  return FreeSequences(fence.seqs, fence.reason);
+}
+
+int32_t CacheManagerService::FreeSequences(std::span<const SeqId> seqs, ReclaimReason reason) {
+  const uint64_t released_before = ledger_.Stats().blocks_released;
+  for (SeqId seq : seqs) {
+    const absl::Status freed = ledger_.Free(seq);
+    KVCM_CHECK(freed.ok()) << "sequence " << seq << " to free is unknown to the ledger: "
+                           << freed.ToString();
+  }
+  const auto released = static_cast<int32_t>(ledger_.Stats().blocks_released - released_before);
   if (metrics_ != nullptr && released > 0) metrics_->CountReclaimed(reason, released);
   return released;
+}
+
+void CacheManagerService::HandleHeartbeat(const wire::Envelope& envelope, Session& session,
+                                          flatbuffers::FlatBufferBuilder* reply) {
+  const wire::Heartbeat* heartbeat = envelope.payload_as_Heartbeat();
+  if (session.role == wire::Role::Executor && heartbeat->fence_acks() != nullptr) {
+    for (uint64_t fence_id : *heartbeat->fence_acks()) {
+      if (session.pending_fences.erase(fence_id) > 0) AcknowledgeFence(fence_id, session.id);
+    }
+  }
+  std::vector<wire::Fence> fences;
+  fences.reserve(session.pending_fences.size());
+  for (uint64_t fence_id : session.pending_fences) {
+    fences.emplace_back(fence_id, fences_.at(fence_id).router_session);
+  }
+  std::sort(fences.begin(), fences.end(),
+            [](const wire::Fence& a, const wire::Fence& b) { return a.id() < b.id(); });
+  auto payload = wire::CreateHeartbeatReply(*reply, reply->CreateVectorOfStructs(fences));
+  FinishEnvelope(*reply, envelope.request_id(), session.id, options_.epoch,
+                 wire::Message::HeartbeatReply, payload.Union());
 }
 
 void CacheManagerService::OnProcessExited(pid_t pid) {
@@ -354,30 +431,43 @@ int CacheManagerService::ExpireSessions(absl::Time now) {
   // Sessions holding nothing have nothing to quarantine: end them at once (a kvcmctl that
   // was killed between calls, an executor that hung).
   std::vector<uint64_t> empty;
+  // An executor holds no sequences but may still be writing: it stays (quarantined, and
+  // waiting in its fences) until it answers or its process is proven dead.
   for (const auto& [id, session] : sessions_) {
-    if (session.quarantined && session.seqs.empty()) empty.push_back(id);
+    if (session.quarantined && session.seqs.empty() && session.role != wire::Role::Executor) {
+      empty.push_back(id);
+    }
   }
   for (uint64_t id : empty) EndSession(id, ReclaimReason::kClientDied);
   return quarantined;
 }
 
-int32_t CacheManagerService::QuarantinedBlocks() const {
-  absl::flat_hash_map<BlockId, int32_t> refs;
+CacheManagerService::HeldBlocks CacheManagerService::BlocksHeldApart() const {
+  struct Refs {
+    int32_t quarantined = 0;
+    int32_t draining = 0;
+  };
+  absl::flat_hash_map<BlockId, Refs> refs;
+  auto count = [&](SeqId seq, int32_t Refs::*field) {
+    auto table = ledger_.BlockTable(seq);
+    KVCM_CHECK(table.ok()) << table.status().ToString();
+    for (BlockId block : *table) {
+      if (block != kNoBlock) ++(refs[block].*field);
+    }
+  };
   for (const auto& [id, session] : sessions_) {
     if (!session.quarantined) continue;
-    for (SeqId seq : session.seqs) {
-      auto table = ledger_.BlockTable(seq);
-      KVCM_CHECK(table.ok()) << table.status().ToString();
-      for (BlockId block : *table) {
-        if (block != kNoBlock) ++refs[block];
-      }
-    }
+    for (SeqId seq : session.seqs) count(seq, &Refs::quarantined);
   }
-  int32_t quarantined = 0;
-  for (const auto& [block, count] : refs) {
-    if (count == ledger_.RefCount(block)) ++quarantined;
+  for (const auto& [id, fence] : fences_) {
+    for (SeqId seq : fence.seqs) count(seq, &Refs::draining);
   }
-  return quarantined;
+  HeldBlocks held;
+  for (const auto& [block, r] : refs) {
+    if (r.quarantined + r.draining != ledger_.RefCount(block)) continue;
+    ++(r.quarantined > 0 ? held.quarantined : held.draining);
+  }
+  return held;
 }
 
 // --- Step ----------------------------------------------------------------------------------
@@ -415,6 +505,11 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
                                   " is not live")};
   };
   auto check_new = [&](size_t i, wire::StepOp type, SeqId seq) -> std::optional<Rejection> {
+    if (seq >= kFirstDrainingSeq) {
+      return Rejection{RejectReason::kInvalidArgument, wire::ErrorCode::InvalidArgument,
+                       absl::StrCat("op ", i, " (", OpName(type), "): sequence id ", seq,
+                                    " is reserved (ids from 2^63 up are the cache manager's)")};
+    }
     auto it = step_seqs_.find(seq);
     const bool live = it != step_seqs_.end() ? it->second : seq_owner_.contains(seq);
     if (!live) return std::nullopt;
@@ -700,7 +795,10 @@ void CacheManagerService::HandleStats(const wire::Envelope& envelope, absl::Time
   out.add_in_use_blocks(stats.in_use_blocks);
   out.add_cached_blocks(stats.cached_blocks);
   out.add_pinned_blocks(stats.pinned_blocks);
-  out.add_quarantined_blocks(QuarantinedBlocks());
+  const HeldBlocks held = BlocksHeldApart();
+  out.add_quarantined_blocks(held.quarantined);
+  out.add_draining_blocks(held.draining);
+  out.add_open_fences(static_cast<uint32_t>(fences_.size()));
   out.add_live_sequences(stats.live_sequences);
   out.add_usage_ratio(stats.usage_ratio);
   out.add_occupancy_ratio(stats.occupancy_ratio);
@@ -730,7 +828,10 @@ void CacheManagerService::HandleStats(const wire::Envelope& envelope, absl::Time
 CacheManagerSnapshot CacheManagerService::Snapshot() const {
   CacheManagerSnapshot snapshot;
   snapshot.ledger = ledger_.Stats();
-  snapshot.quarantined_blocks = QuarantinedBlocks();
+  const HeldBlocks held = BlocksHeldApart();
+  snapshot.quarantined_blocks = held.quarantined;
+  snapshot.draining_blocks = held.draining;
+  snapshot.open_fences = static_cast<int32_t>(fences_.size());
   for (const auto& [id, session] : sessions_) {
     if (auto role = SessionRoleOf(session.role)) {
       ++snapshot.sessions_by_role[static_cast<size_t>(*role)];

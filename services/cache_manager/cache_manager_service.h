@@ -22,9 +22,25 @@
 //   heartbeat timeout is quarantined by ExpireSessions(): its sequences stay allocated (so
 //   their blocks are never handed to anyone else while the client may still run and
 //   write), its requests are refused as StaleSession, and its blocks show as quarantined.
-// - A session's sequences are freed (committed full blocks stay cached) on Goodbye, when
-//   its process dies (OnProcessExited), or when the same process registers again after
-//   being quarantined (it has then given up the old session).
+// - A session ends on Goodbye, when its process dies (OnProcessExited), or when the same
+//   process registers again after being quarantined (it has then given up the old session).
+//
+// Fencing (docs/architecture.md, "Fencing"): a block is never handed to a new owner while a
+// process told to write it may still run. The writers are the executors, and the cache
+// manager does not know which executor a router told to write what, so when a router
+// session ends holding sequences and any executor session exists, its sequences are not
+// freed: they move out of the routers' id space (ids >= kFirstDrainingSeq) under a fence
+// that waits for every executor session existing then. An executor learns its open fences
+// in each HeartbeatReply and acknowledges them (Heartbeat.fence_acks) once it runs no step
+// of that router session and will refuse any later one; an executor session that ends
+// (process proven dead by its pidfd, or Goodbye) acknowledges by ending. When the last
+// waiting executor acknowledged, the sequences are freed (committed full blocks stay
+// cached) and counted as reclaimed for the reason the router ended. Until then their
+// blocks show as draining. A hung executor is quarantined but keeps its place in every
+// fence until it answers or dies: an executor session holding no blocks is never ended
+// by its lease. An executor that registers again takes its old session's fences along.
+// With no executor session at all, nothing can be writing, and the sequences are freed
+// at once.
 //
 // Thread safety: none; one thread (the server's socket thread) owns the service.
 
@@ -67,6 +83,10 @@ struct PoolExport {
   int32_t cuda_device = -1;                 // cuda
   std::vector<uint8_t> cuda_ipc_handle;     // cuda: 64 bytes
 };
+
+// Sequence ids from here up belong to sequences draining behind a fence; routers cannot
+// allocate them.
+inline constexpr SeqId kFirstDrainingSeq = SeqId{1} << 63;
 
 class CacheManagerService {
  public:
@@ -126,8 +146,16 @@ class CacheManagerService {
   int32_t num_sessions() const { return static_cast<int32_t>(sessions_.size()); }
   uint64_t rejected_messages() const { return rejected_messages_; }
 
-  // Blocks held only by quarantined sessions. O(their blocks).
-  int32_t QuarantinedBlocks() const;
+  // Blocks held only by quarantined sessions (quarantined) and, of the rest, those held
+  // only by draining sequences (draining). O(their blocks).
+  struct HeldBlocks {
+    int32_t quarantined = 0;
+    int32_t draining = 0;
+  };
+  HeldBlocks BlocksHeldApart() const;
+  int32_t QuarantinedBlocks() const { return BlocksHeldApart().quarantined; }
+  int32_t DrainingBlocks() const { return BlocksHeldApart().draining; }
+  int32_t open_fences() const { return static_cast<int32_t>(fences_.size()); }
 
  private:
   struct Session {
@@ -139,6 +167,16 @@ class CacheManagerService {
     absl::Time last_seen;
     bool quarantined = false;
     absl::flat_hash_set<SeqId> seqs;  // sequences this session allocated and still owns
+    absl::flat_hash_set<uint64_t> pending_fences;  // executors: fences not acknowledged yet
+  };
+
+  // The sequences of a router session that ended, waiting for the executors that may
+  // still write them.
+  struct Fence {
+    uint64_t router_session = 0;
+    ReclaimReason reason = ReclaimReason::kClientDied;
+    std::vector<SeqId> seqs;                // renamed to ids >= kFirstDrainingSeq
+    absl::flat_hash_set<uint64_t> waiting;  // executor sessions yet to acknowledge
   };
 
   // A refusal before anything changed.
@@ -173,9 +211,18 @@ class CacheManagerService {
                                                const Session& session,
                                                flatbuffers::FlatBufferBuilder* reply);
 
-  // Frees every sequence of `session` and forgets the session; counts reclaimed blocks.
-  // Returns the blocks that became unused.
-  int32_t EndSession(uint64_t session_id, ReclaimReason reason);
+  // Forgets the session. A router's sequences are freed, or fenced while executor sessions
+  // exist (see the header comment); an executor's fences count as acknowledged, or move to
+  // `successor` (the session the same process registered again as) when that is not 0.
+  // Counts reclaimed blocks; returns the blocks that became unused now.
+  int32_t EndSession(uint64_t session_id, ReclaimReason reason, uint64_t successor = 0);
+  // `executor` acknowledged fence `id` (or ended); frees the fenced sequences once nobody
+  // is waiting. Unknown ids are ignored. Returns the blocks that became unused.
+  int32_t AcknowledgeFence(uint64_t id, uint64_t executor);
+  // Frees sequences and counts the blocks that became unused for `reason`.
+  int32_t FreeSequences(std::span<const SeqId> seqs, ReclaimReason reason);
+  void HandleHeartbeat(const wire::Envelope& envelope, Session& session,
+                       flatbuffers::FlatBufferBuilder* reply);
 
   void CountRejected(RejectReason reason);
 
@@ -188,6 +235,11 @@ class CacheManagerService {
   absl::flat_hash_map<uint64_t, Session> sessions_;
   absl::flat_hash_map<SeqId, uint64_t> seq_owner_;  // live sequence -> owning session
   uint64_t next_session_id_ = 1;
+  absl::flat_hash_map<uint64_t, Fence> fences_;  // open fences by id
+  // Fences of a replaced executor session, for the session its Hello is creating.
+  absl::flat_hash_map<uint64_t, absl::flat_hash_set<uint64_t>> inherited_fences_;
+  uint64_t next_fence_id_ = 1;
+  SeqId next_draining_seq_ = kFirstDrainingSeq;
   uint64_t event_seq_ = 0;  // last batch number handed out
   bool announce_cleared_ = true;
   uint64_t events_published_ = 0;

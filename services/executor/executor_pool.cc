@@ -81,14 +81,21 @@ absl::Status CacheManagerPool::Reattach() {
   // Fail fast when nothing listens (the cache manager is down): no call timeout to wait.
   KVCM_RETURN_IF_ERROR(ProbeIpcListener(client_->options().endpoint));
   const absl::Time start = absl::Now();
-  // ABORTED means the client registered again (a new epoch or a new session): expected here.
-  if (absl::Status session = client_->EnsureSession(); !session.ok() && !absl::IsAborted(session)) {
+  // The session is gone (a new epoch, or the lease ran out): this executor is between steps
+  // and holds no mapping any more, so nothing writes for the old session; register again.
+  // Its open fences go with it to the new session (the cache manager moves them).
+  if (absl::Status session = client_->EnsureSession(); absl::IsAborted(session)) {
+    KVCM_RETURN_IF_ERROR(client_->Reregister());
+  } else if (!session.ok()) {
     return session;
   }
   absl::StatusOr<AttachedPool> attached = client_->Attach();
-  // A refusal met only now (the heartbeat had not seen the restart yet): registered again
-  // inside the call; attach once more in the new session.
-  if (absl::IsAborted(attached.status())) attached = client_->Attach();
+  // A refusal met only now (the heartbeat had not seen the restart yet): register and
+  // attach once more.
+  if (absl::IsAborted(attached.status())) {
+    KVCM_RETURN_IF_ERROR(client_->Reregister());
+    attached = client_->Attach();
+  }
   if (!attached.ok()) return attached.status();
   KVCM_RETURN_IF_ERROR(CheckPoolFitsModel(attached->spec, options_.model));
   // The attachment's own time; what `accept` does (copying weights to a device) is not.

@@ -19,10 +19,12 @@ namespace kvcm::kvcmctl {
 BlockStates StatesOf(const StatsSnapshot& stats) {
   BlockStates states;
   states.free = stats.free_blocks;
-  states.in_use = int64_t{stats.in_use_blocks} - stats.quarantined_blocks;
+  states.in_use =
+      int64_t{stats.in_use_blocks} - stats.quarantined_blocks - stats.draining_blocks;
   states.cached = stats.cached_blocks;
   states.pinned = stats.pinned_blocks;
   states.quarantined = stats.quarantined_blocks;
+  states.draining = stats.draining_blocks;
   return states;
 }
 
@@ -43,7 +45,7 @@ std::string StatsUsage() {
       "Usage: kvcmctl stats [--run-dir DIR | --endpoint URL] [--timeout DURATION] [--json]\n"
       "\n"
       "Shows a running kvcm-cache-manager's blocks by state (free, in use, cached, pinned,\n"
-      "quarantined; they sum to the capacity), usage and occupancy, the prefix hit rate\n"
+      "quarantined, draining; they sum to the capacity), usage and occupancy, the prefix hit rate\n"
       "(hit tokens / prompt tokens) and its counters.\n"
       "\n"
       "Flags:\n",
@@ -68,6 +70,7 @@ std::string FormatStatsText(const StatsSnapshot& s) {
   const std::pair<const char*, int64_t> rows[] = {
       {"free", states.free},     {"in use", states.in_use},           {"cached", states.cached},
       {"pinned", states.pinned}, {"quarantined", states.quarantined},
+      {"draining", states.draining},
   };
   for (const auto& [name, count] : rows) {
     absl::StrAppend(&out, absl::StrFormat("  %-12s %10d %8s\n", name, count,
@@ -76,7 +79,7 @@ std::string FormatStatsText(const StatsSnapshot& s) {
   absl::StrAppend(&out, absl::StrFormat("  %-12s %10d %8s\n", "total", states.total(),
                                         Percent(static_cast<double>(states.total()), total)));
   absl::StrAppend(
-      &out, absl::StrFormat("Usage %s (in use, quarantined included, / capacity); occupancy %s "
+      &out, absl::StrFormat("Usage %s (in use, quarantined and draining included, / capacity); occupancy %s "
                             "(holding KV / capacity)\n",
                             absl::StrFormat("%.1f%%", 100 * s.usage_ratio),
                             absl::StrFormat("%.1f%%", 100 * s.occupancy_ratio)));
@@ -92,8 +95,8 @@ std::string FormatStatsText(const StatsSnapshot& s) {
                                         s.evictions, s.cow_copies, s.allocation_failures));
   absl::StrAppend(&out, absl::StrFormat("Events published %d; messages rejected %d\n",
                                         s.events_published, s.rejected_messages));
-  absl::StrAppend(&out, absl::StrFormat("Sessions %d; uptime %.1f s; epoch %d\n", s.sessions,
-                                        s.uptime_seconds, s.epoch));
+  absl::StrAppend(&out, absl::StrFormat("Sessions %d; open fences %d; uptime %.1f s; epoch %d\n",
+                                        s.sessions, s.open_fences, s.uptime_seconds, s.epoch));
   if (states.total() != s.num_blocks) {
     absl::StrAppend(&out, absl::StrFormat("WARNING: the states sum to %d blocks, not %d\n",
                                           states.total(), s.num_blocks));
@@ -112,7 +115,9 @@ std::string FormatStatsJson(const StatsSnapshot& s) {
                  {"in_use", states.in_use},
                  {"cached", states.cached},
                  {"pinned", states.pinned},
-                 {"quarantined", states.quarantined}};
+                 {"quarantined", states.quarantined},
+                 {"draining", states.draining}};
+  j["open_fences"] = s.open_fences;
   j["usage_ratio"] = s.usage_ratio;
   j["occupancy_ratio"] = s.occupancy_ratio;
   j["live_sequences"] = s.live_sequences;

@@ -32,8 +32,9 @@ struct BlockStates {
   int64_t cached = 0;
   int64_t pinned = 0;
   int64_t quarantined = 0;
+  int64_t draining = 0;
 
-  int64_t total() const { return free + in_use + cached + pinned + quarantined; }
+  int64_t total() const { return free + in_use + cached + pinned + quarantined + draining; }
 };
 BlockStates StatesOf(const StatsSnapshot& stats);
 

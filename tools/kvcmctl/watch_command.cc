@@ -132,8 +132,8 @@ std::string WatchUsage() {
 }
 
 std::string FormatWatchHeader() {
-  return absl::StrFormat("%-8s %7s %7s %7s %7s %7s %7s %7s %7s %8s %8s %7s %7s\n", "time", "free",
-                         "in_use", "cached", "pinned", "quar", "usage", "occup", "hit", "alloc/s",
+  return absl::StrFormat("%-8s %7s %7s %7s %7s %7s %7s %7s %7s %7s %8s %8s %7s %7s\n", "time",
+                         "free", "in_use", "cached", "pinned", "quar", "drain", "usage", "occup", "hit", "alloc/s",
                          "evict/s", "cow/s", "fail/s");
 }
 
@@ -141,9 +141,9 @@ std::string FormatWatchLine(const WatchSample& sample) {
   const StatsSnapshot& s = sample.stats;
   const BlockStates states = StatesOf(s);
   return absl::StrFormat(
-      "%-8s %7d %7d %7d %7d %7d %7s %7s %7s %8s %8s %7s %7s\n",
+      "%-8s %7d %7d %7d %7d %7d %7d %7s %7s %7s %8s %8s %7s %7s\n",
       absl::FormatTime("%H:%M:%S", sample.time, absl::UTCTimeZone()), states.free, states.in_use,
-      states.cached, states.pinned, states.quarantined,
+      states.cached, states.pinned, states.quarantined, states.draining,
       absl::StrFormat("%.1f%%", 100 * s.usage_ratio),
       absl::StrFormat("%.1f%%", 100 * s.occupancy_ratio), IntervalHitRate(sample),
       Rate(sample, &StatsSnapshot::blocks_allocated), Rate(sample, &StatsSnapshot::evictions),
@@ -161,7 +161,8 @@ std::string FormatWatchJson(const WatchSample& sample) {
                  {"in_use", states.in_use},
                  {"cached", states.cached},
                  {"pinned", states.pinned},
-                 {"quarantined", states.quarantined}};
+                 {"quarantined", states.quarantined},
+                 {"draining", states.draining}};
   j["usage_ratio"] = s.usage_ratio;
   j["occupancy_ratio"] = s.occupancy_ratio;
   j["live_sequences"] = s.live_sequences;

@@ -128,6 +128,27 @@ TEST_P(LedgerScenarioTest, FreeKeepsCommittedFullBlocksCachedAndFreesTheRest) {
   EXPECT_INVARIANTS(ledger);
 }
 
+TEST_P(LedgerScenarioTest, RenameKeepsBlocksAndFreesTheOldId) {
+  BlockLedger ledger = MakeLedger(8, bs());
+  const auto prompt = Iota(2 * bs() + 2);
+  ASSERT_TRUE(ledger.Allocate(1, static_cast<int32_t>(prompt.size()), HashesOf(prompt, bs())).ok());
+  ASSERT_TRUE(ledger.Commit(1, bs() + 1).ok());
+  ASSERT_TRUE(ledger.Allocate(2, 1).ok());
+  EXPECT_EQ(ledger.Rename(1, 2).code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(ledger.Rename(9, 10).code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(ledger.Rename(1, 100).ok());
+  EXPECT_INVARIANTS(ledger);
+  EXPECT_THAT(*ledger.BlockTable(100), ElementsAre(0, 1, 2));
+  EXPECT_EQ(ledger.BlockTable(1).status().code(), absl::StatusCode::kNotFound);
+  for (BlockId b : {0, 1, 2}) EXPECT_EQ(ledger.StateOf(b), BlockState::kInUse);
+  // The old id is free for a new sequence; the renamed one keeps its commit point.
+  ASSERT_TRUE(ledger.Allocate(1, bs()).ok());
+  ASSERT_TRUE(ledger.Free(100).ok());
+  EXPECT_EQ(ledger.StateOf(0), BlockState::kCached);
+  EXPECT_EQ(ledger.StateOf(1), BlockState::kFree);
+  EXPECT_INVARIANTS(ledger);
+}
+
 TEST_P(LedgerScenarioTest, EvictsLeastRecentlyReleasedAndTailBeforeHead) {
   BlockLedger ledger = MakeLedger(6, bs());
   const auto doc_a = Iota(3 * bs(), 0);

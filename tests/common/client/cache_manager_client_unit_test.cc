@@ -221,7 +221,7 @@ TEST(CacheManagerClientUnitTest, ErrorRepliesMapToStatusCodes) {
   EXPECT_EQ(stats.status().message(), "bye");
 }
 
-TEST(CacheManagerClientUnitTest, StaleEpochReregistersAndAborts) {
+TEST(CacheManagerClientUnitTest, StaleEpochAbortsAndRegistersOnlyWhenAsked) {
   FakeCacheManager fake;
   auto epoch = std::make_shared<std::atomic<uint64_t>>(5);
   fake.SetHandler(Script(epoch, [epoch](const wire::Envelope& e) -> std::vector<std::string> {
@@ -236,7 +236,15 @@ TEST(CacheManagerClientUnitTest, StaleEpochReregistersAndAborts) {
   epoch->store(6);  // "restart"
   absl::StatusOr<StatsSnapshot> stats = (*client)->Stats();
   EXPECT_EQ(stats.status().code(), absl::StatusCode::kAborted);
-  EXPECT_THAT(stats.status().message(), HasSubstr("cache manager restarted: epoch 5 -> 6"));
+  EXPECT_THAT(stats.status().message(), HasSubstr("ended session 1 of epoch 5 (StaleEpoch"));
+  EXPECT_THAT(stats.status().message(), HasSubstr("call Reregister()"));
+  // Nothing registers behind the caller's back: calls keep failing, unsent, until it asks.
+  EXPECT_TRUE((*client)->session_lost());
+  EXPECT_EQ((*client)->Stats().status().code(), absl::StatusCode::kAborted);
+  EXPECT_EQ((*client)->EnsureSession().code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(fake.Count(wire::Message::Hello), 1);
+  EXPECT_EQ(fake.Count(wire::Message::Stats), 1);
+  ASSERT_TRUE((*client)->Reregister().ok());
   EXPECT_EQ((*client)->epoch(), 6u);
   EXPECT_TRUE((*client)->Stats().ok());
   EXPECT_EQ(fake.Count(wire::Message::Hello), 2);
@@ -278,8 +286,10 @@ TEST(CacheManagerClientUnitTest, HeartbeatThreadNoticesALostSession) {
   EXPECT_EQ(stats.status().code(), absl::StatusCode::kAborted) << stats.status();
   EXPECT_THAT(stats.status().message(), HasSubstr("ended session 1"));
   EXPECT_EQ(fake.Count(wire::Message::Stats), stats_before);  // not sent
+  EXPECT_TRUE((*client)->session_lost());  // until the caller registers again
+  EXPECT_EQ((*client)->EnsureSession().code(), absl::StatusCode::kAborted);
+  ASSERT_TRUE((*client)->Reregister().ok());
   EXPECT_FALSE((*client)->session_lost());
-  EXPECT_TRUE((*client)->EnsureSession().ok());
   EXPECT_TRUE((*client)->Stats().ok());
 }
 

@@ -28,7 +28,7 @@ using ::kvcm::testing::ParseMetricsText;
 using ::testing::ElementsAre;
 
 constexpr int32_t kNumBlocks = 64;
-const char* const kStates[] = {"free", "in_use", "cached", "pinned", "quarantined"};
+const char* const kStates[] = {"free", "in_use", "cached", "pinned", "quarantined", "draining"};
 
 CacheManagerMetrics::CacheInfo Info() {
   CacheManagerMetrics::CacheInfo info;
@@ -90,7 +90,7 @@ TEST_F(CacheManagerMetricsTest, EveryLabelSetIsExportedAtZeroFromStartUp) {
   const MetricsText text = Scrape();
   EXPECT_EQ(ValueOr(text, "kvcm_cache_capacity_blocks"), kNumBlocks);
   EXPECT_EQ(ValueOr(text, "kvcm_cache_blocks", {{"state", "free"}}), kNumBlocks);
-  for (const char* state : {"in_use", "cached", "pinned", "quarantined"}) {
+  for (const char* state : {"in_use", "cached", "pinned", "quarantined", "draining"}) {
     EXPECT_EQ(ValueOr(text, "kvcm_cache_blocks", {{"state", state}}), 0) << state;
   }
   for (int i = 0; i < kRequestTypes; ++i) {
@@ -186,11 +186,15 @@ TEST_F(CacheManagerMetricsTest, ExportsThePublishedSnapshot) {
   s.sessions_by_role = {1, 4, 2};
   s.epoch = 42;
   s.events_published = 1234;
+  s.draining_blocks = 3;
+  s.open_fences = 2;
   metrics_.PublishSnapshot(s);
 
   const MetricsText text = Scrape();
   EXPECT_EQ(ValueOr(text, "kvcm_cache_blocks", {{"state", "free"}}), 32);
-  EXPECT_EQ(ValueOr(text, "kvcm_cache_blocks", {{"state", "in_use"}}), 14);  // 20 - 6
+  EXPECT_EQ(ValueOr(text, "kvcm_cache_blocks", {{"state", "in_use"}}), 11);  // 20 - 6 - 3
+  EXPECT_EQ(ValueOr(text, "kvcm_cache_blocks", {{"state", "draining"}}), 3);
+  EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_open_fences"), 2);
   EXPECT_EQ(ValueOr(text, "kvcm_cache_blocks", {{"state", "cached"}}), 8);
   EXPECT_EQ(ValueOr(text, "kvcm_cache_blocks", {{"state", "pinned"}}), 4);
   EXPECT_EQ(ValueOr(text, "kvcm_cache_blocks", {{"state", "quarantined"}}), 6);
@@ -261,6 +265,7 @@ TEST_F(CacheManagerMetricsTest, StatesSumToCapacityInEveryScrapeWhileSnapshotsCh
           std::uniform_int_distribution<int32_t>(0, kNumBlocks - in_use - cached)(rng);
       const int32_t quarantined = std::uniform_int_distribution<int32_t>(0, in_use)(rng);
       CacheManagerSnapshot s = Snapshot(in_use, cached, pinned, quarantined);
+      s.draining_blocks = std::uniform_int_distribution<int32_t>(0, in_use - quarantined)(rng);
       s.ledger.live_sequences = in_use;  // a marker tying the gauges to one snapshot
       metrics_.PublishSnapshot(s);
       published.fetch_add(1);
@@ -275,7 +280,8 @@ TEST_F(CacheManagerMetricsTest, StatesSumToCapacityInEveryScrapeWhileSnapshotsCh
     for (const char* state : kStates) sum += ValueOr(text, "kvcm_cache_blocks", {{"state", state}});
     ASSERT_EQ(sum, ValueOr(text, "kvcm_cache_capacity_blocks")) << "scrape " << i;
     const double in_use_total = ValueOr(text, "kvcm_cache_blocks", {{"state", "in_use"}}) +
-                                ValueOr(text, "kvcm_cache_blocks", {{"state", "quarantined"}});
+                                ValueOr(text, "kvcm_cache_blocks", {{"state", "quarantined"}}) +
+                                ValueOr(text, "kvcm_cache_blocks", {{"state", "draining"}});
     ASSERT_EQ(ValueOr(text, "kvcm_cache_live_sequences"), in_use_total) << "scrape " << i;
     ASSERT_DOUBLE_EQ(ValueOr(text, "kvcm_cache_usage_ratio") * kNumBlocks, in_use_total);
     ASSERT_DOUBLE_EQ(ValueOr(text, "kvcm_cache_occupancy_ratio") * kNumBlocks,
@@ -321,7 +327,10 @@ TEST(CacheManagerMetricsDeathTest, SnapshotOfAnotherPoolOrBrokenStatesDies) {
   CacheManagerSnapshot not_a_partition = Snapshot(1, 1, 1, 0);
   not_a_partition.ledger.free_blocks -= 1;
   EXPECT_DEATH(metrics.PublishSnapshot(not_a_partition), "do not partition");
-  EXPECT_DEATH(metrics.PublishSnapshot(Snapshot(2, 0, 0, 3)), "quarantined 3 of 2");
+  EXPECT_DEATH(metrics.PublishSnapshot(Snapshot(2, 0, 0, 3)), "quarantined 3 and draining 0 of 2");
+  CacheManagerSnapshot over = Snapshot(2, 0, 0, 1);
+  over.draining_blocks = 2;
+  EXPECT_DEATH(metrics.PublishSnapshot(over), "quarantined 1 and draining 2 of 2");
 }
 
 }  // namespace

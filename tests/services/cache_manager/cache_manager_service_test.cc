@@ -432,6 +432,195 @@ TEST_F(CacheManagerServiceTest, QuarantinedSessionIsFreedWhenItsProcessDies) {
   EXPECT_EQ(service_->ledger().Stats().free_blocks, kBlocks);
 }
 
+// --- Fencing: no block is reissued while an executor may still write it -----------------
+
+constexpr pid_t kExecutorPid = 2000;
+constexpr pid_t kSecondExecutorPid = 2001;
+
+class CacheManagerFenceTest : public CacheManagerServiceTest {
+ protected:
+  // A heartbeat of `session` acknowledging `acks`; returns the fences its reply lists.
+  std::vector<std::pair<uint64_t, uint64_t>> Heartbeat(uint64_t session, pid_t pid,
+                                                       std::vector<uint64_t> acks = {}) {
+    const wire::Envelope& reply = Request(
+        session, wire::Message::Heartbeat,
+        [&](flatbuffers::FlatBufferBuilder& b) {
+          return wire::CreateHeartbeat(b, acks.empty() ? 0 : b.CreateVector(acks)).Union();
+        },
+        pid);
+    std::vector<std::pair<uint64_t, uint64_t>> fences;
+    EXPECT_EQ(reply.payload_type(), wire::Message::HeartbeatReply);
+    if (reply.payload_type() != wire::Message::HeartbeatReply) return fences;
+    if (const auto* listed = reply.payload_as_HeartbeatReply()->fences()) {
+      for (const wire::Fence* f : *listed) fences.emplace_back(f->id(), f->router_session());
+    }
+    return fences;
+  }
+
+  // Blocks a fresh sequence of a second router can get now: all-or-nothing probes.
+  int32_t AllocatableBlocks(uint64_t router, pid_t pid) {
+    int32_t lo = 0, hi = kBlocks;
+    while (lo < hi) {
+      const int32_t mid = (lo + hi + 1) / 2;
+      const wire::Envelope& reply = Step(router, {Allocate(999, mid * kBlockSize)}, pid);
+      const bool ok = reply.payload_as_StepReply()->results()->Get(0)->code() == wire::ErrorCode::Ok;
+      if (ok) {
+        EXPECT_EQ(ErrorOf(Step(router, {Free(999)}, pid)), wire::ErrorCode::Ok);
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    return lo;
+  }
+
+  // The block ids sequence `seq` of `router` holds.
+  std::vector<int32_t> BlocksOf(uint64_t router, uint64_t seq, int32_t tokens, pid_t pid) {
+    const wire::Envelope& reply = Step(router, {Allocate(seq, tokens)}, pid);
+    const auto* blocks = reply.payload_as_StepReply()->results()->Get(0)->blocks();
+    return blocks == nullptr ? std::vector<int32_t>{}
+                             : std::vector<int32_t>(blocks->begin(), blocks->end());
+  }
+};
+
+TEST_F(CacheManagerFenceTest, DeadRoutersBlocksDrainUntilEveryExecutorAcknowledges) {
+  const uint64_t router = Hello();
+  const uint64_t exec_a = Hello(wire::Role::Executor, kExecutorPid);
+  const uint64_t exec_b = Hello(wire::Role::Executor, kSecondExecutorPid);
+  const std::vector<int32_t> held = BlocksOf(router, 1, 10 * kBlockSize, kRouterPid);
+  ASSERT_EQ(held.size(), 10u);
+  ASSERT_EQ(ErrorOf(Step(router, {Commit(1, 4 * kBlockSize)})), wire::ErrorCode::Ok);
+  service_->OnProcessExited(kRouterPid);
+
+  // Draining: counted apart, never reissued to a second router.
+  EXPECT_EQ(service_->DrainingBlocks(), 10);
+  EXPECT_EQ(service_->Snapshot().draining_blocks, 10);
+  EXPECT_EQ(service_->open_fences(), 1);
+  EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
+  const uint64_t second = Hello(wire::Role::Router, 3000);
+  EXPECT_EQ(AllocatableBlocks(second, 3000), kBlocks - 10);
+  for (int32_t b : BlocksOf(second, 5, (kBlocks - 10) * kBlockSize, 3000)) {
+    EXPECT_EQ(std::count(held.begin(), held.end(), b), 0) << "block " << b << " reissued";
+  }
+  ASSERT_EQ(ErrorOf(Step(second, {Free(5)}, 3000)), wire::ErrorCode::Ok);
+  // The dead router's sequence id is free again at once (the drained copy moved away).
+  ASSERT_EQ(ErrorOf(Step(second, {Allocate(1, 1), Free(1)}, 3000)), wire::ErrorCode::Ok);
+
+  // Both executors are told; one acknowledging is not enough.
+  const auto fences = Heartbeat(exec_a, kExecutorPid);
+  ASSERT_EQ(fences.size(), 1u);
+  EXPECT_EQ(fences[0].second, router);
+  EXPECT_EQ(Heartbeat(exec_b, kSecondExecutorPid), fences);
+  EXPECT_TRUE(Heartbeat(exec_a, kExecutorPid, {fences[0].first}).empty());
+  EXPECT_EQ(service_->DrainingBlocks(), 10);
+  // Acknowledging twice, or a fence that does not exist, changes nothing.
+  EXPECT_TRUE(Heartbeat(exec_a, kExecutorPid, {fences[0].first, 12345}).empty());
+  EXPECT_EQ(service_->DrainingBlocks(), 10);
+  // The second executor dies: its death acknowledges. The blocks come back; the committed
+  // ones stay cached for a retried request.
+  service_->OnProcessExited(kSecondExecutorPid);
+  EXPECT_EQ(service_->DrainingBlocks(), 0);
+  EXPECT_EQ(service_->open_fences(), 0);
+  const LedgerStats stats = service_->ledger().Stats();
+  EXPECT_EQ(stats.in_use_blocks, 0);
+  EXPECT_EQ(stats.live_sequences, 0);
+  EXPECT_EQ(AllocatableBlocks(second, 3000), kBlocks);
+  EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
+}
+
+TEST_F(CacheManagerFenceTest, GoodbyeAndReplacedRouterSessionsAreFencedToo) {
+  const uint64_t exec = Hello(wire::Role::Executor, kExecutorPid);
+  const uint64_t router = Hello();
+  ASSERT_EQ(ErrorOf(Step(router, {Allocate(1, 12)})), wire::ErrorCode::Ok);
+  const wire::Envelope& bye = Request(
+      router, wire::Message::Goodbye, [](auto& b) { return wire::CreateGoodbye(b).Union(); });
+  ASSERT_EQ(bye.payload_type(), wire::Message::GoodbyeReply);
+  EXPECT_EQ(bye.payload_as_GoodbyeReply()->blocks_released(), 0);  // draining, not released
+  EXPECT_EQ(service_->DrainingBlocks(), 3);
+
+  // A router that was quarantined and registers again gives up its old session: fenced.
+  const uint64_t hung = Hello(wire::Role::Router, 3000);
+  ASSERT_EQ(ErrorOf(Step(hung, {Allocate(2, 8)}, 3000)), wire::ErrorCode::Ok);
+  for (int i = 0; i < 4; ++i) {
+    now_ += absl::Seconds(1);
+    Heartbeat(exec, kExecutorPid);
+    service_->ExpireSessions(now_);
+  }
+  EXPECT_EQ(service_->QuarantinedBlocks(), 2);
+  const uint64_t renewed = Hello(wire::Role::Router, 3000);
+  EXPECT_NE(renewed, hung);
+  EXPECT_EQ(service_->QuarantinedBlocks(), 0);
+  EXPECT_EQ(service_->DrainingBlocks(), 5);
+  const auto fences = Heartbeat(exec, kExecutorPid);
+  ASSERT_EQ(fences.size(), 2u);
+  EXPECT_EQ(fences[0].second, router);
+  EXPECT_EQ(fences[1].second, hung);
+  EXPECT_TRUE(Heartbeat(exec, kExecutorPid, {fences[0].first, fences[1].first}).empty());
+  EXPECT_EQ(service_->DrainingBlocks(), 0);
+  EXPECT_EQ(service_->ledger().Stats().in_use_blocks, 0);
+  EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
+}
+
+TEST_F(CacheManagerFenceTest, WithoutExecutorsNothingCanWriteAndBlocksComeBackAtOnce) {
+  const uint64_t router = Hello();
+  ASSERT_EQ(ErrorOf(Step(router, {Allocate(1, 12)})), wire::ErrorCode::Ok);
+  service_->OnProcessExited(kRouterPid);
+  EXPECT_EQ(service_->open_fences(), 0);
+  EXPECT_EQ(service_->ledger().Stats().free_blocks, kBlocks);
+}
+
+TEST_F(CacheManagerFenceTest, HungExecutorKeepsItsFenceUntilItDiesOrComesBack) {
+  const uint64_t exec = Hello(wire::Role::Executor, kExecutorPid);
+  const uint64_t router = Hello();
+  ASSERT_EQ(ErrorOf(Step(router, {Allocate(1, 12)})), wire::ErrorCode::Ok);
+  service_->OnProcessExited(kRouterPid);
+  // The executor hangs past its lease: quarantined, but not ended (it holds no blocks, yet
+  // it may still be writing the dead router's).
+  now_ += absl::Seconds(10);
+  service_->ExpireSessions(now_);
+  EXPECT_EQ(service_->num_sessions(), 1);
+  EXPECT_EQ(service_->DrainingBlocks(), 3);
+  // It comes back: refused, registers again, and finds its fence in the new session.
+  EXPECT_EQ(ErrorOf(Request(exec, wire::Message::Heartbeat,
+                            [](auto& b) { return wire::CreateHeartbeat(b).Union(); },
+                            kExecutorPid)),
+            wire::ErrorCode::StaleSession);
+  const uint64_t renewed = Hello(wire::Role::Executor, kExecutorPid);
+  EXPECT_EQ(service_->DrainingBlocks(), 3);
+  const auto fences = Heartbeat(renewed, kExecutorPid);
+  ASSERT_EQ(fences.size(), 1u);
+  EXPECT_EQ(fences[0].second, router);
+  // A second executor that registers after the fence is not waited for.
+  Hello(wire::Role::Executor, kSecondExecutorPid);
+  EXPECT_TRUE(Heartbeat(renewed, kExecutorPid, {fences[0].first}).empty());
+  EXPECT_EQ(service_->DrainingBlocks(), 0);
+  EXPECT_EQ(service_->ledger().Stats().free_blocks, kBlocks);
+
+  // Another fence, and this time the hung executor is killed.
+  const uint64_t router2 = Hello(wire::Role::Router, 3000);
+  ASSERT_EQ(ErrorOf(Step(router2, {Allocate(1, 12)}, 3000)), wire::ErrorCode::Ok);
+  service_->OnProcessExited(3000);
+  EXPECT_EQ(service_->DrainingBlocks(), 3);
+  service_->OnProcessExited(kSecondExecutorPid);
+  EXPECT_EQ(service_->DrainingBlocks(), 3);
+  service_->OnProcessExited(kExecutorPid);
+  EXPECT_EQ(service_->DrainingBlocks(), 0);
+  EXPECT_EQ(service_->ledger().Stats().free_blocks, kBlocks);
+  EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
+}
+
+TEST_F(CacheManagerFenceTest, RoutersCannotUseTheDrainingIdSpace) {
+  const uint64_t router = Hello();
+  const std::string before = LedgerState();
+  EXPECT_EQ(ErrorOf(Step(router, {Allocate(kFirstDrainingSeq, 4)})),
+            wire::ErrorCode::InvalidArgument);
+  ASSERT_EQ(ErrorOf(Step(router, {Allocate(1, 4)})), wire::ErrorCode::Ok);
+  EXPECT_EQ(ErrorOf(Step(router, {Fork(1, kFirstDrainingSeq + 7)})),
+            wire::ErrorCode::InvalidArgument);
+  EXPECT_EQ(ErrorOf(Step(router, {Free(1)})), wire::ErrorCode::Ok);
+  EXPECT_EQ(LedgerState().substr(LedgerState().find(':')), before.substr(before.find(':')));
+}
+
 TEST_F(CacheManagerServiceTest, PrefixRequests) {
   const uint64_t s = Hello();
   ASSERT_EQ(ErrorOf(Step(
