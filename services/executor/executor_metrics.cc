@@ -63,7 +63,7 @@ constexpr std::array kSpecs = {
 
 constexpr std::array<std::string_view, kStepPhases> kPhaseNames = {"prefill", "decode"};
 constexpr std::array<std::string_view, kStepErrors> kErrorNames = {
-    "malformed", "invalid_argument", "stale_epoch", "no_pool", "internal"};
+    "malformed", "invalid_argument", "stale_epoch", "no_pool", "internal", "fenced"};
 
 // Step durations: 100 µs (a decode step of a tiny model) to 10 s (a long prefill on CPU).
 std::vector<double> StepBucketsSeconds() {

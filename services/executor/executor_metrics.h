@@ -45,10 +45,11 @@ enum class StepError : uint8_t {
   kStaleEpoch,       // names an earlier cache-manager epoch, or a newer one not attachable
   kNoPool,           // no pool attached (cache manager down or incompatible)
   kInternal,         // the forward pass failed
+  kFenced,           // its router session was fenced (refused, or abandoned mid-step)
   kCount
 };
 inline constexpr int kStepErrors = static_cast<int>(StepError::kCount);
-// "malformed", "invalid_argument", "stale_epoch", "no_pool", "internal".
+// "malformed", "invalid_argument", "stale_epoch", "no_pool", "internal", "fenced".
 std::string_view StepErrorName(StepError error);
 
 class ExecutorMetrics {

@@ -38,12 +38,13 @@ absl::Status ExecutorModel::CopyBlocks(const PoolView& pool,
 }
 
 absl::Status ExecutorModel::Forward(const ForwardBatch& batch, const PoolView& pool,
-                                    std::vector<float>* logits) const {
+                                    std::vector<float>* logits,
+                                    const std::function<bool(int32_t layer)>* after_layer) const {
   if (pool.backend == PoolBackend::kCuda) {
     KVCM_CHECK(cuda_ != nullptr) << "a cuda pool that was not prepared";
     return cuda_->Forward(batch, Paged(pool), logits);
   }
-  return host_->Forward(batch, Paged(pool), logits);
+  return host_->Forward(batch, Paged(pool), logits, LogitsScope::kLastTokenPerSeq, after_layer);
 }
 
 }  // namespace kvcm

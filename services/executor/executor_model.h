@@ -49,8 +49,10 @@ class ExecutorModel {
   // pool: Prepare(pool) succeeded. Errors: the forward pass's (LlamaModel::Forward,
   // LlamaCudaModel::Forward) and CopyBlocks's.
   absl::Status CopyBlocks(const PoolView& pool, std::span<const kernels::BlockCopy> copies) const;
-  absl::Status Forward(const ForwardBatch& batch, const PoolView& pool,
-                       std::vector<float>* logits) const;
+  // `after_layer`: LlamaModel::Forward's, on a host pool. The device pass does not stop
+  // between layers (that would synchronise the stream every layer); it ignores it.
+  absl::Status Forward(const ForwardBatch& batch, const PoolView& pool, std::vector<float>* logits,
+                       const std::function<bool(int32_t layer)>* after_layer = nullptr) const;
 
  private:
   const LlamaModel* const host_;

@@ -14,7 +14,9 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -71,6 +73,18 @@ class PoolSource {
 
   // Ends the cache-manager session (best effort; logs nothing).
   virtual void Goodbye() = 0;
+
+  // Fencing (schemas/kvcm_protocol.fbs, Fence). The fences the cache manager asks this
+  // executor to honour now, and a number that changes whenever they do (cheap enough to
+  // check between layers). A source without a cache manager has none.
+  virtual std::vector<FenceNotice> PendingFences() const { return {}; }
+  virtual uint64_t fence_generation() const { return 0; }
+  // Tells the cache manager that nothing runs, or will run, for these fences' router
+  // sessions. REQUIRES: the caller refuses every later step of them.
+  virtual absl::Status AcknowledgeFences(std::span<const uint64_t> fence_ids) {
+    (void)fence_ids;
+    return absl::OkStatus();
+  }
 };
 
 // The real PoolSource: a CacheManagerClient of role Executor and its AttachedPool.
@@ -104,6 +118,11 @@ class CacheManagerPool : public PoolSource {
   absl::Status Refresh() override;
   absl::Status Reattach() override;
   void Goodbye() override;
+  std::vector<FenceNotice> PendingFences() const override { return client_->PendingFences(); }
+  uint64_t fence_generation() const override { return client_->fence_generation(); }
+  absl::Status AcknowledgeFences(std::span<const uint64_t> fence_ids) override {
+    return client_->AcknowledgeFences(fence_ids);
+  }
 
   // Successful attachments so far (1 after Connect).
   int attaches() const { return attaches_; }

@@ -67,6 +67,9 @@ bool ExecutorServer::Send(const flatbuffers::FlatBufferBuilder& message) {
 }
 
 void ExecutorServer::Upkeep() {
+  // Between steps: fences first, so that the refresh below can never re-register before
+  // they are honoured.
+  service_->ApplyFences();
   const absl::Status refreshed = pool_->Refresh();
   const PoolView* attached = pool_->pool();
   const uint64_t epoch = attached == nullptr ? 0 : attached->epoch;

@@ -9,6 +9,7 @@
 #include "absl/time/clock.h"
 #include "common/base/check.h"
 #include "common/base/log.h"
+#include "common/base/status_macros.h"
 #include "kernels/copy_blocks.h"
 #include "services/executor/sampler.h"
 
@@ -29,14 +30,18 @@ StepError ErrorKind(const absl::Status& status) {
       return StepError::kStaleEpoch;
     case absl::StatusCode::kInvalidArgument:
       return StepError::kInvalidArgument;
+    case absl::StatusCode::kCancelled:
+      return StepError::kFenced;
     default:
       return StepError::kInternal;
   }
 }
 
 wire::ErrorCode WireCodeFor(const absl::Status& status) {
-  // ABORTED has no generic wire code; on this path it always means a stale epoch.
+  // ABORTED has no generic wire code; on this path it always means a stale epoch. CANCELLED
+  // means the router session was fenced: it is gone as far as the cache manager knows.
   if (absl::IsAborted(status)) return wire::ErrorCode::StaleEpoch;
+  if (absl::IsCancelled(status)) return wire::ErrorCode::StaleSession;
   return ToWireCode(status.code());
 }
 
@@ -288,11 +293,64 @@ absl::Status ExecutorService::CheckAndBuild(const StepRequest& step, const PoolV
   return model_->host().CheckBatch(forward_, paged);
 }
 
+absl::Status ExecutorService::CheckNotFenced(uint64_t router_session) const {
+  if (!fenced_.contains(router_session)) return absl::OkStatus();
+  return absl::CancelledError(absl::StrCat(
+      "router session ", router_session,
+      " was fenced by the cache manager (its router ended): its blocks may belong to someone "
+      "else now, so this executor writes nothing for it"));
+}
+
+bool ExecutorService::FenceNames(uint64_t router_session) const {
+  for (const FenceNotice& fence : pool_->PendingFences()) {
+    if (fence.router_session == router_session) return true;
+  }
+  return false;
+}
+
+bool ExecutorService::FencedSinceStepBegan(uint64_t router_session) {
+  const uint64_t generation = pool_->fence_generation();
+  if (generation == seen_fence_generation_) return false;
+  seen_fence_generation_ = generation;
+  return FenceNames(router_session);
+}
+
+int ExecutorService::ApplyFences() {
+  const std::vector<FenceNotice> fences = pool_->PendingFences();
+  if (fences.empty()) return 0;
+  // Between steps: nothing runs. From here on every step of these sessions is refused, so
+  // the acknowledgement is true when it leaves.
+  std::vector<uint64_t> ids;
+  ids.reserve(fences.size());
+  for (const FenceNotice& fence : fences) {
+    fenced_.insert(fence.router_session);
+    ids.push_back(fence.id);
+  }
+  if (absl::Status acked = pool_->AcknowledgeFences(ids); !acked.ok()) {
+    LogLine(kComponent, absl::StrCat("cannot acknowledge ", ids.size(),
+                                     " fence(s) yet: ", acked.message()));
+    return 0;
+  }
+  for (const FenceNotice& fence : fences) {
+    LogLine(kComponent, absl::StrCat("fenced router session ", fence.router_session,
+                                     ": no step of it runs here any more (fence ", fence.id,
+                                     " acknowledged)"));
+  }
+  return static_cast<int>(fences.size());
+}
+
 absl::StatusOr<StepReport> ExecutorService::RunStep(const StepRequest& step) {
+  KVCM_RETURN_IF_ERROR(CheckNotFenced(step.router_session));
   absl::StatusOr<const PoolView*> found = PoolForEpoch(step.epoch);
   if (!found.ok()) return found.status();
   const PoolView& pool = **found;
   if (absl::Status checked = CheckAndBuild(step, pool); !checked.ok()) return checked;
+  // A fence the heartbeat thread learnt of since the last ApplyFences: nothing written yet.
+  seen_fence_generation_ = pool_->fence_generation();
+  if (FenceNames(step.router_session)) {
+    fenced_.insert(step.router_session);
+    return CheckNotFenced(step.router_session);
+  }
 
   StepReport report;
   report.step_id = step.step_id;
@@ -306,7 +364,27 @@ absl::StatusOr<StepReport> ExecutorService::RunStep(const StepRequest& step) {
     }
   }
   if (!step.seqs.empty()) {
-    if (absl::Status ran = model_->Forward(forward_, pool, &logits_); !ran.ok()) {
+    // Between layers: a fault test's delay, and the check that the router was not fenced
+    // meanwhile (the cache-manager heartbeat thread may have learnt so mid-step).
+    const std::function<bool(int32_t)> after_layer = [&](int32_t) {
+      const absl::Time until = absl::Now() + options_.fault_layer_delay;
+      while (true) {
+        if (FencedSinceStepBegan(step.router_session)) return false;
+        const absl::Duration left = until - absl::Now();
+        if (left <= absl::ZeroDuration()) return true;
+        absl::SleepFor(std::min(left, absl::Milliseconds(5)));
+      }
+    };
+    if (absl::Status ran = model_->Forward(forward_, pool, &logits_, &after_layer); !ran.ok()) {
+      if (absl::IsCancelled(ran)) {
+        ++abandoned_steps_;
+        LogLine(kComponent, absl::StrCat("abandoned step ", step.step_id, " (", ran.message(),
+                                         "): router session ", step.router_session,
+                                         " was fenced"));
+        return absl::CancelledError(absl::StrCat("step abandoned: router session ",
+                                                 step.router_session, " was fenced (",
+                                                 ran.message(), ")"));
+      }
       return absl::InternalError(absl::StrCat("forward pass failed: ", ran.message()));
     }
   }

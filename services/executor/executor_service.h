@@ -6,7 +6,8 @@
 //
 // A StepBatch, in order (nothing is written to the pool before the last check passes):
 //   1. VerifyExecutorEnvelope, DecodeStepBatch (Malformed / InvalidArgument).
-//   2. The pool: none attached -> Unavailable "no pool attached". The step's epoch is the
+//   2. The router session: refused (StaleSession) once the cache manager fenced it (see
+//      ApplyFences). The pool: none attached -> Unavailable "no pool attached". The step's epoch is the
 //      cache-manager epoch its block tables were granted in. Earlier than the pool's:
 //      StaleEpoch (the router must re-admit). Later: the cache manager restarted and this
 //      executor has not noticed yet: PoolSource::Reattach() (the weights stay loaded), and
@@ -40,6 +41,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -63,6 +65,9 @@ class ExecutorService {
     size_t max_message_bytes = kDefaultMaxMessageBytes;
     // A Hello unanswered this long is sent again (the router may not have been up).
     absl::Duration hello_retry = absl::Seconds(1);
+    // Fault tests only: sleep this long after each layer of a step's forward pass, so that
+    // a step is seconds into writing the pool when a test kills its router. 0 in service.
+    absl::Duration fault_layer_delay = absl::ZeroDuration();
   };
 
   // What the service did with an inbound message.
@@ -87,6 +92,17 @@ class ExecutorService {
   // ErrorReply (via ToWireCode): UNAVAILABLE (no pool), ABORTED (stale epoch),
   // INVALID_ARGUMENT, INTERNAL (the forward pass failed after the checks).
   absl::StatusOr<StepReport> RunStep(const StepRequest& step);
+
+  // Fencing (docs/architecture.md, "Fencing"). Call between steps: takes the fences the
+  // cache manager sent, refuses every later step of their router sessions (StaleSession),
+  // and acknowledges them. Returns how many were acknowledged now. A step whose router
+  // session is fenced while it runs stops at the next layer boundary (host pool) and is
+  // answered StaleSession; it is acknowledged at the next call, after it stopped.
+  int ApplyFences();
+  // Router sessions whose steps are refused.
+  const absl::flat_hash_set<uint64_t>& fenced_sessions() const { return fenced_; }
+  // Steps that stopped midway because their router session was fenced.
+  uint64_t abandoned_steps() const { return abandoned_steps_; }
 
   // ---- To the router ------------------------------------------------------------------------
 
@@ -120,6 +136,12 @@ class ExecutorService {
                   flatbuffers::FlatBufferBuilder* reply);
   // The pool for a step of `epoch`, re-attaching when the step is of a newer epoch.
   absl::StatusOr<const PoolView*> PoolForEpoch(uint64_t epoch);
+  // CANCELLED when steps of `router_session` are refused.
+  absl::Status CheckNotFenced(uint64_t router_session) const;
+  // True when a pending fence names `router_session`.
+  bool FenceNames(uint64_t router_session) const;
+  // True when the fences changed since the last check and one names `router_session`.
+  bool FencedSinceStepBegan(uint64_t router_session);
   // Checks 3 above; fills forward_ on success.
   absl::Status CheckAndBuild(const StepRequest& step, const PoolView& pool);
   uint64_t attached_epoch() const;
@@ -129,6 +151,11 @@ class ExecutorService {
   PoolSource* const pool_;
   ExecutorMetrics* const metrics_;
   ModelInfo model_info_;
+
+  // Fencing.
+  absl::flat_hash_set<uint64_t> fenced_;
+  uint64_t seen_fence_generation_ = 0;
+  uint64_t abandoned_steps_ = 0;
 
   // Registration with the router.
   uint64_t executor_id_ = 0;

@@ -71,7 +71,8 @@ void EncodeStepBatch(flatbuffers::FlatBufferBuilder& builder, uint64_t request_i
   for (const auto& [src, dst] : step.copies) copies.emplace_back(src, dst);
   auto seq_vector = builder.CreateVector(seqs);
   auto copy_vector = builder.CreateVectorOfStructs(copies);
-  auto batch = wire::CreateStepBatch(builder, step.step_id, step.epoch, seq_vector, copy_vector);
+  auto batch = wire::CreateStepBatch(builder, step.step_id, step.epoch, seq_vector, copy_vector,
+                                     step.router_session);
   FinishExecutorEnvelope(builder, request_id, executor_id, step.epoch,
                          wire::ExecutorMessage::StepBatch, batch.Union());
 }
@@ -80,6 +81,11 @@ absl::StatusOr<StepRequest> DecodeStepBatch(const wire::StepBatch& step) {
   StepRequest out;
   out.step_id = step.step_id();
   out.epoch = step.epoch();
+  out.router_session = step.router_session();
+  if (out.router_session == 0) {
+    return absl::InvalidArgumentError(
+        "the step names no router_session: the router's cache-manager session is required");
+  }
   if (const auto* seqs = step.seqs()) {
     out.seqs.reserve(seqs->size());
     absl::flat_hash_set<uint64_t> ids;

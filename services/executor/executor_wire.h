@@ -83,6 +83,7 @@ struct SeqStep {
 struct StepRequest {
   uint64_t step_id = 0;
   uint64_t epoch = 0;
+  uint64_t router_session = 0;  // the router's cache-manager session; required (not 0)
   std::vector<SeqStep> seqs;
   std::vector<std::pair<int32_t, int32_t>> copies;  // (src, dst), in order
 };

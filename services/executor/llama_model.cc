@@ -447,7 +447,8 @@ TokenPlan PlanTokens(const ForwardBatch& batch, int32_t block_size, LogitsScope 
 }
 
 absl::Status LlamaModel::Forward(const ForwardBatch& batch, const PagedPool& pool,
-                                 std::vector<float>* logits, LogitsScope scope) const {
+                                 std::vector<float>* logits, LogitsScope scope,
+                                 const std::function<bool(int32_t layer)>* after_layer) const {
   KVCM_CHECK(logits != nullptr);
   if (pool.cuda_device >= 0) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -488,6 +489,10 @@ absl::Status LlamaModel::Forward(const ForwardBatch& batch, const PagedPool& poo
     kernels::cpu::WriteKv(view, k.data(), v.data(), plan.slots.data(), static_cast<int32_t>(rows));
     kernels::cpu::PagedAttention(view, attention, q.data(), attn.data(), num_threads_);
     AttentionOutputAndMlp(l, attn.data(), rows, x.data());
+    if (after_layer != nullptr && !(*after_layer)(l)) {
+      return absl::CancelledError(absl::StrCat("stopped after layer ", l, " of ",
+                                               c.num_hidden_layers));
+    }
   }
   Logits(x.data(), plan.logit_rows, logits);
   return absl::OkStatus();

@@ -26,6 +26,7 @@
 // write the same slots (the ledger guarantees this).
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -164,9 +165,13 @@ class LlamaModel {
   // [num_seqs][vocab] (kLastTokenPerSeq) or [num_new_tokens][vocab] (kAllTokens), row-major.
   // Errors: those of CheckPool and CheckBatch, before anything is written; FAILED_PRECONDITION
   // for a pool in CUDA memory (pool.cuda_device >= 0: LlamaCudaModel runs on those).
+  // `after_layer`, when given, is called on the calling thread after each layer wrote its
+  // K/V; when it returns false the pass stops there and returns CANCELLED, writing nothing
+  // more (the executor abandons a step this way once its router was fenced).
   // REQUIRES: logits != nullptr.
   absl::Status Forward(const ForwardBatch& batch, const PagedPool& pool, std::vector<float>* logits,
-                       LogitsScope scope = LogitsScope::kLastTokenPerSeq) const;
+                       LogitsScope scope = LogitsScope::kLastTokenPerSeq,
+                       const std::function<bool(int32_t layer)>* after_layer = nullptr) const;
 
   // The reference forward of one sequence from position 0: [tokens.size()][vocab] logits,
   // row-major. INVALID_ARGUMENT for an empty sequence, a token id outside [0, vocab_size) or

@@ -62,6 +62,9 @@ ABSL_FLAG(std::string, metrics_address, "127.0.0.1:9401",
 ABSL_FLAG(int32_t, call_timeout_ms, 2000,
           "Longest wait for one cache-manager reply (attach, goodbye). The socket thread "
           "blocks for it when the cache manager hangs.");
+ABSL_FLAG(int32_t, fault_layer_delay_ms, 0,
+          "Fault tests only: sleep this long after each layer of every step, so that a step "
+          "is still writing the pool seconds after it began. 0 (default) in service.");
 
 namespace kvcm {
 namespace {
@@ -94,6 +97,9 @@ int Main() {
   if (folder.empty()) return fail("", absl::InvalidArgumentError("--model DIR is required"));
   if (!absl::GetFlag(FLAGS_run_dir).empty() && !absl::GetFlag(FLAGS_cache_manager).empty()) {
     return fail("", absl::InvalidArgumentError("give --run-dir or --cache-manager, not both"));
+  }
+  if (absl::GetFlag(FLAGS_fault_layer_delay_ms) < 0) {
+    return fail("", absl::InvalidArgumentError("--fault-layer-delay-ms must be >= 0"));
   }
   if (absl::GetFlag(FLAGS_threads) < 0) {
     return fail("", absl::InvalidArgumentError("--threads must be >= 0"));
@@ -164,6 +170,7 @@ int Main() {
   service_options.model_name = ModelName(folder);
   service_options.metrics_url = (*metrics_server)->url();
   service_options.pid = static_cast<int32_t>(::getpid());
+  service_options.fault_layer_delay = absl::Milliseconds(absl::GetFlag(FLAGS_fault_layer_delay_ms));
   ExecutorService service(service_options, &executor_model, pool->get(), &metrics);
   ExecutorServer::Options server_options;
   server_options.router_endpoint = router;

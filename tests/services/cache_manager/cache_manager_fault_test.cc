@@ -99,7 +99,7 @@ TEST(CacheManagerFaultTest, StoppedClientIsQuarantinedThenRefusedThenRegistersAn
   auto refusal = holder->WaitForLine("refused: (.*)", absl::Now() + absl::Seconds(10));
   ASSERT_TRUE(refusal.ok()) << refusal.status() << "\n" << holder->Output();
   // The old session's first request after SIGCONT (its heartbeat or its Stats call) is
-  // refused as stale: the client library reports ABORTED and registers again.
+  // refused as stale: the client library reports ABORTED and the client registers again.
   EXPECT_NE((*refusal)[1].find("ABORTED"), std::string::npos) << (*refusal)[1];
   auto renewed =
       holder->WaitForLine("registered anew session=([0-9]+)", absl::Now() + absl::Seconds(10));

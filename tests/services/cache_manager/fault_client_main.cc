@@ -70,6 +70,9 @@ int Run(const std::string& endpoint, int32_t blocks) {
     if (!stats.ok()) {
       std::printf("refused: %s\n", stats.status().ToString().c_str());
       refused = true;
+      // It writes nothing, so it may register again at once (the client never does so by
+      // itself).
+      if (absl::IsAborted(stats.status())) (void)(*client)->Reregister();
     } else if (refused) {
       std::printf("registered anew session=%llu\n",
                   static_cast<unsigned long long>((*client)->session_id()));

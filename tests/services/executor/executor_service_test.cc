@@ -64,6 +64,31 @@ class LocalPool : public PoolSource {
   }
   void Goodbye() override {}
 
+  // Fences: `fence` appears once fence_generation() has been asked `after_queries` more
+  // times (0: at once), as when the cache-manager heartbeat thread learns of it mid-step.
+  std::vector<FenceNotice> PendingFences() const override { return fences_; }
+  uint64_t fence_generation() const override {
+    if (scheduled_ && --queries_left_ < 0) {
+      fences_.push_back(*scheduled_);
+      scheduled_.reset();
+      ++generation_;
+    }
+    return generation_;
+  }
+  absl::Status AcknowledgeFences(std::span<const uint64_t> ids) override {
+    acked_.insert(acked_.end(), ids.begin(), ids.end());
+    std::erase_if(fences_, [&](const FenceNotice& f) {
+      return std::find(ids.begin(), ids.end(), f.id) != ids.end();
+    });
+    ++generation_;
+    return absl::OkStatus();
+  }
+  void ScheduleFence(FenceNotice fence, int after_queries) {
+    scheduled_ = fence;
+    queries_left_ = after_queries;
+  }
+  const std::vector<uint64_t>& acked() const { return acked_; }
+
   std::vector<uint8_t>& memory() { return memory_; }
   const PoolView& view() const { return view_; }
   void set_attached(bool attached) { attached_ = attached; }
@@ -78,6 +103,11 @@ class LocalPool : public PoolSource {
   uint64_t epoch_after_reattach_ = kEpoch;
   absl::Status reattach_result_;
   int reattaches_ = 0;
+  mutable std::vector<FenceNotice> fences_;
+  mutable std::optional<FenceNotice> scheduled_;
+  mutable int queries_left_ = 0;
+  mutable uint64_t generation_ = 0;
+  std::vector<uint64_t> acked_;
 };
 
 class ExecutorServiceTest : public ::testing::TestWithParam<std::pair<DType, int32_t>> {
@@ -386,6 +416,7 @@ TEST_P(ExecutorServiceTest, HandleAnswersEveryRequestAndNoReply) {
   // A StepBatch with a block outside the pool: an ErrorReply naming it, with its request id.
   StepRequest step;
   step.epoch = kEpoch;
+  step.router_session = 7;
   SeqStep s;
   s.seq = 3;
   s.tokens = {1};
@@ -483,6 +514,85 @@ TEST_P(ExecutorServiceTest, RegistersWithTheRouterAndAgainWhenForgotten) {
   // No pool: no Hello (nothing to serve with).
   pool_->set_attached(false);
   EXPECT_FALSE(service_->WantsHello(now));
+}
+
+// A step of router session 7 over sequence 5, blocks from 10.
+StepRequest FenceTestStep(int32_t block_size) {
+  StepRequest step;
+  step.epoch = kEpoch;
+  step.router_session = 7;
+  SeqStep s;
+  s.seq = 5;
+  s.tokens = kPrompts[1];
+  s.context_len = static_cast<int32_t>(kPrompts[1].size());
+  const int32_t needed = (s.context_len + block_size - 1) / block_size;
+  for (int32_t i = 0; i < needed; ++i) s.block_table.push_back(10 + i);
+  s.sample = true;
+  step.seqs.push_back(s);
+  return step;
+}
+
+TEST_P(ExecutorServiceTest, FencedRouterSessionsStepsAreRefusedAfterTheAcknowledgement) {
+  EXPECT_EQ(service_->ApplyFences(), 0);  // none pending: nothing acknowledged
+  EXPECT_TRUE(pool_->acked().empty());
+  pool_->ScheduleFence({/*id=*/3, /*router_session=*/7}, 0);
+  (void)pool_->fence_generation();
+  const std::vector<uint8_t> before = pool_->memory();
+  EXPECT_EQ(service_->ApplyFences(), 1);
+  EXPECT_THAT(pool_->acked(), ElementsAreArray({uint64_t{3}}));
+  EXPECT_TRUE(service_->fenced_sessions().contains(7));
+
+  absl::StatusOr<StepReport> refused = service_->RunStep(FenceTestStep(block_size()));
+  EXPECT_TRUE(absl::IsCancelled(refused.status())) << refused.status();
+  EXPECT_THAT(refused.status().message(), HasSubstr("router session 7 was fenced"));
+  EXPECT_EQ(pool_->memory(), before);  // nothing written
+  // Over the wire: StaleSession.
+  flatbuffers::FlatBufferBuilder request, reply;
+  EncodeStepBatch(request, 41, 1, FenceTestStep(block_size()));
+  ASSERT_TRUE(service_->Handle(BufferSpan(request), absl::Now(), &reply).reply);
+  const VerifiedExecutorEnvelope verified = VerifyExecutorEnvelope(BufferSpan(reply));
+  ASSERT_NE(verified.envelope, nullptr);
+  ASSERT_NE(verified.envelope->payload_as_ErrorReply(), nullptr);
+  EXPECT_EQ(verified.envelope->payload_as_ErrorReply()->code(), wire::ErrorCode::StaleSession);
+  EXPECT_EQ(pool_->memory(), before);
+
+  // Another router's steps still run.
+  StepRequest other = FenceTestStep(block_size());
+  other.router_session = 8;
+  EXPECT_TRUE(service_->RunStep(other).ok());
+}
+
+TEST_P(ExecutorServiceTest, AFenceArrivingMidStepStopsItAtTheNextLayer) {
+  const StepRequest step = FenceTestStep(block_size());
+  // Query 1 is the look before writing, query 2 comes after layer 0.
+  pool_->ScheduleFence({/*id=*/4, /*router_session=*/7}, 1);
+  absl::StatusOr<StepReport> abandoned = service_->RunStep(step);
+  EXPECT_TRUE(absl::IsCancelled(abandoned.status())) << abandoned.status();
+  EXPECT_THAT(abandoned.status().message(), HasSubstr("stopped after layer 0"));
+  EXPECT_EQ(service_->abandoned_steps(), 1u);
+  // Layer 0's K/V went in; no later layer was written.
+  const PoolLayout& layout = pool_->view().layout;
+  const auto layer_written = [&](int32_t layer) {
+    const auto begin = pool_->memory().begin() + layer * layout.layer_stride;
+    return std::any_of(begin, begin + layout.layer_stride, [](uint8_t b) { return b != 0; });
+  };
+  EXPECT_TRUE(layer_written(0));
+  for (int32_t layer = 1; layer < pool_->view().spec.num_layers; ++layer) {
+    EXPECT_FALSE(layer_written(layer)) << "layer " << layer;
+  }
+  // Not acknowledged while running; the next call between steps does, and refuses it after.
+  EXPECT_TRUE(pool_->acked().empty());
+  EXPECT_EQ(service_->ApplyFences(), 1);
+  EXPECT_THAT(pool_->acked(), ElementsAreArray({uint64_t{4}}));
+  EXPECT_TRUE(absl::IsCancelled(service_->RunStep(step).status()));
+}
+
+TEST_P(ExecutorServiceTest, AFenceOfAnotherRouterDoesNotStopTheStep) {
+  pool_->ScheduleFence({/*id=*/5, /*router_session=*/99}, 1);
+  absl::StatusOr<StepReport> report = service_->RunStep(FenceTestStep(block_size()));
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_EQ(service_->abandoned_steps(), 0u);
+  EXPECT_GE(report->results[0].token, 0);
 }
 
 TEST_P(ExecutorServiceTest, NoPoolIsUnavailable) {

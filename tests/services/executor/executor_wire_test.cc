@@ -22,6 +22,7 @@ StepRequest SampleStep() {
   StepRequest step;
   step.step_id = 42;
   step.epoch = 1234567;
+  step.router_session = 88;
   SeqStep a;
   a.seq = 7;
   a.tokens = {1, 2, 3, 4, 5};
@@ -60,6 +61,7 @@ TEST(ExecutorWireTest, StepBatchRoundTrips) {
   ASSERT_TRUE(step.ok()) << step.status();
   EXPECT_EQ(step->step_id, 42u);
   EXPECT_EQ(step->epoch, 1234567u);
+  EXPECT_EQ(step->router_session, 88u);
   ASSERT_EQ(step->seqs.size(), 2u);
   EXPECT_EQ(step->seqs[0].seq, 7u);
   EXPECT_THAT(step->seqs[0].tokens, ElementsAre(1, 2, 3, 4, 5));
@@ -206,6 +208,7 @@ TEST(ExecutorWireTest, DecodeRefusesInconsistentSteps) {
       {"top_p zero", [](StepRequest& s) { s.seqs[1].sampling.top_p = 0; }, "top_p"},
       {"top_k negative", [](StepRequest& s) { s.seqs[1].sampling.top_k = -2; }, "top_k"},
       {"negative copy", [](StepRequest& s) { s.copies[0].second = -1; }, "copies[0]"},
+      {"no router session", [](StepRequest& s) { s.router_session = 0; }, "router_session"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);

@@ -158,12 +158,18 @@ absl::StatusOr<StepDriver::Inbound> StepDriver::AwaitReply(uint64_t request_id,
   }
 }
 
-absl::StatusOr<uint64_t> StepDriver::SendStep(const StepRequest& step) {
+absl::StatusOr<uint64_t> StepDriver::SendStep(const StepRequest& request) {
+  StepRequest step = request;
+  // As a router does: the session that granted the block tables (a made-up one without a
+  // cache manager).
+  if (step.router_session == 0) {
+    step.router_session = cache_manager_ != nullptr ? cache_manager_->session_id() : 1;
+  }
   const uint64_t request_id = next_request_id_++;
   flatbuffers::FlatBufferBuilder builder(1024);
   EncodeStepBatch(builder, request_id, kExecutorId, step);
   KVCM_RETURN_IF_ERROR(SendRaw(BufferSpan(builder)));
-  sent_steps_.push_back(step);
+  sent_steps_.push_back(std::move(step));
   return request_id;
 }
 

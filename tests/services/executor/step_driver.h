@@ -86,7 +86,8 @@ class StepDriver {
 
   // ---- Steps ----------------------------------------------------------------------------------
 
-  // Sends `step` (recorded in sent_steps()) and returns its request id.
+  // Sends `step` (recorded in sent_steps()) and returns its request id. A step without a
+  // router_session gets this driver's cache-manager session id (1 without one).
   absl::StatusOr<uint64_t> SendStep(const StepRequest& step);
   // The StepResult of request `request_id`. An ErrorReply becomes its status (FromWire; a
   // StaleEpoch is ABORTED).

@@ -1,0 +1,301 @@
+// Fencing with real processes (docs/architecture.md, "Fencing"): kvcm-cache-manager, a
+// kvcm-executor whose steps take seconds (--fault-layer-delay-ms), a scripted router
+// (kvcm-test-router) killed with SIGKILL while the executor is writing its step, and a
+// second router allocating at once. The second router never receives a block the executor
+// can still write; the blocks come back once the executor acknowledged the fence (after
+// abandoning the step) or died. An observer session maps the pool to see the writes.
+
+#include <signal.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "common/client/cache_manager_client.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "services/executor/llama_model.h"
+#include "tests/services/executor/executor_test_util.h"
+#include "tests/support/cache_manager_process.h"
+#include "tests/support/subprocess.h"
+
+namespace kvcm {
+namespace {
+
+using ::kvcm::testing::CacheManagerOptions;
+using ::kvcm::testing::CacheManagerProcess;
+using ::kvcm::testing::ExecutorArgs;
+using ::kvcm::testing::ExecutorProcess;
+using ::kvcm::testing::KvcmBinaryPath;
+using ::kvcm::testing::RunProgram;
+using ::kvcm::testing::RunResult;
+using ::kvcm::testing::Subprocess;
+using ::kvcm::testing::TempDir;
+using ::testing::HasSubstr;
+
+constexpr int32_t kNumBlocks = 4;
+constexpr int32_t kBlockSize = 16;
+constexpr int32_t kPromptTokens = 3 * kBlockSize;  // the dead router's 3 blocks
+
+// Polls `done` until it holds or `deadline` passes (no fixed sleeps to wait for a peer).
+template <typename Predicate>
+bool WaitFor(Predicate done, absl::Time deadline) {
+  while (!done()) {
+    if (absl::Now() >= deadline) return false;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return true;
+}
+
+class FencingProcessTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-fence");
+    ASSERT_TRUE(dir.ok()) << dir.status();
+    dir_ = new TempDir(std::move(*dir));
+    absl::StatusOr<RunResult> made = RunProgram(
+        {KvcmBinaryPath("kvcm-make-tiny-model"), "--output", dir_->path() + "/tiny", "--seed", "11"},
+        "", absl::Seconds(60));
+    ASSERT_TRUE(made.ok()) << made.status();
+    ASSERT_EQ(made->exit_code, 0) << made->output;
+  }
+  static void TearDownTestSuite() { delete dir_; }
+
+  // The cache manager, a dead-to-be router bound on the executor socket, an executor whose
+  // every layer takes `layer_delay_ms`, and an observer mapping the pool. Returns once the
+  // executor wrote layer 0 of the router's step (it is then mid-step, sleeping).
+  void StartMidStep(int32_t layer_delay_ms) {
+    absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(dir_->path() + "/tiny");
+    ASSERT_TRUE(model.ok()) << model.status();
+    const LlamaConfig& c = (*model)->config();
+    num_layers_ = c.num_hidden_layers;
+    CacheManagerOptions options;
+    options.num_blocks = kNumBlocks;
+    options.layers = c.num_hidden_layers;
+    options.kv_heads = c.num_key_value_heads;
+    options.head_dim = c.head_dim;
+    options.dtype = "fp32";
+    options.block_size = kBlockSize;
+    options.heartbeat_interval_ms = 100;
+    options.heartbeat_timeout_ms = 5000;
+    absl::StatusOr<std::unique_ptr<CacheManagerProcess>> cm = CacheManagerProcess::Start(options);
+    ASSERT_TRUE(cm.ok()) << cm.status();
+    cm_ = std::move(*cm);
+
+    absl::StatusOr<TempDir> sockets = TempDir::Create("kvcm-fence-rt");
+    ASSERT_TRUE(sockets.ok()) << sockets.status();
+    sockets_ = std::make_unique<TempDir>(std::move(*sockets));
+    const std::string router = absl::StrCat("ipc://", sockets_->path(), "/router-executors.sock");
+    Subprocess::Options router_options;
+    router_options.argv = {KvcmBinaryPath("kvcm-test-router"), "--router", router,
+                           "--cache-manager", cm_->endpoint(), "--prompt-tokens",
+                           absl::StrCat(kPromptTokens)};
+    router_options.output_path = sockets_->path() + "/router.out";
+    absl::StatusOr<std::unique_ptr<Subprocess>> dead = Subprocess::Start(router_options);
+    ASSERT_TRUE(dead.ok()) << dead.status();
+    dead_router_ = std::move(*dead);
+    const absl::Time deadline = absl::Now() + absl::Seconds(60);
+    auto session = dead_router_->WaitForLine("router: session=([0-9]+)", deadline);
+    ASSERT_TRUE(session.ok()) << session.status() << dead_router_->Output();
+    ASSERT_TRUE(absl::SimpleAtoi((*session)[1], &dead_session_));
+
+    ExecutorArgs args;
+    args.model = dir_->path() + "/tiny";
+    args.run_dir = cm_->run_dir();
+    args.router = router;
+    args.extra = {"--fault-layer-delay-ms", absl::StrCat(layer_delay_ms)};
+    absl::StatusOr<ExecutorProcess> executor = kvcm::testing::StartExecutor(args);
+    ASSERT_TRUE(executor.ok()) << executor.status();
+    executor_ = std::move(*executor);
+
+    auto blocks = dead_router_->WaitForLine("router: blocks=([0-9,]+)", deadline);
+    ASSERT_TRUE(blocks.ok()) << blocks.status() << dead_router_->Output();
+    for (absl::string_view b : absl::StrSplit((*blocks)[1], ',')) {
+      int32_t id = 0;
+      ASSERT_TRUE(absl::SimpleAtoi(b, &id));
+      dead_blocks_.push_back(id);
+    }
+    ASSERT_EQ(dead_blocks_.size(), 3u);
+    ASSERT_TRUE(dead_router_->WaitForLine("router: step sent", deadline).ok())
+        << dead_router_->Output();
+
+    // The observer: an Executor-role session, so it maps the pool and is waited for too.
+    CacheManagerClient::Options observer;
+    observer.endpoint = cm_->endpoint();
+    observer.role = wire::Role::Executor;
+    observer.name = "observer";
+    auto client = CacheManagerClient::Connect(observer);
+    ASSERT_TRUE(client.ok()) << client.status();
+    observer_ = std::move(*client);
+    auto pool = observer_->Attach();
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    pool_ = std::make_unique<AttachedPool>(std::move(*pool));
+    // Mid-step: layer 0 of the first block holds K/V, and the executor sleeps after it.
+    ASSERT_TRUE(WaitFor([&] { return LayerWritten(0); }, deadline)) << executor_.Output();
+  }
+
+  // Whether any byte of layer `layer`'s K of the dead router's first block is non-zero.
+  bool LayerWritten(int32_t layer) const {
+    const PoolLayout& layout = pool_->layout;
+    const auto* base = static_cast<const uint8_t*>(pool_->mapping->base()) +
+                       layer * layout.layer_stride + dead_blocks_[0] * layout.block_stride;
+    return std::any_of(base, base + layout.block_stride, [](uint8_t b) { return b != 0; });
+  }
+
+  // A second router, connected now.
+  std::unique_ptr<CacheManagerClient> SecondRouter() {
+    CacheManagerClient::Options options;
+    options.endpoint = cm_->endpoint();
+    options.role = wire::Role::Router;
+    options.name = "second-router";
+    auto client = CacheManagerClient::Connect(options);
+    EXPECT_TRUE(client.ok()) << client.status();
+    return client.ok() ? std::move(*client) : nullptr;
+  }
+
+  StatsSnapshot Stats() {
+    absl::StatusOr<StatsSnapshot> stats = observer_->Stats();
+    EXPECT_TRUE(stats.ok()) << stats.status();
+    return stats.ok() ? *stats : StatsSnapshot{};
+  }
+
+  // Kills the router with SIGKILL and waits until the cache manager saw it die: its blocks
+  // drain. Then the observer acknowledges its own fence (it writes nothing).
+  void KillRouterAndAcknowledgeAsObserver() {
+    ASSERT_TRUE(dead_router_->Signal(SIGKILL).ok());
+    ASSERT_TRUE(dead_router_->Wait(absl::Seconds(10)).ok());
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    ASSERT_TRUE(WaitFor([&] { return observer_->PendingFences().size() == 1; }, deadline));
+    const FenceNotice fence = observer_->PendingFences()[0];
+    EXPECT_EQ(fence.router_session, dead_session_);
+    ASSERT_TRUE(observer_->AcknowledgeFences({&fence.id, 1}).ok());
+  }
+
+  // Allocates `blocks` blocks as sequence `seq` of `router`: the block ids, or the status.
+  static absl::StatusOr<std::vector<int32_t>> Allocate(CacheManagerClient& router, uint64_t seq,
+                                                       int32_t blocks) {
+    StepBatch step;
+    step.Allocate(seq, blocks * kBlockSize);
+    absl::StatusOr<std::vector<OpOutcome>> outcomes = router.Step(step);
+    if (!outcomes.ok()) return outcomes.status();
+    if (!(*outcomes)[0].status.ok()) return (*outcomes)[0].status;
+    return (*outcomes)[0].blocks;
+  }
+
+  void ExpectNoneOfTheDeadRoutersBlocks(const std::vector<int32_t>& blocks) {
+    for (int32_t b : blocks) {
+      EXPECT_EQ(std::count(dead_blocks_.begin(), dead_blocks_.end(), b), 0)
+          << "block " << b << " reissued while the executor may write it";
+    }
+  }
+
+  static TempDir* dir_;
+  int32_t num_layers_ = 0;
+  std::unique_ptr<CacheManagerProcess> cm_;
+  std::unique_ptr<TempDir> sockets_;
+  std::unique_ptr<Subprocess> dead_router_;
+  uint64_t dead_session_ = 0;
+  std::vector<int32_t> dead_blocks_;
+  ExecutorProcess executor_;
+  std::unique_ptr<CacheManagerClient> observer_;
+  std::unique_ptr<AttachedPool> pool_;
+};
+
+TempDir* FencingProcessTest::dir_ = nullptr;
+
+TEST_F(FencingProcessTest, KilledRoutersBlocksWaitForTheExecutorToAbandonItsStep) {
+  // 4 layers x 1.5 s: without fencing the executor writes layers 1-3 long after the kill.
+  ASSERT_NO_FATAL_FAILURE(StartMidStep(/*layer_delay_ms=*/1500));
+  // Stopped, the executor cannot acknowledge: what the second router sees is then certain.
+  ASSERT_TRUE(executor_.process->Signal(SIGSTOP).ok());
+  ASSERT_NO_FATAL_FAILURE(KillRouterAndAcknowledgeAsObserver());
+  std::unique_ptr<CacheManagerClient> second = SecondRouter();
+  ASSERT_NE(second, nullptr);
+  EXPECT_EQ(Stats().draining_blocks, 3);
+  EXPECT_TRUE(absl::IsResourceExhausted(Allocate(*second, 1, kNumBlocks).status()));
+  absl::StatusOr<std::vector<int32_t>> one = Allocate(*second, 2, 1);
+  ASSERT_TRUE(one.ok()) << one.status();
+  ExpectNoneOfTheDeadRoutersBlocks(*one);
+  StepBatch free;
+  free.Free(2);
+  ASSERT_TRUE(second->Step(free).ok());
+  EXPECT_EQ(Stats().draining_blocks, 3);
+
+  // Resumed, the executor learns of the fence from its next heartbeat reply, stops at the
+  // next layer boundary and acknowledges: the blocks come back.
+  ASSERT_TRUE(executor_.process->Signal(SIGCONT).ok());
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  ASSERT_TRUE(WaitFor([&] { return Stats().draining_blocks == 0; }, deadline))
+      << executor_.Output();
+  EXPECT_THAT(executor_.Output(), HasSubstr("abandoned step 1 (stopped after layer"));
+  EXPECT_THAT(executor_.Output(),
+              HasSubstr(absl::StrCat("fenced router session ", dead_session_)));
+  EXPECT_EQ(Stats().open_fences, 0u);
+  absl::StatusOr<std::vector<int32_t>> all = Allocate(*second, 3, kNumBlocks);
+  ASSERT_TRUE(all.ok()) << all.status();
+  for (int32_t b : dead_blocks_) EXPECT_EQ(std::count(all->begin(), all->end(), b), 1);
+
+  // The new owner's data stays: the executor writes nothing after acknowledging. Fill the
+  // blocks with a pattern and wait past two of the executor's layer delays.
+  const PoolLayout& layout = pool_->layout;
+  auto* base = static_cast<uint8_t*>(pool_->mapping->base());
+  for (int32_t layer = 0; layer < num_layers_; ++layer) {
+    for (int32_t b : dead_blocks_) {
+      for (int kv = 0; kv < 2; ++kv) {
+        std::memset(base + layer * layout.layer_stride + kv * layout.kv_stride +
+                        b * layout.block_stride,
+                    0xAB, static_cast<size_t>(layout.block_stride));
+      }
+    }
+  }
+  absl::SleepFor(absl::Seconds(3));
+  for (int32_t layer = 0; layer < num_layers_; ++layer) {
+    for (int32_t b : dead_blocks_) {
+      for (int kv = 0; kv < 2; ++kv) {
+        const uint8_t* p =
+            base + layer * layout.layer_stride + kv * layout.kv_stride + b * layout.block_stride;
+        EXPECT_TRUE(std::all_of(p, p + layout.block_stride, [](uint8_t x) { return x == 0xAB; }))
+            << "layer " << layer << " block " << b << (kv ? " V" : " K") << " was overwritten";
+      }
+    }
+  }
+  EXPECT_EQ(executor_.process->Wait(absl::ZeroDuration()).status().code(),
+            absl::StatusCode::kDeadlineExceeded)
+      << "the executor should keep serving";
+}
+
+TEST_F(FencingProcessTest, KilledRoutersBlocksComeBackWhenItsHungExecutorDies) {
+  ASSERT_NO_FATAL_FAILURE(StartMidStep(/*layer_delay_ms=*/1500));
+  // Hung (SIGSTOP): it never acknowledges, so only its death can release the blocks.
+  ASSERT_TRUE(executor_.process->Signal(SIGSTOP).ok());
+  ASSERT_NO_FATAL_FAILURE(KillRouterAndAcknowledgeAsObserver());
+  std::unique_ptr<CacheManagerClient> second = SecondRouter();
+  ASSERT_NE(second, nullptr);
+  EXPECT_EQ(Stats().draining_blocks, 3);
+  EXPECT_TRUE(absl::IsResourceExhausted(Allocate(*second, 1, kNumBlocks).status()));
+  absl::StatusOr<std::vector<int32_t>> one = Allocate(*second, 2, 1);
+  ASSERT_TRUE(one.ok()) << one.status();
+  ExpectNoneOfTheDeadRoutersBlocks(*one);
+  // Past its lease: quarantined, still waited for.
+  const absl::Time expired = absl::Now() + absl::Seconds(6);
+  ASSERT_TRUE(WaitFor([&] { return absl::Now() >= expired; }, expired + absl::Seconds(1)));
+  EXPECT_EQ(Stats().draining_blocks, 3);
+
+  ASSERT_TRUE(executor_.process->Signal(SIGKILL).ok());
+  ASSERT_TRUE(executor_.process->Wait(absl::Seconds(10)).ok());
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  ASSERT_TRUE(WaitFor([&] { return Stats().draining_blocks == 0; }, deadline));
+  absl::StatusOr<std::vector<int32_t>> rest = Allocate(*second, 3, kNumBlocks - 1);
+  ASSERT_TRUE(rest.ok()) << rest.status();
+  EXPECT_EQ(Stats().free_blocks, 0);
+}
+
+}  // namespace
+}  // namespace kvcm
