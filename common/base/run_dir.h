@@ -1,5 +1,5 @@
 #pragma once
-// The run directory the cache manager's sockets live in (DESIGN.md §2), as every process
+// The run directory the cache manager's sockets live in (docs/architecture.md), as every process
 // that looks for them names it: the cache manager (services/cache_manager/run_directory.h),
 // the executor and kvcmctl.
 

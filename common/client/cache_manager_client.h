@@ -1,7 +1,7 @@
 #pragma once
 
 // CacheManagerClient: a router's, executor's or tool's connection to kvcm-cache-manager
-// (DESIGN.md sections 2, 5 and 6; the messages are schemas/kvcm_protocol.fbs).
+// (docs/architecture.md).
 //
 //   CacheManagerClient::Options options;
 //   options.endpoint = "ipc://RUN_DIR/cache-manager.sock";
@@ -272,7 +272,7 @@ class CacheManagerClient {
     // ready line prints), or "tcp://127.0.0.1:PORT".
     std::string endpoint;
     // What this client is; the cache manager treats a dead router's sequences differently
-    // from a dead executor's mapping (DESIGN.md section 6).
+    // from a dead executor's mapping (docs/architecture.md).
     wire::Role role = wire::Role::Unknown;
     // Shown in the cache manager's logs and `kvcmctl info`; at most 128 bytes.
     std::string name;

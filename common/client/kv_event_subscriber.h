@@ -1,7 +1,7 @@
 #pragma once
 
 // KvEventSubscriber: a local mirror of the cache manager's prefix index (block hash ->
-// block id), kept up to date from its KV event stream (DESIGN.md section 5). A KV-aware
+// block id), kept up to date from its KV event stream (docs/architecture.md). A KV-aware
 // router uses it to guess which executor already holds a prefix without asking.
 //
 // The stream: the cache manager's PUB socket sends three-frame messages

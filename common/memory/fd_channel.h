@@ -1,7 +1,7 @@
 #pragma once
 
 // The Unix-socket side channel that hands the shm pool's memfd to an attaching process
-// (DESIGN.md section 3).
+// (docs/architecture.md).
 //
 // The owner (the cache manager) listens on a socket file in its run directory. A client
 // connects; the owner accepts, reads the client's credentials with SO_PEERCRED and, if

@@ -17,7 +17,7 @@
 //   layer_stride = 2 x kv_stride
 //   total_bytes  = num_layers x layer_stride          (= num_blocks x BytesPerBlock())
 //
-// The strides travel in the pool descriptor (DESIGN.md section 3): the descriptor, not the
+// The strides travel in the pool descriptor (docs/architecture.md): the descriptor, not the
 // code, fixes the layout. A process that receives a layout from a peer calls Validate()
 // before using it to compute addresses.
 //

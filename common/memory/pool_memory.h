@@ -1,7 +1,7 @@
 #pragma once
 
 // Pool memory: the one arena of KV-cache blocks that the cache manager owns and other
-// processes map (DESIGN.md section 3). Two backends:
+// processes map (docs/architecture.md). Two backends:
 //
 //   shm   A sealed memfd (MFD_CLOEXEC | MFD_ALLOW_SEALING; F_SEAL_SHRINK | F_SEAL_GROW |
 //         F_SEAL_SEAL), mapped MAP_SHARED. Attachers receive the descriptor over the Unix

@@ -5,7 +5,7 @@
 // families (updated as things happen) and scrape-time families (built from a snapshot by a
 // collector, see ScrapeRegistry) from the same declarations.
 //
-// Conventions (DESIGN.md §9, checked by `promtool check metrics`): prefix `kvcm_`, base
+// Conventions (docs/architecture.md): prefix `kvcm_`, base
 // units (`_seconds`, `_bytes`), `_total` on counters, `_ratio` for 0–1 values, no
 // unbounded label values, every known label set exported at 0 from start-up.
 

@@ -3,7 +3,7 @@
 // The shape of one KV-cache block: which model dimensions it holds and in what dtype.
 //
 // A block holds the keys and values of `block_size` consecutive tokens of one sequence, for
-// every layer and every KV head (DESIGN.md section 1). Its size is
+// every layer and every KV head (docs/architecture.md). Its size is
 //
 //   bytes per token = 2 (K and V) x num_layers x num_kv_heads x head_dim x dtype bytes
 //   bytes per block = bytes per token x block_size

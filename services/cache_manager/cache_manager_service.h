@@ -4,7 +4,7 @@
 // ledger events into KV event batches. CacheManagerServer (cache_manager_server.h) feeds
 // it messages from the ZeroMQ sockets; tests feed it bytes directly.
 //
-// Request handling (DESIGN.md §5, §6):
+// Request handling (docs/architecture.md):
 // - Envelope checks (size, Verifier, identifier, version), then the session: a request
 //   other than Hello must carry a session id this cache manager issued and still holds, the
 //   current epoch, and (over ipc://) come from the process that registered it.

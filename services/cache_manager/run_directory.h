@@ -1,6 +1,6 @@
 #pragma once
 // RunDirectory: the cache manager's directory of sockets and its single-instance lock
-// (DESIGN.md §2).
+// (docs/architecture.md).
 //
 // Acquire() creates the directory (mode 0700; an existing one must belong to this user and
 // is narrowed to 0700), then takes an exclusive flock on `cache-manager.lock` and writes

@@ -4,7 +4,7 @@
 //
 // CacheManagerPool is the real one: it holds the CacheManagerClient session (role Executor;
 // the client's heartbeat thread keeps it alive) and the AttachedPool mapping. When the cache
-// manager restarts (DESIGN.md section 6) the pool of the old epoch is gone: Refresh() notices
+// manager restarts (docs/architecture.md) the pool of the old epoch is gone: Refresh() notices
 // the refused session (the heartbeat thread saw it) and Reattach() drops the old mapping,
 // registers again and attaches to the new epoch. The model's weights are not touched.
 //

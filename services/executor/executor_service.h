@@ -1,5 +1,5 @@
 #pragma once
-// ExecutorService: kvcm-executor's logic, without sockets (DESIGN.md section 8). It speaks
+// ExecutorService: kvcm-executor's logic, without sockets (docs/architecture.md). It speaks
 // the executor protocol (schemas/kvcm_executor.fbs) with the router and runs step batches on
 // the model and the attached pool. ExecutorServer (executor_server.h) feeds it the frames of
 // its DEALER socket and sends what it builds; tests feed it bytes or StepRequests directly.

@@ -1,7 +1,7 @@
 #pragma once
 // LlamaModel: a Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) on the
 // CPU, with fp32 weights, whose attention reads and writes the shared paged KV pool through
-// the kernels of kernels/ (DESIGN.md section 8).
+// the kernels of kernels/ (docs/architecture.md).
 //
 // Two forward paths share every step but attention:
 //
