@@ -279,14 +279,9 @@ void CacheManagerService::HandleHello(const wire::Envelope& envelope,
   for (const auto& [id, session] : sessions_) {
     if (session.quarantined && session.pid == pid) replaced.push_back(id);
   }
-  const uint64_t new_id = next_session_id_++;
-  for (uint64_t id : replaced) {
-    EndSession(id, ReclaimReason::kSessionReplaced,
-               hello->role() == wire::Role::Executor ? new_id : 0);
-  }
 
   Session session;
-  session.id = new_id;
+  session.id = next_session_id_++;
   session.role = hello->role();
   session.pid = pid;
   session.name = hello->name() != nullptr ? hello->name()->str() : std::string();
@@ -297,11 +292,12 @@ void CacheManagerService::HandleHello(const wire::Envelope& envelope,
     session.pid_verified = watcher_->Watch(pid).ok();
   }
   const uint64_t id = session.id;
-  if (auto inherited = inherited_fences_.find(id); inherited != inherited_fences_.end()) {
-    session.pending_fences = std::move(inherited->second);
-    inherited_fences_.erase(inherited);
-  }
+  const bool executor = session.role == wire::Role::Executor;
   sessions_.emplace(id, std::move(session));
+  // After the new session exists (Watch is idempotent, so the pid stays watched).
+  for (uint64_t old_id : replaced) {
+    EndSession(old_id, ReclaimReason::kSessionReplaced, executor ? id : 0);
+  }
 
   auto payload = wire::CreateHelloReply(
       *reply, id, options_.epoch,
@@ -340,7 +336,7 @@ int32_t CacheManagerService::EndSession(uint64_t session_id, ReclaimReason reaso
       if (fence == fences_.end()) continue;
       fence->second.waiting.erase(session_id);
       fence->second.waiting.insert(successor);
-      inherited_fences_[successor].insert(fence_id);
+      sessions_.at(successor).pending_fences.insert(fence_id);
     } else {
       released += AcknowledgeFence(fence_id, session_id);
     }

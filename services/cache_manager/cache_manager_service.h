@@ -213,7 +213,7 @@ class CacheManagerService {
 
   // Forgets the session. A router's sequences are freed, or fenced while executor sessions
   // exist (see the header comment); an executor's fences count as acknowledged, or move to
-  // `successor` (the session the same process registered again as) when that is not 0.
+  // `successor` (the live session the same process registered again as) when that is not 0.
   // Counts reclaimed blocks; returns the blocks that became unused now.
   int32_t EndSession(uint64_t session_id, ReclaimReason reason, uint64_t successor = 0);
   // `executor` acknowledged fence `id` (or ended); frees the fenced sequences once nobody
@@ -236,8 +236,6 @@ class CacheManagerService {
   absl::flat_hash_map<SeqId, uint64_t> seq_owner_;  // live sequence -> owning session
   uint64_t next_session_id_ = 1;
   absl::flat_hash_map<uint64_t, Fence> fences_;  // open fences by id
-  // Fences of a replaced executor session, for the session its Hello is creating.
-  absl::flat_hash_map<uint64_t, absl::flat_hash_set<uint64_t>> inherited_fences_;
   uint64_t next_fence_id_ = 1;
   SeqId next_draining_seq_ = kFirstDrainingSeq;
   uint64_t event_seq_ = 0;  // last batch number handed out

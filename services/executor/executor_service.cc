@@ -17,6 +17,9 @@ namespace kvcm {
 namespace {
 
 constexpr char kComponent[] = "kvcm-executor";
+// Between two failed fence acknowledgements. Short: the blocks stay draining meanwhile.
+// Not shorter: each attempt may block the socket thread for a call timeout.
+constexpr absl::Duration kFenceAckRetry = absl::Seconds(1);
 
 std::string SeqName(size_t index, uint64_t seq) {
   return absl::StrCat("seq[", index, "] (id ", seq, ")");
@@ -316,8 +319,20 @@ bool ExecutorService::FencedSinceStepBegan(uint64_t router_session) {
 }
 
 int ExecutorService::ApplyFences() {
+  // Called every loop turn: nothing to do unless the fences changed, or an acknowledgement
+  // failed (the cache manager is down or busy) and its retry is due. Each attempt may block
+  // for a call timeout, so failed ones are spaced.
+  const uint64_t generation = pool_->fence_generation();
+  if (generation == applied_fence_generation_ &&
+      (!fence_ack_failed_ || absl::Now() < fence_ack_retry_at_)) {
+    return 0;
+  }
+  applied_fence_generation_ = generation;
   const std::vector<FenceNotice> fences = pool_->PendingFences();
-  if (fences.empty()) return 0;
+  if (fences.empty()) {
+    fence_ack_failed_ = false;
+    return 0;
+  }
   // Between steps: nothing runs. From here on every step of these sessions is refused, so
   // the acknowledgement is true when it leaves.
   std::vector<uint64_t> ids;
@@ -327,10 +342,17 @@ int ExecutorService::ApplyFences() {
     ids.push_back(fence.id);
   }
   if (absl::Status acked = pool_->AcknowledgeFences(ids); !acked.ok()) {
-    LogLine(kComponent, absl::StrCat("cannot acknowledge ", ids.size(),
-                                     " fence(s) yet: ", acked.message()));
+    if (!fence_ack_failed_) {
+      LogLine(kComponent, absl::StrCat("cannot acknowledge ", ids.size(),
+                                       " fence(s) yet (retrying every ",
+                                       absl::FormatDuration(kFenceAckRetry), "): ",
+                                       acked.message()));
+    }
+    fence_ack_failed_ = true;
+    fence_ack_retry_at_ = absl::Now() + kFenceAckRetry;
     return 0;
   }
+  fence_ack_failed_ = false;
   for (const FenceNotice& fence : fences) {
     LogLine(kComponent, absl::StrCat("fenced router session ", fence.router_session,
                                      ": no step of it runs here any more (fence ", fence.id,

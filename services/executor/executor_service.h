@@ -154,7 +154,10 @@ class ExecutorService {
 
   // Fencing.
   absl::flat_hash_set<uint64_t> fenced_;
-  uint64_t seen_fence_generation_ = 0;
+  uint64_t seen_fence_generation_ = 0;     // by the running step
+  uint64_t applied_fence_generation_ = 0;  // by ApplyFences
+  bool fence_ack_failed_ = false;
+  absl::Time fence_ack_retry_at_ = absl::InfinitePast();
   uint64_t abandoned_steps_ = 0;
 
   // Registration with the router.

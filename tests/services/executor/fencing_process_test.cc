@@ -178,6 +178,21 @@ class FencingProcessTest : public ::testing::Test {
     ASSERT_TRUE(observer_->AcknowledgeFences({&fence.id, 1}).ok());
   }
 
+  // Stops the executor mid-step (SIGSTOP: it cannot acknowledge, so what follows is
+  // certain), kills the router, and checks what a second router, returned in `second`, can
+  // get: only the one block the dead router did not hold, kept as its sequence 2.
+  void StopExecutorAndKillRouter(std::unique_ptr<CacheManagerClient>* second) {
+    ASSERT_TRUE(executor_.process->Signal(SIGSTOP).ok());
+    ASSERT_NO_FATAL_FAILURE(KillRouterAndAcknowledgeAsObserver());
+    *second = SecondRouter();
+    ASSERT_NE(*second, nullptr);
+    EXPECT_EQ(Stats().draining_blocks, 3);
+    EXPECT_TRUE(absl::IsResourceExhausted(Allocate(**second, 1, kNumBlocks).status()));
+    absl::StatusOr<std::vector<int32_t>> one = Allocate(**second, 2, 1);
+    ASSERT_TRUE(one.ok()) << one.status();
+    ExpectNoneOfTheDeadRoutersBlocks(*one);
+  }
+
   // Allocates `blocks` blocks as sequence `seq` of `router`: the block ids, or the status.
   static absl::StatusOr<std::vector<int32_t>> Allocate(CacheManagerClient& router, uint64_t seq,
                                                        int32_t blocks) {
@@ -213,16 +228,8 @@ TempDir* FencingProcessTest::dir_ = nullptr;
 TEST_F(FencingProcessTest, KilledRoutersBlocksWaitForTheExecutorToAbandonItsStep) {
   // 4 layers x 1.5 s: without fencing the executor writes layers 1-3 long after the kill.
   ASSERT_NO_FATAL_FAILURE(StartMidStep(/*layer_delay_ms=*/1500));
-  // Stopped, the executor cannot acknowledge: what the second router sees is then certain.
-  ASSERT_TRUE(executor_.process->Signal(SIGSTOP).ok());
-  ASSERT_NO_FATAL_FAILURE(KillRouterAndAcknowledgeAsObserver());
-  std::unique_ptr<CacheManagerClient> second = SecondRouter();
-  ASSERT_NE(second, nullptr);
-  EXPECT_EQ(Stats().draining_blocks, 3);
-  EXPECT_TRUE(absl::IsResourceExhausted(Allocate(*second, 1, kNumBlocks).status()));
-  absl::StatusOr<std::vector<int32_t>> one = Allocate(*second, 2, 1);
-  ASSERT_TRUE(one.ok()) << one.status();
-  ExpectNoneOfTheDeadRoutersBlocks(*one);
+  std::unique_ptr<CacheManagerClient> second;
+  ASSERT_NO_FATAL_FAILURE(StopExecutorAndKillRouter(&second));
   StepBatch free;
   free.Free(2);
   ASSERT_TRUE(second->Step(free).ok());
@@ -274,15 +281,8 @@ TEST_F(FencingProcessTest, KilledRoutersBlocksWaitForTheExecutorToAbandonItsStep
 TEST_F(FencingProcessTest, KilledRoutersBlocksComeBackWhenItsHungExecutorDies) {
   ASSERT_NO_FATAL_FAILURE(StartMidStep(/*layer_delay_ms=*/1500));
   // Hung (SIGSTOP): it never acknowledges, so only its death can release the blocks.
-  ASSERT_TRUE(executor_.process->Signal(SIGSTOP).ok());
-  ASSERT_NO_FATAL_FAILURE(KillRouterAndAcknowledgeAsObserver());
-  std::unique_ptr<CacheManagerClient> second = SecondRouter();
-  ASSERT_NE(second, nullptr);
-  EXPECT_EQ(Stats().draining_blocks, 3);
-  EXPECT_TRUE(absl::IsResourceExhausted(Allocate(*second, 1, kNumBlocks).status()));
-  absl::StatusOr<std::vector<int32_t>> one = Allocate(*second, 2, 1);
-  ASSERT_TRUE(one.ok()) << one.status();
-  ExpectNoneOfTheDeadRoutersBlocks(*one);
+  std::unique_ptr<CacheManagerClient> second;
+  ASSERT_NO_FATAL_FAILURE(StopExecutorAndKillRouter(&second));
   // Past its lease: quarantined, still waited for.
   const absl::Time expired = absl::Now() + absl::Seconds(6);
   ASSERT_TRUE(WaitFor([&] { return absl::Now() >= expired; }, expired + absl::Seconds(1)));
