@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/base/check.h"
+#include "common/base/monotonic_clock.h"
 #include "common/base/status_macros.h"
 #include "common/memory/fd_channel.h"
 #include "common/transport/zmq_util.h"
@@ -270,7 +271,7 @@ bool CacheManagerClient::session_lost() const {
 absl::StatusOr<CacheManagerClient::Reply> CacheManagerClient::Exchange(
     flatbuffers::FlatBufferBuilder& builder, uint64_t request_id, wire::Message request_type,
     wire::Message reply_type) {
-  const absl::Time deadline = absl::Now() + options_.call_timeout;
+  const absl::Time deadline = MonotonicNow() + options_.call_timeout;
   const auto no_answer = [&] {
     return absl::DeadlineExceededError(absl::StrCat(
         "cache manager at ", options_.endpoint, " did not answer ", MessageName(request_type),
@@ -713,7 +714,7 @@ void CacheManagerClient::HeartbeatLoop(zmq::socket_t stop) {
   uint64_t next_request_id = 1;
   uint64_t pending_request = 0;     // the heartbeat awaiting its reply (0: none)
   uint64_t pending_generation = 0;  // the registration it was sent for
-  absl::Time next_send = absl::Now() + session().heartbeat_interval;
+  absl::Time next_send = MonotonicNow() + session().heartbeat_interval;
   flatbuffers::FlatBufferBuilder builder(64);
   while (true) {
     zmq_pollitem_t items[2] = {};
@@ -721,7 +722,7 @@ void CacheManagerClient::HeartbeatLoop(zmq::socket_t stop) {
     items[0].events = ZMQ_POLLIN;
     items[1].socket = dealer.handle();
     items[1].events = ZMQ_POLLIN;
-    const absl::Duration wait = std::max(next_send - absl::Now(), absl::ZeroDuration());
+    const absl::Duration wait = std::max(next_send - MonotonicNow(), absl::ZeroDuration());
     const long wait_ms =
         static_cast<long>(absl::ToInt64Milliseconds(absl::Ceil(wait, absl::Milliseconds(1))));
     if (zmq_poll(items, 2, wait_ms) < 0 && zmq_errno() != EINTR) return;
@@ -746,7 +747,7 @@ void CacheManagerClient::HeartbeatLoop(zmq::socket_t stop) {
         }
       }
     }
-    const absl::Time now = absl::Now();
+    const absl::Time now = MonotonicNow();
     if (now < next_send) continue;
     const auto [current, generation] = SessionAndGeneration();
     next_send = now + current.heartbeat_interval;

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/base/monotonic_clock.h"
 #include "common/base/status_macros.h"
 #include "common/transport/zmq_util.h"
 #include "common/wire/envelope.h"
@@ -44,7 +45,7 @@ absl::StatusOr<std::unique_ptr<KvEventSubscriber>> KvEventSubscriber::Connect(Op
   }
   KVCM_RETURN_IF_ERROR(ConnectAndAwaitHandshake(
       subscriber->context_, subscriber->socket_, subscriber->options_.endpoint,
-      absl::Now() + subscriber->options_.connect_timeout));
+      MonotonicNow() + subscriber->options_.connect_timeout));
   return subscriber;
 }
 
@@ -142,7 +143,7 @@ int KvEventSubscriber::Replay() {
 
 absl::StatusOr<int> KvEventSubscriber::Poll(absl::Duration timeout) {
   int applied = 0;
-  const absl::Time deadline = absl::Now() + timeout;
+  const absl::Time deadline = MonotonicNow() + timeout;
   for (int i = 0; i < kMaxMessagesPerPoll; ++i) {
     KVCM_ASSIGN_OR_RETURN(
         std::vector<zmq::message_t> frames,

@@ -11,6 +11,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/base/monotonic_clock.h"
 
 namespace kvcm {
 namespace {
@@ -23,7 +24,7 @@ absl::Status ZmqError(const char* what, const zmq::error_t& error) {
 // returns before the deadline, capped to an int.
 long PollTimeoutMs(absl::Time deadline) {
   if (deadline == absl::InfiniteFuture()) return -1;
-  const absl::Duration left = deadline - absl::Now();
+  const absl::Duration left = deadline - MonotonicNow();
   if (left <= absl::ZeroDuration()) return 0;
   const int64_t ms = absl::ToInt64Milliseconds(absl::Ceil(left, absl::Milliseconds(1)));
   return static_cast<long>(std::min<int64_t>(ms, 1 << 30));
@@ -71,7 +72,7 @@ absl::StatusOr<bool> WaitReadable(zmq::socket_t& socket, absl::Time deadline) {
       return absl::InternalError(absl::StrCat("zmq_poll failed: ", zmq_strerror(zmq_errno())));
     }
     if (rc > 0 && (item.revents & ZMQ_POLLIN) != 0) return true;
-    if (absl::Now() >= deadline) return false;
+    if (MonotonicNow() >= deadline) return false;
   }
 }
 

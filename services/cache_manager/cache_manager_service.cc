@@ -438,6 +438,12 @@ int CacheManagerService::ExpireSessions(absl::Time now) {
   return quarantined;
 }
 
+void CacheManagerService::ExtendLeases(absl::Time now) {
+  for (auto& [id, session] : sessions_) {
+    if (!session.quarantined) session.last_seen = std::max(session.last_seen, now);
+  }
+}
+
 CacheManagerService::HeldBlocks CacheManagerService::BlocksHeldApart() const {
   struct Refs {
     int32_t quarantined = 0;

@@ -127,8 +127,13 @@ class CacheManagerService {
   void OnProcessExited(pid_t pid);
 
   // Quarantines every active session silent since before now - heartbeat_timeout; returns
-  // how many were quarantined now.
+  // how many were quarantined now. `now` (like every time the service is given) is on the
+  // monotonic clock (common/base/monotonic_clock.h).
   int ExpireSessions(absl::Time now);
+
+  // Counts every active session as seen at `now`: the caller's own loop was late (the
+  // process was stopped or starved), so the silence was not the clients'.
+  void ExtendLeases(absl::Time now);
 
   // Encodes the ledger events recorded since the last call as one EventBatch (finished
   // without a file identifier) and returns its sequence number; 0 (and `out` untouched)

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/base/monotonic_clock.h"
 #include "common/base/status_macros.h"
 #include "common/transport/zmq_util.h"
 
@@ -66,7 +67,7 @@ void CacheManagerPool::Detach() {
 
 absl::Status CacheManagerPool::Refresh() {
   if (attached_.has_value() && !client_->session_lost()) return absl::OkStatus();
-  const absl::Time now = absl::Now();
+  const absl::Time now = MonotonicNow();
   if (!attached_.has_value() && now < next_attempt_) {
     return absl::UnavailableError("no pool attached; waiting to retry");
   }
@@ -77,10 +78,10 @@ absl::Status CacheManagerPool::Reattach() {
   // The old epoch's mapping goes first: its memory belongs to a dead (or dying) process, and
   // a cuda IPC mapping must be closed before another is opened.
   Detach();
-  next_attempt_ = absl::Now() + options_.retry_interval;
+  next_attempt_ = MonotonicNow() + options_.retry_interval;
   // Fail fast when nothing listens (the cache manager is down): no call timeout to wait.
   KVCM_RETURN_IF_ERROR(ProbeIpcListener(client_->options().endpoint));
-  const absl::Time start = absl::Now();
+  const absl::Time start = MonotonicNow();
   // The session is gone (a new epoch, or the lease ran out): this executor is between steps
   // and holds no mapping any more, so nothing writes for the old session; register again.
   // Its open fences go with it to the new session (the cache manager moves them).
@@ -99,7 +100,7 @@ absl::Status CacheManagerPool::Reattach() {
   if (!attached.ok()) return attached.status();
   KVCM_RETURN_IF_ERROR(CheckPoolFitsModel(attached->spec, options_.model));
   // The attachment's own time; what `accept` does (copying weights to a device) is not.
-  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  const double seconds = absl::ToDoubleSeconds(MonotonicNow() - start);
   PoolView view;
   view.base = static_cast<uint8_t*>(attached->mapping->base());
   view.layout = attached->layout;
@@ -120,6 +121,14 @@ absl::Status CacheManagerPool::Reattach() {
   ++attaches_;
   if (metrics_ != nullptr) metrics_->ObserveAttach(seconds, bytes, view_.epoch);
   return absl::OkStatus();
+}
+
+absl::StatusOr<bool> CacheManagerPool::AttachedEpochIsCurrent() {
+  if (!attached_.has_value() || client_->session_lost()) return false;
+  const absl::Status beat = client_->Heartbeat();
+  if (absl::IsAborted(beat)) return false;  // the session (and maybe its epoch) is gone
+  if (!beat.ok()) return beat;
+  return client_->epoch() == view_.epoch;
 }
 
 void CacheManagerPool::Goodbye() {

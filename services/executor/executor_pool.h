@@ -74,6 +74,14 @@ class PoolSource {
   // Ends the cache-manager session (best effort; logs nothing).
   virtual void Goodbye() = 0;
 
+  // Asks the cache manager (one round trip) whether the epoch of the pool attached is still
+  // the one it runs: true when it confirmed it, false when the session is gone (a new
+  // epoch, or this executor's lease ran out) or nothing is attached. A step naming another
+  // epoch re-attaches only on false: a stale or corrupt step must not make the executor
+  // drop a good mapping. UNAVAILABLE or DEADLINE_EXCEEDED when the cache manager cannot
+  // answer. A source without a cache manager says whether something is attached.
+  virtual absl::StatusOr<bool> AttachedEpochIsCurrent() { return pool() != nullptr; }
+
   // Fencing (schemas/kvcm_protocol.fbs, Fence). The fences the cache manager asks this
   // executor to honour now, and a number that changes whenever they do (cheap enough to
   // check between layers). A source without a cache manager has none.
@@ -118,6 +126,7 @@ class CacheManagerPool : public PoolSource {
   absl::Status Refresh() override;
   absl::Status Reattach() override;
   void Goodbye() override;
+  absl::StatusOr<bool> AttachedEpochIsCurrent() override;
   std::vector<FenceNotice> PendingFences() const override { return client_->PendingFences(); }
   uint64_t fence_generation() const override { return client_->fence_generation(); }
   absl::Status AcknowledgeFences(std::span<const uint64_t> fence_ids) override {

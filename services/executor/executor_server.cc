@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/base/log.h"
+#include "common/base/monotonic_clock.h"
 #include "common/memory/pool_memory.h"
 #include "common/transport/zmq_util.h"
 
@@ -93,7 +94,7 @@ void ExecutorServer::Upkeep() {
       logged_failure_ = failure;
     }
   }
-  const absl::Time now = absl::Now();
+  const absl::Time now = MonotonicNow();
   if (service_->WantsHello(now)) {
     service_->BuildHello(now, &out_);
     if (!Send(out_)) service_->HelloNotSent();
@@ -124,7 +125,7 @@ int ExecutorServer::Drain(bool shutting_down) {
     AlignFrame(frame);
     const std::span<const uint8_t> bytes =
         well_formed ? FrameBytes(frame) : std::span<const uint8_t>();
-    const absl::Time now = absl::Now();
+    const absl::Time now = MonotonicNow();
     if (shutting_down) {
       const VerifiedExecutorEnvelope verified = VerifyExecutorEnvelope(bytes);
       if (verified.envelope != nullptr &&
@@ -139,7 +140,7 @@ int ExecutorServer::Drain(bool shutting_down) {
     const ExecutorService::Handled result = service_->Handle(bytes, now, &reply_);
     if (result.reply) {
       Send(reply_);
-      service_->NoteSent(absl::Now());
+      service_->NoteSent(MonotonicNow());
     }
   }
   return handled;
@@ -147,13 +148,13 @@ int ExecutorServer::Drain(bool shutting_down) {
 
 void ExecutorServer::SayGoodbye() {
   if (service_->registered()) {
-    service_->BuildGoodbye(absl::Now(), &out_);
+    service_->BuildGoodbye(MonotonicNow(), &out_);
     Send(out_);
-    const absl::Time deadline = absl::Now() + options_.goodbye_timeout;
-    while (!service_->goodbye_answered() && absl::Now() < deadline) {
+    const absl::Time deadline = MonotonicNow() + options_.goodbye_timeout;
+    while (!service_->goodbye_answered() && MonotonicNow() < deadline) {
       zmq::pollitem_t item{router_.handle(), 0, ZMQ_POLLIN, 0};
       try {
-        zmq::poll(&item, 1, std::chrono::milliseconds(ToPollMillis(deadline - absl::Now())));
+        zmq::poll(&item, 1, std::chrono::milliseconds(ToPollMillis(deadline - MonotonicNow())));
       } catch (const zmq::error_t& error) {
         if (error.num() == EINTR) continue;
         break;

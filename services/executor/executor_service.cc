@@ -9,6 +9,7 @@
 #include "absl/time/clock.h"
 #include "common/base/check.h"
 #include "common/base/log.h"
+#include "common/base/monotonic_clock.h"
 #include "common/base/status_macros.h"
 #include "kernels/copy_blocks.h"
 #include "services/executor/sampler.h"
@@ -187,7 +188,7 @@ void ExecutorService::HandleStep(const wire::ExecutorEnvelope& envelope, absl::T
            std::string(report.status().message()), ErrorKind(report.status()), reply);
     return;
   }
-  const double seconds = absl::ToDoubleSeconds(absl::Now() - received);
+  const double seconds = absl::ToDoubleSeconds(MonotonicNow() - received);
   report->duration_us = static_cast<uint64_t>(std::max(0.0, seconds * 1e6));
   reply->Clear();
   EncodeStepResult(*reply, envelope.request_id(), executor_id_, attached_epoch(), *report);
@@ -201,30 +202,40 @@ void ExecutorService::HandleStep(const wire::ExecutorEnvelope& envelope, absl::T
 
 absl::StatusOr<const PoolView*> ExecutorService::PoolForEpoch(uint64_t epoch) {
   const PoolView* pool = pool_->pool();
-  if (pool != nullptr && epoch < pool->epoch) {
-    return absl::AbortedError(
-        absl::StrCat("stale epoch: the step's block tables are of cache-manager epoch ", epoch,
-                     " but the pool attached is of epoch ", pool->epoch,
-                     " (the cache manager restarted; re-admit the sequences)"));
+  if (pool != nullptr && epoch == pool->epoch) return pool;
+  // Epochs are compared for equality only (docs/architecture.md, "Leases"). Another epoch
+  // than the pool's: only the cache manager can say which is current.
+  if (pool != nullptr) {
+    absl::StatusOr<bool> current = pool_->AttachedEpochIsCurrent();
+    if (!current.ok()) {
+      return absl::AbortedError(absl::StrCat(
+          "stale epoch: the step is of cache-manager epoch ", epoch, ", the pool attached of ",
+          pool->epoch, ", and the cache manager cannot say which is current: ",
+          current.status().message()));
+    }
+    if (*current) {
+      return absl::AbortedError(absl::StrCat(
+          "stale epoch: the step's block tables are of cache-manager epoch ", epoch,
+          " but the cache manager runs epoch ", pool->epoch,
+          ", the pool attached (re-admit the sequences)"));
+    }
   }
-  if (pool == nullptr || epoch > pool->epoch) {
-    // A newer epoch (or none attached): the cache manager restarted and the heartbeat has
-    // not told us yet. Attach again now; the weights stay loaded.
-    const uint64_t before = pool == nullptr ? 0 : pool->epoch;
-    const absl::Status reattached = pool_->Reattach();
-    pool = pool_->pool();
-    if (!reattached.ok() || pool == nullptr) {
-      if (before == 0 && epoch == 0) {
-        return absl::UnavailableError(absl::StrCat("no pool attached: ", reattached.message()));
-      }
-      return absl::AbortedError(absl::StrCat("stale epoch, re-attaching: the step is of epoch ",
-                                             epoch, "; attaching failed: ", reattached.message()));
+  // The attached epoch is gone (the cache manager restarted and the heartbeat has not told
+  // us yet), or nothing is attached: attach again now; the weights stay loaded.
+  const uint64_t before = pool == nullptr ? 0 : pool->epoch;
+  const absl::Status reattached = pool_->Reattach();
+  pool = pool_->pool();
+  if (!reattached.ok() || pool == nullptr) {
+    if (before == 0 && epoch == 0) {
+      return absl::UnavailableError(absl::StrCat("no pool attached: ", reattached.message()));
     }
-    if (pool->epoch != epoch) {
-      return absl::AbortedError(absl::StrCat("stale epoch, re-attaching: the step is of epoch ",
-                                             epoch, " but the cache manager is in epoch ",
-                                             pool->epoch));
-    }
+    return absl::AbortedError(absl::StrCat("stale epoch, re-attaching: the step is of epoch ",
+                                           epoch, "; attaching failed: ", reattached.message()));
+  }
+  if (pool->epoch != epoch) {
+    return absl::AbortedError(absl::StrCat("stale epoch, re-attaching: the step is of epoch ",
+                                           epoch, " but the cache manager is in epoch ",
+                                           pool->epoch));
   }
   return pool;
 }
@@ -324,7 +335,7 @@ int ExecutorService::ApplyFences() {
   // for a call timeout, so failed ones are spaced.
   const uint64_t generation = pool_->fence_generation();
   if (generation == applied_fence_generation_ &&
-      (!fence_ack_failed_ || absl::Now() < fence_ack_retry_at_)) {
+      (!fence_ack_failed_ || MonotonicNow() < fence_ack_retry_at_)) {
     return 0;
   }
   applied_fence_generation_ = generation;
@@ -349,7 +360,7 @@ int ExecutorService::ApplyFences() {
                                        acked.message()));
     }
     fence_ack_failed_ = true;
-    fence_ack_retry_at_ = absl::Now() + kFenceAckRetry;
+    fence_ack_retry_at_ = MonotonicNow() + kFenceAckRetry;
     return 0;
   }
   fence_ack_failed_ = false;
@@ -389,10 +400,10 @@ absl::StatusOr<StepReport> ExecutorService::RunStep(const StepRequest& step) {
     // Between layers: a fault test's delay, and the check that the router was not fenced
     // meanwhile (the cache-manager heartbeat thread may have learnt so mid-step).
     const std::function<bool(int32_t)> after_layer = [&](int32_t) {
-      const absl::Time until = absl::Now() + options_.fault_layer_delay;
+      const absl::Time until = MonotonicNow() + options_.fault_layer_delay;
       while (true) {
         if (FencedSinceStepBegan(step.router_session)) return false;
-        const absl::Duration left = until - absl::Now();
+        const absl::Duration left = until - MonotonicNow();
         if (left <= absl::ZeroDuration()) return true;
         absl::SleepFor(std::min(left, absl::Milliseconds(5)));
       }

@@ -62,6 +62,7 @@ absl::StatusOr<std::unique_ptr<CacheManagerProcess>> CacheManagerProcess::Start(
   absl::StatusOr<TempDir> log_dir = TempDir::Create("kvcm-cm-log");
   if (!log_dir.ok()) return log_dir.status();
   process_options.output_path = log_dir->path() + "/output";
+  process_options.env = options.env;
 
   absl::StatusOr<std::unique_ptr<Subprocess>> process = Subprocess::Start(process_options);
   if (!process.ok()) return process.status();

@@ -50,6 +50,9 @@ struct CacheManagerOptions {
   std::optional<int32_t> heartbeat_interval_ms;
   std::optional<int32_t> heartbeat_timeout_ms;
   std::vector<std::string> extra_args;  // appended last
+  // "NAME=value" entries for its environment (Subprocess::Options::env), e.g. an
+  // LD_PRELOAD of the clock-offset library (tests/support/clock_offset_preload.cc).
+  std::vector<std::string> env;
   absl::Duration ready_timeout = absl::Seconds(30);
 };
 

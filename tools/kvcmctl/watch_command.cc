@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "common/base/monotonic_clock.h"
 #include "common/base/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "tools/kvcmctl/command.h"
@@ -62,7 +63,7 @@ class StopSignals {
 // Sleeps until `when`, waking every 50 ms to notice a stop request. False if stopped.
 bool SleepUntil(absl::Time when) {
   while (!g_stop_requested.load()) {
-    const absl::Duration left = when - absl::Now();
+    const absl::Duration left = when - MonotonicNow();
     if (left <= absl::ZeroDuration()) return true;
     absl::SleepFor(std::min(left, absl::Milliseconds(50)));
   }
@@ -212,11 +213,11 @@ int RunWatchCommand(absl::Span<const std::string> args, std::ostream& out, std::
   std::optional<StatsSnapshot> previous;
   absl::Time previous_time;
   bool last_failed = false;
-  const absl::Time start = absl::Now();
+  const absl::Time start = MonotonicNow();
   for (int64_t line = 0; options->count == 0 || line < options->count; ++line) {
     if (line > 0 && !SleepUntil(start + options->interval * line)) break;
     absl::StatusOr<StatsSnapshot> stats = (*client)->Stats();
-    const absl::Time now = absl::Now();
+    const absl::Time now = MonotonicNow();
     if (!stats.ok()) {
       // ABORTED: the cache manager restarted and the client registered again; the counters
       // start over, so the next line has no rates.

@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/base/monotonic_clock.h"
 #include "common/client/cache_manager_client.h"
 #include "common/transport/zmq_util.h"
 #include "common/wire/convert.h"
@@ -110,7 +111,7 @@ class FakeCacheManager {
   void Loop() {
     while (!stop_.load()) {
       absl::StatusOr<std::vector<zmq::message_t>> frames =
-          ReceiveMessageUntil(router_, absl::Now() + absl::Milliseconds(20));
+          ReceiveMessageUntil(router_, MonotonicNow() + absl::Milliseconds(20));
       if (!frames.ok() || frames->size() != 2) continue;
       const VerifiedEnvelope verified = VerifyEnvelope(FrameBytes((*frames)[1]));
       if (verified.envelope == nullptr) continue;
@@ -269,14 +270,14 @@ TEST(CacheManagerClientUnitTest, HeartbeatThreadNoticesALostSession) {
   absl::StatusOr<std::unique_ptr<CacheManagerClient>> client =
       CacheManagerClient::Connect(OptionsFor(fake));
   ASSERT_TRUE(client.ok()) << client.status();
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while ((*client)->heartbeats_answered() < 2 && absl::Now() < deadline) {
+  const absl::Time deadline = MonotonicNow() + absl::Seconds(10);
+  while ((*client)->heartbeats_answered() < 2 && MonotonicNow() < deadline) {
     absl::SleepFor(absl::Milliseconds(5));
   }
   EXPECT_GE((*client)->heartbeats_answered(), 2u);
   EXPECT_FALSE((*client)->session_lost());
   refuse->store(true);
-  while (!(*client)->session_lost() && absl::Now() < deadline) {
+  while (!(*client)->session_lost() && MonotonicNow() < deadline) {
     absl::SleepFor(absl::Milliseconds(5));
   }
   ASSERT_TRUE((*client)->session_lost());

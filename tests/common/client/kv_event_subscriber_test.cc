@@ -2,6 +2,7 @@
 // when the subscription has arrived): batch application, the first batch of an epoch, late
 // joining with a snapshot, gap detection and recovery, restarts, and refused messages.
 
+#include "common/base/monotonic_clock.h"
 #include "common/client/kv_event_subscriber.h"
 
 #include <cstdint>
@@ -53,7 +54,7 @@ class FakePublisher {
   // Waits for a subscription to `topic` (XPUB delivers it as "\x01topic").
   void AwaitSubscriber() {
     absl::StatusOr<std::vector<zmq::message_t>> message =
-        ReceiveMessageUntil(socket_, absl::Now() + absl::Seconds(10));
+        ReceiveMessageUntil(socket_, MonotonicNow() + absl::Seconds(10));
     ASSERT_TRUE(message.ok()) << message.status();
     ASSERT_EQ(message->size(), 1u);
     EXPECT_EQ((*message)[0].to_string(), std::string("\x01") + kKvEventTopic);
@@ -125,8 +126,8 @@ class KvEventSubscriberTest : public ::testing::Test {
   // means everything sent so far.
   void Receive(int n) {
     const uint64_t target = subscriber_->messages_received() + n;
-    const absl::Time deadline = absl::Now() + absl::Seconds(10);
-    while (subscriber_->messages_received() < target && absl::Now() < deadline) {
+    const absl::Time deadline = MonotonicNow() + absl::Seconds(10);
+    while (subscriber_->messages_received() < target && MonotonicNow() < deadline) {
       absl::StatusOr<int> polled = subscriber_->Poll(absl::Milliseconds(50));
       ASSERT_TRUE(polled.ok()) << polled.status();
     }

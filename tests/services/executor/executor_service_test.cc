@@ -63,6 +63,11 @@ class LocalPool : public PoolSource {
     return absl::OkStatus();
   }
   void Goodbye() override {}
+  absl::StatusOr<bool> AttachedEpochIsCurrent() override {
+    ++epoch_checks_;
+    if (!attached_) return false;
+    return epoch_current_;
+  }
 
   // Fences: `fence` appears once fence_generation() has been asked `after_queries` more
   // times (0: at once), as when the cache-manager heartbeat thread learns of it mid-step.
@@ -95,6 +100,9 @@ class LocalPool : public PoolSource {
   void set_epoch_after_reattach(uint64_t epoch) { epoch_after_reattach_ = epoch; }
   void set_reattach_result(absl::Status status) { reattach_result_ = std::move(status); }
   int reattaches() const { return reattaches_; }
+  // What the cache manager answers when asked whether the attached epoch is current.
+  void set_epoch_current(absl::StatusOr<bool> current) { epoch_current_ = std::move(current); }
+  int epoch_checks() const { return epoch_checks_; }
 
  private:
   std::vector<uint8_t> memory_;
@@ -103,6 +111,8 @@ class LocalPool : public PoolSource {
   uint64_t epoch_after_reattach_ = kEpoch;
   absl::Status reattach_result_;
   int reattaches_ = 0;
+  absl::StatusOr<bool> epoch_current_ = true;
+  int epoch_checks_ = 0;
   mutable std::vector<FenceNotice> fences_;
   mutable std::optional<FenceNotice> scheduled_;
   mutable int queries_left_ = 0;
@@ -347,9 +357,8 @@ TEST_P(ExecutorServiceTest, CopiesRunBeforeTheForwardPass) {
   }
 }
 
-TEST_P(ExecutorServiceTest, EpochsAreCheckedAndANewerOneReattaches) {
+TEST_P(ExecutorServiceTest, AnotherEpochReattachesOnlyWhenTheCacheManagerConfirmsIt) {
   StepRequest step;
-  step.epoch = kEpoch - 1;
   SeqStep s;
   s.seq = 1;
   s.tokens = {1, 2};
@@ -357,20 +366,40 @@ TEST_P(ExecutorServiceTest, EpochsAreCheckedAndANewerOneReattaches) {
   s.block_table = {0};
   s.sample = true;
   step.seqs.push_back(s);
+  step.router_session = 1;
 
-  absl::StatusOr<StepReport> stale = service_->RunStep(step);
-  EXPECT_TRUE(absl::IsAborted(stale.status())) << stale.status();
-  EXPECT_THAT(std::string(stale.status().message()), HasSubstr("stale epoch"));
+  // The attached epoch, no question asked.
+  step.epoch = kEpoch;
+  ASSERT_TRUE(service_->RunStep(step).ok());
+  EXPECT_EQ(pool_->epoch_checks(), 0);
+
+  // Older or newer makes no difference: while the cache manager confirms the attached
+  // epoch, a step of another (a stale router, a corrupt message) is refused and the mapping
+  // stays.
+  for (uint64_t other : {kEpoch - 1, kEpoch + 1}) {
+    step.epoch = other;
+    absl::StatusOr<StepReport> stale = service_->RunStep(step);
+    EXPECT_TRUE(absl::IsAborted(stale.status())) << stale.status();
+    EXPECT_THAT(std::string(stale.status().message()), HasSubstr("stale epoch"));
+    EXPECT_EQ(pool_->reattaches(), 0);
+    ASSERT_NE(pool_->pool(), nullptr);
+  }
+  // The cache manager cannot answer: refused, the mapping stays.
+  pool_->set_epoch_current(absl::DeadlineExceededError("no answer"));
+  absl::StatusOr<StepReport> unknown = service_->RunStep(step);
+  EXPECT_TRUE(absl::IsAborted(unknown.status())) << unknown.status();
+  EXPECT_THAT(std::string(unknown.status().message()), HasSubstr("cannot say which"));
   EXPECT_EQ(pool_->reattaches(), 0);
 
-  // A newer epoch: the cache manager restarted; re-attach (no weights reloaded) and run.
-  step.epoch = kEpoch + 1;
+  // The cache manager says the attached epoch is gone: re-attach (no weights reloaded)
+  // and run.
+  pool_->set_epoch_current(false);
   pool_->set_epoch_after_reattach(kEpoch + 1);
   absl::StatusOr<StepReport> newer = service_->RunStep(step);
   ASSERT_TRUE(newer.ok()) << newer.status();
   EXPECT_EQ(pool_->reattaches(), 1);
 
-  // Newer still, but the cache manager is not there: stale epoch, re-attaching.
+  // Gone again, but attaching fails: stale epoch, re-attaching.
   step.epoch = kEpoch + 5;
   pool_->set_reattach_result(absl::UnavailableError("nothing listens"));
   absl::StatusOr<StepReport> failed = service_->RunStep(step);
