@@ -64,6 +64,8 @@ BlockHash HashFromWire(const wire::BlockHash* hash) {
 // finds the queue full (a cache manager that stopped reading) waits at most `send_timeout`.
 void ConfigureDealer(zmq::socket_t& socket, absl::Duration send_timeout) {
   socket.set(zmq::sockopt::linger, 0);
+  // Replies are bounded by what the client accepts at all (kMaxReplyBytes).
+  LimitInboundMessages(socket, kMaxReplyBytes);
   socket.set(zmq::sockopt::sndtimeo,
              static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(send_timeout),
                                                 std::numeric_limits<int>::max())));

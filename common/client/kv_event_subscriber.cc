@@ -16,6 +16,8 @@ namespace {
 
 // At most this many messages per Poll(), so that a flood cannot keep the caller inside.
 constexpr int kMaxMessagesPerPoll = 100000;
+// An event batch holds the events of one request (a Step of thousands of ops at most).
+constexpr size_t kMaxEventBatchBytes = size_t{256} << 20;
 
 uint64_t ReadBigEndian64(const zmq::message_t& frame) {
   const auto* bytes = static_cast<const uint8_t*>(frame.data());
@@ -39,6 +41,7 @@ absl::StatusOr<std::unique_ptr<KvEventSubscriber>> KvEventSubscriber::Connect(Op
   std::unique_ptr<KvEventSubscriber> subscriber(new KvEventSubscriber(std::move(options)));
   try {
     subscriber->socket_.set(zmq::sockopt::linger, 0);
+    LimitInboundMessages(subscriber->socket_, kMaxEventBatchBytes);
     subscriber->socket_.set(zmq::sockopt::subscribe, kKvEventTopic);
   } catch (const zmq::error_t& error) {
     return absl::InternalError(absl::StrCat("SUB socket setup failed: ", error.what()));

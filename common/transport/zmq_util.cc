@@ -161,6 +161,11 @@ absl::Status ConnectAndAwaitHandshake(zmq::context_t& context, zmq::socket_t& so
   return result;
 }
 
+void LimitInboundMessages(zmq::socket_t& socket, size_t max_message_bytes) {
+  const uint64_t limit = std::min<uint64_t>(uint64_t{max_message_bytes} * 2, INT64_MAX);
+  socket.set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(limit));
+}
+
 std::optional<std::string> IpcPath(std::string_view endpoint) {
   constexpr std::string_view kIpc = "ipc://";
   if (endpoint.substr(0, kIpc.size()) != kIpc) return std::nullopt;

@@ -54,6 +54,13 @@ absl::StatusOr<std::vector<zmq::message_t>> ReceiveMessageUntil(zmq::socket_t& s
 absl::Status ConnectAndAwaitHandshake(zmq::context_t& context, zmq::socket_t& socket,
                                       const std::string& endpoint, absl::Time deadline);
 
+// Sets ZMQ_MAXMSGSIZE on `socket` (before it binds or connects) for a protocol whose
+// messages are at most `max_message_bytes`: libzmq then drops a connection that sends a
+// larger message before it is buffered, so no peer can make this process hold gigabytes.
+// The socket's limit is twice the protocol's, so that a message a little too large still
+// arrives and is answered with a clear Oversized error. Throws zmq::error_t like set().
+void LimitInboundMessages(zmq::socket_t& socket, size_t max_message_bytes);
+
 // The filesystem path of an "ipc://PATH" endpoint; nullopt for any other transport.
 std::optional<std::string> IpcPath(std::string_view endpoint);
 

@@ -40,7 +40,31 @@ struct VerifiedRoot {
   const Root* envelope = nullptr;  // non-null iff fault == kNone
   EnvelopeFault fault = EnvelopeFault::kNone;
   std::string reason;  // set when fault != kNone
+  // The request id, also when the envelope was refused, as long as the root table and that
+  // one field verify: an error reply can then name the request its sender waits for. 0 when
+  // not even that holds (the sender cannot be told which request failed).
+  uint64_t request_id = 0;
 };
+
+// The request id of a buffer that may fail full verification: the file identifier, the
+// root offset, the root table's vtable and its request_id field are verified, nothing else.
+// 0 when any of them fails.
+template <typename Root>
+uint64_t PeekRequestId(std::span<const uint8_t> bytes, const char* identifier) {
+  if (bytes.size() < 8 || reinterpret_cast<uintptr_t>(bytes.data()) % 8 != 0 ||
+      !flatbuffers::BufferHasIdentifier(bytes.data(), identifier)) {
+    return 0;
+  }
+  flatbuffers::Verifier verifier(bytes.data(), bytes.size(), kVerifierMaxDepth,
+                                 kVerifierMaxTables);
+  if (verifier.VerifyOffset(0) == 0) return 0;
+  const auto* table = flatbuffers::GetRoot<flatbuffers::Table>(bytes.data());
+  if (!table->VerifyTableStart(verifier) ||
+      !table->VerifyField<uint64_t>(verifier, Root::VT_REQUEST_ID, 8)) {
+    return 0;
+  }
+  return table->GetField<uint64_t>(Root::VT_REQUEST_ID, 0);
+}
 
 // Size limit, file `identifier`, FlatBuffers Verifier (payload union included), protocol
 // version, payload present. `bytes` must outlive the returned pointer.
@@ -48,6 +72,7 @@ template <typename Root>
 VerifiedRoot<Root> VerifyEnvelopeOf(std::span<const uint8_t> bytes, size_t max_bytes,
                                     const char* identifier) {
   VerifiedRoot<Root> out;
+  out.request_id = PeekRequestId<Root>(bytes, identifier);
   if (bytes.size() > max_bytes) {
     out.fault = EnvelopeFault::kOversized;
     out.reason = absl::StrCat("message of ", bytes.size(), " bytes exceeds the limit of ",

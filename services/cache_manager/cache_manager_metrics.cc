@@ -138,7 +138,8 @@ constexpr std::array<std::string_view, kRequestTypes> kRequestTypeNames = {
 constexpr std::array<std::string_view, kRejectReasons> kRejectReasonNames = {
     "malformed",     "unsupported_version", "oversized",        "not_registered",
     "stale_session", "stale_epoch",         "invalid_argument", "unknown_sequence",
-    "wrong_owner",   "duplicate_sequence",  "permission_denied"};
+    "wrong_owner",   "duplicate_sequence",  "permission_denied", "limit_exceeded",
+    "shutting_down"};
 constexpr std::array<std::string_view, kSessionRoles> kSessionRoleNames = {"router", "executor",
                                                                            "control"};
 constexpr std::array<std::string_view, kReclaimReasons> kReclaimReasonNames = {

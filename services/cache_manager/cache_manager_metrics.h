@@ -71,6 +71,8 @@ enum class RejectReason : uint8_t {
   kWrongOwner,          // names a sequence owned by another session
   kDuplicateSequence,   // allocates a sequence id that is already live
   kPermissionDenied,    // the peer's credentials do not allow the request
+  kLimitExceeded,       // too many sessions (in all, or of one process) or sequences
+  kShuttingDown,        // a Step while the cache manager drains before it exits
   kCount
 };
 inline constexpr int kRejectReasons = static_cast<int>(RejectReason::kCount);

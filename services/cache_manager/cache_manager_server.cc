@@ -106,11 +106,14 @@ absl::StatusOr<std::unique_ptr<CacheManagerServer>> CacheManagerServer::Create(
   try {
     server->requests_ = zmq::socket_t(server->context_, zmq::socket_type::router);
     server->requests_.set(zmq::sockopt::router_mandatory, 1);
+    LimitInboundMessages(server->requests_, server->service_->options().max_message_bytes);
     server->requests_.set(zmq::sockopt::linger, linger_ms);
     server->requests_.bind(server->request_endpoint());
     if (!options.tcp_endpoint.empty()) server->requests_.bind(options.tcp_endpoint);
     server->events_ = zmq::socket_t(server->context_, zmq::socket_type::pub);
     server->events_.set(zmq::sockopt::sndhwm, kEventHighWaterMark);
+    // Subscribers send only their subscriptions.
+    LimitInboundMessages(server->events_, 1024);
     server->events_.set(zmq::sockopt::linger, linger_ms);
     server->events_.bind(server->event_endpoint());
   } catch (const zmq::error_t& error) {
@@ -249,24 +252,28 @@ int CacheManagerServer::DrainRequests() {
     zmq::message_t identity;
     if (!requests_.recv(identity, zmq::recv_flags::dontwait)) break;
     zmq::message_t body;
-    bool well_formed = identity.more() && requests_.recv(body, zmq::recv_flags::dontwait);
-    while (body.more()) {  // a DEALER sends one frame; anything more is malformed
+    if (!identity.more() || !requests_.recv(body, zmq::recv_flags::dontwait)) continue;
+    // A DEALER sends one frame; every further frame of the message is read and dropped
+    // here, so that none of them is taken for the next message's routing id.
+    int frames = 1;
+    for (bool more = body.more(); more; ++frames) {
       zmq::message_t extra;
       if (!requests_.recv(extra, zmq::recv_flags::dontwait)) break;
-      body.rebuild(0);
-      well_formed = false;
-      if (!extra.more()) break;
+      more = extra.more();
     }
     std::optional<PeerCredentials> peer;
     if (const char* address = zmq_msg_gets(body.handle(), "Peer-Address")) {
       peer = ParseIpcPeerAddress(address);
     }
     AlignFrame(body);  // after reading its metadata, which the copy does not keep
-    const std::span<const uint8_t> bytes =
-        well_formed ? std::span<const uint8_t>(static_cast<const uint8_t*>(body.data()),
-                                               body.size())
-                    : std::span<const uint8_t>();
-    service_->Handle(peer, bytes, MonotonicNow(), &reply_);
+    const std::span<const uint8_t> bytes(static_cast<const uint8_t*>(body.data()), body.size());
+    if (frames == 1) {
+      service_->Handle(peer, bytes, MonotonicNow(), &reply_);
+    } else {
+      service_->RefuseMalformed(
+          PeekRequestId<wire::Envelope>(bytes, kEnvelopeIdentifier),
+          absl::StrCat("a request is one frame; this message had ", frames), &reply_);
+    }
     // Events of this request go out before the next request is handled, so that an
     // EventSnapshot's seq counts every change it contains.
     PublishEvents();

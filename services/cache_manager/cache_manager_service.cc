@@ -88,8 +88,10 @@ absl::StatusOr<std::unique_ptr<CacheManagerService>> CacheManagerService::Create
     return absl::InvalidArgumentError(
         "the heartbeat timeout must be longer than the (positive) heartbeat interval");
   }
-  if (options.max_ops_per_step <= 0 || options.max_hashes_per_message <= 0) {
-    return absl::InvalidArgumentError("message limits must be positive");
+  if (options.max_ops_per_step <= 0 || options.max_hashes_per_message <= 0 ||
+      options.max_sessions <= 0 || options.max_sessions_per_process <= 0 ||
+      options.max_sequences_per_session <= 0) {
+    return absl::InvalidArgumentError("message, session and sequence limits must be positive");
   }
   BlockLedger::Options ledger_options = options.ledger;
   ledger_options.block_size = options.spec.block_size;
@@ -117,16 +119,19 @@ void CacheManagerService::Handle(const std::optional<PeerCredentials>& peer,
   reply->Clear();
   const VerifiedEnvelope verified = VerifyEnvelope(request, options_.max_message_bytes);
   if (verified.fault != EnvelopeFault::kNone) {
+    // The reply names the request when its id could be read, so that the sender sees the
+    // refusal instead of waiting out its timeout.
+    const uint64_t id = verified.request_id;
     switch (verified.fault) {
       case EnvelopeFault::kOversized:
-        return Reject(0, {RejectReason::kOversized, wire::ErrorCode::Malformed,
-                          verified.reason}, reply);
+        return Reject(id, {RejectReason::kOversized, wire::ErrorCode::Malformed,
+                           verified.reason}, reply);
       case EnvelopeFault::kUnsupportedVersion:
-        return Reject(0, {RejectReason::kUnsupportedVersion,
-                          wire::ErrorCode::UnsupportedVersion, verified.reason}, reply);
+        return Reject(id, {RejectReason::kUnsupportedVersion,
+                           wire::ErrorCode::UnsupportedVersion, verified.reason}, reply);
       default:
-        return Reject(0, {RejectReason::kMalformed, wire::ErrorCode::Malformed,
-                          verified.reason}, reply);
+        return Reject(id, {RejectReason::kMalformed, wire::ErrorCode::Malformed,
+                           verified.reason}, reply);
     }
   }
   const wire::Envelope& envelope = *verified.envelope;
@@ -187,6 +192,12 @@ void CacheManagerService::Handle(const std::optional<PeerCredentials>& peer,
       return;
     }
   }
+}
+
+void CacheManagerService::RefuseMalformed(uint64_t request_id, std::string_view reason,
+                                          flatbuffers::FlatBufferBuilder* reply) {
+  Reject(request_id, {RejectReason::kMalformed, wire::ErrorCode::Malformed, std::string(reason)},
+         reply);
 }
 
 void CacheManagerService::Reject(uint64_t request_id, const Rejection& rejection,
@@ -276,8 +287,25 @@ void CacheManagerService::HandleHello(const wire::Envelope& envelope,
   // The same process registering again after quarantine has given up its old session; an
   // executor's fences go with it to the new one (it is still the same writer).
   std::vector<uint64_t> replaced;
+  int32_t of_process = 0;
   for (const auto& [id, session] : sessions_) {
-    if (session.quarantined && session.pid == pid) replaced.push_back(id);
+    if (session.pid != pid) continue;
+    if (session.quarantined) {
+      replaced.push_back(id);
+    } else {
+      ++of_process;
+    }
+  }
+  const auto open = static_cast<int32_t>(sessions_.size() - replaced.size());
+  if (open >= options_.max_sessions || of_process >= options_.max_sessions_per_process) {
+    return Reject(request_id,
+                  {RejectReason::kLimitExceeded, wire::ErrorCode::ResourceExhausted,
+                   open >= options_.max_sessions
+                       ? absl::StrCat("the cache manager holds ", open,
+                                      " sessions, its limit: end some (Goodbye) first")
+                       : absl::StrCat("pid ", pid, " holds ", of_process,
+                                      " sessions, the limit per process: end some first")},
+                  reply);
   }
 
   Session session;
@@ -490,6 +518,15 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
   }
   const int64_t max_tokens = int64_t{ledger_.num_blocks()} * ledger_.block_size();
   int64_t hashes = 0;
+  // Live sequences of the session after the ops so far.
+  auto live_seqs = static_cast<int64_t>(session.seqs.size());
+  auto check_room = [&](size_t i, wire::StepOp type) -> std::optional<Rejection> {
+    if (++live_seqs <= options_.max_sequences_per_session) return std::nullopt;
+    return Rejection{RejectReason::kLimitExceeded, wire::ErrorCode::ResourceExhausted,
+                     absl::StrCat("op ", i, " (", OpName(type), "): the session would hold more ",
+                                  "than ", options_.max_sequences_per_session,
+                                  " live sequences, its limit")};
+  };
   step_seqs_.clear();
   // Whether `seq` is live for this session after the ops validated so far; a rejection
   // if another session owns it or nobody does.
@@ -549,6 +586,7 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
                                                " tokens (at most one per full block)"));
         }
         if ((bad = check_new(i, type, a->seq()))) return bad;
+        if ((bad = check_room(i, type))) return bad;
         step_seqs_[a->seq()] = true;
         break;
       }
@@ -562,6 +600,7 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
         const auto* f = static_cast<const wire::ForkOp*>(op);
         if ((bad = check_owned(i, type, f->parent()))) return bad;
         if ((bad = check_new(i, type, f->child()))) return bad;
+        if ((bad = check_room(i, type))) return bad;
         step_seqs_[f->child()] = true;
         break;
       }
@@ -584,6 +623,7 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
         const auto* f = static_cast<const wire::FreeOp*>(op);
         if ((bad = check_owned(i, type, f->seq()))) return bad;
         step_seqs_[f->seq()] = false;
+        --live_seqs;
         break;
       }
       default:

@@ -107,6 +107,12 @@ class CacheManagerService {
     int32_t max_ops_per_step = 4096;
     int32_t max_hashes_per_message = 1 << 16;
     size_t max_message_bytes = kDefaultMaxMessageBytes;
+    // Bounds on what one peer can make the cache manager hold: sessions in all and per
+    // process, live sequences per session. Past them, Hello or Step is refused
+    // (ResourceExhausted, counted as limit_exceeded).
+    int32_t max_sessions = 4096;
+    int32_t max_sessions_per_process = 64;
+    int32_t max_sequences_per_session = 1 << 20;
     PoolExport pool;
     // Reported in StatsReply so that tools can find them.
     std::string events_endpoint;
@@ -122,6 +128,11 @@ class CacheManagerService {
   // is cleared first). `peer` is the sender's credentials when known (ipc://).
   void Handle(const std::optional<PeerCredentials>& peer, std::span<const uint8_t> request,
               absl::Time now, flatbuffers::FlatBufferBuilder* reply);
+
+  // Answers a message refused by the transport (for example one of several frames) with a
+  // Malformed ErrorReply naming `request_id` (0 when unknown), counted as malformed.
+  void RefuseMalformed(uint64_t request_id, std::string_view reason,
+                       flatbuffers::FlatBufferBuilder* reply);
 
   // The process `pid` has exited: its sessions end and their sequences are freed.
   void OnProcessExited(pid_t pid);

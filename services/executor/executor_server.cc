@@ -36,6 +36,7 @@ absl::StatusOr<std::unique_ptr<ExecutorServer>> ExecutorServer::Create(const Opt
     server->router_.set(zmq::sockopt::linger,
                         static_cast<int>(absl::ToInt64Milliseconds(options.linger)));
     server->router_.set(zmq::sockopt::immediate, 1);
+    LimitInboundMessages(server->router_, service->options().max_message_bytes);
     server->router_.connect(options.router_endpoint);
   } catch (const zmq::error_t& error) {
     return absl::InvalidArgumentError(absl::StrCat("cannot connect to the router at ",

@@ -21,6 +21,9 @@ constexpr char kComponent[] = "kvcm-executor";
 // Between two failed fence acknowledgements. Short: the blocks stay draining meanwhile.
 // Not shorter: each attempt may block the socket thread for a call timeout.
 constexpr absl::Duration kFenceAckRetry = absl::Seconds(1);
+// The most block-table entries (sequences x longest needed table) one step may use: 256 MiB
+// of int32, far above any real batch (256 sequences of 128K tokens in blocks of 16 take 2M).
+constexpr size_t kMaxBlockTableEntries = size_t{1} << 26;
 
 std::string SeqName(size_t index, uint64_t seq) {
   return absl::StrCat("seq[", index, "] (id ", seq, ")");
@@ -87,8 +90,8 @@ ExecutorService::Handled ExecutorService::Handle(std::span<const uint8_t> bytes,
     const wire::ErrorCode code = verified.fault == EnvelopeFault::kUnsupportedVersion
                                      ? wire::ErrorCode::UnsupportedVersion
                                      : wire::ErrorCode::Malformed;
-    // The request id is unreadable: 0.
-    Refuse(0, code, verified.reason, StepError::kMalformed, reply);
+    // Named by its request id when that much could be read (0 otherwise).
+    Refuse(verified.request_id, code, verified.reason, StepError::kMalformed, reply);
     handled.reply = true;
     return handled;
   }
@@ -248,6 +251,12 @@ absl::Status ExecutorService::CheckAndBuild(const StepRequest& step, const PoolV
   for (size_t i = 0; i < step.seqs.size(); ++i) {
     const SeqStep& s = step.seqs[i];
     const int64_t needed = (int64_t{s.context_len} + block_size - 1) / block_size;
+    if (needed > num_blocks || static_cast<int64_t>(s.block_table.size()) > num_blocks) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          SeqName(i, s.seq), " has context_len ", s.context_len, " and ", s.block_table.size(),
+          " blocks in its table; the pool holds ", num_blocks, " blocks of ", block_size,
+          " tokens"));
+    }
     if (static_cast<int64_t>(s.block_table.size()) < needed) {
       return absl::InvalidArgumentError(absl::StrCat(
           SeqName(i, s.seq), " has ", s.block_table.size(), " blocks in its table; context_len ",
@@ -260,8 +269,14 @@ absl::Status ExecutorService::CheckAndBuild(const StepRequest& step, const PoolV
                                                        "]; the pool has ", num_blocks, " blocks"));
       }
     }
-    max_blocks = std::max(max_blocks, s.block_table.size());
+    // Entries past the context are never read: the dense table keeps only what is needed.
+    max_blocks = std::max(max_blocks, static_cast<size_t>(needed));
     total_tokens += static_cast<int64_t>(s.tokens.size());
+  }
+  if (step.seqs.size() * max_blocks > kMaxBlockTableEntries) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the step's block tables would take ", step.seqs.size(), " sequences x ", max_blocks,
+        " blocks, more than the ", kMaxBlockTableEntries, " entries one step may use"));
   }
   absl::flat_hash_set<int32_t> destinations;
   for (size_t i = 0; i < step.copies.size(); ++i) {
@@ -294,7 +309,8 @@ absl::Status ExecutorService::CheckAndBuild(const StepRequest& step, const PoolV
     forward_.token_ids.insert(forward_.token_ids.end(), s.tokens.begin(), s.tokens.end());
     forward_.query_lens.push_back(static_cast<int32_t>(s.tokens.size()));
     forward_.context_lens.push_back(s.context_len);
-    std::copy(s.block_table.begin(), s.block_table.end(),
+    const size_t used = std::min(s.block_table.size(), max_blocks);
+    std::copy(s.block_table.begin(), s.block_table.begin() + static_cast<std::ptrdiff_t>(used),
               forward_.block_tables.begin() + static_cast<std::ptrdiff_t>(i * max_blocks));
   }
   const PagedPool paged = ExecutorModel::Paged(pool);

@@ -121,6 +121,7 @@ class ExecutorService {
   // Note that some other message (a StepResult) went to the router at `now`.
   void NoteSent(absl::Time now) { last_sent_ = now; }
 
+  const Options& options() const { return options_; }
   bool registered() const { return executor_id_ != 0; }
   uint64_t executor_id() const { return executor_id_; }
   bool goodbye_answered() const { return goodbye_answered_; }

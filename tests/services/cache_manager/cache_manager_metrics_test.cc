@@ -314,7 +314,8 @@ TEST(CacheManagerMetricsNamesTest, LabelValuesAreTheDocumentedOnes) {
   EXPECT_THAT(reasons,
               ElementsAre("malformed", "unsupported_version", "oversized", "not_registered",
                           "stale_session", "stale_epoch", "invalid_argument", "unknown_sequence",
-                          "wrong_owner", "duplicate_sequence", "permission_denied"));
+                          "wrong_owner", "duplicate_sequence", "permission_denied",
+                          "limit_exceeded", "shutting_down"));
   EXPECT_THAT(roles, ElementsAre("router", "executor", "control"));
   EXPECT_THAT(reclaims, ElementsAre("client_died", "goodbye", "session_replaced"));
 }

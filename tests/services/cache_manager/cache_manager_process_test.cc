@@ -6,6 +6,7 @@
 
 #include <fstream>
 
+#include "absl/strings/ascii.h"
 #include "common/transport/zmq_util.h"
 
 namespace kvcm::live_test {
@@ -95,6 +96,105 @@ TEST(CacheManagerProcessTest, GarbageOnTheRealSocketGetsErrorRepliesAndChangesNo
   EXPECT_EQ(*parsed->Value("kvcm_cache_manager_rejected_messages_total",
                            {{"reason", "unsupported_version"}}),
             1);
+}
+
+TEST(CacheManagerProcessTest, AMultiFrameMessageIsRefusedWholeAndNoFrameIsTakenForAnother) {
+  auto manager = StartManager();
+  ASSERT_NE(manager, nullptr);
+  auto client = Connect(*manager);
+  ASSERT_NE(client, nullptr);
+  auto before = client->Stats();
+  ASSERT_TRUE(before.ok());
+
+  zmq::context_t context(1);
+  zmq::socket_t dealer(context, zmq::socket_type::dealer);
+  dealer.set(zmq::sockopt::linger, 0);
+  dealer.set(zmq::sockopt::rcvtimeo, 5000);
+  dealer.connect(manager->endpoint());
+  // Five frames, each a well-formed Stats request of its own id: read whole as one
+  // malformed message, none of its frames may pass for a routing id or a request.
+  std::vector<std::vector<uint8_t>> frames;
+  for (uint64_t id = 101; id <= 105; ++id) {
+    flatbuffers::FlatBufferBuilder b;
+    FinishEnvelope(b, id, client->session_id(), client->epoch(), wire::Message::Stats,
+                   wire::CreateStats(b).Union());
+    frames.emplace_back(b.GetBufferPointer(), b.GetBufferPointer() + b.GetSize());
+  }
+  for (size_t i = 0; i < frames.size(); ++i) {
+    dealer.send(zmq::buffer(frames[i]),
+                i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
+  }
+  // Then one proper request: its reply must be the next thing to arrive after the refusal.
+  dealer.send(zmq::buffer(frames[0]), zmq::send_flags::none);
+  for (const auto& [id, type] : {std::pair{101u, wire::Message::ErrorReply},
+                                 std::pair{101u, wire::Message::StatsReply}}) {
+    zmq::message_t reply;
+    ASSERT_TRUE(dealer.recv(reply)) << "no reply";
+    AlignFrame(reply);
+    const VerifiedEnvelope verified = VerifyEnvelope(FrameBytes(reply));
+    ASSERT_EQ(verified.fault, EnvelopeFault::kNone) << verified.reason;
+    EXPECT_EQ(verified.envelope->request_id(), id);
+    ASSERT_EQ(verified.envelope->payload_type(), type);
+    if (type == wire::Message::ErrorReply) {
+      EXPECT_EQ(verified.envelope->payload_as_ErrorReply()->code(), wire::ErrorCode::Malformed);
+      EXPECT_NE(verified.envelope->payload_as_ErrorReply()->reason()->str().find("had 5"),
+                std::string::npos);
+    }
+  }
+  auto after = client->Stats();
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->rejected_messages, before->rejected_messages + 1);
+  ExpectWhole(*after);
+}
+
+// VmHWM (peak resident memory) of `pid` in KiB, from /proc; -1 when unreadable.
+int64_t PeakResidentKib(pid_t pid) {
+  std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(status, line)) {
+    int64_t kib = 0;
+    if (line.rfind("VmHWM:", 0) == 0 &&
+        absl::SimpleAtoi(absl::StripAsciiWhitespace(line.substr(6, line.size() - 6 - 3)), &kib)) {
+      return kib;
+    }
+  }
+  return -1;
+}
+
+TEST(CacheManagerProcessTest, AMessageFarOverTheLimitIsDroppedBeforeItIsBuffered) {
+  auto manager = StartManager();
+  ASSERT_NE(manager, nullptr);
+  auto client = Connect(*manager);
+  ASSERT_NE(client, nullptr);
+  const int64_t peak_before = PeakResidentKib(manager->process().pid());
+  ASSERT_GT(peak_before, 0);
+
+  // 40 MiB against the default limit of 16 MiB (the socket drops past 32 MiB).
+  zmq::context_t context(1);
+  zmq::socket_t dealer(context, zmq::socket_type::dealer);
+  dealer.set(zmq::sockopt::linger, 0);
+  dealer.connect(manager->endpoint());
+  const std::vector<uint8_t> huge(size_t{40} << 20, 0x5a);
+  dealer.send(zmq::buffer(huge), zmq::send_flags::none);
+  // Then small garbage from the same socket until something is answered: by then the huge
+  // message was read (and answered Oversized, had it been buffered) or its connection
+  // dropped (the DEALER connects again by itself).
+  dealer.set(zmq::sockopt::rcvtimeo, 200);
+  const std::vector<uint8_t> small(16, 0x5a);
+  bool answered = false;
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (!answered && absl::Now() < deadline) {
+    dealer.send(zmq::buffer(small), zmq::send_flags::dontwait);
+    zmq::message_t reply;
+    answered = dealer.recv(reply).has_value();
+  }
+  ASSERT_TRUE(answered) << "the cache manager stopped answering";
+  auto stats = client->Stats();
+  ASSERT_TRUE(stats.ok());
+  ExpectWhole(*stats);
+  const int64_t grew_kib = PeakResidentKib(manager->process().pid()) - peak_before;
+  std::printf("peak resident memory grew by %lld KiB\n", static_cast<long long>(grew_kib));
+  EXPECT_LT(grew_kib, 16 << 10) << "the 40 MiB message was buffered";
 }
 
 TEST(CacheManagerProcessTest, SigtermAnswersAndCleansUp) {

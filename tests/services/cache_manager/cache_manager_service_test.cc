@@ -4,7 +4,9 @@
 
 #include "services/cache_manager/cache_manager_service.h"
 
+#include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -12,10 +14,13 @@
 #include "absl/container/flat_hash_set.h"
 #include "common/wire/convert.h"
 #include "common/wire/envelope.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace kvcm {
 namespace {
+
+using ::testing::HasSubstr;
 
 class FakeWatcher : public ProcessWatcher {
  public:
@@ -60,7 +65,7 @@ Op Fork(uint64_t parent, uint64_t child) { return {wire::StepOp::ForkOp, parent,
 class CacheManagerServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    CacheManagerService::Options options;
+    CacheManagerService::Options& options = options_;
     options.spec.num_layers = 2;
     options.spec.num_kv_heads = 2;
     options.spec.head_dim = 8;
@@ -74,7 +79,12 @@ class CacheManagerServiceTest : public ::testing::Test {
     options.pool.backend = wire::PoolBackend::Shm;
     options.pool.total_bytes = 4096;
     options.pool.fd_channel_path = "/run/kvcm/pool-fd.sock";
-    auto service = CacheManagerService::Create(options, &watcher_, nullptr, now_);
+    Restart();
+  }
+
+  // A new service with options_.
+  void Restart() {
+    auto service = CacheManagerService::Create(options_, &watcher_, nullptr, now_);
     ASSERT_TRUE(service.ok()) << service.status();
     service_ = *std::move(service);
   }
@@ -183,6 +193,7 @@ class CacheManagerServiceTest : public ::testing::Test {
   }
 
   FakeWatcher watcher_;
+  CacheManagerService::Options options_;
   absl::Time now_ = absl::FromUnixSeconds(1'000'000);
   std::unique_ptr<CacheManagerService> service_;
   flatbuffers::FlatBufferBuilder request_;
@@ -295,6 +306,94 @@ TEST_F(CacheManagerServiceTest, WrongVersionIsRefused) {
   envelope.add_payload(payload.Union());
   b.Finish(envelope.Finish(), kEnvelopeIdentifier);
   ExpectRefusedUnchanged(BufferSpan(b), wire::ErrorCode::UnsupportedVersion);
+}
+
+TEST_F(CacheManagerServiceTest, RefusalsNameTheRequestWhenItsIdCanBeRead) {
+  const uint64_t s = Hello();
+  // Another protocol version.
+  flatbuffers::FlatBufferBuilder b;
+  auto payload = wire::CreateStats(b);
+  wire::EnvelopeBuilder envelope(b);
+  envelope.add_version(kProtocolVersion + 1);
+  envelope.add_request_id(41);
+  envelope.add_session_id(s);
+  envelope.add_epoch(777);
+  envelope.add_payload_type(wire::Message::Stats);
+  envelope.add_payload(payload.Union());
+  b.Finish(envelope.Finish(), kEnvelopeIdentifier);
+  EXPECT_EQ(Send(BufferSpan(b)).request_id(), 41u);
+  EXPECT_EQ(ErrorOf(Send(BufferSpan(b))), wire::ErrorCode::UnsupportedVersion);
+
+  // A step whose hash vector claims more entries than the buffer holds: the FlatBuffers
+  // Verifier refuses it, but its request id is still readable.
+  const BlockHash hash = HashOf(9);
+  ASSERT_EQ(ErrorOf(Step(s, {Allocate(6, 8, {hash})})), wire::ErrorCode::Ok);
+  std::vector<uint8_t> bytes(request_.GetBufferPointer(),
+                             request_.GetBufferPointer() + request_.GetSize());
+  ASSERT_EQ(ErrorOf(Step(s, {Free(6)})), wire::ErrorCode::Ok);
+  const uint64_t id = request_id_ - 1;
+  auto at = std::search(bytes.begin(), bytes.end(), std::begin(hash.bytes), std::end(hash.bytes));
+  ASSERT_NE(at, bytes.end());
+  const uint32_t huge = 1u << 24;
+  std::memcpy(&*(at - 4), &huge, sizeof(huge));
+  const std::string before = LedgerState();
+  const wire::Envelope& corrupt = Send(bytes);
+  EXPECT_EQ(ErrorOf(corrupt), wire::ErrorCode::Malformed);
+  EXPECT_EQ(corrupt.request_id(), id);
+  EXPECT_EQ(LedgerState(), before);
+
+  // Oversized: the id is read from the start of the buffer; nothing else is.
+  std::vector<uint8_t> oversized(kDefaultMaxMessageBytes + 1, 0);
+  std::copy(b.GetBufferPointer(), b.GetBufferPointer() + b.GetSize(), oversized.begin());
+  const wire::Envelope& big = Send(oversized);
+  EXPECT_EQ(ErrorOf(big), wire::ErrorCode::Malformed);
+  EXPECT_EQ(big.request_id(), 41u);
+
+  // Garbage has no readable id: 0.
+  const std::vector<uint8_t> garbage(64, 0xab);
+  EXPECT_EQ(Send(garbage).request_id(), 0u);
+  EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
+}
+
+TEST_F(CacheManagerServiceTest, SessionsAndSequencesAreBounded) {
+  options_.max_sessions = 3;
+  options_.max_sessions_per_process = 2;
+  options_.max_sequences_per_session = 3;
+  Restart();
+  const uint64_t a = Hello();
+  ASSERT_NE(Hello(), 0u);
+  // A third session of one process is refused, and changes nothing.
+  const wire::Envelope& third = Request(
+      0, wire::Message::Hello,
+      [&](flatbuffers::FlatBufferBuilder& b) {
+        return wire::CreateHello(b, wire::Role::Router, kRouterPid, b.CreateString("x")).Union();
+      },
+      kRouterPid, 0);
+  ASSERT_EQ(ErrorOf(third), wire::ErrorCode::ResourceExhausted);
+  EXPECT_THAT(third.payload_as_ErrorReply()->reason()->str(), HasSubstr("per process"));
+  EXPECT_EQ(service_->num_sessions(), 2);
+  // Another process may still register, until the cache manager's own limit.
+  ASSERT_NE(Hello(wire::Role::Executor, 2000), 0u);
+  const wire::Envelope& fourth = Request(
+      0, wire::Message::Hello,
+      [&](flatbuffers::FlatBufferBuilder& b) {
+        return wire::CreateHello(b, wire::Role::Router, 3000, b.CreateString("x")).Union();
+      },
+      3000, 0);
+  ASSERT_EQ(ErrorOf(fourth), wire::ErrorCode::ResourceExhausted);
+  EXPECT_EQ(service_->num_sessions(), 3);
+
+  // Three live sequences at most; a step that frees one first may add one.
+  ASSERT_EQ(ErrorOf(Step(a, {Allocate(1, 0), Allocate(2, 0), Allocate(3, 0)})),
+            wire::ErrorCode::Ok);
+  const std::string before = LedgerState();
+  const wire::Envelope& over = Step(a, {Allocate(4, 0)});
+  ASSERT_EQ(ErrorOf(over), wire::ErrorCode::ResourceExhausted);
+  EXPECT_THAT(over.payload_as_ErrorReply()->reason()->str(), HasSubstr("live sequences"));
+  ASSERT_EQ(ErrorOf(Step(a, {Fork(1, 5)})), wire::ErrorCode::ResourceExhausted);
+  EXPECT_EQ(LedgerState(), before);
+  EXPECT_EQ(ErrorOf(Step(a, {Free(1), Fork(2, 5)})), wire::ErrorCode::Ok);
+  EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
 }
 
 TEST_F(CacheManagerServiceTest, ReplyTypesAreNotRequests) {

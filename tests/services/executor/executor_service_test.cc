@@ -282,6 +282,11 @@ TEST_P(ExecutorServiceTest, RefusedStepsLeaveThePoolUntouched) {
       {"block out of range", [](StepRequest& s) { s.seqs[0].block_table.back() = kNumBlocks; },
        "the pool has 64 blocks"},
       {"short table", [](StepRequest& s) { s.seqs[0].block_table.pop_back(); }, "needs"},
+      {"table longer than the pool",
+       [](StepRequest& s) { s.seqs[0].block_table.resize(kNumBlocks + 1, 0); },
+       "the pool holds 64 blocks"},
+      {"context longer than the pool",
+       [](StepRequest& s) { s.seqs[0].context_len = 1 << 30; }, "the pool holds 64 blocks"},
       {"copy out of range",
        [](StepRequest& s) {
          s.copies.push_back({kNumBlocks + 1, 3});
