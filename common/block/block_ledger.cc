@@ -137,7 +137,7 @@ void BlockLedger::Unindex(BlockId block) {
   index_.erase(hash_[block]);
   indexed_[block] = 0;
   if (options_.record_events) {
-    events_.push_back({BlockEvent::Kind::kRemoved, hash_[block], BlockHash{}, block});
+    events_.push_back({BlockEvent::Kind::kRemoved, hash_[block], BlockHash{}, false, block});
   }
 }
 
@@ -406,7 +406,7 @@ void BlockLedger::Register(Sequence& s) {
     hash_[b] = s.hashes[i];
     if (options_.record_events) {
       const BlockHash parent = i > 0 ? s.hashes[i - 1] : BlockHash{};
-      events_.push_back({BlockEvent::Kind::kStored, hash_[b], parent, b});
+      events_.push_back({BlockEvent::Kind::kStored, hash_[b], parent, i > 0, b});
     }
   }
   s.num_registered = std::max(s.num_registered, limit);

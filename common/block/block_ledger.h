@@ -103,7 +103,11 @@ struct BlockEvent {
   enum class Kind : uint8_t { kStored, kRemoved, kAllCleared };
   Kind kind = Kind::kStored;
   BlockHash hash;                  // unset for kAllCleared
-  BlockHash parent_hash;           // kStored only: hash of the previous block (or the root)
+  // kStored only: the hash of the sequence's previous block; absent (has_parent false) for
+  // its first block, whose parent is the chain's root, RootHash(salt), which only the
+  // caller knows (as vLLM's BlockStored leaves parent_block_hash None).
+  BlockHash parent_hash;
+  bool has_parent = false;
   BlockId block = kNoBlock;
 };
 

@@ -154,7 +154,10 @@ absl::StatusOr<std::vector<KvEventRecord>> DecodeKvEvents(
       record.hash = HashFromWire(event->hash());
       record.block = event->block();
     }
-    if (event->parent_hash() != nullptr) record.parent_hash = HashFromWire(event->parent_hash());
+    if (event->parent_hash() != nullptr) {
+      record.parent_hash = HashFromWire(event->parent_hash());
+      record.has_parent = true;
+    }
     out.push_back(record);
   }
   return out;
@@ -312,6 +315,7 @@ absl::StatusOr<CacheManagerClient::Reply> CacheManagerClient::Exchange(
 }
 
 absl::Status CacheManagerClient::Register() {
+  NoteProgress();
   flatbuffers::FlatBufferBuilder builder(256);
   const auto name = builder.CreateString(options_.name);
   const auto hello =
@@ -386,9 +390,14 @@ absl::Status CacheManagerClient::Reregister() {
   return absl::OkStatus();
 }
 
+void CacheManagerClient::NoteProgress() {
+  last_progress_ns_.store(absl::ToUnixNanos(MonotonicNow()), std::memory_order_relaxed);
+}
+
 absl::StatusOr<CacheManagerClient::Reply> CacheManagerClient::Call(
     flatbuffers::FlatBufferBuilder& builder, wire::Message type, flatbuffers::Offset<void> payload,
     wire::Message reply_type) {
+  NoteProgress();
   KVCM_RETURN_IF_ERROR(CheckSession());
   const SessionInfo current = session();
   const uint64_t request_id = next_request_id_++;
@@ -754,6 +763,12 @@ void CacheManagerClient::HeartbeatLoop(zmq::socket_t stop) {
     const auto [current, generation] = SessionAndGeneration();
     next_send = now + current.heartbeat_interval;
     if (current.session_id == 0 || lost_generation_.load() == generation) continue;
+    if (options_.require_progress &&
+        now - absl::FromUnixNanos(last_progress_ns_.load(std::memory_order_relaxed)) >
+            current.heartbeat_timeout) {
+      heartbeats_withheld_.fetch_add(1);  // the caller is stuck: let the lease run out
+      continue;
+    }
     builder.Clear();
     const auto heartbeat = wire::CreateHeartbeat(builder);
     pending_request = next_request_id++;

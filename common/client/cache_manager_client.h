@@ -60,7 +60,8 @@
 //
 // Heartbeats. With Options::heartbeats, Connect() starts one thread that owns its own
 // DEALER socket (no socket is ever shared between threads) and sends a Heartbeat with the
-// current session and epoch every heartbeat interval the cache manager asked for. If a
+// current session and epoch every heartbeat interval the cache manager asked for (with
+// Options::require_progress, only while the caller showed progress). If a
 // heartbeat reply says the session is gone, the thread records that; the next call (or
 // EnsureSession()) registers again and returns ABORTED without sending its request. The
 // thread is stopped through an inproc:// PAIR socket and joined by the destructor.
@@ -227,8 +228,11 @@ enum class KvEventKind : uint8_t { kBlockStored, kBlockRemoved, kAllBlocksCleare
 struct KvEventRecord {
   KvEventKind kind = KvEventKind::kBlockStored;
   BlockHash hash;         // Stored and Removed
-  BlockHash parent_hash;  // Stored: the previous block's hash (or the root hash)
-  int32_t block = -1;     // Stored and Removed
+  // Stored: the previous block's hash; has_parent is false for a sequence's first block
+  // (its parent is the root of the chain, RootHash(salt), known to the router only).
+  BlockHash parent_hash;
+  int32_t block = -1;  // Stored and Removed
+  bool has_parent = false;
 };
 
 // An EventSnapshotReply: every block in the prefix index as BlockStored events, and `seq`,
@@ -282,6 +286,12 @@ class CacheManagerClient {
     // Start the heartbeat thread. Needed by long-lived routers and executors, whose session
     // otherwise expires after the heartbeat timeout; a one-shot tool may turn it off.
     bool heartbeats = true;
+    // Heartbeats vouch for the calling thread, not only for the process: the thread sends
+    // one only while the caller showed progress (any call, or NoteProgress()) within the
+    // session's heartbeat timeout. A caller whose loop deadlocked then stops renewing its
+    // lease and is quarantined like a hung process. Its loop must call NoteProgress()
+    // while idle. Off: heartbeats go out as long as the process runs.
+    bool require_progress = false;
   };
 
   // Connects a DEALER to options.endpoint and registers (Hello with this process's pid).
@@ -328,6 +338,10 @@ class CacheManagerClient {
   // One heartbeat now (the heartbeat thread sends its own).
   absl::Status Heartbeat();
 
+  // The caller's thread is making progress (Options::require_progress). Thread-safe and
+  // lock-free: cheap enough for every loop turn or layer.
+  void NoteProgress();
+
   // A heartbeat carrying acknowledgements of `fence_ids`: this executor runs no step of
   // their router sessions and refuses every later one. The fences are dropped from
   // PendingFences(). Unknown ids are ignored by the cache manager.
@@ -362,6 +376,8 @@ class CacheManagerClient {
   // Heartbeats the thread sent and the replies it got (for tests and logs).
   uint64_t heartbeats_sent() const { return heartbeats_sent_.load(); }
   uint64_t heartbeats_answered() const { return heartbeats_answered_.load(); }
+  // Heartbeats the thread did not send because the caller showed no progress.
+  uint64_t heartbeats_withheld() const { return heartbeats_withheld_.load(); }
 
  private:
   // A verified reply: the frame keeps the bytes `envelope` points into alive.
@@ -410,6 +426,9 @@ class CacheManagerClient {
   std::atomic<uint64_t> lost_generation_{0};
   std::atomic<uint64_t> heartbeats_sent_{0};
   std::atomic<uint64_t> heartbeats_answered_{0};
+  std::atomic<uint64_t> heartbeats_withheld_{0};
+  // MonotonicNow() of the caller's last sign of progress, in nanoseconds.
+  std::atomic<int64_t> last_progress_ns_{0};
 
   // Fences, shared with the heartbeat thread.
   mutable std::mutex fence_mu_;

@@ -170,10 +170,14 @@ absl::StatusOr<int> KvEventSubscriber::Poll(absl::Duration timeout) {
 absl::Status KvEventSubscriber::ApplySnapshot(const EventSnapshot& snapshot) {
   absl::flat_hash_map<BlockHash, int32_t, BlockHashHasher> blocks;
   blocks.reserve(snapshot.events.size());
-  for (const KvEventRecord& event : snapshot.events) {
+  for (size_t i = 0; i < snapshot.events.size(); ++i) {
+    const KvEventRecord& event = snapshot.events[i];
+    // A snapshot starts with AllBlocksCleared: the mirror is replaced as a whole anyway.
+    if (i == 0 && event.kind == KvEventKind::kAllBlocksCleared) continue;
     if (event.kind != KvEventKind::kBlockStored) {
-      return absl::InvalidArgumentError(absl::StrCat("event snapshot of epoch ", snapshot.epoch,
-                                                     " holds an event other than BlockStored"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("event snapshot of epoch ", snapshot.epoch,
+                       " holds an event other than BlockStored after its first"));
     }
     blocks[event.hash] = event.block;
   }

@@ -81,7 +81,7 @@ class KvEventSubscriber {
 
   // Replaces the mirror with `snapshot`, then replays buffered batches after snapshot.seq.
   // INVALID_ARGUMENT (mirror unchanged) when the snapshot holds an event other than
-  // BlockStored.
+  // BlockStored after its leading AllBlocksCleared.
   absl::Status ApplySnapshot(const EventSnapshot& snapshot);
 
   // Takes the messages already queued (without waiting), asks `client` for a snapshot and

@@ -27,6 +27,8 @@ constexpr char kEventTopic[] = "kvcm.events";
 constexpr int kEventHighWaterMark = 100000;
 // Batches of queued requests answered before leases are judged, at most.
 constexpr int kMaxDrainTurnsBeforeExpiry = 64;
+// At shutdown, the drain ends once no request came for this long (or at the deadline).
+constexpr absl::Duration kShutdownQuiet = absl::Milliseconds(100);
 
 void Log(std::string_view text) { LogLine(kComponent, text); }
 
@@ -231,17 +233,46 @@ absl::Status CacheManagerServer::Run() {
       signalfd_siginfo info{};
       if (::read(options_.signal_fd, &info, sizeof(info)) == sizeof(info)) {
         Log(absl::StrCat("received ", strsignal(static_cast<int>(info.ssi_signo)),
-                         ": no new attachments; answering queued requests"));
+                         ": no new attachments or block operations; draining"));
       }
       fd_channel_.reset();
-      int answered = 0;
-      for (int n; (n = DrainRequests()) > 0;) answered += n;
+      service_->BeginShutdown();
+      const DrainResult drained = DrainForShutdown();
       PublishEvents();
       PublishSnapshot();
-      Log(absl::StrCat("shutting down: answered ", answered, " queued request(s); ",
-                       service_->num_sessions(), " session(s) open; releasing the pool of ",
+      Log(absl::StrCat("shutting down: answered ", drained.answered, " request(s) while draining",
+                       drained.deadline_passed ? " (stopped at the drain deadline, under load)"
+                                               : "",
+                       "; ", service_->num_sessions(), " session(s) open; releasing the pool of ",
                        memory_->size_bytes(), " bytes"));
       return absl::OkStatus();
+    }
+  }
+}
+
+CacheManagerServer::DrainResult CacheManagerServer::DrainForShutdown() {
+  DrainResult result;
+  const absl::Time deadline = MonotonicNow() + options_.shutdown_drain;
+  absl::Time quiet_until = MonotonicNow() + kShutdownQuiet;
+  while (true) {
+    const absl::Time now = MonotonicNow();
+    if (now >= deadline) {
+      result.deadline_passed = true;
+      return result;
+    }
+    if (const int n = DrainRequests(); n > 0) {
+      result.answered += n;
+      PublishEvents();
+      quiet_until = MonotonicNow() + kShutdownQuiet;
+      continue;
+    }
+    if (now >= quiet_until) return result;
+    zmq::pollitem_t item{requests_.handle(), 0, ZMQ_POLLIN, 0};
+    const int64_t wait = absl::ToInt64Milliseconds(std::min(quiet_until, deadline) - now);
+    try {
+      zmq::poll(&item, 1, std::chrono::milliseconds(std::max<int64_t>(wait, 1)));
+    } catch (const zmq::error_t& error) {
+      if (error.num() != EINTR) return result;
     }
   }
 }

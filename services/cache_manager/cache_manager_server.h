@@ -13,8 +13,9 @@
 //   ZeroMQ context and the metrics server start; main() does it).
 //
 // Run() blocks in one zmq_poll over all of them; nothing else ever touches the sockets.
-// On a signal it stops accepting (closes the fd channel), answers the requests already
-// queued, publishes the last events and returns; the destructor closes the sockets and
+// On a signal it stops accepting (closes the fd channel), refuses new block operations with
+// Unavailable while it drains (until no request came for 100 ms, or Options::shutdown_drain
+// under load), publishes the last events and returns; the destructor closes the sockets and
 // releases the pool.
 //
 // Thread safety: create, Run() and destroy on one thread.
@@ -50,6 +51,10 @@ class CacheManagerServer {
     absl::Duration linger = absl::Seconds(1);
     // Requests handled per wakeup before events and gauges are refreshed.
     int max_batch = 256;
+    // At SIGTERM, how long the cache manager goes on answering (Steps, Hello and Attach
+    // with Unavailable, the rest as usual) before it exits; it exits sooner once no request
+    // came for 100 ms.
+    absl::Duration shutdown_drain = absl::Seconds(2);
   };
 
   // Binds every socket in `run_dir` (which the caller has acquired) and starts the service.
@@ -76,6 +81,12 @@ class CacheManagerServer {
 
   // Handles up to max_batch queued requests; returns how many.
   int DrainRequests();
+  // After a signal: answers requests until none came for a while or shutdown_drain passed.
+  struct DrainResult {
+    int answered = 0;
+    bool deadline_passed = false;
+  };
+  DrainResult DrainForShutdown();
   void ServeFdChannel();
   void PublishEvents();
   void PublishSnapshot();

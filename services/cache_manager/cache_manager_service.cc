@@ -156,6 +156,14 @@ void CacheManagerService::Handle(const std::optional<PeerCredentials>& peer,
           type, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     }
   } timer{metrics_, *type};
+  if (shutting_down_ && (*type == RequestType::kHello || *type == RequestType::kAttach ||
+                         *type == RequestType::kStep)) {
+    return Reject(request_id,
+                  {RejectReason::kShuttingDown, wire::ErrorCode::Unavailable,
+                   "the cache manager is shutting down: no new sessions, attachments or block "
+                   "operations"},
+                  reply);
+  }
   if (*type == RequestType::kHello) return HandleHello(envelope, peer, now, reply);
 
   Rejection rejection;
@@ -901,7 +909,8 @@ uint64_t CacheManagerService::TakeEventBatch(flatbuffers::FlatBufferBuilder* out
     switch (event.kind) {
       case BlockEvent::Kind::kStored:
         encoded.push_back(EncodeEvent(*out, wire::EventKind::BlockStored, &event.hash,
-                                      &event.parent_hash, event.block));
+                                      event.has_parent ? &event.parent_hash : nullptr,
+                                      event.block));
         break;
       case BlockEvent::Kind::kRemoved:
         encoded.push_back(EncodeEvent(*out, wire::EventKind::BlockRemoved, &event.hash,
@@ -923,6 +932,10 @@ uint64_t CacheManagerService::TakeEventBatch(flatbuffers::FlatBufferBuilder* out
 void CacheManagerService::HandleEventSnapshot(const wire::Envelope& envelope,
                                               flatbuffers::FlatBufferBuilder* reply) {
   std::vector<flatbuffers::Offset<wire::KvEvent>> encoded;
+  // The epoch's first batch cleared the subscribers' mirrors before any could connect: a
+  // late subscriber learns it here.
+  encoded.push_back(
+      EncodeEvent(*reply, wire::EventKind::AllBlocksCleared, nullptr, nullptr, kNoBlock));
   for (const auto& [block, hash] : ledger_.IndexedBlocks()) {
     encoded.push_back(
         EncodeEvent(*reply, wire::EventKind::BlockStored, &hash, nullptr, block));

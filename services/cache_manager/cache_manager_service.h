@@ -134,6 +134,10 @@ class CacheManagerService {
   void RefuseMalformed(uint64_t request_id, std::string_view reason,
                        flatbuffers::FlatBufferBuilder* reply);
 
+  // From now on Step, Hello and Attach are refused with Unavailable (counted as
+  // shutting_down); heartbeats, Goodbye and inspection are answered as before.
+  void BeginShutdown() { shutting_down_ = true; }
+
   // The process `pid` has exited: its sessions end and their sequences are freed.
   void OnProcessExited(pid_t pid);
 
@@ -258,6 +262,7 @@ class CacheManagerService {
   bool announce_cleared_ = true;
   uint64_t events_published_ = 0;
   uint64_t rejected_messages_ = 0;
+  bool shutting_down_ = false;
 
   // Scratch reused across messages.
   std::vector<BlockHash> hashes_;

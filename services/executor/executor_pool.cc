@@ -39,6 +39,9 @@ absl::StatusOr<std::unique_ptr<CacheManagerPool>> CacheManagerPool::Connect(
     Options options, ExecutorMetrics* metrics) {
   options.client.role = wire::Role::Executor;
   options.client.heartbeats = true;
+  // A wedged socket thread stops renewing the lease (ExecutorServer notes progress every
+  // loop turn and every layer).
+  options.client.require_progress = true;
   KVCM_ASSIGN_OR_RETURN(std::unique_ptr<CacheManagerClient> client,
                         CacheManagerClient::Connect(options.client));
   std::unique_ptr<CacheManagerPool> pool(

@@ -74,6 +74,10 @@ class PoolSource {
   // Ends the cache-manager session (best effort; logs nothing).
   virtual void Goodbye() = 0;
 
+  // The executor's thread is alive and working (CacheManagerClient::NoteProgress): its
+  // cache-manager heartbeats go out only while it says so. Cheap; thread-safe.
+  virtual void NoteProgress() {}
+
   // Asks the cache manager (one round trip) whether the epoch of the pool attached is still
   // the one it runs: true when it confirmed it, false when the session is gone (a new
   // epoch, or this executor's lease ran out) or nothing is attached. A step naming another
@@ -127,6 +131,7 @@ class CacheManagerPool : public PoolSource {
   absl::Status Reattach() override;
   void Goodbye() override;
   absl::StatusOr<bool> AttachedEpochIsCurrent() override;
+  void NoteProgress() override { client_->NoteProgress(); }
   std::vector<FenceNotice> PendingFences() const override { return client_->PendingFences(); }
   uint64_t fence_generation() const override { return client_->fence_generation(); }
   absl::Status AcknowledgeFences(std::span<const uint64_t> fence_ids) override {

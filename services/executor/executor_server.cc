@@ -69,6 +69,7 @@ bool ExecutorServer::Send(const flatbuffers::FlatBufferBuilder& message) {
 }
 
 void ExecutorServer::Upkeep() {
+  pool_->NoteProgress();  // the socket thread's loop turns: its heartbeats may go out
   // Between steps: fences first, so that the refresh below can never re-register before
   // they are honoured.
   service_->ApplyFences();

@@ -418,6 +418,7 @@ absl::StatusOr<StepReport> ExecutorService::RunStep(const StepRequest& step) {
     const std::function<bool(int32_t)> after_layer = [&](int32_t) {
       const absl::Time until = MonotonicNow() + options_.fault_layer_delay;
       while (true) {
+        pool_->NoteProgress();  // a layer done (or, in a fault test, being slept through)
         if (FencedSinceStepBegan(step.router_session)) return false;
         const absl::Duration left = until - MonotonicNow();
         if (left <= absl::ZeroDuration()) return true;

@@ -502,7 +502,8 @@ TEST_P(LedgerScenarioTest, RecordsStoredAndRemovedEvents) {
   ASSERT_EQ(events.size(), 2u);
   EXPECT_EQ(events[0].kind, BlockEvent::Kind::kStored);
   EXPECT_EQ(events[0].hash, hashes[0]);
-  EXPECT_EQ(events[0].parent_hash, BlockHash{});
+  EXPECT_FALSE(events[0].has_parent);  // the first block's parent is the chain's root
+  EXPECT_TRUE(events[1].has_parent);
   EXPECT_EQ(events[1].hash, hashes[1]);
   EXPECT_EQ(events[1].parent_hash, hashes[0]);
   EXPECT_EQ(events[1].block, 1);

@@ -341,6 +341,57 @@ TEST_F(CacheManagerClientTest, SilentSessionExpiresWhileHeartbeatsKeepAnotherAli
   EXPECT_TRUE(silent->Stats().ok());
 }
 
+TEST_F(CacheManagerClientTest, HeartbeatsRequiringProgressStopWhenTheCallerIsStuck) {
+  auto connect = [&] {
+    CacheManagerClient::Options options;
+    options.endpoint = cm_->endpoint();
+    options.role = wire::Role::Router;
+    options.name = "progress";
+    options.require_progress = true;
+    absl::StatusOr<std::unique_ptr<CacheManagerClient>> client =
+        CacheManagerClient::Connect(options);
+    EXPECT_TRUE(client.ok()) << client.status();
+    return client.ok() ? std::move(*client) : nullptr;
+  };
+  // Both hold a sequence; only one's caller keeps noting progress (an idle scheduler loop);
+  // the other's is stuck, as in a deadlock, while its heartbeat thread runs on.
+  std::unique_ptr<CacheManagerClient> working = connect();
+  std::unique_ptr<CacheManagerClient> stuck = connect();
+  ASSERT_NE(working, nullptr);
+  ASSERT_NE(stuck, nullptr);
+  StepBatch step;
+  step.Allocate(1, 8);
+  ASSERT_TRUE(working->Step(step).ok());
+  step.Clear();
+  step.Allocate(2, 8);
+  ASSERT_TRUE(stuck->Step(step).ok());
+
+  // The stuck caller's lease runs out: timeout 1 s after the progress window of 1 s.
+  StatsSnapshot stats;
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < deadline) {
+    working->NoteProgress();
+    absl::StatusOr<StatsSnapshot> s = client_->Stats();
+    ASSERT_TRUE(s.ok()) << s.status();
+    stats = *s;
+    if (stats.quarantined_blocks > 0) break;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_EQ(stats.quarantined_blocks, 2) << "the stuck caller's session was never quarantined";
+  EXPECT_GT(stuck->heartbeats_withheld(), 0u);
+  EXPECT_EQ(working->heartbeats_withheld(), 0u);
+  // Once unstuck, it learns that its session is gone (and registers only when it chooses).
+  absl::StatusOr<StatsSnapshot> refused = stuck->Stats();
+  EXPECT_TRUE(absl::IsAborted(refused.status())) << refused.status();
+  // The working one, idle but noting progress, kept its session and its sequence.
+  step.Clear();
+  step.Append(1, 1);
+  absl::StatusOr<std::vector<OpOutcome>> appended = working->Step(step);
+  ASSERT_TRUE(appended.ok()) << appended.status();
+  EXPECT_TRUE((*appended)[0].status.ok());
+  ExpectPartition(stats);
+}
+
 TEST(CacheManagerClientRestartTest, RestartGivesAbortedWithBothEpochsThenWorksOnceRegisteredAgain) {
   absl::StatusOr<TempDir> run_dir = TempDir::Create("kvcm-rs");
   ASSERT_TRUE(run_dir.ok()) << run_dir.status();

@@ -99,7 +99,9 @@ class KvEventStreamTest : public ::testing::Test {
     EXPECT_TRUE(snapshot.ok()) << snapshot.status();
     absl::flat_hash_map<BlockHash, int32_t, BlockHashHasher> index;
     if (snapshot.ok()) {
-      for (const KvEventRecord& event : snapshot->events) index[event.hash] = event.block;
+      for (const KvEventRecord& event : snapshot->events) {
+        if (event.kind == KvEventKind::kBlockStored) index[event.hash] = event.block;
+      }
     }
     return index;
   }
@@ -133,9 +135,12 @@ TEST_F(KvEventStreamTest, WorkloadEventsArriveInOrder) {
   EXPECT_EQ(seen_[0].event.kind, KvEventKind::kBlockStored);
   EXPECT_EQ(seen_[0].event.hash, hashes[0]);
   EXPECT_EQ(seen_[0].event.block, table[0]);
+  // The first block's parent is the chain's root: absent, as the schema says.
+  EXPECT_FALSE(seen_[0].event.has_parent);
   EXPECT_EQ(seen_[1].event.kind, KvEventKind::kBlockStored);
   EXPECT_EQ(seen_[1].event.hash, hashes[1]);
   EXPECT_EQ(seen_[1].event.block, table[1]);
+  EXPECT_TRUE(seen_[1].event.has_parent);
   EXPECT_EQ(seen_[1].event.parent_hash, hashes[0]);
   EXPECT_EQ(subscriber_->blocks().size(), 2u);
 

@@ -5,6 +5,8 @@
 #include "tests/services/cache_manager/live_cache_manager.h"
 
 #include <fstream>
+#include <thread>
+#include <atomic>
 
 #include "absl/strings/ascii.h"
 #include "common/transport/zmq_util.h"
@@ -212,6 +214,67 @@ TEST(CacheManagerProcessTest, SigtermAnswersAndCleansUp) {
   for (const char* name : {"cache-manager.sock", "events.sock", "pool-fd.sock"}) {
     EXPECT_NE(::stat((run_dir + "/" + name).c_str(), &st), 0) << name << " left behind";
   }
+}
+
+TEST(CacheManagerProcessTest, SigtermUnderLoadRefusesStepsWithUnavailableAndExitsInTime) {
+  auto manager = StartManager();
+  ASSERT_NE(manager, nullptr);
+  // Routers stepping as fast as they can, each on its own thread and client.
+  constexpr int kRouters = 3;
+  std::vector<std::unique_ptr<CacheManagerClient>> clients;
+  for (int i = 0; i < kRouters; ++i) {
+    clients.push_back(Connect(*manager));
+    ASSERT_NE(clients.back(), nullptr);
+  }
+  std::atomic<bool> stop{false};
+  std::vector<absl::Status> last(kRouters);
+  std::vector<std::atomic<int>> steps(kRouters);
+  std::vector<std::thread> loaders;
+  for (int i = 0; i < kRouters; ++i) {
+    loaders.emplace_back([&, i] {
+      uint64_t seq = 1;
+      while (!stop.load()) {
+        StepBatch batch;
+        batch.Allocate(seq, 8).Free(seq);
+        ++seq;
+        auto outcome = clients[i]->Step(batch);
+        if (!outcome.ok()) {
+          last[i] = outcome.status();
+          return;
+        }
+        ++steps[i];
+      }
+    });
+  }
+  // Under load for real before the signal.
+  const absl::Time loaded = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < loaded &&
+         std::any_of(steps.begin(), steps.end(), [](const auto& n) { return n.load() < 50; })) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  const absl::Time signalled = absl::Now();
+  auto exit_code = manager->Terminate(absl::Seconds(15));
+  const absl::Duration took = absl::Now() - signalled;
+  stop = true;
+  for (std::thread& loader : loaders) loader.join();
+  ASSERT_TRUE(exit_code.ok()) << exit_code.status() << "\n" << manager->Output();
+  EXPECT_EQ(*exit_code, 0) << manager->Output();
+  std::printf("exited %s after SIGTERM under load\n", absl::FormatDuration(took).c_str());
+  EXPECT_LT(took, absl::Seconds(5)) << "the drain deadline is 2 s";
+  // Each router's last step was refused as the protocol says: Unavailable while draining,
+  // or (its request sent after the exit) no answer / nothing listening.
+  int unavailable = 0;
+  for (const absl::Status& status : last) {
+    EXPECT_FALSE(status.ok());
+    if (absl::IsUnavailable(status) &&
+        status.message().find("shutting down") != std::string_view::npos) {
+      ++unavailable;
+    } else {
+      EXPECT_TRUE(absl::IsDeadlineExceeded(status) || absl::IsUnavailable(status)) << status;
+    }
+  }
+  EXPECT_GT(unavailable, 0) << "no step was refused with the documented Unavailable";
+  EXPECT_NE(manager->Output().find("while draining"), std::string::npos) << manager->Output();
 }
 
 TEST(CacheManagerProcessTest, TakenMetricsPortIsAClearError) {

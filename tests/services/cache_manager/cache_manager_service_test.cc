@@ -846,8 +846,15 @@ TEST_F(CacheManagerServiceTest, EventBatchesAreNumberedAndAddUpToTheSnapshot) {
   ASSERT_EQ(snapshot.payload_type(), wire::Message::EventSnapshotReply);
   const auto* reply = snapshot.payload_as_EventSnapshotReply();
   EXPECT_EQ(reply->seq(), expected_seq - 1);
+  // It starts with AllBlocksCleared (a late subscriber never saw the epoch's first batch),
+  // then BlockStored events without parents.
+  ASSERT_GT(reply->events()->size(), 0u);
+  EXPECT_EQ(reply->events()->Get(0)->kind(), wire::EventKind::AllBlocksCleared);
   absl::flat_hash_map<BlockId, BlockHash> from_snapshot;
-  for (const auto* event : *reply->events()) {
+  for (flatbuffers::uoffset_t i = 1; i < reply->events()->size(); ++i) {
+    const auto* event = reply->events()->Get(i);
+    EXPECT_EQ(event->kind(), wire::EventKind::BlockStored);
+    EXPECT_EQ(event->parent_hash(), nullptr);
     from_snapshot[event->block()] = FromWire(*event->hash());
   }
   EXPECT_EQ(from_snapshot.size(), seen.size());
