@@ -25,6 +25,11 @@ std::string_view BlockStateName(BlockState state) {
 }
 
 absl::StatusOr<BlockLedger> BlockLedger::Create(const Options& options) {
+  if (absl::Status checked = CheckOptions(options); !checked.ok()) return checked;
+  return BlockLedger(options);
+}
+
+absl::Status BlockLedger::CheckOptions(const Options& options) {
   if (options.num_blocks <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("num_blocks must be positive, got ", options.num_blocks));
@@ -48,7 +53,7 @@ absl::StatusOr<BlockLedger> BlockLedger::Create(const Options& options) {
                                                    options.num_blocks, "], got ",
                                                    options.max_pinned_blocks));
   }
-  return BlockLedger(options);
+  return absl::OkStatus();
 }
 
 BlockLedger::BlockLedger(const Options& options) : options_(options) {

@@ -154,7 +154,9 @@ class BlockLedger {
     bool record_events = false;
   };
 
-  // Validates options: INVALID_ARGUMENT on nonsense.
+  // INVALID_ARGUMENT on nonsense, without allocating anything.
+  static absl::Status CheckOptions(const Options& options);
+  // Validates options (CheckOptions).
   static absl::StatusOr<BlockLedger> Create(const Options& options);
 
   BlockLedger(BlockLedger&&) = default;

@@ -111,7 +111,10 @@ absl::StatusOr<std::unique_ptr<CacheManagerServer>> CacheManagerServer::Create(
     LimitInboundMessages(server->requests_, server->service_->options().max_message_bytes);
     server->requests_.set(zmq::sockopt::linger, linger_ms);
     server->requests_.bind(server->request_endpoint());
-    if (!options.tcp_endpoint.empty()) server->requests_.bind(options.tcp_endpoint);
+    if (!options.tcp_endpoint.empty()) {
+      server->requests_.bind(options.tcp_endpoint);
+      server->tcp_bound_ = server->requests_.get(zmq::sockopt::last_endpoint);
+    }
     server->events_ = zmq::socket_t(server->context_, zmq::socket_type::pub);
     server->events_.set(zmq::sockopt::sndhwm, kEventHighWaterMark);
     // Subscribers send only their subscriptions.

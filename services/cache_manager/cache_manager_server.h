@@ -71,6 +71,8 @@ class CacheManagerServer {
 
   uint64_t epoch() const { return service_->epoch(); }
   std::string request_endpoint() const;
+  // The tcp:// endpoint bound (with the port chosen for "*"); empty without one.
+  const std::string& tcp_endpoint() const { return tcp_bound_; }
   std::string event_endpoint() const;
 
  private:
@@ -106,6 +108,7 @@ class CacheManagerServer {
   flatbuffers::FlatBufferBuilder reply_;
   flatbuffers::FlatBufferBuilder event_batch_;
   uint64_t unroutable_replies_ = 0;
+  std::string tcp_bound_;
 };
 
 }  // namespace kvcm

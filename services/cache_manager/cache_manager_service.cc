@@ -78,21 +78,37 @@ const char* RoleName(wire::Role role) {
   }
 }
 
-absl::StatusOr<std::unique_ptr<CacheManagerService>> CacheManagerService::Create(
-    const Options& options, ProcessWatcher* watcher, CacheManagerMetrics* metrics,
-    absl::Time now) {
-  KVCM_CHECK(watcher != nullptr);
+absl::Status CacheManagerService::CheckOptions(const Options& options) {
   if (absl::Status valid = options.spec.Validate(); !valid.ok()) return valid;
   if (options.heartbeat_interval <= absl::ZeroDuration() ||
       options.heartbeat_timeout <= options.heartbeat_interval) {
-    return absl::InvalidArgumentError(
-        "the heartbeat timeout must be longer than the (positive) heartbeat interval");
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the heartbeat timeout (", absl::FormatDuration(options.heartbeat_timeout),
+        ") must be longer than the heartbeat interval (",
+        absl::FormatDuration(options.heartbeat_interval), "), which must be positive"));
   }
   if (options.max_ops_per_step <= 0 || options.max_hashes_per_message <= 0 ||
       options.max_sessions <= 0 || options.max_sessions_per_process <= 0 ||
       options.max_sequences_per_session <= 0) {
     return absl::InvalidArgumentError("message, session and sequence limits must be positive");
   }
+  if (options.ledger.sliding_window_tokens != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a sliding window (", options.ledger.sliding_window_tokens,
+        " tokens) is not supported yet: no message tells the executors the window and they "
+        "attend to the whole context, so blocks released behind it would corrupt their "
+        "output. Run without it (the model's full context is cached)."));
+  }
+  BlockLedger::Options ledger_options = options.ledger;
+  ledger_options.block_size = options.spec.block_size;
+  return BlockLedger::CheckOptions(ledger_options);
+}
+
+absl::StatusOr<std::unique_ptr<CacheManagerService>> CacheManagerService::Create(
+    const Options& options, ProcessWatcher* watcher, CacheManagerMetrics* metrics,
+    absl::Time now) {
+  KVCM_CHECK(watcher != nullptr);
+  if (absl::Status checked = CheckOptions(options); !checked.ok()) return checked;
   BlockLedger::Options ledger_options = options.ledger;
   ledger_options.block_size = options.spec.block_size;
   ledger_options.record_events = true;

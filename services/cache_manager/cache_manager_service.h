@@ -119,6 +119,12 @@ class CacheManagerService {
     std::string metrics_url;
   };
 
+  // INVALID_ARGUMENT for options Create() would refuse, without allocating anything, so
+  // that a service's flags are checked before it acquires its pool or ports. A sliding
+  // window is refused: no message carries it to the executors, which attend to the whole
+  // context, so blocks released behind it would corrupt their output.
+  static absl::Status CheckOptions(const Options& options);
+
   // `watcher` and `metrics` must outlive the service; `metrics` may be null (tests).
   static absl::StatusOr<std::unique_ptr<CacheManagerService>> Create(
       const Options& options, ProcessWatcher* watcher, CacheManagerMetrics* metrics,

@@ -30,6 +30,7 @@
 #include "common/sizing/byte_size.h"
 #include "common/sizing/model_config.h"
 #include "common/sizing/pool_plan.h"
+#include "common/transport/tcp_endpoint.h"
 #include "services/cache_manager/cache_manager_metrics.h"
 #include "services/cache_manager/cache_manager_server.h"
 #include "services/cache_manager/run_directory.h"
@@ -61,13 +62,18 @@ ABSL_FLAG(std::string, metrics_address, "127.0.0.1:9400",
           "HOST:PORT serving /metrics (port 0 picks a free one; it is logged).");
 ABSL_FLAG(std::string, tcp_address, "",
           "Also accept requests on this tcp:// endpoint, e.g. tcp://127.0.0.1:5557. Clients "
-          "over tcp cannot be watched by pid: only heartbeats detect their failure.");
+          "over tcp cannot be watched by pid: only heartbeats detect their failure. Loopback "
+          "addresses only, unless --tcp-allow-remote.");
+ABSL_FLAG(bool, tcp_allow_remote, false,
+          "Let --tcp-address name a non-loopback address (reachable from other machines).");
 ABSL_FLAG(int32_t, heartbeat_interval_ms, 1000, "How often clients must heartbeat.");
 ABSL_FLAG(int32_t, heartbeat_timeout_ms, 5000,
           "Silence after which a client's session is quarantined.");
 ABSL_FLAG(std::string, hash_algorithm, "sha256",
           "Block hash announced to clients: sha256 or fast128.");
-ABSL_FLAG(int32_t, sliding_window_tokens, 0, "Attention window in tokens; 0 = full.");
+ABSL_FLAG(int32_t, sliding_window_tokens, 0,
+          "Attention window in tokens; 0 = full. Refused for now: executors do not support "
+          "windows yet.");
 ABSL_FLAG(int32_t, max_pinned_blocks, 0, "Most blocks named pins may hold; 0 = half the pool.");
 ABSL_FLAG(int32_t, max_ops_per_step, 4096, "Most operations in one Step message.");
 
@@ -140,6 +146,15 @@ absl::StatusOr<PoolBudget> BudgetFromFlags(PoolBackend backend) {
   const int64_t num_blocks = absl::GetFlag(FLAGS_num_blocks);
   const std::string pool_bytes = absl::GetFlag(FLAGS_pool_bytes);
   const double fraction = absl::GetFlag(FLAGS_memory_fraction);
+  if (FlagGiven("num_blocks") && num_blocks <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--num-blocks ", num_blocks, ": a pool needs at least one block (or size it with "
+        "--pool-bytes or --memory-fraction instead)"));
+  }
+  if (FlagGiven("memory_fraction") && !(fraction > 0 && fraction <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--memory-fraction ", fraction, ": give a fraction of free memory in (0, 1]"));
+  }
   const int given = (num_blocks != 0) + !pool_bytes.empty() + (fraction != 0);
   if (given != 1) {
     return absl::InvalidArgumentError(
@@ -187,6 +202,30 @@ int Main() {
   if (!plan.ok()) return fail(plan.status());
   auto hash_algorithm = ParseHashAlgorithm(absl::GetFlag(FLAGS_hash_algorithm));
   if (!hash_algorithm.ok()) return fail(hash_algorithm.status());
+  std::string tcp_endpoint;
+  if (!absl::GetFlag(FLAGS_tcp_address).empty()) {
+    auto tcp = CheckTcpEndpoint(absl::GetFlag(FLAGS_tcp_address), "--tcp-address",
+                                absl::GetFlag(FLAGS_tcp_allow_remote));
+    if (!tcp.ok()) return fail(tcp.status());
+    tcp_endpoint = tcp->BindEndpoint();
+  }
+
+  // Every flag is checked before anything is acquired (the lock, the pool, the port).
+  CacheManagerService::Options service;
+  service.spec = *spec;
+  service.ledger.num_blocks = static_cast<int32_t>(plan->num_blocks);
+  service.ledger.sliding_window_tokens = absl::GetFlag(FLAGS_sliding_window_tokens);
+  service.ledger.max_pinned_blocks = absl::GetFlag(FLAGS_max_pinned_blocks);
+  service.hash_algorithm = *hash_algorithm;
+  // Microseconds since 1970: different at every start, and below 2^53 until 2255. Compared
+  // for equality only (a clock set back may give a later start a lower one).
+  service.epoch = static_cast<uint64_t>(absl::ToUnixMicros(absl::Now()));
+  service.heartbeat_interval = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_interval_ms));
+  service.heartbeat_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_timeout_ms));
+  service.max_ops_per_step = absl::GetFlag(FLAGS_max_ops_per_step);
+  if (absl::Status checked = CacheManagerService::CheckOptions(service); !checked.ok()) {
+    return fail(checked);
+  }
 
   // The lock first: a second instance must fail before it allocates or binds anything.
   const std::string run_dir_path = absl::GetFlag(FLAGS_run_dir).empty()
@@ -217,21 +256,10 @@ int Main() {
       MetricsServer::Start(absl::GetFlag(FLAGS_metrics_address), metrics.registry());
   if (!metrics_server.ok()) return fail(metrics_server.status());
 
-  CacheManagerService::Options service;
-  service.spec = *spec;
-  service.ledger.num_blocks = static_cast<int32_t>(plan->num_blocks);
-  service.ledger.sliding_window_tokens = absl::GetFlag(FLAGS_sliding_window_tokens);
-  service.ledger.max_pinned_blocks = absl::GetFlag(FLAGS_max_pinned_blocks);
-  service.hash_algorithm = *hash_algorithm;
-  // Microseconds since 1970: different at every start, and below 2^53 until 2255.
-  service.epoch = static_cast<uint64_t>(absl::ToUnixMicros(absl::Now()));
-  service.heartbeat_interval = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_interval_ms));
-  service.heartbeat_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_timeout_ms));
-  service.max_ops_per_step = absl::GetFlag(FLAGS_max_ops_per_step);
   service.metrics_url = (*metrics_server)->url();
 
   CacheManagerServer::Options options;
-  options.tcp_endpoint = absl::GetFlag(FLAGS_tcp_address);
+  options.tcp_endpoint = tcp_endpoint;
   options.signal_fd = signal_fd.get();
   auto server = CacheManagerServer::Create(options, *std::move(run_dir), *std::move(memory),
                                            service, &metrics);
@@ -240,7 +268,9 @@ int Main() {
   Log(absl::StrCat("ready epoch=", (*server)->epoch(),
                    " endpoint=", (*server)->request_endpoint(),
                    " events=", (*server)->event_endpoint(),
-                   " metrics=", (*metrics_server)->url()));
+                   " metrics=", (*metrics_server)->url(),
+                   (*server)->tcp_endpoint().empty() ? ""
+                                                     : " tcp=" + (*server)->tcp_endpoint()));
   const absl::Status ran = (*server)->Run();
   server->reset();
   if (!ran.ok()) return fail(ran);

@@ -9,6 +9,7 @@
 #include <atomic>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/str_join.h"
 #include "common/transport/zmq_util.h"
 
 namespace kvcm::live_test {
@@ -31,6 +32,67 @@ TEST(CacheManagerProcessTest, SecondInstanceOnTheSameRunDirectoryRefusesToStart)
   auto stats = client->Stats();
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_EQ(stats->epoch, manager->epoch());
+}
+
+TEST(CacheManagerProcessTest, BadFlagsAreNamedBeforeAnythingIsAcquired) {
+  // A running instance holds the run directory and its metrics port: a second one whose
+  // flags are wrong must say what is wrong with them, not that the lock or port is taken.
+  auto manager = StartManager();
+  ASSERT_NE(manager, nullptr);
+  const std::string port = manager->metrics_url().substr(
+      manager->metrics_url().rfind(':') + 1,
+      manager->metrics_url().find("/metrics") - manager->metrics_url().rfind(':') - 1);
+  struct Case {
+    std::vector<std::string> flags;
+    const char* message;
+  };
+  const Case cases[] = {
+      {{"--num-blocks", "0"}, "--num-blocks 0: a pool needs at least one block"},
+      {{"--num-blocks", "16", "--tcp-address", "tcp://127.0.0.1:99999"},
+       "port 99999 is outside 1-65535"},
+      {{"--num-blocks", "16", "--tcp-address", "tcp://garbage"}, "expected tcp://HOST:PORT"},
+      {{"--num-blocks", "16", "--tcp-address", "tcp://0.0.0.0:5557"}, "--tcp-allow-remote"},
+      {{"--num-blocks", "16", "--sliding-window-tokens", "64"}, "not supported yet"},
+      {{"--num-blocks", "16", "--heartbeat-timeout-ms", "100"}, "must be longer than"},
+      {{"--num-blocks", "16", "--max-ops-per-step", "0"}, "limits must be positive"},
+      {{"--num-blocks", "16", "--max-pinned-blocks", "17"}, "max_pinned_blocks"},
+      {{"--num-blocks", "16", "--memory-fraction", "1.5"}, "--memory-fraction"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(absl::StrJoin(c.flags, " "));
+    std::vector<std::string> argv = {kvcm::testing::KvcmBinaryPath("kvcm-cache-manager"),
+                                     "--run-dir", manager->run_dir(), "--backend", "shm",
+                                     "--layers", "1", "--kv-heads", "1", "--head-dim", "8",
+                                     "--metrics-address", "127.0.0.1:" + port};
+    argv.insert(argv.end(), c.flags.begin(), c.flags.end());
+    auto run = kvcm::testing::RunProgram(argv, "", absl::Seconds(30));
+    ASSERT_TRUE(run.ok()) << run.status();
+    EXPECT_EQ(run->exit_code, 1);
+    EXPECT_NE(run->output.find(c.message), std::string::npos) << run->output;
+    EXPECT_EQ(run->output.find("already running"), std::string::npos) << run->output;
+  }
+  auto client = Connect(*manager);
+  ASSERT_NE(client, nullptr);
+  EXPECT_TRUE(client->Stats().ok());
+}
+
+TEST(CacheManagerProcessTest, TheReadyLineNamesTheTcpEndpointItBound) {
+  CacheManagerOptions options;
+  options.extra_args = {"--tcp-address", "tcp://127.0.0.1:0"};
+  auto manager = CacheManagerProcess::Start(options);
+  ASSERT_TRUE(manager.ok()) << manager.status();
+  auto ready = (*manager)->process().WaitForLine(" tcp=(tcp://127\\.0\\.0\\.1:[0-9]+)",
+                                                 absl::Now() + absl::Seconds(5));
+  ASSERT_TRUE(ready.ok()) << ready.status() << "\n" << (*manager)->Output();
+  EXPECT_EQ((*ready)[1].find(":0"), std::string::npos);
+  // A client reaches the cache manager there.
+  CacheManagerClient::Options client_options;
+  client_options.endpoint = (*ready)[1];
+  client_options.role = wire::Role::Control;
+  client_options.heartbeats = false;
+  auto client = CacheManagerClient::Connect(client_options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  EXPECT_TRUE((*client)->Stats().ok());
 }
 
 TEST(CacheManagerProcessTest, GarbageOnTheRealSocketGetsErrorRepliesAndChangesNothing) {
