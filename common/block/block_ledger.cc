@@ -327,7 +327,16 @@ absl::StatusOr<AdmissionPlan> BlockLedger::PlanAppend(const Sequence& s,
   }
   AdmissionPlan plan;
   const bool partial = s.num_tokens % options_.block_size != 0;
-  if (num_new_tokens > 0 && partial && ref_count_[s.blocks.back()] > 1) plan.copies = 1;
+  if (num_new_tokens > 0 && partial && ref_count_[s.blocks.back()] > 1) {
+    // The copy reads the shared block's KV: it must be written, or the copy is garbage.
+    if (s.num_committed < s.num_tokens) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "sequence ", s.id, " shares its partly filled last block, whose KV is not committed "
+          "(", s.num_committed, " of ", s.num_tokens, " tokens): commit it before appending, "
+          "as copy-on-write copies that KV"));
+    }
+    plan.copies = 1;
+  }
   plan.blocks_needed = BlocksFor(static_cast<int32_t>(new_total)) -
                        static_cast<int32_t>(s.blocks.size()) + plan.copies;
   if (plan.blocks_needed > AvailableBlocks()) {
@@ -496,6 +505,14 @@ int32_t BlockLedger::Lookup(std::span<const BlockHash> block_hashes) const {
     ++n;
   }
   return n;
+}
+
+int32_t BlockLedger::ReusableBlocks(int32_t num_tokens,
+                                    std::span<const BlockHash> block_hashes) const {
+  if (num_tokens <= 0) return 0;
+  const size_t matchable =
+      std::min(block_hashes.size(), static_cast<size_t>((num_tokens - 1) / options_.block_size));
+  return Lookup(block_hashes.first(matchable));
 }
 
 absl::Status BlockLedger::Pin(const std::string& name, std::span<const BlockHash> block_hashes) {

@@ -180,9 +180,12 @@ class BlockLedger {
   absl::StatusOr<AdmissionPlan> CanAllocate(SeqId seq, int32_t num_tokens,
                                             std::span<const BlockHash> block_hashes = {}) const;
 
-  // Makes room for `num_new_tokens` more tokens.
+  // Makes room for `num_new_tokens` more tokens. When the partly filled last block is shared
+  // (a fork), this sequence gets a private copy of it (a CopyOrder), which reads its KV: so
+  // the sequence's tokens must all be committed first.
   // Errors: NOT_FOUND (unknown seq), INVALID_ARGUMENT (negative, or beyond what the pool
-  // can ever hold), RESOURCE_EXHAUSTED.
+  // can ever hold), FAILED_PRECONDITION (copy-on-write of uncommitted KV),
+  // RESOURCE_EXHAUSTED.
   absl::StatusOr<AppendResult> Append(SeqId seq, int32_t num_new_tokens);
   absl::StatusOr<AdmissionPlan> CanAppend(SeqId seq, int32_t num_new_tokens) const;
 
@@ -213,6 +216,10 @@ class BlockLedger {
   // Number of leading `block_hashes` whose blocks are in the prefix index (cached, pinned or
   // in use). Changes nothing.
   int32_t Lookup(std::span<const BlockHash> block_hashes) const;
+  // How many leading blocks Allocate(seq, num_tokens, block_hashes) would reuse now: those
+  // of Lookup, less the block holding the prompt's last token, which Allocate never reuses
+  // (its logits must be computed). Changes nothing.
+  int32_t ReusableBlocks(int32_t num_tokens, std::span<const BlockHash> block_hashes) const;
 
   // Pins the blocks of `block_hashes` (all must be in the prefix index) under `name`, so
   // they are never evicted. Errors: ALREADY_EXISTS (name), NOT_FOUND (a hash not cached;

@@ -115,6 +115,15 @@ StepBatch& StepBatch::Commit(uint64_t seq, int32_t num_committed_tokens,
   return *this;
 }
 
+StepBatch& StepBatch::CanAllocate(int32_t num_tokens, std::span<const BlockHash> block_hashes) {
+  Op op;
+  op.kind = wire::StepOp::CanAllocateOp;
+  op.num_tokens = num_tokens;
+  op.hashes.assign(block_hashes.begin(), block_hashes.end());
+  ops_.push_back(std::move(op));
+  return *this;
+}
+
 StepBatch& StepBatch::Free(uint64_t seq) {
   Op op;
   op.kind = wire::StepOp::FreeOp;
@@ -402,8 +411,13 @@ absl::StatusOr<CacheManagerClient::Reply> CacheManagerClient::Call(
   const SessionInfo current = session();
   const uint64_t request_id = next_request_id_++;
   FinishEnvelope(builder, request_id, current.session_id, current.epoch, type, payload);
-  KVCM_ASSIGN_OR_RETURN(Reply reply, Exchange(builder, request_id, type, reply_type));
-  if (const wire::ErrorReply* error = reply.envelope->payload_as_ErrorReply()) {
+  return MapErrorReply(Exchange(builder, request_id, type, reply_type));
+}
+
+absl::StatusOr<CacheManagerClient::Reply> CacheManagerClient::MapErrorReply(
+    absl::StatusOr<Reply> reply) {
+  if (!reply.ok()) return reply;
+  if (const wire::ErrorReply* error = reply->envelope->payload_as_ErrorReply()) {
     const std::string reason = ReasonOf(error);
     if (IsSessionGone(error->code())) {
       return SessionGone(absl::StrCat(std::string(WireCodeName(error->code())),
@@ -447,7 +461,11 @@ absl::StatusOr<std::vector<OpOutcome>> CacheManagerClient::Step(const StepBatch&
       case wire::StepOp::FreeOp:
         offset = wire::CreateFreeOp(builder, op.seq).Union();
         break;
-      case wire::StepOp::NONE:
+      case wire::StepOp::CanAllocateOp:
+        offset =
+            wire::CreateCanAllocateOp(builder, op.num_tokens, ToWire(builder, op.hashes)).Union();
+        break;
+      default:
         return absl::InvalidArgumentError("step op without a kind");
     }
     types.push_back(op.kind);
@@ -455,13 +473,73 @@ absl::StatusOr<std::vector<OpOutcome>> CacheManagerClient::Step(const StepBatch&
   }
   const auto step =
       wire::CreateStep(builder, builder.CreateVector(types), builder.CreateVector(ops));
-  KVCM_ASSIGN_OR_RETURN(Reply reply,
-                        Call(builder, wire::Message::Step, step.Union(), wire::Message::StepReply));
+  KVCM_RETURN_IF_ERROR(CheckSession());
+  NoteProgress();
+  const SessionInfo current = session();
+  const uint64_t request_id = next_request_id_++;
+  FinishEnvelope(builder, request_id, current.session_id, current.epoch, wire::Message::Step,
+                 step.Union());
+  // Kept until answered, for RetryLastStep.
+  unanswered_step_.assign(builder.GetBufferPointer(),
+                          builder.GetBufferPointer() + builder.GetSize());
+  unanswered_step_id_ = request_id;
+  unanswered_step_ops_ = batch.size();
+  absl::StatusOr<Reply> reply =
+      MapErrorReply(Exchange(builder, request_id, wire::Message::Step, wire::Message::StepReply));
+  if (!reply.ok()) {
+    if (!absl::IsDeadlineExceeded(reply.status())) unanswered_step_.clear();
+    return reply.status();
+  }
+  unanswered_step_.clear();
+  return DecodeStepReply(*reply, batch.size());
+}
+
+absl::StatusOr<std::vector<OpOutcome>> CacheManagerClient::RetryLastStep() {
+  if (unanswered_step_.empty()) {
+    return absl::FailedPreconditionError("no unanswered Step to retry");
+  }
+  KVCM_RETURN_IF_ERROR(CheckSession());
+  NoteProgress();
+  flatbuffers::FlatBufferBuilder builder(unanswered_step_.size() + 64);
+  builder.PushBytes(unanswered_step_.data(), unanswered_step_.size());
+  absl::StatusOr<Reply> reply = MapErrorReply(
+      Exchange(builder, unanswered_step_id_, wire::Message::Step, wire::Message::StepReply));
+  if (!reply.ok()) {
+    if (!absl::IsDeadlineExceeded(reply.status())) unanswered_step_.clear();
+    return reply.status();
+  }
+  unanswered_step_.clear();
+  return DecodeStepReply(*reply, unanswered_step_ops_);
+}
+
+absl::StatusOr<SessionSnapshot> CacheManagerClient::DescribeSession() {
+  flatbuffers::FlatBufferBuilder builder(64);
+  const auto describe = wire::CreateDescribeSession(builder);
+  KVCM_ASSIGN_OR_RETURN(Reply reply, Call(builder, wire::Message::DescribeSession,
+                                          describe.Union(), wire::Message::DescribeSessionReply));
+  const auto& payload = PayloadAs<wire::DescribeSessionReply>(reply.envelope);
+  SessionSnapshot out;
+  out.last_step_request_id = payload.last_step_request_id();
+  if (const auto* sequences = payload.sequences(); sequences != nullptr) {
+    out.sequences.reserve(sequences->size());
+    for (const wire::SequenceState* state : *sequences) {
+      SequenceSnapshot seq;
+      seq.seq = state->seq();
+      seq.num_tokens = state->num_tokens();
+      seq.num_committed_tokens = state->num_committed_tokens();
+      if (state->blocks() != nullptr) seq.blocks.assign(state->blocks()->begin(), state->blocks()->end());
+      out.sequences.push_back(std::move(seq));
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<OpOutcome>> CacheManagerClient::DecodeStepReply(const Reply& reply,
+                                                                           size_t expected) {
   const auto* results = PayloadAs<wire::StepReply>(reply.envelope).results();
   const size_t count = results == nullptr ? 0 : results->size();
-  if (count != batch.size()) {
-    return ProtocolError(
-        absl::StrCat("StepReply has ", count, " results for ", batch.size(), " ops"));
+  if (count != expected) {
+    return ProtocolError(absl::StrCat("StepReply has ", count, " results for ", expected, " ops"));
   }
   std::vector<OpOutcome> outcomes(count);
   for (size_t i = 0; i < count; ++i) {
@@ -474,6 +552,7 @@ absl::StatusOr<std::vector<OpOutcome>> CacheManagerClient::Step(const StepBatch&
       outcome.blocks.assign(blocks->begin(), blocks->end());
     }
     outcome.num_cached_tokens = result->num_cached_tokens();
+    outcome.blocks_needed = result->blocks_needed();
     if (const auto* copies = result->copies(); copies != nullptr) {
       outcome.copies.reserve(copies->size());
       for (flatbuffers::uoffset_t c = 0; c < copies->size(); ++c) {
@@ -485,9 +564,10 @@ absl::StatusOr<std::vector<OpOutcome>> CacheManagerClient::Step(const StepBatch&
   return outcomes;
 }
 
-absl::StatusOr<int32_t> CacheManagerClient::Lookup(std::span<const BlockHash> block_hashes) {
+absl::StatusOr<int32_t> CacheManagerClient::Lookup(std::span<const BlockHash> block_hashes,
+                                                   int32_t num_tokens) {
   flatbuffers::FlatBufferBuilder builder(128 + block_hashes.size_bytes());
-  const auto lookup = wire::CreateLookup(builder, ToWire(builder, block_hashes));
+  const auto lookup = wire::CreateLookup(builder, ToWire(builder, block_hashes), num_tokens);
   KVCM_ASSIGN_OR_RETURN(Reply reply, Call(builder, wire::Message::Lookup, lookup.Union(),
                                           wire::Message::LookupReply));
   const int32_t cached = PayloadAs<wire::LookupReply>(reply.envelope).num_cached_blocks();

@@ -110,9 +110,10 @@ class StepBatch {
     wire::StepOp kind = wire::StepOp::NONE;
     uint64_t seq = 0;               // Allocate, Append, Commit, Free; Fork: the parent
     uint64_t child = 0;             // Fork
-    int32_t num_tokens = 0;         // Allocate: prompt tokens; Append: more tokens;
-                                    // Commit: tokens whose KV is written
-    std::vector<BlockHash> hashes;  // Allocate: leading full blocks; Commit: new full blocks
+    int32_t num_tokens = 0;         // Allocate, CanAllocate: prompt tokens; Append: more
+                                    // tokens; Commit: tokens whose KV is written
+    std::vector<BlockHash> hashes;  // Allocate, CanAllocate: leading full blocks; Commit: new
+                                    // full blocks
   };
 
   // A new sequence `seq` of `num_tokens` tokens; `block_hashes` are the chained hashes of
@@ -126,11 +127,18 @@ class StepBatch {
   // `child` shares every block of `parent`.
   StepBatch& Fork(uint64_t parent, uint64_t child);
   // The KV of the first `num_committed_tokens` tokens of `seq` is written;
-  // `new_block_hashes` continue the hashes of its full blocks.
+  // `new_block_hashes` continue the hashes of its full blocks. Only tokens the sequence had
+  // before this batch can be committed (the executors write after the Step's reply): the
+  // cache manager refuses the whole step otherwise.
   StepBatch& Commit(uint64_t seq, int32_t num_committed_tokens,
                     std::span<const BlockHash> new_block_hashes = {});
-  // Ends `seq`; its committed full blocks stay cached.
+  // Ends `seq`; its committed full blocks stay cached. A `seq` that is not live (already
+  // freed) fails alone with NOT_FOUND.
   StepBatch& Free(uint64_t seq);
+  // Dry run of Allocate for admission: would a new sequence of `num_tokens` tokens with
+  // these hashes fit now, after the batch's earlier ops? Outcome: OK or RESOURCE_EXHAUSTED,
+  // num_cached_tokens and blocks_needed; nothing changes.
+  StepBatch& CanAllocate(int32_t num_tokens, std::span<const BlockHash> block_hashes = {});
 
   const std::vector<Op>& ops() const { return ops_; }
   size_t size() const { return ops_.size(); }
@@ -149,8 +157,11 @@ struct OpOutcome {
   absl::Status status;
   // Allocate: the whole block table; Append: the new blocks only; otherwise empty.
   std::vector<int32_t> blocks;
-  // Allocate: leading tokens whose KV was already cached (a multiple of the block size).
+  // Allocate: leading tokens whose KV was already cached (a multiple of the block size);
+  // CanAllocate: those that would be.
   int32_t num_cached_tokens = 0;
+  // CanAllocate: new blocks the allocation would take.
+  int32_t blocks_needed = 0;
   // Append: copy block .first into block .second before the step that writes .second.
   std::vector<std::pair<int32_t, int32_t>> copies;
 };
@@ -163,6 +174,20 @@ struct FenceNotice {
   uint64_t id = 0;
   uint64_t router_session = 0;
   bool operator==(const FenceNotice&) const = default;
+};
+
+// One live sequence of a session, as DescribeSession reports it.
+struct SequenceSnapshot {
+  uint64_t seq = 0;
+  int32_t num_tokens = 0;
+  int32_t num_committed_tokens = 0;
+  std::vector<int32_t> blocks;  // the block table
+};
+
+// What the cache manager holds for this client's session (a router's resynchronisation).
+struct SessionSnapshot {
+  std::vector<SequenceSnapshot> sequences;  // by ascending seq
+  uint64_t last_step_request_id = 0;        // of the last Step applied; 0 before any
 };
 
 // The session that Hello established, with the limits the cache manager announced.
@@ -311,8 +336,22 @@ class CacheManagerClient {
   // more ops than the session's max_ops_per_step; INTERNAL when the reply's count differs.
   absl::StatusOr<std::vector<OpOutcome>> Step(const StepBatch& batch);
 
-  // How many leading blocks of the chain `block_hashes` are cached now.
-  absl::StatusOr<int32_t> Lookup(std::span<const BlockHash> block_hashes);
+  // After Step() returned DEADLINE_EXCEEDED, its ops may or may not have run. This sends the
+  // same request again (same request id, same bytes): the cache manager runs it if it never
+  // did, and otherwise answers with the first reply without running it twice. Call it
+  // before any other Step. FAILED_PRECONDITION when there is no step to retry (none sent,
+  // or the last one was answered); INVALID_ARGUMENT from the cache manager when the step
+  // is too old for its replay cache (it keeps a session's last four).
+  absl::StatusOr<std::vector<OpOutcome>> RetryLastStep();
+
+  // Every live sequence of this session and the request id of the last Step applied: how
+  // a router resynchronises after losing track.
+  absl::StatusOr<SessionSnapshot> DescribeSession();
+
+  // How many leading blocks of the chain `block_hashes` an Allocate of a prompt of
+  // `num_tokens` tokens would reuse now (never the block of its last token, whose logits
+  // must be computed). num_tokens 0: the hashes cover the prompt exactly.
+  absl::StatusOr<int32_t> Lookup(std::span<const BlockHash> block_hashes, int32_t num_tokens = 0);
 
   // Keeps the cached blocks of `block_hashes` cached under `name` until Unpin(name).
   // NOT_FOUND when a block is not cached, ALREADY_EXISTS for a name in use (as answered).
@@ -400,6 +439,11 @@ class CacheManagerClient {
   // NotRegistered/StaleSession/StaleEpoch) and checks the payload type.
   absl::StatusOr<Reply> Exchange(flatbuffers::FlatBufferBuilder& builder, uint64_t request_id,
                                  wire::Message request_type, wire::Message reply_type);
+  // An ErrorReply as a status (ABORTED, the session marked lost, for a session gone);
+  // other replies and errors pass through.
+  absl::StatusOr<Reply> MapErrorReply(absl::StatusOr<Reply> reply);
+  // Decodes a StepReply of `expected` results.
+  absl::StatusOr<std::vector<OpOutcome>> DecodeStepReply(const Reply& reply, size_t expected);
   // Finishes `builder` around `payload` with a new request id and this session, then
   // Exchange().
   absl::StatusOr<Reply> Call(flatbuffers::FlatBufferBuilder& builder, wire::Message type,
@@ -413,6 +457,10 @@ class CacheManagerClient {
   const Options options_;
   zmq::context_t context_;
   zmq::socket_t socket_;  // DEALER, used by the caller's thread only
+  // The last Step sent and not answered yet (for RetryLastStep); empty when answered.
+  std::vector<uint8_t> unanswered_step_;
+  uint64_t unanswered_step_id_ = 0;
+  size_t unanswered_step_ops_ = 0;
   uint64_t next_request_id_ = 1;
   bool said_goodbye_ = false;
 

@@ -103,6 +103,15 @@ constexpr MetricSpec kReclaimedBlocks{
     "kvcm_cache_manager_reclaimed_blocks_total", MetricType::Counter, "reason",
     "Blocks returned to the pool when a session ended, by reason: its client died, said "
     "goodbye, or was replaced by a new session of the same client."};
+constexpr MetricSpec kReplayedSteps{
+    "kvcm_cache_manager_replayed_steps_total", MetricType::Counter, "",
+    "Steps sent again with the request id of one already applied (a client's retry after a "
+    "timeout), answered with the first reply without running their ops twice."};
+constexpr MetricSpec kUndeliveredReplies{
+    "kvcm_cache_manager_undelivered_replies_total", MetricType::Counter, "reason",
+    "Replies that could not be handed to their client: it disconnected (peer_gone) or had "
+    "stopped reading (queue_full). A client learns a lost Step's outcome by retrying it or "
+    "with DescribeSession."};
 
 constexpr std::array kSpecs = {
     kCapacityBlocks,
@@ -128,13 +137,15 @@ constexpr std::array kSpecs = {
     kRequestDuration,
     kRejectedMessages,
     kReclaimedBlocks,
+    kReplayedSteps,
+    kUndeliveredReplies,
 };
 
 // --- Label values --------------------------------------------------------------------------
 
 constexpr std::array<std::string_view, kRequestTypes> kRequestTypeNames = {
     "hello", "attach", "step",      "lookup",  "pin",
-    "unpin", "stats",  "heartbeat", "goodbye", "event_snapshot"};
+    "unpin", "stats",  "heartbeat", "goodbye", "event_snapshot", "describe_session"};
 constexpr std::array<std::string_view, kRejectReasons> kRejectReasonNames = {
     "malformed",     "unsupported_version", "oversized",        "not_registered",
     "stale_session", "stale_epoch",         "invalid_argument", "unknown_sequence",
@@ -297,6 +308,16 @@ CacheManagerMetrics::CacheManagerMetrics(const CacheInfo& info)
   for (int i = 0; i < kReclaimReasons; ++i) {
     reclaimed_[i] = &reclaimed.Add({{"reason", std::string(kReclaimReasonNames[i])}});
   }
+  replayed_steps_ = &AddCounterFamily(*registry_, kReplayedSteps).Add({});
+  auto& undelivered = AddCounterFamily(*registry_, kUndeliveredReplies);
+  undelivered_[0] = &undelivered.Add({{"reason", "peer_gone"}});
+  undelivered_[1] = &undelivered.Add({{"reason", "queue_full"}});
+}
+
+void CacheManagerMetrics::CountReplayedStep() { replayed_steps_->Increment(); }
+
+void CacheManagerMetrics::CountUndeliveredReply(bool queue_full) {
+  undelivered_[queue_full ? 1 : 0]->Increment();
 }
 
 CacheManagerMetrics::~CacheManagerMetrics() = default;

@@ -52,6 +52,7 @@ enum class RequestType : uint8_t {
   kHeartbeat,
   kGoodbye,
   kEventSnapshot,
+  kDescribeSession,
   kCount
 };
 inline constexpr int kRequestTypes = static_cast<int>(RequestType::kCount);
@@ -140,6 +141,10 @@ class CacheManagerMetrics {
   // `blocks` blocks went back to the pool because a session ended for `reason`.
   // REQUIRES: blocks >= 0.
   void CountReclaimed(ReclaimReason reason, int64_t blocks);
+  // A Step retry answered from the replay cache.
+  void CountReplayedStep();
+  // A reply the socket could not take: the peer is gone, or its queue is full.
+  void CountUndeliveredReply(bool queue_full);
   // Replaces the snapshot the next scrapes read. REQUIRES: snapshot.ledger describes this
   // pool (num_blocks as constructed, states summing to it) and quarantined_blocks is within
   // [0, in_use_blocks]; these are internal invariants, checked.
@@ -162,6 +167,8 @@ class CacheManagerMetrics {
   std::array<prometheus::Histogram*, kRequestTypes> request_durations_{};
   std::array<prometheus::Counter*, kRejectReasons> rejected_{};
   std::array<prometheus::Counter*, kReclaimReasons> reclaimed_{};
+  prometheus::Counter* replayed_steps_ = nullptr;
+  std::array<prometheus::Counter*, 2> undelivered_{};  // peer_gone, queue_full
 };
 
 }  // namespace kvcm

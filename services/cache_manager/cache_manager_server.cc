@@ -311,14 +311,34 @@ int CacheManagerServer::DrainRequests() {
     // Events of this request go out before the next request is handled, so that an
     // EventSnapshot's seq counts every change it contains.
     PublishEvents();
+    bool delivered = false;
+    bool queue_full = false;
     try {
-      requests_.send(identity, zmq::send_flags::sndmore | zmq::send_flags::dontwait);
-      requests_.send(zmq::const_buffer(reply_.GetBufferPointer(), reply_.GetSize()),
-                     zmq::send_flags::dontwait);
+      // With router_mandatory a full queue is EAGAIN (an empty result), an unknown peer
+      // EHOSTUNREACH; both are checked on the first frame.
+      if (requests_.send(identity, zmq::send_flags::sndmore | zmq::send_flags::dontwait)) {
+        delivered = requests_
+                        .send(zmq::const_buffer(reply_.GetBufferPointer(), reply_.GetSize()),
+                              zmq::send_flags::dontwait)
+                        .has_value();
+      }
+      queue_full = !delivered;
     } catch (const zmq::error_t& error) {
-      // EHOSTUNREACH: the client disconnected before its reply. Its session stays until
-      // its process exits or its lease expires.
+      queue_full = error.num() == EAGAIN;
+    }
+    if (!delivered) {
+      // The client disconnected before its reply (its session stays until its process exits
+      // or its lease expires), or it stopped reading and its queue is full. Either way the
+      // reply is lost, visibly: the client learns a Step's outcome by retrying it (the same
+      // request id is answered from the replay cache) or with DescribeSession.
       ++unroutable_replies_;
+      if (metrics_ != nullptr) metrics_->CountUndeliveredReply(queue_full);
+      if ((unroutable_replies_ & (unroutable_replies_ - 1)) == 0) {  // 1, 2, 4, 8, ...
+        Log(absl::StrCat("a reply could not be delivered (",
+                         queue_full ? "the client's queue is full" : "the client is gone",
+                         "); ", unroutable_replies_,
+                         " so far (kvcm_cache_manager_undelivered_replies_total)"));
+      }
     }
   }
   return handled;

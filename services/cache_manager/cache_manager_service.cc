@@ -5,7 +5,9 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "common/base/check.h"
 #include "common/wire/convert.h"
 
@@ -13,6 +15,16 @@ namespace kvcm {
 namespace {
 
 constexpr size_t kMaxNameBytes = 128;
+// Step replies kept per session for retries (Session::sent_steps): the last four, each up
+// to this size (a larger one is not kept; its retry runs again and is refused).
+constexpr size_t kReplayBytes = size_t{4} << 20;
+// A sequence id no router can allocate: the ledger's dry runs name it.
+constexpr SeqId kDryRunSeq = ~SeqId{0};
+
+size_t HashBytes(std::span<const uint8_t> bytes) {
+  return absl::Hash<absl::string_view>{}(
+      absl::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
+}
 
 std::optional<RequestType> RequestTypeOf(wire::Message type) {
   using M = wire::Message;
@@ -27,6 +39,7 @@ std::optional<RequestType> RequestTypeOf(wire::Message type) {
     case M::Heartbeat: return RequestType::kHeartbeat;
     case M::Goodbye: return RequestType::kGoodbye;
     case M::EventSnapshot: return RequestType::kEventSnapshot;
+    case M::DescribeSession: return RequestType::kDescribeSession;
     default: return std::nullopt;
   }
 }
@@ -47,6 +60,7 @@ const char* OpName(wire::StepOp type) {
     case wire::StepOp::ForkOp: return "fork";
     case wire::StepOp::CommitOp: return "commit";
     case wire::StepOp::FreeOp: return "free";
+    case wire::StepOp::CanAllocateOp: return "can_allocate";
     default: return "unknown";
   }
 }
@@ -208,7 +222,8 @@ void CacheManagerService::Handle(const std::optional<PeerCredentials>& peer,
                                     RoleName(session->role))},
                       reply);
       }
-      return HandleStep(envelope, *session, reply);
+      return HandleStep(envelope, request, *session, reply);
+    case M::DescribeSession: return HandleDescribeSession(envelope, *session, reply);
     default: {
       if (auto refused = HandlePrefixRequest(envelope, *session, reply)) {
         return Reject(request_id, *refused, reply);
@@ -552,6 +567,14 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
                                   " live sequences, its limit")};
   };
   step_seqs_.clear();
+  step_written_.clear();
+  // Tokens of `seq` whose KV can be written by now: those it had before this step (the
+  // executors write only after the step's reply), which is all a Commit may cover.
+  auto writable = [&](SeqId seq) -> int32_t {
+    if (auto it = step_written_.find(seq); it != step_written_.end()) return it->second;
+    absl::StatusOr<int32_t> tokens = ledger_.NumTokens(seq);
+    return tokens.ok() ? *tokens : 0;
+  };
   // Whether `seq` is live for this session after the ops validated so far; a rejection
   // if another session owns it or nobody does.
   auto check_owned = [&](size_t i, wire::StepOp type, SeqId seq) -> std::optional<Rejection> {
@@ -612,6 +635,7 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
         if ((bad = check_new(i, type, a->seq()))) return bad;
         if ((bad = check_room(i, type))) return bad;
         step_seqs_[a->seq()] = true;
+        step_written_[a->seq()] = 0;
         break;
       }
       case wire::StepOp::AppendOp: {
@@ -626,6 +650,7 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
         if ((bad = check_new(i, type, f->child()))) return bad;
         if ((bad = check_room(i, type))) return bad;
         step_seqs_[f->child()] = true;
+        step_written_[f->child()] = writable(f->parent());
         break;
       }
       case wire::StepOp::CommitOp: {
@@ -641,13 +666,38 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
                                                " committed tokens"));
         }
         if ((bad = check_owned(i, type, c->seq()))) return bad;
+        if (const int32_t before = writable(c->seq()); c->num_committed_tokens() > before) {
+          return invalid(i, type, absl::StrCat(
+              "commits ", c->num_committed_tokens(), " tokens of sequence ", c->seq(),
+              ", which had ", before, " before this step: the KV of tokens added in the "
+              "same step cannot have been written yet (commit them in the next step)"));
+        }
+        break;
+      }
+      case wire::StepOp::CanAllocateOp: {
+        const auto* c = static_cast<const wire::CanAllocateOp*>(op);
+        if ((bad = check_tokens(i, type, c->num_tokens(), "num_tokens"))) return bad;
+        const size_t h = HashCount(c->block_hashes());
+        hashes += static_cast<int64_t>(h);
+        if (static_cast<int64_t>(h) > c->num_tokens() / ledger_.block_size()) {
+          return invalid(i, type, absl::StrCat(h, " block hashes for ", c->num_tokens(),
+                                               " tokens (at most one per full block)"));
+        }
         break;
       }
       case wire::StepOp::FreeOp: {
         const auto* f = static_cast<const wire::FreeOp*>(op);
-        if ((bad = check_owned(i, type, f->seq()))) return bad;
+        if (f->seq() >= kFirstDrainingSeq) {
+          return invalid(i, type, absl::StrCat("sequence id ", f->seq(),
+                                               " is reserved (ids from 2^63 up are the "
+                                               "cache manager's)"));
+        }
+        // A sequence nobody holds (freed already: a retried free) fails alone, as NOT_FOUND
+        // in its result; another session's is refused with the whole step.
+        bad = check_owned(i, type, f->seq());
+        if (bad && bad->reason != RejectReason::kUnknownSequence) return bad;
+        if (!bad) --live_seqs;
         step_seqs_[f->seq()] = false;
-        --live_seqs;
         break;
       }
       default:
@@ -664,9 +714,26 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
   return std::nullopt;
 }
 
-void CacheManagerService::HandleStep(const wire::Envelope& envelope, Session& session,
+void CacheManagerService::HandleStep(const wire::Envelope& envelope,
+                                     std::span<const uint8_t> request, Session& session,
                                      flatbuffers::FlatBufferBuilder* reply) {
   const uint64_t request_id = envelope.request_id();
+  const size_t request_hash = HashBytes(request);
+  for (const Session::SentStep& sent : session.sent_steps) {
+    if (sent.request_id == 0 || sent.request_id != request_id) continue;
+    if (sent.request_hash != request_hash || sent.request_size != request.size()) {
+      return Reject(request_id,
+                    {RejectReason::kInvalidArgument, wire::ErrorCode::InvalidArgument,
+                     absl::StrCat("request id ", request_id, " was a different Step of this "
+                                  "session: a retry must resend the same bytes")},
+                    reply);
+    }
+    // A retry of a Step already applied: its reply again, its ops not again.
+    reply->Clear();
+    reply->PushBytes(sent.reply.data(), sent.reply.size());
+    if (metrics_ != nullptr) metrics_->CountReplayedStep();
+    return;
+  }
   const wire::Step& step = *envelope.payload_as_Step();
   if (auto rejection = ValidateStep(step, session)) {
     return Reject(request_id, *rejection, reply);
@@ -737,12 +804,30 @@ void CacheManagerService::HandleStep(const wire::Envelope& envelope, Session& se
       }
       case wire::StepOp::FreeOp: {
         const auto* f = static_cast<const wire::FreeOp*>(op);
-        absl::Status freed = ledger_.Free(f->seq());
+        absl::Status freed =
+            session.seqs.contains(f->seq())
+                ? ledger_.Free(f->seq())
+                : absl::NotFoundError(absl::StrCat("sequence ", f->seq(), " is not live"));
         if (freed.ok()) {
           seq_owner_.erase(f->seq());
           session.seqs.erase(f->seq());
         }
         results.push_back(freed.ok() ? wire::CreateOpResult(*reply) : failed(freed));
+        break;
+      }
+      case wire::StepOp::CanAllocateOp: {
+        const auto* c = static_cast<const wire::CanAllocateOp*>(op);
+        FromWire(c->block_hashes(), &hashes_);
+        auto plan = ledger_.CanAllocate(kDryRunSeq, c->num_tokens(), hashes_);
+        if (!plan.ok()) {
+          results.push_back(failed(plan.status()));
+          break;
+        }
+        wire::OpResultBuilder result(*reply);
+        result.add_code(wire::ErrorCode::Ok);
+        result.add_num_cached_tokens(plan->prefix_hit_blocks * ledger_.block_size());
+        result.add_blocks_needed(plan->blocks_needed);
+        results.push_back(result.Finish());
         break;
       }
       default:
@@ -753,6 +838,38 @@ void CacheManagerService::HandleStep(const wire::Envelope& envelope, Session& se
   auto payload = wire::CreateStepReply(*reply, vector);
   FinishEnvelope(*reply, request_id, session.id, options_.epoch, wire::Message::StepReply,
                  payload.Union());
+  // Kept for a retry, over the oldest of the ring (its buffer reused).
+  session.last_step_request_id = request_id;
+  if (reply->GetSize() <= kReplayBytes) {
+    Session::SentStep& sent = session.sent_steps[session.next_sent];
+    session.next_sent = (session.next_sent + 1) % session.sent_steps.size();
+    sent.request_id = request_id;
+    sent.request_hash = request_hash;
+    sent.request_size = request.size();
+    sent.reply.assign(reply->GetBufferPointer(), reply->GetBufferPointer() + reply->GetSize());
+  }
+}
+
+void CacheManagerService::HandleDescribeSession(const wire::Envelope& envelope,
+                                                const Session& session,
+                                                flatbuffers::FlatBufferBuilder* reply) {
+  std::vector<SeqId> seqs(session.seqs.begin(), session.seqs.end());
+  std::sort(seqs.begin(), seqs.end());
+  std::vector<flatbuffers::Offset<wire::SequenceState>> states;
+  states.reserve(seqs.size());
+  for (SeqId seq : seqs) {
+    absl::StatusOr<std::vector<BlockId>> table = ledger_.BlockTable(seq);
+    absl::StatusOr<int32_t> tokens = ledger_.NumTokens(seq);
+    absl::StatusOr<int32_t> committed = ledger_.NumCommittedTokens(seq);
+    KVCM_CHECK(table.ok() && tokens.ok() && committed.ok())
+        << "session " << session.id << " owns sequence " << seq << " unknown to the ledger";
+    auto blocks = reply->CreateVector(*table);
+    states.push_back(wire::CreateSequenceState(*reply, seq, *tokens, *committed, blocks));
+  }
+  auto vector = reply->CreateVector(states);
+  auto payload = wire::CreateDescribeSessionReply(*reply, vector, session.last_step_request_id);
+  FinishEnvelope(*reply, envelope.request_id(), session.id, options_.epoch,
+                 wire::Message::DescribeSessionReply, payload.Union());
 }
 
 // --- Prefix cache --------------------------------------------------------------------------
@@ -784,7 +901,13 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::HandlePrefixR
       const wire::Lookup* lookup = envelope.payload_as_Lookup();
       if (auto bad = too_many(HashCount(lookup->block_hashes()))) return bad;
       FromWire(lookup->block_hashes(), &hashes_);
-      auto payload = wire::CreateLookupReply(*reply, ledger_.Lookup(hashes_));
+      const int64_t covered = int64_t{ledger_.block_size()} * static_cast<int64_t>(hashes_.size());
+      const int32_t num_tokens =
+          lookup->num_tokens() > 0
+              ? lookup->num_tokens()
+              : static_cast<int32_t>(std::min<int64_t>(covered, INT32_MAX));
+      auto payload =
+          wire::CreateLookupReply(*reply, ledger_.ReusableBlocks(num_tokens, hashes_));
       FinishEnvelope(*reply, request_id, session.id, options_.epoch,
                      wire::Message::LookupReply, payload.Union());
       return std::nullopt;

@@ -46,6 +46,7 @@
 
 #include <sys/types.h>
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -194,6 +195,16 @@ class CacheManagerService {
     bool quarantined = false;
     absl::flat_hash_set<SeqId> seqs;  // sequences this session allocated and still owns
     absl::flat_hash_set<uint64_t> pending_fences;  // executors: fences not acknowledged yet
+    // Replies of the last Steps applied, for retries: a ring whose buffers are reused.
+    struct SentStep {
+      uint64_t request_id = 0;  // 0: empty
+      size_t request_hash = 0;
+      size_t request_size = 0;
+      std::vector<uint8_t> reply;
+    };
+    std::array<SentStep, 4> sent_steps;
+    size_t next_sent = 0;
+    uint64_t last_step_request_id = 0;  // of the last Step applied
   };
 
   // The sequences of a router session that ended, waiting for the executors that may
@@ -223,8 +234,11 @@ class CacheManagerService {
 
   void HandleHello(const wire::Envelope& envelope, const std::optional<PeerCredentials>& peer,
                    absl::Time now, flatbuffers::FlatBufferBuilder* reply);
-  void HandleStep(const wire::Envelope& envelope, Session& session,
-                  flatbuffers::FlatBufferBuilder* reply);
+  // `request` is the whole envelope's bytes (for recognising a retry).
+  void HandleStep(const wire::Envelope& envelope, std::span<const uint8_t> request,
+                  Session& session, flatbuffers::FlatBufferBuilder* reply);
+  void HandleDescribeSession(const wire::Envelope& envelope, const Session& session,
+                             flatbuffers::FlatBufferBuilder* reply);
   // Validates a step's op list without changing anything.
   std::optional<Rejection> ValidateStep(const wire::Step& step, const Session& session);
   void HandleAttach(const wire::Envelope& envelope, flatbuffers::FlatBufferBuilder* reply);
@@ -273,6 +287,7 @@ class CacheManagerService {
   // Scratch reused across messages.
   std::vector<BlockHash> hashes_;
   absl::flat_hash_map<SeqId, bool> step_seqs_;  // seq -> live after the ops so far
+  absl::flat_hash_map<SeqId, int32_t> step_written_;  // seq -> tokens it had before the step
 };
 
 // Role name for logs ("router", "executor", "control", "unknown").

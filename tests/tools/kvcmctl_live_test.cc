@@ -70,7 +70,10 @@ class KvcmctlLiveTest : public ::testing::Test {
     HashFullBlocks(HashAlgorithm::kSha256, RootHash(HashAlgorithm::kSha256, ""), tokens, 4,
                    &hashes);
     StepBatch step;
-    step.Allocate(1, 8, hashes).Commit(1, 8).Free(1).Allocate(2, 10, hashes);
+    step.Allocate(1, 8, hashes);
+    ASSERT_TRUE(router_->Step(step).ok());
+    step.Clear();
+    step.Commit(1, 8).Free(1).Allocate(2, 10, hashes);
     ASSERT_TRUE(router_->Step(step).ok());
     step.Clear();
     step.Free(2);

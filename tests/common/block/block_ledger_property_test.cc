@@ -95,6 +95,8 @@ class ShadowLedger {
     if (add < 0) return Err(Code::kInvalidArgument);
     if (int64_t{s.tokens} + add > int64_t{n_} * bs_) return Err(Code::kInvalidArgument);
     const bool cow = add > 0 && s.tokens % bs_ != 0 && blocks_[s.blocks.back()].ref > 1;
+    // The copy reads the shared block's KV: all of it must be committed.
+    if (cow && s.committed < s.tokens) return Err(Code::kFailedPrecondition);
     const int32_t need = Ceil(s.tokens + add) - static_cast<int32_t>(s.blocks.size()) + cow;
     if (need > Count(BlockState::kFree) + Count(BlockState::kCached)) {
       if (!dry) ++failures_;

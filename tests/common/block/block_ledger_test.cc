@@ -203,6 +203,18 @@ TEST_P(LedgerScenarioTest, ForkSharesBlocksAndCopiesPartialBlockOnWrite) {
   EXPECT_EQ(ledger.RefCount(1), 2);
   EXPECT_INVARIANTS(ledger);
 
+  // The copy would read block 1's KV, which is not written yet: refused, nothing changes.
+  auto unwritten = ledger.Append(2, 1);
+  EXPECT_TRUE(absl::IsFailedPrecondition(unwritten.status())) << unwritten.status();
+  EXPECT_TRUE(absl::IsFailedPrecondition(ledger.CanAppend(2, 1).status()));
+  EXPECT_EQ(ledger.RefCount(1), 2);
+  EXPECT_EQ(ledger.Stats().cow_copies, 0u);
+  EXPECT_INVARIANTS(ledger);
+  // Once written (the child shares the parent's commit point only as of the fork, so both
+  // commit), the copy goes ahead.
+  ASSERT_TRUE(ledger.Commit(1, bs() + 2).ok());
+  ASSERT_TRUE(ledger.Commit(2, bs() + 2).ok());
+
   auto plan = ledger.CanAppend(2, 1);
   EXPECT_EQ(plan->copies, 1);
   auto child = ledger.Append(2, 1);

@@ -17,6 +17,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/support/cache_manager_process.h"
+#include "tests/support/http_client.h"
+#include "tests/support/metrics_text.h"
 #include "tests/support/subprocess.h"
 
 namespace kvcm {
@@ -90,11 +92,19 @@ class CacheManagerClientTest : public ::testing::Test {
   std::vector<int32_t> CacheSequence(uint64_t seq, int32_t first_token, int32_t tokens) {
     const std::vector<BlockHash> hashes = HashesOf(first_token, tokens);
     StepBatch step;
-    step.Allocate(seq, tokens, hashes).Commit(seq, tokens).Free(seq);
+    step.Allocate(seq, tokens, hashes);
     absl::StatusOr<std::vector<OpOutcome>> outcomes = client_->Step(step);
     EXPECT_TRUE(outcomes.ok()) << outcomes.status();
     if (!outcomes.ok()) return {};
-    for (const OpOutcome& outcome : *outcomes) EXPECT_TRUE(outcome.status.ok()) << outcome.status;
+    EXPECT_TRUE((*outcomes)[0].status.ok()) << (*outcomes)[0].status;
+    // The executors write the KV after the step: the commit comes in the next one.
+    step.Clear();
+    step.Commit(seq, tokens).Free(seq);
+    absl::StatusOr<std::vector<OpOutcome>> committed = client_->Step(step);
+    EXPECT_TRUE(committed.ok()) << committed.status();
+    if (committed.ok()) {
+      for (const OpOutcome& outcome : *committed) EXPECT_TRUE(outcome.status.ok()) << outcome.status;
+    }
     return (*outcomes)[0].blocks;
   }
 
@@ -136,16 +146,32 @@ TEST_F(CacheManagerClientTest, StepAllocatesAppendsCommitsFreesAndHitsThePrefix)
 
   // Two tokens more still fit in block 3; then all 12 are written and block 3 is full.
   step.Clear();
-  step.Append(1, 2).Commit(1, 12, std::span(hashes).subspan(2));
+  step.Append(1, 2);
   absl::StatusOr<std::vector<OpOutcome>> appended = client_->Step(step);
   ASSERT_TRUE(appended.ok()) << appended.status();
-  ASSERT_THAT(*appended, SizeIs(2));
+  ASSERT_THAT(*appended, SizeIs(1));
   EXPECT_TRUE((*appended)[0].status.ok()) << (*appended)[0].status;
   EXPECT_THAT((*appended)[0].blocks, SizeIs(0));
   EXPECT_THAT((*appended)[0].copies, SizeIs(0));
-  EXPECT_TRUE((*appended)[1].status.ok()) << (*appended)[1].status;
+  // Committing them in the same step is refused whole: their KV cannot be written yet.
+  step.Clear();
+  step.Append(1, 0).Commit(1, 13);
+  absl::StatusOr<std::vector<OpOutcome>> early = client_->Step(step);
+  EXPECT_TRUE(absl::IsInvalidArgument(early.status())) << early.status();
+  EXPECT_THAT(early.status().message(), HasSubstr("same step"));
+  // The next step, once the executors wrote them.
+  step.Clear();
+  step.Commit(1, 12, std::span(hashes).subspan(2));
+  absl::StatusOr<std::vector<OpOutcome>> committed = client_->Step(step);
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  EXPECT_TRUE((*committed)[0].status.ok()) << (*committed)[0].status;
 
+  // What an Allocate of these hashes would reuse: a prompt of exactly the 12 tokens never
+  // reuses the block of its last token; one token more reuses all three.
   absl::StatusOr<int32_t> found = client_->Lookup(hashes);
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_EQ(*found, 2);
+  found = client_->Lookup(hashes, 13);
   ASSERT_TRUE(found.ok()) << found.status();
   EXPECT_EQ(*found, 3);
 
@@ -186,7 +212,7 @@ TEST_F(CacheManagerClientTest, InvalidStepIsRefusedWholeAndChangesNothing) {
   absl::StatusOr<std::vector<OpOutcome>> outcomes = client_->Step(step);
   EXPECT_EQ(outcomes.status().code(), absl::StatusCode::kAlreadyExists) << outcomes.status();
   step.Clear();
-  step.Allocate(1, 4).Free(99);
+  step.Allocate(1, 4).Append(99, 1);
   outcomes = client_->Step(step);
   EXPECT_EQ(outcomes.status().code(), absl::StatusCode::kNotFound) << outcomes.status();
 
@@ -206,6 +232,93 @@ TEST_F(CacheManagerClientTest, InvalidStepIsRefusedWholeAndChangesNothing) {
   step.Clear();
   step.Free(1);
   EXPECT_EQ(other->Step(step).status().code(), absl::StatusCode::kPermissionDenied);
+}
+
+TEST_F(CacheManagerClientTest, ATimedOutStepRetriedRunsOnceAndGivesItsFirstOutcome) {
+  std::unique_ptr<CacheManagerClient> router =
+      ConnectOrDie(cm_->endpoint(), wire::Role::Router, absl::Milliseconds(300));
+  ASSERT_NE(router, nullptr);
+  EXPECT_TRUE(absl::IsFailedPrecondition(router->RetryLastStep().status()));
+
+  // The cache manager stalls past the call timeout: the step stays queued, runs when it
+  // resumes, and its reply comes too late for the caller.
+  StepBatch step;
+  step.Allocate(7, 10);
+  ASSERT_TRUE(cm_->process().Signal(SIGSTOP).ok());
+  absl::StatusOr<std::vector<OpOutcome>> timed_out = router->Step(step);
+  ASSERT_TRUE(cm_->process().Signal(SIGCONT).ok());
+  ASSERT_TRUE(absl::IsDeadlineExceeded(timed_out.status())) << timed_out.status();
+
+  // Sent again as the same request: run once, answered with the first outcome.
+  absl::StatusOr<std::vector<OpOutcome>> retried = router->RetryLastStep();
+  ASSERT_TRUE(retried.ok()) << retried.status();
+  ASSERT_THAT(*retried, SizeIs(1));
+  ASSERT_TRUE((*retried)[0].status.ok()) << (*retried)[0].status;
+  EXPECT_THAT((*retried)[0].blocks, SizeIs(3));
+  EXPECT_TRUE(absl::IsFailedPrecondition(router->RetryLastStep().status()));
+
+  // What the cache manager holds agrees: one sequence, the blocks the retry returned.
+  absl::StatusOr<SessionSnapshot> described = router->DescribeSession();
+  ASSERT_TRUE(described.ok()) << described.status();
+  ASSERT_THAT(described->sequences, SizeIs(1));
+  EXPECT_EQ(described->sequences[0].seq, 7u);
+  EXPECT_EQ(described->sequences[0].num_tokens, 10);
+  EXPECT_EQ(described->sequences[0].num_committed_tokens, 0);
+  EXPECT_EQ(described->sequences[0].blocks, (*retried)[0].blocks);
+  EXPECT_NE(described->last_step_request_id, 0u);
+  absl::StatusOr<StatsSnapshot> stats = router->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->in_use_blocks, 3);
+  ExpectPartition(*stats);
+
+  // A new step with the same op is what the retry avoided: the sequence is live already.
+  EXPECT_TRUE(absl::IsAlreadyExists(router->Step(step).status()));
+  auto metrics = kvcm::testing::HttpGet(cm_->metrics_url());
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  auto parsed = kvcm::testing::ParseMetricsText(metrics->body);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(*parsed->Value("kvcm_cache_manager_replayed_steps_total", {}), 1);
+}
+
+TEST_F(CacheManagerClientTest, CanAllocateAdmitsWithoutChangingAnything) {
+  CacheSequence(1, 0, 12);  // three cached blocks
+  const std::vector<BlockHash> hashes = HashesOf(0, 12);
+  StepBatch step;
+  step.CanAllocate(13, hashes).Allocate(2, 4 * (kNumBlocks - 3)).CanAllocate(13, hashes)
+      .CanAllocate(5 * kBlockSize);
+  absl::StatusOr<std::vector<OpOutcome>> outcomes = client_->Step(step);
+  ASSERT_TRUE(outcomes.ok()) << outcomes.status();
+  ASSERT_THAT(*outcomes, SizeIs(4));
+  // Before: the three cached blocks are reused, one more is needed.
+  ASSERT_TRUE((*outcomes)[0].status.ok()) << (*outcomes)[0].status;
+  EXPECT_EQ((*outcomes)[0].num_cached_tokens, 12);
+  EXPECT_EQ((*outcomes)[0].blocks_needed, 1);
+  // After the step's own allocation took every free block, it no longer fits: it needs one
+  // new block, and the only evictable blocks are those of its own prefix.
+  EXPECT_TRUE(absl::IsResourceExhausted((*outcomes)[2].status)) << (*outcomes)[2].status;
+  EXPECT_TRUE(absl::IsResourceExhausted((*outcomes)[3].status)) << (*outcomes)[3].status;
+  absl::StatusOr<StatsSnapshot> stats = client_->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->live_sequences, 1);  // the dry runs created nothing
+  EXPECT_EQ(stats->cached_blocks, 3);
+  ExpectPartition(*stats);
+}
+
+TEST_F(CacheManagerClientTest, FreeingASequenceTwiceFailsAloneWithNotFound) {
+  StepBatch step;
+  step.Allocate(1, 4);
+  ASSERT_TRUE(client_->Step(step).ok());
+  step.Clear();
+  step.Free(1).Free(1).Allocate(2, 4);
+  absl::StatusOr<std::vector<OpOutcome>> outcomes = client_->Step(step);
+  ASSERT_TRUE(outcomes.ok()) << outcomes.status();
+  EXPECT_TRUE((*outcomes)[0].status.ok());
+  EXPECT_TRUE(absl::IsNotFound((*outcomes)[1].status)) << (*outcomes)[1].status;
+  EXPECT_TRUE((*outcomes)[2].status.ok());
+  absl::StatusOr<StatsSnapshot> stats = client_->Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->live_sequences, 1);
+  ExpectPartition(*stats);
 }
 
 TEST_F(CacheManagerClientTest, PoolExhaustionIsResourceExhausted) {

@@ -166,15 +166,19 @@ TEST_F(KvEventStreamTest, WorkloadEventsArriveInOrder) {
 
 TEST_F(KvEventStreamTest, InjectedGapIsDetectedAndRepairedBySnapshot) {
   StepBatch step;
-  step.Allocate(1, 8, HashesOf(0, 8)).Commit(1, 8).Free(1);
+  step.Allocate(1, 8, HashesOf(0, 8));
+  RunStep(step);
+  step.Commit(1, 8).Free(1);
   RunStep(step);
   AwaitEvents(2);
   ASSERT_THAT(seen_, SizeIs(2));
 
-  subscriber_->DropNextBatchForTest();
-  step.Allocate(2, 8, HashesOf(100, 8)).Commit(2, 8);  // lost
+  step.Allocate(2, 8, HashesOf(100, 8)).Allocate(3, 4, HashesOf(200, 4));  // no events
   RunStep(step);
-  step.Allocate(3, 4, HashesOf(200, 4)).Commit(3, 4);  // reveals the gap
+  subscriber_->DropNextBatchForTest();
+  step.Commit(2, 8);  // lost
+  RunStep(step);
+  step.Commit(3, 4);  // reveals the gap
   RunStep(step);
   AwaitEvents(100);
   ASSERT_TRUE(subscriber_->needs_snapshot());

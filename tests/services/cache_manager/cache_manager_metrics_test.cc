@@ -310,7 +310,7 @@ TEST(CacheManagerMetricsNamesTest, LabelValuesAreTheDocumentedOnes) {
     reclaims.emplace_back(ReclaimReasonName(static_cast<ReclaimReason>(i)));
   }
   EXPECT_THAT(types, ElementsAre("hello", "attach", "step", "lookup", "pin", "unpin", "stats",
-                                 "heartbeat", "goodbye", "event_snapshot"));
+                                 "heartbeat", "goodbye", "event_snapshot", "describe_session"));
   EXPECT_THAT(reasons,
               ElementsAre("malformed", "unsupported_version", "oversized", "not_registered",
                           "stale_session", "stale_epoch", "invalid_argument", "unknown_sequence",

@@ -101,7 +101,10 @@ TEST(CacheManagerProcessTest, GarbageOnTheRealSocketGetsErrorRepliesAndChangesNo
   auto client = Connect(*manager);
   ASSERT_NE(client, nullptr);
   StepBatch setup;
-  setup.Allocate(1, 40).Commit(1, 40);
+  setup.Allocate(1, 40);
+  ASSERT_TRUE(client->Step(setup).ok());
+  setup.Clear();
+  setup.Commit(1, 40);
   ASSERT_TRUE(client->Step(setup).ok());
   auto before = client->Stats();
   ASSERT_TRUE(before.ok());
@@ -409,7 +412,10 @@ TEST(CacheManagerMetricsLiveTest, ScrapePassesPromtoolAndPrometheusSeesTheBlocks
   auto client = Connect(*manager);
   ASSERT_NE(client, nullptr);
   StepBatch step;
-  step.Allocate(1, 40).Commit(1, 40).Allocate(2, 13);
+  step.Allocate(1, 40).Allocate(2, 13);
+  ASSERT_TRUE(client->Step(step).ok());
+  step.Clear();
+  step.Commit(1, 40);
   ASSERT_TRUE(client->Step(step).ok());
   ASSERT_TRUE(client->Stats().ok());
 

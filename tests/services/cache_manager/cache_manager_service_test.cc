@@ -160,6 +160,11 @@ class CacheManagerServiceTest : public ::testing::Test {
         pid);
   }
 
+  // The request id of an envelope's bytes.
+  static uint64_t first_request_id(const std::vector<uint8_t>& bytes) {
+    return VerifyEnvelope(bytes).envelope->request_id();
+  }
+
   // The error of a reply (Ok if it is not an ErrorReply).
   static wire::ErrorCode ErrorOf(const wire::Envelope& reply) {
     return reply.payload_type() == wire::Message::ErrorReply ? reply.payload_as_ErrorReply()->code()
@@ -227,14 +232,16 @@ TEST_F(CacheManagerServiceTest, HelloWithAnotherProcessPidIsRefused) {
 TEST_F(CacheManagerServiceTest, StepAllocatesAppendsCommitsAndFrees) {
   const uint64_t s = Hello();
   const wire::Envelope& reply =
-      Step(s, {Allocate(1, 10, {HashOf(1), HashOf(2)}), Append(1, 3), Commit(1, 12, {HashOf(3)})});
+      Step(s, {Allocate(1, 10, {HashOf(1), HashOf(2)}), Append(1, 3)});
   ASSERT_EQ(reply.payload_type(), wire::Message::StepReply);
   const auto* results = reply.payload_as_StepReply()->results();
-  ASSERT_EQ(results->size(), 3u);
+  ASSERT_EQ(results->size(), 2u);
   for (const auto* r : *results) EXPECT_EQ(r->code(), wire::ErrorCode::Ok);
   EXPECT_EQ(results->Get(0)->blocks()->size(), 3u);  // 10 tokens, block size 4
   EXPECT_EQ(results->Get(1)->blocks()->size(), 1u);  // 13 tokens need a fourth block
   EXPECT_EQ(service_->ledger().Stats().in_use_blocks, 4);
+  // The executors write the step's KV after its reply: the commit comes in the next step.
+  ASSERT_EQ(ErrorOf(Step(s, {Commit(1, 12, {HashOf(3)})})), wire::ErrorCode::Ok);
 
   // The same prefix again hits the cache once the first sequence is freed.
   ASSERT_EQ(Step(s, {Free(1)}).payload_type(), wire::Message::StepReply);
@@ -396,6 +403,68 @@ TEST_F(CacheManagerServiceTest, SessionsAndSequencesAreBounded) {
   EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
 }
 
+TEST_F(CacheManagerServiceTest, ARepeatedStepIsAnsweredFromTheReplayCacheNotRunTwice) {
+  const uint64_t s = Hello();
+  const wire::Envelope& first = Step(s, {Allocate(1, 8)});
+  ASSERT_EQ(ErrorOf(first), wire::ErrorCode::Ok);
+  const std::vector<uint8_t> sent(request_.GetBufferPointer(),
+                                  request_.GetBufferPointer() + request_.GetSize());
+  const std::vector<uint8_t> answer(reply_.GetBufferPointer(),
+                                    reply_.GetBufferPointer() + reply_.GetSize());
+  const std::string state = LedgerState();
+
+  // The same bytes again: the same reply, byte for byte; nothing runs twice.
+  Send(sent);
+  EXPECT_EQ(std::vector<uint8_t>(reply_.GetBufferPointer(),
+                                 reply_.GetBufferPointer() + reply_.GetSize()),
+            answer);
+  EXPECT_EQ(LedgerState(), state);
+
+  // The same request id with other ops is a client bug: refused, nothing changes.
+  request_.Clear();
+  {
+    std::vector<wire::StepOp> types = {wire::StepOp::AllocateOp};
+    std::vector<flatbuffers::Offset<void>> values = {
+        wire::CreateAllocateOp(request_, 3, 8).Union()};
+    auto type_vector = request_.CreateVector(types);
+    auto value_vector = request_.CreateVector(values);
+    wire::StepBuilder step(request_);
+    step.add_ops_type(type_vector);
+    step.add_ops(value_vector);
+    FinishEnvelope(request_, first_request_id(sent), s, 777, wire::Message::Step,
+                   step.Finish().Union());
+  }
+  const std::string before = LedgerState();
+  const wire::Envelope& reused = Send(BufferSpan(request_));
+  EXPECT_EQ(ErrorOf(reused), wire::ErrorCode::InvalidArgument);
+  EXPECT_EQ(LedgerState(), before);
+
+  // Only the last few steps are kept: after four more, the first runs again (and finds its
+  // sequence live).
+  for (uint64_t seq = 10; seq < 14; ++seq) {
+    ASSERT_EQ(ErrorOf(Step(s, {Allocate(seq, 4)})), wire::ErrorCode::Ok);
+  }
+  EXPECT_EQ(ErrorOf(Send(sent)), wire::ErrorCode::AlreadyExists);
+}
+
+TEST_F(CacheManagerServiceTest, OnlyTokensOfEarlierStepsCanBeCommitted) {
+  const uint64_t s = Hello();
+  const std::string empty = LedgerState();
+  // The executors write a step's KV after its reply: committing it in the same step would
+  // make blocks matchable before their KV exists.
+  const wire::Envelope& early = Step(s, {Allocate(1, 8, {HashOf(1), HashOf(2)}), Commit(1, 8)});
+  ASSERT_EQ(ErrorOf(early), wire::ErrorCode::InvalidArgument);
+  EXPECT_THAT(early.payload_as_ErrorReply()->reason()->str(), HasSubstr("same step"));
+  EXPECT_EQ(LedgerState(), empty);
+  ASSERT_EQ(ErrorOf(Step(s, {Allocate(1, 8, {HashOf(1), HashOf(2)})})), wire::ErrorCode::Ok);
+  // Appended tokens likewise; a fork's child may commit what its parent had.
+  EXPECT_EQ(ErrorOf(Step(s, {Append(1, 2), Commit(1, 10)})), wire::ErrorCode::InvalidArgument);
+  EXPECT_EQ(ErrorOf(Step(s, {Append(1, 2), Fork(1, 2), Commit(2, 8), Commit(1, 8)})),
+            wire::ErrorCode::Ok);
+  EXPECT_EQ(ErrorOf(Step(s, {Commit(1, 10), Commit(2, 10)})), wire::ErrorCode::Ok);
+  EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
+}
+
 TEST_F(CacheManagerServiceTest, ReplyTypesAreNotRequests) {
   const uint64_t s = Hello();
   flatbuffers::FlatBufferBuilder b;
@@ -465,8 +534,8 @@ TEST_F(CacheManagerServiceTest, SessionChecks) {
 
 TEST_F(CacheManagerServiceTest, GoodbyeFreesSequencesAndKeepsCommittedBlocksCached) {
   const uint64_t s = Hello();
-  ASSERT_EQ(ErrorOf(Step(s, {Allocate(1, 10, {HashOf(1), HashOf(2)}), Commit(1, 10)})),
-            wire::ErrorCode::Ok);
+  ASSERT_EQ(ErrorOf(Step(s, {Allocate(1, 10, {HashOf(1), HashOf(2)})})), wire::ErrorCode::Ok);
+  ASSERT_EQ(ErrorOf(Step(s, {Commit(1, 10)})), wire::ErrorCode::Ok);
   const wire::Envelope& bye =
       Request(s, wire::Message::Goodbye, [](auto& b) { return wire::CreateGoodbye(b).Union(); });
   ASSERT_EQ(bye.payload_type(), wire::Message::GoodbyeReply);
@@ -722,15 +791,32 @@ TEST_F(CacheManagerFenceTest, RoutersCannotUseTheDrainingIdSpace) {
 
 TEST_F(CacheManagerServiceTest, PrefixRequests) {
   const uint64_t s = Hello();
-  ASSERT_EQ(ErrorOf(Step(
-                s, {Allocate(1, 12, {HashOf(1), HashOf(2), HashOf(3)}), Commit(1, 12), Free(1)})),
+  ASSERT_EQ(ErrorOf(Step(s, {Allocate(1, 12, {HashOf(1), HashOf(2), HashOf(3)})})),
             wire::ErrorCode::Ok);
+  ASSERT_EQ(ErrorOf(Step(s, {Commit(1, 12), Free(1)})), wire::ErrorCode::Ok);
+  auto lookup_of = [&](const std::vector<BlockHash>& chain, int32_t num_tokens) {
+    const wire::Envelope& lookup = Request(s, wire::Message::Lookup, [&](auto& b) {
+      return wire::CreateLookup(b, ToWire(b, chain), num_tokens).Union();
+    });
+    EXPECT_EQ(lookup.payload_type(), wire::Message::LookupReply);
+    return lookup.payload_type() == wire::Message::LookupReply
+               ? lookup.payload_as_LookupReply()->num_cached_blocks()
+               : -1;
+  };
   std::vector<BlockHash> hashes = {HashOf(1), HashOf(2), HashOf(7)};
-  const wire::Envelope& lookup = Request(s, wire::Message::Lookup, [&](auto& b) {
-    return wire::CreateLookup(b, ToWire(b, hashes)).Union();
-  });
-  ASSERT_EQ(lookup.payload_type(), wire::Message::LookupReply);
-  EXPECT_EQ(lookup.payload_as_LookupReply()->num_cached_blocks(), 2);
+  EXPECT_EQ(lookup_of(hashes, 0), 2);
+  // What Allocate would reuse: never the block of the prompt's last token. A prompt of
+  // exactly the three cached blocks reuses two; one token longer reuses all three.
+  const std::vector<BlockHash> cached = {HashOf(1), HashOf(2), HashOf(3)};
+  EXPECT_EQ(lookup_of(cached, 0), 2);
+  EXPECT_EQ(lookup_of(cached, 12), 2);
+  EXPECT_EQ(lookup_of(cached, 13), 3);
+  for (int32_t tokens : {12, 13}) {
+    const int32_t expected = lookup_of(cached, tokens) * kBlockSize;
+    const wire::Envelope& allocated = Step(s, {Allocate(9, tokens, cached), Free(9)});
+    ASSERT_EQ(ErrorOf(allocated), wire::ErrorCode::Ok);
+    EXPECT_EQ(allocated.payload_as_StepReply()->results()->Get(0)->num_cached_tokens(), expected);
+  }
 
   hashes.pop_back();
   const wire::Envelope& pin = Request(s, wire::Message::Pin, [&](auto& b) {
@@ -835,8 +921,9 @@ TEST_F(CacheManagerServiceTest, EventBatchesAreNumberedAndAddUpToTheSnapshot) {
     for (int i = 0; i < blocks; ++i) hashes.push_back(HashOf(static_cast<int>(rng() % 40)));
     // Chains need distinct hashes within a sequence to be realistic; duplicates are fine
     // for the ledger (the first stays indexed).
-    Step(s,
-         {Allocate(seq, blocks * kBlockSize, hashes), Commit(seq, blocks * kBlockSize), Free(seq)});
+    Step(s, {Allocate(seq, blocks * kBlockSize, hashes)});
+    drain();
+    Step(s, {Commit(seq, blocks * kBlockSize), Free(seq)});
     drain();
   }
   // The snapshot equals what the batches added up to.

@@ -48,14 +48,23 @@ int Run(const std::string& endpoint, int32_t blocks) {
     StepBatch step;
     // Seq ids in this process's own range, so that two fault clients never collide.
     const uint64_t id = (static_cast<uint64_t>(::getpid()) << 32) | seq;
-    step.Allocate(id, n * block_size, hashes).Commit(id, n * block_size);
+    step.Allocate(id, n * block_size, hashes);
     auto outcome = (*client)->Step(step);
-    if (!outcome.ok() || !(*outcome)[0].status.ok() || !(*outcome)[1].status.ok()) {
+    if (!outcome.ok() || !(*outcome)[0].status.ok()) {
       std::printf("allocate failed: %s\n",
                   (!outcome.ok() ? outcome.status() : (*outcome)[0].status).ToString().c_str());
       return 1;
     }
     held.insert(held.end(), (*outcome)[0].blocks.begin(), (*outcome)[0].blocks.end());
+    // As a router does once its executors wrote the KV: the commit comes in a later step.
+    step.Clear();
+    step.Commit(id, n * block_size);
+    auto committed = (*client)->Step(step);
+    if (!committed.ok() || !(*committed)[0].status.ok()) {
+      std::printf("commit failed: %s\n",
+                  (!committed.ok() ? committed.status() : (*committed)[0].status).ToString().c_str());
+      return 1;
+    }
   }
   std::string line = absl::StrCat("held ", held.size());
   for (int32_t b : held) absl::StrAppend(&line, " ", b);
