@@ -361,7 +361,9 @@ absl::Status CacheManagerClient::Register() {
     session_ = info;
     ++generation_;
   }
+  const bool restart = said_goodbye_ && options_.heartbeats && !heartbeat_thread_.joinable();
   said_goodbye_ = false;
+  if (restart) return StartHeartbeats();
   return absl::OkStatus();
 }
 
@@ -742,25 +744,36 @@ void CacheManagerClient::TakeFencesLocked(const wire::HeartbeatReply& reply) {
 }
 
 absl::StatusOr<int32_t> CacheManagerClient::Goodbye() {
+  // No heartbeat may reach the cache manager after the Goodbye (it would be refused as a
+  // stale session and counted): stop the thread once its last heartbeat is answered. It
+  // starts again when EnsureSession() registers anew.
+  StopHeartbeats(/*finish_pending=*/true);
   flatbuffers::FlatBufferBuilder builder(64);
   const auto goodbye = wire::CreateGoodbye(builder);
-  KVCM_ASSIGN_OR_RETURN(Reply reply, Call(builder, wire::Message::Goodbye, goodbye.Union(),
-                                          wire::Message::GoodbyeReply));
+  absl::StatusOr<Reply> reply =
+      Call(builder, wire::Message::Goodbye, goodbye.Union(), wire::Message::GoodbyeReply);
+  if (!reply.ok()) {
+    // The session may live on (no answer): keep its lease.
+    if (options_.heartbeats && !session_lost()) (void)StartHeartbeats();
+    return reply.status();
+  }
   said_goodbye_ = true;
   {
     // The heartbeat thread stops sending for session 0.
     std::lock_guard<std::mutex> lock(session_mu_);
     session_.session_id = 0;
   }
-  return PayloadAs<wire::GoodbyeReply>(reply.envelope).blocks_released();
+  return PayloadAs<wire::GoodbyeReply>(reply->envelope).blocks_released();
 }
 
 // ---- Heartbeat thread -----------------------------------------------------------------------
 
 absl::Status CacheManagerClient::StartHeartbeats() {
   if (session().heartbeat_interval <= absl::ZeroDuration()) return absl::OkStatus();
+  // A new name at each start: a closed socket's inproc name is released asynchronously.
   const std::string stop_endpoint =
-      absl::StrCat("inproc://kvcm-client-heartbeat-", reinterpret_cast<uintptr_t>(this));
+      absl::StrCat("inproc://kvcm-client-heartbeat-", reinterpret_cast<uintptr_t>(this), "-",
+                   ++heartbeat_starts_);
   try {
     stop_ = zmq::socket_t(context_, zmq::socket_type::pair);
     stop_.set(zmq::sockopt::linger, 0);
@@ -777,12 +790,12 @@ absl::Status CacheManagerClient::StartHeartbeats() {
   return absl::OkStatus();
 }
 
-void CacheManagerClient::StopHeartbeats() {
+void CacheManagerClient::StopHeartbeats(bool finish_pending) {
   if (!heartbeat_thread_.joinable()) return;
   // Non-blocking: if the thread already ended (it only does on a ZeroMQ failure), its end
   // of the pair is gone and a blocking send would wait forever.
   try {
-    const uint8_t stop_byte = 0;
+    const uint8_t stop_byte = finish_pending ? 1 : 0;
     (void)stop_.send(zmq::const_buffer(&stop_byte, 1), zmq::send_flags::dontwait);
   } catch (const zmq::error_t&) {
   }
@@ -817,7 +830,30 @@ void CacheManagerClient::HeartbeatLoop(zmq::socket_t stop) {
     const long wait_ms =
         static_cast<long>(absl::ToInt64Milliseconds(absl::Ceil(wait, absl::Milliseconds(1))));
     if (zmq_poll(items, 2, wait_ms) < 0 && zmq_errno() != EINTR) return;
-    if ((items[0].revents & ZMQ_POLLIN) != 0) return;
+    if ((items[0].revents & ZMQ_POLLIN) != 0) {
+      zmq::message_t stop_message;
+      const bool finish = stop.recv(stop_message, zmq::recv_flags::dontwait) &&
+                          stop_message.size() == 1 &&
+                          *static_cast<const uint8_t*>(stop_message.data()) == 1;
+      // Asked to finish: wait (at most a call timeout) for the reply of the heartbeat in
+      // flight, so that it has been handled before the caller goes on.
+      if (finish && pending_request != 0) {
+        const absl::Time deadline = MonotonicNow() + options_.call_timeout;
+        while (MonotonicNow() < deadline) {
+          absl::StatusOr<std::vector<zmq::message_t>> frames =
+              ReceiveMessageUntil(dealer, deadline);
+          if (!frames.ok() || frames->empty()) break;
+          if (frames->size() != 1) continue;
+          const VerifiedEnvelope verified = VerifyEnvelope(FrameBytes((*frames)[0]));
+          if (verified.envelope != nullptr &&
+              verified.envelope->request_id() == pending_request) {
+            heartbeats_answered_.fetch_add(1);
+            break;
+          }
+        }
+      }
+      return;
+    }
     if ((items[1].revents & ZMQ_POLLIN) != 0) {
       while (true) {
         absl::StatusOr<std::vector<zmq::message_t>> frames = ReceiveMessage(dealer);

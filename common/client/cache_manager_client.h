@@ -429,7 +429,9 @@ class CacheManagerClient {
 
   absl::Status Register();
   absl::Status StartHeartbeats();
-  void StopHeartbeats();
+  // Stops and joins the thread; with `finish_pending`, it first waits (at most a call
+  // timeout) for the reply to a heartbeat in flight.
+  void StopHeartbeats(bool finish_pending = false);
   void HeartbeatLoop(zmq::socket_t stop);
 
   // Fails fast with ABORTED if the session is known gone; FAILED_PRECONDITION after Goodbye.
@@ -458,6 +460,7 @@ class CacheManagerClient {
   zmq::context_t context_;
   zmq::socket_t socket_;  // DEALER, used by the caller's thread only
   // The last Step sent and not answered yet (for RetryLastStep); empty when answered.
+  uint64_t heartbeat_starts_ = 0;
   std::vector<uint8_t> unanswered_step_;
   uint64_t unanswered_step_id_ = 0;
   size_t unanswered_step_ops_ = 0;

@@ -7,6 +7,8 @@
 #include <optional>
 #include <string>
 #include <system_error>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -62,7 +64,9 @@ absl::StatusOr<int32_t> RequiredPositiveInt(const Json& object, const char* key)
   return *value;
 }
 
-absl::StatusOr<DType> DTypeFromConfig(const Json& section, const Json& root) {
+// The dtype and the key it came from.
+absl::StatusOr<std::pair<DType, std::string>> DTypeFromConfig(const Json& section,
+                                                               const Json& root) {
   // transformers writes "torch_dtype"; releases since 4.56 write "dtype" instead.
   for (const Json* object : {&section, &root}) {
     for (const char* key : {"torch_dtype", "dtype"}) {
@@ -78,7 +82,7 @@ absl::StatusOr<DType> DTypeFromConfig(const Json& section, const Json& root) {
         return ConfigError(absl::StrCat("unsupported ", key, " \"", name,
                                         "\"; give the KV-cache dtype explicitly"));
       }
-      return *dtype;
+      return std::make_pair(*dtype, absl::StrCat(key, " \"", name, "\""));
     }
   }
   return ConfigError(
@@ -88,7 +92,11 @@ absl::StatusOr<DType> DTypeFromConfig(const Json& section, const Json& root) {
 }  // namespace
 
 absl::StatusOr<KvCacheSpec> SpecFromHfConfig(const std::string& json_text, int32_t block_size,
-                                             std::optional<DType> dtype_override) {
+                                             std::optional<DType> dtype_override,
+                                             std::vector<std::string>* notes) {
+  auto note = [&](std::string line) {
+    if (notes != nullptr) notes->push_back(std::move(line));
+  };
   Json root;
   try {
     root = Json::parse(json_text);
@@ -121,6 +129,11 @@ absl::StatusOr<KvCacheSpec> SpecFromHfConfig(const std::string& json_text, int32
   KVCM_ASSIGN_OR_RETURN(const std::optional<int32_t> num_kv_heads,
                         OptionalPositiveInt(*section, "num_key_value_heads"));
   spec.num_kv_heads = num_kv_heads.value_or(num_attention_heads);  // absent: MHA
+  if (num_attention_heads % spec.num_kv_heads != 0) {
+    return ConfigError(absl::StrCat(
+        "\"num_key_value_heads\" (", spec.num_kv_heads, ") does not divide \"num_attention_heads\" (",
+        num_attention_heads, "): each KV head must serve a whole group of query heads"));
+  }
 
   KVCM_ASSIGN_OR_RETURN(const std::optional<int32_t> head_dim,
                         OptionalPositiveInt(*section, "head_dim"));
@@ -139,7 +152,23 @@ absl::StatusOr<KvCacheSpec> SpecFromHfConfig(const std::string& json_text, int32
   if (dtype_override.has_value()) {
     spec.dtype = *dtype_override;
   } else {
-    KVCM_ASSIGN_OR_RETURN(spec.dtype, DTypeFromConfig(*section, root));
+    KVCM_ASSIGN_OR_RETURN(const auto chosen, DTypeFromConfig(*section, root));
+    spec.dtype = chosen.first;
+    note(absl::StrCat(
+        "KV dtype ", std::string(DTypeName(spec.dtype)), " from the config's ", chosen.second,
+        spec.dtype == DType::kFloat32
+            ? ": 4 bytes per element, twice a bf16 pool for the same tokens; --dtype bf16 (or "
+              "fp16, fp8_e4m3) picks another"
+            : "; --dtype picks another"));
+  }
+  for (const char* key : {"sliding_window", "sliding_window_size"}) {
+    const auto it = section->find(key);
+    if (it == section->end() || it->is_null() || (it->is_boolean() && !it->get<bool>())) {
+      continue;
+    }
+    note(absl::StrCat("the config's \"", key, "\" (", it->dump(),
+                      ") is ignored: the pool is sized for full attention in every layer "
+                      "(kvcm does not release blocks behind a window yet)"));
   }
 
   KVCM_RETURN_IF_ERROR(spec.Validate());
@@ -147,7 +176,8 @@ absl::StatusOr<KvCacheSpec> SpecFromHfConfig(const std::string& json_text, int32
 }
 
 absl::StatusOr<KvCacheSpec> SpecFromHfConfigFile(const std::string& path, int32_t block_size,
-                                                 std::optional<DType> dtype_override) {
+                                                 std::optional<DType> dtype_override,
+                                                 std::vector<std::string>* notes) {
   std::FILE* file = std::fopen(path.c_str(), "rb");
   if (file == nullptr) {
     return absl::NotFoundError(absl::StrCat("cannot open model config \"", path,
@@ -164,7 +194,7 @@ absl::StatusOr<KvCacheSpec> SpecFromHfConfigFile(const std::string& path, int32_
     return absl::NotFoundError(absl::StrCat("cannot read model config \"", path,
                                             "\": ", std::generic_category().message(read_errno)));
   }
-  absl::StatusOr<KvCacheSpec> spec = SpecFromHfConfig(text, block_size, dtype_override);
+  absl::StatusOr<KvCacheSpec> spec = SpecFromHfConfig(text, block_size, dtype_override, notes);
   if (!spec.ok()) {
     return absl::Status(spec.status().code(), absl::StrCat(path, ": ", spec.status().message()));
   }

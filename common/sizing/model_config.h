@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/sizing/kv_cache_spec.h"
@@ -39,13 +40,21 @@ namespace kvcm {
 
 // Parses the text of a config.json. `block_size` is not in the model config; the caller
 // chooses it. `dtype_override` is the KV-cache dtype when set (e.g. fp8 for a bf16 model);
-// otherwise the config's torch_dtype is used.
+// otherwise the config's torch_dtype is used. `num_key_value_heads` must divide
+// `num_attention_heads` (grouped-query attention), or the config is refused.
+//
+// `notes`, when given, receives what a user should know about choices made for them, one
+// line each: which KV dtype was taken from the config and how to pick another (a float32
+// config would size a pool twice as large as bf16), and that a `sliding_window` in the
+// config is ignored (the pool is sized for full attention: windows are not supported yet).
 absl::StatusOr<KvCacheSpec> SpecFromHfConfig(const std::string& json_text, int32_t block_size,
-                                             std::optional<DType> dtype_override);
+                                             std::optional<DType> dtype_override,
+                                             std::vector<std::string>* notes = nullptr);
 
 // Reads the file at `path` and calls SpecFromHfConfig on its contents. Errors from parsing
 // are prefixed with the path.
 absl::StatusOr<KvCacheSpec> SpecFromHfConfigFile(const std::string& path, int32_t block_size,
-                                                 std::optional<DType> dtype_override);
+                                                 std::optional<DType> dtype_override,
+                                                 std::vector<std::string>* notes = nullptr);
 
 }  // namespace kvcm

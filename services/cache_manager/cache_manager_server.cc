@@ -351,8 +351,9 @@ void CacheManagerServer::ServeFdChannel() {
   auto served = fd_channel_->ServeOne(memory_->shareable_fd(), header);
   if (!served.ok() && !absl::IsUnavailable(served.status())) {
     Log(absl::StrCat("pool fd channel: ", served.status().ToString()));
-    if (metrics_ != nullptr && absl::IsPermissionDenied(served.status())) {
-      metrics_->CountRejected(RejectReason::kPermissionDenied);
+    // Counted by the service, so that StatsReply and /metrics agree.
+    if (absl::IsPermissionDenied(served.status())) {
+      service_->CountRejected(RejectReason::kPermissionDenied);
     }
   }
 }

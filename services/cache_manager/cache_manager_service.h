@@ -145,6 +145,10 @@ class CacheManagerService {
   // shutting_down); heartbeats, Goodbye and inspection are answered as before.
   void BeginShutdown() { shutting_down_ = true; }
 
+  // Counts a refusal the transport made (the pool fd denied to another user), in
+  // rejected_messages() and the metrics alike.
+  void CountRejected(RejectReason reason);
+
   // The process `pid` has exited: its sessions end and their sequences are freed.
   void OnProcessExited(pid_t pid);
 
@@ -263,8 +267,6 @@ class CacheManagerService {
   int32_t FreeSequences(std::span<const SeqId> seqs, ReclaimReason reason);
   void HandleHeartbeat(const wire::Envelope& envelope, Session& session,
                        flatbuffers::FlatBufferBuilder* reply);
-
-  void CountRejected(RejectReason reason);
 
   const Options options_;
   BlockLedger ledger_;

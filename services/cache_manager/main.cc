@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/usage.h"
@@ -97,7 +98,12 @@ absl::StatusOr<KvCacheSpec> SpecFromFlags() {
       return absl::InvalidArgumentError(
           "give either --model-config or --layers/--kv-heads/--head-dim, not both");
     }
-    return SpecFromHfConfigFile(absl::GetFlag(FLAGS_model_config), block_size, dtype);
+    std::vector<std::string> notes;
+    auto spec = SpecFromHfConfigFile(absl::GetFlag(FLAGS_model_config), block_size, dtype, &notes);
+    if (spec.ok()) {
+      for (const std::string& note : notes) Log(absl::StrCat("model config: ", note));
+    }
+    return spec;
   }
   KvCacheSpec spec;
   spec.num_layers = absl::GetFlag(FLAGS_layers);

@@ -245,7 +245,8 @@ absl::StatusOr<PlanReport> BuildPlanReport(const PlanOptions& options) {
   if (!options.model_config.empty()) {
     report.model_config = options.model_config;
     KVCM_ASSIGN_OR_RETURN(
-        spec, SpecFromHfConfigFile(options.model_config, options.block_size, options.dtype));
+        spec, SpecFromHfConfigFile(options.model_config, options.block_size, options.dtype,
+                                   &report.notes));
   } else {
     spec.num_layers = options.num_layers;
     spec.num_kv_heads = options.num_kv_heads;
@@ -270,6 +271,7 @@ std::string FormatPlanText(const PlanReport& report) {
   std::string out;
   if (!report.model_config.empty()) {
     absl::StrAppend(&out, "Model shape from ", report.model_config, "\n");
+    for (const std::string& note : report.notes) absl::StrAppend(&out, "Note: ", note, "\n");
   }
   absl::StrAppend(&out, DescribePlan(report.plan));
   absl::StrAppend(&out, "\nSequences that fit, each in its own blocks (no prefix sharing):\n");
@@ -288,6 +290,7 @@ std::string FormatPlanJson(const PlanReport& report) {
   const PoolPlan& plan = report.plan;
   nlohmann::ordered_json j;
   if (!report.model_config.empty()) j["model_config"] = report.model_config;
+  if (!report.notes.empty()) j["notes"] = report.notes;
   j["num_layers"] = plan.spec.num_layers;
   j["num_kv_heads"] = plan.spec.num_kv_heads;
   j["head_dim"] = plan.spec.head_dim;

@@ -68,6 +68,7 @@ std::string PlanUsage();
 // Everything `plan` prints.
 struct PlanReport {
   std::string model_config;  // the config.json read, if any
+  std::vector<std::string> notes;  // choices made from it (SpecFromHfConfig's notes)
   PoolPlan plan;
   std::vector<SequenceFit> fits;  // kStandardSeqLens and seq_len, ascending, no repeats
 };

@@ -9,6 +9,7 @@
 #include <memory>
 #include <numeric>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -319,6 +320,41 @@ TEST_F(CacheManagerClientTest, FreeingASequenceTwiceFailsAloneWithNotFound) {
   ASSERT_TRUE(stats.ok());
   EXPECT_EQ(stats->live_sequences, 1);
   ExpectPartition(*stats);
+}
+
+TEST_F(CacheManagerClientTest, NoHeartbeatReachesTheCacheManagerAfterGoodbye) {
+  std::unique_ptr<CacheManagerClient> leaving = ConnectOrDie(cm_->endpoint());
+  ASSERT_NE(leaving, nullptr);
+  // Heartbeats pile up while the cache manager is stopped; the Goodbye comes during them.
+  ASSERT_TRUE(cm_->process().Signal(SIGSTOP).ok());
+  const uint64_t sent = leaving->heartbeats_sent();
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  while (leaving->heartbeats_sent() < sent + 2 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  absl::StatusOr<int32_t> released;
+  std::thread bye([&] { released = leaving->Goodbye(); });
+  absl::SleepFor(absl::Milliseconds(200));  // the Goodbye is on its way (or waiting)
+  ASSERT_TRUE(cm_->process().Signal(SIGCONT).ok());
+  bye.join();
+  ASSERT_TRUE(released.ok()) << released.status();
+  // Every heartbeat was handled before the session ended: none was refused as stale.
+  ASSERT_TRUE(client_->Stats().ok());
+  auto metrics = kvcm::testing::HttpGet(cm_->metrics_url());
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  auto parsed = kvcm::testing::ParseMetricsText(metrics->body);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(*parsed->Value("kvcm_cache_manager_rejected_messages_total",
+                           {{"reason", "stale_session"}}),
+            0);
+  // Registering again brings the heartbeats back.
+  ASSERT_TRUE(leaving->EnsureSession().ok());
+  const uint64_t again = leaving->heartbeats_sent();
+  const absl::Time later = absl::Now() + absl::Seconds(5);
+  while (leaving->heartbeats_sent() == again && absl::Now() < later) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_GT(leaving->heartbeats_sent(), again);
 }
 
 TEST_F(CacheManagerClientTest, PoolExhaustionIsResourceExhausted) {

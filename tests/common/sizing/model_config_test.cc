@@ -62,6 +62,37 @@ TEST(SpecFromHfConfigTest, Llama31_8BGqa) {
   EXPECT_EQ(spec.BytesPerToken(), 131072);  // 2 x 32 x 8 x 128 x 2
 }
 
+TEST(SpecFromHfConfigTest, KvHeadsMustDivideQueryHeads) {
+  const absl::Status status = Error(R"json({"hidden_size": 4096, "num_attention_heads": 32,
+      "num_hidden_layers": 2, "num_key_value_heads": 12, "torch_dtype": "bfloat16"})json");
+  EXPECT_TRUE(absl::IsInvalidArgument(status)) << status;
+  EXPECT_THAT(status.message(), HasSubstr("\"num_key_value_heads\" (12) does not divide"));
+}
+
+TEST(SpecFromHfConfigTest, NotesSayWhichDTypeWasTakenAndThatAWindowIsIgnored) {
+  // google/gemma-2-2b's KV-relevant keys: float32 weights and a 4096-token window.
+  constexpr char kGemma2[] = R"json({"head_dim": 256, "hidden_size": 2304,
+      "num_attention_heads": 8, "num_hidden_layers": 26, "num_key_value_heads": 4,
+      "sliding_window": 4096, "torch_dtype": "float32"})json";
+  std::vector<std::string> notes;
+  absl::StatusOr<KvCacheSpec> spec = SpecFromHfConfig(kGemma2, 16, std::nullopt, &notes);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->dtype, DType::kFloat32);
+  ASSERT_EQ(notes.size(), 2u);
+  EXPECT_THAT(notes[0], HasSubstr("KV dtype fp32 from the config's torch_dtype \"float32\""));
+  EXPECT_THAT(notes[0], HasSubstr("--dtype bf16"));
+  EXPECT_THAT(notes[1], HasSubstr("\"sliding_window\" (4096) is ignored"));
+  // With --dtype given nothing is chosen for the user; a null window is no window.
+  notes.clear();
+  ASSERT_TRUE(SpecFromHfConfig(kLlama31_8B, 16, DType::kFloat16, &notes).ok());
+  EXPECT_TRUE(notes.empty());
+  ASSERT_TRUE(SpecFromHfConfig(R"json({"hidden_size": 64, "num_attention_heads": 4,
+      "num_hidden_layers": 2, "sliding_window": null, "torch_dtype": "bfloat16"})json", 16,
+                               std::nullopt, &notes).ok());
+  ASSERT_EQ(notes.size(), 1u);
+  EXPECT_THAT(notes[0], HasSubstr("KV dtype bf16"));
+}
+
 TEST(SpecFromHfConfigTest, MissingKvHeadsMeansMha) {
   const KvCacheSpec spec = Spec(kLlama2_7B_NoKvHeads);
   EXPECT_EQ(spec, (KvCacheSpec{32, 32, 128, DType::kFloat16, 16}));

@@ -4,12 +4,18 @@
 
 #include "tests/services/cache_manager/live_cache_manager.h"
 
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <fstream>
 #include <thread>
 #include <atomic>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_join.h"
+#include "common/base/run_dir.h"
+#include "common/memory/fd_channel.h"
 #include "common/transport/zmq_util.h"
 
 namespace kvcm::live_test {
@@ -262,6 +268,45 @@ TEST(CacheManagerProcessTest, AMessageFarOverTheLimitIsDroppedBeforeItIsBuffered
   const int64_t grew_kib = PeakResidentKib(manager->process().pid()) - peak_before;
   std::printf("peak resident memory grew by %lld KiB\n", static_cast<long long>(grew_kib));
   EXPECT_LT(grew_kib, 16 << 10) << "the 40 MiB message was buffered";
+}
+
+TEST(CacheManagerProcessTest, AnotherUserIsRefusedThePoolAndTheRefusalIsCountedAlike) {
+  if (::geteuid() != 0) {
+    GTEST_SKIP() << "acting as a second Unix user needs root (setuid to nobody in a child)";
+  }
+  auto manager = StartManager();
+  ASSERT_NE(manager, nullptr);
+  auto client = Connect(*manager);
+  ASSERT_NE(client, nullptr);
+  // The file modes would stop another user at connect(); open them, so that what is tested
+  // is the cache manager's own check of the peer's credentials.
+  const std::string channel = manager->run_dir() + "/" + kFdChannelSocket;
+  ASSERT_EQ(::chmod(manager->run_dir().c_str(), 0711), 0);
+  ASSERT_EQ(::chmod(channel.c_str(), 0777), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    if (::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(3);
+    auto received = ReceiveFdFromChannel(channel, absl::Seconds(5));
+    ::_exit(received.ok() ? 1 : 0);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "another user received the pool's memfd";
+
+  // StatsReply and /metrics count the refusal once, the same.
+  auto stats = client->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->rejected_messages, 1u);
+  auto metrics = kvcm::testing::HttpGet(manager->metrics_url());
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  auto parsed = kvcm::testing::ParseMetricsText(metrics->body);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(*parsed->Value("kvcm_cache_manager_rejected_messages_total",
+                           {{"reason", "permission_denied"}}),
+            1);
+  ExpectWhole(*stats);
 }
 
 TEST(CacheManagerProcessTest, SigtermAnswersAndCleansUp) {
