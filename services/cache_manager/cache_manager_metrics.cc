@@ -112,6 +112,10 @@ constexpr MetricSpec kUndeliveredReplies{
     "Replies that could not be handed to their client: it disconnected (peer_gone) or had "
     "stopped reading (queue_full). A client learns a lost Step's outcome by retrying it or "
     "with DescribeSession."};
+constexpr MetricSpec kAccepting{
+    "kvcm_cache_manager_accepting_connections", MetricType::Gauge, "",
+    "1 while new connections are accepted; 0 while too few file descriptors are left under "
+    "RLIMIT_NOFILE (the sessions already connected are still served)."};
 
 constexpr std::array kSpecs = {
     kCapacityBlocks,
@@ -139,6 +143,7 @@ constexpr std::array kSpecs = {
     kReclaimedBlocks,
     kReplayedSteps,
     kUndeliveredReplies,
+    kAccepting,
 };
 
 // --- Label values --------------------------------------------------------------------------
@@ -309,12 +314,16 @@ CacheManagerMetrics::CacheManagerMetrics(const CacheInfo& info)
     reclaimed_[i] = &reclaimed.Add({{"reason", std::string(kReclaimReasonNames[i])}});
   }
   replayed_steps_ = &AddCounterFamily(*registry_, kReplayedSteps).Add({});
+  accepting_ = &AddGaugeFamily(*registry_, kAccepting).Add({});
+  accepting_->Set(1);
   auto& undelivered = AddCounterFamily(*registry_, kUndeliveredReplies);
   undelivered_[0] = &undelivered.Add({{"reason", "peer_gone"}});
   undelivered_[1] = &undelivered.Add({{"reason", "queue_full"}});
 }
 
 void CacheManagerMetrics::CountReplayedStep() { replayed_steps_->Increment(); }
+
+void CacheManagerMetrics::SetAccepting(bool accepting) { accepting_->Set(accepting ? 1 : 0); }
 
 void CacheManagerMetrics::CountUndeliveredReply(bool queue_full) {
   undelivered_[queue_full ? 1 : 0]->Increment();

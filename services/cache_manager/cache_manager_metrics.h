@@ -145,6 +145,8 @@ class CacheManagerMetrics {
   void CountReplayedStep();
   // A reply the socket could not take: the peer is gone, or its queue is full.
   void CountUndeliveredReply(bool queue_full);
+  // Whether new connections are accepted (CacheManagerServer's descriptor guard).
+  void SetAccepting(bool accepting);
   // Replaces the snapshot the next scrapes read. REQUIRES: snapshot.ledger describes this
   // pool (num_blocks as constructed, states summing to it) and quarantined_blocks is within
   // [0, in_use_blocks]; these are internal invariants, checked.
@@ -168,6 +170,7 @@ class CacheManagerMetrics {
   std::array<prometheus::Counter*, kRejectReasons> rejected_{};
   std::array<prometheus::Counter*, kReclaimReasons> reclaimed_{};
   prometheus::Counter* replayed_steps_ = nullptr;
+  prometheus::Gauge* accepting_ = nullptr;
   std::array<prometheus::Counter*, 2> undelivered_{};  // peer_gone, queue_full
 };
 

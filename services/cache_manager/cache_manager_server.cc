@@ -1,5 +1,7 @@
 #include "services/cache_manager/cache_manager_server.h"
 
+#include <dirent.h>
+#include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -27,6 +29,32 @@ constexpr char kEventTopic[] = "kvcm.events";
 constexpr int kEventHighWaterMark = 100000;
 // Batches of queued requests answered before leases are judged, at most.
 constexpr int kMaxDrainTurnsBeforeExpiry = 64;
+// Connections that have not finished the ZeroMQ handshake by then are dropped (libzmq's
+// default is 30 s), so that idle raw connections do not hold descriptors for long.
+constexpr int kHandshakeMs = 5000;
+// Descriptors kept free under RLIMIT_NOFILE for pidfds, the fd channel, metrics and the
+// sessions already connected: below it, new connections are not accepted.
+constexpr int kMinFdReserve = 32;
+constexpr char kMonitorEndpoint[] = "inproc://kvcm-cache-manager-requests-monitor";
+
+// Open descriptors of this process (entries of /proc/self/fd, less the directory's own).
+int OpenDescriptors() {
+  DIR* dir = ::opendir("/proc/self/fd");
+  if (dir == nullptr) return -1;
+  int count = 0;
+  while (const dirent* entry = ::readdir(dir)) {
+    if (entry->d_name[0] != '.') ++count;
+  }
+  ::closedir(dir);
+  return count - 1;
+}
+
+int DescriptorLimit() {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return -1;
+  return static_cast<int>(std::min<rlim_t>(limit.rlim_cur, INT32_MAX));
+}
+
 // At shutdown, the drain ends once no request came for this long (or at the deadline).
 constexpr absl::Duration kShutdownQuiet = absl::Milliseconds(100);
 
@@ -108,6 +136,7 @@ absl::StatusOr<std::unique_ptr<CacheManagerServer>> CacheManagerServer::Create(
   try {
     server->requests_ = zmq::socket_t(server->context_, zmq::socket_type::router);
     server->requests_.set(zmq::sockopt::router_mandatory, 1);
+    server->requests_.set(zmq::sockopt::handshake_ivl, kHandshakeMs);
     LimitInboundMessages(server->requests_, server->service_->options().max_message_bytes);
     server->requests_.set(zmq::sockopt::linger, linger_ms);
     server->requests_.bind(server->request_endpoint());
@@ -115,6 +144,13 @@ absl::StatusOr<std::unique_ptr<CacheManagerServer>> CacheManagerServer::Create(
       server->requests_.bind(options.tcp_endpoint);
       server->tcp_bound_ = server->requests_.get(zmq::sockopt::last_endpoint);
     }
+    if (zmq_socket_monitor(server->requests_.handle(), kMonitorEndpoint,
+                           ZMQ_EVENT_ACCEPTED | ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_CLOSED) != 0) {
+      throw zmq::error_t();
+    }
+    server->monitor_ = zmq::socket_t(server->context_, zmq::socket_type::pair);
+    server->monitor_.set(zmq::sockopt::linger, 0);
+    server->monitor_.connect(kMonitorEndpoint);
     server->events_ = zmq::socket_t(server->context_, zmq::socket_type::pub);
     server->events_.set(zmq::sockopt::sndhwm, kEventHighWaterMark);
     // Subscribers send only their subscriptions.
@@ -144,6 +180,8 @@ CacheManagerServer::CacheManagerServer(const Options& options, RunDirectory run_
 CacheManagerServer::~CacheManagerServer() {
   // Sockets close (with linger) before the pool is released and the run directory's
   // socket files are removed.
+  if (requests_.handle() != nullptr) zmq_socket_monitor(requests_.handle(), nullptr, 0);
+  monitor_.close();
   requests_.close();
   events_.close();
   context_.close();
@@ -171,6 +209,8 @@ absl::Status CacheManagerServer::Run() {
     if (options_.signal_fd >= 0) items.push_back({nullptr, options_.signal_fd, ZMQ_POLLIN, 0});
     const size_t channel_item = items.size();
     if (fd_channel_) items.push_back({nullptr, fd_channel_->listen_fd(), ZMQ_POLLIN, 0});
+    const size_t monitor_item = items.size();
+    items.push_back({monitor_.handle(), 0, ZMQ_POLLIN, 0});
     const size_t first_pid_item = items.size();
     for (const auto& [pid, fd] : watcher_->fds()) {
       items.push_back({nullptr, fd.get(), ZMQ_POLLIN, 0});
@@ -187,6 +227,7 @@ absl::Status CacheManagerServer::Run() {
     bool changed = false;
     if (items[0].revents & ZMQ_POLLIN) changed |= DrainRequests() > 0;
     if (fd_channel_ && (items[channel_item].revents & ZMQ_POLLIN)) ServeFdChannel();
+    if ((items[monitor_item].revents & ZMQ_POLLIN) && DrainMonitor()) GuardDescriptors();
     std::vector<pid_t> exited = watcher_->TakeExited();
     for (size_t i = first_pid_item; i < items.size(); ++i) {
       if (items[i].revents & ZMQ_POLLIN) exited.push_back(item_pids[i - first_pid_item]);
@@ -225,6 +266,7 @@ absl::Status CacheManagerServer::Run() {
         }
       }
       next_expiry = MonotonicNow() + expiry_period;
+      GuardDescriptors();  // also while no connection comes or goes
       changed = true;
     }
     if (changed) {
@@ -342,6 +384,51 @@ int CacheManagerServer::DrainRequests() {
     }
   }
   return handled;
+}
+
+bool CacheManagerServer::DrainMonitor() {
+  bool any = false;
+  for (int i = 0; i < 10000; ++i) {
+    zmq::message_t frame;
+    if (!monitor_.recv(frame, zmq::recv_flags::dontwait)) break;
+    any = true;
+  }
+  return any;
+}
+
+void CacheManagerServer::GuardDescriptors() {
+  const int limit = DescriptorLimit();
+  const int open = OpenDescriptors();
+  if (limit < 0 || open < 0) return;
+  const int reserve = std::max(kMinFdReserve, limit / 16);
+  const int left = limit - open;
+  std::vector<std::string> endpoints = {request_endpoint()};
+  if (!tcp_bound_.empty()) endpoints.push_back(tcp_bound_);
+  if (accepting_ && left < reserve) {
+    for (const std::string& endpoint : endpoints) {
+      try {
+        requests_.unbind(endpoint);
+      } catch (const zmq::error_t& error) {
+        Log(absl::StrCat("unbinding ", endpoint, ": ", error.what()));
+      }
+    }
+    accepting_ = false;
+    if (metrics_ != nullptr) metrics_->SetAccepting(false);
+    // Unbinding also closes every connection made through the endpoints: the idle flood
+    // goes, and real clients connect again by themselves (ZeroMQ) into their sessions.
+    Log(absl::StrCat(open, " of ", limit, " descriptors open: not accepting connections until ",
+                     2 * reserve, " are free again; the connections made so far were closed "
+                     "(clients connect again; their sessions stay)"));
+  } else if (!accepting_ && left >= 2 * reserve) {
+    try {
+      for (const std::string& endpoint : endpoints) requests_.bind(endpoint);
+      accepting_ = true;
+      if (metrics_ != nullptr) metrics_->SetAccepting(true);
+      Log(absl::StrCat(open, " of ", limit, " descriptors open: accepting connections again"));
+    } catch (const zmq::error_t& error) {
+      Log(absl::StrCat("binding the request endpoints again: ", error.what()));
+    }
+  }
 }
 
 void CacheManagerServer::ServeFdChannel() {

@@ -90,6 +90,15 @@ class CacheManagerServer {
   };
   DrainResult DrainForShutdown();
   void ServeFdChannel();
+  // Stops accepting connections (unbinds the request endpoints, which also closes the
+  // connections made through them) while fewer than a reserve of descriptors are left
+  // under RLIMIT_NOFILE, and binds them again once twice the reserve is free: a flood of
+  // idle connections cannot make libzmq fail an accept (which aborts the process). Clients
+  // connect again by themselves (ZeroMQ) and keep their sessions; a reply lost meanwhile is
+  // learnt by retrying (the Step replay cache).
+  void GuardDescriptors();
+  // Drains the request socket's monitor (connections accepted or closed); true if any.
+  bool DrainMonitor();
   void PublishEvents();
   void PublishSnapshot();
 
@@ -103,6 +112,8 @@ class CacheManagerServer {
 
   zmq::context_t context_;
   zmq::socket_t requests_;
+  zmq::socket_t monitor_;  // PAIR on requests_'s monitor: accepted and closed connections
+  bool accepting_ = true;
   zmq::socket_t events_;
 
   flatbuffers::FlatBufferBuilder reply_;

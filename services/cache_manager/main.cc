@@ -7,6 +7,7 @@
 // on stderr.
 
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <unistd.h>
 
@@ -185,6 +186,17 @@ absl::StatusOr<PoolBudget> BudgetFromFlags(PoolBackend backend) {
   return PoolBudget::FractionOfFree(free_bytes, fraction);
 }
 
+// Every connection holds a descriptor: the soft limit (often 1024) goes up to the hard one.
+void RaiseDescriptorLimit() {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur >= limit.rlim_max) return;
+  const rlim_t before = limit.rlim_cur;
+  limit.rlim_cur = limit.rlim_max;
+  if (::setrlimit(RLIMIT_NOFILE, &limit) == 0) {
+    Log(absl::StrCat("file descriptor limit raised from ", before, " to ", limit.rlim_cur));
+  }
+}
+
 int Main() {
   // Before any thread starts: see common/base/termination_signals.h.
   UniqueFd signal_fd = BlockTerminationSignals();
@@ -233,6 +245,7 @@ int Main() {
     return fail(checked);
   }
 
+  RaiseDescriptorLimit();
   // The lock first: a second instance must fail before it allocates or binds anything.
   const std::string run_dir_path = absl::GetFlag(FLAGS_run_dir).empty()
                                        ? RunDirectory::DefaultPath()

@@ -63,6 +63,8 @@ absl::StatusOr<std::unique_ptr<CacheManagerProcess>> CacheManagerProcess::Start(
   if (!log_dir.ok()) return log_dir.status();
   process_options.output_path = log_dir->path() + "/output";
   process_options.env = options.env;
+  process_options.argv.insert(process_options.argv.begin(), options.wrapper.begin(),
+                              options.wrapper.end());
 
   absl::StatusOr<std::unique_ptr<Subprocess>> process = Subprocess::Start(process_options);
   if (!process.ok()) return process.status();

@@ -53,6 +53,9 @@ struct CacheManagerOptions {
   // "NAME=value" entries for its environment (Subprocess::Options::env), e.g. an
   // LD_PRELOAD of the clock-offset library (tests/support/clock_offset_preload.cc).
   std::vector<std::string> env;
+  // Run the binary through this command line, e.g. {"prlimit", "--nofile=256:256"} (it must
+  // exec the binary, so that the pid stays the cache manager's).
+  std::vector<std::string> wrapper;
   absl::Duration ready_timeout = absl::Seconds(30);
 };
 

@@ -3,6 +3,12 @@
 // client's blocks are quarantined, its old session refused, and it can register anew.
 // Every test checks that the pool is whole afterwards.
 
+#include <sys/socket.h>
+#include <sys/un.h>
+
+#include <cerrno>
+#include <cstring>
+
 #include "tests/services/cache_manager/live_cache_manager.h"
 
 namespace kvcm::live_test {
@@ -111,6 +117,73 @@ TEST(CacheManagerFaultTest, StoppedClientIsQuarantinedThenRefusedThenRegistersAn
   EXPECT_EQ(after->in_use_blocks, 0);
   EXPECT_GE(after->cached_blocks, kHeld);  // committed blocks of the old session stay cached
   ExpectWhole(*after);
+}
+
+TEST(CacheManagerFaultTest, AFloodOfIdleConnectionsAtTheDescriptorLimitIsShedAndNoSessionIsLost) {
+  // 256 descriptors at most (soft and hard), then far more idle connections than that.
+  CacheManagerOptions options;
+  options.num_blocks = kBlocks;
+  options.block_size = kBlockSize;
+  options.wrapper = {"prlimit", "--nofile=256:256"};
+  auto started = CacheManagerProcess::Start(options);
+  ASSERT_TRUE(started.ok()) << started.status();
+  CacheManagerProcess& manager = **started;
+  auto client = Connect(manager);
+  ASSERT_NE(client, nullptr);
+  StepBatch step;
+  step.Allocate(1, 10 * kBlockSize);
+  ASSERT_TRUE(client->Step(step).ok());
+
+  const std::string path = manager.endpoint().substr(std::string("ipc://").size());
+  std::vector<int> idle;
+  for (int i = 0; i < 600; ++i) {
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_un address{};
+    address.sun_family = AF_UNIX;
+    std::snprintf(address.sun_path, sizeof(address.sun_path), "%s", path.c_str());
+    if (::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) != 0) {
+      ::close(fd);  // the cache manager stopped listening
+      continue;
+    }
+    idle.push_back(fd);
+    if (i % 50 == 49) absl::SleepFor(absl::Milliseconds(20));  // let it accept
+  }
+  std::printf("%zu idle connections made\n", idle.size());
+  auto refusing = manager.process().WaitForLine("not accepting connections",
+                                                absl::Now() + absl::Seconds(10));
+  ASSERT_TRUE(refusing.ok()) << refusing.status() << "\n" << manager.Output();
+
+  // Unbinding dropped every connection made through the endpoint: the idle ones read EOF.
+  for (int fd : idle) {
+    timeval timeout{5, 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+    // libzmq sends its greeting first; what follows it must be the end of the stream.
+    ssize_t n = 0;
+    char greeting[64];
+    while ((n = ::recv(fd, greeting, sizeof(greeting), 0)) > 0) {
+    }
+    EXPECT_EQ(n, 0) << "an idle connection was not dropped: " << std::strerror(errno);
+    ::close(fd);
+  }
+  // With its descriptors back it accepts again; the router's DEALER connected again by
+  // itself and its session, blocks and lease are intact.
+  auto accepting = manager.process().WaitForLine("accepting connections again",
+                                                 absl::Now() + absl::Seconds(10));
+  ASSERT_TRUE(accepting.ok()) << accepting.status() << "\n" << manager.Output();
+  auto stats = client->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status() << "\n" << manager.Output();
+  EXPECT_EQ(stats->in_use_blocks, 10);
+  EXPECT_FALSE(client->session_lost());
+  ExpectWhole(*stats);
+  auto newcomer = Connect(manager);
+  ASSERT_NE(newcomer, nullptr);
+  EXPECT_TRUE(newcomer->Stats().ok());
+  auto metrics = kvcm::testing::HttpGet(manager.metrics_url());
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  auto parsed = kvcm::testing::ParseMetricsText(metrics->body);
+  ASSERT_TRUE(parsed.ok());
+  EXPECT_EQ(*parsed->Value("kvcm_cache_manager_accepting_connections", {}), 1);
 }
 
 }  // namespace
