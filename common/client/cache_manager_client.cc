@@ -240,6 +240,7 @@ absl::StatusOr<std::unique_ptr<CacheManagerClient>> CacheManagerClient::Connect(
   if (options.call_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("call_timeout must be positive");
   }
+  KVCM_RETURN_IF_ERROR(CheckIpcDirectory(options.endpoint));
   KVCM_RETURN_IF_ERROR(ProbeIpcListener(options.endpoint));
   std::unique_ptr<CacheManagerClient> client(new CacheManagerClient(std::move(options)));
   try {

@@ -322,6 +322,8 @@ class CacheManagerClient {
   // Connects a DEALER to options.endpoint and registers (Hello with this process's pid).
   // For an ipc:// endpoint it first checks that something listens on the socket file.
   // UNAVAILABLE "no socket file at ..." / "nothing listens on ..." when nothing runs there;
+  // PERMISSION_DENIED when the ipc:// socket's directory belongs to another user or others
+  // can write it (CheckIpcDirectory);
   // DEADLINE_EXCEEDED when Hello is not answered in time; INVALID_ARGUMENT for an empty
   // endpoint or a name over 128 bytes; the cache manager's error for a refused Hello.
   static absl::StatusOr<std::unique_ptr<CacheManagerClient>> Connect(Options options);

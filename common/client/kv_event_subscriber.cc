@@ -37,6 +37,7 @@ absl::StatusOr<std::unique_ptr<KvEventSubscriber>> KvEventSubscriber::Connect(Op
   if (options.endpoint.empty()) {
     return absl::InvalidArgumentError("KV event endpoint is empty");
   }
+  KVCM_RETURN_IF_ERROR(CheckIpcDirectory(options.endpoint));
   KVCM_RETURN_IF_ERROR(ProbeIpcListener(options.endpoint));
   std::unique_ptr<KvEventSubscriber> subscriber(new KvEventSubscriber(std::move(options)));
   try {

@@ -219,6 +219,18 @@ absl::StatusOr<ReceivedFd> ReceiveFdFromChannel(const std::string& socket_path,
                                        " (is the cache manager running?)"))
             .message());
   }
+  // The server must be this user (or root): a socket planted by someone else would hand
+  // out memory of their choosing.
+  ucred server{};
+  socklen_t server_len = sizeof(server);
+  if (::getsockopt(sock.get(), SOL_SOCKET, SO_PEERCRED, &server, &server_len) != 0) {
+    return ErrnoError(errno, "fd channel: SO_PEERCRED");
+  }
+  if (server.uid != ::geteuid() && server.uid != 0) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "fd channel ", socket_path, " is served by uid ", server.uid, " (pid ", server.pid,
+        "), not by this user (uid ", ::geteuid(), "): refusing its descriptor"));
+  }
 
   uint8_t buffer[sizeof(uint32_t) + kMaxFdChannelHeaderBytes];
   size_t want = sizeof(uint32_t);  // the length first, then the header it announces

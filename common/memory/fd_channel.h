@@ -91,6 +91,8 @@ struct ReceivedFd {
 };
 
 // Connects to the listener at `socket_path` and waits up to `timeout` for its message.
+// PERMISSION_DENIED when the listening process belongs to another user than this one (and
+// is not root): nothing is received from it.
 // UNAVAILABLE when nothing listens there, or the connection closed without a descriptor
 // (the message says the cache manager may have refused this uid); DEADLINE_EXCEEDED when
 // no message came in time; DATA_LOSS for a malformed message (header length over the

@@ -71,6 +71,13 @@ std::optional<std::string> IpcPath(std::string_view endpoint);
 // transports (tcp://, inproc://) are OK without a check.
 absl::Status ProbeIpcListener(std::string_view endpoint);
 
+// For an ipc:// endpoint, checks that the directory holding its socket file belongs to this
+// user (or root) and that nobody else can write there: otherwise another user could have
+// put a socket of their own there, and a client would hand its requests to it (and map
+// memory it sends). PERMISSION_DENIED naming the directory, its owner and mode; NOT_FOUND
+// for a missing directory. Other transports are OK without a check.
+absl::Status CheckIpcDirectory(std::string_view endpoint);
+
 // A bytes view of a message frame.
 inline std::span<const uint8_t> FrameBytes(const zmq::message_t& frame) {
   return {static_cast<const uint8_t*>(frame.data()), frame.size()};

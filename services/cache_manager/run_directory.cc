@@ -32,8 +32,23 @@ absl::Status MakeDirectory(const std::string& path) {
     return absl::InternalError(absl::StrCat("cannot create run directory ", path, ": ",
                                             Errno()));
   }
+  // Opened without following a symbolic link, then checked and fixed through the
+  // descriptor: a link planted at the path cannot make the cache manager use (or chmod)
+  // another user's directory.
+  UniqueFd dir(::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+  if (!dir.valid()) {
+    struct stat link {};
+    if ((errno == ELOOP || errno == ENOTDIR) && ::lstat(path.c_str(), &link) == 0 &&
+        S_ISLNK(link.st_mode)) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "run directory ", path, " is a symbolic link: refused (it could lead into another "
+          "user's directory); give the real path"));
+    }
+    return absl::InternalError(absl::StrCat("run directory ", path, " cannot be opened: ",
+                                            Errno()));
+  }
   struct stat st {};
-  if (::stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+  if (::fstat(dir.get(), &st) != 0 || !S_ISDIR(st.st_mode)) {
     return absl::InternalError(absl::StrCat("run directory ", path, " is not a directory"));
   }
   if (st.st_uid != ::geteuid()) {
@@ -41,7 +56,7 @@ absl::Status MakeDirectory(const std::string& path) {
         "run directory ", path, " belongs to uid ", st.st_uid, ", not to this user (uid ",
         ::geteuid(), ")"));
   }
-  if ((st.st_mode & 0777) != 0700 && ::chmod(path.c_str(), 0700) != 0) {
+  if ((st.st_mode & 0777) != 0700 && ::fchmod(dir.get(), 0700) != 0) {
     return absl::InternalError(absl::StrCat("cannot chmod 0700 ", path, ": ", Errno()));
   }
   return absl::OkStatus();
@@ -78,7 +93,7 @@ absl::StatusOr<RunDirectory> RunDirectory::Acquire(const std::string& path_in) {
   if (absl::Status made = MakeDirectory(path); !made.ok()) return made;
 
   const std::string lock_path = absl::StrCat(path, "/", kLockFile);
-  UniqueFd lock(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
+  UniqueFd lock(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600));
   if (!lock.valid()) {
     return absl::InternalError(absl::StrCat("cannot open ", lock_path, ": ", Errno()));
   }

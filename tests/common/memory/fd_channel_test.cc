@@ -1,8 +1,10 @@
 #include "common/memory/fd_channel.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -119,6 +121,49 @@ TEST(FdChannelTest, RefusesUidNotInAllowedList) {
   EXPECT_THAT(received.status().message(),
               HasSubstr("connection closed without a descriptor: the cache manager refused "
                         "this uid?"));
+}
+
+TEST(FdChannelTest, AChannelServedByAnotherUserIsRefusedByTheClient) {
+  // Root is trusted by every client, so both ends run as other users: the server as
+  // nobody (65534), the client as uid 1000.
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to run both ends as other users";
+  TempDir dir;
+  ASSERT_EQ(::chmod(dir.path().c_str(), 0777), 0);
+  const std::string path = dir.File("s");
+  // The server: uid 65534 (nobody), serving one descriptor to anyone.
+  const pid_t server = ::fork();
+  ASSERT_GE(server, 0);
+  if (server == 0) {
+    if (::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(3);
+    auto listener = FdChannelListener::Create(path, {0, 65534, 1000});
+    if (!listener.ok()) ::_exit(4);
+    // Connectable by anyone: what is tested is the client's check of who serves.
+    if (::chmod(path.c_str(), 0777) != 0) ::_exit(5);
+    for (int i = 0; i < 500 && !WaitReadable(listener->listen_fd(),
+                                             std::chrono::milliseconds(20)); ++i) {
+    }
+    (void)listener->ServeOne(STDIN_FILENO, {});
+    ::_exit(0);
+  }
+  // The client: uid 1000, neither root nor the server's user.
+  const pid_t client = ::fork();
+  ASSERT_GE(client, 0);
+  if (client == 0) {
+    if (::setgid(1000) != 0 || ::setuid(1000) != 0) ::_exit(3);
+    struct stat st {};
+    for (int i = 0; i < 500 && (::stat(path.c_str(), &st) != 0 || (st.st_mode & 0777) != 0777);
+         ++i) {
+      ::usleep(10000);  // until the server has opened its socket to everyone
+    }
+    const absl::StatusOr<ReceivedFd> received = ReceiveFdFromChannel(path, absl::Seconds(5));
+    ::_exit(absl::IsPermissionDenied(received.status()) ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(client, &status, 0), client);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "the client took a descriptor from another user";
+  ::kill(server, SIGKILL);
+  ::waitpid(server, &status, 0);
 }
 
 TEST(FdChannelTest, ServeOneWithoutPendingConnectionIsUnavailable) {

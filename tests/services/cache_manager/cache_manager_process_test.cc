@@ -14,6 +14,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_join.h"
+#include "gmock/gmock.h"
 #include "common/base/run_dir.h"
 #include "common/memory/fd_channel.h"
 #include "common/transport/zmq_util.h"
@@ -99,6 +100,40 @@ TEST(CacheManagerProcessTest, TheReadyLineNamesTheTcpEndpointItBound) {
   auto client = CacheManagerClient::Connect(client_options);
   ASSERT_TRUE(client.ok()) << client.status();
   EXPECT_TRUE((*client)->Stats().ok());
+}
+
+TEST(CacheManagerProcessTest, ASymlinkedRunDirectoryIsRefused) {
+  auto dir = kvcm::testing::TempDir::Create("kvcm-link");
+  ASSERT_TRUE(dir.ok());
+  const std::string real = dir->path() + "/real";
+  const std::string link = dir->path() + "/link";
+  ASSERT_EQ(::mkdir(real.c_str(), 0700), 0);
+  ASSERT_EQ(::symlink(real.c_str(), link.c_str()), 0);
+  auto run = kvcm::testing::RunProgram(
+      {kvcm::testing::KvcmBinaryPath("kvcm-cache-manager"), "--run-dir", link, "--backend",
+       "shm", "--num-blocks", "16", "--layers", "1", "--kv-heads", "1", "--head-dim", "8",
+       "--metrics-address", "127.0.0.1:0"},
+      "", absl::Seconds(30));
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_EQ(run->exit_code, 1);
+  EXPECT_NE(run->output.find("is a symbolic link"), std::string::npos) << run->output;
+  struct stat st {};
+  EXPECT_NE(::stat((real + "/cache-manager.lock").c_str(), &st), 0) << "it used the link";
+}
+
+TEST(CacheManagerProcessTest, ClientsRefuseARunDirectoryOthersCanWrite) {
+  auto manager = StartManager();
+  ASSERT_NE(manager, nullptr);
+  ASSERT_EQ(::chmod(manager->run_dir().c_str(), 0777), 0);
+  CacheManagerClient::Options options;
+  options.endpoint = manager->endpoint();
+  options.role = wire::Role::Router;
+  auto refused = CacheManagerClient::Connect(options);
+  EXPECT_TRUE(absl::IsPermissionDenied(refused.status())) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), ::testing::HasSubstr("mode 0777"));
+  ASSERT_EQ(::chmod(manager->run_dir().c_str(), 0700), 0);
+  auto accepted = CacheManagerClient::Connect(options);
+  EXPECT_TRUE(accepted.ok()) << accepted.status();
 }
 
 TEST(CacheManagerProcessTest, GarbageOnTheRealSocketGetsErrorRepliesAndChangesNothing) {
