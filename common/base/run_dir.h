@@ -17,6 +17,8 @@ inline constexpr char kCacheManagerSocket[] = "cache-manager.sock";  // requests
 inline constexpr char kEventSocket[] = "events.sock";                // KV events (PUB)
 inline constexpr char kFdChannelSocket[] = "pool-fd.sock";           // the shm pool's memfd
 inline constexpr char kCacheManagerLockFile[] = "cache-manager.lock";
+// With --tcp-address: the secret a Router or Executor gives in Hello over tcp:// (mode 0600).
+inline constexpr char kTcpSecretFile[] = "tcp-secret";
 
 // $XDG_RUNTIME_DIR/kvcm when that is an absolute path, else /tmp/kvcm-<euid>.
 inline std::string DefaultRunDir(const char* xdg_runtime_dir, uid_t euid) {

@@ -1,5 +1,7 @@
 #include "common/client/cache_manager_client.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -7,10 +9,14 @@
 #include <limits>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/string_view.h"
 #include "common/base/check.h"
 #include "common/base/monotonic_clock.h"
 #include "common/base/status_macros.h"
+#include "common/base/unique_fd.h"
 #include "common/memory/fd_channel.h"
 #include "common/transport/zmq_util.h"
 #include "common/wire/convert.h"
@@ -224,6 +230,27 @@ absl::StatusOr<AttachedPool> CheckPoolDescriptor(const wire::PoolDescriptor* des
 
 // ---- CacheManagerClient ---------------------------------------------------------------------
 
+absl::StatusOr<std::string> ReadSecretFile(const std::string& path) {
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+  if (!fd.valid()) {
+    return absl::NotFoundError(absl::StrCat("cannot open the secret file ", path, ": ",
+                                            std::strerror(errno)));
+  }
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(path, " is not a regular file"));
+  }
+  if ((st.st_mode & 077) != 0) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "the secret file ", path, " can be read by other users (mode ",
+        absl::StrFormat("%04o", st.st_mode & 07777), "): refusing it; it must be 0600"));
+  }
+  char buffer[256];
+  const ssize_t n = ::read(fd.get(), buffer, sizeof(buffer));
+  if (n < 0) return absl::InternalError(absl::StrCat("reading ", path, ": ", std::strerror(errno)));
+  return std::string(absl::StripAsciiWhitespace(absl::string_view(buffer, static_cast<size_t>(n))));
+}
+
 CacheManagerClient::CacheManagerClient(Options options)
     : options_(std::move(options)), context_(1), socket_(context_, zmq::socket_type::dealer) {
   ConfigureDealer(socket_, options_.call_timeout);
@@ -242,6 +269,9 @@ absl::StatusOr<std::unique_ptr<CacheManagerClient>> CacheManagerClient::Connect(
   }
   KVCM_RETURN_IF_ERROR(CheckIpcDirectory(options.endpoint));
   KVCM_RETURN_IF_ERROR(ProbeIpcListener(options.endpoint));
+  if (options.secret.empty() && !options.secret_file.empty()) {
+    KVCM_ASSIGN_OR_RETURN(options.secret, ReadSecretFile(options.secret_file));
+  }
   std::unique_ptr<CacheManagerClient> client(new CacheManagerClient(std::move(options)));
   try {
     client->socket_.connect(client->options_.endpoint);
@@ -328,8 +358,10 @@ absl::Status CacheManagerClient::Register() {
   NoteProgress();
   flatbuffers::FlatBufferBuilder builder(256);
   const auto name = builder.CreateString(options_.name);
+  const auto secret = options_.secret.empty() ? flatbuffers::Offset<flatbuffers::String>()
+                                              : builder.CreateString(options_.secret);
   const auto hello =
-      wire::CreateHello(builder, options_.role, static_cast<int32_t>(getpid()), name);
+      wire::CreateHello(builder, options_.role, static_cast<int32_t>(getpid()), name, secret);
   const uint64_t request_id = next_request_id_++;
   FinishEnvelope(builder, request_id, /*session_id=*/0, /*epoch=*/0, wire::Message::Hello,
                  hello.Union());

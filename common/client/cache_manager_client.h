@@ -292,6 +292,11 @@ struct AttachedPool {
 absl::StatusOr<AttachedPool> CheckPoolDescriptor(const wire::PoolDescriptor* descriptor,
                                                  int32_t expected_num_blocks);
 
+// The secret in `path` (a file of mode 0600, as the cache manager writes RUN_DIR/tcp-secret),
+// surrounding whitespace dropped. NOT_FOUND when it cannot be opened, PERMISSION_DENIED when
+// others may read it.
+absl::StatusOr<std::string> ReadSecretFile(const std::string& path);
+
 // ---- The client -----------------------------------------------------------------------------
 
 class CacheManagerClient {
@@ -317,6 +322,12 @@ class CacheManagerClient {
     // lease and is quarantined like a hung process. Its loop must call NoteProgress()
     // while idle. Off: heartbeats go out as long as the process runs.
     bool require_progress = false;
+    // Over tcp://, a Router or Executor must prove it may use the pool: the contents of the
+    // cache manager's RUN_DIR/tcp-secret (mode 0600), given as `secret` or read from
+    // `secret_file` at Connect. Without it the cache manager grants only a read-only
+    // control session. Not needed over ipc:// (the kernel vouches for the peer).
+    std::string secret;
+    std::string secret_file;
   };
 
   // Connects a DEALER to options.endpoint and registers (Hello with this process's pid).

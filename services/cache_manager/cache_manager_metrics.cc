@@ -159,7 +159,7 @@ constexpr std::array<std::string_view, kRejectReasons> kRejectReasonNames = {
 constexpr std::array<std::string_view, kSessionRoles> kSessionRoleNames = {"router", "executor",
                                                                            "control"};
 constexpr std::array<std::string_view, kReclaimReasons> kReclaimReasonNames = {
-    "client_died", "goodbye", "session_replaced"};
+    "client_died", "goodbye", "session_replaced", "lease_expired"};
 
 template <size_t N>
 constexpr bool AllNamed(const std::array<std::string_view, N>& names) {

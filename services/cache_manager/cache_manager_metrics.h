@@ -87,9 +87,17 @@ inline constexpr int kSessionRoles = static_cast<int>(SessionRole::kCount);
 std::string_view SessionRoleName(SessionRole role);
 
 // Why a session's blocks went back to the pool (label `reason`).
-enum class ReclaimReason : uint8_t { kClientDied, kGoodbye, kSessionReplaced, kCount };
+// kLeaseExpired: the session's pid could not be verified (tcp://), so it can never be proven
+// dead or replaced; after its lease ran out its blocks drain behind a fence and are freed.
+enum class ReclaimReason : uint8_t {
+  kClientDied,
+  kGoodbye,
+  kSessionReplaced,
+  kLeaseExpired,
+  kCount
+};
 inline constexpr int kReclaimReasons = static_cast<int>(ReclaimReason::kCount);
-// "client_died", "goodbye", "session_replaced". REQUIRES: reason != kCount.
+// "client_died", "goodbye", "session_replaced", "lease_expired". REQUIRES: reason != kCount.
 std::string_view ReclaimReasonName(ReclaimReason reason);
 
 // The state the snapshot metrics are built from, taken by the cache manager on its ledger

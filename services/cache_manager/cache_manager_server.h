@@ -73,6 +73,7 @@ class CacheManagerServer {
   std::string request_endpoint() const;
   // The tcp:// endpoint bound (with the port chosen for "*"); empty without one.
   const std::string& tcp_endpoint() const { return tcp_bound_; }
+  std::string tcp_secret_path() const { return run_dir_.File(RunDirectory::kTcpSecretFile); }
   std::string event_endpoint() const;
 
  private:

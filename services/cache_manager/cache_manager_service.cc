@@ -202,6 +202,16 @@ void CacheManagerService::Handle(const std::optional<PeerCredentials>& peer,
   session->last_seen = now;
 
   using M = wire::Message;
+  if (!session->authenticated &&
+      (*type == RequestType::kAttach || *type == RequestType::kStep ||
+       *type == RequestType::kPin || *type == RequestType::kUnpin)) {
+    return Reject(request_id,
+                  {RejectReason::kPermissionDenied, wire::ErrorCode::PermissionDenied,
+                   absl::StrCat("session ", session->id, " came over tcp:// without the "
+                                "run directory's secret: it may read, but not attach, pin or "
+                                "step")},
+                  reply);
+  }
   switch (envelope.payload_type()) {
     case M::Heartbeat: return HandleHeartbeat(envelope, *session, reply);
     case M::Goodbye: {
@@ -231,6 +241,18 @@ void CacheManagerService::Handle(const std::optional<PeerCredentials>& peer,
       return;
     }
   }
+}
+
+bool CacheManagerService::SecretMatches(const flatbuffers::String* given) const {
+  if (options_.tcp_secret.empty() || given == nullptr) return false;
+  const std::string& secret = options_.tcp_secret;
+  if (given->size() != secret.size()) return false;
+  // Constant time in the contents: a peer learns nothing from how long a refusal took.
+  uint8_t difference = 0;
+  for (size_t i = 0; i < secret.size(); ++i) {
+    difference |= static_cast<uint8_t>(given->c_str()[i] ^ secret[i]);
+  }
+  return difference == 0;
 }
 
 void CacheManagerService::RefuseMalformed(uint64_t request_id, std::string_view reason,
@@ -315,6 +337,16 @@ void CacheManagerService::HandleHello(const wire::Envelope& envelope,
                    "Hello needs the client's pid"},
                   reply);
   }
+  const bool granted = peer.has_value() || SecretMatches(hello->secret());
+  if (!granted && hello->role() != wire::Role::Control) {
+    return Reject(request_id,
+                  {RejectReason::kPermissionDenied, wire::ErrorCode::PermissionDenied,
+                   absl::StrCat("over tcp:// a ", RoleName(hello->role()),
+                                " must give the secret of the cache manager's run directory "
+                                "(RUN_DIR/tcp-secret); without it only a control session "
+                                "(read-only) is granted")},
+                  reply);
+  }
   if (peer && hello->pid() != peer->pid) {
     return Reject(request_id,
                   {RejectReason::kPermissionDenied, wire::ErrorCode::PermissionDenied,
@@ -324,12 +356,13 @@ void CacheManagerService::HandleHello(const wire::Envelope& envelope,
   }
   const pid_t pid = hello->pid();
   // The same process registering again after quarantine has given up its old session; an
-  // executor's fences go with it to the new one (it is still the same writer).
+  // executor's fences go with it to the new one (it is still the same writer). Only a pid
+  // the kernel vouched for can replace a session: a pid claimed over tcp:// may be anyone's.
   std::vector<uint64_t> replaced;
   int32_t of_process = 0;
   for (const auto& [id, session] : sessions_) {
     if (session.pid != pid) continue;
-    if (session.quarantined) {
+    if (session.quarantined && peer.has_value() && session.pid_verified) {
       replaced.push_back(id);
     } else {
       ++of_process;
@@ -353,6 +386,7 @@ void CacheManagerService::HandleHello(const wire::Envelope& envelope,
   session.pid = pid;
   session.name = hello->name() != nullptr ? hello->name()->str() : std::string();
   session.last_seen = now;
+  session.authenticated = granted;
   if (peer) {
     // Only credentials the kernel vouched for are watched: a pid claimed over tcp:// may
     // belong to anybody (or to another pid namespace).
@@ -491,6 +525,16 @@ int CacheManagerService::ExpireSessions(absl::Time now) {
       ++quarantined;
     }
   }
+  // A router whose pid cannot be verified (tcp://) can never be proven dead nor replaced:
+  // once its lease ran out it ends, and its sequences drain behind a fence for the
+  // executors, which are the writers (counted as lease_expired).
+  std::vector<uint64_t> unverified;
+  for (const auto& [id, session] : sessions_) {
+    if (session.quarantined && !session.pid_verified && !session.seqs.empty()) {
+      unverified.push_back(id);
+    }
+  }
+  for (uint64_t id : unverified) EndSession(id, ReclaimReason::kLeaseExpired);
   // Sessions holding nothing have nothing to quarantine: end them at once (a kvcmctl that
   // was killed between calls, an executor that hung).
   std::vector<uint64_t> empty;

@@ -115,6 +115,9 @@ class CacheManagerService {
     int32_t max_sessions_per_process = 64;
     int32_t max_sequences_per_session = 1 << 20;
     PoolExport pool;
+    // The secret a Router or Executor must give in Hello over tcp:// (the contents of
+    // RUN_DIR/tcp-secret); empty: no tcp:// endpoint, so every peer has credentials.
+    std::string tcp_secret;
     // Reported in StatsReply so that tools can find them.
     std::string events_endpoint;
     std::string metrics_url;
@@ -194,6 +197,9 @@ class CacheManagerService {
     wire::Role role = wire::Role::Unknown;
     pid_t pid = 0;              // 0 when unknown (tcp:// client)
     bool pid_verified = false;  // pid came from ipc:// credentials (and is watched)
+    // ipc:// (the kernel vouched for the peer) or tcp:// with the secret. Otherwise only
+    // reads: no Attach, Pin, Unpin or Step.
+    bool authenticated = false;
     std::string name;
     absl::Time last_seen;
     bool quarantined = false;
@@ -232,6 +238,8 @@ class CacheManagerService {
 
   void Reject(uint64_t request_id, const Rejection& rejection,
               flatbuffers::FlatBufferBuilder* reply);
+  // Whether `given` equals options_.tcp_secret (never when that is empty).
+  bool SecretMatches(const flatbuffers::String* given) const;
   // Session checks for every request but Hello; null (and `rejection` set) on failure.
   Session* CheckSession(const wire::Envelope& envelope,
                         const std::optional<PeerCredentials>& peer, Rejection* rejection);

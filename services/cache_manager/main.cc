@@ -252,6 +252,11 @@ int Main() {
                                        : absl::GetFlag(FLAGS_run_dir);
   auto run_dir = RunDirectory::Acquire(run_dir_path);
   if (!run_dir.ok()) return fail(run_dir.status());
+  if (!tcp_endpoint.empty()) {
+    auto secret = run_dir->CreateTcpSecret();
+    if (!secret.ok()) return fail(secret.status());
+    service.tcp_secret = *std::move(secret);
+  }
 
   Log(absl::StrCat("pool plan (", std::string(PoolBackendName(*backend)), " backend):\n",
                    DescribePlan(*plan)));
@@ -290,6 +295,11 @@ int Main() {
                    " metrics=", (*metrics_server)->url(),
                    (*server)->tcp_endpoint().empty() ? ""
                                                      : " tcp=" + (*server)->tcp_endpoint()));
+  if (!service.tcp_secret.empty()) {
+    Log(absl::StrCat("routers and executors on ", (*server)->tcp_endpoint(),
+                     " must give the secret in ", (*server)->tcp_secret_path(),
+                     " (mode 0600); without it a peer gets a read-only control session"));
+  }
   const absl::Status ran = (*server)->Run();
   server->reset();
   if (!ran.ok()) return fail(ran);

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -112,15 +113,36 @@ absl::StatusOr<RunDirectory> RunDirectory::Acquire(const std::string& path_in) {
                                             Errno()));
   }
   // Whoever held the lock before us is gone: its socket files are stale.
-  for (const char* name : {kRequestSocket, kEventSocket, kFdChannelSocket}) {
+  for (const char* name : {kRequestSocket, kEventSocket, kFdChannelSocket, kTcpSecretFile}) {
     ::unlink(absl::StrCat(path, "/", name).c_str());
   }
   return RunDirectory(std::move(path), std::move(lock));
 }
 
+absl::StatusOr<std::string> RunDirectory::CreateTcpSecret() {
+  uint8_t bytes[32];
+  for (size_t got = 0; got < sizeof(bytes);) {
+    const ssize_t n = ::getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return absl::InternalError(absl::StrCat("getrandom: ", Errno()));
+    got += static_cast<size_t>(n);
+  }
+  std::string secret;
+  for (uint8_t byte : bytes) absl::StrAppend(&secret, absl::Hex(byte, absl::kZeroPad2));
+  const std::string path = File(kTcpSecretFile);
+  ::unlink(path.c_str());
+  UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
+  if (!fd.valid()) return absl::InternalError(absl::StrCat("cannot create ", path, ": ", Errno()));
+  const std::string line = secret + "\n";
+  if (::write(fd.get(), line.data(), line.size()) != static_cast<ssize_t>(line.size())) {
+    return absl::InternalError(absl::StrCat("cannot write ", path, ": ", Errno()));
+  }
+  return secret;
+}
+
 RunDirectory::~RunDirectory() {
   if (!lock_.valid()) return;
-  for (const char* name : {kRequestSocket, kEventSocket, kFdChannelSocket}) {
+  for (const char* name : {kRequestSocket, kEventSocket, kFdChannelSocket, kTcpSecretFile}) {
     ::unlink(File(name).c_str());
   }
   // Closing lock_ releases the flock. The lock file stays: unlinking it would let two

@@ -27,6 +27,7 @@ class RunDirectory {
   static constexpr const auto& kEventSocket = kvcm::kEventSocket;
   static constexpr const auto& kFdChannelSocket = kvcm::kFdChannelSocket;
   static constexpr const auto& kLockFile = kvcm::kCacheManagerLockFile;
+  static constexpr const auto& kTcpSecretFile = kvcm::kTcpSecretFile;
 
   // DefaultRunDirFromEnvironment(): $XDG_RUNTIME_DIR/kvcm when set, else /tmp/kvcm-$UID.
   // Read by main() only.
@@ -45,6 +46,11 @@ class RunDirectory {
   const std::string& path() const { return path_; }
   std::string File(const char* name) const { return path_ + "/" + name; }
   std::string IpcEndpoint(const char* name) const { return IpcEndpointIn(path_, name); }
+
+  // Writes a new random secret (32 bytes from getrandom, as 64 hex digits) into
+  // kTcpSecretFile, mode 0600, replacing any earlier one; returns it. Removed with the
+  // directory's other files. INTERNAL when it cannot be written.
+  absl::StatusOr<std::string> CreateTcpSecret();
 
  private:
   RunDirectory(std::string path, UniqueFd lock) : path_(std::move(path)), lock_(std::move(lock)) {}

@@ -49,6 +49,9 @@ ABSL_FLAG(std::string, run_dir, "",
 ABSL_FLAG(std::string, cache_manager, "",
           "The cache manager's request endpoint instead of --run-dir, e.g. "
           "tcp://127.0.0.1:5557.");
+ABSL_FLAG(std::string, cache_manager_secret_file, "",
+          "With a tcp:// --cache-manager: the file holding its secret (the cache manager's "
+          "RUN_DIR/tcp-secret, copied with mode 0600); an executor without it is refused.");
 ABSL_FLAG(std::string, router, "",
           "The router's executor endpoint. Default: ipc://RUN_DIR/router-executors.sock.");
 ABSL_FLAG(std::string, name, "",
@@ -143,6 +146,7 @@ int Main() {
   CacheManagerPool::Options pool_options;
   pool_options.client.endpoint = cache_manager;
   pool_options.client.name = name;
+  pool_options.client.secret_file = absl::GetFlag(FLAGS_cache_manager_secret_file);
   pool_options.client.call_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_call_timeout_ms));
   pool_options.model = {config.num_hidden_layers, config.num_key_value_heads, config.head_dim};
   ExecutorModel executor_model(model->get());

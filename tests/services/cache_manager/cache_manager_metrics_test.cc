@@ -317,7 +317,7 @@ TEST(CacheManagerMetricsNamesTest, LabelValuesAreTheDocumentedOnes) {
                           "wrong_owner", "duplicate_sequence", "permission_denied",
                           "limit_exceeded", "shutting_down"));
   EXPECT_THAT(roles, ElementsAre("router", "executor", "control"));
-  EXPECT_THAT(reclaims, ElementsAre("client_died", "goodbye", "session_replaced"));
+  EXPECT_THAT(reclaims, ElementsAre("client_died", "goodbye", "session_replaced", "lease_expired"));
 }
 
 TEST(CacheManagerMetricsDeathTest, SnapshotOfAnotherPoolOrBrokenStatesDies) {

@@ -136,6 +136,66 @@ TEST(CacheManagerProcessTest, ClientsRefuseARunDirectoryOthersCanWrite) {
   EXPECT_TRUE(accepted.ok()) << accepted.status();
 }
 
+TEST(CacheManagerProcessTest, OverTcpOnlyPeersWithTheSecretMayUseThePool) {
+  CacheManagerOptions options;
+  options.extra_args = {"--tcp-address", "tcp://127.0.0.1:0"};
+  auto started = CacheManagerProcess::Start(options);
+  ASSERT_TRUE(started.ok()) << started.status();
+  CacheManagerProcess& manager = **started;
+  auto ready = manager.process().WaitForLine(" tcp=(tcp://[0-9.:]+)", absl::Now() + absl::Seconds(5));
+  ASSERT_TRUE(ready.ok()) << ready.status();
+  const std::string tcp = (*ready)[1];
+  const std::string secret_file = manager.run_dir() + "/tcp-secret";
+  struct stat st {};
+  ASSERT_EQ(::stat(secret_file.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+
+  auto connect = [&](wire::Role role, const std::string& secret) {
+    CacheManagerClient::Options client;
+    client.endpoint = tcp;
+    client.role = role;
+    client.heartbeats = false;
+    client.secret = secret;
+    return CacheManagerClient::Connect(client);
+  };
+  // A router or executor without the secret, or with a wrong one, is refused.
+  for (wire::Role role : {wire::Role::Router, wire::Role::Executor}) {
+    auto refused = connect(role, "");
+    EXPECT_TRUE(absl::IsPermissionDenied(refused.status())) << refused.status();
+    EXPECT_THAT(std::string(refused.status().message()), ::testing::HasSubstr("tcp-secret"));
+    auto wrong = connect(role, std::string(64, '0'));
+    EXPECT_TRUE(absl::IsPermissionDenied(wrong.status())) << wrong.status();
+  }
+  // A control session without it reads, but may not attach, pin or step.
+  auto reader = connect(wire::Role::Control, "");
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  EXPECT_TRUE((*reader)->Stats().ok());
+  EXPECT_TRUE(absl::IsPermissionDenied((*reader)->Attach().status()));
+  EXPECT_TRUE(absl::IsPermissionDenied((*reader)->Pin("p", {})));
+  StepBatch step;
+  step.Allocate(1, 8);
+  EXPECT_TRUE(absl::IsPermissionDenied((*reader)->Step(step).status()));
+
+  // With the secret file, a router steps.
+  CacheManagerClient::Options with_file;
+  with_file.endpoint = tcp;
+  with_file.role = wire::Role::Router;
+  with_file.heartbeats = false;
+  with_file.secret_file = secret_file;
+  auto router = CacheManagerClient::Connect(with_file);
+  ASSERT_TRUE(router.ok()) << router.status();
+  auto stepped = (*router)->Step(step);
+  ASSERT_TRUE(stepped.ok()) << stepped.status();
+  EXPECT_TRUE((*stepped)[0].status.ok());
+  // A secret file others can read is refused by the client itself.
+  ASSERT_EQ(::chmod(secret_file.c_str(), 0644), 0);
+  auto loose = CacheManagerClient::Connect(with_file);
+  EXPECT_TRUE(absl::IsPermissionDenied(loose.status())) << loose.status();
+  auto stats = (*reader)->Stats();
+  ASSERT_TRUE(stats.ok());
+  ExpectWhole(*stats);
+}
+
 TEST(CacheManagerProcessTest, GarbageOnTheRealSocketGetsErrorRepliesAndChangesNothing) {
   auto manager = StartManager();
   ASSERT_NE(manager, nullptr);

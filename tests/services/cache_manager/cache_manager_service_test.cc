@@ -91,7 +91,9 @@ class CacheManagerServiceTest : public ::testing::Test {
 
   // Sends `bytes` as `pid` (ipc:// credentials) and returns the verified reply.
   const wire::Envelope& Send(std::span<const uint8_t> bytes, pid_t pid = kRouterPid) {
-    PeerCredentials peer{1, 1, pid};
+    // Over tcp:// the service gets no credentials.
+    const std::optional<PeerCredentials> peer =
+        over_tcp_ ? std::nullopt : std::optional<PeerCredentials>(PeerCredentials{1, 1, pid});
     service_->Handle(peer, bytes, now_, &reply_);
     const VerifiedEnvelope verified = VerifyEnvelope(BufferSpan(reply_));
     EXPECT_EQ(verified.fault, EnvelopeFault::kNone) << verified.reason;
@@ -199,6 +201,7 @@ class CacheManagerServiceTest : public ::testing::Test {
 
   FakeWatcher watcher_;
   CacheManagerService::Options options_;
+  bool over_tcp_ = false;  // Send() without peer credentials
   absl::Time now_ = absl::FromUnixSeconds(1'000'000);
   std::unique_ptr<CacheManagerService> service_;
   flatbuffers::FlatBufferBuilder request_;
@@ -462,6 +465,47 @@ TEST_F(CacheManagerServiceTest, OnlyTokensOfEarlierStepsCanBeCommitted) {
   EXPECT_EQ(ErrorOf(Step(s, {Append(1, 2), Fork(1, 2), Commit(2, 8), Commit(1, 8)})),
             wire::ErrorCode::Ok);
   EXPECT_EQ(ErrorOf(Step(s, {Commit(1, 10), Commit(2, 10)})), wire::ErrorCode::Ok);
+  EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
+}
+
+TEST_F(CacheManagerServiceTest, OverTcpTheSecretGrantsRolesAndAClaimedPidReplacesNothing) {
+  options_.tcp_secret = "s3cret";
+  Restart();
+  // A verified router of pid kRouterPid, hung: quarantined with its blocks.
+  const uint64_t hung = Hello();
+  ASSERT_EQ(ErrorOf(Step(hung, {Allocate(1, 8)})), wire::ErrorCode::Ok);
+  now_ += absl::Seconds(4);
+  service_->ExpireSessions(now_);
+  ASSERT_EQ(service_->QuarantinedBlocks(), 2);
+
+  over_tcp_ = true;
+  auto hello = [&](wire::Role role, const char* secret) {
+    return &Request(
+        0, wire::Message::Hello,
+        [&](flatbuffers::FlatBufferBuilder& b) {
+          return wire::CreateHello(b, role, kRouterPid, b.CreateString("tcp"),
+                                   secret == nullptr ? 0 : b.CreateString(secret))
+              .Union();
+        },
+        kRouterPid, 0);
+  };
+  EXPECT_EQ(ErrorOf(*hello(wire::Role::Router, nullptr)), wire::ErrorCode::PermissionDenied);
+  EXPECT_EQ(ErrorOf(*hello(wire::Role::Executor, "wrong!")), wire::ErrorCode::PermissionDenied);
+  const wire::Envelope* granted = hello(wire::Role::Router, "s3cret");
+  ASSERT_EQ(granted->payload_type(), wire::Message::HelloReply);
+  const uint64_t remote = granted->payload_as_HelloReply()->session_id();
+  // Claiming the hung router's pid ended nothing: it is still quarantined.
+  EXPECT_EQ(service_->QuarantinedBlocks(), 2);
+
+  // The tcp router's pid can never be proven dead: when its lease runs out, it ends and its
+  // blocks come back (no executor could be writing them).
+  ASSERT_EQ(ErrorOf(Step(remote, {Allocate(2, 12)})), wire::ErrorCode::Ok);
+  EXPECT_EQ(service_->ledger().Stats().in_use_blocks, 5);
+  now_ += absl::Seconds(4);
+  service_->ExpireSessions(now_);
+  EXPECT_EQ(service_->ledger().Stats().in_use_blocks, 2);  // the hung ipc router's only
+  EXPECT_EQ(service_->QuarantinedBlocks(), 2);
+  over_tcp_ = false;
   EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
 }
 
