@@ -569,6 +569,14 @@ absl::StatusOr<SessionSnapshot> CacheManagerClient::DescribeSession() {
   return out;
 }
 
+absl::StatusOr<int32_t> CacheManagerClient::EndSession(uint64_t session_id) {
+  flatbuffers::FlatBufferBuilder builder(64);
+  const auto end = wire::CreateEndSession(builder, session_id);
+  KVCM_ASSIGN_OR_RETURN(Reply reply, Call(builder, wire::Message::EndSession, end.Union(),
+                                          wire::Message::EndSessionReply));
+  return PayloadAs<wire::EndSessionReply>(reply.envelope).blocks_released();
+}
+
 absl::StatusOr<std::vector<OpOutcome>> CacheManagerClient::DecodeStepReply(const Reply& reply,
                                                                            size_t expected) {
   const auto* results = PayloadAs<wire::StepReply>(reply.envelope).results();

@@ -361,6 +361,12 @@ class CacheManagerClient {
   // a router resynchronises after losing track.
   absl::StatusOr<SessionSnapshot> DescribeSession();
 
+  // Ends another session (an operator's tool, role Control over ipc://): see
+  // schemas/kvcm_protocol.fbs, EndSession. Returns the blocks released at once (a router's
+  // blocks may drain behind a fence first). NOT_FOUND for an unknown session,
+  // PERMISSION_DENIED for another role or over tcp://.
+  absl::StatusOr<int32_t> EndSession(uint64_t session_id);
+
   // How many leading blocks of the chain `block_hashes` an Allocate of a prompt of
   // `num_tokens` tokens would reuse now (never the block of its last token, whose logits
   // must be computed). num_tokens 0: the hashes cover the prompt exactly.

@@ -150,7 +150,8 @@ constexpr std::array kSpecs = {
 
 constexpr std::array<std::string_view, kRequestTypes> kRequestTypeNames = {
     "hello", "attach", "step",      "lookup",  "pin",
-    "unpin", "stats",  "heartbeat", "goodbye", "event_snapshot", "describe_session"};
+    "unpin", "stats",  "heartbeat", "goodbye", "event_snapshot", "describe_session",
+    "end_session"};
 constexpr std::array<std::string_view, kRejectReasons> kRejectReasonNames = {
     "malformed",     "unsupported_version", "oversized",        "not_registered",
     "stale_session", "stale_epoch",         "invalid_argument", "unknown_sequence",
@@ -159,7 +160,7 @@ constexpr std::array<std::string_view, kRejectReasons> kRejectReasonNames = {
 constexpr std::array<std::string_view, kSessionRoles> kSessionRoleNames = {"router", "executor",
                                                                            "control"};
 constexpr std::array<std::string_view, kReclaimReasons> kReclaimReasonNames = {
-    "client_died", "goodbye", "session_replaced", "lease_expired"};
+    "client_died", "goodbye", "session_replaced", "lease_expired", "ended_by_operator"};
 
 template <size_t N>
 constexpr bool AllNamed(const std::array<std::string_view, N>& names) {

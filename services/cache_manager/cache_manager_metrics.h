@@ -53,6 +53,7 @@ enum class RequestType : uint8_t {
   kGoodbye,
   kEventSnapshot,
   kDescribeSession,
+  kEndSession,
   kCount
 };
 inline constexpr int kRequestTypes = static_cast<int>(RequestType::kCount);
@@ -94,10 +95,12 @@ enum class ReclaimReason : uint8_t {
   kGoodbye,
   kSessionReplaced,
   kLeaseExpired,
+  kEndedByOperator,
   kCount
 };
 inline constexpr int kReclaimReasons = static_cast<int>(ReclaimReason::kCount);
-// "client_died", "goodbye", "session_replaced", "lease_expired". REQUIRES: reason != kCount.
+// "client_died", "goodbye", "session_replaced", "lease_expired", "ended_by_operator".
+// REQUIRES: reason != kCount.
 std::string_view ReclaimReasonName(ReclaimReason reason);
 
 // The state the snapshot metrics are built from, taken by the cache manager on its ledger

@@ -40,6 +40,7 @@ std::optional<RequestType> RequestTypeOf(wire::Message type) {
     case M::Goodbye: return RequestType::kGoodbye;
     case M::EventSnapshot: return RequestType::kEventSnapshot;
     case M::DescribeSession: return RequestType::kDescribeSession;
+    case M::EndSession: return RequestType::kEndSession;
     default: return std::nullopt;
   }
 }
@@ -234,6 +235,33 @@ void CacheManagerService::Handle(const std::optional<PeerCredentials>& peer,
       }
       return HandleStep(envelope, request, *session, reply);
     case M::DescribeSession: return HandleDescribeSession(envelope, *session, reply);
+    case M::EndSession: {
+      const uint64_t target = envelope.payload_as_EndSession()->session_id();
+      if (session->role != wire::Role::Control || !session->pid_verified) {
+        return Reject(request_id,
+                      {RejectReason::kPermissionDenied, wire::ErrorCode::PermissionDenied,
+                       "only a control session over ipc:// (kvcmctl) ends other sessions"},
+                      reply);
+      }
+      if (target == session->id) {
+        return Reject(request_id,
+                      {RejectReason::kInvalidArgument, wire::ErrorCode::InvalidArgument,
+                       "a session ends itself with Goodbye"},
+                      reply);
+      }
+      auto it = sessions_.find(target);
+      if (it == sessions_.end()) {
+        return Reject(request_id,
+                      {RejectReason::kInvalidArgument, wire::ErrorCode::NotFound,
+                       absl::StrCat("no session ", target)},
+                      reply);
+      }
+      const wire::Role role = it->second.role;
+      const int32_t released = EndSession(target, ReclaimReason::kEndedByOperator);
+      auto payload = wire::CreateEndSessionReply(*reply, released, role);
+      return FinishEnvelope(*reply, request_id, session->id, options_.epoch,
+                            M::EndSessionReply, payload.Union());
+    }
     default: {
       if (auto refused = HandlePrefixRequest(envelope, *session, reply)) {
         return Reject(request_id, *refused, reply);

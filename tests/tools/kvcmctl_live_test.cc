@@ -173,6 +173,29 @@ TEST_F(KvcmctlLiveTest, StoppedCacheManagerIsReportedWithinTheTimeout) {
   EXPECT_LT(took, absl::Seconds(5));
 }
 
+TEST_F(KvcmctlLiveTest, EndSessionEndsARouterAndFreesItsBlocks) {
+  // The router holds sequence 3 (3 blocks); no executor is registered, so nothing can be
+  // writing them and they come back at once.
+  const uint64_t session = router_->session_id();
+  const RunResult ended =
+      Kvcmctl({"end-session", absl::StrCat(session), "--run-dir", cm_->run_dir()});
+  EXPECT_EQ(ended.exit_code, 0) << ended.output;
+  EXPECT_THAT(ended.output, HasSubstr(absl::StrCat("ended session ", session, ": 3 blocks")));
+  absl::StatusOr<StatsSnapshot> refused = router_->Stats();
+  EXPECT_TRUE(absl::IsAborted(refused.status())) << refused.status();
+
+  const RunResult stats = Kvcmctl({"stats", "--run-dir", cm_->run_dir(), "--json"});
+  ASSERT_EQ(stats.exit_code, 0) << stats.output;
+  EXPECT_THAT(stats.output, HasSubstr("\"live_sequences\": 0"));
+  // Unknown ids and nonsense are errors that say so.
+  const RunResult unknown = Kvcmctl({"end-session", "999", "--run-dir", cm_->run_dir()});
+  EXPECT_EQ(unknown.exit_code, 1);
+  EXPECT_THAT(unknown.output, HasSubstr("no session 999"));
+  const RunResult bad = Kvcmctl({"end-session", "abc", "--run-dir", cm_->run_dir()});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_THAT(bad.output, HasSubstr("not a positive number"));
+}
+
 TEST(KvcmctlNoCacheManagerTest, NothingRunningExitsOneAtOnce) {
   absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-ctl");
   ASSERT_TRUE(dir.ok());

@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_format.h"
 #include "tools/kvcmctl/command.h"
+#include "tools/kvcmctl/end_session_command.h"
 #include "tools/kvcmctl/info_command.h"
 #include "tools/kvcmctl/plan_command.h"
 #include "tools/kvcmctl/stats_command.h"
@@ -30,6 +31,9 @@ constexpr Command kCommands[] = {
      &RunInfoCommand},
     {"stats", "a running cache manager's blocks by state, hit rate and counters", &RunStatsCommand},
     {"watch", "one line of cache statistics per interval", &RunWatchCommand},
+    {"end-session", "end another session of a process gone for good (a tcp peer, a hung "
+                    "executor)",
+     &RunEndSessionCommand},
 };
 
 void PrintUsage(std::ostream& os) {

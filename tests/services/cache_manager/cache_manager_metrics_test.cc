@@ -310,14 +310,16 @@ TEST(CacheManagerMetricsNamesTest, LabelValuesAreTheDocumentedOnes) {
     reclaims.emplace_back(ReclaimReasonName(static_cast<ReclaimReason>(i)));
   }
   EXPECT_THAT(types, ElementsAre("hello", "attach", "step", "lookup", "pin", "unpin", "stats",
-                                 "heartbeat", "goodbye", "event_snapshot", "describe_session"));
+                                 "heartbeat", "goodbye", "event_snapshot", "describe_session",
+                                 "end_session"));
   EXPECT_THAT(reasons,
               ElementsAre("malformed", "unsupported_version", "oversized", "not_registered",
                           "stale_session", "stale_epoch", "invalid_argument", "unknown_sequence",
                           "wrong_owner", "duplicate_sequence", "permission_denied",
                           "limit_exceeded", "shutting_down"));
   EXPECT_THAT(roles, ElementsAre("router", "executor", "control"));
-  EXPECT_THAT(reclaims, ElementsAre("client_died", "goodbye", "session_replaced", "lease_expired"));
+  EXPECT_THAT(reclaims, ElementsAre("client_died", "goodbye", "session_replaced", "lease_expired",
+                                    "ended_by_operator"));
 }
 
 TEST(CacheManagerMetricsDeathTest, SnapshotOfAnotherPoolOrBrokenStatesDies) {
