@@ -1,5 +1,7 @@
 #include "services/cache_manager/cache_manager_service.h"
 
+#include <sys/random.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -15,6 +17,8 @@ namespace kvcm {
 namespace {
 
 constexpr size_t kMaxNameBytes = 128;
+// Ended session ids remembered (to answer StaleSession rather than NotRegistered).
+constexpr size_t kEndedIdsKept = 4096;
 // Step replies kept per session for retries (Session::sent_steps): the last four, each up
 // to this size (a larger one is not kept; its retry runs again and is refused).
 constexpr size_t kReplayBytes = size_t{4} << 20;
@@ -314,9 +318,10 @@ CacheManagerService::Session* CacheManagerService::CheckSession(
   const uint64_t id = envelope.session_id();
   auto it = sessions_.find(id);
   if (it == sessions_.end()) {
-    if (id == 0 || id >= next_session_id_) {
+    if (!ended_ids_.contains(id)) {
       *rejection = {RejectReason::kNotRegistered, wire::ErrorCode::NotRegistered,
-                    absl::StrCat("session ", id, " was never registered: send Hello first")};
+                    absl::StrCat("session ", id, " is not registered here (never, or it ended "
+                                 "long ago): send Hello first")};
     } else {
       *rejection = {RejectReason::kStaleSession, wire::ErrorCode::StaleSession,
                     absl::StrCat("session ", id, " has ended: register again")};
@@ -324,10 +329,13 @@ CacheManagerService::Session* CacheManagerService::CheckSession(
     return nullptr;
   }
   Session& session = it->second;
-  if (session.pid_verified && peer && peer->pid != session.pid) {
+  // A session the kernel vouched for accepts requests only with matching credentials:
+  // never from tcp://, never from another process.
+  if (session.pid_verified && (!peer || peer->pid != session.pid)) {
     *rejection = {RejectReason::kPermissionDenied, wire::ErrorCode::PermissionDenied,
-                  absl::StrCat("session ", id, " belongs to pid ", session.pid,
-                               ", not to pid ", peer->pid)};
+                  absl::StrCat("session ", id, " belongs to pid ", session.pid, ", not to ",
+                               peer ? absl::StrCat("pid ", peer->pid)
+                                    : std::string("a peer without credentials (tcp://)"))};
     return nullptr;
   }
   if (session.quarantined) {
@@ -409,7 +417,7 @@ void CacheManagerService::HandleHello(const wire::Envelope& envelope,
   }
 
   Session session;
-  session.id = next_session_id_++;
+  session.id = NewSessionId();
   session.role = hello->role();
   session.pid = pid;
   session.name = hello->name() != nullptr ? hello->name()->str() : std::string();
@@ -438,10 +446,29 @@ void CacheManagerService::HandleHello(const wire::Envelope& envelope,
                  payload.Union());
 }
 
+uint64_t CacheManagerService::NewSessionId() {
+  // Unguessable (from the kernel's CSPRNG) and below 2^53, so that JSON and Prometheus
+  // carry it exactly: a peer cannot name another's session by counting.
+  while (true) {
+    uint64_t id = 0;
+    // Up to 256 bytes are never cut short once the pool is initialised; EINTR is retried.
+    if (::getrandom(&id, sizeof(id), 0) != static_cast<ssize_t>(sizeof(id))) continue;
+    id &= (uint64_t{1} << 53) - 1;
+    if (id != 0 && !sessions_.contains(id) && !ended_ids_.contains(id)) return id;
+  }
+}
+
 int32_t CacheManagerService::EndSession(uint64_t session_id, ReclaimReason reason,
                                        uint64_t successor) {
   auto it = sessions_.find(session_id);
   if (it == sessions_.end()) return 0;
+  // Remembered for a while, so that a late request is told its session ended.
+  ended_ids_.insert(session_id);
+  ended_order_.push_back(session_id);
+  if (ended_order_.size() > kEndedIdsKept) {
+    ended_ids_.erase(ended_order_.front());
+    ended_order_.pop_front();
+  }
   Session& session = it->second;
   std::vector<SeqId> seqs(session.seqs.begin(), session.seqs.end());
   for (SeqId seq : seqs) seq_owner_.erase(seq);

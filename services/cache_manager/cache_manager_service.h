@@ -48,6 +48,7 @@
 
 #include <array>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <span>
 #include <string>
@@ -238,6 +239,7 @@ class CacheManagerService {
 
   void Reject(uint64_t request_id, const Rejection& rejection,
               flatbuffers::FlatBufferBuilder* reply);
+  uint64_t NewSessionId();
   // Whether `given` equals options_.tcp_secret (never when that is empty).
   bool SecretMatches(const flatbuffers::String* given) const;
   // Session checks for every request but Hello; null (and `rejection` set) on failure.
@@ -284,7 +286,9 @@ class CacheManagerService {
 
   absl::flat_hash_map<uint64_t, Session> sessions_;
   absl::flat_hash_map<SeqId, uint64_t> seq_owner_;  // live sequence -> owning session
-  uint64_t next_session_id_ = 1;
+  // Session ids are random (NewSessionId); those ended recently, oldest first.
+  absl::flat_hash_set<uint64_t> ended_ids_;
+  std::deque<uint64_t> ended_order_;
   absl::flat_hash_map<uint64_t, Fence> fences_;  // open fences by id
   uint64_t next_fence_id_ = 1;
   SeqId next_draining_seq_ = kFirstDrainingSeq;

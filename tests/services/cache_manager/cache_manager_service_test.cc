@@ -509,6 +509,39 @@ TEST_F(CacheManagerServiceTest, OverTcpTheSecretGrantsRolesAndAClaimedPidReplace
   EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
 }
 
+TEST_F(CacheManagerServiceTest, SessionIdsAreUnguessableAndBoundToTheirCredentials) {
+  options_.tcp_secret = "s3cret";
+  Restart();
+  // Random 53-bit ids: no two alike, none following another.
+  std::vector<uint64_t> ids;
+  for (pid_t pid = 2000; pid < 2040; ++pid) ids.push_back(Hello(wire::Role::Control, pid));
+  int consecutive = 0;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    EXPECT_NE(ids[i], 0u);
+    EXPECT_LT(ids[i], uint64_t{1} << 53);
+    if (i > 0 && ids[i] == ids[i - 1] + 1) ++consecutive;
+  }
+  EXPECT_EQ(absl::flat_hash_set<uint64_t>(ids.begin(), ids.end()).size(), ids.size());
+  EXPECT_EQ(consecutive, 0);
+
+  // An ipc:// session answers only to its own process: not to another pid, and not to a
+  // peer without credentials even if it knows the id (and the secret).
+  const uint64_t router = Hello();
+  ASSERT_EQ(ErrorOf(Step(router, {Allocate(1, 4)})), wire::ErrorCode::Ok);
+  EXPECT_EQ(ErrorOf(Step(router, {Free(1)}, kRouterPid + 1)), wire::ErrorCode::PermissionDenied);
+  over_tcp_ = true;
+  EXPECT_EQ(ErrorOf(Step(router, {Free(1)})), wire::ErrorCode::PermissionDenied);
+  over_tcp_ = false;
+  EXPECT_EQ(service_->ledger().Stats().live_sequences, 1);
+  // An id that was never issued, and one that ended, are told apart.
+  EXPECT_EQ(ErrorOf(Step(12345, {Free(1)})), wire::ErrorCode::NotRegistered);
+  Request(ids[0], wire::Message::Goodbye, [](auto& b) { return wire::CreateGoodbye(b).Union(); },
+          2000);
+  EXPECT_EQ(ErrorOf(Request(ids[0], wire::Message::Stats,
+                            [](auto& b) { return wire::CreateStats(b).Union(); }, 2000)),
+            wire::ErrorCode::StaleSession);
+}
+
 TEST_F(CacheManagerServiceTest, ReplyTypesAreNotRequests) {
   const uint64_t s = Hello();
   flatbuffers::FlatBufferBuilder b;
