@@ -112,6 +112,11 @@ constexpr MetricSpec kUndeliveredReplies{
     "Replies that could not be handed to their client: it disconnected (peer_gone) or had "
     "stopped reading (queue_full). A client learns a lost Step's outcome by retrying it or "
     "with DescribeSession."};
+constexpr MetricSpec kProcessWatches{
+    "kvcm_cache_manager_process_watches_total", MetricType::Counter, "source",
+    "Client processes watched for death, by where their pidfd came from: taken when the "
+    "connection was accepted (connect_pidfd, Linux 6.5+) or opened by pid at Hello "
+    "(pid_lookup)."};
 constexpr MetricSpec kAccepting{
     "kvcm_cache_manager_accepting_connections", MetricType::Gauge, "",
     "1 while new connections are accepted; 0 while too few file descriptors are left under "
@@ -144,6 +149,7 @@ constexpr std::array kSpecs = {
     kReplayedSteps,
     kUndeliveredReplies,
     kAccepting,
+    kProcessWatches,
 };
 
 // --- Label values --------------------------------------------------------------------------
@@ -316,6 +322,9 @@ CacheManagerMetrics::CacheManagerMetrics(const CacheInfo& info)
   }
   replayed_steps_ = &AddCounterFamily(*registry_, kReplayedSteps).Add({});
   accepting_ = &AddGaugeFamily(*registry_, kAccepting).Add({});
+  auto& watches = AddCounterFamily(*registry_, kProcessWatches);
+  watches_[0] = &watches.Add({{"source", "pid_lookup"}});
+  watches_[1] = &watches.Add({{"source", "connect_pidfd"}});
   accepting_->Set(1);
   auto& undelivered = AddCounterFamily(*registry_, kUndeliveredReplies);
   undelivered_[0] = &undelivered.Add({{"reason", "peer_gone"}});
@@ -323,6 +332,10 @@ CacheManagerMetrics::CacheManagerMetrics(const CacheInfo& info)
 }
 
 void CacheManagerMetrics::CountReplayedStep() { replayed_steps_->Increment(); }
+
+void CacheManagerMetrics::CountProcessWatch(bool from_connect) {
+  watches_[from_connect ? 1 : 0]->Increment();
+}
 
 void CacheManagerMetrics::SetAccepting(bool accepting) { accepting_->Set(accepting ? 1 : 0); }
 

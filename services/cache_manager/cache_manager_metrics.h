@@ -158,6 +158,8 @@ class CacheManagerMetrics {
   void CountUndeliveredReply(bool queue_full);
   // Whether new connections are accepted (CacheManagerServer's descriptor guard).
   void SetAccepting(bool accepting);
+  // A client process watched for death, its pidfd taken at connect time or opened by pid.
+  void CountProcessWatch(bool from_connect);
   // Replaces the snapshot the next scrapes read. REQUIRES: snapshot.ledger describes this
   // pool (num_blocks as constructed, states summing to it) and quarantined_blocks is within
   // [0, in_use_blocks]; these are internal invariants, checked.
@@ -182,6 +184,7 @@ class CacheManagerMetrics {
   std::array<prometheus::Counter*, kReclaimReasons> reclaimed_{};
   prometheus::Counter* replayed_steps_ = nullptr;
   prometheus::Gauge* accepting_ = nullptr;
+  std::array<prometheus::Counter*, 2> watches_{};  // pid_lookup, connect_pidfd
   std::array<prometheus::Counter*, 2> undelivered_{};  // peer_gone, queue_full
 };
 

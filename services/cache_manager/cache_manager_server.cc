@@ -3,10 +3,12 @@
 #include <dirent.h>
 #include <sys/resource.h>
 #include <sys/signalfd.h>
+#include <sys/socket.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <chrono>
 #include <csignal>
 #include <cstring>
@@ -35,6 +37,9 @@ constexpr int kHandshakeMs = 5000;
 // Descriptors kept free under RLIMIT_NOFILE for pidfds, the fd channel, metrics and the
 // sessions already connected: below it, new connections are not accepted.
 constexpr int kMinFdReserve = 32;
+#ifndef SO_PEERPIDFD
+#define SO_PEERPIDFD 77  // Linux 6.5; the headers of older distributions lack it
+#endif
 constexpr char kMonitorEndpoint[] = "inproc://kvcm-cache-manager-requests-monitor";
 
 // Open descriptors of this process (entries of /proc/self/fd, less the directory's own).
@@ -65,8 +70,24 @@ void Log(std::string_view text) { LogLine(kComponent, text); }
 // Watches client processes with pidfds (Linux 5.3+), polled in Run().
 class CacheManagerServer::PidfdWatcher : public ProcessWatcher {
  public:
+  explicit PidfdWatcher(CacheManagerMetrics* metrics) : metrics_(metrics) {}
+
+  // A pidfd the kernel gave for the process at the other end of a connection when it was
+  // accepted (SO_PEERPIDFD): Watch(pid) takes it instead of looking the pid up later, when
+  // it may already name another process.
+  void OfferConnectPidfd(pid_t pid, UniqueFd pidfd) {
+    if (connect_pidfds_.size() >= kMaxConnectPidfds) connect_pidfds_.clear();
+    connect_pidfds_.insert_or_assign(pid, std::move(pidfd));
+  }
+
   absl::Status Watch(pid_t pid) override {
     if (fds_.contains(pid)) return absl::OkStatus();
+    if (auto offered = connect_pidfds_.extract(pid); !offered.empty()) {
+      fds_.emplace(pid, std::move(offered.mapped()));
+      ++from_connect_;
+      if (metrics_ != nullptr) metrics_->CountProcessWatch(true);
+      return absl::OkStatus();
+    }
     const long fd = ::syscall(SYS_pidfd_open, pid, 0);
     if (fd < 0) {
       if (errno == ESRCH) {
@@ -77,15 +98,22 @@ class CacheManagerServer::PidfdWatcher : public ProcessWatcher {
       return absl::InternalError(absl::StrCat("pidfd_open(", pid, "): ", std::strerror(errno)));
     }
     fds_.emplace(pid, UniqueFd(static_cast<int>(fd)));
+    if (metrics_ != nullptr) metrics_->CountProcessWatch(false);
     return absl::OkStatus();
   }
   void Unwatch(pid_t pid) override { fds_.erase(pid); }
 
   const absl::flat_hash_map<pid_t, UniqueFd>& fds() const { return fds_; }
   std::vector<pid_t> TakeExited() { return std::exchange(exited_, {}); }
+  // Watches that took a connect-time pidfd (for tests and logs).
+  uint64_t from_connect() const { return from_connect_; }
 
  private:
+  static constexpr size_t kMaxConnectPidfds = 1024;
+  CacheManagerMetrics* const metrics_;
   absl::flat_hash_map<pid_t, UniqueFd> fds_;
+  absl::flat_hash_map<pid_t, UniqueFd> connect_pidfds_;
+  uint64_t from_connect_ = 0;
   std::vector<pid_t> exited_;
 };
 
@@ -167,6 +195,8 @@ absl::StatusOr<std::unique_ptr<CacheManagerServer>> CacheManagerServer::Create(
   return server;
 }
 
+uint64_t CacheManagerServer::watched_from_connect() const { return watcher_->from_connect(); }
+
 CacheManagerServer::CacheManagerServer(const Options& options, RunDirectory run_dir,
                                        std::unique_ptr<PoolMemory> memory,
                                        CacheManagerMetrics* metrics)
@@ -174,7 +204,7 @@ CacheManagerServer::CacheManagerServer(const Options& options, RunDirectory run_
       run_dir_(std::move(run_dir)),
       memory_(std::move(memory)),
       metrics_(metrics),
-      watcher_(std::make_unique<PidfdWatcher>()),
+      watcher_(std::make_unique<PidfdWatcher>(metrics)),
       context_(1) {}
 
 CacheManagerServer::~CacheManagerServer() {
@@ -323,6 +353,8 @@ CacheManagerServer::DrainResult CacheManagerServer::DrainForShutdown() {
 }
 
 int CacheManagerServer::DrainRequests() {
+  // Connections accepted before these requests were sent: their pidfds first.
+  if (DrainMonitor()) GuardDescriptors();
   int handled = 0;
   for (; handled < options_.max_batch; ++handled) {
     zmq::message_t identity;
@@ -389,11 +421,53 @@ int CacheManagerServer::DrainRequests() {
 bool CacheManagerServer::DrainMonitor() {
   bool any = false;
   for (int i = 0; i < 10000; ++i) {
-    zmq::message_t frame;
-    if (!monitor_.recv(frame, zmq::recv_flags::dontwait)) break;
+    // Each event is two frames: u16 event and u32 value (the fd for ACCEPTED), then the
+    // endpoint.
+    zmq::message_t event;
+    if (!monitor_.recv(event, zmq::recv_flags::dontwait)) break;
+    while (event.more()) {
+      zmq::message_t rest;
+      if (!monitor_.recv(rest, zmq::recv_flags::dontwait) || !rest.more()) break;
+    }
     any = true;
+    if (event.size() < 6) continue;
+    uint16_t type = 0;
+    int32_t fd = -1;
+    std::memcpy(&type, event.data(), sizeof(type));
+    std::memcpy(&fd, static_cast<const uint8_t*>(event.data()) + 2, sizeof(fd));
+    if (type == ZMQ_EVENT_ACCEPTED && fd >= 0) TakeConnectPidfd(fd);
   }
   return any;
+}
+
+void CacheManagerServer::TakeConnectPidfd(int connection) {
+  // Read right after the accept, on the connection's own descriptor: the pid and the pidfd
+  // both name the process that connected. Kernels before 6.5 lack SO_PEERPIDFD, and a
+  // tcp:// connection has no peer: then Hello looks the pid up with pidfd_open.
+  ucred peer{};
+  socklen_t peer_len = sizeof(peer);
+  int pidfd = -1;
+  socklen_t pidfd_len = sizeof(pidfd);
+  if (::getsockopt(connection, SOL_SOCKET, SO_PEERCRED, &peer, &peer_len) != 0 ||
+      peer.pid <= 0 ||
+      ::getsockopt(connection, SOL_SOCKET, SO_PEERPIDFD, &pidfd, &pidfd_len) != 0 ||
+      pidfd < 0) {
+    return;
+  }
+  UniqueFd owned(pidfd);
+  // The descriptor may have been closed and reused by the time the event was read: keep the
+  // pidfd only if it names the pid read from the same connection.
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/self/fdinfo/%d", pidfd);
+  std::FILE* info = std::fopen(path, "r");
+  if (info == nullptr) return;
+  char line[128];
+  pid_t named = -1;
+  while (std::fgets(line, sizeof(line), info) != nullptr) {
+    if (std::sscanf(line, "Pid: %d", &named) == 1) break;
+  }
+  std::fclose(info);
+  if (named == peer.pid) watcher_->OfferConnectPidfd(peer.pid, std::move(owned));
 }
 
 void CacheManagerServer::GuardDescriptors() {

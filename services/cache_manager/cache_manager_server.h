@@ -8,7 +8,8 @@
 // - a PUB socket on ipc://RUN_DIR/events.sock: [topic, seq u64 big-endian, EventBatch];
 // - the Unix socket side channel RUN_DIR/pool-fd.sock handing the shm pool's memfd to
 //   processes of this user (header: the epoch, 8 bytes little-endian);
-// - a pidfd per registered client process, so that a death is noticed at once;
+// - a pidfd per registered client process, so that a death is noticed at once: taken when
+//   its connection is accepted (SO_PEERPIDFD, Linux 6.5+), else opened by pid at Hello;
 // - a signalfd for SIGTERM/SIGINT (the signals must be blocked in every thread before the
 //   ZeroMQ context and the metrics server start; main() does it).
 //
@@ -100,6 +101,15 @@ class CacheManagerServer {
   void GuardDescriptors();
   // Drains the request socket's monitor (connections accepted or closed); true if any.
   bool DrainMonitor();
+  // For a connection just accepted: offers its peer's pidfd (SO_PEERPIDFD) to the watcher.
+  void TakeConnectPidfd(int connection);
+
+ public:
+  // Sessions whose death is watched through a pidfd taken when their connection was
+  // accepted (rather than looked up by pid at Hello).
+  uint64_t watched_from_connect() const;
+
+ private:
   void PublishEvents();
   void PublishSnapshot();
 

@@ -4,6 +4,7 @@
 
 #include "tests/services/cache_manager/live_cache_manager.h"
 
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -402,6 +403,39 @@ TEST(CacheManagerProcessTest, AnotherUserIsRefusedThePoolAndTheRefusalIsCountedA
                            {{"reason", "permission_denied"}}),
             1);
   ExpectWhole(*stats);
+}
+
+// Whether this kernel has SO_PEERPIDFD (Linux 6.5+): asked on a socketpair.
+bool KernelHasPeerPidfd() {
+  int pair[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) != 0) return false;
+  int pidfd = -1;
+  socklen_t len = sizeof(pidfd);
+  const bool has = ::getsockopt(pair[0], SOL_SOCKET, 77 /* SO_PEERPIDFD */, &pidfd, &len) == 0;
+  if (has && pidfd >= 0) ::close(pidfd);
+  ::close(pair[0]);
+  ::close(pair[1]);
+  return has;
+}
+
+TEST(CacheManagerProcessTest, AClientIsWatchedThroughThePidfdOfItsConnection) {
+  auto manager = StartManager();
+  ASSERT_NE(manager, nullptr);
+  auto client = Connect(*manager);
+  ASSERT_NE(client, nullptr);
+  auto metrics = kvcm::testing::HttpGet(manager->metrics_url());
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  auto parsed = kvcm::testing::ParseMetricsText(metrics->body);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  const double from_connect = *parsed->Value("kvcm_cache_manager_process_watches_total",
+                                             {{"source", "connect_pidfd"}});
+  const double by_pid = *parsed->Value("kvcm_cache_manager_process_watches_total",
+                                       {{"source", "pid_lookup"}});
+  const bool kernel_has_it = KernelHasPeerPidfd();
+  std::printf("SO_PEERPIDFD %s; watches: %g from the connection, %g by pid\n",
+              kernel_has_it ? "available" : "absent", from_connect, by_pid);
+  EXPECT_EQ(from_connect + by_pid, 1);
+  EXPECT_EQ(from_connect, kernel_has_it ? 1 : 0);
 }
 
 TEST(CacheManagerProcessTest, SigtermAnswersAndCleansUp) {
