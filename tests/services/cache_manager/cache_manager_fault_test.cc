@@ -179,11 +179,7 @@ TEST(CacheManagerFaultTest, AFloodOfIdleConnectionsAtTheDescriptorLimitIsShedAnd
   auto newcomer = Connect(manager);
   ASSERT_NE(newcomer, nullptr);
   EXPECT_TRUE(newcomer->Stats().ok());
-  auto metrics = kvcm::testing::HttpGet(manager.metrics_url());
-  ASSERT_TRUE(metrics.ok()) << metrics.status();
-  auto parsed = kvcm::testing::ParseMetricsText(metrics->body);
-  ASSERT_TRUE(parsed.ok());
-  EXPECT_EQ(*parsed->Value("kvcm_cache_manager_accepting_connections", {}), 1);
+  EXPECT_EQ(MetricValue(manager.metrics_url(), "kvcm_cache_manager_accepting_connections"), 1);
 }
 
 }  // namespace

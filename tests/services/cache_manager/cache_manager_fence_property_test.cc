@@ -108,6 +108,17 @@ class FenceModel {
     return *verified_.envelope;
   }
 
+  // A Step of one op (built into request_ by the caller) from `router`.
+  const wire::Envelope& SendStep(const Router& router, wire::StepOp type,
+                                 flatbuffers::Offset<void> op) {
+    std::vector<wire::StepOp> types = {type};
+    std::vector<flatbuffers::Offset<void>> ops = {op};
+    const auto type_vector = request_.CreateVector(types);
+    const auto op_vector = request_.CreateVector(ops);
+    const auto step = wire::CreateStep(request_, type_vector, op_vector);
+    return Send(router.pid, router.session, wire::Message::Step, step.Union());
+  }
+
   uint64_t Hello(wire::Role role, pid_t pid) {
     request_.Clear();
     const auto payload = wire::CreateHello(request_, role, pid, request_.CreateString("m"));
@@ -138,14 +149,9 @@ class FenceModel {
     const uint64_t seq = next_seq_++;
     const int32_t tokens = 1 + Pick(3 * kBlockSize);
     request_.Clear();
-    std::vector<wire::StepOp> types = {wire::StepOp::AllocateOp};
-    std::vector<flatbuffers::Offset<void>> ops = {
-        wire::CreateAllocateOp(request_, seq, tokens).Union()};
-    const auto type_vector = request_.CreateVector(types);
-    const auto op_vector = request_.CreateVector(ops);
-    const auto step = wire::CreateStep(request_, type_vector, op_vector);
-    const wire::Envelope& reply = Send(router.pid, router.session, wire::Message::Step,
-                                       step.Union());
+    const wire::Envelope& reply =
+        SendStep(router, wire::StepOp::AllocateOp,
+                 wire::CreateAllocateOp(request_, seq, tokens).Union());
     ASSERT_EQ(reply.payload_type(), wire::Message::StepReply) << Where();
     const wire::OpResult* result = reply.payload_as_StepReply()->results()->Get(0);
     if (result->code() != wire::ErrorCode::Ok) {
@@ -175,13 +181,8 @@ class FenceModel {
     const uint64_t seq = router.seqs[i];
     router.seqs.erase(router.seqs.begin() + static_cast<std::ptrdiff_t>(i));
     request_.Clear();
-    std::vector<wire::StepOp> types = {wire::StepOp::FreeOp};
-    std::vector<flatbuffers::Offset<void>> ops = {wire::CreateFreeOp(request_, seq).Union()};
-    const auto type_vector = request_.CreateVector(types);
-    const auto op_vector = request_.CreateVector(ops);
-    const auto step = wire::CreateStep(request_, type_vector, op_vector);
-    const wire::Envelope& reply = Send(router.pid, router.session, wire::Message::Step,
-                                       step.Union());
+    const wire::Envelope& reply =
+        SendStep(router, wire::StepOp::FreeOp, wire::CreateFreeOp(request_, seq).Union());
     ASSERT_EQ(reply.payload_type(), wire::Message::StepReply) << Where();
   }
 

@@ -82,15 +82,7 @@ TEST(CacheManagerLeaseTest, AStoppedCacheManagerQuarantinesNobodyWhenItResumes) 
   auto stopped = StartHolder(*manager, &held, log->path() + "/holder.log");
   ASSERT_NE(stopped, nullptr);
   ASSERT_TRUE(stopped->Signal(SIGSTOP).ok());
-  StatsSnapshot stats;
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (absl::Now() < deadline) {
-    auto s = routers.front().client->Stats();
-    ASSERT_TRUE(s.ok()) << s.status();
-    stats = *s;
-    if (stats.quarantined_blocks == kHeld) break;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
+  const StatsSnapshot stats = AwaitQuarantined(*routers.front().client, kHeld);
   EXPECT_EQ(stats.quarantined_blocks, kHeld);
   ExpectWhole(stats);
   ASSERT_TRUE(stopped->Signal(SIGKILL).ok());
@@ -161,15 +153,7 @@ TEST(CacheManagerLeaseTest, StepsOfTheWallClockChangeNoLease) {
   auto stopped = StartHolder(manager, &stopped_held, dir->path() + "/stopped.log");
   ASSERT_NE(stopped, nullptr);
   ASSERT_TRUE(stopped->Signal(SIGSTOP).ok());
-  StatsSnapshot stats;
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (absl::Now() < deadline) {
-    auto s = routers.front().client->Stats();
-    ASSERT_TRUE(s.ok()) << s.status();
-    stats = *s;
-    if (stats.quarantined_blocks == kHeld) break;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
+  const StatsSnapshot stats = AwaitQuarantined(*routers.front().client, kHeld);
   EXPECT_EQ(stats.quarantined_blocks, kHeld) << "a stopped client was never quarantined";
   ExpectWhole(stats);
   for (const Holder& router : routers) EXPECT_FALSE(router.client->session_lost());

@@ -212,10 +212,7 @@ TEST(CacheManagerProcessTest, GarbageOnTheRealSocketGetsErrorRepliesAndChangesNo
   ASSERT_TRUE(before.ok());
 
   zmq::context_t context(1);
-  zmq::socket_t dealer(context, zmq::socket_type::dealer);
-  dealer.set(zmq::sockopt::linger, 0);
-  dealer.set(zmq::sockopt::rcvtimeo, 5000);
-  dealer.connect(manager->endpoint());
+  zmq::socket_t dealer = RawDealer(context, *manager);
   const uint32_t seed = 424242;
   std::printf("seed %u\n", seed);
   std::mt19937 rng(seed);
@@ -276,10 +273,7 @@ TEST(CacheManagerProcessTest, AMultiFrameMessageIsRefusedWholeAndNoFrameIsTakenF
   ASSERT_TRUE(before.ok());
 
   zmq::context_t context(1);
-  zmq::socket_t dealer(context, zmq::socket_type::dealer);
-  dealer.set(zmq::sockopt::linger, 0);
-  dealer.set(zmq::sockopt::rcvtimeo, 5000);
-  dealer.connect(manager->endpoint());
+  zmq::socket_t dealer = RawDealer(context, *manager);
   // Five frames, each a well-formed Stats request of its own id: read whole as one
   // malformed message, none of its frames may pass for a routing id or a request.
   std::vector<std::vector<uint8_t>> frames;
@@ -395,12 +389,8 @@ TEST(CacheManagerProcessTest, AnotherUserIsRefusedThePoolAndTheRefusalIsCountedA
   auto stats = client->Stats();
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_EQ(stats->rejected_messages, 1u);
-  auto metrics = kvcm::testing::HttpGet(manager->metrics_url());
-  ASSERT_TRUE(metrics.ok()) << metrics.status();
-  auto parsed = kvcm::testing::ParseMetricsText(metrics->body);
-  ASSERT_TRUE(parsed.ok()) << parsed.status();
-  EXPECT_EQ(*parsed->Value("kvcm_cache_manager_rejected_messages_total",
-                           {{"reason", "permission_denied"}}),
+  EXPECT_EQ(MetricValue(manager->metrics_url(), "kvcm_cache_manager_rejected_messages_total",
+                        {{"reason", "permission_denied"}}),
             1);
   ExpectWhole(*stats);
 }
@@ -423,14 +413,12 @@ TEST(CacheManagerProcessTest, AClientIsWatchedThroughThePidfdOfItsConnection) {
   ASSERT_NE(manager, nullptr);
   auto client = Connect(*manager);
   ASSERT_NE(client, nullptr);
-  auto metrics = kvcm::testing::HttpGet(manager->metrics_url());
-  ASSERT_TRUE(metrics.ok()) << metrics.status();
-  auto parsed = kvcm::testing::ParseMetricsText(metrics->body);
-  ASSERT_TRUE(parsed.ok()) << parsed.status();
-  const double from_connect = *parsed->Value("kvcm_cache_manager_process_watches_total",
-                                             {{"source", "connect_pidfd"}});
-  const double by_pid = *parsed->Value("kvcm_cache_manager_process_watches_total",
-                                       {{"source", "pid_lookup"}});
+  const double from_connect = MetricValue(
+      manager->metrics_url(), "kvcm_cache_manager_process_watches_total",
+      {{"source", "connect_pidfd"}});
+  const double by_pid = MetricValue(manager->metrics_url(),
+                                    "kvcm_cache_manager_process_watches_total",
+                                    {{"source", "pid_lookup"}});
   const bool kernel_has_it = KernelHasPeerPidfd();
   std::printf("SO_PEERPIDFD %s; watches: %g from the connection, %g by pid\n",
               kernel_has_it ? "available" : "absent", from_connect, by_pid);

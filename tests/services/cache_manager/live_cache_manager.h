@@ -89,6 +89,47 @@ inline std::unique_ptr<Subprocess> StartHolder(const CacheManagerProcess& manage
   return *std::move(process);
 }
 
+// Polls `client`'s Stats until `blocks` blocks are quarantined or `timeout` passes; returns
+// the last Stats (check quarantined_blocks).
+inline StatsSnapshot AwaitQuarantined(CacheManagerClient& client, int32_t blocks,
+                                      absl::Duration timeout = absl::Seconds(10)) {
+  StatsSnapshot stats;
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    auto s = client.Stats();
+    EXPECT_TRUE(s.ok()) << s.status();
+    if (!s.ok()) break;
+    stats = *s;
+    if (stats.quarantined_blocks == blocks) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return stats;
+}
+
+// A bare DEALER on the cache manager's request socket, for messages no client would send.
+inline zmq::socket_t RawDealer(zmq::context_t& context, const CacheManagerProcess& manager) {
+  zmq::socket_t dealer(context, zmq::socket_type::dealer);
+  dealer.set(zmq::sockopt::linger, 0);
+  dealer.set(zmq::sockopt::rcvtimeo, 5000);
+  dealer.connect(manager.endpoint());
+  return dealer;
+}
+
+// The value of metric `name` with `labels` in a scrape of `metrics_url`; -1 (and a test
+// failure) when it cannot be read.
+inline double MetricValue(const std::string& metrics_url, const std::string& name,
+                          const kvcm::testing::MetricLabels& labels = {}) {
+  auto metrics = kvcm::testing::HttpGet(metrics_url);
+  EXPECT_TRUE(metrics.ok()) << metrics.status();
+  if (!metrics.ok()) return -1;
+  auto parsed = kvcm::testing::ParseMetricsText(metrics->body);
+  EXPECT_TRUE(parsed.ok()) << parsed.status();
+  if (!parsed.ok()) return -1;
+  auto value = parsed->Value(name, labels);
+  EXPECT_TRUE(value.ok()) << value.status();
+  return value.ok() ? *value : -1;
+}
+
 inline void ExpectWhole(const StatsSnapshot& stats) {
   EXPECT_EQ(stats.free_blocks + stats.in_use_blocks + stats.cached_blocks + stats.pinned_blocks,
             stats.num_blocks);
