@@ -677,6 +677,21 @@ absl::StatusOr<StatsSnapshot> CacheManagerClient::Stats() {
   s.rejected_messages = r->rejected_messages();
   if (r->events_endpoint() != nullptr) s.events_endpoint = r->events_endpoint()->str();
   if (r->metrics_url() != nullptr) s.metrics_url = r->metrics_url()->str();
+  if (const auto* list = r->session_list(); list != nullptr) {
+    s.session_list.reserve(list->size());
+    for (const wire::SessionSummary* summary : *list) {
+      SessionListing listing;
+      listing.session_id = summary->session_id();
+      listing.role = summary->role();
+      listing.pid = summary->pid();
+      listing.pid_verified = summary->pid_verified();
+      if (summary->name() != nullptr) listing.name = summary->name()->str();
+      listing.quarantined = summary->quarantined();
+      listing.sequences = summary->sequences();
+      listing.pending_fences = summary->pending_fences();
+      s.session_list.push_back(std::move(listing));
+    }
+  }
   return s;
 }
 

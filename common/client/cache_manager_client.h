@@ -203,6 +203,18 @@ struct SessionInfo {
   uint32_t max_message_bytes = 0;  // also the client's limit on replies
 };
 
+// One open session (StatsReply.session_list).
+struct SessionListing {
+  uint64_t session_id = 0;
+  wire::Role role = wire::Role::Unknown;
+  int32_t pid = 0;
+  bool pid_verified = false;  // the kernel vouched for the pid (ipc://)
+  std::string name;
+  bool quarantined = false;
+  int32_t sequences = 0;
+  int32_t pending_fences = 0;
+};
+
 // StatsReply as a plain struct; the comments carry the cache manager's definitions.
 // The six block states partition the pool:
 //   free + (in_use - quarantined - draining) + quarantined + draining + cached + pinned
@@ -238,6 +250,7 @@ struct StatsSnapshot {
   uint64_t rejected_messages = 0;
   std::string events_endpoint;  // where the KV events are published ("" if not reported)
   std::string metrics_url;      // the cache manager's /metrics ("" if not reported)
+  std::vector<SessionListing> session_list;  // by ascending id
 
   // prefix_hit_tokens / prefix_query_tokens; 0 before any query.
   double prefix_hit_rate() const {

@@ -1076,7 +1076,23 @@ void CacheManagerService::HandleStats(const wire::Envelope& envelope, absl::Time
   auto spec = ToWire(*reply, options_.spec);
   auto events_endpoint = reply->CreateString(options_.events_endpoint);
   auto metrics_url = reply->CreateString(options_.metrics_url);
+  std::vector<uint64_t> ids;
+  ids.reserve(sessions_.size());
+  for (const auto& [id, session] : sessions_) ids.push_back(id);
+  std::sort(ids.begin(), ids.end());
+  std::vector<flatbuffers::Offset<wire::SessionSummary>> summaries;
+  summaries.reserve(ids.size());
+  for (uint64_t id : ids) {
+    const Session& session = sessions_.at(id);
+    summaries.push_back(wire::CreateSessionSummary(
+        *reply, id, session.role, session.pid, session.pid_verified,
+        reply->CreateString(session.name), session.quarantined,
+        static_cast<int32_t>(session.seqs.size()),
+        static_cast<int32_t>(session.pending_fences.size())));
+  }
+  auto session_list = reply->CreateVector(summaries);
   wire::StatsReplyBuilder out(*reply);
+  out.add_session_list(session_list);
   out.add_num_blocks(stats.num_blocks);
   out.add_block_size(stats.block_size);
   out.add_free_blocks(stats.free_blocks);

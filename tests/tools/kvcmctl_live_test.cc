@@ -177,6 +177,14 @@ TEST_F(KvcmctlLiveTest, EndSessionEndsARouterAndFreesItsBlocks) {
   // The router holds sequence 3 (3 blocks); no executor is registered, so nothing can be
   // writing them and they come back at once.
   const uint64_t session = router_->session_id();
+  // `kvcmctl info` lists it, so that an operator can find the id.
+  const RunResult info = Kvcmctl({"info", "--run-dir", cm_->run_dir()});
+  ASSERT_EQ(info.exit_code, 0) << info.output;
+  EXPECT_THAT(info.output, HasSubstr(absl::StrCat(session)));
+  EXPECT_THAT(info.output, HasSubstr("kvcmctl-live-test"));
+  EXPECT_THAT(info.output, HasSubstr("1 sequences"));
+  const RunResult json = Kvcmctl({"info", "--run-dir", cm_->run_dir(), "--json"});
+  EXPECT_THAT(json.output, HasSubstr(absl::StrCat("\"session_id\": ", session)));
   const RunResult ended =
       Kvcmctl({"end-session", absl::StrCat(session), "--run-dir", cm_->run_dir()});
   EXPECT_EQ(ended.exit_code, 0) << ended.output;

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/base/status_macros.h"
@@ -24,6 +25,11 @@ namespace {
 
 void Row(std::string* out, std::string_view name, std::string_view value) {
   absl::StrAppend(out, absl::StrFormat("  %-18s %s\n", name, value));
+}
+
+// "router", "executor", "control", "unknown".
+std::string RoleText(wire::Role role) {
+  return absl::AsciiStrToLower(wire::EnumNameRole(role));
 }
 
 int64_t BytesPerToken(const KvCacheSpec& spec) {
@@ -89,6 +95,13 @@ std::string FormatInfoText(const InfoReport& report) {
   Row(&out, "max ops per step", absl::StrCat(session.max_ops_per_step));
   Row(&out, "max message", FormatBytes(session.max_message_bytes));
   Row(&out, "sessions", absl::StrCat(s.sessions, " (this kvcmctl included)"));
+  for (const SessionListing& l : s.session_list) {
+    absl::StrAppend(&out, absl::StrFormat(
+        "    %-16d %-8s pid %d%s  %s%s  %d sequences%s\n", l.session_id, RoleText(l.role),
+        l.pid, l.pid_verified ? "" : " (claimed, tcp)", l.name.empty() ? "-" : l.name,
+        l.quarantined ? "  QUARANTINED" : "", l.sequences,
+        l.pending_fences > 0 ? absl::StrCat(", ", l.pending_fences, " fences pending") : ""));
+  }
   Row(&out, "requests", report.endpoint);
   if (!report.events_endpoint.empty()) Row(&out, "events", report.events_endpoint);
   if (!s.metrics_url.empty()) Row(&out, "metrics", s.metrics_url);
@@ -122,6 +135,20 @@ std::string FormatInfoJson(const InfoReport& report) {
   j["max_ops_per_step"] = session.max_ops_per_step;
   j["max_message_bytes"] = session.max_message_bytes;
   j["sessions"] = s.sessions;
+  nlohmann::ordered_json list = nlohmann::ordered_json::array();
+  for (const SessionListing& l : s.session_list) {
+    nlohmann::ordered_json entry;
+    entry["session_id"] = l.session_id;
+    entry["role"] = RoleText(l.role);
+    entry["pid"] = l.pid;
+    entry["pid_verified"] = l.pid_verified;
+    entry["name"] = l.name;
+    entry["quarantined"] = l.quarantined;
+    entry["sequences"] = l.sequences;
+    entry["pending_fences"] = l.pending_fences;
+    list.push_back(std::move(entry));
+  }
+  j["session_list"] = std::move(list);
   return j.dump(2) + "\n";
 }
 

@@ -2,7 +2,8 @@
 
 // `kvcmctl info`: what a running cache manager serves. The pool's shape and size (KV spec,
 // block size, bytes per block, num_blocks, pool bytes, max total tokens), its backend and
-// epoch, its endpoints, its limits and the sessions open.
+// epoch, its endpoints, its limits and the sessions open (id, role, pid, name, quarantined,
+// sequences, pending fences: what `kvcmctl end-session` needs).
 //
 //   kvcmctl info [--run-dir DIR | --endpoint URL] [--timeout 5s] [--json]
 //
