@@ -130,10 +130,11 @@ StepBatch& StepBatch::CanAllocate(int32_t num_tokens, std::span<const BlockHash>
   return *this;
 }
 
-StepBatch& StepBatch::Free(uint64_t seq) {
+StepBatch& StepBatch::Free(uint64_t seq, bool drain) {
   Op op;
   op.kind = wire::StepOp::FreeOp;
   op.seq = seq;
+  op.drain = drain;
   ops_.push_back(std::move(op));
   return *this;
 }
@@ -494,7 +495,7 @@ absl::StatusOr<std::vector<OpOutcome>> CacheManagerClient::Step(const StepBatch&
                      .Union();
         break;
       case wire::StepOp::FreeOp:
-        offset = wire::CreateFreeOp(builder, op.seq).Union();
+        offset = wire::CreateFreeOp(builder, op.seq, op.drain).Union();
         break;
       case wire::StepOp::CanAllocateOp:
         offset =
@@ -790,7 +791,15 @@ void CacheManagerClient::TakeFencesLocked(const wire::HeartbeatReply& reply) {
     for (const wire::Fence* fence : *reply.fences()) {
       // A reply to a heartbeat sent before an acknowledgement may still list its fence.
       if (acked_fences_.contains(fence->id())) continue;
-      fences.push_back({fence->id(), fence->router_session()});
+      fences.push_back({fence->id(), fence->router_session(), {}});
+    }
+  }
+  if (reply.sequence_fences() != nullptr) {
+    for (const wire::SequenceFence* fence : *reply.sequence_fences()) {
+      if (acked_fences_.contains(fence->id())) continue;
+      FenceNotice notice{fence->id(), fence->router_session(), {}};
+      if (fence->seqs() != nullptr) notice.seqs.assign(fence->seqs()->begin(), fence->seqs()->end());
+      fences.push_back(std::move(notice));
     }
   }
   if (fences != fences_) {

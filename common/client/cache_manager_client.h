@@ -114,6 +114,7 @@ class StepBatch {
                                     // tokens; Commit: tokens whose KV is written
     std::vector<BlockHash> hashes;  // Allocate, CanAllocate: leading full blocks; Commit: new
                                     // full blocks
+    bool drain = false;             // Free
   };
 
   // A new sequence `seq` of `num_tokens` tokens; `block_hashes` are the chained hashes of
@@ -133,8 +134,10 @@ class StepBatch {
   StepBatch& Commit(uint64_t seq, int32_t num_committed_tokens,
                     std::span<const BlockHash> new_block_hashes = {});
   // Ends `seq`; its committed full blocks stay cached. A `seq` that is not live (already
-  // freed) fails alone with NOT_FOUND.
-  StepBatch& Free(uint64_t seq);
+  // freed) fails alone with NOT_FOUND. With `drain`, its blocks are reused only once every
+  // executor acknowledged that it no longer writes the sequence: for one an executor that
+  // hung may still be writing (the request moved elsewhere).
+  StepBatch& Free(uint64_t seq, bool drain = false);
   // Dry run of Allocate for admission: would a new sequence of `num_tokens` tokens with
   // these hashes fit now, after the batch's earlier ops? Outcome: OK or RESOURCE_EXHAUSTED,
   // num_cached_tokens and blocks_needed; nothing changes.
@@ -173,6 +176,9 @@ struct OpOutcome {
 struct FenceNotice {
   uint64_t id = 0;
   uint64_t router_session = 0;
+  // Empty: the whole router session ended. Otherwise only these sequences of a router that
+  // lives on (a SequenceFence, after its FreeOp.drain).
+  std::vector<uint64_t> seqs;
   bool operator==(const FenceNotice&) const = default;
 };
 

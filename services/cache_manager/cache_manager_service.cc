@@ -499,27 +499,35 @@ int32_t CacheManagerService::EndSession(uint64_t session_id, ReclaimReason reaso
   }
   if (seqs.empty()) return released;
 
+  return released + FenceSequences(session_id, seqs, reason, {});
+}
+
+int32_t CacheManagerService::FenceSequences(uint64_t router_session, std::span<const SeqId> seqs,
+                                            ReclaimReason reason, std::vector<SeqId> router_seqs) {
+  const bool scoped = !router_seqs.empty();
   absl::flat_hash_set<uint64_t> writers;
   for (const auto& [id, other] : sessions_) {
     if (other.role == wire::Role::Executor) writers.insert(id);
   }
-  if (writers.empty()) return released + FreeSequences(seqs, reason);
+  if (writers.empty()) return FreeSequences(seqs, reason, /*count=*/!scoped);
 
   const uint64_t fence_id = next_fence_id_++;
   Fence& fence = fences_[fence_id];
-  fence.router_session = session_id;
+  fence.router_session = router_session;
   fence.reason = reason;
+  fence.router_seqs = std::move(router_seqs);
+  fence.count_reclaimed = !scoped;
   fence.seqs.reserve(seqs.size());
   for (SeqId seq : seqs) {
     const SeqId draining = next_draining_seq_++;
     const absl::Status renamed = ledger_.Rename(seq, draining);
-    KVCM_CHECK(renamed.ok()) << "session " << session_id << " owned sequence " << seq
+    KVCM_CHECK(renamed.ok()) << "session " << router_session << " owned sequence " << seq
                              << " that the ledger cannot rename: " << renamed.ToString();
     fence.seqs.push_back(draining);
   }
   for (uint64_t writer : writers) sessions_[writer].pending_fences.insert(fence_id);
   fence.waiting = std::move(writers);
-  return released;
+  return 0;
 }
 
 int32_t CacheManagerService::AcknowledgeFence(uint64_t id, uint64_t executor) {
@@ -528,10 +536,11 @@ int32_t CacheManagerService::AcknowledgeFence(uint64_t id, uint64_t executor) {
   if (!it->second.waiting.empty()) return 0;
   Fence fence = std::move(it->second);
   fences_.erase(it);
-  return FreeSequences(fence.seqs, fence.reason);
+  return FreeSequences(fence.seqs, fence.reason, fence.count_reclaimed);
 }
 
-int32_t CacheManagerService::FreeSequences(std::span<const SeqId> seqs, ReclaimReason reason) {
+int32_t CacheManagerService::FreeSequences(std::span<const SeqId> seqs, ReclaimReason reason,
+                                           bool count) {
   const uint64_t released_before = ledger_.Stats().blocks_released;
   for (SeqId seq : seqs) {
     const absl::Status freed = ledger_.Free(seq);
@@ -539,7 +548,7 @@ int32_t CacheManagerService::FreeSequences(std::span<const SeqId> seqs, ReclaimR
                            << freed.ToString();
   }
   const auto released = static_cast<int32_t>(ledger_.Stats().blocks_released - released_before);
-  if (metrics_ != nullptr && released > 0) metrics_->CountReclaimed(reason, released);
+  if (count && metrics_ != nullptr && released > 0) metrics_->CountReclaimed(reason, released);
   return released;
 }
 
@@ -551,14 +560,22 @@ void CacheManagerService::HandleHeartbeat(const wire::Envelope& envelope, Sessio
       if (session.pending_fences.erase(fence_id) > 0) AcknowledgeFence(fence_id, session.id);
     }
   }
+  std::vector<uint64_t> ids(session.pending_fences.begin(), session.pending_fences.end());
+  std::sort(ids.begin(), ids.end());
   std::vector<wire::Fence> fences;
-  fences.reserve(session.pending_fences.size());
-  for (uint64_t fence_id : session.pending_fences) {
-    fences.emplace_back(fence_id, fences_.at(fence_id).router_session);
+  std::vector<flatbuffers::Offset<wire::SequenceFence>> sequence_fences;
+  for (uint64_t fence_id : ids) {
+    const Fence& fence = fences_.at(fence_id);
+    if (fence.router_seqs.empty()) {
+      fences.emplace_back(fence_id, fence.router_session);
+    } else {
+      sequence_fences.push_back(wire::CreateSequenceFence(
+          *reply, fence_id, fence.router_session, reply->CreateVector(fence.router_seqs)));
+    }
   }
-  std::sort(fences.begin(), fences.end(),
-            [](const wire::Fence& a, const wire::Fence& b) { return a.id() < b.id(); });
-  auto payload = wire::CreateHeartbeatReply(*reply, reply->CreateVectorOfStructs(fences));
+  auto whole = reply->CreateVectorOfStructs(fences);
+  auto scoped = sequence_fences.empty() ? 0 : reply->CreateVector(sequence_fences);
+  auto payload = wire::CreateHeartbeatReply(*reply, whole, scoped);
   FinishEnvelope(*reply, envelope.request_id(), session.id, options_.epoch,
                  wire::Message::HeartbeatReply, payload.Union());
 }
@@ -667,6 +684,7 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
   };
   step_seqs_.clear();
   step_written_.clear();
+  step_drained_.clear();
   // Tokens of `seq` whose KV can be written by now: those it had before this step (the
   // executors write only after the step's reply), which is all a Commit may cover.
   auto writable = [&](SeqId seq) -> int32_t {
@@ -694,6 +712,12 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
       return Rejection{RejectReason::kInvalidArgument, wire::ErrorCode::InvalidArgument,
                        absl::StrCat("op ", i, " (", OpName(type), "): sequence id ", seq,
                                     " is reserved (ids from 2^63 up are the cache manager's)")};
+    }
+    if (session.drained_ids.contains(seq) || step_drained_.contains(seq)) {
+      return Rejection{RejectReason::kInvalidArgument, wire::ErrorCode::InvalidArgument,
+                       absl::StrCat("op ", i, " (", OpName(type), "): sequence id ", seq,
+                                    " was freed with drain and cannot be live again (the "
+                                    "executors refuse it for good): choose a new id")};
     }
     auto it = step_seqs_.find(seq);
     const bool live = it != step_seqs_.end() ? it->second : seq_owner_.contains(seq);
@@ -797,6 +821,7 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
         if (bad && bad->reason != RejectReason::kUnknownSequence) return bad;
         if (!bad) --live_seqs;
         step_seqs_[f->seq()] = false;
+        if (f->drain()) step_drained_.insert(f->seq());
         break;
       }
       default:
@@ -903,13 +928,23 @@ void CacheManagerService::HandleStep(const wire::Envelope& envelope,
       }
       case wire::StepOp::FreeOp: {
         const auto* f = static_cast<const wire::FreeOp*>(op);
-        absl::Status freed =
-            session.seqs.contains(f->seq())
-                ? ledger_.Free(f->seq())
-                : absl::NotFoundError(absl::StrCat("sequence ", f->seq(), " is not live"));
+        const SeqId seq = f->seq();
+        absl::Status freed = absl::OkStatus();
+        if (!session.seqs.contains(seq)) {
+          freed = absl::NotFoundError(absl::StrCat("sequence ", seq, " is not live"));
+        } else if (f->drain()) {
+          // Its blocks wait until every executor stopped writing it (a SequenceFence).
+          seq_owner_.erase(seq);
+          session.seqs.erase(seq);
+          session.drained_ids.insert(seq);
+          const SeqId one[] = {seq};
+          FenceSequences(session.id, one, ReclaimReason::kGoodbye, {seq});
+        } else {
+          freed = ledger_.Free(seq);
+        }
         if (freed.ok()) {
-          seq_owner_.erase(f->seq());
-          session.seqs.erase(f->seq());
+          seq_owner_.erase(seq);
+          session.seqs.erase(seq);
         }
         results.push_back(freed.ok() ? wire::CreateOpResult(*reply) : failed(freed));
         break;

@@ -216,6 +216,9 @@ class CacheManagerService {
     std::array<SentStep, 4> sent_steps;
     size_t next_sent = 0;
     uint64_t last_step_request_id = 0;  // of the last Step applied
+    // Ids freed with drain: never live again in this session, since executors refuse
+    // steps naming them for good.
+    absl::flat_hash_set<SeqId> drained_ids;
   };
 
   // The sequences of a router session that ended, waiting for the executors that may
@@ -225,6 +228,10 @@ class CacheManagerService {
     ReclaimReason reason = ReclaimReason::kClientDied;
     std::vector<SeqId> seqs;                // renamed to ids >= kFirstDrainingSeq
     absl::flat_hash_set<uint64_t> waiting;  // executor sessions yet to acknowledge
+    // A sequence fence (FreeOp.drain): the router's ids of the sequences, the router living
+    // on; empty for a fence over a whole ended router session.
+    std::vector<SeqId> router_seqs;
+    bool count_reclaimed = true;  // a drained free is the router's own, not a reclaim
   };
 
   // A refusal before anything changed.
@@ -273,8 +280,13 @@ class CacheManagerService {
   // `executor` acknowledged fence `id` (or ended); frees the fenced sequences once nobody
   // is waiting. Unknown ids are ignored. Returns the blocks that became unused.
   int32_t AcknowledgeFence(uint64_t id, uint64_t executor);
-  // Frees sequences and counts the blocks that became unused for `reason`.
-  int32_t FreeSequences(std::span<const SeqId> seqs, ReclaimReason reason);
+  // Frees sequences and counts the blocks that became unused for `reason` (unless !count).
+  int32_t FreeSequences(std::span<const SeqId> seqs, ReclaimReason reason, bool count = true);
+  // Puts `seqs` (just taken from `router_session`) behind a fence for every executor
+  // session; frees them at once when there is none. `router_seqs`: the router's ids for a
+  // sequence fence, empty for a whole ended session. Returns the blocks released now.
+  int32_t FenceSequences(uint64_t router_session, std::span<const SeqId> seqs,
+                         ReclaimReason reason, std::vector<SeqId> router_seqs);
   void HandleHeartbeat(const wire::Envelope& envelope, Session& session,
                        flatbuffers::FlatBufferBuilder* reply);
 
@@ -302,6 +314,7 @@ class CacheManagerService {
   std::vector<BlockHash> hashes_;
   absl::flat_hash_map<SeqId, bool> step_seqs_;  // seq -> live after the ops so far
   absl::flat_hash_map<SeqId, int32_t> step_written_;  // seq -> tokens it had before the step
+  absl::flat_hash_set<SeqId> step_drained_;           // freed with drain by the step
 };
 
 // Role name for logs ("router", "executor", "control", "unknown").

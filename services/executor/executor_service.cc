@@ -323,26 +323,53 @@ absl::Status ExecutorService::CheckAndBuild(const StepRequest& step, const PoolV
   return model_->host().CheckBatch(forward_, paged);
 }
 
-absl::Status ExecutorService::CheckNotFenced(uint64_t router_session) const {
-  if (!fenced_.contains(router_session)) return absl::OkStatus();
-  return absl::CancelledError(absl::StrCat(
-      "router session ", router_session,
-      " was fenced by the cache manager (its router ended): its blocks may belong to someone "
-      "else now, so this executor writes nothing for it"));
-}
-
-bool ExecutorService::FenceNames(uint64_t router_session) const {
-  for (const FenceNotice& fence : pool_->PendingFences()) {
-    if (fence.router_session == router_session) return true;
+absl::Status ExecutorService::CheckNotFenced(const StepRequest& step) const {
+  if (fenced_.contains(step.router_session)) {
+    return absl::CancelledError(absl::StrCat(
+        "router session ", step.router_session,
+        " was fenced by the cache manager (its router ended): its blocks may belong to "
+        "someone else now, so this executor writes nothing for it"));
   }
-  return false;
+  for (const SeqStep& s : step.seqs) {
+    if (fenced_seqs_.contains({step.router_session, s.seq})) {
+      return absl::CancelledError(absl::StrCat(
+          "sequence ", s.seq, " of router session ", step.router_session,
+          " was fenced by the cache manager (freed while an executor may still write it): "
+          "its blocks may belong to someone else now"));
+    }
+  }
+  return absl::OkStatus();
 }
 
-bool ExecutorService::FencedSinceStepBegan(uint64_t router_session) {
+void ExecutorService::RecordFence(const FenceNotice& fence) {
+  if (fence.seqs.empty()) {
+    fenced_.insert(fence.router_session);
+    return;
+  }
+  for (uint64_t seq : fence.seqs) fenced_seqs_.insert({fence.router_session, seq});
+}
+
+bool ExecutorService::FenceNames(const StepRequest& step) {
+  bool named = false;
+  for (const FenceNotice& fence : pool_->PendingFences()) {
+    if (fence.router_session != step.router_session) continue;
+    bool hits = fence.seqs.empty();
+    for (size_t i = 0; !hits && i < step.seqs.size(); ++i) {
+      hits = std::find(fence.seqs.begin(), fence.seqs.end(), step.seqs[i].seq) != fence.seqs.end();
+    }
+    if (hits) {
+      RecordFence(fence);
+      named = true;
+    }
+  }
+  return named;
+}
+
+bool ExecutorService::FencedSinceStepBegan(const StepRequest& step) {
   const uint64_t generation = pool_->fence_generation();
   if (generation == seen_fence_generation_) return false;
   seen_fence_generation_ = generation;
-  return FenceNames(router_session);
+  return FenceNames(step);
 }
 
 int ExecutorService::ApplyFences() {
@@ -365,7 +392,7 @@ int ExecutorService::ApplyFences() {
   std::vector<uint64_t> ids;
   ids.reserve(fences.size());
   for (const FenceNotice& fence : fences) {
-    fenced_.insert(fence.router_session);
+    RecordFence(fence);
     ids.push_back(fence.id);
   }
   if (absl::Status acked = pool_->AcknowledgeFences(ids); !acked.ok()) {
@@ -381,25 +408,24 @@ int ExecutorService::ApplyFences() {
   }
   fence_ack_failed_ = false;
   for (const FenceNotice& fence : fences) {
-    LogLine(kComponent, absl::StrCat("fenced router session ", fence.router_session,
-                                     ": no step of it runs here any more (fence ", fence.id,
-                                     " acknowledged)"));
+    LogLine(kComponent,
+            absl::StrCat("fenced ", fence.seqs.empty() ? "" : absl::StrCat(fence.seqs.size(), " sequence(s) of "),
+                         "router session ", fence.router_session,
+                         ": no step of it runs here any more (fence ", fence.id,
+                         " acknowledged)"));
   }
   return static_cast<int>(fences.size());
 }
 
 absl::StatusOr<StepReport> ExecutorService::RunStep(const StepRequest& step) {
-  KVCM_RETURN_IF_ERROR(CheckNotFenced(step.router_session));
+  KVCM_RETURN_IF_ERROR(CheckNotFenced(step));
   absl::StatusOr<const PoolView*> found = PoolForEpoch(step.epoch);
   if (!found.ok()) return found.status();
   const PoolView& pool = **found;
   if (absl::Status checked = CheckAndBuild(step, pool); !checked.ok()) return checked;
   // A fence the heartbeat thread learnt of since the last ApplyFences: nothing written yet.
   seen_fence_generation_ = pool_->fence_generation();
-  if (FenceNames(step.router_session)) {
-    fenced_.insert(step.router_session);
-    return CheckNotFenced(step.router_session);
-  }
+  if (FenceNames(step)) return CheckNotFenced(step);
 
   StepReport report;
   report.step_id = step.step_id;
@@ -419,7 +445,7 @@ absl::StatusOr<StepReport> ExecutorService::RunStep(const StepRequest& step) {
       const absl::Time until = MonotonicNow() + options_.fault_layer_delay;
       while (true) {
         pool_->NoteProgress();  // a layer done (or, in a fault test, being slept through)
-        if (FencedSinceStepBegan(step.router_session)) return false;
+        if (FencedSinceStepBegan(step)) return false;
         const absl::Duration left = until - MonotonicNow();
         if (left <= absl::ZeroDuration()) return true;
         absl::SleepFor(std::min(left, absl::Milliseconds(5)));

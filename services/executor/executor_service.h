@@ -137,12 +137,16 @@ class ExecutorService {
                   flatbuffers::FlatBufferBuilder* reply);
   // The pool for a step of `epoch`, re-attaching when the step is of a newer epoch.
   absl::StatusOr<const PoolView*> PoolForEpoch(uint64_t epoch);
-  // CANCELLED when steps of `router_session` are refused.
-  absl::Status CheckNotFenced(uint64_t router_session) const;
-  // True when a pending fence names `router_session`.
-  bool FenceNames(uint64_t router_session) const;
-  // True when the fences changed since the last check and one names `router_session`.
-  bool FencedSinceStepBegan(uint64_t router_session);
+  // CANCELLED when `step` is refused: its router session was fenced, or one of its
+  // sequences was (a sequence fence of a router that lives on).
+  absl::Status CheckNotFenced(const StepRequest& step) const;
+  // True when a pending fence names `step`'s router session, or one of its sequences; it
+  // is then recorded as fenced.
+  bool FenceNames(const StepRequest& step);
+  // True when the fences changed since the last check and one names `step`.
+  bool FencedSinceStepBegan(const StepRequest& step);
+  // Records `fence` as refused from now on.
+  void RecordFence(const FenceNotice& fence);
   // Checks 3 above; fills forward_ on success.
   absl::Status CheckAndBuild(const StepRequest& step, const PoolView& pool);
   uint64_t attached_epoch() const;
@@ -155,6 +159,9 @@ class ExecutorService {
 
   // Fencing.
   absl::flat_hash_set<uint64_t> fenced_;
+  // (router session, sequence) of sequence fences: refused for good (the cache manager
+  // refuses the router a drained id again).
+  absl::flat_hash_set<std::pair<uint64_t, uint64_t>> fenced_seqs_;
   uint64_t seen_fence_generation_ = 0;     // by the running step
   uint64_t applied_fence_generation_ = 0;  // by ApplyFences
   bool fence_ack_failed_ = false;

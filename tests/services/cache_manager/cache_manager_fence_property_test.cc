@@ -2,11 +2,14 @@
 // writers: routers allocate and hand their block tables to executors, whose steps finish
 // some time later; routers die (their pidfds fire) while those steps still run; executors
 // acknowledge a fence only once no step of the fenced router runs on them, as the real
-// executor does, or die. The property: a block handed to a router is never one that a
-// step of another router may still be writing, and the ledger stays consistent.
+// executor does, or die; routers also give up on a step that runs on a hung executor and
+// free its sequence with drain. The property: a block handed to a router is never one that
+// a step of another router, or a step its router gave up on, may still be writing, and the
+// ledger stays consistent.
 //
 // Seeds are fixed and printed; KVCM_FENCE_SEED=N replays one.
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
@@ -40,6 +43,8 @@ constexpr int kActions = 3000;
 struct InFlight {
   int executor = 0;
   uint64_t router_session = 0;
+  uint64_t seq = 0;
+  bool retired = false;  // its router freed the sequence with drain while it ran
   std::vector<int32_t> blocks;
   int ends_at = 0;  // the action after which it has finished
 };
@@ -67,8 +72,10 @@ class FenceModel {
       const int what = static_cast<int>(rng_() % 100);
       if (what < 45) {
         RouterAllocates(Pick(kRouters));
-      } else if (what < 60) {
+      } else if (what < 55) {
         RouterFrees(Pick(kRouters));
+      } else if (what < 60) {
+        RouterMovesASequenceOff(Pick(kRouters));
       } else if (what < 68) {
         RouterDies(Pick(kRouters));
       } else if (what < 98) {
@@ -78,10 +85,12 @@ class FenceModel {
       }
       ASSERT_TRUE(service_->ledger().CheckInvariants().ok()) << Where();
     }
-    std::printf("  %d blocks handed out, %d router deaths, %d executor deaths, %d fences "
-                "acknowledged; %d checks of a block against in-flight writers\n",
-                handed_, router_deaths_, executor_deaths_, acks_, checks_);
+    std::printf("  %d blocks handed out, %d router deaths, %d drained frees, %d executor "
+                "deaths, %d fences acknowledged; %d checks of a block against in-flight "
+                "writers\n",
+                handed_, router_deaths_, drained_, executor_deaths_, acks_, checks_);
     EXPECT_GT(router_deaths_, 0);
+    EXPECT_GT(drained_, 0);
     EXPECT_GT(acks_, 0);
   }
 
@@ -134,7 +143,7 @@ class FenceModel {
     ++handed_;
     for (const InFlight& write : in_flight_) {
       ++checks_;
-      if (write.router_session == router_session) continue;
+      if (write.router_session == router_session && !write.retired) continue;
       for (int32_t b : write.blocks) {
         ASSERT_NE(b, block) << Where() << ": block " << block << " handed to router session "
                             << router_session << " while executor " << write.executor
@@ -161,6 +170,7 @@ class FenceModel {
     InFlight write;
     write.executor = Pick(kExecutors);
     write.router_session = router.session;
+    write.seq = seq;
     write.ends_at = action_ + 1 + Pick(40);  // a step taking a while
     for (int32_t block : *result->blocks()) {
       CheckHandedOut(router.session, block);
@@ -186,6 +196,28 @@ class FenceModel {
     ASSERT_EQ(reply.payload_type(), wire::Message::StepReply) << Where();
   }
 
+  // The router gives up on a step that runs on a hung executor and frees its sequence with
+  // drain, going on with its other work: that step may still write the blocks.
+  void RouterMovesASequenceOff(int r) {
+    Router& router = routers_[r];
+    for (InFlight& write : in_flight_) {
+      if (write.router_session != router.session || write.retired) continue;
+      auto it = std::find(router.seqs.begin(), router.seqs.end(), write.seq);
+      if (it == router.seqs.end()) continue;
+      router.seqs.erase(it);
+      write.retired = true;
+      request_.Clear();
+      const wire::Envelope& reply =
+          SendStep(router, wire::StepOp::FreeOp,
+                   wire::CreateFreeOp(request_, write.seq, /*drain=*/true).Union());
+      ASSERT_EQ(reply.payload_type(), wire::Message::StepReply) << Where();
+      ASSERT_EQ(reply.payload_as_StepReply()->results()->Get(0)->code(), wire::ErrorCode::Ok)
+          << Where();
+      ++drained_;
+      return;
+    }
+  }
+
   // SIGKILL while its steps may still run on the executors; a new process registers.
   void RouterDies(int r) {
     Router& router = routers_[r];
@@ -207,6 +239,15 @@ class FenceModel {
       }
       if (!running) acks.push_back(fence);
     }
+    for (const auto& [fence, scope] : known_sequence_fences_[e]) {
+      bool running = false;
+      for (const InFlight& write : in_flight_) {
+        running |= write.executor == e && write.router_session == scope.first &&
+                   std::find(scope.second.begin(), scope.second.end(), write.seq) !=
+                       scope.second.end();
+      }
+      if (!running) acks.push_back(fence);
+    }
     request_.Clear();
     const auto payload =
         wire::CreateHeartbeat(request_, acks.empty() ? 0 : request_.CreateVector(acks));
@@ -215,9 +256,17 @@ class FenceModel {
     ASSERT_EQ(reply.payload_type(), wire::Message::HeartbeatReply) << Where();
     acks_ += static_cast<int>(acks.size());
     known_fences_[e].clear();
+    known_sequence_fences_[e].clear();
     if (const auto* fences = reply.payload_as_HeartbeatReply()->fences()) {
       for (const wire::Fence* fence : *fences) {
         known_fences_[e][fence->id()] = fence->router_session();
+      }
+    }
+    if (const auto* fences = reply.payload_as_HeartbeatReply()->sequence_fences()) {
+      for (const wire::SequenceFence* fence : *fences) {
+        known_sequence_fences_[e][fence->id()] = {
+            fence->router_session(),
+            std::vector<uint64_t>(fence->seqs()->begin(), fence->seqs()->end())};
       }
     }
   }
@@ -229,6 +278,7 @@ class FenceModel {
     ++executor_deaths_;
     std::erase_if(in_flight_, [&](const InFlight& w) { return w.executor == e; });
     known_fences_[e].clear();
+    known_sequence_fences_[e].clear();
     executor.pid = next_pid_++;
     executor.session = Hello(wire::Role::Executor, executor.pid);
   }
@@ -247,8 +297,12 @@ class FenceModel {
   std::vector<Executor> executors_;
   std::vector<InFlight> in_flight_;
   absl::flat_hash_map<uint64_t, uint64_t> known_fences_[kExecutors];  // fence -> router
+  // Sequence fences: fence -> (router session, its sequences).
+  absl::flat_hash_map<uint64_t, std::pair<uint64_t, std::vector<uint64_t>>>
+      known_sequence_fences_[kExecutors];
   int action_ = 0;
   int handed_ = 0, router_deaths_ = 0, executor_deaths_ = 0, acks_ = 0, checks_ = 0;
+  int drained_ = 0;
 };
 
 class FencePropertyTest : public ::testing::TestWithParam<uint32_t> {};

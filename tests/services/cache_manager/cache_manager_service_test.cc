@@ -51,6 +51,7 @@ struct Op {
   int32_t tokens = 0;
   uint64_t child = 0;
   std::vector<BlockHash> hashes;
+  bool drain = false;  // Free
 };
 Op Allocate(uint64_t seq, int32_t tokens, std::vector<BlockHash> hashes = {}) {
   return {wire::StepOp::AllocateOp, seq, tokens, 0, std::move(hashes)};
@@ -59,7 +60,9 @@ Op Append(uint64_t seq, int32_t tokens) { return {wire::StepOp::AppendOp, seq, t
 Op Commit(uint64_t seq, int32_t tokens, std::vector<BlockHash> hashes = {}) {
   return {wire::StepOp::CommitOp, seq, tokens, 0, std::move(hashes)};
 }
-Op Free(uint64_t seq) { return {wire::StepOp::FreeOp, seq, 0, 0, {}}; }
+Op Free(uint64_t seq, bool drain = false) {
+  return {wire::StepOp::FreeOp, seq, 0, 0, {}, drain};
+}
 Op Fork(uint64_t parent, uint64_t child) { return {wire::StepOp::ForkOp, parent, 0, child, {}}; }
 
 class CacheManagerServiceTest : public ::testing::Test {
@@ -143,7 +146,7 @@ class CacheManagerServiceTest : public ::testing::Test {
                     wire::CreateCommitOp(b, op.seq, op.tokens, ToWire(b, op.hashes)).Union());
                 break;
               case wire::StepOp::FreeOp:
-                values.push_back(wire::CreateFreeOp(b, op.seq).Union());
+                values.push_back(wire::CreateFreeOp(b, op.seq, op.drain).Union());
                 break;
               case wire::StepOp::ForkOp:
                 values.push_back(wire::CreateForkOp(b, op.seq, op.child).Union());
@@ -851,6 +854,47 @@ TEST_F(CacheManagerFenceTest, HungExecutorKeepsItsFenceUntilItDiesOrComesBack) {
   service_->OnProcessExited(kExecutorPid);
   EXPECT_EQ(service_->DrainingBlocks(), 0);
   EXPECT_EQ(service_->ledger().Stats().free_blocks, kBlocks);
+  EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
+}
+
+TEST_F(CacheManagerFenceTest, AFreeWithDrainWaitsForTheExecutorsWhileTheRouterLivesOn) {
+  const uint64_t router = Hello();
+  const uint64_t executor = Hello(wire::Role::Executor, 2000);
+  ASSERT_EQ(ErrorOf(Step(router, {Allocate(1, 8)})), wire::ErrorCode::Ok);
+  // The router moved sequence 1 off a hung executor and frees it: its 2 blocks drain.
+  ASSERT_EQ(ErrorOf(Step(router, {Free(1, /*drain=*/true)})), wire::ErrorCode::Ok);
+  EXPECT_EQ(service_->DrainingBlocks(), 2);
+  EXPECT_EQ(service_->open_fences(), 1);
+  const uint64_t other = Hello(wire::Role::Router, 3000);
+  EXPECT_EQ(AllocatableBlocks(other, 3000), kBlocks - 2);
+  // The executor learns a sequence fence (not a fence over the whole router).
+  const wire::Envelope& beat = Request(
+      executor, wire::Message::Heartbeat,
+      [](auto& b) { return wire::CreateHeartbeat(b).Union(); }, 2000);
+  ASSERT_EQ(beat.payload_type(), wire::Message::HeartbeatReply);
+  const auto* reply = beat.payload_as_HeartbeatReply();
+  EXPECT_TRUE(reply->fences() == nullptr || reply->fences()->size() == 0);
+  ASSERT_NE(reply->sequence_fences(), nullptr);
+  ASSERT_EQ(reply->sequence_fences()->size(), 1u);
+  const wire::SequenceFence* fence = reply->sequence_fences()->Get(0);
+  EXPECT_EQ(fence->router_session(), router);
+  ASSERT_EQ(fence->seqs()->size(), 1u);
+  EXPECT_EQ(fence->seqs()->Get(0), 1u);
+  const uint64_t fence_id = fence->id();
+  // The router goes on; only the drained id cannot come back.
+  EXPECT_EQ(ErrorOf(Step(router, {Allocate(1, 4)})), wire::ErrorCode::InvalidArgument);
+  EXPECT_EQ(ErrorOf(Step(router, {Allocate(2, 4), Free(2, true), Allocate(2, 4)})),
+            wire::ErrorCode::InvalidArgument);
+  EXPECT_EQ(ErrorOf(Step(router, {Allocate(3, 4)})), wire::ErrorCode::Ok);
+  // Acknowledged: the blocks come back.
+  Heartbeat(executor, 2000, {fence_id});
+  EXPECT_EQ(service_->DrainingBlocks(), 0);
+  EXPECT_EQ(service_->open_fences(), 0);
+  // With no executor at all nothing can write: a drained free is immediate.
+  service_->OnProcessExited(2000);
+  ASSERT_EQ(ErrorOf(Step(router, {Free(3, true)})), wire::ErrorCode::Ok);
+  EXPECT_EQ(service_->DrainingBlocks(), 0);
+  EXPECT_EQ(service_->ledger().Stats().in_use_blocks, 0);
   EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
 }
 

@@ -569,7 +569,7 @@ StepRequest FenceTestStep(int32_t block_size) {
 TEST_P(ExecutorServiceTest, FencedRouterSessionsStepsAreRefusedAfterTheAcknowledgement) {
   EXPECT_EQ(service_->ApplyFences(), 0);  // none pending: nothing acknowledged
   EXPECT_TRUE(pool_->acked().empty());
-  pool_->ScheduleFence({/*id=*/3, /*router_session=*/7}, 0);
+  pool_->ScheduleFence({/*id=*/3, /*router_session=*/7, {}}, 0);
   (void)pool_->fence_generation();
   const std::vector<uint8_t> before = pool_->memory();
   EXPECT_EQ(service_->ApplyFences(), 1);
@@ -599,7 +599,7 @@ TEST_P(ExecutorServiceTest, FencedRouterSessionsStepsAreRefusedAfterTheAcknowled
 TEST_P(ExecutorServiceTest, AFenceArrivingMidStepStopsItAtTheNextLayer) {
   const StepRequest step = FenceTestStep(block_size());
   // Query 1 is the look before writing, query 2 comes after layer 0.
-  pool_->ScheduleFence({/*id=*/4, /*router_session=*/7}, 1);
+  pool_->ScheduleFence({/*id=*/4, /*router_session=*/7, {}}, 1);
   absl::StatusOr<StepReport> abandoned = service_->RunStep(step);
   EXPECT_TRUE(absl::IsCancelled(abandoned.status())) << abandoned.status();
   EXPECT_THAT(abandoned.status().message(), HasSubstr("stopped after layer 0"));
@@ -622,11 +622,38 @@ TEST_P(ExecutorServiceTest, AFenceArrivingMidStepStopsItAtTheNextLayer) {
 }
 
 TEST_P(ExecutorServiceTest, AFenceOfAnotherRouterDoesNotStopTheStep) {
-  pool_->ScheduleFence({/*id=*/5, /*router_session=*/99}, 1);
+  pool_->ScheduleFence({/*id=*/5, /*router_session=*/99, {}}, 1);
   absl::StatusOr<StepReport> report = service_->RunStep(FenceTestStep(block_size()));
   ASSERT_TRUE(report.ok()) << report.status();
   EXPECT_EQ(service_->abandoned_steps(), 0u);
   EXPECT_GE(report->results[0].token, 0);
+}
+
+TEST_P(ExecutorServiceTest, ASequenceFenceStopsOnlyStepsNamingItsSequences) {
+  const StepRequest step = FenceTestStep(block_size());
+  const uint64_t seq = step.seqs[0].seq;
+  // Another sequence of the same router, fenced mid-step: the step runs on.
+  pool_->ScheduleFence({/*id=*/6, /*router_session=*/7, {seq + 100}}, 1);
+  absl::StatusOr<StepReport> unaffected = service_->RunStep(step);
+  ASSERT_TRUE(unaffected.ok()) << unaffected.status();
+  EXPECT_EQ(service_->abandoned_steps(), 0u);
+  EXPECT_EQ(service_->ApplyFences(), 1);
+  // Its own sequence, fenced mid-step (the router freed it with drain after moving it
+  // elsewhere): stopped at the next layer, acknowledged between steps, refused after.
+  pool_->ScheduleFence({/*id=*/7, /*router_session=*/7, {seq}}, 1);
+  absl::StatusOr<StepReport> stopped = service_->RunStep(step);
+  EXPECT_TRUE(absl::IsCancelled(stopped.status())) << stopped.status();
+  EXPECT_EQ(service_->abandoned_steps(), 1u);
+  EXPECT_EQ(service_->ApplyFences(), 1);
+  EXPECT_THAT(pool_->acked(), ElementsAreArray({uint64_t{6}, uint64_t{7}}));
+  absl::StatusOr<StepReport> refused = service_->RunStep(step);
+  EXPECT_TRUE(absl::IsCancelled(refused.status())) << refused.status();
+  EXPECT_THAT(refused.status().message(), HasSubstr(absl::StrCat("sequence ", seq)));
+  // The router itself is not fenced: its other sequences run.
+  EXPECT_FALSE(service_->fenced_sessions().contains(7));
+  StepRequest other = step;
+  other.seqs[0].seq = seq + 1;
+  EXPECT_TRUE(service_->RunStep(other).ok());
 }
 
 TEST_P(ExecutorServiceTest, NoPoolIsUnavailable) {
