@@ -21,9 +21,6 @@ constexpr char kComponent[] = "kvcm-executor";
 // Between two failed fence acknowledgements. Short: the blocks stay draining meanwhile.
 // Not shorter: each attempt may block the socket thread for a call timeout.
 constexpr absl::Duration kFenceAckRetry = absl::Seconds(1);
-// The most block-table entries (sequences x longest needed table) one step may use: 256 MiB
-// of int32, far above any real batch (256 sequences of 128K tokens in blocks of 16 take 2M).
-constexpr size_t kMaxBlockTableEntries = size_t{1} << 26;
 
 std::string SeqName(size_t index, uint64_t seq) {
   return absl::StrCat("seq[", index, "] (id ", seq, ")");
@@ -273,10 +270,11 @@ absl::Status ExecutorService::CheckAndBuild(const StepRequest& step, const PoolV
     max_blocks = std::max(max_blocks, static_cast<size_t>(needed));
     total_tokens += static_cast<int64_t>(s.tokens.size());
   }
-  if (step.seqs.size() * max_blocks > kMaxBlockTableEntries) {
+  if (step.seqs.size() * max_blocks > options_.max_block_table_entries) {
     return absl::InvalidArgumentError(absl::StrCat(
         "the step's block tables would take ", step.seqs.size(), " sequences x ", max_blocks,
-        " blocks, more than the ", kMaxBlockTableEntries, " entries one step may use"));
+        " blocks, more than the ", options_.max_block_table_entries,
+        " entries one step may use"));
   }
   absl::flat_hash_set<int32_t> destinations;
   for (size_t i = 0; i < step.copies.size(); ++i) {

@@ -63,6 +63,10 @@ class ExecutorService {
     int32_t pid = 0;                // announced in ExecutorHello
     // Inbound messages larger than this are refused as malformed (oversized).
     size_t max_message_bytes = kDefaultMaxMessageBytes;
+    // The most block-table entries (sequences x longest needed table) one step may use:
+    // 256 MiB of int32 by default, far above any real batch (256 sequences of 128K tokens
+    // in blocks of 16 take 2M). A step over it is refused before anything is allocated.
+    size_t max_block_table_entries = size_t{1} << 26;
     // A Hello unanswered this long is sent again (the router may not have been up).
     absl::Duration hello_retry = absl::Seconds(1);
     // Fault tests only: sleep this long after each layer of a step's forward pass, so that

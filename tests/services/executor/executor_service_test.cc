@@ -327,6 +327,39 @@ TEST_P(ExecutorServiceTest, RefusedStepsLeaveThePoolUntouched) {
   EXPECT_FALSE(pool_->memory() == before);
 }
 
+TEST_P(ExecutorServiceTest, AStepWhoseBlockTablesWouldBeTooLargeIsRefusedBeforeAnyWork) {
+  ExecutorService::Options options;
+  options.name = "bounded";
+  options.model_name = "tiny";
+  options.max_block_table_entries = 8;
+  ExecutorService bounded(options, executor_model_.get(), pool_.get(), nullptr);
+  const std::vector<uint8_t> before = pool_->memory();
+  // Sequences of 11 tokens, each needing ceil(11 / block size) blocks.
+  const int32_t needed = (11 + block_size() - 1) / block_size();
+  auto step_of = [&](int n) {
+    StepRequest step;
+    step.epoch = kEpoch;
+    step.router_session = 1;
+    for (int i = 0; i < n; ++i) {
+      SeqStep s;
+      s.seq = static_cast<uint64_t>(i + 1);
+      s.tokens = kPrompts[1];
+      s.context_len = 11;
+      s.block_table = Blocks(needed * i, needed);
+      step.seqs.push_back(s);
+    }
+    return step;
+  };
+  const int fits = 8 / needed;
+  absl::StatusOr<StepReport> over = bounded.RunStep(step_of(fits + 1));
+  EXPECT_TRUE(absl::IsInvalidArgument(over.status())) << over.status();
+  EXPECT_THAT(std::string(over.status().message()), HasSubstr("entries one step may use"));
+  EXPECT_TRUE(pool_->memory() == before) << "a refused step wrote into the pool";
+  if (fits > 0) {
+    EXPECT_TRUE(bounded.RunStep(step_of(fits)).ok());
+  }
+}
+
 TEST_P(ExecutorServiceTest, CopiesRunBeforeTheForwardPass) {
   const PoolView& view = pool_->view();
   // Block 3 of every layer, K and V: a pattern. Copy it to block 8 in a step that also runs a
