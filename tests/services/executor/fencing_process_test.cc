@@ -71,7 +71,7 @@ class FencingProcessTest : public ::testing::Test {
   // The cache manager, a dead-to-be router bound on the executor socket, an executor whose
   // every layer takes `layer_delay_ms`, and an observer mapping the pool. Returns once the
   // executor wrote layer 0 of the router's step (it is then mid-step, sleeping).
-  void StartMidStep(int32_t layer_delay_ms) {
+  void StartMidStep(int32_t layer_delay_ms, std::vector<std::string> router_extra = {}) {
     absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(dir_->path() + "/tiny");
     ASSERT_TRUE(model.ok()) << model.status();
     const LlamaConfig& c = (*model)->config();
@@ -97,6 +97,8 @@ class FencingProcessTest : public ::testing::Test {
     router_options.argv = {KvcmBinaryPath("kvcm-test-router"), "--router", router,
                            "--cache-manager", cm_->endpoint(), "--prompt-tokens",
                            absl::StrCat(kPromptTokens)};
+    router_options.argv.insert(router_options.argv.end(), router_extra.begin(),
+                               router_extra.end());
     router_options.output_path = sockets_->path() + "/router.out";
     absl::StatusOr<std::unique_ptr<Subprocess>> dead = Subprocess::Start(router_options);
     ASSERT_TRUE(dead.ok()) << dead.status();
@@ -276,6 +278,43 @@ TEST_F(FencingProcessTest, KilledRoutersBlocksWaitForTheExecutorToAbandonItsStep
   EXPECT_EQ(executor_.process->Wait(absl::ZeroDuration()).status().code(),
             absl::StatusCode::kDeadlineExceeded)
       << "the executor should keep serving";
+}
+
+TEST_F(FencingProcessTest, ASequenceFreedWithDrainWaitsForTheExecutorWhileItsRouterLives) {
+  // The router gives up on its step (as on an executor that hung) and frees the sequence
+  // with drain while the executor is still writing it; the router itself goes on.
+  ASSERT_NO_FATAL_FAILURE(StartMidStep(/*layer_delay_ms=*/1500, {"--drain-after-ms", "2000"}));
+  // Stopped mid-step (it cannot acknowledge, so what follows is certain) before the free.
+  ASSERT_TRUE(executor_.process->Signal(SIGSTOP).ok());
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  ASSERT_TRUE(dead_router_->WaitForLine("router: freed with drain", deadline).ok())
+      << dead_router_->Output();
+  // The observer (an executor-role session too) honours its sequence fence at once.
+  ASSERT_TRUE(WaitFor([&] { return observer_->PendingFences().size() == 1; }, deadline));
+  const FenceNotice fence = observer_->PendingFences()[0];
+  EXPECT_EQ(fence.router_session, dead_session_);
+  EXPECT_EQ(fence.seqs.size(), 1u);
+  ASSERT_TRUE(observer_->AcknowledgeFences({&fence.id, 1}).ok());
+
+  // The step's blocks are not reissued while the executor may write them.
+  std::unique_ptr<CacheManagerClient> second = SecondRouter();
+  ASSERT_NE(second, nullptr);
+  EXPECT_EQ(Stats().draining_blocks, 3);
+  EXPECT_TRUE(absl::IsResourceExhausted(Allocate(*second, 1, kNumBlocks).status()));
+  absl::StatusOr<std::vector<int32_t>> one = Allocate(*second, 2, 1);
+  ASSERT_TRUE(one.ok()) << one.status();
+  ExpectNoneOfTheDeadRoutersBlocks(*one);
+  // Resumed, the executor stops at the next layer boundary and acknowledges: the blocks
+  // come back, and the router that freed them is still registered.
+  ASSERT_TRUE(executor_.process->Signal(SIGCONT).ok());
+  ASSERT_TRUE(WaitFor([&] { return Stats().draining_blocks == 0; }, deadline))
+      << executor_.Output();
+  EXPECT_THAT(executor_.Output(), HasSubstr("abandoned step 1 (stopped after layer"));
+  EXPECT_THAT(executor_.Output(), HasSubstr("fenced 1 sequence(s) of router session"));
+  EXPECT_EQ(Stats().open_fences, 0u);
+  EXPECT_EQ(dead_router_->Wait(absl::ZeroDuration()).status().code(),
+            absl::StatusCode::kDeadlineExceeded)
+      << "the router should live on";
 }
 
 TEST_F(FencingProcessTest, KilledRoutersBlocksComeBackWhenItsHungExecutorDies) {
