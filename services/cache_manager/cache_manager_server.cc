@@ -84,7 +84,6 @@ class CacheManagerServer::PidfdWatcher : public ProcessWatcher {
     if (fds_.contains(pid)) return absl::OkStatus();
     if (auto offered = connect_pidfds_.extract(pid); !offered.empty()) {
       fds_.emplace(pid, std::move(offered.mapped()));
-      ++from_connect_;
       if (metrics_ != nullptr) metrics_->CountProcessWatch(true);
       return absl::OkStatus();
     }
@@ -105,15 +104,12 @@ class CacheManagerServer::PidfdWatcher : public ProcessWatcher {
 
   const absl::flat_hash_map<pid_t, UniqueFd>& fds() const { return fds_; }
   std::vector<pid_t> TakeExited() { return std::exchange(exited_, {}); }
-  // Watches that took a connect-time pidfd (for tests and logs).
-  uint64_t from_connect() const { return from_connect_; }
 
  private:
   static constexpr size_t kMaxConnectPidfds = 1024;
   CacheManagerMetrics* const metrics_;
   absl::flat_hash_map<pid_t, UniqueFd> fds_;
   absl::flat_hash_map<pid_t, UniqueFd> connect_pidfds_;
-  uint64_t from_connect_ = 0;
   std::vector<pid_t> exited_;
 };
 
@@ -194,8 +190,6 @@ absl::StatusOr<std::unique_ptr<CacheManagerServer>> CacheManagerServer::Create(
   server->PublishSnapshot();
   return server;
 }
-
-uint64_t CacheManagerServer::watched_from_connect() const { return watcher_->from_connect(); }
 
 CacheManagerServer::CacheManagerServer(const Options& options, RunDirectory run_dir,
                                        std::unique_ptr<PoolMemory> memory,

@@ -104,12 +104,6 @@ class CacheManagerServer {
   // For a connection just accepted: offers its peer's pidfd (SO_PEERPIDFD) to the watcher.
   void TakeConnectPidfd(int connection);
 
- public:
-  // Sessions whose death is watched through a pidfd taken when their connection was
-  // accepted (rather than looked up by pid at Hello).
-  uint64_t watched_from_connect() const;
-
- private:
   void PublishEvents();
   void PublishSnapshot();
 

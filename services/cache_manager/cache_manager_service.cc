@@ -934,8 +934,6 @@ void CacheManagerService::HandleStep(const wire::Envelope& envelope,
           freed = absl::NotFoundError(absl::StrCat("sequence ", seq, " is not live"));
         } else if (f->drain()) {
           // Its blocks wait until every executor stopped writing it (a SequenceFence).
-          seq_owner_.erase(seq);
-          session.seqs.erase(seq);
           session.drained_ids.insert(seq);
           const SeqId one[] = {seq};
           FenceSequences(session.id, one, ReclaimReason::kGoodbye, {seq});

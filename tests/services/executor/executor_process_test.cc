@@ -65,11 +65,8 @@ class ExecutorProcessTest : public ::testing::Test {
     ASSERT_TRUE(dir.ok()) << dir.status();
     dir_ = new TempDir(std::move(*dir));
     model_dir_ = new std::string(dir_->path() + "/tiny");
-    absl::StatusOr<RunResult> made = RunProgram({KvcmBinaryPath("kvcm-make-tiny-model"), "--output",
-                                                 *model_dir_, "--seed", absl::StrCat(kModelSeed)},
-                                                "", absl::Seconds(60));
-    ASSERT_TRUE(made.ok()) << made.status();
-    ASSERT_EQ(made->exit_code, 0) << made->output;
+    const absl::Status made = kvcm::testing::MakeTinyModel(*model_dir_, kModelSeed);
+    ASSERT_TRUE(made.ok()) << made;
     // One thread here, two in the executor: the K/V comparison below also checks that the
     // thread count does not change a bit.
     LlamaModelOptions model_options;

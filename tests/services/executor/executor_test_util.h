@@ -103,6 +103,21 @@ inline absl::StatusOr<ExecutorProcess> StartExecutor(const ExecutorArgs& args,
   return executor;
 }
 
+// Writes a tiny random Llama model (weights from `seed`) into `output` with the
+// kvcm-make-tiny-model binary. INTERNAL with its output when it fails.
+inline absl::Status MakeTinyModel(const std::string& output, uint64_t seed) {
+  absl::StatusOr<RunResult> made =
+      RunProgram({KvcmBinaryPath("kvcm-make-tiny-model"), "--output", output, "--seed",
+                  absl::StrCat(seed)},
+                 "", absl::Seconds(60));
+  if (!made.ok()) return made.status();
+  if (made->exit_code != 0) {
+    return absl::InternalError(absl::StrCat("kvcm-make-tiny-model exited ", made->exit_code,
+                                            ": ", made->output));
+  }
+  return absl::OkStatus();
+}
+
 // Three prompts of 5, 11 and 17 byte-level tokens ("Hello", "The quick ", "I am a small
 // tes"), for the generation tests.
 inline const std::vector<std::vector<int32_t>>& TestPrompts() {

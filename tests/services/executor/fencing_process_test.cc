@@ -34,8 +34,6 @@ using ::kvcm::testing::CacheManagerProcess;
 using ::kvcm::testing::ExecutorArgs;
 using ::kvcm::testing::ExecutorProcess;
 using ::kvcm::testing::KvcmBinaryPath;
-using ::kvcm::testing::RunProgram;
-using ::kvcm::testing::RunResult;
 using ::kvcm::testing::Subprocess;
 using ::kvcm::testing::TempDir;
 using ::testing::HasSubstr;
@@ -60,11 +58,8 @@ class FencingProcessTest : public ::testing::Test {
     absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-fence");
     ASSERT_TRUE(dir.ok()) << dir.status();
     dir_ = new TempDir(std::move(*dir));
-    absl::StatusOr<RunResult> made = RunProgram(
-        {KvcmBinaryPath("kvcm-make-tiny-model"), "--output", dir_->path() + "/tiny", "--seed", "11"},
-        "", absl::Seconds(60));
-    ASSERT_TRUE(made.ok()) << made.status();
-    ASSERT_EQ(made->exit_code, 0) << made->output;
+    const absl::Status made = kvcm::testing::MakeTinyModel(dir_->path() + "/tiny", 11);
+    ASSERT_TRUE(made.ok()) << made;
   }
   static void TearDownTestSuite() { delete dir_; }
 
