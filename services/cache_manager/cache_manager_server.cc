@@ -1,6 +1,7 @@
 #include "services/cache_manager/cache_manager_server.h"
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
@@ -19,6 +20,7 @@
 #include "common/base/monotonic_clock.h"
 #include "common/base/unique_fd.h"
 #include "common/memory/pool_layout.h"
+#include "common/transport/accept_guard.h"
 #include "common/transport/zmq_util.h"
 
 namespace kvcm {
@@ -42,15 +44,23 @@ constexpr int kMinFdReserve = 32;
 #endif
 constexpr char kMonitorEndpoint[] = "inproc://kvcm-cache-manager-requests-monitor";
 
-// Open descriptors of this process (entries of /proc/self/fd, less the directory's own).
-int OpenDescriptors() {
-  DIR* dir = ::opendir("/proc/self/fd");
-  if (dir == nullptr) return -1;
+// Open descriptors of this process: the entries of /proc/self/fd, read through `dir_fd`
+// (that directory, opened at start) less `dir_fd` itself. Reading it takes no descriptor,
+// so it still works when none is free; -1 if it cannot be read.
+int OpenDescriptors(int dir_fd) {
+  if (dir_fd < 0 || ::lseek(dir_fd, 0, SEEK_SET) != 0) return -1;
+  alignas(8) char buffer[8192];
   int count = 0;
-  while (const dirent* entry = ::readdir(dir)) {
-    if (entry->d_name[0] != '.') ++count;
+  while (true) {
+    const long n = ::syscall(SYS_getdents64, dir_fd, buffer, sizeof(buffer));
+    if (n < 0) return -1;
+    if (n == 0) break;
+    for (long offset = 0; offset < n;) {
+      const auto* entry = reinterpret_cast<const dirent64*>(buffer + offset);
+      if (entry->d_name[0] != '.') ++count;
+      offset += entry->d_reclen;
+    }
   }
-  ::closedir(dir);
   return count - 1;
 }
 
@@ -175,6 +185,7 @@ absl::StatusOr<std::unique_ptr<CacheManagerServer>> CacheManagerServer::Create(
     server->monitor_ = zmq::socket_t(server->context_, zmq::socket_type::pair);
     server->monitor_.set(zmq::sockopt::linger, 0);
     server->monitor_.connect(kMonitorEndpoint);
+    server->fd_dir_ = UniqueFd(::open("/proc/self/fd", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
     server->events_ = zmq::socket_t(server->context_, zmq::socket_type::pub);
     server->events_.set(zmq::sockopt::sndhwm, kEventHighWaterMark);
     // Subscribers send only their subscriptions.
@@ -466,10 +477,16 @@ void CacheManagerServer::TakeConnectPidfd(int connection) {
 
 void CacheManagerServer::GuardDescriptors() {
   const int limit = DescriptorLimit();
-  const int open = OpenDescriptors();
+  const int open = OpenDescriptors(fd_dir_.get());
   if (limit < 0 || open < 0) return;
   const int reserve = std::max(kMinFdReserve, limit / 16);
   const int left = limit - open;
+  if (const uint64_t dropped = ConnectionsDroppedAtDescriptorLimit();
+      dropped != dropped_reported_) {
+    Log(absl::StrCat(dropped - dropped_reported_,
+                     " connections closed at accept: no descriptor was free"));
+    dropped_reported_ = dropped;
+  }
   std::vector<std::string> endpoints = {request_endpoint()};
   if (!tcp_bound_.empty()) endpoints.push_back(tcp_bound_);
   if (accepting_ && left < reserve) {

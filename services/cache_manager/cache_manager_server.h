@@ -30,6 +30,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/base/unique_fd.h"
 #include "common/memory/fd_channel.h"
 #include "common/memory/pool_memory.h"
 #include "services/cache_manager/cache_manager_metrics.h"
@@ -95,7 +96,9 @@ class CacheManagerServer {
   // Stops accepting connections (unbinds the request endpoints, which also closes the
   // connections made through them) while fewer than a reserve of descriptors are left
   // under RLIMIT_NOFILE, and binds them again once twice the reserve is free: a flood of
-  // idle connections cannot make libzmq fail an accept (which aborts the process). Clients
+  // idle connections does not starve pidfds, the fd channel and metrics of descriptors.
+  // (Connections that arrive faster than this reacts are closed at accept by the accept
+  // guard, common/transport/accept_guard.h, not left to abort libzmq.) Clients
   // connect again by themselves (ZeroMQ) and keep their sessions; a reply lost meanwhile is
   // learnt by retrying (the Step replay cache).
   void GuardDescriptors();
@@ -119,6 +122,8 @@ class CacheManagerServer {
   zmq::socket_t requests_;
   zmq::socket_t monitor_;  // PAIR on requests_'s monitor: accepted and closed connections
   bool accepting_ = true;
+  uint64_t dropped_reported_ = 0;  // ConnectionsDroppedAtDescriptorLimit() last logged
+  UniqueFd fd_dir_;                 // /proc/self/fd, to count descriptors when none is free
   zmq::socket_t events_;
 
   flatbuffers::FlatBufferBuilder reply_;

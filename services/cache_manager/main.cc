@@ -32,6 +32,7 @@
 #include "common/sizing/byte_size.h"
 #include "common/sizing/model_config.h"
 #include "common/sizing/pool_plan.h"
+#include "common/transport/accept_guard.h"
 #include "common/transport/tcp_endpoint.h"
 #include "services/cache_manager/cache_manager_metrics.h"
 #include "services/cache_manager/cache_manager_server.h"
@@ -209,6 +210,8 @@ int Main() {
     Log(absl::StrCat("error: ", status.message()));
     return 1;
   };
+  // A flood of connections at the descriptor limit must not abort the process in libzmq.
+  if (absl::Status guard = InstallAcceptGuard(); !guard.ok()) return fail(guard);
 
   auto spec = SpecFromFlags();
   if (!spec.ok()) return fail(spec.status());

@@ -120,7 +120,9 @@ TEST(CacheManagerFaultTest, StoppedClientIsQuarantinedThenRefusedThenRegistersAn
 }
 
 TEST(CacheManagerFaultTest, AFloodOfIdleConnectionsAtTheDescriptorLimitIsShedAndNoSessionIsLost) {
-  // 256 descriptors at most (soft and hard), then far more idle connections than that.
+  // 256 descriptors at most (soft and hard), then far more idle connections than that, in
+  // one burst: faster than the guard in the loop can unbind, so that accepts also fail with
+  // EMFILE (which aborted the process inside libzmq before the accept guard).
   CacheManagerOptions options;
   options.num_blocks = kBlocks;
   options.block_size = kBlockSize;
@@ -147,14 +149,15 @@ TEST(CacheManagerFaultTest, AFloodOfIdleConnectionsAtTheDescriptorLimitIsShedAnd
       continue;
     }
     idle.push_back(fd);
-    if (i % 50 == 49) absl::SleepFor(absl::Milliseconds(20));  // let it accept
   }
   std::printf("%zu idle connections made\n", idle.size());
   auto refusing = manager.process().WaitForLine("not accepting connections",
                                                 absl::Now() + absl::Seconds(10));
   ASSERT_TRUE(refusing.ok()) << refusing.status() << "\n" << manager.Output();
 
-  // Unbinding dropped every connection made through the endpoint: the idle ones read EOF.
+  // Unbinding dropped every connection made through the endpoint: the idle ones read EOF, or
+  // a reset where the connection was still in the listen backlog or was closed at accept
+  // with no descriptor free. None may stay open.
   for (int fd : idle) {
     timeval timeout{5, 0};
     ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
@@ -163,7 +166,8 @@ TEST(CacheManagerFaultTest, AFloodOfIdleConnectionsAtTheDescriptorLimitIsShedAnd
     char greeting[64];
     while ((n = ::recv(fd, greeting, sizeof(greeting), 0)) > 0) {
     }
-    EXPECT_EQ(n, 0) << "an idle connection was not dropped: " << std::strerror(errno);
+    const bool dropped = n == 0 || (n < 0 && errno == ECONNRESET);
+    EXPECT_TRUE(dropped) << "an idle connection was not dropped: " << std::strerror(errno);
     ::close(fd);
   }
   // With its descriptors back it accepts again; the router's DEALER connected again by
