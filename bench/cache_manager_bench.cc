@@ -77,7 +77,9 @@
 
 #include "absl/time/clock.h"
 #include "bench/ratio_reporter.h"
+#include "common/base/check.h"
 #include "common/wire/envelope.h"
+#include "common/wire/step_codec.h"
 #include "services/cache_manager/cache_manager_metrics.h"
 #include "services/cache_manager/cache_manager_service.h"
 #include "services/cache_manager/peer_credentials.h"
@@ -128,28 +130,20 @@ class StepEncoder {
  private:
   void Encode(flatbuffers::FlatBufferBuilder& builder, bool free_previous) {
     builder.Clear();
-    std::vector<wire::StepOp> types;
-    std::vector<flatbuffers::Offset<void>> ops;
-    types.reserve(kOpsPerStep);
-    ops.reserve(kOpsPerStep);
+    ops_.clear();
     // Sequence ids start at 1: a 0 would be left out of the table and shrink the message.
     const uint64_t first = next_seq_;
     for (int i = 0; i < kSeqsPerStep; ++i) {
-      types.push_back(wire::StepOp::AllocateOp);
-      ops.push_back(wire::CreateAllocateOp(builder, next_seq_++, kTokensPerSeq).Union());
+      ops_.push_back(BlockOp::Allocate(next_seq_++, kTokensPerSeq));
     }
     if (free_previous) {
-      for (int i = 0; i < kSeqsPerStep; ++i) {
-        types.push_back(wire::StepOp::FreeOp);
-        ops.push_back(wire::CreateFreeOp(builder, previous_first_ + i).Union());
-      }
+      for (int i = 0; i < kSeqsPerStep; ++i) ops_.push_back(BlockOp::Free(previous_first_ + i));
     }
     previous_first_ = first;
-    auto step = wire::CreateStep(builder, builder.CreateVector(types), builder.CreateVector(ops));
-    FinishEnvelope(builder, ++request_id_, session_id_, epoch_, wire::Message::Step,
-                   step.Union());
+    KVCM_CHECK(EncodeStep(builder, ++request_id_, session_id_, epoch_, ops_).ok());
   }
 
+  std::vector<BlockOp> ops_;
   uint64_t session_id_ = 0;
   uint64_t epoch_ = 0;
   uint64_t request_id_ = 0;

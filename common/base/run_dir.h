@@ -1,7 +1,7 @@
 #pragma once
 // The run directory the cache manager's sockets live in (docs/architecture.md), as every process
 // that looks for them names it: the cache manager (services/cache_manager/run_directory.h),
-// the executor and kvcmctl.
+// the executor, the router and kvcmctl.
 
 #include <sys/types.h>
 #include <unistd.h>
@@ -17,6 +17,8 @@ inline constexpr char kCacheManagerSocket[] = "cache-manager.sock";  // requests
 inline constexpr char kEventSocket[] = "events.sock";                // KV events (PUB)
 inline constexpr char kFdChannelSocket[] = "pool-fd.sock";           // the shm pool's memfd
 inline constexpr char kCacheManagerLockFile[] = "cache-manager.lock";
+// The router's socket for its executors (it binds it, executors connect).
+inline constexpr char kRouterExecutorsSocket[] = "router-executors.sock";
 // With --tcp-address: the secret a Router or Executor gives in Hello over tcp:// (mode 0600).
 inline constexpr char kTcpSecretFile[] = "tcp-secret";
 

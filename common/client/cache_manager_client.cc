@@ -79,66 +79,6 @@ void ConfigureDealer(zmq::socket_t& socket, absl::Duration send_timeout) {
 
 }  // namespace
 
-// ---- StepBatch ------------------------------------------------------------------------------
-
-StepBatch& StepBatch::Allocate(uint64_t seq, int32_t num_tokens,
-                               std::span<const BlockHash> block_hashes) {
-  Op op;
-  op.kind = wire::StepOp::AllocateOp;
-  op.seq = seq;
-  op.num_tokens = num_tokens;
-  op.hashes.assign(block_hashes.begin(), block_hashes.end());
-  ops_.push_back(std::move(op));
-  return *this;
-}
-
-StepBatch& StepBatch::Append(uint64_t seq, int32_t num_tokens) {
-  Op op;
-  op.kind = wire::StepOp::AppendOp;
-  op.seq = seq;
-  op.num_tokens = num_tokens;
-  ops_.push_back(std::move(op));
-  return *this;
-}
-
-StepBatch& StepBatch::Fork(uint64_t parent, uint64_t child) {
-  Op op;
-  op.kind = wire::StepOp::ForkOp;
-  op.seq = parent;
-  op.child = child;
-  ops_.push_back(std::move(op));
-  return *this;
-}
-
-StepBatch& StepBatch::Commit(uint64_t seq, int32_t num_committed_tokens,
-                             std::span<const BlockHash> new_block_hashes) {
-  Op op;
-  op.kind = wire::StepOp::CommitOp;
-  op.seq = seq;
-  op.num_tokens = num_committed_tokens;
-  op.hashes.assign(new_block_hashes.begin(), new_block_hashes.end());
-  ops_.push_back(std::move(op));
-  return *this;
-}
-
-StepBatch& StepBatch::CanAllocate(int32_t num_tokens, std::span<const BlockHash> block_hashes) {
-  Op op;
-  op.kind = wire::StepOp::CanAllocateOp;
-  op.num_tokens = num_tokens;
-  op.hashes.assign(block_hashes.begin(), block_hashes.end());
-  ops_.push_back(std::move(op));
-  return *this;
-}
-
-StepBatch& StepBatch::Free(uint64_t seq, bool drain) {
-  Op op;
-  op.kind = wire::StepOp::FreeOp;
-  op.seq = seq;
-  op.drain = drain;
-  ops_.push_back(std::move(op));
-  return *this;
-}
-
 // ---- Decoding helpers -----------------------------------------------------------------------
 
 absl::StatusOr<std::vector<KvEventRecord>> DecodeKvEvents(
@@ -464,7 +404,7 @@ absl::StatusOr<CacheManagerClient::Reply> CacheManagerClient::MapErrorReply(
   return reply;
 }
 
-absl::StatusOr<std::vector<OpOutcome>> CacheManagerClient::Step(const StepBatch& batch) {
+absl::StatusOr<std::vector<OpOutcome>> CacheManagerClient::Step(const BlockOps& batch) {
   if (batch.empty()) return std::vector<OpOutcome>{};
   const int32_t max_ops = session().max_ops_per_step;
   if (max_ops > 0 && batch.size() > static_cast<size_t>(max_ops)) {
@@ -472,49 +412,14 @@ absl::StatusOr<std::vector<OpOutcome>> CacheManagerClient::Step(const StepBatch&
                                                    " ops exceeds the cache manager's limit of ",
                                                    max_ops, " ops per step"));
   }
-  flatbuffers::FlatBufferBuilder builder(256 + batch.size() * 64);
-  std::vector<wire::StepOp> types;
-  std::vector<flatbuffers::Offset<void>> ops;
-  types.reserve(batch.size());
-  ops.reserve(batch.size());
-  for (const StepBatch::Op& op : batch.ops()) {
-    flatbuffers::Offset<void> offset;
-    switch (op.kind) {
-      case wire::StepOp::AllocateOp:
-        offset = wire::CreateAllocateOp(builder, op.seq, op.num_tokens, ToWire(builder, op.hashes))
-                     .Union();
-        break;
-      case wire::StepOp::AppendOp:
-        offset = wire::CreateAppendOp(builder, op.seq, op.num_tokens).Union();
-        break;
-      case wire::StepOp::ForkOp:
-        offset = wire::CreateForkOp(builder, op.seq, op.child).Union();
-        break;
-      case wire::StepOp::CommitOp:
-        offset = wire::CreateCommitOp(builder, op.seq, op.num_tokens, ToWire(builder, op.hashes))
-                     .Union();
-        break;
-      case wire::StepOp::FreeOp:
-        offset = wire::CreateFreeOp(builder, op.seq, op.drain).Union();
-        break;
-      case wire::StepOp::CanAllocateOp:
-        offset =
-            wire::CreateCanAllocateOp(builder, op.num_tokens, ToWire(builder, op.hashes)).Union();
-        break;
-      default:
-        return absl::InvalidArgumentError("step op without a kind");
-    }
-    types.push_back(op.kind);
-    ops.push_back(offset);
-  }
-  const auto step =
-      wire::CreateStep(builder, builder.CreateVector(types), builder.CreateVector(ops));
   KVCM_RETURN_IF_ERROR(CheckSession());
-  NoteProgress();
+  flatbuffers::FlatBufferBuilder builder(256 + batch.size() * 64);
   const SessionInfo current = session();
-  const uint64_t request_id = next_request_id_++;
-  FinishEnvelope(builder, request_id, current.session_id, current.epoch, wire::Message::Step,
-                 step.Union());
+  const uint64_t request_id = next_request_id_;
+  KVCM_RETURN_IF_ERROR(
+      EncodeStep(builder, request_id, current.session_id, current.epoch, batch.ops()));
+  ++next_request_id_;
+  NoteProgress();
   // Kept until answered, for RetryLastStep.
   unanswered_step_.assign(builder.GetBufferPointer(),
                           builder.GetBufferPointer() + builder.GetSize());
@@ -527,7 +432,7 @@ absl::StatusOr<std::vector<OpOutcome>> CacheManagerClient::Step(const StepBatch&
     return reply.status();
   }
   unanswered_step_.clear();
-  return DecodeStepReply(*reply, batch.size());
+  return OutcomesOf(*reply, batch.size());
 }
 
 absl::StatusOr<std::vector<OpOutcome>> CacheManagerClient::RetryLastStep() {
@@ -545,7 +450,7 @@ absl::StatusOr<std::vector<OpOutcome>> CacheManagerClient::RetryLastStep() {
     return reply.status();
   }
   unanswered_step_.clear();
-  return DecodeStepReply(*reply, unanswered_step_ops_);
+  return OutcomesOf(*reply, unanswered_step_ops_);
 }
 
 absl::StatusOr<SessionSnapshot> CacheManagerClient::DescribeSession() {
@@ -578,34 +483,9 @@ absl::StatusOr<int32_t> CacheManagerClient::EndSession(uint64_t session_id) {
   return PayloadAs<wire::EndSessionReply>(reply.envelope).blocks_released();
 }
 
-absl::StatusOr<std::vector<OpOutcome>> CacheManagerClient::DecodeStepReply(const Reply& reply,
-                                                                           size_t expected) {
-  const auto* results = PayloadAs<wire::StepReply>(reply.envelope).results();
-  const size_t count = results == nullptr ? 0 : results->size();
-  if (count != expected) {
-    return ProtocolError(absl::StrCat("StepReply has ", count, " results for ", expected, " ops"));
-  }
-  std::vector<OpOutcome> outcomes(count);
-  for (size_t i = 0; i < count; ++i) {
-    const wire::OpResult* result = results->Get(static_cast<flatbuffers::uoffset_t>(i));
-    OpOutcome& outcome = outcomes[i];
-    outcome.status =
-        FromWire(result->code(), result->reason() == nullptr ? std::string_view()
-                                                             : result->reason()->string_view());
-    if (const auto* blocks = result->blocks(); blocks != nullptr) {
-      outcome.blocks.assign(blocks->begin(), blocks->end());
-    }
-    outcome.num_cached_tokens = result->num_cached_tokens();
-    outcome.blocks_needed = result->blocks_needed();
-    if (const auto* copies = result->copies(); copies != nullptr) {
-      outcome.copies.reserve(copies->size());
-      for (flatbuffers::uoffset_t c = 0; c < copies->size(); ++c) {
-        const wire::CopyOrder* copy = copies->Get(c);
-        outcome.copies.emplace_back(copy->src(), copy->dst());
-      }
-    }
-  }
-  return outcomes;
+absl::StatusOr<std::vector<OpOutcome>> CacheManagerClient::OutcomesOf(const Reply& reply,
+                                                                      size_t expected) {
+  return DecodeStepReply(PayloadAs<wire::StepReply>(reply.envelope), expected);
 }
 
 absl::StatusOr<int32_t> CacheManagerClient::Lookup(std::span<const BlockHash> block_hashes,

@@ -8,7 +8,7 @@
 //   options.role = wire::Role::Router;
 //   options.name = "router-0";
 //   KVCM_ASSIGN_OR_RETURN(auto client, CacheManagerClient::Connect(options));
-//   StepBatch step;
+//   BlockOps step;
 //   step.Allocate(/*seq=*/1, /*num_tokens=*/40, hashes).Append(/*seq=*/7, 1);
 //   KVCM_ASSIGN_OR_RETURN(std::vector<OpOutcome> outcomes, client->Step(step));
 //
@@ -92,6 +92,7 @@
 #include "common/memory/pool_layout.h"
 #include "common/memory/pool_memory.h"
 #include "common/sizing/kv_cache_spec.h"
+#include "common/wire/step_codec.h"
 #include "flatbuffers/flatbuffers.h"
 #include "schemas/kvcm_protocol_generated.h"
 #include "zmq.hpp"
@@ -103,70 +104,50 @@ namespace kvcm {
 // The block operations of one scheduler step, sent in one round trip by
 // CacheManagerClient::Step. Ops run in the order added; each gets its own outcome.
 // A plain value: build it, send it, Clear() it and reuse it.
-class StepBatch {
+class BlockOps {
  public:
-  // What one op asks for (the fields its kind uses; the others stay zero).
-  struct Op {
-    wire::StepOp kind = wire::StepOp::NONE;
-    uint64_t seq = 0;               // Allocate, Append, Commit, Free; Fork: the parent
-    uint64_t child = 0;             // Fork
-    int32_t num_tokens = 0;         // Allocate, CanAllocate: prompt tokens; Append: more
-                                    // tokens; Commit: tokens whose KV is written
-    std::vector<BlockHash> hashes;  // Allocate, CanAllocate: leading full blocks; Commit: new
-                                    // full blocks
-    bool drain = false;             // Free
-  };
-
   // A new sequence `seq` of `num_tokens` tokens; `block_hashes` are the chained hashes of
   // its leading full blocks, for prefix matching. Outcome: the whole block table and how
   // many leading tokens were already cached.
-  StepBatch& Allocate(uint64_t seq, int32_t num_tokens,
-                      std::span<const BlockHash> block_hashes = {});
+  BlockOps& Allocate(SeqId seq, int32_t num_tokens, std::span<const BlockHash> block_hashes = {}) {
+    return Add(BlockOp::Allocate(seq, num_tokens, block_hashes));
+  }
   // Room for `num_tokens` more tokens of `seq`. Outcome: the new blocks only, and copy
   // orders for a shared partly filled block (copy-on-write).
-  StepBatch& Append(uint64_t seq, int32_t num_tokens);
+  BlockOps& Append(SeqId seq, int32_t num_tokens) { return Add(BlockOp::Append(seq, num_tokens)); }
   // `child` shares every block of `parent`.
-  StepBatch& Fork(uint64_t parent, uint64_t child);
+  BlockOps& Fork(SeqId parent, SeqId child) { return Add(BlockOp::Fork(parent, child)); }
   // The KV of the first `num_committed_tokens` tokens of `seq` is written;
   // `new_block_hashes` continue the hashes of its full blocks. Only tokens the sequence had
   // before this batch can be committed (the executors write after the Step's reply): the
   // cache manager refuses the whole step otherwise.
-  StepBatch& Commit(uint64_t seq, int32_t num_committed_tokens,
-                    std::span<const BlockHash> new_block_hashes = {});
+  BlockOps& Commit(SeqId seq, int32_t num_committed_tokens,
+                   std::span<const BlockHash> new_block_hashes = {}) {
+    return Add(BlockOp::Commit(seq, num_committed_tokens, new_block_hashes));
+  }
   // Ends `seq`; its committed full blocks stay cached. A `seq` that is not live (already
   // freed) fails alone with NOT_FOUND. With `drain`, its blocks are reused only once every
   // executor acknowledged that it no longer writes the sequence: for one an executor that
   // hung may still be writing (the request moved elsewhere).
-  StepBatch& Free(uint64_t seq, bool drain = false);
+  BlockOps& Free(SeqId seq, bool drain = false) { return Add(BlockOp::Free(seq, drain)); }
   // Dry run of Allocate for admission: would a new sequence of `num_tokens` tokens with
   // these hashes fit now, after the batch's earlier ops? Outcome: OK or RESOURCE_EXHAUSTED,
   // num_cached_tokens and blocks_needed; nothing changes.
-  StepBatch& CanAllocate(int32_t num_tokens, std::span<const BlockHash> block_hashes = {});
+  BlockOps& CanAllocate(int32_t num_tokens, std::span<const BlockHash> block_hashes = {}) {
+    return Add(BlockOp::CanAllocate(num_tokens, block_hashes));
+  }
+  BlockOps& Add(BlockOp op) {
+    ops_.push_back(std::move(op));
+    return *this;
+  }
 
-  const std::vector<Op>& ops() const { return ops_; }
+  const std::vector<BlockOp>& ops() const { return ops_; }
   size_t size() const { return ops_.size(); }
   bool empty() const { return ops_.empty(); }
   void Clear() { ops_.clear(); }
 
  private:
-  std::vector<Op> ops_;
-};
-
-// The result of one step op, in op order.
-struct OpOutcome {
-  // OK, or the op's own failure while running, typically RESOURCE_EXHAUSTED (not enough
-  // free or evictable blocks now). A failed op changed nothing. (Ops that fail the step's
-  // validation fail the whole Step call instead.)
-  absl::Status status;
-  // Allocate: the whole block table; Append: the new blocks only; otherwise empty.
-  std::vector<int32_t> blocks;
-  // Allocate: leading tokens whose KV was already cached (a multiple of the block size);
-  // CanAllocate: those that would be.
-  int32_t num_cached_tokens = 0;
-  // CanAllocate: new blocks the allocation would take.
-  int32_t blocks_needed = 0;
-  // Append: copy block .first into block .second before the step that writes .second.
-  std::vector<std::pair<int32_t, int32_t>> copies;
+  std::vector<BlockOp> ops_;
 };
 
 // ---- Replies as plain values ----------------------------------------------------------------
@@ -366,7 +347,7 @@ class CacheManagerClient {
   // All ops of `batch` in one round trip; outcomes in op order. An empty batch returns an
   // empty vector without a round trip. INVALID_ARGUMENT (nothing sent) when the batch has
   // more ops than the session's max_ops_per_step; INTERNAL when the reply's count differs.
-  absl::StatusOr<std::vector<OpOutcome>> Step(const StepBatch& batch);
+  absl::StatusOr<std::vector<OpOutcome>> Step(const BlockOps& batch);
 
   // After Step() returned DEADLINE_EXCEEDED, its ops may or may not have run. This sends the
   // same request again (same request id, same bytes): the cache manager runs it if it never
@@ -483,7 +464,7 @@ class CacheManagerClient {
   // other replies and errors pass through.
   absl::StatusOr<Reply> MapErrorReply(absl::StatusOr<Reply> reply);
   // Decodes a StepReply of `expected` results.
-  absl::StatusOr<std::vector<OpOutcome>> DecodeStepReply(const Reply& reply, size_t expected);
+  absl::StatusOr<std::vector<OpOutcome>> OutcomesOf(const Reply& reply, size_t expected);
   // Finishes `builder` around `payload` with a new request id and this session, then
   // Exchange().
   absl::StatusOr<Reply> Call(flatbuffers::FlatBufferBuilder& builder, wire::Message type,

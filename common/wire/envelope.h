@@ -34,7 +34,7 @@ enum class EnvelopeFault : uint8_t { kNone, kOversized, kMalformed, kUnsupported
 
 // An inbound envelope-shaped root (a table with version(), payload_type() and payload()),
 // checked. Shared by every kvcm protocol: Envelope here, ExecutorEnvelope in
-// services/executor/executor_wire.h.
+// common/wire/executor_codec.h.
 template <typename Root>
 struct VerifiedRoot {
   const Root* envelope = nullptr;  // non-null iff fault == kNone

@@ -58,18 +58,6 @@ std::optional<SessionRole> SessionRoleOf(wire::Role role) {
   }
 }
 
-const char* OpName(wire::StepOp type) {
-  switch (type) {
-    case wire::StepOp::AllocateOp: return "allocate";
-    case wire::StepOp::AppendOp: return "append";
-    case wire::StepOp::ForkOp: return "fork";
-    case wire::StepOp::CommitOp: return "commit";
-    case wire::StepOp::FreeOp: return "free";
-    case wire::StepOp::CanAllocateOp: return "can_allocate";
-    default: return "unknown";
-  }
-}
-
 flatbuffers::Offset<wire::KvEvent> EncodeEvent(flatbuffers::FlatBufferBuilder& builder,
                                                wire::EventKind kind, const BlockHash* hash,
                                                const BlockHash* parent, BlockId block) {
@@ -658,28 +646,15 @@ CacheManagerService::HeldBlocks CacheManagerService::BlocksHeldApart() const {
 // --- Step ----------------------------------------------------------------------------------
 
 std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
-    const wire::Step& step, const Session& session) {
-  const auto* ops = step.ops();
-  const auto* types = step.ops_type();
-  const size_t n = ops == nullptr ? 0 : ops->size();
-  if ((types == nullptr ? 0 : types->size()) != n) {
-    return Rejection{RejectReason::kMalformed, wire::ErrorCode::Malformed,
-                     "step op types and ops differ in length"};
-  }
-  if (n > static_cast<size_t>(options_.max_ops_per_step)) {
-    return Rejection{RejectReason::kOversized, wire::ErrorCode::InvalidArgument,
-                     absl::StrCat("step of ", n, " ops exceeds the limit of ",
-                                  options_.max_ops_per_step)};
-  }
+    std::span<const BlockOp> ops, const Session& session) {
   const int64_t max_tokens = int64_t{ledger_.num_blocks()} * ledger_.block_size();
-  int64_t hashes = 0;
   // Live sequences of the session after the ops so far.
   auto live_seqs = static_cast<int64_t>(session.seqs.size());
   auto check_room = [&](size_t i, wire::StepOp type) -> std::optional<Rejection> {
     if (++live_seqs <= options_.max_sequences_per_session) return std::nullopt;
     return Rejection{RejectReason::kLimitExceeded, wire::ErrorCode::ResourceExhausted,
-                     absl::StrCat("op ", i, " (", OpName(type), "): the session would hold more ",
-                                  "than ", options_.max_sequences_per_session,
+                     absl::StrCat("op ", i, " (", BlockOpName(type), "): the session would ",
+                                  "hold more than ", options_.max_sequences_per_session,
                                   " live sequences, its limit")};
   };
   step_seqs_.clear();
@@ -700,22 +675,22 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
     } else if (auto owner = seq_owner_.find(seq); owner != seq_owner_.end()) {
       if (owner->second == session.id) return std::nullopt;
       return Rejection{RejectReason::kWrongOwner, wire::ErrorCode::PermissionDenied,
-                       absl::StrCat("op ", i, " (", OpName(type), "): sequence ", seq,
+                       absl::StrCat("op ", i, " (", BlockOpName(type), "): sequence ", seq,
                                     " belongs to another session")};
     }
     return Rejection{RejectReason::kUnknownSequence, wire::ErrorCode::NotFound,
-                     absl::StrCat("op ", i, " (", OpName(type), "): sequence ", seq,
+                     absl::StrCat("op ", i, " (", BlockOpName(type), "): sequence ", seq,
                                   " is not live")};
   };
   auto check_new = [&](size_t i, wire::StepOp type, SeqId seq) -> std::optional<Rejection> {
     if (seq >= kFirstDrainingSeq) {
       return Rejection{RejectReason::kInvalidArgument, wire::ErrorCode::InvalidArgument,
-                       absl::StrCat("op ", i, " (", OpName(type), "): sequence id ", seq,
+                       absl::StrCat("op ", i, " (", BlockOpName(type), "): sequence id ", seq,
                                     " is reserved (ids from 2^63 up are the cache manager's)")};
     }
     if (session.drained_ids.contains(seq) || step_drained_.contains(seq)) {
       return Rejection{RejectReason::kInvalidArgument, wire::ErrorCode::InvalidArgument,
-                       absl::StrCat("op ", i, " (", OpName(type), "): sequence id ", seq,
+                       absl::StrCat("op ", i, " (", BlockOpName(type), "): sequence id ", seq,
                                     " was freed with drain and cannot be live again (the "
                                     "executors refuse it for good): choose a new id")};
     }
@@ -723,12 +698,12 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
     const bool live = it != step_seqs_.end() ? it->second : seq_owner_.contains(seq);
     if (!live) return std::nullopt;
     return Rejection{RejectReason::kDuplicateSequence, wire::ErrorCode::AlreadyExists,
-                     absl::StrCat("op ", i, " (", OpName(type), "): sequence ", seq,
+                     absl::StrCat("op ", i, " (", BlockOpName(type), "): sequence ", seq,
                                   " is already live")};
   };
   auto invalid = [](size_t i, wire::StepOp type, const std::string& what) {
     return Rejection{RejectReason::kInvalidArgument, wire::ErrorCode::InvalidArgument,
-                     absl::StrCat("op ", i, " (", OpName(type), "): ", what)};
+                     absl::StrCat("op ", i, " (", BlockOpName(type), "): ", what)};
   };
   auto check_tokens = [&](size_t i, wire::StepOp type, int32_t tokens,
                           const char* field) -> std::optional<Rejection> {
@@ -736,103 +711,71 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
     return invalid(i, type, absl::StrCat(field, " = ", tokens, " is outside [0, ", max_tokens,
                                          "] (the pool's capacity in tokens)"));
   };
+  // At most one hash per full block of `tokens`.
+  auto check_hashes = [&](size_t i, const BlockOp& op,
+                          const char* what) -> std::optional<Rejection> {
+    const auto h = static_cast<int64_t>(op.hashes.size());
+    if (h <= op.num_tokens / ledger_.block_size()) return std::nullopt;
+    return invalid(i, op.kind, absl::StrCat(h, what, op.num_tokens, " tokens (at most one per "
+                                            "full block)"));
+  };
 
-  for (size_t i = 0; i < n; ++i) {
-    const auto type = static_cast<wire::StepOp>(types->Get(static_cast<flatbuffers::uoffset_t>(i)));
-    const void* op = ops->Get(static_cast<flatbuffers::uoffset_t>(i));
-    if (op == nullptr) {
-      return Rejection{RejectReason::kMalformed, wire::ErrorCode::Malformed,
-                       absl::StrCat("op ", i, " is empty")};
-    }
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const BlockOp& op = ops[i];
+    const wire::StepOp type = op.kind;
     std::optional<Rejection> bad;
     switch (type) {
-      case wire::StepOp::AllocateOp: {
-        const auto* a = static_cast<const wire::AllocateOp*>(op);
-        if ((bad = check_tokens(i, type, a->num_tokens(), "num_tokens"))) return bad;
-        const size_t h = HashCount(a->block_hashes());
-        hashes += static_cast<int64_t>(h);
-        if (static_cast<int64_t>(h) > a->num_tokens() / ledger_.block_size()) {
-          return invalid(i, type, absl::StrCat(h, " block hashes for ", a->num_tokens(),
-                                               " tokens (at most one per full block)"));
-        }
-        if ((bad = check_new(i, type, a->seq()))) return bad;
+      case wire::StepOp::AllocateOp:
+        if ((bad = check_tokens(i, type, op.num_tokens, "num_tokens"))) return bad;
+        if ((bad = check_hashes(i, op, " block hashes for "))) return bad;
+        if ((bad = check_new(i, type, op.seq))) return bad;
         if ((bad = check_room(i, type))) return bad;
-        step_seqs_[a->seq()] = true;
-        step_written_[a->seq()] = 0;
+        step_seqs_[op.seq] = true;
+        step_written_[op.seq] = 0;
         break;
-      }
-      case wire::StepOp::AppendOp: {
-        const auto* a = static_cast<const wire::AppendOp*>(op);
-        if ((bad = check_tokens(i, type, a->num_tokens(), "num_tokens"))) return bad;
-        if ((bad = check_owned(i, type, a->seq()))) return bad;
+      case wire::StepOp::AppendOp:
+        if ((bad = check_tokens(i, type, op.num_tokens, "num_tokens"))) return bad;
+        if ((bad = check_owned(i, type, op.seq))) return bad;
         break;
-      }
-      case wire::StepOp::ForkOp: {
-        const auto* f = static_cast<const wire::ForkOp*>(op);
-        if ((bad = check_owned(i, type, f->parent()))) return bad;
-        if ((bad = check_new(i, type, f->child()))) return bad;
+      case wire::StepOp::ForkOp:
+        if ((bad = check_owned(i, type, op.seq))) return bad;
+        if ((bad = check_new(i, type, op.child))) return bad;
         if ((bad = check_room(i, type))) return bad;
-        step_seqs_[f->child()] = true;
-        step_written_[f->child()] = writable(f->parent());
+        step_seqs_[op.child] = true;
+        step_written_[op.child] = writable(op.seq);
         break;
-      }
       case wire::StepOp::CommitOp: {
-        const auto* c = static_cast<const wire::CommitOp*>(op);
-        if ((bad = check_tokens(i, type, c->num_committed_tokens(), "num_committed_tokens"))) {
-          return bad;
-        }
-        const size_t h = HashCount(c->new_block_hashes());
-        hashes += static_cast<int64_t>(h);
-        if (static_cast<int64_t>(h) > c->num_committed_tokens() / ledger_.block_size()) {
-          return invalid(i, type, absl::StrCat(h, " new block hashes for ",
-                                               c->num_committed_tokens(),
-                                               " committed tokens"));
-        }
-        if ((bad = check_owned(i, type, c->seq()))) return bad;
-        if (const int32_t before = writable(c->seq()); c->num_committed_tokens() > before) {
+        if ((bad = check_tokens(i, type, op.num_tokens, "num_committed_tokens"))) return bad;
+        if ((bad = check_hashes(i, op, " new block hashes for committing "))) return bad;
+        if ((bad = check_owned(i, type, op.seq))) return bad;
+        if (const int32_t before = writable(op.seq); op.num_tokens > before) {
           return invalid(i, type, absl::StrCat(
-              "commits ", c->num_committed_tokens(), " tokens of sequence ", c->seq(),
-              ", which had ", before, " before this step: the KV of tokens added in the "
-              "same step cannot have been written yet (commit them in the next step)"));
+              "commits ", op.num_tokens, " tokens of sequence ", op.seq, ", which had ", before,
+              " before this step: the KV of tokens added in the same step cannot have been "
+              "written yet (commit them in the next step)"));
         }
         break;
       }
-      case wire::StepOp::CanAllocateOp: {
-        const auto* c = static_cast<const wire::CanAllocateOp*>(op);
-        if ((bad = check_tokens(i, type, c->num_tokens(), "num_tokens"))) return bad;
-        const size_t h = HashCount(c->block_hashes());
-        hashes += static_cast<int64_t>(h);
-        if (static_cast<int64_t>(h) > c->num_tokens() / ledger_.block_size()) {
-          return invalid(i, type, absl::StrCat(h, " block hashes for ", c->num_tokens(),
-                                               " tokens (at most one per full block)"));
-        }
+      case wire::StepOp::CanAllocateOp:
+        if ((bad = check_tokens(i, type, op.num_tokens, "num_tokens"))) return bad;
+        if ((bad = check_hashes(i, op, " block hashes for "))) return bad;
         break;
-      }
-      case wire::StepOp::FreeOp: {
-        const auto* f = static_cast<const wire::FreeOp*>(op);
-        if (f->seq() >= kFirstDrainingSeq) {
-          return invalid(i, type, absl::StrCat("sequence id ", f->seq(),
+      case wire::StepOp::FreeOp:
+        if (op.seq >= kFirstDrainingSeq) {
+          return invalid(i, type, absl::StrCat("sequence id ", op.seq,
                                                " is reserved (ids from 2^63 up are the "
                                                "cache manager's)"));
         }
         // A sequence nobody holds (freed already: a retried free) fails alone, as NOT_FOUND
         // in its result; another session's is refused with the whole step.
-        bad = check_owned(i, type, f->seq());
+        bad = check_owned(i, type, op.seq);
         if (bad && bad->reason != RejectReason::kUnknownSequence) return bad;
         if (!bad) --live_seqs;
-        step_seqs_[f->seq()] = false;
-        if (f->drain()) step_drained_.insert(f->seq());
+        step_seqs_[op.seq] = false;
+        if (op.drain) step_drained_.insert(op.seq);
         break;
-      }
-      default:
-        return Rejection{RejectReason::kMalformed, wire::ErrorCode::Malformed,
-                         absl::StrCat("op ", i, " has unknown type ",
-                                      static_cast<int>(type))};
-    }
-    if (hashes > options_.max_hashes_per_message) {
-      return Rejection{RejectReason::kOversized, wire::ErrorCode::InvalidArgument,
-                       absl::StrCat("step carries more than ",
-                                    options_.max_hashes_per_message, " block hashes")};
+      default:  // DecodeStep let only the union's types through
+        KVCM_CHECK(false) << "decoded step op of unknown type";
     }
   }
   return std::nullopt;
@@ -858,113 +801,92 @@ void CacheManagerService::HandleStep(const wire::Envelope& envelope,
     if (metrics_ != nullptr) metrics_->CountReplayedStep();
     return;
   }
-  const wire::Step& step = *envelope.payload_as_Step();
-  if (auto rejection = ValidateStep(step, session)) {
+  const StepLimits limits{options_.max_ops_per_step, options_.max_hashes_per_message};
+  if (absl::Status decoded = DecodeStep(*envelope.payload_as_Step(), limits, &step_ops_);
+      !decoded.ok()) {
+    const bool oversized = absl::IsResourceExhausted(decoded);
+    return Reject(request_id,
+                  {oversized ? RejectReason::kOversized : RejectReason::kMalformed,
+                   oversized ? wire::ErrorCode::InvalidArgument : wire::ErrorCode::Malformed,
+                   std::string(decoded.message())},
+                  reply);
+  }
+  if (auto rejection = ValidateStep(step_ops_, session)) {
     return Reject(request_id, *rejection, reply);
   }
-  const size_t n = step.ops() == nullptr ? 0 : step.ops()->size();
   std::vector<flatbuffers::Offset<wire::OpResult>> results;
-  results.reserve(n);
-  auto failed = [&](const absl::Status& status) {
-    const auto text = reply->CreateString(status.message().data(), status.message().size());
-    wire::OpResultBuilder result(*reply);
-    result.add_code(ToWireCode(status.code()));
-    result.add_reason(text);
-    return result.Finish();
-  };
-  for (size_t i = 0; i < n; ++i) {
-    const auto index = static_cast<flatbuffers::uoffset_t>(i);
-    const auto type = static_cast<wire::StepOp>(step.ops_type()->Get(index));
-    const void* op = step.ops()->Get(index);
-    switch (type) {
+  results.reserve(step_ops_.size());
+  for (const BlockOp& op : step_ops_) {
+    OpOutcome& outcome = outcome_;
+    outcome.status = absl::OkStatus();
+    outcome.blocks.clear();
+    outcome.copies.clear();
+    outcome.num_cached_tokens = 0;
+    outcome.blocks_needed = 0;
+    switch (op.kind) {
       case wire::StepOp::AllocateOp: {
-        const auto* a = static_cast<const wire::AllocateOp*>(op);
-        FromWire(a->block_hashes(), &hashes_);
-        auto allocated = ledger_.Allocate(a->seq(), a->num_tokens(), hashes_);
+        auto allocated = ledger_.Allocate(op.seq, op.num_tokens, op.hashes);
         if (!allocated.ok()) {
-          results.push_back(failed(allocated.status()));
+          outcome.status = allocated.status();
           break;
         }
-        seq_owner_[a->seq()] = session.id;
-        session.seqs.insert(a->seq());
-        auto blocks = reply->CreateVector(allocated->blocks);
-        results.push_back(wire::CreateOpResult(*reply, wire::ErrorCode::Ok, 0, blocks,
-                                               allocated->num_cached_tokens));
+        seq_owner_[op.seq] = session.id;
+        session.seqs.insert(op.seq);
+        outcome.blocks = std::move(allocated->blocks);
+        outcome.num_cached_tokens = allocated->num_cached_tokens;
         break;
       }
       case wire::StepOp::AppendOp: {
-        const auto* a = static_cast<const wire::AppendOp*>(op);
-        auto appended = ledger_.Append(a->seq(), a->num_tokens());
+        auto appended = ledger_.Append(op.seq, op.num_tokens);
         if (!appended.ok()) {
-          results.push_back(failed(appended.status()));
+          outcome.status = appended.status();
           break;
         }
-        auto blocks = reply->CreateVector(appended->new_blocks);
-        std::vector<wire::CopyOrder> copies;
-        copies.reserve(appended->copies.size());
-        for (const CopyOrder& copy : appended->copies) copies.emplace_back(copy.src, copy.dst);
-        auto wire_copies = reply->CreateVectorOfStructs(copies);
-        results.push_back(
-            wire::CreateOpResult(*reply, wire::ErrorCode::Ok, 0, blocks, 0, wire_copies));
+        outcome.blocks = std::move(appended->new_blocks);
+        outcome.copies = std::move(appended->copies);
         break;
       }
-      case wire::StepOp::ForkOp: {
-        const auto* f = static_cast<const wire::ForkOp*>(op);
-        if (absl::Status forked = ledger_.Fork(f->parent(), f->child()); !forked.ok()) {
-          results.push_back(failed(forked));
-          break;
-        }
-        seq_owner_[f->child()] = session.id;
-        session.seqs.insert(f->child());
-        results.push_back(wire::CreateOpResult(*reply));
+      case wire::StepOp::ForkOp:
+        outcome.status = ledger_.Fork(op.seq, op.child);
+        if (!outcome.status.ok()) break;
+        seq_owner_[op.child] = session.id;
+        session.seqs.insert(op.child);
         break;
-      }
-      case wire::StepOp::CommitOp: {
-        const auto* c = static_cast<const wire::CommitOp*>(op);
-        FromWire(c->new_block_hashes(), &hashes_);
-        absl::Status committed = ledger_.Commit(c->seq(), c->num_committed_tokens(), hashes_);
-        results.push_back(committed.ok() ? wire::CreateOpResult(*reply) : failed(committed));
+      case wire::StepOp::CommitOp:
+        outcome.status = ledger_.Commit(op.seq, op.num_tokens, op.hashes);
         break;
-      }
       case wire::StepOp::FreeOp: {
-        const auto* f = static_cast<const wire::FreeOp*>(op);
-        const SeqId seq = f->seq();
-        absl::Status freed = absl::OkStatus();
+        const SeqId seq = op.seq;
         if (!session.seqs.contains(seq)) {
-          freed = absl::NotFoundError(absl::StrCat("sequence ", seq, " is not live"));
-        } else if (f->drain()) {
+          outcome.status = absl::NotFoundError(absl::StrCat("sequence ", seq, " is not live"));
+        } else if (op.drain) {
           // Its blocks wait until every executor stopped writing it (a SequenceFence).
           session.drained_ids.insert(seq);
           const SeqId one[] = {seq};
           FenceSequences(session.id, one, ReclaimReason::kGoodbye, {seq});
         } else {
-          freed = ledger_.Free(seq);
+          outcome.status = ledger_.Free(seq);
         }
-        if (freed.ok()) {
+        if (outcome.status.ok()) {
           seq_owner_.erase(seq);
           session.seqs.erase(seq);
         }
-        results.push_back(freed.ok() ? wire::CreateOpResult(*reply) : failed(freed));
         break;
       }
       case wire::StepOp::CanAllocateOp: {
-        const auto* c = static_cast<const wire::CanAllocateOp*>(op);
-        FromWire(c->block_hashes(), &hashes_);
-        auto plan = ledger_.CanAllocate(kDryRunSeq, c->num_tokens(), hashes_);
+        auto plan = ledger_.CanAllocate(kDryRunSeq, op.num_tokens, op.hashes);
         if (!plan.ok()) {
-          results.push_back(failed(plan.status()));
+          outcome.status = plan.status();
           break;
         }
-        wire::OpResultBuilder result(*reply);
-        result.add_code(wire::ErrorCode::Ok);
-        result.add_num_cached_tokens(plan->prefix_hit_blocks * ledger_.block_size());
-        result.add_blocks_needed(plan->blocks_needed);
-        results.push_back(result.Finish());
+        outcome.num_cached_tokens = plan->prefix_hit_blocks * ledger_.block_size();
+        outcome.blocks_needed = plan->blocks_needed;
         break;
       }
       default:
         KVCM_CHECK(false) << "op type passed validation but is unknown";
     }
+    results.push_back(EncodeOpOutcome(*reply, outcome));
   }
   auto vector = reply->CreateVector(results);
   auto payload = wire::CreateStepReply(*reply, vector);

@@ -62,6 +62,7 @@
 #include "common/block/block_ledger.h"
 #include "common/sizing/kv_cache_spec.h"
 #include "common/wire/envelope.h"
+#include "common/wire/step_codec.h"
 #include "flatbuffers/flatbuffers.h"
 #include "schemas/kvcm_protocol_generated.h"
 #include "services/cache_manager/cache_manager_metrics.h"
@@ -261,7 +262,7 @@ class CacheManagerService {
   void HandleDescribeSession(const wire::Envelope& envelope, const Session& session,
                              flatbuffers::FlatBufferBuilder* reply);
   // Validates a step's op list without changing anything.
-  std::optional<Rejection> ValidateStep(const wire::Step& step, const Session& session);
+  std::optional<Rejection> ValidateStep(std::span<const BlockOp> ops, const Session& session);
   void HandleAttach(const wire::Envelope& envelope, flatbuffers::FlatBufferBuilder* reply);
   void HandleStats(const wire::Envelope& envelope, absl::Time now,
                    flatbuffers::FlatBufferBuilder* reply);
@@ -312,6 +313,8 @@ class CacheManagerService {
 
   // Scratch reused across messages.
   std::vector<BlockHash> hashes_;
+  std::vector<BlockOp> step_ops_;  // the Step being handled, decoded (storage reused)
+  OpOutcome outcome_;              // the op being applied (storage reused)
   absl::flat_hash_map<SeqId, bool> step_seqs_;  // seq -> live after the ops so far
   absl::flat_hash_map<SeqId, int32_t> step_written_;  // seq -> tokens it had before the step
   absl::flat_hash_set<SeqId> step_drained_;           // freed with drain by the step

@@ -49,7 +49,7 @@
 #include "services/executor/executor_metrics.h"
 #include "services/executor/executor_model.h"
 #include "services/executor/executor_pool.h"
-#include "services/executor/executor_wire.h"
+#include "common/wire/executor_codec.h"
 #include "services/executor/llama_model.h"
 
 namespace kvcm {

@@ -114,7 +114,7 @@ int Main() {
                                         ? IpcEndpointIn(run_dir, kCacheManagerSocket)
                                         : absl::GetFlag(FLAGS_cache_manager);
   const std::string router = absl::GetFlag(FLAGS_router).empty()
-                                 ? absl::StrCat("ipc://", run_dir, "/router-executors.sock")
+                                 ? IpcEndpointIn(run_dir, kRouterExecutorsSocket)
                                  : absl::GetFlag(FLAGS_router);
   const std::string name = absl::GetFlag(FLAGS_name).empty() ? absl::StrCat("executor-", ::getpid())
                                                              : absl::GetFlag(FLAGS_name);

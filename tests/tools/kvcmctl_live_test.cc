@@ -69,7 +69,7 @@ class KvcmctlLiveTest : public ::testing::Test {
     std::vector<BlockHash> hashes;
     HashFullBlocks(HashAlgorithm::kSha256, RootHash(HashAlgorithm::kSha256, ""), tokens, 4,
                    &hashes);
-    StepBatch step;
+    BlockOps step;
     step.Allocate(1, 8, hashes);
     ASSERT_TRUE(router_->Step(step).ok());
     step.Clear();

@@ -92,7 +92,7 @@ class CacheManagerClientTest : public ::testing::Test {
   // and frees it: its full blocks end up cached.
   std::vector<int32_t> CacheSequence(uint64_t seq, int32_t first_token, int32_t tokens) {
     const std::vector<BlockHash> hashes = HashesOf(first_token, tokens);
-    StepBatch step;
+    BlockOps step;
     step.Allocate(seq, tokens, hashes);
     absl::StatusOr<std::vector<OpOutcome>> outcomes = client_->Step(step);
     EXPECT_TRUE(outcomes.ok()) << outcomes.status();
@@ -131,7 +131,7 @@ TEST_F(CacheManagerClientTest, StepAllocatesAppendsCommitsFreesAndHitsThePrefix)
   const std::vector<BlockHash> hashes = HashesOf(0, 12);  // 3 full blocks
   ASSERT_THAT(hashes, SizeIs(3));
 
-  StepBatch step;
+  BlockOps step;
   step.Allocate(1, 10, std::span(hashes).first(2));
   absl::StatusOr<std::vector<OpOutcome>> allocated = client_->Step(step);
   ASSERT_TRUE(allocated.ok()) << allocated.status();
@@ -208,7 +208,7 @@ TEST_F(CacheManagerClientTest, StepAllocatesAppendsCommitsFreesAndHitsThePrefix)
 TEST_F(CacheManagerClientTest, InvalidStepIsRefusedWholeAndChangesNothing) {
   // Semantic checks (sequence known, not live twice, owned) run before any op: one bad op
   // refuses the whole step.
-  StepBatch step;
+  BlockOps step;
   step.Allocate(1, 4).Allocate(1, 4);
   absl::StatusOr<std::vector<OpOutcome>> outcomes = client_->Step(step);
   EXPECT_EQ(outcomes.status().code(), absl::StatusCode::kAlreadyExists) << outcomes.status();
@@ -243,7 +243,7 @@ TEST_F(CacheManagerClientTest, ATimedOutStepRetriedRunsOnceAndGivesItsFirstOutco
 
   // The cache manager stalls past the call timeout: the step stays queued, runs when it
   // resumes, and its reply comes too late for the caller.
-  StepBatch step;
+  BlockOps step;
   step.Allocate(7, 10);
   ASSERT_TRUE(cm_->process().Signal(SIGSTOP).ok());
   absl::StatusOr<std::vector<OpOutcome>> timed_out = router->Step(step);
@@ -284,7 +284,7 @@ TEST_F(CacheManagerClientTest, ATimedOutStepRetriedRunsOnceAndGivesItsFirstOutco
 TEST_F(CacheManagerClientTest, CanAllocateAdmitsWithoutChangingAnything) {
   CacheSequence(1, 0, 12);  // three cached blocks
   const std::vector<BlockHash> hashes = HashesOf(0, 12);
-  StepBatch step;
+  BlockOps step;
   step.CanAllocate(13, hashes).Allocate(2, 4 * (kNumBlocks - 3)).CanAllocate(13, hashes)
       .CanAllocate(5 * kBlockSize);
   absl::StatusOr<std::vector<OpOutcome>> outcomes = client_->Step(step);
@@ -306,7 +306,7 @@ TEST_F(CacheManagerClientTest, CanAllocateAdmitsWithoutChangingAnything) {
 }
 
 TEST_F(CacheManagerClientTest, FreeingASequenceTwiceFailsAloneWithNotFound) {
-  StepBatch step;
+  BlockOps step;
   step.Allocate(1, 4);
   ASSERT_TRUE(client_->Step(step).ok());
   step.Clear();
@@ -358,7 +358,7 @@ TEST_F(CacheManagerClientTest, NoHeartbeatReachesTheCacheManagerAfterGoodbye) {
 }
 
 TEST_F(CacheManagerClientTest, PoolExhaustionIsResourceExhausted) {
-  StepBatch step;
+  BlockOps step;
   step.Allocate(1, 40).Allocate(2, 40);  // 10 + 10 blocks of 16
   absl::StatusOr<std::vector<OpOutcome>> outcomes = client_->Step(step);
   ASSERT_TRUE(outcomes.ok()) << outcomes.status();
@@ -395,7 +395,7 @@ TEST_F(CacheManagerClientTest, PinKeepsBlocksAndUnpinReleasesThem) {
 
 TEST_F(CacheManagerClientTest, StatsDescribeThePoolAndSumToCapacity) {
   CacheSequence(1, 0, 8);  // 2 cached
-  StepBatch step;
+  BlockOps step;
   step.Allocate(2, 9);  // 3 in use
   ASSERT_TRUE(client_->Step(step).ok());
   ASSERT_TRUE(client_->Pin("p", HashesOf(0, 4)).ok());  // 1 of the cached pinned
@@ -445,7 +445,7 @@ TEST_F(CacheManagerClientTest, StoppedCacheManagerGivesDeadlineExceededThenRecov
 }
 
 TEST_F(CacheManagerClientTest, GoodbyeEndsTheSessionAndFreesItsSequences) {
-  StepBatch step;
+  BlockOps step;
   step.Allocate(1, 8);
   ASSERT_TRUE(client_->Step(step).ok());
   absl::StatusOr<int32_t> released = client_->Goodbye();
@@ -508,7 +508,7 @@ TEST_F(CacheManagerClientTest, HeartbeatsRequiringProgressStopWhenTheCallerIsStu
   std::unique_ptr<CacheManagerClient> stuck = connect();
   ASSERT_NE(working, nullptr);
   ASSERT_NE(stuck, nullptr);
-  StepBatch step;
+  BlockOps step;
   step.Allocate(1, 8);
   ASSERT_TRUE(working->Step(step).ok());
   step.Clear();
@@ -551,7 +551,7 @@ TEST(CacheManagerClientRestartTest, RestartGivesAbortedWithBothEpochsThenWorksOn
   std::unique_ptr<CacheManagerClient> client = ConnectOrDie((*first)->endpoint());
   ASSERT_NE(client, nullptr);
   const uint64_t old_epoch = client->epoch();
-  StepBatch step;
+  BlockOps step;
   step.Allocate(1, 8);
   ASSERT_TRUE(client->Step(step).ok());
 

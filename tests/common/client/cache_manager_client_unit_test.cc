@@ -302,7 +302,7 @@ TEST(CacheManagerClientUnitTest, OversizedStepIsRefusedLocally) {
   absl::StatusOr<std::unique_ptr<CacheManagerClient>> client =
       CacheManagerClient::Connect(OptionsFor(fake));
   ASSERT_TRUE(client.ok()) << client.status();
-  StepBatch step;
+  BlockOps step;
   step.Free(1).Free(2).Free(3);
   EXPECT_EQ((*client)->Step(step).status().code(), absl::StatusCode::kInvalidArgument);
   step.Clear();
@@ -366,10 +366,10 @@ TEST(CheckPoolDescriptorTest, AcceptsTheLayoutOfTheSpecAndRefusesOthers) {
   EXPECT_EQ(CheckPoolDescriptor(nullptr, 8).status().code(), absl::StatusCode::kInternal);
 }
 
-TEST(StepBatchTest, RecordsOpsInOrder) {
+TEST(BlockOpsTest, RecordsOpsInOrder) {
   std::vector<BlockHash> hashes(2);
   hashes[1].bytes[0] = 1;
-  StepBatch step;
+  BlockOps step;
   step.Allocate(1, 9, hashes).Append(1, 3).Fork(1, 2).Commit(2, 8, {}).Free(1);
   ASSERT_EQ(step.size(), 5u);
   EXPECT_EQ(step.ops()[0].kind, wire::StepOp::AllocateOp);

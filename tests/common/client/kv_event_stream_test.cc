@@ -77,7 +77,7 @@ class KvEventStreamTest : public ::testing::Test {
     EXPECT_FALSE(subscriber_->needs_snapshot());
   }
 
-  void RunStep(StepBatch& step) {
+  void RunStep(BlockOps& step) {
     absl::StatusOr<std::vector<OpOutcome>> outcomes = client_->Step(step);
     ASSERT_TRUE(outcomes.ok()) << outcomes.status();
     for (const OpOutcome& outcome : *outcomes) ASSERT_TRUE(outcome.status.ok()) << outcome.status;
@@ -119,7 +119,7 @@ TEST_F(KvEventStreamTest, WorkloadEventsArriveInOrder) {
   absl::StatusOr<StatsSnapshot> before = client_->Stats();
   ASSERT_TRUE(before.ok());
   const std::vector<BlockHash> hashes = HashesOf(0, 8);
-  StepBatch step;
+  BlockOps step;
   step.Allocate(1, 10, hashes);
   RunStep(step);
   const std::vector<int32_t> table = last_outcomes_[0].blocks;
@@ -165,7 +165,7 @@ TEST_F(KvEventStreamTest, WorkloadEventsArriveInOrder) {
 }
 
 TEST_F(KvEventStreamTest, InjectedGapIsDetectedAndRepairedBySnapshot) {
-  StepBatch step;
+  BlockOps step;
   step.Allocate(1, 8, HashesOf(0, 8));
   RunStep(step);
   step.Commit(1, 8).Free(1);

@@ -62,7 +62,7 @@ TEST(PoolAttachCudaTest, ExecutorProcessesShareTheDevicePool) {
   absl::StatusOr<std::unique_ptr<CacheManagerClient>> router =
       CacheManagerClient::Connect(client_options);
   ASSERT_TRUE(router.ok()) << router.status();
-  StepBatch step;
+  BlockOps step;
   step.Allocate(1, 8);
   absl::StatusOr<std::vector<OpOutcome>> outcomes = (*router)->Step(step);
   ASSERT_TRUE(outcomes.ok()) << outcomes.status();

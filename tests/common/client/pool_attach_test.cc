@@ -107,7 +107,7 @@ TEST_F(PoolAttachTest, TwoExecutorProcessesShareBlocksThroughThePool) {
   // The router's view: a sequence and its blocks.
   std::unique_ptr<CacheManagerClient> router = Connect(wire::Role::Router);
   ASSERT_NE(router, nullptr);
-  StepBatch step;
+  BlockOps step;
   step.Allocate(1, 8);
   absl::StatusOr<std::vector<OpOutcome>> outcomes = router->Step(step);
   ASSERT_TRUE(outcomes.ok()) << outcomes.status();

@@ -87,17 +87,17 @@ TEST(CacheManagerFaultTest, StoppedClientIsQuarantinedThenRefusedThenRegistersAn
 
   // Everything else can be taken, but not one quarantined block.
   const int32_t available = kBlocks - kHeld;
-  StepBatch too_much;
+  BlockOps too_much;
   too_much.Allocate(1, (available + 1) * kBlockSize);
   auto refused = client->Step(too_much);
   ASSERT_TRUE(refused.ok()) << refused.status();
   EXPECT_TRUE(absl::IsResourceExhausted((*refused)[0].status)) << (*refused)[0].status;
-  StepBatch all;
+  BlockOps all;
   all.Allocate(2, available * kBlockSize);
   auto taken = client->Step(all);
   ASSERT_TRUE(taken.ok() && (*taken)[0].status.ok());
   for (int32_t block : (*taken)[0].blocks) EXPECT_FALSE(held.contains(block)) << block;
-  StepBatch release;
+  BlockOps release;
   release.Free(2);
   ASSERT_TRUE(client->Step(release).ok());
 
@@ -132,7 +132,7 @@ TEST(CacheManagerFaultTest, AFloodOfIdleConnectionsAtTheDescriptorLimitIsShedAnd
   CacheManagerProcess& manager = **started;
   auto client = Connect(manager);
   ASSERT_NE(client, nullptr);
-  StepBatch step;
+  BlockOps step;
   step.Allocate(1, 10 * kBlockSize);
   ASSERT_TRUE(client->Step(step).ok());
 

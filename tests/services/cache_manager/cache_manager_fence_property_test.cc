@@ -21,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/wire/convert.h"
 #include "common/wire/envelope.h"
+#include "common/wire/step_codec.h"
 #include "gtest/gtest.h"
 #include "services/cache_manager/cache_manager_service.h"
 
@@ -117,15 +118,15 @@ class FenceModel {
     return *verified_.envelope;
   }
 
-  // A Step of one op (built into request_ by the caller) from `router`.
-  const wire::Envelope& SendStep(const Router& router, wire::StepOp type,
-                                 flatbuffers::Offset<void> op) {
-    std::vector<wire::StepOp> types = {type};
-    std::vector<flatbuffers::Offset<void>> ops = {op};
-    const auto type_vector = request_.CreateVector(types);
-    const auto op_vector = request_.CreateVector(ops);
-    const auto step = wire::CreateStep(request_, type_vector, op_vector);
-    return Send(router.pid, router.session, wire::Message::Step, step.Union());
+  // A Step of one op from `router`.
+  const wire::Envelope& SendStep(const Router& router, const BlockOp& op) {
+    request_.Clear();
+    const BlockOp ops[] = {op};
+    EXPECT_TRUE(EncodeStep(request_, ++request_id_, router.session, 5, ops).ok());
+    service_->Handle(PeerCredentials{1, 1, router.pid}, BufferSpan(request_), now_, &reply_);
+    verified_ = VerifyEnvelope(BufferSpan(reply_));
+    EXPECT_NE(verified_.envelope, nullptr) << verified_.reason;
+    return *verified_.envelope;
   }
 
   uint64_t Hello(wire::Role role, pid_t pid) {
@@ -157,10 +158,7 @@ class FenceModel {
     Router& router = routers_[r];
     const uint64_t seq = next_seq_++;
     const int32_t tokens = 1 + Pick(3 * kBlockSize);
-    request_.Clear();
-    const wire::Envelope& reply =
-        SendStep(router, wire::StepOp::AllocateOp,
-                 wire::CreateAllocateOp(request_, seq, tokens).Union());
+    const wire::Envelope& reply = SendStep(router, BlockOp::Allocate(seq, tokens));
     ASSERT_EQ(reply.payload_type(), wire::Message::StepReply) << Where();
     const wire::OpResult* result = reply.payload_as_StepReply()->results()->Get(0);
     if (result->code() != wire::ErrorCode::Ok) {
@@ -190,9 +188,7 @@ class FenceModel {
     const size_t i = static_cast<size_t>(Pick(static_cast<int>(router.seqs.size())));
     const uint64_t seq = router.seqs[i];
     router.seqs.erase(router.seqs.begin() + static_cast<std::ptrdiff_t>(i));
-    request_.Clear();
-    const wire::Envelope& reply =
-        SendStep(router, wire::StepOp::FreeOp, wire::CreateFreeOp(request_, seq).Union());
+    const wire::Envelope& reply = SendStep(router, BlockOp::Free(seq));
     ASSERT_EQ(reply.payload_type(), wire::Message::StepReply) << Where();
   }
 
@@ -206,10 +202,7 @@ class FenceModel {
       if (it == router.seqs.end()) continue;
       router.seqs.erase(it);
       write.retired = true;
-      request_.Clear();
-      const wire::Envelope& reply =
-          SendStep(router, wire::StepOp::FreeOp,
-                   wire::CreateFreeOp(request_, write.seq, /*drain=*/true).Union());
+      const wire::Envelope& reply = SendStep(router, BlockOp::Free(write.seq, /*drain=*/true));
       ASSERT_EQ(reply.payload_type(), wire::Message::StepReply) << Where();
       ASSERT_EQ(reply.payload_as_StepReply()->results()->Get(0)->code(), wire::ErrorCode::Ok)
           << Where();

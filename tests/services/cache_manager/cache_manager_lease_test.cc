@@ -25,7 +25,7 @@ struct Holder {
 Holder StartRouter(const CacheManagerProcess& manager, uint64_t seq) {
   Holder holder{Connect(manager), seq};
   if (holder.client == nullptr) return holder;
-  StepBatch batch;
+  BlockOps batch;
   batch.Allocate(seq, 10 * kBlockSize);
   auto outcome = holder.client->Step(batch);
   EXPECT_TRUE(outcome.ok() && (*outcome)[0].status.ok());
@@ -39,7 +39,7 @@ void ExpectNobodyQuarantinedFor(std::vector<Holder>& routers, absl::Duration spa
   int rounds = 0;
   while (absl::Now() < until) {
     for (Holder& router : routers) {
-      StepBatch batch;
+      BlockOps batch;
       batch.Append(router.seq, 1);
       auto outcome = router.client->Step(batch);
       ASSERT_TRUE(outcome.ok()) << "router of seq " << router.seq << ": " << outcome.status();

@@ -173,7 +173,7 @@ TEST(CacheManagerProcessTest, OverTcpOnlyPeersWithTheSecretMayUseThePool) {
   EXPECT_TRUE((*reader)->Stats().ok());
   EXPECT_TRUE(absl::IsPermissionDenied((*reader)->Attach().status()));
   EXPECT_TRUE(absl::IsPermissionDenied((*reader)->Pin("p", {})));
-  StepBatch step;
+  BlockOps step;
   step.Allocate(1, 8);
   EXPECT_TRUE(absl::IsPermissionDenied((*reader)->Step(step).status()));
 
@@ -202,7 +202,7 @@ TEST(CacheManagerProcessTest, GarbageOnTheRealSocketGetsErrorRepliesAndChangesNo
   ASSERT_NE(manager, nullptr);
   auto client = Connect(*manager);
   ASSERT_NE(client, nullptr);
-  StepBatch setup;
+  BlockOps setup;
   setup.Allocate(1, 40);
   ASSERT_TRUE(client->Step(setup).ok());
   setup.Clear();
@@ -461,7 +461,7 @@ TEST(CacheManagerProcessTest, SigtermUnderLoadRefusesStepsWithUnavailableAndExit
     loaders.emplace_back([&, i] {
       uint64_t seq = 1;
       while (!stop.load()) {
-        StepBatch batch;
+        BlockOps batch;
         batch.Allocate(seq, 8).Free(seq);
         ++seq;
         auto outcome = clients[i]->Step(batch);
@@ -573,7 +573,7 @@ TEST(CacheManagerMetricsLiveTest, ScrapePassesPromtoolAndPrometheusSeesTheBlocks
   ASSERT_NE(manager, nullptr);
   auto client = Connect(*manager);
   ASSERT_NE(client, nullptr);
-  StepBatch step;
+  BlockOps step;
   step.Allocate(1, 40).Allocate(2, 13);
   ASSERT_TRUE(client->Step(step).ok());
   step.Clear();

@@ -14,6 +14,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "common/wire/convert.h"
 #include "common/wire/envelope.h"
+#include "common/wire/step_codec.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -44,26 +45,16 @@ BlockHash HashOf(int i) {
   return h;
 }
 
-// One op of a Step, encoded by the test.
-struct Op {
-  wire::StepOp type;
-  uint64_t seq = 0;
-  int32_t tokens = 0;
-  uint64_t child = 0;
-  std::vector<BlockHash> hashes;
-  bool drain = false;  // Free
-};
-Op Allocate(uint64_t seq, int32_t tokens, std::vector<BlockHash> hashes = {}) {
-  return {wire::StepOp::AllocateOp, seq, tokens, 0, std::move(hashes)};
+// The ops of the test's Steps (common/wire/step_codec.h).
+BlockOp Allocate(SeqId seq, int32_t tokens, std::vector<BlockHash> hashes = {}) {
+  return BlockOp::Allocate(seq, tokens, hashes);
 }
-Op Append(uint64_t seq, int32_t tokens) { return {wire::StepOp::AppendOp, seq, tokens, 0, {}}; }
-Op Commit(uint64_t seq, int32_t tokens, std::vector<BlockHash> hashes = {}) {
-  return {wire::StepOp::CommitOp, seq, tokens, 0, std::move(hashes)};
+BlockOp Append(SeqId seq, int32_t tokens) { return BlockOp::Append(seq, tokens); }
+BlockOp Commit(SeqId seq, int32_t tokens, std::vector<BlockHash> hashes = {}) {
+  return BlockOp::Commit(seq, tokens, hashes);
 }
-Op Free(uint64_t seq, bool drain = false) {
-  return {wire::StepOp::FreeOp, seq, 0, 0, {}, drain};
-}
-Op Fork(uint64_t parent, uint64_t child) { return {wire::StepOp::ForkOp, parent, 0, child, {}}; }
+BlockOp Free(SeqId seq, bool drain = false) { return BlockOp::Free(seq, drain); }
+BlockOp Fork(SeqId parent, SeqId child) { return BlockOp::Fork(parent, child); }
 
 class CacheManagerServiceTest : public ::testing::Test {
  protected:
@@ -125,44 +116,11 @@ class CacheManagerServiceTest : public ::testing::Test {
                : 0;
   }
 
-  const wire::Envelope& Step(uint64_t session, const std::vector<Op>& ops, pid_t pid = kRouterPid) {
-    return Request(
-        session, wire::Message::Step,
-        [&](flatbuffers::FlatBufferBuilder& b) {
-          std::vector<wire::StepOp> types;
-          std::vector<flatbuffers::Offset<void>> values;
-          for (const Op& op : ops) {
-            types.push_back(op.type);
-            switch (op.type) {
-              case wire::StepOp::AllocateOp:
-                values.push_back(
-                    wire::CreateAllocateOp(b, op.seq, op.tokens, ToWire(b, op.hashes)).Union());
-                break;
-              case wire::StepOp::AppendOp:
-                values.push_back(wire::CreateAppendOp(b, op.seq, op.tokens).Union());
-                break;
-              case wire::StepOp::CommitOp:
-                values.push_back(
-                    wire::CreateCommitOp(b, op.seq, op.tokens, ToWire(b, op.hashes)).Union());
-                break;
-              case wire::StepOp::FreeOp:
-                values.push_back(wire::CreateFreeOp(b, op.seq, op.drain).Union());
-                break;
-              case wire::StepOp::ForkOp:
-                values.push_back(wire::CreateForkOp(b, op.seq, op.child).Union());
-                break;
-              default:
-                break;
-            }
-          }
-          auto type_vector = b.CreateVector(types);
-          auto value_vector = b.CreateVector(values);
-          wire::StepBuilder step(b);
-          step.add_ops_type(type_vector);
-          step.add_ops(value_vector);
-          return step.Finish().Union();
-        },
-        pid);
+  const wire::Envelope& Step(uint64_t session, const std::vector<BlockOp>& ops,
+                            pid_t pid = kRouterPid) {
+    request_.Clear();
+    EXPECT_TRUE(EncodeStep(request_, ++request_id_, session, 777, ops).ok());
+    return Send(BufferSpan(request_), pid);
   }
 
   // The request id of an envelope's bytes.
@@ -558,7 +516,7 @@ TEST_F(CacheManagerServiceTest, SemanticallyBadStepsAreRefusedWhole) {
   ASSERT_EQ(ErrorOf(Step(s, {Allocate(1, 8)})), wire::ErrorCode::Ok);
   ASSERT_EQ(ErrorOf(Step(other, {Allocate(50, 4)}, 3000)), wire::ErrorCode::Ok);
 
-  auto refused = [&](const std::vector<Op>& ops, wire::ErrorCode code) {
+  auto refused = [&](const std::vector<BlockOp>& ops, wire::ErrorCode code) {
     const std::string before = LedgerState();
     const uint64_t rejected = service_->rejected_messages();
     const wire::Envelope& reply = Step(s, ops);
@@ -585,7 +543,7 @@ TEST_F(CacheManagerServiceTest, SemanticallyBadStepsAreRefusedWhole) {
   refused({Allocate(2, 4), Allocate(2, 4)}, wire::ErrorCode::AlreadyExists);
   refused({Fork(1, 50)}, wire::ErrorCode::AlreadyExists);
   // Oversized: more ops than the limit (8 here).
-  refused(std::vector<Op>(9, Append(1, 0)), wire::ErrorCode::InvalidArgument);
+  refused(std::vector<BlockOp>(9, Append(1, 0)), wire::ErrorCode::InvalidArgument);
 }
 
 TEST_F(CacheManagerServiceTest, OnlyRoutersStep) {

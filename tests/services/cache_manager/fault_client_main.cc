@@ -45,7 +45,7 @@ int Run(const std::string& endpoint, int32_t blocks) {
     for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>(seq * 1000 + i);
     std::vector<BlockHash> hashes;
     HashFullBlocks(HashAlgorithm::kSha256, root, tokens, block_size, &hashes);
-    StepBatch step;
+    BlockOps step;
     // Seq ids in this process's own range, so that two fault clients never collide.
     const uint64_t id = (static_cast<uint64_t>(::getpid()) << 32) | seq;
     step.Allocate(id, n * block_size, hashes);

@@ -144,7 +144,7 @@ class Survivor {
 
   // One step: allocate 8 sequences of 10 blocks, free the 8 of the previous step.
   void Step() {
-    StepBatch batch;
+    BlockOps batch;
     for (uint64_t seq : live_) batch.Free(seq);
     std::vector<uint64_t> next;
     for (int i = 0; i < 8; ++i) {

@@ -23,6 +23,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/base/run_dir.h"
 #include "common/client/cache_manager_client.h"
 #include "common/memory/pool_layout.h"
 #include "gmock/gmock.h"
@@ -311,7 +312,7 @@ TEST_F(ExecutorProcessTest, APoolOfAnotherShapeStopsItWithBothShapes) {
   ExecutorArgs args;
   args.model = *model_dir_;
   args.run_dir = (*cm)->run_dir();
-  args.router = absl::StrCat("ipc://", (*cm)->run_dir(), "/router-executors.sock");
+  args.router = IpcEndpointIn((*cm)->run_dir(), kRouterExecutorsSocket);
   absl::StatusOr<RunResult> result =
       RunProgram(kvcm::testing::ExecutorArgv(args), "", absl::Seconds(60));
   ASSERT_TRUE(result.ok()) << result.status();
@@ -326,7 +327,7 @@ TEST_F(ExecutorProcessTest, NoCacheManagerStopsIt) {
   ExecutorArgs args;
   args.model = *model_dir_;
   args.run_dir = empty->path();
-  args.router = absl::StrCat("ipc://", empty->path(), "/router-executors.sock");
+  args.router = IpcEndpointIn(empty->path(), kRouterExecutorsSocket);
   absl::StatusOr<RunResult> result =
       RunProgram(kvcm::testing::ExecutorArgv(args), "", absl::Seconds(60));
   ASSERT_TRUE(result.ok()) << result.status();

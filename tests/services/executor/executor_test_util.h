@@ -23,9 +23,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "common/base/run_dir.h"
 #include "common/memory/pool_layout.h"
 #include "common/sizing/kv_cache_spec.h"
-#include "services/executor/executor_wire.h"
+#include "common/wire/executor_codec.h"
 #include "services/executor/float16.h"
 #include "services/executor/llama_model.h"
 #include "services/executor/sampler.h"
@@ -151,7 +152,7 @@ inline absl::Status StartExecutorStack(const std::string& model_dir,
   absl::StatusOr<TempDir> sockets = TempDir::Create("kvcm-rt");
   if (!sockets.ok()) return sockets.status();
   stack->sockets.emplace(std::move(*sockets));
-  stack->router = absl::StrCat("ipc://", stack->sockets->path(), "/router-executors.sock");
+  stack->router = IpcEndpointIn(stack->sockets->path(), kRouterExecutorsSocket);
   StepDriver::Options driver_options;
   driver_options.router_endpoint = stack->router;
   driver_options.cache_manager_endpoint = stack->cm->endpoint();

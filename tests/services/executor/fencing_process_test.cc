@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "common/base/run_dir.h"
 #include "common/client/cache_manager_client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -87,7 +88,7 @@ class FencingProcessTest : public ::testing::Test {
     absl::StatusOr<TempDir> sockets = TempDir::Create("kvcm-fence-rt");
     ASSERT_TRUE(sockets.ok()) << sockets.status();
     sockets_ = std::make_unique<TempDir>(std::move(*sockets));
-    const std::string router = absl::StrCat("ipc://", sockets_->path(), "/router-executors.sock");
+    const std::string router = IpcEndpointIn(sockets_->path(), kRouterExecutorsSocket);
     Subprocess::Options router_options;
     router_options.argv = {KvcmBinaryPath("kvcm-test-router"), "--router", router,
                            "--cache-manager", cm_->endpoint(), "--prompt-tokens",
@@ -193,7 +194,7 @@ class FencingProcessTest : public ::testing::Test {
   // Allocates `blocks` blocks as sequence `seq` of `router`: the block ids, or the status.
   static absl::StatusOr<std::vector<int32_t>> Allocate(CacheManagerClient& router, uint64_t seq,
                                                        int32_t blocks) {
-    StepBatch step;
+    BlockOps step;
     step.Allocate(seq, blocks * kBlockSize);
     absl::StatusOr<std::vector<OpOutcome>> outcomes = router.Step(step);
     if (!outcomes.ok()) return outcomes.status();
@@ -227,7 +228,7 @@ TEST_F(FencingProcessTest, KilledRoutersBlocksWaitForTheExecutorToAbandonItsStep
   ASSERT_NO_FATAL_FAILURE(StartMidStep(/*layer_delay_ms=*/1500));
   std::unique_ptr<CacheManagerClient> second;
   ASSERT_NO_FATAL_FAILURE(StopExecutorAndKillRouter(&second));
-  StepBatch free;
+  BlockOps free;
   free.Free(2);
   ASSERT_TRUE(second->Step(free).ok());
   EXPECT_EQ(Stats().draining_blocks, 3);
@@ -239,8 +240,11 @@ TEST_F(FencingProcessTest, KilledRoutersBlocksWaitForTheExecutorToAbandonItsStep
   ASSERT_TRUE(WaitFor([&] { return Stats().draining_blocks == 0; }, deadline))
       << executor_.Output();
   EXPECT_THAT(executor_.Output(), HasSubstr("abandoned step 1 (stopped after layer"));
-  EXPECT_THAT(executor_.Output(),
-              HasSubstr(absl::StrCat("fenced router session ", dead_session_)));
+  // Logged once the acknowledgement was answered, so possibly just after the blocks came back.
+  EXPECT_TRUE(executor_.process
+                  ->WaitForLine(absl::StrCat("fenced router session ", dead_session_), deadline)
+                  .ok())
+      << executor_.Output();
   EXPECT_EQ(Stats().open_fences, 0u);
   absl::StatusOr<std::vector<int32_t>> all = Allocate(*second, 3, kNumBlocks);
   ASSERT_TRUE(all.ok()) << all.status();
@@ -305,7 +309,10 @@ TEST_F(FencingProcessTest, ASequenceFreedWithDrainWaitsForTheExecutorWhileItsRou
   ASSERT_TRUE(WaitFor([&] { return Stats().draining_blocks == 0; }, deadline))
       << executor_.Output();
   EXPECT_THAT(executor_.Output(), HasSubstr("abandoned step 1 (stopped after layer"));
-  EXPECT_THAT(executor_.Output(), HasSubstr("fenced 1 sequence(s) of router session"));
+  EXPECT_TRUE(executor_.process
+                  ->WaitForLine("fenced 1 sequence\\(s\\) of router session", deadline)
+                  .ok())
+      << executor_.Output();
   EXPECT_EQ(Stats().open_fences, 0u);
   EXPECT_EQ(dead_router_->Wait(absl::ZeroDuration()).status().code(),
             absl::StatusCode::kDeadlineExceeded)

@@ -78,7 +78,7 @@ int main(int argc, char** argv) {
   if (drain_after_ms > 0) {
     (*driver)->ServeUntil(absl::Now() + absl::Milliseconds(drain_after_ms),
                           /*stop_at_goodbye=*/false);
-    kvcm::StepBatch free;
+    kvcm::BlockOps free;
     free.Free(seq->id, /*drain=*/true);
     auto freed = (*driver)->cache_manager().Step(free);
     if (!freed.ok() || !(*freed)[0].status.ok()) {

@@ -204,7 +204,7 @@ absl::StatusOr<StepDriver::Sequence> StepDriver::Allocate(std::vector<int32_t> t
   const SessionInfo session = cache_manager_->session();
   HashFullBlocks(session.hash_algorithm, RootHash(session.hash_algorithm, ""), seq.tokens,
                  session.block_size, &hashes);
-  StepBatch batch;
+  BlockOps batch;
   batch.Allocate(seq.id, seq.prompt_len, hashes);
   KVCM_ASSIGN_OR_RETURN(std::vector<OpOutcome> outcomes, cache_manager_->Step(batch));
   if (!outcomes[0].status.ok()) return outcomes[0].status;
@@ -229,7 +229,7 @@ SeqStep StepDriver::WorkFor(const Sequence& seq, bool sample) const {
   return work;
 }
 
-void StepDriver::AddCommit(Sequence& seq, int32_t committed, StepBatch* batch) const {
+void StepDriver::AddCommit(Sequence& seq, int32_t committed, BlockOps* batch) const {
   const SessionInfo session = cache_manager_->session();
   std::vector<BlockHash> all;
   HashFullBlocks(session.hash_algorithm, RootHash(session.hash_algorithm, ""),
@@ -245,7 +245,7 @@ void StepDriver::AddCommit(Sequence& seq, int32_t committed, StepBatch* batch) c
 }
 
 absl::Status StepDriver::Free(std::span<const Sequence> seqs) {
-  StepBatch batch;
+  BlockOps batch;
   for (const Sequence& seq : seqs) batch.Free(seq.id);
   KVCM_ASSIGN_OR_RETURN(std::vector<OpOutcome> outcomes, cache_manager_->Step(batch));
   for (const OpOutcome& outcome : outcomes) KVCM_RETURN_IF_ERROR(outcome.status);
@@ -271,7 +271,7 @@ absl::StatusOr<std::vector<StepDriver::Sequence>> StepDriver::Generate(
     }
     // The KV of every token so far is written: commit it, and (unless done) make room for
     // the token just sampled, in one cache-manager round trip.
-    StepBatch batch;
+    BlockOps batch;
     for (size_t i = 0; i < seqs.size(); ++i) {
       Sequence& seq = seqs[i];
       const SeqOutcome& outcome = report.results[i];

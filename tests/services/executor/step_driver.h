@@ -33,7 +33,7 @@
 #include "common/block/block_hash.h"
 #include "common/client/cache_manager_client.h"
 #include "schemas/kvcm_executor_generated.h"
-#include "services/executor/executor_wire.h"
+#include "common/wire/executor_codec.h"
 #include "zmq.hpp"
 
 namespace kvcm::testing {
@@ -127,7 +127,7 @@ class StepDriver {
   absl::StatusOr<Inbound> ReceiveOne(absl::Time deadline, bool* timed_out);
   absl::Status Send(const std::string& identity, std::span<const uint8_t> bytes);
   // Commit(seq, committed) with the hashes of newly full blocks, added to `batch`.
-  void AddCommit(Sequence& seq, int32_t committed, StepBatch* batch) const;
+  void AddCommit(Sequence& seq, int32_t committed, BlockOps* batch) const;
 
   const Options options_;
   zmq::context_t context_;

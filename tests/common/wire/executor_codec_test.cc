@@ -1,6 +1,6 @@
 // The executor protocol's codec: round trips, and the verifier and decoder refusing bad input.
 
-#include "services/executor/executor_wire.h"
+#include "common/wire/executor_codec.h"
 
 #include <cstdint>
 #include <cstring>

@@ -1,4 +1,4 @@
-#include "services/executor/executor_wire.h"
+#include "common/wire/executor_codec.h"
 
 #include <cmath>
 
