@@ -159,16 +159,16 @@ struct FenceNotice {
   uint64_t router_session = 0;
   // Empty: the whole router session ended. Otherwise only these sequences of a router that
   // lives on (a SequenceFence, after its FreeOp.drain).
-  std::vector<uint64_t> seqs;
+  std::vector<SeqId> seqs;
   bool operator==(const FenceNotice&) const = default;
 };
 
 // One live sequence of a session, as DescribeSession reports it.
 struct SequenceSnapshot {
-  uint64_t seq = 0;
+  SeqId seq = 0;
   int32_t num_tokens = 0;
   int32_t num_committed_tokens = 0;
-  std::vector<int32_t> blocks;  // the block table
+  std::vector<BlockId> blocks;  // the block table
 };
 
 // What the cache manager holds for this client's session (a router's resynchronisation).
@@ -256,7 +256,7 @@ struct KvEventRecord {
   // Stored: the previous block's hash; has_parent is false for a sequence's first block
   // (its parent is the root of the chain, RootHash(salt), known to the router only).
   BlockHash parent_hash;
-  int32_t block = -1;  // Stored and Removed
+  BlockId block = kNoBlock;  // Stored and Removed
   bool has_parent = false;
 };
 

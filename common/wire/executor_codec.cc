@@ -68,7 +68,7 @@ void EncodeStepBatch(flatbuffers::FlatBufferBuilder& builder, uint64_t request_i
   }
   std::vector<wire::CopyOrder> copies;
   copies.reserve(step.copies.size());
-  for (const auto& [src, dst] : step.copies) copies.emplace_back(src, dst);
+  for (const CopyOrder& copy : step.copies) copies.emplace_back(copy.src, copy.dst);
   auto seq_vector = builder.CreateVector(seqs);
   auto copy_vector = builder.CreateVectorOfStructs(copies);
   auto batch = wire::CreateStepBatch(builder, step.step_id, step.epoch, seq_vector, copy_vector,
@@ -143,7 +143,7 @@ absl::StatusOr<StepRequest> DecodeStepBatch(const wire::StepBatch& step) {
         return absl::InvalidArgumentError(absl::StrCat(
             "copies[", i, "] names block ", copy->src() < 0 ? copy->src() : copy->dst()));
       }
-      out.copies.emplace_back(copy->src(), copy->dst());
+      out.copies.push_back(CopyOrder{copy->src(), copy->dst()});
     }
   }
   return out;

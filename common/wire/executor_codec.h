@@ -20,6 +20,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/block/block_ledger.h"
 #include "common/memory/pool_memory.h"
 #include "common/sizing/kv_cache_spec.h"
 #include "common/wire/envelope.h"
@@ -68,10 +69,10 @@ struct SeqSampling {
 // One sequence of a step (SeqWork): its last `tokens` are new; it holds `context_len`
 // tokens after the step; `block_table` maps positions to blocks.
 struct SeqStep {
-  uint64_t seq = 0;
+  SeqId seq = 0;
   std::vector<int32_t> tokens;
   int32_t context_len = 0;
-  std::vector<int32_t> block_table;
+  std::vector<BlockId> block_table;
   SeqSampling sampling;
   bool sample = false;
   // Which generated token of the request is chosen (0 = the first); seeds the sampler
@@ -85,12 +86,12 @@ struct StepRequest {
   uint64_t epoch = 0;
   uint64_t router_session = 0;  // the router's cache-manager session; required (not 0)
   std::vector<SeqStep> seqs;
-  std::vector<std::pair<int32_t, int32_t>> copies;  // (src, dst), in order
+  std::vector<CopyOrder> copies;  // in order
 };
 
 // One sequence's outcome (SeqResult).
 struct SeqOutcome {
-  uint64_t seq = 0;
+  SeqId seq = 0;
   int32_t token = -1;   // the sampled token; -1 when not asked for or on failure
   absl::Status status;  // per-sequence failure (e.g. non-finite logits)
 };

@@ -3,14 +3,12 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/resource.h>
-#include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstdio>
-#include <chrono>
 #include <csignal>
 #include <cstring>
 #include <utility>
@@ -21,6 +19,7 @@
 #include "common/base/unique_fd.h"
 #include "common/memory/pool_layout.h"
 #include "common/transport/accept_guard.h"
+#include "common/transport/event_loop.h"
 #include "common/transport/zmq_util.h"
 
 namespace kvcm {
@@ -77,10 +76,13 @@ void Log(std::string_view text) { LogLine(kComponent, text); }
 
 }  // namespace
 
-// Watches client processes with pidfds (Linux 5.3+), polled in Run().
+// Watches client processes with pidfds (Linux 5.3+) in the server's event loop, and calls
+// `on_exit` on the loop's thread for each one that exits.
 class CacheManagerServer::PidfdWatcher : public ProcessWatcher {
  public:
-  explicit PidfdWatcher(CacheManagerMetrics* metrics) : metrics_(metrics) {}
+  PidfdWatcher(CacheManagerMetrics* metrics, EventLoop* loop,
+               std::function<void(pid_t)> on_exit)
+      : metrics_(metrics), loop_(loop), on_exit_(std::move(on_exit)) {}
 
   // A pidfd the kernel gave for the process at the other end of a connection when it was
   // accepted (SO_PEERPIDFD): Watch(pid) takes it instead of looking the pid up later, when
@@ -91,36 +93,49 @@ class CacheManagerServer::PidfdWatcher : public ProcessWatcher {
   }
 
   absl::Status Watch(pid_t pid) override {
-    if (fds_.contains(pid)) return absl::OkStatus();
+    if (watched_.contains(pid)) return absl::OkStatus();
     if (auto offered = connect_pidfds_.extract(pid); !offered.empty()) {
-      fds_.emplace(pid, std::move(offered.mapped()));
+      Add(pid, std::move(offered.mapped()));
       if (metrics_ != nullptr) metrics_->CountProcessWatch(true);
       return absl::OkStatus();
     }
     const long fd = ::syscall(SYS_pidfd_open, pid, 0);
     if (fd < 0) {
       if (errno == ESRCH) {
-        // Already gone: report it on the next loop iteration, as if its pidfd had fired.
-        exited_.push_back(pid);
+        // Already gone: reported later in this turn of the loop, as if its pidfd had fired.
+        loop_->Post([this, pid] { on_exit_(pid); });
         return absl::OkStatus();
       }
       return absl::InternalError(absl::StrCat("pidfd_open(", pid, "): ", std::strerror(errno)));
     }
-    fds_.emplace(pid, UniqueFd(static_cast<int>(fd)));
+    Add(pid, UniqueFd(static_cast<int>(fd)));
     if (metrics_ != nullptr) metrics_->CountProcessWatch(false);
     return absl::OkStatus();
   }
-  void Unwatch(pid_t pid) override { fds_.erase(pid); }
-
-  const absl::flat_hash_map<pid_t, UniqueFd>& fds() const { return fds_; }
-  std::vector<pid_t> TakeExited() { return std::exchange(exited_, {}); }
+  void Unwatch(pid_t pid) override {
+    if (auto it = watched_.find(pid); it != watched_.end()) {
+      loop_->Cancel(it->second.watch);
+      watched_.erase(it);
+    }
+  }
 
  private:
+  struct Watched {
+    UniqueFd pidfd;
+    EventLoop::Id watch = 0;
+  };
+  void Add(pid_t pid, UniqueFd pidfd) {
+    const int fd = pidfd.get();
+    const EventLoop::Id watch = loop_->WatchFd(fd, [this, pid] { on_exit_(pid); });
+    watched_.insert_or_assign(pid, Watched{std::move(pidfd), watch});
+  }
+
   static constexpr size_t kMaxConnectPidfds = 1024;
   CacheManagerMetrics* const metrics_;
-  absl::flat_hash_map<pid_t, UniqueFd> fds_;
+  EventLoop* const loop_;
+  const std::function<void(pid_t)> on_exit_;
+  absl::flat_hash_map<pid_t, Watched> watched_;
   absl::flat_hash_map<pid_t, UniqueFd> connect_pidfds_;
-  std::vector<pid_t> exited_;
 };
 
 absl::StatusOr<std::unique_ptr<CacheManagerServer>> CacheManagerServer::Create(
@@ -154,6 +169,7 @@ absl::StatusOr<std::unique_ptr<CacheManagerServer>> CacheManagerServer::Create(
 
   std::unique_ptr<CacheManagerServer> server(
       new CacheManagerServer(options, std::move(run_dir), std::move(memory), metrics));
+  if (absl::Status loop = server->loop_.Init(); !loop.ok()) return loop;
   auto service =
       CacheManagerService::Create(service_options, server->watcher_.get(), metrics, MonotonicNow());
   if (!service.ok()) return service.status();
@@ -209,7 +225,8 @@ CacheManagerServer::CacheManagerServer(const Options& options, RunDirectory run_
       run_dir_(std::move(run_dir)),
       memory_(std::move(memory)),
       metrics_(metrics),
-      watcher_(std::make_unique<PidfdWatcher>(metrics)),
+      watcher_(std::make_unique<PidfdWatcher>(metrics, &loop_,
+                                              [this](pid_t pid) { OnProcessExited(pid); })),
       context_(1) {}
 
 CacheManagerServer::~CacheManagerServer() {
@@ -231,103 +248,88 @@ std::string CacheManagerServer::event_endpoint() const {
   return run_dir_.IpcEndpoint(RunDirectory::kEventSocket);
 }
 
-absl::Status CacheManagerServer::Run() {
-  const absl::Duration expiry_period = service_->options().heartbeat_interval / 2;
-  absl::Time next_expiry = MonotonicNow() + expiry_period;
-  std::vector<zmq::pollitem_t> items;
-  std::vector<pid_t> item_pids;
-  while (true) {
-    items.clear();
-    item_pids.clear();
-    items.push_back({requests_.handle(), 0, ZMQ_POLLIN, 0});
-    const size_t signal_item = items.size();
-    if (options_.signal_fd >= 0) items.push_back({nullptr, options_.signal_fd, ZMQ_POLLIN, 0});
-    const size_t channel_item = items.size();
-    if (fd_channel_) items.push_back({nullptr, fd_channel_->listen_fd(), ZMQ_POLLIN, 0});
-    const size_t monitor_item = items.size();
-    items.push_back({monitor_.handle(), 0, ZMQ_POLLIN, 0});
-    const size_t first_pid_item = items.size();
-    for (const auto& [pid, fd] : watcher_->fds()) {
-      items.push_back({nullptr, fd.get(), ZMQ_POLLIN, 0});
-      item_pids.push_back(pid);
-    }
-    const auto wait = std::max<int64_t>(0, absl::ToInt64Milliseconds(next_expiry - MonotonicNow()));
-    try {
-      zmq::poll(items.data(), items.size(), std::chrono::milliseconds(wait));
-    } catch (const zmq::error_t& error) {
-      if (error.num() == EINTR) continue;
-      return absl::InternalError(absl::StrCat("zmq_poll: ", error.what()));
-    }
+void CacheManagerServer::OnProcessExited(pid_t pid) {
+  const int32_t before = service_->ledger().Stats().in_use_blocks;
+  service_->OnProcessExited(pid);
+  Log(absl::StrCat("client pid ", pid, " exited; its sessions ended (",
+                   before - service_->ledger().Stats().in_use_blocks,
+                   " blocks no longer in use)"));
+  changed_ = true;
+}
 
-    bool changed = false;
-    if (items[0].revents & ZMQ_POLLIN) changed |= DrainRequests() > 0;
-    if (fd_channel_ && (items[channel_item].revents & ZMQ_POLLIN)) ServeFdChannel();
-    if ((items[monitor_item].revents & ZMQ_POLLIN) && DrainMonitor()) GuardDescriptors();
-    std::vector<pid_t> exited = watcher_->TakeExited();
-    for (size_t i = first_pid_item; i < items.size(); ++i) {
-      if (items[i].revents & ZMQ_POLLIN) exited.push_back(item_pids[i - first_pid_item]);
-    }
-    for (pid_t pid : exited) {
-      const int32_t before = service_->ledger().Stats().in_use_blocks;
-      service_->OnProcessExited(pid);
-      Log(absl::StrCat("client pid ", pid, " exited; its sessions ended (",
-                       before - service_->ledger().Stats().in_use_blocks,
-                       " blocks no longer in use)"));
-      changed = true;
-    }
-    if (const absl::Time now = MonotonicNow(); now >= next_expiry) {
-      // A loop this late was itself stopped (SIGSTOP, swap, a debugger) or starved: the
-      // silence was ours, not the clients', and what they sent meanwhile may still sit in
-      // the kernel's socket buffers. Nobody is charged for it.
-      const absl::Duration late = now - next_expiry;
-      if (late > service_->options().heartbeat_timeout / 2) {
-        service_->ExtendLeases(now);
-        Log(absl::StrCat("the cache manager's own loop ran ", absl::FormatDuration(late),
-                         " late (stopped or starved): every lease extended"));
-      }
-      // Leases are judged only after the input already queued is read (a heartbeat waiting
-      // in the queue counts). Under a flood that does not let up, expiry waits for the next
-      // turn: postponing it only delays a quarantine.
-      bool caught_up = false;
-      for (int turn = 0; turn < kMaxDrainTurnsBeforeExpiry && !caught_up; ++turn) {
-        const int n = DrainRequests();
-        changed |= n > 0;
-        caught_up = n < options_.max_batch;
-      }
-      if (caught_up) {
-        if (const int hung = service_->ExpireSessions(MonotonicNow()); hung > 0) {
-          Log(absl::StrCat(hung, " session(s) missed their heartbeats: quarantined (",
-                           service_->QuarantinedBlocks(), " blocks quarantined)"));
-        }
-      }
-      next_expiry = MonotonicNow() + expiry_period;
-      GuardDescriptors();  // also while no connection comes or goes
-      changed = true;
-    }
-    if (changed) {
-      PublishEvents();
-      PublishSnapshot();
-    }
-
-    if (options_.signal_fd >= 0 && (items[signal_item].revents & ZMQ_POLLIN)) {
-      signalfd_siginfo info{};
-      if (::read(options_.signal_fd, &info, sizeof(info)) == sizeof(info)) {
-        Log(absl::StrCat("received ", strsignal(static_cast<int>(info.ssi_signo)),
-                         ": no new attachments or block operations; draining"));
-      }
-      fd_channel_.reset();
-      service_->BeginShutdown();
-      const DrainResult drained = DrainForShutdown();
-      PublishEvents();
-      PublishSnapshot();
-      Log(absl::StrCat("shutting down: answered ", drained.answered, " request(s) while draining",
-                       drained.deadline_passed ? " (stopped at the drain deadline, under load)"
-                                               : "",
-                       "; ", service_->num_sessions(), " session(s) open; releasing the pool of ",
-                       memory_->size_bytes(), " bytes"));
-      return absl::OkStatus();
+void CacheManagerServer::OnExpiryTimer(absl::Duration late) {
+  // A loop this late was itself stopped (SIGSTOP, swap, a debugger) or starved: the
+  // silence was ours, not the clients', and what they sent meanwhile may still sit in the
+  // kernel's socket buffers. Nobody is charged for it.
+  if (late > service_->options().heartbeat_timeout / 2) {
+    service_->ExtendLeases(MonotonicNow());
+    Log(absl::StrCat("the cache manager's own loop ran ", absl::FormatDuration(late),
+                     " late (stopped or starved): every lease extended"));
+  }
+  // Leases are judged only after the input already queued is read (a heartbeat waiting in
+  // the queue counts). Under a flood that does not let up, expiry waits for the next turn:
+  // postponing it only delays a quarantine.
+  bool caught_up = false;
+  for (int turn = 0; turn < kMaxDrainTurnsBeforeExpiry && !caught_up; ++turn) {
+    const int n = DrainRequests();
+    changed_ |= n > 0;
+    caught_up = n < options_.max_batch;
+  }
+  if (caught_up) {
+    if (const int hung = service_->ExpireSessions(MonotonicNow()); hung > 0) {
+      Log(absl::StrCat(hung, " session(s) missed their heartbeats: quarantined (",
+                       service_->QuarantinedBlocks(), " blocks quarantined)"));
     }
   }
+  GuardDescriptors();  // also while no connection comes or goes
+  changed_ = true;
+}
+
+absl::Status CacheManagerServer::Run() {
+  // One turn of the loop (common/transport/event_loop.h): requests, the signal, the fd
+  // channel, connections accepted or closed, exited clients; then lease expiry; then the
+  // events the turn caused are published.
+  int signal = 0;
+  const EventLoop::Id requests =
+      loop_.WatchSocket(requests_, [this] { changed_ |= DrainRequests() > 0; });
+  std::vector<EventLoop::Id> watches = {requests};
+  if (options_.signal_fd >= 0) {
+    watches.push_back(loop_.WatchSignals(options_.signal_fd, [this, &signal](int signo) {
+      if (signal == 0) signal = signo;
+      loop_.Stop();
+    }));
+  }
+  if (fd_channel_) {
+    watches.push_back(loop_.WatchFd(fd_channel_->listen_fd(), [this] { ServeFdChannel(); }));
+  }
+  watches.push_back(loop_.WatchSocket(monitor_, [this] {
+    if (DrainMonitor()) GuardDescriptors();
+  }));
+  watches.push_back(loop_.AddTimer(service_->options().heartbeat_interval / 2,
+                                   [this](absl::Duration late) { OnExpiryTimer(late); }));
+  loop_.SetAfterTurn([this] {
+    if (!changed_) return;
+    changed_ = false;
+    PublishEvents();
+    PublishSnapshot();
+  });
+  const absl::Status ran = loop_.Run();
+  for (EventLoop::Id id : watches) loop_.Cancel(id);
+  loop_.SetAfterTurn(nullptr);
+  if (!ran.ok()) return ran;
+
+  Log(absl::StrCat("received ", strsignal(signal),
+                   ": no new attachments or block operations; draining"));
+  fd_channel_.reset();
+  service_->BeginShutdown();
+  const DrainResult drained = DrainForShutdown();
+  PublishEvents();
+  PublishSnapshot();
+  Log(absl::StrCat("shutting down: answered ", drained.answered, " request(s) while draining",
+                   drained.deadline_passed ? " (stopped at the drain deadline, under load)" : "",
+                   "; ", service_->num_sessions(), " session(s) open; releasing the pool of ",
+                   memory_->size_bytes(), " bytes"));
+  return absl::OkStatus();
 }
 
 CacheManagerServer::DrainResult CacheManagerServer::DrainForShutdown() {
@@ -347,13 +349,7 @@ CacheManagerServer::DrainResult CacheManagerServer::DrainForShutdown() {
       continue;
     }
     if (now >= quiet_until) return result;
-    zmq::pollitem_t item{requests_.handle(), 0, ZMQ_POLLIN, 0};
-    const int64_t wait = absl::ToInt64Milliseconds(std::min(quiet_until, deadline) - now);
-    try {
-      zmq::poll(&item, 1, std::chrono::milliseconds(std::max<int64_t>(wait, 1)));
-    } catch (const zmq::error_t& error) {
-      if (error.num() != EINTR) return result;
-    }
+    if (!WaitReadable(requests_, std::min(quiet_until, deadline)).ok()) return result;
   }
 }
 

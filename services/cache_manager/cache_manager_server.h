@@ -13,7 +13,8 @@
 // - a signalfd for SIGTERM/SIGINT (the signals must be blocked in every thread before the
 //   ZeroMQ context and the metrics server start; main() does it).
 //
-// Run() blocks in one zmq_poll over all of them; nothing else ever touches the sockets.
+// Run() turns one EventLoop (common/transport/event_loop.h) over all of them, with the
+// lease-expiry timer; nothing else ever touches the sockets.
 // On a signal it stops accepting (closes the fd channel), refuses new block operations with
 // Unavailable while it drains (until no request came for 100 ms, or Options::shutdown_drain
 // under load), publishes the last events and returns; the destructor closes the sockets and
@@ -32,6 +33,7 @@
 #include "absl/time/time.h"
 #include "common/base/unique_fd.h"
 #include "common/memory/fd_channel.h"
+#include "common/transport/event_loop.h"
 #include "common/memory/pool_memory.h"
 #include "services/cache_manager/cache_manager_metrics.h"
 #include "services/cache_manager/cache_manager_service.h"
@@ -84,6 +86,11 @@ class CacheManagerServer {
 
   class PidfdWatcher;
 
+  // A watched client process exited: its sessions end.
+  void OnProcessExited(pid_t pid);
+  // Every heartbeat_interval / 2: leases are judged (after the queued input is read), and
+  // extended instead when the loop itself ran `late` by more than half the timeout.
+  void OnExpiryTimer(absl::Duration late);
   // Handles up to max_batch queued requests; returns how many.
   int DrainRequests();
   // After a signal: answers requests until none came for a while or shutdown_drain passed.
@@ -114,6 +121,8 @@ class CacheManagerServer {
   RunDirectory run_dir_;
   std::unique_ptr<PoolMemory> memory_;
   CacheManagerMetrics* const metrics_;
+  EventLoop loop_;
+  bool changed_ = false;  // the turn changed the ledger: publish its events after it
   std::unique_ptr<PidfdWatcher> watcher_;
   std::unique_ptr<CacheManagerService> service_;
   std::unique_ptr<FdChannelListener> fd_channel_;

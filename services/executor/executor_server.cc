@@ -1,18 +1,17 @@
 #include "services/executor/executor_server.h"
 
-#include <sys/signalfd.h>
 #include <unistd.h>
 
 #include <cerrno>
-#include <chrono>
 #include <cstring>
-#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/base/log.h"
 #include "common/base/monotonic_clock.h"
+#include "common/base/status_macros.h"
 #include "common/memory/pool_memory.h"
+#include "common/transport/event_loop.h"
 #include "common/transport/zmq_util.h"
 
 namespace kvcm {
@@ -20,10 +19,6 @@ namespace {
 
 constexpr char kComponent[] = "kvcm-executor";
 void Log(std::string_view text) { LogLine(kComponent, text); }
-
-int64_t ToPollMillis(absl::Duration duration) {
-  return std::max<int64_t>(0, absl::ToInt64Milliseconds(duration));
-}
 
 }  // namespace
 
@@ -154,14 +149,9 @@ void ExecutorServer::SayGoodbye() {
     Send(out_);
     const absl::Time deadline = MonotonicNow() + options_.goodbye_timeout;
     while (!service_->goodbye_answered() && MonotonicNow() < deadline) {
-      zmq::pollitem_t item{router_.handle(), 0, ZMQ_POLLIN, 0};
-      try {
-        zmq::poll(&item, 1, std::chrono::milliseconds(ToPollMillis(deadline - MonotonicNow())));
-      } catch (const zmq::error_t& error) {
-        if (error.num() == EINTR) continue;
-        break;
-      }
-      if (item.revents & ZMQ_POLLIN) Drain(/*shutting_down=*/true);
+      absl::StatusOr<bool> ready = WaitReadable(router_, deadline);
+      if (!ready.ok()) break;
+      if (*ready) Drain(/*shutting_down=*/true);
     }
     Log(service_->goodbye_answered() ? "the router acknowledged Goodbye"
                                      : "the router did not answer Goodbye");
@@ -170,36 +160,30 @@ void ExecutorServer::SayGoodbye() {
 }
 
 absl::Status ExecutorServer::Run() {
-  std::vector<zmq::pollitem_t> items;
-  while (true) {
-    Upkeep();
-    items.clear();
-    items.push_back({router_.handle(), 0, ZMQ_POLLIN, 0});
-    if (options_.signal_fd >= 0) items.push_back({nullptr, options_.signal_fd, ZMQ_POLLIN, 0});
-    try {
-      zmq::poll(items.data(), items.size(), std::chrono::milliseconds(ToPollMillis(options_.tick)));
-    } catch (const zmq::error_t& error) {
-      if (error.num() == EINTR) continue;
-      return absl::InternalError(absl::StrCat("zmq_poll: ", error.what()));
-    }
-    const bool signalled = options_.signal_fd >= 0 && (items[1].revents & ZMQ_POLLIN);
-    if (signalled) {
-      signalfd_siginfo info{};
-      if (::read(options_.signal_fd, &info, sizeof(info)) == sizeof(info)) {
-        Log(absl::StrCat("received ", strsignal(static_cast<int>(info.ssi_signo)),
-                         ": answering queued messages, then saying goodbye"));
-      }
-      // Messages that arrived before the signal are answered (steps run); then goodbye.
-      int answered = 0;
-      for (int n; (n = Drain(/*shutting_down=*/false)) > 0;) answered += n;
-      SayGoodbye();
-      Log(absl::StrCat("stopped after ", service_->steps(), " step(s); answered ", answered,
-                       " queued message(s) at shutdown",
-                       unsent_ > 0 ? absl::StrCat("; ", unsent_, " message(s) not sent") : ""));
-      return absl::OkStatus();
-    }
-    if (items[0].revents & ZMQ_POLLIN) Drain(/*shutting_down=*/false);
+  // One turn of the loop (common/transport/event_loop.h): upkeep (pool, Hello, heartbeat),
+  // then the router's messages; at most a tick apart.
+  EventLoop loop(EventLoop::Options{.max_wait = options_.tick});
+  KVCM_RETURN_IF_ERROR(loop.Init());
+  int signal = 0;
+  loop.SetBeforePoll([this] { Upkeep(); });
+  loop.WatchSocket(router_, [this] { Drain(/*shutting_down=*/false); });
+  if (options_.signal_fd >= 0) {
+    loop.WatchSignals(options_.signal_fd, [&](int signo) {
+      if (signal == 0) signal = signo;
+      loop.Stop();
+    });
   }
+  KVCM_RETURN_IF_ERROR(loop.Run());
+  Log(absl::StrCat("received ", strsignal(signal),
+                   ": answering queued messages, then saying goodbye"));
+  // Messages that arrived before the signal are answered (steps run); then goodbye.
+  int answered = 0;
+  for (int n; (n = Drain(/*shutting_down=*/false)) > 0;) answered += n;
+  SayGoodbye();
+  Log(absl::StrCat("stopped after ", service_->steps(), " step(s); answered ", answered,
+                   " queued message(s) at shutdown",
+                   unsent_ > 0 ? absl::StrCat("; ", unsent_, " message(s) not sent") : ""));
+  return absl::OkStatus();
 }
 
 }  // namespace kvcm

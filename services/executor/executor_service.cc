@@ -289,9 +289,9 @@ absl::Status ExecutorService::CheckAndBuild(const StepRequest& step, const PoolV
     }
   }
   for (size_t i = 0; i < step.copies.size(); ++i) {
-    if (destinations.contains(step.copies[i].first)) {
+    if (destinations.contains(step.copies[i].src)) {
       return absl::InvalidArgumentError(
-          absl::StrCat("copies[", i, "] copies from block ", step.copies[i].first,
+          absl::StrCat("copies[", i, "] copies from block ", step.copies[i].src,
                        ", which another order of the step overwrites"));
     }
   }
@@ -431,7 +431,7 @@ absl::StatusOr<StepReport> ExecutorService::RunStep(const StepRequest& step) {
   if (!step.copies.empty()) {
     std::vector<kernels::BlockCopy> copies;
     copies.reserve(step.copies.size());
-    for (const auto& [src, dst] : step.copies) copies.push_back({src, dst});
+    for (const CopyOrder& copy : step.copies) copies.push_back({copy.src, copy.dst});
     if (absl::Status copied = model_->CopyBlocks(pool, copies); !copied.ok()) {
       return absl::InternalError(absl::StrCat("copy-on-write failed: ", copied.message()));
     }

@@ -75,7 +75,7 @@ TEST(ExecutorWireTest, StepBatchRoundTrips) {
   EXPECT_EQ(step->seqs[1].sampling.seed, 99u);
   EXPECT_EQ(step->seqs[1].sample_index, 3);
   ASSERT_EQ(step->copies.size(), 1u);
-  EXPECT_EQ(step->copies[0], std::make_pair(4, 10));
+  EXPECT_EQ(step->copies[0], (CopyOrder{4, 10}));
 }
 
 TEST(ExecutorWireTest, StepResultRoundTripsWithPerSequenceCodes) {
@@ -207,7 +207,7 @@ TEST(ExecutorWireTest, DecodeRefusesInconsistentSteps) {
        "temperature"},
       {"top_p zero", [](StepRequest& s) { s.seqs[1].sampling.top_p = 0; }, "top_p"},
       {"top_k negative", [](StepRequest& s) { s.seqs[1].sampling.top_k = -2; }, "top_k"},
-      {"negative copy", [](StepRequest& s) { s.copies[0].second = -1; }, "copies[0]"},
+      {"negative copy", [](StepRequest& s) { s.copies[0].dst = -1; }, "copies[0]"},
       {"no router session", [](StepRequest& s) { s.router_session = 0; }, "router_session"},
   };
   for (const Case& c : cases) {
