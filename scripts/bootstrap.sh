@@ -26,7 +26,7 @@ PACKAGES=(
   prometheus-cpp-dev         # /metrics
   prometheus                 # prometheus + promtool: integration tests scrape and lint /metrics
   nlohmann-json3-dev         # Hugging Face config.json
-  libsentencepiece-dev       # executor: SentencePiece tokenizer.model
+  libsentencepiece-dev       # common/tokenizer: SentencePiece tokenizer.model
   libgtest-dev               # tests
   libgmock-dev
   libbenchmark-dev           # bench/

@@ -39,6 +39,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/sizing/kv_cache_spec.h"
+#include "common/tokenizer/tokenizer.h"
 
 namespace kvcm {
 
@@ -77,6 +78,9 @@ struct LlamaConfig {
 
   // One line for logs.
   std::string ToString() const;
+
+  // What LoadTokenizer needs of it.
+  TokenizerConfig Tokenizer() const { return {vocab_size, bos_token_id, eos_token_ids}; }
 };
 
 // Parses the text of a config.json (see the key table above).

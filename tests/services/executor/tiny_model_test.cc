@@ -22,7 +22,7 @@
 #include "services/executor/llama_model.h"
 #include "services/executor/safetensors.h"
 #include "services/executor/sampler.h"
-#include "services/executor/tokenizer.h"
+#include "common/tokenizer/tokenizer.h"
 #include "tests/support/subprocess.h"
 
 #ifndef KVCM_MAKE_TINY_MODEL_PATH
@@ -175,7 +175,7 @@ TEST_F(TinyModelGenerationTest, GreedyGenerationIsDeterministicAndNotDegenerate)
     model_options.num_threads = threads;
     auto model = LlamaModel::Load(Path("m"), model_options);
     ASSERT_TRUE(model.ok()) << model.status();
-    auto tokenizer = LoadTokenizer(Path("m"), (*model)->config());
+    auto tokenizer = LoadTokenizer(Path("m"), (*model)->config().Tokenizer());
     ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
     std::vector<int32_t> prompt = {(*tokenizer)->bos_id()};
     const std::vector<int32_t> text = (*tokenizer)->Encode("Hello, paged world").value();

@@ -1,4 +1,4 @@
-#include "services/executor/tokenizer.h"
+#include "common/tokenizer/tokenizer.h"
 
 #include <cstdint>
 #include <filesystem>
@@ -9,8 +9,7 @@
 #include "absl/status/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "services/executor/llama_config.h"
-#include "tests/services/executor/sentencepiece_train_for_test.h"
+#include "tests/common/tokenizer/sentencepiece_train_for_test.h"
 #include "tests/support/subprocess.h"
 
 namespace kvcm {
@@ -20,8 +19,8 @@ using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
-LlamaConfig Config(int32_t vocab_size) {
-  LlamaConfig config;
+TokenizerConfig Config(int32_t vocab_size) {
+  TokenizerConfig config;
   config.vocab_size = vocab_size;
   config.bos_token_id = 1;
   config.eos_token_ids = {2};
@@ -98,20 +97,20 @@ TEST_F(LoadTokenizerTest, NoTokenizerFileMeansBytes) {
   EXPECT_NE(dynamic_cast<const ByteTokenizer*>(tokenizer->get()), nullptr);
   EXPECT_EQ((*tokenizer)->Decode((*tokenizer)->Encode("abc").value()).value(), "abc");
 
-  LlamaConfig no_ids = Config(320);
+  TokenizerConfig no_ids = Config(320);
   no_ids.bos_token_id = -1;
   no_ids.eos_token_ids.clear();
   EXPECT_TRUE(LoadTokenizer(dir_->path(), no_ids).ok());
 }
 
 TEST_F(LoadTokenizerTest, BytesWithConflictingConfigIdsAreInvalid) {
-  LlamaConfig bos = Config(320);
+  TokenizerConfig bos = Config(320);
   bos.bos_token_id = 5;
   absl::Status s = LoadTokenizer(dir_->path(), bos).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("bos_token_id 5"));
 
-  LlamaConfig eos = Config(320);
+  TokenizerConfig eos = Config(320);
   eos.eos_token_ids = {2, 300};
   s = LoadTokenizer(dir_->path(), eos).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);

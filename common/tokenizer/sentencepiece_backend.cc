@@ -1,5 +1,5 @@
 // No Abseil header may be included here: see sentencepiece_backend.h.
-#include "services/executor/sentencepiece_backend.h"
+#include "common/tokenizer/sentencepiece_backend.h"
 
 #include <sentencepiece_processor.h>
 

@@ -1,4 +1,4 @@
-#include "services/executor/tokenizer.h"
+#include "common/tokenizer/tokenizer.h"
 
 #include <filesystem>
 #include <utility>
@@ -6,7 +6,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "services/executor/sentencepiece_backend.h"
+#include "common/tokenizer/sentencepiece_backend.h"
 
 namespace kvcm {
 namespace {
@@ -107,7 +107,7 @@ int32_t SentencePieceTokenizer::bos_id() const { return backend_->bos_id(); }
 int32_t SentencePieceTokenizer::eos_id() const { return backend_->eos_id(); }
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::string& folder,
-                                                         const LlamaConfig& config) {
+                                                         const TokenizerConfig& config) {
   namespace fs = std::filesystem;
   std::error_code ec;
   const fs::path sp_path = fs::path(folder) / "tokenizer.model";

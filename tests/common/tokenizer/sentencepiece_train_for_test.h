@@ -1,6 +1,6 @@
 #pragma once
 // Trains a tiny SentencePiece model for the tokenizer tests. Like
-// services/executor/sentencepiece_backend.h, this header includes neither Abseil nor
+// common/tokenizer/sentencepiece_backend.h, this header includes neither Abseil nor
 // SentencePiece (their absl::string_view declarations collide).
 
 #include <string>

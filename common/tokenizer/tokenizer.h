@@ -28,9 +28,16 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "services/executor/llama_config.h"
 
 namespace kvcm {
+
+// What a model's config.json says about its tokenizer (the executor reads it with the rest
+// of the model's config; the router with the model's metadata).
+struct TokenizerConfig {
+  int32_t vocab_size = 0;
+  int32_t bos_token_id = -1;           // -1: not given
+  std::vector<int32_t> eos_token_ids;  // empty: not given
+};
 
 class Tokenizer {
  public:
@@ -102,6 +109,6 @@ class SentencePieceTokenizer final : public Tokenizer {
 // eos_token_id absent or 2 (INVALID_ARGUMENT naming the key otherwise, since a config that
 // expects other ids was made for another tokenizer).
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::string& folder,
-                                                         const LlamaConfig& config);
+                                                         const TokenizerConfig& config);
 
 }  // namespace kvcm

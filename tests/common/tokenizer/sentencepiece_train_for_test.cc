@@ -1,5 +1,5 @@
 // No Abseil header may be included here: see sentencepiece_train_for_test.h.
-#include "tests/services/executor/sentencepiece_train_for_test.h"
+#include "tests/common/tokenizer/sentencepiece_train_for_test.h"
 
 #include <sentencepiece_trainer.h>
 
