@@ -1,0 +1,351 @@
+#include "services/router/step_planner.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "common/base/check.h"
+
+namespace kvcm::router {
+
+void StepPlanner::Enqueue(RequestId request, std::vector<int32_t> tokens, int32_t max_new_tokens,
+                          SeqSampling sampling) {
+  KVCM_CHECK(!tokens.empty()) << "request " << request << " has no prompt tokens";
+  Queued queued;
+  queued.request = request;
+  queued.prompt_len = static_cast<int32_t>(tokens.size());
+  queued.tokens = std::move(tokens);
+  queued.max_new_tokens = max_new_tokens;
+  queued.sampling = sampling;
+  queue_.push_back(std::move(queued));
+}
+
+void StepPlanner::Finish(RequestId request) {
+  if (auto it = seq_of_.find(request); it != seq_of_.end()) {
+    running_.at(it->second).finishing = true;
+    return;
+  }
+  std::erase_if(queue_, [request](const Queued& q) { return q.request == request; });
+}
+
+void StepPlanner::HashUpTo(Running& run, int32_t tokens) const {
+  const int32_t full = tokens / options_.block_size;
+  while (static_cast<int32_t>(run.hashes.size()) < full) {
+    const size_t i = run.hashes.size();
+    const BlockHash& parent = i == 0 ? options_.root_hash : run.hashes[i - 1];
+    const std::span<const int32_t> block(run.req.tokens.data() + i * options_.block_size,
+                                         static_cast<size_t>(options_.block_size));
+    run.hashes.push_back(ChainBlockHash(options_.hash_algorithm, parent, block));
+  }
+}
+
+ExecutorId StepPlanner::LeastLoaded(std::span<const ExecutorId> executors) const {
+  absl::flat_hash_map<ExecutorId, int> load;
+  for (ExecutorId e : executors) load[e] = 0;
+  for (const auto& [seq, run] : running_) {
+    if (auto it = load.find(run.executor); it != load.end()) ++it->second;
+  }
+  ExecutorId best = executors.front();
+  for (ExecutorId e : executors) {
+    if (load[e] < load[best]) best = e;
+  }
+  return best;
+}
+
+void StepPlanner::Requeue(Running&& run) {
+  Queued queued = std::move(run.req);
+  seq_of_.erase(queued.request);
+  std::erase(order_, run.seq);
+  running_.erase(run.seq);
+  queue_.push_front(std::move(queued));
+}
+
+int64_t StepPlanner::held_blocks() const {
+  int64_t blocks = 0;
+  for (const auto& [seq, run] : running_) blocks += BlocksFor(run.held);
+  return blocks;
+}
+
+std::optional<std::vector<int32_t>> StepPlanner::TokensOf(RequestId request) const {
+  if (auto it = seq_of_.find(request); it != seq_of_.end()) {
+    return running_.at(it->second).req.tokens;
+  }
+  for (const Queued& q : queue_) {
+    if (q.request == request) return q.tokens;
+  }
+  return std::nullopt;
+}
+
+StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId> executors) {
+  StepPlan plan;
+  plan.step_id = next_step_++;
+  int64_t available = available_blocks;
+  auto add = [&plan](BlockOp op, SeqId seq, StepPlan::OpRole::Kind kind) {
+    plan.ops.push_back(std::move(op));
+    plan.roles.push_back({seq, kind});
+  };
+  scheduled_.clear();
+
+  // 1. Frees: what Apply refused last step, and what finished.
+  for (SeqId seq : to_free_) add(BlockOp::Free(seq), seq, StepPlan::OpRole::kFree);
+  to_free_.clear();
+  for (size_t i = 0; i < order_.size();) {
+    Running& run = running_.at(order_[i]);
+    if (!run.finishing) {
+      ++i;
+      continue;
+    }
+    add(BlockOp::Free(run.seq), run.seq, StepPlan::OpRole::kFree);
+    available += BlocksFor(run.held);  // an estimate: shared blocks stay taken
+    seq_of_.erase(run.req.request);
+    const SeqId seq = run.seq;
+    running_.erase(seq);
+    order_.erase(order_.begin() + static_cast<std::ptrdiff_t>(i));
+  }
+
+  // Sequences of executors that are gone move to live ones.
+  for (SeqId seq : order_) {
+    Running& run = running_.at(seq);
+    if (!executors.empty() &&
+        std::find(executors.begin(), executors.end(), run.executor) == executors.end()) {
+      run.executor = LeastLoaded(executors);
+    }
+  }
+
+  // 2. Commits: the KV the last step wrote.
+  for (SeqId seq : order_) {
+    Running& run = running_.at(seq);
+    if (run.computed <= run.committed) continue;
+    HashUpTo(run, run.computed);
+    const int32_t full = run.computed / options_.block_size;
+    std::vector<BlockHash> fresh;
+    if (full > run.hashes_sent) {
+      fresh.assign(run.hashes.begin() + run.hashes_sent, run.hashes.begin() + full);
+    }
+    add(BlockOp::Commit(seq, run.computed, fresh), seq, StepPlan::OpRole::kCommit);
+  }
+  if (executors.empty()) return plan;  // nobody to run anything: commits and frees only
+
+  int64_t total_tokens = 0;
+  for (const auto& [seq, run] : running_) total_tokens += run.held;
+  auto preempt_latest = [&]() -> SeqId {
+    const SeqId victim = order_.back();
+    Running& run = running_.at(victim);
+    add(BlockOp::Free(victim), victim, StepPlan::OpRole::kFree);
+    available += BlocksFor(run.held);
+    total_tokens -= run.held;
+    ++plan.preempted;
+    ++preemptions_;
+    Requeue(std::move(run));
+    return victim;
+  };
+
+  // 3. Decodes: one token each, oldest admission first; preempting from the latest.
+  int32_t scheduled = 0;
+  for (size_t i = 0; i < order_.size() && scheduled < options_.max_running; ++i) {
+    const SeqId seq = order_[i];
+    Running& run = running_.at(seq);
+    const auto size = static_cast<int32_t>(run.req.tokens.size());
+    if (size - run.computed != 1) continue;  // in prefill
+    const int32_t grow = size - run.held;
+    const int32_t blocks = BlocksFor(size) - BlocksFor(run.held);
+    bool preempted_self = false;
+    while (blocks > available || total_tokens + grow > options_.max_batch_total_tokens) {
+      if (preempt_latest() == seq) {
+        preempted_self = true;
+        break;
+      }
+    }
+    if (preempted_self) break;  // it was the latest: nobody after it runs either
+    if (grow > 0) {
+      add(BlockOp::Append(seq, grow), seq, StepPlan::OpRole::kAppend);
+      available -= blocks;
+      total_tokens += grow;
+    }
+    run.chunk = 1;
+    plan.chunks.push_back({seq, 1});
+    scheduled_.push_back(seq);
+    ++plan.decode_tokens;
+    ++scheduled;
+  }
+
+  // 4. Prefill chunks of admitted sequences, oldest first, within the prefill budget.
+  int32_t budget = options_.max_batch_prefill_tokens;
+  for (size_t i = 0; i < order_.size() && budget > 0 && scheduled < options_.max_running; ++i) {
+    const SeqId seq = order_[i];
+    Running& run = running_.at(seq);
+    const int32_t need = static_cast<int32_t>(run.req.tokens.size()) - run.computed;
+    if (need <= 1) continue;  // decoding (scheduled above, or preempted)
+    run.chunk = std::min(need, budget);
+    budget -= run.chunk;
+    plan.chunks.push_back({seq, run.chunk});
+    scheduled_.push_back(seq);
+    plan.prefill_tokens += run.chunk;
+    ++scheduled;
+  }
+
+  // 5. Admissions, first come first served; the head is never passed over.
+  while (!queue_.empty() && budget > 0 && scheduled < options_.max_running &&
+         running_.size() < static_cast<size_t>(options_.max_running)) {
+    Queued& head = queue_.front();
+    const auto size = static_cast<int32_t>(head.tokens.size());
+    const int32_t blocks = BlocksFor(size);
+    // Whole, it would hold its prompt and every token it may generate: if that can never
+    // fit, it could be preempted for ever.
+    const int64_t whole = int64_t{head.prompt_len} + head.max_new_tokens;
+    if ((options_.num_blocks > 0 && BlocksFor(static_cast<int32_t>(std::min<int64_t>(
+                                        whole, INT32_MAX - 64))) > options_.num_blocks) ||
+        whole > options_.max_batch_total_tokens) {
+      plan.rejected.push_back(head.request);
+      queue_.pop_front();
+      continue;
+    }
+    if (blocks > available || total_tokens + size > options_.max_batch_total_tokens) break;
+    Running run;
+    run.req = std::move(head);
+    queue_.pop_front();
+    run.seq = next_seq_++;
+    run.executor = LeastLoaded(executors);
+    run.admitted = next_admission_++;
+    // Hashes of every full block of the prompt. The cache manager's hit never covers the
+    // last prompt token (BlockLedger::Allocate), so it is always computed and never written
+    // into a block another sequence shares.
+    HashUpTo(run, size);
+    run.chunk = std::min(size, budget);
+    budget -= run.chunk;
+    available -= blocks;
+    total_tokens += size;
+    add(BlockOp::Allocate(run.seq, size, run.hashes), run.seq, StepPlan::OpRole::kAdmit);
+    plan.chunks.push_back({run.seq, run.chunk});
+    plan.prefill_tokens += run.chunk;
+    scheduled_.push_back(run.seq);
+    ++scheduled;
+    seq_of_[run.req.request] = run.seq;
+    order_.push_back(run.seq);
+    const SeqId seq = run.seq;
+    running_.emplace(seq, std::move(run));
+  }
+  return plan;
+}
+
+ExecutorWork StepPlanner::Apply(const StepPlan& plan, std::span<const OpOutcome> outcomes) {
+  KVCM_CHECK(outcomes.size() == plan.ops.size())
+      << outcomes.size() << " outcomes for " << plan.ops.size() << " ops";
+  ExecutorWork work;
+  absl::flat_hash_map<SeqId, std::vector<CopyOrder>> copies;
+  std::vector<SeqId> refused_admissions;
+  for (size_t i = 0; i < plan.ops.size(); ++i) {
+    const BlockOp& op = plan.ops[i];
+    const OpOutcome& outcome = outcomes[i];
+    auto it = running_.find(plan.roles[i].seq);
+    switch (plan.roles[i].kind) {
+      case StepPlan::OpRole::kFree:
+        break;  // NOT_FOUND (already gone) is as good as freed
+      case StepPlan::OpRole::kCommit:
+        if (outcome.status.ok() && it != running_.end()) {
+          it->second.committed = op.num_tokens;
+          it->second.hashes_sent += static_cast<int32_t>(op.hashes.size());
+        }
+        break;
+      case StepPlan::OpRole::kAppend:
+        if (it == running_.end()) break;
+        if (outcome.status.ok()) {
+          Running& run = it->second;
+          run.held += op.num_tokens;
+          run.blocks.insert(run.blocks.end(), outcome.blocks.begin(), outcome.blocks.end());
+          auto& own = copies[run.seq];
+          own.insert(own.end(), outcome.copies.begin(), outcome.copies.end());
+        } else {
+          // No room after all: preempted, freed in the next step.
+          to_free_.push_back(it->second.seq);
+          ++preemptions_;
+          Requeue(std::move(it->second));
+        }
+        break;
+      case StepPlan::OpRole::kAdmit:
+        if (it == running_.end()) break;
+        if (outcome.status.ok()) {
+          Running& run = it->second;
+          run.blocks = outcome.blocks;
+          run.held = op.num_tokens;
+          run.committed = outcome.num_cached_tokens;
+          run.computed = outcome.num_cached_tokens;
+          run.hashes_sent = static_cast<int32_t>(op.hashes.size());
+          work.cached_prompt_tokens += outcome.num_cached_tokens;
+        } else {
+          refused_admissions.push_back(it->second.seq);
+        }
+        break;
+    }
+  }
+  // Refused admissions go back to the queue's head in their order.
+  for (auto seq = refused_admissions.rbegin(); seq != refused_admissions.rend(); ++seq) {
+    Requeue(std::move(running_.at(*seq)));
+  }
+
+  absl::flat_hash_map<ExecutorId, size_t> batch_of;
+  std::vector<SeqId> still;
+  for (SeqId seq : scheduled_) {
+    auto it = running_.find(seq);
+    if (it == running_.end() || it->second.chunk == 0) continue;
+    Running& run = it->second;
+    const auto size = static_cast<int32_t>(run.req.tokens.size());
+    run.start = run.computed;
+    const int32_t end = std::min(size, run.start + run.chunk);
+    run.chunk = end - run.start;
+    auto [slot, added] = batch_of.try_emplace(run.executor, work.batches.size());
+    if (added) {
+      ExecutorWork::Batch batch;
+      batch.executor = run.executor;
+      batch.step.step_id = plan.step_id;
+      work.batches.push_back(std::move(batch));
+    }
+    StepRequest& step = work.batches[slot->second].step;
+    SeqStep seq_step;
+    seq_step.seq = seq;
+    seq_step.tokens.assign(run.req.tokens.begin() + run.start, run.req.tokens.begin() + end);
+    seq_step.context_len = end;
+    seq_step.block_table.assign(run.blocks.begin(), run.blocks.begin() + BlocksFor(end));
+    seq_step.sampling = run.req.sampling;
+    seq_step.sample = end == size;
+    seq_step.sample_index = run.req.generated;
+    step.seqs.push_back(std::move(seq_step));
+    if (auto c = copies.find(seq); c != copies.end()) {
+      step.copies.insert(step.copies.end(), c->second.begin(), c->second.end());
+    }
+    still.push_back(seq);
+  }
+  scheduled_ = std::move(still);
+  return work;
+}
+
+std::vector<TokenEvent> StepPlanner::Complete(std::span<const SeqResult> results) {
+  absl::flat_hash_map<SeqId, const SeqResult*> by_seq;
+  for (const SeqResult& result : results) by_seq[result.seq] = &result;
+  std::vector<TokenEvent> events;
+  for (SeqId seq : scheduled_) {
+    auto it = running_.find(seq);
+    if (it == running_.end()) continue;
+    Running& run = it->second;
+    const int32_t chunk = run.chunk;
+    run.chunk = 0;
+    auto result = by_seq.find(seq);
+    if (result == by_seq.end() || !result->second->status.ok()) continue;  // redone
+    const int32_t end = run.start + chunk;
+    const bool sampled = end == static_cast<int32_t>(run.req.tokens.size());
+    if (sampled && result->second->token < 0) continue;  // asked for a token, got none
+    run.computed = end;
+    if (!sampled) continue;
+    run.req.tokens.push_back(result->second->token);
+    TokenEvent event;
+    event.request = run.req.request;
+    event.token = result->second->token;
+    event.index = run.req.generated++;
+    event.finished = run.req.generated >= run.req.max_new_tokens;
+    if (event.finished) run.finishing = true;
+    events.push_back(event);
+  }
+  scheduled_.clear();
+  return events;
+}
+
+}  // namespace kvcm::router

@@ -1,0 +1,199 @@
+#pragma once
+// StepPlanner: the router's scheduler as a pure state machine (docs/architecture.md, "The
+// life of a step"). No sockets and no clock: the router's loop feeds it requests, the
+// cache manager's StepReply and the executors' StepResults, and sends what it plans.
+//
+//   planner.Enqueue(request, prompt_tokens, max_new_tokens, sampling);
+//   StepPlan plan = planner.Plan(available_blocks, executors);   // 1. block ops
+//   ... one Step with plan.ops to the cache manager ...
+//   ExecutorWork work = planner.Apply(plan, outcomes);            // 2. per-executor batches
+//   ... one StepBatch per executor in work.batches ...
+//   std::vector<TokenEvent> events = planner.Complete(results);   // 3. sampled tokens
+//
+// A step, in op order: frees (finished, cancelled, preempted sequences), commits (the KV the
+// last step wrote), appends (room for this step's new tokens), allocations (admissions).
+// Scheduling rules:
+// - Continuous batching with chunked prefill: every running sequence that is decoding gets
+//   its one token; then sequences still in prefill, oldest admission first, get chunks of
+//   at most max_batch_prefill_tokens in all; then requests are admitted from the queue,
+//   first come first served, while the prefill budget, the block estimate, max_running and
+//   max_batch_total_tokens (KV tokens of the running sequences after the step) allow. The
+//   queue's head is never passed over: a later request waits behind it.
+// - Prefix caching: admissions carry the chained hashes of their prompt's full blocks; the
+//   cache manager shares the cached prefix, and the prefill starts after it. The last
+//   prompt token is always computed (its logits give the first new token). A sequence's
+//   tokens are committed in the step after the StepResult that wrote them.
+// - Preemption by recompute: when the blocks estimated free do not cover the decodes, the
+//   latest admitted sequences are freed and go back to the head of the queue with the
+//   tokens generated so far; recomputing them gives the same greedy tokens.
+// - An op the cache manager refuses (RESOURCE_EXHAUSTED: the estimate was optimistic)
+//   changes nothing there: a refused admission goes back to the queue head, a refused
+//   append preempts its sequence.
+// - Executors: each sequence is bound to one (new ones to the least loaded). A sequence
+//   whose executor is gone moves to a live one; the KV written by steps that were answered
+//   stays valid in the pool, so only an unanswered step is redone.
+//
+// Thread safety: none; one thread (the router's loop) owns it.
+
+#include <cstdint>
+#include <deque>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "common/block/block_hash.h"
+#include "common/block/block_ledger.h"
+#include "common/wire/executor_codec.h"
+#include "common/wire/step_codec.h"
+
+namespace kvcm::router {
+
+using RequestId = uint64_t;
+using ExecutorId = uint64_t;
+
+struct PlannerOptions {
+  int32_t block_size = 16;
+  // Prompt tokens computed in one step, in all sequences together.
+  int32_t max_batch_prefill_tokens = 4096;
+  // KV tokens of every running sequence after a step (TGI's max_batch_total_tokens); at
+  // most what the pool holds.
+  int64_t max_batch_total_tokens = 1 << 20;
+  // Sequences in one step.
+  int32_t max_running = 256;
+  // The pool's size: a request needing more blocks can never run and is rejected.
+  int32_t num_blocks = 0;
+  HashAlgorithm hash_algorithm = HashAlgorithm::kSha256;
+  BlockHash root_hash;  // RootHash(hash_algorithm, salt): the cache manager's salt
+};
+
+// What one step asks of the cache manager, and what Apply needs to finish it.
+struct StepPlan {
+  uint64_t step_id = 0;
+  std::vector<BlockOp> ops;
+  // Per op: the sequence it is for (0 for none) and whether it is an admission.
+  struct OpRole {
+    SeqId seq = 0;
+    enum Kind : uint8_t { kFree, kCommit, kAppend, kAdmit } kind = kFree;
+  };
+  std::vector<OpRole> roles;
+  // Tokens each scheduled sequence computes this step (its chunk), in schedule order.
+  struct Chunk {
+    SeqId seq = 0;
+    int32_t tokens = 0;
+  };
+  std::vector<Chunk> chunks;
+  int32_t prefill_tokens = 0;  // planned (before prefix hits shorten admissions)
+  int32_t decode_tokens = 0;
+  int32_t preempted = 0;
+  // Requests that can never finish (prompt plus max_new_tokens needs more blocks than the
+  // pool, or more tokens than max_batch_total_tokens): the caller fails them (the HTTP
+  // layer refuses most before they are queued); they are gone from the planner.
+  std::vector<RequestId> rejected;
+};
+
+// The executors' part of a step, after the cache manager answered.
+struct ExecutorWork {
+  struct Batch {
+    ExecutorId executor = 0;
+    StepRequest step;  // epoch and router_session are the caller's to fill in
+  };
+  std::vector<Batch> batches;
+  int32_t cached_prompt_tokens = 0;  // prompt tokens admissions found in the prefix cache
+};
+
+// One sequence's outcome from its executor, as Complete() takes it.
+struct SeqResult {
+  SeqId seq = 0;
+  absl::Status status;
+  int32_t token = -1;  // when it was asked to sample
+};
+
+// A token a request generated (or its end), for the caller to stream.
+struct TokenEvent {
+  RequestId request = 0;
+  int32_t token = -1;  // -1 with `finished` only: ended without a new token
+  int32_t index = 0;   // 0 for the first generated token
+  bool finished = false;  // max_new_tokens reached (the sequence is freed next step)
+};
+
+class StepPlanner {
+ public:
+  explicit StepPlanner(PlannerOptions options) : options_(std::move(options)) {}
+
+  // Queues a request. `tokens`: its prompt (at least one token).
+  void Enqueue(RequestId request, std::vector<int32_t> tokens, int32_t max_new_tokens,
+               SeqSampling sampling = {});
+  // Ends a request (a stop sequence or EOS seen by the caller, or the client left): queued,
+  // it is dropped; running, its sequence is freed in the next step. Unknown ids are ignored.
+  void Finish(RequestId request);
+
+  // Step 1. `available_blocks`: blocks the cache manager can hand out now (free or
+  // evictable), as last reported. `executors`: the live ones.
+  StepPlan Plan(int32_t available_blocks, std::span<const ExecutorId> executors);
+  // Step 2, with the StepReply's outcomes for plan.ops (same order, same count).
+  ExecutorWork Apply(const StepPlan& plan, std::span<const OpOutcome> outcomes);
+  // Step 3, with every result the executors returned for the step; sequences without a
+  // result (their executor died or answered with an error) redo the step.
+  std::vector<TokenEvent> Complete(std::span<const SeqResult> results);
+
+  // State, for metrics and tests.
+  size_t queued() const { return queue_.size(); }
+  size_t running() const { return running_.size(); }
+  uint64_t preemptions() const { return preemptions_; }
+  // Blocks the running sequences hold, as far as the planner knows.
+  int64_t held_blocks() const;
+  // The tokens (prompt and generated) of a request the planner knows, for tests.
+  std::optional<std::vector<int32_t>> TokensOf(RequestId request) const;
+
+ private:
+  struct Queued {
+    RequestId request = 0;
+    std::vector<int32_t> tokens;  // prompt, then what was generated before a preemption
+    int32_t prompt_len = 0;
+    int32_t generated = 0;
+    int32_t max_new_tokens = 0;
+    SeqSampling sampling;
+  };
+  struct Running {
+    Queued req;
+    SeqId seq = 0;
+    ExecutorId executor = 0;
+    uint64_t admitted = 0;      // admission order, for preemption (latest first)
+    int32_t held = 0;           // tokens the cache manager holds for it
+    int32_t computed = 0;       // tokens whose KV is written
+    int32_t committed = 0;      // tokens committed
+    int32_t hashes_sent = 0;    // full-block hashes the cache manager knows
+    std::vector<BlockHash> hashes;  // of its full blocks, from the root
+    std::vector<BlockId> blocks;    // its block table
+    bool finishing = false;     // freed at the next step
+    // This step:
+    int32_t chunk = 0;          // tokens it computes (0: not scheduled)
+    int32_t start = 0;          // first token computed
+  };
+
+  int32_t BlocksFor(int32_t tokens) const {
+    return (tokens + options_.block_size - 1) / options_.block_size;
+  }
+  // Makes run.hashes cover every full block of the first `tokens` tokens.
+  void HashUpTo(Running& run, int32_t tokens) const;
+  ExecutorId LeastLoaded(std::span<const ExecutorId> executors) const;
+  void Requeue(Running&& run);
+
+  const PlannerOptions options_;
+  std::deque<Queued> queue_;
+  // By sequence id, and the admission order of the live ones.
+  absl::flat_hash_map<SeqId, Running> running_;
+  std::vector<SeqId> order_;
+  absl::flat_hash_map<RequestId, SeqId> seq_of_;
+  std::vector<SeqId> to_free_;  // freed in the next Plan()
+  SeqId next_seq_ = 1;
+  uint64_t next_step_ = 1;
+  uint64_t next_admission_ = 1;
+  uint64_t preemptions_ = 0;
+  std::vector<SeqId> scheduled_;  // of the step in flight, in schedule order
+};
+
+}  // namespace kvcm::router

@@ -1,0 +1,201 @@
+#pragma once
+// A step loop around StepPlanner for tests, with nothing faked but the model: the block ops
+// run on a real BlockLedger (with the cache manager's own rule that a Commit covers only
+// tokens that existed before the step), and a simulated executor writes each token into a
+// pool of token slots through the block table and "samples" the next token from the
+// context it reads back through the same table. A block table that points at the wrong
+// block, a prefix hit on the wrong KV, a missed copy-on-write or a read of an unwritten slot
+// shows up as a wrong token or a failed check.
+
+#include <algorithm>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "common/block/block_ledger.h"
+#include "services/router/step_planner.h"
+
+namespace kvcm::router::testing {
+
+// The "model": the next token of a context (depends on every token and its position).
+inline int32_t NextToken(std::span<const int32_t> context) {
+  uint64_t h = 1469598103934665603ull;
+  for (size_t i = 0; i < context.size(); ++i) {
+    h = (h ^ static_cast<uint64_t>(context[i] + 1) * (i + 7)) * 1099511628211ull;
+  }
+  return static_cast<int32_t>(3 + h % 250);
+}
+
+// Greedy generation of one request alone, the reference.
+inline std::vector<int32_t> Reference(std::vector<int32_t> tokens, int32_t max_new_tokens) {
+  const size_t prompt = tokens.size();
+  for (int32_t i = 0; i < max_new_tokens; ++i) tokens.push_back(NextToken(tokens));
+  return std::vector<int32_t>(tokens.begin() + static_cast<std::ptrdiff_t>(prompt), tokens.end());
+}
+
+class PlannerSim {
+ public:
+  PlannerSim(const PlannerOptions& options, int32_t num_blocks)
+      : options_(options),
+        ledger_(*BlockLedger::Create({.num_blocks = num_blocks,
+                                      .block_size = options.block_size})),
+        pool_(static_cast<size_t>(num_blocks) * options.block_size, -1),
+        planner_(options) {}
+
+  StepPlanner& planner() { return planner_; }
+  const BlockLedger& ledger() const { return ledger_; }
+  // What each request generated so far.
+  absl::flat_hash_map<RequestId, std::vector<int32_t>>& generated() { return generated_; }
+  const std::vector<StepPlan>& plans() const { return plans_; }
+  int64_t cached_prompt_tokens() const { return cached_prompt_tokens_; }
+  const std::vector<RequestId>& rejected() const { return rejected_; }
+  // Tokens the ledger holds for every live sequence.
+  int64_t LiveTokens() const {
+    int64_t tokens = 0;
+    for (SeqId seq : live_) tokens += *ledger_.NumTokens(seq);
+    return tokens;
+  }
+  // First failure of a check, or "".
+  const std::string& failure() const { return failure_; }
+
+  // One step; `lose_executor`: every result of that executor is lost (it died mid-step).
+  std::vector<TokenEvent> Step(std::span<const ExecutorId> executors,
+                               ExecutorId lose_executor = 0) {
+    // What the cache manager reports: free blocks and evictable cached ones.
+    const LedgerStats stats = ledger_.Stats();
+    StepPlan plan = planner_.Plan(stats.free_blocks + stats.cached_blocks, executors);
+    rejected_.insert(rejected_.end(), plan.rejected.begin(), plan.rejected.end());
+    std::vector<OpOutcome> outcomes = RunOps(plan.ops);
+    ExecutorWork work = planner_.Apply(plan, outcomes);
+    cached_prompt_tokens_ += work.cached_prompt_tokens;
+    std::vector<SeqResult> results;
+    for (const ExecutorWork::Batch& batch : work.batches) {
+      RunBatch(batch.step, batch.executor == lose_executor ? nullptr : &results);
+    }
+    plans_.push_back(std::move(plan));
+    std::vector<TokenEvent> events = planner_.Complete(results);
+    for (const TokenEvent& event : events) generated_[event.request].push_back(event.token);
+    return events;
+  }
+
+ private:
+  void Fail(const std::string& what) {
+    if (failure_.empty()) failure_ = what;
+  }
+
+  std::vector<OpOutcome> RunOps(const std::vector<BlockOp>& ops) {
+    // Tokens each sequence had before the step (what a Commit may cover).
+    absl::flat_hash_map<SeqId, int32_t> before;
+    for (const BlockOp& op : ops) {
+      if (auto tokens = ledger_.NumTokens(op.seq); tokens.ok()) before.try_emplace(op.seq, *tokens);
+    }
+    std::vector<OpOutcome> outcomes(ops.size());
+    for (size_t i = 0; i < ops.size(); ++i) {
+      const BlockOp& op = ops[i];
+      OpOutcome& out = outcomes[i];
+      switch (op.kind) {
+        case wire::StepOp::AllocateOp: {
+          auto allocated = ledger_.Allocate(op.seq, op.num_tokens, op.hashes);
+          if (!allocated.ok()) {
+            out.status = allocated.status();
+            break;
+          }
+          out.blocks = allocated->blocks;
+          out.num_cached_tokens = allocated->num_cached_tokens;
+          live_.insert(op.seq);
+          written_[op.seq] = allocated->num_cached_tokens;  // written by whoever cached them
+          break;
+        }
+        case wire::StepOp::AppendOp: {
+          auto appended = ledger_.Append(op.seq, op.num_tokens);
+          if (!appended.ok()) {
+            out.status = appended.status();
+            break;
+          }
+          out.blocks = appended->new_blocks;
+          out.copies = appended->copies;
+          break;
+        }
+        case wire::StepOp::CommitOp: {
+          auto it = before.find(op.seq);
+          if (it == before.end() || op.num_tokens > it->second) {
+            Fail(absl::StrCat("commit of ", op.num_tokens, " tokens of sequence ", op.seq,
+                              " that did not exist before the step"));
+          }
+          if (op.num_tokens > written_[op.seq]) {
+            Fail(absl::StrCat("commit of ", op.num_tokens, " tokens of sequence ", op.seq,
+                              ", of which only ", written_[op.seq], " were written"));
+          }
+          out.status = ledger_.Commit(op.seq, op.num_tokens, op.hashes);
+          if (!out.status.ok()) Fail(absl::StrCat("commit refused: ", out.status.ToString()));
+          break;
+        }
+        case wire::StepOp::FreeOp:
+          out.status = ledger_.Free(op.seq);
+          live_.erase(op.seq);
+          break;
+        default:
+          Fail("unexpected op");
+      }
+    }
+    return outcomes;
+  }
+
+  // `results` null: the executor died; it may have written some of the KV (it did, here).
+  void RunBatch(const StepRequest& step, std::vector<SeqResult>* results) {
+    const int32_t bs = options_.block_size;
+    for (const CopyOrder& copy : step.copies) {
+      for (int32_t j = 0; j < bs; ++j) pool_[copy.dst * bs + j] = pool_[copy.src * bs + j];
+    }
+    for (const SeqStep& seq : step.seqs) {
+      if (seq.tokens.empty()) {  // the executor refuses it (DecodeStepBatch)
+        Fail(absl::StrCat("sequence ", seq.seq, " scheduled without new tokens"));
+        return;
+      }
+      const int32_t first = seq.context_len - static_cast<int32_t>(seq.tokens.size());
+      if (static_cast<int32_t>(seq.block_table.size()) * bs < seq.context_len) {
+        Fail(absl::StrCat("block table of sequence ", seq.seq, " too short"));
+        return;
+      }
+      for (size_t k = 0; k < seq.tokens.size(); ++k) {
+        const int32_t p = first + static_cast<int32_t>(k);
+        pool_[seq.block_table[p / bs] * bs + p % bs] = seq.tokens[k];
+      }
+      SeqResult result;
+      result.seq = seq.seq;
+      if (seq.sample) {
+        std::vector<int32_t> context(static_cast<size_t>(seq.context_len));
+        for (int32_t p = 0; p < seq.context_len; ++p) {
+          context[p] = pool_[seq.block_table[p / bs] * bs + p % bs];
+          if (context[p] < 0) Fail(absl::StrCat("sequence ", seq.seq, " read unwritten KV"));
+        }
+        result.token = NextToken(context);
+      }
+      if (results != nullptr) {
+        results->push_back(result);
+        // Written and answered: positions before context_len hold this sequence's KV.
+        if (first <= written_[seq.seq]) {
+          written_[seq.seq] = std::max(written_[seq.seq], seq.context_len);
+        }
+      }
+    }
+  }
+
+  PlannerOptions options_;
+  BlockLedger ledger_;
+  std::vector<int32_t> pool_;  // one token id per KV slot
+  StepPlanner planner_;
+  absl::flat_hash_map<RequestId, std::vector<int32_t>> generated_;
+  std::vector<StepPlan> plans_;
+  std::vector<RequestId> rejected_;
+  int64_t cached_prompt_tokens_ = 0;
+  absl::flat_hash_set<SeqId> live_;
+  absl::flat_hash_map<SeqId, int32_t> written_;  // leading tokens whose KV is written
+  std::string failure_;
+};
+
+}  // namespace kvcm::router::testing

@@ -1,0 +1,161 @@
+// StepPlanner on scripted cases: a step's op order, chunked prefill, prefix caching, commits
+// a step late, preemption by recompute, executor loss, rejection.
+
+#include "services/router/step_planner.h"
+
+#include <numeric>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/services/router/planner_sim.h"
+
+namespace kvcm::router {
+namespace {
+
+using ::testing::ElementsAre;
+using testing::PlannerSim;
+using testing::Reference;
+
+constexpr int32_t kBlockSize = 4;
+
+PlannerOptions Options() {
+  PlannerOptions options;
+  options.block_size = kBlockSize;
+  options.max_batch_prefill_tokens = 64;
+  options.root_hash = RootHash(options.hash_algorithm, "test");
+  return options;
+}
+
+std::vector<int32_t> Tokens(int32_t n, int32_t first = 10) {
+  std::vector<int32_t> tokens(static_cast<size_t>(n));
+  std::iota(tokens.begin(), tokens.end(), first);
+  return tokens;
+}
+
+const ExecutorId kOne[] = {1};
+
+TEST(StepPlannerTest, AStepFreesThenCommitsThenAppendsThenAdmits) {
+  PlannerSim sim(Options(), 64);
+  sim.planner().Enqueue(1, Tokens(6), 3);
+  sim.Step(kOne);  // admits 1, prefills 6, samples its first token
+  sim.planner().Enqueue(2, Tokens(5, 50), 1);
+  sim.Step(kOne);  // commits 1, appends 1, admits 2
+  const StepPlan& second = sim.plans()[1];
+  std::vector<wire::StepOp> kinds;
+  for (const BlockOp& op : second.ops) kinds.push_back(op.kind);
+  EXPECT_THAT(kinds, ElementsAre(wire::StepOp::CommitOp, wire::StepOp::AppendOp,
+                                 wire::StepOp::AllocateOp));
+  EXPECT_EQ(second.ops[0].num_tokens, 6);  // what the first step wrote, a step late
+  EXPECT_EQ(second.decode_tokens, 1);
+  EXPECT_EQ(second.prefill_tokens, 5);
+  sim.Step(kOne);  // request 2 is done: freed first in the next step
+  sim.Step(kOne);
+  EXPECT_EQ(sim.plans()[3].ops[0].kind, wire::StepOp::FreeOp);
+  EXPECT_EQ(sim.failure(), "");
+  EXPECT_EQ(sim.generated()[1], Reference(Tokens(6), 3));
+  EXPECT_EQ(sim.generated()[2], Reference(Tokens(5, 50), 1));
+}
+
+TEST(StepPlannerTest, ALongPromptIsChunkedWithinThePrefillBudgetAndDecodesKeepRunning) {
+  PlannerOptions options = Options();
+  options.max_batch_prefill_tokens = 8;
+  PlannerSim sim(options, 64);
+  sim.planner().Enqueue(1, Tokens(3), 6);
+  sim.Step(kOne);
+  sim.planner().Enqueue(2, Tokens(30, 100), 2);
+  for (int step = 0; step < 12; ++step) sim.Step(kOne);
+  for (const StepPlan& plan : sim.plans()) EXPECT_LE(plan.prefill_tokens, 8);
+  // Request 1 decoded in every step while request 2's 30 tokens went in chunks of 8.
+  EXPECT_EQ(sim.plans()[1].decode_tokens, 1);
+  EXPECT_EQ(sim.plans()[1].prefill_tokens, 8);
+  EXPECT_EQ(sim.failure(), "");
+  EXPECT_EQ(sim.generated()[1], Reference(Tokens(3), 6));
+  EXPECT_EQ(sim.generated()[2], Reference(Tokens(30, 100), 2));
+}
+
+TEST(StepPlannerTest, ASharedPrefixIsNotComputedAgainButTheLastPromptTokenIs) {
+  PlannerSim sim(Options(), 64);
+  // 12 tokens of prefix (3 blocks), then different suffixes.
+  std::vector<int32_t> a = Tokens(12);
+  std::vector<int32_t> b = a;
+  a.insert(a.end(), {90, 91});
+  b.insert(b.end(), {70, 71, 72});
+  sim.planner().Enqueue(1, a, 2);
+  sim.Step(kOne);
+  sim.Step(kOne);  // commits a's prompt: its full blocks enter the prefix index
+  sim.planner().Enqueue(2, b, 2);
+  sim.Step(kOne);
+  EXPECT_EQ(sim.cached_prompt_tokens(), 12);
+  // Exactly the whole prompt cached: still its last token is computed.
+  sim.planner().Enqueue(3, Tokens(12), 1);
+  for (int step = 0; step < 4; ++step) sim.Step(kOne);
+  EXPECT_EQ(sim.cached_prompt_tokens(), 12 + 8);  // 2 blocks: the one with the last token is not
+  EXPECT_EQ(sim.failure(), "");
+  EXPECT_EQ(sim.generated()[1], Reference(a, 2));
+  EXPECT_EQ(sim.generated()[2], Reference(b, 2));
+  EXPECT_EQ(sim.generated()[3], Reference(Tokens(12), 1));
+}
+
+TEST(StepPlannerTest, OutOfBlocksTheLatestAdmittedIsPreemptedAndRecomputedToTheSameTokens) {
+  // 6 blocks of 4: two requests of 8 prompt tokens and 10 new ones cannot both finish.
+  PlannerOptions options = Options();
+  options.num_blocks = 6;
+  PlannerSim sim(options, 6);
+  sim.planner().Enqueue(1, Tokens(8), 10);
+  sim.planner().Enqueue(2, Tokens(8, 40), 10);
+  for (int step = 0; step < 60 && sim.generated()[2].size() < 10; ++step) sim.Step(kOne);
+  EXPECT_GE(sim.planner().preemptions(), 1u);
+  EXPECT_EQ(sim.failure(), "");
+  EXPECT_EQ(sim.generated()[1], Reference(Tokens(8), 10));
+  EXPECT_EQ(sim.generated()[2], Reference(Tokens(8, 40), 10));
+}
+
+TEST(StepPlannerTest, ALostExecutorsSequencesMoveAndOnlyTheLostStepIsRedone) {
+  PlannerSim sim(Options(), 64);
+  const ExecutorId two[] = {1, 2};
+  sim.planner().Enqueue(1, Tokens(5), 6);
+  sim.planner().Enqueue(2, Tokens(7, 30), 6);
+  sim.Step(two);
+  sim.Step(two);
+  // Executor 2 dies mid-step: its results are lost; its sequence moves to executor 1.
+  const std::vector<TokenEvent> lost = sim.Step(two, /*lose_executor=*/2);
+  EXPECT_EQ(lost.size(), 1u);
+  const ExecutorId one[] = {1};
+  for (int step = 0; step < 10; ++step) sim.Step(one);
+  // Nothing was allocated again: the moved sequence kept its blocks and its written KV.
+  int allocations = 0;
+  for (const StepPlan& plan : sim.plans()) {
+    for (const BlockOp& op : plan.ops) allocations += op.kind == wire::StepOp::AllocateOp;
+  }
+  EXPECT_EQ(allocations, 2);
+  EXPECT_EQ(sim.failure(), "");
+  EXPECT_EQ(sim.generated()[1], Reference(Tokens(5), 6));
+  EXPECT_EQ(sim.generated()[2], Reference(Tokens(7, 30), 6));
+  EXPECT_EQ(sim.planner().preemptions(), 0u);
+}
+
+TEST(StepPlannerTest, ARequestThatCanNeverFitIsRejectedAndTheQueueMovesOn) {
+  PlannerOptions options = Options();
+  options.num_blocks = 4;
+  PlannerSim sim(options, 4);
+  sim.planner().Enqueue(1, Tokens(17), 1);  // 5 blocks
+  sim.planner().Enqueue(2, Tokens(3), 1);
+  sim.Step(kOne);
+  EXPECT_THAT(sim.rejected(), ElementsAre(1u));
+  sim.Step(kOne);
+  EXPECT_EQ(sim.generated()[2], Reference(Tokens(3), 1));
+}
+
+TEST(StepPlannerTest, WithoutExecutorsNothingIsAdmitted) {
+  PlannerSim sim(Options(), 16);
+  sim.planner().Enqueue(1, Tokens(3), 1);
+  sim.Step({});
+  EXPECT_EQ(sim.planner().queued(), 1u);
+  EXPECT_TRUE(sim.plans()[0].ops.empty());
+  sim.Step(kOne);
+  EXPECT_EQ(sim.generated()[1], Reference(Tokens(3), 1));
+}
+
+}  // namespace
+}  // namespace kvcm::router
