@@ -27,6 +27,7 @@ PACKAGES=(
   prometheus                 # prometheus + promtool: integration tests scrape and lint /metrics
   nlohmann-json3-dev         # Hugging Face config.json
   libsentencepiece-dev       # common/tokenizer: SentencePiece tokenizer.model
+  libevent-dev               # the router's HTTP server (evhttp: an open stream costs no thread)
   libgtest-dev               # tests
   libgmock-dev
   libbenchmark-dev           # bench/

@@ -40,6 +40,16 @@ absl::Status Errno(const std::string& what, const std::string& url) {
 }  // namespace
 
 absl::StatusOr<HttpResponse> HttpGet(const std::string& url, absl::Duration timeout) {
+  return HttpRequest("GET", url, "", timeout);
+}
+
+absl::StatusOr<HttpResponse> HttpPost(const std::string& url, std::string_view body,
+                                      absl::Duration timeout) {
+  return HttpRequest("POST", url, body, timeout);
+}
+
+absl::StatusOr<HttpResponse> HttpRequest(std::string_view method, const std::string& url,
+                                         std::string_view body, absl::Duration timeout) {
   constexpr absl::string_view kScheme = "http://";
   if (!absl::StartsWith(url, kScheme)) {
     return absl::InvalidArgumentError(absl::StrCat("not an http:// URL: ", url));
@@ -74,8 +84,14 @@ absl::StatusOr<HttpResponse> HttpGet(const std::string& url, absl::Duration time
   if (connect(socket_fd.fd(), reinterpret_cast<const sockaddr*>(&address), sizeof(address)) != 0) {
     return Errno("connect to", url);
   }
-  const std::string request = absl::StrCat("GET ", target, " HTTP/1.0\r\nHost: ", authority,
-                                           "\r\nConnection: close\r\n\r\n");
+  std::string request = absl::StrCat(std::string(method), " ", target,
+                                     " HTTP/1.0\r\nHost: ", authority,
+                                     "\r\nConnection: close\r\n");
+  if (method != "GET") {
+    absl::StrAppend(&request, "Content-Type: application/json\r\nContent-Length: ",
+                    body.size(), "\r\n");
+  }
+  absl::StrAppend(&request, "\r\n", std::string(body));
   for (size_t sent = 0; sent < request.size();) {
     const ssize_t n =
         send(socket_fd.fd(), request.data() + sent, request.size() - sent, MSG_NOSIGNAL);

@@ -1,7 +1,8 @@
 #pragma once
 
-// A minimal blocking HTTP/1.0 GET over a plain socket, enough to scrape /metrics and query
-// Prometheus's HTTP API from tests without an HTTP library. Test support only.
+// A minimal blocking HTTP/1.0 client over a plain socket, enough to scrape /metrics, query
+// Prometheus's HTTP API and post to the router from tests without an HTTP library. Test
+// support only.
 
 #include <string>
 #include <string_view>
@@ -23,6 +24,13 @@ struct HttpResponse {
 // timeout applies to each of them), INTERNAL (not an HTTP response).
 absl::StatusOr<HttpResponse> HttpGet(const std::string& url,
                                      absl::Duration timeout = absl::Seconds(10));
+
+// POSTs `body` (as application/json) to `url`; the same rules and errors as HttpGet.
+absl::StatusOr<HttpResponse> HttpPost(const std::string& url, std::string_view body,
+                                      absl::Duration timeout = absl::Seconds(10));
+// Any method; a body (with Content-Length) for all but GET.
+absl::StatusOr<HttpResponse> HttpRequest(std::string_view method, const std::string& url,
+                                         std::string_view body, absl::Duration timeout);
 
 // Percent-encodes `text` for a URL query value (RFC 3986 unreserved characters kept).
 std::string UrlEncode(std::string_view text);

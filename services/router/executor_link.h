@@ -1,0 +1,84 @@
+#pragma once
+// ExecutorLink: the router's ROUTER socket for its executors (docs/executor.md): their
+// registration (ExecutorHello, checked against the first executor's model), heartbeats,
+// Goodbye, and the StepResults of the batches the router sends. Liveness: an executor that
+// stays silent for `silence_limit` while it owes nothing, or does not answer a step within
+// `step_timeout`, is dropped (kill -9 closes no ZeroMQ session the router could see).
+//
+// Thread safety: one thread (the router's event loop) owns it.
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "common/wire/executor_codec.h"
+#include "zmq.hpp"
+
+namespace kvcm::router {
+
+class ExecutorLink {
+ public:
+  struct Options {
+    std::string endpoint;  // bound, e.g. ipc://RUN_DIR/router-executors.sock
+    uint32_t heartbeat_interval_ms = 500;
+    absl::Duration silence_limit = absl::Seconds(3);
+    size_t max_message_bytes = 64 << 20;
+  };
+  struct Executor {
+    uint64_t id = 0;
+    std::string identity;  // the DEALER's routing id
+    ExecutorHelloInfo hello;
+    absl::Time last_heard;
+    uint64_t pending_request = 0;  // the StepBatch it owes a result for (0: none)
+    uint64_t pending_step = 0;
+  };
+  // A StepResult (or its refusal) for step `step_id` from `executor`.
+  using ResultHandler =
+      std::function<void(uint64_t executor, uint64_t step_id, absl::StatusOr<StepReport>)>;
+
+  ExecutorLink(zmq::context_t& context, Options options);
+  absl::Status Bind();
+  zmq::socket_t& socket() { return socket_; }
+
+  void set_on_result(ResultHandler handler) { on_result_ = std::move(handler); }
+  void set_on_change(std::function<void()> handler) { on_change_ = std::move(handler); }
+
+  // Reads every queued message.
+  void HandleReadable(absl::Time now);
+  // Drops executors silent for too long; returns the ids dropped.
+  std::vector<uint64_t> DropSilent(absl::Time now);
+  void Drop(uint64_t executor);
+
+  // Sends `step` to `executor` (epoch and router_session filled in by the caller).
+  absl::Status SendStep(uint64_t executor, const StepRequest& step, absl::Time now);
+  // Goodbye to every executor (the router stops).
+  void SayGoodbye();
+
+  std::vector<uint64_t> Live() const;
+  const absl::flat_hash_map<uint64_t, Executor>& executors() const { return executors_; }
+  // The model every executor serves (the first one's); nullopt before any registered.
+  const std::optional<ModelInfo>& model() const { return model_; }
+
+ private:
+  void Reply(const std::string& identity, const flatbuffers::FlatBufferBuilder& message);
+  void Refuse(const std::string& identity, uint64_t request_id, wire::ErrorCode code,
+              const std::string& reason);
+
+  zmq::socket_t socket_;
+  const Options options_;
+  absl::flat_hash_map<uint64_t, Executor> executors_;
+  absl::flat_hash_map<std::string, uint64_t> by_identity_;
+  std::optional<ModelInfo> model_;
+  uint64_t next_executor_ = 1;
+  uint64_t next_request_ = 1;
+  ResultHandler on_result_;
+  std::function<void()> on_change_;
+  flatbuffers::FlatBufferBuilder out_;
+};
+
+}  // namespace kvcm::router

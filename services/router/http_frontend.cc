@@ -1,0 +1,503 @@
+#include "services/router/http_frontend.h"
+
+#include <event2/buffer.h>
+#include <event2/event.h>
+#include <event2/http.h>
+#include <event2/keyvalq_struct.h>
+#include <event2/thread.h>
+
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "common/base/log.h"
+#include "nlohmann/json.hpp"
+
+namespace kvcm::router {
+namespace {
+
+using json = nlohmann::json;
+
+constexpr char kComponent[] = "kvcm-router";
+void Log(std::string_view text) { LogLine(kComponent, text); }
+
+constexpr char kVersion[] = "0.1.0";
+
+// The length of the longest prefix of `text` that does not end inside a UTF-8 sequence.
+size_t CompleteUtf8Prefix(const std::string& text) {
+  size_t end = text.size();
+  // Look back at most 3 bytes for the lead byte of a sequence still missing bytes.
+  for (size_t back = 1; back <= 3 && back <= text.size(); ++back) {
+    const auto c = static_cast<unsigned char>(text[text.size() - back]);
+    if ((c & 0xC0) == 0x80) continue;  // a continuation byte: keep looking
+    const size_t need = (c & 0xE0) == 0xC0 ? 2 : (c & 0xF0) == 0xE0 ? 3 : (c & 0xF8) == 0xF0 ? 4 : 1;
+    if (need > back) end = text.size() - back;
+    break;
+  }
+  return end;
+}
+
+struct Params {
+  int32_t max_new_tokens = 0;
+  SeqSampling sampling;
+  bool details = false;
+  bool return_full_text = false;
+  bool do_sample = false;
+  uint64_t seed = 0;
+};
+
+// JSON text; bytes that are not UTF-8 (a model may generate any byte) become U+FFFD, as
+// Hugging Face's decode(errors="replace") does.
+std::string Dump(const json& value) {
+  return value.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+// An error in TGI's shape.
+struct HttpError {
+  int status = 422;
+  std::string message;
+  std::string type = "validation";
+};
+
+}  // namespace
+
+struct HttpFrontend::Impl {
+  Options options;
+  const Tokenizer* tokenizer = nullptr;
+  RouterCore* core = nullptr;
+  event_base* base = nullptr;
+  evhttp* http = nullptr;
+  event* mail = nullptr;
+  event* stop = nullptr;
+
+  std::mutex mailbox_mutex;
+  std::vector<Progress> mailbox;  // guarded by mailbox_mutex
+
+  struct Active {
+    evhttp_request* request = nullptr;  // null once the client is gone
+    evhttp_connection* connection = nullptr;
+    bool stream = false;
+    Params params;
+    std::string prompt_text;
+    std::vector<int32_t> generated;
+    size_t emitted = 0;  // bytes of the generated text already streamed
+  };
+  absl::flat_hash_map<uint64_t, Active> active;
+  absl::flat_hash_map<evhttp_connection*, uint64_t> by_connection;
+  uint64_t next_id = 1;
+  uint64_t next_seed = 0x5eed;
+
+  ~Impl() {
+    if (mail != nullptr) event_free(mail);
+    if (stop != nullptr) event_free(stop);
+    if (http != nullptr) evhttp_free(http);
+    if (base != nullptr) event_base_free(base);
+  }
+
+  static void Reply(evhttp_request* request, int status, const std::string& body,
+                    const char* content_type = "application/json") {
+    evkeyvalq* headers = evhttp_request_get_output_headers(request);
+    evhttp_add_header(headers, "Content-Type", content_type);
+    evbuffer* out = evbuffer_new();
+    evbuffer_add(out, body.data(), body.size());
+    const char* reason = status == 200   ? "OK"
+                         : status == 400 ? "Bad Request"
+                         : status == 404 ? "Not Found"
+                         : status == 405 ? "Method Not Allowed"
+                         : status == 422 ? "Unprocessable Entity"
+                         : status == 429 ? "Too Many Requests"
+                         : status == 500 ? "Internal Server Error"
+                         : status == 503 ? "Service Unavailable"
+                                         : "Error";
+    evhttp_send_reply(request, status, reason, out);
+    evbuffer_free(out);
+  }
+  static void ReplyError(evhttp_request* request, const HttpError& error) {
+    Reply(request, error.status, Dump(json{{"error", error.message}, {"error_type", error.type}}));
+  }
+
+  std::string Body(evhttp_request* request) {
+    evbuffer* in = evhttp_request_get_input_buffer(request);
+    std::string body(evbuffer_get_length(in), '\0');
+    evbuffer_copyout(in, body.data(), body.size());
+    return body;
+  }
+
+  std::optional<HttpError> ParseParams(const json& root, Params* params) {
+    params->max_new_tokens = options.default_max_new_tokens;
+    if (!root.contains("parameters") || root["parameters"].is_null()) return std::nullopt;
+    const json& p = root["parameters"];
+    if (!p.is_object()) return HttpError{422, "`parameters` must be an object"};
+    for (const auto& [key, value] : p.items()) {
+      if (value.is_null()) continue;
+      auto want_int = [&](int64_t lo, int64_t hi) -> std::optional<HttpError> {
+        if (!value.is_number_integer() || value.get<int64_t>() < lo || value.get<int64_t>() > hi) {
+          return HttpError{422, absl::StrCat("`", key, "` must be an integer in [", lo, ", ", hi,
+                                             "]")};
+        }
+        return std::nullopt;
+      };
+      auto want_float = [&](double lo, double hi, bool open_lo) -> std::optional<HttpError> {
+        if (!value.is_number() || value.get<double>() > hi ||
+            (open_lo ? value.get<double>() <= lo : value.get<double>() < lo)) {
+          return HttpError{422, absl::StrCat("`", key, "` must be a number in ",
+                                             open_lo ? "(" : "[", lo, ", ", hi, "]")};
+        }
+        return std::nullopt;
+      };
+      std::optional<HttpError> bad;
+      if (key == "max_new_tokens") {
+        if (!(bad = want_int(1, options.max_total_tokens))) {
+          params->max_new_tokens = value.get<int32_t>();
+        }
+      } else if (key == "do_sample") {
+        if (!value.is_boolean()) bad = HttpError{422, "`do_sample` must be a boolean"};
+        else params->do_sample = value.get<bool>();
+      } else if (key == "temperature") {
+        if (!(bad = want_float(0, 100, true))) params->sampling.temperature = value.get<float>();
+      } else if (key == "top_p") {
+        if (!(bad = want_float(0, 1, true))) params->sampling.top_p = value.get<float>();
+      } else if (key == "top_k") {
+        if (!(bad = want_int(1, 1 << 20))) params->sampling.top_k = value.get<int32_t>();
+      } else if (key == "seed") {
+        if (!value.is_number_unsigned()) bad = HttpError{422, "`seed` must be an unsigned integer"};
+        else params->seed = value.get<uint64_t>();
+      } else if (key == "details") {
+        if (!value.is_boolean()) bad = HttpError{422, "`details` must be a boolean"};
+        else params->details = value.get<bool>();
+      } else if (key == "return_full_text") {
+        if (!value.is_boolean()) bad = HttpError{422, "`return_full_text` must be a boolean"};
+        else params->return_full_text = value.get<bool>();
+      } else if (key == "best_of" && value.is_number_integer() && value.get<int64_t>() == 1) {
+      } else if ((key == "decoder_input_details" || key == "watermark") && value.is_boolean() &&
+                 !value.get<bool>()) {
+      } else if (key == "stop" && value.is_array() && value.empty()) {
+      } else {
+        // Never ignored silently: kvcm does not do this yet (or not with this value).
+        bad = HttpError{422, absl::StrCat("parameter `", key, "` is not supported by this "
+                                          "server (", Dump(value), ")")};
+      }
+      if (bad) return bad;
+    }
+    if (params->do_sample) {
+      if (params->sampling.temperature == 0.0f) params->sampling.temperature = 1.0f;
+      params->sampling.seed = p.contains("seed") && !p["seed"].is_null() ? params->seed
+                                                                         : next_seed++;
+      params->seed = params->sampling.seed;
+    } else {
+      params->sampling = SeqSampling{};  // greedy
+    }
+    return std::nullopt;
+  }
+
+  void HandleGenerate(evhttp_request* request, std::optional<bool> stream_path) {
+    if (evhttp_request_get_command(request) != EVHTTP_REQ_POST) {
+      return ReplyError(request, {405, "use POST", "validation"});
+    }
+    const json root = json::parse(Body(request), nullptr, /*allow_exceptions=*/false);
+    if (root.is_discarded() || !root.is_object()) {
+      return ReplyError(request, {400, "the body is not a JSON object", "validation"});
+    }
+    if (!root.contains("inputs") || !root["inputs"].is_string()) {
+      return ReplyError(request, {422, "`inputs` must be a string"});
+    }
+    bool stream = stream_path.value_or(false);
+    if (!stream_path.has_value() && root.contains("stream")) {
+      if (!root["stream"].is_boolean()) return ReplyError(request, {422, "`stream` must be a boolean"});
+      stream = root["stream"].get<bool>();
+    }
+    Params params;
+    if (auto bad = ParseParams(root, &params)) return ReplyError(request, *bad);
+    const std::string text = root["inputs"].get<std::string>();
+    absl::StatusOr<std::vector<int32_t>> encoded = tokenizer->Encode(text);
+    if (!encoded.ok()) return ReplyError(request, {422, std::string(encoded.status().message())});
+    std::vector<int32_t> prompt;
+    if (tokenizer->bos_id() >= 0) prompt.push_back(tokenizer->bos_id());
+    prompt.insert(prompt.end(), encoded->begin(), encoded->end());
+    if (static_cast<int32_t>(prompt.size()) > options.max_input_tokens) {
+      return ReplyError(request, {422, absl::StrCat("`inputs` must have less than ",
+                                                    options.max_input_tokens, " tokens. Given: ",
+                                                    prompt.size())});
+    }
+    if (static_cast<int64_t>(prompt.size()) + params.max_new_tokens > options.max_total_tokens) {
+      return ReplyError(request,
+                        {422, absl::StrCat("`inputs` tokens + `max_new_tokens` must be <= ",
+                                           options.max_total_tokens, ". Given: ", prompt.size(),
+                                           " `inputs` tokens and ", params.max_new_tokens,
+                                           " `max_new_tokens`")});
+    }
+    if (static_cast<int32_t>(active.size()) >= options.max_concurrent_requests) {
+      return ReplyError(request, {429, "Model is overloaded", "overloaded"});
+    }
+    if (core->live_executors() == 0) {
+      return ReplyError(request, {503, "no executor is registered with the router yet",
+                                  "unavailable"});
+    }
+    const uint64_t id = next_id++;
+    Active a;
+    a.request = request;
+    a.connection = evhttp_request_get_connection(request);
+    a.stream = stream;
+    a.params = params;
+    a.prompt_text = text;
+    by_connection[a.connection] = id;
+    evhttp_connection_set_closecb(a.connection, &Impl::OnClose, this);
+    if (stream) {
+      evkeyvalq* headers = evhttp_request_get_output_headers(request);
+      evhttp_add_header(headers, "Content-Type", "text/event-stream");
+      evhttp_add_header(headers, "Cache-Control", "no-cache");
+      evhttp_send_reply_start(request, 200, "OK");
+    }
+    active.emplace(id, std::move(a));
+    Submission submission;
+    submission.id = id;
+    submission.prompt = std::move(prompt);
+    submission.max_new_tokens = params.max_new_tokens;
+    submission.sampling = params.sampling;
+    core->Submit(std::move(submission));
+  }
+
+  static void OnClose(evhttp_connection* connection, void* arg) {
+    auto* self = static_cast<Impl*>(arg);
+    auto it = self->by_connection.find(connection);
+    if (it == self->by_connection.end()) return;
+    const uint64_t id = it->second;
+    self->by_connection.erase(it);
+    if (auto a = self->active.find(id); a != self->active.end()) {
+      self->active.erase(a);  // libevent frees the request with the connection
+      self->core->Cancel(id);
+      Log(absl::StrCat("request ", id, ": the client went away; cancelled"));
+    }
+  }
+
+  json Details(const Active& a, const std::string& finish_reason) const {
+    json tokens = json::array();
+    for (int32_t id : a.generated) {
+      const int32_t one[] = {id};
+      absl::StatusOr<std::string> piece = tokenizer->Decode(one);
+      tokens.push_back({{"id", id},
+                        {"text", piece.ok() ? *piece : ""},
+                        {"logprob", nullptr},
+                        {"special", id == tokenizer->eos_id() || id == tokenizer->bos_id()}});
+    }
+    json details = {{"finish_reason", finish_reason},
+                    {"generated_tokens", a.generated.size()},
+                    {"seed", a.params.do_sample ? json(a.params.seed) : json(nullptr)},
+                    {"prefill", json::array()},
+                    {"tokens", tokens}};
+    return details;
+  }
+
+  void Finish(uint64_t id, Active& a, const Progress& p) {
+    std::string text;
+    if (absl::StatusOr<std::string> decoded = tokenizer->Decode(a.generated); decoded.ok()) {
+      text = *decoded;
+    }
+    const std::string full = a.params.return_full_text ? a.prompt_text + text : text;
+    if (a.request != nullptr) {
+      by_connection.erase(a.connection);
+      evhttp_connection_set_closecb(a.connection, nullptr, nullptr);
+      if (!p.error.ok()) {
+        const int status = absl::IsResourceExhausted(p.error) ? 422 : 503;
+        const json error = {{"error", std::string(p.error.message())},
+                            {"error_type", status == 422 ? "validation" : "unavailable"}};
+        if (a.stream) {
+          SendEvent(a.request, Dump(error));
+          evhttp_send_reply_end(a.request);
+        } else {
+          Reply(a.request, status, Dump(error));
+        }
+      } else if (a.stream) {
+        evhttp_send_reply_end(a.request);
+      } else {
+        json body = {{"generated_text", full}};
+        if (a.params.details) body["details"] = Details(a, p.finish_reason);
+        Reply(a.request, 200, Dump(body));
+      }
+    }
+    active.erase(id);
+  }
+
+  static void SendEvent(evhttp_request* request, const std::string& data) {
+    evbuffer* out = evbuffer_new();
+    evbuffer_add_printf(out, "data:%s\n\n", data.c_str());
+    evhttp_send_reply_chunk(request, out);
+    evbuffer_free(out);
+  }
+
+  void Stream(Active& a, const Progress& p) {
+    std::string all;
+    if (absl::StatusOr<std::string> decoded = tokenizer->Decode(a.generated); decoded.ok()) {
+      all = *decoded;
+    }
+    // Never a broken UTF-8 sequence: what is incomplete waits for the next token.
+    const size_t ready = p.finished ? all.size() : CompleteUtf8Prefix(all);
+    const std::string piece = ready > a.emitted ? all.substr(a.emitted, ready - a.emitted) : "";
+    a.emitted = std::max(a.emitted, ready);
+    json event = {{"index", a.generated.size() - 1},
+                  {"token",
+                   {{"id", p.token},
+                    {"text", piece},
+                    {"logprob", nullptr},
+                    {"special", p.token == tokenizer->eos_id()}}},
+                  {"generated_text", nullptr},
+                  {"details", nullptr}};
+    if (p.finished) {
+      event["generated_text"] = a.params.return_full_text ? a.prompt_text + all : all;
+      event["details"] = {{"finish_reason", p.finish_reason},
+                          {"generated_tokens", a.generated.size()},
+                          {"seed", a.params.do_sample ? json(a.params.seed) : json(nullptr)}};
+    }
+    SendEvent(a.request, Dump(event));
+  }
+
+  static void OnMail(evutil_socket_t, short, void* arg) {
+    try {
+      static_cast<Impl*>(arg)->DeliverMail();
+    } catch (const std::exception& error) {
+      Log(absl::StrCat("delivering tokens: ", error.what()));
+    }
+  }
+
+  void DeliverMail() {
+    Impl* self = this;
+    std::vector<Progress> batch;
+    {
+      std::lock_guard<std::mutex> lock(self->mailbox_mutex);
+      batch.swap(self->mailbox);
+    }
+    for (const Progress& p : batch) {
+      auto it = self->active.find(p.id);
+      if (it == self->active.end()) continue;
+      Active& a = it->second;
+      if (p.token >= 0) {
+        a.generated.push_back(p.token);
+        if (a.stream && a.request != nullptr) self->Stream(a, p);
+      }
+      if (p.finished) self->Finish(p.id, a, p);
+    }
+  }
+
+  void HandleInfo(evhttp_request* request) {
+    const json info = {{"model_id", options.model_id},
+                       {"model_dtype", nullptr},
+                       {"block_size", options.block_size},
+                       {"num_blocks", options.num_blocks},
+                       {"max_total_tokens_in_pool",
+                        int64_t{options.block_size} * options.num_blocks},
+                       {"max_batch_total_tokens", options.max_batch_total_tokens},
+                       {"max_batch_prefill_tokens", options.max_batch_prefill_tokens},
+                       {"max_input_tokens", options.max_input_tokens},
+                       {"max_total_tokens", options.max_total_tokens},
+                       {"max_concurrent_requests", options.max_concurrent_requests},
+                       {"executors", core->live_executors()},
+                       {"router", "kvcm-router"},
+                       {"version", kVersion}};
+    Reply(request, 200, Dump(info));
+  }
+
+  void HandleTokenize(evhttp_request* request) {
+    const json root = json::parse(Body(request), nullptr, false);
+    if (root.is_discarded() || !root.is_object() || !root.contains("inputs") ||
+        !root["inputs"].is_string()) {
+      return ReplyError(request, {422, "`inputs` must be a string"});
+    }
+    absl::StatusOr<std::vector<int32_t>> ids = tokenizer->Encode(root["inputs"].get<std::string>());
+    if (!ids.ok()) return ReplyError(request, {422, std::string(ids.status().message())});
+    json out = json::array();
+    for (int32_t id : *ids) {
+      const int32_t one[] = {id};
+      absl::StatusOr<std::string> text = tokenizer->Decode(one);
+      out.push_back({{"id", id}, {"text", text.ok() ? *text : ""}});
+    }
+    Reply(request, 200, Dump(out));
+  }
+
+  static void OnRequest(evhttp_request* request, void* arg) {
+    try {
+      Route(request, static_cast<Impl*>(arg));
+    } catch (const std::exception& error) {  // a bug here must not take the server down
+      Log(absl::StrCat("handling ", evhttp_request_get_uri(request), ": ", error.what()));
+      ReplyError(request, {500, "internal error", "internal"});
+    }
+  }
+
+  static void Route(evhttp_request* request, Impl* self) {
+    const char* uri = evhttp_request_get_uri(request);
+    std::string path = uri == nullptr ? "/" : uri;
+    if (const size_t q = path.find('?'); q != std::string::npos) path.resize(q);
+    if (path == "/generate") return self->HandleGenerate(request, false);
+    if (path == "/generate_stream") return self->HandleGenerate(request, true);
+    if (path == "/") return self->HandleGenerate(request, std::nullopt);
+    if (path == "/tokenize") return self->HandleTokenize(request);
+    if (path == "/info") return self->HandleInfo(request);
+    if (path == "/health") {
+      if (self->core->live_executors() > 0) return Reply(request, 200, "");
+      return ReplyError(request, {503, "no executor is registered", "unavailable"});
+    }
+    ReplyError(request, {404, absl::StrCat("no route ", path), "validation"});
+  }
+
+  static void OnStop(evutil_socket_t, short, void* arg) {
+    event_base_loopexit(static_cast<Impl*>(arg)->base, nullptr);
+  }
+};
+
+absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(const Options& options,
+                                                                  const Tokenizer* tokenizer,
+                                                                  RouterCore* core) {
+  static std::once_flag threads;
+  std::call_once(threads, [] { evthread_use_pthreads(); });
+  std::unique_ptr<HttpFrontend> frontend(new HttpFrontend());
+  frontend->impl_ = std::make_unique<Impl>();
+  Impl& impl = *frontend->impl_;
+  impl.options = options;
+  impl.tokenizer = tokenizer;
+  impl.core = core;
+  impl.base = event_base_new();
+  if (impl.base == nullptr) return absl::InternalError("event_base_new failed");
+  impl.http = evhttp_new(impl.base);
+  evhttp_set_max_body_size(impl.http, static_cast<ev_ssize_t>(options.max_body_bytes));
+  evhttp_set_timeout(impl.http, options.timeout_seconds);
+  evhttp_set_allowed_methods(impl.http, EVHTTP_REQ_GET | EVHTTP_REQ_POST);
+  evhttp_set_gencb(impl.http, &Impl::OnRequest, &impl);
+  evhttp_bound_socket* bound = evhttp_bind_socket_with_handle(
+      impl.http, options.host.c_str(), static_cast<ev_uint16_t>(options.port));
+  if (bound == nullptr) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", options.host, ":",
+                                               options.port, ": ", std::strerror(errno)));
+  }
+  sockaddr_storage address{};
+  socklen_t length = sizeof(address);
+  ::getsockname(evhttp_bound_socket_get_fd(bound), reinterpret_cast<sockaddr*>(&address),
+                &length);
+  frontend->port_ = address.ss_family == AF_INET6
+                        ? ntohs(reinterpret_cast<sockaddr_in6*>(&address)->sin6_port)
+                        : ntohs(reinterpret_cast<sockaddr_in*>(&address)->sin_port);
+  impl.mail = event_new(impl.base, -1, 0, &Impl::OnMail, &impl);
+  impl.stop = event_new(impl.base, -1, 0, &Impl::OnStop, &impl);
+  frontend->thread_ = std::thread([base = impl.base] { event_base_dispatch(base); });
+  return frontend;
+}
+
+void HttpFrontend::Deliver(std::vector<Progress> progress) {
+  {
+    std::lock_guard<std::mutex> lock(impl_->mailbox_mutex);
+    for (Progress& p : progress) impl_->mailbox.push_back(std::move(p));
+  }
+  event_active(impl_->mail, 0, 0);
+}
+
+void HttpFrontend::Stop() {
+  if (!thread_.joinable()) return;
+  event_active(impl_->stop, 0, 0);
+  thread_.join();
+}
+
+HttpFrontend::~HttpFrontend() { Stop(); }
+
+}  // namespace kvcm::router

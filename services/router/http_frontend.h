@@ -1,0 +1,78 @@
+#pragma once
+// HttpFrontend: the router's HTTP server (libevent's evhttp on one thread of its own: an open
+// stream costs a connection, not a thread) with the TGI-compatible API:
+//
+//   POST /generate         {"inputs": "...", "parameters": {...}} -> {"generated_text", "details"}
+//   POST /generate_stream  the same, as server-sent events: one per token, the last one with
+//                          generated_text and details
+//   POST /                 either, by "stream"
+//   POST /tokenize         {"inputs"} -> [{"id", "text"}]
+//   GET  /health           200 with an executor registered, else 503
+//   GET  /info             the model, the pool and the limits
+//
+// Requests are checked and tokenized here, then handed to RouterCore; the tokens it reports
+// come back through Deliver() (any thread) and are written out on this thread. Errors have
+// TGI's shape {"error": "...", "error_type": "..."}: 400 for a body that is not JSON, 422 for
+// invalid or unsupported parameters (never ignored silently), 429 when max_concurrent_requests
+// are in flight, 503 without an executor, 413 for a body over the limit. A client that
+// disconnects mid-stream has its request cancelled (its sequence freed at the next step).
+//
+// Thread safety: Deliver() from any thread; the rest from the thread that owns the object.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/tokenizer/tokenizer.h"
+#include "services/router/router_core.h"
+
+struct event_base;
+struct evhttp;
+struct event;
+
+namespace kvcm::router {
+
+class HttpFrontend {
+ public:
+  struct Options {
+    std::string host = "127.0.0.1";
+    int port = 3000;  // 0: any free port (see port())
+    int32_t max_concurrent_requests = 128;
+    int32_t max_input_tokens = 1024;
+    int32_t max_total_tokens = 2048;  // prompt + max_new_tokens
+    int32_t default_max_new_tokens = 100;
+    size_t max_body_bytes = 1 << 20;
+    int timeout_seconds = 60;  // a client that sends nothing for this long is dropped
+    std::string model_id;
+    // For /info.
+    int32_t block_size = 0;
+    int32_t num_blocks = 0;
+    int64_t max_batch_total_tokens = 0;
+    int32_t max_batch_prefill_tokens = 0;
+  };
+
+  // Binds and starts serving on its own thread.
+  static absl::StatusOr<std::unique_ptr<HttpFrontend>> Start(const Options& options,
+                                                             const Tokenizer* tokenizer,
+                                                             RouterCore* core);
+  ~HttpFrontend();  // stops: pending requests get their connection closed
+
+  int port() const { return port_; }
+  // What the core reports (its sink calls this).
+  void Deliver(std::vector<Progress> progress);
+  // Stops accepting and joins the thread.
+  void Stop();
+
+  struct Impl;
+
+ private:
+  HttpFrontend() = default;
+  std::unique_ptr<Impl> impl_;
+  std::thread thread_;
+  int port_ = 0;
+};
+
+}  // namespace kvcm::router

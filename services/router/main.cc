@@ -1,0 +1,161 @@
+// kvcm-router: HTTP in (TGI's API), continuous batching over the cache manager's pool, steps
+// out to the executors (docs/architecture.md).
+//
+//   kvcm-router --model DIR --run-dir RUN_DIR --port 3000
+
+#include <unistd.h>
+
+#include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "common/base/command_line.h"
+#include "common/base/log.h"
+#include "common/base/run_dir.h"
+#include "common/base/termination_signals.h"
+#include "common/base/unique_fd.h"
+#include "common/tokenizer/tokenizer.h"
+#include "nlohmann/json.hpp"
+#include "services/router/http_frontend.h"
+#include "services/router/router_core.h"
+
+ABSL_FLAG(std::string, model, "", "The model folder (config.json, tokenizer). Required.");
+ABSL_FLAG(std::string, run_dir, "", "The cache manager's run directory. Default: as it has.");
+ABSL_FLAG(std::string, cache_manager, "",
+          "The cache manager's endpoint. Default: ipc://RUN_DIR/cache-manager.sock.");
+ABSL_FLAG(std::string, executor_endpoint, "",
+          "Where executors connect. Default: ipc://RUN_DIR/router-executors.sock.");
+ABSL_FLAG(std::string, hostname, "127.0.0.1", "The HTTP address to listen on.");
+ABSL_FLAG(int32_t, port, 3000, "The HTTP port (0: any free one, printed on the ready line).");
+ABSL_FLAG(int32_t, max_concurrent_requests, 128,
+          "Requests in flight at most; more get 429.");
+ABSL_FLAG(int32_t, max_input_tokens, 1024, "Prompt tokens per request at most.");
+ABSL_FLAG(int32_t, max_total_tokens, 2048, "Prompt plus max_new_tokens per request at most.");
+ABSL_FLAG(int32_t, max_batch_prefill_tokens, 4096, "Prompt tokens computed in one step.");
+ABSL_FLAG(int64_t, max_batch_total_tokens, 0,
+          "KV tokens of the running sequences after a step. Default: what the pool holds.");
+ABSL_FLAG(int32_t, max_running, 256, "Sequences in one step at most.");
+
+namespace kvcm {
+namespace {
+
+constexpr char kComponent[] = "kvcm-router";
+void Log(std::string_view text) { LogLine(kComponent, text); }
+
+// config.json's tokenizer fields: vocab_size, bos_token_id, eos_token_id (int or list).
+absl::StatusOr<TokenizerConfig> ReadTokenizerConfig(const std::string& folder) {
+  const std::string path = folder + "/config.json";
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  std::stringstream text;
+  text << in.rdbuf();
+  const nlohmann::json root = nlohmann::json::parse(text.str(), nullptr, false);
+  if (root.is_discarded() || !root.is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, " is not a JSON object"));
+  }
+  TokenizerConfig config;
+  if (!root.contains("vocab_size") || !root["vocab_size"].is_number_integer()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": vocab_size missing"));
+  }
+  config.vocab_size = root["vocab_size"].get<int32_t>();
+  if (root.contains("bos_token_id") && root["bos_token_id"].is_number_integer()) {
+    config.bos_token_id = root["bos_token_id"].get<int32_t>();
+  }
+  if (root.contains("eos_token_id")) {
+    const auto& eos = root["eos_token_id"];
+    if (eos.is_number_integer()) config.eos_token_ids = {eos.get<int32_t>()};
+    if (eos.is_array()) {
+      for (const auto& id : eos) {
+        if (id.is_number_integer()) config.eos_token_ids.push_back(id.get<int32_t>());
+      }
+    }
+  }
+  return config;
+}
+
+int Main() {
+  UniqueFd signal_fd = BlockTerminationSignals();
+  if (!signal_fd.valid()) {
+    Log("cannot create a signalfd");
+    return 1;
+  }
+  auto fail = [](const absl::Status& status) {
+    Log(absl::StrCat("error: ", status.message()));
+    return 1;
+  };
+  const std::string model = absl::GetFlag(FLAGS_model);
+  if (model.empty()) return fail(absl::InvalidArgumentError("--model is required"));
+  const std::string run_dir = std::string(absl::StripSuffix(
+      absl::GetFlag(FLAGS_run_dir).empty() ? DefaultRunDirFromEnvironment()
+                                           : absl::GetFlag(FLAGS_run_dir),
+      "/"));
+  absl::StatusOr<TokenizerConfig> tokenizer_config = ReadTokenizerConfig(model);
+  if (!tokenizer_config.ok()) return fail(tokenizer_config.status());
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = LoadTokenizer(model, *tokenizer_config);
+  if (!tokenizer.ok()) return fail(tokenizer.status());
+
+  router::RouterCore::Options core_options;
+  core_options.cache_manager_endpoint = absl::GetFlag(FLAGS_cache_manager).empty()
+                                            ? IpcEndpointIn(run_dir, kCacheManagerSocket)
+                                            : absl::GetFlag(FLAGS_cache_manager);
+  core_options.executor_endpoint = absl::GetFlag(FLAGS_executor_endpoint).empty()
+                                       ? IpcEndpointIn(run_dir, kRouterExecutorsSocket)
+                                       : absl::GetFlag(FLAGS_executor_endpoint);
+  core_options.name = absl::StrCat("router-", ::getpid());
+  core_options.max_batch_prefill_tokens = absl::GetFlag(FLAGS_max_batch_prefill_tokens);
+  core_options.max_batch_total_tokens = absl::GetFlag(FLAGS_max_batch_total_tokens);
+  core_options.max_running = absl::GetFlag(FLAGS_max_running);
+  core_options.eos_token_ids = tokenizer_config->eos_token_ids;
+  if ((*tokenizer)->eos_id() >= 0 && core_options.eos_token_ids.empty()) {
+    core_options.eos_token_ids = {(*tokenizer)->eos_id()};
+  }
+  std::atomic<router::HttpFrontend*> frontend_ptr{nullptr};
+  auto core = router::RouterCore::Create(
+      core_options, [&frontend_ptr](std::vector<router::Progress> progress) {
+        if (router::HttpFrontend* f = frontend_ptr.load()) f->Deliver(std::move(progress));
+      });
+  if (!core.ok()) return fail(core.status());
+
+  router::HttpFrontend::Options http;
+  http.host = absl::GetFlag(FLAGS_hostname);
+  http.port = absl::GetFlag(FLAGS_port);
+  http.max_concurrent_requests = absl::GetFlag(FLAGS_max_concurrent_requests);
+  http.max_input_tokens = absl::GetFlag(FLAGS_max_input_tokens);
+  http.max_total_tokens = absl::GetFlag(FLAGS_max_total_tokens);
+  http.model_id = std::filesystem::path(model).filename().string();
+  http.block_size = (*core)->session().block_size;
+  http.num_blocks = (*core)->session().num_blocks;
+  http.max_batch_total_tokens = (*core)->planner_options().max_batch_total_tokens;
+  http.max_batch_prefill_tokens = (*core)->planner_options().max_batch_prefill_tokens;
+  auto frontend = router::HttpFrontend::Start(http, tokenizer->get(), core->get());
+  if (!frontend.ok()) return fail(frontend.status());
+  frontend_ptr.store(frontend->get());
+  Log(absl::StrCat("ready http=http://", http.host, ":", (*frontend)->port(),
+                   " executors=", core_options.executor_endpoint,
+                   " cache_manager=", core_options.cache_manager_endpoint, " block_size=",
+                   http.block_size, " num_blocks=", http.num_blocks));
+  const absl::Status ran = (*core)->Run(signal_fd.get());
+  frontend_ptr.store(nullptr);
+  (*frontend)->Stop();
+  if (!ran.ok()) return fail(ran);
+  Log("stopped");
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvcm
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "serves a model over HTTP (TGI's API) with kvcm's cache manager and executors.\n"
+      "  kvcm-router --model DIR --run-dir RUN_DIR --port 3000");
+  kvcm::ParseDashedCommandLine(argc, argv);
+  return kvcm::Main();
+}

@@ -1,0 +1,234 @@
+#include "services/router/router_core.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/base/log.h"
+#include "common/base/monotonic_clock.h"
+#include "common/base/status_macros.h"
+
+namespace kvcm::router {
+namespace {
+
+constexpr char kComponent[] = "kvcm-router";
+void Log(std::string_view text) { LogLine(kComponent, text); }
+
+// How often silent executors and late steps are looked for.
+constexpr absl::Duration kHousekeeping = absl::Milliseconds(100);
+
+}  // namespace
+
+RouterCore::RouterCore(const Options& options, Sink sink)
+    : options_(options), sink_(std::move(sink)), context_(1) {}
+
+RouterCore::~RouterCore() {
+  link_.reset();
+  context_.close();
+}
+
+absl::StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(const Options& options,
+                                                               Sink sink) {
+  std::unique_ptr<RouterCore> core(new RouterCore(options, std::move(sink)));
+  KVCM_RETURN_IF_ERROR(core->loop_.Init());
+  CacheManagerClient::Options client;
+  client.endpoint = options.cache_manager_endpoint;
+  client.role = wire::Role::Router;
+  client.name = options.name;
+  KVCM_ASSIGN_OR_RETURN(core->cache_manager_, CacheManagerClient::Connect(client));
+  core->session_ = core->cache_manager_->session();
+
+  PlannerOptions& planner = core->planner_options_;
+  planner.block_size = core->session_.block_size;
+  planner.num_blocks = core->session_.num_blocks;
+  planner.max_batch_prefill_tokens = options.max_batch_prefill_tokens;
+  const int64_t pool_tokens = int64_t{core->session_.num_blocks} * core->session_.block_size;
+  planner.max_batch_total_tokens = options.max_batch_total_tokens > 0
+                                       ? std::min(options.max_batch_total_tokens, pool_tokens)
+                                       : pool_tokens;
+  planner.max_running = options.max_running;
+  planner.hash_algorithm = core->session_.hash_algorithm;
+  planner.root_hash = RootHash(planner.hash_algorithm, "");
+  core->planner_ = std::make_unique<StepPlanner>(planner);
+
+  ExecutorLink::Options link;
+  link.endpoint = options.executor_endpoint;
+  core->link_ = std::make_unique<ExecutorLink>(core->context_, link);
+  KVCM_RETURN_IF_ERROR(core->link_->Bind());
+  RouterCore* self = core.get();
+  core->link_->set_on_result([self](uint64_t executor, uint64_t step,
+                                    absl::StatusOr<StepReport> report) {
+    self->OnResult(executor, step, std::move(report));
+  });
+  core->link_->set_on_change([self] {
+    self->live_executors_.store(static_cast<int>(self->link_->executors().size()));
+    self->ScheduleTurn();
+  });
+  return core;
+}
+
+void RouterCore::Submit(Submission submission) {
+  loop_.Post([this, s = std::move(submission)]() mutable {
+    known_.insert(s.id);
+    planner_->Enqueue(s.id, std::move(s.prompt), s.max_new_tokens, s.sampling);
+    ScheduleTurn();
+  });
+}
+
+void RouterCore::Cancel(uint64_t id) {
+  loop_.Post([this, id] {
+    if (known_.erase(id) > 0) planner_->Finish(id);  // freed in the next step
+    ScheduleTurn();
+  });
+}
+
+void RouterCore::Stop() {
+  loop_.Post([this] { loop_.Stop(); });
+}
+
+void RouterCore::ScheduleTurn() {
+  if (turn_scheduled_) return;
+  turn_scheduled_ = true;
+  loop_.Post([this] {
+    turn_scheduled_ = false;
+    Turn();
+  });
+}
+
+void RouterCore::FailAll(const absl::Status& status) {
+  std::vector<Progress> failed;
+  for (uint64_t id : known_) {
+    Progress p;
+    p.id = id;
+    p.finished = true;
+    p.error = status;
+    failed.push_back(std::move(p));
+    planner_->Finish(id);
+  }
+  known_.clear();
+  if (!failed.empty()) sink_(std::move(failed));
+}
+
+void RouterCore::Turn() {
+  if (in_flight_) return;
+  if (planner_->queued() == 0 && planner_->running() == 0) return;
+  const std::vector<uint64_t> executors = link_->Live();
+  absl::StatusOr<StatsSnapshot> stats = cache_manager_->Stats();
+  if (!stats.ok()) {
+    Log(absl::StrCat("cache manager Stats: ", stats.status().ToString()));
+    FailAll(absl::UnavailableError(absl::StrCat("the cache manager is unavailable: ",
+                                                stats.status().message())));
+    return;
+  }
+  StepPlan plan = planner_->Plan(stats->free_blocks + stats->cached_blocks, executors);
+  std::vector<Progress> progress;
+  for (RequestId id : plan.rejected) {
+    known_.erase(id);
+    Progress p;
+    p.id = id;
+    p.finished = true;
+    p.error = absl::ResourceExhaustedError(
+        "the prompt and max_new_tokens need more KV cache than the pool holds");
+    progress.push_back(std::move(p));
+  }
+  std::vector<OpOutcome> outcomes;
+  if (!plan.ops.empty()) {
+    BlockOps ops;
+    for (const BlockOp& op : plan.ops) ops.Add(op);
+    absl::StatusOr<std::vector<OpOutcome>> reply = cache_manager_->Step(ops);
+    if (!reply.ok()) {
+      Log(absl::StrCat("cache manager Step: ", reply.status().ToString()));
+      if (!progress.empty()) sink_(std::move(progress));
+      FailAll(absl::UnavailableError(absl::StrCat("the cache manager failed a step: ",
+                                                  reply.status().message())));
+      return;
+    }
+    outcomes = *std::move(reply);
+  }
+  ExecutorWork work = planner_->Apply(plan, outcomes);
+  if (!progress.empty()) sink_(std::move(progress));
+  step_id_ = plan.step_id;
+  ++steps_;
+  results_.clear();
+  awaiting_.clear();
+  const absl::Time now = MonotonicNow();
+  for (ExecutorWork::Batch& batch : work.batches) {
+    batch.step.epoch = session_.epoch;
+    batch.step.router_session = session_.session_id;
+    if (absl::Status sent = link_->SendStep(batch.executor, batch.step, now); !sent.ok()) {
+      Log(absl::StrCat("step ", step_id_, ": ", sent.ToString()));
+      continue;  // its sequences redo the step
+    }
+    awaiting_.insert(batch.executor);
+  }
+  in_flight_ = true;
+  step_deadline_ = now + options_.step_timeout;
+  if (awaiting_.empty()) FinishStep();
+}
+
+void RouterCore::OnResult(uint64_t executor, uint64_t step_id,
+                          absl::StatusOr<StepReport> report) {
+  if (!in_flight_ || step_id != step_id_ || awaiting_.erase(executor) == 0) return;
+  if (report.ok()) {
+    for (const SeqOutcome& outcome : report->results) {
+      results_.push_back({outcome.seq, outcome.status, outcome.token});
+    }
+  } else {
+    Log(absl::StrCat("executor ", executor, " refused step ", step_id, ": ",
+                     report.status().ToString()));
+  }
+  if (awaiting_.empty()) FinishStep();
+}
+
+void RouterCore::FinishStep() {
+  in_flight_ = false;
+  std::vector<TokenEvent> events = planner_->Complete(results_);
+  std::vector<Progress> progress;
+  for (const TokenEvent& event : events) {
+    if (!known_.contains(event.request)) continue;  // cancelled meanwhile
+    Progress p;
+    p.id = event.request;
+    p.token = event.token;
+    const bool eos = std::find(options_.eos_token_ids.begin(), options_.eos_token_ids.end(),
+                               event.token) != options_.eos_token_ids.end();
+    if (eos || event.finished) {
+      p.finished = true;
+      p.finish_reason = eos ? "eos_token" : "length";
+      planner_->Finish(event.request);
+      known_.erase(event.request);
+    }
+    progress.push_back(std::move(p));
+  }
+  if (!progress.empty()) sink_(std::move(progress));
+  ScheduleTurn();
+}
+
+absl::Status RouterCore::Run(int signal_fd) {
+  loop_.WatchSocket(link_->socket(), [this] { link_->HandleReadable(MonotonicNow()); });
+  if (signal_fd >= 0) {
+    loop_.WatchSignals(signal_fd, [this](int signo) {
+      Log(absl::StrCat("received ", strsignal(signo), ": stopping"));
+      loop_.Stop();
+    });
+  }
+  loop_.AddTimer(kHousekeeping, [this](absl::Duration) {
+    const absl::Time now = MonotonicNow();
+    link_->DropSilent(now);
+    if (in_flight_ && now > step_deadline_) {
+      for (uint64_t executor : std::vector<uint64_t>(awaiting_.begin(), awaiting_.end())) {
+        Log(absl::StrCat("executor ", executor, " did not answer step ", step_id_, " within ",
+                         absl::FormatDuration(options_.step_timeout), ": dropped"));
+        link_->Drop(executor);
+      }
+    }
+  });
+  KVCM_RETURN_IF_ERROR(loop_.Run());
+  Log(absl::StrCat("stopping after ", steps_, " step(s), ", planner_->preemptions(),
+                   " preemption(s); ", known_.size(), " request(s) still open"));
+  FailAll(absl::UnavailableError("the router is shutting down"));
+  link_->SayGoodbye();
+  (void)cache_manager_->Goodbye();
+  return absl::OkStatus();
+}
+
+}  // namespace kvcm::router

@@ -1,0 +1,108 @@
+#pragma once
+// RouterCore: the router's scheduling thread (docs/architecture.md, "The life of a step").
+// It owns the cache-manager session, the ExecutorLink and the StepPlanner, and turns
+// steps one at a time on an EventLoop: plan, one Step to the cache manager, one StepBatch
+// to each executor with work, then (once every executor answered, or was dropped) the
+// sampled tokens go to the requests' sinks and the next step starts.
+//
+// Thread safety: Submit() and Cancel() may be called from any thread (they post to the
+// loop); everything else runs on the thread that calls Run().
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "common/client/cache_manager_client.h"
+#include "common/transport/event_loop.h"
+#include "services/router/executor_link.h"
+#include "services/router/step_planner.h"
+
+namespace kvcm::router {
+
+// A request as the front end hands it in: tokenized and checked.
+struct Submission {
+  uint64_t id = 0;
+  std::vector<int32_t> prompt;
+  int32_t max_new_tokens = 1;
+  SeqSampling sampling;
+};
+
+// What happened to a request in one step.
+struct Progress {
+  uint64_t id = 0;
+  int32_t token = -1;       // a generated token, or -1
+  bool finished = false;    // with finish_reason, or an error
+  std::string finish_reason;  // "length", "eos_token"
+  absl::Status error;       // the request failed (finished is true)
+};
+
+class RouterCore {
+ public:
+  struct Options {
+    std::string cache_manager_endpoint;
+    std::string executor_endpoint;
+    std::string name = "router";
+    int32_t max_batch_prefill_tokens = 4096;
+    int64_t max_batch_total_tokens = 0;  // 0: what the pool holds
+    int32_t max_running = 256;
+    // A step an executor has not answered by then is redone without it.
+    absl::Duration step_timeout = absl::Seconds(30);
+    std::vector<int32_t> eos_token_ids;  // generation ends at any of them
+  };
+  using Sink = std::function<void(std::vector<Progress>)>;
+
+  // Connects to the cache manager and binds the executor endpoint.
+  static absl::StatusOr<std::unique_ptr<RouterCore>> Create(const Options& options,
+                                                            Sink sink);
+  ~RouterCore();
+
+  const SessionInfo& session() const { return session_; }
+  const PlannerOptions& planner_options() const { return planner_options_; }
+
+  // Executors registered now (any thread).
+  int live_executors() const { return live_executors_.load(); }
+
+  void Submit(Submission submission);
+  void Cancel(uint64_t id);
+  // Serves until a signal arrives on `signal_fd` (or Stop()).
+  absl::Status Run(int signal_fd);
+  void Stop();
+
+ private:
+  RouterCore(const Options& options, Sink sink);
+  void Turn();       // starts a step if none is in flight and there is work
+  void ScheduleTurn();
+  void OnResult(uint64_t executor, uint64_t step_id, absl::StatusOr<StepReport> report);
+  void FinishStep();
+  void FailAll(const absl::Status& status);
+
+  const Options options_;
+  const Sink sink_;
+  zmq::context_t context_;
+  EventLoop loop_;
+  std::unique_ptr<CacheManagerClient> cache_manager_;
+  SessionInfo session_;
+  std::unique_ptr<ExecutorLink> link_;
+  PlannerOptions planner_options_;
+  std::unique_ptr<StepPlanner> planner_;
+  absl::flat_hash_set<uint64_t> known_;  // requests queued or running
+  bool turn_scheduled_ = false;
+  uint64_t steps_ = 0;
+  std::atomic<int> live_executors_{0};
+
+  // The step in flight.
+  bool in_flight_ = false;
+  uint64_t step_id_ = 0;
+  absl::Time step_deadline_;
+  absl::flat_hash_set<uint64_t> awaiting_;  // executors that owe a result
+  std::vector<SeqResult> results_;
+};
+
+}  // namespace kvcm::router

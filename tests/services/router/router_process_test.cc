@@ -1,0 +1,393 @@
+// kvcm-router end to end, with real processes and real HTTP: a cache manager, executors of
+// the tiny model, the router; requests over TGI's API. Greedy tokens must equal the model
+// run alone in this process (the contiguous reference forward); bad requests get their 4xx
+// and leave the ledger whole; a client that leaves mid-stream frees its blocks; an executor
+// killed with SIGKILL mid-generation changes no token.
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "common/base/run_dir.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/services/executor/executor_test_util.h"
+#include "tests/support/cache_manager_process.h"
+#include "tests/support/http_client.h"
+#include "tests/support/subprocess.h"
+
+namespace kvcm {
+namespace {
+
+using json = nlohmann::json;
+using ::testing::HasSubstr;
+using kvcm::testing::CacheManagerOptions;
+using kvcm::testing::CacheManagerProcess;
+using kvcm::testing::ExecutorArgs;
+using kvcm::testing::ExecutorProcess;
+using kvcm::testing::HttpPost;
+using kvcm::testing::HttpResponse;
+using kvcm::testing::KvcmBinaryPath;
+using kvcm::testing::Subprocess;
+using kvcm::testing::TempDir;
+
+constexpr uint64_t kModelSeed = 7;
+
+// Block states sum to the pool.
+void ExpectWhole(const StatsSnapshot& stats) {
+  EXPECT_EQ(stats.free_blocks + stats.in_use_blocks + stats.cached_blocks + stats.pinned_blocks,
+            stats.num_blocks);
+}
+constexpr int32_t kBlockSize = 4;
+
+class RouterProcessTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-router");
+    ASSERT_TRUE(dir.ok()) << dir.status();
+    dir_ = new TempDir(std::move(*dir));
+    model_dir_ = new std::string(dir_->path() + "/tiny");
+    ASSERT_TRUE(kvcm::testing::MakeTinyModel(*model_dir_, kModelSeed).ok());
+    absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(*model_dir_);
+    ASSERT_TRUE(model.ok()) << model.status();
+    model_ = model->release();
+  }
+  static void TearDownTestSuite() {
+    delete model_;
+    delete model_dir_;
+    delete dir_;
+  }
+
+  void TearDown() override {
+    if (router_ != nullptr) {
+      (void)router_->Signal(SIGTERM);
+      (void)router_->Wait(absl::Seconds(10));
+    }
+  }
+
+  // A cache manager of `num_blocks`, the router, and `executors` executors registered.
+  void StartStack(int32_t num_blocks, int executors, std::vector<std::string> router_flags = {},
+                  std::vector<std::string> executor_flags = {}) {
+    CacheManagerOptions options;
+    options.num_blocks = num_blocks;
+    options.block_size = kBlockSize;
+    options.layers = model_->config().num_hidden_layers;
+    options.kv_heads = model_->config().num_key_value_heads;
+    options.head_dim = model_->config().head_dim;
+    options.dtype = "fp32";
+    options.heartbeat_interval_ms = 100;
+    options.heartbeat_timeout_ms = 2000;
+    absl::StatusOr<std::unique_ptr<CacheManagerProcess>> cm = CacheManagerProcess::Start(options);
+    ASSERT_TRUE(cm.ok()) << cm.status();
+    cm_ = std::move(*cm);
+
+    absl::StatusOr<TempDir> log = TempDir::Create("kvcm-rlog");
+    ASSERT_TRUE(log.ok());
+    log_ = std::make_unique<TempDir>(std::move(*log));
+    Subprocess::Options router;
+    router.argv = {KvcmBinaryPath("kvcm-router"), "--model", *model_dir_, "--run-dir",
+                   cm_->run_dir(), "--port", "0"};
+    router.argv.insert(router.argv.end(), router_flags.begin(), router_flags.end());
+    router.output_path = log_->path() + "/router";
+    absl::StatusOr<std::unique_ptr<Subprocess>> started = Subprocess::Start(router);
+    ASSERT_TRUE(started.ok()) << started.status();
+    router_ = std::move(*started);
+    auto ready = router_->WaitForLine("ready http=(\\S+)", absl::Now() + absl::Seconds(30));
+    ASSERT_TRUE(ready.ok()) << ready.status() << "\n" << router_->Output();
+    url_ = (*ready)[1];
+    for (int i = 0; i < executors; ++i) {
+      ExecutorArgs args;
+      args.model = *model_dir_;
+      args.run_dir = cm_->run_dir();
+      args.router = IpcEndpointIn(cm_->run_dir(), kRouterExecutorsSocket);
+      args.name = absl::StrCat("exec-", i);
+      args.threads = 1;
+      args.extra = executor_flags;
+      absl::StatusOr<ExecutorProcess> executor = kvcm::testing::StartExecutor(args);
+      ASSERT_TRUE(executor.ok()) << executor.status();
+      executors_.push_back(std::move(*executor));
+    }
+    // Registered with the router: /health answers 200.
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    while (true) {
+      absl::StatusOr<HttpResponse> health = kvcm::testing::HttpGet(url_ + "/health");
+      if (health.ok() && health->status == 200) {
+        absl::StatusOr<HttpResponse> info = kvcm::testing::HttpGet(url_ + "/info");
+        if (info.ok() && json::parse(info->body)["executors"].get<int>() == executors) break;
+      }
+      ASSERT_LT(absl::Now(), deadline) << router_->Output();
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+  }
+
+  // The prompt's token ids as the router makes them: BOS, then one per byte.
+  static std::vector<int32_t> PromptIds(const std::string& text) {
+    std::vector<int32_t> ids = {1};
+    for (unsigned char c : text) ids.push_back(3 + c);
+    return ids;
+  }
+  static std::vector<int32_t> Reference(const std::string& text, int32_t n) {
+    return kvcm::testing::ReferenceGreedy(*model_, PromptIds(text), n);
+  }
+
+  // Token ids of a /generate reply with details.
+  static std::vector<int32_t> TokenIds(const std::string& body) {
+    std::vector<int32_t> ids;
+    const json reply = json::parse(body, nullptr, false);
+    if (reply.is_discarded() || !reply.contains("details")) return ids;
+    for (const json& token : reply["details"]["tokens"]) ids.push_back(token["id"].get<int32_t>());
+    return ids;
+  }
+  // Token ids of a /generate_stream reply (server-sent events).
+  static std::vector<int32_t> StreamIds(const std::string& body, std::string* last = nullptr) {
+    std::vector<int32_t> ids;
+    for (absl::string_view line : absl::StrSplit(body, '\n')) {
+      if (!absl::ConsumePrefix(&line, "data:")) continue;
+      const json event = json::parse(std::string(line), nullptr, false);
+      if (event.is_discarded() || !event.contains("token")) continue;
+      ids.push_back(event["token"]["id"].get<int32_t>());
+      if (last != nullptr) *last = std::string(line);
+    }
+    return ids;
+  }
+
+  static std::string GenerateBody(const std::string& text, int32_t max_new_tokens) {
+    return json{{"inputs", text},
+                {"parameters", {{"max_new_tokens", max_new_tokens}, {"details", true}}}}
+        .dump();
+  }
+
+  StatsSnapshot Stats() {
+    CacheManagerClient::Options options;
+    options.endpoint = cm_->endpoint();
+    options.role = wire::Role::Control;
+    options.name = "test";
+    options.heartbeats = false;
+    auto client = CacheManagerClient::Connect(options);
+    EXPECT_TRUE(client.ok()) << client.status();
+    if (!client.ok()) return {};
+    absl::StatusOr<StatsSnapshot> stats = (*client)->Stats();
+    EXPECT_TRUE(stats.ok()) << stats.status();
+    return stats.ok() ? *stats : StatsSnapshot{};
+  }
+
+  // Waits until no block is in use (the router's frees go out with its next step).
+  bool AwaitNoBlockInUse() {
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (absl::Now() < deadline) {
+      if (Stats().in_use_blocks == 0) return true;
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    return false;
+  }
+
+  static TempDir* dir_;
+  static std::string* model_dir_;
+  static LlamaModel* model_;
+  std::unique_ptr<CacheManagerProcess> cm_;
+  std::unique_ptr<TempDir> log_;
+  std::unique_ptr<Subprocess> router_;
+  std::vector<ExecutorProcess> executors_;
+  std::string url_;
+};
+
+TempDir* RouterProcessTest::dir_ = nullptr;
+std::string* RouterProcessTest::model_dir_ = nullptr;
+LlamaModel* RouterProcessTest::model_ = nullptr;
+
+TEST_F(RouterProcessTest, ConcurrentGreedyRequestsGiveTheTokensOfTheModelRunAlone) {
+  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/512, /*executors=*/2));
+  // 16 requests over HTTP at once, mixed lengths, every other one streaming, several sharing
+  // a system prompt.
+  const std::string system = "You are a helpful assistant. Answer briefly. ";
+  struct Case {
+    std::string text;
+    int32_t n;
+    bool stream;
+  };
+  std::vector<Case> cases;
+  for (int i = 0; i < 16; ++i) {
+    std::string text = (i % 3 == 0 ? system : "") + absl::StrCat("question ", i, "?");
+    text.append(static_cast<size_t>(i % 5) * 7, 'a' + static_cast<char>(i));
+    cases.push_back({text, 4 + (i * 5) % 17, i % 2 == 1});
+  }
+  std::vector<std::vector<int32_t>> got(cases.size());
+  std::vector<std::string> errors(cases.size());
+  std::vector<std::thread> clients;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    clients.emplace_back([&, i] {
+      const Case& c = cases[i];
+      absl::StatusOr<HttpResponse> reply =
+          HttpPost(url_ + (c.stream ? "/generate_stream" : "/generate"),
+                   GenerateBody(c.text, c.n), absl::Seconds(60));
+      if (!reply.ok() || reply->status != 200) {
+        errors[i] = reply.ok() ? absl::StrCat(reply->status, " ", reply->body)
+                               : reply.status().ToString();
+        return;
+      }
+      got[i] = c.stream ? StreamIds(reply->body) : TokenIds(reply->body);
+    });
+  }
+  for (std::thread& t : clients) t.join();
+  for (size_t i = 0; i < cases.size(); ++i) {
+    SCOPED_TRACE(cases[i].text);
+    EXPECT_EQ(errors[i], "");
+    EXPECT_EQ(got[i], Reference(cases[i].text, cases[i].n));
+  }
+  EXPECT_TRUE(AwaitNoBlockInUse()) << router_->Output();
+  ExpectWhole(Stats());
+}
+
+TEST_F(RouterProcessTest, APoolOfFewBlocksForcesPreemptionAndEveryRequestStillGetsItsTokens) {
+  // 24 blocks of 4 tokens: six requests of ~20 prompt and 30 new tokens cannot all fit.
+  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/24, /*executors=*/1,
+                                     {"--max-total-tokens", "96"}));
+  std::vector<std::string> texts;
+  for (int i = 0; i < 6; ++i) texts.push_back(absl::StrCat("preempt me please ", i));
+  std::vector<std::vector<int32_t>> got(texts.size());
+  std::vector<std::thread> clients;
+  for (size_t i = 0; i < texts.size(); ++i) {
+    clients.emplace_back([&, i] {
+      absl::StatusOr<HttpResponse> reply =
+          HttpPost(url_ + "/generate", GenerateBody(texts[i], 30), absl::Seconds(60));
+      if (reply.ok() && reply->status == 200) got[i] = TokenIds(reply->body);
+    });
+  }
+  for (std::thread& t : clients) t.join();
+  for (size_t i = 0; i < texts.size(); ++i) EXPECT_EQ(got[i], Reference(texts[i], 30)) << i;
+  EXPECT_TRUE(AwaitNoBlockInUse());
+  ASSERT_TRUE(router_->Signal(SIGTERM).ok());
+  ASSERT_TRUE(router_->Wait(absl::Seconds(10)).ok());
+  auto summary = router_->WaitForLine("stopping after [0-9]+ step\\(s\\), ([0-9]+) preemption",
+                                      absl::Now() + absl::Seconds(5));
+  ASSERT_TRUE(summary.ok()) << router_->Output();
+  int preemptions = 0;
+  ASSERT_TRUE(absl::SimpleAtoi((*summary)[1], &preemptions));
+  EXPECT_GT(preemptions, 0) << "the pool was meant to be too small";
+  router_.reset();
+}
+
+TEST_F(RouterProcessTest, BadRequestsGetTheirStatusAndLeaveTheLedgerWhole) {
+  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/64, /*executors=*/1,
+                                     {"--max-input-tokens", "40", "--max-total-tokens", "60"}));
+  struct Bad {
+    std::string path;
+    std::string body;
+    int status;
+    std::string says;
+  };
+  const std::vector<Bad> cases = {
+      {"/generate", "{not json", 400, "not a JSON object"},
+      {"/generate", R"({"parameters": {}})", 422, "`inputs` must be a string"},
+      {"/generate", R"({"inputs": 5})", 422, "`inputs` must be a string"},
+      {"/generate", R"({"inputs": "a", "parameters": {"max_new_tokens": 0}})", 422,
+       "max_new_tokens"},
+      {"/generate", R"({"inputs": "a", "parameters": {"max_new_tokens": "3"}})", 422,
+       "max_new_tokens"},
+      {"/generate", R"({"inputs": "a", "parameters": {"temperature": -1}})", 422, "temperature"},
+      {"/generate", R"({"inputs": "a", "parameters": {"top_p": 1.5}})", 422, "top_p"},
+      {"/generate", R"({"inputs": "a", "parameters": {"stop": ["x"]}})", 422,
+       "`stop` is not supported"},
+      {"/generate", R"({"inputs": "a", "parameters": {"repetition_penalty": 1.2}})", 422,
+       "not supported"},
+      {"/generate", R"({"inputs": "a", "parameters": {"best_of": 2}})", 422, "not supported"},
+      {"/generate", json{{"inputs", std::string(50, 'x')}}.dump(), 422, "less than 40 tokens"},
+      {"/generate", R"({"inputs": "a", "parameters": {"max_new_tokens": 59}})", 422,
+       "must be <= 60"},
+      {"/nowhere", "{}", 404, "no route"},
+  };
+  for (const Bad& bad : cases) {
+    SCOPED_TRACE(bad.body);
+    absl::StatusOr<HttpResponse> reply = HttpPost(url_ + bad.path, bad.body);
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    EXPECT_EQ(reply->status, bad.status) << reply->body;
+    const json error = json::parse(reply->body, nullptr, false);
+    ASSERT_FALSE(error.is_discarded()) << reply->body;
+    EXPECT_THAT(error["error"].get<std::string>(), HasSubstr(bad.says));
+    EXPECT_TRUE(error.contains("error_type"));
+  }
+  // A body over the limit is refused before it is read.
+  absl::StatusOr<HttpResponse> huge =
+      HttpPost(url_ + "/generate", json{{"inputs", std::string(2 << 20, 'x')}}.dump());
+  EXPECT_TRUE(!huge.ok() || huge->status == 413) << (huge.ok() ? huge->body : "");
+  // Nothing was allocated for any of them, and the server still answers.
+  const StatsSnapshot stats = Stats();
+  EXPECT_EQ(stats.in_use_blocks, 0);
+  ExpectWhole(stats);
+  absl::StatusOr<HttpResponse> fine = HttpPost(url_ + "/generate", GenerateBody("ok", 3));
+  ASSERT_TRUE(fine.ok());
+  EXPECT_EQ(fine->status, 200) << fine->body;
+  EXPECT_EQ(TokenIds(fine->body), Reference("ok", 3));
+}
+
+TEST_F(RouterProcessTest, AClientThatLeavesMidStreamHasItsBlocksFreed) {
+  // Slow steps (5 ms a layer), so that the stream is still running when the client goes.
+  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/128, /*executors=*/1, {},
+                                     {"--fault-layer-delay-ms", "5"}));
+  const int port = std::stoi(url_.substr(url_.rfind(':') + 1));
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  ::inet_pton(AF_INET, "127.0.0.1", &address.sin_addr);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address)), 0);
+  const std::string body = GenerateBody("a long story, please", 400);
+  const std::string request =
+      absl::StrCat("POST /generate_stream HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                   "application/json\r\nContent-Length: ",
+                   body.size(), "\r\n\r\n", body);
+  ASSERT_EQ(::send(fd, request.data(), request.size(), MSG_NOSIGNAL),
+            static_cast<ssize_t>(request.size()));
+  // Read until the first token event arrived: the sequence holds blocks now.
+  std::string seen;
+  char buffer[4096];
+  while (seen.find("data:") == std::string::npos) {
+    const ssize_t n = ::recv(fd, buffer, sizeof(buffer), 0);
+    ASSERT_GT(n, 0);
+    seen.append(buffer, static_cast<size_t>(n));
+  }
+  EXPECT_GT(Stats().in_use_blocks, 0);
+  ::close(fd);
+  EXPECT_TRUE(AwaitNoBlockInUse()) << router_->Output();
+  EXPECT_THAT(router_->Output(), HasSubstr("the client went away; cancelled"));
+  ExpectWhole(Stats());
+}
+
+TEST_F(RouterProcessTest, AnExecutorKilledMidGenerationChangesNoToken) {
+  // Two executors, slow steps; one is killed with SIGKILL while both generate.
+  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/256, /*executors=*/2, {},
+                                     {"--fault-layer-delay-ms", "3"}));
+  std::vector<std::string> texts = {"first request", "second request", "third one",
+                                    "and a fourth"};
+  std::vector<std::vector<int32_t>> got(texts.size());
+  std::vector<std::thread> clients;
+  for (size_t i = 0; i < texts.size(); ++i) {
+    clients.emplace_back([&, i] {
+      absl::StatusOr<HttpResponse> reply =
+          HttpPost(url_ + "/generate", GenerateBody(texts[i], 40), absl::Seconds(120));
+      if (reply.ok() && reply->status == 200) got[i] = TokenIds(reply->body);
+    });
+  }
+  absl::SleepFor(absl::Milliseconds(400));  // a few steps in: every request is generating
+  ASSERT_TRUE(executors_[1].process->Signal(SIGKILL).ok());
+  for (std::thread& t : clients) t.join();
+  for (size_t i = 0; i < texts.size(); ++i) EXPECT_EQ(got[i], Reference(texts[i], 40)) << i;
+  EXPECT_THAT(router_->Output(), HasSubstr("dropped"));
+  EXPECT_TRUE(AwaitNoBlockInUse());
+}
+
+}  // namespace
+}  // namespace kvcm
