@@ -1,5 +1,9 @@
 #include "services/router/executor_link.h"
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -35,8 +39,14 @@ std::string ModelMismatch(const ModelInfo& want, const ModelInfo& got) {
 
 }  // namespace
 
-ExecutorLink::ExecutorLink(zmq::context_t& context, Options options)
-    : socket_(context, zmq::socket_type::router), options_(std::move(options)) {}
+ExecutorLink::ExecutorLink(zmq::context_t& context, EventLoop* loop, Options options)
+    : socket_(context, zmq::socket_type::router), loop_(loop), options_(std::move(options)) {}
+
+ExecutorLink::~ExecutorLink() {
+  for (auto& [id, executor] : executors_) {
+    if (executor.pid_watch != 0) loop_->Cancel(executor.pid_watch);
+  }
+}
 
 absl::Status ExecutorLink::Bind() {
   try {
@@ -134,6 +144,17 @@ void ExecutorLink::HandleReadable(absl::Time now) {
                                wire::CreateExecutorHelloReply(out_, fresh.id,
                                                               options_.heartbeat_interval_ms)
                                    .Union());
+        // Its death is seen at once. (The pid is the one it claims: a wrong claim only
+        // hurts its own liveness, and silence still drops it.)
+        const long pidfd = ::syscall(SYS_pidfd_open, fresh.hello.pid, 0);
+        if (pidfd >= 0) {
+          fresh.pidfd = UniqueFd(static_cast<int>(pidfd));
+          const uint64_t id = fresh.id;
+          fresh.pid_watch = loop_->WatchFd(fresh.pidfd.get(), [this, id] {
+            Log(absl::StrCat("executor ", id, " exited: dropped"));
+            Drop(id);
+          });
+        }
         by_identity_[identity] = fresh.id;
         executors_.emplace(fresh.id, std::move(fresh));
         Reply(identity, out_);
@@ -207,6 +228,7 @@ void ExecutorLink::Drop(uint64_t id) {
   auto it = executors_.find(id);
   if (it == executors_.end()) return;
   const uint64_t step = it->second.pending_step;
+  if (it->second.pid_watch != 0) loop_->Cancel(it->second.pid_watch);
   by_identity_.erase(it->second.identity);
   executors_.erase(it);
   if (step != 0 && on_result_) {

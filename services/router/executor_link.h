@@ -1,9 +1,10 @@
 #pragma once
 // ExecutorLink: the router's ROUTER socket for its executors (docs/executor.md): their
 // registration (ExecutorHello, checked against the first executor's model), heartbeats,
-// Goodbye, and the StepResults of the batches the router sends. Liveness: an executor that
-// stays silent for `silence_limit` while it owes nothing, or does not answer a step within
-// `step_timeout`, is dropped (kill -9 closes no ZeroMQ session the router could see).
+// Goodbye, and the StepResults of the batches the router sends. Liveness: the process that
+// registered is watched with a pidfd in the router's event loop, so a death (kill -9 closes
+// no ZeroMQ session the router could see) drops it at once; an executor that stays silent
+// for `silence_limit` (hung, or on another host) is dropped too.
 //
 // Thread safety: one thread (the router's event loop) owns it.
 
@@ -16,6 +17,8 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "common/base/unique_fd.h"
+#include "common/transport/event_loop.h"
 #include "common/wire/executor_codec.h"
 #include "zmq.hpp"
 
@@ -36,12 +39,16 @@ class ExecutorLink {
     absl::Time last_heard;
     uint64_t pending_request = 0;  // the StepBatch it owes a result for (0: none)
     uint64_t pending_step = 0;
+    UniqueFd pidfd;               // the registered process; invalid if it could not be opened
+    EventLoop::Id pid_watch = 0;
   };
   // A StepResult (or its refusal) for step `step_id` from `executor`.
   using ResultHandler =
       std::function<void(uint64_t executor, uint64_t step_id, absl::StatusOr<StepReport>)>;
 
-  ExecutorLink(zmq::context_t& context, Options options);
+  // `loop` (which outlives the link) watches the executors' pidfds.
+  ExecutorLink(zmq::context_t& context, EventLoop* loop, Options options);
+  ~ExecutorLink();
   absl::Status Bind();
   zmq::socket_t& socket() { return socket_; }
 
@@ -70,6 +77,7 @@ class ExecutorLink {
               const std::string& reason);
 
   zmq::socket_t socket_;
+  EventLoop* const loop_;
   const Options options_;
   absl::flat_hash_map<uint64_t, Executor> executors_;
   absl::flat_hash_map<std::string, uint64_t> by_identity_;

@@ -53,7 +53,7 @@ absl::StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(const Options& op
 
   ExecutorLink::Options link;
   link.endpoint = options.executor_endpoint;
-  core->link_ = std::make_unique<ExecutorLink>(core->context_, link);
+  core->link_ = std::make_unique<ExecutorLink>(core->context_, &core->loop_, link);
   KVCM_RETURN_IF_ERROR(core->link_->Bind());
   RouterCore* self = core.get();
   core->link_->set_on_result([self](uint64_t executor, uint64_t step,

@@ -373,19 +373,24 @@ TEST_F(RouterProcessTest, AnExecutorKilledMidGenerationChangesNoToken) {
   std::vector<std::string> texts = {"first request", "second request", "third one",
                                     "and a fourth"};
   std::vector<std::vector<int32_t>> got(texts.size());
+  std::atomic<int> done{0};
   std::vector<std::thread> clients;
   for (size_t i = 0; i < texts.size(); ++i) {
     clients.emplace_back([&, i] {
       absl::StatusOr<HttpResponse> reply =
           HttpPost(url_ + "/generate", GenerateBody(texts[i], 40), absl::Seconds(120));
       if (reply.ok() && reply->status == 200) got[i] = TokenIds(reply->body);
+      ++done;
     });
   }
-  absl::SleepFor(absl::Milliseconds(400));  // a few steps in: every request is generating
+  absl::SleepFor(absl::Milliseconds(300));  // a few steps in: every request is generating
   ASSERT_TRUE(executors_[1].process->Signal(SIGKILL).ok());
+  const int done_at_kill = done.load();
   for (std::thread& t : clients) t.join();
+  EXPECT_EQ(done_at_kill, 0) << "the kill came too late to be mid-generation";
   for (size_t i = 0; i < texts.size(); ++i) EXPECT_EQ(got[i], Reference(texts[i], 40)) << i;
-  EXPECT_THAT(router_->Output(), HasSubstr("dropped"));
+  // Its pidfd told the router at once (not the silence limit).
+  EXPECT_THAT(router_->Output(), HasSubstr("exited: dropped"));
   EXPECT_TRUE(AwaitNoBlockInUse());
 }
 
