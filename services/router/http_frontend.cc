@@ -15,7 +15,10 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "common/base/log.h"
+#include "common/base/monotonic_clock.h"
 #include "nlohmann/json.hpp"
+#include "prometheus/registry.h"
+#include "prometheus/text_serializer.h"
 
 namespace kvcm::router {
 namespace {
@@ -69,6 +72,7 @@ struct HttpFrontend::Impl {
   Options options;
   const Tokenizer* tokenizer = nullptr;
   RouterCore* core = nullptr;
+  RouterMetrics* metrics = nullptr;
   event_base* base = nullptr;
   evhttp* http = nullptr;
   event* mail = nullptr;
@@ -85,7 +89,13 @@ struct HttpFrontend::Impl {
     std::string prompt_text;
     std::vector<int32_t> generated;
     size_t emitted = 0;  // bytes of the generated text already streamed
+    absl::Time arrived;
+    absl::Time last_token;
   };
+
+  void Count(RequestOutcome outcome) {
+    if (metrics != nullptr) metrics->CountRequest(outcome);
+  }
   absl::flat_hash_map<uint64_t, Active> active;
   absl::flat_hash_map<evhttp_connection*, uint64_t> by_connection;
   uint64_t next_id = 1;
@@ -115,6 +125,13 @@ struct HttpFrontend::Impl {
                                          : "Error";
     evhttp_send_reply(request, status, reason, out);
     evbuffer_free(out);
+  }
+  // A refusal of a generation request, counted.
+  void Refuse(evhttp_request* request, const HttpError& error) {
+    Count(error.status == 429   ? RequestOutcome::kOverloaded
+          : error.status == 503 ? RequestOutcome::kUnavailable
+                                : RequestOutcome::kInvalid);
+    ReplyError(request, error);
   }
   static void ReplyError(evhttp_request* request, const HttpError& error) {
     Reply(request, error.status, Dump(json{{"error", error.message}, {"error_type", error.type}}));
@@ -196,45 +213,45 @@ struct HttpFrontend::Impl {
 
   void HandleGenerate(evhttp_request* request, std::optional<bool> stream_path) {
     if (evhttp_request_get_command(request) != EVHTTP_REQ_POST) {
-      return ReplyError(request, {405, "use POST", "validation"});
+      return Refuse(request, {405, "use POST", "validation"});
     }
     const json root = json::parse(Body(request), nullptr, /*allow_exceptions=*/false);
     if (root.is_discarded() || !root.is_object()) {
-      return ReplyError(request, {400, "the body is not a JSON object", "validation"});
+      return Refuse(request, {400, "the body is not a JSON object", "validation"});
     }
     if (!root.contains("inputs") || !root["inputs"].is_string()) {
-      return ReplyError(request, {422, "`inputs` must be a string"});
+      return Refuse(request, {422, "`inputs` must be a string"});
     }
     bool stream = stream_path.value_or(false);
     if (!stream_path.has_value() && root.contains("stream")) {
-      if (!root["stream"].is_boolean()) return ReplyError(request, {422, "`stream` must be a boolean"});
+      if (!root["stream"].is_boolean()) return Refuse(request, {422, "`stream` must be a boolean"});
       stream = root["stream"].get<bool>();
     }
     Params params;
-    if (auto bad = ParseParams(root, &params)) return ReplyError(request, *bad);
+    if (auto bad = ParseParams(root, &params)) return Refuse(request, *bad);
     const std::string text = root["inputs"].get<std::string>();
     absl::StatusOr<std::vector<int32_t>> encoded = tokenizer->Encode(text);
-    if (!encoded.ok()) return ReplyError(request, {422, std::string(encoded.status().message())});
+    if (!encoded.ok()) return Refuse(request, {422, std::string(encoded.status().message())});
     std::vector<int32_t> prompt;
     if (tokenizer->bos_id() >= 0) prompt.push_back(tokenizer->bos_id());
     prompt.insert(prompt.end(), encoded->begin(), encoded->end());
     if (static_cast<int32_t>(prompt.size()) > options.max_input_tokens) {
-      return ReplyError(request, {422, absl::StrCat("`inputs` must have less than ",
+      return Refuse(request, {422, absl::StrCat("`inputs` must have less than ",
                                                     options.max_input_tokens, " tokens. Given: ",
                                                     prompt.size())});
     }
     if (static_cast<int64_t>(prompt.size()) + params.max_new_tokens > options.max_total_tokens) {
-      return ReplyError(request,
+      return Refuse(request,
                         {422, absl::StrCat("`inputs` tokens + `max_new_tokens` must be <= ",
                                            options.max_total_tokens, ". Given: ", prompt.size(),
                                            " `inputs` tokens and ", params.max_new_tokens,
                                            " `max_new_tokens`")});
     }
     if (static_cast<int32_t>(active.size()) >= options.max_concurrent_requests) {
-      return ReplyError(request, {429, "Model is overloaded", "overloaded"});
+      return Refuse(request, {429, "Model is overloaded", "overloaded"});
     }
     if (core->live_executors() == 0) {
-      return ReplyError(request, {503, "no executor is registered with the router yet",
+      return Refuse(request, {503, "no executor is registered with the router yet",
                                   "unavailable"});
     }
     const uint64_t id = next_id++;
@@ -244,6 +261,7 @@ struct HttpFrontend::Impl {
     a.stream = stream;
     a.params = params;
     a.prompt_text = text;
+    a.arrived = MonotonicNow();
     by_connection[a.connection] = id;
     evhttp_connection_set_closecb(a.connection, &Impl::OnClose, this);
     if (stream) {
@@ -270,6 +288,7 @@ struct HttpFrontend::Impl {
     if (auto a = self->active.find(id); a != self->active.end()) {
       self->active.erase(a);  // libevent frees the request with the connection
       self->core->Cancel(id);
+      self->Count(RequestOutcome::kCancelled);
       Log(absl::StrCat("request ", id, ": the client went away; cancelled"));
     }
   }
@@ -375,10 +394,25 @@ struct HttpFrontend::Impl {
       if (it == self->active.end()) continue;
       Active& a = it->second;
       if (p.token >= 0) {
+        const absl::Time now = MonotonicNow();
+        if (metrics != nullptr) {
+          if (a.generated.empty()) {
+            metrics->ObserveTimeToFirstToken(absl::ToDoubleSeconds(now - a.arrived));
+          } else {
+            metrics->ObserveTimePerOutputToken(absl::ToDoubleSeconds(now - a.last_token));
+          }
+        }
+        a.last_token = now;
         a.generated.push_back(p.token);
         if (a.stream && a.request != nullptr) self->Stream(a, p);
       }
-      if (p.finished) self->Finish(p.id, a, p);
+      if (p.finished) {
+        if (metrics != nullptr) {
+          metrics->ObserveRequestDuration(absl::ToDoubleSeconds(MonotonicNow() - a.arrived));
+        }
+        Count(p.error.ok() ? RequestOutcome::kOk : RequestOutcome::kUnavailable);
+        self->Finish(p.id, a, p);
+      }
     }
   }
 
@@ -435,6 +469,12 @@ struct HttpFrontend::Impl {
     if (path == "/") return self->HandleGenerate(request, std::nullopt);
     if (path == "/tokenize") return self->HandleTokenize(request);
     if (path == "/info") return self->HandleInfo(request);
+    if (path == "/metrics") {
+      if (self->metrics == nullptr) return ReplyError(request, {404, "no metrics", "validation"});
+      const std::string text =
+          prometheus::TextSerializer().Serialize(self->metrics->registry()->Collect());
+      return Reply(request, 200, text, "text/plain; version=0.0.4");
+    }
     if (path == "/health") {
       if (self->core->live_executors() > 0) return Reply(request, 200, "");
       return ReplyError(request, {503, "no executor is registered", "unavailable"});
@@ -449,7 +489,8 @@ struct HttpFrontend::Impl {
 
 absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(const Options& options,
                                                                   const Tokenizer* tokenizer,
-                                                                  RouterCore* core) {
+                                                                  RouterCore* core,
+                                                                  RouterMetrics* metrics) {
   static std::once_flag threads;
   std::call_once(threads, [] { evthread_use_pthreads(); });
   std::unique_ptr<HttpFrontend> frontend(new HttpFrontend());
@@ -458,6 +499,7 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(const Options&
   impl.options = options;
   impl.tokenizer = tokenizer;
   impl.core = core;
+  impl.metrics = metrics;
   impl.base = event_base_new();
   if (impl.base == nullptr) return absl::InternalError("event_base_new failed");
   impl.http = evhttp_new(impl.base);

@@ -9,6 +9,7 @@
 //   POST /tokenize         {"inputs"} -> [{"id", "text"}]
 //   GET  /health           200 with an executor registered, else 503
 //   GET  /info             the model, the pool and the limits
+//   GET  /metrics          Prometheus text (RouterMetrics)
 //
 // Requests are checked and tokenized here, then handed to RouterCore; the tokens it reports
 // come back through Deliver() (any thread) and are written out on this thread. Errors have
@@ -28,6 +29,7 @@
 #include "absl/status/statusor.h"
 #include "common/tokenizer/tokenizer.h"
 #include "services/router/router_core.h"
+#include "services/router/router_metrics.h"
 
 struct event_base;
 struct evhttp;
@@ -55,9 +57,11 @@ class HttpFrontend {
   };
 
   // Binds and starts serving on its own thread.
+  // `metrics` may be null; it and the others outlive the front end.
   static absl::StatusOr<std::unique_ptr<HttpFrontend>> Start(const Options& options,
                                                              const Tokenizer* tokenizer,
-                                                             RouterCore* core);
+                                                             RouterCore* core,
+                                                             RouterMetrics* metrics);
   ~HttpFrontend();  // stops: pending requests get their connection closed
 
   int port() const { return port_; }

@@ -113,6 +113,8 @@ int Main() {
   core_options.max_batch_total_tokens = absl::GetFlag(FLAGS_max_batch_total_tokens);
   core_options.max_running = absl::GetFlag(FLAGS_max_running);
   core_options.eos_token_ids = tokenizer_config->eos_token_ids;
+  router::RouterMetrics metrics;
+  core_options.metrics = &metrics;
   if ((*tokenizer)->eos_id() >= 0 && core_options.eos_token_ids.empty()) {
     core_options.eos_token_ids = {(*tokenizer)->eos_id()};
   }
@@ -134,10 +136,11 @@ int Main() {
   http.num_blocks = (*core)->session().num_blocks;
   http.max_batch_total_tokens = (*core)->planner_options().max_batch_total_tokens;
   http.max_batch_prefill_tokens = (*core)->planner_options().max_batch_prefill_tokens;
-  auto frontend = router::HttpFrontend::Start(http, tokenizer->get(), core->get());
+  auto frontend = router::HttpFrontend::Start(http, tokenizer->get(), core->get(), &metrics);
   if (!frontend.ok()) return fail(frontend.status());
   frontend_ptr.store(frontend->get());
-  Log(absl::StrCat("ready http=http://", http.host, ":", (*frontend)->port(),
+  Log(absl::StrCat("ready http=http://", http.host, ":", (*frontend)->port(), " metrics=http://",
+                   http.host, ":", (*frontend)->port(), "/metrics",
                    " executors=", core_options.executor_endpoint,
                    " cache_manager=", core_options.cache_manager_endpoint, " block_size=",
                    http.block_size, " num_blocks=", http.num_blocks));

@@ -62,6 +62,10 @@ absl::StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(const Options& op
   });
   core->link_->set_on_change([self] {
     self->live_executors_.store(static_cast<int>(self->link_->executors().size()));
+    if (RouterMetrics* m = self->options_.metrics) {
+      m->SetState(self->planner_->queued(), self->planner_->running(),
+                  self->live_executors_.load());
+    }
     self->ScheduleTurn();
   });
   return core;
@@ -147,6 +151,19 @@ void RouterCore::Turn() {
   }
   ExecutorWork work = planner_->Apply(plan, outcomes);
   if (!progress.empty()) sink_(std::move(progress));
+  if (RouterMetrics* m = options_.metrics) {
+    m->CountPromptTokens(work.cached_prompt_tokens, work.computed_prompt_tokens);
+    m->CountRecomputedCommittedTokens(work.recomputed_committed_tokens);
+    m->CountPreemptions(static_cast<int64_t>(planner_->preemptions() - preemptions_reported_));
+    preemptions_reported_ = planner_->preemptions();
+  }
+  step_sequences_ = 0;
+  for (const ExecutorWork::Batch& batch : work.batches) {
+    step_sequences_ += static_cast<int32_t>(batch.step.seqs.size());
+  }
+  step_prefill_ = plan.prefill_tokens;
+  step_decode_ = plan.decode_tokens;
+  step_started_ = MonotonicNow();
   step_id_ = plan.step_id;
   ++steps_;
   results_.clear();
@@ -198,6 +215,13 @@ void RouterCore::FinishStep() {
       known_.erase(event.request);
     }
     progress.push_back(std::move(p));
+  }
+  if (RouterMetrics* m = options_.metrics) {
+    m->ObserveStep(absl::ToDoubleSeconds(MonotonicNow() - step_started_), step_sequences_,
+                   step_prefill_, step_decode_);
+    m->CountGeneratedTokens(static_cast<int64_t>(events.size()));
+    m->SetState(planner_->queued(), planner_->running(),
+                static_cast<int>(link_->executors().size()));
   }
   if (!progress.empty()) sink_(std::move(progress));
   ScheduleTurn();

@@ -22,6 +22,7 @@
 #include "common/client/cache_manager_client.h"
 #include "common/transport/event_loop.h"
 #include "services/router/executor_link.h"
+#include "services/router/router_metrics.h"
 #include "services/router/step_planner.h"
 
 namespace kvcm::router {
@@ -55,6 +56,7 @@ class RouterCore {
     // A step an executor has not answered by then is redone without it.
     absl::Duration step_timeout = absl::Seconds(30);
     std::vector<int32_t> eos_token_ids;  // generation ends at any of them
+    RouterMetrics* metrics = nullptr;    // optional; outlives the core
   };
   using Sink = std::function<void(std::vector<Progress>)>;
 
@@ -101,6 +103,11 @@ class RouterCore {
   bool in_flight_ = false;
   uint64_t step_id_ = 0;
   absl::Time step_deadline_;
+  absl::Time step_started_;
+  int32_t step_sequences_ = 0;
+  int32_t step_prefill_ = 0;
+  int32_t step_decode_ = 0;
+  uint64_t preemptions_reported_ = 0;
   absl::flat_hash_set<uint64_t> awaiting_;  // executors that owe a result
   std::vector<SeqResult> results_;
 };

@@ -51,8 +51,12 @@ ExecutorId StepPlanner::LeastLoaded(std::span<const ExecutorId> executors) const
   return best;
 }
 
-void StepPlanner::Requeue(Running&& run) {
+void StepPlanner::Requeue(Running&& run, bool preempted) {
   Queued queued = std::move(run.req);
+  if (preempted) {
+    queued.readmitted = true;
+    queued.committed_before = std::max(queued.committed_before, run.committed);
+  }
   seq_of_.erase(queued.request);
   std::erase(order_, run.seq);
   running_.erase(run.seq);
@@ -135,7 +139,7 @@ StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId>
     total_tokens -= run.held;
     ++plan.preempted;
     ++preemptions_;
-    Requeue(std::move(run));
+    Requeue(std::move(run), /*preempted=*/true);
     return victim;
   };
 
@@ -258,7 +262,7 @@ ExecutorWork StepPlanner::Apply(const StepPlan& plan, std::span<const OpOutcome>
           // No room after all: preempted, freed in the next step.
           to_free_.push_back(it->second.seq);
           ++preemptions_;
-          Requeue(std::move(it->second));
+          Requeue(std::move(it->second), /*preempted=*/true);
         }
         break;
       case StepPlan::OpRole::kAdmit:
@@ -270,7 +274,13 @@ ExecutorWork StepPlanner::Apply(const StepPlan& plan, std::span<const OpOutcome>
           run.committed = outcome.num_cached_tokens;
           run.computed = outcome.num_cached_tokens;
           run.hashes_sent = static_cast<int32_t>(op.hashes.size());
-          work.cached_prompt_tokens += outcome.num_cached_tokens;
+          if (run.req.readmitted) {
+            work.recomputed_committed_tokens +=
+                std::max(0, run.req.committed_before - outcome.num_cached_tokens);
+          } else {
+            work.cached_prompt_tokens += outcome.num_cached_tokens;
+            work.computed_prompt_tokens += op.num_tokens - outcome.num_cached_tokens;
+          }
         } else {
           refused_admissions.push_back(it->second.seq);
         }
@@ -279,7 +289,7 @@ ExecutorWork StepPlanner::Apply(const StepPlan& plan, std::span<const OpOutcome>
   }
   // Refused admissions go back to the queue's head in their order.
   for (auto seq = refused_admissions.rbegin(); seq != refused_admissions.rend(); ++seq) {
-    Requeue(std::move(running_.at(*seq)));
+    Requeue(std::move(running_.at(*seq)), /*preempted=*/false);
   }
 
   absl::flat_hash_map<ExecutorId, size_t> batch_of;

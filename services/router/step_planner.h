@@ -101,7 +101,12 @@ struct ExecutorWork {
     StepRequest step;  // epoch and router_session are the caller's to fill in
   };
   std::vector<Batch> batches;
-  int32_t cached_prompt_tokens = 0;  // prompt tokens admissions found in the prefix cache
+  // Of first admissions: prompt tokens found in the prefix cache, and those to compute.
+  int32_t cached_prompt_tokens = 0;
+  int32_t computed_prompt_tokens = 0;
+  // Of re-admissions after a preemption: tokens that had been committed but are computed
+  // again (their cached blocks were evicted meanwhile).
+  int32_t recomputed_committed_tokens = 0;
 };
 
 // One sequence's outcome from its executor, as Complete() takes it.
@@ -156,6 +161,8 @@ class StepPlanner {
     int32_t generated = 0;
     int32_t max_new_tokens = 0;
     SeqSampling sampling;
+    bool readmitted = false;       // preempted before
+    int32_t committed_before = 0;  // tokens it had committed when it was preempted
   };
   struct Running {
     Queued req;
@@ -180,7 +187,8 @@ class StepPlanner {
   // Makes run.hashes cover every full block of the first `tokens` tokens.
   void HashUpTo(Running& run, int32_t tokens) const;
   ExecutorId LeastLoaded(std::span<const ExecutorId> executors) const;
-  void Requeue(Running&& run);
+  // Back to the queue's head; `preempted` (not a refused admission) marks it readmitted.
+  void Requeue(Running&& run, bool preempted);
 
   const PlannerOptions options_;
   std::deque<Queued> queue_;

@@ -27,6 +27,8 @@
 #include "tests/services/executor/executor_test_util.h"
 #include "tests/support/cache_manager_process.h"
 #include "tests/support/http_client.h"
+#include "tests/support/metrics_text.h"
+#include "tests/support/promtool.h"
 #include "tests/support/subprocess.h"
 
 namespace kvcm {
@@ -249,6 +251,45 @@ TEST_F(RouterProcessTest, ConcurrentGreedyRequestsGiveTheTokensOfTheModelRunAlon
   }
   EXPECT_TRUE(AwaitNoBlockInUse()) << router_->Output();
   ExpectWhole(Stats());
+}
+
+TEST_F(RouterProcessTest, SharedPrefixRequestsComputeFewerPromptTokensAndTheMetricsSayIt) {
+  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/256, /*executors=*/1));
+  const std::string system(40, 's');  // BOS + 40 bytes: 10 full blocks of 4
+  absl::StatusOr<HttpResponse> first = HttpPost(url_ + "/generate", GenerateBody(system + "a", 2));
+  ASSERT_TRUE(first.ok() && first->status == 200);
+  // The first request's blocks were committed and stay cached; three more share them.
+  for (const char* tail : {"b?", "cc", "ddd"}) {
+    absl::StatusOr<HttpResponse> reply =
+        HttpPost(url_ + "/generate", GenerateBody(system + tail, 3));
+    ASSERT_TRUE(reply.ok() && reply->status == 200);
+    EXPECT_EQ(TokenIds(reply->body), Reference(system + tail, 3)) << tail;
+  }
+  absl::StatusOr<HttpResponse> scraped = kvcm::testing::HttpGet(url_ + "/metrics");
+  ASSERT_TRUE(scraped.ok() && scraped->status == 200);
+  absl::StatusOr<kvcm::testing::MetricsText> metrics =
+      kvcm::testing::ParseMetricsText(scraped->body);
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  auto value = [&](const std::string& name, const kvcm::testing::MetricLabels& labels = {}) {
+    absl::StatusOr<double> v = metrics->Value(name, labels);
+    EXPECT_TRUE(v.ok()) << name << ": " << v.status();
+    return v.ok() ? *v : -1;
+  };
+  // 40 cached tokens for each of the three (the first 10 blocks; never the last token's).
+  EXPECT_EQ(value("kvcm_router_prompt_tokens_total", {{"source", "cached"}}), 3 * 40);
+  const double prompts = (1 + 41) + (1 + 42) + (1 + 42) + (1 + 43);  // BOS + bytes
+  EXPECT_EQ(value("kvcm_router_prompt_tokens_total", {{"source", "computed"}}),
+            prompts - 3 * 40);
+  EXPECT_EQ(value("kvcm_router_generated_tokens_total"), 2 + 3 * 3);
+  EXPECT_EQ(value("kvcm_router_requests_total", {{"api", "tgi"}, {"outcome", "ok"}}), 4);
+  EXPECT_EQ(value("kvcm_router_executors"), 1);
+  EXPECT_EQ(value("kvcm_router_recomputed_committed_tokens_total"), 0);
+  EXPECT_EQ(value("kvcm_router_time_to_first_token_seconds_count"), 4);
+  // promtool finds nothing to say about the exposition.
+  absl::StatusOr<kvcm::testing::RunResult> lint =
+      kvcm::testing::PromtoolCheckMetrics(scraped->body);
+  ASSERT_TRUE(lint.ok()) << lint.status();
+  EXPECT_EQ(lint->exit_code, 0) << lint->output;
 }
 
 TEST_F(RouterProcessTest, APoolOfFewBlocksForcesPreemptionAndEveryRequestStillGetsItsTokens) {

@@ -1,0 +1,142 @@
+#include "services/router/router_metrics.h"
+
+#include <string>
+#include <vector>
+
+#include "common/base/check.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+
+namespace kvcm::router {
+namespace {
+
+using prometheus::MetricType;
+
+// --- The router's metrics: the one list --------------------------------------------------
+
+constexpr MetricSpec kQueued{"kvcm_router_queue_requests", MetricType::Gauge, "",
+                             "Requests waiting to be admitted (including preempted ones)."};
+constexpr MetricSpec kRunning{"kvcm_router_running_sequences", MetricType::Gauge, "",
+                              "Sequences admitted and holding blocks."};
+constexpr MetricSpec kExecutors{"kvcm_router_executors", MetricType::Gauge, "",
+                                "Executors registered with the router."};
+constexpr MetricSpec kSteps{"kvcm_router_steps_total", MetricType::Counter, "",
+                            "Scheduler steps run (a Step to the cache manager and a StepBatch "
+                            "to each executor with work)."};
+constexpr MetricSpec kStepDuration{
+    "kvcm_router_step_duration_seconds", MetricType::Histogram, "",
+    "Time of a step from planning to the last executor's result."};
+constexpr MetricSpec kBatchSequences{"kvcm_router_batch_sequences", MetricType::Histogram, "",
+                                     "Sequences computed in a step."};
+constexpr MetricSpec kBatchTokens{"kvcm_router_batch_tokens", MetricType::Histogram, "",
+                                  "Tokens computed in a step (prefill chunks and decodes)."};
+constexpr MetricSpec kPromptTokens{
+    "kvcm_router_prompt_tokens_total", MetricType::Counter, "source",
+    "Prompt tokens admitted, by source: cached (their KV was found in the prefix cache) or "
+    "computed (prefilled)."};
+constexpr MetricSpec kGenerated{"kvcm_router_generated_tokens_total", MetricType::Counter, "",
+                                "Tokens generated and sent to clients."};
+constexpr MetricSpec kPreemptions{
+    "kvcm_router_preemptions_total", MetricType::Counter, "",
+    "Sequences preempted for lack of blocks (freed, then re-admitted and recomputed)."};
+constexpr MetricSpec kRecomputed{
+    "kvcm_router_recomputed_committed_tokens_total", MetricType::Counter, "",
+    "Tokens computed again although their KV had been committed: after a preemption whose "
+    "cached blocks were evicted meanwhile. An executor's death adds nothing here (only its "
+    "unanswered step is redone)."};
+constexpr MetricSpec kRequests{"kvcm_router_requests_total", MetricType::Counter, "api,outcome",
+                               "Requests by API and by how they ended."};
+constexpr MetricSpec kTtft{"kvcm_router_time_to_first_token_seconds", MetricType::Histogram,
+                           "", "From the request's arrival to its first generated token."};
+constexpr MetricSpec kTpot{"kvcm_router_time_per_output_token_seconds", MetricType::Histogram,
+                           "", "Between a request's consecutive generated tokens."};
+constexpr MetricSpec kE2e{"kvcm_router_request_duration_seconds", MetricType::Histogram, "",
+                          "From a request's arrival to its last token."};
+
+constexpr std::array kSpecs = {kQueued,       kRunning,    kExecutors,   kSteps,
+                               kStepDuration, kBatchSequences, kBatchTokens, kPromptTokens,
+                               kGenerated,    kPreemptions, kRecomputed, kRequests,
+                               kTtft,         kTpot,       kE2e};
+
+constexpr std::array<const char*, kRequestOutcomes> kOutcomeNames = {
+    "ok", "invalid", "overloaded", "unavailable", "cancelled"};
+
+std::vector<double> SecondsBuckets() {
+  return {1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
+          0.1,  0.25,   0.5,  1.0,  2.5,    5.0,  10.0, 30.0,   60.0};
+}
+std::vector<double> PowersOfTwo(double top) {
+  std::vector<double> buckets;
+  for (double b = 1; b <= top; b *= 2) buckets.push_back(b);
+  return buckets;
+}
+
+}  // namespace
+
+RouterMetrics::RouterMetrics() : registry_(std::make_shared<prometheus::Registry>()) {
+  queued_ = &AddGaugeFamily(*registry_, kQueued).Add({});
+  running_ = &AddGaugeFamily(*registry_, kRunning).Add({});
+  executors_ = &AddGaugeFamily(*registry_, kExecutors).Add({});
+  steps_ = &AddCounterFamily(*registry_, kSteps).Add({});
+  step_duration_ = &AddHistogramFamily(*registry_, kStepDuration).Add({}, SecondsBuckets());
+  batch_sequences_ =
+      &AddHistogramFamily(*registry_, kBatchSequences).Add({}, PowersOfTwo(1024));
+  batch_tokens_ = &AddHistogramFamily(*registry_, kBatchTokens).Add({}, PowersOfTwo(65536));
+  auto& prompt = AddCounterFamily(*registry_, kPromptTokens);
+  prompt_cached_ = &prompt.Add({{"source", "cached"}});
+  prompt_computed_ = &prompt.Add({{"source", "computed"}});
+  generated_ = &AddCounterFamily(*registry_, kGenerated).Add({});
+  preemptions_ = &AddCounterFamily(*registry_, kPreemptions).Add({});
+  recomputed_committed_ = &AddCounterFamily(*registry_, kRecomputed).Add({});
+  auto& requests = AddCounterFamily(*registry_, kRequests);
+  for (int i = 0; i < kRequestOutcomes; ++i) {
+    requests_[i] = &requests.Add({{"api", "tgi"}, {"outcome", kOutcomeNames[i]}});
+  }
+  ttft_ = &AddHistogramFamily(*registry_, kTtft).Add({}, SecondsBuckets());
+  tpot_ = &AddHistogramFamily(*registry_, kTpot).Add({}, SecondsBuckets());
+  e2e_ = &AddHistogramFamily(*registry_, kE2e).Add({}, SecondsBuckets());
+}
+
+RouterMetrics::~RouterMetrics() = default;
+
+void RouterMetrics::ObserveStep(double seconds, int32_t sequences, int32_t prefill_tokens,
+                                int32_t decode_tokens) {
+  steps_->Increment();
+  step_duration_->Observe(seconds);
+  batch_sequences_->Observe(sequences);
+  batch_tokens_->Observe(prefill_tokens + decode_tokens);
+}
+
+void RouterMetrics::SetState(size_t queued, size_t running, int executors) {
+  queued_->Set(static_cast<double>(queued));
+  running_->Set(static_cast<double>(running));
+  executors_->Set(executors);
+}
+
+void RouterMetrics::CountPromptTokens(int64_t cached, int64_t computed) {
+  prompt_cached_->Increment(static_cast<double>(cached));
+  prompt_computed_->Increment(static_cast<double>(computed));
+}
+
+void RouterMetrics::CountGeneratedTokens(int64_t n) { generated_->Increment(static_cast<double>(n)); }
+void RouterMetrics::CountPreemptions(int64_t n) { preemptions_->Increment(static_cast<double>(n)); }
+void RouterMetrics::CountRecomputedCommittedTokens(int64_t n) {
+  recomputed_committed_->Increment(static_cast<double>(n));
+}
+
+void RouterMetrics::CountRequest(RequestOutcome outcome) {
+  const auto i = static_cast<size_t>(outcome);
+  KVCM_CHECK(i < requests_.size()) << i;
+  requests_[i]->Increment();
+}
+
+void RouterMetrics::ObserveTimeToFirstToken(double seconds) { ttft_->Observe(seconds); }
+void RouterMetrics::ObserveTimePerOutputToken(double seconds) { tpot_->Observe(seconds); }
+void RouterMetrics::ObserveRequestDuration(double seconds) { e2e_->Observe(seconds); }
+
+std::span<const MetricSpec> RouterMetrics::Specs() { return kSpecs; }
+
+}  // namespace kvcm::router
