@@ -46,14 +46,27 @@ ExecutorLink::~ExecutorLink() {
   for (auto& [id, executor] : executors_) {
     if (executor.pid_watch != 0) loop_->Cancel(executor.pid_watch);
   }
+  socket_.close();
+  // libzmq leaves an ipc:// socket file behind: the router removes what it bound.
+  if (bound_) {
+    if (std::optional<std::string> path = IpcPath(options_.endpoint)) ::unlink(path->c_str());
+  }
 }
 
 absl::Status ExecutorLink::Bind() {
+  // Binding an ipc:// path replaces whatever socket file is there: a second router on the
+  // same run directory would take the executors of the first without a word.
+  if (IpcPath(options_.endpoint).has_value() && ProbeIpcListener(options_.endpoint).ok()) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "another router listens on ", options_.endpoint,
+        " (stop it, or give this one another --executor-endpoint or --run-dir)"));
+  }
   try {
     socket_.set(zmq::sockopt::linger, 0);
     socket_.set(zmq::sockopt::router_mandatory, 1);
     LimitInboundMessages(socket_, options_.max_message_bytes);
     socket_.bind(options_.endpoint);
+    bound_ = true;
   } catch (const zmq::error_t& error) {
     return absl::UnavailableError(
         absl::StrCat("cannot bind the executor endpoint ", options_.endpoint, ": ", error.what()));

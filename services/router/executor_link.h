@@ -79,6 +79,7 @@ class ExecutorLink {
   zmq::socket_t socket_;
   EventLoop* const loop_;
   const Options options_;
+  bool bound_ = false;
   absl::flat_hash_map<uint64_t, Executor> executors_;
   absl::flat_hash_map<std::string, uint64_t> by_identity_;
   std::optional<ModelInfo> model_;

@@ -435,5 +435,21 @@ TEST_F(RouterProcessTest, AnExecutorKilledMidGenerationChangesNoToken) {
   EXPECT_TRUE(AwaitNoBlockInUse());
 }
 
+TEST_F(RouterProcessTest, ASecondRouterOnTheSameRunDirectoryRefusesToStartAndTheFirstServesOn) {
+  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/64, /*executors=*/1));
+  absl::StatusOr<kvcm::testing::RunResult> second = kvcm::testing::RunProgram(
+      {KvcmBinaryPath("kvcm-router"), "--model", *model_dir_, "--run-dir", cm_->run_dir(),
+       "--port", "0"},
+      "", absl::Seconds(30));
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_NE(second->exit_code, 0);
+  EXPECT_THAT(second->output, HasSubstr("another router listens on"));
+  absl::StatusOr<HttpResponse> reply = HttpPost(url_ + "/generate", GenerateBody("still me", 3));
+  ASSERT_TRUE(reply.ok());
+  EXPECT_EQ(reply->status, 200) << reply->body;
+  EXPECT_EQ(TokenIds(reply->body), Reference("still me", 3));
+  EXPECT_TRUE(AwaitNoBlockInUse());
+}
+
 }  // namespace
 }  // namespace kvcm

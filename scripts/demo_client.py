@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""The demo's client: real HTTP requests to kvcm-router's TGI API, standard library only.
+
+  demo_client.py URL [--kill-pid PID]
+
+Sends concurrent requests that share a long system prompt (one of them streaming, printed
+as it arrives), optionally kills an executor (SIGKILL) while they generate, and prints each
+text, time to first token, tokens/s and the router's prefix-cache figures.
+"""
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import urllib.request
+
+SYSTEM = ("You are kvcm's demo assistant. Answer in one short sentence, plainly, without "
+          "lists. The user asks about KV caches, blocks and prefix sharing. ")
+QUESTIONS = ["What is a KV block?", "Why share prefixes?", "What does a router do?",
+             "Who owns the pool?", "What happens when an executor dies?",
+             "What is max_batch_total_tokens?"]
+MAX_NEW_TOKENS = 48
+
+
+def post(url, body, timeout=120):
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    return urllib.request.urlopen(request, timeout=timeout)
+
+
+def generate(url, question, results, index):
+    start = time.monotonic()
+    body = {"inputs": SYSTEM + question,
+            "parameters": {"max_new_tokens": MAX_NEW_TOKENS, "details": True}}
+    with post(url + "/generate", body) as reply:
+        answer = json.load(reply)
+    elapsed = time.monotonic() - start
+    results[index] = (question, answer["generated_text"],
+                      answer["details"]["generated_tokens"], elapsed)
+
+
+def stream(url, question, results, index):
+    start = time.monotonic()
+    first = None
+    tokens = 0
+    text = ""
+    body = {"inputs": SYSTEM + question, "parameters": {"max_new_tokens": MAX_NEW_TOKENS}}
+    print(f"  streaming {question!r}: ", end="", flush=True)
+    with post(url + "/generate_stream", body) as reply:
+        for raw in reply:
+            line = raw.decode("utf-8", "replace").strip()
+            if not line.startswith("data:"):
+                continue
+            event = json.loads(line[5:])
+            if first is None:
+                first = time.monotonic() - start
+            tokens += 1
+            piece = event["token"]["text"]
+            text += piece
+            print(repr(piece)[1:-1], end="", flush=True)
+    print()
+    results[index] = (question, text, tokens, time.monotonic() - start, first)
+
+
+def metric(url, name, labels=""):
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as reply:
+        for line in reply.read().decode().splitlines():
+            if line.startswith(name + labels + " ") or line.startswith(name + "{" + labels):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("url")
+    parser.add_argument("--kill-pid", type=int, default=0)
+    args = parser.parse_args()
+    url = args.url
+
+    results = [None] * len(QUESTIONS)
+    # One request first: its prompt's blocks are committed and cached for the others.
+    generate(url, QUESTIONS[0], results, 0)
+    threads = [threading.Thread(target=stream, args=(url, QUESTIONS[1], results, 1))]
+    threads += [threading.Thread(target=generate, args=(url, q, results, i))
+                for i, q in enumerate(QUESTIONS) if i >= 2]
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    if args.kill_pid:
+        time.sleep(0.3)
+        os.kill(args.kill_pid, signal.SIGKILL)
+        print(f"  killed executor pid {args.kill_pid} with SIGKILL while "
+              f"{sum(t.is_alive() for t in threads)} requests were generating")
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - started
+
+    print()
+    print("Answers (a tiny random model: the words are noise, the plumbing is real):")
+    total_tokens = 0
+    for result in results:
+        question, text, tokens, elapsed = result[:4]
+        total_tokens += tokens
+        print(f"  {question:<40} {tokens:3d} tokens in {elapsed * 1000:7.1f} ms: "
+              f"{repr(text)[:60]}")
+    if results[1] is not None and results[1][4] is not None:
+        print(f"  time to first token (streaming request): {results[1][4] * 1000:.1f} ms")
+    print(f"  {total_tokens - results[0][2]} tokens from {len(threads)} concurrent requests in "
+          f"{wall:.2f} s: {(total_tokens - results[0][2]) / wall:.0f} tokens/s (executors slowed "
+          f"to 2 ms a layer)")
+    cached = metric(url, "kvcm_router_prompt_tokens_total", 'source="cached"')
+    computed = metric(url, "kvcm_router_prompt_tokens_total", 'source="computed"')
+    if cached + computed > 0:
+        print(f"  prefix cache: {cached:.0f} of {cached + computed:.0f} prompt tokens were "
+              f"cached ({100 * cached / (cached + computed):.0f}% hit ratio)")
+    ok = metric(url, "kvcm_router_requests_total", 'api="tgi",outcome="ok"')
+    recomputed = metric(url, "kvcm_router_recomputed_committed_tokens_total")
+    print(f"  requests ok: {ok:.0f}; recomputed committed tokens: {recomputed:.0f}")
+    return 0 if all(r is not None for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
