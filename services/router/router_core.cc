@@ -35,6 +35,7 @@ absl::StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(const Options& op
   client.endpoint = options.cache_manager_endpoint;
   client.role = wire::Role::Router;
   client.name = options.name;
+  client.call_timeout = options.cache_manager_timeout;
   KVCM_ASSIGN_OR_RETURN(core->cache_manager_, CacheManagerClient::Connect(client));
   core->session_ = core->cache_manager_->session();
 
@@ -113,17 +114,78 @@ void RouterCore::FailAll(const absl::Status& status) {
   if (!failed.empty()) sink_(std::move(failed));
 }
 
+void RouterCore::CacheManagerFailed(const absl::Status& status,
+                                    std::optional<StepPlan> unanswered) {
+  if (!recovering_) {
+    Log(absl::StrCat("the cache manager failed a call (", status.ToString(),
+                     "): steps wait until it answers again"));
+    recovering_ = true;
+    recovery_deadline_ = MonotonicNow() + options_.recovery_timeout;
+  }
+  if (unanswered.has_value()) unanswered_ = std::move(unanswered);
+}
+
+void RouterCore::Recover() {
+  if (!recovering_) return;
+  if (cache_manager_->session_lost()) {
+    // A new epoch: the old ledger, and the sequences in it, are gone; so is the step.
+    if (absl::Status again = cache_manager_->Reregister(); !again.ok()) {
+      if (MonotonicNow() > recovery_deadline_) {
+        recovering_ = false;
+        unanswered_.reset();
+        planner_->ResetAll();
+        FailAll(absl::UnavailableError(absl::StrCat("the cache manager did not come back: ",
+                                                    again.message())));
+      }
+      return;
+    }
+    const SessionInfo fresh = cache_manager_->session();
+    if (fresh.block_size != session_.block_size || fresh.num_blocks != session_.num_blocks) {
+      Log("the cache manager came back with another pool shape: failing every request");
+      planner_->ResetAll();
+      FailAll(absl::FailedPreconditionError("the cache manager's pool changed shape"));
+      // (The planner keeps the old shape: restart the router.)
+    }
+    session_ = fresh;
+    unanswered_.reset();
+    planner_->ResetAll();
+    recovering_ = false;
+    Log(absl::StrCat("registered again with the cache manager (epoch ", session_.epoch,
+                     "): ", planner_->queued(), " request(s) start again"));
+    ScheduleTurn();
+    return;
+  }
+  if (unanswered_.has_value()) {
+    absl::StatusOr<std::vector<OpOutcome>> reply = cache_manager_->RetryLastStep();
+    if (reply.ok()) {
+      recovering_ = false;
+      StepPlan plan = *std::move(unanswered_);
+      unanswered_.reset();
+      Log(absl::StrCat("the cache manager answered step ", plan.step_id, " on retry"));
+      ContinueStep(std::move(plan), *std::move(reply));
+      return;
+    }
+    if (absl::IsAborted(reply.status())) return;  // lost: registered again next time
+  } else if (cache_manager_->Stats().ok()) {
+    recovering_ = false;
+    ScheduleTurn();
+    return;
+  }
+  if (MonotonicNow() > recovery_deadline_) {
+    Log("the cache manager did not answer within the recovery timeout: failing every request");
+    recovering_ = false;
+    unanswered_.reset();
+    planner_->ResetAll();
+    FailAll(absl::UnavailableError("the cache manager does not answer"));
+  }
+}
+
 void RouterCore::Turn() {
-  if (in_flight_) return;
+  if (in_flight_ || recovering_) return;
   if (planner_->queued() == 0 && planner_->running() == 0) return;
   const std::vector<uint64_t> executors = link_->Live();
   absl::StatusOr<StatsSnapshot> stats = cache_manager_->Stats();
-  if (!stats.ok()) {
-    Log(absl::StrCat("cache manager Stats: ", stats.status().ToString()));
-    FailAll(absl::UnavailableError(absl::StrCat("the cache manager is unavailable: ",
-                                                stats.status().message())));
-    return;
-  }
+  if (!stats.ok()) return CacheManagerFailed(stats.status(), std::nullopt);
   StepPlan plan = planner_->Plan(stats->free_blocks + stats->cached_blocks, executors);
   std::vector<Progress> progress;
   for (RequestId id : plan.rejected) {
@@ -135,22 +197,24 @@ void RouterCore::Turn() {
         "the prompt and max_new_tokens need more KV cache than the pool holds");
     progress.push_back(std::move(p));
   }
+  if (!progress.empty()) sink_(std::move(progress));
   std::vector<OpOutcome> outcomes;
   if (!plan.ops.empty()) {
     BlockOps ops;
     for (const BlockOp& op : plan.ops) ops.Add(op);
     absl::StatusOr<std::vector<OpOutcome>> reply = cache_manager_->Step(ops);
     if (!reply.ok()) {
-      Log(absl::StrCat("cache manager Step: ", reply.status().ToString()));
-      if (!progress.empty()) sink_(std::move(progress));
-      FailAll(absl::UnavailableError(absl::StrCat("the cache manager failed a step: ",
-                                                  reply.status().message())));
-      return;
+      // Not answered: maybe applied (then its retry is answered from the replay cache), maybe
+      // not; after a restart, gone with the old ledger.
+      return CacheManagerFailed(reply.status(), std::move(plan));
     }
     outcomes = *std::move(reply);
   }
+  ContinueStep(std::move(plan), std::move(outcomes));
+}
+
+void RouterCore::ContinueStep(StepPlan plan, std::vector<OpOutcome> outcomes) {
   ExecutorWork work = planner_->Apply(plan, outcomes);
-  if (!progress.empty()) sink_(std::move(progress));
   if (RouterMetrics* m = options_.metrics) {
     m->CountPromptTokens(work.cached_prompt_tokens, work.computed_prompt_tokens);
     m->CountRecomputedCommittedTokens(work.recomputed_committed_tokens);
@@ -235,6 +299,7 @@ absl::Status RouterCore::Run(int signal_fd) {
       loop_.Stop();
     });
   }
+  loop_.AddTimer(absl::Milliseconds(200), [this](absl::Duration) { Recover(); });
   loop_.AddTimer(kHousekeeping, [this](absl::Duration) {
     const absl::Time now = MonotonicNow();
     link_->DropSilent(now);

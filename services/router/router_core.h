@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -57,6 +58,11 @@ class RouterCore {
     absl::Duration step_timeout = absl::Seconds(30);
     std::vector<int32_t> eos_token_ids;  // generation ends at any of them
     RouterMetrics* metrics = nullptr;    // optional; outlives the core
+    // A call to the cache manager that gets no answer this long fails (and is retried).
+    absl::Duration cache_manager_timeout = absl::Seconds(2);
+    // How long requests wait for a cache manager that is down or restarting before they
+    // fail with 503.
+    absl::Duration recovery_timeout = absl::Seconds(60);
   };
   using Sink = std::function<void(std::vector<Progress>)>;
 
@@ -84,6 +90,14 @@ class RouterCore {
   void OnResult(uint64_t executor, uint64_t step_id, absl::StatusOr<StepReport> report);
   void FinishStep();
   void FailAll(const absl::Status& status);
+  // The rest of a step once the cache manager answered its Step.
+  void ContinueStep(StepPlan plan, std::vector<OpOutcome> outcomes);
+  // A call to the cache manager failed: steps stop until Recover() succeeds.
+  void CacheManagerFailed(const absl::Status& status, std::optional<StepPlan> unanswered);
+  // Every 200 ms while recovering: retries the unanswered Step (answered from the cache
+  // manager's replay cache if it was applied), or registers again after a restart (the old
+  // ledger is gone: running requests start again with their tokens so far).
+  void Recover();
 
   const Options options_;
   const Sink sink_;
@@ -98,6 +112,11 @@ class RouterCore {
   bool turn_scheduled_ = false;
   uint64_t steps_ = 0;
   std::atomic<int> live_executors_{0};
+
+  // While the cache manager does not answer.
+  bool recovering_ = false;
+  absl::Time recovery_deadline_;
+  std::optional<StepPlan> unanswered_;  // a Step sent but not answered
 
   // The step in flight.
   bool in_flight_ = false;

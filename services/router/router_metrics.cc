@@ -45,8 +45,8 @@ constexpr MetricSpec kPreemptions{
 constexpr MetricSpec kRecomputed{
     "kvcm_router_recomputed_committed_tokens_total", MetricType::Counter, "",
     "Tokens computed again although their KV had been committed: after a preemption whose "
-    "cached blocks were evicted meanwhile. An executor's death adds nothing here (only its "
-    "unanswered step is redone)."};
+    "cached blocks were evicted meanwhile, or a cache-manager restart (its pool is gone). "
+    "An executor's death adds nothing here (only its unanswered step is redone)."};
 constexpr MetricSpec kRequests{"kvcm_router_requests_total", MetricType::Counter, "api,outcome",
                                "Requests by API and by how they ended."};
 constexpr MetricSpec kTtft{"kvcm_router_time_to_first_token_seconds", MetricType::Histogram,

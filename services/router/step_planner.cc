@@ -63,6 +63,22 @@ void StepPlanner::Requeue(Running&& run, bool preempted) {
   queue_.push_front(std::move(queued));
 }
 
+void StepPlanner::ResetAll() {
+  for (auto it = order_.rbegin(); it != order_.rend(); ++it) {
+    Running& run = running_.at(*it);
+    if (run.finishing) continue;
+    Queued queued = std::move(run.req);
+    queued.readmitted = true;
+    queued.committed_before = std::max(queued.committed_before, run.committed);
+    queue_.push_front(std::move(queued));
+  }
+  running_.clear();
+  order_.clear();
+  seq_of_.clear();
+  to_free_.clear();
+  scheduled_.clear();
+}
+
 int64_t StepPlanner::held_blocks() const {
   int64_t blocks = 0;
   for (const auto& [seq, run] : running_) blocks += BlocksFor(run.held);

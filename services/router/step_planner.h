@@ -144,6 +144,12 @@ class StepPlanner {
   // result (their executor died or answered with an error) redo the step.
   std::vector<TokenEvent> Complete(std::span<const SeqResult> results);
 
+  // The cache manager restarted: its ledger, and every sequence in it, is gone. Running
+  // requests go back to the queue's head in admission order, with the tokens they have so
+  // far (their committed tokens count as recomputed when they run again); finishing ones
+  // are dropped. Call between steps (after Complete, before Plan).
+  void ResetAll();
+
   // State, for metrics and tests.
   size_t queued() const { return queue_.size(); }
   size_t running() const { return running_.size(); }

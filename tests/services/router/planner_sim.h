@@ -47,6 +47,15 @@ class PlannerSim {
         planner_(options) {}
 
   StepPlanner& planner() { return planner_; }
+  // The cache manager restarts: a new, empty ledger and pool; the planner is told.
+  void RestartCacheManager() {
+    const int32_t num_blocks = ledger_.Stats().num_blocks;
+    ledger_ = *BlockLedger::Create({.num_blocks = num_blocks, .block_size = options_.block_size});
+    std::fill(pool_.begin(), pool_.end(), -1);
+    live_.clear();
+    written_.clear();
+    planner_.ResetAll();
+  }
   const BlockLedger& ledger() const { return ledger_; }
   // What each request generated so far.
   absl::flat_hash_map<RequestId, std::vector<int32_t>>& generated() { return generated_; }

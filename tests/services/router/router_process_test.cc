@@ -18,6 +18,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/base/run_dir.h"
@@ -82,8 +83,17 @@ class RouterProcessTest : public ::testing::Test {
 
   // A cache manager of `num_blocks`, the router, and `executors` executors registered.
   void StartStack(int32_t num_blocks, int executors, std::vector<std::string> router_flags = {},
-                  std::vector<std::string> executor_flags = {}) {
+                  std::vector<std::string> executor_flags = {}, std::string run_dir = "") {
+    CacheManagerOptions options = ManagerOptions(num_blocks, run_dir);
+    absl::StatusOr<std::unique_ptr<CacheManagerProcess>> cm = CacheManagerProcess::Start(options);
+    ASSERT_TRUE(cm.ok()) << cm.status();
+    cm_ = std::move(*cm);
+    StartRouterAndExecutors(executors, router_flags, executor_flags);
+  }
+
+  CacheManagerOptions ManagerOptions(int32_t num_blocks, const std::string& run_dir) const {
     CacheManagerOptions options;
+    options.run_dir = run_dir;
     options.num_blocks = num_blocks;
     options.block_size = kBlockSize;
     options.layers = model_->config().num_hidden_layers;
@@ -92,10 +102,11 @@ class RouterProcessTest : public ::testing::Test {
     options.dtype = "fp32";
     options.heartbeat_interval_ms = 100;
     options.heartbeat_timeout_ms = 2000;
-    absl::StatusOr<std::unique_ptr<CacheManagerProcess>> cm = CacheManagerProcess::Start(options);
-    ASSERT_TRUE(cm.ok()) << cm.status();
-    cm_ = std::move(*cm);
+    return options;
+  }
 
+  void StartRouterAndExecutors(int executors, const std::vector<std::string>& router_flags,
+                               const std::vector<std::string>& executor_flags) {
     absl::StatusOr<TempDir> log = TempDir::Create("kvcm-rlog");
     ASSERT_TRUE(log.ok());
     log_ = std::make_unique<TempDir>(std::move(*log));
@@ -141,8 +152,17 @@ class RouterProcessTest : public ::testing::Test {
     for (unsigned char c : text) ids.push_back(3 + c);
     return ids;
   }
+  // What the router must answer: the greedy tokens, up to and including the first EOS.
   static std::vector<int32_t> Reference(const std::string& text, int32_t n) {
-    return kvcm::testing::ReferenceGreedy(*model_, PromptIds(text), n);
+    std::vector<int32_t> tokens = kvcm::testing::ReferenceGreedy(*model_, PromptIds(text), n);
+    const auto& eos = model_->config().eos_token_ids;
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      if (std::find(eos.begin(), eos.end(), tokens[i]) != eos.end()) {
+        tokens.resize(i + 1);
+        break;
+      }
+    }
+    return tokens;
   }
 
   // Token ids of a /generate reply with details.
@@ -449,6 +469,47 @@ TEST_F(RouterProcessTest, ASecondRouterOnTheSameRunDirectoryRefusesToStartAndThe
   EXPECT_EQ(reply->status, 200) << reply->body;
   EXPECT_EQ(TokenIds(reply->body), Reference("still me", 3));
   EXPECT_TRUE(AwaitNoBlockInUse());
+}
+
+TEST_F(RouterProcessTest, ACacheManagerKilledUnderLoadRestartsAndEveryRequestCompletes) {
+  absl::StatusOr<TempDir> run_dir = TempDir::Create("kvcm-rrd");
+  ASSERT_TRUE(run_dir.ok());
+  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/256, /*executors=*/1, {},
+                                     {"--fault-layer-delay-ms", "3"}, run_dir->path()));
+  std::vector<std::string> texts = {"survive a restart", "me too", "and me, please"};
+  std::vector<std::vector<int32_t>> got(texts.size());
+  std::vector<std::string> errors(texts.size());
+  std::atomic<int> done{0};
+  std::vector<std::thread> clients;
+  for (size_t i = 0; i < texts.size(); ++i) {
+    clients.emplace_back([&, i] {
+      absl::StatusOr<HttpResponse> reply =
+          HttpPost(url_ + "/generate", GenerateBody(texts[i], 40), absl::Seconds(120));
+      if (reply.ok() && reply->status == 200) {
+        got[i] = TokenIds(reply->body);
+      } else {
+        errors[i] = reply.ok() ? reply->body : reply.status().ToString();
+      }
+      ++done;
+    });
+  }
+  absl::SleepFor(absl::Milliseconds(250));
+  ASSERT_TRUE(cm_->process().Signal(SIGKILL).ok());
+  const int done_at_kill = done.load();
+  (void)cm_->process().Wait(absl::Seconds(10));
+  cm_.reset();  // the run directory is the test's: it stays
+  absl::StatusOr<std::unique_ptr<CacheManagerProcess>> restarted =
+      CacheManagerProcess::Start(ManagerOptions(256, run_dir->path()));
+  ASSERT_TRUE(restarted.ok()) << restarted.status();
+  cm_ = std::move(*restarted);
+  for (std::thread& t : clients) t.join();
+  EXPECT_EQ(done_at_kill, 0) << "the kill came too late to be under load";
+  for (size_t i = 0; i < texts.size(); ++i) {
+    EXPECT_EQ(errors[i], "") << i;
+    EXPECT_EQ(absl::StrJoin(got[i], " "), absl::StrJoin(Reference(texts[i], 40), " ")) << i;
+  }
+  EXPECT_THAT(router_->Output(), HasSubstr("registered again with the cache manager"));
+  EXPECT_TRUE(AwaitNoBlockInUse()) << router_->Output();
 }
 
 }  // namespace

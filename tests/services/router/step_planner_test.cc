@@ -135,6 +135,22 @@ TEST(StepPlannerTest, ALostExecutorsSequencesMoveAndOnlyTheLostStepIsRedone) {
   EXPECT_EQ(sim.planner().preemptions(), 0u);
 }
 
+TEST(StepPlannerTest, AfterACacheManagerRestartRunningRequestsStartAgainAndKeepTheirTokens) {
+  PlannerSim sim(Options(), 64);
+  sim.planner().Enqueue(1, Tokens(9), 8);
+  sim.planner().Enqueue(2, Tokens(5, 40), 8);
+  for (int step = 0; step < 4; ++step) sim.Step(kOne);
+  ASSERT_EQ(sim.generated()[1].size(), 4u);
+  sim.RestartCacheManager();
+  EXPECT_EQ(sim.planner().running(), 0u);
+  EXPECT_EQ(sim.planner().queued(), 2u);
+  for (int step = 0; step < 20; ++step) sim.Step(kOne);
+  EXPECT_EQ(sim.failure(), "");
+  // The tokens already sent stay, and the rest follow as if nothing happened.
+  EXPECT_EQ(sim.generated()[1], Reference(Tokens(9), 8));
+  EXPECT_EQ(sim.generated()[2], Reference(Tokens(5, 40), 8));
+}
+
 TEST(StepPlannerTest, ARequestThatCanNeverFitIsRejectedAndTheQueueMovesOn) {
   PlannerOptions options = Options();
   options.num_blocks = 4;
