@@ -49,6 +49,7 @@ struct Params {
   SeqSampling sampling;
   bool details = false;
   bool return_full_text = false;
+  std::vector<std::string> stop;  // generation ends once the text contains one
   bool do_sample = false;
   uint64_t seed = 0;
 };
@@ -192,7 +193,18 @@ struct HttpFrontend::Impl {
       } else if (key == "best_of" && value.is_number_integer() && value.get<int64_t>() == 1) {
       } else if ((key == "decoder_input_details" || key == "watermark") && value.is_boolean() &&
                  !value.get<bool>()) {
-      } else if (key == "stop" && value.is_array() && value.empty()) {
+      } else if (key == "stop") {
+        if (!value.is_array() || value.size() > 4) {
+          bad = HttpError{422, "`stop` must be a list of at most 4 strings"};
+        } else {
+          for (const json& sequence : value) {
+            if (!sequence.is_string() || sequence.get<std::string>().empty()) {
+              bad = HttpError{422, "`stop` must be a list of non-empty strings"};
+              break;
+            }
+            params->stop.push_back(sequence.get<std::string>());
+          }
+        }
       } else {
         // Never ignored silently: kvcm does not do this yet (or not with this value).
         bad = HttpError{422, absl::StrCat("parameter `", key, "` is not supported by this "
@@ -341,6 +353,18 @@ struct HttpFrontend::Impl {
     active.erase(id);
   }
 
+  // Whether the text generated so far contains a stop sequence; if so, the generated tokens
+  // are cut after the token that completed it.
+  bool StopSequenceSeen(Active& a) const {
+    if (a.params.stop.empty()) return false;
+    absl::StatusOr<std::string> text = tokenizer->Decode(a.generated);
+    if (!text.ok()) return false;
+    for (const std::string& sequence : a.params.stop) {
+      if (text->find(sequence) != std::string::npos) return true;
+    }
+    return false;
+  }
+
   static void SendEvent(evhttp_request* request, const std::string& data) {
     evbuffer* out = evbuffer_new();
     evbuffer_add_printf(out, "data:%s\n\n", data.c_str());
@@ -404,7 +428,23 @@ struct HttpFrontend::Impl {
         }
         a.last_token = now;
         a.generated.push_back(p.token);
-        if (a.stream && a.request != nullptr) self->Stream(a, p);
+        Progress shown = p;
+        if (!p.finished && StopSequenceSeen(a)) {
+          // Ends here: the text up to and including the stop sequence; the core frees the
+          // sequence at its next step and any token it still reports is dropped.
+          shown.finished = true;
+          shown.finish_reason = "stop_sequence";
+          core->Cancel(p.id);
+        }
+        if (a.stream && a.request != nullptr) self->Stream(a, shown);
+        if (shown.finished && !p.finished) {
+          if (metrics != nullptr) {
+            metrics->ObserveRequestDuration(absl::ToDoubleSeconds(MonotonicNow() - a.arrived));
+          }
+          Count(RequestOutcome::kOk);
+          self->Finish(shown.id, a, shown);
+          continue;
+        }
       }
       if (p.finished) {
         if (metrics != nullptr) {

@@ -312,6 +312,50 @@ TEST_F(RouterProcessTest, SharedPrefixRequestsComputeFewerPromptTokensAndTheMetr
   EXPECT_EQ(lint->exit_code, 0) << lint->output;
 }
 
+// The text of byte-level token ids (3 + b is byte b; other ids decode to nothing).
+std::string BytesOf(const std::vector<int32_t>& ids) {
+  std::string text;
+  for (int32_t id : ids) {
+    if (id >= 3 && id < 259) text.push_back(static_cast<char>(id - 3));
+  }
+  return text;
+}
+
+TEST_F(RouterProcessTest, AStopSequenceEndsTheRequestAfterTheTokenThatCompletesIt) {
+  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/128, /*executors=*/1));
+  const std::string prompt = "stop when you see it";
+  const std::vector<int32_t> full = Reference(prompt, 30);
+  ASSERT_GE(full.size(), 12u);
+  // A stop sequence from the middle of what the model would say: the bytes of two
+  // consecutive byte tokens.
+  size_t at = 6;
+  while (at + 2 < full.size() && BytesOf({full[at], full[at + 1]}).size() < 2) ++at;
+  ASSERT_LT(at + 2, full.size()) << "no two byte tokens in a row to stop at";
+  const std::string stop = BytesOf({full[at], full[at + 1]});
+  std::vector<int32_t> want;
+  for (int32_t id : full) {
+    want.push_back(id);
+    if (BytesOf(want).find(stop) != std::string::npos) break;
+  }
+  ASSERT_LT(want.size(), full.size());
+  for (const bool stream : {false, true}) {
+    SCOPED_TRACE(stream);
+    const std::string body =
+        json{{"inputs", prompt},
+             {"parameters", {{"max_new_tokens", 30}, {"details", true}, {"stop", {stop}}}}}
+            .dump(-1, ' ', false, json::error_handler_t::replace);
+    absl::StatusOr<HttpResponse> reply =
+        HttpPost(url_ + (stream ? "/generate_stream" : "/generate"), body);
+    ASSERT_TRUE(reply.ok() && reply->status == 200) << (reply.ok() ? reply->body : "");
+    std::string last;
+    EXPECT_EQ(stream ? StreamIds(reply->body, &last) : TokenIds(reply->body), want);
+    const json final_part = json::parse(stream ? last : reply->body, nullptr, false);
+    ASSERT_FALSE(final_part.is_discarded());
+    EXPECT_EQ(final_part["details"]["finish_reason"], "stop_sequence");
+  }
+  EXPECT_TRUE(AwaitNoBlockInUse());
+}
+
 TEST_F(RouterProcessTest, APoolOfFewBlocksForcesPreemptionAndEveryRequestStillGetsItsTokens) {
   // 24 blocks of 4 tokens: six requests of ~20 prompt and 30 new tokens cannot all fit.
   ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/24, /*executors=*/1,
@@ -360,8 +404,10 @@ TEST_F(RouterProcessTest, BadRequestsGetTheirStatusAndLeaveTheLedgerWhole) {
        "max_new_tokens"},
       {"/generate", R"({"inputs": "a", "parameters": {"temperature": -1}})", 422, "temperature"},
       {"/generate", R"({"inputs": "a", "parameters": {"top_p": 1.5}})", 422, "top_p"},
-      {"/generate", R"({"inputs": "a", "parameters": {"stop": ["x"]}})", 422,
-       "`stop` is not supported"},
+      {"/generate", R"({"inputs": "a", "parameters": {"stop": "x"}})", 422,
+       "`stop` must be a list"},
+      {"/generate", R"({"inputs": "a", "parameters": {"stop": ["a", "b", "c", "d", "e"]}})", 422,
+       "at most 4"},
       {"/generate", R"({"inputs": "a", "parameters": {"repetition_penalty": 1.2}})", 422,
        "not supported"},
       {"/generate", R"({"inputs": "a", "parameters": {"best_of": 2}})", 422, "not supported"},
