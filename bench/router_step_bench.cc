@@ -5,14 +5,15 @@
 //
 // The cache manager is the real binary (started once, shm pool of 65536 blocks of 16
 // tokens). N requests of 64 prompt tokens are admitted and prefilled first; then every
-// measured iteration is one decode step of all N: the Stats the planner reads the free
-// blocks from, StepPlanner::Plan, the cache manager's Step (commits and appends), Apply,
-// and Complete with a token for every sequence, as an executor of zero cost would answer.
+// measured iteration is one decode step of all N: StepPlanner::Plan (counting on the free
+// blocks the previous StepReply reported), the cache manager's Step (commits and appends),
+// Apply, and Complete with a token for every sequence, as an executor of zero cost would
+// answer.
 //
 //   RouterDecodeStep/N    that step, per step (N = 64, 256)
 //   PlannerOnly/N         Plan + Apply + Complete alone (the Step's outcomes replayed), per
 //                         step: the router's CPU without the round trips
-//   CacheManagerStats     one Stats round trip: the baseline (a step costs two round trips)
+//   CacheManagerStats     one Stats round trip: the baseline (a step is one round trip)
 //
 // Goal (issue "Router"): the router's and the cache manager's share of a step <= 2%. A
 // model's decode step is not run here; compare RouterDecodeStep with the executors'
@@ -86,10 +87,15 @@ router::PlannerOptions Options(int32_t n, const SessionInfo& session) {
 void RunStep(router::StepPlanner& planner, CacheManagerClient& client,
              std::vector<OpOutcome>* outcomes_out = nullptr,
              router::StepPlan* plan_out = nullptr) {
-  absl::StatusOr<StatsSnapshot> stats = client.Stats();
-  KVCM_CHECK(stats.ok()) << stats.status();
+  // As the router does: the last StepReply's available blocks; Stats only before the first.
+  int32_t available = client.available_blocks_after_last_step();
+  if (available < 0) {
+    absl::StatusOr<StatsSnapshot> stats = client.Stats();
+    KVCM_CHECK(stats.ok()) << stats.status();
+    available = stats->free_blocks + stats->cached_blocks;
+  }
   const std::vector<router::ExecutorId> executors = {1};
-  router::StepPlan plan = planner.Plan(stats->free_blocks + stats->cached_blocks, executors);
+  router::StepPlan plan = planner.Plan(available, executors);
   BlockOps ops;
   for (const BlockOp& op : plan.ops) ops.Add(op);
   absl::StatusOr<std::vector<OpOutcome>> outcomes = client.Step(ops);

@@ -236,6 +236,8 @@ class BlockLedger {
   // --- Introspection ---------------------------------------------------------------------
 
   LedgerStats Stats() const;
+  // Blocks that can be taken now without ending a sequence: free, or cached and evictable.
+  int32_t AvailableBlocks() const { return free_.size() + lru_size_; }
   BlockState StateOf(BlockId block) const;
   int32_t RefCount(BlockId block) const { return ref_count_[block]; }
   bool IsLive(SeqId seq) const { return seq_index_.contains(seq); }
@@ -279,9 +281,6 @@ class BlockLedger {
   }
   const Sequence* FindSeq(SeqId seq) const;
   Sequence* FindSeq(SeqId seq);
-  // Blocks that can be taken now without ending a sequence.
-  int32_t AvailableBlocks() const { return free_.size() + lru_size_; }
-
   // Plans (const) and their application.
   // `hits`, when given, receives the prefix-hit block ids so Allocate need not look them up
   // again.

@@ -485,7 +485,9 @@ absl::StatusOr<int32_t> CacheManagerClient::EndSession(uint64_t session_id) {
 
 absl::StatusOr<std::vector<OpOutcome>> CacheManagerClient::OutcomesOf(const Reply& reply,
                                                                       size_t expected) {
-  return DecodeStepReply(PayloadAs<wire::StepReply>(reply.envelope), expected);
+  const wire::StepReply& step_reply = PayloadAs<wire::StepReply>(reply.envelope);
+  last_available_blocks_ = step_reply.available_blocks();
+  return DecodeStepReply(step_reply, expected);
 }
 
 absl::StatusOr<int32_t> CacheManagerClient::Lookup(std::span<const BlockHash> block_hashes,

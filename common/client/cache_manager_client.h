@@ -356,6 +356,9 @@ class CacheManagerClient {
   // or the last one was answered); INVALID_ARGUMENT from the cache manager when the step
   // is too old for its replay cache (it keeps a session's last four).
   absl::StatusOr<std::vector<OpOutcome>> RetryLastStep();
+  // What the last answered Step's reply said could be taken right after it (free, or cached
+  // and evictable blocks); -1 before any, or from a cache manager that does not say.
+  int32_t available_blocks_after_last_step() const { return last_available_blocks_; }
 
   // Every live sequence of this session and the request id of the last Step applied: how
   // a router resynchronises after losing track.
@@ -478,6 +481,7 @@ class CacheManagerClient {
   const Options options_;
   zmq::context_t context_;
   zmq::socket_t socket_;  // DEALER, used by the caller's thread only
+  int32_t last_available_blocks_ = -1;  // of the last StepReply
   // The last Step sent and not answered yet (for RetryLastStep); empty when answered.
   uint64_t heartbeat_starts_ = 0;
   std::vector<uint8_t> unanswered_step_;

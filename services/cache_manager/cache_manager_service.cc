@@ -889,7 +889,7 @@ void CacheManagerService::HandleStep(const wire::Envelope& envelope,
     results.push_back(EncodeOpOutcome(*reply, outcome));
   }
   auto vector = reply->CreateVector(results);
-  auto payload = wire::CreateStepReply(*reply, vector);
+  auto payload = wire::CreateStepReply(*reply, vector, ledger_.AvailableBlocks());
   FinishEnvelope(*reply, request_id, session.id, options_.epoch, wire::Message::StepReply,
                  payload.Union());
   // Kept for a retry, over the oldest of the ring (its buffer reused).

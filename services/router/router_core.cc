@@ -184,9 +184,16 @@ void RouterCore::Turn() {
   if (in_flight_ || recovering_) return;
   if (planner_->queued() == 0 && planner_->running() == 0) return;
   const std::vector<uint64_t> executors = link_->Live();
-  absl::StatusOr<StatsSnapshot> stats = cache_manager_->Stats();
-  if (!stats.ok()) return CacheManagerFailed(stats.status(), std::nullopt);
-  StepPlan plan = planner_->Plan(stats->free_blocks + stats->cached_blocks, executors);
+  // The last StepReply said how many blocks could be taken after it; only the first step
+  // (and one after a failure) asks Stats, a round trip more.
+  int32_t available = fresh_available_ ? cache_manager_->available_blocks_after_last_step() : -1;
+  if (available < 0) {
+    absl::StatusOr<StatsSnapshot> stats = cache_manager_->Stats();
+    if (!stats.ok()) return CacheManagerFailed(stats.status(), std::nullopt);
+    available = stats->free_blocks + stats->cached_blocks;
+  }
+  fresh_available_ = false;
+  StepPlan plan = planner_->Plan(available, executors);
   std::vector<Progress> progress;
   for (RequestId id : plan.rejected) {
     known_.erase(id);
@@ -209,6 +216,7 @@ void RouterCore::Turn() {
       return CacheManagerFailed(reply.status(), std::move(plan));
     }
     outcomes = *std::move(reply);
+    fresh_available_ = true;
   }
   ContinueStep(std::move(plan), std::move(outcomes));
 }

@@ -110,6 +110,8 @@ class RouterCore {
   std::unique_ptr<StepPlanner> planner_;
   absl::flat_hash_set<uint64_t> known_;  // requests queued or running
   bool turn_scheduled_ = false;
+  // The client's available_blocks_after_last_step() is of the step just answered.
+  bool fresh_available_ = false;
   uint64_t steps_ = 0;
   std::atomic<int> live_executors_{0};
 

@@ -322,6 +322,22 @@ TEST_F(CacheManagerClientTest, FreeingASequenceTwiceFailsAloneWithNotFound) {
   ExpectPartition(*stats);
 }
 
+TEST_F(CacheManagerClientTest, AStepReplySaysHowManyBlocksCanBeTakenAfterIt) {
+  EXPECT_EQ(client_->available_blocks_after_last_step(), -1);  // no step yet
+  BlockOps step;
+  step.Allocate(1, 4 * 3).Allocate(2, 1);
+  ASSERT_TRUE(client_->Step(step).ok());
+  absl::StatusOr<StatsSnapshot> stats = client_->Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(client_->available_blocks_after_last_step(),
+            stats->free_blocks + stats->cached_blocks);
+  EXPECT_EQ(client_->available_blocks_after_last_step(), stats->num_blocks - 4);
+  step.Clear();
+  step.Free(1).Free(2);
+  ASSERT_TRUE(client_->Step(step).ok());
+  EXPECT_EQ(client_->available_blocks_after_last_step(), stats->num_blocks);
+}
+
 TEST_F(CacheManagerClientTest, NoHeartbeatReachesTheCacheManagerAfterGoodbye) {
   std::unique_ptr<CacheManagerClient> leaving = ConnectOrDie(cm_->endpoint());
   ASSERT_NE(leaving, nullptr);
