@@ -192,6 +192,41 @@ class RouterProcessTest : public ::testing::Test {
         .dump();
   }
 
+  // /generate requests of `max_new_tokens` for `texts`, each on its own thread, started now.
+  struct Requests {
+    std::vector<std::vector<int32_t>> got;  // token ids of each 200 reply
+    std::vector<std::string> errors;        // else what came back
+    std::atomic<int> done{0};
+    std::vector<std::thread> threads;
+    void Join() {
+      for (std::thread& t : threads) {
+        if (t.joinable()) t.join();
+      }
+    }
+    ~Requests() { Join(); }  // also when an assertion left the test early
+  };
+  std::unique_ptr<Requests> StartRequests(const std::vector<std::string>& texts,
+                                          int32_t max_new_tokens) {
+    auto requests = std::make_unique<Requests>();
+    requests->got.resize(texts.size());
+    requests->errors.resize(texts.size());
+    Requests* r = requests.get();
+    for (size_t i = 0; i < texts.size(); ++i) {
+      r->threads.emplace_back([this, r, i, text = texts[i], max_new_tokens] {
+        absl::StatusOr<HttpResponse> reply = HttpPost(
+            url_ + "/generate", GenerateBody(text, max_new_tokens), absl::Seconds(120));
+        if (reply.ok() && reply->status == 200) {
+          r->got[i] = TokenIds(reply->body);
+        } else {
+          r->errors[i] = reply.ok() ? absl::StrCat(reply->status, " ", reply->body)
+                                    : reply.status().ToString();
+        }
+        ++r->done;
+      });
+    }
+    return requests;
+  }
+
   StatsSnapshot Stats() {
     CacheManagerClient::Options options;
     options.endpoint = cm_->endpoint();
@@ -362,17 +397,12 @@ TEST_F(RouterProcessTest, APoolOfFewBlocksForcesPreemptionAndEveryRequestStillGe
                                      {"--max-total-tokens", "96"}));
   std::vector<std::string> texts;
   for (int i = 0; i < 6; ++i) texts.push_back(absl::StrCat("preempt me please ", i));
-  std::vector<std::vector<int32_t>> got(texts.size());
-  std::vector<std::thread> clients;
+  std::unique_ptr<Requests> requests = StartRequests(texts, 30);
+  requests->Join();
   for (size_t i = 0; i < texts.size(); ++i) {
-    clients.emplace_back([&, i] {
-      absl::StatusOr<HttpResponse> reply =
-          HttpPost(url_ + "/generate", GenerateBody(texts[i], 30), absl::Seconds(60));
-      if (reply.ok() && reply->status == 200) got[i] = TokenIds(reply->body);
-    });
+    EXPECT_EQ(requests->errors[i], "") << i;
+    EXPECT_EQ(requests->got[i], Reference(texts[i], 30)) << i;
   }
-  for (std::thread& t : clients) t.join();
-  for (size_t i = 0; i < texts.size(); ++i) EXPECT_EQ(got[i], Reference(texts[i], 30)) << i;
   EXPECT_TRUE(AwaitNoBlockInUse());
   ASSERT_TRUE(router_->Signal(SIGTERM).ok());
   ASSERT_TRUE(router_->Wait(absl::Seconds(10)).ok());
@@ -479,23 +509,16 @@ TEST_F(RouterProcessTest, AnExecutorKilledMidGenerationChangesNoToken) {
                                      {"--fault-layer-delay-ms", "3"}));
   std::vector<std::string> texts = {"first request", "second request", "third one",
                                     "and a fourth"};
-  std::vector<std::vector<int32_t>> got(texts.size());
-  std::atomic<int> done{0};
-  std::vector<std::thread> clients;
-  for (size_t i = 0; i < texts.size(); ++i) {
-    clients.emplace_back([&, i] {
-      absl::StatusOr<HttpResponse> reply =
-          HttpPost(url_ + "/generate", GenerateBody(texts[i], 40), absl::Seconds(120));
-      if (reply.ok() && reply->status == 200) got[i] = TokenIds(reply->body);
-      ++done;
-    });
-  }
+  std::unique_ptr<Requests> requests = StartRequests(texts, 40);
   absl::SleepFor(absl::Milliseconds(300));  // a few steps in: every request is generating
   ASSERT_TRUE(executors_[1].process->Signal(SIGKILL).ok());
-  const int done_at_kill = done.load();
-  for (std::thread& t : clients) t.join();
+  const int done_at_kill = requests->done.load();
+  requests->Join();
   EXPECT_EQ(done_at_kill, 0) << "the kill came too late to be mid-generation";
-  for (size_t i = 0; i < texts.size(); ++i) EXPECT_EQ(got[i], Reference(texts[i], 40)) << i;
+  for (size_t i = 0; i < texts.size(); ++i) {
+    EXPECT_EQ(requests->errors[i], "") << i;
+    EXPECT_EQ(requests->got[i], Reference(texts[i], 40)) << i;
+  }
   // Its pidfd told the router at once (not the silence limit).
   EXPECT_THAT(router_->Output(), HasSubstr("exited: dropped"));
   EXPECT_TRUE(AwaitNoBlockInUse());
@@ -523,36 +546,22 @@ TEST_F(RouterProcessTest, ACacheManagerKilledUnderLoadRestartsAndEveryRequestCom
   ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/256, /*executors=*/1, {},
                                      {"--fault-layer-delay-ms", "3"}, run_dir->path()));
   std::vector<std::string> texts = {"survive a restart", "me too", "and me, please"};
-  std::vector<std::vector<int32_t>> got(texts.size());
-  std::vector<std::string> errors(texts.size());
-  std::atomic<int> done{0};
-  std::vector<std::thread> clients;
-  for (size_t i = 0; i < texts.size(); ++i) {
-    clients.emplace_back([&, i] {
-      absl::StatusOr<HttpResponse> reply =
-          HttpPost(url_ + "/generate", GenerateBody(texts[i], 40), absl::Seconds(120));
-      if (reply.ok() && reply->status == 200) {
-        got[i] = TokenIds(reply->body);
-      } else {
-        errors[i] = reply.ok() ? reply->body : reply.status().ToString();
-      }
-      ++done;
-    });
-  }
+  std::unique_ptr<Requests> requests = StartRequests(texts, 40);
   absl::SleepFor(absl::Milliseconds(250));
   ASSERT_TRUE(cm_->process().Signal(SIGKILL).ok());
-  const int done_at_kill = done.load();
+  const int done_at_kill = requests->done.load();
   (void)cm_->process().Wait(absl::Seconds(10));
   cm_.reset();  // the run directory is the test's: it stays
   absl::StatusOr<std::unique_ptr<CacheManagerProcess>> restarted =
       CacheManagerProcess::Start(ManagerOptions(256, run_dir->path()));
   ASSERT_TRUE(restarted.ok()) << restarted.status();
   cm_ = std::move(*restarted);
-  for (std::thread& t : clients) t.join();
+  requests->Join();
   EXPECT_EQ(done_at_kill, 0) << "the kill came too late to be under load";
   for (size_t i = 0; i < texts.size(); ++i) {
-    EXPECT_EQ(errors[i], "") << i;
-    EXPECT_EQ(absl::StrJoin(got[i], " "), absl::StrJoin(Reference(texts[i], 40), " ")) << i;
+    EXPECT_EQ(requests->errors[i], "") << i;
+    EXPECT_EQ(absl::StrJoin(requests->got[i], " "), absl::StrJoin(Reference(texts[i], 40), " "))
+        << i;
   }
   EXPECT_THAT(router_->Output(), HasSubstr("registered again with the cache manager"));
   EXPECT_TRUE(AwaitNoBlockInUse()) << router_->Output();
