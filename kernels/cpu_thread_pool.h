@@ -5,8 +5,8 @@
 // ParallelFor hands out task indices from one atomic counter to the calling thread and up to
 // num_threads - 1 workers, and returns when every task has run. Workers that just finished
 // spin briefly (about 100 us) before sleeping on a futex (std::atomic::wait), so back-to-back
-// calls, such as one per layer, do not pay a wake-up each (a futex wake-up costs 12-32 us
-// on the 2-vCPU machines the suite runs on); after that they cost nothing.
+// calls, such as one per layer, do not pay a wake-up each (a futex wake-up costs tens of
+// microseconds on a shared VM); after that they cost nothing.
 //
 // Thread safety: ParallelFor may be called from any thread; concurrent calls run one after
 // the other. A call from inside a task of the same pool runs its tasks serially on the
