@@ -262,6 +262,9 @@ struct HttpFrontend::Impl {
     if (static_cast<int32_t>(active.size()) >= options.max_concurrent_requests) {
       return Refuse(request, {429, "Model is overloaded", "overloaded"});
     }
+    if (core->draining()) {
+      return Refuse(request, {503, "the router is shutting down", "unavailable"});
+    }
     if (core->live_executors() == 0) {
       return Refuse(request, {503, "no executor is registered with the router yet",
                                   "unavailable"});

@@ -42,6 +42,9 @@ ABSL_FLAG(int32_t, max_batch_prefill_tokens, 4096, "Prompt tokens computed in on
 ABSL_FLAG(int64_t, max_batch_total_tokens, 0,
           "KV tokens of the running sequences after a step. Default: what the pool holds.");
 ABSL_FLAG(int32_t, max_running, 256, "Sequences in one step at most.");
+ABSL_FLAG(int32_t, drain_timeout_ms, 10000,
+          "At SIGTERM/SIGINT, how long running requests may take to finish (new ones get "
+          "503). A second signal stops at once.");
 
 namespace kvcm {
 namespace {
@@ -112,6 +115,10 @@ int Main() {
   core_options.max_batch_prefill_tokens = absl::GetFlag(FLAGS_max_batch_prefill_tokens);
   core_options.max_batch_total_tokens = absl::GetFlag(FLAGS_max_batch_total_tokens);
   core_options.max_running = absl::GetFlag(FLAGS_max_running);
+  if (absl::GetFlag(FLAGS_drain_timeout_ms) < 0) {
+    return fail(absl::InvalidArgumentError("--drain-timeout-ms must be >= 0"));
+  }
+  core_options.drain_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_drain_timeout_ms));
   core_options.eos_token_ids = tokenizer_config->eos_token_ids;
   router::RouterMetrics metrics;
   core_options.metrics = &metrics;

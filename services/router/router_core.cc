@@ -74,6 +74,14 @@ absl::StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(const Options& op
 
 void RouterCore::Submit(Submission submission) {
   loop_.Post([this, s = std::move(submission)]() mutable {
+    if (draining_.load()) {  // arrived after the signal: not started
+      Progress p;
+      p.id = s.id;
+      p.finished = true;
+      p.error = absl::UnavailableError("the router is shutting down");
+      sink_({std::move(p)});
+      return;
+    }
     known_.insert(s.id);
     planner_->Enqueue(s.id, std::move(s.prompt), s.max_new_tokens, s.sampling);
     ScheduleTurn();
@@ -303,13 +311,30 @@ absl::Status RouterCore::Run(int signal_fd) {
   loop_.WatchSocket(link_->socket(), [this] { link_->HandleReadable(MonotonicNow()); });
   if (signal_fd >= 0) {
     loop_.WatchSignals(signal_fd, [this](int signo) {
-      Log(absl::StrCat("received ", strsignal(signo), ": stopping"));
-      loop_.Stop();
+      if (draining_.load()) {
+        Log(absl::StrCat("received ", strsignal(signo), " again: stopping now"));
+        loop_.Stop();
+        return;
+      }
+      // No new request starts; those running finish, within the drain timeout.
+      Log(absl::StrCat("received ", strsignal(signo), ": finishing ", known_.size(),
+                       " request(s) (at most ", absl::FormatDuration(options_.drain_timeout),
+                       "), refusing new ones"));
+      draining_.store(true);
+      drain_deadline_ = MonotonicNow() + options_.drain_timeout;
+      if (known_.empty()) loop_.Stop();
     });
   }
   loop_.AddTimer(absl::Milliseconds(200), [this](absl::Duration) { Recover(); });
   loop_.AddTimer(kHousekeeping, [this](absl::Duration) {
     const absl::Time now = MonotonicNow();
+    if (draining_.load() && (known_.empty() || now > drain_deadline_)) {
+      if (!known_.empty()) {
+        Log(absl::StrCat("drain timeout: cancelling ", known_.size(), " request(s)"));
+      }
+      loop_.Stop();
+      return;
+    }
     link_->DropSilent(now);
     if (in_flight_ && now > step_deadline_) {
       for (uint64_t executor : std::vector<uint64_t>(awaiting_.begin(), awaiting_.end())) {

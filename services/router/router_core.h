@@ -63,6 +63,9 @@ class RouterCore {
     // How long requests wait for a cache manager that is down or restarting before they
     // fail with 503.
     absl::Duration recovery_timeout = absl::Seconds(60);
+    // At SIGTERM/SIGINT, running requests get this long to finish; new ones are refused
+    // (503). A second signal stops at once.
+    absl::Duration drain_timeout = absl::Seconds(10);
   };
   using Sink = std::function<void(std::vector<Progress>)>;
 
@@ -74,6 +77,8 @@ class RouterCore {
   const SessionInfo& session() const { return session_; }
   const PlannerOptions& planner_options() const { return planner_options_; }
 
+  // True once a signal asked the router to stop: new requests are refused (any thread).
+  bool draining() const { return draining_.load(); }
   // Executors registered now (any thread).
   int live_executors() const { return live_executors_.load(); }
 
@@ -114,6 +119,8 @@ class RouterCore {
   bool fresh_available_ = false;
   uint64_t steps_ = 0;
   std::atomic<int> live_executors_{0};
+  std::atomic<bool> draining_{false};
+  absl::Time drain_deadline_;
 
   // While the cache manager does not answer.
   bool recovering_ = false;

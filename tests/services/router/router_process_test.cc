@@ -567,5 +567,27 @@ TEST_F(RouterProcessTest, ACacheManagerKilledUnderLoadRestartsAndEveryRequestCom
   EXPECT_TRUE(AwaitNoBlockInUse()) << router_->Output();
 }
 
+TEST_F(RouterProcessTest, SigtermFinishesTheRunningRequestsRefusesNewOnesAndExitsCleanly) {
+  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/128, /*executors=*/1, {},
+                                     {"--fault-layer-delay-ms", "3"}));
+  std::unique_ptr<Requests> running = StartRequests({"finish me first"}, 60);
+  absl::SleepFor(absl::Milliseconds(200));  // a few of its 60 steps in
+  ASSERT_TRUE(router_->Signal(SIGTERM).ok());
+  ASSERT_TRUE(router_->WaitForLine("finishing 1 request", absl::Now() + absl::Seconds(10)).ok())
+      << router_->Output();
+  absl::StatusOr<HttpResponse> late = HttpPost(url_ + "/generate", GenerateBody("too late", 3));
+  ASSERT_TRUE(late.ok()) << late.status();
+  EXPECT_EQ(late->status, 503) << late->body;
+  EXPECT_THAT(late->body, HasSubstr("shutting down"));
+  running->Join();
+  EXPECT_EQ(running->errors[0], "");
+  EXPECT_EQ(running->got[0], Reference("finish me first", 60));
+  absl::StatusOr<int> exit_code = router_->Wait(absl::Seconds(15));
+  ASSERT_TRUE(exit_code.ok()) << exit_code.status() << "\n" << router_->Output();
+  EXPECT_EQ(*exit_code, 0) << router_->Output();
+  router_.reset();
+  EXPECT_TRUE(AwaitNoBlockInUse());
+}
+
 }  // namespace
 }  // namespace kvcm
