@@ -107,6 +107,23 @@ class RouterProcessTest : public ::testing::Test {
 
   void StartRouterAndExecutors(int executors, const std::vector<std::string>& router_flags,
                                const std::vector<std::string>& executor_flags) {
+    ASSERT_NO_FATAL_FAILURE(StartRouter(router_flags));
+    for (int i = 0; i < executors; ++i) {
+      ExecutorArgs args;
+      args.model = *model_dir_;
+      args.run_dir = cm_->run_dir();
+      args.router = IpcEndpointIn(cm_->run_dir(), kRouterExecutorsSocket);
+      args.name = absl::StrCat("exec-", i);
+      args.threads = 1;
+      args.extra = executor_flags;
+      absl::StatusOr<ExecutorProcess> executor = kvcm::testing::StartExecutor(args);
+      ASSERT_TRUE(executor.ok()) << executor.status();
+      executors_.push_back(std::move(*executor));
+    }
+    ASSERT_NO_FATAL_FAILURE(AwaitExecutors(executors));
+  }
+
+  void StartRouter(const std::vector<std::string>& router_flags) {
     absl::StatusOr<TempDir> log = TempDir::Create("kvcm-rlog");
     ASSERT_TRUE(log.ok());
     log_ = std::make_unique<TempDir>(std::move(*log));
@@ -121,19 +138,10 @@ class RouterProcessTest : public ::testing::Test {
     auto ready = router_->WaitForLine("ready http=(\\S+)", absl::Now() + absl::Seconds(30));
     ASSERT_TRUE(ready.ok()) << ready.status() << "\n" << router_->Output();
     url_ = (*ready)[1];
-    for (int i = 0; i < executors; ++i) {
-      ExecutorArgs args;
-      args.model = *model_dir_;
-      args.run_dir = cm_->run_dir();
-      args.router = IpcEndpointIn(cm_->run_dir(), kRouterExecutorsSocket);
-      args.name = absl::StrCat("exec-", i);
-      args.threads = 1;
-      args.extra = executor_flags;
-      absl::StatusOr<ExecutorProcess> executor = kvcm::testing::StartExecutor(args);
-      ASSERT_TRUE(executor.ok()) << executor.status();
-      executors_.push_back(std::move(*executor));
-    }
-    // Registered with the router: /health answers 200.
+  }
+
+  // Until `executors` are registered with the router (and /health answers 200).
+  void AwaitExecutors(int executors) {
     const absl::Time deadline = absl::Now() + absl::Seconds(30);
     while (true) {
       absl::StatusOr<HttpResponse> health = kvcm::testing::HttpGet(url_ + "/health");
@@ -144,6 +152,17 @@ class RouterProcessTest : public ::testing::Test {
       ASSERT_LT(absl::Now(), deadline) << router_->Output();
       absl::SleepFor(absl::Milliseconds(20));
     }
+  }
+
+  // A metric of the router's /metrics (-1 when missing).
+  double RouterMetric(const std::string& name, const kvcm::testing::MetricLabels& labels = {}) {
+    absl::StatusOr<HttpResponse> scraped = kvcm::testing::HttpGet(url_ + "/metrics");
+    if (!scraped.ok() || scraped->status != 200) return -1;
+    absl::StatusOr<kvcm::testing::MetricsText> metrics =
+        kvcm::testing::ParseMetricsText(scraped->body);
+    if (!metrics.ok()) return -1;
+    absl::StatusOr<double> value = metrics->Value(name, labels);
+    return value.ok() ? *value : -1;
   }
 
   // The prompt's token ids as the router makes them: BOS, then one per byte.
@@ -586,6 +605,24 @@ TEST_F(RouterProcessTest, SigtermFinishesTheRunningRequestsRefusesNewOnesAndExit
   ASSERT_TRUE(exit_code.ok()) << exit_code.status() << "\n" << router_->Output();
   EXPECT_EQ(*exit_code, 0) << router_->Output();
   router_.reset();
+  EXPECT_TRUE(AwaitNoBlockInUse());
+}
+
+TEST_F(RouterProcessTest, ARestartedRouterGetsItsExecutorsBackAndTheDeadOnesPromptsStayCached) {
+  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/128, /*executors=*/1));
+  const std::string prompt(44, 'p');  // BOS + 44 bytes: 11 full blocks of 4
+  absl::StatusOr<HttpResponse> first = HttpPost(url_ + "/generate", GenerateBody(prompt, 4));
+  ASSERT_TRUE(first.ok() && first->status == 200);
+  ASSERT_TRUE(router_->Signal(SIGKILL).ok());
+  (void)router_->Wait(absl::Seconds(10));
+  // A new router on the same run directory: the executor registers with it by itself.
+  ASSERT_NO_FATAL_FAILURE(StartRouter({}));
+  ASSERT_NO_FATAL_FAILURE(AwaitExecutors(1));
+  // The retried request finds its prompt in the prefix cache the dead router filled.
+  absl::StatusOr<HttpResponse> retried = HttpPost(url_ + "/generate", GenerateBody(prompt, 4));
+  ASSERT_TRUE(retried.ok() && retried->status == 200) << (retried.ok() ? retried->body : "");
+  EXPECT_EQ(TokenIds(retried->body), Reference(prompt, 4));
+  EXPECT_EQ(RouterMetric("kvcm_router_prompt_tokens_total", {{"source", "cached"}}), 44);
   EXPECT_TRUE(AwaitNoBlockInUse());
 }
 
