@@ -6,6 +6,7 @@
 #include <event2/keyvalq_struct.h>
 #include <event2/thread.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <mutex>
@@ -14,6 +15,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/base/log.h"
 #include "common/base/monotonic_clock.h"
 #include "nlohmann/json.hpp"
@@ -60,12 +62,26 @@ std::string Dump(const json& value) {
   return value.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
-// An error in TGI's shape.
+enum class Api : uint8_t { kTgi, kOpenAi };
+
+// An error, in the shape of the API it answers.
 struct HttpError {
   int status = 422;
   std::string message;
   std::string type = "validation";
+  std::string param = "";  // OpenAI: the offending parameter, if one
+  Api api = Api::kTgi;
 };
+
+// OpenAI's error type for a status.
+const char* OpenAiErrorType(int status) {
+  switch (status) {
+    case 429: return "rate_limit_error";
+    case 503: return "service_unavailable";
+    case 500: return "server_error";
+    default: return "invalid_request_error";
+  }
+}
 
 }  // namespace
 
@@ -92,6 +108,13 @@ struct HttpFrontend::Impl {
     size_t emitted = 0;  // bytes of the generated text already streamed
     absl::Time arrived;
     absl::Time last_token;
+    Api api = Api::kTgi;
+    // OpenAI:
+    std::string completion_id;
+    int64_t created = 0;
+    bool include_usage = false;
+    size_t prompt_tokens = 0;
+    int32_t cached_prompt_tokens = 0;
   };
 
   void Count(RequestOutcome outcome) {
@@ -134,8 +157,20 @@ struct HttpFrontend::Impl {
                                 : RequestOutcome::kInvalid);
     ReplyError(request, error);
   }
+  static json ErrorBody(const HttpError& error) {
+    if (error.api == Api::kOpenAi) {
+      return {{"error",
+               {{"message", error.message},
+                {"type", OpenAiErrorType(error.status)},
+                {"param", error.param.empty() ? json(nullptr) : json(error.param)},
+                {"code", nullptr}}}};
+    }
+    return {{"error", error.message}, {"error_type", error.type}};
+  }
   static void ReplyError(evhttp_request* request, const HttpError& error) {
-    Reply(request, error.status, Dump(json{{"error", error.message}, {"error_type", error.type}}));
+    // OpenAI answers invalid requests with 400 (TGI with 422).
+    const int status = error.api == Api::kOpenAi && error.status == 422 ? 400 : error.status;
+    Reply(request, status, Dump(ErrorBody(error)));
   }
 
   std::string Body(evhttp_request* request) {
@@ -242,56 +277,220 @@ struct HttpFrontend::Impl {
     Params params;
     if (auto bad = ParseParams(root, &params)) return Refuse(request, *bad);
     const std::string text = root["inputs"].get<std::string>();
-    absl::StatusOr<std::vector<int32_t>> encoded = tokenizer->Encode(text);
-    if (!encoded.ok()) return Refuse(request, {422, std::string(encoded.status().message())});
-    std::vector<int32_t> prompt;
-    if (tokenizer->bos_id() >= 0) prompt.push_back(tokenizer->bos_id());
-    prompt.insert(prompt.end(), encoded->begin(), encoded->end());
-    if (static_cast<int32_t>(prompt.size()) > options.max_input_tokens) {
-      return Refuse(request, {422, absl::StrCat("`inputs` must have less than ",
-                                                    options.max_input_tokens, " tokens. Given: ",
-                                                    prompt.size())});
-    }
-    if (static_cast<int64_t>(prompt.size()) + params.max_new_tokens > options.max_total_tokens) {
-      return Refuse(request,
-                        {422, absl::StrCat("`inputs` tokens + `max_new_tokens` must be <= ",
-                                           options.max_total_tokens, ". Given: ", prompt.size(),
-                                           " `inputs` tokens and ", params.max_new_tokens,
-                                           " `max_new_tokens`")});
-    }
-    if (static_cast<int32_t>(active.size()) >= options.max_concurrent_requests) {
-      return Refuse(request, {429, "Model is overloaded", "overloaded"});
-    }
-    if (core->draining()) {
-      return Refuse(request, {503, "the router is shutting down", "unavailable"});
-    }
-    if (core->live_executors() == 0) {
-      return Refuse(request, {503, "no executor is registered with the router yet",
-                                  "unavailable"});
-    }
-    const uint64_t id = next_id++;
+    absl::StatusOr<std::vector<int32_t>> prompt = PromptOf(text);
+    if (!prompt.ok()) return Refuse(request, {422, std::string(prompt.status().message())});
     Active a;
-    a.request = request;
-    a.connection = evhttp_request_get_connection(request);
     a.stream = stream;
     a.params = params;
     a.prompt_text = text;
+    Start(request, std::move(a), *std::move(prompt));
+  }
+
+  // BOS, then the tokenizer's ids.
+  absl::StatusOr<std::vector<int32_t>> PromptOf(const std::string& text) const {
+    absl::StatusOr<std::vector<int32_t>> encoded = tokenizer->Encode(text);
+    if (!encoded.ok()) return encoded.status();
+    std::vector<int32_t> prompt;
+    if (tokenizer->bos_id() >= 0) prompt.push_back(tokenizer->bos_id());
+    prompt.insert(prompt.end(), encoded->begin(), encoded->end());
+    return prompt;
+  }
+
+  // The checks every API shares; then the request is registered and handed to the core.
+  void Start(evhttp_request* request, Active a, std::vector<int32_t> prompt) {
+    const Api api = a.api;
+    auto refuse = [&](HttpError error) {
+      error.api = api;
+      Refuse(request, error);
+    };
+    if (static_cast<int32_t>(prompt.size()) > options.max_input_tokens) {
+      return refuse({422, absl::StrCat("the prompt must have less than ", options.max_input_tokens,
+                                       " tokens. Given: ", prompt.size())});
+    }
+    if (static_cast<int64_t>(prompt.size()) + a.params.max_new_tokens > options.max_total_tokens) {
+      return refuse({422, absl::StrCat("prompt tokens + new tokens must be <= ",
+                                       options.max_total_tokens, ". Given: ", prompt.size(),
+                                       " prompt tokens and ", a.params.max_new_tokens,
+                                       " new tokens")});
+    }
+    if (static_cast<int32_t>(active.size()) >= options.max_concurrent_requests) {
+      return refuse({429, "Model is overloaded", "overloaded"});
+    }
+    if (core->draining()) return refuse({503, "the router is shutting down", "unavailable"});
+    if (core->live_executors() == 0) {
+      return refuse({503, "no executor is registered with the router yet", "unavailable"});
+    }
+    const uint64_t id = next_id++;
+    a.request = request;
+    a.connection = evhttp_request_get_connection(request);
     a.arrived = MonotonicNow();
+    a.prompt_tokens = prompt.size();
     by_connection[a.connection] = id;
     evhttp_connection_set_closecb(a.connection, &Impl::OnClose, this);
-    if (stream) {
+    if (a.stream) {
       evkeyvalq* headers = evhttp_request_get_output_headers(request);
       evhttp_add_header(headers, "Content-Type", "text/event-stream");
       evhttp_add_header(headers, "Cache-Control", "no-cache");
       evhttp_send_reply_start(request, 200, "OK");
     }
-    active.emplace(id, std::move(a));
     Submission submission;
     submission.id = id;
     submission.prompt = std::move(prompt);
-    submission.max_new_tokens = params.max_new_tokens;
-    submission.sampling = params.sampling;
+    submission.max_new_tokens = a.params.max_new_tokens;
+    submission.sampling = a.params.sampling;
+    active.emplace(id, std::move(a));
     core->Submit(std::move(submission));
+  }
+
+  // POST /v1/completions (OpenAI): one prompt (a string, or token ids), one choice.
+  void HandleCompletions(evhttp_request* request) {
+    auto refuse = [&](int status, std::string message, std::string param = "") {
+      Refuse(request, {status, std::move(message), "validation", std::move(param), Api::kOpenAi});
+    };
+    if (evhttp_request_get_command(request) != EVHTTP_REQ_POST) return refuse(405, "use POST");
+    const json root = json::parse(Body(request), nullptr, /*allow_exceptions=*/false);
+    if (root.is_discarded() || !root.is_object()) {
+      return refuse(400, "the body is not a JSON object");
+    }
+    Active a;
+    a.api = Api::kOpenAi;
+    a.params.max_new_tokens = 16;  // OpenAI's default
+    a.params.sampling.temperature = 1.0f;
+    std::vector<int32_t> prompt;
+    bool have_prompt = false;
+    std::optional<uint64_t> seed;
+    for (const auto& [key, value] : root.items()) {
+      if (key == "prompt") {
+        json one = value;
+        if (value.is_array() && value.size() == 1 && (value[0].is_string() || value[0].is_array())) {
+          one = value[0];
+        }
+        if (one.is_string()) {
+          absl::StatusOr<std::vector<int32_t>> ids = PromptOf(one.get<std::string>());
+          if (!ids.ok()) return refuse(422, std::string(ids.status().message()), "prompt");
+          prompt = *std::move(ids);
+          a.prompt_text = one.get<std::string>();
+        } else if (one.is_array() && !one.empty() &&
+                   std::all_of(one.begin(), one.end(),
+                               [](const json& t) { return t.is_number_integer(); })) {
+          for (const json& t : one) {
+            const int64_t id = t.get<int64_t>();
+            if (id < 0 || id >= tokenizer->vocab_size()) {
+              return refuse(422, absl::StrCat("token id ", id, " is outside [0, ",
+                                              tokenizer->vocab_size(), ")"), "prompt");
+            }
+            prompt.push_back(static_cast<int32_t>(id));
+          }
+          absl::StatusOr<std::string> text = tokenizer->Decode(prompt);
+          a.prompt_text = text.ok() ? *text : "";
+        } else {
+          return refuse(422, "`prompt` must be a string, a list of token ids, or a list of one "
+                        "of those (several prompts in one request are not supported)", "prompt");
+        }
+        have_prompt = true;
+      } else if (key == "model" || key == "user") {
+        if (!value.is_string() && !value.is_null()) return refuse(422, "must be a string", key);
+      } else if (key == "max_tokens") {
+        if (!value.is_number_integer() || value.get<int64_t>() < 1 ||
+            value.get<int64_t>() > options.max_total_tokens) {
+          return refuse(422, absl::StrCat("`max_tokens` must be an integer in [1, ",
+                                          options.max_total_tokens, "]"), key);
+        }
+        a.params.max_new_tokens = value.get<int32_t>();
+      } else if (key == "temperature") {
+        if (!value.is_number() || value.get<double>() < 0 || value.get<double>() > 2) {
+          return refuse(422, "`temperature` must be a number in [0, 2]", key);
+        }
+        a.params.sampling.temperature = value.get<float>();
+      } else if (key == "top_p") {
+        if (!value.is_number() || value.get<double>() <= 0 || value.get<double>() > 1) {
+          return refuse(422, "`top_p` must be a number in (0, 1]", key);
+        }
+        a.params.sampling.top_p = value.get<float>();
+      } else if (key == "seed") {
+        if (!value.is_null()) {
+          if (!value.is_number_unsigned()) return refuse(422, "`seed` must be an unsigned integer", key);
+          seed = value.get<uint64_t>();
+        }
+      } else if (key == "stream") {
+        if (!value.is_boolean()) return refuse(422, "`stream` must be a boolean", key);
+        a.stream = value.get<bool>();
+      } else if (key == "stream_options") {
+        if (!value.is_null()) {
+          if (!value.is_object()) return refuse(422, "`stream_options` must be an object", key);
+          for (const auto& [option, flag] : value.items()) {
+            if (option != "include_usage" || !flag.is_boolean()) {
+              return refuse(422, absl::StrCat("stream_options.", option, " is not supported"), key);
+            }
+            a.include_usage = flag.get<bool>();
+          }
+        }
+      } else if (key == "echo") {
+        if (!value.is_boolean()) return refuse(422, "`echo` must be a boolean", key);
+        a.params.return_full_text = value.get<bool>();
+      } else if (key == "stop") {
+        if (value.is_string()) {
+          a.params.stop = {value.get<std::string>()};
+        } else if (value.is_array() && value.size() <= 4 &&
+                   std::all_of(value.begin(), value.end(),
+                               [](const json& x) { return x.is_string(); })) {
+          for (const json& x : value) a.params.stop.push_back(x.get<std::string>());
+        } else if (!value.is_null()) {
+          return refuse(422, "`stop` must be a string or a list of at most 4 strings", key);
+        }
+        std::erase_if(a.params.stop, [](const std::string& x) { return x.empty(); });
+      } else if ((key == "n" || key == "best_of") && value.is_number_integer() &&
+                 value.get<int64_t>() == 1) {
+      } else if ((key == "frequency_penalty" || key == "presence_penalty") && value.is_number() &&
+                 value.get<double>() == 0) {
+      } else if ((key == "logprobs" || key == "suffix" || key == "logit_bias") && value.is_null()) {
+      } else {
+        return refuse(422, absl::StrCat("parameter `", key, "` is not supported by this server (",
+                                        Dump(value), ")"), key);
+      }
+    }
+    if (!have_prompt) return refuse(422, "`prompt` is required", "prompt");
+    if (a.params.sampling.temperature > 0) {
+      a.params.do_sample = true;
+      a.params.seed = seed.value_or(next_seed++);
+      a.params.sampling.seed = a.params.seed;
+    } else {
+      a.params.sampling = SeqSampling{};  // greedy
+    }
+    a.completion_id = absl::StrCat("cmpl-", next_id);
+    a.created = absl::ToUnixSeconds(absl::Now());
+    Start(request, std::move(a), std::move(prompt));
+  }
+
+  void HandleModels(evhttp_request* request) {
+    const json models = {{"object", "list"},
+                         {"data", json::array({{{"id", options.model_id},
+                                                {"object", "model"},
+                                                {"created", 0},
+                                                {"owned_by", "kvcm"}}})}};
+    Reply(request, 200, Dump(models));
+  }
+
+  static std::string OpenAiFinishReason(const std::string& tgi) {
+    return tgi == "length" ? "length" : "stop";
+  }
+
+  json OpenAiUsage(const Active& a) const {
+    return {{"prompt_tokens", a.prompt_tokens},
+            {"completion_tokens", a.generated.size()},
+            {"total_tokens", a.prompt_tokens + a.generated.size()},
+            {"prompt_tokens_details", {{"cached_tokens", a.cached_prompt_tokens}}}};
+  }
+
+  json OpenAiChunk(const Active& a, const std::string& text, const json& finish_reason) const {
+    return {{"id", a.completion_id},
+            {"object", "text_completion"},
+            {"created", a.created},
+            {"model", options.model_id},
+            {"choices", json::array({{{"index", 0},
+                                      {"text", text},
+                                      {"logprobs", nullptr},
+                                      {"finish_reason", finish_reason}}})}};
   }
 
   static void OnClose(evhttp_connection* connection, void* arg) {
@@ -337,16 +536,36 @@ struct HttpFrontend::Impl {
       evhttp_connection_set_closecb(a.connection, nullptr, nullptr);
       if (!p.error.ok()) {
         const int status = absl::IsResourceExhausted(p.error) ? 422 : 503;
-        const json error = {{"error", std::string(p.error.message())},
-                            {"error_type", status == 422 ? "validation" : "unavailable"}};
+        const json error = ErrorBody({status, std::string(p.error.message()),
+                                      status == 422 ? "validation" : "unavailable", "", a.api});
         if (a.stream) {
-          SendEvent(a.request, Dump(error));
+          SendEvent(a.request, Dump(error), a.api);
           evhttp_send_reply_end(a.request);
         } else {
           Reply(a.request, status, Dump(error));
         }
       } else if (a.stream) {
+        if (a.api == Api::kOpenAi) {
+          if (a.include_usage) {
+            json usage = OpenAiChunk(a, "", nullptr);
+            usage["choices"] = json::array();
+            usage["usage"] = OpenAiUsage(a);
+            SendEvent(a.request, Dump(usage), Api::kOpenAi);
+          }
+          SendEvent(a.request, "[DONE]", Api::kOpenAi);
+        }
         evhttp_send_reply_end(a.request);
+      } else if (a.api == Api::kOpenAi) {
+        // OpenAI's text stops before the stop sequence (TGI's keeps it).
+        if (p.finish_reason == "stop_sequence") {
+          size_t cut = text.size();
+          for (const std::string& sequence : a.params.stop) cut = std::min(cut, text.find(sequence));
+          text.resize(cut);
+        }
+        json body = OpenAiChunk(a, a.params.return_full_text ? a.prompt_text + text : text,
+                                OpenAiFinishReason(p.finish_reason));
+        body["usage"] = OpenAiUsage(a);
+        Reply(a.request, 200, Dump(body));
       } else {
         json body = {{"generated_text", full}};
         if (a.params.details) body["details"] = Details(a, p.finish_reason);
@@ -368,9 +587,11 @@ struct HttpFrontend::Impl {
     return false;
   }
 
-  static void SendEvent(evhttp_request* request, const std::string& data) {
+  // One server-sent event: "data:" as TGI writes it, "data: " as OpenAI does.
+  static void SendEvent(evhttp_request* request, const std::string& data,
+                        Api api = Api::kTgi) {
     evbuffer* out = evbuffer_new();
-    evbuffer_add_printf(out, "data:%s\n\n", data.c_str());
+    evbuffer_add_printf(out, api == Api::kOpenAi ? "data: %s\n\n" : "data:%s\n\n", data.c_str());
     evhttp_send_reply_chunk(request, out);
     evbuffer_free(out);
   }
@@ -384,6 +605,16 @@ struct HttpFrontend::Impl {
     const size_t ready = p.finished ? all.size() : CompleteUtf8Prefix(all);
     const std::string piece = ready > a.emitted ? all.substr(a.emitted, ready - a.emitted) : "";
     a.emitted = std::max(a.emitted, ready);
+    if (a.api == Api::kOpenAi) {
+      const std::string first = a.generated.size() == 1 && a.params.return_full_text
+                                    ? a.prompt_text : "";
+      SendEvent(a.request,
+                Dump(OpenAiChunk(a, first + piece,
+                                 p.finished ? json(OpenAiFinishReason(p.finish_reason))
+                                            : json(nullptr))),
+                Api::kOpenAi);
+      return;
+    }
     json event = {{"index", a.generated.size() - 1},
                   {"token",
                    {{"id", p.token},
@@ -430,6 +661,7 @@ struct HttpFrontend::Impl {
           }
         }
         a.last_token = now;
+        a.cached_prompt_tokens = p.cached_prompt_tokens;
         a.generated.push_back(p.token);
         Progress shown = p;
         if (!p.finished && StopSequenceSeen(a)) {
@@ -511,6 +743,8 @@ struct HttpFrontend::Impl {
     if (path == "/generate_stream") return self->HandleGenerate(request, true);
     if (path == "/") return self->HandleGenerate(request, std::nullopt);
     if (path == "/tokenize") return self->HandleTokenize(request);
+    if (path == "/v1/completions") return self->HandleCompletions(request);
+    if (path == "/v1/models") return self->HandleModels(request);
     if (path == "/info") return self->HandleInfo(request);
     if (path == "/metrics") {
       if (self->metrics == nullptr) return ReplyError(request, {404, "no metrics", "validation"});

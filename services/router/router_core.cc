@@ -286,6 +286,7 @@ void RouterCore::FinishStep() {
     Progress p;
     p.id = event.request;
     p.token = event.token;
+    p.cached_prompt_tokens = event.cached_prompt_tokens;
     const bool eos = std::find(options_.eos_token_ids.begin(), options_.eos_token_ids.end(),
                                event.token) != options_.eos_token_ids.end();
     if (eos || event.finished) {

@@ -43,6 +43,7 @@ struct Progress {
   bool finished = false;    // with finish_reason, or an error
   std::string finish_reason;  // "length", "eos_token"
   absl::Status error;       // the request failed (finished is true)
+  int32_t cached_prompt_tokens = 0;  // of its prompt, found in the prefix cache
 };
 
 class RouterCore {

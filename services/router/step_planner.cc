@@ -294,6 +294,7 @@ ExecutorWork StepPlanner::Apply(const StepPlan& plan, std::span<const OpOutcome>
             work.recomputed_committed_tokens +=
                 std::max(0, run.req.committed_before - outcome.num_cached_tokens);
           } else {
+            run.req.cached_prompt_tokens = outcome.num_cached_tokens;
             work.cached_prompt_tokens += outcome.num_cached_tokens;
             work.computed_prompt_tokens += op.num_tokens - outcome.num_cached_tokens;
           }
@@ -367,6 +368,7 @@ std::vector<TokenEvent> StepPlanner::Complete(std::span<const SeqResult> results
     event.token = result->second->token;
     event.index = run.req.generated++;
     event.finished = run.req.generated >= run.req.max_new_tokens;
+    event.cached_prompt_tokens = run.req.cached_prompt_tokens;
     if (event.finished) run.finishing = true;
     events.push_back(event);
   }

@@ -122,6 +122,7 @@ struct TokenEvent {
   int32_t token = -1;  // -1 with `finished` only: ended without a new token
   int32_t index = 0;   // 0 for the first generated token
   bool finished = false;  // max_new_tokens reached (the sequence is freed next step)
+  int32_t cached_prompt_tokens = 0;  // of its prompt, found in the prefix cache at admission
 };
 
 class StepPlanner {
@@ -167,6 +168,7 @@ class StepPlanner {
     int32_t generated = 0;
     int32_t max_new_tokens = 0;
     SeqSampling sampling;
+    int32_t cached_prompt_tokens = 0;  // at its first admission
     bool readmitted = false;       // preempted before
     int32_t committed_before = 0;  // tokens it had committed when it was preempted
   };

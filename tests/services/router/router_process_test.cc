@@ -375,6 +375,12 @@ std::string BytesOf(const std::vector<int32_t>& ids) {
   return text;
 }
 
+// `text` as it reads back from the router's JSON: bytes that are not UTF-8 become U+FFFD.
+std::string AsJsonText(const std::string& text) {
+  return json::parse(json(text).dump(-1, ' ', false, json::error_handler_t::replace))
+      .get<std::string>();
+}
+
 TEST_F(RouterProcessTest, AStopSequenceEndsTheRequestAfterTheTokenThatCompletesIt) {
   ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/128, /*executors=*/1));
   const std::string prompt = "stop when you see it";
@@ -623,6 +629,67 @@ TEST_F(RouterProcessTest, ARestartedRouterGetsItsExecutorsBackAndTheDeadOnesProm
   ASSERT_TRUE(retried.ok() && retried->status == 200) << (retried.ok() ? retried->body : "");
   EXPECT_EQ(TokenIds(retried->body), Reference(prompt, 4));
   EXPECT_EQ(RouterMetric("kvcm_router_prompt_tokens_total", {{"source", "cached"}}), 44);
+  EXPECT_TRUE(AwaitNoBlockInUse());
+}
+
+TEST_F(RouterProcessTest, OpenAiCompletionsGiveTheReferenceTokensUsageAndCachedTokens) {
+  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/128, /*executors=*/1));
+  const std::string prompt(30, 'o');  // BOS + 30 bytes: 7 full blocks, 28 cacheable tokens
+  const std::vector<int32_t> want = Reference(prompt, 6);
+  auto post = [&](const json& body) {
+    absl::StatusOr<HttpResponse> reply = HttpPost(url_ + "/v1/completions", body.dump());
+    EXPECT_TRUE(reply.ok()) << reply.status();
+    return reply.ok() ? *reply : HttpResponse{};
+  };
+  const json greedy = {{"model", "tiny"}, {"prompt", prompt}, {"max_tokens", 6},
+                       {"temperature", 0}};
+  HttpResponse first = post(greedy);
+  ASSERT_EQ(first.status, 200) << first.body;
+  json reply = json::parse(first.body);
+  EXPECT_EQ(reply["object"], "text_completion");
+  EXPECT_EQ(reply["choices"][0]["text"].get<std::string>(), AsJsonText(BytesOf(want)));
+  EXPECT_EQ(reply["choices"][0]["finish_reason"], want.size() < 6 ? "stop" : "length");
+  EXPECT_EQ(reply["usage"]["prompt_tokens"], 31);
+  EXPECT_EQ(reply["usage"]["completion_tokens"], want.size());
+  EXPECT_EQ(reply["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+  // The same prompt again: its full blocks come from the prefix cache.
+  HttpResponse second = post(greedy);
+  ASSERT_EQ(second.status, 200) << second.body;
+  EXPECT_EQ(json::parse(second.body)["usage"]["prompt_tokens_details"]["cached_tokens"], 28);
+
+  // Token ids as the prompt, streamed, with a usage chunk and [DONE] at the end.
+  const std::vector<int32_t> ids = PromptIds(prompt);
+  HttpResponse streamed = post({{"prompt", ids}, {"max_tokens", 6}, {"temperature", 0},
+                                {"stream", true}, {"stream_options", {{"include_usage", true}}}});
+  ASSERT_EQ(streamed.status, 200) << streamed.body;
+  std::string text;
+  json usage;
+  bool done = false;
+  for (absl::string_view line : absl::StrSplit(streamed.body, '\n')) {
+    if (!absl::ConsumePrefix(&line, "data: ")) continue;
+    if (line == "[DONE]") {
+      done = true;
+      continue;
+    }
+    const json chunk = json::parse(std::string(line));
+    if (chunk.contains("usage")) usage = chunk["usage"];
+    for (const json& choice : chunk["choices"]) text += choice["text"].get<std::string>();
+  }
+  EXPECT_TRUE(done);
+  // Streamed pieces never split a UTF-8 sequence, so they join to the same text.
+  EXPECT_EQ(text, AsJsonText(BytesOf(want)));
+  EXPECT_EQ(usage["completion_tokens"], want.size());
+
+  // OpenAI's error shape, with 400.
+  HttpResponse bad = post({{"prompt", "x"}, {"n", 2}});
+  EXPECT_EQ(bad.status, 400);
+  const json error = json::parse(bad.body, nullptr, false);
+  ASSERT_FALSE(error.is_discarded()) << bad.body;
+  EXPECT_EQ(error["error"]["param"], "n");
+  EXPECT_EQ(error["error"]["type"], "invalid_request_error");
+  absl::StatusOr<HttpResponse> models = kvcm::testing::HttpGet(url_ + "/v1/models");
+  ASSERT_TRUE(models.ok() && models->status == 200);
+  EXPECT_EQ(json::parse(models->body)["data"][0]["object"], "model");
   EXPECT_TRUE(AwaitNoBlockInUse());
 }
 
