@@ -117,8 +117,9 @@ struct HttpFrontend::Impl {
     int32_t cached_prompt_tokens = 0;
   };
 
-  void Count(RequestOutcome outcome) {
-    if (metrics != nullptr) metrics->CountRequest(outcome);
+  void Count(Api api, RequestOutcome outcome) {
+    if (metrics == nullptr) return;
+    metrics->CountRequest(api == Api::kOpenAi ? RequestApi::kOpenAi : RequestApi::kTgi, outcome);
   }
   absl::flat_hash_map<uint64_t, Active> active;
   absl::flat_hash_map<evhttp_connection*, uint64_t> by_connection;
@@ -152,9 +153,9 @@ struct HttpFrontend::Impl {
   }
   // A refusal of a generation request, counted.
   void Refuse(evhttp_request* request, const HttpError& error) {
-    Count(error.status == 429   ? RequestOutcome::kOverloaded
-          : error.status == 503 ? RequestOutcome::kUnavailable
-                                : RequestOutcome::kInvalid);
+    Count(error.api, error.status == 429   ? RequestOutcome::kOverloaded
+                     : error.status == 503 ? RequestOutcome::kUnavailable
+                                           : RequestOutcome::kInvalid);
     ReplyError(request, error);
   }
   static json ErrorBody(const HttpError& error) {
@@ -500,9 +501,10 @@ struct HttpFrontend::Impl {
     const uint64_t id = it->second;
     self->by_connection.erase(it);
     if (auto a = self->active.find(id); a != self->active.end()) {
+      const Api api = a->second.api;
       self->active.erase(a);  // libevent frees the request with the connection
       self->core->Cancel(id);
-      self->Count(RequestOutcome::kCancelled);
+      self->Count(api, RequestOutcome::kCancelled);
       Log(absl::StrCat("request ", id, ": the client went away; cancelled"));
     }
   }
@@ -676,7 +678,7 @@ struct HttpFrontend::Impl {
           if (metrics != nullptr) {
             metrics->ObserveRequestDuration(absl::ToDoubleSeconds(MonotonicNow() - a.arrived));
           }
-          Count(RequestOutcome::kOk);
+          Count(a.api, RequestOutcome::kOk);
           self->Finish(shown.id, a, shown);
           continue;
         }
@@ -685,7 +687,7 @@ struct HttpFrontend::Impl {
         if (metrics != nullptr) {
           metrics->ObserveRequestDuration(absl::ToDoubleSeconds(MonotonicNow() - a.arrived));
         }
-        Count(p.error.ok() ? RequestOutcome::kOk : RequestOutcome::kUnavailable);
+        Count(a.api, p.error.ok() ? RequestOutcome::kOk : RequestOutcome::kUnavailable);
         self->Finish(p.id, a, p);
       }
     }

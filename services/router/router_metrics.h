@@ -31,6 +31,10 @@ enum class RequestOutcome : uint8_t {
 };
 inline constexpr int kRequestOutcomes = static_cast<int>(RequestOutcome::kCount);
 
+// Which HTTP API a request came through (label `api`).
+enum class RequestApi : uint8_t { kTgi, kOpenAi, kCount };
+inline constexpr int kRequestApis = static_cast<int>(RequestApi::kCount);
+
 class RouterMetrics {
  public:
   RouterMetrics();
@@ -47,8 +51,8 @@ class RouterMetrics {
   void CountPreemptions(int64_t n);
   void CountRecomputedCommittedTokens(int64_t n);
 
-  // HTTP thread. `api`: "tgi".
-  void CountRequest(RequestOutcome outcome);
+  // HTTP thread.
+  void CountRequest(RequestApi api, RequestOutcome outcome);
   void ObserveTimeToFirstToken(double seconds);
   void ObserveTimePerOutputToken(double seconds);
   void ObserveRequestDuration(double seconds);
@@ -70,7 +74,7 @@ class RouterMetrics {
   prometheus::Counter* generated_ = nullptr;
   prometheus::Counter* preemptions_ = nullptr;
   prometheus::Counter* recomputed_committed_ = nullptr;
-  std::array<prometheus::Counter*, kRequestOutcomes> requests_{};
+  std::array<std::array<prometheus::Counter*, kRequestOutcomes>, kRequestApis> requests_{};
   prometheus::Histogram* ttft_ = nullptr;
   prometheus::Histogram* tpot_ = nullptr;
   prometheus::Histogram* e2e_ = nullptr;

@@ -687,6 +687,10 @@ TEST_F(RouterProcessTest, OpenAiCompletionsGiveTheReferenceTokensUsageAndCachedT
   ASSERT_FALSE(error.is_discarded()) << bad.body;
   EXPECT_EQ(error["error"]["param"], "n");
   EXPECT_EQ(error["error"]["type"], "invalid_request_error");
+  EXPECT_EQ(RouterMetric("kvcm_router_requests_total", {{"api", "openai"}, {"outcome", "ok"}}), 3);
+  EXPECT_EQ(
+      RouterMetric("kvcm_router_requests_total", {{"api", "openai"}, {"outcome", "invalid"}}), 1);
+  EXPECT_EQ(RouterMetric("kvcm_router_requests_total", {{"api", "tgi"}, {"outcome", "ok"}}), 0);
   absl::StatusOr<HttpResponse> models = kvcm::testing::HttpGet(url_ + "/v1/models");
   ASSERT_TRUE(models.ok() && models->status == 200);
   EXPECT_EQ(json::parse(models->body)["data"][0]["object"], "model");
