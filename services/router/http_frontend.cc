@@ -643,15 +643,14 @@ struct HttpFrontend::Impl {
   }
 
   void DeliverMail() {
-    Impl* self = this;
     std::vector<Progress> batch;
     {
-      std::lock_guard<std::mutex> lock(self->mailbox_mutex);
-      batch.swap(self->mailbox);
+      std::lock_guard<std::mutex> lock(mailbox_mutex);
+      batch.swap(mailbox);
     }
     for (const Progress& p : batch) {
-      auto it = self->active.find(p.id);
-      if (it == self->active.end()) continue;
+      auto it = active.find(p.id);
+      if (it == active.end()) continue;
       Active& a = it->second;
       if (p.token >= 0) {
         const absl::Time now = MonotonicNow();
@@ -673,13 +672,13 @@ struct HttpFrontend::Impl {
           shown.finish_reason = "stop_sequence";
           core->Cancel(p.id);
         }
-        if (a.stream && a.request != nullptr) self->Stream(a, shown);
+        if (a.stream && a.request != nullptr) Stream(a, shown);
         if (shown.finished && !p.finished) {
           if (metrics != nullptr) {
             metrics->ObserveRequestDuration(absl::ToDoubleSeconds(MonotonicNow() - a.arrived));
           }
           Count(a.api, RequestOutcome::kOk);
-          self->Finish(shown.id, a, shown);
+          Finish(shown.id, a, shown);
           continue;
         }
       }
@@ -688,7 +687,7 @@ struct HttpFrontend::Impl {
           metrics->ObserveRequestDuration(absl::ToDoubleSeconds(MonotonicNow() - a.arrived));
         }
         Count(a.api, p.error.ok() ? RequestOutcome::kOk : RequestOutcome::kUnavailable);
-        self->Finish(p.id, a, p);
+        Finish(p.id, a, p);
       }
     }
   }

@@ -149,10 +149,16 @@ void RouterCore::Recover() {
     }
     const SessionInfo fresh = cache_manager_->session();
     if (fresh.block_size != session_.block_size || fresh.num_blocks != session_.num_blocks) {
-      Log("the cache manager came back with another pool shape: failing every request");
+      // The planner was built for the old shape: this router cannot serve the new pool.
+      fatal_ = absl::FailedPreconditionError(absl::StrCat(
+          "the cache manager came back with another pool (", fresh.num_blocks, " blocks of ",
+          fresh.block_size, " tokens, was ", session_.num_blocks, " of ", session_.block_size,
+          "): restart the router"));
+      Log(std::string(fatal_.message()));
       planner_->ResetAll();
-      FailAll(absl::FailedPreconditionError("the cache manager's pool changed shape"));
-      // (The planner keeps the old shape: restart the router.)
+      FailAll(fatal_);
+      loop_.Stop();
+      return;
     }
     session_ = fresh;
     unanswered_.reset();
@@ -346,6 +352,7 @@ absl::Status RouterCore::Run(int signal_fd) {
     }
   });
   KVCM_RETURN_IF_ERROR(loop_.Run());
+  if (!fatal_.ok()) return fatal_;
   Log(absl::StrCat("stopping after ", steps_, " step(s), ", planner_->preemptions(),
                    " preemption(s); ", known_.size(), " request(s) still open"));
   FailAll(absl::UnavailableError("the router is shutting down"));

@@ -127,6 +127,7 @@ class RouterCore {
   bool recovering_ = false;
   absl::Time recovery_deadline_;
   std::optional<StepPlan> unanswered_;  // a Step sent but not answered
+  absl::Status fatal_;                  // why Run() stopped on its own, if it did
 
   // The step in flight.
   bool in_flight_ = false;
