@@ -1,6 +1,8 @@
 #include "common/wire/executor_codec.h"
 
 #include <cmath>
+#include <limits>
+#include <utility>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
@@ -61,10 +63,15 @@ void EncodeStepBatch(flatbuffers::FlatBufferBuilder& builder, uint64_t request_i
   for (const SeqStep& s : step.seqs) {
     auto tokens = builder.CreateVector(s.tokens);
     auto table = builder.CreateVector(s.block_table);
-    auto sampling = wire::CreateSamplingParams(builder, s.sampling.temperature, s.sampling.top_p,
-                                               s.sampling.top_k, s.sampling.seed);
+    auto sampling = wire::CreateSamplingParams(
+        builder, s.sampling.temperature, s.sampling.top_p, s.sampling.top_k, s.sampling.seed,
+        s.sampling.repetition_penalty, s.sampling.frequency_penalty, s.sampling.presence_penalty);
+    flatbuffers::Offset<flatbuffers::Vector<int32_t>> penalty_tokens;
+    if (!s.penalty_tokens.empty()) penalty_tokens = builder.CreateVector(s.penalty_tokens);
     seqs.push_back(wire::CreateSeqWork(builder, s.seq, tokens, s.context_len, table, sampling,
-                                       s.sample, s.sample_index));
+                                       s.sample, s.sample_index, penalty_tokens,
+                                       s.penalty_prompt_len, s.logprobs, s.top_n,
+                                       s.input_logprobs, s.score_next));
   }
   std::vector<wire::CopyOrder> copies;
   copies.reserve(step.copies.size());
@@ -117,8 +124,20 @@ absl::StatusOr<StepRequest> DecodeStepBatch(const wire::StepBatch& step) {
         }
       }
       if (const wire::SamplingParams* p = work->sampling()) {
-        s.sampling = {p->temperature(), p->top_p(), p->top_k(), p->seed()};
+        s.sampling.temperature = p->temperature();
+        s.sampling.top_p = p->top_p();
+        s.sampling.top_k = p->top_k();
+        s.sampling.seed = p->seed();
+        s.sampling.repetition_penalty = p->repetition_penalty();
+        s.sampling.frequency_penalty = p->frequency_penalty();
+        s.sampling.presence_penalty = p->presence_penalty();
       }
+      s.penalty_tokens = ToVector(work->penalty_tokens());
+      s.penalty_prompt_len = work->penalty_prompt_len();
+      s.logprobs = work->logprobs();
+      s.top_n = work->top_n();
+      s.input_logprobs = work->input_logprobs();
+      s.score_next = work->score_next();
       const SeqSampling& p = s.sampling;
       if (!std::isfinite(p.temperature) || p.temperature < 0) {
         return absl::InvalidArgumentError(
@@ -131,6 +150,33 @@ absl::StatusOr<StepRequest> DecodeStepBatch(const wire::StepBatch& step) {
       if (p.top_k < 0) {
         return absl::InvalidArgumentError(
             absl::StrCat(name, " has top_k ", p.top_k, "; must be >= 0 (0 = all tokens)"));
+      }
+      if (!std::isfinite(p.repetition_penalty) || p.repetition_penalty <= 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            name, " has repetition_penalty ", p.repetition_penalty, "; must be > 0 (1 = none)"));
+      }
+      for (const auto& [penalty, value] : {std::pair{"frequency_penalty", p.frequency_penalty},
+                                           std::pair{"presence_penalty", p.presence_penalty}}) {
+        if (!std::isfinite(value) || value < -2 || value > 2) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(name, " has ", penalty, " ", value, "; must be in [-2, 2]"));
+        }
+      }
+      if (s.top_n < 0 || s.top_n > kMaxTopN) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(name, " has top_n ", s.top_n, "; must be in [0, ", kMaxTopN, "]"));
+      }
+      if (s.penalty_prompt_len < 0 ||
+          s.penalty_prompt_len > static_cast<int64_t>(s.penalty_tokens.size())) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(name, " has penalty_prompt_len ", s.penalty_prompt_len, " for ",
+                         s.penalty_tokens.size(), " penalty tokens"));
+      }
+      for (int32_t token : s.penalty_tokens) {
+        if (token < 0) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(name, " has penalty token ", token));
+        }
       }
       out.seqs.push_back(std::move(s));
     }
@@ -159,9 +205,21 @@ void EncodeStepResult(flatbuffers::FlatBufferBuilder& builder, uint64_t request_
       const absl::string_view message = outcome.status.message();
       reason = builder.CreateString(message.data(), message.size());
     }
+    flatbuffers::Offset<flatbuffers::Vector<int32_t>> top_ids;
+    flatbuffers::Offset<flatbuffers::Vector<float>> top_logprobs;
+    flatbuffers::Offset<flatbuffers::Vector<float>> input_logprobs;
+    if (!outcome.top_ids.empty()) {
+      top_ids = builder.CreateVector(outcome.top_ids);
+      top_logprobs = builder.CreateVector(outcome.top_logprobs);
+    }
+    if (!outcome.input_logprobs.empty()) {
+      input_logprobs = builder.CreateVector(outcome.input_logprobs);
+    }
     results.push_back(wire::CreateSeqResult(builder, outcome.seq,
                                             outcome.status.ok() ? outcome.token : -1,
-                                            ToWireCode(outcome.status.code()), reason));
+                                            ToWireCode(outcome.status.code()), reason,
+                                            outcome.logprob, top_ids, top_logprobs,
+                                            input_logprobs));
   }
   auto vector = builder.CreateVector(results);
   auto result = wire::CreateStepResult(builder, report.step_id, vector, report.prefill_tokens,
@@ -182,6 +240,11 @@ StepReport DecodeStepResult(const wire::StepResult& result) {
       SeqOutcome outcome;
       outcome.seq = r->seq();
       outcome.token = r->token();
+      outcome.logprob = r->logprob();
+      outcome.top_ids = ToVector(r->top_ids());
+      outcome.top_logprobs = ToVector(r->top_logprobs());
+      outcome.top_logprobs.resize(outcome.top_ids.size(), -std::numeric_limits<float>::infinity());
+      outcome.input_logprobs = ToVector(r->input_logprobs());
       const std::string reason = ReasonOf(r->reason());
       outcome.status = FromWire(r->code(), reason);
       out.results.push_back(std::move(outcome));

@@ -64,7 +64,17 @@ struct SeqSampling {
   float top_p = 1.0f;
   int32_t top_k = 0;
   uint64_t seed = 0;
+  float repetition_penalty = 1.0f;  // over prompt and output tokens; 1 = none
+  float frequency_penalty = 0.0f;   // over output tokens, per occurrence; 0 = none
+  float presence_penalty = 0.0f;    // over output tokens, once per token; 0 = none
+
+  bool penalized() const {
+    return repetition_penalty != 1.0f || frequency_penalty != 0.0f || presence_penalty != 0.0f;
+  }
 };
+
+// The most alternatives a sequence may ask for (SeqWork.top_n).
+inline constexpr int32_t kMaxTopN = 20;
 
 // One sequence of a step (SeqWork): its last `tokens` are new; it holds `context_len`
 // tokens after the step; `block_table` maps positions to blocks.
@@ -78,6 +88,14 @@ struct SeqStep {
   // Which generated token of the request is chosen (0 = the first); seeds the sampler
   // together with sampling.seed. -1: context_len is used.
   int64_t sample_index = -1;
+  // With a penalty: the tokens before the sampled position, the first penalty_prompt_len of
+  // them the prompt's.
+  std::vector<int32_t> penalty_tokens;
+  int32_t penalty_prompt_len = 0;
+  bool logprobs = false;  // report the sampled token's log-probability
+  int32_t top_n = 0;      // and the top_n most likely tokens (at most kMaxTopN)
+  bool input_logprobs = false;  // score each new token after the first
+  int32_t score_next = -1;      // and this one at the last position
 };
 
 // A StepBatch as a plain value.
@@ -94,6 +112,10 @@ struct SeqOutcome {
   SeqId seq = 0;
   int32_t token = -1;   // the sampled token; -1 when not asked for or on failure
   absl::Status status;  // per-sequence failure (e.g. non-finite logits)
+  float logprob = 0.0f;               // with SeqStep::logprobs
+  std::vector<int32_t> top_ids;       // with SeqStep::top_n, most likely first
+  std::vector<float> top_logprobs;
+  std::vector<float> input_logprobs;  // with SeqStep::input_logprobs
 };
 
 // A StepResult as a plain value.
@@ -112,7 +134,9 @@ void EncodeStepBatch(flatbuffers::FlatBufferBuilder& builder, uint64_t request_i
 // Reads a verified StepBatch. INVALID_ARGUMENT naming the sequence (by index and id) for a
 // sequence without new tokens, a context_len smaller than its new tokens, a negative block
 // id, a duplicate sequence id, a negative copy id, or non-finite / out-of-range sampling
-// parameters (temperature < 0, top_p outside (0, 1], top_k < 0).
+// parameters (temperature < 0, top_p outside (0, 1], top_k < 0, repetition_penalty <= 0,
+// frequency or presence penalty outside [-2, 2]), top_n outside [0, kMaxTopN],
+// penalty_prompt_len outside [0, len(penalty_tokens)], or a negative penalty token.
 absl::StatusOr<StepRequest> DecodeStepBatch(const wire::StepBatch& step);
 
 // Builds a finished StepResult envelope (executor side).

@@ -296,9 +296,26 @@ absl::Status ExecutorService::CheckAndBuild(const StepRequest& step, const PoolV
     }
   }
 
+  const int32_t vocab = model_->host().config().vocab_size;
+  for (size_t i = 0; i < step.seqs.size(); ++i) {
+    const SeqStep& s = step.seqs[i];
+    for (int32_t token : s.penalty_tokens) {
+      if (token >= vocab) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            SeqName(i, s.seq), " has penalty token ", token, " outside the vocabulary of ", vocab));
+      }
+    }
+    if (s.score_next >= vocab) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          SeqName(i, s.seq), " asks to score token ", s.score_next, " outside the vocabulary of ",
+          vocab));
+    }
+  }
+
   forward_.token_ids.clear();
   forward_.query_lens.clear();
   forward_.context_lens.clear();
+  forward_.all_logits.clear();
   forward_.token_ids.reserve(static_cast<size_t>(total_tokens));
   forward_.max_blocks_per_seq = static_cast<int32_t>(max_blocks);
   forward_.block_tables.assign(step.seqs.size() * max_blocks, 0);
@@ -307,6 +324,10 @@ absl::Status ExecutorService::CheckAndBuild(const StepRequest& step, const PoolV
     forward_.token_ids.insert(forward_.token_ids.end(), s.tokens.begin(), s.tokens.end());
     forward_.query_lens.push_back(static_cast<int32_t>(s.tokens.size()));
     forward_.context_lens.push_back(s.context_len);
+    if (s.input_logprobs) {
+      forward_.all_logits.resize(step.seqs.size(), 0);
+      forward_.all_logits[i] = 1;
+    }
     const size_t used = std::min(s.block_table.size(), max_blocks);
     std::copy(s.block_table.begin(), s.block_table.begin() + static_cast<std::ptrdiff_t>(used),
               forward_.block_tables.begin() + static_cast<std::ptrdiff_t>(i * max_blocks));
@@ -463,8 +484,13 @@ absl::StatusOr<StepReport> ExecutorService::RunStep(const StepRequest& step) {
     }
   }
   const size_t vocab = static_cast<size_t>(model_->host().config().vocab_size);
-  KVCM_CHECK(logits_.size() >= step.seqs.size() * vocab || step.seqs.empty())
-      << logits_.size() << " logits for " << step.seqs.size() << " sequences";
+  size_t rows = 0;
+  for (size_t i = 0; i < step.seqs.size(); ++i) {
+    rows += !forward_.all_logits.empty() && forward_.all_logits[i] ? step.seqs[i].tokens.size() : 1;
+  }
+  KVCM_CHECK(logits_.size() >= rows * vocab || step.seqs.empty())
+      << logits_.size() << " logits for " << rows << " rows";
+  size_t row = 0;  // the sequence's first row of logits
   for (size_t i = 0; i < step.seqs.size(); ++i) {
     const SeqStep& s = step.seqs[i];
     const int32_t new_tokens = static_cast<int32_t>(s.tokens.size());
@@ -473,26 +499,42 @@ absl::StatusOr<StepReport> ExecutorService::RunStep(const StepRequest& step) {
     } else {
       report.decode_tokens += new_tokens;
     }
+    const size_t own_rows = s.input_logprobs ? s.tokens.size() : 1;
+    const std::span<const float> last(logits_.data() + (row + own_rows - 1) * vocab, vocab);
     SeqOutcome outcome;
     outcome.seq = s.seq;
+    if (s.input_logprobs) {
+      // Token j + 1 under the logits of position j; the chunk's next token under the last.
+      outcome.input_logprobs.reserve(s.tokens.size());
+      for (size_t j = 0; j + 1 < s.tokens.size(); ++j) {
+        const std::span<const float> at(logits_.data() + (row + j) * vocab, vocab);
+        outcome.input_logprobs.push_back(LogprobOf(at, s.tokens[j + 1]));
+      }
+      if (s.score_next >= 0) outcome.input_logprobs.push_back(LogprobOf(last, s.score_next));
+    }
     if (s.sample) {
-      const std::span<const float> row(logits_.data() + i * vocab, vocab);
       const int64_t index = s.sample_index >= 0 ? s.sample_index : s.context_len;
-      absl::StatusOr<int32_t> token = ChooseToken(row, s.sampling, index);
-      if (token.ok()) {
-        outcome.token = *token;
+      absl::StatusOr<ChosenToken> chosen = ChooseToken(last, s, index);
+      if (chosen.ok()) {
+        outcome.token = chosen->token;
+        outcome.logprob = chosen->logprob;
+        for (const TokenLogprob& top : chosen->top) {
+          outcome.top_ids.push_back(top.token);
+          outcome.top_logprobs.push_back(top.logprob);
+        }
       } else {
-        outcome.status = token.status();
+        outcome.status = chosen.status();
       }
     }
     report.results.push_back(std::move(outcome));
+    row += own_rows;
   }
   ++steps_;
   return report;
 }
 
-absl::StatusOr<int32_t> ChooseToken(std::span<const float> logits, const SeqSampling& sampling,
-                                    int64_t index) {
+absl::StatusOr<ChosenToken> ChooseToken(std::span<const float> logits, const SeqStep& seq,
+                                        int64_t index) {
   if (logits.empty()) return absl::FailedPreconditionError("no logits to sample from");
   for (size_t i = 0; i < logits.size(); ++i) {
     if (std::isnan(logits[i])) {
@@ -500,14 +542,30 @@ absl::StatusOr<int32_t> ChooseToken(std::span<const float> logits, const SeqSamp
           absl::StrCat("the logits hold a NaN (token ", i, "): nothing was sampled"));
     }
   }
+  const SeqSampling& sampling = seq.sampling;
   SamplingParams params;
   params.temperature = sampling.temperature;
   params.top_p = sampling.top_p;
   params.top_k = sampling.top_k;
   params.seed = sampling.seed;
+  params.repetition_penalty = sampling.repetition_penalty;
+  params.frequency_penalty = sampling.frequency_penalty;
+  params.presence_penalty = sampling.presence_penalty;
   absl::StatusOr<Sampler> sampler = Sampler::Create(params);
   if (!sampler.ok()) return sampler.status();
-  return sampler->Sample(logits, index);
+  std::vector<float> penalized;
+  if (sampling.penalized()) {
+    penalized.assign(logits.begin(), logits.end());
+    ApplyPenalties(penalized, seq.penalty_tokens, seq.penalty_prompt_len, params);
+    logits = penalized;
+  }
+  ChosenToken chosen;
+  chosen.token = sampler->Sample(logits, index);
+  if (seq.logprobs || seq.top_n > 0) {
+    chosen.logprob = LogprobOf(logits, chosen.token, params.temperature);
+    chosen.top = TopLogprobs(logits, seq.top_n, params.temperature);
+  }
+  return chosen;
 }
 
 // ---- To the router --------------------------------------------------------------------------

@@ -51,6 +51,7 @@
 #include "services/executor/executor_pool.h"
 #include "common/wire/executor_codec.h"
 #include "services/executor/llama_model.h"
+#include "services/executor/sampler.h"
 
 namespace kvcm {
 
@@ -189,10 +190,19 @@ class ExecutorService {
   std::vector<float> logits_;
 };
 
-// The token chosen from `logits` (one row, [vocab]) as the request's generated token number
-// `index`, by Sampler (sampler.h). FAILED_PRECONDITION when the logits hold a NaN (a broken
-// model or pool: sampling would hide it); INVALID_ARGUMENT from ValidateSamplingParams.
-absl::StatusOr<int32_t> ChooseToken(std::span<const float> logits, const SeqSampling& sampling,
-                                    int64_t index);
+// A sampled token, with its log-probability and the most likely alternatives when the
+// sequence asked for them (SeqStep::logprobs, top_n).
+struct ChosenToken {
+  int32_t token = -1;
+  float logprob = 0.0f;
+  std::vector<TokenLogprob> top;
+};
+
+// The token chosen from `logits` (one row, [vocab]) for `seq` as the request's generated
+// token number `index`: its penalties applied (ApplyPenalties over seq.penalty_tokens), then
+// Sampler (sampler.h). FAILED_PRECONDITION when the logits hold a NaN (a broken model or
+// pool: sampling would hide it); INVALID_ARGUMENT from ValidateSamplingParams.
+absl::StatusOr<ChosenToken> ChooseToken(std::span<const float> logits, const SeqStep& seq,
+                                        int64_t index);
 
 }  // namespace kvcm

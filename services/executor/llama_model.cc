@@ -404,6 +404,10 @@ absl::Status LlamaModel::CheckBatch(const ForwardBatch& b, const PagedPool& pool
     return invalid("token_ids has ", b.token_ids.size(), " entries but query_lens sum to ",
                    total_new);
   }
+  if (!b.all_logits.empty() && b.all_logits.size() != num_seqs) {
+    return invalid("all_logits has ", b.all_logits.size(), " entries for ", num_seqs,
+                   " sequences");
+  }
   for (size_t t = 0; t < b.token_ids.size(); ++t) {
     if (b.token_ids[t] < 0 || b.token_ids[t] >= config_.vocab_size) {
       return invalid("token_ids[", t, "] = ", b.token_ids[t],
@@ -440,7 +444,10 @@ TokenPlan PlanTokens(const ForwardBatch& batch, int32_t block_size, LogitsScope 
     for (int32_t p = ctx - batch.query_lens[i]; p < ctx; ++p, ++row) {
       plan.positions.push_back(p);
       plan.slots.push_back(int64_t{table[p / block_size]} * block_size + p % block_size);
-      if (scope == LogitsScope::kAllTokens || p == ctx - 1) plan.logit_rows.push_back(row);
+      if (scope == LogitsScope::kAllTokens || p == ctx - 1 ||
+          (!batch.all_logits.empty() && batch.all_logits[i] != 0)) {
+        plan.logit_rows.push_back(row);
+      }
     }
   }
   return plan;

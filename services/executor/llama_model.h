@@ -69,6 +69,9 @@ struct ForwardBatch {
   std::vector<int32_t> context_lens;
   std::vector<int32_t> block_tables;
   int32_t max_blocks_per_seq = 0;
+  // Per sequence (or empty: none): 1 returns logits for every new token of the sequence, not
+  // only its last, whatever the LogitsScope (a prompt's scores).
+  std::vector<uint8_t> all_logits;
 };
 
 // Which tokens Forward returns logits for.

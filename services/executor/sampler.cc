@@ -4,7 +4,10 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <utility>
 
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "common/base/check.h"
 
@@ -35,6 +38,17 @@ absl::Status ValidateSamplingParams(const SamplingParams& p) {
   }
   if (p.top_k < 0) {
     return absl::InvalidArgumentError(absl::StrCat("sampling: top_k must be >= 0, got ", p.top_k));
+  }
+  if (!std::isfinite(p.repetition_penalty) || p.repetition_penalty <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sampling: repetition_penalty must be finite and > 0, got ", p.repetition_penalty));
+  }
+  for (const auto& [name, value] : {std::pair{"frequency_penalty", p.frequency_penalty},
+                                    std::pair{"presence_penalty", p.presence_penalty}}) {
+    if (!std::isfinite(value) || value < -2 || value > 2) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sampling: ", name, " must be in [-2, 2], got ", value));
+    }
   }
   if (p.max_tokens < 1) {
     return absl::InvalidArgumentError(
@@ -118,6 +132,84 @@ int32_t Sampler::Sample(std::span<const float> logits, int64_t token_index) cons
     if (u < cumulative) return order[static_cast<size_t>(i)];
   }
   return order[static_cast<size_t>(keep - 1)];  // rounding at the very top of the range
+}
+
+void ApplyPenalties(std::span<float> logits, std::span<const int32_t> history,
+                    int32_t prompt_len, const SamplingParams& params) {
+  const auto vocab = static_cast<int64_t>(logits.size());
+  auto in_row = [vocab](int32_t token) { return token >= 0 && token < vocab; };
+  if (params.repetition_penalty != 1.0f) {
+    absl::flat_hash_set<int32_t> seen;
+    for (int32_t token : history) {
+      if (!in_row(token) || !seen.insert(token).second) continue;
+      float& l = logits[static_cast<size_t>(token)];
+      l = l > 0 ? l / params.repetition_penalty : l * params.repetition_penalty;
+    }
+  }
+  if (params.frequency_penalty != 0.0f || params.presence_penalty != 0.0f) {
+    absl::flat_hash_map<int32_t, int32_t> counts;
+    const size_t from = std::min(history.size(), static_cast<size_t>(std::max(prompt_len, 0)));
+    for (size_t i = from; i < history.size(); ++i) {
+      if (in_row(history[i])) ++counts[history[i]];
+    }
+    for (const auto& [token, count] : counts) {
+      logits[static_cast<size_t>(token)] -=
+          params.frequency_penalty * static_cast<float>(count) + params.presence_penalty;
+    }
+  }
+}
+
+namespace {
+
+// max and log(sum(exp(l / t - max))) of a row, in double.
+struct Normalizer {
+  double inv_t = 1;
+  double max = 0;
+  double log_sum = 0;
+};
+
+Normalizer NormalizerOf(std::span<const float> logits, float temperature) {
+  Normalizer n;
+  n.inv_t = temperature > 0 ? 1.0 / temperature : 1.0;
+  n.max = -std::numeric_limits<double>::infinity();
+  for (float l : logits) n.max = std::max(n.max, Sanitize(l) * n.inv_t);
+  if (!std::isfinite(n.max)) return n;
+  double sum = 0;
+  for (float l : logits) sum += std::exp(Sanitize(l) * n.inv_t - n.max);
+  n.log_sum = std::log(sum);
+  return n;
+}
+
+float LogprobWith(const Normalizer& n, float logit) {
+  if (!std::isfinite(n.max)) return -std::numeric_limits<float>::infinity();
+  return static_cast<float>(Sanitize(logit) * n.inv_t - n.max - n.log_sum);
+}
+
+}  // namespace
+
+float LogprobOf(std::span<const float> logits, int32_t token, float temperature) {
+  KVCM_CHECK(token >= 0 && static_cast<size_t>(token) < logits.size()) << token;
+  return LogprobWith(NormalizerOf(logits, temperature), logits[static_cast<size_t>(token)]);
+}
+
+std::vector<TokenLogprob> TopLogprobs(std::span<const float> logits, int32_t n,
+                                      float temperature) {
+  const auto k = static_cast<size_t>(std::clamp<int64_t>(n, 0, static_cast<int64_t>(logits.size())));
+  std::vector<int32_t> order(logits.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::partial_sort(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(k), order.end(),
+                    [&](int32_t a, int32_t b) {
+                      const float la = Sanitize(logits[static_cast<size_t>(a)]);
+                      const float lb = Sanitize(logits[static_cast<size_t>(b)]);
+                      return la > lb || (la == lb && a < b);
+                    });
+  const Normalizer norm = NormalizerOf(logits, temperature);
+  std::vector<TokenLogprob> top;
+  top.reserve(k);
+  for (size_t i = 0; i < k; ++i) {
+    top.push_back({order[i], LogprobWith(norm, logits[static_cast<size_t>(order[i])])});
+  }
+  return top;
 }
 
 StopReason CheckStop(int32_t token, int32_t num_generated, const SamplingParams& params,

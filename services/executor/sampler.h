@@ -30,11 +30,43 @@ struct SamplingParams {
   int32_t top_k = 0;         // keep the k most likely tokens; 0 keeps all
   uint64_t seed = 0;         // the request's seed; same seed, same samples
   int32_t max_tokens = 16;   // stop after this many generated tokens (>= 1)
+  float repetition_penalty = 1.0f;  // > 0; 1 = none (see ApplyPenalties)
+  float frequency_penalty = 0.0f;   // in [-2, 2]; 0 = none
+  float presence_penalty = 0.0f;    // in [-2, 2]; 0 = none
 };
 
 // INVALID_ARGUMENT naming the field: temperature negative or not finite, top_p outside
-// (0, 1], top_k negative, max_tokens < 1.
+// (0, 1], top_k negative, max_tokens < 1, repetition_penalty <= 0, a frequency or presence
+// penalty outside [-2, 2].
 absl::Status ValidateSamplingParams(const SamplingParams& params);
+
+// Penalties, as vLLM defines them (and Hugging Face for the repetition penalty), applied to
+// one row of logits in place before sampling. `history` is what the sequence holds before
+// the position being sampled: its first `prompt_len` tokens are the prompt, the rest its
+// output.
+// - repetition_penalty r, for every token in the prompt or the output: a logit l > 0 becomes
+//   l / r, any other l * r.
+// - frequency_penalty f and presence_penalty p, for every token the output holds c > 0
+//   times: l - f * c - p.
+// Tokens outside the row are ignored (the executor refuses them before this).
+void ApplyPenalties(std::span<float> logits, std::span<const int32_t> history,
+                    int32_t prompt_len, const SamplingParams& params);
+
+// A token and its log-probability.
+struct TokenLogprob {
+  int32_t token = 0;
+  float logprob = 0.0f;
+};
+
+// log softmax(logits / temperature) at `token`, in double; temperature 0 counts as 1 (a
+// greedy request reports the model's own distribution). NaN logits count as -infinity.
+// REQUIRES: 0 <= token < logits.size().
+float LogprobOf(std::span<const float> logits, int32_t token, float temperature = 1.0f);
+
+// The n most likely tokens of that distribution, most likely first, the lower id first on
+// ties; min(n, logits.size()) of them.
+std::vector<TokenLogprob> TopLogprobs(std::span<const float> logits, int32_t n,
+                                      float temperature = 1.0f);
 
 // The argmax of `logits`, lowest id on ties; NaN counts as -infinity.
 // REQUIRES: !logits.empty().

@@ -35,9 +35,21 @@ StepRequest SampleStep() {
   b.tokens = {11};
   b.context_len = 9;
   b.block_table = {4, 5, 6};
-  b.sampling = {0.7f, 0.9f, 40, 99};
+  b.sampling.temperature = 0.7f;
+  b.sampling.top_p = 0.9f;
+  b.sampling.top_k = 40;
+  b.sampling.seed = 99;
+  b.sampling.repetition_penalty = 1.3f;
+  b.sampling.frequency_penalty = -0.5f;
+  b.sampling.presence_penalty = 0.25f;
+  b.penalty_tokens = {1, 2, 3, 50, 50};
+  b.penalty_prompt_len = 3;
+  b.logprobs = true;
+  b.top_n = 5;
   b.sample = true;
   b.sample_index = 3;
+  a.input_logprobs = true;
+  a.score_next = 77;
   step.seqs = {a, b};
   step.copies = {{4, 10}};
   return step;
@@ -74,6 +86,23 @@ TEST(ExecutorWireTest, StepBatchRoundTrips) {
   EXPECT_EQ(step->seqs[1].sampling.top_k, 40);
   EXPECT_EQ(step->seqs[1].sampling.seed, 99u);
   EXPECT_EQ(step->seqs[1].sample_index, 3);
+  EXPECT_EQ(step->seqs[1].sampling.repetition_penalty, 1.3f);
+  EXPECT_EQ(step->seqs[1].sampling.frequency_penalty, -0.5f);
+  EXPECT_EQ(step->seqs[1].sampling.presence_penalty, 0.25f);
+  EXPECT_THAT(step->seqs[1].penalty_tokens, ElementsAre(1, 2, 3, 50, 50));
+  EXPECT_EQ(step->seqs[1].penalty_prompt_len, 3);
+  EXPECT_TRUE(step->seqs[1].logprobs);
+  EXPECT_EQ(step->seqs[1].top_n, 5);
+  EXPECT_FALSE(step->seqs[1].input_logprobs);
+  EXPECT_EQ(step->seqs[1].score_next, -1);
+  // Defaults: no penalty, nothing reported.
+  EXPECT_EQ(step->seqs[0].sampling.repetition_penalty, 1.0f);
+  EXPECT_FALSE(step->seqs[0].sampling.penalized());
+  EXPECT_TRUE(step->seqs[0].penalty_tokens.empty());
+  EXPECT_FALSE(step->seqs[0].logprobs);
+  EXPECT_EQ(step->seqs[0].top_n, 0);
+  EXPECT_TRUE(step->seqs[0].input_logprobs);
+  EXPECT_EQ(step->seqs[0].score_next, 77);
   ASSERT_EQ(step->copies.size(), 1u);
   EXPECT_EQ(step->copies[0], (CopyOrder{4, 10}));
 }
@@ -81,9 +110,20 @@ TEST(ExecutorWireTest, StepBatchRoundTrips) {
 TEST(ExecutorWireTest, StepResultRoundTripsWithPerSequenceCodes) {
   StepReport report;
   report.step_id = 9;
-  report.results.push_back({7, 123, absl::OkStatus()});
-  report.results.push_back({8, 55, absl::FailedPreconditionError("the logits hold a NaN")});
-  report.results.push_back({9, -1, absl::OkStatus()});
+  auto outcome = [](SeqId seq, int32_t token, absl::Status status) {
+    SeqOutcome o;
+    o.seq = seq;
+    o.token = token;
+    o.status = std::move(status);
+    return o;
+  };
+  report.results.push_back(outcome(7, 123, absl::OkStatus()));
+  report.results.back().logprob = -0.75f;
+  report.results.back().top_ids = {123, 4};
+  report.results.back().top_logprobs = {-0.75f, -1.5f};
+  report.results.back().input_logprobs = {-3.0f, -2.5f};
+  report.results.push_back(outcome(8, 55, absl::FailedPreconditionError("the logits hold a NaN")));
+  report.results.push_back(outcome(9, -1, absl::OkStatus()));
   report.prefill_tokens = 5;
   report.decode_tokens = 2;
   report.duration_us = 777;
@@ -99,6 +139,11 @@ TEST(ExecutorWireTest, StepResultRoundTripsWithPerSequenceCodes) {
   ASSERT_EQ(decoded.results.size(), 3u);
   EXPECT_EQ(decoded.results[0].token, 123);
   EXPECT_TRUE(decoded.results[0].status.ok());
+  EXPECT_EQ(decoded.results[0].logprob, -0.75f);
+  EXPECT_THAT(decoded.results[0].top_ids, ElementsAre(123, 4));
+  EXPECT_THAT(decoded.results[0].top_logprobs, ElementsAre(-0.75f, -1.5f));
+  EXPECT_THAT(decoded.results[0].input_logprobs, ElementsAre(-3.0f, -2.5f));
+  EXPECT_TRUE(decoded.results[2].top_ids.empty());
   EXPECT_EQ(decoded.results[1].token, -1);  // failed: no token
   EXPECT_TRUE(absl::IsFailedPrecondition(decoded.results[1].status));
   EXPECT_THAT(std::string(decoded.results[1].status.message()), HasSubstr("NaN"));
@@ -207,6 +252,17 @@ TEST(ExecutorWireTest, DecodeRefusesInconsistentSteps) {
        "temperature"},
       {"top_p zero", [](StepRequest& s) { s.seqs[1].sampling.top_p = 0; }, "top_p"},
       {"top_k negative", [](StepRequest& s) { s.seqs[1].sampling.top_k = -2; }, "top_k"},
+      {"zero repetition penalty",
+       [](StepRequest& s) { s.seqs[1].sampling.repetition_penalty = 0; }, "repetition_penalty"},
+      {"frequency penalty too big",
+       [](StepRequest& s) { s.seqs[1].sampling.frequency_penalty = 2.5f; }, "frequency_penalty"},
+      {"presence penalty too small",
+       [](StepRequest& s) { s.seqs[1].sampling.presence_penalty = -3; }, "presence_penalty"},
+      {"top_n too big", [](StepRequest& s) { s.seqs[1].top_n = kMaxTopN + 1; }, "top_n"},
+      {"penalty prompt past the tokens", [](StepRequest& s) { s.seqs[1].penalty_prompt_len = 6; },
+       "penalty_prompt_len 6"},
+      {"negative penalty token", [](StepRequest& s) { s.seqs[1].penalty_tokens[0] = -1; },
+       "penalty token -1"},
       {"negative copy", [](StepRequest& s) { s.copies[0].dst = -1; }, "copies[0]"},
       {"no router session", [](StepRequest& s) { s.router_session = 0; }, "router_session"},
   };

@@ -253,6 +253,67 @@ TEST_P(ExecutorServiceTest, SampledTokensDependOnSeedAndIndexNotOnBatching) {
   EXPECT_EQ(alone[0], batched[2]);
 }
 
+TEST_P(ExecutorServiceTest, InputLogprobsScoreThePromptChunkByChunkAsTheContiguousPass) {
+  // Reference: log softmax of the contiguous pass's logits at position j - 1, at token j.
+  const std::vector<int32_t>& prompt = kPrompts[2];
+  absl::StatusOr<std::vector<float>> all = model_->ForwardContiguous(prompt);
+  ASSERT_TRUE(all.ok()) << all.status();
+  const size_t vocab = static_cast<size_t>(model_->config().vocab_size);
+  std::vector<float> expected;
+  for (size_t j = 1; j < prompt.size(); ++j) {
+    const std::span<const float> row(all->data() + (j - 1) * vocab, vocab);
+    expected.push_back(LogprobOf(row, prompt[j]));
+  }
+  // Three chunks; another sequence decodes beside the middle one (its rows must not shift).
+  const std::vector<std::pair<size_t, size_t>> chunks = {{0, 5}, {5, 11}, {11, prompt.size()}};
+  std::vector<float> got;
+  int32_t sampled = -1;
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    const auto [begin, end] = chunks[c];
+    StepRequest step;
+    step.step_id = c;
+    step.epoch = kEpoch;
+    step.router_session = 1;
+    if (c == 1) {
+      SeqStep other;
+      other.seq = 9;
+      other.tokens = kPrompts[0];
+      other.context_len = static_cast<int32_t>(kPrompts[0].size());
+      other.block_table = Blocks(40, 8);
+      other.sample = true;
+      step.seqs.push_back(std::move(other));
+    }
+    SeqStep s;
+    s.seq = 1;
+    s.tokens.assign(prompt.begin() + static_cast<std::ptrdiff_t>(begin),
+                    prompt.begin() + static_cast<std::ptrdiff_t>(end));
+    s.context_len = static_cast<int32_t>(end);
+    s.block_table = Blocks(0, (64 + block_size() - 1) / block_size());
+    s.input_logprobs = true;
+    s.sample = end == prompt.size();
+    s.logprobs = s.sample;
+    if (!s.sample) s.score_next = prompt[end];
+    step.seqs.push_back(std::move(s));
+    absl::StatusOr<StepReport> report = service_->RunStep(step);
+    ASSERT_TRUE(report.ok()) << report.status();
+    const SeqOutcome& outcome = report->results.back();
+    ASSERT_TRUE(outcome.status.ok()) << outcome.status;
+    EXPECT_EQ(outcome.input_logprobs.size(), end - begin - (s.sample ? 1 : 0));
+    got.insert(got.end(), outcome.input_logprobs.begin(), outcome.input_logprobs.end());
+    if (s.sample) sampled = outcome.token;
+    if (c == 1) {
+      EXPECT_TRUE(report->results[0].input_logprobs.empty());
+    }
+  }
+  ASSERT_EQ(got.size(), expected.size());
+  // The reference keeps its K/V in fp32; a bf16 pool rounds it to 8 bits of mantissa.
+  const double tolerance = GetParam().first == DType::kBFloat16 ? 2e-2 : 2e-3;
+  for (size_t j = 0; j < got.size(); ++j) {
+    EXPECT_NEAR(got[j], expected[j], tolerance) << "token " << j + 1;
+  }
+  EXPECT_EQ(sampled, ReferenceGreedy(prompt, 1)[0]);
+}
+
 TEST_P(ExecutorServiceTest, RefusedStepsLeaveThePoolUntouched) {
   // Give the pool content, so that a stray copy or write would show.
   for (size_t i = 0; i < pool_->memory().size(); ++i) {
@@ -709,17 +770,73 @@ INSTANTIATE_TEST_SUITE_P(DTypesAndBlockSizes, ExecutorServiceTest,
 
 TEST(ChooseTokenTest, GreedyTakesTheArgmaxAndNaNFails) {
   const std::vector<float> logits = {0.5f, 3.0f, -1.0f, 3.0f};
-  absl::StatusOr<int32_t> token = ChooseToken(logits, SeqSampling{}, 0);
+  absl::StatusOr<ChosenToken> token = ChooseToken(logits, SeqStep{}, 0);
   ASSERT_TRUE(token.ok());
-  EXPECT_EQ(*token, 1);  // lowest id among ties
+  EXPECT_EQ(token->token, 1);  // lowest id among ties
   std::vector<float> broken = logits;
   broken[2] = std::numeric_limits<float>::quiet_NaN();
-  EXPECT_TRUE(absl::IsFailedPrecondition(ChooseToken(broken, SeqSampling{}, 0).status()));
-  SeqSampling hot;
-  hot.temperature = 2.0f;
-  hot.seed = 5;
+  EXPECT_TRUE(absl::IsFailedPrecondition(ChooseToken(broken, SeqStep{}, 0).status()));
+  SeqStep hot;
+  hot.sampling.temperature = 2.0f;
+  hot.sampling.seed = 5;
   // Pure function of (logits, params, index).
-  EXPECT_EQ(*ChooseToken(logits, hot, 7), *ChooseToken(logits, hot, 7));
+  EXPECT_EQ(ChooseToken(logits, hot, 7)->token, ChooseToken(logits, hot, 7)->token);
+}
+
+TEST(ChooseTokenTest, PenaltiesSteerGreedyAwayFromWhatWasSeen) {
+  const std::vector<float> logits = {2.0f, 1.9f, -0.5f, 1.0f};
+  SeqStep seq;
+  seq.penalty_tokens = {0, 2};  // the prompt holds tokens 0 and 2
+  seq.penalty_prompt_len = 2;
+  seq.sampling.repetition_penalty = 1.2f;  // 2.0 -> 1.667 < 1.9
+  EXPECT_EQ(ChooseToken(logits, seq, 0)->token, 1);
+  // Frequency and presence count the output only: the prompt's token 0 keeps its logit.
+  seq.sampling.repetition_penalty = 1.0f;
+  seq.sampling.frequency_penalty = 2.0f;
+  EXPECT_EQ(ChooseToken(logits, seq, 0)->token, 0);
+  seq.penalty_tokens = {3, 0, 1, 1};  // prompt {3}, output {0, 1, 1}
+  seq.penalty_prompt_len = 1;
+  seq.sampling.frequency_penalty = 0.5f;  // 0: 1.5, 1: 0.9, 3: 1.0
+  EXPECT_EQ(ChooseToken(logits, seq, 0)->token, 0);
+  seq.sampling.presence_penalty = 0.6f;  // 0: 0.9, 1: 0.3, 3: 1.0
+  EXPECT_EQ(ChooseToken(logits, seq, 0)->token, 3);
+}
+
+TEST(ChooseTokenTest, LogprobsAreThoseOfThePenalizedTemperedDistribution) {
+  const std::vector<float> logits = {1.0f, 3.0f, 3.0f, -2.0f, 0.0f};
+  SeqStep seq;
+  seq.logprobs = true;
+  seq.top_n = 3;
+  absl::StatusOr<ChosenToken> chosen = ChooseToken(logits, seq, 0);
+  ASSERT_TRUE(chosen.ok());
+  double total = 0;
+  for (float l : logits) total += std::exp(static_cast<double>(l));
+  EXPECT_NEAR(chosen->logprob, 3.0 - std::log(total), 1e-6);
+  ASSERT_EQ(chosen->top.size(), 3u);
+  EXPECT_EQ(chosen->top[0].token, 1);  // ties: the lower id first
+  EXPECT_EQ(chosen->top[1].token, 2);
+  EXPECT_EQ(chosen->top[2].token, 0);
+  EXPECT_NEAR(chosen->top[2].logprob, 1.0 - std::log(total), 1e-6);
+
+  // With a temperature the distribution is softmax(l / t); with a penalty, of the penalized
+  // logits.
+  seq.sampling.temperature = 0.5f;
+  seq.sampling.seed = 11;
+  seq.sampling.repetition_penalty = 2.0f;
+  seq.penalty_tokens = {1};
+  seq.penalty_prompt_len = 1;
+  chosen = ChooseToken(logits, seq, 3);
+  ASSERT_TRUE(chosen.ok());
+  const std::vector<double> adjusted = {1.0 / 0.5, 1.5 / 0.5, 3.0 / 0.5, -2.0 / 0.5, 0.0};
+  double z = 0;
+  for (double a : adjusted) z += std::exp(a);
+  EXPECT_NEAR(chosen->logprob, adjusted[static_cast<size_t>(chosen->token)] - std::log(z), 1e-5);
+  EXPECT_EQ(chosen->top[0].token, 2);
+  EXPECT_NEAR(chosen->top[0].logprob, 6.0 - std::log(z), 1e-5);
+  // Not asked for: nothing computed.
+  seq.logprobs = false;
+  seq.top_n = 0;
+  EXPECT_TRUE(ChooseToken(logits, seq, 3)->top.empty());
 }
 
 }  // namespace

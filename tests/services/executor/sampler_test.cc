@@ -122,6 +122,43 @@ TEST(SamplerTest, InvalidParamsAreNamed) {
   p = {};
   p.max_tokens = 0;
   EXPECT_THAT(Sampler::Create(p).status().message(), HasSubstr("max_tokens"));
+  p = {};
+  p.repetition_penalty = 0;
+  EXPECT_THAT(Sampler::Create(p).status().message(), HasSubstr("repetition_penalty"));
+  p = {};
+  p.frequency_penalty = 2.5f;
+  EXPECT_THAT(Sampler::Create(p).status().message(), HasSubstr("frequency_penalty"));
+  p = {};
+  p.presence_penalty = NAN;
+  EXPECT_THAT(Sampler::Create(p).status().message(), HasSubstr("presence_penalty"));
+}
+
+TEST(SamplerTest, PenaltiesFollowVllmsDefinitions) {
+  SamplingParams p;
+  p.repetition_penalty = 2.0f;
+  p.frequency_penalty = 0.5f;
+  p.presence_penalty = 0.25f;
+  std::vector<float> logits = {4.0f, -1.0f, 3.0f, 1.0f, 0.5f};
+  // Prompt {0, 1, 1}; output {2, 2, 3, 9 (outside the row: ignored)}.
+  const std::vector<int32_t> history = {0, 1, 1, 2, 2, 3, 9};
+  ApplyPenalties(logits, history, /*prompt_len=*/3, p);
+  EXPECT_FLOAT_EQ(logits[0], 2.0f);                      // repetition only: 4 / 2
+  EXPECT_FLOAT_EQ(logits[1], -2.0f);                     // negative: -1 * 2, once
+  EXPECT_FLOAT_EQ(logits[2], 3.0f / 2 - 0.5f * 2 - 0.25f);  // seen twice in the output
+  EXPECT_FLOAT_EQ(logits[3], 1.0f / 2 - 0.5f - 0.25f);
+  EXPECT_FLOAT_EQ(logits[4], 0.5f);                      // never seen
+  // The distribution helpers: log-probabilities sum to one, top-n sorted.
+  const std::vector<TokenLogprob> top = TopLogprobs(logits, 10, 0.7f);
+  ASSERT_EQ(top.size(), logits.size());
+  double mass = 0;
+  for (size_t i = 0; i < top.size(); ++i) {
+    mass += std::exp(static_cast<double>(top[i].logprob));
+    if (i > 0) {
+      EXPECT_GE(top[i - 1].logprob, top[i].logprob);
+    }
+    EXPECT_FLOAT_EQ(top[i].logprob, LogprobOf(logits, top[i].token, 0.7f));
+  }
+  EXPECT_NEAR(mass, 1.0, 1e-6);
 }
 
 TEST(SamplerTest, StopOnEosOrMaxTokens) {
