@@ -61,6 +61,14 @@ struct Environment {
   }
 };
 
+// An executor's answer: `token` sampled for `seq`.
+router::SeqResult Sampled(SeqId seq, int32_t token) {
+  router::SeqResult result;
+  result.seq = seq;
+  result.token = token;
+  return result;
+}
+
 std::unique_ptr<CacheManagerClient> Connect() {
   CacheManagerClient::Options options;
   options.endpoint = Environment::Get().cm->endpoint();
@@ -103,7 +111,7 @@ void RunStep(router::StepPlanner& planner, CacheManagerClient& client,
   router::ExecutorWork work = planner.Apply(plan, *outcomes);
   std::vector<router::SeqResult> results;
   for (const auto& batch : work.batches) {
-    for (const SeqStep& seq : batch.step.seqs) results.push_back({seq.seq, absl::OkStatus(), 5});
+    for (const SeqStep& seq : batch.step.seqs) results.push_back(Sampled(seq.seq, 5));
   }
   planner.Complete(results);
   if (outcomes_out != nullptr) *outcomes_out = *std::move(outcomes);
@@ -151,7 +159,7 @@ void PlannerOnly(benchmark::State& state) {
     router::ExecutorWork work = planner.Apply(plan, outcomes);
     results.clear();
     for (const auto& batch : work.batches) {
-      for (const SeqStep& seq : batch.step.seqs) results.push_back({seq.seq, absl::OkStatus(), 5});
+      for (const SeqStep& seq : batch.step.seqs) results.push_back(Sampled(seq.seq, 5));
     }
     benchmark::DoNotOptimize(planner.Complete(results));
   }

@@ -83,7 +83,7 @@ void RouterCore::Submit(Submission submission) {
       return;
     }
     known_.insert(s.id);
-    planner_->Enqueue(s.id, std::move(s.prompt), s.max_new_tokens, s.sampling);
+    planner_->Enqueue(s.id, std::move(s.prompt), s.max_new_tokens, s.sampling, s.outputs);
     ScheduleTurn();
   });
 }
@@ -273,9 +273,7 @@ void RouterCore::OnResult(uint64_t executor, uint64_t step_id,
                           absl::StatusOr<StepReport> report) {
   if (!in_flight_ || step_id != step_id_ || awaiting_.erase(executor) == 0) return;
   if (report.ok()) {
-    for (const SeqOutcome& outcome : report->results) {
-      results_.push_back({outcome.seq, outcome.status, outcome.token});
-    }
+    for (SeqOutcome& outcome : report->results) results_.push_back(std::move(outcome));
   } else {
     Log(absl::StrCat("executor ", executor, " refused step ", step_id, ": ",
                      report.status().ToString()));
@@ -287,12 +285,16 @@ void RouterCore::FinishStep() {
   in_flight_ = false;
   std::vector<TokenEvent> events = planner_->Complete(results_);
   std::vector<Progress> progress;
-  for (const TokenEvent& event : events) {
+  for (TokenEvent& event : events) {
     if (!known_.contains(event.request)) continue;  // cancelled meanwhile
     Progress p;
     p.id = event.request;
     p.token = event.token;
     p.cached_prompt_tokens = event.cached_prompt_tokens;
+    p.logprob = event.logprob;
+    p.top_ids = std::move(event.top_ids);
+    p.top_logprobs = std::move(event.top_logprobs);
+    p.prompt_logprobs = std::move(event.prompt_logprobs);
     const bool eos = std::find(options_.eos_token_ids.begin(), options_.eos_token_ids.end(),
                                event.token) != options_.eos_token_ids.end();
     if (eos || event.finished) {

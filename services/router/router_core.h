@@ -34,6 +34,7 @@ struct Submission {
   std::vector<int32_t> prompt;
   int32_t max_new_tokens = 1;
   SeqSampling sampling;
+  RequestOutputs outputs;
 };
 
 // What happened to a request in one step.
@@ -44,6 +45,11 @@ struct Progress {
   std::string finish_reason;  // "length", "eos_token"
   absl::Status error;       // the request failed (finished is true)
   int32_t cached_prompt_tokens = 0;  // of its prompt, found in the prefix cache
+  // With Submission::outputs (TokenEvent's).
+  float logprob = 0.0f;
+  std::vector<int32_t> top_ids;
+  std::vector<float> top_logprobs;
+  std::vector<float> prompt_logprobs;  // with the first token
 };
 
 class RouterCore {

@@ -1,6 +1,8 @@
 #include "services/router/step_planner.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <utility>
 
 #include "common/base/check.h"
@@ -8,7 +10,7 @@
 namespace kvcm::router {
 
 void StepPlanner::Enqueue(RequestId request, std::vector<int32_t> tokens, int32_t max_new_tokens,
-                          SeqSampling sampling) {
+                          SeqSampling sampling, RequestOutputs outputs) {
   KVCM_CHECK(!tokens.empty()) << "request " << request << " has no prompt tokens";
   Queued queued;
   queued.request = request;
@@ -16,6 +18,10 @@ void StepPlanner::Enqueue(RequestId request, std::vector<int32_t> tokens, int32_
   queued.tokens = std::move(tokens);
   queued.max_new_tokens = max_new_tokens;
   queued.sampling = sampling;
+  queued.outputs = outputs;
+  if (outputs.prompt_logprobs) {
+    queued.prompt_logprobs.assign(queued.tokens.size(), std::numeric_limits<float>::quiet_NaN());
+  }
   queue_.push_back(std::move(queued));
 }
 
@@ -234,7 +240,10 @@ StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId>
     budget -= run.chunk;
     available -= blocks;
     total_tokens += size;
-    add(BlockOp::Allocate(run.seq, size, run.hashes), run.seq, StepPlan::OpRole::kAdmit);
+    // A prompt still to be scored is computed whole: no hashes, no hit.
+    const bool scoring = run.req.outputs.prompt_logprobs && Unscored(run.req);
+    add(BlockOp::Allocate(run.seq, size, scoring ? std::vector<BlockHash>{} : run.hashes),
+        run.seq, StepPlan::OpRole::kAdmit);
     plan.chunks.push_back({run.seq, run.chunk});
     plan.prefill_tokens += run.chunk;
     scheduled_.push_back(run.seq);
@@ -335,6 +344,18 @@ ExecutorWork StepPlanner::Apply(const StepPlan& plan, std::span<const OpOutcome>
     seq_step.sampling = run.req.sampling;
     seq_step.sample = end == size;
     seq_step.sample_index = run.req.generated;
+    if (seq_step.sample) {
+      if (run.req.sampling.penalized()) {
+        seq_step.penalty_tokens.assign(run.req.tokens.begin(), run.req.tokens.begin() + end);
+        seq_step.penalty_prompt_len = run.req.prompt_len;
+      }
+      seq_step.logprobs = run.req.outputs.logprobs;
+      seq_step.top_n = run.req.outputs.top_n;
+    }
+    if (run.req.outputs.prompt_logprobs && Unscored(run.req) && run.start < run.req.prompt_len) {
+      seq_step.input_logprobs = true;
+      if (end < size) seq_step.score_next = run.req.tokens[static_cast<size_t>(end)];
+    }
     step.seqs.push_back(std::move(seq_step));
     if (auto c = copies.find(seq); c != copies.end()) {
       step.copies.insert(step.copies.end(), c->second.begin(), c->second.end());
@@ -357,18 +378,33 @@ std::vector<TokenEvent> StepPlanner::Complete(std::span<const SeqResult> results
     run.chunk = 0;
     auto result = by_seq.find(seq);
     if (result == by_seq.end() || !result->second->status.ok()) continue;  // redone
+    const SeqResult& outcome = *result->second;
     const int32_t end = run.start + chunk;
     const bool sampled = end == static_cast<int32_t>(run.req.tokens.size());
-    if (sampled && result->second->token < 0) continue;  // asked for a token, got none
+    if (sampled && outcome.token < 0) continue;  // asked for a token, got none
     run.computed = end;
+    // Scores of positions start + 1 .. (the prompt's only).
+    std::vector<float>& scores = run.req.prompt_logprobs;
+    for (size_t j = 0; j < outcome.input_logprobs.size(); ++j) {
+      const size_t position = static_cast<size_t>(run.start) + 1 + j;
+      if (position < scores.size()) scores[position] = outcome.input_logprobs[j];
+    }
+    while (run.req.prompt_scored < static_cast<int32_t>(scores.size()) &&
+           !std::isnan(scores[static_cast<size_t>(run.req.prompt_scored)])) {
+      ++run.req.prompt_scored;
+    }
     if (!sampled) continue;
-    run.req.tokens.push_back(result->second->token);
+    run.req.tokens.push_back(outcome.token);
     TokenEvent event;
     event.request = run.req.request;
-    event.token = result->second->token;
+    event.token = outcome.token;
     event.index = run.req.generated++;
     event.finished = run.req.generated >= run.req.max_new_tokens;
     event.cached_prompt_tokens = run.req.cached_prompt_tokens;
+    event.logprob = outcome.logprob;
+    event.top_ids = outcome.top_ids;
+    event.top_logprobs = outcome.top_logprobs;
+    if (event.index == 0 && run.req.outputs.prompt_logprobs) event.prompt_logprobs = scores;
     if (event.finished) run.finishing = true;
     events.push_back(event);
   }

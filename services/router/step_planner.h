@@ -109,11 +109,14 @@ struct ExecutorWork {
   int32_t recomputed_committed_tokens = 0;
 };
 
-// One sequence's outcome from its executor, as Complete() takes it.
-struct SeqResult {
-  SeqId seq = 0;
-  absl::Status status;
-  int32_t token = -1;  // when it was asked to sample
+// One sequence's outcome from its executor, as Complete() takes it (the StepResult's).
+using SeqResult = SeqOutcome;
+
+// What a request wants reported beside its tokens (the executor computes it).
+struct RequestOutputs {
+  bool logprobs = false;         // each generated token's log-probability
+  int32_t top_n = 0;             // and its top_n most likely alternatives (<= kMaxTopN)
+  bool prompt_logprobs = false;  // each prompt token's, after the first
 };
 
 // A token a request generated (or its end), for the caller to stream.
@@ -123,15 +126,24 @@ struct TokenEvent {
   int32_t index = 0;   // 0 for the first generated token
   bool finished = false;  // max_new_tokens reached (the sequence is freed next step)
   int32_t cached_prompt_tokens = 0;  // of its prompt, found in the prefix cache at admission
+  // With RequestOutputs::logprobs / top_n:
+  float logprob = 0.0f;
+  std::vector<int32_t> top_ids;
+  std::vector<float> top_logprobs;
+  // With RequestOutputs::prompt_logprobs, on the first token only: one per prompt token,
+  // NaN for the first (nothing comes before it).
+  std::vector<float> prompt_logprobs;
 };
 
 class StepPlanner {
  public:
   explicit StepPlanner(PlannerOptions options) : options_(std::move(options)) {}
 
-  // Queues a request. `tokens`: its prompt (at least one token).
+  // Queues a request. `tokens`: its prompt (at least one token). A request that wants its
+  // prompt's log-probabilities computes its whole prompt (no prefix-cache hit: a cached
+  // block's tokens were never scored), then commits it for others as usual.
   void Enqueue(RequestId request, std::vector<int32_t> tokens, int32_t max_new_tokens,
-               SeqSampling sampling = {});
+               SeqSampling sampling = {}, RequestOutputs outputs = {});
   // Ends a request (a stop sequence or EOS seen by the caller, or the client left): queued,
   // it is dropped; running, its sequence is freed in the next step. Unknown ids are ignored.
   void Finish(RequestId request);
@@ -168,6 +180,11 @@ class StepPlanner {
     int32_t generated = 0;
     int32_t max_new_tokens = 0;
     SeqSampling sampling;
+    RequestOutputs outputs;
+    // With outputs.prompt_logprobs: per prompt token (NaN: not scored yet), and how many of
+    // the first are scored (the first needs nothing).
+    std::vector<float> prompt_logprobs;
+    int32_t prompt_scored = 1;
     int32_t cached_prompt_tokens = 0;  // at its first admission
     bool readmitted = false;       // preempted before
     int32_t committed_before = 0;  // tokens it had committed when it was preempted
@@ -189,6 +206,10 @@ class StepPlanner {
     int32_t start = 0;          // first token computed
   };
 
+  // Whether some prompt token still lacks its score.
+  static bool Unscored(const Queued& q) {
+    return q.prompt_scored < static_cast<int32_t>(q.prompt_logprobs.size());
+  }
   int32_t BlocksFor(int32_t tokens) const {
     return (tokens + options_.block_size - 1) / options_.block_size;
   }

@@ -30,6 +30,11 @@ inline int32_t NextToken(std::span<const int32_t> context) {
   return static_cast<int32_t>(3 + h % 250);
 }
 
+// The "model's" log-probability of `token` at `position` (what input_logprobs reports).
+inline float Score(int32_t position, int32_t token) {
+  return -0.001f * static_cast<float>((position * 31 + token) % 1000) - 0.125f;
+}
+
 // Greedy generation of one request alone, the reference.
 inline std::vector<int32_t> Reference(std::vector<int32_t> tokens, int32_t max_new_tokens) {
   const size_t prompt = tokens.size();
@@ -60,6 +65,8 @@ class PlannerSim {
   // What each request generated so far.
   absl::flat_hash_map<RequestId, std::vector<int32_t>>& generated() { return generated_; }
   const std::vector<StepPlan>& plans() const { return plans_; }
+  // Each step's batches, as sent to the executors.
+  const std::vector<ExecutorWork>& works() const { return works_; }
   int64_t cached_prompt_tokens() const { return cached_prompt_tokens_; }
   const std::vector<RequestId>& rejected() const { return rejected_; }
   // Tokens the ledger holds for every live sequence.
@@ -86,6 +93,7 @@ class PlannerSim {
       RunBatch(batch.step, batch.executor == lose_executor ? nullptr : &results);
     }
     plans_.push_back(std::move(plan));
+    works_.push_back(std::move(work));
     std::vector<TokenEvent> events = planner_.Complete(results);
     for (const TokenEvent& event : events) generated_[event.request].push_back(event.token);
     return events;
@@ -183,6 +191,27 @@ class PlannerSim {
           if (context[p] < 0) Fail(absl::StrCat("sequence ", seq.seq, " read unwritten KV"));
         }
         result.token = NextToken(context);
+        // Penalties need the whole context, and only penalized sequences pay for it.
+        if (seq.sampling.penalized()) {
+          if (seq.penalty_tokens != context) {
+            Fail(absl::StrCat("sequence ", seq.seq, " has penalty tokens other than its context"));
+          }
+        } else if (!seq.penalty_tokens.empty()) {
+          Fail(absl::StrCat("sequence ", seq.seq, " has penalty tokens but no penalty"));
+        }
+        if (seq.logprobs) result.logprob = Score(seq.context_len, result.token);
+        for (int32_t k = 0; k < seq.top_n; ++k) {
+          result.top_ids.push_back(k);
+          result.top_logprobs.push_back(Score(seq.context_len, k));
+        }
+      } else if (seq.logprobs || seq.top_n > 0 || !seq.penalty_tokens.empty()) {
+        Fail(absl::StrCat("sequence ", seq.seq, " asks for sampling outputs without sampling"));
+      }
+      if (seq.input_logprobs) {
+        for (size_t k = 1; k < seq.tokens.size(); ++k) {
+          result.input_logprobs.push_back(Score(first + static_cast<int32_t>(k), seq.tokens[k]));
+        }
+        if (seq.score_next >= 0) result.input_logprobs.push_back(Score(seq.context_len, seq.score_next));
       }
       if (results != nullptr) {
         results->push_back(result);
@@ -198,6 +227,7 @@ class PlannerSim {
   BlockLedger ledger_;
   std::vector<int32_t> pool_;  // one token id per KV slot
   StepPlanner planner_;
+  std::vector<ExecutorWork> works_;
   absl::flat_hash_map<RequestId, std::vector<int32_t>> generated_;
   std::vector<StepPlan> plans_;
   std::vector<RequestId> rejected_;

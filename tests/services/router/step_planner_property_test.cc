@@ -31,6 +31,8 @@ struct Request {
   int32_t max_new_tokens = 0;
   int arrival = 0;
   bool cancelled = false;
+  SeqSampling sampling;
+  RequestOutputs outputs;
 };
 
 TEST(StepPlannerPropertyTest, BudgetsHoldNobodyStarvesAndGreedyTokensEqualTheReference) {
@@ -66,6 +68,9 @@ TEST(StepPlannerPropertyTest, BudgetsHoldNobodyStarvesAndGreedyTokensEqualTheRef
       for (int i = 0; i < suffix; ++i) q.prompt.push_back(pick(3, 250));
       q.max_new_tokens = pick(1, 12);
       q.arrival = pick(0, 40);
+      if (pick(0, 3) == 0) q.sampling.frequency_penalty = 0.5f;  // carries its context
+      q.outputs.logprobs = pick(0, 3) == 0;
+      q.outputs.prompt_logprobs = pick(0, 3) == 0;  // skips the prefix cache, scored
     }
     std::vector<ExecutorId> executors = {1, 2};
     ExecutorId next_executor = 3;
@@ -73,7 +78,9 @@ TEST(StepPlannerPropertyTest, BudgetsHoldNobodyStarvesAndGreedyTokensEqualTheRef
     absl::flat_hash_set<RequestId> done;
     for (int step = 0; step < kMaxSteps && finished < kRequests; ++step) {
       for (Request& q : requests) {
-        if (q.arrival == step) sim.planner().Enqueue(q.id, q.prompt, q.max_new_tokens);
+        if (q.arrival == step) {
+          sim.planner().Enqueue(q.id, q.prompt, q.max_new_tokens, q.sampling, q.outputs);
+        }
       }
       // Now and then a client leaves, an executor dies mid-step, or one joins.
       if (pick(0, 30) == 0) {
@@ -99,6 +106,18 @@ TEST(StepPlannerPropertyTest, BudgetsHoldNobodyStarvesAndGreedyTokensEqualTheRef
       }
       for (const TokenEvent& event : events) {
         if (event.finished && done.insert(event.request).second) ++finished;
+        const Request& q = requests[event.request - 1];
+        if (event.index == 0 && q.outputs.prompt_logprobs) {
+          // Every prompt token scored once, whatever the chunks, preemptions and failovers.
+          ASSERT_EQ(event.prompt_logprobs.size(), q.prompt.size()) << "request " << q.id;
+          for (size_t p = 1; p < q.prompt.size(); ++p) {
+            EXPECT_EQ(event.prompt_logprobs[p],
+                      testing::Score(static_cast<int32_t>(p), q.prompt[p]))
+                << "request " << q.id << " position " << p;
+          }
+        } else {
+          EXPECT_TRUE(event.prompt_logprobs.empty()) << "request " << q.id;
+        }
       }
       // The KV tokens of every live sequence stay under max_batch_total_tokens.
       EXPECT_LE(sim.LiveTokens(), options.max_batch_total_tokens) << "step " << step;

@@ -3,6 +3,7 @@
 
 #include "services/router/step_planner.h"
 
+#include <cmath>
 #include <numeric>
 #include <vector>
 
@@ -161,6 +162,93 @@ TEST(StepPlannerTest, ARequestThatCanNeverFitIsRejectedAndTheQueueMovesOn) {
   EXPECT_THAT(sim.rejected(), ElementsAre(1u));
   sim.Step(kOne);
   EXPECT_EQ(sim.generated()[2], Reference(Tokens(3), 1));
+}
+
+TEST(StepPlannerTest, OnlyPenalizedSequencesCarryTheirContextAndOnlyWhenTheySample) {
+  PlannerOptions options = Options();
+  options.max_batch_prefill_tokens = 4;  // a prompt of 9 goes in 3 chunks
+  PlannerSim sim(options, 64);
+  SeqSampling penalized;
+  penalized.repetition_penalty = 1.3f;
+  sim.planner().Enqueue(1, Tokens(9), 4, penalized);
+  sim.planner().Enqueue(2, Tokens(3, 70), 4);
+  for (int step = 0; step < 12; ++step) sim.Step(kOne);
+  int penalized_samples = 0;
+  for (const ExecutorWork& work : sim.works()) {
+    for (const auto& batch : work.batches) {
+      for (const SeqStep& seq : batch.step.seqs) {
+        if (!seq.penalty_tokens.empty()) {
+          ++penalized_samples;
+          EXPECT_EQ(seq.penalty_prompt_len, 9);
+          EXPECT_EQ(static_cast<int32_t>(seq.penalty_tokens.size()), seq.context_len);
+        }
+      }
+    }
+  }
+  EXPECT_EQ(penalized_samples, 4);  // one per generated token; none for the prefill chunks
+  EXPECT_EQ(sim.failure(), "");     // the sim checks the tokens are the context
+  EXPECT_EQ(sim.generated()[1], Reference(Tokens(9), 4));
+}
+
+TEST(StepPlannerTest, TokenLogprobsAndAlternativesComeWithEachToken) {
+  PlannerSim sim(Options(), 64);
+  RequestOutputs outputs;
+  outputs.logprobs = true;
+  outputs.top_n = 3;
+  sim.planner().Enqueue(1, Tokens(6), 3, {}, outputs);
+  sim.planner().Enqueue(2, Tokens(6, 40), 3);
+  std::vector<TokenEvent> events;
+  for (int step = 0; step < 5; ++step) {
+    for (TokenEvent& e : sim.Step(kOne)) events.push_back(std::move(e));
+  }
+  int checked = 0;
+  for (const TokenEvent& e : events) {
+    if (e.request == 2) {
+      EXPECT_TRUE(e.top_ids.empty());
+      continue;
+    }
+    EXPECT_EQ(e.logprob, testing::Score(6 + e.index, e.token));
+    EXPECT_THAT(e.top_ids, ElementsAre(0, 1, 2));
+    EXPECT_EQ(e.top_logprobs.size(), 3u);
+    ++checked;
+  }
+  EXPECT_EQ(checked, 3);
+  EXPECT_EQ(sim.failure(), "");
+}
+
+TEST(StepPlannerTest, PromptLogprobsScoreEveryPromptTokenAcrossChunksAndSkipThePrefixCache) {
+  PlannerOptions options = Options();
+  options.max_batch_prefill_tokens = 8;
+  PlannerSim sim(options, 64);
+  const std::vector<int32_t> prompt = Tokens(30, 100);
+  sim.planner().Enqueue(1, prompt, 2);
+  for (int step = 0; step < 6; ++step) sim.Step(kOne);  // its blocks are committed
+  RequestOutputs outputs;
+  outputs.prompt_logprobs = true;
+  sim.planner().Enqueue(2, prompt, 2, {}, outputs);
+  std::vector<float> scores;
+  for (int step = 0; step < 8; ++step) {
+    for (const TokenEvent& e : sim.Step(kOne)) {
+      if (e.request != 2) continue;
+      if (e.index == 0) {
+        scores = e.prompt_logprobs;
+      } else {
+        EXPECT_TRUE(e.prompt_logprobs.empty());
+      }
+    }
+  }
+  EXPECT_EQ(sim.cached_prompt_tokens(), 0);  // the cached prompt was computed again, scored
+  ASSERT_EQ(scores.size(), prompt.size());
+  EXPECT_TRUE(std::isnan(scores[0]));
+  for (size_t p = 1; p < prompt.size(); ++p) {
+    EXPECT_EQ(scores[p], testing::Score(static_cast<int32_t>(p), prompt[p])) << "position " << p;
+  }
+  // A request without scores still hits the cache the scored one committed.
+  sim.planner().Enqueue(3, prompt, 1);
+  for (int step = 0; step < 6; ++step) sim.Step(kOne);
+  EXPECT_EQ(sim.cached_prompt_tokens(), 28);
+  EXPECT_EQ(sim.failure(), "");
+  EXPECT_EQ(sim.generated()[2], Reference(prompt, 2));
 }
 
 TEST(StepPlannerTest, WithoutExecutorsNothingIsAdmitted) {
