@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <limits>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -46,9 +48,38 @@ size_t CompleteUtf8Prefix(const std::string& text) {
   return end;
 }
 
+// Whether `text` is well-formed UTF-8.
+bool IsUtf8(std::string_view text) {
+  for (size_t i = 0; i < text.size();) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    const size_t n = c < 0x80 ? 1 : (c & 0xE0) == 0xC0 ? 2 : (c & 0xF0) == 0xE0 ? 3
+                                   : (c & 0xF8) == 0xF0 ? 4 : 0;
+    if (n == 0 || i + n > text.size()) return false;
+    for (size_t k = 1; k < n; ++k) {
+      if ((static_cast<unsigned char>(text[i + k]) & 0xC0) != 0x80) return false;
+    }
+    i += n;
+  }
+  return true;
+}
+
+// A token's text as OpenAI's completions logprobs show it: the text; for a piece that is not
+// UTF-8 on its own (part of a character), "bytes:\xNN..." as OpenAI writes those; for one
+// that decodes to nothing (a special token), "token_id:N" as vLLM writes token ids. So no two
+// tokens share a key of top_logprobs.
+std::string OpenAiTokenText(int32_t id, const std::string& piece) {
+  if (piece.empty()) return absl::StrCat("token_id:", id);
+  if (IsUtf8(piece)) return piece;
+  std::string out = "bytes:";
+  for (unsigned char c : piece) absl::StrAppend(&out, "\\x", absl::Hex(c, absl::kZeroPad2));
+  return out;
+}
+
 struct Params {
   int32_t max_new_tokens = 0;
   SeqSampling sampling;
+  RequestOutputs outputs;
+  int32_t truncate = 0;  // TGI: keep the prompt's last `truncate` tokens (0: all)
   bool details = false;
   bool return_full_text = false;
   std::vector<std::string> stop;  // generation ends once the text contains one
@@ -105,6 +136,11 @@ struct HttpFrontend::Impl {
     Params params;
     std::string prompt_text;
     std::vector<int32_t> generated;
+    std::vector<int32_t> prompt;  // its tokens, as submitted
+    // With params.outputs: per generated token, and the prompt's (with the first token).
+    std::vector<float> logprobs;
+    std::vector<std::vector<std::pair<int32_t, float>>> top;
+    std::vector<float> prompt_logprobs;
     size_t emitted = 0;  // bytes of the generated text already streamed
     absl::Time arrived;
     absl::Time last_token;
@@ -226,9 +262,25 @@ struct HttpFrontend::Impl {
       } else if (key == "return_full_text") {
         if (!value.is_boolean()) bad = HttpError{422, "`return_full_text` must be a boolean"};
         else params->return_full_text = value.get<bool>();
+      } else if (key == "repetition_penalty") {
+        if (!(bad = want_float(0, 100, true))) {
+          params->sampling.repetition_penalty = value.get<float>();
+        }
+      } else if (key == "frequency_penalty") {
+        if (!(bad = want_float(-2, 2, false))) {
+          params->sampling.frequency_penalty = value.get<float>();
+        }
+      } else if (key == "top_n_tokens") {
+        if (!(bad = want_int(0, options.max_top_n_tokens))) {
+          params->outputs.top_n = value.get<int32_t>();
+        }
+      } else if (key == "decoder_input_details") {
+        if (!value.is_boolean()) bad = HttpError{422, "`decoder_input_details` must be a boolean"};
+        else params->outputs.prompt_logprobs = value.get<bool>();
+      } else if (key == "truncate") {
+        if (!(bad = want_int(1, options.max_input_tokens))) params->truncate = value.get<int32_t>();
       } else if (key == "best_of" && value.is_number_integer() && value.get<int64_t>() == 1) {
-      } else if ((key == "decoder_input_details" || key == "watermark") && value.is_boolean() &&
-                 !value.get<bool>()) {
+      } else if (key == "watermark" && value.is_boolean() && !value.get<bool>()) {
       } else if (key == "stop") {
         if (!value.is_array() || value.size() > 4) {
           bad = HttpError{422, "`stop` must be a list of at most 4 strings"};
@@ -254,9 +306,18 @@ struct HttpFrontend::Impl {
                                                                          : next_seed++;
       params->seed = params->sampling.seed;
     } else {
-      params->sampling = SeqSampling{};  // greedy
+      params->sampling = Greedy(params->sampling);
     }
     return std::nullopt;
+  }
+
+  // Greedy sampling that keeps `sampling`'s penalties (they apply to greedy choices too).
+  static SeqSampling Greedy(const SeqSampling& sampling) {
+    SeqSampling greedy;
+    greedy.repetition_penalty = sampling.repetition_penalty;
+    greedy.frequency_penalty = sampling.frequency_penalty;
+    greedy.presence_penalty = sampling.presence_penalty;
+    return greedy;
   }
 
   void HandleGenerate(evhttp_request* request, std::optional<bool> stream_path) {
@@ -277,9 +338,18 @@ struct HttpFrontend::Impl {
     }
     Params params;
     if (auto bad = ParseParams(root, &params)) return Refuse(request, *bad);
+    if (stream && params.outputs.prompt_logprobs) {
+      return Refuse(request, {422, "`decoder_input_details` == true is not supported when "
+                                   "streaming tokens"});
+    }
+    // TGI reports every token's log-probability in details and in each streamed token.
+    params.outputs.logprobs = params.details || stream;
     const std::string text = root["inputs"].get<std::string>();
     absl::StatusOr<std::vector<int32_t>> prompt = PromptOf(text);
     if (!prompt.ok()) return Refuse(request, {422, std::string(prompt.status().message())});
+    if (params.truncate > 0 && prompt->size() > static_cast<size_t>(params.truncate)) {
+      prompt->erase(prompt->begin(), prompt->end() - params.truncate);  // keeps the last ones
+    }
     Active a;
     a.stream = stream;
     a.params = params;
@@ -326,6 +396,7 @@ struct HttpFrontend::Impl {
     a.connection = evhttp_request_get_connection(request);
     a.arrived = MonotonicNow();
     a.prompt_tokens = prompt.size();
+    a.prompt = prompt;
     by_connection[a.connection] = id;
     evhttp_connection_set_closecb(a.connection, &Impl::OnClose, this);
     if (a.stream) {
@@ -339,6 +410,7 @@ struct HttpFrontend::Impl {
     submission.prompt = std::move(prompt);
     submission.max_new_tokens = a.params.max_new_tokens;
     submission.sampling = a.params.sampling;
+    submission.outputs = a.params.outputs;
     active.emplace(id, std::move(a));
     core->Submit(std::move(submission));
   }
@@ -442,9 +514,40 @@ struct HttpFrontend::Impl {
         std::erase_if(a.params.stop, [](const std::string& x) { return x.empty(); });
       } else if ((key == "n" || key == "best_of") && value.is_number_integer() &&
                  value.get<int64_t>() == 1) {
-      } else if ((key == "frequency_penalty" || key == "presence_penalty") && value.is_number() &&
-                 value.get<double>() == 0) {
-      } else if ((key == "logprobs" || key == "suffix" || key == "logit_bias") && value.is_null()) {
+      } else if (key == "frequency_penalty" || key == "presence_penalty") {
+        if (!value.is_null()) {
+          if (!value.is_number() || value.get<double>() < -2 || value.get<double>() > 2) {
+            return refuse(422, absl::StrCat("`", key, "` must be a number in [-2, 2]"), key);
+          }
+          (key == "frequency_penalty" ? a.params.sampling.frequency_penalty
+                                      : a.params.sampling.presence_penalty) = value.get<float>();
+        }
+      } else if (key == "repetition_penalty") {  // vLLM's extension
+        if (!value.is_null()) {
+          if (!value.is_number() || value.get<double>() <= 0 || value.get<double>() > 100) {
+            return refuse(422, "`repetition_penalty` must be a number in (0, 100]", key);
+          }
+          a.params.sampling.repetition_penalty = value.get<float>();
+        }
+      } else if (key == "top_k") {  // vLLM's extension; -1 or 0: all tokens
+        if (!value.is_null()) {
+          if (!value.is_number_integer() || value.get<int64_t>() < -1 ||
+              value.get<int64_t>() > (1 << 20)) {
+            return refuse(422, "`top_k` must be an integer >= -1 (-1: all tokens)", key);
+          }
+          a.params.sampling.top_k = std::max<int32_t>(0, value.get<int32_t>());
+        }
+      } else if (key == "logprobs") {
+        if (!value.is_null()) {
+          if (!value.is_number_integer() || value.get<int64_t>() < 0 ||
+              value.get<int64_t>() > options.max_top_n_tokens) {
+            return refuse(422, absl::StrCat("`logprobs` must be an integer in [0, ",
+                                            options.max_top_n_tokens, "]"), key);
+          }
+          a.params.outputs.logprobs = true;
+          a.params.outputs.top_n = value.get<int32_t>();
+        }
+      } else if ((key == "suffix" || key == "logit_bias") && value.is_null()) {
       } else {
         return refuse(422, absl::StrCat("parameter `", key, "` is not supported by this server (",
                                         Dump(value), ")"), key);
@@ -456,8 +559,10 @@ struct HttpFrontend::Impl {
       a.params.seed = seed.value_or(next_seed++);
       a.params.sampling.seed = a.params.seed;
     } else {
-      a.params.sampling = SeqSampling{};  // greedy
+      a.params.sampling = Greedy(a.params.sampling);
     }
+    // With echo, the prompt's tokens come first in logprobs, scored.
+    a.params.outputs.prompt_logprobs = a.params.outputs.logprobs && a.params.return_full_text;
     a.completion_id = absl::StrCat("cmpl-", next_id);
     a.created = absl::ToUnixSeconds(absl::Now());
     Start(request, std::move(a), std::move(prompt));
@@ -509,22 +614,90 @@ struct HttpFrontend::Impl {
     }
   }
 
+  std::string TokenText(int32_t id) const {
+    const int32_t one[] = {id};
+    absl::StatusOr<std::string> piece = tokenizer->Decode(one);
+    return piece.ok() ? *piece : "";
+  }
+  bool Special(int32_t id) const { return id == tokenizer->eos_id() || id == tokenizer->bos_id(); }
+  // A log-probability as JSON: null when not computed (NaN).
+  static json Logprob(float value) { return std::isnan(value) ? json(nullptr) : json(value); }
+
+  // TGI's token object; `logprob` null when it was not asked for.
+  json TgiToken(int32_t id, float logprob, const std::string& text) const {
+    return {{"id", id}, {"text", text}, {"logprob", Logprob(logprob)}, {"special", Special(id)}};
+  }
+  json TgiTopTokens(const std::vector<std::pair<int32_t, float>>& top) const {
+    json out = json::array();
+    for (const auto& [id, logprob] : top) out.push_back(TgiToken(id, logprob, TokenText(id)));
+    return out;
+  }
+
   json Details(const Active& a, const std::string& finish_reason) const {
+    constexpr float kNone = std::numeric_limits<float>::quiet_NaN();
     json tokens = json::array();
-    for (int32_t id : a.generated) {
-      const int32_t one[] = {id};
-      absl::StatusOr<std::string> piece = tokenizer->Decode(one);
-      tokens.push_back({{"id", id},
-                        {"text", piece.ok() ? *piece : ""},
-                        {"logprob", nullptr},
-                        {"special", id == tokenizer->eos_id() || id == tokenizer->bos_id()}});
+    for (size_t i = 0; i < a.generated.size(); ++i) {
+      const int32_t id = a.generated[i];
+      tokens.push_back(TgiToken(id, i < a.logprobs.size() ? a.logprobs[i] : kNone, TokenText(id)));
+    }
+    json prefill = json::array();
+    if (a.params.outputs.prompt_logprobs) {
+      for (size_t i = 0; i < a.prompt.size(); ++i) {
+        const float logprob = i < a.prompt_logprobs.size() ? a.prompt_logprobs[i] : kNone;
+        prefill.push_back({{"id", a.prompt[i]},
+                           {"text", TokenText(a.prompt[i])},
+                           {"logprob", Logprob(logprob)}});
+      }
     }
     json details = {{"finish_reason", finish_reason},
                     {"generated_tokens", a.generated.size()},
                     {"seed", a.params.do_sample ? json(a.params.seed) : json(nullptr)},
-                    {"prefill", json::array()},
+                    {"prefill", prefill},
                     {"tokens", tokens}};
+    if (a.params.outputs.top_n > 0) {
+      json top = json::array();
+      for (const auto& alternatives : a.top) top.push_back(TgiTopTokens(alternatives));
+      details["top_tokens"] = top;
+    }
     return details;
+  }
+
+  // OpenAI's completion logprobs: tokens, token_logprobs, top_logprobs, text_offset; the
+  // echoed prompt's first (its first token unscored), then generated tokens [from, to).
+  json OpenAiLogprobs(const Active& a, bool with_prompt, size_t from, size_t to,
+                      size_t offset) const {
+    json tokens = json::array(), token_logprobs = json::array(), top = json::array(),
+         offsets = json::array();
+    auto add = [&](int32_t id, float logprob, const json& alternatives) {
+      const std::string text = TokenText(id);
+      tokens.push_back(OpenAiTokenText(id, text));
+      token_logprobs.push_back(Logprob(logprob));
+      top.push_back(alternatives);
+      offsets.push_back(offset);
+      offset += text.size();
+    };
+    if (with_prompt) {
+      for (size_t i = 0; i < a.prompt.size(); ++i) {
+        const float logprob = i < a.prompt_logprobs.size() ? a.prompt_logprobs[i]
+                                                           : std::numeric_limits<float>::quiet_NaN();
+        add(a.prompt[i], logprob,
+            std::isnan(logprob) ? json(nullptr)
+                                : json({{OpenAiTokenText(a.prompt[i], TokenText(a.prompt[i])), logprob}}));
+      }
+    }
+    for (size_t i = from; i < to && i < a.generated.size(); ++i) {
+      json alternatives = json::object();
+      if (i < a.top.size()) {
+        for (const auto& [id, logprob] : a.top[i]) {
+          alternatives[OpenAiTokenText(id, TokenText(id))] = logprob;
+        }
+      }
+      add(a.generated[i], i < a.logprobs.size() ? a.logprobs[i] : 0.0f, alternatives);
+    }
+    return {{"tokens", tokens},
+            {"token_logprobs", token_logprobs},
+            {"top_logprobs", top},
+            {"text_offset", offsets}};
   }
 
   void Finish(uint64_t id, Active& a, const Progress& p) {
@@ -566,6 +739,10 @@ struct HttpFrontend::Impl {
         }
         json body = OpenAiChunk(a, a.params.return_full_text ? a.prompt_text + text : text,
                                 OpenAiFinishReason(p.finish_reason));
+        if (a.params.outputs.logprobs) {
+          body["choices"][0]["logprobs"] =
+              OpenAiLogprobs(a, a.params.return_full_text, 0, a.generated.size(), 0);
+        }
         body["usage"] = OpenAiUsage(a);
         Reply(a.request, 200, Dump(body));
       } else {
@@ -608,23 +785,27 @@ struct HttpFrontend::Impl {
     const std::string piece = ready > a.emitted ? all.substr(a.emitted, ready - a.emitted) : "";
     a.emitted = std::max(a.emitted, ready);
     if (a.api == Api::kOpenAi) {
-      const std::string first = a.generated.size() == 1 && a.params.return_full_text
-                                    ? a.prompt_text : "";
-      SendEvent(a.request,
-                Dump(OpenAiChunk(a, first + piece,
-                                 p.finished ? json(OpenAiFinishReason(p.finish_reason))
-                                            : json(nullptr))),
-                Api::kOpenAi);
+      const bool first_chunk = a.generated.size() == 1;
+      const std::string first = first_chunk && a.params.return_full_text ? a.prompt_text : "";
+      json chunk = OpenAiChunk(a, first + piece,
+                               p.finished ? json(OpenAiFinishReason(p.finish_reason))
+                                          : json(nullptr));
+      if (a.params.outputs.logprobs) {
+        const size_t last = a.generated.size() - 1;
+        const size_t offset = first_chunk ? 0
+                                          : (a.params.return_full_text ? a.prompt_text.size() : 0) +
+                                                a.emitted - piece.size();
+        chunk["choices"][0]["logprobs"] = OpenAiLogprobs(
+            a, first_chunk && a.params.return_full_text, last, last + 1, offset);
+      }
+      SendEvent(a.request, Dump(chunk), Api::kOpenAi);
       return;
     }
     json event = {{"index", a.generated.size() - 1},
-                  {"token",
-                   {{"id", p.token},
-                    {"text", piece},
-                    {"logprob", nullptr},
-                    {"special", p.token == tokenizer->eos_id()}}},
+                  {"token", TgiToken(p.token, p.logprob, piece)},
                   {"generated_text", nullptr},
                   {"details", nullptr}};
+    if (a.params.outputs.top_n > 0) event["top_tokens"] = TgiTopTokens(a.top.back());
     if (p.finished) {
       event["generated_text"] = a.params.return_full_text ? a.prompt_text + all : all;
       event["details"] = {{"finish_reason", p.finish_reason},
@@ -664,6 +845,14 @@ struct HttpFrontend::Impl {
         a.last_token = now;
         a.cached_prompt_tokens = p.cached_prompt_tokens;
         a.generated.push_back(p.token);
+        if (a.params.outputs.logprobs) a.logprobs.push_back(p.logprob);
+        if (a.params.outputs.top_n > 0) {
+          std::vector<std::pair<int32_t, float>>& top = a.top.emplace_back();
+          for (size_t i = 0; i < p.top_ids.size() && i < p.top_logprobs.size(); ++i) {
+            top.emplace_back(p.top_ids[i], p.top_logprobs[i]);
+          }
+        }
+        if (!p.prompt_logprobs.empty()) a.prompt_logprobs = p.prompt_logprobs;
         Progress shown = p;
         if (!p.finished && StopSequenceSeen(a)) {
           // Ends here: the text up to and including the stop sequence; the core frees the
@@ -704,6 +893,9 @@ struct HttpFrontend::Impl {
                        {"max_input_tokens", options.max_input_tokens},
                        {"max_total_tokens", options.max_total_tokens},
                        {"max_concurrent_requests", options.max_concurrent_requests},
+                       {"max_stop_sequences", 4},
+                       {"max_top_n_tokens", options.max_top_n_tokens},
+                       {"max_best_of", 1},
                        {"executors", core->live_executors()},
                        {"router", "kvcm-router"},
                        {"version", kVersion}};

@@ -46,6 +46,8 @@ class HttpFrontend {
     int32_t max_input_tokens = 1024;
     int32_t max_total_tokens = 2048;  // prompt + max_new_tokens
     int32_t default_max_new_tokens = 100;
+    // Most alternatives per token (TGI's top_n_tokens, OpenAI's logprobs).
+    int32_t max_top_n_tokens = 5;
     size_t max_body_bytes = 1 << 20;
     int timeout_seconds = 60;  // a client that sends nothing for this long is dropped
     std::string model_id;

@@ -42,6 +42,9 @@ ABSL_FLAG(int32_t, max_batch_prefill_tokens, 4096, "Prompt tokens computed in on
 ABSL_FLAG(int64_t, max_batch_total_tokens, 0,
           "KV tokens of the running sequences after a step. Default: what the pool holds.");
 ABSL_FLAG(int32_t, max_running, 256, "Sequences in one step at most.");
+ABSL_FLAG(int32_t, max_top_n_tokens, 5,
+          "Most alternatives a request may ask for per token (TGI's top_n_tokens, OpenAI's "
+          "logprobs); at most 20.");
 ABSL_FLAG(int32_t, drain_timeout_ms, 10000,
           "At SIGTERM/SIGINT, how long running requests may take to finish (new ones get "
           "503). A second signal stops at once.");
@@ -95,6 +98,10 @@ int Main() {
   };
   const std::string model = absl::GetFlag(FLAGS_model);
   if (model.empty()) return fail(absl::InvalidArgumentError("--model is required"));
+  if (absl::GetFlag(FLAGS_max_top_n_tokens) < 0 || absl::GetFlag(FLAGS_max_top_n_tokens) > kMaxTopN) {
+    return fail(absl::InvalidArgumentError(
+        absl::StrCat("--max-top-n-tokens must be in [0, ", kMaxTopN, "]")));
+  }
   const std::string run_dir = std::string(absl::StripSuffix(
       absl::GetFlag(FLAGS_run_dir).empty() ? DefaultRunDirFromEnvironment()
                                            : absl::GetFlag(FLAGS_run_dir),
@@ -138,6 +145,7 @@ int Main() {
   http.max_concurrent_requests = absl::GetFlag(FLAGS_max_concurrent_requests);
   http.max_input_tokens = absl::GetFlag(FLAGS_max_input_tokens);
   http.max_total_tokens = absl::GetFlag(FLAGS_max_total_tokens);
+  http.max_top_n_tokens = absl::GetFlag(FLAGS_max_top_n_tokens);
   http.model_id = std::filesystem::path(model).filename().string();
   http.block_size = (*core)->session().block_size;
   http.num_blocks = (*core)->session().num_blocks;

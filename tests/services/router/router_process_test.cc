@@ -286,7 +286,7 @@ LlamaModel* RouterProcessTest::model_ = nullptr;
 
 TEST_F(RouterProcessTest, ConcurrentGreedyRequestsGiveTheTokensOfTheModelRunAlone) {
   ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/512, /*executors=*/2));
-  // 16 requests over HTTP at once, mixed lengths, every other one streaming, several sharing
+  // 32 requests over HTTP at once, mixed lengths, every other one streaming, several sharing
   // a system prompt.
   const std::string system = "You are a helpful assistant. Answer briefly. ";
   struct Case {
@@ -295,9 +295,9 @@ TEST_F(RouterProcessTest, ConcurrentGreedyRequestsGiveTheTokensOfTheModelRunAlon
     bool stream;
   };
   std::vector<Case> cases;
-  for (int i = 0; i < 16; ++i) {
+  for (int i = 0; i < 32; ++i) {
     std::string text = (i % 3 == 0 ? system : "") + absl::StrCat("question ", i, "?");
-    text.append(static_cast<size_t>(i % 5) * 7, 'a' + static_cast<char>(i));
+    text.append(static_cast<size_t>(i % 5) * 7, 'a' + static_cast<char>(i % 26));
     cases.push_back({text, 4 + (i * 5) % 17, i % 2 == 1});
   }
   std::vector<std::vector<int32_t>> got(cases.size());
@@ -455,7 +455,16 @@ TEST_F(RouterProcessTest, BadRequestsGetTheirStatusAndLeaveTheLedgerWhole) {
        "`stop` must be a list"},
       {"/generate", R"({"inputs": "a", "parameters": {"stop": ["a", "b", "c", "d", "e"]}})", 422,
        "at most 4"},
-      {"/generate", R"({"inputs": "a", "parameters": {"repetition_penalty": 1.2}})", 422,
+      {"/generate", R"({"inputs": "a", "parameters": {"repetition_penalty": 0}})", 422,
+       "repetition_penalty"},
+      {"/generate", R"({"inputs": "a", "parameters": {"frequency_penalty": 3}})", 422,
+       "frequency_penalty"},
+      {"/generate", R"({"inputs": "a", "parameters": {"top_n_tokens": 6}})", 422,
+       "top_n_tokens"},
+      {"/generate", R"({"inputs": "a", "parameters": {"truncate": 41}})", 422, "truncate"},
+      {"/generate_stream", R"({"inputs": "a", "parameters": {"decoder_input_details": true}})",
+       422, "not supported when streaming"},
+      {"/generate", R"({"inputs": "a", "parameters": {"watermark": true}})", 422,
        "not supported"},
       {"/generate", R"({"inputs": "a", "parameters": {"best_of": 2}})", 422, "not supported"},
       {"/generate", json{{"inputs", std::string(50, 'x')}}.dump(), 422, "less than 40 tokens"},
@@ -687,6 +696,175 @@ TEST_F(RouterProcessTest, OpenAiCompletionsGiveTheReferenceTokensUsageAndCachedT
   ASSERT_TRUE(models.ok() && models->status == 200);
   EXPECT_EQ(json::parse(models->body)["data"][0]["object"], "model");
   EXPECT_TRUE(AwaitNoBlockInUse());
+}
+
+// The model's log-probabilities, from the contiguous reference pass (fp32, no pool).
+struct ReferenceScores {
+  std::vector<int32_t> tokens;                            // greedy, with the penalties
+  std::vector<float> logprobs;                            // of each
+  std::vector<std::vector<std::pair<int32_t, float>>> top;  // top 3 of each
+  std::vector<float> prompt;                              // of each prompt token after the first
+};
+ReferenceScores Score(const LlamaModel& model, std::vector<int32_t> context, int32_t n,
+                      const SamplingParams& penalties = {}) {
+  ReferenceScores out;
+  const size_t vocab = static_cast<size_t>(model.config().vocab_size);
+  const auto prompt_len = static_cast<int32_t>(context.size());
+  absl::StatusOr<std::vector<float>> all = model.ForwardContiguous(context);
+  if (!all.ok()) return out;
+  for (size_t j = 1; j < context.size(); ++j) {
+    out.prompt.push_back(LogprobOf({all->data() + (j - 1) * vocab, vocab}, context[j]));
+  }
+  for (int32_t i = 0; i < n; ++i) {
+    absl::StatusOr<std::vector<float>> logits = model.ForwardContiguous(context);
+    if (!logits.ok()) return out;
+    std::vector<float> last(logits->end() - static_cast<std::ptrdiff_t>(vocab), logits->end());
+    ApplyPenalties(last, context, prompt_len, penalties);
+    const int32_t token = Greedy(last);
+    out.tokens.push_back(token);
+    out.logprobs.push_back(LogprobOf(last, token));
+    auto& top = out.top.emplace_back();
+    for (const TokenLogprob& t : TopLogprobs(last, 3)) top.emplace_back(t.token, t.logprob);
+    context.push_back(token);
+  }
+  return out;
+}
+
+TEST_F(RouterProcessTest, DetailsCarryTheModelsLogprobsTopTokensAndPromptScores) {
+  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/128, /*executors=*/1,
+                                     {"--max-batch-prefill-tokens", "8"}));  // chunked prompts
+  const std::string text = "The quick brown fox jumps";
+  const ReferenceScores want = Score(*model_, PromptIds(text), 5);
+  const json body = {{"inputs", text},
+                     {"parameters",
+                      {{"max_new_tokens", 5},
+                       {"details", true},
+                       {"decoder_input_details", true},
+                       {"top_n_tokens", 3}}}};
+  absl::StatusOr<HttpResponse> reply = HttpPost(url_ + "/generate", body.dump());
+  ASSERT_TRUE(reply.ok() && reply->status == 200) << (reply.ok() ? reply->body : "");
+  const json details = json::parse(reply->body)["details"];
+  ASSERT_EQ(details["tokens"].size(), want.tokens.size()) << reply->body;
+  for (size_t i = 0; i < want.tokens.size(); ++i) {
+    SCOPED_TRACE(absl::StrCat("token ", i));
+    EXPECT_EQ(details["tokens"][i]["id"].get<int32_t>(), want.tokens[i]);
+    EXPECT_NEAR(details["tokens"][i]["logprob"].get<double>(), want.logprobs[i], 1e-3);
+    ASSERT_EQ(details["top_tokens"][i].size(), 3u);
+    for (size_t k = 0; k < 3; ++k) {
+      EXPECT_EQ(details["top_tokens"][i][k]["id"].get<int32_t>(), want.top[i][k].first);
+      EXPECT_NEAR(details["top_tokens"][i][k]["logprob"].get<double>(), want.top[i][k].second,
+                  1e-3);
+    }
+  }
+  // The prompt, every token scored but the first, over three chunks of 8.
+  const json& prefill = details["prefill"];
+  ASSERT_EQ(prefill.size(), want.prompt.size() + 1);
+  EXPECT_TRUE(prefill[0]["logprob"].is_null());
+  EXPECT_EQ(prefill[0]["id"], 1);
+  for (size_t j = 1; j < prefill.size(); ++j) {
+    EXPECT_NEAR(prefill[j]["logprob"].get<double>(), want.prompt[j - 1], 1e-3) << "prompt " << j;
+  }
+  // Streamed tokens carry their log-probability too.
+  absl::StatusOr<HttpResponse> streamed = HttpPost(url_ + "/generate_stream", GenerateBody(text, 5));
+  ASSERT_TRUE(streamed.ok() && streamed->status == 200);
+  size_t seen = 0;
+  for (absl::string_view line : absl::StrSplit(streamed->body, '\n')) {
+    if (!absl::ConsumePrefix(&line, "data:")) continue;
+    const json event = json::parse(std::string(line));
+    ASSERT_LT(seen, want.logprobs.size());
+    EXPECT_NEAR(event["token"]["logprob"].get<double>(), want.logprobs[seen], 1e-3);
+    ++seen;
+  }
+  EXPECT_EQ(seen, want.tokens.size());
+
+  // OpenAI's echo with logprobs: the prompt's tokens first, the first unscored.
+  absl::StatusOr<HttpResponse> echoed = HttpPost(
+      url_ + "/v1/completions", json{{"prompt", text}, {"max_tokens", 3}, {"temperature", 0},
+                                     {"echo", true}, {"logprobs", 1}}.dump());
+  ASSERT_TRUE(echoed.ok() && echoed->status == 200) << (echoed.ok() ? echoed->body : "");
+  const json choice = json::parse(echoed->body)["choices"][0];
+  const json& scores = choice["logprobs"]["token_logprobs"];
+  ASSERT_EQ(scores.size(), want.prompt.size() + 1 + 3) << echoed->body;
+  EXPECT_TRUE(scores[0].is_null());
+  EXPECT_TRUE(choice["logprobs"]["top_logprobs"][0].is_null());
+  for (size_t j = 1; j <= want.prompt.size(); ++j) {
+    EXPECT_NEAR(scores[j].get<double>(), want.prompt[j - 1], 1e-3) << "prompt " << j;
+  }
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_NEAR(scores[want.prompt.size() + 1 + i].get<double>(), want.logprobs[i], 1e-3);
+  }
+  EXPECT_EQ(choice["text"].get<std::string>().substr(0, text.size()), text);
+  EXPECT_TRUE(AwaitNoBlockInUse());
+}
+
+TEST_F(RouterProcessTest, PenaltiesAndTruncationGiveTheReferenceTokens) {
+  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/128, /*executors=*/2));
+  const std::string text = "abcabcabcabc";
+  SamplingParams penalties;
+  penalties.repetition_penalty = 1.8f;
+  penalties.frequency_penalty = 1.5f;
+  const int32_t n = 12;
+  const ReferenceScores plain = Score(*model_, PromptIds(text), n);
+  const ReferenceScores want = Score(*model_, PromptIds(text), n, penalties);
+  // Otherwise the test could not tell penalties from none.
+  ASSERT_NE(plain.tokens, want.tokens) << "pick stronger penalties";
+  const json body = {{"inputs", text},
+                     {"parameters",
+                      {{"max_new_tokens", n},
+                       {"details", true},
+                       {"repetition_penalty", 1.8},
+                       {"frequency_penalty", 1.5}}}};
+  absl::StatusOr<HttpResponse> reply = HttpPost(url_ + "/generate", body.dump());
+  ASSERT_TRUE(reply.ok() && reply->status == 200) << (reply.ok() ? reply->body : "");
+  std::vector<int32_t> got = TokenIds(reply->body);
+  std::vector<int32_t> expected = want.tokens;
+  const auto& eos = model_->config().eos_token_ids;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    if (std::find(eos.begin(), eos.end(), expected[i]) != eos.end()) {
+      expected.resize(i + 1);
+      break;
+    }
+  }
+  EXPECT_EQ(got, expected);
+
+  // OpenAI's frequency and presence penalties, the same definition.
+  penalties = {};
+  penalties.frequency_penalty = 1.2f;
+  penalties.presence_penalty = 0.7f;
+  const ReferenceScores openai = Score(*model_, PromptIds(text), 8, penalties);
+  absl::StatusOr<HttpResponse> completion = HttpPost(
+      url_ + "/v1/completions",
+      json{{"prompt", text}, {"max_tokens", 8}, {"temperature", 0}, {"frequency_penalty", 1.2},
+           {"presence_penalty", 0.7}, {"logprobs", 2}}.dump());
+  ASSERT_TRUE(completion.ok() && completion->status == 200)
+      << (completion.ok() ? completion->body : "");
+  const json logprobs = json::parse(completion->body)["choices"][0]["logprobs"];
+  ASSERT_FALSE(logprobs.is_null()) << completion->body;
+  const size_t got_tokens = logprobs["token_logprobs"].size();
+  ASSERT_GE(got_tokens, 1u);
+  for (size_t i = 0; i < got_tokens; ++i) {
+    EXPECT_NEAR(logprobs["token_logprobs"][i].get<double>(), openai.logprobs[i], 1e-3);
+    EXPECT_EQ(logprobs["top_logprobs"][i].size(), 2u) << completion->body;
+  }
+
+  // truncate keeps the prompt's last tokens: the reply is that of the shorter prompt.
+  const std::string long_text = "this part goes away, and this stays";
+  std::vector<int32_t> ids = PromptIds(long_text);
+  ids.erase(ids.begin(), ids.end() - 10);
+  const std::vector<int32_t> truncated = kvcm::testing::ReferenceGreedy(*model_, ids, 4);
+  absl::StatusOr<HttpResponse> cut = HttpPost(
+      url_ + "/generate",
+      json{{"inputs", long_text},
+           {"parameters", {{"max_new_tokens", 4}, {"details", true}, {"truncate", 10},
+                           {"decoder_input_details", true}}}}.dump());
+  ASSERT_TRUE(cut.ok() && cut->status == 200) << (cut.ok() ? cut->body : "");
+  EXPECT_EQ(json::parse(cut->body)["details"]["prefill"].size(), 10u);
+  std::vector<int32_t> cut_ids = TokenIds(cut->body);
+  cut_ids.resize(std::min(cut_ids.size(), truncated.size()));
+  EXPECT_EQ(cut_ids, std::vector<int32_t>(truncated.begin(),
+                                          truncated.begin() + static_cast<std::ptrdiff_t>(cut_ids.size())));
+  EXPECT_TRUE(AwaitNoBlockInUse());
+  ExpectWhole(Stats());
 }
 
 }  // namespace
