@@ -9,9 +9,6 @@
 namespace kvcm::kernels {
 namespace {
 
-// About 100 us of spinning on current x86 cores (PAUSE is 40-140 cycles).
-constexpr int kSpinIterations = 4096;
-
 thread_local const CpuThreadPool* tls_running_pool = nullptr;
 
 inline void CpuRelax() {
@@ -24,8 +21,8 @@ inline void CpuRelax() {
 
 // Waits until `value` no longer holds `old`; returns the new value.
 template <typename T>
-T WaitForChange(const std::atomic<T>& value, T old) {
-  for (int i = 0; i < kSpinIterations; ++i) {
+T WaitForChange(const std::atomic<T>& value, T old, int32_t spins) {
+  for (int i = 0; i < spins; ++i) {
     const T now = value.load(std::memory_order_acquire);
     if (now != old) return now;
     CpuRelax();
@@ -47,7 +44,8 @@ CpuThreadPool& CpuThreadPool::Default() {
   return *pool;
 }
 
-CpuThreadPool::CpuThreadPool(int32_t num_workers) {
+CpuThreadPool::CpuThreadPool(int32_t num_workers, int32_t spin_iterations)
+    : spin_iterations_(std::max(spin_iterations, 0)) {
   num_workers = std::clamp(num_workers, 0, kMaxWorkers);
   workers_.reserve(static_cast<size_t>(num_workers));
   for (int32_t id = 0; id < num_workers; ++id) {
@@ -58,7 +56,7 @@ CpuThreadPool::CpuThreadPool(int32_t num_workers) {
 CpuThreadPool::~CpuThreadPool() {
   stop_.store(true, std::memory_order_release);
   // A new generation with no participants wakes every worker, which then sees stop_.
-  epoch_.fetch_add(1u << 8, std::memory_order_acq_rel);
+  epoch_.fetch_add(1u << 8, std::memory_order_seq_cst);
   epoch_.notify_all();
   for (std::thread& worker : workers_) worker.join();
 }
@@ -79,12 +77,13 @@ void CpuThreadPool::WorkerLoop(int32_t id) {
   // see the generations published before it ran (it may be counted in busy_ for one).
   uint32_t seen = 0;
   for (;;) {
-    seen = WaitForChange(epoch_, seen);
+    seen = WaitForChange(epoch_, seen, spin_iterations_);
     if (stop_.load(std::memory_order_acquire)) return;
     const int32_t participants = static_cast<int32_t>(seen & 0xffu);
     if (id >= participants) continue;
     RunTasks();
-    if (busy_.fetch_sub(1, std::memory_order_acq_rel) == 1) busy_.notify_one();
+    // seq_cst for the same reason as the epoch's store in ParallelFor: the dispatcher may sleep.
+    if (busy_.fetch_sub(1, std::memory_order_seq_cst) == 1) busy_.notify_one();
   }
 }
 
@@ -105,14 +104,20 @@ void CpuThreadPool::ParallelFor(int64_t num_tasks, int32_t num_threads,
   next_task_.store(0, std::memory_order_relaxed);
   busy_.store(participants, std::memory_order_relaxed);
   const uint32_t generation = (epoch_.load(std::memory_order_relaxed) >> 8) + 1;
+  // seq_cst, not release: notify_all skips the wake-up when it reads that nobody sleeps
+  // (libstdc++ keeps a count of sleepers), and only a seq_cst store keeps that read from
+  // passing the store (on x86 a release store waits in the store buffer while the read
+  // goes ahead): a worker that went to sleep just then would never wake, and this call
+  // would never return. Sleepers count themselves with a seq_cst increment before they
+  // read the epoch, so one of the two always sees the other.
   epoch_.store((generation << 8) | static_cast<uint32_t>(participants),
-               std::memory_order_release);
+               std::memory_order_seq_cst);
   epoch_.notify_all();
 
   RunTasks();
 
   int32_t busy = busy_.load(std::memory_order_acquire);
-  while (busy != 0) busy = WaitForChange(busy_, busy);
+  while (busy != 0) busy = WaitForChange(busy_, busy, spin_iterations_);
   job_fn_ = nullptr;
 }
 

@@ -4,9 +4,13 @@
 #include "kernels/cpu_thread_pool.h"
 
 #include <atomic>
+#include <cstdio>
+#include <cstdlib>
 #include <thread>
 #include <vector>
 
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "gtest/gtest.h"
 
 namespace kvcm::kernels {
@@ -58,6 +62,46 @@ TEST(CpuThreadPoolTest, ConcurrentCallers) {
   }
   for (std::thread& t : callers) t.join();
   EXPECT_EQ(total.load(), 3 * 100 * (15 * 16 / 2));
+}
+
+// Regression: a worker could sleep through a new job for ever, so ParallelFor never returned
+// (seen as a test process stuck in the model's reference forward on 2 cores). The dispatcher
+// published the job with a release store and then read whether anyone sleeps: on x86 that
+// read may pass the store, miss a worker just going to sleep, and skip the wake-up. Without
+// spinning every job goes through sleep and wake-up. A watchdog fails the test instead of
+// hanging.
+TEST(CpuThreadPoolTest, WorkersThatSleepBetweenJobsAlwaysWakeForTheNext) {
+  constexpr int kJobs = 50000;
+  std::printf("%d jobs, 1 worker, no spinning\n", kJobs);
+  CpuThreadPool pool(1, /*spin_iterations=*/0);
+  std::atomic<int> done{0};
+  std::atomic<bool> finished{false};
+  std::thread watchdog([&] {
+    int last = -1;
+    absl::Time last_change = absl::Now();
+    while (!finished.load()) {
+      const int now = done.load();
+      if (now != last) {
+        last = now;
+        last_change = absl::Now();
+      } else if (absl::Now() - last_change > absl::Seconds(10)) {
+        std::fprintf(stderr, "ParallelFor stuck after %d jobs: a worker missed its wake-up\n",
+                     now);
+        std::abort();
+      }
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+  });
+  int64_t total = 0;
+  for (int job = 0; job < kJobs; ++job) {
+    std::atomic<int64_t> sum{0};
+    pool.ParallelFor(2, 0, [&](int64_t i) { sum += i + 1; });
+    total += sum.load();
+    done.store(job + 1, std::memory_order_relaxed);
+  }
+  finished.store(true);
+  watchdog.join();
+  EXPECT_EQ(total, int64_t{kJobs} * 3);
 }
 
 TEST(CpuThreadPoolTest, DefaultPoolUsesTheMachine) {
