@@ -32,6 +32,7 @@ PACKAGES=(
   libgmock-dev
   libbenchmark-dev           # bench/
   python3                    # test tooling
+  python3-venv               # scripts/python-env.sh: the official clients the tests use
 )
 
 missing=()

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs what is missing, builds, and runs the whole test suite through ctest.
+# Installs what is missing (Debian packages, and the official Python clients into
+# BUILD_DIR/venv), builds, and runs the whole test suite through ctest.
 #
 #   scripts/test.sh                  # everything (gpu tests skip without a device)
 #   scripts/test.sh -L unit          # extra arguments go to ctest
@@ -7,6 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/bootstrap.sh
+scripts/python-env.sh
 
 BUILD_DIR="${KVCM_BUILD_DIR:-build}"
 JOBS="${KVCM_JOBS:-$(nproc)}"

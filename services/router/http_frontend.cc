@@ -133,6 +133,7 @@ struct HttpFrontend::Impl {
     evhttp_request* request = nullptr;  // null once the client is gone
     evhttp_connection* connection = nullptr;
     bool stream = false;
+    bool as_list = false;  // POST / without streaming answers [reply], as TGI does
     Params params;
     std::string prompt_text;
     std::vector<int32_t> generated;
@@ -352,6 +353,7 @@ struct HttpFrontend::Impl {
     }
     Active a;
     a.stream = stream;
+    a.as_list = !stream_path.has_value() && !stream;
     a.params = params;
     a.prompt_text = text;
     Start(request, std::move(a), *std::move(prompt));
@@ -748,7 +750,7 @@ struct HttpFrontend::Impl {
       } else {
         json body = {{"generated_text", full}};
         if (a.params.details) body["details"] = Details(a, p.finish_reason);
-        Reply(a.request, 200, Dump(body));
+        Reply(a.request, 200, Dump(a.as_list ? json::array({body}) : body));
       }
     }
     active.erase(id);

@@ -284,4 +284,36 @@ inline std::string AsJsonText(const std::string& text) {
       .get<std::string>();
 }
 
+// The model's log-probabilities, from the contiguous reference pass (fp32, no pool).
+struct ReferenceScores {
+  std::vector<int32_t> tokens;                            // greedy, with the penalties
+  std::vector<float> logprobs;                            // of each
+  std::vector<std::vector<std::pair<int32_t, float>>> top;  // top 3 of each
+  std::vector<float> prompt;                              // of each prompt token after the first
+};
+inline ReferenceScores Score(const LlamaModel& model, std::vector<int32_t> context, int32_t n,
+                      const SamplingParams& penalties = {}) {
+  ReferenceScores out;
+  const size_t vocab = static_cast<size_t>(model.config().vocab_size);
+  const auto prompt_len = static_cast<int32_t>(context.size());
+  absl::StatusOr<std::vector<float>> all = model.ForwardContiguous(context);
+  if (!all.ok()) return out;
+  for (size_t j = 1; j < context.size(); ++j) {
+    out.prompt.push_back(LogprobOf({all->data() + (j - 1) * vocab, vocab}, context[j]));
+  }
+  for (int32_t i = 0; i < n; ++i) {
+    absl::StatusOr<std::vector<float>> logits = model.ForwardContiguous(context);
+    if (!logits.ok()) return out;
+    std::vector<float> last(logits->end() - static_cast<std::ptrdiff_t>(vocab), logits->end());
+    ApplyPenalties(last, context, prompt_len, penalties);
+    const int32_t token = Greedy(last);
+    out.tokens.push_back(token);
+    out.logprobs.push_back(LogprobOf(last, token));
+    auto& top = out.top.emplace_back();
+    for (const TokenLogprob& t : TopLogprobs(last, 3)) top.emplace_back(t.token, t.logprob);
+    context.push_back(token);
+  }
+  return out;
+}
+
 }  // namespace kvcm::testing
