@@ -1,0 +1,63 @@
+// kvcm-launch's command line: its own flags, flags routed to the process that takes them,
+// pass-through, and a clear error for anything else.
+
+#include "tools/launch/launch_options.h"
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace kvcm::launch {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+TEST(LaunchOptionsTest, RoutesEachFlagToTheProcessThatTakesIt) {
+  absl::StatusOr<LaunchOptions> options = ParseLaunchOptions(
+      {"--model", "/m", "--executors=3", "--num-blocks", "4096", "--port=8080",
+       "--max_input_tokens", "512", "--threads", "4", "--router-arg=--max-running=8",
+       "--cache-manager-arg=--tcp-allow-remote"});
+  ASSERT_TRUE(options.ok()) << options.status();
+  EXPECT_EQ(options->model, "/m");
+  EXPECT_EQ(options->executors, 3);
+  EXPECT_TRUE(options->pool_sized);
+  EXPECT_THAT(options->cache_manager_args,
+              ElementsAre("--num-blocks=4096", "--tcp-allow-remote"));
+  EXPECT_THAT(options->router_args,
+              ElementsAre("--port=8080", "--max-input-tokens=512", "--max-running=8"));
+  EXPECT_THAT(options->executor_args, ElementsAre("--threads=4"));
+}
+
+TEST(LaunchOptionsTest, DefaultsAndErrorsNameTheFlag) {
+  absl::StatusOr<LaunchOptions> plain = ParseLaunchOptions({"--model=/m"});
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(plain->executors, 1);
+  EXPECT_FALSE(plain->pool_sized);  // the launcher then asks for kDefaultPoolBytes
+  EXPECT_TRUE(plain->run_dir.empty());
+
+  struct Bad {
+    std::vector<std::string> args;
+    const char* says;
+  };
+  const Bad cases[] = {
+      {{}, "--model is required"},
+      {{"--model"}, "--model needs a value"},
+      {{"--model=/m", "--executors=0"}, "--executors must be an integer >= 1"},
+      {{"--model=/m", "--executors=two"}, "got \"two\""},
+      {{"--model=/m", "--typical-p=0.5"}, "unknown flag --typical-p"},
+      {{"--model=/m", "stray"}, "unexpected argument \"stray\""},
+  };
+  for (const Bad& bad : cases) {
+    absl::StatusOr<LaunchOptions> parsed = ParseLaunchOptions(bad.args);
+    ASSERT_FALSE(parsed.ok()) << bad.says;
+    EXPECT_TRUE(absl::IsInvalidArgument(parsed.status()));
+    EXPECT_THAT(std::string(parsed.status().message()), HasSubstr(bad.says));
+  }
+  // The unknown-flag error says how to pass it anyway.
+  EXPECT_THAT(std::string(ParseLaunchOptions({"--model=/m", "--x=1"}).status().message()),
+              HasSubstr("--cache-manager-arg="));
+  EXPECT_THAT(LaunchUsage(), HasSubstr("--num-blocks"));
+}
+
+}  // namespace
+}  // namespace kvcm::launch

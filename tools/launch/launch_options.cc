@@ -1,0 +1,180 @@
+#include "tools/launch/launch_options.h"
+
+#include <algorithm>
+#include <array>
+#include <string_view>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace kvcm::launch {
+namespace {
+
+enum class Target { kCacheManager, kRouter, kExecutor };
+
+struct Route {
+  std::string_view flag;  // dashed, without "--"
+  Target target;
+};
+
+// Flags of the services that the launcher routes (each takes a value). The services' own
+// flags the launcher sets itself (--run-dir, --model, --model-config, --name,
+// --metrics-address, --router, --cache-manager) are not here: they are the launcher's.
+constexpr std::array<Route, 26> kRoutes = {{
+    {"backend", Target::kCacheManager},
+    {"cuda-device", Target::kCacheManager},
+    {"block-size", Target::kCacheManager},
+    {"dtype", Target::kCacheManager},
+    {"num-blocks", Target::kCacheManager},
+    {"pool-bytes", Target::kCacheManager},
+    {"memory-fraction", Target::kCacheManager},
+    {"hash-algorithm", Target::kCacheManager},
+    {"heartbeat-interval-ms", Target::kCacheManager},
+    {"heartbeat-timeout-ms", Target::kCacheManager},
+    {"max-pinned-blocks", Target::kCacheManager},
+    {"max-ops-per-step", Target::kCacheManager},
+    {"hostname", Target::kRouter},
+    {"port", Target::kRouter},
+    {"max-concurrent-requests", Target::kRouter},
+    {"max-input-tokens", Target::kRouter},
+    {"max-total-tokens", Target::kRouter},
+    {"max-batch-prefill-tokens", Target::kRouter},
+    {"max-batch-total-tokens", Target::kRouter},
+    {"max-running", Target::kRouter},
+    {"max-top-n-tokens", Target::kRouter},
+    {"drain-timeout-ms", Target::kRouter},
+    {"threads", Target::kExecutor},
+    {"call-timeout-ms", Target::kExecutor},
+    {"fault-layer-delay-ms", Target::kExecutor},
+    {"cache-manager-secret-file", Target::kExecutor},
+}};
+
+std::string Dashed(std::string_view name) {
+  std::string out(name);
+  std::replace(out.begin(), out.end(), '_', '-');
+  return out;
+}
+
+const char* TargetName(Target target) {
+  switch (target) {
+    case Target::kCacheManager: return "cache manager";
+    case Target::kRouter: return "router";
+    case Target::kExecutor: return "each executor";
+  }
+  return "";
+}
+
+}  // namespace
+
+absl::StatusOr<LaunchOptions> ParseLaunchOptions(const std::vector<std::string>& args) {
+  LaunchOptions options;
+  for (size_t i = 0; i < args.size(); ++i) {
+    std::string_view arg = args[i];
+    if (arg.substr(0, 2) != "--") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unexpected argument \"", std::string(arg), "\": every argument is a --flag"));
+    }
+    arg.remove_prefix(2);
+    const size_t eq = arg.find('=');
+    const std::string name = Dashed(arg.substr(0, eq));
+    std::string value;
+    auto take_value = [&]() -> absl::Status {
+      if (eq != std::string_view::npos) {
+        value = std::string(arg.substr(eq + 1));
+        return absl::OkStatus();
+      }
+      if (i + 1 >= args.size()) {
+        return absl::InvalidArgumentError(absl::StrCat("--", name, " needs a value"));
+      }
+      value = args[++i];
+      return absl::OkStatus();
+    };
+    auto take_int = [&](int* out, int lo) -> absl::Status {
+      if (absl::Status s = take_value(); !s.ok()) return s;
+      if (!absl::SimpleAtoi(value, out) || *out < lo) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--", name, " must be an integer >= ", lo, ", got \"", value, "\""));
+      }
+      return absl::OkStatus();
+    };
+    absl::Status status;
+    if (name == "model") {
+      status = take_value();
+      options.model = value;
+    } else if (name == "executors") {
+      status = take_int(&options.executors, 1);
+    } else if (name == "run-dir") {
+      status = take_value();
+      options.run_dir = value;
+    } else if (name == "bin-dir") {
+      status = take_value();
+      options.bin_dir = value;
+    } else if (name == "restart-backoff-ms") {
+      status = take_int(&options.restart_backoff_ms, 1);
+    } else if (name == "cache-manager-arg" || name == "router-arg" || name == "executor-arg") {
+      status = take_value();
+      (name == "router-arg"     ? options.router_args
+       : name == "executor-arg" ? options.executor_args
+                                : options.cache_manager_args)
+          .push_back(value);
+    } else {
+      const auto route = std::find_if(kRoutes.begin(), kRoutes.end(),
+                                      [&](const Route& r) { return r.flag == name; });
+      if (route == kRoutes.end()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "unknown flag --", name,
+            "; pass a flag the launcher does not route with --cache-manager-arg=--", name,
+            "=VALUE, --router-arg=... or --executor-arg=... (kvcm-launch --help lists the "
+            "routed ones)"));
+      }
+      status = take_value();
+      std::vector<std::string>& out = route->target == Target::kCacheManager
+                                          ? options.cache_manager_args
+                                      : route->target == Target::kRouter ? options.router_args
+                                                                         : options.executor_args;
+      out.push_back(absl::StrCat("--", name, "=", value));
+      if (name == "num-blocks" || name == "pool-bytes" || name == "memory-fraction") {
+        options.pool_sized = true;
+      }
+    }
+    if (!status.ok()) return status;
+  }
+  if (options.model.empty()) return absl::InvalidArgumentError("--model is required");
+  return options;
+}
+
+std::string LaunchUsage() {
+  std::string usage = R"(kvcm-launch: runs a whole kvcm server on this node.
+
+Starts the cache manager (KV shape from the model's config.json), the router and N
+executors, waits for each to be ready, restarts any that dies (with backoff), prefixes
+their log lines, and stops them all cleanly at SIGINT/SIGTERM (a second signal: at once).
+
+  kvcm-launch --model DIR [--executors N] [flags...]
+
+Launcher flags:
+  --model DIR               the model folder (required)
+  --executors N             executors to run (default 1)
+  --run-dir DIR             the run directory (default: a fresh one, removed at exit)
+  --bin-dir DIR             where the kvcm binaries are (default: beside kvcm-launch)
+  --restart-backoff-ms MS   first wait before a restart (default 500; doubles to 10 s)
+  --cache-manager-arg=X, --router-arg=X, --executor-arg=X
+                            pass X as it is to that process (repeatable)
+
+Routed flags (each passed on as --flag=VALUE):
+)";
+  for (Target target : {Target::kCacheManager, Target::kRouter, Target::kExecutor}) {
+    std::vector<std::string> names;
+    for (const Route& r : kRoutes) {
+      if (r.target == target) names.push_back(absl::StrCat("--", std::string(r.flag)));
+    }
+    absl::StrAppend(&usage, "  to the ", TargetName(target), ": ", absl::StrJoin(names, " "),
+                    "\n");
+  }
+  absl::StrAppend(&usage, "Without a pool size (--num-blocks, --pool-bytes, --memory-fraction) ",
+                  "the pool gets --pool-bytes=", kDefaultPoolBytes, ".\n");
+  return usage;
+}
+
+}  // namespace kvcm::launch

@@ -1,0 +1,46 @@
+#pragma once
+// kvcm-launch's command line: its own flags, and every other flag routed to the process
+// that takes it (docs/operations.md, "kvcm-launch").
+//
+//   kvcm-launch --model DIR --executors 2 --num-blocks 4096 --port 8080 --threads 4
+//     --num-blocks goes to the cache manager, --port to the router, --threads to each
+//     executor.
+//   --cache-manager-arg=X / --router-arg=X / --executor-arg=X pass X as it is (repeatable),
+//   for flags the table below does not route.
+//
+// Thread safety: plain values and a pure function.
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace kvcm::launch {
+
+struct LaunchOptions {
+  std::string model;            // --model: the model folder (required)
+  int executors = 1;            // --executors
+  std::string run_dir;          // --run-dir; "" = a fresh one, removed at exit
+  std::string bin_dir;          // --bin-dir; "" = the launcher's own directory
+  // Restart backoff: the first wait, doubled after each quick death up to the most.
+  int restart_backoff_ms = 500;      // --restart-backoff-ms
+  int max_restart_backoff_ms = 10000;
+  // Extra arguments of each process, in command-line order.
+  std::vector<std::string> cache_manager_args;
+  std::vector<std::string> router_args;
+  std::vector<std::string> executor_args;
+  // Whether a pool size (--num-blocks, --pool-bytes, --memory-fraction) was given; if not,
+  // the launcher asks for kDefaultPoolBytes.
+  bool pool_sized = false;
+};
+
+inline constexpr char kDefaultPoolBytes[] = "1GiB";
+
+// Parses argv (without argv[0]). INVALID_ARGUMENT naming the flag for an unknown flag, a
+// flag without its value, a bad number, or no --model.
+absl::StatusOr<LaunchOptions> ParseLaunchOptions(const std::vector<std::string>& args);
+
+// The help text: the launcher's flags and where every routed flag goes.
+std::string LaunchUsage();
+
+}  // namespace kvcm::launch
