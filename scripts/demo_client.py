@@ -41,6 +41,19 @@ def generate(url, question, results, index):
                       answer["details"]["generated_tokens"], elapsed)
 
 
+def complete(url, question, results, index):
+    """The same through OpenAI's completions API."""
+    start = time.monotonic()
+    body = {"model": "demo", "prompt": SYSTEM + question, "max_tokens": MAX_NEW_TOKENS,
+            "temperature": 0}
+    with post(url + "/v1/completions", body) as reply:
+        answer = json.load(reply)
+    elapsed = time.monotonic() - start
+    usage = answer["usage"]
+    results[index] = (question + " [openai]", answer["choices"][0]["text"],
+                      usage["completion_tokens"], elapsed)
+
+
 def stream(url, question, results, index):
     start = time.monotonic()
     first = None
@@ -83,7 +96,9 @@ def main():
     # One request first: its prompt's blocks are committed and cached for the others.
     generate(url, QUESTIONS[0], results, 0)
     threads = [threading.Thread(target=stream, args=(url, QUESTIONS[1], results, 1))]
-    threads += [threading.Thread(target=generate, args=(url, q, results, i))
+    # The others through both APIs: TGI's /generate and OpenAI's /v1/completions.
+    threads += [threading.Thread(target=generate if i % 2 == 0 else complete,
+                                 args=(url, q, results, i))
                 for i, q in enumerate(QUESTIONS) if i >= 2]
     started = time.monotonic()
     for t in threads:
@@ -103,7 +118,7 @@ def main():
     for result in results:
         question, text, tokens, elapsed = result[:4]
         total_tokens += tokens
-        print(f"  {question:<40} {tokens:3d} tokens in {elapsed * 1000:7.1f} ms: "
+        print(f"  {question:<44} {tokens:3d} tokens in {elapsed * 1000:7.1f} ms: "
               f"{repr(text)[:60]}")
     if results[1] is not None and results[1][4] is not None:
         print(f"  time to first token (streaming request): {results[1][4] * 1000:.1f} ms")
@@ -115,7 +130,8 @@ def main():
     if cached + computed > 0:
         print(f"  prefix cache: {cached:.0f} of {cached + computed:.0f} prompt tokens were "
               f"cached ({100 * cached / (cached + computed):.0f}% hit ratio)")
-    ok = metric(url, "kvcm_router_requests_total", 'api="tgi",outcome="ok"')
+    ok = (metric(url, "kvcm_router_requests_total", 'api="tgi",outcome="ok"') +
+          metric(url, "kvcm_router_requests_total", 'api="openai",outcome="ok"'))
     recomputed = metric(url, "kvcm_router_recomputed_committed_tokens_total")
     print(f"  requests ok: {ok:.0f}; recomputed committed tokens: {recomputed:.0f}")
     return 0 if all(r is not None for r in results) else 1

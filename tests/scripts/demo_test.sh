@@ -13,6 +13,10 @@ grep -q "killed executor pid [0-9]* with SIGKILL while [1-9][0-9]* requests were
   fail "the executor was not killed mid-generation"
 grep -q "requests ok: 6; recomputed committed tokens: 0" <<<"$out" || fail "not every request finished"
 grep -q "exited: dropped" <<<"$out" || fail "the router did not see the executor die"
+grep -q "executor-1 exited (killed by signal 9" <<<"$out" || fail "kvcm-launch did not see it die"
+grep -q "restarting executor-1" <<<"$out" || fail "kvcm-launch did not restart it"
+grep -q "Who owns the pool? \[openai\]" <<<"$out" || fail "no request went through OpenAI's API"
+grep -q "router exited (exit code 0)" <<<"$out" || fail "the router did not stop cleanly"
 grep -q "left in the run directory: cache-manager.lock $" <<<"$out" || fail "files left behind"
 if pgrep -f "kvcm-demo\." >/dev/null; then fail "a process of the demo still runs"; fi
 echo "demo_test: ok"
