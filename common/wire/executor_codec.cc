@@ -68,10 +68,12 @@ void EncodeStepBatch(flatbuffers::FlatBufferBuilder& builder, uint64_t request_i
         s.sampling.repetition_penalty, s.sampling.frequency_penalty, s.sampling.presence_penalty);
     flatbuffers::Offset<flatbuffers::Vector<int32_t>> penalty_tokens;
     if (!s.penalty_tokens.empty()) penalty_tokens = builder.CreateVector(s.penalty_tokens);
+    flatbuffers::Offset<flatbuffers::Vector<uint64_t>> fork_seeds;
+    if (!s.fork_seeds.empty()) fork_seeds = builder.CreateVector(s.fork_seeds);
     seqs.push_back(wire::CreateSeqWork(builder, s.seq, tokens, s.context_len, table, sampling,
                                        s.sample, s.sample_index, penalty_tokens,
                                        s.penalty_prompt_len, s.logprobs, s.top_n,
-                                       s.input_logprobs, s.score_next));
+                                       s.input_logprobs, s.score_next, fork_seeds));
   }
   std::vector<wire::CopyOrder> copies;
   copies.reserve(step.copies.size());
@@ -138,6 +140,7 @@ absl::StatusOr<StepRequest> DecodeStepBatch(const wire::StepBatch& step) {
       s.top_n = work->top_n();
       s.input_logprobs = work->input_logprobs();
       s.score_next = work->score_next();
+      s.fork_seeds = ToVector(work->fork_seeds());
       const SeqSampling& p = s.sampling;
       if (!std::isfinite(p.temperature) || p.temperature < 0) {
         return absl::InvalidArgumentError(
@@ -171,6 +174,12 @@ absl::StatusOr<StepRequest> DecodeStepBatch(const wire::StepBatch& step) {
         return absl::InvalidArgumentError(
             absl::StrCat(name, " has penalty_prompt_len ", s.penalty_prompt_len, " for ",
                          s.penalty_tokens.size(), " penalty tokens"));
+      }
+      if (static_cast<int64_t>(s.fork_seeds.size()) > kMaxForkSeeds ||
+          (!s.fork_seeds.empty() && !s.sample)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(name, " has ", s.fork_seeds.size(), " fork seeds; at most ",
+                         kMaxForkSeeds, ", and only when it samples"));
       }
       for (int32_t token : s.penalty_tokens) {
         if (token < 0) {
@@ -215,11 +224,17 @@ void EncodeStepResult(flatbuffers::FlatBufferBuilder& builder, uint64_t request_
     if (!outcome.input_logprobs.empty()) {
       input_logprobs = builder.CreateVector(outcome.input_logprobs);
     }
+    flatbuffers::Offset<flatbuffers::Vector<int32_t>> fork_tokens;
+    flatbuffers::Offset<flatbuffers::Vector<float>> fork_logprobs;
+    if (!outcome.fork_tokens.empty()) fork_tokens = builder.CreateVector(outcome.fork_tokens);
+    if (!outcome.fork_logprobs.empty()) {
+      fork_logprobs = builder.CreateVector(outcome.fork_logprobs);
+    }
     results.push_back(wire::CreateSeqResult(builder, outcome.seq,
                                             outcome.status.ok() ? outcome.token : -1,
                                             ToWireCode(outcome.status.code()), reason,
                                             outcome.logprob, top_ids, top_logprobs,
-                                            input_logprobs));
+                                            input_logprobs, fork_tokens, fork_logprobs));
   }
   auto vector = builder.CreateVector(results);
   auto result = wire::CreateStepResult(builder, report.step_id, vector, report.prefill_tokens,
@@ -245,6 +260,8 @@ StepReport DecodeStepResult(const wire::StepResult& result) {
       outcome.top_logprobs = ToVector(r->top_logprobs());
       outcome.top_logprobs.resize(outcome.top_ids.size(), -std::numeric_limits<float>::infinity());
       outcome.input_logprobs = ToVector(r->input_logprobs());
+      outcome.fork_tokens = ToVector(r->fork_tokens());
+      outcome.fork_logprobs = ToVector(r->fork_logprobs());
       const std::string reason = ReasonOf(r->reason());
       outcome.status = FromWire(r->code(), reason);
       out.results.push_back(std::move(outcome));

@@ -96,7 +96,12 @@ struct SeqStep {
   int32_t top_n = 0;      // and the top_n most likely tokens (at most kMaxTopN)
   bool input_logprobs = false;  // score each new token after the first
   int32_t score_next = -1;      // and this one at the last position
+  // With `sample`: one more draw per seed (sample index 0), for forked sequences.
+  std::vector<uint64_t> fork_seeds;
 };
+
+// Most fork seeds one sequence may carry.
+inline constexpr int32_t kMaxForkSeeds = 64;
 
 // A StepBatch as a plain value.
 struct StepRequest {
@@ -116,6 +121,8 @@ struct SeqOutcome {
   std::vector<int32_t> top_ids;       // with SeqStep::top_n, most likely first
   std::vector<float> top_logprobs;
   std::vector<float> input_logprobs;  // with SeqStep::input_logprobs
+  std::vector<int32_t> fork_tokens;   // with SeqStep::fork_seeds, in their order
+  std::vector<float> fork_logprobs;   // and, with SeqStep::logprobs, theirs
 };
 
 // A StepResult as a plain value.
@@ -136,7 +143,8 @@ void EncodeStepBatch(flatbuffers::FlatBufferBuilder& builder, uint64_t request_i
 // id, a duplicate sequence id, a negative copy id, or non-finite / out-of-range sampling
 // parameters (temperature < 0, top_p outside (0, 1], top_k < 0, repetition_penalty <= 0,
 // frequency or presence penalty outside [-2, 2]), top_n outside [0, kMaxTopN],
-// penalty_prompt_len outside [0, len(penalty_tokens)], or a negative penalty token.
+// penalty_prompt_len outside [0, len(penalty_tokens)], a negative penalty token, or more
+// than kMaxForkSeeds fork seeds (or any without `sample`).
 absl::StatusOr<StepRequest> DecodeStepBatch(const wire::StepBatch& step);
 
 // Builds a finished StepResult envelope (executor side).

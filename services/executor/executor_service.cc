@@ -522,6 +522,8 @@ absl::StatusOr<StepReport> ExecutorService::RunStep(const StepRequest& step) {
           outcome.top_ids.push_back(top.token);
           outcome.top_logprobs.push_back(top.logprob);
         }
+        outcome.fork_tokens = std::move(chosen->fork_tokens);
+        outcome.fork_logprobs = std::move(chosen->fork_logprobs);
       } else {
         outcome.status = chosen.status();
       }
@@ -564,6 +566,14 @@ absl::StatusOr<ChosenToken> ChooseToken(std::span<const float> logits, const Seq
   if (seq.logprobs || seq.top_n > 0) {
     chosen.logprob = LogprobOf(logits, chosen.token, params.temperature);
     chosen.top = TopLogprobs(logits, seq.top_n, params.temperature);
+  }
+  // Forked sequences' first tokens: the same row, their own seeds, sample index 0.
+  for (uint64_t seed : seq.fork_seeds) {
+    SamplingParams fork = params;
+    fork.seed = seed;
+    const int32_t token = Sampler::Create(fork)->Sample(logits, 0);
+    chosen.fork_tokens.push_back(token);
+    if (seq.logprobs) chosen.fork_logprobs.push_back(LogprobOf(logits, token, params.temperature));
   }
   return chosen;
 }

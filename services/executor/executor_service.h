@@ -196,6 +196,8 @@ struct ChosenToken {
   int32_t token = -1;
   float logprob = 0.0f;
   std::vector<TokenLogprob> top;
+  std::vector<int32_t> fork_tokens;  // one per SeqStep::fork_seeds
+  std::vector<float> fork_logprobs;  // with SeqStep::logprobs
 };
 
 // The token chosen from `logits` (one row, [vocab]) for `seq` as the request's generated

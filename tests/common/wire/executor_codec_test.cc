@@ -46,6 +46,7 @@ StepRequest SampleStep() {
   b.penalty_prompt_len = 3;
   b.logprobs = true;
   b.top_n = 5;
+  b.fork_seeds = {7, 8};
   b.sample = true;
   b.sample_index = 3;
   a.input_logprobs = true;
@@ -93,6 +94,7 @@ TEST(ExecutorWireTest, StepBatchRoundTrips) {
   EXPECT_EQ(step->seqs[1].penalty_prompt_len, 3);
   EXPECT_TRUE(step->seqs[1].logprobs);
   EXPECT_EQ(step->seqs[1].top_n, 5);
+  EXPECT_THAT(step->seqs[1].fork_seeds, ElementsAre(7u, 8u));
   EXPECT_FALSE(step->seqs[1].input_logprobs);
   EXPECT_EQ(step->seqs[1].score_next, -1);
   // Defaults: no penalty, nothing reported.
@@ -122,6 +124,8 @@ TEST(ExecutorWireTest, StepResultRoundTripsWithPerSequenceCodes) {
   report.results.back().top_ids = {123, 4};
   report.results.back().top_logprobs = {-0.75f, -1.5f};
   report.results.back().input_logprobs = {-3.0f, -2.5f};
+  report.results.back().fork_tokens = {9, 10};
+  report.results.back().fork_logprobs = {-1.0f, -2.0f};
   report.results.push_back(outcome(8, 55, absl::FailedPreconditionError("the logits hold a NaN")));
   report.results.push_back(outcome(9, -1, absl::OkStatus()));
   report.prefill_tokens = 5;
@@ -143,6 +147,8 @@ TEST(ExecutorWireTest, StepResultRoundTripsWithPerSequenceCodes) {
   EXPECT_THAT(decoded.results[0].top_ids, ElementsAre(123, 4));
   EXPECT_THAT(decoded.results[0].top_logprobs, ElementsAre(-0.75f, -1.5f));
   EXPECT_THAT(decoded.results[0].input_logprobs, ElementsAre(-3.0f, -2.5f));
+  EXPECT_THAT(decoded.results[0].fork_tokens, ElementsAre(9, 10));
+  EXPECT_THAT(decoded.results[0].fork_logprobs, ElementsAre(-1.0f, -2.0f));
   EXPECT_TRUE(decoded.results[2].top_ids.empty());
   EXPECT_EQ(decoded.results[1].token, -1);  // failed: no token
   EXPECT_TRUE(absl::IsFailedPrecondition(decoded.results[1].status));
@@ -263,6 +269,14 @@ TEST(ExecutorWireTest, DecodeRefusesInconsistentSteps) {
        "penalty_prompt_len 6"},
       {"negative penalty token", [](StepRequest& s) { s.seqs[1].penalty_tokens[0] = -1; },
        "penalty token -1"},
+      {"fork seeds without sampling",
+       [](StepRequest& s) {
+         s.seqs[0].sample = false;
+         s.seqs[0].fork_seeds = {1};
+       },
+       "fork seeds"},
+      {"too many fork seeds",
+       [](StepRequest& s) { s.seqs[1].fork_seeds.assign(kMaxForkSeeds + 1, 3); }, "fork seeds"},
       {"negative copy", [](StepRequest& s) { s.copies[0].dst = -1; }, "copies[0]"},
       {"no router session", [](StepRequest& s) { s.router_session = 0; }, "router_session"},
   };

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -781,6 +782,32 @@ TEST(ChooseTokenTest, GreedyTakesTheArgmaxAndNaNFails) {
   hot.sampling.seed = 5;
   // Pure function of (logits, params, index).
   EXPECT_EQ(ChooseToken(logits, hot, 7)->token, ChooseToken(logits, hot, 7)->token);
+}
+
+TEST(ChooseTokenTest, ForkSeedsDrawWhatThoseSeedsWouldDrawAtIndexZero) {
+  std::vector<float> logits(64);
+  for (size_t i = 0; i < logits.size(); ++i) logits[i] = std::sin(static_cast<float>(i) * 1.7f);
+  SeqStep seq;
+  seq.sampling.temperature = 1.5f;
+  seq.sampling.seed = 100;
+  seq.logprobs = true;
+  seq.fork_seeds = {101, 102, 103, 104, 105, 106};
+  absl::StatusOr<ChosenToken> chosen = ChooseToken(logits, seq, 0);
+  ASSERT_TRUE(chosen.ok());
+  ASSERT_EQ(chosen->fork_tokens.size(), seq.fork_seeds.size());
+  ASSERT_EQ(chosen->fork_logprobs.size(), seq.fork_seeds.size());
+  std::set<int32_t> distinct = {chosen->token};
+  for (size_t i = 0; i < seq.fork_seeds.size(); ++i) {
+    SeqStep alone;
+    alone.sampling = seq.sampling;
+    alone.sampling.seed = seq.fork_seeds[i];
+    alone.logprobs = true;
+    const ChosenToken own = *ChooseToken(logits, alone, 0);
+    EXPECT_EQ(chosen->fork_tokens[i], own.token) << "fork " << i;
+    EXPECT_EQ(chosen->fork_logprobs[i], own.logprob);
+    distinct.insert(own.token);
+  }
+  EXPECT_GT(distinct.size(), 1u) << "seven draws at temperature 1.5 all alike";
 }
 
 TEST(ChooseTokenTest, PenaltiesSteerGreedyAwayFromWhatWasSeen) {
