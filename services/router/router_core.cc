@@ -82,15 +82,30 @@ void RouterCore::Submit(Submission submission) {
       sink_({std::move(p)});
       return;
     }
-    known_.insert(s.id);
+    known_[s.id].assign(static_cast<size_t>(s.outputs.sequences), true);
     planner_->Enqueue(s.id, std::move(s.prompt), s.max_new_tokens, s.sampling, s.outputs);
     ScheduleTurn();
   });
 }
 
-void RouterCore::Cancel(uint64_t id) {
-  loop_.Post([this, id] {
-    if (known_.erase(id) > 0) planner_->Finish(id);  // freed in the next step
+bool RouterCore::FinishChoice(uint64_t id, int32_t choice) {
+  auto it = known_.find(id);
+  if (it == known_.end()) return false;
+  std::vector<bool>& open = it->second;
+  bool was_open = false;
+  for (size_t c = 0; c < open.size(); ++c) {
+    if (choice < 0 || static_cast<int32_t>(c) == choice) {
+      was_open = was_open || open[c];
+      open[c] = false;
+    }
+  }
+  if (std::none_of(open.begin(), open.end(), [](bool b) { return b; })) known_.erase(it);
+  return was_open;
+}
+
+void RouterCore::Cancel(uint64_t id, int32_t choice) {
+  loop_.Post([this, id, choice] {
+    if (FinishChoice(id, choice)) planner_->Finish(id, choice);  // freed in the next step
     ScheduleTurn();
   });
 }
@@ -110,7 +125,7 @@ void RouterCore::ScheduleTurn() {
 
 void RouterCore::FailAll(const absl::Status& status) {
   std::vector<Progress> failed;
-  for (uint64_t id : known_) {
+  for (const auto& [id, open] : known_) {
     Progress p;
     p.id = id;
     p.finished = true;
@@ -286,9 +301,14 @@ void RouterCore::FinishStep() {
   std::vector<TokenEvent> events = planner_->Complete(results_);
   std::vector<Progress> progress;
   for (TokenEvent& event : events) {
-    if (!known_.contains(event.request)) continue;  // cancelled meanwhile
+    auto live = known_.find(event.request);
+    if (live == known_.end() || static_cast<size_t>(event.choice) >= live->second.size() ||
+        !live->second[static_cast<size_t>(event.choice)]) {
+      continue;  // cancelled meanwhile
+    }
     Progress p;
     p.id = event.request;
+    p.choice = event.choice;
     p.token = event.token;
     p.cached_prompt_tokens = event.cached_prompt_tokens;
     p.logprob = event.logprob;
@@ -300,8 +320,8 @@ void RouterCore::FinishStep() {
     if (eos || event.finished) {
       p.finished = true;
       p.finish_reason = eos ? "eos_token" : "length";
-      planner_->Finish(event.request);
-      known_.erase(event.request);
+      planner_->Finish(event.request, event.choice);
+      FinishChoice(event.request, event.choice);
     }
     progress.push_back(std::move(p));
   }

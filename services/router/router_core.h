@@ -40,8 +40,9 @@ struct Submission {
 // What happened to a request in one step.
 struct Progress {
   uint64_t id = 0;
+  int32_t choice = 0;       // which of Submission::outputs.sequences
   int32_t token = -1;       // a generated token, or -1
-  bool finished = false;    // with finish_reason, or an error
+  bool finished = false;    // this choice ended, with finish_reason; or (error) all did
   std::string finish_reason;  // "length", "eos_token"
   absl::Status error;       // the request failed (finished is true)
   int32_t cached_prompt_tokens = 0;  // of its prompt, found in the prefix cache
@@ -90,7 +91,8 @@ class RouterCore {
   int live_executors() const { return live_executors_.load(); }
 
   void Submit(Submission submission);
-  void Cancel(uint64_t id);
+  // Cancels a request's choice (-1: all of them).
+  void Cancel(uint64_t id, int32_t choice = -1);
   // Serves until a signal arrives on `signal_fd` (or Stop()).
   absl::Status Run(int signal_fd);
   void Stop();
@@ -120,7 +122,11 @@ class RouterCore {
   std::unique_ptr<ExecutorLink> link_;
   PlannerOptions planner_options_;
   std::unique_ptr<StepPlanner> planner_;
-  absl::flat_hash_set<uint64_t> known_;  // requests queued or running
+  // Requests queued or running, and which of their choices have not finished.
+  absl::flat_hash_map<uint64_t, std::vector<bool>> known_;
+  // Marks `choice` (-1: every one) of `id` finished; forgets `id` when none is left.
+  // Returns whether that choice was still open.
+  bool FinishChoice(uint64_t id, int32_t choice);
   bool turn_scheduled_ = false;
   // The client's available_blocks_after_last_step() is of the step just answered.
   bool fresh_available_ = false;

@@ -19,18 +19,36 @@ void StepPlanner::Enqueue(RequestId request, std::vector<int32_t> tokens, int32_
   queued.max_new_tokens = max_new_tokens;
   queued.sampling = sampling;
   queued.outputs = outputs;
+  KVCM_CHECK(outputs.sequences >= 1 && outputs.sequences <= kMaxForkSeeds + 1)
+      << outputs.sequences << " sequences";
+  queued.forks_wanted = outputs.sequences - 1;
   if (outputs.prompt_logprobs) {
     queued.prompt_logprobs.assign(queued.tokens.size(), std::numeric_limits<float>::quiet_NaN());
   }
   queue_.push_back(std::move(queued));
 }
 
-void StepPlanner::Finish(RequestId request) {
+void StepPlanner::Finish(RequestId request, int32_t choice) {
   if (auto it = seq_of_.find(request); it != seq_of_.end()) {
-    running_.at(it->second).finishing = true;
-    return;
+    for (SeqId seq : it->second) {
+      Running& run = running_.at(seq);
+      if (choice < 0 || run.req.choice == choice) run.finishing = true;
+    }
   }
-  std::erase_if(queue_, [request](const Queued& q) { return q.request == request; });
+  std::erase_if(queue_, [request, choice](const Queued& q) {
+    return q.request == request && (choice < 0 || q.choice == choice);
+  });
+}
+
+void StepPlanner::Forget(SeqId seq) {
+  auto it = running_.find(seq);
+  if (it == running_.end()) return;
+  if (auto of = seq_of_.find(it->second.req.request); of != seq_of_.end()) {
+    std::erase(of->second, seq);
+    if (of->second.empty()) seq_of_.erase(of);
+  }
+  std::erase(order_, seq);
+  running_.erase(it);
 }
 
 void StepPlanner::HashUpTo(Running& run, int32_t tokens) const {
@@ -63,9 +81,13 @@ void StepPlanner::Requeue(Running&& run, bool preempted) {
     queued.readmitted = true;
     queued.committed_before = std::max(queued.committed_before, run.committed);
   }
-  seq_of_.erase(queued.request);
-  std::erase(order_, run.seq);
-  running_.erase(run.seq);
+  const SeqId seq = run.seq;
+  if (run.fork_parent != 0) {  // never forked: its parent's free need not wait for it
+    if (auto parent = running_.find(run.fork_parent); parent != running_.end()) {
+      --parent->second.forks_pending;
+    }
+  }
+  Forget(seq);
   queue_.push_front(std::move(queued));
 }
 
@@ -93,7 +115,7 @@ int64_t StepPlanner::held_blocks() const {
 
 std::optional<std::vector<int32_t>> StepPlanner::TokensOf(RequestId request) const {
   if (auto it = seq_of_.find(request); it != seq_of_.end()) {
-    return running_.at(it->second).req.tokens;
+    return running_.at(it->second.front()).req.tokens;
   }
   for (const Queued& q : queue_) {
     if (q.request == request) return q.tokens;
@@ -114,18 +136,21 @@ StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId>
   // 1. Frees: what Apply refused last step, and what finished.
   for (SeqId seq : to_free_) add(BlockOp::Free(seq), seq, StepPlan::OpRole::kFree);
   to_free_.clear();
-  for (size_t i = 0; i < order_.size();) {
-    Running& run = running_.at(order_[i]);
-    if (!run.finishing) {
-      ++i;
-      continue;
+  std::vector<SeqId> done;
+  for (SeqId seq : order_) {
+    const Running& run = running_.at(seq);
+    // A sequence with forks still to be made is freed once they are (next step).
+    if (run.finishing && run.forks_pending == 0) done.push_back(seq);
+  }
+  for (SeqId seq : done) {
+    Running& run = running_.at(seq);
+    if (run.fork_parent != 0) {  // never forked: nothing to free in the cache manager
+      --running_.at(run.fork_parent).forks_pending;
+    } else {
+      add(BlockOp::Free(seq), seq, StepPlan::OpRole::kFree);
+      available += BlocksFor(run.held);  // an estimate: shared blocks stay taken
     }
-    add(BlockOp::Free(run.seq), run.seq, StepPlan::OpRole::kFree);
-    available += BlocksFor(run.held);  // an estimate: shared blocks stay taken
-    seq_of_.erase(run.req.request);
-    const SeqId seq = run.seq;
-    running_.erase(seq);
-    order_.erase(order_.begin() + static_cast<std::ptrdiff_t>(i));
+    Forget(seq);
   }
 
   // Sequences of executors that are gone move to live ones.
@@ -140,7 +165,7 @@ StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId>
   // 2. Commits: the KV the last step wrote.
   for (SeqId seq : order_) {
     Running& run = running_.at(seq);
-    if (run.computed <= run.committed) continue;
+    if (run.fork_parent != 0 || run.computed <= run.committed) continue;
     HashUpTo(run, run.computed);
     const int32_t full = run.computed / options_.block_size;
     std::vector<BlockHash> fresh;
@@ -148,6 +173,20 @@ StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId>
       fresh.assign(run.hashes.begin() + run.hashes_sent, run.hashes.begin() + full);
     }
     add(BlockOp::Commit(seq, run.computed, fresh), seq, StepPlan::OpRole::kCommit);
+  }
+
+  // Forks: after the parent's commit, so that each child holds the same committed prompt
+  // (and may copy its shared last block when it appends).
+  for (SeqId seq : order_) {
+    Running& run = running_.at(seq);
+    if (run.fork_parent == 0) continue;
+    Running& parent = running_.at(run.fork_parent);
+    add(BlockOp::Fork(parent.seq, seq), seq, StepPlan::OpRole::kFork);
+    --parent.forks_pending;
+    run.committed = parent.computed;  // the parent's commit just above covers it
+    run.hashes = parent.hashes;
+    run.hashes_sent = parent.computed / options_.block_size;
+    run.fork_parent = 0;
   }
   if (executors.empty()) return plan;  // nobody to run anything: commits and frees only
 
@@ -171,7 +210,7 @@ StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId>
     const SeqId seq = order_[i];
     Running& run = running_.at(seq);
     const auto size = static_cast<int32_t>(run.req.tokens.size());
-    if (size - run.computed != 1) continue;  // in prefill
+    if (run.finishing || size - run.computed != 1) continue;  // in prefill, or done
     const int32_t grow = size - run.held;
     const int32_t blocks = BlocksFor(size) - BlocksFor(run.held);
     bool preempted_self = false;
@@ -200,7 +239,7 @@ StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId>
     const SeqId seq = order_[i];
     Running& run = running_.at(seq);
     const int32_t need = static_cast<int32_t>(run.req.tokens.size()) - run.computed;
-    if (need <= 1) continue;  // decoding (scheduled above, or preempted)
+    if (run.finishing || need <= 1) continue;  // decoding (scheduled above, or preempted)
     run.chunk = std::min(need, budget);
     budget -= run.chunk;
     plan.chunks.push_back({seq, run.chunk});
@@ -209,23 +248,31 @@ StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId>
     ++scheduled;
   }
 
-  // 5. Admissions, first come first served; the head is never passed over.
-  while (!queue_.empty() && budget > 0 && scheduled < options_.max_running &&
-         running_.size() < static_cast<size_t>(options_.max_running)) {
+  // 5. Admissions, first come first served; the head is never passed over. Sequences still
+  // to be forked hold their place in max_running from their request's admission.
+  int64_t reserved = 0;
+  for (const auto& [seq, run] : running_) reserved += run.req.forks_wanted;
+  while (!queue_.empty() && budget > 0 && scheduled < options_.max_running) {
     Queued& head = queue_.front();
     const auto size = static_cast<int32_t>(head.tokens.size());
     const int32_t blocks = BlocksFor(size);
     // Whole, it would hold its prompt and every token it may generate: if that can never
-    // fit, it could be preempted for ever.
+    // fit, it could be preempted for ever. Nor can more sequences than max_running.
     const int64_t whole = int64_t{head.prompt_len} + head.max_new_tokens;
     if ((options_.num_blocks > 0 && BlocksFor(static_cast<int32_t>(std::min<int64_t>(
                                         whole, INT32_MAX - 64))) > options_.num_blocks) ||
-        whole > options_.max_batch_total_tokens) {
+        whole > options_.max_batch_total_tokens ||
+        head.forks_wanted + 1 > options_.max_running) {
       plan.rejected.push_back(head.request);
       queue_.pop_front();
       continue;
     }
+    if (static_cast<int64_t>(running_.size()) + reserved + head.forks_wanted + 1 >
+        options_.max_running) {
+      break;
+    }
     if (blocks > available || total_tokens + size > options_.max_batch_total_tokens) break;
+    reserved += head.forks_wanted;
     Running run;
     run.req = std::move(head);
     queue_.pop_front();
@@ -248,7 +295,7 @@ StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId>
     plan.prefill_tokens += run.chunk;
     scheduled_.push_back(run.seq);
     ++scheduled;
-    seq_of_[run.req.request] = run.seq;
+    seq_of_[run.req.request].push_back(run.seq);
     order_.push_back(run.seq);
     const SeqId seq = run.seq;
     running_.emplace(seq, std::move(run));
@@ -269,6 +316,12 @@ ExecutorWork StepPlanner::Apply(const StepPlan& plan, std::span<const OpOutcome>
     switch (plan.roles[i].kind) {
       case StepPlan::OpRole::kFree:
         break;  // NOT_FOUND (already gone) is as good as freed
+      case StepPlan::OpRole::kFork:
+        // Refused (a bug of either side): the child starts again from its tokens.
+        if (!outcome.status.ok() && it != running_.end()) {
+          Requeue(std::move(it->second), /*preempted=*/true);
+        }
+        break;
       case StepPlan::OpRole::kCommit:
         if (outcome.status.ok() && it != running_.end()) {
           it->second.committed = op.num_tokens;
@@ -280,6 +333,8 @@ ExecutorWork StepPlanner::Apply(const StepPlan& plan, std::span<const OpOutcome>
         if (outcome.status.ok()) {
           Running& run = it->second;
           run.held += op.num_tokens;
+          // Copy-on-write: the copy replaced the shared, partly filled last block.
+          if (!outcome.copies.empty()) run.blocks.back() = outcome.copies.front().dst;
           run.blocks.insert(run.blocks.end(), outcome.blocks.begin(), outcome.blocks.end());
           auto& own = copies[run.seq];
           own.insert(own.end(), outcome.copies.begin(), outcome.copies.end());
@@ -351,6 +406,9 @@ ExecutorWork StepPlanner::Apply(const StepPlan& plan, std::span<const OpOutcome>
       }
       seq_step.logprobs = run.req.outputs.logprobs;
       seq_step.top_n = run.req.outputs.top_n;
+      for (int32_t choice = 1; choice <= run.req.forks_wanted; ++choice) {
+        seq_step.fork_seeds.push_back(run.req.sampling.seed + static_cast<uint64_t>(choice));
+      }
     }
     if (run.req.outputs.prompt_logprobs && Unscored(run.req) && run.start < run.req.prompt_len) {
       seq_step.input_logprobs = true;
@@ -366,10 +424,63 @@ ExecutorWork StepPlanner::Apply(const StepPlan& plan, std::span<const OpOutcome>
   return work;
 }
 
+void StepPlanner::Fork(Running& parent, const SeqResult& outcome,
+                       std::vector<TokenEvent>* events) {
+  const int32_t forks = parent.req.forks_wanted;
+  parent.req.forks_wanted = 0;
+  const std::vector<int32_t> prompt(parent.req.tokens.begin(),
+                                    parent.req.tokens.begin() + parent.req.prompt_len);
+  // Made first, added after: adding to running_ may move `parent`.
+  std::vector<Running> children;
+  for (int32_t choice = 1; choice <= forks; ++choice) {
+    const auto k = static_cast<size_t>(choice - 1);
+    Running child;
+    child.req = parent.req;
+    child.req.tokens = prompt;
+    child.req.tokens.push_back(outcome.fork_tokens[k]);
+    child.req.choice = choice;
+    child.req.sampling.seed = parent.req.sampling.seed + static_cast<uint64_t>(choice);
+    child.req.outputs.prompt_logprobs = false;  // the request's own sequence reports them
+    child.req.prompt_logprobs.clear();
+    child.req.prompt_scored = 1;
+    child.seq = next_seq_++;
+    child.executor = parent.executor;
+    child.admitted = next_admission_++;
+    child.held = parent.held;
+    child.computed = parent.computed;
+    child.committed = parent.committed;
+    child.hashes = parent.hashes;
+    child.hashes_sent = parent.hashes_sent;
+    child.blocks = parent.blocks;
+    child.fork_parent = parent.seq;
+    TokenEvent event;
+    event.request = child.req.request;
+    event.choice = choice;
+    event.token = outcome.fork_tokens[k];
+    event.index = 0;
+    event.finished = child.req.generated >= child.req.max_new_tokens;
+    event.cached_prompt_tokens = child.req.cached_prompt_tokens;
+    if (k < outcome.fork_logprobs.size()) event.logprob = outcome.fork_logprobs[k];
+    event.top_ids = outcome.top_ids;  // the same distribution as the parent's first token
+    event.top_logprobs = outcome.top_logprobs;
+    if (event.finished) child.finishing = true;
+    events->push_back(std::move(event));
+    children.push_back(std::move(child));
+  }
+  parent.forks_pending += forks;
+  for (Running& child : children) {
+    seq_of_[child.req.request].push_back(child.seq);
+    order_.push_back(child.seq);
+    const SeqId seq = child.seq;
+    running_.emplace(seq, std::move(child));
+  }
+}
+
 std::vector<TokenEvent> StepPlanner::Complete(std::span<const SeqResult> results) {
   absl::flat_hash_map<SeqId, const SeqResult*> by_seq;
   for (const SeqResult& result : results) by_seq[result.seq] = &result;
   std::vector<TokenEvent> events;
+  std::vector<std::pair<SeqId, const SeqResult*>> to_fork;
   for (SeqId seq : scheduled_) {
     auto it = running_.find(seq);
     if (it == running_.end()) continue;
@@ -401,13 +512,19 @@ std::vector<TokenEvent> StepPlanner::Complete(std::span<const SeqResult> results
     event.index = run.req.generated++;
     event.finished = run.req.generated >= run.req.max_new_tokens;
     event.cached_prompt_tokens = run.req.cached_prompt_tokens;
+    event.choice = run.req.choice;
     event.logprob = outcome.logprob;
     event.top_ids = outcome.top_ids;
     event.top_logprobs = outcome.top_logprobs;
     if (event.index == 0 && run.req.outputs.prompt_logprobs) event.prompt_logprobs = scores;
     if (event.finished) run.finishing = true;
     events.push_back(event);
+    if (run.req.forks_wanted > 0 &&
+        static_cast<int32_t>(outcome.fork_tokens.size()) == run.req.forks_wanted) {
+      to_fork.emplace_back(seq, &outcome);  // after the loop: forking adds to running_
+    }
   }
+  for (const auto& [seq, outcome] : to_fork) Fork(running_.at(seq), *outcome, &events);
   scheduled_.clear();
   return events;
 }

@@ -11,7 +11,8 @@
 //   std::vector<TokenEvent> events = planner.Complete(results);   // 3. sampled tokens
 //
 // A step, in op order: frees (finished, cancelled, preempted sequences), commits (the KV the
-// last step wrote), appends (room for this step's new tokens), allocations (admissions).
+// last step wrote), forks (several answers to one prompt), appends (room for this step's
+// new tokens), allocations (admissions).
 // Scheduling rules:
 // - Continuous batching with chunked prefill: every running sequence that is decoding gets
 //   its one token; then sequences still in prefill, oldest admission first, get chunks of
@@ -29,6 +30,12 @@
 // - An op the cache manager refuses (RESOURCE_EXHAUSTED: the estimate was optimistic)
 //   changes nothing there: a refused admission goes back to the queue head, a refused
 //   append preempts its sequence.
+// - Several answers to one prompt (RequestOutputs::sequences = n): the request's sequence
+//   computes the prompt once; the step that samples its first token also draws the first
+//   tokens of the n - 1 others (fork seeds), and the next step forks them from it after its
+//   commit (Fork shares every block; a sequence's first Append copies the shared, partly
+//   filled last block). A finished sequence whose forks are still to be made is freed a
+//   step later.
 // - Executors: each sequence is bound to one (new ones to the least loaded). A sequence
 //   whose executor is gone moves to a live one; the KV written by steps that were answered
 //   stays valid in the pool, so only an unanswered step is redone.
@@ -76,7 +83,7 @@ struct StepPlan {
   // Per op: the sequence it is for (0 for none) and whether it is an admission.
   struct OpRole {
     SeqId seq = 0;
-    enum Kind : uint8_t { kFree, kCommit, kAppend, kAdmit } kind = kFree;
+    enum Kind : uint8_t { kFree, kCommit, kFork, kAppend, kAdmit } kind = kFree;
   };
   std::vector<OpRole> roles;
   // Tokens each scheduled sequence computes this step (its chunk), in schedule order.
@@ -117,11 +124,17 @@ struct RequestOutputs {
   bool logprobs = false;         // each generated token's log-probability
   int32_t top_n = 0;             // and its top_n most likely alternatives (<= kMaxTopN)
   bool prompt_logprobs = false;  // each prompt token's, after the first
+  // Answers to generate from the one prompt (OpenAI's n, TGI's best_of): choice 0 is the
+  // request's own sequence; choices 1.. are forked from it once its prompt is computed
+  // (sharing its blocks, copy-on-write for the partly filled last one) and sample with
+  // seed + choice. At most kMaxForkSeeds + 1.
+  int32_t sequences = 1;
 };
 
 // A token a request generated (or its end), for the caller to stream.
 struct TokenEvent {
   RequestId request = 0;
+  int32_t choice = 0;  // which of RequestOutputs::sequences
   int32_t token = -1;  // -1 with `finished` only: ended without a new token
   int32_t index = 0;   // 0 for the first generated token
   bool finished = false;  // max_new_tokens reached (the sequence is freed next step)
@@ -144,9 +157,10 @@ class StepPlanner {
   // block's tokens were never scored), then commits it for others as usual.
   void Enqueue(RequestId request, std::vector<int32_t> tokens, int32_t max_new_tokens,
                SeqSampling sampling = {}, RequestOutputs outputs = {});
-  // Ends a request (a stop sequence or EOS seen by the caller, or the client left): queued,
-  // it is dropped; running, its sequence is freed in the next step. Unknown ids are ignored.
-  void Finish(RequestId request);
+  // Ends a request's choice (-1: all of them; a stop sequence or EOS seen by the caller, or
+  // the client left): queued, it is dropped; running, its sequence is freed in the next
+  // step. Unknown ids are ignored.
+  void Finish(RequestId request, int32_t choice = -1);
 
   // Step 1. `available_blocks`: blocks the cache manager can hand out now (free or
   // evictable), as last reported. `executors`: the live ones.
@@ -186,6 +200,8 @@ class StepPlanner {
     std::vector<float> prompt_logprobs;
     int32_t prompt_scored = 1;
     int32_t cached_prompt_tokens = 0;  // at its first admission
+    int32_t choice = 0;
+    int32_t forks_wanted = 0;      // sequences to fork at its first sample (n - 1; then 0)
     bool readmitted = false;       // preempted before
     int32_t committed_before = 0;  // tokens it had committed when it was preempted
   };
@@ -201,6 +217,9 @@ class StepPlanner {
     std::vector<BlockHash> hashes;  // of its full blocks, from the root
     std::vector<BlockId> blocks;    // its block table
     bool finishing = false;     // freed at the next step
+    // Forked from this sequence at the next Plan (0: it exists in the cache manager).
+    SeqId fork_parent = 0;
+    int32_t forks_pending = 0;  // children still to be forked from it (its free waits)
     // This step:
     int32_t chunk = 0;          // tokens it computes (0: not scheduled)
     int32_t start = 0;          // first token computed
@@ -218,13 +237,19 @@ class StepPlanner {
   ExecutorId LeastLoaded(std::span<const ExecutorId> executors) const;
   // Back to the queue's head; `preempted` (not a refused admission) marks it readmitted.
   void Requeue(Running&& run, bool preempted);
+  // After `parent` sampled its first token: its forks_wanted children, with their first
+  // tokens (outcome.fork_tokens), forked in the next Plan; their events go to `events`.
+  void Fork(Running& parent, const SeqResult& outcome, std::vector<TokenEvent>* events);
 
   const PlannerOptions options_;
   std::deque<Queued> queue_;
   // By sequence id, and the admission order of the live ones.
   absl::flat_hash_map<SeqId, Running> running_;
   std::vector<SeqId> order_;
-  absl::flat_hash_map<RequestId, SeqId> seq_of_;
+  // The live sequences of each request (its choices).
+  absl::flat_hash_map<RequestId, std::vector<SeqId>> seq_of_;
+  // Removes `seq` from running_, order_ and seq_of_.
+  void Forget(SeqId seq);
   std::vector<SeqId> to_free_;  // freed in the next Plan()
   SeqId next_seq_ = 1;
   uint64_t next_step_ = 1;

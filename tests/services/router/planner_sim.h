@@ -35,11 +35,28 @@ inline float Score(int32_t position, int32_t token) {
   return -0.001f * static_cast<float>((position * 31 + token) % 1000) - 0.125f;
 }
 
+// The "model's" first token of a forked sequence drawn with `seed` (fork seeds).
+inline int32_t ForkToken(std::span<const int32_t> context, uint64_t seed) {
+  return static_cast<int32_t>(3 + (static_cast<uint64_t>(NextToken(context)) * 31 + seed) % 250);
+}
+
 // Greedy generation of one request alone, the reference.
 inline std::vector<int32_t> Reference(std::vector<int32_t> tokens, int32_t max_new_tokens) {
   const size_t prompt = tokens.size();
   for (int32_t i = 0; i < max_new_tokens; ++i) tokens.push_back(NextToken(tokens));
   return std::vector<int32_t>(tokens.begin() + static_cast<std::ptrdiff_t>(prompt), tokens.end());
+}
+
+// Choice `choice` > 0 of a request with sampling seed `seed`: its first token drawn with
+// seed + choice, then the reference's.
+inline std::vector<int32_t> ForkReference(const std::vector<int32_t>& prompt, int32_t max_new_tokens,
+                                          uint64_t seed, int32_t choice) {
+  std::vector<int32_t> out = {ForkToken(prompt, seed + static_cast<uint64_t>(choice))};
+  std::vector<int32_t> context = prompt;
+  context.push_back(out[0]);
+  const std::vector<int32_t> rest = Reference(context, max_new_tokens - 1);
+  out.insert(out.end(), rest.begin(), rest.end());
+  return out;
 }
 
 class PlannerSim {
@@ -62,8 +79,11 @@ class PlannerSim {
     planner_.ResetAll();
   }
   const BlockLedger& ledger() const { return ledger_; }
-  // What each request generated so far.
+  // What each request generated so far (its choice 0), and each choice of it.
   absl::flat_hash_map<RequestId, std::vector<int32_t>>& generated() { return generated_; }
+  std::vector<int32_t>& generated(RequestId request, int32_t choice) {
+    return choices_[{request, choice}];
+  }
   const std::vector<StepPlan>& plans() const { return plans_; }
   // Each step's batches, as sent to the executors.
   const std::vector<ExecutorWork>& works() const { return works_; }
@@ -95,7 +115,10 @@ class PlannerSim {
     plans_.push_back(std::move(plan));
     works_.push_back(std::move(work));
     std::vector<TokenEvent> events = planner_.Complete(results);
-    for (const TokenEvent& event : events) generated_[event.request].push_back(event.token);
+    for (const TokenEvent& event : events) {
+      if (event.choice == 0) generated_[event.request].push_back(event.token);
+      choices_[{event.request, event.choice}].push_back(event.token);
+    }
     return events;
   }
 
@@ -155,6 +178,15 @@ class PlannerSim {
           out.status = ledger_.Free(op.seq);
           live_.erase(op.seq);
           break;
+        case wire::StepOp::ForkOp:
+          out.status = ledger_.Fork(op.seq, op.child);
+          if (out.status.ok()) {
+            live_.insert(op.child);
+            written_[op.child] = written_[op.seq];  // the shared blocks hold the parent's KV
+          } else {
+            Fail(absl::StrCat("fork refused: ", out.status.ToString()));
+          }
+          break;
         default:
           Fail("unexpected op");
       }
@@ -200,11 +232,16 @@ class PlannerSim {
           Fail(absl::StrCat("sequence ", seq.seq, " has penalty tokens but no penalty"));
         }
         if (seq.logprobs) result.logprob = Score(seq.context_len, result.token);
+        for (uint64_t seed : seq.fork_seeds) {
+          result.fork_tokens.push_back(ForkToken(context, seed));
+          if (seq.logprobs) result.fork_logprobs.push_back(Score(seq.context_len, result.fork_tokens.back()));
+        }
         for (int32_t k = 0; k < seq.top_n; ++k) {
           result.top_ids.push_back(k);
           result.top_logprobs.push_back(Score(seq.context_len, k));
         }
-      } else if (seq.logprobs || seq.top_n > 0 || !seq.penalty_tokens.empty()) {
+      } else if (seq.logprobs || seq.top_n > 0 || !seq.penalty_tokens.empty() ||
+                 !seq.fork_seeds.empty()) {
         Fail(absl::StrCat("sequence ", seq.seq, " asks for sampling outputs without sampling"));
       }
       if (seq.input_logprobs) {
@@ -229,6 +266,7 @@ class PlannerSim {
   StepPlanner planner_;
   std::vector<ExecutorWork> works_;
   absl::flat_hash_map<RequestId, std::vector<int32_t>> generated_;
+  absl::flat_hash_map<std::pair<RequestId, int32_t>, std::vector<int32_t>> choices_;
   std::vector<StepPlan> plans_;
   std::vector<RequestId> rejected_;
   int64_t cached_prompt_tokens_ = 0;

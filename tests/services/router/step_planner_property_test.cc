@@ -71,11 +71,14 @@ TEST(StepPlannerPropertyTest, BudgetsHoldNobodyStarvesAndGreedyTokensEqualTheRef
       if (pick(0, 3) == 0) q.sampling.frequency_penalty = 0.5f;  // carries its context
       q.outputs.logprobs = pick(0, 3) == 0;
       q.outputs.prompt_logprobs = pick(0, 3) == 0;  // skips the prefix cache, scored
+      q.outputs.sequences = pick(0, 3) == 0 ? pick(2, 3) : 1;  // forks
+      q.sampling.seed = static_cast<uint64_t>(pick(0, 1000));
     }
     std::vector<ExecutorId> executors = {1, 2};
     ExecutorId next_executor = 3;
     int finished = 0;
     absl::flat_hash_set<RequestId> done;
+    absl::flat_hash_map<RequestId, int> choices_done;
     for (int step = 0; step < kMaxSteps && finished < kRequests; ++step) {
       for (Request& q : requests) {
         if (q.arrival == step) {
@@ -105,9 +108,13 @@ TEST(StepPlannerPropertyTest, BudgetsHoldNobodyStarvesAndGreedyTokensEqualTheRef
         if (done.insert(id).second) ++finished;
       }
       for (const TokenEvent& event : events) {
-        if (event.finished && done.insert(event.request).second) ++finished;
+        if (event.finished && ++choices_done[event.request] ==
+                                  requests[event.request - 1].outputs.sequences &&
+            done.insert(event.request).second) {
+          ++finished;
+        }
         const Request& q = requests[event.request - 1];
-        if (event.index == 0 && q.outputs.prompt_logprobs) {
+        if (event.index == 0 && event.choice == 0 && q.outputs.prompt_logprobs) {
           // Every prompt token scored once, whatever the chunks, preemptions and failovers.
           ASSERT_EQ(event.prompt_logprobs.size(), q.prompt.size()) << "request " << q.id;
           for (size_t p = 1; p < q.prompt.size(); ++p) {
@@ -132,12 +139,18 @@ TEST(StepPlannerPropertyTest, BudgetsHoldNobodyStarvesAndGreedyTokensEqualTheRef
         // Only requests that can never finish are rejected.
         const int64_t whole = static_cast<int64_t>(q.prompt.size()) + q.max_new_tokens;
         const int64_t blocks = (whole + options.block_size - 1) / options.block_size;
-        EXPECT_TRUE(blocks > options.num_blocks || whole > options.max_batch_total_tokens)
+        EXPECT_TRUE(blocks > options.num_blocks || whole > options.max_batch_total_tokens ||
+                    q.outputs.sequences > options.max_running)
             << "request " << q.id;
         continue;
       }
       EXPECT_EQ(sim.generated()[q.id], Reference(q.prompt, q.max_new_tokens))
           << "request " << q.id;
+      for (int32_t choice = 1; choice < q.outputs.sequences; ++choice) {
+        EXPECT_EQ(sim.generated(q.id, choice),
+                  testing::ForkReference(q.prompt, q.max_new_tokens, q.sampling.seed, choice))
+            << "request " << q.id << " choice " << choice;
+      }
       ++completed;
     }
     // The last frees go out with the next step; then nothing is in use.

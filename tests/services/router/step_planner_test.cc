@@ -251,6 +251,53 @@ TEST(StepPlannerTest, PromptLogprobsScoreEveryPromptTokenAcrossChunksAndSkipTheP
   EXPECT_EQ(sim.generated()[2], Reference(prompt, 2));
 }
 
+TEST(StepPlannerTest, SeveralAnswersShareThePromptByForkAndCopyTheLastBlockOnWrite) {
+  PlannerSim sim(Options(), 64);
+  // 10 prompt tokens: 2 full blocks and a partly filled third, which the forks share.
+  const std::vector<int32_t> prompt = Tokens(10);
+  SeqSampling sampling;
+  sampling.seed = 500;
+  RequestOutputs outputs;
+  outputs.sequences = 3;
+  sim.planner().Enqueue(1, prompt, 6, sampling, outputs);
+  sim.Step(kOne);  // the prompt, once; its first token and the forks' first tokens
+  EXPECT_EQ(sim.plans()[0].prefill_tokens, 10);
+  sim.Step(kOne);  // commit, two forks, three appends with copy-on-write
+  std::vector<wire::StepOp> kinds;
+  for (const BlockOp& op : sim.plans()[1].ops) kinds.push_back(op.kind);
+  EXPECT_THAT(kinds, ElementsAre(wire::StepOp::CommitOp, wire::StepOp::ForkOp,
+                                 wire::StepOp::ForkOp, wire::StepOp::AppendOp,
+                                 wire::StepOp::AppendOp, wire::StepOp::AppendOp));
+  size_t copies = 0;
+  for (const auto& batch : sim.works()[1].batches) copies += batch.step.copies.size();
+  EXPECT_EQ(copies, 2u);  // two of the three sharers copy; the last one keeps the block
+  for (int step = 0; step < 10; ++step) sim.Step(kOne);
+  EXPECT_EQ(sim.failure(), "");
+  // Choice 0 is the request's own sequence; each other starts from its own seed.
+  EXPECT_EQ(sim.generated(1, 0), Reference(prompt, 6));
+  EXPECT_EQ(sim.generated(1, 1), testing::ForkReference(prompt, 6, 500, 1));
+  EXPECT_EQ(sim.generated(1, 2), testing::ForkReference(prompt, 6, 500, 2));
+  EXPECT_NE(sim.generated(1, 1), sim.generated(1, 2));
+  sim.Step(kOne);
+  EXPECT_EQ(sim.planner().running(), 0u);
+  EXPECT_EQ(sim.ledger().Stats().in_use_blocks, 0);
+}
+
+TEST(StepPlannerTest, ARequestWhoseFirstTokenEndsItStillForksItsOthers) {
+  PlannerSim sim(Options(), 64);
+  RequestOutputs outputs;
+  outputs.sequences = 2;
+  sim.planner().Enqueue(1, Tokens(7), 3, {}, outputs);
+  sim.Step(kOne);
+  sim.planner().Finish(1, /*choice=*/0);  // say choice 0 drew EOS
+  for (int step = 0; step < 6; ++step) sim.Step(kOne);
+  EXPECT_EQ(sim.failure(), "");
+  EXPECT_EQ(sim.generated(1, 0).size(), 1u);
+  EXPECT_EQ(sim.generated(1, 1), testing::ForkReference(Tokens(7), 3, 0, 1));
+  EXPECT_EQ(sim.planner().running(), 0u);
+  EXPECT_EQ(sim.ledger().Stats().in_use_blocks, 0);
+}
+
 TEST(StepPlannerTest, WithoutExecutorsNothingIsAdmitted) {
   PlannerSim sim(Options(), 16);
   sim.planner().Enqueue(1, Tokens(3), 1);
