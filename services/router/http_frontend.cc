@@ -80,6 +80,9 @@ struct Params {
   SeqSampling sampling;
   RequestOutputs outputs;
   int32_t truncate = 0;  // TGI: keep the prompt's last `truncate` tokens (0: all)
+  int32_t best_of = 1;   // sequences generated (TGI's best_of; OpenAI's max(n, best_of))
+  int32_t n = 1;         // OpenAI: choices returned
+  bool show_logprobs = false;  // OpenAI: the client asked for logprobs
   bool details = false;
   bool return_full_text = false;
   std::vector<std::string> stop;  // generation ends once the text contains one
@@ -129,6 +132,17 @@ struct HttpFrontend::Impl {
   std::mutex mailbox_mutex;
   std::vector<Progress> mailbox;  // guarded by mailbox_mutex
 
+  // What one generated sequence produced.
+  struct Choice {
+    std::vector<int32_t> generated;
+    std::vector<float> logprobs;  // with params.outputs.logprobs, per generated token
+    std::vector<std::vector<std::pair<int32_t, float>>> top;  // with top_n
+    size_t emitted = 0;  // bytes of its text already streamed
+    bool done = false;
+    std::string finish_reason;
+    double sum_logprob = 0;  // for best_of
+  };
+
   struct Active {
     evhttp_request* request = nullptr;  // null once the client is gone
     evhttp_connection* connection = nullptr;
@@ -136,13 +150,13 @@ struct HttpFrontend::Impl {
     bool as_list = false;  // POST / without streaming answers [reply], as TGI does
     Params params;
     std::string prompt_text;
-    std::vector<int32_t> generated;
     std::vector<int32_t> prompt;  // its tokens, as submitted
-    // With params.outputs: per generated token, and the prompt's (with the first token).
-    std::vector<float> logprobs;
-    std::vector<std::vector<std::pair<int32_t, float>>> top;
-    std::vector<float> prompt_logprobs;
-    size_t emitted = 0;  // bytes of the generated text already streamed
+    std::vector<float> prompt_logprobs;  // with params.outputs.prompt_logprobs
+    // One per sequence generated (params.outputs.sequences: OpenAI's n or best_of, TGI's
+    // best_of); `shown` of them are returned (OpenAI's n; 1 for TGI).
+    std::vector<Choice> choices;
+    int32_t shown = 1;
+    int32_t open = 0;  // choices not finished yet
     absl::Time arrived;
     absl::Time last_token;
     Api api = Api::kTgi;
@@ -280,7 +294,8 @@ struct HttpFrontend::Impl {
         else params->outputs.prompt_logprobs = value.get<bool>();
       } else if (key == "truncate") {
         if (!(bad = want_int(1, options.max_input_tokens))) params->truncate = value.get<int32_t>();
-      } else if (key == "best_of" && value.is_number_integer() && value.get<int64_t>() == 1) {
+      } else if (key == "best_of") {
+        if (!(bad = want_int(1, options.max_best_of))) params->best_of = value.get<int32_t>();
       } else if (key == "watermark" && value.is_boolean() && !value.get<bool>()) {
       } else if (key == "stop") {
         if (!value.is_array() || value.size() > 4) {
@@ -301,10 +316,20 @@ struct HttpFrontend::Impl {
       }
       if (bad) return bad;
     }
+    if (params->best_of > 1 && !params->do_sample) {
+      return HttpError{422, "`best_of` > 1 needs sampling: set `do_sample` (greedy answers "
+                            "would all be the same)"};
+    }
+    if (params->best_of > 1 && p.contains("seed") && !p["seed"].is_null()) {
+      return HttpError{422, "`seed` must not be set when `best_of` > 1 (each sequence gets its "
+                            "own, reported in details)"};
+    }
     if (params->do_sample) {
       if (params->sampling.temperature == 0.0f) params->sampling.temperature = 1.0f;
       params->sampling.seed = p.contains("seed") && !p["seed"].is_null() ? params->seed
-                                                                         : next_seed++;
+                                                                         : next_seed;
+      // The request's sequences sample with seed, seed + 1, ...
+      next_seed += static_cast<uint64_t>(params->best_of);
       params->seed = params->sampling.seed;
     } else {
       params->sampling = Greedy(params->sampling);
@@ -343,8 +368,13 @@ struct HttpFrontend::Impl {
       return Refuse(request, {422, "`decoder_input_details` == true is not supported when "
                                    "streaming tokens"});
     }
-    // TGI reports every token's log-probability in details and in each streamed token.
-    params.outputs.logprobs = params.details || stream;
+    if (stream && params.best_of > 1) {
+      return Refuse(request, {422, "`best_of` > 1 is not supported when streaming tokens"});
+    }
+    // TGI reports every token's log-probability in details and in each streamed token;
+    // best_of ranks its sequences by them.
+    params.outputs.logprobs = params.details || stream || params.best_of > 1;
+    params.outputs.sequences = params.best_of;
     const std::string text = root["inputs"].get<std::string>();
     absl::StatusOr<std::vector<int32_t>> prompt = PromptOf(text);
     if (!prompt.ok()) return Refuse(request, {422, std::string(prompt.status().message())});
@@ -399,6 +429,8 @@ struct HttpFrontend::Impl {
     a.arrived = MonotonicNow();
     a.prompt_tokens = prompt.size();
     a.prompt = prompt;
+    a.choices.assign(static_cast<size_t>(a.params.outputs.sequences), Choice{});
+    a.open = a.params.outputs.sequences;
     by_connection[a.connection] = id;
     evhttp_connection_set_closecb(a.connection, &Impl::OnClose, this);
     if (a.stream) {
@@ -514,8 +546,15 @@ struct HttpFrontend::Impl {
           return refuse(422, "`stop` must be a string or a list of at most 4 strings", key);
         }
         std::erase_if(a.params.stop, [](const std::string& x) { return x.empty(); });
-      } else if ((key == "n" || key == "best_of") && value.is_number_integer() &&
-                 value.get<int64_t>() == 1) {
+      } else if (key == "n" || key == "best_of") {
+        if (!value.is_null()) {
+          if (!value.is_number_integer() || value.get<int64_t>() < 1 ||
+              value.get<int64_t>() > options.max_best_of) {
+            return refuse(422, absl::StrCat("`", key, "` must be an integer in [1, ",
+                                            options.max_best_of, "] (--max-best-of)"), key);
+          }
+          (key == "n" ? a.params.n : a.params.best_of) = value.get<int32_t>();
+        }
       } else if (key == "frequency_penalty" || key == "presence_penalty") {
         if (!value.is_null()) {
           if (!value.is_number() || value.get<double>() < -2 || value.get<double>() > 2) {
@@ -546,7 +585,7 @@ struct HttpFrontend::Impl {
             return refuse(422, absl::StrCat("`logprobs` must be an integer in [0, ",
                                             options.max_top_n_tokens, "]"), key);
           }
-          a.params.outputs.logprobs = true;
+          a.params.show_logprobs = true;
           a.params.outputs.top_n = value.get<int32_t>();
         }
       } else if ((key == "suffix" || key == "logit_bias") && value.is_null()) {
@@ -563,8 +602,19 @@ struct HttpFrontend::Impl {
     } else {
       a.params.sampling = Greedy(a.params.sampling);
     }
+    if (a.params.best_of > 1 && a.params.best_of < a.params.n) {
+      return refuse(422, "`best_of` must be at least `n`", "best_of");
+    }
+    const int32_t sequences = std::max(a.params.n, a.params.best_of);
+    if (sequences > a.params.n && a.stream) {
+      return refuse(422, "`best_of` > `n` is not supported when streaming", "best_of");
+    }
+    a.params.outputs.sequences = sequences;
+    a.shown = a.params.n;
+    // best_of ranks its sequences by their log-probabilities.
+    a.params.outputs.logprobs = a.params.show_logprobs || sequences > a.params.n;
     // With echo, the prompt's tokens come first in logprobs, scored.
-    a.params.outputs.prompt_logprobs = a.params.outputs.logprobs && a.params.return_full_text;
+    a.params.outputs.prompt_logprobs = a.params.show_logprobs && a.params.return_full_text;
     a.completion_id = absl::StrCat("cmpl-", next_id);
     a.created = absl::ToUnixSeconds(absl::Now());
     Start(request, std::move(a), std::move(prompt));
@@ -584,21 +634,24 @@ struct HttpFrontend::Impl {
   }
 
   json OpenAiUsage(const Active& a) const {
+    size_t completion = 0;
+    for (const Choice& c : a.choices) completion += c.generated.size();
     return {{"prompt_tokens", a.prompt_tokens},
-            {"completion_tokens", a.generated.size()},
-            {"total_tokens", a.prompt_tokens + a.generated.size()},
+            {"completion_tokens", completion},
+            {"total_tokens", a.prompt_tokens + completion},
             {"prompt_tokens_details", {{"cached_tokens", a.cached_prompt_tokens}}}};
   }
 
-  json OpenAiChunk(const Active& a, const std::string& text, const json& finish_reason) const {
+  json OpenAiChunk(const Active& a, json choices) const {
     return {{"id", a.completion_id},
             {"object", "text_completion"},
             {"created", a.created},
             {"model", options.model_id},
-            {"choices", json::array({{{"index", 0},
-                                      {"text", text},
-                                      {"logprobs", nullptr},
-                                      {"finish_reason", finish_reason}}})}};
+            {"choices", std::move(choices)}};
+  }
+  static json OpenAiChoice(size_t index, const std::string& text, const json& finish_reason) {
+    return {{"index", index}, {"text", text}, {"logprobs", nullptr},
+            {"finish_reason", finish_reason}};
   }
 
   static void OnClose(evhttp_connection* connection, void* arg) {
@@ -635,15 +688,15 @@ struct HttpFrontend::Impl {
     return out;
   }
 
-  json Details(const Active& a, const std::string& finish_reason) const {
+  json Details(const Active& a, const Choice& c, bool with_prefill = true) const {
     constexpr float kNone = std::numeric_limits<float>::quiet_NaN();
     json tokens = json::array();
-    for (size_t i = 0; i < a.generated.size(); ++i) {
-      const int32_t id = a.generated[i];
-      tokens.push_back(TgiToken(id, i < a.logprobs.size() ? a.logprobs[i] : kNone, TokenText(id)));
+    for (size_t i = 0; i < c.generated.size(); ++i) {
+      const int32_t id = c.generated[i];
+      tokens.push_back(TgiToken(id, i < c.logprobs.size() ? c.logprobs[i] : kNone, TokenText(id)));
     }
     json prefill = json::array();
-    if (a.params.outputs.prompt_logprobs) {
+    if (with_prefill && a.params.outputs.prompt_logprobs) {
       for (size_t i = 0; i < a.prompt.size(); ++i) {
         const float logprob = i < a.prompt_logprobs.size() ? a.prompt_logprobs[i] : kNone;
         prefill.push_back({{"id", a.prompt[i]},
@@ -651,14 +704,15 @@ struct HttpFrontend::Impl {
                            {"logprob", Logprob(logprob)}});
       }
     }
-    json details = {{"finish_reason", finish_reason},
-                    {"generated_tokens", a.generated.size()},
-                    {"seed", a.params.do_sample ? json(a.params.seed) : json(nullptr)},
+    const size_t index = static_cast<size_t>(&c - a.choices.data());
+    json details = {{"finish_reason", c.finish_reason},
+                    {"generated_tokens", c.generated.size()},
+                    {"seed", a.params.do_sample ? json(a.params.seed + index) : json(nullptr)},
                     {"prefill", prefill},
                     {"tokens", tokens}};
     if (a.params.outputs.top_n > 0) {
       json top = json::array();
-      for (const auto& alternatives : a.top) top.push_back(TgiTopTokens(alternatives));
+      for (const auto& alternatives : c.top) top.push_back(TgiTopTokens(alternatives));
       details["top_tokens"] = top;
     }
     return details;
@@ -666,8 +720,8 @@ struct HttpFrontend::Impl {
 
   // OpenAI's completion logprobs: tokens, token_logprobs, top_logprobs, text_offset; the
   // echoed prompt's first (its first token unscored), then generated tokens [from, to).
-  json OpenAiLogprobs(const Active& a, bool with_prompt, size_t from, size_t to,
-                      size_t offset) const {
+  json OpenAiLogprobs(const Active& a, const Choice& c, bool with_prompt, size_t from,
+                      size_t to, size_t offset) const {
     json tokens = json::array(), token_logprobs = json::array(), top = json::array(),
          offsets = json::array();
     auto add = [&](int32_t id, float logprob, const json& alternatives) {
@@ -687,14 +741,14 @@ struct HttpFrontend::Impl {
                                 : json({{OpenAiTokenText(a.prompt[i], TokenText(a.prompt[i])), logprob}}));
       }
     }
-    for (size_t i = from; i < to && i < a.generated.size(); ++i) {
+    for (size_t i = from; i < to && i < c.generated.size(); ++i) {
       json alternatives = json::object();
-      if (i < a.top.size()) {
-        for (const auto& [id, logprob] : a.top[i]) {
+      if (i < c.top.size()) {
+        for (const auto& [id, logprob] : c.top[i]) {
           alternatives[OpenAiTokenText(id, TokenText(id))] = logprob;
         }
       }
-      add(a.generated[i], i < a.logprobs.size() ? a.logprobs[i] : 0.0f, alternatives);
+      add(c.generated[i], i < c.logprobs.size() ? c.logprobs[i] : 0.0f, alternatives);
     }
     return {{"tokens", tokens},
             {"token_logprobs", token_logprobs},
@@ -702,30 +756,44 @@ struct HttpFrontend::Impl {
             {"text_offset", offsets}};
   }
 
-  void Finish(uint64_t id, Active& a, const Progress& p) {
-    std::string text;
-    if (absl::StatusOr<std::string> decoded = tokenizer->Decode(a.generated); decoded.ok()) {
-      text = *decoded;
+  std::string TextOf(const Choice& c) const {
+    absl::StatusOr<std::string> decoded = tokenizer->Decode(c.generated);
+    return decoded.ok() ? *decoded : "";
+  }
+
+  // The choices to return, in order: all of them, or with best_of the `shown` whose
+  // generated tokens have the highest log-probability in all (TGI's and OpenAI's rule).
+  std::vector<size_t> Shown(const Active& a) const {
+    std::vector<size_t> order(a.choices.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    if (static_cast<int32_t>(order.size()) > a.shown) {
+      std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) {
+        return a.choices[x].sum_logprob > a.choices[y].sum_logprob;
+      });
+      order.resize(static_cast<size_t>(a.shown));
     }
-    const std::string full = a.params.return_full_text ? a.prompt_text + text : text;
+    return order;
+  }
+
+  // The request's reply once every choice is done (or it failed with `error`).
+  void Finish(uint64_t id, Active& a, const absl::Status& error) {
     if (a.request != nullptr) {
       by_connection.erase(a.connection);
       evhttp_connection_set_closecb(a.connection, nullptr, nullptr);
-      if (!p.error.ok()) {
-        const int status = absl::IsResourceExhausted(p.error) ? 422 : 503;
-        const json error = ErrorBody({status, std::string(p.error.message()),
-                                      status == 422 ? "validation" : "unavailable", "", a.api});
+      if (!error.ok()) {
+        const int status = absl::IsResourceExhausted(error) ? 422 : 503;
+        const json body = ErrorBody({status, std::string(error.message()),
+                                     status == 422 ? "validation" : "unavailable", "", a.api});
         if (a.stream) {
-          SendEvent(a.request, Dump(error), a.api);
+          SendEvent(a.request, Dump(body), a.api);
           evhttp_send_reply_end(a.request);
         } else {
-          Reply(a.request, status, Dump(error));
+          Reply(a.request, status, Dump(body));
         }
       } else if (a.stream) {
         if (a.api == Api::kOpenAi) {
           if (a.include_usage) {
-            json usage = OpenAiChunk(a, "", nullptr);
-            usage["choices"] = json::array();
+            json usage = OpenAiChunk(a, json::array());
             usage["usage"] = OpenAiUsage(a);
             SendEvent(a.request, Dump(usage), Api::kOpenAi);
           }
@@ -733,37 +801,70 @@ struct HttpFrontend::Impl {
         }
         evhttp_send_reply_end(a.request);
       } else if (a.api == Api::kOpenAi) {
-        // OpenAI's text stops before the stop sequence (TGI's keeps it).
-        if (p.finish_reason == "stop_sequence") {
-          size_t cut = text.size();
-          for (const std::string& sequence : a.params.stop) cut = std::min(cut, text.find(sequence));
-          text.resize(cut);
+        json choices = json::array();
+        const std::vector<size_t> shown = Shown(a);
+        for (size_t k = 0; k < shown.size(); ++k) {
+          const Choice& c = a.choices[shown[k]];
+          std::string text = TextOf(c);
+          // OpenAI's text stops before the stop sequence (TGI's keeps it).
+          if (c.finish_reason == "stop_sequence") {
+            size_t cut = text.size();
+            for (const std::string& sequence : a.params.stop) {
+              cut = std::min(cut, text.find(sequence));
+            }
+            text.resize(cut);
+          }
+          json choice = OpenAiChoice(k, a.params.return_full_text ? a.prompt_text + text : text,
+                                     OpenAiFinishReason(c.finish_reason));
+          if (a.params.show_logprobs) {
+            choice["logprobs"] =
+                OpenAiLogprobs(a, c, a.params.return_full_text, 0, c.generated.size(), 0);
+          }
+          choices.push_back(std::move(choice));
         }
-        json body = OpenAiChunk(a, a.params.return_full_text ? a.prompt_text + text : text,
-                                OpenAiFinishReason(p.finish_reason));
-        if (a.params.outputs.logprobs) {
-          body["choices"][0]["logprobs"] =
-              OpenAiLogprobs(a, a.params.return_full_text, 0, a.generated.size(), 0);
-        }
+        json body = OpenAiChunk(a, std::move(choices));
         body["usage"] = OpenAiUsage(a);
         Reply(a.request, 200, Dump(body));
       } else {
-        json body = {{"generated_text", full}};
-        if (a.params.details) body["details"] = Details(a, p.finish_reason);
+        const std::vector<size_t> order = [&] {
+          std::vector<size_t> all(a.choices.size());
+          for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+          std::stable_sort(all.begin(), all.end(), [&](size_t x, size_t y) {
+            return a.choices[x].sum_logprob > a.choices[y].sum_logprob;
+          });
+          return all;
+        }();
+        const Choice& best = a.choices[order.front()];
+        const std::string text = TextOf(best);
+        json body = {{"generated_text", a.params.return_full_text ? a.prompt_text + text : text}};
+        if (a.params.details) {
+          body["details"] = Details(a, best);
+          if (a.choices.size() > 1) {  // TGI's best_of: the others, best first
+            json others = json::array();
+            for (size_t k = 1; k < order.size(); ++k) {
+              const Choice& c = a.choices[order[k]];
+              json other = Details(a, c, /*with_prefill=*/false);
+              const std::string other_text = TextOf(c);
+              other["generated_text"] =
+                  a.params.return_full_text ? a.prompt_text + other_text : other_text;
+              others.push_back(std::move(other));
+            }
+            body["details"]["best_of_sequences"] = std::move(others);
+          }
+        }
         Reply(a.request, 200, Dump(a.as_list ? json::array({body}) : body));
       }
     }
     active.erase(id);
   }
 
-  // Whether the text generated so far contains a stop sequence; if so, the generated tokens
-  // are cut after the token that completed it.
-  bool StopSequenceSeen(Active& a) const {
+  // Whether the text `c` generated so far contains a stop sequence; if so, its tokens end
+  // with the one that completed it.
+  bool StopSequenceSeen(const Active& a, const Choice& c) const {
     if (a.params.stop.empty()) return false;
-    absl::StatusOr<std::string> text = tokenizer->Decode(a.generated);
-    if (!text.ok()) return false;
+    const std::string text = TextOf(c);
     for (const std::string& sequence : a.params.stop) {
-      if (text->find(sequence) != std::string::npos) return true;
+      if (text.find(sequence) != std::string::npos) return true;
     }
     return false;
   }
@@ -777,41 +878,40 @@ struct HttpFrontend::Impl {
     evbuffer_free(out);
   }
 
-  void Stream(Active& a, const Progress& p) {
-    std::string all;
-    if (absl::StatusOr<std::string> decoded = tokenizer->Decode(a.generated); decoded.ok()) {
-      all = *decoded;
-    }
+  // Streams choice `index`'s newest token; `finished` with its finish reason.
+  void Stream(Active& a, size_t index, const Progress& p, bool finished) {
+    Choice& c = a.choices[index];
+    const std::string all = TextOf(c);
     // Never a broken UTF-8 sequence: what is incomplete waits for the next token.
-    const size_t ready = p.finished ? all.size() : CompleteUtf8Prefix(all);
-    const std::string piece = ready > a.emitted ? all.substr(a.emitted, ready - a.emitted) : "";
-    a.emitted = std::max(a.emitted, ready);
+    const size_t ready = finished ? all.size() : CompleteUtf8Prefix(all);
+    const std::string piece = ready > c.emitted ? all.substr(c.emitted, ready - c.emitted) : "";
+    c.emitted = std::max(c.emitted, ready);
     if (a.api == Api::kOpenAi) {
-      const bool first_chunk = a.generated.size() == 1;
+      const bool first_chunk = c.generated.size() == 1;
       const std::string first = first_chunk && a.params.return_full_text ? a.prompt_text : "";
-      json chunk = OpenAiChunk(a, first + piece,
-                               p.finished ? json(OpenAiFinishReason(p.finish_reason))
+      json choice = OpenAiChoice(index, first + piece,
+                                 finished ? json(OpenAiFinishReason(c.finish_reason))
                                           : json(nullptr));
-      if (a.params.outputs.logprobs) {
-        const size_t last = a.generated.size() - 1;
+      if (a.params.show_logprobs) {
+        const size_t last = c.generated.size() - 1;
         const size_t offset = first_chunk ? 0
                                           : (a.params.return_full_text ? a.prompt_text.size() : 0) +
-                                                a.emitted - piece.size();
-        chunk["choices"][0]["logprobs"] = OpenAiLogprobs(
-            a, first_chunk && a.params.return_full_text, last, last + 1, offset);
+                                                c.emitted - piece.size();
+        choice["logprobs"] = OpenAiLogprobs(a, c, first_chunk && a.params.return_full_text,
+                                            last, last + 1, offset);
       }
-      SendEvent(a.request, Dump(chunk), Api::kOpenAi);
+      SendEvent(a.request, Dump(OpenAiChunk(a, json::array({std::move(choice)}))), Api::kOpenAi);
       return;
     }
-    json event = {{"index", a.generated.size() - 1},
+    json event = {{"index", c.generated.size() - 1},
                   {"token", TgiToken(p.token, p.logprob, piece)},
                   {"generated_text", nullptr},
                   {"details", nullptr}};
-    if (a.params.outputs.top_n > 0) event["top_tokens"] = TgiTopTokens(a.top.back());
-    if (p.finished) {
+    if (a.params.outputs.top_n > 0) event["top_tokens"] = TgiTopTokens(c.top.back());
+    if (finished) {
       event["generated_text"] = a.params.return_full_text ? a.prompt_text + all : all;
-      event["details"] = {{"finish_reason", p.finish_reason},
-                          {"generated_tokens", a.generated.size()},
+      event["details"] = {{"finish_reason", c.finish_reason},
+                          {"generated_tokens", c.generated.size()},
                           {"seed", a.params.do_sample ? json(a.params.seed) : json(nullptr)}};
     }
     SendEvent(a.request, Dump(event));
@@ -835,52 +935,61 @@ struct HttpFrontend::Impl {
       auto it = active.find(p.id);
       if (it == active.end()) continue;
       Active& a = it->second;
+      if (!p.error.ok()) {  // the whole request failed
+        Done(p.id, a, p.error);
+        continue;
+      }
+      if (p.choice < 0 || static_cast<size_t>(p.choice) >= a.choices.size()) continue;
+      const auto index = static_cast<size_t>(p.choice);
+      Choice& c = a.choices[index];
+      if (c.done) continue;  // a token still in flight after a stop sequence
+      bool finished = p.finished;
       if (p.token >= 0) {
         const absl::Time now = MonotonicNow();
-        if (metrics != nullptr) {
-          if (a.generated.empty()) {
+        if (metrics != nullptr && index == 0) {
+          if (c.generated.empty()) {
             metrics->ObserveTimeToFirstToken(absl::ToDoubleSeconds(now - a.arrived));
           } else {
             metrics->ObserveTimePerOutputToken(absl::ToDoubleSeconds(now - a.last_token));
           }
         }
-        a.last_token = now;
+        if (index == 0) a.last_token = now;
         a.cached_prompt_tokens = p.cached_prompt_tokens;
-        a.generated.push_back(p.token);
-        if (a.params.outputs.logprobs) a.logprobs.push_back(p.logprob);
+        c.generated.push_back(p.token);
+        c.sum_logprob += p.logprob;
+        if (a.params.outputs.logprobs) c.logprobs.push_back(p.logprob);
         if (a.params.outputs.top_n > 0) {
-          std::vector<std::pair<int32_t, float>>& top = a.top.emplace_back();
+          std::vector<std::pair<int32_t, float>>& top = c.top.emplace_back();
           for (size_t i = 0; i < p.top_ids.size() && i < p.top_logprobs.size(); ++i) {
             top.emplace_back(p.top_ids[i], p.top_logprobs[i]);
           }
         }
         if (!p.prompt_logprobs.empty()) a.prompt_logprobs = p.prompt_logprobs;
-        Progress shown = p;
-        if (!p.finished && StopSequenceSeen(a)) {
+        c.finish_reason = p.finish_reason;
+        if (!finished && StopSequenceSeen(a, c)) {
           // Ends here: the text up to and including the stop sequence; the core frees the
           // sequence at its next step and any token it still reports is dropped.
-          shown.finished = true;
-          shown.finish_reason = "stop_sequence";
-          core->Cancel(p.id);
+          finished = true;
+          c.finish_reason = "stop_sequence";
+          core->Cancel(p.id, p.choice);
         }
-        if (a.stream && a.request != nullptr) Stream(a, shown);
-        if (shown.finished && !p.finished) {
-          if (metrics != nullptr) {
-            metrics->ObserveRequestDuration(absl::ToDoubleSeconds(MonotonicNow() - a.arrived));
-          }
-          Count(a.api, RequestOutcome::kOk);
-          Finish(shown.id, a, shown);
-          continue;
-        }
+        if (a.stream && a.request != nullptr) Stream(a, index, p, finished);
+      } else if (finished) {
+        c.finish_reason = p.finish_reason;
       }
-      if (p.finished) {
-        if (metrics != nullptr) {
-          metrics->ObserveRequestDuration(absl::ToDoubleSeconds(MonotonicNow() - a.arrived));
-        }
-        Count(a.api, p.error.ok() ? RequestOutcome::kOk : RequestOutcome::kUnavailable);
-        Finish(p.id, a, p);
-      }
+      if (!finished) continue;
+      c.done = true;
+      if (--a.open == 0) Done(p.id, a, absl::OkStatus());
     }
+  }
+
+  // The request is over: counted, timed, answered.
+  void Done(uint64_t id, Active& a, const absl::Status& error) {
+    if (metrics != nullptr) {
+      metrics->ObserveRequestDuration(absl::ToDoubleSeconds(MonotonicNow() - a.arrived));
+    }
+    Count(a.api, error.ok() ? RequestOutcome::kOk : RequestOutcome::kUnavailable);
+    Finish(id, a, error);
   }
 
   void HandleInfo(evhttp_request* request) {
@@ -897,7 +1006,7 @@ struct HttpFrontend::Impl {
                        {"max_concurrent_requests", options.max_concurrent_requests},
                        {"max_stop_sequences", 4},
                        {"max_top_n_tokens", options.max_top_n_tokens},
-                       {"max_best_of", 1},
+                       {"max_best_of", options.max_best_of},
                        {"executors", core->live_executors()},
                        {"router", "kvcm-router"},
                        {"version", kVersion}};

@@ -48,6 +48,8 @@ class HttpFrontend {
     int32_t default_max_new_tokens = 100;
     // Most alternatives per token (TGI's top_n_tokens, OpenAI's logprobs).
     int32_t max_top_n_tokens = 5;
+    // Most sequences one request may generate (TGI's best_of, OpenAI's n and best_of).
+    int32_t max_best_of = 4;
     size_t max_body_bytes = 1 << 20;
     int timeout_seconds = 60;  // a client that sends nothing for this long is dropped
     std::string model_id;

@@ -42,6 +42,9 @@ ABSL_FLAG(int32_t, max_batch_prefill_tokens, 4096, "Prompt tokens computed in on
 ABSL_FLAG(int64_t, max_batch_total_tokens, 0,
           "KV tokens of the running sequences after a step. Default: what the pool holds.");
 ABSL_FLAG(int32_t, max_running, 256, "Sequences in one step at most.");
+ABSL_FLAG(int32_t, max_best_of, 4,
+          "Most sequences one request may generate (TGI's best_of, OpenAI's n and best_of), "
+          "at most 16 and at most --max-running.");
 ABSL_FLAG(int32_t, max_top_n_tokens, 5,
           "Most alternatives a request may ask for per token (TGI's top_n_tokens, OpenAI's "
           "logprobs); at most 20.");
@@ -98,6 +101,11 @@ int Main() {
   };
   const std::string model = absl::GetFlag(FLAGS_model);
   if (model.empty()) return fail(absl::InvalidArgumentError("--model is required"));
+  if (absl::GetFlag(FLAGS_max_best_of) < 1 || absl::GetFlag(FLAGS_max_best_of) > 16 ||
+      absl::GetFlag(FLAGS_max_best_of) > absl::GetFlag(FLAGS_max_running)) {
+    return fail(absl::InvalidArgumentError(
+        "--max-best-of must be in [1, 16] and at most --max-running"));
+  }
   if (absl::GetFlag(FLAGS_max_top_n_tokens) < 0 || absl::GetFlag(FLAGS_max_top_n_tokens) > kMaxTopN) {
     return fail(absl::InvalidArgumentError(
         absl::StrCat("--max-top-n-tokens must be in [0, ", kMaxTopN, "]")));
@@ -146,6 +154,7 @@ int Main() {
   http.max_input_tokens = absl::GetFlag(FLAGS_max_input_tokens);
   http.max_total_tokens = absl::GetFlag(FLAGS_max_total_tokens);
   http.max_top_n_tokens = absl::GetFlag(FLAGS_max_top_n_tokens);
+  http.max_best_of = absl::GetFlag(FLAGS_max_best_of);
   http.model_id = std::filesystem::path(model).filename().string();
   http.block_size = (*core)->session().block_size;
   http.num_blocks = (*core)->session().num_blocks;

@@ -56,6 +56,14 @@ def tgi_calls(url, prompt, max_new_tokens, too_long):
         "seeds": [r.details.seed for r in sampled],
     }
 
+    best = client.generate(prompt, do_sample=True, best_of=2, max_new_tokens=max_new_tokens)
+    out["best_of"] = {
+        "generated_text": best.generated_text,
+        "seed": best.details.seed,
+        "others": [{"generated_text": o.generated_text, "seed": o.seed}
+                   for o in (best.details.best_of_sequences or [])],
+    }
+
     try:
         client.generate(too_long, max_new_tokens=2)
         out["too_long"] = {"raised": None}
@@ -102,8 +110,14 @@ def openai_calls(url, prompt, max_new_tokens):
         "cached_tokens": usage.prompt_tokens_details.cached_tokens if usage else None,
     }
 
+    several = client.completions.create(model=model, prompt=prompt, max_tokens=max_new_tokens,
+                                        temperature=0.8, seed=3, n=2)
+    out["n"] = {"indices": [c.index for c in several.choices],
+                "texts": [c.text for c in several.choices],
+                "completion_tokens": several.usage.completion_tokens}
+
     try:
-        client.completions.create(model=model, prompt=prompt, max_tokens=2, n=2)
+        client.completions.create(model=model, prompt=prompt, max_tokens=2, n=99)
         out["bad_request"] = {"raised": None}
     except openai.BadRequestError as error:
         out["bad_request"] = {"raised": type(error).__name__, "status": error.status_code,

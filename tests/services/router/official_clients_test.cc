@@ -5,6 +5,7 @@
 // alone in this process.
 
 #include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -77,6 +78,11 @@ TEST_F(OfficialClientsTest, TextGenerationAndOpenAiClientsWorkUnchanged) {
   // Sampling with a seed: the same tokens twice, the seed reported.
   EXPECT_EQ(tgi["sampled"]["ids"][0], tgi["sampled"]["ids"][1]);
   EXPECT_EQ(tgi["sampled"]["seeds"][0], 42);
+  // best_of = 2: the client parses best_of_sequences; the two seeds are consecutive.
+  ASSERT_EQ(tgi["best_of"]["others"].size(), 1u) << tgi["best_of"].dump();
+  EXPECT_EQ(std::abs(tgi["best_of"]["seed"].get<int64_t>() -
+                     tgi["best_of"]["others"][0]["seed"].get<int64_t>()),
+            1);
   // A prompt over --max-input-tokens: the client raises its ValidationError (our 422).
   EXPECT_EQ(tgi["too_long"]["raised"], "ValidationError");
   EXPECT_THAT(tgi["too_long"]["message"].get<std::string>(), HasSubstr("less than 64 tokens"));
@@ -98,7 +104,10 @@ TEST_F(OfficialClientsTest, TextGenerationAndOpenAiClientsWorkUnchanged) {
   EXPECT_EQ(oa["completions_stream"]["text"].get<std::string>(), AsJsonText(BytesOf(tokens)));
   EXPECT_EQ(oa["completions_stream"]["completion_tokens"], tokens.size());
   EXPECT_EQ(oa["completions_stream"]["cached_tokens"], 28);
-  // n = 2 is refused in OpenAI's error shape, which the client turns into BadRequestError.
+  // n = 2: two choices, indexed.
+  EXPECT_EQ(oa["n"]["indices"], json::array({0, 1}));
+  EXPECT_EQ(oa["n"]["texts"].size(), 2u);
+  // n = 99 is refused in OpenAI's error shape, which the client turns into BadRequestError.
   EXPECT_EQ(oa["bad_request"]["raised"], "BadRequestError");
   EXPECT_EQ(oa["bad_request"]["status"], 400);
   EXPECT_EQ(oa["bad_request"]["param"], "n");

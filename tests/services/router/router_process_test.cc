@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -207,7 +208,11 @@ TEST_F(RouterProcessTest, BadRequestsGetTheirStatusAndLeaveTheLedgerWhole) {
        422, "not supported when streaming"},
       {"/generate", R"({"inputs": "a", "parameters": {"watermark": true}})", 422,
        "not supported"},
-      {"/generate", R"({"inputs": "a", "parameters": {"best_of": 2}})", 422, "not supported"},
+      {"/generate", R"({"inputs": "a", "parameters": {"best_of": 2}})", 422, "needs sampling"},
+      {"/generate", R"({"inputs": "a", "parameters": {"best_of": 5, "do_sample": true}})", 422,
+       "best_of"},
+      {"/generate_stream", R"({"inputs": "a", "parameters": {"best_of": 2, "do_sample": true}})",
+       422, "not supported when streaming"},
       {"/generate", json{{"inputs", std::string(50, 'x')}}.dump(), 422, "less than 40 tokens"},
       {"/generate", R"({"inputs": "a", "parameters": {"max_new_tokens": 59}})", 422,
        "must be <= 60"},
@@ -423,7 +428,7 @@ TEST_F(RouterProcessTest, OpenAiCompletionsGiveTheReferenceTokensUsageAndCachedT
   EXPECT_EQ(usage["completion_tokens"], want.size());
 
   // OpenAI's error shape, with 400.
-  HttpResponse bad = post({{"prompt", "x"}, {"n", 2}});
+  HttpResponse bad = post({{"prompt", "x"}, {"n", 99}});
   EXPECT_EQ(bad.status, 400);
   const json error = json::parse(bad.body, nullptr, false);
   ASSERT_FALSE(error.is_discarded()) << bad.body;
@@ -572,6 +577,91 @@ TEST_F(RouterProcessTest, PenaltiesAndTruncationGiveTheReferenceTokens) {
   cut_ids.resize(std::min(cut_ids.size(), truncated.size()));
   EXPECT_EQ(cut_ids, std::vector<int32_t>(truncated.begin(),
                                           truncated.begin() + static_cast<std::ptrdiff_t>(cut_ids.size())));
+  EXPECT_TRUE(AwaitNoBlockInUse());
+  ExpectWhole(Stats());
+}
+
+TEST_F(RouterProcessTest, SeveralAnswersToOnePromptAreEachTheAnswerOfItsOwnSeed) {
+  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/256, /*executors=*/2));
+  const std::string prompt = "Tell me three things";  // 21 tokens: a partly filled last block
+  auto completion = [&](const json& body) {
+    absl::StatusOr<HttpResponse> reply = HttpPost(url_ + "/v1/completions", body.dump());
+    EXPECT_TRUE(reply.ok() && reply->status == 200) << (reply.ok() ? reply->body : "");
+    return reply.ok() && reply->status == 200 ? json::parse(reply->body) : json();
+  };
+  // OpenAI's n = 3: choice i is what the same request with seed 7 + i answers alone.
+  const json three = completion({{"prompt", prompt}, {"max_tokens", 8}, {"temperature", 0.9},
+                                 {"seed", 7}, {"n", 3}});
+  ASSERT_EQ(three["choices"].size(), 3u) << three.dump();
+  size_t tokens = 0;
+  std::set<std::string> distinct;
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(three["choices"][i]["index"], i);
+    const json alone = completion({{"prompt", prompt}, {"max_tokens", 8}, {"temperature", 0.9},
+                                   {"seed", 7 + i}});
+    EXPECT_EQ(three["choices"][i]["text"], alone["choices"][0]["text"]) << "choice " << i;
+    tokens += alone["usage"]["completion_tokens"].get<size_t>();
+    distinct.insert(three["choices"][i]["text"].get<std::string>());
+  }
+  EXPECT_GT(distinct.size(), 1u) << "three samples at temperature 0.9 all alike";
+  EXPECT_EQ(three["usage"]["completion_tokens"], tokens);
+  EXPECT_EQ(three["usage"]["prompt_tokens"], 21);
+
+  // Streamed, each chunk names its choice, and each choice's chunks join to its text.
+  absl::StatusOr<HttpResponse> streamed = HttpPost(
+      url_ + "/v1/completions",
+      json{{"prompt", prompt}, {"max_tokens", 8}, {"temperature", 0.9}, {"seed", 7}, {"n", 3},
+           {"stream", true}}.dump());
+  ASSERT_TRUE(streamed.ok() && streamed->status == 200);
+  std::vector<std::string> texts(3);
+  for (absl::string_view line : absl::StrSplit(streamed->body, '\n')) {
+    if (!absl::ConsumePrefix(&line, "data: ") || line == "[DONE]") continue;
+    const json chunk = json::parse(std::string(line));
+    for (const json& choice : chunk["choices"]) {
+      texts[choice["index"].get<size_t>()] += choice["text"].get<std::string>();
+    }
+  }
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(texts[i], three["choices"][i]["text"]) << i;
+
+  // TGI's best_of = 3 (the server picks the seeds): the answer with the highest
+  // log-probability, the others in best_of_sequences, each what its seed answers alone.
+  auto generate = [&](const json& parameters) {
+    absl::StatusOr<HttpResponse> reply = HttpPost(
+        url_ + "/generate", json{{"inputs", prompt}, {"parameters", parameters}}.dump());
+    EXPECT_TRUE(reply.ok() && reply->status == 200) << (reply.ok() ? reply->body : "");
+    return reply.ok() && reply->status == 200 ? json::parse(reply->body) : json();
+  };
+  const json best_of = generate({{"max_new_tokens", 6}, {"do_sample", true}, {"best_of", 3},
+                                 {"details", true}});
+  ASSERT_EQ(best_of["details"]["best_of_sequences"].size(), 2u) << best_of.dump();
+  std::vector<json> answers = {best_of["details"]};
+  answers[0]["generated_text"] = best_of["generated_text"];
+  for (const json& other : best_of["details"]["best_of_sequences"]) answers.push_back(other);
+  std::set<uint64_t> seeds;
+  double best_sum = -1e30;
+  for (size_t k = 0; k < answers.size(); ++k) {
+    const uint64_t seed = answers[k]["seed"].get<uint64_t>();
+    seeds.insert(seed);
+    const json alone = generate({{"max_new_tokens", 6}, {"do_sample", true}, {"seed", seed},
+                                 {"details", true}});
+    EXPECT_EQ(answers[k]["generated_text"], alone["generated_text"]) << "seed " << seed;
+    double sum = 0;
+    for (const json& t : alone["details"]["tokens"]) sum += t["logprob"].get<double>();
+    if (k == 0) {
+      best_sum = sum;
+    } else {
+      EXPECT_LE(sum, best_sum + 1e-4) << "seed " << seed << " beats the answer given";
+    }
+  }
+  ASSERT_EQ(seeds.size(), 3u);
+  EXPECT_EQ(*seeds.rbegin() - *seeds.begin(), 2u);  // seed, seed + 1, seed + 2
+  // A seed with best_of is refused, as TGI does.
+  absl::StatusOr<HttpResponse> seeded = HttpPost(
+      url_ + "/generate",
+      json{{"inputs", prompt},
+           {"parameters", {{"do_sample", true}, {"best_of", 2}, {"seed", 4}}}}.dump());
+  ASSERT_TRUE(seeded.ok());
+  EXPECT_EQ(seeded->status, 422) << seeded->body;
   EXPECT_TRUE(AwaitNoBlockInUse());
   ExpectWhole(Stats());
 }
