@@ -62,6 +62,7 @@ BlockLedger::BlockLedger(const Options& options) : options_(options) {
   ref_count_.assign(n, 0);
   pin_count_.assign(n, 0);
   indexed_.assign(n, 0);
+  duplicate_.assign(n, 0);
   hash_.resize(n);
   lru_prev_.assign(n, kNoBlock);
   lru_next_.assign(n, kNoBlock);
@@ -139,11 +140,33 @@ inline void BlockLedger::LruRemove(BlockId block) {
 
 void BlockLedger::Unindex(BlockId block) {
   KVCM_CHECK(indexed_[block]) << "block " << block;
-  index_.erase(hash_[block]);
+  const BlockHash hash = hash_[block];
+  index_.erase(hash);
   indexed_[block] = 0;
   if (options_.record_events) {
-    events_.push_back({BlockEvent::Kind::kRemoved, hash_[block], BlockHash{}, false, block});
+    events_.push_back({BlockEvent::Kind::kRemoved, hash, BlockHash{}, false, block});
   }
+  // A duplicate still in use takes its place: the content stays matchable.
+  auto dup = duplicates_.find(hash);
+  if (dup == duplicates_.end()) return;
+  const Duplicate next = dup->second.back();
+  dup->second.pop_back();
+  if (dup->second.empty()) duplicates_.erase(dup);
+  KVCM_CHECK(ref_count_[next.block] > 0) << "duplicate block " << next.block << " is not in use";
+  duplicate_[next.block] = 0;
+  indexed_[next.block] = 1;
+  index_.emplace(hash, next.block);
+  if (options_.record_events) {
+    events_.push_back({BlockEvent::Kind::kStored, hash, next.parent, next.has_parent, next.block});
+  }
+}
+
+void BlockLedger::DropDuplicate(BlockId block) {
+  auto dup = duplicates_.find(hash_[block]);
+  KVCM_CHECK(dup != duplicates_.end()) << "duplicate block " << block << " not recorded";
+  std::erase_if(dup->second, [block](const Duplicate& d) { return d.block == block; });
+  if (dup->second.empty()) duplicates_.erase(dup);
+  duplicate_[block] = 0;
 }
 
 BlockId BlockLedger::EvictLruHead() {
@@ -197,6 +220,7 @@ void BlockLedger::ReleaseTailFirst(std::span<const BlockId> blocks) {
     } else if (indexed_[b]) {
       LruPushBack(b);
     } else {
+      if (duplicate_[b]) DropDuplicate(b);
       free_.Insert(b);
     }
   }
@@ -413,9 +437,16 @@ void BlockLedger::Register(Sequence& s) {
                                  s.num_committed / options_.block_size);
   for (int32_t i = s.num_registered; i < limit; ++i) {
     const BlockId b = s.blocks[i];
-    if (b == kNoBlock || indexed_[b]) continue;
+    if (b == kNoBlock || indexed_[b] || duplicate_[b]) continue;
     auto [it, inserted] = index_.try_emplace(s.hashes[i], b);
-    if (!inserted) continue;  // same content already indexed in another block: a duplicate
+    if (!inserted) {
+      // Same content already indexed in another block: a duplicate, which takes over if
+      // that block is evicted first.
+      duplicate_[b] = 1;
+      hash_[b] = s.hashes[i];
+      duplicates_[s.hashes[i]].push_back({b, i > 0 ? s.hashes[i - 1] : BlockHash{}, i > 0});
+      continue;
+    }
     indexed_[b] = 1;
     hash_[b] = s.hashes[i];
     if (options_.record_events) {
@@ -689,6 +720,21 @@ absl::Status BlockLedger::CheckInvariants() const {
       auto it = index_.find(hash_[b]);
       if (it == index_.end() || it->second != b) {
         return broken("block ", b, ": marked indexed but the index disagrees");
+      }
+    }
+    if (duplicate_[b]) {
+      if (indexed_[b] || ref_count_[b] == 0) {
+        return broken("duplicate block ", b, " is indexed or not in use");
+      }
+      auto it = index_.find(hash_[b]);
+      if (it == index_.end() || it->second == b) {
+        return broken("duplicate block ", b, ": its hash is not indexed in another block");
+      }
+      auto dup = duplicates_.find(hash_[b]);
+      if (dup == duplicates_.end() ||
+          std::none_of(dup->second.begin(), dup->second.end(),
+                       [b](const Duplicate& d) { return d.block == b; })) {
+        return broken("duplicate block ", b, " not recorded as one");
       }
     }
     const bool in_free = free_.Contains(b);

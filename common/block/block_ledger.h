@@ -39,7 +39,9 @@
 //   released tail first, so among blocks released together the tail goes before the head
 //   (a tail is only useful if its head is still there).
 // - When two sequences commit blocks with the same hash, the first stays matchable; the
-//   second is a private duplicate, freed (not cached) when released.
+//   second is a private duplicate, freed (not cached) when released. If the first is
+//   evicted while a duplicate is still in use, the duplicate becomes the matchable one (and
+//   cached when released): the content stays findable as long as a block holds it.
 // - Sliding window (Options::sliding_window_tokens = W > 0): a query at position p attends
 //   to positions (p - W, p]. After Commit(seq, c), no future query (p >= c) needs a token
 //   before c - W + 1, so blocks lying wholly before it are released (their table entries
@@ -323,7 +325,9 @@ class BlockLedger {
   std::vector<int32_t> ref_count_;
   std::vector<int32_t> pin_count_;
   std::vector<uint8_t> indexed_;        // 1 if hash_[b] maps to b in index_
-  std::vector<BlockHash> hash_;         // valid where indexed_
+  std::vector<BlockHash> hash_;         // valid where indexed_ or duplicate_
+  // 1 if b holds the content of hash_[b] that another block is indexed for (in duplicates_).
+  std::vector<uint8_t> duplicate_;
   std::vector<BlockId> lru_prev_;
   std::vector<BlockId> lru_next_;
   BlockId lru_head_ = kNoBlock;
@@ -332,6 +336,15 @@ class BlockLedger {
   FreeBlockSet free_;
 
   absl::flat_hash_map<BlockHash, BlockId, BlockHashHasher> index_;
+  // In-use duplicates of indexed blocks, by hash, with what a kStored event of theirs needs.
+  struct Duplicate {
+    BlockId block = kNoBlock;
+    BlockHash parent;
+    bool has_parent = false;
+  };
+  absl::flat_hash_map<BlockHash, std::vector<Duplicate>, BlockHashHasher> duplicates_;
+  // A duplicate is freed: it no longer stands in for its hash.
+  void DropDuplicate(BlockId block);
 
   // Sequences live in reusable slots so their vectors keep their capacity.
   std::vector<Sequence> slots_;

@@ -144,8 +144,13 @@ class ShadowLedger {
     const int32_t limit = std::min<int32_t>(static_cast<int32_t>(s.hashes.size()), c / bs_);
     for (int32_t i = s.registered; i < limit; ++i) {
       const BlockId b = s.blocks[i];
-      if (b == kNoBlock || blocks_[b].indexed) continue;
-      if (index_.contains(s.hashes[i])) continue;
+      if (b == kNoBlock || blocks_[b].indexed || blocks_[b].duplicate) continue;
+      if (index_.contains(s.hashes[i])) {  // a duplicate: takes over if the original goes
+        blocks_[b].duplicate = true;
+        blocks_[b].hash = s.hashes[i];
+        dups_[s.hashes[i]].push_back(b);
+        continue;
+      }
       index_[s.hashes[i]] = b;
       blocks_[b].indexed = true;
       blocks_[b].hash = s.hashes[i];
@@ -263,6 +268,7 @@ class ShadowLedger {
   struct Blk {
     int32_t ref = 0, pin = 0;
     bool indexed = false;
+    bool duplicate = false;  // holds `hash`, indexed in another block
     std::string hash;
     uint64_t stamp = 0;  // when it last became cached
   };
@@ -277,9 +283,19 @@ class ShadowLedger {
 
   BlockId Victim() const { return EvictionOrder().front(); }
   void Evict(BlockId b) {
-    index_.erase(blocks_[b].hash);
+    const std::string hash = blocks_[b].hash;
+    index_.erase(hash);
     blocks_[b].indexed = false;
     ++evictions_;
+    // The latest duplicate still in use becomes the indexed block.
+    auto dup = dups_.find(hash);
+    if (dup == dups_.end()) return;
+    const BlockId d = dup->second.back();
+    dup->second.pop_back();
+    if (dup->second.empty()) dups_.erase(dup);
+    blocks_[d].duplicate = false;
+    blocks_[d].indexed = true;
+    index_[hash] = d;
   }
   BlockId Take() {
     BlockId b = kNoBlock;
@@ -295,11 +311,17 @@ class ShadowLedger {
   }
   void Release(BlockId b) {
     if (--blocks_[b].ref == 0 && State(b) == BlockState::kCached) blocks_[b].stamp = ++clock_;
+    if (blocks_[b].ref == 0 && blocks_[b].duplicate) {  // freed: it stands in for nothing
+      std::erase(dups_[blocks_[b].hash], b);
+      if (dups_[blocks_[b].hash].empty()) dups_.erase(blocks_[b].hash);
+      blocks_[b].duplicate = false;
+    }
   }
 
   int32_t n_, bs_, window_, max_pinned_;
   std::vector<Blk> blocks_;
   std::map<std::string, BlockId> index_;
+  std::map<std::string, std::vector<BlockId>> dups_;  // in commit order
   std::map<SeqId, Seq> seqs_;
   std::map<std::string, std::vector<BlockId>> pins_;
   uint64_t clock_ = 0;

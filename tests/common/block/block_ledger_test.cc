@@ -439,6 +439,40 @@ TEST_P(LedgerScenarioTest, DuplicateContentIsIndexedOnceAndTheCopyFreed) {
   EXPECT_INVARIANTS(ledger);
 }
 
+// Regression: the duplicate of an evicted block was never indexed, so content still held in
+// the pool could not be found again (a second prefix miss for the same prompt).
+TEST_P(LedgerScenarioTest, ADuplicateStillInUseTakesOverWhenTheIndexedBlockIsEvicted) {
+  BlockLedger ledger = MakeLedger(4, bs(), /*window=*/0, /*events=*/true);
+  const auto doc = Iota(bs() + 1);
+  const auto hashes = HashesOf(doc, bs());
+  ASSERT_TRUE(ledger.Allocate(1, bs() + 1, hashes).ok());  // 0 1
+  ASSERT_TRUE(ledger.Allocate(2, bs() + 1, hashes).ok());  // 2 3 (nothing committed yet)
+  ASSERT_TRUE(ledger.Commit(1, bs() + 1).ok());             // 0 indexed
+  ASSERT_TRUE(ledger.Commit(2, bs() + 1).ok());             // 2 a duplicate of 0
+  ASSERT_TRUE(ledger.Free(1).ok());                         // 0 cached, 1 free
+  (void)ledger.TakeEvents();
+  // Two new blocks: 1 is free, 0 is evicted. Sequence 2's block 2 holds the same content.
+  ASSERT_TRUE(ledger.Allocate(3, 2 * bs()).ok());
+  EXPECT_EQ(ledger.StateOf(2), BlockState::kInUse);
+  EXPECT_EQ(ledger.Lookup(hashes), 1) << "the duplicate should be matchable now";
+  const std::vector<BlockEvent> events = ledger.TakeEvents();
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[0].kind, BlockEvent::Kind::kRemoved);
+  EXPECT_EQ(events[0].block, 0);
+  EXPECT_EQ(events[1].kind, BlockEvent::Kind::kStored);
+  EXPECT_EQ(events[1].block, 2);
+  EXPECT_EQ(events[1].hash, hashes[0]);
+  EXPECT_INVARIANTS(ledger);
+  // Released, it is cached like any indexed block, and a new prompt hits it.
+  ASSERT_TRUE(ledger.Free(2).ok());
+  EXPECT_EQ(ledger.StateOf(2), BlockState::kCached);
+  auto hit = ledger.Allocate(4, bs() + 1, hashes);
+  ASSERT_TRUE(hit.ok()) << hit.status();
+  EXPECT_EQ(hit->num_cached_tokens, bs());
+  EXPECT_EQ(hit->blocks[0], 2);
+  EXPECT_INVARIANTS(ledger);
+}
+
 TEST_P(LedgerScenarioTest, CommitAddsHashesForGeneratedBlocks) {
   BlockLedger ledger = MakeLedger(8, bs());
   auto tokens = Iota(bs() + 1);
