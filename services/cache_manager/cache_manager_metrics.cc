@@ -117,6 +117,10 @@ constexpr MetricSpec kProcessWatches{
     "Client processes watched for death, by where their pidfd came from: taken when the "
     "connection was accepted (connect_pidfd, Linux 6.5+) or opened by pid at Hello "
     "(pid_lookup)."};
+constexpr MetricSpec kSilentConnections{
+    "kvcm_cache_manager_silent_connections_closed_total", MetricType::Counter, "",
+    "Connections closed because they sent nothing within --hello-timeout-ms of being "
+    "accepted (each held a descriptor; a client that means it connects again and speaks)."};
 constexpr MetricSpec kAccepting{
     "kvcm_cache_manager_accepting_connections", MetricType::Gauge, "",
     "1 while new connections are accepted; 0 while too few file descriptors are left under "
@@ -150,6 +154,7 @@ constexpr std::array kSpecs = {
     kUndeliveredReplies,
     kAccepting,
     kProcessWatches,
+    kSilentConnections,
 };
 
 // --- Label values --------------------------------------------------------------------------
@@ -329,6 +334,11 @@ CacheManagerMetrics::CacheManagerMetrics(const CacheInfo& info)
   auto& undelivered = AddCounterFamily(*registry_, kUndeliveredReplies);
   undelivered_[0] = &undelivered.Add({{"reason", "peer_gone"}});
   undelivered_[1] = &undelivered.Add({{"reason", "queue_full"}});
+  silent_closed_ = &AddCounterFamily(*registry_, kSilentConnections).Add({});
+}
+
+void CacheManagerMetrics::CountSilentConnectionsClosed(int n) {
+  silent_closed_->Increment(static_cast<double>(n));
 }
 
 void CacheManagerMetrics::CountReplayedStep() { replayed_steps_->Increment(); }

@@ -156,6 +156,8 @@ class CacheManagerMetrics {
   void CountReplayedStep();
   // A reply the socket could not take: the peer is gone, or its queue is full.
   void CountUndeliveredReply(bool queue_full);
+  // `n` connections closed for saying nothing within the Hello deadline.
+  void CountSilentConnectionsClosed(int n);
   // Whether new connections are accepted (CacheManagerServer's descriptor guard).
   void SetAccepting(bool accepting);
   // A client process watched for death, its pidfd taken at connect time or opened by pid.
@@ -186,6 +188,7 @@ class CacheManagerMetrics {
   prometheus::Gauge* accepting_ = nullptr;
   std::array<prometheus::Counter*, 2> watches_{};  // pid_lookup, connect_pidfd
   std::array<prometheus::Counter*, 2> undelivered_{};  // peer_gone, queue_full
+  prometheus::Counter* silent_closed_ = nullptr;
 };
 
 }  // namespace kvcm

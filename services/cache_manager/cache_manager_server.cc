@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -282,6 +283,7 @@ void CacheManagerServer::OnExpiryTimer(absl::Duration late) {
     }
   }
   GuardDescriptors();  // also while no connection comes or goes
+  CloseSilentConnections(MonotonicNow());
   changed_ = true;
 }
 
@@ -370,6 +372,9 @@ int CacheManagerServer::DrainRequests() {
       if (!requests_.recv(extra, zmq::recv_flags::dontwait)) break;
       more = extra.more();
     }
+    if (!silent_.empty()) {  // the connection speaks: not silent any more
+      if (const int fd = zmq_msg_get(body.handle(), ZMQ_SRCFD); fd >= 0) silent_.erase(fd);
+    }
     std::optional<PeerCredentials> peer;
     if (const char* address = zmq_msg_gets(body.handle(), "Peer-Address")) {
       peer = ParseIpcPeerAddress(address);
@@ -436,9 +441,41 @@ bool CacheManagerServer::DrainMonitor() {
     int32_t fd = -1;
     std::memcpy(&type, event.data(), sizeof(type));
     std::memcpy(&fd, static_cast<const uint8_t*>(event.data()) + 2, sizeof(fd));
-    if (type == ZMQ_EVENT_ACCEPTED && fd >= 0) TakeConnectPidfd(fd);
+    if (type == ZMQ_EVENT_ACCEPTED && fd >= 0) {
+      TakeConnectPidfd(fd);
+      struct stat st {};
+      if (options_.hello_timeout > absl::ZeroDuration() && ::fstat(fd, &st) == 0) {
+        silent_[fd] = Silent{MonotonicNow(), static_cast<uint64_t>(st.st_ino)};
+      }
+    } else if ((type == ZMQ_EVENT_DISCONNECTED || type == ZMQ_EVENT_CLOSED) && fd >= 0) {
+      silent_.erase(fd);
+    }
   }
   return any;
+}
+
+void CacheManagerServer::CloseSilentConnections(absl::Time now) {
+  if (silent_.empty()) return;
+  int closed = 0;
+  for (auto it = silent_.begin(); it != silent_.end();) {
+    auto current = it++;
+    if (now - current->second.accepted < options_.hello_timeout) continue;
+    // Still the connection that was accepted (not a descriptor reused since)?
+    struct stat st {};
+    if (::fstat(current->first, &st) == 0 &&
+        static_cast<uint64_t>(st.st_ino) == current->second.inode) {
+      // libzmq reads the end of the stream and drops the connection itself.
+      ::shutdown(current->first, SHUT_RDWR);
+      ++closed;
+    }
+    silent_.erase(current);
+  }
+  if (closed == 0) return;
+  silent_closed_ += static_cast<uint64_t>(closed);
+  if (metrics_ != nullptr) metrics_->CountSilentConnectionsClosed(closed);
+  Log(absl::StrCat("closed ", closed, " connection(s) that sent nothing within ",
+                   absl::FormatDuration(options_.hello_timeout), " of connecting; ",
+                   silent_closed_, " so far (kvcm_cache_manager_silent_connections_closed_total)"));
 }
 
 void CacheManagerServer::TakeConnectPidfd(int connection) {

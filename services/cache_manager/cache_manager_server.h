@@ -59,6 +59,9 @@ class CacheManagerServer {
     // with Unavailable, the rest as usual) before it exits; it exits sooner once no request
     // came for 100 ms.
     absl::Duration shutdown_drain = absl::Seconds(2);
+    // A connection that has sent nothing this long after it was accepted is closed: it
+    // holds a descriptor and is no client (a client says Hello at once). Zero: never.
+    absl::Duration hello_timeout = absl::Seconds(10);
   };
 
   // Binds every socket in `run_dir` (which the caller has acquired) and starts the service.
@@ -113,6 +116,9 @@ class CacheManagerServer {
   bool DrainMonitor();
   // For a connection just accepted: offers its peer's pidfd (SO_PEERPIDFD) to the watcher.
   void TakeConnectPidfd(int connection);
+  // Closes the connections that have said nothing since they were accepted
+  // hello_timeout ago (Options::hello_timeout).
+  void CloseSilentConnections(absl::Time now);
 
   void PublishEvents();
   void PublishSnapshot();
@@ -133,6 +139,14 @@ class CacheManagerServer {
   bool accepting_ = true;
   uint64_t dropped_reported_ = 0;  // ConnectionsDroppedAtDescriptorLimit() last logged
   UniqueFd fd_dir_;                 // /proc/self/fd, to count descriptors when none is free
+  // Connections accepted that have sent nothing yet, by descriptor (the inode tells a
+  // descriptor reused for another connection apart).
+  struct Silent {
+    absl::Time accepted;
+    uint64_t inode = 0;
+  };
+  absl::flat_hash_map<int, Silent> silent_;
+  uint64_t silent_closed_ = 0;
   zmq::socket_t events_;
 
   flatbuffers::FlatBufferBuilder reply_;

@@ -79,6 +79,9 @@ ABSL_FLAG(int32_t, sliding_window_tokens, 0,
           "windows yet.");
 ABSL_FLAG(int32_t, max_pinned_blocks, 0, "Most blocks named pins may hold; 0 = half the pool.");
 ABSL_FLAG(int32_t, max_ops_per_step, 4096, "Most operations in one Step message.");
+ABSL_FLAG(int32_t, hello_timeout_ms, 10000,
+          "A connection that sends nothing this long after it was accepted is closed (it "
+          "holds a descriptor and is no client: clients say Hello at once); 0: never.");
 
 namespace kvcm {
 namespace {
@@ -247,6 +250,10 @@ int Main() {
   if (absl::Status checked = CacheManagerService::CheckOptions(service); !checked.ok()) {
     return fail(checked);
   }
+  if (absl::GetFlag(FLAGS_hello_timeout_ms) < 0) {
+    return fail(absl::InvalidArgumentError(
+        "--hello-timeout-ms must be >= 0 (0: never close a silent connection)"));
+  }
 
   RaiseDescriptorLimit();
   // The lock first: a second instance must fail before it allocates or binds anything.
@@ -287,6 +294,7 @@ int Main() {
 
   CacheManagerServer::Options options;
   options.tcp_endpoint = tcp_endpoint;
+  options.hello_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_hello_timeout_ms));
   options.signal_fd = signal_fd.get();
   auto server = CacheManagerServer::Create(options, *std::move(run_dir), *std::move(memory),
                                            service, &metrics);

@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "tests/services/cache_manager/live_cache_manager.h"
+#include "zmq.hpp"
 
 namespace kvcm::live_test {
 namespace {
@@ -117,6 +118,70 @@ TEST(CacheManagerFaultTest, StoppedClientIsQuarantinedThenRefusedThenRegistersAn
   EXPECT_EQ(after->in_use_blocks, 0);
   EXPECT_GE(after->cached_blocks, kHeld);  // committed blocks of the old session stay cached
   ExpectWhole(*after);
+}
+
+TEST(CacheManagerFaultTest, AConnectionThatSaysNothingIsClosedAtTheHelloDeadlineAndClientsAreNot) {
+  CacheManagerOptions options;
+  options.num_blocks = kBlocks;
+  options.block_size = kBlockSize;
+  options.heartbeat_interval_ms = 100;
+  options.heartbeat_timeout_ms = 2000;
+  options.extra_args = {"--hello-timeout-ms", "300"};
+  auto started = CacheManagerProcess::Start(options);
+  ASSERT_TRUE(started.ok()) << started.status();
+  CacheManagerProcess& manager = **started;
+  auto client = Connect(manager);
+  ASSERT_NE(client, nullptr);
+  BlockOps step;
+  step.Allocate(1, 3 * kBlockSize);
+  ASSERT_TRUE(client->Step(step).ok());
+
+  // A ZeroMQ peer that completes the handshake and then says nothing, and does not
+  // reconnect: the cache manager must close it, and its monitor sees the disconnection.
+  zmq::context_t context;
+  zmq::socket_t silent(context, zmq::socket_type::dealer);
+  silent.set(zmq::sockopt::reconnect_ivl, -1);
+  silent.set(zmq::sockopt::linger, 0);
+  ASSERT_EQ(zmq_socket_monitor(silent.handle(), "inproc://silent-monitor",
+                               ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_DISCONNECTED),
+            0);
+  zmq::socket_t monitor(context, zmq::socket_type::pair);
+  monitor.set(zmq::sockopt::rcvtimeo, 5000);
+  monitor.connect("inproc://silent-monitor");
+  const absl::Time connected = absl::Now();
+  silent.connect(manager.endpoint());
+  std::vector<uint16_t> seen;
+  while (seen.empty() || seen.back() != ZMQ_EVENT_DISCONNECTED) {
+    zmq::message_t event;
+    if (!monitor.recv(event)) break;  // timed out
+    zmq::message_t endpoint;
+    (void)monitor.recv(endpoint);
+    uint16_t type = 0;
+    std::memcpy(&type, event.data(), sizeof(type));
+    seen.push_back(type);
+  }
+  const absl::Duration closed_after = absl::Now() - connected;
+  ASSERT_FALSE(seen.empty()) << manager.Output();
+  EXPECT_EQ(seen.front(), ZMQ_EVENT_HANDSHAKE_SUCCEEDED);
+  ASSERT_EQ(seen.back(), ZMQ_EVENT_DISCONNECTED) << "the silent connection was not closed\n"
+                                                 << manager.Output();
+  std::printf("silent connection closed after %s\n", absl::FormatDuration(closed_after).c_str());
+  EXPECT_GE(closed_after, absl::Milliseconds(300));
+  EXPECT_TRUE(manager.process().WaitForLine("sent nothing within", absl::Now() + absl::Seconds(5)).ok());
+  zmq_socket_monitor(silent.handle(), nullptr, 0);
+
+  // The client, which spoke at once, is still served after several deadlines.
+  absl::SleepFor(absl::Seconds(1));
+  auto stats = client->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status() << "\n" << manager.Output();
+  EXPECT_EQ(stats->in_use_blocks, 3);
+  EXPECT_FALSE(client->session_lost());
+  ExpectWhole(*stats);
+  auto metrics = kvcm::testing::HttpGet(manager.metrics_url());
+  ASSERT_TRUE(metrics.ok());
+  auto parsed = kvcm::testing::ParseMetricsText(metrics->body);
+  ASSERT_TRUE(parsed.ok());
+  EXPECT_EQ(*parsed->Value("kvcm_cache_manager_silent_connections_closed_total", {}), 1);
 }
 
 TEST(CacheManagerFaultTest, AFloodOfIdleConnectionsAtTheDescriptorLimitIsShedAndNoSessionIsLost) {
