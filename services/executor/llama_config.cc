@@ -1,6 +1,9 @@
 #include "services/executor/llama_config.h"
 
+#include <algorithm>
 #include <cmath>
+#include <iterator>
+#include <string_view>
 #include <fstream>
 #include <limits>
 #include <optional>
@@ -98,29 +101,42 @@ absl::StatusOr<std::vector<int32_t>> TokenIds(const Json& object, const char* ke
   return ids;
 }
 
-absl::StatusOr<RopeScaling> ParseRopeScaling(const Json& root) {
+// One RoPE parameter set: transformers < 5's top-level "rope_scaling", or transformers 5's
+// "rope_parameters" (which also holds rope_theta). `where` names it in messages. Keys that
+// change the math and are not understood are an error, never ignored.
+absl::StatusOr<RopeScaling> ParseRopeSection(const Json& section, const std::string& where) {
   RopeScaling scaling;
-  const Json* section = Get(root, "rope_scaling");
-  if (section == nullptr) return scaling;
-  if (!section->is_object()) {
-    return Invalid(
-        absl::StrCat("key \"rope_scaling\" must be an object or null, got ", section->dump()));
-  }
   // transformers writes "rope_type"; older configs "type".
-  const Json* type = Get(*section, "rope_type");
-  if (type == nullptr) type = Get(*section, "type");
-  if (type == nullptr || !type->is_string()) {
-    return Invalid(absl::StrCat("\"rope_scaling\" has no string \"rope_type\": ", section->dump()));
+  const Json* type = Get(section, "rope_type");
+  if (type == nullptr) type = Get(section, "type");
+  if (type != nullptr && !type->is_string()) {
+    return Invalid(absl::StrCat("\"", where, "\" has a non-string \"rope_type\": ", section.dump()));
   }
-  const std::string name = type->get<std::string>();
+  if (type == nullptr && where == "rope_scaling") {
+    return Invalid(absl::StrCat("\"rope_scaling\" has no string \"rope_type\": ", section.dump()));
+  }
+  const std::string name = type == nullptr ? "default" : type->get<std::string>();
+  if (name != "default" && name != "llama3" && name != "linear") {
+    return Unimplemented(absl::StrCat("\"", where, "\" of rope_type \"", name,
+                                      "\" is not supported (supported: default, llama3, linear)"));
+  }
+  // Every key a supported type reads; anything else would change the frequencies or the
+  // attention scale in transformers (attention_factor, partial_rotary_factor, beta_fast, ...).
+  static constexpr std::string_view kKnown[] = {
+      "rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+      "original_max_position_embeddings"};
+  for (const auto& [key, value] : section.items()) {
+    if (std::find(std::begin(kKnown), std::end(kKnown), key) != std::end(kKnown)) continue;
+    if (key == "partial_rotary_factor" && value.is_number() && value.get<double>() == 1.0) {
+      continue;  // the whole head rotates: what kvcm does
+    }
+    return Unimplemented(absl::StrCat("key \"", where, ".", key, "\" (", value.dump(),
+                                      ") changes RoPE and is not supported"));
+  }
   if (name == "default") return scaling;
-  if (name != "llama3" && name != "linear") {
-    return Unimplemented(absl::StrCat("\"rope_scaling\" of rope_type \"", name,
-                                      "\" is not supported (supported: llama3, linear)"));
-  }
-  KVCM_ASSIGN_OR_RETURN(scaling.factor, OptionalPositiveNumber(*section, "factor", -1));
+  KVCM_ASSIGN_OR_RETURN(scaling.factor, OptionalPositiveNumber(section, "factor", -1));
   if (scaling.factor < 0) {
-    return Invalid(absl::StrCat("\"rope_scaling\" of rope_type \"", name, "\" needs a \"factor\""));
+    return Invalid(absl::StrCat("\"", where, "\" of rope_type \"", name, "\" needs a \"factor\""));
   }
   if (name == "linear") {
     scaling.type = RopeScaling::Type::kLinear;
@@ -128,15 +144,68 @@ absl::StatusOr<RopeScaling> ParseRopeScaling(const Json& root) {
   }
   scaling.type = RopeScaling::Type::kLlama3;
   KVCM_ASSIGN_OR_RETURN(scaling.low_freq_factor,
-                        OptionalPositiveNumber(*section, "low_freq_factor", 1.0));
+                        OptionalPositiveNumber(section, "low_freq_factor", 1.0));
   KVCM_ASSIGN_OR_RETURN(scaling.high_freq_factor,
-                        OptionalPositiveNumber(*section, "high_freq_factor", 4.0));
+                        OptionalPositiveNumber(section, "high_freq_factor", 4.0));
   KVCM_ASSIGN_OR_RETURN(scaling.original_max_position_embeddings,
-                        RequiredPositiveInt(*section, "original_max_position_embeddings"));
+                        RequiredPositiveInt(section, "original_max_position_embeddings"));
   if (scaling.high_freq_factor <= scaling.low_freq_factor) {
-    return Invalid("\"rope_scaling\": high_freq_factor must exceed low_freq_factor");
+    return Invalid(absl::StrCat("\"", where, "\": high_freq_factor must exceed low_freq_factor"));
   }
   return scaling;
+}
+
+bool SameScaling(const RopeScaling& a, const RopeScaling& b) {
+  return a.type == b.type && a.factor == b.factor && a.low_freq_factor == b.low_freq_factor &&
+         a.high_freq_factor == b.high_freq_factor &&
+         a.original_max_position_embeddings == b.original_max_position_embeddings;
+}
+
+// rope_theta and the scaling, from either spelling; both present must agree.
+absl::Status ParseRope(const Json& root, LlamaConfig* c) {
+  std::optional<double> theta;
+  if (Get(root, "rope_theta") != nullptr) {
+    KVCM_ASSIGN_OR_RETURN(const double top, OptionalPositiveNumber(root, "rope_theta", 10000.0));
+    theta = top;
+  }
+  std::optional<RopeScaling> scaling;
+  if (const Json* old = Get(root, "rope_scaling"); old != nullptr) {
+    if (!old->is_object()) {
+      return Invalid(
+          absl::StrCat("key \"rope_scaling\" must be an object or null, got ", old->dump()));
+    }
+    KVCM_ASSIGN_OR_RETURN(RopeScaling parsed, ParseRopeSection(*old, "rope_scaling"));
+    scaling = parsed;
+  }
+  if (const Json* params = Get(root, "rope_parameters"); params != nullptr) {
+    if (!params->is_object()) {
+      return Invalid(absl::StrCat("key \"rope_parameters\" must be an object or null, got ",
+                                  params->dump()));
+    }
+    // Per layer type ({"full_attention": {...}, "sliding_attention": {...}}): not Llama's.
+    if (!params->empty() && params->begin()->is_object()) {
+      return Unimplemented(absl::StrCat("\"rope_parameters\" per layer type (",
+                                        params->begin().key(), ", ...) is not supported"));
+    }
+    KVCM_ASSIGN_OR_RETURN(const RopeScaling parsed, ParseRopeSection(*params, "rope_parameters"));
+    if (scaling.has_value() && !SameScaling(*scaling, parsed)) {
+      return Invalid(absl::StrCat("\"rope_scaling\" and \"rope_parameters\" disagree: ",
+                                  root["rope_scaling"].dump(), " vs ", params->dump()));
+    }
+    scaling = parsed;
+    if (Get(*params, "rope_theta") != nullptr) {
+      KVCM_ASSIGN_OR_RETURN(const double inner,
+                            OptionalPositiveNumber(*params, "rope_theta", 10000.0));
+      if (theta.has_value() && *theta != inner) {
+        return Invalid(absl::StrCat("\"rope_theta\" ", *theta, " and \"rope_parameters.rope_theta\" ",
+                                    inner, " disagree"));
+      }
+      theta = inner;
+    }
+  }
+  c->rope_theta = theta.value_or(10000.0);
+  c->rope_scaling = scaling.value_or(RopeScaling{});
+  return absl::OkStatus();
 }
 
 constexpr const char* kArchitectures[] = {"LlamaForCausalLM", "MistralForCausalLM"};
@@ -186,11 +255,24 @@ absl::StatusOr<KvCacheSpec> LlamaConfig::KvSpec(DType dtype, int32_t block_size)
   return spec;
 }
 
+std::string RopeScalingName(const RopeScaling& s) {
+  switch (s.type) {
+    case RopeScaling::Type::kNone: return "none";
+    case RopeScaling::Type::kLinear: return absl::StrCat("linear x", s.factor);
+    case RopeScaling::Type::kLlama3:
+      return absl::StrCat("llama3 x", s.factor, " (low ", s.low_freq_factor, ", high ",
+                          s.high_freq_factor, ", original ", s.original_max_position_embeddings,
+                          ")");
+  }
+  return "";
+}
+
 std::string LlamaConfig::ToString() const {
   return absl::StrCat(
       architecture, ": vocab ", vocab_size, ", hidden ", hidden_size, ", intermediate ",
       intermediate_size, ", ", num_hidden_layers, " layers, ", num_attention_heads, " heads (",
-      num_key_value_heads, " KV) x head dim ", head_dim, ", rope_theta ", rope_theta,
+      num_key_value_heads, " KV) x head dim ", head_dim, ", rms_norm_eps ", rms_norm_eps,
+      ", rope_theta ", rope_theta, ", rope scaling ", RopeScalingName(rope_scaling),
       tie_word_embeddings ? ", tied embeddings" : "", torch_dtype.empty() ? "" : ", ", torch_dtype);
 }
 
@@ -237,8 +319,7 @@ absl::StatusOr<LlamaConfig> ParseLlamaConfig(const std::string& json_text) {
 
   KVCM_ASSIGN_OR_RETURN(const double eps, OptionalPositiveNumber(root, "rms_norm_eps", 1e-6));
   c.rms_norm_eps = static_cast<float>(eps);
-  KVCM_ASSIGN_OR_RETURN(c.rope_theta, OptionalPositiveNumber(root, "rope_theta", 10000.0));
-  KVCM_ASSIGN_OR_RETURN(c.rope_scaling, ParseRopeScaling(root));
+  KVCM_RETURN_IF_ERROR(ParseRope(root, &c));
   KVCM_ASSIGN_OR_RETURN(const std::optional<int32_t> max_pos,
                         OptionalInt(root, "max_position_embeddings", 1));
   c.max_position_embeddings = max_pos.value_or(2048);

@@ -14,7 +14,7 @@
 //   num_key_value_heads      default num_attention_heads (MHA); must divide it
 //   head_dim                 default hidden_size / num_attention_heads (must divide)
 //   rms_norm_eps             default 1e-6 (HF LlamaConfig's default)
-//   rope_theta               default 10000
+//   rope_theta               default 10000 (transformers 5: in rope_parameters)
 //   max_position_embeddings  default 2048 (HF LlamaConfig's default)
 //   tie_word_embeddings      default false
 //   bos_token_id             int, list of ints or null (default none)
@@ -22,6 +22,13 @@
 //   torch_dtype (or dtype)   the checkpoint's dtype name; informational
 //   rope_scaling             null, or {"rope_type": "llama3" | "linear" | "default", ...};
 //                            "llama3" (Llama 3.1+) and "linear" are implemented
+//   rope_parameters          transformers >= 5's spelling of both: {"rope_theta": ...,
+//                            "rope_type": ..., factor, ...}; read like rope_scaling, and
+//                            where both spellings are present they must agree
+//                            (INVALID_ARGUMENT otherwise). A key of either that changes RoPE
+//                            and is not understood (attention_factor, beta_fast, ...) is
+//                            UNIMPLEMENTED, never ignored; so is a per-layer-type
+//                            rope_parameters.
 //
 // Rejected, naming the key:
 //   UNIMPLEMENTED     another architecture; rope_scaling of another type (dynamic, yarn,
@@ -52,6 +59,9 @@ struct RopeScaling {
   double high_freq_factor = 4.0;                 // llama3
   int32_t original_max_position_embeddings = 0;  // llama3
 };
+
+// "none", "linear x4", "llama3 x8 (low 1, high 4, original 8192)": for logs.
+std::string RopeScalingName(const RopeScaling& scaling);
 
 struct LlamaConfig {
   std::string architecture;  // e.g. "LlamaForCausalLM"

@@ -38,6 +38,15 @@ ABSL_FLAG(int32_t, num_heads, kDefaults.num_heads, "Query heads.");
 ABSL_FLAG(int32_t, num_kv_heads, kDefaults.num_kv_heads, "KV heads (GQA when < num_heads).");
 ABSL_FLAG(int32_t, head_dim, kDefaults.head_dim, "Elements per head (even).");
 ABSL_FLAG(double, rope_theta, kDefaults.rope_theta, "RoPE base.");
+ABSL_FLAG(double, rms_norm_eps, kDefaults.rms_norm_eps, "RMSNorm epsilon.");
+ABSL_FLAG(std::string, rope_scaling, "", "RoPE scaling: \"\" (none), linear or llama3.");
+ABSL_FLAG(double, rope_factor, 8.0, "RoPE scaling factor (with --rope-scaling).");
+ABSL_FLAG(double, rope_low_freq_factor, 1.0, "llama3 scaling: low_freq_factor.");
+ABSL_FLAG(double, rope_high_freq_factor, 4.0, "llama3 scaling: high_freq_factor.");
+ABSL_FLAG(int32_t, rope_original_max_position_embeddings, 1024,
+          "llama3 scaling: original_max_position_embeddings.");
+ABSL_FLAG(bool, rope_parameters, false,
+          "Write transformers >= 5's \"rope_parameters\" instead of rope_theta/rope_scaling.");
 ABSL_FLAG(int32_t, max_position_embeddings, kDefaults.max_position_embeddings,
           "Longest sequence the model accepts.");
 
@@ -71,6 +80,14 @@ int main(int argc, char** argv) {
   options.num_kv_heads = absl::GetFlag(FLAGS_num_kv_heads);
   options.head_dim = absl::GetFlag(FLAGS_head_dim);
   options.rope_theta = absl::GetFlag(FLAGS_rope_theta);
+  options.rms_norm_eps = absl::GetFlag(FLAGS_rms_norm_eps);
+  options.rope_scaling = absl::GetFlag(FLAGS_rope_scaling);
+  options.rope_factor = absl::GetFlag(FLAGS_rope_factor);
+  options.rope_low_freq_factor = absl::GetFlag(FLAGS_rope_low_freq_factor);
+  options.rope_high_freq_factor = absl::GetFlag(FLAGS_rope_high_freq_factor);
+  options.rope_original_max_position_embeddings =
+      absl::GetFlag(FLAGS_rope_original_max_position_embeddings);
+  options.rope_parameters = absl::GetFlag(FLAGS_rope_parameters);
   options.max_position_embeddings = absl::GetFlag(FLAGS_max_position_embeddings);
 
   if (const absl::Status s = kvcm::WriteTinyModel(output, options); !s.ok()) {

@@ -94,6 +94,15 @@ absl::Status Validate(const TinyModelOptions& o) {
   if (o.num_shards > o.num_layers) {
     return invalid("num_shards (", o.num_shards, ") exceeds num_layers (", o.num_layers, ")");
   }
+  if (!o.rope_scaling.empty() && o.rope_scaling != "linear" && o.rope_scaling != "llama3") {
+    return invalid("rope scaling must be \"\", \"linear\" or \"llama3\"");
+  }
+  if (!o.rope_scaling.empty() && !(o.rope_factor > 0)) return invalid("rope factor must be positive");
+  if (o.rope_scaling == "llama3" && (o.rope_original_max_position_embeddings <= 0 ||
+                                      !(o.rope_high_freq_factor > o.rope_low_freq_factor))) {
+    return invalid("llama3 rope scaling needs original_max_position_embeddings > 0 and "
+                   "high_freq_factor > low_freq_factor");
+  }
   if (!(o.rope_theta > 0) || !(o.rms_norm_eps > 0)) {
     return invalid("rope_theta and rms_norm_eps must be positive");
   }
@@ -116,8 +125,6 @@ std::string TinyModelConfigJson(const TinyModelOptions& o) {
       {"hidden_act", "silu"},
       {"max_position_embeddings", o.max_position_embeddings},
       {"rms_norm_eps", o.rms_norm_eps},
-      {"rope_theta", o.rope_theta},
-      {"rope_scaling", nullptr},
       {"attention_bias", false},
       {"mlp_bias", false},
       {"tie_word_embeddings", o.tie_word_embeddings},
@@ -125,6 +132,25 @@ std::string TinyModelConfigJson(const TinyModelOptions& o) {
       {"eos_token_id", 2},
       {"torch_dtype", TorchDType(o.dtype)},
   };
+  nlohmann::ordered_json scaling = nullptr;
+  if (!o.rope_scaling.empty()) {
+    scaling = {{"rope_type", o.rope_scaling}, {"factor", o.rope_factor}};
+    if (o.rope_scaling == "llama3") {
+      scaling["low_freq_factor"] = o.rope_low_freq_factor;
+      scaling["high_freq_factor"] = o.rope_high_freq_factor;
+      scaling["original_max_position_embeddings"] = o.rope_original_max_position_embeddings;
+    }
+  }
+  if (o.rope_parameters) {
+    nlohmann::ordered_json params = {{"rope_theta", o.rope_theta}, {"rope_type", "default"}};
+    if (!scaling.is_null()) {
+      for (const auto& [key, value] : scaling.items()) params[key] = value;
+    }
+    config["rope_parameters"] = params;
+  } else {
+    config["rope_theta"] = o.rope_theta;
+    config["rope_scaling"] = scaling;
+  }
   return config.dump(2) + "\n";
 }
 

@@ -40,6 +40,15 @@ struct TinyModelOptions {
   DType dtype = DType::kFloat32;     // weight dtype in the file: fp32, fp16 or bf16
   uint64_t seed = 0x6b76636d;        // "kvcm"
   int32_t num_shards = 1;            // > 1: model-0000i-of-0000n.safetensors + index.json
+  // RoPE scaling in config.json: "" (none), "linear" or "llama3" (with the factors below).
+  std::string rope_scaling;
+  double rope_factor = 1.0;
+  double rope_low_freq_factor = 1.0;
+  double rope_high_freq_factor = 4.0;
+  int32_t rope_original_max_position_embeddings = 0;
+  // Write transformers >= 5's "rope_parameters" (rope_theta and the scaling in one object)
+  // instead of top-level "rope_theta" and "rope_scaling".
+  bool rope_parameters = false;
 };
 
 // The config.json text for `options`.

@@ -92,6 +92,42 @@ TEST_F(TinyModelGenerationTest, BinaryWritesALoadableModel) {
   EXPECT_EQ(ReadBytes(Path("m/model.safetensors")), ReadBytes(Path("lib/model.safetensors")));
 }
 
+// The same weights with transformers 5's "rope_parameters" or the old keys give the same
+// logits; without the key being read (theta 10000, no scaling) they would differ.
+TEST_F(TinyModelGenerationTest, BothRopeSpellingsGiveTheSameLogitsAndTheKeyMatters) {
+  TinyModelOptions options;
+  options.seed = 31;
+  options.max_position_embeddings = 4096;
+  options.rope_theta = 500000.0;
+  options.rms_norm_eps = 1e-6;
+  options.rope_scaling = "llama3";
+  options.rope_factor = 8.0;
+  options.rope_original_max_position_embeddings = 64;
+  ASSERT_TRUE(WriteTinyModel(Path("old"), options).ok());
+  options.rope_parameters = true;
+  ASSERT_TRUE(WriteTinyModel(Path("new"), options).ok());
+  options.rope_parameters = false;
+  options.rope_theta = 10000.0;
+  options.rope_scaling = "";
+  ASSERT_TRUE(WriteTinyModel(Path("plain"), options).ok());
+  EXPECT_THAT(ReadBytes(Path("new/config.json")), HasSubstr("rope_parameters"));
+  EXPECT_THAT(ReadBytes(Path("new/config.json")), ::testing::Not(HasSubstr("rope_scaling")));
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 40; ++i) prompt.push_back(3 + (i * 37) % 250);
+  std::vector<std::vector<float>> logits;
+  for (const char* name : {"old", "new", "plain"}) {
+    auto model = LlamaModel::Load(Path(name));
+    ASSERT_TRUE(model.ok()) << model.status();
+    auto out = (*model)->ForwardContiguous(prompt);
+    ASSERT_TRUE(out.ok()) << out.status();
+    logits.push_back(*std::move(out));
+  }
+  EXPECT_EQ(logits[0], logits[1]);
+  double diff = 0;
+  for (size_t i = 0; i < logits[0].size(); ++i) diff = std::max(diff, double{std::abs(logits[0][i] - logits[2][i])});
+  EXPECT_GT(diff, 1e-3) << "theta and scaling should change the logits";
+}
+
 TEST_F(TinyModelGenerationTest, BinaryRejectsBadFlags) {
   for (const std::vector<std::string>& args :
        {std::vector<std::string>{"--dtype=int4", "--output=" + Path("x")},
