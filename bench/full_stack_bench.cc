@@ -18,6 +18,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <thread>
@@ -30,6 +31,7 @@
 #include "common/base/check.h"
 #include "common/base/run_dir.h"
 #include "common/memory/pool_layout.h"
+#include "bench/server_stack.h"
 #include "nlohmann/json.hpp"
 #include "services/executor/llama_model.h"
 #include "services/executor/sampler.h"
@@ -42,7 +44,6 @@ namespace kvcm {
 namespace {
 
 using json = nlohmann::json;
-using testing::Subprocess;
 using testing::TempDir;
 
 constexpr int32_t kBlockSize = 16;
@@ -171,19 +172,11 @@ Run FullStack(const std::string& url, int round, int batch, int new_tokens) {
   return run;
 }
 
-int FlagValue(int argc, char** argv, const char* name, int fallback) {
-  for (int i = 1; i + 1 < argc; ++i) {
-    int value = 0;
-    if (std::string(argv[i]) == name && absl::SimpleAtoi(argv[i + 1], &value)) return value;
-  }
-  return fallback;
-}
-
 int Main(int argc, char** argv) {
-  const int rounds = FlagValue(argc, argv, "--rounds", 3);
-  const int threads = FlagValue(argc, argv, "--threads", 2);
-  const int batch = FlagValue(argc, argv, "--batch", 16);
-  const int new_tokens = FlagValue(argc, argv, "--new-tokens", 32);
+  const int rounds = bench::FlagValue(argc, argv, "--rounds", 3);
+  const int threads = bench::FlagValue(argc, argv, "--threads", 2);
+  const int batch = bench::FlagValue(argc, argv, "--batch", 16);
+  const int new_tokens = bench::FlagValue(argc, argv, "--new-tokens", 32);
   std::printf("full-stack throughput: %d requests of %d prompt tokens, up to %d new tokens each, "
               "greedy; executor and in-process model on %d thread(s); %d round(s)\n",
               batch, kPromptTokens, new_tokens, threads, rounds);
@@ -204,28 +197,12 @@ int Main(int argc, char** argv) {
     cm_options.kv_heads = (*model)->config().num_key_value_heads;
     cm_options.head_dim = (*model)->config().head_dim;
     cm_options.dtype = "fp32";
-    absl::StatusOr<std::unique_ptr<testing::CacheManagerProcess>> cm =
-        testing::CacheManagerProcess::Start(cm_options);
-    KVCM_CHECK(cm.ok()) << cm.status();
-    Subprocess::Options router_options;
-    router_options.argv = {testing::KvcmBinaryPath("kvcm-router"), "--model", model_dir,
-                           "--run-dir", (*cm)->run_dir(), "--port", "0",
-                           "--max-input-tokens", "1024", "--max-total-tokens", "2048"};
-    router_options.output_path = dir->path() + "/router-" + shape.name + ".log";
-    auto router = Subprocess::Start(router_options);
-    KVCM_CHECK(router.ok()) << router.status();
-    auto ready = (*router)->WaitForLine("ready http=(\\S+)", absl::Now() + absl::Seconds(30));
-    KVCM_CHECK(ready.ok()) << ready.status();
-    const std::string url = (*ready)[1];
-    Subprocess::Options executor_options;
-    executor_options.argv = {testing::KvcmBinaryPath("kvcm-executor"), "--model", model_dir,
-                             "--run-dir", (*cm)->run_dir(), "--threads",
-                             std::to_string(threads), "--metrics-address", "127.0.0.1:0"};
-    executor_options.output_path = dir->path() + "/executor-" + shape.name + ".log";
-    auto executor = Subprocess::Start(executor_options);
-    KVCM_CHECK(executor.ok()) << executor.status();
-    KVCM_CHECK((*executor)->WaitForLine("registered with the router", absl::Now() +
-                                        absl::Seconds(60)).ok());
+    const std::string logs = dir->path() + "/" + shape.name + "-logs";
+    std::filesystem::create_directories(logs);
+    const std::unique_ptr<bench::ServerStack> server = bench::StartServerStack(
+        model_dir, cm_options, {"--max-input-tokens", "1024", "--max-total-tokens", "2048"},
+        threads, logs);
+    const std::string& url = server->url;
 
     // A warm-up of each (page faults, thread pools), then the interleaved rounds.
     (void)InProcess(**model, 0, batch, 4);
@@ -247,8 +224,6 @@ int Main(int argc, char** argv) {
     std::sort(ratios.begin(), ratios.end());
     std::printf("%-6s median ratio %.2fx (goal >= 0.95x with a real model)\n", shape.name,
                 ratios[ratios.size() / 2]);
-    (void)(*router)->Stop(absl::Seconds(10));
-    (void)(*executor)->Stop(absl::Seconds(10));
   }
   return 0;
 }

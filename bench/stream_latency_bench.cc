@@ -37,6 +37,7 @@
 #include "absl/time/time.h"
 #include "common/base/check.h"
 #include "common/base/monotonic_clock.h"
+#include "bench/server_stack.h"
 #include "nlohmann/json.hpp"
 #include "tests/support/cache_manager_process.h"
 #include "tests/support/http_client.h"
@@ -48,7 +49,6 @@ namespace kvcm {
 namespace {
 
 using json = nlohmann::json;
-using testing::Subprocess;
 using testing::TempDir;
 
 // One client thread holding every stream.
@@ -213,20 +213,12 @@ double Metric(const std::string& url, const std::string& name) {
   return value.ok() ? *value : 0.0;
 }
 
-int FlagValue(int argc, char** argv, const char* name, int fallback) {
-  for (int i = 1; i + 1 < argc; ++i) {
-    int value = 0;
-    if (std::string(argv[i]) == name && absl::SimpleAtoi(argv[i + 1], &value)) return value;
-  }
-  return fallback;
-}
-
 int Main(int argc, char** argv) {
-  const int streams = FlagValue(argc, argv, "--streams", 1000);
-  const int tokens = FlagValue(argc, argv, "--tokens", 32);
+  const int streams = bench::FlagValue(argc, argv, "--streams", 1000);
+  const int tokens = bench::FlagValue(argc, argv, "--tokens", 32);
   // The router's --max-batch-prefill-tokens: with the default 4096, the 1,000 prompts are
   // admitted over three steps, which the streams admitted first see as long gaps.
-  const int prefill = FlagValue(argc, argv, "--max-batch-prefill-tokens", 4096);
+  const int prefill = bench::FlagValue(argc, argv, "--max-batch-prefill-tokens", 4096);
   evthread_use_pthreads();
   absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-slb");
   KVCM_CHECK(dir.ok());
@@ -242,42 +234,24 @@ int Main(int argc, char** argv) {
   cm_options.kv_heads = tiny.num_kv_heads;
   cm_options.head_dim = tiny.head_dim;
   cm_options.dtype = "fp32";
-  auto cm = testing::CacheManagerProcess::Start(cm_options);
-  KVCM_CHECK(cm.ok()) << cm.status();
-  Subprocess::Options router_options;
-  router_options.argv = {testing::KvcmBinaryPath("kvcm-router"), "--model", model_dir,
-                         "--run-dir", (*cm)->run_dir(), "--port", "0", "--max-running",
-                         std::to_string(streams + 8), "--max-concurrent-requests",
-                         std::to_string(streams + 8), "--max-batch-prefill-tokens",
-                         std::to_string(prefill)};
-  router_options.output_path = dir->path() + "/router.log";
-  auto router = Subprocess::Start(router_options);
-  KVCM_CHECK(router.ok());
-  auto ready = (*router)->WaitForLine("ready http=http://127.0.0.1:([0-9]+)",
-                                      absl::Now() + absl::Seconds(30));
-  KVCM_CHECK(ready.ok()) << ready.status();
-  const int port = std::stoi((*ready)[1]);
-  const std::string url = absl::StrCat("http://127.0.0.1:", port);
-  Subprocess::Options executor_options;
-  executor_options.argv = {testing::KvcmBinaryPath("kvcm-executor"), "--model", model_dir,
-                           "--run-dir", (*cm)->run_dir(), "--threads", "1",
-                           "--metrics-address", "127.0.0.1:0"};
-  executor_options.output_path = dir->path() + "/executor.log";
-  auto executor = Subprocess::Start(executor_options);
-  KVCM_CHECK(executor.ok());
-  KVCM_CHECK((*executor)->WaitForLine("registered with the router",
-                                      absl::Now() + absl::Seconds(30)).ok());
+  const std::unique_ptr<bench::ServerStack> stack = bench::StartServerStack(
+      model_dir, cm_options,
+      {"--max-running", std::to_string(streams + 8), "--max-concurrent-requests",
+       std::to_string(streams + 8), "--max-batch-prefill-tokens", std::to_string(prefill)},
+      /*executor_threads=*/1, dir->path());
+  const int port = stack->port;
+  const std::string& url = stack->url;
 
   const std::string body =
       json{{"inputs", "stream me"}, {"parameters", {{"max_new_tokens", tokens}}}}.dump();
   StreamClient warm;
   (void)warm.Run("127.0.0.1", port, "/generate_stream", body, 50);
 
-  const int threads_idle = Threads((*router)->pid());
+  const int threads_idle = Threads(stack->router->pid());
   int threads_busy = 0;
   std::thread sampler([&] {
     absl::SleepFor(absl::Milliseconds(500));
-    threads_busy = Threads((*router)->pid());
+    threads_busy = Threads(stack->router->pid());
   });
   const double steps_before = Metric(url, "kvcm_router_step_duration_seconds_count");
   const double seconds_before = Metric(url, "kvcm_router_step_duration_seconds_sum");
@@ -319,8 +293,6 @@ int Main(int argc, char** argv) {
   std::printf("%-30s %9.2fx %9.2fx   (goal <= 1.20x)\n", "ratio",
               Quantile(router_gaps, 0.5) / Quantile(bare_gaps, 0.5),
               Quantile(router_gaps, 0.99) / Quantile(bare_gaps, 0.99));
-  (void)(*router)->Stop(absl::Seconds(10));
-  (void)(*executor)->Stop(absl::Seconds(10));
   return 0;
 }
 
