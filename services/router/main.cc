@@ -5,6 +5,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <filesystem>
 #include <fstream>
@@ -15,10 +16,12 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "common/base/command_line.h"
 #include "common/base/log.h"
 #include "common/base/run_dir.h"
+#include "common/base/status_macros.h"
 #include "common/base/termination_signals.h"
 #include "common/base/unique_fd.h"
 #include "common/tokenizer/tokenizer.h"
@@ -58,35 +61,72 @@ namespace {
 constexpr char kComponent[] = "kvcm-router";
 void Log(std::string_view text) { LogLine(kComponent, text); }
 
-// config.json's tokenizer fields: vocab_size, bos_token_id, eos_token_id (int or list).
-absl::StatusOr<TokenizerConfig> ReadTokenizerConfig(const std::string& folder) {
-  const std::string path = folder + "/config.json";
+// Appends the ids of an "eos_token_id" value (an int, a list of ints, or null) to `out`,
+// without repeats. INVALID_ARGUMENT naming `path` for anything else, or an id outside the
+// vocabulary.
+absl::Status AppendEosIds(const nlohmann::json& value, const std::string& path, int32_t vocab,
+                          std::vector<int32_t>* out) {
+  if (value.is_null()) return absl::OkStatus();
+  std::vector<nlohmann::json> ids;
+  if (value.is_array()) {
+    ids.assign(value.begin(), value.end());
+  } else {
+    ids.push_back(value);
+  }
+  for (const nlohmann::json& id : ids) {
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= vocab) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, ": eos_token_id must be token ids in [0, ", vocab, "), got ", value.dump()));
+    }
+    const auto token = id.get<int32_t>();
+    if (std::find(out->begin(), out->end(), token) == out->end()) out->push_back(token);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<nlohmann::json> ReadJsonObject(const std::string& path) {
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
   std::stringstream text;
   text << in.rdbuf();
-  const nlohmann::json root = nlohmann::json::parse(text.str(), nullptr, false);
+  nlohmann::json root = nlohmann::json::parse(text.str(), nullptr, false);
   if (root.is_discarded() || !root.is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(path, " is not a JSON object"));
   }
+  return root;
+}
+
+// config.json's tokenizer fields: vocab_size, bos_token_id, eos_token_id (int or list).
+absl::StatusOr<TokenizerConfig> ReadTokenizerConfig(const std::string& folder) {
+  const std::string path = folder + "/config.json";
+  absl::StatusOr<nlohmann::json> root = ReadJsonObject(path);
+  if (!root.ok()) return root.status();
   TokenizerConfig config;
-  if (!root.contains("vocab_size") || !root["vocab_size"].is_number_integer()) {
+  if (!root->contains("vocab_size") || !(*root)["vocab_size"].is_number_integer()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": vocab_size missing"));
   }
-  config.vocab_size = root["vocab_size"].get<int32_t>();
-  if (root.contains("bos_token_id") && root["bos_token_id"].is_number_integer()) {
-    config.bos_token_id = root["bos_token_id"].get<int32_t>();
+  config.vocab_size = (*root)["vocab_size"].get<int32_t>();
+  if (root->contains("bos_token_id") && (*root)["bos_token_id"].is_number_integer()) {
+    config.bos_token_id = (*root)["bos_token_id"].get<int32_t>();
   }
-  if (root.contains("eos_token_id")) {
-    const auto& eos = root["eos_token_id"];
-    if (eos.is_number_integer()) config.eos_token_ids = {eos.get<int32_t>()};
-    if (eos.is_array()) {
-      for (const auto& id : eos) {
-        if (id.is_number_integer()) config.eos_token_ids.push_back(id.get<int32_t>());
-      }
-    }
+  if (root->contains("eos_token_id")) {
+    KVCM_RETURN_IF_ERROR(
+        AppendEosIds((*root)["eos_token_id"], path, config.vocab_size, &config.eos_token_ids));
   }
   return config;
+}
+
+// Adds generation_config.json's eos_token_id to `eos`, when the folder has one:
+// instruction-tuned models often end their turns with a token named only there, and
+// generation stops at any of them (as vLLM does).
+absl::Status AddGenerationConfigEos(const std::string& folder, int32_t vocab,
+                                    std::vector<int32_t>* eos) {
+  const std::string path = folder + "/generation_config.json";
+  if (!std::filesystem::exists(path)) return absl::OkStatus();
+  absl::StatusOr<nlohmann::json> root = ReadJsonObject(path);
+  if (!root.ok()) return root.status();
+  if (!root->contains("eos_token_id")) return absl::OkStatus();
+  return AppendEosIds((*root)["eos_token_id"], path, vocab, eos);
 }
 
 int Main() {
@@ -140,6 +180,13 @@ int Main() {
   if ((*tokenizer)->eos_id() >= 0 && core_options.eos_token_ids.empty()) {
     core_options.eos_token_ids = {(*tokenizer)->eos_id()};
   }
+  if (absl::Status added = AddGenerationConfigEos(model, tokenizer_config->vocab_size,
+                                                  &core_options.eos_token_ids);
+      !added.ok()) {
+    return fail(added);
+  }
+  Log(absl::StrCat("generation ends at token(s) ", absl::StrJoin(core_options.eos_token_ids, ", "),
+                   " (config.json, generation_config.json)"));
   std::atomic<router::HttpFrontend*> frontend_ptr{nullptr};
   auto core = router::RouterCore::Create(
       core_options, [&frontend_ptr](std::vector<router::Progress> progress) {

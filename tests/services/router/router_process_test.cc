@@ -11,6 +11,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <set>
 #include <string>
@@ -579,6 +581,46 @@ TEST_F(RouterProcessTest, PenaltiesAndTruncationGiveTheReferenceTokens) {
                                           truncated.begin() + static_cast<std::ptrdiff_t>(cut_ids.size())));
   EXPECT_TRUE(AwaitNoBlockInUse());
   ExpectWhole(Stats());
+}
+
+// Instruction-tuned models often name their end-of-turn token only in
+// generation_config.json: generation must stop there too.
+TEST_F(RouterProcessTest, GenerationConfigEosIdsEndGenerationToo) {
+  const std::string text = "where does it stop?";
+  const std::vector<int32_t> plain = Reference(text, 8);
+  ASSERT_EQ(plain.size(), 8u) << "the model drew its EOS early; pick another prompt";
+  // An end token the model reaches at its 4th token, and not before.
+  const int32_t stop = plain[3];
+  ASSERT_EQ(std::count(plain.begin(), plain.begin() + 3, stop), 0) << "pick another prompt";
+  absl::StatusOr<TempDir> copy = TempDir::Create("kvcm-gencfg");
+  ASSERT_TRUE(copy.ok());
+  std::filesystem::copy_file(*model_dir_ + "/config.json", copy->path() + "/config.json");
+  {
+    std::ofstream out(copy->path() + "/generation_config.json");
+    out << json{{"bos_token_id", 1}, {"eos_token_id", {stop, 2}}}.dump();
+  }
+  // The router reads the copy (the last --model wins); the executors the original.
+  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/64, /*executors=*/1,
+                                     {"--model", copy->path()}));
+  EXPECT_THAT(router_->Output(), HasSubstr(absl::StrCat("generation ends at token(s) 2, ", stop)));
+  absl::StatusOr<HttpResponse> reply = HttpPost(url_ + "/generate", GenerateBody(text, 8));
+  ASSERT_TRUE(reply.ok() && reply->status == 200) << (reply.ok() ? reply->body : "");
+  EXPECT_EQ(TokenIds(reply->body), std::vector<int32_t>(plain.begin(), plain.begin() + 4));
+  EXPECT_EQ(json::parse(reply->body)["details"]["finish_reason"], "eos_token");
+  router_.reset();
+
+  // A malformed one is an error naming the file, before the router serves anything.
+  {
+    std::ofstream out(copy->path() + "/generation_config.json");
+    out << R"({"eos_token_id": "two"})";
+  }
+  absl::StatusOr<RunResult> refused = RunProgram(
+      {KvcmBinaryPath("kvcm-router"), "--model", copy->path(), "--run-dir", cm_->run_dir(),
+       "--port", "0"},
+      "", absl::Seconds(30));
+  ASSERT_TRUE(refused.ok());
+  EXPECT_NE(refused->exit_code, 0);
+  EXPECT_THAT(refused->output, HasSubstr("generation_config.json: eos_token_id"));
 }
 
 TEST_F(RouterProcessTest, SeveralAnswersToOnePromptAreEachTheAnswerOfItsOwnSeed) {
