@@ -763,15 +763,25 @@ struct HttpFrontend::Impl {
 
   // The choices to return, in order: all of them, or with best_of the `shown` whose
   // generated tokens have the highest log-probability in all (TGI's and OpenAI's rule).
-  std::vector<size_t> Shown(const Active& a) const {
-    std::vector<size_t> order(a.choices.size());
-    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  static std::vector<size_t> Shown(const Active& a) {
+    std::vector<size_t> order = InOrder(a);
     if (static_cast<int32_t>(order.size()) > a.shown) {
-      std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) {
-        return a.choices[x].sum_logprob > a.choices[y].sum_logprob;
-      });
+      order = BestFirst(a);
       order.resize(static_cast<size_t>(a.shown));
     }
+    return order;
+  }
+  static std::vector<size_t> InOrder(const Active& a) {
+    std::vector<size_t> order(a.choices.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    return order;
+  }
+  // Every choice, the highest total log-probability first (ties in choice order).
+  static std::vector<size_t> BestFirst(const Active& a) {
+    std::vector<size_t> order = InOrder(a);
+    std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) {
+      return a.choices[x].sum_logprob > a.choices[y].sum_logprob;
+    });
     return order;
   }
 
@@ -826,14 +836,7 @@ struct HttpFrontend::Impl {
         body["usage"] = OpenAiUsage(a);
         Reply(a.request, 200, Dump(body));
       } else {
-        const std::vector<size_t> order = [&] {
-          std::vector<size_t> all(a.choices.size());
-          for (size_t i = 0; i < all.size(); ++i) all[i] = i;
-          std::stable_sort(all.begin(), all.end(), [&](size_t x, size_t y) {
-            return a.choices[x].sum_logprob > a.choices[y].sum_logprob;
-          });
-          return all;
-        }();
+        const std::vector<size_t> order = BestFirst(a);
         const Choice& best = a.choices[order.front()];
         const std::string text = TextOf(best);
         json body = {{"generated_text", a.params.return_full_text ? a.prompt_text + text : text}};

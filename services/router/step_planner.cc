@@ -251,7 +251,9 @@ StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId>
   // 5. Admissions, first come first served; the head is never passed over. Sequences still
   // to be forked hold their place in max_running from their request's admission.
   int64_t reserved = 0;
-  for (const auto& [seq, run] : running_) reserved += run.req.forks_wanted;
+  if (!queue_.empty()) {  // only admissions need it
+    for (const auto& [seq, run] : running_) reserved += run.req.forks_wanted;
+  }
   while (!queue_.empty() && budget > 0 && scheduled < options_.max_running) {
     Queued& head = queue_.front();
     const auto size = static_cast<int32_t>(head.tokens.size());
