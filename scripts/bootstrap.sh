@@ -27,6 +27,7 @@ PACKAGES=(
   prometheus                 # prometheus + promtool: integration tests scrape and lint /metrics
   nlohmann-json3-dev         # Hugging Face config.json
   libsentencepiece-dev       # common/tokenizer: SentencePiece tokenizer.model
+  libpcre2-dev               # common/tokenizer: byte-level BPE pre-tokenizer regexes (JIT)
   libevent-dev               # the router's HTTP server (evhttp: an open stream costs no thread)
   libgtest-dev               # tests
   libgmock-dev

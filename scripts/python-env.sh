@@ -1,30 +1,40 @@
 #!/usr/bin/env bash
-# Makes BUILD_DIR/venv, a Python virtual environment with the official clients the tests use
-# (tests/clients/requirements.txt, from PyPI). Does nothing when it is already there for the
-# same requirements. Python never runs inside the services: this is test tooling.
+# Makes the Python virtual environments the tests use, from PyPI:
+#   BUILD_DIR/venv            the official clients (tests/clients/requirements.txt)
+#   BUILD_DIR/venv-reference  the reference implementations the tests compare against
+#                             (tests/reference/requirements.txt)
+# Two of them because their pins cannot share one (text-generation wants huggingface-hub
+# below 1.0, transformers 5 at least 1.0). Each is left alone when it is already there for
+# the same requirements. Python never runs inside the services: this is test tooling.
 #
-#   scripts/python-env.sh                # build/venv
+#   scripts/python-env.sh                # build/venv, build/venv-reference
 #   KVCM_BUILD_DIR=out scripts/python-env.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 BUILD_DIR="${KVCM_BUILD_DIR:-build}"
-VENV="$BUILD_DIR/venv"
-REQUIREMENTS=tests/clients/requirements.txt
-STAMP="$VENV/.requirements.sha256"
-want="$(sha256sum "$REQUIREMENTS" | cut -d' ' -f1)"
 
-if [[ -x "$VENV/bin/python3" && -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
-  echo "python-env: $VENV is up to date"
-  exit 0
-fi
+# make_venv DIR REQUIREMENTS LISTED: DIR from REQUIREMENTS; prints the versions of LISTED.
+make_venv() {
+  local venv="$1" requirements="$2" listed="$3"
+  local stamp="$venv/.requirements.sha256"
+  local want
+  want="$(sha256sum "$requirements" | cut -d' ' -f1)"
+  if [[ -x "$venv/bin/python3" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+    echo "python-env: $venv is up to date"
+    return
+  fi
+  echo "python-env: installing $(grep -cv '^\s*\(#\|$\)' "$requirements") package(s) into $venv"
+  rm -rf "$venv"
+  mkdir -p "$BUILD_DIR"
+  python3 -m venv "$venv"
+  "$venv/bin/python3" -m pip install --quiet --disable-pip-version-check --no-input \
+    -r "$requirements"
+  echo "$want" > "$stamp"
+  "$venv/bin/python3" -m pip list --disable-pip-version-check 2>/dev/null |
+    grep -Ei "^($listed) " | sed 's/^/python-env:   /'
+}
 
-echo "python-env: installing $(grep -cv '^\s*\(#\|$\)' "$REQUIREMENTS") client package(s) into $VENV"
-rm -rf "$VENV"
-mkdir -p "$BUILD_DIR"
-python3 -m venv "$VENV"
-"$VENV/bin/python3" -m pip install --quiet --disable-pip-version-check --no-input \
-  -r "$REQUIREMENTS"
-echo "$want" > "$STAMP"
-"$VENV/bin/python3" -m pip list --disable-pip-version-check 2>/dev/null |
-  grep -Ei '^(text-generation|openai) ' | sed 's/^/python-env:   /'
+make_venv "$BUILD_DIR/venv" tests/clients/requirements.txt 'text-generation|openai'
+make_venv "$BUILD_DIR/venv-reference" tests/reference/requirements.txt \
+  'gguf|numpy|tokenizers|transformers|jinja2'

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs what is missing (Debian packages, and the official Python clients into
-# BUILD_DIR/venv), builds, and runs the whole test suite through ctest.
+# Installs what is missing (Debian packages; the official Python clients and the reference
+# implementations into BUILD_DIR/venv*; the bundled real model), builds, and runs the whole
+# test suite through ctest.
 #
 #   scripts/test.sh                  # everything (gpu tests skip without a device)
 #   scripts/test.sh -L unit          # extra arguments go to ctest
@@ -9,6 +10,9 @@ cd "$(dirname "$0")/.."
 
 scripts/bootstrap.sh
 scripts/python-env.sh
+# The bundled real model, for the tests that run it; they find it through this variable.
+KVCM_SMOLLM2_GGUF="$(scripts/get-model.sh)"
+export KVCM_SMOLLM2_GGUF
 
 BUILD_DIR="${KVCM_BUILD_DIR:-build}"
 JOBS="${KVCM_JOBS:-$(nproc)}"
