@@ -9,12 +9,15 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
+#include "absl/container/flat_hash_map.h"
 #include "common/base/status_macros.h"
+#include "common/gguf/gguf_file.h"
 #include "nlohmann/json.hpp"
 
 namespace kvcm {
@@ -375,6 +378,173 @@ absl::StatusOr<LlamaConfig> LoadLlamaConfig(const std::string& path) {
                         absl::StrCat(path, ": ", config.status().message()));
   }
   return config;
+}
+
+namespace {
+
+// GGUF metadata as LlamaConfigFromGguf reads it: every error names the file and the key.
+class GgufKeys {
+ public:
+  GgufKeys(const GgufFile& file, std::string arch) : file_(file), arch_(std::move(arch)) {}
+
+  std::string Key(std::string_view suffix) const { return absl::StrCat(arch_, ".", std::string(suffix)); }
+
+  absl::Status Invalid(std::string_view key, std::string_view what) const {
+    return absl::InvalidArgumentError(
+        absl::StrCat(file_.name(), ": GGUF key \"", std::string(key), "\" ", std::string(what)));
+  }
+
+  // A required (or, with `fallback`, optional) integer in [min_value, INT32_MAX].
+  absl::StatusOr<int32_t> Int(std::string_view key, int64_t min_value,
+                              std::optional<int32_t> fallback = std::nullopt) const {
+    if (!file_.Has(key)) {
+      if (fallback.has_value()) return *fallback;
+      return Invalid(key, "is missing");
+    }
+    KVCM_ASSIGN_OR_RETURN(const int64_t v, file_.GetInt(key));
+    if (v < min_value || v > std::numeric_limits<int32_t>::max()) {
+      return Invalid(key, absl::StrCat("must be in [", min_value, ", ",
+                                       std::numeric_limits<int32_t>::max(), "], got ", v));
+    }
+    return static_cast<int32_t>(v);
+  }
+
+  absl::StatusOr<double> PositiveFloat(std::string_view key,
+                                       std::optional<double> fallback = std::nullopt) const {
+    if (!file_.Has(key)) {
+      if (fallback.has_value()) return *fallback;
+      return Invalid(key, "is missing");
+    }
+    KVCM_ASSIGN_OR_RETURN(const double v, file_.GetFloat(key));
+    if (!(v > 0) || !std::isfinite(v)) {
+      return Invalid(key, absl::StrCat("must be a positive number, got ", v));
+    }
+    return v;
+  }
+
+ private:
+  const GgufFile& file_;
+  const std::string arch_;
+};
+
+// The type most 2-D weights are stored in ("Q4_1" for a Q4_1 file whose embeddings are Q8_0).
+std::string MainWeightType(const GgufFile& file) {
+  absl::flat_hash_map<std::string, int64_t> elements;
+  std::string best;
+  for (const GgufTensorInfo& t : file.tensors()) {
+    if (t.dims.size() != 2) continue;
+    const std::string name = GgmlTypeName(t.type);
+    elements[name] += t.element_count;
+    if (best.empty() || elements[name] > elements[best]) best = name;
+  }
+  return best.empty() ? "F32" : best;
+}
+
+}  // namespace
+
+absl::StatusOr<LlamaConfig> LlamaConfigFromGguf(const GgufFile& file) {
+  KVCM_ASSIGN_OR_RETURN(const std::string arch, file.GetString("general.architecture"));
+  if (arch == "qwen2") {
+    return absl::UnimplementedError(absl::StrCat(
+        file.name(), ": general.architecture \"qwen2\" is not supported yet (its q/k/v "
+        "projections have a bias)"));
+  }
+  if (arch != "llama") {
+    return absl::UnimplementedError(absl::StrCat(
+        file.name(), ": general.architecture \"", arch, "\" is not supported (supported: llama)"));
+  }
+  const GgufKeys keys(file, arch);
+  LlamaConfig c;
+  c.architecture = "LlamaForCausalLM (GGUF llama)";
+  KVCM_ASSIGN_OR_RETURN(c.num_hidden_layers, keys.Int(keys.Key("block_count"), 1));
+  KVCM_ASSIGN_OR_RETURN(c.hidden_size, keys.Int(keys.Key("embedding_length"), 1));
+  KVCM_ASSIGN_OR_RETURN(c.intermediate_size, keys.Int(keys.Key("feed_forward_length"), 1));
+  KVCM_ASSIGN_OR_RETURN(c.num_attention_heads, keys.Int(keys.Key("attention.head_count"), 1));
+  KVCM_ASSIGN_OR_RETURN(c.num_key_value_heads, keys.Int(keys.Key("attention.head_count_kv"), 1,
+                                                        c.num_attention_heads));
+  if (c.num_attention_heads % c.num_key_value_heads != 0) {
+    return keys.Invalid(keys.Key("attention.head_count_kv"),
+                        absl::StrCat("(", c.num_key_value_heads, ") does not divide ",
+                                     keys.Key("attention.head_count"), " (",
+                                     c.num_attention_heads, ")"));
+  }
+  if (!file.Has(keys.Key("attention.key_length")) &&
+      c.hidden_size % c.num_attention_heads != 0) {
+    return keys.Invalid(keys.Key("embedding_length"),
+                        absl::StrCat("(", c.hidden_size, ") is not divisible by the ",
+                                     c.num_attention_heads, " heads, and there is no ",
+                                     keys.Key("attention.key_length")));
+  }
+  KVCM_ASSIGN_OR_RETURN(c.head_dim, keys.Int(keys.Key("attention.key_length"), 2,
+                                             c.hidden_size / c.num_attention_heads));
+  for (const char* same : {"attention.value_length", "rope.dimension_count"}) {
+    KVCM_ASSIGN_OR_RETURN(const int32_t v, keys.Int(keys.Key(same), 1, c.head_dim));
+    if (v != c.head_dim) {
+      return absl::UnimplementedError(absl::StrCat(
+          file.name(), ": GGUF key \"", keys.Key(same), "\" is ", v, ", not the head dim ",
+          c.head_dim, " (partial rotary or unequal key/value heads are not supported)"));
+    }
+  }
+  if (c.head_dim % 2 != 0) {
+    return keys.Invalid(keys.Key("attention.key_length"),
+                        absl::StrCat("must be even for RoPE, got ", c.head_dim));
+  }
+  KVCM_ASSIGN_OR_RETURN(const double eps,
+                        keys.PositiveFloat(keys.Key("attention.layer_norm_rms_epsilon")));
+  c.rms_norm_eps = static_cast<float>(eps);
+  KVCM_ASSIGN_OR_RETURN(c.rope_theta, keys.PositiveFloat(keys.Key("rope.freq_base"), 10000.0));
+  if (file.Has(keys.Key("rope.scaling.type"))) {
+    KVCM_ASSIGN_OR_RETURN(const std::string type, file.GetString(keys.Key("rope.scaling.type")));
+    if (type == "linear") {
+      c.rope_scaling.type = RopeScaling::Type::kLinear;
+      KVCM_ASSIGN_OR_RETURN(c.rope_scaling.factor,
+                            keys.PositiveFloat(keys.Key("rope.scaling.factor")));
+    } else if (type != "none") {
+      return absl::UnimplementedError(absl::StrCat(file.name(), ": GGUF key \"",
+                                                   keys.Key("rope.scaling.type"), "\" \"", type,
+                                                   "\" is not supported (none, linear)"));
+    }
+  }
+  if (file.FindTensor("rope_freqs.weight").ok()) {
+    return absl::UnimplementedError(absl::StrCat(
+        file.name(), ": tensor \"rope_freqs.weight\" (per-frequency RoPE factors, as Llama 3.1 "
+        "files carry) is not supported yet"));
+  }
+  if (file.Has(keys.Key("attention.sliding_window"))) {
+    return absl::UnimplementedError(absl::StrCat(file.name(), ": GGUF key \"",
+                                                 keys.Key("attention.sliding_window"),
+                                                 "\" (sliding-window attention) is not supported"));
+  }
+  KVCM_ASSIGN_OR_RETURN(c.max_position_embeddings,
+                        keys.Int(keys.Key("context_length"), 1, int32_t{2048}));
+  int32_t tokens = 0;
+  if (file.Has("tokenizer.ggml.tokens")) {
+    KVCM_ASSIGN_OR_RETURN(const GgufValue* list, file.GetValue("tokenizer.ggml.tokens"));
+    tokens = static_cast<int32_t>(std::min<size_t>(list->elements.size(), INT32_MAX));
+  }
+  KVCM_ASSIGN_OR_RETURN(c.vocab_size, keys.Int(keys.Key("vocab_size"), 1,
+                                               tokens > 0 ? std::optional<int32_t>(tokens)
+                                                          : std::nullopt));
+  c.tie_word_embeddings = !file.FindTensor("output.weight").ok();
+  KVCM_ASSIGN_OR_RETURN(c.bos_token_id, keys.Int("tokenizer.ggml.bos_token_id", 0, int32_t{-1}));
+  if (c.bos_token_id >= c.vocab_size) {
+    return keys.Invalid("tokenizer.ggml.bos_token_id",
+                        absl::StrCat("(", c.bos_token_id, ") is outside the vocabulary of ",
+                                     c.vocab_size));
+  }
+  for (const char* key : {"tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"}) {
+    KVCM_ASSIGN_OR_RETURN(const int32_t id, keys.Int(key, 0, int32_t{-1}));
+    if (id < 0) continue;
+    if (id >= c.vocab_size) {
+      return keys.Invalid(key, absl::StrCat("(", id, ") is outside the vocabulary of ",
+                                            c.vocab_size));
+    }
+    if (std::find(c.eos_token_ids.begin(), c.eos_token_ids.end(), id) == c.eos_token_ids.end()) {
+      c.eos_token_ids.push_back(id);
+    }
+  }
+  c.torch_dtype = absl::StrCat("GGUF ", MainWeightType(file));
+  return c;
 }
 
 }  // namespace kvcm

@@ -99,4 +99,31 @@ absl::StatusOr<LlamaConfig> ParseLlamaConfig(const std::string& json_text);
 // Reads and parses a config.json file; errors are prefixed with its path.
 absl::StatusOr<LlamaConfig> LoadLlamaConfig(const std::string& path);
 
+// The same hyperparameters from a GGUF file's metadata (llama.cpp's keys, ARCH being
+// general.architecture):
+//
+//   general.architecture                   "llama" (Llama 2/3, SmolLM, Mistral); "qwen2" is
+//                                          UNIMPLEMENTED (bias on q/k/v)
+//   ARCH.block_count                       num_hidden_layers
+//   ARCH.embedding_length                  hidden_size
+//   ARCH.feed_forward_length               intermediate_size
+//   ARCH.attention.head_count              num_attention_heads
+//   ARCH.attention.head_count_kv           num_key_value_heads (default: head_count)
+//   ARCH.attention.key_length              head_dim (default hidden / heads); value_length
+//                                          and rope.dimension_count must equal it
+//   ARCH.attention.layer_norm_rms_epsilon  rms_norm_eps (required)
+//   ARCH.rope.freq_base                    rope_theta (default 10000)
+//   ARCH.rope.scaling.type / .factor       "none" or "linear"; others UNIMPLEMENTED
+//   ARCH.context_length                    max_position_embeddings
+//   ARCH.vocab_size                        vocab_size (default: the number of tokens)
+//   tokenizer.ggml.bos_token_id            bos_token_id
+//   tokenizer.ggml.eos_token_id, .eot_token_id   eos_token_ids
+// tie_word_embeddings is true when there is no `output.weight` tensor; a `rope_freqs.weight`
+// tensor (Llama 3.1's per-frequency RoPE factors) and an ARCH.attention.sliding_window are
+// UNIMPLEMENTED. torch_dtype reads "GGUF <type>", the type most of the 2-D weights are in.
+// Errors name the file and the key: INVALID_ARGUMENT for a missing or malformed key,
+// UNIMPLEMENTED as above.
+class GgufFile;
+absl::StatusOr<LlamaConfig> LlamaConfigFromGguf(const GgufFile& file);
+
 }  // namespace kvcm

@@ -3,11 +3,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <numbers>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
 #include "common/base/check.h"
 #include "common/base/status_macros.h"
@@ -15,6 +18,8 @@
 #include "kernels/paged_attention.h"
 #include "kernels/paged_kv.h"
 #include "kernels/write_kv.h"
+#include "common/gguf/ggml_types.h"
+#include "common/gguf/gguf_file.h"
 #include "services/executor/safetensors.h"
 
 namespace kvcm {
@@ -70,22 +75,159 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
-// Loads tensor `name` of exactly `shape` from the folder's shards.
-absl::StatusOr<std::vector<float>> LoadTensor(const SafetensorsFolder& shards,
-                                              const std::string& folder, const std::string& name,
-                                              const std::vector<int64_t>& shape) {
-  const auto [file, info] = shards.Find(name);
-  if (file == nullptr) {
-    return absl::NotFoundError(absl::StrCat("model folder \"", folder, "\" has no tensor \"", name,
-                                            "\" (expected shape ", ShapeString(shape), ")"));
+}  // namespace
+
+namespace internal {
+
+// Where Load finds the tensors, by their Hugging Face names (see llama_model.h).
+class WeightSource {
+ public:
+  virtual ~WeightSource() = default;
+  virtual bool Has(const std::string& hf_name) const = 0;
+  // Tensor `hf_name` of exactly `shape`, in fp32.
+  virtual absl::StatusOr<std::vector<float>> Load(const std::string& hf_name,
+                                                  const std::vector<int64_t>& shape) const = 0;
+};
+
+}  // namespace internal
+
+namespace {
+
+using internal::WeightSource;
+
+// A Hugging Face folder's safetensors shards.
+class SafetensorsSource final : public WeightSource {
+ public:
+  SafetensorsSource(const SafetensorsFolder& shards, std::string folder)
+      : shards_(shards), folder_(std::move(folder)) {}
+
+  bool Has(const std::string& hf_name) const override {
+    return shards_.Find(hf_name).first != nullptr;
   }
-  if (info->shape != shape) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "tensor \"", name, "\" in \"", file->path(), "\" has shape ", ShapeString(info->shape),
-        ", expected ", ShapeString(shape), " from config.json"));
+
+  absl::StatusOr<std::vector<float>> Load(const std::string& name,
+                                          const std::vector<int64_t>& shape) const override {
+    const auto [file, info] = shards_.Find(name);
+    if (file == nullptr) {
+      return absl::NotFoundError(absl::StrCat("model folder \"", folder_, "\" has no tensor \"",
+                                              name, "\" (expected shape ", ShapeString(shape),
+                                              ")"));
+    }
+    if (info->shape != shape) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor \"", name, "\" in \"", file->path(), "\" has shape ", ShapeString(info->shape),
+          ", expected ", ShapeString(shape), " from config.json"));
+    }
+    return file->LoadFloat32(name);
   }
-  return file->LoadFloat32(name);
+
+ private:
+  const SafetensorsFolder& shards_;
+  const std::string folder_;
+};
+
+// llama.cpp's name of a Hugging Face tensor name (convert_hf_to_gguf's tensor map for
+// Llama): model.layers.{l}.self_attn.q_proj.weight -> blk.{l}.attn_q.weight, ...
+std::string GgufTensorName(const std::string& hf_name) {
+  static const std::pair<std::string_view, std::string_view> kWhole[] = {
+      {"model.embed_tokens.weight", "token_embd.weight"},
+      {"model.norm.weight", "output_norm.weight"},
+      {"lm_head.weight", "output.weight"},
+  };
+  for (const auto& [hf, gguf] : kWhole) {
+    if (hf_name == hf) return std::string(gguf);
+  }
+  static const std::pair<std::string_view, std::string_view> kLayer[] = {
+      {"input_layernorm.weight", "attn_norm.weight"},
+      {"self_attn.q_proj.weight", "attn_q.weight"},
+      {"self_attn.k_proj.weight", "attn_k.weight"},
+      {"self_attn.v_proj.weight", "attn_v.weight"},
+      {"self_attn.o_proj.weight", "attn_output.weight"},
+      {"post_attention_layernorm.weight", "ffn_norm.weight"},
+      {"mlp.gate_proj.weight", "ffn_gate.weight"},
+      {"mlp.up_proj.weight", "ffn_up.weight"},
+      {"mlp.down_proj.weight", "ffn_down.weight"},
+  };
+  constexpr std::string_view kLayers = "model.layers.";
+  if (hf_name.starts_with(kLayers)) {
+    const std::string_view rest = std::string_view(hf_name).substr(kLayers.size());
+    const size_t dot = rest.find('.');
+    if (dot != std::string_view::npos) {
+      const std::string_view layer = rest.substr(0, dot);
+      const std::string_view tail = rest.substr(dot + 1);
+      for (const auto& [hf, gguf] : kLayer) {
+        if (tail == hf) return absl::StrCat("blk.", std::string(layer), ".", std::string(gguf));
+      }
+    }
+  }
+  return hf_name;
 }
+
+// A GGUF file: tensors dequantized to fp32 (ggml's reference dequantization). GGUF stores
+// a [out, in] matrix with dims {in, out} (ne[0] the contiguous one), the same bytes as the
+// row-major [out, in]. GGUF conversion reorders the rows of q_proj and k_proj inside each
+// head from Hugging Face's rotate-half RoPE layout (the first half of a head, then the
+// second) to ggml's interleaved pairs (row 2i is HF's row i, row 2i + 1 is HF's row
+// i + head_dim / 2); Load undoes it, so the model computes RoPE one way for both sources.
+class GgufSource final : public WeightSource {
+ public:
+  GgufSource(const GgufFile& file, const LlamaConfig& config) : file_(file), config_(config) {}
+
+  bool Has(const std::string& hf_name) const override {
+    return file_.FindTensor(GgufTensorName(hf_name)).ok();
+  }
+
+  absl::StatusOr<std::vector<float>> Load(const std::string& hf_name,
+                                          const std::vector<int64_t>& shape) const override {
+    const std::string name = GgufTensorName(hf_name);
+    absl::StatusOr<const GgufTensorInfo*> found = file_.FindTensor(name);
+    if (!found.ok()) {
+      return absl::NotFoundError(absl::StrCat("\"", file_.name(), "\" has no tensor \"", name,
+                                              "\" (expected shape ", ShapeString(shape), ")"));
+    }
+    const GgufTensorInfo& t = **found;
+    const std::vector<int64_t> row_major(t.dims.rbegin(), t.dims.rend());
+    if (row_major != shape) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor \"", name, "\" in \"", file_.name(), "\" has shape ", ShapeString(row_major),
+          " (GGUF dims ", ShapeString(t.dims), "), expected ", ShapeString(shape),
+          " from the file's metadata"));
+    }
+    std::vector<float> out(static_cast<size_t>(t.element_count));
+    if (absl::Status s = Dequantize(t.type, t.data, std::span<float>(out)); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("tensor \"", name, "\" in \"", file_.name(),
+                                                 "\": ", s.message()));
+    }
+    if (hf_name.ends_with("self_attn.q_proj.weight")) {
+      return UnpermuteRope(std::move(out), config_.num_attention_heads, shape[1]);
+    }
+    if (hf_name.ends_with("self_attn.k_proj.weight")) {
+      return UnpermuteRope(std::move(out), config_.num_key_value_heads, shape[1]);
+    }
+    return out;
+  }
+
+ private:
+  // Rows of each of `heads` heads back from ggml's interleaved order to Hugging Face's.
+  std::vector<float> UnpermuteRope(std::vector<float> w, int32_t heads, int64_t in) const {
+    const int64_t d = config_.head_dim;
+    const int64_t half = d / 2;
+    std::vector<float> out(w.size());
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t i = 0; i < half; ++i) {
+        for (int64_t part = 0; part < 2; ++part) {
+          const float* src = w.data() + (h * d + 2 * i + part) * in;
+          float* dst = out.data() + (h * d + part * half + i) * in;
+          std::copy(src, src + in, dst);
+        }
+      }
+    }
+    return out;
+  }
+
+  const GgufFile& file_;
+  const LlamaConfig& config_;
+};
 
 absl::StatusOr<kernels::KvDType> KernelDType(DType dtype) {
   switch (dtype) {
@@ -156,11 +298,37 @@ void LlamaModel::ParallelChunks(int64_t n, int64_t min_chunk,
 
 LlamaModel::~LlamaModel() = default;
 
-absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& folder,
+bool IsGgufFile(const std::string& path) {
+  std::error_code error;
+  if (!std::filesystem::is_regular_file(path, error)) return false;
+  std::ifstream in(path, std::ios::binary);
+  char magic[4] = {};
+  in.read(magic, sizeof(magic));
+  return in.gcount() == 4 && std::memcmp(magic, "GGUF", 4) == 0;
+}
+
+absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& path,
                                                              const LlamaModelOptions& options) {
-  KVCM_ASSIGN_OR_RETURN(LlamaConfig config, LoadLlamaConfig(folder + "/config.json"));
+  if (IsGgufFile(path)) {
+    KVCM_ASSIGN_OR_RETURN(const std::unique_ptr<GgufFile> file, GgufFile::Open(path));
+    KVCM_ASSIGN_OR_RETURN(LlamaConfig config, LlamaConfigFromGguf(*file));
+    const LlamaConfig& c = config;
+    return LoadWeights(std::move(config), GgufSource(*file, c), options);
+  }
+  KVCM_ASSIGN_OR_RETURN(LlamaConfig config, LoadLlamaConfig(path + "/config.json"));
   KVCM_ASSIGN_OR_RETURN(const std::unique_ptr<SafetensorsFolder> shards,
-                        SafetensorsFolder::Open(folder));
+                        SafetensorsFolder::Open(path));
+  if (!config.tie_word_embeddings && !shards->Find("lm_head.weight").first) {
+    return absl::NotFoundError(absl::StrCat(
+        "model folder \"", path, "\" has no tensor \"lm_head.weight\" (expected shape [",
+        config.vocab_size, ", ", config.hidden_size,
+        "]) and config.json does not set tie_word_embeddings"));
+  }
+  return LoadWeights(std::move(config), SafetensorsSource(*shards, path), options);
+}
+
+absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::LoadWeights(
+    LlamaConfig config, const WeightSource& source, const LlamaModelOptions& options) {
   auto model = std::unique_ptr<LlamaModel>(new LlamaModel(std::move(config), options.num_threads));
   const LlamaConfig& c = model->config_;
   const int64_t h = c.hidden_size;
@@ -170,7 +338,7 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& 
   const int64_t vocab = c.vocab_size;
   auto load = [&](const std::string& name, std::vector<int64_t> shape,
                   std::vector<float>* out) -> absl::Status {
-    KVCM_ASSIGN_OR_RETURN(*out, LoadTensor(*shards, folder, name, shape));
+    KVCM_ASSIGN_OR_RETURN(*out, source.Load(name, shape));
     return absl::OkStatus();
   };
 
@@ -191,11 +359,6 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& 
   }
   KVCM_RETURN_IF_ERROR(load("model.norm.weight", {h}, &model->weights_.final_norm));
   if (!c.tie_word_embeddings) {
-    if (shards->Find("lm_head.weight").first == nullptr) {
-      return absl::NotFoundError(absl::StrCat(
-          "model folder \"", folder, "\" has no tensor \"lm_head.weight\" (expected shape [", vocab,
-          ", ", h, "]) and config.json does not set tie_word_embeddings"));
-    }
     KVCM_RETURN_IF_ERROR(load("lm_head.weight", {vocab, h}, &model->weights_.lm_head));
   }
   model->inv_freq_ = InverseFrequencies(c);

@@ -119,6 +119,13 @@ struct TokenPlan {
 };
 TokenPlan PlanTokens(const ForwardBatch& batch, int32_t block_size, LogitsScope scope);
 
+namespace internal {
+class WeightSource;
+}  // namespace internal
+
+// Whether `path` is a GGUF file (a regular file starting with the magic "GGUF").
+bool IsGgufFile(const std::string& path);
+
 class LlamaModel {
  public:
   // Loads `folder`/config.json and the folder's safetensors shards (see safetensors.h).
@@ -140,8 +147,15 @@ class LlamaModel {
   // Other tensors are ignored. Errors: those of LoadLlamaConfig and SafetensorsFolder::Open;
   // NOT_FOUND naming a missing tensor; INVALID_ARGUMENT naming a tensor whose shape differs,
   // with the expected and actual shapes; UNIMPLEMENTED for a dtype other than F32/F16/BF16.
+  //
+  // `path` may also be a GGUF file (IsGgufFile): the config comes from its metadata
+  // (LlamaConfigFromGguf) and the same tensors under llama.cpp's names (token_embd,
+  // blk.{l}.attn_norm, attn_q, attn_k, attn_v, attn_output, ffn_norm, ffn_gate, ffn_up,
+  // ffn_down, output_norm, output), of any type Dequantize implements, dequantized to fp32
+  // at load; q and k rows are put back from GGUF's RoPE order (see llama_model.cc). Errors:
+  // GgufFile::Open's and LlamaConfigFromGguf's, and the tensor errors above naming the file.
   static absl::StatusOr<std::unique_ptr<LlamaModel>> Load(
-      const std::string& folder, const LlamaModelOptions& options = LlamaModelOptions());
+      const std::string& path, const LlamaModelOptions& options = LlamaModelOptions());
 
   LlamaModel(const LlamaModel&) = delete;
   LlamaModel& operator=(const LlamaModel&) = delete;
@@ -183,6 +197,8 @@ class LlamaModel {
 
  private:
   LlamaModel(LlamaConfig config, int32_t num_threads);
+  static absl::StatusOr<std::unique_ptr<LlamaModel>> LoadWeights(
+      LlamaConfig config, const internal::WeightSource& source, const LlamaModelOptions& options);
 
   // Calls fn(begin, end) for disjoint chunks covering [0, n), each at least `min_chunk` long
   // (except a shorter n), on up to num_threads_ threads of the kernels' pool. The chunk
