@@ -3,6 +3,8 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <limits>
 #include <optional>
 #include <string>
@@ -15,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "common/base/status_macros.h"
+#include "common/gguf/gguf_file.h"
 #include "common/sizing/kv_cache_spec.h"
 #include "nlohmann/json.hpp"
 
@@ -199,6 +202,94 @@ absl::StatusOr<KvCacheSpec> SpecFromHfConfigFile(const std::string& path, int32_
     return absl::Status(spec.status().code(), absl::StrCat(path, ": ", spec.status().message()));
   }
   return spec;
+}
+
+absl::StatusOr<KvCacheSpec> SpecFromGgufFile(const std::string& path, int32_t block_size,
+                                             std::optional<DType> dtype_override,
+                                             std::vector<std::string>* notes) {
+  KVCM_ASSIGN_OR_RETURN(const std::unique_ptr<GgufFile> file, GgufFile::Open(path));
+  KVCM_ASSIGN_OR_RETURN(const std::string arch, file->GetString("general.architecture"));
+  auto key = [&](const char* suffix) { return absl::StrCat(arch, ".", suffix); };
+  auto invalid = [&](const std::string& k, const std::string& what) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": GGUF key \"", k, "\" ", what));
+  };
+  auto positive = [&](const std::string& k,
+                      std::optional<int64_t> fallback) -> absl::StatusOr<int32_t> {
+    if (!file->Has(k)) {
+      if (fallback.has_value()) return static_cast<int32_t>(*fallback);
+      return invalid(k, "is missing");
+    }
+    KVCM_ASSIGN_OR_RETURN(const int64_t v, file->GetInt(k));
+    if (v <= 0 || v > std::numeric_limits<int32_t>::max()) {
+      return invalid(k, absl::StrCat("must be a positive 32-bit integer, got ", v));
+    }
+    return static_cast<int32_t>(v);
+  };
+  KvCacheSpec spec;
+  KVCM_ASSIGN_OR_RETURN(spec.num_layers, positive(key("block_count"), std::nullopt));
+  KVCM_ASSIGN_OR_RETURN(const int32_t heads, positive(key("attention.head_count"), std::nullopt));
+  KVCM_ASSIGN_OR_RETURN(spec.num_kv_heads, positive(key("attention.head_count_kv"), heads));
+  if (heads % spec.num_kv_heads != 0) {
+    return invalid(key("attention.head_count_kv"),
+                   absl::StrCat("(", spec.num_kv_heads, ") does not divide ",
+                                key("attention.head_count"), " (", heads, ")"));
+  }
+  if (file->Has(key("attention.key_length"))) {
+    KVCM_ASSIGN_OR_RETURN(spec.head_dim, positive(key("attention.key_length"), std::nullopt));
+  } else {
+    KVCM_ASSIGN_OR_RETURN(const int32_t hidden, positive(key("embedding_length"), std::nullopt));
+    if (hidden % heads != 0) {
+      return invalid(key("embedding_length"),
+                     absl::StrCat("(", hidden, ") is not divisible by the ", heads, " heads"));
+    }
+    spec.head_dim = hidden / heads;
+  }
+  spec.block_size = block_size;
+  if (dtype_override.has_value()) {
+    spec.dtype = *dtype_override;
+  } else {
+    absl::StatusOr<const GgufTensorInfo*> embeddings = file->FindTensor("token_embd.weight");
+    const GgmlType type = embeddings.ok() ? (*embeddings)->type : GgmlType::kQ8_0;
+    spec.dtype = type == GgmlType::kF32    ? DType::kFloat32
+                 : type == GgmlType::kBF16 ? DType::kBFloat16
+                                           : DType::kFloat16;
+    if (notes != nullptr) {
+      notes->push_back(absl::StrCat(
+          "KV dtype ", std::string(DTypeName(spec.dtype)), " for a GGUF model whose embeddings are ",
+          GgmlTypeName(type),
+          type == GgmlType::kF32 || type == GgmlType::kBF16 || type == GgmlType::kF16
+              ? ""
+              : " (quantized weights: fp16 is llama.cpp's default cache type)",
+          "; give --dtype to pick another"));
+    }
+  }
+  if (notes != nullptr && file->Has(key("attention.sliding_window"))) {
+    notes->push_back(absl::StrCat(key("attention.sliding_window"),
+                                  " is ignored: the pool is sized for full attention"));
+  }
+  if (absl::Status valid = spec.Validate(); !valid.ok()) {
+    return absl::Status(valid.code(), absl::StrCat(path, ": ", valid.message()));
+  }
+  return spec;
+}
+
+absl::StatusOr<KvCacheSpec> SpecFromModelPath(const std::string& path, int32_t block_size,
+                                              std::optional<DType> dtype_override,
+                                              std::vector<std::string>* notes) {
+  std::error_code error;
+  if (std::filesystem::is_directory(path, error)) {
+    return SpecFromHfConfigFile(absl::StrCat(path, "/config.json"), block_size, dtype_override,
+                                notes);
+  }
+  char magic[4] = {};
+  if (std::FILE* f = std::fopen(path.c_str(), "rb"); f != nullptr) {
+    const size_t n = std::fread(magic, 1, sizeof(magic), f);
+    std::fclose(f);
+    if (n == sizeof(magic) && std::memcmp(magic, "GGUF", 4) == 0) {
+      return SpecFromGgufFile(path, block_size, dtype_override, notes);
+    }
+  }
+  return SpecFromHfConfigFile(path, block_size, dtype_override, notes);
 }
 
 }  // namespace kvcm

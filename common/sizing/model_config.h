@@ -57,4 +57,23 @@ absl::StatusOr<KvCacheSpec> SpecFromHfConfigFile(const std::string& path, int32_
                                                  std::optional<DType> dtype_override,
                                                  std::vector<std::string>* notes = nullptr);
 
+// A KvCacheSpec from a GGUF file's metadata (ARCH = general.architecture):
+// ARCH.block_count -> num_layers, ARCH.attention.head_count_kv (default head_count) ->
+// num_kv_heads, ARCH.attention.key_length (default embedding_length / head_count) ->
+// head_dim. The KV dtype, unless overridden: the type of the file's token embeddings when it
+// is F32, F16 or BF16, else fp16 (the weights are quantized; fp16 is llama.cpp's default
+// cache type) — said in `notes`, with how to pick another. ARCH.attention.sliding_window is
+// noted as ignored, like a config.json's. Errors: GgufFile::Open's; INVALID_ARGUMENT naming
+// the file and the key for a missing or malformed key, a head_count_kv that does not divide
+// head_count, or what KvCacheSpec::Validate refuses.
+absl::StatusOr<KvCacheSpec> SpecFromGgufFile(const std::string& path, int32_t block_size,
+                                             std::optional<DType> dtype_override,
+                                             std::vector<std::string>* notes = nullptr);
+
+// What a --model or --model-config flag names: a GGUF file (SpecFromGgufFile), a model
+// folder (its config.json) or a config.json file (SpecFromHfConfigFile).
+absl::StatusOr<KvCacheSpec> SpecFromModelPath(const std::string& path, int32_t block_size,
+                                              std::optional<DType> dtype_override,
+                                              std::vector<std::string>* notes = nullptr);
+
 }  // namespace kvcm

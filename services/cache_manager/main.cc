@@ -53,8 +53,8 @@ ABSL_FLAG(std::string, dtype, "",
           "KV element type: fp32, fp16, bf16, fp8_e4m3, fp8_e5m2. Default: bf16, or the "
           "model config's torch_dtype.");
 ABSL_FLAG(std::string, model_config, "",
-          "A Hugging Face config.json giving the KV shape instead of --layers/--kv-heads/"
-          "--head-dim.");
+          "The model whose KV shape the pool holds, instead of --layers/--kv-heads/--head-dim: "
+          "a Hugging Face config.json, a model folder (its config.json) or a GGUF file.");
 ABSL_FLAG(int64_t, num_blocks, 0, "Pool size as a block count (one of three sizing flags).");
 ABSL_FLAG(std::string, pool_bytes, "",
           "Pool size as a byte budget, e.g. 24GiB (one of three sizing flags).");
@@ -104,7 +104,7 @@ absl::StatusOr<KvCacheSpec> SpecFromFlags() {
           "give either --model-config or --layers/--kv-heads/--head-dim, not both");
     }
     std::vector<std::string> notes;
-    auto spec = SpecFromHfConfigFile(absl::GetFlag(FLAGS_model_config), block_size, dtype, &notes);
+    auto spec = SpecFromModelPath(absl::GetFlag(FLAGS_model_config), block_size, dtype, &notes);
     if (spec.ok()) {
       for (const std::string& note : notes) Log(absl::StrCat("model config: ", note));
     }

@@ -31,7 +31,7 @@ namespace {
 
 // The flags of `kvcmctl plan`, defined here and nowhere else.
 constexpr FlagSpec kPlanFlags[] = {
-    {"model-config", "PATH", "Hugging Face config.json giving layers, KV heads, head dim, dtype"},
+    {"model-config", "PATH", "config.json, model folder or GGUF file giving layers, KV heads, head dim, dtype"},
     {"layers", "N", "transformer layers (instead of --model-config)"},
     {"kv-heads", "N", "KV heads per layer; fewer than query heads under GQA"},
     {"head-dim", "N", "elements per head"},
@@ -245,7 +245,7 @@ absl::StatusOr<PlanReport> BuildPlanReport(const PlanOptions& options) {
   if (!options.model_config.empty()) {
     report.model_config = options.model_config;
     KVCM_ASSIGN_OR_RETURN(
-        spec, SpecFromHfConfigFile(options.model_config, options.block_size, options.dtype,
+        spec, SpecFromModelPath(options.model_config, options.block_size, options.dtype,
                                    &report.notes));
   } else {
     spec.num_layers = options.num_layers;

@@ -147,14 +147,14 @@ absl::StatusOr<LaunchOptions> ParseLaunchOptions(const std::vector<std::string>&
 std::string LaunchUsage() {
   std::string usage = R"(kvcm-launch: runs a whole kvcm server on this node.
 
-Starts the cache manager (KV shape from the model's config.json), the router and N
+Starts the cache manager (KV shape from the model), the router and N
 executors, waits for each to be ready, restarts any that dies (with backoff), prefixes
 their log lines, and stops them all cleanly at SIGINT/SIGTERM (a second signal: at once).
 
-  kvcm-launch --model DIR [--executors N] [flags...]
+  kvcm-launch --model DIR|FILE.gguf [--executors N] [flags...]
 
 Launcher flags:
-  --model DIR               the model folder (required)
+  --model PATH              a model folder or a GGUF file (required)
   --executors N             executors to run (default 1)
   --run-dir DIR             the run directory (default: a fresh one, removed at exit)
   --bin-dir DIR             where the kvcm binaries are (default: beside kvcm-launch)

@@ -123,8 +123,13 @@ absl::Status Launcher::Prepare() {
                                               " is missing or not executable (--bin-dir)"));
     }
   }
-  if (!std::filesystem::exists(options_.model + "/config.json")) {
-    return absl::NotFoundError(absl::StrCat(options_.model, "/config.json not found (--model)"));
+  // A model folder (its config.json) or a GGUF file: the cache manager reads either.
+  const bool folder = std::filesystem::is_directory(options_.model);
+  if (folder ? !std::filesystem::exists(options_.model + "/config.json")
+             : !std::filesystem::is_regular_file(options_.model)) {
+    return absl::NotFoundError(absl::StrCat(
+        options_.model, folder ? "/config.json not found (--model)"
+                               : " is neither a model folder nor a GGUF file (--model)"));
   }
   run_dir_ = options_.run_dir;
   if (run_dir_.empty()) {
@@ -148,9 +153,8 @@ absl::Status Launcher::Prepare() {
     return c;
   };
   auto cm = child("cache-manager", Group::kCacheManager, "kvcm-cache-manager", "ready epoch=");
-  cm->argv.insert(cm->argv.end(), {"--run-dir", run_dir_, "--model-config",
-                                   options_.model + "/config.json", "--metrics-address",
-                                   "127.0.0.1:0"});
+  cm->argv.insert(cm->argv.end(), {"--run-dir", run_dir_, "--model-config", options_.model,
+                                   "--metrics-address", "127.0.0.1:0"});
   if (!options_.pool_sized) cm->argv.push_back(absl::StrCat("--pool-bytes=", kDefaultPoolBytes));
   cm->argv.insert(cm->argv.end(), options_.cache_manager_args.begin(),
                   options_.cache_manager_args.end());
