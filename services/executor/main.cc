@@ -41,7 +41,8 @@
 #include "services/executor/llama_model.h"
 
 ABSL_FLAG(std::string, model, "",
-          "Model folder: config.json and *.safetensors (Hugging Face layout). Required.");
+          "The model: a Hugging Face folder (config.json and *.safetensors) or a GGUF file. "
+          "Required.");
 ABSL_FLAG(std::string, run_dir, "",
           "The cache manager's run directory; its requests go to ipc://RUN_DIR/"
           "cache-manager.sock. Default: $XDG_RUNTIME_DIR/kvcm, else /tmp/kvcm-$UID (the cache "
@@ -75,11 +76,13 @@ namespace {
 constexpr char kComponent[] = "kvcm-executor";
 void Log(std::string_view text) { LogLine(kComponent, text); }
 
-// The folder's last component: "models/tiny/" -> "tiny".
+// The folder's last component, or the GGUF file's name without ".gguf" (as the router's
+// ModelMetadata names it): "models/tiny/" -> "tiny", "m/SmolLM2.Q4_1.gguf" -> "SmolLM2.Q4_1".
 std::string ModelName(const std::string& folder) {
   std::string path(absl::StripSuffix(folder, "/"));
   const size_t slash = path.rfind('/');
-  return slash == std::string::npos ? path : path.substr(slash + 1);
+  if (slash != std::string::npos) path = path.substr(slash + 1);
+  return std::string(absl::StripSuffix(path, ".gguf"));
 }
 
 int Main() {
@@ -97,7 +100,7 @@ int Main() {
   };
 
   const std::string folder = absl::GetFlag(FLAGS_model);
-  if (folder.empty()) return fail("", absl::InvalidArgumentError("--model DIR is required"));
+  if (folder.empty()) return fail("", absl::InvalidArgumentError("--model (a folder or a GGUF file) is required"));
   if (!absl::GetFlag(FLAGS_run_dir).empty() && !absl::GetFlag(FLAGS_cache_manager).empty()) {
     return fail("", absl::InvalidArgumentError("give --run-dir or --cache-manager, not both"));
   }
