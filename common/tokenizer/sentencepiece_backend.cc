@@ -49,6 +49,18 @@ bool SentencePieceBackend::Decode(const std::vector<int32_t>& ids, std::string* 
 }
 
 int32_t SentencePieceBackend::piece_size() const { return impl_->processor.GetPieceSize(); }
+
+int32_t SentencePieceBackend::PieceToId(std::string_view piece) const {
+  const int id = impl_->processor.PieceToId(piece);
+  // Unknown pieces come back as the <unk> id.
+  if (id < 0 || impl_->processor.IdToPiece(id) != piece) return -1;
+  return id;
+}
+
+bool SentencePieceBackend::IsControlOrUnknown(int32_t id) const {
+  if (id < 0 || id >= impl_->processor.GetPieceSize()) return false;
+  return impl_->processor.IsControl(id) || impl_->processor.IsUnknown(id);
+}
 int32_t SentencePieceBackend::bos_id() const { return impl_->processor.bos_id(); }
 int32_t SentencePieceBackend::eos_id() const { return impl_->processor.eos_id(); }
 

@@ -32,6 +32,10 @@ class SentencePieceBackend {
   bool Decode(const std::vector<int32_t>& ids, std::string* text, std::string* error) const;
 
   int32_t piece_size() const;
+  // The id of `piece`, -1 when the model has no such piece.
+  int32_t PieceToId(std::string_view piece) const;
+  // Control or unknown piece (false outside [0, piece_size())).
+  bool IsControlOrUnknown(int32_t id) const;
   int32_t bos_id() const;  // -1 when the model has none
   int32_t eos_id() const;  // -1 when the model has none
 

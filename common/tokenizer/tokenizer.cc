@@ -6,6 +6,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/tokenizer/bpe_tokenizer.h"
 #include "common/tokenizer/sentencepiece_backend.h"
 
 namespace kvcm {
@@ -48,6 +49,30 @@ absl::StatusOr<std::string> ByteTokenizer::Decode(std::span<const int32_t> ids) 
     }
   }
   return text;
+}
+
+bool ByteTokenizer::IsSpecial(int32_t id) const {
+  return id >= 0 && id < vocab_size_ && (id < kByteOffset || id >= kByteOffset + 256);
+}
+
+std::optional<int32_t> ByteTokenizer::TokenId(std::string_view piece) const {
+  if (piece == "<unk>") return kUnkId;
+  if (piece == "<s>") return kBosId;
+  if (piece == "</s>") return kEosId;
+  if (piece.size() == 6 && piece.substr(0, 3) == "<0x" && piece[5] == '>') {
+    int value = 0;
+    for (const char ch : piece.substr(3, 2)) {
+      if (ch >= '0' && ch <= '9') {
+        value = value * 16 + (ch - '0');
+      } else if (ch >= 'A' && ch <= 'F') {
+        value = value * 16 + (ch - 'A' + 10);
+      } else {
+        return std::nullopt;
+      }
+    }
+    return kByteOffset + value;
+  }
+  return std::nullopt;
 }
 
 SentencePieceTokenizer::SentencePieceTokenizer(
@@ -106,22 +131,34 @@ absl::StatusOr<std::string> SentencePieceTokenizer::Decode(std::span<const int32
 int32_t SentencePieceTokenizer::bos_id() const { return backend_->bos_id(); }
 int32_t SentencePieceTokenizer::eos_id() const { return backend_->eos_id(); }
 
+bool SentencePieceTokenizer::IsSpecial(int32_t id) const {
+  if (id < 0 || id >= vocab_size_) return false;
+  return id >= backend_->piece_size() || backend_->IsControlOrUnknown(id);
+}
+
+std::optional<int32_t> SentencePieceTokenizer::TokenId(std::string_view piece) const {
+  const int32_t id = backend_->PieceToId(piece);
+  if (id < 0) return std::nullopt;
+  return id;
+}
+
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::string& folder,
                                                          const TokenizerConfig& config) {
   namespace fs = std::filesystem;
   std::error_code ec;
+  const fs::path json_path = fs::path(folder) / "tokenizer.json";
+  if (fs::exists(json_path, ec)) {
+    absl::StatusOr<std::unique_ptr<BpeTokenizer>> bpe =
+        BpeTokenizer::FromTokenizerJson(json_path.string(), config);
+    if (!bpe.ok()) return bpe.status();
+    return std::unique_ptr<Tokenizer>(std::move(*bpe));
+  }
   const fs::path sp_path = fs::path(folder) / "tokenizer.model";
   if (fs::exists(sp_path, ec)) {
     absl::StatusOr<std::unique_ptr<SentencePieceTokenizer>> sp =
         SentencePieceTokenizer::Load(sp_path.string(), config.vocab_size);
     if (!sp.ok()) return sp.status();
     return std::unique_ptr<Tokenizer>(std::move(*sp));
-  }
-  if (fs::exists(fs::path(folder) / "tokenizer.json", ec)) {
-    return absl::UnimplementedError(absl::StrCat(
-        "model folder \"", folder,
-        "\" has a tokenizer.json (Hugging Face fast tokenizer) but no tokenizer.model; only "
-        "SentencePiece tokenizer.model files are supported"));
   }
   if (config.bos_token_id != -1 && config.bos_token_id != ByteTokenizer::kBosId) {
     return absl::InvalidArgumentError(

@@ -1,6 +1,9 @@
 #pragma once
 // Tokenizer: text <-> token ids for a model folder.
 //
+//   BpeTokenizer            the folder's `tokenizer.json` (Hugging Face fast tokenizer,
+//                           byte-level BPE: GPT-2, Llama 3, Qwen2, SmolLM, ...); see
+//                           common/tokenizer/bpe_tokenizer.h.
 //   SentencePieceTokenizer  the folder's `tokenizer.model` (Llama 1/2, Mistral), through
 //                           libsentencepiece.
 //   ByteTokenizer           no tokenizer file: one token per UTF-8 byte (the tiny test
@@ -14,14 +17,16 @@
 //                           the byte-fallback pieces <0x00> .. <0xFF>), so a model needs
 //                           vocab_size >= 259.
 //
-// Encode never adds BOS; callers that want one prepend bos_id(). Decode skips special ids
-// (BOS, EOS, <unk>, unused ids and, for SentencePiece, ids past the model's pieces that a
-// padded vocab_size allows); an id outside [0, vocab_size) is INVALID_ARGUMENT.
+// Encode never adds BOS; callers prepend bos_id() when add_bos() says prompts get one.
+// Decode skips special ids (IsSpecial: BOS, EOS, <unk>, control and unused ids and, for
+// SentencePiece, ids past the model's pieces that a padded vocab_size allows); an id
+// outside [0, vocab_size) is INVALID_ARGUMENT.
 //
 // Thread safety: all methods are const and safe to call concurrently.
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -52,6 +57,12 @@ class Tokenizer {
   virtual int32_t eos_id() const = 0;  // -1 when there is none
   // Ids are in [0, vocab_size()); equals the model's vocab_size.
   virtual int32_t vocab_size() const = 0;
+  // Whether prompts start with bos_id() (SmolLM2 says no, Llama 2 and 3 yes).
+  virtual bool add_bos() const = 0;
+  // Whether Decode skips `id` (a special, control or unused id); false outside the vocab.
+  virtual bool IsSpecial(int32_t id) const = 0;
+  // The id of the token spelled `piece` (`<|im_end|>`, `</s>`), nullopt when there is none.
+  virtual std::optional<int32_t> TokenId(std::string_view piece) const = 0;
 };
 
 class ByteTokenizer final : public Tokenizer {
@@ -70,6 +81,11 @@ class ByteTokenizer final : public Tokenizer {
   int32_t bos_id() const override { return kBosId; }
   int32_t eos_id() const override { return kEosId; }
   int32_t vocab_size() const override { return vocab_size_; }
+  bool add_bos() const override { return true; }
+  bool IsSpecial(int32_t id) const override;
+  // "<unk>", "<s>", "</s>" and "<0xNN>" (NN: two upper-case hex digits), as SentencePiece
+  // spells them.
+  std::optional<int32_t> TokenId(std::string_view piece) const override;
 
  private:
   explicit ByteTokenizer(int32_t vocab_size) : vocab_size_(vocab_size) {}
@@ -94,6 +110,10 @@ class SentencePieceTokenizer final : public Tokenizer {
   int32_t bos_id() const override;
   int32_t eos_id() const override;
   int32_t vocab_size() const override { return vocab_size_; }
+  bool add_bos() const override { return true; }
+  // Control and unknown pieces, and ids past the model's pieces.
+  bool IsSpecial(int32_t id) const override;
+  std::optional<int32_t> TokenId(std::string_view piece) const override;
 
  private:
   SentencePieceTokenizer(std::unique_ptr<internal::SentencePieceBackend> backend,
@@ -102,9 +122,11 @@ class SentencePieceTokenizer final : public Tokenizer {
   int32_t vocab_size_;
 };
 
-// The tokenizer of the model in `folder`: SentencePieceTokenizer when `tokenizer.model`
-// exists; UNIMPLEMENTED when there is only a `tokenizer.json` (a Hugging Face fast/BPE
-// tokenizer, not supported: bytes would silently produce garbage); otherwise
+// The tokenizer of the model in `folder`: BpeTokenizer::FromTokenizerJson when
+// `tokenizer.json` exists (it wins over a `tokenizer.model` beside it, as Hugging Face's
+// AutoTokenizer with use_fast=True picks the fast tokenizer; its errors, UNIMPLEMENTED for
+// a tokenizer.json that is not byte-level BPE included, are returned, never hidden by a
+// fallback); else SentencePieceTokenizer when `tokenizer.model` exists; otherwise
 // ByteTokenizer, for which config.json's bos_token_id must be absent or 1 and its
 // eos_token_id absent or 2 (INVALID_ARGUMENT naming the key otherwise, since a config that
 // expects other ids was made for another tokenizer).

@@ -120,11 +120,29 @@ TEST_F(LoadTokenizerTest, BytesWithConflictingConfigIdsAreInvalid) {
             absl::StatusCode::kInvalidArgument);
 }
 
-TEST_F(LoadTokenizerTest, TokenizerJsonAloneIsUnimplemented) {
+TEST_F(LoadTokenizerTest, TokenizerJsonErrorsAreReturnedNotHidden) {
+  // A tokenizer.json is the BPE tokenizer's; a broken one is an error naming it, never a
+  // fallback to the tokenizer.model beside it or to bytes.
   std::ofstream(Path("tokenizer.json")) << "{}";
+  TrainModel();
   const absl::Status s = LoadTokenizer(dir_->path(), Config(320)).status();
-  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented);
-  EXPECT_THAT(s.message(), HasSubstr("tokenizer.json"));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), AllOf(HasSubstr("tokenizer.json"), HasSubstr("model")));
+}
+
+TEST(ByteTokenizerTest, NamesAndSpecialIds) {
+  auto tokenizer = ByteTokenizer::Create(320);
+  ASSERT_TRUE(tokenizer.ok());
+  EXPECT_TRUE((*tokenizer)->add_bos());
+  EXPECT_EQ((*tokenizer)->TokenId("<s>"), 1);
+  EXPECT_EQ((*tokenizer)->TokenId("</s>"), 2);
+  EXPECT_EQ((*tokenizer)->TokenId("<unk>"), 0);
+  EXPECT_EQ((*tokenizer)->TokenId("<0x41>"), 'A' + 3);
+  EXPECT_EQ((*tokenizer)->TokenId("<0xFF>"), 255 + 3);
+  EXPECT_EQ((*tokenizer)->TokenId("<0xfg>"), std::nullopt);
+  EXPECT_EQ((*tokenizer)->TokenId("A"), std::nullopt);
+  for (const int32_t id : {0, 1, 2, 259, 319}) EXPECT_TRUE((*tokenizer)->IsSpecial(id)) << id;
+  for (const int32_t id : {3, 258, 320, -1}) EXPECT_FALSE((*tokenizer)->IsSpecial(id)) << id;
 }
 
 TEST_F(LoadTokenizerTest, CorruptSentencePieceModelIsInvalidNamingThePath) {
@@ -165,6 +183,17 @@ TEST_F(LoadTokenizerTest, SentencePieceRoundTrip) {
   EXPECT_EQ((*tokenizer)->Decode(ids).value(), "hello");
   EXPECT_EQ((*tokenizer)->Decode(std::vector<int32_t>{320}).status().code(),
             absl::StatusCode::kInvalidArgument);
+
+  EXPECT_TRUE((*tokenizer)->add_bos());
+  EXPECT_EQ((*tokenizer)->TokenId("<s>"), 1);
+  EXPECT_EQ((*tokenizer)->TokenId("</s>"), 2);
+  EXPECT_EQ((*tokenizer)->TokenId("no such piece"), std::nullopt);
+  EXPECT_TRUE((*tokenizer)->IsSpecial(1));
+  EXPECT_TRUE((*tokenizer)->IsSpecial(2));
+  EXPECT_TRUE((*tokenizer)->IsSpecial(319));  // past the model's pieces
+  EXPECT_FALSE((*tokenizer)->IsSpecial(320));
+  const std::vector<int32_t> hello = (*tokenizer)->Encode("hello").value();
+  EXPECT_FALSE((*tokenizer)->IsSpecial(hello[0]));
 }
 
 TEST_F(LoadTokenizerTest, SentencePieceWithMorePiecesThanTheVocabIsInvalid) {

@@ -1,0 +1,889 @@
+#include "common/tokenizer/bpe_tokenizer.h"
+
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+
+#include <algorithm>
+#include <array>
+#include <climits>
+#include <cstring>
+#include <deque>
+#include <queue>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "common/tokenizer/byte_level.h"
+
+namespace kvcm {
+namespace {
+
+// Llama 3's and Qwen2's published pre-tokenizer regexes (their tokenizer.json files).
+constexpr std::string_view kLlama3Regex =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+constexpr std::string_view kQwen2Regex =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+
+// Words longer than this are not cached (Hugging Face does the same above 256 chars).
+constexpr size_t kMaxCachedWordBytes = 256;
+constexpr size_t kMaxCacheEntries = 1 << 17;
+// Words with more symbols than this merge through a heap instead of rescans.
+constexpr size_t kHeapMergeThreshold = 48;
+
+// Oniguruma's \s (Hugging Face's regexes) is Unicode White_Space; PCRE2's (with UCP) is the Z
+// categories plus five controls, which misses U+0085. Rewrites \s and \S outside of \Q..\E.
+std::string OnigurumaWhitespace(std::string_view pattern) {
+  std::string out;
+  out.reserve(pattern.size() + 32);
+  bool quoted = false;
+  for (size_t i = 0; i < pattern.size(); ++i) {
+    const char ch = pattern[i];
+    if (ch != '\\' || i + 1 == pattern.size()) {
+      out.push_back(ch);
+      continue;
+    }
+    const char next = pattern[i + 1];
+    ++i;
+    if (quoted) {
+      if (next == 'E') quoted = false;
+      out.push_back('\\');
+      out.push_back(next);
+    } else if (next == 'Q') {
+      quoted = true;
+      out += "\\Q";
+    } else if (next == 's') {
+      out += "\\p{White_Space}";
+    } else if (next == 'S') {
+      out += "\\P{White_Space}";
+    } else {
+      out.push_back('\\');
+      out.push_back(next);
+    }
+  }
+  return out;
+}
+
+// Per-thread PCRE2 state: match data (only the whole match is read) and a JIT stack large
+// enough for long runs of whitespace.
+struct ThreadMatchState {
+  pcre2_match_data* data = nullptr;
+  pcre2_match_context* context = nullptr;
+  pcre2_jit_stack* stack = nullptr;
+  ThreadMatchState() {
+    data = pcre2_match_data_create(1, nullptr);
+    context = pcre2_match_context_create(nullptr);
+    stack = pcre2_jit_stack_create(32 * 1024, 16 * 1024 * 1024, nullptr);
+    if (context != nullptr && stack != nullptr) pcre2_jit_stack_assign(context, nullptr, stack);
+  }
+  ~ThreadMatchState() {
+    pcre2_match_data_free(data);
+    pcre2_match_context_free(context);
+    pcre2_jit_stack_free(stack);
+  }
+  ThreadMatchState(const ThreadMatchState&) = delete;
+  ThreadMatchState& operator=(const ThreadMatchState&) = delete;
+};
+
+ThreadMatchState& MatchState() {
+  thread_local ThreadMatchState state;
+  return state;
+}
+
+class Regex {
+ public:
+  static absl::StatusOr<std::unique_ptr<Regex>> Compile(std::string_view pattern,
+                                                        std::string_view source) {
+    const std::string rewritten = OnigurumaWhitespace(pattern);
+    int error = 0;
+    PCRE2_SIZE offset = 0;
+    pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(rewritten.data()),
+                                     rewritten.size(), PCRE2_UTF | PCRE2_UCP, &error, &offset,
+                                     nullptr);
+    if (code == nullptr) {
+      std::array<PCRE2_UCHAR, 256> message{};
+      pcre2_get_error_message(error, message.data(), message.size());
+      return absl::InvalidArgumentError(
+          absl::StrCat(std::string(source), ": pre-tokenizer regex \"", std::string(pattern),
+                       "\" does not compile at offset ", offset, ": ",
+                       reinterpret_cast<const char*>(message.data())));
+    }
+    const bool jit = pcre2_jit_compile(code, PCRE2_JIT_COMPLETE) == 0;
+    return std::unique_ptr<Regex>(new Regex(code, jit));
+  }
+  ~Regex() { pcre2_code_free(code_); }
+  Regex(const Regex&) = delete;
+  Regex& operator=(const Regex&) = delete;
+
+  // The first match in subject[start..]: 1 with *begin/*end set, 0 when there is none, an
+  // error otherwise. `subject` must be valid UTF-8 (checked once by Encode).
+  int Find(std::string_view subject, size_t start, size_t* begin, size_t* end) const {
+    ThreadMatchState& state = MatchState();
+    const auto* data = reinterpret_cast<PCRE2_SPTR>(subject.data());
+    const int rc =
+        jit_ ? pcre2_jit_match(code_, data, subject.size(), start, 0, state.data, state.context)
+             : pcre2_match(code_, data, subject.size(), start, PCRE2_NO_UTF_CHECK, state.data,
+                           state.context);
+    if (rc == PCRE2_ERROR_NOMATCH) return 0;
+    if (rc < 0) return rc;
+    const PCRE2_SIZE* ovector = pcre2_get_ovector_pointer(state.data);
+    *begin = ovector[0];
+    *end = ovector[1];
+    return 1;
+  }
+
+ private:
+  Regex(pcre2_code* code, bool jit) : code_(code), jit_(jit) {}
+  pcre2_code* code_;
+  bool jit_;
+};
+
+absl::Status RegexError(int rc) {
+  std::array<PCRE2_UCHAR, 256> message{};
+  pcre2_get_error_message(rc, message.data(), message.size());
+  return absl::InternalError(absl::StrCat("BPE pre-tokenizer: regex match failed: ",
+                                          reinterpret_cast<const char*>(message.data())));
+}
+
+// The byte offset of the first byte of `text` that is not part of valid UTF-8, or npos.
+size_t InvalidUtf8Offset(std::string_view text) {
+  const auto* s = reinterpret_cast<const unsigned char*>(text.data());
+  const size_t n = text.size();
+  size_t i = 0;
+  while (i < n) {
+    // Eight ASCII bytes at a time.
+    if (i + 8 <= n) {
+      uint64_t word;
+      std::memcpy(&word, s + i, 8);
+      if ((word & 0x8080808080808080ULL) == 0) {
+        i += 8;
+        continue;
+      }
+    }
+    const unsigned char c = s[i];
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    size_t len;
+    uint32_t cp;
+    if (c >= 0xC2 && c <= 0xDF) {
+      len = 2;
+      cp = c & 0x1F;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      len = 3;
+      cp = c & 0x0F;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      len = 4;
+      cp = c & 0x07;
+    } else {
+      return i;
+    }
+    if (i + len > n) return i;
+    for (size_t k = 1; k < len; ++k) {
+      if ((s[i + k] & 0xC0) != 0x80) return i;
+      cp = (cp << 6) | (s[i + k] & 0x3F);
+    }
+    if ((len == 3 && (cp < 0x800 || (cp >= 0xD800 && cp <= 0xDFFF))) ||
+        (len == 4 && (cp < 0x10000 || cp > 0x10FFFF))) {
+      return i;
+    }
+    i += len;
+  }
+  return std::string_view::npos;
+}
+
+// The code point at text[i] (valid UTF-8) and its length.
+uint32_t DecodeAt(std::string_view text, size_t i, size_t* len) {
+  const auto c = static_cast<unsigned char>(text[i]);
+  if (c < 0x80) {
+    *len = 1;
+    return c;
+  }
+  size_t n = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : 2;
+  if (i + n > text.size()) n = text.size() - i;
+  uint32_t cp = c & (n == 2 ? 0x1F : n == 3 ? 0x0F : 0x07);
+  for (size_t k = 1; k < n; ++k) cp = (cp << 6) | (static_cast<unsigned char>(text[i + k]) & 0x3F);
+  *len = n;
+  return cp;
+}
+
+// The start of the code point that ends at `end` (exclusive).
+size_t PreviousStart(std::string_view text, size_t end) {
+  size_t i = end - 1;
+  while (i > 0 && (static_cast<unsigned char>(text[i]) & 0xC0) == 0x80) --i;
+  return i;
+}
+
+// Unicode White_Space (Rust's char::is_whitespace, which Hugging Face's lstrip/rstrip use).
+bool IsWhiteSpace(uint32_t cp) {
+  return (cp >= 0x09 && cp <= 0x0D) || cp == 0x20 || cp == 0x85 || cp == 0xA0 ||
+         cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 ||
+         cp == 0x202F || cp == 0x205F || cp == 0x3000;
+}
+
+// Abseil's string_view is its own type here; heterogeneous lookups need it.
+absl::string_view AbslView(std::string_view s) { return absl::string_view(s.data(), s.size()); }
+
+uint64_t PairKey(int32_t a, int32_t b) {
+  return (static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32) | static_cast<uint32_t>(b);
+}
+
+struct MergeResult {
+  int32_t rank;
+  int32_t id;
+};
+
+// Added tokens matched leftmost-longest (Hugging Face uses an Aho-Corasick automaton with
+// that semantics; the sets are small, so candidates are indexed by their first byte).
+class AddedTokenMatcher {
+ public:
+  void Add(int index, const std::string& content) {
+    if (content.empty()) return;
+    contents_.push_back({index, content});
+  }
+  void Finish() {
+    for (size_t i = 0; i < contents_.size(); ++i) {
+      by_first_byte_[static_cast<unsigned char>(contents_[i].second[0])].push_back(i);
+    }
+    for (std::vector<size_t>& candidates : by_first_byte_) {
+      std::stable_sort(candidates.begin(), candidates.end(), [&](size_t a, size_t b) {
+        return contents_[a].second.size() > contents_[b].second.size();
+      });
+    }
+  }
+  bool empty() const { return contents_.empty(); }
+
+  // The leftmost-longest match at or after `from`: true with *begin, *end and *index set.
+  bool Find(std::string_view text, size_t from, size_t* begin, size_t* end, int* index) const {
+    for (size_t i = from; i < text.size(); ++i) {
+      const std::vector<size_t>& candidates = by_first_byte_[static_cast<unsigned char>(text[i])];
+      for (const size_t c : candidates) {
+        const std::string& content = contents_[c].second;
+        if (text.size() - i >= content.size() &&
+            std::memcmp(text.data() + i, content.data(), content.size()) == 0) {
+          *begin = i;
+          *end = i + content.size();
+          *index = contents_[c].first;
+          return true;
+        }
+      }
+    }
+    return false;
+  }
+
+ private:
+  std::vector<std::pair<int, std::string>> contents_;
+  std::array<std::vector<size_t>, 256> by_first_byte_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::vector<BpePreTokenizerStep>> BpePreTokenizerForName(std::string_view pre) {
+  BpePreTokenizerStep byte_level;
+  byte_level.kind = BpePreTokenizerStep::Kind::kByteLevel;
+  byte_level.use_regex = true;
+  auto split_then_bytes = [&](std::string_view regex) {
+    BpePreTokenizerStep split;
+    split.regex = std::string(regex);
+    BpePreTokenizerStep bytes = byte_level;
+    bytes.use_regex = false;
+    return std::vector<BpePreTokenizerStep>{split, bytes};
+  };
+  auto is = [&](std::initializer_list<std::string_view> names) {
+    return std::find(names.begin(), names.end(), pre) != names.end();
+  };
+  if (is({"gpt2", "default", "mpt", "olmo", "jais"})) {
+    return std::vector<BpePreTokenizerStep>{byte_level};
+  }
+  if (is({"llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx"})) {
+    return split_then_bytes(kLlama3Regex);
+  }
+  if (is({"qwen2", "deepseek-r1-qwen", "megrez"})) return split_then_bytes(kQwen2Regex);
+  if (is({"smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva"})) {
+    BpePreTokenizerStep digits;
+    digits.regex = "\\p{N}";
+    digits.behavior = BpePreTokenizerStep::Behavior::kIsolated;
+    return std::vector<BpePreTokenizerStep>{digits, byte_level};
+  }
+  return absl::UnimplementedError(
+      absl::StrCat("BPE pre-tokenizer \"", std::string(pre), "\" is not implemented"));
+}
+
+struct BpeTokenizer::Impl {
+  struct Step {
+    BpePreTokenizerStep spec;
+    std::unique_ptr<Regex> regex;  // kSplit; kByteLevel with use_regex
+  };
+
+  int32_t vocab_size = 0;
+  int32_t bos_id = -1;
+  int32_t eos_id = -1;
+  bool add_bos = false;
+  bool ignore_merges = false;
+  int32_t unk_id = -1;
+  bool fuse_unk = false;
+
+  std::vector<Step> steps;
+  std::vector<BpeAddedToken> added;
+  AddedTokenMatcher raw_matcher;         // normalized = false
+  AddedTokenMatcher normalized_matcher;  // normalized = true
+  std::unique_ptr<Regex> word_char;      // for single_word: [\p{Alphabetic}\p{N}_]
+
+  std::array<int32_t, 256> byte_id{};  // the token of each single byte, -1 when none
+  absl::flat_hash_map<uint64_t, MergeResult> merges;
+  absl::flat_hash_map<std::string, int32_t> raw_to_id;     // raw bytes -> vocab token
+  absl::flat_hash_map<std::string, int32_t> piece_to_id;   // byte-level spelling -> id
+  absl::flat_hash_map<std::string, int32_t> added_to_id;   // added content -> id
+  std::vector<std::string> decoded;                        // id -> raw bytes
+  std::vector<uint8_t> special;                            // id -> Decode skips it
+
+  mutable absl::Mutex cache_mu;
+  mutable absl::flat_hash_map<std::string, std::vector<int32_t>> cache ABSL_GUARDED_BY(cache_mu);
+
+  bool IsWordCharBefore(std::string_view text, size_t end) const {
+    if (end == 0) return false;
+    const size_t start = PreviousStart(text, end);
+    size_t b = 0;
+    size_t e = 0;
+    return word_char->Find(text.substr(start, end - start), 0, &b, &e) == 1;
+  }
+  bool IsWordCharAt(std::string_view text, size_t start) const {
+    if (start >= text.size()) return false;
+    size_t len = 0;
+    DecodeAt(text, start, &len);
+    size_t b = 0;
+    size_t e = 0;
+    return word_char->Find(text.substr(start, len), 0, &b, &e) == 1;
+  }
+
+  // Hugging Face's AddedVocabulary::find_matches over `text`: appends (added index or -1,
+  // range) to *out.
+  void SplitAdded(const AddedTokenMatcher& matcher, std::string_view text, size_t base,
+                  std::vector<std::pair<int, std::pair<size_t, size_t>>>* out) const {
+    if (matcher.empty()) {
+      out->push_back({-1, {base, base + text.size()}});
+      return;
+    }
+    size_t start_offset = 0;
+    size_t search = 0;
+    size_t begin = 0;
+    size_t end = 0;
+    int index = -1;
+    while (search < text.size() && matcher.Find(text, search, &begin, &end, &index)) {
+      search = end;
+      const BpeAddedToken& token = added[static_cast<size_t>(index)];
+      size_t start = begin;
+      size_t stop = end;
+      if (token.single_word &&
+          (IsWordCharBefore(text, start) || IsWordCharAt(text, stop))) {
+        continue;
+      }
+      if (token.lstrip) {
+        size_t s = start;
+        while (s > 0) {
+          const size_t prev = PreviousStart(text, s);
+          size_t len = 0;
+          if (!IsWhiteSpace(DecodeAt(text, prev, &len))) break;
+          s = prev;
+        }
+        start = std::max(s, start_offset);
+      }
+      if (token.rstrip) {
+        while (stop < text.size()) {
+          size_t len = 0;
+          if (!IsWhiteSpace(DecodeAt(text, stop, &len))) break;
+          stop += len;
+        }
+      }
+      if (start_offset < start) out->push_back({-1, {base + start_offset, base + start}});
+      out->push_back({index, {base + start, base + stop}});
+      start_offset = stop;
+    }
+    if (start_offset < text.size()) {
+      out->push_back({-1, {base + start_offset, base + text.size()}});
+    }
+  }
+
+  // Splits every piece of *pieces by `regex` with `behavior` (Hugging Face's
+  // NormalizedString::split), into *out.
+  absl::Status Split(const Step& step, const std::vector<std::string_view>& pieces,
+                     std::vector<std::string_view>* out) const {
+    out->clear();
+    std::vector<std::pair<std::string_view, bool>> parts;
+    for (const std::string_view piece : pieces) {
+      parts.clear();
+      size_t prev = 0;
+      size_t search = 0;
+      while (search <= piece.size()) {
+        size_t b = 0;
+        size_t e = 0;
+        const int rc = step.regex->Find(piece, search, &b, &e);
+        if (rc < 0) return RegexError(rc);
+        if (rc == 0) break;
+        if (b == e) {  // an empty match splits nothing; step over one character
+          if (b >= piece.size()) break;
+          size_t len = 0;
+          DecodeAt(piece, b, &len);
+          search = b + len;
+          continue;
+        }
+        if (prev != b) parts.push_back({piece.substr(prev, b - prev), false});
+        parts.push_back({piece.substr(b, e - b), true});
+        prev = e;
+        search = e;
+      }
+      if (prev != piece.size()) parts.push_back({piece.substr(prev), false});
+      if (step.spec.invert) {
+        for (auto& part : parts) part.second = !part.second;
+      }
+      using Behavior = BpePreTokenizerStep::Behavior;
+      const size_t first = out->size();
+      auto extend_last = [&](std::string_view part) {
+        std::string_view& last = (*out)[out->size() - 1];
+        last = std::string_view(last.data(), static_cast<size_t>(part.data() + part.size() -
+                                                                 last.data()));
+      };
+      switch (step.spec.behavior) {
+        case Behavior::kRemoved:
+          for (const auto& [part, is_match] : parts) {
+            if (!is_match) out->push_back(part);
+          }
+          break;
+        case Behavior::kIsolated:
+          for (const auto& part : parts) out->push_back(part.first);
+          break;
+        case Behavior::kMergedWithPrevious: {
+          bool previous_match = false;
+          for (const auto& [part, is_match] : parts) {
+            if (is_match && !previous_match && out->size() > first) {
+              extend_last(part);
+            } else {
+              out->push_back(part);
+            }
+            previous_match = is_match;
+          }
+          break;
+        }
+        case Behavior::kMergedWithNext: {
+          bool previous_match = false;
+          std::vector<std::string_view> reversed;
+          for (size_t i = parts.size(); i-- > 0;) {
+            const auto& [part, is_match] = parts[i];
+            if (is_match && !previous_match && !reversed.empty()) {
+              std::string_view& last = reversed.back();
+              last = std::string_view(part.data(), static_cast<size_t>(last.data() + last.size() -
+                                                                       part.data()));
+            } else {
+              reversed.push_back(part);
+            }
+            previous_match = is_match;
+          }
+          out->insert(out->end(), reversed.rbegin(), reversed.rend());
+          break;
+        }
+        case Behavior::kContiguous: {
+          bool previous_match = false;
+          for (const auto& [part, is_match] : parts) {
+            if (is_match == previous_match && out->size() > first) {
+              extend_last(part);
+            } else {
+              out->push_back(part);
+            }
+            previous_match = is_match;
+          }
+          break;
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // Merges the bytes of `word` by rank, appending its ids to *ids.
+  void MergeWord(std::string_view word, std::vector<int32_t>* ids) const {
+    std::vector<int32_t> symbols;
+    symbols.reserve(word.size());
+    bool previous_unk = false;
+    for (const char ch : word) {
+      const int32_t id = byte_id[static_cast<unsigned char>(ch)];
+      if (id >= 0) {
+        symbols.push_back(id);
+        previous_unk = false;
+      } else if (unk_id >= 0) {
+        if (!(fuse_unk && previous_unk)) symbols.push_back(unk_id);
+        previous_unk = true;
+      }
+    }
+    if (symbols.size() >= 2) {
+      if (symbols.size() <= kHeapMergeThreshold) {
+        MergeByRescan(&symbols);
+      } else {
+        MergeByHeap(&symbols);
+      }
+    }
+    ids->insert(ids->end(), symbols.begin(), symbols.end());
+  }
+
+  MergeResult Lookup(int32_t a, int32_t b) const {
+    auto it = merges.find(PairKey(a, b));
+    return it == merges.end() ? MergeResult{INT_MAX, -1} : it->second;
+  }
+
+  void MergeByRescan(std::vector<int32_t>* symbols) const {
+    std::vector<int32_t>& s = *symbols;
+    std::array<MergeResult, kHeapMergeThreshold> pair{};
+    size_t n = s.size();
+    for (size_t i = 0; i + 1 < n; ++i) pair[i] = Lookup(s[i], s[i + 1]);
+    while (n >= 2) {
+      size_t best = 0;
+      for (size_t i = 1; i + 1 < n; ++i) {
+        if (pair[i].rank < pair[best].rank) best = i;
+      }
+      if (pair[best].id < 0) break;
+      s[best] = pair[best].id;
+      for (size_t i = best + 1; i + 1 < n; ++i) s[i] = s[i + 1];
+      for (size_t i = best + 1; i + 2 < n; ++i) pair[i] = pair[i + 1];
+      --n;
+      if (best > 0) pair[best - 1] = Lookup(s[best - 1], s[best]);
+      if (best + 1 < n) pair[best] = Lookup(s[best], s[best + 1]);
+    }
+    s.resize(n);
+  }
+
+  // Hugging Face's Word::merge_all: a heap of candidate merges ordered by (rank, position).
+  void MergeByHeap(std::vector<int32_t>* symbols) const {
+    struct Symbol {
+      int32_t id;
+      int32_t prev;
+      int32_t next;
+      bool alive;
+    };
+    struct Candidate {
+      int32_t rank;
+      int32_t pos;
+      int32_t id;
+      bool operator>(const Candidate& o) const {
+        return rank != o.rank ? rank > o.rank : pos > o.pos;
+      }
+    };
+    const auto n = static_cast<int32_t>(symbols->size());
+    std::vector<Symbol> sym(static_cast<size_t>(n));
+    for (int32_t i = 0; i < n; ++i) {
+      sym[static_cast<size_t>(i)] = {(*symbols)[static_cast<size_t>(i)], i - 1,
+                                     i + 1 < n ? i + 1 : -1, true};
+    }
+    std::priority_queue<Candidate, std::vector<Candidate>, std::greater<>> heap;
+    auto push = [&](int32_t pos) {
+      const int32_t next = sym[static_cast<size_t>(pos)].next;
+      if (next < 0) return;
+      const MergeResult m = Lookup(sym[static_cast<size_t>(pos)].id, sym[static_cast<size_t>(next)].id);
+      if (m.id >= 0) heap.push({m.rank, pos, m.id});
+    };
+    for (int32_t i = 0; i + 1 < n; ++i) push(i);
+    while (!heap.empty()) {
+      const Candidate top = heap.top();
+      heap.pop();
+      Symbol& left = sym[static_cast<size_t>(top.pos)];
+      if (!left.alive || left.next < 0) continue;
+      Symbol& right = sym[static_cast<size_t>(left.next)];
+      if (Lookup(left.id, right.id).id != top.id) continue;
+      left.id = top.id;
+      right.alive = false;
+      left.next = right.next;
+      if (right.next >= 0) sym[static_cast<size_t>(right.next)].prev = top.pos;
+      if (left.prev >= 0) push(left.prev);
+      push(top.pos);
+    }
+    symbols->clear();
+    for (int32_t i = 0; i >= 0; i = sym[static_cast<size_t>(i)].next) {
+      symbols->push_back(sym[static_cast<size_t>(i)].id);
+    }
+  }
+
+  void EncodeWord(std::string_view word, bool use_cache, std::vector<int32_t>* ids) const {
+    if (ignore_merges) {
+      if (auto it = raw_to_id.find(AbslView(word)); it != raw_to_id.end()) {
+        ids->push_back(it->second);
+        return;
+      }
+    }
+    if (word.size() == 1) {
+      MergeWord(word, ids);
+      return;
+    }
+    const bool cacheable = use_cache && word.size() <= kMaxCachedWordBytes;
+    if (cacheable) {
+      absl::ReaderMutexLock lock(&cache_mu);
+      if (auto it = cache.find(AbslView(word)); it != cache.end()) {
+        ids->insert(ids->end(), it->second.begin(), it->second.end());
+        return;
+      }
+    }
+    const size_t first = ids->size();
+    MergeWord(word, ids);
+    if (cacheable) {
+      absl::MutexLock lock(&cache_mu);
+      if (cache.size() < kMaxCacheEntries) {
+        cache.try_emplace(std::string(word), ids->begin() + static_cast<std::ptrdiff_t>(first), ids->end());
+      }
+    }
+  }
+
+  // One piece of text between added tokens: the pre-tokenizer, then BPE.
+  absl::Status EncodePiece(std::string_view piece, bool use_cache,
+                           std::vector<int32_t>* ids) const {
+    std::vector<std::string_view> pieces = {piece};
+    std::vector<std::string_view> next;
+    std::deque<std::string> owned;  // pieces given a prefix space
+    for (const Step& step : steps) {
+      if (step.spec.kind == BpePreTokenizerStep::Kind::kByteLevel) {
+        if (step.spec.add_prefix_space) {
+          for (std::string_view& p : pieces) {
+            if (!p.empty() && p[0] != ' ') {
+              owned.push_back(absl::StrCat(" ", std::string(p)));
+              p = owned.back();
+            }
+          }
+        }
+        if (!step.spec.use_regex) continue;
+      }
+      if (absl::Status s = Split(step, pieces, &next); !s.ok()) return s;
+      pieces.swap(next);
+    }
+    for (const std::string_view word : pieces) {
+      if (!word.empty()) EncodeWord(word, use_cache, ids);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<std::vector<int32_t>> Encode(std::string_view text, bool use_cache) const {
+    if (const size_t bad = InvalidUtf8Offset(text); bad != std::string_view::npos) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("BPE Encode: the text is not valid UTF-8 at byte ", bad));
+    }
+    std::vector<int32_t> ids;
+    ids.reserve(text.size() / 3 + 4);
+    std::vector<std::pair<int, std::pair<size_t, size_t>>> first;
+    SplitAdded(raw_matcher, text, 0, &first);
+    std::vector<std::pair<int, std::pair<size_t, size_t>>> second;
+    for (const auto& [index, range] : first) {
+      if (index >= 0) {
+        ids.push_back(added[static_cast<size_t>(index)].id);
+        continue;
+      }
+      const std::string_view piece = text.substr(range.first, range.second - range.first);
+      second.clear();
+      SplitAdded(normalized_matcher, piece, 0, &second);
+      for (const auto& [index2, range2] : second) {
+        if (index2 >= 0) {
+          ids.push_back(added[static_cast<size_t>(index2)].id);
+          continue;
+        }
+        if (absl::Status s = EncodePiece(piece.substr(range2.first, range2.second - range2.first),
+                                         use_cache, &ids);
+            !s.ok()) {
+          return s;
+        }
+      }
+    }
+    return ids;
+  }
+};
+
+BpeTokenizer::BpeTokenizer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+BpeTokenizer::~BpeTokenizer() = default;
+
+absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::FromVocab(BpeVocab vocab,
+                                                                      int32_t vocab_size) {
+  auto impl = std::make_unique<Impl>();
+  const std::string& source = vocab.source;
+
+  // Sizes and ids.
+  int64_t size = static_cast<int64_t>(vocab.tokens.size());
+  for (const BpeAddedToken& token : vocab.added_tokens) {
+    if (token.id < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(source, ": added token \"", token.content,
+                                                     "\" has a negative id ", token.id));
+    }
+    size = std::max<int64_t>(size, int64_t{token.id} + 1);
+  }
+  if (vocab_size > 0 && size > vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        source, ": the tokenizer has ids up to ", size - 1,
+        ", outside the model's vocab_size ", vocab_size));
+  }
+  if (size > INT32_MAX / 2) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": too many ids (", size, ")"));
+  }
+  impl->vocab_size = vocab_size > 0 ? vocab_size : static_cast<int32_t>(size);
+  for (const auto& [name, id] : {std::pair<const char*, int32_t>{"bos", vocab.bos_id},
+                                {"eos", vocab.eos_id},
+                                {"unk", vocab.unk_id}}) {
+    if (id < -1 || id >= impl->vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat(source, ": ", name, " id ", id,
+                                                     " is outside [0, vocab_size=",
+                                                     impl->vocab_size, ")"));
+    }
+  }
+  impl->bos_id = vocab.bos_id;
+  impl->eos_id = vocab.eos_id;
+  impl->add_bos = vocab.add_bos && vocab.bos_id >= 0;
+  impl->ignore_merges = vocab.ignore_merges;
+  impl->unk_id = vocab.unk_id;
+  impl->fuse_unk = vocab.fuse_unk;
+
+  // Tokens: the byte-level spelling and the raw bytes behind it.
+  impl->decoded.assign(static_cast<size_t>(impl->vocab_size), std::string());
+  impl->special.assign(static_cast<size_t>(impl->vocab_size), 1);
+  impl->byte_id.fill(-1);
+  impl->piece_to_id.reserve(vocab.tokens.size());
+  impl->raw_to_id.reserve(vocab.tokens.size());
+  for (size_t id = 0; id < vocab.tokens.size(); ++id) {
+    const std::string& token = vocab.tokens[id];
+    if (token.empty()) continue;
+    impl->special[id] = 0;
+    impl->piece_to_id.try_emplace(token, static_cast<int32_t>(id));
+    std::string raw;
+    if (internal::ByteLevelDecode(token, &raw)) {
+      impl->raw_to_id.try_emplace(raw, static_cast<int32_t>(id));
+      if (raw.size() == 1 && impl->byte_id[static_cast<unsigned char>(raw[0])] < 0) {
+        impl->byte_id[static_cast<unsigned char>(raw[0])] = static_cast<int32_t>(id);
+      }
+      impl->decoded[id] = std::move(raw);
+    } else {
+      impl->decoded[id] = token;  // as Hugging Face's ByteLevel decoder: the token as it is
+    }
+  }
+
+  // Merges: (left id, right id) -> (rank, merged id); a later duplicate wins, as in
+  // Hugging Face's map.
+  impl->merges.reserve(vocab.merges.size());
+  for (size_t rank = 0; rank < vocab.merges.size(); ++rank) {
+    const std::string& merge = vocab.merges[rank];
+    const size_t space = merge.find(' ');
+    if (space == std::string::npos || space == 0 || space + 1 == merge.size() ||
+        merge.find(' ', space + 1) != std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(source, ": merges[", rank, "] \"", merge,
+                                                     "\" is not two tokens separated by a space"));
+    }
+    const std::string left = merge.substr(0, space);
+    const std::string right = merge.substr(space + 1);
+    const std::string joined = left + right;
+    int32_t ids[3];
+    const std::string* parts[3] = {&left, &right, &joined};
+    for (int k = 0; k < 3; ++k) {
+      auto it = impl->piece_to_id.find(*parts[k]);
+      if (it == impl->piece_to_id.end()) {
+        return absl::InvalidArgumentError(absl::StrCat(source, ": merges[", rank, "] \"", merge,
+                                                       "\" names \"", *parts[k],
+                                                       "\", which is not in the vocab"));
+      }
+      ids[k] = it->second;
+    }
+    impl->merges[PairKey(ids[0], ids[1])] = {static_cast<int32_t>(rank), ids[2]};
+  }
+
+  // Added tokens.
+  impl->added = std::move(vocab.added_tokens);
+  bool single_word = false;
+  for (size_t i = 0; i < impl->added.size(); ++i) {
+    const BpeAddedToken& token = impl->added[i];
+    const auto id = static_cast<size_t>(token.id);
+    if (InvalidUtf8Offset(token.content) != std::string_view::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(source, ": added token ", token.id,
+                                                     " is not valid UTF-8"));
+    }
+    impl->added_to_id.try_emplace(token.content, token.id);
+    impl->special[id] = token.special ? 1 : 0;
+    if (token.special) {
+      impl->decoded[id].clear();
+    } else {
+      std::string raw;
+      impl->decoded[id] = internal::ByteLevelDecode(token.content, &raw) ? raw : token.content;
+    }
+    (token.normalized ? impl->normalized_matcher : impl->raw_matcher)
+        .Add(static_cast<int>(i), token.content);
+    single_word |= token.single_word;
+  }
+  impl->raw_matcher.Finish();
+  impl->normalized_matcher.Finish();
+  if (single_word) {
+    absl::StatusOr<std::unique_ptr<Regex>> word = Regex::Compile(R"([\p{Alphabetic}\p{N}_])", source);
+    if (!word.ok()) return word.status();
+    impl->word_char = std::move(*word);
+  }
+
+  // The pre-tokenizer.
+  std::vector<BpePreTokenizerStep> steps = std::move(vocab.pre_tokenizer);
+  if (steps.empty()) {
+    absl::StatusOr<std::vector<BpePreTokenizerStep>> named = BpePreTokenizerForName(vocab.pre);
+    if (!named.ok()) {
+      return absl::Status(named.status().code(),
+                          absl::StrCat(source, ": ", named.status().message()));
+    }
+    steps = std::move(*named);
+  }
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const bool byte_level = steps[i].kind == BpePreTokenizerStep::Kind::kByteLevel;
+    if (byte_level != (i + 1 == steps.size())) {
+      return absl::UnimplementedError(absl::StrCat(
+          source, ": the pre-tokenizer must end with ByteLevel, and have it only there"));
+    }
+    Impl::Step step;
+    step.spec = std::move(steps[i]);
+    if (!byte_level || step.spec.use_regex) {
+      const std::string_view pattern =
+          byte_level ? kGpt2PreTokenizerRegex : std::string_view(step.spec.regex);
+      absl::StatusOr<std::unique_ptr<Regex>> regex = Regex::Compile(pattern, source);
+      if (!regex.ok()) return regex.status();
+      step.regex = std::move(*regex);
+      if (byte_level) step.spec.behavior = BpePreTokenizerStep::Behavior::kIsolated;
+    }
+    impl->steps.push_back(std::move(step));
+  }
+  if (impl->steps.empty()) {
+    return absl::UnimplementedError(
+        absl::StrCat(source, ": the pre-tokenizer must end with ByteLevel"));
+  }
+  return std::unique_ptr<BpeTokenizer>(new BpeTokenizer(std::move(impl)));
+}
+
+absl::StatusOr<std::vector<int32_t>> BpeTokenizer::Encode(std::string_view text) const {
+  return impl_->Encode(text, /*use_cache=*/true);
+}
+
+absl::StatusOr<std::vector<int32_t>> BpeTokenizer::EncodeUncached(std::string_view text) const {
+  return impl_->Encode(text, /*use_cache=*/false);
+}
+
+absl::StatusOr<std::string> BpeTokenizer::Decode(std::span<const int32_t> ids) const {
+  std::string text;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const int32_t id = ids[i];
+    if (id < 0 || id >= impl_->vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("Decode: ids[", i, "] = ", id,
+                                                     " is outside [0, vocab_size=",
+                                                     impl_->vocab_size, ")"));
+    }
+    if (impl_->special[static_cast<size_t>(id)] == 0) text += impl_->decoded[static_cast<size_t>(id)];
+  }
+  return text;
+}
+
+int32_t BpeTokenizer::bos_id() const { return impl_->bos_id; }
+int32_t BpeTokenizer::eos_id() const { return impl_->eos_id; }
+int32_t BpeTokenizer::vocab_size() const { return impl_->vocab_size; }
+bool BpeTokenizer::add_bos() const { return impl_->add_bos; }
+
+bool BpeTokenizer::IsSpecial(int32_t id) const {
+  return id >= 0 && id < impl_->vocab_size && impl_->special[static_cast<size_t>(id)] != 0;
+}
+
+std::optional<int32_t> BpeTokenizer::TokenId(std::string_view piece) const {
+  if (auto it = impl_->added_to_id.find(AbslView(piece)); it != impl_->added_to_id.end()) return it->second;
+  if (auto it = impl_->piece_to_id.find(AbslView(piece)); it != impl_->piece_to_id.end()) return it->second;
+  return std::nullopt;
+}
+
+}  // namespace kvcm
