@@ -119,6 +119,7 @@ TEST(ChatTemplateFuzzTest, MutantsRenderLikeTransformers) {
         tmpl.ok() ? tmpl->Render(cases[i].conversation->messages, cases[i].Options())
                   : absl::StatusOr<std::string>(tmpl.status());
     const bool ok = want["ok"].get<bool>();
+    if (!ok && want["type"] == "UnicodeDecodeError") continue;  // no reference for bad UTF-8
     if (ok && got.ok()) {
       EXPECT_EQ(*got, want["text"].get<std::string>()) << "mutant:\n" << cases[i].tmpl->source;
       ++same;

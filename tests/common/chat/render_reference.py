@@ -22,8 +22,14 @@ from transformers.utils.chat_template_utils import render_jinja_template
 def render(case, templates):
     path = case["template"]
     if path not in templates:
-        with open(path, encoding="utf-8", newline="") as f:
-            templates[path] = f.read()
+        with open(path, "rb") as f:
+            data = f.read()
+        try:
+            templates[path] = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            templates[path] = e
+    if isinstance(templates[path], Exception):
+        return {"ok": False, "type": "UnicodeDecodeError", "error": str(templates[path])}
     messages = [{k: v for k, v in m.items() if v is not None} for m in case["messages"]]
     kwargs = dict(case.get("extra", {}))
     tools = kwargs.pop("tools", None)
