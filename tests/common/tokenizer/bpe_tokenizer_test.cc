@@ -17,7 +17,10 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
+#include "common/gguf/gguf_file.h"
+#include "common/gguf/gguf_writer.h"
 #include "common/tokenizer/byte_level.h"
+#include "common/tokenizer/gguf_tokenizer.h"
 #include "common/tokenizer/tokenizer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -218,6 +221,24 @@ TEST_P(SmolLM2GgufVocabTest, FromVocabMatchesHuggingFace) {
   EXPECT_EQ((*tokenizer)->eos_id(), 2);
   EXPECT_EQ((*tokenizer)->TokenId("<|im_end|>"), 2);
   EXPECT_EQ((*tokenizer)->TokenId("<|im_start|>"), 1);
+}
+
+// The GGUF file itself through LoadGgufTokenizer.
+TEST_P(SmolLM2GgufVocabTest, LoadGgufTokenizerMatchesHuggingFace) {
+  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(testing::SmolLM2GgufPath());
+  ASSERT_TRUE(file.ok()) << file.status();
+  TokenizerConfig config;
+  config.vocab_size = 49152;
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = LoadGgufTokenizer(**file, config);
+  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  const auto* bpe = dynamic_cast<const BpeTokenizer*>(tokenizer->get());
+  ASSERT_NE(bpe, nullptr);
+  ExpectMatchesReference(*bpe);
+  EXPECT_FALSE(bpe->add_bos());
+  EXPECT_EQ(bpe->bos_id(), 1);
+  EXPECT_EQ(bpe->eos_id(), 2);
+  EXPECT_EQ(bpe->TokenId("<|im_end|>"), 2);
+  EXPECT_TRUE(bpe->IsSpecial(2));
 }
 
 INSTANTIATE_TEST_SUITE_P(SmolLM2, SmolLM2GgufVocabTest,
@@ -481,6 +502,68 @@ TEST(BpePreTokenizerTest, SplitBehaviors) {
     std::vector<int32_t> want;
     for (const std::string& word : words) want.push_back((*tokenizer)->TokenId(word).value());
     EXPECT_EQ((*tokenizer)->Encode("the-final--countdown").value(), want);
+  }
+}
+
+TEST(GgufTokenizerTest, ModelsAndKeys) {
+  auto load = [](GgufWriter& w) -> absl::Status {
+    const std::string bytes = w.Serialize();
+    absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::FromBuffer(
+        "tiny.gguf", std::span(reinterpret_cast<const std::byte*>(bytes.data()), bytes.size()));
+    if (!file.ok()) return file.status();
+    return LoadGgufTokenizer(**file, TokenizerConfig()).status();
+  };
+  std::vector<std::string> tokens;
+  for (int b = 0; b < 256; ++b) {
+    std::string spelled;
+    internal::ByteLevelEncode(std::string(1, static_cast<char>(b)), &spelled);
+    tokens.push_back(spelled);
+  }
+  tokens.push_back("<|end|>");
+  {
+    GgufWriter w;
+    ASSERT_TRUE(w.Add("general.architecture", GgufValue::String("llama")).ok());
+    const absl::Status s = load(w);
+    EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
+    EXPECT_THAT(s.message(), HasSubstr("tokenizer.ggml.model"));
+  }
+  {
+    GgufWriter w;
+    ASSERT_TRUE(w.Add("tokenizer.ggml.model", GgufValue::String("llama")).ok());
+    const absl::Status s = load(w);
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+    EXPECT_THAT(s.message(), AllOf(HasSubstr("tiny.gguf"), HasSubstr("\"llama\"")));
+  }
+  {
+    GgufWriter w;
+    ASSERT_TRUE(w.Add("tokenizer.ggml.model", GgufValue::String("gpt2")).ok());
+    ASSERT_TRUE(w.Add("tokenizer.ggml.tokens", GgufValue::StringArray(tokens)).ok());
+    ASSERT_TRUE(w.Add("tokenizer.ggml.token_type", GgufValue::Int32Array(std::vector<int32_t>{1, 3})).ok());
+    const absl::Status s = load(w);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(s.message(), AllOf(HasSubstr("tiny.gguf"), HasSubstr("token_type")));
+  }
+  {
+    GgufWriter w;
+    ASSERT_TRUE(w.Add("tokenizer.ggml.model", GgufValue::String("gpt2")).ok());
+    ASSERT_TRUE(w.Add("tokenizer.ggml.pre", GgufValue::String("chameleon")).ok());
+    ASSERT_TRUE(w.Add("tokenizer.ggml.tokens", GgufValue::StringArray(tokens)).ok());
+    const absl::Status s = load(w);
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+    EXPECT_THAT(s.message(), AllOf(HasSubstr("tiny.gguf"), HasSubstr("chameleon")));
+  }
+  {
+    GgufWriter w;
+    ASSERT_TRUE(w.Add("tokenizer.ggml.model", GgufValue::String("gpt2")).ok());
+    ASSERT_TRUE(w.Add("tokenizer.ggml.pre", GgufValue::String("llama-bpe")).ok());
+    ASSERT_TRUE(w.Add("tokenizer.ggml.tokens", GgufValue::StringArray(tokens)).ok());
+    ASSERT_TRUE(w.Add("tokenizer.ggml.bos_token_id", GgufValue::Uint32(256)).ok());
+    ASSERT_TRUE(w.Add("tokenizer.ggml.add_bos_token", GgufValue::Bool(true)).ok());
+    EXPECT_TRUE(load(w).ok()) << load(w);
+    ASSERT_TRUE(w.Add("tokenizer.ggml.eos_token_id", GgufValue::Uint32(9999)).ok());
+    const absl::Status s = load(w);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(s.message(), AllOf(HasSubstr("tiny.gguf"), HasSubstr("eos_token_id")));
   }
 }
 
