@@ -236,9 +236,12 @@ void DequantQ6_K(const uint8_t* x, float* y, int64_t nb) {
         const int q3 = static_cast<int8_t>((ql[l + 0] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
         const int q4 = static_cast<int8_t>((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
         y[l + 0] = d * static_cast<float>(static_cast<int8_t>(sc[is + 0])) * static_cast<float>(q1);
-        y[l + 32] = d * static_cast<float>(static_cast<int8_t>(sc[is + 2])) * static_cast<float>(q2);
-        y[l + 64] = d * static_cast<float>(static_cast<int8_t>(sc[is + 4])) * static_cast<float>(q3);
-        y[l + 96] = d * static_cast<float>(static_cast<int8_t>(sc[is + 6])) * static_cast<float>(q4);
+        y[l + 32] =
+            d * static_cast<float>(static_cast<int8_t>(sc[is + 2])) * static_cast<float>(q2);
+        y[l + 64] =
+            d * static_cast<float>(static_cast<int8_t>(sc[is + 4])) * static_cast<float>(q3);
+        y[l + 96] =
+            d * static_cast<float>(static_cast<int8_t>(sc[is + 6])) * static_cast<float>(q4);
       }
       y += 128;
       ql += 64;
@@ -372,20 +375,19 @@ void QuantQ8_0(const float* x, uint8_t* y, int64_t nb) {
 absl::Status CheckSizes(GgmlType type, size_t elements, size_t bytes, const char* what) {
   const std::optional<GgmlTypeTraits> traits = GetGgmlTypeTraits(type);
   if (!traits.has_value()) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": ", GgmlTypeName(type),
-                                                   " is not a ggml type"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": ", GgmlTypeName(type), " is not a ggml type"));
   }
   const size_t block = static_cast<size_t>(traits->block_size);
   if (elements % block != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": ", elements, " elements of ",
-                                                   traits->name, " are not whole blocks of ",
-                                                   block));
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": ", elements, " elements of ", traits->name, " are not whole blocks of ", block));
   }
   const size_t want = elements / block * static_cast<size_t>(traits->type_size);
   if (bytes != want) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": ", elements, " elements of ",
-                                                   traits->name, " take ", want,
-                                                   " bytes, not ", bytes));
+                                                   traits->name, " take ", want, " bytes, not ",
+                                                   bytes));
   }
   return absl::OkStatus();
 }
@@ -452,8 +454,8 @@ absl::StatusOr<int64_t> TypeBytes(GgmlType type, int64_t element_count) {
   }
   const int64_t blocks = element_count / traits->block_size;
   if (blocks > std::numeric_limits<int64_t>::max() / traits->type_size) {
-    return absl::InvalidArgumentError(absl::StrCat(element_count, " elements of ", traits->name,
-                                                   " overflow a byte count"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(element_count, " elements of ", traits->name, " overflow a byte count"));
   }
   return blocks * traits->type_size;
 }
@@ -511,8 +513,7 @@ absl::Status Dequantize(GgmlType type, std::span<const std::byte> src, std::span
     return absl::UnimplementedError(
         absl::StrCat("dequantize: ", GgmlTypeName(type), " is not implemented"));
   }
-  if (absl::Status status = CheckSizes(type, dst.size(), src.size(), "dequantize");
-      !status.ok()) {
+  if (absl::Status status = CheckSizes(type, dst.size(), src.size(), "dequantize"); !status.ok()) {
     return status;
   }
   const uint8_t* x = reinterpret_cast<const uint8_t*>(src.data());
@@ -528,15 +529,32 @@ absl::Status Dequantize(GgmlType type, std::span<const std::byte> src, std::span
     case GgmlType::kBF16:
       for (int64_t i = 0; i < n; ++i) y[i] = Bf16ToFp32(LoadU16(x + 2 * i));
       break;
-    case GgmlType::kQ4_0: DequantQ4_0(x, y, n / kQK); break;
-    case GgmlType::kQ4_1: DequantQ4_1(x, y, n / kQK); break;
-    case GgmlType::kQ5_0: DequantQ5_0(x, y, n / kQK); break;
-    case GgmlType::kQ5_1: DequantQ5_1(x, y, n / kQK); break;
-    case GgmlType::kQ8_0: DequantQ8_0(x, y, n / kQK); break;
-    case GgmlType::kQ4_K: DequantQ4_K(x, y, n / kQKK); break;
-    case GgmlType::kQ5_K: DequantQ5_K(x, y, n / kQKK); break;
-    case GgmlType::kQ6_K: DequantQ6_K(x, y, n / kQKK); break;
-    default: break;  // excluded by CanDequantize
+    case GgmlType::kQ4_0:
+      DequantQ4_0(x, y, n / kQK);
+      break;
+    case GgmlType::kQ4_1:
+      DequantQ4_1(x, y, n / kQK);
+      break;
+    case GgmlType::kQ5_0:
+      DequantQ5_0(x, y, n / kQK);
+      break;
+    case GgmlType::kQ5_1:
+      DequantQ5_1(x, y, n / kQK);
+      break;
+    case GgmlType::kQ8_0:
+      DequantQ8_0(x, y, n / kQK);
+      break;
+    case GgmlType::kQ4_K:
+      DequantQ4_K(x, y, n / kQKK);
+      break;
+    case GgmlType::kQ5_K:
+      DequantQ5_K(x, y, n / kQKK);
+      break;
+    case GgmlType::kQ6_K:
+      DequantQ6_K(x, y, n / kQKK);
+      break;
+    default:
+      break;  // excluded by CanDequantize
   }
   return absl::OkStatus();
 }
@@ -566,12 +584,23 @@ absl::Status Quantize(GgmlType type, std::span<const float> src, std::span<std::
     case GgmlType::kBF16:
       for (int64_t i = 0; i < n; ++i) StoreU16(y + 2 * i, Fp32ToBf16(x[i]));
       break;
-    case GgmlType::kQ4_0: QuantQ4_0(x, y, n / kQK); break;
-    case GgmlType::kQ4_1: QuantQ4_1(x, y, n / kQK); break;
-    case GgmlType::kQ5_0: QuantQ5_0(x, y, n / kQK); break;
-    case GgmlType::kQ5_1: QuantQ5_1(x, y, n / kQK); break;
-    case GgmlType::kQ8_0: QuantQ8_0(x, y, n / kQK); break;
-    default: break;  // excluded by CanQuantize
+    case GgmlType::kQ4_0:
+      QuantQ4_0(x, y, n / kQK);
+      break;
+    case GgmlType::kQ4_1:
+      QuantQ4_1(x, y, n / kQK);
+      break;
+    case GgmlType::kQ5_0:
+      QuantQ5_0(x, y, n / kQK);
+      break;
+    case GgmlType::kQ5_1:
+      QuantQ5_1(x, y, n / kQK);
+      break;
+    case GgmlType::kQ8_0:
+      QuantQ8_0(x, y, n / kQK);
+      break;
+    default:
+      break;  // excluded by CanQuantize
   }
   return absl::OkStatus();
 }

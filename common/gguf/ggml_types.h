@@ -75,9 +75,9 @@ enum class GgmlType : uint32_t {
 };
 
 struct GgmlTypeTraits {
-  const char* name;       // ggml's name: "F32", "Q4_K", ...
-  int64_t block_size;     // elements per block
-  int64_t type_size;      // bytes per block
+  const char* name;    // ggml's name: "F32", "Q4_K", ...
+  int64_t block_size;  // elements per block
+  int64_t type_size;   // bytes per block
 };
 
 // The traits of `type`; nullopt when it is not a ggml type (a number read from a file).

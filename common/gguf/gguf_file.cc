@@ -21,19 +21,32 @@ namespace kvcm {
 
 std::string GgufValueTypeName(GgufValueType type) {
   switch (type) {
-    case GgufValueType::kUint8: return "uint8";
-    case GgufValueType::kInt8: return "int8";
-    case GgufValueType::kUint16: return "uint16";
-    case GgufValueType::kInt16: return "int16";
-    case GgufValueType::kUint32: return "uint32";
-    case GgufValueType::kInt32: return "int32";
-    case GgufValueType::kFloat32: return "float32";
-    case GgufValueType::kBool: return "bool";
-    case GgufValueType::kString: return "string";
-    case GgufValueType::kArray: return "array";
-    case GgufValueType::kUint64: return "uint64";
-    case GgufValueType::kInt64: return "int64";
-    case GgufValueType::kFloat64: return "float64";
+    case GgufValueType::kUint8:
+      return "uint8";
+    case GgufValueType::kInt8:
+      return "int8";
+    case GgufValueType::kUint16:
+      return "uint16";
+    case GgufValueType::kInt16:
+      return "int16";
+    case GgufValueType::kUint32:
+      return "uint32";
+    case GgufValueType::kInt32:
+      return "int32";
+    case GgufValueType::kFloat32:
+      return "float32";
+    case GgufValueType::kBool:
+      return "bool";
+    case GgufValueType::kString:
+      return "string";
+    case GgufValueType::kArray:
+      return "array";
+    case GgufValueType::kUint64:
+      return "uint64";
+    case GgufValueType::kInt64:
+      return "int64";
+    case GgufValueType::kFloat64:
+      return "float64";
   }
   return absl::StrCat("type ", static_cast<uint32_t>(type));
 }
@@ -48,17 +61,61 @@ GgufValue Make(GgufValueType type) {
 
 }  // namespace
 
-GgufValue GgufValue::Uint8(uint8_t v) { GgufValue r = Make(GgufValueType::kUint8); r.uint_value = v; return r; }
-GgufValue GgufValue::Int8(int8_t v) { GgufValue r = Make(GgufValueType::kInt8); r.int_value = v; return r; }
-GgufValue GgufValue::Uint16(uint16_t v) { GgufValue r = Make(GgufValueType::kUint16); r.uint_value = v; return r; }
-GgufValue GgufValue::Int16(int16_t v) { GgufValue r = Make(GgufValueType::kInt16); r.int_value = v; return r; }
-GgufValue GgufValue::Uint32(uint32_t v) { GgufValue r = Make(GgufValueType::kUint32); r.uint_value = v; return r; }
-GgufValue GgufValue::Int32(int32_t v) { GgufValue r = Make(GgufValueType::kInt32); r.int_value = v; return r; }
-GgufValue GgufValue::Uint64(uint64_t v) { GgufValue r = Make(GgufValueType::kUint64); r.uint_value = v; return r; }
-GgufValue GgufValue::Int64(int64_t v) { GgufValue r = Make(GgufValueType::kInt64); r.int_value = v; return r; }
-GgufValue GgufValue::Float32(float v) { GgufValue r = Make(GgufValueType::kFloat32); r.float_value = v; return r; }
-GgufValue GgufValue::Float64(double v) { GgufValue r = Make(GgufValueType::kFloat64); r.float_value = v; return r; }
-GgufValue GgufValue::Bool(bool v) { GgufValue r = Make(GgufValueType::kBool); r.bool_value = v; return r; }
+GgufValue GgufValue::Uint8(uint8_t v) {
+  GgufValue r = Make(GgufValueType::kUint8);
+  r.uint_value = v;
+  return r;
+}
+GgufValue GgufValue::Int8(int8_t v) {
+  GgufValue r = Make(GgufValueType::kInt8);
+  r.int_value = v;
+  return r;
+}
+GgufValue GgufValue::Uint16(uint16_t v) {
+  GgufValue r = Make(GgufValueType::kUint16);
+  r.uint_value = v;
+  return r;
+}
+GgufValue GgufValue::Int16(int16_t v) {
+  GgufValue r = Make(GgufValueType::kInt16);
+  r.int_value = v;
+  return r;
+}
+GgufValue GgufValue::Uint32(uint32_t v) {
+  GgufValue r = Make(GgufValueType::kUint32);
+  r.uint_value = v;
+  return r;
+}
+GgufValue GgufValue::Int32(int32_t v) {
+  GgufValue r = Make(GgufValueType::kInt32);
+  r.int_value = v;
+  return r;
+}
+GgufValue GgufValue::Uint64(uint64_t v) {
+  GgufValue r = Make(GgufValueType::kUint64);
+  r.uint_value = v;
+  return r;
+}
+GgufValue GgufValue::Int64(int64_t v) {
+  GgufValue r = Make(GgufValueType::kInt64);
+  r.int_value = v;
+  return r;
+}
+GgufValue GgufValue::Float32(float v) {
+  GgufValue r = Make(GgufValueType::kFloat32);
+  r.float_value = v;
+  return r;
+}
+GgufValue GgufValue::Float64(double v) {
+  GgufValue r = Make(GgufValueType::kFloat64);
+  r.float_value = v;
+  return r;
+}
+GgufValue GgufValue::Bool(bool v) {
+  GgufValue r = Make(GgufValueType::kBool);
+  r.bool_value = v;
+  return r;
+}
 GgufValue GgufValue::String(std::string v) {
   GgufValue r = Make(GgufValueType::kString);
   r.string_value = std::move(v);
@@ -223,8 +280,7 @@ class GgufFile::Parser {
     return absl::OkStatus();
   }
   absl::Status ReadString(std::string* out, const std::string& context);
-  absl::Status ReadValue(GgufValueType type, int depth, const std::string& context,
-                         GgufValue* out);
+  absl::Status ReadValue(GgufValueType type, int depth, const std::string& context, GgufValue* out);
 
   GgufFile& file_;
   std::span<const std::byte> bytes_;
@@ -240,12 +296,14 @@ absl::Status GgufFile::Parser::ReadString(std::string* out, const std::string& c
   }
   out->assign(reinterpret_cast<const char*>(bytes_.data()) + pos_, length);
   pos_ += length;
-  if (!IsValidUtf8(*out)) return Error(absl::StrCat(context, ": string is not valid UTF-8"));
+  if (!IsValidUtf8(*out)) {
+    return Error(absl::StrCat(context, ": string ", Quoted(*out), " is not valid UTF-8"));
+  }
   return absl::OkStatus();
 }
 
-absl::Status GgufFile::Parser::ReadValue(GgufValueType type, int depth,
-                                         const std::string& context, GgufValue* out) {
+absl::Status GgufFile::Parser::ReadValue(GgufValueType type, int depth, const std::string& context,
+                                         GgufValue* out) {
   out->type = type;
   switch (type) {
     case GgufValueType::kUint8: {
@@ -333,8 +391,7 @@ absl::Status GgufFile::Parser::ReadValue(GgufValueType type, int depth,
       if (count > remaining() / min_size) {
         return Error(absl::StrCat(context, ": array of ", count, " ",
                                   GgufValueTypeName(out->element_type),
-                                  " elements cannot fit in the ", remaining(),
-                                  " bytes left"));
+                                  " elements cannot fit in the ", remaining(), " bytes left"));
       }
       out->elements.resize(count);
       for (uint64_t i = 0; i < count; ++i) {
@@ -475,9 +532,9 @@ absl::Status GgufFile::Parser::Run() {
     const GgufTensorInfo& a = file_.tensors_[order[k - 1]];
     const GgufTensorInfo& b = file_.tensors_[order[k]];
     if (a.offset + static_cast<uint64_t>(a.byte_size) > b.offset) {
-      return Error(absl::StrCat("tensor ", Quoted(a.name), " (offset ", a.offset, ", ",
-                                a.byte_size, " bytes) overlaps tensor ", Quoted(b.name),
-                                " (offset ", b.offset, ")"));
+      return Error(absl::StrCat("tensor ", Quoted(a.name), " (offset ", a.offset, ", ", a.byte_size,
+                                " bytes) overlaps tensor ", Quoted(b.name), " (offset ", b.offset,
+                                ")"));
     }
   }
   return absl::OkStatus();
@@ -539,8 +596,7 @@ bool GgufFile::Has(std::string_view key) const {
 absl::StatusOr<const GgufValue*> GgufFile::GetValue(std::string_view key) const {
   auto it = key_index_.find(absl::string_view(key.data(), key.size()));
   if (it == key_index_.end()) {
-    return absl::NotFoundError(
-        absl::StrCat(name_, ": no metadata key ", Quoted(key)));
+    return absl::NotFoundError(absl::StrCat(name_, ": no metadata key ", Quoted(key)));
   }
   return &metadata_[it->second].value;
 }
@@ -551,8 +607,8 @@ absl::Status GgufFile::TypeError(std::string_view key, const GgufValue& value,
   if (value.type == GgufValueType::kArray) {
     is = absl::StrCat("an array of ", GgufValueTypeName(value.element_type));
   }
-  return absl::InvalidArgumentError(absl::StrCat(name_, ": metadata key ", Quoted(key), " is ",
-                                                 is, ", not ", std::string(wanted)));
+  return absl::InvalidArgumentError(absl::StrCat(name_, ": metadata key ", Quoted(key), " is ", is,
+                                                 ", not ", std::string(wanted)));
 }
 
 namespace {
@@ -624,8 +680,8 @@ absl::StatusOr<std::vector<int64_t>> GgufFile::GetIntArray(std::string_view key)
   std::vector<int64_t> out(v->elements.size());
   for (size_t i = 0; i < out.size(); ++i) {
     if (!IntOf(v->elements[i], &out[i])) {
-      return absl::InvalidArgumentError(absl::StrCat(name_, ": metadata key ", Quoted(key), "[",
-                                                     i, "] (", v->elements[i].uint_value,
+      return absl::InvalidArgumentError(absl::StrCat(name_, ": metadata key ", Quoted(key), "[", i,
+                                                     "] (", v->elements[i].uint_value,
                                                      ") does not fit int64"));
     }
   }

@@ -110,7 +110,9 @@ struct GgufValue {
 
   // Whether `type` is one of the eight integer types.
   bool is_integer() const;
-  bool is_float() const { return type == GgufValueType::kFloat32 || type == GgufValueType::kFloat64; }
+  bool is_float() const {
+    return type == GgufValueType::kFloat32 || type == GgufValueType::kFloat64;
+  }
 };
 
 struct GgufKeyValue {
@@ -122,23 +124,23 @@ struct GgufTensorInfo {
   std::string name;
   std::vector<int64_t> dims;  // ne[0] first (the contiguous dimension), as ggml orders them
   GgmlType type = GgmlType::kF32;
-  uint64_t offset = 0;         // from the start of the data section
-  int64_t element_count = 0;   // product of dims
-  int64_t byte_size = 0;       // element_count / block_size * type_size
+  uint64_t offset = 0;              // from the start of the data section
+  int64_t element_count = 0;        // product of dims
+  int64_t byte_size = 0;            // element_count / block_size * type_size
   std::span<const std::byte> data;  // byte_size bytes inside the file
 };
 
 class GgufFile {
  public:
   static constexpr uint32_t kDefaultAlignment = 32;
-  static constexpr int kMaxDims = 4;           // GGML_MAX_DIMS
-  static constexpr int kMaxArrayDepth = 8;     // arrays of arrays of ... refused beyond
+  static constexpr int kMaxDims = 4;        // GGML_MAX_DIMS
+  static constexpr int kMaxArrayDepth = 8;  // arrays of arrays of ... refused beyond
 
   // Maps and parses the file at `path`.
   static absl::StatusOr<std::unique_ptr<GgufFile>> Open(const std::string& path);
   // Parses `bytes`, which must outlive the returned object; `name` names it in errors.
   static absl::StatusOr<std::unique_ptr<GgufFile>> FromBuffer(std::string name,
-                                                               std::span<const std::byte> bytes);
+                                                              std::span<const std::byte> bytes);
 
   GgufFile(const GgufFile&) = delete;
   GgufFile& operator=(const GgufFile&) = delete;

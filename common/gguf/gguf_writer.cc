@@ -20,9 +20,8 @@ constexpr std::string_view kAlignmentKey = "general.alignment";
 
 absl::Status CheckValue(const std::string& key, const GgufValue& value, int depth) {
   if (!gguf_internal::IsValueType(static_cast<uint32_t>(value.type))) {
-    return absl::InvalidArgumentError(absl::StrCat("metadata key ", Quoted(key),
-                                                   ": unknown value type ",
-                                                   static_cast<uint32_t>(value.type)));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "metadata key ", Quoted(key), ": unknown value type ", static_cast<uint32_t>(value.type)));
   }
   if (value.type == GgufValueType::kString && !IsValidUtf8(value.string_value)) {
     return absl::InvalidArgumentError(
@@ -30,9 +29,8 @@ absl::Status CheckValue(const std::string& key, const GgufValue& value, int dept
   }
   if (value.type != GgufValueType::kArray) return absl::OkStatus();
   if (depth >= GgufFile::kMaxArrayDepth) {
-    return absl::InvalidArgumentError(absl::StrCat("metadata key ", Quoted(key),
-                                                   ": arrays nested deeper than ",
-                                                   GgufFile::kMaxArrayDepth));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "metadata key ", Quoted(key), ": arrays nested deeper than ", GgufFile::kMaxArrayDepth));
   }
   for (size_t i = 0; i < value.elements.size(); ++i) {
     const GgufValue& e = value.elements[i];
@@ -60,18 +58,42 @@ void PutString(std::string* out, const std::string& s) {
 
 void PutValue(std::string* out, const GgufValue& v) {
   switch (v.type) {
-    case GgufValueType::kUint8: Put(out, static_cast<uint8_t>(v.uint_value)); break;
-    case GgufValueType::kInt8: Put(out, static_cast<int8_t>(v.int_value)); break;
-    case GgufValueType::kUint16: Put(out, static_cast<uint16_t>(v.uint_value)); break;
-    case GgufValueType::kInt16: Put(out, static_cast<int16_t>(v.int_value)); break;
-    case GgufValueType::kUint32: Put(out, static_cast<uint32_t>(v.uint_value)); break;
-    case GgufValueType::kInt32: Put(out, static_cast<int32_t>(v.int_value)); break;
-    case GgufValueType::kUint64: Put(out, v.uint_value); break;
-    case GgufValueType::kInt64: Put(out, v.int_value); break;
-    case GgufValueType::kFloat32: Put(out, static_cast<float>(v.float_value)); break;
-    case GgufValueType::kFloat64: Put(out, v.float_value); break;
-    case GgufValueType::kBool: Put<uint8_t>(out, v.bool_value ? 1 : 0); break;
-    case GgufValueType::kString: PutString(out, v.string_value); break;
+    case GgufValueType::kUint8:
+      Put(out, static_cast<uint8_t>(v.uint_value));
+      break;
+    case GgufValueType::kInt8:
+      Put(out, static_cast<int8_t>(v.int_value));
+      break;
+    case GgufValueType::kUint16:
+      Put(out, static_cast<uint16_t>(v.uint_value));
+      break;
+    case GgufValueType::kInt16:
+      Put(out, static_cast<int16_t>(v.int_value));
+      break;
+    case GgufValueType::kUint32:
+      Put(out, static_cast<uint32_t>(v.uint_value));
+      break;
+    case GgufValueType::kInt32:
+      Put(out, static_cast<int32_t>(v.int_value));
+      break;
+    case GgufValueType::kUint64:
+      Put(out, v.uint_value);
+      break;
+    case GgufValueType::kInt64:
+      Put(out, v.int_value);
+      break;
+    case GgufValueType::kFloat32:
+      Put(out, static_cast<float>(v.float_value));
+      break;
+    case GgufValueType::kFloat64:
+      Put(out, v.float_value);
+      break;
+    case GgufValueType::kBool:
+      Put<uint8_t>(out, v.bool_value ? 1 : 0);
+      break;
+    case GgufValueType::kString:
+      PutString(out, v.string_value);
+      break;
     case GgufValueType::kArray:
       Put(out, static_cast<uint32_t>(v.element_type));
       Put<uint64_t>(out, v.elements.size());
@@ -133,8 +155,8 @@ absl::Status GgufWriter::CheckTensor(const std::string& name, const std::vector<
     return absl::InvalidArgumentError(absl::StrCat("duplicate ", context));
   }
   if (dims.empty() || dims.size() > static_cast<size_t>(GgufFile::kMaxDims)) {
-    return absl::InvalidArgumentError(absl::StrCat(context, " has ", dims.size(),
-                                                   " dims, not 1 to ", GgufFile::kMaxDims));
+    return absl::InvalidArgumentError(
+        absl::StrCat(context, " has ", dims.size(), " dims, not 1 to ", GgufFile::kMaxDims));
   }
   int64_t elements = 1;
   for (size_t d = 0; d < dims.size(); ++d) {
@@ -150,9 +172,9 @@ absl::Status GgufWriter::CheckTensor(const std::string& name, const std::vector<
         absl::StrCat(context, ": ", GgmlTypeName(type), " is not a ggml type"));
   }
   if (dims[0] % traits->block_size != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(context, ": a row of ", dims[0], " ",
-                                                   traits->name, " elements is not whole blocks of ",
-                                                   traits->block_size));
+    return absl::InvalidArgumentError(
+        absl::StrCat(context, ": a row of ", dims[0], " ", traits->name,
+                     " elements is not whole blocks of ", traits->block_size));
   }
   absl::StatusOr<int64_t> bytes = TypeBytes(type, elements);
   if (!bytes.ok()) {
@@ -183,14 +205,14 @@ absl::Status GgufWriter::AddTensor(std::string name, std::vector<int64_t> dims, 
   return absl::OkStatus();
 }
 
-absl::Status GgufWriter::AddTensorBytes(std::string name, std::vector<int64_t> dims,
-                                        GgmlType type, std::span<const std::byte> data) {
+absl::Status GgufWriter::AddTensorBytes(std::string name, std::vector<int64_t> dims, GgmlType type,
+                                        std::span<const std::byte> data) {
   int64_t elements = 0, bytes = 0;
   KVCM_RETURN_IF_ERROR(CheckTensor(name, dims, type, &elements, &bytes));
   if (data.size() != static_cast<size_t>(bytes)) {
     return absl::InvalidArgumentError(absl::StrCat("tensor ", Quoted(name), ": ", data.size(),
-                                                   " bytes, not the ", bytes, " of ", elements,
-                                                   " ", GgmlTypeName(type), " elements"));
+                                                   " bytes, not the ", bytes, " of ", elements, " ",
+                                                   GgmlTypeName(type), " elements"));
   }
   tensor_names_.insert(name);
   tensors_.push_back({std::move(name), std::move(dims), type,

@@ -61,8 +61,8 @@ class GgufWriter {
     GgmlType type;
     std::string data;
   };
-  absl::Status CheckTensor(const std::string& name, const std::vector<int64_t>& dims,
-                           GgmlType type, int64_t* element_count, int64_t* byte_size) const;
+  absl::Status CheckTensor(const std::string& name, const std::vector<int64_t>& dims, GgmlType type,
+                           int64_t* element_count, int64_t* byte_size) const;
 
   uint32_t alignment_ = GgufFile::kDefaultAlignment;
   std::vector<GgufKeyValue> metadata_;

@@ -2,6 +2,8 @@
 // writer round trip, and one test per class of malformed file, each checking that the
 // error is INVALID_ARGUMENT naming the file and the key or tensor.
 
+#include "common/gguf/gguf_file.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -15,7 +17,6 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/gguf/ggml_types.h"
-#include "common/gguf/gguf_file.h"
 #include "common/gguf/gguf_writer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -71,8 +72,8 @@ struct Bytes {
 
 absl::StatusOr<std::unique_ptr<GgufFile>> Parse(const std::string& bytes) {
   return GgufFile::FromBuffer(
-      "test.gguf", std::span<const std::byte>(reinterpret_cast<const std::byte*>(bytes.data()),
-                                              bytes.size()));
+      "test.gguf",
+      std::span<const std::byte>(reinterpret_cast<const std::byte*>(bytes.data()), bytes.size()));
 }
 
 // The parse fails with INVALID_ARGUMENT whose message names the file and has `needle`.
@@ -130,7 +131,7 @@ TEST(GgufFileTest, GettersCheckTypes) {
   ASSERT_TRUE(w.Add("f64", GgufValue::Float64(1e300)).ok());
   ASSERT_TRUE(w.Add("b", GgufValue::Bool(true)).ok());
   ASSERT_TRUE(w.Add("ints", GgufValue::Array(GgufValueType::kUint16,
-                                              {GgufValue::Uint16(1), GgufValue::Uint16(65535)}))
+                                             {GgufValue::Uint16(1), GgufValue::Uint16(65535)}))
                   .ok());
   ASSERT_TRUE(w.Add("floats", GgufValue::Float32Array(std::vector<float>{1.5f})).ok());
   ASSERT_TRUE(w.Add("strs", GgufValue::StringArray({"p", "q"})).ok());
@@ -154,9 +155,8 @@ TEST(GgufFileTest, GettersCheckTypes) {
   EXPECT_EQ(f.FindTensor("nope").status().code(), absl::StatusCode::kNotFound);
   for (const absl::Status& status :
        {f.GetString("u8").status(), f.GetInt("s").status(), f.GetFloat("u8").status(),
-        f.GetBool("u8").status(), f.GetStringArray("ints").status(),
-        f.GetIntArray("strs").status(), f.GetFloatArray("ints").status(),
-        f.GetInt("u64big").status(), f.GetInt("ints").status()}) {
+        f.GetBool("u8").status(), f.GetStringArray("ints").status(), f.GetIntArray("strs").status(),
+        f.GetFloatArray("ints").status(), f.GetInt("u64big").status(), f.GetInt("ints").status()}) {
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
     EXPECT_THAT(std::string(status.message()), HasSubstr("test.gguf: metadata key '"));
   }
@@ -172,8 +172,8 @@ TEST(GgufFileTest, WriterRoundTrip) {
   GgufWriter w;
   ASSERT_TRUE(w.SetAlignment(256).ok());
   ASSERT_TRUE(w.Add("nested", GgufValue::Array(GgufValueType::kArray,
-                                                {GgufValue::StringArray({"a"}),
-                                                 GgufValue::Int32Array(std::vector<int32_t>{3})}))
+                                               {GgufValue::StringArray({"a"}),
+                                                GgufValue::Int32Array(std::vector<int32_t>{3})}))
                   .ok());
   ASSERT_TRUE(w.AddTensor("q", {64, 3}, GgmlType::kQ4_1, x).ok());
   ASSERT_TRUE(w.AddTensor("f", {64, 3}, GgmlType::kF32, x).ok());
@@ -203,10 +203,10 @@ TEST(GgufWriterTest, RefusesBadInput) {
   EXPECT_FALSE(w.Add("general.alignment", GgufValue::Uint32(64)).ok());
   EXPECT_FALSE(w.SetAlignment(48).ok());
   EXPECT_FALSE(w.Add("bad\xff", GgufValue::Uint8(1)).ok());
-  EXPECT_THAT(std::string(w.Add("mixed", GgufValue::Array(GgufValueType::kInt32,
-                                                          {GgufValue::Uint8(1)}))
-                              .message()),
-              HasSubstr("'mixed'"));
+  EXPECT_THAT(
+      std::string(
+          w.Add("mixed", GgufValue::Array(GgufValueType::kInt32, {GgufValue::Uint8(1)})).message()),
+      HasSubstr("'mixed'"));
   std::vector<float> x(32);
   EXPECT_THAT(std::string(w.AddTensor("t", {33}, GgmlType::kF32, x).message()), HasSubstr("'t'"));
   EXPECT_THAT(std::string(w.AddTensor("t", {31}, GgmlType::kQ8_0, x).message()),
@@ -328,16 +328,18 @@ TEST(GgufMalformedTest, ArrayCountLargerThanTheFile) {
 TEST(GgufMalformedTest, InvalidUtf8) {
   Bytes key;
   key.Header(0, 1).KvU32("bad\xc3(key", 1);
-  ExpectInvalid(key.s, "not valid UTF-8");
+  ExpectInvalid(key.s,
+                "metadata key/value 0 of 1 (its key): string 'bad\\xc3(key' is not valid UTF-8");
   Bytes value;
   value.Header(0, 1).KvStr("general.name", "overlong \xc0\xaf");
-  ExpectInvalid(value.s, "metadata key 'general.name': string is not valid UTF-8");
+  ExpectInvalid(value.s,
+                "metadata key 'general.name': string 'overlong \\xc0\\xaf' is not valid UTF-8");
   Bytes surrogate;
   surrogate.Header(0, 1).KvStr("general.name", "\xed\xa0\x80");
   ExpectInvalid(surrogate.s, "metadata key 'general.name'");
   Bytes tensor;
   tensor.Header(1, 0).Tensor("w\xff", {32}, GgmlType::kF32, 0).PadTo(32).Zeros(128);
-  ExpectInvalid(tensor.s, "tensor info 0 of 1 (its name): string is not valid UTF-8");
+  ExpectInvalid(tensor.s, "tensor info 0 of 1 (its name): string 'w\\xff' is not valid UTF-8");
 }
 
 TEST(GgufMalformedTest, DuplicateKey) {
@@ -399,8 +401,8 @@ TEST(GgufMalformedTest, BadDims) {
   zero.Header(1, 0).Tensor("w.zero", {32, 0}, GgmlType::kF32, 0).PadTo(32);
   ExpectInvalid(zero.s, "tensor 'w.zero': dim 1 is zero");
   Bytes overflow;
-  overflow.Header(1, 0).Tensor("w.big", {1u << 20, 1u << 20, 1u << 20, 1u << 20},
-                               GgmlType::kF32, 0);
+  overflow.Header(1, 0).Tensor("w.big", {1u << 20, 1u << 20, 1u << 20, 1u << 20}, GgmlType::kF32,
+                               0);
   ExpectInvalid(overflow.s, "tensor 'w.big': dims overflow int64");
   Bytes huge;
   huge.Header(1, 0).Tensor("w.huge", {~uint64_t{0}}, GgmlType::kF32, 0);

@@ -16,8 +16,7 @@
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(data), size);
-  absl::StatusOr<std::unique_ptr<kvcm::GgufFile>> file =
-      kvcm::GgufFile::FromBuffer("fuzz", bytes);
+  absl::StatusOr<std::unique_ptr<kvcm::GgufFile>> file = kvcm::GgufFile::FromBuffer("fuzz", bytes);
   if (!file.ok()) return 0;
   // Every getter on every key: a type mismatch is a status, never a crash.
   for (const kvcm::GgufKeyValue& kv : (*file)->metadata()) {

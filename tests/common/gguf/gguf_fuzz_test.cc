@@ -48,8 +48,8 @@ std::string SeedFile(std::mt19937_64& rng) {
   EXPECT_TRUE(w.Add("types", GgufValue::Int32Array(std::vector<int32_t>{1, 2, 3, 1})).ok());
   EXPECT_TRUE(w.Add("scores", GgufValue::Float32Array(std::vector<float>{0, -1, -2, -3})).ok());
   EXPECT_TRUE(w.Add("nested", GgufValue::Array(GgufValueType::kArray,
-                                                {GgufValue::StringArray({"x"}),
-                                                 GgufValue::Int32Array(std::vector<int32_t>{5})}))
+                                               {GgufValue::StringArray({"x"}),
+                                                GgufValue::Int32Array(std::vector<int32_t>{5})}))
                   .ok());
   std::normal_distribution<float> normal;
   for (GgmlType type : {GgmlType::kF32, GgmlType::kF16, GgmlType::kBF16, GgmlType::kQ8_0,
@@ -68,10 +68,31 @@ std::string SeedFile(std::mt19937_64& rng) {
 
 void Mutate(std::mt19937_64& rng, std::string* s) {
   auto pick = [&](uint64_t n) { return n == 0 ? uint64_t{0} : rng() % n; };
-  static const uint64_t kExtremes[] = {0, 1, 2, 3, 4, 7, 8, 9, 12, 13, 31, 32, 33, 64, 255, 256,
-                                       0x7FFFFFFFu, 0x80000000u, 0xFFFFFFFFu, uint64_t{1} << 32,
-                                       uint64_t{1} << 40, uint64_t{1} << 62, uint64_t{1} << 63,
-                                       ~uint64_t{0}, ~uint64_t{0} - 31};
+  static const uint64_t kExtremes[] = {0,
+                                       1,
+                                       2,
+                                       3,
+                                       4,
+                                       7,
+                                       8,
+                                       9,
+                                       12,
+                                       13,
+                                       31,
+                                       32,
+                                       33,
+                                       64,
+                                       255,
+                                       256,
+                                       0x7FFFFFFFu,
+                                       0x80000000u,
+                                       0xFFFFFFFFu,
+                                       uint64_t{1} << 32,
+                                       uint64_t{1} << 40,
+                                       uint64_t{1} << 62,
+                                       uint64_t{1} << 63,
+                                       ~uint64_t{0},
+                                       ~uint64_t{0} - 31};
   switch (pick(7)) {
     case 0: {  // flip a bit
       if (s->empty()) return;

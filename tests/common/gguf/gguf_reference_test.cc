@@ -128,8 +128,8 @@ TEST(GgufReferenceTest, DequantizeAndQuantizeMatchGgufPython) {
         }
         ADD_FAILURE() << "dequantize " << name << ": element " << diff << " is "
                       << out[static_cast<size_t>(diff)] << " (bits " << std::hex
-                      << FloatBits(out[static_cast<size_t>(diff)]) << "), gguf has bits "
-                      << want << std::dec << " (block " << diff / GetGgmlTypeTraits(r.type)->block_size
+                      << FloatBits(out[static_cast<size_t>(diff)]) << "), gguf has bits " << want
+                      << std::dec << " (block " << diff / GetGgmlTypeTraits(r.type)->block_size
                       << ")";
       }
       if (diff < 0) {
@@ -141,17 +141,16 @@ TEST(GgufReferenceTest, DequantizeAndQuantizeMatchGgufPython) {
       ASSERT_EQ(r.src.size(), in.size() * sizeof(float));
       std::memcpy(in.data(), r.src.data(), r.src.size());
       std::string out(r.dst.size(), '\0');
-      absl::Status status =
-          Quantize(r.type, in,
-                   std::span<std::byte>(reinterpret_cast<std::byte*>(out.data()), out.size()));
+      absl::Status status = Quantize(
+          r.type, in, std::span<std::byte>(reinterpret_cast<std::byte*>(out.data()), out.size()));
       ASSERT_TRUE(status.ok()) << name << ": " << status;
       if (out != r.dst) {
         size_t i = 0;
         while (i < out.size() && out[i] == r.dst[i]) ++i;
         const int64_t type_size = GetGgmlTypeTraits(r.type)->type_size;
         ADD_FAILURE() << "quantize " << name << ": byte " << i << " (block "
-                      << static_cast<int64_t>(i) / type_size << ") is "
-                      << Hex(out.data() + i, 1) << ", gguf has " << Hex(r.dst.data() + i, 1);
+                      << static_cast<int64_t>(i) / type_size << ") is " << Hex(out.data() + i, 1)
+                      << ", gguf has " << Hex(r.dst.data() + i, 1);
       }
       if (out == r.dst) {
         std::printf("quantize %s: %llu elements byte for byte equal to gguf.quants.quantize\n",
@@ -244,18 +243,25 @@ TEST(GgufReferenceTest, GgufReaderPythonReadsWhatGgufWriterWrote) {
   ASSERT_TRUE(writer.Add("general.architecture", GgufValue::String("llama")).ok());
   ASSERT_TRUE(writer.SetAlignment(128).ok());
   std::vector<GgufValue> values = {
-      GgufValue::Uint8(static_cast<uint8_t>(rng())), GgufValue::Int8(static_cast<int8_t>(rng())),
+      GgufValue::Uint8(static_cast<uint8_t>(rng())),
+      GgufValue::Int8(static_cast<int8_t>(rng())),
       GgufValue::Uint16(static_cast<uint16_t>(rng())),
       GgufValue::Int16(static_cast<int16_t>(rng())),
       GgufValue::Uint32(static_cast<uint32_t>(rng())),
-      GgufValue::Int32(static_cast<int32_t>(rng())), GgufValue::Uint64(rng()),
-      GgufValue::Int64(static_cast<int64_t>(rng())), GgufValue::Float32(normal(rng)),
-      GgufValue::Float64(static_cast<double>(normal(rng)) / 3.0), GgufValue::Bool(true),
-      GgufValue::Bool(false), GgufValue::String("ünïcode ✓ 𝄞"), GgufValue::String(""),
+      GgufValue::Int32(static_cast<int32_t>(rng())),
+      GgufValue::Uint64(rng()),
+      GgufValue::Int64(static_cast<int64_t>(rng())),
+      GgufValue::Float32(normal(rng)),
+      GgufValue::Float64(static_cast<double>(normal(rng)) / 3.0),
+      GgufValue::Bool(true),
+      GgufValue::Bool(false),
+      GgufValue::String("ünïcode ✓ 𝄞"),
+      GgufValue::String(""),
       GgufValue::StringArray({"a", "", "Ġb", "日本"}),
       GgufValue::Int32Array(std::vector<int32_t>{1, -2, 3}),
       GgufValue::Float32Array(std::vector<float>{0.5f, -1e-30f, 3.25f}),
-      GgufValue::Array(GgufValueType::kUint64, {GgufValue::Uint64(~uint64_t{0}), GgufValue::Uint64(0)}),
+      GgufValue::Array(GgufValueType::kUint64,
+                       {GgufValue::Uint64(~uint64_t{0}), GgufValue::Uint64(0)}),
       GgufValue::Array(GgufValueType::kBool, {GgufValue::Bool(true), GgufValue::Bool(false)}),
       GgufValue::Array(GgufValueType::kArray,
                        {GgufValue::Int32Array(std::vector<int32_t>{7}),
@@ -271,10 +277,10 @@ TEST(GgufReferenceTest, GgufReaderPythonReadsWhatGgufWriterWrote) {
     std::vector<int64_t> dims;
   };
   const std::vector<Spec> specs = {
-      {"a.weight", GgmlType::kQ8_0, {64, 3}},  {"b.weight", GgmlType::kF32, {5}},
+      {"a.weight", GgmlType::kQ8_0, {64, 3}},    {"b.weight", GgmlType::kF32, {5}},
       {"c.weight", GgmlType::kQ4_0, {32, 2, 2}}, {"d.weight", GgmlType::kQ4_1, {96, 1, 1, 2}},
-      {"e.weight", GgmlType::kF16, {7, 3}},    {"f.weight", GgmlType::kBF16, {9}},
-      {"g.weight", GgmlType::kQ5_0, {32}},     {"h.weight", GgmlType::kQ5_1, {64, 2}},
+      {"e.weight", GgmlType::kF16, {7, 3}},      {"f.weight", GgmlType::kBF16, {9}},
+      {"g.weight", GgmlType::kQ5_0, {32}},       {"h.weight", GgmlType::kQ5_1, {64, 2}},
   };
   std::vector<std::string> bytes;
   for (const Spec& s : specs) {
@@ -284,9 +290,9 @@ TEST(GgufReferenceTest, GgufReaderPythonReadsWhatGgufWriterWrote) {
     for (float& v : x) v = normal(rng);
     ASSERT_TRUE(writer.AddTensor(s.name, s.dims, s.type, x).ok()) << s.name;
     std::string q(static_cast<size_t>(*TypeBytes(s.type, n)), '\0');
-    ASSERT_TRUE(Quantize(s.type, x,
-                         std::span<std::byte>(reinterpret_cast<std::byte*>(q.data()), q.size()))
-                    .ok());
+    ASSERT_TRUE(
+        Quantize(s.type, x, std::span<std::byte>(reinterpret_cast<std::byte*>(q.data()), q.size()))
+            .ok());
     bytes.push_back(std::move(q));
   }
   absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-gguf");
@@ -345,8 +351,8 @@ TEST(GgufReferenceTest, SmolLM2MatchesGgufReader) {
   const std::string json = dir->path() + "/smollm2.json";
   const std::string embd = dir->path() + "/token_embd.f32";
   const std::string down = dir->path() + "/ffn_down.f32";
-  ASSERT_TRUE(RunGgufReference({"dump", path, json, "token_embd.weight", embd,
-                                "blk.0.ffn_down.weight", down})
+  ASSERT_TRUE(RunGgufReference(
+                  {"dump", path, json, "token_embd.weight", embd, "blk.0.ffn_down.weight", down})
                   .ok());
   absl::StatusOr<nlohmann::json> dump = ReadJson(json);
   ASSERT_TRUE(dump.ok()) << dump.status();
@@ -369,8 +375,7 @@ TEST(GgufReferenceTest, SmolLM2MatchesGgufReader) {
   EXPECT_GT(*file.GetFloat("llama.attention.layer_norm_rms_epsilon"), 0.0);
   EXPECT_EQ(file.tensors().size(), (*dump)["tensors"].size());
 
-  for (const auto& [name, out, type] :
-       std::vector<std::tuple<std::string, std::string, GgmlType>>{
+  for (const auto& [name, out, type] : std::vector<std::tuple<std::string, std::string, GgmlType>>{
            {"token_embd.weight", embd, GgmlType::kQ8_0},
            {"blk.0.ffn_down.weight", down, GgmlType::kQ4_1}}) {
     SCOPED_TRACE(name);
@@ -381,8 +386,8 @@ TEST(GgufReferenceTest, SmolLM2MatchesGgufReader) {
     ASSERT_TRUE(Dequantize((*t)->type, (*t)->data, values).ok());
     const int64_t diff = FirstBitDifference(values, ReadFileOrEmpty(out));
     ASSERT_EQ(diff, -1) << "first difference from gguf.quants.dequantize at element " << diff;
-    std::printf("%s (%s, %zu elements): bitwise equal to gguf.quants.dequantize\n",
-                name.c_str(), GgmlTypeName(type).c_str(), values.size());
+    std::printf("%s (%s, %zu elements): bitwise equal to gguf.quants.dequantize\n", name.c_str(),
+                GgmlTypeName(type).c_str(), values.size());
   }
 }
 
