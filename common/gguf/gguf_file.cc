@@ -285,6 +285,7 @@ class GgufFile::Parser {
   GgufFile& file_;
   std::span<const std::byte> bytes_;
   size_t pos_ = 0;
+  uint64_t values_ = 0;  // array elements read so far
 };
 
 absl::Status GgufFile::Parser::ReadString(std::string* out, const std::string& context) {
@@ -393,6 +394,13 @@ absl::Status GgufFile::Parser::ReadValue(GgufValueType type, int depth, const st
                                   GgufValueTypeName(out->element_type),
                                   " elements cannot fit in the ", remaining(), " bytes left"));
       }
+      // Each value costs sizeof(GgufValue) in memory however few bytes it takes in the
+      // file, so the file's total is bounded too.
+      if (count > static_cast<uint64_t>(kMaxMetadataValues) - values_) {
+        return Error(absl::StrCat(context, ": array of ", count, " elements takes the file past ",
+                                  kMaxMetadataValues, " metadata values"));
+      }
+      values_ += count;
       out->elements.resize(count);
       for (uint64_t i = 0; i < count; ++i) {
         KVCM_RETURN_IF_ERROR(ReadValue(out->element_type, depth + 1, context, &out->elements[i]));

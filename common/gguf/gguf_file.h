@@ -26,10 +26,10 @@
 // or an unknown version, truncated header/metadata/tensor infos, a count or length larger
 // than the rest of the file could hold, invalid UTF-8 in a key, string or tensor name,
 // duplicate keys or tensor names, an unknown value type or tensor type, arrays nested
-// deeper than kMaxArrayDepth, general.alignment not a uint32 power of two, no dims or more
-// than 4, a zero dim or an element count that overflows int64, a row (ne[0]) that is not a
-// whole number of blocks, an unaligned tensor offset, tensor data past the end of the
-// file, overlapping tensors.
+// deeper than kMaxArrayDepth, more than kMaxMetadataValues array elements in all,
+// general.alignment not a uint32 power of two, no dims or more than 4, a zero dim or an
+// element count that overflows int64, a row (ne[0]) that is not a whole number of blocks,
+// an unaligned tensor offset, tensor data past the end of the file, overlapping tensors.
 // Errors of the getters: NOT_FOUND for a missing key or tensor; INVALID_ARGUMENT naming the
 // file and key for a value of another type (or an integer that does not fit int64).
 //
@@ -135,6 +135,10 @@ class GgufFile {
   static constexpr uint32_t kDefaultAlignment = 32;
   static constexpr int kMaxDims = 4;        // GGML_MAX_DIMS
   static constexpr int kMaxArrayDepth = 8;  // arrays of arrays of ... refused beyond
+  // Array elements in all of a file's metadata (a large vocabulary has about 10^6 between
+  // its tokens, types, scores and merges); a file with more is refused, which bounds the
+  // memory a malformed file can make the parser take.
+  static constexpr int64_t kMaxMetadataValues = int64_t{1} << 22;
 
   // Maps and parses the file at `path`.
   static absl::StatusOr<std::unique_ptr<GgufFile>> Open(const std::string& path);

@@ -325,6 +325,18 @@ TEST(GgufMalformedTest, ArrayCountLargerThanTheFile) {
   ExpectInvalid(b.s, "metadata key 'tokenizer.ggml.tokens': array of 1099511627776");
 }
 
+TEST(GgufMalformedTest, MoreMetadataValuesThanTheLimit) {
+  // An array the file holds the bytes of, but more elements than the limit (refused before
+  // anything is allocated for them).
+  const uint64_t count = GgufFile::kMaxMetadataValues + 1;
+  Bytes b;
+  b.Header(0, 1).Str("tokenizer.ggml.token_type");
+  b.U32(static_cast<uint32_t>(GgufValueType::kArray));
+  b.U32(static_cast<uint32_t>(GgufValueType::kUint8)).U64(count).Zeros(count);
+  ExpectInvalid(b.s, absl::StrCat("metadata key 'tokenizer.ggml.token_type': array of ", count,
+                                  " elements takes the file past"));
+}
+
 TEST(GgufMalformedTest, InvalidUtf8) {
   Bytes key;
   key.Header(0, 1).KvU32("bad\xc3(key", 1);
