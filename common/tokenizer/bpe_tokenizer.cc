@@ -32,8 +32,9 @@ constexpr size_t kMaxCacheEntries = 1 << 17;
 // Words with more symbols than this merge through a heap instead of rescans.
 constexpr size_t kHeapMergeThreshold = 48;
 
-// Oniguruma's \s (Hugging Face's regexes) is Unicode White_Space; PCRE2's (with UCP) is the Z
-// categories plus five controls, which misses U+0085. Rewrites \s and \S outside of \Q..\E.
+// Oniguruma's \s (Hugging Face's regexes) is Unicode White_Space; PCRE2's, with UCP, is
+// defined through general categories. Rewriting \s and \S (outside of \Q..\E) as
+// \p{White_Space} makes the set exactly Oniguruma's whatever PCRE2's version says.
 std::string OnigurumaWhitespace(std::string_view pattern) {
   std::string out;
   out.reserve(pattern.size() + 32);
