@@ -42,9 +42,6 @@ struct Token {
   double float_value = 0;
 };
 
-bool IsAsciiSpace(char c) {
-  return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
-}
 bool IsDigit(char c) { return c >= '0' && c <= '9'; }
 bool IsNameStart(char c) {
   return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_';
@@ -87,6 +84,18 @@ class Lexer {
     for (size_t i = 0; i < src_.size(); ++i) {
       if (src_[i] == '\n') line_starts_.push_back(i + 1);
     }
+  }
+
+  // The offset after the Python whitespace (str.isspace(), what `\s` matches) at `i`.
+  size_t SkipSpace(size_t i) const {
+    while (i < src_.size()) {
+      const unsigned char lead = static_cast<unsigned char>(src_[i]);
+      const size_t len = lead < 0x80 ? 1 : (lead & 0xE0) == 0xC0 ? 2 : (lead & 0xF0) == 0xE0 ? 3 : 4;
+      const std::u32string cp = DecodeUtf8(std::string_view(src_).substr(i, len));
+      if (cp.size() != 1 || !IsPythonSpace(cp[0])) break;
+      i += len;
+    }
+    return i;
   }
 
   Position PosAt(size_t offset) const {
@@ -136,11 +145,12 @@ class Lexer {
         continue;
       }
       if (kind == '#') {
+        if (cursor >= src_.size()) break;  // as in Jinja, "{#" that ends the source is no error
         size_t end = src_.find("#}", cursor);
         if (end == std::string::npos) return SyntaxError(PosAt(open), "missing end of comment tag '#}'");
         size_t after = end + 2;
         if (end > cursor && src_[end - 1] == '-') {
-          while (after < src_.size() && IsAsciiSpace(src_[after])) ++after;
+          after = SkipSpace(after);
         } else if (end > cursor && src_[end - 1] == '+') {
           // keep
         } else if (after < src_.size() && src_[after] == '\n') {
@@ -179,13 +189,13 @@ class Lexer {
   // After "{%" and its sign at `cursor`: the offset after `\s*raw\s*(-%}\s*|%})`, or 0.
   size_t MatchRawBegin(size_t cursor) const {
     size_t i = cursor;
-    while (i < src_.size() && IsAsciiSpace(src_[i])) ++i;
+    i = SkipSpace(i);
     if (src_.compare(i, 3, "raw") != 0) return 0;
     i += 3;
-    while (i < src_.size() && IsAsciiSpace(src_[i])) ++i;
+    i = SkipSpace(i);
     if (src_.compare(i, 3, "-%}") == 0) {
       i += 3;
-      while (i < src_.size() && IsAsciiSpace(src_[i])) ++i;
+      i = SkipSpace(i);
       return i;
     }
     if (src_.compare(i, 2, "%}") == 0) return i + 2;
@@ -193,6 +203,7 @@ class Lexer {
   }
 
   absl::StatusOr<size_t> LexRaw(size_t open, size_t body, bool& line_starting) {
+    if (body >= src_.size()) return src_.size();  // Jinja accepts a raw tag that ends the source
     line_starting = src_[body - 1] == '\n';
     size_t search = body;
     while (true) {
@@ -201,19 +212,19 @@ class Lexer {
       size_t i = tag + 2;
       char sign = 0;
       if (i < src_.size() && (src_[i] == '-' || src_[i] == '+')) sign = src_[i++];
-      while (i < src_.size() && IsAsciiSpace(src_[i])) ++i;
+      i = SkipSpace(i);
       if (src_.compare(i, 6, "endraw") != 0) {
         search = tag + 2;
         continue;
       }
       i += 6;
-      while (i < src_.size() && IsAsciiSpace(src_[i])) ++i;
+      i = SkipSpace(i);
       size_t after = 0;
       if (src_.compare(i, 3, "+%}") == 0) {
         after = i + 3;
       } else if (src_.compare(i, 3, "-%}") == 0) {
         after = i + 3;
-        while (after < src_.size() && IsAsciiSpace(src_[after])) ++after;
+        after = SkipSpace(after);
       } else if (src_.compare(i, 2, "%}") == 0) {
         after = i + 2;
         if (after < src_.size() && src_[after] == '\n') ++after;
@@ -233,7 +244,7 @@ class Lexer {
   absl::StatusOr<size_t> LexTag(size_t open, size_t i, bool block) {
     std::vector<char> balance;
     while (true) {
-      while (i < src_.size() && IsAsciiSpace(src_[i])) ++i;
+      i = SkipSpace(i);
       if (i >= src_.size()) {
         return SyntaxError(PosAt(open), block ? "unclosed tag: expected '%}'" : "unclosed tag: expected '}}'");
       }
@@ -246,7 +257,7 @@ class Lexer {
           if (src_.compare(i, 3, "-%}") == 0) {
             Emit(Tok::kBlockEnd, "", i);
             i += 3;
-            while (i < src_.size() && IsAsciiSpace(src_[i])) ++i;
+            i = SkipSpace(i);
             return i;
           }
           if (src_.compare(i, 2, "%}") == 0) {
@@ -259,7 +270,7 @@ class Lexer {
           if (src_.compare(i, 3, "-}}") == 0) {
             Emit(Tok::kVarEnd, "", i);
             i += 3;
-            while (i < src_.size() && IsAsciiSpace(src_[i])) ++i;
+            i = SkipSpace(i);
             return i;
           }
           if (src_.compare(i, 2, "}}") == 0) {
@@ -304,6 +315,9 @@ class Lexer {
           matched = true;
           break;
         }
+      }
+      if (!matched && static_cast<unsigned char>(c) >= 0x80) {
+        return Unsupported(PosAt(i), "a non-ASCII character in a tag (a Unicode name?)");
       }
       if (!matched) {
         return SyntaxError(PosAt(i), absl::StrCat("unexpected character '", std::string(1, c), "'"));

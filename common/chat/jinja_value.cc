@@ -275,6 +275,7 @@ std::string Repr(const Value& v) {
     }
     return out + "}>";
   }
+  if (v.is_undefined()) return "Undefined";
   return ToStr(v);
 }
 

@@ -171,6 +171,9 @@ TEST(ChatTemplateErrorTest, RuntimeErrorsAndRaiseException) {
   EXPECT_THAT(std::string(r.status().message()), AllOf(HasSubstr("chat template 2:"), HasSubstr("'nothing' is undefined")));
   r = RenderOne("{{ 'a' + 1 }}");
   EXPECT_THAT(std::string(r.status().message()), HasSubstr("can only concatenate str"));
+  // Jinja's lexer accepts a raw or comment tag that ends the source.
+  EXPECT_EQ(RenderOne("a{% raw %}").value(), "a");
+  EXPECT_EQ(RenderOne("a{#").value(), "a");
   // Undefined prints as nothing; a missing key is undefined.
   EXPECT_EQ(RenderOne("[{{ nothing }}{{ messages[0].nokey }}{{ messages[5] }}]").value(), "[]");
   ChatTemplateOptions options;
