@@ -38,6 +38,17 @@ absl::StatusOr<std::unique_ptr<ExecutorServer>> ExecutorServer::Create(const Opt
                                                    options.router_endpoint, ": ", error.what()));
   }
   if (const PoolView* attached = pool->pool()) server->logged_epoch_ = attached->epoch;
+  // A step on the CPU can take seconds (a long prefill): its heartbeats go out between
+  // layers, on this same thread, so that the router's silence deadline measures a hang, not
+  // the length of a step.
+  ExecutorServer* raw = server.get();
+  service->SetBetweenLayers([raw] {
+    const absl::Time now = MonotonicNow();
+    if (raw->service_->WantsHeartbeat(now)) {
+      raw->service_->BuildHeartbeat(now, &raw->out_);
+      raw->Send(raw->out_);
+    }
+  });
   return server;
 }
 
@@ -45,6 +56,7 @@ ExecutorServer::ExecutorServer(const Options& options, ExecutorService* service,
     : options_(options), service_(service), pool_(pool), context_(1) {}
 
 ExecutorServer::~ExecutorServer() {
+  service_->SetBetweenLayers(nullptr);
   router_.close();
   context_.close();
 }

@@ -464,6 +464,7 @@ absl::StatusOr<StepReport> ExecutorService::RunStep(const StepRequest& step) {
       const absl::Time until = MonotonicNow() + options_.fault_layer_delay;
       while (true) {
         pool_->NoteProgress();  // a layer done (or, in a fault test, being slept through)
+        if (between_layers_) between_layers_();
         if (FencedSinceStepBegan(step)) return false;
         const absl::Duration left = until - MonotonicNow();
         if (left <= absl::ZeroDuration()) return true;

@@ -36,6 +36,7 @@
 // and the pool source must outlive it.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -125,6 +126,10 @@ class ExecutorService {
   void HelloNotSent();
   // Note that some other message (a StepResult) went to the router at `now`.
   void NoteSent(absl::Time now) { last_sent_ = now; }
+  // Called on the calling thread between two layers of a step's forward pass on a host pool
+  // (a long CPU prefill takes seconds): the server sends its heartbeat there, so that the
+  // router does not take a busy executor for a hung one.
+  void SetBetweenLayers(std::function<void()> hook) { between_layers_ = std::move(hook); }
 
   const Options& options() const { return options_; }
   bool registered() const { return executor_id_ != 0; }
@@ -182,6 +187,7 @@ class ExecutorService {
   uint64_t announced_epoch_ = 0;  // the epoch in the last Hello
   bool hello_needed_ = true;      // never sent, or the router forgot us
   absl::Time last_sent_ = absl::InfinitePast();
+  std::function<void()> between_layers_;
   bool goodbye_answered_ = false;
   uint64_t steps_ = 0;
 

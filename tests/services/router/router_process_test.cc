@@ -40,6 +40,7 @@ namespace kvcm {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 using namespace ::kvcm::testing;  // NOLINT: the stack's helpers
 using RouterProcessTest = RouterStackTest;
 
@@ -150,6 +151,22 @@ TEST_F(RouterProcessTest, AStopSequenceEndsTheRequestAfterTheTokenThatCompletesI
     EXPECT_EQ(final_part["details"]["finish_reason"], "stop_sequence");
   }
   EXPECT_TRUE(AwaitNoBlockInUse());
+}
+
+// A step longer than the router's 3 s silence deadline (a long prompt on the CPU) is not a
+// hang: the executor's heartbeats go out between layers. Before they did, the router dropped
+// the busy executor, redid the step on it, and dropped it again, for ever.
+TEST_F(RouterProcessTest, AStepLongerThanTheSilenceDeadlineKeepsItsExecutor) {
+  // 4 layers of 1 s each: every step takes 4 s.
+  ASSERT_NO_FATAL_FAILURE(
+      StartStack(/*num_blocks=*/64, /*executors=*/1, {}, {"--fault-layer-delay-ms=1000"}));
+  const std::string prompt = "a slow step";
+  absl::StatusOr<HttpResponse> reply =
+      HttpPost(url_ + "/generate", GenerateBody(prompt, 2), absl::Seconds(60));
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  ASSERT_EQ(reply->status, 200) << reply->body;
+  EXPECT_EQ(TokenIds(reply->body), Reference(prompt, 2));
+  EXPECT_THAT(router_->Output(), Not(HasSubstr("silent for more than"))) << router_->Output();
 }
 
 TEST_F(RouterProcessTest, APoolOfFewBlocksForcesPreemptionAndEveryRequestStillGetsItsTokens) {
