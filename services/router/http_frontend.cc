@@ -161,6 +161,7 @@ struct HttpFrontend::Impl {
     absl::Time last_token;
     Api api = Api::kTgi;
     // OpenAI:
+    bool chat = false;  // /v1/chat/completions (messages, deltas) rather than /v1/completions
     std::string completion_id;
     int64_t created = 0;
     bool include_usage = false;
@@ -196,6 +197,7 @@ struct HttpFrontend::Impl {
                          : status == 405 ? "Method Not Allowed"
                          : status == 422 ? "Unprocessable Entity"
                          : status == 429 ? "Too Many Requests"
+                         : status == 501 ? "Not Implemented"
                          : status == 500 ? "Internal Server Error"
                          : status == 503 ? "Service Unavailable"
                                          : "Error";
@@ -389,12 +391,12 @@ struct HttpFrontend::Impl {
     Start(request, std::move(a), *std::move(prompt));
   }
 
-  // BOS, then the tokenizer's ids.
+  // BOS (when the tokenizer's model wants one), then the tokenizer's ids.
   absl::StatusOr<std::vector<int32_t>> PromptOf(const std::string& text) const {
     absl::StatusOr<std::vector<int32_t>> encoded = tokenizer->Encode(text);
     if (!encoded.ok()) return encoded.status();
     std::vector<int32_t> prompt;
-    if (tokenizer->bos_id() >= 0) prompt.push_back(tokenizer->bos_id());
+    if (tokenizer->add_bos() && tokenizer->bos_id() >= 0) prompt.push_back(tokenizer->bos_id());
     prompt.insert(prompt.end(), encoded->begin(), encoded->end());
     return prompt;
   }
@@ -438,6 +440,13 @@ struct HttpFrontend::Impl {
       evhttp_add_header(headers, "Content-Type", "text/event-stream");
       evhttp_add_header(headers, "Cache-Control", "no-cache");
       evhttp_send_reply_start(request, 200, "OK");
+      if (a.chat) {  // OpenAI's first chunk of each choice names the role
+        for (int32_t k = 0; k < a.shown; ++k) {
+          json choice = OpenAiChoice(a, static_cast<size_t>(k), "", nullptr);
+          choice["delta"] = {{"role", "assistant"}, {"content", ""}};
+          SendEvent(request, Dump(OpenAiChunk(a, json::array({std::move(choice)}))), Api::kOpenAi);
+        }
+      }
     }
     Submission submission;
     submission.id = id;
@@ -447,6 +456,135 @@ struct HttpFrontend::Impl {
     submission.outputs = a.params.outputs;
     active.emplace(id, std::move(a));
     core->Submit(std::move(submission));
+  }
+
+  // The sampling and length parameters the OpenAI completions and chat completions APIs
+  // share: nullopt when `key` is one and `value` is fine (applied to `a`, or to `seed`), an
+  // error to answer when it is one and its value is wrong, and an error of status 0 when
+  // `key` is not one of them.
+  std::optional<HttpError> OpenAiParam(const std::string& key, const json& value,
+                                       Active* active_request,
+                                       std::optional<uint64_t>* seed_out) const {
+    Active& a = *active_request;
+    std::optional<uint64_t>& seed = *seed_out;
+    const bool chat = a.chat;
+    auto fail = [&](int status, std::string message, std::string param = "") {
+      return std::optional<HttpError>(
+          HttpError{status, std::move(message), "validation", std::move(param), Api::kOpenAi});
+    };
+    if (key == "max_tokens" || (chat && key == "max_completion_tokens")) {
+      if (!value.is_number_integer() || value.get<int64_t>() < 1 ||
+          value.get<int64_t>() > options.max_total_tokens) {
+        return fail(422, absl::StrCat("`", key, "` must be an integer in [1, ",
+                                      options.max_total_tokens, "]"), key);
+      }
+      a.params.max_new_tokens = value.get<int32_t>();
+    } else if (key == "temperature") {
+      if (!value.is_number() || value.get<double>() < 0 || value.get<double>() > 2) {
+        return fail(422, "`temperature` must be a number in [0, 2]", key);
+      }
+      a.params.sampling.temperature = value.get<float>();
+    } else if (key == "top_p") {
+      if (!value.is_number() || value.get<double>() <= 0 || value.get<double>() > 1) {
+        return fail(422, "`top_p` must be a number in (0, 1]", key);
+      }
+      a.params.sampling.top_p = value.get<float>();
+    } else if (key == "seed") {
+      if (!value.is_null()) {
+        if (!value.is_number_unsigned()) {
+          return fail(422, "`seed` must be an unsigned integer", key);
+        }
+        seed = value.get<uint64_t>();
+      }
+    } else if (key == "stream") {
+      if (!value.is_boolean()) return fail(422, "`stream` must be a boolean", key);
+      a.stream = value.get<bool>();
+    } else if (key == "stream_options") {
+      if (!value.is_null()) {
+        if (!value.is_object()) return fail(422, "`stream_options` must be an object", key);
+        for (const auto& [option, flag] : value.items()) {
+          if (option != "include_usage" || !flag.is_boolean()) {
+            return fail(422, absl::StrCat("stream_options.", option, " is not supported"), key);
+          }
+          a.include_usage = flag.get<bool>();
+        }
+      }
+    } else if (key == "stop") {
+      if (value.is_string()) {
+        a.params.stop = {value.get<std::string>()};
+      } else if (value.is_array() && value.size() <= 4 &&
+                 std::all_of(value.begin(), value.end(),
+                             [](const json& x) { return x.is_string(); })) {
+        for (const json& x : value) a.params.stop.push_back(x.get<std::string>());
+      } else if (!value.is_null()) {
+        return fail(422, "`stop` must be a string or a list of at most 4 strings", key);
+      }
+      std::erase_if(a.params.stop, [](const std::string& x) { return x.empty(); });
+    } else if (key == "n" || key == "best_of") {
+      if (!value.is_null()) {
+        if (!value.is_number_integer() || value.get<int64_t>() < 1 ||
+            value.get<int64_t>() > options.max_best_of) {
+          return fail(422, absl::StrCat("`", key, "` must be an integer in [1, ",
+                                        options.max_best_of, "] (--max-best-of)"), key);
+        }
+        (key == "n" ? a.params.n : a.params.best_of) = value.get<int32_t>();
+      }
+    } else if (key == "frequency_penalty" || key == "presence_penalty") {
+      if (!value.is_null()) {
+        if (!value.is_number() || value.get<double>() < -2 || value.get<double>() > 2) {
+          return fail(422, absl::StrCat("`", key, "` must be a number in [-2, 2]"), key);
+        }
+        (key == "frequency_penalty" ? a.params.sampling.frequency_penalty
+                                    : a.params.sampling.presence_penalty) = value.get<float>();
+      }
+    } else if (key == "repetition_penalty") {  // vLLM's extension
+      if (!value.is_null()) {
+        if (!value.is_number() || value.get<double>() <= 0 || value.get<double>() > 100) {
+          return fail(422, "`repetition_penalty` must be a number in (0, 100]", key);
+        }
+        a.params.sampling.repetition_penalty = value.get<float>();
+      }
+    } else if (key == "top_k") {  // vLLM's extension; -1 or 0: all tokens
+      if (!value.is_null()) {
+        if (!value.is_number_integer() || value.get<int64_t>() < -1 ||
+            value.get<int64_t>() > (1 << 20)) {
+          return fail(422, "`top_k` must be an integer >= -1 (-1: all tokens)", key);
+        }
+        a.params.sampling.top_k = std::max<int32_t>(0, value.get<int32_t>());
+      }
+    } else if (key == "model" || key == "user") {
+      if (!value.is_string() && !value.is_null()) return fail(422, "must be a string", key);
+    } else {
+      return HttpError{0, "", "", "", Api::kOpenAi};
+    }
+    return std::nullopt;
+  }
+
+  // Sampling as OpenAI's parameters chose it (temperature 0: greedy), n and best_of.
+  std::optional<HttpError> FinishOpenAiParams(Active* active_request,
+                                              std::optional<uint64_t> seed) {
+    Active& a = *active_request;
+    if (a.params.sampling.temperature > 0) {
+      a.params.do_sample = true;
+      a.params.seed = seed.value_or(next_seed++);
+      a.params.sampling.seed = a.params.seed;
+    } else {
+      a.params.sampling = Greedy(a.params.sampling);
+    }
+    if (a.params.best_of > 1 && a.params.best_of < a.params.n) {
+      return HttpError{422, "`best_of` must be at least `n`", "validation", "best_of", Api::kOpenAi};
+    }
+    const int32_t sequences = std::max(a.params.n, a.params.best_of);
+    if (sequences > a.params.n && a.stream) {
+      return HttpError{422, "`best_of` > `n` is not supported when streaming", "validation",
+                       "best_of", Api::kOpenAi};
+    }
+    a.params.outputs.sequences = sequences;
+    a.shown = a.params.n;
+    // best_of ranks its sequences by their log-probabilities.
+    a.params.outputs.logprobs = a.params.show_logprobs || sequences > a.params.n;
+    a.created = absl::ToUnixSeconds(absl::Now());
+    return std::nullopt;
   }
 
   // POST /v1/completions (OpenAI): one prompt (a string, or token ids), one choice.
@@ -495,89 +633,13 @@ struct HttpFrontend::Impl {
                         "of those (several prompts in one request are not supported)", "prompt");
         }
         have_prompt = true;
-      } else if (key == "model" || key == "user") {
-        if (!value.is_string() && !value.is_null()) return refuse(422, "must be a string", key);
-      } else if (key == "max_tokens") {
-        if (!value.is_number_integer() || value.get<int64_t>() < 1 ||
-            value.get<int64_t>() > options.max_total_tokens) {
-          return refuse(422, absl::StrCat("`max_tokens` must be an integer in [1, ",
-                                          options.max_total_tokens, "]"), key);
-        }
-        a.params.max_new_tokens = value.get<int32_t>();
-      } else if (key == "temperature") {
-        if (!value.is_number() || value.get<double>() < 0 || value.get<double>() > 2) {
-          return refuse(422, "`temperature` must be a number in [0, 2]", key);
-        }
-        a.params.sampling.temperature = value.get<float>();
-      } else if (key == "top_p") {
-        if (!value.is_number() || value.get<double>() <= 0 || value.get<double>() > 1) {
-          return refuse(422, "`top_p` must be a number in (0, 1]", key);
-        }
-        a.params.sampling.top_p = value.get<float>();
-      } else if (key == "seed") {
-        if (!value.is_null()) {
-          if (!value.is_number_unsigned()) return refuse(422, "`seed` must be an unsigned integer", key);
-          seed = value.get<uint64_t>();
-        }
-      } else if (key == "stream") {
-        if (!value.is_boolean()) return refuse(422, "`stream` must be a boolean", key);
-        a.stream = value.get<bool>();
-      } else if (key == "stream_options") {
-        if (!value.is_null()) {
-          if (!value.is_object()) return refuse(422, "`stream_options` must be an object", key);
-          for (const auto& [option, flag] : value.items()) {
-            if (option != "include_usage" || !flag.is_boolean()) {
-              return refuse(422, absl::StrCat("stream_options.", option, " is not supported"), key);
-            }
-            a.include_usage = flag.get<bool>();
-          }
-        }
+      } else if (std::optional<HttpError> bad = OpenAiParam(key, value, &a, &seed);
+                 !bad.has_value()) {
+      } else if (bad->status != 0) {
+        return Refuse(request, *bad);
       } else if (key == "echo") {
         if (!value.is_boolean()) return refuse(422, "`echo` must be a boolean", key);
         a.params.return_full_text = value.get<bool>();
-      } else if (key == "stop") {
-        if (value.is_string()) {
-          a.params.stop = {value.get<std::string>()};
-        } else if (value.is_array() && value.size() <= 4 &&
-                   std::all_of(value.begin(), value.end(),
-                               [](const json& x) { return x.is_string(); })) {
-          for (const json& x : value) a.params.stop.push_back(x.get<std::string>());
-        } else if (!value.is_null()) {
-          return refuse(422, "`stop` must be a string or a list of at most 4 strings", key);
-        }
-        std::erase_if(a.params.stop, [](const std::string& x) { return x.empty(); });
-      } else if (key == "n" || key == "best_of") {
-        if (!value.is_null()) {
-          if (!value.is_number_integer() || value.get<int64_t>() < 1 ||
-              value.get<int64_t>() > options.max_best_of) {
-            return refuse(422, absl::StrCat("`", key, "` must be an integer in [1, ",
-                                            options.max_best_of, "] (--max-best-of)"), key);
-          }
-          (key == "n" ? a.params.n : a.params.best_of) = value.get<int32_t>();
-        }
-      } else if (key == "frequency_penalty" || key == "presence_penalty") {
-        if (!value.is_null()) {
-          if (!value.is_number() || value.get<double>() < -2 || value.get<double>() > 2) {
-            return refuse(422, absl::StrCat("`", key, "` must be a number in [-2, 2]"), key);
-          }
-          (key == "frequency_penalty" ? a.params.sampling.frequency_penalty
-                                      : a.params.sampling.presence_penalty) = value.get<float>();
-        }
-      } else if (key == "repetition_penalty") {  // vLLM's extension
-        if (!value.is_null()) {
-          if (!value.is_number() || value.get<double>() <= 0 || value.get<double>() > 100) {
-            return refuse(422, "`repetition_penalty` must be a number in (0, 100]", key);
-          }
-          a.params.sampling.repetition_penalty = value.get<float>();
-        }
-      } else if (key == "top_k") {  // vLLM's extension; -1 or 0: all tokens
-        if (!value.is_null()) {
-          if (!value.is_number_integer() || value.get<int64_t>() < -1 ||
-              value.get<int64_t>() > (1 << 20)) {
-            return refuse(422, "`top_k` must be an integer >= -1 (-1: all tokens)", key);
-          }
-          a.params.sampling.top_k = std::max<int32_t>(0, value.get<int32_t>());
-        }
       } else if (key == "logprobs") {
         if (!value.is_null()) {
           if (!value.is_number_integer() || value.get<int64_t>() < 0 ||
@@ -595,29 +657,127 @@ struct HttpFrontend::Impl {
       }
     }
     if (!have_prompt) return refuse(422, "`prompt` is required", "prompt");
-    if (a.params.sampling.temperature > 0) {
-      a.params.do_sample = true;
-      a.params.seed = seed.value_or(next_seed++);
-      a.params.sampling.seed = a.params.seed;
-    } else {
-      a.params.sampling = Greedy(a.params.sampling);
-    }
-    if (a.params.best_of > 1 && a.params.best_of < a.params.n) {
-      return refuse(422, "`best_of` must be at least `n`", "best_of");
-    }
-    const int32_t sequences = std::max(a.params.n, a.params.best_of);
-    if (sequences > a.params.n && a.stream) {
-      return refuse(422, "`best_of` > `n` is not supported when streaming", "best_of");
-    }
-    a.params.outputs.sequences = sequences;
-    a.shown = a.params.n;
-    // best_of ranks its sequences by their log-probabilities.
-    a.params.outputs.logprobs = a.params.show_logprobs || sequences > a.params.n;
+    if (std::optional<HttpError> bad = FinishOpenAiParams(&a, seed)) return Refuse(request, *bad);
     // With echo, the prompt's tokens come first in logprobs, scored.
     a.params.outputs.prompt_logprobs = a.params.show_logprobs && a.params.return_full_text;
     a.completion_id = absl::StrCat("cmpl-", next_id);
-    a.created = absl::ToUnixSeconds(absl::Now());
     Start(request, std::move(a), std::move(prompt));
+  }
+
+  // POST /v1/chat/completions (OpenAI): `messages` rendered with the model's chat template
+  // (add_generation_prompt), tokenized as transformers' apply_chat_template(tokenize=True)
+  // does (no BOS added: the template writes what the model wants).
+  void HandleChatCompletions(evhttp_request* request) {
+    auto refuse = [&](int status, std::string message, std::string param = "") {
+      Refuse(request, {status, std::move(message), "validation", std::move(param), Api::kOpenAi});
+    };
+    if (evhttp_request_get_command(request) != EVHTTP_REQ_POST) return refuse(405, "use POST");
+    if (options.chat_template == nullptr) {
+      return refuse(501, "this model has no usable chat template: start the router with "
+                    "--chat-template FILE, or use /v1/completions");
+    }
+    const json root = json::parse(Body(request), nullptr, /*allow_exceptions=*/false);
+    if (root.is_discarded() || !root.is_object()) {
+      return refuse(400, "the body is not a JSON object");
+    }
+    Active a;
+    a.api = Api::kOpenAi;
+    a.chat = true;
+    a.params.max_new_tokens = options.default_max_new_tokens;
+    a.params.sampling.temperature = 1.0f;
+    std::vector<ChatMessage> messages;
+    bool have_messages = false;
+    std::optional<uint64_t> seed;
+    for (const auto& [key, value] : root.items()) {
+      if (key == "messages") {
+        if (!value.is_array() || value.empty()) {
+          return refuse(422, "`messages` must be a non-empty list of messages", key);
+        }
+        for (size_t i = 0; i < value.size(); ++i) {
+          const json& m = value[i];
+          const std::string where = absl::StrCat("messages[", i, "]");
+          if (!m.is_object() || !m.contains("role") || !m["role"].is_string()) {
+            return refuse(422, absl::StrCat(where, " must be an object with a string `role`"), key);
+          }
+          ChatMessage message;
+          message.role = m["role"].get<std::string>();
+          json extra = json::object();
+          for (const auto& [field, content] : m.items()) {
+            if (field == "role") continue;
+            if (field != "content") {
+              if (!content.is_null()) extra[field] = content;
+              continue;
+            }
+            if (content.is_string()) {
+              message.content = content.get<std::string>();
+            } else if (content.is_array()) {
+              // Content parts: only text ones, joined as vLLM joins them.
+              for (const json& part : content) {
+                if (!part.is_object() || part.value("type", "") != "text" ||
+                    !part.contains("text") || !part["text"].is_string()) {
+                  return refuse(422, absl::StrCat(where, ".content: only parts of type \"text\" "
+                                                  "are supported"), key);
+                }
+                if (!message.content.empty()) message.content += "\n";
+                message.content += part["text"].get<std::string>();
+              }
+            } else if (!content.is_null()) {
+              return refuse(422, absl::StrCat(where, ".content must be a string or a list of "
+                                              "text parts"), key);
+            }
+          }
+          if (!extra.empty()) message.extra_json = extra.dump();
+          messages.push_back(std::move(message));
+        }
+        have_messages = true;
+      } else if (std::optional<HttpError> bad = OpenAiParam(key, value, &a, &seed);
+                 !bad.has_value()) {
+      } else if (bad->status != 0) {
+        return Refuse(request, *bad);
+      } else if (key == "logprobs") {
+        if (!value.is_null()) {
+          if (!value.is_boolean()) return refuse(422, "`logprobs` must be a boolean", key);
+          a.params.show_logprobs = value.get<bool>();
+        }
+      } else if (key == "top_logprobs") {
+        if (!value.is_null()) {
+          if (!value.is_number_integer() || value.get<int64_t>() < 0 ||
+              value.get<int64_t>() > options.max_top_n_tokens) {
+            return refuse(422, absl::StrCat("`top_logprobs` must be an integer in [0, ",
+                                            options.max_top_n_tokens, "]"), key);
+          }
+          a.params.outputs.top_n = value.get<int32_t>();
+        }
+      } else if ((key == "logit_bias" || key == "tools" || key == "tool_choice" ||
+                  key == "response_format" || key == "parallel_tool_calls") &&
+                 value.is_null()) {
+      } else {
+        return refuse(422, absl::StrCat("parameter `", key, "` is not supported by this server (",
+                                        Dump(value), ")"), key);
+      }
+    }
+    if (!have_messages) return refuse(422, "`messages` is required", "messages");
+    if (a.params.outputs.top_n > 0 && !a.params.show_logprobs) {
+      return refuse(422, "`top_logprobs` needs `logprobs`: true", "top_logprobs");
+    }
+    if (!a.params.show_logprobs) a.params.outputs.top_n = 0;
+    if (std::optional<HttpError> bad = FinishOpenAiParams(&a, seed)) return Refuse(request, *bad);
+    ChatTemplateOptions render;
+    render.add_generation_prompt = true;
+    render.bos_token = options.bos_token;
+    render.eos_token = options.eos_token;
+    absl::StatusOr<std::string> text = options.chat_template->Render(messages, render);
+    if (!text.ok()) {
+      // The template's own raise_exception (roles out of order, ...) is the client's error.
+      return refuse(400, absl::StrCat("the chat template refused the messages: ",
+                                      text.status().message()), "messages");
+    }
+    absl::StatusOr<std::vector<int32_t>> prompt = tokenizer->Encode(*text);
+    if (!prompt.ok()) return refuse(422, std::string(prompt.status().message()), "messages");
+    if (prompt->empty()) return refuse(422, "the chat template rendered nothing", "messages");
+    a.prompt_text = *std::move(text);
+    a.completion_id = absl::StrCat("chatcmpl-", next_id);
+    Start(request, std::move(a), *std::move(prompt));
   }
 
   void HandleModels(evhttp_request* request) {
@@ -644,14 +804,47 @@ struct HttpFrontend::Impl {
 
   json OpenAiChunk(const Active& a, json choices) const {
     return {{"id", a.completion_id},
-            {"object", "text_completion"},
+            {"object", !a.chat ? "text_completion"
+                       : a.stream ? "chat.completion.chunk"
+                                  : "chat.completion"},
             {"created", a.created},
             {"model", options.model_id},
             {"choices", std::move(choices)}};
   }
-  static json OpenAiChoice(size_t index, const std::string& text, const json& finish_reason) {
-    return {{"index", index}, {"text", text}, {"logprobs", nullptr},
-            {"finish_reason", finish_reason}};
+  // A choice: completions' {"text"}; chat's {"message"} in a reply and {"delta"} in a stream.
+  static json OpenAiChoice(const Active& a, size_t index, const std::string& text,
+                           const json& finish_reason) {
+    json choice = {{"index", index}, {"logprobs", nullptr}, {"finish_reason", finish_reason}};
+    if (!a.chat) {
+      choice["text"] = text;
+    } else if (a.stream) {
+      choice["delta"] = text.empty() ? json::object() : json({{"content", text}});
+    } else {
+      choice["message"] = {{"role", "assistant"}, {"content", text}};
+    }
+    return choice;
+  }
+
+  // Chat's logprobs of generated tokens [from, to): {"content": [{token, logprob, bytes,
+  // top_logprobs: [{token, logprob, bytes}]}]}.
+  json ChatLogprobs(const Choice& c, size_t from, size_t to) const {
+    auto entry = [&](int32_t id, float logprob) {
+      const std::string text = TokenText(id);
+      json bytes = json::array();
+      for (unsigned char b : text) bytes.push_back(b);
+      return json({{"token", OpenAiTokenText(id, text)}, {"logprob", logprob}, {"bytes", bytes}});
+    };
+    json content = json::array();
+    for (size_t i = from; i < to && i < c.generated.size(); ++i) {
+      json e = entry(c.generated[i], i < c.logprobs.size() ? c.logprobs[i] : 0.0f);
+      json top = json::array();
+      if (i < c.top.size()) {
+        for (const auto& [id, logprob] : c.top[i]) top.push_back(entry(id, logprob));
+      }
+      e["top_logprobs"] = std::move(top);
+      content.push_back(std::move(e));
+    }
+    return {{"content", content}};
   }
 
   static void OnClose(evhttp_connection* connection, void* arg) {
@@ -674,7 +867,7 @@ struct HttpFrontend::Impl {
     absl::StatusOr<std::string> piece = tokenizer->Decode(one);
     return piece.ok() ? *piece : "";
   }
-  bool Special(int32_t id) const { return id == tokenizer->eos_id() || id == tokenizer->bos_id(); }
+  bool Special(int32_t id) const { return tokenizer->IsSpecial(id); }
   // A log-probability as JSON: null when not computed (NaN).
   static json Logprob(float value) { return std::isnan(value) ? json(nullptr) : json(value); }
 
@@ -824,11 +1017,13 @@ struct HttpFrontend::Impl {
             }
             text.resize(cut);
           }
-          json choice = OpenAiChoice(k, a.params.return_full_text ? a.prompt_text + text : text,
+          json choice = OpenAiChoice(a, k,
+                                     a.params.return_full_text ? a.prompt_text + text : text,
                                      OpenAiFinishReason(c.finish_reason));
           if (a.params.show_logprobs) {
             choice["logprobs"] =
-                OpenAiLogprobs(a, c, a.params.return_full_text, 0, c.generated.size(), 0);
+                a.chat ? ChatLogprobs(c, 0, c.generated.size())
+                       : OpenAiLogprobs(a, c, a.params.return_full_text, 0, c.generated.size(), 0);
           }
           choices.push_back(std::move(choice));
         }
@@ -892,10 +1087,12 @@ struct HttpFrontend::Impl {
     if (a.api == Api::kOpenAi) {
       const bool first_chunk = c.generated.size() == 1;
       const std::string first = first_chunk && a.params.return_full_text ? a.prompt_text : "";
-      json choice = OpenAiChoice(index, first + piece,
+      json choice = OpenAiChoice(a, index, first + piece,
                                  finished ? json(OpenAiFinishReason(c.finish_reason))
                                           : json(nullptr));
-      if (a.params.show_logprobs) {
+      if (a.params.show_logprobs && a.chat) {
+        choice["logprobs"] = ChatLogprobs(c, c.generated.size() - 1, c.generated.size());
+      } else if (a.params.show_logprobs) {
         const size_t last = c.generated.size() - 1;
         const size_t offset = first_chunk ? 0
                                           : (a.params.return_full_text ? a.prompt_text.size() : 0) +
@@ -1051,6 +1248,7 @@ struct HttpFrontend::Impl {
     if (path == "/") return self->HandleGenerate(request, std::nullopt);
     if (path == "/tokenize") return self->HandleTokenize(request);
     if (path == "/v1/completions") return self->HandleCompletions(request);
+    if (path == "/v1/chat/completions") return self->HandleChatCompletions(request);
     if (path == "/v1/models") return self->HandleModels(request);
     if (path == "/info") return self->HandleInfo(request);
     if (path == "/metrics") {

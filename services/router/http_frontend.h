@@ -11,6 +11,10 @@
 //   GET  /info             the model, the pool and the limits
 //   GET  /metrics          Prometheus text (RouterMetrics)
 //
+// and the OpenAI-compatible one: POST /v1/completions, POST /v1/chat/completions (messages
+// rendered with the model's chat template; 501 when it has none), GET /v1/models, with
+// OpenAI's error shape {"error": {"message", "type", "param", "code"}}.
+//
 // Requests are checked and tokenized here, then handed to RouterCore; the tokens it reports
 // come back through Deliver() (any thread) and are written out on this thread. Errors have
 // TGI's shape {"error": "...", "error_type": "..."}: 400 for a body that is not JSON, 422 for
@@ -27,6 +31,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/chat/chat_template.h"
 #include "common/tokenizer/tokenizer.h"
 #include "services/router/router_core.h"
 #include "services/router/router_metrics.h"
@@ -53,6 +58,11 @@ class HttpFrontend {
     size_t max_body_bytes = 1 << 20;
     int timeout_seconds = 60;  // a client that sends nothing for this long is dropped
     std::string model_id;
+    // /v1/chat/completions renders messages with it (null: that endpoint answers 501); it
+    // outlives the front end. bos_token and eos_token are the template's variables.
+    const ChatTemplate* chat_template = nullptr;
+    std::string bos_token;
+    std::string eos_token;
     // For /info.
     int32_t block_size = 0;
     int32_t num_blocks = 0;

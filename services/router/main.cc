@@ -1,14 +1,14 @@
 // kvcm-router: HTTP in (TGI's API), continuous batching over the cache manager's pool, steps
 // out to the executors (docs/architecture.md).
 //
-//   kvcm-router --model DIR --run-dir RUN_DIR --port 3000
+//   kvcm-router --model DIR|FILE.gguf --run-dir RUN_DIR --port 3000
 
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -21,15 +21,18 @@
 #include "common/base/command_line.h"
 #include "common/base/log.h"
 #include "common/base/run_dir.h"
-#include "common/base/status_macros.h"
 #include "common/base/termination_signals.h"
 #include "common/base/unique_fd.h"
+#include "common/chat/chat_template.h"
+#include "common/model/model_metadata.h"
 #include "common/tokenizer/tokenizer.h"
-#include "nlohmann/json.hpp"
 #include "services/router/http_frontend.h"
 #include "services/router/router_core.h"
 
-ABSL_FLAG(std::string, model, "", "The model folder (config.json, tokenizer). Required.");
+ABSL_FLAG(std::string, model, "",
+          "The model: a Hugging Face folder (config.json, tokenizer) or a GGUF file. Required.");
+ABSL_FLAG(std::string, chat_template, "",
+          "A Jinja chat template file for /v1/chat/completions, instead of the model's own.");
 ABSL_FLAG(std::string, run_dir, "", "The cache manager's run directory. Default: as it has.");
 ABSL_FLAG(std::string, cache_manager, "",
           "The cache manager's endpoint. Default: ipc://RUN_DIR/cache-manager.sock.");
@@ -61,74 +64,6 @@ namespace {
 constexpr char kComponent[] = "kvcm-router";
 void Log(std::string_view text) { LogLine(kComponent, text); }
 
-// Appends the ids of an "eos_token_id" value (an int, a list of ints, or null) to `out`,
-// without repeats. INVALID_ARGUMENT naming `path` for anything else, or an id outside the
-// vocabulary.
-absl::Status AppendEosIds(const nlohmann::json& value, const std::string& path, int32_t vocab,
-                          std::vector<int32_t>* out) {
-  if (value.is_null()) return absl::OkStatus();
-  std::vector<nlohmann::json> ids;
-  if (value.is_array()) {
-    ids.assign(value.begin(), value.end());
-  } else {
-    ids.push_back(value);
-  }
-  for (const nlohmann::json& id : ids) {
-    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= vocab) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          path, ": eos_token_id must be token ids in [0, ", vocab, "), got ", value.dump()));
-    }
-    const auto token = id.get<int32_t>();
-    if (std::find(out->begin(), out->end(), token) == out->end()) out->push_back(token);
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<nlohmann::json> ReadJsonObject(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
-  std::stringstream text;
-  text << in.rdbuf();
-  nlohmann::json root = nlohmann::json::parse(text.str(), nullptr, false);
-  if (root.is_discarded() || !root.is_object()) {
-    return absl::InvalidArgumentError(absl::StrCat(path, " is not a JSON object"));
-  }
-  return root;
-}
-
-// config.json's tokenizer fields: vocab_size, bos_token_id, eos_token_id (int or list).
-absl::StatusOr<TokenizerConfig> ReadTokenizerConfig(const std::string& folder) {
-  const std::string path = folder + "/config.json";
-  absl::StatusOr<nlohmann::json> root = ReadJsonObject(path);
-  if (!root.ok()) return root.status();
-  TokenizerConfig config;
-  if (!root->contains("vocab_size") || !(*root)["vocab_size"].is_number_integer()) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": vocab_size missing"));
-  }
-  config.vocab_size = (*root)["vocab_size"].get<int32_t>();
-  if (root->contains("bos_token_id") && (*root)["bos_token_id"].is_number_integer()) {
-    config.bos_token_id = (*root)["bos_token_id"].get<int32_t>();
-  }
-  if (root->contains("eos_token_id")) {
-    KVCM_RETURN_IF_ERROR(
-        AppendEosIds((*root)["eos_token_id"], path, config.vocab_size, &config.eos_token_ids));
-  }
-  return config;
-}
-
-// Adds generation_config.json's eos_token_id to `eos`, when the folder has one:
-// instruction-tuned models often end their turns with a token named only there, and
-// generation stops at any of them (as vLLM does).
-absl::Status AddGenerationConfigEos(const std::string& folder, int32_t vocab,
-                                    std::vector<int32_t>* eos) {
-  const std::string path = folder + "/generation_config.json";
-  if (!std::filesystem::exists(path)) return absl::OkStatus();
-  absl::StatusOr<nlohmann::json> root = ReadJsonObject(path);
-  if (!root.ok()) return root.status();
-  if (!root->contains("eos_token_id")) return absl::OkStatus();
-  return AppendEosIds((*root)["eos_token_id"], path, vocab, eos);
-}
-
 int Main() {
   UniqueFd signal_fd = BlockTerminationSignals();
   if (!signal_fd.valid()) {
@@ -154,10 +89,35 @@ int Main() {
       absl::GetFlag(FLAGS_run_dir).empty() ? DefaultRunDirFromEnvironment()
                                            : absl::GetFlag(FLAGS_run_dir),
       "/"));
-  absl::StatusOr<TokenizerConfig> tokenizer_config = ReadTokenizerConfig(model);
-  if (!tokenizer_config.ok()) return fail(tokenizer_config.status());
-  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = LoadTokenizer(model, *tokenizer_config);
+  absl::StatusOr<ModelMetadata> metadata = ReadModelMetadata(model);
+  if (!metadata.ok()) return fail(metadata.status());
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = LoadModelTokenizer(*metadata);
   if (!tokenizer.ok()) return fail(tokenizer.status());
+  if (!absl::GetFlag(FLAGS_chat_template).empty()) {
+    const std::string path = absl::GetFlag(FLAGS_chat_template);
+    std::ifstream in(path, std::ios::binary);
+    std::stringstream text;
+    text << in.rdbuf();
+    if (!in) return fail(absl::NotFoundError(absl::StrCat("cannot read --chat-template ", path)));
+    metadata->chat_template = text.str();
+    metadata->chat_template_source = path;
+  }
+  std::optional<ChatTemplate> chat_template;
+  if (!metadata->chat_template.empty()) {
+    absl::StatusOr<ChatTemplate> parsed = ChatTemplate::Parse(metadata->chat_template);
+    if (!parsed.ok()) {
+      // A server without chat is still a server: /v1/chat/completions says why it cannot.
+      Log(absl::StrCat("the chat template of ", metadata->chat_template_source,
+                       " cannot be used (", parsed.status().message(),
+                       "); /v1/chat/completions answers 501 until --chat-template FILE gives one"));
+    } else {
+      chat_template = *std::move(parsed);
+      Log(absl::StrCat("chat template from ", metadata->chat_template_source));
+    }
+  } else {
+    Log("the model has no chat template: /v1/chat/completions answers 501 until "
+        "--chat-template FILE gives one");
+  }
 
   router::RouterCore::Options core_options;
   core_options.cache_manager_endpoint = absl::GetFlag(FLAGS_cache_manager).empty()
@@ -174,19 +134,15 @@ int Main() {
     return fail(absl::InvalidArgumentError("--drain-timeout-ms must be >= 0"));
   }
   core_options.drain_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_drain_timeout_ms));
-  core_options.eos_token_ids = tokenizer_config->eos_token_ids;
+  core_options.eos_token_ids = metadata->eos_token_ids;
   router::RouterMetrics metrics;
   core_options.metrics = &metrics;
   if ((*tokenizer)->eos_id() >= 0 && core_options.eos_token_ids.empty()) {
     core_options.eos_token_ids = {(*tokenizer)->eos_id()};
   }
-  if (absl::Status added = AddGenerationConfigEos(model, tokenizer_config->vocab_size,
-                                                  &core_options.eos_token_ids);
-      !added.ok()) {
-    return fail(added);
-  }
   Log(absl::StrCat("generation ends at token(s) ", absl::StrJoin(core_options.eos_token_ids, ", "),
-                   " (config.json, generation_config.json)"));
+                   metadata->gguf ? " (GGUF eos and eot ids)"
+                                  : " (config.json, generation_config.json)"));
   std::atomic<router::HttpFrontend*> frontend_ptr{nullptr};
   auto core = router::RouterCore::Create(
       core_options, [&frontend_ptr](std::vector<router::Progress> progress) {
@@ -202,7 +158,10 @@ int Main() {
   http.max_total_tokens = absl::GetFlag(FLAGS_max_total_tokens);
   http.max_top_n_tokens = absl::GetFlag(FLAGS_max_top_n_tokens);
   http.max_best_of = absl::GetFlag(FLAGS_max_best_of);
-  http.model_id = std::filesystem::path(model).filename().string();
+  http.model_id = metadata->name;
+  http.chat_template = chat_template.has_value() ? &*chat_template : nullptr;
+  http.bos_token = metadata->bos_token;
+  http.eos_token = metadata->eos_token;
   http.block_size = (*core)->session().block_size;
   http.num_blocks = (*core)->session().num_blocks;
   http.max_batch_total_tokens = (*core)->planner_options().max_batch_total_tokens;

@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
 """Reference outputs of SmolLM2-135M-Instruct (the bundled Q4_1 GGUF) from Hugging Face
-transformers, for tests/services/executor/real_model_test.cc to compare kvcm against.
+transformers, for tests/services/executor/real_model_test.cc and
+tests/services/router/real_model_router_test.cc to compare kvcm against.
 
 transformers loads the GGUF itself (from_pretrained(..., gguf_file=...)): it dequantizes
 every tensor with the gguf package, undoes the Q/K row order that GGUF conversion applies for
 RoPE, and runs in float32. For each prompt this writes the prompt's token ids (transformers'
 tokenizer, converted from the GGUF's own vocabulary), the greedy continuation, and the
 logits of the last prompt position (the 64 largest, 64 at ids drawn with a fixed seed, and
-the log-sum-exp of the whole row) and of every greedy step (the 8 largest).
+the log-sum-exp of the whole row) and of every greedy step (the 8 largest), and what a server
+answers: the greedy tokens before the first EOS and their text.
 
 It needs torch, which the test suite does not install (the wheel is over 700 MB): the
 outputs are committed as tests/reference/smollm2_reference.json and this script
@@ -122,6 +124,9 @@ def main():
             row = step_logits[0].double().numpy()
             best = np.argsort(-row, kind="stable")[:8]
             steps.append({"ids": best.tolist(), "logits": row[best].tolist()})
+        # What a server answers: the tokens before the first EOS, decoded without specials.
+        eos = tokenizer.eos_token_id
+        answer = new[:new.index(eos)] if eos in new else new
         lse = float(np.log(np.sum(np.exp(logits - logits.max()))) + logits.max())
         out["prompts"].append({
             "name": key,
@@ -129,6 +134,9 @@ def main():
             "chat": spec.get("chat"),
             "prompt_ids": ids,
             "greedy": new,
+            "answer_ids": answer,
+            "answer_text": tokenizer.decode(answer, skip_special_tokens=True),
+            "answer_ends_at_eos": eos in new,
             "last_top_ids": top.tolist(),
             "last_top_logits": logits[top].tolist(),
             "last_sampled_ids": sampled.tolist(),

@@ -1,0 +1,219 @@
+#include "common/model/model_metadata.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "common/base/status_macros.h"
+#include "common/gguf/gguf_file.h"
+#include "common/tokenizer/gguf_tokenizer.h"
+#include "nlohmann/json.hpp"
+
+namespace kvcm {
+namespace {
+
+using Json = nlohmann::json;
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+absl::StatusOr<Json> ReadJsonObject(const std::string& path) {
+  KVCM_ASSIGN_OR_RETURN(const std::string text, ReadFile(path));
+  Json root = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (root.is_discarded() || !root.is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, " is not a JSON object"));
+  }
+  return root;
+}
+
+void AddId(int32_t id, std::vector<int32_t>* ids) {
+  if (std::find(ids->begin(), ids->end(), id) == ids->end()) ids->push_back(id);
+}
+
+// Appends the ids of an "eos_token_id" value (an int, a list of ints, or null) to `out`,
+// without repeats. INVALID_ARGUMENT naming `path` for anything else, or an id outside the
+// vocabulary.
+absl::Status AppendEosIds(const Json& value, const std::string& path, int32_t vocab,
+                          std::vector<int32_t>* out) {
+  if (value.is_null()) return absl::OkStatus();
+  std::vector<Json> ids;
+  if (value.is_array()) {
+    ids.assign(value.begin(), value.end());
+  } else {
+    ids.push_back(value);
+  }
+  for (const Json& id : ids) {
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= vocab) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, ": eos_token_id must be token ids in [0, ", vocab, "), got ", value.dump()));
+    }
+    AddId(id.get<int32_t>(), out);
+  }
+  return absl::OkStatus();
+}
+
+// A special token of tokenizer_config.json: a string, or {"content": "..."} (AddedToken).
+std::string TokenText(const Json& root, const char* key) {
+  const auto it = root.find(key);
+  if (it == root.end()) return "";
+  if (it->is_string()) return it->get<std::string>();
+  if (it->is_object() && it->contains("content") && (*it)["content"].is_string()) {
+    return (*it)["content"].get<std::string>();
+  }
+  return "";
+}
+
+absl::Status ReadFolder(ModelMetadata* m) {
+  const std::string folder(absl::StripSuffix(m->path, "/"));
+  m->name = std::filesystem::path(folder).filename().string();
+
+  const std::string config_path = folder + "/config.json";
+  KVCM_ASSIGN_OR_RETURN(const Json config, ReadJsonObject(config_path));
+  const auto vocab = config.find("vocab_size");
+  if (vocab == config.end() || !vocab->is_number_integer() || vocab->get<int64_t>() < 1 ||
+      vocab->get<int64_t>() > INT32_MAX) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(config_path, ": vocab_size must be a positive integer"));
+  }
+  m->tokenizer.vocab_size = vocab->get<int32_t>();
+  if (const auto bos = config.find("bos_token_id");
+      bos != config.end() && bos->is_number_integer()) {
+    if (bos->get<int64_t>() < 0 || bos->get<int64_t>() >= m->tokenizer.vocab_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(config_path, ": bos_token_id ", bos->dump(), " is outside the vocabulary"));
+    }
+    m->tokenizer.bos_token_id = bos->get<int32_t>();
+  }
+  if (const auto eos = config.find("eos_token_id"); eos != config.end()) {
+    KVCM_RETURN_IF_ERROR(
+        AppendEosIds(*eos, config_path, m->tokenizer.vocab_size, &m->tokenizer.eos_token_ids));
+  }
+  m->eos_token_ids = m->tokenizer.eos_token_ids;
+
+  const std::string generation_path = folder + "/generation_config.json";
+  if (std::filesystem::exists(generation_path)) {
+    KVCM_ASSIGN_OR_RETURN(const Json generation, ReadJsonObject(generation_path));
+    if (const auto eos = generation.find("eos_token_id"); eos != generation.end()) {
+      KVCM_RETURN_IF_ERROR(
+          AppendEosIds(*eos, generation_path, m->tokenizer.vocab_size, &m->eos_token_ids));
+    }
+  }
+
+  const std::string tokenizer_config_path = folder + "/tokenizer_config.json";
+  Json tokenizer_config = Json::object();
+  if (std::filesystem::exists(tokenizer_config_path)) {
+    KVCM_ASSIGN_OR_RETURN(tokenizer_config, ReadJsonObject(tokenizer_config_path));
+    m->bos_token = TokenText(tokenizer_config, "bos_token");
+    m->eos_token = TokenText(tokenizer_config, "eos_token");
+  }
+  const std::string jinja_path = folder + "/chat_template.jinja";
+  if (std::filesystem::exists(jinja_path)) {
+    KVCM_ASSIGN_OR_RETURN(m->chat_template, ReadFile(jinja_path));
+    m->chat_template_source = jinja_path;
+  } else if (const auto t = tokenizer_config.find("chat_template");
+             t != tokenizer_config.end() && !t->is_null()) {
+    m->chat_template_source = absl::StrCat(tokenizer_config_path, " (chat_template)");
+    if (t->is_string()) {
+      m->chat_template = t->get<std::string>();
+    } else if (t->is_array()) {
+      // Several named templates: the "default" one serves chat completions.
+      for (const Json& named : *t) {
+        if (named.is_object() && named.value("name", "") == "default" &&
+            named.contains("template") && named["template"].is_string()) {
+          m->chat_template = named["template"].get<std::string>();
+        }
+      }
+      if (m->chat_template.empty()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            tokenizer_config_path, ": chat_template is a list without a \"default\" template"));
+      }
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          tokenizer_config_path, ": chat_template must be a string or a list of templates"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReadGguf(ModelMetadata* m) {
+  m->gguf = true;
+  std::string name = std::filesystem::path(m->path).filename().string();
+  if (absl::EndsWith(name, ".gguf")) name.resize(name.size() - 5);
+  m->name = name;
+  KVCM_ASSIGN_OR_RETURN(const std::unique_ptr<GgufFile> file, GgufFile::Open(m->path));
+  KVCM_ASSIGN_OR_RETURN(const std::string arch, file->GetString("general.architecture"));
+  std::vector<std::string> tokens;
+  if (file->Has("tokenizer.ggml.tokens")) {
+    KVCM_ASSIGN_OR_RETURN(tokens, file->GetStringArray("tokenizer.ggml.tokens"));
+  }
+  const std::string vocab_key = absl::StrCat(arch, ".vocab_size");
+  int64_t vocab = static_cast<int64_t>(tokens.size());
+  if (file->Has(vocab_key)) {
+    KVCM_ASSIGN_OR_RETURN(vocab, file->GetInt(vocab_key));
+  }
+  if (vocab < 1 || vocab > INT32_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        m->path, ": no vocabulary size (", vocab_key, ", or tokenizer.ggml.tokens)"));
+  }
+  m->tokenizer.vocab_size = static_cast<int32_t>(vocab);
+  auto id_of = [&](const char* key) -> absl::StatusOr<int32_t> {
+    if (!file->Has(key)) return -1;
+    KVCM_ASSIGN_OR_RETURN(const int64_t id, file->GetInt(key));
+    if (id < 0 || id >= vocab) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(m->path, ": GGUF key \"", key, "\" (", id, ") is outside the vocabulary"));
+    }
+    return static_cast<int32_t>(id);
+  };
+  auto text_of = [&](int32_t id) {
+    return id >= 0 && id < static_cast<int32_t>(tokens.size()) ? tokens[static_cast<size_t>(id)]
+                                                               : std::string();
+  };
+  KVCM_ASSIGN_OR_RETURN(m->tokenizer.bos_token_id, id_of("tokenizer.ggml.bos_token_id"));
+  KVCM_ASSIGN_OR_RETURN(const int32_t eos, id_of("tokenizer.ggml.eos_token_id"));
+  KVCM_ASSIGN_OR_RETURN(const int32_t eot, id_of("tokenizer.ggml.eot_token_id"));
+  if (eos >= 0) m->tokenizer.eos_token_ids.push_back(eos);
+  m->eos_token_ids = m->tokenizer.eos_token_ids;
+  if (eot >= 0) AddId(eot, &m->eos_token_ids);
+  m->bos_token = text_of(m->tokenizer.bos_token_id);
+  m->eos_token = text_of(eos);
+  if (file->Has("tokenizer.chat_template")) {
+    KVCM_ASSIGN_OR_RETURN(m->chat_template, file->GetString("tokenizer.chat_template"));
+    m->chat_template_source = absl::StrCat(m->path, " (tokenizer.chat_template)");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<ModelMetadata> ReadModelMetadata(const std::string& path) {
+  ModelMetadata m;
+  m.path = path;
+  std::error_code error;
+  if (std::filesystem::is_regular_file(path, error)) {
+    KVCM_RETURN_IF_ERROR(ReadGguf(&m));
+  } else {
+    KVCM_RETURN_IF_ERROR(ReadFolder(&m));
+  }
+  return m;
+}
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> LoadModelTokenizer(const ModelMetadata& metadata) {
+  if (!metadata.gguf) return LoadTokenizer(metadata.path, metadata.tokenizer);
+  KVCM_ASSIGN_OR_RETURN(const std::unique_ptr<GgufFile> file, GgufFile::Open(metadata.path));
+  return LoadGgufTokenizer(*file, metadata.tokenizer);
+}
+
+}  // namespace kvcm
