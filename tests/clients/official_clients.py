@@ -2,14 +2,16 @@
 """Drives a running kvcm-router with the official, unmodified Python clients.
 
 Hugging Face's `text-generation` (Client.generate, generate_stream, with details) and
-`openai` (completions.create, streaming and not; models.list), installed from PyPI by
+`openai` (completions.create and chat.completions.create, streaming and not; models.list),
+installed from PyPI by
 scripts/python-env.sh. Every call must succeed through the clients' own response models
 (pydantic), which is what "works unchanged" means; what came back is printed as one JSON
 object on the last line, and tests/services/router/official_clients_test.cc checks it
 against the model run alone.
 
     build/venv/bin/python3 tests/clients/official_clients.py --url http://127.0.0.1:3000 \
-        --prompt "Hello" --max-new-tokens 8 --too-long "$(printf 'x%.0s' {1..100})"
+        --prompt "Hello" --max-new-tokens 8 --too-long "$(printf 'x%.0s' {1..100})" \
+        --chat "Hi"
 """
 
 import argparse
@@ -72,7 +74,7 @@ def tgi_calls(url, prompt, max_new_tokens, too_long):
     return out
 
 
-def openai_calls(url, prompt, max_new_tokens):
+def openai_calls(url, prompt, chat, max_new_tokens):
     client = openai.OpenAI(base_url=url + "/v1", api_key="kvcm-does-not-check", max_retries=0,
                            timeout=60)
     out = {}
@@ -116,6 +118,30 @@ def openai_calls(url, prompt, max_new_tokens):
                 "texts": [c.text for c in several.choices],
                 "completion_tokens": several.usage.completion_tokens}
 
+    messages = [{"role": "user", "content": chat}]
+    reply = client.chat.completions.create(model=model, messages=messages,
+                                           max_tokens=max_new_tokens, temperature=0)
+    out["chat"] = {"content": reply.choices[0].message.content,
+                   "role": reply.choices[0].message.role,
+                   "finish_reason": reply.choices[0].finish_reason,
+                   "prompt_tokens": reply.usage.prompt_tokens,
+                   "completion_tokens": reply.usage.completion_tokens}
+    content = ""
+    roles = []
+    usage = None
+    for chunk in client.chat.completions.create(model=model, messages=messages,
+                                                max_tokens=max_new_tokens, temperature=0,
+                                                stream=True,
+                                                stream_options={"include_usage": True}):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            if choice.delta.role:
+                roles.append(choice.delta.role)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    out["chat_stream"] = {"content": content, "roles": roles,
+                          "completion_tokens": usage.completion_tokens if usage else None}
+
     try:
         client.completions.create(model=model, prompt=prompt, max_tokens=2, n=99)
         out["bad_request"] = {"raised": None}
@@ -131,12 +157,13 @@ def main():
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--too-long", required=True, help="a prompt over --max-input-tokens")
+    parser.add_argument("--chat", required=True, help="a user message for chat completions")
     args = parser.parse_args()
     report = {
         "versions": {name: importlib.metadata.version(name)
                      for name in ("text-generation", "openai")},
         "tgi": tgi_calls(args.url, args.prompt, args.max_new_tokens, args.too_long),
-        "openai": openai_calls(args.url, args.prompt, args.max_new_tokens),
+        "openai": openai_calls(args.url, args.prompt, args.chat, args.max_new_tokens),
     }
     print(json.dumps(report))
     return 0

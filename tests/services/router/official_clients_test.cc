@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -39,13 +40,24 @@ TEST_F(OfficialClientsTest, TextGenerationAndOpenAiClientsWorkUnchanged) {
   const std::string python = KVCM_CLIENTS_PYTHON;
   ASSERT_TRUE(std::filesystem::exists(python))
       << python << " is missing: scripts/python-env.sh makes it (scripts/test.sh runs it)";
+  // The tiny model has no chat template: the router is given ChatML's.
+  const std::string template_path = dir_->path() + "/chatml.jinja";
+  {
+    std::ofstream out(template_path);
+    out << "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
+           "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}"
+           "{{ '<|im_start|>assistant\n' }}{% endif %}";
+  }
   ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/128, /*executors=*/1,
-                                     {"--max-input-tokens", "64"}));
+                                     {"--max-input-tokens", "64", "--chat-template",
+                                      template_path}));
+  const std::string chat = "Hi, kvcm";
+  const std::string rendered = "<|im_start|>user\n" + chat + "<|im_end|>\n<|im_start|>assistant\n";
   const std::string prompt = "Clients from PyPI talk to kvcm";  // BOS + 30 bytes
   const int32_t n = 8;
   absl::StatusOr<RunResult> run = RunProgram(
       {python, KVCM_CLIENTS_SCRIPT, "--url", url_, "--prompt", prompt, "--max-new-tokens",
-       std::to_string(n), "--too-long", std::string(100, 'x')},
+       std::to_string(n), "--too-long", std::string(100, 'x'), "--chat", chat},
       "", absl::Seconds(120));
   ASSERT_TRUE(run.ok()) << run.status();
   ASSERT_EQ(run->exit_code, 0) << run->output << "\n" << router_->Output();
@@ -107,6 +119,21 @@ TEST_F(OfficialClientsTest, TextGenerationAndOpenAiClientsWorkUnchanged) {
   // n = 2: two choices, indexed.
   EXPECT_EQ(oa["n"]["indices"], json::array({0, 1}));
   EXPECT_EQ(oa["n"]["texts"].size(), 2u);
+  // chat.completions.create, streamed and not: the rendered template's bytes (no BOS: the
+  // template writes what the model wants), then the model's greedy answer.
+  std::vector<int32_t> chat_ids;
+  for (unsigned char c : rendered) chat_ids.push_back(3 + c);
+  const std::vector<int32_t> chat_tokens =
+      UpToEos(Score(*model_, chat_ids, n).tokens, model_->config().eos_token_ids);
+  std::vector<int32_t> chat_text_tokens = chat_tokens;
+  if (!chat_text_tokens.empty() && chat_text_tokens.back() == 2) chat_text_tokens.pop_back();
+  EXPECT_EQ(oa["chat"]["content"].get<std::string>(), AsJsonText(BytesOf(chat_text_tokens)));
+  EXPECT_EQ(oa["chat"]["role"], "assistant");
+  EXPECT_EQ(oa["chat"]["prompt_tokens"], chat_ids.size());
+  EXPECT_EQ(oa["chat"]["completion_tokens"], chat_tokens.size());
+  EXPECT_EQ(oa["chat_stream"]["content"], oa["chat"]["content"]);
+  EXPECT_EQ(oa["chat_stream"]["roles"], json::array({"assistant"}));
+  EXPECT_EQ(oa["chat_stream"]["completion_tokens"], chat_tokens.size());
   // n = 99 is refused in OpenAI's error shape, which the client turns into BadRequestError.
   EXPECT_EQ(oa["bad_request"]["raised"], "BadRequestError");
   EXPECT_EQ(oa["bad_request"]["status"], 400);
