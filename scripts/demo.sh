@@ -1,17 +1,13 @@
 #!/usr/bin/env bash
-# The whole stack on this machine, end to end: installs what is missing, builds, makes the
-# model, starts a cache manager (shared-memory pool), the router and two executors with
-# kvcm-launch, sends real requests over HTTP (TGI's and OpenAI's APIs) that share a long
-# system prompt, kills one executor mid-generation, shows that every request still finishes
-# (and that the launcher starts the executor again), and stops everything.
+# The whole stack on this machine, end to end: installs what is missing, builds, gets the
+# bundled model (SmolLM2-135M-Instruct, a 94 MB GGUF: scripts/get-model.sh), starts a cache
+# manager (shared-memory pool), the router and two executors with kvcm-launch, sends real
+# requests over HTTP (TGI's API and OpenAI's chat completions) that share a long system
+# prompt, kills one executor mid-generation, shows that every request still finishes (and
+# that the launcher starts the executor again), and stops everything.
 #
 #   scripts/demo.sh
-#
-# The model is the tiny random Llama (tools/make_tiny_model) until a real one is bundled:
-# its words are noise, but every byte goes through the real path (tokenizer, scheduler,
-# cache manager, pool, executors). A tiny model computes a step in microseconds, so the
-# executors are slowed to 2 ms per layer (--fault-layer-delay-ms) to let the kill land while
-# the requests generate.
+#   KVCM_DEMO_MODEL=path/to/model.gguf scripts/demo.sh   # another model (GGUF or folder)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -54,11 +50,12 @@ await_line() {
 }
 
 echo "== model"
-"$BIN/kvcm-make-tiny-model" --output "$WORK/model" --seed 1
+MODEL="${KVCM_DEMO_MODEL:-$(scripts/get-model.sh)}"
+echo "   $MODEL"
 
 echo "== kvcm-launch: cache manager (shm pool: 1024 blocks of 16 tokens), router, two executors"
-"$BIN/kvcm-launch" --model "$WORK/model" --executors 2 --run-dir "$RUN" --backend shm \
-  --block-size 16 --num-blocks 1024 --port 0 --threads 1 --fault-layer-delay-ms 2 \
+"$BIN/kvcm-launch" --model "$MODEL" --executors 2 --run-dir "$RUN" --backend shm \
+  --block-size 16 --num-blocks 1024 --port 0 --threads 1 \
   >"$WORK/launch.log" 2>&1 &
 LAUNCH=$!
 URL=$(await_line "$WORK/launch.log" "kvcm-launch: ready http=" | sed -E 's/.*ready http=(\S+).*/\1/')

@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
-"""The demo's client: real HTTP requests to kvcm-router's TGI API, standard library only.
+"""The demo's client: real HTTP requests to kvcm-router, standard library only.
 
   demo_client.py URL [--kill-pid PID]
 
-Sends concurrent requests that share a long system prompt (one of them streaming, printed
-as it arrives), optionally kills an executor (SIGKILL) while they generate, and prints each
-text, time to first token, tokens/s and the router's prefix-cache figures.
+Sends concurrent requests that share a long system prompt, through TGI's /generate (one of
+them streaming, printed as it arrives) and OpenAI's /v1/chat/completions, optionally kills
+an executor (SIGKILL) while they generate, and prints each answer, time to first token,
+tokens/s and the router's prefix-cache figures. The TGI requests carry the conversation in
+the model's chat format (ChatML, as SmolLM2's template writes it), so that both APIs share
+the system prompt's blocks.
 """
 import argparse
 import json
@@ -16,12 +19,20 @@ import threading
 import time
 import urllib.request
 
-SYSTEM = ("You are kvcm's demo assistant. Answer in one short sentence, plainly, without "
-          "lists. The user asks about KV caches, blocks and prefix sharing. ")
-QUESTIONS = ["What is a KV block?", "Why share prefixes?", "What does a router do?",
-             "Who owns the pool?", "What happens when an executor dies?",
-             "What is max_batch_total_tokens?"]
+SYSTEM = ("You are a helpful assistant who answers in one or two short sentences, plainly "
+          "and without lists. The user asks general questions about the world, science and "
+          "everyday life.")
+QUESTIONS = ["What is the capital of France?", "Why is the sky blue?",
+             "What do bees make?", "What is the largest planet?",
+             "How many legs does a spider have?",
+             "What is the boiling point of water?"]
 MAX_NEW_TOKENS = 48
+
+
+def chatml(question):
+    """The conversation as SmolLM2's chat template renders it (add_generation_prompt)."""
+    return (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n"
+            "<|im_start|>assistant\n")
 
 
 def post(url, body, timeout=120):
@@ -32,7 +43,7 @@ def post(url, body, timeout=120):
 
 def generate(url, question, results, index):
     start = time.monotonic()
-    body = {"inputs": SYSTEM + question,
+    body = {"inputs": chatml(question),
             "parameters": {"max_new_tokens": MAX_NEW_TOKENS, "details": True}}
     with post(url + "/generate", body) as reply:
         answer = json.load(reply)
@@ -41,16 +52,17 @@ def generate(url, question, results, index):
                       answer["details"]["generated_tokens"], elapsed)
 
 
-def complete(url, question, results, index):
-    """The same through OpenAI's completions API."""
+def chat(url, question, results, index):
+    """The same through OpenAI's chat completions API (the router renders the template)."""
     start = time.monotonic()
-    body = {"model": "demo", "prompt": SYSTEM + question, "max_tokens": MAX_NEW_TOKENS,
-            "temperature": 0}
-    with post(url + "/v1/completions", body) as reply:
+    body = {"model": "demo", "max_tokens": MAX_NEW_TOKENS, "temperature": 0,
+            "messages": [{"role": "system", "content": SYSTEM},
+                         {"role": "user", "content": question}]}
+    with post(url + "/v1/chat/completions", body) as reply:
         answer = json.load(reply)
     elapsed = time.monotonic() - start
     usage = answer["usage"]
-    results[index] = (question + " [openai]", answer["choices"][0]["text"],
+    results[index] = (question + " [openai]", answer["choices"][0]["message"]["content"],
                       usage["completion_tokens"], elapsed)
 
 
@@ -59,7 +71,7 @@ def stream(url, question, results, index):
     first = None
     tokens = 0
     text = ""
-    body = {"inputs": SYSTEM + question, "parameters": {"max_new_tokens": MAX_NEW_TOKENS}}
+    body = {"inputs": chatml(question), "parameters": {"max_new_tokens": MAX_NEW_TOKENS}}
     print(f"  streaming {question!r}: ", end="", flush=True)
     with post(url + "/generate_stream", body) as reply:
         for raw in reply:
@@ -96,15 +108,15 @@ def main():
     # One request first: its prompt's blocks are committed and cached for the others.
     generate(url, QUESTIONS[0], results, 0)
     threads = [threading.Thread(target=stream, args=(url, QUESTIONS[1], results, 1))]
-    # The others through both APIs: TGI's /generate and OpenAI's /v1/completions.
-    threads += [threading.Thread(target=generate if i % 2 == 0 else complete,
+    # The others through both APIs: TGI's /generate and OpenAI's /v1/chat/completions.
+    threads += [threading.Thread(target=generate if i % 2 == 0 else chat,
                                  args=(url, q, results, i))
                 for i, q in enumerate(QUESTIONS) if i >= 2]
     started = time.monotonic()
     for t in threads:
         t.start()
     if args.kill_pid:
-        time.sleep(0.3)
+        time.sleep(1.0)
         os.kill(args.kill_pid, signal.SIGKILL)
         print(f"  killed executor pid {args.kill_pid} with SIGKILL while "
               f"{sum(t.is_alive() for t in threads)} requests were generating")
@@ -113,18 +125,18 @@ def main():
     wall = time.monotonic() - started
 
     print()
-    print("Answers (a tiny random model: the words are noise, the plumbing is real):")
+    print("Answers:")
     total_tokens = 0
     for result in results:
         question, text, tokens, elapsed = result[:4]
         total_tokens += tokens
         print(f"  {question:<44} {tokens:3d} tokens in {elapsed * 1000:7.1f} ms: "
-              f"{repr(text)[:60]}")
+              f"{text.strip()[:100]!r}")
     if results[1] is not None and results[1][4] is not None:
         print(f"  time to first token (streaming request): {results[1][4] * 1000:.1f} ms")
     print(f"  {total_tokens - results[0][2]} tokens from {len(threads)} concurrent requests in "
-          f"{wall:.2f} s: {(total_tokens - results[0][2]) / wall:.0f} tokens/s (executors slowed "
-          f"to 2 ms a layer)")
+          f"{wall:.2f} s: {(total_tokens - results[0][2]) / wall:.0f} tokens/s (two executors of one "
+          f"CPU thread each, one of them killed)")
     cached = metric(url, "kvcm_router_prompt_tokens_total", 'source="cached"')
     computed = metric(url, "kvcm_router_prompt_tokens_total", 'source="computed"')
     if cached + computed > 0:

@@ -15,7 +15,7 @@ grep -q "requests ok: 6; recomputed committed tokens: 0" <<<"$out" || fail "not 
 grep -q "exited: dropped" <<<"$out" || fail "the router did not see the executor die"
 grep -q "executor-1 exited (killed by signal 9" <<<"$out" || fail "kvcm-launch did not see it die"
 grep -q "restarting executor-1" <<<"$out" || fail "kvcm-launch did not restart it"
-grep -q "Who owns the pool? \[openai\]" <<<"$out" || fail "no request went through OpenAI's API"
+grep -q "What is the largest planet? \[openai\]" <<<"$out" || fail "no request went through OpenAI's API"
 grep -q "router exited (exit code 0)" <<<"$out" || fail "the router did not stop cleanly"
 grep -q "left in the run directory: cache-manager.lock $" <<<"$out" || fail "files left behind"
 if pgrep -f "kvcm-demo\." >/dev/null; then fail "a process of the demo still runs"; fi

@@ -21,7 +21,7 @@ struct Route {
 // Flags of the services that the launcher routes (each takes a value). The services' own
 // flags the launcher sets itself (--run-dir, --model, --model-config, --name,
 // --metrics-address, --router, --cache-manager) are not here: they are the launcher's.
-constexpr std::array<Route, 26> kRoutes = {{
+constexpr std::array<Route, 28> kRoutes = {{
     {"backend", Target::kCacheManager},
     {"cuda-device", Target::kCacheManager},
     {"block-size", Target::kCacheManager},
@@ -44,6 +44,8 @@ constexpr std::array<Route, 26> kRoutes = {{
     {"max-running", Target::kRouter},
     {"max-top-n-tokens", Target::kRouter},
     {"drain-timeout-ms", Target::kRouter},
+    {"max-best-of", Target::kRouter},
+    {"chat-template", Target::kRouter},
     {"threads", Target::kExecutor},
     {"call-timeout-ms", Target::kExecutor},
     {"fault-layer-delay-ms", Target::kExecutor},
