@@ -8,9 +8,12 @@
 //   build/bench/full_stack_bench [--rounds 3] [--threads 2] [--batch 16] [--new-tokens 32]
 //
 // Prints tokens/s of each, round by round, and the ratio stack / in-process (goal >= 0.95
-// with a real model, docs/PERFORMANCE.md). Two random models: the tiny one of the tests
-// (a step costs microseconds, so the ratio is mostly the stack's overhead) and a "small"
-// one whose steps cost milliseconds, as a real model's do.
+// with a real model, docs/PERFORMANCE.md). Three models: the tiny random one of the tests
+// (a step costs microseconds, so the ratio is mostly the stack's overhead), a "small"
+// random one whose steps cost milliseconds, and the bundled SmolLM2 GGUF
+// (scripts/get-model.sh; skipped, saying so, when it is not there; --only NAME runs one).
+// Prompts are tokenized as the router tokenizes them (the model's own tokenizer and BOS
+// rule), so both sides compute the same tokens.
 
 #include <unistd.h>
 
@@ -33,10 +36,13 @@
 #include "common/memory/pool_layout.h"
 #include "bench/server_stack.h"
 #include "nlohmann/json.hpp"
+#include "common/model/model_metadata.h"
+#include "common/tokenizer/tokenizer.h"
 #include "services/executor/llama_model.h"
 #include "services/executor/sampler.h"
 #include "tests/support/cache_manager_process.h"
 #include "tests/support/http_client.h"
+#include "tests/support/real_model.h"
 #include "tests/support/subprocess.h"
 #include "tools/make_tiny_model/tiny_model.h"
 
@@ -52,6 +58,7 @@ constexpr int32_t kPromptTokens = 48;
 struct Shape {
   const char* name;
   TinyModelOptions options;
+  std::string gguf;  // a model file instead of a generated random model
 };
 
 std::vector<Shape> Shapes() {
@@ -66,12 +73,13 @@ std::vector<Shape> Shapes() {
   small.num_kv_heads = 4;
   small.head_dim = 64;
   small.seed = 12;
-  return {{"tiny", tiny}, {"small", small}};
+  return {{"tiny", tiny, ""}, {"small", small, ""}, {"smollm2", {}, testing::SmolLM2GgufPath()}};
 }
 
-// The i-th prompt of a round: BOS and bytes of a text of its own. No two share a block, and
-// no round repeats another's: the stack's prefix cache would skip their prefill, which the
-// model alone cannot.
+// The i-th prompt of a round: a text of its own, kPromptTokens - 1 bytes (a byte is a
+// token of the random models; a real model's tokenizer makes fewer). No two share a block,
+// and no round repeats another's: the stack's prefix cache would skip their prefill, which
+// the model alone cannot.
 std::string PromptText(int round, int i) {
   std::string text = absl::StrCat(round, "/", i, ": ");
   while (static_cast<int32_t>(text.size()) < kPromptTokens - 1) {
@@ -79,9 +87,13 @@ std::string PromptText(int round, int i) {
   }
   return text;
 }
-std::vector<int32_t> PromptIds(const std::string& text) {
-  std::vector<int32_t> ids = {1};
-  for (unsigned char c : text) ids.push_back(3 + c);
+// As the router makes them: BOS when the tokenizer wants one, then the tokenizer's ids.
+std::vector<int32_t> PromptIds(const Tokenizer& tokenizer, const std::string& text) {
+  std::vector<int32_t> ids;
+  if (tokenizer.add_bos() && tokenizer.bos_id() >= 0) ids.push_back(tokenizer.bos_id());
+  absl::StatusOr<std::vector<int32_t>> encoded = tokenizer.Encode(text);
+  KVCM_CHECK(encoded.ok()) << encoded.status();
+  ids.insert(ids.end(), encoded->begin(), encoded->end());
   return ids;
 }
 
@@ -92,14 +104,14 @@ struct Run {
   double seconds = 0;
 };
 
-Run InProcess(const LlamaModel& model, int round, int batch, int new_tokens) {
+Run InProcess(const LlamaModel& model, const Tokenizer& tokenizer,
+               const std::vector<int32_t>& eos, int round, int batch, int new_tokens) {
   PagedPool pool;
   pool.spec = model.config().KvSpec(DType::kFloat32, kBlockSize).value();
   const int32_t blocks_per_seq = (kPromptTokens + new_tokens + kBlockSize - 1) / kBlockSize;
   pool.layout = PoolLayout::For(pool.spec, batch * blocks_per_seq).value();
   std::vector<uint8_t> memory(static_cast<size_t>(pool.layout.total_bytes));
   pool.base = memory.data();
-  const auto& eos = model.config().eos_token_ids;
   const size_t vocab = static_cast<size_t>(model.config().vocab_size);
 
   struct Seq {
@@ -110,7 +122,7 @@ Run InProcess(const LlamaModel& model, int round, int batch, int new_tokens) {
   };
   std::vector<Seq> seqs(static_cast<size_t>(batch));
   for (int i = 0; i < batch; ++i) {
-    seqs[static_cast<size_t>(i)].tokens = PromptIds(PromptText(round, i));
+    seqs[static_cast<size_t>(i)].tokens = PromptIds(tokenizer, PromptText(round, i));
   }
   Run run;
   const absl::Time start = absl::Now();
@@ -182,9 +194,23 @@ int Main(int argc, char** argv) {
               batch, kPromptTokens, new_tokens, threads, rounds);
   absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-fsb");
   KVCM_CHECK(dir.ok()) << dir.status();
+  const std::string only = bench::FlagString(argc, argv, "--only", "");
   for (const Shape& shape : Shapes()) {
-    const std::string model_dir = dir->path() + "/" + shape.name;
-    KVCM_CHECK(WriteTinyModel(model_dir, shape.options).ok());
+    if (!only.empty() && only != shape.name) continue;
+    std::string model_dir = dir->path() + "/" + shape.name;
+    if (!shape.gguf.empty()) {
+      if (!std::filesystem::exists(shape.gguf)) {
+        std::printf("\n%s: skipped, %s\n", shape.name, testing::SmolLM2Missing(shape.gguf).c_str());
+        continue;
+      }
+      model_dir = shape.gguf;
+    } else {
+      KVCM_CHECK(WriteTinyModel(model_dir, shape.options).ok());
+    }
+    absl::StatusOr<ModelMetadata> metadata = ReadModelMetadata(model_dir);
+    KVCM_CHECK(metadata.ok()) << metadata.status();
+    absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = LoadModelTokenizer(*metadata);
+    KVCM_CHECK(tokenizer.ok()) << tokenizer.status();
     LlamaModelOptions model_options;
     model_options.num_threads = threads;
     absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(model_dir, model_options);
@@ -205,24 +231,25 @@ int Main(int argc, char** argv) {
     const std::string& url = server->url;
 
     // A warm-up of each (page faults, thread pools), then the interleaved rounds.
-    (void)InProcess(**model, 0, batch, 4);
+    const std::vector<int32_t>& eos = metadata->eos_token_ids;
+    (void)InProcess(**model, **tokenizer, eos, 0, batch, 4);
     (void)FullStack(url, 0, batch, 4);
-    std::printf("\n%-6s %5s %14s %14s %8s\n", "model", "round", "in-process t/s",
+    std::printf("\n%-7s %5s %14s %14s %8s\n", "model", "round", "in-process t/s",
                 "full stack t/s", "ratio");
     std::vector<double> ratios;
     for (int round = 1; round <= rounds; ++round) {
-      const Run alone = InProcess(**model, round, batch, new_tokens);
+      const Run alone = InProcess(**model, **tokenizer, eos, round, batch, new_tokens);
       const Run stack = FullStack(url, round, batch, new_tokens);
       KVCM_CHECK(alone.tokens == stack.tokens)
           << "the stack generated " << stack.tokens << " tokens, the model alone " << alone.tokens;
       const double alone_rate = static_cast<double>(alone.tokens) / alone.seconds;
       const double stack_rate = static_cast<double>(stack.tokens) / stack.seconds;
       ratios.push_back(stack_rate / alone_rate);
-      std::printf("%-6s %5d %14.0f %14.0f %7.2fx\n", shape.name, round, alone_rate, stack_rate,
+      std::printf("%-7s %5d %14.0f %14.0f %7.2fx\n", shape.name, round, alone_rate, stack_rate,
                   ratios.back());
     }
     std::sort(ratios.begin(), ratios.end());
-    std::printf("%-6s median ratio %.2fx (goal >= 0.95x with a real model)\n", shape.name,
+    std::printf("%-7s median ratio %.2fx (goal >= 0.95x with a real model)\n", shape.name,
                 ratios[ratios.size() / 2]);
   }
   return 0;

@@ -74,4 +74,12 @@ inline int FlagValue(int argc, char** argv, const char* name, int fallback) {
   return fallback;
 }
 
+// `name VALUE` from the command line as text, or `fallback`.
+inline std::string FlagString(int argc, char** argv, const char* name, std::string fallback) {
+  for (int i = 1; i + 1 < argc; ++i) {
+    if (std::string(argv[i]) == name) return argv[i + 1];
+  }
+  return fallback;
+}
+
 }  // namespace kvcm::bench
