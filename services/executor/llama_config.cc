@@ -211,8 +211,9 @@ absl::Status ParseRope(const Json& root, LlamaConfig* c) {
   return absl::OkStatus();
 }
 
-constexpr const char* kArchitectures[] = {"LlamaForCausalLM", "MistralForCausalLM"};
-constexpr const char* kModelTypes[] = {"llama", "mistral"};
+constexpr const char* kArchitectures[] = {"LlamaForCausalLM", "MistralForCausalLM",
+                                          "Qwen2ForCausalLM"};
+constexpr const char* kModelTypes[] = {"llama", "mistral", "qwen2"};
 
 absl::StatusOr<std::string> Architecture(const Json& root) {
   const Json* archs = Get(root, "architectures");
@@ -276,7 +277,8 @@ std::string LlamaConfig::ToString() const {
       intermediate_size, ", ", num_hidden_layers, " layers, ", num_attention_heads, " heads (",
       num_key_value_heads, " KV) x head dim ", head_dim, ", rms_norm_eps ", rms_norm_eps,
       ", rope_theta ", rope_theta, ", rope scaling ", RopeScalingName(rope_scaling),
-      tie_word_embeddings ? ", tied embeddings" : "", torch_dtype.empty() ? "" : ", ", torch_dtype);
+      tie_word_embeddings ? ", tied embeddings" : "",
+      qkv_bias ? (o_bias ? ", q/k/v/o bias" : ", q/k/v bias") : "", torch_dtype.empty() ? "" : ", ", torch_dtype);
 }
 
 absl::StatusOr<LlamaConfig> ParseLlamaConfig(const std::string& json_text) {
@@ -352,11 +354,23 @@ absl::StatusOr<LlamaConfig> ParseLlamaConfig(const std::string& json_text) {
     return Unimplemented(
         absl::StrCat("\"hidden_act\" ", act->dump(), " is not supported (only \"silu\")"));
   }
-  for (const char* key : {"attention_bias", "mlp_bias"}) {
-    KVCM_ASSIGN_OR_RETURN(const bool bias, OptionalBool(root, key, false));
-    if (bias) return Unimplemented(absl::StrCat("\"", key, "\": true is not supported"));
+  KVCM_ASSIGN_OR_RETURN(const bool mlp_bias, OptionalBool(root, "mlp_bias", false));
+  if (mlp_bias) return Unimplemented("\"mlp_bias\": true is not supported");
+  const bool qwen2 = c.architecture == "Qwen2ForCausalLM";
+  if (qwen2) {
+    // Qwen2's q, k and v projections always have a bias, its o projection none.
+    c.qkv_bias = true;
+    KVCM_ASSIGN_OR_RETURN(const bool windowed, OptionalBool(root, "use_sliding_window", false));
+    if (windowed) {
+      return Unimplemented("\"use_sliding_window\": true (sliding-window attention) is not "
+                           "supported");
+    }
+  } else {
+    KVCM_ASSIGN_OR_RETURN(const bool attention_bias, OptionalBool(root, "attention_bias", false));
+    c.qkv_bias = attention_bias;
+    c.o_bias = attention_bias;
   }
-  if (const Json* window = Get(root, "sliding_window"); window != nullptr) {
+  if (const Json* window = Get(root, "sliding_window"); window != nullptr && !qwen2) {
     if (!window->is_number_integer() || window->get<int64_t>() < c.max_position_embeddings) {
       return Unimplemented(absl::StrCat("\"sliding_window\" ", window->dump(),
                                         " (shorter than max_position_embeddings=",
@@ -444,18 +458,15 @@ std::string MainWeightType(const GgufFile& file) {
 
 absl::StatusOr<LlamaConfig> LlamaConfigFromGguf(const GgufFile& file) {
   KVCM_ASSIGN_OR_RETURN(const std::string arch, file.GetString("general.architecture"));
-  if (arch == "qwen2") {
-    return absl::UnimplementedError(absl::StrCat(
-        file.name(), ": general.architecture \"qwen2\" is not supported yet (its q/k/v "
-        "projections have a bias)"));
-  }
-  if (arch != "llama") {
-    return absl::UnimplementedError(absl::StrCat(
-        file.name(), ": general.architecture \"", arch, "\" is not supported (supported: llama)"));
+  if (arch != "llama" && arch != "qwen2") {
+    return absl::UnimplementedError(absl::StrCat(file.name(), ": general.architecture \"", arch,
+                                                 "\" is not supported (supported: llama, qwen2)"));
   }
   const GgufKeys keys(file, arch);
   LlamaConfig c;
-  c.architecture = "LlamaForCausalLM (GGUF llama)";
+  c.architecture =
+      arch == "qwen2" ? "Qwen2ForCausalLM (GGUF qwen2)" : "LlamaForCausalLM (GGUF llama)";
+  c.qkv_bias = arch == "qwen2";
   KVCM_ASSIGN_OR_RETURN(c.num_hidden_layers, keys.Int(keys.Key("block_count"), 1));
   KVCM_ASSIGN_OR_RETURN(c.hidden_size, keys.Int(keys.Key("embedding_length"), 1));
   KVCM_ASSIGN_OR_RETURN(c.intermediate_size, keys.Int(keys.Key("feed_forward_length"), 1));

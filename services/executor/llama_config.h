@@ -4,8 +4,11 @@
 //
 // Keys (top level):
 //
-//   architectures            ["LlamaForCausalLM"] or ["MistralForCausalLM"]; when absent,
-//                            "model_type" must be "llama" or "mistral"
+//   architectures            ["LlamaForCausalLM"], ["MistralForCausalLM"] or
+//                            ["Qwen2ForCausalLM"]; when absent, "model_type" must be
+//                            "llama", "mistral" or "qwen2"
+//   attention_bias           (Llama) bias on q, k, v and o: default false
+//   use_sliding_window       (Qwen2) must be false; its sliding_window is then unused
 //   vocab_size               required
 //   hidden_size              required
 //   intermediate_size        required
@@ -32,8 +35,9 @@
 //
 // Rejected, naming the key:
 //   UNIMPLEMENTED     another architecture; rope_scaling of another type (dynamic, yarn,
-//                     longrope, ...); attention_bias or mlp_bias true; hidden_act other than
-//                     "silu"; a Mistral sliding_window shorter than max_position_embeddings
+//                     longrope, ...); mlp_bias true; hidden_act other than "silu"; a Mistral
+//                     sliding_window shorter than max_position_embeddings; Qwen2's
+//                     use_sliding_window true
 //   INVALID_ARGUMENT  malformed JSON, a required key missing, a value of the wrong type or
 //                     out of range (the message names the key and the value)
 //   NOT_FOUND         (LoadLlamaConfig) the file cannot be read
@@ -77,6 +81,8 @@ struct LlamaConfig {
   RopeScaling rope_scaling;
   int32_t max_position_embeddings = 2048;
   bool tie_word_embeddings = false;
+  bool qkv_bias = false;  // q_proj, k_proj, v_proj have a bias (Qwen2; Llama's attention_bias)
+  bool o_bias = false;    // o_proj has one (Llama's attention_bias)
   int32_t bos_token_id = -1;           // -1: none
   std::vector<int32_t> eos_token_ids;  // empty: none; generation stops on any of them
   std::string torch_dtype;             // as written, "" when absent
@@ -102,8 +108,8 @@ absl::StatusOr<LlamaConfig> LoadLlamaConfig(const std::string& path);
 // The same hyperparameters from a GGUF file's metadata (llama.cpp's keys, ARCH being
 // general.architecture):
 //
-//   general.architecture                   "llama" (Llama 2/3, SmolLM, Mistral); "qwen2" is
-//                                          UNIMPLEMENTED (bias on q/k/v)
+//   general.architecture                   "llama" (Llama 2/3, SmolLM, Mistral) or "qwen2"
+//                                          (bias on q/k/v)
 //   ARCH.block_count                       num_hidden_layers
 //   ARCH.embedding_length                  hidden_size
 //   ARCH.feed_forward_length               intermediate_size

@@ -75,6 +75,14 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
+// y[rows][bias.size()] += bias, row by row; nothing for an empty bias.
+void AddBias(float* y, int64_t rows, const std::vector<float>& bias) {
+  const auto width = static_cast<int64_t>(bias.size());
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < width; ++i) y[r * width + i] += bias[static_cast<size_t>(i)];
+  }
+}
+
 }  // namespace
 
 namespace internal {
@@ -147,6 +155,10 @@ std::string GgufTensorName(const std::string& hf_name) {
       {"mlp.gate_proj.weight", "ffn_gate.weight"},
       {"mlp.up_proj.weight", "ffn_up.weight"},
       {"mlp.down_proj.weight", "ffn_down.weight"},
+      {"self_attn.q_proj.bias", "attn_q.bias"},
+      {"self_attn.k_proj.bias", "attn_k.bias"},
+      {"self_attn.v_proj.bias", "attn_v.bias"},
+      {"self_attn.o_proj.bias", "attn_output.bias"},
   };
   constexpr std::string_view kLayers = "model.layers.";
   if (hf_name.starts_with(kLayers)) {
@@ -165,13 +177,16 @@ std::string GgufTensorName(const std::string& hf_name) {
 
 // A GGUF file: tensors dequantized to fp32 (ggml's reference dequantization). GGUF stores
 // a [out, in] matrix with dims {in, out} (ne[0] the contiguous one), the same bytes as the
-// row-major [out, in]. GGUF conversion reorders the rows of q_proj and k_proj inside each
-// head from Hugging Face's rotate-half RoPE layout (the first half of a head, then the
-// second) to ggml's interleaved pairs (row 2i is HF's row i, row 2i + 1 is HF's row
-// i + head_dim / 2); Load undoes it, so the model computes RoPE one way for both sources.
+// row-major [out, in]. For the llama architecture, GGUF conversion reorders the rows of
+// q_proj and k_proj inside each head from Hugging Face's rotate-half RoPE layout (the first
+// half of a head, then the second) to ggml's interleaved pairs (row 2i is HF's row i, row
+// 2i + 1 is HF's row i + head_dim / 2); Load undoes it (`unpermute`), so the model computes
+// RoPE one way for both sources. qwen2 files keep HF's order (ggml runs them with NEOX RoPE,
+// which is rotate-half).
 class GgufSource final : public WeightSource {
  public:
-  GgufSource(const GgufFile& file, const LlamaConfig& config) : file_(file), config_(config) {}
+  GgufSource(const GgufFile& file, const LlamaConfig& config, bool unpermute)
+      : file_(file), config_(config), unpermute_(unpermute) {}
 
   bool Has(const std::string& hf_name) const override {
     return file_.FindTensor(GgufTensorName(hf_name)).ok();
@@ -198,10 +213,10 @@ class GgufSource final : public WeightSource {
       return absl::Status(s.code(), absl::StrCat("tensor \"", name, "\" in \"", file_.name(),
                                                  "\": ", s.message()));
     }
-    if (hf_name.ends_with("self_attn.q_proj.weight")) {
+    if (unpermute_ && hf_name.ends_with("self_attn.q_proj.weight")) {
       return UnpermuteRope(std::move(out), config_.num_attention_heads, shape[1]);
     }
-    if (hf_name.ends_with("self_attn.k_proj.weight")) {
+    if (unpermute_ && hf_name.ends_with("self_attn.k_proj.weight")) {
       return UnpermuteRope(std::move(out), config_.num_key_value_heads, shape[1]);
     }
     return out;
@@ -227,6 +242,7 @@ class GgufSource final : public WeightSource {
 
   const GgufFile& file_;
   const LlamaConfig& config_;
+  const bool unpermute_;
 };
 
 absl::StatusOr<kernels::KvDType> KernelDType(DType dtype) {
@@ -312,8 +328,10 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& 
   if (IsGgufFile(path)) {
     KVCM_ASSIGN_OR_RETURN(const std::unique_ptr<GgufFile> file, GgufFile::Open(path));
     KVCM_ASSIGN_OR_RETURN(LlamaConfig config, LlamaConfigFromGguf(*file));
+    KVCM_ASSIGN_OR_RETURN(const std::string arch, file->GetString("general.architecture"));
     const LlamaConfig& c = config;
-    return LoadWeights(std::move(config), GgufSource(*file, c), options);
+    return LoadWeights(std::move(config), GgufSource(*file, c, /*unpermute=*/arch == "llama"),
+                       options);
   }
   KVCM_ASSIGN_OR_RETURN(LlamaConfig config, LoadLlamaConfig(path + "/config.json"));
   KVCM_ASSIGN_OR_RETURN(const std::unique_ptr<SafetensorsFolder> shards,
@@ -356,6 +374,12 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::LoadWeights(
     KVCM_RETURN_IF_ERROR(load(p + "mlp.gate_proj.weight", {inter, h}, &layer.gate_proj));
     KVCM_RETURN_IF_ERROR(load(p + "mlp.up_proj.weight", {inter, h}, &layer.up_proj));
     KVCM_RETURN_IF_ERROR(load(p + "mlp.down_proj.weight", {h, inter}, &layer.down_proj));
+    if (c.qkv_bias) {
+      KVCM_RETURN_IF_ERROR(load(p + "self_attn.q_proj.bias", {q}, &layer.q_bias));
+      KVCM_RETURN_IF_ERROR(load(p + "self_attn.k_proj.bias", {kv}, &layer.k_bias));
+      KVCM_RETURN_IF_ERROR(load(p + "self_attn.v_proj.bias", {kv}, &layer.v_bias));
+    }
+    if (c.o_bias) KVCM_RETURN_IF_ERROR(load(p + "self_attn.o_proj.bias", {h}, &layer.o_bias));
   }
   KVCM_RETURN_IF_ERROR(load("model.norm.weight", {h}, &model->weights_.final_norm));
   if (!c.tie_word_embeddings) {
@@ -449,6 +473,9 @@ void LlamaModel::AttentionInputs(int32_t l, const float* x, int64_t rows,
   MatMul(normed.data(), rows, h, layer.q_proj, q_width, q);
   MatMul(normed.data(), rows, h, layer.k_proj, kv_width, k);
   MatMul(normed.data(), rows, h, layer.v_proj, kv_width, v);
+  AddBias(q, rows, layer.q_bias);
+  AddBias(k, rows, layer.k_bias);
+  AddBias(v, rows, layer.v_bias);
   ApplyRope(q, rows, config_.num_attention_heads, positions);
   ApplyRope(k, rows, config_.num_key_value_heads, positions);
 }
@@ -460,6 +487,7 @@ void LlamaModel::AttentionOutputAndMlp(int32_t l, const float* attn, int64_t row
   const int64_t inter = config_.intermediate_size;
   std::vector<float> proj(static_cast<size_t>(rows * h));
   MatMul(attn, rows, q_width, layer.o_proj, h, proj.data());
+  AddBias(proj.data(), rows, layer.o_bias);
   for (int64_t i = 0; i < rows * h; ++i) x[i] += proj[static_cast<size_t>(i)];
 
   std::vector<float> normed(static_cast<size_t>(rows * h));

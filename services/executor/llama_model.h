@@ -100,6 +100,12 @@ struct LlamaWeights {
     std::vector<float> gate_proj;   // [I, H]
     std::vector<float> up_proj;     // [I, H]
     std::vector<float> down_proj;   // [H, I]
+    // Attention biases (empty when the model has none): q, k, v with qkv_bias (Qwen2, and
+    // Llama's attention_bias), o with o_bias (Llama's attention_bias).
+    std::vector<float> q_bias;  // [Q]
+    std::vector<float> k_bias;  // [K]
+    std::vector<float> v_bias;  // [K]
+    std::vector<float> o_bias;  // [H]
   };
   std::vector<float> embed_tokens;  // [V, H]
   std::vector<Layer> layers;
@@ -144,6 +150,8 @@ class LlamaModel {
   //   model.layers.{l}.mlp.down_proj.weight             [H, I]
   //   model.norm.weight                                 [H]
   //   lm_head.weight                                    [V, H]  (not read when tied)
+  //   model.layers.{l}.self_attn.{q,k,v}_proj.bias      [Q], [K], [K]  (with qkv_bias)
+  //   model.layers.{l}.self_attn.o_proj.bias            [H]  (with o_bias)
   // Other tensors are ignored. Errors: those of LoadLlamaConfig and SafetensorsFolder::Open;
   // NOT_FOUND naming a missing tensor; INVALID_ARGUMENT naming a tensor whose shape differs,
   // with the expected and actual shapes; UNIMPLEMENTED for a dtype other than F32/F16/BF16.
@@ -151,8 +159,9 @@ class LlamaModel {
   // `path` may also be a GGUF file (IsGgufFile): the config comes from its metadata
   // (LlamaConfigFromGguf) and the same tensors under llama.cpp's names (token_embd,
   // blk.{l}.attn_norm, attn_q, attn_k, attn_v, attn_output, ffn_norm, ffn_gate, ffn_up,
-  // ffn_down, output_norm, output), of any type Dequantize implements, dequantized to fp32
-  // at load; q and k rows are put back from GGUF's RoPE order (see llama_model.cc). Errors:
+  // ffn_down, output_norm, output; attn_{q,k,v}.bias for qwen2), of any type Dequantize
+  // implements, dequantized to fp32 at load; a llama file's q and k rows are put back from
+  // GGUF's RoPE order (see llama_model.cc; qwen2 files keep Hugging Face's order). Errors:
   // GgufFile::Open's and LlamaConfigFromGguf's, and the tensor errors above naming the file.
   static absl::StatusOr<std::unique_ptr<LlamaModel>> Load(
       const std::string& path, const LlamaModelOptions& options = LlamaModelOptions());

@@ -375,6 +375,11 @@ absl::StatusOr<std::unique_ptr<LlamaCudaModel>> LlamaCudaModel::Create(const Lla
     return absl::InvalidArgumentError(
         absl::StrCat("no CUDA device ", device, ": cudaGetDeviceCount reports ", count));
   }
+  if (model.config().qkv_bias || model.config().o_bias) {
+    return absl::UnimplementedError(absl::StrCat(
+        "attention biases (", model.config().architecture,
+        ") are not implemented on CUDA yet; run this model on a shm pool"));
+  }
   auto impl = std::make_unique<Impl>(model, device);
   KVCM_RETURN_IF_ERROR(impl->Upload());
   return std::unique_ptr<LlamaCudaModel>(new LlamaCudaModel(std::move(impl)));

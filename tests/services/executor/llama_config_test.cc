@@ -205,10 +205,9 @@ TEST(LlamaConfigTest, UnsupportedFeaturesAreUnimplementedNamingTheKey) {
     const char* expect;
   };
   const Case cases[] = {
-      {"architectures", Json::array({"Qwen2ForCausalLM"}), "Qwen2ForCausalLM"},
+      {"architectures", Json::array({"GemmaForCausalLM"}), "GemmaForCausalLM"},
       {"rope_scaling", Json{{"rope_type", "yarn"}, {"factor", 4.0}}, "yarn"},
       {"rope_scaling", Json{{"type", "dynamic"}, {"factor", 2.0}}, "dynamic"},
-      {"attention_bias", true, "attention_bias"},
       {"mlp_bias", true, "mlp_bias"},
       {"hidden_act", "gelu", "hidden_act"},
       {"sliding_window", 512, "sliding_window"},
@@ -225,6 +224,34 @@ TEST(LlamaConfigTest, UnsupportedFeaturesAreUnimplementedNamingTheKey) {
   EXPECT_EQ(ParseLlamaConfig(no_arch.dump()).status().code(), absl::StatusCode::kUnimplemented);
   no_arch.erase("model_type");
   EXPECT_EQ(ParseLlamaConfig(no_arch.dump()).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(LlamaConfigTest, AttentionBiasesOfLlamaAndQwen2) {
+  Json config = Json::parse(kMinimal);
+  absl::StatusOr<LlamaConfig> c = ParseLlamaConfig(config.dump());
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_FALSE(c->qkv_bias);
+  EXPECT_FALSE(c->o_bias);
+  config["attention_bias"] = true;  // Llama's: q, k, v and o
+  c = ParseLlamaConfig(config.dump());
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->qkv_bias);
+  EXPECT_TRUE(c->o_bias);
+  EXPECT_THAT(c->ToString(), HasSubstr("q/k/v/o bias"));
+
+  Json qwen2 = Json::parse(kMinimal);
+  qwen2["architectures"] = Json::array({"Qwen2ForCausalLM"});
+  qwen2["sliding_window"] = 64;  // unused while use_sliding_window is false
+  qwen2["use_sliding_window"] = false;
+  c = ParseLlamaConfig(qwen2.dump());
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->architecture, "Qwen2ForCausalLM");
+  EXPECT_TRUE(c->qkv_bias);  // always, for Qwen2
+  EXPECT_FALSE(c->o_bias);
+  qwen2["use_sliding_window"] = true;
+  const absl::Status windowed = ParseLlamaConfig(qwen2.dump()).status();
+  EXPECT_EQ(windowed.code(), absl::StatusCode::kUnimplemented) << windowed;
+  EXPECT_THAT(windowed.message(), HasSubstr("use_sliding_window"));
 }
 
 TEST(LlamaConfigTest, RopeScalingVariants) {
