@@ -28,6 +28,7 @@ PACKAGES=(
   nlohmann-json3-dev         # Hugging Face config.json
   libsentencepiece-dev       # common/tokenizer: SentencePiece tokenizer.model
   libpcre2-dev               # common/tokenizer: byte-level BPE pre-tokenizer regexes (JIT)
+  libicu-dev                 # common/tokenizer: Unicode NFC for tokenizer.json normalizers
   libevent-dev               # the router's HTTP server (evhttp: an open stream costs no thread)
   libgtest-dev               # tests
   libgmock-dev

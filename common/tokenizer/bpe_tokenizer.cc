@@ -2,6 +2,9 @@
 
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
+#include <unicode/normalizer2.h>
+#include <unicode/unistr.h>
+#include <unicode/utypes.h>
 
 #include <algorithm>
 #include <array>
@@ -323,6 +326,7 @@ struct BpeTokenizer::Impl {
   int32_t eos_id = -1;
   bool add_bos = false;
   bool ignore_merges = false;
+  BpeNormalizer normalizer = BpeNormalizer::kNone;
   int32_t unk_id = -1;
   bool fuse_unk = false;
 
@@ -658,6 +662,29 @@ struct BpeTokenizer::Impl {
     return absl::OkStatus();
   }
 
+  // Unicode NFC of valid UTF-8 `text`, through ICU; ASCII is its own NFC.
+  static absl::Status Nfc(std::string_view text, std::string* out) {
+    if (std::all_of(text.begin(), text.end(),
+                    [](char c) { return static_cast<unsigned char>(c) < 0x80; })) {
+      out->assign(text);
+      return absl::OkStatus();
+    }
+    UErrorCode error = U_ZERO_ERROR;
+    const icu::Normalizer2* nfc = icu::Normalizer2::getNFCInstance(error);
+    if (U_FAILURE(error)) {
+      return absl::InternalError(absl::StrCat("ICU NFC: ", u_errorName(error)));
+    }
+    const icu::UnicodeString source = icu::UnicodeString::fromUTF8(
+        icu::StringPiece(text.data(), static_cast<int32_t>(text.size())));
+    const icu::UnicodeString result = nfc->normalize(source, error);
+    if (U_FAILURE(error)) {
+      return absl::InternalError(absl::StrCat("ICU NFC: ", u_errorName(error)));
+    }
+    out->clear();
+    result.toUTF8String(*out);
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<std::vector<int32_t>> Encode(std::string_view text, bool use_cache) const {
     if (const size_t bad = InvalidUtf8Offset(text); bad != std::string_view::npos) {
       return absl::InvalidArgumentError(
@@ -673,7 +700,14 @@ struct BpeTokenizer::Impl {
         ids.push_back(added[static_cast<size_t>(index)].id);
         continue;
       }
-      const std::string_view piece = text.substr(range.first, range.second - range.first);
+      std::string_view piece = text.substr(range.first, range.second - range.first);
+      // The normalizer sees what the raw added tokens left; the normalized ones and the
+      // pre-tokenizer see its output, as in Hugging Face's tokenizers.
+      std::string normalized;
+      if (normalizer == BpeNormalizer::kNfc) {
+        if (absl::Status s = Nfc(piece, &normalized); !s.ok()) return s;
+        piece = normalized;
+      }
       second.clear();
       SplitAdded(normalized_matcher, piece, 0, &second);
       for (const auto& [index2, range2] : second) {
@@ -731,6 +765,7 @@ absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::FromVocab(BpeVocab v
   impl->eos_id = vocab.eos_id;
   impl->add_bos = vocab.add_bos && vocab.bos_id >= 0;
   impl->ignore_merges = vocab.ignore_merges;
+  impl->normalizer = vocab.normalizer;
   impl->unk_id = vocab.unk_id;
   impl->fuse_unk = vocab.fuse_unk;
 

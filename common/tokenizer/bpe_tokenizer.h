@@ -85,8 +85,13 @@ struct BpeAddedToken {
   bool lstrip = false;   // also takes the whitespace on its left
   bool rstrip = false;   // also takes the whitespace on its right
   bool single_word = false;  // only where no word character touches it
-  bool normalized = false;   // matched after the (null) normalizer, in a second pass
+  bool normalized = false;   // matched after the normalizer, in a second pass
 };
+
+// What text goes through before the added tokens marked normalized and the pre-tokenizer
+// (Hugging Face's normalizers): nothing, or Unicode NFC (Qwen2's tokenizer.json), through
+// ICU.
+enum class BpeNormalizer { kNone, kNfc };
 
 struct BpeVocab {
   // Byte-level-encoded strings (tokenizer.json's model.vocab, GGUF's tokenizer.ggml.tokens);
@@ -102,6 +107,7 @@ struct BpeVocab {
   std::string pre = "gpt2";
   std::vector<BpePreTokenizerStep> pre_tokenizer;
   bool ignore_merges = false;
+  BpeNormalizer normalizer = BpeNormalizer::kNone;
   // A byte without a token becomes unk_id (-1: it is dropped, as Hugging Face does); with
   // fuse_unk consecutive ones become one.
   int32_t unk_id = -1;
@@ -118,7 +124,8 @@ struct BpeVocab {
 // add_bos). Understood: model BPE (vocab; merges as "a b" strings or as pairs;
 // ignore_merges, unk_token, fuse_unk); pre_tokenizer ByteLevel, Split (String or Regex
 // pattern), Digits, Sequence of them, ByteLevel last; decoder ByteLevel (or a Sequence
-// holding only it); normalizer null; added_tokens with their flags; post_processor
+// holding only it); normalizer null or NFC (alone or in a Sequence); added_tokens with their
+// flags; post_processor
 // ByteLevel, TemplateProcessing, Sequence of them. truncation and padding are ignored
 // (callers truncate).
 // Errors name `file_name` and the key: INVALID_ARGUMENT for bad JSON (including bad UTF-8),

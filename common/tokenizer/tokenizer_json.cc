@@ -213,17 +213,27 @@ class Parser {
     return absl::OkStatus();
   }
 
-  absl::Status Normalizer(const Json& root) const {
+  // null, NFC, or a Sequence of at most one NFC.
+  absl::Status Normalizer(const Json& root, BpeVocab* vocab) const {
     const Json* n = Member(root, "normalizer");
     if (n == nullptr) return absl::OkStatus();
     if (!n->is_object()) return Invalid("normalizer", "must be an object or null");
     std::string type;
     if (absl::Status s = GetString(*n, "type", "normalizer", &type); !s.ok()) return s;
+    if (type == "NFC") {
+      vocab->normalizer = BpeNormalizer::kNfc;
+      return absl::OkStatus();
+    }
     if (type == "Sequence") {
       const Json* list = Member(*n, "normalizers");
       if (list != nullptr && list->is_array() && list->empty()) return absl::OkStatus();
+      if (list != nullptr && list->is_array() && list->size() == 1 && (*list)[0].is_object() &&
+          (*list)[0].value("type", "") == "NFC") {
+        vocab->normalizer = BpeNormalizer::kNfc;
+        return absl::OkStatus();
+      }
     }
-    return Unimplemented("normalizer", absl::StrCat("\"", type, "\" (only null is)"));
+    return Unimplemented("normalizer", absl::StrCat("\"", type, "\" (null and NFC are)"));
   }
 
   absl::Status PreTokenizer(const Json& p, const std::string& key,
@@ -398,7 +408,7 @@ absl::StatusOr<BpeVocab> Parse(std::string_view json_text, std::string_view file
   vocab.source = std::string(file_name);
   if (absl::Status s = parser.Model(root, &vocab); !s.ok()) return s;
   if (absl::Status s = parser.AddedTokens(root, &vocab); !s.ok()) return s;
-  if (absl::Status s = parser.Normalizer(root); !s.ok()) return s;
+  if (absl::Status s = parser.Normalizer(root, &vocab); !s.ok()) return s;
   const Json* pre = Parser::Member(root, "pre_tokenizer");
   if (pre == nullptr) return parser.Unimplemented("pre_tokenizer", "null");
   if (absl::Status s = parser.PreTokenizer(*pre, "pre_tokenizer", &vocab.pre_tokenizer); !s.ok()) {

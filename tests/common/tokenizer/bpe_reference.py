@@ -26,7 +26,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAYON_NUM_THREADS", "1")
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
-from tokenizers import processors, trainers  # noqa: E402
+from tokenizers import normalizers, processors, trainers  # noqa: E402
 
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -34,6 +34,10 @@ QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
                r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 FRAGMENTS = {
+    # Decomposed (NFD) and compatibility forms: an NFC normalizer (Qwen2's) changes them.
+    "decomposed": ["e\u0301cole", "Cafe\u0301 cre\u0300me", "An\u0303o nin\u0303o",
+                   "A\u030angstro\u0308m", "\u212b unit", "\u1100\u1161\u11a8 \u1112\u1161\u11ab",
+                   "Zu\u0308rich Stra\u00dfe", "o\u0302\u0323 dia"],
     "latin": ["Crème brûlée à la façon de Noël", "Ñandú y pingüino", "Ærøskøbing", "Straße",
               "Déjà vu", "naïve café", "Łódź", "Český Krumlov", "İstanbul ılık", "Ångström",
               "C'est l'été", "São Paulo", "Ça va?", "Œuvre", "the quick brown fox",
@@ -122,7 +126,8 @@ def write_expected(tok, family, seed, count, out_dir, bos_token=None):
     cases = []
     for text in corpus:
         ids = tok.encode(text, add_special_tokens=False).ids
-        cases.append({"text": text, "ids": ids,
+        normalized = tok.normalizer.normalize_str(text) if tok.normalizer else text
+        cases.append({"text": text, "ids": ids, "normalized": normalized,
                       "decoded": tok.decode(ids, skip_special_tokens=True)})
     bos_id = tok.token_to_id(bos_token) if bos_token else None
     with_special = tok.encode("a", add_special_tokens=True).ids
@@ -198,6 +203,8 @@ def train(args):
     else:
         sys.exit(f"unknown family {family}")
     tok = Tokenizer(models.BPE(ignore_merges=family == "llama3"))
+    if family == "qwen2":
+        tok.normalizer = normalizers.NFC()  # as Qwen2's published tokenizer.json has it
     tok.pre_tokenizer = pre
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=args.vocab_size, min_frequency=2,
