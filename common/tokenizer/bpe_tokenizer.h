@@ -125,14 +125,13 @@ struct BpeVocab {
 // ignore_merges, unk_token, fuse_unk); pre_tokenizer ByteLevel, Split (String or Regex
 // pattern), Digits, Sequence of them, ByteLevel last; decoder ByteLevel (or a Sequence
 // holding only it); normalizer null or NFC (alone or in a Sequence); added_tokens with their
-// flags; post_processor
-// ByteLevel, TemplateProcessing, Sequence of them. truncation and padding are ignored
+// flags; post_processor ByteLevel, TemplateProcessing, Sequence of them. truncation and padding are ignored
 // (callers truncate).
 // Errors name `file_name` and the key: INVALID_ARGUMENT for bad JSON (including bad UTF-8),
 // a missing or mistyped key, a merge naming an unknown token, a negative, duplicate or
 // too sparse id; UNIMPLEMENTED for a model, normalizer, pre-tokenizer, decoder or option
 // that is understood by Hugging Face but not here (dropout, byte_fallback, subword
-// prefixes/suffixes, Metaspace, NFC, ...), naming it.
+// prefixes/suffixes, Metaspace, NFKC, ...), naming it.
 absl::StatusOr<BpeVocab> ParseTokenizerJson(std::string_view json_text,
                                             std::string_view file_name);
 
