@@ -1035,12 +1035,17 @@ void CacheManagerService::HandleStats(const wire::Envelope& envelope, absl::Time
   ids.reserve(sessions_.size());
   for (const auto& [id, session] : sessions_) ids.push_back(id);
   std::sort(ids.begin(), ids.end());
+  // A session id is all that binds a tcp:// session: a peer that has not proven who it is
+  // (no kernel credentials, no secret) gets the list with every id 0, so that it cannot
+  // act as another session.
+  const auto asker = sessions_.find(envelope.session_id());
+  const bool show_ids = asker != sessions_.end() && asker->second.authenticated;
   std::vector<flatbuffers::Offset<wire::SessionSummary>> summaries;
   summaries.reserve(ids.size());
   for (uint64_t id : ids) {
     const Session& session = sessions_.at(id);
     summaries.push_back(wire::CreateSessionSummary(
-        *reply, id, session.role, session.pid, session.pid_verified,
+        *reply, show_ids ? id : 0, session.role, session.pid, session.pid_verified,
         reply->CreateString(session.name), session.quarantined,
         static_cast<int32_t>(session.seqs.size()),
         static_cast<int32_t>(session.pending_fences.size())));

@@ -36,6 +36,9 @@ absl::StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(const Options& op
   client.role = wire::Role::Router;
   client.name = options.name;
   client.call_timeout = options.cache_manager_timeout;
+  // Heartbeats vouch for the scheduling thread: a router whose loop deadlocked stops renewing
+  // its lease and is quarantined (its housekeeping timer notes progress, every 100 ms).
+  client.require_progress = true;
   KVCM_ASSIGN_OR_RETURN(core->cache_manager_, CacheManagerClient::Connect(client));
   core->session_ = core->cache_manager_->session();
 
@@ -356,6 +359,7 @@ absl::Status RouterCore::Run(int signal_fd) {
   }
   loop_.AddTimer(absl::Milliseconds(200), [this](absl::Duration) { Recover(); });
   loop_.AddTimer(kHousekeeping, [this](absl::Duration) {
+    cache_manager_->NoteProgress();  // this thread turns: its heartbeats may go out
     const absl::Time now = MonotonicNow();
     if (draining_.load() && (known_.empty() || now > drain_deadline_)) {
       if (!known_.empty()) {

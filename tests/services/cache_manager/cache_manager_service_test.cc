@@ -458,6 +458,32 @@ TEST_F(CacheManagerServiceTest, OverTcpTheSecretGrantsRolesAndAClaimedPidReplace
   // Claiming the hung router's pid ended nothing: it is still quarantined.
   EXPECT_EQ(service_->QuarantinedBlocks(), 2);
 
+  // A control session over tcp:// without the secret may read Stats, but the session list
+  // hides every id: with the tcp router's id it could act as that router.
+  const wire::Envelope* control = hello(wire::Role::Control, nullptr);
+  ASSERT_EQ(control->payload_type(), wire::Message::HelloReply);
+  const uint64_t reader = control->payload_as_HelloReply()->session_id();
+  auto stats_ids = [&](uint64_t asker) {
+    std::vector<uint64_t> seen;
+    const wire::Envelope& reply = Request(
+        asker, wire::Message::Stats,
+        [](flatbuffers::FlatBufferBuilder& b) { return wire::CreateStats(b).Union(); });
+    EXPECT_EQ(reply.payload_type(), wire::Message::StatsReply);
+    const wire::StatsReply* stats = reply.payload_as_StatsReply();
+    if (stats != nullptr && stats->session_list() != nullptr) {
+      for (const wire::SessionSummary* summary : *stats->session_list()) {
+        seen.push_back(summary->session_id());
+      }
+    }
+    return seen;
+  };
+  const std::vector<uint64_t> hidden = stats_ids(reader);
+  ASSERT_EQ(hidden.size(), 3u);  // the hung ipc router, the tcp router, the reader
+  for (uint64_t id : hidden) EXPECT_EQ(id, 0u);
+  const std::vector<uint64_t> shown = stats_ids(remote);  // it holds the secret
+  EXPECT_NE(std::find(shown.begin(), shown.end(), remote), shown.end());
+  EXPECT_NE(std::find(shown.begin(), shown.end(), hung), shown.end());
+
   // The tcp router's pid can never be proven dead: when its lease runs out, it ends and its
   // blocks come back (no executor could be writing them).
   ASSERT_EQ(ErrorOf(Step(remote, {Allocate(2, 12)})), wire::ErrorCode::Ok);
