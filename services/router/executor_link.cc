@@ -165,7 +165,7 @@ void ExecutorLink::HandleReadable(absl::Time now) {
           const uint64_t id = fresh.id;
           fresh.pid_watch = loop_->WatchFd(fresh.pidfd.get(), [this, id] {
             Log(absl::StrCat("executor ", id, " exited: dropped"));
-            Drop(id);
+            Drop(id, /*stopped=*/true);
           });
         }
         by_identity_[identity] = fresh.id;
@@ -194,7 +194,7 @@ void ExecutorLink::HandleReadable(absl::Time now) {
         Reply(identity, out_);
         if (executor != nullptr) {
           Log(absl::StrCat("executor ", executor->id, " said Goodbye"));
-          Drop(executor->id);
+          Drop(executor->id, /*stopped=*/true);
         }
         break;
       }
@@ -237,9 +237,10 @@ std::vector<uint64_t> ExecutorLink::DropSilent(absl::Time now) {
   return dropped;
 }
 
-void ExecutorLink::Drop(uint64_t id) {
+void ExecutorLink::Drop(uint64_t id, bool stopped) {
   auto it = executors_.find(id);
   if (it == executors_.end()) return;
+  if (!stopped) unconfirmed_.push_back(id);  // before on_result_: the step's end takes it
   const uint64_t step = it->second.pending_step;
   if (it->second.pid_watch != 0) loop_->Cancel(it->second.pid_watch);
   by_identity_.erase(it->second.identity);

@@ -12,6 +12,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -59,7 +60,13 @@ class ExecutorLink {
   void HandleReadable(absl::Time now);
   // Drops executors silent for too long; returns the ids dropped.
   std::vector<uint64_t> DropSilent(absl::Time now);
-  void Drop(uint64_t executor);
+  // `stopped`: the executor is proven to write nothing more (its pidfd said it exited, or it
+  // said Goodbye after its last step). Otherwise (silence, a step not answered in time) it
+  // may be hung mid-step and wake up: its id is kept for TakeUnconfirmed(), so that the
+  // router frees what it was running with drain (docs/architecture.md, "Fencing").
+  void Drop(uint64_t executor, bool stopped = false);
+  // The executors dropped without proof that they stopped, since the last call.
+  std::vector<uint64_t> TakeUnconfirmed() { return std::exchange(unconfirmed_, {}); }
 
   // Sends `step` to `executor` (epoch and router_session filled in by the caller).
   absl::Status SendStep(uint64_t executor, const StepRequest& step, absl::Time now);
@@ -87,6 +94,7 @@ class ExecutorLink {
   uint64_t next_request_ = 1;
   ResultHandler on_result_;
   std::function<void()> on_change_;
+  std::vector<uint64_t> unconfirmed_;
   flatbuffers::FlatBufferBuilder out_;
 };
 

@@ -212,8 +212,19 @@ void RouterCore::Recover() {
   }
 }
 
+void RouterCore::AbandonUnconfirmed() {
+  for (uint64_t executor : link_->TakeUnconfirmed()) {
+    const size_t before = planner_->running();
+    planner_->Abandon(executor);
+    Log(absl::StrCat("executor ", executor, " may still be writing: its ",
+                     before - planner_->running(),
+                     " sequence(s) are freed with drain and computed again elsewhere"));
+  }
+}
+
 void RouterCore::Turn() {
   if (in_flight_ || recovering_) return;
+  AbandonUnconfirmed();
   if (planner_->queued() == 0 && planner_->running() == 0) return;
   const std::vector<uint64_t> executors = link_->Live();
   // The last StepReply said how many blocks could be taken after it; only the first step
@@ -302,6 +313,7 @@ void RouterCore::OnResult(uint64_t executor, uint64_t step_id,
 void RouterCore::FinishStep() {
   in_flight_ = false;
   std::vector<TokenEvent> events = planner_->Complete(results_);
+  AbandonUnconfirmed();
   std::vector<Progress> progress;
   for (TokenEvent& event : events) {
     auto live = known_.find(event.request);

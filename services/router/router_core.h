@@ -102,6 +102,8 @@ class RouterCore {
   void Turn();       // starts a step if none is in flight and there is work
   void ScheduleTurn();
   void OnResult(uint64_t executor, uint64_t step_id, absl::StatusOr<StepReport> report);
+  // Hands the planner the executors dropped without proof that they stopped (Abandon).
+  void AbandonUnconfirmed();
   void FinishStep();
   void FailAll(const absl::Status& status);
   // The rest of a step once the cache manager answered its Step.

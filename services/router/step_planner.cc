@@ -91,6 +91,29 @@ void StepPlanner::Requeue(Running&& run, bool preempted) {
   queue_.push_front(std::move(queued));
 }
 
+void StepPlanner::Abandon(ExecutorId executor) {
+  std::vector<SeqId> seqs;
+  for (SeqId seq : order_) {
+    if (running_.at(seq).executor == executor) seqs.push_back(seq);
+  }
+  // Latest admission first, each to the queue's head: the earliest ends up first.
+  for (auto it = seqs.rbegin(); it != seqs.rend(); ++it) {
+    Running& run = running_.at(*it);
+    if (run.fork_parent == 0) to_drain_.push_back(*it);  // a fork not yet made holds nothing
+    if (run.finishing) {
+      if (run.fork_parent != 0) {
+        if (auto parent = running_.find(run.fork_parent); parent != running_.end()) {
+          --parent->second.forks_pending;
+        }
+      }
+      Forget(*it);
+      continue;
+    }
+    ++preemptions_;
+    Requeue(std::move(run), /*preempted=*/true);
+  }
+}
+
 void StepPlanner::ResetAll() {
   for (auto it = order_.rbegin(); it != order_.rend(); ++it) {
     Running& run = running_.at(*it);
@@ -104,6 +127,7 @@ void StepPlanner::ResetAll() {
   order_.clear();
   seq_of_.clear();
   to_free_.clear();
+  to_drain_.clear();
   scheduled_.clear();
 }
 
@@ -136,6 +160,10 @@ StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId>
   // 1. Frees: what Apply refused last step, and what finished.
   for (SeqId seq : to_free_) add(BlockOp::Free(seq), seq, StepPlan::OpRole::kFree);
   to_free_.clear();
+  for (SeqId seq : to_drain_) {
+    add(BlockOp::Free(seq, /*drain=*/true), seq, StepPlan::OpRole::kFree);
+  }
+  to_drain_.clear();
   std::vector<SeqId> done;
   for (SeqId seq : order_) {
     const Running& run = running_.at(seq);

@@ -171,6 +171,14 @@ class StepPlanner {
   // result (their executor died or answered with an error) redo the step.
   std::vector<TokenEvent> Complete(std::span<const SeqResult> results);
 
+  // `executor` was dropped without proof that it stopped (silent, or a step unanswered): it
+  // may still be writing the slots of its last step. Each sequence it ran is freed with
+  // drain in the next Plan (its blocks are reused only once every executor acknowledged the
+  // fence, or died) and its request goes back to the queue's head with the tokens it has, as
+  // a preemption does; its committed full blocks stay in the prefix cache, so only the rest
+  // is computed again. Call between steps (after Complete, before Plan).
+  void Abandon(ExecutorId executor);
+
   // The cache manager restarted: its ledger, and every sequence in it, is gone. Running
   // requests go back to the queue's head in admission order, with the tokens they have so
   // far (their committed tokens count as recomputed when they run again); finishing ones
@@ -251,6 +259,7 @@ class StepPlanner {
   // Removes `seq` from running_, order_ and seq_of_.
   void Forget(SeqId seq);
   std::vector<SeqId> to_free_;  // freed in the next Plan()
+  std::vector<SeqId> to_drain_;  // freed with drain in the next Plan() (Abandon)
   SeqId next_seq_ = 1;
   uint64_t next_step_ = 1;
   uint64_t next_admission_ = 1;

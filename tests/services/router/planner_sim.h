@@ -98,6 +98,9 @@ class PlannerSim {
   // First failure of a check, or "".
   const std::string& failure() const { return failure_; }
 
+  // Sequences freed with drain, in order.
+  const std::vector<SeqId>& drained() const { return drained_; }
+
   // One step; `lose_executor`: every result of that executor is lost (it died mid-step).
   std::vector<TokenEvent> Step(std::span<const ExecutorId> executors,
                                ExecutorId lose_executor = 0) {
@@ -177,6 +180,7 @@ class PlannerSim {
         case wire::StepOp::FreeOp:
           out.status = ledger_.Free(op.seq);
           live_.erase(op.seq);
+          if (op.drain) drained_.push_back(op.seq);
           break;
         case wire::StepOp::ForkOp:
           out.status = ledger_.Fork(op.seq, op.child);
@@ -273,6 +277,7 @@ class PlannerSim {
   absl::flat_hash_set<SeqId> live_;
   absl::flat_hash_map<SeqId, int32_t> written_;  // leading tokens whose KV is written
   std::string failure_;
+  std::vector<SeqId> drained_;
 };
 
 }  // namespace kvcm::router::testing

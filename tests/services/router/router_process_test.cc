@@ -315,6 +315,48 @@ TEST_F(RouterProcessTest, AnExecutorKilledMidGenerationChangesNoToken) {
   EXPECT_TRUE(AwaitNoBlockInUse());
 }
 
+// A hung executor (SIGSTOP: alive, mid-step, maybe to write later) is dropped for its
+// silence without proof that it stopped. Its sequences must not keep their blocks on
+// another executor, nor give them back to the pool, while it may still write them: the
+// router frees them with drain and computes them again on the live executor. The blocks
+// stay draining until the hung one resumes and acknowledges its fence; every request still
+// gets its reference tokens.
+TEST_F(RouterProcessTest, AHungExecutorsSequencesAreFreedWithDrainAndFinishElsewhere) {
+  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/256, /*executors=*/2, {},
+                                     {"--fault-layer-delay-ms", "20"}));
+  std::vector<std::string> texts = {"first request", "second request", "third one",
+                                    "and a fourth"};
+  std::unique_ptr<Requests> requests = StartRequests(texts, 30);
+  absl::SleepFor(absl::Milliseconds(600));  // a few steps in: every request is generating
+  ASSERT_TRUE(executors_[1].process->Signal(SIGSTOP).ok());
+  const int done_at_stop = requests->done.load();
+  ASSERT_TRUE(router_->WaitForLine("may still be writing", absl::Now() + absl::Seconds(20)).ok())
+      << router_->Output();
+  // While it is stopped its sequences' blocks drain: never handed out again.
+  int32_t draining = 0;
+  for (int i = 0; i < 100 && draining == 0; ++i) {
+    draining = Stats().draining_blocks;
+    if (draining == 0) absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_GT(draining, 0);
+  requests->Join();
+  EXPECT_EQ(done_at_stop, 0) << "the stop came too late to be mid-generation";
+  for (size_t i = 0; i < texts.size(); ++i) {
+    EXPECT_EQ(requests->errors[i], "") << i;
+    EXPECT_EQ(requests->got[i], Reference(texts[i], 30)) << i;
+  }
+  EXPECT_GT(Stats().draining_blocks, 0) << "the fence did not wait for the stopped executor";
+  // Resumed, it ends (or finishes) its step and acknowledges: the blocks come back.
+  ASSERT_TRUE(executors_[1].process->Signal(SIGCONT).ok());
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (Stats().draining_blocks > 0 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_EQ(Stats().draining_blocks, 0);
+  EXPECT_TRUE(AwaitNoBlockInUse());
+  ExpectWhole(Stats());
+}
+
 TEST_F(RouterProcessTest, ASecondRouterOnTheSameRunDirectoryRefusesToStartAndTheFirstServesOn) {
   ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/64, /*executors=*/1));
   absl::StatusOr<kvcm::testing::RunResult> second = kvcm::testing::RunProgram(

@@ -136,6 +136,42 @@ TEST(StepPlannerTest, ALostExecutorsSequencesMoveAndOnlyTheLostStepIsRedone) {
   EXPECT_EQ(sim.planner().preemptions(), 0u);
 }
 
+TEST(StepPlannerTest, AHungExecutorsSequencesAreFreedWithDrainAndComputedAgainElsewhere) {
+  PlannerSim sim(Options(), 64);
+  const ExecutorId two[] = {1, 2};
+  sim.planner().Enqueue(1, Tokens(5), 6);
+  sim.planner().Enqueue(2, Tokens(9, 30), 6);
+  sim.Step(two);
+  sim.Step(two);
+  // Executor 2 stops answering mid-step and is dropped without proof that it stopped: it may
+  // still write the slots of that step, so its sequence must not keep (or give back) them.
+  const std::vector<TokenEvent> lost = sim.Step(two, /*lose_executor=*/2);
+  EXPECT_EQ(lost.size(), 1u);
+  sim.planner().Abandon(2);
+  EXPECT_EQ(sim.planner().queued(), 1u);
+  const size_t abandoned_at = sim.plans().size();
+  const ExecutorId one[] = {1};
+  for (int step = 0; step < 12; ++step) sim.Step(one);
+  // Its sequence was freed with drain, once, and the request computed again under a new id
+  // (its committed full blocks found in the prefix cache), to the same tokens.
+  ASSERT_EQ(sim.drained().size(), 1u);
+  int allocations = 0;
+  for (size_t i = 0; i < sim.plans().size(); ++i) {
+    for (const BlockOp& op : sim.plans()[i].ops) {
+      allocations += op.kind == wire::StepOp::AllocateOp;
+      if (i >= abandoned_at &&
+          (op.kind == wire::StepOp::AllocateOp || op.kind == wire::StepOp::AppendOp)) {
+        EXPECT_NE(op.seq, sim.drained().front()) << "a drained sequence id came back";
+      }
+    }
+  }
+  EXPECT_EQ(allocations, 3);
+  EXPECT_EQ(sim.planner().preemptions(), 1u);
+  EXPECT_EQ(sim.failure(), "");
+  EXPECT_EQ(sim.generated()[1], Reference(Tokens(5), 6));
+  EXPECT_EQ(sim.generated()[2], Reference(Tokens(9, 30), 6));
+}
+
 TEST(StepPlannerTest, AfterACacheManagerRestartRunningRequestsStartAgainAndKeepTheirTokens) {
   PlannerSim sim(Options(), 64);
   sim.planner().Enqueue(1, Tokens(9), 8);
