@@ -142,6 +142,9 @@ class PlannerSim {
       OpOutcome& out = outcomes[i];
       switch (op.kind) {
         case wire::StepOp::AllocateOp: {
+          if (std::find(drained_.begin(), drained_.end(), op.seq) != drained_.end()) {
+            Fail(absl::StrCat("sequence ", op.seq, " was allocated again after its drain"));
+          }
           auto allocated = ledger_.Allocate(op.seq, op.num_tokens, op.hashes);
           if (!allocated.ok()) {
             out.status = allocated.status();
@@ -154,6 +157,9 @@ class PlannerSim {
           break;
         }
         case wire::StepOp::AppendOp: {
+          if (std::find(drained_.begin(), drained_.end(), op.seq) != drained_.end()) {
+            Fail(absl::StrCat("sequence ", op.seq, " grew after its drain"));
+          }
           auto appended = ledger_.Append(op.seq, op.num_tokens);
           if (!appended.ok()) {
             out.status = appended.status();
