@@ -119,7 +119,7 @@ constexpr MetricSpec kProcessWatches{
     "(pid_lookup)."};
 constexpr MetricSpec kSilentConnections{
     "kvcm_cache_manager_silent_connections_closed_total", MetricType::Counter, "",
-    "Connections closed because they sent nothing within --hello-timeout-ms of being "
+    "Connections closed because they made no valid request within --hello-timeout-ms of being "
     "accepted (each held a descriptor; a client that means it connects again and speaks)."};
 constexpr MetricSpec kAccepting{
     "kvcm_cache_manager_accepting_connections", MetricType::Gauge, "",

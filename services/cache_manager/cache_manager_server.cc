@@ -372,9 +372,7 @@ int CacheManagerServer::DrainRequests() {
       if (!requests_.recv(extra, zmq::recv_flags::dontwait)) break;
       more = extra.more();
     }
-    if (!silent_.empty()) {  // the connection speaks: not silent any more
-      if (const int fd = zmq_msg_get(body.handle(), ZMQ_SRCFD); fd >= 0) silent_.erase(fd);
-    }
+    const int source_fd = silent_.empty() ? -1 : zmq_msg_get(body.handle(), ZMQ_SRCFD);
     std::optional<PeerCredentials> peer;
     if (const char* address = zmq_msg_gets(body.handle(), "Peer-Address")) {
       peer = ParseIpcPeerAddress(address);
@@ -387,6 +385,14 @@ int CacheManagerServer::DrainRequests() {
       service_->RefuseMalformed(
           PeekRequestId<wire::Envelope>(bytes, kEnvelopeIdentifier),
           absl::StrCat("a request is one frame; this message had ", frames), &reply_);
+    }
+    // A connection is no longer silent once a request of it is taken (a Hello, or a request
+    // of a live session after a reconnection); one that only sends what is refused is
+    // still closed at the deadline.
+    if (source_fd >= 0 && reply_.GetSize() > 0 &&
+        wire::GetEnvelope(reply_.GetBufferPointer())->payload_type() !=
+            wire::Message::ErrorReply) {
+      silent_.erase(source_fd);
     }
     // Events of this request go out before the next request is handled, so that an
     // EventSnapshot's seq counts every change it contains.
@@ -473,7 +479,7 @@ void CacheManagerServer::CloseSilentConnections(absl::Time now) {
   if (closed == 0) return;
   silent_closed_ += static_cast<uint64_t>(closed);
   if (metrics_ != nullptr) metrics_->CountSilentConnectionsClosed(closed);
-  Log(absl::StrCat("closed ", closed, " connection(s) that sent nothing within ",
+  Log(absl::StrCat("closed ", closed, " connection(s) that made no valid request within ",
                    absl::FormatDuration(options_.hello_timeout), " of connecting; ",
                    silent_closed_, " so far (kvcm_cache_manager_silent_connections_closed_total)"));
 }

@@ -121,6 +121,7 @@ TEST(CacheManagerFaultTest, StoppedClientIsQuarantinedThenRefusedThenRegistersAn
 }
 
 TEST(CacheManagerFaultTest, AConnectionThatSaysNothingIsClosedAtTheHelloDeadlineAndClientsAreNot) {
+  // (Nor anything that is taken: garbage does not count as speaking.)
   CacheManagerOptions options;
   options.num_blocks = kBlocks;
   options.block_size = kBlockSize;
@@ -136,39 +137,52 @@ TEST(CacheManagerFaultTest, AConnectionThatSaysNothingIsClosedAtTheHelloDeadline
   step.Allocate(1, 3 * kBlockSize);
   ASSERT_TRUE(client->Step(step).ok());
 
-  // A ZeroMQ peer that completes the handshake and then says nothing, and does not
-  // reconnect: the cache manager must close it, and its monitor sees the disconnection.
+  // ZeroMQ peers that complete the handshake and then say nothing, or only what is refused
+  // (a frame that is no request), and do not reconnect: the cache manager must close each,
+  // and their monitors see the disconnection.
   zmq::context_t context;
-  zmq::socket_t silent(context, zmq::socket_type::dealer);
-  silent.set(zmq::sockopt::reconnect_ivl, -1);
-  silent.set(zmq::sockopt::linger, 0);
-  ASSERT_EQ(zmq_socket_monitor(silent.handle(), "inproc://silent-monitor",
-                               ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_DISCONNECTED),
-            0);
-  zmq::socket_t monitor(context, zmq::socket_type::pair);
-  monitor.set(zmq::sockopt::rcvtimeo, 5000);
-  monitor.connect("inproc://silent-monitor");
-  const absl::Time connected = absl::Now();
-  silent.connect(manager.endpoint());
-  std::vector<uint16_t> seen;
-  while (seen.empty() || seen.back() != ZMQ_EVENT_DISCONNECTED) {
-    zmq::message_t event;
-    if (!monitor.recv(event)) break;  // timed out
-    zmq::message_t endpoint;
-    (void)monitor.recv(endpoint);
-    uint16_t type = 0;
-    std::memcpy(&type, event.data(), sizeof(type));
-    seen.push_back(type);
+  for (const bool garbage : {false, true}) {
+    SCOPED_TRACE(garbage ? "a peer that sends garbage" : "a peer that says nothing");
+    zmq::socket_t silent(context, zmq::socket_type::dealer);
+    silent.set(zmq::sockopt::reconnect_ivl, -1);
+    silent.set(zmq::sockopt::linger, 0);
+    const std::string monitor_name =
+        garbage ? "inproc://garbage-monitor" : "inproc://silent-monitor";
+    ASSERT_EQ(zmq_socket_monitor(silent.handle(), monitor_name.c_str(),
+                                 ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_DISCONNECTED),
+              0);
+    zmq::socket_t monitor(context, zmq::socket_type::pair);
+    monitor.set(zmq::sockopt::rcvtimeo, 5000);
+    monitor.connect(monitor_name);
+    const absl::Time connected = absl::Now();
+    silent.connect(manager.endpoint());
+    if (garbage) {
+      const std::string junk = "not a request";
+      ASSERT_TRUE(silent.send(zmq::buffer(junk), zmq::send_flags::none));
+    }
+    std::vector<uint16_t> seen;
+    while (seen.empty() || seen.back() != ZMQ_EVENT_DISCONNECTED) {
+      zmq::message_t event;
+      if (!monitor.recv(event)) break;  // timed out
+      zmq::message_t endpoint;
+      (void)monitor.recv(endpoint);
+      uint16_t type = 0;
+      std::memcpy(&type, event.data(), sizeof(type));
+      seen.push_back(type);
+    }
+    const absl::Duration closed_after = absl::Now() - connected;
+    ASSERT_FALSE(seen.empty()) << manager.Output();
+    EXPECT_EQ(seen.front(), ZMQ_EVENT_HANDSHAKE_SUCCEEDED);
+    ASSERT_EQ(seen.back(), ZMQ_EVENT_DISCONNECTED) << "the connection was not closed\n"
+                                                   << manager.Output();
+    std::printf("%s: closed after %s\n", garbage ? "garbage" : "silent",
+                absl::FormatDuration(closed_after).c_str());
+    EXPECT_GE(closed_after, absl::Milliseconds(300));
+    zmq_socket_monitor(silent.handle(), nullptr, 0);
   }
-  const absl::Duration closed_after = absl::Now() - connected;
-  ASSERT_FALSE(seen.empty()) << manager.Output();
-  EXPECT_EQ(seen.front(), ZMQ_EVENT_HANDSHAKE_SUCCEEDED);
-  ASSERT_EQ(seen.back(), ZMQ_EVENT_DISCONNECTED) << "the silent connection was not closed\n"
-                                                 << manager.Output();
-  std::printf("silent connection closed after %s\n", absl::FormatDuration(closed_after).c_str());
-  EXPECT_GE(closed_after, absl::Milliseconds(300));
-  EXPECT_TRUE(manager.process().WaitForLine("sent nothing within", absl::Now() + absl::Seconds(5)).ok());
-  zmq_socket_monitor(silent.handle(), nullptr, 0);
+  EXPECT_TRUE(manager.process()
+                  .WaitForLine("made no valid request within", absl::Now() + absl::Seconds(5))
+                  .ok());
 
   // The client, which spoke at once, is still served after several deadlines.
   absl::SleepFor(absl::Seconds(1));
@@ -181,7 +195,7 @@ TEST(CacheManagerFaultTest, AConnectionThatSaysNothingIsClosedAtTheHelloDeadline
   ASSERT_TRUE(metrics.ok());
   auto parsed = kvcm::testing::ParseMetricsText(metrics->body);
   ASSERT_TRUE(parsed.ok());
-  EXPECT_EQ(*parsed->Value("kvcm_cache_manager_silent_connections_closed_total", {}), 1);
+  EXPECT_EQ(*parsed->Value("kvcm_cache_manager_silent_connections_closed_total", {}), 2);
 }
 
 TEST(CacheManagerFaultTest, AFloodOfIdleConnectionsAtTheDescriptorLimitIsShedAndNoSessionIsLost) {
