@@ -139,6 +139,20 @@ TEST(StatsFormatTest, StatesSumToCapacityWithQuarantinedApart) {
   broken.free_blocks = 49;
   EXPECT_THAT(FormatStatsText(broken), HasSubstr("WARNING: the states sum to 99 blocks, not 100"));
 
+  // Draining blocks (an ended router's, behind a fence) are shown apart from in use, and
+  // the states still sum to the capacity.
+  StatsSnapshot fenced = stats;
+  fenced.draining_blocks = 7;
+  const BlockStates fenced_states = StatesOf(fenced);
+  EXPECT_EQ(fenced_states.total(), 100);
+  const std::string fenced_text = FormatStatsText(fenced);
+  EXPECT_THAT(fenced_text, HasSubstr("draining              7     7.0%"));
+  EXPECT_THAT(fenced_text, HasSubstr("in use               18    18.0%"));
+  EXPECT_THAT(fenced_text, HasSubstr("total               100   100.0%"));
+  EXPECT_THAT(fenced_text, Not(HasSubstr("WARNING")));
+  const nlohmann::json fenced_json = nlohmann::json::parse(FormatStatsJson(fenced));
+  EXPECT_EQ(fenced_json["blocks"]["draining"], 7);
+
   const nlohmann::json j = nlohmann::json::parse(FormatStatsJson(stats));
   int64_t sum = 0;
   for (const auto& [state, count] : j["blocks"].items()) sum += count.get<int64_t>();
