@@ -19,6 +19,7 @@
 #include "common/base/run_dir.h"
 #include "common/memory/fd_channel.h"
 #include "common/transport/zmq_util.h"
+#include "common/wire/step_codec.h"
 
 namespace kvcm::live_test {
 namespace {
@@ -602,6 +603,96 @@ TEST(CacheManagerMetricsLiveTest, ScrapePassesPromtoolAndPrometheusSeesTheBlocks
   EXPECT_TRUE((*prometheus)
                   ->WaitForValue("kvcm_cache_blocks{state=\"in_use\"}", 14, absl::Seconds(30))
                   .ok());
+}
+
+// A client that stops reading: its replies fill its queue and cannot be delivered. The loss
+// is visible (counted as queue_full, logged), and a Step whose reply was lost is learnt by
+// retrying it with the same request id: answered from the replay cache, applied once.
+TEST(CacheManagerProcessTest, RepliesAClientDoesNotReadAreCountedAndItsStepIsLearntByRetry) {
+  auto manager = StartManager();
+  ASSERT_NE(manager, nullptr);
+  zmq::context_t context(1);
+  zmq::socket_t dealer(context, zmq::socket_type::dealer);
+  dealer.set(zmq::sockopt::linger, 0);
+  dealer.set(zmq::sockopt::rcvtimeo, 5000);
+  dealer.set(zmq::sockopt::rcvhwm, 1);   // its own queue: one message
+  dealer.set(zmq::sockopt::rcvbuf, 4096);
+  dealer.connect(manager->endpoint());
+  auto receive = [&]() -> const wire::Envelope* {
+    static zmq::message_t reply;
+    reply = zmq::message_t();
+    if (!dealer.recv(reply)) return nullptr;
+    AlignFrame(reply);
+    const VerifiedEnvelope verified = VerifyEnvelope(FrameBytes(reply));
+    return verified.envelope;
+  };
+  flatbuffers::FlatBufferBuilder b;
+  FinishEnvelope(b, 1, 0, 0, wire::Message::Hello,
+                 wire::CreateHello(b, wire::Role::Router, ::getpid(), b.CreateString("deaf"))
+                     .Union());
+  dealer.send(zmq::const_buffer(b.GetBufferPointer(), b.GetSize()), zmq::send_flags::none);
+  const wire::Envelope* hello = receive();
+  ASSERT_NE(hello, nullptr);
+  ASSERT_EQ(hello->payload_type(), wire::Message::HelloReply);
+  const uint64_t session = hello->payload_as_HelloReply()->session_id();
+  const uint64_t epoch = hello->payload_as_HelloReply()->epoch();
+
+  // Heartbeats it never reads replies to, until the cache manager counts replies it could
+  // not deliver; then a Step.
+  const std::string metrics = manager->metrics_url();
+  uint64_t request = 2;
+  for (int round = 0; round < 40; ++round) {
+    for (int i = 0; i < 2000; ++i, ++request) {
+      b.Clear();
+      FinishEnvelope(b, request, session, epoch, wire::Message::Heartbeat,
+                     wire::CreateHeartbeat(b).Union());
+      if (!dealer.send(zmq::const_buffer(b.GetBufferPointer(), b.GetSize()),
+                       zmq::send_flags::dontwait)) {
+        break;  // our own send queue is full too
+      }
+    }
+    if (MetricValue(metrics, "kvcm_cache_manager_undelivered_replies_total",
+                    {{"reason", "queue_full"}}) > 0) {
+      break;
+    }
+  }
+  ASSERT_GT(MetricValue(metrics, "kvcm_cache_manager_undelivered_replies_total",
+                        {{"reason", "queue_full"}}),
+            0)
+      << manager->Output();
+  const std::vector<BlockOp> ops = {BlockOp::Allocate(7, 24)};
+  const uint64_t step_request = request++;
+  b.Clear();
+  ASSERT_TRUE(EncodeStep(b, step_request, session, epoch, ops).ok());
+  const std::string step(reinterpret_cast<const char*>(b.GetBufferPointer()), b.GetSize());
+  ASSERT_TRUE(dealer.send(zmq::buffer(step), zmq::send_flags::none));
+  EXPECT_TRUE(manager->process()
+                  .WaitForLine("a reply could not be delivered", absl::Now() + absl::Seconds(5))
+                  .ok());
+
+  // Reading again: whatever was queued, then the retried Step's reply.
+  dealer.set(zmq::sockopt::rcvtimeo, 200);
+  int drained = 0;
+  while (receive() != nullptr) ++drained;
+  dealer.set(zmq::sockopt::rcvtimeo, 5000);
+  ASSERT_TRUE(dealer.send(zmq::buffer(step), zmq::send_flags::none));
+  const wire::Envelope* retried = nullptr;
+  for (const wire::Envelope* e = receive(); e != nullptr; e = receive()) {
+    if (e->request_id() == step_request) {
+      retried = e;
+      break;
+    }
+  }
+  ASSERT_NE(retried, nullptr) << "no reply to the retried Step (" << drained << " drained)";
+  ASSERT_EQ(retried->payload_type(), wire::Message::StepReply);
+  // Applied once: 24 tokens in blocks of the pool's size, not twice.
+  auto control = Connect(*manager);
+  ASSERT_NE(control, nullptr);
+  auto stats = control->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->in_use_blocks, (24 + stats->block_size - 1) / stats->block_size);
+  EXPECT_EQ(stats->live_sequences, 1);
+  ExpectWhole(*stats);
 }
 
 }  // namespace
