@@ -1,0 +1,160 @@
+// The executor's model alone, on the bundled SmolLM2 GGUF, measured as llama.cpp's
+// llama-batched-bench measures it, and beside it in the same run when its binary is given:
+// for B parallel sequences of PP prompt tokens, one prefill of all B x PP tokens (S_PP,
+// prompt tokens/s), then TG decode steps of the B sequences (S_TG, generated tokens/s).
+//
+//   build/bench/model_bench [--threads 2] [--pp 128] [--tg 32]
+//                           [--llama-batched-bench PATH]   # scripts/build-llama-cpp.sh
+//
+// kvcm runs LlamaModel::Forward over an fp16 pool in plain memory (the KV dtype kvcm picks
+// for a quantized GGUF; llama.cpp's default cache type is f16 too), B = 1, 8 and 32. The
+// ratio printed is kvcm / llama.cpp tokens/s (goal >= 1.0 at B >= 8, docs/PERFORMANCE.md).
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "bench/server_stack.h"
+#include "common/base/check.h"
+#include "common/memory/pool_layout.h"
+#include "services/executor/llama_model.h"
+#include "services/executor/sampler.h"
+#include "tests/support/real_model.h"
+#include "tests/support/subprocess.h"
+
+namespace kvcm {
+namespace {
+
+constexpr int32_t kBlockSize = 16;
+constexpr int kBatches[] = {1, 8, 32};
+
+struct Rates {
+  double prefill = 0;  // prompt tokens/s
+  double decode = 0;   // generated tokens/s
+};
+
+Rates RunKvcm(const LlamaModel& model, int batch, int pp, int tg) {
+  PagedPool pool;
+  pool.spec = model.config().KvSpec(DType::kFloat16, kBlockSize).value();
+  const int32_t blocks_per_seq = (pp + tg + kBlockSize - 1) / kBlockSize;
+  pool.layout = PoolLayout::For(pool.spec, batch * blocks_per_seq).value();
+  std::vector<uint8_t> memory(static_cast<size_t>(pool.layout.total_bytes));
+  pool.base = memory.data();
+  const size_t vocab = static_cast<size_t>(model.config().vocab_size);
+
+  std::vector<std::vector<int32_t>> tokens(static_cast<size_t>(batch));
+  for (int i = 0; i < batch; ++i) {
+    for (int t = 0; t < pp; ++t) {
+      // Distinct prompts of ordinary ids (no two sequences alike).
+      tokens[static_cast<size_t>(i)].push_back(100 + (t * 31 + i * 97) % 20000);
+    }
+  }
+  auto step = [&](int32_t first) {
+    ForwardBatch b;
+    b.max_blocks_per_seq = blocks_per_seq;
+    for (int i = 0; i < batch; ++i) {
+      const auto& seq = tokens[static_cast<size_t>(i)];
+      const auto size = static_cast<int32_t>(seq.size());
+      b.token_ids.insert(b.token_ids.end(), seq.begin() + first, seq.end());
+      b.query_lens.push_back(size - first);
+      b.context_lens.push_back(size);
+      for (int32_t k = 0; k < blocks_per_seq; ++k) b.block_tables.push_back(i * blocks_per_seq + k);
+    }
+    std::vector<float> logits;
+    const absl::Status ran = model.Forward(b, pool, &logits);
+    KVCM_CHECK(ran.ok()) << ran;
+    for (int i = 0; i < batch; ++i) {
+      tokens[static_cast<size_t>(i)].push_back(
+          Greedy({logits.data() + static_cast<size_t>(i) * vocab, vocab}));
+    }
+  };
+  Rates rates;
+  absl::Time start = absl::Now();
+  step(0);
+  rates.prefill = batch * pp / absl::ToDoubleSeconds(absl::Now() - start);
+  start = absl::Now();
+  for (int t = 1; t < tg; ++t) step(pp + t - 1);
+  rates.decode = batch * (tg - 1) / absl::ToDoubleSeconds(absl::Now() - start);
+  return rates;
+}
+
+// llama-batched-bench's table: "|  PP |  TG |  B | N_KV | T_PP s | S_PP t/s | T_TG s |
+// S_TG t/s | T s | S t/s |", one row per B.
+std::map<int, Rates> RunLlamaCpp(const std::string& binary, const std::string& gguf,
+                                 int threads, int pp, int tg) {
+  std::map<int, Rates> out;
+  absl::StatusOr<testing::RunResult> run = testing::RunProgram(
+      {binary, "-m", gguf, "-c", "8192", "-b", "4096", "-ub", "512", "-npp", std::to_string(pp),
+       "-ntg", std::to_string(tg), "-npl", "1,8,32", "-t", std::to_string(threads), "-tb",
+       std::to_string(threads), "-ngl", "0"},
+      "", absl::Minutes(10));
+  KVCM_CHECK(run.ok()) << run.status();
+  for (absl::string_view line : absl::StrSplit(run->output, '\n')) {
+    std::vector<std::string> cells;
+    for (absl::string_view cell : absl::StrSplit(line, '|')) {
+      cells.emplace_back(absl::StripAsciiWhitespace(cell));
+    }
+    // "", PP, TG, B, N_KV, T_PP, S_PP, T_TG, S_TG, T, S, ""
+    int b = 0;
+    double s_pp = 0;
+    double s_tg = 0;
+    if (cells.size() >= 11 && absl::SimpleAtoi(cells[3], &b) &&
+        absl::SimpleAtod(cells[6], &s_pp) && absl::SimpleAtod(cells[8], &s_tg)) {
+      out[b] = {s_pp, s_tg};
+    }
+  }
+  if (out.empty()) std::printf("llama-batched-bench printed no table:\n%s\n", run->output.c_str());
+  return out;
+}
+
+int Main(int argc, char** argv) {
+  const int threads = bench::FlagValue(argc, argv, "--threads", 2);
+  const int pp = bench::FlagValue(argc, argv, "--pp", 128);
+  const int tg = bench::FlagValue(argc, argv, "--tg", 32);
+  const std::string llama = bench::FlagString(argc, argv, "--llama-batched-bench", "");
+  const std::string gguf = testing::SmolLM2GgufPath();
+  if (!std::filesystem::exists(gguf)) {
+    std::printf("%s\n", testing::SmolLM2Missing(gguf).c_str());
+    return 1;
+  }
+  LlamaModelOptions options;
+  options.num_threads = threads;
+  absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(gguf, options);
+  KVCM_CHECK(model.ok()) << model.status();
+  std::printf("SmolLM2-135M-Instruct (Q4_1 GGUF), %d thread(s), PP %d, TG %d\n", threads, pp, tg);
+  (void)RunKvcm(**model, 1, 16, 4);  // warm-up
+  std::map<int, Rates> kvcm;
+  for (int b : kBatches) kvcm[b] = RunKvcm(**model, b, pp, tg);
+  std::map<int, Rates> reference;
+  if (!llama.empty()) reference = RunLlamaCpp(llama, gguf, threads, pp, tg);
+  std::printf("\n%3s %14s %14s %8s %14s %14s %8s\n", "B", "kvcm S_PP", "llama.cpp", "ratio",
+              "kvcm S_TG", "llama.cpp", "ratio");
+  for (int b : kBatches) {
+    const Rates& k = kvcm[b];
+    const auto it = reference.find(b);
+    if (it == reference.end()) {
+      std::printf("%3d %14.1f %14s %8s %14.1f %14s %8s\n", b, k.prefill, "-", "-", k.decode, "-",
+                  "-");
+      continue;
+    }
+    std::printf("%3d %14.1f %14.1f %7.2fx %14.1f %14.1f %7.2fx\n", b, k.prefill,
+                it->second.prefill, k.prefill / it->second.prefill, k.decode, it->second.decode,
+                k.decode / it->second.decode);
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvcm
+
+int main(int argc, char** argv) { return kvcm::Main(argc, argv); }
