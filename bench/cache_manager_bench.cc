@@ -749,8 +749,8 @@ BENCHMARK(BarePushPull)->UseRealTime();
 
 class FakeWatcher : public ProcessWatcher {
  public:
-  absl::Status Watch(pid_t) override { return absl::OkStatus(); }
-  void Unwatch(pid_t) override {}
+  absl::Status Watch(uint64_t, pid_t) override { return absl::OkStatus(); }
+  void Unwatch(uint64_t) override {}
 };
 
 // The step stream handed to an in-process CacheManagerService built like the server's;

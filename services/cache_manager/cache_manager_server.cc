@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -82,39 +83,49 @@ void Log(std::string_view text) { LogLine(kComponent, text); }
 class CacheManagerServer::PidfdWatcher : public ProcessWatcher {
  public:
   PidfdWatcher(CacheManagerMetrics* metrics, EventLoop* loop,
-               std::function<void(pid_t)> on_exit)
+               std::function<void(uint64_t, pid_t)> on_exit)
       : metrics_(metrics), loop_(loop), on_exit_(std::move(on_exit)) {}
 
   // A pidfd the kernel gave for the process at the other end of a connection when it was
-  // accepted (SO_PEERPIDFD): Watch(pid) takes it instead of looking the pid up later, when
-  // it may already name another process.
+  // accepted (SO_PEERPIDFD): Watch takes it instead of looking the pid up later, when it
+  // may already name another process.
   void OfferConnectPidfd(pid_t pid, UniqueFd pidfd) {
     if (connect_pidfds_.size() >= kMaxConnectPidfds) connect_pidfds_.clear();
     connect_pidfds_.insert_or_assign(pid, std::move(pidfd));
   }
 
-  absl::Status Watch(pid_t pid) override {
-    if (watched_.contains(pid)) return absl::OkStatus();
+  // One pidfd per session: the connection's when it was offered; else one of another live
+  // session of the same pid (the same process, while its pidfd has not fired); else
+  // pidfd_open.
+  absl::Status Watch(uint64_t session, pid_t pid) override {
+    if (watched_.contains(session)) return absl::OkStatus();
     if (auto offered = connect_pidfds_.extract(pid); !offered.empty()) {
-      Add(pid, std::move(offered.mapped()));
+      Add(session, pid, std::move(offered.mapped()));
       if (metrics_ != nullptr) metrics_->CountProcessWatch(true);
+      return absl::OkStatus();
+    }
+    for (const auto& [other, watched] : watched_) {
+      if (watched.pid != pid || Exited(watched.pidfd.get())) continue;
+      const int dup = ::fcntl(watched.pidfd.get(), F_DUPFD_CLOEXEC, 0);
+      if (dup < 0) break;
+      Add(session, pid, UniqueFd(dup));
       return absl::OkStatus();
     }
     const long fd = ::syscall(SYS_pidfd_open, pid, 0);
     if (fd < 0) {
       if (errno == ESRCH) {
         // Already gone: reported later in this turn of the loop, as if its pidfd had fired.
-        loop_->Post([this, pid] { on_exit_(pid); });
+        loop_->Post([this, session, pid] { on_exit_(session, pid); });
         return absl::OkStatus();
       }
       return absl::InternalError(absl::StrCat("pidfd_open(", pid, "): ", std::strerror(errno)));
     }
-    Add(pid, UniqueFd(static_cast<int>(fd)));
+    Add(session, pid, UniqueFd(static_cast<int>(fd)));
     if (metrics_ != nullptr) metrics_->CountProcessWatch(false);
     return absl::OkStatus();
   }
-  void Unwatch(pid_t pid) override {
-    if (auto it = watched_.find(pid); it != watched_.end()) {
+  void Unwatch(uint64_t session) override {
+    if (auto it = watched_.find(session); it != watched_.end()) {
       loop_->Cancel(it->second.watch);
       watched_.erase(it);
     }
@@ -122,20 +133,27 @@ class CacheManagerServer::PidfdWatcher : public ProcessWatcher {
 
  private:
   struct Watched {
+    pid_t pid = 0;
     UniqueFd pidfd;
     EventLoop::Id watch = 0;
   };
-  void Add(pid_t pid, UniqueFd pidfd) {
+  // Whether the process of `pidfd` has exited (its pidfd is readable).
+  static bool Exited(int pidfd) {
+    pollfd p{pidfd, POLLIN, 0};
+    return ::poll(&p, 1, 0) > 0;
+  }
+  void Add(uint64_t session, pid_t pid, UniqueFd pidfd) {
     const int fd = pidfd.get();
-    const EventLoop::Id watch = loop_->WatchFd(fd, [this, pid] { on_exit_(pid); });
-    watched_.insert_or_assign(pid, Watched{std::move(pidfd), watch});
+    const EventLoop::Id watch =
+        loop_->WatchFd(fd, [this, session, pid] { on_exit_(session, pid); });
+    watched_.insert_or_assign(session, Watched{pid, std::move(pidfd), watch});
   }
 
   static constexpr size_t kMaxConnectPidfds = 1024;
   CacheManagerMetrics* const metrics_;
   EventLoop* const loop_;
-  const std::function<void(pid_t)> on_exit_;
-  absl::flat_hash_map<pid_t, Watched> watched_;
+  const std::function<void(uint64_t, pid_t)> on_exit_;
+  absl::flat_hash_map<uint64_t, Watched> watched_;
   absl::flat_hash_map<pid_t, UniqueFd> connect_pidfds_;
 };
 
@@ -226,8 +244,9 @@ CacheManagerServer::CacheManagerServer(const Options& options, RunDirectory run_
       run_dir_(std::move(run_dir)),
       memory_(std::move(memory)),
       metrics_(metrics),
-      watcher_(std::make_unique<PidfdWatcher>(metrics, &loop_,
-                                              [this](pid_t pid) { OnProcessExited(pid); })),
+      watcher_(std::make_unique<PidfdWatcher>(
+          metrics, &loop_,
+          [this](uint64_t session, pid_t pid) { OnSessionProcessExited(session, pid); })),
       context_(1) {}
 
 CacheManagerServer::~CacheManagerServer() {
@@ -249,10 +268,10 @@ std::string CacheManagerServer::event_endpoint() const {
   return run_dir_.IpcEndpoint(RunDirectory::kEventSocket);
 }
 
-void CacheManagerServer::OnProcessExited(pid_t pid) {
+void CacheManagerServer::OnSessionProcessExited(uint64_t session, pid_t pid) {
   const int32_t before = service_->ledger().Stats().in_use_blocks;
-  service_->OnProcessExited(pid);
-  Log(absl::StrCat("client pid ", pid, " exited; its sessions ended (",
+  if (!service_->OnSessionProcessExited(session)) return;
+  Log(absl::StrCat("client pid ", pid, " exited; its session ", session, " ended (",
                    before - service_->ledger().Stats().in_use_blocks,
                    " blocks no longer in use)"));
   changed_ = true;

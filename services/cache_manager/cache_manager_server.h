@@ -89,8 +89,8 @@ class CacheManagerServer {
 
   class PidfdWatcher;
 
-  // A watched client process exited: its sessions end.
-  void OnProcessExited(pid_t pid);
+  // The watched process of `session` exited: the session ends.
+  void OnSessionProcessExited(uint64_t session, pid_t pid);
   // Every heartbeat_interval / 2: leases are judged (after the queued input is read), and
   // extended instead when the loop itself ran `late` by more than half the timeout.
   void OnExpiryTimer(absl::Duration late);

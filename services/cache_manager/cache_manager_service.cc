@@ -414,7 +414,7 @@ void CacheManagerService::HandleHello(const wire::Envelope& envelope,
   if (peer) {
     // Only credentials the kernel vouched for are watched: a pid claimed over tcp:// may
     // belong to anybody (or to another pid namespace).
-    session.pid_verified = watcher_->Watch(pid).ok();
+    session.pid_verified = watcher_->Watch(session.id, pid).ok();
   }
   const uint64_t id = session.id;
   const bool executor = session.role == wire::Role::Executor;
@@ -461,15 +461,9 @@ int32_t CacheManagerService::EndSession(uint64_t session_id, ReclaimReason reaso
   std::vector<SeqId> seqs(session.seqs.begin(), session.seqs.end());
   for (SeqId seq : seqs) seq_owner_.erase(seq);
   const absl::flat_hash_set<uint64_t> pending = std::move(session.pending_fences);
-  const pid_t pid = session.pid;
   const bool watched = session.pid_verified;
   sessions_.erase(it);
-  if (watched) {
-    const bool pid_still_used = std::any_of(
-        sessions_.begin(), sessions_.end(),
-        [pid](const auto& entry) { return entry.second.pid_verified && entry.second.pid == pid; });
-    if (!pid_still_used) watcher_->Unwatch(pid);
-  }
+  if (watched) watcher_->Unwatch(session_id);
 
   int32_t released = 0;
   // An executor that ended writes nothing more; one that registered again is still the
@@ -574,7 +568,13 @@ void CacheManagerService::OnProcessExited(pid_t pid) {
     if (session.pid == pid && session.pid_verified) ended.push_back(id);
   }
   for (uint64_t id : ended) EndSession(id, ReclaimReason::kClientDied);
-  watcher_->Unwatch(pid);
+}
+
+bool CacheManagerService::OnSessionProcessExited(uint64_t session_id) {
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end() || !it->second.pid_verified) return false;
+  EndSession(session_id, ReclaimReason::kClientDied);
+  return true;
 }
 
 int CacheManagerService::ExpireSessions(absl::Time now) {

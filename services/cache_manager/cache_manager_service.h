@@ -156,6 +156,9 @@ class CacheManagerService {
 
   // The process `pid` has exited: its sessions end and their sequences are freed.
   void OnProcessExited(pid_t pid);
+  // The process of `session` (as its watch saw it) exited: that session ends, and no other
+  // of the same pid (which may be another process's by now). False if it had ended.
+  bool OnSessionProcessExited(uint64_t session_id);
 
   // Quarantines every active session silent since before now - heartbeat_timeout; returns
   // how many were quarantined now. `now` (like every time the service is given) is on the

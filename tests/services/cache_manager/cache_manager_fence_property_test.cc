@@ -30,8 +30,8 @@ namespace {
 
 class FakeWatcher : public ProcessWatcher {
  public:
-  absl::Status Watch(pid_t) override { return absl::OkStatus(); }
-  void Unwatch(pid_t) override {}
+  absl::Status Watch(uint64_t, pid_t) override { return absl::OkStatus(); }
+  void Unwatch(uint64_t) override {}
 };
 
 constexpr int32_t kBlocks = 24;

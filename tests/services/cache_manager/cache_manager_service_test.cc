@@ -25,12 +25,16 @@ using ::testing::HasSubstr;
 
 class FakeWatcher : public ProcessWatcher {
  public:
-  absl::Status Watch(pid_t pid) override {
-    watched.insert(pid);
+  absl::Status Watch(uint64_t session, pid_t pid) override {
+    sessions[session] = pid;
     return absl::OkStatus();
   }
-  void Unwatch(pid_t pid) override { watched.erase(pid); }
-  absl::flat_hash_set<pid_t> watched;
+  void Unwatch(uint64_t session) override { sessions.erase(session); }
+  bool Watches(pid_t pid) const {
+    return std::any_of(sessions.begin(), sessions.end(),
+                       [pid](const auto& entry) { return entry.second == pid; });
+  }
+  absl::flat_hash_map<uint64_t, pid_t> sessions;  // watched sessions and their pids
 };
 
 constexpr int32_t kBlocks = 64;
@@ -175,8 +179,8 @@ TEST_F(CacheManagerServiceTest, HelloIssuesSessionsAndWatchesThePid) {
   const uint64_t b = Hello(wire::Role::Executor, 2000);
   EXPECT_NE(a, 0u);
   EXPECT_NE(a, b);
-  EXPECT_TRUE(watcher_.watched.contains(kRouterPid));
-  EXPECT_TRUE(watcher_.watched.contains(2000));
+  EXPECT_TRUE(watcher_.Watches(kRouterPid));
+  EXPECT_TRUE(watcher_.Watches(2000));
   EXPECT_EQ(service_->num_sessions(), 2);
 }
 
@@ -496,6 +500,30 @@ TEST_F(CacheManagerServiceTest, OverTcpTheSecretGrantsRolesAndAClaimedPidReplace
   EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
 }
 
+// Each session is watched through its own pidfd: when the process a watch saw exits, that
+// session ends and no other. A pid reused by a new process (which registered before the
+// old one's exit was handled) keeps its session and its sequences.
+TEST_F(CacheManagerServiceTest, AWatchEndsOnlyItsOwnSessionNotAnotherOfTheSamePid) {
+  const uint64_t old_router = Hello(wire::Role::Router, kRouterPid);
+  ASSERT_EQ(ErrorOf(Step(old_router, {Allocate(1, 8)})), wire::ErrorCode::Ok);
+  // The pid now names another process: an executor that says Hello before the old router's
+  // exit is seen.
+  const uint64_t reuser = Hello(wire::Role::Executor, kRouterPid);
+  ASSERT_NE(reuser, 0u);
+  ASSERT_EQ(watcher_.sessions.size(), 2u);
+  EXPECT_TRUE(service_->OnSessionProcessExited(old_router));
+  EXPECT_FALSE(service_->OnSessionProcessExited(old_router));  // already ended
+  // The executor's session lives on (its heartbeat is answered), still watched.
+  const wire::Envelope& beat = Request(
+      reuser, wire::Message::Heartbeat,
+      [](flatbuffers::FlatBufferBuilder& b) { return wire::CreateHeartbeat(b).Union(); },
+      kRouterPid);
+  EXPECT_EQ(beat.payload_type(), wire::Message::HeartbeatReply);
+  EXPECT_EQ(watcher_.sessions.count(reuser), 1u);
+  EXPECT_EQ(watcher_.sessions.count(old_router), 0u);
+  EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
+}
+
 TEST_F(CacheManagerServiceTest, SessionIdsAreUnguessableAndBoundToTheirCredentials) {
   options_.tcp_secret = "s3cret";
   Restart();
@@ -617,7 +645,7 @@ TEST_F(CacheManagerServiceTest, DeadProcessSequencesAreFreed) {
   ASSERT_EQ(ErrorOf(Step(survivor, {Allocate(3, 8)}, 3000)), wire::ErrorCode::Ok);
   service_->OnProcessExited(kRouterPid);
   EXPECT_EQ(service_->ledger().Stats().in_use_blocks, 2);
-  EXPECT_FALSE(watcher_.watched.contains(kRouterPid));
+  EXPECT_FALSE(watcher_.Watches(kRouterPid));
   EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
   // The survivor's sequence is untouched, and the freed blocks can be reused.
   EXPECT_EQ(ErrorOf(Step(survivor, {Append(3, 4), Allocate(4, 40)}, 3000)), wire::ErrorCode::Ok);
