@@ -164,44 +164,6 @@ bool GgufValue::is_integer() const {
 
 namespace gguf_internal {
 
-bool IsValidUtf8(std::string_view s) {
-  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
-  const size_t n = s.size();
-  size_t i = 0;
-  while (i < n) {
-    const unsigned char c = p[i];
-    if (c < 0x80) {
-      ++i;
-      continue;
-    }
-    size_t len;
-    uint32_t cp;
-    if (c >= 0xC2 && c <= 0xDF) {
-      len = 2;
-      cp = c & 0x1Fu;
-    } else if (c >= 0xE0 && c <= 0xEF) {
-      len = 3;
-      cp = c & 0x0Fu;
-    } else if (c >= 0xF0 && c <= 0xF4) {
-      len = 4;
-      cp = c & 0x07u;
-    } else {
-      return false;  // a continuation byte, an overlong lead (C0, C1) or past U+10FFFF
-    }
-    if (n - i < len) return false;
-    for (size_t k = 1; k < len; ++k) {
-      if ((p[i + k] & 0xC0) != 0x80) return false;
-      cp = (cp << 6) | (p[i + k] & 0x3Fu);
-    }
-    if ((len == 3 && cp < 0x800) || (len == 4 && cp < 0x10000) || cp > 0x10FFFF ||
-        (cp >= 0xD800 && cp <= 0xDFFF)) {
-      return false;  // overlong, out of range, or a surrogate
-    }
-    i += len;
-  }
-  return true;
-}
-
 bool IsValueType(uint32_t type) { return type <= static_cast<uint32_t>(GgufValueType::kFloat64); }
 
 size_t MinEncodedSize(GgufValueType type) {
@@ -250,7 +212,6 @@ std::string Quoted(std::string_view s) {
 
 }  // namespace gguf_internal
 
-using gguf_internal::IsValidUtf8;
 using gguf_internal::Quoted;
 
 // Reads the file front to back; every read is bounds-checked.

@@ -7,13 +7,11 @@
 #include <string>
 #include <string_view>
 
+#include "common/base/utf8.h"  // IsValidUtf8, for both files
 #include "common/gguf/gguf_file.h"
 
 namespace kvcm::gguf_internal {
 
-// Whether `s` is well-formed UTF-8 (no overlong forms, surrogates or code points past
-// U+10FFFF).
-bool IsValidUtf8(std::string_view s);
 // Whether `type` is a GgufValueType.
 bool IsValueType(uint32_t type);
 // The fewest bytes a value of `type` takes in a file (a string's length, an array's type

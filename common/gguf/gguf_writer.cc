@@ -13,7 +13,6 @@
 namespace kvcm {
 namespace {
 
-using gguf_internal::IsValidUtf8;
 using gguf_internal::Quoted;
 
 constexpr std::string_view kAlignmentKey = "general.alignment";

@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/base/log.h"
+#include "common/base/utf8.h"
 #include "common/base/monotonic_clock.h"
 #include "nlohmann/json.hpp"
 #include "prometheus/registry.h"
@@ -48,28 +49,13 @@ size_t CompleteUtf8Prefix(const std::string& text) {
   return end;
 }
 
-// Whether `text` is well-formed UTF-8.
-bool IsUtf8(std::string_view text) {
-  for (size_t i = 0; i < text.size();) {
-    const auto c = static_cast<unsigned char>(text[i]);
-    const size_t n = c < 0x80 ? 1 : (c & 0xE0) == 0xC0 ? 2 : (c & 0xF0) == 0xE0 ? 3
-                                   : (c & 0xF8) == 0xF0 ? 4 : 0;
-    if (n == 0 || i + n > text.size()) return false;
-    for (size_t k = 1; k < n; ++k) {
-      if ((static_cast<unsigned char>(text[i + k]) & 0xC0) != 0x80) return false;
-    }
-    i += n;
-  }
-  return true;
-}
-
 // A token's text as OpenAI's completions logprobs show it: the text; for a piece that is not
 // UTF-8 on its own (part of a character), "bytes:\xNN..." as OpenAI writes those; for one
 // that decodes to nothing (a special token), "token_id:N" as vLLM writes token ids. So no two
 // tokens share a key of top_logprobs.
 std::string OpenAiTokenText(int32_t id, const std::string& piece) {
   if (piece.empty()) return absl::StrCat("token_id:", id);
-  if (IsUtf8(piece)) return piece;
+  if (IsValidUtf8(piece)) return piece;
   std::string out = "bytes:";
   for (unsigned char c : piece) absl::StrAppend(&out, "\\x", absl::Hex(c, absl::kZeroPad2));
   return out;
