@@ -353,8 +353,9 @@ class CacheManagerClient {
   // same request again (same request id, same bytes): the cache manager runs it if it never
   // did, and otherwise answers with the first reply without running it twice. Call it
   // before any other Step. FAILED_PRECONDITION when there is no step to retry (none sent,
-  // or the last one was answered); INVALID_ARGUMENT from the cache manager when the step
-  // is too old for its replay cache (it keeps a session's last four).
+  // or the last one was answered), and from the cache manager for a step no longer in its
+  // replay cache (it keeps a session's last four, whatever their size), which it does not
+  // run again; DescribeSession() then tells what the session holds.
   absl::StatusOr<std::vector<OpOutcome>> RetryLastStep();
   // What the last answered Step's reply said could be taken right after it (free, or cached
   // and evictable blocks); -1 before any, or from a cache manager that does not say.

@@ -19,11 +19,37 @@ namespace {
 constexpr size_t kMaxNameBytes = 128;
 // Ended session ids remembered (to answer StaleSession rather than NotRegistered).
 constexpr size_t kEndedIdsKept = 4096;
-// Step replies kept per session for retries (Session::sent_steps): the last four, each up
-// to this size (a larger one is not kept; its retry runs again and is refused).
-constexpr size_t kReplayBytes = size_t{4} << 20;
+// What one op's result may add to a StepReply besides its block ids and copy orders: the
+// OpResult table, its vtable, offsets, vector headers with their padding, and a reason
+// (the ledger's are under 200 bytes).
+constexpr size_t kOpResultBytes = 512;
+// The envelope and the StepReply table around the results.
+constexpr size_t kStepReplyBytes = 256;
+// A kept reply's buffer (Session::sent_steps) larger than this and than twice the next
+// reply it holds is given back rather than reused, so that one large step does not pin
+// its size in the session for good.
+constexpr size_t kKeptReplyCapacity = size_t{64} << 10;
 // A sequence id no router can allocate: the ledger's dry runs name it.
 constexpr SeqId kDryRunSeq = ~SeqId{0};
+
+// An upper bound of the StepReply to `ops` in bytes, whatever the ledger answers: an
+// Allocate returns one block id per block of its tokens, an Append at most one per block
+// of its new tokens and a copy-on-write order; other ops return no blocks.
+size_t StepReplyBound(std::span<const BlockOp> ops, int32_t block_size) {
+  size_t bytes = kStepReplyBytes;
+  for (const BlockOp& op : ops) {
+    bytes += kOpResultBytes;
+    const auto blocks_of = [&](int32_t tokens) {
+      return static_cast<size_t>((int64_t{tokens} + block_size - 1) / block_size);
+    };
+    if (op.kind == wire::StepOp::AllocateOp) {
+      bytes += sizeof(BlockId) * blocks_of(op.num_tokens);
+    } else if (op.kind == wire::StepOp::AppendOp) {
+      bytes += sizeof(BlockId) * (blocks_of(op.num_tokens) + 1) + sizeof(wire::CopyOrder);
+    }
+  }
+  return bytes;
+}
 
 size_t HashBytes(std::span<const uint8_t> bytes) {
   return absl::Hash<absl::string_view>{}(
@@ -801,6 +827,19 @@ void CacheManagerService::HandleStep(const wire::Envelope& envelope,
     if (metrics_ != nullptr) metrics_->CountReplayedStep();
     return;
   }
+  // Request ids of a session's Steps increase, so an id not above the last applied one is
+  // a retry of a Step that is no longer kept (or a client bug): running it again could
+  // apply its ops twice.
+  if (request_id != 0 && request_id <= session.last_step_request_id) {
+    return Reject(request_id,
+                  {RejectReason::kInvalidArgument, wire::ErrorCode::FailedPrecondition,
+                   absl::StrCat("request id ", request_id, " is not above the last Step ",
+                                "applied in this session (", session.last_step_request_id,
+                                ") and is not among the ", session.sent_steps.size(),
+                                " kept for retries: it is not run again; DescribeSession ",
+                                "tells what the session holds")},
+                  reply);
+  }
   const StepLimits limits{options_.max_ops_per_step, options_.max_hashes_per_message};
   if (absl::Status decoded = DecodeStep(*envelope.payload_as_Step(), limits, &step_ops_);
       !decoded.ok()) {
@@ -813,6 +852,17 @@ void CacheManagerService::HandleStep(const wire::Envelope& envelope,
   }
   if (auto rejection = ValidateStep(step_ops_, session)) {
     return Reject(request_id, *rejection, reply);
+  }
+  // Every applied Step's reply is kept for a retry, so it must fit the message limit that
+  // bounds what the session can make the cache manager hold (and what it announced).
+  if (const size_t bound = StepReplyBound(step_ops_, ledger_.block_size());
+      bound > options_.max_message_bytes) {
+    return Reject(request_id,
+                  {RejectReason::kOversized, wire::ErrorCode::InvalidArgument,
+                   absl::StrCat("the reply to this step could take ", bound, " bytes, over the ",
+                                options_.max_message_bytes, "-byte message limit: split it ",
+                                "into smaller steps")},
+                  reply);
   }
   std::vector<flatbuffers::Offset<wire::OpResult>> results;
   results.reserve(step_ops_.size());
@@ -892,16 +942,19 @@ void CacheManagerService::HandleStep(const wire::Envelope& envelope,
   auto payload = wire::CreateStepReply(*reply, vector, ledger_.AvailableBlocks());
   FinishEnvelope(*reply, request_id, session.id, options_.epoch, wire::Message::StepReply,
                  payload.Union());
-  // Kept for a retry, over the oldest of the ring (its buffer reused).
+  // Kept for a retry, whatever its size (at most max_message_bytes, checked above), over
+  // the oldest of the ring.
   session.last_step_request_id = request_id;
-  if (reply->GetSize() <= kReplayBytes) {
-    Session::SentStep& sent = session.sent_steps[session.next_sent];
-    session.next_sent = (session.next_sent + 1) % session.sent_steps.size();
-    sent.request_id = request_id;
-    sent.request_hash = request_hash;
-    sent.request_size = request.size();
-    sent.reply.assign(reply->GetBufferPointer(), reply->GetBufferPointer() + reply->GetSize());
+  Session::SentStep& sent = session.sent_steps[session.next_sent];
+  session.next_sent = (session.next_sent + 1) % session.sent_steps.size();
+  sent.request_id = request_id;
+  sent.request_hash = request_hash;
+  sent.request_size = request.size();
+  const size_t size = reply->GetSize();
+  if (sent.reply.capacity() > kKeptReplyCapacity && sent.reply.capacity() > 2 * size) {
+    std::vector<uint8_t>().swap(sent.reply);
   }
+  sent.reply.assign(reply->GetBufferPointer(), reply->GetBufferPointer() + size);
 }
 
 void CacheManagerService::HandleDescribeSession(const wire::Envelope& envelope,

@@ -16,6 +16,11 @@
 //   result; an op the ledger refuses (RESOURCE_EXHAUSTED, ...) changes nothing and later
 //   ops still run.
 // - Only routers change sequences (Step). Pins are global and outlive sessions.
+// - Retries: the replies of a session's last four applied Steps are kept by request id; the
+//   same request again is answered with its first reply and runs nothing. A Step's request
+//   id must be above the session's last applied one (0: never kept); a lower one not kept
+//   is refused (FailedPrecondition), never run twice. A Step whose reply could exceed
+//   max_message_bytes is refused (InvalidArgument, counted as oversized) before it runs.
 //
 // Sessions and leases:
 // - Every message refreshes its session's lease. A session silent for longer than the
@@ -210,7 +215,10 @@ class CacheManagerService {
     bool quarantined = false;
     absl::flat_hash_set<SeqId> seqs;  // sequences this session allocated and still owns
     absl::flat_hash_set<uint64_t> pending_fences;  // executors: fences not acknowledged yet
-    // Replies of the last Steps applied, for retries: a ring whose buffers are reused.
+    // Replies of the last four Steps applied, for retries: a ring whose buffers are
+    // reused. Each reply is at most max_message_bytes (a Step whose reply could be larger
+    // is refused before it runs), so a session holds at most four times that here (64 MiB
+    // at the default 16 MiB), and in practice the size of its last four replies.
     struct SentStep {
       uint64_t request_id = 0;  // 0: empty
       size_t request_hash = 0;

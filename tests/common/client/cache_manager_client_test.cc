@@ -281,6 +281,49 @@ TEST_F(CacheManagerClientTest, ATimedOutStepRetriedRunsOnceAndGivesItsFirstOutco
   EXPECT_EQ(*parsed->Value("kvcm_cache_manager_replayed_steps_total", {}), 1);
 }
 
+// The same through a real cache manager with a reply above the 4 MiB that once bounded the
+// replay cache: before, the retry ran the step again and was refused (ALREADY_EXISTS), and
+// the caller never learnt its block table.
+TEST(CacheManagerClientLargeReplyTest, ATimedOutStepWithAMultiMebibyteReplyIsAnsweredOnRetry) {
+  constexpr int32_t kBlocks = 1'200'000;  // one token a block: 4.8 MB of block ids
+  CacheManagerOptions options;
+  options.num_blocks = kBlocks + 16;
+  options.layers = 1;
+  options.kv_heads = 1;
+  options.block_size = 1;
+  absl::StatusOr<std::unique_ptr<CacheManagerProcess>> cm = StartCacheManager(options);
+  ASSERT_TRUE(cm.ok()) << cm.status();
+  std::unique_ptr<CacheManagerClient> router =
+      ConnectOrDie((*cm)->endpoint(), wire::Role::Router, absl::Seconds(1));
+  ASSERT_NE(router, nullptr);
+
+  BlockOps step;
+  step.Allocate(7, kBlocks);
+  ASSERT_TRUE((*cm)->process().Signal(SIGSTOP).ok());
+  absl::StatusOr<std::vector<OpOutcome>> timed_out = router->Step(step);
+  ASSERT_TRUE((*cm)->process().Signal(SIGCONT).ok());
+  ASSERT_TRUE(absl::IsDeadlineExceeded(timed_out.status())) << timed_out.status();
+
+  absl::StatusOr<std::vector<OpOutcome>> retried = router->RetryLastStep();
+  ASSERT_TRUE(retried.ok()) << retried.status();
+  ASSERT_THAT(*retried, SizeIs(1));
+  ASSERT_TRUE((*retried)[0].status.ok()) << (*retried)[0].status;
+  ASSERT_THAT((*retried)[0].blocks, SizeIs(kBlocks));
+  absl::StatusOr<SessionSnapshot> described = router->DescribeSession();
+  ASSERT_TRUE(described.ok()) << described.status();
+  ASSERT_THAT(described->sequences, SizeIs(1));
+  EXPECT_EQ(described->sequences[0].blocks, (*retried)[0].blocks);
+  absl::StatusOr<StatsSnapshot> stats = router->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->in_use_blocks, kBlocks);
+  EXPECT_EQ(stats->blocks_allocated, static_cast<uint64_t>(kBlocks));  // allocated once
+  auto metrics = kvcm::testing::HttpGet((*cm)->metrics_url());
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  auto parsed = kvcm::testing::ParseMetricsText(metrics->body);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(*parsed->Value("kvcm_cache_manager_replayed_steps_total", {}), 1);
+}
+
 TEST_F(CacheManagerClientTest, CanAllocateAdmitsWithoutChangingAnything) {
   CacheSequence(1, 0, 12);  // three cached blocks
   const std::vector<BlockHash> hashes = HashesOf(0, 12);

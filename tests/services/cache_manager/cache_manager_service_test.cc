@@ -17,6 +17,8 @@
 #include "common/wire/step_codec.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "prometheus/metric_family.h"
+#include "prometheus/registry.h"
 
 namespace kvcm {
 namespace {
@@ -81,10 +83,45 @@ class CacheManagerServiceTest : public ::testing::Test {
   }
 
   // A new service with options_.
+  // A new service with options_, and new metrics for it.
   void Restart() {
-    auto service = CacheManagerService::Create(options_, &watcher_, nullptr, now_);
+    service_.reset();
+    CacheManagerMetrics::CacheInfo info;
+    info.num_blocks = options_.ledger.num_blocks;
+    info.block_size = options_.spec.block_size;
+    info.dtype = "fp16";
+    info.backend = "shm";
+    info.hash_algorithm = "sha256";
+    metrics_ = std::make_unique<CacheManagerMetrics>(info);
+    auto service = CacheManagerService::Create(options_, &watcher_, metrics_.get(), now_);
     ASSERT_TRUE(service.ok()) << service.status();
     service_ = *std::move(service);
+  }
+
+  // The value of counter `name` with label `label` = `value` (no label: ""), -1 if absent.
+  double CounterValue(const std::string& name, const std::string& label = "",
+                      const std::string& value = "") const {
+    for (const prometheus::MetricFamily& family : metrics_->registry()->Collect()) {
+      if (family.name != name) continue;
+      for (const prometheus::ClientMetric& metric : family.metric) {
+        const bool match =
+            label.empty() ||
+            std::any_of(metric.label.begin(), metric.label.end(),
+                        [&](const auto& l) { return l.name == label && l.value == value; });
+        if (match) return metric.counter.value;
+      }
+    }
+    return -1;
+  }
+  double ReplayedSteps() const { return CounterValue("kvcm_cache_manager_replayed_steps_total"); }
+  double Reclaimed(const std::string& reason) const {
+    return CounterValue("kvcm_cache_manager_reclaimed_blocks_total", "reason", reason);
+  }
+  // The reason of the last reply, an ErrorReply.
+  std::string reply_reason() const {
+    const wire::Envelope* envelope = wire::GetEnvelope(reply_.GetBufferPointer());
+    if (envelope->payload_type() != wire::Message::ErrorReply) return "";
+    return envelope->payload_as_ErrorReply()->reason()->str();
   }
 
   // Sends `bytes` as `pid` (ipc:// credentials) and returns the verified reply.
@@ -168,6 +205,7 @@ class CacheManagerServiceTest : public ::testing::Test {
   CacheManagerService::Options options_;
   bool over_tcp_ = false;  // Send() without peer credentials
   absl::Time now_ = absl::FromUnixSeconds(1'000'000);
+  std::unique_ptr<CacheManagerMetrics> metrics_;
   std::unique_ptr<CacheManagerService> service_;
   flatbuffers::FlatBufferBuilder request_;
   flatbuffers::FlatBufferBuilder reply_;
@@ -407,12 +445,96 @@ TEST_F(CacheManagerServiceTest, ARepeatedStepIsAnsweredFromTheReplayCacheNotRunT
   EXPECT_EQ(ErrorOf(reused), wire::ErrorCode::InvalidArgument);
   EXPECT_EQ(LedgerState(), before);
 
-  // Only the last few steps are kept: after four more, the first runs again (and finds its
-  // sequence live).
+  // Only the last four steps are kept: after four more, the first is refused as too old to
+  // replay, and never run again (an Append run twice would grow its sequence twice).
   for (uint64_t seq = 10; seq < 14; ++seq) {
     ASSERT_EQ(ErrorOf(Step(s, {Allocate(seq, 4)})), wire::ErrorCode::Ok);
   }
-  EXPECT_EQ(ErrorOf(Send(sent)), wire::ErrorCode::AlreadyExists);
+  ExpectRefusedUnchanged(sent, wire::ErrorCode::FailedPrecondition);
+  EXPECT_THAT(reply_reason(), HasSubstr("not run again"));
+  // So is an Append whose reply was pushed out, where running it again would count its
+  // tokens twice.
+  ASSERT_EQ(ErrorOf(Step(s, {Append(10, 4)})), wire::ErrorCode::Ok);
+  const std::vector<uint8_t> append(request_.GetBufferPointer(),
+                                    request_.GetBufferPointer() + request_.GetSize());
+  for (uint64_t seq = 20; seq < 24; ++seq) {
+    ASSERT_EQ(ErrorOf(Step(s, {Allocate(seq, 4)})), wire::ErrorCode::Ok);
+  }
+  ExpectRefusedUnchanged(append, wire::ErrorCode::FailedPrecondition);
+  EXPECT_EQ(*service_->ledger().NumTokens(10), 8);
+  EXPECT_EQ(ReplayedSteps(), 1);
+}
+
+// A reply larger than the 4 MiB that used to bound the replay cache: kept and replayed whole
+// (before, the retry ran again and was refused ALREADY_EXISTS, its allocation unknown).
+TEST_F(CacheManagerServiceTest, AStepReplyOfMebibytesIsKeptAndReplayedWhole) {
+  constexpr int32_t kLarge = 1'200'000;  // block ids: 4.8 MB of reply
+  options_.ledger.num_blocks = kLarge + kBlocks;
+  Restart();
+  const uint64_t s = Hello();
+  const wire::Envelope& first = Step(s, {Allocate(1, kLarge * kBlockSize)});
+  ASSERT_EQ(ErrorOf(first), wire::ErrorCode::Ok);
+  ASSERT_EQ(first.payload_as_StepReply()->results()->Get(0)->blocks()->size(),
+            static_cast<uint32_t>(kLarge));
+  const std::vector<uint8_t> sent(request_.GetBufferPointer(),
+                                  request_.GetBufferPointer() + request_.GetSize());
+  const std::vector<uint8_t> answer(reply_.GetBufferPointer(),
+                                    reply_.GetBufferPointer() + reply_.GetSize());
+  ASSERT_GT(answer.size(), size_t{4} << 20);
+  const LedgerStats before = service_->ledger().Stats();
+
+  Send(sent);
+  EXPECT_EQ(std::vector<uint8_t>(reply_.GetBufferPointer(),
+                                 reply_.GetBufferPointer() + reply_.GetSize()),
+            answer);
+  const LedgerStats after = service_->ledger().Stats();
+  EXPECT_EQ(after.in_use_blocks, before.in_use_blocks);
+  EXPECT_EQ(after.blocks_allocated, before.blocks_allocated);
+  EXPECT_EQ(after.live_sequences, 1);
+  EXPECT_EQ(ReplayedSteps(), 1);
+
+  // Three small steps later it is still among the last four, and still replayed.
+  for (uint64_t seq = 2; seq < 5; ++seq) {
+    ASSERT_EQ(ErrorOf(Step(s, {Allocate(seq, 4)})), wire::ErrorCode::Ok);
+  }
+  Send(sent);
+  EXPECT_EQ(std::vector<uint8_t>(reply_.GetBufferPointer(),
+                                 reply_.GetBufferPointer() + reply_.GetSize()),
+            answer);
+  EXPECT_EQ(ReplayedSteps(), 2);
+  EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
+}
+
+// Every applied Step's reply is kept, so none may exceed the message limit: a step whose
+// reply could is refused whole before it runs.
+TEST_F(CacheManagerServiceTest, AStepWhoseReplyCouldExceedTheMessageLimitIsRefusedBeforeItRuns) {
+  options_.ledger.num_blocks = 1 << 15;
+  options_.max_message_bytes = 64 << 10;
+  Restart();
+  const uint64_t s = Hello();
+  // 20,000 block ids are 80,000 bytes of reply.
+  request_.Clear();
+  ASSERT_TRUE(EncodeStep(request_, ++request_id_, s, 777,
+                         std::vector<BlockOp>{Allocate(1, 20'000 * kBlockSize)})
+                  .ok());
+  ExpectRefusedUnchanged(BufferSpan(request_), wire::ErrorCode::InvalidArgument);
+  EXPECT_THAT(reply_reason(), HasSubstr("split it into smaller steps"));
+  // Half of it fits. A step whose ops add up to too much is refused; without its last op,
+  // it runs.
+  const wire::Envelope& half = Step(s, {Allocate(1, 10'000 * kBlockSize)});
+  ASSERT_EQ(ErrorOf(half), wire::ErrorCode::Ok);
+  EXPECT_LE(reply_.GetSize(), options_.max_message_bytes);
+  request_.Clear();
+  ASSERT_TRUE(EncodeStep(request_, ++request_id_, s, 777,
+                         std::vector<BlockOp>{Allocate(2, 6'000 * kBlockSize),
+                                              Append(1, 6'000 * kBlockSize),
+                                              Allocate(3, 6'000 * kBlockSize)})
+                  .ok());
+  ExpectRefusedUnchanged(BufferSpan(request_), wire::ErrorCode::InvalidArgument);
+  ASSERT_EQ(ErrorOf(Step(s, {Allocate(2, 6'000 * kBlockSize), Append(1, 6'000 * kBlockSize)})),
+            wire::ErrorCode::Ok);
+  EXPECT_LE(reply_.GetSize(), options_.max_message_bytes);
+  EXPECT_EQ(*service_->ledger().NumTokens(1), 16'000 * kBlockSize);
 }
 
 TEST_F(CacheManagerServiceTest, OnlyTokensOfEarlierStepsCanBeCommitted) {
