@@ -475,6 +475,14 @@ TEST_F(ExecutorProcessTest, CacheManagerRestartReattachesWithoutReloadingWeights
     EXPECT_EQ(Metric("kvcm_executor_attaches_total"), 1 + restart);
     EXPECT_EQ(Metric("kvcm_executor_model_loads_total"), 1);
     EXPECT_EQ(Metric("kvcm_executor_epoch"), static_cast<double>(cm_->epoch()));
+    // It tells the router the new pool in an ExecutorHello from its loop's upkeep, after
+    // the step that made it re-attach: a busy executor may handle every later step of the
+    // generation first (they queue while it works), so the Hello can come after the last
+    // reply. Read it if it has not come yet.
+    if (driver_->hello_epoch() != cm_->epoch()) {
+      auto hello = driver_->AwaitHello(absl::Now() + absl::Seconds(10));
+      ASSERT_TRUE(hello.ok()) << hello.status() << "\n" << executor_.Output();
+    }
     EXPECT_EQ(driver_->hello_epoch(), cm_->epoch());  // it told the router the new pool
   }
   EXPECT_EQ(executor_.process->Poll(), std::nullopt);
