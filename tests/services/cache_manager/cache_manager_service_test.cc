@@ -839,6 +839,22 @@ class CacheManagerFenceTest : public CacheManagerServiceTest {
     return fences;
   }
 
+  // A Hello over tcp:// (set over_tcp_) with the secret "s3cret"; its session id, 0 if
+  // refused.
+  uint64_t TcpHello(wire::Role role, pid_t claimed_pid) {
+    const wire::Envelope& reply = Request(
+        0, wire::Message::Hello,
+        [&](flatbuffers::FlatBufferBuilder& b) {
+          return wire::CreateHello(b, role, claimed_pid, b.CreateString("tcp"),
+                                   b.CreateString("s3cret"))
+              .Union();
+        },
+        claimed_pid, 0);
+    return reply.payload_type() == wire::Message::HelloReply
+               ? reply.payload_as_HelloReply()->session_id()
+               : 0;
+  }
+
   // Blocks a fresh sequence of a second router can get now: all-or-nothing probes.
   int32_t AllocatableBlocks(uint64_t router, pid_t pid) {
     int32_t lo = 0, hi = kBlocks;
@@ -1042,6 +1058,80 @@ TEST_F(CacheManagerFenceTest, RoutersCannotUseTheDrainingIdSpace) {
             wire::ErrorCode::InvalidArgument);
   EXPECT_EQ(ErrorOf(Step(router, {Free(1)})), wire::ErrorCode::Ok);
   EXPECT_EQ(LedgerState().substr(LedgerState().find(':')), before.substr(before.find(':')));
+}
+
+// A tcp:// router can never be proven dead: when its lease runs out it ends, its blocks
+// drain behind a fence for the executors, and are counted as lease_expired once freed.
+TEST_F(CacheManagerFenceTest, AnExpiredTcpRoutersBlocksDrainAndAreCountedAsLeaseExpired) {
+  options_.tcp_secret = "s3cret";
+  Restart();
+  const uint64_t exec = Hello(wire::Role::Executor, kExecutorPid);
+  over_tcp_ = true;
+  const uint64_t remote = TcpHello(wire::Role::Router, kRouterPid);
+  ASSERT_NE(remote, 0u);
+  ASSERT_EQ(ErrorOf(Step(remote, {Allocate(1, 3 * kBlockSize)})), wire::ErrorCode::Ok);
+  over_tcp_ = false;
+  // The executor heartbeats; the router falls silent past its 3 s lease.
+  now_ += absl::Seconds(2);
+  EXPECT_TRUE(Heartbeat(exec, kExecutorPid).empty());
+  now_ += absl::Seconds(2);
+  service_->ExpireSessions(now_);
+  EXPECT_EQ(service_->DrainingBlocks(), 3);
+  EXPECT_EQ(Reclaimed("lease_expired"), 0);
+  const auto fences = Heartbeat(exec, kExecutorPid);
+  ASSERT_EQ(fences.size(), 1u);
+  EXPECT_EQ(fences[0].second, remote);
+  EXPECT_TRUE(Heartbeat(exec, kExecutorPid, {fences[0].first}).empty());
+  EXPECT_EQ(service_->DrainingBlocks(), 0);
+  EXPECT_EQ(service_->ledger().Stats().free_blocks, kBlocks);
+  EXPECT_EQ(Reclaimed("lease_expired"), 3);
+  EXPECT_EQ(Reclaimed("client_died"), 0);
+  EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
+}
+
+// A tcp:// executor cannot be proven dead either, but may still be writing: however long it
+// stays silent, its lease never ends it and the blocks it may write stay draining, until an
+// operator ends it (kvcmctl end-session) once it can no longer write.
+TEST_F(CacheManagerFenceTest, AHungTcpExecutorKeepsItsFencesUntilAnOperatorEndsIt) {
+  options_.tcp_secret = "s3cret";
+  Restart();
+  const uint64_t router = Hello();
+  over_tcp_ = true;
+  const uint64_t exec = TcpHello(wire::Role::Executor, kExecutorPid);
+  ASSERT_NE(exec, 0u);
+  over_tcp_ = false;
+  ASSERT_EQ(ErrorOf(Step(router, {Allocate(1, 3 * kBlockSize)})), wire::ErrorCode::Ok);
+  service_->OnProcessExited(kRouterPid);
+  ASSERT_EQ(service_->DrainingBlocks(), 3);
+  const uint64_t operator_session = Hello(wire::Role::Control, 3000);
+  const uint64_t router2 = Hello(wire::Role::Router, 3001);
+  for (int round = 0; round < 5; ++round) {
+    now_ += absl::Seconds(10);
+    (void)Request(operator_session, wire::Message::Heartbeat,
+                  [](auto& b) { return wire::CreateHeartbeat(b).Union(); }, 3000);
+    (void)Request(router2, wire::Message::Heartbeat,
+                  [](auto& b) { return wire::CreateHeartbeat(b).Union(); }, 3001);
+    service_->ExpireSessions(now_);
+    EXPECT_EQ(service_->DrainingBlocks(), 3);
+    EXPECT_EQ(service_->open_fences(), 1);
+    EXPECT_EQ(AllocatableBlocks(router2, 3001), kBlocks - 3);
+  }
+  const wire::Envelope& ended = Request(
+      operator_session, wire::Message::EndSession,
+      [&](flatbuffers::FlatBufferBuilder& b) { return wire::CreateEndSession(b, exec).Union(); },
+      3000);
+  ASSERT_EQ(ended.payload_type(), wire::Message::EndSessionReply);
+  EXPECT_EQ(ended.payload_as_EndSessionReply()->blocks_released(), 3);
+  EXPECT_EQ(service_->DrainingBlocks(), 0);
+  EXPECT_EQ(service_->open_fences(), 0);
+  EXPECT_EQ(AllocatableBlocks(router2, 3001), kBlocks);
+  EXPECT_EQ(Reclaimed("client_died"), 3);  // the fence's reason: its router died
+  over_tcp_ = true;
+  EXPECT_EQ(ErrorOf(Request(exec, wire::Message::Heartbeat,
+                            [](auto& b) { return wire::CreateHeartbeat(b).Union(); })),
+            wire::ErrorCode::StaleSession);
+  over_tcp_ = false;
+  EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
 }
 
 TEST_F(CacheManagerServiceTest, PrefixRequests) {
