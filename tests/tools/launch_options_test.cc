@@ -59,5 +59,20 @@ TEST(LaunchOptionsTest, DefaultsAndErrorsNameTheFlag) {
   EXPECT_THAT(LaunchUsage(), HasSubstr("--num-blocks"));
 }
 
+TEST(LaunchOptionsTest, PrometheusTargetsIsTheLaunchersOwnAndOffByDefault) {
+  absl::StatusOr<LaunchOptions> options =
+      ParseLaunchOptions({"--model=/m", "--prometheus-targets", "/t/kvcm.json"});
+  ASSERT_TRUE(options.ok()) << options.status();
+  EXPECT_EQ(options->prometheus_targets, "/t/kvcm.json");
+  EXPECT_TRUE(options->cache_manager_args.empty());
+  EXPECT_TRUE(options->router_args.empty());
+  EXPECT_TRUE(ParseLaunchOptions({"--model=/m"})->prometheus_targets.empty());
+  EXPECT_THAT(std::string(ParseLaunchOptions({"--model=/m", "--prometheus-targets"})
+                              .status()
+                              .message()),
+              HasSubstr("--prometheus-targets needs a value"));
+  EXPECT_THAT(LaunchUsage(), HasSubstr("--prometheus-targets FILE"));
+}
+
 }  // namespace
 }  // namespace kvcm::launch

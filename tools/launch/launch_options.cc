@@ -112,6 +112,9 @@ absl::StatusOr<LaunchOptions> ParseLaunchOptions(const std::vector<std::string>&
     } else if (name == "bin-dir") {
       status = take_value();
       options.bin_dir = value;
+    } else if (name == "prometheus-targets") {
+      status = take_value();
+      options.prometheus_targets = value;
     } else if (name == "restart-backoff-ms") {
       status = take_int(&options.restart_backoff_ms, 1);
     } else if (name == "cache-manager-arg" || name == "router-arg" || name == "executor-arg") {
@@ -161,6 +164,8 @@ Launcher flags:
   --run-dir DIR             the run directory (default: a fresh one, removed at exit)
   --bin-dir DIR             where the kvcm binaries are (default: beside kvcm-launch)
   --restart-backoff-ms MS   first wait before a restart (default 500; doubles to 10 s)
+  --prometheus-targets FILE keep FILE current for Prometheus's file_sd_configs: every
+                            process's metrics address (monitoring/prometheus/prometheus.yml)
   --cache-manager-arg=X, --router-arg=X, --executor-arg=X
                             pass X as it is to that process (repeatable)
 

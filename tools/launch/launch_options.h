@@ -25,6 +25,9 @@ struct LaunchOptions {
   // Restart backoff: the first wait, doubled after each quick death up to the most.
   int restart_backoff_ms = 500;      // --restart-backoff-ms
   int max_restart_backoff_ms = 10000;
+  // --prometheus-targets: a file_sd target file kept current with every process's metrics
+  // address (tools/launch/prometheus_targets.h); "" = none. Its folder must exist.
+  std::string prometheus_targets;
   // Extra arguments of each process, in command-line order.
   std::vector<std::string> cache_manager_args;
   std::vector<std::string> router_args;

@@ -7,6 +7,9 @@
 // Every child runs in its own process group, so a terminal's Ctrl-C reaches the launcher
 // only and the order of the stop is the launcher's. A process that dies before it was ever
 // ready fails the launch (a bad flag would otherwise restart for ever).
+//
+// With --prometheus-targets FILE it keeps FILE, Prometheus's file_sd target list, current
+// with every process's metrics address as each reports it (prometheus_targets.h).
 
 #include <fcntl.h>
 #include <signal.h>
@@ -20,6 +23,7 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -34,6 +38,7 @@
 #include "common/base/unique_fd.h"
 #include "common/transport/event_loop.h"
 #include "tools/launch/launch_options.h"
+#include "tools/launch/prometheus_targets.h"
 
 namespace kvcm::launch {
 namespace {
@@ -62,6 +67,9 @@ struct Child {
   Group group = Group::kExecutor;
   std::vector<std::string> argv;
   std::string ready_marker;  // a log line holding this says the process is ready
+  // Where its /metrics is, from its last "ready" line; kept after it dies, so Prometheus
+  // sees it down until it reports a new address (prometheus_targets.h).
+  std::optional<MetricsEndpoint> metrics;
 
   pid_t pid = -1;
   UniqueFd pidfd;
@@ -95,6 +103,9 @@ class Launcher {
   void BeginStop();
   void StopPhase();
   void Fail(const std::string& why);
+  // Rewrites --prometheus-targets (nothing without it): every process that reported its
+  // metrics address, or none at all when `empty`.
+  absl::Status WriteTargets(bool empty);
   bool Alive(const Child& child) const { return child.pid > 0; }
 
   LaunchOptions options_;
@@ -102,6 +113,7 @@ class Launcher {
   std::vector<std::unique_ptr<Child>> children_;  // cache manager, router, executors
   std::string run_dir_;
   bool own_run_dir_ = false;
+  std::string host_;  // this node's name, for the targets' instance labels
   std::string url_;
   bool announced_ = false;
   bool stopping_ = false;
@@ -130,6 +142,18 @@ absl::Status Launcher::Prepare() {
     return absl::NotFoundError(absl::StrCat(
         options_.model, folder ? "/config.json not found (--model)"
                                : " is neither a model folder nor a GGUF file (--model)"));
+  }
+  // The target file first (empty), so a path that cannot be written fails before anything
+  // is made.
+  if (!options_.prometheus_targets.empty()) {
+    char host[256] = {};
+    if (::gethostname(host, sizeof(host) - 1) != 0 || host[0] == '\0') {
+      std::snprintf(host, sizeof(host), "localhost");
+    }
+    host_ = host;
+    if (absl::Status s = WriteTargets(/*empty=*/true); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("--prometheus-targets: ", s.message()));
+    }
   }
   run_dir_ = options_.run_dir;
   if (run_dir_.empty()) {
@@ -177,6 +201,19 @@ absl::Status Launcher::Prepare() {
     children_.push_back(std::move(executor));
   }
   return absl::OkStatus();
+}
+
+absl::Status Launcher::WriteTargets(bool empty) {
+  if (options_.prometheus_targets.empty()) return absl::OkStatus();
+  std::vector<ScrapeTarget> targets;
+  for (const auto& child : children_) {
+    if (empty || !child->metrics.has_value()) continue;
+    const char* component = child->group == Group::kCacheManager ? "cache-manager"
+                            : child->group == Group::kRouter     ? "router"
+                                                                 : "executor";
+    targets.push_back({component, child->name, child->metrics->address, child->metrics->path});
+  }
+  return WriteFileAtomically(options_.prometheus_targets, RenderPrometheusTargets(targets, host_));
 }
 
 void Launcher::Start(Child& child) {
@@ -249,6 +286,13 @@ void Launcher::OnOutput(Child& child) {
 void Launcher::Line(Child& child, std::string_view line) {
   std::printf("[%s] %.*s\n", child.name.c_str(), static_cast<int>(line.size()), line.data());
   std::fflush(stdout);
+  if (std::optional<MetricsEndpoint> metrics = MetricsEndpointFromReadyLine(line);
+      metrics.has_value() && !options_.prometheus_targets.empty()) {
+    child.metrics = std::move(metrics);
+    if (absl::Status s = WriteTargets(/*empty=*/false); !s.ok()) {
+      Log(absl::StrCat("error: --prometheus-targets not updated: ", s.ToString()));
+    }
+  }
   if (child.ready || line.find(child.ready_marker) == std::string_view::npos) return;
   child.ready = true;
   child.ever_ready = true;
@@ -325,6 +369,10 @@ void Launcher::BeginStop() {
   for (auto& child : children_) {
     if (child->restart_timer != 0) loop_.Cancel(child->restart_timer);
     child->restart_timer = 0;
+  }
+  // A server being stopped is not down: Prometheus drops its targets now.
+  if (absl::Status s = WriteTargets(/*empty=*/true); !s.ok()) {
+    Log(absl::StrCat("error: --prometheus-targets not emptied: ", s.ToString()));
   }
   stop_phase_ = 0;
   StopPhase();
