@@ -3,11 +3,13 @@
 #   BUILD_DIR/venv            the official clients (tests/clients/requirements.txt)
 #   BUILD_DIR/venv-reference  the reference implementations the tests compare against
 #                             (tests/reference/requirements.txt)
+#   BUILD_DIR/venv-monitoring Grafana's dashboard types, for the dashboard checker
+#                             (tests/monitoring/requirements.txt)
 # Two of them because their pins cannot share one (text-generation wants huggingface-hub
 # below 1.0, transformers 5 at least 1.0). Each is left alone when it is already there for
 # the same requirements. Python never runs inside the services: this is test tooling.
 #
-#   scripts/python-env.sh                # build/venv, build/venv-reference
+#   scripts/python-env.sh                # build/venv, build/venv-reference, build/venv-monitoring
 #   KVCM_BUILD_DIR=out scripts/python-env.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,3 +40,5 @@ make_venv() {
 make_venv "$BUILD_DIR/venv" tests/clients/requirements.txt 'text-generation|openai'
 make_venv "$BUILD_DIR/venv-reference" tests/reference/requirements.txt \
   'gguf|numpy|tokenizers|transformers|jinja2'
+make_venv "$BUILD_DIR/venv-monitoring" tests/monitoring/requirements.txt \
+  'grafana_foundation_sdk|PyYAML'

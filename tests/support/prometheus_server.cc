@@ -77,7 +77,9 @@ absl::StatusOr<double> ParseSampleValue(const nlohmann::json& pair) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<PrometheusServer>> PrometheusServer::Start(const Options& options) {
-  if (options.targets.empty()) return absl::InvalidArgumentError("no scrape targets");
+  if (options.targets.empty() == options.config_file.empty()) {
+    return absl::InvalidArgumentError("give either scrape targets or a config file");
+  }
   absl::StatusOr<std::string> binary = FindProgram(options.binary);
   if (!binary.ok()) {
     return absl::FailedPreconditionError(
@@ -86,8 +88,9 @@ absl::StatusOr<std::unique_ptr<PrometheusServer>> PrometheusServer::Start(const 
   }
   absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-prometheus");
   if (!dir.ok()) return dir.status();
-  const std::string config_path = dir->path() + "/prometheus.yml";
-  {
+  std::string config_path = options.config_file;
+  if (config_path.empty()) {
+    config_path = dir->path() + "/prometheus.yml";
     std::ofstream config(config_path);
     config << Config(options);
     if (!config) return absl::InternalError(absl::StrCat("cannot write ", config_path));
@@ -135,20 +138,29 @@ PrometheusServer::~PrometheusServer() { process_->Stop(kStopGrace); }
 
 std::string PrometheusServer::url() const { return absl::StrCat("http://127.0.0.1:", port_); }
 
-absl::StatusOr<std::vector<PrometheusServer::Series>> PrometheusServer::Query(
-    const std::string& promql) const {
-  absl::StatusOr<HttpResponse> response =
-      HttpGet(absl::StrCat(url(), "/api/v1/query?query=", UrlEncode(promql)));
+absl::StatusOr<nlohmann::json> PrometheusServer::GetApi(const std::string& path_and_query) const {
+  absl::StatusOr<HttpResponse> response = HttpGet(url() + path_and_query);
   if (!response.ok()) return response.status();
-  const nlohmann::json answer = nlohmann::json::parse(response->body, nullptr, false);
+  nlohmann::json answer = nlohmann::json::parse(response->body, nullptr, false);
   if (answer.is_discarded() || !answer.is_object()) {
-    return absl::InternalError(absl::StrCat("query ", promql, ": HTTP ", response->status,
+    return absl::InternalError(absl::StrCat(path_and_query, ": HTTP ", response->status,
                                             ", not JSON: ", response->body.substr(0, 200)));
   }
   if (answer.value("status", "") != "success") {
-    return absl::InvalidArgumentError(absl::StrCat("query ", promql, ": ", answer.dump()));
+    return absl::InvalidArgumentError(absl::StrCat(path_and_query, ": ", answer.dump()));
   }
-  const nlohmann::json& data = answer["data"];
+  return std::move(answer["data"]);
+}
+
+absl::StatusOr<std::vector<PrometheusServer::Series>> PrometheusServer::Query(
+    const std::string& promql) const {
+  absl::StatusOr<nlohmann::json> answer =
+      GetApi(absl::StrCat("/api/v1/query?query=", UrlEncode(promql)));
+  if (!answer.ok()) {
+    return absl::Status(answer.status().code(),
+                        absl::StrCat("query ", promql, ": ", answer.status().message()));
+  }
+  const nlohmann::json& data = *answer;
   const std::string type = data.value("resultType", "");
   std::vector<Series> result;
   if (type == "scalar") {

@@ -23,6 +23,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "nlohmann/json.hpp"
 #include "tests/support/metrics_text.h"
 #include "tests/support/subprocess.h"
 
@@ -32,6 +33,10 @@ class PrometheusServer {
  public:
   struct Options {
     std::vector<std::string> targets;  // "HOST:PORT" each, scraped at /metrics
+    // A whole configuration to run instead of the one made from `targets` (which must then
+    // be empty), used as it is: its relative paths (rule files, file_sd target files)
+    // resolve from its folder.
+    std::string config_file;
     absl::Duration scrape_interval = absl::Seconds(1);
     absl::Duration start_timeout = absl::Seconds(60);  // until /-/ready answers 200
     std::string binary = "prometheus";                 // a path, or a name on PATH
@@ -44,8 +49,8 @@ class PrometheusServer {
   };
 
   // Errors: FAILED_PRECONDITION (prometheus not installed: the message says to run
-  // scripts/bootstrap.sh), INVALID_ARGUMENT (no targets), UNAVAILABLE (it exited or never
-  // became ready; the message carries its log), INTERNAL.
+  // scripts/bootstrap.sh), INVALID_ARGUMENT (no targets and no config_file, or both),
+  // UNAVAILABLE (it exited or never became ready; the message carries its log), INTERNAL.
   static absl::StatusOr<std::unique_ptr<PrometheusServer>> Start(const Options& options);
 
   PrometheusServer(const PrometheusServer&) = delete;
@@ -66,6 +71,10 @@ class PrometheusServer {
   absl::Status WaitFor(const std::string& promql,
                        const std::function<bool(const std::vector<Series>&)>& done,
                        absl::Duration timeout) const;
+  // GETs `path_and_query` (e.g. "/api/v1/rules") and returns the answer's "data" member.
+  // Errors: as Query.
+  absl::StatusOr<nlohmann::json> GetApi(const std::string& path_and_query) const;
+
   // WaitFor one series whose value is `want`.
   absl::Status WaitForValue(const std::string& promql, double want, absl::Duration timeout) const;
 
