@@ -342,9 +342,9 @@ def main() -> int:
             problems.extend(self_test(data, datasource_uid, units))
     for problem in problems:
         print(problem)
-    print(f"{len(dashboards)} dashboards, {panels} panels, {len(problems)} problems "
-          f"({len(BREAKAGES)} deliberate breakages of {dashboards[0].name if dashboards else '-'} "
-          "all found)" if not problems else f"{len(problems)} problems")
+    print(f"{len(dashboards)} dashboards, {panels} panels: {len(problems)} problems "
+          f"(and each of the {len(BREAKAGES)} deliberate breakages of the first one found)"
+          if not problems else f"{len(problems)} problems")
     return 1 if problems else 0
 
 

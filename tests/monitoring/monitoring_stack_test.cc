@@ -4,8 +4,9 @@
 // scrapes and evaluations), and finds every process through that target file. Under load
 // (HTTP requests to the router that share a prefix), every panel query of every dashboard in
 // monitoring/grafana/dashboards returns data through Prometheus's HTTP API, every recording
-// rule produces series, and no alert fires on the healthy stack. An executor killed and
-// restarted on a new port is found at its new address under the same instance.
+// rule produces series, and no alert fires on the healthy stack. An executor killed is seen
+// down (KvcmExecutorDown pending) until it restarts, then found at its new port under the
+// same instance.
 
 #include <signal.h>
 #include <unistd.h>
@@ -154,23 +155,10 @@ class MonitoringStackTest : public ::testing::Test {
 
 TEST_F(MonitoringStackTest, EveryPanelQueryAndRecordingRuleHasDataFromAStackUnderLoad) {
   Subprocess::Options options;
-  options.argv = {testing::KvcmBinaryPath("kvcm-launch"),
-                  "--model",
-                  model_dir_,
-                  "--executors",
-                  "2",
-                  "--num-blocks",
-                  "256",
-                  "--block-size",
-                  "4",
-                  "--port",
-                  "0",
-                  "--threads",
-                  "1",
-                  "--restart-backoff-ms",
-                  "100",
-                  "--prometheus-targets",
-                  targets_path_};
+  options.argv = {testing::KvcmBinaryPath("kvcm-launch"), "--model", model_dir_,
+                  "--executors", "2", "--num-blocks", "256", "--block-size", "4",
+                  "--port", "0", "--threads", "1", "--restart-backoff-ms", "2000",
+                  "--prometheus-targets", targets_path_};
   options.output_path = dir_->path() + "/launch.log";
   options.env = {"TMPDIR=" + dir_->path()};
   absl::StatusOr<std::unique_ptr<Subprocess>> launch = Subprocess::Start(options);
@@ -196,12 +184,35 @@ TEST_F(MonitoringStackTest, EveryPanelQueryAndRecordingRuleHasDataFromAStackUnde
                                                             {"executor-1", "executor"}}));
   ASSERT_FALSE(executor1.empty());
 
-  // An executor killed with SIGKILL restarts on another port: the file follows it.
+  PrometheusServer::Options prometheus_options;
+  prometheus_options.config_file = prometheus_dir_ + "/prometheus.yml";
+  absl::StatusOr<std::unique_ptr<PrometheusServer>> prometheus =
+      PrometheusServer::Start(prometheus_options);
+  ASSERT_TRUE(prometheus.ok()) << prometheus.status();
+  const std::string all_up = "up{job=~\"kvcm-cache-manager|kvcm-router|kvcm-executor\"} == 1";
+  auto four = [](const std::vector<PrometheusServer::Series>& result) {
+    return result.size() == 4;
+  };
+  // Every process found through the target file, in its job, and up.
+  ASSERT_TRUE((*prometheus)->WaitFor(all_up, four, absl::Seconds(20)).ok())
+      << (*prometheus)->LogTail();
+
+  // An executor killed with SIGKILL stays listed while it is dead, so Prometheus sees it
+  // down (and KvcmExecutorDown pending); restarted on another port, the file follows it
+  // and its series goes on under the same instance.
   const std::string old_address = targets[executor1].second;
   std::smatch pid;
   const std::string output = (*launch)->Output();
   ASSERT_TRUE(std::regex_search(output, pid, std::regex("started executor-1 \\(pid ([0-9]+)\\)")));
   ASSERT_EQ(::kill(std::stoi(pid[1]), SIGKILL), 0);
+  const std::string selector = absl::StrCat("{instance=\"", executor1, "\"}");
+  EXPECT_TRUE((*prometheus)->WaitForValue("up" + selector, 0, absl::Seconds(10)).ok());
+  EXPECT_TRUE(
+      (*prometheus)
+          ->WaitForValue(absl::StrCat("count(ALERTS{alertname=\"KvcmExecutorDown\",",
+                                      "alertstate=\"pending\",instance=\"", executor1, "\"})"),
+                         1, absl::Seconds(10))
+          .ok());
   const absl::Time moved_deadline = absl::Now() + absl::Seconds(20);
   while (absl::Now() < moved_deadline && Targets()[executor1].second == old_address) {
     absl::SleepFor(absl::Milliseconds(50));
@@ -209,20 +220,7 @@ TEST_F(MonitoringStackTest, EveryPanelQueryAndRecordingRuleHasDataFromAStackUnde
   targets = Targets();
   ASSERT_NE(targets[executor1].second, old_address) << (*launch)->Output();
   EXPECT_EQ(targets.size(), 4u);
-
-  PrometheusServer::Options prometheus_options;
-  prometheus_options.config_file = prometheus_dir_ + "/prometheus.yml";
-  absl::StatusOr<std::unique_ptr<PrometheusServer>> prometheus =
-      PrometheusServer::Start(prometheus_options);
-  ASSERT_TRUE(prometheus.ok()) << prometheus.status();
-  // Every process found through the target file, in its job, and up; the restarted
-  // executor at its new address.
-  ASSERT_TRUE((*prometheus)
-                  ->WaitFor(
-                      "up{job=~\"kvcm-cache-manager|kvcm-router|kvcm-executor\"} == 1",
-                      [](const auto& result) { return result.size() == 4; }, absl::Seconds(20))
-                  .ok())
-      << (*prometheus)->LogTail();
+  ASSERT_TRUE((*prometheus)->WaitFor(all_up, four, absl::Seconds(20)).ok());
   absl::StatusOr<json> active = (*prometheus)->GetApi("/api/v1/targets?state=active");
   ASSERT_TRUE(active.ok()) << active.status();
   std::map<std::string, std::string> jobs;  // instance -> job
