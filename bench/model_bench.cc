@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <string>
@@ -88,6 +89,21 @@ Rates RunKvcm(const LlamaModel& model, int batch, int pp, int tg) {
   return rates;
 }
 
+// This process's resident memory (VmRSS of /proc/self/status) in MB; -1 where unknown.
+double ResidentMegabytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    absl::string_view rest = line;
+    int64_t kb = 0;
+    if (absl::ConsumePrefix(&rest, "VmRSS:") &&
+        absl::SimpleAtoi(absl::StripSuffix(absl::StripAsciiWhitespace(rest), " kB"), &kb)) {
+      return static_cast<double>(kb) / 1024.0;
+    }
+  }
+  return -1;
+}
+
 // llama-batched-bench's table: "|  PP |  TG |  B | N_KV | T_PP s | S_PP t/s | T_TG s |
 // S_TG t/s | T s | S t/s |", one row per B.
 std::map<int, Rates> RunLlamaCpp(const std::string& binary, const std::string& gguf,
@@ -132,6 +148,9 @@ int Main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(gguf, options);
   KVCM_CHECK(model.ok()) << model.status();
   std::printf("SmolLM2-135M-Instruct (Q4_1 GGUF), %d thread(s), PP %d, TG %d\n", threads, pp, tg);
+  std::printf("weight matrices %.1f MB; resident after load %.1f MB\n",
+              static_cast<double>((*model)->weights().matrix_bytes()) / (1 << 20),
+              ResidentMegabytes());
   (void)RunKvcm(**model, 1, 16, 4);  // warm-up
   std::map<int, Rates> kvcm;
   for (int b : kBatches) kvcm[b] = RunKvcm(**model, b, pp, tg);

@@ -15,7 +15,7 @@
 //                 dequantized to fp32 panels.
 //   MatMul        y[m][rows] = x[m][cols] . W^T in fp32: each coded panel is dequantized into
 //                 a small fp32 buffer (in L2) and reused for all rows of x; the register tile
-//                 is up to 8 rows of x by 32 columns of y (AVX-512), 6 by 16 (AVX2).
+//                 is up to 6 rows of x by 64 columns of y (AVX-512), 3 by 32 (AVX2).
 //
 // Determinism: every y[i][j] is one chain of multiply-adds over k = 0 .. cols - 1 in order,
 // from 0, fused (FMA) on AVX2 and AVX-512 and unfused in the portable code. It does not

@@ -50,27 +50,6 @@ float Dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-// Dot(x + r * n, w, n) for r = 0 .. 3, bit for bit, sharing the loads of w: the matmul's
-// micro-kernel for several tokens.
-void Dot4(const float* x, const float* w, int64_t n, float* out, int64_t out_stride) {
-  Float4 acc[4][2] = {};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const Float4 w0 = Load4(w + i);
-    const Float4 w1 = Load4(w + i + 4);
-    for (int r = 0; r < 4; ++r) {
-      acc[r][0] += Load4(x + r * n + i) * w0;
-      acc[r][1] += Load4(x + r * n + i + 4) * w1;
-    }
-  }
-  for (int r = 0; r < 4; ++r) {
-    const Float4 a = acc[r][0] + acc[r][1];
-    float sum = (a[0] + a[1]) + (a[2] + a[3]);
-    for (int64_t j = i; j < n; ++j) sum += x[r * n + j] * w[j];
-    out[r * out_stride] = sum;
-  }
-}
-
 std::string ShapeString(const std::vector<int64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
@@ -95,6 +74,9 @@ class WeightSource {
   // Tensor `hf_name` of exactly `shape`, in fp32.
   virtual absl::StatusOr<std::vector<float>> Load(const std::string& hf_name,
                                                   const std::vector<int64_t>& shape) const = 0;
+  // Matrix `hf_name` of exactly `shape` ([out, in]), packed for kernels::MatMul.
+  virtual absl::StatusOr<kernels::WeightMatrix> LoadMatrix(
+      const std::string& hf_name, const std::vector<int64_t>& shape) const = 0;
 };
 
 }  // namespace internal
@@ -127,6 +109,12 @@ class SafetensorsSource final : public WeightSource {
           ", expected ", ShapeString(shape), " from config.json"));
     }
     return file->LoadFloat32(name);
+  }
+
+  absl::StatusOr<kernels::WeightMatrix> LoadMatrix(
+      const std::string& name, const std::vector<int64_t>& shape) const override {
+    KVCM_ASSIGN_OR_RETURN(const std::vector<float> w, Load(name, shape));
+    return kernels::WeightMatrix::FromFloat(w, shape[0], shape[1]);
   }
 
  private:
@@ -175,12 +163,13 @@ std::string GgufTensorName(const std::string& hf_name) {
   return hf_name;
 }
 
-// A GGUF file: tensors dequantized to fp32 (ggml's reference dequantization). GGUF stores
+// A GGUF file: matrices packed as they are stored (kernels::WeightMatrix::FromGgml), vectors
+// dequantized to fp32 (ggml's reference dequantization). GGUF stores
 // a [out, in] matrix with dims {in, out} (ne[0] the contiguous one), the same bytes as the
 // row-major [out, in]. For the llama architecture, GGUF conversion reorders the rows of
 // q_proj and k_proj inside each head from Hugging Face's rotate-half RoPE layout (the first
 // half of a head, then the second) to ggml's interleaved pairs (row 2i is HF's row i, row
-// 2i + 1 is HF's row i + head_dim / 2); Load undoes it (`unpermute`), so the model computes
+// 2i + 1 is HF's row i + head_dim / 2); LoadMatrix undoes it (`unpermute`), so the model computes
 // RoPE one way for both sources. qwen2 files keep HF's order (ggml runs them with NEOX RoPE,
 // which is rotate-half).
 class GgufSource final : public WeightSource {
@@ -194,6 +183,33 @@ class GgufSource final : public WeightSource {
 
   absl::StatusOr<std::vector<float>> Load(const std::string& hf_name,
                                           const std::vector<int64_t>& shape) const override {
+    KVCM_ASSIGN_OR_RETURN(const GgufTensorInfo* t, Find(hf_name, shape));
+    std::vector<float> out(static_cast<size_t>(t->element_count));
+    if (absl::Status s = Dequantize(t->type, t->data, std::span<float>(out)); !s.ok()) {
+      return Named(hf_name, s);
+    }
+    return out;
+  }
+
+  absl::StatusOr<kernels::WeightMatrix> LoadMatrix(
+      const std::string& hf_name, const std::vector<int64_t>& shape) const override {
+    KVCM_ASSIGN_OR_RETURN(const GgufTensorInfo* t, Find(hf_name, shape));
+    std::vector<int64_t> order;
+    if (unpermute_ && hf_name.ends_with("self_attn.q_proj.weight")) {
+      order = UnpermutedRows(config_.num_attention_heads);
+    } else if (unpermute_ && hf_name.ends_with("self_attn.k_proj.weight")) {
+      order = UnpermutedRows(config_.num_key_value_heads);
+    }
+    absl::StatusOr<kernels::WeightMatrix> w =
+        kernels::WeightMatrix::FromGgml(t->type, t->data, shape[0], shape[1], order);
+    if (!w.ok()) return Named(hf_name, w.status());
+    return w;
+  }
+
+ private:
+  // The tensor of `hf_name`, checked to have `shape`.
+  absl::StatusOr<const GgufTensorInfo*> Find(const std::string& hf_name,
+                                             const std::vector<int64_t>& shape) const {
     const std::string name = GgufTensorName(hf_name);
     absl::StatusOr<const GgufTensorInfo*> found = file_.FindTensor(name);
     if (!found.ok()) {
@@ -208,36 +224,28 @@ class GgufSource final : public WeightSource {
           " (GGUF dims ", ShapeString(t.dims), "), expected ", ShapeString(shape),
           " from the file's metadata"));
     }
-    std::vector<float> out(static_cast<size_t>(t.element_count));
-    if (absl::Status s = Dequantize(t.type, t.data, std::span<float>(out)); !s.ok()) {
-      return absl::Status(s.code(), absl::StrCat("tensor \"", name, "\" in \"", file_.name(),
-                                                 "\": ", s.message()));
-    }
-    if (unpermute_ && hf_name.ends_with("self_attn.q_proj.weight")) {
-      return UnpermuteRope(std::move(out), config_.num_attention_heads, shape[1]);
-    }
-    if (unpermute_ && hf_name.ends_with("self_attn.k_proj.weight")) {
-      return UnpermuteRope(std::move(out), config_.num_key_value_heads, shape[1]);
-    }
-    return out;
+    return &t;
   }
 
- private:
-  // Rows of each of `heads` heads back from ggml's interleaved order to Hugging Face's.
-  std::vector<float> UnpermuteRope(std::vector<float> w, int32_t heads, int64_t in) const {
+  absl::Status Named(const std::string& hf_name, const absl::Status& s) const {
+    return absl::Status(s.code(), absl::StrCat("tensor \"", GgufTensorName(hf_name), "\" in \"",
+                                               file_.name(), "\": ", s.message()));
+  }
+
+  // For each of `heads` heads, Hugging Face's row h * d + part * d / 2 + i is the file's row
+  // h * d + 2 i + part (ggml's interleaved pairs).
+  std::vector<int64_t> UnpermutedRows(int32_t heads) const {
     const int64_t d = config_.head_dim;
     const int64_t half = d / 2;
-    std::vector<float> out(w.size());
+    std::vector<int64_t> order(static_cast<size_t>(heads * d));
     for (int64_t h = 0; h < heads; ++h) {
       for (int64_t i = 0; i < half; ++i) {
         for (int64_t part = 0; part < 2; ++part) {
-          const float* src = w.data() + (h * d + 2 * i + part) * in;
-          float* dst = out.data() + (h * d + part * half + i) * in;
-          std::copy(src, src + in, dst);
+          order[static_cast<size_t>(h * d + part * half + i)] = h * d + 2 * i + part;
         }
       }
     }
-    return out;
+    return order;
   }
 
   const GgufFile& file_;
@@ -314,6 +322,17 @@ void LlamaModel::ParallelChunks(int64_t n, int64_t min_chunk,
 
 LlamaModel::~LlamaModel() = default;
 
+int64_t LlamaWeights::matrix_bytes() const {
+  int64_t bytes = embed_tokens.bytes() + lm_head.bytes();
+  for (const Layer& l : layers) {
+    for (const kernels::WeightMatrix* m : {&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj,
+                                           &l.gate_proj, &l.up_proj, &l.down_proj}) {
+      bytes += m->bytes();
+    }
+  }
+  return bytes;
+}
+
 bool IsGgufFile(const std::string& path) {
   std::error_code error;
   if (!std::filesystem::is_regular_file(path, error)) return false;
@@ -359,21 +378,27 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::LoadWeights(
     KVCM_ASSIGN_OR_RETURN(*out, source.Load(name, shape));
     return absl::OkStatus();
   };
+  auto load_matrix = [&](const std::string& name, std::vector<int64_t> shape,
+                         kernels::WeightMatrix* out) -> absl::Status {
+    KVCM_ASSIGN_OR_RETURN(*out, source.LoadMatrix(name, shape));
+    return absl::OkStatus();
+  };
 
-  KVCM_RETURN_IF_ERROR(load("model.embed_tokens.weight", {vocab, h}, &model->weights_.embed_tokens));
+  KVCM_RETURN_IF_ERROR(load_matrix("model.embed_tokens.weight", {vocab, h},
+                                   &model->weights_.embed_tokens));
   model->weights_.layers.resize(static_cast<size_t>(c.num_hidden_layers));
   for (int32_t l = 0; l < c.num_hidden_layers; ++l) {
     LlamaWeights::Layer& layer = model->weights_.layers[static_cast<size_t>(l)];
     const std::string p = absl::StrCat("model.layers.", l, ".");
     KVCM_RETURN_IF_ERROR(load(p + "input_layernorm.weight", {h}, &layer.input_norm));
-    KVCM_RETURN_IF_ERROR(load(p + "self_attn.q_proj.weight", {q, h}, &layer.q_proj));
-    KVCM_RETURN_IF_ERROR(load(p + "self_attn.k_proj.weight", {kv, h}, &layer.k_proj));
-    KVCM_RETURN_IF_ERROR(load(p + "self_attn.v_proj.weight", {kv, h}, &layer.v_proj));
-    KVCM_RETURN_IF_ERROR(load(p + "self_attn.o_proj.weight", {h, q}, &layer.o_proj));
+    KVCM_RETURN_IF_ERROR(load_matrix(p + "self_attn.q_proj.weight", {q, h}, &layer.q_proj));
+    KVCM_RETURN_IF_ERROR(load_matrix(p + "self_attn.k_proj.weight", {kv, h}, &layer.k_proj));
+    KVCM_RETURN_IF_ERROR(load_matrix(p + "self_attn.v_proj.weight", {kv, h}, &layer.v_proj));
+    KVCM_RETURN_IF_ERROR(load_matrix(p + "self_attn.o_proj.weight", {h, q}, &layer.o_proj));
     KVCM_RETURN_IF_ERROR(load(p + "post_attention_layernorm.weight", {h}, &layer.post_norm));
-    KVCM_RETURN_IF_ERROR(load(p + "mlp.gate_proj.weight", {inter, h}, &layer.gate_proj));
-    KVCM_RETURN_IF_ERROR(load(p + "mlp.up_proj.weight", {inter, h}, &layer.up_proj));
-    KVCM_RETURN_IF_ERROR(load(p + "mlp.down_proj.weight", {h, inter}, &layer.down_proj));
+    KVCM_RETURN_IF_ERROR(load_matrix(p + "mlp.gate_proj.weight", {inter, h}, &layer.gate_proj));
+    KVCM_RETURN_IF_ERROR(load_matrix(p + "mlp.up_proj.weight", {inter, h}, &layer.up_proj));
+    KVCM_RETURN_IF_ERROR(load_matrix(p + "mlp.down_proj.weight", {h, inter}, &layer.down_proj));
     if (c.qkv_bias) {
       KVCM_RETURN_IF_ERROR(load(p + "self_attn.q_proj.bias", {q}, &layer.q_bias));
       KVCM_RETURN_IF_ERROR(load(p + "self_attn.k_proj.bias", {kv}, &layer.k_bias));
@@ -383,32 +408,17 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::LoadWeights(
   }
   KVCM_RETURN_IF_ERROR(load("model.norm.weight", {h}, &model->weights_.final_norm));
   if (!c.tie_word_embeddings) {
-    KVCM_RETURN_IF_ERROR(load("lm_head.weight", {vocab, h}, &model->weights_.lm_head));
+    KVCM_RETURN_IF_ERROR(load_matrix("lm_head.weight", {vocab, h}, &model->weights_.lm_head));
   }
   model->inv_freq_ = InverseFrequencies(c);
   return model;
 }
 
-void LlamaModel::MatMul(const float* x, int64_t rows, int64_t in, const std::vector<float>& w,
+void LlamaModel::MatMul(const float* x, int64_t rows, int64_t in, const kernels::WeightMatrix& w,
                         int64_t out, float* y) const {
-  KVCM_CHECK(static_cast<int64_t>(w.size()) == out * in) << w.size() << " != " << out << "x" << in;
-  const float* weights = w.data();
-  // Enough output features per chunk for ~64K multiply-adds, so tiny products stay on one
-  // thread.
-  const int64_t min_chunk = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, in * rows));
-  // Rows of x per pass over a chunk's weights: about 256 KiB of x, to stay in L2.
-  const int64_t row_tile = std::max<int64_t>(4, (int64_t{1} << 16) / std::max<int64_t>(1, in));
-  ParallelChunks(out, min_chunk, [&](int64_t begin, int64_t end) {
-    for (int64_t r0 = 0; r0 < rows; r0 += row_tile) {
-      const int64_t r1 = std::min(rows, r0 + row_tile);
-      for (int64_t o = begin; o < end; ++o) {
-        const float* row = weights + o * in;
-        int64_t r = r0;
-        for (; r + 4 <= r1; r += 4) Dot4(x + r * in, row, in, y + r * out + o, out);
-        for (; r < r1; ++r) y[r * out + o] = Dot(x + r * in, row, in);
-      }
-    }
-  });
+  KVCM_CHECK(w.rows() == out && w.cols() == in)
+      << w.rows() << "x" << w.cols() << " != " << out << "x" << in;
+  kernels::MatMul(x, rows, w, y, num_threads_);
 }
 
 void LlamaModel::RmsNorm(const float* x, int64_t rows, const std::vector<float>& weight,
@@ -456,8 +466,7 @@ void LlamaModel::ApplyRope(float* x, int64_t rows, int32_t heads,
 void LlamaModel::Embed(std::span<const int32_t> tokens, float* x) const {
   const int64_t h = config_.hidden_size;
   for (size_t t = 0; t < tokens.size(); ++t) {
-    std::memcpy(x + static_cast<int64_t>(t) * h, weights_.embed_tokens.data() + int64_t{tokens[t]} * h,
-                static_cast<size_t>(h) * sizeof(float));
+    weights_.embed_tokens.DequantizeRow(tokens[t], x + static_cast<int64_t>(t) * h);
   }
 }
 

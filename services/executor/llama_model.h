@@ -1,7 +1,7 @@
 #pragma once
 // LlamaModel: a Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) on the
-// CPU, with fp32 weights, whose attention reads and writes the shared paged KV pool through
-// the kernels of kernels/ (docs/architecture.md).
+// CPU, computing in fp32 over weights kept as their file stores them, whose attention reads
+// and writes the shared paged KV pool through the kernels of kernels/ (docs/architecture.md).
 //
 // Two forward paths share every step but attention:
 //
@@ -14,12 +14,13 @@
 //   ForwardContiguous  the reference: one sequence from position 0 with a private,
 //                      contiguous fp32 KV cache and plain attention; no pool, no kernels.
 //
-// Matrix products run on the kernels' process-wide thread pool (kernels/cpu_thread_pool.h),
-// split over output features; each output is one dot product in a fixed order, so results
-// are bitwise the same for any number of threads and for any batching of the same tokens
-// (attention aside, which is the kernel's).
+// Matrix products are kernels::MatMul (kernels/matmul_cpu.h) on the kernels' process-wide
+// thread pool, split over output features; each output is one chain of multiply-adds in a
+// fixed order, so results are bitwise the same for any number of threads and for any
+// batching of the same tokens (attention aside, which is the kernel's).
 //
-// Ownership: the model owns its weights (fp32, loaded once). The pool memory belongs to the
+// Ownership: the model owns its weights (loaded once; a GGUF file's quantized tensors are
+// repacked and stay quantized, fp32 otherwise). The pool memory belongs to the
 // caller; Forward writes only the slots of the batch's new tokens.
 // Thread safety: const methods may be called concurrently; the parallel loops of concurrent
 // calls take turns on the shared thread pool. Two concurrent Forward calls must not
@@ -37,6 +38,7 @@
 #include "absl/status/statusor.h"
 #include "common/memory/pool_layout.h"
 #include "common/sizing/kv_cache_spec.h"
+#include "kernels/matmul_cpu.h"
 #include "services/executor/llama_config.h"
 
 namespace kvcm {
@@ -86,20 +88,22 @@ struct LlamaModelOptions {
   int32_t num_threads = 0;
 };
 
-// The model's parameters in fp32, row-major, with Hugging Face's shapes (see
-// LlamaModel::Load): H = hidden_size, I = intermediate_size, Q = num_attention_heads x
-// head_dim, K = num_key_value_heads x head_dim, V = vocab_size.
+// The model's parameters with Hugging Face's shapes (see LlamaModel::Load): H = hidden_size,
+// I = intermediate_size, Q = num_attention_heads x head_dim, K = num_key_value_heads x
+// head_dim, V = vocab_size. The matrices are kernels::WeightMatrix (kernels/matmul_cpu.h):
+// a GGUF file's quantized tensors stay quantized (repacked, not dequantized), everything
+// else is fp32; norms and biases are fp32 vectors.
 struct LlamaWeights {
   struct Layer {
-    std::vector<float> input_norm;  // [H]
-    std::vector<float> q_proj;      // [Q, H]
-    std::vector<float> k_proj;      // [K, H]
-    std::vector<float> v_proj;      // [K, H]
-    std::vector<float> o_proj;      // [H, Q]
-    std::vector<float> post_norm;   // [H]
-    std::vector<float> gate_proj;   // [I, H]
-    std::vector<float> up_proj;     // [I, H]
-    std::vector<float> down_proj;   // [H, I]
+    std::vector<float> input_norm;    // [H]
+    kernels::WeightMatrix q_proj;     // [Q, H]
+    kernels::WeightMatrix k_proj;     // [K, H]
+    kernels::WeightMatrix v_proj;     // [K, H]
+    kernels::WeightMatrix o_proj;     // [H, Q]
+    std::vector<float> post_norm;     // [H]
+    kernels::WeightMatrix gate_proj;  // [I, H]
+    kernels::WeightMatrix up_proj;    // [I, H]
+    kernels::WeightMatrix down_proj;  // [H, I]
     // Attention biases (empty when the model has none): q, k, v with qkv_bias (Qwen2, and
     // Llama's attention_bias), o with o_bias (Llama's attention_bias).
     std::vector<float> q_bias;  // [Q]
@@ -107,12 +111,14 @@ struct LlamaWeights {
     std::vector<float> v_bias;  // [K]
     std::vector<float> o_bias;  // [H]
   };
-  std::vector<float> embed_tokens;  // [V, H]
+  kernels::WeightMatrix embed_tokens;  // [V, H]; rows dequantized at lookup
   std::vector<Layer> layers;
   std::vector<float> final_norm;  // [H]
-  std::vector<float> lm_head;     // [V, H]; empty when tied: embed_tokens is the head
+  kernels::WeightMatrix lm_head;  // [V, H]; empty when tied: embed_tokens is the head
 
-  const std::vector<float>& head() const { return lm_head.empty() ? embed_tokens : lm_head; }
+  const kernels::WeightMatrix& head() const { return lm_head.empty() ? embed_tokens : lm_head; }
+  // The bytes the matrices take (what the model holds in memory, norms and biases aside).
+  int64_t matrix_bytes() const;
 };
 
 // Where each new token of a ForwardBatch goes, as both forward paths (CPU and CUDA) need it:
@@ -160,7 +166,9 @@ class LlamaModel {
   // (LlamaConfigFromGguf) and the same tensors under llama.cpp's names (token_embd,
   // blk.{l}.attn_norm, attn_q, attn_k, attn_v, attn_output, ffn_norm, ffn_gate, ffn_up,
   // ffn_down, output_norm, output; attn_{q,k,v}.bias for qwen2), of any type Dequantize
-  // implements, dequantized to fp32 at load; a llama file's q and k rows are put back from
+  // implements: matrices of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K stay quantized
+  // (kernels::WeightMatrix::FromGgml), other types and the norms are dequantized to fp32 at
+  // load; a llama file's q and k rows are put back from
   // GGUF's RoPE order (see llama_model.cc; qwen2 files keep Hugging Face's order). Errors:
   // GgufFile::Open's and LlamaConfigFromGguf's, and the tensor errors above naming the file.
   static absl::StatusOr<std::unique_ptr<LlamaModel>> Load(
@@ -215,9 +223,10 @@ class LlamaModel {
   void ParallelChunks(int64_t n, int64_t min_chunk,
                       absl::FunctionRef<void(int64_t, int64_t)> fn) const;
 
-  // y[rows][out] = x[rows][in] . w[out][in]^T, split over `out` on the thread pool.
-  void MatMul(const float* x, int64_t rows, int64_t in, const std::vector<float>& w, int64_t out,
-              float* y) const;
+  // y[rows][out] = x[rows][in] . w[out][in]^T (kernels::MatMul on num_threads_ threads).
+  // REQUIRES: w is [out, in].
+  void MatMul(const float* x, int64_t rows, int64_t in, const kernels::WeightMatrix& w,
+              int64_t out, float* y) const;
   // out[rows][H] = RMSNorm(x[rows][H]) * weight.
   void RmsNorm(const float* x, int64_t rows, const std::vector<float>& weight, float* out) const;
   // Rotates `heads` heads of each row in place by its position (HF rotate_half convention).

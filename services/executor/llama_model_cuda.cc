@@ -141,9 +141,11 @@ class LlamaCudaModel::Impl {
 absl::Status LlamaCudaModel::Impl::Upload() {
   const LlamaWeights& w = model_.weights();
   const std::vector<double>& inv_freq = model_.inv_freq();
-  // Every host tensor and where it goes.
+  // Every host tensor and where it goes; matrices are dequantized to fp32 one at a time as
+  // they are copied (the device kernels read fp32).
   struct Piece {
     const void* host;
+    const kernels::WeightMatrix* matrix;  // instead of host
     uint64_t bytes;
     uint64_t offset;
   };
@@ -151,19 +153,26 @@ absl::Status LlamaCudaModel::Impl::Upload() {
   Carver carver;
   auto add = [&](const std::vector<float>& tensor) {
     const uint64_t offset = carver.Take<float>(static_cast<int64_t>(tensor.size()));
-    pieces.push_back({tensor.data(), tensor.size() * sizeof(float), offset});
+    pieces.push_back({tensor.data(), nullptr, tensor.size() * sizeof(float), offset});
     return offset;
   };
-  const uint64_t embed = add(w.embed_tokens);
+  auto add_matrix = [&](const kernels::WeightMatrix& m) {
+    const int64_t n = m.rows() * m.cols();
+    const uint64_t offset = carver.Take<float>(n);
+    pieces.push_back({nullptr, &m, static_cast<uint64_t>(n) * sizeof(float), offset});
+    return offset;
+  };
+  const uint64_t embed = add_matrix(w.embed_tokens);
   const uint64_t final_norm = add(w.final_norm);
-  const uint64_t head = w.lm_head.empty() ? embed : add(w.lm_head);
+  const uint64_t head = w.lm_head.empty() ? embed : add_matrix(w.lm_head);
   const uint64_t freq = carver.Take<double>(static_cast<int64_t>(inv_freq.size()));
-  pieces.push_back({inv_freq.data(), inv_freq.size() * sizeof(double), freq});
+  pieces.push_back({inv_freq.data(), nullptr, inv_freq.size() * sizeof(double), freq});
   std::vector<std::array<uint64_t, 9>> layer_offsets;
   for (const LlamaWeights::Layer& l : w.layers) {
-    layer_offsets.push_back({add(l.input_norm), add(l.q_proj), add(l.k_proj), add(l.v_proj),
-                             add(l.o_proj), add(l.post_norm), add(l.gate_proj), add(l.up_proj),
-                             add(l.down_proj)});
+    layer_offsets.push_back({add(l.input_norm), add_matrix(l.q_proj), add_matrix(l.k_proj),
+                             add_matrix(l.v_proj), add_matrix(l.o_proj), add(l.post_norm),
+                             add_matrix(l.gate_proj), add_matrix(l.up_proj),
+                             add_matrix(l.down_proj)});
   }
   weight_bytes_ = carver.total();
 
@@ -178,8 +187,14 @@ absl::Status LlamaCudaModel::Impl::Upload() {
   KVCM_RETURN_IF_CUDA_ERROR(cudaMalloc(&base, weight_bytes_));
   weights_ = static_cast<uint8_t*>(base);
   for (const Piece& p : pieces) {
+    std::vector<float> dequantized;
+    const void* host = p.host;
+    if (p.matrix != nullptr) {
+      dequantized = p.matrix->Dequantize();
+      host = dequantized.data();
+    }
     KVCM_RETURN_IF_CUDA_ERROR(
-        cudaMemcpy(weights_ + p.offset, p.host, p.bytes, cudaMemcpyHostToDevice));
+        cudaMemcpy(weights_ + p.offset, host, p.bytes, cudaMemcpyHostToDevice));
   }
   KVCM_RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
 
