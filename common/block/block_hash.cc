@@ -2,6 +2,7 @@
 
 #include <openssl/evp.h>
 
+#include <algorithm>
 #include <bit>
 
 #include "absl/strings/str_cat.h"
@@ -134,6 +135,8 @@ class Encoder {
     if (n != 0) std::memcpy(buf_.data() + at, p, n);
   }
   std::span<const uint8_t> bytes() const { return buf_; }
+  void Resize(size_t n) { buf_.resize(n); }
+  uint8_t* data() { return buf_.data(); }
 
  private:
   std::vector<uint8_t> buf_;
@@ -197,17 +200,35 @@ BlockHash RootHash(HashAlgorithm algorithm, std::string_view salt) {
 BlockHash ChainBlockHash(HashAlgorithm algorithm, const BlockHash& parent,
                          std::span<const int32_t> tokens,
                          std::span<const std::string_view> extra_keys) {
-  Encoder& enc = ThreadEncoder();
-  enc.Clear();
-  enc.PutBytes(parent.bytes.data(), parent.bytes.size());
-  enc.PutU32(static_cast<uint32_t>(tokens.size()));
-  enc.PutBytes(tokens.data(), tokens.size_bytes());
-  enc.PutU32(static_cast<uint32_t>(extra_keys.size()));
-  for (std::string_view key : extra_keys) {
-    enc.PutU32(static_cast<uint32_t>(key.size()));
-    enc.PutBytes(key.data(), key.size());
+  size_t size = parent.bytes.size() + 4 + tokens.size_bytes() + 4;
+  for (std::string_view key : extra_keys) size += 4 + key.size();
+  // Most messages (a block of up to 110 tokens without extra keys) are built on the stack.
+  constexpr size_t kStackBytes = 512;
+  uint8_t stack[kStackBytes];
+  uint8_t* out = stack;
+  if (size > kStackBytes) {
+    Encoder& enc = ThreadEncoder();
+    enc.Resize(size);
+    out = enc.data();
   }
-  return Digest(algorithm, enc.bytes());
+  uint8_t* p = out;
+  auto put = [&p](const void* bytes, size_t n) {
+    if (n != 0) std::memcpy(p, bytes, n);
+    p += n;
+  };
+  auto put_u32 = [&put](size_t v) {
+    const auto u = static_cast<uint32_t>(v);
+    put(&u, sizeof(u));
+  };
+  put(parent.bytes.data(), parent.bytes.size());
+  put_u32(tokens.size());
+  put(tokens.data(), tokens.size_bytes());
+  put_u32(extra_keys.size());
+  for (std::string_view key : extra_keys) {
+    put_u32(key.size());
+    put(key.data(), key.size());
+  }
+  return Digest(algorithm, std::span<const uint8_t>(out, size));
 }
 
 void HashFullBlocks(HashAlgorithm algorithm, const BlockHash& parent,
@@ -215,7 +236,11 @@ void HashFullBlocks(HashAlgorithm algorithm, const BlockHash& parent,
                     std::vector<BlockHash>* out) {
   KVCM_CHECK(block_size > 0) << "block_size " << block_size;
   const size_t full = tokens.size() / static_cast<size_t>(block_size);
-  out->reserve(out->size() + full);
+  // Geometric growth: callers append chunk after chunk to one vector (a reserve of exactly
+  // size + full would reallocate and copy the whole vector on every call).
+  if (out->size() + full > out->capacity()) {
+    out->reserve(std::max(out->size() + full, 2 * out->capacity()));
+  }
   BlockHash prev = parent;
   for (size_t i = 0; i < full; ++i) {
     prev = ChainBlockHash(algorithm, prev, tokens.subspan(i * block_size, block_size));

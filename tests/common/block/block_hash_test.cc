@@ -100,6 +100,25 @@ TEST(BlockHashTest, HashFullBlocksChainsAndSkipsPartialBlock) {
   EXPECT_NE(other[1], hashes[1]);
 }
 
+
+// Appending block after block to one vector (as a sequence grows) must grow it
+// geometrically: a reserve of exactly size + new blocks copied the whole vector on every
+// call, which made a long replay quadratic.
+TEST(BlockHashTest, HashFullBlocksAppendingOneBlockAtATimeDoesNotReallocateEachCall) {
+  std::vector<int32_t> tokens(4, 7);
+  std::vector<BlockHash> hashes;
+  BlockHash parent = RootHash(HashAlgorithm::kFast128, "");
+  int reallocations = 0;
+  const BlockHash* data = nullptr;
+  for (int i = 0; i < 1000; ++i) {
+    HashFullBlocks(HashAlgorithm::kFast128, parent, tokens, 4, &hashes);
+    parent = hashes.back();
+    if (hashes.data() != data) ++reallocations;
+    data = hashes.data();
+  }
+  ASSERT_EQ(hashes.size(), 1000u);
+  EXPECT_LE(reallocations, 12);  // about log2(1000) with doubling
+}
 TEST(BlockHashTest, ParsesAlgorithmNames) {
   EXPECT_EQ(*ParseHashAlgorithm("sha256"), HashAlgorithm::kSha256);
   EXPECT_EQ(*ParseHashAlgorithm("fast128"), HashAlgorithm::kFast128);
