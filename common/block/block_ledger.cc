@@ -59,13 +59,9 @@ absl::Status BlockLedger::CheckOptions(const Options& options) {
 BlockLedger::BlockLedger(const Options& options) : options_(options) {
   const int32_t n = options_.num_blocks;
   if (options_.max_pinned_blocks == 0) options_.max_pinned_blocks = n / 2;
-  ref_count_.assign(n, 0);
-  pin_count_.assign(n, 0);
-  indexed_.assign(n, 0);
-  duplicate_.assign(n, 0);
-  hash_.resize(n);
-  lru_prev_.assign(n, kNoBlock);
-  lru_next_.assign(n, kNoBlock);
+  meta_.assign(static_cast<size_t>(n), BlockMeta{});
+  hash_.resize(static_cast<size_t>(n));
+  index_ = BlockIndex(n);
   free_ = FreeBlockSet(n, /*all_free=*/true);
   counters_.num_blocks = n;
   counters_.block_size = options_.block_size;
@@ -108,54 +104,58 @@ void BlockLedger::ReleaseSlot(int32_t slot) {
 // --- Block moves -------------------------------------------------------------------------
 
 inline void BlockLedger::LruPushBack(BlockId block) {
-  lru_prev_[block] = lru_tail_;
-  lru_next_[block] = kNoBlock;
-  if (lru_tail_ != kNoBlock) {
-    lru_next_[lru_tail_] = block;
-  } else {
-    lru_head_ = block;
-  }
-  lru_tail_ = block;
+  BlockMeta& m = meta_[block];
+  m.flags |= kInLru;
+  m.lru_stamp = ++lru_clock_;
+  lru_ring_.push_back({block, m.lru_stamp});
   ++lru_size_;
 }
 
 inline void BlockLedger::LruRemove(BlockId block) {
-  const BlockId prev = lru_prev_[block];
-  const BlockId next = lru_next_[block];
-  if (prev != kNoBlock) {
-    lru_next_[prev] = next;
-  } else {
-    KVCM_CHECK(lru_head_ == block) << "block " << block << " not in the LRU list";
-    lru_head_ = next;
-  }
-  if (next != kNoBlock) {
-    lru_prev_[next] = prev;
-  } else {
-    lru_tail_ = prev;
-  }
-  lru_prev_[block] = kNoBlock;
-  lru_next_[block] = kNoBlock;
+  BlockMeta& m = meta_[block];
+  KVCM_CHECK(m.flags & kInLru) << "block " << block << " not in the LRU list";
+  m.flags &= ~kInLru;  // its ring entry goes stale, skipped when it reaches the front
   --lru_size_;
+  // Stale entries are at most as many as live ones (plus slack): dropping them is linear
+  // in the ring, and happens only after as many removals, so O(1) amortised.
+  if (lru_ring_.size() - lru_front_ > 2 * static_cast<size_t>(lru_size_) + 1024) CompactLru();
+}
+
+void BlockLedger::CompactLru() {
+  size_t out = 0;
+  for (size_t i = lru_front_; i < lru_ring_.size(); ++i) {
+    if (LruEntryLive(lru_ring_[i])) lru_ring_[out++] = lru_ring_[i];
+  }
+  lru_ring_.resize(out);
+  lru_front_ = 0;
 }
 
 void BlockLedger::Unindex(BlockId block) {
-  KVCM_CHECK(indexed_[block]) << "block " << block;
+  BlockMeta& m = meta_[block];
+  KVCM_CHECK(m.flags & kIndexed) << "block " << block;
+  index_.Erase(m.tag, block);  // by tag and id: the full hash is not read
+  const bool has_duplicates = (m.flags & kHasDuplicates) != 0;
+  m.flags &= ~(kIndexed | kHasDuplicates);
+  if (!options_.record_events && !has_duplicates) return;
   const BlockHash hash = hash_[block];
-  index_.erase(hash);
-  indexed_[block] = 0;
   if (options_.record_events) {
     events_.push_back({BlockEvent::Kind::kRemoved, hash, BlockHash{}, false, block});
   }
+  if (!has_duplicates) return;
   // A duplicate still in use takes its place: the content stays matchable.
   auto dup = duplicates_.find(hash);
-  if (dup == duplicates_.end()) return;
+  KVCM_CHECK(dup != duplicates_.end()) << "block " << block << " has no recorded duplicates";
   const Duplicate next = dup->second.back();
   dup->second.pop_back();
-  if (dup->second.empty()) duplicates_.erase(dup);
-  KVCM_CHECK(ref_count_[next.block] > 0) << "duplicate block " << next.block << " is not in use";
-  duplicate_[next.block] = 0;
-  indexed_[next.block] = 1;
-  index_.emplace(hash, next.block);
+  uint8_t more = kHasDuplicates;
+  if (dup->second.empty()) {
+    duplicates_.erase(dup);
+    more = 0;
+  }
+  KVCM_CHECK(meta_[next.block].ref > 0) << "duplicate block " << next.block << " is not in use";
+  meta_[next.block].flags &= ~kDuplicate;
+  meta_[next.block].flags |= kIndexed | more;
+  index_.Insert(hash, next.block, HashOf());
   if (options_.record_events) {
     events_.push_back({BlockEvent::Kind::kStored, hash, next.parent, next.has_parent, next.block});
   }
@@ -165,13 +165,32 @@ void BlockLedger::DropDuplicate(BlockId block) {
   auto dup = duplicates_.find(hash_[block]);
   KVCM_CHECK(dup != duplicates_.end()) << "duplicate block " << block << " not recorded";
   std::erase_if(dup->second, [block](const Duplicate& d) { return d.block == block; });
-  if (dup->second.empty()) duplicates_.erase(dup);
-  duplicate_[block] = 0;
+  if (dup->second.empty()) {
+    duplicates_.erase(dup);
+    const BlockId holder = index_.Find(hash_[block], HashOf());
+    KVCM_CHECK(holder != kNoBlock) << "duplicate block " << block << " of an unindexed hash";
+    meta_[holder].flags &= ~kHasDuplicates;
+  }
+  meta_[block].flags &= ~kDuplicate;
 }
 
 BlockId BlockLedger::EvictLruHead() {
-  const BlockId block = lru_head_;
-  LruRemove(block);
+  // The front of the ring, past stale entries. Looking a few entries ahead, the next
+  // victims' metadata is fetched while this one is handled (their ids are known: no
+  // pointer chasing).
+  constexpr size_t kAhead = 8;
+  while (!LruEntryLive(lru_ring_[lru_front_])) ++lru_front_;
+  const BlockId block = lru_ring_[lru_front_++].block;
+  if (lru_front_ + kAhead < lru_ring_.size()) {
+    __builtin_prefetch(&meta_[lru_ring_[lru_front_ + kAhead].block]);
+  }
+  meta_[block].flags &= ~kInLru;
+  --lru_size_;
+  if (lru_front_ > lru_ring_.size() / 2 && lru_front_ >= 4096) {
+    // Drop the consumed prefix (amortised O(1): it is at least half the ring).
+    lru_ring_.erase(lru_ring_.begin(), lru_ring_.begin() + static_cast<ptrdiff_t>(lru_front_));
+    lru_front_ = 0;
+  }
   Unindex(block);
   ++counters_.evictions;
   return block;
@@ -182,11 +201,11 @@ BlockId BlockLedger::TakeBlock() {
   if (!free_.empty()) {
     block = free_.PopLowest();
   } else {
-    KVCM_CHECK(lru_head_ != kNoBlock) << "TakeBlock with no free or cached block";
+    KVCM_CHECK(lru_size_ > 0) << "TakeBlock with no free or cached block";
     block = EvictLruHead();
   }
-  KVCM_CHECK(ref_count_[block] == 0 && pin_count_[block] == 0) << "block " << block;
-  ref_count_[block] = 1;
+  KVCM_CHECK(meta_[block].ref == 0 && meta_[block].pins == 0) << "block " << block;
+  meta_[block].ref = 1;
   ++in_use_blocks_;
   ++counters_.blocks_allocated;
   return block;
@@ -198,8 +217,8 @@ void BlockLedger::TakeBlocks(int32_t n, std::vector<BlockId>* out) {
   out->resize(at + static_cast<size_t>(from_free));
   BlockId* ids = out->data() + at;
   free_.PopLowest(from_free, ids);
-  int32_t* refs = ref_count_.data();
-  for (int32_t i = 0; i < from_free; ++i) refs[ids[i]] = 1;
+  BlockMeta* meta = meta_.data();
+  for (int32_t i = 0; i < from_free; ++i) meta[ids[i]].ref = 1;
   in_use_blocks_ += from_free;
   counters_.blocks_allocated += static_cast<uint64_t>(from_free);
   for (int32_t i = from_free; i < n; ++i) out->push_back(TakeBlock());
@@ -207,20 +226,20 @@ void BlockLedger::TakeBlocks(int32_t n, std::vector<BlockId>* out) {
 
 void BlockLedger::ReleaseTailFirst(std::span<const BlockId> blocks) {
   // Counts accumulate in locals: members could alias the per-block arrays.
-  int32_t* refs = ref_count_.data();
+  BlockMeta* meta = meta_.data();
   int32_t released = 0;
   for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) {
     const BlockId b = *it;
     if (b == kNoBlock) continue;
-    KVCM_CHECK(refs[b] > 0) << "release of unreferenced block " << b;
-    if (--refs[b] > 0) continue;
+    KVCM_CHECK(meta[b].ref > 0) << "release of unreferenced block " << b;
+    if (--meta[b].ref > 0) continue;
     ++released;
-    if (pin_count_[b] > 0) {
+    if (meta_[b].pins > 0) {
       ++pinned_idle_blocks_;
-    } else if (indexed_[b]) {
+    } else if (IsIndexed(b)) {
       LruPushBack(b);
     } else {
-      if (duplicate_[b]) DropDuplicate(b);
+      if (IsDuplicate(b)) DropDuplicate(b);
       free_.Insert(b);
     }
   }
@@ -229,15 +248,15 @@ void BlockLedger::ReleaseTailFirst(std::span<const BlockId> blocks) {
 }
 
 void BlockLedger::Reuse(BlockId block) {
-  if (ref_count_[block] == 0) {
-    if (pin_count_[block] > 0) {
+  if (meta_[block].ref == 0) {
+    if (meta_[block].pins > 0) {
       --pinned_idle_blocks_;
     } else {
       LruRemove(block);
     }
     ++in_use_blocks_;
   }
-  ++ref_count_[block];
+  ++meta_[block].ref;
 }
 
 void BlockLedger::Release(BlockId block) { ReleaseTailFirst(std::span(&block, 1)); }
@@ -274,12 +293,11 @@ absl::StatusOr<AdmissionPlan> BlockLedger::PlanAllocate(
   AdmissionPlan plan;
   int32_t hits_from_lru = 0;
   for (size_t i = 0; i < matchable; ++i) {
-    auto it = index_.find(block_hashes[i]);
-    if (it == index_.end()) break;
+    const BlockId b = index_.Find(block_hashes[i], HashOf());
+    if (b == kNoBlock) break;
     ++plan.prefix_hit_blocks;
-    const BlockId b = it->second;
     if (hits != nullptr) hits->push_back(b);
-    if (ref_count_[b] == 0 && pin_count_[b] == 0) ++hits_from_lru;
+    if (meta_[b].ref == 0 && meta_[b].pins == 0) ++hits_from_lru;
   }
   plan.blocks_needed = total_blocks - plan.prefix_hit_blocks;
   // Cached blocks that this allocation reuses cannot also be evicted for it.
@@ -351,7 +369,7 @@ absl::StatusOr<AdmissionPlan> BlockLedger::PlanAppend(const Sequence& s,
   }
   AdmissionPlan plan;
   const bool partial = s.num_tokens % options_.block_size != 0;
-  if (num_new_tokens > 0 && partial && ref_count_[s.blocks.back()] > 1) {
+  if (num_new_tokens > 0 && partial && meta_[s.blocks.back()].ref > 1) {
     // The copy reads the shared block's KV: it must be written, or the copy is garbage.
     if (s.num_committed < s.num_tokens) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -437,17 +455,19 @@ void BlockLedger::Register(Sequence& s) {
                                  s.num_committed / options_.block_size);
   for (int32_t i = s.num_registered; i < limit; ++i) {
     const BlockId b = s.blocks[i];
-    if (b == kNoBlock || indexed_[b] || duplicate_[b]) continue;
-    auto [it, inserted] = index_.try_emplace(s.hashes[i], b);
-    if (!inserted) {
+    if (b == kNoBlock || IsIndexed(b) || IsDuplicate(b)) continue;
+    if (const BlockId holder = index_.Insert(s.hashes[i], b, HashOf()); holder != b) {
       // Same content already indexed in another block: a duplicate, which takes over if
       // that block is evicted first.
-      duplicate_[b] = 1;
+      meta_[holder].flags |= kHasDuplicates;
+      meta_[b].flags |= kDuplicate;
+      meta_[b].tag = BlockIndex::TagOf(s.hashes[i]);
       hash_[b] = s.hashes[i];
       duplicates_[s.hashes[i]].push_back({b, i > 0 ? s.hashes[i - 1] : BlockHash{}, i > 0});
       continue;
     }
-    indexed_[b] = 1;
+    meta_[b].flags |= kIndexed;
+    meta_[b].tag = BlockIndex::TagOf(s.hashes[i]);
     hash_[b] = s.hashes[i];
     if (options_.record_events) {
       const BlockHash parent = i > 0 ? s.hashes[i - 1] : BlockHash{};
@@ -532,7 +552,7 @@ absl::Status BlockLedger::Rename(SeqId seq, SeqId new_id) {
 int32_t BlockLedger::Lookup(std::span<const BlockHash> block_hashes) const {
   int32_t n = 0;
   for (const BlockHash& h : block_hashes) {
-    if (!index_.contains(h)) break;
+    if (index_.Find(h, HashOf()) == kNoBlock) break;
     ++n;
   }
   return n;
@@ -557,14 +577,14 @@ absl::Status BlockLedger::Pin(const std::string& name, std::span<const BlockHash
   std::vector<BlockId> blocks;
   blocks.reserve(block_hashes.size());
   for (size_t i = 0; i < block_hashes.size(); ++i) {
-    auto it = index_.find(block_hashes[i]);
-    if (it == index_.end()) {
+    const BlockId found = index_.Find(block_hashes[i], HashOf());
+    if (found == kNoBlock) {
       return absl::NotFoundError(absl::StrCat("pin '", name, "': block ", i, " of ",
                                               block_hashes.size(), " (hash ",
                                               block_hashes[i].ToHex().substr(0, 16),
                                               "…) is not in the prefix cache"));
     }
-    blocks.push_back(it->second);
+    blocks.push_back(found);
   }
   {  // Drop repeats, keeping chain order (head first).
     absl::flat_hash_set<BlockId> seen;
@@ -573,16 +593,23 @@ absl::Status BlockLedger::Pin(const std::string& name, std::span<const BlockHash
                  blocks.end());
   }
   int32_t newly_pinned = 0;
-  for (BlockId b : blocks) newly_pinned += pin_count_[b] == 0 ? 1 : 0;
+  for (BlockId b : blocks) {
+    newly_pinned += meta_[b].pins == 0 ? 1 : 0;
+    if (meta_[b].pins == kMaxPinsPerBlock) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "pin '", name, "': block ", b, " is already held by ", kMaxPinsPerBlock,
+          " pins, the most one block can have"));
+    }
+  }
   if (pinned_blocks_total_ + newly_pinned > options_.max_pinned_blocks) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "pin '", name, "' would pin ", pinned_blocks_total_ + newly_pinned,
         " blocks, over the limit of ", options_.max_pinned_blocks));
   }
   for (BlockId b : blocks) {
-    if (pin_count_[b]++ > 0) continue;
+    if (meta_[b].pins++ > 0) continue;
     ++pinned_blocks_total_;
-    if (ref_count_[b] == 0) {
+    if (meta_[b].ref == 0) {
       LruRemove(b);
       ++pinned_idle_blocks_;
     }
@@ -597,9 +624,9 @@ absl::Status BlockLedger::Unpin(const std::string& name) {
   // Tail first, so that the prefix's tail is evicted before its head.
   for (auto rit = it->second.blocks.rbegin(); rit != it->second.blocks.rend(); ++rit) {
     const BlockId b = *rit;
-    if (--pin_count_[b] > 0) continue;
+    if (--meta_[b].pins > 0) continue;
     --pinned_blocks_total_;
-    if (ref_count_[b] == 0) {
+    if (meta_[b].ref == 0) {
       --pinned_idle_blocks_;
       LruPushBack(b);
     }
@@ -610,7 +637,7 @@ absl::Status BlockLedger::Unpin(const std::string& name) {
 
 int32_t BlockLedger::EvictAllCached() {
   int32_t n = 0;
-  while (lru_head_ != kNoBlock) {
+  while (lru_size_ > 0) {
     free_.Insert(EvictLruHead());
     ++n;
   }
@@ -634,9 +661,9 @@ LedgerStats BlockLedger::Stats() const {
 
 BlockState BlockLedger::StateOf(BlockId block) const {
   KVCM_CHECK(block >= 0 && block < options_.num_blocks) << "block " << block;
-  if (ref_count_[block] > 0) return BlockState::kInUse;
-  if (pin_count_[block] > 0) return BlockState::kPinned;
-  if (indexed_[block]) return BlockState::kCached;
+  if (meta_[block].ref > 0) return BlockState::kInUse;
+  if (meta_[block].pins > 0) return BlockState::kPinned;
+  if (IsIndexed(block)) return BlockState::kCached;
   return BlockState::kFree;
 }
 
@@ -660,7 +687,9 @@ absl::StatusOr<int32_t> BlockLedger::NumCommittedTokens(SeqId seq) const {
 
 std::vector<BlockId> BlockLedger::EvictionOrderForTest() const {
   std::vector<BlockId> order;
-  for (BlockId b = lru_head_; b != kNoBlock; b = lru_next_[b]) order.push_back(b);
+  for (size_t i = lru_front_; i < lru_ring_.size(); ++i) {
+    if (LruEntryLive(lru_ring_[i])) order.push_back(lru_ring_[i].block);
+  }
   return order;
 }
 
@@ -668,11 +697,24 @@ std::vector<BlockEvent> BlockLedger::TakeEvents() { return std::exchange(events_
 
 std::vector<std::pair<BlockId, BlockHash>> BlockLedger::IndexedBlocks() const {
   std::vector<std::pair<BlockId, BlockHash>> out;
-  out.reserve(index_.size());
+  out.reserve(static_cast<size_t>(index_.size()));
   for (BlockId b = 0; b < options_.num_blocks; ++b) {
-    if (indexed_[b]) out.emplace_back(b, hash_[b]);
+    if (IsIndexed(b)) out.emplace_back(b, hash_[b]);
   }
   return out;
+}
+
+size_t BlockLedger::MemoryBytes() const {
+  auto vec = [](const auto& v) { return v.capacity() * sizeof(v[0]); };
+  auto map = [](const auto& m) {
+    using Slot = typename std::decay_t<decltype(m)>::value_type;
+    return m.capacity() * (sizeof(Slot) + 1);
+  };
+  size_t bytes = vec(meta_) + vec(hash_) + vec(lru_ring_) + free_.MemoryBytes() + index_.MemoryBytes() +
+                 map(duplicates_) + map(seq_index_) + map(pins_) +
+                 vec(free_slots_) + vec(events_) + vec(scratch_hits_);
+  for (const Sequence& s : slots_) bytes += sizeof(Sequence) + vec(s.blocks) + vec(s.hashes);
+  return bytes;
 }
 
 absl::Status BlockLedger::CheckInvariants() const {
@@ -709,25 +751,27 @@ absl::Status BlockLedger::CheckInvariants() const {
   }
   int32_t free_count = 0, in_use = 0, cached = 0, pinned_idle = 0, pinned_any = 0, indexed = 0;
   for (BlockId b = 0; b < n; ++b) {
-    if (refs[b] != ref_count_[b]) {
-      return broken("block ", b, ": ref count ", ref_count_[b], " but ", refs[b],
+    if (refs[b] != meta_[b].ref) {
+      return broken("block ", b, ": ref count ", meta_[b].ref, " but ", refs[b],
                     " references");
     }
-    if (pin_count_[b] < 0) return broken("block ", b, ": negative pin count");
-    if (pin_count_[b] > 0) ++pinned_any;
-    if (indexed_[b]) {
+    if (meta_[b].pins > 0) ++pinned_any;
+    if (((meta_[b].flags & kHasDuplicates) != 0) !=
+        (IsIndexed(b) && duplicates_.contains(hash_[b]))) {
+      return broken("block ", b, ": its has-duplicates flag disagrees with the duplicates");
+    }
+    if (IsIndexed(b)) {
       ++indexed;
-      auto it = index_.find(hash_[b]);
-      if (it == index_.end() || it->second != b) {
+      if (index_.Find(hash_[b], HashOf()) != b) {
         return broken("block ", b, ": marked indexed but the index disagrees");
       }
     }
-    if (duplicate_[b]) {
-      if (indexed_[b] || ref_count_[b] == 0) {
+    if (IsDuplicate(b)) {
+      if (IsIndexed(b) || meta_[b].ref == 0) {
         return broken("duplicate block ", b, " is indexed or not in use");
       }
-      auto it = index_.find(hash_[b]);
-      if (it == index_.end() || it->second == b) {
+      const BlockId holder = index_.Find(hash_[b], HashOf());
+      if (holder == kNoBlock || holder == b) {
         return broken("duplicate block ", b, ": its hash is not indexed in another block");
       }
       auto dup = duplicates_.find(hash_[b]);
@@ -738,7 +782,7 @@ absl::Status BlockLedger::CheckInvariants() const {
       }
     }
     const bool in_free = free_.Contains(b);
-    const bool in_lru = lru_prev_[b] != kNoBlock || lru_next_[b] != kNoBlock || lru_head_ == b;
+    const bool in_lru = (meta_[b].flags & kInLru) != 0;
     switch (StateOf(b)) {
       case BlockState::kInUse:
         ++in_use;
@@ -746,7 +790,7 @@ absl::Status BlockLedger::CheckInvariants() const {
         break;
       case BlockState::kPinned:
         ++pinned_idle;
-        if (!indexed_[b]) return broken("pinned block ", b, " is not in the prefix index");
+        if (!IsIndexed(b)) return broken("pinned block ", b, " is not in the prefix index");
         if (in_free || in_lru) return broken("pinned block ", b, " on a free or LRU list");
         break;
       case BlockState::kCached:
@@ -766,17 +810,33 @@ absl::Status BlockLedger::CheckInvariants() const {
   if (in_use != in_use_blocks_) return broken("in-use count ", in_use_blocks_, " vs ", in_use);
   if (pinned_idle != pinned_idle_blocks_) return broken("pinned count mismatch");
   if (pinned_any != pinned_blocks_total_) return broken("pinned total mismatch");
-  if (indexed != static_cast<int32_t>(index_.size())) return broken("index size mismatch");
-  // Walk the LRU list both ways.
-  int32_t walked = 0;
-  BlockId prev = kNoBlock;
-  for (BlockId b = lru_head_; b != kNoBlock; b = lru_next_[b]) {
-    if (lru_prev_[b] != prev) return broken("LRU list broken at block ", b);
-    if (++walked > n) return broken("LRU list has a cycle");
-    prev = b;
+  if (indexed != index_.size()) return broken("index size mismatch");
+  {  // Every entry of the index is a block marked indexed (none stale, none twice).
+    int32_t entries = 0;
+    bool stale = false;
+    index_.ForEach([&](BlockId b) {
+      ++entries;
+      stale |= b < 0 || b >= n || !IsIndexed(b);
+    });
+    if (stale || entries != indexed) return broken("index holds ", entries, " entries, ", indexed, " indexed blocks");
   }
-  if (prev != lru_tail_ || walked != lru_size_ || walked != cached) {
-    return broken("LRU list length ", walked, ", size ", lru_size_, ", cached ", cached);
+  // The LRU ring holds exactly one live entry per cached block, and its stamps increase.
+  {
+    std::vector<uint8_t> seen(static_cast<size_t>(n), 0);
+    int32_t live = 0;
+    uint32_t last_stamp = 0;
+    for (size_t i = lru_front_; i < lru_ring_.size(); ++i) {
+      const LruEntry& e = lru_ring_[i];
+      if (e.block < 0 || e.block >= n) return broken("LRU ring holds block id ", e.block);
+      if (!LruEntryLive(e)) continue;
+      if (seen[static_cast<size_t>(e.block)]++) return broken("block ", e.block, " twice in the LRU");
+      if (live > 0 && e.stamp <= last_stamp) return broken("LRU stamps out of order at ", e.block);
+      last_stamp = e.stamp;
+      ++live;
+    }
+    if (live != lru_size_ || live != cached) {
+      return broken("LRU ring has ", live, " live entries, size ", lru_size_, ", cached ", cached);
+    }
   }
   // Pin counts equal the named pins.
   std::vector<int32_t> pins(n, 0);
@@ -784,7 +844,7 @@ absl::Status BlockLedger::CheckInvariants() const {
     for (BlockId b : entry.blocks) ++pins[b];
   }
   for (BlockId b = 0; b < n; ++b) {
-    if (pins[b] != pin_count_[b]) return broken("block ", b, ": pin count mismatch");
+    if (pins[b] != meta_[b].pins) return broken("block ", b, ": pin count mismatch");
   }
   return absl::OkStatus();
 }

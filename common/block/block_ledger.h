@@ -60,6 +60,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/block/block_hash.h"
+#include "common/block/block_index.h"
 #include "common/block/free_block_set.h"
 
 namespace kvcm {
@@ -241,7 +242,7 @@ class BlockLedger {
   // Blocks that can be taken now without ending a sequence: free, or cached and evictable.
   int32_t AvailableBlocks() const { return free_.size() + lru_size_; }
   BlockState StateOf(BlockId block) const;
-  int32_t RefCount(BlockId block) const { return ref_count_[block]; }
+  int32_t RefCount(BlockId block) const { return meta_[block].ref; }
   bool IsLive(SeqId seq) const { return seq_index_.contains(seq); }
   // The sequence's block table (kNoBlock where the sliding window released a block).
   absl::StatusOr<std::vector<BlockId>> BlockTable(SeqId seq) const;
@@ -261,6 +262,10 @@ class BlockLedger {
   // Every block in the prefix index (in use, cached or pinned) with its hash, by ascending
   // block id: the state that the recorded Stored/Removed events add up to. O(num_blocks).
   std::vector<std::pair<BlockId, BlockHash>> IndexedBlocks() const;
+
+  // Bytes the ledger's own structures hold (per-block arrays, index, sequences), counting
+  // reserved capacity; for benchmarks and sizing. O(live sequences).
+  size_t MemoryBytes() const;
 
  private:
   struct Sequence {
@@ -315,27 +320,68 @@ class BlockLedger {
   int32_t AcquireSlot();
   void ReleaseSlot(int32_t slot);
 
-  // Intrusive LRU list of cached blocks: head_ is the next victim.
+  // The LRU ring of cached blocks (below): push a released block, remove a reused one.
   [[gnu::always_inline]] inline void LruPushBack(BlockId block);
   [[gnu::always_inline]] inline void LruRemove(BlockId block);
 
   Options options_;
 
-  // Per-block metadata, indexed by BlockId.
-  std::vector<int32_t> ref_count_;
-  std::vector<int32_t> pin_count_;
-  std::vector<uint8_t> indexed_;        // 1 if hash_[b] maps to b in index_
-  std::vector<BlockHash> hash_;         // valid where indexed_ or duplicate_
-  // 1 if b holds the content of hash_[b] that another block is indexed for (in duplicates_).
-  std::vector<uint8_t> duplicate_;
-  std::vector<BlockId> lru_prev_;
-  std::vector<BlockId> lru_next_;
-  BlockId lru_head_ = kNoBlock;
-  BlockId lru_tail_ = kNoBlock;
-  int32_t lru_size_ = 0;
+  // Per-block metadata, indexed by BlockId: what taking, releasing, evicting and indexing a
+  // block touch, in one 16-byte record (four to a cache line, a MiB for 65,536 blocks).
+  // The full hashes are apart (hash_): only indexing writes them and only lookups read them.
+  static constexpr uint8_t kIndexed = 1;    // index_ maps hash_[b] to b
+  // b holds the content of hash_[b], for which another block is indexed (in duplicates_).
+  static constexpr uint8_t kDuplicate = 2;
+  static constexpr uint8_t kInLru = 4;      // cached: its live entry is in lru_ring_
+  // Indexed, and in-use duplicates of its content wait in duplicates_ to take over: only
+  // then does unindexing it need its hash.
+  static constexpr uint8_t kHasDuplicates = 8;
+  struct BlockMeta {
+    int32_t ref = 0;          // live sequences referencing the block
+    uint32_t lru_stamp = 0;   // of its live entry in lru_ring_, where kInLru
+    uint32_t tag = 0;         // BlockIndex::TagOf(hash_[b]), where kIndexed or kDuplicate
+    uint16_t pins = 0;        // named pins holding it (at most kMaxPinsPerBlock)
+    uint8_t flags = 0;        // kIndexed, kDuplicate, kInLru, kHasDuplicates
+    uint8_t unused = 0;
+  };
+  static_assert(sizeof(BlockMeta) == 16);
+  static constexpr int32_t kMaxPinsPerBlock = UINT16_MAX;
+  bool IsIndexed(BlockId b) const { return (meta_[b].flags & kIndexed) != 0; }
+  bool IsDuplicate(BlockId b) const { return (meta_[b].flags & kDuplicate) != 0; }
+  // The index's view of the blocks' hashes.
+  struct MetaHash {
+    const BlockHash* hashes;
+    const BlockHash& operator()(int32_t b) const { return hashes[b]; }
+  };
+  MetaHash HashOf() const { return MetaHash{hash_.data()}; }
+
+  std::vector<BlockMeta> meta_;
+  std::vector<BlockHash> hash_;  // valid where kIndexed or kDuplicate
+
+  // The LRU list of cached blocks, as a FIFO of (block, stamp) in release order: the next
+  // victim is the first live entry from lru_front_. Removing a block (a prefix hit, a pin)
+  // only clears its kInLru flag; its entry goes stale and is skipped (an entry is live iff
+  // its block is kInLru with the same stamp). Eviction reads the ring in order, so the
+  // next victims are known in advance instead of chased through a linked list.
+  struct LruEntry {
+    BlockId block = kNoBlock;
+    uint32_t stamp = 0;
+  };
+  bool LruEntryLive(const LruEntry& e) const {
+    const BlockMeta& m = meta_[e.block];
+    return (m.flags & kInLru) != 0 && m.lru_stamp == e.stamp;
+  }
+  // Drops the stale entries, keeping the order.
+  void CompactLru();
+  std::vector<LruEntry> lru_ring_;
+  size_t lru_front_ = 0;
+  // Stamps of pushed entries. 32 bits suffice: a stale entry is dropped (compaction or the
+  // front passing it) long before 2^32 more pushes could reuse its stamp.
+  uint32_t lru_clock_ = 0;
+  int32_t lru_size_ = 0;  // live entries: the cached blocks
   FreeBlockSet free_;
 
-  absl::flat_hash_map<BlockHash, BlockId, BlockHashHasher> index_;
+  BlockIndex index_;
   // In-use duplicates of indexed blocks, by hash, with what a kStored event of theirs needs.
   struct Duplicate {
     BlockId block = kNoBlock;

@@ -85,6 +85,10 @@ class FreeBlockSet {
     --size_;
   }
 
+  size_t MemoryBytes() const {
+    return (words_.capacity() + summary_.capacity()) * sizeof(uint64_t);
+  }
+
   // Recounts from the bitmaps and checks the summary; for CheckInvariants.
   bool ConsistentForTest() const;
 

@@ -1,0 +1,423 @@
+// The block ledger replaying a realistic allocation trace, beside a peer allocator run on the
+// same trace in the same run (docs/PERFORMANCE.md, "Block ledger on an allocation trace").
+//
+//   build/bench/ledger_trace_bench --trace trace.bin
+//   build/bench/ledger_trace_bench --trace trace.bin --peer path/to/tgi_harness --rounds 5
+//
+// The trace (format KVTRACE1, little-endian):
+//   8 bytes  magic "KVTRACE1"
+//   u32 num_blocks, block_size, num_requests, max_live, num_sys, sys_len
+//   u64 seed, total_prompt_tokens
+//   i32[num_requests][3]   per request: P (prompt tokens), G (generated tokens), sys_id
+//   u32[total_prompt_tokens] the prompts, concatenated in request order
+// Every replay runs the same loop: for each request i, if max_live requests are live, free
+// the oldest; allocate request i with its prompt; grow it by G_i tokens one at a time (a new
+// block whenever one fills); keep it live. At the end the live ones are freed, oldest first.
+// A "block op" is one block-table entry taken (new or a prefix hit) or released; every system
+// makes the same number. Time per block op = the replay's wall time / block ops.
+//
+// kvcm's replays, each through BlockLedger's public API, as the router drives it:
+//   router     what the router's Steps carry: Allocate(seq, P, hashes of the prompt's full
+//              blocks); Commit(seq, P) once the prefill ran; then per generated token
+//              Append(seq, 1) and Commit(seq, n), with the new block's hash when the token
+//              fills a block. Free when the request ends.
+//   per-block  the same, but Append and Commit only when a block fills (or the request
+//              ends): the fewest calls the same block table can be built with.
+// Each with the block hashes computed inside the timed loop (the default hash, and SHA-256)
+// and, to separate the ledger's own time, with all hashes computed before the clock starts
+// ("precomputed"). Generated tokens are not in the trace: they are drawn from a fixed
+// function of (request, position), so their blocks hash like real ones and are cached and
+// evicted, but never hit.
+//
+// --peer BINARY runs `BINARY TRACE` once per round, interleaved with kvcm's replays; it must
+// print one JSON line with "ns_per_block_op" and "hit_blocks" (any other keys are ignored).
+// Ratios are medians over rounds: kvcm's ns per block op / the peer's.
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <deque>
+#include <fstream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/base/check.h"
+#include "common/block/block_hash.h"
+#include "common/block/block_ledger.h"
+
+namespace kvcm {
+namespace {
+
+struct Request {
+  int32_t prompt = 0;
+  int32_t generated = 0;
+  int32_t sys_id = -1;
+  int64_t offset = 0;  // of its prompt in Trace::tokens
+};
+
+struct Trace {
+  int32_t num_blocks = 0;
+  int32_t block_size = 0;
+  int32_t max_live = 0;
+  uint64_t seed = 0;
+  std::vector<Request> requests;
+  std::vector<int32_t> tokens;
+};
+
+uint32_t U32At(const std::string& b, size_t at) {
+  uint32_t v;
+  std::memcpy(&v, b.data() + at, sizeof(v));
+  return v;
+}
+
+Trace ReadTrace(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  KVCM_CHECK(in) << "cannot open trace " << path;
+  std::string head(8 + 6 * 4 + 2 * 8, '\0');
+  in.read(head.data(), static_cast<std::streamsize>(head.size()));
+  KVCM_CHECK(in && head.compare(0, 8, "KVTRACE1") == 0) << path << " is not a KVTRACE1 file";
+  Trace t;
+  t.num_blocks = static_cast<int32_t>(U32At(head, 8));
+  t.block_size = static_cast<int32_t>(U32At(head, 12));
+  const uint32_t n = U32At(head, 16);
+  t.max_live = static_cast<int32_t>(U32At(head, 20));
+  std::memcpy(&t.seed, head.data() + 32, sizeof(t.seed));
+  uint64_t total = 0;
+  std::memcpy(&total, head.data() + 40, sizeof(total));
+  std::vector<int32_t> table(static_cast<size_t>(n) * 3);
+  in.read(reinterpret_cast<char*>(table.data()),
+          static_cast<std::streamsize>(table.size() * sizeof(int32_t)));
+  t.tokens.resize(total);
+  in.read(reinterpret_cast<char*>(t.tokens.data()),
+          static_cast<std::streamsize>(total * sizeof(int32_t)));
+  KVCM_CHECK(in) << path << " is truncated";
+  int64_t offset = 0;
+  t.requests.resize(n);
+  for (uint32_t i = 0; i < n; ++i) {
+    Request& r = t.requests[i];
+    r.prompt = table[3 * i];
+    r.generated = table[3 * i + 1];
+    r.sys_id = table[3 * i + 2];
+    r.offset = offset;
+    offset += r.prompt;
+  }
+  KVCM_CHECK(offset == static_cast<int64_t>(total)) << "prompt lengths do not add up";
+  return t;
+}
+
+// The generated token at `position` of request `request`: a fixed function (splitmix64).
+int32_t GeneratedToken(uint64_t request, int64_t position) {
+  uint64_t z = (request << 32) + static_cast<uint64_t>(position) + 0x9e3779b97f4a7c15ULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return static_cast<int32_t>((z ^ (z >> 31)) % 128000);
+}
+
+enum class Growth { kRouter, kPerBlock };
+enum class Hashing { kPrecomputed, kInline };
+
+// CPU time of the calling thread: unlike wall time, not inflated while it waits for a core.
+double ThreadCpuNs() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) * 1e9 + static_cast<double>(ts.tv_nsec);
+}
+
+struct ReplayResult {
+  double ns = 0;
+  double cpu_ns = 0;
+  uint64_t block_ops = 0;
+  uint64_t hit_blocks = 0;
+  uint64_t evictions = 0;
+  size_t ledger_bytes = 0;
+  double ns_per_op() const { return ns / static_cast<double>(block_ops); }
+};
+
+// Every block hash the replay needs (prompt blocks, then the blocks that generation fills),
+// per request, in order. Computed before the clock for the "precomputed" runs.
+struct HashPlan {
+  std::vector<BlockHash> hashes;
+  std::vector<int64_t> first;  // per request, its first hash in `hashes`
+};
+
+// Fills `tokens` with request i's whole sequence (prompt, then generated tokens).
+void SequenceTokens(const Trace& t, uint32_t i, std::vector<int32_t>* tokens) {
+  const Request& r = t.requests[i];
+  tokens->assign(t.tokens.begin() + r.offset, t.tokens.begin() + r.offset + r.prompt);
+  for (int32_t g = 0; g < r.generated; ++g) tokens->push_back(GeneratedToken(i, r.prompt + g));
+}
+
+HashPlan PrecomputeHashes(const Trace& t, HashAlgorithm algorithm) {
+  HashPlan plan;
+  plan.first.reserve(t.requests.size() + 1);
+  const BlockHash root = RootHash(algorithm, "");
+  std::vector<int32_t> tokens;
+  for (uint32_t i = 0; i < t.requests.size(); ++i) {
+    plan.first.push_back(static_cast<int64_t>(plan.hashes.size()));
+    SequenceTokens(t, i, &tokens);
+    HashFullBlocks(algorithm, root, tokens, t.block_size, &plan.hashes);
+  }
+  plan.first.push_back(static_cast<int64_t>(plan.hashes.size()));
+  return plan;
+}
+
+ReplayResult Replay(const Trace& t, Growth growth, HashAlgorithm algorithm,
+                    const HashPlan* precomputed) {
+  BlockLedger::Options options;
+  options.num_blocks = t.num_blocks;
+  options.block_size = t.block_size;
+  BlockLedger ledger = *BlockLedger::Create(options);
+  const int32_t bs = t.block_size;
+  const BlockHash root = RootHash(algorithm, "");
+  std::deque<SeqId> live;
+  std::vector<BlockHash> hashes;
+  std::vector<int32_t> block_tokens(static_cast<size_t>(bs));
+  ReplayResult result;
+  uint64_t entries = 0;
+
+  auto free_oldest = [&] {
+    KVCM_CHECK(ledger.Free(live.front()).ok());
+    live.pop_front();
+  };
+  const auto start = std::chrono::steady_clock::now();
+  const double cpu_start = ThreadCpuNs();
+  for (uint32_t i = 0; i < t.requests.size(); ++i) {
+    const Request& r = t.requests[i];
+    if (static_cast<int32_t>(live.size()) == t.max_live) free_oldest();
+    const SeqId seq = i + 1;
+    const int32_t* prompt = t.tokens.data() + r.offset;
+    const int32_t prompt_blocks = r.prompt / bs;
+    std::span<const BlockHash> prompt_hashes;
+    const BlockHash* gen_hashes = nullptr;  // precomputed: hashes of blocks filled later
+    if (precomputed != nullptr) {
+      const BlockHash* first = precomputed->hashes.data() + precomputed->first[i];
+      prompt_hashes = std::span(first, static_cast<size_t>(prompt_blocks));
+      gen_hashes = first + prompt_blocks;
+    } else {
+      hashes.clear();
+      HashFullBlocks(algorithm, root, std::span(prompt, static_cast<size_t>(r.prompt)), bs,
+                     &hashes);
+      prompt_hashes = hashes;
+    }
+    absl::StatusOr<AllocateResult> a = ledger.Allocate(seq, r.prompt, prompt_hashes);
+    KVCM_CHECK(a.ok()) << a.status();
+    result.hit_blocks += static_cast<uint64_t>(a->num_cached_tokens / bs);
+    KVCM_CHECK(ledger.Commit(seq, r.prompt).ok());
+    BlockHash parent = prompt_blocks > 0 ? prompt_hashes.back() : root;
+    int32_t n = r.prompt;
+    const int32_t end = r.prompt + r.generated;
+    // The hash of the block that token position `last` (0-based) completes.
+    auto filled_block_hash = [&](int32_t last) {
+      if (gen_hashes != nullptr) return *gen_hashes++;
+      const int32_t block_start = last + 1 - bs;
+      for (int32_t k = 0; k < bs; ++k) {
+        const int32_t p = block_start + k;
+        block_tokens[static_cast<size_t>(k)] = p < r.prompt ? prompt[p] : GeneratedToken(i, p);
+      }
+      return ChainBlockHash(algorithm, parent, block_tokens);
+    };
+    if (growth == Growth::kRouter) {
+      while (n < end) {
+        KVCM_CHECK(ledger.Append(seq, 1).ok());
+        ++n;
+        if (n % bs == 0) {
+          parent = filled_block_hash(n - 1);
+          KVCM_CHECK(ledger.Commit(seq, n, std::span(&parent, 1)).ok());
+        } else {
+          KVCM_CHECK(ledger.Commit(seq, n).ok());
+        }
+      }
+    } else {
+      while (n < end) {
+        const int32_t next = std::min(end, (n / bs + 1) * bs);
+        KVCM_CHECK(ledger.Append(seq, next - n).ok());
+        n = next;
+        if (n % bs == 0) {
+          parent = filled_block_hash(n - 1);
+          KVCM_CHECK(ledger.Commit(seq, n, std::span(&parent, 1)).ok());
+        } else {
+          KVCM_CHECK(ledger.Commit(seq, n).ok());
+        }
+      }
+    }
+    entries += static_cast<uint64_t>((end + bs - 1) / bs);
+    live.push_back(seq);
+  }
+  while (!live.empty()) free_oldest();
+  result.cpu_ns = ThreadCpuNs() - cpu_start;
+  result.ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start)
+                  .count();
+  result.block_ops = 2 * entries;
+  result.evictions = ledger.Stats().evictions;
+  result.ledger_bytes = ledger.MemoryBytes();
+  KVCM_CHECK(ledger.CheckInvariants().ok()) << ledger.CheckInvariants();
+  KVCM_CHECK(ledger.Stats().in_use_blocks == 0);
+  return result;
+}
+
+struct PeerResult {
+  double ns_per_op = 0;
+  uint64_t hit_blocks = 0;
+};
+
+double JsonNumber(const std::string& line, std::string_view key) {
+  const std::string quoted = "\"" + std::string(key) + "\":";
+  const size_t at = line.find(quoted);
+  KVCM_CHECK(at != std::string::npos) << "peer output lacks " << key << ": " << line;
+  return std::strtod(line.c_str() + at + quoted.size(), nullptr);
+}
+
+PeerResult RunPeer(const std::string& binary, const std::string& trace) {
+  const std::string command = "'" + binary + "' '" + trace + "'";
+  FILE* pipe = popen(command.c_str(), "r");
+  KVCM_CHECK(pipe != nullptr) << "cannot run " << binary;
+  std::string out;
+  char buf[4096];
+  while (size_t got = std::fread(buf, 1, sizeof(buf), pipe)) out.append(buf, got);
+  KVCM_CHECK(pclose(pipe) == 0) << binary << " failed: " << out;
+  PeerResult r;
+  r.ns_per_op = JsonNumber(out, "ns_per_block_op");
+  r.hit_blocks = static_cast<uint64_t>(JsonNumber(out, "hit_blocks"));
+  return r;
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t m = v.size() / 2;
+  return v.size() % 2 == 1 ? v[m] : (v[m - 1] + v[m]) / 2;
+}
+
+struct Config {
+  const char* name;
+  Growth growth;
+  HashAlgorithm algorithm;
+  bool precomputed;
+};
+
+int Main(int argc, char** argv) {
+  std::string trace_path;
+  std::string peer;
+  int rounds = 3;
+  std::string only;
+  size_t requests = 0;  // 0: all
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    auto value = [&]() -> std::string {
+      KVCM_CHECK(i + 1 < argc) << arg << " needs a value";
+      return argv[++i];
+    };
+    if (arg == "--trace") {
+      trace_path = value();
+    } else if (arg == "--peer") {
+      peer = value();
+    } else if (arg == "--rounds") {
+      rounds = std::atoi(value().c_str());
+    } else if (arg == "--only") {
+      only = value();
+    } else if (arg == "--requests") {
+      requests = std::strtoul(value().c_str(), nullptr, 10);
+    } else {
+      std::fprintf(stderr,
+                   "usage: %s --trace FILE [--peer BINARY] [--rounds N] [--only NAME-PREFIX] "
+                   "[--requests N]\n",
+                   argv[0]);
+      return 2;
+    }
+  }
+  if (trace_path.empty()) {
+    std::fprintf(stderr, "--trace FILE is required (format: see bench/ledger_trace_bench.cc)\n");
+    return 2;
+  }
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  Trace trace = ReadTrace(trace_path);
+  if (requests > 0 && requests < trace.requests.size()) {
+    // The first N requests only (to profile; the peer still replays the whole trace).
+    KVCM_CHECK(peer.empty()) << "--requests cannot be compared with a peer";
+    trace.requests.resize(requests);
+  }
+  std::printf("trace %s: %zu requests, %zu prompt tokens, pool %d blocks of %d, %d live, seed %llu\n",
+              trace_path.c_str(), trace.requests.size(), trace.tokens.size(), trace.num_blocks,
+              trace.block_size, trace.max_live, static_cast<unsigned long long>(trace.seed));
+
+  const HashAlgorithm fast = HashAlgorithm::kFast128;
+  const std::vector<Config> configs = {
+      {"router/fast", Growth::kRouter, fast, false},
+      {"router/sha256", Growth::kRouter, HashAlgorithm::kSha256, false},
+      {"router/precomputed", Growth::kRouter, fast, true},
+      {"per-block/fast", Growth::kPerBlock, fast, false},
+      {"per-block/sha256", Growth::kPerBlock, HashAlgorithm::kSha256, false},
+      {"per-block/precomputed", Growth::kPerBlock, fast, true},
+  };
+  std::vector<const Config*> chosen;
+  for (const Config& c : configs) {
+    if (only.empty() || std::string_view(c.name).starts_with(only)) chosen.push_back(&c);
+  }
+  HashPlan plan;
+  if (std::any_of(chosen.begin(), chosen.end(), [](const Config* c) { return c->precomputed; })) {
+    plan = PrecomputeHashes(trace, fast);
+  }
+  // Hashing alone, per token of the trace, for each algorithm (what the router pays).
+  for (HashAlgorithm algorithm : {fast, HashAlgorithm::kSha256}) {
+    if (!only.empty()) break;
+    const auto start = std::chrono::steady_clock::now();
+    const HashPlan h = PrecomputeHashes(trace, algorithm);
+    const double ns =
+        std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count();
+    uint64_t tokens = 0;
+    for (const Request& r : trace.requests) tokens += static_cast<uint64_t>(r.prompt + r.generated);
+    std::printf("hashing %-7s %zu blocks: %.2f ns per token, %.1f ns per block (incl. "
+                "assembling the tokens)\n",
+                std::string(HashAlgorithmName(algorithm)).c_str(), h.hashes.size(),
+                ns / static_cast<double>(tokens), ns / static_cast<double>(h.hashes.size()));
+  }
+
+  std::vector<std::vector<double>> ns(chosen.size());
+  std::vector<double> peer_ns;
+  uint64_t peer_hits = 0;
+  std::vector<ReplayResult> last(chosen.size());
+  for (int round = 0; round < rounds; ++round) {
+    for (size_t c = 0; c < chosen.size(); ++c) {
+      last[c] = Replay(trace, chosen[c]->growth, chosen[c]->algorithm,
+                       chosen[c]->precomputed ? &plan : nullptr);
+      ns[c].push_back(last[c].ns_per_op());
+      std::printf("round %d  %-22s %8.2f ns/op  (cpu %.2f)  hits %llu\n", round, chosen[c]->name,
+                  last[c].ns_per_op(), last[c].cpu_ns / static_cast<double>(last[c].block_ops),
+                  static_cast<unsigned long long>(last[c].hit_blocks));
+      if (!peer.empty() && (c + 1) % 2 == 0) {  // the peer between kvcm's runs
+        const PeerResult p = RunPeer(peer, trace_path);
+        peer_ns.push_back(p.ns_per_op);
+        peer_hits = p.hit_blocks;
+        std::printf("round %d  %-22s %8.2f ns/op  hits %llu\n", round, "peer", p.ns_per_op,
+                    static_cast<unsigned long long>(p.hit_blocks));
+      }
+    }
+  }
+  const double peer_median = peer_ns.empty() ? 0 : Median(peer_ns);
+  std::printf("\n%-22s %12s %12s %12s %14s %10s\n", "replay", "ns/block op", "block ops",
+              "hit blocks", "evictions", "bytes/blk");
+  for (size_t c = 0; c < chosen.size(); ++c) {
+    const double median = Median(ns[c]);
+    std::printf("%-22s %12.2f %12llu %12llu %14llu %10.1f", chosen[c]->name, median,
+                static_cast<unsigned long long>(last[c].block_ops),
+                static_cast<unsigned long long>(last[c].hit_blocks),
+                static_cast<unsigned long long>(last[c].evictions),
+                static_cast<double>(last[c].ledger_bytes) / trace.num_blocks);
+    if (peer_median > 0) std::printf("   %.2fx peer", median / peer_median);
+    std::printf("\n");
+  }
+  if (peer_median > 0) {
+    std::printf("%-22s %12.2f %12s %12llu   (median of %zu runs, interleaved)\n", "peer",
+                peer_median, "", static_cast<unsigned long long>(peer_hits), peer_ns.size());
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvcm
+
+int main(int argc, char** argv) { return kvcm::Main(argc, argv); }
