@@ -26,6 +26,7 @@ PACKAGES=(
   prometheus-cpp-dev         # /metrics
   prometheus                 # prometheus + promtool: integration tests scrape and lint /metrics
   nlohmann-json3-dev         # Hugging Face config.json
+  libyaml-cpp-dev            # common/config: the --config YAML file of every binary
   libsentencepiece-dev       # common/tokenizer: SentencePiece tokenizer.model
   libpcre2-dev               # common/tokenizer: byte-level BPE pre-tokenizer regexes (JIT)
   libicu-dev                 # common/tokenizer: Unicode NFC for tokenizer.json normalizers
