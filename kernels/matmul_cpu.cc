@@ -205,10 +205,14 @@ void DecodeRow(GgmlType type, const uint8_t* x, int64_t cols, int8_t* codes, flo
 // --- Inner loops ---------------------------------------------------------------------------
 //
 // DequantPanel: a panel's values in fp32, [cols][16], into `out`.
-// PanelRows: y[r][0 .. valid) for r < rows, from x[r][0 .. k) and `np` (1 .. kUnitPanels)
-// fp32 panels w[0 .. np), each 16 columns of y; valid <= 16 np.
+// PanelRows: y[r][0 .. valid) for r < rows, from x[r * ldx + 0 .. k) and `np`
+// (1 .. kUnitPanels) fp32 panels w[0 .. np) of k columns, each 16 columns of y; valid <= 16 np.
+// With `accumulate` the sums start from y's values instead of 0 (the next chunk of k).
 
 constexpr int kUnitPanels = 4;  // panels one pass over the rows of x takes
+// Columns of a coded unit dequantized at a time: 4 panels x 128 x 64 bytes = 32 KiB, in L1.
+// A multiple of every group size.
+constexpr int64_t kChunk = 128;
 
 struct PanelArgs {
   const uint8_t* panel;
@@ -251,13 +255,17 @@ void DequantPanel(const PanelArgs& a, float* out) {
 }
 
 template <int R>
-void Tile(const float* x, int64_t k, const float* w, float* y, int64_t ldy, int64_t valid) {
+void Tile(const float* x, int64_t ldx, int64_t k, const float* w, float* y, int64_t ldy,
+          int64_t valid, bool accumulate) {
   float acc[R][kLanes] = {};
+  if (accumulate) {
+    for (int r = 0; r < R; ++r) std::memcpy(acc[r], y + r * ldy, static_cast<size_t>(valid) * 4);
+  }
   for (int64_t kk = 0; kk < k; ++kk) {
     const float* wk = w + kk * kLanes;
     KVCM_UNROLL
     for (int r = 0; r < R; ++r) {
-      const float xv = x[r * k + kk];
+      const float xv = x[r * ldx + kk];
       KVCM_UNROLL
       for (int64_t l = 0; l < kLanes; ++l) acc[r][l] += xv * wk[l];
     }
@@ -266,13 +274,15 @@ void Tile(const float* x, int64_t k, const float* w, float* y, int64_t ldy, int6
   for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy, acc[r], static_cast<size_t>(valid) * 4);
 }
 
-void PanelRows(const float* x, int64_t rows, int64_t k, const float* const* w, int np, float* y,
-               int64_t ldy, int64_t valid) {
+void PanelRows(const float* x, int64_t ldx, int64_t rows, int64_t k, const float* const* w, int np,
+               float* y, int64_t ldy, int64_t valid, bool accumulate) {
   for (int p = 0; p < np; ++p) {
     const int64_t v = std::min(valid - p * kLanes, kLanes);
     int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) Tile<4>(x + r * k, k, w[p], y + r * ldy + p * kLanes, ldy, v);
-    for (; r < rows; ++r) Tile<1>(x + r * k, k, w[p], y + r * ldy + p * kLanes, ldy, v);
+    for (; r + 4 <= rows; r += 4)
+      Tile<4>(x + r * ldx, ldx, k, w[p], y + r * ldy + p * kLanes, ldy, v, accumulate);
+    for (; r < rows; ++r)
+      Tile<1>(x + r * ldx, ldx, k, w[p], y + r * ldy + p * kLanes, ldy, v, accumulate);
   }
 }
 
@@ -325,13 +335,15 @@ void DequantPanel(const PanelArgs& a, float* out) {
 
 // R rows by NP panels (16 columns each) of y.
 template <int R, int NP>
-void Tile(const float* x, int64_t k, const float* const* w, float* y, int64_t ldy,
-          int64_t valid) {
+void Tile(const float* x, int64_t ldx, int64_t k, const float* const* w, float* y, int64_t ldy,
+          int64_t valid, bool accumulate) {
   __m256 acc[R][2 * NP];
   KVCM_UNROLL
   for (int r = 0; r < R; ++r) {
+    alignas(32) float t[2 * NP * 8] = {};
+    if (accumulate) std::memcpy(t, y + r * ldy, static_cast<size_t>(valid) * sizeof(float));
     KVCM_UNROLL
-    for (int h = 0; h < 2 * NP; ++h) acc[r][h] = _mm256_setzero_ps();
+    for (int h = 0; h < 2 * NP; ++h) acc[r][h] = _mm256_load_ps(t + 8 * h);
   }
   for (int64_t kk = 0; kk < k; ++kk) {
     __m256 wv[2 * NP];
@@ -339,7 +351,7 @@ void Tile(const float* x, int64_t k, const float* const* w, float* y, int64_t ld
     for (int h = 0; h < 2 * NP; ++h) wv[h] = _mm256_loadu_ps(w[h / 2] + kk * kLanes + 8 * (h % 2));
     KVCM_UNROLL
     for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_broadcast_ss(x + r * k + kk);
+      const __m256 xv = _mm256_broadcast_ss(x + r * ldx + kk);
       KVCM_UNROLL
       for (int h = 0; h < 2 * NP; ++h) acc[r][h] = _mm256_fmadd_ps(xv, wv[h], acc[r][h]);
     }
@@ -355,36 +367,49 @@ void Tile(const float* x, int64_t k, const float* const* w, float* y, int64_t ld
 
 // Rows of x in tiles of up to 6 (one panel) or 3 (two panels).
 template <int NP>
-void Rows(const float* x, int64_t rows, int64_t k, const float* const* w, float* y, int64_t ldy,
-          int64_t valid) {
+void Rows(const float* x, int64_t ldx, int64_t rows, int64_t k, const float* const* w, float* y,
+          int64_t ldy, int64_t valid, bool accumulate) {
   constexpr int kMax = NP == 1 ? 6 : 3;
   int64_t r = 0;
-  for (; r + kMax <= rows; r += kMax) Tile<kMax, NP>(x + r * k, k, w, y + r * ldy, ldy, valid);
-  const float* xr = x + r * k;
+  for (; r + kMax <= rows; r += kMax)
+    Tile<kMax, NP>(x + r * ldx, ldx, k, w, y + r * ldy, ldy, valid, accumulate);
+  const float* xr = x + r * ldx;
   float* yr = y + r * ldy;
   if constexpr (NP == 1) {
     switch (rows - r) {
-      case 5: Tile<5, 1>(xr, k, w, yr, ldy, valid); break;
-      case 4: Tile<4, 1>(xr, k, w, yr, ldy, valid); break;
-      case 3: Tile<3, 1>(xr, k, w, yr, ldy, valid); break;
-      default: break;
+      case 5:
+        Tile<5, 1>(xr, ldx, k, w, yr, ldy, valid, accumulate);
+        break;
+      case 4:
+        Tile<4, 1>(xr, ldx, k, w, yr, ldy, valid, accumulate);
+        break;
+      case 3:
+        Tile<3, 1>(xr, ldx, k, w, yr, ldy, valid, accumulate);
+        break;
+      default:
+        break;
     }
   }
   switch (rows - r) {
-    case 2: Tile<2, NP>(xr, k, w, yr, ldy, valid); break;
-    case 1: Tile<1, NP>(xr, k, w, yr, ldy, valid); break;
-    default: break;
+    case 2:
+      Tile<2, NP>(xr, ldx, k, w, yr, ldy, valid, accumulate);
+      break;
+    case 1:
+      Tile<1, NP>(xr, ldx, k, w, yr, ldy, valid, accumulate);
+      break;
+    default:
+      break;
   }
 }
 
-void PanelRows(const float* x, int64_t rows, int64_t k, const float* const* w, int np, float* y,
-               int64_t ldy, int64_t valid) {
+void PanelRows(const float* x, int64_t ldx, int64_t rows, int64_t k, const float* const* w, int np,
+               float* y, int64_t ldy, int64_t valid, bool accumulate) {
   for (int p = 0; p < np; p += 2) {
     const int64_t v = std::min(valid - p * kLanes, 2 * kLanes);
     if (p + 1 < np) {
-      Rows<2>(x, rows, k, w + p, y + p * kLanes, ldy, v);
+      Rows<2>(x, ldx, rows, k, w + p, y + p * kLanes, ldy, v, accumulate);
     } else {
-      Rows<1>(x, rows, k, w + p, y + p * kLanes, ldy, v);
+      Rows<1>(x, ldx, rows, k, w + p, y + p * kLanes, ldy, v, accumulate);
     }
   }
 }
@@ -410,29 +435,38 @@ void PanelRows(const float* x, int64_t rows, int64_t k, const float* const* w, i
 #endif
 namespace avx512 {
 
-void DequantPanel(const PanelArgs& a, float* out) {
+// One panel's groups of G columns; kCodes4 with kOffset: code = nibble - offset.
+template <int G, bool kFour, bool kOffset>
+void DequantGroups(const uint8_t* panel, int64_t groups, int64_t group_bytes, int32_t code_offset,
+                   float* out) {
   const __m512i mask = _mm512_set1_epi32(0xF);
-  const __m512i offset = _mm512_set1_epi32(a.code_offset);
-  for (int64_t g = 0; g < a.cols / a.group; ++g) {
-    const uint8_t* gp = a.panel + g * a.group_bytes;
+  const __m512i offset = _mm512_set1_epi32(code_offset);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* gp = panel + g * group_bytes;
     const float* sp = reinterpret_cast<const float*>(gp);
     const __m512 s = _mm512_loadu_ps(sp);
     const __m512 b = _mm512_loadu_ps(sp + kLanes);
     const uint8_t* codes = gp + kScaleBytes;
-    float* o = out + g * a.group * kLanes;
-    if (a.format == WeightMatrix::Format::kCodes4) {
-      for (int64_t j = 0; j < a.group / 2; ++j) {
+    float* o = out + g * G * kLanes;
+    if constexpr (kFour) {
+      KVCM_UNROLL
+      for (int j = 0; j < G / 2; ++j) {
         const __m512i v = _mm512_cvtepu8_epi32(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * kLanes)));
-        const __m512i lo = _mm512_sub_epi32(_mm512_and_si512(v, mask), offset);
-        const __m512i hi = _mm512_sub_epi32(_mm512_srli_epi32(v, 4), offset);
+        __m512i lo = _mm512_and_si512(v, mask);
+        __m512i hi = _mm512_srli_epi32(v, 4);
+        if constexpr (kOffset) {
+          lo = _mm512_sub_epi32(lo, offset);
+          hi = _mm512_sub_epi32(hi, offset);
+        }
         _mm512_storeu_ps(o + (2 * j) * kLanes,
                          _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lo), s), b));
         _mm512_storeu_ps(o + (2 * j + 1) * kLanes,
                          _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(hi), s), b));
       }
     } else {
-      for (int64_t j = 0; j < a.group; ++j) {
+      KVCM_UNROLL
+      for (int j = 0; j < G; ++j) {
         const __m512i v = _mm512_cvtepi8_epi32(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * kLanes)));
         _mm512_storeu_ps(o + j * kLanes, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(v), s), b));
@@ -441,15 +475,41 @@ void DequantPanel(const PanelArgs& a, float* out) {
   }
 }
 
+void DequantPanel(const PanelArgs& a, float* out) {
+  const int64_t groups = a.cols / a.group;
+  if (a.format == WeightMatrix::Format::kCodes4) {
+    KVCM_CHECK(a.group == 32);
+    if (a.code_offset != 0) {
+      DequantGroups<32, true, true>(a.panel, groups, a.group_bytes, a.code_offset, out);
+    } else {
+      DequantGroups<32, true, false>(a.panel, groups, a.group_bytes, 0, out);
+    }
+  } else if (a.group == 16) {
+    DequantGroups<16, false, false>(a.panel, groups, a.group_bytes, 0, out);
+  } else {
+    KVCM_CHECK(a.group == 32);
+    DequantGroups<32, false, false>(a.panel, groups, a.group_bytes, 0, out);
+  }
+}
+
 // R rows by NP panels (16 columns each) of y.
 template <int R, int NP>
-void Tile(const float* x, int64_t k, const float* const* w, float* y, int64_t ldy,
-          int64_t valid) {
+void Tile(const float* x, int64_t ldx, int64_t k, const float* const* w, float* y, int64_t ldy,
+          int64_t valid, bool accumulate) {
   __m512 acc[R][NP];
+  __mmask16 masks[NP];
+  KVCM_UNROLL
+  for (int p = 0; p < NP; ++p) {
+    const int64_t n = std::clamp<int64_t>(valid - p * kLanes, 0, kLanes);
+    masks[p] = static_cast<__mmask16>((1u << n) - 1);
+  }
   KVCM_UNROLL
   for (int r = 0; r < R; ++r) {
     KVCM_UNROLL
-    for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
+    for (int p = 0; p < NP; ++p) {
+      acc[r][p] = accumulate ? _mm512_maskz_loadu_ps(masks[p], y + r * ldy + p * kLanes)
+                             : _mm512_setzero_ps();
+    }
   }
   for (int64_t kk = 0; kk < k; ++kk) {
     __m512 wv[NP];
@@ -457,45 +517,64 @@ void Tile(const float* x, int64_t k, const float* const* w, float* y, int64_t ld
     for (int p = 0; p < NP; ++p) wv[p] = _mm512_loadu_ps(w[p] + kk * kLanes);
     KVCM_UNROLL
     for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_set1_ps(x[r * k + kk]);
+      const __m512 xv = _mm512_set1_ps(x[r * ldx + kk]);
       KVCM_UNROLL
       for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_fmadd_ps(xv, wv[p], acc[r][p]);
     }
   }
   KVCM_UNROLL
   for (int p = 0; p < NP; ++p) {
-    const int64_t n = std::clamp<int64_t>(valid - p * kLanes, 0, kLanes);
-    const __mmask16 m = static_cast<__mmask16>((1u << n) - 1);
     KVCM_UNROLL
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + p * kLanes, m, acc[r][p]);
+    for (int r = 0; r < R; ++r)
+      _mm512_mask_storeu_ps(y + r * ldy + p * kLanes, masks[p], acc[r][p]);
   }
 }
 
 // Rows of x in tiles of up to 6 (24 accumulators for four panels).
 template <int NP>
-void Rows(const float* x, int64_t rows, int64_t k, const float* const* w, float* y, int64_t ldy,
-          int64_t valid) {
+void Rows(const float* x, int64_t ldx, int64_t rows, int64_t k, const float* const* w, float* y,
+          int64_t ldy, int64_t valid, bool accumulate) {
   int64_t r = 0;
-  for (; r + 6 <= rows; r += 6) Tile<6, NP>(x + r * k, k, w, y + r * ldy, ldy, valid);
-  const float* xr = x + r * k;
+  for (; r + 6 <= rows; r += 6)
+    Tile<6, NP>(x + r * ldx, ldx, k, w, y + r * ldy, ldy, valid, accumulate);
+  const float* xr = x + r * ldx;
   float* yr = y + r * ldy;
   switch (rows - r) {
-    case 5: Tile<5, NP>(xr, k, w, yr, ldy, valid); break;
-    case 4: Tile<4, NP>(xr, k, w, yr, ldy, valid); break;
-    case 3: Tile<3, NP>(xr, k, w, yr, ldy, valid); break;
-    case 2: Tile<2, NP>(xr, k, w, yr, ldy, valid); break;
-    case 1: Tile<1, NP>(xr, k, w, yr, ldy, valid); break;
-    default: break;
+    case 5:
+      Tile<5, NP>(xr, ldx, k, w, yr, ldy, valid, accumulate);
+      break;
+    case 4:
+      Tile<4, NP>(xr, ldx, k, w, yr, ldy, valid, accumulate);
+      break;
+    case 3:
+      Tile<3, NP>(xr, ldx, k, w, yr, ldy, valid, accumulate);
+      break;
+    case 2:
+      Tile<2, NP>(xr, ldx, k, w, yr, ldy, valid, accumulate);
+      break;
+    case 1:
+      Tile<1, NP>(xr, ldx, k, w, yr, ldy, valid, accumulate);
+      break;
+    default:
+      break;
   }
 }
 
-void PanelRows(const float* x, int64_t rows, int64_t k, const float* const* w, int np, float* y,
-               int64_t ldy, int64_t valid) {
+void PanelRows(const float* x, int64_t ldx, int64_t rows, int64_t k, const float* const* w, int np,
+               float* y, int64_t ldy, int64_t valid, bool accumulate) {
   switch (np) {
-    case 4: Rows<4>(x, rows, k, w, y, ldy, valid); break;
-    case 3: Rows<3>(x, rows, k, w, y, ldy, valid); break;
-    case 2: Rows<2>(x, rows, k, w, y, ldy, valid); break;
-    default: Rows<1>(x, rows, k, w, y, ldy, valid); break;
+    case 4:
+      Rows<4>(x, ldx, rows, k, w, y, ldy, valid, accumulate);
+      break;
+    case 3:
+      Rows<3>(x, ldx, rows, k, w, y, ldy, valid, accumulate);
+      break;
+    case 2:
+      Rows<2>(x, ldx, rows, k, w, y, ldy, valid, accumulate);
+      break;
+    default:
+      Rows<1>(x, ldx, rows, k, w, y, ldy, valid, accumulate);
+      break;
   }
 }
 
@@ -510,8 +589,8 @@ void PanelRows(const float* x, int64_t rows, int64_t k, const float* const* w, i
 
 struct Loops {
   void (*dequant_panel)(const PanelArgs&, float*);
-  void (*panel_rows)(const float*, int64_t, int64_t, const float* const*, int, float*, int64_t,
-                     int64_t);
+  void (*panel_rows)(const float*, int64_t, int64_t, int64_t, const float* const*, int, float*,
+                     int64_t, int64_t, bool);
 };
 
 Loops LoopsFor(CpuIsa isa) {
@@ -699,8 +778,7 @@ void MatMul(const float* x, int64_t m, const WeightMatrix& w, float* y, int32_t 
   const int64_t panels = w.num_panels();
   const int64_t units = (panels + kUnitPanels - 1) / kUnitPanels;
   const bool coded = w.format() != WeightMatrix::Format::kFloat32;
-  // Rows of x per pass over the weights: about 512 KiB of x, to stay in L2 beside the
-  // dequantized unit (kUnitPanels x k x 64 bytes).
+  // Rows of x per pass over the weights: about 512 KiB of x, to stay in L2.
   const int64_t block_rows = std::max<int64_t>(8, (int64_t{1} << 17) / k);
   // Enough units per chunk for ~64K multiply-adds, so tiny products stay on one thread.
   const int64_t min_chunk = std::max<int64_t>(1, 65536 / (kUnitPanels * kLanes * k * m));
@@ -716,29 +794,38 @@ void MatMul(const float* x, int64_t m, const WeightMatrix& w, float* y, int32_t 
     const int64_t begin = chunk * units / num_chunks;
     const int64_t end = (chunk + 1) * units / num_chunks;
     thread_local std::vector<float> buffer;
-    if (coded && buffer.size() < static_cast<size_t>(kUnitPanels * kLanes * k)) {
-      buffer.resize(static_cast<size_t>(kUnitPanels * kLanes * k));
+    if (coded && buffer.size() < static_cast<size_t>(kUnitPanels * kLanes * kChunk)) {
+      buffer.resize(static_cast<size_t>(kUnitPanels * kLanes * kChunk));
     }
     for (int64_t r0 = 0; r0 < m; r0 += block_rows) {
       const int64_t rows = std::min(block_rows, m - r0);
       for (int64_t unit = begin; unit < end; ++unit) {
         const int64_t p0 = unit * kUnitPanels;
         const int np = static_cast<int>(std::min<int64_t>(kUnitPanels, panels - p0));
+        const int64_t valid = std::min<int64_t>(np * kLanes, n - p0 * kLanes);
+        float* yu = y + r0 * n + p0 * kLanes;
         const float* panel_values[kUnitPanels];
-        for (int p = 0; p < np; ++p) {
-          if (coded) {
-            PanelArgs a = base;
-            a.panel = w.panel(p0 + p);
-            float* out = buffer.data() + p * kLanes * k;
-            loops.dequant_panel(a, out);
-            panel_values[p] = out;
-          } else {
+        if (!coded) {
+          for (int p = 0; p < np; ++p) {
             panel_values[p] = reinterpret_cast<const float*>(w.panel(p0 + p));
           }
+          loops.panel_rows(x + r0 * k, k, rows, k, panel_values, np, yu, n, valid, false);
+          continue;
         }
-        const int64_t valid = std::min<int64_t>(np * kLanes, n - p0 * kLanes);
-        loops.panel_rows(x + r0 * k, rows, k, panel_values, np, y + r0 * n + p0 * kLanes, n,
-                         valid);
+        // Coded: kChunk columns at a time, dequantized into L1; y holds the partial sums
+        // between chunks (stored and reloaded exactly, so the chain over k is unchanged).
+        for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
+          const int64_t kc = std::min(kChunk, k - k0);
+          for (int p = 0; p < np; ++p) {
+            PanelArgs a = base;
+            a.panel = w.panel(p0 + p) + k0 / w.group() * w.group_bytes();
+            a.cols = kc;
+            float* out = buffer.data() + p * kLanes * kChunk;
+            loops.dequant_panel(a, out);
+            panel_values[p] = out;
+          }
+          loops.panel_rows(x + r0 * k + k0, k, rows, kc, panel_values, np, yu, n, valid, k0 > 0);
+        }
       }
     }
   };
