@@ -13,9 +13,11 @@
 //                 bitwise the floats of Dequantize (common/gguf/ggml_types.h). Types with no
 //                 code form here (F16, BF16, and any other type Dequantize implements) are
 //                 dequantized to fp32 panels.
-//   MatMul        y[m][rows] = x[m][cols] . W^T in fp32: each coded panel is dequantized into
-//                 a small fp32 buffer (in L2) and reused for all rows of x; the register tile
-//                 is up to 6 rows of x by 64 columns of y (AVX-512), 3 by 32 (AVX2).
+//   MatMul        y[m][rows] = x[m][cols] . W^T in fp32: four coded panels at a time are
+//                 dequantized 128 columns at a time into an fp32 buffer in L1 and reused for
+//                 up to ~512 KiB of rows of x (the partial sums wait in y, exactly); the
+//                 register tile is up to 6 rows of x by 64 columns of y (AVX-512), 3 by 32
+//                 (AVX2).
 //
 // Determinism: every y[i][j] is one chain of multiply-adds over k = 0 .. cols - 1 in order,
 // from 0, fused (FMA) on AVX2 and AVX-512 and unfused in the portable code. It does not
