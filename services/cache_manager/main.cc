@@ -27,6 +27,7 @@
 #include "common/base/termination_signals.h"
 #include "common/base/unique_fd.h"
 #include "common/block/block_hash.h"
+#include "common/config/config.h"
 #include "common/memory/pool_memory.h"
 #include "common/metrics/metrics_server.h"
 #include "common/sizing/byte_size.h"
@@ -201,7 +202,8 @@ void RaiseDescriptorLimit() {
   }
 }
 
-int Main() {
+int Main(const std::vector<config::Setting>& settings) {
+  Log(config::Describe(settings, config::ConfigFilePath()));
   // Before any thread starts: see common/base/termination_signals.h.
   UniqueFd signal_fd = BlockTerminationSignals();
   if (!signal_fd.valid()) {
@@ -286,6 +288,8 @@ int Main() {
   info.backend = std::string(PoolBackendName(*backend));
   info.hash_algorithm = std::string(HashAlgorithmName(*hash_algorithm));
   CacheManagerMetrics metrics(info);
+  config::ExportInfoMetric(*metrics.registry(), "kvcm_cache_manager_config_info", settings,
+                           config::ConfigFilePath());
   auto metrics_server =
       MetricsServer::Start(absl::GetFlag(FLAGS_metrics_address), metrics.registry());
   if (!metrics_server.ok()) return fail(metrics_server.status());
@@ -327,5 +331,15 @@ int main(int argc, char** argv) {
       "  kvcm-cache-manager --layers 32 --kv-heads 8 --head-dim 128 --num-blocks 4096\n"
       "  kvcm-cache-manager --model-config config.json --memory-fraction 0.9");
   kvcm::ParseDashedCommandLine(argc, argv);
-  return kvcm::Main();
+  // Environment and --config for the flags not on the command line (common/config/config.h).
+  auto settings = kvcm::config::ApplyToFlags("cache_manager", __FILE__);
+  if (!settings.ok()) {
+    kvcm::LogLine("kvcm-cache-manager", absl::StrCat("error: ", settings.status().message()));
+    return 1;
+  }
+  if (kvcm::config::PrintConfigRequested()) {
+    std::fputs(kvcm::config::PrintableConfig("cache_manager", *settings).c_str(), stdout);
+    return 0;
+  }
+  return kvcm::Main(*settings);
 }

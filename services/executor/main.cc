@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -32,6 +33,7 @@
 #include "common/base/status_macros.h"
 #include "common/base/termination_signals.h"
 #include "common/base/unique_fd.h"
+#include "common/config/config.h"
 #include "common/metrics/metrics_server.h"
 #include "services/executor/executor_metrics.h"
 #include "services/executor/executor_model.h"
@@ -85,7 +87,8 @@ std::string ModelName(const std::string& folder) {
   return std::string(absl::StripSuffix(path, ".gguf"));
 }
 
-int Main() {
+int Main(const std::vector<config::Setting>& settings) {
+  Log(config::Describe(settings, config::ConfigFilePath()));
   // Before any thread starts (the model's workers, ZeroMQ's I/O threads, the metrics
   // server, the heartbeat thread): see common/base/termination_signals.h.
   UniqueFd signal_fd = BlockTerminationSignals();
@@ -140,6 +143,8 @@ int Main() {
   info.model = ModelName(folder);
   info.weight_dtype = config.torch_dtype.empty() ? "unknown" : config.torch_dtype;
   ExecutorMetrics metrics(info);
+  config::ExportInfoMetric(*metrics.registry(), "kvcm_executor_config_info", settings,
+                           config::ConfigFilePath());
   metrics.ObserveModelLoad(load_seconds);
   auto metrics_server =
       MetricsServer::Start(absl::GetFlag(FLAGS_metrics_address), metrics.registry());
@@ -204,5 +209,15 @@ int main(int argc, char** argv) {
       "runs a Llama model on the cache manager's KV pool for a router.\n"
       "  kvcm-executor --model DIR --run-dir RUN_DIR --router ipc://RUN_DIR/router-executors.sock");
   kvcm::ParseDashedCommandLine(argc, argv);
-  return kvcm::Main();
+  // Environment and --config for the flags not on the command line (common/config/config.h).
+  auto settings = kvcm::config::ApplyToFlags("executor", __FILE__);
+  if (!settings.ok()) {
+    kvcm::LogLine("kvcm-executor", absl::StrCat("error: ", settings.status().message()));
+    return 1;
+  }
+  if (kvcm::config::PrintConfigRequested()) {
+    std::fputs(kvcm::config::PrintableConfig("executor", *settings).c_str(), stdout);
+    return 0;
+  }
+  return kvcm::Main(*settings);
 }

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <atomic>
 #include <fstream>
 #include <optional>
@@ -24,6 +25,7 @@
 #include "common/base/termination_signals.h"
 #include "common/base/unique_fd.h"
 #include "common/chat/chat_template.h"
+#include "common/config/config.h"
 #include "common/model/model_metadata.h"
 #include "common/tokenizer/tokenizer.h"
 #include "services/router/http_frontend.h"
@@ -64,7 +66,8 @@ namespace {
 constexpr char kComponent[] = "kvcm-router";
 void Log(std::string_view text) { LogLine(kComponent, text); }
 
-int Main() {
+int Main(const std::vector<config::Setting>& settings) {
+  Log(config::Describe(settings, config::ConfigFilePath()));
   UniqueFd signal_fd = BlockTerminationSignals();
   if (!signal_fd.valid()) {
     Log("cannot create a signalfd");
@@ -136,6 +139,8 @@ int Main() {
   core_options.drain_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_drain_timeout_ms));
   core_options.eos_token_ids = metadata->eos_token_ids;
   router::RouterMetrics metrics;
+  config::ExportInfoMetric(*metrics.registry(), "kvcm_router_config_info", settings,
+                           config::ConfigFilePath());
   core_options.metrics = &metrics;
   if ((*tokenizer)->eos_id() >= 0 && core_options.eos_token_ids.empty()) {
     core_options.eos_token_ids = {(*tokenizer)->eos_id()};
@@ -190,5 +195,15 @@ int main(int argc, char** argv) {
       "serves a model over HTTP (TGI's API) with kvcm's cache manager and executors.\n"
       "  kvcm-router --model DIR --run-dir RUN_DIR --port 3000");
   kvcm::ParseDashedCommandLine(argc, argv);
-  return kvcm::Main();
+  // Environment and --config for the flags not on the command line (common/config/config.h).
+  auto settings = kvcm::config::ApplyToFlags("router", __FILE__);
+  if (!settings.ok()) {
+    kvcm::LogLine("kvcm-router", absl::StrCat("error: ", settings.status().message()));
+    return 1;
+  }
+  if (kvcm::config::PrintConfigRequested()) {
+    std::fputs(kvcm::config::PrintableConfig("router", *settings).c_str(), stdout);
+    return 0;
+  }
+  return kvcm::Main(*settings);
 }

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <array>
+#include <filesystem>
+#include <set>
 #include <string_view>
 
 #include "absl/strings/numbers.h"
@@ -68,6 +70,108 @@ const char* TargetName(Target target) {
 }
 
 }  // namespace
+
+std::vector<config::Option> LaunchConfigOptions() {
+  using config::Type;
+  const LaunchOptions defaults;
+  std::vector<config::Option> options = {
+      {"model", Type::kString, defaults.model, ""},
+      {"executors", Type::kInt32, absl::StrCat(defaults.executors), ""},
+      {"run_dir", Type::kString, defaults.run_dir, ""},
+      {"bin_dir", Type::kString, defaults.bin_dir, ""},
+      {"restart_backoff_ms", Type::kInt32, absl::StrCat(defaults.restart_backoff_ms), ""},
+      {"prometheus_targets", Type::kString, defaults.prometheus_targets, ""},
+  };
+  for (config::Option& option : options) option.current_value = option.default_value;
+  return options;
+}
+
+absl::StatusOr<ConfiguredArgs> ApplyLaunchConfig(const std::vector<std::string>& args,
+                                                 const std::vector<std::string>& environment) {
+  ConfiguredArgs out;
+  config::Inputs inputs;
+  inputs.section = "launch";
+  inputs.options = LaunchConfigOptions();
+  inputs.environment = environment;
+  std::vector<std::string> rest;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& arg = args[i];
+    if (arg.substr(0, 2) != "--") {
+      rest.push_back(arg);
+      continue;
+    }
+    const size_t eq = arg.find('=');
+    std::string name = arg.substr(2, eq == std::string::npos ? std::string::npos : eq - 2);
+    std::replace(name.begin(), name.end(), '-', '_');
+    if (name == "print_config") {
+      out.print_config = true;
+      continue;
+    }
+    // The value of a flag that takes one, and whether it was the next argument.
+    const bool value_next = eq == std::string::npos && i + 1 < args.size();
+    const std::string value = eq != std::string::npos ? arg.substr(eq + 1)
+                              : value_next            ? args[i + 1]
+                                                      : "";
+    if (name == "config") {
+      if (eq == std::string::npos && !value_next) {
+        return absl::InvalidArgumentError("--config needs a value");
+      }
+      out.config_file = std::filesystem::absolute(value).string();
+      if (value_next) ++i;
+      continue;
+    }
+    for (config::Option& option : inputs.options) {
+      if (option.name == name) {
+        inputs.given.insert(name);
+        option.current_value = value;
+      }
+    }
+    rest.push_back(arg);
+  }
+  if (!out.config_file.empty()) {
+    inputs.file_path = out.config_file;
+    absl::StatusOr<config::SectionValues> file = config::ReadSection(out.config_file, "launch");
+    if (!file.ok()) return file.status();
+    inputs.file = *std::move(file);
+  }
+  absl::StatusOr<std::vector<config::Setting>> settings = config::Resolve(inputs);
+  if (!settings.ok()) return settings.status();
+  for (const config::Setting& setting : *settings) {
+    if (setting.source == config::Source::kFile ||
+        setting.source == config::Source::kEnvironment) {
+      out.args.push_back(absl::StrCat("--", Dashed(setting.name), "=", setting.value));
+    }
+  }
+  out.args.insert(out.args.end(), rest.begin(), rest.end());
+  out.settings = *std::move(settings);
+
+  // The cache manager reads the same file and inherits the environment: a pool it sizes
+  // there must not get the launcher's default size as well.
+  const std::set<std::string> sizing = {"num_blocks", "pool_bytes", "memory_fraction"};
+  auto sizes = [](const std::string& text) {
+    double number = 0;
+    return !text.empty() && !(absl::SimpleAtod(text, &number) && number == 0);
+  };
+  if (!out.config_file.empty()) {
+    absl::StatusOr<config::SectionValues> cache_manager =
+        config::ReadSection(out.config_file, "cache_manager");
+    if (!cache_manager.ok()) return cache_manager.status();
+    for (const auto& [key, value] : *cache_manager) {
+      if (sizing.contains(key) && sizes(value)) out.pool_sized = true;
+    }
+  }
+  for (const std::string& entry : environment) {
+    const size_t eq = entry.find('=');
+    if (eq == std::string::npos) continue;
+    for (const std::string& key : sizing) {
+      if (entry.substr(0, eq) == config::EnvironmentVariable("cache_manager", key) &&
+          sizes(entry.substr(eq + 1))) {
+        out.pool_sized = true;
+      }
+    }
+  }
+  return out;
+}
 
 absl::StatusOr<LaunchOptions> ParseLaunchOptions(const std::vector<std::string>& args) {
   LaunchOptions options;
@@ -168,6 +272,12 @@ Launcher flags:
                             process's metrics address (monitoring/prometheus/prometheus.yml)
   --cache-manager-arg=X, --router-arg=X, --executor-arg=X
                             pass X as it is to that process (repeatable)
+  --config FILE             a YAML file: its launch: section sets these flags, and every
+                            process started gets --config FILE for its own section
+                            (docs/operations.md, "Configuration")
+  --print-config            print the launcher's effective configuration and exit
+Each launcher flag can also be set by KVCM_LAUNCH_<FLAG> (e.g. KVCM_LAUNCH_EXECUTORS=2);
+precedence: flag > environment > file > default.
 
 Routed flags (each passed on as --flag=VALUE):
 )";

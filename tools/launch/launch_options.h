@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/config/config.h"
 
 namespace kvcm::launch {
 
@@ -35,6 +36,8 @@ struct LaunchOptions {
   // Whether a pool size (--num-blocks, --pool-bytes, --memory-fraction) was given; if not,
   // the launcher asks for kDefaultPoolBytes.
   bool pool_sized = false;
+  // --config: passed on to every process it starts (each reads its own section); "" = none.
+  std::string config_file;
 };
 
 inline constexpr char kDefaultPoolBytes[] = "1GiB";
@@ -42,6 +45,30 @@ inline constexpr char kDefaultPoolBytes[] = "1GiB";
 // Parses argv (without argv[0]). INVALID_ARGUMENT naming the flag for an unknown flag, a
 // flag without its value, a bad number, or no --model.
 absl::StatusOr<LaunchOptions> ParseLaunchOptions(const std::vector<std::string>& args);
+
+// The launcher's own flags as options of the launch: section of a --config file and of the
+// KVCM_LAUNCH_<OPTION> variables (common/config/config.h), with their defaults.
+std::vector<config::Option> LaunchConfigOptions();
+
+// The command line once the configuration file and the environment are applied.
+struct ConfiguredArgs {
+  // `args` without --config and --print-config, after a --name=value for each launcher flag
+  // that the file's launch: section or a KVCM_LAUNCH_ variable sets and `args` do not give
+  // (so the command line wins).
+  std::vector<std::string> args;
+  std::vector<config::Setting> settings;  // the launcher's options, for the log and printing
+  std::string config_file;                // --config FILE, made absolute; "" = none
+  bool print_config = false;              // --print-config
+  // Whether the cache manager's section of the file or a KVCM_CACHE_MANAGER_ variable sizes
+  // the pool (num_blocks, pool_bytes, memory_fraction), so the launcher must not.
+  bool pool_sized = false;
+};
+
+// Applies the file and the environment (`environment`: "NAME=VALUE" entries) to argv
+// (without argv[0]). Errors: INVALID_ARGUMENT for --config without a value, and those of
+// config::ReadSection and config::Resolve (an unknown key, a value of the wrong type).
+absl::StatusOr<ConfiguredArgs> ApplyLaunchConfig(const std::vector<std::string>& args,
+                                                 const std::vector<std::string>& environment);
 
 // The help text: the launcher's flags and where every routed flag goes.
 std::string LaunchUsage();

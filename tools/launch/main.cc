@@ -172,6 +172,10 @@ absl::Status Launcher::Prepare() {
     c->name = std::move(name);
     c->group = group;
     c->argv = {bin + "/" + binary};
+    // Each reads its own section; the launcher's flags below still win over the file.
+    if (!options_.config_file.empty()) {
+      c->argv.insert(c->argv.end(), {"--config", options_.config_file});
+    }
     c->ready_marker = std::move(marker);
     c->backoff = absl::Milliseconds(options_.restart_backoff_ms);
     return c;
@@ -455,11 +459,30 @@ int main(int argc, char** argv) {
       return 0;
     }
   }
-  absl::StatusOr<kvcm::launch::LaunchOptions> options = kvcm::launch::ParseLaunchOptions(args);
+  // Environment and --config for the launcher's own flags (common/config/config.h).
+  std::vector<std::string> environment;
+  for (char** entry = environ; *entry != nullptr; ++entry) environment.emplace_back(*entry);
+  absl::StatusOr<kvcm::launch::ConfiguredArgs> configured =
+      kvcm::launch::ApplyLaunchConfig(args, environment);
+  if (!configured.ok()) {
+    std::fprintf(stderr, "kvcm-launch: %s\n",
+                 std::string(configured.status().message()).c_str());
+    return 2;
+  }
+  if (configured->print_config) {
+    std::fputs(kvcm::config::PrintableConfig("launch", configured->settings).c_str(), stdout);
+    return 0;
+  }
+  absl::StatusOr<kvcm::launch::LaunchOptions> options =
+      kvcm::launch::ParseLaunchOptions(configured->args);
   if (!options.ok()) {
     std::fprintf(stderr, "kvcm-launch: %s\n", std::string(options.status().message()).c_str());
     return 2;
   }
+  options->config_file = configured->config_file;
+  options->pool_sized = options->pool_sized || configured->pool_sized;
+  kvcm::LogLine("kvcm-launch",
+                kvcm::config::Describe(configured->settings, configured->config_file));
   kvcm::UniqueFd signals = kvcm::BlockTerminationSignals();
   kvcm::launch::Launcher launcher(*std::move(options));
   if (absl::Status run = launcher.Run(signals.get()); !run.ok()) {
