@@ -36,6 +36,8 @@ PACKAGES=(
   libbenchmark-dev           # bench/
   python3                    # test tooling
   python3-venv               # scripts/python-env.sh: the official clients the tests use
+  systemd                    # systemd-analyze verify, systemd-sysusers: tests/deploy on deploy/systemd/
+  strace                     # tests/deploy: a running stack's system calls against the units' filter
 )
 
 missing=()
