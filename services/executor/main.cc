@@ -1,8 +1,9 @@
 // kvcm-executor: loads a Llama model, maps the cache manager's KV pool and runs the router's
 // step batches on it; see services/executor/executor_server.h and docs/executor.md.
 //
-// Flags are parsed here into the Options of the pieces below; nothing below main reads flags
-// or the environment. Start-up order: load the model (a bad folder fails here, before any
+// Flags are parsed here into the Options of the pieces below (a flag not on the command line
+// may come from KVCM_EXECUTOR_<FLAG> or --config FILE: common/config/config.h); nothing below
+// main reads flags or the environment. Start-up order: load the model (a bad folder fails here, before any
 // connection), start /metrics, register with the cache manager as an Executor and attach
 // (the pool's KV shape must be the model's; for a pool in CUDA memory the weights are copied
 // to its device, once), connect to the router, serve.

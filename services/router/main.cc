@@ -2,6 +2,9 @@
 // out to the executors (docs/architecture.md).
 //
 //   kvcm-router --model DIR|FILE.gguf --run-dir RUN_DIR --port 3000
+//
+// A flag not on the command line may come from KVCM_ROUTER_<FLAG> or --config FILE
+// (common/config/config.h); nothing below main reads flags or the environment.
 
 #include <unistd.h>
 
