@@ -126,6 +126,9 @@ constexpr MetricSpec kAccepting{
     "1 while new connections are accepted; 0 while too few file descriptors are left under "
     "RLIMIT_NOFILE (the sessions already connected are still served)."};
 
+// Not in this list: kvcm_cache_manager_config_info, the effective configuration (a gauge at 1,
+// one label per option), which main.cc adds to the same registry (common/config/config.h):
+// its labels are the binary's flags, so it is declared from the flags themselves.
 constexpr std::array kSpecs = {
     kCapacityBlocks,
     kBlocks,

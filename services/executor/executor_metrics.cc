@@ -55,6 +55,9 @@ constexpr MetricSpec kAttached{"kvcm_executor_pool_attached", MetricType::Gauge,
 constexpr MetricSpec kEpoch{"kvcm_executor_epoch", MetricType::Gauge, "",
                             "Epoch of the cache manager whose pool is attached (0: none)."};
 
+// Not in this list: kvcm_executor_config_info, the effective configuration (a gauge at 1,
+// one label per option), which main.cc adds to the same registry (common/config/config.h):
+// its labels are the binary's flags, so it is declared from the flags themselves.
 constexpr std::array kSpecs = {
     kInfo,          kModelLoads, kModelLoadSeconds, kSteps,    kStepDuration,   kTokensProcessed,
     kTokensSampled, kBatchSize,  kStepErrorsSpec,   kAttaches, kAttachDuration, kMappedBytes,

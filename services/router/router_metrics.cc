@@ -56,6 +56,9 @@ constexpr MetricSpec kTpot{"kvcm_router_time_per_output_token_seconds", MetricTy
 constexpr MetricSpec kE2e{"kvcm_router_request_duration_seconds", MetricType::Histogram, "",
                           "From a request's arrival to its last token."};
 
+// Not in this list: kvcm_router_config_info, the effective configuration (a gauge at 1,
+// one label per option), which main.cc adds to the same registry (common/config/config.h):
+// its labels are the binary's flags, so it is declared from the flags themselves.
 constexpr std::array kSpecs = {kQueued,       kRunning,    kExecutors,   kSteps,
                                kStepDuration, kBatchSequences, kBatchTokens, kPromptTokens,
                                kGenerated,    kPreemptions, kRecomputed, kRequests,
