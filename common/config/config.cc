@@ -85,7 +85,8 @@ bool FlagType(const absl::CommandLineFlag& flag, Type* type) {
 }  // namespace
 
 std::string EnvironmentVariable(std::string_view section, std::string_view option) {
-  return absl::AsciiStrToUpper(absl::StrCat("KVCM_", std::string(section), "_", std::string(option)));
+  return absl::AsciiStrToUpper(
+      absl::StrCat("KVCM_", std::string(section), "_", std::string(option)));
 }
 
 absl::StatusOr<SectionValues> ParseSection(std::string_view yaml, std::string_view file_name,
@@ -109,7 +110,9 @@ absl::StatusOr<SectionValues> ParseSection(std::string_view yaml, std::string_vi
     if (!IsSection(name)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "unknown section \"", name, "\" in ", file, " (sections: ",
-          absl::StrJoin(std::vector<std::string>(std::begin(kSections), std::end(kSections)), ", "), ")"));
+          absl::StrJoin(std::vector<std::string>(std::begin(kSections), std::end(kSections)),
+                        ", "),
+          ")"));
     }
     if (name != section) continue;
     if (entry.second.IsNull()) continue;  // "router:" with nothing under it

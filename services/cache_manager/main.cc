@@ -3,9 +3,9 @@
 //
 // Flags are parsed here into the Options of the pieces below (a flag not on the command line
 // may come from KVCM_CACHE_MANAGER_<FLAG> or --config FILE: common/config/config.h); nothing
-// below main reads flags or the environment. Exit status: 0 after SIGTERM/SIGINT; 1 on a bad command line or
-// a start-up or run failure (already running, port in use, no CUDA device), with the reason
-// on stderr.
+// below main reads flags or the environment. Exit status: 0 after SIGTERM/SIGINT; 1 on a bad
+// command line or a start-up or run failure (already running, port in use, no CUDA device),
+// with the reason on stderr.
 
 #include <signal.h>
 #include <sys/resource.h>

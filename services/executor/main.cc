@@ -3,10 +3,10 @@
 //
 // Flags are parsed here into the Options of the pieces below (a flag not on the command line
 // may come from KVCM_EXECUTOR_<FLAG> or --config FILE: common/config/config.h); nothing below
-// main reads flags or the environment. Start-up order: load the model (a bad folder fails here, before any
-// connection), start /metrics, register with the cache manager as an Executor and attach
-// (the pool's KV shape must be the model's; for a pool in CUDA memory the weights are copied
-// to its device, once), connect to the router, serve.
+// main reads flags or the environment. Start-up order: load the model (a bad folder fails
+// here, before any connection), start /metrics, register with the cache manager as an
+// Executor and attach (the pool's KV shape must be the model's; for a pool in CUDA memory the
+// weights are copied to its device, once), connect to the router, serve.
 //
 // Exit status: 0 after SIGTERM/SIGINT (the step in progress is finished and answered, then
 // Goodbye to the router and the cache manager); 1 on a bad command line or a start-up
