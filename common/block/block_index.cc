@@ -10,7 +10,7 @@ BlockIndex::BlockIndex(int32_t num_blocks) {
   KVCM_CHECK(num_blocks > 0 && num_blocks <= (int32_t{1} << 30)) << "num_blocks " << num_blocks;
   // At least twice the most entries it can hold: a load factor of at most one half keeps
   // linear probes short.
-  const size_t capacity = std::bit_ceil(2 * static_cast<size_t>(num_blocks));
+  const size_t capacity = std::bit_ceil(4 * static_cast<size_t>(num_blocks));
   slots_.assign(capacity, Entry{});
   mask_ = capacity - 1;
 }

@@ -1,6 +1,7 @@
 #include "common/block/block_ledger.h"
 
 #include <algorithm>
+#include <bit>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
@@ -57,6 +58,9 @@ absl::Status BlockLedger::CheckOptions(const Options& options) {
 }
 
 BlockLedger::BlockLedger(const Options& options) : options_(options) {
+  if (std::has_single_bit(static_cast<uint32_t>(options_.block_size))) {
+    block_shift_ = std::countr_zero(static_cast<uint32_t>(options_.block_size));
+  }
   const int32_t n = options_.num_blocks;
   if (options_.max_pinned_blocks == 0) options_.max_pinned_blocks = n / 2;
   meta_.assign(static_cast<size_t>(n), BlockMeta{});
@@ -70,13 +74,13 @@ BlockLedger::BlockLedger(const Options& options) : options_(options) {
 // --- Lookup helpers ------------------------------------------------------------------------
 
 const BlockLedger::Sequence* BlockLedger::FindSeq(SeqId seq) const {
-  auto it = seq_index_.find(seq);
-  return it == seq_index_.end() ? nullptr : &slots_[it->second];
+  const int32_t slot = seq_index_.Find(seq);
+  return slot < 0 ? nullptr : &slots_[static_cast<size_t>(slot)];
 }
 
 BlockLedger::Sequence* BlockLedger::FindSeq(SeqId seq) {
-  auto it = seq_index_.find(seq);
-  return it == seq_index_.end() ? nullptr : &slots_[it->second];
+  const int32_t slot = seq_index_.Find(seq);
+  return slot < 0 ? nullptr : &slots_[static_cast<size_t>(slot)];
 }
 
 absl::Status BlockLedger::NotFound(SeqId seq) const {
@@ -178,11 +182,14 @@ BlockId BlockLedger::EvictLruHead() {
   // The front of the ring, past stale entries. Looking a few entries ahead, the next
   // victims' metadata is fetched while this one is handled (their ids are known: no
   // pointer chasing).
+  // Two stages: the metadata of the victim kAhead entries on, and the index slot of the
+  // one kAhead / 2 on (its tag is in its metadata, fetched by then).
   constexpr size_t kAhead = 8;
   while (!LruEntryLive(lru_ring_[lru_front_])) ++lru_front_;
   const BlockId block = lru_ring_[lru_front_++].block;
   if (lru_front_ + kAhead < lru_ring_.size()) {
     __builtin_prefetch(&meta_[lru_ring_[lru_front_ + kAhead].block]);
+    index_.Prefetch(meta_[lru_ring_[lru_front_ + kAhead / 2].block].tag);
   }
   meta_[block].flags &= ~kInLru;
   --lru_size_;
@@ -212,6 +219,7 @@ BlockId BlockLedger::TakeBlock() {
 }
 
 void BlockLedger::TakeBlocks(int32_t n, std::vector<BlockId>* out) {
+  if (n == 0) return;
   const int32_t from_free = std::min(n, free_.size());
   const size_t at = out->size();
   out->resize(at + static_cast<size_t>(from_free));
@@ -280,7 +288,7 @@ absl::StatusOr<AdmissionPlan> BlockLedger::PlanAllocate(
         options_.block_size, " tokens, but the whole pool has ", options_.num_blocks,
         " blocks (max total tokens ", int64_t{options_.num_blocks} * options_.block_size, ")"));
   }
-  const size_t full_blocks = static_cast<size_t>(num_tokens / options_.block_size);
+  const size_t full_blocks = static_cast<size_t>(FullBlocks(num_tokens));
   if (block_hashes.size() > full_blocks) {
     return absl::InvalidArgumentError(absl::StrCat(
         "sequence ", seq, ": ", block_hashes.size(), " block hashes for ", num_tokens,
@@ -289,7 +297,7 @@ absl::StatusOr<AdmissionPlan> BlockLedger::PlanAllocate(
   // A hit never covers the last prompt token (it must be computed to get logits).
   const size_t matchable = std::min(
       block_hashes.size(),
-      num_tokens > 0 ? static_cast<size_t>((num_tokens - 1) / options_.block_size) : 0);
+      num_tokens > 0 ? static_cast<size_t>(FullBlocks(num_tokens - 1)) : 0);
   AdmissionPlan plan;
   int32_t hits_from_lru = 0;
   for (size_t i = 0; i < matchable; ++i) {
@@ -342,7 +350,7 @@ absl::StatusOr<AllocateResult> BlockLedger::Allocate(SeqId seq, int32_t num_toke
     s.blocks.push_back(b);
   }
   TakeBlocks(plan->blocks_needed, &s.blocks);
-  seq_index_.emplace(seq, slot);
+  seq_index_.Insert(seq, slot);
 
   counters_.prefix_query_tokens += static_cast<uint64_t>(num_tokens);
   counters_.prefix_hit_tokens += static_cast<uint64_t>(s.num_committed);
@@ -368,7 +376,7 @@ absl::StatusOr<AdmissionPlan> BlockLedger::PlanAppend(const Sequence& s,
         options_.num_blocks, " blocks × ", options_.block_size, " = ", capacity, " tokens)"));
   }
   AdmissionPlan plan;
-  const bool partial = s.num_tokens % options_.block_size != 0;
+  const bool partial = !IsBlockBoundary(s.num_tokens);
   if (num_new_tokens > 0 && partial && meta_[s.blocks.back()].ref > 1) {
     // The copy reads the shared block's KV: it must be written, or the copy is garbage.
     if (s.num_committed < s.num_tokens) {
@@ -400,6 +408,15 @@ absl::StatusOr<AdmissionPlan> BlockLedger::CanAppend(SeqId seq, int32_t num_new_
 absl::StatusOr<AppendResult> BlockLedger::Append(SeqId seq, int32_t num_new_tokens) {
   Sequence* s = FindSeq(seq);
   if (s == nullptr) return NotFound(seq);
+  // Fast path, most decode steps: the tokens fit the partly filled last block, which this
+  // sequence alone holds. No block moves; the plan below would find the same.
+  if (num_new_tokens > 0 && !IsBlockBoundary(s->num_tokens) &&
+      int64_t{s->num_tokens} + num_new_tokens <=
+          static_cast<int64_t>(s->blocks.size()) * options_.block_size &&
+      meta_[s->blocks.back()].ref == 1) {
+    s->num_tokens += num_new_tokens;
+    return AppendResult{};
+  }
   absl::StatusOr<AdmissionPlan> plan = PlanAppend(*s, num_new_tokens);
   if (!plan.ok()) {
     if (absl::IsResourceExhausted(plan.status())) ++counters_.allocation_failures;
@@ -425,14 +442,13 @@ absl::StatusOr<AppendResult> BlockLedger::Append(SeqId seq, int32_t num_new_toke
 // --- Fork, commit, free ------------------------------------------------------------------
 
 absl::Status BlockLedger::Fork(SeqId parent, SeqId child) {
-  auto parent_it = seq_index_.find(parent);
-  if (parent_it == seq_index_.end()) return NotFound(parent);
+  const int32_t parent_slot = seq_index_.Find(parent);
+  if (parent_slot < 0) return NotFound(parent);
   if (seq_index_.contains(child)) {
     return absl::AlreadyExistsError(
         absl::StrCat("cannot fork ", parent, " into ", child, ": sequence ", child,
                      " is already live"));
   }
-  const int32_t parent_slot = parent_it->second;
   const int32_t child_slot = AcquireSlot();  // may move slots_: index, don't hold pointers
   const Sequence& p = slots_[parent_slot];
   Sequence& c = slots_[child_slot];
@@ -446,14 +462,20 @@ absl::Status BlockLedger::Fork(SeqId parent, SeqId child) {
   for (BlockId b : c.blocks) {
     if (b != kNoBlock) Reuse(b);
   }
-  seq_index_.emplace(child, child_slot);
+  seq_index_.Insert(child, child_slot);
   return absl::OkStatus();
 }
 
 void BlockLedger::Register(Sequence& s) {
   const int32_t limit = std::min(static_cast<int32_t>(s.hashes.size()),
-                                 s.num_committed / options_.block_size);
+                                 FullBlocks(s.num_committed));
+  if (limit <= s.num_registered) return;  // most commits of a decode step
+  constexpr int32_t kAhead = 4;  // index slots fetched ahead of their insertion
+  for (int32_t i = s.num_registered; i < std::min(limit, s.num_registered + kAhead); ++i) {
+    index_.Prefetch(BlockIndex::TagOf(s.hashes[i]));
+  }
   for (int32_t i = s.num_registered; i < limit; ++i) {
+    if (i + kAhead < limit) index_.Prefetch(BlockIndex::TagOf(s.hashes[i + kAhead]));
     const BlockId b = s.blocks[i];
     if (b == kNoBlock || IsIndexed(b) || IsDuplicate(b)) continue;
     if (const BlockId holder = index_.Insert(s.hashes[i], b, HashOf()); holder != b) {
@@ -508,13 +530,15 @@ absl::Status BlockLedger::Commit(SeqId seq, int32_t num_committed_tokens,
         absl::StrCat("sequence ", seq, ": cannot commit ", num_committed_tokens,
                      " tokens, it holds only ", s->num_tokens));
   }
-  const size_t full_blocks = static_cast<size_t>(s->num_tokens / options_.block_size);
+  const size_t full_blocks = static_cast<size_t>(FullBlocks(s->num_tokens));
   if (s->hashes.size() + new_block_hashes.size() > full_blocks) {
     return absl::InvalidArgumentError(absl::StrCat(
         "sequence ", seq, ": ", s->hashes.size() + new_block_hashes.size(),
         " block hashes in all, but only ", full_blocks, " blocks are full"));
   }
-  s->hashes.insert(s->hashes.end(), new_block_hashes.begin(), new_block_hashes.end());
+  if (!new_block_hashes.empty()) {
+    s->hashes.insert(s->hashes.end(), new_block_hashes.begin(), new_block_hashes.end());
+  }
   s->num_committed = num_committed_tokens;
   Register(*s);
   ApplyWindow(*s);
@@ -522,28 +546,26 @@ absl::Status BlockLedger::Commit(SeqId seq, int32_t num_committed_tokens,
 }
 
 absl::Status BlockLedger::Free(SeqId seq) {
-  auto it = seq_index_.find(seq);
-  if (it == seq_index_.end()) return NotFound(seq);
-  const int32_t slot = it->second;
-  Sequence& s = slots_[slot];
+  const int32_t slot = seq_index_.Find(seq);
+  if (slot < 0) return NotFound(seq);
+  Sequence& s = slots_[static_cast<size_t>(slot)];
   // Tail first: among blocks released together, the tail is evicted before the head.
   ReleaseTailFirst(s.blocks);
-  seq_index_.erase(it);
+  seq_index_.Erase(seq);
   ReleaseSlot(slot);
   return absl::OkStatus();
 }
 
 absl::Status BlockLedger::Rename(SeqId seq, SeqId new_id) {
-  auto it = seq_index_.find(seq);
-  if (it == seq_index_.end()) return NotFound(seq);
+  const int32_t slot = seq_index_.Find(seq);
+  if (slot < 0) return NotFound(seq);
   if (seq_index_.contains(new_id)) {
     return absl::AlreadyExistsError(absl::StrCat("cannot rename ", seq, " to ", new_id,
                                                  ": sequence ", new_id, " is already live"));
   }
-  const int32_t slot = it->second;
-  seq_index_.erase(it);
-  slots_[slot].id = new_id;
-  seq_index_.emplace(new_id, slot);
+  seq_index_.Erase(seq);
+  slots_[static_cast<size_t>(slot)].id = new_id;
+  seq_index_.Insert(new_id, slot);
   return absl::OkStatus();
 }
 
@@ -711,7 +733,7 @@ size_t BlockLedger::MemoryBytes() const {
     return m.capacity() * (sizeof(Slot) + 1);
   };
   size_t bytes = vec(meta_) + vec(hash_) + vec(lru_ring_) + free_.MemoryBytes() + index_.MemoryBytes() +
-                 map(duplicates_) + map(seq_index_) + map(pins_) +
+                 map(duplicates_) + seq_index_.MemoryBytes() + map(pins_) +
                  vec(free_slots_) + vec(events_) + vec(scratch_hits_);
   for (const Sequence& s : slots_) bytes += sizeof(Sequence) + vec(s.blocks) + vec(s.hashes);
   return bytes;
@@ -723,8 +745,10 @@ absl::Status BlockLedger::CheckInvariants() const {
 
   // Reference counts equal the references held by live sequences.
   std::vector<int32_t> refs(n, 0);
-  for (const auto& [id, slot] : seq_index_) {
-    const Sequence& s = slots_[slot];
+  std::vector<std::pair<SeqId, int32_t>> live_seqs;
+  seq_index_.ForEach([&live_seqs](SeqId id, int32_t slot) { live_seqs.emplace_back(id, slot); });
+  for (const auto& [id, slot] : live_seqs) {
+    const Sequence& s = slots_[static_cast<size_t>(slot)];
     if (s.id != id) return broken("slot ", slot, " holds sequence ", s.id, " not ", id);
     if (s.num_tokens < 0 || s.num_committed < 0 || s.num_committed > s.num_tokens) {
       return broken("sequence ", id, ": tokens ", s.num_tokens, ", committed ",

@@ -62,6 +62,7 @@
 #include "common/block/block_hash.h"
 #include "common/block/block_index.h"
 #include "common/block/free_block_set.h"
+#include "common/block/sequence_table.h"
 
 namespace kvcm {
 
@@ -282,9 +283,20 @@ class BlockLedger {
 
   explicit BlockLedger(const Options& options);
 
+  // Full blocks in `num_tokens` tokens (num_tokens >= 0): a shift when the block size is
+  // a power of two (as it nearly always is), which the hot paths call on every token.
+  int32_t FullBlocks(int32_t num_tokens) const {
+    return block_shift_ >= 0 ? num_tokens >> block_shift_ : num_tokens / options_.block_size;
+  }
+  // Blocks that hold `num_tokens` tokens (the last one possibly partly filled).
   int32_t BlocksFor(int32_t num_tokens) const {
-    return static_cast<int32_t>((int64_t{num_tokens} + options_.block_size - 1) /
-                                options_.block_size);
+    return static_cast<int32_t>(
+        block_shift_ >= 0 ? (int64_t{num_tokens} + options_.block_size - 1) >> block_shift_
+                          : (int64_t{num_tokens} + options_.block_size - 1) / options_.block_size);
+  }
+  bool IsBlockBoundary(int32_t num_tokens) const {
+    return block_shift_ >= 0 ? (num_tokens & (options_.block_size - 1)) == 0
+                             : num_tokens % options_.block_size == 0;
   }
   const Sequence* FindSeq(SeqId seq) const;
   Sequence* FindSeq(SeqId seq);
@@ -325,6 +337,7 @@ class BlockLedger {
   [[gnu::always_inline]] inline void LruRemove(BlockId block);
 
   Options options_;
+  int32_t block_shift_ = -1;  // log2(block_size) when a power of two, else -1
 
   // Per-block metadata, indexed by BlockId: what taking, releasing, evicting and indexing a
   // block touch, in one 16-byte record (four to a cache line, a MiB for 65,536 blocks).
@@ -395,7 +408,7 @@ class BlockLedger {
   // Sequences live in reusable slots so their vectors keep their capacity.
   std::vector<Sequence> slots_;
   std::vector<int32_t> free_slots_;
-  absl::flat_hash_map<SeqId, int32_t> seq_index_;
+  SequenceTable seq_index_;  // live sequence id → its slot
 
   struct PinEntry {
     std::vector<BlockId> blocks;
