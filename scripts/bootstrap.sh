@@ -19,6 +19,7 @@ PACKAGES=(
   git
   libabsl-dev                # Status/StatusOr, flat_hash_map, flags, strings
   libssl-dev                 # SHA-256 for block hashes
+  libxxhash-dev              # XXH3-128, the default block hash (header-only use)
   flatbuffers-compiler       # flatc: schemas/ -> generated headers in the build tree
   libflatbuffers-dev
   libzmq3-dev                # ZeroMQ transport

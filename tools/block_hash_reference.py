@@ -5,7 +5,8 @@ Independent of the C++ code: it follows the documented byte encoding, so other l
 (a Python router, an indexer consuming KV events) can compute the same hashes. Prints the
 vectors that tests/common/block/block_hash_test.cc checks.
 
-  python3 tools/block_hash_reference.py        # fast128 vectors need `pip install mmh3`
+  python3 tools/block_hash_reference.py        # xxh3 vectors need `pip install xxhash`,
+                                               # fast128 vectors `pip install mmh3`
 """
 import hashlib
 import struct
@@ -37,6 +38,12 @@ def fast128(data: bytes) -> bytes:
     return mmh3.hash_bytes(data) + bytes(16)
 
 
+def xxh3(data: bytes) -> bytes:
+    import xxhash  # XXH3 128, seed 0, canonical (big-endian) digest
+
+    return xxhash.xxh3_128_digest(data) + bytes(16)
+
+
 def main():
     root = sha256(encode_root(b""))
     print("sha256 root           ", root.hex())
@@ -44,6 +51,12 @@ def main():
     b0 = sha256(encode_block(root, [1, 2, 3, 4]))
     print("sha256 block0 [1,2,3,4]", b0.hex())
     print("sha256 block1 [5,6,7,-1] extra=img", sha256(encode_block(b0, [5, 6, 7, -1], [b"img"])).hex())
+    try:
+        xroot = xxh3(encode_root(b""))
+        print("xxh3 root              ", xroot.hex())
+        print("xxh3 block0 [1,2,3,4]  ", xxh3(encode_block(xroot, [1, 2, 3, 4])).hex())
+    except ImportError:
+        print("xxh3: install xxhash to print these")
     try:
         froot = fast128(encode_root(b""))
         print("fast128 root           ", froot.hex())

@@ -2,6 +2,10 @@
 
 #include <openssl/evp.h>
 
+// Header-only use of Debian's xxHash: the hash is inlined into its callers.
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
 #include <algorithm>
 #include <bit>
 
@@ -153,6 +157,8 @@ BlockHash Digest(HashAlgorithm algorithm, std::span<const uint8_t> bytes) {
       return Sha256Digest(bytes);
     case HashAlgorithm::kFast128:
       return Fast128Digest(bytes);
+    case HashAlgorithm::kXxh3:
+      return Xxh3Digest(bytes);
   }
   KVCM_CHECK(false) << "unknown hash algorithm " << static_cast<int>(algorithm);
   return {};
@@ -166,6 +172,8 @@ std::string_view HashAlgorithmName(HashAlgorithm algorithm) {
       return "sha256";
     case HashAlgorithm::kFast128:
       return "fast128";
+    case HashAlgorithm::kXxh3:
+      return "xxh3";
   }
   return "unknown";
 }
@@ -173,8 +181,9 @@ std::string_view HashAlgorithmName(HashAlgorithm algorithm) {
 absl::StatusOr<HashAlgorithm> ParseHashAlgorithm(std::string_view name) {
   if (name == "sha256") return HashAlgorithm::kSha256;
   if (name == "fast128") return HashAlgorithm::kFast128;
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown hash algorithm '", std::string(name), "' (expected sha256 or fast128)"));
+  if (name == "xxh3") return HashAlgorithm::kXxh3;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown hash algorithm '", std::string(name), "' (expected xxh3, sha256 or fast128)"));
 }
 
 std::string BlockHash::ToHex() const {
@@ -186,6 +195,16 @@ BlockHash Sha256Digest(std::span<const uint8_t> bytes) { return ThreadSha256().D
 
 BlockHash Fast128Digest(std::span<const uint8_t> bytes) {
   return Murmur3X64128(bytes.data(), bytes.size());
+}
+
+BlockHash Xxh3Digest(std::span<const uint8_t> bytes) {
+  const XXH128_hash_t h = XXH3_128bits(bytes.data(), bytes.size());
+  XXH128_canonical_t canonical;
+  XXH128_canonicalFromHash(&canonical, h);
+  BlockHash out;
+  static_assert(sizeof(canonical.digest) == 16);
+  std::memcpy(out.bytes.data(), canonical.digest, sizeof(canonical.digest));
+  return out;
 }
 
 BlockHash RootHash(HashAlgorithm algorithm, std::string_view salt) {

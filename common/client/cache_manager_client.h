@@ -185,7 +185,7 @@ struct SessionInfo {
   absl::Duration heartbeat_timeout;   // silent longer than this: the session expires
   int32_t num_blocks = 0;
   int32_t block_size = 0;
-  HashAlgorithm hash_algorithm = HashAlgorithm::kSha256;
+  HashAlgorithm hash_algorithm = kDefaultHashAlgorithm;
   int32_t max_ops_per_step = 0;    // Step() refuses larger batches locally
   uint32_t max_message_bytes = 0;  // also the client's limit on replies
 };

@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/base/check.h"
 
 namespace kvcm {
 
@@ -32,14 +33,20 @@ absl::StatusOr<DType> FromWire(wire::DType dtype) {
 }
 
 wire::HashAlgorithm ToWire(HashAlgorithm algorithm) {
-  return algorithm == HashAlgorithm::kFast128 ? wire::HashAlgorithm::Fast128
-                                              : wire::HashAlgorithm::Sha256;
+  switch (algorithm) {
+    case HashAlgorithm::kSha256: return wire::HashAlgorithm::Sha256;
+    case HashAlgorithm::kFast128: return wire::HashAlgorithm::Fast128;
+    case HashAlgorithm::kXxh3: return wire::HashAlgorithm::Xxh3;
+  }
+  KVCM_CHECK(false) << "unknown hash algorithm " << static_cast<int>(algorithm);
+  return wire::HashAlgorithm::Sha256;
 }
 
 absl::StatusOr<HashAlgorithm> FromWire(wire::HashAlgorithm algorithm) {
   switch (algorithm) {
     case wire::HashAlgorithm::Sha256: return HashAlgorithm::kSha256;
     case wire::HashAlgorithm::Fast128: return HashAlgorithm::kFast128;
+    case wire::HashAlgorithm::Xxh3: return HashAlgorithm::kXxh3;
   }
   return absl::InvalidArgumentError(
       absl::StrCat("unknown hash algorithm value ", static_cast<int>(algorithm)));

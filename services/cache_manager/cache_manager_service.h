@@ -103,7 +103,7 @@ class CacheManagerService {
     // num_blocks, sliding window, pin limit; block_size is taken from spec, and events are
     // always recorded.
     BlockLedger::Options ledger;
-    HashAlgorithm hash_algorithm = HashAlgorithm::kSha256;  // announced in HelloReply
+    HashAlgorithm hash_algorithm = kDefaultHashAlgorithm;  // announced in HelloReply
     // Changes at every start; < 2^53 so that the epoch gauge is exact.
     uint64_t epoch = 1;
     // Clients heartbeat this often; a session silent for heartbeat_timeout is quarantined.

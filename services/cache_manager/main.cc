@@ -74,8 +74,9 @@ ABSL_FLAG(bool, tcp_allow_remote, false,
 ABSL_FLAG(int32_t, heartbeat_interval_ms, 1000, "How often clients must heartbeat.");
 ABSL_FLAG(int32_t, heartbeat_timeout_ms, 5000,
           "Silence after which a client's session is quarantined.");
-ABSL_FLAG(std::string, hash_algorithm, "sha256",
-          "Block hash announced to clients: sha256 or fast128.");
+ABSL_FLAG(std::string, hash_algorithm, "xxh3",
+          "Block hash announced to clients: xxh3 (fast; every client trusted), sha256 "
+          "(collision-resistant; for clients that are not all trusted) or fast128.");
 ABSL_FLAG(int32_t, sliding_window_tokens, 0,
           "Attention window in tokens; 0 = full. Refused for now: executors do not support "
           "windows yet.");

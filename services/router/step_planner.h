@@ -72,7 +72,7 @@ struct PlannerOptions {
   int32_t max_running = 256;
   // The pool's size: a request needing more blocks can never run and is rejected.
   int32_t num_blocks = 0;
-  HashAlgorithm hash_algorithm = HashAlgorithm::kSha256;
+  HashAlgorithm hash_algorithm = kDefaultHashAlgorithm;
   BlockHash root_hash;  // RootHash(hash_algorithm, salt): the cache manager's salt
 };
 

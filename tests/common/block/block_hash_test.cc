@@ -50,6 +50,19 @@ TEST(BlockHashTest, Fast128MatchesMurmur3Reference) {
   EXPECT_EQ(ChainBlockHash(HashAlgorithm::kFast128, root, block0).ToHex(), kBlock0Fast);
 }
 
+// Vectors from the Python `xxhash` package (4.1.0, xxHash 0.8): tools/block_hash_reference.py
+// prints them when it is installed.
+TEST(BlockHashTest, Xxh3MatchesTheXxhashReference) {
+  EXPECT_EQ(Xxh3Digest(Bytes("")).ToHex().substr(0, 32), "99aa06d3014798d86001c324468d497f");
+  EXPECT_EQ(Xxh3Digest(Bytes("hello")).ToHex(),
+            "b5e9c1ad071b3e7fc779cfaa5e523818" + std::string(32, '0'));
+  const BlockHash root = RootHash(HashAlgorithm::kXxh3, "");
+  EXPECT_EQ(root.ToHex(), "5899b711f0a210b11947a2aec42bdd21" + std::string(32, '0'));
+  const std::vector<int32_t> block0 = {1, 2, 3, 4};
+  EXPECT_EQ(ChainBlockHash(HashAlgorithm::kXxh3, root, block0).ToHex(),
+            "76a791762b3e240a195bfb91fb9e43bf" + std::string(32, '0'));
+}
+
 TEST(BlockHashTest, Fast128HandlesEveryTailLength) {
   // Every tail length 0..15 and several block counts give distinct digests.
   absl::flat_hash_set<std::string> seen;
@@ -122,6 +135,8 @@ TEST(BlockHashTest, HashFullBlocksAppendingOneBlockAtATimeDoesNotReallocateEachC
 TEST(BlockHashTest, ParsesAlgorithmNames) {
   EXPECT_EQ(*ParseHashAlgorithm("sha256"), HashAlgorithm::kSha256);
   EXPECT_EQ(*ParseHashAlgorithm("fast128"), HashAlgorithm::kFast128);
+  EXPECT_EQ(*ParseHashAlgorithm("xxh3"), HashAlgorithm::kXxh3);
+  EXPECT_EQ(HashAlgorithmName(HashAlgorithm::kXxh3), "xxh3");
   EXPECT_EQ(ParseHashAlgorithm("md5").status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(HashAlgorithmName(HashAlgorithm::kFast128), "fast128");
 }
