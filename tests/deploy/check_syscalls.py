@@ -15,7 +15,6 @@ import json
 import pathlib
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,19 @@ sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from check_systemd import SERVICES, UNITS, allowed_syscalls, parse_unit  # noqa: E402
 from deploy_common import Checks  # noqa: E402
+
+
+def children(parent: int) -> list[int]:
+    """The pids whose parent is `parent` (here: kvcm-launch, strace's child)."""
+    found = []
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if fields[1] == str(parent):
+            found.append(int(stat.parent.name))
+    return found
 
 
 def main() -> int:
@@ -62,7 +74,9 @@ def main() -> int:
         if not checks.check(url is not None, "kvcm-launch under strace became ready"):
             log.seek(0)
             print(log.read()[-3000:])
-            launch.kill()
+            for pid in children(launch.pid):
+                subprocess.run(["kill", "-TERM", str(pid)])
+            launch.wait(timeout=60)
             return checks.done()
         answered = 0
         for i in range(3):
@@ -73,10 +87,8 @@ def main() -> int:
                 answered += reply.status == 200
         checks.check(answered == 3, f"3 requests answered ({answered})")
         # strace passes SIGTERM on to kvcm-launch, which stops the whole stack.
-        launcher = [p for p in pathlib.Path("/proc").glob("[0-9]*")
-                    if (p / "stat").exists() and (p / "stat").read_text().split()[3] == str(launch.pid)]
-        for process in launcher:
-            subprocess.run(["kill", "-TERM", process.name])
+        for pid in children(launch.pid):
+            subprocess.run(["kill", "-TERM", str(pid)])
         try:
             launch.wait(timeout=60)
         except subprocess.TimeoutExpired:
