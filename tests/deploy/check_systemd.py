@@ -13,6 +13,7 @@ the executor template's metrics port (9410 + N) worked out by its own shell line
   check_systemd.py BIN_DIR      (exit 77: systemd-analyze is not installed)
 """
 
+import json
 import os
 import pathlib
 import re
@@ -253,6 +254,21 @@ def main() -> int:
         check_command(checks, name, [pathlib.PurePath(argv[0]).name, *argv[1:]], bin_dir)
         checks.check("--run-dir" in argv and argv[argv.index("--run-dir") + 1] == "/run/kvcm",
                      f"{name}: --run-dir /run/kvcm")
+
+    # The Prometheus target file for the units lists each at the port it listens on.
+    listed = {}
+    for group in json.loads((UNITS / "kvcm-targets.json").read_text()):
+        for target in group["targets"]:
+            listed[target] = group["labels"]
+    expected = {environment["CACHE_MANAGER_METRICS"]: "cache-manager",
+                f"{environment['ROUTER_HOSTNAME']}:{environment['ROUTER_PORT']}": "router",
+                f"{environment['EXECUTOR_METRICS_HOST']}:9410": "executor",
+                f"{environment['EXECUTOR_METRICS_HOST']}:9411": "executor"}
+    checks.check({t: l.get("__kvcm_component") for t, l in listed.items()} == expected,
+                 "kvcm-targets.json lists the cache manager, the router, kvcm-executor@0 and @1 "
+                 "at their ports (kvcm.env, 9410 + N)")
+    instances = [l.get("instance") for l in listed.values()]
+    checks.check(len(set(instances)) == len(instances), "kvcm-targets.json: an instance each")
 
     executor = units["kvcm-executor@.service"]
     checks.check("kvcm-router.service" in " ".join(executor.get("Unit.Before", [])),
