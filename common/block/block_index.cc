@@ -3,6 +3,7 @@
 #include <bit>
 
 #include "common/base/check.h"
+#include "common/block/linear_probing.h"
 
 namespace kvcm {
 
@@ -21,17 +22,9 @@ void BlockIndex::Erase(uint32_t tag, int32_t block) {
     KVCM_CHECK(slots_[i].block >= 0) << "block " << block << " is not in the index";
     i = (i + 1) & mask_;
   }
-  // Backward shift: move each later entry of the probe run into the hole unless its home
-  // lies cyclically in (hole, its slot], where it would no longer be found.
-  size_t hole = i;
-  for (size_t j = (i + 1) & mask_; slots_[j].block >= 0; j = (j + 1) & mask_) {
-    const size_t home = slots_[j].tag & mask_;
-    const bool stays = hole <= j ? (hole < home && home <= j) : (hole < home || home <= j);
-    if (stays) continue;
-    slots_[hole] = slots_[j];
-    hole = j;
-  }
-  slots_[hole] = Entry{};
+  BackwardShiftErase(
+      slots_, mask_, i, [](const Entry& e) { return e.block < 0; },
+      [this](const Entry& e) { return e.tag & mask_; });
   --size_;
 }
 

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "common/base/check.h"
+#include "common/block/linear_probing.h"
 
 namespace kvcm {
 
@@ -90,17 +91,9 @@ inline bool SequenceTable::Erase(uint64_t id) {
     if (entries_[i].id == id) break;
     i = (i + 1) & mask_;
   }
-  // Backward shift: an entry later in the probe run moves into the hole unless its home
-  // lies cyclically in (hole, its position].
-  size_t hole = i;
-  for (size_t j = (i + 1) & mask_; entries_[j].slot >= 0; j = (j + 1) & mask_) {
-    const size_t home = Home(entries_[j].id);
-    const bool stays = hole <= j ? (hole < home && home <= j) : (hole < home || home <= j);
-    if (stays) continue;
-    entries_[hole] = entries_[j];
-    hole = j;
-  }
-  entries_[hole] = Entry{};
+  BackwardShiftErase(
+      entries_, mask_, i, [](const Entry& e) { return e.slot < 0; },
+      [this](const Entry& e) { return Home(e.id); });
   --size_;
   return true;
 }
