@@ -251,6 +251,8 @@ class BlockLedger {
   absl::StatusOr<int32_t> NumCommittedTokens(SeqId seq) const;
   // Cached blocks in eviction order (next victim first).
   std::vector<BlockId> EvictionOrderForTest() const;
+  // Sets the counter that stamps LRU entries (it wraps at 2^32), to test the wrap.
+  void SetLruClockForTest(uint32_t clock);
 
   // Verifies that the states partition the pool, ref counts equal the references held by
   // live sequences, the prefix index, LRU list, free set and pin counts agree, and every

@@ -128,6 +128,27 @@ TEST_P(LedgerScenarioTest, FreeKeepsCommittedFullBlocksCachedAndFreesTheRest) {
   EXPECT_INVARIANTS(ledger);
 }
 
+// The LRU's entry stamps are 32-bit and wrap; eviction order and the invariants must not
+// notice (the invariants compared stamps unsigned, which a wrap would have broken).
+TEST_P(LedgerScenarioTest, LruStampsWrappingKeepTheEvictionOrder) {
+  BlockLedger ledger = MakeLedger(8, bs());
+  ledger.SetLruClockForTest(UINT32_MAX - 2);
+  // Three cached blocks released one after another, the clock wrapping between them.
+  for (SeqId seq = 1; seq <= 3; ++seq) {
+    const auto prompt = Iota(bs() + 1, static_cast<int32_t>(100 * seq));
+    ASSERT_TRUE(ledger.Allocate(seq, bs() + 1, HashesOf(prompt, bs())).ok());
+    ASSERT_TRUE(ledger.Commit(seq, bs() + 1).ok());
+  }
+  const std::vector<BlockId> order = {0, 2, 4};  // each sequence's full block, oldest first
+  for (SeqId seq = 1; seq <= 3; ++seq) ASSERT_TRUE(ledger.Free(seq).ok());
+  EXPECT_EQ(ledger.EvictionOrderForTest(), order);
+  EXPECT_INVARIANTS(ledger);
+  // The pool's free blocks go first, then the cached ones in that order.
+  ASSERT_TRUE(ledger.Allocate(9, 8 * bs()).ok());
+  EXPECT_EQ(ledger.EvictionOrderForTest(), std::vector<BlockId>{});
+  EXPECT_INVARIANTS(ledger);
+}
+
 TEST_P(LedgerScenarioTest, RenameKeepsBlocksAndFreesTheOldId) {
   BlockLedger ledger = MakeLedger(8, bs());
   const auto prompt = Iota(2 * bs() + 2);
