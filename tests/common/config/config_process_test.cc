@@ -4,6 +4,8 @@
 // in that order (checked on its /metrics info gauge, its log line and its pool); a bad key
 // or value stops a binary with a message naming it.
 
+#include <unistd.h>
+
 #include <cstdlib>
 #include <fstream>
 #include <map>
@@ -45,7 +47,10 @@ Finished RunToExit(std::vector<std::string> argv, std::vector<std::string> env =
   Subprocess::Options options;
   options.argv = std::move(argv);
   options.env = std::move(env);
-  options.output_path = absl::StrCat(::testing::TempDir(), "/config_process_", ++counter);
+  // Each test runs in its own process beside others (ctest -j): the pid keeps their output
+  // files apart (a shared name let a parallel test truncate this one's output).
+  options.output_path =
+      absl::StrCat(::testing::TempDir(), "/config_process_", ::getpid(), "_", ++counter);
   auto process = Subprocess::Start(options);
   EXPECT_TRUE(process.ok()) << process.status();
   if (!process.ok()) return {};
@@ -55,7 +60,7 @@ Finished RunToExit(std::vector<std::string> argv, std::vector<std::string> env =
 }
 
 std::string WriteFile(const std::string& name, const std::string& text) {
-  const std::string path = absl::StrCat(::testing::TempDir(), "/", name);
+  const std::string path = absl::StrCat(::testing::TempDir(), "/", ::getpid(), "_", name);
   std::ofstream(path) << text;
   return path;
 }
@@ -129,9 +134,9 @@ TEST(BinaryConfigTest, LaunchTakesFlagOverEnvironmentOverFile) {
 // key it does not know stops the launch, with the cache manager's reason, before anything
 // is ready.
 TEST(BinaryConfigTest, LaunchPassesTheFileOnToTheProcessesItStarts) {
-  const std::string model = absl::StrCat(::testing::TempDir(), "/launch_model");
+  const std::string model = absl::StrCat(::testing::TempDir(), "/", ::getpid(), "_launch_model");
   ASSERT_EQ(std::system(absl::StrCat("mkdir -p ", model).c_str()), 0);
-  WriteFile("launch_model/config.json", "{}");
+  std::ofstream(model + "/config.json") << "{}";
   const std::string path =
       WriteFile("launch_children.yaml", "cache_manager:\n  num_blokcs: 64\n");
   const Finished run = RunToExit({KVCM_LAUNCH_BIN, "--config", path, "--model", model});

@@ -4,6 +4,7 @@
 #include "common/config/config.h"
 
 #include <stdlib.h>
+#include <unistd.h>
 
 #include <fstream>
 #include <string>
@@ -12,6 +13,7 @@
 #include "absl/flags/declare.h"
 #include "absl/flags/flag.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "common/base/command_line.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -256,7 +258,7 @@ TEST(ApplyToFlagsTest, SetsTheFlagsOfThisFileFromTheFileAndTheEnvironment) {
   // Only this file's flags (not --config, not Abseil's own), sorted.
   EXPECT_THAT(names, ::testing::ElementsAre("big", "label", "ratio", "verbose_widgets",
                                             "widgets"));
-  const std::string path = ::testing::TempDir() + "/config_test.yaml";
+  const std::string path = absl::StrCat(::testing::TempDir(), "/config_test_", ::getpid(), ".yaml");
   {
     std::ofstream out(path);
     out << "executor:\n  widgets: 12\n  label: from the file\n  big: 5000000000\n";

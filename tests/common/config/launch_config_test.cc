@@ -2,6 +2,8 @@
 // section and KVCM_LAUNCH_* (flag > environment > file), --config taken out and made
 // absolute for the processes it starts, and a pool sized by the cache manager's section.
 
+#include <unistd.h>
+
 #include <fstream>
 #include <string>
 #include <vector>
@@ -17,7 +19,8 @@ using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
 std::string WriteFile(const std::string& name, const std::string& text) {
-  const std::string path = ::testing::TempDir() + "/" + name;
+  // The pid keeps parallel test processes (ctest -j) from sharing a file.
+  const std::string path = ::testing::TempDir() + "/" + std::to_string(::getpid()) + "_" + name;
   std::ofstream(path) << text;
   return path;
 }
