@@ -1,6 +1,7 @@
 #include "common/block/block_ledger.h"
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <utility>
 
@@ -726,6 +727,46 @@ std::vector<std::pair<BlockId, BlockHash>> BlockLedger::IndexedBlocks() const {
     if (IsIndexed(b)) out.emplace_back(b, hash_[b]);
   }
   return out;
+}
+
+void BlockLedger::FillBlockMap(int32_t max_cells,
+                               std::span<const std::pair<BlockId, MapState>> held_apart,
+                               BlockMap* out) const {
+  KVCM_CHECK(max_cells > 0) << "max_cells " << max_cells;
+  const int32_t n = options_.num_blocks;
+  const int32_t per_cell = BlocksPerCell(n, max_cells);
+  out->num_blocks = n;
+  out->blocks_per_cell = per_cell;
+  out->cells.resize(static_cast<size_t>((int64_t{n} + per_cell - 1) / per_cell));
+  out->counts.fill(0);
+  size_t next_held = 0;
+  std::array<int32_t, kMapStates> in_cell{};
+  size_t cell = 0;
+  for (BlockId first = 0; first < n; first += per_cell) {
+    const BlockId end = static_cast<BlockId>(std::min<int64_t>(n, int64_t{first} + per_cell));
+    in_cell.fill(0);
+    for (BlockId b = first; b < end; ++b) {
+      const BlockMeta& m = meta_[b];
+      MapState state = m.ref > 0    ? MapState::kInUse
+                       : m.pins > 0 ? MapState::kPinned
+                       : (m.flags & kIndexed) != 0 ? MapState::kCached
+                                                   : MapState::kFree;
+      if (next_held < held_apart.size() && held_apart[next_held].first == b) {
+        KVCM_CHECK(state == MapState::kInUse) << "block " << b << " held apart but not in use";
+        state = held_apart[next_held++].second;
+      }
+      ++in_cell[static_cast<size_t>(state)];
+    }
+    // The state most blocks of the cell are in; a tie goes to the later state.
+    size_t dominant = 0;
+    for (size_t s = 0; s < in_cell.size(); ++s) {
+      out->counts[s] += in_cell[s];
+      if (in_cell[s] > 0 && in_cell[s] >= in_cell[dominant]) dominant = s;
+    }
+    out->cells[cell++] = static_cast<MapState>(dominant);
+  }
+  KVCM_CHECK(next_held == held_apart.size())
+      << "held_apart not sorted, repeated or out of range at entry " << next_held;
 }
 
 size_t BlockLedger::MemoryBytes() const {

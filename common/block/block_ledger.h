@@ -61,6 +61,7 @@
 #include "absl/status/statusor.h"
 #include "common/block/block_hash.h"
 #include "common/block/block_index.h"
+#include "common/block/block_map.h"
 #include "common/block/free_block_set.h"
 #include "common/block/sequence_table.h"
 
@@ -265,6 +266,17 @@ class BlockLedger {
   // Every block in the prefix index (in use, cached or pinned) with its hash, by ascending
   // block id: the state that the recorded Stored/Removed events add up to. O(num_blocks).
   std::vector<std::pair<BlockId, BlockHash>> IndexedBlocks() const;
+
+  // The pool as a map of at most `max_cells` cells (common/block/block_map.h), in one pass
+  // over the blocks' records: each block in its ledger state, except the blocks `held_apart`
+  // names, which the caller knows to be quarantined or draining and which are counted in
+  // that state instead. Reuses `out`'s storage and allocates nothing per block, so a pool
+  // of 1M blocks costs one pass and one reply-sized buffer. O(num_blocks).
+  // REQUIRES: max_cells > 0; `held_apart` by ascending block id, each once, each block in
+  // use, each state kQuarantined or kDraining.
+  void FillBlockMap(int32_t max_cells,
+                    std::span<const std::pair<BlockId, MapState>> held_apart,
+                    BlockMap* out) const;
 
   // Bytes the ledger's own structures hold (per-block arrays, index, sequences), counting
   // reserved capacity; for benchmarks and sizing. O(live sequences).

@@ -19,6 +19,7 @@
 #include "common/base/unique_fd.h"
 #include "common/memory/fd_channel.h"
 #include "common/transport/zmq_util.h"
+#include "common/wire/block_map_codec.h"
 #include "common/wire/convert.h"
 #include "common/wire/envelope.h"
 
@@ -576,6 +577,17 @@ absl::StatusOr<StatsSnapshot> CacheManagerClient::Stats() {
     }
   }
   return s;
+}
+
+absl::StatusOr<BlockMap> CacheManagerClient::GetBlockMap(uint32_t max_cells) {
+  flatbuffers::FlatBufferBuilder builder(128);
+  const auto request = wire::CreateBlockMap(builder, max_cells);
+  KVCM_ASSIGN_OR_RETURN(Reply reply, Call(builder, wire::Message::BlockMap, request.Union(),
+                                          wire::Message::BlockMapReply));
+  absl::StatusOr<BlockMap> map =
+      DecodeBlockMapReply(PayloadAs<wire::BlockMapReply>(reply.envelope));
+  if (!map.ok()) return ProtocolError(map.status().message());
+  return map;
 }
 
 absl::StatusOr<EventSnapshot> CacheManagerClient::Snapshot() {

@@ -89,6 +89,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/block/block_hash.h"
+#include "common/block/block_map.h"
 #include "common/memory/pool_layout.h"
 #include "common/memory/pool_memory.h"
 #include "common/sizing/kv_cache_spec.h"
@@ -383,6 +384,13 @@ class CacheManagerClient {
   absl::Status Unpin(std::string_view name);
 
   absl::StatusOr<StatsSnapshot> Stats();
+
+  // The pool as a map of at most `max_cells` cells (0: 4096), each block's state or a run's
+  // dominant one, with the blocks in each state (common/block/block_map.h). Any role may
+  // ask; the cache manager spends one pass over its ledger on it, O(blocks): for a view
+  // polled by people, not for a step loop. INTERNAL for a reply that contradicts itself
+  // (DecodeBlockMapReply).
+  absl::StatusOr<BlockMap> GetBlockMap(uint32_t max_cells = 0);
 
   // The prefix index now, for a KV event subscriber (kv_event_subscriber.h).
   absl::StatusOr<EventSnapshot> Snapshot();

@@ -165,7 +165,7 @@ constexpr std::array kSpecs = {
 constexpr std::array<std::string_view, kRequestTypes> kRequestTypeNames = {
     "hello", "attach", "step",      "lookup",  "pin",
     "unpin", "stats",  "heartbeat", "goodbye", "event_snapshot", "describe_session",
-    "end_session"};
+    "end_session", "block_map"};
 constexpr std::array<std::string_view, kRejectReasons> kRejectReasonNames = {
     "malformed",     "unsupported_version", "oversized",        "not_registered",
     "stale_session", "stale_epoch",         "invalid_argument", "unknown_sequence",

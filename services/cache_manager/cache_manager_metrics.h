@@ -54,6 +54,7 @@ enum class RequestType : uint8_t {
   kEventSnapshot,
   kDescribeSession,
   kEndSession,
+  kBlockMap,
   kCount
 };
 inline constexpr int kRequestTypes = static_cast<int>(RequestType::kCount);

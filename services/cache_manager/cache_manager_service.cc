@@ -71,6 +71,7 @@ std::optional<RequestType> RequestTypeOf(wire::Message type) {
     case M::EventSnapshot: return RequestType::kEventSnapshot;
     case M::DescribeSession: return RequestType::kDescribeSession;
     case M::EndSession: return RequestType::kEndSession;
+    case M::BlockMap: return RequestType::kBlockMap;
     default: return std::nullopt;
   }
 }
@@ -243,6 +244,7 @@ void CacheManagerService::Handle(const std::optional<PeerCredentials>& peer,
     case M::Attach: return HandleAttach(envelope, reply);
     case M::Stats: return HandleStats(envelope, now, reply);
     case M::EventSnapshot: return HandleEventSnapshot(envelope, reply);
+    case M::BlockMap: return HandleBlockMap(envelope, reply);
     case M::Step:
       if (session->role != wire::Role::Router) {
         return Reject(request_id,
@@ -642,6 +644,14 @@ void CacheManagerService::ExtendLeases(absl::Time now) {
 }
 
 CacheManagerService::HeldBlocks CacheManagerService::BlocksHeldApart() const {
+  HeldBlocks held;
+  for (const auto& [block, state] : HeldApartList()) {
+    ++(state == MapState::kQuarantined ? held.quarantined : held.draining);
+  }
+  return held;
+}
+
+std::vector<std::pair<BlockId, MapState>> CacheManagerService::HeldApartList() const {
   struct Refs {
     int32_t quarantined = 0;
     int32_t draining = 0;
@@ -661,12 +671,23 @@ CacheManagerService::HeldBlocks CacheManagerService::BlocksHeldApart() const {
   for (const auto& [id, fence] : fences_) {
     for (SeqId seq : fence.seqs) count(seq, &Refs::draining);
   }
-  HeldBlocks held;
+  std::vector<std::pair<BlockId, MapState>> held;
   for (const auto& [block, r] : refs) {
     if (r.quarantined + r.draining != ledger_.RefCount(block)) continue;
-    ++(r.quarantined > 0 ? held.quarantined : held.draining);
+    held.emplace_back(block, r.quarantined > 0 ? MapState::kQuarantined : MapState::kDraining);
   }
+  std::sort(held.begin(), held.end());
   return held;
+}
+
+void CacheManagerService::HandleBlockMap(const wire::Envelope& envelope,
+                                         flatbuffers::FlatBufferBuilder* reply) {
+  const wire::BlockMap* request = envelope.payload_as_BlockMap();
+  const int32_t max_cells = BlockMapCellsFor(request == nullptr ? 0 : request->max_cells());
+  ledger_.FillBlockMap(max_cells, HeldApartList(), &block_map_);
+  const auto payload = EncodeBlockMapReply(*reply, block_map_);
+  FinishEnvelope(*reply, envelope.request_id(), envelope.session_id(), options_.epoch,
+                 wire::Message::BlockMapReply, payload.Union());
 }
 
 // --- Step ----------------------------------------------------------------------------------

@@ -66,6 +66,8 @@
 #include "common/block/block_hash.h"
 #include "common/block/block_ledger.h"
 #include "common/sizing/kv_cache_spec.h"
+#include "common/block/block_map.h"
+#include "common/wire/block_map_codec.h"
 #include "common/wire/envelope.h"
 #include "common/wire/step_codec.h"
 #include "flatbuffers/flatbuffers.h"
@@ -197,6 +199,8 @@ class CacheManagerService {
     int32_t draining = 0;
   };
   HeldBlocks BlocksHeldApart() const;
+  // The same blocks one by one, by ascending id, each kQuarantined or kDraining.
+  std::vector<std::pair<BlockId, MapState>> HeldApartList() const;
   int32_t QuarantinedBlocks() const { return BlocksHeldApart().quarantined; }
   int32_t DrainingBlocks() const { return BlocksHeldApart().draining; }
   int32_t open_fences() const { return static_cast<int32_t>(fences_.size()); }
@@ -279,6 +283,9 @@ class CacheManagerService {
                    flatbuffers::FlatBufferBuilder* reply);
   void HandleEventSnapshot(const wire::Envelope& envelope,
                            flatbuffers::FlatBufferBuilder* reply);
+  // The pool as a map (BlockLedger::FillBlockMap with the blocks held apart), for any
+  // session, Control ones included: it says nothing a StatsReply does not, block by block.
+  void HandleBlockMap(const wire::Envelope& envelope, flatbuffers::FlatBufferBuilder* reply);
   // Pin, Unpin, Lookup: nullopt and a reply written, or a rejection.
   std::optional<Rejection> HandlePrefixRequest(const wire::Envelope& envelope,
                                                const Session& session,
@@ -329,6 +336,7 @@ class CacheManagerService {
   absl::flat_hash_map<SeqId, bool> step_seqs_;  // seq -> live after the ops so far
   absl::flat_hash_map<SeqId, int32_t> step_written_;  // seq -> tokens it had before the step
   absl::flat_hash_set<SeqId> step_drained_;           // freed with drain by the step
+  BlockMap block_map_;  // the last BlockMap's, its cells' storage reused
 };
 
 // Role name for logs ("router", "executor", "control", "unknown").

@@ -203,6 +203,23 @@ TEST_F(CacheManagerClientTest, StepAllocatesAppendsCommitsFreesAndHitsThePrefix)
   EXPECT_GT(stats->prefix_hit_tokens, 0u);
   EXPECT_GE(stats->prefix_query_tokens, stats->prefix_hit_tokens);
   ExpectPartition(*stats);
+
+  // The same pool as a map: two blocks shared by sequence 2 in use, the third new one in
+  // use, the old third block cached; the counts are the Stats reply's.
+  absl::StatusOr<BlockMap> map = client_->GetBlockMap();
+  ASSERT_TRUE(map.ok()) << map.status();
+  EXPECT_EQ(map->num_blocks, kNumBlocks);
+  EXPECT_EQ(map->blocks_per_cell, 1);
+  EXPECT_EQ(map->cells[static_cast<size_t>(table[0])], MapState::kInUse);
+  EXPECT_EQ(map->cells[static_cast<size_t>(table[2])], MapState::kCached);
+  EXPECT_EQ(map->count(MapState::kInUse), stats->in_use_blocks);
+  EXPECT_EQ(map->count(MapState::kCached), stats->cached_blocks);
+  EXPECT_EQ(map->count(MapState::kFree), stats->free_blocks);
+  absl::StatusOr<BlockMap> one_cell = client_->GetBlockMap(1);
+  ASSERT_TRUE(one_cell.ok()) << one_cell.status();
+  EXPECT_EQ(one_cell->blocks_per_cell, kNumBlocks);
+  EXPECT_EQ(one_cell->cells, std::vector<MapState>{MapState::kFree});
+  EXPECT_EQ(one_cell->counts, map->counts);
 }
 
 TEST_F(CacheManagerClientTest, InvalidStepIsRefusedWholeAndChangesNothing) {

@@ -311,7 +311,7 @@ TEST(CacheManagerMetricsNamesTest, LabelValuesAreTheDocumentedOnes) {
   }
   EXPECT_THAT(types, ElementsAre("hello", "attach", "step", "lookup", "pin", "unpin", "stats",
                                  "heartbeat", "goodbye", "event_snapshot", "describe_session",
-                                 "end_session"));
+                                 "end_session", "block_map"));
   EXPECT_THAT(reasons,
               ElementsAre("malformed", "unsupported_version", "oversized", "not_registered",
                           "stale_session", "stale_epoch", "invalid_argument", "unknown_sequence",

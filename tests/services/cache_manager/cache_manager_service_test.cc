@@ -12,6 +12,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "common/wire/block_map_codec.h"
 #include "common/wire/convert.h"
 #include "common/wire/envelope.h"
 #include "common/wire/step_codec.h"
@@ -1292,6 +1293,84 @@ TEST_F(CacheManagerServiceTest, EventBatchesAreNumberedAndAddUpToTheSnapshot) {
   EXPECT_EQ(from_snapshot.size(), seen.size());
   EXPECT_TRUE(from_snapshot == seen);
   EXPECT_GT(seen.size(), 0u);
+}
+
+// --- BlockMap ------------------------------------------------------------------------------
+
+// The pool in all six states: the map, asked by a control session, shows each block in its
+// state and counts them as the metrics' snapshot does, summing to the pool.
+TEST_F(CacheManagerFenceTest, BlockMapShowsEveryStateAsTheSnapshotCountsIt) {
+  const uint64_t hung = Hello();                                          // quarantined
+  const uint64_t dead = Hello(wire::Role::Router, 3000);                  // draining
+  const uint64_t live = Hello(wire::Role::Router, 3001);                  // in use, cached
+  Hello(wire::Role::Executor, kExecutorPid);                              // fences wait for it
+  const uint64_t control = Hello(wire::Role::Control, 4000);
+  ASSERT_EQ(ErrorOf(Step(hung, {Allocate(1, 3 * kBlockSize)})), wire::ErrorCode::Ok);  // 0-2
+  ASSERT_EQ(ErrorOf(Step(dead, {Allocate(2, 2 * kBlockSize)}, 3000)), wire::ErrorCode::Ok);  // 3-4
+  const std::vector<BlockHash> hashes = {HashOf(1), HashOf(2), HashOf(3)};
+  ASSERT_EQ(ErrorOf(Step(live, {Allocate(3, 3 * kBlockSize, hashes)}, 3001)),
+            wire::ErrorCode::Ok);  // 5-7
+  ASSERT_EQ(ErrorOf(Step(live, {Commit(3, 3 * kBlockSize)}, 3001)), wire::ErrorCode::Ok);
+  ASSERT_EQ(ErrorOf(Step(live, {Free(3), Allocate(4, 4 * kBlockSize)}, 3001)),
+            wire::ErrorCode::Ok);  // 5-7 cached; 8-11 in use
+  const wire::Envelope& pinned = Request(live, wire::Message::Pin, [&](auto& b) {
+    return wire::CreatePin(b, b.CreateString("system"), ToWire(b, std::span(hashes).first(1)))
+        .Union();
+  }, 3001);
+  ASSERT_EQ(ErrorOf(pinned), wire::ErrorCode::Ok);  // 5 pinned
+  service_->OnProcessExited(3000);  // 3-4 drain behind the executor's fence
+  // Everyone but the first router keeps talking; it is quarantined.
+  now_ += absl::Seconds(4);
+  for (auto [session, pid] : {std::pair{live, pid_t{3001}}, {control, pid_t{4000}}}) {
+    Request(session, wire::Message::Heartbeat,
+            [](auto& b) { return wire::CreateHeartbeat(b).Union(); }, pid);
+  }
+  service_->ExpireSessions(now_);
+  ASSERT_EQ(service_->QuarantinedBlocks(), 3);
+  ASSERT_EQ(service_->DrainingBlocks(), 2);
+
+  auto block_map = [&](uint32_t max_cells) {
+    const wire::Envelope& reply = Request(control, wire::Message::BlockMap, [&](auto& b) {
+      return wire::CreateBlockMap(b, max_cells).Union();
+    }, 4000);
+    EXPECT_EQ(reply.payload_type(), wire::Message::BlockMapReply) << reply_reason();
+    absl::StatusOr<BlockMap> map = DecodeBlockMapReply(*reply.payload_as_BlockMapReply());
+    EXPECT_TRUE(map.ok()) << map.status();
+    return map.ok() ? *map : BlockMap{};
+  };
+  const BlockMap map = block_map(0);
+  ASSERT_EQ(map.blocks_per_cell, 1);
+  ASSERT_EQ(map.cells.size(), static_cast<size_t>(kBlocks));
+  using S = MapState;
+  const std::vector<MapState> first(map.cells.begin(), map.cells.begin() + 13);
+  EXPECT_EQ(first, (std::vector<MapState>{S::kQuarantined, S::kQuarantined, S::kQuarantined,
+                                          S::kDraining, S::kDraining, S::kPinned, S::kCached,
+                                          S::kCached, S::kInUse, S::kInUse, S::kInUse,
+                                          S::kInUse, S::kFree}));
+  const CacheManagerSnapshot snapshot = service_->Snapshot();
+  EXPECT_EQ(map.count(S::kFree), snapshot.ledger.free_blocks);
+  EXPECT_EQ(map.count(S::kInUse), snapshot.ledger.in_use_blocks - snapshot.quarantined_blocks -
+                                      snapshot.draining_blocks);
+  EXPECT_EQ(map.count(S::kCached), snapshot.ledger.cached_blocks);
+  EXPECT_EQ(map.count(S::kPinned), snapshot.ledger.pinned_blocks);
+  EXPECT_EQ(map.count(S::kQuarantined), snapshot.quarantined_blocks);
+  EXPECT_EQ(map.count(S::kDraining), snapshot.draining_blocks);
+  EXPECT_EQ(map.count(S::kFree) + map.count(S::kInUse) + map.count(S::kCached) +
+                map.count(S::kPinned) + map.count(S::kQuarantined) + map.count(S::kDraining),
+            kBlocks);
+
+  // Fewer cells than blocks: runs of 4, each its dominant state, the same counts.
+  const BlockMap runs = block_map(16);
+  EXPECT_EQ(runs.blocks_per_cell, 4);
+  ASSERT_EQ(runs.cells.size(), 16u);
+  EXPECT_EQ(runs.cells[0], S::kQuarantined);  // 0-2 quarantined, 3 draining
+  EXPECT_EQ(runs.cells[1], S::kCached);       // 4 draining, 5 pinned, 6-7 cached
+  EXPECT_EQ(runs.cells[2], S::kInUse);
+  EXPECT_EQ(runs.cells[3], S::kFree);
+  EXPECT_EQ(runs.counts, map.counts);
+  EXPECT_EQ(CounterValue("kvcm_cache_manager_requests_total", "type", "block_map"), 2);
+  // Asking for more cells than the bound gets the bound, here one cell per block.
+  EXPECT_EQ(block_map(UINT32_MAX).cells.size(), static_cast<size_t>(kBlocks));
 }
 
 }  // namespace
