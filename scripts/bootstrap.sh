@@ -39,6 +39,8 @@ PACKAGES=(
   python3-venv               # scripts/python-env.sh: the official clients the tests use
   systemd                    # systemd-analyze verify, systemd-sysusers: tests/deploy on deploy/systemd/
   strace                     # tests/deploy: a running stack's system calls against the units' filter
+  chromium                   # tests/dashboard: the router's /dashboard in a real browser, headless
+  chromium-driver            # tests/dashboard: chromedriver, through which Selenium drives it
 )
 
 missing=()

@@ -7,12 +7,14 @@
 #                             (tests/monitoring/requirements.txt)
 #   BUILD_DIR/venv-deploy     the Kubernetes schemas and a Compose parser, for the checks of
 #                             deploy/ (tests/deploy/requirements.txt)
+#   BUILD_DIR/venv-dashboard  Selenium, to drive chromium on the router's /dashboard
+#                             (tests/dashboard/requirements.txt)
 # Two of them because their pins cannot share one (text-generation wants huggingface-hub
 # below 1.0, transformers 5 at least 1.0). Each is left alone when it is already there for
 # the same requirements. Python never runs inside the services: this is test tooling.
 #
 #   scripts/python-env.sh                # build/venv, build/venv-reference, build/venv-monitoring,
-#                                        # build/venv-deploy
+#                                        # build/venv-deploy, build/venv-dashboard
 #   KVCM_BUILD_DIR=out scripts/python-env.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,3 +49,4 @@ make_venv "$BUILD_DIR/venv-monitoring" tests/monitoring/requirements.txt \
   'grafana_foundation_sdk|PyYAML'
 make_venv "$BUILD_DIR/venv-deploy" tests/deploy/requirements.txt \
   'kubernetes-validate|kubernetes_validate|compose-spec|compose_spec|PyYAML'
+make_venv "$BUILD_DIR/venv-dashboard" tests/dashboard/requirements.txt 'selenium'

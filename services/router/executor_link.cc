@@ -149,6 +149,7 @@ void ExecutorLink::HandleReadable(absl::Time now) {
         fresh.identity = identity;
         fresh.hello = *std::move(hello);
         fresh.last_heard = now;
+        fresh.registered = now;
         Log(absl::StrCat("executor ", fresh.id, " (", fresh.hello.name, ", pid ",
                          fresh.hello.pid, ") registered"));
         out_.Clear();
@@ -210,6 +211,8 @@ void ExecutorLink::HandleReadable(absl::Time now) {
           report = FromWire(error->code(), error->reason() == nullptr ? "" : error->reason()->str());
         } else {
           report = DecodeStepResult(*envelope.payload_as_StepResult());
+          ++executor->steps;
+          executor->last_step_us = report->duration_us;
         }
         if (on_result_) on_result_(id, step, std::move(report));
         break;

@@ -440,6 +440,7 @@ struct HttpFrontend::Impl {
     submission.max_new_tokens = a.params.max_new_tokens;
     submission.sampling = a.params.sampling;
     submission.outputs = a.params.outputs;
+    submission.api = a.api == Api::kOpenAi ? RequestApi::kOpenAi : RequestApi::kTgi;
     active.emplace(id, std::move(a));
     core->Submit(std::move(submission));
   }
@@ -1242,6 +1243,19 @@ struct HttpFrontend::Impl {
       const std::string text =
           prometheus::TextSerializer().Serialize(self->metrics->registry()->Collect());
       return Reply(request, 200, text, "text/plain; version=0.0.4");
+    }
+    if (path == "/dashboard" || path == "/dashboard/state") {
+      Dashboard* dashboard = self->options.dashboard;
+      if (dashboard == nullptr) return ReplyError(request, {404, "no dashboard", "validation"});
+      evkeyvalq* headers = evhttp_request_get_output_headers(request);
+      evhttp_add_header(headers, "Cache-Control", "no-store");
+      evhttp_add_header(headers, "X-Content-Type-Options", "nosniff");
+      if (path == "/dashboard/state") return Reply(request, 200, dashboard->StateJson());
+      // The page fetches nothing but its state, from this server: the browser enforces it.
+      evhttp_add_header(headers, "Content-Security-Policy",
+                        "default-src 'none'; script-src 'unsafe-inline'; "
+                        "style-src 'unsafe-inline'; connect-src 'self'; img-src data:");
+      return Reply(request, 200, std::string(Dashboard::Page()), "text/html; charset=utf-8");
     }
     if (path == "/health") {
       if (self->core->live_executors() > 0) return Reply(request, 200, "");

@@ -10,6 +10,8 @@
 //   GET  /health           200 with an executor registered, else 503
 //   GET  /info             the model, the pool and the limits
 //   GET  /metrics          Prometheus text (RouterMetrics)
+//   GET  /dashboard        the live pool view, one self-contained page (Dashboard), and
+//   GET  /dashboard/state  the JSON it polls; 404 without a Dashboard
 //
 // and the OpenAI-compatible one: POST /v1/completions, POST /v1/chat/completions (messages
 // rendered with the model's chat template; 501 when it has none), GET /v1/models, with
@@ -33,6 +35,7 @@
 #include "absl/status/statusor.h"
 #include "common/chat/chat_template.h"
 #include "common/tokenizer/tokenizer.h"
+#include "services/router/dashboard.h"
 #include "services/router/router_core.h"
 #include "services/router/router_metrics.h"
 
@@ -68,6 +71,8 @@ class HttpFrontend {
     int32_t num_blocks = 0;
     int64_t max_batch_total_tokens = 0;
     int32_t max_batch_prefill_tokens = 0;
+    // Serves /dashboard and /dashboard/state; null: they answer 404. Outlives the front end.
+    Dashboard* dashboard = nullptr;
   };
 
   // Binds and starts serving on its own thread.

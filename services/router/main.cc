@@ -31,6 +31,7 @@
 #include "common/config/config.h"
 #include "common/model/model_metadata.h"
 #include "common/tokenizer/tokenizer.h"
+#include "services/router/dashboard.h"
 #include "services/router/http_frontend.h"
 #include "services/router/router_core.h"
 
@@ -174,6 +175,12 @@ int Main(const std::vector<config::Setting>& settings) {
   http.num_blocks = (*core)->session().num_blocks;
   http.max_batch_total_tokens = (*core)->planner_options().max_batch_total_tokens;
   http.max_batch_prefill_tokens = (*core)->planner_options().max_batch_prefill_tokens;
+  // GET /dashboard: its own control session to the cache manager, opened at the first poll.
+  router::Dashboard::Options dashboard_options;
+  dashboard_options.cache_manager_endpoint = core_options.cache_manager_endpoint;
+  dashboard_options.name = absl::StrCat("router-", ::getpid(), "-dashboard");
+  router::Dashboard dashboard(dashboard_options, core->get());
+  http.dashboard = &dashboard;
   auto frontend = router::HttpFrontend::Start(http, tokenizer->get(), core->get(), &metrics);
   if (!frontend.ok()) return fail(frontend.status());
   frontend_ptr.store(frontend->get());

@@ -86,6 +86,7 @@ void RouterCore::Submit(Submission submission) {
       return;
     }
     known_[s.id].assign(static_cast<size_t>(s.outputs.sequences), true);
+    api_of_[s.id] = s.api;
     planner_->Enqueue(s.id, std::move(s.prompt), s.max_new_tokens, s.sampling, s.outputs);
     ScheduleTurn();
   });
@@ -102,8 +103,42 @@ bool RouterCore::FinishChoice(uint64_t id, int32_t choice) {
       open[c] = false;
     }
   }
-  if (std::none_of(open.begin(), open.end(), [](bool b) { return b; })) known_.erase(it);
+  if (std::none_of(open.begin(), open.end(), [](bool b) { return b; })) {
+    known_.erase(it);
+    api_of_.erase(id);
+  }
   return was_open;
+}
+
+void RouterCore::RequestView(size_t max_sequences, std::function<void(RouterView)> done) {
+  loop_.Post([this, max_sequences, done = std::move(done)] {
+    RouterView view;
+    view.steps = steps_;
+    view.queued = planner_->queued();
+    view.running = planner_->running();
+    view.recovering = recovering_;
+    view.draining = draining_.load();
+    for (const StepPlanner::RunningSummary& run : planner_->RunningSummaries(max_sequences)) {
+      const auto api = api_of_.find(run.request);
+      view.sequences.push_back({run.request, run.choice,
+                                api == api_of_.end() ? RequestApi::kTgi : api->second,
+                                run.prompt_tokens, run.generated_tokens, run.blocks,
+                                run.executor});
+    }
+    const absl::Time now = MonotonicNow();
+    for (const auto& [id, executor] : link_->executors()) {
+      view.executors.push_back({id, executor.hello.name, executor.hello.pid,
+                                executor.pending_request != 0, executor.steps,
+                                static_cast<double>(executor.last_step_us) * 1e-6,
+                                absl::ToDoubleSeconds(now - executor.registered),
+                                absl::ToDoubleSeconds(now - executor.last_heard)});
+    }
+    std::sort(view.executors.begin(), view.executors.end(),
+              [](const RouterView::Executor& a, const RouterView::Executor& b) {
+                return a.id < b.id;
+              });
+    done(std::move(view));
+  });
 }
 
 void RouterCore::Cancel(uint64_t id, int32_t choice) {
@@ -137,6 +172,7 @@ void RouterCore::FailAll(const absl::Status& status) {
     planner_->Finish(id);
   }
   known_.clear();
+  api_of_.clear();
   if (!failed.empty()) sink_(std::move(failed));
 }
 
@@ -240,6 +276,7 @@ void RouterCore::Turn() {
   std::vector<Progress> progress;
   for (RequestId id : plan.rejected) {
     known_.erase(id);
+    api_of_.erase(id);
     Progress p;
     p.id = id;
     p.finished = true;

@@ -35,6 +35,38 @@ struct Submission {
   int32_t max_new_tokens = 1;
   SeqSampling sampling;
   RequestOutputs outputs;
+  RequestApi api = RequestApi::kTgi;  // shown by /dashboard
+};
+
+// The scheduler as /dashboard shows it (services/router/dashboard.h), taken on the core's
+// thread at one moment. Holds no handles or session ids: it is served to any HTTP client.
+struct RouterView {
+  struct Sequence {
+    uint64_t request = 0;
+    int32_t choice = 0;
+    RequestApi api = RequestApi::kTgi;
+    int32_t prompt_tokens = 0;
+    int32_t generated_tokens = 0;
+    int32_t blocks = 0;
+    uint64_t executor = 0;
+  };
+  struct Executor {
+    uint64_t id = 0;
+    std::string name;
+    int32_t pid = 0;
+    bool busy = false;             // owes the router a step's result now
+    uint64_t steps = 0;
+    double last_step_seconds = 0;  // the last step's duration, as the executor measured it
+    double connected_seconds = 0;  // since it registered
+    double silent_seconds = 0;     // since the router last heard from it
+  };
+  uint64_t steps = 0;
+  size_t queued = 0;
+  size_t running = 0;                // sequences; `sequences` lists the oldest of them
+  std::vector<Sequence> sequences;   // at most the max_sequences asked for
+  std::vector<Executor> executors;   // by id
+  bool recovering = false;           // the cache manager does not answer
+  bool draining = false;             // a signal asked the router to stop
 };
 
 // What happened to a request in one step.
@@ -91,6 +123,10 @@ class RouterCore {
   int live_executors() const { return live_executors_.load(); }
 
   void Submit(Submission submission);
+  // Takes a RouterView with at most `max_sequences` sequences on the core's thread, between
+  // steps, and hands it to `done` there (any thread may call; `done` must not block). O(that
+  // many sequences and the executors). If the core has stopped, `done` never runs.
+  void RequestView(size_t max_sequences, std::function<void(RouterView)> done);
   // Cancels a request's choice (-1: all of them).
   void Cancel(uint64_t id, int32_t choice = -1);
   // Serves until a signal arrives on `signal_fd` (or Stop()).
@@ -126,6 +162,7 @@ class RouterCore {
   std::unique_ptr<StepPlanner> planner_;
   // Requests queued or running, and which of their choices have not finished.
   absl::flat_hash_map<uint64_t, std::vector<bool>> known_;
+  absl::flat_hash_map<uint64_t, RequestApi> api_of_;  // of the requests in known_
   // Marks `choice` (-1: every one) of `id` finished; forgets `id` when none is left.
   // Returns whether that choice was still open.
   bool FinishChoice(uint64_t id, int32_t choice);

@@ -137,6 +137,20 @@ int64_t StepPlanner::held_blocks() const {
   return blocks;
 }
 
+std::vector<StepPlanner::RunningSummary> StepPlanner::RunningSummaries(size_t max) const {
+  std::vector<RunningSummary> out;
+  out.reserve(std::min(max, order_.size()));
+  for (SeqId seq : order_) {
+    if (out.size() == max) break;
+    auto it = running_.find(seq);
+    if (it == running_.end()) continue;
+    const Running& run = it->second;
+    out.push_back({run.req.request, run.req.choice, seq, run.req.prompt_len, run.req.generated,
+                   BlocksFor(run.held), run.executor});
+  }
+  return out;
+}
+
 std::optional<std::vector<int32_t>> StepPlanner::TokensOf(RequestId request) const {
   if (auto it = seq_of_.find(request); it != seq_of_.end()) {
     return running_.at(it->second.front()).req.tokens;

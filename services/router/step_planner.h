@@ -191,6 +191,18 @@ class StepPlanner {
   uint64_t preemptions() const { return preemptions_; }
   // Blocks the running sequences hold, as far as the planner knows.
   int64_t held_blocks() const;
+  // One running sequence as an operator sees it (the router's /dashboard).
+  struct RunningSummary {
+    RequestId request = 0;
+    int32_t choice = 0;
+    SeqId seq = 0;
+    int32_t prompt_tokens = 0;
+    int32_t generated_tokens = 0;
+    int32_t blocks = 0;  // that the cache manager holds for it
+    ExecutorId executor = 0;
+  };
+  // The first `max` running sequences in admission order, oldest first. O(max).
+  std::vector<RunningSummary> RunningSummaries(size_t max) const;
   // The tokens (prompt and generated) of a request the planner knows, for tests.
   std::optional<std::vector<int32_t>> TokensOf(RequestId request) const;
 
