@@ -20,8 +20,8 @@ int32_t BlockMapCellsFor(uint32_t requested) {
   return static_cast<int32_t>(std::min<uint32_t>(requested, kMaxBlockMapCells));
 }
 
-flatbuffers::Offset<wire::BlockMapReply> EncodeBlockMapReply(flatbuffers::FlatBufferBuilder& builder,
-                                                             const BlockMap& map) {
+flatbuffers::Offset<wire::BlockMapReply> EncodeBlockMapReply(
+    flatbuffers::FlatBufferBuilder& builder, const BlockMap& map) {
   static_assert(sizeof(MapState) == 1);
   const auto cells = builder.CreateVector(reinterpret_cast<const uint8_t*>(map.cells.data()),
                                           map.cells.size());

@@ -18,8 +18,8 @@ namespace kvcm {
 // and more than kMaxBlockMapCells gives that many.
 int32_t BlockMapCellsFor(uint32_t requested);
 
-flatbuffers::Offset<wire::BlockMapReply> EncodeBlockMapReply(flatbuffers::FlatBufferBuilder& builder,
-                                                             const BlockMap& map);
+flatbuffers::Offset<wire::BlockMapReply> EncodeBlockMapReply(
+    flatbuffers::FlatBufferBuilder& builder, const BlockMap& map);
 
 // A verified BlockMapReply as a BlockMap. INTERNAL when its values contradict each other: a
 // negative pool or a run below 1, a cell count other than ceil(num_blocks /

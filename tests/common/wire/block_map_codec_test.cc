@@ -22,7 +22,8 @@ absl::StatusOr<BlockMap> DecodeRaw(int32_t num_blocks, int32_t per_cell,
   builder.Finish(wire::CreateBlockMapReply(builder, num_blocks, per_cell,
                                            builder.CreateVector(cells),
                                            builder.CreateVector(counts)));
-  return DecodeBlockMapReply(*flatbuffers::GetRoot<wire::BlockMapReply>(builder.GetBufferPointer()));
+  return DecodeBlockMapReply(
+      *flatbuffers::GetRoot<wire::BlockMapReply>(builder.GetBufferPointer()));
 }
 
 TEST(BlockMapCodecTest, AnEncodedMapDecodesToItself) {
