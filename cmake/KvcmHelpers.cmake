@@ -11,6 +11,10 @@
 # "potential null pointer dereference" at -O2/-O3, on code that checks its pointers.
 set(KVCM_WARNINGS -Wall -Wextra -Wpedantic -Wshadow -Wnon-virtual-dtor -Wold-style-cast
                   -Wcast-align -Wunused -Woverloaded-virtual -Wimplicit-fallthrough)
+# Clang checks the lock annotations (ABSL_GUARDED_BY and friends, common/base/mutex.h).
+if(CMAKE_CXX_COMPILER_ID MATCHES "Clang")
+  list(APPEND KVCM_WARNINGS -Wthread-safety)
+endif()
 if(KVCM_WERROR)
   list(APPEND KVCM_WARNINGS -Werror)
 endif()

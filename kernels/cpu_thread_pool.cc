@@ -98,7 +98,7 @@ void CpuThreadPool::ParallelFor(int64_t num_tasks, int32_t num_threads,
     return;
   }
 
-  std::lock_guard<std::mutex> lock(dispatch_mu_);
+  MutexLock lock(&dispatch_mu_);
   job_fn_ = &fn;
   job_tasks_ = num_tasks;
   next_task_.store(0, std::memory_order_relaxed);

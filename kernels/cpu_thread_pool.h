@@ -14,11 +14,11 @@
 
 #include <atomic>
 #include <cstdint>
-#include <mutex>
 #include <thread>
 #include <vector>
 
 #include "absl/functional/function_ref.h"
+#include "common/base/mutex.h"
 
 namespace kvcm::kernels {
 
@@ -54,11 +54,12 @@ class CpuThreadPool {
 
   const int32_t spin_iterations_;
 
-  std::mutex dispatch_mu_;  // one ParallelFor at a time
+  Mutex dispatch_mu_;  // one ParallelFor at a time
 
-  // The job of the current epoch. Written by the dispatcher before it publishes the epoch
-  // (release) and read by participating workers after they see it (acquire); not rewritten
-  // until every participant has checked out through busy_.
+  // The job of the current epoch. Written by the dispatcher, holding dispatch_mu_, before it
+  // publishes the epoch (release) and read by participating workers after they see it
+  // (acquire); not rewritten until every participant has checked out through busy_. Not
+  // ABSL_GUARDED_BY(dispatch_mu_): the workers read them without it, ordered by the epoch.
   const absl::FunctionRef<void(int64_t)>* job_fn_ = nullptr;
   int64_t job_tasks_ = 0;
 

@@ -229,29 +229,29 @@ absl::StatusOr<std::unique_ptr<CacheManagerClient>> CacheManagerClient::Connect(
 CacheManagerClient::~CacheManagerClient() { StopHeartbeats(); }
 
 uint64_t CacheManagerClient::session_id() const {
-  std::lock_guard<std::mutex> lock(session_mu_);
+  MutexLock lock(&session_mu_);
   return session_.session_id;
 }
 
 uint64_t CacheManagerClient::epoch() const {
-  std::lock_guard<std::mutex> lock(session_mu_);
+  MutexLock lock(&session_mu_);
   return session_.epoch;
 }
 
 SessionInfo CacheManagerClient::session() const {
-  std::lock_guard<std::mutex> lock(session_mu_);
+  MutexLock lock(&session_mu_);
   return session_;
 }
 
 std::pair<SessionInfo, uint64_t> CacheManagerClient::SessionAndGeneration() const {
-  std::lock_guard<std::mutex> lock(session_mu_);
+  MutexLock lock(&session_mu_);
   return {session_, generation_};
 }
 
 bool CacheManagerClient::session_lost() const {
   const uint64_t lost = lost_generation_.load();
   if (lost == 0) return false;
-  std::lock_guard<std::mutex> lock(session_mu_);
+  MutexLock lock(&session_mu_);
   return lost == generation_ && session_.session_id != 0;
 }
 
@@ -332,7 +332,7 @@ absl::Status CacheManagerClient::Register() {
   info.max_ops_per_step = hello_reply->max_ops_per_step();
   info.max_message_bytes = hello_reply->max_message_bytes();
   {
-    std::lock_guard<std::mutex> lock(session_mu_);
+    MutexLock lock(&session_mu_);
     session_ = info;
     ++generation_;
   }
@@ -369,7 +369,7 @@ absl::Status CacheManagerClient::Reregister() {
   const SessionInfo old_session = session();
   KVCM_RETURN_IF_ERROR(Register());
   if (session().epoch != old_session.epoch) {
-    std::lock_guard<std::mutex> lock(fence_mu_);
+    MutexLock lock(&fence_mu_);
     fences_.clear();
     acked_fences_.clear();
   }
@@ -668,14 +668,14 @@ absl::Status CacheManagerClient::AcknowledgeFences(std::span<const uint64_t> fen
   const auto heartbeat = wire::CreateHeartbeat(builder, acks);
   KVCM_ASSIGN_OR_RETURN(Reply reply, Call(builder, wire::Message::Heartbeat, heartbeat.Union(),
                                           wire::Message::HeartbeatReply));
-  std::lock_guard<std::mutex> lock(fence_mu_);
+  MutexLock lock(&fence_mu_);
   acked_fences_.insert(fence_ids.begin(), fence_ids.end());
   TakeFencesLocked(PayloadAs<wire::HeartbeatReply>(reply.envelope));
   return absl::OkStatus();
 }
 
 std::vector<FenceNotice> CacheManagerClient::PendingFences() const {
-  std::lock_guard<std::mutex> lock(fence_mu_);
+  MutexLock lock(&fence_mu_);
   return fences_;
 }
 
@@ -719,7 +719,7 @@ absl::StatusOr<int32_t> CacheManagerClient::Goodbye() {
   said_goodbye_ = true;
   {
     // The heartbeat thread stops sending for session 0.
-    std::lock_guard<std::mutex> lock(session_mu_);
+    MutexLock lock(&session_mu_);
     session_.session_id = 0;
   }
   return PayloadAs<wire::GoodbyeReply>(reply->envelope).blocks_released();
@@ -828,7 +828,7 @@ void CacheManagerClient::HeartbeatLoop(zmq::socket_t stop) {
         if (const wire::ErrorReply* error = verified.envelope->payload_as_ErrorReply()) {
           if (IsSessionGone(error->code())) lost_generation_.store(pending_generation);
         } else if (const auto* reply = verified.envelope->payload_as_HeartbeatReply()) {
-          std::lock_guard<std::mutex> lock(fence_mu_);
+          MutexLock lock(&fence_mu_);
           TakeFencesLocked(*reply);
         }
       }

@@ -76,7 +76,6 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
@@ -84,10 +83,12 @@
 #include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/base/mutex.h"
 #include "common/block/block_hash.h"
 #include "common/block/block_map.h"
 #include "common/memory/pool_layout.h"
@@ -483,9 +484,11 @@ class CacheManagerClient {
                              flatbuffers::Offset<void> payload, wire::Message reply_type);
   // Marks the current session lost and returns the ABORTED status naming `why`.
   absl::Status SessionGone(std::string_view why);
-  void TakeFencesLocked(const wire::HeartbeatReply& reply);
+  void TakeFencesLocked(const wire::HeartbeatReply& reply)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(fence_mu_);
   // The session and its generation, read together.
-  std::pair<SessionInfo, uint64_t> SessionAndGeneration() const;
+  std::pair<SessionInfo, uint64_t> SessionAndGeneration() const
+      ABSL_LOCKS_EXCLUDED(session_mu_);
 
   const Options options_;
   zmq::context_t context_;
@@ -500,11 +503,11 @@ class CacheManagerClient {
   bool said_goodbye_ = false;
 
   // Shared with the heartbeat thread.
-  mutable std::mutex session_mu_;
-  SessionInfo session_;  // guarded by session_mu_
+  mutable Mutex session_mu_;
+  SessionInfo session_ ABSL_GUARDED_BY(session_mu_);
   // Counts registrations: names a session unambiguously (a restarted cache manager
-  // hands out the same session ids again). Guarded by session_mu_.
-  uint64_t generation_ = 0;
+  // hands out the same session ids again).
+  uint64_t generation_ ABSL_GUARDED_BY(session_mu_) = 0;
   // The generation whose session the heartbeat thread saw refused (0: none).
   std::atomic<uint64_t> lost_generation_{0};
   std::atomic<uint64_t> heartbeats_sent_{0};
@@ -514,9 +517,9 @@ class CacheManagerClient {
   std::atomic<int64_t> last_progress_ns_{0};
 
   // Fences, shared with the heartbeat thread.
-  mutable std::mutex fence_mu_;
-  std::vector<FenceNotice> fences_;              // guarded by fence_mu_
-  absl::flat_hash_set<uint64_t> acked_fences_;  // guarded by fence_mu_; this epoch's
+  mutable Mutex fence_mu_;
+  std::vector<FenceNotice> fences_ ABSL_GUARDED_BY(fence_mu_);
+  absl::flat_hash_set<uint64_t> acked_fences_ ABSL_GUARDED_BY(fence_mu_);  // this epoch's
   std::atomic<uint64_t> fence_generation_{0};
 
   zmq::socket_t stop_;  // PAIR; the heartbeat thread holds the other end

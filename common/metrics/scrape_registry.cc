@@ -6,7 +6,7 @@
 namespace kvcm {
 
 void ScrapeRegistry::AddCollector(std::weak_ptr<const prometheus::Collectable> collector) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   collectors_.push_back(std::move(collector));
 }
 
@@ -14,7 +14,7 @@ std::vector<prometheus::MetricFamily> ScrapeRegistry::Collect() const {
   std::vector<prometheus::MetricFamily> families = prometheus::Registry::Collect();
   std::vector<std::shared_ptr<const prometheus::Collectable>> live;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     for (const auto& weak : collectors_) {
       if (auto collector = weak.lock()) live.push_back(std::move(collector));
     }

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
+#include "common/base/mutex.h"
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/registry.h"
@@ -34,7 +34,7 @@ class ScrapeRegistry : public prometheus::Registry {
   std::vector<prometheus::MetricFamily> Collect() const override;
 
  private:
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   std::vector<std::weak_ptr<const prometheus::Collectable>> collectors_ ABSL_GUARDED_BY(mu_);
 };
 

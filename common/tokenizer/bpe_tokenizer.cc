@@ -14,10 +14,11 @@
 #include <queue>
 #include <utility>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
+#include "common/base/mutex.h"
 #include "common/base/utf8.h"
 #include "common/tokenizer/byte_level.h"
 
@@ -297,7 +298,7 @@ struct BpeTokenizer::Impl {
   std::vector<std::string> decoded;                        // id -> raw bytes
   std::vector<uint8_t> special;                            // id -> Decode skips it
 
-  mutable absl::Mutex cache_mu;
+  mutable Mutex cache_mu;
   mutable absl::flat_hash_map<std::string, std::vector<int32_t>> cache ABSL_GUARDED_BY(cache_mu);
 
   bool IsWordCharBefore(std::string_view text, size_t end) const {
@@ -572,7 +573,7 @@ struct BpeTokenizer::Impl {
     }
     const bool cacheable = use_cache && word.size() <= kMaxCachedWordBytes;
     if (cacheable) {
-      absl::ReaderMutexLock lock(&cache_mu);
+      ReaderMutexLock lock(&cache_mu);
       if (auto it = cache.find(AbslView(word)); it != cache.end()) {
         ids->insert(ids->end(), it->second.begin(), it->second.end());
         return;
@@ -581,7 +582,7 @@ struct BpeTokenizer::Impl {
     const size_t first = ids->size();
     MergeWord(word, ids);
     if (cacheable) {
-      absl::MutexLock lock(&cache_mu);
+      MutexLock lock(&cache_mu);
       if (cache.size() < kMaxCacheEntries) {
         cache.try_emplace(std::string(word), ids->begin() + static_cast<std::ptrdiff_t>(first), ids->end());
       }

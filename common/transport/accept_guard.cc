@@ -7,15 +7,16 @@
 
 #include <atomic>
 #include <cerrno>
-#include <mutex>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "common/base/mutex.h"
 
 namespace kvcm {
 namespace {
 
-std::mutex reserve_mutex;
-int reserve_fd = -1;  // guarded by reserve_mutex
+Mutex reserve_mutex;
+int reserve_fd ABSL_GUARDED_BY(reserve_mutex) = -1;
 std::atomic<bool> installed{false};
 std::atomic<uint64_t> dropped{0};
 
@@ -32,7 +33,7 @@ int GuardedAccept(int listener, sockaddr* address, socklen_t* length, int flags)
     return accepted;
   }
   {
-    std::lock_guard<std::mutex> lock(reserve_mutex);
+    MutexLock lock(&reserve_mutex);
     if (reserve_fd >= 0) {
       ::close(reserve_fd);
       reserve_fd = -1;
@@ -53,7 +54,7 @@ int GuardedAccept(int listener, sockaddr* address, socklen_t* length, int flags)
 }  // namespace
 
 absl::Status InstallAcceptGuard() {
-  std::lock_guard<std::mutex> lock(reserve_mutex);
+  MutexLock lock(&reserve_mutex);
   if (reserve_fd < 0) reserve_fd = OpenReserve();
   if (reserve_fd < 0) {
     return absl::InternalError(

@@ -84,7 +84,7 @@ void EventLoop::Cancel(Id id) {
 
 void EventLoop::Post(std::function<void()> task) {
   {
-    std::lock_guard<std::mutex> lock(posted_mutex_);
+    MutexLock lock(&posted_mutex_);
     posted_.push_back(std::move(task));
   }
   Wake();
@@ -113,7 +113,7 @@ void EventLoop::Compact() {
 
 void EventLoop::RunPosted() {
   {
-    std::lock_guard<std::mutex> lock(posted_mutex_);
+    MutexLock lock(&posted_mutex_);
     running_.swap(posted_);
   }
   for (auto& task : running_) task();
@@ -141,7 +141,7 @@ absl::Status EventLoop::RunOnce(absl::Duration max_wait) {
     if (!timer->cancelled) wait = std::min(wait, timer->due - now);
   }
   {
-    std::lock_guard<std::mutex> lock(posted_mutex_);
+    MutexLock lock(&posted_mutex_);
     if (!posted_.empty()) wait = absl::ZeroDuration();
   }
   long timeout_ms = -1;

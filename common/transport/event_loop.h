@@ -25,11 +25,12 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "common/base/mutex.h"
 #include "common/base/unique_fd.h"
 #include "zmq.hpp"
 
@@ -116,8 +117,8 @@ class EventLoop {
   std::function<void()> after_turn_;
   bool stopped_ = false;
 
-  std::mutex posted_mutex_;
-  std::vector<std::function<void()>> posted_;  // guarded by posted_mutex_
+  Mutex posted_mutex_;
+  std::vector<std::function<void()>> posted_ ABSL_GUARDED_BY(posted_mutex_);
   std::vector<std::function<void()>> running_;
 };
 

@@ -6,8 +6,8 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "common/base/check.h"
+#include "common/base/mutex.h"
 #include "common/metrics/scrape_registry.h"
 #include "prometheus/collectable.h"
 #include "prometheus/counter.h"
@@ -242,14 +242,14 @@ class CacheManagerMetrics::SnapshotCollector : public prometheus::Collectable {
                snapshot.quarantined_blocks + snapshot.draining_blocks <= ledger.in_use_blocks)
         << "quarantined " << snapshot.quarantined_blocks << " and draining "
         << snapshot.draining_blocks << " of " << ledger.in_use_blocks << " in use";
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     snapshot_ = snapshot;
   }
 
   std::vector<prometheus::MetricFamily> Collect() const override {
     CacheManagerSnapshot s;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       s = snapshot_;
     }
     const LedgerStats& ledger = s.ledger;
@@ -300,7 +300,7 @@ class CacheManagerMetrics::SnapshotCollector : public prometheus::Collectable {
 
  private:
   const CacheInfo info_;
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   CacheManagerSnapshot snapshot_ ABSL_GUARDED_BY(mu_);
 };
 

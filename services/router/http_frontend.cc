@@ -15,10 +15,12 @@
 #include <optional>
 #include <utility>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/base/log.h"
+#include "common/base/mutex.h"
 #include "common/base/utf8.h"
 #include "common/base/monotonic_clock.h"
 #include "nlohmann/json.hpp"
@@ -115,8 +117,8 @@ struct HttpFrontend::Impl {
   event* mail = nullptr;
   event* stop = nullptr;
 
-  std::mutex mailbox_mutex;
-  std::vector<Progress> mailbox;  // guarded by mailbox_mutex
+  Mutex mailbox_mutex;
+  std::vector<Progress> mailbox ABSL_GUARDED_BY(mailbox_mutex);
 
   // What one generated sequence produced.
   struct Choice {
@@ -1115,7 +1117,7 @@ struct HttpFrontend::Impl {
   void DeliverMail() {
     std::vector<Progress> batch;
     {
-      std::lock_guard<std::mutex> lock(mailbox_mutex);
+      MutexLock lock(&mailbox_mutex);
       batch.swap(mailbox);
     }
     for (const Progress& p : batch) {
@@ -1310,7 +1312,7 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(const Options&
 
 void HttpFrontend::Deliver(std::vector<Progress> progress) {
   {
-    std::lock_guard<std::mutex> lock(impl_->mailbox_mutex);
+    MutexLock lock(&impl_->mailbox_mutex);
     for (Progress& p : progress) impl_->mailbox.push_back(std::move(p));
   }
   event_active(impl_->mail, 0, 0);

@@ -8,14 +8,15 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/base/monotonic_clock.h"
+#include "common/base/mutex.h"
 #include "common/client/cache_manager_client.h"
 #include "common/transport/zmq_util.h"
 #include "common/wire/convert.h"
@@ -58,11 +59,11 @@ class FakeCacheManager {
 
   const std::string& endpoint() const { return endpoint_; }
   void SetHandler(Handler handler) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     handler_ = std::move(handler);
   }
   int Count(wire::Message type) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     return counts_[static_cast<int>(type)];
   }
 
@@ -117,7 +118,7 @@ class FakeCacheManager {
       if (verified.envelope == nullptr) continue;
       std::vector<std::string> replies;
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(&mu_);
         ++counts_[static_cast<int>(verified.envelope->payload_type())];
         if (handler_) replies = handler_(*verified.envelope);
       }
@@ -134,9 +135,9 @@ class FakeCacheManager {
   std::string endpoint_;
   zmq::context_t context_;
   zmq::socket_t router_;
-  std::mutex mu_;
-  Handler handler_;
-  int counts_[32] = {};
+  Mutex mu_;
+  Handler handler_ ABSL_GUARDED_BY(mu_);
+  int counts_[32] ABSL_GUARDED_BY(mu_) = {};
   std::atomic<bool> stop_{false};
   std::thread thread_;
 };
