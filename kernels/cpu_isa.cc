@@ -1,5 +1,9 @@
 #include "kernels/cpu_isa.h"
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
 #include <atomic>
 
 #include "common/base/check.h"
@@ -7,11 +11,18 @@
 namespace kvcm::kernels {
 namespace {
 
+#if defined(__x86_64__)
+// CPUID leaf 1, ECX bit 29. Clang 14's __builtin_cpu_supports does not know "f16c".
+bool HasF16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+}
+#endif
+
 CpuIsa DetectCpuIsa() {
 #if defined(__x86_64__) && defined(__GNUC__)
   __builtin_cpu_init();
-  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ||
-      !__builtin_cpu_supports("f16c")) {
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !HasF16c()) {
     return CpuIsa::kPortable;
   }
   // GCC's and Clang's runtimes report AVX-512 only when the OS also saves the ZMM state.
