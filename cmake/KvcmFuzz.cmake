@@ -53,6 +53,18 @@ function(kvcm_fuzz_target name)
     set(ARG_TIMEOUT 300)
   endif()
 
+  # The gtest suite is named after the target (tokenizer_json: TokenizerJsonFuzzSeedTest),
+  # so that ctest tells the targets' tests apart.
+  string(REPLACE "_" ";" pieces "${name}")
+  set(suite "")
+  foreach(piece IN LISTS pieces)
+    string(SUBSTRING "${piece}" 0 1 first)
+    string(TOUPPER "${first}" first)
+    string(SUBSTRING "${piece}" 1 -1 rest)
+    string(APPEND suite "${first}${rest}")
+  endforeach()
+  string(APPEND suite "FuzzSeedTest")
+
   kvcm_test(${name}_seed_test
     SRCS ${ARG_SRCS} ${PROJECT_SOURCE_DIR}/tests/support/fuzz_driver.cc
     DEPS ${ARG_DEPS} kvcm_fuzz_support
@@ -60,6 +72,7 @@ function(kvcm_fuzz_target name)
     TIMEOUT ${ARG_TIMEOUT})
   target_compile_definitions(${name}_seed_test PRIVATE
     KVCM_FUZZ_NAME="${name}"
+    KVCM_FUZZ_SUITE=${suite}
     KVCM_FUZZ_CORPUS_DIR="${ARG_CORPUS}"
     KVCM_FUZZ_DICT="${ARG_DICT}"
     KVCM_FUZZ_ITERATIONS=${ARG_ITERATIONS}

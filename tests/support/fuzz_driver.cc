@@ -214,7 +214,8 @@ bool RunOne(const std::string& input) {
   return AcceptedCount() > before;
 }
 
-TEST(FuzzSeedTest, EverySeedOfTheCorpusIsAccepted) {
+// KVCM_FUZZ_SUITE: the target's name in CamelCase, then FuzzSeedTest (GgufFuzzSeedTest).
+TEST(KVCM_FUZZ_SUITE, EverySeedOfTheCorpusIsAccepted) {
   const std::vector<Seed> seeds = ReadCorpus(KVCM_FUZZ_CORPUS_DIR);
   ASSERT_FALSE(seeds.empty()) << "no seeds in " << KVCM_FUZZ_CORPUS_DIR;
   for (const Seed& seed : seeds) {
@@ -227,7 +228,7 @@ TEST(FuzzSeedTest, EverySeedOfTheCorpusIsAccepted) {
               KVCM_FUZZ_CORPUS_DIR);
 }
 
-TEST(FuzzSeedTest, SeededMutationsAreAcceptedOrRefusedWithoutBreakingTheContract) {
+TEST(KVCM_FUZZ_SUITE, SeededMutationsAreAcceptedOrRefusedWithoutBreakingTheContract) {
   const uint64_t seed = EnvOr("KVCM_TEST_SEED", 20261201);
   const uint64_t iterations = EnvOr("KVCM_FUZZ_ITERATIONS", KVCM_FUZZ_ITERATIONS);
   std::printf("%s: seed %llu, %llu iterations (KVCM_TEST_SEED, KVCM_FUZZ_ITERATIONS override)\n",
