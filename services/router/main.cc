@@ -64,6 +64,10 @@ ABSL_FLAG(int32_t, drain_timeout_ms, 10000,
           "At SIGTERM/SIGINT, how long running requests may take to finish (new ones get "
           "503). A second signal stops at once.");
 
+ABSL_FLAG(std::string, step_trace, "",
+          "A file to write one JSON line per step to (times of its parts, its batch); for "
+          "diagnosis and benchmarks (docs/router.md). Default: none.");
+
 namespace kvcm {
 namespace {
 
@@ -146,6 +150,14 @@ int Main(const std::vector<config::Setting>& settings) {
   config::ExportInfoMetric(*metrics.registry(), "kvcm_router_config_info", settings,
                            config::ConfigFilePath());
   core_options.metrics = &metrics;
+  std::unique_ptr<router::StepTrace> step_trace;
+  if (!absl::GetFlag(FLAGS_step_trace).empty()) {
+    absl::StatusOr<std::unique_ptr<router::StepTrace>> opened =
+        router::StepTrace::Open(absl::GetFlag(FLAGS_step_trace));
+    if (!opened.ok()) return fail(opened.status());
+    step_trace = *std::move(opened);
+    core_options.step_trace = step_trace.get();
+  }
   if ((*tokenizer)->eos_id() >= 0 && core_options.eos_token_ids.empty()) {
     core_options.eos_token_ids = {(*tokenizer)->eos_id()};
   }

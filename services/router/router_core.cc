@@ -272,6 +272,8 @@ void RouterCore::Turn() {
     available = stats->free_blocks + stats->cached_blocks;
   }
   fresh_available_ = false;
+  trace_ = StepTraceEntry{};
+  trace_.planned_ns = absl::ToUnixNanos(MonotonicNow());
   StepPlan plan = planner_->Plan(available, executors);
   std::vector<Progress> progress;
   for (RequestId id : plan.rejected) {
@@ -289,7 +291,9 @@ void RouterCore::Turn() {
   if (!plan.ops.empty()) {
     BlockOps ops;
     for (const BlockOp& op : plan.ops) ops.Add(op);
+    const absl::Time asked = MonotonicNow();
     absl::StatusOr<std::vector<OpOutcome>> reply = cache_manager_->Step(ops);
+    trace_.cache_manager_ns = absl::ToInt64Nanoseconds(MonotonicNow() - asked);
     if (!reply.ok()) {
       // Not answered: maybe applied (then its retry is answered from the replay cache), maybe
       // not; after a restart, gone with the old ledger.
@@ -313,8 +317,8 @@ void RouterCore::ContinueStep(StepPlan plan, std::vector<OpOutcome> outcomes) {
   for (const ExecutorWork::Batch& batch : work.batches) {
     step_sequences_ += static_cast<int32_t>(batch.step.seqs.size());
   }
-  step_prefill_ = plan.prefill_tokens;
-  step_decode_ = plan.decode_tokens;
+  step_prefill_ = work.prefill_tokens;
+  step_decode_ = work.decode_tokens;
   step_started_ = MonotonicNow();
   step_id_ = plan.step_id;
   ++steps_;
@@ -332,6 +336,8 @@ void RouterCore::ContinueStep(StepPlan plan, std::vector<OpOutcome> outcomes) {
   }
   in_flight_ = true;
   step_deadline_ = now + options_.step_timeout;
+  trace_.dispatched_ns = absl::ToUnixNanos(MonotonicNow());
+  trace_.executors = static_cast<int32_t>(awaiting_.size());
   if (awaiting_.empty()) FinishStep();
 }
 
@@ -349,6 +355,7 @@ void RouterCore::OnResult(uint64_t executor, uint64_t step_id,
 
 void RouterCore::FinishStep() {
   in_flight_ = false;
+  trace_.answered_ns = absl::ToUnixNanos(MonotonicNow());
   std::vector<TokenEvent> events = planner_->Complete(results_);
   AbandonUnconfirmed();
   std::vector<Progress> progress;
@@ -384,7 +391,17 @@ void RouterCore::FinishStep() {
     m->SetState(planner_->queued(), planner_->running(),
                 static_cast<int>(link_->executors().size()));
   }
+  const auto delivered = static_cast<int32_t>(progress.size());
   if (!progress.empty()) sink_(std::move(progress));
+  if (StepTrace* trace = options_.step_trace) {
+    trace_.step = step_id_;
+    trace_.delivered_ns = absl::ToUnixNanos(MonotonicNow());
+    trace_.sequences = step_sequences_;
+    trace_.prefill_tokens = step_prefill_;
+    trace_.decode_tokens = step_decode_;
+    trace_.tokens = delivered;
+    trace->Record(trace_);
+  }
   ScheduleTurn();
 }
 

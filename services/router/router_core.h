@@ -25,6 +25,7 @@
 #include "services/router/executor_link.h"
 #include "services/router/router_metrics.h"
 #include "services/router/step_planner.h"
+#include "services/router/step_trace.h"
 
 namespace kvcm::router {
 
@@ -98,6 +99,7 @@ class RouterCore {
     absl::Duration step_timeout = absl::Seconds(30);
     std::vector<int32_t> eos_token_ids;  // generation ends at any of them
     RouterMetrics* metrics = nullptr;    // optional; outlives the core
+    StepTrace* step_trace = nullptr;     // optional; outlives the core
     // A call to the cache manager that gets no answer this long fails (and is retried).
     absl::Duration cache_manager_timeout = absl::Seconds(2);
     // How long requests wait for a cache manager that is down or restarting before they
@@ -188,6 +190,7 @@ class RouterCore {
   int32_t step_sequences_ = 0;
   int32_t step_prefill_ = 0;
   int32_t step_decode_ = 0;
+  StepTraceEntry trace_;  // of the step in flight, with options_.step_trace
   uint64_t preemptions_reported_ = 0;
   absl::flat_hash_set<uint64_t> awaiting_;  // executors that owe a result
   std::vector<SeqResult> results_;

@@ -427,6 +427,11 @@ ExecutorWork StepPlanner::Apply(const StepPlan& plan, std::span<const OpOutcome>
     run.start = run.computed;
     const int32_t end = std::min(size, run.start + run.chunk);
     run.chunk = end - run.start;
+    if (run.chunk == 1 && run.start >= run.req.prompt_len) {
+      ++work.decode_tokens;
+    } else {
+      work.prefill_tokens += run.chunk;
+    }
     auto [slot, added] = batch_of.try_emplace(run.executor, work.batches.size());
     if (added) {
       ExecutorWork::Batch batch;

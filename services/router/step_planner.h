@@ -114,6 +114,10 @@ struct ExecutorWork {
   // Of re-admissions after a preemption: tokens that had been committed but are computed
   // again (their cached blocks were evicted meanwhile).
   int32_t recomputed_committed_tokens = 0;
+  // Tokens the batches compute (after prefix-cache hits): decodes (the one new token of a
+  // sequence past its prompt) and the rest, prefill.
+  int32_t prefill_tokens = 0;
+  int32_t decode_tokens = 0;
 };
 
 // One sequence's outcome from its executor, as Complete() takes it (the StepResult's).

@@ -112,8 +112,14 @@ class PlannerSim {
     ExecutorWork work = planner_.Apply(plan, outcomes);
     cached_prompt_tokens_ += work.cached_prompt_tokens;
     std::vector<SeqResult> results;
+    int64_t computed = 0;
     for (const ExecutorWork::Batch& batch : work.batches) {
+      for (const SeqStep& seq : batch.step.seqs) computed += static_cast<int64_t>(seq.tokens.size());
       RunBatch(batch.step, batch.executor == lose_executor ? nullptr : &results);
+    }
+    if (computed != work.prefill_tokens + work.decode_tokens) {
+      Fail(absl::StrCat("step ", plan.step_id, " computes ", computed, " tokens, its work says ",
+                        work.prefill_tokens, " prefill + ", work.decode_tokens, " decode"));
     }
     plans_.push_back(std::move(plan));
     works_.push_back(std::move(work));

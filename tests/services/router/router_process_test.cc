@@ -10,7 +10,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <iterator>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -116,6 +118,87 @@ TEST_F(RouterProcessTest, SharedPrefixRequestsComputeFewerPromptTokensAndTheMetr
       kvcm::testing::PromtoolCheckMetrics(scraped->body);
   ASSERT_TRUE(lint.ok()) << lint.status();
   EXPECT_EQ(lint->exit_code, 0) << lint->output;
+}
+
+TEST_F(RouterProcessTest, TheStepTraceHasALinePerStepWithItsPartsInOrderAndItsTokens) {
+  absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-trace");
+  ASSERT_TRUE(dir.ok());
+  const std::string trace = dir->path() + "/steps.jsonl";
+  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/256, /*executors=*/2, {"--step-trace", trace}));
+  std::vector<std::thread> clients;
+  std::atomic<int> ok{0};
+  std::atomic<int64_t> generated{0};
+  for (int i = 0; i < 6; ++i) {
+    clients.emplace_back([&, i] {
+      absl::StatusOr<HttpResponse> reply = HttpPost(
+          url_ + "/generate",
+          GenerateBody(absl::StrCat("trace ", std::string(static_cast<size_t>(i) * 7, 'x')), 3 + i));
+      if (!reply.ok() || reply->status != 200) return;
+      ++ok;
+      generated += static_cast<int64_t>(TokenIds(reply->body).size());
+    });
+  }
+  for (std::thread& t : clients) t.join();
+  ASSERT_EQ(ok.load(), 6);
+  // A step's line is written just after its tokens go to the HTTP thread, and the frees
+  // come a step after the last token: wait for the pool to drain and the lines to catch up.
+  EXPECT_TRUE(AwaitNoBlockInUse());
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  auto count_lines = [&trace] {
+    std::ifstream in(trace);
+    return static_cast<double>(std::count(std::istreambuf_iterator<char>(in),
+                                          std::istreambuf_iterator<char>(), '\n'));
+  };
+  while (count_lines() < RouterMetric("kvcm_router_step_duration_seconds_count") &&
+         absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  std::ifstream in(trace);
+  ASSERT_TRUE(in.good());
+  int lines = 0;
+  int64_t tokens = 0;
+  int64_t prefill = 0;
+  uint64_t last_step = 0;
+  int64_t last_delivered = 0;
+  for (std::string line; std::getline(in, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    ++lines;
+    const auto planned = j.at("planned_ns").get<int64_t>();
+    const auto dispatched = j.at("dispatched_ns").get<int64_t>();
+    const auto answered = j.at("answered_ns").get<int64_t>();
+    const auto delivered = j.at("delivered_ns").get<int64_t>();
+    EXPECT_GT(j.at("step").get<uint64_t>(), last_step) << line;
+    last_step = j.at("step").get<uint64_t>();
+    EXPECT_GE(planned, last_delivered) << line;  // one step at a time
+    EXPECT_LE(planned, dispatched) << line;
+    EXPECT_LE(dispatched, answered) << line;
+    EXPECT_LE(answered, delivered) << line;
+    last_delivered = delivered;
+    EXPECT_GE(j.at("cache_manager_ns").get<int64_t>(), 0) << line;
+    EXPECT_LE(j.at("cache_manager_ns").get<int64_t>(), dispatched - planned) << line;
+    // A step of block ops alone (the frees after the last tokens) goes to no executor.
+    EXPECT_EQ(j.at("executors").get<int>() > 0, j.at("sequences").get<int>() > 0) << line;
+    EXPECT_LE(j.at("executors").get<int>(), 2) << line;
+    EXPECT_GE(j.at("sequences").get<int>(), j.at("tokens").get<int>()) << line;
+    tokens += j.at("tokens").get<int>();
+    prefill += j.at("prefill_tokens").get<int>();
+  }
+  EXPECT_EQ(lines, RouterMetric("kvcm_router_step_duration_seconds_count"));
+  EXPECT_EQ(tokens, RouterMetric("kvcm_router_generated_tokens_total"));
+  EXPECT_EQ(tokens, generated.load());
+  EXPECT_EQ(prefill, RouterMetric("kvcm_router_prompt_tokens_total", {{"source", "computed"}}));
+}
+
+TEST_F(RouterProcessTest, AStepTraceThatCannotBeWrittenStopsTheRouterNamingTheFile) {
+  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/64, /*executors=*/1));
+  const std::string trace = cm_->run_dir() + "/no-such-dir/steps.jsonl";
+  absl::StatusOr<kvcm::testing::RunResult> second = kvcm::testing::RunProgram(
+      {KvcmBinaryPath("kvcm-router"), "--model", *model_dir_, "--run-dir", cm_->run_dir(),
+       "--port", "0", "--step-trace", trace},
+      "", absl::Seconds(30));
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_NE(second->exit_code, 0);
+  EXPECT_THAT(second->output, HasSubstr("cannot open the step trace " + trace));
 }
 
 TEST_F(RouterProcessTest, AStopSequenceEndsTheRequestAfterTheTokenThatCompletesIt) {

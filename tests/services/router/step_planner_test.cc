@@ -88,6 +88,10 @@ TEST(StepPlannerTest, ASharedPrefixIsNotComputedAgainButTheLastPromptTokenIs) {
   sim.planner().Enqueue(2, b, 2);
   sim.Step(kOne);
   EXPECT_EQ(sim.cached_prompt_tokens(), 12);
+  // What the step computes: b's 3 tokens after the cached 12, no decode (a has finished).
+  EXPECT_EQ(sim.plans().back().prefill_tokens, 15);  // planned before the prefix was known
+  EXPECT_EQ(sim.works().back().prefill_tokens, 3);
+  EXPECT_EQ(sim.works().back().decode_tokens, 0);
   // Exactly the whole prompt cached: still its last token is computed.
   sim.planner().Enqueue(3, Tokens(12), 1);
   for (int step = 0; step < 4; ++step) sim.Step(kOne);
