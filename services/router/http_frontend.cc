@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/base/log.h"
+#include "common/tokenizer/incremental_decoder.h"
 #include "common/base/mutex.h"
 #include "common/base/utf8.h"
 #include "common/base/monotonic_clock.h"
@@ -36,20 +37,6 @@ constexpr char kComponent[] = "kvcm-router";
 void Log(std::string_view text) { LogLine(kComponent, text); }
 
 constexpr char kVersion[] = "0.1.0";
-
-// The length of the longest prefix of `text` that does not end inside a UTF-8 sequence.
-size_t CompleteUtf8Prefix(const std::string& text) {
-  size_t end = text.size();
-  // Look back at most 3 bytes for the lead byte of a sequence still missing bytes.
-  for (size_t back = 1; back <= 3 && back <= text.size(); ++back) {
-    const auto c = static_cast<unsigned char>(text[text.size() - back]);
-    if ((c & 0xC0) == 0x80) continue;  // a continuation byte: keep looking
-    const size_t need = (c & 0xE0) == 0xC0 ? 2 : (c & 0xF0) == 0xE0 ? 3 : (c & 0xF8) == 0xF0 ? 4 : 1;
-    if (need > back) end = text.size() - back;
-    break;
-  }
-  return end;
-}
 
 // A token's text as OpenAI's completions logprobs show it: the text; for a piece that is not
 // UTF-8 on its own (part of a character), "bytes:\xNN..." as OpenAI writes those; for one
@@ -125,6 +112,9 @@ struct HttpFrontend::Impl {
     std::vector<int32_t> generated;
     std::vector<float> logprobs;  // with params.outputs.logprobs, per generated token
     std::vector<std::vector<std::pair<int32_t, float>>> top;  // with top_n
+    // Its text a token at a time (streams and stop sequences), and that text so far.
+    IncrementalDecoder decoder;
+    std::string text;
     size_t emitted = 0;  // bytes of its text already streamed
     bool done = false;
     std::string finish_reason;
@@ -1047,11 +1037,17 @@ struct HttpFrontend::Impl {
 
   // Whether the text `c` generated so far contains a stop sequence; if so, its tokens end
   // with the one that completed it.
-  bool StopSequenceSeen(const Active& a, const Choice& c) const {
+  // Whether a stop sequence ends in the text `piece` adds to what `c` said before (every
+  // earlier token was looked at already, so a match can only end in the new text).
+  static bool StopSequenceSeen(const Active& a, const Choice& c,
+                               const IncrementalDecoder::Piece& piece) {
     if (a.params.stop.empty()) return false;
-    const std::string text = TextOf(c);
+    size_t longest = 0;
+    for (const std::string& sequence : a.params.stop) longest = std::max(longest, sequence.size());
+    const size_t keep = std::min(c.text.size(), longest > 0 ? longest - 1 : 0);
+    const std::string tail = c.text.substr(c.text.size() - keep) + piece.ready + piece.pending;
     for (const std::string& sequence : a.params.stop) {
-      if (text.find(sequence) != std::string::npos) return true;
+      if (tail.find(sequence) != std::string::npos) return true;
     }
     return false;
   }
@@ -1066,13 +1062,12 @@ struct HttpFrontend::Impl {
   }
 
   // Streams choice `index`'s newest token; `finished` with its finish reason.
-  void Stream(Active& a, size_t index, const Progress& p, bool finished) {
+  // `piece`: the text the token adds (never a broken UTF-8 sequence until the end: what is
+  // incomplete waits for the next token).
+  void Stream(Active& a, size_t index, const Progress& p, bool finished,
+              const std::string& piece) {
     Choice& c = a.choices[index];
-    const std::string all = TextOf(c);
-    // Never a broken UTF-8 sequence: what is incomplete waits for the next token.
-    const size_t ready = finished ? all.size() : CompleteUtf8Prefix(all);
-    const std::string piece = ready > c.emitted ? all.substr(c.emitted, ready - c.emitted) : "";
-    c.emitted = std::max(c.emitted, ready);
+    c.emitted += piece.size();
     if (a.api == Api::kOpenAi) {
       const bool first_chunk = c.generated.size() == 1;
       const std::string first = first_chunk && a.params.return_full_text ? a.prompt_text : "";
@@ -1098,6 +1093,7 @@ struct HttpFrontend::Impl {
                   {"details", nullptr}};
     if (a.params.outputs.top_n > 0) event["top_tokens"] = TgiTopTokens(c.top.back());
     if (finished) {
+      const std::string all = TextOf(c);
       event["generated_text"] = a.params.return_full_text ? a.prompt_text + all : all;
       event["details"] = {{"finish_reason", c.finish_reason},
                           {"generated_tokens", c.generated.size()},
@@ -1155,14 +1151,22 @@ struct HttpFrontend::Impl {
         }
         if (!p.prompt_logprobs.empty()) a.prompt_logprobs = p.prompt_logprobs;
         c.finish_reason = p.finish_reason;
-        if (!finished && StopSequenceSeen(a, c)) {
+        IncrementalDecoder::Piece piece;
+        if (a.stream || !a.params.stop.empty()) {
+          absl::StatusOr<IncrementalDecoder::Piece> next = c.decoder.Next(*tokenizer, c.generated);
+          if (next.ok()) piece = *std::move(next);
+        }
+        if (!finished && StopSequenceSeen(a, c, piece)) {
           // Ends here: the text up to and including the stop sequence; the core frees the
           // sequence at its next step and any token it still reports is dropped.
           finished = true;
           c.finish_reason = "stop_sequence";
           core->Cancel(p.id, p.choice);
         }
-        if (a.stream && a.request != nullptr) Stream(a, index, p, finished);
+        // At the end, what is still incomplete goes too.
+        std::string added = finished ? piece.ready + piece.pending : piece.ready;
+        c.text += added;
+        if (a.stream && a.request != nullptr) Stream(a, index, p, finished, added);
       } else if (finished) {
         c.finish_reason = p.finish_reason;
       }
