@@ -7,15 +7,21 @@
 //
 // 1. The whole server (the real cache manager, router and one executor of the tests' tiny
 //    model, as processes) gets `streams` /generate_stream requests at once from one client
-//    thread (libevent, one connection per stream). The client records when each token event
-//    arrives; a token's latency is the gap since the stream's previous one. The router's
-//    threads are counted before and while the streams are open.
-// 2. A bare evhttp server in this process streams the same number of events of the same
-//    bytes to the same number of connections, one event to every stream every S, where S
-//    is the router's mean step duration in step 1 (its kvcm_router_step_duration_seconds):
-//    what the router would cost if delivering tokens took nothing beyond the steps.
-// The ratio of the two gap distributions (p50, p99) is the router's added latency per token
-// (goal <= 1.2x, docs/PERFORMANCE.md).
+//    thread (libevent, one connection per stream), which records when each token event
+//    arrives (CLOCK_MONOTONIC, the clock of the router's --step-trace). The router's threads
+//    are counted before and while the streams are open.
+// 2. A bare evhttp server in this process replays the router's steps: at the same offsets as
+//    the router's steps were answered by the executor, it writes one event of the same bytes
+//    to as many of its open streams as the router's step made tokens (the first unfinished
+//    ones, in the order they connected: the router admits first come, first served), to the
+//    same number of connections from the same client.
+// A token's added latency is its arrival minus the moment its step was answered (router:
+// `answered_ns` in the step trace; bare: the moment its tick began to write), each token
+// attributed to the last step answered before it arrived; the count attributed to each step
+// must equal the tokens the step made (printed: a mismatch would mean a step's delivery ran
+// past the next step). The ratio of the two distributions (p50, p99) is the router's added
+// latency per token (goal <= 1.2x, docs/PERFORMANCE.md). The gaps between a stream's tokens
+// are printed too: they hold the steps' own durations, which the replay shares.
 
 #include <event2/buffer.h>
 #include <event2/event.h>
@@ -24,9 +30,12 @@
 #include <event2/thread.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <cstdio>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -40,8 +49,6 @@
 #include "bench/server_stack.h"
 #include "nlohmann/json.hpp"
 #include "tests/support/cache_manager_process.h"
-#include "tests/support/http_client.h"
-#include "tests/support/metrics_text.h"
 #include "tests/support/subprocess.h"
 #include "tools/make_tiny_model/tiny_model.h"
 
@@ -114,6 +121,66 @@ class StreamClient {
   event_base* base_ = nullptr;
 };
 
+// Step times of a step trace line, nanoseconds of CLOCK_MONOTONIC.
+struct TracedStep {
+  int64_t planned = 0;
+  int64_t cache_manager = 0;
+  int64_t dispatched = 0;
+  int64_t answered = 0;
+  int64_t delivered = 0;
+  int tokens = 0;
+  int prefill_tokens = 0;
+};
+
+std::vector<TracedStep> ReadStepTrace(const std::string& path, int64_t from_ns) {
+  std::ifstream in(path);
+  KVCM_CHECK(in.good()) << "no step trace at " << path;
+  std::vector<TracedStep> steps;
+  for (std::string line; std::getline(in, line);) {
+    const json j = json::parse(line);
+    TracedStep s;
+    s.planned = j.at("planned_ns").get<int64_t>();
+    s.cache_manager = j.at("cache_manager_ns").get<int64_t>();
+    s.dispatched = j.at("dispatched_ns").get<int64_t>();
+    s.answered = j.at("answered_ns").get<int64_t>();
+    s.delivered = j.at("delivered_ns").get<int64_t>();
+    s.tokens = j.at("tokens").get<int>();
+    s.prefill_tokens = j.at("prefill_tokens").get<int>();
+    if (s.planned >= from_ns && s.tokens > 0) steps.push_back(s);
+  }
+  return steps;
+}
+
+int64_t Nanos(absl::Time t) { return absl::ToUnixNanos(t); }
+
+// Each token's latency since the step that made it, in milliseconds, sorted. A stream's
+// tokens come from consecutive steps (one token per step from its first; no preemption in
+// this run), so its first step is the latest f with births[f + k] <= arrival k for every k
+// (a token cannot arrive before its step was answered). `made` receives how many tokens each
+// step makes under that attribution, to compare with the tokens the trace says it made.
+std::vector<double> AddedLatencies(const std::vector<StreamClient::Stream>& streams,
+                                   const std::vector<int64_t>& births, std::vector<int>* made) {
+  made->assign(births.size(), 0);
+  std::vector<double> added;
+  for (const auto& s : streams) {
+    const size_t n = s.arrivals.size();
+    KVCM_CHECK(n <= births.size());
+    std::optional<size_t> first;
+    for (size_t f = births.size() - n + 1; f-- > 0 && !first;) {
+      bool causal = true;
+      for (size_t k = 0; k < n && causal; ++k) causal = births[f + k] <= Nanos(s.arrivals[k]);
+      if (causal) first = f;
+    }
+    KVCM_CHECK(first.has_value()) << "a stream's tokens fit no run of steps";
+    for (size_t k = 0; k < n; ++k) {
+      ++(*made)[*first + k];
+      added.push_back(static_cast<double>(Nanos(s.arrivals[k]) - births[*first + k]) / 1e6);
+    }
+  }
+  std::sort(added.begin(), added.end());
+  return added;
+}
+
 // Gaps between consecutive token events of every stream, in milliseconds, sorted.
 std::vector<double> Gaps(const std::vector<StreamClient::Stream>& streams, int tokens) {
   std::vector<double> gaps;
@@ -130,12 +197,31 @@ std::vector<double> Gaps(const std::vector<StreamClient::Stream>& streams, int t
 double Quantile(const std::vector<double>& sorted, double q) {
   return sorted[std::min(sorted.size() - 1, static_cast<size_t>(q * static_cast<double>(sorted.size())))];
 }
+double Mean(const std::vector<double>& v) {
+  double sum = 0;
+  for (double x : v) sum += x;
+  return v.empty() ? 0.0 : sum / static_cast<double>(v.size());
+}
 
-// The bare server: every `pace`, one event of `event` to every open stream, `tokens` in all.
+// The bare server: once `expected` streams are open, replays `ticks` (offsets from the
+// first, and how many streams get an event of `event` then), `tokens` events per stream.
 class BareServer {
  public:
-  BareServer(std::string event, int tokens, absl::Duration pace)
-      : event_(std::move(event)), tokens_(tokens), pace_(pace) {
+  struct Tick {
+    int64_t offset_ns;
+    int events;
+  };
+  // The executor's compute, offsets from the first tick: on a machine of few cores the
+  // router's delivery competes with it for the CPU, so the replay spins through the same
+  // intervals on a thread of its own.
+  struct Busy {
+    int64_t begin_ns;
+    int64_t end_ns;
+  };
+  BareServer(std::string event, int tokens, int expected, std::vector<Tick> ticks,
+             std::vector<Busy> busy)
+      : event_(std::move(event)), tokens_(tokens), expected_(expected), ticks_(std::move(ticks)),
+        busy_(std::move(busy)) {
     base_ = event_base_new();
     http_ = evhttp_new(base_);
     evhttp_set_gencb(http_, &BareServer::OnRequest, this);
@@ -145,12 +231,13 @@ class BareServer {
     socklen_t size = sizeof(address);
     ::getsockname(evhttp_bound_socket_get_fd(bound), reinterpret_cast<sockaddr*>(&address), &size);
     port_ = ntohs(address.sin_port);
-    timeval tv = absl::ToTimeval(pace_);
-    tick_ = event_new(base_, -1, EV_PERSIST, &BareServer::OnTick, this);
-    event_add(tick_, &tv);
+    tick_ = evtimer_new(base_, &BareServer::OnTick, this);
     thread_ = std::thread([this] { event_base_dispatch(base_); });
+    spinner_ = std::thread([this] { Spin(); });
   }
   ~BareServer() {
+    stop_ = true;
+    spinner_.join();
     event_base_loopbreak(base_);
     thread_.join();
     event_free(tick_);
@@ -158,6 +245,8 @@ class BareServer {
     event_base_free(base_);
   }
   int port() const { return port_; }
+  // When each tick began to write; read once the client is done.
+  const std::vector<int64_t>& births() const { return births_; }
 
  private:
   struct Open {
@@ -170,10 +259,38 @@ class BareServer {
                       "text/event-stream");
     evhttp_send_reply_start(request, 200, "OK");
     self->open_.push_back({request, 0});
+    if (static_cast<int>(self->open_.size()) == self->expected_) {
+      self->start_ = Nanos(MonotonicNow());
+      self->started_ = self->start_;
+      self->Arm();
+    }
+  }
+  void Spin() {
+    while (started_.load() == 0 && !stop_) absl::SleepFor(absl::Milliseconds(1));
+    const int64_t start = started_.load();
+    for (const Busy& b : busy_) {
+      while (!stop_ && Nanos(MonotonicNow()) < start + b.begin_ns) {
+        absl::SleepFor(absl::Microseconds(200));
+      }
+      while (!stop_ && Nanos(MonotonicNow()) < start + b.end_ns) {
+      }
+    }
+  }
+  void Arm() {
+    if (next_ >= ticks_.size()) return;
+    const int64_t wait = std::max<int64_t>(
+        0, start_ + ticks_[next_].offset_ns - Nanos(MonotonicNow()));
+    timeval tv = absl::ToTimeval(absl::Nanoseconds(wait));
+    evtimer_add(tick_, &tv);
   }
   static void OnTick(evutil_socket_t, short, void* arg) {
     auto* self = static_cast<BareServer*>(arg);
+    self->births_.push_back(Nanos(MonotonicNow()));
+    int left = self->ticks_[self->next_++].events;
     for (Open& o : self->open_) {
+      if (left == 0) break;
+      if (o.sent == self->tokens_) continue;
+      --left;
       evbuffer* out = evbuffer_new();
       evbuffer_add(out, self->event_.data(), self->event_.size());
       evhttp_send_reply_chunk(o.request, out);
@@ -181,11 +298,20 @@ class BareServer {
       if (++o.sent == self->tokens_) evhttp_send_reply_end(o.request);
     }
     std::erase_if(self->open_, [self](const Open& o) { return o.sent == self->tokens_; });
+    self->Arm();
   }
 
   std::string event_;
   int tokens_;
-  absl::Duration pace_;
+  int expected_;
+  std::vector<Tick> ticks_;
+  std::vector<Busy> busy_;
+  std::atomic<int64_t> started_{0};
+  std::atomic<bool> stop_{false};
+  std::thread spinner_;
+  size_t next_ = 0;
+  int64_t start_ = 0;
+  std::vector<int64_t> births_;
   event_base* base_;
   evhttp* http_;
   event* tick_;
@@ -204,13 +330,11 @@ int Threads(pid_t pid) {
   return -1;
 }
 
-double Metric(const std::string& url, const std::string& name) {
-  auto scraped = testing::HttpGet(url + "/metrics");
-  KVCM_CHECK(scraped.ok());
-  auto metrics = testing::ParseMetricsText(scraped->body);
-  KVCM_CHECK(metrics.ok());
-  auto value = metrics->Value(name, {});
-  return value.ok() ? *value : 0.0;
+// How many tokens were attributed to a step other than the tokens it made.
+int Misattributed(const std::vector<int>& attributed, const std::vector<int>& made) {
+  int off = 0;
+  for (size_t i = 0; i < made.size(); ++i) off += std::abs(attributed[i] - made[i]);
+  return off;
 }
 
 int Main(int argc, char** argv) {
@@ -223,6 +347,7 @@ int Main(int argc, char** argv) {
   absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-slb");
   KVCM_CHECK(dir.ok());
   const std::string model_dir = dir->path() + "/tiny";
+  const std::string trace_path = dir->path() + "/steps.jsonl";
   TinyModelOptions tiny;
   tiny.seed = 21;
   KVCM_CHECK(WriteTinyModel(model_dir, tiny).ok());
@@ -237,10 +362,10 @@ int Main(int argc, char** argv) {
   const std::unique_ptr<bench::ServerStack> stack = bench::StartServerStack(
       model_dir, cm_options,
       {"--max-running", std::to_string(streams + 8), "--max-concurrent-requests",
-       std::to_string(streams + 8), "--max-batch-prefill-tokens", std::to_string(prefill)},
+       std::to_string(streams + 8), "--max-batch-prefill-tokens", std::to_string(prefill),
+       "--step-trace", trace_path},
       /*executor_threads=*/1, dir->path());
   const int port = stack->port;
-  const std::string& url = stack->url;
 
   const std::string body =
       json{{"inputs", "stream me"}, {"parameters", {{"max_new_tokens", tokens}}}}.dump();
@@ -253,45 +378,91 @@ int Main(int argc, char** argv) {
     absl::SleepFor(absl::Milliseconds(500));
     threads_busy = Threads(stack->router->pid());
   });
-  const double steps_before = Metric(url, "kvcm_router_step_duration_seconds_count");
-  const double seconds_before = Metric(url, "kvcm_router_step_duration_seconds_sum");
   StreamClient client;
-  const absl::Time start = absl::Now();
+  const absl::Time start = MonotonicNow();
   const std::vector<StreamClient::Stream> routed =
       client.Run("127.0.0.1", port, "/generate_stream", body, streams);
-  const double routed_wall = absl::ToDoubleSeconds(absl::Now() - start);
+  const double routed_wall = absl::ToDoubleSeconds(MonotonicNow() - start);
   sampler.join();
-  const double steps = Metric(url, "kvcm_router_step_duration_seconds_count") - steps_before;
-  const double step_seconds =
-      (Metric(url, "kvcm_router_step_duration_seconds_sum") - seconds_before) / steps;
+  const std::vector<TracedStep> steps = ReadStepTrace(trace_path, Nanos(start));
+  KVCM_CHECK(!steps.empty());
+  std::vector<int64_t> answered;
+  std::vector<int> made;
+  std::vector<BareServer::Tick> ticks;
+  std::vector<BareServer::Busy> busy;
+  std::vector<double> router_ms, plan_ms, cm_ms, complete_ms, executor_ms, idle_ms,
+      prefill_step_ms, decode_step_ms;
+  int made_total = 0;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const TracedStep& s = steps[i];
+    answered.push_back(s.answered);
+    made.push_back(s.tokens);
+    made_total += s.tokens;
+    ticks.push_back({s.answered - steps[0].answered, s.tokens});
+    busy.push_back({s.dispatched - steps[0].answered, s.answered - steps[0].answered});
+    // The router's own share of a step: planning, the cache manager's Step, sending the
+    // batches, then completing the step and handing tokens to the HTTP thread.
+    router_ms.push_back(static_cast<double>((s.dispatched - s.planned) + (s.delivered - s.answered)) / 1e6);
+    cm_ms.push_back(static_cast<double>(s.cache_manager) / 1e6);
+    plan_ms.push_back(static_cast<double>(s.dispatched - s.planned - s.cache_manager) / 1e6);
+    complete_ms.push_back(static_cast<double>(s.delivered - s.answered) / 1e6);
+    executor_ms.push_back(static_cast<double>(s.answered - s.dispatched) / 1e6);
+    if (i + 1 < steps.size()) idle_ms.push_back(static_cast<double>(steps[i + 1].planned - s.delivered) / 1e6);
+    (s.prefill_tokens > 0 ? prefill_step_ms : decode_step_ms)
+        .push_back(static_cast<double>(s.delivered - s.planned) / 1e6);
+  }
+  KVCM_CHECK(made_total == streams * tokens)
+      << "the trace's steps made " << made_total << " tokens, the client got " << streams * tokens;
+  std::vector<int> router_attributed;
+  const std::vector<double> router_added = AddedLatencies(routed, answered, &router_attributed);
   const std::vector<double> router_gaps = Gaps(routed, tokens);
 
-  // The bare server streams a token event of the router's size at the router's step pace.
+  // The bare server replays the steps with a token event of the router's size.
   const std::string event =
       "data:" + json{{"index", 9}, {"token", {{"id", 77}, {"text", "x"},
                                               {"logprob", -1.2345678}, {"special", false}}},
                      {"generated_text", nullptr}, {"details", nullptr}}.dump() + "\n\n";
-  const absl::Duration pace = absl::Seconds(step_seconds);
-  std::vector<double> bare_gaps;
+  std::vector<double> bare_added, bare_gaps;
+  std::vector<int> bare_attributed;
   {
-    BareServer bare(event, tokens, pace);
+    BareServer bare(event, tokens, streams, ticks, busy);
     StreamClient bare_client;
-    bare_gaps = Gaps(bare_client.Run("127.0.0.1", bare.port(), "/generate_stream", body, streams),
-                     tokens);
+    const std::vector<StreamClient::Stream> served =
+        bare_client.Run("127.0.0.1", bare.port(), "/generate_stream", body, streams);
+    bare_gaps = Gaps(served, tokens);
+    bare_added = AddedLatencies(served, bare.births(), &bare_attributed);
   }
 
   std::printf("%d streams of %d tokens at once, one client thread, one executor of the tiny "
               "model, --max-batch-prefill-tokens %d\n", streams, tokens, prefill);
-  std::printf("router: %.0f steps in %.2f s, mean step %.2f ms; its threads %d idle, %d with "
-              "%d streams open\n", steps, routed_wall, step_seconds * 1e3, threads_idle,
-              threads_busy, streams);
-  std::printf("\n%-30s %10s %10s %10s\n", "per-token gap (ms)", "p50", "p99", "max");
-  std::printf("%-30s %10.2f %10.2f %10.2f\n", "router", Quantile(router_gaps, 0.5),
-              Quantile(router_gaps, 0.99), router_gaps.back());
-  std::printf("%-30s %10.2f %10.2f %10.2f\n", "bare evhttp, same pace", Quantile(bare_gaps, 0.5),
-              Quantile(bare_gaps, 0.99), bare_gaps.back());
-  std::printf("%-30s %9.2fx %9.2fx   (goal <= 1.20x)\n", "ratio",
-              Quantile(router_gaps, 0.5) / Quantile(bare_gaps, 0.5),
+  std::printf("router: %zu steps in %.2f s (%zu with prefill, %.2f ms mean; %zu decode only, "
+              "%.2f ms mean); its threads %d idle, %d with %d streams open\n",
+              steps.size(), routed_wall, prefill_step_ms.size(), Mean(prefill_step_ms),
+              decode_step_ms.size(), Mean(decode_step_ms), threads_idle, threads_busy, streams);
+  std::printf("per step, mean: router's own %.3f ms (planning and sending %.3f, cache manager "
+              "%.3f, completing %.3f), executor %.2f ms, between steps %.3f ms: router share "
+              "%.2f%%\n",
+              Mean(router_ms), Mean(plan_ms), Mean(cm_ms), Mean(complete_ms), Mean(executor_ms),
+              Mean(idle_ms),
+              100.0 * (Mean(router_ms) + Mean(idle_ms)) /
+                  (Mean(router_ms) + Mean(idle_ms) + Mean(executor_ms)));
+  std::printf("tokens the attribution gives a step beyond what it made: router %d, bare %d "
+              "(of %d)\n",
+              Misattributed(router_attributed, made), Misattributed(bare_attributed, made),
+              made_total);
+  std::printf("\n%-34s %10s %10s %10s\n", "ms", "p50", "p99", "max");
+  std::printf("%-34s %10.3f %10.3f %10.3f\n", "added latency: router",
+              Quantile(router_added, 0.5), Quantile(router_added, 0.99), router_added.back());
+  std::printf("%-34s %10.3f %10.3f %10.3f\n", "added latency: bare evhttp replay",
+              Quantile(bare_added, 0.5), Quantile(bare_added, 0.99), bare_added.back());
+  std::printf("%-34s %9.2fx %9.2fx   (goal <= 1.20x)\n", "ratio",
+              Quantile(router_added, 0.5) / Quantile(bare_added, 0.5),
+              Quantile(router_added, 0.99) / Quantile(bare_added, 0.99));
+  std::printf("%-34s %10.2f %10.2f %10.2f\n", "gap between tokens: router",
+              Quantile(router_gaps, 0.5), Quantile(router_gaps, 0.99), router_gaps.back());
+  std::printf("%-34s %10.2f %10.2f %10.2f\n", "gap between tokens: bare replay",
+              Quantile(bare_gaps, 0.5), Quantile(bare_gaps, 0.99), bare_gaps.back());
+  std::printf("%-34s %9.2fx %9.2fx\n", "ratio", Quantile(router_gaps, 0.5) / Quantile(bare_gaps, 0.5),
               Quantile(router_gaps, 0.99) / Quantile(bare_gaps, 0.99));
   return 0;
 }
