@@ -3,6 +3,8 @@
 #   kvcm_library(NAME SRCS ... [HDRS ...] [DEPS ...] [PRIVATE_DEPS ...])
 #   kvcm_executable(NAME SRCS ... [DEPS ...])
 #   kvcm_test(NAME SRCS ... [DEPS ...] [LABELS unit|integration|fault|fuzz|gpu ...] [TIMEOUT s])
+#     A test labelled tsan (its code runs threads) also joins the target kvcm_tsan_tests,
+#     which a ThreadSanitizer build (cmake/KvcmSanitizers.cmake) builds instead of `all`.
 #   kvcm_benchmark(NAME SRCS ... [DEPS ...])
 #
 # Include paths are rooted at the repository (#include "common/block/block_ledger.h").
@@ -52,6 +54,9 @@ function(kvcm_executable name)
 endfunction()
 
 include(GoogleTest OPTIONAL)
+if(NOT TARGET kvcm_tsan_tests)
+  add_custom_target(kvcm_tsan_tests)
+endif()
 function(kvcm_test name)
   cmake_parse_arguments(ARG "" "TIMEOUT" "SRCS;DEPS;LABELS" ${ARGN})
   if(NOT ARG_LABELS)
@@ -67,6 +72,9 @@ function(kvcm_test name)
   gtest_discover_tests(${name}
       PROPERTIES LABELS "${ARG_LABELS}" TIMEOUT ${ARG_TIMEOUT}
       DISCOVERY_TIMEOUT 60)
+  if("tsan" IN_LIST ARG_LABELS)
+    add_dependencies(kvcm_tsan_tests ${name})
+  endif()
 endfunction()
 
 function(kvcm_benchmark name)
