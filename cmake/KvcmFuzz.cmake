@@ -1,12 +1,13 @@
 # Fuzz targets: one function, LLVMFuzzerTestOneInput, per inbound decoder
 # (tests/support/fuzz_target.h), declared next to the tests of what it decodes with
 #
-#   kvcm_fuzz_target(NAME SRCS ... [DEPS ...] CORPUS dir [DICT file] [ITERATIONS n]
-#                    [MAX_LEN bytes] [TIMEOUT s])
+#   kvcm_fuzz_target(NAME SRCS ... [DEPS ...] CORPUS dir [DICT file] [REGRESSIONS dir]
+#                    [ITERATIONS n] [MAX_LEN bytes] [TIMEOUT s])
 #
 # which makes
 #   - NAME_seed_test (label fuzz), in every build: the seed corpus in CORPUS (committed
-#     files, each a valid input) and ITERATIONS (default 20000) seeded mutations of it, run
+#     files, each a valid input), ITERATIONS (default 20000) seeded mutations of it, and the
+#     inputs in REGRESSIONS (each one that broke the target once, kept as found), run
 #     through the target by tests/support/fuzz_driver.cc;
 #   - with KVCM_FUZZERS=ON (clang only): NAME_fuzzer in BUILD_DIR/fuzz/, the libFuzzer
 #     binary, and a line "NAME CORPUS DICT MAX_LEN" (DICT "-" for none) in BUILD_DIR/fuzz/targets.tsv for
@@ -35,13 +36,17 @@ if(KVCM_FUZZERS)
 endif()
 
 function(kvcm_fuzz_target name)
-  cmake_parse_arguments(ARG "" "CORPUS;DICT;ITERATIONS;MAX_LEN;TIMEOUT" "SRCS;DEPS" ${ARGN})
+  cmake_parse_arguments(ARG "" "CORPUS;DICT;REGRESSIONS;ITERATIONS;MAX_LEN;TIMEOUT" "SRCS;DEPS"
+                        ${ARGN})
   if(NOT ARG_CORPUS)
     message(FATAL_ERROR "kvcm_fuzz_target(${name}): CORPUS is required")
   endif()
   cmake_path(ABSOLUTE_PATH ARG_CORPUS BASE_DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR})
   if(ARG_DICT)
     cmake_path(ABSOLUTE_PATH ARG_DICT BASE_DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR})
+  endif()
+  if(ARG_REGRESSIONS)
+    cmake_path(ABSOLUTE_PATH ARG_REGRESSIONS BASE_DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR})
   endif()
   if(NOT ARG_ITERATIONS)
     set(ARG_ITERATIONS 20000)
@@ -75,6 +80,7 @@ function(kvcm_fuzz_target name)
     KVCM_FUZZ_SUITE=${suite}
     KVCM_FUZZ_CORPUS_DIR="${ARG_CORPUS}"
     KVCM_FUZZ_DICT="${ARG_DICT}"
+    KVCM_FUZZ_REGRESSIONS_DIR="${ARG_REGRESSIONS}"
     KVCM_FUZZ_ITERATIONS=${ARG_ITERATIONS}
     KVCM_FUZZ_MAX_LEN=${ARG_MAX_LEN})
 

@@ -692,7 +692,7 @@ void CacheManagerClient::TakeFencesLocked(const wire::HeartbeatReply& reply) {
     for (const wire::SequenceFence* fence : *reply.sequence_fences()) {
       if (acked_fences_.contains(fence->id())) continue;
       FenceNotice notice{fence->id(), fence->router_session(), {}};
-      if (fence->seqs() != nullptr) notice.seqs.assign(fence->seqs()->begin(), fence->seqs()->end());
+      notice.seqs = CopyScalars(fence->seqs());
       fences.push_back(std::move(notice));
     }
   }

@@ -5,7 +5,9 @@
 //
 // Thread safety: stateless functions.
 
+#include <cstring>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -38,6 +40,20 @@ BlockHash FromWire(const wire::BlockHash& hash);
 void FromWire(const WireHashVector* hashes, std::vector<BlockHash>* out);
 inline size_t HashCount(const WireHashVector* hashes) {
   return hashes == nullptr ? 0 : hashes->size();
+}
+
+// The elements of a verified vector of scalars (null reads as empty), copied byte by byte.
+// The FlatBuffers Verifier checks a vector's length prefix (4-byte aligned) but not that
+// 8-byte elements are 8-byte aligned, so a peer's [uint64] may be misaligned, and reading
+// it through the vector is a misaligned load (undefined behaviour). Found by the executor
+// fuzz target (docs/RELIABILITY.md, "Fuzzing").
+template <typename T>
+std::vector<T> CopyScalars(const flatbuffers::Vector<T>* values) {
+  static_assert(std::is_arithmetic_v<T>);
+  static_assert(FLATBUFFERS_LITTLEENDIAN, "the wire is little-endian: copying needs no swap");
+  std::vector<T> out(values == nullptr ? 0 : values->size());
+  if (!out.empty()) std::memcpy(out.data(), values->Data(), out.size() * sizeof(T));
+  return out;
 }
 
 }  // namespace kvcm

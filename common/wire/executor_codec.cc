@@ -140,7 +140,7 @@ absl::StatusOr<StepRequest> DecodeStepBatch(const wire::StepBatch& step) {
       s.top_n = work->top_n();
       s.input_logprobs = work->input_logprobs();
       s.score_next = work->score_next();
-      s.fork_seeds = ToVector(work->fork_seeds());
+      s.fork_seeds = CopyScalars(work->fork_seeds());
       const SeqSampling& p = s.sampling;
       if (!std::isfinite(p.temperature) || p.temperature < 0) {
         return absl::InvalidArgumentError(

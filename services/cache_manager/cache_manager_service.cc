@@ -566,7 +566,7 @@ void CacheManagerService::HandleHeartbeat(const wire::Envelope& envelope, Sessio
                                           flatbuffers::FlatBufferBuilder* reply) {
   const wire::Heartbeat* heartbeat = envelope.payload_as_Heartbeat();
   if (session.role == wire::Role::Executor && heartbeat->fence_acks() != nullptr) {
-    for (uint64_t fence_id : *heartbeat->fence_acks()) {
+    for (uint64_t fence_id : CopyScalars(heartbeat->fence_acks())) {
       if (session.pending_fences.erase(fence_id) > 0) AcknowledgeFence(fence_id, session.id);
     }
   }

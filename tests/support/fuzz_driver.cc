@@ -11,6 +11,8 @@
 //      duplicated and spliced from another seed. None may break the target's contract;
 //      some must be accepted and some refused (a mutator that changes nothing, or a decoder
 //      that refuses everything, fails here).
+//   3. Every input in KVCM_FUZZ_REGRESSIONS_DIR (one that once broke the target, found by
+//      libFuzzer and kept as it was) goes through the target, accepted or not.
 //
 // Each input is copied into a heap buffer of exactly its size, so that a read past its end
 // is a read past an allocation (which AddressSanitizer reports under KVCM_SANITIZE).
@@ -226,6 +228,17 @@ TEST(KVCM_FUZZ_SUITE, EverySeedOfTheCorpusIsAccepted) {
   }
   std::printf("%s: %zu seeds from %s, all accepted\n", KVCM_FUZZ_NAME, seeds.size(),
               KVCM_FUZZ_CORPUS_DIR);
+}
+
+TEST(KVCM_FUZZ_SUITE, InputsThatOnceBrokeTheTargetKeepItsContract) {
+  if (std::string(KVCM_FUZZ_REGRESSIONS_DIR).empty()) GTEST_SKIP() << "no regression inputs";
+  const std::vector<Seed> inputs = ReadCorpus(KVCM_FUZZ_REGRESSIONS_DIR);
+  ASSERT_FALSE(inputs.empty()) << "no inputs in " << KVCM_FUZZ_REGRESSIONS_DIR;
+  for (const Seed& input : inputs) {
+    const bool accepted = RunOne(input.bytes);
+    std::printf("%s: %s %s\n", KVCM_FUZZ_NAME, input.name.c_str(),
+                accepted ? "accepted" : "refused");
+  }
 }
 
 TEST(KVCM_FUZZ_SUITE, SeededMutationsAreAcceptedOrRefusedWithoutBreakingTheContract) {
