@@ -1,4 +1,5 @@
 #include "services/router/http_frontend.h"
+#include "services/router/http_requests.h"
 
 #include <event2/buffer.h>
 #include <event2/event.h>
@@ -10,6 +11,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -50,20 +52,6 @@ std::string OpenAiTokenText(int32_t id, const std::string& piece) {
   return out;
 }
 
-struct Params {
-  int32_t max_new_tokens = 0;
-  SeqSampling sampling;
-  RequestOutputs outputs;
-  int32_t truncate = 0;  // TGI: keep the prompt's last `truncate` tokens (0: all)
-  int32_t best_of = 1;   // sequences generated (TGI's best_of; OpenAI's max(n, best_of))
-  int32_t n = 1;         // OpenAI: choices returned
-  bool show_logprobs = false;  // OpenAI: the client asked for logprobs
-  bool details = false;
-  bool return_full_text = false;
-  std::vector<std::string> stop;  // generation ends once the text contains one
-  bool do_sample = false;
-  uint64_t seed = 0;
-};
 
 // JSON text; bytes that are not UTF-8 (a model may generate any byte) become U+FFFD, as
 // Hugging Face's decode(errors="replace") does.
@@ -71,16 +59,6 @@ std::string Dump(const json& value) {
   return value.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
-enum class Api : uint8_t { kTgi, kOpenAi };
-
-// An error, in the shape of the API it answers.
-struct HttpError {
-  int status = 422;
-  std::string message;
-  std::string type = "validation";
-  std::string param = "";  // OpenAI: the offending parameter, if one
-  Api api = Api::kTgi;
-};
 
 // OpenAI's error type for a status.
 const char* OpenAiErrorType(int status) {
@@ -154,7 +132,7 @@ struct HttpFrontend::Impl {
   absl::flat_hash_map<uint64_t, Active> active;
   absl::flat_hash_map<evhttp_connection*, uint64_t> by_connection;
   uint64_t next_id = 1;
-  uint64_t next_seed = 0x5eed;
+  std::unique_ptr<RequestParser> parser;  // with `options`' limits and `tokenizer`
 
   ~Impl() {
     if (mail != nullptr) event_free(mail);
@@ -212,171 +190,31 @@ struct HttpFrontend::Impl {
     return body;
   }
 
-  std::optional<HttpError> ParseParams(const json& root, Params* params) {
-    params->max_new_tokens = options.default_max_new_tokens;
-    if (!root.contains("parameters") || root["parameters"].is_null()) return std::nullopt;
-    const json& p = root["parameters"];
-    if (!p.is_object()) return HttpError{422, "`parameters` must be an object"};
-    for (const auto& [key, value] : p.items()) {
-      if (value.is_null()) continue;
-      auto want_int = [&](int64_t lo, int64_t hi) -> std::optional<HttpError> {
-        if (!value.is_number_integer() || value.get<int64_t>() < lo || value.get<int64_t>() > hi) {
-          return HttpError{422, absl::StrCat("`", key, "` must be an integer in [", lo, ", ", hi,
-                                             "]")};
-        }
-        return std::nullopt;
-      };
-      auto want_float = [&](double lo, double hi, bool open_lo) -> std::optional<HttpError> {
-        if (!value.is_number() || value.get<double>() > hi ||
-            (open_lo ? value.get<double>() <= lo : value.get<double>() < lo)) {
-          return HttpError{422, absl::StrCat("`", key, "` must be a number in ",
-                                             open_lo ? "(" : "[", lo, ", ", hi, "]")};
-        }
-        return std::nullopt;
-      };
-      std::optional<HttpError> bad;
-      if (key == "max_new_tokens") {
-        if (!(bad = want_int(1, options.max_total_tokens))) {
-          params->max_new_tokens = value.get<int32_t>();
-        }
-      } else if (key == "do_sample") {
-        if (!value.is_boolean()) bad = HttpError{422, "`do_sample` must be a boolean"};
-        else params->do_sample = value.get<bool>();
-      } else if (key == "temperature") {
-        if (!(bad = want_float(0, 100, true))) params->sampling.temperature = value.get<float>();
-      } else if (key == "top_p") {
-        if (!(bad = want_float(0, 1, true))) params->sampling.top_p = value.get<float>();
-      } else if (key == "top_k") {
-        if (!(bad = want_int(1, 1 << 20))) params->sampling.top_k = value.get<int32_t>();
-      } else if (key == "seed") {
-        if (!value.is_number_unsigned()) bad = HttpError{422, "`seed` must be an unsigned integer"};
-        else params->seed = value.get<uint64_t>();
-      } else if (key == "details") {
-        if (!value.is_boolean()) bad = HttpError{422, "`details` must be a boolean"};
-        else params->details = value.get<bool>();
-      } else if (key == "return_full_text") {
-        if (!value.is_boolean()) bad = HttpError{422, "`return_full_text` must be a boolean"};
-        else params->return_full_text = value.get<bool>();
-      } else if (key == "repetition_penalty") {
-        if (!(bad = want_float(0, 100, true))) {
-          params->sampling.repetition_penalty = value.get<float>();
-        }
-      } else if (key == "frequency_penalty") {
-        if (!(bad = want_float(-2, 2, false))) {
-          params->sampling.frequency_penalty = value.get<float>();
-        }
-      } else if (key == "top_n_tokens") {
-        if (!(bad = want_int(0, options.max_top_n_tokens))) {
-          params->outputs.top_n = value.get<int32_t>();
-        }
-      } else if (key == "decoder_input_details") {
-        if (!value.is_boolean()) bad = HttpError{422, "`decoder_input_details` must be a boolean"};
-        else params->outputs.prompt_logprobs = value.get<bool>();
-      } else if (key == "truncate") {
-        if (!(bad = want_int(1, options.max_input_tokens))) params->truncate = value.get<int32_t>();
-      } else if (key == "best_of") {
-        if (!(bad = want_int(1, options.max_best_of))) params->best_of = value.get<int32_t>();
-      } else if (key == "watermark" && value.is_boolean() && !value.get<bool>()) {
-      } else if (key == "stop") {
-        if (!value.is_array() || value.size() > 4) {
-          bad = HttpError{422, "`stop` must be a list of at most 4 strings"};
-        } else {
-          for (const json& sequence : value) {
-            if (!sequence.is_string() || sequence.get<std::string>().empty()) {
-              bad = HttpError{422, "`stop` must be a list of non-empty strings"};
-              break;
-            }
-            params->stop.push_back(sequence.get<std::string>());
-          }
-        }
-      } else {
-        // Never ignored silently: kvcm does not do this yet (or not with this value).
-        bad = HttpError{422, absl::StrCat("parameter `", key, "` is not supported by this "
-                                          "server (", Dump(value), ")")};
-      }
-      if (bad) return bad;
-    }
-    if (params->best_of > 1 && !params->do_sample) {
-      return HttpError{422, "`best_of` > 1 needs sampling: set `do_sample` (greedy answers "
-                            "would all be the same)"};
-    }
-    if (params->best_of > 1 && p.contains("seed") && !p["seed"].is_null()) {
-      return HttpError{422, "`seed` must not be set when `best_of` > 1 (each sequence gets its "
-                            "own, reported in details)"};
-    }
-    if (params->do_sample) {
-      if (params->sampling.temperature == 0.0f) params->sampling.temperature = 1.0f;
-      params->sampling.seed = p.contains("seed") && !p["seed"].is_null() ? params->seed
-                                                                         : next_seed;
-      // The request's sequences sample with seed, seed + 1, ...
-      next_seed += static_cast<uint64_t>(params->best_of);
-      params->seed = params->sampling.seed;
-    } else {
-      params->sampling = Greedy(params->sampling);
-    }
-    return std::nullopt;
+  // A parsed request as the front end keeps it while it runs.
+  static Active ActiveOf(GenerationRequest parsed) {
+    Active a;
+    a.api = parsed.api;
+    a.chat = parsed.chat;
+    a.stream = parsed.stream;
+    a.as_list = parsed.as_list;
+    a.include_usage = parsed.include_usage;
+    a.shown = parsed.shown;
+    a.params = std::move(parsed.params);
+    a.prompt_text = std::move(parsed.prompt_text);
+    return a;
   }
 
-  // Greedy sampling that keeps `sampling`'s penalties (they apply to greedy choices too).
-  static SeqSampling Greedy(const SeqSampling& sampling) {
-    SeqSampling greedy;
-    greedy.repetition_penalty = sampling.repetition_penalty;
-    greedy.frequency_penalty = sampling.frequency_penalty;
-    greedy.presence_penalty = sampling.presence_penalty;
-    return greedy;
-  }
-
+  // POST /generate, /generate_stream and / (TGI): the body parsed by RequestParser.
   void HandleGenerate(evhttp_request* request, std::optional<bool> stream_path) {
     if (evhttp_request_get_command(request) != EVHTTP_REQ_POST) {
       return Refuse(request, {405, "use POST", "validation"});
     }
-    const json root = json::parse(Body(request), nullptr, /*allow_exceptions=*/false);
-    if (root.is_discarded() || !root.is_object()) {
-      return Refuse(request, {400, "the body is not a JSON object", "validation"});
+    GenerationRequest parsed;
+    if (std::optional<HttpError> bad = parser->ParseGenerate(Body(request), stream_path, &parsed)) {
+      return Refuse(request, *bad);
     }
-    if (!root.contains("inputs") || !root["inputs"].is_string()) {
-      return Refuse(request, {422, "`inputs` must be a string"});
-    }
-    bool stream = stream_path.value_or(false);
-    if (!stream_path.has_value() && root.contains("stream")) {
-      if (!root["stream"].is_boolean()) return Refuse(request, {422, "`stream` must be a boolean"});
-      stream = root["stream"].get<bool>();
-    }
-    Params params;
-    if (auto bad = ParseParams(root, &params)) return Refuse(request, *bad);
-    if (stream && params.outputs.prompt_logprobs) {
-      return Refuse(request, {422, "`decoder_input_details` == true is not supported when "
-                                   "streaming tokens"});
-    }
-    if (stream && params.best_of > 1) {
-      return Refuse(request, {422, "`best_of` > 1 is not supported when streaming tokens"});
-    }
-    // TGI reports every token's log-probability in details and in each streamed token;
-    // best_of ranks its sequences by them.
-    params.outputs.logprobs = params.details || stream || params.best_of > 1;
-    params.outputs.sequences = params.best_of;
-    const std::string text = root["inputs"].get<std::string>();
-    absl::StatusOr<std::vector<int32_t>> prompt = PromptOf(text);
-    if (!prompt.ok()) return Refuse(request, {422, std::string(prompt.status().message())});
-    if (params.truncate > 0 && prompt->size() > static_cast<size_t>(params.truncate)) {
-      prompt->erase(prompt->begin(), prompt->end() - params.truncate);  // keeps the last ones
-    }
-    Active a;
-    a.stream = stream;
-    a.as_list = !stream_path.has_value() && !stream;
-    a.params = params;
-    a.prompt_text = text;
-    Start(request, std::move(a), *std::move(prompt));
-  }
-
-  // BOS (when the tokenizer's model wants one), then the tokenizer's ids.
-  absl::StatusOr<std::vector<int32_t>> PromptOf(const std::string& text) const {
-    absl::StatusOr<std::vector<int32_t>> encoded = tokenizer->Encode(text);
-    if (!encoded.ok()) return encoded.status();
-    std::vector<int32_t> prompt;
-    if (tokenizer->add_bos() && tokenizer->bos_id() >= 0) prompt.push_back(tokenizer->bos_id());
-    prompt.insert(prompt.end(), encoded->begin(), encoded->end());
-    return prompt;
+    std::vector<int32_t> prompt = std::move(parsed.prompt);
+    Start(request, ActiveOf(std::move(parsed)), std::move(prompt));
   }
 
   // The checks every API shares; then the request is registered and handed to the core.
@@ -437,326 +275,23 @@ struct HttpFrontend::Impl {
     core->Submit(std::move(submission));
   }
 
-  // The sampling and length parameters the OpenAI completions and chat completions APIs
-  // share: nullopt when `key` is one and `value` is fine (applied to `a`, or to `seed`), an
-  // error to answer when it is one and its value is wrong, and an error of status 0 when
-  // `key` is not one of them.
-  std::optional<HttpError> OpenAiParam(const std::string& key, const json& value,
-                                       Active* active_request,
-                                       std::optional<uint64_t>* seed_out) const {
-    Active& a = *active_request;
-    std::optional<uint64_t>& seed = *seed_out;
-    const bool chat = a.chat;
-    auto fail = [&](int status, std::string message, std::string param = "") {
-      return std::optional<HttpError>(
-          HttpError{status, std::move(message), "validation", std::move(param), Api::kOpenAi});
-    };
-    if (key == "max_tokens" || (chat && key == "max_completion_tokens")) {
-      if (!value.is_number_integer() || value.get<int64_t>() < 1 ||
-          value.get<int64_t>() > options.max_total_tokens) {
-        return fail(422, absl::StrCat("`", key, "` must be an integer in [1, ",
-                                      options.max_total_tokens, "]"), key);
-      }
-      a.params.max_new_tokens = value.get<int32_t>();
-    } else if (key == "temperature") {
-      if (!value.is_number() || value.get<double>() < 0 || value.get<double>() > 2) {
-        return fail(422, "`temperature` must be a number in [0, 2]", key);
-      }
-      a.params.sampling.temperature = value.get<float>();
-    } else if (key == "top_p") {
-      if (!value.is_number() || value.get<double>() <= 0 || value.get<double>() > 1) {
-        return fail(422, "`top_p` must be a number in (0, 1]", key);
-      }
-      a.params.sampling.top_p = value.get<float>();
-    } else if (key == "seed") {
-      if (!value.is_null()) {
-        if (!value.is_number_unsigned()) {
-          return fail(422, "`seed` must be an unsigned integer", key);
-        }
-        seed = value.get<uint64_t>();
-      }
-    } else if (key == "stream") {
-      if (!value.is_boolean()) return fail(422, "`stream` must be a boolean", key);
-      a.stream = value.get<bool>();
-    } else if (key == "stream_options") {
-      if (!value.is_null()) {
-        if (!value.is_object()) return fail(422, "`stream_options` must be an object", key);
-        for (const auto& [option, flag] : value.items()) {
-          if (option != "include_usage" || !flag.is_boolean()) {
-            return fail(422, absl::StrCat("stream_options.", option, " is not supported"), key);
-          }
-          a.include_usage = flag.get<bool>();
-        }
-      }
-    } else if (key == "stop") {
-      if (value.is_string()) {
-        a.params.stop = {value.get<std::string>()};
-      } else if (value.is_array() && value.size() <= 4 &&
-                 std::all_of(value.begin(), value.end(),
-                             [](const json& x) { return x.is_string(); })) {
-        for (const json& x : value) a.params.stop.push_back(x.get<std::string>());
-      } else if (!value.is_null()) {
-        return fail(422, "`stop` must be a string or a list of at most 4 strings", key);
-      }
-      std::erase_if(a.params.stop, [](const std::string& x) { return x.empty(); });
-    } else if (key == "n" || key == "best_of") {
-      if (!value.is_null()) {
-        if (!value.is_number_integer() || value.get<int64_t>() < 1 ||
-            value.get<int64_t>() > options.max_best_of) {
-          return fail(422, absl::StrCat("`", key, "` must be an integer in [1, ",
-                                        options.max_best_of, "] (--max-best-of)"), key);
-        }
-        (key == "n" ? a.params.n : a.params.best_of) = value.get<int32_t>();
-      }
-    } else if (key == "frequency_penalty" || key == "presence_penalty") {
-      if (!value.is_null()) {
-        if (!value.is_number() || value.get<double>() < -2 || value.get<double>() > 2) {
-          return fail(422, absl::StrCat("`", key, "` must be a number in [-2, 2]"), key);
-        }
-        (key == "frequency_penalty" ? a.params.sampling.frequency_penalty
-                                    : a.params.sampling.presence_penalty) = value.get<float>();
-      }
-    } else if (key == "repetition_penalty") {  // vLLM's extension
-      if (!value.is_null()) {
-        if (!value.is_number() || value.get<double>() <= 0 || value.get<double>() > 100) {
-          return fail(422, "`repetition_penalty` must be a number in (0, 100]", key);
-        }
-        a.params.sampling.repetition_penalty = value.get<float>();
-      }
-    } else if (key == "top_k") {  // vLLM's extension; -1 or 0: all tokens
-      if (!value.is_null()) {
-        if (!value.is_number_integer() || value.get<int64_t>() < -1 ||
-            value.get<int64_t>() > (1 << 20)) {
-          return fail(422, "`top_k` must be an integer >= -1 (-1: all tokens)", key);
-        }
-        a.params.sampling.top_k = std::max<int32_t>(0, value.get<int32_t>());
-      }
-    } else if (key == "model" || key == "user") {
-      if (!value.is_string() && !value.is_null()) return fail(422, "must be a string", key);
-    } else {
-      return HttpError{0, "", "", "", Api::kOpenAi};
+  // POST /v1/completions and /v1/chat/completions (OpenAI): the body parsed by
+  // RequestParser.
+  void HandleOpenAi(evhttp_request* request, bool chat) {
+    if (evhttp_request_get_command(request) != EVHTTP_REQ_POST) {
+      return Refuse(request, {405, "use POST", "validation", "", Api::kOpenAi});
     }
-    return std::nullopt;
-  }
-
-  // Sampling as OpenAI's parameters chose it (temperature 0: greedy), n and best_of.
-  std::optional<HttpError> FinishOpenAiParams(Active* active_request,
-                                              std::optional<uint64_t> seed) {
-    Active& a = *active_request;
-    if (a.params.sampling.temperature > 0) {
-      a.params.do_sample = true;
-      a.params.seed = seed.value_or(next_seed++);
-      a.params.sampling.seed = a.params.seed;
-    } else {
-      a.params.sampling = Greedy(a.params.sampling);
+    GenerationRequest parsed;
+    const std::string body = Body(request);
+    if (std::optional<HttpError> bad = chat ? parser->ParseChatCompletions(body, &parsed)
+                                            : parser->ParseCompletions(body, &parsed)) {
+      return Refuse(request, *bad);
     }
-    if (a.params.best_of > 1 && a.params.best_of < a.params.n) {
-      return HttpError{422, "`best_of` must be at least `n`", "validation", "best_of", Api::kOpenAi};
-    }
-    const int32_t sequences = std::max(a.params.n, a.params.best_of);
-    if (sequences > a.params.n && a.stream) {
-      return HttpError{422, "`best_of` > `n` is not supported when streaming", "validation",
-                       "best_of", Api::kOpenAi};
-    }
-    a.params.outputs.sequences = sequences;
-    a.shown = a.params.n;
-    // best_of ranks its sequences by their log-probabilities.
-    a.params.outputs.logprobs = a.params.show_logprobs || sequences > a.params.n;
+    std::vector<int32_t> prompt = std::move(parsed.prompt);
+    Active a = ActiveOf(std::move(parsed));
+    a.completion_id = absl::StrCat(chat ? "chatcmpl-" : "cmpl-", next_id);
     a.created = absl::ToUnixSeconds(absl::Now());
-    return std::nullopt;
-  }
-
-  // POST /v1/completions (OpenAI): one prompt (a string, or token ids), one choice.
-  void HandleCompletions(evhttp_request* request) {
-    auto refuse = [&](int status, std::string message, std::string param = "") {
-      Refuse(request, {status, std::move(message), "validation", std::move(param), Api::kOpenAi});
-    };
-    if (evhttp_request_get_command(request) != EVHTTP_REQ_POST) return refuse(405, "use POST");
-    const json root = json::parse(Body(request), nullptr, /*allow_exceptions=*/false);
-    if (root.is_discarded() || !root.is_object()) {
-      return refuse(400, "the body is not a JSON object");
-    }
-    Active a;
-    a.api = Api::kOpenAi;
-    a.params.max_new_tokens = 16;  // OpenAI's default
-    a.params.sampling.temperature = 1.0f;
-    std::vector<int32_t> prompt;
-    bool have_prompt = false;
-    std::optional<uint64_t> seed;
-    for (const auto& [key, value] : root.items()) {
-      if (key == "prompt") {
-        json one = value;
-        if (value.is_array() && value.size() == 1 && (value[0].is_string() || value[0].is_array())) {
-          one = value[0];
-        }
-        if (one.is_string()) {
-          absl::StatusOr<std::vector<int32_t>> ids = PromptOf(one.get<std::string>());
-          if (!ids.ok()) return refuse(422, std::string(ids.status().message()), "prompt");
-          prompt = *std::move(ids);
-          a.prompt_text = one.get<std::string>();
-        } else if (one.is_array() && !one.empty() &&
-                   std::all_of(one.begin(), one.end(),
-                               [](const json& t) { return t.is_number_integer(); })) {
-          for (const json& t : one) {
-            const int64_t id = t.get<int64_t>();
-            if (id < 0 || id >= tokenizer->vocab_size()) {
-              return refuse(422, absl::StrCat("token id ", id, " is outside [0, ",
-                                              tokenizer->vocab_size(), ")"), "prompt");
-            }
-            prompt.push_back(static_cast<int32_t>(id));
-          }
-          absl::StatusOr<std::string> text = tokenizer->Decode(prompt);
-          a.prompt_text = text.ok() ? *text : "";
-        } else {
-          return refuse(422, "`prompt` must be a string, a list of token ids, or a list of one "
-                        "of those (several prompts in one request are not supported)", "prompt");
-        }
-        have_prompt = true;
-      } else if (std::optional<HttpError> bad = OpenAiParam(key, value, &a, &seed);
-                 !bad.has_value()) {
-      } else if (bad->status != 0) {
-        return Refuse(request, *bad);
-      } else if (key == "echo") {
-        if (!value.is_boolean()) return refuse(422, "`echo` must be a boolean", key);
-        a.params.return_full_text = value.get<bool>();
-      } else if (key == "logprobs") {
-        if (!value.is_null()) {
-          if (!value.is_number_integer() || value.get<int64_t>() < 0 ||
-              value.get<int64_t>() > options.max_top_n_tokens) {
-            return refuse(422, absl::StrCat("`logprobs` must be an integer in [0, ",
-                                            options.max_top_n_tokens, "]"), key);
-          }
-          a.params.show_logprobs = true;
-          a.params.outputs.top_n = value.get<int32_t>();
-        }
-      } else if ((key == "suffix" || key == "logit_bias") && value.is_null()) {
-      } else {
-        return refuse(422, absl::StrCat("parameter `", key, "` is not supported by this server (",
-                                        Dump(value), ")"), key);
-      }
-    }
-    if (!have_prompt) return refuse(422, "`prompt` is required", "prompt");
-    if (std::optional<HttpError> bad = FinishOpenAiParams(&a, seed)) return Refuse(request, *bad);
-    // With echo, the prompt's tokens come first in logprobs, scored.
-    a.params.outputs.prompt_logprobs = a.params.show_logprobs && a.params.return_full_text;
-    a.completion_id = absl::StrCat("cmpl-", next_id);
     Start(request, std::move(a), std::move(prompt));
-  }
-
-  // POST /v1/chat/completions (OpenAI): `messages` rendered with the model's chat template
-  // (add_generation_prompt), tokenized as transformers' apply_chat_template(tokenize=True)
-  // does (no BOS added: the template writes what the model wants).
-  void HandleChatCompletions(evhttp_request* request) {
-    auto refuse = [&](int status, std::string message, std::string param = "") {
-      Refuse(request, {status, std::move(message), "validation", std::move(param), Api::kOpenAi});
-    };
-    if (evhttp_request_get_command(request) != EVHTTP_REQ_POST) return refuse(405, "use POST");
-    if (options.chat_template == nullptr) {
-      return refuse(501, "this model has no usable chat template: start the router with "
-                    "--chat-template FILE, or use /v1/completions");
-    }
-    const json root = json::parse(Body(request), nullptr, /*allow_exceptions=*/false);
-    if (root.is_discarded() || !root.is_object()) {
-      return refuse(400, "the body is not a JSON object");
-    }
-    Active a;
-    a.api = Api::kOpenAi;
-    a.chat = true;
-    a.params.max_new_tokens = options.default_max_new_tokens;
-    a.params.sampling.temperature = 1.0f;
-    std::vector<ChatMessage> messages;
-    bool have_messages = false;
-    std::optional<uint64_t> seed;
-    for (const auto& [key, value] : root.items()) {
-      if (key == "messages") {
-        if (!value.is_array() || value.empty()) {
-          return refuse(422, "`messages` must be a non-empty list of messages", key);
-        }
-        for (size_t i = 0; i < value.size(); ++i) {
-          const json& m = value[i];
-          const std::string where = absl::StrCat("messages[", i, "]");
-          if (!m.is_object() || !m.contains("role") || !m["role"].is_string()) {
-            return refuse(422, absl::StrCat(where, " must be an object with a string `role`"), key);
-          }
-          ChatMessage message;
-          message.role = m["role"].get<std::string>();
-          json extra = json::object();
-          for (const auto& [field, content] : m.items()) {
-            if (field == "role") continue;
-            if (field != "content") {
-              if (!content.is_null()) extra[field] = content;
-              continue;
-            }
-            if (content.is_string()) {
-              message.content = content.get<std::string>();
-            } else if (content.is_array()) {
-              // Content parts: only text ones, joined as vLLM joins them.
-              for (const json& part : content) {
-                if (!part.is_object() || part.value("type", "") != "text" ||
-                    !part.contains("text") || !part["text"].is_string()) {
-                  return refuse(422, absl::StrCat(where, ".content: only parts of type \"text\" "
-                                                  "are supported"), key);
-                }
-                if (!message.content.empty()) message.content += "\n";
-                message.content += part["text"].get<std::string>();
-              }
-            } else if (!content.is_null()) {
-              return refuse(422, absl::StrCat(where, ".content must be a string or a list of "
-                                              "text parts"), key);
-            }
-          }
-          if (!extra.empty()) message.extra_json = extra.dump();
-          messages.push_back(std::move(message));
-        }
-        have_messages = true;
-      } else if (std::optional<HttpError> bad = OpenAiParam(key, value, &a, &seed);
-                 !bad.has_value()) {
-      } else if (bad->status != 0) {
-        return Refuse(request, *bad);
-      } else if (key == "logprobs") {
-        if (!value.is_null()) {
-          if (!value.is_boolean()) return refuse(422, "`logprobs` must be a boolean", key);
-          a.params.show_logprobs = value.get<bool>();
-        }
-      } else if (key == "top_logprobs") {
-        if (!value.is_null()) {
-          if (!value.is_number_integer() || value.get<int64_t>() < 0 ||
-              value.get<int64_t>() > options.max_top_n_tokens) {
-            return refuse(422, absl::StrCat("`top_logprobs` must be an integer in [0, ",
-                                            options.max_top_n_tokens, "]"), key);
-          }
-          a.params.outputs.top_n = value.get<int32_t>();
-        }
-      } else if ((key == "logit_bias" || key == "tools" || key == "tool_choice" ||
-                  key == "response_format" || key == "parallel_tool_calls") &&
-                 value.is_null()) {
-      } else {
-        return refuse(422, absl::StrCat("parameter `", key, "` is not supported by this server (",
-                                        Dump(value), ")"), key);
-      }
-    }
-    if (!have_messages) return refuse(422, "`messages` is required", "messages");
-    if (a.params.outputs.top_n > 0 && !a.params.show_logprobs) {
-      return refuse(422, "`top_logprobs` needs `logprobs`: true", "top_logprobs");
-    }
-    if (!a.params.show_logprobs) a.params.outputs.top_n = 0;
-    if (std::optional<HttpError> bad = FinishOpenAiParams(&a, seed)) return Refuse(request, *bad);
-    ChatTemplateOptions render;
-    render.add_generation_prompt = true;
-    render.bos_token = options.bos_token;
-    render.eos_token = options.eos_token;
-    absl::StatusOr<std::string> text = options.chat_template->Render(messages, render);
-    if (!text.ok()) {
-      // The template's own raise_exception (roles out of order, ...) is the client's error.
-      return refuse(400, absl::StrCat("the chat template refused the messages: ",
-                                      text.status().message()), "messages");
-    }
-    absl::StatusOr<std::vector<int32_t>> prompt = tokenizer->Encode(*text);
-    if (!prompt.ok()) return refuse(422, std::string(prompt.status().message()), "messages");
-    if (prompt->empty()) return refuse(422, "the chat template rendered nothing", "messages");
-    a.prompt_text = *std::move(text);
-    a.completion_id = absl::StrCat("chatcmpl-", next_id);
-    Start(request, std::move(a), *std::move(prompt));
   }
 
   void HandleModels(evhttp_request* request) {
@@ -1240,8 +775,8 @@ struct HttpFrontend::Impl {
     if (path == "/generate_stream") return self->HandleGenerate(request, true);
     if (path == "/") return self->HandleGenerate(request, std::nullopt);
     if (path == "/tokenize") return self->HandleTokenize(request);
-    if (path == "/v1/completions") return self->HandleCompletions(request);
-    if (path == "/v1/chat/completions") return self->HandleChatCompletions(request);
+    if (path == "/v1/completions") return self->HandleOpenAi(request, false);
+    if (path == "/v1/chat/completions") return self->HandleOpenAi(request, true);
     if (path == "/v1/models") return self->HandleModels(request);
     if (path == "/info") return self->HandleInfo(request);
     if (path == "/metrics") {
@@ -1286,6 +821,16 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(const Options&
   Impl& impl = *frontend->impl_;
   impl.options = options;
   impl.tokenizer = tokenizer;
+  RequestLimits limits;
+  limits.max_input_tokens = options.max_input_tokens;
+  limits.max_total_tokens = options.max_total_tokens;
+  limits.default_max_new_tokens = options.default_max_new_tokens;
+  limits.max_top_n_tokens = options.max_top_n_tokens;
+  limits.max_best_of = options.max_best_of;
+  limits.chat_template = options.chat_template;
+  limits.bos_token = options.bos_token;
+  limits.eos_token = options.eos_token;
+  impl.parser = std::make_unique<RequestParser>(std::move(limits), tokenizer);
   impl.core = core;
   impl.metrics = metrics;
   impl.base = event_base_new();
