@@ -12,6 +12,7 @@
 // The browser tests skip when chromium or chromedriver is missing (scripts/bootstrap.sh
 // installs both); one more checks the page and its state without a browser.
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -66,6 +67,19 @@ class DashboardBrowserTest : public ::testing::Test {
     chromedriver_ = *driver;
     ASSERT_TRUE(std::filesystem::exists(kPython))
         << kPython << " is missing: scripts/python-env.sh makes it";
+  }
+
+  // The launcher stops what it started at SIGTERM (SIGKILL, the Subprocess's destructor,
+  // would leave its children running).
+  void TearDown() override {
+    if (launch_ == nullptr) return;
+    EXPECT_TRUE(launch_->Signal(SIGTERM).ok());
+    absl::StatusOr<int> code = launch_->Wait(absl::Seconds(30));
+    EXPECT_TRUE(code.ok()) << code.status() << launch_->Output();
+    if (code.ok()) {
+      EXPECT_EQ(*code, 0) << testing::Tail(launch_->Output());
+    }
+    launch_.reset();
   }
 
   void SetUp() override {
