@@ -1,6 +1,8 @@
 #include "common/tokenizer/gguf_tokenizer.h"
 
+#include <cstring>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -18,17 +20,139 @@ absl::StatusOr<int64_t> OptionalInt(const GgufFile& file, const char* key, int64
   return file.GetInt(key);
 }
 
+// Protocol-buffer wire format, as much of it as a ModelProto needs.
+void PutVarint(std::string* out, uint64_t v) {
+  while (v >= 0x80) {
+    out->push_back(static_cast<char>((v & 0x7F) | 0x80));
+    v >>= 7;
+  }
+  out->push_back(static_cast<char>(v));
+}
+void PutTag(std::string* out, uint32_t field, uint32_t wire_type) {
+  PutVarint(out, (uint64_t{field} << 3) | wire_type);
+}
+void PutBytes(std::string* out, uint32_t field, std::string_view bytes) {
+  PutTag(out, field, 2);
+  PutVarint(out, bytes.size());
+  out->append(bytes);
+}
+void PutInt(std::string* out, uint32_t field, int64_t v) {
+  PutTag(out, field, 0);
+  PutVarint(out, static_cast<uint64_t>(v));  // negative ids as ten-byte varints, as protobuf
+}
+void PutFloat(std::string* out, uint32_t field, float v) {
+  PutTag(out, field, 5);
+  char bytes[4];
+  std::memcpy(bytes, &v, 4);  // little-endian, as x86 and protobuf are
+  out->append(bytes, 4);
+}
+
+// The SentencePiece model llama.cpp's conversion took apart (tokenizer.model of Llama 1/2,
+// Mistral, TinyLlama): BPE, byte fallback, pieces with their scores and types, and the
+// identity normalizer with a dummy prefix (tokenizer.ggml.add_space_prefix) that only
+// escapes whitespace. Field numbers are sentencepiece_model.proto's.
+std::string SentencePieceModelProto(const std::vector<std::string>& tokens,
+                                    const std::vector<double>& scores,
+                                    const std::vector<int64_t>& types, int64_t unk_id,
+                                    int64_t bos_id, int64_t eos_id, bool add_space_prefix) {
+  std::string model;
+  for (size_t id = 0; id < tokens.size(); ++id) {
+    std::string piece;
+    PutBytes(&piece, 1, tokens[id]);
+    PutFloat(&piece, 2, static_cast<float>(scores[id]));
+    PutInt(&piece, 3, types[id]);
+    PutBytes(&model, 1, piece);  // ModelProto.pieces
+  }
+  std::string trainer;
+  PutInt(&trainer, 3, 2);  // model_type BPE
+  PutInt(&trainer, 4, static_cast<int64_t>(tokens.size()));  // vocab_size
+  PutInt(&trainer, 35, 1);  // byte_fallback
+  PutInt(&trainer, 40, unk_id);
+  PutInt(&trainer, 41, bos_id);
+  PutInt(&trainer, 42, eos_id);
+  PutInt(&trainer, 43, -1);  // pad_id: none
+  PutBytes(&model, 2, trainer);
+  std::string normalizer;
+  PutBytes(&normalizer, 1, "identity");
+  PutInt(&normalizer, 3, add_space_prefix ? 1 : 0);  // add_dummy_prefix
+  PutInt(&normalizer, 4, 0);                         // remove_extra_whitespaces
+  PutInt(&normalizer, 5, 1);                         // escape_whitespaces
+  PutBytes(&model, 3, normalizer);
+  return model;
+}
+
+// tokenizer.ggml.model "llama": a SentencePiece model rebuilt from the file's arrays.
+absl::StatusOr<std::unique_ptr<Tokenizer>> LoadGgufSentencePiece(const GgufFile& file,
+                                                                 const TokenizerConfig& config) {
+  absl::StatusOr<std::vector<std::string>> tokens = file.GetStringArray("tokenizer.ggml.tokens");
+  if (!tokens.ok()) return tokens.status();
+  const size_t n = tokens->size();
+  if (n > static_cast<size_t>(config.vocab_size)) {
+    return absl::InvalidArgumentError(absl::StrCat(file.name(), ": tokenizer.ggml.tokens has ", n,
+                                                   " tokens, more than the model's vocab_size ",
+                                                   config.vocab_size));
+  }
+  std::vector<double> scores(n, 0.0);
+  if (file.Has("tokenizer.ggml.scores")) {
+    absl::StatusOr<std::vector<double>> read = file.GetFloatArray("tokenizer.ggml.scores");
+    if (!read.ok()) return read.status();
+    scores = *std::move(read);
+  }
+  std::vector<int64_t> types(n, 1);  // normal
+  if (file.Has("tokenizer.ggml.token_type")) {
+    absl::StatusOr<std::vector<int64_t>> read = file.GetIntArray("tokenizer.ggml.token_type");
+    if (!read.ok()) return read.status();
+    types = *std::move(read);
+  }
+  for (const auto& [key, size] : {std::pair<const char*, size_t>{"tokenizer.ggml.scores", scores.size()},
+                                  {"tokenizer.ggml.token_type", types.size()}}) {
+    if (size != n) {
+      return absl::InvalidArgumentError(absl::StrCat(file.name(), ": ", key, " has ", size,
+                                                     " entries for ", n, " tokens"));
+    }
+  }
+  for (size_t id = 0; id < n; ++id) {
+    if (types[id] < 1 || types[id] > 6) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          file.name(), ": tokenizer.ggml.token_type[", id, "] = ", types[id],
+          " is not a SentencePiece piece type (1 normal .. 6 byte)"));
+    }
+  }
+  const int64_t fallback_eos = config.eos_token_ids.empty() ? -1 : config.eos_token_ids[0];
+  int64_t ids[3] = {0, config.bos_token_id, fallback_eos};
+  const char* const keys[3] = {"tokenizer.ggml.unknown_token_id", "tokenizer.ggml.bos_token_id",
+                               "tokenizer.ggml.eos_token_id"};
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<int64_t> id = OptionalInt(file, keys[i], ids[i]);
+    if (!id.ok()) return id.status();
+    if (*id < -1 || *id >= static_cast<int64_t>(n)) {
+      return absl::InvalidArgumentError(absl::StrCat(file.name(), ": ", keys[i], " = ", *id,
+                                                     " is not a token id"));
+    }
+    ids[i] = *id;
+  }
+  bool add_space_prefix = true;
+  if (file.Has("tokenizer.ggml.add_space_prefix")) {
+    absl::StatusOr<bool> read = file.GetBool("tokenizer.ggml.add_space_prefix");
+    if (!read.ok()) return read.status();
+    add_space_prefix = *read;
+  }
+  absl::StatusOr<std::unique_ptr<SentencePieceTokenizer>> tokenizer =
+      SentencePieceTokenizer::FromModelProto(
+          SentencePieceModelProto(*tokens, scores, types, ids[0], ids[1], ids[2],
+                                  add_space_prefix),
+          config.vocab_size, file.name());
+  if (!tokenizer.ok()) return tokenizer.status();
+  return std::unique_ptr<Tokenizer>(std::move(*tokenizer));
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadGgufTokenizer(const GgufFile& file,
                                                               const TokenizerConfig& config) {
   absl::StatusOr<std::string> model = file.GetString("tokenizer.ggml.model");
   if (!model.ok()) return model.status();
-  if (*model == "llama") {
-    return absl::UnimplementedError(absl::StrCat(
-        file.name(), ": tokenizer.ggml.model \"llama\" (SentencePiece from GGUF arrays) is not "
-                     "implemented; use the model's tokenizer.model or tokenizer.json"));
-  }
+  if (*model == "llama") return LoadGgufSentencePiece(file, config);
   if (*model != "gpt2") {
     return absl::UnimplementedError(absl::StrCat(file.name(), ": tokenizer.ggml.model \"", *model,
                                                  "\" is not implemented"));

@@ -7,8 +7,12 @@
 //                                 pre (llama.cpp's pre-tokenizer name, "default" when
 //                                 absent; see BpePreTokenizerForName), bos_token_id,
 //                                 eos_token_id, add_bos_token (false when absent).
-//   "llama"                       UNIMPLEMENTED: a SentencePiece model would have to be
-//                                 rebuilt from tokens, scores and token_type as a ModelProto.
+//   "llama"                       SentencePieceTokenizer (Llama 1/2, Mistral, TinyLlama): the
+//                                 BPE model with byte fallback rebuilt as a ModelProto from
+//                                 tokens, scores (0 when absent), token_type (SentencePiece's
+//                                 piece types, 1 normal .. 6 byte; normal when absent),
+//                                 unknown/bos/eos_token_id and add_space_prefix (true when
+//                                 absent), with the identity normalizer, as llama.cpp reads it.
 //   anything else                 UNIMPLEMENTED naming it.
 //
 // config.vocab_size is the model's, as in BpeTokenizer::FromVocab; config.bos_token_id and

@@ -25,6 +25,17 @@ std::unique_ptr<SentencePieceBackend> SentencePieceBackend::Load(const std::stri
   return std::unique_ptr<SentencePieceBackend>(new SentencePieceBackend(std::move(impl)));
 }
 
+std::unique_ptr<SentencePieceBackend> SentencePieceBackend::LoadSerialized(
+    std::string_view model_proto, std::string* error) {
+  auto impl = std::make_unique<Impl>();
+  const sentencepiece::util::Status status = impl->processor.LoadFromSerializedProto(model_proto);
+  if (!status.ok()) {
+    *error = status.ToString();
+    return nullptr;
+  }
+  return std::unique_ptr<SentencePieceBackend>(new SentencePieceBackend(std::move(impl)));
+}
+
 bool SentencePieceBackend::Encode(std::string_view text, std::vector<int32_t>* ids,
                                   std::string* error) const {
   std::vector<int> out;

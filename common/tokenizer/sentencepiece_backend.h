@@ -22,6 +22,9 @@ class SentencePieceBackend {
   // Loads a serialized SentencePiece model (`tokenizer.model`). On failure returns nullptr
   // and sets *error to the library's message.
   static std::unique_ptr<SentencePieceBackend> Load(const std::string& path, std::string* error);
+  // The same from the bytes of a serialized ModelProto.
+  static std::unique_ptr<SentencePieceBackend> LoadSerialized(std::string_view model_proto,
+                                                              std::string* error);
 
   ~SentencePieceBackend();
   SentencePieceBackend(const SentencePieceBackend&) = delete;

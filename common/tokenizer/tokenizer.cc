@@ -103,6 +103,24 @@ absl::StatusOr<std::unique_ptr<SentencePieceTokenizer>> SentencePieceTokenizer::
       new SentencePieceTokenizer(std::move(backend), vocab_size));
 }
 
+absl::StatusOr<std::unique_ptr<SentencePieceTokenizer>> SentencePieceTokenizer::FromModelProto(
+    std::string_view model_proto, int32_t vocab_size, const std::string& source) {
+  std::string error;
+  std::unique_ptr<internal::SentencePieceBackend> backend =
+      internal::SentencePieceBackend::LoadSerialized(model_proto, &error);
+  if (backend == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": SentencePiece rejects the model: ", error));
+  }
+  if (backend->piece_size() > vocab_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": ", backend->piece_size(),
+                     " SentencePiece pieces, more than the model's vocab_size ", vocab_size));
+  }
+  return std::unique_ptr<SentencePieceTokenizer>(
+      new SentencePieceTokenizer(std::move(backend), vocab_size));
+}
+
 absl::StatusOr<std::vector<int32_t>> SentencePieceTokenizer::Encode(std::string_view text) const {
   std::vector<int32_t> ids;
   std::string error;

@@ -103,6 +103,10 @@ class SentencePieceTokenizer final : public Tokenizer {
   // `vocab_size` (the model's), which would produce ids the model cannot embed.
   static absl::StatusOr<std::unique_ptr<SentencePieceTokenizer>> Load(const std::string& path,
                                                                       int32_t vocab_size);
+  // The same from a serialized ModelProto (built from a GGUF file's arrays, for one);
+  // `source` names it in errors.
+  static absl::StatusOr<std::unique_ptr<SentencePieceTokenizer>> FromModelProto(
+      std::string_view model_proto, int32_t vocab_size, const std::string& source);
   ~SentencePieceTokenizer() override;
 
   absl::StatusOr<std::vector<int32_t>> Encode(std::string_view text) const override;

@@ -25,10 +25,11 @@ class LineIterator : public sentencepiece::SentenceIterator {
 
 }  // namespace
 
-std::string TrainSentencePieceForTest(const std::vector<std::string>& lines,
-                                      const std::string& model_prefix, int vocab_size) {
+std::string TrainSentencePieceForTest(
+    const std::vector<std::string>& lines, const std::string& model_prefix, int vocab_size,
+    const std::vector<std::pair<std::string, std::string>>& extra) {
   LineIterator iterator(lines);
-  const std::unordered_map<std::string, std::string> args = {
+  std::unordered_map<std::string, std::string> args = {
       {"model_prefix", model_prefix},
       {"vocab_size", std::to_string(vocab_size)},
       {"model_type", "bpe"},
@@ -40,6 +41,7 @@ std::string TrainSentencePieceForTest(const std::vector<std::string>& lines,
       {"pad_id", "-1"},
       {"minloglevel", "2"},
   };
+  for (const auto& [name, value] : extra) args[name] = value;
   const sentencepiece::util::Status status =
       sentencepiece::SentencePieceTrainer::Train(args, &iterator);
   return status.ok() ? std::string() : status.ToString();
