@@ -39,7 +39,8 @@ std::optional<HttpError> RequestParser::ParseParams(const json& root, Params* pa
     };
     auto want_float = [&](double lo, double hi, bool open_lo) -> std::optional<HttpError> {
       if (!value.is_number() || value.get<double>() > hi ||
-          (open_lo ? value.get<double>() <= lo : value.get<double>() < lo)) {
+          // An open bound is checked on the float the executors get: 1e-50 > 0 is 0.0f.
+          (open_lo ? value.get<float>() <= lo : value.get<double>() < lo)) {
         return HttpError{422, absl::StrCat("`", key, "` must be a number in ", open_lo ? "(" : "[",
                                            lo, ", ", hi, "]")};
       }
@@ -233,7 +234,7 @@ std::optional<HttpError> RequestParser::OpenAiParam(const std::string& key, cons
     }
     a.params.sampling.temperature = value.get<float>();
   } else if (key == "top_p") {
-    if (!value.is_number() || value.get<double>() <= 0 || value.get<double>() > 1) {
+    if (!value.is_number() || value.get<float>() <= 0 || value.get<double>() > 1) {
       return fail(422, "`top_p` must be a number in (0, 1]", key);
     }
     a.params.sampling.top_p = value.get<float>();
@@ -289,7 +290,7 @@ std::optional<HttpError> RequestParser::OpenAiParam(const std::string& key, cons
     }
   } else if (key == "repetition_penalty") {  // vLLM's extension
     if (!value.is_null()) {
-      if (!value.is_number() || value.get<double>() <= 0 || value.get<double>() > 100) {
+      if (!value.is_number() || value.get<float>() <= 0 || value.get<double>() > 100) {
         return fail(422, "`repetition_penalty` must be a number in (0, 100]", key);
       }
       a.params.sampling.repetition_penalty = value.get<float>();
