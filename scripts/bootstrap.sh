@@ -41,6 +41,10 @@ PACKAGES=(
   strace                     # tests/deploy: a running stack's system calls against the units' filter
   chromium                   # tests/dashboard: the router's /dashboard in a real browser, headless
   chromium-driver            # tests/dashboard: chromedriver, through which Selenium drives it
+  clang                      # clang 14: the sanitizer builds of scripts/test.sh, -Wthread-safety
+  libclang-rt-14-dev         # its sanitizer and libFuzzer runtimes (scripts/fuzz.sh; only
+                             # recommended by clang)
+  llvm-14                    # llvm-symbolizer: source lines in sanitizer reports
 )
 
 missing=()

@@ -18,3 +18,11 @@ BUILD_DIR="${KVCM_BUILD_DIR:-build}"
 JOBS="${KVCM_JOBS:-$(nproc)}"
 echo "test: ctest with $JOBS jobs in $BUILD_DIR"
 ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS" --timeout 600 "$@"
+
+# ---- Fuzzing (scripts/fuzz.sh, docs/RELIABILITY.md "Fuzzing") ----------------------------
+# A short libFuzzer run of every fuzz target, built in BUILD_DIR-fuzz. KVCM_FUZZ=0 skips it;
+# KVCM_FUZZ_SECONDS sets the time of each target (25 s by default).
+if [[ "${KVCM_FUZZ:-1}" != "0" ]]; then
+  scripts/fuzz.sh
+fi
+# ---- end of fuzzing -------------------------------------------------------------------------
