@@ -5,7 +5,7 @@
 #   scripts/bootstrap.sh                 # packages + configure + build into build/
 #   KVCM_BUILD_DIR=out scripts/bootstrap.sh
 #   KVCM_SKIP_BUILD=1 scripts/bootstrap.sh   # packages only
-#   KVCM_CMAKE_ARGS="-DKVCM_SANITIZE=ON" scripts/bootstrap.sh
+#   KVCM_CMAKE_ARGS="-DKVCM_SANITIZE=address,undefined" scripts/bootstrap.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
