@@ -90,10 +90,10 @@ struct HttpFrontend::Impl {
     std::vector<int32_t> generated;
     std::vector<float> logprobs;  // with params.outputs.logprobs, per generated token
     std::vector<std::vector<std::pair<int32_t, float>>> top;  // with top_n
-    // Its text a token at a time (streams and stop sequences), and that text so far.
+    // Its text a token at a time (streams and stop sequences), and that text so far: what
+    // a stream has sent.
     IncrementalDecoder decoder;
     std::string text;
-    size_t emitted = 0;  // bytes of its text already streamed
     bool done = false;
     std::string finish_reason;
     double sum_logprob = 0;  // for best_of
@@ -602,7 +602,6 @@ struct HttpFrontend::Impl {
   void Stream(Active& a, size_t index, const Progress& p, bool finished,
               const std::string& piece) {
     Choice& c = a.choices[index];
-    c.emitted += piece.size();
     if (a.api == Api::kOpenAi) {
       const bool first_chunk = c.generated.size() == 1;
       const std::string first = first_chunk && a.params.return_full_text ? a.prompt_text : "";
@@ -615,7 +614,7 @@ struct HttpFrontend::Impl {
         const size_t last = c.generated.size() - 1;
         const size_t offset = first_chunk ? 0
                                           : (a.params.return_full_text ? a.prompt_text.size() : 0) +
-                                                c.emitted - piece.size();
+                                                c.text.size() - piece.size();
         choice["logprobs"] = OpenAiLogprobs(a, c, first_chunk && a.params.return_full_text,
                                             last, last + 1, offset);
       }
