@@ -128,6 +128,83 @@ BlockHash Murmur3X64128(const uint8_t* data, size_t len) {
   return out;
 }
 
+// XXH3-128 as BlockHash: the canonical (big-endian) digest in bytes [0, 16).
+inline BlockHash Xxh3Of(const uint8_t* data, size_t len) {
+  const XXH128_hash_t h = XXH3_128bits(data, len);
+  XXH128_canonical_t canonical;
+  XXH128_canonicalFromHash(&canonical, h);
+  BlockHash out;
+  static_assert(sizeof(canonical.digest) == 16);
+  std::memcpy(out.bytes.data(), canonical.digest, sizeof(canonical.digest));
+  return out;
+}
+
+// kXxh3's ChainBlockHash of a block of kTokens tokens without extra keys (nearly every
+// block): the same version-1 message, built with its length known to the compiler, so XXH3's
+// length dispatch folds away and the message is assembled in a few stores.
+template <size_t kTokens>
+[[gnu::always_inline]] inline BlockHash Xxh3BlockOf(const BlockHash& parent,
+                                                   const int32_t* tokens) {
+  constexpr size_t kSize = 32 + 4 + 4 * kTokens + 4;
+  uint8_t message[kSize];
+  std::memcpy(message, parent.bytes.data(), 32);
+  const uint32_t count = kTokens;
+  std::memcpy(message + 32, &count, 4);
+  std::memcpy(message + 36, tokens, 4 * kTokens);
+  const uint32_t no_keys = 0;
+  std::memcpy(message + 36 + 4 * kTokens, &no_keys, 4);
+  // What XXH3_128bits(message, kSize) calls, forced inline (xxhash.h's own inline path for
+  // XXH_INLINE_ALL users), so that the constant length picks the mixing rounds at compile
+  // time: the public function is an out-of-line call that tests the length at run time.
+  const XXH128_hash_t h = XXH3_128bits_internal(message, kSize, 0, XXH3_kSecret,
+                                                sizeof(XXH3_kSecret), XXH3_hashLong_128b_default);
+  XXH128_canonical_t canonical;
+  XXH128_canonicalFromHash(&canonical, h);
+  BlockHash out;
+  std::memcpy(out.bytes.data(), canonical.digest, sizeof(canonical.digest));
+  return out;
+}
+
+// The block sizes with a fast path (a power of two from 8 to 32: the sizes deployments use).
+inline bool HasXxh3FastPath(size_t tokens) { return tokens == 16 || tokens == 32 || tokens == 8; }
+
+// Xxh3BlockOf for one of the sizes HasXxh3FastPath accepts.
+inline BlockHash Xxh3BlockFast(const BlockHash& parent, const int32_t* tokens, size_t n) {
+  switch (n) {
+    case 8:
+      return Xxh3BlockOf<8>(parent, tokens);
+    case 32:
+      return Xxh3BlockOf<32>(parent, tokens);
+    default:
+      return Xxh3BlockOf<16>(parent, tokens);
+  }
+}
+
+// Appends `blocks` chained block hashes of kTokens tokens each to `out`, whose capacity
+// holds them (so that `parent`, which may be out->back(), stays put).
+template <size_t kTokens>
+void Xxh3ChainOf(const BlockHash& parent, const int32_t* tokens, size_t blocks,
+                 std::vector<BlockHash>* out) {
+  const BlockHash* prev = &parent;
+  for (size_t i = 0; i < blocks; ++i, tokens += kTokens) {
+    out->push_back(Xxh3BlockOf<kTokens>(*prev, tokens));
+    prev = &out->back();
+  }
+}
+
+// Xxh3ChainOf for one of the sizes HasXxh3FastPath accepts.
+void Xxh3Chain(const BlockHash& parent, const int32_t* tokens, size_t n, size_t blocks,
+               std::vector<BlockHash>* out) {
+  switch (n) {
+    case 8:
+      return Xxh3ChainOf<8>(parent, tokens, blocks, out);
+    case 32:
+      return Xxh3ChainOf<32>(parent, tokens, blocks, out);
+    default:
+      return Xxh3ChainOf<16>(parent, tokens, blocks, out);
+  }
+}
+
 // Builds the encoded message in a reusable per-thread buffer.
 class Encoder {
  public:
@@ -198,13 +275,7 @@ BlockHash Fast128Digest(std::span<const uint8_t> bytes) {
 }
 
 BlockHash Xxh3Digest(std::span<const uint8_t> bytes) {
-  const XXH128_hash_t h = XXH3_128bits(bytes.data(), bytes.size());
-  XXH128_canonical_t canonical;
-  XXH128_canonicalFromHash(&canonical, h);
-  BlockHash out;
-  static_assert(sizeof(canonical.digest) == 16);
-  std::memcpy(out.bytes.data(), canonical.digest, sizeof(canonical.digest));
-  return out;
+  return Xxh3Of(bytes.data(), bytes.size());
 }
 
 BlockHash RootHash(HashAlgorithm algorithm, std::string_view salt) {
@@ -219,6 +290,9 @@ BlockHash RootHash(HashAlgorithm algorithm, std::string_view salt) {
 BlockHash ChainBlockHash(HashAlgorithm algorithm, const BlockHash& parent,
                          std::span<const int32_t> tokens,
                          std::span<const std::string_view> extra_keys) {
+  if (algorithm == HashAlgorithm::kXxh3 && extra_keys.empty() && HasXxh3FastPath(tokens.size())) {
+    return Xxh3BlockFast(parent, tokens.data(), tokens.size());
+  }
   size_t size = parent.bytes.size() + 4 + tokens.size_bytes() + 4;
   for (std::string_view key : extra_keys) size += 4 + key.size();
   // Most messages (a block of up to 110 tokens without extra keys) are built on the stack.
@@ -254,13 +328,18 @@ void HashFullBlocks(HashAlgorithm algorithm, const BlockHash& parent,
                     std::span<const int32_t> tokens, int32_t block_size,
                     std::vector<BlockHash>* out) {
   KVCM_CHECK(block_size > 0) << "block_size " << block_size;
+  const BlockHash first_parent = parent;  // `parent` may live in *out, which may move
   const size_t full = tokens.size() / static_cast<size_t>(block_size);
   // Geometric growth: callers append chunk after chunk to one vector (a reserve of exactly
   // size + full would reallocate and copy the whole vector on every call).
   if (out->size() + full > out->capacity()) {
     out->reserve(std::max(out->size() + full, 2 * out->capacity()));
   }
-  BlockHash prev = parent;
+  if (algorithm == HashAlgorithm::kXxh3 && HasXxh3FastPath(static_cast<size_t>(block_size))) {
+    Xxh3Chain(first_parent, tokens.data(), static_cast<size_t>(block_size), full, out);
+    return;
+  }
+  BlockHash prev = first_parent;
   for (size_t i = 0; i < full; ++i) {
     prev = ChainBlockHash(algorithm, prev, tokens.subspan(i * block_size, block_size));
     out->push_back(prev);

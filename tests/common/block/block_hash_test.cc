@@ -1,5 +1,7 @@
 #include "common/block/block_hash.h"
 
+#include <cstdio>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -139,6 +141,66 @@ TEST(BlockHashTest, ParsesAlgorithmNames) {
   EXPECT_EQ(HashAlgorithmName(HashAlgorithm::kXxh3), "xxh3");
   EXPECT_EQ(ParseHashAlgorithm("md5").status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(HashAlgorithmName(HashAlgorithm::kFast128), "fast128");
+}
+
+// kXxh3's fast path (a block of 8, 16 or 32 tokens without extra keys, built with its length
+// known at compile time) must give exactly the digest of the documented version-1 message,
+// here built byte by byte and hashed by Xxh3Digest; other sizes and extra keys take the
+// general path, checked the same way. Random tokens and parents from a printed seed.
+std::vector<uint8_t> Version1Message(const BlockHash& parent, std::span<const int32_t> tokens) {
+  std::vector<uint8_t> m(parent.bytes.begin(), parent.bytes.end());
+  auto put_u32 = [&m](uint32_t v) {
+    for (int i = 0; i < 4; ++i) m.push_back(static_cast<uint8_t>(v >> (8 * i)));
+  };
+  put_u32(static_cast<uint32_t>(tokens.size()));
+  for (int32_t t : tokens) put_u32(static_cast<uint32_t>(t));
+  put_u32(0);  // no extra keys
+  return m;
+}
+
+TEST(BlockHashTest, Xxh3FastPathEqualsTheVersion1Message) {
+  constexpr uint64_t kSeed = 20261202;
+  std::printf("seed %llu\n", static_cast<unsigned long long>(kSeed));
+  std::mt19937_64 rng(kSeed);
+  for (size_t block_size : {1, 4, 8, 12, 15, 16, 17, 31, 32, 64}) {
+    for (int round = 0; round < 50; ++round) {
+      BlockHash parent;
+      for (int i = 0; i < 16; ++i) parent.bytes[i] = static_cast<uint8_t>(rng());
+      std::vector<int32_t> tokens(block_size * 3 + block_size / 2);  // 3 full, a partial
+      for (int32_t& t : tokens) t = static_cast<int32_t>(rng());
+      const std::span<const int32_t> first(tokens.data(), block_size);
+      const BlockHash h0 = ChainBlockHash(HashAlgorithm::kXxh3, parent, first);
+      ASSERT_EQ(h0, Xxh3Digest(Version1Message(parent, first)))
+          << "block size " << block_size << " round " << round;
+      // HashFullBlocks chains the same hashes (3 full blocks, the partial one skipped).
+      std::vector<BlockHash> chained = {BlockHash{}};
+      HashFullBlocks(HashAlgorithm::kXxh3, parent, tokens, static_cast<int32_t>(block_size),
+                     &chained);
+      ASSERT_EQ(chained.size(), 4u);
+      BlockHash expected = parent;
+      for (size_t b = 0; b < 3; ++b) {
+        expected = Xxh3Digest(
+            Version1Message(expected, std::span(tokens).subspan(b * block_size, block_size)));
+        ASSERT_EQ(chained[b + 1], expected) << "block size " << block_size << " block " << b;
+      }
+      // Extra keys leave the fast path and still change the hash.
+      const std::vector<std::string_view> extra = {"img"};
+      EXPECT_NE(ChainBlockHash(HashAlgorithm::kXxh3, parent, first, extra), h0);
+    }
+  }
+}
+
+// The parent may be an element of the vector the hashes are appended to, which may move.
+TEST(BlockHashTest, HashFullBlocksTakesItsParentFromTheOutputVector) {
+  for (HashAlgorithm algo : {HashAlgorithm::kXxh3, HashAlgorithm::kSha256}) {
+    const std::vector<int32_t> tokens(16 * 40, 3);
+    std::vector<BlockHash> hashes = {RootHash(algo, "")};
+    hashes.shrink_to_fit();
+    HashFullBlocks(algo, hashes.back(), tokens, 16, &hashes);  // reallocates
+    ASSERT_EQ(hashes.size(), 41u);
+    EXPECT_EQ(hashes[1], ChainBlockHash(algo, RootHash(algo, ""), std::span(tokens).first(16)));
+    EXPECT_EQ(hashes[40], ChainBlockHash(algo, hashes[39], std::span(tokens).first(16)));
+  }
 }
 
 }  // namespace
