@@ -3,7 +3,6 @@
 #include <bit>
 
 #include "common/base/check.h"
-#include "common/block/linear_probing.h"
 
 namespace kvcm {
 
@@ -14,18 +13,6 @@ BlockIndex::BlockIndex(int32_t num_blocks) {
   const size_t capacity = std::bit_ceil(4 * static_cast<size_t>(num_blocks));
   slots_.assign(capacity, Entry{});
   mask_ = capacity - 1;
-}
-
-void BlockIndex::Erase(uint32_t tag, int32_t block) {
-  size_t i = tag & mask_;
-  while (slots_[i].block != block) {
-    KVCM_CHECK(slots_[i].block >= 0) << "block " << block << " is not in the index";
-    i = (i + 1) & mask_;
-  }
-  BackwardShiftErase(
-      slots_, mask_, i, [](const Entry& e) { return e.block < 0; },
-      [this](const Entry& e) { return e.tag & mask_; });
-  --size_;
 }
 
 }  // namespace kvcm

@@ -25,7 +25,9 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/base/check.h"
 #include "common/block/block_hash.h"
+#include "common/block/linear_probing.h"
 
 namespace kvcm {
 
@@ -68,7 +70,18 @@ class BlockIndex {
   }
 
   // Removes the entry of `block`, whose hash has tag `tag` (TagOf). REQUIRES: it is present.
-  void Erase(uint32_t tag, int32_t block);
+  // Inline: the ledger erases once per eviction, in its eviction loop.
+  void Erase(uint32_t tag, int32_t block) {
+    size_t i = tag & mask_;
+    while (slots_[i].block != block) {
+      KVCM_CHECK(slots_[i].block >= 0) << "block " << block << " is not in the index";
+      i = (i + 1) & mask_;
+    }
+    BackwardShiftErase(
+        slots_, mask_, i, [](const Entry& e) { return e.block < 0; },
+        [this](const Entry& e) { return e.tag & mask_; });
+    --size_;
+  }
 
   // The bits of a hash an entry keeps: the low 32 bits of its first word.
   static uint32_t TagOf(const BlockHash& hash) { return static_cast<uint32_t>(hash.Prefix64()); }

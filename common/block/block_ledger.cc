@@ -135,13 +135,18 @@ void BlockLedger::CompactLru() {
   lru_front_ = 0;
 }
 
-void BlockLedger::Unindex(BlockId block) {
+inline void BlockLedger::Unindex(BlockId block) {
   BlockMeta& m = meta_[block];
   KVCM_CHECK(m.flags & kIndexed) << "block " << block;
   index_.Erase(m.tag, block);  // by tag and id: the full hash is not read
   const bool has_duplicates = (m.flags & kHasDuplicates) != 0;
   m.flags &= ~(kIndexed | kHasDuplicates);
-  if (!options_.record_events && !has_duplicates) return;
+  if (options_.record_events || has_duplicates) [[unlikely]] {
+    UnindexedWithEventsOrDuplicates(block, has_duplicates);
+  }
+}
+
+void BlockLedger::UnindexedWithEventsOrDuplicates(BlockId block, bool has_duplicates) {
   const BlockHash hash = hash_[block];
   if (options_.record_events) {
     events_.push_back({BlockEvent::Kind::kRemoved, hash, BlockHash{}, false, block});
@@ -179,7 +184,7 @@ void BlockLedger::DropDuplicate(BlockId block) {
   meta_[block].flags &= ~kDuplicate;
 }
 
-BlockId BlockLedger::EvictLruHead() {
+inline BlockId BlockLedger::PopLruHead() {
   // The front of the ring, past stale entries. Looking a few entries ahead, the next
   // victims' metadata is fetched while this one is handled (their ids are known: no
   // pointer chasing).
@@ -193,14 +198,23 @@ BlockId BlockLedger::EvictLruHead() {
     index_.Prefetch(meta_[lru_ring_[lru_front_ + kAhead / 2].block].tag);
   }
   meta_[block].flags &= ~kInLru;
-  --lru_size_;
+  Unindex(block);
+  return block;
+}
+
+void BlockLedger::TrimLruRing() {
   if (lru_front_ > lru_ring_.size() / 2 && lru_front_ >= 4096) {
     // Drop the consumed prefix (amortised O(1): it is at least half the ring).
     lru_ring_.erase(lru_ring_.begin(), lru_ring_.begin() + static_cast<ptrdiff_t>(lru_front_));
     lru_front_ = 0;
   }
-  Unindex(block);
+}
+
+BlockId BlockLedger::EvictLruHead() {
+  const BlockId block = PopLruHead();
+  --lru_size_;
   ++counters_.evictions;
+  TrimLruRing();
   return block;
 }
 
@@ -223,14 +237,28 @@ void BlockLedger::TakeBlocks(int32_t n, std::vector<BlockId>* out) {
   if (n == 0) return;
   const int32_t from_free = std::min(n, free_.size());
   const size_t at = out->size();
-  out->resize(at + static_cast<size_t>(from_free));
+  out->resize(at + static_cast<size_t>(n));
   BlockId* ids = out->data() + at;
   free_.PopLowest(from_free, ids);
   BlockMeta* meta = meta_.data();
   for (int32_t i = 0; i < from_free; ++i) meta[ids[i]].ref = 1;
-  in_use_blocks_ += from_free;
-  counters_.blocks_allocated += static_cast<uint64_t>(from_free);
-  for (int32_t i = from_free; i < n; ++i) out->push_back(TakeBlock());
+  // The rest evicted in one loop, EvictLruHead's steps inlined, counts added once.
+  const int32_t evicted = n - from_free;
+  KVCM_CHECK(evicted <= lru_size_) << "TakeBlocks(" << n << ") with " << from_free
+                                   << " free and " << lru_size_ << " cached blocks";
+  for (int32_t i = from_free; i < n; ++i) {
+    const BlockId block = PopLruHead();
+    KVCM_CHECK(meta[block].ref == 0 && meta[block].pins == 0) << "block " << block;
+    meta[block].ref = 1;
+    ids[i] = block;
+  }
+  if (evicted > 0) {
+    lru_size_ -= evicted;
+    counters_.evictions += static_cast<uint64_t>(evicted);
+    TrimLruRing();
+  }
+  in_use_blocks_ += n;
+  counters_.blocks_allocated += static_cast<uint64_t>(n);
 }
 
 void BlockLedger::ReleaseTailFirst(std::span<const BlockId> blocks) {

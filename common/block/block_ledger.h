@@ -338,10 +338,16 @@ class BlockLedger {
   void Reuse(BlockId block);
   void Register(Sequence& s);
   void ApplyWindow(Sequence& s);
-  void Unindex(BlockId block);
+  [[gnu::always_inline]] inline void Unindex(BlockId block);
+  // Unindex's rare part: the kRemoved event, and a duplicate taking the block's place.
+  void UnindexedWithEventsOrDuplicates(BlockId block, bool has_duplicates);
   // Takes the least recently used cached block out of the LRU list and the prefix index
   // and counts the eviction; the caller decides where it goes. REQUIRES: lru_size_ > 0.
   BlockId EvictLruHead();
+  // EvictLruHead without the counts (lru_size_, evictions) and the ring's trimming, which
+  // the caller does, once for a run of evictions.
+  [[gnu::always_inline]] inline BlockId PopLruHead();
+  void TrimLruRing();
 
   int32_t AcquireSlot();
   void ReleaseSlot(int32_t slot);
