@@ -369,7 +369,14 @@ struct HttpFrontend::Impl {
     self->by_connection.erase(it);
     if (auto a = self->active.find(id); a != self->active.end()) {
       const Api api = a->second.api;
-      self->active.erase(a);  // libevent frees the request with the connection
+      // A request the client left before its reply was done is detached from its
+      // connection (no connection any more) and is ours to free; any other is freed by
+      // libevent with the connection.
+      evhttp_request* request = a->second.request;
+      if (request != nullptr && evhttp_request_get_connection(request) == nullptr) {
+        evhttp_request_free(request);
+      }
+      self->active.erase(a);
       self->core->Cancel(id);
       self->Count(api, RequestOutcome::kCancelled);
       Log(absl::StrCat("request ", id, ": the client went away; cancelled"));
