@@ -495,10 +495,14 @@ absl::Status BlockLedger::Fork(SeqId parent, SeqId child) {
   return absl::OkStatus();
 }
 
-void BlockLedger::Register(Sequence& s) {
+inline void BlockLedger::Register(Sequence& s) {
   const int32_t limit = std::min(static_cast<int32_t>(s.hashes.size()),
                                  FullBlocks(s.num_committed));
-  if (limit <= s.num_registered) return;  // most commits of a decode step
+  if (limit <= s.num_registered) return;  // most commits of a decode step: inline, no call
+  RegisterUpTo(s, limit);
+}
+
+void BlockLedger::RegisterUpTo(Sequence& s, int32_t limit) {
   constexpr int32_t kAhead = 4;  // index slots fetched ahead of their insertion
   for (int32_t i = s.num_registered; i < std::min(limit, s.num_registered + kAhead); ++i) {
     index_.Prefetch(BlockIndex::TagOf(s.hashes[i]));
@@ -565,7 +569,9 @@ absl::Status BlockLedger::Commit(SeqId seq, int32_t num_committed_tokens,
         "sequence ", seq, ": ", s->hashes.size() + new_block_hashes.size(),
         " block hashes in all, but only ", full_blocks, " blocks are full"));
   }
-  if (!new_block_hashes.empty()) {
+  if (new_block_hashes.size() == 1) {
+    s->hashes.push_back(new_block_hashes[0]);  // a decode step filling a block
+  } else if (!new_block_hashes.empty()) {
     s->hashes.insert(s->hashes.end(), new_block_hashes.begin(), new_block_hashes.end());
   }
   s->num_committed = num_committed_tokens;

@@ -336,7 +336,10 @@ class BlockLedger {
   void Release(BlockId block);
   // Adds a reference to a block found in the prefix index.
   void Reuse(BlockId block);
-  void Register(Sequence& s);
+  // Offers the sequence's committed, hashed blocks not yet offered to the prefix index.
+  [[gnu::always_inline]] inline void Register(Sequence& s);
+  // Register's work, for blocks [s.num_registered, limit). REQUIRES: limit > num_registered.
+  void RegisterUpTo(Sequence& s, int32_t limit);
   void ApplyWindow(Sequence& s);
   [[gnu::always_inline]] inline void Unindex(BlockId block);
   // Unindex's rare part: the kRemoved event, and a duplicate taking the block's place.
