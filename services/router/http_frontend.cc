@@ -30,6 +30,12 @@
 #include "prometheus/registry.h"
 #include "prometheus/text_serializer.h"
 
+// services/router/openapi.json, embedded at build time (cmake/KvcmEmbed.cmake).
+extern "C" {
+extern const unsigned char kvcm_openapi_json[];
+extern const size_t kvcm_openapi_json_size;
+}
+
 namespace kvcm::router {
 namespace {
 
@@ -133,6 +139,7 @@ struct HttpFrontend::Impl {
   absl::flat_hash_map<evhttp_connection*, uint64_t> by_connection;
   uint64_t next_id = 1;
   std::unique_ptr<RequestParser> parser;  // with `options`' limits and `tokenizer`
+  std::string openapi;  // GET /openapi.json: OpenApiDocument(options)
 
   ~Impl() {
     if (mail != nullptr) event_free(mail);
@@ -144,13 +151,14 @@ struct HttpFrontend::Impl {
   static void Reply(evhttp_request* request, int status, const std::string& body,
                     const char* content_type = "application/json") {
     evkeyvalq* headers = evhttp_request_get_output_headers(request);
-    evhttp_add_header(headers, "Content-Type", content_type);
+    if (content_type != nullptr) evhttp_add_header(headers, "Content-Type", content_type);
     evbuffer* out = evbuffer_new();
     evbuffer_add(out, body.data(), body.size());
     const char* reason = status == 200   ? "OK"
                          : status == 400 ? "Bad Request"
                          : status == 404 ? "Not Found"
                          : status == 405 ? "Method Not Allowed"
+                         : status == 413 ? "Payload Too Large"
                          : status == 422 ? "Unprocessable Entity"
                          : status == 429 ? "Too Many Requests"
                          : status == 501 ? "Not Implemented"
@@ -206,9 +214,6 @@ struct HttpFrontend::Impl {
 
   // POST /generate, /generate_stream and / (TGI): the body parsed by RequestParser.
   void HandleGenerate(evhttp_request* request, std::optional<bool> stream_path) {
-    if (evhttp_request_get_command(request) != EVHTTP_REQ_POST) {
-      return Refuse(request, {405, "use POST", "validation"});
-    }
     GenerationRequest parsed;
     if (std::optional<HttpError> bad = parser->ParseGenerate(Body(request), stream_path, &parsed)) {
       return Refuse(request, *bad);
@@ -278,9 +283,6 @@ struct HttpFrontend::Impl {
   // POST /v1/completions and /v1/chat/completions (OpenAI): the body parsed by
   // RequestParser.
   void HandleOpenAi(evhttp_request* request, bool chat) {
-    if (evhttp_request_get_command(request) != EVHTTP_REQ_POST) {
-      return Refuse(request, {405, "use POST", "validation", "", Api::kOpenAi});
-    }
     GenerationRequest parsed;
     const std::string body = Body(request);
     if (std::optional<HttpError> bad = chat ? parser->ParseChatCompletions(body, &parsed)
@@ -773,48 +775,151 @@ struct HttpFrontend::Impl {
     }
   }
 
-  static void Route(evhttp_request* request, Impl* self) {
-    const char* uri = evhttp_request_get_uri(request);
-    std::string path = uri == nullptr ? "/" : uri;
-    if (const size_t q = path.find('?'); q != std::string::npos) path.resize(q);
-    if (path == "/generate") return self->HandleGenerate(request, false);
-    if (path == "/generate_stream") return self->HandleGenerate(request, true);
-    if (path == "/") return self->HandleGenerate(request, std::nullopt);
-    if (path == "/tokenize") return self->HandleTokenize(request);
-    if (path == "/v1/completions") return self->HandleOpenAi(request, false);
-    if (path == "/v1/chat/completions") return self->HandleOpenAi(request, true);
-    if (path == "/v1/models") return self->HandleModels(request);
-    if (path == "/info") return self->HandleInfo(request);
-    if (path == "/metrics") {
-      if (self->metrics == nullptr) return ReplyError(request, {404, "no metrics", "validation"});
-      const std::string text =
-          prometheus::TextSerializer().Serialize(self->metrics->registry()->Collect());
-      return Reply(request, 200, text, "text/plain; version=0.0.4");
+  // A route: its path, the one method it answers, the API whose error shape its errors have
+  // and whether its refusals are counted as requests (the generation routes').
+  struct RouteEntry {
+    const char* path;
+    const char* method;  // "GET" or "POST"
+    Api api;
+    bool generation;
+    void (*handle)(Impl* self, evhttp_request* request);
+  };
+  // Every route the server answers, matched on the path without its query: the table
+  // HttpFrontend::Routes() lists and GET /openapi.json documents (docs/router.md, "OpenAPI
+  // document"). A known path asked with another method gets 405 and an Allow header; an
+  // unknown one 404.
+  static const RouteEntry kRoutes[];
+
+  static const char* MethodName(evhttp_cmd_type command) {
+    switch (command) {
+      case EVHTTP_REQ_GET: return "GET";
+      case EVHTTP_REQ_POST: return "POST";
+      case EVHTTP_REQ_HEAD: return "HEAD";
+      case EVHTTP_REQ_PUT: return "PUT";
+      case EVHTTP_REQ_DELETE: return "DELETE";
+      case EVHTTP_REQ_OPTIONS: return "OPTIONS";
+      case EVHTTP_REQ_TRACE: return "TRACE";
+      case EVHTTP_REQ_CONNECT: return "CONNECT";
+      case EVHTTP_REQ_PATCH: return "PATCH";
     }
-    if (path == "/dashboard" || path == "/dashboard/state") {
-      Dashboard* dashboard = self->options.dashboard;
-      if (dashboard == nullptr) return ReplyError(request, {404, "no dashboard", "validation"});
-      evkeyvalq* headers = evhttp_request_get_output_headers(request);
-      evhttp_add_header(headers, "Cache-Control", "no-store");
-      evhttp_add_header(headers, "X-Content-Type-Options", "nosniff");
-      if (path == "/dashboard/state") return Reply(request, 200, dashboard->StateJson());
-      // The page fetches nothing but its state, from this server: the browser enforces it.
-      evhttp_add_header(headers, "Content-Security-Policy",
-                        "default-src 'none'; script-src 'unsafe-inline'; "
-                        "style-src 'unsafe-inline'; connect-src 'self'; img-src data:");
-      return Reply(request, 200, std::string(Dashboard::Page()), "text/html; charset=utf-8");
-    }
-    if (path == "/health") {
-      if (self->core->live_executors() > 0) return Reply(request, 200, "");
-      return ReplyError(request, {503, "no executor is registered", "unavailable"});
-    }
-    ReplyError(request, {404, absl::StrCat("no route ", path), "validation"});
+    return "";
   }
+
+  static void Route(evhttp_request* request, Impl* self);
+
+  void HandleMetrics(evhttp_request* request) {
+    if (metrics == nullptr) return ReplyError(request, {404, "no metrics", "validation"});
+    const std::string text = prometheus::TextSerializer().Serialize(metrics->registry()->Collect());
+    Reply(request, 200, text, "text/plain; version=0.0.4");
+  }
+
+  // /dashboard (the page) and /dashboard/state (the JSON it polls).
+  void HandleDashboard(evhttp_request* request, bool state) {
+    if (options.dashboard == nullptr) {
+      return ReplyError(request, {404, "no dashboard", "validation"});
+    }
+    evkeyvalq* headers = evhttp_request_get_output_headers(request);
+    evhttp_add_header(headers, "Cache-Control", "no-store");
+    evhttp_add_header(headers, "X-Content-Type-Options", "nosniff");
+    if (state) return Reply(request, 200, options.dashboard->StateJson());
+    // The page fetches nothing but its state, from this server: the browser enforces it.
+    evhttp_add_header(headers, "Content-Security-Policy",
+                      "default-src 'none'; script-src 'unsafe-inline'; "
+                      "style-src 'unsafe-inline'; connect-src 'self'; img-src data:");
+    Reply(request, 200, std::string(Dashboard::Page()), "text/html; charset=utf-8");
+  }
+
+  void HandleHealth(evhttp_request* request) {
+    // No body, and so no Content-Type (an empty body is no JSON).
+    if (core->live_executors() > 0) return Reply(request, 200, "", nullptr);
+    ReplyError(request, {503, "no executor is registered", "unavailable"});
+  }
+
+  void HandleOpenApi(evhttp_request* request) { Reply(request, 200, openapi); }
 
   static void OnStop(evutil_socket_t, short, void* arg) {
     event_base_loopexit(static_cast<Impl*>(arg)->base, nullptr);
   }
 };
+
+const HttpFrontend::Impl::RouteEntry HttpFrontend::Impl::kRoutes[] = {
+    {"/generate", "POST", Api::kTgi, true,
+     [](Impl* self, evhttp_request* r) { self->HandleGenerate(r, false); }},
+    {"/generate_stream", "POST", Api::kTgi, true,
+     [](Impl* self, evhttp_request* r) { self->HandleGenerate(r, true); }},
+    {"/", "POST", Api::kTgi, true,
+     [](Impl* self, evhttp_request* r) { self->HandleGenerate(r, std::nullopt); }},
+    {"/tokenize", "POST", Api::kTgi, false,
+     [](Impl* self, evhttp_request* r) { self->HandleTokenize(r); }},
+    {"/v1/completions", "POST", Api::kOpenAi, true,
+     [](Impl* self, evhttp_request* r) { self->HandleOpenAi(r, false); }},
+    {"/v1/chat/completions", "POST", Api::kOpenAi, true,
+     [](Impl* self, evhttp_request* r) { self->HandleOpenAi(r, true); }},
+    {"/v1/models", "GET", Api::kOpenAi, false,
+     [](Impl* self, evhttp_request* r) { self->HandleModels(r); }},
+    {"/info", "GET", Api::kTgi, false, [](Impl* self, evhttp_request* r) { self->HandleInfo(r); }},
+    {"/metrics", "GET", Api::kTgi, false,
+     [](Impl* self, evhttp_request* r) { self->HandleMetrics(r); }},
+    {"/dashboard", "GET", Api::kTgi, false,
+     [](Impl* self, evhttp_request* r) { self->HandleDashboard(r, false); }},
+    {"/dashboard/state", "GET", Api::kTgi, false,
+     [](Impl* self, evhttp_request* r) { self->HandleDashboard(r, true); }},
+    {"/health", "GET", Api::kTgi, false,
+     [](Impl* self, evhttp_request* r) { self->HandleHealth(r); }},
+    {"/openapi.json", "GET", Api::kTgi, false,
+     [](Impl* self, evhttp_request* r) { self->HandleOpenApi(r); }},
+};
+
+void HttpFrontend::Impl::Route(evhttp_request* request, Impl* self) {
+  const char* uri = evhttp_request_get_uri(request);
+  std::string path = uri == nullptr ? "/" : uri;
+  if (const size_t q = path.find('?'); q != std::string::npos) path.resize(q);
+  for (const RouteEntry& route : kRoutes) {
+    if (path != route.path) continue;
+    if (std::strcmp(MethodName(evhttp_request_get_command(request)), route.method) != 0) {
+      evhttp_add_header(evhttp_request_get_output_headers(request), "Allow", route.method);
+      const HttpError error{405, absl::StrCat("use ", route.method), "validation", "",
+                            route.api};
+      return route.generation ? self->Refuse(request, error) : ReplyError(request, error);
+    }
+    return route.handle(self, request);
+  }
+  ReplyError(request, {404, absl::StrCat("no route ", path), "validation"});
+}
+
+std::vector<HttpRoute> HttpFrontend::Routes() {
+  std::vector<HttpRoute> routes;
+  for (const Impl::RouteEntry& route : Impl::kRoutes) routes.push_back({route.path, route.method});
+  return routes;
+}
+
+std::string HttpFrontend::OpenApiDocument(const Options& options) {
+  json document = json::parse(
+      std::string_view(reinterpret_cast<const char*>(kvcm_openapi_json), kvcm_openapi_json_size));
+  document["info"]["version"] = kVersion;
+  // A bound that is a flag of the router's is named by "x-kvcm-maximum" where it applies.
+  const std::pair<std::string_view, int64_t> limits[] = {
+      {"max_total_tokens", options.max_total_tokens},
+      {"max_input_tokens", options.max_input_tokens},
+      {"max_top_n_tokens", options.max_top_n_tokens},
+      {"max_best_of", options.max_best_of},
+  };
+  std::vector<json*> pending = {&document};
+  while (!pending.empty()) {
+    json* node = pending.back();
+    pending.pop_back();
+    if (node->is_object() && node->contains("x-kvcm-maximum")) {
+      const json& name = (*node)["x-kvcm-maximum"];
+      for (const auto& [flag, value] : limits) {
+        if (name.is_string() && name.get<std::string>() == flag) (*node)["maximum"] = value;
+      }
+    }
+    if (node->is_structured()) {
+      for (json& child : *node) pending.push_back(&child);
+    }
+  }
+  return document.dump(1);
+}
 
 absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(const Options& options,
                                                                   const Tokenizer* tokenizer,
@@ -837,6 +942,7 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(const Options&
   limits.bos_token = options.bos_token;
   limits.eos_token = options.eos_token;
   impl.parser = std::make_unique<RequestParser>(std::move(limits), tokenizer);
+  impl.openapi = OpenApiDocument(options);
   impl.core = core;
   impl.metrics = metrics;
   impl.base = event_base_new();
@@ -844,7 +950,11 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(const Options&
   impl.http = evhttp_new(impl.base);
   evhttp_set_max_body_size(impl.http, static_cast<ev_ssize_t>(options.max_body_bytes));
   evhttp_set_timeout(impl.http, options.timeout_seconds);
-  evhttp_set_allowed_methods(impl.http, EVHTTP_REQ_GET | EVHTTP_REQ_POST);
+  // Every method reaches Route(), which answers one a route does not take with 405.
+  evhttp_set_allowed_methods(impl.http, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_HEAD |
+                                            EVHTTP_REQ_PUT | EVHTTP_REQ_DELETE |
+                                            EVHTTP_REQ_OPTIONS | EVHTTP_REQ_TRACE |
+                                            EVHTTP_REQ_CONNECT | EVHTTP_REQ_PATCH);
   evhttp_set_gencb(impl.http, &Impl::OnRequest, &impl);
   evhttp_bound_socket* bound = evhttp_bind_socket_with_handle(
       impl.http, options.host.c_str(), static_cast<ev_uint16_t>(options.port));

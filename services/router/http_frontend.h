@@ -12,6 +12,7 @@
 //   GET  /metrics          Prometheus text (RouterMetrics)
 //   GET  /dashboard        the live pool view, one self-contained page (Dashboard), and
 //   GET  /dashboard/state  the JSON it polls; 404 without a Dashboard
+//   GET  /openapi.json     the OpenAPI document of all of these (OpenApiDocument())
 //
 // and the OpenAI-compatible one: POST /v1/completions, POST /v1/chat/completions (messages
 // rendered with the model's chat template; 501 when it has none), GET /v1/models, with
@@ -21,7 +22,8 @@
 // come back through Deliver() (any thread) and are written out on this thread. Errors have
 // TGI's shape {"error": "...", "error_type": "..."}: 400 for a body that is not JSON, 422 for
 // invalid or unsupported parameters (never ignored silently), 429 when max_concurrent_requests
-// are in flight, 503 without an executor, 413 for a body over the limit. A client that
+// are in flight, 503 without an executor, 413 for a body over the limit, 404 for an unknown
+// path, 405 for a known path asked with another method than its route's. A client that
 // disconnects mid-stream has its request cancelled (its sequence freed at the next step).
 //
 // Thread safety: Deliver() from any thread; the rest from the thread that owns the object.
@@ -29,6 +31,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -44,6 +47,13 @@ struct evhttp;
 struct event;
 
 namespace kvcm::router {
+
+// A route the router serves (HttpFrontend::Routes()): its path and the one method it
+// answers; another method gets 405 with an Allow header naming it.
+struct HttpRoute {
+  std::string_view path;
+  std::string_view method;  // "GET" or "POST"
+};
 
 class HttpFrontend {
  public:
@@ -82,6 +92,13 @@ class HttpFrontend {
                                                              RouterCore* core,
                                                              RouterMetrics* metrics);
   ~HttpFrontend();  // stops: pending requests get their connection closed
+
+  // Every route the server answers, from the table it dispatches on.
+  static std::vector<HttpRoute> Routes();
+  // The OpenAPI 3.1 document GET /openapi.json serves: services/router/openapi.json, with
+  // the bounds that are flags of the router's (max_total_tokens, max_top_n_tokens,
+  // max_best_of, ...) taken from `options` (docs/router.md, "OpenAPI document").
+  static std::string OpenApiDocument(const Options& options);
 
   int port() const { return port_; }
   // What the core reports (its sink calls this).
