@@ -9,12 +9,18 @@
 #                             deploy/ (tests/deploy/requirements.txt)
 #   BUILD_DIR/venv-dashboard  Selenium, to drive chromium on the router's /dashboard
 #                             (tests/dashboard/requirements.txt)
+#   BUILD_DIR/venv-openapi    jsonschema and schemathesis, to check the router's OpenAPI
+#                             document and fuzz its API (tests/openapi/requirements.txt)
+#   BUILD_DIR/venv-vllm       cbor2, for vLLM's own block hashing functions (read out of its
+#                             wheel, not installed) (tests/reference/vllm/requirements.txt)
 # Two of them because their pins cannot share one (text-generation wants huggingface-hub
 # below 1.0, transformers 5 at least 1.0). Each is left alone when it is already there for
 # the same requirements. Python never runs inside the services: this is test tooling.
 #
 #   scripts/python-env.sh                # build/venv, build/venv-reference, build/venv-monitoring,
-#                                        # build/venv-deploy, build/venv-dashboard
+#                                        # build/venv-deploy, build/venv-dashboard,
+#                                        # build/venv-openapi,
+#                                        # build/venv-vllm
 #   KVCM_BUILD_DIR=out scripts/python-env.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -50,3 +56,6 @@ make_venv "$BUILD_DIR/venv-monitoring" tests/monitoring/requirements.txt \
 make_venv "$BUILD_DIR/venv-deploy" tests/deploy/requirements.txt \
   'kubernetes-validate|kubernetes_validate|compose-spec|compose_spec|PyYAML'
 make_venv "$BUILD_DIR/venv-dashboard" tests/dashboard/requirements.txt 'selenium'
+make_venv "$BUILD_DIR/venv-openapi" tests/openapi/requirements.txt \
+  'schemathesis|hypothesis|jsonschema'
+make_venv "$BUILD_DIR/venv-vllm" tests/reference/vllm/requirements.txt 'cbor2'

@@ -508,13 +508,13 @@ struct HttpFrontend::Impl {
       evhttp_connection_set_closecb(a.connection, nullptr, nullptr);
       if (!error.ok()) {
         const int status = absl::IsResourceExhausted(error) ? 422 : 503;
-        const json body = ErrorBody({status, std::string(error.message()),
-                                     status == 422 ? "validation" : "unavailable", "", a.api});
+        const HttpError failure{status, std::string(error.message()),
+                                status == 422 ? "validation" : "unavailable", "", a.api};
         if (a.stream) {
-          SendEvent(a.request, Dump(body), a.api);
+          SendEvent(a.request, Dump(ErrorBody(failure)), a.api);
           evhttp_send_reply_end(a.request);
         } else {
-          Reply(a.request, status, Dump(body));
+          ReplyError(a.request, failure);  // OpenAI's 400 for TGI's 422, as every refusal
         }
       } else if (a.stream) {
         if (a.api == Api::kOpenAi) {
@@ -767,6 +767,18 @@ struct HttpFrontend::Impl {
   }
 
   static void OnRequest(evhttp_request* request, void* arg) {
+    // libevent reads no body of a HEAD or TRACE request: one sent with a body would have it
+    // read as the next request on the connection (a request smuggled past the client's
+    // framing). Such a connection is closed once answered.
+    const evhttp_cmd_type command = evhttp_request_get_command(request);
+    if (command == EVHTTP_REQ_HEAD || command == EVHTTP_REQ_TRACE) {
+      const evkeyvalq* in = evhttp_request_get_input_headers(request);
+      const char* length = evhttp_find_header(in, "Content-Length");
+      if ((length != nullptr && std::strcmp(length, "0") != 0) ||
+          evhttp_find_header(in, "Transfer-Encoding") != nullptr) {
+        evhttp_add_header(evhttp_request_get_output_headers(request), "Connection", "close");
+      }
+    }
     try {
       Route(request, static_cast<Impl*>(arg));
     } catch (const std::exception& error) {  // a bug here must not take the server down

@@ -476,8 +476,9 @@ std::optional<HttpError> RequestParser::ParseChatCompletions(std::string_view bo
           } else if (content.is_array()) {
             // Content parts: only text ones, joined as vLLM joins them.
             for (const json& part : content) {
-              if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
-                  !part["text"].is_string()) {
+              // Not part.value("type", ""): it throws when "type" is there and no string.
+              if (!part.is_object() || !part.contains("type") || part["type"] != "text" ||
+                  !part.contains("text") || !part["text"].is_string()) {
                 return refuse(422,
                               absl::StrCat(where,
                                            ".content: only parts of type \"text\" "
