@@ -21,6 +21,8 @@ static_assert(std::endian::native == std::endian::little,
               "before building on a big-endian machine");
 
 constexpr std::string_view kRootTag = "kvcm.root.v1";
+// vLLM's DEFAULT_NONE_HASH_SEED (vllm/v1/core/kv_cache_utils.py).
+constexpr std::string_view kVllmNoneHashSeed = "vllm-none-hash";
 
 // One SHA-256 context per thread, initialised once; each digest re-initialises it from
 // the pre-fetched algorithm (no per-call algorithm lookup or allocation).
@@ -231,6 +233,7 @@ Encoder& ThreadEncoder() {
 BlockHash Digest(HashAlgorithm algorithm, std::span<const uint8_t> bytes) {
   switch (algorithm) {
     case HashAlgorithm::kSha256:
+    case HashAlgorithm::kVllmSha256Cbor:
       return Sha256Digest(bytes);
     case HashAlgorithm::kFast128:
       return Fast128Digest(bytes);
@@ -239,6 +242,98 @@ BlockHash Digest(HashAlgorithm algorithm, std::span<const uint8_t> bytes) {
   }
   KVCM_CHECK(false) << "unknown hash algorithm " << static_cast<int>(algorithm);
   return {};
+}
+
+// Canonical CBOR (RFC 8949 4.2.1, as cbor2.dumps(..., canonical=True) writes the values
+// vLLM hashes): each head in its shortest form. Writes into a buffer the caller sized with
+// the Max* bounds below.
+class CborWriter {
+ public:
+  // The most bytes a head, an integer or a string of `n` bytes takes.
+  static constexpr size_t kMaxHead = 9;
+  static constexpr size_t MaxString(size_t n) { return kMaxHead + n; }
+
+  explicit CborWriter(uint8_t* out) : p_(out) {}
+
+  void Head(uint8_t major, uint64_t value) {
+    const auto type = static_cast<uint8_t>(major << 5);
+    if (value < 24) {
+      *p_++ = static_cast<uint8_t>(type | value);
+    } else if (value <= 0xff) {
+      *p_++ = type | 24;
+      *p_++ = static_cast<uint8_t>(value);
+    } else if (value <= 0xffff) {
+      *p_++ = type | 25;
+      BigEndian(value, 2);
+    } else if (value <= 0xffffffff) {
+      *p_++ = type | 26;
+      BigEndian(value, 4);
+    } else {
+      *p_++ = type | 27;
+      BigEndian(value, 8);
+    }
+  }
+  // Major type 0 for n >= 0, 1 (encoding -1 - n) below.
+  void Int(int64_t n) {
+    if (n >= 0) {
+      Head(0, static_cast<uint64_t>(n));
+    } else {
+      Head(1, static_cast<uint64_t>(-1 - n));
+    }
+  }
+  void Bytes(std::span<const uint8_t> bytes) {
+    Head(2, bytes.size());
+    Raw(bytes.data(), bytes.size());
+  }
+  void Text(std::string_view text) {
+    Head(3, text.size());
+    Raw(text.data(), text.size());
+  }
+  void Array(size_t n) { Head(4, n); }
+  void Null() { *p_++ = 0xf6; }
+
+  uint8_t* end() const { return p_; }
+
+ private:
+  void BigEndian(uint64_t value, int n) {
+    for (int i = n - 1; i >= 0; --i) *p_++ = static_cast<uint8_t>(value >> (8 * i));
+  }
+  void Raw(const void* bytes, size_t n) {
+    if (n != 0) std::memcpy(p_, bytes, n);
+    p_ += n;
+  }
+
+  uint8_t* p_;
+};
+
+// SHA-256(CBOR([parent, [tokens...], extra_keys or null])): vLLM's hash_block_tokens with
+// sha256_cbor. Token is int32_t or int64_t.
+template <typename Token>
+BlockHash VllmChainHash(const BlockHash& parent, std::span<const Token> tokens,
+                        std::span<const std::string_view> extra_keys) {
+  size_t size = 1 + CborWriter::MaxString(parent.bytes.size()) + CborWriter::kMaxHead +
+                tokens.size() * CborWriter::kMaxHead + CborWriter::kMaxHead;
+  for (std::string_view key : extra_keys) size += CborWriter::MaxString(key.size());
+  constexpr size_t kStackBytes = 512;  // a 16-token block takes at most 125
+  uint8_t stack[kStackBytes];
+  uint8_t* out = stack;
+  if (size > kStackBytes) {
+    Encoder& enc = ThreadEncoder();
+    enc.Resize(size);
+    out = enc.data();
+  }
+  CborWriter cbor(out);
+  cbor.Array(3);
+  cbor.Bytes(parent.bytes);
+  cbor.Array(tokens.size());
+  for (Token t : tokens) cbor.Int(t);
+  if (extra_keys.empty()) {
+    cbor.Null();
+  } else {
+    cbor.Array(extra_keys.size());
+    for (std::string_view key : extra_keys) cbor.Text(key);
+  }
+  return Sha256Digest(std::span<const uint8_t>(out, static_cast<size_t>(cbor.end() - out)));
 }
 
 }  // namespace
@@ -251,6 +346,8 @@ std::string_view HashAlgorithmName(HashAlgorithm algorithm) {
       return "fast128";
     case HashAlgorithm::kXxh3:
       return "xxh3";
+    case HashAlgorithm::kVllmSha256Cbor:
+      return "sha256_cbor";
   }
   return "unknown";
 }
@@ -259,8 +356,10 @@ absl::StatusOr<HashAlgorithm> ParseHashAlgorithm(std::string_view name) {
   if (name == "sha256") return HashAlgorithm::kSha256;
   if (name == "fast128") return HashAlgorithm::kFast128;
   if (name == "xxh3") return HashAlgorithm::kXxh3;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown hash algorithm '", std::string(name), "' (expected xxh3, sha256 or fast128)"));
+  if (name == "sha256_cbor") return HashAlgorithm::kVllmSha256Cbor;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown hash algorithm '", std::string(name),
+                   "' (expected xxh3, sha256, sha256_cbor or fast128)"));
 }
 
 std::string BlockHash::ToHex() const {
@@ -279,6 +378,16 @@ BlockHash Xxh3Digest(std::span<const uint8_t> bytes) {
 }
 
 BlockHash RootHash(HashAlgorithm algorithm, std::string_view salt) {
+  if (algorithm == HashAlgorithm::kVllmSha256Cbor) {
+    // NONE_HASH = sha256_cbor(seed): the seed a CBOR text string.
+    const std::string_view seed = salt.empty() ? kVllmNoneHashSeed : salt;
+    Encoder& enc = ThreadEncoder();
+    enc.Resize(CborWriter::MaxString(seed.size()));
+    CborWriter cbor(enc.data());
+    cbor.Text(seed);
+    return Sha256Digest(
+        std::span<const uint8_t>(enc.data(), static_cast<size_t>(cbor.end() - enc.data())));
+  }
   Encoder& enc = ThreadEncoder();
   enc.Clear();
   enc.PutBytes(kRootTag.data(), kRootTag.size());
@@ -292,6 +401,9 @@ BlockHash ChainBlockHash(HashAlgorithm algorithm, const BlockHash& parent,
                          std::span<const std::string_view> extra_keys) {
   if (algorithm == HashAlgorithm::kXxh3 && extra_keys.empty() && HasXxh3FastPath(tokens.size())) {
     return Xxh3BlockFast(parent, tokens.data(), tokens.size());
+  }
+  if (algorithm == HashAlgorithm::kVllmSha256Cbor) {
+    return VllmChainHash(parent, tokens, extra_keys);
   }
   size_t size = parent.bytes.size() + 4 + tokens.size_bytes() + 4;
   for (std::string_view key : extra_keys) size += 4 + key.size();
@@ -322,6 +434,11 @@ BlockHash ChainBlockHash(HashAlgorithm algorithm, const BlockHash& parent,
     put(key.data(), key.size());
   }
   return Digest(algorithm, std::span<const uint8_t>(out, size));
+}
+
+BlockHash VllmSha256CborBlockHash(const BlockHash& parent, std::span<const int64_t> tokens,
+                                  std::span<const std::string_view> extra_keys) {
+  return VllmChainHash(parent, tokens, extra_keys);
 }
 
 void HashFullBlocks(HashAlgorithm algorithm, const BlockHash& parent,

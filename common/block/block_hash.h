@@ -33,6 +33,14 @@
 //             a prompt that reads another tenant's KV.
 //   kFast128: MurmurHash3 x64 128-bit, seed 0, in bytes [0, 16); bytes [16, 32) are zero.
 //             Kept for clients that speak it; slower than kXxh3 and no safer.
+//   kVllmSha256Cbor: vLLM's `sha256_cbor` prefix-caching hash, byte for byte, instead of the
+//             version-1 encoding above (docs/cluster.md, "vLLM's block hash"):
+//               RootHash(salt)    = SHA-256(CBOR(salt or "vllm-none-hash"))   (NONE_HASH)
+//               ChainBlockHash    = SHA-256(CBOR([parent, [t_0, ...], extra_keys or null]))
+//             CBOR as Python's cbor2.dumps(..., canonical=True) writes it: the parent a
+//             32-byte byte string, tokens the shortest unsigned (or negative) integers,
+//             extra keys an array of text strings, no keys null. A salt plays the part of
+//             vLLM's PYTHONHASHSEED. For consumers that recompute vLLM's hash.
 //
 // Thread safety: all functions are thread-safe (SHA-256 contexts are thread-local).
 
@@ -48,12 +56,12 @@
 
 namespace kvcm {
 
-enum class HashAlgorithm : uint8_t { kSha256 = 0, kFast128 = 1, kXxh3 = 2 };
+enum class HashAlgorithm : uint8_t { kSha256 = 0, kFast128 = 1, kXxh3 = 2, kVllmSha256Cbor = 3 };
 
 // The default for new deployments (see above).
 inline constexpr HashAlgorithm kDefaultHashAlgorithm = HashAlgorithm::kXxh3;
 
-// "sha256", "fast128" or "xxh3".
+// "sha256", "fast128", "xxh3" or "sha256_cbor" (vLLM's name for kVllmSha256Cbor).
 std::string_view HashAlgorithmName(HashAlgorithm algorithm);
 absl::StatusOr<HashAlgorithm> ParseHashAlgorithm(std::string_view name);
 
@@ -76,6 +84,15 @@ struct BlockHash {
     std::memcpy(&v, bytes.data(), sizeof(v));
     return v;
   }
+  // The last 8 bytes read big-endian: the low 64 bits of the digest as a big integer, which
+  // is the integer id vLLM's KV events carry for a block
+  // (int.from_bytes(digest, "big") & (2**64 - 1)). Meaningful for kSha256/kVllmSha256Cbor,
+  // whose 32 bytes are all digest.
+  uint64_t Low64BigEndian() const {
+    uint64_t v = 0;
+    for (size_t i = bytes.size() - 8; i < bytes.size(); ++i) v = (v << 8) | bytes[i];
+    return v;
+  }
 };
 
 // Hash-map functor using the digest's own uniformity (no re-hashing of 32 bytes).
@@ -90,6 +107,12 @@ BlockHash RootHash(HashAlgorithm algorithm, std::string_view salt);
 BlockHash ChainBlockHash(HashAlgorithm algorithm, const BlockHash& parent,
                          std::span<const int32_t> tokens,
                          std::span<const std::string_view> extra_keys = {});
+
+// kVllmSha256Cbor's ChainBlockHash over 64-bit token ids (vLLM's token ids are Python
+// integers; kvcm's are int32): the same CBOR, every integer width. For the tests against
+// vLLM's own functions.
+BlockHash VllmSha256CborBlockHash(const BlockHash& parent, std::span<const int64_t> tokens,
+                                  std::span<const std::string_view> extra_keys = {});
 
 // Hashes of every full block of `tokens` (a partial last block gets none), appended to
 // `out`. Starts from `parent` (usually RootHash). REQUIRES: block_size > 0.

@@ -37,6 +37,7 @@ wire::HashAlgorithm ToWire(HashAlgorithm algorithm) {
     case HashAlgorithm::kSha256: return wire::HashAlgorithm::Sha256;
     case HashAlgorithm::kFast128: return wire::HashAlgorithm::Fast128;
     case HashAlgorithm::kXxh3: return wire::HashAlgorithm::Xxh3;
+    case HashAlgorithm::kVllmSha256Cbor: return wire::HashAlgorithm::VllmSha256Cbor;
   }
   KVCM_CHECK(false) << "unknown hash algorithm " << static_cast<int>(algorithm);
   return wire::HashAlgorithm::Sha256;
@@ -47,6 +48,7 @@ absl::StatusOr<HashAlgorithm> FromWire(wire::HashAlgorithm algorithm) {
     case wire::HashAlgorithm::Sha256: return HashAlgorithm::kSha256;
     case wire::HashAlgorithm::Fast128: return HashAlgorithm::kFast128;
     case wire::HashAlgorithm::Xxh3: return HashAlgorithm::kXxh3;
+    case wire::HashAlgorithm::VllmSha256Cbor: return HashAlgorithm::kVllmSha256Cbor;
   }
   return absl::InvalidArgumentError(
       absl::StrCat("unknown hash algorithm value ", static_cast<int>(algorithm)));

@@ -76,7 +76,8 @@ ABSL_FLAG(int32_t, heartbeat_timeout_ms, 5000,
           "Silence after which a client's session is quarantined.");
 ABSL_FLAG(std::string, hash_algorithm, "xxh3",
           "Block hash announced to clients: xxh3 (fast; every client trusted), sha256 "
-          "(collision-resistant; for clients that are not all trusted) or fast128.");
+          "(collision-resistant; for clients that are not all trusted), sha256_cbor (vLLM's "
+          "own, byte for byte: docs/cluster.md) or fast128.");
 ABSL_FLAG(int32_t, sliding_window_tokens, 0,
           "Attention window in tokens; 0 = full. Refused for now: executors do not support "
           "windows yet.");

@@ -65,6 +65,47 @@ TEST(BlockHashTest, Xxh3MatchesTheXxhashReference) {
             "76a791762b3e240a195bfb91fb9e43bf" + std::string(32, '0'));
 }
 
+// vLLM's sha256_cbor, from vLLM 0.33.0's own functions (tests/reference/vllm/
+// vllm_hash_reference.py prints them; vllm_hash_reference_test checks many more live).
+TEST(BlockHashTest, VllmSha256CborMatchesVllm) {
+  const BlockHash none = RootHash(HashAlgorithm::kVllmSha256Cbor, "");
+  EXPECT_EQ(none.ToHex(), "9bd96a485ad84efdafb72ee48a1d7a69bcead0f8f0433173941b276b9581eef0");
+  std::vector<BlockHash> hashes;
+  const std::vector<int32_t> tokens = {1, 2, 3, 4, 5, 6, 7, 8, 9};
+  HashFullBlocks(HashAlgorithm::kVllmSha256Cbor, none, tokens, 4, &hashes);
+  ASSERT_EQ(hashes.size(), 2u);
+  EXPECT_EQ(hashes[0].ToHex(), "58d0879dff3800f65f8c5fd449d73048c0f7699dd238a03b84b146b151d55111");
+  EXPECT_EQ(hashes[1].ToHex(), "e1bc29393a2da9fd798f35ff04d215f846aee6df4b803ce3d43b57df56b58fb1");
+  EXPECT_EQ(hashes[0].Low64BigEndian(), 9561501211280363793ULL);  // vLLM's event id
+  EXPECT_EQ(hashes[1].Low64BigEndian(), 15292913576410714033ULL);
+
+  // PYTHONHASHSEED=abc; 2^32 - 1 (a 5-byte integer), 0, 24 (2 bytes), 23 (1 byte); extra
+  // keys ("lora",) on the first block, None on the second.
+  const BlockHash seeded = RootHash(HashAlgorithm::kVllmSha256Cbor, "abc");
+  EXPECT_EQ(seeded.ToHex(), "a6d89baf01ac02637da09835b28485b2db68576834d01869fc15e36b124c617c");
+  const std::vector<int64_t> b0 = {4294967295LL, 0};
+  const std::vector<int64_t> b1 = {24, 23};
+  const std::vector<std::string_view> lora = {"lora"};
+  const BlockHash h0 = VllmSha256CborBlockHash(seeded, b0, lora);
+  EXPECT_EQ(h0.ToHex(), "cfece4699db2ec90916f565f87a72522b20d339888b7eb0b08d505a958384306");
+  EXPECT_EQ(VllmSha256CborBlockHash(h0, b1).ToHex(),
+            "a07e9de9017c980e80fd98faa076ffe5c61020ec8cfc2270a4e24616134a6fcd");
+  EXPECT_EQ(VllmSha256CborBlockHash(h0, b1).Low64BigEndian(), 11881135827583659981ULL);
+}
+
+TEST(BlockHashTest, HashAlgorithmNamesRoundTrip) {
+  for (HashAlgorithm algo : {HashAlgorithm::kSha256, HashAlgorithm::kFast128,
+                             HashAlgorithm::kXxh3, HashAlgorithm::kVllmSha256Cbor}) {
+    absl::StatusOr<HashAlgorithm> parsed = ParseHashAlgorithm(HashAlgorithmName(algo));
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    EXPECT_EQ(*parsed, algo);
+  }
+  EXPECT_EQ(HashAlgorithmName(HashAlgorithm::kVllmSha256Cbor), "sha256_cbor");
+  absl::StatusOr<HashAlgorithm> bad = ParseHashAlgorithm("sha256-cbor");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("sha256_cbor"), std::string_view::npos);
+}
+
 TEST(BlockHashTest, Fast128HandlesEveryTailLength) {
   // Every tail length 0..15 and several block counts give distinct digests.
   absl::flat_hash_set<std::string> seen;
@@ -76,7 +117,8 @@ TEST(BlockHashTest, Fast128HandlesEveryTailLength) {
 }
 
 TEST(BlockHashTest, ChainDependsOnEveryInput) {
-  for (HashAlgorithm algo : {HashAlgorithm::kSha256, HashAlgorithm::kFast128}) {
+  for (HashAlgorithm algo : {HashAlgorithm::kSha256, HashAlgorithm::kFast128, HashAlgorithm::kXxh3,
+                             HashAlgorithm::kVllmSha256Cbor}) {
     const BlockHash root = RootHash(algo, "");
     const std::vector<int32_t> tokens = {10, 20, 30, 40};
     const BlockHash base = ChainBlockHash(algo, root, tokens);
