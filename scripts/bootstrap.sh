@@ -24,6 +24,7 @@ PACKAGES=(
   libflatbuffers-dev
   libzmq3-dev                # ZeroMQ transport
   cppzmq-dev
+  libmsgpack-cxx-dev         # msgpack: the cache manager's vLLM-format KV events (header-only)
   prometheus-cpp-dev         # /metrics
   prometheus                 # prometheus + promtool: integration tests scrape and lint /metrics
   nlohmann-json3-dev         # Hugging Face config.json

@@ -331,6 +331,7 @@ absl::Status CacheManagerClient::Register() {
   info.hash_algorithm = *algorithm;
   info.max_ops_per_step = hello_reply->max_ops_per_step();
   info.max_message_bytes = hello_reply->max_message_bytes();
+  info.wants_commit_tokens = hello_reply->wants_commit_tokens();
   {
     MutexLock lock(&session_mu_);
     session_ = info;

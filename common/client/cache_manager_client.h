@@ -122,10 +122,13 @@ class BlockOps {
   // The KV of the first `num_committed_tokens` tokens of `seq` is written;
   // `new_block_hashes` continue the hashes of its full blocks. Only tokens the sequence had
   // before this batch can be committed (the executors write after the Step's reply): the
-  // cache manager refuses the whole step otherwise.
+  // cache manager refuses the whole step otherwise. `new_block_tokens`: when the session
+  // asks for them (SessionInfo::wants_commit_tokens), the token ids of the full blocks the
+  // commit completes, block after block, up to the last full block committed; else empty.
   BlockOps& Commit(SeqId seq, int32_t num_committed_tokens,
-                   std::span<const BlockHash> new_block_hashes = {}) {
-    return Add(BlockOp::Commit(seq, num_committed_tokens, new_block_hashes));
+                   std::span<const BlockHash> new_block_hashes = {},
+                   std::span<const int32_t> new_block_tokens = {}) {
+    return Add(BlockOp::Commit(seq, num_committed_tokens, new_block_hashes, new_block_tokens));
   }
   // Ends `seq`; its committed full blocks stay cached. A `seq` that is not live (already
   // freed) fails alone with NOT_FOUND. With `drain`, its blocks are reused only once every
@@ -190,6 +193,9 @@ struct SessionInfo {
   HashAlgorithm hash_algorithm = kDefaultHashAlgorithm;
   int32_t max_ops_per_step = 0;    // Step() refuses larger batches locally
   uint32_t max_message_bytes = 0;  // also the client's limit on replies
+  // A router's Commits should carry the token ids of their new blocks
+  // (HelloReply.wants_commit_tokens: the cache manager publishes vLLM-format KV events).
+  bool wants_commit_tokens = false;
 };
 
 // One open session (StatsReply.session_list).

@@ -1,5 +1,6 @@
 #include "common/wire/step_codec.h"
 
+#include <algorithm>
 #include <string_view>
 #include <utility>
 
@@ -35,12 +36,14 @@ BlockOp BlockOp::Fork(SeqId parent, SeqId child) {
 }
 
 BlockOp BlockOp::Commit(SeqId seq, int32_t num_committed_tokens,
-                        std::span<const BlockHash> new_hashes) {
+                        std::span<const BlockHash> new_hashes,
+                        std::span<const int32_t> new_block_tokens) {
   BlockOp op;
   op.kind = wire::StepOp::CommitOp;
   op.seq = seq;
   op.num_tokens = num_committed_tokens;
   op.hashes.assign(new_hashes.begin(), new_hashes.end());
+  op.tokens.assign(new_block_tokens.begin(), new_block_tokens.end());
   return op;
 }
 
@@ -92,9 +95,13 @@ absl::Status EncodeStep(flatbuffers::FlatBufferBuilder& builder, uint64_t reques
         offset = wire::CreateForkOp(builder, op.seq, op.child).Union();
         break;
       case wire::StepOp::CommitOp:
-        offset = wire::CreateCommitOp(builder, op.seq, op.num_tokens, ToWire(builder, op.hashes))
-                     .Union();
+      {
+        const auto hashes = ToWire(builder, op.hashes);
+        flatbuffers::Offset<flatbuffers::Vector<int32_t>> tokens;
+        if (!op.tokens.empty()) tokens = builder.CreateVector(op.tokens);
+        offset = wire::CreateCommitOp(builder, op.seq, op.num_tokens, hashes, tokens).Union();
         break;
+      }
       case wire::StepOp::FreeOp:
         offset = wire::CreateFreeOp(builder, op.seq, op.drain).Union();
         break;
@@ -140,7 +147,9 @@ absl::Status DecodeStep(const wire::Step& step, const StepLimits& limits,
     op.child = 0;
     op.num_tokens = 0;
     op.drain = false;
+    op.tokens.clear();
     const WireHashVector* wire_hashes = nullptr;
+    const flatbuffers::Vector<int32_t>* wire_tokens = nullptr;
     switch (kind) {
       case wire::StepOp::AllocateOp: {
         const auto* a = static_cast<const wire::AllocateOp*>(raw);
@@ -166,6 +175,7 @@ absl::Status DecodeStep(const wire::Step& step, const StepLimits& limits,
         op.seq = c->seq();
         op.num_tokens = c->num_committed_tokens();
         wire_hashes = c->new_block_hashes();
+        wire_tokens = c->new_block_tokens();
         break;
       }
       case wire::StepOp::FreeOp: {
@@ -185,11 +195,16 @@ absl::Status DecodeStep(const wire::Step& step, const StepLimits& limits,
             absl::StrCat("op ", i, " has unknown type ", static_cast<int>(kind)));
     }
     hashes += static_cast<int64_t>(HashCount(wire_hashes));
+    if (wire_tokens != nullptr) {
+      const int64_t block_size = std::max(limits.block_size, 1);
+      hashes += (static_cast<int64_t>(wire_tokens->size()) + block_size - 1) / block_size;
+    }
     if (limits.max_hashes > 0 && hashes > limits.max_hashes) {
       return absl::ResourceExhaustedError(
           absl::StrCat("step carries more than ", limits.max_hashes, " block hashes"));
     }
     FromWire(wire_hashes, &op.hashes);
+    if (wire_tokens != nullptr) op.tokens.assign(wire_tokens->begin(), wire_tokens->end());
   }
   return absl::OkStatus();
 }

@@ -33,12 +33,17 @@ struct BlockOp {
   std::vector<BlockHash> hashes;  // Allocate, CanAllocate: leading full blocks; Commit: new
                                   // full blocks
   bool drain = false;             // Free
+  // Commit, when the cache manager wants them (HelloReply.wants_commit_tokens): the token
+  // ids of the last full blocks committed (those the commit completes), block_size each,
+  // block after block, the last ending at num_tokens' last full block; otherwise empty.
+  std::vector<int32_t> tokens;
 
   static BlockOp Allocate(SeqId seq, int32_t num_tokens, std::span<const BlockHash> hashes = {});
   static BlockOp Append(SeqId seq, int32_t num_tokens);
   static BlockOp Fork(SeqId parent, SeqId child);
   static BlockOp Commit(SeqId seq, int32_t num_committed_tokens,
-                        std::span<const BlockHash> new_hashes = {});
+                        std::span<const BlockHash> new_hashes = {},
+                        std::span<const int32_t> new_block_tokens = {});
   static BlockOp Free(SeqId seq, bool drain = false);
   static BlockOp CanAllocate(int32_t num_tokens, std::span<const BlockHash> hashes = {});
   friend bool operator==(const BlockOp&, const BlockOp&) = default;
@@ -72,11 +77,13 @@ absl::Status EncodeStep(flatbuffers::FlatBufferBuilder& builder, uint64_t reques
 struct StepLimits {
   int32_t max_ops = 0;     // 0: unbounded
   int64_t max_hashes = 0;  // in all ops together; 0: unbounded
+  int32_t block_size = 1;  // tokens per block, to count a Commit's token ids as blocks
 };
 
 // Replaces `ops` with the verified Step's ops (reusing their storage). DATA_LOSS for a
 // malformed step (op types and ops of different lengths, an empty op, a type outside the
-// union); RESOURCE_EXHAUSTED for more ops or hashes than `limits` allow. Values are not
+// union); RESOURCE_EXHAUSTED for more ops or hashes than `limits` allow (a Commit's token ids
+// count as hashes, one per block_size tokens, rounded up, with `limits.block_size`). Values are not
 // judged here: whether a sequence is live or a count fits the pool is the service's call.
 absl::Status DecodeStep(const wire::Step& step, const StepLimits& limits,
                         std::vector<BlockOp>* ops);

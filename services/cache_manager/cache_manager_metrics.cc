@@ -126,6 +126,33 @@ constexpr MetricSpec kAccepting{
     "1 while new connections are accepted; 0 while too few file descriptors are left under "
     "RLIMIT_NOFILE (the sessions already connected are still served)."};
 
+constexpr MetricSpec kVllmEvents{
+    "kvcm_cache_manager_vllm_events_published_total", MetricType::Counter, "type",
+    "Events of the vLLM-format KV event stream (--kv-events-endpoint) published, by type "
+    "(block_stored, block_removed, all_blocks_cleared); 0 while the stream is off."};
+constexpr MetricSpec kVllmBatches{
+    "kvcm_cache_manager_vllm_batches_published_total", MetricType::Counter, "",
+    "Batches of the vLLM-format KV event stream published (one sequence number each)."};
+constexpr MetricSpec kVllmPublishFailures{
+    "kvcm_cache_manager_vllm_publish_failures_total", MetricType::Counter, "",
+    "Batches of the vLLM-format stream its PUB socket refused (they stay in the replay "
+    "buffer). A subscriber too slow for the PUB's high-water mark loses batches without "
+    "this count knowing it; it sees the gap in the sequence numbers and replays."};
+constexpr MetricSpec kVllmReplayRequests{
+    "kvcm_cache_manager_vllm_replay_requests_total", MetricType::Counter, "result",
+    "Requests on the vLLM-format replay socket (--kv-events-replay-endpoint): answered "
+    "(served) or refused as malformed (wrong frame count, a sequence number not 8 bytes)."};
+constexpr MetricSpec kVllmReplayedBatches{
+    "kvcm_cache_manager_vllm_batches_replayed_total", MetricType::Counter, "",
+    "Batches sent again from the replay buffer to a subscriber that asked."};
+constexpr MetricSpec kVllmBufferBatches{
+    "kvcm_cache_manager_vllm_buffer_batches", MetricType::Gauge, "",
+    "Batches held for replay (at most --kv-events-buffer-steps)."};
+constexpr MetricSpec kVllmBlocksWithoutTokens{
+    "kvcm_cache_manager_vllm_blocks_without_tokens_total", MetricType::Counter, "",
+    "Blocks stored without the token ids a vLLM-format event needs (a router that did not "
+    "send them at Commit), left out of that stream with their later removal."};
+
 // Not in this list: kvcm_cache_manager_config_info, the effective configuration (a gauge at 1,
 // one label per option), which main.cc adds to the same registry (common/config/config.h):
 // its labels are the binary's flags, so it is declared from the flags themselves.
@@ -158,6 +185,13 @@ constexpr std::array kSpecs = {
     kAccepting,
     kProcessWatches,
     kSilentConnections,
+    kVllmEvents,
+    kVllmBatches,
+    kVllmPublishFailures,
+    kVllmReplayRequests,
+    kVllmReplayedBatches,
+    kVllmBufferBatches,
+    kVllmBlocksWithoutTokens,
 };
 
 // --- Label values --------------------------------------------------------------------------
@@ -338,6 +372,40 @@ CacheManagerMetrics::CacheManagerMetrics(const CacheInfo& info)
   undelivered_[0] = &undelivered.Add({{"reason", "peer_gone"}});
   undelivered_[1] = &undelivered.Add({{"reason", "queue_full"}});
   silent_closed_ = &AddCounterFamily(*registry_, kSilentConnections).Add({});
+  auto& vllm_events = AddCounterFamily(*registry_, kVllmEvents);
+  vllm_events_[0] = &vllm_events.Add({{"type", "block_stored"}});
+  vllm_events_[1] = &vllm_events.Add({{"type", "block_removed"}});
+  vllm_events_[2] = &vllm_events.Add({{"type", "all_blocks_cleared"}});
+  vllm_batches_ = &AddCounterFamily(*registry_, kVllmBatches).Add({});
+  vllm_publish_failures_ = &AddCounterFamily(*registry_, kVllmPublishFailures).Add({});
+  auto& replay_requests = AddCounterFamily(*registry_, kVllmReplayRequests);
+  vllm_replay_requests_[0] = &replay_requests.Add({{"result", "served"}});
+  vllm_replay_requests_[1] = &replay_requests.Add({{"result", "malformed"}});
+  vllm_replayed_batches_ = &AddCounterFamily(*registry_, kVllmReplayedBatches).Add({});
+  vllm_buffer_batches_ = &AddGaugeFamily(*registry_, kVllmBufferBatches).Add({});
+  vllm_without_tokens_ = &AddCounterFamily(*registry_, kVllmBlocksWithoutTokens).Add({});
+}
+
+void CacheManagerMetrics::CountVllmEvent(int type) {
+  KVCM_CHECK(type >= 0 && type < 3) << type;
+  vllm_events_[static_cast<size_t>(type)]->Increment();
+}
+
+void CacheManagerMetrics::CountVllmBatch(bool published) {
+  (published ? vllm_batches_ : vllm_publish_failures_)->Increment();
+}
+
+void CacheManagerMetrics::CountVllmReplayRequest(bool malformed, int batches) {
+  vllm_replay_requests_[malformed ? 1 : 0]->Increment();
+  vllm_replayed_batches_->Increment(static_cast<double>(batches));
+}
+
+void CacheManagerMetrics::SetVllmBufferBatches(int64_t batches) {
+  vllm_buffer_batches_->Set(static_cast<double>(batches));
+}
+
+void CacheManagerMetrics::CountVllmBlocksWithoutTokens(int64_t blocks) {
+  vllm_without_tokens_->Increment(static_cast<double>(blocks));
 }
 
 void CacheManagerMetrics::CountSilentConnectionsClosed(int n) {

@@ -163,6 +163,15 @@ class CacheManagerMetrics {
   void SetAccepting(bool accepting);
   // A client process watched for death, its pidfd taken at connect time or opened by pid.
   void CountProcessWatch(bool from_connect);
+  // The vLLM-format KV event stream (vllm_event_publisher.h): an event published, by type
+  // (VllmEvent::Kind: 0 stored, 1 removed, 2 all cleared); a batch published or refused by
+  // the PUB; a replay request answered with `batches` batches, or refused as malformed;
+  // the batches held for replay; blocks left out for want of token ids.
+  void CountVllmEvent(int type);
+  void CountVllmBatch(bool published);
+  void CountVllmReplayRequest(bool malformed, int batches);
+  void SetVllmBufferBatches(int64_t batches);
+  void CountVllmBlocksWithoutTokens(int64_t blocks);
   // Replaces the snapshot the next scrapes read. REQUIRES: snapshot.ledger describes this
   // pool (num_blocks as constructed, states summing to it) and quarantined_blocks is within
   // [0, in_use_blocks]; these are internal invariants, checked.
@@ -190,6 +199,13 @@ class CacheManagerMetrics {
   std::array<prometheus::Counter*, 2> watches_{};  // pid_lookup, connect_pidfd
   std::array<prometheus::Counter*, 2> undelivered_{};  // peer_gone, queue_full
   prometheus::Counter* silent_closed_ = nullptr;
+  std::array<prometheus::Counter*, 3> vllm_events_{};  // stored, removed, all cleared
+  prometheus::Counter* vllm_batches_ = nullptr;
+  prometheus::Counter* vllm_publish_failures_ = nullptr;
+  std::array<prometheus::Counter*, 2> vllm_replay_requests_{};  // served, malformed
+  prometheus::Counter* vllm_replayed_batches_ = nullptr;
+  prometheus::Gauge* vllm_buffer_batches_ = nullptr;
+  prometheus::Counter* vllm_without_tokens_ = nullptr;
 };
 
 }  // namespace kvcm

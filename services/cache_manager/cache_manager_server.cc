@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/base/log.h"
 #include "common/base/monotonic_clock.h"
 #include "common/base/unique_fd.h"
@@ -168,6 +169,7 @@ absl::StatusOr<std::unique_ptr<CacheManagerServer>> CacheManagerServer::Create(
         layout->total_bytes));
   }
   service_options.events_endpoint = run_dir.IpcEndpoint(RunDirectory::kEventSocket);
+  service_options.vllm_events = options.vllm_events.has_value();
   PoolExport& pool = service_options.pool;
   pool.backend = memory->backend() == PoolBackend::kCuda ? wire::PoolBackend::Cuda
                                                          : wire::PoolBackend::Shm;
@@ -231,6 +233,14 @@ absl::StatusOr<std::unique_ptr<CacheManagerServer>> CacheManagerServer::Create(
     return absl::UnavailableError(absl::StrCat("cannot bind the cache manager's sockets: ",
                                                error.what()));
   }
+  if (options.vllm_events.has_value()) {
+    VllmEventPublisher::Options vllm = *options.vllm_events;
+    vllm.info.block_size = server->service_->ledger().block_size();
+    vllm.info.medium = server->memory_->backend() == PoolBackend::kCuda ? "GPU" : "CPU";
+    auto publisher = VllmEventPublisher::Create(server->context_, vllm, metrics);
+    if (!publisher.ok()) return publisher.status();
+    server->vllm_events_ = *std::move(publisher);
+  }
   // The first batch (AllBlocksCleared) tells subscribers of an earlier epoch to forget it.
   server->PublishEvents();
   server->PublishSnapshot();
@@ -256,6 +266,7 @@ CacheManagerServer::~CacheManagerServer() {
   monitor_.close();
   requests_.close();
   events_.close();
+  vllm_events_.reset();
   context_.close();
   fd_channel_.reset();
 }
@@ -326,6 +337,10 @@ absl::Status CacheManagerServer::Run() {
   watches.push_back(loop_.WatchSocket(monitor_, [this] {
     if (DrainMonitor()) GuardDescriptors();
   }));
+  if (vllm_events_ && vllm_events_->replay_socket() != nullptr) {
+    watches.push_back(loop_.WatchSocket(*vllm_events_->replay_socket(),
+                                        [this] { vllm_events_->ServeReplay(); }));
+  }
   watches.push_back(loop_.AddTimer(service_->options().heartbeat_interval / 2,
                                    [this](absl::Duration late) { OnExpiryTimer(late); }));
   loop_.SetAfterTurn([this] {
@@ -601,6 +616,18 @@ void CacheManagerServer::PublishEvents() {
     } catch (const zmq::error_t& error) {
       Log(absl::StrCat("publishing event batch ", seq, ": ", error.what()));
     }
+  }
+  if (vllm_events_) {
+    const std::vector<VllmEvent> events = service_->TakeVllmEvents();
+    if (!events.empty()) {
+      vllm_events_->Publish(events, absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()));
+    }
+    const uint64_t without_tokens = service_->vllm_blocks_without_tokens();
+    if (metrics_ != nullptr && without_tokens > vllm_without_tokens_reported_) {
+      metrics_->CountVllmBlocksWithoutTokens(
+          static_cast<int64_t>(without_tokens - vllm_without_tokens_reported_));
+    }
+    vllm_without_tokens_reported_ = without_tokens;
   }
 }
 

@@ -6,6 +6,8 @@
 //   requests: each message is [routing id, envelope]; the peer's pid comes from libzmq's
 //   "Peer-Address" property (SO_PEERCRED) over ipc://;
 // - a PUB socket on ipc://RUN_DIR/events.sock: [topic, seq u64 big-endian, EventBatch];
+// - optionally the vLLM-format event stream's PUB and replay ROUTER
+//   (vllm_event_publisher.h), fed from the same ledger events;
 // - the Unix socket side channel RUN_DIR/pool-fd.sock handing the shm pool's memfd to
 //   processes of this user (header: the epoch, 8 bytes little-endian);
 // - a pidfd per registered client process, so that a death is noticed at once: taken when
@@ -25,6 +27,7 @@
 #include <sys/types.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -38,6 +41,7 @@
 #include "services/cache_manager/cache_manager_metrics.h"
 #include "services/cache_manager/cache_manager_service.h"
 #include "services/cache_manager/run_directory.h"
+#include "services/cache_manager/vllm_event_publisher.h"
 #include "zmq.hpp"
 
 namespace kvcm {
@@ -62,6 +66,9 @@ class CacheManagerServer {
     // A connection that has sent nothing this long after it was accepted is closed: it
     // holds a descriptor and is no client (a client says Hello at once). Zero: never.
     absl::Duration hello_timeout = absl::Seconds(10);
+    // The vLLM-format KV event stream (vllm_event_publisher.h); unset: off. Its block size
+    // and medium are taken from the pool.
+    std::optional<VllmEventPublisher::Options> vllm_events;
   };
 
   // Binds every socket in `run_dir` (which the caller has acquired) and starts the service.
@@ -82,6 +89,13 @@ class CacheManagerServer {
   const std::string& tcp_endpoint() const { return tcp_bound_; }
   std::string tcp_secret_path() const { return run_dir_.File(RunDirectory::kTcpSecretFile); }
   std::string event_endpoint() const;
+  // The vLLM-format stream's endpoints as bound (port 0 resolved); empty when it is off.
+  std::string vllm_events_endpoint() const {
+    return vllm_events_ ? vllm_events_->endpoint() : std::string();
+  }
+  std::string vllm_replay_endpoint() const {
+    return vllm_events_ ? vllm_events_->replay_endpoint() : std::string();
+  }
 
  private:
   CacheManagerServer(const Options& options, RunDirectory run_dir,
@@ -148,6 +162,8 @@ class CacheManagerServer {
   absl::flat_hash_map<int, Silent> silent_;
   uint64_t silent_closed_ = 0;
   zmq::socket_t events_;
+  std::unique_ptr<VllmEventPublisher> vllm_events_;  // null when off
+  uint64_t vllm_without_tokens_reported_ = 0;  // the service's count already in the metrics
 
   flatbuffers::FlatBufferBuilder reply_;
   flatbuffers::FlatBufferBuilder event_batch_;

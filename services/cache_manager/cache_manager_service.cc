@@ -457,7 +457,8 @@ void CacheManagerService::HandleHello(const wire::Envelope& envelope,
       static_cast<uint32_t>(absl::ToInt64Milliseconds(options_.heartbeat_interval)),
       static_cast<uint32_t>(absl::ToInt64Milliseconds(options_.heartbeat_timeout)),
       ledger_.num_blocks(), ledger_.block_size(), ToWire(options_.hash_algorithm),
-      options_.max_ops_per_step, static_cast<uint32_t>(options_.max_message_bytes));
+      options_.max_ops_per_step, static_cast<uint32_t>(options_.max_message_bytes),
+      options_.vllm_events);
   FinishEnvelope(*reply, request_id, id, options_.epoch, wire::Message::HelloReply,
                  payload.Union());
 }
@@ -795,6 +796,15 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
         if ((bad = check_tokens(i, type, op.num_tokens, "num_committed_tokens"))) return bad;
         if ((bad = check_hashes(i, op, " new block hashes for committing "))) return bad;
         if ((bad = check_owned(i, type, op.seq))) return bad;
+        if (const auto block_size = static_cast<size_t>(ledger_.block_size());
+            op.tokens.size() % block_size != 0 ||
+            op.tokens.size() / block_size >
+                static_cast<size_t>(std::max(op.num_tokens, 0)) / block_size) {
+          return invalid(i, type, absl::StrCat(
+              "carries ", op.tokens.size(), " token ids for a commit of ", op.num_tokens,
+              " tokens: give whole blocks of ", block_size, " tokens, the last full blocks ",
+              "committed, or none"));
+        }
         if (const int32_t before = writable(op.seq); op.num_tokens > before) {
           return invalid(i, type, absl::StrCat(
               "commits ", op.num_tokens, " tokens of sequence ", op.seq, ", which had ", before,
@@ -861,7 +871,8 @@ void CacheManagerService::HandleStep(const wire::Envelope& envelope,
                                 "tells what the session holds")},
                   reply);
   }
-  const StepLimits limits{options_.max_ops_per_step, options_.max_hashes_per_message};
+  const StepLimits limits{options_.max_ops_per_step, options_.max_hashes_per_message,
+                          ledger_.block_size()};
   if (absl::Status decoded = DecodeStep(*envelope.payload_as_Step(), limits, &step_ops_);
       !decoded.ok()) {
     const bool oversized = absl::IsResourceExhausted(decoded);
@@ -925,6 +936,20 @@ void CacheManagerService::HandleStep(const wire::Envelope& envelope,
         break;
       case wire::StepOp::CommitOp:
         outcome.status = ledger_.Commit(op.seq, op.num_tokens, op.hashes);
+        if (options_.vllm_events && !op.tokens.empty() && outcome.status.ok()) {
+          // The tokens are those of the last full blocks committed: block by block, onto
+          // the block table, ending at the last full block.
+          const auto block_size = static_cast<size_t>(ledger_.block_size());
+          const size_t blocks = op.tokens.size() / block_size;
+          const size_t end = static_cast<size_t>(op.num_tokens) / block_size;
+          if (auto table = ledger_.BlockTable(op.seq); table.ok() && table->size() >= end) {
+            for (size_t b = 0; b < blocks; ++b) {
+              const auto first = op.tokens.begin() + static_cast<ptrdiff_t>(b * block_size);
+              commit_tokens_[(*table)[end - blocks + b]].assign(
+                  first, first + static_cast<ptrdiff_t>(block_size));
+            }
+          }
+        }
         break;
       case wire::StepOp::FreeOp: {
         const SeqId seq = op.seq;
@@ -1184,8 +1209,12 @@ CacheManagerSnapshot CacheManagerService::Snapshot() const {
 
 uint64_t CacheManagerService::TakeEventBatch(flatbuffers::FlatBufferBuilder* out) {
   std::vector<BlockEvent> events = ledger_.TakeEvents();
-  if (events.empty() && !announce_cleared_) return 0;
+  if (events.empty() && !announce_cleared_) {
+    commit_tokens_.clear();  // their blocks were indexed already: nothing was stored
+    return 0;
+  }
   out->Clear();
+  if (options_.vllm_events) ConvertToVllm(events, announce_cleared_);
   std::vector<flatbuffers::Offset<wire::KvEvent>> encoded;
   encoded.reserve(events.size() + 1);
   if (announce_cleared_) {
@@ -1215,6 +1244,82 @@ uint64_t CacheManagerService::TakeEventBatch(flatbuffers::FlatBufferBuilder* out
   out->Finish(wire::CreateEventBatch(*out, seq, options_.epoch, vector));
   events_published_ += encoded.size();
   return seq;
+}
+
+void CacheManagerService::ConvertToVllm(std::span<const BlockEvent> events, bool cleared) {
+  auto clear = [this] {
+    vllm_stored_.clear();
+    VllmEvent event;
+    event.kind = VllmEvent::Kind::kAllBlocksCleared;
+    vllm_pending_.push_back(std::move(event));
+  };
+  if (cleared) clear();
+  const auto block_size = static_cast<size_t>(ledger_.block_size());
+  for (const BlockEvent& event : events) {
+    switch (event.kind) {
+      case BlockEvent::Kind::kStored: {
+        auto tokens = commit_tokens_.find(event.block);
+        if (tokens == commit_tokens_.end() || tokens->second.size() != block_size) {
+          ++vllm_blocks_without_tokens_;
+          break;
+        }
+        const uint64_t id = VllmBlockId(event.hash);
+        if (!vllm_stored_.insert(id).second) {
+          // Another hash with the same 64 bits is stored already: a consumer could not tell
+          // them apart, so this one is left out.
+          ++vllm_blocks_without_tokens_;
+          break;
+        }
+        const std::optional<uint64_t> parent =
+            event.has_parent ? std::optional<uint64_t>(VllmBlockId(event.parent_hash))
+                             : std::nullopt;
+        // The block continues the previous event's chain: one event for both. Ids stay
+        // unique within the event (parent included), which consumers require.
+        VllmEvent* last = vllm_pending_.empty() ? nullptr : &vllm_pending_.back();
+        const bool extends =
+            last != nullptr && last->kind == VllmEvent::Kind::kBlockStored && parent &&
+            *parent == last->block_hashes.back() &&
+            std::find(last->block_hashes.begin(), last->block_hashes.end(), id) ==
+                last->block_hashes.end() &&
+            last->parent_block_hash != id;
+        if (!extends) {
+          VllmEvent stored;
+          stored.kind = VllmEvent::Kind::kBlockStored;
+          stored.parent_block_hash = parent;
+          vllm_pending_.push_back(std::move(stored));
+          last = &vllm_pending_.back();
+        }
+        last->block_hashes.push_back(id);
+        for (int32_t token : tokens->second) {
+          last->token_ids.push_back(static_cast<uint32_t>(token));
+        }
+        break;
+      }
+      case BlockEvent::Kind::kRemoved: {
+        if (vllm_stored_.erase(VllmBlockId(event.hash)) == 0) break;  // never published
+        VllmEvent* last = vllm_pending_.empty() ? nullptr : &vllm_pending_.back();
+        if (last == nullptr || last->kind != VllmEvent::Kind::kBlockRemoved) {
+          VllmEvent removed;
+          removed.kind = VllmEvent::Kind::kBlockRemoved;
+          vllm_pending_.push_back(std::move(removed));
+          last = &vllm_pending_.back();
+        }
+        last->block_hashes.push_back(VllmBlockId(event.hash));
+        break;
+      }
+      case BlockEvent::Kind::kAllCleared:
+        clear();
+        break;
+    }
+  }
+  // Tokens of blocks that stored nothing (indexed already) are not kept past their batch.
+  commit_tokens_.clear();
+}
+
+std::vector<VllmEvent> CacheManagerService::TakeVllmEvents() {
+  std::vector<VllmEvent> taken;
+  taken.swap(vllm_pending_);
+  return taken;
 }
 
 void CacheManagerService::HandleEventSnapshot(const wire::Envelope& envelope,

@@ -75,6 +75,7 @@
 #include "services/cache_manager/cache_manager_metrics.h"
 #include "services/cache_manager/peer_credentials.h"
 #include "services/cache_manager/process_watcher.h"
+#include "services/cache_manager/vllm_events.h"
 
 namespace kvcm {
 
@@ -130,6 +131,10 @@ class CacheManagerService {
     // Reported in StatsReply so that tools can find them.
     std::string events_endpoint;
     std::string metrics_url;
+    // The vLLM-format KV event stream is on (docs/protocol.md, "vLLM-format KV events"):
+    // HelloReply asks routers for the token ids of committed blocks, and TakeEventBatch
+    // also turns the ledger's events into VllmEvents for TakeVllmEvents.
+    bool vllm_events = false;
   };
 
   // INVALID_ARGUMENT for options Create() would refuse, without allocating anything, so
@@ -182,6 +187,16 @@ class CacheManagerService {
   // of an epoch is a lone AllBlocksCleared, so that subscribers of an earlier epoch drop
   // what they knew.
   uint64_t TakeEventBatch(flatbuffers::FlatBufferBuilder* out);
+
+  // With Options::vllm_events: the events of the batches TakeEventBatch encoded since the
+  // last call, in vLLM's form, in order (the epoch's first batch gives a lone
+  // AllBlocksCleared). A block stored without its token ids (a router that did not send
+  // them) is left out, and so is its later removal: a vLLM consumer keys blocks by their
+  // tokens. Consecutive stored blocks of one chain share an event, as do consecutive
+  // removals. Empty when nothing happened, or without vllm_events.
+  std::vector<VllmEvent> TakeVllmEvents();
+  // Blocks left out of the vLLM stream for want of their token ids, since the start.
+  uint64_t vllm_blocks_without_tokens() const { return vllm_blocks_without_tokens_; }
 
   // Gauges for the metrics, computed now.
   CacheManagerSnapshot Snapshot() const;
@@ -323,7 +338,18 @@ class CacheManagerService {
   absl::flat_hash_map<uint64_t, Fence> fences_;  // open fences by id
   uint64_t next_fence_id_ = 1;
   SeqId next_draining_seq_ = kFirstDrainingSeq;
+  // Turns one batch's ledger events into vLLM events (TakeVllmEvents).
+  void ConvertToVllm(std::span<const BlockEvent> events, bool cleared);
+
   uint64_t event_seq_ = 0;  // last batch number handed out
+  // vLLM-format events (Options::vllm_events): the token ids Commits brought, by block,
+  // until the batch that stores those blocks is taken (a block already indexed stores
+  // nothing, and its entry goes with that batch); the ids stored and not yet removed; the
+  // events converted and not yet taken.
+  absl::flat_hash_map<BlockId, std::vector<int32_t>> commit_tokens_;
+  absl::flat_hash_set<uint64_t> vllm_stored_;
+  std::vector<VllmEvent> vllm_pending_;
+  uint64_t vllm_blocks_without_tokens_ = 0;
   bool announce_cleared_ = true;
   uint64_t events_published_ = 0;
   uint64_t rejected_messages_ = 0;

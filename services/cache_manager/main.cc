@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <optional>
 #include <string>
 #include <vector>
@@ -86,6 +87,23 @@ ABSL_FLAG(int32_t, max_ops_per_step, 4096, "Most operations in one Step message.
 ABSL_FLAG(int32_t, hello_timeout_ms, 10000,
           "A connection that sends nothing this long after it was accepted is closed (it "
           "holds a descriptor and is no client: clients say Hello at once); 0: never.");
+ABSL_FLAG(std::string, kv_events_endpoint, "",
+          "Also publish KV events in vLLM's format (for NVIDIA Dynamo's KV router, llm-d) on "
+          "a PUB bound here, e.g. tcp://127.0.0.1:5557 (port 0 picks a free one; it is "
+          "logged); empty: off. docs/cluster.md.");
+ABSL_FLAG(std::string, kv_events_replay_endpoint, "",
+          "With --kv-events-endpoint: a ROUTER bound here replays buffered batches to a "
+          "subscriber that asks, e.g. tcp://127.0.0.1:5558 (port 0: any free one); empty: "
+          "no replay.");
+ABSL_FLAG(std::string, kv_events_topic, "",
+          "First frame of every vLLM-format event batch. Default: kv@<host name>@<model>, the "
+          "model the --model-config file's name (or \"kvcm\").");
+ABSL_FLAG(int32_t, kv_events_buffer_steps, 10000,
+          "vLLM-format event batches kept for replay (the start's AllBlocksCleared is kept "
+          "besides).");
+ABSL_FLAG(bool, kv_events_allow_remote, false,
+          "Let the --kv-events endpoints name a non-loopback address (reachable from other "
+          "machines, as a cluster router on another host needs).");
 
 namespace kvcm {
 namespace {
@@ -194,6 +212,57 @@ absl::StatusOr<PoolBudget> BudgetFromFlags(PoolBackend backend) {
   return PoolBudget::FractionOfFree(free_bytes, fraction);
 }
 
+// The vLLM-format event stream's options from the flags; nullopt when it is off.
+absl::StatusOr<std::optional<VllmEventPublisher::Options>> VllmEventsFromFlags() {
+  const std::string endpoint = absl::GetFlag(FLAGS_kv_events_endpoint);
+  const std::string replay = absl::GetFlag(FLAGS_kv_events_replay_endpoint);
+  if (endpoint.empty()) {
+    if (!replay.empty()) {
+      return absl::InvalidArgumentError(
+          "--kv-events-replay-endpoint needs --kv-events-endpoint");
+    }
+    return std::nullopt;
+  }
+  const bool allow_remote = absl::GetFlag(FLAGS_kv_events_allow_remote);
+  VllmEventPublisher::Options options;
+  auto pub = CheckTcpEndpoint(endpoint, "--kv-events-endpoint", allow_remote);
+  if (!pub.ok()) return pub.status();
+  options.endpoint = pub->BindEndpoint();
+  if (!replay.empty()) {
+    auto router = CheckTcpEndpoint(replay, "--kv-events-replay-endpoint", allow_remote);
+    if (!router.ok()) return router.status();
+    if (router->port != 0 && router->port == pub->port && router->host == pub->host) {
+      return absl::InvalidArgumentError(
+          "--kv-events-endpoint and --kv-events-replay-endpoint must differ");
+    }
+    options.replay_endpoint = router->BindEndpoint();
+  }
+  options.buffer_steps = absl::GetFlag(FLAGS_kv_events_buffer_steps);
+  if (options.buffer_steps < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--kv-events-buffer-steps ", options.buffer_steps, ": keep at least one batch"));
+  }
+  options.topic = absl::GetFlag(FLAGS_kv_events_topic);
+  if (options.topic.empty()) {
+    char host[256] = {};
+    if (::gethostname(host, sizeof(host) - 1) != 0 || host[0] == '\0') {
+      std::snprintf(host, sizeof(host), "localhost");
+    }
+    std::string model = "kvcm";
+    if (const std::string path = absl::GetFlag(FLAGS_model_config); !path.empty()) {
+      std::string name = std::filesystem::path(path).filename().string();
+      if (name == "config.json") {
+        name = std::filesystem::path(path).parent_path().filename().string();
+      } else if (const size_t dot = name.rfind('.'); dot != std::string::npos && dot > 0) {
+        name.resize(dot);
+      }
+      if (!name.empty()) model = name;
+    }
+    options.topic = absl::StrCat("kv@", host, "@", model);
+  }
+  return options;
+}
+
 // Every connection holds a descriptor: the soft limit (often 1024) goes up to the hard one.
 void RaiseDescriptorLimit() {
   rlimit limit{};
@@ -255,6 +324,8 @@ int Main(const std::vector<config::Setting>& settings) {
   if (absl::Status checked = CacheManagerService::CheckOptions(service); !checked.ok()) {
     return fail(checked);
   }
+  auto vllm_events = VllmEventsFromFlags();
+  if (!vllm_events.ok()) return fail(vllm_events.status());
   if (absl::GetFlag(FLAGS_hello_timeout_ms) < 0) {
     return fail(absl::InvalidArgumentError(
         "--hello-timeout-ms must be >= 0 (0: never close a silent connection)"));
@@ -303,6 +374,7 @@ int Main(const std::vector<config::Setting>& settings) {
   options.tcp_endpoint = tcp_endpoint;
   options.hello_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_hello_timeout_ms));
   options.signal_fd = signal_fd.get();
+  options.vllm_events = *vllm_events;
   auto server = CacheManagerServer::Create(options, *std::move(run_dir), *std::move(memory),
                                            service, &metrics);
   if (!server.ok()) return fail(server.status());
@@ -313,6 +385,14 @@ int Main(const std::vector<config::Setting>& settings) {
                    " metrics=", (*metrics_server)->url(),
                    (*server)->tcp_endpoint().empty() ? ""
                                                      : " tcp=" + (*server)->tcp_endpoint()));
+  if (!(*server)->vllm_events_endpoint().empty()) {
+    Log(absl::StrCat("vLLM-format KV events on ", (*server)->vllm_events_endpoint(),
+                     " topic=", (*vllm_events)->topic, " replay=",
+                     (*server)->vllm_replay_endpoint().empty()
+                         ? std::string("none")
+                         : (*server)->vllm_replay_endpoint(),
+                     " buffer_steps=", (*vllm_events)->buffer_steps));
+  }
   if (!service.tcp_secret.empty()) {
     Log(absl::StrCat("routers and executors on ", (*server)->tcp_endpoint(),
                      " must give the secret in ", (*server)->tcp_secret_path(),

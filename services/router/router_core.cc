@@ -53,6 +53,7 @@ absl::StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(const Options& op
   planner.max_running = options.max_running;
   planner.hash_algorithm = core->session_.hash_algorithm;
   planner.root_hash = RootHash(planner.hash_algorithm, "");
+  planner.commit_tokens = core->session_.wants_commit_tokens;
   core->planner_ = std::make_unique<StepPlanner>(planner);
 
   ExecutorLink::Options link;
@@ -217,6 +218,7 @@ void RouterCore::Recover() {
     session_ = fresh;
     unanswered_.reset();
     planner_->ResetAll();
+    planner_->SetCommitTokens(session_.wants_commit_tokens);
     recovering_ = false;
     Log(absl::StrCat("registered again with the cache manager (epoch ", session_.epoch,
                      "): ", planner_->queued(), " request(s) start again"));

@@ -214,7 +214,18 @@ StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId>
     if (full > run.hashes_sent) {
       fresh.assign(run.hashes.begin() + run.hashes_sent, run.hashes.begin() + full);
     }
-    add(BlockOp::Commit(seq, run.computed, fresh), seq, StepPlan::OpRole::kCommit);
+    // The token ids of the full blocks this commit completes (those past the committed
+    // ones), when the cache manager asked for them.
+    std::span<const int32_t> fresh_tokens;
+    if (const int32_t from = run.committed / options_.block_size;
+        options_.commit_tokens && full > from) {
+      const auto bs = static_cast<size_t>(options_.block_size);
+      fresh_tokens = std::span<const int32_t>(run.req.tokens)
+                         .subspan(static_cast<size_t>(from) * bs,
+                                  static_cast<size_t>(full - from) * bs);
+    }
+    add(BlockOp::Commit(seq, run.computed, fresh, fresh_tokens), seq,
+        StepPlan::OpRole::kCommit);
   }
 
   // Forks: after the parent's commit, so that each child holds the same committed prompt

@@ -74,6 +74,10 @@ struct PlannerOptions {
   int32_t num_blocks = 0;
   HashAlgorithm hash_algorithm = kDefaultHashAlgorithm;
   BlockHash root_hash;  // RootHash(hash_algorithm, salt): the cache manager's salt
+  // Commits carry the token ids of their new full blocks (CommitOp.new_block_tokens): the
+  // cache manager asked for them (HelloReply.wants_commit_tokens, for its vLLM-format KV
+  // events). Updated when the cache manager comes back (SetCommitTokens).
+  bool commit_tokens = false;
 };
 
 // What one step asks of the cache manager, and what Apply needs to finish it.
@@ -188,6 +192,8 @@ class StepPlanner {
   // far (their committed tokens count as recomputed when they run again); finishing ones
   // are dropped. Call between steps (after Complete, before Plan).
   void ResetAll();
+  // Whether later Commits carry token ids (PlannerOptions::commit_tokens).
+  void SetCommitTokens(bool on) { options_.commit_tokens = on; }
 
   // State, for metrics and tests.
   size_t queued() const { return queue_.size(); }
@@ -265,7 +271,7 @@ class StepPlanner {
   // tokens (outcome.fork_tokens), forked in the next Plan; their events go to `events`.
   void Fork(Running& parent, const SeqResult& outcome, std::vector<TokenEvent>* events);
 
-  const PlannerOptions options_;
+  PlannerOptions options_;  // only commit_tokens changes
   std::deque<Queued> queue_;
   // By sequence id, and the admission order of the live ones.
   absl::flat_hash_map<SeqId, Running> running_;

@@ -1,0 +1,57 @@
+#pragma once
+// KV events in vLLM's wire format (docs/protocol.md, "vLLM-format KV events"), so that
+// cluster routers that consume vLLM engines' events (NVIDIA Dynamo's KV router, llm-d's
+// indexer) can consume a kvcm node's. This file is the format only: the values and their
+// msgpack encoding. The sockets are VllmEventPublisher's (vllm_event_publisher.h).
+//
+// A batch's payload is the msgpack array [ts (float64, seconds since 1970), [event...],
+// data_parallel_rank (int)], each event a map with a "type" key:
+//   {"type":"BlockStored","block_hashes":[u64...],"parent_block_hash":u64|nil,
+//    "token_ids":[u32...],"block_size":N,"lora_id":nil,"medium":"GPU"|"CPU","lora_name":nil}
+//   {"type":"BlockRemoved","block_hashes":[u64...],"medium":"GPU"|"CPU"}
+//   {"type":"AllBlocksCleared"}
+// Hashes are msgpack unsigned integers, never bin.
+//
+// Thread safety: stateless functions.
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/block/block_hash.h"
+
+namespace kvcm {
+
+struct VllmEvent {
+  enum class Kind : uint8_t { kBlockStored, kBlockRemoved, kAllBlocksCleared };
+  Kind kind = Kind::kAllBlocksCleared;
+  // Stored: a chain of blocks, each the child of the one before; Removed: any blocks.
+  std::vector<uint64_t> block_hashes;
+  std::optional<uint64_t> parent_block_hash;  // Stored: the first block's parent, if any
+  // Stored: block_hashes.size() * block_size token ids, block after block.
+  std::vector<uint32_t> token_ids;
+};
+
+// What every event of one stream says alike.
+struct VllmStreamInfo {
+  int32_t block_size = 16;
+  std::string medium = "GPU";  // "GPU" for a cuda pool, "CPU" for a shm pool
+  int32_t data_parallel_rank = 0;
+};
+
+// The id an event names a block by: the first 8 bytes of kvcm's block hash read
+// big-endian (the digest's own leading bytes for every algorithm, common/block/block_hash.h).
+// A pure function of the hash, so BlockRemoved names the ids BlockStored did.
+uint64_t VllmBlockId(const BlockHash& hash);
+
+// The msgpack payload of one batch, appended to `out` (cleared first).
+void EncodeVllmBatch(double timestamp, std::span<const VllmEvent> events,
+                     const VllmStreamInfo& info, std::string* out);
+
+// "BlockStored", "BlockRemoved", "AllBlocksCleared".
+std::string_view VllmEventTypeName(VllmEvent::Kind kind);
+
+}  // namespace kvcm

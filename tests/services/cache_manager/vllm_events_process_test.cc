@@ -1,0 +1,427 @@
+// The real kvcm-cache-manager's vLLM-format KV event stream (docs/protocol.md, "vLLM-format
+// KV events"), read over loopback TCP by a consumer written against the format
+// (tests/support/vllm_event_reader.h): sequence numbers from 0, AllBlocksCleared first and
+// after a restart, stored blocks with their token ids and parents, removals of stored ids
+// on eviction, replay to a late subscriber ending with the -1 frame, a buffer that wrapped,
+// and bad input on the replay socket and in Commits.
+
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/base/monotonic_clock.h"
+#include "common/block/block_hash.h"
+#include "common/client/cache_manager_client.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "services/cache_manager/vllm_events.h"
+#include "tests/support/cache_manager_process.h"
+#include "tests/support/http_client.h"
+#include "tests/support/metrics_text.h"
+#include "tests/support/vllm_event_reader.h"
+
+namespace kvcm {
+namespace {
+
+using testing::CacheManagerOptions;
+using testing::CacheManagerProcess;
+using testing::ReadVllmBatch;
+using testing::ReadVllmEvent;
+
+constexpr int32_t kBlockSize = 4;
+
+struct Node {
+  std::unique_ptr<CacheManagerProcess> process;
+  std::string events;  // tcp://127.0.0.1:P
+  std::string replay;
+  std::string topic;
+};
+
+// A cache manager of `num_blocks` with the vLLM-format stream on ports picked free.
+Node StartNode(int32_t num_blocks, const std::string& run_dir = "",
+               int32_t buffer_steps = 10000) {
+  CacheManagerOptions options;
+  options.run_dir = run_dir;
+  options.num_blocks = num_blocks;
+  options.block_size = kBlockSize;
+  options.extra_args = {"--kv-events-endpoint",        "tcp://127.0.0.1:0",
+                        "--kv-events-replay-endpoint", "tcp://127.0.0.1:0",
+                        "--kv-events-buffer-steps",    absl::StrCat(buffer_steps)};
+  Node node;
+  auto started = CacheManagerProcess::Start(options);
+  EXPECT_TRUE(started.ok()) << started.status();
+  if (!started.ok()) return node;
+  node.process = *std::move(started);
+  auto line = node.process->process().WaitForLine(
+      "vLLM-format KV events on (\\S+) topic=(\\S+) replay=(\\S+)",
+      absl::Now() + absl::Seconds(10));
+  EXPECT_TRUE(line.ok()) << line.status();
+  if (!line.ok()) return node;
+  node.events = (*line)[1];
+  node.topic = (*line)[2];
+  node.replay = (*line)[3];
+  return node;
+}
+
+std::unique_ptr<CacheManagerClient> ConnectRouter(const CacheManagerProcess& process) {
+  CacheManagerClient::Options options;
+  options.endpoint = process.endpoint();
+  options.role = wire::Role::Router;
+  options.name = "vllm-events-test";
+  auto client = CacheManagerClient::Connect(options);
+  EXPECT_TRUE(client.ok()) << client.status();
+  return client.ok() ? *std::move(client) : nullptr;
+}
+
+// The chained hashes of the full blocks of `tokens`, as a router computes them.
+std::vector<BlockHash> Hashes(const std::vector<int32_t>& tokens) {
+  std::vector<BlockHash> hashes;
+  BlockHash parent = RootHash(kDefaultHashAlgorithm, "");
+  for (size_t i = 0; i + kBlockSize <= tokens.size(); i += kBlockSize) {
+    parent = ChainBlockHash(kDefaultHashAlgorithm, parent,
+                            std::span<const int32_t>(tokens).subspan(i, kBlockSize));
+    hashes.push_back(parent);
+  }
+  return hashes;
+}
+
+std::vector<uint64_t> Ids(const std::vector<BlockHash>& hashes) {
+  std::vector<uint64_t> ids;
+  for (const BlockHash& h : hashes) ids.push_back(VllmBlockId(h));
+  return ids;
+}
+
+// Allocates, commits (with token ids) and frees one sequence of `tokens`.
+void RunSequence(CacheManagerClient& client, SeqId seq, const std::vector<int32_t>& tokens) {
+  const std::vector<BlockHash> hashes = Hashes(tokens);
+  BlockOps allocate;
+  allocate.Allocate(seq, static_cast<int32_t>(tokens.size()));
+  auto allocated = client.Step(allocate);
+  ASSERT_TRUE(allocated.ok()) << allocated.status();
+  ASSERT_TRUE((*allocated)[0].status.ok()) << (*allocated)[0].status;
+  std::vector<int32_t> full(tokens.begin(),
+                            tokens.begin() + static_cast<ptrdiff_t>(hashes.size() * kBlockSize));
+  BlockOps commit;
+  commit.Commit(seq, static_cast<int32_t>(tokens.size()), hashes, full).Free(seq);
+  auto committed = client.Step(commit);
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  ASSERT_TRUE((*committed)[0].status.ok()) << (*committed)[0].status;
+  ASSERT_TRUE((*committed)[1].status.ok()) << (*committed)[1].status;
+}
+
+std::vector<int32_t> RandomTokens(std::mt19937& rng, int n) {
+  std::vector<int32_t> tokens(static_cast<size_t>(n));
+  for (int32_t& t : tokens) t = static_cast<int32_t>(rng() % 50000);
+  return tokens;
+}
+
+std::vector<ReadVllmBatch> Replay(const Node& node, uint64_t from) {
+  auto batches = testing::ReplayVllmEvents(node.replay, from, MonotonicNow() + absl::Seconds(10));
+  EXPECT_TRUE(batches.ok()) << batches.status();
+  return batches.ok() ? *std::move(batches) : std::vector<ReadVllmBatch>{};
+}
+
+void ExpectSameEvents(const ReadVllmBatch& a, const ReadVllmBatch& b) {
+  EXPECT_EQ(a.seq, b.seq);
+  EXPECT_EQ(a.topic, b.topic);
+  ASSERT_EQ(a.events.size(), b.events.size()) << "seq " << a.seq;
+  for (size_t i = 0; i < a.events.size(); ++i) {
+    EXPECT_EQ(a.events[i].type, b.events[i].type);
+    EXPECT_EQ(a.events[i].block_hashes, b.events[i].block_hashes);
+    EXPECT_EQ(a.events[i].parent_block_hash, b.events[i].parent_block_hash);
+    EXPECT_EQ(a.events[i].token_ids, b.events[i].token_ids);
+  }
+}
+
+double Metric(const CacheManagerProcess& process, const std::string& name,
+              const testing::MetricLabels& labels = {}) {
+  auto scraped = testing::HttpGet(process.metrics_url());
+  EXPECT_TRUE(scraped.ok()) << scraped.status();
+  if (!scraped.ok()) return -1;
+  auto parsed = testing::ParseMetricsText(scraped->body);
+  EXPECT_TRUE(parsed.ok()) << parsed.status();
+  if (!parsed.ok()) return -1;
+  auto value = parsed->Value(name, labels);
+  EXPECT_TRUE(value.ok()) << value.status();
+  return value.ok() ? *value : -1;
+}
+
+TEST(VllmEventsProcessTest, StoredBlocksCarryTokensAndEvictionRemovesTheirIds) {
+  const uint32_t seed = 20261202;
+  std::printf("seed %u\n", seed);
+  std::mt19937 rng(seed);
+  Node node = StartNode(/*num_blocks=*/8);
+  ASSERT_NE(node.process, nullptr);
+  EXPECT_THAT(node.topic, ::testing::StartsWith("kv@"));
+  auto subscriber =
+      testing::VllmEventSubscriber::Connect(node.events, MonotonicNow() + absl::Seconds(10));
+  ASSERT_TRUE(subscriber.ok()) << subscriber.status();
+  auto client = ConnectRouter(*node.process);
+  ASSERT_NE(client, nullptr);
+  EXPECT_TRUE(client->session().wants_commit_tokens);
+
+  // A prompt of 3 full blocks and 2 tokens more, then one that shares its first 2 blocks,
+  // then enough distinct ones to evict everything.
+  const std::vector<int32_t> first = RandomTokens(rng, 14);
+  std::vector<int32_t> second(first.begin(), first.begin() + 8);
+  for (int32_t t : RandomTokens(rng, 8)) second.push_back(t);
+  ASSERT_NO_FATAL_FAILURE(RunSequence(*client, 1, first));
+  ASSERT_NO_FATAL_FAILURE(RunSequence(*client, 2, second));
+  for (SeqId seq = 3; seq < 7; ++seq) {
+    ASSERT_NO_FATAL_FAILURE(RunSequence(*client, seq, RandomTokens(rng, 32)));
+  }
+
+  const std::vector<ReadVllmBatch> batches = Replay(node, 0);
+  ASSERT_FALSE(batches.empty());
+  // Numbered from 0, contiguous, AllBlocksCleared alone first.
+  for (size_t i = 0; i < batches.size(); ++i) {
+    EXPECT_EQ(batches[i].seq, i);
+    EXPECT_EQ(batches[i].topic, node.topic);
+    EXPECT_EQ(batches[i].data_parallel_rank, 0);
+    EXPECT_GT(batches[i].timestamp, 1.7e9);
+  }
+  ASSERT_EQ(batches[0].events.size(), 1u);
+  EXPECT_EQ(batches[0].events[0].type, "AllBlocksCleared");
+
+  // Replay the stream into a consumer's view: every id stored once, with a known parent,
+  // and removed only after it was stored.
+  absl::flat_hash_set<uint64_t> live;
+  std::vector<ReadVllmEvent> stored;
+  absl::flat_hash_set<uint64_t> removed;
+  for (size_t b = 1; b < batches.size(); ++b) {
+    const ReadVllmBatch& batch = batches[b];
+    for (const ReadVllmEvent& event : batch.events) {
+      if (event.type == "BlockStored") {
+        EXPECT_EQ(event.block_size, kBlockSize);
+        EXPECT_EQ(event.medium, "CPU");  // a shm pool
+        if (event.parent_block_hash) {
+          EXPECT_TRUE(live.contains(*event.parent_block_hash));
+        }
+        for (uint64_t id : event.block_hashes) EXPECT_TRUE(live.insert(id).second) << id;
+        stored.push_back(event);
+      } else if (event.type == "BlockRemoved") {
+        for (uint64_t id : event.block_hashes) {
+          EXPECT_TRUE(live.erase(id)) << "removed " << id << ", never stored";
+          removed.insert(id);
+        }
+      } else {
+        ADD_FAILURE() << "a second AllBlocksCleared at seq " << batch.seq;
+      }
+    }
+  }
+  // The first prompt: its 3 full blocks in one chained event, their tokens block by block.
+  ASSERT_GE(stored.size(), 2u);
+  const std::vector<uint64_t> first_ids = Ids(Hashes(first));
+  EXPECT_EQ(stored[0].block_hashes, first_ids);
+  EXPECT_EQ(stored[0].parent_block_hash, std::nullopt);
+  EXPECT_EQ(stored[0].token_ids, std::vector<uint32_t>(first.begin(), first.begin() + 12));
+  // The second shares 2 of its 4 blocks: its last 2 are new, their parent the shared second.
+  const std::vector<uint64_t> second_ids = Ids(Hashes(second));
+  ASSERT_EQ(second_ids.size(), 4u);
+  EXPECT_EQ(stored[1].block_hashes, (std::vector<uint64_t>{second_ids[2], second_ids[3]}));
+  EXPECT_EQ(stored[1].parent_block_hash, second_ids[1]);
+  EXPECT_EQ(stored[1].token_ids, std::vector<uint32_t>(second.begin() + 8, second.end()));
+  // A pool of 8 blocks filled by 8-block prompts: the first prompts' blocks were evicted.
+  for (uint64_t id : first_ids) EXPECT_TRUE(removed.contains(id)) << id;
+  EXPECT_TRUE(removed.contains(second_ids[2]));
+
+  // The live subscriber saw the same batches (it may have joined after the first ones).
+  uint64_t expected = 0;
+  bool first_live = true;
+  while (expected < batches.back().seq) {
+    auto batch = (*subscriber)->Next(MonotonicNow() + absl::Seconds(10));
+    ASSERT_TRUE(batch.ok()) << batch.status();
+    if (!first_live) {
+      EXPECT_EQ(batch->seq, expected + 1);
+    }
+    first_live = false;
+    expected = batch->seq;
+    ASSERT_LT(batch->seq, batches.size());
+    ExpectSameEvents(*batch, batches[batch->seq]);
+  }
+
+  // A late subscriber asking from seq k gets k.. and the end marker.
+  const std::vector<ReadVllmBatch> tail = Replay(node, 3);
+  ASSERT_EQ(tail.size(), batches.size() - 3);
+  for (size_t i = 0; i < tail.size(); ++i) ExpectSameEvents(tail[i], batches[i + 3]);
+  EXPECT_TRUE(Replay(node, batches.size()).empty());
+
+  // Metrics count what went out.
+  int64_t stored_events = 0, removed_events = 0;
+  for (const ReadVllmBatch& batch : batches) {
+    for (const ReadVllmEvent& event : batch.events) {
+      stored_events += event.type == "BlockStored";
+      removed_events += event.type == "BlockRemoved";
+    }
+  }
+  EXPECT_EQ(Metric(*node.process, "kvcm_cache_manager_vllm_batches_published_total"),
+            static_cast<double>(batches.size()));
+  EXPECT_EQ(Metric(*node.process, "kvcm_cache_manager_vllm_events_published_total",
+                   {{"type", "block_stored"}}),
+            static_cast<double>(stored_events));
+  EXPECT_EQ(Metric(*node.process, "kvcm_cache_manager_vllm_events_published_total",
+                   {{"type", "block_removed"}}),
+            static_cast<double>(removed_events));
+  EXPECT_EQ(Metric(*node.process, "kvcm_cache_manager_vllm_events_published_total",
+                   {{"type", "all_blocks_cleared"}}),
+            1);
+  EXPECT_EQ(Metric(*node.process, "kvcm_cache_manager_vllm_buffer_batches"),
+            static_cast<double>(batches.size()));
+  EXPECT_EQ(Metric(*node.process, "kvcm_cache_manager_vllm_replay_requests_total",
+                   {{"result", "served"}}),
+            3);
+  EXPECT_EQ(Metric(*node.process, "kvcm_cache_manager_vllm_batches_replayed_total"),
+            static_cast<double>(batches.size() + tail.size()));
+  EXPECT_EQ(Metric(*node.process, "kvcm_cache_manager_vllm_blocks_without_tokens_total"), 0);
+}
+
+TEST(VllmEventsProcessTest, ARestartStartsAgainFromZeroWithAllBlocksCleared) {
+  // The run directory outlives the first process: the second starts on it.
+  auto dir = testing::TempDir::Create("kvcm-vllm-restart");
+  ASSERT_TRUE(dir.ok());
+  Node first = StartNode(16, dir->path());
+  ASSERT_NE(first.process, nullptr);
+  {
+    auto client = ConnectRouter(*first.process);
+    ASSERT_NE(client, nullptr);
+    std::mt19937 rng(8);
+    ASSERT_NO_FATAL_FAILURE(RunSequence(*client, 1, RandomTokens(rng, 8)));
+  }
+  ASSERT_EQ(Replay(first, 0).size(), 2u);
+  auto stopped = first.process->Terminate();
+  ASSERT_TRUE(stopped.ok()) << stopped.status();
+  EXPECT_EQ(*stopped, 0);
+  first.process.reset();
+  Node again = StartNode(16, dir->path());
+  ASSERT_NE(again.process, nullptr);
+  const std::vector<ReadVllmBatch> batches = Replay(again, 0);
+  ASSERT_EQ(batches.size(), 1u);
+  EXPECT_EQ(batches[0].seq, 0u);
+  ASSERT_EQ(batches[0].events.size(), 1u);
+  EXPECT_EQ(batches[0].events[0].type, "AllBlocksCleared");
+}
+
+TEST(VllmEventsProcessTest, AWrappedBufferKeepsTheStartsClearedBatch) {
+  Node node = StartNode(64, "", /*buffer_steps=*/3);
+  ASSERT_NE(node.process, nullptr);
+  auto client = ConnectRouter(*node.process);
+  ASSERT_NE(client, nullptr);
+  std::mt19937 rng(9);
+  for (SeqId seq = 1; seq <= 5; ++seq) {
+    ASSERT_NO_FATAL_FAILURE(RunSequence(*client, seq, RandomTokens(rng, 8)));
+  }
+  // Batches 0..5 were published; 0 and the last two are kept.
+  const std::vector<ReadVllmBatch> batches = Replay(node, 0);
+  ASSERT_EQ(batches.size(), 3u);
+  EXPECT_EQ(batches[0].seq, 0u);
+  EXPECT_EQ(batches[0].events[0].type, "AllBlocksCleared");
+  EXPECT_EQ(batches[1].seq, 4u);
+  EXPECT_EQ(batches[2].seq, 5u);
+  EXPECT_EQ(Metric(*node.process, "kvcm_cache_manager_vllm_buffer_batches"), 3);
+  EXPECT_EQ(Replay(node, 5).size(), 1u);
+}
+
+TEST(VllmEventsProcessTest, MalformedReplayRequestsAreCountedAndChangeNothing) {
+  Node node = StartNode(16);
+  ASSERT_NE(node.process, nullptr);
+  auto client = ConnectRouter(*node.process);
+  ASSERT_NE(client, nullptr);
+  std::mt19937 rng(10);
+  ASSERT_NO_FATAL_FAILURE(RunSequence(*client, 1, RandomTokens(rng, 8)));
+  auto before = client->Stats();
+  ASSERT_TRUE(before.ok()) << before.status();
+  const std::vector<std::vector<std::string>> bad = {
+      {std::string(8, '\0')},                          // no delimiter
+      {"", "1234"},                                    // short seq
+      {"x", std::string(8, '\0')},                     // a delimiter that is not empty
+      {"", std::string(8, '\0'), "more"},              // a frame too many
+      {"", std::string(9, '\x7f')},                    // a long seq
+      {"", "", ""},                                    // garbage
+  };
+  for (const auto& frames : bad) {
+    auto replies = testing::SendRawReplayRequest(node.replay, frames, absl::Milliseconds(300));
+    ASSERT_TRUE(replies.ok()) << replies.status();
+    EXPECT_EQ(*replies, 0);
+  }
+  EXPECT_EQ(Metric(*node.process, "kvcm_cache_manager_vllm_replay_requests_total",
+                   {{"result", "malformed"}}),
+            static_cast<double>(bad.size()));
+  EXPECT_THAT(node.process->Output(),
+              ::testing::HasSubstr("vLLM-format replay request refused (1 so far): 1 frame(s) "
+                                   "instead of 2"));
+  EXPECT_THAT(node.process->Output(),
+              ::testing::HasSubstr("the sequence number has 4 bytes instead of 8"));
+  // Still serving, the ledger as it was, the stream whole.
+  auto after = client->Stats();
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->cached_blocks, before->cached_blocks);
+  EXPECT_EQ(after->free_blocks, before->free_blocks);
+  EXPECT_EQ(Replay(node, 0).size(), 2u);
+  EXPECT_EQ(Metric(*node.process, "kvcm_cache_manager_vllm_replay_requests_total",
+                   {{"result", "served"}}),
+            1);
+}
+
+TEST(VllmEventsProcessTest, ACommitWithTheWrongNumberOfTokensIsRefusedWhole) {
+  Node node = StartNode(16);
+  ASSERT_NE(node.process, nullptr);
+  auto client = ConnectRouter(*node.process);
+  ASSERT_NE(client, nullptr);
+  std::mt19937 rng(11);
+  const std::vector<int32_t> tokens = RandomTokens(rng, 8);
+  BlockOps allocate;
+  allocate.Allocate(1, 8);
+  ASSERT_TRUE(client->Step(allocate).ok());
+  auto before = client->Stats();
+  ASSERT_TRUE(before.ok());
+  const std::vector<BlockHash> hashes = Hashes(tokens);
+  BlockOps commit;
+  commit.Commit(1, 8, hashes, std::span<const int32_t>(tokens).first(7));
+  auto refused = client->Step(commit);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_THAT(refused.status().message(),
+              ::testing::HasSubstr("carries 7 token ids for a commit of 8 tokens"));
+  // More blocks than the commit covers.
+  std::vector<int32_t> three_blocks = tokens;
+  three_blocks.insert(three_blocks.end(), {1, 2, 3, 4});
+  BlockOps too_many;
+  too_many.Commit(1, 8, hashes, three_blocks);
+  auto refused_too = client->Step(too_many);
+  ASSERT_FALSE(refused_too.ok());
+  EXPECT_THAT(refused_too.status().message(),
+              ::testing::HasSubstr("carries 12 token ids for a commit of 8 tokens"));
+  auto after = client->Stats();
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->cached_blocks, before->cached_blocks);
+  EXPECT_EQ(after->in_use_blocks, before->in_use_blocks);
+  // Nothing was stored; the right commit then is.
+  EXPECT_EQ(Replay(node, 0).size(), 1u);
+  BlockOps right;
+  right.Commit(1, 8, hashes, tokens);
+  auto committed = client->Step(right);
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  ASSERT_TRUE((*committed)[0].status.ok());
+  const std::vector<ReadVllmBatch> batches = Replay(node, 0);
+  ASSERT_EQ(batches.size(), 2u);
+  ASSERT_EQ(batches[1].events.size(), 1u);
+  EXPECT_EQ(batches[1].events[0].block_hashes, Ids(hashes));
+}
+
+TEST(VllmEventsProcessTest, OffByDefaultAndRoutersAreNotAskedForTokens) {
+  CacheManagerOptions options;
+  options.num_blocks = 16;
+  options.block_size = kBlockSize;
+  auto process = CacheManagerProcess::Start(options);
+  ASSERT_TRUE(process.ok()) << process.status();
+  auto client = ConnectRouter(**process);
+  ASSERT_NE(client, nullptr);
+  EXPECT_FALSE(client->session().wants_commit_tokens);
+  EXPECT_THAT((*process)->Output(), ::testing::Not(::testing::HasSubstr("vLLM-format")));
+}
+
+}  // namespace
+}  // namespace kvcm

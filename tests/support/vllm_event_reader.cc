@@ -1,0 +1,242 @@
+#include "tests/support/vllm_event_reader.h"
+
+#include <algorithm>
+#include <memory>
+#include <utility>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/base/monotonic_clock.h"
+#include "common/transport/zmq_util.h"
+#include "msgpack.hpp"
+
+namespace kvcm::testing {
+namespace {
+
+absl::Status Bad(std::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("vLLM event payload: ", std::string(what)));
+}
+
+bool IsUnsigned(const msgpack::object& o) { return o.type == msgpack::type::POSITIVE_INTEGER; }
+
+absl::StatusOr<std::string> AsString(const msgpack::object& o, std::string_view field) {
+  if (o.type != msgpack::type::STR) return Bad(absl::StrCat(std::string(field), " is not a string"));
+  return std::string(o.via.str.ptr, o.via.str.size);
+}
+
+absl::StatusOr<std::vector<uint64_t>> AsHashes(const msgpack::object& o) {
+  if (o.type != msgpack::type::ARRAY) return Bad("block_hashes is not an array");
+  std::vector<uint64_t> hashes;
+  for (uint32_t i = 0; i < o.via.array.size; ++i) {
+    const msgpack::object& h = o.via.array.ptr[i];
+    if (!IsUnsigned(h)) return Bad(absl::StrCat("block hash ", i, " is not an unsigned integer"));
+    hashes.push_back(h.via.u64);
+  }
+  return hashes;
+}
+
+absl::StatusOr<uint64_t> ReadSeq(const zmq::message_t& frame) {
+  if (frame.size() != 8) return Bad(absl::StrCat("seq frame of ", frame.size(), " bytes"));
+  uint64_t seq = 0;
+  const auto* bytes = static_cast<const uint8_t*>(frame.data());
+  for (int i = 0; i < 8; ++i) seq = (seq << 8) | bytes[i];
+  return seq;
+}
+
+}  // namespace
+
+absl::StatusOr<ReadVllmBatch> DecodeVllmPayload(std::string_view payload) {
+  msgpack::object_handle handle;
+  try {
+    handle = msgpack::unpack(payload.data(), payload.size());
+  } catch (const std::exception& error) {
+    return Bad(absl::StrCat("not msgpack: ", error.what()));
+  }
+  const msgpack::object& root = handle.get();
+  if (root.type != msgpack::type::ARRAY || root.via.array.size != 3) {
+    return Bad("not an array of 3 [ts, events, data_parallel_rank]");
+  }
+  ReadVllmBatch batch;
+  const msgpack::object& ts = root.via.array.ptr[0];
+  if (ts.type != msgpack::type::FLOAT64) return Bad("ts is not a float64");
+  batch.timestamp = ts.via.f64;
+  const msgpack::object& rank = root.via.array.ptr[2];
+  if (rank.type != msgpack::type::POSITIVE_INTEGER && rank.type != msgpack::type::NEGATIVE_INTEGER) {
+    return Bad("data_parallel_rank is not an integer");
+  }
+  batch.data_parallel_rank = rank.as<int64_t>();
+  const msgpack::object& events = root.via.array.ptr[1];
+  if (events.type != msgpack::type::ARRAY) return Bad("events is not an array");
+  for (uint32_t e = 0; e < events.via.array.size; ++e) {
+    const msgpack::object& map = events.via.array.ptr[e];
+    if (map.type != msgpack::type::MAP) return Bad(absl::StrCat("event ", e, " is not a map"));
+    ReadVllmEvent event;
+    bool has_type = false, has_hashes = false, has_parent = false, has_tokens = false,
+         has_block_size = false, has_medium = false;
+    for (uint32_t k = 0; k < map.via.map.size; ++k) {
+      const msgpack::object_kv& kv = map.via.map.ptr[k];
+      absl::StatusOr<std::string> key = AsString(kv.key, "a key");
+      if (!key.ok()) return key.status();
+      const msgpack::object& value = kv.val;
+      if (*key == "type") {
+        absl::StatusOr<std::string> type = AsString(value, "type");
+        if (!type.ok()) return type.status();
+        event.type = *type;
+        has_type = true;
+      } else if (*key == "block_hashes") {
+        absl::StatusOr<std::vector<uint64_t>> hashes = AsHashes(value);
+        if (!hashes.ok()) return hashes.status();
+        event.block_hashes = *std::move(hashes);
+        has_hashes = true;
+      } else if (*key == "parent_block_hash") {
+        if (value.type == msgpack::type::NIL) {
+          event.parent_block_hash.reset();
+        } else if (IsUnsigned(value)) {
+          event.parent_block_hash = value.via.u64;
+        } else {
+          return Bad("parent_block_hash is neither nil nor an unsigned integer");
+        }
+        has_parent = true;
+      } else if (*key == "token_ids") {
+        if (value.type != msgpack::type::ARRAY) return Bad("token_ids is not an array");
+        for (uint32_t i = 0; i < value.via.array.size; ++i) {
+          const msgpack::object& t = value.via.array.ptr[i];
+          if (!IsUnsigned(t) || t.via.u64 > UINT32_MAX) return Bad("a token id is not a u32");
+          event.token_ids.push_back(static_cast<uint32_t>(t.via.u64));
+        }
+        has_tokens = true;
+      } else if (*key == "block_size") {
+        if (!IsUnsigned(value)) return Bad("block_size is not a positive integer");
+        event.block_size = static_cast<int64_t>(value.via.u64);
+        has_block_size = true;
+      } else if (*key == "medium") {
+        absl::StatusOr<std::string> medium = AsString(value, "medium");
+        if (!medium.ok()) return medium.status();
+        event.medium = *medium;
+        has_medium = true;
+      } else if (*key == "lora_id" || *key == "lora_name") {
+        if (value.type != msgpack::type::NIL) return Bad(absl::StrCat(*key, " is not nil"));
+      } else {
+        return Bad(absl::StrCat("unexpected key ", *key));
+      }
+    }
+    if (!has_type) return Bad(absl::StrCat("event ", e, " has no type"));
+    if (event.type == "BlockStored") {
+      if (!has_hashes || !has_parent || !has_tokens || !has_block_size || !has_medium ||
+          map.via.map.size != 8) {
+        return Bad("BlockStored lacks a field");
+      }
+      if (event.block_hashes.empty()) return Bad("BlockStored of no block");
+      if (event.token_ids.size() !=
+          event.block_hashes.size() * static_cast<size_t>(event.block_size)) {
+        return Bad(absl::StrCat("BlockStored of ", event.block_hashes.size(), " blocks of ",
+                                event.block_size, " has ", event.token_ids.size(), " tokens"));
+      }
+      absl::flat_hash_set<uint64_t> ids(event.block_hashes.begin(), event.block_hashes.end());
+      if (event.parent_block_hash.has_value()) ids.insert(*event.parent_block_hash);
+      if (ids.size() != event.block_hashes.size() + (event.parent_block_hash ? 1 : 0)) {
+        return Bad("BlockStored ids repeat (parent included)");
+      }
+    } else if (event.type == "BlockRemoved") {
+      if (!has_hashes || !has_medium || map.via.map.size != 3) return Bad("BlockRemoved lacks a field");
+    } else if (event.type == "AllBlocksCleared") {
+      if (map.via.map.size != 1) return Bad("AllBlocksCleared has fields");
+    } else {
+      return Bad(absl::StrCat("unknown event type ", event.type));
+    }
+    batch.events.push_back(std::move(event));
+  }
+  return batch;
+}
+
+absl::StatusOr<std::unique_ptr<VllmEventSubscriber>> VllmEventSubscriber::Connect(
+    const std::string& endpoint, absl::Time deadline) {
+  std::unique_ptr<VllmEventSubscriber> subscriber(new VllmEventSubscriber());
+  subscriber->socket_ = zmq::socket_t(subscriber->context_, zmq::socket_type::sub);
+  subscriber->socket_.set(zmq::sockopt::subscribe, "");
+  subscriber->socket_.set(zmq::sockopt::linger, 0);
+  if (absl::Status connected = ConnectAndAwaitHandshake(subscriber->context_, subscriber->socket_,
+                                                        endpoint, deadline);
+      !connected.ok()) {
+    return connected;
+  }
+  return subscriber;
+}
+
+absl::StatusOr<ReadVllmBatch> VllmEventSubscriber::Next(absl::Time deadline) {
+  absl::StatusOr<std::vector<zmq::message_t>> frames = ReceiveMessageUntil(socket_, deadline);
+  if (!frames.ok()) return frames.status();
+  if (frames->empty()) return absl::DeadlineExceededError("no vLLM event batch came");
+  if (frames->size() != 3) return Bad(absl::StrCat("a batch of ", frames->size(), " frames"));
+  absl::StatusOr<uint64_t> seq = ReadSeq((*frames)[1]);
+  if (!seq.ok()) return seq.status();
+  absl::StatusOr<ReadVllmBatch> batch = DecodeVllmPayload(
+      std::string_view(static_cast<const char*>((*frames)[2].data()), (*frames)[2].size()));
+  if (!batch.ok()) return batch.status();
+  batch->topic = (*frames)[0].to_string();
+  batch->seq = *seq;
+  return batch;
+}
+
+absl::StatusOr<std::vector<ReadVllmBatch>> ReplayVllmEvents(const std::string& endpoint,
+                                                            uint64_t start_seq,
+                                                            absl::Time deadline) {
+  zmq::context_t context(1);
+  zmq::socket_t dealer(context, zmq::socket_type::dealer);
+  dealer.set(zmq::sockopt::linger, 0);
+  dealer.connect(endpoint);
+  uint8_t seq_be[8];
+  for (int i = 7; i >= 0; --i) seq_be[i] = static_cast<uint8_t>(start_seq >> (8 * (7 - i)));
+  dealer.send(zmq::const_buffer("", 0), zmq::send_flags::sndmore);
+  dealer.send(zmq::const_buffer(seq_be, sizeof(seq_be)), zmq::send_flags::none);
+  std::vector<ReadVllmBatch> batches;
+  while (true) {
+    absl::StatusOr<std::vector<zmq::message_t>> frames = ReceiveMessageUntil(dealer, deadline);
+    if (!frames.ok()) return frames.status();
+    if (frames->empty()) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("no end marker after ", batches.size(), " replayed batch(es)"));
+    }
+    if (frames->size() != 4 || (*frames)[0].size() != 0) {
+      return Bad(absl::StrCat("a replay reply of ", frames->size(), " frames"));
+    }
+    absl::StatusOr<uint64_t> seq = ReadSeq((*frames)[2]);
+    if (!seq.ok()) return seq.status();
+    if (*seq == ~uint64_t{0}) {
+      if ((*frames)[1].size() != 0 || (*frames)[3].size() != 0) {
+        return Bad("the end marker's topic or payload is not empty");
+      }
+      return batches;
+    }
+    absl::StatusOr<ReadVllmBatch> batch = DecodeVllmPayload(
+        std::string_view(static_cast<const char*>((*frames)[3].data()), (*frames)[3].size()));
+    if (!batch.ok()) return batch.status();
+    batch->topic = (*frames)[1].to_string();
+    batch->seq = *seq;
+    batches.push_back(*std::move(batch));
+  }
+}
+
+absl::StatusOr<int> SendRawReplayRequest(const std::string& endpoint,
+                                         const std::vector<std::string>& frames,
+                                         absl::Duration wait) {
+  zmq::context_t context(1);
+  zmq::socket_t dealer(context, zmq::socket_type::dealer);
+  dealer.set(zmq::sockopt::linger, 0);
+  dealer.connect(endpoint);
+  for (size_t i = 0; i < frames.size(); ++i) {
+    dealer.send(zmq::const_buffer(frames[i].data(), frames[i].size()),
+                i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
+  }
+  int replies = 0;
+  const absl::Time deadline = MonotonicNow() + wait;
+  while (true) {
+    absl::StatusOr<std::vector<zmq::message_t>> reply = ReceiveMessageUntil(dealer, deadline);
+    if (!reply.ok()) return reply.status();
+    if (reply->empty()) return replies;
+    ++replies;
+  }
+}
+
+}  // namespace kvcm::testing
