@@ -28,6 +28,20 @@ TEST(LaunchOptionsTest, RoutesEachFlagToTheProcessThatTakesIt) {
   EXPECT_THAT(options->executor_args, ElementsAre("--threads=4"));
 }
 
+TEST(LaunchOptionsTest, RoutesTheVllmEventFlagsToTheCacheManager) {
+  absl::StatusOr<LaunchOptions> options = ParseLaunchOptions(
+      {"--model=/m", "--kv-events-endpoint", "tcp://127.0.0.1:5557",
+       "--kv-events-replay-endpoint=tcp://127.0.0.1:5558", "--kv-events-topic", "kv@a@m",
+       "--kv-events-buffer-steps=500"});
+  ASSERT_TRUE(options.ok()) << options.status();
+  EXPECT_THAT(options->cache_manager_args,
+              ElementsAre("--kv-events-endpoint=tcp://127.0.0.1:5557",
+                          "--kv-events-replay-endpoint=tcp://127.0.0.1:5558",
+                          "--kv-events-topic=kv@a@m", "--kv-events-buffer-steps=500"));
+  EXPECT_TRUE(options->router_args.empty());
+  EXPECT_THAT(LaunchUsage(), HasSubstr("--kv-events-endpoint"));
+}
+
 TEST(LaunchOptionsTest, DefaultsAndErrorsNameTheFlag) {
   absl::StatusOr<LaunchOptions> plain = ParseLaunchOptions({"--model=/m"});
   ASSERT_TRUE(plain.ok());

@@ -23,7 +23,7 @@ struct Route {
 // Flags of the services that the launcher routes (each takes a value). The services' own
 // flags the launcher sets itself (--run-dir, --model, --model-config, --name,
 // --metrics-address, --router, --cache-manager) are not here: they are the launcher's.
-constexpr std::array<Route, 28> kRoutes = {{
+constexpr std::array<Route, 32> kRoutes = {{
     {"backend", Target::kCacheManager},
     {"cuda-device", Target::kCacheManager},
     {"block-size", Target::kCacheManager},
@@ -36,6 +36,10 @@ constexpr std::array<Route, 28> kRoutes = {{
     {"heartbeat-timeout-ms", Target::kCacheManager},
     {"max-pinned-blocks", Target::kCacheManager},
     {"max-ops-per-step", Target::kCacheManager},
+    {"kv-events-endpoint", Target::kCacheManager},
+    {"kv-events-replay-endpoint", Target::kCacheManager},
+    {"kv-events-topic", Target::kCacheManager},
+    {"kv-events-buffer-steps", Target::kCacheManager},
     {"hostname", Target::kRouter},
     {"port", Target::kRouter},
     {"max-concurrent-requests", Target::kRouter},
