@@ -1263,7 +1263,7 @@ void CacheManagerService::ConvertToVllm(std::span<const BlockEvent> events, bool
           ++vllm_blocks_without_tokens_;
           break;
         }
-        const uint64_t id = VllmBlockId(event.hash);
+        const uint64_t id = VllmBlockId(event.hash, options_.hash_algorithm);
         if (!vllm_stored_.insert(id).second) {
           // Another hash with the same 64 bits is stored already: a consumer could not tell
           // them apart, so this one is left out.
@@ -1271,7 +1271,7 @@ void CacheManagerService::ConvertToVllm(std::span<const BlockEvent> events, bool
           break;
         }
         const std::optional<uint64_t> parent =
-            event.has_parent ? std::optional<uint64_t>(VllmBlockId(event.parent_hash))
+            event.has_parent ? std::optional<uint64_t>(VllmBlockId(event.parent_hash, options_.hash_algorithm))
                              : std::nullopt;
         // The block continues the previous event's chain: one event for both. Ids stay
         // unique within the event (parent included), which consumers require.
@@ -1296,7 +1296,7 @@ void CacheManagerService::ConvertToVllm(std::span<const BlockEvent> events, bool
         break;
       }
       case BlockEvent::Kind::kRemoved: {
-        if (vllm_stored_.erase(VllmBlockId(event.hash)) == 0) break;  // never published
+        if (vllm_stored_.erase(VllmBlockId(event.hash, options_.hash_algorithm)) == 0) break;  // never published
         VllmEvent* last = vllm_pending_.empty() ? nullptr : &vllm_pending_.back();
         if (last == nullptr || last->kind != VllmEvent::Kind::kBlockRemoved) {
           VllmEvent removed;
@@ -1304,7 +1304,7 @@ void CacheManagerService::ConvertToVllm(std::span<const BlockEvent> events, bool
           vllm_pending_.push_back(std::move(removed));
           last = &vllm_pending_.back();
         }
-        last->block_hashes.push_back(VllmBlockId(event.hash));
+        last->block_hashes.push_back(VllmBlockId(event.hash, options_.hash_algorithm));
         break;
       }
       case BlockEvent::Kind::kAllCleared:

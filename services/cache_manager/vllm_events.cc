@@ -43,7 +43,8 @@ void PackFloat64(StringBuffer& buffer, double value) {
 
 }  // namespace
 
-uint64_t VllmBlockId(const BlockHash& hash) {
+uint64_t VllmBlockId(const BlockHash& hash, HashAlgorithm algorithm) {
+  if (algorithm == HashAlgorithm::kVllmSha256Cbor) return hash.Low64BigEndian();
   uint64_t id = 0;
   for (int i = 0; i < 8; ++i) id = (id << 8) | hash.bytes[static_cast<size_t>(i)];
   return id;

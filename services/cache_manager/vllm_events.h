@@ -42,10 +42,11 @@ struct VllmStreamInfo {
   int32_t data_parallel_rank = 0;
 };
 
-// The id an event names a block by: the first 8 bytes of kvcm's block hash read
-// big-endian (the digest's own leading bytes for every algorithm, common/block/block_hash.h).
-// A pure function of the hash, so BlockRemoved names the ids BlockStored did.
-uint64_t VllmBlockId(const BlockHash& hash);
+// The id an event names a block by, a pure function of the hash (so BlockRemoved names the
+// ids BlockStored did): under kVllmSha256Cbor vLLM's own, the digest's last 8 bytes read
+// big-endian (BlockHash::Low64BigEndian); otherwise the first 8 bytes read big-endian (the
+// digest's leading bytes, where xxh3 and fast128 put theirs: common/block/block_hash.h).
+uint64_t VllmBlockId(const BlockHash& hash, HashAlgorithm algorithm = kDefaultHashAlgorithm);
 
 // The msgpack payload of one batch, appended to `out` (cleared first).
 void EncodeVllmBatch(double timestamp, std::span<const VllmEvent> events,

@@ -193,6 +193,9 @@ TEST(VllmEventsTest, BlockIdIsTheHashsFirstEightBytesBigEndian) {
   EXPECT_EQ(VllmBlockId(hash), 0x0102030405060708ull);
   hash.bytes[0] = 0xff;
   EXPECT_EQ(VllmBlockId(hash), 0xff02030405060708ull);
+  EXPECT_EQ(VllmBlockId(hash, HashAlgorithm::kSha256), 0xff02030405060708ull);
+  // vLLM's sha256_cbor: its own id, the digest's last 8 bytes big-endian.
+  EXPECT_EQ(VllmBlockId(hash, HashAlgorithm::kVllmSha256Cbor), 0x191a1b1c1d1e1f20ull);
 }
 
 }  // namespace
