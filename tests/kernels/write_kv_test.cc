@@ -43,11 +43,33 @@ uint16_t BFloat16Rne(float x) {
   return (lo & 1) == 0 ? lo : hi;
 }
 
+// Nearest half to x, ties to even, found the same way: the positive halves 0x0000..0x7c00
+// increase with their bits, so a binary search finds the two neighbours of |x|, compared
+// in float64 (infinity as 2^16, the exponent's next step past 65504). Written without the
+// compiler's _Float16, which clang 14 lacks on x86-64.
 uint16_t HalfRne(float x) {
-  const _Float16 h = static_cast<_Float16>(x);  // the compiler's conversion: nearest even
-  uint16_t bits;
-  std::memcpy(&bits, &h, sizeof(bits));
-  return bits;
+  const uint16_t sign = std::signbit(x) ? 0x8000 : 0;
+  const double magnitude = std::abs(double{x});
+  auto value = [](uint16_t b) {
+    const double v = DecodeHalfIndependent(b);
+    return std::isinf(v) ? std::ldexp(1.0, 16) : v;
+  };
+  uint32_t low = 0, high = 0x7c00;  // value(low) <= magnitude, found below
+  if (magnitude >= value(0x7c00)) return static_cast<uint16_t>(sign | 0x7c00);
+  while (high - low > 1) {
+    const uint32_t mid = (low + high) / 2;
+    if (value(static_cast<uint16_t>(mid)) <= magnitude) {
+      low = mid;
+    } else {
+      high = mid;
+    }
+  }
+  const uint16_t lo = static_cast<uint16_t>(low);
+  const uint16_t hi = static_cast<uint16_t>(low + 1);
+  const double dlo = magnitude - value(lo);
+  const double dhi = value(hi) - magnitude;
+  const uint16_t nearest = dlo < dhi ? lo : dhi < dlo ? hi : (lo & 1) == 0 ? lo : hi;
+  return static_cast<uint16_t>(sign | nearest);
 }
 
 std::vector<float> InterestingFloats() {
