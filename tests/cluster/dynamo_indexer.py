@@ -91,7 +91,11 @@ class Indexer:
              "--port", str(self.port)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.lines = Lines(self.process)
-        self.lines.wait_for("HTTP server listening")
+        try:
+            self.lines.wait_for("HTTP server listening")
+        except BaseException:
+            self.stop()
+            raise
         self.url = f"http://127.0.0.1:{self.port}"
 
     def _post(self, path, body):
