@@ -13,6 +13,8 @@
 #                             document and fuzz its API (tests/openapi/requirements.txt)
 #   BUILD_DIR/venv-vllm       cbor2, for vLLM's own block hashing functions (read out of its
 #                             wheel, not installed) (tests/reference/vllm/requirements.txt)
+#   BUILD_DIR/venv-cluster    NVIDIA Dynamo's KV indexer (ai-dynamo-runtime), pyzmq, msgpack,
+#                             for the cluster tests (tests/cluster/requirements.txt)
 # Two of them because their pins cannot share one (text-generation wants huggingface-hub
 # below 1.0, transformers 5 at least 1.0). Each is left alone when it is already there for
 # the same requirements. Python never runs inside the services: this is test tooling.
@@ -20,7 +22,7 @@
 #   scripts/python-env.sh                # build/venv, build/venv-reference, build/venv-monitoring,
 #                                        # build/venv-deploy, build/venv-dashboard,
 #                                        # build/venv-openapi,
-#                                        # build/venv-vllm
+#                                        # build/venv-vllm, build/venv-cluster
 #   KVCM_BUILD_DIR=out scripts/python-env.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -59,3 +61,4 @@ make_venv "$BUILD_DIR/venv-dashboard" tests/dashboard/requirements.txt 'selenium
 make_venv "$BUILD_DIR/venv-openapi" tests/openapi/requirements.txt \
   'schemathesis|hypothesis|jsonschema'
 make_venv "$BUILD_DIR/venv-vllm" tests/reference/vllm/requirements.txt 'cbor2'
+make_venv "$BUILD_DIR/venv-cluster" tests/cluster/requirements.txt 'ai-dynamo-runtime|pyzmq|msgpack'

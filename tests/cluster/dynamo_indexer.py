@@ -113,6 +113,13 @@ class Indexer:
         if reply.get("status") != "ok":
             raise RuntimeError(f"register {instance_id}: {reply}")
 
+    def unregister(self, instance_id, model_name):
+        """Drops the node and what the index holds of it (a restarted node: see
+        docs/cluster.md, "Pitfalls")."""
+        reply = self._post("/unregister", {"instance_id": instance_id, "model_name": model_name})
+        if reply.get("status") != "ok":
+            raise RuntimeError(f"unregister {instance_id}: {reply}")
+
     def query_raw(self, token_ids, model_name):
         """/query's reply: {"scores": {id: {dp rank: tokens}} (the device tier only),
         "instances": {id: {"longest_matched", "gpu", "cpu", "disk", "dp"}}, ...}."""
