@@ -193,6 +193,12 @@ def main():
         # its stale blocks (docs/cluster.md, "Pitfalls"). Seen, printed, not counted.
         stale = indexer.await_scores(tokens, MODEL_NAME, {2: full}, timeout_s=5)
         print(f"note: after the restart, before re-registering: {stale}", flush=True)
+        fresh = prompt_text(rng, 100)
+        fresh_tokens = [bos] + a.tokenize(fresh)
+        a.generate(fresh)
+        seen = indexer.await_scores(fresh_tokens, MODEL_NAME, {1: full}, timeout_s=5)
+        print(f"note: a new prompt on the restarted A, before re-registering: {seen}",
+              flush=True)
         # The operator's step: unregister the node and register it again.
         indexer.unregister(1, MODEL_NAME)
         indexer.register(1, a.pub, a.replay, MODEL_NAME)
