@@ -12,6 +12,7 @@ not covered here (no GPU in the tests).
 """
 
 import json
+import os
 import pathlib
 import re
 import shutil
@@ -59,11 +60,16 @@ def main() -> int:
                         f"--seed={seed}"], check=True, capture_output=True, timeout=60)
         trace = work / "trace"
         log = open(work / "launch.log", "w+")
+        # LeakSanitizer cannot run under ptrace: in a sanitizer build (scripts/test.sh's ASan
+        # stage) the traced processes run without it, or each would report a fatal error.
+        env = dict(os.environ)
+        if "ASAN_OPTIONS" in env:
+            env["ASAN_OPTIONS"] += ":detect_leaks=0"
         launch = subprocess.Popen(
             ["strace", "-f", "-qq", "-o", str(trace), str(bin_dir / "kvcm-launch"),
              "--model", str(work / "model"), "--executors", "2", "--run-dir", str(work / "run"),
              "--port", "0", "--num-blocks", "256", "--backend", "shm"],
-            stdout=log, stderr=subprocess.STDOUT)
+            stdout=log, stderr=subprocess.STDOUT, env=env)
         url = None
         deadline = time.monotonic() + 90
         while url is None and time.monotonic() < deadline and launch.poll() is None:
