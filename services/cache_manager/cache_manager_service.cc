@@ -624,6 +624,30 @@ int CacheManagerService::ExpireSessions(absl::Time now) {
     }
   }
   for (uint64_t id : unverified) EndSession(id, ReclaimReason::kLeaseExpired);
+  // A process the kernel vouched for that holds a quarantined executor session and a live
+  // one has given up the first: a Hello retried after its reply came too late (lost, or the
+  // cache manager stalled) leaves a session the client never learnt of. It would never
+  // answer nor be ended by its lease, and wait in every fence for ever. The process is one
+  // writer (as when it registers again after quarantine, HandleHello), so its fences move
+  // to the live session, which acknowledges them once it runs no step of theirs.
+  absl::flat_hash_map<pid_t, uint64_t> live_executor;
+  for (const auto& [id, session] : sessions_) {
+    if (session.role == wire::Role::Executor && session.pid_verified && !session.quarantined) {
+      live_executor.emplace(session.pid, id);
+    }
+  }
+  std::vector<std::pair<uint64_t, uint64_t>> superseded;  // (given up, live successor)
+  for (const auto& [id, session] : sessions_) {
+    if (session.role != wire::Role::Executor || !session.pid_verified || !session.quarantined) {
+      continue;
+    }
+    if (auto live = live_executor.find(session.pid); live != live_executor.end()) {
+      superseded.emplace_back(id, live->second);
+    }
+  }
+  for (const auto& [id, successor] : superseded) {
+    EndSession(id, ReclaimReason::kSessionReplaced, successor);
+  }
   // Sessions holding nothing have nothing to quarantine: end them at once (a kvcmctl that
   // was killed between calls, an executor that hung).
   std::vector<uint64_t> empty;

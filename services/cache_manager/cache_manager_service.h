@@ -29,6 +29,9 @@
 //   write), its requests are refused as StaleSession, and its blocks show as quarantined.
 // - A session ends on Goodbye, when its process dies (OnProcessExited), or when the same
 //   process registers again after being quarantined (it has then given up the old session).
+//   An executor session also ends once quarantined while its process holds a live executor
+//   session: a Hello retried after its reply came too late leaves one the client never
+//   learnt of (ExpireSessions moves its fences to the live one).
 //
 // Fencing (docs/architecture.md, "Fencing"): a block is never handed to a new owner while a
 // process told to write it may still run. The writers are the executors, and the cache
@@ -43,7 +46,8 @@
 // cached) and counted as reclaimed for the reason the router ended. Until then their
 // blocks show as draining. A hung executor is quarantined but keeps its place in every
 // fence until it answers or dies: an executor session holding no blocks is never ended
-// by its lease. An executor that registers again takes its old session's fences along.
+// by its lease. An executor that registers again takes its old session's fences along, and
+// so does a live executor session of the process of a quarantined one.
 // With no executor session at all, nothing can be writing, and the sequences are freed
 // at once.
 //

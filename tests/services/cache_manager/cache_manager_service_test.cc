@@ -1008,6 +1008,42 @@ TEST_F(CacheManagerFenceTest, HungExecutorKeepsItsFenceUntilItDiesOrComesBack) {
   EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
 }
 
+// Found by the deterministic simulation (tests/sim/): an executor whose Hello was answered
+// too late (the reply lost, or the cache manager stalled) sends another and goes on with
+// the second session. The first, never used, is quarantined; executors are never ended by
+// their lease, so it used to wait in every later fence for ever and the blocks of every
+// router that ended afterwards stayed draining while the executor lived.
+TEST_F(CacheManagerFenceTest, AnUnusedSessionOfARetriedExecutorHelloDoesNotHoldFencesForEver) {
+  const uint64_t unused = Hello(wire::Role::Executor, kExecutorPid);
+  const uint64_t exec = Hello(wire::Role::Executor, kExecutorPid);
+  ASSERT_NE(unused, exec);
+  const uint64_t router = Hello();
+  ASSERT_EQ(ErrorOf(Step(router, {Allocate(1, 12)})), wire::ErrorCode::Ok);
+  service_->OnProcessExited(kRouterPid);
+  EXPECT_EQ(service_->DrainingBlocks(), 3);
+  // The executor heartbeats on its session and acknowledges what it is told, as it does.
+  for (int i = 0; i < 8; ++i) {
+    now_ += absl::Seconds(1);
+    std::vector<uint64_t> acks;
+    for (const auto& [fence, router_session] : Heartbeat(exec, kExecutorPid)) {
+      acks.push_back(fence);
+    }
+    if (!acks.empty()) Heartbeat(exec, kExecutorPid, acks);
+    service_->ExpireSessions(now_);
+  }
+  // The unused session was given up for the live one of the same process, which took its
+  // place in the fence and acknowledged it.
+  EXPECT_EQ(service_->num_sessions(), 1);
+  EXPECT_EQ(ErrorOf(Request(unused, wire::Message::Heartbeat,
+                            [](auto& b) { return wire::CreateHeartbeat(b).Union(); },
+                            kExecutorPid)),
+            wire::ErrorCode::StaleSession);
+  EXPECT_EQ(service_->open_fences(), 0);
+  EXPECT_EQ(service_->DrainingBlocks(), 0);
+  EXPECT_EQ(service_->ledger().Stats().free_blocks, kBlocks);
+  EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
+}
+
 TEST_F(CacheManagerFenceTest, AFreeWithDrainWaitsForTheExecutorsWhileTheRouterLivesOn) {
   const uint64_t router = Hello();
   const uint64_t executor = Hello(wire::Role::Executor, 2000);
