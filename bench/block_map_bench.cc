@@ -19,6 +19,8 @@
 //                             per-block record) and counts those with a nonzero field.
 // The ratio table compares each with the floor, per block. Nothing here is random.
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -113,7 +115,8 @@ class FilledService {
   CacheManagerService& service() { return *service_; }
   // Handles the BlockMap request; the reply stays in reply_.
   void HandleBlockMap() {
-    service_->Handle(PeerCredentials{1, 1, kRouterPid}, block_map_request_, now_, &reply_);
+    service_->Handle(PeerCredentials{::geteuid(), 1, kRouterPid}, block_map_request_, now_,
+                     &reply_);
   }
   const wire::Envelope& Reply() const { return *wire::GetEnvelope(reply_.GetBufferPointer()); }
   size_t reply_bytes() const { return reply_.GetSize(); }
@@ -142,7 +145,7 @@ class FilledService {
         << wire::EnumNameMessage(Reply().payload_type());
   }
   void Send() {
-    service_->Handle(PeerCredentials{1, 1, kRouterPid},
+    service_->Handle(PeerCredentials{::geteuid(), 1, kRouterPid},
                      std::span<const uint8_t>(request_.GetBufferPointer(), request_.GetSize()),
                      now_, &reply_);
   }

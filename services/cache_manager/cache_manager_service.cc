@@ -1,6 +1,7 @@
 #include "services/cache_manager/cache_manager_service.h"
 
 #include <sys/random.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -9,6 +10,7 @@
 
 #include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "common/base/check.h"
 #include "common/wire/convert.h"
@@ -156,6 +158,8 @@ CacheManagerService::CacheManagerService(const Options& options, BlockLedger led
                                          ProcessWatcher* watcher,
                                          CacheManagerMetrics* metrics, absl::Time now)
     : options_(options),
+      allowed_uids_(options.allowed_uids.empty() ? std::vector<uid_t>{::geteuid()}
+                                                 : options.allowed_uids),
       ledger_(std::move(ledger)),
       watcher_(watcher),
       metrics_(metrics),
@@ -168,6 +172,17 @@ void CacheManagerService::Handle(const std::optional<PeerCredentials>& peer,
                                  flatbuffers::FlatBufferBuilder* reply) {
   reply->Clear();
   const VerifiedEnvelope verified = VerifyEnvelope(request, options_.max_message_bytes);
+  // Another user's process is served nothing, whatever it sent: not a session, not Stats,
+  // not even a reason why its bytes are malformed.
+  if (peer.has_value() &&
+      std::find(allowed_uids_.begin(), allowed_uids_.end(), peer->uid) == allowed_uids_.end()) {
+    return Reject(verified.request_id,
+                  {RejectReason::kPermissionDenied, wire::ErrorCode::PermissionDenied,
+                   absl::StrCat("uid ", peer->uid, " (pid ", peer->pid,
+                                ") may not use this cache manager: it serves uid ",
+                                absl::StrJoin(allowed_uids_, ", "), " only")},
+                  reply);
+  }
   if (verified.fault != EnvelopeFault::kNone) {
     // The reply names the request when its id could be read, so that the sender sees the
     // refusal instead of waiting out its timeout.

@@ -128,6 +128,12 @@ class CacheManagerService {
     int32_t max_sessions = 4096;
     int32_t max_sessions_per_process = 64;
     int32_t max_sequences_per_session = 1 << 20;
+    // Over ipc:// only peers whose uid the kernel reports as one of these are served; any
+    // other's every message is refused (PermissionDenied, counted as permission_denied),
+    // its Hello first of all. The run directory's mode 0700 already keeps other users off
+    // the socket; this holds when a deployment opens it (docs/RELIABILITY.md, "Security").
+    // Empty: this process's effective uid only, as the pool fd channel serves.
+    std::vector<uid_t> allowed_uids;
     PoolExport pool;
     // The secret a Router or Executor must give in Hello over tcp:// (the contents of
     // RUN_DIR/tcp-secret); empty: no tcp:// endpoint, so every peer has credentials.
@@ -329,6 +335,8 @@ class CacheManagerService {
                        flatbuffers::FlatBufferBuilder* reply);
 
   const Options options_;
+  // options_.allowed_uids, or this process's effective uid when it is empty.
+  const std::vector<uid_t> allowed_uids_;
   BlockLedger ledger_;
   ProcessWatcher* const watcher_;
   CacheManagerMetrics* const metrics_;

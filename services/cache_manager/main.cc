@@ -84,6 +84,16 @@ ABSL_FLAG(int32_t, sliding_window_tokens, 0,
           "windows yet.");
 ABSL_FLAG(int32_t, max_pinned_blocks, 0, "Most blocks named pins may hold; 0 = half the pool.");
 ABSL_FLAG(int32_t, max_ops_per_step, 4096, "Most operations in one Step message.");
+ABSL_FLAG(int64_t, max_message_bytes, 16 << 20,
+          "Largest request, and largest reply a Step may need, in bytes (64 KiB to 1 GiB); "
+          "larger are refused as oversized.");
+ABSL_FLAG(int32_t, max_hashes_per_message, 1 << 16,
+          "Most block hashes in one message (a Step's commits, a prefix request).");
+ABSL_FLAG(int32_t, max_sessions, 4096, "Most sessions open at once; more Hellos are refused.");
+ABSL_FLAG(int32_t, max_sessions_per_process, 64,
+          "Most sessions one client process may hold open.");
+ABSL_FLAG(int32_t, max_sequences_per_session, 1 << 20,
+          "Most live sequences one session may hold; Steps allocating more are refused.");
 ABSL_FLAG(int32_t, hello_timeout_ms, 10000,
           "A connection that sends nothing this long after it was accepted is closed (it "
           "holds a descriptor and is no client: clients say Hello at once); 0: never.");
@@ -321,6 +331,17 @@ int Main(const std::vector<config::Setting>& settings) {
   service.heartbeat_interval = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_interval_ms));
   service.heartbeat_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_timeout_ms));
   service.max_ops_per_step = absl::GetFlag(FLAGS_max_ops_per_step);
+  // The limit travels in HelloReply as 32 bits; below 64 KiB not even a modest Step fits.
+  const int64_t max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  if (max_message_bytes < (int64_t{64} << 10) || max_message_bytes > (int64_t{1} << 30)) {
+    return fail(absl::InvalidArgumentError(absl::StrCat(
+        "--max-message-bytes ", max_message_bytes, " is outside 65536-1073741824")));
+  }
+  service.max_message_bytes = static_cast<size_t>(max_message_bytes);
+  service.max_hashes_per_message = absl::GetFlag(FLAGS_max_hashes_per_message);
+  service.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  service.max_sessions_per_process = absl::GetFlag(FLAGS_max_sessions_per_process);
+  service.max_sequences_per_session = absl::GetFlag(FLAGS_max_sequences_per_session);
   if (absl::Status checked = CacheManagerService::CheckOptions(service); !checked.ok()) {
     return fail(checked);
   }

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -56,6 +57,17 @@ absl::Status MakeDirectory(const std::string& path) {
     return absl::PermissionDeniedError(absl::StrCat(
         "run directory ", path, " belongs to uid ", st.st_uid, ", not to this user (uid ",
         ::geteuid(), ")"));
+  }
+  // One that others could write may hold what they planted (a socket, a lock file, a link
+  // under the names the clients open): refused, as the clients refuse it
+  // (CheckIpcDirectory). Narrower modes are only made private.
+  if ((st.st_mode & 022) != 0) {
+    char mode[8];
+    std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    return absl::PermissionDeniedError(absl::StrCat(
+        "run directory ", path, " (mode ", mode, ") can be written by other users, who could "
+        "have planted files in it: refused; remove it (the cache manager creates it with mode "
+        "0700) or check its contents and chmod 0700 it"));
   }
   if ((st.st_mode & 0777) != 0700 && ::fchmod(dir.get(), 0700) != 0) {
     return absl::InternalError(absl::StrCat("cannot chmod 0700 ", path, ": ", Errno()));

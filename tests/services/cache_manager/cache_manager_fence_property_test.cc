@@ -9,6 +9,8 @@
 //
 // Seeds are fixed and printed; KVCM_FENCE_SEED=N replays one.
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -112,7 +114,7 @@ class FenceModel {
   const wire::Envelope& Send(pid_t pid, uint64_t session, wire::Message type,
                              flatbuffers::Offset<void> payload) {
     FinishEnvelope(request_, ++request_id_, session, 5, type, payload);
-    service_->Handle(PeerCredentials{1, 1, pid}, BufferSpan(request_), now_, &reply_);
+    service_->Handle(PeerCredentials{::geteuid(), 1, pid}, BufferSpan(request_), now_, &reply_);
     verified_ = VerifyEnvelope(BufferSpan(reply_));
     EXPECT_NE(verified_.envelope, nullptr) << verified_.reason;
     return *verified_.envelope;
@@ -123,7 +125,8 @@ class FenceModel {
     request_.Clear();
     const BlockOp ops[] = {op};
     EXPECT_TRUE(EncodeStep(request_, ++request_id_, router.session, 5, ops).ok());
-    service_->Handle(PeerCredentials{1, 1, router.pid}, BufferSpan(request_), now_, &reply_);
+    service_->Handle(PeerCredentials{::geteuid(), 1, router.pid}, BufferSpan(request_), now_,
+                     &reply_);
     verified_ = VerifyEnvelope(BufferSpan(reply_));
     EXPECT_NE(verified_.envelope, nullptr) << verified_.reason;
     return *verified_.envelope;

@@ -24,6 +24,7 @@
 // Seeds: tests/services/cache_manager/fuzz/cache_manager/ (tests/services/fuzz_seeds.cc).
 
 #include <sys/types.h>
+#include <unistd.h>
 
 #include <array>
 #include <cstddef>
@@ -155,7 +156,8 @@ class Harness {
   // Sends `request` as `sender`; true for an answer other than an ErrorReply.
   bool Send(const Client& sender, std::span<const uint8_t> request) {
     const std::optional<PeerCredentials> peer =
-        sender.over_tcp ? std::nullopt : std::optional<PeerCredentials>({1, 1, sender.pid});
+        sender.over_tcp ? std::nullopt
+                        : std::optional<PeerCredentials>({::geteuid(), 1, sender.pid});
     service_->Handle(peer, request, now_, &reply_);
     const VerifiedEnvelope verified = VerifyEnvelope(BufferSpan(reply_));
     Check(verified.envelope != nullptr, "the reply is an envelope that verifies");

@@ -4,6 +4,8 @@
 
 #include "services/cache_manager/cache_manager_service.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -129,7 +131,8 @@ class CacheManagerServiceTest : public ::testing::Test {
   const wire::Envelope& Send(std::span<const uint8_t> bytes, pid_t pid = kRouterPid) {
     // Over tcp:// the service gets no credentials.
     const std::optional<PeerCredentials> peer =
-        over_tcp_ ? std::nullopt : std::optional<PeerCredentials>(PeerCredentials{1, 1, pid});
+        over_tcp_ ? std::nullopt
+                  : std::optional<PeerCredentials>(PeerCredentials{::geteuid(), 1, pid});
     service_->Handle(peer, bytes, now_, &reply_);
     const VerifiedEnvelope verified = VerifyEnvelope(BufferSpan(reply_));
     EXPECT_EQ(verified.fault, EnvelopeFault::kNone) << verified.reason;
