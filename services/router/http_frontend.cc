@@ -2,6 +2,7 @@
 #include "services/router/http_requests.h"
 
 #include <event2/buffer.h>
+#include <event2/bufferevent.h>
 #include <event2/event.h>
 #include <event2/http.h>
 #include <event2/keyvalq_struct.h>
@@ -90,6 +91,72 @@ struct HttpFrontend::Impl {
 
   Mutex mailbox_mutex;
   std::vector<Progress> mailbox ABSL_GUARDED_BY(mailbox_mutex);
+
+  // Requests still arriving and when they must be whole (Options::request_timeout: from
+  // their first byte), by their connection's input buffer. libevent 2.1 tells nothing when
+  // a connection goes, so an entry outlives its connection until a new connection's input
+  // buffer takes its address (NewConnection overwrites it); only buffers made there carry
+  // OnInput, so a stale entry is never read. The map stays about as large as the most
+  // connections open at once.
+  struct Arrival {
+    bufferevent* connection = nullptr;
+    // InfinitePast: waiting for a request's first byte; InfiniteFuture: a request is being
+    // answered (or the connection was dropped).
+    absl::Time deadline = absl::InfinitePast();
+  };
+  absl::flat_hash_map<const evbuffer*, Arrival> arrivals;
+
+  // evhttp_set_bevcb: the bufferevent of a new connection, as libevent makes it itself,
+  // with OnInput watching what arrives.
+  static bufferevent* NewConnection(event_base* base, void* arg) {
+    auto* self = static_cast<Impl*>(arg);
+    bufferevent* connection = bufferevent_socket_new(base, -1, 0);
+    if (connection == nullptr) return nullptr;
+    evbuffer* input = bufferevent_get_input(connection);
+    self->arrivals[input] = {connection, absl::InfinitePast()};
+    evbuffer_add_cb(input, &Impl::OnInput, self);
+    return connection;
+  }
+  // Called as bytes are added to a connection's input, before libevent parses them. A
+  // request past its deadline has its connection dropped as libevent's own read timeout
+  // drops it (no reply), deferred: this runs inside the bufferevent's read.
+  static void OnInput(evbuffer* input, const evbuffer_cb_info* info, void* arg) {
+    if (info->n_added == 0) return;
+    auto* self = static_cast<Impl*>(arg);
+    auto it = self->arrivals.find(input);
+    if (it == self->arrivals.end()) return;
+    const absl::Time now = MonotonicNow();
+    if (it->second.deadline == absl::InfinitePast()) {  // a request's first bytes
+      it->second.deadline = now + self->options.request_timeout;
+      return;
+    }
+    if (now <= it->second.deadline) return;
+    it->second.deadline = absl::InfiniteFuture();  // dropped once
+    if (self->metrics != nullptr) self->metrics->CountSlowRequestDropped();
+    bufferevent_trigger_event(it->second.connection, BEV_EVENT_READING | BEV_EVENT_TIMEOUT,
+                              BEV_TRIG_DEFER_CALLBACKS);
+  }
+  evbuffer* InputOf(evhttp_request* request) {
+    evhttp_connection* connection = evhttp_request_get_connection(request);
+    if (connection == nullptr) return nullptr;
+    bufferevent* events = evhttp_connection_get_bufferevent(connection);
+    return events == nullptr ? nullptr : bufferevent_get_input(events);
+  }
+  // A request arrived whole: no deadline while it is answered; the next one on the
+  // connection has its own from its first byte.
+  void NoteArrived(evhttp_request* request) {
+    if (options.request_timeout <= absl::ZeroDuration()) return;
+    if (auto it = arrivals.find(InputOf(request)); it != arrivals.end()) {
+      it->second.deadline = absl::InfiniteFuture();
+    }
+    evhttp_request_set_on_complete_cb(request, &Impl::OnReplied, this);
+  }
+  static void OnReplied(evhttp_request* request, void* arg) {
+    auto* self = static_cast<Impl*>(arg);
+    if (auto it = self->arrivals.find(self->InputOf(request)); it != self->arrivals.end()) {
+      it->second.deadline = absl::InfinitePast();
+    }
+  }
 
   // What one generated sequence produced.
   struct Choice {
@@ -767,6 +834,7 @@ struct HttpFrontend::Impl {
   }
 
   static void OnRequest(evhttp_request* request, void* arg) {
+    static_cast<Impl*>(arg)->NoteArrived(request);
     // libevent reads no body of a HEAD or TRACE request: one sent with a body would have it
     // read as the next request on the connection (a request smuggled past the client's
     // framing). Such a connection is closed once answered.
@@ -961,7 +1029,11 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(const Options&
   if (impl.base == nullptr) return absl::InternalError("event_base_new failed");
   impl.http = evhttp_new(impl.base);
   evhttp_set_max_body_size(impl.http, static_cast<ev_ssize_t>(options.max_body_bytes));
+  evhttp_set_max_headers_size(impl.http, static_cast<ev_ssize_t>(options.max_header_bytes));
   evhttp_set_timeout(impl.http, options.timeout_seconds);
+  if (options.request_timeout > absl::ZeroDuration()) {
+    evhttp_set_bevcb(impl.http, &Impl::NewConnection, &impl);
+  }
   // Every method reaches Route(), which answers one a route does not take with 405.
   evhttp_set_allowed_methods(impl.http, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_HEAD |
                                             EVHTTP_REQ_PUT | EVHTTP_REQ_DELETE |

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "common/chat/chat_template.h"
 #include "common/tokenizer/tokenizer.h"
 #include "services/router/dashboard.h"
@@ -68,8 +69,15 @@ class HttpFrontend {
     int32_t max_top_n_tokens = 5;
     // Most sequences one request may generate (TGI's best_of, OpenAI's n and best_of).
     int32_t max_best_of = 4;
+    // Larger bodies get 413, larger header blocks 400, from libevent before any handler
+    // runs.
     size_t max_body_bytes = 1 << 20;
+    size_t max_header_bytes = 16 << 10;
     int timeout_seconds = 60;  // a client that sends nothing for this long is dropped
+    // A request must arrive whole (line, headers and body) within this of its connection's
+    // accept, or of the previous reply on the connection; a client trickling bytes more
+    // slowly (slowloris) is dropped at its next byte after the deadline. 0: no deadline.
+    absl::Duration request_timeout = absl::Seconds(10);
     std::string model_id;
     // /v1/chat/completions renders messages with it (null: that endpoint answers 501); it
     // outlives the front end. bos_token and eos_token are the template's variables.

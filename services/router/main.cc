@@ -49,6 +49,15 @@ ABSL_FLAG(int32_t, port, 3000, "The HTTP port (0: any free one, printed on the r
 ABSL_FLAG(int32_t, max_concurrent_requests, 128,
           "Requests in flight at most; more get 429.");
 ABSL_FLAG(int32_t, max_input_tokens, 1024, "Prompt tokens per request at most.");
+ABSL_FLAG(int64_t, max_request_body_bytes, 1 << 20,
+          "Largest HTTP request body; larger ones get 413.");
+ABSL_FLAG(int64_t, max_request_header_bytes, 16 << 10,
+          "Largest HTTP request line and headers together; larger ones get 400.");
+ABSL_FLAG(int32_t, http_request_timeout_ms, 10000,
+          "An HTTP request must arrive whole (headers and body) within this of its first "
+          "byte, or its connection is dropped (slow clients, slowloris); 0: no limit.");
+ABSL_FLAG(int32_t, http_idle_timeout_seconds, 60,
+          "An HTTP connection on which nothing is read or written this long is closed.");
 ABSL_FLAG(int32_t, max_total_tokens, 2048, "Prompt plus max_new_tokens per request at most.");
 ABSL_FLAG(int32_t, max_batch_prefill_tokens, 4096, "Prompt tokens computed in one step.");
 ABSL_FLAG(int64_t, max_batch_total_tokens, 0,
@@ -176,6 +185,20 @@ int Main(const std::vector<config::Setting>& settings) {
   http.port = absl::GetFlag(FLAGS_port);
   http.max_concurrent_requests = absl::GetFlag(FLAGS_max_concurrent_requests);
   http.max_input_tokens = absl::GetFlag(FLAGS_max_input_tokens);
+  if (absl::GetFlag(FLAGS_max_request_body_bytes) < 1024 ||
+      absl::GetFlag(FLAGS_max_request_header_bytes) < 1024) {
+    return fail(absl::InvalidArgumentError(
+        "--max-request-body-bytes and --max-request-header-bytes must be at least 1024"));
+  }
+  if (absl::GetFlag(FLAGS_http_request_timeout_ms) < 0 ||
+      absl::GetFlag(FLAGS_http_idle_timeout_seconds) <= 0) {
+    return fail(absl::InvalidArgumentError(
+        "--http-request-timeout-ms must be >= 0 and --http-idle-timeout-seconds > 0"));
+  }
+  http.max_body_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_max_request_body_bytes));
+  http.max_header_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_max_request_header_bytes));
+  http.request_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_http_request_timeout_ms));
+  http.timeout_seconds = absl::GetFlag(FLAGS_http_idle_timeout_seconds);
   http.max_total_tokens = absl::GetFlag(FLAGS_max_total_tokens);
   http.max_top_n_tokens = absl::GetFlag(FLAGS_max_top_n_tokens);
   http.max_best_of = absl::GetFlag(FLAGS_max_best_of);

@@ -55,6 +55,10 @@ constexpr MetricSpec kTpot{"kvcm_router_time_per_output_token_seconds", MetricTy
                            "", "Between a request's consecutive generated tokens."};
 constexpr MetricSpec kE2e{"kvcm_router_request_duration_seconds", MetricType::Histogram, "",
                           "From a request's arrival to its last token."};
+constexpr MetricSpec kSlowDropped{
+    "kvcm_router_http_slow_requests_dropped_total", MetricType::Counter, "",
+    "HTTP connections dropped because their request did not arrive whole within "
+    "--http-request-timeout-ms (a slow or slowloris client)."};
 
 // Not in this list: kvcm_router_config_info, the effective configuration (a gauge at 1,
 // one label per option), which main.cc adds to the same registry (common/config/config.h):
@@ -62,7 +66,7 @@ constexpr MetricSpec kE2e{"kvcm_router_request_duration_seconds", MetricType::Hi
 constexpr std::array kSpecs = {kQueued,       kRunning,    kExecutors,   kSteps,
                                kStepDuration, kBatchSequences, kBatchTokens, kPromptTokens,
                                kGenerated,    kPreemptions, kRecomputed, kRequests,
-                               kTtft,         kTpot,       kE2e};
+                               kTtft,         kTpot,       kE2e,         kSlowDropped};
 
 constexpr std::array<const char*, kRequestOutcomes> kOutcomeNames = {
     "ok", "invalid", "overloaded", "unavailable", "cancelled"};
@@ -104,6 +108,7 @@ RouterMetrics::RouterMetrics() : registry_(std::make_shared<prometheus::Registry
   ttft_ = &AddHistogramFamily(*registry_, kTtft).Add({}, SecondsBuckets());
   tpot_ = &AddHistogramFamily(*registry_, kTpot).Add({}, SecondsBuckets());
   e2e_ = &AddHistogramFamily(*registry_, kE2e).Add({}, SecondsBuckets());
+  slow_dropped_ = &AddCounterFamily(*registry_, kSlowDropped).Add({});
 }
 
 RouterMetrics::~RouterMetrics() = default;
@@ -143,6 +148,7 @@ void RouterMetrics::CountRequest(RequestApi api, RequestOutcome outcome) {
 void RouterMetrics::ObserveTimeToFirstToken(double seconds) { ttft_->Observe(seconds); }
 void RouterMetrics::ObserveTimePerOutputToken(double seconds) { tpot_->Observe(seconds); }
 void RouterMetrics::ObserveRequestDuration(double seconds) { e2e_->Observe(seconds); }
+void RouterMetrics::CountSlowRequestDropped() { slow_dropped_->Increment(); }
 
 std::span<const MetricSpec> RouterMetrics::Specs() { return kSpecs; }
 

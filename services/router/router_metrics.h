@@ -56,6 +56,7 @@ class RouterMetrics {
   void ObserveTimeToFirstToken(double seconds);
   void ObserveTimePerOutputToken(double seconds);
   void ObserveRequestDuration(double seconds);
+  void CountSlowRequestDropped();
 
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
   static std::span<const MetricSpec> Specs();
@@ -65,6 +66,7 @@ class RouterMetrics {
   prometheus::Gauge* queued_ = nullptr;
   prometheus::Gauge* running_ = nullptr;
   prometheus::Gauge* executors_ = nullptr;
+  prometheus::Counter* slow_dropped_ = nullptr;
   prometheus::Counter* steps_ = nullptr;
   prometheus::Histogram* step_duration_ = nullptr;
   prometheus::Histogram* batch_sequences_ = nullptr;
