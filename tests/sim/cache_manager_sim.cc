@@ -70,9 +70,9 @@ bool IsSessionGone(wire::ErrorCode code) {
 // The hash of block `index` of prompt family `prompt`: sequences of one family share it.
 BlockHash PromptHash(int prompt, int32_t index) {
   BlockHash hash;
-  const uint64_t words[2] = {0x9e3779b97f4a7c15ULL * static_cast<uint64_t>(prompt + 1) +
-                                 static_cast<uint64_t>(index),
-                             static_cast<uint64_t>(index) * 0xbf58476d1ce4e5b9ULL + 7};
+  const uint64_t words[2] = {
+      0x9e3779b97f4a7c15ULL * static_cast<uint64_t>(prompt + 1) + static_cast<uint64_t>(index),
+      static_cast<uint64_t>(index) * 0xbf58476d1ce4e5b9ULL + 7};
   std::memcpy(hash.bytes.data(), words, sizeof(words));
   std::memcpy(hash.bytes.data() + 16, words, sizeof(words));
   return hash;
@@ -208,7 +208,7 @@ struct Executor : Process {
   uint64_t applied_generation = 0;
   bool ack_failed = false;
   absl::Time ack_retry_at;
-  std::set<uint64_t> fenced;                        // router sessions
+  std::set<uint64_t> fenced;                         // router sessions
   std::set<std::pair<uint64_t, SeqId>> fenced_seqs;  // (router session, seq)
   std::deque<StepBatch> queue;
   std::set<std::tuple<int, int, uint64_t>> seen;  // (router, incarnation, step id)
@@ -275,9 +275,7 @@ class World {
     absl::Time at;
     uint64_t order;
     std::function<void()> fn;
-    bool operator>(const Event& o) const {
-      return at != o.at ? at > o.at : order > o.order;
-    }
+    bool operator>(const Event& o) const { return at != o.at ? at > o.at : order > o.order; }
   };
 
   // ---- Scheduling and randomness ----------------------------------------------------------
@@ -313,16 +311,16 @@ class World {
   template <typename... Parts>
   void Trace(const Parts&... parts) {
     if (!options_.trace) return;
-    result_.trace.push_back(Labelled(absl::StrCat(
-        absl::FormatDuration(now_ - start_), " #", result_.stats.events, " ", parts...)));
+    result_.trace.push_back(Labelled(absl::StrCat(absl::FormatDuration(now_ - start_), " #",
+                                                  result_.stats.events, " ", parts...)));
   }
 
   template <typename... Parts>
   void Fail(const Parts&... parts) {
     if (!result_.ok) return;
     result_.ok = false;
-    result_.failure = Labelled(absl::StrCat("at ", absl::FormatDuration(now_ - start_),
-                                            " (event ", result_.stats.events, "): ", parts...));
+    result_.failure = Labelled(absl::StrCat("at ", absl::FormatDuration(now_ - start_), " (event ",
+                                            result_.stats.events, "): ", parts...));
     Trace("VIOLATION ", result_.failure);
   }
 
@@ -463,11 +461,13 @@ class World {
           request.envelope->request_id(), ": ",
           wire::EnumNameMessage(reply.envelope->payload_type()),
           reply.envelope->payload_type() == wire::Message::ErrorReply
-              ? absl::StrCat(" ", wire::EnumNameErrorCode(
-                                      reply.envelope->payload_as_ErrorReply()->code()), " (",
-                             reply.envelope->payload_as_ErrorReply()->reason()
-                                 ? reply.envelope->payload_as_ErrorReply()->reason()->str()
-                                 : std::string(), ")")
+              ? absl::StrCat(
+                    " ", wire::EnumNameErrorCode(reply.envelope->payload_as_ErrorReply()->code()),
+                    " (",
+                    reply.envelope->payload_as_ErrorReply()->reason()
+                        ? reply.envelope->payload_as_ErrorReply()->reason()->str()
+                        : std::string(),
+                    ")")
               : std::string());
     if (reply.envelope->payload_type() == wire::Message::StepReply) {
       ObserveHandout(*request.envelope, *reply.envelope);
@@ -531,10 +531,9 @@ class World {
           const Writer& w = *e.running;
           ++result_.stats.writer_checks;
           if (std::find(w.blocks.begin(), w.blocks.end(), block) == w.blocks.end()) continue;
-          Fail("block ", block, " handed to sequence ", ops[i].seq, " of router session ",
-               session, b < first ? " as a cached prefix" : "", " while executor ",
-               w.executor, " may still write it for sequence ", w.seq,
-               " of router session ", w.router_session);
+          Fail("block ", block, " handed to sequence ", ops[i].seq, " of router session ", session,
+               b < first ? " as a cached prefix" : "", " while executor ", w.executor,
+               " may still write it for sequence ", w.seq, " of router session ", w.router_session);
           return;
         }
         if (b >= first) owners_[static_cast<size_t>(block)] = {session, ops[i].seq};
@@ -561,10 +560,10 @@ class World {
     Deliver([this, is_router, index, incarnation, pid, channel, cm,
              bytes = std::move(bytes)]() mutable {
       if (cm != cm_incarnation_) return;  // sent to a cache manager that died
-      ToCacheManager([this, is_router, index, incarnation, pid, channel,
-                      bytes = std::move(bytes)]() mutable {
-        CmHandle(is_router, index, incarnation, pid, channel, std::move(bytes));
-      });
+      ToCacheManager(
+          [this, is_router, index, incarnation, pid, channel, bytes = std::move(bytes)]() mutable {
+            CmHandle(is_router, index, incarnation, pid, channel, std::move(bytes));
+          });
     });
     // A dead cache manager's socket: the client's connection is to whichever runs next,
     // as ZeroMQ reconnects, so later sends reach the new one (cm is read at delivery).
@@ -582,7 +581,8 @@ class World {
     Process& p = is_router ? static_cast<Process&>(routers_[index])
                            : static_cast<Process&>(executors_[index]);
     builder_.Clear();
-    const auto name = builder_.CreateString(absl::StrCat(is_router ? "router-" : "executor-", index));
+    const auto name =
+        builder_.CreateString(absl::StrCat(is_router ? "router-" : "executor-", index));
     const auto hello = wire::CreateHello(
         builder_, is_router ? wire::Role::Router : wire::Role::Executor, p.pid, name);
     const uint64_t request_id = p.link.next_request_id++;
@@ -601,8 +601,7 @@ class World {
     const auto heartbeat =
         wire::CreateHeartbeat(builder_, acks.empty() ? 0 : builder_.CreateVector(acks));
     uint64_t id = 0;
-    std::vector<uint8_t> bytes =
-        Finish(p.link, wire::Message::Heartbeat, heartbeat.Union(), &id);
+    std::vector<uint8_t> bytes = Finish(p.link, wire::Message::Heartbeat, heartbeat.Union(), &id);
     SendCall(is_router, index, channel, wire::Message::Heartbeat, std::move(bytes), id);
   }
 
@@ -798,8 +797,7 @@ class World {
     // kvcm-router does for an executor it dropped without proof that it stopped.
     std::vector<BlockOp> ops;
     for (RouterSeq& s : router.seqs) {
-      if (s.state == RouterSeq::kGiveUp ||
-          (s.state == RouterSeq::kWriting && now_ >= s.deadline)) {
+      if (s.state == RouterSeq::kGiveUp || (s.state == RouterSeq::kWriting && now_ >= s.deadline)) {
         ops.push_back(BlockOp::Free(s.id, /*drain=*/true));
       }
     }
@@ -902,7 +900,8 @@ class World {
     }
     if (call.type == wire::Message::Heartbeat) {
       if (reply->payload_type() != wire::Message::HeartbeatReply) {
-        Fail("router ", r, ": heartbeat answered by ", wire::EnumNameMessage(reply->payload_type()));
+        Fail("router ", r, ": heartbeat answered by ",
+             wire::EnumNameMessage(reply->payload_type()));
       }
       return;
     }
@@ -910,9 +909,8 @@ class World {
     if (call.generation != router.link.generation) return;
     if (reply->payload_type() != wire::Message::StepReply) {
       const wire::ErrorReply* error = reply->payload_as_ErrorReply();
-      Fail("router ", r, ": step refused: ",
-           error ? wire::EnumNameErrorCode(error->code()) : "?", " ",
-           error && error->reason() ? error->reason()->str() : "");
+      Fail("router ", r, ": step refused: ", error ? wire::EnumNameErrorCode(error->code()) : "?",
+           " ", error && error->reason() ? error->reason()->str() : "");
       return;
     }
     auto outcomes = DecodeStepReply(*reply->payload_as_StepReply(), router.step_ops.size());
@@ -1071,9 +1069,8 @@ class World {
     Process& p = is_router ? static_cast<Process&>(routers_[index])
                            : static_cast<Process&>(executors_[index]);
     if (p.incarnation != incarnation || !p.alive) return;
-    At(now_ + kHeartbeatInterval, [this, is_router, index, incarnation] {
-      BeatTick(is_router, index, incarnation);
-    });
+    At(now_ + kHeartbeatInterval,
+       [this, is_router, index, incarnation] { BeatTick(is_router, index, incarnation); });
     // require_progress: a hung process renews nothing.
     if (p.hung || !p.link.registered || p.link.lost) return;
     if (p.link.beat.active && now_ < p.link.beat.deadline) return;
@@ -1279,12 +1276,14 @@ class World {
     if (call.type != wire::Message::Heartbeat) return;
     const wire::HeartbeatReply* beat = reply->payload_as_HeartbeatReply();
     if (beat == nullptr) {
-      Fail("executor ", e, ": heartbeat answered by ", wire::EnumNameMessage(reply->payload_type()));
+      Fail("executor ", e, ": heartbeat answered by ",
+           wire::EnumNameMessage(reply->payload_type()));
       return;
     }
     std::vector<FenceNotice> fences;
     if (beat->fences() != nullptr) {
-      for (const wire::Fence* f : *beat->fences()) fences.push_back({f->id(), f->router_session(), {}});
+      for (const wire::Fence* f : *beat->fences())
+        fences.push_back({f->id(), f->router_session(), {}});
     }
     if (beat->sequence_fences() != nullptr) {
       for (const wire::SequenceFence* f : *beat->sequence_fences()) {
@@ -1317,17 +1316,15 @@ class World {
       ++result_.stats.writer_checks;
       const auto& [session, seq] = owners_[static_cast<size_t>(block)];
       if (session != w.router_session || seq != w.seq) {
-        Fail("executor ", w.executor, starting ? " starts writing" : " may still write",
-             " block ", block, " for sequence ", w.seq, " of router session ",
-             w.router_session, ", but it was handed to sequence ", seq, " of router session ",
-             session, " since");
+        Fail("executor ", w.executor, starting ? " starts writing" : " may still write", " block ",
+             block, " for sequence ", w.seq, " of router session ", w.router_session,
+             ", but it was handed to sequence ", seq, " of router session ", session, " since");
         return;
       }
       if (ledger.StateOf(block) != BlockState::kInUse) {
-        Fail("executor ", w.executor, starting ? " starts writing" : " may still write",
-             " block ", block, " for sequence ", w.seq, " of router session ",
-             w.router_session, ", but the block is ",
-             std::string(BlockStateName(ledger.StateOf(block))));
+        Fail("executor ", w.executor, starting ? " starts writing" : " may still write", " block ",
+             block, " for sequence ", w.seq, " of router session ", w.router_session,
+             ", but the block is ", std::string(BlockStateName(ledger.StateOf(block))));
         return;
       }
     }
@@ -1361,7 +1358,8 @@ class World {
   // The sessions the cache manager holds, as `kvcmctl stats` lists them (for a failure).
   std::string Sessions() {
     builder_.Clear();
-    const auto hello = wire::CreateHello(builder_, wire::Role::Control, 1, builder_.CreateString("sim"));
+    const auto hello =
+        wire::CreateHello(builder_, wire::Role::Control, 1, builder_.CreateString("sim"));
     FinishEnvelope(builder_, 1, 0, 0, wire::Message::Hello, hello.Union());
     service_->Handle(PeerCredentials{::geteuid(), ::getegid(), 1}, BufferSpan(builder_), now_,
                      &reply_);
@@ -1379,8 +1377,8 @@ class World {
     for (const wire::SessionSummary* s : *reply->payload_as_StatsReply()->session_list()) {
       if (s->session_id() == session) continue;
       absl::StrAppend(&out, " [", wire::EnumNameRole(s->role()), " pid ", s->pid(),
-                      s->quarantined() ? " quarantined" : "", " seqs ", s->sequences(),
-                      " fences ", s->pending_fences(), "]");
+                      s->quarantined() ? " quarantined" : "", " seqs ", s->sequences(), " fences ",
+                      s->pending_fences(), "]");
     }
     return out;
   }

@@ -61,9 +61,9 @@ struct SimStats {
   int64_t cm_crashes = 0;
   int64_t cm_hangs = 0;
   int64_t goodbyes = 0;
-  int64_t steps_written = 0;   // steps an executor accepted and wrote
-  int64_t steps_refused = 0;   // refused by an executor (fenced, another epoch, detached)
-  int64_t drained_frees = 0;   // FreeOp.drain of a step given up on
+  int64_t steps_written = 0;  // steps an executor accepted and wrote
+  int64_t steps_refused = 0;  // refused by an executor (fenced, another epoch, detached)
+  int64_t drained_frees = 0;  // FreeOp.drain of a step given up on
   int64_t fence_acks = 0;
   int64_t quarantines = 0;
   int64_t blocks_handed = 0;

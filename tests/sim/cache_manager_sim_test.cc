@@ -6,6 +6,8 @@
 // A failing seed is run again with its trace, which must end in the same violation (the
 // run is a function of the seed), and the trace is printed with the line to replay it.
 
+#include "tests/sim/cache_manager_sim.h"
+
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -14,7 +16,6 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "tests/sim/cache_manager_sim.h"
 
 namespace kvcm::sim {
 namespace {
@@ -91,8 +92,8 @@ TEST(CacheManagerSimTest, EverySeedKeepsTheInvariantsAndRecovers) {
                 result.failure.c_str());
     PrintTrace(replay, kTraceLinesShown);
     EXPECT_EQ(replay.failure, result.failure) << "the replay differs: not deterministic";
-    FAIL() << "seed " << seed << ": " << result.failure
-           << "\n  replay: KVCM_SIM_SEED=" << seed << " " << ::testing::internal::GetArgvs()[0]
+    FAIL() << "seed " << seed << ": " << result.failure << "\n  replay: KVCM_SIM_SEED=" << seed
+           << " " << ::testing::internal::GetArgvs()[0]
            << " --gtest_filter=CacheManagerSimTest.EverySeedKeepsTheInvariantsAndRecovers";
   }
   const double seconds =
