@@ -3,13 +3,16 @@
 // and header blocks over their limits, prompts over the token limits, and slowloris clients
 // that trickle a request's headers byte by byte. Each is refused or dropped, normal
 // requests are answered meanwhile with the model's tokens, and the ledger is whole after.
+// By default the port is reachable on loopback only.
 
 #include <arpa/inet.h>
+#include <ifaddrs.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -208,6 +211,52 @@ TEST_F(RouterSecurityTest, SlowlorisConnectionsAreDroppedAtTheRequestDeadlineWhi
   const StatsSnapshot stats = Stats();
   EXPECT_EQ(stats.in_use_blocks, 0);
   ExpectWhole(stats);
+}
+
+// The first IPv4 address of this machine that is not loopback; "" when it has none.
+std::string NonLoopbackAddress() {
+  ifaddrs* addresses = nullptr;
+  if (::getifaddrs(&addresses) != 0) return "";
+  std::string found;
+  for (ifaddrs* a = addresses; a != nullptr && found.empty(); a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET) continue;
+    const in_addr address = reinterpret_cast<const sockaddr_in*>(a->ifa_addr)->sin_addr;
+    if ((ntohl(address.s_addr) >> 24) == 127) continue;
+    char text[INET_ADDRSTRLEN];
+    if (::inet_ntop(AF_INET, &address, text, sizeof(text)) != nullptr) found = text;
+  }
+  ::freeifaddrs(addresses);
+  return found;
+}
+
+TEST_F(RouterSecurityTest, TheHttpPortListensOnLoopbackOnlyByDefault) {
+  const std::string other = NonLoopbackAddress();
+  if (other.empty()) GTEST_SKIP() << "this machine has no address but loopback";
+  // No --hostname: the default.
+  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/64, /*executors=*/1));
+  const std::string port = url_.substr(url_.rfind(':') + 1);
+  ASSERT_EQ(url_, "http://127.0.0.1:" + port);
+  EXPECT_THAT(Exchange(url_, "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"),
+              HasSubstr("HTTP/1.1 200"));
+  // The same port on the machine's other address refuses the connection.
+  const std::string elsewhere = absl::StrCat("http://", other, ":", port);
+  {
+    int port_number = 0;
+    ASSERT_TRUE(absl::SimpleAtoi(port, &port_number));
+    const int refused_fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_port = htons(static_cast<uint16_t>(port_number));
+    ASSERT_EQ(::inet_pton(AF_INET, other.c_str(), &address.sin_addr), 1);
+    const int rc =
+        ::connect(refused_fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address));
+    const int error = errno;
+    std::printf("connect to %s: %s\n", elsewhere.c_str(),
+                rc == 0 ? "accepted" : std::strerror(error));
+    EXPECT_NE(rc, 0) << elsewhere << " accepted a connection";
+    EXPECT_EQ(error, ECONNREFUSED);
+    ::close(refused_fd);
+  }
 }
 
 }  // namespace
