@@ -1225,7 +1225,12 @@ class World {
     At(executor.running->ends_at, [this, e, token, incarnation] {
       Executor& x = executors_[static_cast<size_t>(e)];
       if (x.incarnation != incarnation || !x.alive || x.run_token != token || !x.running) return;
-      if (x.hung) return;  // Hang() moved the end past the resume
+      if (x.hung) {
+        // Stopped at the instant it would have ended: it ends once resumed.
+        x.running->ends_at = x.hung_until + absl::Milliseconds(1);
+        ScheduleStepEnd(e);
+        return;
+      }
       const Writer w = std::move(*x.running);
       x.running.reset();
       if (!w.stopping) ++result_.stats.steps_written;

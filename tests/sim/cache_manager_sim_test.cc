@@ -1,7 +1,8 @@
 // The deterministic simulation (tests/sim/cache_manager_sim.h) over many seeds.
 //
-//   KVCM_SIM_SEEDS=N   how many seeds (from 1; default kDefaultSeeds)
-//   KVCM_SIM_SEED=S    only seed S, its whole trace printed
+//   KVCM_SIM_SEEDS=N        how many seeds (default kDefaultSeeds)
+//   KVCM_SIM_FIRST_SEED=F   the first of them (default 1)
+//   KVCM_SIM_SEED=S         only seed S, its whole trace printed
 //
 // A failing seed is run again with its trace, which must end in the same violation (the
 // run is a function of the seed), and the trace is printed with the line to replay it.
@@ -74,10 +75,13 @@ TEST(CacheManagerSimTest, EverySeedKeepsTheInvariantsAndRecovers) {
   // KVCM_SIM_ROUTER_ANY_EPOCH=1: routers send steps to executors of any epoch, as
   // services/router does today (SimOptions::router_waits_for_epoch).
   const bool any_epoch = EnvNumber("KVCM_SIM_ROUTER_ANY_EPOCH", 0) != 0;
-  std::printf("seeds 1..%llu (KVCM_SIM_SEEDS=N for more, KVCM_SIM_SEED=S replays one)\n",
-              static_cast<unsigned long long>(seeds));
+  const uint64_t first = EnvNumber("KVCM_SIM_FIRST_SEED", 1);
+  std::printf(
+      "seeds %llu..%llu (KVCM_SIM_SEEDS=N for more, KVCM_SIM_FIRST_SEED=F to start "
+      "elsewhere, KVCM_SIM_SEED=S replays one)\n",
+      static_cast<unsigned long long>(first), static_cast<unsigned long long>(first + seeds - 1));
   SimStats total;
-  for (uint64_t seed = 1; seed <= seeds; ++seed) {
+  for (uint64_t seed = first; seed < first + seeds; ++seed) {
     SimOptions options;
     options.seed = seed;
     options.router_waits_for_epoch = !any_epoch;
