@@ -6,7 +6,6 @@
 #include <cstring>
 #include <deque>
 #include <functional>
-#include <map>
 #include <memory>
 #include <optional>
 #include <queue>
@@ -82,7 +81,12 @@ BlockHash PromptHash(int prompt, int32_t index) {
 class SimWatcher : public ProcessWatcher {
  public:
   absl::Status Watch(uint64_t session, pid_t pid) override {
-    watched_[session] = pid;
+    auto it = Find(session);
+    if (it == watched_.end()) {
+      watched_.emplace_back(session, pid);
+    } else {
+      it->second = pid;
+    }
     // The pidfd of a process that exited already is readable at once: a message can
     // outlive its sender in the socket's buffer.
     if (dead_ != nullptr && dead_->contains(pid) && on_dead_) on_dead_(session);
@@ -92,9 +96,11 @@ class SimWatcher : public ProcessWatcher {
     dead_ = dead;
     on_dead_ = std::move(on_dead);
   }
-  void Unwatch(uint64_t session) override { watched_.erase(session); }
+  void Unwatch(uint64_t session) override {
+    if (auto it = Find(session); it != watched_.end()) watched_.erase(it);
+  }
   // Sessions watched for `pid`, in the order they were watched (session ids are random:
-  // never ordered by them).
+  // nothing is ordered by them).
   std::vector<uint64_t> SessionsOf(pid_t pid) const {
     std::vector<uint64_t> out;
     for (const auto& [session, p] : watched_) {
@@ -105,8 +111,12 @@ class SimWatcher : public ProcessWatcher {
   void Clear() { watched_.clear(); }
 
  private:
-  // Ordered by session id only for SessionsOf's output, which callers treat as a set.
-  std::map<uint64_t, pid_t> watched_;
+  std::vector<std::pair<uint64_t, pid_t>>::iterator Find(uint64_t session) {
+    return std::find_if(watched_.begin(), watched_.end(),
+                        [&](const auto& w) { return w.first == session; });
+  }
+
+  std::vector<std::pair<uint64_t, pid_t>> watched_;  // in the order watched
   const std::set<pid_t>* dead_ = nullptr;
   std::function<void(uint64_t)> on_dead_;
 };
