@@ -11,11 +11,13 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -211,6 +213,72 @@ TEST_F(RouterSecurityTest, SlowlorisConnectionsAreDroppedAtTheRequestDeadlineWhi
   const StatsSnapshot stats = Stats();
   EXPECT_EQ(stats.in_use_blocks, 0);
   ExpectWhole(stats);
+}
+
+TEST_F(RouterSecurityTest, NoLogOfAStackWithATcpExecutorCarriesTheSecret) {
+  // The cache manager also on tcp://, an executor reaching it there with the secret file,
+  // one executor without it (refused), and requests through the router.
+  CacheManagerOptions options = ManagerOptions(/*num_blocks=*/64, "");
+  options.extra_args = {"--tcp-address", "tcp://127.0.0.1:0"};
+  auto started = CacheManagerProcess::Start(options);
+  ASSERT_TRUE(started.ok()) << started.status();
+  cm_ = std::move(*started);
+  auto tcp = cm_->process().WaitForLine(" tcp=(tcp://[0-9.:]+)", absl::Now() + absl::Seconds(5));
+  ASSERT_TRUE(tcp.ok()) << tcp.status();
+  const std::string secret_file = cm_->run_dir() + "/tcp-secret";
+  const std::string secret(absl::StripAsciiWhitespace(ReadFileOrEmpty(secret_file)));
+  ASSERT_GE(secret.size(), 32u);
+  ASSERT_NO_FATAL_FAILURE(StartRouter({}));
+  ExecutorArgs args;
+  args.model = *model_dir_;
+  args.run_dir = cm_->run_dir();
+  args.router = IpcEndpointIn(cm_->run_dir(), kRouterExecutorsSocket);
+  args.name = "exec-tcp";
+  args.threads = 1;
+  // Over tcp:// instead of the run directory (whose fd channel still passes the memfd).
+  auto over_tcp = [&](std::vector<std::string> flags) {
+    std::vector<std::string> argv = ExecutorArgv(args);
+    const auto run_dir = std::find(argv.begin(), argv.end(), "--run-dir");
+    argv.erase(run_dir, run_dir + 2);
+    argv.push_back("--cache-manager");
+    argv.push_back((*tcp)[1]);
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    return argv;
+  };
+  auto log_dir = TempDir::Create("kvcm-sec");
+  ASSERT_TRUE(log_dir.ok());
+  Subprocess::Options executor;
+  executor.argv = over_tcp({"--cache-manager-secret-file", secret_file});
+  executor.output_path = log_dir->path() + "/executor";
+  auto with_secret = Subprocess::Start(executor);
+  ASSERT_TRUE(with_secret.ok()) << with_secret.status();
+  auto ready = (*with_secret)->WaitForLine("kvcm-executor: ready", absl::Now() + absl::Seconds(60));
+  ASSERT_TRUE(ready.ok()) << ready.status();
+  ASSERT_NO_FATAL_FAILURE(AwaitExecutors(1));
+  // Without the secret file: refused, saying why.
+  args.name = "exec-nosecret";
+  auto refused = RunProgram(over_tcp({}), "", absl::Seconds(60));
+  ASSERT_TRUE(refused.ok()) << refused.status();
+  EXPECT_NE(refused->exit_code, 0);
+  EXPECT_THAT(refused->output, HasSubstr("tcp-secret")) << refused->output;
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<HttpResponse> reply =
+        HttpPost(url_ + "/generate", GenerateBody(absl::StrCat("secret ", i), 3));
+    ASSERT_TRUE(reply.ok());
+    EXPECT_EQ(reply->status, 200) << reply->body;
+    EXPECT_EQ(TokenIds(reply->body), Reference(absl::StrCat("secret ", i), 3));
+  }
+  const std::vector<std::pair<std::string, std::string>> logs = {
+      {"cache manager", cm_->Output()},
+      {"router", router_->Output()},
+      {"executor", (*with_secret)->Output()},
+      {"refused executor", refused->output}};
+  size_t bytes = 0;
+  for (const auto& [who, log] : logs) {
+    bytes += log.size();
+    EXPECT_EQ(log.find(secret.substr(0, 16)), std::string::npos) << who << "'s log:\n" << log;
+  }
+  std::printf("%zu bytes of logs searched for the secret\n", bytes);
 }
 
 // The first IPv4 address of this machine that is not loopback; "" when it has none.
