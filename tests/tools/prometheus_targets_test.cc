@@ -1,33 +1,19 @@
 // kvcm-launch's Prometheus target file: the file_sd JSON it renders, the metrics address it
-// reads from each process's "ready" line, and the atomic replacement of the file.
+// reads from each process's "ready" line (the file's atomic replacement:
+// tests/common/base/atomic_file_test.cc).
 
 #include "tools/launch/prometheus_targets.h"
 
-#include <sys/stat.h>
-
-#include <filesystem>
-#include <fstream>
-#include <sstream>
 #include <string>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "tests/support/subprocess.h"
 
 namespace kvcm::launch {
 namespace {
 
 using json = nlohmann::json;
-using ::testing::HasSubstr;
-
-std::string ReadAll(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
 TEST(PrometheusTargetsTest, RendersOneGroupPerProcessWithItsComponentAndAStableInstance) {
   const json groups =
       json::parse(RenderPrometheusTargets({{"cache-manager", "cache-manager", "127.0.0.1:41001"},
@@ -79,33 +65,6 @@ TEST(PrometheusTargetsTest, ReadsTheMetricsAddressFromEachProcesssReadyLineOnly)
        }) {
     EXPECT_FALSE(MetricsEndpointFromReadyLine(line).has_value()) << line;
   }
-}
-
-TEST(PrometheusTargetsTest, WriteReplacesTheFileWholeAndLeavesNoTempFile) {
-  absl::StatusOr<testing::TempDir> dir = testing::TempDir::Create("kvcm-targets-test");
-  ASSERT_TRUE(dir.ok()) << dir.status();
-  const std::string path = dir->path() + "/kvcm.json";
-  ASSERT_TRUE(WriteFileAtomically(path, "[]\n").ok());
-  EXPECT_EQ(ReadAll(path), "[]\n");
-  struct stat before {};
-  ASSERT_EQ(::stat(path.c_str(), &before), 0);
-  ASSERT_TRUE(WriteFileAtomically(path, "[{\"targets\": []}]\n").ok());
-  EXPECT_EQ(ReadAll(path), "[{\"targets\": []}]\n");
-  // A new file renamed over the old one (a reader holding the old one keeps it whole).
-  struct stat st {};
-  ASSERT_EQ(::stat(path.c_str(), &st), 0);
-  EXPECT_NE(st.st_ino, before.st_ino);
-  EXPECT_EQ(st.st_mode & 0777, 0644u);
-  int entries = 0;
-  for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator(dir->path())) {
-    ++entries;
-  }
-  EXPECT_EQ(entries, 1);
-
-  // A folder that does not exist: NOT_FOUND naming the path, and nothing made.
-  const absl::Status missing = WriteFileAtomically(dir->path() + "/no/kvcm.json", "[]\n");
-  EXPECT_TRUE(absl::IsNotFound(missing)) << missing;
-  EXPECT_THAT(std::string(missing.message()), HasSubstr("/no/kvcm.json"));
 }
 
 }  // namespace

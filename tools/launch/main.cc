@@ -31,6 +31,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/base/atomic_file.h"
 #include "common/base/log.h"
 #include "common/base/monotonic_clock.h"
 #include "common/base/run_dir.h"

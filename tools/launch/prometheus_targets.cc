@@ -1,11 +1,5 @@
 #include "tools/launch/prometheus_targets.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
-#include <cerrno>
-#include <cstdio>
-
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -46,40 +40,6 @@ std::optional<MetricsEndpoint> MetricsEndpointFromReadyLine(std::string_view lin
   std::string_view host = host_port.substr(0, colon);
   if (host == "0.0.0.0") host = "127.0.0.1";
   return MetricsEndpoint{absl::StrCat(std::string(host), ":", port), std::string(path)};
-}
-
-absl::Status WriteFileAtomically(const std::string& path, std::string_view content) {
-  const std::string temp = absl::StrCat(path, ".tmp-", ::getpid());
-  // Removes the temp file and reports errno (saved first: unlink may change it).
-  auto fail = [&temp](const std::string& what) {
-    const int error = errno;
-    ::unlink(temp.c_str());
-    return absl::ErrnoToStatus(error, what);
-  };
-  const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return absl::ErrnoToStatus(errno, absl::StrCat("create ", temp));
-  size_t done = 0;
-  while (done < content.size()) {
-    const ssize_t n = ::write(fd, content.data() + done, content.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      const int error = errno;
-      ::close(fd);
-      errno = error;
-      return fail("write " + temp);
-    }
-    done += static_cast<size_t>(n);
-  }
-  if (::fsync(fd) != 0) {
-    const int error = errno;
-    ::close(fd);
-    errno = error;
-    return fail("fsync " + temp);
-  }
-  if (::close(fd) != 0) return fail("close " + temp);
-  if (::rename(temp.c_str(), path.c_str()) != 0)
-    return fail(absl::StrCat("rename ", temp, " to ", path));
-  return absl::OkStatus();
 }
 
 }  // namespace kvcm::launch

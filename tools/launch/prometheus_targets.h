@@ -50,10 +50,4 @@ struct MetricsEndpoint {
 };
 std::optional<MetricsEndpoint> MetricsEndpointFromReadyLine(std::string_view line);
 
-// Replaces `path` with `content` atomically: writes PATH.tmp-PID beside it, fsyncs, renames
-// it over `path` (mode 0644). A reader sees the old file or the new one, never a part.
-// Errors: the failing step's errno as a Status (NOT_FOUND for a missing folder,
-// PERMISSION_DENIED, ...), naming the path; the temp file is removed.
-absl::Status WriteFileAtomically(const std::string& path, std::string_view content);
-
 }  // namespace kvcm::launch
