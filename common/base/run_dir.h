@@ -21,6 +21,10 @@ inline constexpr char kCacheManagerLockFile[] = "cache-manager.lock";
 inline constexpr char kRouterExecutorsSocket[] = "router-executors.sock";
 // With --tcp-address: the secret a Router or Executor gives in Hello over tcp:// (mode 0600).
 inline constexpr char kTcpSecretFile[] = "tcp-secret";
+// With --kv-events-endpoint: the vLLM-format stream's sequence numbers reserved so far, so
+// that a restart goes on above them (services/cache_manager/vllm_event_publisher.h). Kept
+// across restarts, like the directory.
+inline constexpr char kVllmEventsSeqFile[] = "vllm-events.seq";
 
 // $XDG_RUNTIME_DIR/kvcm when that is an absolute path, else /tmp/kvcm-<euid>.
 inline std::string DefaultRunDir(const char* xdg_runtime_dir, uid_t euid) {

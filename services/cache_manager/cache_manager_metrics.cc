@@ -148,6 +148,10 @@ constexpr MetricSpec kVllmReplayedBatches{
 constexpr MetricSpec kVllmBufferBatches{
     "kvcm_cache_manager_vllm_buffer_batches", MetricType::Gauge, "",
     "Batches held for replay (at most --kv-events-buffer-steps)."};
+constexpr MetricSpec kVllmSubscriptions{
+    "kvcm_cache_manager_vllm_subscriptions_total", MetricType::Counter, "",
+    "Subscriptions the vLLM-format PUB received (a consumer connecting or reconnecting); "
+    "each is answered with the latest batch, so that the consumer sees where the stream is."};
 constexpr MetricSpec kVllmBlocksWithoutTokens{
     "kvcm_cache_manager_vllm_blocks_without_tokens_total", MetricType::Counter, "",
     "Blocks stored without the token ids a vLLM-format event needs (a router that did not "
@@ -191,6 +195,7 @@ constexpr std::array kSpecs = {
     kVllmReplayRequests,
     kVllmReplayedBatches,
     kVllmBufferBatches,
+    kVllmSubscriptions,
     kVllmBlocksWithoutTokens,
 };
 
@@ -383,6 +388,7 @@ CacheManagerMetrics::CacheManagerMetrics(const CacheInfo& info)
   vllm_replay_requests_[1] = &replay_requests.Add({{"result", "malformed"}});
   vllm_replayed_batches_ = &AddCounterFamily(*registry_, kVllmReplayedBatches).Add({});
   vllm_buffer_batches_ = &AddGaugeFamily(*registry_, kVllmBufferBatches).Add({});
+  vllm_subscriptions_ = &AddCounterFamily(*registry_, kVllmSubscriptions).Add({});
   vllm_without_tokens_ = &AddCounterFamily(*registry_, kVllmBlocksWithoutTokens).Add({});
 }
 
@@ -402,6 +408,10 @@ void CacheManagerMetrics::CountVllmReplayRequest(bool malformed, int batches) {
 
 void CacheManagerMetrics::SetVllmBufferBatches(int64_t batches) {
   vllm_buffer_batches_->Set(static_cast<double>(batches));
+}
+
+void CacheManagerMetrics::CountVllmSubscriptions(int n) {
+  vllm_subscriptions_->Increment(static_cast<double>(n));
 }
 
 void CacheManagerMetrics::CountVllmBlocksWithoutTokens(int64_t blocks) {

@@ -172,6 +172,8 @@ class CacheManagerMetrics {
   void CountVllmReplayRequest(bool malformed, int batches);
   void SetVllmBufferBatches(int64_t batches);
   void CountVllmBlocksWithoutTokens(int64_t blocks);
+  // Subscriptions received on the PUB (XPUB): consumers connecting or reconnecting.
+  void CountVllmSubscriptions(int n);
   // Replaces the snapshot the next scrapes read. REQUIRES: snapshot.ledger describes this
   // pool (num_blocks as constructed, states summing to it) and quarantined_blocks is within
   // [0, in_use_blocks]; these are internal invariants, checked.
@@ -206,6 +208,7 @@ class CacheManagerMetrics {
   prometheus::Counter* vllm_replayed_batches_ = nullptr;
   prometheus::Gauge* vllm_buffer_batches_ = nullptr;
   prometheus::Counter* vllm_without_tokens_ = nullptr;
+  prometheus::Counter* vllm_subscriptions_ = nullptr;
 };
 
 }  // namespace kvcm

@@ -237,6 +237,7 @@ absl::StatusOr<std::unique_ptr<CacheManagerServer>> CacheManagerServer::Create(
     VllmEventPublisher::Options vllm = *options.vllm_events;
     vllm.info.block_size = server->service_->ledger().block_size();
     vllm.info.medium = server->memory_->backend() == PoolBackend::kCuda ? "GPU" : "CPU";
+    vllm.seq_file = server->run_dir_.File(RunDirectory::kVllmEventsSeqFile);
     auto publisher = VllmEventPublisher::Create(server->context_, vllm, metrics);
     if (!publisher.ok()) return publisher.status();
     server->vllm_events_ = *std::move(publisher);
@@ -337,6 +338,10 @@ absl::Status CacheManagerServer::Run() {
   watches.push_back(loop_.WatchSocket(monitor_, [this] {
     if (DrainMonitor()) GuardDescriptors();
   }));
+  if (vllm_events_) {
+    watches.push_back(loop_.WatchSocket(vllm_events_->pub_socket(),
+                                        [this] { vllm_events_->ServeSubscriptions(); }));
+  }
   if (vllm_events_ && vllm_events_->replay_socket() != nullptr) {
     watches.push_back(loop_.WatchSocket(*vllm_events_->replay_socket(),
                                         [this] { vllm_events_->ServeReplay(); }));

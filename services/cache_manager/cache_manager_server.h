@@ -96,6 +96,8 @@ class CacheManagerServer {
   std::string vllm_replay_endpoint() const {
     return vllm_events_ ? vllm_events_->replay_endpoint() : std::string();
   }
+  // The stream's first sequence number in this start (0 on a node's first start).
+  uint64_t vllm_first_seq() const { return vllm_events_ ? vllm_events_->first_seq() : 0; }
 
  private:
   CacheManagerServer(const Options& options, RunDirectory run_dir,

@@ -412,7 +412,8 @@ int Main(const std::vector<config::Setting>& settings) {
                      (*server)->vllm_replay_endpoint().empty()
                          ? std::string("none")
                          : (*server)->vllm_replay_endpoint(),
-                     " buffer_steps=", (*vllm_events)->buffer_steps));
+                     " buffer_steps=", (*vllm_events)->buffer_steps,
+                     " first_seq=", (*server)->vllm_first_seq()));
   }
   if (!service.tcp_secret.empty()) {
     Log(absl::StrCat("routers and executors on ", (*server)->tcp_endpoint(),

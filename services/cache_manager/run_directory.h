@@ -28,6 +28,7 @@ class RunDirectory {
   static constexpr const auto& kFdChannelSocket = kvcm::kFdChannelSocket;
   static constexpr const auto& kLockFile = kvcm::kCacheManagerLockFile;
   static constexpr const auto& kTcpSecretFile = kvcm::kTcpSecretFile;
+  static constexpr const auto& kVllmEventsSeqFile = kvcm::kVllmEventsSeqFile;
 
   // DefaultRunDirFromEnvironment(): $XDG_RUNTIME_DIR/kvcm when set, else /tmp/kvcm-$UID.
   // Read by main() only.

@@ -3,7 +3,11 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "common/base/atomic_file.h"
 #include "common/base/log.h"
 #include "common/transport/zmq_util.h"
 
@@ -21,6 +25,37 @@ constexpr size_t kMaxReplayRequestBytes = 256;
 // Malformed replay requests logged one by one; after that, one line per this many.
 constexpr uint64_t kMalformedLoggedInFull = 10;
 constexpr uint64_t kMalformedLogEvery = 1000;
+
+// The seq file: a comment line, then the first sequence number not yet reserved.
+constexpr char kSeqFileComment[] =
+    "# kvcm-cache-manager: vLLM-format KV event sequence numbers below this one are used "
+    "or reserved; the next start goes on from it (docs/protocol.md)";
+constexpr size_t kMaxSeqFileBytes = 4096;
+
+// The number in a seq file; 0 when there is none yet.
+absl::StatusOr<uint64_t> ReadSeqFile(const std::string& path) {
+  absl::StatusOr<std::string> content = ReadSmallFile(path, kMaxSeqFileBytes);
+  if (absl::IsNotFound(content.status())) return 0;
+  if (!content.ok()) return absl::InternalError(content.status().message());
+  std::optional<uint64_t> value;
+  for (absl::string_view line : absl::StrSplit(*content, '\n')) {
+    line = absl::StripAsciiWhitespace(line);
+    if (line.empty() || line[0] == '#') continue;
+    uint64_t number = 0;
+    if (value.has_value() || !absl::SimpleAtoi(line, &number)) {
+      value.reset();
+      break;
+    }
+    value = number;
+  }
+  if (!value.has_value() || *value > VllmEventPublisher::kMaxVllmSeq) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, " does not hold a sequence number as kvcm-cache-manager writes it; delete it "
+        "to start the vLLM-format KV events again from 0, and register this node with its "
+        "cluster router again"));
+  }
+  return *value;
+}
 
 void PutBigEndian(uint64_t value, uint8_t out[8]) {
   for (int i = 7; i >= 0; --i) {
@@ -47,9 +82,21 @@ absl::StatusOr<std::unique_ptr<VllmEventPublisher>> VllmEventPublisher::Create(
     return absl::InvalidArgumentError("block size must be positive");
   }
   std::unique_ptr<VllmEventPublisher> publisher(new VllmEventPublisher(options, metrics));
+  if (!options.seq_file.empty()) {
+    absl::StatusOr<uint64_t> first = ReadSeqFile(options.seq_file);
+    if (!first.ok()) return first.status();
+    publisher->first_seq_ = publisher->next_seq_ = *first;
+    const absl::Status reserved = publisher->ReserveSeqsUpTo(*first + kSeqReservation);
+    if (!reserved.ok()) {
+      return absl::InternalError(absl::StrCat(
+          "cannot reserve vLLM-format KV event sequence numbers: ", reserved.message()));
+    }
+  }
   try {
-    publisher->pub_ = zmq::socket_t(context, zmq::socket_type::pub);
+    publisher->pub_ = zmq::socket_t(context, zmq::socket_type::xpub);
     publisher->pub_.set(zmq::sockopt::sndhwm, kPubHighWaterMark);
+    // Every subscription reaches ServeSubscriptions, repeated ones too (header comment).
+    publisher->pub_.set(zmq::sockopt::xpub_verbose, 1);
     // Subscribers send only their subscriptions.
     LimitInboundMessages(publisher->pub_, 1024);
     publisher->pub_.set(zmq::sockopt::linger, 1000);
@@ -81,25 +128,32 @@ VllmEventPublisher::~VllmEventPublisher() {
   pub_.close();
 }
 
+absl::Status VllmEventPublisher::ReserveSeqsUpTo(uint64_t limit) {
+  absl::Status written =
+      WriteFileAtomically(options_.seq_file, absl::StrCat(kSeqFileComment, "\n", limit, "\n"),
+                          0600);
+  if (written.ok()) reserved_until_ = limit;
+  return written;
+}
+
 void VllmEventPublisher::Publish(std::span<const VllmEvent> events, double timestamp) {
   if (events.empty()) return;
+  if (next_seq_ == reserved_until_) {
+    // Reserve the next chunk before sending any of it. Should that fail, the stream goes
+    // on (its consumers need it more than its numbering across a restart), and the next
+    // start, reading the old mark, would reuse numbers consumers saw: say so once.
+    const absl::Status reserved = ReserveSeqsUpTo(next_seq_ + kSeqReservation);
+    if (!reserved.ok()) {
+      reserved_until_ = ~uint64_t{0};
+      Log(absl::StrCat("cannot reserve more vLLM-format KV event sequence numbers (",
+                       reserved.message(), "): after a restart this node must be registered "
+                       "with its cluster router again"));
+    }
+  }
   Batch batch;
   batch.seq = next_seq_++;
   EncodeVllmBatch(timestamp, events, options_.info, &batch.payload);
-  uint8_t seq_be[8];
-  PutBigEndian(batch.seq, seq_be);
-  bool sent = false;
-  try {
-    pub_.send(zmq::const_buffer(options_.topic.data(), options_.topic.size()),
-              zmq::send_flags::sndmore);
-    pub_.send(zmq::const_buffer(seq_be, sizeof(seq_be)), zmq::send_flags::sndmore);
-    sent = pub_.send(zmq::const_buffer(batch.payload.data(), batch.payload.size()),
-                     zmq::send_flags::none)
-               .has_value();
-  } catch (const zmq::error_t& error) {
-    Log(absl::StrCat("publishing vLLM-format event batch ", batch.seq, ": ", error.what(),
-                     " (kept for replay)"));
-  }
+  const bool sent = SendOnPub(batch);
   if (metrics_ != nullptr) {
     metrics_->CountVllmBatch(sent);
     if (sent) {
@@ -109,12 +163,51 @@ void VllmEventPublisher::Publish(std::span<const VllmEvent> events, double times
   buffer_.push_back(std::move(batch));
   while (buffer_.size() + (first_.has_value() ? 1 : 0) >
          static_cast<size_t>(options_.buffer_steps)) {
-    if (buffer_.front().seq == 0 && options_.buffer_steps > 1) {
+    if (buffer_.front().seq == first_seq_ && options_.buffer_steps > 1) {
       first_ = std::move(buffer_.front());  // the start's AllBlocksCleared stays
     }
     buffer_.pop_front();
   }
   if (metrics_ != nullptr) metrics_->SetVllmBufferBatches(static_cast<int64_t>(buffered()));
+}
+
+bool VllmEventPublisher::SendOnPub(const Batch& batch) {
+  uint8_t seq_be[8];
+  PutBigEndian(batch.seq, seq_be);
+  try {
+    pub_.send(zmq::const_buffer(options_.topic.data(), options_.topic.size()),
+              zmq::send_flags::sndmore);
+    pub_.send(zmq::const_buffer(seq_be, sizeof(seq_be)), zmq::send_flags::sndmore);
+    return pub_.send(zmq::const_buffer(batch.payload.data(), batch.payload.size()),
+                     zmq::send_flags::none)
+        .has_value();
+  } catch (const zmq::error_t& error) {
+    Log(absl::StrCat("publishing vLLM-format event batch ", batch.seq, ": ", error.what(),
+                     " (kept for replay)"));
+    return false;
+  }
+}
+
+void VllmEventPublisher::ServeSubscriptions() {
+  int subscriptions = 0;
+  while (true) {
+    absl::StatusOr<std::vector<zmq::message_t>> message = ReceiveMessage(pub_);
+    if (!message.ok()) {
+      Log(absl::StrCat("vLLM-format PUB socket: ", message.status().message()));
+      break;
+    }
+    if (message->empty()) break;
+    // [0x01 topic prefix] subscribes, [0x00 ...] unsubscribes; nothing else comes.
+    const zmq::message_t& frame = message->front();
+    if (frame.size() >= 1 && static_cast<const uint8_t*>(frame.data())[0] == 1) {
+      ++subscriptions;
+    }
+  }
+  if (subscriptions == 0) return;
+  if (metrics_ != nullptr) metrics_->CountVllmSubscriptions(subscriptions);
+  // One answer for all of them: the latest batch (the start's own first while it is alone).
+  const Batch* latest = !buffer_.empty() ? &buffer_.back() : (first_ ? &*first_ : nullptr);
+  if (latest != nullptr) SendOnPub(*latest);
 }
 
 bool VllmEventPublisher::SendReplayFrame(const zmq::message_t& identity, const Batch* batch) {

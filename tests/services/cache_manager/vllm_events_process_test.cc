@@ -1,10 +1,11 @@
 // The real kvcm-cache-manager's vLLM-format KV event stream (docs/protocol.md, "vLLM-format
 // KV events"), read over loopback TCP by a consumer written against the format
 // (tests/support/vllm_event_reader.h): sequence numbers from 0, AllBlocksCleared first and
-// after a restart, stored blocks with their token ids and parents, removals of stored ids
+// after a restart, which goes on above the numbers sent before, stored blocks with their token ids and parents, removals of stored ids
 // on eviction, replay to a late subscriber ending with the -1 frame, a buffer that wrapped,
 // and bad input on the replay socket and in Commits.
 
+#include <csignal>
 #include <cstdio>
 #include <random>
 #include <string>
@@ -18,6 +19,8 @@
 #include "common/client/cache_manager_client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "common/base/atomic_file.h"
+#include "services/cache_manager/vllm_event_publisher.h"
 #include "services/cache_manager/vllm_events.h"
 #include "tests/support/cache_manager_process.h"
 #include "tests/support/http_client.h"
@@ -229,14 +232,15 @@ TEST(VllmEventsProcessTest, StoredBlocksCarryTokensAndEvictionRemovesTheirIds) {
   for (uint64_t id : first_ids) EXPECT_TRUE(removed.contains(id)) << id;
   EXPECT_TRUE(removed.contains(second_ids[2]));
 
-  // The live subscriber saw the same batches (it may have joined after the first ones).
+  // The live subscriber saw the same batches (it may have joined after the first ones; its
+  // subscription was answered with the latest batch then, which it may see twice).
   uint64_t expected = 0;
   bool first_live = true;
   while (expected < batches.back().seq) {
     auto batch = (*subscriber)->Next(MonotonicNow() + absl::Seconds(10));
     ASSERT_TRUE(batch.ok()) << batch.status();
     if (!first_live) {
-      EXPECT_EQ(batch->seq, expected + 1);
+      EXPECT_TRUE(batch->seq == expected + 1 || batch->seq == expected) << batch->seq;
     }
     first_live = false;
     expected = batch->seq;
@@ -277,12 +281,49 @@ TEST(VllmEventsProcessTest, StoredBlocksCarryTokensAndEvictionRemovesTheirIds) {
   EXPECT_EQ(Metric(*node.process, "kvcm_cache_manager_vllm_batches_replayed_total"),
             static_cast<double>(batches.size() + tail.size()));
   EXPECT_EQ(Metric(*node.process, "kvcm_cache_manager_vllm_blocks_without_tokens_total"), 0);
+  EXPECT_EQ(Metric(*node.process, "kvcm_cache_manager_vllm_subscriptions_total"), 1);
 }
 
-TEST(VllmEventsProcessTest, ARestartStartsAgainFromZeroWithAllBlocksCleared) {
-  // The run directory outlives the first process: the second starts on it.
+// A subscriber that connects is answered at once with the latest batch, so that it sees
+// where the stream stands (and replays what it missed) without waiting for the next batch:
+// ZeroMQ drops what a PUB sent before the subscriber's connection was up.
+TEST(VllmEventsProcessTest, ASubscriptionIsAnsweredWithTheLatestBatch) {
+  Node node = StartNode(16);
+  ASSERT_NE(node.process, nullptr);
+  {
+    auto client = ConnectRouter(*node.process);
+    ASSERT_NE(client, nullptr);
+    std::mt19937 rng(28);
+    ASSERT_NO_FATAL_FAILURE(RunSequence(*client, 1, RandomTokens(rng, 8)));
+    ASSERT_NO_FATAL_FAILURE(RunSequence(*client, 2, RandomTokens(rng, 8)));
+  }
+  const std::vector<ReadVllmBatch> batches = Replay(node, 0);
+  ASSERT_EQ(batches.size(), 3u);
+  for (int subscribers = 1; subscribers <= 2; ++subscribers) {
+    auto subscriber =
+        testing::VllmEventSubscriber::Connect(node.events, MonotonicNow() + absl::Seconds(10));
+    ASSERT_TRUE(subscriber.ok()) << subscriber.status();
+    // Nothing else is published: what comes is the answer to the subscription.
+    auto batch = (*subscriber)->Next(MonotonicNow() + absl::Seconds(10));
+    ASSERT_TRUE(batch.ok()) << batch.status();
+    ExpectSameEvents(*batch, batches.back());
+    EXPECT_EQ(Metric(*node.process, "kvcm_cache_manager_vllm_subscriptions_total"),
+              subscribers);
+  }
+  // Published and buffered counts are those of the stream alone.
+  EXPECT_EQ(Metric(*node.process, "kvcm_cache_manager_vllm_batches_published_total"), 3);
+  EXPECT_EQ(Metric(*node.process, "kvcm_cache_manager_vllm_buffer_batches"), 3);
+}
+
+// A restart goes on above every sequence number the earlier start sent, whether it was
+// stopped or killed: a consumer still subscribed (Dynamo drops numbers lower than those it
+// saw) then applies the restart's AllBlocksCleared, and one asking for what it missed gets
+// it from the replay socket.
+TEST(VllmEventsProcessTest, ARestartGoesOnAboveEverySeqSentWithAllBlocksCleared) {
+  // The run directory outlives each process: the next starts on it.
   auto dir = testing::TempDir::Create("kvcm-vllm-restart");
   ASSERT_TRUE(dir.ok());
+  constexpr uint64_t kChunk = VllmEventPublisher::kSeqReservation;
   Node first = StartNode(16, dir->path());
   ASSERT_NE(first.process, nullptr);
   {
@@ -291,18 +332,76 @@ TEST(VllmEventsProcessTest, ARestartStartsAgainFromZeroWithAllBlocksCleared) {
     std::mt19937 rng(8);
     ASSERT_NO_FATAL_FAILURE(RunSequence(*client, 1, RandomTokens(rng, 8)));
   }
-  ASSERT_EQ(Replay(first, 0).size(), 2u);
+  const std::vector<ReadVllmBatch> before = Replay(first, 0);
+  ASSERT_EQ(before.size(), 2u);
+  EXPECT_EQ(before[0].seq, 0u);  // a node's first start begins at 0
+  EXPECT_EQ(before[1].seq, 1u);
   auto stopped = first.process->Terminate();
   ASSERT_TRUE(stopped.ok()) << stopped.status();
   EXPECT_EQ(*stopped, 0);
   first.process.reset();
+
+  // Stopped cleanly: the next start begins at the next reserved chunk.
   Node again = StartNode(16, dir->path());
   ASSERT_NE(again.process, nullptr);
-  const std::vector<ReadVllmBatch> batches = Replay(again, 0);
+  std::vector<ReadVllmBatch> batches = Replay(again, 0);
   ASSERT_EQ(batches.size(), 1u);
-  EXPECT_EQ(batches[0].seq, 0u);
+  EXPECT_EQ(batches[0].seq, kChunk);
   ASSERT_EQ(batches[0].events.size(), 1u);
   EXPECT_EQ(batches[0].events[0].type, "AllBlocksCleared");
+  // A consumer that saw batch 1 sees the gap and asks from 2: the clear comes first.
+  batches = Replay(again, before.back().seq + 1);
+  ASSERT_EQ(batches.size(), 1u);
+  EXPECT_EQ(batches[0].events[0].type, "AllBlocksCleared");
+  {
+    auto client = ConnectRouter(*again.process);
+    ASSERT_NE(client, nullptr);
+    std::mt19937 rng(18);
+    ASSERT_NO_FATAL_FAILURE(RunSequence(*client, 1, RandomTokens(rng, 8)));
+  }
+  ASSERT_EQ(Replay(again, 0).size(), 2u);
+
+  // Killed: nothing written at exit, and still above everything sent.
+  ASSERT_TRUE(again.process->process().Signal(SIGKILL).ok());
+  ASSERT_TRUE(again.process->process().Wait(absl::Seconds(10)).ok());
+  again.process.reset();
+  Node third = StartNode(16, dir->path());
+  ASSERT_NE(third.process, nullptr);
+  batches = Replay(third, 0);
+  ASSERT_EQ(batches.size(), 1u);
+  EXPECT_EQ(batches[0].seq, 2 * kChunk);
+  EXPECT_EQ(batches[0].events[0].type, "AllBlocksCleared");
+  EXPECT_THAT(third.process->process().Output(),
+              ::testing::HasSubstr(absl::StrCat("first_seq=", 2 * kChunk)));
+}
+
+// A seq file the cache manager did not write stops the start with the file's name and what
+// to do, rather than guess a number consumers may have seen already.
+TEST(VllmEventsProcessTest, AnUnreadableSeqFileStopsTheStartNamingIt) {
+  auto dir = testing::TempDir::Create("kvcm-vllm-seq-file");
+  ASSERT_TRUE(dir.ok());
+  const std::string seq_file = dir->path() + "/vllm-events.seq";
+  for (const char* content : {"not a number\n", "12\n13\n", "-5\n", "99999999999999999999\n"}) {
+    ASSERT_TRUE(WriteFileAtomically(seq_file, content).ok());
+    CacheManagerOptions options;
+    options.run_dir = dir->path();
+    options.num_blocks = 16;
+    options.block_size = kBlockSize;
+    options.extra_args = {"--kv-events-endpoint", "tcp://127.0.0.1:0"};
+    auto started = CacheManagerProcess::Start(options);
+    ASSERT_FALSE(started.ok()) << content;
+    EXPECT_THAT(std::string(started.status().message()), ::testing::HasSubstr(seq_file))
+        << content;
+    EXPECT_THAT(std::string(started.status().message()), ::testing::HasSubstr("delete it"))
+        << content;
+  }
+  // Without the stream the file is not read: the cache manager starts.
+  CacheManagerOptions options;
+  options.run_dir = dir->path();
+  options.num_blocks = 16;
+  options.block_size = kBlockSize;
+  auto started = CacheManagerProcess::Start(options);
+  ASSERT_TRUE(started.ok()) << started.status();
 }
 
 TEST(VllmEventsProcessTest, AWrappedBufferKeepsTheStartsClearedBatch) {
