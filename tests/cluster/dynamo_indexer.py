@@ -33,11 +33,13 @@ import time
 import urllib.request
 
 TIMEOUT_S = 30
-# Dynamo's event plane and its siblings on loopback (nothing leaves this machine).
+# Dynamo's event plane and its siblings on loopback (nothing leaves this machine). 1.6.1
+# reads DYN_TCP_RPC_HOST and DYN_TCP_RESPONSE_STREAM_HOST for the request plane and the
+# response stream (not DYN_RPC_HOST or DYN_RESPONSE_HOST, which it ignores).
 LOOPBACK_ENV = {
     "DYN_EVENT_PLANE_HOST": "127.0.0.1",
-    "DYN_RPC_HOST": "127.0.0.1",
-    "DYN_RESPONSE_HOST": "127.0.0.1",
+    "DYN_TCP_RPC_HOST": "127.0.0.1",
+    "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
     "DYN_SYSTEM_HOST": "127.0.0.1",
 }
 
