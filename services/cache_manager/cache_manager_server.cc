@@ -197,8 +197,9 @@ absl::StatusOr<std::unique_ptr<CacheManagerServer>> CacheManagerServer::Create(
   server->service_ = *std::move(service);
 
   if (server->memory_->backend() == PoolBackend::kShm) {
+    // The memfd goes to the uids the service serves, no others.
     auto channel = FdChannelListener::Create(server->service_->options().pool.fd_channel_path,
-                                             {::geteuid()});
+                                             server->service_->allowed_uids());
     if (!channel.ok()) return channel.status();
     server->fd_channel_ = std::make_unique<FdChannelListener>(*std::move(channel));
   }

@@ -214,6 +214,8 @@ class CacheManagerService {
   uint64_t epoch() const { return options_.epoch; }
   const BlockLedger& ledger() const { return ledger_; }
   const Options& options() const { return options_; }
+  // The uids served over ipc:// (Options::allowed_uids, or this process's effective uid).
+  const std::vector<uid_t>& allowed_uids() const { return allowed_uids_; }
   int32_t num_sessions() const { return static_cast<int32_t>(sessions_.size()); }
   uint64_t rejected_messages() const { return rejected_messages_; }
 
