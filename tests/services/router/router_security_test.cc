@@ -129,15 +129,19 @@ TEST_F(RouterSecurityTest, SlowlorisConnectionsAreDroppedAtTheRequestDeadlineWhi
   ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/64, /*executors=*/1,
                                      {"--http-request-timeout-ms", absl::StrCat(kDeadlineMs)}));
   ASSERT_EQ(RouterMetric("kvcm_router_http_slow_requests_dropped_total"), 0);
-  // Slowloris: many connections, each starting a request and then adding a byte of one more
-  // header every 50 ms, never finishing. Each byte restarts libevent's idle timeout (60 s),
-  // so only the request deadline can end them.
+  // Slowloris: many connections, each starting a request and then adding a byte every
+  // 50 ms, never finishing: half of them to one more header, half (R.U.D.Y.) to a body
+  // whose Content-Length they never reach. Each byte restarts libevent's idle timeout
+  // (60 s), so only the request deadline can end them.
   constexpr int kSlow = 32;
   std::vector<int> slow;
   for (int i = 0; i < kSlow; ++i) {
     const int fd = ConnectTo(url_);
     ASSERT_GE(fd, 0);
-    ASSERT_TRUE(SendAll(fd, "POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "));
+    ASSERT_TRUE(SendAll(fd, i % 2 == 0 ? "POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
+                                       : "POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                         "Content-Type: application/json\r\n"
+                                         "Content-Length: 100000\r\n\r\n{\"inputs\": \""));
     slow.push_back(fd);
   }
   const absl::Time start = absl::Now();
