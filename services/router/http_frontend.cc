@@ -822,7 +822,9 @@ struct HttpFrontend::Impl {
         !root["inputs"].is_string()) {
       return ReplyError(request, {422, "`inputs` must be a string"});
     }
-    absl::StatusOr<std::vector<int32_t>> ids = tokenizer->Encode(root["inputs"].get<std::string>());
+    // The ids a prompt of this text is run with, BOS included: what the cache holds and the
+    // KV events carry (a cluster router's query needs exactly those).
+    absl::StatusOr<std::vector<int32_t>> ids = parser->PromptOf(root["inputs"].get<std::string>());
     if (!ids.ok()) return ReplyError(request, {422, std::string(ids.status().message())});
     json out = json::array();
     for (int32_t id : *ids) {

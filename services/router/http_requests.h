@@ -101,6 +101,9 @@ class RequestParser {
   // OpenAI /v1/chat/completions: `messages` rendered with limits.chat_template
   // (add_generation_prompt) and tokenized as transformers' apply_chat_template does.
   std::optional<HttpError> ParseChatCompletions(std::string_view body, GenerationRequest* out);
+  // A text prompt's ids as the model sees them: BOS when the tokenizer's model asks for one,
+  // then the tokenizer's ids. What /tokenize answers (as TGI's does, special tokens added).
+  absl::StatusOr<std::vector<int32_t>> PromptOf(const std::string& text) const;
 
  private:
   std::optional<HttpError> ParseParams(const nlohmann::json& root, Params* params);
@@ -109,7 +112,6 @@ class RequestParser {
                                        std::optional<uint64_t>* seed_out) const;
   std::optional<HttpError> FinishOpenAiParams(GenerationRequest* active_request,
                                               std::optional<uint64_t> seed);
-  absl::StatusOr<std::vector<int32_t>> PromptOf(const std::string& text) const;
   static SeqSampling Greedy(const SeqSampling& sampling);
 
   const RequestLimits options_;

@@ -208,9 +208,12 @@ async def run(args, model, a, b, checks):
         bos = json.load(f)["bos_token_id"]
 
     def tokens_of(node, text):
-        # A request's prompt begins with the model's BOS, which /tokenize leaves out, and
-        # Dynamo recomputes its block keys from the token ids the events carry.
-        return [bos] + node.tokenize(text)
+        # Dynamo recomputes its block keys from the token ids the events carry: a request's
+        # prompt, which begins with the model's BOS, as /tokenize's ids do.
+        ids = node.tokenize(text)
+        if not ids or ids[0] != bos:
+            raise RuntimeError(f"/tokenize's ids do not begin with BOS {bos}: {ids[:4]}")
+        return ids
 
     try:
         for w in workers:

@@ -143,11 +143,12 @@ def main():
 
         # 1. A long prompt through A: 6 full blocks (BOS and 100 bytes: 101 tokens).
         first = prompt_text(rng, 100)
-        # /tokenize gives the text's ids; the router puts the model's BOS before them
-        # (config.json's bos_token_id), and those are the ids the cache holds.
+        # /tokenize gives the prompt's ids as the cache holds them, the model's BOS
+        # (config.json's bos_token_id) first.
         with open(os.path.join(model, "config.json")) as f:
             bos = json.load(f)["bos_token_id"]
-        tokens = [bos] + a.tokenize(first)
+        tokens = a.tokenize(first)
+        check("/tokenize's ids begin with BOS", tokens[:1], tokens[:1] == [bos])
         full = len(tokens) // BLOCK * BLOCK
         print(f"prompt 1: {len(tokens)} tokens, {full // BLOCK} full blocks", flush=True)
         a.generate(first)
@@ -195,7 +196,7 @@ def main():
         got = indexer.await_scores(tokens, MODEL_NAME, {2: full})
         check("after A's restart, A is cleared, B stays", got, got == {2: full})
         fresh = prompt_text(rng, 100)
-        fresh_tokens = [bos] + a.tokenize(fresh)
+        fresh_tokens = a.tokenize(fresh)
         a.generate(fresh)
         got = indexer.await_scores(fresh_tokens, MODEL_NAME, {1: full})
         check("a new prompt through the restarted A scores A", got, got == {1: full})

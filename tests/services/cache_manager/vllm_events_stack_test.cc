@@ -137,12 +137,11 @@ TEST_F(VllmEventsStackTest, StoredTokensAreThePromptsBlockByBlockAndEvictionRemo
   const std::string b = system + "Name a fruit, please.";
   ASSERT_NO_FATAL_FAILURE(Generate(a));
   ASSERT_NO_FATAL_FAILURE(Generate(b));
-  // The prompt's ids: /tokenize's, after the BOS the router puts first (the tiny model's
-  // tokenizer: one id per byte).
-  std::vector<int32_t> tokens_a = Tokenize(a);
-  std::vector<int32_t> tokens_b = Tokenize(b);
-  tokens_a.insert(tokens_a.begin(), 1);
-  tokens_b.insert(tokens_b.begin(), 1);
+  // The prompt's ids: /tokenize's, the BOS first (the tiny model's: 1), then one id per byte.
+  const std::vector<int32_t> tokens_a = Tokenize(a);
+  const std::vector<int32_t> tokens_b = Tokenize(b);
+  ASSERT_FALSE(tokens_a.empty());
+  EXPECT_EQ(tokens_a[0], 1);
   EXPECT_EQ(tokens_a, PromptIds(a));
   EXPECT_EQ(tokens_b, PromptIds(b));
   ASSERT_GT(tokens_a.size(), 10u * kBlockSize);
