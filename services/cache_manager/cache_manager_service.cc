@@ -644,12 +644,15 @@ int CacheManagerService::ExpireSessions(absl::Time now) {
   // cache manager stalled) leaves a session the client never learnt of. It would never
   // answer nor be ended by its lease, and wait in every fence for ever. The process is one
   // writer (as when it registers again after quarantine, HandleHello), so its fences move
-  // to the live session, which acknowledges them once it runs no step of theirs.
+  // to the live session, which acknowledges them once it runs no step of theirs. Of two
+  // live ones, the one heard from last: the other is likely unused too.
   absl::flat_hash_map<pid_t, uint64_t> live_executor;
   for (const auto& [id, session] : sessions_) {
-    if (session.role == wire::Role::Executor && session.pid_verified && !session.quarantined) {
-      live_executor.emplace(session.pid, id);
+    if (session.role != wire::Role::Executor || !session.pid_verified || session.quarantined) {
+      continue;
     }
+    auto [it, added] = live_executor.emplace(session.pid, id);
+    if (!added && sessions_.at(it->second).last_seen < session.last_seen) it->second = id;
   }
   std::vector<std::pair<uint64_t, uint64_t>> superseded;  // (given up, live successor)
   for (const auto& [id, session] : sessions_) {
