@@ -502,9 +502,14 @@ int32_t CacheManagerService::EndSession(uint64_t session_id, ReclaimReason reaso
     ended_order_.pop_front();
   }
   Session& session = it->second;
+  // In order, not the hash sets' (whose order differs from build to build): the blocks are
+  // released, and so later reused and evicted, the same way everywhere, which lets a
+  // simulated run replay exactly (tests/sim/).
   std::vector<SeqId> seqs(session.seqs.begin(), session.seqs.end());
+  std::sort(seqs.begin(), seqs.end());
   for (SeqId seq : seqs) seq_owner_.erase(seq);
-  const absl::flat_hash_set<uint64_t> pending = std::move(session.pending_fences);
+  std::vector<uint64_t> pending(session.pending_fences.begin(), session.pending_fences.end());
+  std::sort(pending.begin(), pending.end());
   const bool watched = session.pid_verified;
   sessions_.erase(it);
   if (watched) watcher_->Unwatch(session_id);
