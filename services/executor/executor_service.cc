@@ -237,7 +237,15 @@ absl::StatusOr<const PoolView*> ExecutorService::PoolForEpoch(uint64_t epoch) {
                                            epoch, " but the cache manager is in epoch ",
                                            pool->epoch));
   }
-  return pool;
+  // Attached to the step's epoch only now: when the step was sent this executor had no
+  // session in it, so a fence of the router session that sent it (which may have ended
+  // since) need not wait for this executor, and its blocks may be another sequence's by
+  // now (docs/architecture.md, "Fencing"). Refused; the next Hello announces the epoch,
+  // and the router sends steps of it from then on.
+  return absl::AbortedError(absl::StrCat(
+      "stale epoch, re-attached: the step is of cache-manager epoch ", epoch,
+      ", in which this executor was not registered when it was sent; steps of it run once "
+      "the router has its Hello in that epoch"));
 }
 
 absl::Status ExecutorService::CheckAndBuild(const StepRequest& step, const PoolView& pool) {

@@ -11,7 +11,10 @@
 //      cache-manager epoch its block tables were granted in. Earlier than the pool's:
 //      StaleEpoch (the router must re-admit). Later: the cache manager restarted and this
 //      executor has not noticed yet: PoolSource::Reattach() (the weights stay loaded), and
-//      StaleEpoch "stale epoch, re-attaching: ..." if the epochs still differ.
+//      StaleEpoch all the same ("stale epoch, re-attached: ..."; "re-attaching" if the
+//      epochs still differ): this executor was in no session of that epoch when the step
+//      was sent, so no fence of its router session waits for it. Steps of the new epoch
+//      run once the Hello that announces it reached the router.
 //   3. Against the pool: every block id (tables and copies) < num_blocks, each table holds
 //      at least ceil(context_len / block_size) blocks, no copy destination twice or also a
 //      source; then LlamaModel::CheckBatch (token ids, positions, slots written twice).

@@ -148,10 +148,11 @@ void ExecutorLink::HandleReadable(absl::Time now) {
         fresh.id = next_executor_++;
         fresh.identity = identity;
         fresh.hello = *std::move(hello);
+        fresh.epoch = envelope.epoch();
         fresh.last_heard = now;
         fresh.registered = now;
         Log(absl::StrCat("executor ", fresh.id, " (", fresh.hello.name, ", pid ",
-                         fresh.hello.pid, ") registered"));
+                         fresh.hello.pid, ") registered in cache-manager epoch ", fresh.epoch));
         out_.Clear();
         FinishExecutorEnvelope(out_, envelope.request_id(), fresh.id, 0,
                                wire::ExecutorMessage::ExecutorHelloReply,
@@ -290,6 +291,16 @@ std::vector<uint64_t> ExecutorLink::Live() const {
   std::vector<uint64_t> ids;
   ids.reserve(executors_.size());
   for (const auto& [id, executor] : executors_) ids.push_back(id);
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
+std::vector<uint64_t> ExecutorLink::LiveInEpoch(uint64_t epoch) const {
+  std::vector<uint64_t> ids;
+  ids.reserve(executors_.size());
+  for (const auto& [id, executor] : executors_) {
+    if (executor.epoch == epoch) ids.push_back(id);
+  }
   std::sort(ids.begin(), ids.end());
   return ids;
 }

@@ -37,6 +37,10 @@ class ExecutorLink {
     uint64_t id = 0;
     std::string identity;  // the DEALER's routing id
     ExecutorHelloInfo hello;
+    // The cache-manager epoch its Hello announced (the envelope's): it holds an executor
+    // session in that epoch, so every fence that epoch's router sessions get waits for it.
+    // An executor that attaches to another epoch says Hello again.
+    uint64_t epoch = 0;
     absl::Time last_heard;
     uint64_t pending_request = 0;  // the StepBatch it owes a result for (0: none)
     uint64_t pending_step = 0;
@@ -77,6 +81,11 @@ class ExecutorLink {
   void SayGoodbye();
 
   std::vector<uint64_t> Live() const;
+  // The executors that announced cache-manager epoch `epoch`, the only ones a step of that
+  // epoch may go to (docs/architecture.md, "Fencing"): one still attached to an earlier
+  // epoch would re-attach on reading it, after the router session that sent it may have
+  // ended with a fence that does not wait for it.
+  std::vector<uint64_t> LiveInEpoch(uint64_t epoch) const;
   const absl::flat_hash_map<uint64_t, Executor>& executors() const { return executors_; }
   // The model every executor serves (the first one's); nullopt before any registered.
   const std::optional<ModelInfo>& model() const { return model_; }

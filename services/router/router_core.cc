@@ -264,7 +264,10 @@ void RouterCore::Turn() {
   if (in_flight_ || recovering_) return;
   AbandonUnconfirmed();
   if (planner_->queued() == 0 && planner_->running() == 0) return;
-  const std::vector<uint64_t> executors = link_->Live();
+  // Only executors registered in this epoch: a step must meet every fence its router
+  // session may get (docs/architecture.md, "Fencing"). The others say Hello again once they
+  // have attached to it.
+  const std::vector<uint64_t> executors = link_->LiveInEpoch(session_.epoch);
   // The last StepReply said how many blocks could be taken after it; only the first step
   // (and one after a failure) asks Stats, a round trip more.
   int32_t available = fresh_available_ ? cache_manager_->available_blocks_after_last_step() : -1;

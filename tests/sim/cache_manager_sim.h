@@ -39,8 +39,9 @@ struct SimOptions {
   absl::Duration fault_time = absl::Seconds(30);
   absl::Duration quiet_time = absl::Seconds(40);
   // A router sends a step of epoch N only to an executor that announced epoch N (its
-  // ExecutorHello after attaching to that pool). Off: to any executor attached to some
-  // pool, as services/router does today; an executor that registers in the step's epoch
+  // ExecutorHello after attaching to that pool), as services/router does
+  // (ExecutorLink::LiveInEpoch). Off: to any executor attached to some pool, as it did
+  // before; an executor that registers in the step's epoch
   // only after the step's router session ended (or drained the sequence) is then in no
   // fence of it, and may write blocks already handed to someone else (docs/RELIABILITY.md,
   // "Deterministic simulation").

@@ -73,7 +73,7 @@ TEST(CacheManagerSimTest, EverySeedKeepsTheInvariantsAndRecovers) {
   }
   const uint64_t seeds = EnvNumber("KVCM_SIM_SEEDS", kDefaultSeeds);
   // KVCM_SIM_ROUTER_ANY_EPOCH=1: routers send steps to executors of any epoch, as
-  // services/router does today (SimOptions::router_waits_for_epoch).
+  // services/router did before it waited for their Hello (SimOptions::router_waits_for_epoch).
   const bool any_epoch = EnvNumber("KVCM_SIM_ROUTER_ANY_EPOCH", 0) != 0;
   const uint64_t first = EnvNumber("KVCM_SIM_FIRST_SEED", 1);
   std::printf(
@@ -118,7 +118,7 @@ TEST(CacheManagerSimTest, EverySeedKeepsTheInvariantsAndRecovers) {
 }
 
 // The oracle is not vacuous: with routers sending steps to executors of any epoch (as
-// services/router does today; docs/RELIABILITY.md, "Deterministic simulation", "Found"), some
+// services/router did before it waited for their Hello; docs/RELIABILITY.md, "Deterministic simulation", "Found"), some
 // seed has an executor write blocks handed to another sequence since (seed 880 of this model).
 TEST(CacheManagerSimTest, TheOracleCatchesAStepThatMeetsNoFence) {
   SimResult failed;

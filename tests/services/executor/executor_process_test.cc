@@ -467,8 +467,22 @@ TEST_F(ExecutorProcessTest, CacheManagerRestartReattachesWithoutReloadingWeights
           absl::StrCat("re-attached to the pool of epoch ", cm_->epoch()), deadline);
       ASSERT_TRUE(line.ok()) << line.status();
     }
-    // restart 2: a step of the new epoch right away; the executor re-attaches for it if it
-    // has not yet.
+    // restart 2: a step of the new epoch right away. An executor that has not noticed yet
+    // re-attaches for it but refuses it: it had no session in that epoch when the step was
+    // sent, so no fence of the sender waits for it (docs/architecture.md, "Fencing"). Its
+    // next Hello announces the epoch, and steps of it run from then on.
+    if (restart == 2) {
+      auto early = driver_->Generate({kPrompts[2]}, 6);
+      if (!early.ok()) {
+        EXPECT_TRUE(absl::IsAborted(early.status())) << early.status();
+        EXPECT_THAT(std::string(early.status().message()),
+                    HasSubstr("stale epoch, re-attached"));
+      }
+      if (driver_->hello_epoch() != cm_->epoch()) {
+        auto hello = driver_->AwaitHello(absl::Now() + absl::Seconds(10));
+        ASSERT_TRUE(hello.ok()) << hello.status() << "\n" << executor_.Output();
+      }
+    }
     auto after = driver_->Generate({kPrompts[2]}, 6);
     ASSERT_TRUE(after.ok()) << after.status() << "\n" << executor_.Output();
     EXPECT_THAT((*after)[0].generated, ElementsAreArray(expected));

@@ -457,7 +457,7 @@ TEST_P(ExecutorServiceTest, CopiesRunBeforeTheForwardPass) {
   }
 }
 
-TEST_P(ExecutorServiceTest, AnotherEpochReattachesOnlyWhenTheCacheManagerConfirmsIt) {
+TEST_P(ExecutorServiceTest, AnotherEpochIsRefusedAndReattachesOnlyWhenTheCacheManagerConfirmsIt) {
   StepRequest step;
   SeqStep s;
   s.seq = 1;
@@ -491,12 +491,19 @@ TEST_P(ExecutorServiceTest, AnotherEpochReattachesOnlyWhenTheCacheManagerConfirm
   EXPECT_THAT(std::string(unknown.status().message()), HasSubstr("cannot say which"));
   EXPECT_EQ(pool_->reattaches(), 0);
 
-  // The cache manager says the attached epoch is gone: re-attach (no weights reloaded)
-  // and run.
+  // The cache manager says the attached epoch is gone: re-attach (no weights reloaded), but
+  // refuse the step: it was sent before this executor had a session in its epoch, so no
+  // fence of its router session waits for this executor (docs/architecture.md, "Fencing").
+  // The next step of that epoch runs.
   pool_->set_epoch_current(false);
   pool_->set_epoch_after_reattach(kEpoch + 1);
   absl::StatusOr<StepReport> newer = service_->RunStep(step);
-  ASSERT_TRUE(newer.ok()) << newer.status();
+  EXPECT_TRUE(absl::IsAborted(newer.status())) << newer.status();
+  EXPECT_THAT(std::string(newer.status().message()), HasSubstr("stale epoch, re-attached"));
+  EXPECT_EQ(pool_->reattaches(), 1);
+  EXPECT_TRUE(service_->WantsHello(absl::Now()));  // announces the new epoch
+  absl::StatusOr<StepReport> next = service_->RunStep(step);
+  ASSERT_TRUE(next.ok()) << next.status();
   EXPECT_EQ(pool_->reattaches(), 1);
 
   // Gone again, but attaching fails: stale epoch, re-attaching.
