@@ -91,6 +91,17 @@ class CacheManagerServer::PidfdWatcher : public ProcessWatcher {
   // accepted (SO_PEERPIDFD): Watch takes it instead of looking the pid up later, when it
   // may already name another process.
   void OfferConnectPidfd(pid_t pid, UniqueFd pidfd) {
+    // A process's other connections (those that never say Hello) leave their pidfds here
+    // unclaimed: dropped once the process has exited, so that each restart of a client does
+    // not keep one more fd open (tests/faults/soak_test.cc counted one per executor
+    // restart) until the cap below clears them all.
+    for (auto it = connect_pidfds_.begin(); it != connect_pidfds_.end();) {
+      if (Exited(it->second.get())) {
+        connect_pidfds_.erase(it++);
+      } else {
+        ++it;
+      }
+    }
     if (connect_pidfds_.size() >= kMaxConnectPidfds) connect_pidfds_.clear();
     connect_pidfds_.insert_or_assign(pid, std::move(pidfd));
   }
