@@ -56,6 +56,14 @@ if grep -q -e '(Skipped)' -e '\[  SKIPPED \]' "$log"; then
   failed=1
 fi
 
+# Tests that take a GPU path only when there is a device, without the gpu label (they
+# run in CI too): that no log carries the CUDA IPC handle of a real CUDA pool.
+if ! KVCM_REQUIRE_GPU=1 ctest --test-dir "$BUILD_DIR" --no-tests=error --output-on-failure \
+    --timeout 600 -R '^CacheManagerSecurityTest\.TheLogNeverCarriesTheTcpSecretOrThePoolsHandles$'; then
+  echo "gpu-check: the log check with a CUDA pool FAILED" >&2
+  failed=1
+fi
+
 shopt -s nullglob
 benches=()
 for path in "$BUILD_DIR"/bench/*gpu*; do

@@ -22,6 +22,7 @@
 #include "common/transport/zmq_util.h"
 #include "common/wire/step_codec.h"
 #include "gmock/gmock.h"
+#include "tests/support/gpu_test.h"
 
 namespace kvcm::live_test {
 namespace {
@@ -519,6 +520,11 @@ TEST(CacheManagerSecurityTest, TheLogNeverCarriesTheTcpSecretOrThePoolsHandles) 
     raw.dealer.send(zmq::const_buffer(bye.GetBufferPointer(), bye.GetSize()),
                     zmq::send_flags::none);
     ASSERT_TRUE(raw.dealer.recv(reply));
+  }
+  // scripts/gpu-check.sh runs this test on a GPU machine: there it must have checked a
+  // real CUDA IPC handle.
+  if (kvcm::testing::GpuRequired()) {
+    EXPECT_EQ(handle.size(), 64u) << "KVCM_REQUIRE_GPU=1 but the pool is not a CUDA pool";
   }
   auto control = Connect(manager, wire::Role::Control);
   ASSERT_NE(control, nullptr);
