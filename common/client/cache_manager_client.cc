@@ -357,7 +357,15 @@ absl::Status CacheManagerClient::CheckSession() {
     return absl::FailedPreconditionError(
         "no session: this client said Goodbye; call EnsureSession() to register again");
   }
-  if (session_lost()) return SessionGone("its heartbeat was refused");
+  if (session_lost()) {
+    std::string reason;
+    {
+      MutexLock lock(&session_mu_);
+      reason = lost_reason_;
+    }
+    return SessionGone(
+        absl::StrCat("its heartbeat was refused", reason.empty() ? "" : ": ", reason));
+  }
   return absl::OkStatus();
 }
 
@@ -827,7 +835,15 @@ void CacheManagerClient::HeartbeatLoop(zmq::socket_t stop) {
         pending_request = 0;
         heartbeats_answered_.fetch_add(1);
         if (const wire::ErrorReply* error = verified.envelope->payload_as_ErrorReply()) {
-          if (IsSessionGone(error->code())) lost_generation_.store(pending_generation);
+          if (IsSessionGone(error->code())) {
+            const std::string reason = ReasonOf(error);
+            {
+              MutexLock lock(&session_mu_);
+              lost_reason_ = absl::StrCat(std::string(WireCodeName(error->code())),
+                                          reason.empty() ? "" : ": ", reason);
+            }
+            lost_generation_.store(pending_generation);
+          }
         } else if (const auto* reply = verified.envelope->payload_as_HeartbeatReply()) {
           MutexLock lock(&fence_mu_);
           TakeFencesLocked(*reply);

@@ -514,6 +514,8 @@ class CacheManagerClient {
   // Counts registrations: names a session unambiguously (a restarted cache manager
   // hands out the same session ids again).
   uint64_t generation_ ABSL_GUARDED_BY(session_mu_) = 0;
+  // Why the heartbeat thread saw the session refused ("StaleEpoch: message for epoch ...").
+  std::string lost_reason_ ABSL_GUARDED_BY(session_mu_);
   // The generation whose session the heartbeat thread saw refused (0: none).
   std::atomic<uint64_t> lost_generation_{0};
   std::atomic<uint64_t> heartbeats_sent_{0};

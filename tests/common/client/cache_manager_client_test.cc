@@ -655,6 +655,43 @@ TEST(CacheManagerClientRestartTest, RestartGivesAbortedWithBothEpochsThenWorksOn
   EXPECT_TRUE((*retried)[0].status.ok()) << (*retried)[0].status;  // seq 1 is new here
 }
 
+// Regression: when the heartbeat thread is the first to meet the restarted cache manager,
+// the caller's next call must still name both epochs (it once said only "its heartbeat was
+// refused", and the test above failed whenever the heartbeat won the race).
+TEST(CacheManagerClientRestartTest, AHeartbeatThatMeetsTheRestartFirstGivesTheSameReason) {
+  absl::StatusOr<TempDir> run_dir = TempDir::Create("kvcm-rs");
+  ASSERT_TRUE(run_dir.ok()) << run_dir.status();
+  CacheManagerOptions options = SmallPool();
+  options.run_dir = run_dir->path();
+  absl::StatusOr<std::unique_ptr<CacheManagerProcess>> first = StartCacheManager(options);
+  ASSERT_TRUE(first.ok()) << first.status();
+  std::unique_ptr<CacheManagerClient> client = ConnectOrDie((*first)->endpoint());
+  ASSERT_NE(client, nullptr);
+  const uint64_t old_epoch = client->epoch();
+
+  absl::StatusOr<int> code = (*first)->Terminate();
+  ASSERT_TRUE(code.ok()) << code.status();
+  absl::StatusOr<std::unique_ptr<CacheManagerProcess>> second = StartCacheManager(options);
+  ASSERT_TRUE(second.ok()) << second.status();
+  const uint64_t new_epoch = (*second)->epoch();
+  // Heartbeats go out every 100 ms: wait until one has been refused, before any call.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (!client->session_lost() && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_TRUE(client->session_lost()) << "no heartbeat reached the restarted cache manager";
+
+  absl::StatusOr<StatsSnapshot> refused = client->Stats();
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kAborted) << refused.status();
+  EXPECT_THAT(refused.status().message(), HasSubstr("its heartbeat was refused: StaleEpoch"));
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr(absl::StrCat("message for epoch ", old_epoch,
+                                     " but this cache manager runs epoch ", new_epoch)));
+  ASSERT_TRUE(client->Reregister().ok());
+  EXPECT_FALSE(client->session_lost());
+  EXPECT_TRUE(client->Stats().ok());
+}
+
 TEST(CacheManagerClientRestartTest, ExecutorReattachesAfterACrash) {
   absl::StatusOr<TempDir> run_dir = TempDir::Create("kvcm-rs");
   ASSERT_TRUE(run_dir.ok()) << run_dir.status();
