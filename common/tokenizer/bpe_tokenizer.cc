@@ -2,9 +2,6 @@
 
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
-#include <unicode/normalizer2.h>
-#include <unicode/unistr.h>
-#include <unicode/utypes.h>
 
 #include <algorithm>
 #include <array>
@@ -37,40 +34,6 @@ constexpr size_t kMaxCacheEntries = 1 << 17;
 // Words with more symbols than this merge through a heap instead of rescans.
 constexpr size_t kHeapMergeThreshold = 48;
 
-// Oniguruma's \s (Hugging Face's regexes) is Unicode White_Space; PCRE2's, with UCP, is
-// defined through general categories. Rewriting \s and \S (outside of \Q..\E) as
-// \p{White_Space} makes the set exactly Oniguruma's whatever PCRE2's version says.
-std::string OnigurumaWhitespace(std::string_view pattern) {
-  std::string out;
-  out.reserve(pattern.size() + 32);
-  bool quoted = false;
-  for (size_t i = 0; i < pattern.size(); ++i) {
-    const char ch = pattern[i];
-    if (ch != '\\' || i + 1 == pattern.size()) {
-      out.push_back(ch);
-      continue;
-    }
-    const char next = pattern[i + 1];
-    ++i;
-    if (quoted) {
-      if (next == 'E') quoted = false;
-      out.push_back('\\');
-      out.push_back(next);
-    } else if (next == 'Q') {
-      quoted = true;
-      out += "\\Q";
-    } else if (next == 's') {
-      out += "\\p{White_Space}";
-    } else if (next == 'S') {
-      out += "\\P{White_Space}";
-    } else {
-      out.push_back('\\');
-      out.push_back(next);
-    }
-  }
-  return out;
-}
-
 // Per-thread PCRE2 state: match data (only the whole match is read) and a JIT stack large
 // enough for long runs of whitespace.
 struct ThreadMatchState {
@@ -101,7 +64,7 @@ class Regex {
  public:
   static absl::StatusOr<std::unique_ptr<Regex>> Compile(std::string_view pattern,
                                                         std::string_view source) {
-    const std::string rewritten = OnigurumaWhitespace(pattern);
+    const std::string rewritten = internal::OnigurumaWhitespace(pattern);
     int error = 0;
     PCRE2_SIZE offset = 0;
     pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(rewritten.data()),
@@ -280,7 +243,7 @@ struct BpeTokenizer::Impl {
   int32_t eos_id = -1;
   bool add_bos = false;
   bool ignore_merges = false;
-  BpeNormalizer normalizer = BpeNormalizer::kNone;
+  Normalizer normalizer;  // empty: none
   int32_t unk_id = -1;
   bool fuse_unk = false;
 
@@ -616,29 +579,6 @@ struct BpeTokenizer::Impl {
     return absl::OkStatus();
   }
 
-  // Unicode NFC of valid UTF-8 `text`, through ICU; ASCII is its own NFC.
-  static absl::Status Nfc(std::string_view text, std::string* out) {
-    if (std::all_of(text.begin(), text.end(),
-                    [](char c) { return static_cast<unsigned char>(c) < 0x80; })) {
-      out->assign(text);
-      return absl::OkStatus();
-    }
-    UErrorCode error = U_ZERO_ERROR;
-    const icu::Normalizer2* nfc = icu::Normalizer2::getNFCInstance(error);
-    if (U_FAILURE(error)) {
-      return absl::InternalError(absl::StrCat("ICU NFC: ", u_errorName(error)));
-    }
-    const icu::UnicodeString source = icu::UnicodeString::fromUTF8(
-        icu::StringPiece(text.data(), static_cast<int32_t>(text.size())));
-    const icu::UnicodeString result = nfc->normalize(source, error);
-    if (U_FAILURE(error)) {
-      return absl::InternalError(absl::StrCat("ICU NFC: ", u_errorName(error)));
-    }
-    out->clear();
-    result.toUTF8String(*out);
-    return absl::OkStatus();
-  }
-
   absl::StatusOr<std::vector<int32_t>> Encode(std::string_view text, bool use_cache) const {
     if (const size_t bad = InvalidUtf8Offset(text); bad != std::string_view::npos) {
       return absl::InvalidArgumentError(
@@ -658,8 +598,8 @@ struct BpeTokenizer::Impl {
       // The normalizer sees what the raw added tokens left; the normalized ones and the
       // pre-tokenizer see its output, as in Hugging Face's tokenizers.
       std::string normalized;
-      if (normalizer == BpeNormalizer::kNfc) {
-        if (absl::Status s = Nfc(piece, &normalized); !s.ok()) return s;
+      if (!normalizer.empty()) {
+        if (absl::Status s = normalizer.Apply(piece, &normalized); !s.ok()) return s;
         piece = normalized;
       }
       second.clear();
@@ -719,7 +659,12 @@ absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::FromVocab(BpeVocab v
   impl->eos_id = vocab.eos_id;
   impl->add_bos = vocab.add_bos && vocab.bos_id >= 0;
   impl->ignore_merges = vocab.ignore_merges;
-  impl->normalizer = vocab.normalizer;
+  {
+    absl::StatusOr<Normalizer> normalizer =
+        Normalizer::Create(std::move(vocab.normalizers), source);
+    if (!normalizer.ok()) return normalizer.status();
+    impl->normalizer = std::move(*normalizer);
+  }
   impl->unk_id = vocab.unk_id;
   impl->fuse_unk = vocab.fuse_unk;
 
@@ -786,14 +731,21 @@ absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::FromVocab(BpeVocab v
     }
     impl->added_to_id.try_emplace(token.content, token.id);
     impl->special[id] = token.special ? 1 : 0;
+    // A token matched in normalized text is matched, and decodes, as its own normalized
+    // form (Hugging Face's AddedVocabulary normalizes such tokens' contents): "kvcm" is
+    // "▁kvcm" after a Prepend("▁").
+    std::string content = token.content;
+    if (token.normalized) {
+      if (absl::Status s = impl->normalizer.Apply(token.content, &content); !s.ok()) return s;
+    }
     if (token.special) {
       impl->decoded[id].clear();
     } else {
       std::string raw;
-      impl->decoded[id] = internal::ByteLevelDecode(token.content, &raw) ? raw : token.content;
+      impl->decoded[id] = internal::ByteLevelDecode(content, &raw) ? raw : content;
     }
     (token.normalized ? impl->normalized_matcher : impl->raw_matcher)
-        .Add(static_cast<int>(i), token.content);
+        .Add(static_cast<int>(i), content);
     single_word |= token.single_word;
   }
   impl->raw_matcher.Finish();

@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/tokenizer/normalizer.h"
 #include "common/tokenizer/tokenizer.h"
 
 namespace kvcm {
@@ -88,10 +89,6 @@ struct BpeAddedToken {
   bool normalized = false;   // matched after the normalizer, in a second pass
 };
 
-// What text goes through before the added tokens marked normalized and the pre-tokenizer
-// (Hugging Face's normalizers): nothing, or Unicode NFC (Qwen2's tokenizer.json), through
-// ICU.
-enum class BpeNormalizer { kNone, kNfc };
 
 struct BpeVocab {
   // Byte-level-encoded strings (tokenizer.json's model.vocab, GGUF's tokenizer.ggml.tokens);
@@ -107,7 +104,9 @@ struct BpeVocab {
   std::string pre = "gpt2";
   std::vector<BpePreTokenizerStep> pre_tokenizer;
   bool ignore_merges = false;
-  BpeNormalizer normalizer = BpeNormalizer::kNone;
+  // What text goes through before the added tokens marked normalized and the pre-tokenizer
+  // (Hugging Face's normalizers, common/tokenizer/normalizer.h), in order; empty: nothing.
+  std::vector<NormalizerStep> normalizers;
   // A byte without a token becomes unk_id (-1: it is dropped, as Hugging Face does); with
   // fuse_unk consecutive ones become one.
   int32_t unk_id = -1;
@@ -124,14 +123,16 @@ struct BpeVocab {
 // add_bos). Understood: model BPE (vocab; merges as "a b" strings or as pairs;
 // ignore_merges, unk_token, fuse_unk); pre_tokenizer ByteLevel, Split (String or Regex
 // pattern), Digits, Sequence of them, ByteLevel last; decoder ByteLevel (or a Sequence
-// holding only it); normalizer null or NFC (alone or in a Sequence); added_tokens with their
-// flags; post_processor ByteLevel, TemplateProcessing, Sequence of them. truncation and padding are ignored
-// (callers truncate).
+// holding only it); normalizer null, NFC, NFD, NFKC, NFKD, Lowercase, Strip, StripAccents,
+// Prepend, Replace, BertNormalizer and Sequences of them (normalizer.h); added_tokens with
+// their flags; post_processor ByteLevel, TemplateProcessing, Sequence of them. truncation
+// and padding are ignored (callers truncate).
 // Errors name `file_name` and the key: INVALID_ARGUMENT for bad JSON (including bad UTF-8),
 // a missing or mistyped key, a merge naming an unknown token, a negative, duplicate or
 // too sparse id; UNIMPLEMENTED for a model, normalizer, pre-tokenizer, decoder or option
 // that is understood by Hugging Face but not here (dropout, byte_fallback, subword
-// prefixes/suffixes, Metaspace, NFKC, ...), naming it.
+// prefixes/suffixes, the Metaspace pre-tokenizer, the Precompiled and Nmt normalizers, ...),
+// naming it.
 absl::StatusOr<BpeVocab> ParseTokenizerJson(std::string_view json_text,
                                             std::string_view file_name);
 

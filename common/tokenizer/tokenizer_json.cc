@@ -213,27 +213,102 @@ class Parser {
     return absl::OkStatus();
   }
 
-  // null, NFC, or a Sequence of at most one NFC.
+  // null, or one of normalizer.h's (a Sequence flattened into its steps).
   absl::Status Normalizer(const Json& root, BpeVocab* vocab) const {
     const Json* n = Member(root, "normalizer");
     if (n == nullptr) return absl::OkStatus();
-    if (!n->is_object()) return Invalid("normalizer", "must be an object or null");
+    return NormalizerSteps(*n, "normalizer", &vocab->normalizers);
+  }
+
+  absl::Status NormalizerSteps(const Json& n, const std::string& key,
+                               std::vector<NormalizerStep>* steps) const {
+    if (!n.is_object()) return Invalid(key, "must be an object or null");
     std::string type;
-    if (absl::Status s = GetString(*n, "type", "normalizer", &type); !s.ok()) return s;
-    if (type == "NFC") {
-      vocab->normalizer = BpeNormalizer::kNfc;
+    if (absl::Status s = GetString(n, "type", key, &type); !s.ok()) return s;
+    using Kind = NormalizerStep::Kind;
+    if (type == "Sequence") {
+      const Json* list = Member(n, "normalizers");
+      if (list == nullptr || !list->is_array()) {
+        return Invalid(key + ".normalizers", "must be an array");
+      }
+      for (size_t i = 0; i < list->size(); ++i) {
+        if (absl::Status s =
+                NormalizerSteps((*list)[i], absl::StrCat(key, ".normalizers[", i, "]"), steps);
+            !s.ok()) {
+          return s;
+        }
+      }
       return absl::OkStatus();
     }
-    if (type == "Sequence") {
-      const Json* list = Member(*n, "normalizers");
-      if (list != nullptr && list->is_array() && list->empty()) return absl::OkStatus();
-      if (list != nullptr && list->is_array() && list->size() == 1 && (*list)[0].is_object() &&
-          (*list)[0].value("type", "") == "NFC") {
-        vocab->normalizer = BpeNormalizer::kNfc;
-        return absl::OkStatus();
+    static const std::pair<const char*, Kind> kPlain[] = {{"NFC", Kind::kNfc},
+                                                          {"NFD", Kind::kNfd},
+                                                          {"NFKC", Kind::kNfkc},
+                                                          {"NFKD", Kind::kNfkd},
+                                                          {"Lowercase", Kind::kLowercase},
+                                                          {"StripAccents", Kind::kStripAccents}};
+    NormalizerStep step;
+    bool plain = false;
+    for (const auto& [name, kind] : kPlain) {
+      if (type == name) {
+        step.kind = kind;
+        plain = true;
       }
     }
-    return Unimplemented("normalizer", absl::StrCat("\"", type, "\" (null and NFC are)"));
+    if (plain) {
+      // nothing more to read
+    } else if (type == "Strip") {
+      step.kind = Kind::kStrip;
+      if (absl::Status s = GetBool(n, "strip_left", key, &step.strip_left); !s.ok()) return s;
+      if (absl::Status s = GetBool(n, "strip_right", key, &step.strip_right); !s.ok()) return s;
+    } else if (type == "Prepend") {
+      step.kind = Kind::kPrepend;
+      const Json* prepend = Member(n, "prepend");
+      if (prepend == nullptr || !prepend->is_string()) {
+        return Invalid(key + ".prepend", "must be a string");
+      }
+      step.content = prepend->get<std::string>();
+    } else if (type == "Replace") {
+      step.kind = Kind::kReplace;
+      const Json* pattern = Member(n, "pattern");
+      const Json* regex =
+          pattern != nullptr && pattern->is_object() ? Member(*pattern, "Regex") : nullptr;
+      const Json* literal =
+          pattern != nullptr && pattern->is_object() ? Member(*pattern, "String") : nullptr;
+      if (regex != nullptr && regex->is_string()) {
+        step.pattern = regex->get<std::string>();
+        step.pattern_is_regex = true;
+      } else if (literal != nullptr && literal->is_string()) {
+        step.pattern = literal->get<std::string>();
+      } else {
+        return Invalid(key + ".pattern", "must be {\"Regex\": ...} or {\"String\": ...}");
+      }
+      if (step.pattern.empty()) return Invalid(key + ".pattern", "is empty");
+      const Json* content = Member(n, "content");
+      if (content == nullptr || !content->is_string()) {
+        return Invalid(key + ".content", "must be a string");
+      }
+      step.content = content->get<std::string>();
+    } else if (type == "BertNormalizer") {
+      step.kind = Kind::kBert;
+      for (const auto& [name, field] :
+           {std::pair<const char*, bool*>{"clean_text", &step.clean_text},
+            {"handle_chinese_chars", &step.handle_chinese_chars},
+            {"lowercase", &step.lowercase}}) {
+        if (absl::Status s = GetBool(n, name, key, field); !s.ok()) return s;
+      }
+      bool strip_accents = false;
+      if (Member(n, "strip_accents") != nullptr) {
+        if (absl::Status s = GetBool(n, "strip_accents", key, &strip_accents); !s.ok()) return s;
+        step.strip_accents = strip_accents ? 1 : 0;
+      }
+    } else {
+      return Unimplemented(key, absl::StrCat("normalizer \"", type,
+                                             "\" (NFC, NFD, NFKC, NFKD, Lowercase, Strip, "
+                                             "StripAccents, Prepend, Replace, BertNormalizer and "
+                                             "Sequence are)"));
+    }
+    steps->push_back(std::move(step));
+    return absl::OkStatus();
   }
 
   absl::Status PreTokenizer(const Json& p, const std::string& key,

@@ -7,6 +7,10 @@ Subcommands (every output is derived from a fixed seed, printed on stdout):
   train --family llama3|qwen2|gpt2 --out-dir DIR
                                       a small BPE trained by tokenizers' own trainer with the
                                       family's published pre-tokenizer
+  normalizers --gguf PATH --out-dir DIR
+                                      the bundled GGUF's vocabulary and merges with each of
+                                      NORMALIZERS in DIR/NAME (its pre-tokenizer, specials
+                                      and an added token "kvcm" matched after normalization)
   corpus --out FILE                   the test corpus alone (JSON list of strings)
   bench --dir DIR --corpus FILE       seconds to encode the corpus, one thread
 
@@ -139,16 +143,30 @@ def write_expected(tok, family, seed, count, out_dir, bos_token=None):
     print(f"{family}: {len(cases)} cases, seed {seed}, vocab {tok.get_vocab_size()}")
 
 
-def smollm2(args):
-    from gguf import GGUFReader
-    reader = GGUFReader(args.gguf)
+# Normalizers as real tokenizer.json files have them (Llama 2 and Mistral: Prepend + Replace;
+# BERT's; Unicode forms; case), each built by `tokenizers` itself.
+NORMALIZERS = {
+    "nfd": lambda: normalizers.NFD(),
+    "nfkc": lambda: normalizers.NFKC(),
+    "nfkd": lambda: normalizers.NFKD(),
+    "lowercase": lambda: normalizers.Lowercase(),
+    "strip": lambda: normalizers.Strip(),
+    "strip_right": lambda: normalizers.Strip(left=False, right=True),
+    "strip_accents": lambda: normalizers.Sequence([normalizers.NFD(),
+                                                   normalizers.StripAccents()]),
+    "sentencepiece": lambda: normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                                   normalizers.Replace(" ", "\u2581")]),
+    "replace_regex": lambda: normalizers.Replace(Regex(r"\s{2,}|[0-9]+"), "#"),
+    "bert": lambda: normalizers.BertNormalizer(),
+    "bert_cased": lambda: normalizers.BertNormalizer(lowercase=False, strip_accents=True,
+                                                     handle_chinese_chars=False),
+    "sequence": lambda: normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase(),
+                                              normalizers.Strip(),
+                                              normalizers.Replace("'", "\u2019")]),
+}
 
-    def field(name):
-        return reader.fields[name].contents()
 
-    tokens = field("tokenizer.ggml.tokens")
-    merges = field("tokenizer.ggml.merges")
-    token_type = field("tokenizer.ggml.token_type")
+def smollm2_tokenizer(tokens, merges, token_type):
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges]))
     # SmolLM2's tokenizer.json.
@@ -159,6 +177,42 @@ def smollm2(args):
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
                             for i in range(len(tokens)) if token_type[i] == 3])
+    return tok
+
+
+def gguf_vocab(path):
+    from gguf import GGUFReader
+    reader = GGUFReader(path)
+    return {name: reader.fields[f"tokenizer.ggml.{name}"].contents()
+            for name in ("tokens", "merges", "token_type")}
+
+
+def normalized(args):
+    v = gguf_vocab(args.gguf)
+    # One tokenizer (building it is most of the time), its normalizer swapped per file.
+    tok = smollm2_tokenizer(v["tokens"], v["merges"], v["token_type"])
+    tok.add_tokens([AddedToken("kvcm", normalized=True)])
+    for name, make in NORMALIZERS.items():
+        tok.normalizer = make()
+        out_dir = os.path.join(args.out_dir, name)
+        os.makedirs(out_dir, exist_ok=True)
+        tok.save(os.path.join(out_dir, "tokenizer.json"))
+        with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+            json.dump({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}, f)
+        write_expected(tok, name, args.seed, args.count, out_dir)
+
+
+def smollm2(args):
+    from gguf import GGUFReader
+    reader = GGUFReader(args.gguf)
+
+    def field(name):
+        return reader.fields[name].contents()
+
+    tokens = field("tokenizer.ggml.tokens")
+    merges = field("tokenizer.ggml.merges")
+    token_type = field("tokenizer.ggml.token_type")
+    tok = smollm2_tokenizer(tokens, merges, token_type)
     os.makedirs(args.out_dir, exist_ok=True)
     # SmolLM2's file spells merges as "a b" strings; keep that spelling.
     data = json.loads(tok.to_str())
@@ -258,13 +312,13 @@ def bench(args):
 def main():
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("smollm2", "train", "corpus", "bench"):
+    for name in ("smollm2", "normalizers", "train", "corpus", "bench"):
         p = sub.add_parser(name)
         p.add_argument("--seed", type=int, default=20240917)
         p.add_argument("--count", type=int, default=1200)
-        if name in ("smollm2", "train"):
+        if name in ("smollm2", "normalizers", "train"):
             p.add_argument("--out-dir", required=True)
-        if name == "smollm2":
+        if name in ("smollm2", "normalizers"):
             p.add_argument("--gguf", required=True)
         if name == "train":
             p.add_argument("--family", required=True)
@@ -276,7 +330,8 @@ def main():
             p.add_argument("--corpus", required=True)
             p.add_argument("--repetitions", type=int, default=3)
     args = parser.parse_args()
-    {"smollm2": smollm2, "train": train, "corpus": corpus, "bench": bench}[args.command](args)
+    {"smollm2": smollm2, "normalizers": normalized, "train": train, "corpus": corpus,
+     "bench": bench}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -245,11 +245,78 @@ TEST_P(SmolLM2GgufVocabTest, LoadGgufTokenizerMatchesHuggingFace) {
   EXPECT_TRUE(bpe->IsSpecial(2));
 }
 
-INSTANTIATE_TEST_SUITE_P(SmolLM2, SmolLM2GgufVocabTest,
-                         ::testing::Values(Family{"smollm2", 49152}),
+INSTANTIATE_TEST_SUITE_P(SmolLM2, SmolLM2GgufVocabTest, ::testing::Values(Family{"smollm2", 49152}),
                          [](const ::testing::TestParamInfo<Family>& param) {
                            return param.param.name;
                          });
+
+// Every normalizer of normalizer.h on the bundled GGUF's vocabulary, each tokenizer.json
+// written by `tokenizers` with the normalizer (bpe_reference.py's NORMALIZERS) and an added
+// token "kvcm" matched after it: the ids, the decoded text and decode(encode(s)) ==
+// normalize(s) on the corpus. One test for all of them, so that the reference runs once
+// (ctest runs each test in a process of its own).
+class BpeNormalizerTest : public BpeFamilyTest {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<testing::TempDir> dir = testing::TempDir::Create("kvcm-bpe-normalizers");
+    ASSERT_TRUE(dir.ok()) << dir.status();
+    dir_.emplace(std::move(*dir));
+    const std::string gguf = testing::SmolLM2GgufPath();
+    ASSERT_TRUE(std::filesystem::exists(gguf)) << testing::SmolLM2Missing(gguf);
+    std::printf("corpus seed %d, %d strings\n", kSeed, kCorpusSize);
+    ASSERT_EQ(RunReference({"normalizers", "--gguf", gguf, "--out-dir", dir_->path(), "--seed",
+                            std::to_string(kSeed), "--count", std::to_string(kCorpusSize)},
+                           dir_->path()),
+              "");
+  }
+};
+
+TEST_P(BpeNormalizerTest, EveryNormalizerMatchesHuggingFace) {
+  for (const std::string name :
+       {"nfd", "nfkc", "nfkd", "lowercase", "strip", "strip_right", "strip_accents",
+        "sentencepiece", "replace_regex", "bert", "bert_cased", "sequence"}) {
+    SCOPED_TRACE(name);
+    const std::string folder = dir_->path() + "/" + name;
+    expected_ = ReadJson(folder + "/expected.json");
+    ASSERT_EQ(expected_["seed"].get<int>(), kSeed);
+    ASSERT_GE(expected_["cases"].size(), 1000u);
+    absl::StatusOr<std::unique_ptr<Tokenizer>> loaded = LoadTokenizer(folder, TokenizerConfig());
+    ASSERT_TRUE(loaded.ok()) << loaded.status();
+    const auto* tokenizer = dynamic_cast<const BpeTokenizer*>(loaded->get());
+    ASSERT_NE(tokenizer, nullptr);
+    ExpectMatchesReference(*tokenizer);
+    // The normalizer changed some of the corpus (else this would prove nothing).
+    int changed = 0;
+    for (const Json& c : expected_["cases"]) changed += c["normalized"] != c["text"];
+    std::printf("%s: the normalizer changes %d of %zu texts\n", name.c_str(), changed,
+                expected_["cases"].size());
+    EXPECT_GT(changed, 10);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Normalizers, BpeNormalizerTest, ::testing::Values(Family{"smollm2", 0}),
+                         [](const ::testing::TestParamInfo<Family>& param) {
+                           return param.param.name;
+                         });
+
+// Replace with a regex that matches empty strings. `tokenizers` 0.23.3 panics encoding
+// with one ("index out of bounds" on the corpus), so it cannot be the live reference; these
+// are what its normalizer gives alone (normalizers.Replace(Regex("x*"), "-").normalize_str).
+TEST(NormalizerTest, AnEmptyMatchWhereThePreviousEndedIsNotReplaced) {
+  NormalizerStep step;
+  step.kind = NormalizerStep::Kind::kReplace;
+  step.pattern = "x*";
+  step.pattern_is_regex = true;
+  step.content = "-";
+  absl::StatusOr<Normalizer> n = Normalizer::Create({step}, "test");
+  ASSERT_TRUE(n.ok()) << n.status();
+  for (const auto& [in, want] : std::vector<std::pair<std::string, std::string>>{
+           {"abc", "-a-b-c-"}, {"xxaxb", "-a-b-"}, {"", ""}, {"\u00e9 x", "-\u00e9- -"}}) {
+    std::string out;
+    ASSERT_TRUE(n->Apply(in, &out).ok());
+    EXPECT_EQ(out, want) << in;
+  }
+}
 
 // ---- Small hand-made tokenizers: errors and options. ----
 
@@ -396,32 +463,68 @@ TEST_F(BpeTokenizerJsonTest, MalformedFilesNameTheFileAndKey) {
       {"{\"model\": ", absl::StatusCode::kInvalidArgument, {"not valid JSON"}},
       {"[1, 2]", absl::StatusCode::kInvalidArgument, {"top level"}},
       {R"({"version": "1.0"})", absl::StatusCode::kInvalidArgument, {"\"model\"", "missing"}},
-      {replace(R"("type":"BPE")", R"("type":"Frobnicate")"), absl::StatusCode::kInvalidArgument,
+      {replace(R"("type":"BPE")", R"("type":"Frobnicate")"),
+       absl::StatusCode::kInvalidArgument,
        {"model.type", "Frobnicate"}},
-      {replace(R"("type":"BPE")", R"("type":"Unigram")"), absl::StatusCode::kUnimplemented,
+      {replace(R"("type":"BPE")", R"("type":"Unigram")"),
+       absl::StatusCode::kUnimplemented,
        {"model.type", "Unigram"}},
-      {replace(R"("Ġ t")", R"("Ġ zz")"), absl::StatusCode::kInvalidArgument,
+      {replace(R"("Ġ t")", R"("Ġ zz")"),
+       absl::StatusCode::kInvalidArgument,
        {"model.merges[0]", "zz"}},
       {replace(R"("Ġ t")", R"("Ġt")"), absl::StatusCode::kInvalidArgument, {"model.merges[0]"}},
-      {replace(R"("id":257)", R"("id":-4)"), absl::StatusCode::kInvalidArgument,
+      {replace(R"("id":257)", R"("id":-4)"),
+       absl::StatusCode::kInvalidArgument,
        {"added_tokens[0].id", "-4"}},
-      {replace(R"("id":257)", R"("id":99999999)"), absl::StatusCode::kInvalidArgument,
+      {replace(R"("id":257)", R"("id":99999999)"),
+       absl::StatusCode::kInvalidArgument,
        {"added_tokens[0].id", "dense"}},
-      {replace(R"("id":257)", R"("id":"x")"), absl::StatusCode::kInvalidArgument,
+      {replace(R"("id":257)", R"("id":"x")"),
+       absl::StatusCode::kInvalidArgument,
        {"added_tokens[0].id"}},
       {replace(R"("content":"<|end|>")", "\"content\":\"<|\xff|>\""),
-       absl::StatusCode::kInvalidArgument, {"not valid JSON", "UTF-8"}},
-      {replace(R"("normalizer":null)", R"("normalizer":{"type":"NFKC"})"),
-       absl::StatusCode::kUnimplemented, {"normalizer", "NFKC"}},
+       absl::StatusCode::kInvalidArgument,
+       {"not valid JSON", "UTF-8"}},
+      {replace(R"("normalizer":null)", R"("normalizer":{"type":"Precompiled"})"),
+       absl::StatusCode::kUnimplemented,
+       {"normalizer", "Precompiled"}},
+      {replace(R"("normalizer":null)",
+               R"("normalizer":{"type":"Sequence","normalizers":[{"type":"NFKC"},
+                   {"type":"Nmt"}]})"),
+       absl::StatusCode::kUnimplemented,
+       {"normalizer.normalizers[1]", "Nmt"}},
+      {replace(R"("normalizer":null)", R"("normalizer":{"type":"Sequence"})"),
+       absl::StatusCode::kInvalidArgument,
+       {"normalizer.normalizers", "array"}},
+      {replace(R"("normalizer":null)", R"("normalizer":{"type":"Prepend"})"),
+       absl::StatusCode::kInvalidArgument,
+       {"normalizer.prepend"}},
+      {replace(R"("normalizer":null)",
+               R"("normalizer":{"type":"Replace","pattern":{"String":""},"content":"x"})"),
+       absl::StatusCode::kInvalidArgument,
+       {"normalizer.pattern", "empty"}},
+      {replace(R"("normalizer":null)",
+               R"("normalizer":{"type":"Replace","pattern":{"Regex":"(open"},"content":"x"})"),
+       absl::StatusCode::kInvalidArgument,
+       {"Replace", "(open"}},
+      {replace(R"("normalizer":null)",
+               R"("normalizer":{"type":"BertNormalizer","lowercase":"yes"})"),
+       absl::StatusCode::kInvalidArgument,
+       {"normalizer.lowercase", "boolean"}},
       {replace(R"("decoder":{"type":"ByteLevel"})", R"("decoder":{"type":"Metaspace"})"),
-       absl::StatusCode::kUnimplemented, {"decoder", "Metaspace"}},
+       absl::StatusCode::kUnimplemented,
+       {"decoder", "Metaspace"}},
       {replace(R"("model":{)", R"("model":{"byte_fallback":true,)"),
-       absl::StatusCode::kUnimplemented, {"model.byte_fallback"}},
-      {replace(R"("model":{)", R"("model":{"dropout":0.1,)"), absl::StatusCode::kUnimplemented,
+       absl::StatusCode::kUnimplemented,
+       {"model.byte_fallback"}},
+      {replace(R"("model":{)", R"("model":{"dropout":0.1,)"),
+       absl::StatusCode::kUnimplemented,
        {"model.dropout"}},
-      {replace(R"("vocab":{)", R"("vocab":{"zz":"seven",)"), absl::StatusCode::kInvalidArgument,
+      {replace(R"("vocab":{)", R"("vocab":{"zz":"seven",)"),
+       absl::StatusCode::kInvalidArgument,
        {"model.vocab[\"zz\"]"}},
-      {replace(R"("vocab":{)", R"("vocab":{"zz":0,)"), absl::StatusCode::kInvalidArgument,
+      {replace(R"("vocab":{)", R"("vocab":{"zz":0,)"),
+       absl::StatusCode::kInvalidArgument,
        {"model.vocab", "id 0"}},
   };
   for (const Case& c : cases) {

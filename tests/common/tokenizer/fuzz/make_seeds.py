@@ -1,7 +1,7 @@
 # Writes the seed corpus of the tokenizer_json fuzz target
 # (tests/common/tokenizer/fuzz/tokenizer_json/): small byte-level BPE tokenizer.json files
 # in the shapes common/tokenizer/tokenizer_json.cc reads (every byte, a few merges, added
-# tokens with each flag, pre-tokenizers of every kind, NFC, a TemplateProcessing
+# tokens with each flag, pre-tokenizers and normalizers of every kind, a TemplateProcessing
 # post-processor).
 #   python3 tests/common/tokenizer/fuzz/make_seeds.py tests/common/tokenizer/fuzz/tokenizer_json
 import json
@@ -73,6 +73,17 @@ seeds = {
              "invert": True},
             dict(byte_level, use_regex=False)]},
         normalizer={"type": "Sequence", "normalizers": [{"type": "NFC"}]}),
+    "every_normalizer.json": tokenizer(
+        dict(byte_level, add_prefix_space=True),
+        normalizer={"type": "Sequence", "normalizers": [
+            {"type": "NFD"}, {"type": "StripAccents"}, {"type": "NFKC"}, {"type": "NFKD"},
+            {"type": "NFC"}, {"type": "Lowercase"},
+            {"type": "Strip", "strip_left": True, "strip_right": False},
+            {"type": "Prepend", "prepend": "\u2581"},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"},
+            {"type": "Replace", "pattern": {"Regex": r"\s{2,}|x*"}, "content": "-"},
+            {"type": "BertNormalizer", "clean_text": True, "handle_chinese_chars": True,
+             "strip_accents": None, "lowercase": True}]}),
 }
 for name, value in seeds.items():
     with open(f"{sys.argv[1]}/{name}", "w", encoding="utf-8") as f:
