@@ -1,5 +1,6 @@
 #include "services/router/http_frontend.h"
 #include "services/router/http_requests.h"
+#include "services/router/stream_events.h"
 
 #include <event2/buffer.h>
 #include <event2/bufferevent.h>
@@ -208,7 +209,13 @@ struct HttpFrontend::Impl {
   std::unique_ptr<RequestParser> parser;  // with `options`' limits and `tokenizer`
   std::string openapi;  // GET /openapi.json: OpenApiDocument(options)
 
+  // A stream event's bytes are written here, then handed to libevent from `event_out`: one
+  // buffer of each, reused, so an event costs no allocation of its own.
+  std::string event_text;
+  evbuffer* event_out = nullptr;
+
   ~Impl() {
+    if (event_out != nullptr) evbuffer_free(event_out);
     if (mail != nullptr) event_free(mail);
     if (stop != nullptr) event_free(stop);
     if (http != nullptr) evhttp_free(http);
@@ -664,12 +671,25 @@ struct HttpFrontend::Impl {
   }
 
   // One server-sent event: "data:" as TGI writes it, "data: " as OpenAI does.
-  static void SendEvent(evhttp_request* request, const std::string& data,
-                        Api api = Api::kTgi) {
-    evbuffer* out = evbuffer_new();
-    evbuffer_add_printf(out, api == Api::kOpenAi ? "data: %s\n\n" : "data:%s\n\n", data.c_str());
-    evhttp_send_reply_chunk(request, out);
-    evbuffer_free(out);
+  void SendEvent(evhttp_request* request, std::string_view data, Api api = Api::kTgi) {
+    event_text.assign(api == Api::kOpenAi ? "data: " : "data:");
+    event_text.append(data);
+    event_text.append("\n\n");
+    WriteEvent(request);
+  }
+  // A TGI token event, its JSON written straight into event_text (no DOM).
+  void SendTgiEvent(evhttp_request* request, const TgiStreamEvent& event) {
+    event_text.assign("data:");
+    AppendTgiStreamEvent(event, &event_text);
+    event_text.append("\n\n");
+    WriteEvent(request);
+  }
+  // Sends event_text as one chunk of `request`'s reply.
+  void WriteEvent(evhttp_request* request) {
+    evbuffer_add(event_out, event_text.data(), event_text.size());
+    evhttp_send_reply_chunk(request, event_out);  // moves the bytes to the connection
+    // Whatever libevent did not take (no connection any more) must not go with the next.
+    evbuffer_drain(event_out, evbuffer_get_length(event_out));
   }
 
   // Streams choice `index`'s newest token; `finished` with its finish reason.
@@ -697,19 +717,33 @@ struct HttpFrontend::Impl {
       SendEvent(a.request, Dump(OpenAiChunk(a, json::array({std::move(choice)}))), Api::kOpenAi);
       return;
     }
-    json event = {{"index", c.generated.size() - 1},
-                  {"token", TgiToken(p.token, p.logprob, piece)},
-                  {"generated_text", nullptr},
-                  {"details", nullptr}};
-    if (a.params.outputs.top_n > 0) event["top_tokens"] = TgiTopTokens(c.top.back());
-    if (finished) {
-      const std::string all = TextOf(c);
-      event["generated_text"] = a.params.return_full_text ? a.prompt_text + all : all;
-      event["details"] = {{"finish_reason", c.finish_reason},
-                          {"generated_tokens", c.generated.size()},
-                          {"seed", a.params.do_sample ? json(a.params.seed) : json(nullptr)}};
+    // The bytes TgiToken and TgiTopTokens give, as Dump writes them (stream_events.h).
+    TgiStreamEvent event;
+    event.index = c.generated.size() - 1;
+    event.token = {p.token, p.logprob, piece, Special(p.token)};
+    std::vector<std::string> top_texts;
+    std::vector<TgiStreamToken> top;
+    if (a.params.outputs.top_n > 0) {
+      event.with_top_tokens = true;
+      for (const auto& alternative : c.top.back()) top_texts.push_back(TokenText(alternative.first));
+      for (size_t i = 0; i < top_texts.size(); ++i) {
+        const auto& [id, logprob] = c.top.back()[i];
+        top.push_back({id, logprob, top_texts[i], Special(id)});
+      }
+      event.top_tokens = top;
     }
-    SendEvent(a.request, Dump(event));
+    TgiStreamEnd end;
+    std::string all;
+    if (finished) {
+      all = TextOf(c);
+      if (a.params.return_full_text) all = a.prompt_text + all;
+      end.generated_text = all;
+      end.finish_reason = c.finish_reason;
+      end.generated_tokens = c.generated.size();
+      if (a.params.do_sample) end.seed = a.params.seed;
+      event.end = &end;
+    }
+    SendTgiEvent(a.request, event);
   }
 
   static void OnMail(evutil_socket_t, short, void* arg) {
@@ -1056,6 +1090,8 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(const Options&
                         ? ntohs(reinterpret_cast<sockaddr_in6*>(&address)->sin6_port)
                         : ntohs(reinterpret_cast<sockaddr_in*>(&address)->sin_port);
   impl.mail = event_new(impl.base, -1, 0, &Impl::OnMail, &impl);
+  impl.event_out = evbuffer_new();
+  impl.event_text.reserve(4096);
   impl.stop = event_new(impl.base, -1, 0, &Impl::OnStop, &impl);
   frontend->thread_ = std::thread([base = impl.base] { event_base_dispatch(base); });
   return frontend;
