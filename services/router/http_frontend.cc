@@ -754,12 +754,27 @@ struct HttpFrontend::Impl {
     }
   }
 
+  // Latencies of the tokens of one DeliverMail, observed after all its events are queued to
+  // their connections rather than between them.
+  std::vector<double> first_token_seconds;
+  std::vector<double> token_gap_seconds;
+
   void DeliverMail() {
     std::vector<Progress> batch;
     {
       MutexLock lock(&mailbox_mutex);
       batch.swap(mailbox);
     }
+    DeliverProgress(batch);
+    if (metrics != nullptr) {
+      for (double seconds : first_token_seconds) metrics->ObserveTimeToFirstToken(seconds);
+      for (double seconds : token_gap_seconds) metrics->ObserveTimePerOutputToken(seconds);
+    }
+    first_token_seconds.clear();
+    token_gap_seconds.clear();
+  }
+
+  void DeliverProgress(const std::vector<Progress>& batch) {
     for (const Progress& p : batch) {
       auto it = active.find(p.id);
       if (it == active.end()) continue;
@@ -776,11 +791,9 @@ struct HttpFrontend::Impl {
       if (p.token >= 0) {
         const absl::Time now = MonotonicNow();
         if (metrics != nullptr && index == 0) {
-          if (c.generated.empty()) {
-            metrics->ObserveTimeToFirstToken(absl::ToDoubleSeconds(now - a.arrived));
-          } else {
-            metrics->ObserveTimePerOutputToken(absl::ToDoubleSeconds(now - a.last_token));
-          }
+          (c.generated.empty() ? first_token_seconds : token_gap_seconds)
+              .push_back(absl::ToDoubleSeconds(now - (c.generated.empty() ? a.arrived
+                                                                           : a.last_token)));
         }
         if (index == 0) a.last_token = now;
         a.cached_prompt_tokens = p.cached_prompt_tokens;
@@ -1100,7 +1113,12 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(const Options&
 void HttpFrontend::Deliver(std::vector<Progress> progress) {
   {
     MutexLock lock(&impl_->mailbox_mutex);
-    for (Progress& p : progress) impl_->mailbox.push_back(std::move(p));
+    if (impl_->mailbox.empty()) {
+      impl_->mailbox.swap(progress);  // a step's tokens, handed over whole
+    } else {
+      impl_->mailbox.insert(impl_->mailbox.end(), std::make_move_iterator(progress.begin()),
+                            std::make_move_iterator(progress.end()));
+    }
   }
   event_active(impl_->mail, 0, 0);
 }

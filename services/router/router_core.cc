@@ -364,6 +364,7 @@ void RouterCore::FinishStep() {
   std::vector<TokenEvent> events = planner_->Complete(results_);
   AbandonUnconfirmed();
   std::vector<Progress> progress;
+  progress.reserve(events.size());
   for (TokenEvent& event : events) {
     auto live = known_.find(event.request);
     if (live == known_.end() || static_cast<size_t>(event.choice) >= live->second.size() ||
@@ -389,18 +390,20 @@ void RouterCore::FinishStep() {
     }
     progress.push_back(std::move(p));
   }
+  const absl::Time finished = MonotonicNow();
+  // The tokens first: the metrics can wait until the HTTP thread has them.
+  const auto delivered = static_cast<int32_t>(progress.size());
+  if (!progress.empty()) sink_(std::move(progress));
+  if (options_.step_trace != nullptr) trace_.delivered_ns = absl::ToUnixNanos(MonotonicNow());
   if (RouterMetrics* m = options_.metrics) {
-    m->ObserveStep(absl::ToDoubleSeconds(MonotonicNow() - step_started_), step_sequences_,
+    m->ObserveStep(absl::ToDoubleSeconds(finished - step_started_), step_sequences_,
                    step_prefill_, step_decode_);
     m->CountGeneratedTokens(static_cast<int64_t>(events.size()));
     m->SetState(planner_->queued(), planner_->running(),
                 static_cast<int>(link_->executors().size()));
   }
-  const auto delivered = static_cast<int32_t>(progress.size());
-  if (!progress.empty()) sink_(std::move(progress));
   if (StepTrace* trace = options_.step_trace) {
     trace_.step = step_id_;
-    trace_.delivered_ns = absl::ToUnixNanos(MonotonicNow());
     trace_.sequences = step_sequences_;
     trace_.prefill_tokens = step_prefill_;
     trace_.decode_tokens = step_decode_;

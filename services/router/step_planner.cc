@@ -538,8 +538,10 @@ void StepPlanner::Fork(Running& parent, const SeqResult& outcome,
 
 std::vector<TokenEvent> StepPlanner::Complete(std::span<const SeqResult> results) {
   absl::flat_hash_map<SeqId, const SeqResult*> by_seq;
+  by_seq.reserve(results.size());
   for (const SeqResult& result : results) by_seq[result.seq] = &result;
   std::vector<TokenEvent> events;
+  events.reserve(scheduled_.size());
   std::vector<std::pair<SeqId, const SeqResult*>> to_fork;
   for (SeqId seq : scheduled_) {
     auto it = running_.find(seq);
@@ -578,7 +580,7 @@ std::vector<TokenEvent> StepPlanner::Complete(std::span<const SeqResult> results
     event.top_logprobs = outcome.top_logprobs;
     if (event.index == 0 && run.req.outputs.prompt_logprobs) event.prompt_logprobs = scores;
     if (event.finished) run.finishing = true;
-    events.push_back(event);
+    events.push_back(std::move(event));
     if (run.req.forks_wanted > 0 &&
         static_cast<int32_t>(outcome.fork_tokens.size()) == run.req.forks_wanted) {
       to_fork.emplace_back(seq, &outcome);  // after the loop: forking adds to running_
