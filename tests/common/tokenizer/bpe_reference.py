@@ -125,8 +125,8 @@ def make_corpus(seed, count):
     return cases
 
 
-def write_expected(tok, family, seed, count, out_dir, bos_token=None):
-    corpus = make_corpus(seed, count)
+def write_expected(tok, family, seed, count, out_dir, bos_token=None, extra=()):
+    corpus = make_corpus(seed, count) + list(extra)
     cases = []
     for text in corpus:
         ids = tok.encode(text, add_special_tokens=False).ids
@@ -142,6 +142,13 @@ def write_expected(tok, family, seed, count, out_dir, bos_token=None):
                   ensure_ascii=False)
     print(f"{family}: {len(cases)} cases, seed {seed}, vocab {tok.get_vocab_size()}")
 
+
+# Texts the normalizers treat specially, after the corpus: final sigma (Lowercase maps each
+# character alone), full case mappings, Unicode whitespace at both ends, BERT's controls,
+# formats, U+FFFD and CJK (Extension B too), compatibility forms, stacked marks.
+NORMALIZER_TEXTS = ["ΟΔΟΣ ΣΑΣ", "İ ẞ ǅ ΐ", "\u3000 a \u2028", "\u0085",
+                    "a\u0000b\ufffdc\u200bd\te\u0085f\u4e00g\U00020000h\ue000i",
+                    "ﬁ ① ㍿ Ⅻ ｶ", "e\u0301\u0327 \u1e9b\u0323", "x  y\t\tz", "kvcm KVCM"]
 
 # Normalizers as real tokenizer.json files have them (Llama 2 and Mistral: Prepend + Replace;
 # BERT's; Unicode forms; case), each built by `tokenizers` itself.
@@ -199,7 +206,7 @@ def normalized(args):
         tok.save(os.path.join(out_dir, "tokenizer.json"))
         with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
             json.dump({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}, f)
-        write_expected(tok, name, args.seed, args.count, out_dir)
+        write_expected(tok, name, args.seed, args.count, out_dir, extra=NORMALIZER_TEXTS)
 
 
 def smollm2(args):

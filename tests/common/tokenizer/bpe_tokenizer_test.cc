@@ -245,7 +245,8 @@ TEST_P(SmolLM2GgufVocabTest, LoadGgufTokenizerMatchesHuggingFace) {
   EXPECT_TRUE(bpe->IsSpecial(2));
 }
 
-INSTANTIATE_TEST_SUITE_P(SmolLM2, SmolLM2GgufVocabTest, ::testing::Values(Family{"smollm2", 49152}),
+INSTANTIATE_TEST_SUITE_P(SmolLM2, SmolLM2GgufVocabTest,
+                         ::testing::Values(Family{"smollm2", 49152}),
                          [](const ::testing::TestParamInfo<Family>& param) {
                            return param.param.name;
                          });
@@ -253,8 +254,8 @@ INSTANTIATE_TEST_SUITE_P(SmolLM2, SmolLM2GgufVocabTest, ::testing::Values(Family
 // Every normalizer of normalizer.h on the bundled GGUF's vocabulary, each tokenizer.json
 // written by `tokenizers` with the normalizer (bpe_reference.py's NORMALIZERS) and an added
 // token "kvcm" matched after it: the ids, the decoded text and decode(encode(s)) ==
-// normalize(s) on the corpus. One test for all of them, so that the reference runs once
-// (ctest runs each test in a process of its own).
+// normalize(s) on the corpus and bpe_reference.py's NORMALIZER_TEXTS. One test for all of
+// them, so that the reference runs once (ctest runs each test in a process of its own).
 class BpeNormalizerTest : public BpeFamilyTest {
  protected:
   void SetUp() override {
