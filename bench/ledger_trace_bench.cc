@@ -23,7 +23,8 @@
 //              fills a block. Free when the request ends.
 //   per-block  the same, but Append and Commit only when a block fills (or the request
 //              ends): the fewest calls the same block table can be built with.
-// Each with the block hashes computed inside the timed loop (the default hash, and SHA-256)
+// Each with the block hashes computed inside the timed loop (the default hash, xxh3_v2; its
+// version-1 message, xxh3; and SHA-256)
 // and, to separate the ledger's own time, with all hashes computed before the clock starts
 // ("precomputed"). Generated tokens are not in the trace: they are drawn from a fixed
 // function of (request, position), so their blocks hash like real ones and are cached and
@@ -332,7 +333,7 @@ int Main(int argc, char** argv) {
       requests = std::strtoul(value().c_str(), nullptr, 10);
     } else {
       std::fprintf(stderr,
-                   "usage: %s --trace FILE [--peer BINARY] [--rounds N] [--only NAME-PREFIX] "
+                   "usage: %s --trace FILE [--peer BINARY] [--rounds N] [--only NAME|GROUP] "
                    "[--requests N]\n",
                    argv[0]);
       return 2;
@@ -354,17 +355,24 @@ int Main(int argc, char** argv) {
               trace.block_size, trace.max_live, static_cast<unsigned long long>(trace.seed));
 
   const HashAlgorithm fast = kDefaultHashAlgorithm;
+  const HashAlgorithm v1 = HashAlgorithm::kXxh3;
   const std::vector<Config> configs = {
-      {"router/xxh3", Growth::kRouter, fast, false},
+      {"router/xxh3_v2", Growth::kRouter, fast, false},
+      {"router/xxh3", Growth::kRouter, v1, false},
       {"router/sha256", Growth::kRouter, HashAlgorithm::kSha256, false},
       {"router/precomputed", Growth::kRouter, fast, true},
-      {"per-block/xxh3", Growth::kPerBlock, fast, false},
+      {"per-block/xxh3_v2", Growth::kPerBlock, fast, false},
+      {"per-block/xxh3", Growth::kPerBlock, v1, false},
       {"per-block/sha256", Growth::kPerBlock, HashAlgorithm::kSha256, false},
       {"per-block/precomputed", Growth::kPerBlock, fast, true},
   };
   std::vector<const Config*> chosen;
   for (const Config& c : configs) {
-    if (only.empty() || std::string_view(c.name).starts_with(only)) chosen.push_back(&c);
+    // A whole name, or a group: "per-block" or "per-block/" picks every per-block replay.
+    const std::string_view name = c.name;
+    const bool group = name.size() > only.size() && name.starts_with(only) &&
+                       (only.empty() || only.back() == '/' || name[only.size()] == '/');
+    if (name == only || group) chosen.push_back(&c);
   }
   HashPlan plan;
   if (std::any_of(chosen.begin(), chosen.end(), [](const Config* c) { return c->precomputed; })) {
@@ -372,7 +380,8 @@ int Main(int argc, char** argv) {
   }
   // Hashing alone, as the router hashes a prompt: its full blocks, into a reused vector.
   for (HashAlgorithm algorithm :
-       {HashAlgorithm::kXxh3, HashAlgorithm::kFast128, HashAlgorithm::kSha256}) {
+       {HashAlgorithm::kXxh3V2, HashAlgorithm::kXxh3, HashAlgorithm::kFast128,
+        HashAlgorithm::kSha256}) {
     if (!only.empty()) break;
     const BlockHash root = RootHash(algorithm, "");
     std::vector<BlockHash> hashes;

@@ -28,6 +28,21 @@ def encode_block(parent: bytes, tokens, extra_keys=()) -> bytes:
     return out
 
 
+def encode_root_v2(salt: bytes) -> bytes:
+    return b"kvcm.root.v2" + u32(len(salt)) + salt
+
+
+def xxh3_v2_block(parent: bytes, tokens, extra_keys=()) -> bytes:
+    """kXxh3V2's block hash: the version-2 message, seed 1 when there are extra keys."""
+    import xxhash
+
+    if not extra_keys:
+        message = parent[:16] + b"".join(struct.pack("<i", t) for t in tokens)
+        return xxhash.xxh3_128_digest(message) + bytes(16)
+    message = parent[:16] + encode_block(b"", tokens, extra_keys)
+    return xxhash.xxh3_128_digest(message, seed=1) + bytes(16)
+
+
 def sha256(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
@@ -55,6 +70,14 @@ def main():
         xroot = xxh3(encode_root(b""))
         print("xxh3 root              ", xroot.hex())
         print("xxh3 block0 [1,2,3,4]  ", xxh3(encode_block(xroot, [1, 2, 3, 4])).hex())
+        vroot = xxh3(encode_root_v2(b""))
+        print("xxh3_v2 root           ", vroot.hex())
+        print("xxh3_v2 root salt=llama", xxh3(encode_root_v2(b"llama")).hex())
+        v0 = xxh3_v2_block(vroot, [1, 2, 3, 4])
+        print("xxh3_v2 block0 [1,2,3,4]", v0.hex())
+        print("xxh3_v2 block1 [5,6,7,-1] extra=img", xxh3_v2_block(v0, [5, 6, 7, -1], [b"img"]).hex())
+        v16 = xxh3_v2_block(vroot, list(range(100, 116)))
+        print("xxh3_v2 block0 [100..115]", v16.hex())
     except ImportError:
         print("xxh3: install xxhash to print these")
     try:

@@ -21,6 +21,9 @@ static_assert(std::endian::native == std::endian::little,
               "before building on a big-endian machine");
 
 constexpr std::string_view kRootTag = "kvcm.root.v1";
+constexpr std::string_view kRootTagV2 = "kvcm.root.v2";
+// kXxh3V2's seed for a block with extra keys (the message that carries its counts).
+constexpr uint64_t kXxh3V2KeyedSeed = 1;
 // vLLM's DEFAULT_NONE_HASH_SEED (vllm/v1/core/kv_cache_utils.py).
 constexpr std::string_view kVllmNoneHashSeed = "vllm-none-hash";
 
@@ -131,8 +134,7 @@ BlockHash Murmur3X64128(const uint8_t* data, size_t len) {
 }
 
 // XXH3-128 as BlockHash: the canonical (big-endian) digest in bytes [0, 16).
-inline BlockHash Xxh3Of(const uint8_t* data, size_t len) {
-  const XXH128_hash_t h = XXH3_128bits(data, len);
+inline BlockHash Xxh3Canonical(const XXH128_hash_t& h) {
   XXH128_canonical_t canonical;
   XXH128_canonicalFromHash(&canonical, h);
   BlockHash out;
@@ -141,69 +143,79 @@ inline BlockHash Xxh3Of(const uint8_t* data, size_t len) {
   return out;
 }
 
-// kXxh3's ChainBlockHash of a block of kTokens tokens without extra keys (nearly every
-// block): the same version-1 message, built with its length known to the compiler, so XXH3's
+inline BlockHash Xxh3Of(const uint8_t* data, size_t len, uint64_t seed) {
+  return Xxh3Canonical(XXH3_128bits_withSeed(data, len, seed));
+}
+
+// Which of the two encodings (common/block/block_hash.h) an XXH3 block hash is over.
+enum class Xxh3Message { kV1, kV2 };
+
+// kXxh3's or kXxh3V2's ChainBlockHash of a block of kTokens tokens without extra keys
+// (nearly every block): the message built with its length known to the compiler, so XXH3's
 // length dispatch folds away and the message is assembled in a few stores.
-template <size_t kTokens>
+template <Xxh3Message kMessage, size_t kTokens>
 [[gnu::always_inline]] inline BlockHash Xxh3BlockOf(const BlockHash& parent,
                                                    const int32_t* tokens) {
-  constexpr size_t kSize = 32 + 4 + 4 * kTokens + 4;
+  constexpr size_t kSize = kMessage == Xxh3Message::kV1 ? 32 + 4 + 4 * kTokens + 4
+                                                        : 16 + 4 * kTokens;
   uint8_t message[kSize];
-  std::memcpy(message, parent.bytes.data(), 32);
-  const uint32_t count = kTokens;
-  std::memcpy(message + 32, &count, 4);
-  std::memcpy(message + 36, tokens, 4 * kTokens);
-  const uint32_t no_keys = 0;
-  std::memcpy(message + 36 + 4 * kTokens, &no_keys, 4);
+  if constexpr (kMessage == Xxh3Message::kV1) {
+    std::memcpy(message, parent.bytes.data(), 32);
+    const uint32_t count = kTokens;
+    std::memcpy(message + 32, &count, 4);
+    std::memcpy(message + 36, tokens, 4 * kTokens);
+    const uint32_t no_keys = 0;
+    std::memcpy(message + 36 + 4 * kTokens, &no_keys, 4);
+  } else {
+    std::memcpy(message, parent.bytes.data(), 16);
+    std::memcpy(message + 16, tokens, 4 * kTokens);
+  }
   // What XXH3_128bits(message, kSize) calls, forced inline (xxhash.h's own inline path for
   // XXH_INLINE_ALL users), so that the constant length picks the mixing rounds at compile
   // time: the public function is an out-of-line call that tests the length at run time.
-  const XXH128_hash_t h = XXH3_128bits_internal(message, kSize, 0, XXH3_kSecret,
-                                                sizeof(XXH3_kSecret), XXH3_hashLong_128b_default);
-  XXH128_canonical_t canonical;
-  XXH128_canonicalFromHash(&canonical, h);
-  BlockHash out;
-  std::memcpy(out.bytes.data(), canonical.digest, sizeof(canonical.digest));
-  return out;
+  return Xxh3Canonical(XXH3_128bits_internal(message, kSize, 0, XXH3_kSecret,
+                                             sizeof(XXH3_kSecret), XXH3_hashLong_128b_default));
 }
 
 // The block sizes with a fast path (a power of two from 8 to 32: the sizes deployments use).
 inline bool HasXxh3FastPath(size_t tokens) { return tokens == 16 || tokens == 32 || tokens == 8; }
 
 // Xxh3BlockOf for one of the sizes HasXxh3FastPath accepts.
+template <Xxh3Message kMessage>
 inline BlockHash Xxh3BlockFast(const BlockHash& parent, const int32_t* tokens, size_t n) {
   switch (n) {
     case 8:
-      return Xxh3BlockOf<8>(parent, tokens);
+      return Xxh3BlockOf<kMessage, 8>(parent, tokens);
     case 32:
-      return Xxh3BlockOf<32>(parent, tokens);
+      return Xxh3BlockOf<kMessage, 32>(parent, tokens);
     default:
-      return Xxh3BlockOf<16>(parent, tokens);
+      return Xxh3BlockOf<kMessage, 16>(parent, tokens);
   }
 }
 
 // Appends `blocks` chained block hashes of kTokens tokens each to `out`, whose capacity
 // holds them (so that `parent`, which may be out->back(), stays put).
-template <size_t kTokens>
+template <Xxh3Message kMessage, size_t kTokens>
 void Xxh3ChainOf(const BlockHash& parent, const int32_t* tokens, size_t blocks,
                  std::vector<BlockHash>* out) {
   const BlockHash* prev = &parent;
   for (size_t i = 0; i < blocks; ++i, tokens += kTokens) {
-    out->push_back(Xxh3BlockOf<kTokens>(*prev, tokens));
+    out->push_back(Xxh3BlockOf<kMessage, kTokens>(*prev, tokens));
     prev = &out->back();
   }
 }
 
 // Xxh3ChainOf for one of the sizes HasXxh3FastPath accepts.
+template <Xxh3Message kMessage>
 void Xxh3Chain(const BlockHash& parent, const int32_t* tokens, size_t n, size_t blocks,
                std::vector<BlockHash>* out) {
   switch (n) {
     case 8:
-      return Xxh3ChainOf<8>(parent, tokens, blocks, out);
+      return Xxh3ChainOf<kMessage, 8>(parent, tokens, blocks, out);
     case 32:
-      return Xxh3ChainOf<32>(parent, tokens, blocks, out);
+      return Xxh3ChainOf<kMessage, 32>(parent, tokens, blocks, out);
     default:
-      return Xxh3ChainOf<16>(parent, tokens, blocks, out);
+      return Xxh3ChainOf<kMessage, 16>(parent, tokens, blocks, out);
   }
 }
 
@@ -238,6 +250,7 @@ BlockHash Digest(HashAlgorithm algorithm, std::span<const uint8_t> bytes) {
     case HashAlgorithm::kFast128:
       return Fast128Digest(bytes);
     case HashAlgorithm::kXxh3:
+    case HashAlgorithm::kXxh3V2:
       return Xxh3Digest(bytes);
   }
   KVCM_CHECK(false) << "unknown hash algorithm " << static_cast<int>(algorithm);
@@ -348,6 +361,8 @@ std::string_view HashAlgorithmName(HashAlgorithm algorithm) {
       return "xxh3";
     case HashAlgorithm::kVllmSha256Cbor:
       return "sha256_cbor";
+    case HashAlgorithm::kXxh3V2:
+      return "xxh3_v2";
   }
   return "unknown";
 }
@@ -356,10 +371,11 @@ absl::StatusOr<HashAlgorithm> ParseHashAlgorithm(std::string_view name) {
   if (name == "sha256") return HashAlgorithm::kSha256;
   if (name == "fast128") return HashAlgorithm::kFast128;
   if (name == "xxh3") return HashAlgorithm::kXxh3;
+  if (name == "xxh3_v2") return HashAlgorithm::kXxh3V2;
   if (name == "sha256_cbor") return HashAlgorithm::kVllmSha256Cbor;
   return absl::InvalidArgumentError(
       absl::StrCat("unknown hash algorithm '", std::string(name),
-                   "' (expected xxh3, sha256, sha256_cbor or fast128)"));
+                   "' (expected xxh3_v2, xxh3, sha256, sha256_cbor or fast128)"));
 }
 
 std::string BlockHash::ToHex() const {
@@ -373,8 +389,8 @@ BlockHash Fast128Digest(std::span<const uint8_t> bytes) {
   return Murmur3X64128(bytes.data(), bytes.size());
 }
 
-BlockHash Xxh3Digest(std::span<const uint8_t> bytes) {
-  return Xxh3Of(bytes.data(), bytes.size());
+BlockHash Xxh3Digest(std::span<const uint8_t> bytes, uint64_t seed) {
+  return Xxh3Of(bytes.data(), bytes.size(), seed);
 }
 
 BlockHash RootHash(HashAlgorithm algorithm, std::string_view salt) {
@@ -390,7 +406,8 @@ BlockHash RootHash(HashAlgorithm algorithm, std::string_view salt) {
   }
   Encoder& enc = ThreadEncoder();
   enc.Clear();
-  enc.PutBytes(kRootTag.data(), kRootTag.size());
+  const std::string_view tag = algorithm == HashAlgorithm::kXxh3V2 ? kRootTagV2 : kRootTag;
+  enc.PutBytes(tag.data(), tag.size());
   enc.PutU32(static_cast<uint32_t>(salt.size()));
   enc.PutBytes(salt.data(), salt.size());
   return Digest(algorithm, enc.bytes());
@@ -399,13 +416,21 @@ BlockHash RootHash(HashAlgorithm algorithm, std::string_view salt) {
 BlockHash ChainBlockHash(HashAlgorithm algorithm, const BlockHash& parent,
                          std::span<const int32_t> tokens,
                          std::span<const std::string_view> extra_keys) {
-  if (algorithm == HashAlgorithm::kXxh3 && extra_keys.empty() && HasXxh3FastPath(tokens.size())) {
-    return Xxh3BlockFast(parent, tokens.data(), tokens.size());
+  if (extra_keys.empty() && HasXxh3FastPath(tokens.size())) {
+    if (algorithm == HashAlgorithm::kXxh3V2) {
+      return Xxh3BlockFast<Xxh3Message::kV2>(parent, tokens.data(), tokens.size());
+    }
+    if (algorithm == HashAlgorithm::kXxh3) {
+      return Xxh3BlockFast<Xxh3Message::kV1>(parent, tokens.data(), tokens.size());
+    }
   }
   if (algorithm == HashAlgorithm::kVllmSha256Cbor) {
     return VllmChainHash(parent, tokens, extra_keys);
   }
-  size_t size = parent.bytes.size() + 4 + tokens.size_bytes() + 4;
+  const bool v2 = algorithm == HashAlgorithm::kXxh3V2;
+  const bool counts = !v2 || !extra_keys.empty();  // version 2 drops them without keys
+  const size_t parent_bytes = v2 ? 16 : parent.bytes.size();
+  size_t size = parent_bytes + tokens.size_bytes() + (counts ? 8 : 0);
   for (std::string_view key : extra_keys) size += 4 + key.size();
   // Most messages (a block of up to 110 tokens without extra keys) are built on the stack.
   constexpr size_t kStackBytes = 512;
@@ -425,14 +450,15 @@ BlockHash ChainBlockHash(HashAlgorithm algorithm, const BlockHash& parent,
     const auto u = static_cast<uint32_t>(v);
     put(&u, sizeof(u));
   };
-  put(parent.bytes.data(), parent.bytes.size());
-  put_u32(tokens.size());
+  put(parent.bytes.data(), parent_bytes);
+  if (counts) put_u32(tokens.size());
   put(tokens.data(), tokens.size_bytes());
-  put_u32(extra_keys.size());
+  if (counts) put_u32(extra_keys.size());
   for (std::string_view key : extra_keys) {
     put_u32(key.size());
     put(key.data(), key.size());
   }
+  if (v2) return Xxh3Of(out, size, extra_keys.empty() ? 0 : kXxh3V2KeyedSeed);
   return Digest(algorithm, std::span<const uint8_t>(out, size));
 }
 
@@ -452,9 +478,17 @@ void HashFullBlocks(HashAlgorithm algorithm, const BlockHash& parent,
   if (out->size() + full > out->capacity()) {
     out->reserve(std::max(out->size() + full, 2 * out->capacity()));
   }
-  if (algorithm == HashAlgorithm::kXxh3 && HasXxh3FastPath(static_cast<size_t>(block_size))) {
-    Xxh3Chain(first_parent, tokens.data(), static_cast<size_t>(block_size), full, out);
-    return;
+  if (HasXxh3FastPath(static_cast<size_t>(block_size))) {
+    if (algorithm == HashAlgorithm::kXxh3V2) {
+      Xxh3Chain<Xxh3Message::kV2>(first_parent, tokens.data(), static_cast<size_t>(block_size),
+                                  full, out);
+      return;
+    }
+    if (algorithm == HashAlgorithm::kXxh3) {
+      Xxh3Chain<Xxh3Message::kV1>(first_parent, tokens.data(), static_cast<size_t>(block_size),
+                                  full, out);
+      return;
+    }
   }
   BlockHash prev = first_parent;
   for (size_t i = 0; i < full; ++i) {

@@ -17,18 +17,36 @@
 //   BlockHash:        parent (32 bytes) || u32 num_tokens || num_tokens × i32 token ||
 //                     u32 num_extra_keys || for each key: u32 len || key bytes
 //
+// Byte encoding (version 2, kXxh3V2 only): the version-1 message without its constant
+// bytes. A 16-byte digest leaves bytes [16, 32) of a BlockHash zero, and a block's token
+// count follows from the message's length, so neither is hashed:
+//
+//   RootHash(salt):   XXH3-128, seed 0, of "kvcm.root.v2" (12 bytes) || u32 len(salt) || salt
+//   BlockHash:        without extra keys: XXH3-128, seed 0, of
+//                       parent bytes [0, 16) || num_tokens × i32 token
+//                     with extra keys: XXH3-128, seed 1, of
+//                       parent bytes [0, 16) || u32 num_tokens || num_tokens × i32 token ||
+//                       u32 num_extra_keys || for each key: u32 len || key bytes
+//
+// Each of the two block messages is injective (the first has a fixed-size head and a length
+// of 16 + 4 × num_tokens; the second carries its counts), and the seed keeps them apart.
+// A 16-token block is 80 bytes instead of 104: three rounds of XXH3's 17-to-128-byte path
+// instead of four (docs/PERFORMANCE.md, "Block ledger on an allocation trace").
+//
 // The salt (model name/revision, tenant, LoRA adapter, ...) enters only through the root,
 // and therefore every block hash of the chain. Per-block extra keys carry content that the
 // token ids do not (for example the hash of an image whose placeholder tokens fall in the
 // block); most callers pass none.
 //
 // Algorithms:
-//   kXxh3:    XXH3 128-bit (xxHash, Debian's libxxhash), seed 0, its canonical (big-endian)
-//             digest in bytes [0, 16); bytes [16, 32) are zero. The default: about 4x
-//             faster than SHA-256 on a 16-token block (bench/ledger_trace_bench prints both).
-//             Not collision-resistant: a client that can choose prompts could craft two
-//             blocks of equal hash, so deployments whose clients are not all trusted choose
-//             kSha256.
+//   kXxh3V2:  XXH3 128-bit (xxHash, Debian's libxxhash) over the version-2 encoding, its
+//             canonical (big-endian) digest in bytes [0, 16); bytes [16, 32) are zero. The
+//             default: about 5x faster than SHA-256 on a 16-token block
+//             (bench/ledger_trace_bench prints both). Not collision-resistant: a client that
+//             can choose prompts could craft two blocks of equal hash, so deployments whose
+//             clients are not all trusted choose kSha256.
+//   kXxh3:    the same digest over the version-1 encoding: the default before kXxh3V2,
+//             kept for clients that do not know kXxh3V2.
 //   kSha256:  SHA-256 (OpenSSL), all 32 bytes. Collision-resistant, so a tenant cannot craft
 //             a prompt that reads another tenant's KV.
 //   kFast128: MurmurHash3 x64 128-bit, seed 0, in bytes [0, 16); bytes [16, 32) are zero.
@@ -56,12 +74,19 @@
 
 namespace kvcm {
 
-enum class HashAlgorithm : uint8_t { kSha256 = 0, kFast128 = 1, kXxh3 = 2, kVllmSha256Cbor = 3 };
+enum class HashAlgorithm : uint8_t {
+  kSha256 = 0,
+  kFast128 = 1,
+  kXxh3 = 2,
+  kVllmSha256Cbor = 3,
+  kXxh3V2 = 4,
+};
 
 // The default for new deployments (see above).
-inline constexpr HashAlgorithm kDefaultHashAlgorithm = HashAlgorithm::kXxh3;
+inline constexpr HashAlgorithm kDefaultHashAlgorithm = HashAlgorithm::kXxh3V2;
 
-// "sha256", "fast128", "xxh3" or "sha256_cbor" (vLLM's name for kVllmSha256Cbor).
+// "sha256", "fast128", "xxh3", "xxh3_v2" or "sha256_cbor" (vLLM's name for
+// kVllmSha256Cbor).
 std::string_view HashAlgorithmName(HashAlgorithm algorithm);
 absl::StatusOr<HashAlgorithm> ParseHashAlgorithm(std::string_view name);
 
@@ -123,6 +148,7 @@ void HashFullBlocks(HashAlgorithm algorithm, const BlockHash& parent,
 // Raw digests over arbitrary bytes, exposed for benchmarks and cross-language tests.
 BlockHash Sha256Digest(std::span<const uint8_t> bytes);
 BlockHash Fast128Digest(std::span<const uint8_t> bytes);
-BlockHash Xxh3Digest(std::span<const uint8_t> bytes);
+// XXH3-128 with `seed`, its canonical digest in bytes [0, 16).
+BlockHash Xxh3Digest(std::span<const uint8_t> bytes, uint64_t seed = 0);
 
 }  // namespace kvcm

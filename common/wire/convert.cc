@@ -38,6 +38,7 @@ wire::HashAlgorithm ToWire(HashAlgorithm algorithm) {
     case HashAlgorithm::kFast128: return wire::HashAlgorithm::Fast128;
     case HashAlgorithm::kXxh3: return wire::HashAlgorithm::Xxh3;
     case HashAlgorithm::kVllmSha256Cbor: return wire::HashAlgorithm::VllmSha256Cbor;
+    case HashAlgorithm::kXxh3V2: return wire::HashAlgorithm::Xxh3V2;
   }
   KVCM_CHECK(false) << "unknown hash algorithm " << static_cast<int>(algorithm);
   return wire::HashAlgorithm::Sha256;
@@ -49,6 +50,7 @@ absl::StatusOr<HashAlgorithm> FromWire(wire::HashAlgorithm algorithm) {
     case wire::HashAlgorithm::Fast128: return HashAlgorithm::kFast128;
     case wire::HashAlgorithm::Xxh3: return HashAlgorithm::kXxh3;
     case wire::HashAlgorithm::VllmSha256Cbor: return HashAlgorithm::kVllmSha256Cbor;
+    case wire::HashAlgorithm::Xxh3V2: return HashAlgorithm::kXxh3V2;
   }
   return absl::InvalidArgumentError(
       absl::StrCat("unknown hash algorithm value ", static_cast<int>(algorithm)));

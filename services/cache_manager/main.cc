@@ -75,8 +75,9 @@ ABSL_FLAG(bool, tcp_allow_remote, false,
 ABSL_FLAG(int32_t, heartbeat_interval_ms, 1000, "How often clients must heartbeat.");
 ABSL_FLAG(int32_t, heartbeat_timeout_ms, 5000,
           "Silence after which a client's session is quarantined.");
-ABSL_FLAG(std::string, hash_algorithm, "xxh3",
-          "Block hash announced to clients: xxh3 (fast; every client trusted), sha256 "
+ABSL_FLAG(std::string, hash_algorithm, "xxh3_v2",
+          "Block hash announced to clients: xxh3_v2 (fast; every client trusted), xxh3 (its "
+          "version-1 message, for clients that do not know xxh3_v2), sha256 "
           "(collision-resistant; for clients that are not all trusted), sha256_cbor (vLLM's "
           "own, byte for byte: docs/cluster.md) or fast128.");
 ABSL_FLAG(int32_t, sliding_window_tokens, 0,

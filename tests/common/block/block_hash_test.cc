@@ -65,6 +65,33 @@ TEST(BlockHashTest, Xxh3MatchesTheXxhashReference) {
             "76a791762b3e240a195bfb91fb9e43bf" + std::string(32, '0'));
 }
 
+// kXxh3V2 (the version-2 message) against tools/block_hash_reference.py, which builds it
+// with Python's struct and hashes it with the `xxhash` package.
+TEST(BlockHashTest, Xxh3V2MatchesTheDocumentedEncoding) {
+  const BlockHash root = RootHash(HashAlgorithm::kXxh3V2, "");
+  EXPECT_EQ(root.ToHex(), "357f2dc8406bd0ab06a020c1af03954c" + std::string(32, '0'));
+  EXPECT_EQ(RootHash(HashAlgorithm::kXxh3V2, "llama").ToHex(),
+            "eeeba20a8b5f2ccbcc83b9225c0de330" + std::string(32, '0'));
+  const std::vector<int32_t> block0 = {1, 2, 3, 4};
+  const BlockHash h0 = ChainBlockHash(HashAlgorithm::kXxh3V2, root, block0);
+  EXPECT_EQ(h0.ToHex(), "383ba6d5e27ec80c29c95cee6b9d9ba5" + std::string(32, '0'));
+  const std::vector<int32_t> block1 = {5, 6, 7, -1};
+  const std::vector<std::string_view> extra = {"img"};
+  EXPECT_EQ(ChainBlockHash(HashAlgorithm::kXxh3V2, h0, block1, extra).ToHex(),
+            "9566f861211e3badcdaf2e289448db7a" + std::string(32, '0'));
+  // A 16-token block: the fast path's 80-byte message.
+  std::vector<int32_t> block16(16);
+  for (int i = 0; i < 16; ++i) block16[i] = 100 + i;
+  EXPECT_EQ(ChainBlockHash(HashAlgorithm::kXxh3V2, root, block16).ToHex(),
+            "ad1373209cb360f675afcbc8ceb7e1ab" + std::string(32, '0'));
+  std::vector<BlockHash> chained;
+  HashFullBlocks(HashAlgorithm::kXxh3V2, root, block16, 16, &chained);
+  ASSERT_EQ(chained.size(), 1u);
+  EXPECT_EQ(chained[0].ToHex(), "ad1373209cb360f675afcbc8ceb7e1ab" + std::string(32, '0'));
+  // Version 2 is a different hash from version 1 over the same inputs.
+  EXPECT_NE(h0, ChainBlockHash(HashAlgorithm::kXxh3, root, block0));
+}
+
 // vLLM's sha256_cbor, from vLLM 0.33.0's own functions (tests/reference/vllm/
 // vllm_hash_reference.py prints them; vllm_hash_reference_test checks many more live).
 TEST(BlockHashTest, VllmSha256CborMatchesVllm) {
@@ -95,7 +122,8 @@ TEST(BlockHashTest, VllmSha256CborMatchesVllm) {
 
 TEST(BlockHashTest, HashAlgorithmNamesRoundTrip) {
   for (HashAlgorithm algo : {HashAlgorithm::kSha256, HashAlgorithm::kFast128,
-                             HashAlgorithm::kXxh3, HashAlgorithm::kVllmSha256Cbor}) {
+                             HashAlgorithm::kXxh3, HashAlgorithm::kVllmSha256Cbor,
+                             HashAlgorithm::kXxh3V2}) {
     absl::StatusOr<HashAlgorithm> parsed = ParseHashAlgorithm(HashAlgorithmName(algo));
     ASSERT_TRUE(parsed.ok()) << parsed.status();
     EXPECT_EQ(*parsed, algo);
@@ -118,7 +146,7 @@ TEST(BlockHashTest, Fast128HandlesEveryTailLength) {
 
 TEST(BlockHashTest, ChainDependsOnEveryInput) {
   for (HashAlgorithm algo : {HashAlgorithm::kSha256, HashAlgorithm::kFast128, HashAlgorithm::kXxh3,
-                             HashAlgorithm::kVllmSha256Cbor}) {
+                             HashAlgorithm::kVllmSha256Cbor, HashAlgorithm::kXxh3V2}) {
     const BlockHash root = RootHash(algo, "");
     const std::vector<int32_t> tokens = {10, 20, 30, 40};
     const BlockHash base = ChainBlockHash(algo, root, tokens);
@@ -181,6 +209,9 @@ TEST(BlockHashTest, ParsesAlgorithmNames) {
   EXPECT_EQ(*ParseHashAlgorithm("fast128"), HashAlgorithm::kFast128);
   EXPECT_EQ(*ParseHashAlgorithm("xxh3"), HashAlgorithm::kXxh3);
   EXPECT_EQ(HashAlgorithmName(HashAlgorithm::kXxh3), "xxh3");
+  EXPECT_EQ(*ParseHashAlgorithm("xxh3_v2"), HashAlgorithm::kXxh3V2);
+  EXPECT_EQ(HashAlgorithmName(HashAlgorithm::kXxh3V2), "xxh3_v2");
+  EXPECT_EQ(kDefaultHashAlgorithm, HashAlgorithm::kXxh3V2);
   EXPECT_EQ(ParseHashAlgorithm("md5").status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(HashAlgorithmName(HashAlgorithm::kFast128), "fast128");
 }
@@ -198,6 +229,55 @@ std::vector<uint8_t> Version1Message(const BlockHash& parent, std::span<const in
   for (int32_t t : tokens) put_u32(static_cast<uint32_t>(t));
   put_u32(0);  // no extra keys
   return m;
+}
+
+// The version-2 message: the parent's 16 digest bytes and the tokens, nothing else.
+std::vector<uint8_t> Version2Message(const BlockHash& parent, std::span<const int32_t> tokens) {
+  std::vector<uint8_t> m(parent.bytes.begin(), parent.bytes.begin() + 16);
+  for (int32_t t : tokens) {
+    for (int i = 0; i < 4; ++i) m.push_back(static_cast<uint8_t>(static_cast<uint32_t>(t) >> (8 * i)));
+  }
+  return m;
+}
+
+// The same for kXxh3V2: its fast path against the version-2 message built byte by byte, and
+// a block with extra keys against the version-1 layout of its tail hashed with seed 1.
+TEST(BlockHashTest, Xxh3V2FastPathEqualsTheVersion2Message) {
+  constexpr uint64_t kSeed = 20261203;
+  std::printf("seed %llu\n", static_cast<unsigned long long>(kSeed));
+  std::mt19937_64 rng(kSeed);
+  for (size_t block_size : {1, 4, 8, 12, 15, 16, 17, 31, 32, 64}) {
+    for (int round = 0; round < 50; ++round) {
+      BlockHash parent;
+      for (int i = 0; i < 16; ++i) parent.bytes[i] = static_cast<uint8_t>(rng());
+      std::vector<int32_t> tokens(block_size * 3 + block_size / 2);  // 3 full, a partial
+      for (int32_t& t : tokens) t = static_cast<int32_t>(rng());
+      const std::span<const int32_t> first(tokens.data(), block_size);
+      const BlockHash h0 = ChainBlockHash(HashAlgorithm::kXxh3V2, parent, first);
+      ASSERT_EQ(h0, Xxh3Digest(Version2Message(parent, first)))
+          << "block size " << block_size << " round " << round;
+      std::vector<BlockHash> chained = {BlockHash{}};
+      HashFullBlocks(HashAlgorithm::kXxh3V2, parent, tokens, static_cast<int32_t>(block_size),
+                     &chained);
+      ASSERT_EQ(chained.size(), 4u);
+      BlockHash expected = parent;
+      for (size_t b = 0; b < 3; ++b) {
+        expected = Xxh3Digest(
+            Version2Message(expected, std::span(tokens).subspan(b * block_size, block_size)));
+        ASSERT_EQ(chained[b + 1], expected) << "block size " << block_size << " block " << b;
+      }
+      // With extra keys: parent bytes [0, 16), then the version-1 message's tail, seed 1.
+      const std::vector<std::string_view> extra = {"img"};
+      std::vector<uint8_t> keyed(parent.bytes.begin(), parent.bytes.begin() + 16);
+      const std::vector<uint8_t> v1 = Version1Message(parent, first);
+      keyed.insert(keyed.end(), v1.begin() + 32, v1.end() - 4);
+      const uint8_t keys[] = {1, 0, 0, 0, 3, 0, 0, 0, 'i', 'm', 'g'};  // 1 key, "img"
+      keyed.insert(keyed.end(), std::begin(keys), std::end(keys));
+      EXPECT_EQ(ChainBlockHash(HashAlgorithm::kXxh3V2, parent, first, extra), Xxh3Digest(keyed, 1))
+          << "block size " << block_size << " round " << round;
+      EXPECT_NE(Xxh3Digest(keyed, 1), Xxh3Digest(keyed));
+    }
+  }
 }
 
 TEST(BlockHashTest, Xxh3FastPathEqualsTheVersion1Message) {
@@ -234,7 +314,7 @@ TEST(BlockHashTest, Xxh3FastPathEqualsTheVersion1Message) {
 
 // The parent may be an element of the vector the hashes are appended to, which may move.
 TEST(BlockHashTest, HashFullBlocksTakesItsParentFromTheOutputVector) {
-  for (HashAlgorithm algo : {HashAlgorithm::kXxh3, HashAlgorithm::kSha256}) {
+  for (HashAlgorithm algo : {HashAlgorithm::kXxh3, HashAlgorithm::kXxh3V2, HashAlgorithm::kSha256}) {
     const std::vector<int32_t> tokens(16 * 40, 3);
     std::vector<BlockHash> hashes = {RootHash(algo, "")};
     hashes.shrink_to_fit();
