@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/base/utf8.h"
 
 namespace kvcm {
 namespace internal {
@@ -335,6 +336,11 @@ absl::StatusOr<Normalizer> Normalizer::Create(std::vector<NormalizerStep> steps,
                                               std::string_view source) {
   Normalizer n;
   for (NormalizerStep& spec : steps) {
+    if (InvalidUtf8Offset(spec.content) != std::string_view::npos ||
+        InvalidUtf8Offset(spec.pattern) != std::string_view::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          std::string(source), ": a normalizer's content or pattern is not valid UTF-8"));
+    }
     Impl::Step step;
     if (spec.kind == Kind::kReplace) {
       if (spec.pattern.empty()) {

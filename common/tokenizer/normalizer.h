@@ -69,8 +69,8 @@ class Normalizer {
   Normalizer& operator=(Normalizer&&) noexcept;
   ~Normalizer();
 
-  // INVALID_ARGUMENT naming `source` for an empty String pattern or a Regex pattern that does
-  // not compile.
+  // INVALID_ARGUMENT naming `source` for an empty Replace pattern, a Regex pattern that does
+  // not compile, or a content or pattern that is not valid UTF-8.
   static absl::StatusOr<Normalizer> Create(std::vector<NormalizerStep> steps,
                                            std::string_view source);
 

@@ -319,6 +319,17 @@ TEST(NormalizerTest, AnEmptyMatchWhereThePreviousEndedIsNotReplaced) {
   }
 }
 
+// A normalizer built in code (not from JSON, which is UTF-8 checked) with bytes that are not
+// UTF-8 is refused before any text reaches it.
+TEST(NormalizerTest, ContentThatIsNotUtf8IsRefused) {
+  NormalizerStep step;
+  step.kind = NormalizerStep::Kind::kPrepend;
+  step.content = "\xe2\x96";  // a truncated U+2581
+  const absl::Status s = Normalizer::Create({step}, "test vocab").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), AllOf(HasSubstr("test vocab"), HasSubstr("UTF-8")));
+}
+
 // ---- Small hand-made tokenizers: errors and options. ----
 
 // A byte-level tokenizer.json: the 256 bytes, then `merges` (each "a b" in byte-level
