@@ -360,7 +360,9 @@ void RouterCore::OnResult(uint64_t executor, uint64_t step_id,
 
 void RouterCore::FinishStep() {
   in_flight_ = false;
-  trace_.answered_ns = absl::ToUnixNanos(MonotonicNow());
+  // The answer came when the loop woke to read it, before it was verified and decoded: that
+  // part is the router's too (docs/router.md, "Step trace").
+  trace_.answered_ns = absl::ToUnixNanos(reading_since_.value_or(MonotonicNow()));
   std::vector<TokenEvent> events = planner_->Complete(results_);
   AbandonUnconfirmed();
   std::vector<Progress> progress;
@@ -414,7 +416,11 @@ void RouterCore::FinishStep() {
 }
 
 absl::Status RouterCore::Run(int signal_fd) {
-  loop_.WatchSocket(link_->socket(), [this] { link_->HandleReadable(MonotonicNow()); });
+  loop_.WatchSocket(link_->socket(), [this] {
+    reading_since_ = MonotonicNow();
+    link_->HandleReadable(*reading_since_);
+    reading_since_.reset();
+  });
   if (signal_fd >= 0) {
     loop_.WatchSignals(signal_fd, [this](int signo) {
       if (draining_.load()) {

@@ -191,6 +191,8 @@ class RouterCore {
   int32_t step_prefill_ = 0;
   int32_t step_decode_ = 0;
   StepTraceEntry trace_;  // of the step in flight, with options_.step_trace
+  // While ExecutorLink reads the executors' socket: when the loop woke to read it.
+  std::optional<absl::Time> reading_since_;
   uint64_t preemptions_reported_ = 0;
   absl::flat_hash_set<uint64_t> awaiting_;  // executors that owe a result
   std::vector<SeqResult> results_;
