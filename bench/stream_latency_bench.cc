@@ -3,7 +3,7 @@
 // pace, in the same run.
 //
 //   build/bench/stream_latency_bench [--streams 1000] [--tokens 32]
-//                                    [--max-batch-prefill-tokens 4096]
+//                                    [--max-batch-prefill-tokens 4096] [--per-step]
 //
 // 1. The whole server (the real cache manager, router and one executor of the tests' tiny
 //    model, as processes) gets `streams` /generate_stream requests at once from one client
@@ -158,9 +158,12 @@ int64_t Nanos(absl::Time t) { return absl::ToUnixNanos(t); }
 // this run), so its first step is the latest f with births[f + k] <= arrival k for every k
 // (a token cannot arrive before its step was answered). `made` receives how many tokens each
 // step makes under that attribution, to compare with the tokens the trace says it made.
+// `per_step`, if not null, receives each step's latencies (unsorted).
 std::vector<double> AddedLatencies(const std::vector<StreamClient::Stream>& streams,
-                                   const std::vector<int64_t>& births, std::vector<int>* made) {
+                                   const std::vector<int64_t>& births, std::vector<int>* made,
+                                   std::vector<std::vector<double>>* per_step = nullptr) {
   made->assign(births.size(), 0);
+  if (per_step != nullptr) per_step->assign(births.size(), {});
   std::vector<double> added;
   for (const auto& s : streams) {
     const size_t n = s.arrivals.size();
@@ -175,6 +178,7 @@ std::vector<double> AddedLatencies(const std::vector<StreamClient::Stream>& stre
     for (size_t k = 0; k < n; ++k) {
       ++(*made)[*first + k];
       added.push_back(static_cast<double>(Nanos(s.arrivals[k]) - births[*first + k]) / 1e6);
+      if (per_step != nullptr) (*per_step)[*first + k].push_back(added.back());
     }
   }
   std::sort(added.begin(), added.end());
@@ -343,6 +347,10 @@ int Main(int argc, char** argv) {
   // The router's --max-batch-prefill-tokens: with the default 4096, the 1,000 prompts are
   // admitted over three steps, which the streams admitted first see as long gaps.
   const int prefill = bench::FlagValue(argc, argv, "--max-batch-prefill-tokens", 4096);
+  // --per-step: a line per step, to see which steps the tails come from.
+  const bool per_step = std::find_if(argv + 1, argv + argc, [](const char* a) {
+                          return std::string(a) == "--per-step";
+                        }) != argv + argc;
   evthread_use_pthreads();
   absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-slb");
   KVCM_CHECK(dir.ok());
@@ -414,7 +422,9 @@ int Main(int argc, char** argv) {
   KVCM_CHECK(made_total == streams * tokens)
       << "the trace's steps made " << made_total << " tokens, the client got " << streams * tokens;
   std::vector<int> router_attributed;
-  const std::vector<double> router_added = AddedLatencies(routed, answered, &router_attributed);
+  std::vector<std::vector<double>> router_per_step, bare_per_step;
+  const std::vector<double> router_added =
+      AddedLatencies(routed, answered, &router_attributed, &router_per_step);
   const std::vector<double> router_gaps = Gaps(routed, tokens);
 
   // The bare server replays the steps with a token event of the router's size.
@@ -430,7 +440,7 @@ int Main(int argc, char** argv) {
     const std::vector<StreamClient::Stream> served =
         bare_client.Run("127.0.0.1", bare.port(), "/generate_stream", body, streams);
     bare_gaps = Gaps(served, tokens);
-    bare_added = AddedLatencies(served, bare.births(), &bare_attributed);
+    bare_added = AddedLatencies(served, bare.births(), &bare_attributed, &bare_per_step);
   }
 
   std::printf("%d streams of %d tokens at once, one client thread, one executor of the tiny "
@@ -464,6 +474,21 @@ int Main(int argc, char** argv) {
               Quantile(bare_gaps, 0.5), Quantile(bare_gaps, 0.99), bare_gaps.back());
   std::printf("%-34s %9.2fx %9.2fx\n", "ratio", Quantile(router_gaps, 0.5) / Quantile(bare_gaps, 0.5),
               Quantile(router_gaps, 0.99) / Quantile(bare_gaps, 0.99));
+  if (per_step) {
+    // Where the tails come from: each step's tokens, its added latency in both runs.
+    std::printf("\n%5s %7s %8s %10s %10s %10s %10s %10s\n", "step", "tokens", "prefill",
+                "router p50", "max", "bare p50", "max", "answered");
+    for (size_t i = 0; i < steps.size(); ++i) {
+      std::vector<double>& r = router_per_step[i];
+      std::vector<double>& b = bare_per_step[i];
+      std::sort(r.begin(), r.end());
+      std::sort(b.begin(), b.end());
+      if (r.empty() || b.empty()) continue;
+      std::printf("%5zu %7d %8d %10.3f %10.3f %10.3f %10.3f %10.2f\n", i, steps[i].tokens,
+                  steps[i].prefill_tokens, Quantile(r, 0.5), r.back(), Quantile(b, 0.5),
+                  b.back(), static_cast<double>(steps[i].answered - steps[0].answered) / 1e6);
+    }
+  }
   return 0;
 }
 
