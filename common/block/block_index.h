@@ -70,8 +70,9 @@ class BlockIndex {
   }
 
   // Removes the entry of `block`, whose hash has tag `tag` (TagOf). REQUIRES: it is present.
-  // Inline: the ledger erases once per eviction, in its eviction loop.
-  void Erase(uint32_t tag, int32_t block) {
+  // Forced inline: the ledger erases once per eviction, in its eviction loop, and a call
+  // (which the compiler otherwise makes) was a fifth of the erase's instructions.
+  [[gnu::always_inline]] void Erase(uint32_t tag, int32_t block) {
     size_t i = tag & mask_;
     while (slots_[i].block != block) {
       KVCM_CHECK(slots_[i].block >= 0) << "block " << block << " is not in the index";
