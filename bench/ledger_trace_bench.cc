@@ -221,14 +221,18 @@ ReplayResult Replay(const Trace& t, Growth growth, HashAlgorithm algorithm,
     BlockHash parent = prompt_blocks > 0 ? prompt_hashes.back() : root;
     int32_t n = r.prompt;
     const int32_t end = r.prompt + r.generated;
-    // The hash of the block that token position `last` (0-based) completes.
+    // The hash of the block that token position `last` (0-based) completes. The router
+    // hashes it from the sequence's tokens in one vector; here they are in two (the prompt's
+    // tail and the generated ones), copied in at most two pieces.
     auto filled_block_hash = [&](int32_t last) {
       if (gen_hashes != nullptr) return *gen_hashes++;
+      // The block holds a generated token (last >= r.prompt), so at most bs - 1 of the prompt.
       const int32_t block_start = last + 1 - bs;
-      for (int32_t k = 0; k < bs; ++k) {
-        const int32_t p = block_start + k;
-        block_tokens[static_cast<size_t>(k)] = p < r.prompt ? prompt[p] : generated[p - r.prompt];
-      }
+      const int32_t from_prompt = std::max(r.prompt - block_start, 0);
+      if (from_prompt > 0) std::copy(prompt + block_start, prompt + r.prompt, block_tokens.begin());
+      const int32_t first_generated = block_start + from_prompt - r.prompt;
+      std::copy(generated + first_generated, generated + first_generated + (bs - from_prompt),
+                block_tokens.begin() + from_prompt);
       return ChainBlockHash(algorithm, parent, block_tokens);
     };
     if (growth == Growth::kRouter) {
