@@ -41,6 +41,13 @@
 //   ServiceHandleStepAndLoop  the same plus what the server's loop does around each
 //                             request when requests arrive one at a time: the peer address
 //                             parse, clock reads, TakeEventBatch and the metrics snapshot.
+//   ServiceHandleDecodeStep/N Handle() on the router's step shape with N running sequences
+//                             (DecodeStepStream below: a Commit and an Append of one token
+//                             per sequence, a finished sequence freed and a new one
+//                             allocated in its place); time per step.
+//   LedgerDecodeStep/N        the same ops applied straight to a BlockLedger of the same
+//                             pool: the baseline, so the ratio is what the service adds
+//                             (decode, verification, validation, ownership, the reply).
 // Every benchmark against a process also reports server_cpu_us: that process's CPU time, all
 // threads, per message (from /proc/PID/task/*/schedstat).
 // Goals (issue "Cache manager round trip"): round trip <= 1.10x the bare DEALER/ROUTER
@@ -78,6 +85,7 @@
 #include "absl/time/clock.h"
 #include "bench/ratio_reporter.h"
 #include "common/base/check.h"
+#include "common/block/block_ledger.h"
 #include "common/wire/envelope.h"
 #include "common/wire/step_codec.h"
 #include "services/cache_manager/cache_manager_metrics.h"
@@ -149,6 +157,81 @@ class StepEncoder {
   uint64_t request_id_ = 0;
   uint64_t next_seq_ = 1;
   uint64_t previous_first_ = 0;
+};
+
+// The router's decode step over N running sequences: per sequence a Commit of every token
+// it had before the step (with the hash of the block that completed, when one did) and an
+// Append of one token. A sequence that reached kDecodeEndTokens is freed and a new one of
+// kDecodePromptTokens allocated in its place (with its prompt's block hashes), as
+// continuous batching does; the first N start staggered so that about one in 192 finishes
+// per step. Hashes are distinct (a counter), so nothing hits the prefix cache; freed blocks
+// are cached and, once the pool is full, evicted.
+constexpr int32_t kDecodePromptTokens = 64;
+constexpr int32_t kDecodeEndTokens = 256;
+
+class DecodeStepStream {
+ public:
+  explicit DecodeStepStream(int n) : live_(static_cast<size_t>(n)) {}
+
+  // The first step: the N allocations.
+  const std::vector<BlockOp>& Prime() {
+    ops_.clear();
+    const int32_t span = kDecodeEndTokens - kDecodePromptTokens;
+    for (size_t i = 0; i < live_.size(); ++i) {
+      const int32_t tokens =
+          kDecodePromptTokens + static_cast<int32_t>((i * 97) % static_cast<size_t>(span));
+      Allocate(&live_[i], tokens);
+    }
+    return ops_;
+  }
+
+  const std::vector<BlockOp>& Next() {
+    ops_.clear();
+    for (Seq& seq : live_) {
+      if (seq.tokens >= kDecodeEndTokens) {
+        ops_.push_back(BlockOp::Free(seq.id));
+        Allocate(&seq, kDecodePromptTokens);
+        continue;
+      }
+      hashes_.clear();
+      if (seq.tokens % kBlockSize == 0 && seq.tokens > seq.prompt) hashes_.push_back(NextHash());
+      ops_.push_back(BlockOp::Commit(seq.id, seq.tokens, hashes_));
+      ops_.push_back(BlockOp::Append(seq.id, 1));
+      ++seq.tokens;
+    }
+    return ops_;
+  }
+
+ private:
+  struct Seq {
+    SeqId id = 0;
+    int32_t prompt = 0;
+    int32_t tokens = 0;  // after the ops handed out so far
+  };
+
+  void Allocate(Seq* seq, int32_t tokens) {
+    seq->id = next_seq_++;
+    seq->prompt = tokens;
+    seq->tokens = tokens;
+    hashes_.clear();
+    for (int32_t b = 0; b < tokens / kBlockSize; ++b) hashes_.push_back(NextHash());
+    ops_.push_back(BlockOp::Allocate(seq->id, tokens, hashes_));
+  }
+
+  BlockHash NextHash() {
+    BlockHash h;
+    // Spread over the index's tag bits (the first word), distinct by construction.
+    const uint64_t word = ++hash_counter_ * 0x9E3779B97F4A7C15ULL;
+    std::memcpy(h.bytes.data(), &word, sizeof(word));
+    std::memcpy(h.bytes.data() + 8, &hash_counter_, sizeof(hash_counter_));
+    return h;
+  }
+
+  std::vector<Seq> live_;
+  std::vector<BlockOp> ops_;
+  std::vector<BlockHash> hashes_;
+  SeqId next_seq_ = 1;
+  uint64_t hash_counter_ = 0;
 };
 
 // Empty when `bytes` is a StepReply to a step of `ops` operations (kSeqsPerStep allocations
@@ -850,11 +933,168 @@ void ServiceHandle(benchmark::State& state, bool loop) {
       benchmark::Counter(kOpsPerStep, benchmark::Counter::kIsIterationInvariantRate);
 }
 
+// Empty when `bytes` is a StepReply with `ops` results, every one Ok.
+std::string CheckAllOk(std::span<const uint8_t> bytes, size_t ops) {
+  const VerifiedEnvelope verified = VerifyEnvelope(bytes);
+  if (verified.fault != EnvelopeFault::kNone) return "reply refused: " + verified.reason;
+  const wire::StepReply* reply = verified.envelope->payload_as_StepReply();
+  if (reply == nullptr || reply->results() == nullptr) return "not a StepReply";
+  if (reply->results()->size() != ops) return "wrong number of results";
+  for (const wire::OpResult* result : *reply->results()) {
+    if (result->code() != wire::ErrorCode::Ok) {
+      return std::string(WireCodeName(result->code())) + " " +
+             (result->reason() != nullptr ? result->reason()->str() : "");
+    }
+  }
+  return "";
+}
+
+// ServiceHandleDecodeStep/N: Handle() on DecodeStepStream(N)'s steps.
+void ServiceHandleDecodeStep(benchmark::State& state) {
+  const int n = static_cast<int>(state.range(0));
+  KvCacheSpec spec;
+  spec.num_layers = kLayers;
+  spec.num_kv_heads = kKvHeads;
+  spec.head_dim = kHeadDim;
+  spec.block_size = kBlockSize;
+  spec.dtype = DType::kFloat16;
+  CacheManagerMetrics::CacheInfo info;
+  info.num_blocks = kNumBlocks;
+  info.block_size = kBlockSize;
+  info.block_bytes = spec.BytesPerBlock();
+  info.pool_bytes = static_cast<uint64_t>(info.block_bytes) * kNumBlocks;
+  info.dtype = "fp16";
+  info.backend = "shm";
+  info.hash_algorithm = "xxh3_v2";
+  CacheManagerMetrics metrics(info);
+  CacheManagerService::Options options;
+  options.spec = spec;
+  options.ledger.num_blocks = kNumBlocks;
+  options.epoch = 42;
+  options.heartbeat_interval = absl::Seconds(1);
+  options.heartbeat_timeout = absl::Seconds(600);
+  FakeWatcher watcher;
+  auto created = CacheManagerService::Create(options, &watcher, &metrics, absl::Now());
+  if (!created.ok()) {
+    state.SkipWithError(std::string(created.status().message()).c_str());
+    return;
+  }
+  CacheManagerService& service = **created;
+  const std::optional<PeerCredentials> peer = ParseIpcPeerAddress(
+      ":" + std::to_string(::getuid()) + ":" + std::to_string(::getgid()) + ":" +
+      std::to_string(::getpid()));
+  flatbuffers::FlatBufferBuilder request;
+  flatbuffers::FlatBufferBuilder reply;
+  auto hello = wire::CreateHello(request, wire::Role::Router, ::getpid());
+  FinishEnvelope(request, 0, 0, 0, wire::Message::Hello, hello.Union());
+  service.Handle(peer, BufferSpan(request), absl::Now(), &reply);
+  const VerifiedEnvelope verified = VerifyEnvelope(BufferSpan(reply));
+  const wire::HelloReply* hello_reply =
+      verified.envelope == nullptr ? nullptr : verified.envelope->payload_as_HelloReply();
+  if (hello_reply == nullptr) {
+    state.SkipWithError("Hello refused");
+    return;
+  }
+  const uint64_t session = hello_reply->session_id();
+  DecodeStepStream stream(n);
+  uint64_t request_id = 0;
+  request.Clear();
+  KVCM_CHECK(EncodeStep(request, ++request_id, session, options.epoch, stream.Prime()).ok());
+  service.Handle(peer, BufferSpan(request), absl::Now(), &reply);
+  if (std::string bad = CheckAllOk(BufferSpan(reply), static_cast<size_t>(n)); !bad.empty()) {
+    state.SkipWithError(bad.c_str());
+    return;
+  }
+  constexpr size_t kBatch = 256;  // steps encoded ahead with the timer paused
+  std::vector<flatbuffers::FlatBufferBuilder> steps(kBatch);
+  std::vector<size_t> sizes(kBatch);
+  size_t next = kBatch;
+  int64_t handled = 0;
+  uint64_t ops = 0;
+  for (auto _ : state) {
+    if (next == kBatch) {
+      state.PauseTiming();
+      for (size_t i = 0; i < kBatch; ++i) {
+        const std::vector<BlockOp>& step = stream.Next();
+        sizes[i] = step.size();
+        steps[i].Clear();
+        KVCM_CHECK(EncodeStep(steps[i], ++request_id, session, options.epoch, step).ok());
+      }
+      next = 0;
+      state.ResumeTiming();
+    }
+    service.Handle(peer, BufferSpan(steps[next]), absl::Now(), &reply);
+    ops += sizes[next];
+    // The first and every 64th reply are checked, outside the timed region.
+    if ((handled++ & 63) == 0) {
+      state.PauseTiming();
+      std::string bad = CheckAllOk(BufferSpan(reply), sizes[next]);
+      state.ResumeTiming();
+      if (!bad.empty()) {
+        state.SkipWithError(bad.c_str());
+        break;
+      }
+    }
+    ++next;
+  }
+  state.counters["units"] = 1;
+  state.counters["ops_per_step"] =
+      static_cast<double>(ops) / static_cast<double>(std::max<int64_t>(handled, 1));
+}
+
+// LedgerDecodeStep/N: the same steps' ops applied straight to a BlockLedger.
+void LedgerDecodeStep(benchmark::State& state) {
+  const int n = static_cast<int>(state.range(0));
+  BlockLedger::Options options;
+  options.num_blocks = kNumBlocks;
+  options.block_size = kBlockSize;
+  BlockLedger ledger = *BlockLedger::Create(options);
+  DecodeStepStream stream(n);
+  auto apply = [&ledger](const std::vector<BlockOp>& step) {
+    for (const BlockOp& op : step) {
+      absl::Status status;
+      switch (op.kind) {
+        case wire::StepOp::AllocateOp:
+          status = ledger.Allocate(op.seq, op.num_tokens, op.hashes).status();
+          break;
+        case wire::StepOp::CommitOp:
+          status = ledger.Commit(op.seq, op.num_tokens, op.hashes);
+          break;
+        case wire::StepOp::AppendOp:
+          status = ledger.Append(op.seq, op.num_tokens).status();
+          break;
+        case wire::StepOp::FreeOp:
+          status = ledger.Free(op.seq);
+          break;
+        default:
+          KVCM_CHECK(false) << "op the decode stream does not make";
+      }
+      KVCM_CHECK(status.ok()) << status;
+    }
+  };
+  apply(stream.Prime());
+  constexpr size_t kBatch = 256;  // as ServiceHandleDecodeStep: ops built with the timer paused
+  std::vector<std::vector<BlockOp>> steps(kBatch);
+  size_t next = kBatch;
+  for (auto _ : state) {
+    if (next == kBatch) {
+      state.PauseTiming();
+      for (auto& step : steps) step = stream.Next();
+      next = 0;
+      state.ResumeTiming();
+    }
+    apply(steps[next++]);
+  }
+  state.counters["units"] = 1;
+}
+
 void ServiceHandleStep(benchmark::State& state) { ServiceHandle(state, false); }
 void ServiceHandleStepAndLoop(benchmark::State& state) { ServiceHandle(state, true); }
 
 BENCHMARK(ServiceHandleStep);
 BENCHMARK(ServiceHandleStepAndLoop);
+BENCHMARK(ServiceHandleDecodeStep)->Arg(64)->Arg(256);
+BENCHMARK(LedgerDecodeStep)->Arg(64)->Arg(256);
 
 // --- Baseline servers (this binary re-executed) ----------------------------------------------
 
@@ -960,6 +1200,8 @@ int main(int argc, char** argv) {
   reporter.AddPair("CacheManagerPipelined/256/", "BarePushPull/", 2.0, "message");
   // Informative: the same window against the bare ROUTER (the reply path included).
   reporter.AddPair("CacheManagerPipelined/", "BareDealerRouterPipelined/", 2.0, "message");
+  // Informative: what the service adds to the ledger's own work on the router's step shape.
+  reporter.AddPair("ServiceHandleDecodeStep/", "LedgerDecodeStep/", 0, "step");
   const int rc = kvcm::bench::RunWithRatios(argc, argv, reporter);
   kvcm::Environment::Get().Stop();
   return rc;

@@ -22,7 +22,8 @@ class RatioReporter : public benchmark::ConsoleReporter {
   struct Pair {
     std::string candidate;
     std::string baseline;
-    double goal;  // the candidate should take at most goal × the baseline's time per unit
+    double goal;  // the candidate should take at most goal × the baseline's time per unit;
+                  // 0: informative, no goal
     std::string unit;
   };
 
@@ -56,6 +57,12 @@ class RatioReporter : public benchmark::ConsoleReporter {
         auto base = ns_per_unit_.find(pair.baseline + suffix);
         if (base == ns_per_unit_.end()) continue;
         const double ratio = ns / base->second;
+        if (pair.goal <= 0) {  // informative: no goal
+          std::printf("%-44s %-34s %12.2f %12.2f %7.2fx %6s (per %s)\n", name.c_str(),
+                      (pair.baseline + suffix).c_str(), ns, base->second, ratio, "-",
+                      pair.unit.c_str());
+          continue;
+        }
         const bool ok = ratio <= pair.goal;
         std::printf("%-44s %-34s %12.2f %12.2f %7.2fx %5.2fx %s (per %s)\n", name.c_str(),
                     (pair.baseline + suffix).c_str(), ns, base->second, ratio, pair.goal,
