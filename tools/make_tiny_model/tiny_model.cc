@@ -83,6 +83,9 @@ absl::Status Validate(const TinyModelOptions& o) {
   for (const auto& [name, value] : sizes) {
     if (value <= 0) return invalid(name, " must be positive, got ", value);
   }
+  if (o.architecture != "llama" && o.architecture != "qwen2") {
+    return invalid("architecture must be \"llama\" or \"qwen2\", got \"", o.architecture, "\"");
+  }
   if (o.num_heads % o.num_kv_heads != 0) {
     return invalid("num_heads (", o.num_heads, ") must be a multiple of num_kv_heads (",
                    o.num_kv_heads, ")");
@@ -113,8 +116,8 @@ absl::Status Validate(const TinyModelOptions& o) {
 
 std::string TinyModelConfigJson(const TinyModelOptions& o) {
   nlohmann::ordered_json config = {
-      {"architectures", {"LlamaForCausalLM"}},
-      {"model_type", "llama"},
+      {"architectures", {o.architecture == "qwen2" ? "Qwen2ForCausalLM" : "LlamaForCausalLM"}},
+      {"model_type", o.architecture},
       {"vocab_size", o.vocab_size},
       {"hidden_size", o.hidden_size},
       {"intermediate_size", o.intermediate_size},
@@ -202,6 +205,11 @@ absl::Status WriteTinyModel(const std::string& folder, const TinyModelOptions& o
     KVCM_RETURN_IF_ERROR(add(shard, p + "self_attn.k_proj.weight", {kv, h}, 0, 1 / std::sqrt(h)));
     KVCM_RETURN_IF_ERROR(add(shard, p + "self_attn.v_proj.weight", {kv, h}, 0, 1 / std::sqrt(h)));
     KVCM_RETURN_IF_ERROR(add(shard, p + "self_attn.o_proj.weight", {h, q}, 0, 1 / std::sqrt(q)));
+    if (o.architecture == "qwen2") {
+      KVCM_RETURN_IF_ERROR(add(shard, p + "self_attn.q_proj.bias", {q}, 0, 0.5));
+      KVCM_RETURN_IF_ERROR(add(shard, p + "self_attn.k_proj.bias", {kv}, 0, 0.5));
+      KVCM_RETURN_IF_ERROR(add(shard, p + "self_attn.v_proj.bias", {kv}, 0, 0.5));
+    }
     KVCM_RETURN_IF_ERROR(add(shard, p + "post_attention_layernorm.weight", {h}, 1, norm_noise));
     KVCM_RETURN_IF_ERROR(add(shard, p + "mlp.gate_proj.weight", {inter, h}, 0, 1 / std::sqrt(h)));
     KVCM_RETURN_IF_ERROR(add(shard, p + "mlp.up_proj.weight", {inter, h}, 0, 1 / std::sqrt(h)));

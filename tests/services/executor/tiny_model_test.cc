@@ -3,6 +3,8 @@
 
 #include "tools/make_tiny_model/tiny_model.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
@@ -126,6 +128,40 @@ TEST_F(TinyModelGenerationTest, BothRopeSpellingsGiveTheSameLogitsAndTheKeyMatte
   double diff = 0;
   for (size_t i = 0; i < logits[0].size(); ++i) diff = std::max(diff, double{std::abs(logits[0][i] - logits[2][i])});
   EXPECT_GT(diff, 1e-3) << "theta and scaling should change the logits";
+}
+
+// --architecture=qwen2: a Qwen2ForCausalLM config and a bias on q, k and v, the other
+// tensors the llama model's of the same seed (one stream per tensor name).
+TEST_F(TinyModelGenerationTest, Qwen2ArchitectureAddsTheQkvBiasesAndKeepsTheOtherTensors) {
+  absl::StatusOr<testing::RunResult> run = testing::RunProgram(
+      {KVCM_MAKE_TINY_MODEL_PATH, "--output=" + Path("qwen2"), "--architecture=qwen2"}, "",
+      absl::Seconds(60));
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_EQ(run->exit_code, 0) << run->output;
+  ASSERT_TRUE(WriteTinyModel(Path("llama"), TinyModelOptions()).ok());
+
+  auto qwen2 = LlamaModel::Load(Path("qwen2"));
+  ASSERT_TRUE(qwen2.ok()) << qwen2.status();
+  EXPECT_EQ((*qwen2)->config().architecture, "Qwen2ForCausalLM");
+  EXPECT_TRUE((*qwen2)->config().qkv_bias);
+  EXPECT_FALSE((*qwen2)->config().o_bias);
+  const LlamaWeights::Layer& layer = (*qwen2)->weights().layers[0];
+  EXPECT_EQ(layer.q_bias.size(), size_t{4 * 16});
+  EXPECT_EQ(layer.k_bias.size(), size_t{2 * 16});
+  EXPECT_EQ(layer.v_bias.size(), size_t{2 * 16});
+  EXPECT_TRUE(std::any_of(layer.v_bias.begin(), layer.v_bias.end(),
+                          [](float b) { return std::abs(b) > 0.1f; }));
+  auto llama = LlamaModel::Load(Path("llama"));
+  ASSERT_TRUE(llama.ok()) << llama.status();
+  EXPECT_FALSE((*llama)->config().qkv_bias);
+  EXPECT_EQ((*qwen2)->weights().final_norm, (*llama)->weights().final_norm);
+  EXPECT_EQ((*qwen2)->weights().layers[0].input_norm, (*llama)->weights().layers[0].input_norm);
+
+  TinyModelOptions other;
+  other.architecture = "mistral";
+  const absl::Status refused = WriteTinyModel(Path("x"), other);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+  EXPECT_THAT(refused.message(), HasSubstr("architecture"));
 }
 
 TEST_F(TinyModelGenerationTest, BinaryRejectsBadFlags) {
