@@ -475,18 +475,25 @@ int Main(int argc, char** argv) {
   std::printf("%-34s %9.2fx %9.2fx\n", "ratio", Quantile(router_gaps, 0.5) / Quantile(bare_gaps, 0.5),
               Quantile(router_gaps, 0.99) / Quantile(bare_gaps, 0.99));
   if (per_step) {
-    // Where the tails come from: each step's tokens, its added latency in both runs.
-    std::printf("\n%5s %7s %8s %10s %10s %10s %10s %10s\n", "step", "tokens", "prefill",
-                "router p50", "max", "bare p50", "max", "answered");
+    // Where the tails come from: each step's tokens, its added latency in both runs, when
+    // it was answered, and the router's own parts of the next step (planning and sending,
+    // the cache manager's Step within it), which run while this step's tokens are written.
+    std::printf("\n%5s %7s %8s %10s %10s %10s %10s %10s %10s %10s\n", "step", "tokens",
+                "prefill", "router p50", "max", "bare p50", "max", "answered", "next plan",
+                "next cm");
     for (size_t i = 0; i < steps.size(); ++i) {
       std::vector<double>& r = router_per_step[i];
       std::vector<double>& b = bare_per_step[i];
       std::sort(r.begin(), r.end());
       std::sort(b.begin(), b.end());
       if (r.empty() || b.empty()) continue;
-      std::printf("%5zu %7d %8d %10.3f %10.3f %10.3f %10.3f %10.2f\n", i, steps[i].tokens,
-                  steps[i].prefill_tokens, Quantile(r, 0.5), r.back(), Quantile(b, 0.5),
-                  b.back(), static_cast<double>(steps[i].answered - steps[0].answered) / 1e6);
+      const TracedStep* next = i + 1 < steps.size() ? &steps[i + 1] : nullptr;
+      std::printf("%5zu %7d %8d %10.3f %10.3f %10.3f %10.3f %10.2f %10.3f %10.3f\n", i,
+                  steps[i].tokens, steps[i].prefill_tokens, Quantile(r, 0.5), r.back(),
+                  Quantile(b, 0.5), b.back(),
+                  static_cast<double>(steps[i].answered - steps[0].answered) / 1e6,
+                  next ? static_cast<double>(next->dispatched - next->planned) / 1e6 : 0.0,
+                  next ? static_cast<double>(next->cache_manager) / 1e6 : 0.0);
     }
   }
   return 0;
