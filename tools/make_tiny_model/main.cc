@@ -2,8 +2,8 @@
 // (config.json + model.safetensors), loadable by the executor, for tests and the demo.
 //
 //   kvcm-make-tiny-model --output=DIR [--seed=N] [--dtype=fp32|bf16|fp16]
-//                        [--architecture=llama|qwen2] [--tie_word_embeddings] [--num_shards=N]
-//                        [size flags]
+//                        [--architecture=llama|qwen2] [--attention_bias]
+//                        [--tie_word_embeddings] [--num_shards=N] [size flags]
 //
 // Flags are parsed here into TinyModelOptions (tools/make_tiny_model/tiny_model.h), which
 // documents the weights. Exit status: 0 on success, 1 on a bad command line or a failed
@@ -29,6 +29,8 @@ ABSL_FLAG(uint64_t, seed, kDefaults.seed, "Seed of the random weights.");
 ABSL_FLAG(std::string, dtype, "fp32", "Weight dtype in the file: fp32, bf16 or fp16.");
 ABSL_FLAG(std::string, architecture, kDefaults.architecture,
           "llama, or qwen2 (Qwen2ForCausalLM: a bias on q, k and v).");
+ABSL_FLAG(bool, attention_bias, kDefaults.attention_bias,
+          "llama only: Llama's attention_bias, a bias on q, k, v and o.");
 ABSL_FLAG(bool, tie_word_embeddings, kDefaults.tie_word_embeddings,
           "Share the embedding matrix with the LM head (no lm_head.weight).");
 ABSL_FLAG(int32_t, num_shards, kDefaults.num_shards,
@@ -74,6 +76,7 @@ int main(int argc, char** argv) {
   options.dtype = *dtype;
   options.seed = absl::GetFlag(FLAGS_seed);
   options.architecture = absl::GetFlag(FLAGS_architecture);
+  options.attention_bias = absl::GetFlag(FLAGS_attention_bias);
   options.tie_word_embeddings = absl::GetFlag(FLAGS_tie_word_embeddings);
   options.num_shards = absl::GetFlag(FLAGS_num_shards);
   options.vocab_size = absl::GetFlag(FLAGS_vocab_size);

@@ -86,6 +86,9 @@ absl::Status Validate(const TinyModelOptions& o) {
   if (o.architecture != "llama" && o.architecture != "qwen2") {
     return invalid("architecture must be \"llama\" or \"qwen2\", got \"", o.architecture, "\"");
   }
+  if (o.attention_bias && o.architecture != "llama") {
+    return invalid("attention_bias is Llama's (qwen2 always has its q, k and v biases)");
+  }
   if (o.num_heads % o.num_kv_heads != 0) {
     return invalid("num_heads (", o.num_heads, ") must be a multiple of num_kv_heads (",
                    o.num_kv_heads, ")");
@@ -128,7 +131,7 @@ std::string TinyModelConfigJson(const TinyModelOptions& o) {
       {"hidden_act", "silu"},
       {"max_position_embeddings", o.max_position_embeddings},
       {"rms_norm_eps", o.rms_norm_eps},
-      {"attention_bias", false},
+      {"attention_bias", o.attention_bias},
       {"mlp_bias", false},
       {"tie_word_embeddings", o.tie_word_embeddings},
       {"bos_token_id", 1},
@@ -205,10 +208,13 @@ absl::Status WriteTinyModel(const std::string& folder, const TinyModelOptions& o
     KVCM_RETURN_IF_ERROR(add(shard, p + "self_attn.k_proj.weight", {kv, h}, 0, 1 / std::sqrt(h)));
     KVCM_RETURN_IF_ERROR(add(shard, p + "self_attn.v_proj.weight", {kv, h}, 0, 1 / std::sqrt(h)));
     KVCM_RETURN_IF_ERROR(add(shard, p + "self_attn.o_proj.weight", {h, q}, 0, 1 / std::sqrt(q)));
-    if (o.architecture == "qwen2") {
+    if (o.architecture == "qwen2" || o.attention_bias) {
       KVCM_RETURN_IF_ERROR(add(shard, p + "self_attn.q_proj.bias", {q}, 0, 0.5));
       KVCM_RETURN_IF_ERROR(add(shard, p + "self_attn.k_proj.bias", {kv}, 0, 0.5));
       KVCM_RETURN_IF_ERROR(add(shard, p + "self_attn.v_proj.bias", {kv}, 0, 0.5));
+    }
+    if (o.attention_bias) {
+      KVCM_RETURN_IF_ERROR(add(shard, p + "self_attn.o_proj.bias", {h}, 0, 0.5));
     }
     KVCM_RETURN_IF_ERROR(add(shard, p + "post_attention_layernorm.weight", {h}, 1, norm_noise));
     KVCM_RETURN_IF_ERROR(add(shard, p + "mlp.gate_proj.weight", {inter, h}, 0, 1 / std::sqrt(h)));

@@ -10,7 +10,8 @@
 //   model.embed_tokens.weight, lm_head.weight   N(0, 1), N(0, 2 / sqrt(hidden))
 //   *_layernorm.weight, model.norm.weight       1 + N(0, 0.1)
 //   q/k/v/o/gate/up/down_proj.weight            N(0, 1 / sqrt(fan_in))
-//   q/k/v_proj.bias (architecture qwen2)        N(0, 0.5)
+//   q/k/v_proj.bias (qwen2; llama with attention_bias), o_proj.bias (llama with
+//   attention_bias)                             N(0, 0.5)
 //
 // No tokenizer file is written: the model uses the byte-level tokenizer (tokenizer.h),
 // hence vocab 320 >= 259, BOS 1, EOS 2.
@@ -30,6 +31,8 @@ struct TinyModelOptions {
   // "llama" (LlamaForCausalLM) or "qwen2" (Qwen2ForCausalLM: the same layers with a bias on
   // q, k and v, large enough to change every logit).
   std::string architecture = "llama";
+  // llama only: Llama's "attention_bias", a bias on q, k, v and o.
+  bool attention_bias = false;
   int32_t vocab_size = 320;  // >= 259 for the byte-level tokenizer
   int32_t hidden_size = 64;
   int32_t intermediate_size = 128;
@@ -59,8 +62,8 @@ struct TinyModelOptions {
 std::string TinyModelConfigJson(const TinyModelOptions& options);
 
 // Creates `folder` (and parents) and writes config.json and the safetensors shard(s).
-// INVALID_ARGUMENT for inconsistent options (another architecture, heads not a multiple of KV
-// heads, odd head_dim, fp8 dtype, a non-positive size, more shards than layers); INTERNAL when
+// INVALID_ARGUMENT for inconsistent options (another architecture, attention_bias with
+// qwen2, heads not a multiple of KV heads, odd head_dim, fp8 dtype, a non-positive size, more shards than layers); INTERNAL when
 // writing fails.
 absl::Status WriteTinyModel(const std::string& folder, const TinyModelOptions& options);
 

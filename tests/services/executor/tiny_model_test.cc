@@ -162,6 +162,24 @@ TEST_F(TinyModelGenerationTest, Qwen2ArchitectureAddsTheQkvBiasesAndKeepsTheOthe
   const absl::Status refused = WriteTinyModel(Path("x"), other);
   EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
   EXPECT_THAT(refused.message(), HasSubstr("architecture"));
+  other.architecture = "qwen2";
+  other.attention_bias = true;
+  EXPECT_EQ(WriteTinyModel(Path("y"), other).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// --attention_bias: Llama's attention_bias, a bias on q, k, v and o.
+TEST_F(TinyModelGenerationTest, AttentionBiasAddsTheFourBiases) {
+  absl::StatusOr<testing::RunResult> run = testing::RunProgram(
+      {KVCM_MAKE_TINY_MODEL_PATH, "--output=" + Path("bias"), "--attention_bias"}, "",
+      absl::Seconds(60));
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_EQ(run->exit_code, 0) << run->output;
+  auto model = LlamaModel::Load(Path("bias"));
+  ASSERT_TRUE(model.ok()) << model.status();
+  EXPECT_EQ((*model)->config().architecture, "LlamaForCausalLM");
+  EXPECT_TRUE((*model)->config().qkv_bias);
+  EXPECT_TRUE((*model)->config().o_bias);
+  EXPECT_EQ((*model)->weights().layers[3].o_bias.size(), size_t{64});
 }
 
 TEST_F(TinyModelGenerationTest, BinaryRejectsBadFlags) {
