@@ -16,7 +16,7 @@ absl::Status ExecutorModel::Prepare(const PoolView& pool) {
         "the pool is on CUDA device ", pool.cuda_device, " but this executor's weights are on ",
         "CUDA device ", cuda_->device(), ": restart the executor to move them"));
   }
-  KVCM_ASSIGN_OR_RETURN(cuda_, LlamaCudaModel::Create(*host_, pool.cuda_device));
+  KVCM_ASSIGN_OR_RETURN(cuda_, LlamaCudaModel::Create(*host_, pool.cuda_device, cuda_options_));
   return absl::OkStatus();
 }
 

@@ -4,8 +4,8 @@
 //
 //   shm pool   LlamaModel::Forward on the host, kernels::cpu::CopyBlocks.
 //   cuda pool  LlamaCudaModel on the pool's device: the weights are copied there the first
-//              time a pool on a device is attached (Prepare), and stay there across
-//              re-attachments to new cache-manager epochs.
+//              time a pool on a device is attached (Prepare), in the options' weight dtype,
+//              and stay there across re-attachments to new cache-manager epochs.
 //
 // The host model stays loaded either way (it is what the device copy is made from, and a
 // later shm pool runs on it). A pool on another device than the weights' is refused: the
@@ -28,7 +28,10 @@ namespace kvcm {
 
 class ExecutorModel {
  public:
-  explicit ExecutorModel(const LlamaModel* host) : host_(host) {}
+  // `cuda_options`: how the weights go to a device (LlamaCudaModel::Create), if one is used.
+  explicit ExecutorModel(const LlamaModel* host,
+                         const LlamaCudaModelOptions& cuda_options = LlamaCudaModelOptions())
+      : host_(host), cuda_options_(cuda_options) {}
   ExecutorModel(const ExecutorModel&) = delete;
   ExecutorModel& operator=(const ExecutorModel&) = delete;
 
@@ -56,6 +59,7 @@ class ExecutorModel {
 
  private:
   const LlamaModel* const host_;
+  const LlamaCudaModelOptions cuda_options_;
   std::unique_ptr<LlamaCudaModel> cuda_;
 };
 

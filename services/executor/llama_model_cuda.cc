@@ -1,17 +1,19 @@
 // LlamaCudaModel (llama_model_cuda.h): host side. Checks and plans on the host with the
 // CPU model's own code (CheckPool, CheckBatch, PlanTokens), then runs the layers with the
-// kernels of kernels/ (WriteKv, PagedAttention, CopyBlocks) and of
-// llama_model_cuda_kernels.h on one stream. Compiled only when KVCM_CUDA_ENABLED
-// (llama_model_cuda_stub.cc otherwise).
+// kernels of kernels/ (WriteKv, PagedAttention, CopyBlocks), of llama_model_cuda_kernels.h
+// and, for 16-bit weights, cuBLAS's cublasGemmEx, all on one stream. Compiled only when
+// KVCM_CUDA_ENABLED (llama_model_cuda_stub.cc otherwise).
 
 #include "services/executor/llama_model_cuda.h"
 
+#include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -24,6 +26,7 @@
 #include "kernels/paged_attention.h"
 #include "kernels/paged_kv.h"
 #include "kernels/write_kv.h"
+#include "services/executor/float16.h"
 #include "services/executor/llama_model_cuda_kernels.h"
 
 namespace kvcm {
@@ -41,6 +44,32 @@ absl::Status CudaStatus(cudaError_t error, std::string_view what) {
 }
 
 #define KVCM_RETURN_IF_CUDA_ERROR(expr) KVCM_RETURN_IF_ERROR(CudaStatus((expr), #expr))
+
+// The same for cuBLAS: its status name and text.
+absl::Status CublasStatus(cublasStatus_t status, std::string_view what) {
+  if (status == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
+  std::string text = absl::StrCat(std::string(what), ": ", cublasGetStatusName(status), " (",
+                                  cublasGetStatusString(status), ")");
+  if (status == CUBLAS_STATUS_ALLOC_FAILED) return absl::ResourceExhaustedError(std::move(text));
+  return absl::InternalError(std::move(text));
+}
+
+#define KVCM_RETURN_IF_CUBLAS_ERROR(expr) KVCM_RETURN_IF_ERROR(CublasStatus((expr), #expr))
+
+// cuBLAS's workspace per handle: 32 MiB, what the cuBLAS documentation (cublasSetWorkspace)
+// recommends for Hopper (4 MiB before it).
+constexpr uint64_t kCublasWorkspaceBytes = uint64_t{32} << 20;
+
+llama_cuda::WeightType WeightTypeOf(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat16:
+      return llama_cuda::WeightType::kFloat16;
+    case DType::kBFloat16:
+      return llama_cuda::WeightType::kBFloat16;
+    default:
+      return llama_cuda::WeightType::kFloat32;
+  }
+}
 
 // Offsets of the pieces of one device allocation, each 256-byte aligned (what cudaMalloc
 // gives, enough for any vector load).
@@ -84,33 +113,52 @@ class StreamBuffer {
   uint8_t* base_ = nullptr;
 };
 
-// Weights as device pointers into one allocation.
+// Weights as device pointers into one allocation: matrices in the weight type
+// (llama_cuda::WeightType), norms and biases fp32; a bias the model lacks is null.
 struct DeviceLayer {
   const float* input_norm = nullptr;
-  const float* q_proj = nullptr;
-  const float* k_proj = nullptr;
-  const float* v_proj = nullptr;
-  const float* o_proj = nullptr;
+  const void* q_proj = nullptr;
+  const void* k_proj = nullptr;
+  const void* v_proj = nullptr;
+  const void* o_proj = nullptr;
   const float* post_norm = nullptr;
-  const float* gate_proj = nullptr;
-  const float* up_proj = nullptr;
-  const float* down_proj = nullptr;
+  const void* gate_proj = nullptr;
+  const void* up_proj = nullptr;
+  const void* down_proj = nullptr;
+  const float* q_bias = nullptr;
+  const float* k_bias = nullptr;
+  const float* v_bias = nullptr;
+  const float* o_bias = nullptr;
+};
+
+// An activation matrix x[rows][in] (fp32, row-major) as a matrix product reads it: with
+// 16-bit weights, also its copy rounded to the weights' type, made once for every product
+// of the same input (q, k, v; gate, up).
+struct Activation {
+  const float* fp32 = nullptr;
+  const uint16_t* narrowed = nullptr;  // [rows][in]; null with fp32 weights
+  int64_t rows = 0;
+  int64_t in = 0;
 };
 
 }  // namespace
 
 class LlamaCudaModel::Impl {
  public:
-  Impl(const LlamaModel& model, int32_t device) : model_(model), device_(device) {}
+  Impl(const LlamaModel& model, int32_t device, DType weight_dtype)
+      : model_(model),
+        device_(device),
+        weight_dtype_(weight_dtype),
+        weight_type_(WeightTypeOf(weight_dtype)) {}
   Impl(const Impl&) = delete;
   Impl& operator=(const Impl&) = delete;
   ~Impl() {
     cudaSetDevice(device_);
-    if (stream_ != nullptr) {
-      cudaStreamSynchronize(stream_);
-      cudaStreamDestroy(stream_);
-    }
+    if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+    if (cublas_ != nullptr) cublasDestroy(cublas_);
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
     // Fails harmlessly (cudaErrorCudartUnloading) when destroyed during process exit.
+    if (cublas_workspace_ != nullptr) cudaFree(cublas_workspace_);
     if (weights_ != nullptr) cudaFree(weights_);
   }
 
@@ -120,20 +168,30 @@ class LlamaCudaModel::Impl {
   absl::Status CopyBlocks(const PagedPool& pool, std::span<const kernels::BlockCopy> copies);
 
   int32_t device() const { return device_; }
+  DType weight_dtype() const { return weight_dtype_; }
   uint64_t weight_bytes() const { return weight_bytes_; }
 
  private:
   absl::Status CheckDevicePool(const PagedPool& pool) const;
+  // x as the products read it; `scratch` holds rows * in 16-bit elements (unused with fp32
+  // weights). Enqueues the rounding on the stream.
+  Activation Prepare(const float* x, int64_t rows, int64_t in, uint16_t* scratch) const;
+  // y[rows][out] = x[rows][in] . w[out][in]^T (w in the weight type), enqueued on the stream.
+  absl::Status MatMul(const Activation& x, const void* w, int64_t out, float* y) const;
 
   const LlamaModel& model_;
   const int32_t device_;
-  std::mutex mu_;  // one call at a time on the stream
+  const DType weight_dtype_;
+  const llama_cuda::WeightType weight_type_;
+  std::mutex mu_;  // one call at a time on the stream (and on cublas_, bound to it)
   cudaStream_t stream_ = nullptr;
+  cublasHandle_t cublas_ = nullptr;
+  void* cublas_workspace_ = nullptr;
   uint8_t* weights_ = nullptr;
   uint64_t weight_bytes_ = 0;
-  const float* embed_tokens_ = nullptr;
+  const void* embed_tokens_ = nullptr;
   const float* final_norm_ = nullptr;
-  const float* head_ = nullptr;
+  const void* head_ = nullptr;
   const double* inv_freq_ = nullptr;
   std::vector<DeviceLayer> layers_;
 };
@@ -142,45 +200,58 @@ absl::Status LlamaCudaModel::Impl::Upload() {
   const LlamaWeights& w = model_.weights();
   const std::vector<double>& inv_freq = model_.inv_freq();
   // Every host tensor and where it goes; matrices are dequantized to fp32 one at a time as
-  // they are copied (the device kernels read fp32).
+  // they are copied, then rounded to the weight type.
   struct Piece {
     const void* host;
     const kernels::WeightMatrix* matrix;  // instead of host
+    std::string name;                     // a matrix's, for errors
     uint64_t bytes;
     uint64_t offset;
   };
+  constexpr uint64_t kNone = std::numeric_limits<uint64_t>::max();
   std::vector<Piece> pieces;
   Carver carver;
   auto add = [&](const std::vector<float>& tensor) {
+    if (tensor.empty()) return kNone;  // a bias the model lacks
     const uint64_t offset = carver.Take<float>(static_cast<int64_t>(tensor.size()));
-    pieces.push_back({tensor.data(), nullptr, tensor.size() * sizeof(float), offset});
+    pieces.push_back({tensor.data(), nullptr, "", tensor.size() * sizeof(float), offset});
     return offset;
   };
-  auto add_matrix = [&](const kernels::WeightMatrix& m) {
+  const uint64_t element_bytes = static_cast<uint64_t>(DTypeBytes(weight_dtype_));
+  auto add_matrix = [&](const kernels::WeightMatrix& m, std::string name) {
     const int64_t n = m.rows() * m.cols();
-    const uint64_t offset = carver.Take<float>(n);
-    pieces.push_back({nullptr, &m, static_cast<uint64_t>(n) * sizeof(float), offset});
+    const uint64_t offset = element_bytes == 4 ? carver.Take<float>(n) : carver.Take<uint16_t>(n);
+    pieces.push_back(
+        {nullptr, &m, std::move(name), static_cast<uint64_t>(n) * element_bytes, offset});
     return offset;
   };
-  const uint64_t embed = add_matrix(w.embed_tokens);
+  const uint64_t embed = add_matrix(w.embed_tokens, "embed_tokens");
   const uint64_t final_norm = add(w.final_norm);
-  const uint64_t head = w.lm_head.empty() ? embed : add_matrix(w.lm_head);
+  const uint64_t head = w.lm_head.empty() ? embed : add_matrix(w.lm_head, "lm_head");
   const uint64_t freq = carver.Take<double>(static_cast<int64_t>(inv_freq.size()));
-  pieces.push_back({inv_freq.data(), nullptr, inv_freq.size() * sizeof(double), freq});
-  std::vector<std::array<uint64_t, 9>> layer_offsets;
-  for (const LlamaWeights::Layer& l : w.layers) {
-    layer_offsets.push_back({add(l.input_norm), add_matrix(l.q_proj), add_matrix(l.k_proj),
-                             add_matrix(l.v_proj), add_matrix(l.o_proj), add(l.post_norm),
-                             add_matrix(l.gate_proj), add_matrix(l.up_proj),
-                             add_matrix(l.down_proj)});
+  pieces.push_back({inv_freq.data(), nullptr, "", inv_freq.size() * sizeof(double), freq});
+  std::vector<std::array<uint64_t, 13>> layer_offsets;
+  for (size_t i = 0; i < w.layers.size(); ++i) {
+    const LlamaWeights::Layer& l = w.layers[i];
+    const std::string p = absl::StrCat("layers.", i, ".");
+    layer_offsets.push_back(
+        {add(l.input_norm), add_matrix(l.q_proj, p + "q_proj"), add_matrix(l.k_proj, p + "k_proj"),
+         add_matrix(l.v_proj, p + "v_proj"), add_matrix(l.o_proj, p + "o_proj"), add(l.post_norm),
+         add_matrix(l.gate_proj, p + "gate_proj"), add_matrix(l.up_proj, p + "up_proj"),
+         add_matrix(l.down_proj, p + "down_proj"), add(l.q_bias), add(l.k_bias), add(l.v_bias),
+         add(l.o_bias)});
   }
   weight_bytes_ = carver.total();
+  const bool uses_cublas = weight_type_ != llama_cuda::WeightType::kFloat32;
+  const uint64_t needed = weight_bytes_ + (uses_cublas ? kCublasWorkspaceBytes : 0);
 
   KVCM_ASSIGN_OR_RETURN(const auto memory, CudaMemoryInfo(device_));  // checks the index too
-  if (weight_bytes_ > memory.first) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "the model's weights take ", weight_bytes_, " bytes in fp32 but CUDA device ", device_,
-        " has ", memory.first, " bytes free"));
+  if (needed > memory.first) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the model's weights take ", weight_bytes_, " bytes in ",
+                     std::string(DTypeName(weight_dtype_)),
+                     uses_cublas ? absl::StrCat(" (and cuBLAS ", kCublasWorkspaceBytes, ")") : "",
+                     " but CUDA device ", device_, " has ", memory.first, " bytes free"));
   }
   KVCM_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
   void* base = nullptr;
@@ -188,26 +259,101 @@ absl::Status LlamaCudaModel::Impl::Upload() {
   weights_ = static_cast<uint8_t*>(base);
   for (const Piece& p : pieces) {
     std::vector<float> dequantized;
+    std::vector<uint16_t> narrowed;
     const void* host = p.host;
     if (p.matrix != nullptr) {
       dequantized = p.matrix->Dequantize();
       host = dequantized.data();
+      if (uses_cublas) {
+        // Rounded to nearest, ties to even (float16.h), as the kernels round activations.
+        narrowed.resize(dequantized.size());
+        const bool half = weight_type_ == llama_cuda::WeightType::kFloat16;
+        for (size_t i = 0; i < dequantized.size(); ++i) {
+          const float v = dequantized[i];
+          narrowed[i] = half ? FloatToHalf(v) : FloatToBFloat16(v);
+          if (half && std::isfinite(v) && std::isinf(HalfToFloat(narrowed[i]))) {
+            return absl::InvalidArgumentError(
+                absl::StrCat("weight ", p.name, "[", i / static_cast<size_t>(p.matrix->cols()),
+                             "][", i % static_cast<size_t>(p.matrix->cols()), "] = ", v,
+                             " is beyond fp16's range (65504): use bf16 or fp32 weights on CUDA"));
+          }
+        }
+        host = narrowed.data();
+      }
     }
     KVCM_RETURN_IF_CUDA_ERROR(
         cudaMemcpy(weights_ + p.offset, host, p.bytes, cudaMemcpyHostToDevice));
   }
   KVCM_RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  if (uses_cublas) {
+    // One handle for this object, bound to its stream, with its own workspace: every product
+    // is enqueued on stream_ under mu_, and nothing else uses the handle.
+    KVCM_RETURN_IF_CUBLAS_ERROR(cublasCreate(&cublas_));
+    KVCM_RETURN_IF_CUBLAS_ERROR(cublasSetStream(cublas_, stream_));
+    KVCM_RETURN_IF_CUDA_ERROR(cudaMalloc(&cublas_workspace_, kCublasWorkspaceBytes));
+    KVCM_RETURN_IF_CUBLAS_ERROR(
+        cublasSetWorkspace(cublas_, cublas_workspace_, kCublasWorkspaceBytes));
+  }
 
-  auto at = [&](uint64_t offset) { return reinterpret_cast<const float*>(weights_ + offset); };
-  embed_tokens_ = at(embed);
+  auto at = [&](uint64_t offset) -> const float* {
+    return offset == kNone ? nullptr : reinterpret_cast<const float*>(weights_ + offset);
+  };
+  auto matrix_at = [&](uint64_t offset) -> const void* { return weights_ + offset; };
+  embed_tokens_ = matrix_at(embed);
   final_norm_ = at(final_norm);
-  head_ = at(head);
+  head_ = matrix_at(head);
   inv_freq_ = reinterpret_cast<const double*>(weights_ + freq);
   for (const auto& o : layer_offsets) {
-    layers_.push_back(DeviceLayer{at(o[0]), at(o[1]), at(o[2]), at(o[3]), at(o[4]), at(o[5]),
-                                  at(o[6]), at(o[7]), at(o[8])});
+    layers_.push_back(DeviceLayer{at(o[0]), matrix_at(o[1]), matrix_at(o[2]), matrix_at(o[3]),
+                                  matrix_at(o[4]), at(o[5]), matrix_at(o[6]), matrix_at(o[7]),
+                                  matrix_at(o[8]), at(o[9]), at(o[10]), at(o[11]), at(o[12])});
   }
   return absl::OkStatus();
+}
+
+Activation LlamaCudaModel::Impl::Prepare(const float* x, int64_t rows, int64_t in,
+                                         uint16_t* scratch) const {
+  Activation a{x, nullptr, rows, in};
+  if (weight_type_ != llama_cuda::WeightType::kFloat32) {
+    llama_cuda::NarrowTo(x, rows * in, weight_type_, scratch, stream_);
+    a.narrowed = scratch;
+  }
+  return a;
+}
+
+absl::Status LlamaCudaModel::Impl::MatMul(const Activation& x, const void* w, int64_t out,
+                                          float* y) const {
+  if (x.rows <= 0 || out <= 0) return absl::OkStatus();
+  if (weight_type_ == llama_cuda::WeightType::kFloat32) {
+    llama_cuda::MatMul(x.fp32, x.rows, x.in, static_cast<const float*>(w), out, y, stream_);
+    return absl::OkStatus();
+  }
+  KVCM_CHECK(x.narrowed != nullptr);
+  constexpr int64_t kIntMax = std::numeric_limits<int>::max();
+  KVCM_CHECK(x.rows <= kIntMax && x.in <= kIntMax && out <= kIntMax)
+      << x.rows << " x " << x.in << " x " << out;
+  // cuBLAS is column-major: a row-major [r][c] matrix is, to cuBLAS, the column-major c x r
+  // matrix (its transpose) with leading dimension c. So y = x . w^T (row-major) is computed
+  // as y^T = w . x^T (column-major):
+  //   C      = y^T   out x rows, ldc = out  (y, row-major [rows][out], as is)
+  //   op(A)  = w     out x in: A is w's memory, row-major [out][in], i.e. the column-major
+  //                  in x out matrix w^T with lda = in; transa = CUBLAS_OP_T gives w
+  //   op(B)  = x^T   in x rows: B is x's memory, row-major [rows][in], i.e. the column-major
+  //                  in x rows matrix x^T with ldb = in; transb = CUBLAS_OP_N
+  //   m = out, n = rows, k = in.
+  // A and B in the weight type, C fp32, accumulated in fp32 (CUBLAS_COMPUTE_32F, on tensor
+  // cores for 16-bit inputs); alpha = 1, beta = 0 (y is overwritten).
+  const cudaDataType_t type =
+      weight_type_ == llama_cuda::WeightType::kFloat16 ? CUDA_R_16F : CUDA_R_16BF;
+  const int m = static_cast<int>(out);
+  const int n = static_cast<int>(x.rows);
+  const int k = static_cast<int>(x.in);
+  const float alpha = 1.0f;
+  const float beta = 0.0f;
+  return CublasStatus(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, w, type,
+                                   /*lda=*/k, x.narrowed, type, /*ldb=*/k, &beta, y, CUDA_R_32F,
+                                   /*ldc=*/m, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                      "cublasGemmEx");
 }
 
 absl::Status LlamaCudaModel::Impl::CheckDevicePool(const PagedPool& pool) const {
@@ -261,6 +407,11 @@ absl::Status LlamaCudaModel::Impl::Forward(const ForwardBatch& batch, const Page
   const uint64_t o_picked = carver.Take<float>(num_logits * h);
   const uint64_t o_picked_normed = carver.Take<float>(num_logits * h);
   const uint64_t o_logits = carver.Take<float>(num_logits * vocab);
+  // The 16-bit copy of a product's input (Prepare): the widest of them.
+  const bool narrows = weight_type_ != llama_cuda::WeightType::kFloat32;
+  const int64_t narrowed_elements =
+      std::max({rows * h, rows * q_width, rows * inter, num_logits * h});
+  const uint64_t o_narrowed = carver.Take<uint16_t>(narrows ? narrowed_elements : 0);
 
   std::vector<uint8_t> staging(integer_bytes, 0);
   auto stage = [&](uint64_t offset, const auto& values) {
@@ -292,6 +443,7 @@ absl::Status LlamaCudaModel::Impl::Forward(const ForwardBatch& batch, const Page
   float* const gate = scratch.At<float>(o_gate);
   float* const up = scratch.At<float>(o_up);
   const int32_t* const positions = scratch.At<int32_t>(o_positions);
+  uint16_t* const narrowed = scratch.At<uint16_t>(o_narrowed);
 
   kernels::PagedAttentionBatch attention;
   attention.num_seqs = static_cast<int32_t>(num_seqs);
@@ -303,14 +455,18 @@ absl::Status LlamaCudaModel::Impl::Forward(const ForwardBatch& batch, const Page
   attention.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
   attention.max_query_len = *std::max_element(batch.query_lens.begin(), batch.query_lens.end());
 
-  llama_cuda::Embed(scratch.At<int32_t>(o_tokens), rows, embed_tokens_, h, x, s);
+  llama_cuda::Embed(scratch.At<int32_t>(o_tokens), rows, embed_tokens_, weight_type_, h, x, s);
   for (int32_t l = 0; l < c.num_hidden_layers; ++l) {
     const DeviceLayer& layer = layers_[static_cast<size_t>(l)];
-    // Attention inputs (LlamaModel::AttentionInputs).
+    // Attention inputs (LlamaModel::AttentionInputs), biases before RoPE as there.
     llama_cuda::RmsNorm(x, rows, h, layer.input_norm, c.rms_norm_eps, normed, s);
-    llama_cuda::MatMul(normed, rows, h, layer.q_proj, q_width, q, s);
-    llama_cuda::MatMul(normed, rows, h, layer.k_proj, kv_width, k, s);
-    llama_cuda::MatMul(normed, rows, h, layer.v_proj, kv_width, v, s);
+    const Activation attention_in = Prepare(normed, rows, h, narrowed);
+    KVCM_RETURN_IF_ERROR(MatMul(attention_in, layer.q_proj, q_width, q));
+    KVCM_RETURN_IF_ERROR(MatMul(attention_in, layer.k_proj, kv_width, k));
+    KVCM_RETURN_IF_ERROR(MatMul(attention_in, layer.v_proj, kv_width, v));
+    if (layer.q_bias != nullptr) llama_cuda::AddBias(q, rows, q_width, layer.q_bias, s);
+    if (layer.k_bias != nullptr) llama_cuda::AddBias(k, rows, kv_width, layer.k_bias, s);
+    if (layer.v_bias != nullptr) llama_cuda::AddBias(v, rows, kv_width, layer.v_bias, s);
     llama_cuda::Rope(q, rows, c.num_attention_heads, c.head_dim, positions, inv_freq_, s);
     llama_cuda::Rope(k, rows, c.num_key_value_heads, c.head_dim, positions, inv_freq_, s);
     // The pool.
@@ -320,13 +476,15 @@ absl::Status LlamaCudaModel::Impl::Forward(const ForwardBatch& batch, const Page
                            s);
     kernels::cuda::PagedAttention(view, attention, q, attn, s);
     // Output projection and MLP (LlamaModel::AttentionOutputAndMlp).
-    llama_cuda::MatMul(attn, rows, q_width, layer.o_proj, h, proj, s);
+    KVCM_RETURN_IF_ERROR(MatMul(Prepare(attn, rows, q_width, narrowed), layer.o_proj, h, proj));
+    if (layer.o_bias != nullptr) llama_cuda::AddBias(proj, rows, h, layer.o_bias, s);
     llama_cuda::Add(x, proj, rows * h, s);
     llama_cuda::RmsNorm(x, rows, h, layer.post_norm, c.rms_norm_eps, normed, s);
-    llama_cuda::MatMul(normed, rows, h, layer.gate_proj, inter, gate, s);
-    llama_cuda::MatMul(normed, rows, h, layer.up_proj, inter, up, s);
+    const Activation mlp_in = Prepare(normed, rows, h, narrowed);
+    KVCM_RETURN_IF_ERROR(MatMul(mlp_in, layer.gate_proj, inter, gate));
+    KVCM_RETURN_IF_ERROR(MatMul(mlp_in, layer.up_proj, inter, up));
     llama_cuda::SiluMul(gate, up, rows * inter, s);
-    llama_cuda::MatMul(gate, rows, inter, layer.down_proj, h, proj, s);
+    KVCM_RETURN_IF_ERROR(MatMul(Prepare(gate, rows, inter, narrowed), layer.down_proj, h, proj));
     llama_cuda::Add(x, proj, rows * h, s);
   }
   // Final norm and LM head for the chosen rows (LlamaModel::Logits).
@@ -335,7 +493,8 @@ absl::Status LlamaCudaModel::Impl::Forward(const ForwardBatch& batch, const Page
   float* const device_logits = scratch.At<float>(o_logits);
   llama_cuda::GatherRows(x, scratch.At<int64_t>(o_logit_rows), num_logits, h, picked, s);
   llama_cuda::RmsNorm(picked, num_logits, h, final_norm_, c.rms_norm_eps, picked_normed, s);
-  llama_cuda::MatMul(picked_normed, num_logits, h, head_, vocab, device_logits, s);
+  KVCM_RETURN_IF_ERROR(
+      MatMul(Prepare(picked_normed, num_logits, h, narrowed), head_, vocab, device_logits));
   logits->assign(static_cast<size_t>(num_logits * vocab), 0.0f);
   KVCM_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(logits->data(), device_logits,
                                             logits->size() * sizeof(float),
@@ -383,19 +542,20 @@ absl::Status LlamaCudaModel::Impl::CopyBlocks(const PagedPool& pool,
 
 // ---- LlamaCudaModel ---------------------------------------------------------------------------
 
-absl::StatusOr<std::unique_ptr<LlamaCudaModel>> LlamaCudaModel::Create(const LlamaModel& model,
-                                                                       int32_t device) {
+absl::StatusOr<std::unique_ptr<LlamaCudaModel>> LlamaCudaModel::Create(
+    const LlamaModel& model, int32_t device, const LlamaCudaModelOptions& options) {
+  if (options.weight_dtype != DType::kFloat32 && options.weight_dtype != DType::kFloat16 &&
+      options.weight_dtype != DType::kBFloat16) {
+    return absl::InvalidArgumentError(absl::StrCat("CUDA weight dtype ",
+                                                   std::string(DTypeName(options.weight_dtype)),
+                                                   ": must be bf16, fp16 or fp32"));
+  }
   KVCM_ASSIGN_OR_RETURN(const int count, CudaDeviceCount());
   if (device < 0 || device >= count) {
     return absl::InvalidArgumentError(
         absl::StrCat("no CUDA device ", device, ": cudaGetDeviceCount reports ", count));
   }
-  if (model.config().qkv_bias || model.config().o_bias) {
-    return absl::UnimplementedError(absl::StrCat(
-        "attention biases (", model.config().architecture,
-        ") are not implemented on CUDA yet; run this model on a shm pool"));
-  }
-  auto impl = std::make_unique<Impl>(model, device);
+  auto impl = std::make_unique<Impl>(model, device, options.weight_dtype);
   KVCM_RETURN_IF_ERROR(impl->Upload());
   return std::unique_ptr<LlamaCudaModel>(new LlamaCudaModel(std::move(impl)));
 }
@@ -404,6 +564,7 @@ LlamaCudaModel::LlamaCudaModel(std::unique_ptr<Impl> impl) : impl_(std::move(imp
 LlamaCudaModel::~LlamaCudaModel() = default;
 
 int32_t LlamaCudaModel::device() const { return impl_->device(); }
+DType LlamaCudaModel::weight_dtype() const { return impl_->weight_dtype(); }
 uint64_t LlamaCudaModel::weight_bytes() const { return impl_->weight_bytes(); }
 
 absl::Status LlamaCudaModel::Forward(const ForwardBatch& batch, const PagedPool& pool,

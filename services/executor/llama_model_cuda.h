@@ -2,23 +2,33 @@
 // LlamaCudaModel: LlamaModel's forward pass on a CUDA device, over a KV pool in device
 // memory (the cache manager's --backend cuda pool, opened through CUDA IPC).
 //
-// It copies the weights of a loaded LlamaModel to the device once (fp32, as on the host) and
-// runs the same step as LlamaModel::Forward, op for op: embedding, RMSNorm, Q/K/V
-// projections, RoPE, kernels::cuda::WriteKv into the pool, kernels::cuda::PagedAttention
-// over it, output projection, SwiGLU MLP, final norm and LM head. The logits come back to
-// the host for sampling. The CPU forward is the reference it is tested against
-// (tests/services/executor/llama_model_cuda_test.cc, label gpu): same logits within fp32
-// rounding (the device sums in another order and fuses multiply-adds), not bit for bit.
+// It copies the weights of a loaded LlamaModel to the device once and runs the same step as
+// LlamaModel::Forward, op for op: embedding, RMSNorm, Q/K/V projections and their biases
+// (Qwen2; Llama's attention_bias also on o), RoPE, kernels::cuda::WriteKv into the pool,
+// kernels::cuda::PagedAttention over it, output projection, SwiGLU MLP, final norm and LM
+// head. The logits come back to the host for sampling.
 //
-// Matrix products are a plain shared-memory tiled kernel on CUDA cores, not tensor cores:
-// correct for any shape, far from cuBLAS's speed on large models (docs/executor.md).
+// Weight matrices (the embeddings and the LM head included) are kept on the device in
+// LlamaCudaModelOptions::weight_dtype:
+//   bf16 (default), fp16  cuBLAS (cublasGemmEx) on tensor cores: the activations are rounded
+//                         to the same type for each product, accumulated in fp32
+//                         (CUBLAS_COMPUTE_32F), outputs fp32. Norms, biases, RoPE,
+//                         attention and the residual stream stay fp32.
+//   fp32                  a plain shared-memory tiled fp32 kernel on CUDA cores: the exact
+//                         reference, within fp32 rounding of the CPU (the device sums in
+//                         another order and fuses multiply-adds), not bit for bit.
+// The CPU forward is the reference both are tested against, with a tolerance per weight
+// dtype (tests/services/executor/llama_model_cuda_test.cc, label gpu: checked by those tests,
+// which need a device; docs/executor.md).
 //
-// Every call runs on one stream owned by the object and waits for it before returning.
-// Scratch memory is allocated per call from the device's stream-ordered pool.
+// Every call runs on one stream owned by the object; with 16-bit weights cuBLAS runs on a
+// handle of its own bound to that stream, with a workspace of its own. Each call waits for
+// the stream before returning. Scratch memory is allocated per call from the device's
+// stream-ordered pool.
 //
 // Ownership: the LlamaModel must outlive this object (its config, checks and inverse
-// frequencies are used); the device weights belong to this object. The pool memory belongs
-// to the caller.
+// frequencies are used); the device weights, the cuBLAS handle and its workspace belong to
+// this object. The pool memory belongs to the caller.
 // Thread safety: const methods may be called concurrently; they take turns on the stream.
 
 #include <cstdint>
@@ -33,27 +43,41 @@
 
 namespace kvcm {
 
+struct LlamaCudaModelOptions {
+  // The dtype the weight matrices are kept and multiplied in on the device (kvcm-executor's
+  // --cuda-weight-dtype). kBFloat16 (default): half fp32's bytes, tensor cores, fp32's
+  // range, 8 significant bits. kFloat16: the same bytes and speed, 11 significant bits, but a
+  // range of +-65504 (a model with a larger weight is refused). kFloat32: twice the bytes,
+  // CUDA cores, the CPU's logits within fp32 rounding (the reference option).
+  DType weight_dtype = DType::kBFloat16;
+};
+
 class LlamaCudaModel {
  public:
-  // Copies `model`'s weights to `device`. Errors: UNIMPLEMENTED when this build has no CUDA
-  // kernels; UNAVAILABLE ("no CUDA device: ...") without a device; INVALID_ARGUMENT for a
-  // device index out of range; RESOURCE_EXHAUSTED when the weights do not fit (with the
-  // bytes needed and free).
-  static absl::StatusOr<std::unique_ptr<LlamaCudaModel>> Create(const LlamaModel& model,
-                                                                 int32_t device);
+  // Copies `model`'s weights to `device` in options.weight_dtype and makes the stream and
+  // the cuBLAS handle. Errors: UNIMPLEMENTED when this build has no CUDA kernels;
+  // UNAVAILABLE ("no CUDA device: ...") without a device; INVALID_ARGUMENT for a device index
+  // out of range, a weight dtype other than fp32, fp16 or bf16, or a finite weight beyond
+  // fp16's range with fp16 (naming the tensor); RESOURCE_EXHAUSTED when the weights do not
+  // fit (with the bytes needed and free); INTERNAL when cuBLAS cannot start.
+  static absl::StatusOr<std::unique_ptr<LlamaCudaModel>> Create(
+      const LlamaModel& model, int32_t device,
+      const LlamaCudaModelOptions& options = LlamaCudaModelOptions());
 
   LlamaCudaModel(const LlamaCudaModel&) = delete;
   LlamaCudaModel& operator=(const LlamaCudaModel&) = delete;
   ~LlamaCudaModel();
 
   int32_t device() const;
+  // options.weight_dtype of Create.
+  DType weight_dtype() const;
   // Bytes of device memory the weights take.
   uint64_t weight_bytes() const;
 
   // LlamaModel::Forward's contract, for a pool whose base is a device pointer on device():
   // FAILED_PRECONDITION when pool.cuda_device is not device(); then the model's CheckPool
   // and CheckBatch, before anything is written; INTERNAL with CUDA's message when a device
-  // call fails (RESOURCE_EXHAUSTED when scratch memory runs out).
+  // or cuBLAS call fails (RESOURCE_EXHAUSTED when scratch memory runs out).
   absl::Status Forward(const ForwardBatch& batch, const PagedPool& pool,
                        std::vector<float>* logits,
                        LogitsScope scope = LogitsScope::kLastTokenPerSeq) const;

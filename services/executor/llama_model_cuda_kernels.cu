@@ -5,6 +5,8 @@
 
 #include "services/executor/llama_model_cuda_kernels.h"
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -24,11 +26,39 @@ unsigned GridFor(int64_t n) {
   return static_cast<unsigned>(std::clamp<int64_t>((n + kThreads - 1) / kThreads, 1, 65535));
 }
 
-__global__ void EmbedKernel(const int32_t* tokens, const float* table, int64_t h, float* x) {
+// A stored weight widened to fp32 (exact for each type).
+__device__ __forceinline__ float Widen(float w) { return w; }
+__device__ __forceinline__ float Widen(__half w) { return __half2float(w); }
+__device__ __forceinline__ float Widen(__nv_bfloat16 w) { return __bfloat162float(w); }
+
+template <typename T>
+__global__ void EmbedKernel(const int32_t* tokens, const T* table, int64_t h, float* x) {
   const int64_t row = blockIdx.x;
-  const float* src = table + int64_t{tokens[row]} * h;
+  const T* src = table + int64_t{tokens[row]} * h;
   float* dst = x + row * h;
-  for (int64_t i = threadIdx.x; i < h; i += blockDim.x) dst[i] = src[i];
+  for (int64_t i = threadIdx.x; i < h; i += blockDim.x) dst[i] = Widen(src[i]);
+}
+
+// Round to nearest, ties to even, as FloatToHalf / FloatToBFloat16 do on the host.
+__global__ void NarrowToHalfKernel(const float* x, int64_t n, __half* out) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    out[i] = __float2half_rn(x[i]);
+  }
+}
+
+__global__ void NarrowToBf16Kernel(const float* x, int64_t n, __nv_bfloat16* out) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    out[i] = __float2bfloat16_rn(x[i]);
+  }
+}
+
+__global__ void AddBiasKernel(float* y, int64_t n, int64_t width, const float* bias) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    y[i] += bias[i % width];
+  }
 }
 
 // One thread block per row.
@@ -147,11 +177,44 @@ __global__ void GatherRowsKernel(const float* x, const int64_t* rows, int64_t h,
 
 }  // namespace
 
-void Embed(const int32_t* tokens, int64_t rows, const float* table, int64_t h, float* x,
-           void* stream) {
+void Embed(const int32_t* tokens, int64_t rows, const void* table, WeightType type, int64_t h,
+           float* x, void* stream) {
   if (rows <= 0) return;
-  EmbedKernel<<<static_cast<unsigned>(rows), kThreads, 0, AsStream(stream)>>>(tokens, table, h,
-                                                                                x);
+  const unsigned blocks = static_cast<unsigned>(rows);
+  switch (type) {
+    case WeightType::kFloat32:
+      EmbedKernel<<<blocks, kThreads, 0, AsStream(stream)>>>(
+          tokens, static_cast<const float*>(table), h, x);
+      break;
+    case WeightType::kFloat16:
+      EmbedKernel<<<blocks, kThreads, 0, AsStream(stream)>>>(
+          tokens, static_cast<const __half*>(table), h, x);
+      break;
+    case WeightType::kBFloat16:
+      EmbedKernel<<<blocks, kThreads, 0, AsStream(stream)>>>(
+          tokens, static_cast<const __nv_bfloat16*>(table), h, x);
+      break;
+  }
+  KVCM_CUDA_CHECK(cudaGetLastError());
+}
+
+void NarrowTo(const float* x, int64_t n, WeightType type, uint16_t* out, void* stream) {
+  if (n <= 0) return;
+  KVCM_CHECK(type != WeightType::kFloat32) << "NarrowTo needs a 16-bit type";
+  if (type == WeightType::kFloat16) {
+    NarrowToHalfKernel<<<GridFor(n), kThreads, 0, AsStream(stream)>>>(
+        x, n, reinterpret_cast<__half*>(out));
+  } else {
+    NarrowToBf16Kernel<<<GridFor(n), kThreads, 0, AsStream(stream)>>>(
+        x, n, reinterpret_cast<__nv_bfloat16*>(out));
+  }
+  KVCM_CUDA_CHECK(cudaGetLastError());
+}
+
+void AddBias(float* y, int64_t rows, int64_t width, const float* bias, void* stream) {
+  if (rows <= 0 || width <= 0) return;
+  AddBiasKernel<<<GridFor(rows * width), kThreads, 0, AsStream(stream)>>>(y, rows * width, width,
+                                                                          bias);
   KVCM_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -3,7 +3,8 @@
 // paged-KV ops of kernels/: each launcher mirrors one private step of LlamaModel's CPU
 // forward (llama_model.cc), which is its reference. All pointers are device pointers; every
 // launcher is asynchronous on `stream` (a cudaStream_t) and CHECK-fails when the launch
-// does (kernels/cuda_check.h). Row-major fp32 throughout.
+// does (kernels/cuda_check.h). Row-major throughout; activations are fp32, weight matrices
+// fp32, fp16 or bf16 (WeightType).
 //
 // This header is C++17 (nvcc compiles its .cu file as such): no C++20 types here.
 
@@ -11,16 +12,29 @@
 
 namespace kvcm::llama_cuda {
 
-// x[r][:] = table[tokens[r]][:], r < rows; table is [vocab][h].
-void Embed(const int32_t* tokens, int64_t rows, const float* table, int64_t h, float* x,
-           void* stream);
+// How a weight matrix is stored on the device: fp32, or IEEE binary16 / bfloat16 bits as
+// uint16_t.
+enum class WeightType { kFloat32, kFloat16, kBFloat16 };
+
+// x[r][:] = table[tokens[r]][:] widened to fp32 (exact), r < rows; table is [vocab][h] of
+// `type`.
+void Embed(const int32_t* tokens, int64_t rows, const void* table, WeightType type, int64_t h,
+           float* x, void* stream);
+
+// out[i] = x[i] rounded to `type` (kFloat16 or kBFloat16), to nearest, ties to even, as
+// services/executor/float16.h rounds on the host; i < n.
+void NarrowTo(const float* x, int64_t n, WeightType type, uint16_t* out, void* stream);
+
+// y[r][i] += bias[i], r < rows, i < width (a projection's bias, LlamaModel's AddBias).
+void AddBias(float* y, int64_t rows, int64_t width, const float* bias, void* stream);
 
 // out[r][i] = weight[i] * (x[r][i] / sqrt(mean_i(x[r][i]^2) + eps)); the sum of squares is
 // taken in double, as on the CPU.
 void RmsNorm(const float* x, int64_t rows, int64_t h, const float* weight, double eps,
              float* out, void* stream);
 
-// y[rows][out] = x[rows][in] . w[out][in]^T. Few rows (decode): one warp per output
+// y[rows][out] = x[rows][in] . w[out][in]^T, all fp32 (the fp32 weight path; 16-bit
+// weights go through cuBLAS, llama_model_cuda.cc). Few rows (decode): one warp per output
 // feature, reading w once, coalesced; otherwise 16 x 16 shared-memory tiles.
 void MatMul(const float* x, int64_t rows, int64_t in, const float* w, int64_t out, float* y,
             void* stream);

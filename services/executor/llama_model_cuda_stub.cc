@@ -8,8 +8,8 @@ namespace kvcm {
 
 class LlamaCudaModel::Impl {};
 
-absl::StatusOr<std::unique_ptr<LlamaCudaModel>> LlamaCudaModel::Create(const LlamaModel&,
-                                                                       int32_t device) {
+absl::StatusOr<std::unique_ptr<LlamaCudaModel>> LlamaCudaModel::Create(
+    const LlamaModel&, int32_t device, const LlamaCudaModelOptions&) {
   return absl::UnimplementedError(
       absl::StrCat("kvcm was built without CUDA: the model cannot run on CUDA device ", device,
                    " (rebuild with nvcc on the PATH or -DKVCM_CUDA=ON)"));
@@ -21,6 +21,10 @@ LlamaCudaModel::~LlamaCudaModel() = default;
 int32_t LlamaCudaModel::device() const {
   KVCM_CHECK(false) << "built without CUDA";
   return -1;
+}
+DType LlamaCudaModel::weight_dtype() const {
+  KVCM_CHECK(false) << "built without CUDA";
+  return DType::kFloat32;
 }
 uint64_t LlamaCudaModel::weight_bytes() const {
   KVCM_CHECK(false) << "built without CUDA";

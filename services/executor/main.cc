@@ -69,6 +69,10 @@ ABSL_FLAG(std::string, metrics_address, "127.0.0.1:9401",
 ABSL_FLAG(int32_t, call_timeout_ms, 2000,
           "Longest wait for one cache-manager reply (attach, goodbye). The socket thread "
           "blocks for it when the cache manager hangs.");
+ABSL_FLAG(std::string, cuda_weight_dtype, "bf16",
+          "On a cuda pool: the dtype the weight matrices are kept and multiplied in on the "
+          "device. bf16 (default) or fp16: cuBLAS on tensor cores, activations rounded to it, "
+          "fp32 accumulation; fp32: twice the memory, the CPU's logits within fp32 rounding.");
 ABSL_FLAG(int32_t, fault_layer_delay_ms, 0,
           "Fault tests only: sleep this long after each layer of every step, so that a step "
           "is still writing the pool seconds after it began. 0 (default) in service.");
@@ -114,6 +118,17 @@ int Main(const std::vector<config::Setting>& settings) {
   if (absl::GetFlag(FLAGS_threads) < 0) {
     return fail("", absl::InvalidArgumentError("--threads must be >= 0"));
   }
+  LlamaCudaModelOptions cuda_options;
+  {
+    const absl::StatusOr<DType> dtype = ParseDType(absl::GetFlag(FLAGS_cuda_weight_dtype));
+    if (!dtype.ok() ||
+        (*dtype != DType::kBFloat16 && *dtype != DType::kFloat16 && *dtype != DType::kFloat32)) {
+      return fail("", absl::InvalidArgumentError(
+                          absl::StrCat("--cuda-weight-dtype must be bf16, fp16 or fp32, got \"",
+                                       absl::GetFlag(FLAGS_cuda_weight_dtype), "\"")));
+    }
+    cuda_options.weight_dtype = *dtype;
+  }
   const std::string run_dir = std::string(absl::StripSuffix(
       absl::GetFlag(FLAGS_run_dir).empty() ? DefaultRunDirFromEnvironment()
                                       : absl::GetFlag(FLAGS_run_dir), "/"));
@@ -158,13 +173,14 @@ int Main(const std::vector<config::Setting>& settings) {
   pool_options.client.secret_file = absl::GetFlag(FLAGS_cache_manager_secret_file);
   pool_options.client.call_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_call_timeout_ms));
   pool_options.model = {config.num_hidden_layers, config.num_key_value_heads, config.head_dim};
-  ExecutorModel executor_model(model->get());
+  ExecutorModel executor_model(model->get(), cuda_options);
   pool_options.accept = [&executor_model](const PoolView& view) {
     const bool copied_before = executor_model.cuda() != nullptr;
     const absl::Time start = absl::Now();
     KVCM_RETURN_IF_ERROR(executor_model.Prepare(view));
     if (!copied_before && executor_model.cuda() != nullptr) {
-      Log(absl::StrCat("copied the weights to CUDA device ", executor_model.cuda()->device(), ": ",
+      Log(absl::StrCat("copied the weights to CUDA device ", executor_model.cuda()->device(),
+                       " as ", std::string(DTypeName(executor_model.cuda()->weight_dtype())), ": ",
                        executor_model.cuda()->weight_bytes(), " bytes in ",
                        absl::FormatDuration(absl::Now() - start)));
     }

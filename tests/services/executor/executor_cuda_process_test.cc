@@ -1,6 +1,8 @@
 // kvcm-executor on a pool in device memory (label gpu): kvcm-cache-manager --backend cuda,
 // the scripted StepDriver in the router's place, and an executor that copies its weights to
-// the pool's device and runs every step there (LlamaCudaModel):
+// the pool's device and runs every step there (LlamaCudaModel, --cuda-weight-dtype fp32: the
+// exact reference option; the 16-bit weights are compared with the CPU's logits in
+// llama_model_cuda_test.cc):
 //   - batched greedy generation gives exactly the tokens of the in-process CPU reference;
 //   - the K/V it wrote is in the shared device pool: this process opens the pool through its
 //     own CUDA IPC mapping, copies it out and finds every written element within tolerance
@@ -73,10 +75,11 @@ TEST(ExecutorCudaProcessTest, GreedyTokensEqualTheCpuReferenceAndTheKvIsInTheDev
   manager.heartbeat_interval_ms = 100;
   manager.heartbeat_timeout_ms = 2000;
   ExecutorStack stack;
-  const absl::Status started = kvcm::testing::StartExecutorStack(model_dir, manager, &stack);
+  const absl::Status started = kvcm::testing::StartExecutorStack(model_dir, manager, &stack,
+                                                                 {"--cuda-weight-dtype", "fp32"});
   ASSERT_TRUE(started.ok()) << started;
   EXPECT_EQ(stack.hello.backend, PoolBackend::kCuda);
-  EXPECT_THAT(stack.executor.Output(), HasSubstr("copied the weights to CUDA device 0"));
+  EXPECT_THAT(stack.executor.Output(), HasSubstr("copied the weights to CUDA device 0 as fp32"));
 
   const std::vector<std::vector<int32_t>>& prompts = kvcm::testing::TestPrompts();
   absl::StatusOr<std::vector<StepDriver::Sequence>> seqs =

@@ -141,10 +141,12 @@ struct ExecutorStack {
   ExecutorHelloInfo hello;  // what the executor announced
 };
 
-// Starts the stack with the model in `model_dir` and waits for the executor's Hello.
+// Starts the stack with the model in `model_dir` and waits for the executor's Hello;
+// `executor_extra` goes to the executor's command line.
 inline absl::Status StartExecutorStack(const std::string& model_dir,
                                        const CacheManagerOptions& manager_options,
-                                       ExecutorStack* stack) {
+                                       ExecutorStack* stack,
+                                       std::vector<std::string> executor_extra = {}) {
   absl::StatusOr<std::unique_ptr<CacheManagerProcess>> cm =
       CacheManagerProcess::Start(manager_options);
   if (!cm.ok()) return cm.status();
@@ -164,6 +166,7 @@ inline absl::Status StartExecutorStack(const std::string& model_dir,
   args.model = model_dir;
   args.run_dir = stack->cm->run_dir();
   args.router = stack->router;
+  args.extra = std::move(executor_extra);
   absl::StatusOr<ExecutorProcess> executor = StartExecutor(args);
   if (!executor.ok()) return executor.status();
   stack->executor = std::move(*executor);

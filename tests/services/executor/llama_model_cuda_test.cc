@@ -4,32 +4,57 @@
 //
 //   - batched prefill, chunked prefill over a cached prefix mixed with decode, then decode
 //     token by token: logits within tolerance of the CPU's every step, and the same greedy
-//     tokens (fed to both);
+//     tokens (fed to both) with fp32 weights and a fp32 cache;
 //   - the K/V written into the device pool: within tolerance of the CPU pool's, slot by slot;
 //   - copy-on-write orders: destination blocks equal their sources on the device;
 //   - refused pools and batches: clear errors, and the device pool is untouched.
 //
-// Tolerances, max |gpu - cpu| / max(1, max |cpu|) over a logits row: the device sums in
-// another order and fuses multiply-adds, so the two drift by fp32 rounding through the
-// layers; a fp16/bf16 cache can round a K/V element differently when the inputs differ by
-// one ulp. fp32 1e-4, fp16 4e-3, bf16 3e-2 (the CPU's own paged-vs-contiguous bounds are
-// 1e-5 / 2e-3 / 1.5e-2). The worst error seen is printed.
+// Two suites run that scenario. Caches: a tiny llama with fp32 weights on the device (the
+// tiled fp32 kernel), block sizes 1, 4, 16 and each cache dtype. Weights: tiny llama, qwen2
+// (a bias on q, k and v, N(0, 0.5), large enough to move every logit) and llama-bias
+// (Llama's attention_bias: q, k, v and o) models with each device weight dtype (bf16 and
+// fp16 through cuBLAS, fp32), block size 16, a fp32 cache.
 //
-// Without a device every test skips with "no CUDA device: ..."; with KVCM_REQUIRE_GPU=1
-// (scripts/gpu-check.sh sets it) they fail instead.
+// Tolerances, max |gpu - cpu| / max(1, max |cpu|) over a logits row (and the same over a
+// K/V vector), the sum of a cache share and a weight share:
+//   - cache: the device sums in another order and fuses multiply-adds, so the two drift by
+//     fp32 rounding through the layers; a fp16/bf16 cache can round a K/V element
+//     differently when the inputs differ by one ulp. fp32 1e-4, fp16 4e-3, bf16 3e-2 (the
+//     CPU's own paged-vs-contiguous bounds are 1e-5 / 2e-3 / 1.5e-2).
+//   - weights: 0 for fp32. For a 16-bit type with unit roundoff u (bf16: 8 significant
+//     bits, u = 2^-8; fp16: 11 bits, u = 2^-11) every product rounds both its weights and
+//     its input, so each term w * x carries a relative error of up to 2u. The 4-layer model
+//     has 4 such products in a row per layer plus the LM head, and an error entering the
+//     residual stream stays there: 17 rounding stages of up to 2u, added in the worst case.
+//     Their signs are random, so the observed error is well below that sum; the bound taken
+//     is 16u (bf16 6.25e-2, fp16 7.8e-3), i.e. about half the worst case. It is checked
+//     against the CPU itself by WeightRoundingAloneStaysWithinHalfTheTolerance (no device
+//     needed): the CPU forward of the same model with its weights rounded to the type (the
+//     device rounds the activations too, about as much again) must stay within half of it.
+//     A wrong transpose, leading dimension or missing bias moves logits by their own size,
+//     far beyond either share.
+// With 16-bit weights a near-tie may flip a greedy token: the differences are only
+// reported. The worst errors seen are printed.
+//
+// Without a device every test but those marked "no device needed" (the CPU calibration,
+// the biases' effect, the refused weight dtype) skips with "no CUDA device: ..."; with
+// KVCM_REQUIRE_GPU=1 (scripts/gpu-check.sh sets it) they fail instead.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <ostream>
 #include <random>
 #include <string>
-#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "common/base/check.h"
 #include "common/memory/pool_layout.h"
 #include "common/memory/pool_memory.h"
@@ -51,14 +76,27 @@ using ::testing::HasSubstr;
 
 constexpr int32_t kNumBlocks = 96;
 
-double Tolerance(DType dtype) {
-  switch (dtype) {
+// The cache dtype's share of the tolerance (see the top of the file).
+double CacheTolerance(DType cache) {
+  switch (cache) {
     case DType::kFloat32:
       return 1e-4;
     case DType::kFloat16:
       return 4e-3;
     default:
       return 3e-2;
+  }
+}
+
+// The device weight dtype's share: 16 unit roundoffs (see the top of the file).
+double WeightTolerance(DType weights) {
+  switch (weights) {
+    case DType::kFloat16:
+      return 16 * std::ldexp(1.0, -11);
+    case DType::kBFloat16:
+      return 16 * std::ldexp(1.0, -8);
+    default:
+      return 0;
   }
 }
 
@@ -78,39 +116,64 @@ double WorstRowError(const std::vector<float>& a, const std::vector<float>& ref,
   return worst;
 }
 
-// One model and its device copy for the whole suite.
+// A tiny random model of `architecture` ("llama", "qwen2", or "llama-bias": llama with
+// attention_bias) whose file stores its weights in `file_dtype`, loaded on the host.
+std::unique_ptr<LlamaModel> LoadTinyModel(const std::string& architecture, DType file_dtype) {
+  absl::StatusOr<testing::TempDir> dir = testing::TempDir::Create("kvcm-cuda-model");
+  KVCM_CHECK(dir.ok()) << dir.status();
+  TinyModelOptions options;
+  options.architecture = architecture == "qwen2" ? "qwen2" : "llama";
+  options.attention_bias = architecture == "llama-bias";
+  options.dtype = file_dtype;
+  std::printf("tiny %s model seed %llu, %s in the file\n", architecture.c_str(),
+              static_cast<unsigned long long>(options.seed),
+              std::string(DTypeName(file_dtype)).c_str());
+  const absl::Status written = WriteTinyModel(dir->path(), options);
+  KVCM_CHECK(written.ok()) << written;
+  auto model = LlamaModel::Load(dir->path());
+  KVCM_CHECK(model.ok()) << model.status();
+  KVCM_CHECK(model->get()->config().qkv_bias == (architecture != "llama"));
+  KVCM_CHECK(model->get()->config().o_bias == (architecture == "llama-bias"));
+  return std::move(*model);
+}
+
+// The host models and their device copies, made on first use, for the whole suite.
 class Models {
  public:
   static Models& Get() {
     static Models* models = new Models();
     return *models;
   }
-  const LlamaModel& host() const { return *host_; }
-  // Null until a test with a device asked for it.
-  const LlamaCudaModel* device() {
-    if (device_ == nullptr) {
-      absl::StatusOr<std::unique_ptr<LlamaCudaModel>> made = LlamaCudaModel::Create(*host_, 0);
-      KVCM_CHECK(made.ok()) << made.status();
-      device_ = std::move(*made);
-      std::printf("weights on device 0: %llu bytes\n",
-                  static_cast<unsigned long long>(device_->weight_bytes()));
-    }
-    return device_.get();
+  const LlamaModel& host(const std::string& architecture) {
+    std::unique_ptr<LlamaModel>& model = hosts_[architecture];
+    if (model == nullptr) model = LoadTinyModel(architecture, DType::kFloat32);
+    return *model;
   }
+  // Only in a test with a device.
+  const LlamaCudaModel* device(const std::string& architecture, DType weights) {
+    std::unique_ptr<LlamaCudaModel>& device = devices_[{architecture, weights}];
+    if (device == nullptr) {
+      LlamaCudaModelOptions options;
+      options.weight_dtype = weights;
+      absl::StatusOr<std::unique_ptr<LlamaCudaModel>> made =
+          LlamaCudaModel::Create(host(architecture), 0, options);
+      KVCM_CHECK(made.ok()) << made.status();
+      device = std::move(*made);
+      KVCM_CHECK(device->weight_dtype() == weights);
+      std::printf("%s weights on device 0 in %s: %llu bytes\n", architecture.c_str(),
+                  std::string(DTypeName(weights)).c_str(),
+                  static_cast<unsigned long long>(device->weight_bytes()));
+    }
+    return device.get();
+  }
+  // The llama model with fp32 weights on the device: the exact reference.
+  const LlamaModel& host() { return host("llama"); }
+  const LlamaCudaModel* device() { return device("llama", DType::kFloat32); }
 
  private:
-  Models() {
-    absl::StatusOr<testing::TempDir> dir = testing::TempDir::Create("kvcm-cuda-model");
-    KVCM_CHECK(dir.ok()) << dir.status();
-    TinyModelOptions options;
-    std::printf("tiny model seed %llu\n", static_cast<unsigned long long>(options.seed));
-    KVCM_CHECK(WriteTinyModel(dir->path(), options).ok());
-    auto model = LlamaModel::Load(dir->path());
-    KVCM_CHECK(model.ok()) << model.status();
-    host_ = std::move(*model);
-  }
-  std::unique_ptr<LlamaModel> host_;
-  std::unique_ptr<LlamaCudaModel> device_;
+  Models() = default;
+  std::map<std::string, std::unique_ptr<LlamaModel>> hosts_;
+  std::map<std::pair<std::string, DType>, std::unique_ptr<LlamaCudaModel>> devices_;
 };
 
 // The same pool twice: in host memory (for the CPU forward) and in device memory (for the
@@ -164,13 +227,36 @@ struct Sequence {
   std::vector<int32_t> blocks;  // block table
 };
 
-using Param = std::tuple<int32_t /*block_size*/, DType>;
+struct Case {
+  std::string architecture;  // of the tiny model: LoadTinyModel's
+  DType weights;             // on the device
+  int32_t block_size;
+  DType cache;
+};
 
-class LlamaCudaForwardTest : public ::testing::TestWithParam<Param> {
+std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
+  const Case& c = info.param;
+  return absl::StrCat(absl::StrReplaceAll(c.architecture, {{"-", "_"}}), "_",
+                      std::string(DTypeName(c.weights)), "_weights_block",
+                      c.block_size, "_", std::string(DTypeName(c.cache)), "_cache");
+}
+
+// How gtest (and so ctest's test list) prints a case.
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.architecture << ", " << DTypeName(c.weights) << " weights, block size " << c.block_size
+      << ", " << DTypeName(c.cache) << " cache";
+}
+
+class LlamaCudaForwardTest : public ::testing::TestWithParam<Case> {
  protected:
   void SetUp() override { KVCM_SKIP_WITHOUT_GPU(); }
-  int32_t block_size() const { return std::get<0>(GetParam()); }
-  DType dtype() const { return std::get<1>(GetParam()); }
+  const std::string& architecture() const { return GetParam().architecture; }
+  DType weights() const { return GetParam().weights; }
+  int32_t block_size() const { return GetParam().block_size; }
+  DType dtype() const { return GetParam().cache; }
+  double tolerance() const { return CacheTolerance(dtype()) + WeightTolerance(weights()); }
+  const LlamaModel& host() const { return Models::Get().host(architecture()); }
+  const LlamaCudaModel& device() const { return *Models::Get().device(architecture(), weights()); }
 
   // One step on both pools; the batch is built from `work` (sequence, new tokens), blocks
   // taken as needed. Returns the worst relative error of the device's all-token logits;
@@ -199,15 +285,15 @@ class LlamaCudaForwardTest : public ::testing::TestWithParam<Param> {
       }
     }
     std::vector<float> gpu_logits;
-    const absl::Status cpu = Models::Get().host().Forward(batch, pools.HostPool(), cpu_logits,
-                                                          LogitsScope::kAllTokens);
+    const absl::Status cpu =
+        host().Forward(batch, pools.HostPool(), cpu_logits, LogitsScope::kAllTokens);
     EXPECT_TRUE(cpu.ok()) << cpu;
-    const absl::Status gpu = Models::Get().device()->Forward(batch, pools.DevicePool(),
-                                                             &gpu_logits, LogitsScope::kAllTokens);
+    const absl::Status gpu =
+        device().Forward(batch, pools.DevicePool(), &gpu_logits, LogitsScope::kAllTokens);
     EXPECT_TRUE(gpu.ok()) << gpu;
     for (const auto& [seq, n] : work) seq->cached += n;
     if (!cpu.ok() || !gpu.ok()) return INFINITY;
-    const size_t vocab = static_cast<size_t>(Models::Get().host().config().vocab_size);
+    const size_t vocab = static_cast<size_t>(host().config().vocab_size);
     for (size_t row = 0; row * vocab < cpu_logits->size(); ++row) {
       greedy_differences_ +=
           Greedy(std::span<const float>(gpu_logits).subspan(row * vocab, vocab)) !=
@@ -220,12 +306,14 @@ class LlamaCudaForwardTest : public ::testing::TestWithParam<Param> {
 };
 
 TEST_P(LlamaCudaForwardTest, LogitsAndKvMatchTheCpuForward) {
-  const LlamaModel& model = Models::Get().host();
+  const LlamaModel& model = host();
   const int32_t vocab = model.config().vocab_size;
   const uint64_t seed =
       2000 + static_cast<uint64_t>(block_size()) * 10 + static_cast<uint64_t>(dtype());
-  std::printf("seed %llu (block size %d, %s cache)\n", static_cast<unsigned long long>(seed),
-              block_size(), std::string(DTypeName(dtype())).c_str());
+  std::printf("seed %llu (%s, %s weights, block size %d, %s cache)\n",
+              static_cast<unsigned long long>(seed), architecture().c_str(),
+              std::string(DTypeName(weights())).c_str(), block_size(),
+              std::string(DTypeName(dtype())).c_str());
   std::mt19937_64 rng(seed);
   TwinPools pools(model.config(), dtype(), block_size(), seed);
 
@@ -266,13 +354,13 @@ TEST_P(LlamaCudaForwardTest, LogitsAndKvMatchTheCpuForward) {
     worst = std::max(worst, Step(pools, work, &cpu_logits));
     extend(work);
   }
-  std::printf("logits: worst relative error %.3g (tolerance %.1g)\n", worst, Tolerance(dtype()));
-  EXPECT_LE(worst, Tolerance(dtype()));
-  // The device's greedy pick is the CPU's on every row. With a fp32 cache the logits agree
-  // to ~1e-6, far inside any gap between the top two here; a fp16/bf16 cache may flip a
-  // near-tie, so it is only reported.
+  std::printf("logits: worst relative error %.3g (tolerance %.2g)\n", worst, tolerance());
+  EXPECT_LE(worst, tolerance());
+  // The device's greedy pick is the CPU's on every row. With fp32 weights and a fp32 cache
+  // the logits agree to ~1e-6, far inside any gap between the top two here; 16-bit weights
+  // or a fp16/bf16 cache may flip a near-tie, so it is only reported.
   std::printf("greedy tokens that differ: %d\n", greedy_differences_);
-  if (dtype() == DType::kFloat32) {
+  if (dtype() == DType::kFloat32 && weights() == DType::kFloat32) {
     EXPECT_EQ(greedy_differences_, 0);
   }
 
@@ -293,17 +381,112 @@ TEST_P(LlamaCudaForwardTest, LogitsAndKvMatchTheCpuForward) {
   std::printf("K/V: %lld elements, worst relative error %.3g\n",
               static_cast<long long>(compared), kv_worst);
   EXPECT_GT(compared, 0);
-  EXPECT_LE(kv_worst, Tolerance(dtype()));
+  EXPECT_LE(kv_worst, tolerance());
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Caches, LlamaCudaForwardTest,
-    ::testing::Combine(::testing::Values(1, 4, 16),
-                       ::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16)),
-    [](const auto& test_param) {
-      return absl::StrCat("block", std::get<0>(test_param.param), "_",
-                          std::string(DTypeName(std::get<1>(test_param.param))));
-    });
+std::vector<Case> CacheCases() {
+  std::vector<Case> cases;
+  for (const int32_t block_size : {1, 4, 16}) {
+    for (const DType cache : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+      cases.push_back({"llama", DType::kFloat32, block_size, cache});
+    }
+  }
+  return cases;
+}
+
+std::vector<Case> WeightCases() {
+  std::vector<Case> cases;
+  for (const char* architecture : {"llama", "qwen2", "llama-bias"}) {
+    for (const DType weights : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+      cases.push_back({architecture, weights, 16, DType::kFloat32});
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Caches, LlamaCudaForwardTest, ::testing::ValuesIn(CacheCases()), CaseName);
+INSTANTIATE_TEST_SUITE_P(Weights, LlamaCudaForwardTest, ::testing::ValuesIn(WeightCases()),
+                         CaseName);
+
+// The calibration of WeightTolerance, on the CPU (no device needed): the same tiny model
+// with its weights rounded to the 16-bit type in the file (the generator draws the same
+// values, then rounds them to nearest even, as the device upload does) against the fp32
+// file, through the contiguous reference forward of one 48-token sequence. That is the
+// weights' share of the device's error; rounding the activations adds about as much, so it
+// must stay within half of WeightTolerance.
+struct Rounding {
+  const char* architecture;
+  DType weights;
+};
+
+void PrintTo(const Rounding& r, std::ostream* os) {
+  *os << r.architecture << ", " << DTypeName(r.weights);
+}
+
+class WeightRoundingTest : public ::testing::TestWithParam<Rounding> {};
+
+TEST_P(WeightRoundingTest, WeightRoundingAloneStaysWithinHalfTheTolerance) {
+  const auto& [architecture, weights] = GetParam();
+  const LlamaModel& exact = Models::Get().host(architecture);
+  const std::unique_ptr<LlamaModel> rounded = LoadTinyModel(architecture, weights);
+  std::mt19937_64 rng(3000 + static_cast<uint64_t>(weights));
+  std::vector<int32_t> tokens;
+  for (int32_t t = 0; t < 48; ++t) {
+    tokens.push_back(
+        static_cast<int32_t>(rng() % static_cast<uint64_t>(exact.config().vocab_size)));
+  }
+  absl::StatusOr<std::vector<float>> reference = exact.ForwardContiguous(tokens);
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  absl::StatusOr<std::vector<float>> logits = rounded->ForwardContiguous(tokens);
+  ASSERT_TRUE(logits.ok()) << logits.status();
+  const double worst = WorstRowError(*logits, *reference, exact.config().vocab_size);
+  std::printf("%s weights rounded to %s: worst relative error %.3g (half the tolerance %.2g)\n",
+              architecture, std::string(DTypeName(weights)).c_str(), worst,
+              WeightTolerance(weights) / 2);
+  EXPECT_GT(worst, 0) << "the rounded file should differ from the fp32 one";
+  EXPECT_LE(worst, WeightTolerance(weights) / 2);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cpu, WeightRoundingTest,
+                         ::testing::Values(Rounding{"llama", DType::kBFloat16},
+                                           Rounding{"llama", DType::kFloat16},
+                                           Rounding{"qwen2", DType::kBFloat16},
+                                           Rounding{"qwen2", DType::kFloat16},
+                                           Rounding{"llama-bias", DType::kBFloat16}),
+                         [](const auto& test_param) {
+                           return absl::StrCat(absl::StrReplaceAll(test_param.param.architecture, {{"-", "_"}}), "_",
+                                               std::string(DTypeName(test_param.param.weights)));
+                         });
+
+// The tiny qwen2 and llama-bias models are the tiny llama one (same seed, same draws per
+// tensor name) plus their biases: so a device pass that dropped them would be as far from
+// the CPU's logits as these are from the llama model's, far beyond the loosest tolerance
+// (bf16 weights). No device needed.
+TEST(TinyBiasedModelsTest, TheirBiasesMoveTheLogitsFarBeyondTheTolerance) {
+  const std::vector<int32_t> tokens = {1, 72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100};
+  absl::StatusOr<std::vector<float>> llama = Models::Get().host("llama").ForwardContiguous(tokens);
+  ASSERT_TRUE(llama.ok()) << llama.status();
+  for (const char* architecture : {"qwen2", "llama-bias"}) {
+    absl::StatusOr<std::vector<float>> biased =
+        Models::Get().host(architecture).ForwardContiguous(tokens);
+    ASSERT_TRUE(biased.ok()) << biased.status();
+    const double moved =
+        WorstRowError(*biased, *llama, Models::Get().host("llama").config().vocab_size);
+    std::printf("the %s biases move the logits by %.3g relative\n", architecture, moved);
+    EXPECT_GT(moved, 4 * (CacheTolerance(DType::kFloat32) + WeightTolerance(DType::kBFloat16)))
+        << architecture;
+  }
+}
+
+// Checked before any device call: no device needed.
+TEST(LlamaCudaModelOptionsTest, AWeightDtypeOtherThanBf16Fp16OrFp32IsRefused) {
+  LlamaCudaModelOptions options;
+  options.weight_dtype = DType::kFloat8E4M3;
+  const absl::StatusOr<std::unique_ptr<LlamaCudaModel>> made =
+      LlamaCudaModel::Create(Models::Get().host(), 0, options);
+  EXPECT_EQ(made.status().code(), absl::StatusCode::kInvalidArgument) << made.status();
+  EXPECT_THAT(made.status().message(), HasSubstr("must be bf16, fp16 or fp32"));
+}
 
 class LlamaCudaModelTest : public ::testing::Test {
  protected:
