@@ -8,6 +8,7 @@
 
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <array>
@@ -16,6 +17,7 @@
 #include <limits>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
@@ -45,11 +47,68 @@ absl::Status CudaStatus(cudaError_t error, std::string_view what) {
 
 #define KVCM_RETURN_IF_CUDA_ERROR(expr) KVCM_RETURN_IF_ERROR(CudaStatus((expr), #expr))
 
-// The same for cuBLAS: its status name and text.
+// cuBLAS, loaded with dlopen the first time a model needs it, never linked: libcublasLt
+// carries some 94 KB of static TLS, and a library linked at start puts that on every
+// thread's stack, so that civetweb's worker threads (a 100 KB stack, fixed when Debian built
+// it) could no longer start and no process with cuBLAS linked served /metrics
+// (docs/executor.md, "Where the model runs"). A library opened later gets its TLS allocated on
+// demand.
+struct CublasApi {
+  decltype(&cublasCreate_v2) create = nullptr;
+  decltype(&cublasDestroy_v2) destroy = nullptr;
+  decltype(&cublasSetStream_v2) set_stream = nullptr;
+  decltype(&cublasSetWorkspace_v2) set_workspace = nullptr;
+  // The C entry point (the header adds a C++ overload that takes a cudaDataType).
+  cublasStatus_t (*gemm_ex)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int,
+                            const void*, const void*, cudaDataType, int, const void*, cudaDataType,
+                            int, const void*, void*, cudaDataType, int, cublasComputeType_t,
+                            cublasGemmAlgo_t) = nullptr;
+  decltype(&cublasGetStatusName) status_name = nullptr;
+  decltype(&cublasGetStatusString) status_string = nullptr;
+};
+
+absl::StatusOr<const CublasApi*> LoadCublas() {
+  static const absl::StatusOr<CublasApi>* const loaded = [] {
+    const std::string name = absl::StrCat("libcublas.so.", CUBLAS_VER_MAJOR);
+    void* library = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (library == nullptr) {
+      const char* error = dlerror();
+      return new absl::StatusOr<CublasApi>(
+          absl::FailedPreconditionError(absl::StrCat("cannot load cuBLAS (", name,
+                                                     ", which the bf16 and fp16 weights need; "
+                                                     "--cuda-weight-dtype fp32 does without): ",
+                                                     error != nullptr ? error : "dlopen failed")));
+    }
+    CublasApi api;
+    std::string missing;
+    auto bind = [&](auto& function, const char* symbol) {
+      function =
+          reinterpret_cast<std::remove_reference_t<decltype(function)>>(dlsym(library, symbol));
+      if (function == nullptr) absl::StrAppend(&missing, missing.empty() ? "" : ", ", symbol);
+    };
+    bind(api.create, "cublasCreate_v2");
+    bind(api.destroy, "cublasDestroy_v2");
+    bind(api.set_stream, "cublasSetStream_v2");
+    bind(api.set_workspace, "cublasSetWorkspace_v2");
+    bind(api.gemm_ex, "cublasGemmEx");
+    bind(api.status_name, "cublasGetStatusName");
+    bind(api.status_string, "cublasGetStatusString");
+    if (!missing.empty()) {
+      return new absl::StatusOr<CublasApi>(
+          absl::FailedPreconditionError(absl::StrCat(name, " lacks ", missing)));
+    }
+    return new absl::StatusOr<CublasApi>(api);
+  }();
+  if (!loaded->ok()) return loaded->status();
+  return &**loaded;
+}
+
+// The same for cuBLAS: its status name and text (cuBLAS is loaded when a status exists).
 absl::Status CublasStatus(cublasStatus_t status, std::string_view what) {
   if (status == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
-  std::string text = absl::StrCat(std::string(what), ": ", cublasGetStatusName(status), " (",
-                                  cublasGetStatusString(status), ")");
+  const CublasApi& api = **LoadCublas();
+  std::string text = absl::StrCat(std::string(what), ": ", api.status_name(status), " (",
+                                  api.status_string(status), ")");
   if (status == CUBLAS_STATUS_ALLOC_FAILED) return absl::ResourceExhaustedError(std::move(text));
   return absl::InternalError(std::move(text));
 }
@@ -155,7 +214,7 @@ class LlamaCudaModel::Impl {
   ~Impl() {
     cudaSetDevice(device_);
     if (stream_ != nullptr) cudaStreamSynchronize(stream_);
-    if (cublas_ != nullptr) cublasDestroy(cublas_);
+    if (cublas_ != nullptr) cublas_api_->destroy(cublas_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
     // Fails harmlessly (cudaErrorCudartUnloading) when destroyed during process exit.
     if (cublas_workspace_ != nullptr) cudaFree(cublas_workspace_);
@@ -163,8 +222,8 @@ class LlamaCudaModel::Impl {
   }
 
   absl::Status Upload();
-  absl::Status Forward(const ForwardBatch& batch, const PagedPool& pool,
-                       std::vector<float>* logits, LogitsScope scope);
+  absl::Status Forward(const ForwardBatch& batch, const PagedPool& pool, std::vector<float>* logits,
+                       LogitsScope scope);
   absl::Status CopyBlocks(const PagedPool& pool, std::span<const kernels::BlockCopy> copies);
 
   int32_t device() const { return device_; }
@@ -186,6 +245,7 @@ class LlamaCudaModel::Impl {
   std::mutex mu_;  // one call at a time on the stream (and on cublas_, bound to it)
   cudaStream_t stream_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
+  const CublasApi* cublas_api_ = nullptr;  // loaded with cublas_
   void* cublas_workspace_ = nullptr;
   uint8_t* weights_ = nullptr;
   uint64_t weight_bytes_ = 0;
@@ -288,11 +348,12 @@ absl::Status LlamaCudaModel::Impl::Upload() {
   if (uses_cublas) {
     // One handle for this object, bound to its stream, with its own workspace: every product
     // is enqueued on stream_ under mu_, and nothing else uses the handle.
-    KVCM_RETURN_IF_CUBLAS_ERROR(cublasCreate(&cublas_));
-    KVCM_RETURN_IF_CUBLAS_ERROR(cublasSetStream(cublas_, stream_));
+    KVCM_ASSIGN_OR_RETURN(cublas_api_, LoadCublas());
+    KVCM_RETURN_IF_CUBLAS_ERROR(cublas_api_->create(&cublas_));
+    KVCM_RETURN_IF_CUBLAS_ERROR(cublas_api_->set_stream(cublas_, stream_));
     KVCM_RETURN_IF_CUDA_ERROR(cudaMalloc(&cublas_workspace_, kCublasWorkspaceBytes));
     KVCM_RETURN_IF_CUBLAS_ERROR(
-        cublasSetWorkspace(cublas_, cublas_workspace_, kCublasWorkspaceBytes));
+        cublas_api_->set_workspace(cublas_, cublas_workspace_, kCublasWorkspaceBytes));
   }
 
   auto at = [&](uint64_t offset) -> const float* {
@@ -350,19 +411,20 @@ absl::Status LlamaCudaModel::Impl::MatMul(const Activation& x, const void* w, in
   const int k = static_cast<int>(x.in);
   const float alpha = 1.0f;
   const float beta = 0.0f;
-  return CublasStatus(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, w, type,
-                                   /*lda=*/k, x.narrowed, type, /*ldb=*/k, &beta, y, CUDA_R_32F,
-                                   /*ldc=*/m, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-                      "cublasGemmEx");
+  return CublasStatus(
+      cublas_api_->gemm_ex(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, w, type,
+                           /*lda=*/k, x.narrowed, type, /*ldb=*/k, &beta, y, CUDA_R_32F,
+                           /*ldc=*/m, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+      "cublasGemmEx");
 }
 
 absl::Status LlamaCudaModel::Impl::CheckDevicePool(const PagedPool& pool) const {
   if (pool.cuda_device != device_) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the KV pool is ",
-        pool.cuda_device < 0 ? std::string("in host memory")
-                             : absl::StrCat("on CUDA device ", pool.cuda_device),
-        " but this model runs on CUDA device ", device_));
+    return absl::FailedPreconditionError(
+        absl::StrCat("the KV pool is ",
+                     pool.cuda_device < 0 ? std::string("in host memory")
+                                          : absl::StrCat("on CUDA device ", pool.cuda_device),
+                     " but this model runs on CUDA device ", device_));
   }
   return model_.CheckPool(pool);
 }
@@ -415,8 +477,7 @@ absl::Status LlamaCudaModel::Impl::Forward(const ForwardBatch& batch, const Page
 
   std::vector<uint8_t> staging(integer_bytes, 0);
   auto stage = [&](uint64_t offset, const auto& values) {
-    std::memcpy(staging.data() + offset, values.data(),
-                values.size() * sizeof(*values.data()));
+    std::memcpy(staging.data() + offset, values.data(), values.size() * sizeof(*values.data()));
   };
   stage(o_tokens, batch.token_ids);
   stage(o_positions, plan.positions);
@@ -431,8 +492,8 @@ absl::Status LlamaCudaModel::Impl::Forward(const ForwardBatch& batch, const Page
   void* const s = stream_;
   StreamBuffer scratch(stream_);
   KVCM_RETURN_IF_ERROR(scratch.Allocate(carver.total()));
-  KVCM_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(scratch.At<uint8_t>(0), staging.data(),
-                                            integer_bytes, cudaMemcpyHostToDevice, stream_));
+  KVCM_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(scratch.At<uint8_t>(0), staging.data(), integer_bytes,
+                                            cudaMemcpyHostToDevice, stream_));
   float* const x = scratch.At<float>(o_x);
   float* const normed = scratch.At<float>(o_normed);
   float* const q = scratch.At<float>(o_q);
@@ -472,8 +533,7 @@ absl::Status LlamaCudaModel::Impl::Forward(const ForwardBatch& batch, const Page
     // The pool.
     KVCM_ASSIGN_OR_RETURN(const kernels::PagedKvView view,
                           kernels::LayerView(pool.base, pool.layout, pool.spec, l));
-    kernels::cuda::WriteKv(view, k, v, scratch.At<int64_t>(o_slots), static_cast<int32_t>(rows),
-                           s);
+    kernels::cuda::WriteKv(view, k, v, scratch.At<int64_t>(o_slots), static_cast<int32_t>(rows), s);
     kernels::cuda::PagedAttention(view, attention, q, attn, s);
     // Output projection and MLP (LlamaModel::AttentionOutputAndMlp).
     KVCM_RETURN_IF_ERROR(MatMul(Prepare(attn, rows, q_width, narrowed), layer.o_proj, h, proj));
@@ -497,8 +557,8 @@ absl::Status LlamaCudaModel::Impl::Forward(const ForwardBatch& batch, const Page
       MatMul(Prepare(picked_normed, num_logits, h, narrowed), head_, vocab, device_logits));
   logits->assign(static_cast<size_t>(num_logits * vocab), 0.0f);
   KVCM_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(logits->data(), device_logits,
-                                            logits->size() * sizeof(float),
-                                            cudaMemcpyDeviceToHost, stream_));
+                                            logits->size() * sizeof(float), cudaMemcpyDeviceToHost,
+                                            stream_));
   KVCM_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
   return absl::OkStatus();
 }
@@ -511,9 +571,8 @@ absl::Status LlamaCudaModel::Impl::CopyBlocks(const PagedPool& pool,
   for (size_t i = 0; i < copies.size(); ++i) {
     for (const int32_t block : {copies[i].src, copies[i].dst}) {
       if (block < 0 || block >= pool.layout.num_blocks) {
-        return absl::InvalidArgumentError(absl::StrCat("copies[", i, "]: block ", block,
-                                                       " is outside [0, ",
-                                                       pool.layout.num_blocks, ")"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "copies[", i, "]: block ", block, " is outside [0, ", pool.layout.num_blocks, ")"));
       }
     }
     if (!destinations.insert(copies[i].dst).second) {
@@ -523,8 +582,8 @@ absl::Status LlamaCudaModel::Impl::CopyBlocks(const PagedPool& pool,
   }
   for (size_t i = 0; i < copies.size(); ++i) {
     if (destinations.contains(copies[i].src)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "copies[", i, "]: block ", copies[i].src, " is both a source and a destination"));
+      return absl::InvalidArgumentError(absl::StrCat("copies[", i, "]: block ", copies[i].src,
+                                                     " is both a source and a destination"));
     }
   }
   std::lock_guard<std::mutex> lock(mu_);
