@@ -85,6 +85,7 @@
 #include "absl/time/clock.h"
 #include "bench/ratio_reporter.h"
 #include "common/base/check.h"
+#include "common/base/status_macros.h"
 #include "common/block/block_ledger.h"
 #include "common/wire/envelope.h"
 #include "common/wire/step_codec.h"
@@ -836,9 +837,18 @@ class FakeWatcher : public ProcessWatcher {
   void Unwatch(uint64_t) override {}
 };
 
-// The step stream handed to an in-process CacheManagerService built like the server's;
-// with `loop`, also the server loop's per-request work around Handle().
-void ServiceHandle(benchmark::State& state, bool loop) {
+// A CacheManagerService built like the server's (a fp16 shm pool of kNumBlocks), with the
+// metrics and the process watcher it points to; `hash_algorithm` is the metrics' label.
+constexpr uint64_t kBenchEpoch = 42;
+
+struct BenchService {
+  explicit BenchService(const CacheManagerMetrics::CacheInfo& info) : metrics(info) {}
+  CacheManagerMetrics metrics;
+  FakeWatcher watcher;
+  std::unique_ptr<CacheManagerService> service;
+};
+
+absl::StatusOr<std::unique_ptr<BenchService>> MakeBenchService(std::string hash_algorithm) {
   KvCacheSpec spec;
   spec.num_layers = kLayers;
   spec.num_kv_heads = kKvHeads;
@@ -852,21 +862,29 @@ void ServiceHandle(benchmark::State& state, bool loop) {
   info.pool_bytes = static_cast<uint64_t>(info.block_bytes) * kNumBlocks;
   info.dtype = "fp16";
   info.backend = "shm";
-  info.hash_algorithm = "sha256";
-  CacheManagerMetrics metrics(info);
+  info.hash_algorithm = std::move(hash_algorithm);
+  auto bench = std::make_unique<BenchService>(info);
   CacheManagerService::Options options;
   options.spec = spec;
   options.ledger.num_blocks = kNumBlocks;
-  options.epoch = 42;
+  options.epoch = kBenchEpoch;
   options.heartbeat_interval = absl::Seconds(1);
   options.heartbeat_timeout = absl::Seconds(600);
-  FakeWatcher watcher;
-  auto created = CacheManagerService::Create(options, &watcher, &metrics, absl::Now());
-  if (!created.ok()) {
-    state.SkipWithError(std::string(created.status().message()).c_str());
+  KVCM_ASSIGN_OR_RETURN(bench->service, CacheManagerService::Create(options, &bench->watcher,
+                                                                     &bench->metrics, absl::Now()));
+  return bench;
+}
+
+// The step stream handed to an in-process CacheManagerService built like the server's;
+// with `loop`, also the server loop's per-request work around Handle().
+void ServiceHandle(benchmark::State& state, bool loop) {
+  absl::StatusOr<std::unique_ptr<BenchService>> bench = MakeBenchService("sha256");
+  if (!bench.ok()) {
+    state.SkipWithError(std::string(bench.status().message()).c_str());
     return;
   }
-  CacheManagerService& service = **created;
+  CacheManagerService& service = *(*bench)->service;
+  CacheManagerMetrics& metrics = (*bench)->metrics;
   // What libzmq reports for an ipc:// peer: ":uid:gid:pid".
   const std::string peer_address =
       ":" + std::to_string(::getuid()) + ":" + std::to_string(::getgid()) + ":" +
@@ -888,7 +906,7 @@ void ServiceHandle(benchmark::State& state, bool loop) {
       return;
     }
     StepEncoder encoder;
-    encoder.set_session(hello_reply->session_id(), options.epoch);
+    encoder.set_session(hello_reply->session_id(), kBenchEpoch);
     encoder.Prime(request);
     service.Handle(peer, BufferSpan(request), absl::Now(), &reply);
     if (std::string bad = CheckStepReply(BufferSpan(reply), kSeqsPerStep); !bad.empty()) {
@@ -952,34 +970,12 @@ std::string CheckAllOk(std::span<const uint8_t> bytes, size_t ops) {
 // ServiceHandleDecodeStep/N: Handle() on DecodeStepStream(N)'s steps.
 void ServiceHandleDecodeStep(benchmark::State& state) {
   const int n = static_cast<int>(state.range(0));
-  KvCacheSpec spec;
-  spec.num_layers = kLayers;
-  spec.num_kv_heads = kKvHeads;
-  spec.head_dim = kHeadDim;
-  spec.block_size = kBlockSize;
-  spec.dtype = DType::kFloat16;
-  CacheManagerMetrics::CacheInfo info;
-  info.num_blocks = kNumBlocks;
-  info.block_size = kBlockSize;
-  info.block_bytes = spec.BytesPerBlock();
-  info.pool_bytes = static_cast<uint64_t>(info.block_bytes) * kNumBlocks;
-  info.dtype = "fp16";
-  info.backend = "shm";
-  info.hash_algorithm = "xxh3_v2";
-  CacheManagerMetrics metrics(info);
-  CacheManagerService::Options options;
-  options.spec = spec;
-  options.ledger.num_blocks = kNumBlocks;
-  options.epoch = 42;
-  options.heartbeat_interval = absl::Seconds(1);
-  options.heartbeat_timeout = absl::Seconds(600);
-  FakeWatcher watcher;
-  auto created = CacheManagerService::Create(options, &watcher, &metrics, absl::Now());
-  if (!created.ok()) {
-    state.SkipWithError(std::string(created.status().message()).c_str());
+  absl::StatusOr<std::unique_ptr<BenchService>> bench = MakeBenchService("xxh3_v2");
+  if (!bench.ok()) {
+    state.SkipWithError(std::string(bench.status().message()).c_str());
     return;
   }
-  CacheManagerService& service = **created;
+  CacheManagerService& service = *(*bench)->service;
   const std::optional<PeerCredentials> peer = ParseIpcPeerAddress(
       ":" + std::to_string(::getuid()) + ":" + std::to_string(::getgid()) + ":" +
       std::to_string(::getpid()));
@@ -999,7 +995,7 @@ void ServiceHandleDecodeStep(benchmark::State& state) {
   DecodeStepStream stream(n);
   uint64_t request_id = 0;
   request.Clear();
-  KVCM_CHECK(EncodeStep(request, ++request_id, session, options.epoch, stream.Prime()).ok());
+  KVCM_CHECK(EncodeStep(request, ++request_id, session, kBenchEpoch, stream.Prime()).ok());
   service.Handle(peer, BufferSpan(request), absl::Now(), &reply);
   if (std::string bad = CheckAllOk(BufferSpan(reply), static_cast<size_t>(n)); !bad.empty()) {
     state.SkipWithError(bad.c_str());
@@ -1018,7 +1014,7 @@ void ServiceHandleDecodeStep(benchmark::State& state) {
         const std::vector<BlockOp>& step = stream.Next();
         sizes[i] = step.size();
         steps[i].Clear();
-        KVCM_CHECK(EncodeStep(steps[i], ++request_id, session, options.epoch, step).ok());
+        KVCM_CHECK(EncodeStep(steps[i], ++request_id, session, kBenchEpoch, step).ok());
       }
       next = 0;
       state.ResumeTiming();
