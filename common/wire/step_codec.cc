@@ -234,6 +234,15 @@ flatbuffers::Offset<wire::OpResult> EncodeOpOutcome(flatbuffers::FlatBufferBuild
   return result.Finish();
 }
 
+flatbuffers::Offset<wire::OpResult> OpResultWriter::Add(const OpOutcome& outcome) {
+  const bool empty_ok = outcome.status.ok() && outcome.blocks.empty() &&
+                        outcome.copies.empty() && outcome.num_cached_tokens == 0 &&
+                        outcome.blocks_needed == 0;
+  if (!empty_ok) return EncodeOpOutcome(builder_, outcome);
+  if (empty_ok_.IsNull()) empty_ok_ = EncodeOpOutcome(builder_, outcome);
+  return empty_ok_;
+}
+
 absl::StatusOr<std::vector<OpOutcome>> DecodeStepReply(const wire::StepReply& reply,
                                                        size_t expected_ops) {
   const auto* results = reply.results();

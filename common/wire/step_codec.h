@@ -92,6 +92,22 @@ absl::Status DecodeStep(const wire::Step& step, const StepLimits& limits,
 flatbuffers::Offset<wire::OpResult> EncodeOpOutcome(flatbuffers::FlatBufferBuilder& builder,
                                                     const OpOutcome& outcome);
 
+// The OpResults of one StepReply, as EncodeOpOutcome writes them, except that every result
+// that is OK and carries nothing (most of a decode step: a Commit, an Append that fits its
+// last block) is one table shared by all of them: a vector of tables may hold an offset more
+// than once, and a reader sees equal results. Building a table was most of the cost of a
+// reply (docs/PERFORMANCE.md, "The router's step shape").
+class OpResultWriter {
+ public:
+  // For one reply in `builder`; a new reply needs a new writer.
+  explicit OpResultWriter(flatbuffers::FlatBufferBuilder& builder) : builder_(builder) {}
+  flatbuffers::Offset<wire::OpResult> Add(const OpOutcome& outcome);
+
+ private:
+  flatbuffers::FlatBufferBuilder& builder_;
+  flatbuffers::Offset<wire::OpResult> empty_ok_;  // 0 until the first such result
+};
+
 // The outcomes of a verified StepReply; INTERNAL ("protocol error") when it holds another
 // number of results than `expected_ops`.
 absl::StatusOr<std::vector<OpOutcome>> DecodeStepReply(const wire::StepReply& reply,

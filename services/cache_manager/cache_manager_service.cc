@@ -742,33 +742,47 @@ void CacheManagerService::HandleBlockMap(const wire::Envelope& envelope,
 
 std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
     std::span<const BlockOp> ops, const Session& session) {
+  // Each check is a test that passes inline; only a failing one builds its Rejection (out
+  // of line, in the lambdas below). A decode step is a Commit and an Append per running
+  // sequence, and an optional<Rejection> returned per check was most of this function.
   const int64_t max_tokens = int64_t{ledger_.num_blocks()} * ledger_.block_size();
   // Live sequences of the session after the ops so far.
   auto live_seqs = static_cast<int64_t>(session.seqs.size());
-  auto check_room = [&](size_t i, wire::StepOp type) -> std::optional<Rejection> {
-    if (++live_seqs <= options_.max_sequences_per_session) return std::nullopt;
+  auto no_room = [&](size_t i, wire::StepOp type) {
     return Rejection{RejectReason::kLimitExceeded, wire::ErrorCode::ResourceExhausted,
                      absl::StrCat("op ", i, " (", BlockOpName(type), "): the session would ",
                                   "hold more than ", options_.max_sequences_per_session,
                                   " live sequences, its limit")};
   };
-  step_seqs_.clear();
-  step_written_.clear();
-  step_drained_.clear();
+  // Only the steps that allocate, fork or free put anything in these: a decode step leaves
+  // them empty, and its lookups below skip them.
+  if (!step_seqs_.empty()) step_seqs_.clear();
+  if (!step_written_.empty()) step_written_.clear();
+  if (!step_drained_.empty()) step_drained_.clear();
   // Tokens of `seq` whose KV can be written by now: those it had before this step (the
   // executors write only after the step's reply), which is all a Commit may cover.
   auto writable = [&](SeqId seq) -> int32_t {
-    if (auto it = step_written_.find(seq); it != step_written_.end()) return it->second;
+    if (!step_written_.empty()) {
+      if (auto it = step_written_.find(seq); it != step_written_.end()) return it->second;
+    }
     absl::StatusOr<int32_t> tokens = ledger_.NumTokens(seq);
     return tokens.ok() ? *tokens : 0;
   };
-  // Whether `seq` is live for this session after the ops validated so far; a rejection
-  // if another session owns it or nobody does.
-  auto check_owned = [&](size_t i, wire::StepOp type, SeqId seq) -> std::optional<Rejection> {
-    if (auto it = step_seqs_.find(seq); it != step_seqs_.end()) {
-      if (it->second) return std::nullopt;
-    } else if (auto owner = seq_owner_.find(seq); owner != seq_owner_.end()) {
-      if (owner->second == session.id) return std::nullopt;
+  // Who holds `seq` after the ops validated so far.
+  enum class Holder { kThisSession, kOtherSession, kNobody };
+  auto holder = [&](SeqId seq) {
+    if (!step_seqs_.empty()) {
+      if (auto it = step_seqs_.find(seq); it != step_seqs_.end()) {
+        return it->second ? Holder::kThisSession : Holder::kNobody;
+      }
+    }
+    auto owner = seq_owner_.find(seq);
+    if (owner == seq_owner_.end()) return Holder::kNobody;
+    return owner->second == session.id ? Holder::kThisSession : Holder::kOtherSession;
+  };
+  // The rejection of an op on `seq`, which `held` by someone other than this session.
+  auto not_owned = [&](size_t i, wire::StepOp type, SeqId seq, Holder held) {
+    if (held == Holder::kOtherSession) {
       return Rejection{RejectReason::kWrongOwner, wire::ErrorCode::PermissionDenied,
                        absl::StrCat("op ", i, " (", BlockOpName(type), "): sequence ", seq,
                                     " belongs to another session")};
@@ -800,57 +814,68 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
     return Rejection{RejectReason::kInvalidArgument, wire::ErrorCode::InvalidArgument,
                      absl::StrCat("op ", i, " (", BlockOpName(type), "): ", what)};
   };
-  auto check_tokens = [&](size_t i, wire::StepOp type, int32_t tokens,
-                          const char* field) -> std::optional<Rejection> {
-    if (tokens >= 0 && tokens <= max_tokens) return std::nullopt;
+  auto tokens_ok = [max_tokens](int32_t tokens) { return tokens >= 0 && tokens <= max_tokens; };
+  auto bad_tokens = [&](size_t i, wire::StepOp type, int32_t tokens, const char* field) {
     return invalid(i, type, absl::StrCat(field, " = ", tokens, " is outside [0, ", max_tokens,
                                          "] (the pool's capacity in tokens)"));
   };
   // At most one hash per full block of `tokens`.
-  auto check_hashes = [&](size_t i, const BlockOp& op,
-                          const char* what) -> std::optional<Rejection> {
-    const auto h = static_cast<int64_t>(op.hashes.size());
-    if (h <= op.num_tokens / ledger_.block_size()) return std::nullopt;
-    return invalid(i, op.kind, absl::StrCat(h, what, op.num_tokens, " tokens (at most one per "
-                                            "full block)"));
+  auto hashes_ok = [&](const BlockOp& op) {
+    return static_cast<int64_t>(op.hashes.size()) <= op.num_tokens / ledger_.block_size();
+  };
+  auto bad_hashes = [&](size_t i, const BlockOp& op, const char* what) {
+    return invalid(i, op.kind, absl::StrCat(op.hashes.size(), what, op.num_tokens,
+                                            " tokens (at most one per full block)"));
   };
 
   for (size_t i = 0; i < ops.size(); ++i) {
     const BlockOp& op = ops[i];
     const wire::StepOp type = op.kind;
-    std::optional<Rejection> bad;
     switch (type) {
-      case wire::StepOp::AllocateOp:
-        if ((bad = check_tokens(i, type, op.num_tokens, "num_tokens"))) return bad;
-        if ((bad = check_hashes(i, op, " block hashes for "))) return bad;
-        if ((bad = check_new(i, type, op.seq))) return bad;
-        if ((bad = check_room(i, type))) return bad;
+      case wire::StepOp::AllocateOp: {
+        if (!tokens_ok(op.num_tokens)) return bad_tokens(i, type, op.num_tokens, "num_tokens");
+        if (!hashes_ok(op)) return bad_hashes(i, op, " block hashes for ");
+        if (auto bad = check_new(i, type, op.seq)) return bad;
+        if (++live_seqs > options_.max_sequences_per_session) return no_room(i, type);
         step_seqs_[op.seq] = true;
         step_written_[op.seq] = 0;
         break;
-      case wire::StepOp::AppendOp:
-        if ((bad = check_tokens(i, type, op.num_tokens, "num_tokens"))) return bad;
-        if ((bad = check_owned(i, type, op.seq))) return bad;
+      }
+      case wire::StepOp::AppendOp: {
+        if (!tokens_ok(op.num_tokens)) return bad_tokens(i, type, op.num_tokens, "num_tokens");
+        if (const Holder held = holder(op.seq); held != Holder::kThisSession) {
+          return not_owned(i, type, op.seq, held);
+        }
         break;
-      case wire::StepOp::ForkOp:
-        if ((bad = check_owned(i, type, op.seq))) return bad;
-        if ((bad = check_new(i, type, op.child))) return bad;
-        if ((bad = check_room(i, type))) return bad;
+      }
+      case wire::StepOp::ForkOp: {
+        if (const Holder held = holder(op.seq); held != Holder::kThisSession) {
+          return not_owned(i, type, op.seq, held);
+        }
+        if (auto bad = check_new(i, type, op.child)) return bad;
+        if (++live_seqs > options_.max_sequences_per_session) return no_room(i, type);
         step_seqs_[op.child] = true;
         step_written_[op.child] = writable(op.seq);
         break;
+      }
       case wire::StepOp::CommitOp: {
-        if ((bad = check_tokens(i, type, op.num_tokens, "num_committed_tokens"))) return bad;
-        if ((bad = check_hashes(i, op, " new block hashes for committing "))) return bad;
-        if ((bad = check_owned(i, type, op.seq))) return bad;
-        if (const auto block_size = static_cast<size_t>(ledger_.block_size());
-            op.tokens.size() % block_size != 0 ||
-            op.tokens.size() / block_size >
-                static_cast<size_t>(std::max(op.num_tokens, 0)) / block_size) {
-          return invalid(i, type, absl::StrCat(
-              "carries ", op.tokens.size(), " token ids for a commit of ", op.num_tokens,
-              " tokens: give whole blocks of ", block_size, " tokens, the last full blocks ",
-              "committed, or none"));
+        if (!tokens_ok(op.num_tokens)) {
+          return bad_tokens(i, type, op.num_tokens, "num_committed_tokens");
+        }
+        if (!hashes_ok(op)) return bad_hashes(i, op, " new block hashes for committing ");
+        if (const Holder held = holder(op.seq); held != Holder::kThisSession) {
+          return not_owned(i, type, op.seq, held);
+        }
+        if (!op.tokens.empty()) {
+          if (const auto block_size = static_cast<size_t>(ledger_.block_size());
+              op.tokens.size() % block_size != 0 ||
+              op.tokens.size() / block_size >
+                  static_cast<size_t>(std::max(op.num_tokens, 0)) / block_size) {
+            return invalid(i, type, absl::StrCat(
+                "carries ", op.tokens.size(), " token ids for a commit of ", op.num_tokens,
+                " tokens: give whole blocks of ", block_size, " tokens, the last full blocks ",
+                "committed, or none"));
+          }
         }
         if (const int32_t before = writable(op.seq); op.num_tokens > before) {
           return invalid(i, type, absl::StrCat(
@@ -861,10 +886,10 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
         break;
       }
       case wire::StepOp::CanAllocateOp:
-        if ((bad = check_tokens(i, type, op.num_tokens, "num_tokens"))) return bad;
-        if ((bad = check_hashes(i, op, " block hashes for "))) return bad;
+        if (!tokens_ok(op.num_tokens)) return bad_tokens(i, type, op.num_tokens, "num_tokens");
+        if (!hashes_ok(op)) return bad_hashes(i, op, " block hashes for ");
         break;
-      case wire::StepOp::FreeOp:
+      case wire::StepOp::FreeOp: {
         if (op.seq >= kFirstDrainingSeq) {
           return invalid(i, type, absl::StrCat("sequence id ", op.seq,
                                                " is reserved (ids from 2^63 up are the "
@@ -872,12 +897,13 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
         }
         // A sequence nobody holds (freed already: a retried free) fails alone, as NOT_FOUND
         // in its result; another session's is refused with the whole step.
-        bad = check_owned(i, type, op.seq);
-        if (bad && bad->reason != RejectReason::kUnknownSequence) return bad;
-        if (!bad) --live_seqs;
+        const Holder held = holder(op.seq);
+        if (held == Holder::kOtherSession) return not_owned(i, type, op.seq, held);
+        if (held == Holder::kThisSession) --live_seqs;
         step_seqs_[op.seq] = false;
         if (op.drain) step_drained_.insert(op.seq);
         break;
+      }
       default:  // DecodeStep let only the union's types through
         KVCM_CHECK(false) << "decoded step op of unknown type";
     }
@@ -945,6 +971,7 @@ void CacheManagerService::HandleStep(const wire::Envelope& envelope,
   }
   std::vector<flatbuffers::Offset<wire::OpResult>> results;
   results.reserve(step_ops_.size());
+  OpResultWriter result_writer(*reply);
   for (const BlockOp& op : step_ops_) {
     OpOutcome& outcome = outcome_;
     outcome.status = absl::OkStatus();
@@ -1029,7 +1056,7 @@ void CacheManagerService::HandleStep(const wire::Envelope& envelope,
       default:
         KVCM_CHECK(false) << "op type passed validation but is unknown";
     }
-    results.push_back(EncodeOpOutcome(*reply, outcome));
+    results.push_back(result_writer.Add(outcome));
   }
   auto vector = reply->CreateVector(results);
   auto payload = wire::CreateStepReply(*reply, vector, ledger_.AvailableBlocks());

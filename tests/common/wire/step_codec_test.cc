@@ -3,6 +3,7 @@
 
 #include "common/wire/step_codec.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -130,6 +131,51 @@ TEST(StepCodecTest, OutcomesRoundTripAndTheirCountIsChecked) {
   absl::StatusOr<std::vector<OpOutcome>> short_count = DecodeStepReply(wire_reply, 5);
   EXPECT_TRUE(absl::IsInternal(short_count.status())) << short_count.status();
   EXPECT_THAT(short_count.status().message(), HasSubstr("4 results for 5 ops"));
+}
+
+
+// OpResultWriter: the empty OK results of a reply share one table (the reply is smaller than
+// with a table each), every other result is its own, and all decode as they were given.
+TEST(StepCodecTest, EmptyOkResultsShareOneTableAndDecodeTheSame) {
+  std::vector<OpOutcome> outcomes(64);  // empty OK, but for:
+  outcomes[5].blocks = {11};
+  outcomes[17].status = absl::NotFoundError("sequence 3 is not live");
+  outcomes[40].num_cached_tokens = 32;
+  outcomes[63].copies = {CopyOrder{2, 6}};
+  auto encode = [&outcomes](flatbuffers::FlatBufferBuilder& builder, bool shared) {
+    std::vector<flatbuffers::Offset<wire::OpResult>> results;
+    OpResultWriter writer(builder);
+    for (const OpOutcome& outcome : outcomes) {
+      results.push_back(shared ? writer.Add(outcome) : EncodeOpOutcome(builder, outcome));
+    }
+    const auto reply = wire::CreateStepReply(builder, builder.CreateVector(results));
+    FinishEnvelope(builder, 2, 1, 1, wire::Message::StepReply, reply.Union());
+    return results;
+  };
+  flatbuffers::FlatBufferBuilder each, shared;
+  const std::vector<flatbuffers::Offset<wire::OpResult>> each_offsets = encode(each, false);
+  const std::vector<flatbuffers::Offset<wire::OpResult>> shared_offsets = encode(shared, true);
+  auto distinct = [](const std::vector<flatbuffers::Offset<wire::OpResult>>& offsets) {
+    std::vector<uint32_t> o;
+    for (const auto& offset : offsets) o.push_back(offset.o);
+    std::sort(o.begin(), o.end());
+    return std::unique(o.begin(), o.end()) - o.begin();
+  };
+  EXPECT_EQ(distinct(each_offsets), 64);
+  EXPECT_EQ(distinct(shared_offsets), 5);  // the four that carry something, and the shared one
+  EXPECT_LT(shared.GetSize(), each.GetSize());
+
+  absl::StatusOr<std::vector<OpOutcome>> decoded =
+      DecodeStepReply(*Verified(shared).payload_as_StepReply(), outcomes.size());
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  for (size_t i = 0; i < outcomes.size(); ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_EQ((*decoded)[i].status, outcomes[i].status);
+    EXPECT_EQ((*decoded)[i].blocks, outcomes[i].blocks);
+    EXPECT_EQ((*decoded)[i].copies, outcomes[i].copies);
+    EXPECT_EQ((*decoded)[i].num_cached_tokens, outcomes[i].num_cached_tokens);
+    EXPECT_EQ((*decoded)[i].blocks_needed, outcomes[i].blocks_needed);
+  }
 }
 
 }  // namespace
