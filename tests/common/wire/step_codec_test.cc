@@ -102,6 +102,20 @@ TEST(StepCodecTest, LimitsOnOpsAndHashesAreResourceExhausted) {
   EXPECT_THAT(status.message(), HasSubstr("more than 4 block hashes"));
 }
 
+// Every field of each decoded outcome equals the one encoded.
+void ExpectSameOutcomes(const std::vector<OpOutcome>& decoded,
+                        const std::vector<OpOutcome>& outcomes) {
+  ASSERT_EQ(decoded.size(), outcomes.size());
+  for (size_t i = 0; i < outcomes.size(); ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_EQ(decoded[i].status, outcomes[i].status);
+    EXPECT_EQ(decoded[i].blocks, outcomes[i].blocks);
+    EXPECT_EQ(decoded[i].copies, outcomes[i].copies);
+    EXPECT_EQ(decoded[i].num_cached_tokens, outcomes[i].num_cached_tokens);
+    EXPECT_EQ(decoded[i].blocks_needed, outcomes[i].blocks_needed);
+  }
+}
+
 TEST(StepCodecTest, OutcomesRoundTripAndTheirCountIsChecked) {
   std::vector<OpOutcome> outcomes(4);
   outcomes[0].blocks = {3, 4, 5};
@@ -120,14 +134,7 @@ TEST(StepCodecTest, OutcomesRoundTripAndTheirCountIsChecked) {
 
   absl::StatusOr<std::vector<OpOutcome>> decoded = DecodeStepReply(wire_reply, 4);
   ASSERT_TRUE(decoded.ok()) << decoded.status();
-  for (size_t i = 0; i < outcomes.size(); ++i) {
-    SCOPED_TRACE(i);
-    EXPECT_EQ((*decoded)[i].status, outcomes[i].status);
-    EXPECT_EQ((*decoded)[i].blocks, outcomes[i].blocks);
-    EXPECT_EQ((*decoded)[i].copies, outcomes[i].copies);
-    EXPECT_EQ((*decoded)[i].num_cached_tokens, outcomes[i].num_cached_tokens);
-    EXPECT_EQ((*decoded)[i].blocks_needed, outcomes[i].blocks_needed);
-  }
+  ExpectSameOutcomes(*decoded, outcomes);
   absl::StatusOr<std::vector<OpOutcome>> short_count = DecodeStepReply(wire_reply, 5);
   EXPECT_TRUE(absl::IsInternal(short_count.status())) << short_count.status();
   EXPECT_THAT(short_count.status().message(), HasSubstr("4 results for 5 ops"));
@@ -168,14 +175,7 @@ TEST(StepCodecTest, EmptyOkResultsShareOneTableAndDecodeTheSame) {
   absl::StatusOr<std::vector<OpOutcome>> decoded =
       DecodeStepReply(*Verified(shared).payload_as_StepReply(), outcomes.size());
   ASSERT_TRUE(decoded.ok()) << decoded.status();
-  for (size_t i = 0; i < outcomes.size(); ++i) {
-    SCOPED_TRACE(i);
-    EXPECT_EQ((*decoded)[i].status, outcomes[i].status);
-    EXPECT_EQ((*decoded)[i].blocks, outcomes[i].blocks);
-    EXPECT_EQ((*decoded)[i].copies, outcomes[i].copies);
-    EXPECT_EQ((*decoded)[i].num_cached_tokens, outcomes[i].num_cached_tokens);
-    EXPECT_EQ((*decoded)[i].blocks_needed, outcomes[i].blocks_needed);
-  }
+  ExpectSameOutcomes(*decoded, outcomes);
 }
 
 }  // namespace
