@@ -780,7 +780,7 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
     if (owner == seq_owner_.end()) return Holder::kNobody;
     return owner->second == session.id ? Holder::kThisSession : Holder::kOtherSession;
   };
-  // The rejection of an op on `seq`, which `held` by someone other than this session.
+  // The rejection of an op on `seq`, which is `held` by another session or by nobody.
   auto not_owned = [&](size_t i, wire::StepOp type, SeqId seq, Holder held) {
     if (held == Holder::kOtherSession) {
       return Rejection{RejectReason::kWrongOwner, wire::ErrorCode::PermissionDenied,
@@ -832,7 +832,7 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
     const BlockOp& op = ops[i];
     const wire::StepOp type = op.kind;
     switch (type) {
-      case wire::StepOp::AllocateOp: {
+      case wire::StepOp::AllocateOp:
         if (!tokens_ok(op.num_tokens)) return bad_tokens(i, type, op.num_tokens, "num_tokens");
         if (!hashes_ok(op)) return bad_hashes(i, op, " block hashes for ");
         if (auto bad = check_new(i, type, op.seq)) return bad;
@@ -840,15 +840,13 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
         step_seqs_[op.seq] = true;
         step_written_[op.seq] = 0;
         break;
-      }
-      case wire::StepOp::AppendOp: {
+      case wire::StepOp::AppendOp:
         if (!tokens_ok(op.num_tokens)) return bad_tokens(i, type, op.num_tokens, "num_tokens");
         if (const Holder held = holder(op.seq); held != Holder::kThisSession) {
           return not_owned(i, type, op.seq, held);
         }
         break;
-      }
-      case wire::StepOp::ForkOp: {
+      case wire::StepOp::ForkOp:
         if (const Holder held = holder(op.seq); held != Holder::kThisSession) {
           return not_owned(i, type, op.seq, held);
         }
@@ -857,7 +855,6 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
         step_seqs_[op.child] = true;
         step_written_[op.child] = writable(op.seq);
         break;
-      }
       case wire::StepOp::CommitOp: {
         if (!tokens_ok(op.num_tokens)) {
           return bad_tokens(i, type, op.num_tokens, "num_committed_tokens");
@@ -866,16 +863,14 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
         if (const Holder held = holder(op.seq); held != Holder::kThisSession) {
           return not_owned(i, type, op.seq, held);
         }
-        if (!op.tokens.empty()) {
-          if (const auto block_size = static_cast<size_t>(ledger_.block_size());
-              op.tokens.size() % block_size != 0 ||
-              op.tokens.size() / block_size >
-                  static_cast<size_t>(std::max(op.num_tokens, 0)) / block_size) {
-            return invalid(i, type, absl::StrCat(
-                "carries ", op.tokens.size(), " token ids for a commit of ", op.num_tokens,
-                " tokens: give whole blocks of ", block_size, " tokens, the last full blocks ",
-                "committed, or none"));
-          }
+        if (const auto block_size = static_cast<size_t>(ledger_.block_size());
+            op.tokens.size() % block_size != 0 ||
+            op.tokens.size() / block_size >
+                static_cast<size_t>(std::max(op.num_tokens, 0)) / block_size) {
+          return invalid(i, type, absl::StrCat(
+              "carries ", op.tokens.size(), " token ids for a commit of ", op.num_tokens,
+              " tokens: give whole blocks of ", block_size, " tokens, the last full blocks ",
+              "committed, or none"));
         }
         if (const int32_t before = writable(op.seq); op.num_tokens > before) {
           return invalid(i, type, absl::StrCat(
