@@ -147,6 +147,70 @@ inline BlockHash Xxh3Of(const uint8_t* data, size_t len, uint64_t seed) {
   return Xxh3Canonical(XXH3_128bits_withSeed(data, len, seed));
 }
 
+// kXxh3V2's digest as two words: bytes [0, 8) and [8, 16) read little-endian, which is how
+// the next block's message reads its parent (bytes [16, 32) of a kXxh3V2 hash are zero).
+struct Xxh3V2Words {
+  uint64_t lo;
+  uint64_t hi;
+};
+
+inline Xxh3V2Words WordsOf(const BlockHash& hash) {
+  return {Load64(hash.bytes.data()), Load64(hash.bytes.data() + 8)};
+}
+
+inline BlockHash HashOf(Xxh3V2Words words) {
+  BlockHash out;  // bytes [16, 32) zero
+  std::memcpy(out.bytes.data(), &words.lo, 8);
+  std::memcpy(out.bytes.data() + 8, &words.hi, 8);
+  return out;
+}
+
+// Whether Xxh3V2Step serves blocks of kTokens tokens: its message is 16 + 4 × kTokens bytes,
+// which must take XXH3's 17-to-128-byte path with every round but the last past byte 16.
+template <size_t kTokens>
+inline constexpr bool kHasXxh3V2Step = kTokens >= 8 && 16 + 4 * kTokens <= 128;
+
+// kXxh3V2's ChainBlockHash of kTokens tokens without extra keys: XXH3-128, seed 0, of the
+// message parent bytes [0, 16) || tokens, computed the way xxHash's 17-to-128-byte path
+// computes it (XXH3's output is fixed by its specification; tests compare this with
+// XXH3_128bits on the built message) but with the parent in two registers. Every round of
+// that path but the last reads tokens only; the last mixes in bytes [0, 16), the parent.
+// So in a chain the token rounds of the next block run while this block's digest is still
+// being computed, and the chain's latency per block is one 128-bit multiply, the
+// finalisation and two byte swaps instead of the whole hash, built message and digest
+// stores included (docs/PERFORMANCE.md, "Block ledger on an allocation trace").
+template <size_t kTokens>
+[[gnu::always_inline]] inline Xxh3V2Words Xxh3V2Step(Xxh3V2Words parent, const int32_t* tokens) {
+  static_assert(kHasXxh3V2Step<kTokens>);
+  constexpr size_t kLen = 16 + 4 * kTokens;
+  const auto* bytes = reinterpret_cast<const uint8_t*>(tokens);
+  // Message offset (at least 16, past the parent) -> where those bytes are.
+  auto at = [bytes](size_t offset) { return bytes + (offset - 16); };
+  const uint8_t* secret = XXH3_kSecret;
+  XXH128_hash_t acc;
+  acc.low64 = kLen * XXH_PRIME64_1;
+  acc.high64 = 0;
+  if constexpr (kLen > 64) {
+    if constexpr (kLen > 96) acc = XXH128_mix32B(acc, at(48), at(kLen - 64), secret + 96, 0);
+    acc = XXH128_mix32B(acc, at(32), at(kLen - 48), secret + 64, 0);
+  }
+  acc = XXH128_mix32B(acc, at(16), at(kLen - 32), secret + 32, 0);
+  // The last round, XXH128_mix32B(acc, message, message + kLen - 16, secret, 0), with the
+  // message's first 16 bytes being the parent's words.
+  const uint8_t* last = at(kLen - 16);
+  acc.low64 += XXH3_mul128_fold64(parent.lo ^ XXH_readLE64(secret),
+                                  parent.hi ^ XXH_readLE64(secret + 8));
+  acc.low64 ^= XXH_readLE64(last) + XXH_readLE64(last + 8);
+  acc.high64 += XXH3_mix16B(last, secret + 16, 0);
+  acc.high64 ^= parent.lo + parent.hi;
+  // The path's finalisation (seed 0).
+  const uint64_t low = XXH3_avalanche(acc.low64 + acc.high64);
+  const uint64_t high = 0 - XXH3_avalanche(acc.low64 * XXH_PRIME64_1 +
+                                           acc.high64 * XXH_PRIME64_4 + kLen * XXH_PRIME64_2);
+  // The canonical digest is high then low, each big-endian; read back little-endian.
+  return {__builtin_bswap64(high), __builtin_bswap64(low)};
+}
+
 // Which of the two encodings (common/block/block_hash.h) an XXH3 block hash is over.
 enum class Xxh3Message { kV1, kV2 };
 
@@ -156,6 +220,9 @@ enum class Xxh3Message { kV1, kV2 };
 template <Xxh3Message kMessage, size_t kTokens>
 [[gnu::always_inline]] inline BlockHash Xxh3BlockOf(const BlockHash& parent,
                                                    const int32_t* tokens) {
+  if constexpr (kMessage == Xxh3Message::kV2 && kHasXxh3V2Step<kTokens>) {
+    return HashOf(Xxh3V2Step<kTokens>(WordsOf(parent), tokens));
+  }
   constexpr size_t kSize = kMessage == Xxh3Message::kV1 ? 32 + 4 + 4 * kTokens + 4
                                                         : 16 + 4 * kTokens;
   uint8_t message[kSize];
@@ -200,10 +267,31 @@ inline BlockHash Xxh3BlockFast(const BlockHash& parent, const int32_t* tokens, s
 template <Xxh3Message kMessage, size_t kTokens>
 [[gnu::flatten]] void Xxh3ChainOf(const BlockHash& parent, const int32_t* tokens, size_t blocks,
                                   std::vector<BlockHash>* out) {
-  BlockHash prev = parent;
-  for (size_t i = 0; i < blocks; ++i, tokens += kTokens) {
-    prev = Xxh3BlockOf<kMessage, kTokens>(prev, tokens);
-    out->push_back(prev);
+  if constexpr (kMessage == Xxh3Message::kV2 && kHasXxh3V2Step<kTokens>) {
+    // The parent stays in registers from block to block (Xxh3V2Step), and the tokens are
+    // prefetched kPrefetchBytes ahead: a prompt's tokens may come from memory rather than
+    // cache (the trace replay's always do), and the hardware prefetcher alone left the chain
+    // waiting on them at about twice its in-cache time per block (docs/PERFORMANCE.md).
+    constexpr size_t kBlockBytes = 4 * kTokens;
+    constexpr size_t kPrefetchBytes = 1024;
+    const auto* bytes = reinterpret_cast<const char*>(tokens);
+    const size_t total = blocks * kBlockBytes;
+    for (size_t at = 0; at < std::min(total, kPrefetchBytes); at += 64) {
+      __builtin_prefetch(bytes + at);
+    }
+    Xxh3V2Words prev = WordsOf(parent);
+    for (size_t i = 0; i < blocks; ++i, tokens += kTokens) {
+      const size_t ahead = i * kBlockBytes + kPrefetchBytes;
+      if (ahead < total) __builtin_prefetch(bytes + ahead);
+      prev = Xxh3V2Step<kTokens>(prev, tokens);
+      out->push_back(HashOf(prev));
+    }
+  } else {
+    BlockHash prev = parent;
+    for (size_t i = 0; i < blocks; ++i, tokens += kTokens) {
+      prev = Xxh3BlockOf<kMessage, kTokens>(prev, tokens);
+      out->push_back(prev);
+    }
   }
 }
 

@@ -241,7 +241,10 @@ std::vector<uint8_t> Version2Message(const BlockHash& parent, std::span<const in
 }
 
 // The same for kXxh3V2: its fast path against the version-2 message built byte by byte, and
-// a block with extra keys against the version-1 layout of its tail hashed with seed 1.
+// a block with extra keys against the version-1 layout of its tail hashed with seed 1. For
+// blocks of 8 and 16 tokens the fast path is Xxh3V2Step, XXH3's 17-to-128-byte path written
+// out with the parent in registers: the chain of three blocks checks it against xxHash's own
+// XXH3_128bits_withSeed (Xxh3Digest) on random parents and tokens.
 TEST(BlockHashTest, Xxh3V2FastPathEqualsTheVersion2Message) {
   constexpr uint64_t kSeed = 20261203;
   std::printf("seed %llu\n", static_cast<unsigned long long>(kSeed));
