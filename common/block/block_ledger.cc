@@ -503,12 +503,18 @@ inline void BlockLedger::Register(Sequence& s) {
 }
 
 void BlockLedger::RegisterUpTo(Sequence& s, int32_t limit) {
-  constexpr int32_t kAhead = 4;  // index slots fetched ahead of their insertion
+  // The index slots and the blocks' hash entries (written below, 2 MiB of them for 65,536
+  // blocks: a store miss per block otherwise) fetched kAhead blocks ahead of their insertion.
+  constexpr int32_t kAhead = 8;
   for (int32_t i = s.num_registered; i < std::min(limit, s.num_registered + kAhead); ++i) {
     index_.Prefetch(BlockIndex::TagOf(s.hashes[i]));
+    if (s.blocks[i] != kNoBlock) __builtin_prefetch(&hash_[s.blocks[i]], 1);
   }
   for (int32_t i = s.num_registered; i < limit; ++i) {
-    if (i + kAhead < limit) index_.Prefetch(BlockIndex::TagOf(s.hashes[i + kAhead]));
+    if (i + kAhead < limit) {
+      index_.Prefetch(BlockIndex::TagOf(s.hashes[i + kAhead]));
+      if (s.blocks[i + kAhead] != kNoBlock) __builtin_prefetch(&hash_[s.blocks[i + kAhead]], 1);
+    }
     const BlockId b = s.blocks[i];
     if (b == kNoBlock || IsIndexed(b) || IsDuplicate(b)) continue;
     if (const BlockId holder = index_.Insert(s.hashes[i], b, HashOf()); holder != b) {
