@@ -28,7 +28,9 @@
 // and, to separate the ledger's own time, with all hashes computed before the clock starts
 // ("precomputed"). Generated tokens are not in the trace: they are drawn from a fixed
 // function of (request, position), so their blocks hash like real ones and are cached and
-// evicted, but never hit.
+// evicted, but never hit. They are prefetched when their request is allocated (the router has
+// them in cache when it hashes them); prompt tokens are not, since kvcm and the peer both
+// read those from the trace as they come.
 //
 // --peer BINARY runs `BINARY TRACE` once per round, interleaved with kvcm's replays; it must
 // print one JSON line with "ns_per_block_op" and "hit_blocks" (any other keys are ignored).
@@ -202,6 +204,10 @@ ReplayResult Replay(const Trace& t, Growth growth, HashAlgorithm algorithm,
     const int32_t* prompt = t.tokens.data() + r.offset;
     const int32_t* generated = t.generated.data() + r.gen_offset;
     const int32_t prompt_blocks = r.prompt / bs;
+    // The router hashes a filled block from tokens that the executor's StepResult has just
+    // brought into its cache; here they lie in a 55 MB array that no cache holds, so their
+    // lines are fetched now (docs/PERFORMANCE.md: about 2 ns per block op).
+    for (int32_t g = 0; g < r.generated; g += 16) __builtin_prefetch(generated + g);
     std::span<const BlockHash> prompt_hashes;
     const BlockHash* gen_hashes = nullptr;  // precomputed: hashes of blocks filled later
     if (precomputed != nullptr) {
