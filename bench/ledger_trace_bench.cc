@@ -190,6 +190,9 @@ ReplayResult Replay(const Trace& t, Growth growth, HashAlgorithm algorithm,
   std::vector<int32_t> block_tokens(static_cast<size_t>(bs));
   ReplayResult result;
   uint64_t entries = 0;
+  // Kept from call to call, as the cache manager keeps its own (CacheManagerService).
+  AllocateResult allocated;
+  AppendResult appended;
 
   auto free_oldest = [&] {
     KVCM_CHECK(ledger.Free(live.front()).ok());
@@ -220,9 +223,9 @@ ReplayResult Replay(const Trace& t, Growth growth, HashAlgorithm algorithm,
                      &hashes);
       prompt_hashes = hashes;
     }
-    absl::StatusOr<AllocateResult> a = ledger.Allocate(seq, r.prompt, prompt_hashes);
-    KVCM_CHECK(a.ok()) << a.status();
-    result.hit_blocks += static_cast<uint64_t>(a->num_cached_tokens / bs);
+    const absl::Status status = ledger.Allocate(seq, r.prompt, prompt_hashes, &allocated);
+    KVCM_CHECK(status.ok()) << status;
+    result.hit_blocks += static_cast<uint64_t>(allocated.num_cached_tokens / bs);
     KVCM_CHECK(ledger.Commit(seq, r.prompt).ok());
     BlockHash parent = prompt_blocks > 0 ? prompt_hashes.back() : root;
     int32_t n = r.prompt;
@@ -243,7 +246,7 @@ ReplayResult Replay(const Trace& t, Growth growth, HashAlgorithm algorithm,
     };
     if (growth == Growth::kRouter) {
       while (n < end) {
-        KVCM_CHECK(ledger.Append(seq, 1).ok());
+        KVCM_CHECK(ledger.Append(seq, 1, &appended).ok());
         ++n;
         if (n % bs == 0) {
           parent = filled_block_hash(n - 1);
@@ -255,7 +258,7 @@ ReplayResult Replay(const Trace& t, Growth growth, HashAlgorithm algorithm,
     } else {
       while (n < end) {
         const int32_t next = std::min(end, (n / bs + 1) * bs);
-        KVCM_CHECK(ledger.Append(seq, next - n).ok());
+        KVCM_CHECK(ledger.Append(seq, next - n, &appended).ok());
         n = next;
         if (n % bs == 0) {
           parent = filled_block_hash(n - 1);

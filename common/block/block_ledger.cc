@@ -357,6 +357,16 @@ absl::StatusOr<AdmissionPlan> BlockLedger::CanAllocate(
 
 absl::StatusOr<AllocateResult> BlockLedger::Allocate(SeqId seq, int32_t num_tokens,
                                                      std::span<const BlockHash> block_hashes) {
+  AllocateResult result;
+  if (absl::Status status = Allocate(seq, num_tokens, block_hashes, &result); !status.ok()) {
+    return status;
+  }
+  return result;
+}
+
+absl::Status BlockLedger::Allocate(SeqId seq, int32_t num_tokens,
+                                   std::span<const BlockHash> block_hashes,
+                                   AllocateResult* result) {
   scratch_hits_.clear();
   absl::StatusOr<AdmissionPlan> plan =
       PlanAllocate(seq, num_tokens, block_hashes, &scratch_hits_);
@@ -383,10 +393,9 @@ absl::StatusOr<AllocateResult> BlockLedger::Allocate(SeqId seq, int32_t num_toke
 
   counters_.prefix_query_tokens += static_cast<uint64_t>(num_tokens);
   counters_.prefix_hit_tokens += static_cast<uint64_t>(s.num_committed);
-  AllocateResult result;
-  result.blocks = s.blocks;
-  result.num_cached_tokens = s.num_committed;
-  return result;
+  result->blocks.assign(s.blocks.begin(), s.blocks.end());
+  result->num_cached_tokens = s.num_committed;
+  return absl::OkStatus();
 }
 
 // --- Append --------------------------------------------------------------------------------
@@ -435,6 +444,15 @@ absl::StatusOr<AdmissionPlan> BlockLedger::CanAppend(SeqId seq, int32_t num_new_
 }
 
 absl::StatusOr<AppendResult> BlockLedger::Append(SeqId seq, int32_t num_new_tokens) {
+  AppendResult result;
+  if (absl::Status status = Append(seq, num_new_tokens, &result); !status.ok()) return status;
+  return result;
+}
+
+absl::Status BlockLedger::Append(SeqId seq, int32_t num_new_tokens, AppendResult* result) {
+  result->new_blocks.clear();
+  result->copies.clear();
+  result->replaced_last = kNoBlock;
   Sequence* s = FindSeq(seq);
   if (s == nullptr) return NotFound(seq);
   // Fast path, most decode steps: the tokens fit the partly filled last block, which this
@@ -444,28 +462,27 @@ absl::StatusOr<AppendResult> BlockLedger::Append(SeqId seq, int32_t num_new_toke
           static_cast<int64_t>(s->blocks.size()) * options_.block_size &&
       meta_[s->blocks.back()].ref == 1) {
     s->num_tokens += num_new_tokens;
-    return AppendResult{};
+    return absl::OkStatus();
   }
   absl::StatusOr<AdmissionPlan> plan = PlanAppend(*s, num_new_tokens);
   if (!plan.ok()) {
     if (absl::IsResourceExhausted(plan.status())) ++counters_.allocation_failures;
     return plan.status();
   }
-  AppendResult result;
   if (plan->copies > 0) {
     // The partly filled last block is shared (fork): give this sequence a private copy.
     const BlockId old_block = s->blocks.back();
     const BlockId copy = TakeBlock();
-    result.copies.push_back({old_block, copy});
-    result.replaced_last = copy;
+    result->copies.push_back({old_block, copy});
+    result->replaced_last = copy;
     s->blocks.back() = copy;
     Release(old_block);
     ++counters_.cow_copies;
   }
-  TakeBlocks(plan->blocks_needed - plan->copies, &result.new_blocks);
-  s->blocks.insert(s->blocks.end(), result.new_blocks.begin(), result.new_blocks.end());
+  TakeBlocks(plan->blocks_needed - plan->copies, &result->new_blocks);
+  s->blocks.insert(s->blocks.end(), result->new_blocks.begin(), result->new_blocks.end());
   s->num_tokens += num_new_tokens;
-  return result;
+  return absl::OkStatus();
 }
 
 // --- Fork, commit, free ------------------------------------------------------------------

@@ -181,6 +181,10 @@ class BlockLedger {
   // evictable blocks now).
   absl::StatusOr<AllocateResult> Allocate(SeqId seq, int32_t num_tokens,
                                           std::span<const BlockHash> block_hashes = {});
+  // The same, into *result (its block table assigned): a result the caller keeps from call
+  // to call allocates nothing once its vector has grown. On an error *result is unspecified.
+  absl::Status Allocate(SeqId seq, int32_t num_tokens, std::span<const BlockHash> block_hashes,
+                        AllocateResult* result);
   // Dry run of Allocate: the same checks and the plan, changing nothing (no stats either).
   absl::StatusOr<AdmissionPlan> CanAllocate(SeqId seq, int32_t num_tokens,
                                             std::span<const BlockHash> block_hashes = {}) const;
@@ -192,6 +196,9 @@ class BlockLedger {
   // can ever hold), FAILED_PRECONDITION (copy-on-write of uncommitted KV),
   // RESOURCE_EXHAUSTED.
   absl::StatusOr<AppendResult> Append(SeqId seq, int32_t num_new_tokens);
+  // The same, into *result (its vectors cleared and refilled), allocating nothing once a
+  // result the caller keeps has grown. On an error *result is unspecified.
+  absl::Status Append(SeqId seq, int32_t num_new_tokens, AppendResult* result);
   absl::StatusOr<AdmissionPlan> CanAppend(SeqId seq, int32_t num_new_tokens) const;
 
   // Creates `child` sharing every block of `parent` (same tokens, same commit point).

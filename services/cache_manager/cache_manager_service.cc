@@ -976,25 +976,19 @@ void CacheManagerService::HandleStep(const wire::Envelope& envelope,
     outcome.blocks_needed = 0;
     switch (op.kind) {
       case wire::StepOp::AllocateOp: {
-        auto allocated = ledger_.Allocate(op.seq, op.num_tokens, op.hashes);
-        if (!allocated.ok()) {
-          outcome.status = allocated.status();
-          break;
-        }
+        outcome.status = ledger_.Allocate(op.seq, op.num_tokens, op.hashes, &allocated_);
+        if (!outcome.status.ok()) break;
         seq_owner_[op.seq] = session.id;
         session.seqs.insert(op.seq);
-        outcome.blocks = std::move(allocated->blocks);
-        outcome.num_cached_tokens = allocated->num_cached_tokens;
+        outcome.blocks.swap(allocated_.blocks);
+        outcome.num_cached_tokens = allocated_.num_cached_tokens;
         break;
       }
       case wire::StepOp::AppendOp: {
-        auto appended = ledger_.Append(op.seq, op.num_tokens);
-        if (!appended.ok()) {
-          outcome.status = appended.status();
-          break;
-        }
-        outcome.blocks = std::move(appended->new_blocks);
-        outcome.copies = std::move(appended->copies);
+        outcome.status = ledger_.Append(op.seq, op.num_tokens, &appended_);
+        if (!outcome.status.ok()) break;
+        outcome.blocks.swap(appended_.new_blocks);
+        outcome.copies.swap(appended_.copies);
         break;
       }
       case wire::StepOp::ForkOp:

@@ -373,6 +373,10 @@ class CacheManagerService {
   std::vector<BlockHash> hashes_;
   std::vector<BlockOp> step_ops_;  // the Step being handled, decoded (storage reused)
   OpOutcome outcome_;              // the op being applied (storage reused)
+  // What the ledger answers an Allocate or Append into; swapped with outcome_'s vectors, so
+  // that neither allocates once grown.
+  AllocateResult allocated_;
+  AppendResult appended_;
   absl::flat_hash_map<SeqId, bool> step_seqs_;  // seq -> live after the ops so far
   absl::flat_hash_map<SeqId, int32_t> step_written_;  // seq -> tokens it had before the step
   absl::flat_hash_set<SeqId> step_drained_;           // freed with drain by the step

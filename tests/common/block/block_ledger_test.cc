@@ -62,6 +62,61 @@ TEST_P(LedgerScenarioTest, AllocatesLowestFreeBlocksInAscendingRuns) {
   EXPECT_DOUBLE_EQ(stats.usage_ratio, 6.0 / 8);
 }
 
+// Allocate and Append into a result the caller keeps (as the cache manager keeps its own)
+// answer exactly what the returning forms answer, whatever the result held before: a ledger
+// driven each way through a prefix hit, a new block, a copy-on-write, the fast path that
+// adds nothing, and errors.
+TEST_P(LedgerScenarioTest, AllocateAndAppendIntoAKeptResultAnswerWhatTheReturningFormsDo) {
+  BlockLedger by_value = MakeLedger(16, bs());
+  BlockLedger into = MakeLedger(16, bs());
+  AllocateResult allocated{{91, 92, 93, 94, 95, 96, 97, 98, 99}, 7};  // stale contents
+  AppendResult appended{{42}, {{1, 2}}, 5};
+  const auto prompt = Iota(2 * bs() + 1);
+  const auto hashes = HashesOf(prompt, bs());
+  auto allocate_both = [&](SeqId seq, int32_t tokens, std::span<const BlockHash> h) {
+    auto want = by_value.Allocate(seq, tokens, h);
+    const absl::Status got = into.Allocate(seq, tokens, h, &allocated);
+    ASSERT_EQ(got.code(), want.status().code()) << got;
+    if (!want.ok()) return;
+    EXPECT_EQ(allocated.blocks, want->blocks) << "seq " << seq;
+    EXPECT_EQ(allocated.num_cached_tokens, want->num_cached_tokens) << "seq " << seq;
+  };
+  auto append_both = [&](SeqId seq, int32_t tokens) {
+    auto want = by_value.Append(seq, tokens);
+    const absl::Status got = into.Append(seq, tokens, &appended);
+    ASSERT_EQ(got.code(), want.status().code()) << got;
+    if (!want.ok()) return;
+    EXPECT_EQ(appended.new_blocks, want->new_blocks) << "seq " << seq;
+    EXPECT_EQ(appended.copies, want->copies) << "seq " << seq;
+    EXPECT_EQ(appended.replaced_last, want->replaced_last) << "seq " << seq;
+  };
+  auto both = [&](auto&& op) {
+    ASSERT_TRUE(op(by_value).ok());
+    ASSERT_TRUE(op(into).ok());
+  };
+  allocate_both(1, 2 * bs() + 1, hashes);
+  both([&](BlockLedger& l) { return l.Commit(1, 2 * bs() + 1); });
+  allocate_both(2, 2 * bs() + 1, hashes);  // two blocks hit
+  EXPECT_EQ(allocated.num_cached_tokens, 2 * bs());
+  append_both(1, bs());                    // a new block
+  EXPECT_EQ(appended.new_blocks.size(), 1u);
+  both([&](BlockLedger& l) { return l.Commit(2, 2 * bs() + 1); });
+  both([&](BlockLedger& l) { return l.Fork(2, 3); });
+  append_both(3, 1);  // the shared partial block is copied
+  EXPECT_EQ(appended.copies.size(), 1u);
+  EXPECT_NE(appended.replaced_last, X);
+  append_both(3, 1);  // fits the private last block: nothing to report
+  EXPECT_TRUE(appended.new_blocks.empty());
+  EXPECT_TRUE(appended.copies.empty());
+  EXPECT_EQ(appended.replaced_last, X);
+  append_both(99, 1);             // NOT_FOUND
+  allocate_both(1, 1, {});        // ALREADY_EXISTS
+  allocate_both(4, 17 * bs(), {});  // INVALID_ARGUMENT: more than the pool
+  allocate_both(5, 15 * bs(), {});  // RESOURCE_EXHAUSTED
+  EXPECT_EQ(Snapshot(into, {1, 2, 3}), Snapshot(by_value, {1, 2, 3}));
+  EXPECT_INVARIANTS(into);
+}
+
 TEST_P(LedgerScenarioTest, ZeroTokenSequenceHoldsNoBlocksUntilAppend) {
   BlockLedger ledger = MakeLedger(4, bs());
   auto a = ledger.Allocate(1, 0);
