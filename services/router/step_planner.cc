@@ -52,14 +52,16 @@ void StepPlanner::Forget(SeqId seq) {
 }
 
 void StepPlanner::HashUpTo(Running& run, int32_t tokens) const {
-  const int32_t full = tokens / options_.block_size;
-  while (static_cast<int32_t>(run.hashes.size()) < full) {
-    const size_t i = run.hashes.size();
-    const BlockHash& parent = i == 0 ? options_.root_hash : run.hashes[i - 1];
-    const std::span<const int32_t> block(run.req.tokens.data() + i * options_.block_size,
-                                         static_cast<size_t>(options_.block_size));
-    run.hashes.push_back(ChainBlockHash(options_.hash_algorithm, parent, block));
-  }
+  const size_t bs = static_cast<size_t>(options_.block_size);
+  const size_t full = static_cast<size_t>(tokens) / bs;
+  const size_t have = run.hashes.size();
+  if (have >= full) return;
+  // The blocks [have, full) in one chain: HashFullBlocks keeps the parent in registers from
+  // block to block with the default hash (common/block/block_hash.cc, Xxh3V2Step).
+  const BlockHash parent = have == 0 ? options_.root_hash : run.hashes.back();
+  HashFullBlocks(options_.hash_algorithm, parent,
+                 std::span<const int32_t>(run.req.tokens.data() + have * bs, (full - have) * bs),
+                 options_.block_size, &run.hashes);
 }
 
 ExecutorId StepPlanner::LeastLoaded(std::span<const ExecutorId> executors) const {
