@@ -115,8 +115,9 @@ class Parser {
     }
     max_id_ = std::max(max_id_, max_id);
     count_ += entries.size();
-    vocab->tokens.assign(static_cast<size_t>(max_id + 1), std::string());
+    // Refused before the table is sized: an id of 2^31 - 1 would ask for 64 GiB.
     if (!SparseOk()) return Sparse("model.vocab");
+    vocab->tokens.assign(static_cast<size_t>(max_id + 1), std::string());
     for (auto& [id, token] : entries) {
       if (!vocab->tokens[static_cast<size_t>(id)].empty()) {
         return Invalid("model.vocab", absl::StrCat("gives id ", id, " to both \"",

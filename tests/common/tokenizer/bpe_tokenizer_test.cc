@@ -491,6 +491,11 @@ TEST_F(BpeTokenizerJsonTest, MalformedFilesNameTheFileAndKey) {
       {replace(R"("id":257)", R"("id":99999999)"),
        absl::StatusCode::kInvalidArgument,
        {"added_tokens[0].id", "dense"}},
+      // Refused before the vocabulary is sized for it (found by the tokenizer_json fuzzer:
+      // the table of 2^31 strings was allocated first, then the file refused).
+      {replace(R"("Ġt":256)", R"("Ġt":2147483646)"),
+       absl::StatusCode::kInvalidArgument,
+       {"model.vocab", "2147483646", "dense"}},
       {replace(R"("id":257)", R"("id":"x")"),
        absl::StatusCode::kInvalidArgument,
        {"added_tokens[0].id"}},
