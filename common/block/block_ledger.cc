@@ -523,15 +523,13 @@ void BlockLedger::RegisterUpTo(Sequence& s, int32_t limit) {
   // The index slots and the blocks' hash entries (written below, 2 MiB of them for 65,536
   // blocks: a store miss per block otherwise) fetched kAhead blocks ahead of their insertion.
   constexpr int32_t kAhead = 8;
-  for (int32_t i = s.num_registered; i < std::min(limit, s.num_registered + kAhead); ++i) {
+  auto fetch = [&](int32_t i) {
     index_.Prefetch(BlockIndex::TagOf(s.hashes[i]));
     if (s.blocks[i] != kNoBlock) __builtin_prefetch(&hash_[s.blocks[i]], 1);
-  }
+  };
+  for (int32_t i = s.num_registered; i < std::min(limit, s.num_registered + kAhead); ++i) fetch(i);
   for (int32_t i = s.num_registered; i < limit; ++i) {
-    if (i + kAhead < limit) {
-      index_.Prefetch(BlockIndex::TagOf(s.hashes[i + kAhead]));
-      if (s.blocks[i + kAhead] != kNoBlock) __builtin_prefetch(&hash_[s.blocks[i + kAhead]], 1);
-    }
+    if (i + kAhead < limit) fetch(i + kAhead);
     const BlockId b = s.blocks[i];
     if (b == kNoBlock || IsIndexed(b) || IsDuplicate(b)) continue;
     if (const BlockId holder = index_.Insert(s.hashes[i], b, HashOf()); holder != b) {

@@ -58,7 +58,8 @@ void StepPlanner::HashUpTo(Running& run, int32_t tokens) const {
   if (have >= full) return;
   // The blocks [have, full) in one chain: HashFullBlocks keeps the parent in registers from
   // block to block with the default hash (common/block/block_hash.cc, Xxh3V2Step).
-  const BlockHash parent = have == 0 ? options_.root_hash : run.hashes.back();
+  // A reference into run.hashes is safe: HashFullBlocks copies the parent before appending.
+  const BlockHash& parent = have == 0 ? options_.root_hash : run.hashes.back();
   HashFullBlocks(options_.hash_algorithm, parent,
                  std::span<const int32_t>(run.req.tokens.data() + have * bs, (full - have) * bs),
                  options_.block_size, &run.hashes);

@@ -73,17 +73,22 @@ TEST_P(LedgerScenarioTest, AllocateAndAppendIntoAKeptResultAnswerWhatTheReturnin
   AppendResult appended{{42}, {{1, 2}}, 5};
   const auto prompt = Iota(2 * bs() + 1);
   const auto hashes = HashesOf(prompt, bs());
-  auto allocate_both = [&](SeqId seq, int32_t tokens, std::span<const BlockHash> h) {
+  // Each call also checks the code the scenario expects of it.
+  auto allocate_both = [&](SeqId seq, int32_t tokens, std::span<const BlockHash> h,
+                           absl::StatusCode expected = absl::StatusCode::kOk) {
     auto want = by_value.Allocate(seq, tokens, h);
     const absl::Status got = into.Allocate(seq, tokens, h, &allocated);
+    EXPECT_EQ(want.status().code(), expected) << want.status();
     ASSERT_EQ(got.code(), want.status().code()) << got;
     if (!want.ok()) return;
     EXPECT_EQ(allocated.blocks, want->blocks) << "seq " << seq;
     EXPECT_EQ(allocated.num_cached_tokens, want->num_cached_tokens) << "seq " << seq;
   };
-  auto append_both = [&](SeqId seq, int32_t tokens) {
+  auto append_both = [&](SeqId seq, int32_t tokens,
+                         absl::StatusCode expected = absl::StatusCode::kOk) {
     auto want = by_value.Append(seq, tokens);
     const absl::Status got = into.Append(seq, tokens, &appended);
+    EXPECT_EQ(want.status().code(), expected) << want.status();
     ASSERT_EQ(got.code(), want.status().code()) << got;
     if (!want.ok()) return;
     EXPECT_EQ(appended.new_blocks, want->new_blocks) << "seq " << seq;
@@ -109,10 +114,10 @@ TEST_P(LedgerScenarioTest, AllocateAndAppendIntoAKeptResultAnswerWhatTheReturnin
   EXPECT_TRUE(appended.new_blocks.empty());
   EXPECT_TRUE(appended.copies.empty());
   EXPECT_EQ(appended.replaced_last, X);
-  append_both(99, 1);             // NOT_FOUND
-  allocate_both(1, 1, {});        // ALREADY_EXISTS
-  allocate_both(4, 17 * bs(), {});  // INVALID_ARGUMENT: more than the pool
-  allocate_both(5, 15 * bs(), {});  // RESOURCE_EXHAUSTED
+  append_both(99, 1, absl::StatusCode::kNotFound);
+  allocate_both(1, 1, {}, absl::StatusCode::kAlreadyExists);
+  allocate_both(4, 17 * bs(), {}, absl::StatusCode::kInvalidArgument);  // more than the pool
+  allocate_both(5, 15 * bs(), {}, absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(Snapshot(into, {1, 2, 3}), Snapshot(by_value, {1, 2, 3}));
   EXPECT_INVARIANTS(into);
 }
