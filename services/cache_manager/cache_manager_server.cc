@@ -45,6 +45,9 @@ constexpr int kMinFdReserve = 32;
 #define SO_PEERPIDFD 77  // Linux 6.5; the headers of older distributions lack it
 #endif
 constexpr char kMonitorEndpoint[] = "inproc://kvcm-cache-manager-requests-monitor";
+// Events read from the monitor at once, so that a flood of connections does not hold the
+// loop; the rest are read in the next turn.
+constexpr int kMaxMonitorEventsPerRead = 10000;
 
 // Open descriptors of this process: the entries of /proc/self/fd, read through `dir_fd`
 // (that directory, opened at start) less `dir_fd` itself. Reading it takes no descriptor,
@@ -347,7 +350,10 @@ absl::Status CacheManagerServer::Run() {
   if (fd_channel_) {
     watches.push_back(loop_.WatchFd(fd_channel_->listen_fd(), [this] { ServeFdChannel(); }));
   }
-  watches.push_back(loop_.WatchSocket(monitor_, [this] {
+  // The monitor is watched through its ZMQ_FD, which the kernel's poll covers: as a ZeroMQ
+  // item it would cost two command checks (a poll and a getpid each) in every turn.
+  // ZMQ_FD is edge-triggered; every read of monitor_ drains it (DrainMonitor).
+  watches.push_back(loop_.WatchFd(monitor_.get(zmq::sockopt::fd), [this] {
     if (DrainMonitor()) GuardDescriptors();
   }));
   if (vllm_events_) {
@@ -407,8 +413,6 @@ CacheManagerServer::DrainResult CacheManagerServer::DrainForShutdown() {
 }
 
 int CacheManagerServer::DrainRequests() {
-  // Connections accepted before these requests were sent: their pidfds first.
-  if (DrainMonitor()) GuardDescriptors();
   int handled = 0;
   for (; handled < options_.max_batch; ++handled) {
     zmq::message_t identity;
@@ -423,7 +427,12 @@ int CacheManagerServer::DrainRequests() {
       if (!requests_.recv(extra, zmq::recv_flags::dontwait)) break;
       more = extra.more();
     }
-    const int source_fd = silent_.empty() ? -1 : zmq_msg_get(body.handle(), ZMQ_SRCFD);
+    const int source_fd = zmq_msg_get(body.handle(), ZMQ_SRCFD);
+    // A connection accepted since the monitor was last read: its pidfd first.
+    if (!seen_.Contains(source_fd, identity.to_string_view())) {
+      if (DrainMonitor()) GuardDescriptors();
+      seen_.Remember(source_fd, identity.to_string_view());
+    }
     std::optional<PeerCredentials> peer;
     if (const char* address = zmq_msg_gets(body.handle(), "Peer-Address")) {
       peer = ParseIpcPeerAddress(address);
@@ -483,11 +492,11 @@ int CacheManagerServer::DrainRequests() {
 
 bool CacheManagerServer::DrainMonitor() {
   bool any = false;
-  for (int i = 0; i < 10000; ++i) {
+  for (int i = 0; i < kMaxMonitorEventsPerRead; ++i) {
     // Each event is two frames: u16 event and u32 value (the fd for ACCEPTED), then the
     // endpoint.
     zmq::message_t event;
-    if (!monitor_.recv(event, zmq::recv_flags::dontwait)) break;
+    if (!monitor_.recv(event, zmq::recv_flags::dontwait)) return any;
     while (event.more()) {
       zmq::message_t rest;
       if (!monitor_.recv(rest, zmq::recv_flags::dontwait) || !rest.more()) break;
@@ -498,6 +507,7 @@ bool CacheManagerServer::DrainMonitor() {
     int32_t fd = -1;
     std::memcpy(&type, event.data(), sizeof(type));
     std::memcpy(&fd, static_cast<const uint8_t*>(event.data()) + 2, sizeof(fd));
+    if (fd >= 0) seen_.Forget(fd);  // accepted anew or closed
     if (type == ZMQ_EVENT_ACCEPTED && fd >= 0) {
       TakeConnectPidfd(fd);
       struct stat st {};
@@ -508,6 +518,11 @@ bool CacheManagerServer::DrainMonitor() {
       silent_.erase(fd);
     }
   }
+  // More may be queued, and ZMQ_FD does not fire again for them (it is edge-triggered):
+  // read on in the next turn, after the requests that came meanwhile.
+  loop_.Post([this] {
+    if (DrainMonitor()) GuardDescriptors();
+  });
   return any;
 }
 

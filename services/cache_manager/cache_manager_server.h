@@ -41,6 +41,7 @@
 #include "services/cache_manager/cache_manager_metrics.h"
 #include "services/cache_manager/cache_manager_service.h"
 #include "services/cache_manager/run_directory.h"
+#include "services/cache_manager/seen_connections.h"
 #include "services/cache_manager/vllm_event_publisher.h"
 #include "zmq.hpp"
 
@@ -162,6 +163,9 @@ class CacheManagerServer {
     uint64_t inode = 0;
   };
   absl::flat_hash_map<int, Silent> silent_;
+  // Connections whose acceptance the monitor has told: a request from another one reads the
+  // monitor first (services/cache_manager/seen_connections.h).
+  SeenConnections seen_;
   uint64_t silent_closed_ = 0;
   zmq::socket_t events_;
   std::unique_ptr<VllmEventPublisher> vllm_events_;  // null when off

@@ -427,6 +427,38 @@ TEST(CacheManagerProcessTest, AClientIsWatchedThroughThePidfdOfItsConnection) {
   EXPECT_EQ(from_connect, kernel_has_it ? 1 : 0);
 }
 
+// The server reads its connection monitor before a request only when the request's
+// connection is not one it has seen (services/cache_manager/seen_connections.h; the rule
+// itself is tested in seen_connections_test.cc). Connections made one after another reuse
+// descriptors, beside one that stays: each Hello must still find the pidfd taken when its
+// own connection was accepted, never fall back to a lookup by pid.
+TEST(CacheManagerProcessTest, EveryNewConnectionOnAReusedDescriptorIsWatchedThroughItsPidfd) {
+  if (!KernelHasPeerPidfd()) GTEST_SKIP() << "this kernel has no SO_PEERPIDFD (Linux 6.5+)";
+  auto manager = StartManager();
+  ASSERT_NE(manager, nullptr);
+  constexpr int kConnections = 20;
+  auto keeper = Connect(*manager);
+  ASSERT_NE(keeper, nullptr);
+  for (int i = 0; i < kConnections; ++i) {
+    auto client = Connect(*manager);
+    ASSERT_NE(client, nullptr) << "connection " << i;
+    ASSERT_TRUE(keeper->Stats().ok());
+    ASSERT_TRUE(client->Goodbye().ok()) << "connection " << i;
+  }
+  const double from_connect = MetricValue(
+      manager->metrics_url(), "kvcm_cache_manager_process_watches_total",
+      {{"source", "connect_pidfd"}});
+  const double by_pid = MetricValue(manager->metrics_url(),
+                                    "kvcm_cache_manager_process_watches_total",
+                                    {{"source", "pid_lookup"}});
+  std::printf("watches: %g from the connection, %g by pid\n", from_connect, by_pid);
+  EXPECT_EQ(from_connect, kConnections + 1);
+  EXPECT_EQ(by_pid, 0);
+  auto stats = keeper->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  ExpectWhole(*stats);
+}
+
 TEST(CacheManagerProcessTest, SigtermAnswersAndCleansUp) {
   auto manager = StartManager();
   ASSERT_NE(manager, nullptr);
