@@ -108,7 +108,7 @@ void RunStep(router::StepPlanner& planner, CacheManagerClient& client,
   for (const BlockOp& op : plan.ops) ops.Add(op);
   absl::StatusOr<std::vector<OpOutcome>> outcomes = client.Step(ops);
   KVCM_CHECK(outcomes.ok()) << outcomes.status();
-  router::ExecutorWork work = planner.Apply(plan, *outcomes);
+  router::ExecutorWork& work = planner.Apply(plan, *outcomes);
   std::vector<router::SeqResult> results;
   for (const auto& batch : work.batches) {
     for (const SeqStep& seq : batch.step.seqs) results.push_back(Sampled(seq.seq, 5));
@@ -156,7 +156,7 @@ void PlannerOnly(benchmark::State& state) {
     for (size_t i = 0; i < plan.ops.size(); ++i) {
       if (plan.ops[i].kind == wire::StepOp::AppendOp) outcomes[i].blocks = {0};
     }
-    router::ExecutorWork work = planner.Apply(plan, outcomes);
+    router::ExecutorWork& work = planner.Apply(plan, outcomes);
     results.clear();
     for (const auto& batch : work.batches) {
       for (const SeqStep& seq : batch.step.seqs) results.push_back(Sampled(seq.seq, 5));

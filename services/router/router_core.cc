@@ -311,7 +311,7 @@ void RouterCore::Turn() {
 }
 
 void RouterCore::ContinueStep(StepPlan plan, std::vector<OpOutcome> outcomes) {
-  ExecutorWork work = planner_->Apply(plan, outcomes);
+  ExecutorWork& work = planner_->Apply(plan, outcomes);
   if (RouterMetrics* m = options_.metrics) {
     m->CountPromptTokens(work.cached_prompt_tokens, work.computed_prompt_tokens);
     m->CountRecomputedCommittedTokens(work.recomputed_committed_tokens);

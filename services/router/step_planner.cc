@@ -167,6 +167,12 @@ std::optional<std::vector<int32_t>> StepPlanner::TokensOf(RequestId request) con
 StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId> executors) {
   StepPlan plan;
   plan.step_id = next_step_++;
+  // A commit and an append or chunk per running sequence, and the frees: one allocation
+  // each instead of a vector grown op by op (admissions may still grow them).
+  const size_t expected_ops = 2 * order_.size() + to_free_.size() + to_drain_.size() + 8;
+  plan.ops.reserve(expected_ops);
+  plan.roles.reserve(expected_ops);
+  plan.chunks.reserve(order_.size() + 8);
   int64_t available = available_blocks;
   auto add = [&plan](BlockOp op, SeqId seq, StepPlan::OpRole::Kind kind) {
     plan.ops.push_back(std::move(op));
@@ -198,9 +204,16 @@ StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId>
     Forget(seq);
   }
 
+  // The live sequences in admission order, looked up once for the passes below: running_
+  // does not change until the admissions but for preemptions of the latest, which drop
+  // their pointer from the back as they drop their id from order_.
+  std::vector<Running*>& live = live_;
+  live.clear();
+  for (SeqId seq : order_) live.push_back(&running_.at(seq));
+
   // Sequences of executors that are gone move to live ones.
-  for (SeqId seq : order_) {
-    Running& run = running_.at(seq);
+  for (Running* run_ptr : live) {
+    Running& run = *run_ptr;
     if (!executors.empty() &&
         std::find(executors.begin(), executors.end(), run.executor) == executors.end()) {
       run.executor = LeastLoaded(executors);
@@ -208,8 +221,9 @@ StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId>
   }
 
   // 2. Commits: the KV the last step wrote.
-  for (SeqId seq : order_) {
-    Running& run = running_.at(seq);
+  for (Running* run_ptr : live) {
+    Running& run = *run_ptr;
+    const SeqId seq = run.seq;
     if (run.fork_parent != 0 || run.computed <= run.committed) continue;
     HashUpTo(run, run.computed);
     const int32_t full = run.computed / options_.block_size;
@@ -233,8 +247,9 @@ StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId>
 
   // Forks: after the parent's commit, so that each child holds the same committed prompt
   // (and may copy its shared last block when it appends).
-  for (SeqId seq : order_) {
-    Running& run = running_.at(seq);
+  for (Running* run_ptr : live) {
+    Running& run = *run_ptr;
+    const SeqId seq = run.seq;
     if (run.fork_parent == 0) continue;
     Running& parent = running_.at(run.fork_parent);
     add(BlockOp::Fork(parent.seq, seq), seq, StepPlan::OpRole::kFork);
@@ -257,6 +272,8 @@ StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId>
     ++plan.preempted;
     ++preemptions_;
     Requeue(std::move(run), /*preempted=*/true);
+    live.pop_back();
+    KVCM_CHECK(live.size() == order_.size()) << "the preempted sequence was not the latest";
     return victim;
   };
 
@@ -264,7 +281,7 @@ StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId>
   int32_t scheduled = 0;
   for (size_t i = 0; i < order_.size() && scheduled < options_.max_running; ++i) {
     const SeqId seq = order_[i];
-    Running& run = running_.at(seq);
+    Running& run = *live[i];
     const auto size = static_cast<int32_t>(run.req.tokens.size());
     if (run.finishing || size - run.computed != 1) continue;  // in prefill, or done
     const int32_t grow = size - run.held;
@@ -293,7 +310,7 @@ StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId>
   int32_t budget = options_.max_batch_prefill_tokens;
   for (size_t i = 0; i < order_.size() && budget > 0 && scheduled < options_.max_running; ++i) {
     const SeqId seq = order_[i];
-    Running& run = running_.at(seq);
+    Running& run = *live[i];
     const int32_t need = static_cast<int32_t>(run.req.tokens.size()) - run.computed;
     if (run.finishing || need <= 1) continue;  // decoding (scheduled above, or preempted)
     run.chunk = std::min(need, budget);
@@ -361,11 +378,43 @@ StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId>
   return plan;
 }
 
-ExecutorWork StepPlanner::Apply(const StepPlan& plan, std::span<const OpOutcome> outcomes) {
+namespace {
+
+// The `i`-th sequence of `seqs`, as a fresh SeqStep: an element left from an earlier step
+// is reset to the defaults but keeps its vectors' capacity.
+SeqStep& FreshSeqStep(std::vector<SeqStep>& seqs, size_t i) {
+  if (i == seqs.size()) return seqs.emplace_back();
+  SeqStep& step = seqs[i];
+  std::vector<int32_t> tokens = std::move(step.tokens);
+  std::vector<BlockId> block_table = std::move(step.block_table);
+  std::vector<int32_t> penalty_tokens = std::move(step.penalty_tokens);
+  std::vector<uint64_t> fork_seeds = std::move(step.fork_seeds);
+  step = SeqStep{};
+  step.tokens = std::move(tokens);
+  step.tokens.clear();
+  step.block_table = std::move(block_table);
+  step.block_table.clear();
+  step.penalty_tokens = std::move(penalty_tokens);
+  step.penalty_tokens.clear();
+  step.fork_seeds = std::move(fork_seeds);
+  step.fork_seeds.clear();
+  return step;
+}
+
+}  // namespace
+
+ExecutorWork& StepPlanner::Apply(const StepPlan& plan, std::span<const OpOutcome> outcomes) {
   KVCM_CHECK(outcomes.size() == plan.ops.size())
       << outcomes.size() << " outcomes for " << plan.ops.size() << " ops";
-  ExecutorWork work;
-  absl::flat_hash_map<SeqId, std::vector<CopyOrder>> copies;
+  ExecutorWork& work = work_;
+  work.cached_prompt_tokens = 0;
+  work.computed_prompt_tokens = 0;
+  work.recomputed_committed_tokens = 0;
+  work.prefill_tokens = 0;
+  work.decode_tokens = 0;
+  // Copy-on-write orders by sequence: only sequences that have some are in it.
+  absl::flat_hash_map<SeqId, std::vector<CopyOrder>>& copies = step_copies_;
+  copies.clear();
   std::vector<SeqId> refused_admissions;
   for (size_t i = 0; i < plan.ops.size(); ++i) {
     const BlockOp& op = plan.ops[i];
@@ -394,8 +443,10 @@ ExecutorWork StepPlanner::Apply(const StepPlan& plan, std::span<const OpOutcome>
           // Copy-on-write: the copy replaced the shared, partly filled last block.
           if (!outcome.copies.empty()) run.blocks.back() = outcome.copies.front().dst;
           run.blocks.insert(run.blocks.end(), outcome.blocks.begin(), outcome.blocks.end());
-          auto& own = copies[run.seq];
-          own.insert(own.end(), outcome.copies.begin(), outcome.copies.end());
+          if (!outcome.copies.empty()) {
+            auto& own = copies[run.seq];
+            own.insert(own.end(), outcome.copies.begin(), outcome.copies.end());
+          }
         } else {
           // No room after all: preempted, freed in the next step.
           to_free_.push_back(it->second.seq);
@@ -431,8 +482,26 @@ ExecutorWork StepPlanner::Apply(const StepPlan& plan, std::span<const OpOutcome>
     Requeue(std::move(running_.at(*seq)), /*preempted=*/false);
   }
 
-  absl::flat_hash_map<ExecutorId, size_t> batch_of;
-  std::vector<SeqId> still;
+  // The batches of earlier steps are filled again: `batches` and `filled` count what this
+  // step has used of them (batches are few: one per executor, found by a linear search).
+  size_t batches = 0;
+  std::vector<size_t> filled;
+  auto batch_for = [&](ExecutorId executor) -> size_t {
+    for (size_t b = 0; b < batches; ++b) {
+      if (work.batches[b].executor == executor) return b;
+    }
+    if (batches == work.batches.size()) work.batches.emplace_back();
+    ExecutorWork::Batch& batch = work.batches[batches];
+    batch.executor = executor;
+    batch.step.step_id = plan.step_id;
+    batch.step.epoch = 0;
+    batch.step.router_session = 0;
+    batch.step.copies.clear();
+    filled.push_back(0);
+    return batches++;
+  };
+  std::vector<SeqId>& still = still_scheduled_;
+  still.clear();
   for (SeqId seq : scheduled_) {
     auto it = running_.find(seq);
     if (it == running_.end() || it->second.chunk == 0) continue;
@@ -446,15 +515,9 @@ ExecutorWork StepPlanner::Apply(const StepPlan& plan, std::span<const OpOutcome>
     } else {
       work.prefill_tokens += run.chunk;
     }
-    auto [slot, added] = batch_of.try_emplace(run.executor, work.batches.size());
-    if (added) {
-      ExecutorWork::Batch batch;
-      batch.executor = run.executor;
-      batch.step.step_id = plan.step_id;
-      work.batches.push_back(std::move(batch));
-    }
-    StepRequest& step = work.batches[slot->second].step;
-    SeqStep seq_step;
+    const size_t b = batch_for(run.executor);
+    StepRequest& step = work.batches[b].step;
+    SeqStep& seq_step = FreshSeqStep(step.seqs, filled[b]++);
     seq_step.seq = seq;
     seq_step.tokens.assign(run.req.tokens.begin() + run.start, run.req.tokens.begin() + end);
     seq_step.context_len = end;
@@ -477,13 +540,14 @@ ExecutorWork StepPlanner::Apply(const StepPlan& plan, std::span<const OpOutcome>
       seq_step.input_logprobs = true;
       if (end < size) seq_step.score_next = run.req.tokens[static_cast<size_t>(end)];
     }
-    step.seqs.push_back(std::move(seq_step));
     if (auto c = copies.find(seq); c != copies.end()) {
       step.copies.insert(step.copies.end(), c->second.begin(), c->second.end());
     }
     still.push_back(seq);
   }
-  scheduled_ = std::move(still);
+  work.batches.resize(batches);
+  for (size_t b = 0; b < batches; ++b) work.batches[b].step.seqs.resize(filled[b]);
+  scheduled_.swap(still);
   return work;
 }
 
@@ -540,9 +604,21 @@ void StepPlanner::Fork(Running& parent, const SeqResult& outcome,
 }
 
 std::vector<TokenEvent> StepPlanner::Complete(std::span<const SeqResult> results) {
-  absl::flat_hash_map<SeqId, const SeqResult*> by_seq;
-  by_seq.reserve(results.size());
-  for (const SeqResult& result : results) by_seq[result.seq] = &result;
+  // Results come in the order the sequences were scheduled, executor by executor: each is
+  // looked for at the next position first, and in a map only when it is not there.
+  size_t next_result = 0;
+  absl::flat_hash_map<SeqId, const SeqResult*> by_seq;  // built on the first miss
+  auto result_of = [&](SeqId seq) -> const SeqResult* {
+    if (next_result < results.size() && results[next_result].seq == seq) {
+      return &results[next_result++];
+    }
+    if (by_seq.empty()) {
+      by_seq.reserve(results.size());
+      for (const SeqResult& result : results) by_seq[result.seq] = &result;
+    }
+    auto it = by_seq.find(seq);
+    return it == by_seq.end() ? nullptr : it->second;
+  };
   std::vector<TokenEvent> events;
   events.reserve(scheduled_.size());
   std::vector<std::pair<SeqId, const SeqResult*>> to_fork;
@@ -552,9 +628,9 @@ std::vector<TokenEvent> StepPlanner::Complete(std::span<const SeqResult> results
     Running& run = it->second;
     const int32_t chunk = run.chunk;
     run.chunk = 0;
-    auto result = by_seq.find(seq);
-    if (result == by_seq.end() || !result->second->status.ok()) continue;  // redone
-    const SeqResult& outcome = *result->second;
+    const SeqResult* result = result_of(seq);
+    if (result == nullptr || !result->status.ok()) continue;  // redone
+    const SeqResult& outcome = *result;
     const int32_t end = run.start + chunk;
     const bool sampled = end == static_cast<int32_t>(run.req.tokens.size());
     if (sampled && outcome.token < 0) continue;  // asked for a token, got none

@@ -6,7 +6,7 @@
 //   planner.Enqueue(request, prompt_tokens, max_new_tokens, sampling);
 //   StepPlan plan = planner.Plan(available_blocks, executors);   // 1. block ops
 //   ... one Step with plan.ops to the cache manager ...
-//   ExecutorWork work = planner.Apply(plan, outcomes);            // 2. per-executor batches
+//   ExecutorWork& work = planner.Apply(plan, outcomes);           // 2. per-executor batches
 //   ... one StepBatch per executor in work.batches ...
 //   std::vector<TokenEvent> events = planner.Complete(results);   // 3. sampled tokens
 //
@@ -173,8 +173,11 @@ class StepPlanner {
   // Step 1. `available_blocks`: blocks the cache manager can hand out now (free or
   // evictable), as last reported. `executors`: the live ones.
   StepPlan Plan(int32_t available_blocks, std::span<const ExecutorId> executors);
-  // Step 2, with the StepReply's outcomes for plan.ops (same order, same count).
-  ExecutorWork Apply(const StepPlan& plan, std::span<const OpOutcome> outcomes);
+  // Step 2, with the StepReply's outcomes for plan.ops (same order, same count). The work
+  // is the planner's, valid until the next Apply: its batches and their sequences' vectors
+  // are filled again in place each step, so that a step allocates nothing for them once
+  // they have grown to the batch's size.
+  ExecutorWork& Apply(const StepPlan& plan, std::span<const OpOutcome> outcomes);
   // Step 3, with every result the executors returned for the step; sequences without a
   // result (their executor died or answered with an error) redo the step.
   std::vector<TokenEvent> Complete(std::span<const SeqResult> results);
@@ -287,6 +290,11 @@ class StepPlanner {
   uint64_t next_admission_ = 1;
   uint64_t preemptions_ = 0;
   std::vector<SeqId> scheduled_;  // of the step in flight, in schedule order
+  // What Apply returns, and its scratch: kept from step to step for their capacity.
+  ExecutorWork work_;
+  absl::flat_hash_map<SeqId, std::vector<CopyOrder>> step_copies_;
+  std::vector<SeqId> still_scheduled_;
+  std::vector<Running*> live_;  // Plan's: the running sequences in admission order
 };
 
 }  // namespace kvcm::router

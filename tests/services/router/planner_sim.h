@@ -109,7 +109,7 @@ class PlannerSim {
     StepPlan plan = planner_.Plan(stats.free_blocks + stats.cached_blocks, executors);
     rejected_.insert(rejected_.end(), plan.rejected.begin(), plan.rejected.end());
     std::vector<OpOutcome> outcomes = RunOps(plan.ops);
-    ExecutorWork work = planner_.Apply(plan, outcomes);
+    ExecutorWork& work = planner_.Apply(plan, outcomes);
     cached_prompt_tokens_ += work.cached_prompt_tokens;
     std::vector<SeqResult> results;
     int64_t computed = 0;
