@@ -17,6 +17,7 @@
 #include <cstring>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
@@ -68,6 +69,10 @@ std::string Dump(const json& value) {
 }
 
 
+// Tokens delivered in one turn of the HTTP thread's loop: the loop writes their events to
+// their sockets before it formats the next slice (Impl::DeliverMail).
+constexpr size_t kDeliverySlice = 64;
+
 // OpenAI's error type for a status.
 const char* OpenAiErrorType(int status) {
   switch (status) {
@@ -88,10 +93,15 @@ struct HttpFrontend::Impl {
   event_base* base = nullptr;
   evhttp* http = nullptr;
   event* mail = nullptr;
+  event* deliver_more = nullptr;  // a zero timeout: the next slice, after the loop's writes
   event* stop = nullptr;
 
   Mutex mailbox_mutex;
   std::vector<Progress> mailbox ABSL_GUARDED_BY(mailbox_mutex);
+  // Tokens taken from the mailbox, delivered kDeliverySlice at a time; `delivered` of them
+  // so far.
+  std::vector<Progress> delivering;
+  size_t delivered = 0;
 
   // Requests still arriving and when they must be whole (Options::request_timeout: from
   // their first byte), by their connection's input buffer. libevent 2.1 tells nothing when
@@ -217,6 +227,7 @@ struct HttpFrontend::Impl {
   ~Impl() {
     if (event_out != nullptr) evbuffer_free(event_out);
     if (mail != nullptr) event_free(mail);
+    if (deliver_more != nullptr) event_free(deliver_more);
     if (stop != nullptr) event_free(stop);
     if (http != nullptr) evhttp_free(http);
     if (base != nullptr) event_base_free(base);
@@ -759,22 +770,43 @@ struct HttpFrontend::Impl {
   std::vector<double> first_token_seconds;
   std::vector<double> token_gap_seconds;
 
-  void DeliverMail() {
-    std::vector<Progress> batch;
-    {
+  // Delivers the next slice of the tokens taken from the mailbox (taking them when the last
+  // ones are done), and comes back for the rest after the loop's next poll. libevent writes
+  // a connection's queued events only when its loop polls again: a step's 1,000 tokens
+  // delivered in one callback reached no socket before the last was formatted, and each
+  // token waited for the formatting of all. Sliced, the loop writes the first streams'
+  // events while the later ones wait their turn. Returns whether tokens are left.
+  bool DeliverSlice() {
+    if (delivered == delivering.size()) {
+      delivering.clear();
+      delivered = 0;
       MutexLock lock(&mailbox_mutex);
-      batch.swap(mailbox);
+      delivering.swap(mailbox);
     }
-    DeliverProgress(batch);
+    const size_t end = std::min(delivering.size(), delivered + kDeliverySlice);
+    DeliverProgress(std::span<const Progress>(delivering).subspan(delivered, end - delivered));
+    delivered = end;
     if (metrics != nullptr) {
       for (double seconds : first_token_seconds) metrics->ObserveTimeToFirstToken(seconds);
       for (double seconds : token_gap_seconds) metrics->ObserveTimePerOutputToken(seconds);
     }
     first_token_seconds.clear();
     token_gap_seconds.clear();
+    if (delivered < delivering.size()) return true;
+    MutexLock lock(&mailbox_mutex);
+    return !mailbox.empty();
   }
 
-  void DeliverProgress(const std::vector<Progress>& batch) {
+  void DeliverMail() {
+    if (DeliverSlice()) {
+      // A zero timeout runs after the loop's next poll: the sockets it finds writable (the
+      // slice's streams) are written first.
+      static constexpr timeval kNow = {0, 0};
+      evtimer_add(deliver_more, &kNow);
+    }
+  }
+
+  void DeliverProgress(std::span<const Progress> batch) {
     for (const Progress& p : batch) {
       auto it = active.find(p.id);
       if (it == active.end()) continue;
@@ -967,7 +999,14 @@ struct HttpFrontend::Impl {
   void HandleOpenApi(evhttp_request* request) { Reply(request, 200, openapi); }
 
   static void OnStop(evutil_socket_t, short, void* arg) {
-    event_base_loopexit(static_cast<Impl*>(arg)->base, nullptr);
+    auto* impl = static_cast<Impl*>(arg);
+    try {
+      while (impl->DeliverSlice()) {  // every token handed over before Stop
+      }
+    } catch (const std::exception& error) {
+      Log(absl::StrCat("delivering tokens: ", error.what()));
+    }
+    event_base_loopexit(impl->base, nullptr);
   }
 };
 
@@ -1103,6 +1142,7 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(const Options&
                         ? ntohs(reinterpret_cast<sockaddr_in6*>(&address)->sin6_port)
                         : ntohs(reinterpret_cast<sockaddr_in*>(&address)->sin_port);
   impl.mail = event_new(impl.base, -1, 0, &Impl::OnMail, &impl);
+  impl.deliver_more = evtimer_new(impl.base, &Impl::OnMail, &impl);
   impl.event_out = evbuffer_new();
   impl.event_text.reserve(4096);
   impl.stop = event_new(impl.base, -1, 0, &Impl::OnStop, &impl);

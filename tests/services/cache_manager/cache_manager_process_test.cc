@@ -409,17 +409,24 @@ bool KernelHasPeerPidfd() {
   return has;
 }
 
+// kvcm_cache_manager_process_watches_total by source: the watches whose pidfd was taken
+// from the connection, and those looked up by pid.
+struct WatchSources {
+  double from_connect = 0;
+  double by_pid = 0;
+};
+WatchSources ReadWatchSources(const CacheManagerProcess& manager) {
+  constexpr char kName[] = "kvcm_cache_manager_process_watches_total";
+  return {MetricValue(manager.metrics_url(), kName, {{"source", "connect_pidfd"}}),
+          MetricValue(manager.metrics_url(), kName, {{"source", "pid_lookup"}})};
+}
+
 TEST(CacheManagerProcessTest, AClientIsWatchedThroughThePidfdOfItsConnection) {
   auto manager = StartManager();
   ASSERT_NE(manager, nullptr);
   auto client = Connect(*manager);
   ASSERT_NE(client, nullptr);
-  const double from_connect = MetricValue(
-      manager->metrics_url(), "kvcm_cache_manager_process_watches_total",
-      {{"source", "connect_pidfd"}});
-  const double by_pid = MetricValue(manager->metrics_url(),
-                                    "kvcm_cache_manager_process_watches_total",
-                                    {{"source", "pid_lookup"}});
+  const auto [from_connect, by_pid] = ReadWatchSources(*manager);
   const bool kernel_has_it = KernelHasPeerPidfd();
   std::printf("SO_PEERPIDFD %s; watches: %g from the connection, %g by pid\n",
               kernel_has_it ? "available" : "absent", from_connect, by_pid);
@@ -445,12 +452,7 @@ TEST(CacheManagerProcessTest, EveryNewConnectionOnAReusedDescriptorIsWatchedThro
     ASSERT_TRUE(keeper->Stats().ok());
     ASSERT_TRUE(client->Goodbye().ok()) << "connection " << i;
   }
-  const double from_connect = MetricValue(
-      manager->metrics_url(), "kvcm_cache_manager_process_watches_total",
-      {{"source", "connect_pidfd"}});
-  const double by_pid = MetricValue(manager->metrics_url(),
-                                    "kvcm_cache_manager_process_watches_total",
-                                    {{"source", "pid_lookup"}});
+  const auto [from_connect, by_pid] = ReadWatchSources(*manager);
   std::printf("watches: %g from the connection, %g by pid\n", from_connect, by_pid);
   EXPECT_EQ(from_connect, kConnections + 1);
   EXPECT_EQ(by_pid, 0);

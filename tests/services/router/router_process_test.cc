@@ -89,6 +89,44 @@ TEST_F(RouterProcessTest, ConcurrentGreedyRequestsGiveTheTokensOfTheModelRunAlon
   ExpectWhole(Stats());
 }
 
+// More streams than the HTTP thread delivers in one turn of its loop (64 tokens a slice,
+// services/router/http_frontend.cc): a step's tokens are handed over in slices, and those
+// of the next step may arrive while a slice is pending. Every stream still gets exactly
+// its tokens, in order.
+TEST_F(RouterProcessTest, MoreStreamsThanASliceOfDeliveryEachGetTheirTokensInOrder) {
+  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/1024, /*executors=*/1,
+                                     {"--max-concurrent-requests", "256"}));
+  constexpr int kStreams = 150;
+  std::vector<std::string> prompts;
+  for (int p = 0; p < 6; ++p) prompts.push_back(absl::StrCat("stream ", p, std::string(p, '+')));
+  auto prompt_of = [&](int i) { return prompts[static_cast<size_t>(i) % prompts.size()]; };
+  auto tokens_of = [](int i) { return 3 + i % 5; };
+  std::vector<std::vector<int32_t>> got(kStreams);
+  std::vector<std::string> errors(kStreams);
+  std::vector<std::thread> clients;
+  for (int i = 0; i < kStreams; ++i) {
+    clients.emplace_back([&, i] {
+      absl::StatusOr<HttpResponse> reply =
+          HttpPost(url_ + "/generate_stream", GenerateBody(prompt_of(i), tokens_of(i)),
+                   absl::Seconds(120));
+      if (!reply.ok() || reply->status != 200) {
+        errors[static_cast<size_t>(i)] = reply.ok() ? absl::StrCat(reply->status, " ", reply->body)
+                                                    : reply.status().ToString();
+        return;
+      }
+      got[static_cast<size_t>(i)] = StreamIds(reply->body);
+    });
+  }
+  for (std::thread& t : clients) t.join();
+  for (int i = 0; i < kStreams; ++i) {
+    SCOPED_TRACE(absl::StrCat("stream ", i));
+    EXPECT_EQ(errors[static_cast<size_t>(i)], "");
+    EXPECT_EQ(got[static_cast<size_t>(i)], Reference(prompt_of(i), tokens_of(i)));
+  }
+  EXPECT_TRUE(AwaitNoBlockInUse()) << router_->Output();
+  ExpectWhole(Stats());
+}
+
 TEST_F(RouterProcessTest, SharedPrefixRequestsComputeFewerPromptTokensAndTheMetricsSayIt) {
   ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/256, /*executors=*/1));
   const std::string system(40, 's');  // BOS + 40 bytes: 10 full blocks of 4
