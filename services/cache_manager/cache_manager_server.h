@@ -163,10 +163,10 @@ class CacheManagerServer {
     uint64_t inode = 0;
   };
   absl::flat_hash_map<int, Silent> silent_;
+  uint64_t silent_closed_ = 0;
   // Connections whose acceptance the monitor has told: a request from another one reads the
   // monitor first (services/cache_manager/seen_connections.h).
   SeenConnections seen_;
-  uint64_t silent_closed_ = 0;
   zmq::socket_t events_;
   std::unique_ptr<VllmEventPublisher> vllm_events_;  // null when off
   uint64_t vllm_without_tokens_reported_ = 0;  // the service's count already in the metrics

@@ -70,7 +70,7 @@ std::string Dump(const json& value) {
 
 
 // Tokens delivered in one turn of the HTTP thread's loop: the loop writes their events to
-// their sockets before it formats the next slice (Impl::DeliverMail).
+// their sockets before it formats the next slice (Impl::DeliverSlice).
 constexpr size_t kDeliverySlice = 64;
 
 // OpenAI's error type for a status.

@@ -384,20 +384,18 @@ namespace {
 // is reset to the defaults but keeps its vectors' capacity.
 SeqStep& FreshSeqStep(std::vector<SeqStep>& seqs, size_t i) {
   if (i == seqs.size()) return seqs.emplace_back();
+  auto emptied = [](auto& v) {
+    auto kept = std::move(v);
+    kept.clear();
+    return kept;
+  };
   SeqStep& step = seqs[i];
-  std::vector<int32_t> tokens = std::move(step.tokens);
-  std::vector<BlockId> block_table = std::move(step.block_table);
-  std::vector<int32_t> penalty_tokens = std::move(step.penalty_tokens);
-  std::vector<uint64_t> fork_seeds = std::move(step.fork_seeds);
-  step = SeqStep{};
-  step.tokens = std::move(tokens);
-  step.tokens.clear();
-  step.block_table = std::move(block_table);
-  step.block_table.clear();
-  step.penalty_tokens = std::move(penalty_tokens);
-  step.penalty_tokens.clear();
-  step.fork_seeds = std::move(fork_seeds);
-  step.fork_seeds.clear();
+  SeqStep fresh;
+  fresh.tokens = emptied(step.tokens);
+  fresh.block_table = emptied(step.block_table);
+  fresh.penalty_tokens = emptied(step.penalty_tokens);
+  fresh.fork_seeds = emptied(step.fork_seeds);
+  step = std::move(fresh);
   return step;
 }
 
