@@ -32,8 +32,10 @@ TEST(BlockIndexTest, FindsInsertsAndErasesExactlyAsAMapDoes) {
   for (uint64_t seed : seeds) {
     std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
     std::mt19937_64 rng(seed);
-    constexpr int32_t kBlocks = 64;  // a 128-slot table: probe runs wrap often
+    constexpr int32_t kBlocks = 64;
     BlockIndex index(kBlocks);
+    const uint64_t slots = index.capacity();
+    std::printf("capacity %llu slots\n", static_cast<unsigned long long>(slots));
     std::vector<BlockHash> hashes(kBlocks);
     auto hash_of = [&](int32_t b) -> const BlockHash& { return hashes[static_cast<size_t>(b)]; };
     std::map<std::vector<uint8_t>, int32_t> model;  // hash bytes → block
@@ -41,8 +43,8 @@ TEST(BlockIndexTest, FindsInsertsAndErasesExactlyAsAMapDoes) {
     // Candidate hashes: few home slots and colliding tags, distinct full hashes.
     std::vector<BlockHash> candidates;
     for (int i = 0; i < 200; ++i) {
-      const uint64_t home = rng() % 6 + 120;          // near the end: runs wrap to slot 0
-      const uint64_t tag_bits = (rng() % 2) << 7;     // same low 32 bits for many
+      const uint64_t home = slots - 8 + rng() % 6;    // near the end: runs wrap to slot 0
+      const uint64_t tag_bits = (rng() % 2) * slots;  // two tags a home, each shared by many
       candidates.push_back(MakeHash(home | tag_bits | (rng() << 32), rng()));
     }
     auto bytes = [](const BlockHash& h) {
