@@ -220,11 +220,18 @@ StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId>
     }
   }
 
-  // 2. Commits: the KV the last step wrote.
+  // 2. Commits: the KV the last step wrote, when it fills a block (what a commit makes
+  // matchable) or before the sequence is forked (a child's copy-on-write needs the shared
+  // partial block committed). A decode step inside a block commits nothing: the cache
+  // manager then learns a sequence's progress a block at a time.
   for (Running* run_ptr : live) {
     Running& run = *run_ptr;
     const SeqId seq = run.seq;
     if (run.fork_parent != 0 || run.computed <= run.committed) continue;
+    if (run.computed / options_.block_size == run.committed / options_.block_size &&
+        run.forks_pending == 0) {
+      continue;
+    }
     HashUpTo(run, run.computed);
     const int32_t full = run.computed / options_.block_size;
     std::vector<BlockHash> fresh;
@@ -252,6 +259,12 @@ StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId>
     const SeqId seq = run.seq;
     if (run.fork_parent == 0) continue;
     Running& parent = running_.at(run.fork_parent);
+    // The child holds what the parent holds. Had the parent reserved past what it wrote
+    // (the decodes below), the two would write the reserved tokens of the shared last block
+    // with no Append to copy it first: a parent forks before its first decode.
+    KVCM_CHECK(parent.held <= parent.computed)
+        << "sequence " << parent.seq << " forks holding " << parent.held << " tokens, "
+        << parent.computed << " written";
     add(BlockOp::Fork(parent.seq, seq), seq, StepPlan::OpRole::kFork);
     --parent.forks_pending;
     run.committed = parent.computed;  // the parent's commit just above covers it
@@ -284,8 +297,18 @@ StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId>
     Running& run = *live[i];
     const auto size = static_cast<int32_t>(run.req.tokens.size());
     if (run.finishing || size - run.computed != 1) continue;  // in prefill, or done
-    const int32_t grow = size - run.held;
-    const int32_t blocks = BlocksFor(size) - BlocksFor(run.held);
+    // A sequence holds its tokens a block at a time: past what it holds, it grows to the
+    // end of the block its next token falls in (never past the most it can reach), so that
+    // a decode step appends for it once a block instead of once a token. Where the token
+    // budget is too tight for that, it grows by the token alone.
+    int32_t reach = run.held;
+    if (size > run.held) {
+      const int32_t most = run.req.prompt_len + run.req.max_new_tokens;
+      reach = std::max(size, std::min(BlocksFor(size) * options_.block_size, most));
+      if (total_tokens + (reach - run.held) > options_.max_batch_total_tokens) reach = size;
+    }
+    const int32_t grow = reach - run.held;
+    const int32_t blocks = BlocksFor(reach) - BlocksFor(run.held);
     bool preempted_self = false;
     while (blocks > available || total_tokens + grow > options_.max_batch_total_tokens) {
       if (preempt_latest() == seq) {

@@ -58,6 +58,31 @@ TEST(StepPlannerTest, AStepFreesThenCommitsThenAppendsThenAdmits) {
   EXPECT_EQ(sim.generated()[2], Reference(Tokens(5, 50), 1));
 }
 
+TEST(StepPlannerTest, ADecodingSequenceAppendsAndCommitsOnceABlockNotOnceAToken) {
+  PlannerSim sim(Options(), 64);
+  sim.planner().Enqueue(1, Tokens(5), 10);  // 15 tokens at most: blocks of 4 end at 8, 12, 15
+  for (int step = 0; step < 11; ++step) sim.Step(kOne);
+  // Per plan after the admission: (commit's tokens or 0, append's tokens or 0).
+  std::vector<std::pair<int32_t, int32_t>> ops;
+  for (size_t i = 1; i < sim.plans().size(); ++i) {
+    std::pair<int32_t, int32_t> commit_append = {0, 0};
+    for (const BlockOp& op : sim.plans()[i].ops) {
+      if (op.kind == wire::StepOp::CommitOp) commit_append.first = op.num_tokens;
+      if (op.kind == wire::StepOp::AppendOp) commit_append.second = op.num_tokens;
+    }
+    ops.push_back(commit_append);
+  }
+  using P = std::pair<int32_t, int32_t>;
+  EXPECT_THAT(ops, ElementsAre(P{5, 3},  // the prompt's full block; room up to 8 tokens
+                               P{0, 0}, P{0, 0},
+                               P{8, 4},  // a block filled; room up to 12
+                               P{0, 0}, P{0, 0}, P{0, 0},
+                               P{12, 3},  // up to 15, the most it can reach, not 16
+                               P{0, 0}, P{0, 0}));
+  EXPECT_EQ(sim.failure(), "");
+  EXPECT_EQ(sim.generated()[1], Reference(Tokens(5), 10));
+}
+
 TEST(StepPlannerTest, ALongPromptIsChunkedWithinThePrefillBudgetAndDecodesKeepRunning) {
   PlannerOptions options = Options();
   options.max_batch_prefill_tokens = 8;
