@@ -16,13 +16,15 @@
 // A "block op" is one block-table entry taken (new or a prefix hit) or released; every system
 // makes the same number. Time per block op = the replay's wall time / block ops.
 //
-// kvcm's replays, each through BlockLedger's public API, as the router drives it:
-//   router     what the router's Steps carry: Allocate(seq, P, hashes of the prompt's full
-//              blocks); Commit(seq, P) once the prefill ran; then per generated token
-//              Append(seq, 1) and Commit(seq, n), with the new block's hash when the token
-//              fills a block. Free when the request ends.
-//   per-block  the same, but Append and Commit only when a block fills (or the request
-//              ends): the fewest calls the same block table can be built with.
+// kvcm's replays, each through BlockLedger's public API:
+//   per-block  what the router's Steps carry (services/router/step_planner.cc): Allocate(seq,
+//              P, hashes of the prompt's full blocks); Commit(seq, P) once the prefill ran;
+//              then, once a block, an Append up to the block's end (or the request's) and a
+//              Commit of it, with the block's hash when it is full. Free when the request
+//              ends.
+//   per-token  an Append(seq, 1) and a Commit(seq, n) per generated token, with the new
+//              block's hash when the token fills a block: the router's Steps before it grew
+//              sequences a block at a time, kept to show what that costs.
 // Each with the block hashes computed inside the timed loop (the default hash, xxh3_v2; its
 // version-1 message, xxh3; and SHA-256)
 // and, to separate the ledger's own time, with all hashes computed before the clock starts
@@ -128,7 +130,7 @@ int32_t GeneratedToken(uint64_t request, int64_t position) {
   return static_cast<int32_t>((z ^ (z >> 31)) % 128000);
 }
 
-enum class Growth { kRouter, kPerBlock };
+enum class Growth { kPerToken, kPerBlock };
 enum class Hashing { kPrecomputed, kInline };
 
 // CPU time of the calling thread: unlike wall time, not inflated while it waits for a core.
@@ -244,7 +246,7 @@ ReplayResult Replay(const Trace& t, Growth growth, HashAlgorithm algorithm,
                 block_tokens.begin() + from_prompt);
       return ChainBlockHash(algorithm, parent, block_tokens);
     };
-    if (growth == Growth::kRouter) {
+    if (growth == Growth::kPerToken) {
       while (n < end) {
         KVCM_CHECK(ledger.Append(seq, 1, &appended).ok());
         ++n;
@@ -370,10 +372,10 @@ int Main(int argc, char** argv) {
   const HashAlgorithm fast = kDefaultHashAlgorithm;
   const HashAlgorithm v1 = HashAlgorithm::kXxh3;
   const std::vector<Config> configs = {
-      {"router/xxh3_v2", Growth::kRouter, fast, false},
-      {"router/xxh3", Growth::kRouter, v1, false},
-      {"router/sha256", Growth::kRouter, HashAlgorithm::kSha256, false},
-      {"router/precomputed", Growth::kRouter, fast, true},
+      {"per-token/xxh3_v2", Growth::kPerToken, fast, false},
+      {"per-token/xxh3", Growth::kPerToken, v1, false},
+      {"per-token/sha256", Growth::kPerToken, HashAlgorithm::kSha256, false},
+      {"per-token/precomputed", Growth::kPerToken, fast, true},
       {"per-block/xxh3_v2", Growth::kPerBlock, fast, false},
       {"per-block/xxh3", Growth::kPerBlock, v1, false},
       {"per-block/sha256", Growth::kPerBlock, HashAlgorithm::kSha256, false},

@@ -4,7 +4,9 @@
 //   build/bench/router_step_bench
 //
 // The cache manager is the real binary (started once, shm pool of 65536 blocks of 16
-// tokens). N requests of 64 prompt tokens are admitted and prefilled first; then every
+// tokens). N requests of 64 to 79 prompt tokens (so that, as in a real batch, their
+// sequences enter and fill blocks in different steps: with equal prompts all would in the
+// same step, and most steps would need no round trip) are admitted and prefilled first; then every
 // measured iteration is one decode step of all N: StepPlanner::Plan (counting on the free
 // blocks the previous StepReply reported), the cache manager's Step (commits and appends),
 // Apply, and Complete with a token for every sequence, as an executor of zero cost would
@@ -36,8 +38,9 @@ namespace {
 
 constexpr int32_t kBlockSize = 16;
 constexpr int32_t kPromptTokens = 64;
-// Enough for every measured step (3 repetitions of kIterations) without running out of KV:
-// 256 x (64 + 4096) tokens fit the pool, so nothing is preempted.
+// More than a repetition's steps make: each repetition admits its own sequences and runs
+// kIterations steps, so 256 sequences of at most 79 + 1,002 tokens (17,408 blocks) fit the
+// pool and nothing is preempted.
 constexpr int32_t kMaxNewTokens = 4096;
 constexpr int kIterations = 1000;
 
@@ -84,7 +87,7 @@ router::PlannerOptions Options(int32_t n, const SessionInfo& session) {
   options.block_size = kBlockSize;
   options.num_blocks = session.num_blocks;
   options.max_running = n;
-  options.max_batch_prefill_tokens = n * kPromptTokens;
+  options.max_batch_prefill_tokens = n * (kPromptTokens + kBlockSize);
   options.max_batch_total_tokens = int64_t{session.num_blocks} * kBlockSize;
   options.hash_algorithm = session.hash_algorithm;
   options.root_hash = RootHash(options.hash_algorithm, "bench");
@@ -120,8 +123,10 @@ void RunStep(router::StepPlanner& planner, CacheManagerClient& client,
 
 void Admit(router::StepPlanner& planner, CacheManagerClient& client, int32_t n) {
   for (int32_t i = 0; i < n; ++i) {
-    std::vector<int32_t> prompt(kPromptTokens);
-    for (int32_t t = 0; t < kPromptTokens; ++t) prompt[t] = 3 + (i * 131 + t * 7) % 250;
+    std::vector<int32_t> prompt(static_cast<size_t>(kPromptTokens + i % kBlockSize));
+    for (size_t t = 0; t < prompt.size(); ++t) {
+      prompt[t] = static_cast<int32_t>(3 + (static_cast<size_t>(i) * 131 + t * 7) % 250);
+    }
     planner.Enqueue(static_cast<router::RequestId>(i + 1), std::move(prompt), kMaxNewTokens);
   }
   while (planner.queued() > 0) RunStep(planner, client);
