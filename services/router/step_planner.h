@@ -10,9 +10,10 @@
 //   ... one StepBatch per executor in work.batches ...
 //   std::vector<TokenEvent> events = planner.Complete(results);   // 3. sampled tokens
 //
-// A step, in op order: frees (finished, cancelled, preempted sequences), commits (the KV the
-// last step wrote), forks (several answers to one prompt), appends (room for this step's
-// new tokens), allocations (admissions).
+// A step, in op order: frees (finished, cancelled, preempted sequences), commits (the KV
+// written so far, when it fills a block or before a fork), forks (several answers to one
+// prompt), appends (room for this step's new tokens: up to the end of the block a new
+// token falls in, so once a block), allocations (admissions).
 // Scheduling rules:
 // - Continuous batching with chunked prefill: every running sequence that is decoding gets
 //   its one token; then sequences still in prefill, oldest admission first, get chunks of
@@ -23,7 +24,8 @@
 // - Prefix caching: admissions carry the chained hashes of their prompt's full blocks; the
 //   cache manager shares the cached prefix, and the prefill starts after it. The last
 //   prompt token is always computed (its logits give the first new token). A sequence's
-//   tokens are committed in the step after the StepResult that wrote them.
+//   tokens are committed in the step after the StepResult that wrote them, once they fill
+//   a block (or before the sequence is forked).
 // - Preemption by recompute: when the blocks estimated free do not cover the decodes, the
 //   latest admitted sequences are freed and go back to the head of the queue with the
 //   tokens generated so far; recomputing them gives the same greedy tokens.
