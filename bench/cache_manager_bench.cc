@@ -41,11 +41,13 @@
 //   ServiceHandleStepAndLoop  the same plus what the server's loop does around each
 //                             request when requests arrive one at a time: the peer address
 //                             parse, clock reads, TakeEventBatch and the metrics snapshot.
-//   ServiceHandleDecodeStep/N Handle() on the router's step shape with N running sequences
-//                             (DecodeStepStream below: a Commit and an Append of one token
-//                             per sequence, a finished sequence freed and a new one
-//                             allocated in its place); time per step.
-//   LedgerDecodeStep/N        the same ops applied straight to a BlockLedger of the same
+//   ServiceHandleDecodeStep/S/N  Handle() on the router's step shape with N running
+//                             sequences (DecodeStepStream below: S = once_a_block, a Commit
+//                             and an Append per sequence once a block, the router's; or
+//                             once_a_token, one of each per sequence and step, the router's
+//                             before; a finished sequence freed and a new one allocated in
+//                             its place); time per step.
+//   LedgerDecodeStep/S/N      the same ops applied straight to a BlockLedger of the same
 //                             pool: the baseline, so the ratio is what the service adds
 //                             (decode, verification, validation, ownership, the reply).
 // Every benchmark against a process also reports server_cpu_us: that process's CPU time, all
@@ -160,9 +162,14 @@ class StepEncoder {
   uint64_t previous_first_ = 0;
 };
 
-// The router's decode step over N running sequences: per sequence a Commit of every token
-// it had before the step (with the hash of the block that completed, when one did) and an
-// Append of one token. A sequence that reached kDecodeEndTokens is freed and a new one of
+// The router's decode step over N running sequences. Once a block (the router's shape,
+// services/router/step_planner.cc): a sequence's Commit after its prefill and when the
+// token of the last step filled a block (with that block's hash), its Append when its next
+// token falls past what
+// it holds (up to the end of that token's block). Once a token (the router's shape before
+// it): per sequence a Commit of every token it had before the step (with the hash of the
+// block that completed, when one did) and an Append of one token. A sequence that reached
+// kDecodeEndTokens is freed and a new one of
 // kDecodePromptTokens allocated in its place (with its prompt's block hashes), as
 // continuous batching does; the first N start staggered so that about one in 192 finishes
 // per step. Hashes are distinct (a counter), so nothing hits the prefix cache; freed blocks
@@ -172,7 +179,8 @@ constexpr int32_t kDecodeEndTokens = 256;
 
 class DecodeStepStream {
  public:
-  explicit DecodeStepStream(int n) : live_(static_cast<size_t>(n)) {}
+  DecodeStepStream(int n, bool once_a_block)
+      : live_(static_cast<size_t>(n)), once_a_block_(once_a_block) {}
 
   // The first step: the N allocations.
   const std::vector<BlockOp>& Prime() {
@@ -195,9 +203,21 @@ class DecodeStepStream {
         continue;
       }
       hashes_.clear();
-      if (seq.tokens % kBlockSize == 0 && seq.tokens > seq.prompt) hashes_.push_back(NextHash());
-      ops_.push_back(BlockOp::Commit(seq.id, seq.tokens, hashes_));
-      ops_.push_back(BlockOp::Append(seq.id, 1));
+      const bool filled = seq.tokens % kBlockSize == 0 && seq.tokens > seq.prompt;
+      if (filled) hashes_.push_back(NextHash());
+      if (!once_a_block_) {
+        ops_.push_back(BlockOp::Commit(seq.id, seq.tokens, hashes_));
+        ops_.push_back(BlockOp::Append(seq.id, 1));
+      } else {
+        // The prefill's commit (its full blocks), then one a block.
+        const bool prefilled = seq.tokens == seq.prompt && seq.prompt >= kBlockSize;
+        if (filled || prefilled) ops_.push_back(BlockOp::Commit(seq.id, seq.tokens, hashes_));
+        if (seq.tokens + 1 > seq.held) {
+          const int32_t reach = (seq.tokens / kBlockSize + 1) * kBlockSize;
+          ops_.push_back(BlockOp::Append(seq.id, reach - seq.held));
+          seq.held = reach;
+        }
+      }
       ++seq.tokens;
     }
     return ops_;
@@ -208,12 +228,14 @@ class DecodeStepStream {
     SeqId id = 0;
     int32_t prompt = 0;
     int32_t tokens = 0;  // after the ops handed out so far
+    int32_t held = 0;    // tokens the ledger holds for it
   };
 
   void Allocate(Seq* seq, int32_t tokens) {
     seq->id = next_seq_++;
     seq->prompt = tokens;
     seq->tokens = tokens;
+    seq->held = tokens;
     hashes_.clear();
     for (int32_t b = 0; b < tokens / kBlockSize; ++b) hashes_.push_back(NextHash());
     ops_.push_back(BlockOp::Allocate(seq->id, tokens, hashes_));
@@ -229,6 +251,7 @@ class DecodeStepStream {
   }
 
   std::vector<Seq> live_;
+  bool once_a_block_ = true;
   std::vector<BlockOp> ops_;
   std::vector<BlockHash> hashes_;
   SeqId next_seq_ = 1;
@@ -967,8 +990,9 @@ std::string CheckAllOk(std::span<const uint8_t> bytes, size_t ops) {
   return "";
 }
 
-// ServiceHandleDecodeStep/N: Handle() on DecodeStepStream(N)'s steps.
-void ServiceHandleDecodeStep(benchmark::State& state) {
+// ServiceHandleDecodeStep/{once_a_block,once_a_token}/N: Handle() on DecodeStepStream(N)'s
+// steps.
+void ServiceHandleDecodeStep(benchmark::State& state, bool once_a_block) {
   const int n = static_cast<int>(state.range(0));
   absl::StatusOr<std::unique_ptr<BenchService>> bench = MakeBenchService("xxh3_v2");
   if (!bench.ok()) {
@@ -992,7 +1016,7 @@ void ServiceHandleDecodeStep(benchmark::State& state) {
     return;
   }
   const uint64_t session = hello_reply->session_id();
-  DecodeStepStream stream(n);
+  DecodeStepStream stream(n, once_a_block);
   uint64_t request_id = 0;
   request.Clear();
   KVCM_CHECK(EncodeStep(request, ++request_id, session, kBenchEpoch, stream.Prime()).ok());
@@ -1038,14 +1062,15 @@ void ServiceHandleDecodeStep(benchmark::State& state) {
       static_cast<double>(ops) / static_cast<double>(std::max<int64_t>(handled, 1));
 }
 
-// LedgerDecodeStep/N: the same steps' ops applied straight to a BlockLedger.
-void LedgerDecodeStep(benchmark::State& state) {
+// LedgerDecodeStep/{once_a_block,once_a_token}/N: the same steps' ops applied straight to a
+// BlockLedger.
+void LedgerDecodeStep(benchmark::State& state, bool once_a_block) {
   const int n = static_cast<int>(state.range(0));
   BlockLedger::Options options;
   options.num_blocks = kNumBlocks;
   options.block_size = kBlockSize;
   BlockLedger ledger = *BlockLedger::Create(options);
-  DecodeStepStream stream(n);
+  DecodeStepStream stream(n, once_a_block);
   auto apply = [&ledger](const std::vector<BlockOp>& step) {
     for (const BlockOp& op : step) {
       absl::Status status;
@@ -1089,8 +1114,10 @@ void ServiceHandleStepAndLoop(benchmark::State& state) { ServiceHandle(state, tr
 
 BENCHMARK(ServiceHandleStep);
 BENCHMARK(ServiceHandleStepAndLoop);
-BENCHMARK(ServiceHandleDecodeStep)->Arg(64)->Arg(256);
-BENCHMARK(LedgerDecodeStep)->Arg(64)->Arg(256);
+BENCHMARK_CAPTURE(ServiceHandleDecodeStep, once_a_block, true)->Arg(64)->Arg(256);
+BENCHMARK_CAPTURE(LedgerDecodeStep, once_a_block, true)->Arg(64)->Arg(256);
+BENCHMARK_CAPTURE(ServiceHandleDecodeStep, once_a_token, false)->Arg(64)->Arg(256);
+BENCHMARK_CAPTURE(LedgerDecodeStep, once_a_token, false)->Arg(64)->Arg(256);
 
 // --- Baseline servers (this binary re-executed) ----------------------------------------------
 
