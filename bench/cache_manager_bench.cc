@@ -165,15 +165,14 @@ class StepEncoder {
 // The router's decode step over N running sequences. Once a block (the router's shape,
 // services/router/step_planner.cc): a sequence's Commit after its prefill and when the
 // token of the last step filled a block (with that block's hash), its Append when its next
-// token falls past what
-// it holds (up to the end of that token's block). Once a token (the router's shape before
-// it): per sequence a Commit of every token it had before the step (with the hash of the
-// block that completed, when one did) and an Append of one token. A sequence that reached
-// kDecodeEndTokens is freed and a new one of
-// kDecodePromptTokens allocated in its place (with its prompt's block hashes), as
-// continuous batching does; the first N start staggered so that about one in 192 finishes
-// per step. Hashes are distinct (a counter), so nothing hits the prefix cache; freed blocks
-// are cached and, once the pool is full, evicted.
+// token falls past what it holds (up to the end of that token's block). Once a token (the
+// router's shape before it): per sequence a Commit of every token it had before the step
+// (with the hash of the block that completed, when one did) and an Append of one token. A
+// sequence that reached kDecodeEndTokens is freed and a new one of kDecodePromptTokens
+// allocated in its place (with its prompt's block hashes), as continuous batching does; the
+// first N start staggered so that about one in 192 finishes per step. Hashes are distinct (a
+// counter), so nothing hits the prefix cache; freed blocks are cached and, once the pool is
+// full, evicted.
 constexpr int32_t kDecodePromptTokens = 64;
 constexpr int32_t kDecodeEndTokens = 256;
 
@@ -251,7 +250,7 @@ class DecodeStepStream {
   }
 
   std::vector<Seq> live_;
-  bool once_a_block_ = true;
+  bool once_a_block_;
   std::vector<BlockOp> ops_;
   std::vector<BlockHash> hashes_;
   SeqId next_seq_ = 1;

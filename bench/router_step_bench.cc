@@ -6,11 +6,11 @@
 // The cache manager is the real binary (started once, shm pool of 65536 blocks of 16
 // tokens). N requests of 64 to 79 prompt tokens (so that, as in a real batch, their
 // sequences enter and fill blocks in different steps: with equal prompts all would in the
-// same step, and most steps would need no round trip) are admitted and prefilled first; then every
-// measured iteration is one decode step of all N: StepPlanner::Plan (counting on the free
-// blocks the previous StepReply reported), the cache manager's Step (commits and appends),
-// Apply, and Complete with a token for every sequence, as an executor of zero cost would
-// answer.
+// same step, and most steps would need no round trip) are admitted and prefilled first;
+// then every measured iteration is one decode step of all N: StepPlanner::Plan (counting
+// on the free blocks the previous StepReply reported), the cache manager's Step (commits
+// and appends, when the step has any), Apply, and Complete with a token for every
+// sequence, as an executor of zero cost would answer.
 //
 //   RouterDecodeStep/N    that step, per step (N = 64, 256)
 //   PlannerOnly/N         Plan + Apply + Complete alone (the Step's outcomes replayed), per

@@ -167,8 +167,9 @@ std::optional<std::vector<int32_t>> StepPlanner::TokensOf(RequestId request) con
 StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId> executors) {
   StepPlan plan;
   plan.step_id = next_step_++;
-  // A commit and an append or chunk per running sequence, and the frees: one allocation
-  // each instead of a vector grown op by op (admissions may still grow them).
+  // At most a commit and an append or chunk per running sequence (a decoding one has them
+  // once a block), and the frees: one allocation each instead of a vector grown op by op
+  // (admissions may still grow them).
   const size_t expected_ops = 2 * order_.size() + to_free_.size() + to_drain_.size() + 8;
   plan.ops.reserve(expected_ops);
   plan.roles.reserve(expected_ops);
