@@ -381,6 +381,7 @@ absl::Status BlockLedger::Allocate(SeqId seq, int32_t num_tokens,
   s.num_committed = plan->prefix_hit_blocks * options_.block_size;
   s.num_registered = plan->prefix_hit_blocks;
   s.first_live = 0;
+  s.owner = 0;
   s.blocks.clear();
   s.blocks.reserve(static_cast<size_t>(plan->prefix_hit_blocks + plan->blocks_needed));
   s.hashes.assign(block_hashes.begin(), block_hashes.end());
@@ -503,6 +504,7 @@ absl::Status BlockLedger::Fork(SeqId parent, SeqId child) {
   c.num_committed = p.num_committed;
   c.num_registered = p.num_registered;
   c.first_live = p.first_live;
+  c.owner = 0;
   c.blocks = p.blocks;
   c.hashes = p.hashes;
   for (BlockId b : c.blocks) {
@@ -622,6 +624,13 @@ absl::Status BlockLedger::Rename(SeqId seq, SeqId new_id) {
   seq_index_.Erase(seq);
   slots_[static_cast<size_t>(slot)].id = new_id;
   seq_index_.Insert(new_id, slot);
+  return absl::OkStatus();
+}
+
+absl::Status BlockLedger::SetOwner(SeqId seq, uint64_t owner) {
+  const int32_t slot = seq_index_.Find(seq);
+  if (slot < 0) return NotFound(seq);
+  slots_[static_cast<size_t>(slot)].owner = owner;
   return absl::OkStatus();
 }
 

@@ -223,6 +223,26 @@ class BlockLedger {
   // drain. Errors: NOT_FOUND (seq), ALREADY_EXISTS (new_id is live).
   absl::Status Rename(SeqId seq, SeqId new_id);
 
+  // --- Owners ----------------------------------------------------------------------------
+
+  // A value the caller keeps with each live sequence, in the sequence's own record, so
+  // that an op finds who holds its sequence in the lines it touches anyway (the cache
+  // manager keeps the id of the session that holds it). Allocate and Fork start it at 0,
+  // none; Rename keeps it; Free drops it. Errors: NOT_FOUND.
+  absl::Status SetOwner(SeqId seq, uint64_t owner);
+  // The owner of `seq`: 0 when it has none or is not live.
+  uint64_t OwnerOf(SeqId seq) const {
+    const int32_t slot = seq_index_.Find(seq);
+    return slot < 0 ? 0 : slots_[static_cast<size_t>(slot)].owner;
+  }
+  // Calls fn(seq, owner) for every live sequence, in no particular order. O(live
+  // sequences).
+  template <typename Fn>
+  void ForEachSequence(Fn&& fn) const {
+    seq_index_.ForEach(
+        [&](uint64_t id, int32_t slot) { fn(SeqId{id}, slots_[static_cast<size_t>(slot)].owner); });
+  }
+
   // --- Prefix cache ----------------------------------------------------------------------
 
   // Number of leading `block_hashes` whose blocks are in the prefix index (cached, pinned or
@@ -298,6 +318,7 @@ class BlockLedger {
     int32_t num_registered = 0;
     // Blocks [0, first_live) were released by the sliding window.
     int32_t first_live = 0;
+    uint64_t owner = 0;  // SetOwner's
     std::vector<BlockId> blocks;
     std::vector<BlockHash> hashes;  // known hashes of full blocks [0, hashes.size())
   };

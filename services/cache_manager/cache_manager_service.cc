@@ -502,12 +502,10 @@ int32_t CacheManagerService::EndSession(uint64_t session_id, ReclaimReason reaso
     ended_order_.pop_front();
   }
   Session& session = it->second;
-  // In order, not the hash sets' (whose order differs from build to build): the blocks are
-  // released, and so later reused and evicted, the same way everywhere, which lets a
-  // simulated run replay exactly (tests/sim/).
-  std::vector<SeqId> seqs(session.seqs.begin(), session.seqs.end());
-  std::sort(seqs.begin(), seqs.end());
-  for (SeqId seq : seqs) seq_owner_.erase(seq);
+  // By ascending id, not in the ledger's table order: the blocks are released, and so later
+  // reused and evicted, the same way everywhere, which lets a simulated run replay exactly
+  // (tests/sim/).
+  const std::vector<SeqId> seqs = SeqsOf(session);
   std::vector<uint64_t> pending(session.pending_fences.begin(), session.pending_fences.end());
   std::sort(pending.begin(), pending.end());
   const bool watched = session.pid_verified;
@@ -554,6 +552,7 @@ int32_t CacheManagerService::FenceSequences(uint64_t router_session, std::span<c
     const absl::Status renamed = ledger_.Rename(seq, draining);
     KVCM_CHECK(renamed.ok()) << "session " << router_session << " owned sequence " << seq
                              << " that the ledger cannot rename: " << renamed.ToString();
+    KVCM_CHECK(ledger_.SetOwner(draining, 0).ok());  // the cache manager's now
     fence.seqs.push_back(draining);
   }
   for (uint64_t writer : writers) sessions_[writer].pending_fences.insert(fence_id);
@@ -568,6 +567,20 @@ int32_t CacheManagerService::AcknowledgeFence(uint64_t id, uint64_t executor) {
   Fence fence = std::move(it->second);
   fences_.erase(it);
   return FreeSequences(fence.seqs, fence.reason, fence.count_reclaimed);
+}
+
+std::vector<SeqId> CacheManagerService::SeqsOf(const Session& session) const {
+  std::vector<SeqId> seqs;
+  if (session.num_seqs == 0) return seqs;
+  seqs.reserve(static_cast<size_t>(session.num_seqs));
+  ledger_.ForEachSequence([&](SeqId seq, uint64_t owner) {
+    if (owner == session.id) seqs.push_back(seq);
+  });
+  KVCM_CHECK(seqs.size() == static_cast<size_t>(session.num_seqs))
+      << "session " << session.id << " counts " << session.num_seqs << " sequences; the ledger "
+      << "has " << seqs.size() << " of it";
+  std::sort(seqs.begin(), seqs.end());
+  return seqs;
 }
 
 int32_t CacheManagerService::FreeSequences(std::span<const SeqId> seqs, ReclaimReason reason,
@@ -639,7 +652,7 @@ int CacheManagerService::ExpireSessions(absl::Time now) {
   // executors, which are the writers (counted as lease_expired).
   std::vector<uint64_t> unverified;
   for (const auto& [id, session] : sessions_) {
-    if (session.quarantined && !session.pid_verified && !session.seqs.empty()) {
+    if (session.quarantined && !session.pid_verified && session.num_seqs > 0) {
       unverified.push_back(id);
     }
   }
@@ -677,7 +690,7 @@ int CacheManagerService::ExpireSessions(absl::Time now) {
   // An executor holds no sequences but may still be writing: it stays (quarantined, and
   // waiting in its fences) until it answers or its process is proven dead.
   for (const auto& [id, session] : sessions_) {
-    if (session.quarantined && session.seqs.empty() && session.role != wire::Role::Executor) {
+    if (session.quarantined && session.num_seqs == 0 && session.role != wire::Role::Executor) {
       empty.push_back(id);
     }
   }
@@ -712,9 +725,14 @@ std::vector<std::pair<BlockId, MapState>> CacheManagerService::HeldApartList() c
       if (block != kNoBlock) ++(refs[block].*field);
     }
   };
+  absl::flat_hash_set<uint64_t> quarantined;
   for (const auto& [id, session] : sessions_) {
-    if (!session.quarantined) continue;
-    for (SeqId seq : session.seqs) count(seq, &Refs::quarantined);
+    if (session.quarantined && session.num_seqs > 0) quarantined.insert(id);
+  }
+  if (!quarantined.empty()) {
+    ledger_.ForEachSequence([&](SeqId seq, uint64_t owner) {
+      if (owner != 0 && quarantined.contains(owner)) count(seq, &Refs::quarantined);
+    });
   }
   for (const auto& [id, fence] : fences_) {
     for (SeqId seq : fence.seqs) count(seq, &Refs::draining);
@@ -747,7 +765,7 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
   // sequence, and an optional<Rejection> returned per check was most of this function.
   const int64_t max_tokens = int64_t{ledger_.num_blocks()} * ledger_.block_size();
   // Live sequences of the session after the ops so far.
-  auto live_seqs = static_cast<int64_t>(session.seqs.size());
+  auto live_seqs = static_cast<int64_t>(session.num_seqs);
   auto no_room = [&](size_t i, wire::StepOp type) {
     return Rejection{RejectReason::kLimitExceeded, wire::ErrorCode::ResourceExhausted,
                      absl::StrCat("op ", i, " (", BlockOpName(type), "): the session would ",
@@ -757,13 +775,15 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
   // Only the steps that allocate, fork or free put anything in these: a decode step leaves
   // them empty, and its lookups below skip them.
   if (!step_seqs_.empty()) step_seqs_.clear();
-  if (!step_written_.empty()) step_written_.clear();
   if (!step_drained_.empty()) step_drained_.clear();
   // Tokens of `seq` whose KV can be written by now: those it had before this step (the
   // executors write only after the step's reply), which is all a Commit may cover.
   auto writable = [&](SeqId seq) -> int32_t {
-    if (!step_written_.empty()) {
-      if (auto it = step_written_.find(seq); it != step_written_.end()) return it->second;
+    if (!step_seqs_.empty()) {
+      if (auto it = step_seqs_.find(seq);
+          it != step_seqs_.end() && it->second.written != StepSeq::kNotWritten) {
+        return it->second.written;
+      }
     }
     absl::StatusOr<int32_t> tokens = ledger_.NumTokens(seq);
     return tokens.ok() ? *tokens : 0;
@@ -773,12 +793,12 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
   auto holder = [&](SeqId seq) {
     if (!step_seqs_.empty()) {
       if (auto it = step_seqs_.find(seq); it != step_seqs_.end()) {
-        return it->second ? Holder::kThisSession : Holder::kNobody;
+        return it->second.live ? Holder::kThisSession : Holder::kNobody;
       }
     }
-    auto owner = seq_owner_.find(seq);
-    if (owner == seq_owner_.end()) return Holder::kNobody;
-    return owner->second == session.id ? Holder::kThisSession : Holder::kOtherSession;
+    const uint64_t owner = ledger_.OwnerOf(seq);
+    if (owner == 0) return Holder::kNobody;
+    return owner == session.id ? Holder::kThisSession : Holder::kOtherSession;
   };
   // The rejection of an op on `seq`, which is `held` by another session or by nobody.
   auto not_owned = [&](size_t i, wire::StepOp type, SeqId seq, Holder held) {
@@ -804,7 +824,7 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
                                     "executors refuse it for good): choose a new id")};
     }
     auto it = step_seqs_.find(seq);
-    const bool live = it != step_seqs_.end() ? it->second : seq_owner_.contains(seq);
+    const bool live = it != step_seqs_.end() ? it->second.live : ledger_.IsLive(seq);
     if (!live) return std::nullopt;
     return Rejection{RejectReason::kDuplicateSequence, wire::ErrorCode::AlreadyExists,
                      absl::StrCat("op ", i, " (", BlockOpName(type), "): sequence ", seq,
@@ -837,8 +857,7 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
         if (!hashes_ok(op)) return bad_hashes(i, op, " block hashes for ");
         if (auto bad = check_new(i, type, op.seq)) return bad;
         if (++live_seqs > options_.max_sequences_per_session) return no_room(i, type);
-        step_seqs_[op.seq] = true;
-        step_written_[op.seq] = 0;
+        step_seqs_[op.seq] = StepSeq{true, 0};
         break;
       case wire::StepOp::AppendOp:
         if (!tokens_ok(op.num_tokens)) return bad_tokens(i, type, op.num_tokens, "num_tokens");
@@ -846,15 +865,16 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
           return not_owned(i, type, op.seq, held);
         }
         break;
-      case wire::StepOp::ForkOp:
+      case wire::StepOp::ForkOp: {
         if (const Holder held = holder(op.seq); held != Holder::kThisSession) {
           return not_owned(i, type, op.seq, held);
         }
         if (auto bad = check_new(i, type, op.child)) return bad;
         if (++live_seqs > options_.max_sequences_per_session) return no_room(i, type);
-        step_seqs_[op.child] = true;
-        step_written_[op.child] = writable(op.seq);
+        const int32_t written = writable(op.seq);
+        step_seqs_[op.child] = StepSeq{true, written};
         break;
+      }
       case wire::StepOp::CommitOp: {
         if (!tokens_ok(op.num_tokens)) {
           return bad_tokens(i, type, op.num_tokens, "num_committed_tokens");
@@ -895,7 +915,7 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
         const Holder held = holder(op.seq);
         if (held == Holder::kOtherSession) return not_owned(i, type, op.seq, held);
         if (held == Holder::kThisSession) --live_seqs;
-        step_seqs_[op.seq] = false;
+        step_seqs_[op.seq].live = false;
         if (op.drain) step_drained_.insert(op.seq);
         break;
       }
@@ -964,8 +984,8 @@ void CacheManagerService::HandleStep(const wire::Envelope& envelope,
                                 "into smaller steps")},
                   reply);
   }
-  std::vector<flatbuffers::Offset<wire::OpResult>> results;
-  results.reserve(step_ops_.size());
+  std::vector<flatbuffers::Offset<wire::OpResult>>& results = step_results_;
+  results.clear();
   OpResultWriter result_writer(*reply);
   for (const BlockOp& op : step_ops_) {
     OpOutcome& outcome = outcome_;
@@ -978,8 +998,8 @@ void CacheManagerService::HandleStep(const wire::Envelope& envelope,
       case wire::StepOp::AllocateOp: {
         outcome.status = ledger_.Allocate(op.seq, op.num_tokens, op.hashes, &allocated_);
         if (!outcome.status.ok()) break;
-        seq_owner_[op.seq] = session.id;
-        session.seqs.insert(op.seq);
+        KVCM_CHECK(ledger_.SetOwner(op.seq, session.id).ok());
+        ++session.num_seqs;
         outcome.blocks.swap(allocated_.blocks);
         outcome.num_cached_tokens = allocated_.num_cached_tokens;
         break;
@@ -994,8 +1014,8 @@ void CacheManagerService::HandleStep(const wire::Envelope& envelope,
       case wire::StepOp::ForkOp:
         outcome.status = ledger_.Fork(op.seq, op.child);
         if (!outcome.status.ok()) break;
-        seq_owner_[op.child] = session.id;
-        session.seqs.insert(op.child);
+        KVCM_CHECK(ledger_.SetOwner(op.child, session.id).ok());
+        ++session.num_seqs;
         break;
       case wire::StepOp::CommitOp:
         outcome.status = ledger_.Commit(op.seq, op.num_tokens, op.hashes);
@@ -1016,7 +1036,7 @@ void CacheManagerService::HandleStep(const wire::Envelope& envelope,
         break;
       case wire::StepOp::FreeOp: {
         const SeqId seq = op.seq;
-        if (!session.seqs.contains(seq)) {
+        if (ledger_.OwnerOf(seq) != session.id) {
           outcome.status = absl::NotFoundError(absl::StrCat("sequence ", seq, " is not live"));
         } else if (op.drain) {
           // Its blocks wait until every executor stopped writing it (a SequenceFence).
@@ -1026,10 +1046,7 @@ void CacheManagerService::HandleStep(const wire::Envelope& envelope,
         } else {
           outcome.status = ledger_.Free(seq);
         }
-        if (outcome.status.ok()) {
-          seq_owner_.erase(seq);
-          session.seqs.erase(seq);
-        }
+        if (outcome.status.ok()) --session.num_seqs;
         break;
       }
       case wire::StepOp::CanAllocateOp: {
@@ -1069,8 +1086,7 @@ void CacheManagerService::HandleStep(const wire::Envelope& envelope,
 void CacheManagerService::HandleDescribeSession(const wire::Envelope& envelope,
                                                 const Session& session,
                                                 flatbuffers::FlatBufferBuilder* reply) {
-  std::vector<SeqId> seqs(session.seqs.begin(), session.seqs.end());
-  std::sort(seqs.begin(), seqs.end());
+  const std::vector<SeqId> seqs = SeqsOf(session);
   std::vector<flatbuffers::Offset<wire::SequenceState>> states;
   states.reserve(seqs.size());
   for (SeqId seq : seqs) {
@@ -1209,7 +1225,7 @@ void CacheManagerService::HandleStats(const wire::Envelope& envelope, absl::Time
     summaries.push_back(wire::CreateSessionSummary(
         *reply, show_ids ? id : 0, session.role, session.pid, session.pid_verified,
         reply->CreateString(session.name), session.quarantined,
-        static_cast<int32_t>(session.seqs.size()),
+        session.num_seqs,
         static_cast<int32_t>(session.pending_fences.size())));
   }
   auto session_list = reply->CreateVector(summaries);

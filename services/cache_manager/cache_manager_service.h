@@ -244,7 +244,9 @@ class CacheManagerService {
     std::string name;
     absl::Time last_seen;
     bool quarantined = false;
-    absl::flat_hash_set<SeqId> seqs;  // sequences this session allocated and still owns
+    // Sequences this session allocated and still owns: the ledger keeps each one's owner
+    // (BlockLedger::SetOwner), so that a Step's op finds it in the sequence's own record.
+    int32_t num_seqs = 0;
     absl::flat_hash_set<uint64_t> pending_fences;  // executors: fences not acknowledged yet
     // Replies of the last four Steps applied, for retries: a ring whose buffers are
     // reused. Each reply is at most max_message_bytes (a Step whose reply could be larger
@@ -328,6 +330,8 @@ class CacheManagerService {
   int32_t AcknowledgeFence(uint64_t id, uint64_t executor);
   // Frees sequences and counts the blocks that became unused for `reason` (unless !count).
   int32_t FreeSequences(std::span<const SeqId> seqs, ReclaimReason reason, bool count = true);
+  // The sequences `session` owns, by ascending id: one pass over the ledger's sequences.
+  std::vector<SeqId> SeqsOf(const Session& session) const;
   // Puts `seqs` (just taken from `router_session`) behind a fence for every executor
   // session; frees them at once when there is none. `router_seqs`: the router's ids for a
   // sequence fence, empty for a whole ended session. Returns the blocks released now.
@@ -345,7 +349,6 @@ class CacheManagerService {
   const absl::Time start_time_;
 
   absl::flat_hash_map<uint64_t, Session> sessions_;
-  absl::flat_hash_map<SeqId, uint64_t> seq_owner_;  // live sequence -> owning session
   // Session ids are random (NewSessionId); those ended recently, oldest first.
   absl::flat_hash_set<uint64_t> ended_ids_;
   std::deque<uint64_t> ended_order_;
@@ -377,9 +380,17 @@ class CacheManagerService {
   // that neither allocates once grown.
   AllocateResult allocated_;
   AppendResult appended_;
-  absl::flat_hash_map<SeqId, bool> step_seqs_;  // seq -> live after the ops so far
-  absl::flat_hash_map<SeqId, int32_t> step_written_;  // seq -> tokens it had before the step
-  absl::flat_hash_set<SeqId> step_drained_;           // freed with drain by the step
+  // The sequences a Step's ops so far allocated, forked or freed (one table, so that an op
+  // touches one entry): whether each is live after them, and the tokens an allocated or
+  // forked one had before the step (kNotWritten for one only freed: the ledger knows).
+  struct StepSeq {
+    static constexpr int32_t kNotWritten = -1;
+    bool live = false;
+    int32_t written = kNotWritten;
+  };
+  absl::flat_hash_map<SeqId, StepSeq> step_seqs_;
+  absl::flat_hash_set<SeqId> step_drained_;  // freed with drain by the step
+  std::vector<flatbuffers::Offset<wire::OpResult>> step_results_;  // the reply's, in op order
   BlockMap block_map_;  // the last BlockMap's, its cells' storage reused
 };
 

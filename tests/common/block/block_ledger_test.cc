@@ -16,6 +16,7 @@ using ::kvcm::testing::Iota;
 using ::kvcm::testing::Snapshot;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using ::testing::UnorderedElementsAre;
 
 constexpr BlockId X = kNoBlock;
 
@@ -227,6 +228,35 @@ TEST_P(LedgerScenarioTest, RenameKeepsBlocksAndFreesTheOldId) {
   ASSERT_TRUE(ledger.Free(100).ok());
   EXPECT_EQ(ledger.StateOf(0), BlockState::kCached);
   EXPECT_EQ(ledger.StateOf(1), BlockState::kFree);
+  EXPECT_INVARIANTS(ledger);
+}
+
+TEST_P(LedgerScenarioTest, AnOwnerStaysWithItsSequenceUntilItIsFreed) {
+  BlockLedger ledger = MakeLedger(8, bs());
+  ASSERT_TRUE(ledger.Allocate(1, bs() + 1).ok());
+  EXPECT_EQ(ledger.OwnerOf(1), 0u);  // none until set
+  EXPECT_EQ(ledger.SetOwner(9, 7).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(ledger.OwnerOf(9), 0u);
+  ASSERT_TRUE(ledger.SetOwner(1, 7).ok());
+  ASSERT_TRUE(ledger.Commit(1, bs()).ok());
+  ASSERT_TRUE(ledger.Append(1, bs()).ok());
+  EXPECT_EQ(ledger.OwnerOf(1), 7u);
+  // A fork's child starts with none; a rename keeps it.
+  ASSERT_TRUE(ledger.Fork(1, 2).ok());
+  EXPECT_EQ(ledger.OwnerOf(2), 0u);
+  ASSERT_TRUE(ledger.SetOwner(2, 8).ok());
+  ASSERT_TRUE(ledger.Rename(1, 100).ok());
+  EXPECT_EQ(ledger.OwnerOf(100), 7u);
+  EXPECT_EQ(ledger.OwnerOf(1), 0u);
+  std::vector<std::pair<SeqId, uint64_t>> seen;
+  ledger.ForEachSequence([&](SeqId seq, uint64_t owner) { seen.emplace_back(seq, owner); });
+  EXPECT_THAT(seen, UnorderedElementsAre(std::pair<SeqId, uint64_t>{100, 7},
+                                         std::pair<SeqId, uint64_t>{2, 8}));
+  // Freed, its record is reused by the next sequence, which starts with none again.
+  ASSERT_TRUE(ledger.Free(100).ok());
+  EXPECT_EQ(ledger.OwnerOf(100), 0u);
+  ASSERT_TRUE(ledger.Allocate(3, 1).ok());
+  EXPECT_EQ(ledger.OwnerOf(3), 0u);
   EXPECT_INVARIANTS(ledger);
 }
 
