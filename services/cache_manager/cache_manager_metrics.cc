@@ -351,14 +351,11 @@ CacheManagerMetrics::CacheManagerMetrics(const CacheInfo& info)
   registry_->AddCollector(collector_);
 
   // Every label set now, at 0.
-  auto& requests = AddCounterFamily(*registry_, kRequests);
-  auto& durations = AddHistogramFamily(*registry_, kRequestDuration);
-  const std::vector<double> buckets = RequestLatencyBucketsSeconds();
-  for (int i = 0; i < kRequestTypes; ++i) {
-    const std::string type(kRequestTypeNames[i]);
-    requests_[i] = &requests.Add({{"type", type}});
-    request_durations_[i] = &durations.Add({{"type", type}}, buckets);
-  }
+  requests_ = std::make_shared<LabeledHistograms>(
+      kRequestDuration, kRequests, "type",
+      std::vector<std::string>(kRequestTypeNames.begin(), kRequestTypeNames.end()),
+      RequestLatencyBucketsSeconds());
+  registry_->AddCollector(requests_);
   auto& rejected = AddCounterFamily(*registry_, kRejectedMessages);
   for (int i = 0; i < kRejectReasons; ++i) {
     rejected_[i] = &rejected.Add({{"reason", std::string(kRejectReasonNames[i])}});
@@ -438,9 +435,8 @@ CacheManagerMetrics::~CacheManagerMetrics() = default;
 
 void CacheManagerMetrics::ObserveRequest(RequestType type, double seconds) {
   const size_t i = static_cast<size_t>(type);
-  KVCM_CHECK(i < requests_.size()) << i;
-  requests_[i]->Increment();
-  request_durations_[i]->Observe(seconds);
+  KVCM_CHECK(i < static_cast<size_t>(kRequestTypes)) << i;
+  requests_->Observe(i, seconds);
 }
 
 void CacheManagerMetrics::CountRejected(RejectReason reason) {

@@ -6,8 +6,8 @@
 //
 // Two kinds of metrics:
 // - Event metrics, updated as things happen on the socket thread: requests by type and
-//   their latency, rejected messages by reason, reclaimed blocks by reason. prometheus-cpp
-//   counters and histograms; cheap and lock-free apart from the histogram's own mutex.
+//   their latency (LabeledHistograms: a few cache lines per request), rejected messages by
+//   reason, reclaimed blocks by reason (prometheus-cpp counters).
 // - Snapshot metrics, built at scrape time from the last CacheManagerSnapshot published:
 //   block states, ratios, ledger counters, sessions, epoch, events. A scrape reads ONE
 //   snapshot, so `sum(kvcm_cache_blocks)` always equals `kvcm_cache_capacity_blocks`.
@@ -28,6 +28,7 @@
 #include <string_view>
 
 #include "common/block/block_ledger.h"
+#include "common/metrics/labeled_histograms.h"
 #include "common/metrics/metric_spec.h"
 
 namespace prometheus {
@@ -192,8 +193,9 @@ class CacheManagerMetrics {
   std::shared_ptr<ScrapeRegistry> registry_;
   std::shared_ptr<SnapshotCollector> collector_;  // held weakly by registry_
   // Resolved once, indexed by enum; owned by registry_'s families.
-  std::array<prometheus::Counter*, kRequestTypes> requests_{};
-  std::array<prometheus::Histogram*, kRequestTypes> request_durations_{};
+  // Requests and their latency by type (kvcm_cache_manager_requests_total and
+  // kvcm_cache_manager_request_duration_seconds); held weakly by registry_.
+  std::shared_ptr<LabeledHistograms> requests_;
   std::array<prometheus::Counter*, kRejectReasons> rejected_{};
   std::array<prometheus::Counter*, kReclaimReasons> reclaimed_{};
   prometheus::Counter* replayed_steps_ = nullptr;
