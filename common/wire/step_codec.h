@@ -24,15 +24,17 @@
 namespace kvcm {
 
 // One op of a Step. Only the fields of its kind are meaningful; the others stay zero.
+// Laid out without padding holes (72 bytes): the cache manager decodes a Step's ops into
+// a vector of them, which a request after a context switch finds cold.
 struct BlockOp {
-  wire::StepOp kind = wire::StepOp::NONE;
   SeqId seq = 0;                  // Allocate, Append, Commit, Free; Fork: the parent
   SeqId child = 0;                // Fork
   int32_t num_tokens = 0;         // Allocate, CanAllocate: prompt tokens; Append: more
                                   // tokens; Commit: tokens whose KV is written
+  wire::StepOp kind = wire::StepOp::NONE;
+  bool drain = false;             // Free
   std::vector<BlockHash> hashes;  // Allocate, CanAllocate: leading full blocks; Commit: new
                                   // full blocks
-  bool drain = false;             // Free
   // Commit, when the cache manager wants them (HelloReply.wants_commit_tokens): the token
   // ids of the last full blocks committed (those the commit completes), block_size each,
   // block after block, the last ending at num_tokens' last full block; otherwise empty.

@@ -449,7 +449,7 @@ int CacheManagerServer::DrainRequests() {
     // A connection is no longer silent once a request of it is taken (a Hello, or a request
     // of a live session after a reconnection); one that only sends what is refused is
     // still closed at the deadline.
-    if (source_fd >= 0 && reply_.GetSize() > 0 &&
+    if (!silent_.empty() && source_fd >= 0 && reply_.GetSize() > 0 &&
         wire::GetEnvelope(reply_.GetBufferPointer())->payload_type() !=
             wire::Message::ErrorReply) {
       silent_.erase(source_fd);
