@@ -41,6 +41,9 @@
 //   ServiceHandleStepAndLoop  the same plus what the server's loop does around each
 //                             request when requests arrive one at a time: the peer address
 //                             parse, clock reads, TakeEventBatch and the metrics snapshot.
+//   ServiceHandleStepCold     ServiceHandleStep with the caches overwritten (8 MiB, timer
+//                             paused) before every Handle(): what a request pays when it
+//                             comes after the context switches of a round trip.
 //   ServiceHandleDecodeStep/S/N  Handle() on the router's step shape with N running
 //                             sequences (DecodeStepStream below: S = once_a_block, a Commit
 //                             and an Append per sequence once a block, the router's; or
@@ -897,9 +900,22 @@ absl::StatusOr<std::unique_ptr<BenchService>> MakeBenchService(std::string hash_
   return bench;
 }
 
-// The step stream handed to an in-process CacheManagerService built like the server's;
-// with `loop`, also the server loop's per-request work around Handle().
-void ServiceHandle(benchmark::State& state, bool loop) {
+// How ServiceHandle() runs each Handle(): back to back (the caches stay warm), with the
+// server loop's per-request work around it, or after the caches were overwritten.
+enum class HandleMode { kWarm, kLoop, kCold };
+
+// Overwrites kColdBytes (twice a core's L2 here) so that the next Handle() finds its data in
+// the last-level cache at best, as it does after the context switches of a round trip.
+constexpr size_t kColdBytes = size_t{8} << 20;
+void EvictCaches() {
+  static auto* buffer = new std::vector<uint8_t>(kColdBytes);
+  for (size_t i = 0; i < buffer->size(); i += 64) ++(*buffer)[i];
+  benchmark::ClobberMemory();
+}
+
+// The step stream handed to an in-process CacheManagerService built like the server's.
+void ServiceHandle(benchmark::State& state, HandleMode mode) {
+  const bool loop = mode == HandleMode::kLoop;
   absl::StatusOr<std::unique_ptr<BenchService>> bench = MakeBenchService("sha256");
   if (!bench.ok()) {
     state.SkipWithError(std::string(bench.status().message()).c_str());
@@ -956,6 +972,11 @@ void ServiceHandle(benchmark::State& state, bool loop) {
         metrics.PublishSnapshot(service.Snapshot());
         benchmark::DoNotOptimize(absl::Now());
       } else {
+        if (mode == HandleMode::kCold) {
+          state.PauseTiming();
+          EvictCaches();
+          state.ResumeTiming();
+        }
         service.Handle(peer, BufferSpan(steps[next++]), absl::Now(), &reply);
       }
       // The first and every 1024th reply are checked (the check costs about as much as
@@ -1108,11 +1129,15 @@ void LedgerDecodeStep(benchmark::State& state, bool once_a_block) {
   state.counters["units"] = 1;
 }
 
-void ServiceHandleStep(benchmark::State& state) { ServiceHandle(state, false); }
-void ServiceHandleStepAndLoop(benchmark::State& state) { ServiceHandle(state, true); }
+void ServiceHandleStep(benchmark::State& state) { ServiceHandle(state, HandleMode::kWarm); }
+void ServiceHandleStepAndLoop(benchmark::State& state) {
+  ServiceHandle(state, HandleMode::kLoop);
+}
+void ServiceHandleStepCold(benchmark::State& state) { ServiceHandle(state, HandleMode::kCold); }
 
 BENCHMARK(ServiceHandleStep);
 BENCHMARK(ServiceHandleStepAndLoop);
+BENCHMARK(ServiceHandleStepCold)->MinTime(0.2);
 BENCHMARK_CAPTURE(ServiceHandleDecodeStep, once_a_block, true)->Arg(64)->Arg(256);
 BENCHMARK_CAPTURE(LedgerDecodeStep, once_a_block, true)->Arg(64)->Arg(256);
 BENCHMARK_CAPTURE(ServiceHandleDecodeStep, once_a_token, false)->Arg(64)->Arg(256);
