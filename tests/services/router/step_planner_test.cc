@@ -348,6 +348,31 @@ TEST(StepPlannerTest, SeveralAnswersShareThePromptByForkAndCopyTheLastBlockOnWri
   EXPECT_EQ(sim.ledger().Stats().in_use_blocks, 0);
 }
 
+// A prompt inside one block fills none, so only the fork makes the parent commit: the
+// children's Appends copy the shared partial block, which needs its KV committed.
+TEST(StepPlannerTest, AParentWhosePromptFillsNoBlockCommitsBeforeItIsForked) {
+  PlannerSim sim(Options(), 64);
+  const std::vector<int32_t> prompt = Tokens(kBlockSize - 1);
+  RequestOutputs outputs;
+  outputs.sequences = 3;
+  sim.planner().Enqueue(1, prompt, 4, {}, outputs);
+  sim.Step(kOne);  // the prompt
+  sim.Step(kOne);  // commit, forks, appends
+  const std::vector<BlockOp>& ops = sim.plans()[1].ops;
+  ASSERT_GE(ops.size(), 3u);
+  EXPECT_EQ(ops[0].kind, wire::StepOp::CommitOp);
+  EXPECT_EQ(ops[0].num_tokens, kBlockSize - 1);
+  EXPECT_EQ(ops[1].kind, wire::StepOp::ForkOp);
+  EXPECT_EQ(ops[1].seq, ops[0].seq);
+  EXPECT_EQ(ops[2].kind, wire::StepOp::ForkOp);
+  EXPECT_EQ(sim.failure(), "");
+  for (int step = 0; step < 8; ++step) sim.Step(kOne);
+  EXPECT_EQ(sim.failure(), "");
+  EXPECT_EQ(sim.generated(1, 0), Reference(prompt, 4));
+  EXPECT_EQ(sim.generated(1, 1), testing::ForkReference(prompt, 4, 0, 1));
+  EXPECT_EQ(sim.generated(1, 2), testing::ForkReference(prompt, 4, 0, 2));
+}
+
 TEST(StepPlannerTest, ARequestWhoseFirstTokenEndsItStillForksItsOthers) {
   PlannerSim sim(Options(), 64);
   RequestOutputs outputs;
