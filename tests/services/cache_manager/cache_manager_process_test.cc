@@ -616,16 +616,29 @@ TEST(CacheManagerMetricsLiveTest, ScrapePassesPromtoolAndPrometheusSeesTheBlocks
   ASSERT_TRUE(client->Step(step).ok());
   ASSERT_TRUE(client->Stats().ok());
 
-  auto metrics = kvcm::testing::HttpGet(manager->metrics_url());
-  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  // The block and session gauges come from the snapshot the server publishes after a turn
+  // of its loop, and one turn may answer several requests: a scrape right after a reply can
+  // still show the state before it (read once, it did in 2 of about 30 runs of this test):
+  // scraped until they show the new state, for at most 10 s.
+  absl::StatusOr<kvcm::testing::HttpResponse> metrics;
+  absl::StatusOr<kvcm::testing::MetricsText> parsed;
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(10);;) {
+    metrics = kvcm::testing::HttpGet(manager->metrics_url());
+    ASSERT_TRUE(metrics.ok()) << metrics.status();
+    parsed = kvcm::testing::ParseMetricsText(metrics->body);
+    ASSERT_TRUE(parsed.ok());
+    if (*parsed->Value("kvcm_cache_blocks", {{"state", "in_use"}}) == 14 ||
+        absl::Now() > deadline) {
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(*parsed->Value("kvcm_cache_blocks", {{"state", "in_use"}}), 14);
+  EXPECT_EQ(*parsed->Value("kvcm_cache_manager_sessions", {{"role", "router"}}), 1);
   auto promtool = kvcm::testing::PromtoolCheckMetrics(metrics->body);
   ASSERT_TRUE(promtool.ok()) << promtool.status();
   EXPECT_EQ(promtool->exit_code, 0) << promtool->output;
   EXPECT_EQ(promtool->output, "") << promtool->output;
-  auto parsed = kvcm::testing::ParseMetricsText(metrics->body);
-  ASSERT_TRUE(parsed.ok());
-  EXPECT_EQ(*parsed->Value("kvcm_cache_blocks", {{"state", "in_use"}}), 14);
-  EXPECT_EQ(*parsed->Value("kvcm_cache_manager_sessions", {{"role", "router"}}), 1);
 
   const std::string url = manager->metrics_url();
   kvcm::testing::PrometheusServer::Options options;
