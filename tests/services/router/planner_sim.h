@@ -168,6 +168,11 @@ class PlannerSim {
           }
           auto appended = ledger_.Append(op.seq, op.num_tokens);
           if (!appended.ok()) {
+            // Only a lack of blocks is the planner's to meet (by preempting); any other
+            // refusal is a bug it would hide, recomputing the sequence.
+            if (!absl::IsResourceExhausted(appended.status())) {
+              Fail(absl::StrCat("append refused: ", appended.status().ToString()));
+            }
             out.status = appended.status();
             break;
           }
