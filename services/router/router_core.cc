@@ -312,6 +312,13 @@ void RouterCore::Turn() {
 
 void RouterCore::ContinueStep(StepPlan plan, std::vector<OpOutcome> outcomes) {
   ExecutorWork& work = planner_->Apply(plan, outcomes);
+  if (const uint64_t refused = planner_->refused_ops(); refused > refused_ops_reported_) {
+    Log(absl::StrCat("the cache manager refused ", refused - refused_ops_reported_,
+                     " op(s) of step ", plan.step_id, " for a reason other than room (",
+                     planner_->last_refusal().ToString(), "): a bug of the router or the "
+                     "cache manager; the sequences are computed again"));
+    refused_ops_reported_ = refused;
+  }
   if (RouterMetrics* m = options_.metrics) {
     m->CountPromptTokens(work.cached_prompt_tokens, work.computed_prompt_tokens);
     m->CountRecomputedCommittedTokens(work.recomputed_committed_tokens);

@@ -194,6 +194,7 @@ class RouterCore {
   // While ExecutorLink reads the executors' socket: when the loop woke to read it.
   std::optional<absl::Time> reading_since_;
   uint64_t preemptions_reported_ = 0;
+  uint64_t refused_ops_reported_ = 0;
   absl::flat_hash_set<uint64_t> awaiting_;  // executors that owe a result
   std::vector<SeqResult> results_;
 };

@@ -447,8 +447,10 @@ ExecutorWork& StepPlanner::Apply(const StepPlan& plan, std::span<const OpOutcome
         break;  // NOT_FOUND (already gone) is as good as freed
       case StepPlan::OpRole::kFork:
         // Refused (a bug of either side): the child starts again from its tokens.
-        if (!outcome.status.ok() && it != running_.end()) {
-          Requeue(std::move(it->second), /*preempted=*/true);
+        if (!outcome.status.ok()) {
+          ++refused_ops_;
+          last_refusal_ = outcome.status;
+          if (it != running_.end()) Requeue(std::move(it->second), /*preempted=*/true);
         }
         break;
       case StepPlan::OpRole::kCommit:
@@ -470,7 +472,12 @@ ExecutorWork& StepPlanner::Apply(const StepPlan& plan, std::span<const OpOutcome
             own.insert(own.end(), outcome.copies.begin(), outcome.copies.end());
           }
         } else {
-          // No room after all: preempted, freed in the next step.
+          // No room after all: preempted, freed in the next step. Any other refusal is a
+          // bug (e.g. a copy-on-write of uncommitted KV), met the same way and counted.
+          if (!absl::IsResourceExhausted(outcome.status)) {
+            ++refused_ops_;
+            last_refusal_ = outcome.status;
+          }
           to_free_.push_back(it->second.seq);
           ++preemptions_;
           Requeue(std::move(it->second), /*preempted=*/true);

@@ -204,6 +204,12 @@ class StepPlanner {
   size_t queued() const { return queue_.size(); }
   size_t running() const { return running_.size(); }
   uint64_t preemptions() const { return preemptions_; }
+  // Ops the cache manager refused for a reason other than a lack of blocks: a Fork, or an
+  // Append refused with anything but RESOURCE_EXHAUSTED. Each is a bug of the router or
+  // the cache manager; its sequence is computed again (an Append's counts as a preemption
+  // too), so answers stay right, and this keeps the bug visible. The last one's status.
+  uint64_t refused_ops() const { return refused_ops_; }
+  const absl::Status& last_refusal() const { return last_refusal_; }
   // Blocks the running sequences hold, as far as the planner knows.
   int64_t held_blocks() const;
   // One running sequence as an operator sees it (the router's /dashboard).
@@ -291,6 +297,8 @@ class StepPlanner {
   uint64_t next_step_ = 1;
   uint64_t next_admission_ = 1;
   uint64_t preemptions_ = 0;
+  uint64_t refused_ops_ = 0;
+  absl::Status last_refusal_;
   std::vector<SeqId> scheduled_;  // of the step in flight, in schedule order
   // What Apply returns, and its scratch: kept from step to step for their capacity.
   ExecutorWork work_;

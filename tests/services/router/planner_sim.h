@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -97,6 +98,11 @@ class PlannerSim {
   }
   // First failure of a check, or "".
   const std::string& failure() const { return failure_; }
+  // Changes what the planner is told of each op (after the ledger ran it): a cache manager
+  // that answers wrongly.
+  void set_tamper(std::function<void(const BlockOp&, OpOutcome&)> tamper) {
+    tamper_ = std::move(tamper);
+  }
 
   // Sequences freed with drain, in order.
   const std::vector<SeqId>& drained() const { return drained_; }
@@ -109,6 +115,9 @@ class PlannerSim {
     StepPlan plan = planner_.Plan(stats.free_blocks + stats.cached_blocks, executors);
     rejected_.insert(rejected_.end(), plan.rejected.begin(), plan.rejected.end());
     std::vector<OpOutcome> outcomes = RunOps(plan.ops);
+    if (tamper_) {
+      for (size_t i = 0; i < plan.ops.size(); ++i) tamper_(plan.ops[i], outcomes[i]);
+    }
     ExecutorWork& work = planner_.Apply(plan, outcomes);
     cached_prompt_tokens_ += work.cached_prompt_tokens;
     std::vector<SeqResult> results;
@@ -294,6 +303,7 @@ class PlannerSim {
   absl::flat_hash_set<SeqId> live_;
   absl::flat_hash_map<SeqId, int32_t> written_;  // leading tokens whose KV is written
   std::string failure_;
+  std::function<void(const BlockOp&, OpOutcome&)> tamper_;
   std::vector<SeqId> drained_;
 };
 

@@ -373,6 +373,30 @@ TEST(StepPlannerTest, AParentWhosePromptFillsNoBlockCommitsBeforeItIsForked) {
   EXPECT_EQ(sim.generated(1, 2), testing::ForkReference(prompt, 4, 0, 2));
 }
 
+// An Append refused for another reason than room is a bug of one side: counted apart (the
+// router logs it), while its sequence is computed again and the answer stays right.
+TEST(StepPlannerTest, AnAppendRefusedForAnotherReasonThanRoomIsCountedAndComputedAgain) {
+  PlannerSim sim(Options(), 64);
+  const std::vector<int32_t> prompt = Tokens(6);
+  sim.planner().Enqueue(1, prompt, 4, {}, RequestOutputs{});
+  int refused = 0;
+  sim.set_tamper([&refused](const BlockOp& op, OpOutcome& outcome) {
+    if (op.kind != wire::StepOp::AppendOp || refused > 0) return;
+    ++refused;
+    outcome = OpOutcome{};
+    outcome.status = absl::FailedPreconditionError("refused by the test");
+  });
+  for (int step = 0; step < 12; ++step) sim.Step(kOne);
+  EXPECT_EQ(refused, 1);
+  EXPECT_EQ(sim.planner().refused_ops(), 1u);
+  EXPECT_EQ(sim.planner().last_refusal().message(), "refused by the test");
+  EXPECT_EQ(sim.planner().preemptions(), 1u);
+  EXPECT_EQ(sim.failure(), "");
+  EXPECT_EQ(sim.generated()[1], Reference(prompt, 4));
+  EXPECT_EQ(sim.planner().running(), 0u);
+  EXPECT_EQ(sim.ledger().Stats().in_use_blocks, 0);
+}
+
 TEST(StepPlannerTest, ARequestWhoseFirstTokenEndsItStillForksItsOthers) {
   PlannerSim sim(Options(), 64);
   RequestOutputs outputs;
