@@ -23,9 +23,6 @@ LabeledHistograms::LabeledHistograms(const MetricSpec& histogram, const MetricSp
   KVCM_CHECK(std::is_sorted(bounds_.begin(), bounds_.end()) &&
              std::adjacent_find(bounds_.begin(), bounds_.end()) == bounds_.end())
       << histogram_.name << ": bucket bounds must ascend";
-  for (Line& line : lines_) {
-    for (std::atomic<uint64_t>& cell : line.cell) cell.store(0, std::memory_order_relaxed);
-  }
 }
 
 std::vector<prometheus::MetricFamily> LabeledHistograms::Collect() const {

@@ -21,7 +21,6 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <span>
 #include <string>
 #include <vector>
 
@@ -54,7 +53,8 @@ class LabeledHistograms : public prometheus::Collectable {
 
  private:
   // Each value's row starts a cache line: the sum in nanoseconds, then a count per bucket
-  // (+Inf last). The sum and the first seven buckets share the row's first line.
+  // (+Inf last). The sum and the first seven buckets share the row's first line. Every
+  // cell starts at 0 (a C++20 atomic is value-initialised).
   struct alignas(64) Line {
     std::atomic<uint64_t> cell[8];
   };

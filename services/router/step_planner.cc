@@ -448,8 +448,7 @@ ExecutorWork& StepPlanner::Apply(const StepPlan& plan, std::span<const OpOutcome
       case StepPlan::OpRole::kFork:
         // Refused (a bug of either side): the child starts again from its tokens.
         if (!outcome.status.ok()) {
-          ++refused_ops_;
-          last_refusal_ = outcome.status;
+          NoteRefusal(outcome.status);
           if (it != running_.end()) Requeue(std::move(it->second), /*preempted=*/true);
         }
         break;
@@ -474,10 +473,7 @@ ExecutorWork& StepPlanner::Apply(const StepPlan& plan, std::span<const OpOutcome
         } else {
           // No room after all: preempted, freed in the next step. Any other refusal is a
           // bug (e.g. a copy-on-write of uncommitted KV), met the same way and counted.
-          if (!absl::IsResourceExhausted(outcome.status)) {
-            ++refused_ops_;
-            last_refusal_ = outcome.status;
-          }
+          if (!absl::IsResourceExhausted(outcome.status)) NoteRefusal(outcome.status);
           to_free_.push_back(it->second.seq);
           ++preemptions_;
           Requeue(std::move(it->second), /*preempted=*/true);

@@ -299,6 +299,10 @@ class StepPlanner {
   uint64_t preemptions_ = 0;
   uint64_t refused_ops_ = 0;
   absl::Status last_refusal_;
+  void NoteRefusal(const absl::Status& status) {
+    ++refused_ops_;
+    last_refusal_ = status;
+  }
   std::vector<SeqId> scheduled_;  // of the step in flight, in schedule order
   // What Apply returns, and its scratch: kept from step to step for their capacity.
   ExecutorWork work_;
