@@ -142,7 +142,7 @@ void ExecutorLink::HandleReadable(absl::Time now) {
         }
         if (executor != nullptr) {  // registered again (restarted, or a new pool epoch)
           const uint64_t old = executor->id;
-          Drop(old);
+          Remove(old, /*stopped=*/false, /*announce=*/false);
         }
         Executor fresh;
         fresh.id = next_executor_++;
@@ -172,8 +172,11 @@ void ExecutorLink::HandleReadable(absl::Time now) {
         }
         by_identity_[identity] = fresh.id;
         executors_.emplace(fresh.id, std::move(fresh));
-        Reply(identity, out_);
+        // The router counts it before the executor hears it is registered: the executor's
+        // "registered" line is what kvcm-launch's ready waits for, and a request sent at that
+        // line must not find no executor (docs/operations.md, "kvcm-launch").
         if (on_change_) on_change_();
+        Reply(identity, out_);
         break;
       }
       case wire::ExecutorMessage::Heartbeat:
@@ -241,7 +244,7 @@ std::vector<uint64_t> ExecutorLink::DropSilent(absl::Time now) {
   return dropped;
 }
 
-void ExecutorLink::Drop(uint64_t id, bool stopped) {
+void ExecutorLink::Remove(uint64_t id, bool stopped, bool announce) {
   auto it = executors_.find(id);
   if (it == executors_.end()) return;
   if (!stopped) unconfirmed_.push_back(id);  // before on_result_: the step's end takes it
@@ -252,7 +255,7 @@ void ExecutorLink::Drop(uint64_t id, bool stopped) {
   if (step != 0 && on_result_) {
     on_result_(id, step, absl::UnavailableError(absl::StrCat("executor ", id, " is gone")));
   }
-  if (on_change_) on_change_();
+  if (announce && on_change_) on_change_();
 }
 
 absl::Status ExecutorLink::SendStep(uint64_t id, const StepRequest& step, absl::Time now) {

@@ -71,7 +71,9 @@ class ExecutorLink {
   // said Goodbye after its last step). Otherwise (silence, a step not answered in time) it
   // may be hung mid-step and wake up: its id is kept for TakeUnconfirmed(), so that the
   // router frees what it was running with drain (docs/architecture.md, "Fencing").
-  void Drop(uint64_t executor, bool stopped = false);
+  void Drop(uint64_t executor, bool stopped = false) {
+    Remove(executor, stopped, /*announce=*/true);
+  }
   // The executors dropped without proof that they stopped, since the last call.
   std::vector<uint64_t> TakeUnconfirmed() { return std::exchange(unconfirmed_, {}); }
 
@@ -91,6 +93,10 @@ class ExecutorLink {
   const std::optional<ModelInfo>& model() const { return model_; }
 
  private:
+  // Drop's work; `announce` false leaves on_change_ to the caller (an executor registered
+  // again is replaced in one change, so the count never shows it gone in between).
+  void Remove(uint64_t executor, bool stopped, bool announce);
+
   void Reply(const std::string& identity, const flatbuffers::FlatBufferBuilder& message);
   void Refuse(const std::string& identity, uint64_t request_id, wire::ErrorCode code,
               const std::string& reason);

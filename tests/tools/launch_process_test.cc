@@ -1,18 +1,23 @@
 // kvcm-launch as a process: it starts the cache manager, the router and two executors of a
 // tiny model, serves requests with the tokens of the model run alone, restarts an executor
 // and the cache manager killed with SIGKILL, and at SIGTERM stops everything and removes
-// its run directory. A process that cannot start fails the launch with its reason.
+// its run directory. A process that cannot start fails the launch with its reason. Its ready
+// line means the stack answers a generation request, however slowly the executors start.
 
 #include <signal.h>
 
 #include <filesystem>
+#include <fstream>
+#include <iostream>
 #include <memory>
+#include <random>
 #include <regex>
 #include <string>
 #include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -44,13 +49,14 @@ class LaunchProcessTest : public ::testing::Test {
     model_ = *std::move(model);
   }
 
-  std::unique_ptr<Subprocess> Launch(std::vector<std::string> extra) {
+  std::unique_ptr<Subprocess> Launch(std::vector<std::string> extra,
+                                     const std::string& log = "launch.log") {
     Subprocess::Options options;
     options.argv = {testing::KvcmBinaryPath("kvcm-launch"), "--model", model_dir_,
                     "--port", "0", "--threads", "1", "--block-size", "4",
                     "--heartbeat-timeout-ms", "2000", "--restart-backoff-ms", "100"};
     options.argv.insert(options.argv.end(), extra.begin(), extra.end());
-    options.output_path = dir_->path() + "/launch.log";
+    options.output_path = dir_->path() + "/" + log;
     options.env = {"TMPDIR=" + dir_->path()};
     absl::StatusOr<std::unique_ptr<Subprocess>> started = Subprocess::Start(options);
     EXPECT_TRUE(started.ok()) << started.status();
@@ -174,6 +180,66 @@ TEST_F(LaunchProcessTest, ServesRestartsWhatDiesAndStopsEverythingAtSigterm) {
   for (pid_t pid : all) EXPECT_NE(::kill(pid, 0), 0) << "pid " << pid << " still runs";
   EXPECT_FALSE(std::filesystem::exists(run_dir));
   EXPECT_THAT(log, HasSubstr("kvcm-launch: stopped"));
+}
+
+// kvcm-launch's ready line means "answers a generation request now" (docs/operations.md,
+// "kvcm-launch"). The executors run through a wrapper in a --bin-dir of the test's own that
+// holds them at a gate the test opens, then sleeps a seeded delay: a request sent at the
+// router's own ready line, with the gate shut, is forced to find no executor (503, what a
+// client waiting for that line used to get), and one sent at once at the launcher's ready
+// line is served with the model's tokens, whatever the delay and however many executors.
+TEST_F(LaunchProcessTest, ARequestSentAtTheReadyLineIsServedHoweverSlowlyExecutorsStart) {
+  const std::string bin = dir_->path() + "/bin";
+  std::filesystem::create_directories(bin);
+  for (const char* name : {"kvcm-cache-manager", "kvcm-router"}) {
+    std::filesystem::create_symlink(testing::KvcmBinaryPath(name), bin + "/" + name);
+  }
+  const std::string gate = dir_->path() + "/gate";
+  for (uint32_t seed = 1; seed <= 6; ++seed) {
+    std::mt19937 rng(seed);
+    const int delay_ms = std::uniform_int_distribution<int>(0, 1000)(rng);
+    const int executors = 1 + static_cast<int>(seed % 2);
+    std::cout << "seed " << seed << ": " << executors << " executor(s), each " << delay_ms
+              << " ms after the gate opens" << std::endl;
+    std::filesystem::remove(gate);
+    {
+      std::ofstream wrapper(bin + "/kvcm-executor", std::ios::trunc);
+      wrapper << "#!/bin/sh\n"
+              << "while [ ! -e '" << gate << "' ]; do sleep 0.02; done\n"
+              << "sleep " << delay_ms / 1000 << "." << absl::StrFormat("%03d", delay_ms % 1000)
+              << "\n"
+              << "exec '" << testing::KvcmBinaryPath("kvcm-executor") << "' \"$@\"\n";
+    }
+    std::filesystem::permissions(bin + "/kvcm-executor", std::filesystem::perms::owner_all);
+
+    std::unique_ptr<Subprocess> launch =
+        Launch({"--executors", absl::StrCat(executors), "--num-blocks", "64", "--bin-dir", bin},
+               absl::StrCat("launch-", seed, ".log"));
+    ASSERT_NE(launch, nullptr);
+    auto router = launch->WaitForLine("kvcm-router: ready http=(\\S+)",
+                                      absl::Now() + absl::Seconds(60));
+    ASSERT_TRUE(router.ok()) << router.status();
+    absl::StatusOr<testing::HttpResponse> early = HttpPost(
+        (*router)[1] + "/generate",
+        json{{"inputs", "too early"}, {"parameters", {{"max_new_tokens", 2}}}}.dump());
+    ASSERT_TRUE(early.ok()) << early.status() << "\n" << launch->Output();
+    EXPECT_EQ(early->status, 503) << early->body;
+    EXPECT_THAT(early->body, HasSubstr("no executor is registered"));
+
+    std::ofstream(gate).put('\n');
+    auto ready = launch->WaitForLine(
+        absl::StrCat("kvcm-launch: ready http=(\\S+) executors=", executors),
+        absl::Now() + absl::Seconds(60));
+    ASSERT_TRUE(ready.ok()) << ready.status();
+    EXPECT_EQ(Generate((*ready)[1], "at the ready line", 4), Reference("at the ready line", 4))
+        << "seed " << seed << "\n"
+        << launch->Output();
+
+    ASSERT_TRUE(launch->Signal(SIGTERM).ok());
+    absl::StatusOr<int> code = launch->Wait(absl::Seconds(60));
+    ASSERT_TRUE(code.ok()) << launch->Output();
+    EXPECT_EQ(*code, 0) << launch->Output();
+  }
 }
 
 TEST_F(LaunchProcessTest, AProcessThatCannotStartFailsTheLaunchWithItsReason) {
