@@ -57,7 +57,9 @@ class Node:
         self.pub = self.replay = self.url = None
 
     def await_ready(self):
-        """Reads the cache manager's pid and endpoints, then the launcher's ready line."""
+        """Reads the cache manager's pid and endpoints, then the launcher's ready line: the
+        node answers a generation request from then on (docs/operations.md, "kvcm-launch").
+        The router's own "ready http=" line comes earlier, before any executor registered."""
         while self.url is None or self.pub is None:
             line = self.lines.wait_for("", TIMEOUT_S)
             self._parse(line)
@@ -69,7 +71,7 @@ class Node:
         m = re.search(r"vLLM-format KV events on (tcp://\S+) topic=\S* replay=(\S+)", line)
         if m:
             self.pub, self.replay = m.group(1), m.group(2)
-        m = re.search(r"ready http=(\S+)", line)
+        m = re.search(r"kvcm-launch: ready http=(\S+)", line)
         if m:
             self.url = m.group(1)
 
@@ -107,6 +109,22 @@ def prompt_text(rng, n):
     return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(n))
 
 
+def prime(indexer, node, instance, rng):
+    """Sends fresh prompts through `node` until the indexer scores one: its subscriber is
+    connected (a PUB socket drops what it sends before that, and an event missed then comes
+    back by replay only once a later one shows the gap). A condition, not a fixed wait."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        text = prompt_text(rng, 40)
+        tokens = node.tokenize(text)
+        want = {instance: len(tokens) // BLOCK * BLOCK}
+        node.generate(text)
+        if indexer.await_scores(tokens, MODEL_NAME, want, timeout_s=2) == want:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the indexer never scored a prompt through node {node.name}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bin-dir", required=True)
@@ -139,7 +157,8 @@ def main():
         indexer = Indexer(BLOCK)
         for i, n in enumerate(nodes, start=1):
             indexer.register(i, n.pub, n.replay, MODEL_NAME)
-        time.sleep(1.0)  # the SUBs connect before the first event
+        for i, n in enumerate(nodes, start=1):
+            prime(indexer, n, i, rng)
 
         # 1. A long prompt through A: 6 full blocks (BOS and 100 bytes: 101 tokens).
         first = prompt_text(rng, 100)
@@ -190,6 +209,9 @@ def main():
         os.kill(old, signal.SIGKILL)
         a.await_line(r"started cache-manager \(pid (\d+)\)")
         print(f"node a: cache manager {old} killed, restarted as {a.cm_pid}", flush=True)
+        # The node answers again once its executor has attached the new pool and registered
+        # with the router in the new epoch (until then a request may find no executor).
+        a.await_line(r"\[executor-0\] .*registered with the router as executor")
         # The restarted cache manager goes on above the sequence numbers it sent before
         # (its run directory's vllm-events.seq), so Dynamo, still subscribed, applies its
         # AllBlocksCleared: A is cleared with no step of the operator's.
