@@ -5,7 +5,8 @@
 
 Sends concurrent requests that share a long system prompt, through TGI's /generate (one of
 them streaming, printed as it arrives) and OpenAI's /v1/chat/completions, optionally kills
-an executor (SIGKILL) while they generate, and prints each answer, time to first token,
+an executor (SIGKILL) at the streaming request's first token, while they generate (and fails
+if none was generating then), and prints each answer, time to first token,
 tokens/s and the router's prefix-cache figures. The TGI requests carry the conversation in
 the model's chat format (ChatML, as SmolLM2's template writes it), so that both APIs share
 the system prompt's blocks.
@@ -66,7 +67,8 @@ def chat(url, question, results, index):
                       usage["completion_tokens"], elapsed)
 
 
-def stream(url, question, results, index):
+def stream(url, question, results, index, first_token=None):
+    """Prints the answer as it arrives; sets first_token (a threading.Event) at its first."""
     start = time.monotonic()
     first = None
     tokens = 0
@@ -81,6 +83,8 @@ def stream(url, question, results, index):
             event = json.loads(line[5:])
             if first is None:
                 first = time.monotonic() - start
+                if first_token is not None:
+                    first_token.set()
             tokens += 1
             piece = event["token"]["text"]
             text += piece
@@ -107,7 +111,8 @@ def main():
     results = [None] * len(QUESTIONS)
     # One request first: its prompt's blocks are committed and cached for the others.
     generate(url, QUESTIONS[0], results, 0)
-    threads = [threading.Thread(target=stream, args=(url, QUESTIONS[1], results, 1))]
+    first_token = threading.Event()
+    threads = [threading.Thread(target=stream, args=(url, QUESTIONS[1], results, 1, first_token))]
     # The others through both APIs: TGI's /generate and OpenAI's /v1/chat/completions.
     threads += [threading.Thread(target=generate if i % 2 == 0 else chat,
                                  args=(url, q, results, i))
@@ -115,11 +120,17 @@ def main():
     started = time.monotonic()
     for t in threads:
         t.start()
+    generating = None
     if args.kill_pid:
-        time.sleep(1.0)
+        # At the streaming request's first token: every request has been sent, and that one
+        # has its other tokens still to come, so the kill lands mid-generation by design.
+        if not first_token.wait(timeout=120):
+            print("  the streaming request produced no token in 120 s", file=sys.stderr)
+            return 1
         os.kill(args.kill_pid, signal.SIGKILL)
-        print(f"  killed executor pid {args.kill_pid} with SIGKILL while "
-              f"{sum(t.is_alive() for t in threads)} requests were generating")
+        generating = sum(t.is_alive() for t in threads)
+        print(f"\n  killed executor pid {args.kill_pid} with SIGKILL while "
+              f"{generating} requests were generating")
     for t in threads:
         t.join()
     wall = time.monotonic() - started
@@ -146,6 +157,9 @@ def main():
           metric(url, "kvcm_router_requests_total", 'api="openai",outcome="ok"'))
     recomputed = metric(url, "kvcm_router_recomputed_committed_tokens_total")
     print(f"  requests ok: {ok:.0f}; recomputed committed tokens: {recomputed:.0f}")
+    if generating == 0:
+        print("demo: the executor was killed after every request had finished", file=sys.stderr)
+        return 1
     return 0 if all(r is not None for r in results) else 1
 
 
