@@ -15,6 +15,8 @@ PACKAGES=(
   build-essential            # g++ 12, make
   cmake                      # 3.25
   ninja-build
+  ccache                     # every build compiles through it (CMakeLists.txt): a rebuild of
+                             # the same sources, in any clone, is a cache hit
   pkg-config
   git
   libabsl-dev                # Status/StatusOr, flat_hash_map, flags, strings
@@ -70,6 +72,12 @@ if [[ "${KVCM_SKIP_BUILD:-0}" == "1" ]]; then exit 0; fi
 
 BUILD_DIR="${KVCM_BUILD_DIR:-build}"
 JOBS="${KVCM_JOBS:-$(nproc)}"
+# ccache: paths under the checkout are hashed relative to it, and the compiler's working
+# directory not at all, so that a clone in another folder (CI's) hits what this one compiled.
+export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$PWD}"
+export CCACHE_NOHASHDIR="${CCACHE_NOHASHDIR:-1}"
+# Four builds of the tree (normal, fuzz, ASan+UBSan, TSan) with debug information.
+export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-20G}"
 # shellcheck disable=SC2086
 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE="${KVCM_BUILD_TYPE:-RelWithDebInfo}" \
   ${KVCM_CMAKE_ARGS:-}

@@ -18,11 +18,24 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Each stage's time, printed as it ends (docs/RELIABILITY.md, "CI time").
+STAGE_START=$SECONDS
+stage_done() {
+  echo "test: stage $1 took $((SECONDS - STAGE_START)) s (${SECONDS} s in all)"
+  STAGE_START=$SECONDS
+}
+
+# ccache for every build below (scripts/bootstrap.sh says why these settings).
+export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$PWD}"
+export CCACHE_NOHASHDIR="${CCACHE_NOHASHDIR:-1}"
+export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-20G}"
 scripts/bootstrap.sh
+stage_done "packages and build"
 scripts/python-env.sh
 # The bundled real model, for the tests that run it; they find it through this variable.
 KVCM_SMOLLM2_GGUF="$(scripts/get-model.sh)"
 export KVCM_SMOLLM2_GGUF
+stage_done "python environments and model"
 
 BUILD_DIR="${KVCM_BUILD_DIR:-build}"
 JOBS="${KVCM_JOBS:-$(nproc)}"
@@ -54,12 +67,14 @@ with_excluded() {
 echo "test: ctest with $JOBS jobs in $BUILD_DIR"
 with_excluded "$EXCLUDED" "$@"
 ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS" --timeout 600 "${CTEST_ARGS[@]}"
+stage_done "tests"
 
 # ---- Fuzzing (scripts/fuzz.sh, docs/RELIABILITY.md "Fuzzing") ----------------------------
 # A short libFuzzer run of every fuzz target, built in BUILD_DIR-fuzz. KVCM_FUZZ=0 skips it;
 # KVCM_FUZZ_SECONDS sets the time of each target (25 s by default).
 if [[ "${KVCM_FUZZ:-1}" != "0" ]]; then
   scripts/fuzz.sh
+  stage_done "fuzz (build and run)"
 fi
 # ---- end of fuzzing -------------------------------------------------------------------------
 
@@ -118,6 +133,7 @@ if [[ "$SANITIZERS" == "all" || "$SANITIZERS" == "asan" ]]; then
   ASAN_DIR="$(realpath -m "$BUILD_DIR-asan")"
   configure_sanitized "$ASAN_DIR" address,undefined
   cmake --build "$ASAN_DIR" -j "$JOBS"
+  stage_done "asan build"
   (
     export ASAN_OPTIONS="detect_leaks=1:halt_on_error=1:detect_stack_use_after_return=1:check_initialization_order=1:log_path=$ASAN_DIR/sanitizer-reports/asan"
     export LSAN_OPTIONS="suppressions=$SUPPRESSIONS/lsan.supp"
@@ -125,15 +141,18 @@ if [[ "$SANITIZERS" == "all" || "$SANITIZERS" == "asan" ]]; then
     with_excluded "$SANITIZER_EXCLUDED|no_asan" "$@"
     run_sanitized asan "$ASAN_DIR" "${CTEST_ARGS[@]}"
   )
+  stage_done "asan tests"
 fi
 
 if [[ "$SANITIZERS" == "all" || "$SANITIZERS" == "tsan" ]]; then
   TSAN_DIR="$(realpath -m "$BUILD_DIR-tsan")"
   configure_sanitized "$TSAN_DIR" thread
   cmake --build "$TSAN_DIR" -j "$JOBS" --target kvcm_tsan_tests
+  stage_done "tsan build"
   (
     export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$SUPPRESSIONS/tsan.supp:log_path=$TSAN_DIR/sanitizer-reports/tsan"
     with_excluded "$SANITIZER_EXCLUDED" -L tsan "$@"
     run_sanitized tsan "$TSAN_DIR" "${CTEST_ARGS[@]}"
   )
+  stage_done "tsan tests"
 fi
