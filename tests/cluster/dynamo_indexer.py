@@ -173,7 +173,11 @@ def selftest():
         indexer = Indexer(16)
         for i, (_, pub, replay, _) in enumerate(publishers, start=1):
             indexer.register(i, pub, replay, "m")
-        time.sleep(0.5)  # the SUB connects; anything earlier comes back by replay
+        # The indexer's SUB connects some time after /register, and a batch published
+        # before is lost until a later one shows the gap: publish only once each publisher
+        # has its subscription (a wait for that, not a guess at how long it takes).
+        for _, _, _, lines in publishers:
+            lines.wait_for("subscribed")
         checks = []
         for node, want in ((0, {1: 48}), (1, {1: 48, 2: 48})):
             p, _, _, lines = publishers[node]

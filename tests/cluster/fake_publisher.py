@@ -3,13 +3,15 @@
 scripts before the cache manager's own publisher (--kv-events-endpoint) is wired in. Never a
 substitute for it in a test of kvcm.
 
-Binds a PUB (frames [topic, seq 8 bytes big-endian from 0, msgpack [ts, [events], 0]]) and a
-ROUTER replay socket (request [identity, "", start seq]; one [identity, "", topic, seq,
-payload] per buffered batch from start, then [identity, "", "", -1, ""]), as vLLM 0.33.0 and
-the cache manager's publisher do. The first batch is AllBlocksCleared; then one BlockStored
+Binds a PUB (an XPUB: frames [topic, seq 8 bytes big-endian from 0, msgpack [ts, [events],
+0]]) and a ROUTER replay socket (request [identity, "", start seq]; one [identity, "", topic,
+seq, payload] per buffered batch from start, then [identity, "", "", -1, ""]), as vLLM 0.33.0
+and the cache manager's publisher do. The first batch is AllBlocksCleared; then one BlockStored
 batch per prompt on stdin (a JSON list of token ids a line), full blocks only, ids the low 64
 bits of a counter-based hash (any unique 64-bit ids do: consumers recompute their keys from
-the tokens). Prints "ready pub=... replay=..." and runs until stdin closes or SIGTERM.
+the tokens). Prints "ready pub=... replay=...", then "subscribed" for each subscription the PUB
+receives (so that a test publishes only once its subscriber is connected: a PUB drops what
+it sends before), and runs until stdin closes or SIGTERM.
 
     fake_publisher.py --pub tcp://127.0.0.1:0 --replay tcp://127.0.0.1:0 --block-size 16
 """
@@ -40,7 +42,7 @@ def main():
     args = parser.parse_args()
 
     ctx = zmq.Context()
-    pub = ctx.socket(zmq.PUB)
+    pub = ctx.socket(zmq.XPUB)
     pub.bind(args.pub)
     replay = ctx.socket(zmq.ROUTER)
     replay.bind(args.replay)
@@ -59,8 +61,14 @@ def main():
     publish([{"type": "AllBlocksCleared"}])
     poller = zmq.Poller()
     poller.register(replay, zmq.POLLIN)
+    poller.register(pub, zmq.POLLIN)
     def answer_replays(timeout_ms):
         for sock, _ in poller.poll(timeout=timeout_ms):
+            if sock is pub:
+                # [0x01 topic prefix] subscribes, [0x00 ...] unsubscribes.
+                if sock.recv()[:1] == b"\x01":
+                    print("subscribed", flush=True)
+                continue
             identity, _empty, start = sock.recv_multipart()
             (first,) = struct.unpack(">q", start)
             for seq, payload in batches:

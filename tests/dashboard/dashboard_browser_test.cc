@@ -34,6 +34,7 @@
 #include "tests/support/http_client.h"
 #include "tests/support/metrics_text.h"
 #include "tests/support/subprocess.h"
+#include "tests/support/wait_for.h"
 
 namespace kvcm {
 namespace {
@@ -99,9 +100,11 @@ class DashboardBrowserTest : public ::testing::Test {
     options.argv = {testing::KvcmBinaryPath("kvcm-launch"), "--model", model_dir_,
                     "--executors", "2", "--num-blocks", absl::StrCat(num_blocks),
                     "--block-size", absl::StrCat(kBlockSize), "--port", "0", "--threads", "1",
-                    "--run-dir", dir_->path() + "/run",
-                    // A silent session is quarantined after 1.5 s instead of 5.
-                    "--heartbeat-interval-ms", "300", "--heartbeat-timeout-ms", "1500"};
+                    "--run-dir", dir_->path() + "/run"};
+    // The cache manager's default heartbeat timeout (5 s): the test's silent session is
+    // quarantined after it, and no other session (the router's, the executors', the test's
+    // live holder) for a stall of a loaded machine with chromium starting beside them
+    // (docs/RELIABILITY.md, "Timing in tests").
     options.output_path = dir_->path() + "/launch.log";
     options.env = {"TMPDIR=" + dir_->path()};
     absl::StatusOr<std::unique_ptr<Subprocess>> launch = Subprocess::Start(options);
@@ -170,27 +173,31 @@ class DashboardBrowserTest : public ::testing::Test {
     return counts;
   }
 
-  // Waits until two scrapes 300 ms apart agree and `want` holds for them.
+  // Waits until `want` holds for two scrapes 300 ms apart that agree. `want` must name the
+  // settled state itself (no block in use but the test's own): agreeing scrapes alone only
+  // usually mean that the router's last frees went out.
   Counts WaitForStableCounts(const std::function<bool(const Counts&)>& want) {
-    const absl::Time deadline = absl::Now() + absl::Seconds(20);
     Counts last = ScrapeCounts();
-    while (absl::Now() < deadline) {
-      absl::SleepFor(absl::Milliseconds(300));
-      Counts now = ScrapeCounts();
-      if (now == last && want(now)) return now;
-      last = std::move(now);
-    }
-    ADD_FAILURE() << "the block counts did not settle: " << json(last).dump();
+    const absl::Status settled = testing::WaitFor(
+        [&] {
+          absl::SleepFor(absl::Milliseconds(300));
+          Counts now = ScrapeCounts();
+          const bool stable = now == last && want(now);
+          last = std::move(now);
+          return stable;
+        },
+        absl::Seconds(60));
+    EXPECT_TRUE(settled.ok()) << "the block counts did not settle: " << json(last).dump();
     return last;
   }
 
   // Runs the browser; its report.
   json OpenInBrowser(const std::string& screenshot, int min_polls = 3) {
-    absl::StatusOr<testing::RunResult> run = testing::RunProgram(
-        {kPython, kChecker, "--url", url_ + "/dashboard", "--screenshot", screenshot,
-         "--chromium", chromium_, "--chromedriver", chromedriver_, "--min-polls",
-         absl::StrCat(min_polls)},
-        "", absl::Seconds(60));
+    absl::StatusOr<testing::RunResult> run =
+        testing::RunProgram({kPython, kChecker, "--url", url_ + "/dashboard", "--screenshot",
+                             screenshot, "--chromium", chromium_, "--chromedriver", chromedriver_,
+                             "--min-polls", absl::StrCat(min_polls), "--timeout", "120"},
+                            "", absl::Seconds(180));
     EXPECT_TRUE(run.ok()) << run.status();
     if (!run.ok()) return json();
     EXPECT_EQ(run->exit_code, 0) << run->output;
@@ -226,19 +233,23 @@ class DashboardBrowserTest : public ::testing::Test {
 TEST_F(DashboardBrowserTest, TheStateHasTheCacheManagersCountsAndThePageFetchesNothingElse) {
   ASSERT_NO_FATAL_FAILURE(Launch(64));
   ASSERT_NO_FATAL_FAILURE(Load(4));
-  const Counts counts = WaitForStableCounts([](const Counts& c) { return c.at("cached") > 0; });
+  const Counts counts = WaitForStableCounts(
+      [](const Counts& c) { return c.at("cached") > 0 && c.at("in_use") == 0; });
   // The first poll starts a fetch and is answered "pending"; a later one has the pool.
   json state;
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (absl::Now() < deadline) {
-    absl::StatusOr<testing::HttpResponse> polled =
-        testing::HttpGet(url_ + "/dashboard/state", absl::Seconds(5));
-    ASSERT_TRUE(polled.ok() && polled->status == 200);
-    EXPECT_THAT(polled->headers, ::testing::HasSubstr("application/json"));
-    state = json::parse(polled->body);
-    if (state.contains("pool")) break;
-    absl::SleepFor(absl::Milliseconds(100));
-  }
+  bool answered = true;
+  (void)testing::WaitFor(
+      [&] {
+        absl::StatusOr<testing::HttpResponse> polled =
+            testing::HttpGet(url_ + "/dashboard/state", absl::Seconds(60));
+        answered = polled.ok() && polled->status == 200;
+        if (!answered) return true;
+        EXPECT_THAT(polled->headers, ::testing::HasSubstr("application/json"));
+        state = json::parse(polled->body);
+        return state.contains("pool");
+      },
+      absl::Seconds(60));
+  ASSERT_TRUE(answered);
   ASSERT_TRUE(state.contains("pool")) << state.dump();
   EXPECT_TRUE(state["error"].is_null()) << state.dump();
   for (const std::string& s : kStates) EXPECT_EQ(state["pool"]["counts"][s], counts.at(s)) << s;

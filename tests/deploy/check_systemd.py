@@ -229,14 +229,14 @@ def main() -> int:
             for instance, port in (("0", "9410"), ("3", "9413"), ("12", "9422")):
                 shown = subprocess.run(
                     ["/bin/sh", "-c", script.replace("%i", instance).replace("exec ", "exec echo ", 1)],
-                    capture_output=True, text=True, env=values, timeout=10)
+                    capture_output=True, text=True, env=values, timeout=60)
                 argv = shlex.split(shown.stdout)
                 checks.check(shown.returncode == 0 and f"127.0.0.1:{port}" in argv
                              and f"executor-{instance}" in argv,
                              f"{name} as kvcm-executor@{instance}: executor-{instance}, metrics "
                              f"on 127.0.0.1:{port} (ran: {shown.stdout.strip()}{shown.stderr.strip()})")
             refused = subprocess.run(["/bin/sh", "-c", script.replace("%i", "x")],
-                                     capture_output=True, text=True, env=values, timeout=10)
+                                     capture_output=True, text=True, env=values, timeout=60)
             checks.check(refused.returncode == 2 and "RestartPreventExitStatus" in unit_keys(unit)
                          and get("Service.RestartPreventExitStatus") == "2",
                          f"{name} as kvcm-executor@x: refused with exit 2, not restarted")

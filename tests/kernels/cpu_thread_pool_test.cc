@@ -69,7 +69,8 @@ TEST(CpuThreadPoolTest, ConcurrentCallers) {
 // published the job with a release store and then read whether anyone sleeps: on x86 that
 // read may pass the store, miss a worker just going to sleep, and skip the wake-up. Without
 // spinning every job goes through sleep and wake-up. A watchdog fails the test instead of
-// hanging.
+// hanging; its limit is a minute without one job done, far more than a loaded machine leaves
+// a thread unscheduled (docs/RELIABILITY.md, "Timing in tests").
 TEST(CpuThreadPoolTest, WorkersThatSleepBetweenJobsAlwaysWakeForTheNext) {
   constexpr int kJobs = 50000;
   std::printf("%d jobs, 1 worker, no spinning\n", kJobs);
@@ -84,7 +85,7 @@ TEST(CpuThreadPoolTest, WorkersThatSleepBetweenJobsAlwaysWakeForTheNext) {
       if (now != last) {
         last = now;
         last_change = absl::Now();
-      } else if (absl::Now() - last_change > absl::Seconds(10)) {
+      } else if (absl::Now() - last_change > absl::Seconds(60)) {
         std::fprintf(stderr, "ParallelFor stuck after %d jobs: a worker missed its wake-up\n",
                      now);
         std::abort();

@@ -223,8 +223,15 @@ absl::StatusOr<int> SendRawReplayRequest(const std::string& endpoint,
                                          absl::Duration wait) {
   zmq::context_t context(1);
   zmq::socket_t dealer(context, zmq::socket_type::dealer);
-  dealer.set(zmq::sockopt::linger, 0);
-  dealer.connect(endpoint);
+  // Connected before sending, and the frames flushed before the socket closes: `wait` is
+  // the time given to a reply, not to a connection a loaded machine makes slowly (a message
+  // still queued at the close would be dropped, and the publisher never see it).
+  dealer.set(zmq::sockopt::linger, 60000);
+  if (absl::Status connected =
+          ConnectAndAwaitHandshake(context, dealer, endpoint, MonotonicNow() + absl::Seconds(60));
+      !connected.ok()) {
+    return connected;
+  }
   for (size_t i = 0; i < frames.size(); ++i) {
     dealer.send(zmq::const_buffer(frames[i].data(), frames[i].size()),
                 i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);

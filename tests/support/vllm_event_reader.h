@@ -68,8 +68,9 @@ absl::StatusOr<std::vector<ReadVllmBatch>> ReplayVllmEvents(const std::string& e
                                                             uint64_t start_seq,
                                                             absl::Time deadline);
 
-// Sends `frames` raw to the replay ROUTER from a DEALER, then waits until `wait` passes for
-// any reply; returns how many messages came back.
+// Sends `frames` raw to the replay ROUTER from a DEALER (connected first, and flushed before
+// it closes), then waits until `wait` passes for any reply; returns how many messages came
+// back. DEADLINE_EXCEEDED when no connection was made within 60 s.
 absl::StatusOr<int> SendRawReplayRequest(const std::string& endpoint,
                                          const std::vector<std::string>& frames,
                                          absl::Duration wait);

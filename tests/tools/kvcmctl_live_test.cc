@@ -4,6 +4,7 @@
 
 #include <signal.h>
 
+#include <cstdio>
 #include <memory>
 #include <numeric>
 #include <string>
@@ -170,7 +171,12 @@ TEST_F(KvcmctlLiveTest, StoppedCacheManagerIsReportedWithinTheTimeout) {
   EXPECT_THAT(result.output,
               HasSubstr(absl::StrCat("kvcmctl stats: no cache manager at ", cm_->endpoint(),
                                      ": did not answer Hello within 300ms")));
-  EXPECT_LT(took, absl::Seconds(5));
+  // It gave up at its own timeout, which the message names: the cache manager stays
+  // stopped until kvcmctl has exited. How long that took is printed, not bounded: a
+  // loaded machine adds any amount to the start of a process (docs/RELIABILITY.md,
+  // "Timing in tests").
+  std::printf("kvcmctl with --timeout 300ms gave up after %s\n",
+              absl::FormatDuration(took).c_str());
 }
 
 TEST_F(KvcmctlLiveTest, EndSessionEndsARouterAndFreesItsBlocks) {
@@ -208,13 +214,13 @@ TEST(KvcmctlNoCacheManagerTest, NothingRunningExitsOneAtOnce) {
   absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-ctl");
   ASSERT_TRUE(dir.ok());
   for (const char* command : {"info", "stats", "watch"}) {
-    const absl::Time start = absl::Now();
-    RunResult result = Kvcmctl({command, "--run-dir", dir->path()});
+    // At once, not after waiting for a Hello's reply: a timeout longer than this test may
+    // run (Kvcmctl stops it after 30 s) tells the two apart on a loaded machine too.
+    RunResult result = Kvcmctl({command, "--run-dir", dir->path(), "--timeout", "600s"});
     EXPECT_EQ(result.exit_code, 1) << result.output;
     EXPECT_THAT(result.output,
                 HasSubstr(absl::StrCat("kvcmctl ", command, ": no cache manager at ipc://",
                                        dir->path(), "/cache-manager.sock: no socket file")));
-    EXPECT_LT(absl::Now() - start, absl::Seconds(5));
   }
 }
 

@@ -25,6 +25,7 @@
 #include "tests/support/http_client.h"
 #include "tests/support/metrics_text.h"
 #include "tests/support/subprocess.h"
+#include "tests/support/wait_for.h"
 
 namespace kvcm {
 namespace {
@@ -108,20 +109,20 @@ class LaunchTwoNodesTest : public ::testing::Test {
   // Prometheus target file, once it lists all three.
   static std::map<std::string, std::string> Targets(const Node& node) {
     std::map<std::string, std::string> out;
-    const absl::Time deadline = absl::Now() + absl::Seconds(10);
-    while (absl::Now() < deadline) {
-      out.clear();
-      const std::string text = testing::ReadFileOrEmpty(node.targets);
-      const json file = json::parse(text, nullptr, /*allow_exceptions=*/false);
-      if (file.is_array()) {
-        for (const json& group : file) {
-          out[group["labels"]["__kvcm_component"].get<std::string>()] =
-              group["targets"][0].get<std::string>();
-        }
-      }
-      if (out.size() == 3) return out;
-      absl::SleepFor(absl::Milliseconds(50));
-    }
+    (void)testing::WaitFor(
+        [&] {
+          out.clear();
+          const std::string text = testing::ReadFileOrEmpty(node.targets);
+          const json file = json::parse(text, nullptr, /*allow_exceptions=*/false);
+          if (file.is_array()) {
+            for (const json& group : file) {
+              out[group["labels"]["__kvcm_component"].get<std::string>()] =
+                  group["targets"][0].get<std::string>();
+            }
+          }
+          return out.size() == 3;
+        },
+        absl::Seconds(60));
     return out;
   }
 

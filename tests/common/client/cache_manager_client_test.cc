@@ -6,6 +6,7 @@
 #include <signal.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <numeric>
 #include <string>
@@ -21,6 +22,7 @@
 #include "tests/support/http_client.h"
 #include "tests/support/metrics_text.h"
 #include "tests/support/subprocess.h"
+#include "tests/support/wait_for.h"
 
 namespace kvcm {
 namespace {
@@ -29,12 +31,19 @@ using ::kvcm::testing::CacheManagerOptions;
 using ::kvcm::testing::CacheManagerProcess;
 using ::kvcm::testing::StartCacheManager;
 using ::kvcm::testing::TempDir;
+using ::kvcm::testing::WaitFor;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::SizeIs;
 
 constexpr int32_t kNumBlocks = 16;
 constexpr int32_t kBlockSize = 4;
+// Heartbeats every 100 ms; a session silent for 3 s is quarantined. The tests of expiry wait
+// that long for the silent session, and every other session of this process must outlive
+// however long a loaded machine leaves its heartbeat thread unscheduled
+// (docs/RELIABILITY.md, "Timing in tests").
+constexpr int32_t kHeartbeatIntervalMs = 100;
+constexpr int32_t kHeartbeatTimeoutMs = 3000;
 
 // Hashes of the full blocks of tokens [first, first + n).
 std::vector<BlockHash> HashesOf(int32_t first, int32_t n) {
@@ -50,8 +59,8 @@ CacheManagerOptions SmallPool() {
   CacheManagerOptions options;
   options.num_blocks = kNumBlocks;
   options.block_size = kBlockSize;
-  options.heartbeat_interval_ms = 100;
-  options.heartbeat_timeout_ms = 1000;
+  options.heartbeat_interval_ms = kHeartbeatIntervalMs;
+  options.heartbeat_timeout_ms = kHeartbeatTimeoutMs;
   return options;
 }
 
@@ -65,9 +74,33 @@ std::unique_ptr<CacheManagerClient> ConnectOrDie(const std::string& endpoint,
   options.name = "client-test";
   options.call_timeout = timeout;
   options.heartbeats = heartbeats;
-  absl::StatusOr<std::unique_ptr<CacheManagerClient>> client = CacheManagerClient::Connect(options);
+  // Again while the Hello times out: a short call timeout is there to time out against a
+  // cache manager the test stops, but a loaded machine can exceed it before that.
+  absl::StatusOr<std::unique_ptr<CacheManagerClient>> client;
+  (void)WaitFor(
+      [&] {
+        client = CacheManagerClient::Connect(options);
+        return !absl::IsDeadlineExceeded(client.status());
+      },
+      absl::Seconds(60));
   EXPECT_TRUE(client.ok()) << client.status();
   return client.ok() ? std::move(*client) : nullptr;
+}
+
+// `call()`, again while it times out (for 60 s at most), for a client whose short call
+// timeout is there to time out against a cache manager the test stopped: once it runs again
+// a loaded machine can still keep a reply past that timeout. Each call's late reply is
+// dropped by the next (another request id); a retried Step keeps its id.
+template <typename Call>
+auto UntilAnswered(Call call) -> decltype(call()) {
+  decltype(call()) result;
+  (void)WaitFor(
+      [&] {
+        result = call();
+        return !absl::IsDeadlineExceeded(result.status());
+      },
+      absl::Seconds(60));
+  return result;
 }
 
 // The five states partition the pool.
@@ -120,8 +153,8 @@ TEST_F(CacheManagerClientTest, ConnectRegistersWithTheAnnouncedLimits) {
   EXPECT_EQ(client_->epoch(), cm_->epoch());
   EXPECT_EQ(session.num_blocks, kNumBlocks);
   EXPECT_EQ(session.block_size, kBlockSize);
-  EXPECT_EQ(session.heartbeat_interval, absl::Milliseconds(100));
-  EXPECT_EQ(session.heartbeat_timeout, absl::Milliseconds(1000));
+  EXPECT_EQ(session.heartbeat_interval, absl::Milliseconds(kHeartbeatIntervalMs));
+  EXPECT_EQ(session.heartbeat_timeout, absl::Milliseconds(kHeartbeatTimeoutMs));
   EXPECT_GT(session.max_ops_per_step, 0);
   EXPECT_GT(session.max_message_bytes, 0u);
   EXPECT_TRUE(client_->Heartbeat().ok());
@@ -267,8 +300,13 @@ TEST_F(CacheManagerClientTest, ATimedOutStepRetriedRunsOnceAndGivesItsFirstOutco
   ASSERT_TRUE(cm_->process().Signal(SIGCONT).ok());
   ASSERT_TRUE(absl::IsDeadlineExceeded(timed_out.status())) << timed_out.status();
 
-  // Sent again as the same request: run once, answered with the first outcome.
-  absl::StatusOr<std::vector<OpOutcome>> retried = router->RetryLastStep();
+  // Sent again as the same request: run once, answered with the first outcome (from the
+  // replay cache each time it is sent).
+  int retries = 0;
+  absl::StatusOr<std::vector<OpOutcome>> retried = UntilAnswered([&] {
+    ++retries;
+    return router->RetryLastStep();
+  });
   ASSERT_TRUE(retried.ok()) << retried.status();
   ASSERT_THAT(*retried, SizeIs(1));
   ASSERT_TRUE((*retried)[0].status.ok()) << (*retried)[0].status;
@@ -276,7 +314,8 @@ TEST_F(CacheManagerClientTest, ATimedOutStepRetriedRunsOnceAndGivesItsFirstOutco
   EXPECT_TRUE(absl::IsFailedPrecondition(router->RetryLastStep().status()));
 
   // What the cache manager holds agrees: one sequence, the blocks the retry returned.
-  absl::StatusOr<SessionSnapshot> described = router->DescribeSession();
+  absl::StatusOr<SessionSnapshot> described =
+      UntilAnswered([&] { return router->DescribeSession(); });
   ASSERT_TRUE(described.ok()) << described.status();
   ASSERT_THAT(described->sequences, SizeIs(1));
   EXPECT_EQ(described->sequences[0].seq, 7u);
@@ -284,18 +323,18 @@ TEST_F(CacheManagerClientTest, ATimedOutStepRetriedRunsOnceAndGivesItsFirstOutco
   EXPECT_EQ(described->sequences[0].num_committed_tokens, 0);
   EXPECT_EQ(described->sequences[0].blocks, (*retried)[0].blocks);
   EXPECT_NE(described->last_step_request_id, 0u);
-  absl::StatusOr<StatsSnapshot> stats = router->Stats();
+  absl::StatusOr<StatsSnapshot> stats = UntilAnswered([&] { return router->Stats(); });
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_EQ(stats->in_use_blocks, 3);
   ExpectPartition(*stats);
 
   // A new step with the same op is what the retry avoided: the sequence is live already.
-  EXPECT_TRUE(absl::IsAlreadyExists(router->Step(step).status()));
+  EXPECT_TRUE(absl::IsAlreadyExists(UntilAnswered([&] { return router->Step(step); }).status()));
   auto metrics = kvcm::testing::HttpGet(cm_->metrics_url());
   ASSERT_TRUE(metrics.ok()) << metrics.status();
   auto parsed = kvcm::testing::ParseMetricsText(metrics->body);
   ASSERT_TRUE(parsed.ok()) << parsed.status();
-  EXPECT_EQ(*parsed->Value("kvcm_cache_manager_replayed_steps_total", {}), 1);
+  EXPECT_EQ(*parsed->Value("kvcm_cache_manager_replayed_steps_total", {}), retries);
 }
 
 // The same through a real cache manager with a reply above the 4 MiB that once bounded the
@@ -323,16 +362,21 @@ TEST(CacheManagerClientLargeReplyTest, ATimedOutStepWithAMultiMebibyteReplyIsAns
 
   // The step ran once the cache manager resumed; its late reply is dropped by this call
   // (another request id), so the retry's answer can only come from the replay cache.
-  absl::StatusOr<SessionSnapshot> described = router->DescribeSession();
+  absl::StatusOr<SessionSnapshot> described =
+      UntilAnswered([&] { return router->DescribeSession(); });
   ASSERT_TRUE(described.ok()) << described.status();
   ASSERT_THAT(described->sequences, SizeIs(1));
-  absl::StatusOr<std::vector<OpOutcome>> retried = router->RetryLastStep();
+  int retries = 0;
+  absl::StatusOr<std::vector<OpOutcome>> retried = UntilAnswered([&] {
+    ++retries;
+    return router->RetryLastStep();
+  });
   ASSERT_TRUE(retried.ok()) << retried.status();
   ASSERT_THAT(*retried, SizeIs(1));
   ASSERT_TRUE((*retried)[0].status.ok()) << (*retried)[0].status;
   ASSERT_THAT((*retried)[0].blocks, SizeIs(kBlocks));
   EXPECT_EQ(described->sequences[0].blocks, (*retried)[0].blocks);
-  absl::StatusOr<StatsSnapshot> stats = router->Stats();
+  absl::StatusOr<StatsSnapshot> stats = UntilAnswered([&] { return router->Stats(); });
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_EQ(stats->in_use_blocks, kBlocks);
   EXPECT_EQ(stats->blocks_allocated, static_cast<uint64_t>(kBlocks));  // allocated once
@@ -340,7 +384,7 @@ TEST(CacheManagerClientLargeReplyTest, ATimedOutStepWithAMultiMebibyteReplyIsAns
   ASSERT_TRUE(metrics.ok()) << metrics.status();
   auto parsed = kvcm::testing::ParseMetricsText(metrics->body);
   ASSERT_TRUE(parsed.ok()) << parsed.status();
-  EXPECT_EQ(*parsed->Value("kvcm_cache_manager_replayed_steps_total", {}), 1);
+  EXPECT_EQ(*parsed->Value("kvcm_cache_manager_replayed_steps_total", {}), retries);
 }
 
 TEST_F(CacheManagerClientTest, CanAllocateAdmitsWithoutChangingAnything) {
@@ -406,13 +450,14 @@ TEST_F(CacheManagerClientTest, NoHeartbeatReachesTheCacheManagerAfterGoodbye) {
   // Heartbeats pile up while the cache manager is stopped; the Goodbye comes during them.
   ASSERT_TRUE(cm_->process().Signal(SIGSTOP).ok());
   const uint64_t sent = leaving->heartbeats_sent();
-  const absl::Time deadline = absl::Now() + absl::Seconds(5);
-  while (leaving->heartbeats_sent() < sent + 2 && absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(10));
-  }
+  const absl::Status piled = WaitFor([&] { return leaving->heartbeats_sent() >= sent + 2; },
+                                     absl::Seconds(60), "two heartbeats sent");
+  EXPECT_TRUE(piled.ok()) << piled;  // not ASSERT: the cache manager is stopped
   absl::StatusOr<int32_t> released;
   std::thread bye([&] { released = leaving->Goodbye(); });
-  absl::SleepFor(absl::Milliseconds(200));  // the Goodbye is on its way (or waiting)
+  // The Goodbye is on its way (or waiting) behind them. A fixed wait, but one that cannot
+  // fail the test: a Goodbye that starts only after SIGCONT must be answered the same way.
+  absl::SleepFor(absl::Milliseconds(200));
   ASSERT_TRUE(cm_->process().Signal(SIGCONT).ok());
   bye.join();
   ASSERT_TRUE(released.ok()) << released.status();
@@ -428,11 +473,9 @@ TEST_F(CacheManagerClientTest, NoHeartbeatReachesTheCacheManagerAfterGoodbye) {
   // Registering again brings the heartbeats back.
   ASSERT_TRUE(leaving->EnsureSession().ok());
   const uint64_t again = leaving->heartbeats_sent();
-  const absl::Time later = absl::Now() + absl::Seconds(5);
-  while (leaving->heartbeats_sent() == again && absl::Now() < later) {
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  EXPECT_GT(leaving->heartbeats_sent(), again);
+  const absl::Status resumed = WaitFor([&] { return leaving->heartbeats_sent() > again; },
+                                       absl::Seconds(60), "a heartbeat after registering again");
+  EXPECT_TRUE(resumed.ok()) << resumed;
 }
 
 TEST_F(CacheManagerClientTest, PoolExhaustionIsResourceExhausted) {
@@ -515,10 +558,13 @@ TEST_F(CacheManagerClientTest, StoppedCacheManagerGivesDeadlineExceededThenRecov
   EXPECT_THAT(stats.status().message(),
               HasSubstr(absl::StrCat("cache manager at ", cm_->endpoint(),
                                      " did not answer Stats within 300ms")));
+  // It gave up at its deadline, not at the cache manager's return (the cache manager stays
+  // stopped until it did). No upper bound: a loaded machine adds any amount to the 300 ms
+  // (docs/RELIABILITY.md, "Timing in tests"); the message names the timeout it waited.
   EXPECT_GE(took, absl::Milliseconds(300));
-  EXPECT_LT(took, absl::Seconds(3));
+  std::printf("a Stats of a 300 ms timeout gave up after %s\n", absl::FormatDuration(took).c_str());
   // The late answer to the first Stats is dropped; the next call gets its own.
-  stats = impatient->Stats();
+  stats = UntilAnswered([&] { return impatient->Stats(); });
   EXPECT_TRUE(stats.ok()) << stats.status();
 }
 
@@ -547,14 +593,14 @@ TEST_F(CacheManagerClientTest, SilentSessionExpiresWhileHeartbeatsKeepAnotherAli
   const uint32_t sessions = stats->sessions;
   // Wait (bounded) until the cache manager drops the silent session; client_ only talks
   // through its heartbeat thread meanwhile... and these Stats calls.
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (absl::Now() < deadline) {
-    stats = client_->Stats();
-    ASSERT_TRUE(stats.ok()) << stats.status();
-    if (stats->sessions < sessions) break;
-    absl::SleepFor(absl::Milliseconds(50));
-  }
-  ASSERT_LT(stats->sessions, sessions) << "the silent session never expired";
+  const absl::Status expired = WaitFor(
+      [&] {
+        stats = client_->Stats();
+        return !stats.ok() || stats->sessions < sessions;
+      },
+      absl::Seconds(60), "the silent session to expire");
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_TRUE(expired.ok()) << "the silent session never expired: " << expired;
   EXPECT_FALSE(client_->session_lost());
   EXPECT_GT(client_->heartbeats_answered(), 0u);
 
@@ -593,17 +639,23 @@ TEST_F(CacheManagerClientTest, HeartbeatsRequiringProgressStopWhenTheCallerIsStu
   step.Allocate(2, 8);
   ASSERT_TRUE(stuck->Step(step).ok());
 
-  // The stuck caller's lease runs out: timeout 1 s after the progress window of 1 s.
+  // The stuck caller's lease runs out: the timeout after the progress window, which is the
+  // timeout too.
   StatsSnapshot stats;
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (absl::Now() < deadline) {
-    working->NoteProgress();
-    absl::StatusOr<StatsSnapshot> s = client_->Stats();
-    ASSERT_TRUE(s.ok()) << s.status();
-    stats = *s;
-    if (stats.quarantined_blocks > 0) break;
-    absl::SleepFor(absl::Milliseconds(50));
-  }
+  absl::Status failed;
+  (void)WaitFor(
+      [&] {
+        working->NoteProgress();
+        absl::StatusOr<StatsSnapshot> s = client_->Stats();
+        if (!s.ok()) {
+          failed = s.status();
+          return true;
+        }
+        stats = *s;
+        return stats.quarantined_blocks > 0;
+      },
+      absl::Seconds(60));
+  ASSERT_TRUE(failed.ok()) << failed;
   EXPECT_EQ(stats.quarantined_blocks, 2) << "the stuck caller's session was never quarantined";
   EXPECT_GT(stuck->heartbeats_withheld(), 0u);
   EXPECT_EQ(working->heartbeats_withheld(), 0u);
@@ -675,11 +727,9 @@ TEST(CacheManagerClientRestartTest, AHeartbeatThatMeetsTheRestartFirstGivesTheSa
   ASSERT_TRUE(second.ok()) << second.status();
   const uint64_t new_epoch = (*second)->epoch();
   // Heartbeats go out every 100 ms: wait until one has been refused, before any call.
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (!client->session_lost() && absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  ASSERT_TRUE(client->session_lost()) << "no heartbeat reached the restarted cache manager";
+  const absl::Status refused_heartbeat =
+      WaitFor([&] { return client->session_lost(); }, absl::Seconds(60));
+  ASSERT_TRUE(refused_heartbeat.ok()) << "no heartbeat reached the restarted cache manager";
 
   absl::StatusOr<StatsSnapshot> refused = client->Stats();
   ASSERT_EQ(refused.status().code(), absl::StatusCode::kAborted) << refused.status();
@@ -708,7 +758,7 @@ TEST(CacheManagerClientRestartTest, ExecutorReattachesAfterACrash) {
 
   // kill -9: the socket files and the lock stay behind; the successor must cope.
   ASSERT_TRUE((*first)->process().Signal(SIGKILL).ok());
-  ASSERT_TRUE((*first)->process().Wait(absl::Seconds(10)).ok());
+  ASSERT_TRUE((*first)->process().Wait(absl::Seconds(30)).ok());
   absl::StatusOr<std::unique_ptr<CacheManagerProcess>> second = StartCacheManager(options);
   ASSERT_TRUE(second.ok()) << second.status();
 
@@ -730,11 +780,14 @@ TEST(CacheManagerClientNoServerTest, MissingSocketIsUnavailableAtOnce) {
   CacheManagerClient::Options options;
   options.endpoint = absl::StrCat("ipc://", dir->path(), "/cache-manager.sock");
   options.role = wire::Role::Control;
+  // At once, not after waiting for a Hello's reply: a timeout long enough that the two
+  // cannot be mistaken for each other on a loaded machine.
+  options.call_timeout = absl::Seconds(120);
   const absl::Time start = absl::Now();
   absl::StatusOr<std::unique_ptr<CacheManagerClient>> client = CacheManagerClient::Connect(options);
   EXPECT_EQ(client.status().code(), absl::StatusCode::kUnavailable) << client.status();
   EXPECT_THAT(client.status().message(), HasSubstr("no socket file"));
-  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(60));
 }
 
 }  // namespace

@@ -23,6 +23,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/common/memory/memory_test_util.h"
+#include "tests/support/wait_for.h"
 
 namespace kvcm {
 namespace {
@@ -139,9 +140,10 @@ TEST(FdChannelTest, AChannelServedByAnotherUserIsRefusedByTheClient) {
     if (!listener.ok()) ::_exit(4);
     // Connectable by anyone: what is tested is the client's check of who serves.
     if (::chmod(path.c_str(), 0777) != 0) ::_exit(5);
-    for (int i = 0; i < 500 && !WaitReadable(listener->listen_fd(),
-                                             std::chrono::milliseconds(20)); ++i) {
-    }
+    // Until the client connects (the test kills this process at its end).
+    (void)kvcm::testing::WaitFor(
+        [&] { return WaitReadable(listener->listen_fd(), std::chrono::milliseconds(20)); },
+        absl::Seconds(120));
     (void)listener->ServeOne(STDIN_FILENO, {});
     ::_exit(0);
   }
@@ -150,12 +152,14 @@ TEST(FdChannelTest, AChannelServedByAnotherUserIsRefusedByTheClient) {
   ASSERT_GE(client, 0);
   if (client == 0) {
     if (::setgid(1000) != 0 || ::setuid(1000) != 0) ::_exit(3);
-    struct stat st {};
-    for (int i = 0; i < 500 && (::stat(path.c_str(), &st) != 0 || (st.st_mode & 0777) != 0777);
-         ++i) {
-      ::usleep(10000);  // until the server has opened its socket to everyone
-    }
-    const absl::StatusOr<ReceivedFd> received = ReceiveFdFromChannel(path, absl::Seconds(5));
+    // Until the server has opened its socket to everyone.
+    (void)kvcm::testing::WaitFor(
+        [&] {
+          struct stat st {};
+          return ::stat(path.c_str(), &st) == 0 && (st.st_mode & 0777) == 0777;
+        },
+        absl::Seconds(60));
+    const absl::StatusOr<ReceivedFd> received = ReceiveFdFromChannel(path, absl::Seconds(60));
     ::_exit(absl::IsPermissionDenied(received.status()) ? 0 : 1);
   }
   int status = 0;

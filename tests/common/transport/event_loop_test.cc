@@ -93,6 +93,8 @@ TEST(EventLoopTest, AWatchCancelledByAnEarlierHandlerIsNotCalledInTheSameTurn) {
   a.Put();
   b.Put();
   ASSERT_TRUE(loop.RunOnce(absl::Seconds(5)).ok());
+  // b is readable already, so a live watch would be called at once: the short turn can only
+  // miss a wrong call on a slow machine, not report one.
   ASSERT_TRUE(loop.RunOnce(absl::Milliseconds(10)).ok());
   EXPECT_EQ(a_calls, 1);
   EXPECT_EQ(b_calls, 0);  // b stays readable, but its watch is gone
@@ -115,14 +117,15 @@ TEST(EventLoopTest, TimersRepeatReportLatenessAndStopWhenCancelled) {
   // Three periods passed at least, and none of the calls came early.
   EXPECT_GE(MonotonicNow() - start, absl::Milliseconds(60));
   for (absl::Duration late : lateness) EXPECT_GE(late, absl::ZeroDuration());
-  // Cancelled: a turn that waits longer than a period calls it no more.
+  // Cancelled: a turn that waits longer than a period calls it no more (a fixed turn, to
+  // show that something does not happen: a slow machine cannot make it fail).
   ASSERT_TRUE(loop.RunOnce(absl::Milliseconds(50)).ok());
   EXPECT_EQ(lateness.size(), 3u);
 
   // A loop stopped past its due time reports the delay.
   std::vector<absl::Duration> late_once;
   loop.AddTimer(absl::Milliseconds(1), [&](absl::Duration late) { late_once.push_back(late); });
-  absl::SleepFor(absl::Milliseconds(30));
+  absl::SleepFor(absl::Milliseconds(30));  // the lateness itself, not a wait for a peer
   ASSERT_TRUE(loop.RunOnce(absl::ZeroDuration()).ok());
   ASSERT_EQ(late_once.size(), 1u);
   EXPECT_GE(late_once[0], absl::Milliseconds(25));
@@ -133,6 +136,8 @@ TEST(EventLoopTest, PostFromAnotherThreadWakesALoopWaitingForever) {
   ASSERT_TRUE(loop.Init().ok());
   std::thread::id ran_on;
   std::thread poster([&] {
+    // Most likely the loop is waiting by then; if it is not, the post is taken by its first
+    // turn instead, and the test passes the same way (it only tests less).
     absl::SleepFor(absl::Milliseconds(50));
     loop.Post([&] {
       ran_on = std::this_thread::get_id();

@@ -1,11 +1,12 @@
 // The real kvcm-cache-manager process when a client dies or hangs under load: the dead
-// client's blocks come back within a second and are never reissued while it lives; a hung
-// client's blocks are quarantined, its old session refused, and it can register anew.
-// Every test checks that the pool is whole afterwards.
+// client's blocks come back when it dies (its pidfd), not when its lease runs out, and are
+// never reissued while it lives; a hung client's blocks are quarantined, its old session
+// refused, and it can register anew. Every test checks that the pool is whole afterwards.
 
 #include <sys/socket.h>
 #include <sys/un.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -15,8 +16,9 @@
 namespace kvcm::live_test {
 namespace {
 
-TEST(CacheManagerFaultTest, KilledClientBlocksComeBackWithinASecond) {
-  auto manager = StartManager(/*heartbeat_interval_ms=*/1000, /*heartbeat_timeout_ms=*/5000);
+TEST(CacheManagerFaultTest, KilledClientBlocksComeBackAtItsDeathNotAtItsLease) {
+  // A lease far longer than the wait below: blocks that come back came back by the death.
+  auto manager = StartManager(/*heartbeat_interval_ms=*/1000, kGenerousHeartbeatTimeoutMs);
   ASSERT_NE(manager, nullptr);
   auto log = kvcm::testing::TempDir::Create("kvcm-fault");
   ASSERT_TRUE(log.ok());
@@ -30,24 +32,33 @@ TEST(CacheManagerFaultTest, KilledClientBlocksComeBackWithinASecond) {
 
   ASSERT_TRUE(holder->Signal(SIGKILL).ok());
   const absl::Time killed = absl::Now();
-  absl::Duration reclaimed_after = absl::InfiniteDuration();
   // Keep the load going; no block of the holder may be reissued until the cache manager
-  // has taken them back, and the survivor must see no error.
-  while (absl::Now() - killed < absl::Seconds(3)) {
-    survivor.Step();
-    auto stats = client->Stats();
-    ASSERT_TRUE(stats.ok()) << stats.status();
-    if (stats->in_use_blocks == survivor.blocks_held()) {
-      reclaimed_after = absl::Now() - killed;
-      ExpectWhole(*stats);
-      // Every held block was committed with a hash: it is cached now, not lost.
-      EXPECT_GE(stats->cached_blocks, kHeld);
-      break;
-    }
-  }
+  // has taken them back, and the survivor must see no error. How long that took is
+  // printed, not asserted (docs/RELIABILITY.md, "Timing in tests"): that the death brought
+  // them back, not the lease, the metric's reason below says.
+  StatsSnapshot stats;
+  absl::Status failed;  // of a Stats call; a failed step is a fatal failure of the test
+  const absl::Status reclaimed = kvcm::testing::WaitFor(
+      [&] {
+        survivor.Step();
+        auto s = client->Stats();
+        if (::testing::Test::HasFatalFailure() || !s.ok()) {
+          failed = s.status();
+          return true;  // no use waiting on
+        }
+        stats = *s;
+        return stats.in_use_blocks == survivor.blocks_held();
+      },
+      absl::Seconds(60), "the killed client's blocks");
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  ASSERT_TRUE(failed.ok()) << failed;
+  ASSERT_TRUE(reclaimed.ok()) << reclaimed;
   std::printf("blocks of the killed client back after %s (%d survivor steps)\n",
-              absl::FormatDuration(reclaimed_after).c_str(), survivor.steps());
-  EXPECT_LT(reclaimed_after, absl::Seconds(1));
+              absl::FormatDuration(absl::Now() - killed).c_str(), survivor.steps());
+  ExpectWhole(stats);
+  // Every held block was committed with a hash: it is cached now, not lost.
+  EXPECT_GE(stats.cached_blocks, kHeld);
+  EXPECT_EQ(stats.quarantined_blocks, 0);
   // From now on the holder's blocks may be reused.
   survivor.set_forbidden(nullptr);
   for (int i = 0; i < 20; ++i) survivor.Step();
@@ -61,7 +72,10 @@ TEST(CacheManagerFaultTest, KilledClientBlocksComeBackWithinASecond) {
 }
 
 TEST(CacheManagerFaultTest, StoppedClientIsQuarantinedThenRefusedThenRegistersAnew) {
-  auto manager = StartManager(/*heartbeat_interval_ms=*/100, /*heartbeat_timeout_ms=*/600);
+  // The test's own client heartbeats every 100 ms; 2 s is how long a loaded machine may
+  // leave its heartbeat thread unscheduled before it too would be taken for hung.
+  constexpr int32_t kTimeoutMs = 2000;
+  auto manager = StartManager(/*heartbeat_interval_ms=*/100, kTimeoutMs);
   ASSERT_NE(manager, nullptr);
   auto log = kvcm::testing::TempDir::Create("kvcm-fault");
   ASSERT_TRUE(log.ok());
@@ -73,17 +87,10 @@ TEST(CacheManagerFaultTest, StoppedClientIsQuarantinedThenRefusedThenRegistersAn
 
   ASSERT_TRUE(holder->Signal(SIGSTOP).ok());
   const absl::Time stopped = absl::Now();
-  StatsSnapshot stats;
-  while (absl::Now() - stopped < absl::Seconds(10)) {
-    auto s = client->Stats();
-    ASSERT_TRUE(s.ok()) << s.status();
-    stats = *s;
-    if (stats.quarantined_blocks == kHeld) break;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
+  const StatsSnapshot stats = AwaitQuarantined(*client, kHeld);
   ASSERT_EQ(stats.quarantined_blocks, kHeld) << "never quarantined";
-  std::printf("quarantined %s after SIGSTOP (timeout 600 ms)\n",
-              absl::FormatDuration(absl::Now() - stopped).c_str());
+  std::printf("quarantined %s after SIGSTOP (timeout %d ms)\n",
+              absl::FormatDuration(absl::Now() - stopped).c_str(), kTimeoutMs);
   ExpectWhole(stats);
 
   // Everything else can be taken, but not one quarantined block.
@@ -103,13 +110,13 @@ TEST(CacheManagerFaultTest, StoppedClientIsQuarantinedThenRefusedThenRegistersAn
   ASSERT_TRUE(client->Step(release).ok());
 
   ASSERT_TRUE(holder->Signal(SIGCONT).ok());
-  auto refusal = holder->WaitForLine("refused: (.*)", absl::Now() + absl::Seconds(10));
+  auto refusal = holder->WaitForLine("refused: (.*)", absl::Now() + absl::Seconds(60));
   ASSERT_TRUE(refusal.ok()) << refusal.status() << "\n" << holder->Output();
   // The old session's first request after SIGCONT (its heartbeat or its Stats call) is
   // refused as stale: the client library reports ABORTED and the client registers again.
   EXPECT_NE((*refusal)[1].find("ABORTED"), std::string::npos) << (*refusal)[1];
   auto renewed =
-      holder->WaitForLine("registered anew session=([0-9]+)", absl::Now() + absl::Seconds(10));
+      holder->WaitForLine("registered anew session=([0-9]+)", absl::Now() + absl::Seconds(60));
   ASSERT_TRUE(renewed.ok()) << renewed.status() << "\n" << holder->Output();
 
   auto after = client->Stats();
@@ -125,8 +132,8 @@ TEST(CacheManagerFaultTest, AConnectionThatSaysNothingIsClosedAtTheHelloDeadline
   CacheManagerOptions options;
   options.num_blocks = kBlocks;
   options.block_size = kBlockSize;
-  options.heartbeat_interval_ms = 100;
-  options.heartbeat_timeout_ms = 2000;
+  options.heartbeat_interval_ms = 100;  // the hello deadline is checked on its timer
+  options.heartbeat_timeout_ms = kGenerousHeartbeatTimeoutMs;
   options.extra_args = {"--hello-timeout-ms", "300"};
   auto started = CacheManagerProcess::Start(options);
   ASSERT_TRUE(started.ok()) << started.status();
@@ -152,7 +159,8 @@ TEST(CacheManagerFaultTest, AConnectionThatSaysNothingIsClosedAtTheHelloDeadline
                                  ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_DISCONNECTED),
               0);
     zmq::socket_t monitor(context, zmq::socket_type::pair);
-    monitor.set(zmq::sockopt::rcvtimeo, 5000);
+    // A bound on each wait for the monitor's next event, not a measure: generous.
+    monitor.set(zmq::sockopt::rcvtimeo, 60000);
     monitor.connect(monitor_name);
     const absl::Time connected = absl::Now();
     silent.connect(manager.endpoint());
@@ -181,10 +189,12 @@ TEST(CacheManagerFaultTest, AConnectionThatSaysNothingIsClosedAtTheHelloDeadline
     zmq_socket_monitor(silent.handle(), nullptr, 0);
   }
   EXPECT_TRUE(manager.process()
-                  .WaitForLine("made no valid request within", absl::Now() + absl::Seconds(5))
+                  .WaitForLine("made no valid request within", absl::Now() + absl::Seconds(60))
                   .ok());
 
-  // The client, which spoke at once, is still served after several deadlines.
+  // The client, which spoke at once, is still served after several deadlines. A fixed wait,
+  // to show that something does not happen: a slow machine can only make it miss a wrong
+  // close, not report one.
   absl::SleepFor(absl::Seconds(1));
   auto stats = client->Stats();
   ASSERT_TRUE(stats.ok()) << stats.status() << "\n" << manager.Output();
@@ -206,6 +216,8 @@ TEST(CacheManagerFaultTest, AFloodOfIdleConnectionsAtTheDescriptorLimitIsShedAnd
   options.num_blocks = kBlocks;
   options.block_size = kBlockSize;
   options.wrapper = {"prlimit", "--nofile=256:256"};
+  // The session must outlive however long a loaded machine takes over the flood.
+  options.heartbeat_timeout_ms = kGenerousHeartbeatTimeoutMs;
   auto started = CacheManagerProcess::Start(options);
   ASSERT_TRUE(started.ok()) << started.status();
   CacheManagerProcess& manager = **started;
@@ -230,15 +242,18 @@ TEST(CacheManagerFaultTest, AFloodOfIdleConnectionsAtTheDescriptorLimitIsShedAnd
     idle.push_back(fd);
   }
   std::printf("%zu idle connections made\n", idle.size());
-  auto refusing = manager.process().WaitForLine("not accepting connections",
-                                                absl::Now() + absl::Seconds(10));
+  auto refusing =
+      manager.process().WaitForLine("not accepting connections", absl::Now() + absl::Seconds(60));
   ASSERT_TRUE(refusing.ok()) << refusing.status() << "\n" << manager.Output();
 
   // Unbinding dropped every connection made through the endpoint: the idle ones read EOF, or
   // a reset where the connection was still in the listen backlog or was closed at accept
   // with no descriptor free. None may stay open.
+  // A bound for all of them, not a measure: each was dropped at once.
+  const absl::Time dropped_by = absl::Now() + absl::Seconds(60);
   for (int fd : idle) {
-    timeval timeout{5, 0};
+    const absl::Duration left = std::max(dropped_by - absl::Now(), absl::Milliseconds(1));
+    timeval timeout = absl::ToTimeval(left);
     ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
     // libzmq sends its greeting first; what follows it must be the end of the stream.
     ssize_t n = 0;
@@ -251,8 +266,8 @@ TEST(CacheManagerFaultTest, AFloodOfIdleConnectionsAtTheDescriptorLimitIsShedAnd
   }
   // With its descriptors back it accepts again; the router's DEALER connected again by
   // itself and its session, blocks and lease are intact.
-  auto accepting = manager.process().WaitForLine("accepting connections again",
-                                                 absl::Now() + absl::Seconds(10));
+  auto accepting =
+      manager.process().WaitForLine("accepting connections again", absl::Now() + absl::Seconds(60));
   ASSERT_TRUE(accepting.ok()) << accepting.status() << "\n" << manager.Output();
   auto stats = client->Stats();
   ASSERT_TRUE(stats.ok()) << stats.status() << "\n" << manager.Output();

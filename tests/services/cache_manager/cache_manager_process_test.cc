@@ -87,6 +87,8 @@ TEST(CacheManagerProcessTest, BadFlagsAreNamedBeforeAnythingIsAcquired) {
 
 TEST(CacheManagerProcessTest, TheReadyLineNamesTheTcpEndpointItBound) {
   CacheManagerOptions options;
+  // Its clients send no heartbeats: none may expire while a loaded machine is slow.
+  options.heartbeat_timeout_ms = kGenerousHeartbeatTimeoutMs;
   options.extra_args = {"--tcp-address", "tcp://127.0.0.1:0"};
   auto manager = CacheManagerProcess::Start(options);
   ASSERT_TRUE(manager.ok()) << manager.status();
@@ -140,6 +142,8 @@ TEST(CacheManagerProcessTest, ClientsRefuseARunDirectoryOthersCanWrite) {
 
 TEST(CacheManagerProcessTest, OverTcpOnlyPeersWithTheSecretMayUseThePool) {
   CacheManagerOptions options;
+  // Its clients send no heartbeats: none may expire while a loaded machine is slow.
+  options.heartbeat_timeout_ms = kGenerousHeartbeatTimeoutMs;
   options.extra_args = {"--tcp-address", "tcp://127.0.0.1:0"};
   auto started = CacheManagerProcess::Start(options);
   ASSERT_TRUE(started.ok()) << started.status();
@@ -343,16 +347,17 @@ TEST(CacheManagerProcessTest, AMessageFarOverTheLimitIsDroppedBeforeItIsBuffered
   // Then small garbage from the same socket until something is answered: by then the huge
   // message was read (and answered Oversized, had it been buffered) or its connection
   // dropped (the DEALER connects again by itself).
+  // Each try waits 200 ms for an answer before sending again; the deadline bounds them all.
   dealer.set(zmq::sockopt::rcvtimeo, 200);
   const std::vector<uint8_t> small(16, 0x5a);
-  bool answered = false;
-  const absl::Time deadline = absl::Now() + absl::Seconds(20);
-  while (!answered && absl::Now() < deadline) {
-    dealer.send(zmq::buffer(small), zmq::send_flags::dontwait);
-    zmq::message_t reply;
-    answered = dealer.recv(reply).has_value();
-  }
-  ASSERT_TRUE(answered) << "the cache manager stopped answering";
+  const absl::Status answered = kvcm::testing::WaitFor(
+      [&] {
+        dealer.send(zmq::buffer(small), zmq::send_flags::dontwait);
+        zmq::message_t reply;
+        return dealer.recv(reply).has_value();
+      },
+      absl::Seconds(60), "an answer to small garbage");
+  ASSERT_TRUE(answered.ok()) << "the cache manager stopped answering: " << answered;
   auto stats = client->Stats();
   ASSERT_TRUE(stats.ok());
   ExpectWhole(*stats);
@@ -378,7 +383,7 @@ TEST(CacheManagerProcessTest, AnotherUserIsRefusedThePoolAndTheRefusalIsCountedA
   ASSERT_GE(child, 0);
   if (child == 0) {
     if (::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(3);
-    auto received = ReceiveFdFromChannel(channel, absl::Seconds(5));
+    auto received = ReceiveFdFromChannel(channel, absl::Seconds(60));
     ::_exit(received.ok() ? 1 : 0);
   }
   int status = 0;
@@ -509,20 +514,23 @@ TEST(CacheManagerProcessTest, SigtermUnderLoadRefusesStepsWithUnavailableAndExit
     });
   }
   // Under load for real before the signal.
-  const absl::Time loaded = absl::Now() + absl::Seconds(10);
-  while (absl::Now() < loaded &&
-         std::any_of(steps.begin(), steps.end(), [](const auto& n) { return n.load() < 50; })) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
+  const absl::Status loaded = kvcm::testing::WaitFor(
+      [&] {
+        return std::all_of(steps.begin(), steps.end(), [](const auto& n) { return n >= 50; });
+      },
+      absl::Seconds(60), "50 steps of every router");
+  EXPECT_TRUE(loaded.ok()) << loaded;  // not ASSERT: the loaders are joined below
   const absl::Time signalled = absl::Now();
-  auto exit_code = manager->Terminate(absl::Seconds(15));
+  // A bound, not a measure (docs/RELIABILITY.md, "Timing in tests"): a cache manager that
+  // drained for ever under load fails it; its drain deadline (2 s) is its own clock's
+  // business, and how long the exit took is printed.
+  auto exit_code = manager->Terminate(absl::Seconds(60));
   const absl::Duration took = absl::Now() - signalled;
   stop = true;
   for (std::thread& loader : loaders) loader.join();
   ASSERT_TRUE(exit_code.ok()) << exit_code.status() << "\n" << manager->Output();
   EXPECT_EQ(*exit_code, 0) << manager->Output();
   std::printf("exited %s after SIGTERM under load\n", absl::FormatDuration(took).c_str());
-  EXPECT_LT(took, absl::Seconds(5)) << "the drain deadline is 2 s";
   // Each router's last step was refused as the protocol says: Unavailable while draining,
   // or (its request sent after the exit) no answer / nothing listening.
   int unavailable = 0;
@@ -619,20 +627,20 @@ TEST(CacheManagerMetricsLiveTest, ScrapePassesPromtoolAndPrometheusSeesTheBlocks
   // The block and session gauges come from the snapshot the server publishes after a turn
   // of its loop, and one turn may answer several requests: a scrape right after a reply can
   // still show the state before it (read once, it did in 2 of about 30 runs of this test):
-  // scraped until they show the new state, for at most 10 s.
+  // scraped until they show the new state.
   absl::StatusOr<kvcm::testing::HttpResponse> metrics;
   absl::StatusOr<kvcm::testing::MetricsText> parsed;
-  for (const absl::Time deadline = absl::Now() + absl::Seconds(10);;) {
-    metrics = kvcm::testing::HttpGet(manager->metrics_url());
-    ASSERT_TRUE(metrics.ok()) << metrics.status();
-    parsed = kvcm::testing::ParseMetricsText(metrics->body);
-    ASSERT_TRUE(parsed.ok());
-    if (*parsed->Value("kvcm_cache_blocks", {{"state", "in_use"}}) == 14 ||
-        absl::Now() > deadline) {
-      break;
-    }
-    absl::SleepFor(absl::Milliseconds(10));
-  }
+  (void)kvcm::testing::WaitFor(
+      [&] {
+        metrics = kvcm::testing::HttpGet(manager->metrics_url());
+        if (!metrics.ok()) return true;  // fails below
+        parsed = kvcm::testing::ParseMetricsText(metrics->body);
+        return !parsed.ok() ||
+               parsed->Value("kvcm_cache_blocks", {{"state", "in_use"}}).value_or(-1) == 14;
+      },
+      absl::Seconds(60));
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
   EXPECT_EQ(*parsed->Value("kvcm_cache_blocks", {{"state", "in_use"}}), 14);
   EXPECT_EQ(*parsed->Value("kvcm_cache_manager_sessions", {{"role", "router"}}), 1);
   auto promtool = kvcm::testing::PromtoolCheckMetrics(metrics->body);
@@ -661,7 +669,7 @@ TEST(CacheManagerProcessTest, RepliesAClientDoesNotReadAreCountedAndItsStepIsLea
   zmq::context_t context(1);
   zmq::socket_t dealer(context, zmq::socket_type::dealer);
   dealer.set(zmq::sockopt::linger, 0);
-  dealer.set(zmq::sockopt::rcvtimeo, 5000);
+  dealer.set(zmq::sockopt::rcvtimeo, 60000);  // a bound on each wait for a reply
   dealer.set(zmq::sockopt::rcvhwm, 1);   // its own queue: one message
   dealer.set(zmq::sockopt::rcvbuf, 4096);
   dealer.connect(manager->endpoint());
@@ -714,14 +722,16 @@ TEST(CacheManagerProcessTest, RepliesAClientDoesNotReadAreCountedAndItsStepIsLea
   const std::string step(reinterpret_cast<const char*>(b.GetBufferPointer()), b.GetSize());
   ASSERT_TRUE(dealer.send(zmq::buffer(step), zmq::send_flags::none));
   EXPECT_TRUE(manager->process()
-                  .WaitForLine("a reply could not be delivered", absl::Now() + absl::Seconds(5))
+                  .WaitForLine("a reply could not be delivered", absl::Now() + absl::Seconds(60))
                   .ok());
 
-  // Reading again: whatever was queued, then the retried Step's reply.
+  // Reading again: whatever was queued, then the retried Step's reply. The drain stops at
+  // 200 ms of quiet; what a slow cache manager sends later is skipped by the loop below,
+  // which looks for the retried Step's request id.
   dealer.set(zmq::sockopt::rcvtimeo, 200);
   int drained = 0;
   while (receive() != nullptr) ++drained;
-  dealer.set(zmq::sockopt::rcvtimeo, 5000);
+  dealer.set(zmq::sockopt::rcvtimeo, 60000);
   ASSERT_TRUE(dealer.send(zmq::buffer(step), zmq::send_flags::none));
   const wire::Envelope* retried = nullptr;
   for (const wire::Envelope* e = receive(); e != nullptr; e = receive()) {

@@ -32,7 +32,7 @@ int TryHello(const std::string& endpoint) {
   zmq::context_t context(1);
   zmq::socket_t dealer(context, zmq::socket_type::dealer);
   dealer.set(zmq::sockopt::linger, 0);
-  dealer.set(zmq::sockopt::rcvtimeo, 5000);
+  dealer.set(zmq::sockopt::rcvtimeo, 60000);  // a bound: the refusal comes at once
   dealer.connect(endpoint);
   flatbuffers::FlatBufferBuilder b;
   auto name = b.CreateString("foreign");
@@ -41,7 +41,7 @@ int TryHello(const std::string& endpoint) {
   dealer.send(zmq::const_buffer(b.GetBufferPointer(), b.GetSize()), zmq::send_flags::none);
   zmq::message_t reply;
   if (!dealer.recv(reply)) {
-    std::printf("hello: no answer within 5 s\n");
+    std::printf("hello: no answer within 60 s\n");
     return -1;
   }
   kvcm::AlignFrame(reply);
@@ -72,8 +72,8 @@ int TryPoolFd(const std::string& path) {
     return 0;
   }
   pollfd p{fd, POLLIN, 0};
-  if (::poll(&p, 1, 5000) <= 0) {
-    std::printf("pool fd: nothing within 5 s\n");
+  if (::poll(&p, 1, 60000) <= 0) {  // a bound: the close comes at once
+    std::printf("pool fd: nothing within 60 s\n");
     ::close(fd);
     return 0;
   }

@@ -14,18 +14,19 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/base/atomic_file.h"
 #include "common/base/monotonic_clock.h"
 #include "common/block/block_hash.h"
 #include "common/client/cache_manager_client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "common/base/atomic_file.h"
 #include "services/cache_manager/vllm_event_publisher.h"
 #include "services/cache_manager/vllm_events.h"
 #include "tests/support/cache_manager_process.h"
 #include "tests/support/http_client.h"
 #include "tests/support/metrics_text.h"
 #include "tests/support/vllm_event_reader.h"
+#include "tests/support/wait_for.h"
 
 namespace kvcm {
 namespace {
@@ -441,14 +442,22 @@ TEST(VllmEventsProcessTest, MalformedReplayRequestsAreCountedAndChangeNothing) {
       {"", std::string(9, '\x7f')},                    // a long seq
       {"", "", ""},                                    // garbage
   };
-  for (const auto& frames : bad) {
-    auto replies = testing::SendRawReplayRequest(node.replay, frames, absl::Milliseconds(300));
+  for (size_t i = 0; i < bad.size(); ++i) {
+    // 300 ms for a reply that must not come: a slow machine can only make this miss one,
+    // not report one.
+    auto replies = testing::SendRawReplayRequest(node.replay, bad[i], absl::Milliseconds(300));
     ASSERT_TRUE(replies.ok()) << replies.status();
     EXPECT_EQ(*replies, 0);
+    // Each connection is a peer of its own, with no order between them: each request is
+    // counted before the next is sent, so that the log below names them in order.
+    const absl::Status counted = testing::WaitFor(
+        [&] {
+          return Metric(*node.process, "kvcm_cache_manager_vllm_replay_requests_total",
+                        {{"result", "malformed"}}) == static_cast<double>(i + 1);
+        },
+        absl::Seconds(60), absl::StrCat("bad request ", i, " to be counted"));
+    ASSERT_TRUE(counted.ok()) << counted;
   }
-  EXPECT_EQ(Metric(*node.process, "kvcm_cache_manager_vllm_replay_requests_total",
-                   {{"result", "malformed"}}),
-            static_cast<double>(bad.size()));
   EXPECT_THAT(node.process->Output(),
               ::testing::HasSubstr("vLLM-format replay request refused (1 so far): 1 frame(s) "
                                    "instead of 2"));

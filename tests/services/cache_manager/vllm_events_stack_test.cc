@@ -12,6 +12,7 @@
 #include "common/base/monotonic_clock.h"
 #include "tests/services/router/router_stack.h"
 #include "tests/support/vllm_event_reader.h"
+#include "tests/support/wait_for.h"
 
 namespace kvcm::testing {
 namespace {
@@ -25,9 +26,9 @@ class VllmEventsStackTest : public RouterStackTest {
     absl::StatusOr<std::unique_ptr<CacheManagerProcess>> cm = CacheManagerProcess::Start(options);
     ASSERT_TRUE(cm.ok()) << cm.status();
     cm_ = std::move(*cm);
-    auto line = cm_->process().WaitForLine(
-        "vLLM-format KV events on (\\S+) topic=(\\S+) replay=(\\S+)",
-        absl::Now() + absl::Seconds(10));
+    auto line =
+        cm_->process().WaitForLine("vLLM-format KV events on (\\S+) topic=(\\S+) replay=(\\S+)",
+                                   absl::Now() + absl::Seconds(60));
     ASSERT_TRUE(line.ok()) << line.status();
     replay_ = (*line)[3];
     ASSERT_NO_FATAL_FAILURE(StartRouterAndExecutors(1, {}, {}));
@@ -50,8 +51,29 @@ class VllmEventsStackTest : public RouterStackTest {
     ASSERT_EQ(reply->status, 200) << reply->body;
   }
 
+  // The stream once the node is idle: a reply to /generate can come before the router's
+  // next step commits and frees the sequence (and the events of that), so the test waits
+  // for no block in use rather than read the stream at a moment that only usually follows
+  // them (docs/RELIABILITY.md, "Timing in tests").
   std::vector<ReadVllmBatch> Replay() {
-    auto batches = ReplayVllmEvents(replay_, 0, MonotonicNow() + absl::Seconds(10));
+    // One control session for every poll: a session each would pile up against the
+    // cache manager's limit of sessions per process.
+    CacheManagerClient::Options options;
+    options.endpoint = cm_->endpoint();
+    options.role = wire::Role::Control;
+    options.name = "test";
+    auto control = CacheManagerClient::Connect(options);
+    EXPECT_TRUE(control.ok()) << control.status();
+    if (control.ok()) {
+      const absl::Status idle = WaitFor(
+          [&] {
+            absl::StatusOr<StatsSnapshot> stats = (*control)->Stats();
+            return !stats.ok() || stats->in_use_blocks == 0;
+          },
+          absl::Seconds(60), "no block in use");
+      EXPECT_TRUE(idle.ok()) << idle;
+    }
+    auto batches = ReplayVllmEvents(replay_, 0, MonotonicNow() + absl::Seconds(60));
     EXPECT_TRUE(batches.ok()) << batches.status();
     return batches.ok() ? *std::move(batches) : std::vector<ReadVllmBatch>{};
   }

@@ -9,7 +9,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -26,6 +28,7 @@
 #include "tests/services/executor/executor_test_util.h"
 #include "tests/support/cache_manager_process.h"
 #include "tests/support/subprocess.h"
+#include "tests/support/wait_for.h"
 
 namespace kvcm {
 namespace {
@@ -37,21 +40,24 @@ using ::kvcm::testing::ExecutorProcess;
 using ::kvcm::testing::KvcmBinaryPath;
 using ::kvcm::testing::Subprocess;
 using ::kvcm::testing::TempDir;
+using ::kvcm::testing::WaitFor;
 using ::testing::HasSubstr;
 
 constexpr int32_t kNumBlocks = 4;
 constexpr int32_t kBlockSize = 16;
 constexpr int32_t kPromptTokens = 3 * kBlockSize;  // the dead router's 3 blocks
 
-// Polls `done` until it holds or `deadline` passes (no fixed sleeps to wait for a peer).
-template <typename Predicate>
-bool WaitFor(Predicate done, absl::Time deadline) {
-  while (!done()) {
-    if (absl::Now() >= deadline) return false;
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  return true;
-}
+// Every layer of the executor's step takes this long (--fault-layer-delay-ms): the test
+// stops the executor (SIGSTOP) as soon as it sees layer 0 written, and the other layers'
+// delays are how late that may come before the step would be over. The executor checks for
+// a fence every few milliseconds of a delay, so a longer one costs only the wait for the
+// writes that must not come (the first test).
+constexpr int32_t kLayerDelayMs = 3000;
+
+// Heartbeat timeout of the cache manager: long enough that no session of the test (the
+// observer, the second router, the stopped executor) is quarantined because a loaded machine
+// left a process unscheduled, except where a test waits for that on purpose.
+constexpr int32_t kHeartbeatTimeoutMs = 30000;
 
 class FencingProcessTest : public ::testing::Test {
  protected:
@@ -65,9 +71,11 @@ class FencingProcessTest : public ::testing::Test {
   static void TearDownTestSuite() { delete dir_; }
 
   // The cache manager, a dead-to-be router bound on the executor socket, an executor whose
-  // every layer takes `layer_delay_ms`, and an observer mapping the pool. Returns once the
-  // executor wrote layer 0 of the router's step (it is then mid-step, sleeping).
-  void StartMidStep(int32_t layer_delay_ms, std::vector<std::string> router_extra = {}) {
+  // every layer takes kLayerDelayMs, and an observer mapping the pool. Returns once the
+  // executor wrote layer 0 of the router's step and was stopped (SIGSTOP) before its last
+  // layer: mid-step, and it stays there until the test sends SIGCONT.
+  void StartMidStep(std::vector<std::string> router_extra = {},
+                    int32_t heartbeat_timeout_ms = kHeartbeatTimeoutMs) {
     absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(dir_->path() + "/tiny");
     ASSERT_TRUE(model.ok()) << model.status();
     const LlamaConfig& c = (*model)->config();
@@ -80,7 +88,7 @@ class FencingProcessTest : public ::testing::Test {
     options.dtype = "fp32";
     options.block_size = kBlockSize;
     options.heartbeat_interval_ms = 100;
-    options.heartbeat_timeout_ms = 5000;
+    options.heartbeat_timeout_ms = heartbeat_timeout_ms;
     absl::StatusOr<std::unique_ptr<CacheManagerProcess>> cm = CacheManagerProcess::Start(options);
     ASSERT_TRUE(cm.ok()) << cm.status();
     cm_ = std::move(*cm);
@@ -108,7 +116,7 @@ class FencingProcessTest : public ::testing::Test {
     args.model = dir_->path() + "/tiny";
     args.run_dir = cm_->run_dir();
     args.router = router;
-    args.extra = {"--fault-layer-delay-ms", absl::StrCat(layer_delay_ms)};
+    args.extra = {"--fault-layer-delay-ms", absl::StrCat(kLayerDelayMs)};
     absl::StatusOr<ExecutorProcess> executor = kvcm::testing::StartExecutor(args);
     ASSERT_TRUE(executor.ok()) << executor.status();
     executor_ = std::move(*executor);
@@ -136,7 +144,18 @@ class FencingProcessTest : public ::testing::Test {
     ASSERT_TRUE(pool.ok()) << pool.status();
     pool_ = std::make_unique<AttachedPool>(std::move(*pool));
     // Mid-step: layer 0 of the first block holds K/V, and the executor sleeps after it.
-    ASSERT_TRUE(WaitFor([&] { return LayerWritten(0); }, deadline)) << executor_.Output();
+    // Stopped at once, so that what follows is certain: it can neither write nor
+    // acknowledge a fence until SIGCONT.
+    const absl::Status mid_step =
+        WaitFor([&] { return LayerWritten(0); }, deadline, "layer 0 of the step");
+    ASSERT_TRUE(mid_step.ok()) << mid_step << "\n" << executor_.Output();
+    ASSERT_TRUE(executor_.process->Signal(SIGSTOP).ok());
+    // Each later layer waits kLayerDelayMs first, so this holds unless the test itself was
+    // left unscheduled for the rest of the step; then say so rather than fail later.
+    ASSERT_FALSE(LayerWritten(num_layers_ - 1))
+        << "the executor finished its step before the test could stop it: the machine left "
+           "this test unscheduled for "
+        << (num_layers_ - 1) * kLayerDelayMs << " ms or more";
   }
 
   // Whether any byte of layer `layer`'s K of the dead router's first block is non-zero.
@@ -168,19 +187,19 @@ class FencingProcessTest : public ::testing::Test {
   // drain. Then the observer acknowledges its own fence (it writes nothing).
   void KillRouterAndAcknowledgeAsObserver() {
     ASSERT_TRUE(dead_router_->Signal(SIGKILL).ok());
-    ASSERT_TRUE(dead_router_->Wait(absl::Seconds(10)).ok());
-    const absl::Time deadline = absl::Now() + absl::Seconds(30);
-    ASSERT_TRUE(WaitFor([&] { return observer_->PendingFences().size() == 1; }, deadline));
+    ASSERT_TRUE(dead_router_->Wait(absl::Seconds(30)).ok());
+    const absl::Status fenced = WaitFor([&] { return observer_->PendingFences().size() == 1; },
+                                        absl::Seconds(30), "the observer's fence");
+    ASSERT_TRUE(fenced.ok()) << fenced;
     const FenceNotice fence = observer_->PendingFences()[0];
     EXPECT_EQ(fence.router_session, dead_session_);
     ASSERT_TRUE(observer_->AcknowledgeFences({&fence.id, 1}).ok());
   }
 
-  // Stops the executor mid-step (SIGSTOP: it cannot acknowledge, so what follows is
-  // certain), kills the router, and checks what a second router, returned in `second`, can
-  // get: only the one block the dead router did not hold, kept as its sequence 2.
-  void StopExecutorAndKillRouter(std::unique_ptr<CacheManagerClient>* second) {
-    ASSERT_TRUE(executor_.process->Signal(SIGSTOP).ok());
+  // With the executor stopped mid-step (it cannot acknowledge, so what follows is certain),
+  // kills the router and checks what a second router, returned in `second`, can get: only
+  // the one block the dead router did not hold, kept as its sequence 2.
+  void KillRouter(std::unique_ptr<CacheManagerClient>* second) {
     ASSERT_NO_FATAL_FAILURE(KillRouterAndAcknowledgeAsObserver());
     *second = SecondRouter();
     ASSERT_NE(*second, nullptr);
@@ -224,10 +243,10 @@ class FencingProcessTest : public ::testing::Test {
 TempDir* FencingProcessTest::dir_ = nullptr;
 
 TEST_F(FencingProcessTest, KilledRoutersBlocksWaitForTheExecutorToAbandonItsStep) {
-  // 4 layers x 1.5 s: without fencing the executor writes layers 1-3 long after the kill.
-  ASSERT_NO_FATAL_FAILURE(StartMidStep(/*layer_delay_ms=*/1500));
+  // 4 layers x 3 s: without fencing the executor writes layers 1-3 long after the kill.
+  ASSERT_NO_FATAL_FAILURE(StartMidStep());
   std::unique_ptr<CacheManagerClient> second;
-  ASSERT_NO_FATAL_FAILURE(StopExecutorAndKillRouter(&second));
+  ASSERT_NO_FATAL_FAILURE(KillRouter(&second));
   BlockOps free;
   free.Free(2);
   ASSERT_TRUE(second->Step(free).ok());
@@ -236,9 +255,10 @@ TEST_F(FencingProcessTest, KilledRoutersBlocksWaitForTheExecutorToAbandonItsStep
   // Resumed, the executor learns of the fence from its next heartbeat reply, stops at the
   // next layer boundary and acknowledges: the blocks come back.
   ASSERT_TRUE(executor_.process->Signal(SIGCONT).ok());
-  const absl::Time deadline = absl::Now() + absl::Seconds(30);
-  ASSERT_TRUE(WaitFor([&] { return Stats().draining_blocks == 0; }, deadline))
-      << executor_.Output();
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  const absl::Status drained =
+      WaitFor([&] { return Stats().draining_blocks == 0; }, deadline, "the blocks to drain");
+  ASSERT_TRUE(drained.ok()) << drained << "\n" << executor_.Output();
   EXPECT_THAT(executor_.Output(), HasSubstr("abandoned step 1 (stopped after layer"));
   // Logged once the acknowledgement was answered, so possibly just after the blocks came back.
   EXPECT_TRUE(executor_.process
@@ -251,7 +271,9 @@ TEST_F(FencingProcessTest, KilledRoutersBlocksWaitForTheExecutorToAbandonItsStep
   for (int32_t b : dead_blocks_) EXPECT_EQ(std::count(all->begin(), all->end(), b), 1);
 
   // The new owner's data stays: the executor writes nothing after acknowledging. Fill the
-  // blocks with a pattern and wait past two of the executor's layer delays.
+  // blocks with a pattern and wait past two of the executor's layer delays. A fixed wait,
+  // to show that something does not happen: a slow machine can only make it miss a late
+  // write, never report one that did not come.
   const PoolLayout& layout = pool_->layout;
   auto* base = static_cast<uint8_t*>(pool_->mapping->base());
   for (int32_t layer = 0; layer < num_layers_; ++layer) {
@@ -263,7 +285,7 @@ TEST_F(FencingProcessTest, KilledRoutersBlocksWaitForTheExecutorToAbandonItsStep
       }
     }
   }
-  absl::SleepFor(absl::Seconds(3));
+  absl::SleepFor(absl::Milliseconds(2 * kLayerDelayMs));
   for (int32_t layer = 0; layer < num_layers_; ++layer) {
     for (int32_t b : dead_blocks_) {
       for (int kv = 0; kv < 2; ++kv) {
@@ -282,14 +304,20 @@ TEST_F(FencingProcessTest, KilledRoutersBlocksWaitForTheExecutorToAbandonItsStep
 TEST_F(FencingProcessTest, ASequenceFreedWithDrainWaitsForTheExecutorWhileItsRouterLives) {
   // The router gives up on its step (as on an executor that hung) and frees the sequence
   // with drain while the executor is still writing it; the router itself goes on.
-  ASSERT_NO_FATAL_FAILURE(StartMidStep(/*layer_delay_ms=*/1500, {"--drain-after-ms", "2000"}));
-  // Stopped mid-step (it cannot acknowledge, so what follows is certain) before the free.
-  ASSERT_TRUE(executor_.process->Signal(SIGSTOP).ok());
-  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  // The router frees once this file exists (kvcm-test-router --drain-when).
+  const std::string give_up = dir_->path() + "/router-gives-up";
+  std::remove(give_up.c_str());  // left by an earlier run of this test in the process
+  ASSERT_NO_FATAL_FAILURE(StartMidStep({"--drain-when", give_up}));
+  // The executor is stopped mid-step (it cannot acknowledge, so what follows is certain):
+  // now the router may free.
+  std::ofstream(give_up) << "now\n";
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
   ASSERT_TRUE(dead_router_->WaitForLine("router: freed with drain", deadline).ok())
       << dead_router_->Output();
   // The observer (an executor-role session too) honours its sequence fence at once.
-  ASSERT_TRUE(WaitFor([&] { return observer_->PendingFences().size() == 1; }, deadline));
+  const absl::Status fenced = WaitFor([&] { return observer_->PendingFences().size() == 1; },
+                                      deadline, "the observer's fence");
+  ASSERT_TRUE(fenced.ok()) << fenced;
   const FenceNotice fence = observer_->PendingFences()[0];
   EXPECT_EQ(fence.router_session, dead_session_);
   EXPECT_EQ(fence.seqs.size(), 1u);
@@ -306,8 +334,9 @@ TEST_F(FencingProcessTest, ASequenceFreedWithDrainWaitsForTheExecutorWhileItsRou
   // Resumed, the executor stops at the next layer boundary and acknowledges: the blocks
   // come back, and the router that freed them is still registered.
   ASSERT_TRUE(executor_.process->Signal(SIGCONT).ok());
-  ASSERT_TRUE(WaitFor([&] { return Stats().draining_blocks == 0; }, deadline))
-      << executor_.Output();
+  const absl::Status drained =
+      WaitFor([&] { return Stats().draining_blocks == 0; }, deadline, "the blocks to drain");
+  ASSERT_TRUE(drained.ok()) << drained << "\n" << executor_.Output();
   EXPECT_THAT(executor_.Output(), HasSubstr("abandoned step 1 (stopped after layer"));
   EXPECT_TRUE(executor_.process
                   ->WaitForLine("fenced 1 sequence\\(s\\) of router session", deadline)
@@ -320,19 +349,29 @@ TEST_F(FencingProcessTest, ASequenceFreedWithDrainWaitsForTheExecutorWhileItsRou
 }
 
 TEST_F(FencingProcessTest, KilledRoutersBlocksComeBackWhenItsHungExecutorDies) {
-  ASSERT_NO_FATAL_FAILURE(StartMidStep(/*layer_delay_ms=*/1500));
+  // Here the stopped executor must outlive its lease: the cache manager's default timeout.
+  ASSERT_NO_FATAL_FAILURE(StartMidStep({}, /*heartbeat_timeout_ms=*/5000));
   // Hung (SIGSTOP): it never acknowledges, so only its death can release the blocks.
   std::unique_ptr<CacheManagerClient> second;
-  ASSERT_NO_FATAL_FAILURE(StopExecutorAndKillRouter(&second));
+  ASSERT_NO_FATAL_FAILURE(KillRouter(&second));
   // Past its lease: quarantined, still waited for.
-  const absl::Time expired = absl::Now() + absl::Seconds(6);
-  ASSERT_TRUE(WaitFor([&] { return absl::Now() >= expired; }, expired + absl::Seconds(1)));
+  const pid_t executor_pid = executor_.process->pid();
+  const absl::Status quarantined = WaitFor(
+      [&] {
+        for (const SessionListing& session : Stats().session_list) {
+          if (session.pid == executor_pid && session.quarantined) return true;
+        }
+        return false;
+      },
+      absl::Seconds(60), "the stopped executor's session to be quarantined");
+  ASSERT_TRUE(quarantined.ok()) << quarantined;
   EXPECT_EQ(Stats().draining_blocks, 3);
 
   ASSERT_TRUE(executor_.process->Signal(SIGKILL).ok());
-  ASSERT_TRUE(executor_.process->Wait(absl::Seconds(10)).ok());
-  const absl::Time deadline = absl::Now() + absl::Seconds(30);
-  ASSERT_TRUE(WaitFor([&] { return Stats().draining_blocks == 0; }, deadline));
+  ASSERT_TRUE(executor_.process->Wait(absl::Seconds(30)).ok());
+  const absl::Status drained = WaitFor([&] { return Stats().draining_blocks == 0; },
+                                       absl::Seconds(60), "the blocks to come back");
+  ASSERT_TRUE(drained.ok()) << drained;
   absl::StatusOr<std::vector<int32_t>> rest = Allocate(*second, 3, kNumBlocks - 1);
   ASSERT_TRUE(rest.ok()) << rest.status();
   EXPECT_EQ(Stats().free_blocks, 0);

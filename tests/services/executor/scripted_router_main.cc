@@ -6,9 +6,12 @@
 //       --cache-manager ipc://RUN_DIR/cache-manager.sock --prompt-tokens 48
 //
 // Prints, one line each: "router: session=S", "router: blocks=B0,B1,...", "router: step
-// sent". With --drain-after-ms N it then gives up on the step after N ms, as a router does
-// whose executor hung, frees the sequence with drain and prints "router: freed with drain"
-// (it lives on). Exits 1 with a message on any failure.
+// sent". With --drain-when PATH it then gives up on the step once the file PATH exists, as a
+// router does whose executor hung, frees the sequence with drain and prints "router: freed
+// with drain" (it lives on): the test decides when, rather than a timer racing the test's
+// own steps (docs/RELIABILITY.md, "Timing in tests"). Exits 1 with a message on any failure.
+
+#include <sys/stat.h>
 
 #include <cstdio>
 #include <string>
@@ -38,15 +41,15 @@ void Say(const std::string& line) {
 int main(int argc, char** argv) {
   std::string router, cache_manager;
   int32_t prompt_tokens = 0;
-  int32_t drain_after_ms = 0;
+  std::string drain_when;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--router") {
       router = argv[i + 1];
     } else if (flag == "--cache-manager") {
       cache_manager = argv[i + 1];
-    } else if (flag == "--drain-after-ms") {
-      if (!absl::SimpleAtoi(argv[i + 1], &drain_after_ms)) return Fail("bad --drain-after-ms");
+    } else if (flag == "--drain-when") {
+      drain_when = argv[i + 1];
     } else if (flag != "--prompt-tokens" || !absl::SimpleAtoi(argv[i + 1], &prompt_tokens)) {
       return Fail(absl::StrCat("bad flag ", flag));
     }
@@ -75,9 +78,11 @@ int main(int argc, char** argv) {
   auto sent = (*driver)->SendStep(step);
   if (!sent.ok()) return Fail(sent.status().ToString());
   Say("step sent");
-  if (drain_after_ms > 0) {
-    (*driver)->ServeUntil(absl::Now() + absl::Milliseconds(drain_after_ms),
-                          /*stop_at_goodbye=*/false);
+  if (!drain_when.empty()) {
+    struct stat st {};
+    while (::stat(drain_when.c_str(), &st) != 0) {
+      (*driver)->ServeUntil(absl::Now() + absl::Milliseconds(10), /*stop_at_goodbye=*/false);
+    }
     kvcm::BlockOps free;
     free.Free(seq->id, /*drain=*/true);
     auto freed = (*driver)->cache_manager().Step(free);
