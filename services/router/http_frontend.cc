@@ -2,15 +2,23 @@
 #include "services/router/http_requests.h"
 #include "services/router/stream_events.h"
 
+#include <dirent.h>
 #include <event2/buffer.h>
 #include <event2/bufferevent.h>
 #include <event2/event.h>
 #include <event2/http.h>
 #include <event2/keyvalq_struct.h>
+#include <event2/listener.h>
 #include <event2/thread.h>
+#include <fcntl.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -29,6 +37,7 @@
 #include "common/base/mutex.h"
 #include "common/base/utf8.h"
 #include "common/base/monotonic_clock.h"
+#include "common/base/unique_fd.h"
 #include "nlohmann/json.hpp"
 #include "prometheus/registry.h"
 #include "prometheus/text_serializer.h"
@@ -72,6 +81,43 @@ std::string Dump(const json& value) {
 // Tokens delivered in one turn of the HTTP thread's loop: the loop writes their events to
 // their sockets before it formats the next slice (Impl::DeliverSlice).
 constexpr size_t kDeliverySlice = 64;
+
+// The HTTP port at the descriptor limit (docs/router.md, "Connections at the descriptor
+// limit"): when fewer than this many descriptors, or 1/16 of RLIMIT_NOFILE if that is more,
+// are left, the port stops taking connections (each new one is closed at once) until twice
+// as many are free again. What is left is for the ZeroMQ connections of executors that
+// register meanwhile, their pidfds and the dashboard's session; as the cache manager keeps
+// its own (services/cache_manager/cache_manager_server.cc).
+constexpr int kMinFreeDescriptors = 32;
+// Connections closed per wakeup while not accepting, so that a flood does not hold the loop.
+constexpr int kMaxShedPerWakeup = 64;
+
+// The soft RLIMIT_NOFILE; -1 when unlimited or unknown.
+int DescriptorLimit() {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return -1;
+  return static_cast<int>(std::min<rlim_t>(limit.rlim_cur, std::numeric_limits<int>::max()));
+}
+
+// Open descriptors of this process: the entries of /proc/self/fd, read through `dir_fd`
+// (that directory, opened at start) less `dir_fd` itself. Reading it takes no descriptor,
+// so it still works when none is free; -1 if it cannot be read.
+int OpenDescriptors(int dir_fd) {
+  if (dir_fd < 0 || ::lseek(dir_fd, 0, SEEK_SET) != 0) return -1;
+  alignas(8) char buffer[8192];
+  int count = 0;
+  while (true) {
+    const long n = ::syscall(SYS_getdents64, dir_fd, buffer, sizeof(buffer));
+    if (n < 0) return -1;
+    if (n == 0) break;
+    for (long offset = 0; offset < n;) {
+      const auto* entry = reinterpret_cast<const dirent64*>(buffer + offset);
+      if (entry->d_name[0] != '.') ++count;
+      offset += entry->d_reclen;
+    }
+  }
+  return count - 1;
+}
 
 // OpenAI's error type for a status.
 const char* OpenAiErrorType(int status) {
@@ -117,15 +163,100 @@ struct HttpFrontend::Impl {
   };
   absl::flat_hash_map<const evbuffer*, Arrival> arrivals;
 
+  // Connections at the descriptor limit (kMinFreeDescriptors). libevent 2.1 has no
+  // evhttp_set_max_connections and says nothing when a connection closes, so the
+  // descriptors are counted (/proc/self/fd) as connections arrive; below the reserve, evhttp's
+  // listener is disabled and `shed` reads the listening socket instead, closing each new
+  // connection at once. Without this, accept() failing with EMFILE left the socket readable
+  // and libevent retried it at 100% CPU, logging each failure.
+  evconnlistener* listener = nullptr;  // evhttp's, of the bound socket
+  event* shed = nullptr;               // on the bound socket, while not accepting
+  UniqueFd fd_dir;                     // /proc/self/fd
+  bool accepting = true;
+  // Connections accepted before the descriptors are counted again: half of those that
+  // would reach the reserve at the last count, so that a flood is counted O(log) times.
+  int accepts_until_count = 0;
+  uint64_t shed_while_stopped = 0;
+
+  struct Descriptors {
+    int limit = 0;
+    int open = 0;
+    int reserve = 0;  // stop accepting with fewer free than this
+    int left() const { return limit - open; }
+  };
+  std::optional<Descriptors> CountDescriptors() const {
+    const int limit = DescriptorLimit();
+    const int open = OpenDescriptors(fd_dir.get());
+    if (limit < 0 || open < 0) return std::nullopt;
+    return Descriptors{limit, open, std::max(kMinFreeDescriptors, limit / 16)};
+  }
+  // A connection was accepted: stop accepting more when too few descriptors are left.
+  void GuardDescriptors() {
+    if (!accepting || --accepts_until_count > 0) return;
+    const std::optional<Descriptors> count = CountDescriptors();
+    if (!count.has_value()) {  // no /proc: the accept guard (main.cc) is all there is
+      accepts_until_count = std::numeric_limits<int>::max();
+      return;
+    }
+    if (count->left() >= count->reserve) {
+      accepts_until_count = std::max(1, (count->left() - count->reserve) / 2);
+      return;
+    }
+    evconnlistener_disable(listener);  // its accept loop ends after this connection
+    event_add(shed, nullptr);
+    accepting = false;
+    shed_while_stopped = 0;
+    Log(absl::StrCat(count->open, " of ", count->limit,
+                     " descriptors open: not accepting HTTP connections (each new one is "
+                     "closed at once) until ",
+                     2 * count->reserve, " are free again"));
+  }
+  // The listening socket is readable while not accepting: accepting again if enough
+  // descriptors were freed (the waiting connection is then evhttp's), else closing what
+  // waits.
+  static void OnShed(evutil_socket_t listening, short, void* arg) {
+    auto* self = static_cast<Impl*>(arg);
+    const std::optional<Descriptors> count = self->CountDescriptors();
+    if (!count.has_value() || count->left() >= 2 * count->reserve) {
+      event_del(self->shed);
+      evconnlistener_enable(self->listener);
+      self->accepting = true;
+      self->accepts_until_count = 0;
+      Log(absl::StrCat(count.has_value() ? absl::StrCat(count->open, " of ", count->limit,
+                                                        " descriptors open: ")
+                                         : "",
+                       "accepting HTTP connections again (", self->shed_while_stopped,
+                       " closed meanwhile)"));
+      return;
+    }
+    for (int i = 0; i < kMaxShedPerWakeup; ++i) {
+      const int fd = ::accept4(listening, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (fd < 0) {
+        // ECONNABORTED: the accept guard closed it for want of a descriptor.
+        if (errno == ECONNABORTED || errno == EINTR) continue;
+        break;  // EAGAIN: none waits
+      }
+      // A reset: the client learns at once, and nothing lingers here.
+      const linger reset{1, 0};
+      ::setsockopt(fd, SOL_SOCKET, SO_LINGER, &reset, sizeof(reset));
+      ::close(fd);
+      ++self->shed_while_stopped;
+      if (self->metrics != nullptr) self->metrics->CountHttpConnectionShed();
+    }
+  }
+
   // evhttp_set_bevcb: the bufferevent of a new connection, as libevent makes it itself,
-  // with OnInput watching what arrives.
+  // with OnInput watching what arrives when requests have a deadline.
   static bufferevent* NewConnection(event_base* base, void* arg) {
     auto* self = static_cast<Impl*>(arg);
+    self->GuardDescriptors();
     bufferevent* connection = bufferevent_socket_new(base, -1, 0);
     if (connection == nullptr) return nullptr;
-    evbuffer* input = bufferevent_get_input(connection);
-    self->arrivals[input] = {connection, absl::InfinitePast()};
-    evbuffer_add_cb(input, &Impl::OnInput, self);
+    if (self->options.request_timeout > absl::ZeroDuration()) {
+      evbuffer* input = bufferevent_get_input(connection);
+      self->arrivals[input] = {connection, absl::InfinitePast()};
+      evbuffer_add_cb(input, &Impl::OnInput, self);
+    }
     return connection;
   }
   // Called as bytes are added to a connection's input, before libevent parses them. A
@@ -229,6 +360,7 @@ struct HttpFrontend::Impl {
     if (mail != nullptr) event_free(mail);
     if (deliver_more != nullptr) event_free(deliver_more);
     if (stop != nullptr) event_free(stop);
+    if (shed != nullptr) event_free(shed);
     if (http != nullptr) evhttp_free(http);
     if (base != nullptr) event_base_free(base);
   }
@@ -314,6 +446,9 @@ struct HttpFrontend::Impl {
       error.api = api;
       Refuse(request, error);
     };
+    if (prompt.empty()) {  // the parsers refuse it first: the planner cannot run it
+      return refuse({422, "the prompt has no tokens"});
+    }
     if (static_cast<int32_t>(prompt.size()) > options.max_input_tokens) {
       return refuse({422, absl::StrCat("the prompt must have less than ", options.max_input_tokens,
                                        " tokens. Given: ", prompt.size())});
@@ -896,17 +1031,14 @@ struct HttpFrontend::Impl {
   }
 
   void HandleTokenize(evhttp_request* request) {
-    const json root = json::parse(Body(request), nullptr, false);
-    if (root.is_discarded() || !root.is_object() || !root.contains("inputs") ||
-        !root["inputs"].is_string()) {
-      return ReplyError(request, {422, "`inputs` must be a string"});
-    }
     // The ids a prompt of this text is run with, BOS included: what the cache holds and the
     // KV events carry (a cluster router's query needs exactly those).
-    absl::StatusOr<std::vector<int32_t>> ids = parser->PromptOf(root["inputs"].get<std::string>());
-    if (!ids.ok()) return ReplyError(request, {422, std::string(ids.status().message())});
+    std::vector<int32_t> ids;
+    if (std::optional<HttpError> bad = parser->ParseTokenize(Body(request), &ids)) {
+      return ReplyError(request, *bad);
+    }
     json out = json::array();
-    for (int32_t id : *ids) {
+    for (int32_t id : ids) {
       const int32_t one[] = {id};
       absl::StatusOr<std::string> text = tokenizer->Decode(one);
       out.push_back({{"id", id}, {"text", text.ok() ? *text : ""}});
@@ -1119,9 +1251,7 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(const Options&
   evhttp_set_max_body_size(impl.http, static_cast<ev_ssize_t>(options.max_body_bytes));
   evhttp_set_max_headers_size(impl.http, static_cast<ev_ssize_t>(options.max_header_bytes));
   evhttp_set_timeout(impl.http, options.timeout_seconds);
-  if (options.request_timeout > absl::ZeroDuration()) {
-    evhttp_set_bevcb(impl.http, &Impl::NewConnection, &impl);
-  }
+  evhttp_set_bevcb(impl.http, &Impl::NewConnection, &impl);
   // Every method reaches Route(), which answers one a route does not take with 405.
   evhttp_set_allowed_methods(impl.http, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_HEAD |
                                             EVHTTP_REQ_PUT | EVHTTP_REQ_DELETE |
@@ -1141,6 +1271,10 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(const Options&
   frontend->port_ = address.ss_family == AF_INET6
                         ? ntohs(reinterpret_cast<sockaddr_in6*>(&address)->sin6_port)
                         : ntohs(reinterpret_cast<sockaddr_in*>(&address)->sin_port);
+  impl.listener = evhttp_bound_socket_get_listener(bound);
+  impl.shed = event_new(impl.base, evhttp_bound_socket_get_fd(bound), EV_READ | EV_PERSIST,
+                        &Impl::OnShed, &impl);
+  impl.fd_dir.reset(::open("/proc/self/fd", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   impl.mail = event_new(impl.base, -1, 0, &Impl::OnMail, &impl);
   impl.deliver_more = evtimer_new(impl.base, &Impl::OnMail, &impl);
   impl.event_out = evbuffer_new();

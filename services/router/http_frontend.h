@@ -6,7 +6,7 @@
 //   POST /generate_stream  the same, as server-sent events: one per token, the last one with
 //                          generated_text and details
 //   POST /                 either, by "stream"
-//   POST /tokenize         {"inputs"} -> [{"id", "text"}]
+//   POST /tokenize         {"inputs"} -> [{"id", "text"}], at most max_input_tokens of them
 //   GET  /health           200 with an executor registered, else 503
 //   GET  /info             the model, the pool and the limits
 //   GET  /metrics          Prometheus text (RouterMetrics)
@@ -25,6 +25,8 @@
 // are in flight, 503 without an executor, 413 for a body over the limit, 404 for an unknown
 // path, 405 for a known path asked with another method than its route's. A client that
 // disconnects mid-stream has its request cancelled (its sequence freed at the next step).
+// When few file descriptors are left, new connections are closed as they arrive (docs/
+// router.md, "Connections at the descriptor limit").
 //
 // Thread safety: Deliver() from any thread; the rest from the thread that owns the object.
 

@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "common/chat/chat_template.h"
 #include "nlohmann/json.hpp"
 
@@ -17,7 +19,51 @@ std::string Dump(const json& value) {
   return value.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
+// `text` as an error message echoes it: its first kMaxEchoedValueBytes (cut where a UTF-8
+// character starts), then "..." when there was more.
+std::string Shortened(absl::string_view text) {
+  if (text.size() <= kMaxEchoedValueBytes) return std::string(text);
+  size_t cut = kMaxEchoedValueBytes;
+  while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;
+  return absl::StrCat(text.substr(0, cut), "...");
+}
+
+// "parameter `key` is not supported by this server (value)", both shortened.
+std::string Unsupported(absl::string_view key, const json& value) {
+  return absl::StrCat("parameter `", Shortened(key), "` is not supported by this server (",
+                      Shortened(Dump(value)), ")");
+}
+
+std::string TooDeep() {
+  return absl::StrCat("the body nests arrays and objects deeper than ", kMaxJsonDepth,
+                      " levels");
+}
+
+// A prompt of no tokens cannot be run (a sequence computes at least its last prompt token;
+// the planner checks it): an empty text, or one the tokenizer drops whole, for a model that
+// adds no BOS.
+std::string NoPromptTokens(absl::string_view field) {
+  return absl::StrCat("`", field, "` cannot be empty: it gives no tokens, and this model adds "
+                      "no BOS token to a prompt");
+}
+
 }  // namespace
+
+bool NestedDeeperThan(const json& value, int max_depth) {
+  if (!value.is_structured()) return false;
+  // Depth first with a stack of our own: a body of 500,000 levels must not recurse here
+  // either.
+  std::vector<std::pair<const json*, int>> pending = {{&value, 1}};
+  while (!pending.empty()) {
+    const auto [node, depth] = pending.back();
+    pending.pop_back();
+    if (depth > max_depth) return true;
+    for (const json& child : *node) {
+      if (child.is_structured()) pending.emplace_back(&child, depth + 1);
+    }
+  }
+  return false;
+}
 
 std::optional<HttpError> RequestParser::ParseParams(const json& root, Params* params) {
   params->max_new_tokens = options_.default_max_new_tokens;
@@ -113,10 +159,7 @@ std::optional<HttpError> RequestParser::ParseParams(const json& root, Params* pa
       }
     } else {
       // Never ignored silently: kvcm does not do this yet (or not with this value).
-      bad = HttpError{422, absl::StrCat("parameter `", key,
-                                        "` is not supported by this "
-                                        "server (",
-                                        Dump(value), ")")};
+      bad = HttpError{422, Unsupported(key, value)};
     }
     if (bad) return bad;
   }
@@ -158,6 +201,7 @@ std::optional<HttpError> RequestParser::ParseGenerate(std::string_view body,
   if (root.is_discarded() || !root.is_object()) {
     return HttpError{400, "the body is not a JSON object", "validation"};
   }
+  if (NestedDeeperThan(root, kMaxJsonDepth)) return HttpError{422, TooDeep()};
   if (!root.contains("inputs") || !root["inputs"].is_string()) {
     return HttpError{422, "`inputs` must be a string"};
   }
@@ -183,6 +227,7 @@ std::optional<HttpError> RequestParser::ParseGenerate(std::string_view body,
   const std::string text = root["inputs"].get<std::string>();
   absl::StatusOr<std::vector<int32_t>> prompt = PromptOf(text);
   if (!prompt.ok()) return HttpError{422, std::string(prompt.status().message())};
+  if (prompt->empty()) return HttpError{422, NoPromptTokens("inputs")};
   if (params.truncate > 0 && prompt->size() > static_cast<size_t>(params.truncate)) {
     prompt->erase(prompt->begin(), prompt->end() - params.truncate);  // keeps the last ones
   }
@@ -192,6 +237,26 @@ std::optional<HttpError> RequestParser::ParseGenerate(std::string_view body,
   out->params = params;
   out->prompt_text = text;
   out->prompt = *std::move(prompt);
+  return std::nullopt;
+}
+
+std::optional<HttpError> RequestParser::ParseTokenize(std::string_view body,
+                                                      std::vector<int32_t>* ids) const {
+  const json root = json::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (root.is_discarded() || !root.is_object()) return HttpError{422, "`inputs` must be a string"};
+  if (NestedDeeperThan(root, kMaxJsonDepth)) return HttpError{422, TooDeep()};
+  if (!root.contains("inputs") || !root["inputs"].is_string()) {
+    return HttpError{422, "`inputs` must be a string"};
+  }
+  absl::StatusOr<std::vector<int32_t>> prompt = PromptOf(root["inputs"].get<std::string>());
+  if (!prompt.ok()) return HttpError{422, std::string(prompt.status().message())};
+  // The bound /generate puts on a prompt (HttpFrontend's Start), in its words: the reply is
+  // some 20 bytes of JSON per id.
+  if (prompt->size() > static_cast<size_t>(options_.max_input_tokens)) {
+    return HttpError{422, absl::StrCat("the prompt must have less than ", options_.max_input_tokens,
+                                       " tokens. Given: ", prompt->size())};
+  }
+  *ids = *std::move(prompt);
   return std::nullopt;
 }
 
@@ -253,7 +318,8 @@ std::optional<HttpError> RequestParser::OpenAiParam(const std::string& key, cons
       if (!value.is_object()) return fail(422, "`stream_options` must be an object", key);
       for (const auto& [option, flag] : value.items()) {
         if (option != "include_usage" || !flag.is_boolean()) {
-          return fail(422, absl::StrCat("stream_options_.", option, " is not supported"), key);
+          return fail(422, absl::StrCat("stream_options_.", Shortened(option), " is not supported"),
+                      key);
         }
         a.include_usage = flag.get<bool>();
       }
@@ -348,6 +414,7 @@ std::optional<HttpError> RequestParser::ParseCompletions(std::string_view body,
   if (root.is_discarded() || !root.is_object()) {
     return refuse(400, "the body is not a JSON object");
   }
+  if (NestedDeeperThan(root, kMaxJsonDepth)) return refuse(422, TooDeep());
   *out = GenerationRequest();
   GenerationRequest& a = *out;
   a.api = Api::kOpenAi;
@@ -365,6 +432,7 @@ std::optional<HttpError> RequestParser::ParseCompletions(std::string_view body,
       if (one.is_string()) {
         absl::StatusOr<std::vector<int32_t>> ids = PromptOf(one.get<std::string>());
         if (!ids.ok()) return refuse(422, std::string(ids.status().message()), "prompt");
+        if (ids->empty()) return refuse(422, NoPromptTokens("prompt"), "prompt");
         prompt = *std::move(ids);
         a.prompt_text = one.get<std::string>();
       } else if (one.is_array() && !one.empty() &&
@@ -410,10 +478,7 @@ std::optional<HttpError> RequestParser::ParseCompletions(std::string_view body,
       }
     } else if ((key == "suffix" || key == "logit_bias") && value.is_null()) {
     } else {
-      return refuse(
-          422,
-          absl::StrCat("parameter `", key, "` is not supported by this server (", Dump(value), ")"),
-          key);
+      return refuse(422, Unsupported(key, value), Shortened(key));
     }
   }
   if (!have_prompt) return refuse(422, "`prompt` is required", "prompt");
@@ -442,6 +507,7 @@ std::optional<HttpError> RequestParser::ParseChatCompletions(std::string_view bo
   if (root.is_discarded() || !root.is_object()) {
     return refuse(400, "the body is not a JSON object");
   }
+  if (NestedDeeperThan(root, kMaxJsonDepth)) return refuse(422, TooDeep());
   *out = GenerationRequest();
   GenerationRequest& a = *out;
   a.api = Api::kOpenAi;
@@ -524,10 +590,7 @@ std::optional<HttpError> RequestParser::ParseChatCompletions(std::string_view bo
                 key == "response_format" || key == "parallel_tool_calls") &&
                value.is_null()) {
     } else {
-      return refuse(
-          422,
-          absl::StrCat("parameter `", key, "` is not supported by this server (", Dump(value), ")"),
-          key);
+      return refuse(422, Unsupported(key, value), Shortened(key));
     }
   }
   if (!have_messages) return refuse(422, "`messages` is required", "messages");

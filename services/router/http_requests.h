@@ -10,12 +10,14 @@
 //
 // Errors carry the status the front end answers with: 400 for a body that is not a JSON
 // object (and a chat template's own refusal), 422 for invalid or unsupported parameters
-// (never ignored silently), 501 for chat completions without a chat template. The body
-// may be any bytes: nothing here throws.
+// (never ignored silently), a body nested deeper than kMaxJsonDepth and a prompt of no
+// tokens, 501 for chat completions without a chat template. The body may be any bytes:
+// nothing here throws, and nothing here recurses on the body's nesting.
 //
 // Thread safety: a RequestParser draws the seeds of sampled requests that gave none from its
 // own counter: one thread (the front end's) uses it.
 
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -33,6 +35,22 @@
 namespace kvcm::router {
 
 enum class Api : uint8_t { kTgi, kOpenAi };
+
+// The deepest a request body's JSON may nest arrays and objects (the body's own object is
+// level 1). The parser builds any depth without recursion, but dumping, copying and a chat
+// message's conversion for the template (jinja::FromJson) recurse once per level: 20,000
+// levels, 40 KB of body, overflowed the stack. So every body is walked once, without
+// recursion, and a deeper one is refused before anything else reads it (docs/router.md,
+// "Errors").
+inline constexpr int kMaxJsonDepth = 64;
+
+// Whether `value` nests arrays and objects deeper than `max_depth` levels (`value` itself,
+// when it is one, is level 1). Iterative: any depth is safe to ask about.
+bool NestedDeeperThan(const nlohmann::json& value, int max_depth);
+
+// At most this many bytes of a refused value are echoed in an error message ("parameter
+// `x` is not supported (VALUE)"), then "...": a 500 KB value must not make a 500 KB reply.
+inline constexpr size_t kMaxEchoedValueBytes = 64;
 
 // An error, in the shape of the API it answers.
 struct HttpError {
@@ -74,7 +92,7 @@ struct GenerationRequest {
 
 // What requests are checked against: HttpFrontend::Options's fields of the same names.
 struct RequestLimits {
-  int32_t max_input_tokens = 1024;  // TGI's `truncate` at most this
+  int32_t max_input_tokens = 1024;  // TGI's `truncate` and /tokenize's ids at most this
   int32_t max_total_tokens = 2048;  // max_new_tokens at most this
   int32_t default_max_new_tokens = 100;
   int32_t max_top_n_tokens = 5;  // TGI's top_n_tokens, OpenAI's logprobs and top_logprobs
@@ -101,8 +119,14 @@ class RequestParser {
   // OpenAI /v1/chat/completions: `messages` rendered with limits.chat_template
   // (add_generation_prompt) and tokenized as transformers' apply_chat_template does.
   std::optional<HttpError> ParseChatCompletions(std::string_view body, GenerationRequest* out);
+  // TGI /tokenize: `{"inputs": "..."}` into the ids PromptOf gives, or the error to answer
+  // (422 for every refusal, as TGI's): at most limits.max_input_tokens of them, the bound
+  // of a prompt (1 MB of digits was a 22 MB reply).
+  std::optional<HttpError> ParseTokenize(std::string_view body, std::vector<int32_t>* ids) const;
   // A text prompt's ids as the model sees them: BOS when the tokenizer's model asks for one,
   // then the tokenizer's ids. What /tokenize answers (as TGI's does, special tokens added).
+  // May be empty (an empty text, for a model that adds no BOS: SmolLM2): the parsers refuse
+  // such a prompt, since a sequence needs at least one token to be computed.
   absl::StatusOr<std::vector<int32_t>> PromptOf(const std::string& text) const;
 
  private:

@@ -6,6 +6,7 @@
 // A flag not on the command line may come from KVCM_ROUTER_<FLAG> or --config FILE
 // (common/config/config.h); nothing below main reads flags or the environment.
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -31,6 +32,7 @@
 #include "common/config/config.h"
 #include "common/model/model_metadata.h"
 #include "common/tokenizer/tokenizer.h"
+#include "common/transport/accept_guard.h"
 #include "services/router/dashboard.h"
 #include "services/router/http_frontend.h"
 #include "services/router/router_core.h"
@@ -83,6 +85,18 @@ namespace {
 constexpr char kComponent[] = "kvcm-router";
 void Log(std::string_view text) { LogLine(kComponent, text); }
 
+// Every HTTP connection holds a descriptor: the soft limit (often 1024) goes up to the hard
+// one, as the cache manager's does.
+void RaiseDescriptorLimit() {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur >= limit.rlim_max) return;
+  const rlim_t before = limit.rlim_cur;
+  limit.rlim_cur = limit.rlim_max;
+  if (::setrlimit(RLIMIT_NOFILE, &limit) == 0) {
+    Log(absl::StrCat("file descriptor limit raised from ", before, " to ", limit.rlim_cur));
+  }
+}
+
 int Main(const std::vector<config::Setting>& settings) {
   Log(config::Describe(settings, config::ConfigFilePath()));
   UniqueFd signal_fd = BlockTerminationSignals();
@@ -94,6 +108,11 @@ int Main(const std::vector<config::Setting>& settings) {
     Log(absl::StrCat("error: ", status.message()));
     return 1;
   };
+  // At the descriptor limit, libzmq aborts the process on the EMFILE of an executor's
+  // connection; the HTTP port stops accepting before that (docs/router.md, "Connections at
+  // the descriptor limit"), and the guard closes what still arrives when none is left.
+  RaiseDescriptorLimit();
+  if (absl::Status guard = InstallAcceptGuard(); !guard.ok()) return fail(guard);
   const std::string model = absl::GetFlag(FLAGS_model);
   if (model.empty()) return fail(absl::InvalidArgumentError("--model is required"));
   if (absl::GetFlag(FLAGS_max_best_of) < 1 || absl::GetFlag(FLAGS_max_best_of) > 16 ||

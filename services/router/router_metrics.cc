@@ -59,14 +59,19 @@ constexpr MetricSpec kSlowDropped{
     "kvcm_router_http_slow_requests_dropped_total", MetricType::Counter, "",
     "HTTP connections dropped because their request did not arrive whole within "
     "--http-request-timeout-ms (a slow or slowloris client)."};
+constexpr MetricSpec kConnectionsShed{
+    "kvcm_router_http_connections_shed_total", MetricType::Counter, "",
+    "HTTP connections closed as they arrived because too few file descriptors were left "
+    "under RLIMIT_NOFILE (docs/router.md, \"Connections at the descriptor limit\")."};
 
 // Not in this list: kvcm_router_config_info, the effective configuration (a gauge at 1,
 // one label per option), which main.cc adds to the same registry (common/config/config.h):
 // its labels are the binary's flags, so it is declared from the flags themselves.
-constexpr std::array kSpecs = {kQueued,       kRunning,    kExecutors,   kSteps,
+constexpr std::array kSpecs = {kQueued,       kRunning,        kExecutors,   kSteps,
                                kStepDuration, kBatchSequences, kBatchTokens, kPromptTokens,
-                               kGenerated,    kPreemptions, kRecomputed, kRequests,
-                               kTtft,         kTpot,       kE2e,         kSlowDropped};
+                               kGenerated,    kPreemptions,    kRecomputed,  kRequests,
+                               kTtft,         kTpot,           kE2e,         kSlowDropped,
+                               kConnectionsShed};
 
 constexpr std::array<const char*, kRequestOutcomes> kOutcomeNames = {
     "ok", "invalid", "overloaded", "unavailable", "cancelled"};
@@ -109,6 +114,7 @@ RouterMetrics::RouterMetrics() : registry_(std::make_shared<prometheus::Registry
   tpot_ = &AddHistogramFamily(*registry_, kTpot).Add({}, SecondsBuckets());
   e2e_ = &AddHistogramFamily(*registry_, kE2e).Add({}, SecondsBuckets());
   slow_dropped_ = &AddCounterFamily(*registry_, kSlowDropped).Add({});
+  connections_shed_ = &AddCounterFamily(*registry_, kConnectionsShed).Add({});
 }
 
 RouterMetrics::~RouterMetrics() = default;
@@ -149,6 +155,7 @@ void RouterMetrics::ObserveTimeToFirstToken(double seconds) { ttft_->Observe(sec
 void RouterMetrics::ObserveTimePerOutputToken(double seconds) { tpot_->Observe(seconds); }
 void RouterMetrics::ObserveRequestDuration(double seconds) { e2e_->Observe(seconds); }
 void RouterMetrics::CountSlowRequestDropped() { slow_dropped_->Increment(); }
+void RouterMetrics::CountHttpConnectionShed() { connections_shed_->Increment(); }
 
 std::span<const MetricSpec> RouterMetrics::Specs() { return kSpecs; }
 

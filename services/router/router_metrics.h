@@ -57,6 +57,7 @@ class RouterMetrics {
   void ObserveTimePerOutputToken(double seconds);
   void ObserveRequestDuration(double seconds);
   void CountSlowRequestDropped();
+  void CountHttpConnectionShed();  // closed as it arrived, at the descriptor limit
 
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
   static std::span<const MetricSpec> Specs();
@@ -67,6 +68,7 @@ class RouterMetrics {
   prometheus::Gauge* running_ = nullptr;
   prometheus::Gauge* executors_ = nullptr;
   prometheus::Counter* slow_dropped_ = nullptr;
+  prometheus::Counter* connections_shed_ = nullptr;
   prometheus::Counter* steps_ = nullptr;
   prometheus::Histogram* step_duration_ = nullptr;
   prometheus::Histogram* batch_sequences_ = nullptr;

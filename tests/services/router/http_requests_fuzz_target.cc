@@ -5,7 +5,8 @@
 // 4 /v1/chat/completions; modulo 5), the rest is the body. Over a byte-level tokenizer
 // (vocab 320) and SmolLM2's chat template, with the front end's default limits:
 //   - nothing throws (the front end would answer 500 internal error);
-//   - a refusal is 400, 422 or 501, in the endpoint's API, with a message;
+//   - a refusal is 400, 422 or 501, in the endpoint's API, with a message; an unsupported
+//     parameter's name and value are echoed shortened;
 //   - an accepted request is one the executors take: max_new_tokens in [1,
 //     max_total_tokens], prompt tokens inside the vocabulary, top_n in [0,
 //     max_top_n_tokens], between 1 and max_best_of sequences of which at least the shown
@@ -70,6 +71,8 @@ void CheckAccepted(const GenerationRequest& r, Api api) {
   const Params& p = r.params;
   Check(p.max_new_tokens >= 1 && p.max_new_tokens <= limits.max_total_tokens,
         "max_new_tokens in [1, max_total_tokens]");
+  // The planner cannot run a prompt of no tokens (StepPlanner::Enqueue checks it).
+  Check(!r.prompt.empty(), "a prompt has at least one token");
   for (const int32_t id : r.prompt) Check(id >= 0 && id < 320, "prompt tokens in the vocabulary");
   Check(p.outputs.top_n >= 0 && p.outputs.top_n <= limits.max_top_n_tokens,
         "top_n in [0, max_top_n_tokens]");
@@ -118,6 +121,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           "a refusal is 400, 422 or 501");
     Check(error->api == api || api == Api::kTgi, "an OpenAI refusal has OpenAI's shape");
     Check(!error->message.empty(), "a refusal says why");
+    // "parameter `KEY` is not supported by this server (VALUE)": both shortened.
+    Check(error->param.size() <= 2 * kMaxEchoedValueBytes &&
+              (error->message.rfind("parameter `", 0) != 0 ||
+               error->message.size() <= 4 * kMaxEchoedValueBytes),
+          "a refusal echoes no more than a short prefix of what it refuses");
     return 0;
   }
   CheckAccepted(parsed, api);

@@ -422,7 +422,8 @@ TEST_F(RouterProcessTest, AnExecutorKilledMidGenerationChangesNoToken) {
   std::vector<std::string> texts = {"first request", "second request", "third one",
                                     "and a fourth"};
   std::unique_ptr<Requests> requests = StartRequests(texts, 40);
-  absl::SleepFor(absl::Milliseconds(300));  // a few steps in: every request is generating
+  // A few steps in, every request generating.
+  ASSERT_TRUE(AwaitGenerating(4, 8)) << router_->Output();
   ASSERT_TRUE(executors_[1].process->Signal(SIGKILL).ok());
   const int done_at_kill = requests->done.load();
   requests->Join();
@@ -448,7 +449,8 @@ TEST_F(RouterProcessTest, AHungExecutorsSequencesAreFreedWithDrainAndFinishElsew
   std::vector<std::string> texts = {"first request", "second request", "third one",
                                     "and a fourth"};
   std::unique_ptr<Requests> requests = StartRequests(texts, 30);
-  absl::SleepFor(absl::Milliseconds(600));  // a few steps in: every request is generating
+  // A few steps in, every request generating.
+  ASSERT_TRUE(AwaitGenerating(4, 8)) << router_->Output();
   ASSERT_TRUE(executors_[1].process->Signal(SIGSTOP).ok());
   const int done_at_stop = requests->done.load();
   ASSERT_TRUE(router_->WaitForLine("may still be writing", absl::Now() + absl::Seconds(20)).ok())
@@ -501,7 +503,7 @@ TEST_F(RouterProcessTest, ACacheManagerKilledUnderLoadRestartsAndEveryRequestCom
                                      {"--fault-layer-delay-ms", "3"}, run_dir->path()));
   std::vector<std::string> texts = {"survive a restart", "me too", "and me, please"};
   std::unique_ptr<Requests> requests = StartRequests(texts, 40);
-  absl::SleepFor(absl::Milliseconds(250));
+  ASSERT_TRUE(AwaitGenerating(3, 6)) << router_->Output();  // under load
   ASSERT_TRUE(cm_->process().Signal(SIGKILL).ok());
   const int done_at_kill = requests->done.load();
   (void)cm_->process().Wait(absl::Seconds(10));
@@ -525,7 +527,7 @@ TEST_F(RouterProcessTest, SigtermFinishesTheRunningRequestsRefusesNewOnesAndExit
   ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/128, /*executors=*/1, {},
                                      {"--fault-layer-delay-ms", "3"}));
   std::unique_ptr<Requests> running = StartRequests({"finish me first"}, 60);
-  absl::SleepFor(absl::Milliseconds(200));  // a few of its 60 steps in
+  ASSERT_TRUE(AwaitGenerating(1, 3)) << router_->Output();  // a few of its 60 steps in
   ASSERT_TRUE(router_->Signal(SIGTERM).ok());
   ASSERT_TRUE(router_->WaitForLine("finishing 1 request", absl::Now() + absl::Seconds(10)).ok())
       << router_->Output();

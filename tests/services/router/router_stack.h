@@ -117,8 +117,12 @@ class RouterStackTest : public ::testing::Test {
     ASSERT_TRUE(log.ok());
     log_ = std::make_unique<TempDir>(std::move(*log));
     Subprocess::Options router;
-    router.argv = {KvcmBinaryPath("kvcm-router"), "--model", *model_dir_, "--run-dir",
-                   cm_->run_dir(), "--port", "0"};
+    const std::vector<std::string> command = {
+        KvcmBinaryPath("kvcm-router"), "--model",
+        router_model_dir_.empty() ? *model_dir_ : router_model_dir_, "--run-dir", cm_->run_dir(),
+        "--port", "0"};
+    router.argv = router_wrapper_;
+    router.argv.insert(router.argv.end(), command.begin(), command.end());
     router.argv.insert(router.argv.end(), router_flags.begin(), router_flags.end());
     router.output_path = log_->path() + "/router";
     absl::StatusOr<std::unique_ptr<Subprocess>> started = Subprocess::Start(router);
@@ -246,14 +250,35 @@ class RouterStackTest : public ::testing::Test {
     if (!client.ok()) return {};
     absl::StatusOr<StatsSnapshot> stats = (*client)->Stats();
     EXPECT_TRUE(stats.ok()) << stats.status();
+    // Ends the session: the cache manager keeps 64 per process (--max-sessions-per-process),
+    // and a poll of AwaitNoBlockInUse every 20 ms would otherwise run out of them in ~1.3 s
+    // and then read the empty snapshot of a refused Hello as "nothing in use".
+    absl::StatusOr<int32_t> goodbye = (*client)->Goodbye();
+    EXPECT_TRUE(goodbye.ok()) << goodbye.status();
     return stats.ok() ? *stats : StatsSnapshot{};
+  }
+
+  // Waits until `sequences` sequences run and at least `tokens` tokens were generated: the
+  // requests are mid-generation (a condition, not a fixed time; docs/RELIABILITY.md, "Timing
+  // in tests"). False after 60 s.
+  bool AwaitGenerating(int sequences, double tokens) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(60);
+    while (absl::Now() < deadline) {
+      if (RouterMetric("kvcm_router_running_sequences") >= sequences &&
+          RouterMetric("kvcm_router_generated_tokens_total") >= tokens) {
+        return true;
+      }
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    return false;
   }
 
   // Waits until no block is in use (the router's frees go out with its next step).
   bool AwaitNoBlockInUse() {
     const absl::Time deadline = absl::Now() + absl::Seconds(20);
     while (absl::Now() < deadline) {
-      if (Stats().in_use_blocks == 0) return true;
+      const StatsSnapshot stats = Stats();
+      if (stats.num_blocks > 0 && stats.in_use_blocks == 0) return true;
       absl::SleepFor(absl::Milliseconds(20));
     }
     return false;
@@ -267,6 +292,11 @@ class RouterStackTest : public ::testing::Test {
   std::unique_ptr<Subprocess> router_;
   std::vector<ExecutorProcess> executors_;
   std::string url_;
+  // Set before StartStack: a command the router runs under (e.g. {"prlimit",
+  // "--nofile=256:256", "--"}), and a model folder for the router other than the executors'
+  // (the same weights with another tokenizer).
+  std::vector<std::string> router_wrapper_;
+  std::string router_model_dir_;
 };
 
 // The text of byte-level token ids (3 + b is byte b; other ids decode to nothing).
