@@ -39,9 +39,11 @@ cleanup() {
 }
 trap cleanup EXIT
 
+# await_line FILE REGEX: the first line of FILE matching REGEX, once there is one (at most
+# two minutes: the bundled model loads in seconds even on a loaded machine).
 await_line() {
   local file=$1 regex=$2
-  for _ in $(seq 300); do
+  for _ in $(seq 1200); do
     if grep -Eq "$regex" "$file" 2>/dev/null; then grep -E "$regex" "$file" | head -1; return 0; fi
     sleep 0.1
   done
@@ -68,6 +70,9 @@ echo "== blocks before"
 
 echo "== requests (one streaming), executor-1 killed mid-generation"
 python3 scripts/demo_client.py "$URL" --kill-pid "$EXEC1"
+# Both saw it die (the router by its pidfd, the launcher by its own) before they are shown.
+await_line "$WORK/launch.log" "restarting executor-1" >/dev/null
+await_line "$WORK/launch.log" "exited: dropped" >/dev/null
 grep -hE "exited: dropped|executor-1 exited|restarting executor-1|started executor-1 " \
   "$WORK/launch.log" | tail -n +2 | sed -E 's/^(\[[a-z0-9-]+\] )?\S+ /   /' || true
 
