@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/base/log.h"
 #include "common/base/monotonic_clock.h"
 #include "nlohmann/json.hpp"
 
@@ -23,6 +24,18 @@ double UnixSeconds() { return absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoc
 
 json ErrorState(std::string_view what) {
   return json{{"error", std::string(what)}, {"time", UnixSeconds()}};
+}
+
+// What the page says while the cache manager cannot be reached: a fixed sentence and the
+// status's code. The status's own message names the endpoint (the run directory's absolute
+// path), and the page is served to whoever reaches the HTTP port (docs/router.md,
+// "Metrics"); the router's log has the whole status.
+std::string ShownError(const absl::Status& status) {
+  if (status.code() == absl::StatusCode::kAborted) {
+    return "the cache manager restarted: connecting again";
+  }
+  return absl::StrCat("the cache manager does not answer (",
+                      absl::StatusCodeToString(status.code()), ")");
 }
 
 const char* ApiName(RequestApi api) { return api == RequestApi::kOpenAi ? "openai" : "tgi"; }
@@ -83,7 +96,7 @@ std::string Dashboard::Fetch() {
     options.call_timeout = options_.call_timeout;
     absl::StatusOr<std::unique_ptr<CacheManagerClient>> client =
         CacheManagerClient::Connect(options);
-    if (!client.ok()) return ErrorState(client.status().ToString()).dump();
+    if (!client.ok()) return Failed(client.status());
     client_ = *std::move(client);
   }
   absl::StatusOr<BlockMap> map = client_->GetBlockMap(static_cast<uint32_t>(options_.max_cells));
@@ -93,8 +106,9 @@ std::string Dashboard::Fetch() {
     // A restarted cache manager (ABORTED) or one that stopped answering: connect again at
     // the next fetch.
     if (stats.status().code() == absl::StatusCode::kAborted) client_.reset();
-    return ErrorState(stats.status().ToString()).dump();
+    return Failed(stats.status());
   }
+  logged_error_.clear();
 
   // The scheduler's view, taken between steps on its thread.
   auto promise = std::make_shared<std::promise<RouterView>>();
@@ -170,6 +184,16 @@ std::string Dashboard::Fetch() {
                        {"executors", std::move(executors)}};
   }
   return state.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+std::string Dashboard::Failed(const absl::Status& status) {
+  // Logged once while it lasts, not at every fetch.
+  const std::string shown = ShownError(status);
+  if (shown != logged_error_) {
+    LogLine("kvcm-router", absl::StrCat("dashboard: ", status.ToString()));
+    logged_error_ = shown;
+  }
+  return ErrorState(shown).dump();
 }
 
 }  // namespace kvcm::router

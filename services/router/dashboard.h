@@ -8,7 +8,8 @@
 // every block or run of blocks, and the blocks in each state), its Stats (occupancy, the
 // prefix cache's query and hit tokens), and the scheduler's RouterView (running sequences,
 // at most Options::max_sequences of them, and the executors). It holds no secrets,
-// session ids or handles.
+// session ids, handles or paths: while the cache manager cannot be reached, "error" is a
+// fixed sentence with the status's code.
 //
 // Cost. A refresher thread of its own, with its own control session to the cache manager
 // (connected at the first poll, never on the step path), fetches BlockMap and Stats and
@@ -28,6 +29,7 @@
 #include <string_view>
 #include <thread>
 
+#include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "services/router/router_core.h"
 
@@ -68,10 +70,14 @@ class Dashboard {
   void Run();
   // One fetch: the state, or one with "error" set.
   std::string Fetch();
+  // The state of a fetch that failed with `status`: a fixed sentence and its code, never
+  // the status's message (it names the run directory); the whole status is logged.
+  std::string Failed(const absl::Status& status);
 
   const Options options_;
   RouterCore* const core_;
   std::unique_ptr<CacheManagerClient> client_;  // the refresher thread's only
+  std::string logged_error_;                     // the refresher thread's only
 
   std::mutex mu_;
   std::condition_variable wake_;

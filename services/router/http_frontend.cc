@@ -10,6 +10,7 @@
 #include <event2/keyvalq_struct.h>
 #include <event2/listener.h>
 #include <event2/thread.h>
+#include <event2/util.h>
 #include <fcntl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -18,10 +19,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -300,6 +303,57 @@ struct HttpFrontend::Impl {
     }
   }
 
+  // A running request's socket, watched for the client leaving. libevent reads nothing from
+  // a connection once its request arrived whole until the reply is sent, so an unstreamed
+  // request (which writes nothing until its last token) never learnt that its client closed:
+  // it ran to its last token, holding its place in the batch and its blocks. A stream
+  // learns it at its next write, but not while it waits in the queue. The watch peeks
+  // (reads nothing): at the end of the stream or a reset the connection fails as libevent's
+  // own read of an EOF fails it, and OnClose cancels the request (docs/router.md, "Errors").
+  // Bytes that arrive instead (a pipelined request) end the watch: libevent reads them after
+  // the reply.
+  struct PeerWatch {
+    Impl* self = nullptr;
+    uint64_t id = 0;
+    event* readable = nullptr;
+    PeerWatch() = default;
+    PeerWatch(const PeerWatch&) = delete;
+    PeerWatch& operator=(const PeerWatch&) = delete;
+    ~PeerWatch() {
+      if (readable != nullptr) event_free(readable);
+    }
+  };
+  std::unique_ptr<PeerWatch> WatchPeer(uint64_t id, evhttp_connection* connection) {
+    bufferevent* events = evhttp_connection_get_bufferevent(connection);
+    const evutil_socket_t fd = events == nullptr ? -1 : bufferevent_getfd(events);
+    if (fd < 0) return nullptr;
+    auto watch = std::make_unique<PeerWatch>();
+    watch->self = this;
+    watch->id = id;
+    watch->readable = event_new(base, fd, EV_READ, &Impl::OnPeerReadable, watch.get());
+    if (watch->readable == nullptr || event_add(watch->readable, nullptr) != 0) return nullptr;
+    return watch;
+  }
+  static void OnPeerReadable(evutil_socket_t fd, short, void* arg) {
+    auto* watch = static_cast<PeerWatch*>(arg);
+    char byte;
+    const ssize_t n = ::recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (n > 0) return;  // the client sent more: no longer watched
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+      event_add(watch->readable, nullptr);
+      return;
+    }
+    // The client closed (or reset) its connection. Deferred: libevent's own handling of the
+    // EOF frees the connection, and OnClose with it this watch.
+    Impl* self = watch->self;
+    auto it = self->active.find(watch->id);
+    if (it == self->active.end() || it->second.request == nullptr) return;
+    bufferevent* events = evhttp_connection_get_bufferevent(it->second.connection);
+    if (events == nullptr) return;
+    bufferevent_trigger_event(events, BEV_EVENT_READING | BEV_EVENT_EOF,
+                              BEV_TRIG_DEFER_CALLBACKS);
+  }
+
   // What one generated sequence produced.
   struct Choice {
     std::vector<int32_t> generated;
@@ -317,6 +371,7 @@ struct HttpFrontend::Impl {
   struct Active {
     evhttp_request* request = nullptr;  // null once the client is gone
     evhttp_connection* connection = nullptr;
+    std::unique_ptr<PeerWatch> watch;  // while it runs (null if the socket cannot be watched)
     bool stream = false;
     bool as_list = false;  // POST / without streaming answers [reply], as TGI does
     Params params;
@@ -356,6 +411,7 @@ struct HttpFrontend::Impl {
   evbuffer* event_out = nullptr;
 
   ~Impl() {
+    for (auto& [id, a] : active) a.watch.reset();  // their events, before the base goes
     if (event_out != nullptr) evbuffer_free(event_out);
     if (mail != nullptr) event_free(mail);
     if (deliver_more != nullptr) event_free(deliver_more);
@@ -476,6 +532,7 @@ struct HttpFrontend::Impl {
     a.open = a.params.outputs.sequences;
     by_connection[a.connection] = id;
     evhttp_connection_set_closecb(a.connection, &Impl::OnClose, this);
+    a.watch = WatchPeer(id, a.connection);
     if (a.stream) {
       evkeyvalq* headers = evhttp_request_get_output_headers(request);
       evhttp_add_header(headers, "Content-Type", "text/event-stream");
@@ -516,13 +573,28 @@ struct HttpFrontend::Impl {
     Start(request, std::move(a), std::move(prompt));
   }
 
+  // The model served, as OpenAI's model object.
+  json ModelEntry() const {
+    return {{"id", options.model_id}, {"object", "model"}, {"created", 0}, {"owned_by", "kvcm"}};
+  }
   void HandleModels(evhttp_request* request) {
-    const json models = {{"object", "list"},
-                         {"data", json::array({{{"id", options.model_id},
-                                                {"object", "model"},
-                                                {"created", 0},
-                                                {"owned_by", "kvcm"}}})}};
-    Reply(request, 200, Dump(models));
+    Reply(request, 200, Dump({{"object", "list"}, {"data", json::array({ModelEntry()})}}));
+  }
+  // GET /v1/models/{model} (the official client's models.retrieve): the entry /v1/models
+  // lists when {model} (percent-decoded, and it may hold a '/') is the model served, else
+  // 404 in OpenAI's shape.
+  void HandleModel(evhttp_request* request) {
+    std::string id = PathOf(request).substr(std::strlen(kModelPrefix));
+    size_t decoded_size = 0;
+    if (char* decoded = evhttp_uridecode(id.c_str(), /*decode_plus=*/0, &decoded_size)) {
+      id.assign(decoded, decoded_size);
+      std::free(decoded);
+    }
+    if (id == options.model_id) return Reply(request, 200, Dump(ModelEntry()));
+    ReplyError(request, {404,
+                         absl::StrCat("the model `", Shortened(id), "` does not exist (this "
+                                      "server serves `", options.model_id, "`)"),
+                         "validation", "model", Api::kOpenAi});
   }
 
   static std::string OpenAiFinishReason(const std::string& tgi) {
@@ -568,7 +640,8 @@ struct HttpFrontend::Impl {
       const std::string text = TokenText(id);
       json bytes = json::array();
       for (unsigned char b : text) bytes.push_back(b);
-      return json({{"token", OpenAiTokenText(id, text)}, {"logprob", logprob}, {"bytes", bytes}});
+      return json(
+          {{"token", OpenAiTokenText(id, text)}, {"logprob", Logprob(logprob)}, {"bytes", bytes}});
     };
     json content = json::array();
     for (size_t i = from; i < to && i < c.generated.size(); ++i) {
@@ -611,8 +684,11 @@ struct HttpFrontend::Impl {
     return piece.ok() ? *piece : "";
   }
   bool Special(int32_t id) const { return tokenizer->IsSpecial(id); }
-  // A log-probability as JSON: null when not computed (NaN).
-  static json Logprob(float value) { return std::isnan(value) ? json(nullptr) : json(value); }
+  // A log-probability as JSON: null when not computed (NaN), else finite (ShownLogprob:
+  // -inf reads as kMinLogprob, the number the OpenAPI document promises).
+  static json Logprob(float value) {
+    return std::isnan(value) ? json(nullptr) : json(ShownLogprob(value));
+  }
 
   // TGI's token object; `logprob` null when it was not asked for.
   json TgiToken(int32_t id, float logprob, const std::string& text) const {
@@ -673,15 +749,16 @@ struct HttpFrontend::Impl {
         const float logprob = i < a.prompt_logprobs.size() ? a.prompt_logprobs[i]
                                                            : std::numeric_limits<float>::quiet_NaN();
         add(a.prompt[i], logprob,
-            std::isnan(logprob) ? json(nullptr)
-                                : json({{OpenAiTokenText(a.prompt[i], TokenText(a.prompt[i])), logprob}}));
+            std::isnan(logprob)
+                ? json(nullptr)
+                : json({{OpenAiTokenText(a.prompt[i], TokenText(a.prompt[i])), Logprob(logprob)}}));
       }
     }
     for (size_t i = from; i < to && i < c.generated.size(); ++i) {
       json alternatives = json::object();
       if (i < c.top.size()) {
         for (const auto& [id, logprob] : c.top[i]) {
-          alternatives[OpenAiTokenText(id, TokenText(id))] = logprob;
+          alternatives[OpenAiTokenText(id, TokenText(id))] = Logprob(logprob);
         }
       }
       add(c.generated[i], i < c.logprobs.size() ? c.logprobs[i] : 0.0f, alternatives);
@@ -723,6 +800,7 @@ struct HttpFrontend::Impl {
 
   // The request's reply once every choice is done (or it failed with `error`).
   void Finish(uint64_t id, Active& a, const absl::Status& error) {
+    a.watch.reset();  // before the reply, which may close the socket
     if (a.request != nullptr) {
       by_connection.erase(a.connection);
       evhttp_connection_set_closecb(a.connection, nullptr, nullptr);
@@ -1046,8 +1124,78 @@ struct HttpFrontend::Impl {
     Reply(request, 200, Dump(out));
   }
 
+  // The path of a request, without its query.
+  static std::string PathOf(evhttp_request* request) {
+    const char* uri = evhttp_request_get_uri(request);
+    std::string path = uri == nullptr ? "/" : uri;
+    if (const size_t q = path.find('?'); q != std::string::npos) path.resize(q);
+    return path;
+  }
+  // The API whose error shape a path's errors have: OpenAI's under /v1/.
+  static Api ApiOfPath(std::string_view path) {
+    return path == "/v1" || path.starts_with("/v1/") ? Api::kOpenAi : Api::kTgi;
+  }
+
+  // RFC 9112's framing rules that libevent 2.1 does not enforce (docs/router.md, "Framing"):
+  // why the request's framing is ambiguous, or nullopt. libevent takes the first of several
+  // Content-Lengths, a "+48" as 48 and a "-0" as 0, and a header name with a space before
+  // its colon as another header (so "Transfer-Encoding : chunked" left Content-Length to
+  // frame the body): a proxy in front that reads the other framing would see another
+  // request where libevent sees a body, or the reverse (request smuggling). Transfer-Encoding
+  // with Content-Length, twice, or other than "chunked", libevent 2.1.12 refuses itself
+  // (its HTML 400) before this runs; they are checked here all the same.
+  static std::optional<std::string> AmbiguousFraming(evhttp_request* request) {
+    const evkeyvalq* headers = evhttp_request_get_input_headers(request);
+    const char* length = nullptr;
+    int encodings = 0;
+    for (const evkeyval* h = headers->tqh_first; h != nullptr; h = h->next.tqe_next) {
+      if (!IsToken(h->key)) {
+        return "a header name must be a token, with no whitespace before its colon";
+      }
+      if (evutil_ascii_strcasecmp(h->key, "Content-Length") == 0) {
+        if (!IsDigits(h->value)) return "Content-Length must be digits";
+        if (length != nullptr && std::strcmp(length, h->value) != 0) {
+          return "the request has Content-Lengths that differ";
+        }
+        length = h->value;
+      } else if (evutil_ascii_strcasecmp(h->key, "Transfer-Encoding") == 0) {
+        if (++encodings > 1 || evutil_ascii_strcasecmp(h->value, "chunked") != 0) {
+          return "Transfer-Encoding must be one \"chunked\"";
+        }
+      }
+    }
+    if (encodings > 0 && length != nullptr) {
+      return "the request has both Transfer-Encoding and Content-Length";
+    }
+    return std::nullopt;
+  }
+  // RFC 9110's token: a field name's characters.
+  static bool IsToken(const char* text) {
+    if (*text == '\0') return false;
+    for (; *text != '\0'; ++text) {
+      const auto c = static_cast<unsigned char>(*text);
+      if (!std::isalnum(c) && std::strchr("!#$%&'*+-.^_`|~", c) == nullptr) return false;
+    }
+    return true;
+  }
+  static bool IsDigits(const char* text) {
+    if (*text == '\0') return false;
+    for (; *text != '\0'; ++text) {
+      if (*text < '0' || *text > '9') return false;
+    }
+    return true;
+  }
+
   static void OnRequest(evhttp_request* request, void* arg) {
     static_cast<Impl*>(arg)->NoteArrived(request);
+    // Framing that two readers may read two ways: 400 in the path's API's shape, before
+    // any handler, and the connection closed after the reply, so that nothing after it on
+    // the connection is read as a request.
+    if (std::optional<std::string> ambiguous = AmbiguousFraming(request)) {
+      evhttp_add_header(evhttp_request_get_output_headers(request), "Connection", "close");
+      return ReplyError(request, {400, absl::StrCat("ambiguous framing: ", *ambiguous),
+                                  "validation", "", ApiOfPath(PathOf(request))});
+    }
     // libevent reads no body of a HEAD or TRACE request: one sent with a body would have it
     // read as the next request on the connection (a request smuggled past the client's
     // framing). Such a connection is closed once answered.
@@ -1099,6 +1247,8 @@ struct HttpFrontend::Impl {
   }
 
   static void Route(evhttp_request* request, Impl* self);
+  static bool Matches(std::string_view route, std::string_view path);
+  static constexpr char kModelPrefix[] = "/v1/models/";
 
   void HandleMetrics(evhttp_request* request) {
     if (metrics == nullptr) return ReplyError(request, {404, "no metrics", "validation"});
@@ -1157,6 +1307,8 @@ const HttpFrontend::Impl::RouteEntry HttpFrontend::Impl::kRoutes[] = {
      [](Impl* self, evhttp_request* r) { self->HandleOpenAi(r, true); }},
     {"/v1/models", "GET", Api::kOpenAi, false,
      [](Impl* self, evhttp_request* r) { self->HandleModels(r); }},
+    {"/v1/models/{model}", "GET", Api::kOpenAi, false,
+     [](Impl* self, evhttp_request* r) { self->HandleModel(r); }},
     {"/info", "GET", Api::kTgi, false, [](Impl* self, evhttp_request* r) { self->HandleInfo(r); }},
     {"/metrics", "GET", Api::kTgi, false,
      [](Impl* self, evhttp_request* r) { self->HandleMetrics(r); }},
@@ -1170,12 +1322,18 @@ const HttpFrontend::Impl::RouteEntry HttpFrontend::Impl::kRoutes[] = {
      [](Impl* self, evhttp_request* r) { self->HandleOpenApi(r); }},
 };
 
+// Whether `path` is `route`'s: the same, or for a route ending in a parameter ("{model}"),
+// the same up to it and then at least one byte (a parameter may hold '/': a model id may).
+bool HttpFrontend::Impl::Matches(std::string_view route, std::string_view path) {
+  const size_t parameter = route.find('{');
+  if (parameter == std::string_view::npos) return path == route;
+  return path.size() > parameter && path.substr(0, parameter) == route.substr(0, parameter);
+}
+
 void HttpFrontend::Impl::Route(evhttp_request* request, Impl* self) {
-  const char* uri = evhttp_request_get_uri(request);
-  std::string path = uri == nullptr ? "/" : uri;
-  if (const size_t q = path.find('?'); q != std::string::npos) path.resize(q);
+  const std::string path = PathOf(request);
   for (const RouteEntry& route : kRoutes) {
-    if (path != route.path) continue;
+    if (!Matches(route.path, path)) continue;
     if (std::strcmp(MethodName(evhttp_request_get_command(request)), route.method) != 0) {
       evhttp_add_header(evhttp_request_get_output_headers(request), "Allow", route.method);
       const HttpError error{405, absl::StrCat("use ", route.method), "validation", "",
@@ -1184,7 +1342,9 @@ void HttpFrontend::Impl::Route(evhttp_request* request, Impl* self) {
     }
     return route.handle(self, request);
   }
-  ReplyError(request, {404, absl::StrCat("no route ", path), "validation"});
+  // Under /v1/ in OpenAI's shape (its clients read error.message); the path shortened.
+  ReplyError(request, {404, absl::StrCat("no route ", Shortened(path)), "validation", "",
+                       ApiOfPath(path)});
 }
 
 std::vector<HttpRoute> HttpFrontend::Routes() {
@@ -1258,6 +1418,9 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(const Options&
                                             EVHTTP_REQ_OPTIONS | EVHTTP_REQ_TRACE |
                                             EVHTTP_REQ_CONNECT | EVHTTP_REQ_PATCH);
   evhttp_set_gencb(impl.http, &Impl::OnRequest, &impl);
+  // Every reply with a body names its type; libevent's default ("text/html;
+  // charset=ISO-8859-1") went on /health's empty 200, which has none.
+  evhttp_set_default_content_type(impl.http, nullptr);
   evhttp_bound_socket* bound = evhttp_bind_socket_with_handle(
       impl.http, options.host.c_str(), static_cast<ev_uint16_t>(options.port));
   if (bound == nullptr) {

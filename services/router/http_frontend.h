@@ -15,18 +15,21 @@
 //   GET  /openapi.json     the OpenAPI document of all of these (OpenApiDocument())
 //
 // and the OpenAI-compatible one: POST /v1/completions, POST /v1/chat/completions (messages
-// rendered with the model's chat template; 501 when it has none), GET /v1/models, with
-// OpenAI's error shape {"error": {"message", "type", "param", "code"}}.
+// rendered with the model's chat template; 501 when it has none), GET /v1/models and
+// GET /v1/models/{model}, with OpenAI's error shape {"error": {"message", "type", "param",
+// "code"}} (every error of a path under /v1/ has it).
 //
 // Requests are checked and tokenized here, then handed to RouterCore; the tokens it reports
 // come back through Deliver() (any thread) and are written out on this thread. Errors have
-// TGI's shape {"error": "...", "error_type": "..."}: 400 for a body that is not JSON, 422 for
-// invalid or unsupported parameters (never ignored silently), 429 when max_concurrent_requests
-// are in flight, 503 without an executor, 413 for a body over the limit, 404 for an unknown
-// path, 405 for a known path asked with another method than its route's. A client that
-// disconnects mid-stream has its request cancelled (its sequence freed at the next step).
-// When few file descriptors are left, new connections are closed as they arrive (docs/
-// router.md, "Connections at the descriptor limit").
+// TGI's shape {"error": "...", "error_type": "..."}: 400 for a body that is not JSON or a
+// request whose framing is ambiguous, 422 for invalid or unsupported parameters (never
+// ignored silently), 429 when max_concurrent_requests are in flight, 503 without an
+// executor, 404 for an unknown path, 405 for a known path asked with another method than
+// its route's; 413 for a body over the limit is libevent's own HTML page (docs/router.md,
+// "Errors"). A client that closes its connection has its request cancelled, streamed or not
+// (its sequences freed at the next step). When few file descriptors are left, new
+// connections are closed as they arrive (docs/router.md, "Connections at the descriptor
+// limit").
 //
 // Thread safety: Deliver() from any thread; the rest from the thread that owns the object.
 

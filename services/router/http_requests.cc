@@ -19,15 +19,6 @@ std::string Dump(const json& value) {
   return value.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
-// `text` as an error message echoes it: its first kMaxEchoedValueBytes (cut where a UTF-8
-// character starts), then "..." when there was more.
-std::string Shortened(absl::string_view text) {
-  if (text.size() <= kMaxEchoedValueBytes) return std::string(text);
-  size_t cut = kMaxEchoedValueBytes;
-  while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;
-  return absl::StrCat(text.substr(0, cut), "...");
-}
-
 // "parameter `key` is not supported by this server (value)", both shortened.
 std::string Unsupported(absl::string_view key, const json& value) {
   return absl::StrCat("parameter `", Shortened(key), "` is not supported by this server (",
@@ -48,6 +39,13 @@ std::string NoPromptTokens(absl::string_view field) {
 }
 
 }  // namespace
+
+std::string Shortened(absl::string_view text, size_t max_bytes) {
+  if (text.size() <= max_bytes) return std::string(text);
+  size_t cut = max_bytes;
+  while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;
+  return absl::StrCat(text.substr(0, cut), "...");
+}
 
 bool NestedDeeperThan(const json& value, int max_depth) {
   if (!value.is_structured()) return false;
@@ -173,6 +171,11 @@ std::optional<HttpError> RequestParser::ParseParams(const json& root, Params* pa
                      "`seed` must not be set when `best_of` > 1 (each sequence gets its "
                      "own, reported in details)"};
   }
+  // A temperature too small to divide by samples as greedy (kGreedyBelowTemperature).
+  if (params->do_sample && params->sampling.temperature != 0.0f &&
+      params->sampling.temperature < kGreedyBelowTemperature) {
+    params->do_sample = false;
+  }
   if (params->do_sample) {
     if (params->sampling.temperature == 0.0f) params->sampling.temperature = 1.0f;
     params->sampling.seed = p.contains("seed") && !p["seed"].is_null() ? params->seed : next_seed_;
@@ -276,9 +279,8 @@ absl::StatusOr<std::vector<int32_t>> RequestParser::PromptOf(const std::string& 
 // `key` is not one of them.
 std::optional<HttpError> RequestParser::OpenAiParam(const std::string& key, const json& value,
                                                     GenerationRequest* active_request,
-                                                    std::optional<uint64_t>* seed_out) const {
+                                                    OpenAiGiven* given) const {
   GenerationRequest& a = *active_request;
-  std::optional<uint64_t>& seed = *seed_out;
   const bool chat = a.chat;
   auto fail = [&](int status, std::string message, std::string param = "") {
     return std::optional<HttpError>(
@@ -292,7 +294,9 @@ std::optional<HttpError> RequestParser::OpenAiParam(const std::string& key, cons
           absl::StrCat("`", key, "` must be an integer in [1, ", options_.max_total_tokens, "]"),
           key);
     }
-    a.params.max_new_tokens = value.get<int32_t>();
+    // Both may be given; FinishOpenAiParams resolves them.
+    (key == "max_tokens" ? given->max_tokens : given->max_completion_tokens) =
+        value.get<int32_t>();
   } else if (key == "temperature") {
     if (!value.is_number() || value.get<double>() < 0 || value.get<double>() > 2) {
       return fail(422, "`temperature` must be a number in [0, 2]", key);
@@ -308,7 +312,7 @@ std::optional<HttpError> RequestParser::OpenAiParam(const std::string& key, cons
       if (!value.is_number_unsigned()) {
         return fail(422, "`seed` must be an unsigned integer", key);
       }
-      seed = value.get<uint64_t>();
+      given->seed = value.get<uint64_t>();
     }
   } else if (key == "stream") {
     if (!value.is_boolean()) return fail(422, "`stream` must be a boolean", key);
@@ -334,7 +338,12 @@ std::optional<HttpError> RequestParser::OpenAiParam(const std::string& key, cons
     } else if (!value.is_null()) {
       return fail(422, "`stop` must be a string or a list of at most 4 strings", key);
     }
-    std::erase_if(a.params.stop, [](const std::string& x) { return x.empty(); });
+    // TGI's rule (ParseParams): an empty stop string would match every text, and ignoring
+    // it silently is what kvcm does not do with a parameter.
+    if (std::any_of(a.params.stop.begin(), a.params.stop.end(),
+                    [](const std::string& x) { return x.empty(); })) {
+      return fail(422, "`stop` must not hold an empty string", key);
+    }
   } else if (key == "n" || key == "best_of") {
     if (!value.is_null()) {
       if (!value.is_number_integer() || value.get<int64_t>() < 1 ||
@@ -345,6 +354,7 @@ std::optional<HttpError> RequestParser::OpenAiParam(const std::string& key, cons
                     key);
       }
       (key == "n" ? a.params.n : a.params.best_of) = value.get<int32_t>();
+      if (key == "best_of") given->best_of = true;
     }
   } else if (key == "frequency_penalty" || key == "presence_penalty") {
     if (!value.is_null()) {
@@ -377,18 +387,27 @@ std::optional<HttpError> RequestParser::OpenAiParam(const std::string& key, cons
   return std::nullopt;
 }
 
-// Sampling as OpenAI's parameters chose it (temperature 0: greedy), n and best_of.
+// The length, sampling as OpenAI's parameters chose it (temperature 0, or below
+// kGreedyBelowTemperature: greedy), n and best_of.
 std::optional<HttpError> RequestParser::FinishOpenAiParams(GenerationRequest* active_request,
-                                                           std::optional<uint64_t> seed) {
+                                                           const OpenAiGiven& given) {
   GenerationRequest& a = *active_request;
-  if (a.params.sampling.temperature > 0) {
+  // Chat's max_completion_tokens replaced max_tokens, and wins over it (as OpenAI's and
+  // vLLM's servers take it).
+  if (given.max_completion_tokens.has_value()) {
+    a.params.max_new_tokens = *given.max_completion_tokens;
+  } else if (given.max_tokens.has_value()) {
+    a.params.max_new_tokens = *given.max_tokens;
+  }
+  if (a.params.sampling.temperature >= kGreedyBelowTemperature) {
     a.params.do_sample = true;
-    a.params.seed = seed.value_or(next_seed_++);
+    a.params.seed = given.seed.value_or(next_seed_++);
     a.params.sampling.seed = a.params.seed;
   } else {
     a.params.sampling = Greedy(a.params.sampling);
   }
-  if (a.params.best_of > 1 && a.params.best_of < a.params.n) {
+  // best_of given is at least n (1 included: n = 2 with best_of = 1 is no request).
+  if (given.best_of && a.params.best_of < a.params.n) {
     return HttpError{422, "`best_of` must be at least `n`", "validation", "best_of", Api::kOpenAi};
   }
   const int32_t sequences = std::max(a.params.n, a.params.best_of);
@@ -422,7 +441,7 @@ std::optional<HttpError> RequestParser::ParseCompletions(std::string_view body,
   a.params.sampling.temperature = 1.0f;
   std::vector<int32_t> prompt;
   bool have_prompt = false;
-  std::optional<uint64_t> seed;
+  OpenAiGiven given;
   for (const auto& [key, value] : root.items()) {
     if (key == "prompt") {
       json one = value;
@@ -457,7 +476,7 @@ std::optional<HttpError> RequestParser::ParseCompletions(std::string_view body,
                       "prompt");
       }
       have_prompt = true;
-    } else if (std::optional<HttpError> bad = OpenAiParam(key, value, &a, &seed);
+    } else if (std::optional<HttpError> bad = OpenAiParam(key, value, &a, &given);
                !bad.has_value()) {
     } else if (bad->status != 0) {
       return bad;
@@ -482,7 +501,7 @@ std::optional<HttpError> RequestParser::ParseCompletions(std::string_view body,
     }
   }
   if (!have_prompt) return refuse(422, "`prompt` is required", "prompt");
-  if (std::optional<HttpError> bad = FinishOpenAiParams(&a, seed)) return bad;
+  if (std::optional<HttpError> bad = FinishOpenAiParams(&a, given)) return bad;
   // With echo, the prompt's tokens come first in logprobs, scored.
   a.params.outputs.prompt_logprobs = a.params.show_logprobs && a.params.return_full_text;
   a.prompt = std::move(prompt);
@@ -516,7 +535,7 @@ std::optional<HttpError> RequestParser::ParseChatCompletions(std::string_view bo
   a.params.sampling.temperature = 1.0f;
   std::vector<ChatMessage> messages;
   bool have_messages = false;
-  std::optional<uint64_t> seed;
+  OpenAiGiven given;
   for (const auto& [key, value] : root.items()) {
     if (key == "messages") {
       if (!value.is_array() || value.empty()) {
@@ -566,7 +585,7 @@ std::optional<HttpError> RequestParser::ParseChatCompletions(std::string_view bo
         messages.push_back(std::move(message));
       }
       have_messages = true;
-    } else if (std::optional<HttpError> bad = OpenAiParam(key, value, &a, &seed);
+    } else if (std::optional<HttpError> bad = OpenAiParam(key, value, &a, &given);
                !bad.has_value()) {
     } else if (bad->status != 0) {
       return bad;
@@ -598,7 +617,7 @@ std::optional<HttpError> RequestParser::ParseChatCompletions(std::string_view bo
     return refuse(422, "`top_logprobs` needs `logprobs`: true", "top_logprobs");
   }
   if (!a.params.show_logprobs) a.params.outputs.top_n = 0;
-  if (std::optional<HttpError> bad = FinishOpenAiParams(&a, seed)) return bad;
+  if (std::optional<HttpError> bad = FinishOpenAiParams(&a, given)) return bad;
   ChatTemplateOptions render;
   render.add_generation_prompt = true;
   render.bos_token = options_.bos_token;
@@ -606,8 +625,10 @@ std::optional<HttpError> RequestParser::ParseChatCompletions(std::string_view bo
   absl::StatusOr<std::string> text = options_.chat_template->Render(messages, render);
   if (!text.ok()) {
     // The template's own raise_exception (roles out of order, ...) is the client's error.
+    // Its message is the template author's, but may quote a message's content: shortened.
     return refuse(400,
-                  absl::StrCat("the chat template refused the messages: ", text.status().message()),
+                  absl::StrCat("the chat template refused the messages: ",
+                               Shortened(text.status().message(), kMaxTemplateMessageBytes)),
                   "messages");
   }
   absl::StatusOr<std::vector<int32_t>> prompt = tokenizer_->Encode(*text);

@@ -10,9 +10,10 @@
 //
 // Errors carry the status the front end answers with: 400 for a body that is not a JSON
 // object (and a chat template's own refusal), 422 for invalid or unsupported parameters
-// (never ignored silently), a body nested deeper than kMaxJsonDepth and a prompt of no
-// tokens, 501 for chat completions without a chat template. The body may be any bytes:
-// nothing here throws, and nothing here recurses on the body's nesting.
+// (never ignored silently: an empty stop string, OpenAI's best_of under n, ...), a body
+// nested deeper than kMaxJsonDepth and a prompt of no tokens, 501 for chat completions
+// without a chat template. What a refusal quotes of the body is Shortened. The body may be
+// any bytes: nothing here throws, and nothing here recurses on the body's nesting.
 //
 // Thread safety: a RequestParser draws the seeds of sampled requests that gave none from its
 // own counter: one thread (the front end's) uses it.
@@ -26,6 +27,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "common/chat/chat_template.h"
 #include "common/tokenizer/tokenizer.h"
 #include "common/wire/executor_codec.h"
@@ -51,6 +53,19 @@ bool NestedDeeperThan(const nlohmann::json& value, int max_depth);
 // At most this many bytes of a refused value are echoed in an error message ("parameter
 // `x` is not supported (VALUE)"), then "...": a 500 KB value must not make a 500 KB reply.
 inline constexpr size_t kMaxEchoedValueBytes = 64;
+// A chat template's own refusal (raise_exception) is its author's sentence, often longer
+// than 64 bytes, but it may quote a message: it is cut at this many bytes.
+inline constexpr size_t kMaxTemplateMessageBytes = 256;
+
+// `text` as an error message echoes it: its first `max_bytes` (cut where a UTF-8 character
+// starts), then "..." when there was more. Every reply that quotes what a client sent (a
+// parameter's name or value, a path, a template's refusal) quotes it through this.
+std::string Shortened(absl::string_view text, size_t max_bytes = kMaxEchoedValueBytes);
+
+// A temperature below this samples as greedy (OpenAI's and TGI's alike): the logits divided
+// by 1e-40 overflow, and the distribution the token is drawn from (and its
+// log-probabilities) is no longer a number (docs/router.md, "Log-probabilities").
+inline constexpr float kGreedyBelowTemperature = 1e-5f;
 
 // An error, in the shape of the API it answers.
 struct HttpError {
@@ -130,12 +145,20 @@ class RequestParser {
   absl::StatusOr<std::vector<int32_t>> PromptOf(const std::string& text) const;
 
  private:
+  // What an OpenAI body gave that FinishOpenAiParams resolves once every member is read
+  // (the members come in no order that may decide anything).
+  struct OpenAiGiven {
+    std::optional<uint64_t> seed;
+    bool best_of = false;  // `best_of` was given (not null): it must be at least `n`
+    std::optional<int32_t> max_tokens;
+    std::optional<int32_t> max_completion_tokens;  // chat: wins over max_tokens
+  };
   std::optional<HttpError> ParseParams(const nlohmann::json& root, Params* params);
   std::optional<HttpError> OpenAiParam(const std::string& key, const nlohmann::json& value,
                                        GenerationRequest* active_request,
-                                       std::optional<uint64_t>* seed_out) const;
+                                       OpenAiGiven* given) const;
   std::optional<HttpError> FinishOpenAiParams(GenerationRequest* active_request,
-                                              std::optional<uint64_t> seed);
+                                              const OpenAiGiven& given);
   static SeqSampling Greedy(const SeqSampling& sampling);
 
   const RequestLimits options_;

@@ -97,6 +97,33 @@ void RaiseDescriptorLimit() {
   }
 }
 
+// `value` without the folders of a path in it: "/srv/models/SmolLM2" is "SmolLM2",
+// "ipc:///run/kvcm/cache-manager.sock" is "ipc://cache-manager.sock"; a value without a '/'
+// is itself.
+std::string WithoutFolders(std::string_view value) {
+  std::string_view scheme;
+  if (const size_t colon = value.find("://"); colon != std::string_view::npos) {
+    scheme = value.substr(0, colon + 3);
+    value.remove_prefix(colon + 3);
+  }
+  while (value.size() > 1 && value.back() == '/') value.remove_suffix(1);
+  if (const size_t slash = value.rfind('/'); slash != std::string_view::npos && value.size() > 1) {
+    value.remove_prefix(slash + 1);
+  }
+  return std::string(scheme).append(value);
+}
+
+// kvcm_router_config_info's settings: every string without the folders of a path in it.
+// /metrics is served on the HTTP port to whoever reaches it, and the absolute paths of the
+// run directory, the model and the chat template are the operator's, not its clients'
+// (docs/router.md, "Metrics"); the configuration logged at start keeps them whole.
+std::vector<config::Setting> ExportedSettings(std::vector<config::Setting> settings) {
+  for (config::Setting& setting : settings) {
+    if (setting.type == config::Type::kString) setting.value = WithoutFolders(setting.value);
+  }
+  return settings;
+}
+
 int Main(const std::vector<config::Setting>& settings) {
   Log(config::Describe(settings, config::ConfigFilePath()));
   UniqueFd signal_fd = BlockTerminationSignals();
@@ -175,8 +202,8 @@ int Main(const std::vector<config::Setting>& settings) {
   core_options.drain_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_drain_timeout_ms));
   core_options.eos_token_ids = metadata->eos_token_ids;
   router::RouterMetrics metrics;
-  config::ExportInfoMetric(*metrics.registry(), "kvcm_router_config_info", settings,
-                           config::ConfigFilePath());
+  config::ExportInfoMetric(*metrics.registry(), "kvcm_router_config_info",
+                           ExportedSettings(settings), WithoutFolders(config::ConfigFilePath()));
   core_options.metrics = &metrics;
   std::unique_ptr<router::StepTrace> step_trace;
   if (!absl::GetFlag(FLAGS_step_trace).empty()) {

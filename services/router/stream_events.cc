@@ -1,8 +1,10 @@
 #include "services/router/stream_events.h"
 
+#include <algorithm>
 #include <array>
 #include <charconv>
 #include <cmath>
+#include <limits>
 
 #include "common/base/utf8.h"
 #include "nlohmann/json.hpp"
@@ -21,7 +23,7 @@ void AppendToken(const TgiStreamToken& token, std::string* out) {
   out->append(R"({"id":)");
   AppendInteger(token.id, out);
   out->append(R"(,"logprob":)");
-  AppendJsonNumber(token.logprob, out);
+  AppendJsonNumber(ShownLogprob(token.logprob), out);
   out->append(token.special ? R"(,"special":true,"text":)" : R"(,"special":false,"text":)");
   AppendJsonString(token.text, out);
   out->push_back('}');
@@ -61,6 +63,12 @@ void AppendJsonString(std::string_view text, std::string* out) {
   }
   out->append(text.data() + run, text.size() - run);
   out->push_back('"');
+}
+
+float ShownLogprob(float logprob) {
+  if (std::isnan(logprob)) return logprob;
+  if (logprob == std::numeric_limits<float>::infinity()) return 0.0f;
+  return std::max(logprob, kMinLogprob);
 }
 
 void AppendJsonNumber(double value, std::string* out) {

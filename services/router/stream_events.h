@@ -29,7 +29,19 @@ void AppendJsonString(std::string_view text, std::string* out);
 // writes a double: a float is widened first, as json(float) does).
 void AppendJsonNumber(double value, std::string* out);
 
-// TGI's token object: {"id", "logprob", "special", "text"}; `logprob` NaN writes null.
+// The lowest log-probability the APIs write. A token of probability 0 has a log-probability
+// of -inf, which JSON cannot hold (nlohmann writes null), while the OpenAPI document types
+// a log-probability as a number: every log-probability the router writes goes through
+// ShownLogprob, and -inf reads as this (docs/router.md, "Log-probabilities").
+inline constexpr float kMinLogprob = -9999.0f;
+
+// `logprob` as it is written: NaN stays NaN (not computed: written null where the APIs say
+// so), anything below kMinLogprob (-inf included) is kMinLogprob, +inf (no log-probability
+// at all) is 0; a finite value in between is itself.
+float ShownLogprob(float logprob);
+
+// TGI's token object: {"id", "logprob", "special", "text"}; `logprob` NaN writes null, and
+// any other value its ShownLogprob.
 struct TgiStreamToken {
   int32_t id = 0;
   float logprob = 0.0f;

@@ -6,16 +6,23 @@
 // (vocab 320) and SmolLM2's chat template, with the front end's default limits:
 //   - nothing throws (the front end would answer 500 internal error);
 //   - a refusal is 400, 422 or 501, in the endpoint's API, with a message; an unsupported
-//     parameter's name and value are echoed shortened;
+//     parameter's name and value are echoed shortened, and no message is long whatever the
+//     body (kMaxEchoedValueBytes, kMaxTemplateMessageBytes);
 //   - an accepted request is one the executors take: max_new_tokens in [1,
 //     max_total_tokens], prompt tokens inside the vocabulary, top_n in [0,
 //     max_top_n_tokens], between 1 and max_best_of sequences of which at least the shown
-//     ones, and sampling parameters DecodeStepBatch accepts (common/wire/executor_codec.h).
+//     ones, and sampling parameters DecodeStepBatch accepts (common/wire/executor_codec.h),
+//     a sampled one at a temperature of at least kGreedyBelowTemperature;
+//   - on the response side, the input's last four bytes as a float (any bit pattern: NaN,
+//     infinities, denormals) are a log-probability as the router writes it (ShownLogprob,
+//     services/router/stream_events.h): JSON that reads back as a number no lower than
+//     kMinLogprob, in the stream events' writer and in nlohmann's alike.
 // Seeds: tests/services/router/fuzz/http_requests/.
 
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <memory>
 #include <optional>
@@ -25,7 +32,9 @@
 #include "absl/strings/str_cat.h"
 #include "common/chat/chat_template.h"
 #include "common/tokenizer/tokenizer.h"
+#include "nlohmann/json.hpp"
 #include "services/router/http_requests.h"
+#include "services/router/stream_events.h"
 #include "tests/support/fuzz_target.h"
 
 namespace kvcm::router {
@@ -90,7 +99,25 @@ void CheckAccepted(const GenerationRequest& r, Api api) {
         "frequency_penalty in [-2, 2]");
   Check(std::isfinite(s.presence_penalty) && std::abs(s.presence_penalty) <= 2,
         "presence_penalty in [-2, 2]");
-  Check(!p.do_sample || s.temperature > 0, "a sampled request has a temperature");
+  Check(!p.do_sample || s.temperature >= kGreedyBelowTemperature,
+        "a sampled request has a temperature it can divide by");
+}
+
+// A log-probability of any bit pattern, written as the router writes one: a number (JSON
+// has no -inf; the OpenAPI document types it as a number), never below kMinLogprob.
+void CheckLogprobFormatting(const uint8_t* bytes) {
+  float value;
+  std::memcpy(&value, bytes, sizeof(value));
+  if (std::isnan(value)) return;  // not computed: written null where the APIs say so
+  std::string written;
+  AppendJsonNumber(ShownLogprob(value), &written);
+  const nlohmann::json streamed = nlohmann::json::parse(written, nullptr, false);
+  Check(streamed.is_number() && streamed.get<double>() >= kMinLogprob,
+        "a streamed log-probability is a number no lower than kMinLogprob");
+  const nlohmann::json dumped = nlohmann::json::parse(
+      nlohmann::json(ShownLogprob(value)).dump(), nullptr, false);
+  Check(dumped.is_number() && dumped.get<double>() >= kMinLogprob,
+        "a log-probability in a reply is a number no lower than kMinLogprob");
 }
 
 }  // namespace
@@ -99,6 +126,7 @@ void CheckAccepted(const GenerationRequest& r, Api api) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace kvcm::router;  // NOLINT: one function
   if (size == 0) return 0;
+  if (size >= 5) CheckLogprobFormatting(data + size - 4);
   Fixture& f = TheFixture();
   const int endpoint = data[0] % 5;
   const std::string_view body(reinterpret_cast<const char*>(data + 1), size - 1);
@@ -126,6 +154,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
               (error->message.rfind("parameter `", 0) != 0 ||
                error->message.size() <= 4 * kMaxEchoedValueBytes),
           "a refusal echoes no more than a short prefix of what it refuses");
+    Check(error->message.size() <= kMaxTemplateMessageBytes + 4 * kMaxEchoedValueBytes,
+          "a refusal's message is short, however long the body");
     return 0;
   }
   CheckAccepted(parsed, api);

@@ -20,23 +20,28 @@
 #include <fstream>
 #include <optional>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/base/status_macros.h"
 #include "common/tokenizer/byte_level.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/services/router/router_stack.h"
+#include "tests/support/wait_for.h"
 
 namespace kvcm {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 using namespace ::kvcm::testing;  // NOLINT: the stack's helpers
 using RouterSecurityTest = RouterStackTest;
 
@@ -686,6 +691,601 @@ TEST_F(RouterSecurityTest, SilentConnectionsPastTheFdLimitAreShedAndExecutorsSti
   EXPECT_EQ(TokenIds(fine->body), Reference("after", 3));
   ASSERT_TRUE(AwaitNoBlockInUse());
   ExpectWhole(Stats());
+}
+
+// A POST of `body` to `path`, framed by Content-Length, as raw bytes.
+std::string RawPost(const std::string& path, const std::string& body,
+                    const std::string& extra_headers = "") {
+  return absl::StrCat("POST ", path, " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: ",
+                      "application/json\r\n", extra_headers, "Content-Length: ", body.size(),
+                      "\r\n\r\n", body);
+}
+
+// One reply of a keep-alive connection, framed by its Content-Length ("" if it broke off).
+std::string ReadOneReply(int fd) {
+  std::string reply;
+  char buffer[4096];
+  while (true) {
+    const size_t head_end = reply.find("\r\n\r\n");
+    if (head_end != std::string::npos) {
+      const std::string head = absl::AsciiStrToLower(reply.substr(0, head_end));
+      const size_t at = head.find("content-length: ");
+      size_t length = 0;
+      if (at == std::string::npos ||
+          !absl::SimpleAtoi(head.substr(at + 16, head.find("\r\n", at) - at - 16), &length)) {
+        return reply;
+      }
+      if (reply.size() >= head_end + 4 + length) return reply;
+    }
+    const ssize_t n = ::recv(fd, buffer, sizeof(buffer), 0);
+    if (n <= 0) return reply;
+    reply.append(buffer, static_cast<size_t>(n));
+  }
+}
+
+// The headers of a raw reply ("HTTP/1.1 ..." up to the blank line), lower-cased.
+std::string HeadOf(const std::string& reply) {
+  return absl::AsciiStrToLower(reply.substr(0, reply.find("\r\n\r\n")));
+}
+
+// A chat template at `path` that renders "role: content" lines.
+void WriteChatTemplate(const std::string& path) {
+  std::ofstream(path) << "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}";
+}
+
+// The OpenAI error object of a reply; null when the reply has none.
+json OpenAiErrorOf(const HttpResponse& reply) {
+  const json error = ErrorOf(reply);
+  return error.is_object() && error.contains("error") && error["error"].is_object()
+             ? error["error"]
+             : json(nullptr);
+}
+
+TEST_F(RouterSecurityTest, UnstreamedRequestsWhoseClientsLeaveAreCancelledAndFreeTheirBlocks) {
+  // Slow steps (5 ms a layer): 400 tokens take seconds. Before, libevent read nothing from a
+  // connection whose request had arrived, so an unstreamed request (which writes nothing
+  // until its reply) ran to its last token after its client closed: a client could fill
+  // the batch and the pool and leave.
+  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/1024, /*executors=*/1, {},
+                                     {"--fault-layer-delay-ms", "5"}));
+  const pid_t pid = router_->pid();
+  const MetricLabels tgi_cancelled = {{"api", "tgi"}, {"outcome", "cancelled"}};
+  const MetricLabels openai_cancelled = {{"api", "openai"}, {"outcome", "cancelled"}};
+  const MetricLabels tgi_ok = {{"api", "tgi"}, {"outcome", "ok"}};
+  const MetricLabels openai_ok = {{"api", "openai"}, {"outcome", "ok"}};
+  const double tgi_cancelled_before = RouterMetric("kvcm_router_requests_total", tgi_cancelled);
+  const double openai_cancelled_before =
+      RouterMetric("kvcm_router_requests_total", openai_cancelled);
+  const double ok_before = RouterMetric("kvcm_router_requests_total", tgi_ok) +
+                           RouterMetric("kvcm_router_requests_total", openai_ok);
+  constexpr int kTokens = 400;
+  const std::vector<std::string> requests = {
+      RawPost("/generate", GenerateBody("leave one", kTokens)),
+      RawPost("/generate", GenerateBody("leave two", kTokens)),
+      RawPost("/", json{{"inputs", "leave three"},
+                        {"stream", false},
+                        {"parameters", {{"max_new_tokens", kTokens}}}}
+                       .dump()),
+      RawPost("/v1/completions",
+              json{{"prompt", "leave four"}, {"max_tokens", kTokens}, {"temperature", 0}}.dump()),
+      RawPost("/v1/completions",
+              json{{"prompt", "leave five"}, {"max_tokens", kTokens}, {"temperature", 0}}.dump()),
+  };
+  std::vector<int> clients;
+  absl::Cleanup close_clients = [&clients] {
+    for (int fd : clients) ::close(fd);
+  };
+  for (const std::string& request : requests) {
+    const int fd = ConnectTo(url_);
+    ASSERT_GE(fd, 0);
+    clients.push_back(fd);
+    ASSERT_TRUE(SendAll(fd, request));
+  }
+  // Every one generating, holding blocks.
+  ASSERT_TRUE(WaitFor([&] { return RouterMetric("kvcm_router_running_sequences") == 5; },
+                      absl::Seconds(20), "the five requests to run")
+                  .ok())
+      << Tail(router_->Output());
+  EXPECT_GT(Stats().in_use_blocks, 0);
+  const double generated_at_close = RouterMetric("kvcm_router_generated_tokens_total");
+  std::move(close_clients).Invoke();
+  // Cancelled as a stream's client that leaves is: counted, their sequences freed at the
+  // next step, long before their last token.
+  const absl::Status counted = WaitFor(
+      [&] {
+        return RouterMetric("kvcm_router_requests_total", tgi_cancelled) ==
+                   tgi_cancelled_before + 3 &&
+               RouterMetric("kvcm_router_requests_total", openai_cancelled) ==
+                   openai_cancelled_before + 2;
+      },
+      absl::Seconds(10), "the five requests to be counted cancelled");
+  EXPECT_TRUE(counted.ok()) << counted << "\n" << Tail(router_->Output());
+  EXPECT_TRUE(AwaitNoBlockInUse()) << Tail(router_->Output());
+  EXPECT_EQ(RouterMetric("kvcm_router_running_sequences"), 0);
+  EXPECT_EQ(RouterMetric("kvcm_router_requests_total", tgi_ok) +
+                RouterMetric("kvcm_router_requests_total", openai_ok),
+            ok_before);
+  const double generated = RouterMetric("kvcm_router_generated_tokens_total");
+  std::printf("%.0f tokens generated when the clients left, %.0f in all (of %d asked)\n",
+              generated_at_close, generated, 5 * kTokens);
+  EXPECT_LT(generated, 5 * kTokens / 2);
+  EXPECT_THAT(router_->Output(), HasSubstr("the client went away; cancelled"));
+  ExpectWhole(Stats());
+  ASSERT_TRUE(StillServing(url_, *router_, pid));
+  // A keep-alive client that sends its next request only after the reply is not taken for
+  // one that left.
+  const int fd = ConnectTo(url_);
+  ASSERT_GE(fd, 0);
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(SendAll(fd, RawPost("/generate", GenerateBody("stay", 3))));
+    const std::string reply = ReadOneReply(fd);
+    EXPECT_EQ(reply.rfind("HTTP/1.1 200", 0), 0u) << reply;
+    EXPECT_EQ(TokenIds(reply.substr(reply.find("\r\n\r\n") + 4)), Reference("stay", 3));
+  }
+  ::close(fd);
+}
+
+TEST_F(RouterSecurityTest, ATinyTemperatureGivesFiniteLogprobsOnEveryApi) {
+  // temperature 1e-40 divided the logits by a denormal: every token but the most likely had
+  // a log-probability of -inf, written as null where the OpenAPI document promises a
+  // number. Such a temperature is greedy now, and a -inf anyway reads -9999.
+  const std::string chat_template = dir_->path() + "/tiny-temperature-chat.jinja";
+  WriteChatTemplate(chat_template);
+  ASSERT_NO_FATAL_FAILURE(
+      StartStack(/*num_blocks=*/64, /*executors=*/1, {"--chat-template", chat_template}));
+  const pid_t pid = router_->pid();
+  size_t checked = 0;
+  auto finite = [&checked](const json& value, const std::string& where) {
+    ++checked;
+    EXPECT_TRUE(value.is_number()) << where << ": " << value.dump();
+    if (value.is_number()) {
+      EXPECT_GE(value.get<double>(), -9999.0) << where;
+      EXPECT_LE(value.get<double>(), 0.0) << where;
+    }
+  };
+
+  // TGI, with details and top tokens: the greedy tokens.
+  absl::StatusOr<HttpResponse> tgi = HttpPost(
+      url_ + "/generate",
+      json{{"inputs", "ok"},
+           {"parameters",
+            {{"max_new_tokens", 4}, {"details", true}, {"do_sample", true},
+             {"temperature", 1e-40}, {"top_n_tokens", 5}}}}
+          .dump());
+  ASSERT_TRUE(tgi.ok()) << tgi.status();
+  ASSERT_EQ(tgi->status, 200) << tgi->body;
+  EXPECT_EQ(TokenIds(tgi->body), Reference("ok", 4));
+  const json details = json::parse(tgi->body)["details"];
+  for (const json& token : details["tokens"]) finite(token["logprob"], "tgi token");
+  for (const json& top : details["top_tokens"]) {
+    EXPECT_EQ(top.size(), 5u);
+    for (const json& token : top) finite(token["logprob"], "tgi top token");
+  }
+  ASSERT_TRUE(StillServing(url_, *router_, pid));
+
+  // TGI streamed: each event's token and top tokens.
+  absl::StatusOr<HttpResponse> stream = HttpPost(
+      url_ + "/generate_stream",
+      json{{"inputs", "ok"},
+           {"parameters",
+            {{"max_new_tokens", 4}, {"do_sample", true}, {"temperature", 1e-40},
+             {"top_n_tokens", 5}}}}
+          .dump());
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  ASSERT_EQ(stream->status, 200) << stream->body;
+  for (absl::string_view line : absl::StrSplit(stream->body, '\n')) {
+    if (!absl::ConsumePrefix(&line, "data:")) continue;
+    const json event = json::parse(std::string(line), nullptr, false);
+    ASSERT_FALSE(event.is_discarded()) << line;
+    finite(event["token"]["logprob"], "tgi stream token");
+    for (const json& token : event["top_tokens"]) finite(token["logprob"], "tgi stream top");
+  }
+  ASSERT_TRUE(StillServing(url_, *router_, pid));
+
+  // OpenAI completions: token_logprobs and top_logprobs.
+  absl::StatusOr<HttpResponse> completion = HttpPost(
+      url_ + "/v1/completions",
+      json{{"prompt", "ok"}, {"max_tokens", 4}, {"temperature", 1e-40}, {"logprobs", 5}}.dump());
+  ASSERT_TRUE(completion.ok()) << completion.status();
+  ASSERT_EQ(completion->status, 200) << completion->body;
+  const json logprobs = json::parse(completion->body)["choices"][0]["logprobs"];
+  for (const json& value : logprobs["token_logprobs"]) finite(value, "completion token");
+  for (const json& top : logprobs["top_logprobs"]) {
+    EXPECT_EQ(top.size(), 5u);
+    for (const auto& [token, value] : top.items()) finite(value, "completion top " + token);
+  }
+  ASSERT_TRUE(StillServing(url_, *router_, pid));
+
+  // OpenAI chat: content[].logprob and its top_logprobs.
+  absl::StatusOr<HttpResponse> chat = HttpPost(
+      url_ + "/v1/chat/completions",
+      json{{"messages", {{{"role", "user"}, {"content", "ok"}}}},
+           {"max_tokens", 4},
+           {"temperature", 1e-40},
+           {"logprobs", true},
+           {"top_logprobs", 5}}
+          .dump());
+  ASSERT_TRUE(chat.ok()) << chat.status();
+  ASSERT_EQ(chat->status, 200) << chat->body;
+  for (const json& entry : json::parse(chat->body)["choices"][0]["logprobs"]["content"]) {
+    finite(entry["logprob"], "chat token");
+    EXPECT_EQ(entry["top_logprobs"].size(), 5u);
+    for (const json& top : entry["top_logprobs"]) finite(top["logprob"], "chat top token");
+  }
+  std::printf("%zu log-probabilities checked\n", checked);
+  EXPECT_GT(checked, 20u);
+  ASSERT_TRUE(StillServing(url_, *router_, pid));
+}
+
+TEST_F(RouterSecurityTest, BestOfGivenBelowNIsRefusedInsteadOfAnsweringNChoices) {
+  const std::string chat_template = dir_->path() + "/best-of-chat.jinja";
+  WriteChatTemplate(chat_template);
+  ASSERT_NO_FATAL_FAILURE(
+      StartStack(/*num_blocks=*/64, /*executors=*/1, {"--chat-template", chat_template}));
+  const pid_t pid = router_->pid();
+  // n = 2 with best_of = 1 was answered with two choices; best_of given is at least n.
+  const json completion = {{"prompt", "a"}, {"max_tokens", 2}, {"temperature", 0.5}};
+  const json chat = {{"messages", {{{"role", "user"}, {"content", "a"}}}},
+                     {"max_tokens", 2},
+                     {"temperature", 0.5}};
+  for (const auto& [path, base] : {std::pair<std::string, json>{"/v1/completions", completion},
+                                   std::pair<std::string, json>{"/v1/chat/completions", chat}}) {
+    SCOPED_TRACE(path);
+    json refused = base;
+    refused["n"] = 2;
+    refused["best_of"] = 1;
+    absl::StatusOr<HttpResponse> reply = HttpPost(url_ + path, refused.dump());
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    EXPECT_EQ(reply->status, 400) << reply->body;
+    const json error = OpenAiErrorOf(*reply);
+    ASSERT_TRUE(error.is_object()) << reply->body;
+    EXPECT_EQ(error.value("param", ""), "best_of");
+    EXPECT_THAT(error.value("message", ""), HasSubstr("`best_of` must be at least `n`"));
+    ASSERT_TRUE(StillServing(url_, *router_, pid));
+    // Without best_of, or with it at n or more: n choices.
+    for (const json& best_of : {json(nullptr), json(2), json(3)}) {
+      json served = base;
+      served["n"] = 2;
+      if (!best_of.is_null()) served["best_of"] = best_of;
+      absl::StatusOr<HttpResponse> ok = HttpPost(url_ + path, served.dump());
+      ASSERT_TRUE(ok.ok()) << ok.status();
+      ASSERT_EQ(ok->status, 200) << ok->body;
+      EXPECT_EQ(json::parse(ok->body)["choices"].size(), 2u) << ok->body;
+    }
+  }
+}
+
+TEST_F(RouterSecurityTest, AnEmptyStopStringIsRefusedByBothApis) {
+  const std::string chat_template = dir_->path() + "/stop-chat.jinja";
+  WriteChatTemplate(chat_template);
+  ASSERT_NO_FATAL_FAILURE(
+      StartStack(/*num_blocks=*/64, /*executors=*/1, {"--chat-template", chat_template}));
+  const pid_t pid = router_->pid();
+  // OpenAI's routes dropped an empty stop string silently; TGI's refused it. One rule: 422
+  // (OpenAI: 400) naming `stop`.
+  struct Case {
+    std::string path;
+    json body;
+  };
+  const Case cases[] = {
+      {"/generate", {{"inputs", "a"}, {"parameters", {{"stop", {""}}}}}},
+      {"/generate", {{"inputs", "a"}, {"parameters", {{"stop", {"x", ""}}}}}},
+      {"/v1/completions", {{"prompt", "a"}, {"stop", {""}}}},
+      {"/v1/completions", {{"prompt", "a"}, {"stop", ""}}},
+      {"/v1/chat/completions",
+       {{"messages", {{{"role", "user"}, {"content", "a"}}}}, {"stop", {"x", ""}}}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.path + " " + c.body.dump());
+    absl::StatusOr<HttpResponse> reply = HttpPost(url_ + c.path, c.body.dump());
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    if (c.path == "/generate") {
+      EXPECT_EQ(reply->status, 422) << reply->body;
+      EXPECT_THAT(ErrorOf(*reply).value("error", ""), HasSubstr("`stop`"));
+    } else {
+      EXPECT_EQ(reply->status, 400) << reply->body;
+      const json error = OpenAiErrorOf(*reply);
+      ASSERT_TRUE(error.is_object()) << reply->body;
+      EXPECT_EQ(error.value("param", ""), "stop");
+      EXPECT_THAT(error.value("message", ""), HasSubstr("empty"));
+    }
+    ASSERT_TRUE(StillServing(url_, *router_, pid));
+  }
+  // A non-empty stop string is served on both.
+  absl::StatusOr<HttpResponse> served =
+      HttpPost(url_ + "/v1/completions",
+               json{{"prompt", "a"}, {"stop", {"zz"}}, {"max_tokens", 2}, {"temperature", 0}}
+                   .dump());
+  ASSERT_TRUE(served.ok()) << served.status();
+  EXPECT_EQ(served->status, 200) << served->body;
+}
+
+TEST_F(RouterSecurityTest, MaxCompletionTokensWinsOverMaxTokensInChat) {
+  const std::string chat_template = dir_->path() + "/max-chat.jinja";
+  WriteChatTemplate(chat_template);
+  ASSERT_NO_FATAL_FAILURE(
+      StartStack(/*num_blocks=*/64, /*executors=*/1, {"--chat-template", chat_template}));
+  // The prompt as the template renders it, without BOS: its greedy tokens must not end
+  // before 7, or the lengths below say nothing.
+  std::vector<int32_t> prompt;
+  for (unsigned char c : std::string("user: count\n")) prompt.push_back(3 + c);
+  const std::vector<int32_t> greedy = ReferenceGreedy(*model_, prompt, 7);
+  const std::vector<int32_t>& eos = model_->config().eos_token_ids;
+  for (int32_t token : greedy) {
+    ASSERT_EQ(std::find(eos.begin(), eos.end(), token), eos.end())
+        << "the tiny model ends this prompt early: pick another";
+  }
+  // max_tokens is deprecated in chat for max_completion_tokens: given both, OpenAI and
+  // vLLM take max_completion_tokens; kvcm took whichever it read last (max_tokens).
+  for (const auto& [max_tokens, max_completion_tokens] :
+       {std::pair<int, int>{7, 3}, std::pair<int, int>{3, 7}}) {
+    SCOPED_TRACE(absl::StrCat(max_tokens, " ", max_completion_tokens));
+    absl::StatusOr<HttpResponse> reply = HttpPost(
+        url_ + "/v1/chat/completions",
+        json{{"messages", {{{"role", "user"}, {"content", "count"}}}},
+             {"temperature", 0},
+             {"max_tokens", max_tokens},
+             {"max_completion_tokens", max_completion_tokens}}
+            .dump());
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    ASSERT_EQ(reply->status, 200) << reply->body;
+    const json body = json::parse(reply->body);
+    EXPECT_EQ(body["usage"]["completion_tokens"], max_completion_tokens) << reply->body;
+    EXPECT_EQ(body["choices"][0]["finish_reason"], "length");
+  }
+}
+
+TEST_F(RouterSecurityTest, HealthNamesNoContentTypeForItsEmptyBody) {
+  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/64, /*executors=*/1));
+  // libevent's default type, "text/html; charset=ISO-8859-1", went on /health's empty 200.
+  const std::string reply =
+      Exchange(url_, "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+  EXPECT_THAT(reply, HasSubstr("HTTP/1.1 200")) << reply;
+  EXPECT_THAT(HeadOf(reply), HasSubstr("content-length: 0")) << reply;
+  EXPECT_THAT(HeadOf(reply), Not(HasSubstr("content-type"))) << reply;
+  // Every reply with a body names its own.
+  const std::string info =
+      Exchange(url_, "GET /info HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+  EXPECT_THAT(HeadOf(info), HasSubstr("content-type: application/json")) << info;
+}
+
+TEST_F(RouterSecurityTest, OpenAiPathsAnswerOpenAiErrorsAndTheModelByItsId) {
+  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/64, /*executors=*/1));
+  const pid_t pid = router_->pid();
+  absl::StatusOr<HttpResponse> models = HttpGet(url_ + "/v1/models");
+  ASSERT_TRUE(models.ok()) << models.status();
+  ASSERT_EQ(models->status, 200) << models->body;
+  const json listed = json::parse(models->body)["data"][0];
+  const std::string id = listed["id"].get<std::string>();
+  // The official client's models.retrieve(id): GET /v1/models/{id}, the entry the list has.
+  absl::StatusOr<HttpResponse> model = HttpGet(url_ + "/v1/models/" + id);
+  ASSERT_TRUE(model.ok()) << model.status();
+  ASSERT_EQ(model->status, 200) << model->body;
+  EXPECT_EQ(json::parse(model->body), listed);
+  // Percent-encoded, as a client encodes an id.
+  std::string encoded;
+  for (unsigned char c : id) absl::StrAppend(&encoded, "%", absl::Hex(c, absl::kZeroPad2));
+  absl::StatusOr<HttpResponse> model_encoded = HttpGet(url_ + "/v1/models/" + encoded);
+  ASSERT_TRUE(model_encoded.ok()) << model_encoded.status();
+  EXPECT_EQ(model_encoded->status, 200) << model_encoded->body;
+  // Another id, another path under /v1/, and another method: OpenAI's shape (they came in
+  // TGI's, {"error": "no route ..."}, which the openai client cannot read).
+  for (const auto& [method, path, status] :
+       {std::tuple<std::string, std::string, int>{"GET", "/v1/models/gpt-4o", 404},
+        {"GET", "/v1/models/org/other-model", 404},
+        {"GET", "/v1/embeddings", 404},
+        {"POST", "/v1/responses", 404},
+        {"POST", "/v1/models/" + id, 405}}) {
+    SCOPED_TRACE(method + " " + path);
+    absl::StatusOr<HttpResponse> reply =
+        HttpRequest(method, url_ + path, method == "POST" ? "{}" : "", absl::Seconds(10));
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    EXPECT_EQ(reply->status, status) << reply->body;
+    const json error = OpenAiErrorOf(*reply);
+    ASSERT_TRUE(error.is_object()) << reply->body;
+    EXPECT_EQ(error.value("type", ""), "invalid_request_error");
+    EXPECT_FALSE(error.value("message", "").empty());
+    EXPECT_TRUE(error.contains("param") && error.contains("code")) << reply->body;
+    ASSERT_TRUE(StillServing(url_, *router_, pid));
+  }
+  // Elsewhere, TGI's shape.
+  absl::StatusOr<HttpResponse> tgi = HttpGet(url_ + "/no/such/route");
+  ASSERT_TRUE(tgi.ok()) << tgi.status();
+  EXPECT_EQ(tgi->status, 404);
+  EXPECT_EQ(ErrorOf(*tgi).value("error_type", ""), "validation") << tgi->body;
+}
+
+TEST_F(RouterSecurityTest, AmbiguousFramingIsRefusedWith400AndNothingAfterItIsRead) {
+  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/64, /*executors=*/1));
+  const pid_t pid = router_->pid();
+  // RFC 9112 wants 400 for each; libevent took the first Content-Length, read "+48" as 48,
+  // and took "Transfer-Encoding : chunked" (a space before the colon) for another header,
+  // framing by Content-Length. A proxy in front reading the other framing sees another
+  // request where the router sees a body (request smuggling). Each is answered 400 in the
+  // route's API's shape, and its connection closed: one reply, whatever follows unread.
+  const std::string body = GenerateBody("frame", 2);
+  const std::string smuggled = "GET /info HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
+  const std::string chunked =
+      absl::StrCat(absl::Hex(body.size()), "\r\n", body, "\r\n0\r\n\r\n");
+  struct Case {
+    std::string what;
+    std::string request;
+    bool openai = false;  // the route's API, whose error shape the 400 has
+  };
+  const std::string head = "POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\n";
+  const Case cases[] = {
+      {"two Content-Lengths, the first the body's",
+       absl::StrCat(head, "Content-Length: ", body.size(), "\r\nContent-Length: ",
+                    body.size() + smuggled.size(), "\r\n\r\n", body, smuggled)},
+      {"two Content-Lengths, the first the body's and what follows",
+       absl::StrCat(head, "Content-Length: ", body.size() + smuggled.size(),
+                    "\r\nContent-Length: ", body.size(), "\r\n\r\n", body, smuggled)},
+      {"Transfer-Encoding with a space before its colon",
+       absl::StrCat(head, "Transfer-Encoding : chunked\r\nContent-Length: ", chunked.size(),
+                    "\r\n\r\n", chunked)},
+      {"Content-Length: +N", absl::StrCat(head, "Content-Length: +", body.size(), "\r\n\r\n",
+                                          body)},
+      {"Content-Length: -0", absl::StrCat(head, "Content-Length: -0\r\n\r\n", smuggled)},
+      // (Transfer-Encoding with Content-Length, two of them, or one that is not exactly
+      // "chunked", libevent 2.1.12 refuses itself, with its HTML 400.)
+      {"a header name with a tab before its colon",
+       absl::StrCat(head, "Content-Length\t: 5\r\nContent-Length: ", body.size(), "\r\n\r\n",
+                    body)},
+      {"two Content-Lengths on an OpenAI route",
+       absl::StrCat("POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\n"
+                    "Content-Length: 3\r\n\r\n{}"),
+       /*openai=*/true},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    const std::string reply = Exchange(url_, c.request);
+    EXPECT_EQ(reply.rfind("HTTP/1.1 400", 0), 0u) << reply.substr(0, 300);
+    size_t replies = 0;
+    for (size_t at = reply.find("HTTP/1.1 "); at != std::string::npos;
+         at = reply.find("HTTP/1.1 ", at + 1)) {
+      ++replies;
+    }
+    EXPECT_EQ(replies, 1u) << "nothing after the refused request is read: " << reply;
+    const size_t split = reply.find("\r\n\r\n");
+    ASSERT_NE(split, std::string::npos) << reply;
+    EXPECT_THAT(HeadOf(reply), HasSubstr("connection: close"));
+    const json error = json::parse(reply.substr(split + 4), nullptr, false);
+    ASSERT_TRUE(error.is_object()) << reply;
+    const std::string message =
+        c.openai ? error["error"].value("message", "") : error.value("error", "");
+    EXPECT_THAT(message, HasSubstr("ambiguous framing")) << reply;
+    ASSERT_TRUE(StillServing(url_, *router_, pid));
+  }
+  // What RFC 9112 allows is served: chunked alone, and the same Content-Length twice.
+  const std::string fine_chunked = Exchange(
+      url_, absl::StrCat(head, "Connection: close\r\nTransfer-Encoding: chunked\r\n\r\n",
+                         chunked));
+  EXPECT_EQ(fine_chunked.rfind("HTTP/1.1 200", 0), 0u) << fine_chunked;
+  const std::string fine_twice = Exchange(
+      url_, absl::StrCat(head, "Connection: close\r\nContent-Length: ", body.size(),
+                         "\r\nContent-Length: ", body.size(), "\r\n\r\n", body));
+  EXPECT_EQ(fine_twice.rfind("HTTP/1.1 200", 0), 0u) << fine_twice;
+  ExpectWhole(Stats());
+}
+
+TEST_F(RouterSecurityTest, ABodyOverTheLimitGetsLibeventsHtml413OnBothApisAsDocumented) {
+  ASSERT_NO_FATAL_FAILURE(
+      StartStack(/*num_blocks=*/64, /*executors=*/1, {"--max-request-body-bytes", "4096"}));
+  const pid_t pid = router_->pid();
+  // Not a fix: libevent 2.1 answers a body over the limit itself, from its own request
+  // callback, before any function of the router's runs, so the 413 is its HTML page on both
+  // APIs, not their JSON (docs/router.md, "Errors", "The 413"). This keeps the document
+  // true: should libevent (or a later router) answer otherwise, the document changes with it.
+  for (const std::string path : {"/generate", "/v1/completions"}) {
+    SCOPED_TRACE(path);
+    // The headers alone: libevent answers at them, and the body is never sent.
+    const std::string reply = Exchange(
+        url_, absl::StrCat("POST ", path, " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: ",
+                           "application/json\r\nContent-Length: 4097\r\n\r\n"));
+    EXPECT_EQ(reply.rfind("HTTP/1.1 413", 0), 0u) << reply.substr(0, 300);
+    EXPECT_THAT(HeadOf(reply), HasSubstr("content-type: text/html")) << reply.substr(0, 300);
+    EXPECT_THAT(HeadOf(reply), HasSubstr("connection: close")) << reply.substr(0, 300);
+    ASSERT_TRUE(StillServing(url_, *router_, pid));
+  }
+}
+
+TEST_F(RouterSecurityTest, NoReplyQuotesMoreThanAShortPrefixOfWhatTheClientSent) {
+  const std::string chat_template = dir_->path() + "/quoting-chat.jinja";
+  // A template that refuses by quoting a message, as some do with a role they do not know.
+  std::ofstream(chat_template)
+      << "{% for m in messages %}{% if m.role == 'bad' %}{{ raise_exception('unknown role "
+         "for: ' + m.content) }}{% endif %}{{ m.role }}: {{ m.content }}\n{% endfor %}";
+  ASSERT_NO_FATAL_FAILURE(
+      StartStack(/*num_blocks=*/64, /*executors=*/1, {"--chat-template", chat_template}));
+  const pid_t pid = router_->pid();
+  // A 10 KB path (under --max-request-header-bytes) was echoed whole in the 404; a chat
+  // template's refusal quoting a 500 KB message, whole in the 400.
+  const std::string long_path = "/" + std::string(10000, 'p');
+  struct Case {
+    std::string method;
+    std::string path;
+    std::string body;
+    int status;
+  };
+  const Case cases[] = {
+      {"GET", long_path, "", 404},
+      {"GET", "/v1" + long_path, "", 404},
+      {"GET", "/v1/models" + long_path, "", 404},
+      {"POST", "/v1/chat/completions",
+       json{{"messages", {{{"role", "bad"}, {"content", std::string(500000, 'c')}}}}}.dump(),
+       400},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.method + " " + c.path.substr(0, 40));
+    absl::StatusOr<HttpResponse> reply =
+        HttpRequest(c.method, url_ + c.path, c.body, absl::Seconds(10));
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    EXPECT_EQ(reply->status, c.status) << reply->body.substr(0, 300);
+    EXPECT_LT(reply->body.size(), 1024u) << reply->body.substr(0, 300);
+    EXPECT_NE(reply->body.find("..."), std::string::npos) << reply->body.substr(0, 300);
+    ASSERT_TRUE(StillServing(url_, *router_, pid));
+  }
+}
+
+TEST_F(RouterSecurityTest, TheDashboardAndConfigInfoShowNoPathOfTheMachine) {
+  const std::string chat_template = dir_->path() + "/paths-chat.jinja";
+  WriteChatTemplate(chat_template);
+  // Leases that outlast the cache manager's pause below.
+  CacheManagerOptions options = ManagerOptions(/*num_blocks=*/64, "");
+  options.heartbeat_timeout_ms = 30000;
+  absl::StatusOr<std::unique_ptr<CacheManagerProcess>> cm = CacheManagerProcess::Start(options);
+  ASSERT_TRUE(cm.ok()) << cm.status();
+  cm_ = std::move(*cm);
+  ASSERT_NO_FATAL_FAILURE(StartRouterAndExecutors(1, {"--chat-template", chat_template}, {}));
+  const pid_t pid = router_->pid();
+  // kvcm_router_config_info carried the model's, the template's and the run directory's
+  // absolute paths to whoever reads /metrics; now their last component.
+  absl::StatusOr<HttpResponse> scraped = HttpGet(url_ + "/metrics");
+  ASSERT_TRUE(scraped.ok()) << scraped.status();
+  absl::StatusOr<MetricsText> metrics = ParseMetricsText(scraped->body);
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  const std::vector<MetricSample> info = metrics->Samples("kvcm_router_config_info");
+  ASSERT_EQ(info.size(), 1u);
+  for (const auto& [label, value] : info[0].labels) {
+    absl::string_view path = value;
+    absl::ConsumePrefix(&path, "ipc://");
+    EXPECT_EQ(path.find('/'), absl::string_view::npos) << label << "=" << value;
+  }
+  EXPECT_EQ(info[0].labels.at("model"), "tiny");
+  EXPECT_EQ(info[0].labels.at("chat_template"), "paths-chat.jinja");
+
+  // The dashboard's state while the cache manager does not answer: it showed the client's
+  // status, "cache manager at ipc:///RUN_DIR/cache-manager.sock did not answer ...".
+  auto state = [&] {
+    absl::StatusOr<HttpResponse> reply = HttpGet(url_ + "/dashboard/state");
+    return reply.ok() && reply->status == 200 ? json::parse(reply->body, nullptr, false)
+                                              : json(nullptr);
+  };
+  ASSERT_TRUE(WaitFor([&] { return state().contains("pool"); }, absl::Seconds(10),
+                      "the dashboard's first state")
+                  .ok());
+  ASSERT_TRUE(cm_->process().Signal(SIGSTOP).ok());
+  absl::Cleanup resume = [this] { (void)cm_->process().Signal(SIGCONT); };
+  std::string shown;
+  ASSERT_TRUE(WaitFor(
+                  [&] {
+                    const json s = state();
+                    if (!s.is_object() || !s.contains("error") || !s["error"].is_string()) {
+                      return false;
+                    }
+                    shown = s["error"].get<std::string>();
+                    return true;
+                  },
+                  absl::Seconds(10), "the dashboard to say the cache manager does not answer")
+                  .ok());
+  std::move(resume).Invoke();
+  EXPECT_EQ(shown, "the cache manager does not answer (DEADLINE_EXCEEDED)");
+  EXPECT_EQ(shown.find('/'), std::string::npos) << shown;
+  EXPECT_THAT(router_->Output(), HasSubstr("dashboard: DEADLINE_EXCEEDED"));
+  ASSERT_TRUE(WaitFor([&] { return state().contains("pool"); }, absl::Seconds(10),
+                      "the dashboard's state once the cache manager answers again")
+                  .ok());
+  ASSERT_TRUE(StillServing(url_, *router_, pid));
 }
 
 // The first IPv4 address of this machine that is not loopback; "" when it has none.

@@ -2,7 +2,7 @@
 // built as a DOM the way the router built it before (services/router/http_frontend.cc):
 // seeded random tokens, texts (ASCII, escapes, control characters, multi-byte UTF-8 and
 // bytes that are no UTF-8), log-probabilities (any float bit pattern: NaN, infinities,
-// subnormals, -0) and last events.
+// subnormals, -0; written as ShownLogprob, finite) and last events.
 
 #include "services/router/stream_events.h"
 
@@ -26,7 +26,11 @@ std::string Dump(const json& value) {
   return value.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
-json Logprob(float value) { return std::isnan(value) ? json(nullptr) : json(value); }
+// As the router's front end writes a log-probability: null when not computed, else its
+// ShownLogprob (finite).
+json Logprob(float value) {
+  return std::isnan(value) ? json(nullptr) : json(ShownLogprob(value));
+}
 
 json TokenJson(const TgiStreamToken& t) {
   return {{"id", t.id}, {"text", std::string(t.text)}, {"logprob", Logprob(t.logprob)},
@@ -146,6 +150,31 @@ TEST(StreamEventsTest, StringsAndNumbersAreNlohmannsAlone) {
     AppendJsonNumber(value, &written);
     ASSERT_EQ(written, Dump(json(value))) << "round " << round;
   }
+}
+
+TEST(StreamEventsTest, ALogprobOfMinusInfinityIsWrittenAsAFiniteNumber) {
+  // A token of probability 0 (sampled at temperature 1e-40, or a top token after it) has a
+  // log-probability of -inf: nlohmann writes null, which the OpenAPI document's number
+  // refuses. It reads as kMinLogprob, -9999 (docs/router.md, "Log-probabilities").
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(ShownLogprob(-kInf), kMinLogprob);
+  EXPECT_EQ(ShownLogprob(-1e30f), kMinLogprob);
+  EXPECT_EQ(ShownLogprob(kInf), 0.0f);
+  EXPECT_EQ(ShownLogprob(-2.5f), -2.5f);
+  EXPECT_TRUE(std::isnan(ShownLogprob(std::numeric_limits<float>::quiet_NaN())));
+  const TgiStreamToken top[] = {{7, -kInf, "b", false}};
+  TgiStreamEvent event;
+  event.token = {5, -kInf, "a", false};
+  event.with_top_tokens = true;
+  event.top_tokens = top;
+  std::string written;
+  AppendTgiStreamEvent(event, &written);
+  const json parsed = json::parse(written, nullptr, false);
+  ASSERT_FALSE(parsed.is_discarded()) << written;
+  ASSERT_TRUE(parsed["token"]["logprob"].is_number()) << written;
+  EXPECT_EQ(parsed["token"]["logprob"].get<double>(), -9999.0);
+  ASSERT_TRUE(parsed["top_tokens"][0]["logprob"].is_number()) << written;
+  EXPECT_EQ(parsed["top_tokens"][0]["logprob"].get<double>(), -9999.0);
 }
 
 }  // namespace
