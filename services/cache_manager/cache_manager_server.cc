@@ -22,6 +22,7 @@
 #include "common/base/unique_fd.h"
 #include "common/memory/pool_layout.h"
 #include "common/transport/accept_guard.h"
+#include "common/transport/descriptor_limit.h"
 #include "common/transport/event_loop.h"
 #include "common/transport/zmq_util.h"
 
@@ -48,32 +49,6 @@ constexpr char kMonitorEndpoint[] = "inproc://kvcm-cache-manager-requests-monito
 // Events read from the monitor at once, so that a flood of connections does not hold the
 // loop; the rest are read in the next turn.
 constexpr int kMaxMonitorEventsPerRead = 10000;
-
-// Open descriptors of this process: the entries of /proc/self/fd, read through `dir_fd`
-// (that directory, opened at start) less `dir_fd` itself. Reading it takes no descriptor,
-// so it still works when none is free; -1 if it cannot be read.
-int OpenDescriptors(int dir_fd) {
-  if (dir_fd < 0 || ::lseek(dir_fd, 0, SEEK_SET) != 0) return -1;
-  alignas(8) char buffer[8192];
-  int count = 0;
-  while (true) {
-    const long n = ::syscall(SYS_getdents64, dir_fd, buffer, sizeof(buffer));
-    if (n < 0) return -1;
-    if (n == 0) break;
-    for (long offset = 0; offset < n;) {
-      const auto* entry = reinterpret_cast<const dirent64*>(buffer + offset);
-      if (entry->d_name[0] != '.') ++count;
-      offset += entry->d_reclen;
-    }
-  }
-  return count - 1;
-}
-
-int DescriptorLimit() {
-  rlimit limit{};
-  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return -1;
-  return static_cast<int>(std::min<rlim_t>(limit.rlim_cur, INT32_MAX));
-}
 
 // At shutdown, the drain ends once no request came for this long (or at the deadline).
 constexpr absl::Duration kShutdownQuiet = absl::Milliseconds(100);

@@ -36,6 +36,7 @@
 #include "common/sizing/model_config.h"
 #include "common/sizing/pool_plan.h"
 #include "common/transport/accept_guard.h"
+#include "common/transport/descriptor_limit.h"
 #include "common/transport/tcp_endpoint.h"
 #include "services/cache_manager/cache_manager_metrics.h"
 #include "services/cache_manager/cache_manager_server.h"
@@ -274,17 +275,6 @@ absl::StatusOr<std::optional<VllmEventPublisher::Options>> VllmEventsFromFlags()
   return options;
 }
 
-// Every connection holds a descriptor: the soft limit (often 1024) goes up to the hard one.
-void RaiseDescriptorLimit() {
-  rlimit limit{};
-  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur >= limit.rlim_max) return;
-  const rlim_t before = limit.rlim_cur;
-  limit.rlim_cur = limit.rlim_max;
-  if (::setrlimit(RLIMIT_NOFILE, &limit) == 0) {
-    Log(absl::StrCat("file descriptor limit raised from ", before, " to ", limit.rlim_cur));
-  }
-}
-
 int Main(const std::vector<config::Setting>& settings) {
   Log(config::Describe(settings, config::ConfigFilePath()));
   // Before any thread starts: see common/base/termination_signals.h.
@@ -353,7 +343,11 @@ int Main(const std::vector<config::Setting>& settings) {
         "--hello-timeout-ms must be >= 0 (0: never close a silent connection)"));
   }
 
-  RaiseDescriptorLimit();
+  // Every connection holds a descriptor: the soft limit (often 1024) goes up to the hard one.
+  if (std::optional<RaisedLimit> raised = RaiseDescriptorLimit(); raised.has_value()) {
+    Log(absl::StrCat("file descriptor limit raised from ", raised->before, " to ",
+                     raised->after));
+  }
   // The lock first: a second instance must fail before it allocates or binds anything.
   const std::string run_dir_path = absl::GetFlag(FLAGS_run_dir).empty()
                                        ? RunDirectory::DefaultPath()

@@ -41,6 +41,7 @@
 #include "common/base/utf8.h"
 #include "common/base/monotonic_clock.h"
 #include "common/base/unique_fd.h"
+#include "common/transport/descriptor_limit.h"
 #include "nlohmann/json.hpp"
 #include "prometheus/registry.h"
 #include "prometheus/text_serializer.h"
@@ -94,33 +95,6 @@ constexpr size_t kDeliverySlice = 64;
 constexpr int kMinFreeDescriptors = 32;
 // Connections closed per wakeup while not accepting, so that a flood does not hold the loop.
 constexpr int kMaxShedPerWakeup = 64;
-
-// The soft RLIMIT_NOFILE; -1 when unlimited or unknown.
-int DescriptorLimit() {
-  rlimit limit{};
-  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return -1;
-  return static_cast<int>(std::min<rlim_t>(limit.rlim_cur, std::numeric_limits<int>::max()));
-}
-
-// Open descriptors of this process: the entries of /proc/self/fd, read through `dir_fd`
-// (that directory, opened at start) less `dir_fd` itself. Reading it takes no descriptor,
-// so it still works when none is free; -1 if it cannot be read.
-int OpenDescriptors(int dir_fd) {
-  if (dir_fd < 0 || ::lseek(dir_fd, 0, SEEK_SET) != 0) return -1;
-  alignas(8) char buffer[8192];
-  int count = 0;
-  while (true) {
-    const long n = ::syscall(SYS_getdents64, dir_fd, buffer, sizeof(buffer));
-    if (n < 0) return -1;
-    if (n == 0) break;
-    for (long offset = 0; offset < n;) {
-      const auto* entry = reinterpret_cast<const dirent64*>(buffer + offset);
-      if (entry->d_name[0] != '.') ++count;
-      offset += entry->d_reclen;
-    }
-  }
-  return count - 1;
-}
 
 // OpenAI's error type for a status.
 const char* OpenAiErrorType(int status) {

@@ -33,6 +33,7 @@
 #include "common/model/model_metadata.h"
 #include "common/tokenizer/tokenizer.h"
 #include "common/transport/accept_guard.h"
+#include "common/transport/descriptor_limit.h"
 #include "services/router/dashboard.h"
 #include "services/router/http_frontend.h"
 #include "services/router/router_core.h"
@@ -85,18 +86,6 @@ namespace {
 constexpr char kComponent[] = "kvcm-router";
 void Log(std::string_view text) { LogLine(kComponent, text); }
 
-// Every HTTP connection holds a descriptor: the soft limit (often 1024) goes up to the hard
-// one, as the cache manager's does.
-void RaiseDescriptorLimit() {
-  rlimit limit{};
-  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur >= limit.rlim_max) return;
-  const rlim_t before = limit.rlim_cur;
-  limit.rlim_cur = limit.rlim_max;
-  if (::setrlimit(RLIMIT_NOFILE, &limit) == 0) {
-    Log(absl::StrCat("file descriptor limit raised from ", before, " to ", limit.rlim_cur));
-  }
-}
-
 // `value` without the folders of a path in it: "/srv/models/SmolLM2" is "SmolLM2",
 // "ipc:///run/kvcm/cache-manager.sock" is "ipc://cache-manager.sock"; a value without a '/'
 // is itself.
@@ -138,7 +127,11 @@ int Main(const std::vector<config::Setting>& settings) {
   // At the descriptor limit, libzmq aborts the process on the EMFILE of an executor's
   // connection; the HTTP port stops accepting before that (docs/router.md, "Connections at
   // the descriptor limit"), and the guard closes what still arrives when none is left.
-  RaiseDescriptorLimit();
+  // Every connection holds a descriptor: the soft limit (often 1024) goes up to the hard one.
+  if (std::optional<RaisedLimit> raised = RaiseDescriptorLimit(); raised.has_value()) {
+    Log(absl::StrCat("file descriptor limit raised from ", raised->before, " to ",
+                     raised->after));
+  }
   if (absl::Status guard = InstallAcceptGuard(); !guard.ok()) return fail(guard);
   const std::string model = absl::GetFlag(FLAGS_model);
   if (model.empty()) return fail(absl::InvalidArgumentError("--model is required"));
