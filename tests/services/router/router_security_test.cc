@@ -907,7 +907,10 @@ TEST_F(RouterSecurityTest, ATinyTemperatureGivesFiniteLogprobsOnEveryApi) {
           .dump());
   ASSERT_TRUE(chat.ok()) << chat.status();
   ASSERT_EQ(chat->status, 200) << chat->body;
-  for (const json& entry : json::parse(chat->body)["choices"][0]["logprobs"]["content"]) {
+  // The parsed reply lives in a variable: a range-for over a member of a temporary reads
+  // freed memory (ASan found it).
+  const json chat_reply = json::parse(chat->body);
+  for (const json& entry : chat_reply["choices"][0]["logprobs"]["content"]) {
     finite(entry["logprob"], "chat token");
     EXPECT_EQ(entry["top_logprobs"].size(), 5u);
     for (const json& top : entry["top_logprobs"]) finite(top["logprob"], "chat top token");
