@@ -1,12 +1,15 @@
 #include "services/router/http_frontend.h"
+#include "services/router/http_framing.h"
 #include "services/router/http_requests.h"
 #include "services/router/stream_events.h"
 
+#include <arpa/inet.h>
 #include <dirent.h>
 #include <event2/buffer.h>
 #include <event2/bufferevent.h>
 #include <event2/event.h>
 #include <event2/http.h>
+#include <event2/http_struct.h>  // evhttp_request's major and minor: 2.1 has no accessor
 #include <event2/keyvalq_struct.h>
 #include <event2/listener.h>
 #include <event2/thread.h>
@@ -33,7 +36,11 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "common/base/log.h"
 #include "common/tokenizer/incremental_decoder.h"
@@ -106,7 +113,85 @@ const char* OpenAiErrorType(int status) {
   }
 }
 
+// An IP literal's address bytes (4 for dotted IPv4, 16 for IPv6 without brackets); "" for
+// anything else (a name).
+std::string AddressBytes(const std::string& text) {
+  in_addr v4{};
+  if (::inet_pton(AF_INET, text.c_str(), &v4) == 1) {
+    return std::string(reinterpret_cast<const char*>(&v4), sizeof(v4));
+  }
+  in6_addr v6{};
+  if (::inet_pton(AF_INET6, text.c_str(), &v6) == 1) {
+    return std::string(reinterpret_cast<const char*>(&v6), sizeof(v6));
+  }
+  return "";
+}
+
+// A host as Host rules compare it: a name lower-cased without one trailing dot, an IP
+// literal as written (brackets off).
+std::string HostKey(std::string_view host) {
+  std::string key(host);
+  absl::AsciiStrToLower(&key);
+  if (key.size() > 1 && key.back() == '.') key.pop_back();
+  return key;
+}
+
+// The host of a Host field's value (RFC 9110's uri-host [ ":" port ]): a name, an IPv4
+// literal, or an IPv6 literal in brackets (returned without them); nullopt when the value
+// is none of these.
+std::optional<std::string> HostOfField(std::string_view value) {
+  std::string_view host, rest;
+  if (!value.empty() && value.front() == '[') {
+    const size_t close = value.find(']');
+    if (close == std::string_view::npos) return std::nullopt;
+    host = value.substr(1, close - 1);
+    rest = value.substr(close + 1);
+    if (AddressBytes(std::string(host)).size() != 16) return std::nullopt;
+  } else {
+    const size_t colon = value.find(':');
+    host = value.substr(0, colon);
+    rest = colon == std::string_view::npos ? "" : value.substr(colon);
+    for (char c : host) {  // RFC 3986's reg-name (and so an IPv4 literal)
+      if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) &&
+          std::strchr("-._~%!$&'()*+,;=", c) == nullptr) {
+        return std::nullopt;
+      }
+    }
+  }
+  if (host.empty()) return std::nullopt;
+  if (!rest.empty()) {  // ":" and a port, maybe empty (RFC 3986)
+    if (rest.front() != ':') return std::nullopt;
+    for (char c : rest.substr(1)) {
+      if (c < '0' || c > '9') return std::nullopt;
+    }
+  }
+  return std::string(host);
+}
+
 }  // namespace
+
+absl::StatusOr<std::vector<std::string>> HttpFrontend::ParseAllowedHosts(std::string_view text) {
+  std::vector<std::string> hosts;
+  for (absl::string_view entry : absl::StrSplit(absl::string_view(text.data(), text.size()), ',',
+                                                absl::SkipWhitespace())) {
+    entry = absl::StripAsciiWhitespace(entry);
+    if (entry == "*") {
+      hosts.emplace_back("*");
+      continue;
+    }
+    // An IPv6 literal may come without its brackets; anything else as a Host names it, but
+    // with no port: the whole entry is the host.
+    std::string field(entry);
+    if (field.front() != '[' && AddressBytes(field).size() == 16) field = "[" + field + "]";
+    const std::optional<std::string> host = HostOfField(field);
+    if (!host.has_value() || field != (field.front() == '[' ? "[" + *host + "]" : *host)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--allowed-hosts: `", entry, "` is not a host name or IP literal (no port, no scheme)"));
+    }
+    hosts.push_back(HostKey(*host));
+  }
+  return hosts;
+}
 
 struct HttpFrontend::Impl {
   Options options;
@@ -126,19 +211,26 @@ struct HttpFrontend::Impl {
   std::vector<Progress> delivering;
   size_t delivered = 0;
 
-  // Requests still arriving and when they must be whole (Options::request_timeout: from
-  // their first byte), by their connection's input buffer. libevent 2.1 tells nothing when
-  // a connection goes, so an entry outlives its connection until a new connection's input
-  // buffer takes its address (NewConnection overwrites it); only buffers made there carry
-  // OnInput, so a stale entry is never read. The map stays about as large as the most
-  // connections open at once.
-  struct Arrival {
-    bufferevent* connection = nullptr;
-    // InfinitePast: waiting for a request's first byte; InfiniteFuture: a request is being
-    // answered (or the connection was dropped).
+  // A connection of evhttp's, by its bufferevent, from NewConnection on. libevent 2.1 tells
+  // nothing when a connection goes, so an entry outlives its connection until a new
+  // connection's bufferevent takes its address (NewConnection replaces it); only bufferevents
+  // made there carry OnInput, so a stale entry is never read. The map stays about as large as
+  // the most connections open at once, each entry holding at most an unfinished head.
+  struct Connection {
+    Impl* self = nullptr;
+    bufferevent* events = nullptr;
+    FramedInput input;
+    bool framing_now = false;
+    // When the request arriving must be whole (Options::request_timeout: from its first
+    // byte). InfinitePast: waiting for a request's first byte; InfiniteFuture: a request is
+    // being answered (or the connection was dropped).
     absl::Time deadline = absl::InfinitePast();
+    uint64_t dispatched = 0;  // requests handed to OnRequest so far
+
+    Connection(Impl* impl, bufferevent* bev, FramingLimits limits)
+        : self(impl), events(bev), input(limits) {}
   };
-  absl::flat_hash_map<const evbuffer*, Arrival> arrivals;
+  absl::flat_hash_map<const bufferevent*, std::unique_ptr<Connection>> connections;
 
   // Connections at the descriptor limit (kMinFreeDescriptors). libevent 2.1 has no
   // evhttp_set_max_connections and says nothing when a connection closes, so the
@@ -223,57 +315,62 @@ struct HttpFrontend::Impl {
   }
 
   // evhttp_set_bevcb: the bufferevent of a new connection, as libevent makes it itself,
-  // with OnInput watching what arrives when requests have a deadline.
+  // with OnInput reading what arrives before libevent does.
   static bufferevent* NewConnection(event_base* base, void* arg) {
     auto* self = static_cast<Impl*>(arg);
     self->GuardDescriptors();
-    bufferevent* connection = bufferevent_socket_new(base, -1, 0);
-    if (connection == nullptr) return nullptr;
-    if (self->options.request_timeout > absl::ZeroDuration()) {
-      evbuffer* input = bufferevent_get_input(connection);
-      self->arrivals[input] = {connection, absl::InfinitePast()};
-      evbuffer_add_cb(input, &Impl::OnInput, self);
-    }
-    return connection;
+    bufferevent* events = bufferevent_socket_new(base, -1, 0);
+    if (events == nullptr) return nullptr;
+    auto connection = std::make_unique<Connection>(
+        self, events, FramingLimits{self->options.max_header_bytes, self->options.max_body_bytes});
+    evbuffer_add_cb(bufferevent_get_input(events), &Impl::OnInput, connection.get());
+    self->connections[events] = std::move(connection);
+    return events;
   }
-  // Called as bytes are added to a connection's input, before libevent parses them. A
+  // Called as bytes are added to a connection's input, inside the bufferevent's read and
+  // before libevent parses them (the bufferevent defers no callbacks). The bytes just read
+  // (the last info->n_added) are framed (docs/router.md, "Framing"): what RequestFraming
+  // passes goes back into the input for libevent, an unfinished head waits in `raw`, and a
+  // refused request leaves the head or the end of a body that makes libevent dispatch the
+  // request whose handler answers the refusal (OnRequest); nothing after it is read. And a
   // request past its deadline has its connection dropped as libevent's own read timeout
-  // drops it (no reply), deferred: this runs inside the bufferevent's read.
+  // drops it (no reply), deferred.
   static void OnInput(evbuffer* input, const evbuffer_cb_info* info, void* arg) {
-    if (info->n_added == 0) return;
-    auto* self = static_cast<Impl*>(arg);
-    auto it = self->arrivals.find(input);
-    if (it == self->arrivals.end()) return;
+    auto* c = static_cast<Connection*>(arg);
+    if (info->n_added == 0 || c->framing_now) return;  // a drain, or the framing's own moves
+    c->framing_now = true;
+    c->input.Frame(input, info->n_added);
+    c->framing_now = false;
+    Impl* self = c->self;
+    if (self->options.request_timeout <= absl::ZeroDuration()) return;
     const absl::Time now = MonotonicNow();
-    if (it->second.deadline == absl::InfinitePast()) {  // a request's first bytes
-      it->second.deadline = now + self->options.request_timeout;
+    if (c->deadline == absl::InfinitePast()) {  // a request's first bytes
+      c->deadline = now + self->options.request_timeout;
       return;
     }
-    if (now <= it->second.deadline) return;
-    it->second.deadline = absl::InfiniteFuture();  // dropped once
+    if (now <= c->deadline) return;
+    c->deadline = absl::InfiniteFuture();  // dropped once
     if (self->metrics != nullptr) self->metrics->CountSlowRequestDropped();
-    bufferevent_trigger_event(it->second.connection, BEV_EVENT_READING | BEV_EVENT_TIMEOUT,
+    bufferevent_trigger_event(c->events, BEV_EVENT_READING | BEV_EVENT_TIMEOUT,
                               BEV_TRIG_DEFER_CALLBACKS);
   }
-  evbuffer* InputOf(evhttp_request* request) {
+  Connection* ConnectionOf(evhttp_request* request) {
     evhttp_connection* connection = evhttp_request_get_connection(request);
     if (connection == nullptr) return nullptr;
-    bufferevent* events = evhttp_connection_get_bufferevent(connection);
-    return events == nullptr ? nullptr : bufferevent_get_input(events);
+    auto it = connections.find(evhttp_connection_get_bufferevent(connection));
+    return it == connections.end() ? nullptr : it->second.get();
   }
   // A request arrived whole: no deadline while it is answered; the next one on the
   // connection has its own from its first byte.
   void NoteArrived(evhttp_request* request) {
     if (options.request_timeout <= absl::ZeroDuration()) return;
-    if (auto it = arrivals.find(InputOf(request)); it != arrivals.end()) {
-      it->second.deadline = absl::InfiniteFuture();
-    }
+    if (Connection* c = ConnectionOf(request); c != nullptr) c->deadline = absl::InfiniteFuture();
     evhttp_request_set_on_complete_cb(request, &Impl::OnReplied, this);
   }
   static void OnReplied(evhttp_request* request, void* arg) {
     auto* self = static_cast<Impl*>(arg);
-    if (auto it = self->arrivals.find(self->InputOf(request)); it != self->arrivals.end()) {
-      it->second.deadline = absl::InfinitePast();
+    if (Connection* c = self->ConnectionOf(request); c != nullptr) {
+      c->deadline = absl::InfinitePast();
     }
   }
 
@@ -379,6 +476,14 @@ struct HttpFrontend::Impl {
   std::unique_ptr<RequestParser> parser;  // with `options`' limits and `tokenizer`
   std::string openapi;  // GET /openapi.json: OpenApiDocument(options)
 
+  // What a request's Host may name (HostRefusal; docs/router.md, "Browsers"): any host
+  // ("*" in allowed_hosts), any IP literal (listening on a wildcard address), these names
+  // (HostKey) and these addresses (AddressBytes).
+  bool any_host = false;
+  bool any_ip_literal = false;
+  std::vector<std::string> host_names;
+  std::vector<std::string> host_addresses;
+
   // A stream event's bytes are written here, then handed to libevent from `event_out`: one
   // buffer of each, reused, so an event costs no allocation of its own.
   std::string event_text;
@@ -403,14 +508,19 @@ struct HttpFrontend::Impl {
     evbuffer_add(out, body.data(), body.size());
     const char* reason = status == 200   ? "OK"
                          : status == 400 ? "Bad Request"
+                         : status == 403 ? "Forbidden"
                          : status == 404 ? "Not Found"
                          : status == 405 ? "Method Not Allowed"
                          : status == 413 ? "Payload Too Large"
+                         : status == 417 ? "Expectation Failed"
+                         : status == 415 ? "Unsupported Media Type"
                          : status == 422 ? "Unprocessable Entity"
                          : status == 429 ? "Too Many Requests"
+                         : status == 431 ? "Request Header Fields Too Large"
                          : status == 501 ? "Not Implemented"
                          : status == 500 ? "Internal Server Error"
                          : status == 503 ? "Service Unavailable"
+                         : status == 505 ? "HTTP Version Not Supported"
                                          : "Error";
     evhttp_send_reply(request, status, reason, out);
     evbuffer_free(out);
@@ -469,6 +579,21 @@ struct HttpFrontend::Impl {
     Start(request, ActiveOf(std::move(parsed)), std::move(prompt));
   }
 
+  // 422 when the prompt and every token it may generate need more blocks than the pool has
+  // in all, or more tokens than max_batch_total_tokens: the planner's rule for a request it
+  // rejects (StepPlanner::Plan), with the core's message (RouterCore's rejected requests).
+  std::optional<HttpError> NeverFits(size_t prompt_tokens, int64_t max_new_tokens) const {
+    const int64_t whole = static_cast<int64_t>(prompt_tokens) + max_new_tokens;
+    const bool over_pool =
+        options.num_blocks > 0 && options.block_size > 0 &&
+        (whole + options.block_size - 1) / options.block_size > options.num_blocks;
+    const bool over_batch =
+        options.max_batch_total_tokens > 0 && whole > options.max_batch_total_tokens;
+    if (!over_pool && !over_batch) return std::nullopt;
+    return HttpError{422, "the prompt and max_new_tokens need more KV cache than the pool holds",
+                     "validation"};
+  }
+
   // The checks every API shares; then the request is registered and handed to the core.
   void Start(evhttp_request* request, Active a, std::vector<int32_t> prompt) {
     const Api api = a.api;
@@ -488,6 +613,12 @@ struct HttpFrontend::Impl {
                                        options.max_total_tokens, ". Given: ", prompt.size(),
                                        " prompt tokens and ", a.params.max_new_tokens,
                                        " new tokens")});
+    }
+    // What the pool can never hold the planner rejects once queued (StepPlanner::Plan): known
+    // now, so refused now, with the status and body of any refusal, a stream's included
+    // (it was a 200 stream of one error event; docs/router.md, "Errors").
+    if (std::optional<HttpError> never = NeverFits(prompt.size(), a.params.max_new_tokens)) {
+      return refuse(*never);
     }
     if (static_cast<int32_t>(active.size()) >= options.max_concurrent_requests) {
       return refuse({429, "Model is overloaded", "overloaded"});
@@ -1110,76 +1241,118 @@ struct HttpFrontend::Impl {
     return path == "/v1" || path.starts_with("/v1/") ? Api::kOpenAi : Api::kTgi;
   }
 
-  // RFC 9112's framing rules that libevent 2.1 does not enforce (docs/router.md, "Framing"):
-  // why the request's framing is ambiguous, or nullopt. libevent takes the first of several
-  // Content-Lengths, a "+48" as 48 and a "-0" as 0, and a header name with a space before
-  // its colon as another header (so "Transfer-Encoding : chunked" left Content-Length to
-  // frame the body): a proxy in front that reads the other framing would see another
-  // request where libevent sees a body, or the reverse (request smuggling). Transfer-Encoding
-  // with Content-Length, twice, or other than "chunked", libevent 2.1.12 refuses itself
-  // (its HTML 400) before this runs; they are checked here all the same.
-  static std::optional<std::string> AmbiguousFraming(evhttp_request* request) {
+  // Why a request's Host is refused, or nullopt (docs/router.md, "Browsers"): a page the
+  // local user opens whose DNS name its owner rebinds to 127.0.0.1 reaches this port as its
+  // own origin, and reads every reply, with its own name as the Host. 400 for an HTTP/1.1
+  // request without Host, with several, or with one that is no host[:port] (RFC 9112); 403
+  // for a host this server does not answer to. An absolute URI's host is checked as well.
+  std::optional<HttpError> HostRefusal(evhttp_request* request) const {
     const evkeyvalq* headers = evhttp_request_get_input_headers(request);
-    const char* length = nullptr;
-    int encodings = 0;
+    std::vector<std::string> values;
     for (const evkeyval* h = headers->tqh_first; h != nullptr; h = h->next.tqe_next) {
-      if (!IsToken(h->key)) {
-        return "a header name must be a token, with no whitespace before its colon";
-      }
-      if (evutil_ascii_strcasecmp(h->key, "Content-Length") == 0) {
-        if (!IsDigits(h->value)) return "Content-Length must be digits";
-        if (length != nullptr && std::strcmp(length, h->value) != 0) {
-          return "the request has Content-Lengths that differ";
-        }
-        length = h->value;
-      } else if (evutil_ascii_strcasecmp(h->key, "Transfer-Encoding") == 0) {
-        if (++encodings > 1 || evutil_ascii_strcasecmp(h->value, "chunked") != 0) {
-          return "Transfer-Encoding must be one \"chunked\"";
-        }
+      if (evutil_ascii_strcasecmp(h->key, "Host") == 0) values.emplace_back(h->value);
+    }
+    if (values.size() > 1) return HttpError{400, "the request has more than one Host header"};
+    if (values.empty() && (request->major > 1 || (request->major == 1 && request->minor >= 1))) {
+      return HttpError{400, "an HTTP/1.1 request must have a Host header"};
+    }
+    if (const evhttp_uri* uri = evhttp_request_get_evhttp_uri(request); uri != nullptr) {
+      if (const char* host = evhttp_uri_get_host(uri); host != nullptr && *host != '\0') {
+        const std::string_view text = host;
+        values.push_back(text.find(':') != std::string_view::npos && text.front() != '['
+                             ? "[" + std::string(text) + "]"
+                             : std::string(text));
       }
     }
-    if (encodings > 0 && length != nullptr) {
-      return "the request has both Transfer-Encoding and Content-Length";
+    for (const std::string& value : values) {
+      const std::optional<std::string> host = HostOfField(value);
+      if (!host.has_value()) {
+        return HttpError{400, absl::StrCat("the Host `", Shortened(value),
+                                           "` is not a host name or IP literal, with or "
+                                           "without a port")};
+      }
+      if (!HostAllowed(*host)) {
+        return HttpError{403,
+                         absl::StrCat("this server does not answer to the Host `",
+                                      Shortened(*host),
+                                      "` (a web page may name any); name it in --allowed-hosts "
+                                      "to serve it"),
+                         "forbidden"};
+      }
     }
     return std::nullopt;
   }
-  // RFC 9110's token: a field name's characters.
-  static bool IsToken(const char* text) {
-    if (*text == '\0') return false;
-    for (; *text != '\0'; ++text) {
-      const auto c = static_cast<unsigned char>(*text);
-      if (!std::isalnum(c) && std::strchr("!#$%&'*+-.^_`|~", c) == nullptr) return false;
+  bool HostAllowed(const std::string& host) const {
+    if (any_host) return true;
+    const std::string address = AddressBytes(host);
+    if (!address.empty()) {
+      return any_ip_literal || std::find(host_addresses.begin(), host_addresses.end(),
+                                         address) != host_addresses.end();
     }
-    return true;
+    return std::find(host_names.begin(), host_names.end(), HostKey(host)) != host_names.end();
   }
-  static bool IsDigits(const char* text) {
-    if (*text == '\0') return false;
-    for (; *text != '\0'; ++text) {
-      if (*text < '0' || *text > '9') return false;
+  // The Host rules of `options` (host, allowed_hosts).
+  void SetHostRules() {
+    host_names = {"localhost"};
+    host_addresses = {AddressBytes("127.0.0.1"), AddressBytes("::1")};
+    const std::string listen = HostKey(options.host.starts_with('[') && options.host.ends_with(']')
+                                           ? options.host.substr(1, options.host.size() - 2)
+                                           : options.host);
+    const std::string listen_address = AddressBytes(listen);
+    // 0.0.0.0 or ::, every address of the machine: any of them may be the Host.
+    any_ip_literal = !listen_address.empty() &&
+                     listen_address.find_first_not_of('\0') == std::string::npos;
+    std::vector<std::string> hosts = options.allowed_hosts;
+    hosts.push_back(listen);
+    for (const std::string& host : hosts) {
+      const std::string address = AddressBytes(host);
+      if (host == "*") {
+        any_host = true;
+      } else if (address.empty()) {
+        host_names.push_back(HostKey(host));
+      } else {
+        host_addresses.push_back(address);
+      }
     }
-    return true;
+  }
+
+  // Why a POST's body is refused for its Content-Type, or nullopt: each Content-Type must be
+  // application/json, parameters (charset) allowed, the type in any case. A page of any
+  // origin may POST text/plain, a form or multipart to this port without asking first (a
+  // CORS "simple request"); application/json needs the browser's preflight, which this
+  // server never grants (docs/router.md, "Browsers").
+  static std::optional<HttpError> ContentTypeRefusal(evhttp_request* request) {
+    const evkeyvalq* headers = evhttp_request_get_input_headers(request);
+    const char* declared = nullptr;
+    for (const evkeyval* h = headers->tqh_first; h != nullptr; h = h->next.tqe_next) {
+      if (evutil_ascii_strcasecmp(h->key, "Content-Type") != 0) continue;
+      declared = h->value;
+      absl::string_view media = h->value;
+      media = absl::StripAsciiWhitespace(media.substr(0, media.find(';')));
+      if (!absl::EqualsIgnoreCase(media, "application/json")) {
+        return HttpError{415, absl::StrCat("the body must be sent as Content-Type: "
+                                           "application/json, not `",
+                                           Shortened(h->value), "`")};
+      }
+    }
+    if (declared == nullptr) {
+      return HttpError{415, "the body must be sent as Content-Type: application/json (the "
+                            "request names no Content-Type)"};
+    }
+    return std::nullopt;
   }
 
   static void OnRequest(evhttp_request* request, void* arg) {
-    static_cast<Impl*>(arg)->NoteArrived(request);
-    // Framing that two readers may read two ways: 400 in the path's API's shape, before
-    // any handler, and the connection closed after the reply, so that nothing after it on
-    // the connection is read as a request.
-    if (std::optional<std::string> ambiguous = AmbiguousFraming(request)) {
-      evhttp_add_header(evhttp_request_get_output_headers(request), "Connection", "close");
-      return ReplyError(request, {400, absl::StrCat("ambiguous framing: ", *ambiguous),
-                                  "validation", "", ApiOfPath(PathOf(request))});
-    }
-    // libevent reads no body of a HEAD or TRACE request: one sent with a body would have it
-    // read as the next request on the connection (a request smuggled past the client's
-    // framing). Such a connection is closed once answered.
-    const evhttp_cmd_type command = evhttp_request_get_command(request);
-    if (command == EVHTTP_REQ_HEAD || command == EVHTTP_REQ_TRACE) {
-      const evkeyvalq* in = evhttp_request_get_input_headers(request);
-      const char* length = evhttp_find_header(in, "Content-Length");
-      if ((length != nullptr && std::strcmp(length, "0") != 0) ||
-          evhttp_find_header(in, "Transfer-Encoding") != nullptr) {
+    auto* self = static_cast<Impl*>(arg);
+    self->NoteArrived(request);
+    // A request refused by its framing (Connection::Frame): answered in its path's API's
+    // shape, before any handler, uncounted, and the connection closed after the reply.
+    if (Connection* c = self->ConnectionOf(request); c != nullptr) {
+      if (++c->dispatched == c->input.refused_request()) {
+        const FramingRefusal& refusal = *c->input.refusal();
         evhttp_add_header(evhttp_request_get_output_headers(request), "Connection", "close");
+        return ReplyError(request, {refusal.status, refusal.message, "validation", "",
+                                    ApiOfPath(refusal.path)});
       }
     }
     try {
@@ -1306,6 +1479,11 @@ bool HttpFrontend::Impl::Matches(std::string_view route, std::string_view path) 
 
 void HttpFrontend::Impl::Route(evhttp_request* request, Impl* self) {
   const std::string path = PathOf(request);
+  // Every route, /health and /metrics included: a rebound page must read none of them.
+  if (std::optional<HttpError> refused = self->HostRefusal(request)) {
+    refused->api = ApiOfPath(path);
+    return ReplyError(request, *refused);
+  }
   for (const RouteEntry& route : kRoutes) {
     if (!Matches(route.path, path)) continue;
     if (std::strcmp(MethodName(evhttp_request_get_command(request)), route.method) != 0) {
@@ -1313,6 +1491,13 @@ void HttpFrontend::Impl::Route(evhttp_request* request, Impl* self) {
       const HttpError error{405, absl::StrCat("use ", route.method), "validation", "",
                             route.api};
       return route.generation ? self->Refuse(request, error) : ReplyError(request, error);
+    }
+    if (std::strcmp(route.method, "POST") == 0) {
+      if (std::optional<HttpError> refused = ContentTypeRefusal(request)) {
+        refused->api = route.api;
+        return route.generation ? self->Refuse(request, *refused)
+                                : ReplyError(request, *refused);
+      }
     }
     return route.handle(self, request);
   }
@@ -1377,13 +1562,16 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(const Options&
   limits.eos_token = options.eos_token;
   impl.parser = std::make_unique<RequestParser>(std::move(limits), tokenizer);
   impl.openapi = OpenApiDocument(options);
+  impl.SetHostRules();
   impl.core = core;
   impl.metrics = metrics;
   impl.base = event_base_new();
   if (impl.base == nullptr) return absl::InternalError("event_base_new failed");
   impl.http = evhttp_new(impl.base);
   evhttp_set_max_body_size(impl.http, static_cast<ev_ssize_t>(options.max_body_bytes));
-  evhttp_set_max_headers_size(impl.http, static_cast<ev_ssize_t>(options.max_header_bytes));
+  // The framing (Connection::Frame) refuses heads and bodies over the limits first, in the
+  // route's shape; libevent's own limits stay as a backstop (its head count differs: 2x).
+  evhttp_set_max_headers_size(impl.http, static_cast<ev_ssize_t>(2 * options.max_header_bytes));
   evhttp_set_timeout(impl.http, options.timeout_seconds);
   evhttp_set_bevcb(impl.http, &Impl::NewConnection, &impl);
   // Every method reaches Route(), which answers one a route does not take with 405.

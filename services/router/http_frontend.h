@@ -25,9 +25,11 @@
 // request whose framing is ambiguous, 422 for invalid or unsupported parameters (never
 // ignored silently), 429 when max_concurrent_requests are in flight, 503 without an
 // executor, 404 for an unknown path, 405 for a known path asked with another method than
-// its route's; 413 for a body over the limit is libevent's own HTML page (docs/router.md,
-// "Errors"). A client that closes its connection has its request cancelled, streamed or not
-// (its sequences freed at the next step). When few file descriptors are left, new
+// its route's, 415 for a POST whose Content-Type is not application/json, 403 for a Host
+// that is not this server's (DNS rebinding; docs/router.md, "Browsers"); 413 for a body
+// over the limit is libevent's own HTML page (docs/router.md, "Errors"). A client that
+// closes its connection has its request cancelled, streamed or not (its sequences freed at
+// the next step). When few file descriptors are left, new
 // connections are closed as they arrive (docs/router.md, "Connections at the descriptor
 // limit").
 //
@@ -96,7 +98,16 @@ class HttpFrontend {
     int32_t max_batch_prefill_tokens = 0;
     // Serves /dashboard and /dashboard/state; null: they answer 404. Outlives the front end.
     Dashboard* dashboard = nullptr;
+    // Host names (or IP literals) a request's Host may name besides `host`, localhost,
+    // 127.0.0.1 and [::1] (with `host` a wildcard address, any IP literal); "*": any
+    // (ParseAllowedHosts; docs/router.md, "Browsers").
+    std::vector<std::string> allowed_hosts;
   };
+
+  // --allowed-hosts: comma-separated names or IP literals (an IPv6 one with or without
+  // brackets), no ports; "*" allows any Host. Lower-cased; INVALID_ARGUMENT naming the bad
+  // entry.
+  static absl::StatusOr<std::vector<std::string>> ParseAllowedHosts(std::string_view text);
 
   // Binds and starts serving on its own thread.
   // `metrics` may be null; it and the others outlive the front end.

@@ -49,6 +49,11 @@ ABSL_FLAG(std::string, executor_endpoint, "",
           "Where executors connect. Default: ipc://RUN_DIR/router-executors.sock.");
 ABSL_FLAG(std::string, hostname, "127.0.0.1", "The HTTP address to listen on.");
 ABSL_FLAG(int32_t, port, 3000, "The HTTP port (0: any free one, printed on the ready line).");
+ABSL_FLAG(std::string, allowed_hosts, "",
+          "Comma-separated host names (or IP literals) a request's Host header may name besides "
+          "--hostname, localhost, 127.0.0.1 and [::1] (any IP literal when --hostname is "
+          "0.0.0.0 or ::); others get 403, so a page rebound to this address by DNS cannot "
+          "read it. *: any. Default: none.");
 ABSL_FLAG(int32_t, max_concurrent_requests, 128,
           "Requests in flight at most; more get 429.");
 ABSL_FLAG(int32_t, max_input_tokens, 1024, "Prompt tokens per request at most.");
@@ -144,6 +149,9 @@ int Main(const std::vector<config::Setting>& settings) {
     return fail(absl::InvalidArgumentError(
         absl::StrCat("--max-top-n-tokens must be in [0, ", kMaxTopN, "]")));
   }
+  absl::StatusOr<std::vector<std::string>> allowed_hosts =
+      router::HttpFrontend::ParseAllowedHosts(absl::GetFlag(FLAGS_allowed_hosts));
+  if (!allowed_hosts.ok()) return fail(allowed_hosts.status());
   const std::string run_dir = std::string(absl::StripSuffix(
       absl::GetFlag(FLAGS_run_dir).empty() ? DefaultRunDirFromEnvironment()
                                            : absl::GetFlag(FLAGS_run_dir),
@@ -222,6 +230,7 @@ int Main(const std::vector<config::Setting>& settings) {
   router::HttpFrontend::Options http;
   http.host = absl::GetFlag(FLAGS_hostname);
   http.port = absl::GetFlag(FLAGS_port);
+  http.allowed_hosts = *std::move(allowed_hosts);
   http.max_concurrent_requests = absl::GetFlag(FLAGS_max_concurrent_requests);
   http.max_input_tokens = absl::GetFlag(FLAGS_max_input_tokens);
   if (absl::GetFlag(FLAGS_max_request_body_bytes) < 1024 ||

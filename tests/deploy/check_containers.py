@@ -185,6 +185,10 @@ def check_compose(checks: Checks, bin_dir: pathlib.Path) -> None:
         component = KVCM_BINARIES[argv[0]]
         checks.check(listed.get(target, {}).get("__kvcm_component") == component,
                      f"prometheus scrapes {name} at {target} as {component}")
+        if argv[0] == "kvcm-router":  # it answers 403 to a Host it does not know
+            allowed = argv[argv.index("--allowed-hosts") + 1] if "--allowed-hosts" in argv else ""
+            checks.check(name in [h.strip() for h in allowed.split(",")],
+                         f"{name}'s --allowed-hosts names {name}, the Host prometheus scrapes it by")
     checks.check(all(t.split(":")[0] in kvcm for t in listed), "every target is a kvcm service")
 
     # Grafana: monitoring/grafana/ as it is; the datasource differs only by its address.

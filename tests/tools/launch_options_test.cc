@@ -16,7 +16,7 @@ TEST(LaunchOptionsTest, RoutesEachFlagToTheProcessThatTakesIt) {
   absl::StatusOr<LaunchOptions> options = ParseLaunchOptions(
       {"--model", "/m", "--executors=3", "--num-blocks", "4096", "--port=8080",
        "--max_input_tokens", "512", "--threads", "4", "--router-arg=--max-running=8",
-       "--cache-manager-arg=--tcp-allow-remote"});
+       "--cache-manager-arg=--tcp-allow-remote", "--allowed-hosts", "kvcm.example,[::1]"});
   ASSERT_TRUE(options.ok()) << options.status();
   EXPECT_EQ(options->model, "/m");
   EXPECT_EQ(options->executors, 3);
@@ -24,7 +24,8 @@ TEST(LaunchOptionsTest, RoutesEachFlagToTheProcessThatTakesIt) {
   EXPECT_THAT(options->cache_manager_args,
               ElementsAre("--num-blocks=4096", "--tcp-allow-remote"));
   EXPECT_THAT(options->router_args,
-              ElementsAre("--port=8080", "--max-input-tokens=512", "--max-running=8"));
+              ElementsAre("--port=8080", "--max-input-tokens=512", "--max-running=8",
+                          "--allowed-hosts=kvcm.example,[::1]"));
   EXPECT_THAT(options->executor_args, ElementsAre("--threads=4"));
 }
 

@@ -23,7 +23,7 @@ struct Route {
 // Flags of the services that the launcher routes (each takes a value). The services' own
 // flags the launcher sets itself (--run-dir, --model, --model-config, --name,
 // --metrics-address, --router, --cache-manager) are not here: they are the launcher's.
-constexpr std::array<Route, 32> kRoutes = {{
+constexpr std::array<Route, 33> kRoutes = {{
     {"backend", Target::kCacheManager},
     {"cuda-device", Target::kCacheManager},
     {"block-size", Target::kCacheManager},
@@ -41,6 +41,7 @@ constexpr std::array<Route, 32> kRoutes = {{
     {"kv-events-topic", Target::kCacheManager},
     {"kv-events-buffer-steps", Target::kCacheManager},
     {"hostname", Target::kRouter},
+    {"allowed-hosts", Target::kRouter},
     {"port", Target::kRouter},
     {"max-concurrent-requests", Target::kRouter},
     {"max-input-tokens", Target::kRouter},

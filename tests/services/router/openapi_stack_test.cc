@@ -46,7 +46,8 @@ constexpr char kPython[] = KVCM_OPENAPI_PYTHON;
 const std::vector<std::string> kStates = {"free",   "in_use",      "cached",
                                           "pinned", "quarantined", "draining"};
 // 96 tokens: less than --max-total-tokens, so that a request the pool can never hold is
-// refused by the core (a 422, OpenAI's 400), as check_openapi.py checks.
+// refused before it is queued (a 422, OpenAI's 400), streamed or not, as check_openapi.py
+// checks.
 constexpr int32_t kNumBlocks = 24;
 
 using Counts = std::map<std::string, int64_t>;

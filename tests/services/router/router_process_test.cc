@@ -395,7 +395,7 @@ TEST_F(RouterProcessTest, AClientThatLeavesMidStreamHasItsBlocksFreed) {
   ASSERT_EQ(::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address)), 0);
   const std::string body = GenerateBody("a long story, please", 400);
   const std::string request =
-      absl::StrCat("POST /generate_stream HTTP/1.1\r\nHost: x\r\nContent-Type: "
+      absl::StrCat("POST /generate_stream HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
                    "application/json\r\nContent-Length: ",
                    body.size(), "\r\n\r\n", body);
   ASSERT_EQ(::send(fd, request.data(), request.size(), MSG_NOSIGNAL),

@@ -193,12 +193,13 @@ TEST_F(RouterSecurityTest, OversizedBodiesHeadersAndPromptsAreRefusedAndTheLedge
                          "application/json\r\nContent-Length: ",
                          body.size(), "\r\n\r\n", body));
   EXPECT_THAT(big_body, HasSubstr("HTTP/1.1 413")) << big_body.substr(0, 200);
-  // Headers over --max-request-header-bytes: refused before any handler runs (libevent 2.1
-  // answers 400 and closes the connection).
+  // Headers over --max-request-header-bytes: refused before any handler runs, 431 in the
+  // route's shape, and the connection closed.
   const std::string big_headers = Exchange(
       url_, absl::StrCat("GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: ",
                          std::string(4000, 'a'), "\r\n\r\n"));
-  EXPECT_THAT(big_headers, HasSubstr("HTTP/1.1 400")) << big_headers.substr(0, 200);
+  EXPECT_THAT(big_headers, HasSubstr("HTTP/1.1 431")) << big_headers.substr(0, 200);
+  EXPECT_THAT(big_headers, HasSubstr("--max-request-header-bytes")) << big_headers.substr(0, 200);
   // Just under both limits: answered.
   const std::string fits = Exchange(
       url_, absl::StrCat("GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
@@ -1115,7 +1116,8 @@ TEST_F(RouterSecurityTest, AmbiguousFramingIsRefusedWith400AndNothingAfterItIsRe
     std::string request;
     bool openai = false;  // the route's API, whose error shape the 400 has
   };
-  const std::string head = "POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\n";
+  const std::string head =
+      "POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n";
   const Case cases[] = {
       {"two Content-Lengths, the first the body's",
        absl::StrCat(head, "Content-Length: ", body.size(), "\r\nContent-Length: ",
@@ -1129,8 +1131,15 @@ TEST_F(RouterSecurityTest, AmbiguousFramingIsRefusedWith400AndNothingAfterItIsRe
       {"Content-Length: +N", absl::StrCat(head, "Content-Length: +", body.size(), "\r\n\r\n",
                                           body)},
       {"Content-Length: -0", absl::StrCat(head, "Content-Length: -0\r\n\r\n", smuggled)},
-      // (Transfer-Encoding with Content-Length, two of them, or one that is not exactly
-      // "chunked", libevent 2.1.12 refuses itself, with its HTML 400.)
+      {"Transfer-Encoding with Content-Length",
+       absl::StrCat(head, "Transfer-Encoding: chunked\r\nContent-Length: ", chunked.size(),
+                    "\r\n\r\n", chunked)},
+      {"Transfer-Encoding twice",
+       absl::StrCat(head, "Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n",
+                    chunked)},
+      {"a HEAD request with a body", absl::StrCat("HEAD /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                                  "Content-Length: ",
+                                                  smuggled.size(), "\r\n\r\n", smuggled)},
       {"a header name with a tab before its colon",
        absl::StrCat(head, "Content-Length\t: 5\r\nContent-Length: ", body.size(), "\r\n\r\n",
                     body)},
@@ -1171,25 +1180,79 @@ TEST_F(RouterSecurityTest, AmbiguousFramingIsRefusedWith400AndNothingAfterItIsRe
   ExpectWhole(Stats());
 }
 
-TEST_F(RouterSecurityTest, ABodyOverTheLimitGetsLibeventsHtml413OnBothApisAsDocumented) {
+// The JSON error of a raw reply in `api`'s shape: its message, or "" when it has none.
+std::string RawErrorMessage(const std::string& reply, bool openai) {
+  const size_t split = reply.find("\r\n\r\n");
+  if (split == std::string::npos) return "";
+  const json error = json::parse(reply.substr(split + 4), nullptr, false);
+  if (!error.is_object()) return "";
+  if (openai) {
+    return error.contains("error") && error["error"].is_object()
+               ? error["error"].value("message", "")
+               : "";
+  }
+  return error.value("error", "");
+}
+
+TEST_F(RouterSecurityTest, BodiesOverTheLimitAndMalformedChunksAreAnsweredInTheRoutesShape) {
   ASSERT_NO_FATAL_FAILURE(
       StartStack(/*num_blocks=*/64, /*executors=*/1, {"--max-request-body-bytes", "4096"}));
   const pid_t pid = router_->pid();
-  // Not a fix: libevent 2.1 answers a body over the limit itself, from its own request
-  // callback, before any function of the router's runs, so the 413 is its HTML page on both
-  // APIs, not their JSON (docs/router.md, "Errors", "The 413"). This keeps the document
-  // true: should libevent (or a later router) answer otherwise, the document changes with it.
+  // libevent 2.1 answered these itself, with its HTML page, before any function of the
+  // router's ran: a body over the limit 413, every malformed chunked body and even a legal
+  // chunk extension 413 "Request Entity Too Large". The router frames each request before
+  // libevent reads it (docs/router.md, "Framing") and answers in the route's API's shape.
+  struct Case {
+    std::string what;
+    std::string body_framing;  // the head's framing header and what follows the head
+    int status;
+    std::string message;
+  };
+  const std::string big = std::string(5000, 'x');
+  const Case cases[] = {
+      {"a Content-Length over the limit, headers only", "Content-Length: 4097\r\n\r\n", 413,
+       "--max-request-body-bytes"},
+      {"a Content-Length over the limit with its body",
+       absl::StrCat("Content-Length: ", big.size(), "\r\n\r\n", big), 413,
+       "--max-request-body-bytes"},
+      {"chunks over the limit",
+       absl::StrCat("Transfer-Encoding: chunked\r\n\r\n", absl::Hex(big.size()), "\r\n", big,
+                    "\r\n0\r\n\r\n"),
+       413, "--max-request-body-bytes"},
+      {"a chunk size that is not hexadecimal",
+       "Transfer-Encoding: chunked\r\n\r\nzz\r\nhello\r\n0\r\n\r\n", 400,
+       "malformed chunked body"},
+      {"chunk data without its CRLF",
+       "Transfer-Encoding: chunked\r\n\r\n5\r\nhelloXY0\r\n\r\n", 400,
+       "malformed chunked body"},
+  };
   for (const std::string path : {"/generate", "/v1/completions"}) {
-    SCOPED_TRACE(path);
-    // The headers alone: libevent answers at them, and the body is never sent.
-    const std::string reply = Exchange(
-        url_, absl::StrCat("POST ", path, " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: ",
-                           "application/json\r\nContent-Length: 4097\r\n\r\n"));
-    EXPECT_EQ(reply.rfind("HTTP/1.1 413", 0), 0u) << reply.substr(0, 300);
-    EXPECT_THAT(HeadOf(reply), HasSubstr("content-type: text/html")) << reply.substr(0, 300);
-    EXPECT_THAT(HeadOf(reply), HasSubstr("connection: close")) << reply.substr(0, 300);
-    ASSERT_TRUE(StillServing(url_, *router_, pid));
+    const bool openai = path != "/generate";
+    for (const Case& c : cases) {
+      SCOPED_TRACE(absl::StrCat(path, ": ", c.what));
+      const std::string reply = Exchange(
+          url_, absl::StrCat("POST ", path, " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: ",
+                             "application/json\r\n", c.body_framing));
+      EXPECT_EQ(reply.rfind(absl::StrCat("HTTP/1.1 ", c.status), 0), 0u) << reply.substr(0, 300);
+      EXPECT_THAT(HeadOf(reply), HasSubstr("content-type: application/json"))
+          << reply.substr(0, 300);
+      EXPECT_THAT(HeadOf(reply), HasSubstr("connection: close")) << reply.substr(0, 300);
+      EXPECT_THAT(RawErrorMessage(reply, openai), HasSubstr(c.message)) << reply.substr(0, 300);
+      ASSERT_TRUE(StillServing(url_, *router_, pid));
+    }
   }
+  // A chunk extension is legal (RFC 9112, 7.1.1): read and left out, and the request served.
+  const std::string body = GenerateBody("ext", 3);
+  const std::string extended = Exchange(
+      url_, absl::StrCat("POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                         "application/json\r\nConnection: close\r\nTransfer-Encoding: "
+                         "chunked\r\n\r\n",
+                         absl::Hex(body.size()), ";name=value\r\n", body, "\r\n0\r\n\r\n"));
+  ASSERT_EQ(extended.rfind("HTTP/1.1 200", 0), 0u) << extended.substr(0, 300);
+  EXPECT_EQ(TokenIds(extended.substr(extended.find("\r\n\r\n") + 4)), Reference("ext", 3));
+  const StatsSnapshot stats = Stats();
+  EXPECT_EQ(stats.in_use_blocks, 0);
+  ExpectWhole(stats);
 }
 
 TEST_F(RouterSecurityTest, NoReplyQuotesMoreThanAShortPrefixOfWhatTheClientSent) {
@@ -1314,8 +1377,9 @@ TEST_F(RouterSecurityTest, TheHttpPortListensOnLoopbackOnlyByDefault) {
   ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/64, /*executors=*/1));
   const std::string port = url_.substr(url_.rfind(':') + 1);
   ASSERT_EQ(url_, "http://127.0.0.1:" + port);
-  EXPECT_THAT(Exchange(url_, "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"),
-              HasSubstr("HTTP/1.1 200"));
+  EXPECT_THAT(
+      Exchange(url_, "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"),
+      HasSubstr("HTTP/1.1 200"));
   // The same port on the machine's other address refuses the connection.
   const std::string elsewhere = absl::StrCat("http://", other, ":", port);
   {
@@ -1335,6 +1399,345 @@ TEST_F(RouterSecurityTest, TheHttpPortListensOnLoopbackOnlyByDefault) {
     EXPECT_EQ(error, ECONNREFUSED);
     ::close(refused_fd);
   }
+}
+
+TEST_F(RouterSecurityTest, AStreamThePoolCanNeverHoldIsRefusedBeforeItStartsAsWhenUnstreamed) {
+  const std::string chat_template = dir_->path() + "/never-chat.jinja";
+  WriteChatTemplate(chat_template);
+  // 8 blocks of 4 tokens: 32 tokens in all, far under --max-total-tokens (2048).
+  ASSERT_NO_FATAL_FAILURE(
+      StartStack(/*num_blocks=*/8, /*executors=*/1, {"--chat-template", chat_template}));
+  const pid_t pid = router_->pid();
+  // A prompt plus max_new_tokens that the pool can never hold: unstreamed, 422 (OpenAI:
+  // 400); streamed, it was a 200 event stream of one error event (OpenAI's without
+  // "data: [DONE]"), though the refusal was known before the first byte. Now the same
+  // status and body as unstreamed, before the stream starts.
+  const json tgi = {{"inputs", "a"}, {"parameters", {{"max_new_tokens", 100}}}};
+  json tgi_stream = tgi;
+  tgi_stream["stream"] = true;
+  const json completion = {{"prompt", "a"}, {"max_tokens", 100}};
+  json completion_stream = completion;
+  completion_stream["stream"] = true;
+  const json chat = {{"messages", {{{"role", "user"}, {"content", "a"}}}}, {"max_tokens", 100}};
+  json chat_stream = chat;
+  chat_stream["stream"] = true;
+  struct Case {
+    std::string what;
+    std::string path;  // unstreamed
+    json unstreamed;
+    std::string stream_path;
+    json streamed;
+    int status;
+    bool openai;
+  };
+  const Case cases[] = {
+      {"/generate_stream", "/generate", tgi, "/generate_stream", tgi, 422, false},
+      {"/ with stream", "/", tgi, "/", tgi_stream, 422, false},
+      {"/v1/completions", "/v1/completions", completion, "/v1/completions", completion_stream,
+       400, true},
+      {"/v1/chat/completions", "/v1/chat/completions", chat, "/v1/chat/completions",
+       chat_stream, 400, true},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    absl::StatusOr<HttpResponse> unstreamed = HttpPost(url_ + c.path, c.unstreamed.dump());
+    ASSERT_TRUE(unstreamed.ok()) << unstreamed.status();
+    ASSERT_EQ(unstreamed->status, c.status) << unstreamed->body;
+    const json refusal = ErrorOf(*unstreamed);
+    ASSERT_TRUE(refusal.is_object()) << unstreamed->body;
+    const std::string message =
+        c.openai ? OpenAiErrorOf(*unstreamed).value("message", "") : refusal.value("error", "");
+    EXPECT_THAT(message, HasSubstr("more KV cache than the pool holds")) << unstreamed->body;
+    // Streamed, on a keep-alive connection: the same status and JSON body, no event.
+    const int fd = ConnectTo(url_);
+    ASSERT_GE(fd, 0);
+    absl::Cleanup close_fd = [fd] { ::close(fd); };
+    ASSERT_TRUE(SendAll(fd, RawPost(c.stream_path, c.streamed.dump())));
+    const std::string reply = ReadOneReply(fd);
+    EXPECT_EQ(reply.rfind(absl::StrCat("HTTP/1.1 ", c.status, " "), 0), 0u)
+        << reply.substr(0, 400);
+    EXPECT_THAT(HeadOf(reply), HasSubstr("content-type: application/json"))
+        << reply.substr(0, 400);
+    EXPECT_THAT(reply, Not(HasSubstr("data:"))) << reply.substr(0, 400);
+    const size_t split = reply.find("\r\n\r\n");
+    ASSERT_NE(split, std::string::npos) << reply;
+    EXPECT_EQ(json::parse(reply.substr(split + 4), nullptr, false), refusal)
+        << reply.substr(0, 400);
+    // The connection serves its next request.
+    ASSERT_TRUE(SendAll(fd, RawPost("/generate", GenerateBody("next", 2))));
+    const std::string next = ReadOneReply(fd);
+    EXPECT_EQ(next.rfind("HTTP/1.1 200", 0), 0u) << next.substr(0, 400);
+    ASSERT_TRUE(StillServing(url_, *router_, pid));
+  }
+  // A stream the pool holds is still a stream.
+  const std::string fits = Exchange(
+      url_, RawPost("/generate_stream", GenerateBody("fits", 3), "Connection: close\r\n"));
+  EXPECT_EQ(fits.rfind("HTTP/1.1 200", 0), 0u) << fits.substr(0, 400);
+  EXPECT_THAT(HeadOf(fits), HasSubstr("content-type: text/event-stream"));
+  ASSERT_TRUE(AwaitNoBlockInUse());
+  const StatsSnapshot stats = Stats();
+  EXPECT_EQ(stats.live_sequences, 0);
+  ExpectWhole(stats);
+}
+
+// A POST of `body` to `path` with `headers` (each line ending in "\r\n") and no others but
+// Host 127.0.0.1, its Content-Length and Connection: close.
+std::string PostWithHeaders(const std::string& path, const std::string& headers,
+                            const std::string& body) {
+  return absl::StrCat("POST ", path, " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n",
+                      headers, "Content-Length: ", body.size(), "\r\n\r\n", body);
+}
+
+// The status of a raw reply ("HTTP/1.1 NNN ..."); 0 when it is none.
+int StatusOf(const std::string& reply) {
+  int status = 0;
+  if (reply.rfind("HTTP/1.", 0) != 0 || reply.size() < 12 ||
+      !absl::SimpleAtoi(reply.substr(9, 3), &status)) {
+    return 0;
+  }
+  return status;
+}
+
+// The JSON body of a raw reply; null when it has none.
+json BodyOf(const std::string& reply) {
+  const size_t split = reply.find("\r\n\r\n");
+  if (split == std::string::npos) return nullptr;
+  const json body = json::parse(reply.substr(split + 4), nullptr, false);
+  return body.is_discarded() ? json(nullptr) : body;
+}
+
+// The message of an error body in either API's shape.
+std::string MessageOf(const json& body) {
+  if (!body.is_object() || !body.contains("error")) return "";
+  if (body["error"].is_object()) return body["error"].value("message", "");
+  return body["error"].is_string() ? body["error"].get<std::string>() : "";
+}
+
+TEST_F(RouterSecurityTest, APostThatIsNotApplicationJsonIsRefusedWith415AndGeneratesNothing) {
+  const std::string chat_template = dir_->path() + "/media-chat.jinja";
+  WriteChatTemplate(chat_template);
+  ASSERT_NO_FATAL_FAILURE(
+      StartStack(/*num_blocks=*/64, /*executors=*/1, {"--chat-template", chat_template}));
+  const pid_t pid = router_->pid();
+  // A page of any origin the local user opens may POST text/plain, a form or multipart to
+  // this port without the browser asking first (a CORS "simple request"): every POST route
+  // took such a body as JSON and generated. application/json needs the browser's preflight,
+  // which this server never grants.
+  struct Route {
+    std::string path;
+    json body;
+    bool openai;
+    bool generation;
+  };
+  const Route routes[] = {
+      {"/generate", {{"inputs", "a"}, {"parameters", {{"max_new_tokens", 2}}}}, false, true},
+      {"/generate_stream", {{"inputs", "a"}, {"parameters", {{"max_new_tokens", 2}}}}, false,
+       true},
+      {"/", {{"inputs", "a"}, {"parameters", {{"max_new_tokens", 2}}}}, false, true},
+      {"/tokenize", {{"inputs", "a"}}, false, false},
+      {"/v1/completions", {{"prompt", "a"}, {"max_tokens", 2}}, true, true},
+      {"/v1/chat/completions",
+       {{"messages", {{{"role", "user"}, {"content", "a"}}}}, {"max_tokens", 2}}, true, true},
+  };
+  const std::string refused[] = {
+      "Content-Type: text/plain\r\n",
+      "Content-Type: text/plain;charset=UTF-8\r\n",
+      "Content-Type: application/x-www-form-urlencoded\r\n",  // curl -d's
+      "Content-Type: multipart/form-data; boundary=x\r\n",
+      "Content-Type: application/jsonx\r\n",
+      "Content-Type: application/json\r\nContent-Type: text/plain\r\n",
+      "",  // none
+  };
+  auto requests = [&](const std::string& api, const std::string& outcome) {
+    return RouterMetric("kvcm_router_requests_total", {{"api", api}, {"outcome", outcome}});
+  };
+  const double generated_before = RouterMetric("kvcm_router_generated_tokens_total");
+  const double ok_before = requests("tgi", "ok") + requests("openai", "ok");
+  const double tgi_invalid_before = requests("tgi", "invalid");
+  const double openai_invalid_before = requests("openai", "invalid");
+  int tgi_refused = 0;
+  int openai_refused = 0;
+  for (const Route& route : routes) {
+    for (const std::string& headers : refused) {
+      SCOPED_TRACE(route.path + " with " + (headers.empty() ? "no Content-Type" : headers));
+      const std::string reply =
+          Exchange(url_, PostWithHeaders(route.path, headers, route.body.dump()));
+      EXPECT_EQ(StatusOf(reply), 415) << reply.substr(0, 400);
+      const json body = BodyOf(reply);
+      EXPECT_THAT(MessageOf(body), HasSubstr("application/json")) << reply.substr(0, 400);
+      if (route.openai) {
+        ASSERT_TRUE(body.contains("error") && body["error"].is_object()) << reply.substr(0, 400);
+        EXPECT_EQ(body["error"].value("type", ""), "invalid_request_error");
+        EXPECT_TRUE(body["error"].contains("param") && body["error"].contains("code"));
+      } else {
+        ASSERT_TRUE(body.is_object()) << reply.substr(0, 400);
+        EXPECT_EQ(body.value("error_type", ""), "validation") << reply.substr(0, 400);
+      }
+      if (route.generation) ++(route.openai ? openai_refused : tgi_refused);
+    }
+    ASSERT_TRUE(StillServing(url_, *router_, pid));
+  }
+  // Nothing was generated, each refusal of a generation route counted as invalid.
+  EXPECT_EQ(RouterMetric("kvcm_router_generated_tokens_total"), generated_before);
+  EXPECT_EQ(requests("tgi", "ok") + requests("openai", "ok"), ok_before);
+  EXPECT_EQ(requests("tgi", "invalid"), tgi_invalid_before + tgi_refused);
+  EXPECT_EQ(requests("openai", "invalid"), openai_invalid_before + openai_refused);
+  EXPECT_EQ(Stats().live_sequences, 0);
+  // application/json is served, with parameters and in any case.
+  for (const std::string& headers :
+       {std::string("Content-Type: application/json\r\n"),
+        std::string("Content-Type: Application/JSON; charset=utf-8\r\n")}) {
+    SCOPED_TRACE(headers);
+    const std::string reply =
+        Exchange(url_, PostWithHeaders("/generate", headers, GenerateBody("json", 3)));
+    ASSERT_EQ(StatusOf(reply), 200) << reply.substr(0, 400);
+    EXPECT_EQ(TokenIds(BodyOf(reply).dump()), Reference("json", 3));
+    const std::string openai = Exchange(
+        url_, PostWithHeaders("/v1/completions", headers,
+                              json{{"prompt", "a"}, {"max_tokens", 2}}.dump()));
+    EXPECT_EQ(StatusOf(openai), 200) << openai.substr(0, 400);
+  }
+  ASSERT_TRUE(AwaitNoBlockInUse());
+  ExpectWhole(Stats());
+}
+
+// A request of `method` to `path` whose headers (each line ending in "\r\n") are
+// `host_lines` and no others but Connection: close and, for a POST, application/json's
+// Content-Type and its Content-Length.
+std::string RequestWithHost(const std::string& method, const std::string& path,
+                            const std::string& host_lines, const std::string& body = "",
+                            const std::string& version = "HTTP/1.1") {
+  std::string request =
+      absl::StrCat(method, " ", path, " ", version, "\r\n", host_lines, "Connection: close\r\n");
+  if (method == "POST") {
+    absl::StrAppend(&request, "Content-Type: application/json\r\nContent-Length: ", body.size(),
+                    "\r\n");
+  }
+  return absl::StrCat(request, "\r\n", body);
+}
+
+TEST_F(RouterSecurityTest, ARequestForAnotherHostIsRefusedWith403SoARebindingPageReadsNothing) {
+  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/64, /*executors=*/1));
+  const pid_t pid = router_->pid();
+  const std::string port = url_.substr(url_.rfind(':') + 1);
+  // A page of evil.example whose DNS name its owner rebinds to 127.0.0.1 reaches this port
+  // as its own origin and reads every reply, its Host "evil.example:PORT": any Host was
+  // served, /info, the dashboard's state and generations included.
+  const std::string completion = json{{"prompt", "a"}, {"max_tokens", 2}}.dump();
+  struct Ask {
+    std::string method;
+    std::string path;
+    std::string body;
+    bool openai;
+  };
+  const Ask asks[] = {
+      {"GET", "/info", "", false},
+      {"GET", "/dashboard/state", "", false},
+      {"GET", "/dashboard", "", false},
+      {"GET", "/health", "", false},
+      {"GET", "/metrics", "", false},
+      {"GET", "/openapi.json", "", false},
+      {"GET", "/v1/models", "", true},
+      {"POST", "/generate", GenerateBody("rebound", 3), false},
+      {"POST", "/generate_stream", GenerateBody("rebound", 3), false},
+      {"POST", "/tokenize", json{{"inputs", "a"}}.dump(), false},
+      {"POST", "/v1/completions", completion, true},
+  };
+  const double generated_before = RouterMetric("kvcm_router_generated_tokens_total");
+  const std::string foreign[] = {
+      absl::StrCat("Host: evil.example:", port, "\r\n"),
+      "Host: evil.example\r\n",
+      absl::StrCat("Host: EVIL.example:", port, "\r\n"),
+      absl::StrCat("Host: localhost.evil.example:", port, "\r\n"),
+      absl::StrCat("Host: 127.0.0.1.evil.example:", port, "\r\n"),
+      // An IP literal other than the listen address's (127.0.0.1) and loopback's.
+      absl::StrCat("Host: 10.1.2.3:", port, "\r\n"),
+  };
+  for (const std::string& host : foreign) {
+    for (const Ask& ask : asks) {
+      SCOPED_TRACE(ask.method + " " + ask.path + " " + host);
+      const std::string reply =
+          Exchange(url_, RequestWithHost(ask.method, ask.path, host, ask.body));
+      ASSERT_EQ(StatusOf(reply), 403) << reply.substr(0, 400);
+      const json body = BodyOf(reply);
+      EXPECT_THAT(MessageOf(body), HasSubstr("--allowed-hosts")) << reply.substr(0, 400);
+      if (ask.openai) {
+        EXPECT_TRUE(body.contains("error") && body["error"].is_object()) << reply.substr(0, 400);
+      } else {
+        EXPECT_TRUE(body.contains("error_type")) << reply.substr(0, 400);
+      }
+    }
+  }
+  EXPECT_EQ(RouterMetric("kvcm_router_generated_tokens_total"), generated_before);
+  EXPECT_EQ(Stats().live_sequences, 0);
+  // An absolute request target names the host that counts (RFC 9112), whatever Host says:
+  // refused (403 by its host, or 400 by the framing, which takes only a path).
+  const std::string absolute =
+      Exchange(url_, RequestWithHost("GET", absl::StrCat("http://evil.example:", port, "/info"),
+                                     absl::StrCat("Host: 127.0.0.1:", port, "\r\n")));
+  EXPECT_TRUE(StatusOf(absolute) == 403 || StatusOf(absolute) == 400) << absolute.substr(0, 400);
+  // RFC 9112: an HTTP/1.1 request without Host, with two, or with one that is no
+  // host[:port], is a 400.
+  for (const std::string& host :
+       {std::string(""), absl::StrCat("Host: 127.0.0.1:", port, "\r\nHost: evil.example\r\n"),
+        std::string("Host: evil example\r\n"), std::string("Host: [::1\r\n"),
+        std::string("Host: 127.0.0.1:80x\r\n")}) {
+    SCOPED_TRACE(host);
+    const std::string reply = Exchange(url_, RequestWithHost("GET", "/info", host));
+    EXPECT_EQ(StatusOf(reply), 400) << reply.substr(0, 400);
+    EXPECT_TRUE(BodyOf(reply).contains("error_type")) << reply.substr(0, 400);
+  }
+  // This server's own names are served, with or without a port; so is HTTP/1.0 without Host.
+  for (const std::string& host :
+       {absl::StrCat("Host: 127.0.0.1:", port, "\r\n"), std::string("Host: 127.0.0.1\r\n"),
+        absl::StrCat("Host: localhost:", port, "\r\n"),
+        absl::StrCat("Host: LocalHost.:", port, "\r\n"),
+        absl::StrCat("Host: [::1]:", port, "\r\n")}) {
+    SCOPED_TRACE(host);
+    const std::string info = Exchange(url_, RequestWithHost("GET", "/info", host));
+    EXPECT_EQ(StatusOf(info), 200) << info.substr(0, 400);
+    const std::string state = Exchange(url_, RequestWithHost("GET", "/dashboard/state", host));
+    EXPECT_EQ(StatusOf(state), 200) << state.substr(0, 400);
+    const std::string generated =
+        Exchange(url_, RequestWithHost("POST", "/generate", host, GenerateBody("mine", 3)));
+    ASSERT_EQ(StatusOf(generated), 200) << generated.substr(0, 400);
+    EXPECT_EQ(TokenIds(BodyOf(generated).dump()), Reference("mine", 3));
+  }
+  const std::string old_client =
+      Exchange(url_, RequestWithHost("GET", "/info", "", "", "HTTP/1.0"));
+  EXPECT_EQ(StatusOf(old_client), 200) << old_client.substr(0, 400);
+  ASSERT_TRUE(StillServing(url_, *router_, pid));
+  ASSERT_TRUE(AwaitNoBlockInUse());
+  ExpectWhole(Stats());
+}
+
+TEST_F(RouterSecurityTest, AllowedHostsAdmitsTheNamesItListsAndAWildcardAddressAnyIpLiteral) {
+  // Listening on every address (0.0.0.0): the Host may be any IP literal of the machine;
+  // a name must still be localhost or one of --allowed-hosts (which any page could not be).
+  ASSERT_NO_FATAL_FAILURE(StartStack(
+      /*num_blocks=*/64, /*executors=*/1,
+      {"--hostname", "0.0.0.0", "--allowed-hosts", "evil.example, Other.Example."}));
+  const pid_t pid = router_->pid();
+  const std::string port = url_.substr(url_.rfind(':') + 1);
+  for (const std::string& host :
+       {absl::StrCat("Host: evil.example:", port, "\r\n"), std::string("Host: other.example\r\n"),
+        absl::StrCat("Host: localhost:", port, "\r\n"),
+        absl::StrCat("Host: 10.1.2.3:", port, "\r\n"), std::string("Host: [fe80::1]\r\n")}) {
+    SCOPED_TRACE(host);
+    const std::string info = Exchange(url_, RequestWithHost("GET", "/info", host));
+    EXPECT_EQ(StatusOf(info), 200) << info.substr(0, 400);
+    const std::string generated =
+        Exchange(url_, RequestWithHost("POST", "/generate", host, GenerateBody("allowed", 3)));
+    ASSERT_EQ(StatusOf(generated), 200) << generated.substr(0, 400);
+    EXPECT_EQ(TokenIds(BodyOf(generated).dump()), Reference("allowed", 3));
+  }
+  // A name not listed is refused still.
+  const std::string other = Exchange(
+      url_, RequestWithHost("GET", "/info", absl::StrCat("Host: third.example:", port, "\r\n")));
+  EXPECT_EQ(StatusOf(other), 403) << other.substr(0, 400);
+  ASSERT_TRUE(StillServing(url_, *router_, pid));
+  ASSERT_TRUE(AwaitNoBlockInUse());
+  ExpectWhole(Stats());
 }
 
 }  // namespace
