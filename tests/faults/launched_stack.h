@@ -155,6 +155,7 @@ class LaunchedStackTest : public ::testing::Test {
                     "--restart-backoff-ms", "100",
                     "--prometheus-targets", targets_file_};
     options.argv.insert(options.argv.end(), extra.begin(), extra.end());
+    options.argv.insert(options.argv.begin(), launch_wrapper_.begin(), launch_wrapper_.end());
     options.output_path = dir_->path() + "/launch.log";
     options.env = {"TMPDIR=" + dir_->path()};
     absl::StatusOr<std::unique_ptr<testing::Subprocess>> started =
@@ -323,6 +324,9 @@ class LaunchedStackTest : public ::testing::Test {
   // Reference() of the load's prompts, computed before the load starts and read-only after.
   std::map<std::pair<std::string, int32_t>, std::vector<int32_t>> references_;
   std::unique_ptr<testing::Subprocess> launch_;
+  // Set before Launch: a command kvcm-launch runs under, which execs it in its own process
+  // (e.g. {"prlimit", "--nofile=512:512", "--"}: every process of the stack inherits it).
+  std::vector<std::string> launch_wrapper_;
   std::string url_;
   std::string run_dir_;
   std::string targets_file_;
