@@ -241,7 +241,8 @@ FramingStep RequestFraming::Head(std::string_view window) {
   }
   const std::optional<bool> may_have_body = MayHaveBody(method);
   if (!may_have_body.has_value()) {
-    return Refuse(501, absl::StrCat("method ", std::string(method.substr(0, 32)), " is not implemented"));
+    return Refuse(501,
+                  absl::StrCat("method ", std::string(method.substr(0, 32)), " is not implemented"));
   }
 
   // The header lines: name ":" OWS value OWS. RFC 9112 wants 400 for a name with whitespace

@@ -745,8 +745,9 @@ struct HttpFrontend::Impl {
       const std::string text = TokenText(id);
       json bytes = json::array();
       for (unsigned char b : text) bytes.push_back(b);
-      return json(
-          {{"token", OpenAiTokenText(id, text)}, {"logprob", Logprob(logprob)}, {"bytes", bytes}});
+      return json({{"token", OpenAiTokenText(id, text)},
+                   {"logprob", NumberLogprob(logprob)},
+                   {"bytes", bytes}});
     };
     json content = json::array();
     for (size_t i = from; i < to && i < c.generated.size(); ++i) {
@@ -793,6 +794,12 @@ struct HttpFrontend::Impl {
   // -inf reads as kMinLogprob, the number the OpenAPI document promises).
   static json Logprob(float value) {
     return std::isnan(value) ? json(nullptr) : json(ShownLogprob(value));
+  }
+  // One where the OpenAPI document types a number, never null: chat's logprob and
+  // top_logprobs, completions' top_logprobs maps. A NaN (an executor that sent one; kvcm's
+  // sampler reads a NaN logit as -inf) is written as -inf is, kMinLogprob.
+  static json NumberLogprob(float value) {
+    return ShownLogprob(std::isnan(value) ? -std::numeric_limits<float>::infinity() : value);
   }
 
   // TGI's token object; `logprob` null when it was not asked for.
@@ -856,14 +863,15 @@ struct HttpFrontend::Impl {
         add(a.prompt[i], logprob,
             std::isnan(logprob)
                 ? json(nullptr)
-                : json({{OpenAiTokenText(a.prompt[i], TokenText(a.prompt[i])), Logprob(logprob)}}));
+                : json({{OpenAiTokenText(a.prompt[i], TokenText(a.prompt[i])),
+                         NumberLogprob(logprob)}}));
       }
     }
     for (size_t i = from; i < to && i < c.generated.size(); ++i) {
       json alternatives = json::object();
       if (i < c.top.size()) {
         for (const auto& [id, logprob] : c.top[i]) {
-          alternatives[OpenAiTokenText(id, TokenText(id))] = Logprob(logprob);
+          alternatives[OpenAiTokenText(id, TokenText(id))] = NumberLogprob(logprob);
         }
       }
       add(c.generated[i], i < c.logprobs.size() ? c.logprobs[i] : 0.0f, alternatives);
