@@ -10,6 +10,7 @@
 #include "absl/flags/commandlineflag.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/reflection.h"
+#include "absl/flags/usage.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -17,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "common/base/command_line.h"
+#include "common/base/log.h"
 #include "prometheus/gauge.h"
 #include "prometheus/registry.h"
 #include "yaml-cpp/yaml.h"
@@ -353,6 +355,22 @@ void ExportInfoMetric(prometheus::Registry& registry, const std::string& metric_
                            "none).")
                      .Register(registry);
   family.Add(labels).Set(1);
+}
+
+int RunMain(int argc, char** argv, const MainSpec& spec) {
+  absl::SetProgramUsageMessage(spec.usage);
+  ParseDashedCommandLine(argc, argv);
+  // Environment and --config for the flags not on the command line.
+  absl::StatusOr<std::vector<Setting>> settings = ApplyToFlags(spec.section, spec.defining_file);
+  if (!settings.ok()) {
+    LogLine(spec.binary, absl::StrCat("error: ", settings.status().message()));
+    return 1;
+  }
+  if (PrintConfigRequested()) {
+    std::fputs(PrintableConfig(spec.section, *settings).c_str(), stdout);
+    return 0;
+  }
+  return spec.run(*settings);
 }
 
 }  // namespace kvcm::config

@@ -111,6 +111,22 @@ absl::StatusOr<std::vector<Setting>> ApplyToFlags(std::string_view section,
 // Whether --print-config was given: print PrintableConfig() on stdout and exit 0.
 bool PrintConfigRequested();
 
+// What a service's main() runs: its binary's name (for its log line), its section, its
+// usage message, the file defining its flags (main.cc's __FILE__) and its own Main.
+struct MainSpec {
+  std::string_view binary;   // "kvcm-router"
+  std::string_view section;  // "router"
+  const char* usage;
+  std::string_view defining_file;
+  int (*run)(const std::vector<Setting>& settings);
+};
+
+// The body of every service's main(): parses the dashed command line, applies --config and
+// the environment (ApplyToFlags), prints the configuration for --print-config (0), else
+// runs spec.run with the settings; 1 with the error on a line of its own if they do not
+// resolve.
+int RunMain(int argc, char** argv, const MainSpec& spec);
+
 // Whether an option's value is a secret, never logged or exported: its name contains
 // "secret" and does not end in "_file" or "_path" (a path to a secret is shown). No option
 // holds a secret itself today; this keeps one from leaking when one does.

@@ -426,20 +426,14 @@ int Main(const std::vector<config::Setting>& settings) {
 }  // namespace kvcm
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "owns the KV block pool and serves it to routers and executors.\n"
-      "  kvcm-cache-manager --layers 32 --kv-heads 8 --head-dim 128 --num-blocks 4096\n"
-      "  kvcm-cache-manager --model-config config.json --memory-fraction 0.9");
-  kvcm::ParseDashedCommandLine(argc, argv);
-  // Environment and --config for the flags not on the command line (common/config/config.h).
-  auto settings = kvcm::config::ApplyToFlags("cache_manager", __FILE__);
-  if (!settings.ok()) {
-    kvcm::LogLine("kvcm-cache-manager", absl::StrCat("error: ", settings.status().message()));
-    return 1;
-  }
-  if (kvcm::config::PrintConfigRequested()) {
-    std::fputs(kvcm::config::PrintableConfig("cache_manager", *settings).c_str(), stdout);
-    return 0;
-  }
-  return kvcm::Main(*settings);
+  return kvcm::config::RunMain(
+      argc, argv,
+      {.binary = "kvcm-cache-manager",
+       .section = "cache_manager",
+       .usage =
+           "owns the KV block pool and serves it to routers and executors.\n"
+           "  kvcm-cache-manager --layers 32 --kv-heads 8 --head-dim 128 --num-blocks 4096\n"
+           "  kvcm-cache-manager --model-config config.json --memory-fraction 0.9",
+       .defining_file = __FILE__,
+       .run = &kvcm::Main});
 }

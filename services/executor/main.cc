@@ -222,19 +222,13 @@ int Main(const std::vector<config::Setting>& settings) {
 }  // namespace kvcm
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "runs a Llama model on the cache manager's KV pool for a router.\n"
-      "  kvcm-executor --model DIR --run-dir RUN_DIR --router ipc://RUN_DIR/router-executors.sock");
-  kvcm::ParseDashedCommandLine(argc, argv);
-  // Environment and --config for the flags not on the command line (common/config/config.h).
-  auto settings = kvcm::config::ApplyToFlags("executor", __FILE__);
-  if (!settings.ok()) {
-    kvcm::LogLine("kvcm-executor", absl::StrCat("error: ", settings.status().message()));
-    return 1;
-  }
-  if (kvcm::config::PrintConfigRequested()) {
-    std::fputs(kvcm::config::PrintableConfig("executor", *settings).c_str(), stdout);
-    return 0;
-  }
-  return kvcm::Main(*settings);
+  return kvcm::config::RunMain(
+      argc, argv,
+      {.binary = "kvcm-executor",
+       .section = "executor",
+       .usage =
+           "runs a Llama model on the cache manager's KV pool for a router.\n"
+           "  kvcm-executor --model DIR --run-dir RUN_DIR --router ipc://RUN_DIR/router-executors.sock",
+       .defining_file = __FILE__,
+       .run = &kvcm::Main});
 }

@@ -284,19 +284,13 @@ int Main(const std::vector<config::Setting>& settings) {
 }  // namespace kvcm
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "serves a model over HTTP (TGI's API) with kvcm's cache manager and executors.\n"
-      "  kvcm-router --model DIR --run-dir RUN_DIR --port 3000");
-  kvcm::ParseDashedCommandLine(argc, argv);
-  // Environment and --config for the flags not on the command line (common/config/config.h).
-  auto settings = kvcm::config::ApplyToFlags("router", __FILE__);
-  if (!settings.ok()) {
-    kvcm::LogLine("kvcm-router", absl::StrCat("error: ", settings.status().message()));
-    return 1;
-  }
-  if (kvcm::config::PrintConfigRequested()) {
-    std::fputs(kvcm::config::PrintableConfig("router", *settings).c_str(), stdout);
-    return 0;
-  }
-  return kvcm::Main(*settings);
+  return kvcm::config::RunMain(
+      argc, argv,
+      {.binary = "kvcm-router",
+       .section = "router",
+       .usage =
+           "serves a model over HTTP (TGI's API) with kvcm's cache manager and executors.\n"
+           "  kvcm-router --model DIR --run-dir RUN_DIR --port 3000",
+       .defining_file = __FILE__,
+       .run = &kvcm::Main});
 }
