@@ -10,7 +10,9 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "common/base/check.h"
 #include "common/base/monotonic_clock.h"
 
 namespace kvcm {
@@ -24,7 +26,22 @@ absl::Status EventLoop::Init() {
   return absl::OkStatus();
 }
 
+void EventLoop::CheckLoopThread(const char* call) const {
+  const std::thread::id running = running_on_.load();
+  KVCM_CHECK(running == std::thread::id() || running == std::this_thread::get_id())
+      << "EventLoop::" << call << " called from a thread other than the one running the loop";
+}
+
+bool EventLoop::Bind() {
+  std::thread::id expected;
+  if (running_on_.compare_exchange_strong(expected, std::this_thread::get_id())) return true;
+  KVCM_CHECK(expected == std::this_thread::get_id())
+      << "EventLoop run on a second thread while another runs it";
+  return false;
+}
+
 EventLoop::Id EventLoop::AddWatch(void* socket, int fd, std::function<void()> on_readable) {
+  CheckLoopThread("Watch");
   auto watch = std::make_unique<Watch>();
   watch->id = next_id_++;
   watch->socket = socket;
@@ -55,6 +72,7 @@ EventLoop::Id EventLoop::WatchSignals(int signal_fd, std::function<void(int)> on
 
 EventLoop::Id EventLoop::AddTimer(absl::Duration period,
                                   std::function<void(absl::Duration)> on_due) {
+  CheckLoopThread("AddTimer");
   auto timer = std::make_unique<Timer>();
   timer->id = next_id_++;
   timer->period = period;
@@ -66,6 +84,7 @@ EventLoop::Id EventLoop::AddTimer(absl::Duration period,
 }
 
 void EventLoop::Cancel(Id id) {
+  CheckLoopThread("Cancel");
   for (auto& watch : watches_) {
     if (watch->id == id && !watch->cancelled) {
       watch->cancelled = true;
@@ -121,6 +140,10 @@ void EventLoop::RunPosted() {
 }
 
 absl::Status EventLoop::Run() {
+  const bool bound = Bind();
+  absl::Cleanup unbind = [this, bound] {
+    if (bound) Unbind();
+  };
   stopped_ = false;
   while (!stopped_) {
     if (absl::Status turn = RunOnce(absl::InfiniteDuration()); !turn.ok()) return turn;
@@ -129,6 +152,10 @@ absl::Status EventLoop::Run() {
 }
 
 absl::Status EventLoop::RunOnce(absl::Duration max_wait) {
+  const bool bound = Bind();
+  absl::Cleanup unbind = [this, bound] {
+    if (bound) Unbind();
+  };
   if (!wake_fd_.valid()) {
     if (absl::Status init = Init(); !init.ok()) return init;
   }

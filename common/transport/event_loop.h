@@ -20,11 +20,17 @@
 // leaves input unread is called again at the next turn.
 //
 // Thread safety: everything but Post() and Wake() must be called on the thread that runs
-// the loop; those two may be called from any thread.
+// the loop; those two may be called from any thread. While Run() or RunOnce() runs, a
+// loop-only call from another thread is a KVCM_CHECK failure naming the call (as Envoy's
+// dispatcher asserts isThreadSafe()), and so is running the loop on two threads at once;
+// before the loop runs and after it returns, its owner may set it up or tear it down from
+// any one thread.
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -67,8 +73,14 @@ class EventLoop {
   // earlier handler of the same turn). Unknown ids are ignored.
   void Cancel(Id id);
 
-  void SetBeforePoll(std::function<void()> hook) { before_poll_ = std::move(hook); }
-  void SetAfterTurn(std::function<void()> hook) { after_turn_ = std::move(hook); }
+  void SetBeforePoll(std::function<void()> hook) {
+    CheckLoopThread("SetBeforePoll");
+    before_poll_ = std::move(hook);
+  }
+  void SetAfterTurn(std::function<void()> hook) {
+    CheckLoopThread("SetAfterTurn");
+    after_turn_ = std::move(hook);
+  }
 
   // Runs `task` on the loop's thread in its next turn, and wakes the loop. Thread-safe.
   void Post(std::function<void()> task);
@@ -81,7 +93,10 @@ class EventLoop {
   // One turn, waiting at most `max_wait` (and at most Options::max_wait).
   absl::Status RunOnce(absl::Duration max_wait);
   // Run() returns at the end of the current turn.
-  void Stop() { stopped_ = true; }
+  void Stop() {
+    CheckLoopThread("Stop");
+    stopped_ = true;
+  }
   bool stopped() const { return stopped_; }
 
  private:
@@ -100,6 +115,13 @@ class EventLoop {
     bool cancelled = false;
   };
 
+  // A loop-only call: KVCM_CHECK that no other thread is running the loop.
+  void CheckLoopThread(const char* call) const;
+  // Binds the loop to the calling thread for a Run() or RunOnce(); true if this call bound
+  // it (the outermost), which then unbinds it with Unbind().
+  bool Bind();
+  void Unbind() { running_on_.store(std::thread::id()); }
+
   Id AddWatch(void* socket, int fd, std::function<void()> on_readable);
   void Compact();
   void RunPosted();
@@ -116,6 +138,8 @@ class EventLoop {
   std::function<void()> before_poll_;
   std::function<void()> after_turn_;
   bool stopped_ = false;
+  // The thread running the loop while Run() or RunOnce() runs; none otherwise.
+  std::atomic<std::thread::id> running_on_{};
 
   Mutex posted_mutex_;
   std::vector<std::function<void()>> posted_ ABSL_GUARDED_BY(posted_mutex_);

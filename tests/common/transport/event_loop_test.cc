@@ -173,5 +173,40 @@ TEST(EventLoopTest, SignalsArriveThroughTheSignalfdAndStopEndsTheTurn) {
   EXPECT_TRUE(after_turn);  // the turn that stopped still finished
 }
 
+// A loop set up on one thread, run on another and torn down on the first: the owner hands
+// it over whole, which the thread check allows.
+TEST(EventLoopTest, SetUpOnOneThreadRunOnAnotherAndCancelledAfterOnTheFirst) {
+  EventLoop loop;
+  ASSERT_TRUE(loop.Init().ok());
+  int turns = 0;
+  const EventLoop::Id timer = loop.AddTimer(absl::ZeroDuration(), [&](absl::Duration) {
+    if (++turns == 3) loop.Stop();
+  });
+  std::thread runner([&] { EXPECT_TRUE(loop.Run().ok()); });
+  runner.join();
+  EXPECT_EQ(turns, 3);
+  loop.Cancel(timer);
+  loop.Post([] {});  // Post is for any thread, running or not
+}
+
+// While the loop runs, a loop-only call from another thread is a check failure naming it:
+// it would race the loop's own lists (docs/architecture.md, "Processes").
+TEST(EventLoopDeathTest, ALoopOnlyCallFromAnotherThreadWhileItRunsIsACheckFailure) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      {
+        EventLoop loop;
+        if (!loop.Init().ok()) std::abort();
+        std::atomic<bool> running = false;
+        loop.Post([&] { running = true; });
+        std::thread runner([&] { (void)loop.Run(); });
+        while (!running) std::this_thread::yield();  // the loop's first turn ran the post
+        loop.AddTimer(absl::Seconds(1), [](absl::Duration) {});
+        loop.Post([&] { loop.Stop(); });  // without the check, the statement ends here
+        runner.join();
+      },
+      "EventLoop::AddTimer called from a thread other than the one running the loop");
+}
+
 }  // namespace
 }  // namespace kvcm
