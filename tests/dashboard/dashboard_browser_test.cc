@@ -35,6 +35,7 @@
 #include "tests/support/metrics_text.h"
 #include "tests/support/subprocess.h"
 #include "tests/support/wait_for.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -74,9 +75,9 @@ class DashboardBrowserTest : public ::testing::Test {
   // would leave its children running).
   void TearDown() override {
     if (launch_ == nullptr) return;
-    EXPECT_TRUE(launch_->Signal(SIGTERM).ok());
+    EXPECT_THAT(launch_->Signal(SIGTERM), IsOk());
     absl::StatusOr<int> code = launch_->Wait(absl::Seconds(30));
-    EXPECT_TRUE(code.ok()) << code.status() << launch_->Output();
+    EXPECT_THAT(code, IsOk()) << launch_->Output();
     if (code.ok()) {
       EXPECT_EQ(*code, 0) << testing::Tail(launch_->Output());
     }
@@ -85,7 +86,7 @@ class DashboardBrowserTest : public ::testing::Test {
 
   void SetUp() override {
     absl::StatusOr<TempDir> dir = TempDir::Create(absl::StrCat("kvcm-dash-", ::getpid()));
-    ASSERT_TRUE(dir.ok()) << dir.status();
+    ASSERT_THAT(dir, IsOk());
     dir_ = std::make_unique<TempDir>(std::move(*dir));
     model_dir_ = dir_->path() + "/tiny";
     absl::StatusOr<testing::RunResult> made = testing::RunProgram(
@@ -108,17 +109,17 @@ class DashboardBrowserTest : public ::testing::Test {
     options.output_path = dir_->path() + "/launch.log";
     options.env = {"TMPDIR=" + dir_->path()};
     absl::StatusOr<std::unique_ptr<Subprocess>> launch = Subprocess::Start(options);
-    ASSERT_TRUE(launch.ok()) << launch.status();
+    ASSERT_THAT(launch, IsOk());
     launch_ = *std::move(launch);
     auto metrics =
         launch_->WaitForLine("kvcm-cache-manager: ready .* endpoint=(\\S+) .*metrics=(\\S+)",
                              absl::Now() + absl::Seconds(60));
-    ASSERT_TRUE(metrics.ok()) << metrics.status() << launch_->Output();
+    ASSERT_THAT(metrics, IsOk()) << launch_->Output();
     endpoint_ = (*metrics)[1];
     metrics_url_ = (*metrics)[2];
     auto ready = launch_->WaitForLine("kvcm-launch: ready http=(\\S+) executors=2",
                                       absl::Now() + absl::Seconds(60));
-    ASSERT_TRUE(ready.ok()) << ready.status() << launch_->Output();
+    ASSERT_THAT(ready, IsOk()) << launch_->Output();
     url_ = (*ready)[1];
   }
 
@@ -152,7 +153,7 @@ class DashboardBrowserTest : public ::testing::Test {
     options.heartbeats = heartbeats;
     absl::StatusOr<std::unique_ptr<CacheManagerClient>> client =
         CacheManagerClient::Connect(options);
-    EXPECT_TRUE(client.ok()) << client.status();
+    EXPECT_THAT(client, IsOk());
     return client.ok() ? *std::move(client) : nullptr;
   }
 
@@ -163,11 +164,11 @@ class DashboardBrowserTest : public ::testing::Test {
     EXPECT_TRUE(reply.ok() && reply->status == 200) << metrics_url_;
     if (!reply.ok()) return counts;
     absl::StatusOr<testing::MetricsText> text = testing::ParseMetricsText(reply->body);
-    EXPECT_TRUE(text.ok()) << text.status();
+    EXPECT_THAT(text, IsOk());
     if (!text.ok()) return counts;
     for (const std::string& state : kStates) {
       absl::StatusOr<double> value = text->Value("kvcm_cache_blocks", {{"state", state}});
-      EXPECT_TRUE(value.ok()) << state << ": " << value.status();
+      EXPECT_THAT(value, IsOk()) << state << ": " << value.status();
       counts[state] = value.ok() ? static_cast<int64_t>(*value) : -1;
     }
     return counts;
@@ -187,7 +188,7 @@ class DashboardBrowserTest : public ::testing::Test {
           return stable;
         },
         absl::Seconds(60));
-    EXPECT_TRUE(settled.ok()) << "the block counts did not settle: " << json(last).dump();
+    EXPECT_THAT(settled, IsOk()) << "the block counts did not settle: " << json(last).dump();
     return last;
   }
 
@@ -198,7 +199,7 @@ class DashboardBrowserTest : public ::testing::Test {
                              screenshot, "--chromium", chromium_, "--chromedriver", chromedriver_,
                              "--min-polls", absl::StrCat(min_polls), "--timeout", "120"},
                             "", absl::Seconds(180));
-    EXPECT_TRUE(run.ok()) << run.status();
+    EXPECT_THAT(run, IsOk());
     if (!run.ok()) return json();
     EXPECT_EQ(run->exit_code, 0) << run->output;
     // The report is the last line that is a JSON object.
@@ -280,14 +281,14 @@ TEST_F(DashboardBrowserTest, ThePageShowsTheCacheManagersCountsAndAMapColouredBy
   std::unique_ptr<CacheManagerClient> control = Connect(wire::Role::Control, true);
   ASSERT_NE(control, nullptr);
   absl::StatusOr<EventSnapshot> index = control->Snapshot();
-  ASSERT_TRUE(index.ok()) << index.status();
+  ASSERT_THAT(index, IsOk());
   std::vector<BlockHash> prefix;
   for (const KvEventRecord& e : index->events) {
     if (e.kind == KvEventKind::kBlockStored && prefix.size() < 2) prefix.push_back(e.hash);
   }
   ASSERT_EQ(prefix.size(), 2u) << "fewer than two cached blocks";
   const absl::Status pinned = control->Pin("dashboard-test", prefix);
-  ASSERT_TRUE(pinned.ok()) << pinned;
+  ASSERT_THAT(pinned, IsOk());
 
   // A live session of the test's holds 6 blocks; a silent one's 3 blocks are quarantined.
   // Their sequence ids are far above the router's, which count from 1.
@@ -297,10 +298,10 @@ TEST_F(DashboardBrowserTest, ThePageShowsTheCacheManagersCountsAndAMapColouredBy
   ASSERT_NE(silent, nullptr);
   BlockOps ops;
   ops.Allocate(SeqId{1} << 40, 6 * kBlockSize);
-  ASSERT_TRUE(holder->Step(ops).ok());
+  ASSERT_THAT(holder->Step(ops), IsOk());
   ops.Clear();
   ops.Allocate((SeqId{1} << 40) + 1, 3 * kBlockSize);
-  ASSERT_TRUE(silent->Step(ops).ok());
+  ASSERT_THAT(silent->Step(ops), IsOk());
 
   // Idle: nothing but the test's sessions holds blocks.
   const Counts before = WaitForStableCounts([](const Counts& c) {
@@ -369,7 +370,7 @@ TEST_F(DashboardBrowserTest, ALargePoolIsShownInRunsOfBlocksWithExactCounts) {
   ASSERT_NE(holder, nullptr);
   BlockOps ops;
   ops.Allocate(SeqId{1} << 40, 900 * kBlockSize);
-  ASSERT_TRUE(holder->Step(ops).ok());
+  ASSERT_THAT(holder->Step(ops), IsOk());
   const Counts before =
       WaitForStableCounts([](const Counts& c) { return c.at("in_use") == 900; });
   const json page = OpenInBrowser(dir_->path() + "/large.png");

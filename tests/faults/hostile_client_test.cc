@@ -60,6 +60,7 @@
 #include "tests/faults/launched_stack.h"
 #include "tests/support/metrics_text.h"
 #include "tests/support/wait_for.h"
+#include "tests/support/status_matchers.h"
 
 #if defined(__has_feature)
 #if __has_feature(address_sanitizer)
@@ -322,7 +323,7 @@ class HostileClientTest : public LaunchedStackTest {
           return Sum(added) >= n;
         },
         absl::Seconds(30), what);
-    EXPECT_TRUE(counted.ok()) << counted << "; counted: " << Show(added) << "\n"
+    EXPECT_THAT(counted, IsOk()) << "; counted: " << Show(added) << "\n"
                               << testing::Tail(launch_->Output());
     return added;
   }
@@ -357,7 +358,7 @@ class HostileClientTest : public LaunchedStackTest {
   void ExpectModelTokens(const std::string& text, int32_t n) {
     absl::StatusOr<HttpResponse> reply =
         HttpPost(url_ + "/generate", GenerateBody(text, n), absl::Seconds(30));
-    ASSERT_TRUE(reply.ok()) << reply.status() << "\n" << testing::Tail(launch_->Output());
+    ASSERT_THAT(reply, IsOk()) << "\n" << testing::Tail(launch_->Output());
     ASSERT_EQ(reply->status, 200) << reply->body.substr(0, 300);
     EXPECT_EQ(TokenIds(reply->body), ReferenceWithoutBos(text, n)) << reply->body.substr(0, 300);
   }
@@ -373,7 +374,7 @@ class HostileClientTest : public LaunchedStackTest {
     // (1) /health answers 200 within the deadline.
     const absl::Status health =
         WaitFor([&] { return Healthy(); }, absl::Seconds(30), "/health to answer 200");
-    EXPECT_TRUE(health.ok()) << health << "\n" << testing::Tail(launch_->Output());
+    EXPECT_THAT(health, IsOk()) << "\n" << testing::Tail(launch_->Output());
     // (2) The same router process: not restarted by kvcm-launch, still running.
     EXPECT_EQ(CurrentPid("router"), router_pid_) << testing::Tail(launch_->Output());
     EXPECT_EQ(::kill(router_pid_, 0), 0) << "the router (pid " << router_pid_ << ") is gone";
@@ -397,7 +398,7 @@ class HostileClientTest : public LaunchedStackTest {
                  last->blocks["quarantined"] == 0 && last->blocks["draining"] == 0;
         },
         absl::Seconds(30), "no request in flight and no block in use");
-    EXPECT_TRUE(idle.ok()) << idle << ": in_use " << (last ? last->blocks["in_use"] : -1)
+    EXPECT_THAT(idle, IsOk()) << ": in_use " << (last ? last->blocks["in_use"] : -1)
                            << ", running sequences "
                            << RouterMetric("kvcm_router_running_sequences") << "\n"
                            << testing::Tail(launch_->Output());
@@ -474,7 +475,7 @@ TEST_F(HostileClientTest, EveryAttackLeavesTheSameRouterServingWithinItsMemoryAn
          for (const Case& c : cases) {
            SCOPED_TRACE(c.path + " " + c.body);
            absl::StatusOr<HttpResponse> reply = HttpPost(url_ + c.path, c.body);
-           ASSERT_TRUE(reply.ok()) << reply.status() << "\n" << testing::Tail(launch_->Output());
+           ASSERT_THAT(reply, IsOk()) << "\n" << testing::Tail(launch_->Output());
            EXPECT_EQ(reply->status, c.status) << reply->body;
            EXPECT_TRUE(absl::StrContains(reply->body, "cannot be empty")) << reply->body;
          }
@@ -503,7 +504,7 @@ TEST_F(HostileClientTest, EveryAttackLeavesTheSameRouterServingWithinItsMemoryAn
              SCOPED_TRACE(absl::StrCat(levels, " levels: ", c.path, " ", c.body.substr(0, 60)));
              absl::StatusOr<HttpResponse> reply =
                  HttpPost(url_ + c.path, c.body, absl::Seconds(30));
-             ASSERT_TRUE(reply.ok()) << reply.status() << "\n" << testing::Tail(launch_->Output());
+             ASSERT_THAT(reply, IsOk()) << "\n" << testing::Tail(launch_->Output());
              EXPECT_EQ(reply->status, c.status) << reply->body.substr(0, 300);
              EXPECT_TRUE(absl::StrContains(reply->body, "deeper than 64 levels"))
                  << reply->body.substr(0, 300);
@@ -516,7 +517,7 @@ TEST_F(HostileClientTest, EveryAttackLeavesTheSameRouterServingWithinItsMemoryAn
          absl::StatusOr<HttpResponse> reply =
              HttpPost(url_ + "/tokenize", json{{"inputs", std::string(1000000, '7')}}.dump(),
                       absl::Seconds(30));
-         ASSERT_TRUE(reply.ok()) << reply.status();
+         ASSERT_THAT(reply, IsOk());
          EXPECT_EQ(reply->status, 422) << reply->body.substr(0, 300);
          EXPECT_LT(reply->body.size(), 1024u) << "a reply of " << reply->body.size() << " bytes";
        }},
@@ -530,7 +531,7 @@ TEST_F(HostileClientTest, EveryAttackLeavesTheSameRouterServingWithinItsMemoryAn
          for (const auto& [path, body] : cases) {
            SCOPED_TRACE(path);
            absl::StatusOr<HttpResponse> reply = HttpPost(url_ + path, body, absl::Seconds(30));
-           ASSERT_TRUE(reply.ok()) << reply.status();
+           ASSERT_THAT(reply, IsOk());
            EXPECT_TRUE(reply->status == 422 || reply->status == 400) << reply->status;
            EXPECT_LT(reply->body.size(), 1024u)
                << "a reply of " << reply->body.size() << " bytes: " << reply->body.substr(0, 200);
@@ -588,7 +589,7 @@ TEST_F(HostileClientTest, EveryAttackLeavesTheSameRouterServingWithinItsMemoryAn
          // While they are held: /health and a generation on fresh connections.
          const absl::Status health =
              WaitFor([&] { return Healthy(); }, absl::Seconds(30), "/health to answer 200");
-         EXPECT_TRUE(health.ok()) << health;
+         EXPECT_THAT(health, IsOk());
          ExpectModelTokens("while 300 connections are silent", 3);
          size_t closed = 0;
          for (int fd : silent) closed += ClosedByServer(fd) ? 1 : 0;
@@ -628,7 +629,7 @@ TEST_F(HostileClientTest, EveryAttackLeavesTheSameRouterServingWithinItsMemoryAn
          const absl::Status stopped =
              WaitFor([&] { return logged_since("not accepting HTTP connections"); },
                      absl::Seconds(30), "the router to stop accepting");
-         EXPECT_TRUE(stopped.ok()) << stopped << "\n" << testing::Tail(launch_->Output());
+         EXPECT_THAT(stopped, IsOk()) << "\n" << testing::Tail(launch_->Output());
          size_t closed = 0;
          const absl::Status shed = WaitFor(
              [&] {
@@ -637,12 +638,12 @@ TEST_F(HostileClientTest, EveryAttackLeavesTheSameRouterServingWithinItsMemoryAn
                return closed >= kFlood - kDescriptorLimit;
              },
              absl::Seconds(30), "the connections past the limit to be closed");
-         EXPECT_TRUE(shed.ok()) << shed << ": " << closed << " closed";
+         EXPECT_THAT(shed, IsOk()) << ": " << closed << " closed";
          std::move(close_silent).Invoke();
          const absl::Status again =
              WaitFor([&] { return Healthy() && logged_since("accepting HTTP connections again"); },
                      absl::Seconds(30), "the router to take connections again");
-         EXPECT_TRUE(again.ok()) << again << "\n" << testing::Tail(launch_->Output());
+         EXPECT_THAT(again, IsOk()) << "\n" << testing::Tail(launch_->Output());
          const double shed_count =
              RouterMetric("kvcm_router_http_connections_shed_total") - shed_before;
          // The router's lines since (kvcm-launch prefixes each process's lines with its name).
@@ -691,7 +692,7 @@ TEST_F(HostileClientTest, EveryAttackLeavesTheSameRouterServingWithinItsMemoryAn
              },
              absl::Seconds(10 * kRequestDeadlineMs / 1000),
              "the slowloris connections to be dropped");
-         EXPECT_TRUE(all_dropped.ok()) << all_dropped;
+         EXPECT_THAT(all_dropped, IsOk());
          std::cout << "  " << kSlow << " slowloris connections dropped after "
                    << absl::FormatDuration(absl::Now() - start) << " and " << sent
                    << " bytes each (request deadline " << kRequestDeadlineMs << " ms)" << std::endl;
@@ -701,7 +702,7 @@ TEST_F(HostileClientTest, EveryAttackLeavesTheSameRouterServingWithinItsMemoryAn
                       dropped_before + kSlow;
              },
              absl::Seconds(10), "the slow requests to be counted");
-         EXPECT_TRUE(counted.ok()) << counted;
+         EXPECT_THAT(counted, IsOk());
        }},
       {"ten pipelined requests on one connection",
        [&] {
@@ -774,7 +775,7 @@ TEST_F(HostileClientTest, EveryAttackLeavesTheSameRouterServingWithinItsMemoryAn
                return RouterMetric("kvcm_router_generated_tokens_total") >= generated_before + 300;
              },
              absl::Seconds(30), "the unread stream to generate 300 tokens");
-         EXPECT_TRUE(generating.ok()) << generating;
+         EXPECT_THAT(generating, IsOk());
          EXPECT_TRUE(Healthy());
          std::move(close_fd).Invoke();  // with unread bytes: a reset
          std::map<std::string, double> added = AwaitCounted(before, 1, "the stream to be counted");

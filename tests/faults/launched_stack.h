@@ -36,6 +36,7 @@
 #include "tests/services/executor/executor_test_util.h"
 #include "tests/support/http_client.h"
 #include "tests/support/subprocess.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm::faults {
 
@@ -125,12 +126,12 @@ class LaunchedStackTest : public ::testing::Test {
 
   void SetUp() override {
     absl::StatusOr<testing::TempDir> dir = testing::TempDir::Create(temp_prefix_);
-    ASSERT_TRUE(dir.ok());
+    ASSERT_THAT(dir, IsOk());
     dir_ = std::make_unique<testing::TempDir>(std::move(*dir));
     model_dir_ = dir_->path() + "/tiny";
-    ASSERT_TRUE(testing::MakeTinyModel(model_dir_, /*seed=*/11).ok());
+    ASSERT_THAT(testing::MakeTinyModel(model_dir_, /*seed=*/11), IsOk());
     absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(model_dir_);
-    ASSERT_TRUE(model.ok()) << model.status();
+    ASSERT_THAT(model, IsOk());
     model_ = *std::move(model);
   }
 
@@ -160,12 +161,12 @@ class LaunchedStackTest : public ::testing::Test {
     options.env = {"TMPDIR=" + dir_->path()};
     absl::StatusOr<std::unique_ptr<testing::Subprocess>> started =
         testing::Subprocess::Start(options);
-    ASSERT_TRUE(started.ok()) << started.status();
+    ASSERT_THAT(started, IsOk());
     launch_ = *std::move(started);
     auto ready = launch_->WaitForLine(
         absl::StrCat("kvcm-launch: ready http=(\\S+) executors=", executors),
         absl::Now() + absl::Seconds(60));
-    ASSERT_TRUE(ready.ok()) << ready.status() << "\n" << testing::Tail(launch_->Output());
+    ASSERT_THAT(ready, IsOk()) << "\n" << testing::Tail(launch_->Output());
     url_ = (*ready)[1];
   }
 
@@ -289,9 +290,9 @@ class LaunchedStackTest : public ::testing::Test {
   // directory's lock is free.
   void ExpectCleanShutdown(const std::set<std::string>& shm_before) {
     const std::vector<pid_t> pids = AllPids();
-    ASSERT_TRUE(launch_->Signal(SIGTERM).ok());
+    ASSERT_THAT(launch_->Signal(SIGTERM), IsOk());
     absl::StatusOr<int> code = launch_->Wait(absl::Seconds(60));
-    ASSERT_TRUE(code.ok()) << testing::Tail(launch_->Output(), 8000);
+    ASSERT_THAT(code, IsOk()) << testing::Tail(launch_->Output(), 8000);
     EXPECT_EQ(*code, 0) << testing::Tail(launch_->Output(), 8000);
     for (pid_t pid : pids) EXPECT_NE(::kill(pid, 0), 0) << "pid " << pid << " still runs";
     std::vector<std::string> left;

@@ -7,6 +7,7 @@
 #include "common/memory/pool_layout.h"
 #include "gtest/gtest.h"
 #include "kernels/copy_blocks.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm::kernels {
 namespace {
@@ -19,7 +20,7 @@ TEST(CopyBlocksTest, CopiesEveryLayerKAndVAndNothingElse) {
   spec.block_size = 3;
   spec.dtype = DType::kBFloat16;
   const absl::StatusOr<PoolLayout> layout = PoolLayout::For(spec, 9);
-  ASSERT_TRUE(layout.ok()) << layout.status();
+  ASSERT_THAT(layout, IsOk());
   std::vector<uint8_t> pool(static_cast<size_t>(layout->total_bytes));
   std::mt19937_64 rng(3);
   for (uint8_t& b : pool) b = static_cast<uint8_t>(rng());

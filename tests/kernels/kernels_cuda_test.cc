@@ -26,6 +26,7 @@
 #include "kernels/write_kv.h"
 #include "tests/kernels/attention_case.h"
 #include "tests/support/gpu_test.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm::kernels {
 namespace {
@@ -84,17 +85,17 @@ class DeviceArray {
 // The pool of `in` on the device, through the cuda pool backend.
 std::unique_ptr<PoolMemory> UploadPool(const std::vector<uint8_t>& bytes) {
   absl::StatusOr<std::unique_ptr<PoolMemory>> pool = CreateCudaPoolMemory(0, bytes.size());
-  EXPECT_TRUE(pool.ok()) << pool.status();
+  EXPECT_THAT(pool, IsOk());
   if (!pool.ok()) return nullptr;
   const absl::Status copied = CopyToPool(**pool, 0, bytes.data(), bytes.size());
-  EXPECT_TRUE(copied.ok()) << copied;
+  EXPECT_THAT(copied, IsOk());
   return std::move(*pool);
 }
 
 std::vector<uint8_t> DownloadPool(const PoolMemory& pool) {
   std::vector<uint8_t> bytes(pool.size_bytes());
   const absl::Status copied = CopyFromPool(pool, 0, bytes.data(), bytes.size());
-  EXPECT_TRUE(copied.ok()) << copied;
+  EXPECT_THAT(copied, IsOk());
   return bytes;
 }
 
@@ -139,7 +140,7 @@ TEST_P(CudaPagedAttentionTest, MatchesCpu) {
   ASSERT_NE(pool, nullptr);
   const absl::StatusOr<PagedKvView> view =
       LayerView(static_cast<uint8_t*>(pool->base()), in->layout, in->spec, 1);
-  ASSERT_TRUE(view.ok()) << view.status();
+  ASSERT_THAT(view, IsOk());
   const DeviceArray<int32_t> query_lens(in->query_lens);
   const DeviceArray<int32_t> context_lens(in->context_lens);
   const DeviceArray<int32_t> tables(in->block_tables);
@@ -187,7 +188,7 @@ TEST_P(CudaWriteKvTest, SameBytesAsCpu) {
   spec.block_size = 5;
   spec.dtype = ToDType(dtype);
   const absl::StatusOr<PoolLayout> layout = PoolLayout::For(spec, 11);
-  ASSERT_TRUE(layout.ok()) << layout.status();
+  ASSERT_THAT(layout, IsOk());
   std::mt19937_64 rng(17);
   std::vector<uint8_t> host(static_cast<size_t>(layout->total_bytes));
   for (uint8_t& b : host) b = static_cast<uint8_t>(rng());
@@ -240,7 +241,7 @@ TEST_F(CudaCopyBlocksTest, SameBytesAsCpu) {
     spec.block_size = 3;
     spec.dtype = DType::kBFloat16;
     const absl::StatusOr<PoolLayout> layout = PoolLayout::For(spec, 10);
-    ASSERT_TRUE(layout.ok()) << layout.status();
+    ASSERT_THAT(layout, IsOk());
     std::mt19937_64 rng(23);
     std::vector<uint8_t> host(static_cast<size_t>(layout->total_bytes));
     for (uint8_t& b : host) b = static_cast<uint8_t>(rng());

@@ -19,6 +19,7 @@
 #include "absl/status/status.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu_isa.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm::kernels {
 namespace {
@@ -36,7 +37,7 @@ std::vector<std::byte> RandomTensor(GgmlType type, int64_t rows, int64_t cols, u
     std::normal_distribution<float> normal(0.0f, 1.0f);
     std::vector<float> values(static_cast<size_t>(rows * cols));
     for (float& v : values) v = normal(rng);
-    EXPECT_TRUE(Quantize(type, values, out).ok());
+    EXPECT_THAT(Quantize(type, values, out), IsOk());
     return out;
   }
   std::uniform_int_distribution<int> byte(0, 255);
@@ -72,11 +73,10 @@ std::vector<float> ReferenceRow(GgmlType type, const std::vector<std::byte>& dat
                                 int64_t r) {
   const int64_t row_bytes = TypeBytes(type, cols).value();
   std::vector<float> out(static_cast<size_t>(cols));
-  EXPECT_TRUE(Dequantize(type,
+  EXPECT_THAT(Dequantize(type,
                          std::span<const std::byte>(data).subspan(
                              static_cast<size_t>(r * row_bytes), static_cast<size_t>(row_bytes)),
-                         out)
-                  .ok());
+                         out), IsOk());
   return out;
 }
 
@@ -95,7 +95,7 @@ TEST_P(WeightMatrixTest, RowsAreGgmlsDequantizationInTheGivenOrder) {
   std::vector<int64_t> order(static_cast<size_t>(rows));
   for (int64_t r = 0; r < rows; ++r) order[static_cast<size_t>(r)] = (r * 7 + 3) % rows;
   absl::StatusOr<WeightMatrix> w = WeightMatrix::FromGgml(type, data, rows, cols, order);
-  ASSERT_TRUE(w.ok()) << w.status();
+  ASSERT_THAT(w, IsOk());
   const std::vector<float> all = w->Dequantize();
   std::vector<float> row(static_cast<size_t>(cols));
   for (int64_t r = 0; r < rows; ++r) {
@@ -164,7 +164,7 @@ TEST_P(MatMulTest, MatchesFloat64ProductOfTheDequantizedWeights) {
     if (cols % GetGgmlTypeTraits(type)->block_size != 0) continue;
     const std::vector<std::byte> data = RandomTensor(type, rows, cols, kSeed + 1);
     absl::StatusOr<WeightMatrix> w = WeightMatrix::FromGgml(type, data, rows, cols);
-    ASSERT_TRUE(w.ok()) << w.status();
+    ASSERT_THAT(w, IsOk());
     for (const int64_t m : {1, 5, 8, 13, 70}) {
       SCOPED_TRACE(testing::Message() << rows << " x " << cols << ", m " << m);
       const std::vector<float> x = RandomFloats(m * cols, kSeed + 2);

@@ -6,6 +6,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/paged_kv.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm::kernels {
 namespace {
@@ -25,11 +26,11 @@ KvCacheSpec Llama8BSpec(DType dtype) {
 TEST(LayerViewTest, PointsIntoTheLayoutOfEachLayer) {
   const KvCacheSpec spec = Llama8BSpec(DType::kBFloat16);
   const absl::StatusOr<PoolLayout> layout = PoolLayout::For(spec, 100);
-  ASSERT_TRUE(layout.ok()) << layout.status();
+  ASSERT_THAT(layout, IsOk());
   uint8_t* base = reinterpret_cast<uint8_t*>(uintptr_t{1} << 20);  // never dereferenced
   for (int32_t layer : {0, 1, 31}) {
     const absl::StatusOr<PagedKvView> view = LayerView(base, *layout, spec, layer);
-    ASSERT_TRUE(view.ok()) << view.status();
+    ASSERT_THAT(view, IsOk());
     EXPECT_EQ(view->k, base + layout->Offset(layer, 0, 0, 0, 0));
     EXPECT_EQ(view->v, base + layout->Offset(layer, 1, 0, 0, 0));
     EXPECT_EQ(view->dtype, KvDType::kBFloat16);
@@ -54,10 +55,10 @@ TEST(LayerViewTest, MapsEachDtype) {
                                  std::pair{DType::kBFloat16, KvDType::kBFloat16}}) {
     const KvCacheSpec spec = Llama8BSpec(dtype);
     const absl::StatusOr<PoolLayout> layout = PoolLayout::For(spec, 4);
-    ASSERT_TRUE(layout.ok());
+    ASSERT_THAT(layout, IsOk());
     std::vector<uint8_t> pool(16);
     const absl::StatusOr<PagedKvView> view = LayerView(pool.data(), *layout, spec, 0);
-    ASSERT_TRUE(view.ok()) << view.status();
+    ASSERT_THAT(view, IsOk());
     EXPECT_EQ(view->dtype, kv_dtype);
     EXPECT_EQ(KvDTypeBytes(view->dtype), DTypeBytes(dtype));
   }
@@ -66,7 +67,7 @@ TEST(LayerViewTest, MapsEachDtype) {
 TEST(LayerViewTest, RejectsFp8AndLayersOutOfRange) {
   const KvCacheSpec fp8 = Llama8BSpec(DType::kFloat8E4M3);
   const absl::StatusOr<PoolLayout> fp8_layout = PoolLayout::For(fp8, 4);
-  ASSERT_TRUE(fp8_layout.ok());
+  ASSERT_THAT(fp8_layout, IsOk());
   std::vector<uint8_t> pool(16);
   const absl::StatusOr<PagedKvView> no_kernel = LayerView(pool.data(), *fp8_layout, fp8, 0);
   EXPECT_EQ(no_kernel.status().code(), absl::StatusCode::kInvalidArgument);
@@ -74,7 +75,7 @@ TEST(LayerViewTest, RejectsFp8AndLayersOutOfRange) {
 
   const KvCacheSpec spec = Llama8BSpec(DType::kFloat16);
   const absl::StatusOr<PoolLayout> layout = PoolLayout::For(spec, 4);
-  ASSERT_TRUE(layout.ok());
+  ASSERT_THAT(layout, IsOk());
   for (int32_t layer : {-1, 32}) {
     const absl::StatusOr<PagedKvView> view = LayerView(pool.data(), *layout, spec, layer);
     EXPECT_EQ(view.status().code(), absl::StatusCode::kInvalidArgument) << layer;

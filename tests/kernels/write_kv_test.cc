@@ -15,6 +15,7 @@
 #include "kernels/paged_kv.h"
 #include "kernels/write_kv.h"
 #include "tests/kernels/attention_case.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm::kernels {
 namespace {
@@ -141,7 +142,7 @@ TEST_P(WriteKvTest, RoundTripThroughStrides) {
   spec.dtype = ToDType(dtype);
   const int32_t num_blocks = 7;
   const absl::StatusOr<PoolLayout> layout = PoolLayout::For(spec, num_blocks);
-  ASSERT_TRUE(layout.ok()) << layout.status();
+  ASSERT_THAT(layout, IsOk());
   std::vector<uint8_t> pool(static_cast<size_t>(layout->total_bytes));
   std::mt19937_64 rng(5);
   for (uint8_t& b : pool) b = static_cast<uint8_t>(rng());
@@ -149,7 +150,7 @@ TEST_P(WriteKvTest, RoundTripThroughStrides) {
 
   const int32_t layer = 2;
   const absl::StatusOr<PagedKvView> view = LayerView(pool.data(), *layout, spec, layer);
-  ASSERT_TRUE(view.ok()) << view.status();
+  ASSERT_THAT(view, IsOk());
   const std::vector<int64_t> slots = {0, 34, -1, 12, 13, -7, 6, 20};
   const int32_t n = static_cast<int32_t>(slots.size());
   const int64_t elems = int64_t{spec.num_kv_heads} * spec.head_dim;

@@ -34,6 +34,7 @@
 #include "tests/support/prometheus_server.h"
 #include "tests/support/subprocess.h"
 #include "tests/support/wait_for.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -118,7 +119,7 @@ class MonitoringStackTest : public ::testing::Test {
  protected:
   void SetUp() override {
     absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-monitoring-test");
-    ASSERT_TRUE(dir.ok()) << dir.status();
+    ASSERT_THAT(dir, IsOk());
     dir_ = std::make_unique<TempDir>(std::move(*dir));
     // Prometheus's folder: the configuration, its rules, and the target file's folder.
     prometheus_dir_ = dir_->path() + "/prometheus";
@@ -163,10 +164,10 @@ TEST_F(MonitoringStackTest, EveryPanelQueryAndRecordingRuleHasDataFromAStackUnde
   options.output_path = dir_->path() + "/launch.log";
   options.env = {"TMPDIR=" + dir_->path()};
   absl::StatusOr<std::unique_ptr<Subprocess>> launch = Subprocess::Start(options);
-  ASSERT_TRUE(launch.ok()) << launch.status();
+  ASSERT_THAT(launch, IsOk());
   auto ready = (*launch)->WaitForLine("kvcm-launch: ready http=(\\S+) executors=2",
                                       absl::Now() + absl::Seconds(60));
-  ASSERT_TRUE(ready.ok()) << ready.status() << (*launch)->Output();
+  ASSERT_THAT(ready, IsOk()) << (*launch)->Output();
   const std::string url = (*ready)[1];
 
   // The target file lists the four processes, each under HOST:NAME.
@@ -189,13 +190,13 @@ TEST_F(MonitoringStackTest, EveryPanelQueryAndRecordingRuleHasDataFromAStackUnde
   prometheus_options.config_file = prometheus_dir_ + "/prometheus.yml";
   absl::StatusOr<std::unique_ptr<PrometheusServer>> prometheus =
       PrometheusServer::Start(prometheus_options);
-  ASSERT_TRUE(prometheus.ok()) << prometheus.status();
+  ASSERT_THAT(prometheus, IsOk());
   const std::string all_up = "up{job=~\"kvcm-cache-manager|kvcm-router|kvcm-executor\"} == 1";
   auto four = [](const std::vector<PrometheusServer::Series>& result) {
     return result.size() == 4;
   };
   // Every process found through the target file, in its job, and up.
-  ASSERT_TRUE((*prometheus)->WaitFor(all_up, four, absl::Seconds(60)).ok())
+  ASSERT_THAT((*prometheus)->WaitFor(all_up, four, absl::Seconds(60)), IsOk())
       << (*prometheus)->LogTail();
 
   // An executor killed with SIGKILL stays listed while it is dead, so Prometheus sees it
@@ -208,26 +209,26 @@ TEST_F(MonitoringStackTest, EveryPanelQueryAndRecordingRuleHasDataFromAStackUnde
   std::smatch pid;
   const std::string output = (*launch)->Output();
   ASSERT_TRUE(std::regex_search(output, pid, std::regex("started executor-1 \\(pid ([0-9]+)\\)")));
-  ASSERT_TRUE((*launch)->Signal(SIGSTOP).ok());
+  ASSERT_THAT((*launch)->Signal(SIGSTOP), IsOk());
   ASSERT_EQ(::kill(std::stoi(pid[1]), SIGKILL), 0);
   const std::string selector = absl::StrCat("{instance=\"", executor1, "\"}");
-  EXPECT_TRUE((*prometheus)->WaitForValue("up" + selector, 0, absl::Seconds(60)).ok());
+  EXPECT_THAT((*prometheus)->WaitForValue("up" + selector, 0, absl::Seconds(60)), IsOk());
   EXPECT_TRUE(
       (*prometheus)
           ->WaitForValue(absl::StrCat("count(ALERTS{alertname=\"KvcmExecutorDown\",",
                                       "alertstate=\"pending\",instance=\"", executor1, "\"})"),
                          1, absl::Seconds(50))
           .ok());
-  ASSERT_TRUE((*launch)->Signal(SIGCONT).ok());
+  ASSERT_THAT((*launch)->Signal(SIGCONT), IsOk());
   const absl::Status moved =
       testing::WaitFor([&] { return Targets()[executor1].second != old_address; },
                        absl::Seconds(60), "executor-1 in the target file at its new port");
-  ASSERT_TRUE(moved.ok()) << moved << "\n" << (*launch)->Output();
+  ASSERT_THAT(moved, IsOk()) << "\n" << (*launch)->Output();
   targets = Targets();
   EXPECT_EQ(targets.size(), 4u);
-  ASSERT_TRUE((*prometheus)->WaitFor(all_up, four, absl::Seconds(60)).ok());
+  ASSERT_THAT((*prometheus)->WaitFor(all_up, four, absl::Seconds(60)), IsOk());
   absl::StatusOr<json> active = (*prometheus)->GetApi("/api/v1/targets?state=active");
-  ASSERT_TRUE(active.ok()) << active.status();
+  ASSERT_THAT(active, IsOk());
   std::map<std::string, std::string> jobs;  // instance -> job
   for (const json& target : (*active)["activeTargets"]) {
     jobs[target["labels"]["instance"]] = target["labels"]["job"];
@@ -273,12 +274,12 @@ TEST_F(MonitoringStackTest, EveryPanelQueryAndRecordingRuleHasDataFromAStackUnde
   for (const auto& [panel, expr] : queries) {
     EXPECT_EQ(expr.find('$'), std::string::npos) << panel << ": a variable left in " << expr;
     absl::Status has_data = (*prometheus)->WaitFor(expr, HasANumber, absl::Seconds(30));
-    EXPECT_TRUE(has_data.ok()) << panel << ": " << has_data;
+    EXPECT_THAT(has_data, IsOk()) << panel << ": " << has_data;
   }
 
   // Every recording rule is evaluated without error and produces series with a number.
   absl::StatusOr<json> rules = (*prometheus)->GetApi("/api/v1/rules");
-  ASSERT_TRUE(rules.ok()) << rules.status();
+  ASSERT_THAT(rules, IsOk());
   int recording = 0;
   int alerting = 0;
   for (const json& group : (*rules)["groups"]) {
@@ -291,7 +292,7 @@ TEST_F(MonitoringStackTest, EveryPanelQueryAndRecordingRuleHasDataFromAStackUnde
       const std::string name = rule["name"];
       EXPECT_EQ(rule.value("lastError", ""), "") << name;
       absl::Status has_data = (*prometheus)->WaitFor(name, HasANumber, absl::Seconds(30));
-      EXPECT_TRUE(has_data.ok()) << name << ": " << has_data;
+      EXPECT_THAT(has_data, IsOk()) << name << ": " << has_data;
     }
   }
   EXPECT_GE(recording, 20);
@@ -301,13 +302,13 @@ TEST_F(MonitoringStackTest, EveryPanelQueryAndRecordingRuleHasDataFromAStackUnde
   // monitoring/prometheus/tests/).
   absl::StatusOr<std::vector<PrometheusServer::Series>> firing =
       (*prometheus)->Query("ALERTS{alertstate=\"firing\"}");
-  ASSERT_TRUE(firing.ok()) << firing.status();
+  ASSERT_THAT(firing, IsOk());
   EXPECT_TRUE(firing->empty()) << Describe(firing);
 
   // At SIGTERM the launcher empties the target file: a stopped server is not down.
-  ASSERT_TRUE((*launch)->Signal(SIGTERM).ok());
+  ASSERT_THAT((*launch)->Signal(SIGTERM), IsOk());
   absl::StatusOr<int> code = (*launch)->Wait(absl::Seconds(60));
-  ASSERT_TRUE(code.ok()) << (*launch)->Output();
+  ASSERT_THAT(code, IsOk()) << (*launch)->Output();
   EXPECT_EQ(*code, 0);
   EXPECT_EQ(json::parse(ReadAll(targets_path_)), json::array());
 }
@@ -317,7 +318,7 @@ TEST_F(MonitoringStackTest, ATargetFileThatCannotBeWrittenFailsTheLaunchBeforeAn
       testing::RunProgram({testing::KvcmBinaryPath("kvcm-launch"), "--model", model_dir_,
                            "--prometheus-targets", dir_->path() + "/no-such-folder/kvcm.json"},
                           "", absl::Seconds(30));
-  ASSERT_TRUE(run.ok()) << run.status();
+  ASSERT_THAT(run, IsOk());
   EXPECT_EQ(run->exit_code, 1);
   EXPECT_THAT(run->output, ::testing::HasSubstr("--prometheus-targets: create "));
   EXPECT_THAT(run->output, ::testing::Not(::testing::HasSubstr("started")));

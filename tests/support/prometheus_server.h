@@ -7,9 +7,9 @@
 //   PrometheusServer::Options options;
 //   options.targets = {"127.0.0.1:9400"};
 //   auto prometheus = PrometheusServer::Start(options);
-//   ASSERT_TRUE(prometheus.ok()) << prometheus.status();
-//   EXPECT_TRUE((*prometheus)->WaitForValue("kvcm_cache_capacity_blocks", 64,
-//                                           absl::Seconds(30)).ok());
+//   ASSERT_THAT(prometheus, IsOk());
+//   EXPECT_THAT((*prometheus)->WaitForValue("kvcm_cache_capacity_blocks", 64,
+//                                           absl::Seconds(30)), IsOk());
 //
 // It runs in a fresh temp dir (config, TSDB, log) on a free 127.0.0.1 port; destruction
 // stops it (SIGTERM, then SIGKILL) and removes the dir. Waits poll with a deadline.
@@ -26,6 +26,7 @@
 #include "nlohmann/json.hpp"
 #include "tests/support/metrics_text.h"
 #include "tests/support/subprocess.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm::testing {
 

@@ -4,12 +4,12 @@
 // what it needs instead of sleeping a fixed time for a peer (docs/RELIABILITY.md, "Timing
 // in tests"). Test support only.
 //
-//   ASSERT_TRUE(WaitFor([&] { return Stats().draining_blocks == 0; },
+//   ASSERT_THAT(WaitFor([&] { return Stats().draining_blocks == 0; },
 //                       absl::Now() + absl::Seconds(30), "the drained blocks to come back")
-//                   .ok());
+//, IsOk());
 //   absl::Status quarantined =
 //       WaitFor([&] { return Stats().quarantined_blocks == 3; }, absl::Seconds(60));
-//   ASSERT_TRUE(quarantined.ok()) << quarantined;
+//   ASSERT_THAT(quarantined, IsOk());
 //
 // The condition is checked at once, then every kWaitForPollInterval, and once more after the
 // deadline has passed, so that a caller descheduled across the deadline still sees a
@@ -27,6 +27,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm::testing {
 

@@ -6,6 +6,7 @@
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm::testing {
 namespace {
@@ -15,14 +16,14 @@ using ::testing::HasSubstr;
 TEST(WaitForTest, ReturnsAtTheFirstCheckThatHolds) {
   int checks = 0;
   const absl::Status waited = WaitFor([&] { return ++checks == 3; }, absl::Seconds(60));
-  EXPECT_TRUE(waited.ok()) << waited;
+  EXPECT_THAT(waited, IsOk());
   EXPECT_EQ(checks, 3);
 }
 
 TEST(WaitForTest, ChecksOnceMoreAfterAPassedDeadline) {
   // A deadline already behind: one check, and it is the one that counts.
   int checks = 0;
-  EXPECT_TRUE(WaitFor([&] { return ++checks > 0; }, absl::InfinitePast()).ok());
+  EXPECT_THAT(WaitFor([&] { return ++checks > 0; }, absl::InfinitePast()), IsOk());
   EXPECT_EQ(checks, 1);
 }
 

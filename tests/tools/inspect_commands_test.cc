@@ -13,6 +13,7 @@
 #include "tools/kvcmctl/info_command.h"
 #include "tools/kvcmctl/stats_command.h"
 #include "tools/kvcmctl/watch_command.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm::kvcmctl {
 namespace {
@@ -63,24 +64,24 @@ TEST(ConnectionOptionsTest, DefaultRunDirFollowsTheCacheManager) {
 
 TEST(ConnectionOptionsTest, RunDirEndpointAndTimeout) {
   absl::StatusOr<InfoOptions> options = ParseInfoOptions({}, "/d");
-  ASSERT_TRUE(options.ok()) << options.status();
+  ASSERT_THAT(options, IsOk());
   EXPECT_EQ(options->connection.endpoint, "ipc:///d/cache-manager.sock");
   EXPECT_EQ(options->connection.events_endpoint, "ipc:///d/events.sock");
   EXPECT_EQ(options->connection.timeout, absl::Seconds(5));
 
   options = ParseInfoOptions({"--run-dir", "/x", "--timeout", "250ms", "--json"}, "/d");
-  ASSERT_TRUE(options.ok()) << options.status();
+  ASSERT_THAT(options, IsOk());
   EXPECT_EQ(options->connection.endpoint, "ipc:///x/cache-manager.sock");
   EXPECT_EQ(options->connection.timeout, absl::Milliseconds(250));
   EXPECT_TRUE(options->connection.json);
 
   options = ParseInfoOptions({"--endpoint", "tcp://127.0.0.1:5555"}, "/d");
-  ASSERT_TRUE(options.ok()) << options.status();
+  ASSERT_THAT(options, IsOk());
   EXPECT_EQ(options->connection.endpoint, "tcp://127.0.0.1:5555");
   EXPECT_EQ(options->connection.events_endpoint, "");
 
   options = ParseInfoOptions({"--endpoint", "ipc:///y/cache-manager.sock"}, "/d");
-  ASSERT_TRUE(options.ok()) << options.status();
+  ASSERT_THAT(options, IsOk());
   EXPECT_EQ(options->connection.events_endpoint, "ipc:///y/events.sock");
 }
 
@@ -105,7 +106,7 @@ TEST(ConnectionOptionsTest, BadFlagsAreInvalidArgument) {
             absl::StatusCode::kInvalidArgument);
   absl::StatusOr<WatchOptions> watch =
       ParseWatchOptions({"--interval", "2s", "--count", "3"}, "/d");
-  ASSERT_TRUE(watch.ok()) << watch.status();
+  ASSERT_THAT(watch, IsOk());
   EXPECT_EQ(watch->interval, absl::Seconds(2));
   EXPECT_EQ(watch->count, 3);
 }

@@ -20,6 +20,7 @@
 #include "nlohmann/json.hpp"
 #include "tests/support/cache_manager_process.h"
 #include "tests/support/subprocess.h"
+#include "tests/support/status_matchers.h"
 
 #ifndef KVCMCTL_PATH
 #error "KVCMCTL_PATH must name the kvcmctl binary"
@@ -42,7 +43,7 @@ RunResult Kvcmctl(const std::vector<std::string>& args,
   std::vector<std::string> argv = {std::string(KVCMCTL_PATH)};
   for (const std::string& arg : args) argv.push_back(arg);
   absl::StatusOr<RunResult> result = RunProgram(argv, "", timeout);
-  EXPECT_TRUE(result.ok()) << result.status();
+  EXPECT_THAT(result, IsOk());
   return result.ok() ? *result : RunResult{-1, result.status().ToString()};
 }
 
@@ -53,7 +54,7 @@ class KvcmctlLiveTest : public ::testing::Test {
     options.num_blocks = 16;
     options.block_size = 4;
     absl::StatusOr<std::unique_ptr<CacheManagerProcess>> cm = StartCacheManager(options);
-    ASSERT_TRUE(cm.ok()) << cm.status();
+    ASSERT_THAT(cm, IsOk());
     cm_ = std::move(*cm);
 
     // Some state to report: 2 cached blocks (one pinned) and a live 3-block sequence.
@@ -63,7 +64,7 @@ class KvcmctlLiveTest : public ::testing::Test {
     client_options.name = "kvcmctl-live-test";
     absl::StatusOr<std::unique_ptr<CacheManagerClient>> client =
         CacheManagerClient::Connect(client_options);
-    ASSERT_TRUE(client.ok()) << client.status();
+    ASSERT_THAT(client, IsOk());
     router_ = std::move(*client);
     std::vector<int32_t> tokens(8);
     std::iota(tokens.begin(), tokens.end(), 0);
@@ -72,17 +73,17 @@ class KvcmctlLiveTest : public ::testing::Test {
                    &hashes);
     BlockOps step;
     step.Allocate(1, 8, hashes);
-    ASSERT_TRUE(router_->Step(step).ok());
+    ASSERT_THAT(router_->Step(step), IsOk());
     step.Clear();
     step.Commit(1, 8).Free(1).Allocate(2, 10, hashes);
-    ASSERT_TRUE(router_->Step(step).ok());
+    ASSERT_THAT(router_->Step(step), IsOk());
     step.Clear();
     step.Free(2);
-    ASSERT_TRUE(router_->Step(step).ok());
-    ASSERT_TRUE(router_->Pin("head", std::span(hashes).first(1)).ok());
+    ASSERT_THAT(router_->Step(step), IsOk());
+    ASSERT_THAT(router_->Pin("head", std::span(hashes).first(1)), IsOk());
     step.Clear();
     step.Allocate(3, 9);
-    ASSERT_TRUE(router_->Step(step).ok());
+    ASSERT_THAT(router_->Step(step), IsOk());
   }
 
   std::unique_ptr<CacheManagerProcess> cm_;
@@ -157,16 +158,16 @@ TEST_F(KvcmctlLiveTest, WatchPrintsOneLinePerIntervalAndSaysGoodbye) {
 
   // Every kvcmctl said Goodbye: only the router's session is left.
   absl::StatusOr<StatsSnapshot> stats = router_->Stats();
-  ASSERT_TRUE(stats.ok());
+  ASSERT_THAT(stats, IsOk());
   EXPECT_EQ(stats->sessions, 1u);
 }
 
 TEST_F(KvcmctlLiveTest, StoppedCacheManagerIsReportedWithinTheTimeout) {
-  ASSERT_TRUE(cm_->process().Signal(SIGSTOP).ok());
+  ASSERT_THAT(cm_->process().Signal(SIGSTOP), IsOk());
   const absl::Time start = absl::Now();
   RunResult result = Kvcmctl({"stats", "--run-dir", cm_->run_dir(), "--timeout", "300ms"});
   const absl::Duration took = absl::Now() - start;
-  ASSERT_TRUE(cm_->process().Signal(SIGCONT).ok());
+  ASSERT_THAT(cm_->process().Signal(SIGCONT), IsOk());
   EXPECT_EQ(result.exit_code, 1) << result.output;
   EXPECT_THAT(result.output,
               HasSubstr(absl::StrCat("kvcmctl stats: no cache manager at ", cm_->endpoint(),
@@ -212,7 +213,7 @@ TEST_F(KvcmctlLiveTest, EndSessionEndsARouterAndFreesItsBlocks) {
 
 TEST(KvcmctlNoCacheManagerTest, NothingRunningExitsOneAtOnce) {
   absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-ctl");
-  ASSERT_TRUE(dir.ok());
+  ASSERT_THAT(dir, IsOk());
   for (const char* command : {"info", "stats", "watch"}) {
     // At once, not after waiting for a Hello's reply: a timeout longer than this test may
     // run (Kvcmctl stops it after 30 s) tells the two apart on a loaded machine too.

@@ -5,6 +5,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm::launch {
 namespace {
@@ -17,7 +18,7 @@ TEST(LaunchOptionsTest, RoutesEachFlagToTheProcessThatTakesIt) {
       {"--model", "/m", "--executors=3", "--num-blocks", "4096", "--port=8080",
        "--max_input_tokens", "512", "--threads", "4", "--router-arg=--max-running=8",
        "--cache-manager-arg=--tcp-allow-remote", "--allowed-hosts", "kvcm.example,[::1]"});
-  ASSERT_TRUE(options.ok()) << options.status();
+  ASSERT_THAT(options, IsOk());
   EXPECT_EQ(options->model, "/m");
   EXPECT_EQ(options->executors, 3);
   EXPECT_TRUE(options->pool_sized);
@@ -34,7 +35,7 @@ TEST(LaunchOptionsTest, RoutesTheVllmEventFlagsToTheCacheManager) {
       {"--model=/m", "--kv-events-endpoint", "tcp://127.0.0.1:5557",
        "--kv-events-replay-endpoint=tcp://127.0.0.1:5558", "--kv-events-topic", "kv@a@m",
        "--kv-events-buffer-steps=500"});
-  ASSERT_TRUE(options.ok()) << options.status();
+  ASSERT_THAT(options, IsOk());
   EXPECT_THAT(options->cache_manager_args,
               ElementsAre("--kv-events-endpoint=tcp://127.0.0.1:5557",
                           "--kv-events-replay-endpoint=tcp://127.0.0.1:5558",
@@ -45,7 +46,7 @@ TEST(LaunchOptionsTest, RoutesTheVllmEventFlagsToTheCacheManager) {
 
 TEST(LaunchOptionsTest, DefaultsAndErrorsNameTheFlag) {
   absl::StatusOr<LaunchOptions> plain = ParseLaunchOptions({"--model=/m"});
-  ASSERT_TRUE(plain.ok());
+  ASSERT_THAT(plain, IsOk());
   EXPECT_EQ(plain->executors, 1);
   EXPECT_FALSE(plain->pool_sized);  // the launcher then asks for kDefaultPoolBytes
   EXPECT_TRUE(plain->run_dir.empty());
@@ -77,7 +78,7 @@ TEST(LaunchOptionsTest, DefaultsAndErrorsNameTheFlag) {
 TEST(LaunchOptionsTest, PrometheusTargetsIsTheLaunchersOwnAndOffByDefault) {
   absl::StatusOr<LaunchOptions> options =
       ParseLaunchOptions({"--model=/m", "--prometheus-targets", "/t/kvcm.json"});
-  ASSERT_TRUE(options.ok()) << options.status();
+  ASSERT_THAT(options, IsOk());
   EXPECT_EQ(options->prometheus_targets, "/t/kvcm.json");
   EXPECT_TRUE(options->cache_manager_args.empty());
   EXPECT_TRUE(options->router_args.empty());

@@ -25,6 +25,7 @@
 #include "tests/services/executor/executor_test_util.h"
 #include "tests/support/http_client.h"
 #include "tests/support/subprocess.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -40,12 +41,12 @@ class LaunchProcessTest : public ::testing::Test {
  protected:
   void SetUp() override {
     absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-launch-test");
-    ASSERT_TRUE(dir.ok());
+    ASSERT_THAT(dir, IsOk());
     dir_ = std::make_unique<TempDir>(std::move(*dir));
     model_dir_ = dir_->path() + "/tiny";
-    ASSERT_TRUE(testing::MakeTinyModel(model_dir_, /*seed=*/3).ok());
+    ASSERT_THAT(testing::MakeTinyModel(model_dir_, /*seed=*/3), IsOk());
     absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(model_dir_);
-    ASSERT_TRUE(model.ok()) << model.status();
+    ASSERT_THAT(model, IsOk());
     model_ = *std::move(model);
   }
 
@@ -59,7 +60,7 @@ class LaunchProcessTest : public ::testing::Test {
     options.output_path = dir_->path() + "/" + log;
     options.env = {"TMPDIR=" + dir_->path()};
     absl::StatusOr<std::unique_ptr<Subprocess>> started = Subprocess::Start(options);
-    EXPECT_TRUE(started.ok()) << started.status();
+    EXPECT_THAT(started, IsOk());
     return started.ok() ? *std::move(started) : nullptr;
   }
 
@@ -123,7 +124,7 @@ TEST_F(LaunchProcessTest, ServesRestartsWhatDiesAndStopsEverythingAtSigterm) {
   ASSERT_NE(launch, nullptr);
   auto ready = launch->WaitForLine("kvcm-launch: ready http=(\\S+) executors=2 run_dir=(\\S+)",
                                    absl::Now() + absl::Seconds(60));
-  ASSERT_TRUE(ready.ok()) << ready.status();
+  ASSERT_THAT(ready, IsOk());
   const std::string url = (*ready)[1];
   const std::string run_dir = (*ready)[2];
   EXPECT_TRUE(std::filesystem::exists(run_dir + "/cache-manager.sock"));
@@ -138,8 +139,8 @@ TEST_F(LaunchProcessTest, ServesRestartsWhatDiesAndStopsEverythingAtSigterm) {
   const std::vector<pid_t> first = Pids(output, "executor-1");
   ASSERT_EQ(first.size(), 1u);
   ASSERT_EQ(::kill(first[0], SIGKILL), 0);
-  ASSERT_TRUE(launch->WaitForLine("kvcm-launch: executor-1 exited \\(killed by signal 9",
-                                  absl::Now() + absl::Seconds(10)).ok());
+  ASSERT_THAT(launch->WaitForLine("kvcm-launch: executor-1 exited \\(killed by signal 9",
+                                  absl::Now() + absl::Seconds(10)), IsOk());
   const absl::Time deadline = absl::Now() + absl::Seconds(20);
   while (Pids(launch->Output(), "executor-1").size() < 2 && absl::Now() < deadline) {
     absl::SleepFor(absl::Milliseconds(50));
@@ -166,9 +167,9 @@ TEST_F(LaunchProcessTest, ServesRestartsWhatDiesAndStopsEverythingAtSigterm) {
     const std::vector<pid_t> pids = Pids(launch->Output(), name);
     all.push_back(pids.back());
   }
-  ASSERT_TRUE(launch->Signal(SIGTERM).ok());
+  ASSERT_THAT(launch->Signal(SIGTERM), IsOk());
   absl::StatusOr<int> code = launch->Wait(absl::Seconds(60));
-  ASSERT_TRUE(code.ok()) << launch->Output();
+  ASSERT_THAT(code, IsOk()) << launch->Output();
   EXPECT_EQ(*code, 0) << launch->Output();
   const std::string log = launch->Output();
   const size_t router_exit = log.find("kvcm-launch: router exited");
@@ -218,11 +219,11 @@ TEST_F(LaunchProcessTest, ARequestSentAtTheReadyLineIsServedHoweverSlowlyExecuto
     ASSERT_NE(launch, nullptr);
     auto router = launch->WaitForLine("kvcm-router: ready http=(\\S+)",
                                       absl::Now() + absl::Seconds(60));
-    ASSERT_TRUE(router.ok()) << router.status();
+    ASSERT_THAT(router, IsOk());
     absl::StatusOr<testing::HttpResponse> early = HttpPost(
         (*router)[1] + "/generate",
         json{{"inputs", "too early"}, {"parameters", {{"max_new_tokens", 2}}}}.dump());
-    ASSERT_TRUE(early.ok()) << early.status() << "\n" << launch->Output();
+    ASSERT_THAT(early, IsOk()) << "\n" << launch->Output();
     EXPECT_EQ(early->status, 503) << early->body;
     EXPECT_THAT(early->body, HasSubstr("no executor is registered"));
 
@@ -230,14 +231,14 @@ TEST_F(LaunchProcessTest, ARequestSentAtTheReadyLineIsServedHoweverSlowlyExecuto
     auto ready = launch->WaitForLine(
         absl::StrCat("kvcm-launch: ready http=(\\S+) executors=", executors),
         absl::Now() + absl::Seconds(60));
-    ASSERT_TRUE(ready.ok()) << ready.status();
+    ASSERT_THAT(ready, IsOk());
     EXPECT_EQ(Generate((*ready)[1], "at the ready line", 4), Reference("at the ready line", 4))
         << "seed " << seed << "\n"
         << launch->Output();
 
-    ASSERT_TRUE(launch->Signal(SIGTERM).ok());
+    ASSERT_THAT(launch->Signal(SIGTERM), IsOk());
     absl::StatusOr<int> code = launch->Wait(absl::Seconds(60));
-    ASSERT_TRUE(code.ok()) << launch->Output();
+    ASSERT_THAT(code, IsOk()) << launch->Output();
     EXPECT_EQ(*code, 0) << launch->Output();
   }
 }
@@ -247,7 +248,7 @@ TEST_F(LaunchProcessTest, AProcessThatCannotStartFailsTheLaunchWithItsReason) {
   std::unique_ptr<Subprocess> launch = Launch({"--cache-manager-arg=--num-blocks=0"});
   ASSERT_NE(launch, nullptr);
   absl::StatusOr<int> code = launch->Wait(absl::Seconds(30));
-  ASSERT_TRUE(code.ok()) << launch->Output();
+  ASSERT_THAT(code, IsOk()) << launch->Output();
   EXPECT_EQ(*code, 1);
   EXPECT_THAT(launch->Output(), HasSubstr("cache-manager failed before it was ready"));
   EXPECT_THAT(launch->Output(), HasSubstr("[cache-manager] "));
@@ -255,7 +256,7 @@ TEST_F(LaunchProcessTest, AProcessThatCannotStartFailsTheLaunchWithItsReason) {
   std::unique_ptr<Subprocess> bad = Launch({"--typical-p", "0.5"});
   ASSERT_NE(bad, nullptr);
   code = bad->Wait(absl::Seconds(10));
-  ASSERT_TRUE(code.ok());
+  ASSERT_THAT(code, IsOk());
   EXPECT_EQ(*code, 2);
   EXPECT_THAT(bad->Output(), HasSubstr("unknown flag --typical-p"));
   EXPECT_THAT(bad->Output(), ::testing::Not(HasSubstr("started")));

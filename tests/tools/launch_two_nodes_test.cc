@@ -26,6 +26,7 @@
 #include "tests/support/metrics_text.h"
 #include "tests/support/subprocess.h"
 #include "tests/support/wait_for.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -50,12 +51,12 @@ class LaunchTwoNodesTest : public ::testing::Test {
  protected:
   void SetUp() override {
     absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-2n");
-    ASSERT_TRUE(dir.ok());
+    ASSERT_THAT(dir, IsOk());
     dir_ = std::make_unique<TempDir>(std::move(*dir));
     model_dir_ = dir_->path() + "/tiny";
-    ASSERT_TRUE(testing::MakeTinyModel(model_dir_, /*seed=*/5).ok());
+    ASSERT_THAT(testing::MakeTinyModel(model_dir_, /*seed=*/5), IsOk());
     absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(model_dir_);
-    ASSERT_TRUE(model.ok()) << model.status();
+    ASSERT_THAT(model, IsOk());
     model_ = *std::move(model);
   }
 
@@ -67,7 +68,7 @@ class LaunchTwoNodesTest : public ::testing::Test {
     options.output_path = dir_->path() + "/" + log;
     options.env = {"TMPDIR=" + dir_->path()};
     absl::StatusOr<std::unique_ptr<Subprocess>> started = Subprocess::Start(options);
-    EXPECT_TRUE(started.ok()) << started.status();
+    EXPECT_THAT(started, IsOk());
     return started.ok() ? *std::move(started) : nullptr;
   }
 
@@ -131,7 +132,7 @@ class LaunchTwoNodesTest : public ::testing::Test {
     EXPECT_TRUE(reply.ok() && reply->status == 200) << address;
     if (!reply.ok() || reply->status != 200) return {};
     absl::StatusOr<testing::MetricsText> parsed = testing::ParseMetricsText(reply->body);
-    EXPECT_TRUE(parsed.ok()) << parsed.status();
+    EXPECT_THAT(parsed, IsOk());
     return parsed.ok() ? *std::move(parsed) : testing::MetricsText{};
   }
   static double Sum(const testing::MetricsText& metrics, const std::string& name) {
@@ -160,7 +161,7 @@ TEST_F(LaunchTwoNodesTest, TwoNodesServeSideBySideEachOnItsOwnPorts) {
     auto ready = node->launch->WaitForLine(
         "kvcm-launch: ready http=(\\S+) executors=1 run_dir=(\\S+)",
         absl::Now() + absl::Seconds(90));
-    ASSERT_TRUE(ready.ok()) << node->name << ": " << ready.status() << node->launch->Output();
+    ASSERT_THAT(ready, IsOk()) << node->name << ": " << ready.status() << node->launch->Output();
     node->url = (*ready)[1];
     EXPECT_EQ((*ready)[2], node->run_dir);
     EXPECT_TRUE(std::filesystem::exists(node->run_dir + "/cache-manager.sock"));
@@ -203,7 +204,7 @@ TEST_F(LaunchTwoNodesTest, TwoNodesServeSideBySideEachOnItsOwnPorts) {
       Launch("launch-port-clash.log", {"--port", a_port, "--num-blocks", "32"});
   ASSERT_NE(clash, nullptr);
   absl::StatusOr<int> code = clash->Wait(absl::Seconds(60));
-  ASSERT_TRUE(code.ok()) << clash->Output();
+  ASSERT_THAT(code, IsOk()) << clash->Output();
   EXPECT_EQ(*code, 1);
   EXPECT_THAT(clash->Output(), HasSubstr("cannot listen on 127.0.0.1:" + a_port));
   EXPECT_THAT(clash->Output(), HasSubstr("router failed before it was ready"));
@@ -213,7 +214,7 @@ TEST_F(LaunchTwoNodesTest, TwoNodesServeSideBySideEachOnItsOwnPorts) {
       "launch-dir-clash.log", {"--run-dir", a.run_dir, "--port", "0", "--num-blocks", "32"});
   ASSERT_NE(same_dir, nullptr);
   code = same_dir->Wait(absl::Seconds(60));
-  ASSERT_TRUE(code.ok()) << same_dir->Output();
+  ASSERT_THAT(code, IsOk()) << same_dir->Output();
   EXPECT_EQ(*code, 1);
   EXPECT_THAT(same_dir->Output(), HasSubstr("kvcm-cache-manager is already running on " +
                                             a.run_dir));
@@ -225,9 +226,9 @@ TEST_F(LaunchTwoNodesTest, TwoNodesServeSideBySideEachOnItsOwnPorts) {
       << a.launch->Output();
 
   for (Node* node : {&a, &b}) {
-    ASSERT_TRUE(node->launch->Signal(SIGTERM).ok());
+    ASSERT_THAT(node->launch->Signal(SIGTERM), IsOk());
     absl::StatusOr<int> stopped = node->launch->Wait(absl::Seconds(60));
-    ASSERT_TRUE(stopped.ok()) << node->launch->Output();
+    ASSERT_THAT(stopped, IsOk()) << node->launch->Output();
     EXPECT_EQ(*stopped, 0) << node->launch->Output();
   }
 }

@@ -13,6 +13,7 @@
 #include "nlohmann/json.hpp"
 #include "tools/kvcmctl/command.h"
 #include "tools/kvcmctl/flag_parser.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm::kvcmctl {
 namespace {
@@ -41,7 +42,7 @@ TEST(ParseFlagsTest, FormsAndErrors) {
   constexpr FlagSpec kSpecs[] = {{"n", "N", ""}, {"on", "", ""}};
   const std::vector<std::string> args = {"--n=3", "--on", "pos", "--", "--n"};
   const absl::StatusOr<ParsedFlags> flags = ParseFlags(kSpecs, args);
-  ASSERT_TRUE(flags.ok()) << flags.status();
+  ASSERT_THAT(flags, IsOk());
   EXPECT_EQ(flags->Get("n"), "3");
   EXPECT_TRUE(flags->Has("on"));
   EXPECT_EQ(flags->positional(), (std::vector<std::string>{"pos", "--n"}));
@@ -59,7 +60,7 @@ TEST(ParseFlagsTest, FormsAndErrors) {
 
 TEST(ParsePlanOptionsTest, DimensionsAndDefaults) {
   const absl::StatusOr<PlanOptions> options = Parse(Shape({"--pool-bytes", "64GiB"}));
-  ASSERT_TRUE(options.ok()) << options.status();
+  ASSERT_THAT(options, IsOk());
   EXPECT_EQ(options->num_layers, 32);
   EXPECT_EQ(options->num_kv_heads, 8);
   EXPECT_EQ(options->head_dim, 128);
@@ -74,7 +75,7 @@ TEST(ParsePlanOptionsTest, AllFlags) {
   const absl::StatusOr<PlanOptions> options =
       Parse(Shape({"--dtype", "fp8", "--block-size", "32", "--memory-fraction", "0.8",
                    "--free-memory", "70GB", "--margin", "0.05", "--seq-len", "8192", "--json"}));
-  ASSERT_TRUE(options.ok()) << options.status();
+  ASSERT_THAT(options, IsOk());
   EXPECT_EQ(options->dtype, DType::kFloat8E4M3);
   EXPECT_EQ(options->block_size, 32);
   EXPECT_EQ(options->seq_len, 8192);
@@ -88,14 +89,14 @@ TEST(ParsePlanOptionsTest, AllFlags) {
 TEST(ParsePlanOptionsTest, MemoryFractionDefaultMargin) {
   const absl::StatusOr<PlanOptions> options =
       Parse(Shape({"--memory-fraction", "0.9", "--free-memory", "80GiB"}));
-  ASSERT_TRUE(options.ok()) << options.status();
+  ASSERT_THAT(options, IsOk());
   EXPECT_EQ(std::get<MemoryFractionBudget>(options->budget.kind).margin, kDefaultMemoryMargin);
 }
 
 TEST(ParsePlanOptionsTest, ModelConfig) {
   const absl::StatusOr<PlanOptions> options =
       Parse({"--model-config", "x/config.json", "--num-blocks", "100"});
-  ASSERT_TRUE(options.ok()) << options.status();
+  ASSERT_THAT(options, IsOk());
   EXPECT_EQ(options->model_config, "x/config.json");
   EXPECT_EQ(std::get<BlockCountBudget>(options->budget.kind).num_blocks, 100);
 }
@@ -155,7 +156,7 @@ TEST(ParsePlanOptionsTest, ShapeErrors) {
 TEST(BuildPlanReportTest, FiguresAndSequenceLengths) {
   const PlanOptions options = *Parse(Shape({"--pool-bytes", "64GiB", "--seq-len", "1000"}));
   const absl::StatusOr<PlanReport> report = BuildPlanReport(options);
-  ASSERT_TRUE(report.ok()) << report.status();
+  ASSERT_THAT(report, IsOk());
   // bf16 by default with dimension flags: 131072 B/token, 2 MiB/block, 32768 blocks.
   EXPECT_EQ(report->plan.spec.dtype, DType::kBFloat16);
   EXPECT_EQ(report->plan.num_blocks, 32768);

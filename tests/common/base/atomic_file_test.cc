@@ -11,6 +11,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/support/subprocess.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -27,13 +28,13 @@ int Entries(const std::string& dir) {
 
 TEST(AtomicFileTest, WriteReplacesTheFileWholeAndLeavesNoTempFile) {
   absl::StatusOr<testing::TempDir> dir = testing::TempDir::Create("kvcm-atomic-file-test");
-  ASSERT_TRUE(dir.ok()) << dir.status();
+  ASSERT_THAT(dir, IsOk());
   const std::string path = dir->path() + "/kvcm.json";
-  ASSERT_TRUE(WriteFileAtomically(path, "[]\n").ok());
+  ASSERT_THAT(WriteFileAtomically(path, "[]\n"), IsOk());
   EXPECT_EQ(ReadSmallFile(path, 100).value_or("?"), "[]\n");
   struct stat before {};
   ASSERT_EQ(::stat(path.c_str(), &before), 0);
-  ASSERT_TRUE(WriteFileAtomically(path, "[{\"targets\": []}]\n").ok());
+  ASSERT_THAT(WriteFileAtomically(path, "[{\"targets\": []}]\n"), IsOk());
   EXPECT_EQ(ReadSmallFile(path, 100).value_or("?"), "[{\"targets\": []}]\n");
   // A new file renamed over the old one (a reader holding the old one keeps it whole).
   struct stat st {};
@@ -50,30 +51,30 @@ TEST(AtomicFileTest, WriteReplacesTheFileWholeAndLeavesNoTempFile) {
 
 TEST(AtomicFileTest, TheModeAskedForIsTheModeGotWhateverTheUmask) {
   absl::StatusOr<testing::TempDir> dir = testing::TempDir::Create("kvcm-atomic-file-test");
-  ASSERT_TRUE(dir.ok()) << dir.status();
+  ASSERT_THAT(dir, IsOk());
   const std::string path = dir->path() + "/private";
   const mode_t old_umask = ::umask(0077);
   const absl::Status written = WriteFileAtomically(path, "x", 0640);
   ::umask(old_umask);
-  ASSERT_TRUE(written.ok()) << written;
+  ASSERT_THAT(written, IsOk());
   struct stat st {};
   ASSERT_EQ(::stat(path.c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0640u);
-  ASSERT_TRUE(WriteFileAtomically(path, "y", 0600).ok());
+  ASSERT_THAT(WriteFileAtomically(path, "y", 0600), IsOk());
   ASSERT_EQ(::stat(path.c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0600u);
 }
 
 TEST(AtomicFileTest, ReadSmallFileRefusesAMissingOrLargerFileNamingIt) {
   absl::StatusOr<testing::TempDir> dir = testing::TempDir::Create("kvcm-atomic-file-test");
-  ASSERT_TRUE(dir.ok()) << dir.status();
+  ASSERT_THAT(dir, IsOk());
   const std::string path = dir->path() + "/seq";
   const absl::StatusOr<std::string> missing = ReadSmallFile(path, 10);
   EXPECT_TRUE(absl::IsNotFound(missing.status())) << missing.status();
   EXPECT_THAT(std::string(missing.status().message()), HasSubstr(path));
 
   const std::string big(10000, 'a');
-  ASSERT_TRUE(WriteFileAtomically(path, big).ok());
+  ASSERT_THAT(WriteFileAtomically(path, big), IsOk());
   EXPECT_EQ(ReadSmallFile(path, 10000).value_or(""), big);
   const absl::StatusOr<std::string> larger = ReadSmallFile(path, 9999);
   EXPECT_TRUE(absl::IsFailedPrecondition(larger.status())) << larger.status();

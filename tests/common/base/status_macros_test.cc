@@ -2,6 +2,7 @@
 
 #include "common/base/check.h"
 #include "gtest/gtest.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -25,7 +26,7 @@ absl::Status CheckEven(int x) {
 TEST(StatusMacrosTest, PropagatesValuesAndErrors) {
   EXPECT_EQ(*Quarter(8), 2);
   EXPECT_EQ(Quarter(6).status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_TRUE(CheckEven(4).ok());
+  EXPECT_THAT(CheckEven(4), IsOk());
   EXPECT_EQ(CheckEven(3).message(), "odd");
 }
 

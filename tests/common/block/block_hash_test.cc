@@ -7,6 +7,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "gtest/gtest.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -125,7 +126,7 @@ TEST(BlockHashTest, HashAlgorithmNamesRoundTrip) {
                              HashAlgorithm::kXxh3, HashAlgorithm::kVllmSha256Cbor,
                              HashAlgorithm::kXxh3V2}) {
     absl::StatusOr<HashAlgorithm> parsed = ParseHashAlgorithm(HashAlgorithmName(algo));
-    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    ASSERT_THAT(parsed, IsOk());
     EXPECT_EQ(*parsed, algo);
   }
   EXPECT_EQ(HashAlgorithmName(HashAlgorithm::kVllmSha256Cbor), "sha256_cbor");

@@ -20,6 +20,7 @@
 #include "common/block/block_ledger.h"
 #include "gtest/gtest.h"
 #include "tests/common/block/ledger_test_util.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -475,7 +476,7 @@ class PropertyRun {
 
   bool Agree(const std::string& where) {
     const absl::Status inv = ledger_->CheckInvariants();
-    EXPECT_TRUE(inv.ok()) << where << ": " << inv;
+    EXPECT_THAT(inv, IsOk()) << where << ": " << inv;
     for (BlockId b = 0; b < n_; ++b) {
       EXPECT_EQ(ledger_->StateOf(b), shadow_->State(b)) << where << ", block " << b;
       EXPECT_EQ(ledger_->RefCount(b), shadow_->Ref(b)) << where << ", block " << b;

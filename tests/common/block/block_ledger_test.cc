@@ -7,6 +7,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/common/block/ledger_test_util.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -28,12 +29,12 @@ BlockLedger MakeLedger(int32_t num_blocks, int32_t block_size, int32_t window = 
   options.sliding_window_tokens = window;
   options.record_events = events;
   auto ledger = BlockLedger::Create(options);
-  EXPECT_TRUE(ledger.ok()) << ledger.status();
+  EXPECT_THAT(ledger, IsOk());
   return std::move(ledger).value();
 }
 
 #define EXPECT_INVARIANTS(ledger) \
-  EXPECT_TRUE((ledger).CheckInvariants().ok()) << (ledger).CheckInvariants()
+  EXPECT_THAT((ledger).CheckInvariants(), IsOk()) << (ledger).CheckInvariants()
 
 // Block sizes 4 and 16: scenarios are written in units of `bs`.
 class LedgerScenarioTest : public ::testing::TestWithParam<int32_t> {
@@ -44,12 +45,12 @@ class LedgerScenarioTest : public ::testing::TestWithParam<int32_t> {
 TEST_P(LedgerScenarioTest, AllocatesLowestFreeBlocksInAscendingRuns) {
   BlockLedger ledger = MakeLedger(8, bs());
   auto a = ledger.Allocate(1, 2 * bs() + 1);
-  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_THAT(a, IsOk());
   EXPECT_THAT(a->blocks, ElementsAre(0, 1, 2));
   EXPECT_EQ(a->num_cached_tokens, 0);
   auto b = ledger.Allocate(2, bs());
   EXPECT_THAT(b->blocks, ElementsAre(3));
-  ASSERT_TRUE(ledger.Free(1).ok());
+  ASSERT_THAT(ledger.Free(1), IsOk());
   EXPECT_INVARIANTS(ledger);
   // Freed ids are reused lowest first: 0, 1 then 4 (3 is taken).
   auto c = ledger.Allocate(3, 3 * bs());
@@ -97,8 +98,8 @@ TEST_P(LedgerScenarioTest, AllocateAndAppendIntoAKeptResultAnswerWhatTheReturnin
     EXPECT_EQ(appended.replaced_last, want->replaced_last) << "seq " << seq;
   };
   auto both = [&](auto&& op) {
-    ASSERT_TRUE(op(by_value).ok());
-    ASSERT_TRUE(op(into).ok());
+    ASSERT_THAT(op(by_value), IsOk());
+    ASSERT_THAT(op(into), IsOk());
   };
   allocate_both(1, 2 * bs() + 1, hashes);
   both([&](BlockLedger& l) { return l.Commit(1, 2 * bs() + 1); });
@@ -126,10 +127,10 @@ TEST_P(LedgerScenarioTest, AllocateAndAppendIntoAKeptResultAnswerWhatTheReturnin
 TEST_P(LedgerScenarioTest, ZeroTokenSequenceHoldsNoBlocksUntilAppend) {
   BlockLedger ledger = MakeLedger(4, bs());
   auto a = ledger.Allocate(1, 0);
-  ASSERT_TRUE(a.ok());
+  ASSERT_THAT(a, IsOk());
   EXPECT_TRUE(a->blocks.empty());
   auto app = ledger.Append(1, 1);
-  ASSERT_TRUE(app.ok());
+  ASSERT_THAT(app, IsOk());
   EXPECT_THAT(app->new_blocks, ElementsAre(0));
   EXPECT_INVARIANTS(ledger);
 }
@@ -148,7 +149,7 @@ TEST_P(LedgerScenarioTest, PrefixHitNeedsCommitAndSharesBlocks) {
   EXPECT_THAT(b->blocks, ElementsAre(4, 5, 6, 7));
   EXPECT_EQ(ledger.Lookup(hashes), 0);
 
-  ASSERT_TRUE(ledger.Commit(1, 2 * bs()).ok());  // two blocks written
+  ASSERT_THAT(ledger.Commit(1, 2 * bs()), IsOk());  // two blocks written
   EXPECT_EQ(ledger.Lookup(hashes), 2);
   auto c = ledger.Allocate(3, static_cast<int32_t>(prompt.size()), hashes);
   EXPECT_EQ(c->num_cached_tokens, 2 * bs());
@@ -166,9 +167,9 @@ TEST_P(LedgerScenarioTest, HitNeverCoversTheLastPromptToken) {
   BlockLedger ledger = MakeLedger(8, bs());
   const auto prompt = Iota(2 * bs());
   const auto hashes = HashesOf(prompt, bs());
-  ASSERT_TRUE(ledger.Allocate(1, 2 * bs(), hashes).ok());
-  ASSERT_TRUE(ledger.Commit(1, 2 * bs()).ok());
-  ASSERT_TRUE(ledger.Free(1).ok());
+  ASSERT_THAT(ledger.Allocate(1, 2 * bs(), hashes), IsOk());
+  ASSERT_THAT(ledger.Commit(1, 2 * bs()), IsOk());
+  ASSERT_THAT(ledger.Free(1), IsOk());
   EXPECT_EQ(ledger.Stats().cached_blocks, 2);
   // Same prompt again: block 1 holds the last token, which must be computed for logits.
   auto b = ledger.Allocate(2, 2 * bs(), hashes);
@@ -181,8 +182,8 @@ TEST_P(LedgerScenarioTest, FreeKeepsCommittedFullBlocksCachedAndFreesTheRest) {
   BlockLedger ledger = MakeLedger(8, bs());
   const auto prompt = Iota(2 * bs() + 2);
   auto a = ledger.Allocate(1, static_cast<int32_t>(prompt.size()), HashesOf(prompt, bs()));
-  ASSERT_TRUE(ledger.Commit(1, bs() + 1).ok());  // only block 0 fully written
-  ASSERT_TRUE(ledger.Free(1).ok());
+  ASSERT_THAT(ledger.Commit(1, bs() + 1), IsOk());  // only block 0 fully written
+  ASSERT_THAT(ledger.Free(1), IsOk());
   EXPECT_EQ(ledger.StateOf(0), BlockState::kCached);
   EXPECT_EQ(ledger.StateOf(1), BlockState::kFree);
   EXPECT_EQ(ledger.StateOf(2), BlockState::kFree);
@@ -197,15 +198,15 @@ TEST_P(LedgerScenarioTest, LruStampsWrappingKeepTheEvictionOrder) {
   // Three cached blocks released one after another, the clock wrapping between them.
   for (SeqId seq = 1; seq <= 3; ++seq) {
     const auto prompt = Iota(bs() + 1, static_cast<int32_t>(100 * seq));
-    ASSERT_TRUE(ledger.Allocate(seq, bs() + 1, HashesOf(prompt, bs())).ok());
-    ASSERT_TRUE(ledger.Commit(seq, bs() + 1).ok());
+    ASSERT_THAT(ledger.Allocate(seq, bs() + 1, HashesOf(prompt, bs())), IsOk());
+    ASSERT_THAT(ledger.Commit(seq, bs() + 1), IsOk());
   }
   const std::vector<BlockId> order = {0, 2, 4};  // each sequence's full block, oldest first
-  for (SeqId seq = 1; seq <= 3; ++seq) ASSERT_TRUE(ledger.Free(seq).ok());
+  for (SeqId seq = 1; seq <= 3; ++seq) ASSERT_THAT(ledger.Free(seq), IsOk());
   EXPECT_EQ(ledger.EvictionOrderForTest(), order);
   EXPECT_INVARIANTS(ledger);
   // The pool's free blocks go first, then the cached ones in that order.
-  ASSERT_TRUE(ledger.Allocate(9, 8 * bs()).ok());
+  ASSERT_THAT(ledger.Allocate(9, 8 * bs()), IsOk());
   EXPECT_EQ(ledger.EvictionOrderForTest(), std::vector<BlockId>{});
   EXPECT_INVARIANTS(ledger);
 }
@@ -213,19 +214,19 @@ TEST_P(LedgerScenarioTest, LruStampsWrappingKeepTheEvictionOrder) {
 TEST_P(LedgerScenarioTest, RenameKeepsBlocksAndFreesTheOldId) {
   BlockLedger ledger = MakeLedger(8, bs());
   const auto prompt = Iota(2 * bs() + 2);
-  ASSERT_TRUE(ledger.Allocate(1, static_cast<int32_t>(prompt.size()), HashesOf(prompt, bs())).ok());
-  ASSERT_TRUE(ledger.Commit(1, bs() + 1).ok());
-  ASSERT_TRUE(ledger.Allocate(2, 1).ok());
+  ASSERT_THAT(ledger.Allocate(1, static_cast<int32_t>(prompt.size()), HashesOf(prompt, bs())), IsOk());
+  ASSERT_THAT(ledger.Commit(1, bs() + 1), IsOk());
+  ASSERT_THAT(ledger.Allocate(2, 1), IsOk());
   EXPECT_EQ(ledger.Rename(1, 2).code(), absl::StatusCode::kAlreadyExists);
   EXPECT_EQ(ledger.Rename(9, 10).code(), absl::StatusCode::kNotFound);
-  ASSERT_TRUE(ledger.Rename(1, 100).ok());
+  ASSERT_THAT(ledger.Rename(1, 100), IsOk());
   EXPECT_INVARIANTS(ledger);
   EXPECT_THAT(*ledger.BlockTable(100), ElementsAre(0, 1, 2));
   EXPECT_EQ(ledger.BlockTable(1).status().code(), absl::StatusCode::kNotFound);
   for (BlockId b : {0, 1, 2}) EXPECT_EQ(ledger.StateOf(b), BlockState::kInUse);
   // The old id is free for a new sequence; the renamed one keeps its commit point.
-  ASSERT_TRUE(ledger.Allocate(1, bs()).ok());
-  ASSERT_TRUE(ledger.Free(100).ok());
+  ASSERT_THAT(ledger.Allocate(1, bs()), IsOk());
+  ASSERT_THAT(ledger.Free(100), IsOk());
   EXPECT_EQ(ledger.StateOf(0), BlockState::kCached);
   EXPECT_EQ(ledger.StateOf(1), BlockState::kFree);
   EXPECT_INVARIANTS(ledger);
@@ -233,19 +234,19 @@ TEST_P(LedgerScenarioTest, RenameKeepsBlocksAndFreesTheOldId) {
 
 TEST_P(LedgerScenarioTest, AnOwnerStaysWithItsSequenceUntilItIsFreed) {
   BlockLedger ledger = MakeLedger(8, bs());
-  ASSERT_TRUE(ledger.Allocate(1, bs() + 1).ok());
+  ASSERT_THAT(ledger.Allocate(1, bs() + 1), IsOk());
   EXPECT_EQ(ledger.OwnerOf(1), 0u);  // none until set
   EXPECT_EQ(ledger.SetOwner(9, 7).code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(ledger.OwnerOf(9), 0u);
-  ASSERT_TRUE(ledger.SetOwner(1, 7).ok());
-  ASSERT_TRUE(ledger.Commit(1, bs()).ok());
-  ASSERT_TRUE(ledger.Append(1, bs()).ok());
+  ASSERT_THAT(ledger.SetOwner(1, 7), IsOk());
+  ASSERT_THAT(ledger.Commit(1, bs()), IsOk());
+  ASSERT_THAT(ledger.Append(1, bs()), IsOk());
   EXPECT_EQ(ledger.OwnerOf(1), 7u);
   // A fork's child starts with none; a rename keeps it.
-  ASSERT_TRUE(ledger.Fork(1, 2).ok());
+  ASSERT_THAT(ledger.Fork(1, 2), IsOk());
   EXPECT_EQ(ledger.OwnerOf(2), 0u);
-  ASSERT_TRUE(ledger.SetOwner(2, 8).ok());
-  ASSERT_TRUE(ledger.Rename(1, 100).ok());
+  ASSERT_THAT(ledger.SetOwner(2, 8), IsOk());
+  ASSERT_THAT(ledger.Rename(1, 100), IsOk());
   EXPECT_EQ(ledger.OwnerOf(100), 7u);
   EXPECT_EQ(ledger.OwnerOf(1), 0u);
   std::vector<std::pair<SeqId, uint64_t>> seen;
@@ -253,9 +254,9 @@ TEST_P(LedgerScenarioTest, AnOwnerStaysWithItsSequenceUntilItIsFreed) {
   EXPECT_THAT(seen, UnorderedElementsAre(std::pair<SeqId, uint64_t>{100, 7},
                                          std::pair<SeqId, uint64_t>{2, 8}));
   // Freed, its record is reused by the next sequence, which starts with none again.
-  ASSERT_TRUE(ledger.Free(100).ok());
+  ASSERT_THAT(ledger.Free(100), IsOk());
   EXPECT_EQ(ledger.OwnerOf(100), 0u);
-  ASSERT_TRUE(ledger.Allocate(3, 1).ok());
+  ASSERT_THAT(ledger.Allocate(3, 1), IsOk());
   EXPECT_EQ(ledger.OwnerOf(3), 0u);
   EXPECT_INVARIANTS(ledger);
 }
@@ -264,17 +265,17 @@ TEST_P(LedgerScenarioTest, EvictsLeastRecentlyReleasedAndTailBeforeHead) {
   BlockLedger ledger = MakeLedger(6, bs());
   const auto doc_a = Iota(3 * bs(), 0);
   const auto doc_b = Iota(2 * bs(), 1000);
-  ASSERT_TRUE(ledger.Allocate(1, 3 * bs(), HashesOf(doc_a, bs())).ok());  // 0 1 2
-  ASSERT_TRUE(ledger.Allocate(2, 2 * bs(), HashesOf(doc_b, bs())).ok());  // 3 4
-  ASSERT_TRUE(ledger.Commit(1, 3 * bs()).ok());
-  ASSERT_TRUE(ledger.Commit(2, 2 * bs()).ok());
-  ASSERT_TRUE(ledger.Free(1).ok());
-  ASSERT_TRUE(ledger.Free(2).ok());
+  ASSERT_THAT(ledger.Allocate(1, 3 * bs(), HashesOf(doc_a, bs())), IsOk());  // 0 1 2
+  ASSERT_THAT(ledger.Allocate(2, 2 * bs(), HashesOf(doc_b, bs())), IsOk());  // 3 4
+  ASSERT_THAT(ledger.Commit(1, 3 * bs()), IsOk());
+  ASSERT_THAT(ledger.Commit(2, 2 * bs()), IsOk());
+  ASSERT_THAT(ledger.Free(1), IsOk());
+  ASSERT_THAT(ledger.Free(2), IsOk());
   EXPECT_THAT(ledger.EvictionOrderForTest(), ElementsAre(2, 1, 0, 4, 3));
 
   // Three blocks: the one free block first, then two victims from the LRU end.
   auto plan = ledger.CanAllocate(3, 3 * bs());
-  ASSERT_TRUE(plan.ok());
+  ASSERT_THAT(plan, IsOk());
   EXPECT_EQ(plan->blocks_needed, 3);
   EXPECT_EQ(plan->evictions, 2);
   auto c = ledger.Allocate(3, 3 * bs());
@@ -289,27 +290,27 @@ TEST_P(LedgerScenarioTest, PrefixHitMovesBlocksToMostRecentlyUsed) {
   BlockLedger ledger = MakeLedger(6, bs());
   const auto doc_a = Iota(2 * bs(), 0);
   const auto doc_b = Iota(2 * bs(), 1000);
-  ASSERT_TRUE(ledger.Allocate(1, 2 * bs(), HashesOf(doc_a, bs())).ok());  // 0 1
-  ASSERT_TRUE(ledger.Allocate(2, 2 * bs(), HashesOf(doc_b, bs())).ok());  // 2 3
-  ASSERT_TRUE(ledger.Commit(1, 2 * bs()).ok());
-  ASSERT_TRUE(ledger.Commit(2, 2 * bs()).ok());
-  ASSERT_TRUE(ledger.Free(1).ok());
-  ASSERT_TRUE(ledger.Free(2).ok());
+  ASSERT_THAT(ledger.Allocate(1, 2 * bs(), HashesOf(doc_a, bs())), IsOk());  // 0 1
+  ASSERT_THAT(ledger.Allocate(2, 2 * bs(), HashesOf(doc_b, bs())), IsOk());  // 2 3
+  ASSERT_THAT(ledger.Commit(1, 2 * bs()), IsOk());
+  ASSERT_THAT(ledger.Commit(2, 2 * bs()), IsOk());
+  ASSERT_THAT(ledger.Free(1), IsOk());
+  ASSERT_THAT(ledger.Free(2), IsOk());
   EXPECT_THAT(ledger.EvictionOrderForTest(), ElementsAre(1, 0, 3, 2));
   // Reuse A's head (prompt = A's first block + 1 token) and release it again.
   auto prompt = Iota(bs() + 1, 0);
   auto hit = ledger.Allocate(3, bs() + 1, HashesOf(prompt, bs()));
   EXPECT_EQ(hit->num_cached_tokens, bs());
   EXPECT_THAT(hit->blocks, ElementsAre(0, 4));
-  ASSERT_TRUE(ledger.Free(3).ok());
+  ASSERT_THAT(ledger.Free(3), IsOk());
   EXPECT_THAT(ledger.EvictionOrderForTest(), ElementsAre(1, 3, 2, 0));
   EXPECT_INVARIANTS(ledger);
 }
 
 TEST_P(LedgerScenarioTest, ForkSharesBlocksAndCopiesPartialBlockOnWrite) {
   BlockLedger ledger = MakeLedger(8, bs());
-  ASSERT_TRUE(ledger.Allocate(1, bs() + 2).ok());  // blocks 0 (full), 1 (2 tokens)
-  ASSERT_TRUE(ledger.Fork(1, 2).ok());
+  ASSERT_THAT(ledger.Allocate(1, bs() + 2), IsOk());  // blocks 0 (full), 1 (2 tokens)
+  ASSERT_THAT(ledger.Fork(1, 2), IsOk());
   EXPECT_EQ(ledger.RefCount(0), 2);
   EXPECT_EQ(ledger.RefCount(1), 2);
   EXPECT_INVARIANTS(ledger);
@@ -323,13 +324,13 @@ TEST_P(LedgerScenarioTest, ForkSharesBlocksAndCopiesPartialBlockOnWrite) {
   EXPECT_INVARIANTS(ledger);
   // Once written (the child shares the parent's commit point only as of the fork, so both
   // commit), the copy goes ahead.
-  ASSERT_TRUE(ledger.Commit(1, bs() + 2).ok());
-  ASSERT_TRUE(ledger.Commit(2, bs() + 2).ok());
+  ASSERT_THAT(ledger.Commit(1, bs() + 2), IsOk());
+  ASSERT_THAT(ledger.Commit(2, bs() + 2), IsOk());
 
   auto plan = ledger.CanAppend(2, 1);
   EXPECT_EQ(plan->copies, 1);
   auto child = ledger.Append(2, 1);
-  ASSERT_TRUE(child.ok()) << child.status();
+  ASSERT_THAT(child, IsOk());
   EXPECT_THAT(child->copies, ElementsAre(CopyOrder{1, 2}));
   EXPECT_EQ(child->replaced_last, 2);
   EXPECT_TRUE(child->new_blocks.empty());
@@ -346,7 +347,7 @@ TEST_P(LedgerScenarioTest, ForkSharesBlocksAndCopiesPartialBlockOnWrite) {
   EXPECT_INVARIANTS(ledger);
 
   // Freeing the parent leaves the child's shared head intact.
-  ASSERT_TRUE(ledger.Free(1).ok());
+  ASSERT_THAT(ledger.Free(1), IsOk());
   EXPECT_EQ(ledger.RefCount(0), 1);
   EXPECT_EQ(ledger.StateOf(1), BlockState::kFree);
   EXPECT_INVARIANTS(ledger);
@@ -354,8 +355,8 @@ TEST_P(LedgerScenarioTest, ForkSharesBlocksAndCopiesPartialBlockOnWrite) {
 
 TEST_P(LedgerScenarioTest, ForkWithFullLastBlockNeedsNoCopy) {
   BlockLedger ledger = MakeLedger(8, bs());
-  ASSERT_TRUE(ledger.Allocate(1, 2 * bs()).ok());
-  ASSERT_TRUE(ledger.Fork(1, 2).ok());
+  ASSERT_THAT(ledger.Allocate(1, 2 * bs()), IsOk());
+  ASSERT_THAT(ledger.Fork(1, 2), IsOk());
   auto child = ledger.Append(2, 1);
   EXPECT_TRUE(child->copies.empty());
   EXPECT_THAT(child->new_blocks, ElementsAre(2));
@@ -364,9 +365,9 @@ TEST_P(LedgerScenarioTest, ForkWithFullLastBlockNeedsNoCopy) {
 
 TEST_P(LedgerScenarioTest, AppendCrossesSeveralBoundariesAtOnce) {
   BlockLedger ledger = MakeLedger(8, bs());
-  ASSERT_TRUE(ledger.Allocate(1, 3).ok());
+  ASSERT_THAT(ledger.Allocate(1, 3), IsOk());
   auto app = ledger.Append(1, 3 * bs());
-  ASSERT_TRUE(app.ok());
+  ASSERT_THAT(app, IsOk());
   EXPECT_THAT(app->new_blocks, ElementsAre(1, 2, 3));
   EXPECT_EQ(*ledger.NumTokens(1), 3 * bs() + 3);
   auto none = ledger.Append(1, 0);
@@ -379,15 +380,15 @@ TEST_P(LedgerScenarioTest, SlidingWindowReleasesBlocksOutsideTheWindow) {
   BlockLedger ledger = MakeLedger(16, bs(), window);
   const auto prompt = Iota(5 * bs());
   const auto hashes = HashesOf(prompt, bs());
-  ASSERT_TRUE(ledger.Allocate(1, 5 * bs(), hashes).ok());  // 0..4
-  ASSERT_TRUE(ledger.Allocate(2, 5 * bs()).ok());          // 5..9, no hashes
+  ASSERT_THAT(ledger.Allocate(1, 5 * bs(), hashes), IsOk());  // 0..4
+  ASSERT_THAT(ledger.Allocate(2, 5 * bs()), IsOk());          // 5..9, no hashes
   // Nothing is released until the commit point leaves the window behind.
-  ASSERT_TRUE(ledger.Commit(1, 2 * bs()).ok());
+  ASSERT_THAT(ledger.Commit(1, 2 * bs()), IsOk());
   EXPECT_THAT(*ledger.BlockTable(1), ElementsAre(0, 1, 2, 3, 4));
   // Committed 5 blocks: the next query (position 5bs) sees (5bs - 2bs, 5bs]; tokens before
   // 3bs + 1 are never read again, so blocks 0..2 (ending at 3bs) go.
-  ASSERT_TRUE(ledger.Commit(1, 5 * bs()).ok());
-  ASSERT_TRUE(ledger.Commit(2, 5 * bs()).ok());
+  ASSERT_THAT(ledger.Commit(1, 5 * bs()), IsOk());
+  ASSERT_THAT(ledger.Commit(2, 5 * bs()), IsOk());
   EXPECT_THAT(*ledger.BlockTable(1), ElementsAre(X, X, X, 3, 4));
   EXPECT_THAT(*ledger.BlockTable(2), ElementsAre(X, X, X, 8, 9));
   // Committed, hashed blocks stay cached; unhashed ones are free.
@@ -397,18 +398,18 @@ TEST_P(LedgerScenarioTest, SlidingWindowReleasesBlocksOutsideTheWindow) {
   EXPECT_INVARIANTS(ledger);
   // Decoding on (new blocks come from the lowest free ids, 5 and 6): block 3 goes once the
   // commit point passes 4bs + window - 1.
-  ASSERT_TRUE(ledger.Append(1, 1).ok());
-  ASSERT_TRUE(ledger.Commit(1, 5 * bs() + 1).ok());
+  ASSERT_THAT(ledger.Append(1, 1), IsOk());
+  ASSERT_THAT(ledger.Commit(1, 5 * bs() + 1), IsOk());
   EXPECT_THAT(*ledger.BlockTable(1), ElementsAre(X, X, X, 3, 4, 5));
-  ASSERT_TRUE(ledger.Append(1, bs()).ok());
-  ASSERT_TRUE(ledger.Commit(1, 6 * bs() + 1).ok());
+  ASSERT_THAT(ledger.Append(1, bs()), IsOk());
+  ASSERT_THAT(ledger.Commit(1, 6 * bs() + 1), IsOk());
   EXPECT_THAT(*ledger.BlockTable(1), ElementsAre(X, X, X, X, 4, 5, 6));
   // A fork shares only the live blocks; freeing both skips the released entries.
-  ASSERT_TRUE(ledger.Fork(1, 3).ok());
+  ASSERT_THAT(ledger.Fork(1, 3), IsOk());
   EXPECT_INVARIANTS(ledger);
-  ASSERT_TRUE(ledger.Free(1).ok());
-  ASSERT_TRUE(ledger.Free(3).ok());
-  ASSERT_TRUE(ledger.Free(2).ok());
+  ASSERT_THAT(ledger.Free(1), IsOk());
+  ASSERT_THAT(ledger.Free(3), IsOk());
+  ASSERT_THAT(ledger.Free(2), IsOk());
   EXPECT_EQ(ledger.Stats().in_use_blocks, 0);
   EXPECT_INVARIANTS(ledger);
 }
@@ -417,12 +418,12 @@ TEST_P(LedgerScenarioTest, PinnedBlocksAreNeverEvicted) {
   BlockLedger ledger = MakeLedger(4, bs());
   const auto system_prompt = Iota(2 * bs(), 7);
   const auto hashes = HashesOf(system_prompt, bs());
-  ASSERT_TRUE(ledger.Allocate(1, 2 * bs(), hashes).ok());
-  ASSERT_TRUE(ledger.Commit(1, 2 * bs()).ok());
-  ASSERT_TRUE(ledger.Pin("system", hashes).ok());
+  ASSERT_THAT(ledger.Allocate(1, 2 * bs(), hashes), IsOk());
+  ASSERT_THAT(ledger.Commit(1, 2 * bs()), IsOk());
+  ASSERT_THAT(ledger.Pin("system", hashes), IsOk());
   // Pinned while in use: still in use until released.
   EXPECT_EQ(ledger.StateOf(0), BlockState::kInUse);
-  ASSERT_TRUE(ledger.Free(1).ok());
+  ASSERT_THAT(ledger.Free(1), IsOk());
   EXPECT_EQ(ledger.StateOf(0), BlockState::kPinned);
   EXPECT_EQ(ledger.StateOf(1), BlockState::kPinned);
   EXPECT_TRUE(ledger.EvictionOrderForTest().empty());
@@ -439,10 +440,10 @@ TEST_P(LedgerScenarioTest, PinnedBlocksAreNeverEvicted) {
   auto hit = ledger.Allocate(3, static_cast<int32_t>(prompt.size()), HashesOf(prompt, bs()));
   EXPECT_EQ(hit->num_cached_tokens, 2 * bs());
   EXPECT_THAT(hit->blocks, ElementsAre(0, 1, 2));
-  ASSERT_TRUE(ledger.Free(3).ok());
+  ASSERT_THAT(ledger.Free(3), IsOk());
   EXPECT_EQ(ledger.Stats().pinned_blocks, 2);
 
-  ASSERT_TRUE(ledger.Unpin("system").ok());
+  ASSERT_THAT(ledger.Unpin("system"), IsOk());
   EXPECT_EQ(ledger.StateOf(0), BlockState::kCached);
   EXPECT_EQ(ledger.Stats().pinned_blocks, 0);
   EXPECT_EQ(ledger.EvictAllCached(), 2);
@@ -454,8 +455,8 @@ TEST_P(LedgerScenarioTest, PinErrorsChangeNothing) {
   BlockLedger ledger = MakeLedger(4, bs());
   const auto doc = Iota(3 * bs());
   const auto hashes = HashesOf(doc, bs());
-  ASSERT_TRUE(ledger.Allocate(1, 3 * bs(), hashes).ok());
-  ASSERT_TRUE(ledger.Commit(1, 2 * bs()).ok());  // block 2 not committed: not cached
+  ASSERT_THAT(ledger.Allocate(1, 3 * bs(), hashes), IsOk());
+  ASSERT_THAT(ledger.Commit(1, 2 * bs()), IsOk());  // block 2 not committed: not cached
   const auto before = Snapshot(ledger, {1});
 
   auto missing = ledger.Pin("p", hashes);
@@ -465,12 +466,12 @@ TEST_P(LedgerScenarioTest, PinErrorsChangeNothing) {
   EXPECT_EQ(ledger.Pin("p", {}).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(ledger.Unpin("nope").code(), absl::StatusCode::kNotFound);
   // Limit: num_blocks / 2 = 2 blocks by default.
-  ASSERT_TRUE(ledger.Pin("p", std::span(hashes).first(2)).ok());
+  ASSERT_THAT(ledger.Pin("p", std::span(hashes).first(2)), IsOk());
   EXPECT_EQ(ledger.Pin("p", std::span(hashes).first(1)).code(),
             absl::StatusCode::kAlreadyExists);
-  ASSERT_TRUE(ledger.Pin("q", std::span(hashes).first(1)).ok());  // same block: no new one
-  ASSERT_TRUE(ledger.Unpin("q").ok());
-  ASSERT_TRUE(ledger.Unpin("p").ok());
+  ASSERT_THAT(ledger.Pin("q", std::span(hashes).first(1)), IsOk());  // same block: no new one
+  ASSERT_THAT(ledger.Unpin("q"), IsOk());
+  ASSERT_THAT(ledger.Unpin("p"), IsOk());
   EXPECT_EQ(Snapshot(ledger, {1}), before);
   EXPECT_INVARIANTS(ledger);
 }
@@ -483,18 +484,18 @@ TEST_P(LedgerScenarioTest, PinLimitIsEnforced) {
   BlockLedger ledger = *BlockLedger::Create(options);
   const auto doc = Iota(2 * bs());
   const auto hashes = HashesOf(doc, bs());
-  ASSERT_TRUE(ledger.Allocate(1, 2 * bs(), hashes).ok());
-  ASSERT_TRUE(ledger.Commit(1, 2 * bs()).ok());
+  ASSERT_THAT(ledger.Allocate(1, 2 * bs(), hashes), IsOk());
+  ASSERT_THAT(ledger.Commit(1, 2 * bs()), IsOk());
   const auto before = Snapshot(ledger, {1});
   EXPECT_EQ(ledger.Pin("both", hashes).code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(Snapshot(ledger, {1}), before);
-  EXPECT_TRUE(ledger.Pin("head", std::span(hashes).first(1)).ok());
+  EXPECT_THAT(ledger.Pin("head", std::span(hashes).first(1)), IsOk());
 }
 
 TEST_P(LedgerScenarioTest, ExhaustionIsAllOrNothing) {
   BlockLedger ledger = MakeLedger(4, bs());
-  ASSERT_TRUE(ledger.Allocate(1, 2 * bs()).ok());
-  ASSERT_TRUE(ledger.Allocate(3, bs()).ok());
+  ASSERT_THAT(ledger.Allocate(1, 2 * bs()), IsOk());
+  ASSERT_THAT(ledger.Allocate(3, bs()), IsOk());
   const auto before = Snapshot(ledger, {1, 2, 3});
   auto dry = ledger.CanAllocate(2, 2 * bs());
   EXPECT_EQ(dry.status().code(), absl::StatusCode::kResourceExhausted);
@@ -506,7 +507,7 @@ TEST_P(LedgerScenarioTest, ExhaustionIsAllOrNothing) {
   EXPECT_EQ(Snapshot(ledger, {1, 2, 3}), before);
   EXPECT_EQ(ledger.Stats().allocation_failures, 2u);  // dry runs are not counted
   // Exactly the last block still fits.
-  EXPECT_TRUE(ledger.Allocate(2, bs()).ok());
+  EXPECT_THAT(ledger.Allocate(2, bs()), IsOk());
   EXPECT_EQ(ledger.Stats().free_blocks, 0);
   EXPECT_INVARIANTS(ledger);
 }
@@ -515,10 +516,10 @@ TEST_P(LedgerScenarioTest, CachedBlocksReusedByAnAllocationAreNotEvictedForIt) {
   BlockLedger ledger = MakeLedger(4, bs());
   const auto doc = Iota(2 * bs() + 1);
   const auto hashes = HashesOf(doc, bs());
-  ASSERT_TRUE(ledger.Allocate(1, 2 * bs() + 1, hashes).ok());
-  ASSERT_TRUE(ledger.Commit(1, 2 * bs() + 1).ok());
-  ASSERT_TRUE(ledger.Free(1).ok());           // 0 1 cached, 2 3 free
-  ASSERT_TRUE(ledger.Allocate(9, bs()).ok());  // takes 2
+  ASSERT_THAT(ledger.Allocate(1, 2 * bs() + 1, hashes), IsOk());
+  ASSERT_THAT(ledger.Commit(1, 2 * bs() + 1), IsOk());
+  ASSERT_THAT(ledger.Free(1), IsOk());           // 0 1 cached, 2 3 free
+  ASSERT_THAT(ledger.Allocate(9, bs()), IsOk());  // takes 2
   // The prompt plus one more block hits the 2 cached blocks and needs 2 new ones: 1 is free
   // and the only evictable blocks are the hit itself, so it must fail and change nothing.
   auto longer = doc;
@@ -529,7 +530,7 @@ TEST_P(LedgerScenarioTest, CachedBlocksReusedByAnAllocationAreNotEvictedForIt) {
   EXPECT_EQ(Snapshot(ledger, {2, 9}), before);
   // The original prompt fits: 2 hits + 1 new.
   auto ok = ledger.Allocate(2, static_cast<int32_t>(doc.size()), hashes);
-  ASSERT_TRUE(ok.ok()) << ok.status();
+  ASSERT_THAT(ok, IsOk());
   EXPECT_THAT(ok->blocks, ElementsAre(0, 1, 3));
   EXPECT_INVARIANTS(ledger);
 }
@@ -538,12 +539,12 @@ TEST_P(LedgerScenarioTest, DuplicateContentIsIndexedOnceAndTheCopyFreed) {
   BlockLedger ledger = MakeLedger(8, bs());
   const auto doc = Iota(bs() + 1);
   const auto hashes = HashesOf(doc, bs());
-  ASSERT_TRUE(ledger.Allocate(1, bs() + 1, hashes).ok());  // 0 1
-  ASSERT_TRUE(ledger.Allocate(2, bs() + 1, hashes).ok());  // 2 3 (nothing committed yet)
-  ASSERT_TRUE(ledger.Commit(1, bs() + 1).ok());
-  ASSERT_TRUE(ledger.Commit(2, bs() + 1).ok());
-  ASSERT_TRUE(ledger.Free(2).ok());
-  ASSERT_TRUE(ledger.Free(1).ok());
+  ASSERT_THAT(ledger.Allocate(1, bs() + 1, hashes), IsOk());  // 0 1
+  ASSERT_THAT(ledger.Allocate(2, bs() + 1, hashes), IsOk());  // 2 3 (nothing committed yet)
+  ASSERT_THAT(ledger.Commit(1, bs() + 1), IsOk());
+  ASSERT_THAT(ledger.Commit(2, bs() + 1), IsOk());
+  ASSERT_THAT(ledger.Free(2), IsOk());
+  ASSERT_THAT(ledger.Free(1), IsOk());
   EXPECT_EQ(ledger.StateOf(0), BlockState::kCached);
   EXPECT_EQ(ledger.StateOf(2), BlockState::kFree);
   EXPECT_EQ(ledger.Stats().cached_blocks, 1);
@@ -556,14 +557,14 @@ TEST_P(LedgerScenarioTest, ADuplicateStillInUseTakesOverWhenTheIndexedBlockIsEvi
   BlockLedger ledger = MakeLedger(4, bs(), /*window=*/0, /*events=*/true);
   const auto doc = Iota(bs() + 1);
   const auto hashes = HashesOf(doc, bs());
-  ASSERT_TRUE(ledger.Allocate(1, bs() + 1, hashes).ok());  // 0 1
-  ASSERT_TRUE(ledger.Allocate(2, bs() + 1, hashes).ok());  // 2 3 (nothing committed yet)
-  ASSERT_TRUE(ledger.Commit(1, bs() + 1).ok());             // 0 indexed
-  ASSERT_TRUE(ledger.Commit(2, bs() + 1).ok());             // 2 a duplicate of 0
-  ASSERT_TRUE(ledger.Free(1).ok());                         // 0 cached, 1 free
+  ASSERT_THAT(ledger.Allocate(1, bs() + 1, hashes), IsOk());  // 0 1
+  ASSERT_THAT(ledger.Allocate(2, bs() + 1, hashes), IsOk());  // 2 3 (nothing committed yet)
+  ASSERT_THAT(ledger.Commit(1, bs() + 1), IsOk());             // 0 indexed
+  ASSERT_THAT(ledger.Commit(2, bs() + 1), IsOk());             // 2 a duplicate of 0
+  ASSERT_THAT(ledger.Free(1), IsOk());                         // 0 cached, 1 free
   (void)ledger.TakeEvents();
   // Two new blocks: 1 is free, 0 is evicted. Sequence 2's block 2 holds the same content.
-  ASSERT_TRUE(ledger.Allocate(3, 2 * bs()).ok());
+  ASSERT_THAT(ledger.Allocate(3, 2 * bs()), IsOk());
   EXPECT_EQ(ledger.StateOf(2), BlockState::kInUse);
   EXPECT_EQ(ledger.Lookup(hashes), 1) << "the duplicate should be matchable now";
   const std::vector<BlockEvent> events = ledger.TakeEvents();
@@ -575,10 +576,10 @@ TEST_P(LedgerScenarioTest, ADuplicateStillInUseTakesOverWhenTheIndexedBlockIsEvi
   EXPECT_EQ(events[1].hash, hashes[0]);
   EXPECT_INVARIANTS(ledger);
   // Released, it is cached like any indexed block, and a new prompt hits it.
-  ASSERT_TRUE(ledger.Free(2).ok());
+  ASSERT_THAT(ledger.Free(2), IsOk());
   EXPECT_EQ(ledger.StateOf(2), BlockState::kCached);
   auto hit = ledger.Allocate(4, bs() + 1, hashes);
-  ASSERT_TRUE(hit.ok()) << hit.status();
+  ASSERT_THAT(hit, IsOk());
   EXPECT_EQ(hit->num_cached_tokens, bs());
   EXPECT_EQ(hit->blocks[0], 2);
   EXPECT_INVARIANTS(ledger);
@@ -587,9 +588,9 @@ TEST_P(LedgerScenarioTest, ADuplicateStillInUseTakesOverWhenTheIndexedBlockIsEvi
 TEST_P(LedgerScenarioTest, CommitAddsHashesForGeneratedBlocks) {
   BlockLedger ledger = MakeLedger(8, bs());
   auto tokens = Iota(bs() + 1);
-  ASSERT_TRUE(ledger.Allocate(1, bs() + 1, HashesOf(tokens, bs())).ok());
+  ASSERT_THAT(ledger.Allocate(1, bs() + 1, HashesOf(tokens, bs())), IsOk());
   // Decode bs - 1 more tokens: block 1 becomes full; its hash arrives with the commit.
-  ASSERT_TRUE(ledger.Append(1, bs() - 1).ok());
+  ASSERT_THAT(ledger.Append(1, bs() - 1), IsOk());
   for (int i = 0; i < bs() - 1; ++i) tokens.push_back(900 + i);
   const auto hashes = HashesOf(tokens, bs());
   ASSERT_EQ(hashes.size(), 2u);
@@ -604,9 +605,9 @@ TEST_P(LedgerScenarioTest, CommitAddsHashesForGeneratedBlocks) {
 
 TEST_P(LedgerScenarioTest, ErrorsAreClearAndChangeNothing) {
   BlockLedger ledger = MakeLedger(4, bs());
-  ASSERT_TRUE(ledger.Allocate(1, bs() + 1).ok());
-  ASSERT_TRUE(ledger.Fork(1, 2).ok());
-  ASSERT_TRUE(ledger.Commit(1, 2).ok());
+  ASSERT_THAT(ledger.Allocate(1, bs() + 1), IsOk());
+  ASSERT_THAT(ledger.Fork(1, 2), IsOk());
+  ASSERT_THAT(ledger.Commit(1, 2), IsOk());
   const std::vector<SeqId> seqs = {1, 2, 3, 4};
   const auto before = Snapshot(ledger, seqs);
   auto expect_unchanged = [&](absl::Status status, absl::StatusCode code,
@@ -637,14 +638,14 @@ TEST_P(LedgerScenarioTest, ErrorsAreClearAndChangeNothing) {
 
   // Free the forked parent, then free it again: the second is NOT_FOUND and the child
   // keeps its blocks.
-  ASSERT_TRUE(ledger.Free(1).ok());
+  ASSERT_THAT(ledger.Free(1), IsOk());
   const auto after_free = Snapshot(ledger, seqs);
   EXPECT_EQ(ledger.Free(1).code(), C::kNotFound);
   EXPECT_EQ(ledger.Append(1, 1).status().code(), C::kNotFound);  // append to freed
   EXPECT_EQ(Snapshot(ledger, seqs), after_free);
   EXPECT_EQ(ledger.RefCount(0), 1);
   EXPECT_THAT(*ledger.BlockTable(2), ElementsAre(0, 1));
-  ASSERT_TRUE(ledger.Free(2).ok());
+  ASSERT_THAT(ledger.Free(2), IsOk());
   EXPECT_EQ(ledger.Stats().free_blocks, 4);
   EXPECT_INVARIANTS(ledger);
 }
@@ -653,8 +654,8 @@ TEST_P(LedgerScenarioTest, RecordsStoredAndRemovedEvents) {
   BlockLedger ledger = MakeLedger(2, bs(), 0, /*events=*/true);
   const auto doc = Iota(2 * bs());
   const auto hashes = HashesOf(doc, bs());
-  ASSERT_TRUE(ledger.Allocate(1, 2 * bs(), hashes).ok());
-  ASSERT_TRUE(ledger.Commit(1, 2 * bs()).ok());
+  ASSERT_THAT(ledger.Allocate(1, 2 * bs(), hashes), IsOk());
+  ASSERT_THAT(ledger.Commit(1, 2 * bs()), IsOk());
   auto events = ledger.TakeEvents();
   ASSERT_EQ(events.size(), 2u);
   EXPECT_EQ(events[0].kind, BlockEvent::Kind::kStored);
@@ -664,9 +665,9 @@ TEST_P(LedgerScenarioTest, RecordsStoredAndRemovedEvents) {
   EXPECT_EQ(events[1].hash, hashes[1]);
   EXPECT_EQ(events[1].parent_hash, hashes[0]);
   EXPECT_EQ(events[1].block, 1);
-  ASSERT_TRUE(ledger.Free(1).ok());
+  ASSERT_THAT(ledger.Free(1), IsOk());
   EXPECT_TRUE(ledger.TakeEvents().empty());  // cached, not removed
-  ASSERT_TRUE(ledger.Allocate(2, 1).ok());   // evicts the tail block
+  ASSERT_THAT(ledger.Allocate(2, 1), IsOk());   // evicts the tail block
   events = ledger.TakeEvents();
   ASSERT_EQ(events.size(), 1u);
   EXPECT_EQ(events[0].kind, BlockEvent::Kind::kRemoved);
@@ -698,8 +699,8 @@ TEST(LedgerBlockSizeOneTest, EveryTokenIsABlock) {
   BlockLedger ledger = MakeLedger(8, 1);
   const auto doc = Iota(5);
   const auto hashes = HashesOf(doc, 1);
-  ASSERT_TRUE(ledger.Allocate(1, 5, hashes).ok());
-  ASSERT_TRUE(ledger.Commit(1, 5).ok());
+  ASSERT_THAT(ledger.Allocate(1, 5, hashes), IsOk());
+  ASSERT_THAT(ledger.Commit(1, 5), IsOk());
   auto hit = ledger.Allocate(2, 5, hashes);
   EXPECT_EQ(hit->num_cached_tokens, 4);
   EXPECT_THAT(hit->blocks, ElementsAre(0, 1, 2, 3, 5));

@@ -16,6 +16,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/common/block/ledger_test_util.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -29,7 +30,7 @@ BlockLedger MakeLedger(int32_t num_blocks, int32_t block_size) {
   options.num_blocks = num_blocks;
   options.block_size = block_size;
   auto ledger = BlockLedger::Create(options);
-  EXPECT_TRUE(ledger.ok()) << ledger.status();
+  EXPECT_THAT(ledger, IsOk());
   return std::move(ledger).value();
 }
 
@@ -86,11 +87,11 @@ TEST(BlockMapTest, EachBlockIsInTheStateTheLedgerReportsAndTheCountsAreItsStats)
   // Blocks 0-2 cached after seq 1 ends, 0-1 then pinned; 3-4 in use by seq 2.
   const auto prompt = Iota(3 * bs, 11);
   const auto hashes = HashesOf(prompt, bs);
-  ASSERT_TRUE(ledger.Allocate(1, 3 * bs, hashes).ok());
-  ASSERT_TRUE(ledger.Commit(1, 3 * bs).ok());
-  ASSERT_TRUE(ledger.Free(1).ok());
-  ASSERT_TRUE(ledger.Pin("system", std::span(hashes).first(2)).ok());
-  ASSERT_TRUE(ledger.Allocate(2, 2 * bs).ok());
+  ASSERT_THAT(ledger.Allocate(1, 3 * bs, hashes), IsOk());
+  ASSERT_THAT(ledger.Commit(1, 3 * bs), IsOk());
+  ASSERT_THAT(ledger.Free(1), IsOk());
+  ASSERT_THAT(ledger.Pin("system", std::span(hashes).first(2)), IsOk());
+  ASSERT_THAT(ledger.Allocate(2, 2 * bs), IsOk());
 
   BlockMap map;
   ledger.FillBlockMap(kDefaultBlockMapCells, {}, &map);
@@ -107,7 +108,7 @@ TEST(BlockMapTest, EachBlockIsInTheStateTheLedgerReportsAndTheCountsAreItsStats)
 TEST(BlockMapTest, ARunOfBlocksShowsItsDominantStateAndATieTheLaterState) {
   constexpr int32_t bs = 4;
   BlockLedger ledger = MakeLedger(10, bs);
-  ASSERT_TRUE(ledger.Allocate(1, 3 * bs).ok());  // blocks 0-2 in use
+  ASSERT_THAT(ledger.Allocate(1, 3 * bs), IsOk());  // blocks 0-2 in use
   BlockMap map;
   // Runs of 4: [0-3] in use 3 : free 1, [4-7] free, [8-9] free.
   ledger.FillBlockMap(3, {}, &map);
@@ -129,7 +130,7 @@ TEST(BlockMapTest, ARunOfBlocksShowsItsDominantStateAndATieTheLaterState) {
 TEST(BlockMapTest, BlocksHeldApartCountAsQuarantinedOrDrainingInsteadOfInUse) {
   constexpr int32_t bs = 4;
   BlockLedger ledger = MakeLedger(8, bs);
-  ASSERT_TRUE(ledger.Allocate(1, 4 * bs).ok());  // blocks 0-3 in use
+  ASSERT_THAT(ledger.Allocate(1, 4 * bs), IsOk());  // blocks 0-3 in use
   const std::vector<std::pair<BlockId, MapState>> held = {{1, MapState::kQuarantined},
                                                           {3, MapState::kDraining}};
   BlockMap map;
@@ -150,7 +151,7 @@ TEST(BlockMapTest, TheBufferIsReusedAcrossCalls) {
   BlockMap map;
   ledger.FillBlockMap(64, {}, &map);
   const MapState* cells = map.cells.data();
-  ASSERT_TRUE(ledger.Allocate(1, 40).ok());
+  ASSERT_THAT(ledger.Allocate(1, 40), IsOk());
   ledger.FillBlockMap(64, {}, &map);
   EXPECT_EQ(map.cells.data(), cells);
   EXPECT_EQ(map.count(MapState::kInUse), 10);
@@ -188,7 +189,7 @@ TEST_P(BlockMapRandomTest, RandomLedgersGiveTheMapWorkedOutBlockByBlock) {
         ++next;
       } else if (!live.empty()) {
         const size_t i = std::uniform_int_distribution<size_t>(0, live.size() - 1)(rng);
-        ASSERT_TRUE(ledger.Free(live[i]).ok());
+        ASSERT_THAT(ledger.Free(live[i]), IsOk());
         live.erase(live.begin() + static_cast<ptrdiff_t>(i));
       }
       if (op % 50 != 49) continue;

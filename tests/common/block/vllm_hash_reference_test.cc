@@ -27,6 +27,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/support/subprocess.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -129,7 +130,7 @@ TEST(VllmHashReferenceTest, EqualsVllmsOwnFunctions) {
   const std::vector<Case> cases = MakeCases(seed);
 
   absl::StatusOr<TempDir> dir = TempDir::Create("vllmhash");
-  ASSERT_TRUE(dir.ok()) << dir.status();
+  ASSERT_THAT(dir, IsOk());
   nlohmann::json in = {{"cases", nlohmann::json::array()}};
   for (const Case& c : cases) {
     nlohmann::json j = {{"seed", nullptr}, {"block_size", c.block_size}, {"tokens", c.tokens}};
@@ -158,7 +159,7 @@ TEST(VllmHashReferenceTest, EqualsVllmsOwnFunctions) {
   const std::vector<std::string> argv = {KVCM_VLLM_PYTHON, KVCM_VLLM_HASH_SCRIPT, "--cache",
                                          KVCM_VLLM_WHEEL_CACHE, in_path, out_path};
   auto run = RunProgram(argv, "", absl::Minutes(5));
-  ASSERT_TRUE(run.ok()) << run.status();
+  ASSERT_THAT(run, IsOk());
   std::printf("%s", run->output.c_str());
   ASSERT_EQ(run->exit_code, 0) << absl::StrJoin(argv, " ");
 

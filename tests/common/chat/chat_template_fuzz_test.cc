@@ -14,6 +14,7 @@
 #include "gtest/gtest.h"
 #include "common/chat/chat_template.h"
 #include "tests/common/chat/chat_test_cases.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -94,7 +95,7 @@ TEST(ChatTemplateFuzzTest, MutantsRenderLikeTransformers) {
   const std::vector<chat_test::Conversation> conversations = chat_test::Conversations();
   std::vector<chat_test::TemplateFile> mutants;
   absl::StatusOr<testing::TempDir> dir = testing::TempDir::Create("kvcm-chat-fuzz");
-  ASSERT_TRUE(dir.ok()) << dir.status();
+  ASSERT_THAT(dir, IsOk());
   for (int round = 0; round < 25; ++round) {
     for (const auto& t : templates) {
       chat_test::TemplateFile m;
@@ -110,7 +111,7 @@ TEST(ChatTemplateFuzzTest, MutantsRenderLikeTransformers) {
     cases.push_back(Case{&m, &conversations[rng() % conversations.size()], rng() % 2 == 0});
   }
   absl::StatusOr<std::vector<Json>> reference = chat_test::RunReference(cases);
-  ASSERT_TRUE(reference.ok()) << reference.status();
+  ASSERT_THAT(reference, IsOk());
   int same = 0, both_fail = 0, unsupported = 0;
   for (size_t i = 0; i < cases.size(); ++i) {
     const Json& want = (*reference)[i];

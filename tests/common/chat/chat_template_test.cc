@@ -15,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "tests/common/chat/chat_test_cases.h"
 #include "tests/support/real_model.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -28,13 +29,13 @@ using chat_test::Json;
 // failing (raise_exception with the same message).
 void CompareWithReference(const std::vector<Case>& cases) {
   absl::StatusOr<std::vector<Json>> reference = chat_test::RunReference(cases);
-  ASSERT_TRUE(reference.ok()) << reference.status();
+  ASSERT_THAT(reference, IsOk());
   int rendered = 0, raised = 0, failed_both = 0;
   for (size_t i = 0; i < cases.size(); ++i) {
     const Case& c = cases[i];
     const Json& want = (*reference)[i];
     absl::StatusOr<ChatTemplate> tmpl = ChatTemplate::Parse(c.tmpl->source);
-    ASSERT_TRUE(tmpl.ok()) << c.tmpl->name << ": " << tmpl.status();
+    ASSERT_THAT(tmpl, IsOk()) << c.tmpl->name << ": " << tmpl.status();
     absl::StatusOr<std::string> got = tmpl->Render(c.conversation->messages, c.Options());
     if (want["ok"].get<bool>()) {
       if (!got.ok()) {
@@ -99,14 +100,14 @@ TEST(ChatTemplateReferenceTest, SmolLM2TemplateIsTheBundledGgufs) {
   const std::string gguf = testing::SmolLM2GgufPath();
   ASSERT_TRUE(std::filesystem::exists(gguf)) << testing::SmolLM2Missing(gguf);
   absl::StatusOr<testing::TempDir> dir = testing::TempDir::Create("kvcm-chat");
-  ASSERT_TRUE(dir.ok()) << dir.status();
+  ASSERT_THAT(dir, IsOk());
   const std::string out = dir->path() + "/template";
   testing::Subprocess::Options options;
   options.argv = {KVCM_REFERENCE_PYTHON, chat_test::TestDir() + "/render_reference.py",
                   "--gguf-template", gguf, out};
   options.output_path = dir->path() + "/python.log";
   auto child = testing::Subprocess::Start(options);
-  ASSERT_TRUE(child.ok()) << child.status();
+  ASSERT_THAT(child, IsOk());
   absl::StatusOr<int> code = (*child)->Wait(absl::Seconds(120));
   ASSERT_TRUE(code.ok() && *code == 0) << (*child)->Output();
   EXPECT_EQ(chat_test::ReadFile(out),
@@ -215,7 +216,7 @@ TEST(ChatTemplateTest, RenderIsThreadSafe) {
   const std::vector<chat_test::Conversation> conversations = chat_test::Conversations();
   for (const auto& t : templates) {
     absl::StatusOr<ChatTemplate> tmpl = ChatTemplate::Parse(t.source);
-    ASSERT_TRUE(tmpl.ok()) << tmpl.status();
+    ASSERT_THAT(tmpl, IsOk());
     std::vector<std::string> want;
     for (const auto& c : conversations) {
       Case k{&t, &c, true};

@@ -23,6 +23,7 @@
 #include "tests/support/metrics_text.h"
 #include "tests/support/subprocess.h"
 #include "tests/support/wait_for.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -83,7 +84,7 @@ std::unique_ptr<CacheManagerClient> ConnectOrDie(const std::string& endpoint,
         return !absl::IsDeadlineExceeded(client.status());
       },
       absl::Seconds(60));
-  EXPECT_TRUE(client.ok()) << client.status();
+  EXPECT_THAT(client, IsOk());
   return client.ok() ? std::move(*client) : nullptr;
 }
 
@@ -115,7 +116,7 @@ class CacheManagerClientTest : public ::testing::Test {
  protected:
   void SetUp() override {
     absl::StatusOr<std::unique_ptr<CacheManagerProcess>> cm = StartCacheManager(SmallPool());
-    ASSERT_TRUE(cm.ok()) << cm.status();
+    ASSERT_THAT(cm, IsOk());
     cm_ = std::move(*cm);
     client_ = ConnectOrDie(cm_->endpoint());
     ASSERT_NE(client_, nullptr);
@@ -128,16 +129,16 @@ class CacheManagerClientTest : public ::testing::Test {
     BlockOps step;
     step.Allocate(seq, tokens, hashes);
     absl::StatusOr<std::vector<OpOutcome>> outcomes = client_->Step(step);
-    EXPECT_TRUE(outcomes.ok()) << outcomes.status();
+    EXPECT_THAT(outcomes, IsOk());
     if (!outcomes.ok()) return {};
-    EXPECT_TRUE((*outcomes)[0].status.ok()) << (*outcomes)[0].status;
+    EXPECT_THAT((*outcomes)[0].status, IsOk());
     // The executors write the KV after the step: the commit comes in the next one.
     step.Clear();
     step.Commit(seq, tokens).Free(seq);
     absl::StatusOr<std::vector<OpOutcome>> committed = client_->Step(step);
-    EXPECT_TRUE(committed.ok()) << committed.status();
+    EXPECT_THAT(committed, IsOk());
     if (committed.ok()) {
-      for (const OpOutcome& outcome : *committed) EXPECT_TRUE(outcome.status.ok()) << outcome.status;
+      for (const OpOutcome& outcome : *committed) EXPECT_THAT(outcome.status, IsOk());
     }
     return (*outcomes)[0].blocks;
   }
@@ -157,7 +158,7 @@ TEST_F(CacheManagerClientTest, ConnectRegistersWithTheAnnouncedLimits) {
   EXPECT_EQ(session.heartbeat_timeout, absl::Milliseconds(kHeartbeatTimeoutMs));
   EXPECT_GT(session.max_ops_per_step, 0);
   EXPECT_GT(session.max_message_bytes, 0u);
-  EXPECT_TRUE(client_->Heartbeat().ok());
+  EXPECT_THAT(client_->Heartbeat(), IsOk());
 }
 
 TEST_F(CacheManagerClientTest, StepAllocatesAppendsCommitsFreesAndHitsThePrefix) {
@@ -167,9 +168,9 @@ TEST_F(CacheManagerClientTest, StepAllocatesAppendsCommitsFreesAndHitsThePrefix)
   BlockOps step;
   step.Allocate(1, 10, std::span(hashes).first(2));
   absl::StatusOr<std::vector<OpOutcome>> allocated = client_->Step(step);
-  ASSERT_TRUE(allocated.ok()) << allocated.status();
+  ASSERT_THAT(allocated, IsOk());
   ASSERT_THAT(*allocated, SizeIs(1));
-  ASSERT_TRUE((*allocated)[0].status.ok()) << (*allocated)[0].status;
+  ASSERT_THAT((*allocated)[0].status, IsOk());
   const std::vector<int32_t> table = (*allocated)[0].blocks;
   EXPECT_THAT(table, SizeIs(3));  // ceil(10 / 4)
   EXPECT_EQ((*allocated)[0].num_cached_tokens, 0);
@@ -182,9 +183,9 @@ TEST_F(CacheManagerClientTest, StepAllocatesAppendsCommitsFreesAndHitsThePrefix)
   step.Clear();
   step.Append(1, 2);
   absl::StatusOr<std::vector<OpOutcome>> appended = client_->Step(step);
-  ASSERT_TRUE(appended.ok()) << appended.status();
+  ASSERT_THAT(appended, IsOk());
   ASSERT_THAT(*appended, SizeIs(1));
-  EXPECT_TRUE((*appended)[0].status.ok()) << (*appended)[0].status;
+  EXPECT_THAT((*appended)[0].status, IsOk());
   EXPECT_THAT((*appended)[0].blocks, SizeIs(0));
   EXPECT_THAT((*appended)[0].copies, SizeIs(0));
   // Committing them in the same step is refused whole: their KV cannot be written yet.
@@ -197,23 +198,23 @@ TEST_F(CacheManagerClientTest, StepAllocatesAppendsCommitsFreesAndHitsThePrefix)
   step.Clear();
   step.Commit(1, 12, std::span(hashes).subspan(2));
   absl::StatusOr<std::vector<OpOutcome>> committed = client_->Step(step);
-  ASSERT_TRUE(committed.ok()) << committed.status();
-  EXPECT_TRUE((*committed)[0].status.ok()) << (*committed)[0].status;
+  ASSERT_THAT(committed, IsOk());
+  EXPECT_THAT((*committed)[0].status, IsOk());
 
   // What an Allocate of these hashes would reuse: a prompt of exactly the 12 tokens never
   // reuses the block of its last token; one token more reuses all three.
   absl::StatusOr<int32_t> found = client_->Lookup(hashes);
-  ASSERT_TRUE(found.ok()) << found.status();
+  ASSERT_THAT(found, IsOk());
   EXPECT_EQ(*found, 2);
   found = client_->Lookup(hashes, 13);
-  ASSERT_TRUE(found.ok()) << found.status();
+  ASSERT_THAT(found, IsOk());
   EXPECT_EQ(*found, 3);
 
   step.Clear();
   step.Free(1);
-  ASSERT_TRUE(client_->Step(step).ok());
+  ASSERT_THAT(client_->Step(step), IsOk());
   absl::StatusOr<StatsSnapshot> stats = client_->Stats();
-  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_THAT(stats, IsOk());
   EXPECT_EQ(stats->cached_blocks, 3);
   EXPECT_EQ(stats->free_blocks, kNumBlocks - 3);
   ExpectPartition(*stats);
@@ -223,15 +224,15 @@ TEST_F(CacheManagerClientTest, StepAllocatesAppendsCommitsFreesAndHitsThePrefix)
   step.Clear();
   step.Allocate(2, 10, std::span(hashes).first(2));
   absl::StatusOr<std::vector<OpOutcome>> again = client_->Step(step);
-  ASSERT_TRUE(again.ok()) << again.status();
-  ASSERT_TRUE((*again)[0].status.ok()) << (*again)[0].status;
+  ASSERT_THAT(again, IsOk());
+  ASSERT_THAT((*again)[0].status, IsOk());
   EXPECT_EQ((*again)[0].num_cached_tokens, 8);
   ASSERT_THAT((*again)[0].blocks, SizeIs(3));
   EXPECT_EQ((*again)[0].blocks[0], table[0]);
   EXPECT_EQ((*again)[0].blocks[1], table[1]);
 
   stats = client_->Stats();
-  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_THAT(stats, IsOk());
   EXPECT_EQ(stats->live_sequences, 1);
   EXPECT_GT(stats->prefix_hit_tokens, 0u);
   EXPECT_GE(stats->prefix_query_tokens, stats->prefix_hit_tokens);
@@ -240,7 +241,7 @@ TEST_F(CacheManagerClientTest, StepAllocatesAppendsCommitsFreesAndHitsThePrefix)
   // The same pool as a map: two blocks shared by sequence 2 in use, the third new one in
   // use, the old third block cached; the counts are the Stats reply's.
   absl::StatusOr<BlockMap> map = client_->GetBlockMap();
-  ASSERT_TRUE(map.ok()) << map.status();
+  ASSERT_THAT(map, IsOk());
   EXPECT_EQ(map->num_blocks, kNumBlocks);
   EXPECT_EQ(map->blocks_per_cell, 1);
   EXPECT_EQ(map->cells[static_cast<size_t>(table[0])], MapState::kInUse);
@@ -249,7 +250,7 @@ TEST_F(CacheManagerClientTest, StepAllocatesAppendsCommitsFreesAndHitsThePrefix)
   EXPECT_EQ(map->count(MapState::kCached), stats->cached_blocks);
   EXPECT_EQ(map->count(MapState::kFree), stats->free_blocks);
   absl::StatusOr<BlockMap> one_cell = client_->GetBlockMap(1);
-  ASSERT_TRUE(one_cell.ok()) << one_cell.status();
+  ASSERT_THAT(one_cell, IsOk());
   EXPECT_EQ(one_cell->blocks_per_cell, kNumBlocks);
   EXPECT_EQ(one_cell->cells, std::vector<MapState>{MapState::kFree});
   EXPECT_EQ(one_cell->counts, map->counts);
@@ -271,10 +272,10 @@ TEST_F(CacheManagerClientTest, InvalidStepIsRefusedWholeAndChangesNothing) {
   step.Clear();
   step.Allocate(1, 4).Append(1, 1);
   outcomes = client_->Step(step);
-  ASSERT_TRUE(outcomes.ok()) << outcomes.status();
+  ASSERT_THAT(outcomes, IsOk());
   ASSERT_THAT(*outcomes, SizeIs(2));
-  EXPECT_TRUE((*outcomes)[0].status.ok()) << (*outcomes)[0].status;
-  EXPECT_TRUE((*outcomes)[1].status.ok()) << (*outcomes)[1].status;
+  EXPECT_THAT((*outcomes)[0].status, IsOk());
+  EXPECT_THAT((*outcomes)[1].status, IsOk());
   EXPECT_THAT((*outcomes)[1].blocks, SizeIs(1));  // token 5 needs a second block
 
   // Another session's sequence.
@@ -295,9 +296,9 @@ TEST_F(CacheManagerClientTest, ATimedOutStepRetriedRunsOnceAndGivesItsFirstOutco
   // resumes, and its reply comes too late for the caller.
   BlockOps step;
   step.Allocate(7, 10);
-  ASSERT_TRUE(cm_->process().Signal(SIGSTOP).ok());
+  ASSERT_THAT(cm_->process().Signal(SIGSTOP), IsOk());
   absl::StatusOr<std::vector<OpOutcome>> timed_out = router->Step(step);
-  ASSERT_TRUE(cm_->process().Signal(SIGCONT).ok());
+  ASSERT_THAT(cm_->process().Signal(SIGCONT), IsOk());
   ASSERT_TRUE(absl::IsDeadlineExceeded(timed_out.status())) << timed_out.status();
 
   // Sent again as the same request: run once, answered with the first outcome (from the
@@ -307,16 +308,16 @@ TEST_F(CacheManagerClientTest, ATimedOutStepRetriedRunsOnceAndGivesItsFirstOutco
     ++retries;
     return router->RetryLastStep();
   });
-  ASSERT_TRUE(retried.ok()) << retried.status();
+  ASSERT_THAT(retried, IsOk());
   ASSERT_THAT(*retried, SizeIs(1));
-  ASSERT_TRUE((*retried)[0].status.ok()) << (*retried)[0].status;
+  ASSERT_THAT((*retried)[0].status, IsOk());
   EXPECT_THAT((*retried)[0].blocks, SizeIs(3));
   EXPECT_TRUE(absl::IsFailedPrecondition(router->RetryLastStep().status()));
 
   // What the cache manager holds agrees: one sequence, the blocks the retry returned.
   absl::StatusOr<SessionSnapshot> described =
       UntilAnswered([&] { return router->DescribeSession(); });
-  ASSERT_TRUE(described.ok()) << described.status();
+  ASSERT_THAT(described, IsOk());
   ASSERT_THAT(described->sequences, SizeIs(1));
   EXPECT_EQ(described->sequences[0].seq, 7u);
   EXPECT_EQ(described->sequences[0].num_tokens, 10);
@@ -324,16 +325,16 @@ TEST_F(CacheManagerClientTest, ATimedOutStepRetriedRunsOnceAndGivesItsFirstOutco
   EXPECT_EQ(described->sequences[0].blocks, (*retried)[0].blocks);
   EXPECT_NE(described->last_step_request_id, 0u);
   absl::StatusOr<StatsSnapshot> stats = UntilAnswered([&] { return router->Stats(); });
-  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_THAT(stats, IsOk());
   EXPECT_EQ(stats->in_use_blocks, 3);
   ExpectPartition(*stats);
 
   // A new step with the same op is what the retry avoided: the sequence is live already.
   EXPECT_TRUE(absl::IsAlreadyExists(UntilAnswered([&] { return router->Step(step); }).status()));
   auto metrics = kvcm::testing::HttpGet(cm_->metrics_url());
-  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  ASSERT_THAT(metrics, IsOk());
   auto parsed = kvcm::testing::ParseMetricsText(metrics->body);
-  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  ASSERT_THAT(parsed, IsOk());
   EXPECT_EQ(*parsed->Value("kvcm_cache_manager_replayed_steps_total", {}), retries);
 }
 
@@ -348,42 +349,42 @@ TEST(CacheManagerClientLargeReplyTest, ATimedOutStepWithAMultiMebibyteReplyIsAns
   options.kv_heads = 1;
   options.block_size = 1;
   absl::StatusOr<std::unique_ptr<CacheManagerProcess>> cm = StartCacheManager(options);
-  ASSERT_TRUE(cm.ok()) << cm.status();
+  ASSERT_THAT(cm, IsOk());
   std::unique_ptr<CacheManagerClient> router =
       ConnectOrDie((*cm)->endpoint(), wire::Role::Router, absl::Seconds(1));
   ASSERT_NE(router, nullptr);
 
   BlockOps step;
   step.Allocate(7, kBlocks);
-  ASSERT_TRUE((*cm)->process().Signal(SIGSTOP).ok());
+  ASSERT_THAT((*cm)->process().Signal(SIGSTOP), IsOk());
   absl::StatusOr<std::vector<OpOutcome>> timed_out = router->Step(step);
-  ASSERT_TRUE((*cm)->process().Signal(SIGCONT).ok());
+  ASSERT_THAT((*cm)->process().Signal(SIGCONT), IsOk());
   ASSERT_TRUE(absl::IsDeadlineExceeded(timed_out.status())) << timed_out.status();
 
   // The step ran once the cache manager resumed; its late reply is dropped by this call
   // (another request id), so the retry's answer can only come from the replay cache.
   absl::StatusOr<SessionSnapshot> described =
       UntilAnswered([&] { return router->DescribeSession(); });
-  ASSERT_TRUE(described.ok()) << described.status();
+  ASSERT_THAT(described, IsOk());
   ASSERT_THAT(described->sequences, SizeIs(1));
   int retries = 0;
   absl::StatusOr<std::vector<OpOutcome>> retried = UntilAnswered([&] {
     ++retries;
     return router->RetryLastStep();
   });
-  ASSERT_TRUE(retried.ok()) << retried.status();
+  ASSERT_THAT(retried, IsOk());
   ASSERT_THAT(*retried, SizeIs(1));
-  ASSERT_TRUE((*retried)[0].status.ok()) << (*retried)[0].status;
+  ASSERT_THAT((*retried)[0].status, IsOk());
   ASSERT_THAT((*retried)[0].blocks, SizeIs(kBlocks));
   EXPECT_EQ(described->sequences[0].blocks, (*retried)[0].blocks);
   absl::StatusOr<StatsSnapshot> stats = UntilAnswered([&] { return router->Stats(); });
-  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_THAT(stats, IsOk());
   EXPECT_EQ(stats->in_use_blocks, kBlocks);
   EXPECT_EQ(stats->blocks_allocated, static_cast<uint64_t>(kBlocks));  // allocated once
   auto metrics = kvcm::testing::HttpGet((*cm)->metrics_url());
-  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  ASSERT_THAT(metrics, IsOk());
   auto parsed = kvcm::testing::ParseMetricsText(metrics->body);
-  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  ASSERT_THAT(parsed, IsOk());
   EXPECT_EQ(*parsed->Value("kvcm_cache_manager_replayed_steps_total", {}), retries);
 }
 
@@ -394,10 +395,10 @@ TEST_F(CacheManagerClientTest, CanAllocateAdmitsWithoutChangingAnything) {
   step.CanAllocate(13, hashes).Allocate(2, 4 * (kNumBlocks - 3)).CanAllocate(13, hashes)
       .CanAllocate(5 * kBlockSize);
   absl::StatusOr<std::vector<OpOutcome>> outcomes = client_->Step(step);
-  ASSERT_TRUE(outcomes.ok()) << outcomes.status();
+  ASSERT_THAT(outcomes, IsOk());
   ASSERT_THAT(*outcomes, SizeIs(4));
   // Before: the three cached blocks are reused, one more is needed.
-  ASSERT_TRUE((*outcomes)[0].status.ok()) << (*outcomes)[0].status;
+  ASSERT_THAT((*outcomes)[0].status, IsOk());
   EXPECT_EQ((*outcomes)[0].num_cached_tokens, 12);
   EXPECT_EQ((*outcomes)[0].blocks_needed, 1);
   // After the step's own allocation took every free block, it no longer fits: it needs one
@@ -405,7 +406,7 @@ TEST_F(CacheManagerClientTest, CanAllocateAdmitsWithoutChangingAnything) {
   EXPECT_TRUE(absl::IsResourceExhausted((*outcomes)[2].status)) << (*outcomes)[2].status;
   EXPECT_TRUE(absl::IsResourceExhausted((*outcomes)[3].status)) << (*outcomes)[3].status;
   absl::StatusOr<StatsSnapshot> stats = client_->Stats();
-  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_THAT(stats, IsOk());
   EXPECT_EQ(stats->live_sequences, 1);  // the dry runs created nothing
   EXPECT_EQ(stats->cached_blocks, 3);
   ExpectPartition(*stats);
@@ -414,16 +415,16 @@ TEST_F(CacheManagerClientTest, CanAllocateAdmitsWithoutChangingAnything) {
 TEST_F(CacheManagerClientTest, FreeingASequenceTwiceFailsAloneWithNotFound) {
   BlockOps step;
   step.Allocate(1, 4);
-  ASSERT_TRUE(client_->Step(step).ok());
+  ASSERT_THAT(client_->Step(step), IsOk());
   step.Clear();
   step.Free(1).Free(1).Allocate(2, 4);
   absl::StatusOr<std::vector<OpOutcome>> outcomes = client_->Step(step);
-  ASSERT_TRUE(outcomes.ok()) << outcomes.status();
-  EXPECT_TRUE((*outcomes)[0].status.ok());
+  ASSERT_THAT(outcomes, IsOk());
+  EXPECT_THAT((*outcomes)[0].status, IsOk());
   EXPECT_TRUE(absl::IsNotFound((*outcomes)[1].status)) << (*outcomes)[1].status;
-  EXPECT_TRUE((*outcomes)[2].status.ok());
+  EXPECT_THAT((*outcomes)[2].status, IsOk());
   absl::StatusOr<StatsSnapshot> stats = client_->Stats();
-  ASSERT_TRUE(stats.ok());
+  ASSERT_THAT(stats, IsOk());
   EXPECT_EQ(stats->live_sequences, 1);
   ExpectPartition(*stats);
 }
@@ -432,15 +433,15 @@ TEST_F(CacheManagerClientTest, AStepReplySaysHowManyBlocksCanBeTakenAfterIt) {
   EXPECT_EQ(client_->available_blocks_after_last_step(), -1);  // no step yet
   BlockOps step;
   step.Allocate(1, 4 * 3).Allocate(2, 1);
-  ASSERT_TRUE(client_->Step(step).ok());
+  ASSERT_THAT(client_->Step(step), IsOk());
   absl::StatusOr<StatsSnapshot> stats = client_->Stats();
-  ASSERT_TRUE(stats.ok());
+  ASSERT_THAT(stats, IsOk());
   EXPECT_EQ(client_->available_blocks_after_last_step(),
             stats->free_blocks + stats->cached_blocks);
   EXPECT_EQ(client_->available_blocks_after_last_step(), stats->num_blocks - 4);
   step.Clear();
   step.Free(1).Free(2);
-  ASSERT_TRUE(client_->Step(step).ok());
+  ASSERT_THAT(client_->Step(step), IsOk());
   EXPECT_EQ(client_->available_blocks_after_last_step(), stats->num_blocks);
 }
 
@@ -448,46 +449,46 @@ TEST_F(CacheManagerClientTest, NoHeartbeatReachesTheCacheManagerAfterGoodbye) {
   std::unique_ptr<CacheManagerClient> leaving = ConnectOrDie(cm_->endpoint());
   ASSERT_NE(leaving, nullptr);
   // Heartbeats pile up while the cache manager is stopped; the Goodbye comes during them.
-  ASSERT_TRUE(cm_->process().Signal(SIGSTOP).ok());
+  ASSERT_THAT(cm_->process().Signal(SIGSTOP), IsOk());
   const uint64_t sent = leaving->heartbeats_sent();
   const absl::Status piled = WaitFor([&] { return leaving->heartbeats_sent() >= sent + 2; },
                                      absl::Seconds(60), "two heartbeats sent");
-  EXPECT_TRUE(piled.ok()) << piled;  // not ASSERT: the cache manager is stopped
+  EXPECT_THAT(piled, IsOk());  // not ASSERT: the cache manager is stopped
   absl::StatusOr<int32_t> released;
   std::thread bye([&] { released = leaving->Goodbye(); });
   // The Goodbye is on its way (or waiting) behind them. A fixed wait, but one that cannot
   // fail the test: a Goodbye that starts only after SIGCONT must be answered the same way.
   absl::SleepFor(absl::Milliseconds(200));
-  ASSERT_TRUE(cm_->process().Signal(SIGCONT).ok());
+  ASSERT_THAT(cm_->process().Signal(SIGCONT), IsOk());
   bye.join();
-  ASSERT_TRUE(released.ok()) << released.status();
+  ASSERT_THAT(released, IsOk());
   // Every heartbeat was handled before the session ended: none was refused as stale.
-  ASSERT_TRUE(client_->Stats().ok());
+  ASSERT_THAT(client_->Stats(), IsOk());
   auto metrics = kvcm::testing::HttpGet(cm_->metrics_url());
-  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  ASSERT_THAT(metrics, IsOk());
   auto parsed = kvcm::testing::ParseMetricsText(metrics->body);
-  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  ASSERT_THAT(parsed, IsOk());
   EXPECT_EQ(*parsed->Value("kvcm_cache_manager_rejected_messages_total",
                            {{"reason", "stale_session"}}),
             0);
   // Registering again brings the heartbeats back.
-  ASSERT_TRUE(leaving->EnsureSession().ok());
+  ASSERT_THAT(leaving->EnsureSession(), IsOk());
   const uint64_t again = leaving->heartbeats_sent();
   const absl::Status resumed = WaitFor([&] { return leaving->heartbeats_sent() > again; },
                                        absl::Seconds(60), "a heartbeat after registering again");
-  EXPECT_TRUE(resumed.ok()) << resumed;
+  EXPECT_THAT(resumed, IsOk());
 }
 
 TEST_F(CacheManagerClientTest, PoolExhaustionIsResourceExhausted) {
   BlockOps step;
   step.Allocate(1, 40).Allocate(2, 40);  // 10 + 10 blocks of 16
   absl::StatusOr<std::vector<OpOutcome>> outcomes = client_->Step(step);
-  ASSERT_TRUE(outcomes.ok()) << outcomes.status();
-  EXPECT_TRUE((*outcomes)[0].status.ok()) << (*outcomes)[0].status;
+  ASSERT_THAT(outcomes, IsOk());
+  EXPECT_THAT((*outcomes)[0].status, IsOk());
   EXPECT_EQ((*outcomes)[1].status.code(), absl::StatusCode::kResourceExhausted)
       << (*outcomes)[1].status;
   absl::StatusOr<StatsSnapshot> stats = client_->Stats();
-  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_THAT(stats, IsOk());
   EXPECT_EQ(stats->in_use_blocks, 10);  // the failed op changed nothing
   EXPECT_GE(stats->allocation_failures, 1u);
   ExpectPartition(*stats);
@@ -496,19 +497,19 @@ TEST_F(CacheManagerClientTest, PoolExhaustionIsResourceExhausted) {
 TEST_F(CacheManagerClientTest, PinKeepsBlocksAndUnpinReleasesThem) {
   const std::vector<BlockHash> hashes = HashesOf(100, 8);
   CacheSequence(1, 100, 8);
-  EXPECT_TRUE(client_->Pin("system-prompt", hashes).ok());
+  EXPECT_THAT(client_->Pin("system-prompt", hashes), IsOk());
   absl::StatusOr<StatsSnapshot> stats = client_->Stats();
-  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_THAT(stats, IsOk());
   EXPECT_EQ(stats->pinned_blocks, 2);
   EXPECT_EQ(stats->cached_blocks, 0);
   ExpectPartition(*stats);
 
   EXPECT_EQ(client_->Pin("system-prompt", hashes).code(), absl::StatusCode::kAlreadyExists);
   EXPECT_EQ(client_->Pin("unknown", HashesOf(500, 4)).code(), absl::StatusCode::kNotFound);
-  EXPECT_TRUE(client_->Unpin("system-prompt").ok());
+  EXPECT_THAT(client_->Unpin("system-prompt"), IsOk());
   EXPECT_EQ(client_->Unpin("system-prompt").code(), absl::StatusCode::kNotFound);
   stats = client_->Stats();
-  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_THAT(stats, IsOk());
   EXPECT_EQ(stats->pinned_blocks, 0);
   EXPECT_EQ(stats->cached_blocks, 2);
   ExpectPartition(*stats);
@@ -518,11 +519,11 @@ TEST_F(CacheManagerClientTest, StatsDescribeThePoolAndSumToCapacity) {
   CacheSequence(1, 0, 8);  // 2 cached
   BlockOps step;
   step.Allocate(2, 9);  // 3 in use
-  ASSERT_TRUE(client_->Step(step).ok());
-  ASSERT_TRUE(client_->Pin("p", HashesOf(0, 4)).ok());  // 1 of the cached pinned
+  ASSERT_THAT(client_->Step(step), IsOk());
+  ASSERT_THAT(client_->Pin("p", HashesOf(0, 4)), IsOk());  // 1 of the cached pinned
 
   absl::StatusOr<StatsSnapshot> stats = client_->Stats();
-  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_THAT(stats, IsOk());
   EXPECT_EQ(stats->num_blocks, kNumBlocks);
   EXPECT_EQ(stats->block_size, kBlockSize);
   EXPECT_EQ(stats->in_use_blocks, 3);
@@ -549,11 +550,11 @@ TEST_F(CacheManagerClientTest, StoppedCacheManagerGivesDeadlineExceededThenRecov
   std::unique_ptr<CacheManagerClient> impatient =
       ConnectOrDie(cm_->endpoint(), wire::Role::Control, absl::Milliseconds(300));
   ASSERT_NE(impatient, nullptr);
-  ASSERT_TRUE(cm_->process().Signal(SIGSTOP).ok());
+  ASSERT_THAT(cm_->process().Signal(SIGSTOP), IsOk());
   const absl::Time start = absl::Now();
   absl::StatusOr<StatsSnapshot> stats = impatient->Stats();
   const absl::Duration took = absl::Now() - start;
-  ASSERT_TRUE(cm_->process().Signal(SIGCONT).ok());
+  ASSERT_THAT(cm_->process().Signal(SIGCONT), IsOk());
   EXPECT_EQ(stats.status().code(), absl::StatusCode::kDeadlineExceeded) << stats.status();
   EXPECT_THAT(stats.status().message(),
               HasSubstr(absl::StrCat("cache manager at ", cm_->endpoint(),
@@ -565,20 +566,20 @@ TEST_F(CacheManagerClientTest, StoppedCacheManagerGivesDeadlineExceededThenRecov
   std::printf("a Stats of a 300 ms timeout gave up after %s\n", absl::FormatDuration(took).c_str());
   // The late answer to the first Stats is dropped; the next call gets its own.
   stats = UntilAnswered([&] { return impatient->Stats(); });
-  EXPECT_TRUE(stats.ok()) << stats.status();
+  EXPECT_THAT(stats, IsOk());
 }
 
 TEST_F(CacheManagerClientTest, GoodbyeEndsTheSessionAndFreesItsSequences) {
   BlockOps step;
   step.Allocate(1, 8);
-  ASSERT_TRUE(client_->Step(step).ok());
+  ASSERT_THAT(client_->Step(step), IsOk());
   absl::StatusOr<int32_t> released = client_->Goodbye();
-  ASSERT_TRUE(released.ok()) << released.status();
+  ASSERT_THAT(released, IsOk());
   EXPECT_EQ(*released, 2);
   EXPECT_EQ(client_->Stats().status().code(), absl::StatusCode::kFailedPrecondition);
-  ASSERT_TRUE(client_->EnsureSession().ok());
+  ASSERT_THAT(client_->EnsureSession(), IsOk());
   absl::StatusOr<StatsSnapshot> stats = client_->Stats();
-  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_THAT(stats, IsOk());
   EXPECT_EQ(stats->free_blocks, kNumBlocks);
   EXPECT_EQ(stats->live_sequences, 0);
 }
@@ -589,7 +590,7 @@ TEST_F(CacheManagerClientTest, SilentSessionExpiresWhileHeartbeatsKeepAnotherAli
   ASSERT_NE(silent, nullptr);
   const uint64_t silent_session = silent->session_id();
   absl::StatusOr<StatsSnapshot> stats = client_->Stats();
-  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_THAT(stats, IsOk());
   const uint32_t sessions = stats->sessions;
   // Wait (bounded) until the cache manager drops the silent session; client_ only talks
   // through its heartbeat thread meanwhile... and these Stats calls.
@@ -599,8 +600,8 @@ TEST_F(CacheManagerClientTest, SilentSessionExpiresWhileHeartbeatsKeepAnotherAli
         return !stats.ok() || stats->sessions < sessions;
       },
       absl::Seconds(60), "the silent session to expire");
-  ASSERT_TRUE(stats.ok()) << stats.status();
-  ASSERT_TRUE(expired.ok()) << "the silent session never expired: " << expired;
+  ASSERT_THAT(stats, IsOk());
+  ASSERT_THAT(expired, IsOk()) << "the silent session never expired: " << expired;
   EXPECT_FALSE(client_->session_lost());
   EXPECT_GT(client_->heartbeats_answered(), 0u);
 
@@ -609,9 +610,9 @@ TEST_F(CacheManagerClientTest, SilentSessionExpiresWhileHeartbeatsKeepAnotherAli
   EXPECT_THAT(refused.status().message(),
               HasSubstr(absl::StrCat("ended session ", silent_session)));
   EXPECT_EQ(silent->session_id(), silent_session);  // nothing registered behind its back
-  ASSERT_TRUE(silent->Reregister().ok());
+  ASSERT_THAT(silent->Reregister(), IsOk());
   EXPECT_NE(silent->session_id(), silent_session);
-  EXPECT_TRUE(silent->Stats().ok());
+  EXPECT_THAT(silent->Stats(), IsOk());
 }
 
 TEST_F(CacheManagerClientTest, HeartbeatsRequiringProgressStopWhenTheCallerIsStuck) {
@@ -623,7 +624,7 @@ TEST_F(CacheManagerClientTest, HeartbeatsRequiringProgressStopWhenTheCallerIsStu
     options.require_progress = true;
     absl::StatusOr<std::unique_ptr<CacheManagerClient>> client =
         CacheManagerClient::Connect(options);
-    EXPECT_TRUE(client.ok()) << client.status();
+    EXPECT_THAT(client, IsOk());
     return client.ok() ? std::move(*client) : nullptr;
   };
   // Both hold a sequence; only one's caller keeps noting progress (an idle scheduler loop);
@@ -634,10 +635,10 @@ TEST_F(CacheManagerClientTest, HeartbeatsRequiringProgressStopWhenTheCallerIsStu
   ASSERT_NE(stuck, nullptr);
   BlockOps step;
   step.Allocate(1, 8);
-  ASSERT_TRUE(working->Step(step).ok());
+  ASSERT_THAT(working->Step(step), IsOk());
   step.Clear();
   step.Allocate(2, 8);
-  ASSERT_TRUE(stuck->Step(step).ok());
+  ASSERT_THAT(stuck->Step(step), IsOk());
 
   // The stuck caller's lease runs out: the timeout after the progress window, which is the
   // timeout too.
@@ -655,7 +656,7 @@ TEST_F(CacheManagerClientTest, HeartbeatsRequiringProgressStopWhenTheCallerIsStu
         return stats.quarantined_blocks > 0;
       },
       absl::Seconds(60));
-  ASSERT_TRUE(failed.ok()) << failed;
+  ASSERT_THAT(failed, IsOk());
   EXPECT_EQ(stats.quarantined_blocks, 2) << "the stuck caller's session was never quarantined";
   EXPECT_GT(stuck->heartbeats_withheld(), 0u);
   EXPECT_EQ(working->heartbeats_withheld(), 0u);
@@ -666,30 +667,30 @@ TEST_F(CacheManagerClientTest, HeartbeatsRequiringProgressStopWhenTheCallerIsStu
   step.Clear();
   step.Append(1, 1);
   absl::StatusOr<std::vector<OpOutcome>> appended = working->Step(step);
-  ASSERT_TRUE(appended.ok()) << appended.status();
-  EXPECT_TRUE((*appended)[0].status.ok());
+  ASSERT_THAT(appended, IsOk());
+  EXPECT_THAT((*appended)[0].status, IsOk());
   ExpectPartition(stats);
 }
 
 TEST(CacheManagerClientRestartTest, RestartGivesAbortedWithBothEpochsThenWorksOnceRegisteredAgain) {
   absl::StatusOr<TempDir> run_dir = TempDir::Create("kvcm-rs");
-  ASSERT_TRUE(run_dir.ok()) << run_dir.status();
+  ASSERT_THAT(run_dir, IsOk());
   CacheManagerOptions options = SmallPool();
   options.run_dir = run_dir->path();
   absl::StatusOr<std::unique_ptr<CacheManagerProcess>> first = StartCacheManager(options);
-  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_THAT(first, IsOk());
   std::unique_ptr<CacheManagerClient> client = ConnectOrDie((*first)->endpoint());
   ASSERT_NE(client, nullptr);
   const uint64_t old_epoch = client->epoch();
   BlockOps step;
   step.Allocate(1, 8);
-  ASSERT_TRUE(client->Step(step).ok());
+  ASSERT_THAT(client->Step(step), IsOk());
 
   absl::StatusOr<int> code = (*first)->Terminate();
-  ASSERT_TRUE(code.ok()) << code.status();
+  ASSERT_THAT(code, IsOk());
   EXPECT_EQ(*code, 0) << (*first)->Output();
   absl::StatusOr<std::unique_ptr<CacheManagerProcess>> second = StartCacheManager(options);
-  ASSERT_TRUE(second.ok()) << second.status();
+  ASSERT_THAT(second, IsOk());
   const uint64_t new_epoch = (*second)->epoch();
   ASSERT_NE(new_epoch, old_epoch);
 
@@ -700,11 +701,11 @@ TEST(CacheManagerClientRestartTest, RestartGivesAbortedWithBothEpochsThenWorksOn
                                      " but this cache manager runs epoch ", new_epoch)));
   EXPECT_THAT(refused.status().message(), HasSubstr("its sequences are gone"));
   EXPECT_EQ(client->epoch(), old_epoch);
-  ASSERT_TRUE(client->Reregister().ok());
+  ASSERT_THAT(client->Reregister(), IsOk());
   EXPECT_EQ(client->epoch(), new_epoch);
   absl::StatusOr<std::vector<OpOutcome>> retried = client->Step(step);
-  ASSERT_TRUE(retried.ok()) << retried.status();
-  EXPECT_TRUE((*retried)[0].status.ok()) << (*retried)[0].status;  // seq 1 is new here
+  ASSERT_THAT(retried, IsOk());
+  EXPECT_THAT((*retried)[0].status, IsOk());  // seq 1 is new here
 }
 
 // Regression: when the heartbeat thread is the first to meet the restarted cache manager,
@@ -712,24 +713,24 @@ TEST(CacheManagerClientRestartTest, RestartGivesAbortedWithBothEpochsThenWorksOn
 // refused", and the test above failed whenever the heartbeat won the race).
 TEST(CacheManagerClientRestartTest, AHeartbeatThatMeetsTheRestartFirstGivesTheSameReason) {
   absl::StatusOr<TempDir> run_dir = TempDir::Create("kvcm-rs");
-  ASSERT_TRUE(run_dir.ok()) << run_dir.status();
+  ASSERT_THAT(run_dir, IsOk());
   CacheManagerOptions options = SmallPool();
   options.run_dir = run_dir->path();
   absl::StatusOr<std::unique_ptr<CacheManagerProcess>> first = StartCacheManager(options);
-  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_THAT(first, IsOk());
   std::unique_ptr<CacheManagerClient> client = ConnectOrDie((*first)->endpoint());
   ASSERT_NE(client, nullptr);
   const uint64_t old_epoch = client->epoch();
 
   absl::StatusOr<int> code = (*first)->Terminate();
-  ASSERT_TRUE(code.ok()) << code.status();
+  ASSERT_THAT(code, IsOk());
   absl::StatusOr<std::unique_ptr<CacheManagerProcess>> second = StartCacheManager(options);
-  ASSERT_TRUE(second.ok()) << second.status();
+  ASSERT_THAT(second, IsOk());
   const uint64_t new_epoch = (*second)->epoch();
   // Heartbeats go out every 100 ms: wait until one has been refused, before any call.
   const absl::Status refused_heartbeat =
       WaitFor([&] { return client->session_lost(); }, absl::Seconds(60));
-  ASSERT_TRUE(refused_heartbeat.ok()) << "no heartbeat reached the restarted cache manager";
+  ASSERT_THAT(refused_heartbeat, IsOk()) << "no heartbeat reached the restarted cache manager";
 
   absl::StatusOr<StatsSnapshot> refused = client->Stats();
   ASSERT_EQ(refused.status().code(), absl::StatusCode::kAborted) << refused.status();
@@ -737,30 +738,30 @@ TEST(CacheManagerClientRestartTest, AHeartbeatThatMeetsTheRestartFirstGivesTheSa
   EXPECT_THAT(refused.status().message(),
               HasSubstr(absl::StrCat("message for epoch ", old_epoch,
                                      " but this cache manager runs epoch ", new_epoch)));
-  ASSERT_TRUE(client->Reregister().ok());
+  ASSERT_THAT(client->Reregister(), IsOk());
   EXPECT_FALSE(client->session_lost());
-  EXPECT_TRUE(client->Stats().ok());
+  EXPECT_THAT(client->Stats(), IsOk());
 }
 
 TEST(CacheManagerClientRestartTest, ExecutorReattachesAfterACrash) {
   absl::StatusOr<TempDir> run_dir = TempDir::Create("kvcm-rs");
-  ASSERT_TRUE(run_dir.ok()) << run_dir.status();
+  ASSERT_THAT(run_dir, IsOk());
   CacheManagerOptions options = SmallPool();
   options.run_dir = run_dir->path();
   absl::StatusOr<std::unique_ptr<CacheManagerProcess>> first = StartCacheManager(options);
-  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_THAT(first, IsOk());
   std::unique_ptr<CacheManagerClient> executor =
       ConnectOrDie((*first)->endpoint(), wire::Role::Executor);
   ASSERT_NE(executor, nullptr);
   absl::StatusOr<AttachedPool> pool = executor->Attach();
-  ASSERT_TRUE(pool.ok()) << pool.status();
+  ASSERT_THAT(pool, IsOk());
   const uint64_t old_epoch = pool->epoch;
 
   // kill -9: the socket files and the lock stay behind; the successor must cope.
-  ASSERT_TRUE((*first)->process().Signal(SIGKILL).ok());
-  ASSERT_TRUE((*first)->process().Wait(absl::Seconds(30)).ok());
+  ASSERT_THAT((*first)->process().Signal(SIGKILL), IsOk());
+  ASSERT_THAT((*first)->process().Wait(absl::Seconds(30)), IsOk());
   absl::StatusOr<std::unique_ptr<CacheManagerProcess>> second = StartCacheManager(options);
-  ASSERT_TRUE(second.ok()) << second.status();
+  ASSERT_THAT(second, IsOk());
 
   absl::StatusOr<AttachedPool> refused = executor->Attach();
   ASSERT_EQ(refused.status().code(), absl::StatusCode::kAborted) << refused.status();
@@ -768,15 +769,15 @@ TEST(CacheManagerClientRestartTest, ExecutorReattachesAfterACrash) {
               HasSubstr(absl::StrCat("message for epoch ", old_epoch,
                                      " but this cache manager runs epoch ", (*second)->epoch())));
   pool->mapping.reset();  // drop the old epoch's mapping first
-  ASSERT_TRUE(executor->Reregister().ok());
+  ASSERT_THAT(executor->Reregister(), IsOk());
   absl::StatusOr<AttachedPool> again = executor->Attach();
-  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_THAT(again, IsOk());
   EXPECT_EQ(again->epoch, (*second)->epoch());
 }
 
 TEST(CacheManagerClientNoServerTest, MissingSocketIsUnavailableAtOnce) {
   absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-ns");
-  ASSERT_TRUE(dir.ok());
+  ASSERT_THAT(dir, IsOk());
   CacheManagerClient::Options options;
   options.endpoint = absl::StrCat("ipc://", dir->path(), "/cache-manager.sock");
   options.role = wire::Role::Control;

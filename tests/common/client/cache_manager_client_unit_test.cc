@@ -26,6 +26,7 @@
 #include "tests/support/subprocess.h"
 #include "tests/support/wait_for.h"
 #include "zmq.hpp"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -46,7 +47,7 @@ class FakeCacheManager {
 
   FakeCacheManager() {
     absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-fk");
-    EXPECT_TRUE(dir.ok());
+    EXPECT_THAT(dir, IsOk());
     dir_.emplace(std::move(*dir));
     endpoint_ = absl::StrCat("ipc://", dir_->path(), "/cache-manager.sock");
     router_ = zmq::socket_t(context_, zmq::socket_type::router);
@@ -128,7 +129,7 @@ class FakeCacheManager {
         const std::span<const uint8_t> parts[] = {
             FrameBytes((*frames)[0]),
             {reinterpret_cast<const uint8_t*>(reply.data()), reply.size()}};
-        EXPECT_TRUE(SendMessage(router_, parts).ok());
+        EXPECT_THAT(SendMessage(router_, parts), IsOk());
       }
     }
   }
@@ -185,10 +186,10 @@ TEST(CacheManagerClientUnitTest, StaleRepliesAreDropped) {
   }));
   absl::StatusOr<std::unique_ptr<CacheManagerClient>> client =
       CacheManagerClient::Connect(OptionsFor(fake));
-  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_THAT(client, IsOk());
   EXPECT_EQ((*client)->epoch(), 5u);
   absl::StatusOr<StatsSnapshot> stats = (*client)->Stats();
-  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_THAT(stats, IsOk());
   EXPECT_EQ(stats->num_blocks, 7);
 }
 
@@ -204,7 +205,7 @@ TEST(CacheManagerClientUnitTest, MistypedAndMalformedRepliesAreInternal) {
   }));
   absl::StatusOr<std::unique_ptr<CacheManagerClient>> client =
       CacheManagerClient::Connect(OptionsFor(fake));
-  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_THAT(client, IsOk());
   absl::StatusOr<StatsSnapshot> stats = (*client)->Stats();
   EXPECT_EQ(stats.status().code(), absl::StatusCode::kInternal);
   EXPECT_THAT(stats.status().message(), HasSubstr("is a LookupReply; expected StatsReply"));
@@ -221,7 +222,7 @@ TEST(CacheManagerClientUnitTest, ErrorRepliesMapToStatusCodes) {
   }));
   absl::StatusOr<std::unique_ptr<CacheManagerClient>> client =
       CacheManagerClient::Connect(OptionsFor(fake));
-  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_THAT(client, IsOk());
   absl::StatusOr<StatsSnapshot> stats = (*client)->Stats();
   EXPECT_EQ(stats.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(stats.status().message(), "bye");
@@ -238,7 +239,7 @@ TEST(CacheManagerClientUnitTest, StaleEpochAbortsAndRegistersOnlyWhenAsked) {
   }));
   absl::StatusOr<std::unique_ptr<CacheManagerClient>> client =
       CacheManagerClient::Connect(OptionsFor(fake));
-  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_THAT(client, IsOk());
   epoch->store(6);  // "restart"
   absl::StatusOr<StatsSnapshot> stats = (*client)->Stats();
   EXPECT_EQ(stats.status().code(), absl::StatusCode::kAborted);
@@ -250,9 +251,9 @@ TEST(CacheManagerClientUnitTest, StaleEpochAbortsAndRegistersOnlyWhenAsked) {
   EXPECT_EQ((*client)->EnsureSession().code(), absl::StatusCode::kAborted);
   EXPECT_EQ(fake.Count(wire::Message::Hello), 1);
   EXPECT_EQ(fake.Count(wire::Message::Stats), 1);
-  ASSERT_TRUE((*client)->Reregister().ok());
+  ASSERT_THAT((*client)->Reregister(), IsOk());
   EXPECT_EQ((*client)->epoch(), 6u);
-  EXPECT_TRUE((*client)->Stats().ok());
+  EXPECT_THAT((*client)->Stats(), IsOk());
   EXPECT_EQ(fake.Count(wire::Message::Hello), 2);
 }
 
@@ -274,15 +275,15 @@ TEST(CacheManagerClientUnitTest, HeartbeatThreadNoticesALostSession) {
       }));
   absl::StatusOr<std::unique_ptr<CacheManagerClient>> client =
       CacheManagerClient::Connect(OptionsFor(fake));
-  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_THAT(client, IsOk());
   const absl::Status answered = WaitFor([&] { return (*client)->heartbeats_answered() >= 2; },
                                         absl::Seconds(60), "two heartbeats answered");
-  EXPECT_TRUE(answered.ok()) << answered;
+  EXPECT_THAT(answered, IsOk());
   EXPECT_FALSE((*client)->session_lost());
   refuse->store(true);
   const absl::Status lost = WaitFor([&] { return (*client)->session_lost(); }, absl::Seconds(60),
                                     "the refused heartbeat");
-  ASSERT_TRUE(lost.ok()) << lost;
+  ASSERT_THAT(lost, IsOk());
   refuse->store(false);
   const int stats_before = fake.Count(wire::Message::Stats);
   absl::StatusOr<StatsSnapshot> stats = (*client)->Stats();
@@ -291,9 +292,9 @@ TEST(CacheManagerClientUnitTest, HeartbeatThreadNoticesALostSession) {
   EXPECT_EQ(fake.Count(wire::Message::Stats), stats_before);  // not sent
   EXPECT_TRUE((*client)->session_lost());  // until the caller registers again
   EXPECT_EQ((*client)->EnsureSession().code(), absl::StatusCode::kAborted);
-  ASSERT_TRUE((*client)->Reregister().ok());
+  ASSERT_THAT((*client)->Reregister(), IsOk());
   EXPECT_FALSE((*client)->session_lost());
-  EXPECT_TRUE((*client)->Stats().ok());
+  EXPECT_THAT((*client)->Stats(), IsOk());
 }
 
 TEST(CacheManagerClientUnitTest, OversizedStepIsRefusedLocally) {
@@ -303,13 +304,13 @@ TEST(CacheManagerClientUnitTest, OversizedStepIsRefusedLocally) {
       epoch, [](const wire::Envelope&) { return std::vector<std::string>{}; }, 0, 2));
   absl::StatusOr<std::unique_ptr<CacheManagerClient>> client =
       CacheManagerClient::Connect(OptionsFor(fake));
-  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_THAT(client, IsOk());
   BlockOps step;
   step.Free(1).Free(2).Free(3);
   EXPECT_EQ((*client)->Step(step).status().code(), absl::StatusCode::kInvalidArgument);
   step.Clear();
   absl::StatusOr<std::vector<OpOutcome>> empty = (*client)->Step(step);
-  ASSERT_TRUE(empty.ok());
+  ASSERT_THAT(empty, IsOk());
   EXPECT_TRUE(empty->empty());
   EXPECT_EQ(fake.Count(wire::Message::Step), 0);
 }
@@ -329,7 +330,7 @@ TEST(CacheManagerClientUnitTest, UnansweredCallIsDeadlineExceededNamingTheType) 
         return !absl::IsDeadlineExceeded(client.status());
       },
       absl::Seconds(60));
-  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_THAT(client, IsOk());
   absl::StatusOr<StatsSnapshot> stats = (*client)->Stats();
   EXPECT_EQ(stats.status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_EQ(stats.status().message(), absl::StrCat("cache manager at ", fake.endpoint(),
@@ -360,7 +361,7 @@ TEST(CheckPoolDescriptorTest, AcceptsTheLayoutOfTheSpecAndRefusesOthers) {
   spec.block_size = 4;
   flatbuffers::FlatBufferBuilder good_builder;
   absl::StatusOr<AttachedPool> good = CheckPoolDescriptor(Descriptor(good_builder, spec, 8, 0), 8);
-  ASSERT_TRUE(good.ok()) << good.status();
+  ASSERT_THAT(good, IsOk());
   EXPECT_EQ(good->layout, *PoolLayout::For(spec, 8));
   EXPECT_EQ(good->epoch, 9u);
   EXPECT_EQ(good->mapping, nullptr);

@@ -17,6 +17,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/support/cache_manager_process.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -50,7 +51,7 @@ class KvEventStreamTest : public ::testing::Test {
     options.num_blocks = kNumBlocks;
     options.block_size = kBlockSize;
     absl::StatusOr<std::unique_ptr<CacheManagerProcess>> cm = StartCacheManager(options);
-    ASSERT_TRUE(cm.ok()) << cm.status();
+    ASSERT_THAT(cm, IsOk());
     cm_ = std::move(*cm);
 
     CacheManagerClient::Options client_options;
@@ -59,7 +60,7 @@ class KvEventStreamTest : public ::testing::Test {
     client_options.name = "event-test";
     absl::StatusOr<std::unique_ptr<CacheManagerClient>> client =
         CacheManagerClient::Connect(client_options);
-    ASSERT_TRUE(client.ok()) << client.status();
+    ASSERT_THAT(client, IsOk());
     client_ = std::move(*client);
 
     // Connect, subscribe (Connect waits for the handshake), snapshot, then batches after it.
@@ -71,16 +72,16 @@ class KvEventStreamTest : public ::testing::Test {
     };
     absl::StatusOr<std::unique_ptr<KvEventSubscriber>> subscriber =
         KvEventSubscriber::Connect(subscriber_options);
-    ASSERT_TRUE(subscriber.ok()) << subscriber.status();
+    ASSERT_THAT(subscriber, IsOk());
     subscriber_ = std::move(*subscriber);
-    ASSERT_TRUE(subscriber_->Resync(*client_).ok());
+    ASSERT_THAT(subscriber_->Resync(*client_), IsOk());
     EXPECT_FALSE(subscriber_->needs_snapshot());
   }
 
   void RunStep(BlockOps& step) {
     absl::StatusOr<std::vector<OpOutcome>> outcomes = client_->Step(step);
-    ASSERT_TRUE(outcomes.ok()) << outcomes.status();
-    for (const OpOutcome& outcome : *outcomes) ASSERT_TRUE(outcome.status.ok()) << outcome.status;
+    ASSERT_THAT(outcomes, IsOk());
+    for (const OpOutcome& outcome : *outcomes) ASSERT_THAT(outcome.status, IsOk());
     last_outcomes_ = *outcomes;
     step.Clear();
   }
@@ -89,14 +90,14 @@ class KvEventStreamTest : public ::testing::Test {
   void AwaitEvents(size_t n) {
     const absl::Time deadline = absl::Now() + absl::Seconds(10);
     while (seen_.size() < n && !subscriber_->needs_snapshot() && absl::Now() < deadline) {
-      ASSERT_TRUE(subscriber_->Poll(absl::Milliseconds(50)).ok());
+      ASSERT_THAT(subscriber_->Poll(absl::Milliseconds(50)), IsOk());
     }
   }
 
   // The cache manager's prefix index, from a fresh snapshot.
   absl::flat_hash_map<BlockHash, int32_t, BlockHashHasher> ServerIndex() {
     absl::StatusOr<EventSnapshot> snapshot = client_->Snapshot();
-    EXPECT_TRUE(snapshot.ok()) << snapshot.status();
+    EXPECT_THAT(snapshot, IsOk());
     absl::flat_hash_map<BlockHash, int32_t, BlockHashHasher> index;
     if (snapshot.ok()) {
       for (const KvEventRecord& event : snapshot->events) {
@@ -117,7 +118,7 @@ TEST_F(KvEventStreamTest, WorkloadEventsArriveInOrder) {
   // A fresh cache manager announces AllBlocksCleared in its first batch, before anyone
   // could subscribe; count from here.
   absl::StatusOr<StatsSnapshot> before = client_->Stats();
-  ASSERT_TRUE(before.ok());
+  ASSERT_THAT(before, IsOk());
   const std::vector<BlockHash> hashes = HashesOf(0, 8);
   BlockOps step;
   step.Allocate(1, 10, hashes);
@@ -160,7 +161,7 @@ TEST_F(KvEventStreamTest, WorkloadEventsArriveInOrder) {
   EXPECT_EQ(subscriber_->epoch(), cm_->epoch());
 
   absl::StatusOr<StatsSnapshot> stats = client_->Stats();
-  ASSERT_TRUE(stats.ok());
+  ASSERT_THAT(stats, IsOk());
   EXPECT_EQ(stats->events_published - before->events_published, 4u);
   EXPECT_EQ(stats->evictions, 2u);
 }
@@ -186,7 +187,7 @@ TEST_F(KvEventStreamTest, InjectedGapIsDetectedAndRepairedBySnapshot) {
   EXPECT_EQ(subscriber_->gaps(), 1u);
   EXPECT_NE(subscriber_->blocks(), ServerIndex());
 
-  ASSERT_TRUE(subscriber_->Resync(*client_).ok());
+  ASSERT_THAT(subscriber_->Resync(*client_), IsOk());
   EXPECT_FALSE(subscriber_->needs_snapshot());
   EXPECT_EQ(subscriber_->blocks(), ServerIndex());
   EXPECT_EQ(subscriber_->blocks().size(), 5u);
@@ -196,7 +197,7 @@ TEST_F(KvEventStreamTest, InjectedGapIsDetectedAndRepairedBySnapshot) {
   RunStep(step);
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   while (!subscriber_->blocks().empty() && absl::Now() < deadline) {
-    ASSERT_TRUE(subscriber_->Poll(absl::Milliseconds(50)).ok());
+    ASSERT_THAT(subscriber_->Poll(absl::Milliseconds(50)), IsOk());
   }
   EXPECT_TRUE(subscriber_->blocks().empty());
   EXPECT_EQ(subscriber_->blocks(), ServerIndex());

@@ -21,6 +21,7 @@
 #include "schemas/kvcm_protocol_generated.h"
 #include "tests/support/subprocess.h"
 #include "zmq.hpp"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -55,7 +56,7 @@ class FakePublisher {
   void AwaitSubscriber() {
     absl::StatusOr<std::vector<zmq::message_t>> message =
         ReceiveMessageUntil(socket_, MonotonicNow() + absl::Seconds(10));
-    ASSERT_TRUE(message.ok()) << message.status();
+    ASSERT_THAT(message, IsOk());
     ASSERT_EQ(message->size(), 1u);
     EXPECT_EQ((*message)[0].to_string(), std::string("\x01") + kKvEventTopic);
   }
@@ -79,12 +80,12 @@ class FakePublisher {
 
   void SendRaw(const std::string& topic, const std::string& seq, const std::string& body) {
     const std::span<const uint8_t> frames[] = {AsBytes(topic), AsBytes(seq), AsBytes(body)};
-    ASSERT_TRUE(SendMessage(socket_, frames).ok());
+    ASSERT_THAT(SendMessage(socket_, frames), IsOk());
   }
   void SendFrames(const std::vector<std::string>& parts) {
     std::vector<std::span<const uint8_t>> frames;
     for (const std::string& part : parts) frames.push_back(AsBytes(part));
-    ASSERT_TRUE(SendMessage(socket_, frames).ok());
+    ASSERT_THAT(SendMessage(socket_, frames), IsOk());
   }
 
   static std::string SeqFrame(uint64_t seq) {
@@ -106,7 +107,7 @@ class KvEventSubscriberTest : public ::testing::Test {
  protected:
   void SetUp() override {
     absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-ev");
-    ASSERT_TRUE(dir.ok()) << dir.status();
+    ASSERT_THAT(dir, IsOk());
     dir_.emplace(std::move(*dir));
     const std::string endpoint = absl::StrCat("ipc://", dir_->path(), "/events.sock");
     publisher_ = std::make_unique<FakePublisher>(endpoint);
@@ -117,7 +118,7 @@ class KvEventSubscriberTest : public ::testing::Test {
     };
     absl::StatusOr<std::unique_ptr<KvEventSubscriber>> subscriber =
         KvEventSubscriber::Connect(options);
-    ASSERT_TRUE(subscriber.ok()) << subscriber.status();
+    ASSERT_THAT(subscriber, IsOk());
     subscriber_ = std::move(*subscriber);
     publisher_->AwaitSubscriber();
   }
@@ -129,7 +130,7 @@ class KvEventSubscriberTest : public ::testing::Test {
     const absl::Time deadline = MonotonicNow() + absl::Seconds(10);
     while (subscriber_->messages_received() < target && MonotonicNow() < deadline) {
       absl::StatusOr<int> polled = subscriber_->Poll(absl::Milliseconds(50));
-      ASSERT_TRUE(polled.ok()) << polled.status();
+      ASSERT_THAT(polled, IsOk());
     }
     ASSERT_GE(subscriber_->messages_received(), target) << "messages did not arrive";
   }
@@ -170,7 +171,7 @@ TEST_F(KvEventSubscriberTest, LateJoinerBuffersUntilTheSnapshotThenReplaysAfterI
   snapshot.seq = 5;  // batch 5 is already in it
   snapshot.epoch = 7;
   snapshot.events = {Stored(1, 1), Stored(2, 2), Stored(3, 7)};
-  ASSERT_TRUE(subscriber_->ApplySnapshot(snapshot).ok());
+  ASSERT_THAT(subscriber_->ApplySnapshot(snapshot), IsOk());
   EXPECT_FALSE(subscriber_->needs_snapshot());
   EXPECT_EQ(subscriber_->last_seq(), 6u);
   EXPECT_EQ(applied_, (std::vector<uint64_t>{6}));
@@ -202,7 +203,7 @@ TEST_F(KvEventSubscriberTest, LostBatchIsAGapThatASnapshotRepairs) {
   snapshot.seq = 2;
   snapshot.epoch = 7;
   snapshot.events = {Stored(1, 1), Stored(2, 2)};
-  ASSERT_TRUE(subscriber_->ApplySnapshot(snapshot).ok());
+  ASSERT_THAT(subscriber_->ApplySnapshot(snapshot), IsOk());
   EXPECT_FALSE(subscriber_->needs_snapshot());
   EXPECT_EQ(subscriber_->last_seq(), 4u);
   EXPECT_THAT(subscriber_->blocks(), UnorderedElementsAre(Pair(Hash(2), 2), Pair(Hash(3), 3)));
@@ -229,7 +230,7 @@ TEST_F(KvEventSubscriberTest, NewEpochEmptiesTheMirror) {
   snapshot.seq = 4;
   snapshot.epoch = 9;
   snapshot.events = {Stored(6, 6)};
-  ASSERT_TRUE(subscriber_->ApplySnapshot(snapshot).ok());
+  ASSERT_THAT(subscriber_->ApplySnapshot(snapshot), IsOk());
   EXPECT_THAT(subscriber_->blocks(), UnorderedElementsAre(Pair(Hash(6), 6), Pair(Hash(4), 0)));
 }
 
@@ -266,7 +267,7 @@ TEST_F(KvEventSubscriberTest, SnapshotWithOtherThanStoredEventsIsRefused) {
 
 TEST(KvEventSubscriberConnectTest, NothingListeningIsUnavailable) {
   absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-ev");
-  ASSERT_TRUE(dir.ok());
+  ASSERT_THAT(dir, IsOk());
   KvEventSubscriber::Options options;
   options.endpoint = absl::StrCat("ipc://", dir->path(), "/events.sock");
   EXPECT_EQ(KvEventSubscriber::Connect(options).status().code(), absl::StatusCode::kUnavailable);

@@ -22,6 +22,7 @@
 #include "tests/support/cache_manager_process.h"
 #include "tests/support/gpu_test.h"
 #include "tests/support/subprocess.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -53,7 +54,7 @@ TEST(PoolAttachCudaTest, ExecutorProcessesShareTheDevicePool) {
   options.block_size = 4;
   options.extra_args = {"--cuda-device", "0"};
   absl::StatusOr<std::unique_ptr<CacheManagerProcess>> cm = StartCacheManager(options);
-  ASSERT_TRUE(cm.ok()) << cm.status();
+  ASSERT_THAT(cm, IsOk());
 
   CacheManagerClient::Options client_options;
   client_options.endpoint = (*cm)->endpoint();
@@ -61,11 +62,11 @@ TEST(PoolAttachCudaTest, ExecutorProcessesShareTheDevicePool) {
   client_options.name = "cuda-attach-test";
   absl::StatusOr<std::unique_ptr<CacheManagerClient>> router =
       CacheManagerClient::Connect(client_options);
-  ASSERT_TRUE(router.ok()) << router.status();
+  ASSERT_THAT(router, IsOk());
   BlockOps step;
   step.Allocate(1, 8);
   absl::StatusOr<std::vector<OpOutcome>> outcomes = (*router)->Step(step);
-  ASSERT_TRUE(outcomes.ok()) << outcomes.status();
+  ASSERT_THAT(outcomes, IsOk());
   const std::vector<int32_t> blocks = (*outcomes)[0].blocks;
   ASSERT_THAT(blocks, SizeIs(2));
 
@@ -77,7 +78,7 @@ TEST(PoolAttachCudaTest, ExecutorProcessesShareTheDevicePool) {
         RunProgram({PoolPeerPath(), "--endpoint", (*cm)->endpoint(), "--mode", mode, "--blocks",
                     absl::StrJoin(blocks, ","), "--seed", absl::StrCat(peer_seed)},
                    "", absl::Seconds(60));
-    EXPECT_TRUE(result.ok()) << result.status();
+    EXPECT_THAT(result, IsOk());
     return result.ok() ? *result : RunResult{-1, result.status().ToString()};
   };
   const RunResult written = run_peer("write", seed);
@@ -90,17 +91,16 @@ TEST(PoolAttachCudaTest, ExecutorProcessesShareTheDevicePool) {
   client_options.role = wire::Role::Executor;
   absl::StatusOr<std::unique_ptr<CacheManagerClient>> executor =
       CacheManagerClient::Connect(client_options);
-  ASSERT_TRUE(executor.ok()) << executor.status();
+  ASSERT_THAT(executor, IsOk());
   absl::StatusOr<AttachedPool> pool = (*executor)->Attach();
-  ASSERT_TRUE(pool.ok()) << pool.status();
+  ASSERT_THAT(pool, IsOk());
   EXPECT_EQ(pool->backend, PoolBackend::kCuda);
   EXPECT_EQ(pool->mapping->backend(), PoolBackend::kCuda);
   EXPECT_EQ(pool->layout, *PoolLayout::For(pool->spec, 8));
   std::vector<uint8_t> bytes(static_cast<size_t>(pool->layout.block_stride));
-  ASSERT_TRUE(CopyFromPool(*pool->mapping,
+  ASSERT_THAT(CopyFromPool(*pool->mapping,
                            static_cast<uint64_t>(pool->layout.Offset(2, 1, blocks[1], 0, 0)),
-                           bytes.data(), bytes.size())
-                  .ok());
+                           bytes.data(), bytes.size()), IsOk());
   bool any_nonzero = false;
   for (uint8_t b : bytes) any_nonzero |= b != 0;
   EXPECT_TRUE(any_nonzero);

@@ -20,6 +20,7 @@
 #include "gtest/gtest.h"
 #include "tests/support/cache_manager_process.h"
 #include "tests/support/subprocess.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -49,7 +50,7 @@ class PoolAttachTest : public ::testing::Test {
     options.head_dim = 16;
     options.block_size = 4;
     absl::StatusOr<std::unique_ptr<CacheManagerProcess>> cm = StartCacheManager(options);
-    ASSERT_TRUE(cm.ok()) << cm.status();
+    ASSERT_THAT(cm, IsOk());
     cm_ = std::move(*cm);
   }
 
@@ -60,7 +61,7 @@ class PoolAttachTest : public ::testing::Test {
     options.name = "pool-attach-test";
     absl::StatusOr<std::unique_ptr<CacheManagerClient>> client =
         CacheManagerClient::Connect(options);
-    EXPECT_TRUE(client.ok()) << client.status();
+    EXPECT_THAT(client, IsOk());
     return client.ok() ? std::move(*client) : nullptr;
   }
 
@@ -69,7 +70,7 @@ class PoolAttachTest : public ::testing::Test {
         RunProgram({PoolPeerPath(), "--endpoint", cm_->endpoint(), "--mode", mode, "--blocks",
                     absl::StrJoin(blocks, ","), "--seed", absl::StrCat(seed)},
                    "", absl::Seconds(30));
-    EXPECT_TRUE(result.ok()) << result.status();
+    EXPECT_THAT(result, IsOk());
     return result.ok() ? *result : RunResult{-1, result.status().ToString()};
   }
 
@@ -80,7 +81,7 @@ TEST_F(PoolAttachTest, DescriptorMatchesTheSpecAndTheMappingCoversThePool) {
   std::unique_ptr<CacheManagerClient> executor = Connect(wire::Role::Executor);
   ASSERT_NE(executor, nullptr);
   absl::StatusOr<AttachedPool> pool = executor->Attach();
-  ASSERT_TRUE(pool.ok()) << pool.status();
+  ASSERT_THAT(pool, IsOk());
   EXPECT_EQ(pool->epoch, cm_->epoch());
   EXPECT_EQ(pool->backend, PoolBackend::kShm);
   EXPECT_EQ(pool->num_blocks, 8);
@@ -89,7 +90,7 @@ TEST_F(PoolAttachTest, DescriptorMatchesTheSpecAndTheMappingCoversThePool) {
   EXPECT_EQ(pool->spec.head_dim, 16);
   EXPECT_EQ(pool->spec.dtype, DType::kFloat16);
   absl::StatusOr<PoolLayout> expected = PoolLayout::For(pool->spec, 8);
-  ASSERT_TRUE(expected.ok());
+  ASSERT_THAT(expected, IsOk());
   EXPECT_EQ(pool->layout, *expected);
   ASSERT_NE(pool->mapping, nullptr);
   EXPECT_EQ(pool->mapping->backend(), PoolBackend::kShm);
@@ -98,7 +99,7 @@ TEST_F(PoolAttachTest, DescriptorMatchesTheSpecAndTheMappingCoversThePool) {
 
   // A second attach in the same process maps the same memory again.
   absl::StatusOr<AttachedPool> again = executor->Attach();
-  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_THAT(again, IsOk());
   static_cast<uint8_t*>(pool->mapping->base())[123] = 0x5a;
   EXPECT_EQ(static_cast<const uint8_t*>(again->mapping->base())[123], 0x5a);
 }
@@ -110,7 +111,7 @@ TEST_F(PoolAttachTest, TwoExecutorProcessesShareBlocksThroughThePool) {
   BlockOps step;
   step.Allocate(1, 8);
   absl::StatusOr<std::vector<OpOutcome>> outcomes = router->Step(step);
-  ASSERT_TRUE(outcomes.ok()) << outcomes.status();
+  ASSERT_THAT(outcomes, IsOk());
   const std::vector<int32_t> blocks = (*outcomes)[0].blocks;
   ASSERT_THAT(blocks, SizeIs(2));
 
@@ -140,7 +141,7 @@ TEST_F(PoolAttachTest, TwoExecutorProcessesShareBlocksThroughThePool) {
   std::unique_ptr<CacheManagerClient> executor = Connect(wire::Role::Executor);
   ASSERT_NE(executor, nullptr);
   absl::StatusOr<AttachedPool> pool = executor->Attach();
-  ASSERT_TRUE(pool.ok()) << pool.status();
+  ASSERT_THAT(pool, IsOk());
   const auto* base = static_cast<const uint8_t*>(pool->mapping->base());
   const int64_t offset = pool->layout.Offset(2, 1, blocks[1], 0, 0);  // last layer, V
   bool any_nonzero = false;

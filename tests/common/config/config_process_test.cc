@@ -21,6 +21,7 @@
 #include "tests/support/http_client.h"
 #include "tests/support/metrics_text.h"
 #include "tests/support/subprocess.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm::config {
 namespace {
@@ -52,10 +53,10 @@ Finished RunToExit(std::vector<std::string> argv, std::vector<std::string> env =
   options.output_path =
       absl::StrCat(::testing::TempDir(), "/config_process_", ::getpid(), "_", ++counter);
   auto process = Subprocess::Start(options);
-  EXPECT_TRUE(process.ok()) << process.status();
+  EXPECT_THAT(process, IsOk());
   if (!process.ok()) return {};
   absl::StatusOr<int> code = (*process)->Wait(absl::Seconds(30));
-  EXPECT_TRUE(code.ok()) << code.status();
+  EXPECT_THAT(code, IsOk());
   return {code.value_or(-1), (*process)->Output()};
 }
 
@@ -72,10 +73,10 @@ TEST(ExampleConfigTest, ListsEveryOptionOfEveryBinaryWithItsDefault) {
     ASSERT_EQ(defaults.exit_code, 0) << defaults.output;
     absl::StatusOr<SectionValues> printed =
         ParseSection(defaults.output, "--print-config", binary.section);
-    ASSERT_TRUE(printed.ok()) << printed.status();
+    ASSERT_THAT(printed, IsOk());
     ASSERT_FALSE(printed->empty());
     absl::StatusOr<SectionValues> example = ReadSection(KVCM_EXAMPLE_CONFIG, binary.section);
-    ASSERT_TRUE(example.ok()) << example.status();
+    ASSERT_THAT(example, IsOk());
     // Same keys (every flag has a key, every key is a flag) and the defaults as values.
     EXPECT_EQ(*example, *printed);
   }
@@ -123,7 +124,7 @@ TEST(BinaryConfigTest, LaunchTakesFlagOverEnvironmentOverFile) {
                             {"KVCM_LAUNCH_RESTART_BACKOFF_MS=90", "KVCM_LAUNCH_BIN_DIR=/env"});
   ASSERT_EQ(run.exit_code, 0) << run.output;
   absl::StatusOr<SectionValues> printed = ParseSection(run.output, "--print-config", "launch");
-  ASSERT_TRUE(printed.ok()) << printed.status() << run.output;
+  ASSERT_THAT(printed, IsOk()) << run.output;
   EXPECT_EQ(printed->at("executors"), "3");             // file
   EXPECT_EQ(printed->at("restart_backoff_ms"), "90");   // environment over file
   EXPECT_EQ(printed->at("bin_dir"), "/from/flag");      // flag over both
@@ -158,13 +159,13 @@ TEST(BinaryConfigTest, CacheManagerResolvesFlagOverEnvironmentOverFileOverDefaul
                  "KVCM_CACHE_MANAGER_MAX_OPS_PER_STEP=200"};
   options.extra_args = {"--config", path, "--max-ops-per-step=300"};
   auto manager = kvcm::testing::CacheManagerProcess::Start(options);
-  ASSERT_TRUE(manager.ok()) << manager.status();
+  ASSERT_THAT(manager, IsOk());
   absl::StatusOr<kvcm::testing::HttpResponse> response =
       kvcm::testing::HttpGet((*manager)->metrics_url());
-  ASSERT_TRUE(response.ok()) << response.status();
+  ASSERT_THAT(response, IsOk());
   absl::StatusOr<kvcm::testing::MetricsText> text =
       kvcm::testing::ParseMetricsText(response->body);
-  ASSERT_TRUE(text.ok()) << text.status();
+  ASSERT_THAT(text, IsOk());
   const std::vector<kvcm::testing::MetricSample> info =
       text->Samples("kvcm_cache_manager_config_info");
   ASSERT_EQ(info.size(), 1u);

@@ -19,6 +19,7 @@
 #include "gtest/gtest.h"
 #include "prometheus/registry.h"
 #include "prometheus/text_serializer.h"
+#include "tests/support/status_matchers.h"
 
 ABSL_FLAG(int32_t, widgets, 8, "Test flag.");
 ABSL_FLAG(std::string, label, "plain", "Test flag.");
@@ -71,7 +72,7 @@ TEST(EnvironmentVariableTest, IsKvcmSectionOptionUpperCased) {
 
 TEST(ResolveTest, FlagBeatsEnvironmentBeatsFileBeatsDefault) {
   absl::StatusOr<std::vector<Setting>> settings = Resolve(Layered());
-  ASSERT_TRUE(settings.ok()) << settings.status();
+  ASSERT_THAT(settings, IsOk());
   ASSERT_EQ(settings->size(), 4u);
   const Setting& block_size = Find(*settings, "block_size");
   EXPECT_EQ(block_size.value, "16");
@@ -91,7 +92,7 @@ TEST(ResolveTest, FlagBeatsEnvironmentBeatsFileBeatsDefault) {
 
 TEST(ResolveTest, SettingsKeepTheOptionsOrder) {
   absl::StatusOr<std::vector<Setting>> settings = Resolve(Layered());
-  ASSERT_TRUE(settings.ok()) << settings.status();
+  ASSERT_THAT(settings, IsOk());
   std::vector<std::string> names;
   for (const Setting& s : *settings) names.push_back(s.name);
   EXPECT_THAT(names, ::testing::ElementsAre("block_size", "num_blocks", "backend",
@@ -121,7 +122,7 @@ TEST(ResolveTest, VariablesOfOtherSectionsAndLowerCaseSpellingsAreNotTaken) {
   in.environment.push_back("KVCM_ROUTER_PORT=1");  // the router's, not ours
   in.environment.push_back("KVCM_TEST_SEED=5");
   absl::StatusOr<std::vector<Setting>> settings = Resolve(in);
-  ASSERT_TRUE(settings.ok()) << settings.status();
+  ASSERT_THAT(settings, IsOk());
   in.environment.push_back("KVCM_CACHE_MANAGER_block_size=3");
   settings = Resolve(in);
   ASSERT_FALSE(settings.ok());
@@ -168,13 +169,13 @@ TEST(ParseSectionTest, ReadsOnlyTheGivenSection) {
   absl::StatusOr<SectionValues> values = ParseSection(
       "cache_manager:\n  num_blocks: 64\n  dtype: \"\"\nrouter:\n  port: 8080\n", "f.yaml",
       "cache_manager");
-  ASSERT_TRUE(values.ok()) << values.status();
+  ASSERT_THAT(values, IsOk());
   EXPECT_EQ(*values, (SectionValues{{"num_blocks", "64"}, {"dtype", ""}}));
   values = ParseSection("router:\n", "f.yaml", "router");
-  ASSERT_TRUE(values.ok()) << values.status();
+  ASSERT_THAT(values, IsOk());
   EXPECT_TRUE(values->empty());
   values = ParseSection("", "f.yaml", "router");
-  ASSERT_TRUE(values.ok()) << values.status();
+  ASSERT_THAT(values, IsOk());
   EXPECT_TRUE(values->empty());
 }
 
@@ -205,7 +206,7 @@ TEST(ParseSectionTest, PrintableConfigReadsBackToTheSameValues) {
       {"verbose", Type::kBool, "false", Source::kDefault, ""}};
   const std::string text = PrintableConfig("executor", settings);
   absl::StatusOr<SectionValues> values = ParseSection(text, "printed", "executor");
-  ASSERT_TRUE(values.ok()) << values.status() << "\n" << text;
+  ASSERT_THAT(values, IsOk()) << "\n" << text;
   ASSERT_EQ(values->size(), settings.size());
   for (const Setting& s : settings) EXPECT_EQ(values->at(s.name), s.value) << text;
 }
@@ -232,7 +233,7 @@ TEST(SecretTest, SecretValuesAreRedactedAndPathsToSecretsAreNot) {
 
 TEST(DescribeTest, OneLineWithEachNonDefaultsSource) {
   absl::StatusOr<std::vector<Setting>> settings = Resolve(Layered());
-  ASSERT_TRUE(settings.ok()) << settings.status();
+  ASSERT_THAT(settings, IsOk());
   EXPECT_EQ(Describe(*settings, "kvcm.yaml"),
             "configuration: block_size=16 num_blocks=64 (file) backend=cuda (env "
             "KVCM_CACHE_MANAGER_BACKEND) max_ops_per_step=7 (flag) from kvcm.yaml");
@@ -240,7 +241,7 @@ TEST(DescribeTest, OneLineWithEachNonDefaultsSource) {
 
 TEST(InfoMetricTest, IsOneGaugeAtOneLabelledWithEveryOptionAndTheFile) {
   absl::StatusOr<std::vector<Setting>> settings = Resolve(Layered());
-  ASSERT_TRUE(settings.ok()) << settings.status();
+  ASSERT_THAT(settings, IsOk());
   prometheus::Registry registry;
   ExportInfoMetric(registry, "kvcm_cache_manager_config_info", *settings, "kvcm.yaml");
   const std::string text = prometheus::TextSerializer().Serialize(registry.Collect());
@@ -271,7 +272,7 @@ TEST(ApplyToFlagsTest, SetsTheFlagsOfThisFileFromTheFileAndTheEnvironment) {
   absl::StatusOr<std::vector<Setting>> settings = ApplyToFlags("executor", __FILE__);
   ::unsetenv("KVCM_EXECUTOR_LABEL");
   ::unsetenv("KVCM_EXECUTOR_VERBOSE_WIDGETS");
-  ASSERT_TRUE(settings.ok()) << settings.status();
+  ASSERT_THAT(settings, IsOk());
   EXPECT_EQ(absl::GetFlag(FLAGS_widgets), 12);
   EXPECT_EQ(absl::GetFlag(FLAGS_big), 5000000000);
   EXPECT_EQ(absl::GetFlag(FLAGS_label), "from the environment");

@@ -11,6 +11,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tools/launch/launch_options.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm::launch {
 namespace {
@@ -30,13 +31,13 @@ TEST(ApplyLaunchConfigTest, FileAndEnvironmentBecomeFlagsInFrontAndTheCommandLin
       "launch_a.yaml", "launch:\n  model: /m/file\n  executors: 3\n  run_dir: /r/file\n");
   absl::StatusOr<ConfiguredArgs> configured = ApplyLaunchConfig(
       {"--config", path, "--run-dir=/r/flag", "--port", "8080"}, {"KVCM_LAUNCH_EXECUTORS=2"});
-  ASSERT_TRUE(configured.ok()) << configured.status();
+  ASSERT_THAT(configured, IsOk());
   EXPECT_THAT(configured->args, ElementsAre("--model=/m/file", "--executors=2",
                                             "--run-dir=/r/flag", "--port", "8080"));
   EXPECT_EQ(configured->config_file, path);
   EXPECT_FALSE(configured->pool_sized);
   absl::StatusOr<LaunchOptions> options = ParseLaunchOptions(configured->args);
-  ASSERT_TRUE(options.ok()) << options.status();
+  ASSERT_THAT(options, IsOk());
   EXPECT_EQ(options->model, "/m/file");
   EXPECT_EQ(options->executors, 2);
   EXPECT_EQ(options->run_dir, "/r/flag");
@@ -54,17 +55,17 @@ TEST(ApplyLaunchConfigTest, ConfigPathIsMadeAbsoluteForTheChildren) {
 TEST(ApplyLaunchConfigTest, APoolSizedByTheCacheManagersSectionOrVariablesCountsAsSized) {
   const std::string sized = WriteFile("launch_b.yaml", "cache_manager:\n  num_blocks: 64\n");
   absl::StatusOr<ConfiguredArgs> configured = ApplyLaunchConfig({"--config", sized}, {});
-  ASSERT_TRUE(configured.ok()) << configured.status();
+  ASSERT_THAT(configured, IsOk());
   EXPECT_TRUE(configured->pool_sized);
   // The example's defaults (0 and "") size nothing.
   const std::string unsized = WriteFile(
       "launch_c.yaml",
       "cache_manager:\n  num_blocks: 0\n  pool_bytes: \"\"\n  memory_fraction: 0\n");
   configured = ApplyLaunchConfig({"--config", unsized}, {});
-  ASSERT_TRUE(configured.ok()) << configured.status();
+  ASSERT_THAT(configured, IsOk());
   EXPECT_FALSE(configured->pool_sized);
   configured = ApplyLaunchConfig({}, {"KVCM_CACHE_MANAGER_MEMORY_FRACTION=0.5"});
-  ASSERT_TRUE(configured.ok()) << configured.status();
+  ASSERT_THAT(configured, IsOk());
   EXPECT_TRUE(configured->pool_sized);
 }
 

@@ -21,6 +21,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/support/subprocess.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -96,7 +97,7 @@ Bytes ValidFile() {
 
 TEST(GgufFileTest, ReadsAValidFile) {
   absl::StatusOr<std::unique_ptr<GgufFile>> file = Parse(ValidFile().s);
-  ASSERT_TRUE(file.ok()) << file.status();
+  ASSERT_THAT(file, IsOk());
   EXPECT_EQ((*file)->version(), 3u);
   EXPECT_EQ((*file)->alignment(), 32u);
   ASSERT_EQ((*file)->metadata().size(), 2u);
@@ -104,7 +105,7 @@ TEST(GgufFileTest, ReadsAValidFile) {
   EXPECT_EQ(*(*file)->GetInt("llama.block_count"), 2);
   ASSERT_EQ((*file)->tensors().size(), 2u);
   absl::StatusOr<const GgufTensorInfo*> b = (*file)->FindTensor("b");
-  ASSERT_TRUE(b.ok());
+  ASSERT_THAT(b, IsOk());
   EXPECT_EQ((*b)->dims, (std::vector<int64_t>{32, 2}));
   EXPECT_EQ((*b)->element_count, 64);
   EXPECT_EQ((*b)->byte_size, 68);
@@ -116,28 +117,27 @@ TEST(GgufFileTest, Version2ReadsLikeVersion3) {
   Bytes b;
   b.Header(0, 1, 2).KvU32("k", 7);
   absl::StatusOr<std::unique_ptr<GgufFile>> file = Parse(b.s);
-  ASSERT_TRUE(file.ok()) << file.status();
+  ASSERT_THAT(file, IsOk());
   EXPECT_EQ((*file)->version(), 2u);
   EXPECT_EQ(*(*file)->GetInt("k"), 7);
 }
 
 TEST(GgufFileTest, GettersCheckTypes) {
   GgufWriter w;
-  ASSERT_TRUE(w.Add("s", GgufValue::String("x")).ok());
-  ASSERT_TRUE(w.Add("u8", GgufValue::Uint8(200)).ok());
-  ASSERT_TRUE(w.Add("i16", GgufValue::Int16(-5)).ok());
-  ASSERT_TRUE(w.Add("u64big", GgufValue::Uint64(~uint64_t{0})).ok());
-  ASSERT_TRUE(w.Add("f32", GgufValue::Float32(0.25f)).ok());
-  ASSERT_TRUE(w.Add("f64", GgufValue::Float64(1e300)).ok());
-  ASSERT_TRUE(w.Add("b", GgufValue::Bool(true)).ok());
-  ASSERT_TRUE(w.Add("ints", GgufValue::Array(GgufValueType::kUint16,
-                                             {GgufValue::Uint16(1), GgufValue::Uint16(65535)}))
-                  .ok());
-  ASSERT_TRUE(w.Add("floats", GgufValue::Float32Array(std::vector<float>{1.5f})).ok());
-  ASSERT_TRUE(w.Add("strs", GgufValue::StringArray({"p", "q"})).ok());
+  ASSERT_THAT(w.Add("s", GgufValue::String("x")), IsOk());
+  ASSERT_THAT(w.Add("u8", GgufValue::Uint8(200)), IsOk());
+  ASSERT_THAT(w.Add("i16", GgufValue::Int16(-5)), IsOk());
+  ASSERT_THAT(w.Add("u64big", GgufValue::Uint64(~uint64_t{0})), IsOk());
+  ASSERT_THAT(w.Add("f32", GgufValue::Float32(0.25f)), IsOk());
+  ASSERT_THAT(w.Add("f64", GgufValue::Float64(1e300)), IsOk());
+  ASSERT_THAT(w.Add("b", GgufValue::Bool(true)), IsOk());
+  ASSERT_THAT(w.Add("ints", GgufValue::Array(GgufValueType::kUint16,
+                                             {GgufValue::Uint16(1), GgufValue::Uint16(65535)})), IsOk());
+  ASSERT_THAT(w.Add("floats", GgufValue::Float32Array(std::vector<float>{1.5f})), IsOk());
+  ASSERT_THAT(w.Add("strs", GgufValue::StringArray({"p", "q"})), IsOk());
   const std::string bytes = w.Serialize();
   absl::StatusOr<std::unique_ptr<GgufFile>> file = Parse(bytes);
-  ASSERT_TRUE(file.ok()) << file.status();
+  ASSERT_THAT(file, IsOk());
   const GgufFile& f = **file;
   EXPECT_EQ(*f.GetString("s"), "x");
   EXPECT_EQ(*f.GetInt("u8"), 200);
@@ -170,16 +170,15 @@ TEST(GgufFileTest, WriterRoundTrip) {
   std::vector<float> x(64 * 3);
   for (float& v : x) v = normal(rng);
   GgufWriter w;
-  ASSERT_TRUE(w.SetAlignment(256).ok());
-  ASSERT_TRUE(w.Add("nested", GgufValue::Array(GgufValueType::kArray,
+  ASSERT_THAT(w.SetAlignment(256), IsOk());
+  ASSERT_THAT(w.Add("nested", GgufValue::Array(GgufValueType::kArray,
                                                {GgufValue::StringArray({"a"}),
-                                                GgufValue::Int32Array(std::vector<int32_t>{3})}))
-                  .ok());
-  ASSERT_TRUE(w.AddTensor("q", {64, 3}, GgmlType::kQ4_1, x).ok());
-  ASSERT_TRUE(w.AddTensor("f", {64, 3}, GgmlType::kF32, x).ok());
+                                                GgufValue::Int32Array(std::vector<int32_t>{3})})), IsOk());
+  ASSERT_THAT(w.AddTensor("q", {64, 3}, GgmlType::kQ4_1, x), IsOk());
+  ASSERT_THAT(w.AddTensor("f", {64, 3}, GgmlType::kF32, x), IsOk());
   const std::string bytes = w.Serialize();
   absl::StatusOr<std::unique_ptr<GgufFile>> file = Parse(bytes);
-  ASSERT_TRUE(file.ok()) << file.status();
+  ASSERT_THAT(file, IsOk());
   EXPECT_EQ((*file)->alignment(), 256u);
   EXPECT_EQ((*file)->data_offset() % 256, 0u);
   const GgufValue& nested = *(*(*file)->GetValue("nested"));
@@ -188,17 +187,17 @@ TEST(GgufFileTest, WriterRoundTrip) {
   EXPECT_EQ(nested.elements[1].elements[0].int_value, 3);
   const GgufTensorInfo* f = *(*file)->FindTensor("f");
   std::vector<float> back(x.size());
-  ASSERT_TRUE(Dequantize(f->type, f->data, back).ok());
+  ASSERT_THAT(Dequantize(f->type, f->data, back), IsOk());
   EXPECT_EQ(back, x);
   const GgufTensorInfo* q = *(*file)->FindTensor("q");
   EXPECT_EQ(q->offset % 256, 0u);
-  ASSERT_TRUE(Dequantize(q->type, q->data, back).ok());
+  ASSERT_THAT(Dequantize(q->type, q->data, back), IsOk());
   for (size_t i = 0; i < x.size(); ++i) EXPECT_NEAR(back[i], x[i], 0.5f) << i;
 }
 
 TEST(GgufWriterTest, RefusesBadInput) {
   GgufWriter w;
-  ASSERT_TRUE(w.Add("k", GgufValue::Uint8(1)).ok());
+  ASSERT_THAT(w.Add("k", GgufValue::Uint8(1)), IsOk());
   EXPECT_THAT(std::string(w.Add("k", GgufValue::Uint8(1)).message()), HasSubstr("duplicate"));
   EXPECT_FALSE(w.Add("general.alignment", GgufValue::Uint32(64)).ok());
   EXPECT_FALSE(w.SetAlignment(48).ok());
@@ -215,7 +214,7 @@ TEST(GgufWriterTest, RefusesBadInput) {
             absl::StatusCode::kUnimplemented);
   EXPECT_FALSE(w.AddTensor("t", {}, GgmlType::kF32, {}).ok());
   EXPECT_FALSE(w.AddTensor("t", {0}, GgmlType::kF32, {}).ok());
-  ASSERT_TRUE(w.AddTensor("t", {32}, GgmlType::kF32, x).ok());
+  ASSERT_THAT(w.AddTensor("t", {32}, GgmlType::kF32, x), IsOk());
   EXPECT_THAT(std::string(w.AddTensor("t", {32}, GgmlType::kF32, x).message()),
               HasSubstr("duplicate tensor 't'"));
 }
@@ -234,7 +233,7 @@ TEST(GgmlTypesTest, TraitsAndNames) {
 TEST(GgmlTypesTest, DequantizeChecksSizesAndTypes) {
   std::vector<std::byte> src(34);
   std::vector<float> dst(32);
-  EXPECT_TRUE(Dequantize(GgmlType::kQ8_0, src, dst).ok());
+  EXPECT_THAT(Dequantize(GgmlType::kQ8_0, src, dst), IsOk());
   EXPECT_EQ(Dequantize(GgmlType::kQ8_0, std::span(src).first(33), dst).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(Dequantize(GgmlType::kQ8_0, src, std::span(dst).first(31)).code(),
@@ -460,7 +459,7 @@ TEST(GgufOpenTest, MissingAndEmptyFiles) {
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(std::string(missing.status().message()), HasSubstr("no/such/model.gguf"));
   absl::StatusOr<kvcm::testing::TempDir> dir = kvcm::testing::TempDir::Create("kvcm-gguf");
-  ASSERT_TRUE(dir.ok()) << dir.status();
+  ASSERT_THAT(dir, IsOk());
   const std::string empty = dir->path() + "/empty.gguf";
   { std::ofstream(empty, std::ios::binary); }
   absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(empty);
@@ -473,7 +472,7 @@ TEST(GgufOpenTest, MissingAndEmptyFiles) {
     out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   }
   file = GgufFile::Open(valid);
-  ASSERT_TRUE(file.ok()) << file.status();
+  ASSERT_THAT(file, IsOk());
   EXPECT_EQ(*(*file)->GetString("general.architecture"), "llama");
   EXPECT_EQ((*file)->name(), valid);
 }

@@ -28,6 +28,7 @@
 #include "tests/common/gguf/gguf_test_util.h"
 #include "tests/support/real_model.h"
 #include "tests/support/subprocess.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -107,9 +108,9 @@ TEST(GgufReferenceTest, DequantizeAndQuantizeMatchGgufPython) {
   const uint64_t seed = Seed();
   std::printf("seed %llu (KVCM_TEST_SEED overrides)\n", static_cast<unsigned long long>(seed));
   absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-gguf");
-  ASSERT_TRUE(dir.ok()) << dir.status();
+  ASSERT_THAT(dir, IsOk());
   const std::string path = dir->path() + "/quants.bin";
-  ASSERT_TRUE(RunGgufReference({"quants", std::to_string(seed), path}).ok());
+  ASSERT_THAT(RunGgufReference({"quants", std::to_string(seed), path}), IsOk());
   std::vector<Record> records;
   ASSERT_TRUE(ParseRecords(ReadFileOrEmpty(path), &records));
   std::map<std::pair<uint32_t, GgmlType>, int> seen;
@@ -119,7 +120,7 @@ TEST(GgufReferenceTest, DequantizeAndQuantizeMatchGgufPython) {
     if (r.kind == 0) {
       std::vector<float> out(r.elements);
       absl::Status status = Dequantize(r.type, AsBytes(r.src), out);
-      ASSERT_TRUE(status.ok()) << name << ": " << status;
+      ASSERT_THAT(status, IsOk()) << name << ": " << status;
       const int64_t diff = FirstBitDifference(out, r.dst);
       if (diff >= 0) {
         uint32_t want = 0;
@@ -143,7 +144,7 @@ TEST(GgufReferenceTest, DequantizeAndQuantizeMatchGgufPython) {
       std::string out(r.dst.size(), '\0');
       absl::Status status = Quantize(
           r.type, in, std::span<std::byte>(reinterpret_cast<std::byte*>(out.data()), out.size()));
-      ASSERT_TRUE(status.ok()) << name << ": " << status;
+      ASSERT_THAT(status, IsOk()) << name << ": " << status;
       if (out != r.dst) {
         size_t i = 0;
         while (i < out.size() && out[i] == r.dst[i]) ++i;
@@ -212,14 +213,14 @@ TEST(GgufReferenceTest, ReadsWhatGgufWriterPythonWrote) {
   const uint64_t seed = Seed();
   std::printf("seed %llu (KVCM_TEST_SEED overrides)\n", static_cast<unsigned long long>(seed));
   absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-gguf");
-  ASSERT_TRUE(dir.ok()) << dir.status();
+  ASSERT_THAT(dir, IsOk());
   const std::string gguf = dir->path() + "/python.gguf";
   const std::string json = dir->path() + "/python.json";
-  ASSERT_TRUE(RunGgufReference({"write", std::to_string(seed), gguf, json}).ok());
+  ASSERT_THAT(RunGgufReference({"write", std::to_string(seed), gguf, json}), IsOk());
   absl::StatusOr<nlohmann::json> expected = ReadJson(json);
-  ASSERT_TRUE(expected.ok()) << expected.status();
+  ASSERT_THAT(expected, IsOk());
   absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(gguf);
-  ASSERT_TRUE(file.ok()) << file.status();
+  ASSERT_THAT(file, IsOk());
   EXPECT_EQ((*file)->version(), 3u);
   EXPECT_EQ((*file)->alignment(), (*expected)["alignment"].get<uint32_t>());
   EXPECT_EQ((*file)->data_offset() % 64, 0u);
@@ -240,8 +241,8 @@ TEST(GgufReferenceTest, GgufReaderPythonReadsWhatGgufWriterWrote) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   GgufWriter writer;
-  ASSERT_TRUE(writer.Add("general.architecture", GgufValue::String("llama")).ok());
-  ASSERT_TRUE(writer.SetAlignment(128).ok());
+  ASSERT_THAT(writer.Add("general.architecture", GgufValue::String("llama")), IsOk());
+  ASSERT_THAT(writer.SetAlignment(128), IsOk());
   std::vector<GgufValue> values = {
       GgufValue::Uint8(static_cast<uint8_t>(rng())),
       GgufValue::Int8(static_cast<int8_t>(rng())),
@@ -269,7 +270,7 @@ TEST(GgufReferenceTest, GgufReaderPythonReadsWhatGgufWriterWrote) {
                         GgufValue::Array(GgufValueType::kFloat64, {})}),
   };
   for (size_t i = 0; i < values.size(); ++i) {
-    ASSERT_TRUE(writer.Add(absl::StrCat("test.value", i), values[i]).ok()) << i;
+    ASSERT_THAT(writer.Add(absl::StrCat("test.value", i), values[i]), IsOk()) << i;
   }
   struct Spec {
     const char* name;
@@ -288,21 +289,19 @@ TEST(GgufReferenceTest, GgufReaderPythonReadsWhatGgufWriterWrote) {
     for (int64_t d : s.dims) n *= d;
     std::vector<float> x(static_cast<size_t>(n));
     for (float& v : x) v = normal(rng);
-    ASSERT_TRUE(writer.AddTensor(s.name, s.dims, s.type, x).ok()) << s.name;
+    ASSERT_THAT(writer.AddTensor(s.name, s.dims, s.type, x), IsOk()) << s.name;
     std::string q(static_cast<size_t>(*TypeBytes(s.type, n)), '\0');
-    ASSERT_TRUE(
-        Quantize(s.type, x, std::span<std::byte>(reinterpret_cast<std::byte*>(q.data()), q.size()))
-            .ok());
+    ASSERT_THAT(Quantize(s.type, x, std::span<std::byte>(reinterpret_cast<std::byte*>(q.data()), q.size())), IsOk());
     bytes.push_back(std::move(q));
   }
   absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-gguf");
-  ASSERT_TRUE(dir.ok()) << dir.status();
+  ASSERT_THAT(dir, IsOk());
   const std::string gguf = dir->path() + "/kvcm.gguf";
   const std::string json = dir->path() + "/kvcm.json";
-  ASSERT_TRUE(writer.WriteFile(gguf).ok());
-  ASSERT_TRUE(RunGgufReference({"dump", gguf, json}).ok());
+  ASSERT_THAT(writer.WriteFile(gguf), IsOk());
+  ASSERT_THAT(RunGgufReference({"dump", gguf, json}), IsOk());
   absl::StatusOr<nlohmann::json> dump = ReadJson(json);
-  ASSERT_TRUE(dump.ok()) << dump.status();
+  ASSERT_THAT(dump, IsOk());
 
   // What was added, in order (general.alignment where SetAlignment put it).
   nlohmann::json expected = nlohmann::json::array();
@@ -333,7 +332,7 @@ TEST(GgufReferenceTest, GgufReaderPythonReadsWhatGgufWriterWrote) {
   }
   // And GgufFile reads the same layout GGUFReader does.
   absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(gguf);
-  ASSERT_TRUE(file.ok()) << file.status();
+  ASSERT_THAT(file, IsOk());
   EXPECT_EQ((*file)->data_offset(), (*dump)["data_offset"].get<uint64_t>());
   ExpectMetadataEqual(**file, (*dump)["metadata"]);
   ExpectTensorsEqual(**file, tensors);
@@ -343,19 +342,18 @@ TEST(GgufReferenceTest, SmolLM2MatchesGgufReader) {
   const std::string path = kvcm::testing::SmolLM2GgufPath();
   ASSERT_TRUE(std::filesystem::exists(path)) << kvcm::testing::SmolLM2Missing(path);
   absl::StatusOr<std::unique_ptr<GgufFile>> opened = GgufFile::Open(path);
-  ASSERT_TRUE(opened.ok()) << opened.status();
+  ASSERT_THAT(opened, IsOk());
   const GgufFile& file = **opened;
 
   absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-gguf");
-  ASSERT_TRUE(dir.ok()) << dir.status();
+  ASSERT_THAT(dir, IsOk());
   const std::string json = dir->path() + "/smollm2.json";
   const std::string embd = dir->path() + "/token_embd.f32";
   const std::string down = dir->path() + "/ffn_down.f32";
-  ASSERT_TRUE(RunGgufReference(
-                  {"dump", path, json, "token_embd.weight", embd, "blk.0.ffn_down.weight", down})
-                  .ok());
+  ASSERT_THAT(RunGgufReference(
+                  {"dump", path, json, "token_embd.weight", embd, "blk.0.ffn_down.weight", down}), IsOk());
   absl::StatusOr<nlohmann::json> dump = ReadJson(json);
-  ASSERT_TRUE(dump.ok()) << dump.status();
+  ASSERT_THAT(dump, IsOk());
   EXPECT_EQ(file.alignment(), (*dump)["alignment"].get<uint32_t>());
   EXPECT_EQ(file.data_offset(), (*dump)["data_offset"].get<uint64_t>());
   ExpectMetadataEqual(file, (*dump)["metadata"]);
@@ -380,10 +378,10 @@ TEST(GgufReferenceTest, SmolLM2MatchesGgufReader) {
            {"blk.0.ffn_down.weight", down, GgmlType::kQ4_1}}) {
     SCOPED_TRACE(name);
     absl::StatusOr<const GgufTensorInfo*> t = file.FindTensor(name);
-    ASSERT_TRUE(t.ok()) << t.status();
+    ASSERT_THAT(t, IsOk());
     EXPECT_EQ((*t)->type, type);
     std::vector<float> values(static_cast<size_t>((*t)->element_count));
-    ASSERT_TRUE(Dequantize((*t)->type, (*t)->data, values).ok());
+    ASSERT_THAT(Dequantize((*t)->type, (*t)->data, values), IsOk());
     const int64_t diff = FirstBitDifference(values, ReadFileOrEmpty(out));
     ASSERT_EQ(diff, -1) << "first difference from gguf.quants.dequantize at element " << diff;
     std::printf("%s (%s, %zu elements): bitwise equal to gguf.quants.dequantize\n", name.c_str(),

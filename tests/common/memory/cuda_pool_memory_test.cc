@@ -31,6 +31,7 @@
 #include "gtest/gtest.h"
 #include "tests/common/memory/memory_test_util.h"
 #include "tests/support/gpu_test.h"
+#include "tests/support/status_matchers.h"
 
 extern char** environ;
 
@@ -124,7 +125,7 @@ using CudaPoolMemoryTest = CudaDeviceTest;
 
 TEST_F(CudaPoolMemoryTest, CreatesZeroedPoolWithIpcHandle) {
   absl::StatusOr<std::unique_ptr<PoolMemory>> pool = CreateCudaPoolMemory(0, 4 * kMiB);
-  ASSERT_TRUE(pool.ok()) << pool.status();
+  ASSERT_THAT(pool, IsOk());
   EXPECT_EQ((*pool)->backend(), PoolBackend::kCuda);
   EXPECT_EQ((*pool)->size_bytes(), 4 * kMiB);
   EXPECT_EQ((*pool)->cuda_device(), 0);
@@ -132,13 +133,13 @@ TEST_F(CudaPoolMemoryTest, CreatesZeroedPoolWithIpcHandle) {
   ASSERT_TRUE((*pool)->cuda_ipc_handle().has_value());
   EXPECT_NE(*(*pool)->cuda_ipc_handle(), CudaIpcHandle{});
   std::vector<uint8_t> seen(4 * kMiB, 1);
-  ASSERT_TRUE(CopyFromPool(**pool, 0, seen.data(), seen.size()).ok());
+  ASSERT_THAT(CopyFromPool(**pool, 0, seen.data(), seen.size()), IsOk());
   EXPECT_EQ(seen, std::vector<uint8_t>(4 * kMiB, 0));
 }
 
 TEST_F(CudaPoolMemoryTest, MemoryInfoAndOversizedPool) {
   const absl::StatusOr<std::pair<uint64_t, uint64_t>> info = CudaMemoryInfo(0);
-  ASSERT_TRUE(info.ok()) << info.status();
+  ASSERT_THAT(info, IsOk());
   const auto [free_bytes, total_bytes] = *info;
   EXPECT_GT(total_bytes, 0u);
   EXPECT_LE(free_bytes, total_bytes);
@@ -147,7 +148,7 @@ TEST_F(CudaPoolMemoryTest, MemoryInfoAndOversizedPool) {
   EXPECT_EQ(pool.status().code(), absl::StatusCode::kResourceExhausted) << pool.status();
   EXPECT_THAT(pool.status().message(), HasSubstr("bytes free"));
   // The failure leaves the device usable.
-  EXPECT_TRUE(CreateCudaPoolMemory(0, kMiB).ok());
+  EXPECT_THAT(CreateCudaPoolMemory(0, kMiB), IsOk());
 }
 
 // Observed on an H200 (CUDA 13, driver 580): cudaErrorDeviceUninitialized ("invalid device
@@ -168,7 +169,7 @@ TEST_F(CudaPoolMemoryTest, ParentAndSpawnedChildSeeEachOthersWrites) {
   const uint64_t parent_seed = NewSeed("parent");
   const uint64_t child_seed = NewSeed("child");
   const std::vector<uint8_t> parent_pattern = Pattern(parent_seed, kBytes);
-  ASSERT_TRUE(CopyToPool(*pool, 0, parent_pattern.data(), kBytes).ok());
+  ASSERT_THAT(CopyToPool(*pool, 0, parent_pattern.data(), kBytes), IsOk());
 
   std::fflush(nullptr);
   const pid_t pid = SpawnChild({"0", std::to_string(kBytes), HandleToHex(*pool->cuda_ipc_handle()),
@@ -180,7 +181,7 @@ TEST_F(CudaPoolMemoryTest, ParentAndSpawnedChildSeeEachOthersWrites) {
   ASSERT_EQ(WEXITSTATUS(status), 0) << "the child failed at step " << WEXITSTATUS(status);
 
   std::vector<uint8_t> seen(kBytes);
-  ASSERT_TRUE(CopyFromPool(*pool, 0, seen.data(), kBytes).ok());
+  ASSERT_THAT(CopyFromPool(*pool, 0, seen.data(), kBytes), IsOk());
   EXPECT_TRUE(seen == Pattern(child_seed, kBytes))
       << "the child's pattern (seed " << child_seed << ") is not in the parent's pool";
 }
@@ -201,12 +202,12 @@ class PoolRoundTripTest : public ::testing::TestWithParam<PoolBackend> {
 TEST_P(PoolRoundTripTest, CopiesRoundTripAndAreBoundsChecked) {
   constexpr uint64_t kBytes = 2 * kMiB;
   absl::StatusOr<std::unique_ptr<PoolMemory>> pool = Create(kBytes);
-  ASSERT_TRUE(pool.ok()) << pool.status();
+  ASSERT_THAT(pool, IsOk());
   EXPECT_EQ((*pool)->backend(), GetParam());
   const std::vector<uint8_t> pattern = Pattern(NewSeed("round trip"), 12345);
-  ASSERT_TRUE(CopyToPool(**pool, kBytes - pattern.size(), pattern.data(), pattern.size()).ok());
+  ASSERT_THAT(CopyToPool(**pool, kBytes - pattern.size(), pattern.data(), pattern.size()), IsOk());
   std::vector<uint8_t> seen(pattern.size());
-  ASSERT_TRUE(CopyFromPool(**pool, kBytes - seen.size(), seen.data(), seen.size()).ok());
+  ASSERT_THAT(CopyFromPool(**pool, kBytes - seen.size(), seen.data(), seen.size()), IsOk());
   EXPECT_EQ(seen, pattern);
   EXPECT_EQ(CopyToPool(**pool, kBytes - 1, pattern.data(), 2).code(),
             absl::StatusCode::kOutOfRange);

@@ -24,6 +24,7 @@
 #include "gtest/gtest.h"
 #include "tests/common/memory/memory_test_util.h"
 #include "tests/support/wait_for.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -64,7 +65,7 @@ TEST(FdChannelTest, PassesDescriptorAndHeaderToAllowedUid) {
   TempDir dir;
   absl::StatusOr<FdChannelListener> listener =
       FdChannelListener::Create(dir.File("pool.sock"), {::getuid()});
-  ASSERT_TRUE(listener.ok()) << listener.status();
+  ASSERT_THAT(listener, IsOk());
   UniqueFd file(::open(dir.path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   ASSERT_TRUE(file.valid());
 
@@ -72,11 +73,11 @@ TEST(FdChannelTest, PassesDescriptorAndHeaderToAllowedUid) {
   ASSERT_TRUE(WaitReadable(listener->listen_fd(), kPeerWait));
   const std::vector<uint8_t> header = {1, 2, 3, 250};
   const absl::StatusOr<pid_t> peer = listener->ServeOne(file.get(), header);
-  ASSERT_TRUE(peer.ok()) << peer.status();
+  ASSERT_THAT(peer, IsOk());
   EXPECT_EQ(*peer, ::getpid());  // the receiver is a thread of this process
 
   absl::StatusOr<ReceivedFd> received = receiver.Join();
-  ASSERT_TRUE(received.ok()) << received.status();
+  ASSERT_THAT(received, IsOk());
   EXPECT_THAT(received->header, ElementsAre(1, 2, 3, 250));
   ASSERT_TRUE(received->fd.valid());
   EXPECT_NE(received->fd.get(), file.get());
@@ -91,9 +92,9 @@ TEST(FdChannelTest, EmptyAndLargestHeaders) {
     const std::vector<uint8_t> header(size, 7);
     Receiver receiver(dir.File("s"), absl::Seconds(10));
     ASSERT_TRUE(WaitReadable(listener.listen_fd(), kPeerWait));
-    ASSERT_TRUE(listener.ServeOne(STDIN_FILENO, header).ok());
+    ASSERT_THAT(listener.ServeOne(STDIN_FILENO, header), IsOk());
     absl::StatusOr<ReceivedFd> received = receiver.Join();
-    ASSERT_TRUE(received.ok()) << received.status();
+    ASSERT_THAT(received, IsOk());
     EXPECT_EQ(received->header, header);
   }
 }
@@ -229,12 +230,12 @@ TEST(FdChannelTest, ReplacesStaleSocketFile) {
   }
   ASSERT_EQ(::access(path.c_str(), F_OK), 0);
   absl::StatusOr<FdChannelListener> listener = FdChannelListener::Create(path, {::getuid()});
-  ASSERT_TRUE(listener.ok()) << listener.status();
+  ASSERT_THAT(listener, IsOk());
 
   Receiver receiver(path, absl::Seconds(10));
   ASSERT_TRUE(WaitReadable(listener->listen_fd(), kPeerWait));
-  EXPECT_TRUE(listener->ServeOne(STDIN_FILENO, {}).ok());
-  EXPECT_TRUE(receiver.Join().ok());
+  EXPECT_THAT(listener->ServeOne(STDIN_FILENO, {}), IsOk());
+  EXPECT_THAT(receiver.Join(), IsOk());
 }
 
 TEST(FdChannelTest, RefusesPathOfLiveListener) {

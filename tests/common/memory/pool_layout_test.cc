@@ -7,6 +7,7 @@
 #include "common/sizing/kv_cache_spec.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -18,7 +19,7 @@ KvCacheSpec SmallSpec() { return {2, 4, 8, DType::kFloat16, 16}; }
 
 TEST(PoolLayoutTest, StridesWorkedOutByHand) {
   const absl::StatusOr<PoolLayout> layout = PoolLayout::For(SmallSpec(), 10);
-  ASSERT_TRUE(layout.ok()) << layout.status();
+  ASSERT_THAT(layout, IsOk());
   EXPECT_EQ(layout->num_blocks, 10);
   EXPECT_EQ(layout->elem_bytes, 2);
   EXPECT_EQ(layout->head_stride, 8 * 2);       // head_dim x 2 bytes
@@ -48,7 +49,7 @@ TEST(PoolLayoutTest, Llama3_8BBf16) {
   const PoolLayout layout = *PoolLayout::For(spec, 1000);
   EXPECT_EQ(layout.block_stride, 16 * 8 * 128 * 2);  // 32 KiB per layer, K or V
   EXPECT_EQ(layout.total_bytes, int64_t{1000} * spec.BytesPerBlock());
-  EXPECT_TRUE(layout.Validate(spec).ok());
+  EXPECT_THAT(layout.Validate(spec), IsOk());
 }
 
 TEST(PoolLayoutTest, RejectsBadSpecAndBlockCount) {
@@ -62,7 +63,7 @@ TEST(PoolLayoutTest, RejectsBadSpecAndBlockCount) {
 TEST(PoolLayoutTest, RejectsOverflow) {
   // 2^43 bytes per block fits in an int64; 2^31 - 1 blocks of it do not.
   const KvCacheSpec huge{1024, 1024, 1024, DType::kFloat32, 1024};
-  ASSERT_TRUE(huge.Validate().ok());
+  ASSERT_THAT(huge.Validate(), IsOk());
   const absl::StatusOr<PoolLayout> layout =
       PoolLayout::For(huge, std::numeric_limits<int32_t>::max());
   EXPECT_EQ(layout.status().code(), absl::StatusCode::kInvalidArgument);
@@ -71,7 +72,7 @@ TEST(PoolLayoutTest, RejectsOverflow) {
 
 TEST(PoolLayoutTest, ValidateAcceptsItsOwnLayout) {
   const PoolLayout layout = *PoolLayout::For(SmallSpec(), 10);
-  EXPECT_TRUE(layout.Validate(SmallSpec()).ok()) << layout.Validate(SmallSpec());
+  EXPECT_THAT(layout.Validate(SmallSpec()), IsOk());
 }
 
 TEST(PoolLayoutTest, ValidateRejectsTamperedFields) {

@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -37,7 +38,7 @@ TEST(PoolBackendTest, RejectsUnknownNames) {
 
 TEST(AvailableHostMemoryTest, IsPositiveAndAtMostMemTotal) {
   const absl::StatusOr<uint64_t> available = AvailableHostMemoryBytes();
-  ASSERT_TRUE(available.ok()) << available.status();
+  ASSERT_THAT(available, IsOk());
   EXPECT_GT(*available, 0u);
   std::ifstream meminfo("/proc/meminfo");
   std::string key;

@@ -25,6 +25,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/common/memory/memory_test_util.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -47,13 +48,13 @@ std::string FdTarget(int fd) {
 
 std::vector<uint8_t> ReadAll(const PoolMemory& pool) {
   std::vector<uint8_t> out(pool.size_bytes());
-  EXPECT_TRUE(CopyFromPool(pool, 0, out.data(), out.size()).ok());
+  EXPECT_THAT(CopyFromPool(pool, 0, out.data(), out.size()), IsOk());
   return out;
 }
 
 TEST(ShmPoolMemoryTest, CreatesZeroedSealedMemfd) {
   absl::StatusOr<std::unique_ptr<PoolMemory>> pool = CreateShmPoolMemory(kMiB, "test");
-  ASSERT_TRUE(pool.ok()) << pool.status();
+  ASSERT_THAT(pool, IsOk());
   PoolMemory& memory = **pool;
   EXPECT_EQ(memory.backend(), PoolBackend::kShm);
   EXPECT_EQ(memory.size_bytes(), kMiB);
@@ -89,7 +90,7 @@ TEST(ShmPoolMemoryTest, RejectsZeroBytes) {
 
 TEST(ShmPoolMemoryTest, MoreThanAvailableIsResourceExhausted) {
   const absl::StatusOr<uint64_t> available = AvailableHostMemoryBytes();
-  ASSERT_TRUE(available.ok()) << available.status();
+  ASSERT_THAT(available, IsOk());
   const uint64_t bytes = *available + 64 * kMiB;
   const absl::StatusOr<std::unique_ptr<PoolMemory>> pool = CreateShmPoolMemory(bytes, "huge");
   EXPECT_EQ(pool.status().code(), absl::StatusCode::kResourceExhausted);
@@ -100,20 +101,20 @@ TEST(ShmPoolMemoryTest, MappingSharesTheOwnersPages) {
   std::unique_ptr<PoolMemory> pool = *CreateShmPoolMemory(kMiB, "share");
   absl::StatusOr<std::unique_ptr<PoolMapping>> mapping =
       MapShmPool(UniqueFd(::fcntl(pool->shareable_fd(), F_DUPFD_CLOEXEC, 0)), kMiB);
-  ASSERT_TRUE(mapping.ok()) << mapping.status();
+  ASSERT_THAT(mapping, IsOk());
   EXPECT_EQ((*mapping)->backend(), PoolBackend::kShm);
   EXPECT_EQ((*mapping)->size_bytes(), kMiB);
   EXPECT_NE((*mapping)->base(), pool->base());
 
   const std::vector<uint8_t> pattern = Pattern(NewSeed("MappingSharesTheOwnersPages"), 4096);
-  ASSERT_TRUE(CopyToPool(*pool, kMiB - 4096, pattern.data(), pattern.size()).ok());
+  ASSERT_THAT(CopyToPool(*pool, kMiB - 4096, pattern.data(), pattern.size()), IsOk());
   std::vector<uint8_t> seen(4096);
-  ASSERT_TRUE(CopyFromPool(**mapping, kMiB - 4096, seen.data(), seen.size()).ok());
+  ASSERT_THAT(CopyFromPool(**mapping, kMiB - 4096, seen.data(), seen.size()), IsOk());
   EXPECT_EQ(seen, pattern);
 
   // The pages outlive the owner while a mapping holds them.
   pool.reset();
-  ASSERT_TRUE(CopyFromPool(**mapping, kMiB - 4096, seen.data(), seen.size()).ok());
+  ASSERT_THAT(CopyFromPool(**mapping, kMiB - 4096, seen.data(), seen.size()), IsOk());
   EXPECT_EQ(seen, pattern);
 }
 
@@ -161,8 +162,8 @@ TEST(ShmPoolMemoryTest, MapRejectsMissingDescriptor) {
 TEST(ShmPoolMemoryTest, CopiesAreBoundsChecked) {
   std::unique_ptr<PoolMemory> pool = *CreateShmPoolMemory(kMiB, "bounds");
   uint8_t byte = 1;
-  EXPECT_TRUE(CopyToPool(*pool, kMiB - 1, &byte, 1).ok());
-  EXPECT_TRUE(CopyToPool(*pool, kMiB, &byte, 0).ok());
+  EXPECT_THAT(CopyToPool(*pool, kMiB - 1, &byte, 1), IsOk());
+  EXPECT_THAT(CopyToPool(*pool, kMiB, &byte, 0), IsOk());
   EXPECT_EQ(CopyToPool(*pool, kMiB, &byte, 1).code(), absl::StatusCode::kOutOfRange);
   EXPECT_EQ(CopyFromPool(*pool, kMiB + 1, &byte, 0).code(), absl::StatusCode::kOutOfRange);
   EXPECT_EQ(CopyFromPool(*pool, 1, &byte, UINT64_MAX).code(), absl::StatusCode::kOutOfRange);
@@ -231,10 +232,10 @@ TEST(ShmPoolMemoryCrossProcessTest, ParentAndForkedChildSeeEachOthersWrites) {
   const uint64_t parent_seed = NewSeed("parent");
   const uint64_t child_seed = NewSeed("child");
   const std::vector<uint8_t> parent_pattern = Pattern(parent_seed, kBytes);
-  ASSERT_TRUE(CopyToPool(*pool, 0, parent_pattern.data(), kBytes).ok());
+  ASSERT_THAT(CopyToPool(*pool, 0, parent_pattern.data(), kBytes), IsOk());
 
   absl::StatusOr<FdChannelListener> listener = FdChannelListener::Create(socket_path, {::getuid()});
-  ASSERT_TRUE(listener.ok()) << listener.status();
+  ASSERT_THAT(listener, IsOk());
 
   std::fflush(nullptr);
   const pid_t pid = ::fork();
@@ -252,7 +253,7 @@ TEST(ShmPoolMemoryCrossProcessTest, ParentAndForkedChildSeeEachOthersWrites) {
   std::vector<uint8_t> header(sizeof(bytes));
   std::memcpy(header.data(), &bytes, sizeof(bytes));
   const absl::StatusOr<pid_t> peer = listener->ServeOne(pool->shareable_fd(), header);
-  ASSERT_TRUE(peer.ok()) << peer.status();
+  ASSERT_THAT(peer, IsOk());
   EXPECT_EQ(*peer, pid);
 
   const int status = child.Wait();

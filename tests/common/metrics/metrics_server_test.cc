@@ -10,6 +10,7 @@
 #include "prometheus/registry.h"
 #include "tests/support/http_client.h"
 #include "tests/support/metrics_text.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -31,35 +32,35 @@ std::shared_ptr<prometheus::Registry> RegistryWithCounter(double value) {
 
 TEST(MetricsServerTest, ServesRegistryOnPickedPort) {
   auto server = MetricsServer::Start("127.0.0.1:0", RegistryWithCounter(3));
-  ASSERT_TRUE(server.ok()) << server.status();
+  ASSERT_THAT(server, IsOk());
   const int port = (*server)->port();
   EXPECT_GT(port, 0);
   EXPECT_EQ((*server)->url(), absl::StrCat("http://127.0.0.1:", port, "/metrics"));
 
   auto response = HttpGet((*server)->url());
-  ASSERT_TRUE(response.ok()) << response.status();
+  ASSERT_THAT(response, IsOk());
   EXPECT_EQ(response->status, 200);
   auto text = ParseMetricsText(response->body);
-  ASSERT_TRUE(text.ok()) << text.status();
+  ASSERT_THAT(text, IsOk());
   EXPECT_EQ(text->types.at("kvcm_test_events_total"), "counter");
   EXPECT_EQ(text->Value("kvcm_test_events_total").value_or(-1), 3);
 }
 
 TEST(MetricsServerTest, LocalhostAndWildcardGiveFetchableUrls) {
   auto local = MetricsServer::Start("localhost:0", RegistryWithCounter(1));
-  ASSERT_TRUE(local.ok()) << local.status();
+  ASSERT_THAT(local, IsOk());
   EXPECT_THAT((*local)->url(), HasSubstr("http://127.0.0.1:"));
   auto any = MetricsServer::Start("0.0.0.0:0", RegistryWithCounter(2));
-  ASSERT_TRUE(any.ok()) << any.status();
+  ASSERT_THAT(any, IsOk());
   EXPECT_EQ((*any)->url(), absl::StrCat("http://127.0.0.1:", (*any)->port(), "/metrics"));
   auto response = HttpGet((*any)->url());
-  ASSERT_TRUE(response.ok()) << response.status();
+  ASSERT_THAT(response, IsOk());
   EXPECT_THAT(response->body, HasSubstr("kvcm_test_events_total 2"));
 }
 
 TEST(MetricsServerTest, TakenPortIsAClearErrorAndTheFirstServerKeepsServing) {
   auto first = MetricsServer::Start("127.0.0.1:0", RegistryWithCounter(1));
-  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_THAT(first, IsOk());
   const std::string address = absl::StrCat("127.0.0.1:", (*first)->port());
 
   auto second = MetricsServer::Start(address, RegistryWithCounter(2));
@@ -69,7 +70,7 @@ TEST(MetricsServerTest, TakenPortIsAClearErrorAndTheFirstServerKeepsServing) {
             absl::StrCat("metrics address ", address, " is already in use"));
 
   auto response = HttpGet((*first)->url());
-  ASSERT_TRUE(response.ok()) << response.status();
+  ASSERT_THAT(response, IsOk());
   EXPECT_EQ(response->status, 200);
   EXPECT_THAT(response->body, HasSubstr("kvcm_test_events_total 1"));
 }
@@ -97,9 +98,9 @@ TEST(MetricsServerTest, RejectsAHostThatIsNotThisMachine) {
 
 TEST(MetricsServerTest, StopsServingOnDestruction) {
   auto server = MetricsServer::Start("127.0.0.1:0", RegistryWithCounter(1));
-  ASSERT_TRUE(server.ok()) << server.status();
+  ASSERT_THAT(server, IsOk());
   const std::string url = (*server)->url();
-  ASSERT_TRUE(HttpGet(url).ok());
+  ASSERT_THAT(HttpGet(url), IsOk());
   server->reset();
   auto response = HttpGet(url);
   EXPECT_FALSE(response.ok());

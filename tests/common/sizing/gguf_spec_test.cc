@@ -14,6 +14,7 @@
 #include "gtest/gtest.h"
 #include "tests/support/real_model.h"
 #include "tests/support/subprocess.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -25,18 +26,18 @@ std::string WriteGguf(const testing::TempDir& dir, const std::string& name,
                       const std::vector<std::pair<std::string, GgufValue>>& keys,
                       GgmlType embedding_type = GgmlType::kQ8_0) {
   GgufWriter writer;
-  EXPECT_TRUE(writer.Add("general.architecture", GgufValue::String("llama")).ok());
-  for (const auto& [key, value] : keys) EXPECT_TRUE(writer.Add(key, value).ok()) << key;
+  EXPECT_THAT(writer.Add("general.architecture", GgufValue::String("llama")), IsOk());
+  for (const auto& [key, value] : keys) EXPECT_THAT(writer.Add(key, value), IsOk()) << key;
   const std::vector<float> embeddings(64 * 4, 0.5f);
-  EXPECT_TRUE(writer.AddTensor("token_embd.weight", {64, 4}, embedding_type, embeddings).ok());
+  EXPECT_THAT(writer.AddTensor("token_embd.weight", {64, 4}, embedding_type, embeddings), IsOk());
   const std::string path = dir.path() + "/" + name;
-  EXPECT_TRUE(writer.WriteFile(path).ok());
+  EXPECT_THAT(writer.WriteFile(path), IsOk());
   return path;
 }
 
 TEST(SpecFromGgufTest, ShapeFromTheMetadataAndFp16ForQuantizedWeights) {
   auto dir = testing::TempDir::Create("kvcm-gguf-spec");
-  ASSERT_TRUE(dir.ok());
+  ASSERT_THAT(dir, IsOk());
   const std::string path = WriteGguf(*dir, "m.gguf",
                                      {{"llama.block_count", GgufValue::Uint32(30)},
                                       {"llama.attention.head_count", GgufValue::Uint32(9)},
@@ -44,7 +45,7 @@ TEST(SpecFromGgufTest, ShapeFromTheMetadataAndFp16ForQuantizedWeights) {
                                       {"llama.embedding_length", GgufValue::Uint32(576)}});
   std::vector<std::string> notes;
   absl::StatusOr<KvCacheSpec> spec = SpecFromModelPath(path, 16, std::nullopt, &notes);
-  ASSERT_TRUE(spec.ok()) << spec.status();
+  ASSERT_THAT(spec, IsOk());
   EXPECT_EQ(spec->num_layers, 30);
   EXPECT_EQ(spec->num_kv_heads, 3);
   EXPECT_EQ(spec->head_dim, 64);
@@ -55,13 +56,13 @@ TEST(SpecFromGgufTest, ShapeFromTheMetadataAndFp16ForQuantizedWeights) {
   EXPECT_THAT(notes[0], HasSubstr("--dtype"));
 
   spec = SpecFromGgufFile(path, 16, DType::kBFloat16, &notes);
-  ASSERT_TRUE(spec.ok()) << spec.status();
+  ASSERT_THAT(spec, IsOk());
   EXPECT_EQ(spec->dtype, DType::kBFloat16);
 }
 
 TEST(SpecFromGgufTest, FloatEmbeddingsGiveTheirDtypeAndKeyLengthWins) {
   auto dir = testing::TempDir::Create("kvcm-gguf-spec");
-  ASSERT_TRUE(dir.ok());
+  ASSERT_THAT(dir, IsOk());
   const std::string path = WriteGguf(*dir, "m.gguf",
                                      {{"llama.block_count", GgufValue::Uint32(2)},
                                       {"llama.attention.head_count", GgufValue::Uint32(4)},
@@ -69,7 +70,7 @@ TEST(SpecFromGgufTest, FloatEmbeddingsGiveTheirDtypeAndKeyLengthWins) {
                                       {"llama.embedding_length", GgufValue::Uint32(256)}},
                                      GgmlType::kF32);
   absl::StatusOr<KvCacheSpec> spec = SpecFromGgufFile(path, 32, std::nullopt);
-  ASSERT_TRUE(spec.ok()) << spec.status();
+  ASSERT_THAT(spec, IsOk());
   EXPECT_EQ(spec->num_kv_heads, 4);  // no head_count_kv: multi-head attention
   EXPECT_EQ(spec->head_dim, 128);
   EXPECT_EQ(spec->dtype, DType::kFloat32);
@@ -77,7 +78,7 @@ TEST(SpecFromGgufTest, FloatEmbeddingsGiveTheirDtypeAndKeyLengthWins) {
 
 TEST(SpecFromGgufTest, MalformedMetadataNamesTheFileAndKey) {
   auto dir = testing::TempDir::Create("kvcm-gguf-spec");
-  ASSERT_TRUE(dir.ok());
+  ASSERT_THAT(dir, IsOk());
   const std::string missing = WriteGguf(*dir, "missing.gguf",
                                         {{"llama.attention.head_count", GgufValue::Uint32(4)}});
   absl::Status s = SpecFromGgufFile(missing, 16, std::nullopt).status();
@@ -112,7 +113,7 @@ TEST(SpecFromGgufTest, TheBundledModel) {
   const std::string path = testing::SmolLM2GgufPath();
   ASSERT_TRUE(std::filesystem::exists(path)) << testing::SmolLM2Missing(path);
   absl::StatusOr<KvCacheSpec> spec = SpecFromModelPath(path, 16, std::nullopt);
-  ASSERT_TRUE(spec.ok()) << spec.status();
+  ASSERT_THAT(spec, IsOk());
   EXPECT_EQ(spec->num_layers, 30);
   EXPECT_EQ(spec->num_kv_heads, 3);
   EXPECT_EQ(spec->head_dim, 64);

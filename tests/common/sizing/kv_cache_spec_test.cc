@@ -7,6 +7,7 @@
 #include "absl/status/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -57,7 +58,7 @@ TEST(DTypeTest, RejectsUnknownDType) {
 
 TEST(KvCacheSpecTest, Llama3_8BGqaBf16) {
   const KvCacheSpec spec = Llama3_8B();
-  ASSERT_TRUE(spec.Validate().ok()) << spec.Validate();
+  ASSERT_THAT(spec.Validate(), IsOk());
   // 2 x 32 layers x 8 KV heads x 128 dim x 2 bytes = 131072 B (128 KiB) per token.
   EXPECT_EQ(spec.BytesPerToken(), 131072);
   // x 16 tokens = 2097152 B = 2 MiB per block.
@@ -66,7 +67,7 @@ TEST(KvCacheSpecTest, Llama3_8BGqaBf16) {
 
 TEST(KvCacheSpecTest, Llama2_7BMhaFp16) {
   const KvCacheSpec spec = Llama2_7B();
-  ASSERT_TRUE(spec.Validate().ok());
+  ASSERT_THAT(spec.Validate(), IsOk());
   // 2 x 32 x 32 x 128 x 2 = 524288 B (512 KiB) per token: 4x Llama-3-8B, because MHA keeps
   // all 32 heads' K and V where GQA keeps 8.
   EXPECT_EQ(spec.BytesPerToken(), 524288);
@@ -84,10 +85,10 @@ TEST(KvCacheSpecTest, DTypeAndBlockSizeScaleLinearly) {
   spec.block_size = 1;
   EXPECT_EQ(spec.BytesPerBlock(), 131072);
   spec.block_size = 24;  // not a power of two: allowed
-  ASSERT_TRUE(spec.Validate().ok());
+  ASSERT_THAT(spec.Validate(), IsOk());
   EXPECT_EQ(spec.BytesPerBlock(), 24 * 131072);
   spec.block_size = kMaxBlockSize;
-  EXPECT_TRUE(spec.Validate().ok());
+  EXPECT_THAT(spec.Validate(), IsOk());
 }
 
 TEST(KvCacheSpecTest, ValidateNamesTheBadField) {

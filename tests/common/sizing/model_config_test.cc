@@ -14,6 +14,7 @@
 #include "common/sizing/kv_cache_spec.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -48,7 +49,7 @@ constexpr char kLlama2_7B_NoKvHeads[] = R"json({
 KvCacheSpec Spec(const std::string& json, int32_t block_size = 16,
                  std::optional<DType> dtype = std::nullopt) {
   absl::StatusOr<KvCacheSpec> spec = SpecFromHfConfig(json, block_size, dtype);
-  EXPECT_TRUE(spec.ok()) << spec.status();
+  EXPECT_THAT(spec, IsOk());
   return spec.value_or(KvCacheSpec{});
 }
 
@@ -76,7 +77,7 @@ TEST(SpecFromHfConfigTest, NotesSayWhichDTypeWasTakenAndThatAWindowIsIgnored) {
       "sliding_window": 4096, "torch_dtype": "float32"})json";
   std::vector<std::string> notes;
   absl::StatusOr<KvCacheSpec> spec = SpecFromHfConfig(kGemma2, 16, std::nullopt, &notes);
-  ASSERT_TRUE(spec.ok()) << spec.status();
+  ASSERT_THAT(spec, IsOk());
   EXPECT_EQ(spec->dtype, DType::kFloat32);
   ASSERT_EQ(notes.size(), 2u);
   EXPECT_THAT(notes[0], HasSubstr("KV dtype fp32 from the config's torch_dtype \"float32\""));
@@ -84,11 +85,11 @@ TEST(SpecFromHfConfigTest, NotesSayWhichDTypeWasTakenAndThatAWindowIsIgnored) {
   EXPECT_THAT(notes[1], HasSubstr("\"sliding_window\" (4096) is ignored"));
   // With --dtype given nothing is chosen for the user; a null window is no window.
   notes.clear();
-  ASSERT_TRUE(SpecFromHfConfig(kLlama31_8B, 16, DType::kFloat16, &notes).ok());
+  ASSERT_THAT(SpecFromHfConfig(kLlama31_8B, 16, DType::kFloat16, &notes), IsOk());
   EXPECT_TRUE(notes.empty());
-  ASSERT_TRUE(SpecFromHfConfig(R"json({"hidden_size": 64, "num_attention_heads": 4,
+  ASSERT_THAT(SpecFromHfConfig(R"json({"hidden_size": 64, "num_attention_heads": 4,
       "num_hidden_layers": 2, "sliding_window": null, "torch_dtype": "bfloat16"})json", 16,
-                               std::nullopt, &notes).ok());
+                               std::nullopt, &notes), IsOk());
   ASSERT_EQ(notes.size(), 1u);
   EXPECT_THAT(notes[0], HasSubstr("KV dtype bf16"));
 }
@@ -253,7 +254,7 @@ class SpecFromHfConfigFileTest : public ::testing::Test {
 TEST_F(SpecFromHfConfigFileTest, ReadsFile) {
   const std::string path = Write("config.json", kLlama31_8B);
   const absl::StatusOr<KvCacheSpec> spec = SpecFromHfConfigFile(path, 16, std::nullopt);
-  ASSERT_TRUE(spec.ok()) << spec.status();
+  ASSERT_THAT(spec, IsOk());
   EXPECT_EQ(*spec, (KvCacheSpec{32, 8, 128, DType::kBFloat16, 16}));
 }
 

@@ -9,6 +9,7 @@
 #include "common/sizing/kv_cache_spec.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -28,7 +29,7 @@ KvCacheSpec Llama2_7B() { return {32, 32, 128, DType::kFloat16, 16}; }
 
 TEST(PlanPoolTest, AbsoluteBytesLlama3_8B) {
   const absl::StatusOr<PoolPlan> plan = PlanPool(Llama3_8B(), PoolBudget::Bytes(64 * kGiB));
-  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_THAT(plan, IsOk());
   EXPECT_EQ(plan->bytes_per_token, 131072);
   EXPECT_EQ(plan->bytes_per_block, 2 * kMiB);
   EXPECT_EQ(plan->usable_bytes, 64 * kGiB);
@@ -42,7 +43,7 @@ TEST(PlanPoolTest, AbsoluteBytesLlama3_8B) {
 
 TEST(PlanPoolTest, AbsoluteBytesLlama2_7BMha) {
   const absl::StatusOr<PoolPlan> plan = PlanPool(Llama2_7B(), PoolBudget::Bytes(64 * kGiB));
-  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_THAT(plan, IsOk());
   EXPECT_EQ(plan->bytes_per_block, 8 * kMiB);
   // 64 GiB / 8 MiB = 8192 blocks -> 131072 tokens: a quarter of Llama-3-8B's, because MHA
   // stores 4x the KV heads.
@@ -54,7 +55,7 @@ TEST(PlanPoolTest, RemainderIsUnused) {
   // 64 GiB + 1 MiB + 5 B: still 32768 whole blocks of 2 MiB; 1048581 B are left over.
   const int64_t budget = 64 * kGiB + kMiB + 5;
   const absl::StatusOr<PoolPlan> plan = PlanPool(Llama3_8B(), PoolBudget::Bytes(budget));
-  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_THAT(plan, IsOk());
   EXPECT_EQ(plan->usable_bytes, budget);
   EXPECT_EQ(plan->num_blocks, 32768);
   EXPECT_EQ(plan->pool_bytes, 64 * kGiB);
@@ -67,7 +68,7 @@ TEST(PlanPoolTest, FractionOfFreeMemoryExact) {
   // 30 GiB / 2 MiB = 15360 blocks -> 245760 tokens.
   const absl::StatusOr<PoolPlan> plan =
       PlanPool(Llama3_8B(), PoolBudget::FractionOfFree(80 * kGiB, 0.5, 0.25));
-  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_THAT(plan, IsOk());
   EXPECT_EQ(plan->usable_bytes, 30 * kGiB);
   EXPECT_EQ(plan->num_blocks, 15360);
   EXPECT_EQ(plan->unused_bytes, 0);
@@ -80,7 +81,7 @@ TEST(PlanPoolTest, FractionOfFreeMemoryWithDefaultMargin) {
   const PoolBudget budget = PoolBudget::FractionOfFree(80 * kGiB, 0.9);
   ASSERT_EQ(std::get<MemoryFractionBudget>(budget.kind).margin, kDefaultMemoryMargin);
   const absl::StatusOr<PoolPlan> plan = PlanPool(Llama3_8B(), budget);
-  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_THAT(plan, IsOk());
   EXPECT_EQ(plan->usable_bytes, 69578470195);
   EXPECT_EQ(plan->num_blocks, 33177);
   EXPECT_EQ(plan->pool_bytes, 69577211904);
@@ -97,7 +98,7 @@ TEST(PlanPoolTest, FractionOneMarginZeroUsesAllFreeMemoryToTheByte) {
 TEST(PlanPoolTest, FixedBlockCount) {
   // 4096 blocks x 2 MiB = 8 GiB, 65536 tokens; no remainder by construction.
   const absl::StatusOr<PoolPlan> plan = PlanPool(Llama3_8B(), PoolBudget::Blocks(4096));
-  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_THAT(plan, IsOk());
   EXPECT_EQ(plan->num_blocks, 4096);
   EXPECT_EQ(plan->usable_bytes, 8 * kGiB);
   EXPECT_EQ(plan->pool_bytes, 8 * kGiB);
@@ -119,7 +120,7 @@ TEST(PlanPoolTest, ZeroBlocksFitIsResourceExhausted) {
 
 TEST(PlanPoolTest, ExactlyOneBlockFits) {
   const absl::StatusOr<PoolPlan> plan = PlanPool(Llama3_8B(), PoolBudget::Bytes(2 * kMiB));
-  ASSERT_TRUE(plan.ok());
+  ASSERT_THAT(plan, IsOk());
   EXPECT_EQ(plan->num_blocks, 1);
   EXPECT_EQ(plan->max_total_tokens, 16);
 }
@@ -168,7 +169,7 @@ TEST(PlanPoolTest, BlockCountTimesBlockBytesOverflowIsInvalidArgument) {
   // 2 x 1024 x 1024 x 1024 x 4 B x 1024 tokens = 2^43 B per block; x (2^31 - 1) blocks
   // overflows int64.
   const KvCacheSpec huge{1024, 1024, 1024, DType::kFloat32, 1024};
-  ASSERT_TRUE(huge.Validate().ok());
+  ASSERT_THAT(huge.Validate(), IsOk());
   const absl::StatusOr<PoolPlan> plan = PlanPool(huge, PoolBudget::Blocks(kMaxNumBlocks));
   EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(plan.status().message(), HasSubstr("overflows"));

@@ -26,6 +26,7 @@
 #include "gtest/gtest.h"
 #include "tests/support/real_model.h"
 #include "tests/support/subprocess.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -72,7 +73,7 @@ class BpeFamilyTest : public ::testing::TestWithParam<Family> {
  protected:
   void SetUp() override {
     absl::StatusOr<testing::TempDir> dir = testing::TempDir::Create("kvcm-bpe");
-    ASSERT_TRUE(dir.ok()) << dir.status();
+    ASSERT_THAT(dir, IsOk());
     dir_.emplace(std::move(*dir));
     std::printf("corpus seed %d, %d strings, family %s\n", kSeed, kCorpusSize,
                 GetParam().name.c_str());
@@ -109,7 +110,7 @@ class BpeFamilyTest : public ::testing::TestWithParam<Family> {
       const std::string text = c["text"].get<std::string>();
       const std::vector<int32_t> want = c["ids"].get<std::vector<int32_t>>();
       absl::StatusOr<std::vector<int32_t>> got = tokenizer.Encode(text);
-      ASSERT_TRUE(got.ok()) << got.status();
+      ASSERT_THAT(got, IsOk());
       if (*got != want) {
         if (++mismatches <= 10) {
           ADD_FAILURE() << "text \"" << Escaped(text) << "\"\n  kvcm " << absl::StrJoin(*got, " ")
@@ -147,7 +148,7 @@ class BpeFamilyTest : public ::testing::TestWithParam<Family> {
 
 TEST_P(BpeFamilyTest, TokenizerJsonMatchesHuggingFace) {
   absl::StatusOr<std::unique_ptr<Tokenizer>> loaded = LoadTokenizer(Folder(), Config());
-  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ASSERT_THAT(loaded, IsOk());
   const auto* tokenizer = dynamic_cast<const BpeTokenizer*>(loaded->get());
   ASSERT_NE(tokenizer, nullptr);
   ExpectMatchesReference(*tokenizer);
@@ -159,7 +160,7 @@ TEST_P(BpeFamilyTest, TokenizerJsonMatchesHuggingFace) {
 
 TEST_P(BpeFamilyTest, SpecialTokensByName) {
   absl::StatusOr<std::unique_ptr<Tokenizer>> loaded = LoadTokenizer(Folder(), Config());
-  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ASSERT_THAT(loaded, IsOk());
   const Tokenizer& tokenizer = **loaded;
   const Json config = ReadJson(Folder() + "/tokenizer_config.json");
   const std::optional<int32_t> eos = tokenizer.TokenId(config["eos_token"].get<std::string>());
@@ -218,7 +219,7 @@ TEST_P(SmolLM2GgufVocabTest, FromVocabMatchesHuggingFace) {
   vocab.add_bos = gguf["add_bos"].get<bool>();
   absl::StatusOr<std::unique_ptr<BpeTokenizer>> tokenizer =
       BpeTokenizer::FromVocab(std::move(vocab), 49152);
-  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  ASSERT_THAT(tokenizer, IsOk());
   ExpectMatchesReference(**tokenizer);
   EXPECT_FALSE((*tokenizer)->add_bos());  // tokenizer.ggml.add_bos_token = false
   EXPECT_EQ((*tokenizer)->bos_id(), 1);
@@ -230,11 +231,11 @@ TEST_P(SmolLM2GgufVocabTest, FromVocabMatchesHuggingFace) {
 // The GGUF file itself through LoadGgufTokenizer.
 TEST_P(SmolLM2GgufVocabTest, LoadGgufTokenizerMatchesHuggingFace) {
   absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(testing::SmolLM2GgufPath());
-  ASSERT_TRUE(file.ok()) << file.status();
+  ASSERT_THAT(file, IsOk());
   TokenizerConfig config;
   config.vocab_size = 49152;
   absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = LoadGgufTokenizer(**file, config);
-  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  ASSERT_THAT(tokenizer, IsOk());
   const auto* bpe = dynamic_cast<const BpeTokenizer*>(tokenizer->get());
   ASSERT_NE(bpe, nullptr);
   ExpectMatchesReference(*bpe);
@@ -260,7 +261,7 @@ class BpeNormalizerTest : public BpeFamilyTest {
  protected:
   void SetUp() override {
     absl::StatusOr<testing::TempDir> dir = testing::TempDir::Create("kvcm-bpe-normalizers");
-    ASSERT_TRUE(dir.ok()) << dir.status();
+    ASSERT_THAT(dir, IsOk());
     dir_.emplace(std::move(*dir));
     const std::string gguf = testing::SmolLM2GgufPath();
     ASSERT_TRUE(std::filesystem::exists(gguf)) << testing::SmolLM2Missing(gguf);
@@ -282,7 +283,7 @@ TEST_P(BpeNormalizerTest, EveryNormalizerMatchesHuggingFace) {
     ASSERT_EQ(expected_["seed"].get<int>(), kSeed);
     ASSERT_GE(expected_["cases"].size(), 1000u);
     absl::StatusOr<std::unique_ptr<Tokenizer>> loaded = LoadTokenizer(folder, TokenizerConfig());
-    ASSERT_TRUE(loaded.ok()) << loaded.status();
+    ASSERT_THAT(loaded, IsOk());
     const auto* tokenizer = dynamic_cast<const BpeTokenizer*>(loaded->get());
     ASSERT_NE(tokenizer, nullptr);
     ExpectMatchesReference(*tokenizer);
@@ -310,11 +311,11 @@ TEST(NormalizerTest, AnEmptyMatchWhereThePreviousEndedIsNotReplaced) {
   step.pattern_is_regex = true;
   step.content = "-";
   absl::StatusOr<Normalizer> n = Normalizer::Create({step}, "test");
-  ASSERT_TRUE(n.ok()) << n.status();
+  ASSERT_THAT(n, IsOk());
   for (const auto& [in, want] : std::vector<std::pair<std::string, std::string>>{
            {"abc", "-a-b-c-"}, {"xxaxb", "-a-b-"}, {"", ""}, {"\u00e9 x", "-\u00e9- -"}}) {
     std::string out;
-    ASSERT_TRUE(n->Apply(in, &out).ok());
+    ASSERT_THAT(n->Apply(in, &out), IsOk());
     EXPECT_EQ(out, want) << in;
   }
 }
@@ -372,7 +373,7 @@ class BpeTokenizerJsonTest : public ::testing::Test {
  protected:
   void SetUp() override {
     absl::StatusOr<testing::TempDir> dir = testing::TempDir::Create("kvcm-bpe-json");
-    ASSERT_TRUE(dir.ok()) << dir.status();
+    ASSERT_THAT(dir, IsOk());
     dir_.emplace(std::move(*dir));
   }
   std::string Write(const std::string& text, const std::string& name = "tokenizer.json") {
@@ -390,7 +391,7 @@ TEST_F(BpeTokenizerJsonTest, TinyTokenizerMergesByRank) {
   // "Ġ t" first, then "h e", then "Ġt he": " the" is one token, "the" two ("t" "he").
   auto tokenizer = BpeTokenizer::FromTokenizerJson(
       Write(TinyTokenizerJson({{"Ġ", "t"}, {"h", "e"}, {"Ġt", "he"}})), TokenizerConfig());
-  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  ASSERT_THAT(tokenizer, IsOk());
   const int32_t space_t = (*tokenizer)->TokenId("Ġt").value();
   const int32_t he = (*tokenizer)->TokenId("he").value();
   const int32_t space_the = (*tokenizer)->TokenId("Ġthe").value();
@@ -420,7 +421,7 @@ TEST_F(BpeTokenizerJsonTest, IgnoreMergesTakesAWordOfTheVocabWhole) {
     variant.replace(variant.find(model_key), model_key.size(),
                     model_key + (ignore ? R"("ignore_merges":true,)" : R"("ignore_merges":false,)"));
     auto tokenizer = BpeTokenizer::FromTokenizerJson(Write(variant), TokenizerConfig());
-    ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+    ASSERT_THAT(tokenizer, IsOk());
     const int32_t he = (*tokenizer)->TokenId("he").value();
     const std::vector<int32_t> want =
         ignore ? std::vector<int32_t>{300} : std::vector<int32_t>{' ', 't', he};
@@ -435,7 +436,7 @@ TEST_F(BpeTokenizerJsonTest, TokenizerConfigSetsBosEosAndAddBos) {
   TokenizerConfig config;
   config.vocab_size = 300;
   absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = LoadTokenizer(dir_->path(), config);
-  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  ASSERT_THAT(tokenizer, IsOk());
   EXPECT_TRUE((*tokenizer)->add_bos());
   EXPECT_EQ((*tokenizer)->bos_id(), 257);
   EXPECT_EQ((*tokenizer)->eos_id(), 257);
@@ -454,7 +455,7 @@ TEST_F(BpeTokenizerJsonTest, TokenizerJsonWinsOverTokenizerModel) {
   Write(TinyTokenizerJson({}), "tokenizer.json");
   Write("not a SentencePiece model", "tokenizer.model");
   absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = LoadTokenizer(dir_->path(), TokenizerConfig());
-  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  ASSERT_THAT(tokenizer, IsOk());
   EXPECT_NE(dynamic_cast<const BpeTokenizer*>(tokenizer->get()), nullptr);
 }
 
@@ -622,7 +623,7 @@ TEST(BpePreTokenizerTest, SplitBehaviors) {
       }
     }
     auto tokenizer = BpeTokenizer::FromVocab(vocab, 0);
-    ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+    ASSERT_THAT(tokenizer, IsOk());
     std::vector<int32_t> want;
     for (const std::string& word : words) want.push_back((*tokenizer)->TokenId(word).value());
     EXPECT_EQ((*tokenizer)->Encode("the-final--countdown").value(), want);
@@ -646,45 +647,45 @@ TEST(GgufTokenizerTest, ModelsAndKeys) {
   tokens.push_back("<|end|>");
   {
     GgufWriter w;
-    ASSERT_TRUE(w.Add("general.architecture", GgufValue::String("llama")).ok());
+    ASSERT_THAT(w.Add("general.architecture", GgufValue::String("llama")), IsOk());
     const absl::Status s = load(w);
     EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
     EXPECT_THAT(s.message(), HasSubstr("tokenizer.ggml.model"));
   }
   {
     GgufWriter w;
-    ASSERT_TRUE(w.Add("tokenizer.ggml.model", GgufValue::String("llama")).ok());
+    ASSERT_THAT(w.Add("tokenizer.ggml.model", GgufValue::String("llama")), IsOk());
     const absl::Status s = load(w);
     EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
     EXPECT_THAT(s.message(), AllOf(HasSubstr("tiny.gguf"), HasSubstr("tokenizer.ggml.tokens")));
   }
   {
     GgufWriter w;
-    ASSERT_TRUE(w.Add("tokenizer.ggml.model", GgufValue::String("gpt2")).ok());
-    ASSERT_TRUE(w.Add("tokenizer.ggml.tokens", GgufValue::StringArray(tokens)).ok());
-    ASSERT_TRUE(w.Add("tokenizer.ggml.token_type", GgufValue::Int32Array(std::vector<int32_t>{1, 3})).ok());
+    ASSERT_THAT(w.Add("tokenizer.ggml.model", GgufValue::String("gpt2")), IsOk());
+    ASSERT_THAT(w.Add("tokenizer.ggml.tokens", GgufValue::StringArray(tokens)), IsOk());
+    ASSERT_THAT(w.Add("tokenizer.ggml.token_type", GgufValue::Int32Array(std::vector<int32_t>{1, 3})), IsOk());
     const absl::Status s = load(w);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_THAT(s.message(), AllOf(HasSubstr("tiny.gguf"), HasSubstr("token_type")));
   }
   {
     GgufWriter w;
-    ASSERT_TRUE(w.Add("tokenizer.ggml.model", GgufValue::String("gpt2")).ok());
-    ASSERT_TRUE(w.Add("tokenizer.ggml.pre", GgufValue::String("chameleon")).ok());
-    ASSERT_TRUE(w.Add("tokenizer.ggml.tokens", GgufValue::StringArray(tokens)).ok());
+    ASSERT_THAT(w.Add("tokenizer.ggml.model", GgufValue::String("gpt2")), IsOk());
+    ASSERT_THAT(w.Add("tokenizer.ggml.pre", GgufValue::String("chameleon")), IsOk());
+    ASSERT_THAT(w.Add("tokenizer.ggml.tokens", GgufValue::StringArray(tokens)), IsOk());
     const absl::Status s = load(w);
     EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
     EXPECT_THAT(s.message(), AllOf(HasSubstr("tiny.gguf"), HasSubstr("chameleon")));
   }
   {
     GgufWriter w;
-    ASSERT_TRUE(w.Add("tokenizer.ggml.model", GgufValue::String("gpt2")).ok());
-    ASSERT_TRUE(w.Add("tokenizer.ggml.pre", GgufValue::String("llama-bpe")).ok());
-    ASSERT_TRUE(w.Add("tokenizer.ggml.tokens", GgufValue::StringArray(tokens)).ok());
-    ASSERT_TRUE(w.Add("tokenizer.ggml.bos_token_id", GgufValue::Uint32(256)).ok());
-    ASSERT_TRUE(w.Add("tokenizer.ggml.add_bos_token", GgufValue::Bool(true)).ok());
-    EXPECT_TRUE(load(w).ok()) << load(w);
-    ASSERT_TRUE(w.Add("tokenizer.ggml.eos_token_id", GgufValue::Uint32(9999)).ok());
+    ASSERT_THAT(w.Add("tokenizer.ggml.model", GgufValue::String("gpt2")), IsOk());
+    ASSERT_THAT(w.Add("tokenizer.ggml.pre", GgufValue::String("llama-bpe")), IsOk());
+    ASSERT_THAT(w.Add("tokenizer.ggml.tokens", GgufValue::StringArray(tokens)), IsOk());
+    ASSERT_THAT(w.Add("tokenizer.ggml.bos_token_id", GgufValue::Uint32(256)), IsOk());
+    ASSERT_THAT(w.Add("tokenizer.ggml.add_bos_token", GgufValue::Bool(true)), IsOk());
+    EXPECT_THAT(load(w), IsOk());
+    ASSERT_THAT(w.Add("tokenizer.ggml.eos_token_id", GgufValue::Uint32(9999)), IsOk());
     const absl::Status s = load(w);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_THAT(s.message(), AllOf(HasSubstr("tiny.gguf"), HasSubstr("eos_token_id")));
@@ -693,7 +694,7 @@ TEST(GgufTokenizerTest, ModelsAndKeys) {
 
 TEST(BpePreTokenizerTest, NamesOfLlamaCpp) {
   for (const char* name : {"gpt2", "default", "llama-bpe", "qwen2", "smollm", "starcoder"}) {
-    EXPECT_TRUE(BpePreTokenizerForName(name).ok()) << name;
+    EXPECT_THAT(BpePreTokenizerForName(name), IsOk()) << name;
   }
   const absl::Status s = BpePreTokenizerForName("chameleon").status();
   EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented);

@@ -24,6 +24,7 @@
 #include "gtest/gtest.h"
 #include "tests/common/tokenizer/sentencepiece_train_for_test.h"
 #include "tests/support/subprocess.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -37,7 +38,7 @@ class GgufSentencePieceTest : public ::testing::Test {
  protected:
   void SetUp() override {
     absl::StatusOr<testing::TempDir> dir = testing::TempDir::Create("kvcm-gguf-spm");
-    ASSERT_TRUE(dir.ok());
+    ASSERT_THAT(dir, IsOk());
     dir_.emplace(std::move(*dir));
     const std::string error = testing::TrainSentencePieceForTest(
         {"the quick brown fox jumps over the lazy dog", "a paged kv cache keeps every token",
@@ -65,7 +66,7 @@ class GgufSentencePieceTest : public ::testing::Test {
     }
     ASSERT_GT(tokens_.size(), 259u);  // 3 specials, 256 bytes, merges
     auto original = SentencePieceTokenizer::Load(dir_->path() + "/tokenizer.model", kVocab);
-    ASSERT_TRUE(original.ok()) << original.status();
+    ASSERT_THAT(original, IsOk());
     original_ = *std::move(original);
   }
 
@@ -73,13 +74,13 @@ class GgufSentencePieceTest : public ::testing::Test {
   absl::StatusOr<std::unique_ptr<Tokenizer>> FromGguf(
       const std::function<void(GgufWriter&)>& edit = nullptr) {
     GgufWriter w;
-    EXPECT_TRUE(w.Add("tokenizer.ggml.model", GgufValue::String("llama")).ok());
-    EXPECT_TRUE(w.Add("tokenizer.ggml.tokens", GgufValue::StringArray(tokens_)).ok());
-    EXPECT_TRUE(w.Add("tokenizer.ggml.scores", GgufValue::Float32Array(scores_)).ok());
-    EXPECT_TRUE(w.Add("tokenizer.ggml.token_type", GgufValue::Int32Array(types_)).ok());
-    EXPECT_TRUE(w.Add("tokenizer.ggml.unknown_token_id", GgufValue::Uint32(0)).ok());
-    EXPECT_TRUE(w.Add("tokenizer.ggml.bos_token_id", GgufValue::Uint32(1)).ok());
-    EXPECT_TRUE(w.Add("tokenizer.ggml.eos_token_id", GgufValue::Uint32(2)).ok());
+    EXPECT_THAT(w.Add("tokenizer.ggml.model", GgufValue::String("llama")), IsOk());
+    EXPECT_THAT(w.Add("tokenizer.ggml.tokens", GgufValue::StringArray(tokens_)), IsOk());
+    EXPECT_THAT(w.Add("tokenizer.ggml.scores", GgufValue::Float32Array(scores_)), IsOk());
+    EXPECT_THAT(w.Add("tokenizer.ggml.token_type", GgufValue::Int32Array(types_)), IsOk());
+    EXPECT_THAT(w.Add("tokenizer.ggml.unknown_token_id", GgufValue::Uint32(0)), IsOk());
+    EXPECT_THAT(w.Add("tokenizer.ggml.bos_token_id", GgufValue::Uint32(1)), IsOk());
+    EXPECT_THAT(w.Add("tokenizer.ggml.eos_token_id", GgufValue::Uint32(2)), IsOk());
     if (edit) edit(w);
     bytes_ = w.Serialize();
     absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::FromBuffer(
@@ -101,7 +102,7 @@ class GgufSentencePieceTest : public ::testing::Test {
 
 TEST_F(GgufSentencePieceTest, EncodesAndDecodesAsTheOriginalModel) {
   absl::StatusOr<std::unique_ptr<Tokenizer>> gguf = FromGguf();
-  ASSERT_TRUE(gguf.ok()) << gguf.status();
+  ASSERT_THAT(gguf, IsOk());
   EXPECT_EQ((*gguf)->bos_id(), 1);
   EXPECT_EQ((*gguf)->eos_id(), 2);
   EXPECT_TRUE((*gguf)->add_bos());
@@ -133,7 +134,7 @@ TEST_F(GgufSentencePieceTest, EncodesAndDecodesAsTheOriginalModel) {
 TEST_F(GgufSentencePieceTest, WithoutTheSpacePrefixTheFirstWordIsNotPrefixed) {
   absl::StatusOr<std::unique_ptr<Tokenizer>> plain = FromGguf();
   absl::StatusOr<std::unique_ptr<Tokenizer>> bare = FromGguf([](GgufWriter& w) {
-    ASSERT_TRUE(w.Add("tokenizer.ggml.add_space_prefix", GgufValue::Bool(false)).ok());
+    ASSERT_THAT(w.Add("tokenizer.ggml.add_space_prefix", GgufValue::Bool(false)), IsOk());
   });
   ASSERT_TRUE(plain.ok() && bare.ok());
   const std::vector<int32_t> with = (*plain)->Encode("the fox").value();
@@ -146,11 +147,11 @@ TEST_F(GgufSentencePieceTest, BadArraysAreRefusedNamingTheFileAndKey) {
   auto write = [this](const std::vector<float>& scores, const std::vector<int32_t>& types,
                       uint32_t eos) -> absl::Status {
     GgufWriter w;
-    EXPECT_TRUE(w.Add("tokenizer.ggml.model", GgufValue::String("llama")).ok());
-    EXPECT_TRUE(w.Add("tokenizer.ggml.tokens", GgufValue::StringArray(tokens_)).ok());
-    EXPECT_TRUE(w.Add("tokenizer.ggml.scores", GgufValue::Float32Array(scores)).ok());
-    EXPECT_TRUE(w.Add("tokenizer.ggml.token_type", GgufValue::Int32Array(types)).ok());
-    EXPECT_TRUE(w.Add("tokenizer.ggml.eos_token_id", GgufValue::Uint32(eos)).ok());
+    EXPECT_THAT(w.Add("tokenizer.ggml.model", GgufValue::String("llama")), IsOk());
+    EXPECT_THAT(w.Add("tokenizer.ggml.tokens", GgufValue::StringArray(tokens_)), IsOk());
+    EXPECT_THAT(w.Add("tokenizer.ggml.scores", GgufValue::Float32Array(scores)), IsOk());
+    EXPECT_THAT(w.Add("tokenizer.ggml.token_type", GgufValue::Int32Array(types)), IsOk());
+    EXPECT_THAT(w.Add("tokenizer.ggml.eos_token_id", GgufValue::Uint32(eos)), IsOk());
     const std::string bytes = w.Serialize();
     absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::FromBuffer(
         "bad.gguf", std::span(reinterpret_cast<const std::byte*>(bytes.data()), bytes.size()));
@@ -173,12 +174,12 @@ TEST_F(GgufSentencePieceTest, BadArraysAreRefusedNamingTheFileAndKey) {
   EXPECT_THAT(s.message(), AllOf(HasSubstr("bad.gguf"), HasSubstr("eos_token_id")));
   // More pieces than the model embeds.
   GgufWriter w;
-  ASSERT_TRUE(w.Add("tokenizer.ggml.model", GgufValue::String("llama")).ok());
-  ASSERT_TRUE(w.Add("tokenizer.ggml.tokens", GgufValue::StringArray(tokens_)).ok());
+  ASSERT_THAT(w.Add("tokenizer.ggml.model", GgufValue::String("llama")), IsOk());
+  ASSERT_THAT(w.Add("tokenizer.ggml.tokens", GgufValue::StringArray(tokens_)), IsOk());
   const std::string bytes = w.Serialize();
   absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::FromBuffer(
       "small-vocab.gguf", std::span(reinterpret_cast<const std::byte*>(bytes.data()), bytes.size()));
-  ASSERT_TRUE(file.ok());
+  ASSERT_THAT(file, IsOk());
   TokenizerConfig config;
   config.vocab_size = 100;
   s = LoadGgufTokenizer(**file, config).status();

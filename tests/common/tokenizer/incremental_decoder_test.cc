@@ -21,6 +21,7 @@
 #include "tests/common/tokenizer/sentencepiece_train_for_test.h"
 #include "tests/support/real_model.h"
 #include "tests/support/subprocess.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -35,7 +36,7 @@ std::string Stream(const Tokenizer& tokenizer, const std::vector<int32_t>& ids,
   for (size_t n = 1; n <= ids.size(); ++n) {
     absl::StatusOr<IncrementalDecoder::Piece> piece =
         decoder.Next(tokenizer, std::span<const int32_t>(ids).first(n));
-    EXPECT_TRUE(piece.ok()) << piece.status();
+    EXPECT_THAT(piece, IsOk());
     if (!piece.ok()) return "";
     if (text) {
       EXPECT_EQ(InvalidUtf8Offset(piece->ready), std::string_view::npos) << "after id " << n;
@@ -79,7 +80,7 @@ const char* const kTexts[] = {
 
 TEST(IncrementalDecoderTest, BytesSplitCharactersAcrossIdsAndTheStreamIsTheWholeText) {
   auto tokenizer = ByteTokenizer::Create(320);
-  ASSERT_TRUE(tokenizer.ok());
+  ASSERT_THAT(tokenizer, IsOk());
   for (const char* text : kTexts) {
     SCOPED_TRACE(text);
     std::vector<int32_t> ids = (*tokenizer)->Encode(text).value();
@@ -93,7 +94,7 @@ TEST(IncrementalDecoderTest, BytesSplitCharactersAcrossIdsAndTheStreamIsTheWhole
 
 TEST(IncrementalDecoderTest, RandomBytesStreamExactlyWhatDecodeGives) {
   auto tokenizer = ByteTokenizer::Create(320);
-  ASSERT_TRUE(tokenizer.ok());
+  ASSERT_THAT(tokenizer, IsOk());
   const uint32_t seed = 20261201;
   std::printf("seed %u\n", seed);
   std::mt19937 rng(seed);
@@ -108,14 +109,14 @@ TEST(IncrementalDecoderTest, RandomBytesStreamExactlyWhatDecodeGives) {
 
 TEST(IncrementalDecoderTest, SentencePieceKeepsTheSpacesBetweenPieces) {
   absl::StatusOr<testing::TempDir> dir = testing::TempDir::Create("kvcm-incremental");
-  ASSERT_TRUE(dir.ok());
+  ASSERT_THAT(dir, IsOk());
   const std::string error = testing::TrainSentencePieceForTest(
       {"the quick brown fox jumps over the lazy dog", "hello world, hello cache, hello block",
        "a paged kv cache keeps the keys and values of every token"},
       dir->path() + "/tokenizer", 80);
   ASSERT_EQ(error, "");
   auto tokenizer = SentencePieceTokenizer::Load(dir->path() + "/tokenizer.model", 320);
-  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  ASSERT_THAT(tokenizer, IsOk());
   for (const char* text : {"the quick brown fox", "hello cache keeps the block",
                            "a lazy dog runs over the pool", "x"}) {
     SCOPED_TRACE(text);
@@ -130,11 +131,11 @@ TEST(IncrementalDecoderTest, SmolLM2sByteLevelBpeStreamsTheWholeText) {
   const std::string path = testing::SmolLM2GgufPath();
   if (!std::filesystem::exists(path)) GTEST_SKIP() << testing::SmolLM2Missing(path);
   absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(path);
-  ASSERT_TRUE(file.ok()) << file.status();
+  ASSERT_THAT(file, IsOk());
   TokenizerConfig config;
   config.vocab_size = 49152;
   absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = LoadGgufTokenizer(**file, config);
-  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  ASSERT_THAT(tokenizer, IsOk());
   for (const char* text : kTexts) {
     SCOPED_TRACE(text);
     const std::vector<int32_t> ids = (*tokenizer)->Encode(text).value();
@@ -144,7 +145,7 @@ TEST(IncrementalDecoderTest, SmolLM2sByteLevelBpeStreamsTheWholeText) {
 
 TEST(IncrementalDecoderTest, TheIdsDecodedGrowLinearlyWithTheStream) {
   auto bytes = ByteTokenizer::Create(320);
-  ASSERT_TRUE(bytes.ok());
+  ASSERT_THAT(bytes, IsOk());
   CountingTokenizer tokenizer(**bytes);
   std::string text;
   for (int i = 0; i < 500; ++i) text += "tokens é 🙂 ";  // 2,000 characters, 8,000 ids

@@ -11,6 +11,7 @@
 #include "gtest/gtest.h"
 #include "tests/common/tokenizer/sentencepiece_train_for_test.h"
 #include "tests/support/subprocess.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -29,7 +30,7 @@ TokenizerConfig Config(int32_t vocab_size) {
 
 TEST(ByteTokenizerTest, EveryByteRoundTrips) {
   auto tokenizer = ByteTokenizer::Create(320);
-  ASSERT_TRUE(tokenizer.ok());
+  ASSERT_THAT(tokenizer, IsOk());
   std::string text;
   for (int b = 0; b < 256; ++b) text.push_back(static_cast<char>(b));
   text += "héllo, wörld ✓";
@@ -43,7 +44,7 @@ TEST(ByteTokenizerTest, EveryByteRoundTrips) {
 
 TEST(ByteTokenizerTest, MappingAndSpecialIds) {
   auto tokenizer = ByteTokenizer::Create(320);
-  ASSERT_TRUE(tokenizer.ok());
+  ASSERT_THAT(tokenizer, IsOk());
   EXPECT_THAT((*tokenizer)->Encode("Hi").value(), ElementsAre('H' + 3, 'i' + 3));
   EXPECT_EQ((*tokenizer)->bos_id(), 1);
   EXPECT_EQ((*tokenizer)->eos_id(), 2);
@@ -61,14 +62,14 @@ TEST(ByteTokenizerTest, VocabTooSmallIsInvalid) {
   const absl::Status s = ByteTokenizer::Create(258).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), AllOf(HasSubstr("258"), HasSubstr("259")));
-  EXPECT_TRUE(ByteTokenizer::Create(259).ok());
+  EXPECT_THAT(ByteTokenizer::Create(259), IsOk());
 }
 
 class LoadTokenizerTest : public ::testing::Test {
  protected:
   void SetUp() override {
     absl::StatusOr<testing::TempDir> dir = testing::TempDir::Create("kvcm-tokenizer");
-    ASSERT_TRUE(dir.ok()) << dir.status();
+    ASSERT_THAT(dir, IsOk());
     dir_.emplace(std::move(*dir));
   }
   std::string Path(const std::string& name) const { return dir_->path() + "/" + name; }
@@ -93,14 +94,14 @@ class LoadTokenizerTest : public ::testing::Test {
 
 TEST_F(LoadTokenizerTest, NoTokenizerFileMeansBytes) {
   auto tokenizer = LoadTokenizer(dir_->path(), Config(320));
-  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  ASSERT_THAT(tokenizer, IsOk());
   EXPECT_NE(dynamic_cast<const ByteTokenizer*>(tokenizer->get()), nullptr);
   EXPECT_EQ((*tokenizer)->Decode((*tokenizer)->Encode("abc").value()).value(), "abc");
 
   TokenizerConfig no_ids = Config(320);
   no_ids.bos_token_id = -1;
   no_ids.eos_token_ids.clear();
-  EXPECT_TRUE(LoadTokenizer(dir_->path(), no_ids).ok());
+  EXPECT_THAT(LoadTokenizer(dir_->path(), no_ids), IsOk());
 }
 
 TEST_F(LoadTokenizerTest, BytesWithConflictingConfigIdsAreInvalid) {
@@ -132,7 +133,7 @@ TEST_F(LoadTokenizerTest, TokenizerJsonErrorsAreReturnedNotHidden) {
 
 TEST(ByteTokenizerTest, NamesAndSpecialIds) {
   auto tokenizer = ByteTokenizer::Create(320);
-  ASSERT_TRUE(tokenizer.ok());
+  ASSERT_THAT(tokenizer, IsOk());
   EXPECT_TRUE((*tokenizer)->add_bos());
   EXPECT_EQ((*tokenizer)->TokenId("<s>"), 1);
   EXPECT_EQ((*tokenizer)->TokenId("</s>"), 2);
@@ -157,7 +158,7 @@ TEST_F(LoadTokenizerTest, CorruptSentencePieceModelIsInvalidNamingThePath) {
 TEST_F(LoadTokenizerTest, SentencePieceRoundTrip) {
   TrainModel();
   auto tokenizer = LoadTokenizer(dir_->path(), Config(320));
-  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  ASSERT_THAT(tokenizer, IsOk());
   EXPECT_NE(dynamic_cast<const SentencePieceTokenizer*>(tokenizer->get()), nullptr);
   EXPECT_EQ((*tokenizer)->bos_id(), 1);
   EXPECT_EQ((*tokenizer)->eos_id(), 2);

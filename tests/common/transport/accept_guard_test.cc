@@ -14,6 +14,7 @@
 
 #include "gtest/gtest.h"
 #include "tests/support/subprocess.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -70,8 +71,8 @@ class AtTheDescriptorLimit {
 
 TEST(AcceptGuardTest, AtTheLimitThePendingConnectionIsClosedAndTheCallerToldToMoveOn) {
   auto dir = testing::TempDir::Create("kvcm-accept");
-  ASSERT_TRUE(dir.ok());
-  ASSERT_TRUE(InstallAcceptGuard().ok());
+  ASSERT_THAT(dir, IsOk());
+  ASSERT_THAT(InstallAcceptGuard(), IsOk());
   const uint64_t dropped_before = ConnectionsDroppedAtDescriptorLimit();
   {
     AtTheDescriptorLimit limit(dir->path() + "/listener.sock");
@@ -104,8 +105,8 @@ TEST(AcceptGuardTest, AtTheLimitThePendingConnectionIsClosedAndTheCallerToldToMo
 
 TEST(AcceptGuardTest, NonBlockingListenersStillSeeEagain) {
   auto dir = testing::TempDir::Create("kvcm-accept");
-  ASSERT_TRUE(dir.ok());
-  ASSERT_TRUE(InstallAcceptGuard().ok());
+  ASSERT_THAT(dir, IsOk());
+  ASSERT_THAT(InstallAcceptGuard(), IsOk());
   const int listener = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   sockaddr_un address{};
   address.sun_family = AF_UNIX;

@@ -20,6 +20,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "zmq.hpp"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -53,7 +54,7 @@ TEST(EventLoopTest, ReadySocketsAndDescriptorsRunInTheOrderTheyWereAdded) {
   Pipe idle;
 
   EventLoop loop;
-  ASSERT_TRUE(loop.Init().ok());
+  ASSERT_THAT(loop.Init(), IsOk());
   std::vector<std::string> calls;
   loop.WatchFd(first.read_end.get(), [&] {
     calls.push_back("pipe");
@@ -70,7 +71,7 @@ TEST(EventLoopTest, ReadySocketsAndDescriptorsRunInTheOrderTheyWereAdded) {
   first.Put();
   const absl::Time deadline = MonotonicNow() + absl::Seconds(10);
   while (calls.size() < 3 && MonotonicNow() < deadline) {
-    ASSERT_TRUE(loop.RunOnce(absl::Seconds(1)).ok());
+    ASSERT_THAT(loop.RunOnce(absl::Seconds(1)), IsOk());
   }
   // Both were ready in one turn (the pipe and the inproc message were there before it).
   EXPECT_THAT(calls, ElementsAre("pipe", "hello", "after"));
@@ -80,7 +81,7 @@ TEST(EventLoopTest, AWatchCancelledByAnEarlierHandlerIsNotCalledInTheSameTurn) {
   Pipe a;
   Pipe b;
   EventLoop loop;
-  ASSERT_TRUE(loop.Init().ok());
+  ASSERT_THAT(loop.Init(), IsOk());
   int b_calls = 0;
   EventLoop::Id b_id = 0;
   int a_calls = 0;
@@ -92,17 +93,17 @@ TEST(EventLoopTest, AWatchCancelledByAnEarlierHandlerIsNotCalledInTheSameTurn) {
   b_id = loop.WatchFd(b.read_end.get(), [&] { ++b_calls; });
   a.Put();
   b.Put();
-  ASSERT_TRUE(loop.RunOnce(absl::Seconds(5)).ok());
+  ASSERT_THAT(loop.RunOnce(absl::Seconds(5)), IsOk());
   // b is readable already, so a live watch would be called at once: the short turn can only
   // miss a wrong call on a slow machine, not report one.
-  ASSERT_TRUE(loop.RunOnce(absl::Milliseconds(10)).ok());
+  ASSERT_THAT(loop.RunOnce(absl::Milliseconds(10)), IsOk());
   EXPECT_EQ(a_calls, 1);
   EXPECT_EQ(b_calls, 0);  // b stays readable, but its watch is gone
 }
 
 TEST(EventLoopTest, TimersRepeatReportLatenessAndStopWhenCancelled) {
   EventLoop loop;
-  ASSERT_TRUE(loop.Init().ok());
+  ASSERT_THAT(loop.Init(), IsOk());
   std::vector<absl::Duration> lateness;
   EventLoop::Id timer = 0;
   timer = loop.AddTimer(absl::Milliseconds(20), [&](absl::Duration late) {
@@ -111,7 +112,7 @@ TEST(EventLoopTest, TimersRepeatReportLatenessAndStopWhenCancelled) {
   });
   const absl::Time start = MonotonicNow();
   while (lateness.size() < 3 && MonotonicNow() - start < absl::Seconds(10)) {
-    ASSERT_TRUE(loop.RunOnce(absl::Seconds(1)).ok());
+    ASSERT_THAT(loop.RunOnce(absl::Seconds(1)), IsOk());
   }
   ASSERT_EQ(lateness.size(), 3u);
   // Three periods passed at least, and none of the calls came early.
@@ -119,21 +120,21 @@ TEST(EventLoopTest, TimersRepeatReportLatenessAndStopWhenCancelled) {
   for (absl::Duration late : lateness) EXPECT_GE(late, absl::ZeroDuration());
   // Cancelled: a turn that waits longer than a period calls it no more (a fixed turn, to
   // show that something does not happen: a slow machine cannot make it fail).
-  ASSERT_TRUE(loop.RunOnce(absl::Milliseconds(50)).ok());
+  ASSERT_THAT(loop.RunOnce(absl::Milliseconds(50)), IsOk());
   EXPECT_EQ(lateness.size(), 3u);
 
   // A loop stopped past its due time reports the delay.
   std::vector<absl::Duration> late_once;
   loop.AddTimer(absl::Milliseconds(1), [&](absl::Duration late) { late_once.push_back(late); });
   absl::SleepFor(absl::Milliseconds(30));  // the lateness itself, not a wait for a peer
-  ASSERT_TRUE(loop.RunOnce(absl::ZeroDuration()).ok());
+  ASSERT_THAT(loop.RunOnce(absl::ZeroDuration()), IsOk());
   ASSERT_EQ(late_once.size(), 1u);
   EXPECT_GE(late_once[0], absl::Milliseconds(25));
 }
 
 TEST(EventLoopTest, PostFromAnotherThreadWakesALoopWaitingForever) {
   EventLoop loop;
-  ASSERT_TRUE(loop.Init().ok());
+  ASSERT_THAT(loop.Init(), IsOk());
   std::thread::id ran_on;
   std::thread poster([&] {
     // Most likely the loop is waiting by then; if it is not, the post is taken by its first
@@ -144,7 +145,7 @@ TEST(EventLoopTest, PostFromAnotherThreadWakesALoopWaitingForever) {
       loop.Stop();
     });
   });
-  ASSERT_TRUE(loop.Run().ok());  // no watch, no timer: only the post can end it
+  ASSERT_THAT(loop.Run(), IsOk());  // no watch, no timer: only the post can end it
   poster.join();
   EXPECT_EQ(ran_on, std::this_thread::get_id());
   EXPECT_TRUE(loop.stopped());
@@ -159,7 +160,7 @@ TEST(EventLoopTest, SignalsArriveThroughTheSignalfdAndStopEndsTheTurn) {
   ASSERT_TRUE(signal_fd.valid());
 
   EventLoop loop;
-  ASSERT_TRUE(loop.Init().ok());
+  ASSERT_THAT(loop.Init(), IsOk());
   std::vector<int> signals;
   bool after_turn = false;
   loop.WatchSignals(signal_fd.get(), [&](int signo) {
@@ -168,7 +169,7 @@ TEST(EventLoopTest, SignalsArriveThroughTheSignalfdAndStopEndsTheTurn) {
   });
   loop.SetAfterTurn([&] { after_turn = true; });
   ASSERT_EQ(::kill(::getpid(), SIGUSR1), 0);
-  ASSERT_TRUE(loop.Run().ok());
+  ASSERT_THAT(loop.Run(), IsOk());
   EXPECT_THAT(signals, ElementsAre(SIGUSR1));
   EXPECT_TRUE(after_turn);  // the turn that stopped still finished
 }
@@ -177,12 +178,12 @@ TEST(EventLoopTest, SignalsArriveThroughTheSignalfdAndStopEndsTheTurn) {
 // it over whole, which the thread check allows.
 TEST(EventLoopTest, SetUpOnOneThreadRunOnAnotherAndCancelledAfterOnTheFirst) {
   EventLoop loop;
-  ASSERT_TRUE(loop.Init().ok());
+  ASSERT_THAT(loop.Init(), IsOk());
   int turns = 0;
   const EventLoop::Id timer = loop.AddTimer(absl::ZeroDuration(), [&](absl::Duration) {
     if (++turns == 3) loop.Stop();
   });
-  std::thread runner([&] { EXPECT_TRUE(loop.Run().ok()); });
+  std::thread runner([&] { EXPECT_THAT(loop.Run(), IsOk()); });
   runner.join();
   EXPECT_EQ(turns, 3);
   loop.Cancel(timer);

@@ -4,6 +4,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -12,19 +13,19 @@ using ::testing::HasSubstr;
 
 TEST(TcpEndpointTest, LoopbackAddressesAreAccepted) {
   auto v4 = CheckTcpEndpoint("tcp://127.0.0.1:5557", "--tcp-address", false);
-  ASSERT_TRUE(v4.ok()) << v4.status();
+  ASSERT_THAT(v4, IsOk());
   EXPECT_TRUE(v4->loopback);
   EXPECT_EQ(v4->BindEndpoint(), "tcp://127.0.0.1:5557");
   auto other = CheckTcpEndpoint("tcp://127.1.2.3:1", "--tcp-address", false);
-  ASSERT_TRUE(other.ok()) << other.status();
+  ASSERT_THAT(other, IsOk());
   auto v6 = CheckTcpEndpoint("tcp://[::1]:65535", "--tcp-address", false);
-  ASSERT_TRUE(v6.ok()) << v6.status();
+  ASSERT_THAT(v6, IsOk());
   EXPECT_EQ(v6->BindEndpoint(), "tcp://[::1]:65535");
   auto named = CheckTcpEndpoint("tcp://localhost:9", "--tcp-address", false);
-  ASSERT_TRUE(named.ok()) << named.status();
+  ASSERT_THAT(named, IsOk());
   EXPECT_EQ(named->BindEndpoint(), "tcp://127.0.0.1:9");
   auto any_port = CheckTcpEndpoint("tcp://127.0.0.1:0", "--tcp-address", false);
-  ASSERT_TRUE(any_port.ok()) << any_port.status();
+  ASSERT_THAT(any_port, IsOk());
   EXPECT_EQ(any_port->BindEndpoint(), "tcp://127.0.0.1:*");
 }
 
@@ -57,7 +58,7 @@ TEST(TcpEndpointTest, OtherMachinesOnlyWhenAskedFor) {
     ASSERT_FALSE(refused.ok());
     EXPECT_THAT(refused.status().message(), HasSubstr("--tcp-allow-remote"));
     auto allowed = CheckTcpEndpoint(endpoint, "--tcp-address", true);
-    ASSERT_TRUE(allowed.ok()) << allowed.status();
+    ASSERT_THAT(allowed, IsOk());
     EXPECT_FALSE(allowed->loopback);
   }
 }

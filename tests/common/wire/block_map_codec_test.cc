@@ -8,6 +8,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -37,13 +38,13 @@ TEST(BlockMapCodecTest, AnEncodedMapDecodesToItself) {
   builder.Finish(EncodeBlockMapReply(builder, map));
   absl::StatusOr<BlockMap> decoded =
       DecodeBlockMapReply(*flatbuffers::GetRoot<wire::BlockMapReply>(builder.GetBufferPointer()));
-  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  ASSERT_THAT(decoded, IsOk());
   EXPECT_EQ(*decoded, map);
 }
 
 TEST(BlockMapCodecTest, RepliesThatContradictThemselvesAreRefused) {
   const std::vector<int32_t> counts = {4, 0, 0, 0, 0, 0};
-  EXPECT_TRUE(DecodeRaw(4, 2, {0, 0}, counts).ok());
+  EXPECT_THAT(DecodeRaw(4, 2, {0, 0}, counts), IsOk());
   auto refused = [](const absl::StatusOr<BlockMap>& map, const std::string& why) {
     EXPECT_EQ(map.status().code(), absl::StatusCode::kInternal) << why;
     EXPECT_THAT(map.status().message(), HasSubstr(why));

@@ -4,6 +4,7 @@
 #include "common/wire/convert.h"
 
 #include "gtest/gtest.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -19,7 +20,7 @@ TEST(ConvertTest, EveryHashAlgorithmRoundTripsWithItsSchemaNumber) {
     const wire::HashAlgorithm w = ToWire(algorithm);
     EXPECT_EQ(static_cast<int>(w), number) << HashAlgorithmName(algorithm);
     absl::StatusOr<HashAlgorithm> back = FromWire(w);
-    ASSERT_TRUE(back.ok()) << back.status();
+    ASSERT_THAT(back, IsOk());
     EXPECT_EQ(*back, algorithm);
   }
   EXPECT_EQ(static_cast<int>(wire::HashAlgorithm::MAX), 4);  // a new value needs a row above

@@ -11,6 +11,7 @@
 #include "common/wire/envelope.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -71,7 +72,7 @@ TEST(ExecutorWireTest, StepBatchRoundTrips) {
   EXPECT_EQ(envelope.epoch(), 1234567u);
   ASSERT_EQ(envelope.payload_type(), wire::ExecutorMessage::StepBatch);
   absl::StatusOr<StepRequest> step = DecodeStepBatch(*envelope.payload_as_StepBatch());
-  ASSERT_TRUE(step.ok()) << step.status();
+  ASSERT_THAT(step, IsOk());
   EXPECT_EQ(step->step_id, 42u);
   EXPECT_EQ(step->epoch, 1234567u);
   EXPECT_EQ(step->router_session, 88u);
@@ -142,7 +143,7 @@ TEST(ExecutorWireTest, StepResultRoundTripsWithPerSequenceCodes) {
   EXPECT_EQ(decoded.duration_us, 777u);
   ASSERT_EQ(decoded.results.size(), 3u);
   EXPECT_EQ(decoded.results[0].token, 123);
-  EXPECT_TRUE(decoded.results[0].status.ok());
+  EXPECT_THAT(decoded.results[0].status, IsOk());
   EXPECT_EQ(decoded.results[0].logprob, -0.75f);
   EXPECT_THAT(decoded.results[0].top_ids, ElementsAre(123, 4));
   EXPECT_THAT(decoded.results[0].top_logprobs, ElementsAre(-0.75f, -1.5f));
@@ -178,7 +179,7 @@ TEST(ExecutorWireTest, HelloRoundTrips) {
   const wire::ExecutorEnvelope& envelope = Verified(builder);
   absl::StatusOr<ExecutorHelloInfo> decoded =
       DecodeExecutorHello(*envelope.payload_as_ExecutorHello());
-  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  ASSERT_THAT(decoded, IsOk());
   EXPECT_EQ(decoded->name, "exec-a");
   EXPECT_EQ(decoded->pid, 4321);
   EXPECT_EQ(decoded->model.name, "tiny");

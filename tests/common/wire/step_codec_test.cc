@@ -11,6 +11,7 @@
 #include "common/wire/envelope.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -41,7 +42,7 @@ const wire::Envelope& Verified(const flatbuffers::FlatBufferBuilder& builder) {
 TEST(StepCodecTest, EveryOpKindRoundTrips) {
   const std::vector<BlockOp> ops = EveryKind();
   flatbuffers::FlatBufferBuilder builder;
-  ASSERT_TRUE(EncodeStep(builder, /*request_id=*/5, /*session_id=*/77, /*epoch=*/3, ops).ok());
+  ASSERT_THAT(EncodeStep(builder, /*request_id=*/5, /*session_id=*/77, /*epoch=*/3, ops), IsOk());
   const wire::Envelope& envelope = Verified(builder);
   EXPECT_EQ(envelope.request_id(), 5u);
   EXPECT_EQ(envelope.session_id(), 77u);
@@ -49,7 +50,7 @@ TEST(StepCodecTest, EveryOpKindRoundTrips) {
   ASSERT_EQ(envelope.payload_type(), wire::Message::Step);
   // Into storage that held other ops: nothing of them may remain.
   std::vector<BlockOp> decoded = {BlockOp::Commit(1, 2, std::vector<BlockHash>(5, HashOf(9)))};
-  ASSERT_TRUE(DecodeStep(*envelope.payload_as_Step(), {}, &decoded).ok());
+  ASSERT_THAT(DecodeStep(*envelope.payload_as_Step(), {}, &decoded), IsOk());
   EXPECT_EQ(decoded, ops);
 }
 
@@ -90,10 +91,10 @@ TEST(StepCodecTest, MalformedStepsAreDataLoss) {
 TEST(StepCodecTest, LimitsOnOpsAndHashesAreResourceExhausted) {
   const std::vector<BlockOp> ops = EveryKind();  // 7 ops, 5 hashes
   flatbuffers::FlatBufferBuilder builder;
-  ASSERT_TRUE(EncodeStep(builder, 1, 1, 1, ops).ok());
+  ASSERT_THAT(EncodeStep(builder, 1, 1, 1, ops), IsOk());
   const wire::Step& step = *Verified(builder).payload_as_Step();
   std::vector<BlockOp> decoded;
-  EXPECT_TRUE(DecodeStep(step, {.max_ops = 7, .max_hashes = 5}, &decoded).ok());
+  EXPECT_THAT(DecodeStep(step, {.max_ops = 7, .max_hashes = 5}, &decoded), IsOk());
   absl::Status status = DecodeStep(step, {.max_ops = 6}, &decoded);
   EXPECT_TRUE(absl::IsResourceExhausted(status)) << status;
   EXPECT_THAT(status.message(), HasSubstr("step of 7 ops exceeds the limit of 6"));
@@ -133,7 +134,7 @@ TEST(StepCodecTest, OutcomesRoundTripAndTheirCountIsChecked) {
   const wire::StepReply& wire_reply = *Verified(builder).payload_as_StepReply();
 
   absl::StatusOr<std::vector<OpOutcome>> decoded = DecodeStepReply(wire_reply, 4);
-  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  ASSERT_THAT(decoded, IsOk());
   ExpectSameOutcomes(*decoded, outcomes);
   absl::StatusOr<std::vector<OpOutcome>> short_count = DecodeStepReply(wire_reply, 5);
   EXPECT_TRUE(absl::IsInternal(short_count.status())) << short_count.status();
@@ -174,7 +175,7 @@ TEST(StepCodecTest, EmptyOkResultsShareOneTableAndDecodeTheSame) {
 
   absl::StatusOr<std::vector<OpOutcome>> decoded =
       DecodeStepReply(*Verified(shared).payload_as_StepReply(), outcomes.size());
-  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  ASSERT_THAT(decoded, IsOk());
   ExpectSameOutcomes(*decoded, outcomes);
 }
 

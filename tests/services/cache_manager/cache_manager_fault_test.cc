@@ -12,6 +12,7 @@
 
 #include "tests/services/cache_manager/live_cache_manager.h"
 #include "zmq.hpp"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm::live_test {
 namespace {
@@ -21,7 +22,7 @@ TEST(CacheManagerFaultTest, KilledClientBlocksComeBackAtItsDeathNotAtItsLease) {
   auto manager = StartManager(/*heartbeat_interval_ms=*/1000, kGenerousHeartbeatTimeoutMs);
   ASSERT_NE(manager, nullptr);
   auto log = kvcm::testing::TempDir::Create("kvcm-fault");
-  ASSERT_TRUE(log.ok());
+  ASSERT_THAT(log, IsOk());
   absl::flat_hash_set<int32_t> held;
   auto holder = StartHolder(*manager, &held, log->path() + "/holder.log");
   ASSERT_NE(holder, nullptr);
@@ -30,7 +31,7 @@ TEST(CacheManagerFaultTest, KilledClientBlocksComeBackAtItsDeathNotAtItsLease) {
   Survivor survivor(client.get(), &held);
   for (int i = 0; i < 50; ++i) survivor.Step();  // load while the holder is alive
 
-  ASSERT_TRUE(holder->Signal(SIGKILL).ok());
+  ASSERT_THAT(holder->Signal(SIGKILL), IsOk());
   const absl::Time killed = absl::Now();
   // Keep the load going; no block of the holder may be reissued until the cache manager
   // has taken them back, and the survivor must see no error. How long that took is
@@ -51,8 +52,8 @@ TEST(CacheManagerFaultTest, KilledClientBlocksComeBackAtItsDeathNotAtItsLease) {
       },
       absl::Seconds(60), "the killed client's blocks");
   ASSERT_FALSE(::testing::Test::HasFatalFailure());
-  ASSERT_TRUE(failed.ok()) << failed;
-  ASSERT_TRUE(reclaimed.ok()) << reclaimed;
+  ASSERT_THAT(failed, IsOk());
+  ASSERT_THAT(reclaimed, IsOk());
   std::printf("blocks of the killed client back after %s (%d survivor steps)\n",
               absl::FormatDuration(absl::Now() - killed).c_str(), survivor.steps());
   ExpectWhole(stats);
@@ -63,9 +64,9 @@ TEST(CacheManagerFaultTest, KilledClientBlocksComeBackAtItsDeathNotAtItsLease) {
   survivor.set_forbidden(nullptr);
   for (int i = 0; i < 20; ++i) survivor.Step();
   auto metrics = kvcm::testing::HttpGet(manager->metrics_url());
-  ASSERT_TRUE(metrics.ok());
+  ASSERT_THAT(metrics, IsOk());
   auto parsed = kvcm::testing::ParseMetricsText(metrics->body);
-  ASSERT_TRUE(parsed.ok());
+  ASSERT_THAT(parsed, IsOk());
   EXPECT_EQ(*parsed->Value("kvcm_cache_manager_reclaimed_blocks_total",
                            {{"reason", "client_died"}}),
             kHeld);
@@ -78,14 +79,14 @@ TEST(CacheManagerFaultTest, StoppedClientIsQuarantinedThenRefusedThenRegistersAn
   auto manager = StartManager(/*heartbeat_interval_ms=*/100, kTimeoutMs);
   ASSERT_NE(manager, nullptr);
   auto log = kvcm::testing::TempDir::Create("kvcm-fault");
-  ASSERT_TRUE(log.ok());
+  ASSERT_THAT(log, IsOk());
   absl::flat_hash_set<int32_t> held;
   auto holder = StartHolder(*manager, &held, log->path() + "/holder.log");
   ASSERT_NE(holder, nullptr);
   auto client = Connect(*manager);
   ASSERT_NE(client, nullptr);
 
-  ASSERT_TRUE(holder->Signal(SIGSTOP).ok());
+  ASSERT_THAT(holder->Signal(SIGSTOP), IsOk());
   const absl::Time stopped = absl::Now();
   const StatsSnapshot stats = AwaitQuarantined(*client, kHeld);
   ASSERT_EQ(stats.quarantined_blocks, kHeld) << "never quarantined";
@@ -98,7 +99,7 @@ TEST(CacheManagerFaultTest, StoppedClientIsQuarantinedThenRefusedThenRegistersAn
   BlockOps too_much;
   too_much.Allocate(1, (available + 1) * kBlockSize);
   auto refused = client->Step(too_much);
-  ASSERT_TRUE(refused.ok()) << refused.status();
+  ASSERT_THAT(refused, IsOk());
   EXPECT_TRUE(absl::IsResourceExhausted((*refused)[0].status)) << (*refused)[0].status;
   BlockOps all;
   all.Allocate(2, available * kBlockSize);
@@ -107,20 +108,20 @@ TEST(CacheManagerFaultTest, StoppedClientIsQuarantinedThenRefusedThenRegistersAn
   for (int32_t block : (*taken)[0].blocks) EXPECT_FALSE(held.contains(block)) << block;
   BlockOps release;
   release.Free(2);
-  ASSERT_TRUE(client->Step(release).ok());
+  ASSERT_THAT(client->Step(release), IsOk());
 
-  ASSERT_TRUE(holder->Signal(SIGCONT).ok());
+  ASSERT_THAT(holder->Signal(SIGCONT), IsOk());
   auto refusal = holder->WaitForLine("refused: (.*)", absl::Now() + absl::Seconds(60));
-  ASSERT_TRUE(refusal.ok()) << refusal.status() << "\n" << holder->Output();
+  ASSERT_THAT(refusal, IsOk()) << "\n" << holder->Output();
   // The old session's first request after SIGCONT (its heartbeat or its Stats call) is
   // refused as stale: the client library reports ABORTED and the client registers again.
   EXPECT_NE((*refusal)[1].find("ABORTED"), std::string::npos) << (*refusal)[1];
   auto renewed =
       holder->WaitForLine("registered anew session=([0-9]+)", absl::Now() + absl::Seconds(60));
-  ASSERT_TRUE(renewed.ok()) << renewed.status() << "\n" << holder->Output();
+  ASSERT_THAT(renewed, IsOk()) << "\n" << holder->Output();
 
   auto after = client->Stats();
-  ASSERT_TRUE(after.ok());
+  ASSERT_THAT(after, IsOk());
   EXPECT_EQ(after->quarantined_blocks, 0);
   EXPECT_EQ(after->in_use_blocks, 0);
   EXPECT_GE(after->cached_blocks, kHeld);  // committed blocks of the old session stay cached
@@ -136,13 +137,13 @@ TEST(CacheManagerFaultTest, AConnectionThatSaysNothingIsClosedAtTheHelloDeadline
   options.heartbeat_timeout_ms = kGenerousHeartbeatTimeoutMs;
   options.extra_args = {"--hello-timeout-ms", "300"};
   auto started = CacheManagerProcess::Start(options);
-  ASSERT_TRUE(started.ok()) << started.status();
+  ASSERT_THAT(started, IsOk());
   CacheManagerProcess& manager = **started;
   auto client = Connect(manager);
   ASSERT_NE(client, nullptr);
   BlockOps step;
   step.Allocate(1, 3 * kBlockSize);
-  ASSERT_TRUE(client->Step(step).ok());
+  ASSERT_THAT(client->Step(step), IsOk());
 
   // ZeroMQ peers that complete the handshake and then say nothing, or only what is refused
   // (a frame that is no request), and do not reconnect: the cache manager must close each,
@@ -197,14 +198,14 @@ TEST(CacheManagerFaultTest, AConnectionThatSaysNothingIsClosedAtTheHelloDeadline
   // close, not report one.
   absl::SleepFor(absl::Seconds(1));
   auto stats = client->Stats();
-  ASSERT_TRUE(stats.ok()) << stats.status() << "\n" << manager.Output();
+  ASSERT_THAT(stats, IsOk()) << "\n" << manager.Output();
   EXPECT_EQ(stats->in_use_blocks, 3);
   EXPECT_FALSE(client->session_lost());
   ExpectWhole(*stats);
   auto metrics = kvcm::testing::HttpGet(manager.metrics_url());
-  ASSERT_TRUE(metrics.ok());
+  ASSERT_THAT(metrics, IsOk());
   auto parsed = kvcm::testing::ParseMetricsText(metrics->body);
-  ASSERT_TRUE(parsed.ok());
+  ASSERT_THAT(parsed, IsOk());
   EXPECT_EQ(*parsed->Value("kvcm_cache_manager_silent_connections_closed_total", {}), 2);
 }
 
@@ -219,13 +220,13 @@ TEST(CacheManagerFaultTest, AFloodOfIdleConnectionsAtTheDescriptorLimitIsShedAnd
   // The session must outlive however long a loaded machine takes over the flood.
   options.heartbeat_timeout_ms = kGenerousHeartbeatTimeoutMs;
   auto started = CacheManagerProcess::Start(options);
-  ASSERT_TRUE(started.ok()) << started.status();
+  ASSERT_THAT(started, IsOk());
   CacheManagerProcess& manager = **started;
   auto client = Connect(manager);
   ASSERT_NE(client, nullptr);
   BlockOps step;
   step.Allocate(1, 10 * kBlockSize);
-  ASSERT_TRUE(client->Step(step).ok());
+  ASSERT_THAT(client->Step(step), IsOk());
 
   const std::string path = manager.endpoint().substr(std::string("ipc://").size());
   std::vector<int> idle;
@@ -244,7 +245,7 @@ TEST(CacheManagerFaultTest, AFloodOfIdleConnectionsAtTheDescriptorLimitIsShedAnd
   std::printf("%zu idle connections made\n", idle.size());
   auto refusing =
       manager.process().WaitForLine("not accepting connections", absl::Now() + absl::Seconds(60));
-  ASSERT_TRUE(refusing.ok()) << refusing.status() << "\n" << manager.Output();
+  ASSERT_THAT(refusing, IsOk()) << "\n" << manager.Output();
 
   // Unbinding dropped every connection made through the endpoint: the idle ones read EOF, or
   // a reset where the connection was still in the listen backlog or was closed at accept
@@ -268,15 +269,15 @@ TEST(CacheManagerFaultTest, AFloodOfIdleConnectionsAtTheDescriptorLimitIsShedAnd
   // itself and its session, blocks and lease are intact.
   auto accepting =
       manager.process().WaitForLine("accepting connections again", absl::Now() + absl::Seconds(60));
-  ASSERT_TRUE(accepting.ok()) << accepting.status() << "\n" << manager.Output();
+  ASSERT_THAT(accepting, IsOk()) << "\n" << manager.Output();
   auto stats = client->Stats();
-  ASSERT_TRUE(stats.ok()) << stats.status() << "\n" << manager.Output();
+  ASSERT_THAT(stats, IsOk()) << "\n" << manager.Output();
   EXPECT_EQ(stats->in_use_blocks, 10);
   EXPECT_FALSE(client->session_lost());
   ExpectWhole(*stats);
   auto newcomer = Connect(manager);
   ASSERT_NE(newcomer, nullptr);
-  EXPECT_TRUE(newcomer->Stats().ok());
+  EXPECT_THAT(newcomer->Stats(), IsOk());
   EXPECT_EQ(MetricValue(manager.metrics_url(), "kvcm_cache_manager_accepting_connections"), 1);
 }
 

@@ -26,6 +26,7 @@
 #include "common/wire/step_codec.h"
 #include "gtest/gtest.h"
 #include "services/cache_manager/cache_manager_service.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -61,7 +62,7 @@ class FenceModel {
     options.epoch = 5;
     options.pool.total_bytes = 1;
     auto service = CacheManagerService::Create(options, &watcher_, nullptr, now_);
-    EXPECT_TRUE(service.ok()) << service.status();
+    EXPECT_THAT(service, IsOk());
     service_ = *std::move(service);
     for (int r = 0; r < kRouters; ++r) routers_.push_back({next_pid_++, 0, {}});
     for (int e = 0; e < kExecutors; ++e) executors_.push_back({next_pid_++, 0});
@@ -86,7 +87,7 @@ class FenceModel {
       } else {
         ExecutorDies(Pick(kExecutors));
       }
-      ASSERT_TRUE(service_->ledger().CheckInvariants().ok()) << Where();
+      ASSERT_THAT(service_->ledger().CheckInvariants(), IsOk()) << Where();
     }
     std::printf("  %d blocks handed out, %d router deaths, %d drained frees, %d executor "
                 "deaths, %d fences acknowledged; %d checks of a block against in-flight "
@@ -124,7 +125,7 @@ class FenceModel {
   const wire::Envelope& SendStep(const Router& router, const BlockOp& op) {
     request_.Clear();
     const BlockOp ops[] = {op};
-    EXPECT_TRUE(EncodeStep(request_, ++request_id_, router.session, 5, ops).ok());
+    EXPECT_THAT(EncodeStep(request_, ++request_id_, router.session, 5, ops), IsOk());
     service_->Handle(PeerCredentials{::geteuid(), 1, router.pid}, BufferSpan(request_), now_,
                      &reply_);
     verified_ = VerifyEnvelope(BufferSpan(reply_));

@@ -9,6 +9,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/time/civil_time.h"
 #include "tests/services/cache_manager/live_cache_manager.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm::live_test {
 namespace {
@@ -48,11 +49,11 @@ void ExpectNobodyQuarantinedFor(std::vector<Holder>& routers, absl::Duration spa
       BlockOps batch;
       batch.Append(router.seq, 1);
       auto outcome = router.client->Step(batch);
-      ASSERT_TRUE(outcome.ok()) << "router of seq " << router.seq << ": " << outcome.status();
-      ASSERT_TRUE((*outcome)[0].status.ok()) << (*outcome)[0].status;
+      ASSERT_THAT(outcome, IsOk()) << "router of seq " << router.seq << ": " << outcome.status();
+      ASSERT_THAT((*outcome)[0].status, IsOk());
     }
     auto stats = routers.front().client->Stats();
-    ASSERT_TRUE(stats.ok()) << stats.status();
+    ASSERT_THAT(stats, IsOk());
     ASSERT_EQ(stats->quarantined_blocks, 0);
     ExpectWhole(*stats);
     ++rounds;
@@ -72,9 +73,9 @@ TEST(CacheManagerLeaseTest, AStoppedCacheManagerQuarantinesNobodyWhenItResumes) 
 
   // Stopped for three and a half timeouts while the routers keep heartbeating into its
   // queue (the point of the test is the time that passes, so this is a plain sleep).
-  ASSERT_TRUE(manager->process().Signal(SIGSTOP).ok());
+  ASSERT_THAT(manager->process().Signal(SIGSTOP), IsOk());
   absl::SleepFor(absl::Milliseconds(kTimeoutMs * 7 / 2));
-  ASSERT_TRUE(manager->process().Signal(SIGCONT).ok());
+  ASSERT_THAT(manager->process().Signal(SIGCONT), IsOk());
 
   ExpectNobodyQuarantinedFor(routers, absl::Milliseconds(kTimeoutMs * 5 / 2));
   for (const Holder& router : routers) EXPECT_FALSE(router.client->session_lost());
@@ -83,15 +84,15 @@ TEST(CacheManagerLeaseTest, AStoppedCacheManagerQuarantinesNobodyWhenItResumes) 
 
   // A client that really stops is still quarantined afterwards.
   auto log = kvcm::testing::TempDir::Create("kvcm-lease");
-  ASSERT_TRUE(log.ok());
+  ASSERT_THAT(log, IsOk());
   absl::flat_hash_set<int32_t> held;
   auto stopped = StartHolder(*manager, &held, log->path() + "/holder.log");
   ASSERT_NE(stopped, nullptr);
-  ASSERT_TRUE(stopped->Signal(SIGSTOP).ok());
+  ASSERT_THAT(stopped->Signal(SIGSTOP), IsOk());
   const StatsSnapshot stats = AwaitQuarantined(*routers.front().client, kHeld);
   EXPECT_EQ(stats.quarantined_blocks, kHeld);
   ExpectWhole(stats);
-  ASSERT_TRUE(stopped->Signal(SIGKILL).ok());
+  ASSERT_THAT(stopped->Signal(SIGKILL), IsOk());
 }
 
 // Sets the cache manager's wall clock `seconds` away from the real one.
@@ -106,7 +107,7 @@ absl::CivilDay LogDay(CacheManagerProcess& manager, const std::string& regex) {
   auto line = manager.process().WaitForLine(
       "([0-9]{4})-([0-9]{2})-([0-9]{2})T[^ ]* kvcm-cache-manager: " + regex,
       absl::Now() + absl::Seconds(60));
-  EXPECT_TRUE(line.ok()) << line.status() << "\n" << manager.Output();
+  EXPECT_THAT(line, IsOk()) << "\n" << manager.Output();
   if (!line.ok()) return absl::CivilDay();
   int year = 0, month = 0, day = 0;
   EXPECT_TRUE(absl::SimpleAtoi((*line)[1], &year) && absl::SimpleAtoi((*line)[2], &month) &&
@@ -116,7 +117,7 @@ absl::CivilDay LogDay(CacheManagerProcess& manager, const std::string& regex) {
 
 TEST(CacheManagerLeaseTest, StepsOfTheWallClockChangeNoLease) {
   auto dir = kvcm::testing::TempDir::Create("kvcm-clock");
-  ASSERT_TRUE(dir.ok());
+  ASSERT_THAT(dir, IsOk());
   const std::string offset_file = dir->path() + "/offset";
   StepClock(offset_file, 0);
   CacheManagerOptions options;
@@ -129,7 +130,7 @@ TEST(CacheManagerLeaseTest, StepsOfTheWallClockChangeNoLease) {
                  // Under AddressSanitizer the preloaded library comes before its runtime.
                  "ASAN_OPTIONS=verify_asan_link_order=0"};
   auto started = CacheManagerProcess::Start(options);
-  ASSERT_TRUE(started.ok()) << started.status();
+  ASSERT_THAT(started, IsOk());
   CacheManagerProcess& manager = **started;
   std::vector<Holder> routers;
   for (uint64_t seq = 1; seq <= 2; ++seq) {
@@ -147,7 +148,7 @@ TEST(CacheManagerLeaseTest, StepsOfTheWallClockChangeNoLease) {
   ExpectNobodyQuarantinedFor(routers, absl::Milliseconds(kTimeoutMs * 5 / 2));
   // The step did reach the cache manager: the line about the killed client is dated ten
   // days ahead.
-  ASSERT_TRUE(doomed->Signal(SIGKILL).ok());
+  ASSERT_THAT(doomed->Signal(SIGKILL), IsOk());
   const absl::CivilDay logged =
       LogDay(manager, absl::StrCat("client pid ", doomed->pid(), " exited"));
   EXPECT_GE(logged - today, 9) << "the clock step did not reach the cache manager";
@@ -158,12 +159,12 @@ TEST(CacheManagerLeaseTest, StepsOfTheWallClockChangeNoLease) {
   absl::flat_hash_set<int32_t> stopped_held;
   auto stopped = StartHolder(manager, &stopped_held, dir->path() + "/stopped.log");
   ASSERT_NE(stopped, nullptr);
-  ASSERT_TRUE(stopped->Signal(SIGSTOP).ok());
+  ASSERT_THAT(stopped->Signal(SIGSTOP), IsOk());
   const StatsSnapshot stats = AwaitQuarantined(*routers.front().client, kHeld);
   EXPECT_EQ(stats.quarantined_blocks, kHeld) << "a stopped client was never quarantined";
   ExpectWhole(stats);
   for (const Holder& router : routers) EXPECT_FALSE(router.client->session_lost());
-  ASSERT_TRUE(stopped->Signal(SIGKILL).ok());
+  ASSERT_THAT(stopped->Signal(SIGKILL), IsOk());
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include "tests/support/http_client.h"
 #include "tests/support/prometheus_server.h"
 #include "tests/support/promtool.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -70,7 +71,7 @@ class CacheManagerMetricsIntegrationTest : public ::testing::Test {
     metrics_.CountRejected(RejectReason::kMalformed);
     metrics_.CountReclaimed(ReclaimReason::kGoodbye, 5);
     auto server = MetricsServer::Start("127.0.0.1:0", metrics_.registry());
-    ASSERT_TRUE(server.ok()) << server.status();
+    ASSERT_THAT(server, IsOk());
     server_ = std::move(*server);
   }
 
@@ -80,11 +81,11 @@ class CacheManagerMetricsIntegrationTest : public ::testing::Test {
 
 TEST_F(CacheManagerMetricsIntegrationTest, PromtoolCheckMetricsReportsNothing) {
   auto response = HttpGet(server_->url());
-  ASSERT_TRUE(response.ok()) << response.status();
+  ASSERT_THAT(response, IsOk());
   ASSERT_EQ(response->status, 200);
 
   auto result = PromtoolCheckMetrics(response->body);
-  ASSERT_TRUE(result.ok()) << result.status();  // says to run scripts/bootstrap.sh
+  ASSERT_THAT(result, IsOk());  // says to run scripts/bootstrap.sh
   EXPECT_EQ(result->output, "");
   EXPECT_EQ(result->exit_code, 0) << result->output;
 }
@@ -93,7 +94,7 @@ TEST_F(CacheManagerMetricsIntegrationTest, PromtoolCheckMetricsReportsNothing) {
 TEST(PromtoolTest, ReportsACounterWithoutTotal) {
   auto result = PromtoolCheckMetrics(
       "# HELP kvcm_test_events Events.\n# TYPE kvcm_test_events counter\nkvcm_test_events 1\n");
-  ASSERT_TRUE(result.ok()) << result.status();  // says to run scripts/bootstrap.sh
+  ASSERT_THAT(result, IsOk());  // says to run scripts/bootstrap.sh
   EXPECT_EQ(result->exit_code, 3) << result->output;
   EXPECT_THAT(result->output,
               ::testing::HasSubstr("counter metrics should have \"_total\" suffix"));
@@ -107,22 +108,22 @@ TEST_F(CacheManagerMetricsIntegrationTest, RealPrometheusScrapesIt) {
   options.targets = {absl::StrCat("127.0.0.1:", server_->port())};
   options.scrape_interval = absl::Seconds(1);
   auto prometheus = PrometheusServer::Start(options);
-  ASSERT_TRUE(prometheus.ok()) << prometheus.status();  // says to run scripts/bootstrap.sh
+  ASSERT_THAT(prometheus, IsOk());  // says to run scripts/bootstrap.sh
   const auto ready = std::chrono::steady_clock::now();
 
   const absl::Duration timeout = absl::Seconds(60);
   absl::Status status =
       (*prometheus)->WaitForValue("kvcm_cache_capacity_blocks", kNumBlocks, timeout);
-  ASSERT_TRUE(status.ok()) << status;
+  ASSERT_THAT(status, IsOk());
   status = (*prometheus)->WaitForValue("sum(kvcm_cache_blocks)", kNumBlocks, timeout);
-  EXPECT_TRUE(status.ok()) << status;
+  EXPECT_THAT(status, IsOk());
   status = (*prometheus)->WaitForValue("kvcm_cache_blocks{state=\"quarantined\"}", 2, timeout);
-  EXPECT_TRUE(status.ok()) << status;
+  EXPECT_THAT(status, IsOk());
   status = (*prometheus)->WaitForValue("up{job=\"kvcm\"}", 1, timeout);
-  EXPECT_TRUE(status.ok()) << status;
+  EXPECT_THAT(status, IsOk());
   // Every label set is there from start-up: 10 request types, all at 0 but two.
   auto requests = (*prometheus)->Query("kvcm_cache_manager_requests_total");
-  ASSERT_TRUE(requests.ok()) << requests.status();
+  ASSERT_THAT(requests, IsOk());
   EXPECT_EQ(requests->size(), static_cast<size_t>(kRequestTypes));
 
   const auto done = std::chrono::steady_clock::now();

@@ -16,6 +16,7 @@
 #include "gtest/gtest.h"
 #include "tests/support/http_client.h"
 #include "tests/support/metrics_text.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -61,24 +62,24 @@ class CacheManagerMetricsTest : public ::testing::Test {
  protected:
   void SetUp() override {
     auto server = MetricsServer::Start("127.0.0.1:0", metrics_.registry());
-    ASSERT_TRUE(server.ok()) << server.status();
+    ASSERT_THAT(server, IsOk());
     server_ = std::move(*server);
   }
 
   MetricsText Scrape() {
     auto response = HttpGet(server_->url());
-    EXPECT_TRUE(response.ok()) << response.status();
+    EXPECT_THAT(response, IsOk());
     if (!response.ok()) return {};
     EXPECT_EQ(response->status, 200);
     auto text = ParseMetricsText(response->body);
-    EXPECT_TRUE(text.ok()) << text.status();
+    EXPECT_THAT(text, IsOk());
     return text.ok() ? *text : MetricsText{};
   }
 
   static double ValueOr(const MetricsText& text, const std::string& name,
                         const MetricLabels& labels = {}) {
     auto value = text.Value(name, labels);
-    EXPECT_TRUE(value.ok()) << value.status();
+    EXPECT_THAT(value, IsOk());
     return value.value_or(-1);
   }
 

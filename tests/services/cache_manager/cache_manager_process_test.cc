@@ -20,6 +20,7 @@
 #include "common/memory/fd_channel.h"
 #include "common/transport/zmq_util.h"
 #include "common/wire/step_codec.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm::live_test {
 namespace {
@@ -32,14 +33,14 @@ TEST(CacheManagerProcessTest, SecondInstanceOnTheSameRunDirectoryRefusesToStart)
        "--backend", "shm", "--num-blocks", "16", "--layers", "1", "--kv-heads", "1",
        "--head-dim", "8", "--metrics-address", "127.0.0.1:0"},
       "", absl::Seconds(30));
-  ASSERT_TRUE(second.ok()) << second.status();
+  ASSERT_THAT(second, IsOk());
   EXPECT_NE(second->exit_code, 0);
   EXPECT_NE(second->output.find("already running"), std::string::npos) << second->output;
   // The first keeps serving on its socket.
   auto client = Connect(*manager);
   ASSERT_NE(client, nullptr);
   auto stats = client->Stats();
-  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_THAT(stats, IsOk());
   EXPECT_EQ(stats->epoch, manager->epoch());
 }
 
@@ -75,14 +76,14 @@ TEST(CacheManagerProcessTest, BadFlagsAreNamedBeforeAnythingIsAcquired) {
                                      "--metrics-address", "127.0.0.1:" + port};
     argv.insert(argv.end(), c.flags.begin(), c.flags.end());
     auto run = kvcm::testing::RunProgram(argv, "", absl::Seconds(30));
-    ASSERT_TRUE(run.ok()) << run.status();
+    ASSERT_THAT(run, IsOk());
     EXPECT_EQ(run->exit_code, 1);
     EXPECT_NE(run->output.find(c.message), std::string::npos) << run->output;
     EXPECT_EQ(run->output.find("already running"), std::string::npos) << run->output;
   }
   auto client = Connect(*manager);
   ASSERT_NE(client, nullptr);
-  EXPECT_TRUE(client->Stats().ok());
+  EXPECT_THAT(client->Stats(), IsOk());
 }
 
 TEST(CacheManagerProcessTest, TheReadyLineNamesTheTcpEndpointItBound) {
@@ -91,10 +92,10 @@ TEST(CacheManagerProcessTest, TheReadyLineNamesTheTcpEndpointItBound) {
   options.heartbeat_timeout_ms = kGenerousHeartbeatTimeoutMs;
   options.extra_args = {"--tcp-address", "tcp://127.0.0.1:0"};
   auto manager = CacheManagerProcess::Start(options);
-  ASSERT_TRUE(manager.ok()) << manager.status();
+  ASSERT_THAT(manager, IsOk());
   auto ready = (*manager)->process().WaitForLine(" tcp=(tcp://127\\.0\\.0\\.1:[0-9]+)",
                                                  absl::Now() + absl::Seconds(5));
-  ASSERT_TRUE(ready.ok()) << ready.status() << "\n" << (*manager)->Output();
+  ASSERT_THAT(ready, IsOk()) << "\n" << (*manager)->Output();
   EXPECT_EQ((*ready)[1].find(":0"), std::string::npos);
   // A client reaches the cache manager there.
   CacheManagerClient::Options client_options;
@@ -102,13 +103,13 @@ TEST(CacheManagerProcessTest, TheReadyLineNamesTheTcpEndpointItBound) {
   client_options.role = wire::Role::Control;
   client_options.heartbeats = false;
   auto client = CacheManagerClient::Connect(client_options);
-  ASSERT_TRUE(client.ok()) << client.status();
-  EXPECT_TRUE((*client)->Stats().ok());
+  ASSERT_THAT(client, IsOk());
+  EXPECT_THAT((*client)->Stats(), IsOk());
 }
 
 TEST(CacheManagerProcessTest, ASymlinkedRunDirectoryIsRefused) {
   auto dir = kvcm::testing::TempDir::Create("kvcm-link");
-  ASSERT_TRUE(dir.ok());
+  ASSERT_THAT(dir, IsOk());
   const std::string real = dir->path() + "/real";
   const std::string link = dir->path() + "/link";
   ASSERT_EQ(::mkdir(real.c_str(), 0700), 0);
@@ -118,7 +119,7 @@ TEST(CacheManagerProcessTest, ASymlinkedRunDirectoryIsRefused) {
        "shm", "--num-blocks", "16", "--layers", "1", "--kv-heads", "1", "--head-dim", "8",
        "--metrics-address", "127.0.0.1:0"},
       "", absl::Seconds(30));
-  ASSERT_TRUE(run.ok()) << run.status();
+  ASSERT_THAT(run, IsOk());
   EXPECT_EQ(run->exit_code, 1);
   EXPECT_NE(run->output.find("is a symbolic link"), std::string::npos) << run->output;
   struct stat st {};
@@ -137,7 +138,7 @@ TEST(CacheManagerProcessTest, ClientsRefuseARunDirectoryOthersCanWrite) {
   EXPECT_THAT(std::string(refused.status().message()), ::testing::HasSubstr("mode 0777"));
   ASSERT_EQ(::chmod(manager->run_dir().c_str(), 0700), 0);
   auto accepted = CacheManagerClient::Connect(options);
-  EXPECT_TRUE(accepted.ok()) << accepted.status();
+  EXPECT_THAT(accepted, IsOk());
 }
 
 TEST(CacheManagerProcessTest, OverTcpOnlyPeersWithTheSecretMayUseThePool) {
@@ -146,10 +147,10 @@ TEST(CacheManagerProcessTest, OverTcpOnlyPeersWithTheSecretMayUseThePool) {
   options.heartbeat_timeout_ms = kGenerousHeartbeatTimeoutMs;
   options.extra_args = {"--tcp-address", "tcp://127.0.0.1:0"};
   auto started = CacheManagerProcess::Start(options);
-  ASSERT_TRUE(started.ok()) << started.status();
+  ASSERT_THAT(started, IsOk());
   CacheManagerProcess& manager = **started;
   auto ready = manager.process().WaitForLine(" tcp=(tcp://[0-9.:]+)", absl::Now() + absl::Seconds(5));
-  ASSERT_TRUE(ready.ok()) << ready.status();
+  ASSERT_THAT(ready, IsOk());
   const std::string tcp = (*ready)[1];
   const std::string secret_file = manager.run_dir() + "/tcp-secret";
   struct stat st {};
@@ -174,8 +175,8 @@ TEST(CacheManagerProcessTest, OverTcpOnlyPeersWithTheSecretMayUseThePool) {
   }
   // A control session without it reads, but may not attach, pin or step.
   auto reader = connect(wire::Role::Control, "");
-  ASSERT_TRUE(reader.ok()) << reader.status();
-  EXPECT_TRUE((*reader)->Stats().ok());
+  ASSERT_THAT(reader, IsOk());
+  EXPECT_THAT((*reader)->Stats(), IsOk());
   EXPECT_TRUE(absl::IsPermissionDenied((*reader)->Attach().status()));
   EXPECT_TRUE(absl::IsPermissionDenied((*reader)->Pin("p", {})));
   BlockOps step;
@@ -189,16 +190,16 @@ TEST(CacheManagerProcessTest, OverTcpOnlyPeersWithTheSecretMayUseThePool) {
   with_file.heartbeats = false;
   with_file.secret_file = secret_file;
   auto router = CacheManagerClient::Connect(with_file);
-  ASSERT_TRUE(router.ok()) << router.status();
+  ASSERT_THAT(router, IsOk());
   auto stepped = (*router)->Step(step);
-  ASSERT_TRUE(stepped.ok()) << stepped.status();
-  EXPECT_TRUE((*stepped)[0].status.ok());
+  ASSERT_THAT(stepped, IsOk());
+  EXPECT_THAT((*stepped)[0].status, IsOk());
   // A secret file others can read is refused by the client itself.
   ASSERT_EQ(::chmod(secret_file.c_str(), 0644), 0);
   auto loose = CacheManagerClient::Connect(with_file);
   EXPECT_TRUE(absl::IsPermissionDenied(loose.status())) << loose.status();
   auto stats = (*reader)->Stats();
-  ASSERT_TRUE(stats.ok());
+  ASSERT_THAT(stats, IsOk());
   ExpectWhole(*stats);
 }
 
@@ -209,12 +210,12 @@ TEST(CacheManagerProcessTest, GarbageOnTheRealSocketGetsErrorRepliesAndChangesNo
   ASSERT_NE(client, nullptr);
   BlockOps setup;
   setup.Allocate(1, 40);
-  ASSERT_TRUE(client->Step(setup).ok());
+  ASSERT_THAT(client->Step(setup), IsOk());
   setup.Clear();
   setup.Commit(1, 40);
-  ASSERT_TRUE(client->Step(setup).ok());
+  ASSERT_THAT(client->Step(setup), IsOk());
   auto before = client->Stats();
-  ASSERT_TRUE(before.ok());
+  ASSERT_THAT(before, IsOk());
 
   zmq::context_t context(1);
   zmq::socket_t dealer = RawDealer(context, *manager);
@@ -250,7 +251,7 @@ TEST(CacheManagerProcessTest, GarbageOnTheRealSocketGetsErrorRepliesAndChangesNo
     EXPECT_FALSE(verified.envelope->payload_as_ErrorReply()->reason()->str().empty());
   }
   auto after = client->Stats();
-  ASSERT_TRUE(after.ok());
+  ASSERT_THAT(after, IsOk());
   EXPECT_EQ(after->in_use_blocks, before->in_use_blocks);
   EXPECT_EQ(after->free_blocks, before->free_blocks);
   EXPECT_EQ(after->blocks_allocated, before->blocks_allocated);
@@ -258,9 +259,9 @@ TEST(CacheManagerProcessTest, GarbageOnTheRealSocketGetsErrorRepliesAndChangesNo
   ExpectWhole(*after);
 
   auto metrics = kvcm::testing::HttpGet(manager->metrics_url());
-  ASSERT_TRUE(metrics.ok());
+  ASSERT_THAT(metrics, IsOk());
   auto parsed = kvcm::testing::ParseMetricsText(metrics->body);
-  ASSERT_TRUE(parsed.ok());
+  ASSERT_THAT(parsed, IsOk());
   EXPECT_GE(*parsed->Value("kvcm_cache_manager_rejected_messages_total",
                            {{"reason", "malformed"}}),
             50);
@@ -275,7 +276,7 @@ TEST(CacheManagerProcessTest, AMultiFrameMessageIsRefusedWholeAndNoFrameIsTakenF
   auto client = Connect(*manager);
   ASSERT_NE(client, nullptr);
   auto before = client->Stats();
-  ASSERT_TRUE(before.ok());
+  ASSERT_THAT(before, IsOk());
 
   zmq::context_t context(1);
   zmq::socket_t dealer = RawDealer(context, *manager);
@@ -310,7 +311,7 @@ TEST(CacheManagerProcessTest, AMultiFrameMessageIsRefusedWholeAndNoFrameIsTakenF
     }
   }
   auto after = client->Stats();
-  ASSERT_TRUE(after.ok());
+  ASSERT_THAT(after, IsOk());
   EXPECT_EQ(after->rejected_messages, before->rejected_messages + 1);
   ExpectWhole(*after);
 }
@@ -357,9 +358,9 @@ TEST(CacheManagerProcessTest, AMessageFarOverTheLimitIsDroppedBeforeItIsBuffered
         return dealer.recv(reply).has_value();
       },
       absl::Seconds(60), "an answer to small garbage");
-  ASSERT_TRUE(answered.ok()) << "the cache manager stopped answering: " << answered;
+  ASSERT_THAT(answered, IsOk()) << "the cache manager stopped answering: " << answered;
   auto stats = client->Stats();
-  ASSERT_TRUE(stats.ok());
+  ASSERT_THAT(stats, IsOk());
   ExpectWhole(*stats);
   const int64_t grew_kib = PeakResidentKib(manager->process().pid()) - peak_before;
   std::printf("peak resident memory grew by %lld KiB\n", static_cast<long long>(grew_kib));
@@ -393,7 +394,7 @@ TEST(CacheManagerProcessTest, AnotherUserIsRefusedThePoolAndTheRefusalIsCountedA
 
   // StatsReply and /metrics count the refusal once, the same.
   auto stats = client->Stats();
-  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_THAT(stats, IsOk());
   EXPECT_EQ(stats->rejected_messages, 1u);
   EXPECT_EQ(MetricValue(manager->metrics_url(), "kvcm_cache_manager_rejected_messages_total",
                         {{"reason", "permission_denied"}}),
@@ -454,15 +455,15 @@ TEST(CacheManagerProcessTest, EveryNewConnectionOnAReusedDescriptorIsWatchedThro
   for (int i = 0; i < kConnections; ++i) {
     auto client = Connect(*manager);
     ASSERT_NE(client, nullptr) << "connection " << i;
-    ASSERT_TRUE(keeper->Stats().ok());
-    ASSERT_TRUE(client->Goodbye().ok()) << "connection " << i;
+    ASSERT_THAT(keeper->Stats(), IsOk());
+    ASSERT_THAT(client->Goodbye(), IsOk()) << "connection " << i;
   }
   const auto [from_connect, by_pid] = ReadWatchSources(*manager);
   std::printf("watches: %g from the connection, %g by pid\n", from_connect, by_pid);
   EXPECT_EQ(from_connect, kConnections + 1);
   EXPECT_EQ(by_pid, 0);
   auto stats = keeper->Stats();
-  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_THAT(stats, IsOk());
   ExpectWhole(*stats);
 }
 
@@ -471,10 +472,10 @@ TEST(CacheManagerProcessTest, SigtermAnswersAndCleansUp) {
   ASSERT_NE(manager, nullptr);
   auto client = Connect(*manager);
   ASSERT_NE(client, nullptr);
-  ASSERT_TRUE(client->Stats().ok());
+  ASSERT_THAT(client->Stats(), IsOk());
   const std::string run_dir = manager->run_dir();
   auto exit_code = manager->Terminate(absl::Seconds(10));
-  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+  ASSERT_THAT(exit_code, IsOk());
   EXPECT_EQ(*exit_code, 0) << manager->Output();
   EXPECT_NE(manager->Output().find("stopped"), std::string::npos);
   struct stat st {};
@@ -519,7 +520,7 @@ TEST(CacheManagerProcessTest, SigtermUnderLoadRefusesStepsWithUnavailableAndExit
         return std::all_of(steps.begin(), steps.end(), [](const auto& n) { return n >= 50; });
       },
       absl::Seconds(60), "50 steps of every router");
-  EXPECT_TRUE(loaded.ok()) << loaded;  // not ASSERT: the loaders are joined below
+  EXPECT_THAT(loaded, IsOk());  // not ASSERT: the loaders are joined below
   const absl::Time signalled = absl::Now();
   // A bound, not a measure (docs/RELIABILITY.md, "Timing in tests"): a cache manager that
   // drained for ever under load fails it; its drain deadline (2 s) is its own clock's
@@ -528,7 +529,7 @@ TEST(CacheManagerProcessTest, SigtermUnderLoadRefusesStepsWithUnavailableAndExit
   const absl::Duration took = absl::Now() - signalled;
   stop = true;
   for (std::thread& loader : loaders) loader.join();
-  ASSERT_TRUE(exit_code.ok()) << exit_code.status() << "\n" << manager->Output();
+  ASSERT_THAT(exit_code, IsOk()) << "\n" << manager->Output();
   EXPECT_EQ(*exit_code, 0) << manager->Output();
   std::printf("exited %s after SIGTERM under load\n", absl::FormatDuration(took).c_str());
   // Each router's last step was refused as the protocol says: Unavailable while draining,
@@ -553,13 +554,13 @@ TEST(CacheManagerProcessTest, TakenMetricsPortIsAClearError) {
   const std::string url = manager->metrics_url();  // http://127.0.0.1:PORT/metrics
   const std::string address = url.substr(7, url.find("/metrics") - 7);
   auto dir = kvcm::testing::TempDir::Create("kvcm-port");
-  ASSERT_TRUE(dir.ok());
+  ASSERT_THAT(dir, IsOk());
   auto second = kvcm::testing::RunProgram(
       {kvcm::testing::KvcmBinaryPath("kvcm-cache-manager"), "--run-dir", dir->path() + "/run",
        "--backend", "shm", "--num-blocks", "16", "--layers", "1", "--kv-heads", "1",
        "--head-dim", "8", "--metrics-address", address},
       "", absl::Seconds(30));
-  ASSERT_TRUE(second.ok());
+  ASSERT_THAT(second, IsOk());
   EXPECT_NE(second->exit_code, 0);
   EXPECT_NE(second->output.find(address), std::string::npos) << second->output;
   EXPECT_NE(second->output.find("in use"), std::string::npos) << second->output;
@@ -568,13 +569,13 @@ TEST(CacheManagerProcessTest, TakenMetricsPortIsAClearError) {
 TEST(CacheManagerProcessTest, CudaBackendWithoutADeviceIsAClearError) {
   if (CudaDeviceCount().ok()) GTEST_SKIP() << "a CUDA device is present";
   auto dir = kvcm::testing::TempDir::Create("kvcm-cuda");
-  ASSERT_TRUE(dir.ok());
+  ASSERT_THAT(dir, IsOk());
   auto run = kvcm::testing::RunProgram(
       {kvcm::testing::KvcmBinaryPath("kvcm-cache-manager"), "--run-dir", dir->path() + "/run",
        "--backend", "cuda", "--num-blocks", "16", "--layers", "1", "--kv-heads", "1",
        "--head-dim", "8", "--metrics-address", "127.0.0.1:0"},
       "", absl::Seconds(30));
-  ASSERT_TRUE(run.ok()) << run.status();
+  ASSERT_THAT(run, IsOk());
   EXPECT_EQ(run->exit_code, 1) << run->output;
   EXPECT_NE(run->output.find("--backend cuda needs a CUDA device"), std::string::npos)
       << run->output;
@@ -582,7 +583,7 @@ TEST(CacheManagerProcessTest, CudaBackendWithoutADeviceIsAClearError) {
 
 TEST(CacheManagerProcessTest, ModelConfigAndMemoryFractionSizeThePool) {
   auto dir = kvcm::testing::TempDir::Create("kvcm-config");
-  ASSERT_TRUE(dir.ok());
+  ASSERT_THAT(dir, IsOk());
   const std::string config = dir->path() + "/config.json";
   {
     std::ofstream out(config);
@@ -597,14 +598,14 @@ TEST(CacheManagerProcessTest, ModelConfigAndMemoryFractionSizeThePool) {
   options.num_blocks = 0;
   options.extra_args = {"--model-config", config, "--memory-fraction", "0.001"};
   auto manager = CacheManagerProcess::Start(options);
-  ASSERT_TRUE(manager.ok()) << manager.status();
+  ASSERT_THAT(manager, IsOk());
   EXPECT_NE((*manager)->Output().find("2 layers x 2 KV heads x head dim 16, fp16"),
             std::string::npos)
       << (*manager)->Output();
   auto client = Connect(**manager);
   ASSERT_NE(client, nullptr);
   auto stats = client->Stats();
-  ASSERT_TRUE(stats.ok());
+  ASSERT_THAT(stats, IsOk());
   EXPECT_EQ(stats->spec.num_layers, 2);
   EXPECT_EQ(stats->spec.head_dim, 16);
   EXPECT_GT(stats->num_blocks, 0);
@@ -618,11 +619,11 @@ TEST(CacheManagerMetricsLiveTest, ScrapePassesPromtoolAndPrometheusSeesTheBlocks
   ASSERT_NE(client, nullptr);
   BlockOps step;
   step.Allocate(1, 40).Allocate(2, 13);
-  ASSERT_TRUE(client->Step(step).ok());
+  ASSERT_THAT(client->Step(step), IsOk());
   step.Clear();
   step.Commit(1, 40);
-  ASSERT_TRUE(client->Step(step).ok());
-  ASSERT_TRUE(client->Stats().ok());
+  ASSERT_THAT(client->Step(step), IsOk());
+  ASSERT_THAT(client->Stats(), IsOk());
 
   // The block and session gauges come from the snapshot the server publishes after a turn
   // of its loop, and one turn may answer several requests: a scrape right after a reply can
@@ -639,12 +640,12 @@ TEST(CacheManagerMetricsLiveTest, ScrapePassesPromtoolAndPrometheusSeesTheBlocks
                parsed->Value("kvcm_cache_blocks", {{"state", "in_use"}}).value_or(-1) == 14;
       },
       absl::Seconds(60));
-  ASSERT_TRUE(metrics.ok()) << metrics.status();
-  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  ASSERT_THAT(metrics, IsOk());
+  ASSERT_THAT(parsed, IsOk());
   EXPECT_EQ(*parsed->Value("kvcm_cache_blocks", {{"state", "in_use"}}), 14);
   EXPECT_EQ(*parsed->Value("kvcm_cache_manager_sessions", {{"role", "router"}}), 1);
   auto promtool = kvcm::testing::PromtoolCheckMetrics(metrics->body);
-  ASSERT_TRUE(promtool.ok()) << promtool.status();
+  ASSERT_THAT(promtool, IsOk());
   EXPECT_EQ(promtool->exit_code, 0) << promtool->output;
   EXPECT_EQ(promtool->output, "") << promtool->output;
 
@@ -652,8 +653,8 @@ TEST(CacheManagerMetricsLiveTest, ScrapePassesPromtoolAndPrometheusSeesTheBlocks
   kvcm::testing::PrometheusServer::Options options;
   options.targets = {url.substr(7, url.find("/metrics") - 7)};
   auto prometheus = kvcm::testing::PrometheusServer::Start(options);
-  ASSERT_TRUE(prometheus.ok()) << prometheus.status();
-  EXPECT_TRUE((*prometheus)->WaitForValue("sum(kvcm_cache_blocks)", kBlocks, absl::Seconds(60)).ok())
+  ASSERT_THAT(prometheus, IsOk());
+  EXPECT_THAT((*prometheus)->WaitForValue("sum(kvcm_cache_blocks)", kBlocks, absl::Seconds(60)), IsOk())
       << (*prometheus)->LogTail();
   EXPECT_TRUE((*prometheus)
                   ->WaitForValue("kvcm_cache_blocks{state=\"in_use\"}", 14, absl::Seconds(30))
@@ -718,7 +719,7 @@ TEST(CacheManagerProcessTest, RepliesAClientDoesNotReadAreCountedAndItsStepIsLea
   const std::vector<BlockOp> ops = {BlockOp::Allocate(7, 24)};
   const uint64_t step_request = request++;
   b.Clear();
-  ASSERT_TRUE(EncodeStep(b, step_request, session, epoch, ops).ok());
+  ASSERT_THAT(EncodeStep(b, step_request, session, epoch, ops), IsOk());
   const std::string step(reinterpret_cast<const char*>(b.GetBufferPointer()), b.GetSize());
   ASSERT_TRUE(dealer.send(zmq::buffer(step), zmq::send_flags::none));
   EXPECT_TRUE(manager->process()
@@ -746,7 +747,7 @@ TEST(CacheManagerProcessTest, RepliesAClientDoesNotReadAreCountedAndItsStepIsLea
   auto control = Connect(*manager);
   ASSERT_NE(control, nullptr);
   auto stats = control->Stats();
-  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_THAT(stats, IsOk());
   EXPECT_EQ(stats->in_use_blocks, (24 + stats->block_size - 1) / stats->block_size);
   EXPECT_EQ(stats->live_sequences, 1);
   ExpectWhole(*stats);

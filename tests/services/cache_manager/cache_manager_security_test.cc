@@ -23,6 +23,7 @@
 #include "common/wire/step_codec.h"
 #include "gmock/gmock.h"
 #include "tests/support/gpu_test.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm::live_test {
 namespace {
@@ -79,7 +80,7 @@ TEST(CacheManagerSecurityTest, AnotherUsersClientGetsNoSessionAndNoPoolFdAndIsCo
   argv.push_back(manager->endpoint());
   argv.push_back(channel);
   auto run = kvcm::testing::RunProgram(argv, "", absl::Seconds(180));
-  ASSERT_TRUE(run.ok()) << run.status();
+  ASSERT_THAT(run, IsOk());
   std::printf("%s", run->output.c_str());
   EXPECT_THAT(run->output, HasSubstr(absl::StrCat("uid ", kNobody)));
   EXPECT_EQ(run->exit_code, 0) << "another user was served:\n" << run->output;
@@ -91,14 +92,14 @@ TEST(CacheManagerSecurityTest, AnotherUsersClientGetsNoSessionAndNoPoolFdAndIsCo
   ctl.insert(ctl.end(), {kvcm::testing::KvcmBinaryPath("kvcmctl"), "stats", "--endpoint",
                          manager->endpoint(), "--timeout", "60s"});
   auto stats_run = kvcm::testing::RunProgram(ctl, "", absl::Seconds(120));
-  ASSERT_TRUE(stats_run.ok()) << stats_run.status();
+  ASSERT_THAT(stats_run, IsOk());
   EXPECT_EQ(stats_run->exit_code, 1) << stats_run->output;
   EXPECT_THAT(stats_run->output, HasSubstr("may not use this cache manager")) << stats_run->output;
 
   // Three refusals (two Hellos, one fd request), counted alike by StatsReply and /metrics;
   // the manager's log names each; no session was opened and nothing changed.
   auto stats = observer->Stats();
-  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_THAT(stats, IsOk());
   EXPECT_EQ(stats->rejected_messages, 3u);
   EXPECT_EQ(Rejected(*manager, "permission_denied"), 3);
   EXPECT_EQ(MetricValue(manager->metrics_url(), "kvcm_cache_manager_sessions",
@@ -120,7 +121,7 @@ kvcm::testing::RunResult StartOn(const std::string& run_dir) {
 
 TEST(CacheManagerSecurityTest, ARunDirectoryOthersCanWriteOrOwnIsRefusedAndANarrowOneMadePrivate) {
   auto dir = kvcm::testing::TempDir::Create("kvcm-sec");
-  ASSERT_TRUE(dir.ok());
+  ASSERT_THAT(dir, IsOk());
   // Group- or world-writable: others could have planted files in it.
   for (mode_t mode : {0777, 0770, 01777}) {
     const std::string run = absl::StrCat(dir->path(), "/open", mode);
@@ -161,7 +162,7 @@ std::unique_ptr<CacheManagerProcess> StartLimited(std::vector<std::string> limit
   options.heartbeat_timeout_ms = kGenerousHeartbeatTimeoutMs;
   options.extra_args = std::move(limits);
   auto manager = CacheManagerProcess::Start(options);
-  EXPECT_TRUE(manager.ok()) << manager.status();
+  EXPECT_THAT(manager, IsOk());
   return manager.ok() ? *std::move(manager) : nullptr;
 }
 
@@ -210,7 +211,7 @@ std::string SendExpectingRefusal(zmq::socket_t& dealer, std::span<const uint8_t>
 
 void ExpectWholeAndEmpty(CacheManagerClient& client) {
   auto stats = client.Stats();
-  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_THAT(stats, IsOk());
   ExpectWhole(*stats);
   EXPECT_EQ(stats->in_use_blocks, 0) << "a refused message left blocks allocated";
   EXPECT_EQ(stats->live_sequences, 0);
@@ -226,11 +227,11 @@ TEST(CacheManagerSecurityTest, ASessionTouchesOnlyItsOwnSequences) {
   BlockOps mine;
   mine.Allocate(5, 3 * kBlockSize);
   auto allocated = owner->Step(mine);
-  ASSERT_TRUE(allocated.ok()) << allocated.status();
-  ASSERT_TRUE((*allocated)[0].status.ok());
+  ASSERT_THAT(allocated, IsOk());
+  ASSERT_THAT((*allocated)[0].status, IsOk());
   const std::vector<int32_t> blocks = (*allocated)[0].blocks;
   auto before = owner->Stats();
-  ASSERT_TRUE(before.ok());
+  ASSERT_THAT(before, IsOk());
   // Each op on sequence 5 from the other session is refused, and nothing changes.
   std::vector<BlockOps> attempts(4);
   attempts[0].Append(5, 1);
@@ -245,7 +246,7 @@ TEST(CacheManagerSecurityTest, ASessionTouchesOnlyItsOwnSequences) {
   }
   EXPECT_EQ(Rejected(*manager, "wrong_owner"), 4);
   auto after = owner->Stats();
-  ASSERT_TRUE(after.ok());
+  ASSERT_THAT(after, IsOk());
   EXPECT_EQ(after->in_use_blocks, before->in_use_blocks);
   EXPECT_EQ(after->live_sequences, 1);
   ExpectWhole(*after);
@@ -253,8 +254,8 @@ TEST(CacheManagerSecurityTest, ASessionTouchesOnlyItsOwnSequences) {
   BlockOps free;
   free.Free(5);
   auto freed = owner->Step(free);
-  ASSERT_TRUE(freed.ok()) << freed.status();
-  EXPECT_TRUE((*freed)[0].status.ok());
+  ASSERT_THAT(freed, IsOk());
+  EXPECT_THAT((*freed)[0].status, IsOk());
   ExpectWholeAndEmpty(*owner);
   EXPECT_EQ(blocks.size(), 3u);
 }
@@ -304,7 +305,7 @@ TEST(CacheManagerSecurityTest, AStepOverMaxOpsPerStepIsRefusedWhole) {
   zmq::context_t context(1);
   RawSession raw = OpenRaw(context, *manager);
   flatbuffers::FlatBufferBuilder b;
-  ASSERT_TRUE(EncodeStep(b, 2, raw.session, raw.epoch, nine.ops()).ok());
+  ASSERT_THAT(EncodeStep(b, 2, raw.session, raw.epoch, nine.ops()), IsOk());
   const std::string refusal =
       SendExpectingRefusal(raw.dealer, {b.GetBufferPointer(), b.GetSize()});
   EXPECT_THAT(refusal, HasSubstr("step of 9 ops exceeds the limit of 8")) << refusal;
@@ -312,10 +313,10 @@ TEST(CacheManagerSecurityTest, AStepOverMaxOpsPerStepIsRefusedWhole) {
   // Eight are fine, and freed again.
   BlockOps eight;
   for (SeqId seq = 1; seq <= 8; ++seq) eight.Allocate(seq, kBlockSize);
-  ASSERT_TRUE(client->Step(eight).ok());
+  ASSERT_THAT(client->Step(eight), IsOk());
   BlockOps free;
   for (SeqId seq = 1; seq <= 8; ++seq) free.Free(seq);
-  ASSERT_TRUE(client->Step(free).ok());
+  ASSERT_THAT(client->Step(free), IsOk());
   ExpectWholeAndEmpty(*client);
 }
 
@@ -338,7 +339,7 @@ TEST(CacheManagerSecurityTest, MoreBlockHashesThanMaxHashesPerMessageAreRefused)
   EXPECT_EQ(Rejected(*manager, "oversized"), 2);
   // Four pass.
   auto four = client->Lookup(std::span<const BlockHash>(hashes).first(4));
-  EXPECT_TRUE(four.ok()) << four.status();
+  EXPECT_THAT(four, IsOk());
   ExpectWholeAndEmpty(*client);
 }
 
@@ -361,18 +362,18 @@ TEST(CacheManagerSecurityTest, SessionsPastMaxSessionsAndPerProcessAreRefused) {
   // Another process takes the last session; then even a new process is refused.
   absl::flat_hash_set<int32_t> held;
   auto dir = kvcm::testing::TempDir::Create("kvcm-sec");
-  ASSERT_TRUE(dir.ok());
+  ASSERT_THAT(dir, IsOk());
   Subprocess::Options holder_options;
   holder_options.argv = {FAULT_CLIENT_PATH, "--endpoint", manager->endpoint(), "--blocks", "4"};
   holder_options.output_path = dir->path() + "/holder";
   auto holder = Subprocess::Start(holder_options);
-  ASSERT_TRUE(holder.ok()) << holder.status();
-  ASSERT_TRUE((*holder)->WaitForLine("ready session=", absl::Now() + absl::Seconds(30)).ok())
+  ASSERT_THAT(holder, IsOk());
+  ASSERT_THAT((*holder)->WaitForLine("ready session=", absl::Now() + absl::Seconds(30)), IsOk())
       << (*holder)->Output();
   auto ctl = kvcm::testing::RunProgram({kvcm::testing::KvcmBinaryPath("kvcmctl"), "stats",
                                         "--endpoint", manager->endpoint(), "--timeout", "60s"},
                                        "", absl::Seconds(120));
-  ASSERT_TRUE(ctl.ok()) << ctl.status();
+  ASSERT_THAT(ctl, IsOk());
   EXPECT_EQ(ctl->exit_code, 1) << ctl->output;
   EXPECT_THAT(ctl->output, HasSubstr("holds 3 sessions, its limit")) << ctl->output;
   EXPECT_EQ(Rejected(*manager, "limit_exceeded"), 2);
@@ -385,16 +386,16 @@ TEST(CacheManagerSecurityTest, SessionsPastMaxSessionsAndPerProcessAreRefused) {
                            {{"role", "router"}}) == 1;
       },
       absl::Seconds(60), "the holder's session to end");
-  ASSERT_TRUE(ended.ok()) << ended;
+  ASSERT_THAT(ended, IsOk());
   EXPECT_TRUE(absl::IsResourceExhausted(CacheManagerClient::Connect(options).status()));
   EXPECT_EQ(Rejected(*manager, "limit_exceeded"), 3);
   auto from_ctl = kvcm::testing::RunProgram({kvcm::testing::KvcmBinaryPath("kvcmctl"), "stats",
                                              "--endpoint", manager->endpoint(), "--timeout", "60s"},
                                             "", absl::Seconds(120));
-  ASSERT_TRUE(from_ctl.ok());
+  ASSERT_THAT(from_ctl, IsOk());
   EXPECT_EQ(from_ctl->exit_code, 0) << from_ctl->output;
   auto stats = first->Stats();
-  ASSERT_TRUE(stats.ok());
+  ASSERT_THAT(stats, IsOk());
   ExpectWhole(*stats);
   EXPECT_EQ(stats->in_use_blocks, 0);
 }
@@ -407,7 +408,7 @@ TEST(CacheManagerSecurityTest, AStepPastMaxSequencesPerSessionIsRefusedWhole) {
   BlockOps two;
   two.Allocate(1, kBlockSize);
   two.Allocate(2, kBlockSize);
-  ASSERT_TRUE(client->Step(two).ok());
+  ASSERT_THAT(client->Step(two), IsOk());
   BlockOps more;
   more.Allocate(3, kBlockSize);
   more.Allocate(4, kBlockSize);
@@ -418,14 +419,14 @@ TEST(CacheManagerSecurityTest, AStepPastMaxSequencesPerSessionIsRefusedWhole) {
   // Refused whole: sequence 3 was not allocated either. Another session is not bounded by
   // this one's sequences.
   auto stats = client->Stats();
-  ASSERT_TRUE(stats.ok());
+  ASSERT_THAT(stats, IsOk());
   EXPECT_EQ(stats->live_sequences, 2);
   EXPECT_EQ(stats->in_use_blocks, 2);
   ExpectWhole(*stats);
   BlockOps free;
   free.Free(1);
   free.Free(2);
-  ASSERT_TRUE(client->Step(free).ok());
+  ASSERT_THAT(client->Step(free), IsOk());
   ExpectWholeAndEmpty(*client);
 }
 
@@ -442,10 +443,10 @@ TEST(CacheManagerSecurityTest, BadLimitFlagsAreNamed) {
                                      "127.0.0.1:0"};
     argv.insert(argv.end(), flags.begin(), flags.end());
     auto dir = kvcm::testing::TempDir::Create("kvcm-sec");
-    ASSERT_TRUE(dir.ok());
+    ASSERT_THAT(dir, IsOk());
     argv.insert(argv.end(), {"--run-dir", dir->path() + "/run"});
     auto run = kvcm::testing::RunProgram(argv, "", absl::Seconds(30));
-    ASSERT_TRUE(run.ok());
+    ASSERT_THAT(run, IsOk());
     EXPECT_EQ(run->exit_code, 1) << run->output;
     EXPECT_THAT(run->output, ::testing::AnyOf(HasSubstr("--max-message-bytes"),
                                               HasSubstr("limits must be positive")))
@@ -462,11 +463,11 @@ TEST(CacheManagerSecurityTest, TheLogNeverCarriesTheTcpSecretOrThePoolsHandles) 
   options.heartbeat_timeout_ms = kGenerousHeartbeatTimeoutMs;
   options.extra_args = {"--tcp-address", "tcp://127.0.0.1:0"};
   auto started = CacheManagerProcess::Start(options);
-  ASSERT_TRUE(started.ok()) << started.status();
+  ASSERT_THAT(started, IsOk());
   CacheManagerProcess& manager = **started;
   auto ready =
       manager.process().WaitForLine(" tcp=(tcp://[0-9.:]+)", absl::Now() + absl::Seconds(5));
-  ASSERT_TRUE(ready.ok()) << ready.status();
+  ASSERT_THAT(ready, IsOk());
   const std::string tcp = (*ready)[1];
   const std::string secret =
       std::string(absl::StripAsciiWhitespace(
@@ -486,19 +487,19 @@ TEST(CacheManagerSecurityTest, TheLogNeverCarriesTheTcpSecretOrThePoolsHandles) 
     return CacheManagerClient::Connect(client);
   };
   auto router = over_tcp(wire::Role::Router, secret);
-  ASSERT_TRUE(router.ok()) << router.status();
+  ASSERT_THAT(router, IsOk());
   BlockOps step;
   step.Allocate(1, 8);
-  ASSERT_TRUE((*router)->Step(step).ok());
+  ASSERT_THAT((*router)->Step(step), IsOk());
   auto executor = over_tcp(wire::Role::Executor, secret);
-  ASSERT_TRUE(executor.ok()) << executor.status();
+  ASSERT_THAT(executor, IsOk());
   auto tcp_attach = (*executor)->Attach();
-  EXPECT_TRUE(tcp_attach.ok()) << tcp_attach.status();
+  EXPECT_THAT(tcp_attach, IsOk());
   EXPECT_FALSE(over_tcp(wire::Role::Router, wrong).ok());
   auto local = Connect(manager, wire::Role::Executor);
   ASSERT_NE(local, nullptr);
   auto attached = local->Attach();
-  ASSERT_TRUE(attached.ok()) << attached.status();
+  ASSERT_THAT(attached, IsOk());
   // The descriptor as sent, for its CUDA IPC handle (64 bytes on a GPU, empty for shm).
   std::string handle;
   {
@@ -532,10 +533,10 @@ TEST(CacheManagerSecurityTest, TheLogNeverCarriesTheTcpSecretOrThePoolsHandles) 
   }
   auto control = Connect(manager, wire::Role::Control);
   ASSERT_NE(control, nullptr);
-  EXPECT_TRUE(control->EndSession((*router)->session_id()).ok());
+  EXPECT_THAT(control->EndSession((*router)->session_id()), IsOk());
   absl::flat_hash_set<int32_t> held;
   auto dir = kvcm::testing::TempDir::Create("kvcm-sec");
-  ASSERT_TRUE(dir.ok());
+  ASSERT_THAT(dir, IsOk());
   auto holder = StartHolder(manager, &held, dir->path() + "/holder");
   ASSERT_NE(holder, nullptr);
   ASSERT_EQ(holder->Signal(SIGKILL), absl::OkStatus());
@@ -546,7 +547,7 @@ TEST(CacheManagerSecurityTest, TheLogNeverCarriesTheTcpSecretOrThePoolsHandles) 
                   .ok())
       << manager.Output();
   auto stopped = manager.Terminate(absl::Seconds(10));
-  ASSERT_TRUE(stopped.ok()) << stopped.status();
+  ASSERT_THAT(stopped, IsOk());
   EXPECT_EQ(*stopped, 0);
 
   const std::string log = manager.Output();

@@ -22,6 +22,7 @@
 #include "gtest/gtest.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/registry.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -97,7 +98,7 @@ class CacheManagerServiceTest : public ::testing::Test {
     info.hash_algorithm = "sha256";
     metrics_ = std::make_unique<CacheManagerMetrics>(info);
     auto service = CacheManagerService::Create(options_, &watcher_, metrics_.get(), now_);
-    ASSERT_TRUE(service.ok()) << service.status();
+    ASSERT_THAT(service, IsOk());
     service_ = *std::move(service);
   }
 
@@ -164,7 +165,7 @@ class CacheManagerServiceTest : public ::testing::Test {
   const wire::Envelope& Step(uint64_t session, const std::vector<BlockOp>& ops,
                             pid_t pid = kRouterPid) {
     request_.Clear();
-    EXPECT_TRUE(EncodeStep(request_, ++request_id_, session, 777, ops).ok());
+    EXPECT_THAT(EncodeStep(request_, ++request_id_, session, 777, ops), IsOk());
     return Send(BufferSpan(request_), pid);
   }
 
@@ -202,7 +203,7 @@ class CacheManagerServiceTest : public ::testing::Test {
     EXPECT_FALSE(reply.payload_as_ErrorReply()->reason()->str().empty());
     EXPECT_EQ(LedgerState(), before);
     EXPECT_EQ(service_->rejected_messages(), rejected + 1);
-    EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
+    EXPECT_THAT(service_->ledger().CheckInvariants(), IsOk());
   }
 
   FakeWatcher watcher_;
@@ -258,7 +259,7 @@ TEST_F(CacheManagerServiceTest, StepAllocatesAppendsCommitsAndFrees) {
   const wire::Envelope& again = Step(s, {Allocate(2, 10, {HashOf(1), HashOf(2)})});
   ASSERT_EQ(again.payload_type(), wire::Message::StepReply);
   EXPECT_EQ(again.payload_as_StepReply()->results()->Get(0)->num_cached_tokens(), 8);
-  EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
+  EXPECT_THAT(service_->ledger().CheckInvariants(), IsOk());
 }
 
 TEST_F(CacheManagerServiceTest, OpsInOneStepSeeEachOther) {
@@ -369,7 +370,7 @@ TEST_F(CacheManagerServiceTest, RefusalsNameTheRequestWhenItsIdCanBeRead) {
   // Garbage has no readable id: 0.
   const std::vector<uint8_t> garbage(64, 0xab);
   EXPECT_EQ(Send(garbage).request_id(), 0u);
-  EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
+  EXPECT_THAT(service_->ledger().CheckInvariants(), IsOk());
 }
 
 TEST_F(CacheManagerServiceTest, SessionsAndSequencesAreBounded) {
@@ -410,7 +411,7 @@ TEST_F(CacheManagerServiceTest, SessionsAndSequencesAreBounded) {
   ASSERT_EQ(ErrorOf(Step(a, {Fork(1, 5)})), wire::ErrorCode::ResourceExhausted);
   EXPECT_EQ(LedgerState(), before);
   EXPECT_EQ(ErrorOf(Step(a, {Free(1), Fork(2, 5)})), wire::ErrorCode::Ok);
-  EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
+  EXPECT_THAT(service_->ledger().CheckInvariants(), IsOk());
 }
 
 TEST_F(CacheManagerServiceTest, ARepeatedStepIsAnsweredFromTheReplayCacheNotRunTwice) {
@@ -506,7 +507,7 @@ TEST_F(CacheManagerServiceTest, AStepReplyOfMebibytesIsKeptAndReplayedWhole) {
                                  reply_.GetBufferPointer() + reply_.GetSize()),
             answer);
   EXPECT_EQ(ReplayedSteps(), 2);
-  EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
+  EXPECT_THAT(service_->ledger().CheckInvariants(), IsOk());
 }
 
 // Every applied Step's reply is kept, so none may exceed the message limit: a step whose
@@ -556,7 +557,7 @@ TEST_F(CacheManagerServiceTest, OnlyTokensOfEarlierStepsCanBeCommitted) {
   EXPECT_EQ(ErrorOf(Step(s, {Append(1, 2), Fork(1, 2), Commit(2, 8), Commit(1, 8)})),
             wire::ErrorCode::Ok);
   EXPECT_EQ(ErrorOf(Step(s, {Commit(1, 10), Commit(2, 10)})), wire::ErrorCode::Ok);
-  EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
+  EXPECT_THAT(service_->ledger().CheckInvariants(), IsOk());
 }
 
 TEST_F(CacheManagerServiceTest, OverTcpTheSecretGrantsRolesAndAClaimedPidReplacesNothing) {
@@ -623,7 +624,7 @@ TEST_F(CacheManagerServiceTest, OverTcpTheSecretGrantsRolesAndAClaimedPidReplace
   EXPECT_EQ(service_->ledger().Stats().in_use_blocks, 2);  // the hung ipc router's only
   EXPECT_EQ(service_->QuarantinedBlocks(), 2);
   over_tcp_ = false;
-  EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
+  EXPECT_THAT(service_->ledger().CheckInvariants(), IsOk());
 }
 
 // Each session is watched through its own pidfd: when the process a watch saw exits, that
@@ -647,7 +648,7 @@ TEST_F(CacheManagerServiceTest, AWatchEndsOnlyItsOwnSessionNotAnotherOfTheSamePi
   EXPECT_EQ(beat.payload_type(), wire::Message::HeartbeatReply);
   EXPECT_EQ(watcher_.sessions.count(reuser), 1u);
   EXPECT_EQ(watcher_.sessions.count(old_router), 0u);
-  EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
+  EXPECT_THAT(service_->ledger().CheckInvariants(), IsOk());
 }
 
 TEST_F(CacheManagerServiceTest, SessionIdsAreUnguessableAndBoundToTheirCredentials) {
@@ -772,7 +773,7 @@ TEST_F(CacheManagerServiceTest, DeadProcessSequencesAreFreed) {
   service_->OnProcessExited(kRouterPid);
   EXPECT_EQ(service_->ledger().Stats().in_use_blocks, 2);
   EXPECT_FALSE(watcher_.Watches(kRouterPid));
-  EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
+  EXPECT_THAT(service_->ledger().CheckInvariants(), IsOk());
   // The survivor's sequence is untouched, and the freed blocks can be reused.
   EXPECT_EQ(ErrorOf(Step(survivor, {Append(3, 4), Allocate(4, 40)}, 3000)), wire::ErrorCode::Ok);
 }
@@ -898,7 +899,7 @@ TEST_F(CacheManagerFenceTest, DeadRoutersBlocksDrainUntilEveryExecutorAcknowledg
   EXPECT_EQ(service_->DrainingBlocks(), 10);
   EXPECT_EQ(service_->Snapshot().draining_blocks, 10);
   EXPECT_EQ(service_->open_fences(), 1);
-  EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
+  EXPECT_THAT(service_->ledger().CheckInvariants(), IsOk());
   const uint64_t second = Hello(wire::Role::Router, 3000);
   EXPECT_EQ(AllocatableBlocks(second, 3000), kBlocks - 10);
   for (int32_t b : BlocksOf(second, 5, (kBlocks - 10) * kBlockSize, 3000)) {
@@ -927,7 +928,7 @@ TEST_F(CacheManagerFenceTest, DeadRoutersBlocksDrainUntilEveryExecutorAcknowledg
   EXPECT_EQ(stats.in_use_blocks, 0);
   EXPECT_EQ(stats.live_sequences, 0);
   EXPECT_EQ(AllocatableBlocks(second, 3000), kBlocks);
-  EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
+  EXPECT_THAT(service_->ledger().CheckInvariants(), IsOk());
 }
 
 TEST_F(CacheManagerFenceTest, GoodbyeAndReplacedRouterSessionsAreFencedToo) {
@@ -960,7 +961,7 @@ TEST_F(CacheManagerFenceTest, GoodbyeAndReplacedRouterSessionsAreFencedToo) {
   EXPECT_TRUE(Heartbeat(exec, kExecutorPid, {fences[0].first, fences[1].first}).empty());
   EXPECT_EQ(service_->DrainingBlocks(), 0);
   EXPECT_EQ(service_->ledger().Stats().in_use_blocks, 0);
-  EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
+  EXPECT_THAT(service_->ledger().CheckInvariants(), IsOk());
 }
 
 TEST_F(CacheManagerFenceTest, WithoutExecutorsNothingCanWriteAndBlocksComeBackAtOnce) {
@@ -1008,7 +1009,7 @@ TEST_F(CacheManagerFenceTest, HungExecutorKeepsItsFenceUntilItDiesOrComesBack) {
   service_->OnProcessExited(kExecutorPid);
   EXPECT_EQ(service_->DrainingBlocks(), 0);
   EXPECT_EQ(service_->ledger().Stats().free_blocks, kBlocks);
-  EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
+  EXPECT_THAT(service_->ledger().CheckInvariants(), IsOk());
 }
 
 // Found by the deterministic simulation (tests/sim/): an executor whose Hello was answered
@@ -1044,7 +1045,7 @@ TEST_F(CacheManagerFenceTest, AnUnusedSessionOfARetriedExecutorHelloDoesNotHoldF
   EXPECT_EQ(service_->open_fences(), 0);
   EXPECT_EQ(service_->DrainingBlocks(), 0);
   EXPECT_EQ(service_->ledger().Stats().free_blocks, kBlocks);
-  EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
+  EXPECT_THAT(service_->ledger().CheckInvariants(), IsOk());
 }
 
 TEST_F(CacheManagerFenceTest, AFreeWithDrainWaitsForTheExecutorsWhileTheRouterLivesOn) {
@@ -1085,7 +1086,7 @@ TEST_F(CacheManagerFenceTest, AFreeWithDrainWaitsForTheExecutorsWhileTheRouterLi
   ASSERT_EQ(ErrorOf(Step(router, {Free(3, true)})), wire::ErrorCode::Ok);
   EXPECT_EQ(service_->DrainingBlocks(), 0);
   EXPECT_EQ(service_->ledger().Stats().in_use_blocks, 0);
-  EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
+  EXPECT_THAT(service_->ledger().CheckInvariants(), IsOk());
 }
 
 TEST_F(CacheManagerFenceTest, RoutersCannotUseTheDrainingIdSpace) {
@@ -1126,7 +1127,7 @@ TEST_F(CacheManagerFenceTest, AnExpiredTcpRoutersBlocksDrainAndAreCountedAsLease
   EXPECT_EQ(service_->ledger().Stats().free_blocks, kBlocks);
   EXPECT_EQ(Reclaimed("lease_expired"), 3);
   EXPECT_EQ(Reclaimed("client_died"), 0);
-  EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
+  EXPECT_THAT(service_->ledger().CheckInvariants(), IsOk());
 }
 
 // A tcp:// executor cannot be proven dead either, but may still be writing: however long it
@@ -1171,7 +1172,7 @@ TEST_F(CacheManagerFenceTest, AHungTcpExecutorKeepsItsFencesUntilAnOperatorEndsI
                             [](auto& b) { return wire::CreateHeartbeat(b).Union(); })),
             wire::ErrorCode::StaleSession);
   over_tcp_ = false;
-  EXPECT_TRUE(service_->ledger().CheckInvariants().ok());
+  EXPECT_THAT(service_->ledger().CheckInvariants(), IsOk());
 }
 
 TEST_F(CacheManagerServiceTest, PrefixRequests) {
@@ -1246,7 +1247,7 @@ TEST_F(CacheManagerServiceTest, AttachAndStatsDescribeThePool) {
   EXPECT_EQ(d->epoch(), 777u);
   EXPECT_EQ(d->fd_channel_path()->str(), "/run/kvcm/pool-fd.sock");
   auto spec = FromWire(d->spec());
-  ASSERT_TRUE(spec.ok());
+  ASSERT_THAT(spec, IsOk());
   EXPECT_EQ(spec->block_size, kBlockSize);
 
   const wire::Envelope& stats = Request(
@@ -1374,7 +1375,7 @@ TEST_F(CacheManagerFenceTest, BlockMapShowsEveryStateAsTheSnapshotCountsIt) {
     }, 4000);
     EXPECT_EQ(reply.payload_type(), wire::Message::BlockMapReply) << reply_reason();
     absl::StatusOr<BlockMap> map = DecodeBlockMapReply(*reply.payload_as_BlockMapReply());
-    EXPECT_TRUE(map.ok()) << map.status();
+    EXPECT_THAT(map, IsOk());
     return map.ok() ? *map : BlockMap{};
   };
   const BlockMap map = block_map(0);

@@ -29,6 +29,7 @@
 #include "tests/support/subprocess.h"
 #include "tests/support/wait_for.h"
 #include "zmq.hpp"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm::live_test {
 
@@ -55,7 +56,7 @@ inline std::unique_ptr<CacheManagerProcess> StartManager(
   options.heartbeat_interval_ms = heartbeat_interval_ms;
   options.heartbeat_timeout_ms = heartbeat_timeout_ms;
   auto manager = CacheManagerProcess::Start(options);
-  EXPECT_TRUE(manager.ok()) << manager.status();
+  EXPECT_THAT(manager, IsOk());
   return manager.ok() ? *std::move(manager) : nullptr;
 }
 
@@ -66,7 +67,7 @@ inline std::unique_ptr<CacheManagerClient> Connect(const CacheManagerProcess& ma
   options.role = role;
   options.name = "test";
   auto client = CacheManagerClient::Connect(options);
-  EXPECT_TRUE(client.ok()) << client.status();
+  EXPECT_THAT(client, IsOk());
   return client.ok() ? *std::move(client) : nullptr;
 }
 
@@ -79,10 +80,10 @@ inline std::unique_ptr<Subprocess> StartHolder(const CacheManagerProcess& manage
                   absl::StrCat(kHeld)};
   options.output_path = output_path;
   auto process = Subprocess::Start(options);
-  EXPECT_TRUE(process.ok()) << process.status();
+  EXPECT_THAT(process, IsOk());
   if (!process.ok()) return nullptr;
   auto ready = (*process)->WaitForLine("ready session=([0-9]+)", absl::Now() + absl::Seconds(30));
-  EXPECT_TRUE(ready.ok()) << ready.status() << "\n" << (*process)->Output();
+  EXPECT_THAT(ready, IsOk()) << "\n" << (*process)->Output();
   const std::vector<std::string> lines = absl::StrSplit((*process)->Output(), '\n');
   for (const std::string& line : lines) {
     if (line.rfind("held ", 0) != 0) continue;
@@ -105,7 +106,7 @@ inline StatsSnapshot AwaitQuarantined(CacheManagerClient& client, int32_t blocks
   (void)kvcm::testing::WaitFor(
       [&] {
         auto s = client.Stats();
-        EXPECT_TRUE(s.ok()) << s.status();
+        EXPECT_THAT(s, IsOk());
         if (!s.ok()) return true;  // nothing more to wait for
         stats = *s;
         return stats.quarantined_blocks == blocks;
@@ -128,13 +129,13 @@ inline zmq::socket_t RawDealer(zmq::context_t& context, const CacheManagerProces
 inline double MetricValue(const std::string& metrics_url, const std::string& name,
                           const kvcm::testing::MetricLabels& labels = {}) {
   auto metrics = kvcm::testing::HttpGet(metrics_url);
-  EXPECT_TRUE(metrics.ok()) << metrics.status();
+  EXPECT_THAT(metrics, IsOk());
   if (!metrics.ok()) return -1;
   auto parsed = kvcm::testing::ParseMetricsText(metrics->body);
-  EXPECT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_THAT(parsed, IsOk());
   if (!parsed.ok()) return -1;
   auto value = parsed->Value(name, labels);
-  EXPECT_TRUE(value.ok()) << value.status();
+  EXPECT_THAT(value, IsOk());
   return value.ok() ? *value : -1;
 }
 
@@ -160,9 +161,9 @@ class Survivor {
       batch.Allocate(next.back(), 10 * kBlockSize);
     }
     auto outcome = client_->Step(batch);
-    ASSERT_TRUE(outcome.ok()) << outcome.status();
+    ASSERT_THAT(outcome, IsOk());
     for (const OpOutcome& op : *outcome) {
-      ASSERT_TRUE(op.status.ok()) << op.status;
+      ASSERT_THAT(op.status, IsOk());
       for (int32_t block : op.blocks) {
         if (forbidden_ != nullptr) {
           ASSERT_FALSE(forbidden_->contains(block)) << "block " << block << " reissued";

@@ -20,6 +20,7 @@
 #include "gtest/gtest.h"
 #include "tests/support/subprocess.h"
 #include "tests/support/vllm_event_reader.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -46,7 +47,7 @@ std::unique_ptr<VllmEventPublisher> Start(zmq::context_t& context, const std::st
   options.buffer_steps = buffer_steps;
   options.seq_file = seq_file;
   auto publisher = VllmEventPublisher::Create(context, options, nullptr);
-  EXPECT_TRUE(publisher.ok()) << publisher.status();
+  EXPECT_THAT(publisher, IsOk());
   return publisher.ok() ? *std::move(publisher) : nullptr;
 }
 
@@ -71,13 +72,13 @@ std::vector<testing::ReadVllmBatch> Replay(VllmEventPublisher& publisher, uint64
     publisher.ServeReplay();
   }
   reader.join();
-  EXPECT_TRUE(batches.ok()) << batches.status();
+  EXPECT_THAT(batches, IsOk());
   return batches.ok() ? *std::move(batches) : std::vector<testing::ReadVllmBatch>{};
 }
 
 TEST(VllmEventPublisherTest, ReservesTheNextChunkBeforeSendingItsFirstNumber) {
   auto dir = testing::TempDir::Create("kvcm-vllm-publisher");
-  ASSERT_TRUE(dir.ok());
+  ASSERT_THAT(dir, IsOk());
   const std::string seq_file = dir->path() + "/vllm-events.seq";
   zmq::context_t context;
   {
@@ -113,7 +114,7 @@ TEST(VllmEventPublisherTest, WithoutASeqFileEveryStartBeginsAtZero) {
 
 TEST(VllmEventPublisherTest, ASeqFileThatCannotBeWrittenStopsTheStart) {
   auto dir = testing::TempDir::Create("kvcm-vllm-publisher");
-  ASSERT_TRUE(dir.ok());
+  ASSERT_THAT(dir, IsOk());
   zmq::context_t context;
   VllmEventPublisher::Options options;
   options.endpoint = "tcp://127.0.0.1:0";
@@ -128,7 +129,7 @@ TEST(VllmEventPublisherTest, ASeqFileThatCannotBeWrittenStopsTheStart) {
 
 TEST(VllmEventPublisherTest, AfterARestartAWrappedBufferKeepsThatStartsFirstBatch) {
   auto dir = testing::TempDir::Create("kvcm-vllm-publisher");
-  ASSERT_TRUE(dir.ok());
+  ASSERT_THAT(dir, IsOk());
   const std::string seq_file = dir->path() + "/vllm-events.seq";
   zmq::context_t context;
   { ASSERT_NE(Start(context, seq_file, 3), nullptr); }

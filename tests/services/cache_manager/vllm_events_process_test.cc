@@ -27,6 +27,7 @@
 #include "tests/support/metrics_text.h"
 #include "tests/support/vllm_event_reader.h"
 #include "tests/support/wait_for.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -57,13 +58,13 @@ Node StartNode(int32_t num_blocks, const std::string& run_dir = "",
                         "--kv-events-buffer-steps",    absl::StrCat(buffer_steps)};
   Node node;
   auto started = CacheManagerProcess::Start(options);
-  EXPECT_TRUE(started.ok()) << started.status();
+  EXPECT_THAT(started, IsOk());
   if (!started.ok()) return node;
   node.process = *std::move(started);
   auto line = node.process->process().WaitForLine(
       "vLLM-format KV events on (\\S+) topic=(\\S+) replay=(\\S+)",
       absl::Now() + absl::Seconds(10));
-  EXPECT_TRUE(line.ok()) << line.status();
+  EXPECT_THAT(line, IsOk());
   if (!line.ok()) return node;
   node.events = (*line)[1];
   node.topic = (*line)[2];
@@ -77,7 +78,7 @@ std::unique_ptr<CacheManagerClient> ConnectRouter(const CacheManagerProcess& pro
   options.role = wire::Role::Router;
   options.name = "vllm-events-test";
   auto client = CacheManagerClient::Connect(options);
-  EXPECT_TRUE(client.ok()) << client.status();
+  EXPECT_THAT(client, IsOk());
   return client.ok() ? *std::move(client) : nullptr;
 }
 
@@ -105,16 +106,16 @@ void RunSequence(CacheManagerClient& client, SeqId seq, const std::vector<int32_
   BlockOps allocate;
   allocate.Allocate(seq, static_cast<int32_t>(tokens.size()));
   auto allocated = client.Step(allocate);
-  ASSERT_TRUE(allocated.ok()) << allocated.status();
-  ASSERT_TRUE((*allocated)[0].status.ok()) << (*allocated)[0].status;
+  ASSERT_THAT(allocated, IsOk());
+  ASSERT_THAT((*allocated)[0].status, IsOk());
   std::vector<int32_t> full(tokens.begin(),
                             tokens.begin() + static_cast<ptrdiff_t>(hashes.size() * kBlockSize));
   BlockOps commit;
   commit.Commit(seq, static_cast<int32_t>(tokens.size()), hashes, full).Free(seq);
   auto committed = client.Step(commit);
-  ASSERT_TRUE(committed.ok()) << committed.status();
-  ASSERT_TRUE((*committed)[0].status.ok()) << (*committed)[0].status;
-  ASSERT_TRUE((*committed)[1].status.ok()) << (*committed)[1].status;
+  ASSERT_THAT(committed, IsOk());
+  ASSERT_THAT((*committed)[0].status, IsOk());
+  ASSERT_THAT((*committed)[1].status, IsOk());
 }
 
 std::vector<int32_t> RandomTokens(std::mt19937& rng, int n) {
@@ -125,7 +126,7 @@ std::vector<int32_t> RandomTokens(std::mt19937& rng, int n) {
 
 std::vector<ReadVllmBatch> Replay(const Node& node, uint64_t from) {
   auto batches = testing::ReplayVllmEvents(node.replay, from, MonotonicNow() + absl::Seconds(10));
-  EXPECT_TRUE(batches.ok()) << batches.status();
+  EXPECT_THAT(batches, IsOk());
   return batches.ok() ? *std::move(batches) : std::vector<ReadVllmBatch>{};
 }
 
@@ -144,13 +145,13 @@ void ExpectSameEvents(const ReadVllmBatch& a, const ReadVllmBatch& b) {
 double Metric(const CacheManagerProcess& process, const std::string& name,
               const testing::MetricLabels& labels = {}) {
   auto scraped = testing::HttpGet(process.metrics_url());
-  EXPECT_TRUE(scraped.ok()) << scraped.status();
+  EXPECT_THAT(scraped, IsOk());
   if (!scraped.ok()) return -1;
   auto parsed = testing::ParseMetricsText(scraped->body);
-  EXPECT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_THAT(parsed, IsOk());
   if (!parsed.ok()) return -1;
   auto value = parsed->Value(name, labels);
-  EXPECT_TRUE(value.ok()) << value.status();
+  EXPECT_THAT(value, IsOk());
   return value.ok() ? *value : -1;
 }
 
@@ -163,7 +164,7 @@ TEST(VllmEventsProcessTest, StoredBlocksCarryTokensAndEvictionRemovesTheirIds) {
   EXPECT_THAT(node.topic, ::testing::StartsWith("kv@"));
   auto subscriber =
       testing::VllmEventSubscriber::Connect(node.events, MonotonicNow() + absl::Seconds(10));
-  ASSERT_TRUE(subscriber.ok()) << subscriber.status();
+  ASSERT_THAT(subscriber, IsOk());
   auto client = ConnectRouter(*node.process);
   ASSERT_NE(client, nullptr);
   EXPECT_TRUE(client->session().wants_commit_tokens);
@@ -239,7 +240,7 @@ TEST(VllmEventsProcessTest, StoredBlocksCarryTokensAndEvictionRemovesTheirIds) {
   bool first_live = true;
   while (expected < batches.back().seq) {
     auto batch = (*subscriber)->Next(MonotonicNow() + absl::Seconds(10));
-    ASSERT_TRUE(batch.ok()) << batch.status();
+    ASSERT_THAT(batch, IsOk());
     if (!first_live) {
       EXPECT_TRUE(batch->seq == expected + 1 || batch->seq == expected) << batch->seq;
     }
@@ -303,10 +304,10 @@ TEST(VllmEventsProcessTest, ASubscriptionIsAnsweredWithTheLatestBatch) {
   for (int subscribers = 1; subscribers <= 2; ++subscribers) {
     auto subscriber =
         testing::VllmEventSubscriber::Connect(node.events, MonotonicNow() + absl::Seconds(10));
-    ASSERT_TRUE(subscriber.ok()) << subscriber.status();
+    ASSERT_THAT(subscriber, IsOk());
     // Nothing else is published: what comes is the answer to the subscription.
     auto batch = (*subscriber)->Next(MonotonicNow() + absl::Seconds(10));
-    ASSERT_TRUE(batch.ok()) << batch.status();
+    ASSERT_THAT(batch, IsOk());
     ExpectSameEvents(*batch, batches.back());
     EXPECT_EQ(Metric(*node.process, "kvcm_cache_manager_vllm_subscriptions_total"),
               subscribers);
@@ -323,7 +324,7 @@ TEST(VllmEventsProcessTest, ASubscriptionIsAnsweredWithTheLatestBatch) {
 TEST(VllmEventsProcessTest, ARestartGoesOnAboveEverySeqSentWithAllBlocksCleared) {
   // The run directory outlives each process: the next starts on it.
   auto dir = testing::TempDir::Create("kvcm-vllm-restart");
-  ASSERT_TRUE(dir.ok());
+  ASSERT_THAT(dir, IsOk());
   constexpr uint64_t kChunk = VllmEventPublisher::kSeqReservation;
   Node first = StartNode(16, dir->path());
   ASSERT_NE(first.process, nullptr);
@@ -338,7 +339,7 @@ TEST(VllmEventsProcessTest, ARestartGoesOnAboveEverySeqSentWithAllBlocksCleared)
   EXPECT_EQ(before[0].seq, 0u);  // a node's first start begins at 0
   EXPECT_EQ(before[1].seq, 1u);
   auto stopped = first.process->Terminate();
-  ASSERT_TRUE(stopped.ok()) << stopped.status();
+  ASSERT_THAT(stopped, IsOk());
   EXPECT_EQ(*stopped, 0);
   first.process.reset();
 
@@ -363,8 +364,8 @@ TEST(VllmEventsProcessTest, ARestartGoesOnAboveEverySeqSentWithAllBlocksCleared)
   ASSERT_EQ(Replay(again, 0).size(), 2u);
 
   // Killed: nothing written at exit, and still above everything sent.
-  ASSERT_TRUE(again.process->process().Signal(SIGKILL).ok());
-  ASSERT_TRUE(again.process->process().Wait(absl::Seconds(10)).ok());
+  ASSERT_THAT(again.process->process().Signal(SIGKILL), IsOk());
+  ASSERT_THAT(again.process->process().Wait(absl::Seconds(10)), IsOk());
   again.process.reset();
   Node third = StartNode(16, dir->path());
   ASSERT_NE(third.process, nullptr);
@@ -380,10 +381,10 @@ TEST(VllmEventsProcessTest, ARestartGoesOnAboveEverySeqSentWithAllBlocksCleared)
 // to do, rather than guess a number consumers may have seen already.
 TEST(VllmEventsProcessTest, AnUnreadableSeqFileStopsTheStartNamingIt) {
   auto dir = testing::TempDir::Create("kvcm-vllm-seq-file");
-  ASSERT_TRUE(dir.ok());
+  ASSERT_THAT(dir, IsOk());
   const std::string seq_file = dir->path() + "/vllm-events.seq";
   for (const char* content : {"not a number\n", "12\n13\n", "-5\n", "99999999999999999999\n"}) {
-    ASSERT_TRUE(WriteFileAtomically(seq_file, content).ok());
+    ASSERT_THAT(WriteFileAtomically(seq_file, content), IsOk());
     CacheManagerOptions options;
     options.run_dir = dir->path();
     options.num_blocks = 16;
@@ -402,7 +403,7 @@ TEST(VllmEventsProcessTest, AnUnreadableSeqFileStopsTheStartNamingIt) {
   options.num_blocks = 16;
   options.block_size = kBlockSize;
   auto started = CacheManagerProcess::Start(options);
-  ASSERT_TRUE(started.ok()) << started.status();
+  ASSERT_THAT(started, IsOk());
 }
 
 TEST(VllmEventsProcessTest, AWrappedBufferKeepsTheStartsClearedBatch) {
@@ -433,7 +434,7 @@ TEST(VllmEventsProcessTest, MalformedReplayRequestsAreCountedAndChangeNothing) {
   std::mt19937 rng(10);
   ASSERT_NO_FATAL_FAILURE(RunSequence(*client, 1, RandomTokens(rng, 8)));
   auto before = client->Stats();
-  ASSERT_TRUE(before.ok()) << before.status();
+  ASSERT_THAT(before, IsOk());
   const std::vector<std::vector<std::string>> bad = {
       {std::string(8, '\0')},                          // no delimiter
       {"", "1234"},                                    // short seq
@@ -446,7 +447,7 @@ TEST(VllmEventsProcessTest, MalformedReplayRequestsAreCountedAndChangeNothing) {
     // 300 ms for a reply that must not come: a slow machine can only make this miss one,
     // not report one.
     auto replies = testing::SendRawReplayRequest(node.replay, bad[i], absl::Milliseconds(300));
-    ASSERT_TRUE(replies.ok()) << replies.status();
+    ASSERT_THAT(replies, IsOk());
     EXPECT_EQ(*replies, 0);
     // Each connection is a peer of its own, with no order between them: each request is
     // counted before the next is sent, so that the log below names them in order.
@@ -456,7 +457,7 @@ TEST(VllmEventsProcessTest, MalformedReplayRequestsAreCountedAndChangeNothing) {
                         {{"result", "malformed"}}) == static_cast<double>(i + 1);
         },
         absl::Seconds(60), absl::StrCat("bad request ", i, " to be counted"));
-    ASSERT_TRUE(counted.ok()) << counted;
+    ASSERT_THAT(counted, IsOk());
   }
   EXPECT_THAT(node.process->Output(),
               ::testing::HasSubstr("vLLM-format replay request refused (1 so far): 1 frame(s) "
@@ -465,7 +466,7 @@ TEST(VllmEventsProcessTest, MalformedReplayRequestsAreCountedAndChangeNothing) {
               ::testing::HasSubstr("the sequence number has 4 bytes instead of 8"));
   // Still serving, the ledger as it was, the stream whole.
   auto after = client->Stats();
-  ASSERT_TRUE(after.ok()) << after.status();
+  ASSERT_THAT(after, IsOk());
   EXPECT_EQ(after->cached_blocks, before->cached_blocks);
   EXPECT_EQ(after->free_blocks, before->free_blocks);
   EXPECT_EQ(Replay(node, 0).size(), 2u);
@@ -483,9 +484,9 @@ TEST(VllmEventsProcessTest, ACommitWithTheWrongNumberOfTokensIsRefusedWhole) {
   const std::vector<int32_t> tokens = RandomTokens(rng, 8);
   BlockOps allocate;
   allocate.Allocate(1, 8);
-  ASSERT_TRUE(client->Step(allocate).ok());
+  ASSERT_THAT(client->Step(allocate), IsOk());
   auto before = client->Stats();
-  ASSERT_TRUE(before.ok());
+  ASSERT_THAT(before, IsOk());
   const std::vector<BlockHash> hashes = Hashes(tokens);
   BlockOps commit;
   commit.Commit(1, 8, hashes, std::span<const int32_t>(tokens).first(7));
@@ -503,7 +504,7 @@ TEST(VllmEventsProcessTest, ACommitWithTheWrongNumberOfTokensIsRefusedWhole) {
   EXPECT_THAT(refused_too.status().message(),
               ::testing::HasSubstr("carries 12 token ids for a commit of 8 tokens"));
   auto after = client->Stats();
-  ASSERT_TRUE(after.ok());
+  ASSERT_THAT(after, IsOk());
   EXPECT_EQ(after->cached_blocks, before->cached_blocks);
   EXPECT_EQ(after->in_use_blocks, before->in_use_blocks);
   // Nothing was stored; the right commit then is.
@@ -511,8 +512,8 @@ TEST(VllmEventsProcessTest, ACommitWithTheWrongNumberOfTokensIsRefusedWhole) {
   BlockOps right;
   right.Commit(1, 8, hashes, tokens);
   auto committed = client->Step(right);
-  ASSERT_TRUE(committed.ok()) << committed.status();
-  ASSERT_TRUE((*committed)[0].status.ok());
+  ASSERT_THAT(committed, IsOk());
+  ASSERT_THAT((*committed)[0].status, IsOk());
   const std::vector<ReadVllmBatch> batches = Replay(node, 0);
   ASSERT_EQ(batches.size(), 2u);
   ASSERT_EQ(batches[1].events.size(), 1u);
@@ -524,7 +525,7 @@ TEST(VllmEventsProcessTest, OffByDefaultAndRoutersAreNotAskedForTokens) {
   options.num_blocks = 16;
   options.block_size = kBlockSize;
   auto process = CacheManagerProcess::Start(options);
-  ASSERT_TRUE(process.ok()) << process.status();
+  ASSERT_THAT(process, IsOk());
   auto client = ConnectRouter(**process);
   ASSERT_NE(client, nullptr);
   EXPECT_FALSE(client->session().wants_commit_tokens);

@@ -13,6 +13,7 @@
 #include "tests/services/router/router_stack.h"
 #include "tests/support/vllm_event_reader.h"
 #include "tests/support/wait_for.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm::testing {
 namespace {
@@ -24,12 +25,12 @@ class VllmEventsStackTest : public RouterStackTest {
     options.extra_args = {"--kv-events-endpoint", "tcp://127.0.0.1:0",
                           "--kv-events-replay-endpoint", "tcp://127.0.0.1:0"};
     absl::StatusOr<std::unique_ptr<CacheManagerProcess>> cm = CacheManagerProcess::Start(options);
-    ASSERT_TRUE(cm.ok()) << cm.status();
+    ASSERT_THAT(cm, IsOk());
     cm_ = std::move(*cm);
     auto line =
         cm_->process().WaitForLine("vLLM-format KV events on (\\S+) topic=(\\S+) replay=(\\S+)",
                                    absl::Now() + absl::Seconds(60));
-    ASSERT_TRUE(line.ok()) << line.status();
+    ASSERT_THAT(line, IsOk());
     replay_ = (*line)[3];
     ASSERT_NO_FATAL_FAILURE(StartRouterAndExecutors(1, {}, {}));
   }
@@ -47,7 +48,7 @@ class VllmEventsStackTest : public RouterStackTest {
   void Generate(const std::string& text) {
     absl::StatusOr<HttpResponse> reply =
         HttpPost(url_ + "/generate", GenerateBody(text, 3), absl::Seconds(60));
-    ASSERT_TRUE(reply.ok()) << reply.status();
+    ASSERT_THAT(reply, IsOk());
     ASSERT_EQ(reply->status, 200) << reply->body;
   }
 
@@ -63,7 +64,7 @@ class VllmEventsStackTest : public RouterStackTest {
     options.role = wire::Role::Control;
     options.name = "test";
     auto control = CacheManagerClient::Connect(options);
-    EXPECT_TRUE(control.ok()) << control.status();
+    EXPECT_THAT(control, IsOk());
     if (control.ok()) {
       const absl::Status idle = WaitFor(
           [&] {
@@ -71,10 +72,10 @@ class VllmEventsStackTest : public RouterStackTest {
             return !stats.ok() || stats->in_use_blocks == 0;
           },
           absl::Seconds(60), "no block in use");
-      EXPECT_TRUE(idle.ok()) << idle;
+      EXPECT_THAT(idle, IsOk());
     }
     auto batches = ReplayVllmEvents(replay_, 0, MonotonicNow() + absl::Seconds(60));
-    EXPECT_TRUE(batches.ok()) << batches.status();
+    EXPECT_THAT(batches, IsOk());
     return batches.ok() ? *std::move(batches) : std::vector<ReadVllmBatch>{};
   }
 

@@ -12,6 +12,7 @@
 #include "gtest/gtest.h"
 #include "msgpack.hpp"
 #include "tests/support/vllm_event_reader.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -108,7 +109,7 @@ TEST(VllmEventsTest, BatchIsAnArrayOfThreeWithTaggedMaps) {
 
   // The strict reader agrees.
   absl::StatusOr<testing::ReadVllmBatch> read = testing::DecodeVllmPayload(payload);
-  ASSERT_TRUE(read.ok()) << read.status();
+  ASSERT_THAT(read, IsOk());
   ASSERT_EQ(read->events.size(), 4u);
   EXPECT_EQ(read->events[1].token_ids, stored.token_ids);
   EXPECT_EQ(read->events[1].parent_block_hash, stored.parent_block_hash);
@@ -140,7 +141,7 @@ TEST(VllmEventsTest, RandomBatchesRoundTripThroughTheReader) {
     std::string payload;
     EncodeVllmBatch(static_cast<double>(round), events, info, &payload);
     absl::StatusOr<testing::ReadVllmBatch> read = testing::DecodeVllmPayload(payload);
-    ASSERT_TRUE(read.ok()) << read.status() << " (round " << round << ")";
+    ASSERT_THAT(read, IsOk()) << " (round " << round << ")";
     ASSERT_EQ(read->events.size(), events.size());
     for (size_t i = 0; i < events.size(); ++i) {
       EXPECT_EQ(read->events[i].type, VllmEventTypeName(events[i].kind));

@@ -34,6 +34,7 @@
 #include "tests/support/gpu_test.h"
 #include "tests/support/subprocess.h"
 #include "tools/make_tiny_model/tiny_model.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -53,14 +54,14 @@ TEST(ExecutorCudaProcessTest, GreedyTokensEqualTheCpuReferenceAndTheKvIsInTheDev
   KVCM_SKIP_WITHOUT_GPU();
 
   absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-ex-cuda");
-  ASSERT_TRUE(dir.ok()) << dir.status();
+  ASSERT_THAT(dir, IsOk());
   TinyModelOptions tiny;
   tiny.seed = 7;
   std::printf("tiny model seed %llu\n", static_cast<unsigned long long>(tiny.seed));
   const std::string model_dir = dir->path() + "/tiny";
-  ASSERT_TRUE(WriteTinyModel(model_dir, tiny).ok());
+  ASSERT_THAT(WriteTinyModel(model_dir, tiny), IsOk());
   absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(model_dir);
-  ASSERT_TRUE(model.ok()) << model.status();
+  ASSERT_THAT(model, IsOk());
   const LlamaConfig& config = (*model)->config();
 
   CacheManagerOptions manager;
@@ -80,14 +81,14 @@ TEST(ExecutorCudaProcessTest, GreedyTokensEqualTheCpuReferenceAndTheKvIsInTheDev
   ExecutorStack stack;
   const absl::Status started = kvcm::testing::StartExecutorStack(model_dir, manager, &stack,
                                                                  {"--cuda-weight-dtype", "fp32"});
-  ASSERT_TRUE(started.ok()) << started;
+  ASSERT_THAT(started, IsOk());
   EXPECT_EQ(stack.hello.backend, PoolBackend::kCuda);
   EXPECT_THAT(stack.executor.Output(), HasSubstr("copied the weights to CUDA device 0 as fp32"));
 
   const std::vector<std::vector<int32_t>>& prompts = kvcm::testing::TestPrompts();
   absl::StatusOr<std::vector<StepDriver::Sequence>> seqs =
       stack.driver->Generate(prompts, kNewTokens, /*free_at_end=*/false);
-  ASSERT_TRUE(seqs.ok()) << seqs.status() << "\n" << stack.executor.Output();
+  ASSERT_THAT(seqs, IsOk()) << "\n" << stack.executor.Output();
   for (size_t i = 0; i < prompts.size(); ++i) {
     SCOPED_TRACE(absl::StrCat("prompt ", i));
     EXPECT_THAT((*seqs)[i].generated,
@@ -100,18 +101,18 @@ TEST(ExecutorCudaProcessTest, GreedyTokensEqualTheCpuReferenceAndTheKvIsInTheDev
   client_options.role = wire::Role::Executor;
   client_options.name = "kv-checker";
   auto client = CacheManagerClient::Connect(client_options);
-  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_THAT(client, IsOk());
   absl::StatusOr<AttachedPool> shared = (*client)->Attach();
-  ASSERT_TRUE(shared.ok()) << shared.status();
+  ASSERT_THAT(shared, IsOk());
   ASSERT_EQ(shared->backend, PoolBackend::kCuda);
   const PoolLayout& layout = shared->layout;
   std::vector<uint8_t> device(static_cast<size_t>(layout.total_bytes));
-  ASSERT_TRUE(CopyFromPool(*shared->mapping, 0, device.data(), device.size()).ok());
+  ASSERT_THAT(CopyFromPool(*shared->mapping, 0, device.data(), device.size()), IsOk());
 
   // A CPU replay of the driver's steps into a host pool of the same layout.
   std::vector<uint8_t> local(static_cast<size_t>(layout.total_bytes), 0);
   const PagedPool local_pool{local.data(), layout, shared->spec, -1};
-  ASSERT_TRUE(kvcm::testing::ReplaySteps(**model, stack.driver->sent_steps(), local_pool).ok());
+  ASSERT_THAT(kvcm::testing::ReplaySteps(**model, stack.driver->sent_steps(), local_pool), IsOk());
 
   double worst = 0;
   int64_t compared = 0;
@@ -127,7 +128,7 @@ TEST(ExecutorCudaProcessTest, GreedyTokensEqualTheCpuReferenceAndTheKvIsInTheDev
               static_cast<long long>(compared), worst, kTolerance);
   EXPECT_GT(compared, 0);
   EXPECT_LE(worst, kTolerance);
-  ASSERT_TRUE(stack.driver->Free(*seqs).ok());
+  ASSERT_THAT(stack.driver->Free(*seqs), IsOk());
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include "tests/support/http_client.h"
 #include "tests/support/metrics_text.h"
 #include "tests/support/promtool.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -26,26 +27,26 @@ class ExecutorMetricsTest : public ::testing::Test {
  protected:
   void SetUp() override {
     auto server = MetricsServer::Start("127.0.0.1:0", metrics_.registry());
-    ASSERT_TRUE(server.ok()) << server.status();
+    ASSERT_THAT(server, IsOk());
     server_ = std::move(*server);
   }
 
   std::string Body() {
     auto response = HttpGet(server_->url());
-    EXPECT_TRUE(response.ok()) << response.status();
+    EXPECT_THAT(response, IsOk());
     return response.ok() ? response->body : "";
   }
 
   MetricsText Scrape() {
     auto text = ParseMetricsText(Body());
-    EXPECT_TRUE(text.ok()) << text.status();
+    EXPECT_THAT(text, IsOk());
     return text.ok() ? *text : MetricsText{};
   }
 
   static double Value(const MetricsText& text, const std::string& name,
                       const MetricLabels& labels = {}) {
     auto value = text.Value(name, labels);
-    EXPECT_TRUE(value.ok()) << name << ": " << value.status();
+    EXPECT_THAT(value, IsOk()) << name << ": " << value.status();
     return value.ok() ? *value : -1;
   }
 
@@ -118,7 +119,7 @@ TEST_F(ExecutorMetricsTest, UpdatesLandOnTheirSeries) {
 TEST_F(ExecutorMetricsTest, PromtoolFindsNothing) {
   metrics_.ObserveStep(1, 4, 0, 1, 0.01);
   auto result = kvcm::testing::PromtoolCheckMetrics(Body());
-  ASSERT_TRUE(result.ok()) << result.status();  // says to run scripts/bootstrap.sh
+  ASSERT_THAT(result, IsOk());  // says to run scripts/bootstrap.sh
   EXPECT_EQ(result->output, "");
   EXPECT_EQ(result->exit_code, 0) << result->output;
 }

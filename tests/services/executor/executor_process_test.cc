@@ -37,6 +37,7 @@
 #include "tests/support/subprocess.h"
 #include "tests/support/wait_for.h"
 #include "tools/make_tiny_model/tiny_model.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -64,18 +65,18 @@ class ExecutorProcessTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-ex");
-    ASSERT_TRUE(dir.ok()) << dir.status();
+    ASSERT_THAT(dir, IsOk());
     dir_ = new TempDir(std::move(*dir));
     model_dir_ = new std::string(dir_->path() + "/tiny");
     const absl::Status made = kvcm::testing::MakeTinyModel(*model_dir_, kModelSeed);
-    ASSERT_TRUE(made.ok()) << made;
+    ASSERT_THAT(made, IsOk());
     // One thread here, two in the executor: the K/V comparison below also checks that the
     // thread count does not change a bit.
     LlamaModelOptions model_options;
     model_options.num_threads = 1;
     absl::StatusOr<std::unique_ptr<LlamaModel>> model =
         LlamaModel::Load(*model_dir_, model_options);
-    ASSERT_TRUE(model.ok()) << model.status();
+    ASSERT_THAT(model, IsOk());
     model_ = model->release();
   }
   static void TearDownTestSuite() {
@@ -112,7 +113,7 @@ class ExecutorProcessTest : public ::testing::Test {
     router_ = stack.router;
     driver_ = std::move(stack.driver);
     executor_ = std::move(stack.executor);
-    ASSERT_TRUE(started.ok()) << started;
+    ASSERT_THAT(started, IsOk());
     EXPECT_EQ(executor_.epoch, cm_->epoch());
     EXPECT_EQ(stack.hello.name, "exec-test");
     EXPECT_EQ(stack.hello.model.name, "tiny");
@@ -127,10 +128,10 @@ class ExecutorProcessTest : public ::testing::Test {
 
   double Metric(const std::string& name, const kvcm::testing::MetricLabels& labels = {}) {
     absl::StatusOr<MetricsText> text = kvcm::testing::ScrapeMetrics(executor_.metrics_url);
-    EXPECT_TRUE(text.ok()) << text.status();
+    EXPECT_THAT(text, IsOk());
     if (!text.ok()) return -1;
     absl::StatusOr<double> value = text->Value(name, labels);
-    EXPECT_TRUE(value.ok()) << name << ": " << value.status();
+    EXPECT_THAT(value, IsOk()) << name << ": " << value.status();
     return value.ok() ? *value : -1;
   }
 
@@ -161,7 +162,7 @@ TEST_P(ExecutorGenerationTest, BatchedGreedyTokensEqualTheReferenceAndTheKvIsInT
 
   absl::StatusOr<std::vector<StepDriver::Sequence>> seqs =
       driver_->Generate(kPrompts, kNewTokens, /*free_at_end=*/false);
-  ASSERT_TRUE(seqs.ok()) << seqs.status() << "\n" << executor_.Output();
+  ASSERT_THAT(seqs, IsOk()) << "\n" << executor_.Output();
   for (size_t i = 0; i < kPrompts.size(); ++i) {
     SCOPED_TRACE(absl::StrCat("prompt ", i, " of ", kPrompts[i].size(), " tokens"));
     EXPECT_THAT((*seqs)[i].generated, ElementsAreArray(ReferenceGreedy(kPrompts[i], kNewTokens)));
@@ -173,15 +174,15 @@ TEST_P(ExecutorGenerationTest, BatchedGreedyTokensEqualTheReferenceAndTheKvIsInT
   client_options.role = wire::Role::Executor;
   client_options.name = "kv-checker";
   auto client = CacheManagerClient::Connect(client_options);
-  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_THAT(client, IsOk());
   absl::StatusOr<AttachedPool> shared = (*client)->Attach();
-  ASSERT_TRUE(shared.ok()) << shared.status();
+  ASSERT_THAT(shared, IsOk());
   ASSERT_EQ(shared->backend, PoolBackend::kShm);
   // ... and replays the driver's steps with an in-process paged Forward into a local pool of
   // the same layout and block tables.
   std::vector<uint8_t> local(static_cast<size_t>(shared->layout.total_bytes), 0);
   const PagedPool local_pool{local.data(), shared->layout, shared->spec};
-  ASSERT_TRUE(kvcm::testing::ReplaySteps(*model_, driver_->sent_steps(), local_pool).ok());
+  ASSERT_THAT(kvcm::testing::ReplaySteps(*model_, driver_->sent_steps(), local_pool), IsOk());
 
   // Every written (layer, K|V, position, head) vector of every sequence: bitwise equal. The
   // same model code, tokens, positions and batches give the same bits (the model's matmuls
@@ -207,7 +208,7 @@ TEST_P(ExecutorGenerationTest, BatchedGreedyTokensEqualTheReferenceAndTheKvIsInT
               static_cast<long long>(differing));
   EXPECT_EQ(differing, 0);
   EXPECT_TRUE(any_nonzero);
-  ASSERT_TRUE(driver_->Free(*seqs).ok());
+  ASSERT_THAT(driver_->Free(*seqs), IsOk());
 
   EXPECT_EQ(Metric("kvcm_executor_steps_total"), kNewTokens);
   EXPECT_EQ(Metric("kvcm_executor_tokens_processed_total", {{"phase", "prefill"}}), 5 + 11 + 17);
@@ -219,9 +220,9 @@ TEST_P(ExecutorGenerationTest, BatchedGreedyTokensEqualTheReferenceAndTheKvIsInT
   EXPECT_EQ(Metric("kvcm_executor_epoch"), static_cast<double>(cm_->epoch()));
   EXPECT_EQ(Metric("kvcm_executor_mapped_bytes"), static_cast<double>(layout.total_bytes));
   auto body = kvcm::testing::HttpGet(executor_.metrics_url);
-  ASSERT_TRUE(body.ok()) << body.status();
+  ASSERT_THAT(body, IsOk());
   auto lint = kvcm::testing::PromtoolCheckMetrics(body->body);
-  ASSERT_TRUE(lint.ok()) << lint.status();
+  ASSERT_THAT(lint, IsOk());
   EXPECT_EQ(lint->exit_code, 0) << lint->output;
 }
 
@@ -244,7 +245,7 @@ RunResult RunOnFolder(const std::string& folder) {
   args.router = "ipc:///nonexistent-kvcm-run-dir/router.sock";
   absl::StatusOr<RunResult> result =
       RunProgram(kvcm::testing::ExecutorArgv(args), "", absl::Seconds(60));
-  EXPECT_TRUE(result.ok()) << result.status();
+  EXPECT_THAT(result, IsOk());
   return result.ok() ? *result : RunResult{-1, result.status().ToString()};
 }
 
@@ -294,7 +295,7 @@ TEST_F(ExecutorProcessTest, BadModelFoldersStopItWithTheProblemNamed) {
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
     const std::string folder = absl::StrCat(dir_->path(), "/bad", index++);
-    ASSERT_TRUE(WriteTinyModel(folder, options).ok());
+    ASSERT_THAT(WriteTinyModel(folder, options), IsOk());
     c.spoil(folder, options);
     const RunResult result = RunOnFolder(folder);
     EXPECT_EQ(result.exit_code, 1) << result.output;
@@ -312,14 +313,14 @@ TEST_F(ExecutorProcessTest, APoolOfAnotherShapeStopsItWithBothShapes) {
   options.layers = 2;
   options.head_dim = 8;
   auto cm = CacheManagerProcess::Start(options);
-  ASSERT_TRUE(cm.ok()) << cm.status();
+  ASSERT_THAT(cm, IsOk());
   ExecutorArgs args;
   args.model = *model_dir_;
   args.run_dir = (*cm)->run_dir();
   args.router = IpcEndpointIn((*cm)->run_dir(), kRouterExecutorsSocket);
   absl::StatusOr<RunResult> result =
       RunProgram(kvcm::testing::ExecutorArgv(args), "", absl::Seconds(60));
-  ASSERT_TRUE(result.ok()) << result.status();
+  ASSERT_THAT(result, IsOk());
   EXPECT_EQ(result->exit_code, 1) << result->output;
   EXPECT_THAT(result->output, HasSubstr("(2 layers x 2 KV heads x head dim 8)"));
   EXPECT_THAT(result->output, HasSubstr("(4 layers x 2 KV heads x head dim 16)"));
@@ -327,14 +328,14 @@ TEST_F(ExecutorProcessTest, APoolOfAnotherShapeStopsItWithBothShapes) {
 
 TEST_F(ExecutorProcessTest, NoCacheManagerStopsIt) {
   absl::StatusOr<TempDir> empty = TempDir::Create("kvcm-none");
-  ASSERT_TRUE(empty.ok());
+  ASSERT_THAT(empty, IsOk());
   ExecutorArgs args;
   args.model = *model_dir_;
   args.run_dir = empty->path();
   args.router = IpcEndpointIn(empty->path(), kRouterExecutorsSocket);
   absl::StatusOr<RunResult> result =
       RunProgram(kvcm::testing::ExecutorArgv(args), "", absl::Seconds(60));
-  ASSERT_TRUE(result.ok()) << result.status();
+  ASSERT_THAT(result, IsOk());
   EXPECT_EQ(result->exit_code, 1) << result->output;
   EXPECT_THAT(result->output, HasSubstr("cache-manager.sock"));
 }
@@ -347,10 +348,9 @@ TEST_F(ExecutorProcessTest, MalformedAndInconsistentStepsGetErrorsAndServingGoes
 
   // Bytes that are no executor message at all: ErrorReply Malformed, request id 0.
   const std::string garbage = "this is not a flatbuffer, not even close";
-  ASSERT_TRUE(
-      driver_->SendRaw({reinterpret_cast<const uint8_t*>(garbage.data()), garbage.size()}).ok());
+  ASSERT_THAT(driver_->SendRaw({reinterpret_cast<const uint8_t*>(garbage.data()), garbage.size()}), IsOk());
   auto reply = driver_->AwaitReply(0, deadline);
-  ASSERT_TRUE(reply.ok()) << reply.status();
+  ASSERT_THAT(reply, IsOk());
   ASSERT_EQ(reply->envelope->payload_type(), wire::ExecutorMessage::ErrorReply);
   EXPECT_EQ(reply->envelope->payload_as_ErrorReply()->code(), wire::ErrorCode::Malformed);
 
@@ -376,7 +376,7 @@ TEST_F(ExecutorProcessTest, MalformedAndInconsistentStepsGetErrorsAndServingGoes
 
   // And it still serves.
   auto seqs = driver_->Generate({kPrompts[1]}, 4);
-  ASSERT_TRUE(seqs.ok()) << seqs.status();
+  ASSERT_THAT(seqs, IsOk());
   EXPECT_THAT((*seqs)[0].generated, ElementsAreArray(ReferenceGreedy(kPrompts[1], 4)));
   EXPECT_EQ(Metric("kvcm_executor_step_errors_total", {{"reason", "malformed"}}), 1);
   EXPECT_EQ(Metric("kvcm_executor_step_errors_total", {{"reason", "invalid_argument"}}), 1);
@@ -394,7 +394,7 @@ TEST_F(ExecutorProcessTest, SigtermMidStepAnswersTheStepAndExitsCleanly) {
   std::vector<int32_t> prompt(2000);
   for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = 3 + static_cast<int32_t>(i * 37 % 300);
   auto seq = driver_->Allocate(prompt);
-  ASSERT_TRUE(seq.ok()) << seq.status();
+  ASSERT_THAT(seq, IsOk());
   StepRequest step;
   step.step_id = 1;
   step.epoch = driver_->epoch();
@@ -403,16 +403,16 @@ TEST_F(ExecutorProcessTest, SigtermMidStepAnswersTheStepAndExitsCleanly) {
   const pid_t pid = executor_.process->pid();
   const int64_t idle = kvcm::testing::CpuTicks(pid);
   auto request_id = driver_->SendStep(step);
-  ASSERT_TRUE(request_id.ok()) << request_id.status();
+  ASSERT_THAT(request_id, IsOk());
   // Wait until it is computing (its CPU time moves), then SIGTERM. Not asserted: a step over
   // before 3 ticks (30 ms of CPU) were seen must be answered all the same.
   (void)kvcm::testing::WaitFor([&] { return kvcm::testing::CpuTicks(pid) >= idle + 3; },
                                absl::Seconds(60));
-  ASSERT_TRUE(executor_.process->Signal(SIGTERM).ok());
+  ASSERT_THAT(executor_.process->Signal(SIGTERM), IsOk());
 
   absl::StatusOr<StepReport> report =
       driver_->AwaitStep(*request_id, absl::Now() + absl::Seconds(60));
-  ASSERT_TRUE(report.ok()) << report.status() << "\n" << executor_.Output();
+  ASSERT_THAT(report, IsOk()) << "\n" << executor_.Output();
   ASSERT_EQ(report->results.size(), 1u);
   EXPECT_GE(report->results[0].token, 0);
   EXPECT_EQ(report->prefill_tokens, 2000);
@@ -421,12 +421,12 @@ TEST_F(ExecutorProcessTest, SigtermMidStepAnswersTheStepAndExitsCleanly) {
   driver_->ServeUntil(absl::Now() + absl::Seconds(60));  // answers its Goodbye
   EXPECT_TRUE(driver_->goodbye_received());
   absl::StatusOr<int> exit_code = executor_.process->Wait(absl::Seconds(60));
-  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+  ASSERT_THAT(exit_code, IsOk());
   EXPECT_EQ(*exit_code, 0) << executor_.Output();
   EXPECT_THAT(executor_.Output(), HasSubstr("stopped after 1 step(s)"));
   // It said Goodbye to the cache manager too: only the driver's session is left.
   auto stats = driver_->cache_manager().Stats();
-  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_THAT(stats, IsOk());
   EXPECT_EQ(stats->sessions, 1u);
 }
 
@@ -434,22 +434,22 @@ TEST_F(ExecutorProcessTest, SigtermMidStepAnswersTheStepAndExitsCleanly) {
 
 TEST_F(ExecutorProcessTest, CacheManagerRestartReattachesWithoutReloadingWeights) {
   absl::StatusOr<TempDir> run_dir = TempDir::Create("kvcm-rd");
-  ASSERT_TRUE(run_dir.ok());
+  ASSERT_THAT(run_dir, IsOk());
   CacheManagerOptions options = ManagerOptions("fp16", 4);
   options.run_dir = run_dir->path();
   ASSERT_NO_FATAL_FAILURE(StartAll(options));
   const std::vector<int32_t> expected = ReferenceGreedy(kPrompts[2], 6);
   auto before = driver_->Generate({kPrompts[2]}, 6);
-  ASSERT_TRUE(before.ok()) << before.status();
+  ASSERT_THAT(before, IsOk());
   EXPECT_THAT((*before)[0].generated, ElementsAreArray(expected));
 
   for (int restart = 1; restart <= 2; ++restart) {
     SCOPED_TRACE(absl::StrCat("restart ", restart));
     const uint64_t old_epoch = cm_->epoch();
-    ASSERT_TRUE(cm_->process().Signal(SIGKILL).ok());
-    ASSERT_TRUE(cm_->process().Wait(absl::Seconds(30)).ok());
+    ASSERT_THAT(cm_->process().Signal(SIGKILL), IsOk());
+    ASSERT_THAT(cm_->process().Wait(absl::Seconds(30)), IsOk());
     auto cm = CacheManagerProcess::Start(options);
-    ASSERT_TRUE(cm.ok()) << cm.status();
+    ASSERT_THAT(cm, IsOk());
     cm_ = std::move(*cm);
     ASSERT_NE(cm_->epoch(), old_epoch);
     // The driver (as the router) registers again: its sequences of the old epoch are gone.
@@ -471,7 +471,7 @@ TEST_F(ExecutorProcessTest, CacheManagerRestartReattachesWithoutReloadingWeights
       // Wait for the executor to notice by itself (its cache-manager heartbeat was refused).
       auto line = executor_.process->WaitForLine(
           absl::StrCat("re-attached to the pool of epoch ", cm_->epoch()), deadline);
-      ASSERT_TRUE(line.ok()) << line.status();
+      ASSERT_THAT(line, IsOk());
     }
     // restart 2: a step of the new epoch right away. An executor that has not noticed yet
     // re-attaches for it but refuses it: it had no session in that epoch when the step was
@@ -486,11 +486,11 @@ TEST_F(ExecutorProcessTest, CacheManagerRestartReattachesWithoutReloadingWeights
       }
       if (driver_->hello_epoch() != cm_->epoch()) {
         auto hello = driver_->AwaitHello(absl::Now() + absl::Seconds(60));
-        ASSERT_TRUE(hello.ok()) << hello.status() << "\n" << executor_.Output();
+        ASSERT_THAT(hello, IsOk()) << "\n" << executor_.Output();
       }
     }
     auto after = driver_->Generate({kPrompts[2]}, 6);
-    ASSERT_TRUE(after.ok()) << after.status() << "\n" << executor_.Output();
+    ASSERT_THAT(after, IsOk()) << "\n" << executor_.Output();
     EXPECT_THAT((*after)[0].generated, ElementsAreArray(expected));
     EXPECT_EQ(Metric("kvcm_executor_attaches_total"), 1 + restart);
     EXPECT_EQ(Metric("kvcm_executor_model_loads_total"), 1);
@@ -501,7 +501,7 @@ TEST_F(ExecutorProcessTest, CacheManagerRestartReattachesWithoutReloadingWeights
     // reply. Read it if it has not come yet.
     if (driver_->hello_epoch() != cm_->epoch()) {
       auto hello = driver_->AwaitHello(absl::Now() + absl::Seconds(60));
-      ASSERT_TRUE(hello.ok()) << hello.status() << "\n" << executor_.Output();
+      ASSERT_THAT(hello, IsOk()) << "\n" << executor_.Output();
     }
     EXPECT_EQ(driver_->hello_epoch(), cm_->epoch());  // it told the router the new pool
   }

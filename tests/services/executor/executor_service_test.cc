@@ -24,6 +24,7 @@
 #include "services/executor/sampler.h"
 #include "tests/support/subprocess.h"
 #include "tools/make_tiny_model/tiny_model.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -40,7 +41,7 @@ class LocalPool : public PoolSource {
  public:
   LocalPool(const KvCacheSpec& spec, int32_t num_blocks, uint64_t epoch) {
     absl::StatusOr<PoolLayout> layout = PoolLayout::For(spec, num_blocks);
-    EXPECT_TRUE(layout.ok()) << layout.status();
+    EXPECT_THAT(layout, IsOk());
     memory_.assign(static_cast<size_t>(layout->total_bytes), 0);
     view_.base = memory_.data();
     view_.layout = *layout;
@@ -125,16 +126,16 @@ class ExecutorServiceTest : public ::testing::TestWithParam<std::pair<DType, int
  protected:
   static void SetUpTestSuite() {
     absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-exec-unit");
-    ASSERT_TRUE(dir.ok()) << dir.status();
+    ASSERT_THAT(dir, IsOk());
     dir_ = new TempDir(std::move(*dir));
     TinyModelOptions options;
     options.seed = 20240611;
-    ASSERT_TRUE(WriteTinyModel(dir_->path() + "/tiny", options).ok());
+    ASSERT_THAT(WriteTinyModel(dir_->path() + "/tiny", options), IsOk());
     LlamaModelOptions model_options;
     model_options.num_threads = 2;
     absl::StatusOr<std::unique_ptr<LlamaModel>> model =
         LlamaModel::Load(dir_->path() + "/tiny", model_options);
-    ASSERT_TRUE(model.ok()) << model.status();
+    ASSERT_THAT(model, IsOk());
     model_ = model->release();
   }
   static void TearDownTestSuite() {
@@ -145,7 +146,7 @@ class ExecutorServiceTest : public ::testing::TestWithParam<std::pair<DType, int
   void SetUp() override {
     const auto [dtype, block_size] = GetParam();
     absl::StatusOr<KvCacheSpec> spec = model_->config().KvSpec(dtype, block_size);
-    ASSERT_TRUE(spec.ok()) << spec.status();
+    ASSERT_THAT(spec, IsOk());
     pool_ = std::make_unique<LocalPool>(*spec, kNumBlocks, kEpoch);
     ExecutorService::Options options;
     options.name = "unit";
@@ -170,7 +171,7 @@ class ExecutorServiceTest : public ::testing::TestWithParam<std::pair<DType, int
     const size_t vocab = static_cast<size_t>(model_->config().vocab_size);
     for (int32_t i = 0; i < n; ++i) {
       absl::StatusOr<std::vector<float>> logits = model_->ForwardContiguous(tokens);
-      EXPECT_TRUE(logits.ok()) << logits.status();
+      EXPECT_THAT(logits, IsOk());
       const std::span<const float> last(logits->data() + logits->size() - vocab, vocab);
       out.push_back(Greedy(last));
       tokens.push_back(out.back());
@@ -207,10 +208,10 @@ class ExecutorServiceTest : public ::testing::TestWithParam<std::pair<DType, int
         step.seqs.push_back(std::move(s));
       }
       absl::StatusOr<StepReport> report = service_->RunStep(step);
-      EXPECT_TRUE(report.ok()) << report.status();
+      EXPECT_THAT(report, IsOk());
       if (!report.ok()) return generated;
       for (size_t i = 0; i < prompts.size(); ++i) {
-        EXPECT_TRUE(report->results[i].status.ok()) << report->results[i].status;
+        EXPECT_THAT(report->results[i].status, IsOk());
         generated[i].push_back(report->results[i].token);
         tokens[i].push_back(report->results[i].token);
       }
@@ -258,7 +259,7 @@ TEST_P(ExecutorServiceTest, InputLogprobsScoreThePromptChunkByChunkAsTheContiguo
   // Reference: log softmax of the contiguous pass's logits at position j - 1, at token j.
   const std::vector<int32_t>& prompt = kPrompts[2];
   absl::StatusOr<std::vector<float>> all = model_->ForwardContiguous(prompt);
-  ASSERT_TRUE(all.ok()) << all.status();
+  ASSERT_THAT(all, IsOk());
   const size_t vocab = static_cast<size_t>(model_->config().vocab_size);
   std::vector<float> expected;
   for (size_t j = 1; j < prompt.size(); ++j) {
@@ -296,9 +297,9 @@ TEST_P(ExecutorServiceTest, InputLogprobsScoreThePromptChunkByChunkAsTheContiguo
     if (!s.sample) s.score_next = prompt[end];
     step.seqs.push_back(std::move(s));
     absl::StatusOr<StepReport> report = service_->RunStep(step);
-    ASSERT_TRUE(report.ok()) << report.status();
+    ASSERT_THAT(report, IsOk());
     const SeqOutcome& outcome = report->results.back();
-    ASSERT_TRUE(outcome.status.ok()) << outcome.status;
+    ASSERT_THAT(outcome.status, IsOk());
     EXPECT_EQ(outcome.input_logprobs.size(), end - begin - (s.sample ? 1 : 0));
     got.insert(got.end(), outcome.input_logprobs.begin(), outcome.input_logprobs.end());
     if (s.sample) sampled = outcome.token;
@@ -385,7 +386,7 @@ TEST_P(ExecutorServiceTest, RefusedStepsLeaveThePoolUntouched) {
   }
   // The valid step itself runs (and does change the pool).
   absl::StatusOr<StepReport> report = service_->RunStep(valid());
-  ASSERT_TRUE(report.ok()) << report.status();
+  ASSERT_THAT(report, IsOk());
   EXPECT_FALSE(pool_->memory() == before);
 }
 
@@ -418,7 +419,7 @@ TEST_P(ExecutorServiceTest, AStepWhoseBlockTablesWouldBeTooLargeIsRefusedBeforeA
   EXPECT_THAT(std::string(over.status().message()), HasSubstr("entries one step may use"));
   EXPECT_TRUE(pool_->memory() == before) << "a refused step wrote into the pool";
   if (fits > 0) {
-    EXPECT_TRUE(bounded.RunStep(step_of(fits)).ok());
+    EXPECT_THAT(bounded.RunStep(step_of(fits)), IsOk());
   }
 }
 
@@ -444,7 +445,7 @@ TEST_P(ExecutorServiceTest, CopiesRunBeforeTheForwardPass) {
   s.block_table = Blocks(20, 4);
   step.seqs.push_back(s);
   absl::StatusOr<StepReport> report = service_->RunStep(step);
-  ASSERT_TRUE(report.ok()) << report.status();
+  ASSERT_THAT(report, IsOk());
   EXPECT_EQ(report->results[0].token, -1);  // not asked to sample
   EXPECT_EQ(report->prefill_tokens, 5);
   for (int32_t layer = 0; layer < view.spec.num_layers; ++layer) {
@@ -470,7 +471,7 @@ TEST_P(ExecutorServiceTest, AnotherEpochIsRefusedAndReattachesOnlyWhenTheCacheMa
 
   // The attached epoch, no question asked.
   step.epoch = kEpoch;
-  ASSERT_TRUE(service_->RunStep(step).ok());
+  ASSERT_THAT(service_->RunStep(step), IsOk());
   EXPECT_EQ(pool_->epoch_checks(), 0);
 
   // Older or newer makes no difference: while the cache manager confirms the attached
@@ -503,7 +504,7 @@ TEST_P(ExecutorServiceTest, AnotherEpochIsRefusedAndReattachesOnlyWhenTheCacheMa
   EXPECT_EQ(pool_->reattaches(), 1);
   EXPECT_TRUE(service_->WantsHello(absl::Now()));  // announces the new epoch
   absl::StatusOr<StepReport> next = service_->RunStep(step);
-  ASSERT_TRUE(next.ok()) << next.status();
+  ASSERT_THAT(next, IsOk());
   EXPECT_EQ(pool_->reattaches(), 1);
 
   // Gone again, but attaching fails: stale epoch, re-attaching.
@@ -597,7 +598,7 @@ TEST_P(ExecutorServiceTest, RegistersWithTheRouterAndAgainWhenForgotten) {
   EXPECT_EQ(verified.envelope->epoch(), kEpoch);
   absl::StatusOr<ExecutorHelloInfo> info =
       DecodeExecutorHello(*verified.envelope->payload_as_ExecutorHello());
-  ASSERT_TRUE(info.ok()) << info.status();
+  ASSERT_THAT(info, IsOk());
   EXPECT_EQ(info->kv_spec, pool_->view().spec);
   EXPECT_EQ(info->model.num_layers, model_->config().num_hidden_layers);
   EXPECT_FALSE(service_->WantsHello(now));                    // waiting for the reply
@@ -695,7 +696,7 @@ TEST_P(ExecutorServiceTest, FencedRouterSessionsStepsAreRefusedAfterTheAcknowled
   // Another router's steps still run.
   StepRequest other = FenceTestStep(block_size());
   other.router_session = 8;
-  EXPECT_TRUE(service_->RunStep(other).ok());
+  EXPECT_THAT(service_->RunStep(other), IsOk());
 }
 
 TEST_P(ExecutorServiceTest, AFenceArrivingMidStepStopsItAtTheNextLayer) {
@@ -726,7 +727,7 @@ TEST_P(ExecutorServiceTest, AFenceArrivingMidStepStopsItAtTheNextLayer) {
 TEST_P(ExecutorServiceTest, AFenceOfAnotherRouterDoesNotStopTheStep) {
   pool_->ScheduleFence({/*id=*/5, /*router_session=*/99, {}}, 1);
   absl::StatusOr<StepReport> report = service_->RunStep(FenceTestStep(block_size()));
-  ASSERT_TRUE(report.ok()) << report.status();
+  ASSERT_THAT(report, IsOk());
   EXPECT_EQ(service_->abandoned_steps(), 0u);
   EXPECT_GE(report->results[0].token, 0);
 }
@@ -737,7 +738,7 @@ TEST_P(ExecutorServiceTest, ASequenceFenceStopsOnlyStepsNamingItsSequences) {
   // Another sequence of the same router, fenced mid-step: the step runs on.
   pool_->ScheduleFence({/*id=*/6, /*router_session=*/7, {seq + 100}}, 1);
   absl::StatusOr<StepReport> unaffected = service_->RunStep(step);
-  ASSERT_TRUE(unaffected.ok()) << unaffected.status();
+  ASSERT_THAT(unaffected, IsOk());
   EXPECT_EQ(service_->abandoned_steps(), 0u);
   EXPECT_EQ(service_->ApplyFences(), 1);
   // Its own sequence, fenced mid-step (the router freed it with drain after moving it
@@ -755,7 +756,7 @@ TEST_P(ExecutorServiceTest, ASequenceFenceStopsOnlyStepsNamingItsSequences) {
   EXPECT_FALSE(service_->fenced_sessions().contains(7));
   StepRequest other = step;
   other.seqs[0].seq = seq + 1;
-  EXPECT_TRUE(service_->RunStep(other).ok());
+  EXPECT_THAT(service_->RunStep(other), IsOk());
 }
 
 TEST_P(ExecutorServiceTest, NoPoolIsUnavailable) {
@@ -779,7 +780,7 @@ INSTANTIATE_TEST_SUITE_P(DTypesAndBlockSizes, ExecutorServiceTest,
 TEST(ChooseTokenTest, GreedyTakesTheArgmaxAndNaNFails) {
   const std::vector<float> logits = {0.5f, 3.0f, -1.0f, 3.0f};
   absl::StatusOr<ChosenToken> token = ChooseToken(logits, SeqStep{}, 0);
-  ASSERT_TRUE(token.ok());
+  ASSERT_THAT(token, IsOk());
   EXPECT_EQ(token->token, 1);  // lowest id among ties
   std::vector<float> broken = logits;
   broken[2] = std::numeric_limits<float>::quiet_NaN();
@@ -800,7 +801,7 @@ TEST(ChooseTokenTest, ForkSeedsDrawWhatThoseSeedsWouldDrawAtIndexZero) {
   seq.logprobs = true;
   seq.fork_seeds = {101, 102, 103, 104, 105, 106};
   absl::StatusOr<ChosenToken> chosen = ChooseToken(logits, seq, 0);
-  ASSERT_TRUE(chosen.ok());
+  ASSERT_THAT(chosen, IsOk());
   ASSERT_EQ(chosen->fork_tokens.size(), seq.fork_seeds.size());
   ASSERT_EQ(chosen->fork_logprobs.size(), seq.fork_seeds.size());
   std::set<int32_t> distinct = {chosen->token};
@@ -842,7 +843,7 @@ TEST(ChooseTokenTest, LogprobsAreThoseOfThePenalizedTemperedDistribution) {
   seq.logprobs = true;
   seq.top_n = 3;
   absl::StatusOr<ChosenToken> chosen = ChooseToken(logits, seq, 0);
-  ASSERT_TRUE(chosen.ok());
+  ASSERT_THAT(chosen, IsOk());
   double total = 0;
   for (float l : logits) total += std::exp(static_cast<double>(l));
   EXPECT_NEAR(chosen->logprob, 3.0 - std::log(total), 1e-6);
@@ -860,7 +861,7 @@ TEST(ChooseTokenTest, LogprobsAreThoseOfThePenalizedTemperedDistribution) {
   seq.penalty_tokens = {1};
   seq.penalty_prompt_len = 1;
   chosen = ChooseToken(logits, seq, 3);
-  ASSERT_TRUE(chosen.ok());
+  ASSERT_THAT(chosen, IsOk());
   const std::vector<double> adjusted = {1.0 / 0.5, 1.5 / 0.5, 3.0 / 0.5, -2.0 / 0.5, 0.0};
   double z = 0;
   for (double a : adjusted) z += std::exp(a);

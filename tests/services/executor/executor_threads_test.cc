@@ -16,6 +16,7 @@
 #include "gtest/gtest.h"
 #include "prometheus/registry.h"
 #include "services/executor/llama_model_cuda.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -43,7 +44,7 @@ TEST(ExecutorThreadsTest, AThreadOfCivetwebsStackSizeStarts) {
 TEST(ExecutorThreadsTest, TheMetricsServerStartsBesideTheModelLibrary) {
   absl::StatusOr<std::unique_ptr<MetricsServer>> server =
       MetricsServer::Start("127.0.0.1:0", std::make_shared<prometheus::Registry>());
-  ASSERT_TRUE(server.ok()) << server.status();
+  ASSERT_THAT(server, IsOk());
   EXPECT_GT((*server)->port(), 0);
 }
 

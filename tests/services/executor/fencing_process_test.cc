@@ -29,6 +29,7 @@
 #include "tests/support/cache_manager_process.h"
 #include "tests/support/subprocess.h"
 #include "tests/support/wait_for.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -63,10 +64,10 @@ class FencingProcessTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-fence");
-    ASSERT_TRUE(dir.ok()) << dir.status();
+    ASSERT_THAT(dir, IsOk());
     dir_ = new TempDir(std::move(*dir));
     const absl::Status made = kvcm::testing::MakeTinyModel(dir_->path() + "/tiny", 11);
-    ASSERT_TRUE(made.ok()) << made;
+    ASSERT_THAT(made, IsOk());
   }
   static void TearDownTestSuite() { delete dir_; }
 
@@ -77,7 +78,7 @@ class FencingProcessTest : public ::testing::Test {
   void StartMidStep(std::vector<std::string> router_extra = {},
                     int32_t heartbeat_timeout_ms = kHeartbeatTimeoutMs) {
     absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(dir_->path() + "/tiny");
-    ASSERT_TRUE(model.ok()) << model.status();
+    ASSERT_THAT(model, IsOk());
     const LlamaConfig& c = (*model)->config();
     num_layers_ = c.num_hidden_layers;
     CacheManagerOptions options;
@@ -90,11 +91,11 @@ class FencingProcessTest : public ::testing::Test {
     options.heartbeat_interval_ms = 100;
     options.heartbeat_timeout_ms = heartbeat_timeout_ms;
     absl::StatusOr<std::unique_ptr<CacheManagerProcess>> cm = CacheManagerProcess::Start(options);
-    ASSERT_TRUE(cm.ok()) << cm.status();
+    ASSERT_THAT(cm, IsOk());
     cm_ = std::move(*cm);
 
     absl::StatusOr<TempDir> sockets = TempDir::Create("kvcm-fence-rt");
-    ASSERT_TRUE(sockets.ok()) << sockets.status();
+    ASSERT_THAT(sockets, IsOk());
     sockets_ = std::make_unique<TempDir>(std::move(*sockets));
     const std::string router = IpcEndpointIn(sockets_->path(), kRouterExecutorsSocket);
     Subprocess::Options router_options;
@@ -105,11 +106,11 @@ class FencingProcessTest : public ::testing::Test {
                                router_extra.end());
     router_options.output_path = sockets_->path() + "/router.out";
     absl::StatusOr<std::unique_ptr<Subprocess>> dead = Subprocess::Start(router_options);
-    ASSERT_TRUE(dead.ok()) << dead.status();
+    ASSERT_THAT(dead, IsOk());
     dead_router_ = std::move(*dead);
     const absl::Time deadline = absl::Now() + absl::Seconds(60);
     auto session = dead_router_->WaitForLine("router: session=([0-9]+)", deadline);
-    ASSERT_TRUE(session.ok()) << session.status() << dead_router_->Output();
+    ASSERT_THAT(session, IsOk()) << dead_router_->Output();
     ASSERT_TRUE(absl::SimpleAtoi((*session)[1], &dead_session_));
 
     ExecutorArgs args;
@@ -118,18 +119,18 @@ class FencingProcessTest : public ::testing::Test {
     args.router = router;
     args.extra = {"--fault-layer-delay-ms", absl::StrCat(kLayerDelayMs)};
     absl::StatusOr<ExecutorProcess> executor = kvcm::testing::StartExecutor(args);
-    ASSERT_TRUE(executor.ok()) << executor.status();
+    ASSERT_THAT(executor, IsOk());
     executor_ = std::move(*executor);
 
     auto blocks = dead_router_->WaitForLine("router: blocks=([0-9,]+)", deadline);
-    ASSERT_TRUE(blocks.ok()) << blocks.status() << dead_router_->Output();
+    ASSERT_THAT(blocks, IsOk()) << dead_router_->Output();
     for (absl::string_view b : absl::StrSplit((*blocks)[1], ',')) {
       int32_t id = 0;
       ASSERT_TRUE(absl::SimpleAtoi(b, &id));
       dead_blocks_.push_back(id);
     }
     ASSERT_EQ(dead_blocks_.size(), 3u);
-    ASSERT_TRUE(dead_router_->WaitForLine("router: step sent", deadline).ok())
+    ASSERT_THAT(dead_router_->WaitForLine("router: step sent", deadline), IsOk())
         << dead_router_->Output();
 
     // The observer: an Executor-role session, so it maps the pool and is waited for too.
@@ -138,18 +139,18 @@ class FencingProcessTest : public ::testing::Test {
     observer.role = wire::Role::Executor;
     observer.name = "observer";
     auto client = CacheManagerClient::Connect(observer);
-    ASSERT_TRUE(client.ok()) << client.status();
+    ASSERT_THAT(client, IsOk());
     observer_ = std::move(*client);
     auto pool = observer_->Attach();
-    ASSERT_TRUE(pool.ok()) << pool.status();
+    ASSERT_THAT(pool, IsOk());
     pool_ = std::make_unique<AttachedPool>(std::move(*pool));
     // Mid-step: layer 0 of the first block holds K/V, and the executor sleeps after it.
     // Stopped at once, so that what follows is certain: it can neither write nor
     // acknowledge a fence until SIGCONT.
     const absl::Status mid_step =
         WaitFor([&] { return LayerWritten(0); }, deadline, "layer 0 of the step");
-    ASSERT_TRUE(mid_step.ok()) << mid_step << "\n" << executor_.Output();
-    ASSERT_TRUE(executor_.process->Signal(SIGSTOP).ok());
+    ASSERT_THAT(mid_step, IsOk()) << "\n" << executor_.Output();
+    ASSERT_THAT(executor_.process->Signal(SIGSTOP), IsOk());
     // Each later layer waits kLayerDelayMs first, so this holds unless the test itself was
     // left unscheduled for the rest of the step; then say so rather than fail later.
     ASSERT_FALSE(LayerWritten(num_layers_ - 1))
@@ -173,27 +174,27 @@ class FencingProcessTest : public ::testing::Test {
     options.role = wire::Role::Router;
     options.name = "second-router";
     auto client = CacheManagerClient::Connect(options);
-    EXPECT_TRUE(client.ok()) << client.status();
+    EXPECT_THAT(client, IsOk());
     return client.ok() ? std::move(*client) : nullptr;
   }
 
   StatsSnapshot Stats() {
     absl::StatusOr<StatsSnapshot> stats = observer_->Stats();
-    EXPECT_TRUE(stats.ok()) << stats.status();
+    EXPECT_THAT(stats, IsOk());
     return stats.ok() ? *stats : StatsSnapshot{};
   }
 
   // Kills the router with SIGKILL and waits until the cache manager saw it die: its blocks
   // drain. Then the observer acknowledges its own fence (it writes nothing).
   void KillRouterAndAcknowledgeAsObserver() {
-    ASSERT_TRUE(dead_router_->Signal(SIGKILL).ok());
-    ASSERT_TRUE(dead_router_->Wait(absl::Seconds(30)).ok());
+    ASSERT_THAT(dead_router_->Signal(SIGKILL), IsOk());
+    ASSERT_THAT(dead_router_->Wait(absl::Seconds(30)), IsOk());
     const absl::Status fenced = WaitFor([&] { return observer_->PendingFences().size() == 1; },
                                         absl::Seconds(30), "the observer's fence");
-    ASSERT_TRUE(fenced.ok()) << fenced;
+    ASSERT_THAT(fenced, IsOk());
     const FenceNotice fence = observer_->PendingFences()[0];
     EXPECT_EQ(fence.router_session, dead_session_);
-    ASSERT_TRUE(observer_->AcknowledgeFences({&fence.id, 1}).ok());
+    ASSERT_THAT(observer_->AcknowledgeFences({&fence.id, 1}), IsOk());
   }
 
   // With the executor stopped mid-step (it cannot acknowledge, so what follows is certain),
@@ -206,7 +207,7 @@ class FencingProcessTest : public ::testing::Test {
     EXPECT_EQ(Stats().draining_blocks, 3);
     EXPECT_TRUE(absl::IsResourceExhausted(Allocate(**second, 1, kNumBlocks).status()));
     absl::StatusOr<std::vector<int32_t>> one = Allocate(**second, 2, 1);
-    ASSERT_TRUE(one.ok()) << one.status();
+    ASSERT_THAT(one, IsOk());
     ExpectNoneOfTheDeadRoutersBlocks(*one);
   }
 
@@ -249,16 +250,16 @@ TEST_F(FencingProcessTest, KilledRoutersBlocksWaitForTheExecutorToAbandonItsStep
   ASSERT_NO_FATAL_FAILURE(KillRouter(&second));
   BlockOps free;
   free.Free(2);
-  ASSERT_TRUE(second->Step(free).ok());
+  ASSERT_THAT(second->Step(free), IsOk());
   EXPECT_EQ(Stats().draining_blocks, 3);
 
   // Resumed, the executor learns of the fence from its next heartbeat reply, stops at the
   // next layer boundary and acknowledges: the blocks come back.
-  ASSERT_TRUE(executor_.process->Signal(SIGCONT).ok());
+  ASSERT_THAT(executor_.process->Signal(SIGCONT), IsOk());
   const absl::Time deadline = absl::Now() + absl::Seconds(60);
   const absl::Status drained =
       WaitFor([&] { return Stats().draining_blocks == 0; }, deadline, "the blocks to drain");
-  ASSERT_TRUE(drained.ok()) << drained << "\n" << executor_.Output();
+  ASSERT_THAT(drained, IsOk()) << "\n" << executor_.Output();
   EXPECT_THAT(executor_.Output(), HasSubstr("abandoned step 1 (stopped after layer"));
   // Logged once the acknowledgement was answered, so possibly just after the blocks came back.
   EXPECT_TRUE(executor_.process
@@ -267,7 +268,7 @@ TEST_F(FencingProcessTest, KilledRoutersBlocksWaitForTheExecutorToAbandonItsStep
       << executor_.Output();
   EXPECT_EQ(Stats().open_fences, 0u);
   absl::StatusOr<std::vector<int32_t>> all = Allocate(*second, 3, kNumBlocks);
-  ASSERT_TRUE(all.ok()) << all.status();
+  ASSERT_THAT(all, IsOk());
   for (int32_t b : dead_blocks_) EXPECT_EQ(std::count(all->begin(), all->end(), b), 1);
 
   // The new owner's data stays: the executor writes nothing after acknowledging. Fill the
@@ -312,16 +313,16 @@ TEST_F(FencingProcessTest, ASequenceFreedWithDrainWaitsForTheExecutorWhileItsRou
   // now the router may free.
   std::ofstream(give_up) << "now\n";
   const absl::Time deadline = absl::Now() + absl::Seconds(60);
-  ASSERT_TRUE(dead_router_->WaitForLine("router: freed with drain", deadline).ok())
+  ASSERT_THAT(dead_router_->WaitForLine("router: freed with drain", deadline), IsOk())
       << dead_router_->Output();
   // The observer (an executor-role session too) honours its sequence fence at once.
   const absl::Status fenced = WaitFor([&] { return observer_->PendingFences().size() == 1; },
                                       deadline, "the observer's fence");
-  ASSERT_TRUE(fenced.ok()) << fenced;
+  ASSERT_THAT(fenced, IsOk());
   const FenceNotice fence = observer_->PendingFences()[0];
   EXPECT_EQ(fence.router_session, dead_session_);
   EXPECT_EQ(fence.seqs.size(), 1u);
-  ASSERT_TRUE(observer_->AcknowledgeFences({&fence.id, 1}).ok());
+  ASSERT_THAT(observer_->AcknowledgeFences({&fence.id, 1}), IsOk());
 
   // The step's blocks are not reissued while the executor may write them.
   std::unique_ptr<CacheManagerClient> second = SecondRouter();
@@ -329,14 +330,14 @@ TEST_F(FencingProcessTest, ASequenceFreedWithDrainWaitsForTheExecutorWhileItsRou
   EXPECT_EQ(Stats().draining_blocks, 3);
   EXPECT_TRUE(absl::IsResourceExhausted(Allocate(*second, 1, kNumBlocks).status()));
   absl::StatusOr<std::vector<int32_t>> one = Allocate(*second, 2, 1);
-  ASSERT_TRUE(one.ok()) << one.status();
+  ASSERT_THAT(one, IsOk());
   ExpectNoneOfTheDeadRoutersBlocks(*one);
   // Resumed, the executor stops at the next layer boundary and acknowledges: the blocks
   // come back, and the router that freed them is still registered.
-  ASSERT_TRUE(executor_.process->Signal(SIGCONT).ok());
+  ASSERT_THAT(executor_.process->Signal(SIGCONT), IsOk());
   const absl::Status drained =
       WaitFor([&] { return Stats().draining_blocks == 0; }, deadline, "the blocks to drain");
-  ASSERT_TRUE(drained.ok()) << drained << "\n" << executor_.Output();
+  ASSERT_THAT(drained, IsOk()) << "\n" << executor_.Output();
   EXPECT_THAT(executor_.Output(), HasSubstr("abandoned step 1 (stopped after layer"));
   EXPECT_TRUE(executor_.process
                   ->WaitForLine("fenced 1 sequence\\(s\\) of router session", deadline)
@@ -364,16 +365,16 @@ TEST_F(FencingProcessTest, KilledRoutersBlocksComeBackWhenItsHungExecutorDies) {
         return false;
       },
       absl::Seconds(60), "the stopped executor's session to be quarantined");
-  ASSERT_TRUE(quarantined.ok()) << quarantined;
+  ASSERT_THAT(quarantined, IsOk());
   EXPECT_EQ(Stats().draining_blocks, 3);
 
-  ASSERT_TRUE(executor_.process->Signal(SIGKILL).ok());
-  ASSERT_TRUE(executor_.process->Wait(absl::Seconds(30)).ok());
+  ASSERT_THAT(executor_.process->Signal(SIGKILL), IsOk());
+  ASSERT_THAT(executor_.process->Wait(absl::Seconds(30)), IsOk());
   const absl::Status drained = WaitFor([&] { return Stats().draining_blocks == 0; },
                                        absl::Seconds(60), "the blocks to come back");
-  ASSERT_TRUE(drained.ok()) << drained;
+  ASSERT_THAT(drained, IsOk());
   absl::StatusOr<std::vector<int32_t>> rest = Allocate(*second, 3, kNumBlocks - 1);
-  ASSERT_TRUE(rest.ok()) << rest.status();
+  ASSERT_THAT(rest, IsOk());
   EXPECT_EQ(Stats().free_blocks, 0);
 }
 

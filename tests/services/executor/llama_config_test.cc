@@ -6,6 +6,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -84,7 +85,7 @@ Json Remove() { return Json(Json::value_t::discarded); }
 
 TEST(LlamaConfigTest, Llama2) {
   absl::StatusOr<LlamaConfig> c = ParseLlamaConfig(kLlama2_7B);
-  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_THAT(c, IsOk());
   EXPECT_EQ(c->architecture, "LlamaForCausalLM");
   EXPECT_EQ(c->vocab_size, 32000);
   EXPECT_EQ(c->hidden_size, 4096);
@@ -103,7 +104,7 @@ TEST(LlamaConfigTest, Llama2) {
   EXPECT_EQ(c->torch_dtype, "float16");
 
   absl::StatusOr<KvCacheSpec> spec = c->KvSpec(DType::kBFloat16, 16);
-  ASSERT_TRUE(spec.ok());
+  ASSERT_THAT(spec, IsOk());
   EXPECT_EQ(spec->num_layers, 32);
   EXPECT_EQ(spec->num_kv_heads, 32);
   EXPECT_EQ(spec->head_dim, 128);
@@ -114,7 +115,7 @@ TEST(LlamaConfigTest, Llama2) {
 
 TEST(LlamaConfigTest, Llama31WithLlama3RopeScalingAndEosList) {
   absl::StatusOr<LlamaConfig> c = ParseLlamaConfig(kLlama31_8B);
-  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_THAT(c, IsOk());
   EXPECT_EQ(c->num_key_value_heads, 8);
   EXPECT_EQ(c->rope_theta, 500000.0);
   EXPECT_EQ(c->rope_scaling.type, RopeScaling::Type::kLlama3);
@@ -126,7 +127,7 @@ TEST(LlamaConfigTest, Llama31WithLlama3RopeScalingAndEosList) {
 
 TEST(LlamaConfigTest, Defaults) {
   absl::StatusOr<LlamaConfig> c = ParseLlamaConfig(kMinimal);
-  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_THAT(c, IsOk());
   EXPECT_EQ(c->num_key_value_heads, 4);  // = heads
   EXPECT_EQ(c->head_dim, 16);            // = hidden / heads
   EXPECT_FLOAT_EQ(c->rms_norm_eps, 1e-6f);
@@ -146,7 +147,7 @@ TEST(LlamaConfigTest, ExplicitHeadDimAndModelTypeOnly) {
   config["sliding_window"] = nullptr;
   config["num_key_value_heads"] = 2;
   absl::StatusOr<LlamaConfig> c = ParseLlamaConfig(config.dump());
-  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_THAT(c, IsOk());
   EXPECT_EQ(c->architecture, "MistralForCausalLM");
   EXPECT_EQ(c->head_dim, 32);
   EXPECT_EQ(c->num_key_value_heads, 2);
@@ -229,12 +230,12 @@ TEST(LlamaConfigTest, UnsupportedFeaturesAreUnimplementedNamingTheKey) {
 TEST(LlamaConfigTest, AttentionBiasesOfLlamaAndQwen2) {
   Json config = Json::parse(kMinimal);
   absl::StatusOr<LlamaConfig> c = ParseLlamaConfig(config.dump());
-  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_THAT(c, IsOk());
   EXPECT_FALSE(c->qkv_bias);
   EXPECT_FALSE(c->o_bias);
   config["attention_bias"] = true;  // Llama's: q, k, v and o
   c = ParseLlamaConfig(config.dump());
-  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_THAT(c, IsOk());
   EXPECT_TRUE(c->qkv_bias);
   EXPECT_TRUE(c->o_bias);
   EXPECT_THAT(c->ToString(), HasSubstr("q/k/v/o bias"));
@@ -244,7 +245,7 @@ TEST(LlamaConfigTest, AttentionBiasesOfLlamaAndQwen2) {
   qwen2["sliding_window"] = 64;  // unused while use_sliding_window is false
   qwen2["use_sliding_window"] = false;
   c = ParseLlamaConfig(qwen2.dump());
-  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_THAT(c, IsOk());
   EXPECT_EQ(c->architecture, "Qwen2ForCausalLM");
   EXPECT_TRUE(c->qkv_bias);  // always, for Qwen2
   EXPECT_FALSE(c->o_bias);
@@ -258,7 +259,7 @@ TEST(LlamaConfigTest, RopeScalingVariants) {
   Json config = Json::parse(kMinimal);
   config["rope_scaling"] = {{"rope_type", "linear"}, {"factor", 2.0}};
   absl::StatusOr<LlamaConfig> linear = ParseLlamaConfig(config.dump());
-  ASSERT_TRUE(linear.ok()) << linear.status();
+  ASSERT_THAT(linear, IsOk());
   EXPECT_EQ(linear->rope_scaling.type, RopeScaling::Type::kLinear);
   EXPECT_EQ(linear->rope_scaling.factor, 2.0);
 
@@ -288,8 +289,8 @@ TEST(LlamaConfigTest, TransformersFiveRopeParametersAreReadLikeTheOldKeys) {
                                   {"original_max_position_embeddings", 8192}};
   absl::StatusOr<LlamaConfig> a = ParseLlamaConfig(old_style.dump());
   absl::StatusOr<LlamaConfig> b = ParseLlamaConfig(new_style.dump());
-  ASSERT_TRUE(a.ok()) << a.status();
-  ASSERT_TRUE(b.ok()) << b.status();
+  ASSERT_THAT(a, IsOk());
+  ASSERT_THAT(b, IsOk());
   EXPECT_EQ(b->rope_theta, 500000.0);
   EXPECT_EQ(b->rope_scaling.type, RopeScaling::Type::kLlama3);
   EXPECT_EQ(b->rope_scaling.factor, 8.0);
@@ -302,7 +303,7 @@ TEST(LlamaConfigTest, TransformersFiveRopeParametersAreReadLikeTheOldKeys) {
   // The default type with only a theta.
   new_style["rope_parameters"] = {{"rope_theta", 100000.0}, {"rope_type", "default"}};
   absl::StatusOr<LlamaConfig> plain = ParseLlamaConfig(new_style.dump());
-  ASSERT_TRUE(plain.ok()) << plain.status();
+  ASSERT_THAT(plain, IsOk());
   EXPECT_EQ(plain->rope_theta, 100000.0);
   EXPECT_EQ(plain->rope_scaling.type, RopeScaling::Type::kNone);
 
@@ -321,7 +322,7 @@ TEST(LlamaConfigTest, TransformersFiveRopeParametersAreReadLikeTheOldKeys) {
   EXPECT_EQ(unknown.code(), absl::StatusCode::kUnimplemented);
   EXPECT_THAT(unknown.message(), HasSubstr("rope_parameters.attention_factor"));
   new_style["rope_parameters"] = {{"rope_theta", 10000.0}, {"partial_rotary_factor", 1.0}};
-  EXPECT_TRUE(ParseLlamaConfig(new_style.dump()).ok());  // the whole head: fine
+  EXPECT_THAT(ParseLlamaConfig(new_style.dump()), IsOk());  // the whole head: fine
   new_style["rope_parameters"] = {{"rope_theta", 10000.0}, {"rope_type", "yarn"},
                                   {"factor", 4.0}};
   EXPECT_EQ(ParseLlamaConfig(new_style.dump()).status().code(), absl::StatusCode::kUnimplemented);

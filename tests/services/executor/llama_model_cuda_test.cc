@@ -68,6 +68,7 @@
 #include "tests/support/gpu_test.h"
 #include "tests/support/subprocess.h"
 #include "tools/make_tiny_model/tiny_model.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -287,10 +288,10 @@ class LlamaCudaForwardTest : public ::testing::TestWithParam<Case> {
     std::vector<float> gpu_logits;
     const absl::Status cpu =
         host().Forward(batch, pools.HostPool(), cpu_logits, LogitsScope::kAllTokens);
-    EXPECT_TRUE(cpu.ok()) << cpu;
+    EXPECT_THAT(cpu, IsOk());
     const absl::Status gpu =
         device().Forward(batch, pools.DevicePool(), &gpu_logits, LogitsScope::kAllTokens);
-    EXPECT_TRUE(gpu.ok()) << gpu;
+    EXPECT_THAT(gpu, IsOk());
     for (const auto& [seq, n] : work) seq->cached += n;
     if (!cpu.ok() || !gpu.ok()) return INFINITY;
     const size_t vocab = static_cast<size_t>(host().config().vocab_size);
@@ -436,9 +437,9 @@ TEST_P(WeightRoundingTest, WeightRoundingAloneStaysWithinHalfTheTolerance) {
         static_cast<int32_t>(rng() % static_cast<uint64_t>(exact.config().vocab_size)));
   }
   absl::StatusOr<std::vector<float>> reference = exact.ForwardContiguous(tokens);
-  ASSERT_TRUE(reference.ok()) << reference.status();
+  ASSERT_THAT(reference, IsOk());
   absl::StatusOr<std::vector<float>> logits = rounded->ForwardContiguous(tokens);
-  ASSERT_TRUE(logits.ok()) << logits.status();
+  ASSERT_THAT(logits, IsOk());
   const double worst = WorstRowError(*logits, *reference, exact.config().vocab_size);
   std::printf("%s weights rounded to %s: worst relative error %.3g (half the tolerance %.2g)\n",
               architecture, std::string(DTypeName(weights)).c_str(), worst,
@@ -465,11 +466,11 @@ INSTANTIATE_TEST_SUITE_P(Cpu, WeightRoundingTest,
 TEST(TinyBiasedModelsTest, TheirBiasesMoveTheLogitsFarBeyondTheTolerance) {
   const std::vector<int32_t> tokens = {1, 72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100};
   absl::StatusOr<std::vector<float>> llama = Models::Get().host("llama").ForwardContiguous(tokens);
-  ASSERT_TRUE(llama.ok()) << llama.status();
+  ASSERT_THAT(llama, IsOk());
   for (const char* architecture : {"qwen2", "llama-bias"}) {
     absl::StatusOr<std::vector<float>> biased =
         Models::Get().host(architecture).ForwardContiguous(tokens);
-    ASSERT_TRUE(biased.ok()) << biased.status();
+    ASSERT_THAT(biased, IsOk());
     const double moved =
         WorstRowError(*biased, *llama, Models::Get().host("llama").config().vocab_size);
     std::printf("the %s biases move the logits by %.3g relative\n", architecture, moved);
@@ -504,10 +505,10 @@ TEST_F(LlamaCudaModelTest, CopyOrdersMakeDestinationsEqualTheirSources) {
   batch.block_tables = {0, 1, 2, 3};
   batch.max_blocks_per_seq = 4;
   std::vector<float> logits;
-  ASSERT_TRUE(Models::Get().device()->Forward(batch, pools.DevicePool(), &logits).ok());
+  ASSERT_THAT(Models::Get().device()->Forward(batch, pools.DevicePool(), &logits), IsOk());
   const std::vector<kernels::BlockCopy> copies = {{0, 10}, {3, 11}, {2, 40}};
   const absl::Status copied = Models::Get().device()->CopyBlocks(pools.DevicePool(), copies);
-  ASSERT_TRUE(copied.ok()) << copied;
+  ASSERT_THAT(copied, IsOk());
   const std::vector<uint8_t> bytes = pools.DeviceBytes();
   const PoolLayout& layout = pools.layout();
   for (const kernels::BlockCopy& c : copies) {

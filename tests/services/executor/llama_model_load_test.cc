@@ -15,6 +15,7 @@
 #include "services/executor/safetensors.h"
 #include "tests/support/subprocess.h"
 #include "tools/make_tiny_model/tiny_model.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -26,7 +27,7 @@ class LlamaModelLoadTest : public ::testing::Test {
  protected:
   void SetUp() override {
     absl::StatusOr<testing::TempDir> dir = testing::TempDir::Create("kvcm-model-load");
-    ASSERT_TRUE(dir.ok()) << dir.status();
+    ASSERT_THAT(dir, IsOk());
     dir_.emplace(std::move(*dir));
   }
 
@@ -34,7 +35,7 @@ class LlamaModelLoadTest : public ::testing::Test {
   std::string MakeModel(const std::string& name, const TinyModelOptions& options = {}) {
     const std::string folder = dir_->path() + "/" + name;
     const absl::Status s = WriteTinyModel(folder, options);
-    EXPECT_TRUE(s.ok()) << s;
+    EXPECT_THAT(s, IsOk());
     std::printf("tiny model %s: seed %llu\n", name.c_str(),
                 static_cast<unsigned long long>(options.seed));
     return folder;
@@ -47,14 +48,14 @@ class LlamaModelLoadTest : public ::testing::Test {
     std::vector<SafetensorsTensorToWrite> tensors;
     {
       absl::StatusOr<std::unique_ptr<SafetensorsFile>> file = SafetensorsFile::Open(path);
-      ASSERT_TRUE(file.ok()) << file.status();
+      ASSERT_THAT(file, IsOk());
       for (const SafetensorsTensorInfo& t : (*file)->tensors()) {
         const std::span<const std::byte> bytes = (*file)->RawBytes(t.name).value();
         tensors.push_back({t.name, t.dtype, t.shape, {bytes.begin(), bytes.end()}});
       }
     }
     edit(&tensors);
-    ASSERT_TRUE(WriteSafetensors(path, tensors).ok());
+    ASSERT_THAT(WriteSafetensors(path, tensors), IsOk());
   }
 
   std::optional<testing::TempDir> dir_;
@@ -72,7 +73,7 @@ float MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
 TEST_F(LlamaModelLoadTest, GeneratedModelLoadsAndRuns) {
   const std::string folder = MakeModel("m");
   absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(folder);
-  ASSERT_TRUE(model.ok()) << model.status();
+  ASSERT_THAT(model, IsOk());
   const LlamaConfig& c = (*model)->config();
   EXPECT_EQ(c.vocab_size, 320);
   EXPECT_EQ(c.hidden_size, 64);
@@ -84,7 +85,7 @@ TEST_F(LlamaModelLoadTest, GeneratedModelLoadsAndRuns) {
 
   const std::vector<int32_t> prompt = Prompt();
   absl::StatusOr<std::vector<float>> logits = (*model)->ForwardContiguous(prompt);
-  ASSERT_TRUE(logits.ok()) << logits.status();
+  ASSERT_THAT(logits, IsOk());
   ASSERT_EQ(logits->size(), prompt.size() * 320);
   double sum_sq = 0;
   for (const float v : *logits) {
@@ -100,7 +101,7 @@ TEST_F(LlamaModelLoadTest, GeneratedModelLoadsAndRuns) {
   // A prefix's logits do not depend on what follows (causality).
   absl::StatusOr<std::vector<float>> prefix =
       (*model)->ForwardContiguous(std::span<const int32_t>(prompt).first(3));
-  ASSERT_TRUE(prefix.ok());
+  ASSERT_THAT(prefix, IsOk());
   EXPECT_EQ(*prefix, std::vector<float>(logits->begin(), logits->begin() + 3 * 320));
 }
 
@@ -127,8 +128,8 @@ TEST_F(LlamaModelLoadTest, ShardedFolderEqualsSingleFile) {
   ASSERT_TRUE(std::filesystem::exists(three + "/model-00003-of-00003.safetensors"));
   auto a = LlamaModel::Load(one);
   auto b = LlamaModel::Load(three);
-  ASSERT_TRUE(a.ok()) << a.status();
-  ASSERT_TRUE(b.ok()) << b.status();
+  ASSERT_THAT(a, IsOk());
+  ASSERT_THAT(b, IsOk());
   EXPECT_EQ((*a)->ForwardContiguous(Prompt()).value(), (*b)->ForwardContiguous(Prompt()).value());
 }
 
@@ -137,13 +138,13 @@ TEST_F(LlamaModelLoadTest, TiedEmbeddingsNeedNoLmHead) {
   tied.tie_word_embeddings = true;
   const std::string folder = MakeModel("tied", tied);
   auto file = SafetensorsFile::Open(folder + "/model.safetensors");
-  ASSERT_TRUE(file.ok());
+  ASSERT_THAT(file, IsOk());
   EXPECT_EQ((*file)->Find("lm_head.weight"), nullptr);
   auto model = LlamaModel::Load(folder);
-  ASSERT_TRUE(model.ok()) << model.status();
+  ASSERT_THAT(model, IsOk());
   EXPECT_TRUE((*model)->config().tie_word_embeddings);
   auto logits = (*model)->ForwardContiguous(Prompt());
-  ASSERT_TRUE(logits.ok());
+  ASSERT_THAT(logits, IsOk());
   // Different weights from the untied model of the same seed: different logits.
   auto untied = LlamaModel::Load(MakeModel("untied"));
   EXPECT_NE(*logits, (*untied)->ForwardContiguous(Prompt()).value());
@@ -151,7 +152,7 @@ TEST_F(LlamaModelLoadTest, TiedEmbeddingsNeedNoLmHead) {
 
 TEST_F(LlamaModelLoadTest, HalfPrecisionWeightsLoadCloseToFp32) {
   auto fp32 = LlamaModel::Load(MakeModel("fp32"));
-  ASSERT_TRUE(fp32.ok());
+  ASSERT_THAT(fp32, IsOk());
   const std::vector<float> ref = (*fp32)->ForwardContiguous(Prompt()).value();
   float ref_max = 0;
   for (const float v : ref) ref_max = std::max(ref_max, std::abs(v));
@@ -160,7 +161,7 @@ TEST_F(LlamaModelLoadTest, HalfPrecisionWeightsLoadCloseToFp32) {
     options.dtype = dtype;
     const std::string name(DTypeName(dtype));
     auto model = LlamaModel::Load(MakeModel(name, options));
-    ASSERT_TRUE(model.ok()) << model.status();
+    ASSERT_THAT(model, IsOk());
     const float diff = MaxAbsDiff((*model)->ForwardContiguous(Prompt()).value(), ref);
     std::printf("%s weights: max |logit diff| %.4g (max |logit| %.3g)\n", name.c_str(), diff,
                 ref_max);
@@ -253,7 +254,7 @@ TEST_F(LlamaModelLoadTest, MissingFolderPiecesAreNotFound) {
 
 TEST_F(LlamaModelLoadTest, ForwardContiguousRejectsBadTokens) {
   auto model = LlamaModel::Load(MakeModel("m"));
-  ASSERT_TRUE(model.ok());
+  ASSERT_THAT(model, IsOk());
   EXPECT_EQ((*model)->ForwardContiguous({}).status().code(), absl::StatusCode::kInvalidArgument);
   const std::vector<int32_t> bad = {1, 320};
   const absl::Status s = (*model)->ForwardContiguous(bad).status();

@@ -34,6 +34,7 @@
 #include "services/executor/sampler.h"
 #include "tests/support/subprocess.h"
 #include "tools/make_tiny_model/tiny_model.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -137,7 +138,7 @@ std::vector<float> Step(const LlamaModel& model, TestPool& pool,
   }
   std::vector<float> logits;
   const absl::Status s = model.Forward(batch, pool.pool(), &logits, LogitsScope::kAllTokens);
-  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_THAT(s, IsOk());
   for (const auto& [seq, n] : work) seq->cached += n;
   return logits;
 }
@@ -179,7 +180,7 @@ class Checker {
     double worst = 0;
     for (const auto& [seq, rows] : rows_) {
       absl::StatusOr<std::vector<float>> ref = model_.ForwardContiguous(seq->tokens);
-      EXPECT_TRUE(ref.ok()) << ref.status();
+      EXPECT_THAT(ref, IsOk());
       if (!ref.ok()) return INFINITY;
       for (const auto& [position, row] : rows) {
         worst =
@@ -249,7 +250,7 @@ TEST_P(PagedForwardTest, BatchedPrefillThenDecodeMatchesContiguous) {
     // The next token of each: greedy from the last logits the sequence got.
     for (auto& [seq, n] : decode) {
       absl::StatusOr<std::vector<float>> ref = model.ForwardContiguous(seq->tokens);
-      ASSERT_TRUE(ref.ok());
+      ASSERT_THAT(ref, IsOk());
       seq->tokens.push_back(
           Greedy(std::span<const float>(*ref).subspan((seq->tokens.size() - 1) * vocab, vocab)));
     }
@@ -360,7 +361,7 @@ TEST(PagedForwardMiscTest, LastTokenLogitsAreRowsOfAllTokenLogits) {
   auto run = [&](LogitsScope scope) {
     TestPool pool(model.config(), DType::kFloat32, 4, 12, 1);
     std::vector<float> logits;
-    EXPECT_TRUE(model.Forward(batch, pool.pool(), &logits, scope).ok());
+    EXPECT_THAT(model.Forward(batch, pool.pool(), &logits, scope), IsOk());
     return logits;
   };
   const std::vector<float> all = run(LogitsScope::kAllTokens);
@@ -375,14 +376,14 @@ TEST(PagedForwardMiscTest, LastTokenLogitsAreRowsOfAllTokenLogits) {
 // The same paged steps on models with 1 and 4 threads give bitwise equal logits.
 TEST(PagedForwardMiscTest, ResultsDoNotDependOnThreadCount) {
   absl::StatusOr<testing::TempDir> dir = testing::TempDir::Create("kvcm-paged-threads");
-  ASSERT_TRUE(dir.ok());
-  ASSERT_TRUE(WriteTinyModel(dir->path(), TinyModelOptions()).ok());
+  ASSERT_THAT(dir, IsOk());
+  ASSERT_THAT(WriteTinyModel(dir->path(), TinyModelOptions()), IsOk());
   std::vector<std::vector<float>> results;
   for (const int32_t threads : {1, 4}) {
     LlamaModelOptions options;
     options.num_threads = threads;
     auto model = LlamaModel::Load(dir->path(), options);
-    ASSERT_TRUE(model.ok()) << model.status();
+    ASSERT_THAT(model, IsOk());
     std::mt19937_64 rng(5);
     TestPool pool((*model)->config(), DType::kBFloat16, 3, 64, 5);
     Sequence a, b;
@@ -422,7 +423,7 @@ class PagedForwardErrorTest : public ::testing::Test {
   TestPool pool_;
 };
 
-TEST_F(PagedForwardErrorTest, ValidBatchRuns) { EXPECT_TRUE(Run(batch_).ok()); }
+TEST_F(PagedForwardErrorTest, ValidBatchRuns) { EXPECT_THAT(Run(batch_), IsOk()); }
 
 TEST_F(PagedForwardErrorTest, MalformedBatchesAreInvalidNamingTheField) {
   struct Case {

@@ -14,6 +14,7 @@
 #include "gtest/gtest.h"
 #include "services/executor/float16.h"
 #include "tests/support/subprocess.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -24,7 +25,7 @@ using ::testing::HasSubstr;
 
 std::vector<std::byte> Bytes(const std::vector<float>& values, const std::string& dtype) {
   absl::StatusOr<std::vector<std::byte>> bytes = EncodeFloat32As(values, dtype);
-  EXPECT_TRUE(bytes.ok()) << bytes.status();
+  EXPECT_THAT(bytes, IsOk());
   return bytes.value_or(std::vector<std::byte>{});
 }
 
@@ -57,7 +58,7 @@ class SafetensorsTest : public ::testing::Test {
  protected:
   void SetUp() override {
     absl::StatusOr<testing::TempDir> dir = testing::TempDir::Create("kvcm-safetensors");
-    ASSERT_TRUE(dir.ok()) << dir.status();
+    ASSERT_THAT(dir, IsOk());
     dir_.emplace(std::move(*dir));
   }
   std::string Path(const std::string& name) const { return dir_->path() + "/" + name; }
@@ -82,10 +83,10 @@ TEST_F(SafetensorsTest, RoundTripAllDTypesAndMetadata) {
       {"e.empty", "F32", {0, 4}, {}},
       {"f.i64", "I64", {3}, Int64Bytes({1, 2, 3})},
   };
-  ASSERT_TRUE(WriteSafetensors(path, tensors, {{"format", "pt"}}).ok());
+  ASSERT_THAT(WriteSafetensors(path, tensors, {{"format", "pt"}}), IsOk());
 
   absl::StatusOr<std::unique_ptr<SafetensorsFile>> file = SafetensorsFile::Open(path);
-  ASSERT_TRUE(file.ok()) << file.status();
+  ASSERT_THAT(file, IsOk());
   EXPECT_EQ((*file)->metadata().at("format"), "pt");
   EXPECT_EQ((*file)->tensors().size(), 6u);
   EXPECT_THAT((*file)->Find("a.f32")->shape, ElementsAre(2, 3));
@@ -107,7 +108,7 @@ TEST_F(SafetensorsTest, RoundTripAllDTypesAndMetadata) {
 
 TEST_F(SafetensorsTest, HeaderIsPaddedToEightBytes) {
   const std::string path = Path("m.safetensors");
-  ASSERT_TRUE(WriteSafetensors(path, {{"x", "F32", {1}, Bytes({1}, "F32")}}).ok());
+  ASSERT_THAT(WriteSafetensors(path, {{"x", "F32", {1}, Bytes({1}, "F32")}}), IsOk());
   const std::string raw = ReadText(path);
   uint64_t header_len = 0;
   std::memcpy(&header_len, raw.data(), 8);
@@ -134,9 +135,8 @@ TEST_F(SafetensorsTest, MissingFileIsNotFound) {
 
 TEST_F(SafetensorsTest, TruncatedDataIsDataLossNamingTensorAndFile) {
   const std::string path = Path("t.safetensors");
-  ASSERT_TRUE(WriteSafetensors(path, {{"first", "F32", {4}, Bytes({1, 2, 3, 4}, "F32")},
-                                      {"second", "F32", {4}, Bytes({5, 6, 7, 8}, "F32")}})
-                  .ok());
+  ASSERT_THAT(WriteSafetensors(path, {{"first", "F32", {4}, Bytes({1, 2, 3, 4}, "F32")},
+                                      {"second", "F32", {4}, Bytes({5, 6, 7, 8}, "F32")}}), IsOk());
   std::string raw = ReadText(path);
   raw.resize(raw.size() - 3);
   WriteText(path, raw);
@@ -252,16 +252,15 @@ TEST_F(SafetensorsTest, GapsAndEmptyTensorsAreTolerated) {
   const std::string header = R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
                              R"("z":{"dtype":"F32","shape":[0],"data_offsets":[2,2]},)"
                              R"("b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})";
-  EXPECT_TRUE(OpenRaw(RawFile(header, 12)).ok());
+  EXPECT_THAT(OpenRaw(RawFile(header, 12)), IsOk());
 }
 
 // Random byte flips in a valid file must give an error or a valid file, never a crash or
 // an out-of-range read (run under the sanitizers to see the latter).
 TEST_F(SafetensorsTest, RandomCorruptionNeverCrashes) {
   const std::string path = Path("fuzz.safetensors");
-  ASSERT_TRUE(WriteSafetensors(path, {{"alpha", "F32", {2, 2}, Bytes({1, 2, 3, 4}, "F32")},
-                                      {"beta", "BF16", {3}, Bytes({1, 2, 3}, "BF16")}})
-                  .ok());
+  ASSERT_THAT(WriteSafetensors(path, {{"alpha", "F32", {2, 2}, Bytes({1, 2, 3, 4}, "F32")},
+                                      {"beta", "BF16", {3}, Bytes({1, 2, 3}, "BF16")}}), IsOk());
   const std::string original = ReadText(path);
   const uint64_t seed = 20240611;
   std::printf("RandomCorruptionNeverCrashes seed %llu\n", static_cast<unsigned long long>(seed));
@@ -286,17 +285,15 @@ TEST_F(SafetensorsTest, RandomCorruptionNeverCrashes) {
 }
 
 TEST_F(SafetensorsTest, FolderWithIndexLoadsEveryShard) {
-  ASSERT_TRUE(WriteSafetensors(Path("model-00001-of-00002.safetensors"),
-                               {{"a", "F32", {1}, Bytes({1}, "F32")}})
-                  .ok());
-  ASSERT_TRUE(WriteSafetensors(Path("model-00002-of-00002.safetensors"),
-                               {{"b", "F16", {2}, Bytes({2, 3}, "F16")}})
-                  .ok());
+  ASSERT_THAT(WriteSafetensors(Path("model-00001-of-00002.safetensors"),
+                               {{"a", "F32", {1}, Bytes({1}, "F32")}}), IsOk());
+  ASSERT_THAT(WriteSafetensors(Path("model-00002-of-00002.safetensors"),
+                               {{"b", "F16", {2}, Bytes({2, 3}, "F16")}}), IsOk());
   WriteText(Path("model.safetensors.index.json"),
             R"({"metadata":{},"weight_map":{"a":"model-00001-of-00002.safetensors",)"
             R"("b":"model-00002-of-00002.safetensors"}})");
   absl::StatusOr<std::unique_ptr<SafetensorsFolder>> folder = SafetensorsFolder::Open(dir_->path());
-  ASSERT_TRUE(folder.ok()) << folder.status();
+  ASSERT_THAT(folder, IsOk());
   EXPECT_EQ((*folder)->files().size(), 2u);
   EXPECT_THAT((*folder)->LoadFloat32("a").value(), ElementsAre(1));
   EXPECT_THAT((*folder)->LoadFloat32("b").value(), ElementsAre(2, 3));
@@ -304,10 +301,8 @@ TEST_F(SafetensorsTest, FolderWithIndexLoadsEveryShard) {
 }
 
 TEST_F(SafetensorsTest, IndexNamingTheWrongShardIsInvalid) {
-  ASSERT_TRUE(
-      WriteSafetensors(Path("one.safetensors"), {{"a", "F32", {1}, Bytes({1}, "F32")}}).ok());
-  ASSERT_TRUE(
-      WriteSafetensors(Path("two.safetensors"), {{"b", "F32", {1}, Bytes({1}, "F32")}}).ok());
+  ASSERT_THAT(WriteSafetensors(Path("one.safetensors"), {{"a", "F32", {1}, Bytes({1}, "F32")}}), IsOk());
+  ASSERT_THAT(WriteSafetensors(Path("two.safetensors"), {{"b", "F32", {1}, Bytes({1}, "F32")}}), IsOk());
   WriteText(Path("model.safetensors.index.json"),
             R"({"weight_map":{"a":"two.safetensors","b":"two.safetensors"}})");
   const absl::Status s = SafetensorsFolder::Open(dir_->path()).status();
@@ -323,10 +318,8 @@ TEST_F(SafetensorsTest, IndexNamingTheWrongShardIsInvalid) {
 }
 
 TEST_F(SafetensorsTest, TensorInTwoShardsIsInvalid) {
-  ASSERT_TRUE(
-      WriteSafetensors(Path("one.safetensors"), {{"a", "F32", {1}, Bytes({1}, "F32")}}).ok());
-  ASSERT_TRUE(
-      WriteSafetensors(Path("two.safetensors"), {{"a", "F32", {1}, Bytes({2}, "F32")}}).ok());
+  ASSERT_THAT(WriteSafetensors(Path("one.safetensors"), {{"a", "F32", {1}, Bytes({1}, "F32")}}), IsOk());
+  ASSERT_THAT(WriteSafetensors(Path("two.safetensors"), {{"a", "F32", {1}, Bytes({2}, "F32")}}), IsOk());
   const absl::Status s = SafetensorsFolder::Open(dir_->path()).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), AllOf(HasSubstr("\"a\""), HasSubstr("one.safetensors"),

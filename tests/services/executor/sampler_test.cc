@@ -8,6 +8,7 @@
 #include "absl/status/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -21,7 +22,7 @@ Sampler Make(float temperature, float top_p = 1.0f, int32_t top_k = 0, uint64_t 
   p.top_k = top_k;
   p.seed = seed;
   absl::StatusOr<Sampler> sampler = Sampler::Create(p);
-  EXPECT_TRUE(sampler.ok()) << sampler.status();
+  EXPECT_THAT(sampler, IsOk());
   return *sampler;
 }
 

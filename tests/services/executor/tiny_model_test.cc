@@ -26,6 +26,7 @@
 #include "services/executor/sampler.h"
 #include "common/tokenizer/tokenizer.h"
 #include "tests/support/subprocess.h"
+#include "tests/support/status_matchers.h"
 
 #ifndef KVCM_MAKE_TINY_MODEL_PATH
 #error "KVCM_MAKE_TINY_MODEL_PATH must name the kvcm-make-tiny-model binary"
@@ -47,7 +48,7 @@ class TinyModelGenerationTest : public ::testing::Test {
  protected:
   void SetUp() override {
     absl::StatusOr<testing::TempDir> dir = testing::TempDir::Create("kvcm-tiny");
-    ASSERT_TRUE(dir.ok()) << dir.status();
+    ASSERT_THAT(dir, IsOk());
     dir_.emplace(std::move(*dir));
   }
   std::string Path(const std::string& name) const { return dir_->path() + "/" + name; }
@@ -57,10 +58,10 @@ class TinyModelGenerationTest : public ::testing::Test {
 TEST_F(TinyModelGenerationTest, SameSeedSameBytesOtherSeedOtherWeights) {
   TinyModelOptions options;
   options.seed = 11;
-  ASSERT_TRUE(WriteTinyModel(Path("a"), options).ok());
-  ASSERT_TRUE(WriteTinyModel(Path("b"), options).ok());
+  ASSERT_THAT(WriteTinyModel(Path("a"), options), IsOk());
+  ASSERT_THAT(WriteTinyModel(Path("b"), options), IsOk());
   options.seed = 12;
-  ASSERT_TRUE(WriteTinyModel(Path("c"), options).ok());
+  ASSERT_THAT(WriteTinyModel(Path("c"), options), IsOk());
   const std::string a = ReadBytes(Path("a/model.safetensors"));
   EXPECT_EQ(a, ReadBytes(Path("b/model.safetensors")));
   EXPECT_NE(a, ReadBytes(Path("c/model.safetensors")));
@@ -72,16 +73,16 @@ TEST_F(TinyModelGenerationTest, BinaryWritesALoadableModel) {
       testing::RunProgram({KVCM_MAKE_TINY_MODEL_PATH, "--output=" + Path("m"), "--seed=5",
                            "--dtype=bf16", "--tie_word_embeddings"},
                           "", absl::Seconds(60));
-  ASSERT_TRUE(run.ok()) << run.status();
+  ASSERT_THAT(run, IsOk());
   EXPECT_EQ(run->exit_code, 0) << run->output;
   EXPECT_THAT(run->output, HasSubstr("seed 5"));
 
   auto model = LlamaModel::Load(Path("m"));
-  ASSERT_TRUE(model.ok()) << model.status();
+  ASSERT_THAT(model, IsOk());
   EXPECT_EQ((*model)->config().torch_dtype, "bfloat16");
   EXPECT_TRUE((*model)->config().tie_word_embeddings);
   auto file = SafetensorsFile::Open(Path("m/model.safetensors"));
-  ASSERT_TRUE(file.ok());
+  ASSERT_THAT(file, IsOk());
   EXPECT_EQ((*file)->Find("model.norm.weight")->dtype, "BF16");
   EXPECT_EQ((*file)->metadata().at("kvcm_tiny_model_seed"), "5");
 
@@ -90,7 +91,7 @@ TEST_F(TinyModelGenerationTest, BinaryWritesALoadableModel) {
   options.seed = 5;
   options.dtype = DType::kBFloat16;
   options.tie_word_embeddings = true;
-  ASSERT_TRUE(WriteTinyModel(Path("lib"), options).ok());
+  ASSERT_THAT(WriteTinyModel(Path("lib"), options), IsOk());
   EXPECT_EQ(ReadBytes(Path("m/model.safetensors")), ReadBytes(Path("lib/model.safetensors")));
 }
 
@@ -105,13 +106,13 @@ TEST_F(TinyModelGenerationTest, BothRopeSpellingsGiveTheSameLogitsAndTheKeyMatte
   options.rope_scaling = "llama3";
   options.rope_factor = 8.0;
   options.rope_original_max_position_embeddings = 64;
-  ASSERT_TRUE(WriteTinyModel(Path("old"), options).ok());
+  ASSERT_THAT(WriteTinyModel(Path("old"), options), IsOk());
   options.rope_parameters = true;
-  ASSERT_TRUE(WriteTinyModel(Path("new"), options).ok());
+  ASSERT_THAT(WriteTinyModel(Path("new"), options), IsOk());
   options.rope_parameters = false;
   options.rope_theta = 10000.0;
   options.rope_scaling = "";
-  ASSERT_TRUE(WriteTinyModel(Path("plain"), options).ok());
+  ASSERT_THAT(WriteTinyModel(Path("plain"), options), IsOk());
   EXPECT_THAT(ReadBytes(Path("new/config.json")), HasSubstr("rope_parameters"));
   EXPECT_THAT(ReadBytes(Path("new/config.json")), ::testing::Not(HasSubstr("rope_scaling")));
   std::vector<int32_t> prompt;
@@ -119,9 +120,9 @@ TEST_F(TinyModelGenerationTest, BothRopeSpellingsGiveTheSameLogitsAndTheKeyMatte
   std::vector<std::vector<float>> logits;
   for (const char* name : {"old", "new", "plain"}) {
     auto model = LlamaModel::Load(Path(name));
-    ASSERT_TRUE(model.ok()) << model.status();
+    ASSERT_THAT(model, IsOk());
     auto out = (*model)->ForwardContiguous(prompt);
-    ASSERT_TRUE(out.ok()) << out.status();
+    ASSERT_THAT(out, IsOk());
     logits.push_back(*std::move(out));
   }
   EXPECT_EQ(logits[0], logits[1]);
@@ -136,12 +137,12 @@ TEST_F(TinyModelGenerationTest, Qwen2ArchitectureAddsTheQkvBiasesAndKeepsTheOthe
   absl::StatusOr<testing::RunResult> run = testing::RunProgram(
       {KVCM_MAKE_TINY_MODEL_PATH, "--output=" + Path("qwen2"), "--architecture=qwen2"}, "",
       absl::Seconds(60));
-  ASSERT_TRUE(run.ok()) << run.status();
+  ASSERT_THAT(run, IsOk());
   EXPECT_EQ(run->exit_code, 0) << run->output;
-  ASSERT_TRUE(WriteTinyModel(Path("llama"), TinyModelOptions()).ok());
+  ASSERT_THAT(WriteTinyModel(Path("llama"), TinyModelOptions()), IsOk());
 
   auto qwen2 = LlamaModel::Load(Path("qwen2"));
-  ASSERT_TRUE(qwen2.ok()) << qwen2.status();
+  ASSERT_THAT(qwen2, IsOk());
   EXPECT_EQ((*qwen2)->config().architecture, "Qwen2ForCausalLM");
   EXPECT_TRUE((*qwen2)->config().qkv_bias);
   EXPECT_FALSE((*qwen2)->config().o_bias);
@@ -152,7 +153,7 @@ TEST_F(TinyModelGenerationTest, Qwen2ArchitectureAddsTheQkvBiasesAndKeepsTheOthe
   EXPECT_TRUE(std::any_of(layer.v_bias.begin(), layer.v_bias.end(),
                           [](float b) { return std::abs(b) > 0.1f; }));
   auto llama = LlamaModel::Load(Path("llama"));
-  ASSERT_TRUE(llama.ok()) << llama.status();
+  ASSERT_THAT(llama, IsOk());
   EXPECT_FALSE((*llama)->config().qkv_bias);
   EXPECT_EQ((*qwen2)->weights().final_norm, (*llama)->weights().final_norm);
   EXPECT_EQ((*qwen2)->weights().layers[0].input_norm, (*llama)->weights().layers[0].input_norm);
@@ -172,10 +173,10 @@ TEST_F(TinyModelGenerationTest, AttentionBiasAddsTheFourBiases) {
   absl::StatusOr<testing::RunResult> run = testing::RunProgram(
       {KVCM_MAKE_TINY_MODEL_PATH, "--output=" + Path("bias"), "--attention_bias"}, "",
       absl::Seconds(60));
-  ASSERT_TRUE(run.ok()) << run.status();
+  ASSERT_THAT(run, IsOk());
   EXPECT_EQ(run->exit_code, 0) << run->output;
   auto model = LlamaModel::Load(Path("bias"));
-  ASSERT_TRUE(model.ok()) << model.status();
+  ASSERT_THAT(model, IsOk());
   EXPECT_EQ((*model)->config().architecture, "LlamaForCausalLM");
   EXPECT_TRUE((*model)->config().qkv_bias);
   EXPECT_TRUE((*model)->config().o_bias);
@@ -190,7 +191,7 @@ TEST_F(TinyModelGenerationTest, BinaryRejectsBadFlags) {
     std::vector<std::string> argv = {KVCM_MAKE_TINY_MODEL_PATH};
     argv.insert(argv.end(), args.begin(), args.end());
     absl::StatusOr<testing::RunResult> run = testing::RunProgram(argv, "", absl::Seconds(60));
-    ASSERT_TRUE(run.ok()) << run.status();
+    ASSERT_THAT(run, IsOk());
     EXPECT_EQ(run->exit_code, 1) << run->output;
   }
 }
@@ -238,7 +239,7 @@ std::vector<std::vector<int32_t>> Generate(const LlamaModel& model,
     if (in_batch.empty()) break;
     std::vector<float> logits;
     const absl::Status s = model.Forward(batch, pool, &logits);
-    EXPECT_TRUE(s.ok()) << s;
+    EXPECT_THAT(s, IsOk());
     if (!s.ok()) break;
     for (size_t b = 0; b < in_batch.size(); ++b) {
       const size_t i = in_batch[b];
@@ -257,16 +258,16 @@ std::vector<std::vector<int32_t>> Generate(const LlamaModel& model,
 TEST_F(TinyModelGenerationTest, GreedyGenerationIsDeterministicAndNotDegenerate) {
   TinyModelOptions options;
   std::printf("tiny model seed %llu\n", static_cast<unsigned long long>(options.seed));
-  ASSERT_TRUE(WriteTinyModel(Path("m"), options).ok());
+  ASSERT_THAT(WriteTinyModel(Path("m"), options), IsOk());
   std::vector<std::vector<int32_t>> runs;
   std::vector<std::vector<int32_t>> by_thread_count;
   for (const int32_t threads : {1, 3}) {
     LlamaModelOptions model_options;
     model_options.num_threads = threads;
     auto model = LlamaModel::Load(Path("m"), model_options);
-    ASSERT_TRUE(model.ok()) << model.status();
+    ASSERT_THAT(model, IsOk());
     auto tokenizer = LoadTokenizer(Path("m"), (*model)->config().Tokenizer());
-    ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+    ASSERT_THAT(tokenizer, IsOk());
     std::vector<int32_t> prompt = {(*tokenizer)->bos_id()};
     const std::vector<int32_t> text = (*tokenizer)->Encode("Hello, paged world").value();
     prompt.insert(prompt.end(), text.begin(), text.end());
@@ -304,9 +305,9 @@ TEST_F(TinyModelGenerationTest, GreedyGenerationIsDeterministicAndNotDegenerate)
 
 // A seeded sampled request gives the same tokens alone or batched with another request.
 TEST_F(TinyModelGenerationTest, SampledGenerationDependsOnlyOnTheRequestSeed) {
-  ASSERT_TRUE(WriteTinyModel(Path("m"), TinyModelOptions()).ok());
+  ASSERT_THAT(WriteTinyModel(Path("m"), TinyModelOptions()), IsOk());
   auto model = LlamaModel::Load(Path("m"));
-  ASSERT_TRUE(model.ok()) << model.status();
+  ASSERT_THAT(model, IsOk());
   SamplingParams a;
   a.temperature = 0.8f;
   a.top_p = 0.9f;

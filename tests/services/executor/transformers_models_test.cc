@@ -20,6 +20,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "services/executor/llama_model.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -47,12 +48,12 @@ TEST_P(TransformersModelsTest, LogitsAndGreedyTokensEqualTransformers) {
   options.num_threads = 1;
   absl::StatusOr<std::unique_ptr<LlamaModel>> model =
       LlamaModel::Load(std::string(KVCM_REFERENCE_DIR) + "/transformers/" + name, options);
-  ASSERT_TRUE(model.ok()) << model.status();
+  ASSERT_THAT(model, IsOk());
   std::printf("%s: %s\n", name.c_str(), (*model)->config().ToString().c_str());
 
   std::vector<int32_t> tokens = reference["prompt"].get<std::vector<int32_t>>();
   absl::StatusOr<std::vector<float>> logits = (*model)->ForwardContiguous(tokens);
-  ASSERT_TRUE(logits.ok()) << logits.status();
+  ASSERT_THAT(logits, IsOk());
   const size_t vocab = static_cast<size_t>((*model)->config().vocab_size);
   ASSERT_EQ(logits->size(), tokens.size() * vocab);
   double worst = 0;
@@ -69,7 +70,7 @@ TEST_P(TransformersModelsTest, LogitsAndGreedyTokensEqualTransformers) {
   std::vector<int32_t> greedy;
   for (size_t i = 0; i < want["greedy"].size(); ++i) {
     absl::StatusOr<std::vector<float>> step = (*model)->ForwardContiguous(tokens);
-    ASSERT_TRUE(step.ok()) << step.status();
+    ASSERT_THAT(step, IsOk());
     const float* last = step->data() + (tokens.size() - 1) * vocab;
     const auto next = static_cast<int32_t>(std::max_element(last, last + vocab) - last);
     greedy.push_back(next);

@@ -19,6 +19,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/support/subprocess.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm::router {
 namespace {
@@ -48,12 +49,12 @@ class ExecutorLinkTest : public ::testing::Test {
  protected:
   void SetUp() override {
     auto dir = kvcm::testing::TempDir::Create("kvcm-executor-link");
-    ASSERT_TRUE(dir.ok()) << dir.status();
+    ASSERT_THAT(dir, IsOk());
     dir_.emplace(*std::move(dir));
     ExecutorLink::Options options;
     options.endpoint = "ipc://" + dir_->path() + "/router-executors.sock";
     link_ = std::make_unique<ExecutorLink>(context_, &loop_, options);
-    ASSERT_TRUE(link_->Bind().ok());
+    ASSERT_THAT(link_->Bind(), IsOk());
     endpoint_ = options.endpoint;
   }
 

@@ -16,6 +16,7 @@
 #include "gtest/gtest.h"
 #include "tests/services/router/router_stack.h"
 #include "tests/support/subprocess.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -59,7 +60,7 @@ TEST_F(OfficialClientsTest, TextGenerationAndOpenAiClientsWorkUnchanged) {
       {python, KVCM_CLIENTS_SCRIPT, "--url", url_, "--prompt", prompt, "--max-new-tokens",
        std::to_string(n), "--too-long", std::string(100, 'x'), "--chat", chat},
       "", absl::Seconds(120));
-  ASSERT_TRUE(run.ok()) << run.status();
+  ASSERT_THAT(run, IsOk());
   ASSERT_EQ(run->exit_code, 0) << run->output << "\n" << router_->Output();
   const std::vector<std::string> lines = absl::StrSplit(run->output, '\n', absl::SkipEmpty());
   ASSERT_FALSE(lines.empty());

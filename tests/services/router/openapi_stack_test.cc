@@ -33,6 +33,7 @@
 #include "tests/support/http_client.h"
 #include "tests/support/metrics_text.h"
 #include "tests/support/subprocess.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -63,7 +64,7 @@ class OpenApiStackTest : public ::testing::Test {
     ASSERT_TRUE(std::filesystem::exists(kPython))
         << kPython << " is missing: scripts/python-env.sh makes it";
     absl::StatusOr<TempDir> dir = TempDir::Create(absl::StrCat("kvcm-openapi-", ::getpid()));
-    ASSERT_TRUE(dir.ok()) << dir.status();
+    ASSERT_THAT(dir, IsOk());
     dir_ = std::make_unique<TempDir>(std::move(*dir));
     const std::string model = dir_->path() + "/tiny";
     absl::StatusOr<testing::RunResult> made = testing::RunProgram(
@@ -88,25 +89,25 @@ class OpenApiStackTest : public ::testing::Test {
     options.output_path = dir_->path() + "/launch.log";
     options.env = {"TMPDIR=" + dir_->path()};
     absl::StatusOr<std::unique_ptr<Subprocess>> launch = Subprocess::Start(options);
-    ASSERT_TRUE(launch.ok()) << launch.status();
+    ASSERT_THAT(launch, IsOk());
     launch_ = *std::move(launch);
     auto metrics =
         launch_->WaitForLine("kvcm-cache-manager: ready .* endpoint=(\\S+) .*metrics=(\\S+)",
                              absl::Now() + absl::Seconds(60));
-    ASSERT_TRUE(metrics.ok()) << metrics.status() << launch_->Output();
+    ASSERT_THAT(metrics, IsOk()) << launch_->Output();
     metrics_url_ = (*metrics)[2];
     auto ready = launch_->WaitForLine("kvcm-launch: ready http=(\\S+) executors=1",
                                       absl::Now() + absl::Seconds(60));
-    ASSERT_TRUE(ready.ok()) << ready.status() << launch_->Output();
+    ASSERT_THAT(ready, IsOk()) << launch_->Output();
     url_ = (*ready)[1];
   }
 
   // The launcher stops what it started at SIGTERM.
   void TearDown() override {
     if (launch_ == nullptr) return;
-    EXPECT_TRUE(launch_->Signal(SIGTERM).ok());
+    EXPECT_THAT(launch_->Signal(SIGTERM), IsOk());
     absl::StatusOr<int> code = launch_->Wait(absl::Seconds(30));
-    EXPECT_TRUE(code.ok()) << code.status() << launch_->Output();
+    EXPECT_THAT(code, IsOk()) << launch_->Output();
     if (code.ok()) {
       EXPECT_EQ(*code, 0) << testing::Tail(launch_->Output());
     }
@@ -120,11 +121,11 @@ class OpenApiStackTest : public ::testing::Test {
     EXPECT_TRUE(reply.ok() && reply->status == 200) << metrics_url_;
     if (!reply.ok()) return counts;
     absl::StatusOr<testing::MetricsText> text = testing::ParseMetricsText(reply->body);
-    EXPECT_TRUE(text.ok()) << text.status();
+    EXPECT_THAT(text, IsOk());
     if (!text.ok()) return counts;
     for (const std::string& state : kStates) {
       absl::StatusOr<double> value = text->Value("kvcm_cache_blocks", {{"state", state}});
-      EXPECT_TRUE(value.ok()) << state << ": " << value.status();
+      EXPECT_THAT(value, IsOk()) << state << ": " << value.status();
       counts[state] = value.ok() ? static_cast<int64_t>(*value) : -1;
     }
     return counts;
@@ -157,7 +158,7 @@ class OpenApiStackTest : public ::testing::Test {
                                      "--report-dir", dir_->path() + "/report"};
     argv.insert(argv.end(), extra.begin(), extra.end());
     absl::StatusOr<testing::RunResult> run = testing::RunProgram(argv, "", timeout);
-    EXPECT_TRUE(run.ok()) << run.status();
+    EXPECT_THAT(run, IsOk());
     if (!run.ok()) return json();
     std::printf("%s\n", run->output.c_str());
     EXPECT_EQ(run->exit_code, 0) << testing::Tail(launch_->Output());

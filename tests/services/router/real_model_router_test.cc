@@ -32,6 +32,7 @@
 #include "tests/support/http_client.h"
 #include "tests/support/real_model.h"
 #include "tests/support/subprocess.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -76,11 +77,11 @@ class RealModelRouterTest : public ::testing::Test {
     options.head_dim = 64;
     options.dtype = "fp32";
     absl::StatusOr<std::unique_ptr<CacheManagerProcess>> cm = CacheManagerProcess::Start(options);
-    ASSERT_TRUE(cm.ok()) << cm.status();
+    ASSERT_THAT(cm, IsOk());
     cm_ = std::move(*cm);
 
     absl::StatusOr<TempDir> log = TempDir::Create("kvcm-real-router");
-    ASSERT_TRUE(log.ok());
+    ASSERT_THAT(log, IsOk());
     log_ = std::make_unique<TempDir>(std::move(*log));
     Subprocess::Options router;
     router.argv = {kvcm::testing::KvcmBinaryPath("kvcm-router"), "--model", gguf_, "--run-dir",
@@ -88,10 +89,10 @@ class RealModelRouterTest : public ::testing::Test {
                    "--max-total-tokens", "1100"};
     router.output_path = log_->path() + "/router";
     absl::StatusOr<std::unique_ptr<Subprocess>> started = Subprocess::Start(router);
-    ASSERT_TRUE(started.ok()) << started.status();
+    ASSERT_THAT(started, IsOk());
     router_ = std::move(*started);
     auto ready = router_->WaitForLine("ready http=(\\S+)", absl::Now() + absl::Seconds(60));
-    ASSERT_TRUE(ready.ok()) << ready.status() << "\n" << router_->Output();
+    ASSERT_THAT(ready, IsOk()) << "\n" << router_->Output();
     url_ = (*ready)[1];
 
     ExecutorArgs args;
@@ -100,7 +101,7 @@ class RealModelRouterTest : public ::testing::Test {
     args.router = IpcEndpointIn(cm_->run_dir(), kRouterExecutorsSocket);
     args.threads = 2;
     absl::StatusOr<ExecutorProcess> executor = kvcm::testing::StartExecutor(args);
-    ASSERT_TRUE(executor.ok()) << executor.status();
+    ASSERT_THAT(executor, IsOk());
     executor_ = std::make_unique<ExecutorProcess>(std::move(*executor));
     const absl::Time deadline = absl::Now() + absl::Seconds(120);
     while (true) {
@@ -121,7 +122,7 @@ class RealModelRouterTest : public ::testing::Test {
   HttpResponse Post(const std::string& path, const json& body) {
     absl::StatusOr<HttpResponse> reply =
         kvcm::testing::HttpPost(url_ + path, body.dump(), absl::Seconds(120));
-    EXPECT_TRUE(reply.ok()) << reply.status();
+    EXPECT_THAT(reply, IsOk());
     return reply.ok() ? *reply : HttpResponse{};
   }
 

@@ -37,6 +37,7 @@
 #include "tests/support/metrics_text.h"
 #include "tests/support/promtool.h"
 #include "tests/support/subprocess.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -154,13 +155,13 @@ TEST_F(RouterProcessTest, SharedPrefixRequestsComputeFewerPromptTokensAndTheMetr
   ASSERT_TRUE(scraped.ok() && scraped->status == 200);
   absl::StatusOr<kvcm::testing::RunResult> lint =
       kvcm::testing::PromtoolCheckMetrics(scraped->body);
-  ASSERT_TRUE(lint.ok()) << lint.status();
+  ASSERT_THAT(lint, IsOk());
   EXPECT_EQ(lint->exit_code, 0) << lint->output;
 }
 
 TEST_F(RouterProcessTest, TheStepTraceHasALinePerStepWithItsPartsInOrderAndItsTokens) {
   absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-trace");
-  ASSERT_TRUE(dir.ok());
+  ASSERT_THAT(dir, IsOk());
   const std::string trace = dir->path() + "/steps.jsonl";
   ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/256, /*executors=*/2, {"--step-trace", trace}));
   std::vector<std::thread> clients;
@@ -234,7 +235,7 @@ TEST_F(RouterProcessTest, AStepTraceThatCannotBeWrittenStopsTheRouterNamingTheFi
       {KvcmBinaryPath("kvcm-router"), "--model", *model_dir_, "--run-dir", cm_->run_dir(),
        "--port", "0", "--step-trace", trace},
       "", absl::Seconds(30));
-  ASSERT_TRUE(second.ok()) << second.status();
+  ASSERT_THAT(second, IsOk());
   EXPECT_NE(second->exit_code, 0);
   EXPECT_THAT(second->output, HasSubstr("cannot open the step trace " + trace));
 }
@@ -284,7 +285,7 @@ TEST_F(RouterProcessTest, AStepLongerThanTheSilenceDeadlineKeepsItsExecutor) {
   const std::string prompt = "a slow step";
   absl::StatusOr<HttpResponse> reply =
       HttpPost(url_ + "/generate", GenerateBody(prompt, 2), absl::Seconds(60));
-  ASSERT_TRUE(reply.ok()) << reply.status();
+  ASSERT_THAT(reply, IsOk());
   ASSERT_EQ(reply->status, 200) << reply->body;
   EXPECT_EQ(TokenIds(reply->body), Reference(prompt, 2));
   EXPECT_THAT(router_->Output(), Not(HasSubstr("silent for more than"))) << router_->Output();
@@ -303,11 +304,11 @@ TEST_F(RouterProcessTest, APoolOfFewBlocksForcesPreemptionAndEveryRequestStillGe
     EXPECT_EQ(requests->got[i], Reference(texts[i], 30)) << i;
   }
   EXPECT_TRUE(AwaitNoBlockInUse());
-  ASSERT_TRUE(router_->Signal(SIGTERM).ok());
-  ASSERT_TRUE(router_->Wait(absl::Seconds(10)).ok());
+  ASSERT_THAT(router_->Signal(SIGTERM), IsOk());
+  ASSERT_THAT(router_->Wait(absl::Seconds(10)), IsOk());
   auto summary = router_->WaitForLine("stopping after [0-9]+ step\\(s\\), ([0-9]+) preemption",
                                       absl::Now() + absl::Seconds(5));
-  ASSERT_TRUE(summary.ok()) << router_->Output();
+  ASSERT_THAT(summary, IsOk()) << router_->Output();
   int preemptions = 0;
   ASSERT_TRUE(absl::SimpleAtoi((*summary)[1], &preemptions));
   EXPECT_GT(preemptions, 0) << "the pool was meant to be too small";
@@ -361,7 +362,7 @@ TEST_F(RouterProcessTest, BadRequestsGetTheirStatusAndLeaveTheLedgerWhole) {
   for (const Bad& bad : cases) {
     SCOPED_TRACE(bad.body);
     absl::StatusOr<HttpResponse> reply = HttpPost(url_ + bad.path, bad.body);
-    ASSERT_TRUE(reply.ok()) << reply.status();
+    ASSERT_THAT(reply, IsOk());
     EXPECT_EQ(reply->status, bad.status) << reply->body;
     const json error = json::parse(reply->body, nullptr, false);
     ASSERT_FALSE(error.is_discarded()) << reply->body;
@@ -377,7 +378,7 @@ TEST_F(RouterProcessTest, BadRequestsGetTheirStatusAndLeaveTheLedgerWhole) {
   EXPECT_EQ(stats.in_use_blocks, 0);
   ExpectWhole(stats);
   absl::StatusOr<HttpResponse> fine = HttpPost(url_ + "/generate", GenerateBody("ok", 3));
-  ASSERT_TRUE(fine.ok());
+  ASSERT_THAT(fine, IsOk());
   EXPECT_EQ(fine->status, 200) << fine->body;
   EXPECT_EQ(TokenIds(fine->body), Reference("ok", 3));
 }
@@ -424,7 +425,7 @@ TEST_F(RouterProcessTest, AnExecutorKilledMidGenerationChangesNoToken) {
   std::unique_ptr<Requests> requests = StartRequests(texts, 40);
   // A few steps in, every request generating.
   ASSERT_TRUE(AwaitGenerating(4, 8)) << router_->Output();
-  ASSERT_TRUE(executors_[1].process->Signal(SIGKILL).ok());
+  ASSERT_THAT(executors_[1].process->Signal(SIGKILL), IsOk());
   const int done_at_kill = requests->done.load();
   requests->Join();
   EXPECT_EQ(done_at_kill, 0) << "the kill came too late to be mid-generation";
@@ -451,9 +452,9 @@ TEST_F(RouterProcessTest, AHungExecutorsSequencesAreFreedWithDrainAndFinishElsew
   std::unique_ptr<Requests> requests = StartRequests(texts, 30);
   // A few steps in, every request generating.
   ASSERT_TRUE(AwaitGenerating(4, 8)) << router_->Output();
-  ASSERT_TRUE(executors_[1].process->Signal(SIGSTOP).ok());
+  ASSERT_THAT(executors_[1].process->Signal(SIGSTOP), IsOk());
   const int done_at_stop = requests->done.load();
-  ASSERT_TRUE(router_->WaitForLine("may still be writing", absl::Now() + absl::Seconds(20)).ok())
+  ASSERT_THAT(router_->WaitForLine("may still be writing", absl::Now() + absl::Seconds(20)), IsOk())
       << router_->Output();
   // While it is stopped its sequences' blocks drain: never handed out again.
   int32_t draining = 0;
@@ -470,7 +471,7 @@ TEST_F(RouterProcessTest, AHungExecutorsSequencesAreFreedWithDrainAndFinishElsew
   }
   EXPECT_GT(Stats().draining_blocks, 0) << "the fence did not wait for the stopped executor";
   // Resumed, it ends (or finishes) its step and acknowledges: the blocks come back.
-  ASSERT_TRUE(executors_[1].process->Signal(SIGCONT).ok());
+  ASSERT_THAT(executors_[1].process->Signal(SIGCONT), IsOk());
   const absl::Time deadline = absl::Now() + absl::Seconds(20);
   while (Stats().draining_blocks > 0 && absl::Now() < deadline) {
     absl::SleepFor(absl::Milliseconds(50));
@@ -486,11 +487,11 @@ TEST_F(RouterProcessTest, ASecondRouterOnTheSameRunDirectoryRefusesToStartAndThe
       {KvcmBinaryPath("kvcm-router"), "--model", *model_dir_, "--run-dir", cm_->run_dir(),
        "--port", "0"},
       "", absl::Seconds(30));
-  ASSERT_TRUE(second.ok()) << second.status();
+  ASSERT_THAT(second, IsOk());
   EXPECT_NE(second->exit_code, 0);
   EXPECT_THAT(second->output, HasSubstr("another router listens on"));
   absl::StatusOr<HttpResponse> reply = HttpPost(url_ + "/generate", GenerateBody("still me", 3));
-  ASSERT_TRUE(reply.ok());
+  ASSERT_THAT(reply, IsOk());
   EXPECT_EQ(reply->status, 200) << reply->body;
   EXPECT_EQ(TokenIds(reply->body), Reference("still me", 3));
   EXPECT_TRUE(AwaitNoBlockInUse());
@@ -498,19 +499,19 @@ TEST_F(RouterProcessTest, ASecondRouterOnTheSameRunDirectoryRefusesToStartAndThe
 
 TEST_F(RouterProcessTest, ACacheManagerKilledUnderLoadRestartsAndEveryRequestCompletes) {
   absl::StatusOr<TempDir> run_dir = TempDir::Create("kvcm-rrd");
-  ASSERT_TRUE(run_dir.ok());
+  ASSERT_THAT(run_dir, IsOk());
   ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/256, /*executors=*/1, {},
                                      {"--fault-layer-delay-ms", "3"}, run_dir->path()));
   std::vector<std::string> texts = {"survive a restart", "me too", "and me, please"};
   std::unique_ptr<Requests> requests = StartRequests(texts, 40);
   ASSERT_TRUE(AwaitGenerating(3, 6)) << router_->Output();  // under load
-  ASSERT_TRUE(cm_->process().Signal(SIGKILL).ok());
+  ASSERT_THAT(cm_->process().Signal(SIGKILL), IsOk());
   const int done_at_kill = requests->done.load();
   (void)cm_->process().Wait(absl::Seconds(10));
   cm_.reset();  // the run directory is the test's: it stays
   absl::StatusOr<std::unique_ptr<CacheManagerProcess>> restarted =
       CacheManagerProcess::Start(ManagerOptions(256, run_dir->path()));
-  ASSERT_TRUE(restarted.ok()) << restarted.status();
+  ASSERT_THAT(restarted, IsOk());
   cm_ = std::move(*restarted);
   requests->Join();
   EXPECT_EQ(done_at_kill, 0) << "the kill came too late to be under load";
@@ -528,18 +529,18 @@ TEST_F(RouterProcessTest, SigtermFinishesTheRunningRequestsRefusesNewOnesAndExit
                                      {"--fault-layer-delay-ms", "3"}));
   std::unique_ptr<Requests> running = StartRequests({"finish me first"}, 60);
   ASSERT_TRUE(AwaitGenerating(1, 3)) << router_->Output();  // a few of its 60 steps in
-  ASSERT_TRUE(router_->Signal(SIGTERM).ok());
-  ASSERT_TRUE(router_->WaitForLine("finishing 1 request", absl::Now() + absl::Seconds(10)).ok())
+  ASSERT_THAT(router_->Signal(SIGTERM), IsOk());
+  ASSERT_THAT(router_->WaitForLine("finishing 1 request", absl::Now() + absl::Seconds(10)), IsOk())
       << router_->Output();
   absl::StatusOr<HttpResponse> late = HttpPost(url_ + "/generate", GenerateBody("too late", 3));
-  ASSERT_TRUE(late.ok()) << late.status();
+  ASSERT_THAT(late, IsOk());
   EXPECT_EQ(late->status, 503) << late->body;
   EXPECT_THAT(late->body, HasSubstr("shutting down"));
   running->Join();
   EXPECT_EQ(running->errors[0], "");
   EXPECT_EQ(running->got[0], Reference("finish me first", 60));
   absl::StatusOr<int> exit_code = router_->Wait(absl::Seconds(15));
-  ASSERT_TRUE(exit_code.ok()) << exit_code.status() << "\n" << router_->Output();
+  ASSERT_THAT(exit_code, IsOk()) << "\n" << router_->Output();
   EXPECT_EQ(*exit_code, 0) << router_->Output();
   router_.reset();
   EXPECT_TRUE(AwaitNoBlockInUse());
@@ -550,7 +551,7 @@ TEST_F(RouterProcessTest, ARestartedRouterGetsItsExecutorsBackAndTheDeadOnesProm
   const std::string prompt(44, 'p');  // BOS + 44 bytes: 11 full blocks of 4
   absl::StatusOr<HttpResponse> first = HttpPost(url_ + "/generate", GenerateBody(prompt, 4));
   ASSERT_TRUE(first.ok() && first->status == 200);
-  ASSERT_TRUE(router_->Signal(SIGKILL).ok());
+  ASSERT_THAT(router_->Signal(SIGKILL), IsOk());
   (void)router_->Wait(absl::Seconds(10));
   // A new router on the same run directory: the executor registers with it by itself.
   ASSERT_NO_FATAL_FAILURE(StartRouter({}));
@@ -569,7 +570,7 @@ TEST_F(RouterProcessTest, OpenAiCompletionsGiveTheReferenceTokensUsageAndCachedT
   const std::vector<int32_t> want = Reference(prompt, 6);
   auto post = [&](const json& body) {
     absl::StatusOr<HttpResponse> reply = HttpPost(url_ + "/v1/completions", body.dump());
-    EXPECT_TRUE(reply.ok()) << reply.status();
+    EXPECT_THAT(reply, IsOk());
     return reply.ok() ? *reply : HttpResponse{};
   };
   const json greedy = {{"model", "tiny"}, {"prompt", prompt}, {"max_tokens", 6},
@@ -775,7 +776,7 @@ TEST_F(RouterProcessTest, GenerationConfigEosIdsEndGenerationToo) {
   const int32_t stop = plain[3];
   ASSERT_EQ(std::count(plain.begin(), plain.begin() + 3, stop), 0) << "pick another prompt";
   absl::StatusOr<TempDir> copy = TempDir::Create("kvcm-gencfg");
-  ASSERT_TRUE(copy.ok());
+  ASSERT_THAT(copy, IsOk());
   std::filesystem::copy_file(*model_dir_ + "/config.json", copy->path() + "/config.json");
   {
     std::ofstream out(copy->path() + "/generation_config.json");
@@ -800,7 +801,7 @@ TEST_F(RouterProcessTest, GenerationConfigEosIdsEndGenerationToo) {
       {KvcmBinaryPath("kvcm-router"), "--model", copy->path(), "--run-dir", cm_->run_dir(),
        "--port", "0"},
       "", absl::Seconds(30));
-  ASSERT_TRUE(refused.ok());
+  ASSERT_THAT(refused, IsOk());
   EXPECT_NE(refused->exit_code, 0);
   EXPECT_THAT(refused->output, HasSubstr("generation_config.json: eos_token_id"));
 }
@@ -884,7 +885,7 @@ TEST_F(RouterProcessTest, SeveralAnswersToOnePromptAreEachTheAnswerOfItsOwnSeed)
       url_ + "/generate",
       json{{"inputs", prompt},
            {"parameters", {{"do_sample", true}, {"best_of", 2}, {"seed", 4}}}}.dump());
-  ASSERT_TRUE(seeded.ok());
+  ASSERT_THAT(seeded, IsOk());
   EXPECT_EQ(seeded->status, 422) << seeded->body;
   EXPECT_TRUE(AwaitNoBlockInUse());
   ExpectWhole(Stats());

@@ -36,6 +36,7 @@
 #include "gtest/gtest.h"
 #include "tests/services/router/router_stack.h"
 #include "tests/support/wait_for.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -212,12 +213,12 @@ TEST_F(RouterSecurityTest, OversizedBodiesHeadersAndPromptsAreRefusedAndTheLedge
       RouterMetric("kvcm_router_requests_total", {{"api", "tgi"}, {"outcome", "invalid"}});
   absl::StatusOr<HttpResponse> long_prompt =
       HttpPost(url_ + "/generate", json{{"inputs", std::string(50, 'x')}}.dump());
-  ASSERT_TRUE(long_prompt.ok());
+  ASSERT_THAT(long_prompt, IsOk());
   EXPECT_EQ(long_prompt->status, 422);
   EXPECT_THAT(long_prompt->body, HasSubstr("less than 40 tokens"));
   absl::StatusOr<HttpResponse> too_many_new =
       HttpPost(url_ + "/generate", R"({"inputs": "a", "parameters": {"max_new_tokens": 59}})");
-  ASSERT_TRUE(too_many_new.ok());
+  ASSERT_THAT(too_many_new, IsOk());
   EXPECT_EQ(too_many_new->status, 422);
   EXPECT_THAT(too_many_new->body, HasSubstr("must be <= 60"));
   EXPECT_EQ(RouterMetric("kvcm_router_requests_total", {{"api", "tgi"}, {"outcome", "invalid"}}),
@@ -228,7 +229,7 @@ TEST_F(RouterSecurityTest, OversizedBodiesHeadersAndPromptsAreRefusedAndTheLedge
   EXPECT_EQ(stats.live_sequences, 0);
   ExpectWhole(stats);
   absl::StatusOr<HttpResponse> fine = HttpPost(url_ + "/generate", GenerateBody("ok", 3));
-  ASSERT_TRUE(fine.ok());
+  ASSERT_THAT(fine, IsOk());
   EXPECT_EQ(fine->status, 200) << fine->body;
   EXPECT_EQ(TokenIds(fine->body), Reference("ok", 3));
 }
@@ -275,7 +276,7 @@ TEST_F(RouterSecurityTest, SlowlorisConnectionsAreDroppedAtTheRequestDeadlineWhi
     if (++tick % 4 == 0) {
       absl::StatusOr<HttpResponse> reply =
           HttpPost(url_ + "/generate", GenerateBody(absl::StrCat("hi ", served % 3), 2));
-      ASSERT_TRUE(reply.ok()) << reply.status();
+      ASSERT_THAT(reply, IsOk());
       ASSERT_EQ(reply->status, 200) << reply->body;
       EXPECT_EQ(TokenIds(reply->body), Reference(absl::StrCat("hi ", served % 3), 2));
       ++served;
@@ -334,10 +335,10 @@ TEST_F(RouterSecurityTest, NoLogOfAStackWithATcpExecutorCarriesTheSecret) {
   CacheManagerOptions options = ManagerOptions(/*num_blocks=*/64, "");
   options.extra_args = {"--tcp-address", "tcp://127.0.0.1:0"};
   auto started = CacheManagerProcess::Start(options);
-  ASSERT_TRUE(started.ok()) << started.status();
+  ASSERT_THAT(started, IsOk());
   cm_ = std::move(*started);
   auto tcp = cm_->process().WaitForLine(" tcp=(tcp://[0-9.:]+)", absl::Now() + absl::Seconds(5));
-  ASSERT_TRUE(tcp.ok()) << tcp.status();
+  ASSERT_THAT(tcp, IsOk());
   const std::string secret_file = cm_->run_dir() + "/tcp-secret";
   const std::string secret(absl::StripAsciiWhitespace(ReadFileOrEmpty(secret_file)));
   ASSERT_GE(secret.size(), 32u);
@@ -359,25 +360,25 @@ TEST_F(RouterSecurityTest, NoLogOfAStackWithATcpExecutorCarriesTheSecret) {
     return argv;
   };
   auto log_dir = TempDir::Create("kvcm-sec");
-  ASSERT_TRUE(log_dir.ok());
+  ASSERT_THAT(log_dir, IsOk());
   Subprocess::Options executor;
   executor.argv = over_tcp({"--cache-manager-secret-file", secret_file});
   executor.output_path = log_dir->path() + "/executor";
   auto with_secret = Subprocess::Start(executor);
-  ASSERT_TRUE(with_secret.ok()) << with_secret.status();
+  ASSERT_THAT(with_secret, IsOk());
   auto ready = (*with_secret)->WaitForLine("kvcm-executor: ready", absl::Now() + absl::Seconds(60));
-  ASSERT_TRUE(ready.ok()) << ready.status();
+  ASSERT_THAT(ready, IsOk());
   ASSERT_NO_FATAL_FAILURE(AwaitExecutors(1));
   // Without the secret file: refused, saying why.
   args.name = "exec-nosecret";
   auto refused = RunProgram(over_tcp({}), "", absl::Seconds(60));
-  ASSERT_TRUE(refused.ok()) << refused.status();
+  ASSERT_THAT(refused, IsOk());
   EXPECT_NE(refused->exit_code, 0);
   EXPECT_THAT(refused->output, HasSubstr("tcp-secret")) << refused->output;
   for (int i = 0; i < 3; ++i) {
     absl::StatusOr<HttpResponse> reply =
         HttpPost(url_ + "/generate", GenerateBody(absl::StrCat("secret ", i), 3));
-    ASSERT_TRUE(reply.ok());
+    ASSERT_THAT(reply, IsOk());
     EXPECT_EQ(reply->status, 200) << reply->body;
     EXPECT_EQ(TokenIds(reply->body), Reference(absl::StrCat("secret ", i), 3));
   }
@@ -398,11 +399,11 @@ TEST_F(RouterSecurityTest, AnEmptyPromptIsRefusedAndTheRouterKeepsServing) {
   // Prompts of this model get no BOS: an empty text is a prompt of no tokens, which the
   // planner cannot run (its KVCM_CHECK aborted the router).
   router_model_dir_ = dir_->path() + "/tiny-without-bos";
-  ASSERT_TRUE(MakeModelWithoutBos(router_model_dir_).ok());
+  ASSERT_THAT(MakeModelWithoutBos(router_model_dir_), IsOk());
   ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/64, /*executors=*/1));
   const pid_t pid = router_->pid();
   absl::StatusOr<HttpResponse> tokenized = HttpPost(url_ + "/tokenize", R"({"inputs": "ok"})");
-  ASSERT_TRUE(tokenized.ok()) << tokenized.status();
+  ASSERT_THAT(tokenized, IsOk());
   ASSERT_EQ(tokenized->status, 200) << tokenized->body;
   ASSERT_EQ(json::parse(tokenized->body).size(), 2u) << "the tokenizer adds a BOS";
 
@@ -422,7 +423,7 @@ TEST_F(RouterSecurityTest, AnEmptyPromptIsRefusedAndTheRouterKeepsServing) {
   for (const Case& c : tgi) {
     SCOPED_TRACE(c.path + " " + c.body);
     absl::StatusOr<HttpResponse> reply = HttpPost(url_ + c.path, c.body);
-    ASSERT_TRUE(reply.ok()) << reply.status() << "\n" << Tail(router_->Output());
+    ASSERT_THAT(reply, IsOk()) << "\n" << Tail(router_->Output());
     EXPECT_EQ(reply->status, 422) << reply->body;
     const json error = ErrorOf(*reply);
     ASSERT_TRUE(error.is_object()) << reply->body;
@@ -435,7 +436,7 @@ TEST_F(RouterSecurityTest, AnEmptyPromptIsRefusedAndTheRouterKeepsServing) {
   for (const Case& c : openai) {
     SCOPED_TRACE(c.path + " " + c.body);
     absl::StatusOr<HttpResponse> reply = HttpPost(url_ + c.path, c.body);
-    ASSERT_TRUE(reply.ok()) << reply.status() << "\n" << Tail(router_->Output());
+    ASSERT_THAT(reply, IsOk()) << "\n" << Tail(router_->Output());
     EXPECT_EQ(reply->status, 400) << reply->body;
     const json error = ErrorOf(*reply);
     ASSERT_TRUE(error.is_object() && error.contains("error") && error["error"].is_object())
@@ -453,7 +454,7 @@ TEST_F(RouterSecurityTest, AnEmptyPromptIsRefusedAndTheRouterKeepsServing) {
 
   // A prompt of two bytes is two tokens, no BOS, and gets the model's tokens for them.
   absl::StatusOr<HttpResponse> fine = HttpPost(url_ + "/generate", GenerateBody("ok", 3));
-  ASSERT_TRUE(fine.ok()) << fine.status();
+  ASSERT_THAT(fine, IsOk());
   ASSERT_EQ(fine->status, 200) << fine->body;
   std::vector<int32_t> want = ReferenceGreedy(*model_, {3 + 'o', 3 + 'k'}, 3);
   const std::vector<int32_t>& eos = model_->config().eos_token_ids;
@@ -498,7 +499,7 @@ TEST_F(RouterSecurityTest, ADeeplyNestedBodyIsRefusedOnEveryRouteAndTheRouterKee
   for (const Case& c : cases) {
     SCOPED_TRACE(c.path + " " + c.body.substr(0, 80));
     absl::StatusOr<HttpResponse> reply = HttpPost(url_ + c.path, c.body);
-    ASSERT_TRUE(reply.ok()) << reply.status() << "\n" << Tail(router_->Output());
+    ASSERT_THAT(reply, IsOk()) << "\n" << Tail(router_->Output());
     EXPECT_EQ(reply->status, c.status) << reply->body.substr(0, 300);
     const json error = ErrorOf(*reply);
     ASSERT_TRUE(error.is_object()) << reply->body.substr(0, 300);
@@ -516,12 +517,12 @@ TEST_F(RouterSecurityTest, ADeeplyNestedBodyIsRefusedOnEveryRouteAndTheRouterKee
                                R"("details": true}, "nested": )" +
                                Nested(63) + "}";
   absl::StatusOr<HttpResponse> served = HttpPost(url_ + "/generate", at_limit);
-  ASSERT_TRUE(served.ok()) << served.status();
+  ASSERT_THAT(served, IsOk());
   EXPECT_EQ(served->status, 200) << served->body;
   EXPECT_EQ(TokenIds(served->body), Reference("ok", 2));
   const std::string past_limit = R"({"inputs": "ok", "nested": )" + Nested(64) + "}";
   absl::StatusOr<HttpResponse> refused = HttpPost(url_ + "/generate", past_limit);
-  ASSERT_TRUE(refused.ok()) << refused.status();
+  ASSERT_THAT(refused, IsOk());
   EXPECT_EQ(refused->status, 422) << refused->body;
   ASSERT_TRUE(StillServing(url_, *router_, pid));
   ExpectWhole(Stats());
@@ -552,7 +553,7 @@ TEST_F(RouterSecurityTest, AHugeUnsupportedValueIsEchoedAsAShortPrefix) {
   for (const Case& c : cases) {
     SCOPED_TRACE(c.path + " " + c.body.substr(0, 80));
     absl::StatusOr<HttpResponse> reply = HttpPost(url_ + c.path, c.body);
-    ASSERT_TRUE(reply.ok()) << reply.status();
+    ASSERT_THAT(reply, IsOk());
     EXPECT_EQ(reply->status, c.status);
     EXPECT_LT(reply->body.size(), 1024u) << reply->body.substr(0, 300);
     const json error = ErrorOf(*reply);
@@ -573,19 +574,19 @@ TEST_F(RouterSecurityTest, TokenizeRefusesAnInputOverMaxInputTokensInsteadOfAnsw
   // 39 bytes and BOS: 40 ids, the most a prompt may have.
   absl::StatusOr<HttpResponse> fits =
       HttpPost(url_ + "/tokenize", json{{"inputs", std::string(39, '7')}}.dump());
-  ASSERT_TRUE(fits.ok()) << fits.status();
+  ASSERT_THAT(fits, IsOk());
   EXPECT_EQ(fits->status, 200) << fits->body;
   EXPECT_EQ(json::parse(fits->body, nullptr, false).size(), 40u);
   absl::StatusOr<HttpResponse> over =
       HttpPost(url_ + "/tokenize", json{{"inputs", std::string(40, '7')}}.dump());
-  ASSERT_TRUE(over.ok()) << over.status();
+  ASSERT_THAT(over, IsOk());
   EXPECT_EQ(over->status, 422) << over->body;
   EXPECT_THAT(over->body, HasSubstr("less than 40 tokens. Given: 41"));
   // 1 MB of digits (under --max-request-body-bytes) was a 22 MB reply of one entry per id.
   absl::StatusOr<HttpResponse> huge =
       HttpPost(url_ + "/tokenize", json{{"inputs", std::string(1000000, '7')}}.dump(),
                absl::Seconds(30));
-  ASSERT_TRUE(huge.ok()) << huge.status();
+  ASSERT_THAT(huge, IsOk());
   EXPECT_EQ(huge->status, 422) << huge->body.substr(0, 300);
   EXPECT_LT(huge->body.size(), 1024u);
   const json error = ErrorOf(*huge);
@@ -625,7 +626,7 @@ TEST_F(RouterSecurityTest, SilentConnectionsPastTheFdLimitAreShedAndExecutorsSti
   }
   auto stopped = router_->WaitForLine("not accepting HTTP connections",
                                       absl::Now() + absl::Seconds(30));
-  ASSERT_TRUE(stopped.ok()) << stopped.status() << "\n" << Tail(router_->Output());
+  ASSERT_THAT(stopped, IsOk()) << "\n" << Tail(router_->Output());
   ASSERT_EQ(silent.size() + reset_at_connect, kFlood)
       << "connections the router did not take in 30 s";
   // Those past what the router keeps are closed as they arrive (a reset), not left waiting
@@ -659,11 +660,11 @@ TEST_F(RouterSecurityTest, SilentConnectionsPastTheFdLimitAreShedAndExecutorsSti
   args.name = "exec-late";
   args.threads = 1;
   absl::StatusOr<ExecutorProcess> late = StartExecutor(args);
-  ASSERT_TRUE(late.ok()) << late.status();
+  ASSERT_THAT(late, IsOk());
   executors_.push_back(std::move(*late));
   auto registered = router_->WaitForLine(R"(\(exec-late, pid [0-9]+\) registered)",
                                          absl::Now() + absl::Seconds(30));
-  ASSERT_TRUE(registered.ok()) << registered.status() << "\n" << Tail(router_->Output());
+  ASSERT_THAT(registered, IsOk()) << "\n" << Tail(router_->Output());
 
   // Once the silent connections go, a fresh connection is served again.
   std::move(close_silent).Invoke();
@@ -674,9 +675,8 @@ TEST_F(RouterSecurityTest, SilentConnectionsPastTheFdLimitAreShedAndExecutorsSti
     ASSERT_LT(absl::Now(), served_by) << Tail(router_->Output());
     absl::SleepFor(absl::Milliseconds(20));
   }
-  EXPECT_TRUE(router_->WaitForLine("accepting HTTP connections again",
-                                   absl::Now() + absl::Seconds(30))
-                  .ok());
+  EXPECT_THAT(router_->WaitForLine("accepting HTTP connections again",
+                                   absl::Now() + absl::Seconds(30)), IsOk());
   ASSERT_TRUE(StillServing(url_, *router_, pid));
   ASSERT_NO_FATAL_FAILURE(AwaitExecutors(2));
   EXPECT_GE(RouterMetric("kvcm_router_http_connections_shed_total"), kFlood - kLimit);
@@ -687,7 +687,7 @@ TEST_F(RouterSecurityTest, SilentConnectionsPastTheFdLimitAreShedAndExecutorsSti
   EXPECT_LT(log_growth, 4096u) << Tail(router_->Output());
 
   absl::StatusOr<HttpResponse> fine = HttpPost(url_ + "/generate", GenerateBody("after", 3));
-  ASSERT_TRUE(fine.ok()) << fine.status();
+  ASSERT_THAT(fine, IsOk());
   EXPECT_EQ(fine->status, 200) << fine->body;
   EXPECT_EQ(TokenIds(fine->body), Reference("after", 3));
   ASSERT_TRUE(AwaitNoBlockInUse());
@@ -783,9 +783,8 @@ TEST_F(RouterSecurityTest, UnstreamedRequestsWhoseClientsLeaveAreCancelledAndFre
     ASSERT_TRUE(SendAll(fd, request));
   }
   // Every one generating, holding blocks.
-  ASSERT_TRUE(WaitFor([&] { return RouterMetric("kvcm_router_running_sequences") == 5; },
-                      absl::Seconds(20), "the five requests to run")
-                  .ok())
+  ASSERT_THAT(WaitFor([&] { return RouterMetric("kvcm_router_running_sequences") == 5; },
+                      absl::Seconds(20), "the five requests to run"), IsOk())
       << Tail(router_->Output());
   EXPECT_GT(Stats().in_use_blocks, 0);
   const double generated_at_close = RouterMetric("kvcm_router_generated_tokens_total");
@@ -800,7 +799,7 @@ TEST_F(RouterSecurityTest, UnstreamedRequestsWhoseClientsLeaveAreCancelledAndFre
                    openai_cancelled_before + 2;
       },
       absl::Seconds(10), "the five requests to be counted cancelled");
-  EXPECT_TRUE(counted.ok()) << counted << "\n" << Tail(router_->Output());
+  EXPECT_THAT(counted, IsOk()) << "\n" << Tail(router_->Output());
   EXPECT_TRUE(AwaitNoBlockInUse()) << Tail(router_->Output());
   EXPECT_EQ(RouterMetric("kvcm_router_running_sequences"), 0);
   EXPECT_EQ(RouterMetric("kvcm_router_requests_total", tgi_ok) +
@@ -853,7 +852,7 @@ TEST_F(RouterSecurityTest, ATinyTemperatureGivesFiniteLogprobsOnEveryApi) {
             {{"max_new_tokens", 4}, {"details", true}, {"do_sample", true},
              {"temperature", 1e-40}, {"top_n_tokens", 5}}}}
           .dump());
-  ASSERT_TRUE(tgi.ok()) << tgi.status();
+  ASSERT_THAT(tgi, IsOk());
   ASSERT_EQ(tgi->status, 200) << tgi->body;
   EXPECT_EQ(TokenIds(tgi->body), Reference("ok", 4));
   const json details = json::parse(tgi->body)["details"];
@@ -872,7 +871,7 @@ TEST_F(RouterSecurityTest, ATinyTemperatureGivesFiniteLogprobsOnEveryApi) {
             {{"max_new_tokens", 4}, {"do_sample", true}, {"temperature", 1e-40},
              {"top_n_tokens", 5}}}}
           .dump());
-  ASSERT_TRUE(stream.ok()) << stream.status();
+  ASSERT_THAT(stream, IsOk());
   ASSERT_EQ(stream->status, 200) << stream->body;
   for (absl::string_view line : absl::StrSplit(stream->body, '\n')) {
     if (!absl::ConsumePrefix(&line, "data:")) continue;
@@ -887,7 +886,7 @@ TEST_F(RouterSecurityTest, ATinyTemperatureGivesFiniteLogprobsOnEveryApi) {
   absl::StatusOr<HttpResponse> completion = HttpPost(
       url_ + "/v1/completions",
       json{{"prompt", "ok"}, {"max_tokens", 4}, {"temperature", 1e-40}, {"logprobs", 5}}.dump());
-  ASSERT_TRUE(completion.ok()) << completion.status();
+  ASSERT_THAT(completion, IsOk());
   ASSERT_EQ(completion->status, 200) << completion->body;
   const json logprobs = json::parse(completion->body)["choices"][0]["logprobs"];
   for (const json& value : logprobs["token_logprobs"]) finite(value, "completion token");
@@ -906,7 +905,7 @@ TEST_F(RouterSecurityTest, ATinyTemperatureGivesFiniteLogprobsOnEveryApi) {
            {"logprobs", true},
            {"top_logprobs", 5}}
           .dump());
-  ASSERT_TRUE(chat.ok()) << chat.status();
+  ASSERT_THAT(chat, IsOk());
   ASSERT_EQ(chat->status, 200) << chat->body;
   // The parsed reply lives in a variable: a range-for over a member of a temporary reads
   // freed memory (ASan found it).
@@ -939,7 +938,7 @@ TEST_F(RouterSecurityTest, BestOfGivenBelowNIsRefusedInsteadOfAnsweringNChoices)
     refused["n"] = 2;
     refused["best_of"] = 1;
     absl::StatusOr<HttpResponse> reply = HttpPost(url_ + path, refused.dump());
-    ASSERT_TRUE(reply.ok()) << reply.status();
+    ASSERT_THAT(reply, IsOk());
     EXPECT_EQ(reply->status, 400) << reply->body;
     const json error = OpenAiErrorOf(*reply);
     ASSERT_TRUE(error.is_object()) << reply->body;
@@ -952,7 +951,7 @@ TEST_F(RouterSecurityTest, BestOfGivenBelowNIsRefusedInsteadOfAnsweringNChoices)
       served["n"] = 2;
       if (!best_of.is_null()) served["best_of"] = best_of;
       absl::StatusOr<HttpResponse> ok = HttpPost(url_ + path, served.dump());
-      ASSERT_TRUE(ok.ok()) << ok.status();
+      ASSERT_THAT(ok, IsOk());
       ASSERT_EQ(ok->status, 200) << ok->body;
       EXPECT_EQ(json::parse(ok->body)["choices"].size(), 2u) << ok->body;
     }
@@ -982,7 +981,7 @@ TEST_F(RouterSecurityTest, AnEmptyStopStringIsRefusedByBothApis) {
   for (const Case& c : cases) {
     SCOPED_TRACE(c.path + " " + c.body.dump());
     absl::StatusOr<HttpResponse> reply = HttpPost(url_ + c.path, c.body.dump());
-    ASSERT_TRUE(reply.ok()) << reply.status();
+    ASSERT_THAT(reply, IsOk());
     if (c.path == "/generate") {
       EXPECT_EQ(reply->status, 422) << reply->body;
       EXPECT_THAT(ErrorOf(*reply).value("error", ""), HasSubstr("`stop`"));
@@ -1000,7 +999,7 @@ TEST_F(RouterSecurityTest, AnEmptyStopStringIsRefusedByBothApis) {
       HttpPost(url_ + "/v1/completions",
                json{{"prompt", "a"}, {"stop", {"zz"}}, {"max_tokens", 2}, {"temperature", 0}}
                    .dump());
-  ASSERT_TRUE(served.ok()) << served.status();
+  ASSERT_THAT(served, IsOk());
   EXPECT_EQ(served->status, 200) << served->body;
 }
 
@@ -1031,7 +1030,7 @@ TEST_F(RouterSecurityTest, MaxCompletionTokensWinsOverMaxTokensInChat) {
              {"max_tokens", max_tokens},
              {"max_completion_tokens", max_completion_tokens}}
             .dump());
-    ASSERT_TRUE(reply.ok()) << reply.status();
+    ASSERT_THAT(reply, IsOk());
     ASSERT_EQ(reply->status, 200) << reply->body;
     const json body = json::parse(reply->body);
     EXPECT_EQ(body["usage"]["completion_tokens"], max_completion_tokens) << reply->body;
@@ -1057,20 +1056,20 @@ TEST_F(RouterSecurityTest, OpenAiPathsAnswerOpenAiErrorsAndTheModelByItsId) {
   ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/64, /*executors=*/1));
   const pid_t pid = router_->pid();
   absl::StatusOr<HttpResponse> models = HttpGet(url_ + "/v1/models");
-  ASSERT_TRUE(models.ok()) << models.status();
+  ASSERT_THAT(models, IsOk());
   ASSERT_EQ(models->status, 200) << models->body;
   const json listed = json::parse(models->body)["data"][0];
   const std::string id = listed["id"].get<std::string>();
   // The official client's models.retrieve(id): GET /v1/models/{id}, the entry the list has.
   absl::StatusOr<HttpResponse> model = HttpGet(url_ + "/v1/models/" + id);
-  ASSERT_TRUE(model.ok()) << model.status();
+  ASSERT_THAT(model, IsOk());
   ASSERT_EQ(model->status, 200) << model->body;
   EXPECT_EQ(json::parse(model->body), listed);
   // Percent-encoded, as a client encodes an id.
   std::string encoded;
   for (unsigned char c : id) absl::StrAppend(&encoded, "%", absl::Hex(c, absl::kZeroPad2));
   absl::StatusOr<HttpResponse> model_encoded = HttpGet(url_ + "/v1/models/" + encoded);
-  ASSERT_TRUE(model_encoded.ok()) << model_encoded.status();
+  ASSERT_THAT(model_encoded, IsOk());
   EXPECT_EQ(model_encoded->status, 200) << model_encoded->body;
   // Another id, another path under /v1/, and another method: OpenAI's shape (they came in
   // TGI's, {"error": "no route ..."}, which the openai client cannot read).
@@ -1083,7 +1082,7 @@ TEST_F(RouterSecurityTest, OpenAiPathsAnswerOpenAiErrorsAndTheModelByItsId) {
     SCOPED_TRACE(method + " " + path);
     absl::StatusOr<HttpResponse> reply =
         HttpRequest(method, url_ + path, method == "POST" ? "{}" : "", absl::Seconds(10));
-    ASSERT_TRUE(reply.ok()) << reply.status();
+    ASSERT_THAT(reply, IsOk());
     EXPECT_EQ(reply->status, status) << reply->body;
     const json error = OpenAiErrorOf(*reply);
     ASSERT_TRUE(error.is_object()) << reply->body;
@@ -1094,7 +1093,7 @@ TEST_F(RouterSecurityTest, OpenAiPathsAnswerOpenAiErrorsAndTheModelByItsId) {
   }
   // Elsewhere, TGI's shape.
   absl::StatusOr<HttpResponse> tgi = HttpGet(url_ + "/no/such/route");
-  ASSERT_TRUE(tgi.ok()) << tgi.status();
+  ASSERT_THAT(tgi, IsOk());
   EXPECT_EQ(tgi->status, 404);
   EXPECT_EQ(ErrorOf(*tgi).value("error_type", ""), "validation") << tgi->body;
 }
@@ -1285,7 +1284,7 @@ TEST_F(RouterSecurityTest, NoReplyQuotesMoreThanAShortPrefixOfWhatTheClientSent)
     SCOPED_TRACE(c.method + " " + c.path.substr(0, 40));
     absl::StatusOr<HttpResponse> reply =
         HttpRequest(c.method, url_ + c.path, c.body, absl::Seconds(10));
-    ASSERT_TRUE(reply.ok()) << reply.status();
+    ASSERT_THAT(reply, IsOk());
     EXPECT_EQ(reply->status, c.status) << reply->body.substr(0, 300);
     EXPECT_LT(reply->body.size(), 1024u) << reply->body.substr(0, 300);
     EXPECT_NE(reply->body.find("..."), std::string::npos) << reply->body.substr(0, 300);
@@ -1300,16 +1299,16 @@ TEST_F(RouterSecurityTest, TheDashboardAndConfigInfoShowNoPathOfTheMachine) {
   CacheManagerOptions options = ManagerOptions(/*num_blocks=*/64, "");
   options.heartbeat_timeout_ms = 30000;
   absl::StatusOr<std::unique_ptr<CacheManagerProcess>> cm = CacheManagerProcess::Start(options);
-  ASSERT_TRUE(cm.ok()) << cm.status();
+  ASSERT_THAT(cm, IsOk());
   cm_ = std::move(*cm);
   ASSERT_NO_FATAL_FAILURE(StartRouterAndExecutors(1, {"--chat-template", chat_template}, {}));
   const pid_t pid = router_->pid();
   // kvcm_router_config_info carried the model's, the template's and the run directory's
   // absolute paths to whoever reads /metrics; now their last component.
   absl::StatusOr<HttpResponse> scraped = HttpGet(url_ + "/metrics");
-  ASSERT_TRUE(scraped.ok()) << scraped.status();
+  ASSERT_THAT(scraped, IsOk());
   absl::StatusOr<MetricsText> metrics = ParseMetricsText(scraped->body);
-  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  ASSERT_THAT(metrics, IsOk());
   const std::vector<MetricSample> info = metrics->Samples("kvcm_router_config_info");
   ASSERT_EQ(info.size(), 1u);
   for (const auto& [label, value] : info[0].labels) {
@@ -1327,13 +1326,12 @@ TEST_F(RouterSecurityTest, TheDashboardAndConfigInfoShowNoPathOfTheMachine) {
     return reply.ok() && reply->status == 200 ? json::parse(reply->body, nullptr, false)
                                               : json(nullptr);
   };
-  ASSERT_TRUE(WaitFor([&] { return state().contains("pool"); }, absl::Seconds(10),
-                      "the dashboard's first state")
-                  .ok());
-  ASSERT_TRUE(cm_->process().Signal(SIGSTOP).ok());
+  ASSERT_THAT(WaitFor([&] { return state().contains("pool"); }, absl::Seconds(10),
+                      "the dashboard's first state"), IsOk());
+  ASSERT_THAT(cm_->process().Signal(SIGSTOP), IsOk());
   absl::Cleanup resume = [this] { (void)cm_->process().Signal(SIGCONT); };
   std::string shown;
-  ASSERT_TRUE(WaitFor(
+  ASSERT_THAT(WaitFor(
                   [&] {
                     const json s = state();
                     if (!s.is_object() || !s.contains("error") || !s["error"].is_string()) {
@@ -1342,15 +1340,13 @@ TEST_F(RouterSecurityTest, TheDashboardAndConfigInfoShowNoPathOfTheMachine) {
                     shown = s["error"].get<std::string>();
                     return true;
                   },
-                  absl::Seconds(10), "the dashboard to say the cache manager does not answer")
-                  .ok());
+                  absl::Seconds(10), "the dashboard to say the cache manager does not answer"), IsOk());
   std::move(resume).Invoke();
   EXPECT_EQ(shown, "the cache manager does not answer (DEADLINE_EXCEEDED)");
   EXPECT_EQ(shown.find('/'), std::string::npos) << shown;
   EXPECT_THAT(router_->Output(), HasSubstr("dashboard: DEADLINE_EXCEEDED"));
-  ASSERT_TRUE(WaitFor([&] { return state().contains("pool"); }, absl::Seconds(10),
-                      "the dashboard's state once the cache manager answers again")
-                  .ok());
+  ASSERT_THAT(WaitFor([&] { return state().contains("pool"); }, absl::Seconds(10),
+                      "the dashboard's state once the cache manager answers again"), IsOk());
   ASSERT_TRUE(StillServing(url_, *router_, pid));
 }
 
@@ -1441,7 +1437,7 @@ TEST_F(RouterSecurityTest, AStreamThePoolCanNeverHoldIsRefusedBeforeItStartsAsWh
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
     absl::StatusOr<HttpResponse> unstreamed = HttpPost(url_ + c.path, c.unstreamed.dump());
-    ASSERT_TRUE(unstreamed.ok()) << unstreamed.status();
+    ASSERT_THAT(unstreamed, IsOk());
     ASSERT_EQ(unstreamed->status, c.status) << unstreamed->body;
     const json refusal = ErrorOf(*unstreamed);
     ASSERT_TRUE(refusal.is_object()) << unstreamed->body;

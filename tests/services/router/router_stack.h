@@ -31,6 +31,7 @@
 #include "tests/support/http_client.h"
 #include "tests/support/metrics_text.h"
 #include "tests/support/subprocess.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm::testing {
 
@@ -49,12 +50,12 @@ class RouterStackTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-router");
-    ASSERT_TRUE(dir.ok()) << dir.status();
+    ASSERT_THAT(dir, IsOk());
     dir_ = new TempDir(std::move(*dir));
     model_dir_ = new std::string(dir_->path() + "/tiny");
-    ASSERT_TRUE(kvcm::testing::MakeTinyModel(*model_dir_, kModelSeed).ok());
+    ASSERT_THAT(kvcm::testing::MakeTinyModel(*model_dir_, kModelSeed), IsOk());
     absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(*model_dir_);
-    ASSERT_TRUE(model.ok()) << model.status();
+    ASSERT_THAT(model, IsOk());
     model_ = model->release();
   }
   static void TearDownTestSuite() {
@@ -75,7 +76,7 @@ class RouterStackTest : public ::testing::Test {
                   std::vector<std::string> executor_flags = {}, std::string run_dir = "") {
     CacheManagerOptions options = ManagerOptions(num_blocks, run_dir);
     absl::StatusOr<std::unique_ptr<CacheManagerProcess>> cm = CacheManagerProcess::Start(options);
-    ASSERT_TRUE(cm.ok()) << cm.status();
+    ASSERT_THAT(cm, IsOk());
     cm_ = std::move(*cm);
     StartRouterAndExecutors(executors, router_flags, executor_flags);
   }
@@ -106,7 +107,7 @@ class RouterStackTest : public ::testing::Test {
       args.threads = 1;
       args.extra = executor_flags;
       absl::StatusOr<ExecutorProcess> executor = kvcm::testing::StartExecutor(args);
-      ASSERT_TRUE(executor.ok()) << executor.status();
+      ASSERT_THAT(executor, IsOk());
       executors_.push_back(std::move(*executor));
     }
     ASSERT_NO_FATAL_FAILURE(AwaitExecutors(executors));
@@ -114,7 +115,7 @@ class RouterStackTest : public ::testing::Test {
 
   void StartRouter(const std::vector<std::string>& router_flags) {
     absl::StatusOr<TempDir> log = TempDir::Create("kvcm-rlog");
-    ASSERT_TRUE(log.ok());
+    ASSERT_THAT(log, IsOk());
     log_ = std::make_unique<TempDir>(std::move(*log));
     Subprocess::Options router;
     const std::vector<std::string> command = {
@@ -126,10 +127,10 @@ class RouterStackTest : public ::testing::Test {
     router.argv.insert(router.argv.end(), router_flags.begin(), router_flags.end());
     router.output_path = log_->path() + "/router";
     absl::StatusOr<std::unique_ptr<Subprocess>> started = Subprocess::Start(router);
-    ASSERT_TRUE(started.ok()) << started.status();
+    ASSERT_THAT(started, IsOk());
     router_ = std::move(*started);
     auto ready = router_->WaitForLine("ready http=(\\S+)", absl::Now() + absl::Seconds(30));
-    ASSERT_TRUE(ready.ok()) << ready.status() << "\n" << router_->Output();
+    ASSERT_THAT(ready, IsOk()) << "\n" << router_->Output();
     url_ = (*ready)[1];
   }
 
@@ -246,15 +247,15 @@ class RouterStackTest : public ::testing::Test {
     options.name = "test";
     options.heartbeats = false;
     auto client = CacheManagerClient::Connect(options);
-    EXPECT_TRUE(client.ok()) << client.status();
+    EXPECT_THAT(client, IsOk());
     if (!client.ok()) return {};
     absl::StatusOr<StatsSnapshot> stats = (*client)->Stats();
-    EXPECT_TRUE(stats.ok()) << stats.status();
+    EXPECT_THAT(stats, IsOk());
     // Ends the session: the cache manager keeps 64 per process (--max-sessions-per-process),
     // and a poll of AwaitNoBlockInUse every 20 ms would otherwise run out of them in ~1.3 s
     // and then read the empty snapshot of a refused Hello as "nothing in use".
     absl::StatusOr<int32_t> goodbye = (*client)->Goodbye();
-    EXPECT_TRUE(goodbye.ok()) << goodbye.status();
+    EXPECT_THAT(goodbye, IsOk());
     return stats.ok() ? *stats : StatsSnapshot{};
   }
 
