@@ -1,6 +1,5 @@
 #include "services/cache_manager/cache_manager_service.h"
 
-#include <sys/random.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -19,18 +18,12 @@ namespace kvcm {
 namespace {
 
 constexpr size_t kMaxNameBytes = 128;
-// Ended session ids remembered (to answer StaleSession rather than NotRegistered).
-constexpr size_t kEndedIdsKept = 4096;
 // What one op's result may add to a StepReply besides its block ids and copy orders: the
 // OpResult table, its vtable, offsets, vector headers with their padding, and a reason
 // (the ledger's are under 200 bytes).
 constexpr size_t kOpResultBytes = 512;
 // The envelope and the StepReply table around the results.
 constexpr size_t kStepReplyBytes = 256;
-// A kept reply's buffer (Session::sent_steps) larger than this and than twice the next
-// reply it holds is given back rather than reused, so that one large step does not pin
-// its size in the session for good.
-constexpr size_t kKeptReplyCapacity = size_t{64} << 10;
 // A sequence id no router can allocate: the ledger's dry runs name it.
 constexpr SeqId kDryRunSeq = ~SeqId{0};
 
@@ -84,6 +77,15 @@ std::optional<SessionRole> SessionRoleOf(wire::Role role) {
     case wire::Role::Executor: return SessionRole::kExecutor;
     case wire::Role::Control: return SessionRole::kControl;
     default: return std::nullopt;
+  }
+}
+
+wire::Role WireRoleOf(SessionRole role) {
+  switch (role) {
+    case SessionRole::kRouter: return wire::Role::Router;
+    case SessionRole::kExecutor: return wire::Role::Executor;
+    case SessionRole::kControl: return wire::Role::Control;
+    default: return wire::Role::Unknown;
   }
 }
 
@@ -163,7 +165,9 @@ CacheManagerService::CacheManagerService(const Options& options, BlockLedger led
       ledger_(std::move(ledger)),
       watcher_(watcher),
       metrics_(metrics),
-      start_time_(now) {}
+      start_time_(now),
+      sessions_({.epoch = options.epoch, .heartbeat_timeout = options.heartbeat_timeout}),
+      vllm_(ledger_.block_size(), options.hash_algorithm) {}
 
 // --- Dispatch ----------------------------------------------------------------------------
 
@@ -261,18 +265,18 @@ void CacheManagerService::Handle(const std::optional<PeerCredentials>& peer,
     case M::EventSnapshot: return HandleEventSnapshot(envelope, reply);
     case M::BlockMap: return HandleBlockMap(envelope, reply);
     case M::Step:
-      if (session->role != wire::Role::Router) {
+      if (session->role != SessionRole::kRouter) {
         return Reject(request_id,
                       {RejectReason::kPermissionDenied, wire::ErrorCode::PermissionDenied,
                        absl::StrCat("only routers change sequences; this session is a ",
-                                    RoleName(session->role))},
+                                    RoleName(WireRoleOf(session->role)))},
                       reply);
       }
       return HandleStep(envelope, request, *session, reply);
     case M::DescribeSession: return HandleDescribeSession(envelope, *session, reply);
     case M::EndSession: {
       const uint64_t target = envelope.payload_as_EndSession()->session_id();
-      if (session->role != wire::Role::Control || !session->pid_verified) {
+      if (session->role != SessionRole::kControl || !session->pid_verified) {
         return Reject(request_id,
                       {RejectReason::kPermissionDenied, wire::ErrorCode::PermissionDenied,
                        "only a control session over ipc:// (kvcmctl) ends other sessions"},
@@ -284,14 +288,14 @@ void CacheManagerService::Handle(const std::optional<PeerCredentials>& peer,
                        "a session ends itself with Goodbye"},
                       reply);
       }
-      auto it = sessions_.find(target);
-      if (it == sessions_.end()) {
+      const Session* ended = sessions_.Find(target);
+      if (ended == nullptr) {
         return Reject(request_id,
                       {RejectReason::kInvalidArgument, wire::ErrorCode::NotFound,
                        absl::StrCat("no session ", target)},
                       reply);
       }
-      const wire::Role role = it->second.role;
+      const wire::Role role = WireRoleOf(ended->role);
       const int32_t released = EndSession(target, ReclaimReason::kEndedByOperator);
       auto payload = wire::CreateEndSessionReply(*reply, released, role);
       return FinishEnvelope(*reply, request_id, session->id, options_.epoch,
@@ -339,43 +343,42 @@ void CacheManagerService::CountRejected(RejectReason reason) {
 CacheManagerService::Session* CacheManagerService::CheckSession(
     const wire::Envelope& envelope, const std::optional<PeerCredentials>& peer,
     Rejection* rejection) {
-  if (envelope.epoch() != options_.epoch) {
-    *rejection = {RejectReason::kStaleEpoch, wire::ErrorCode::StaleEpoch,
-                  absl::StrCat("message for epoch ", envelope.epoch(),
-                               " but this cache manager runs epoch ", options_.epoch,
-                               ": register again (and re-attach)")};
-    return nullptr;
-  }
   const uint64_t id = envelope.session_id();
-  auto it = sessions_.find(id);
-  if (it == sessions_.end()) {
-    if (!ended_ids_.contains(id)) {
+  const SessionTable::Checked checked =
+      sessions_.Check(envelope.epoch(), id, peer ? std::optional<pid_t>(peer->pid) : std::nullopt);
+  using Refusal = SessionTable::Refusal;
+  switch (checked.refusal) {
+    case Refusal::kNone:
+      return checked.session;
+    case Refusal::kStaleEpoch:
+      *rejection = {RejectReason::kStaleEpoch, wire::ErrorCode::StaleEpoch,
+                    absl::StrCat("message for epoch ", envelope.epoch(),
+                                 " but this cache manager runs epoch ", options_.epoch,
+                                 ": register again (and re-attach)")};
+      break;
+    case Refusal::kNotRegistered:
       *rejection = {RejectReason::kNotRegistered, wire::ErrorCode::NotRegistered,
                     absl::StrCat("session ", id, " is not registered here (never, or it ended "
                                  "long ago): send Hello first")};
-    } else {
+      break;
+    case Refusal::kEnded:
       *rejection = {RejectReason::kStaleSession, wire::ErrorCode::StaleSession,
                     absl::StrCat("session ", id, " has ended: register again")};
-    }
-    return nullptr;
+      break;
+    case Refusal::kOtherProcess:
+      *rejection = {RejectReason::kPermissionDenied, wire::ErrorCode::PermissionDenied,
+                    absl::StrCat("session ", id, " belongs to pid ", checked.session->pid,
+                                 ", not to ",
+                                 peer ? absl::StrCat("pid ", peer->pid)
+                                      : std::string("a peer without credentials (tcp://)"))};
+      break;
+    case Refusal::kQuarantined:
+      *rejection = {RejectReason::kStaleSession, wire::ErrorCode::StaleSession,
+                    absl::StrCat("session ", id, " missed its heartbeats and was quarantined; "
+                                 "its sequences are gone: register again")};
+      break;
   }
-  Session& session = it->second;
-  // A session the kernel vouched for accepts requests only with matching credentials:
-  // never from tcp://, never from another process.
-  if (session.pid_verified && (!peer || peer->pid != session.pid)) {
-    *rejection = {RejectReason::kPermissionDenied, wire::ErrorCode::PermissionDenied,
-                  absl::StrCat("session ", id, " belongs to pid ", session.pid, ", not to ",
-                               peer ? absl::StrCat("pid ", peer->pid)
-                                    : std::string("a peer without credentials (tcp://)"))};
-    return nullptr;
-  }
-  if (session.quarantined) {
-    *rejection = {RejectReason::kStaleSession, wire::ErrorCode::StaleSession,
-                  absl::StrCat("session ", id, " missed its heartbeats and was quarantined; "
-                               "its sequences are gone: register again")};
-    return nullptr;
-  }
-  return &session;
+  return nullptr;
 }
 
 // --- Sessions ----------------------------------------------------------------------------
@@ -425,17 +428,11 @@ void CacheManagerService::HandleHello(const wire::Envelope& envelope,
   // The same process registering again after quarantine has given up its old session; an
   // executor's fences go with it to the new one (it is still the same writer). Only a pid
   // the kernel vouched for can replace a session: a pid claimed over tcp:// may be anyone's.
-  std::vector<uint64_t> replaced;
-  int32_t of_process = 0;
-  for (const auto& [id, session] : sessions_) {
-    if (session.pid != pid) continue;
-    if (session.quarantined && peer.has_value() && session.pid_verified) {
-      replaced.push_back(id);
-    } else {
-      ++of_process;
-    }
-  }
-  const auto open = static_cast<int32_t>(sessions_.size() - replaced.size());
+  const SessionTable::Registration registration =
+      sessions_.PlanRegistration(pid, /*kernel_vouched=*/peer.has_value());
+  const std::vector<uint64_t>& replaced = registration.replaced;
+  const int32_t of_process = registration.others;
+  const int32_t open = sessions_.size() - static_cast<int32_t>(replaced.size());
   if (open >= options_.max_sessions || of_process >= options_.max_sessions_per_process) {
     return Reject(request_id,
                   {RejectReason::kLimitExceeded, wire::ErrorCode::ResourceExhausted,
@@ -448,8 +445,8 @@ void CacheManagerService::HandleHello(const wire::Envelope& envelope,
   }
 
   Session session;
-  session.id = NewSessionId();
-  session.role = hello->role();
+  session.id = sessions_.NewId();
+  session.role = *SessionRoleOf(hello->role());
   session.pid = pid;
   session.name = hello->name() != nullptr ? hello->name()->str() : std::string();
   session.last_seen = now;
@@ -460,8 +457,8 @@ void CacheManagerService::HandleHello(const wire::Envelope& envelope,
     session.pid_verified = watcher_->Watch(session.id, pid).ok();
   }
   const uint64_t id = session.id;
-  const bool executor = session.role == wire::Role::Executor;
-  sessions_.emplace(id, std::move(session));
+  const bool executor = session.role == SessionRole::kExecutor;
+  sessions_.Add(std::move(session));
   // After the new session exists (Watch is idempotent, so the pid stays watched).
   for (uint64_t old_id : replaced) {
     EndSession(old_id, ReclaimReason::kSessionReplaced, executor ? id : 0);
@@ -478,50 +475,29 @@ void CacheManagerService::HandleHello(const wire::Envelope& envelope,
                  payload.Union());
 }
 
-uint64_t CacheManagerService::NewSessionId() {
-  // Unguessable (from the kernel's CSPRNG) and below 2^53, so that JSON and Prometheus
-  // carry it exactly: a peer cannot name another's session by counting.
-  while (true) {
-    uint64_t id = 0;
-    // Up to 256 bytes are never cut short once the pool is initialised; EINTR is retried.
-    if (::getrandom(&id, sizeof(id), 0) != static_cast<ssize_t>(sizeof(id))) continue;
-    id &= (uint64_t{1} << 53) - 1;
-    if (id != 0 && !sessions_.contains(id) && !ended_ids_.contains(id)) return id;
-  }
-}
-
 int32_t CacheManagerService::EndSession(uint64_t session_id, ReclaimReason reason,
                                        uint64_t successor) {
-  auto it = sessions_.find(session_id);
-  if (it == sessions_.end()) return 0;
-  // Remembered for a while, so that a late request is told its session ended.
-  ended_ids_.insert(session_id);
-  ended_order_.push_back(session_id);
-  if (ended_order_.size() > kEndedIdsKept) {
-    ended_ids_.erase(ended_order_.front());
-    ended_order_.pop_front();
-  }
-  Session& session = it->second;
+  // Its id is remembered for a while, so that a late request is told its session ended.
+  const std::optional<Session> removed = sessions_.Remove(session_id);
+  if (!removed) return 0;
+  const Session& session = *removed;
   // By ascending id, not in the ledger's table order: the blocks are released, and so later
   // reused and evicted, the same way everywhere, which lets a simulated run replay exactly
   // (tests/sim/).
   const std::vector<SeqId> seqs = SeqsOf(session);
   std::vector<uint64_t> pending(session.pending_fences.begin(), session.pending_fences.end());
   std::sort(pending.begin(), pending.end());
-  const bool watched = session.pid_verified;
-  sessions_.erase(it);
-  if (watched) watcher_->Unwatch(session_id);
+  if (session.pid_verified) watcher_->Unwatch(session_id);
 
   int32_t released = 0;
   // An executor that ended writes nothing more; one that registered again is still the
   // writer it was.
   for (uint64_t fence_id : pending) {
     if (successor != 0) {
-      auto fence = fences_.find(fence_id);
-      if (fence == fences_.end()) continue;
-      fence->second.waiting.erase(session_id);
-      fence->second.waiting.insert(successor);
-      sessions_.at(successor).pending_fences.insert(fence_id);
+      if (!fences_.Transfer(fence_id, session_id, successor)) continue;
+      Session* heir = sessions_.Find(successor);
+      KVCM_CHECK(heir != nullptr) << "successor " << successor << " of " << session_id;
+      heir->pending_fences.insert(fence_id);
     } else {
       released += AcknowledgeFence(fence_id, session_id);
     }
@@ -533,40 +509,26 @@ int32_t CacheManagerService::EndSession(uint64_t session_id, ReclaimReason reaso
 
 int32_t CacheManagerService::FenceSequences(uint64_t router_session, std::span<const SeqId> seqs,
                                             ReclaimReason reason, std::vector<SeqId> router_seqs) {
-  const bool scoped = !router_seqs.empty();
-  absl::flat_hash_set<uint64_t> writers;
-  for (const auto& [id, other] : sessions_) {
-    if (other.role == wire::Role::Executor) writers.insert(id);
-  }
-  if (writers.empty()) return FreeSequences(seqs, reason, /*count=*/!scoped);
+  absl::flat_hash_set<uint64_t> writers = sessions_.Executors();
+  if (writers.empty()) return FreeSequences(seqs, reason, /*count=*/router_seqs.empty());
 
-  const uint64_t fence_id = next_fence_id_++;
-  Fence& fence = fences_[fence_id];
-  fence.router_session = router_session;
-  fence.reason = reason;
-  fence.router_seqs = std::move(router_seqs);
-  fence.count_reclaimed = !scoped;
-  fence.seqs.reserve(seqs.size());
-  for (SeqId seq : seqs) {
-    const SeqId draining = next_draining_seq_++;
-    const absl::Status renamed = ledger_.Rename(seq, draining);
-    KVCM_CHECK(renamed.ok()) << "session " << router_session << " owned sequence " << seq
+  const Fence& fence =
+      fences_.Open(router_session, reason, seqs, std::move(router_seqs), std::move(writers));
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const SeqId draining = fence.seqs[i];
+    const absl::Status renamed = ledger_.Rename(seqs[i], draining);
+    KVCM_CHECK(renamed.ok()) << "session " << router_session << " owned sequence " << seqs[i]
                              << " that the ledger cannot rename: " << renamed.ToString();
     KVCM_CHECK(ledger_.SetOwner(draining, 0).ok());  // the cache manager's now
-    fence.seqs.push_back(draining);
   }
-  for (uint64_t writer : writers) sessions_[writer].pending_fences.insert(fence_id);
-  fence.waiting = std::move(writers);
+  for (uint64_t writer : fence.waiting) sessions_.Find(writer)->pending_fences.insert(fence.id);
   return 0;
 }
 
 int32_t CacheManagerService::AcknowledgeFence(uint64_t id, uint64_t executor) {
-  auto it = fences_.find(id);
-  if (it == fences_.end() || it->second.waiting.erase(executor) == 0) return 0;
-  if (!it->second.waiting.empty()) return 0;
-  Fence fence = std::move(it->second);
-  fences_.erase(it);
-  return FreeSequences(fence.seqs, fence.reason, fence.count_reclaimed);
+  const std::optional<Fence> closed = fences_.Acknowledge(id, executor);
+  if (!closed) return 0;
+  return FreeSequences(closed->seqs, closed->reason, closed->count_reclaimed);
 }
 
 std::vector<SeqId> CacheManagerService::SeqsOf(const Session& session) const {
@@ -599,7 +561,7 @@ int32_t CacheManagerService::FreeSequences(std::span<const SeqId> seqs, ReclaimR
 void CacheManagerService::HandleHeartbeat(const wire::Envelope& envelope, Session& session,
                                           flatbuffers::FlatBufferBuilder* reply) {
   const wire::Heartbeat* heartbeat = envelope.payload_as_Heartbeat();
-  if (session.role == wire::Role::Executor && heartbeat->fence_acks() != nullptr) {
+  if (session.role == SessionRole::kExecutor && heartbeat->fence_acks() != nullptr) {
     for (uint64_t fence_id : CopyScalars(heartbeat->fence_acks())) {
       if (session.pending_fences.erase(fence_id) > 0) AcknowledgeFence(fence_id, session.id);
     }
@@ -609,7 +571,10 @@ void CacheManagerService::HandleHeartbeat(const wire::Envelope& envelope, Sessio
   std::vector<wire::Fence> fences;
   std::vector<flatbuffers::Offset<wire::SequenceFence>> sequence_fences;
   for (uint64_t fence_id : ids) {
-    const Fence& fence = fences_.at(fence_id);
+    const Fence* open = fences_.Find(fence_id);
+    KVCM_CHECK(open != nullptr) << "session " << session.id << " waits in closed fence "
+                                << fence_id;
+    const Fence& fence = *open;
     if (fence.router_seqs.empty()) {
       fences.emplace_back(fence_id, fence.router_session);
     } else {
@@ -625,84 +590,25 @@ void CacheManagerService::HandleHeartbeat(const wire::Envelope& envelope, Sessio
 }
 
 void CacheManagerService::OnProcessExited(pid_t pid) {
-  std::vector<uint64_t> ended;
-  for (const auto& [id, session] : sessions_) {
-    if (session.pid == pid && session.pid_verified) ended.push_back(id);
-  }
-  for (uint64_t id : ended) EndSession(id, ReclaimReason::kClientDied);
+  for (uint64_t id : sessions_.VerifiedSessionsOf(pid)) EndSession(id, ReclaimReason::kClientDied);
 }
 
 bool CacheManagerService::OnSessionProcessExited(uint64_t session_id) {
-  auto it = sessions_.find(session_id);
-  if (it == sessions_.end() || !it->second.pid_verified) return false;
+  const Session* session = sessions_.Find(session_id);
+  if (session == nullptr || !session->pid_verified) return false;
   EndSession(session_id, ReclaimReason::kClientDied);
   return true;
 }
 
 int CacheManagerService::ExpireSessions(absl::Time now) {
-  int quarantined = 0;
-  for (auto& [id, session] : sessions_) {
-    if (!session.quarantined && now - session.last_seen > options_.heartbeat_timeout) {
-      session.quarantined = true;
-      ++quarantined;
-    }
-  }
-  // A router whose pid cannot be verified (tcp://) can never be proven dead nor replaced:
-  // once its lease ran out it ends, and its sequences drain behind a fence for the
-  // executors, which are the writers (counted as lease_expired).
-  std::vector<uint64_t> unverified;
-  for (const auto& [id, session] : sessions_) {
-    if (session.quarantined && !session.pid_verified && session.num_seqs > 0) {
-      unverified.push_back(id);
-    }
-  }
-  for (uint64_t id : unverified) EndSession(id, ReclaimReason::kLeaseExpired);
-  // A process the kernel vouched for that holds a quarantined executor session and a live
-  // one has given up the first: a Hello retried after its reply came too late (lost, or the
-  // cache manager stalled) leaves a session the client never learnt of. It would never
-  // answer nor be ended by its lease, and wait in every fence for ever. The process is one
-  // writer (as when it registers again after quarantine, HandleHello), so its fences move
-  // to the live session, which acknowledges them once it runs no step of theirs. Of two
-  // live ones, the one heard from last: the other is likely unused too.
-  absl::flat_hash_map<pid_t, uint64_t> live_executor;
-  for (const auto& [id, session] : sessions_) {
-    if (session.role != wire::Role::Executor || !session.pid_verified || session.quarantined) {
-      continue;
-    }
-    auto [it, added] = live_executor.emplace(session.pid, id);
-    if (!added && sessions_.at(it->second).last_seen < session.last_seen) it->second = id;
-  }
-  std::vector<std::pair<uint64_t, uint64_t>> superseded;  // (given up, live successor)
-  for (const auto& [id, session] : sessions_) {
-    if (session.role != wire::Role::Executor || !session.pid_verified || !session.quarantined) {
-      continue;
-    }
-    if (auto live = live_executor.find(session.pid); live != live_executor.end()) {
-      superseded.emplace_back(id, live->second);
-    }
-  }
-  for (const auto& [id, successor] : superseded) {
-    EndSession(id, ReclaimReason::kSessionReplaced, successor);
-  }
-  // Sessions holding nothing have nothing to quarantine: end them at once (a kvcmctl that
-  // was killed between calls, an executor that hung).
-  std::vector<uint64_t> empty;
-  // An executor holds no sequences but may still be writing: it stays (quarantined, and
-  // waiting in its fences) until it answers or its process is proven dead.
-  for (const auto& [id, session] : sessions_) {
-    if (session.quarantined && session.num_seqs == 0 && session.role != wire::Role::Executor) {
-      empty.push_back(id);
-    }
-  }
-  for (uint64_t id : empty) EndSession(id, ReclaimReason::kClientDied);
-  return quarantined;
+  // The table quarantines, and names the sessions to end and why (session_table.h); their
+  // sequences are freed or fenced here.
+  const SessionTable::Expiry expiry = sessions_.Expire(now);
+  for (const SessionTable::End& end : expiry.to_end) EndSession(end.id, end.reason, end.successor);
+  return expiry.quarantined;
 }
 
-void CacheManagerService::ExtendLeases(absl::Time now) {
-  for (auto& [id, session] : sessions_) {
-    if (!session.quarantined) session.last_seen = std::max(session.last_seen, now);
-  }
-}
+void CacheManagerService::ExtendLeases(absl::Time now) { sessions_.ExtendLeases(now); }
 
 CacheManagerService::HeldBlocks CacheManagerService::BlocksHeldApart() const {
   HeldBlocks held;
@@ -726,7 +632,7 @@ std::vector<std::pair<BlockId, MapState>> CacheManagerService::HeldApartList() c
     }
   };
   absl::flat_hash_set<uint64_t> quarantined;
-  for (const auto& [id, session] : sessions_) {
+  for (const auto& [id, session] : sessions_.sessions()) {
     if (session.quarantined && session.num_seqs > 0) quarantined.insert(id);
   }
   if (!quarantined.empty()) {
@@ -734,7 +640,7 @@ std::vector<std::pair<BlockId, MapState>> CacheManagerService::HeldApartList() c
       if (owner != 0 && quarantined.contains(owner)) count(seq, &Refs::quarantined);
     });
   }
-  for (const auto& [id, fence] : fences_) {
+  for (const auto& [id, fence] : fences_.fences()) {
     for (SeqId seq : fence.seqs) count(seq, &Refs::draining);
   }
   std::vector<std::pair<BlockId, MapState>> held;
@@ -931,9 +837,8 @@ void CacheManagerService::HandleStep(const wire::Envelope& envelope,
                                      flatbuffers::FlatBufferBuilder* reply) {
   const uint64_t request_id = envelope.request_id();
   const size_t request_hash = HashBytes(request);
-  for (const Session::SentStep& sent : session.sent_steps) {
-    if (sent.request_id == 0 || sent.request_id != request_id) continue;
-    if (sent.request_hash != request_hash || sent.request_size != request.size()) {
+  if (const Session::SentStep* sent = session.FindSentStep(request_id)) {
+    if (sent->request_hash != request_hash || sent->request_size != request.size()) {
       return Reject(request_id,
                     {RejectReason::kInvalidArgument, wire::ErrorCode::InvalidArgument,
                      absl::StrCat("request id ", request_id, " was a different Step of this "
@@ -942,7 +847,7 @@ void CacheManagerService::HandleStep(const wire::Envelope& envelope,
     }
     // A retry of a Step already applied: its reply again, its ops not again.
     reply->Clear();
-    reply->PushBytes(sent.reply.data(), sent.reply.size());
+    reply->PushBytes(sent->reply.data(), sent->reply.size());
     if (metrics_ != nullptr) metrics_->CountReplayedStep();
     return;
   }
@@ -1020,17 +925,8 @@ void CacheManagerService::HandleStep(const wire::Envelope& envelope,
       case wire::StepOp::CommitOp:
         outcome.status = ledger_.Commit(op.seq, op.num_tokens, op.hashes);
         if (options_.vllm_events && !op.tokens.empty() && outcome.status.ok()) {
-          // The tokens are those of the last full blocks committed: block by block, onto
-          // the block table, ending at the last full block.
-          const auto block_size = static_cast<size_t>(ledger_.block_size());
-          const size_t blocks = op.tokens.size() / block_size;
-          const size_t end = static_cast<size_t>(op.num_tokens) / block_size;
-          if (auto table = ledger_.BlockTable(op.seq); table.ok() && table->size() >= end) {
-            for (size_t b = 0; b < blocks; ++b) {
-              const auto first = op.tokens.begin() + static_cast<ptrdiff_t>(b * block_size);
-              commit_tokens_[(*table)[end - blocks + b]].assign(
-                  first, first + static_cast<ptrdiff_t>(block_size));
-            }
+          if (auto table = ledger_.BlockTable(op.seq); table.ok()) {
+            vllm_.AddCommitTokens(*table, op.num_tokens, op.tokens);
           }
         }
         break;
@@ -1070,17 +966,8 @@ void CacheManagerService::HandleStep(const wire::Envelope& envelope,
                  payload.Union());
   // Kept for a retry, whatever its size (at most max_message_bytes, checked above), over
   // the oldest of the ring.
-  session.last_step_request_id = request_id;
-  Session::SentStep& sent = session.sent_steps[session.next_sent];
-  session.next_sent = (session.next_sent + 1) % session.sent_steps.size();
-  sent.request_id = request_id;
-  sent.request_hash = request_hash;
-  sent.request_size = request.size();
-  const size_t size = reply->GetSize();
-  if (sent.reply.capacity() > kKeptReplyCapacity && sent.reply.capacity() > 2 * size) {
-    std::vector<uint8_t>().swap(sent.reply);
-  }
-  sent.reply.assign(reply->GetBufferPointer(), reply->GetBufferPointer() + size);
+  session.KeepSentStep(request_id, request_hash, request.size(),
+                       {reply->GetBufferPointer(), reply->GetSize()});
 }
 
 void CacheManagerService::HandleDescribeSession(const wire::Envelope& envelope,
@@ -1145,7 +1032,7 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::HandlePrefixR
       return std::nullopt;
     }
     case wire::Message::Pin: {
-      if (session.role == wire::Role::Executor) {
+      if (session.role == SessionRole::kExecutor) {
         return Rejection{RejectReason::kPermissionDenied, wire::ErrorCode::PermissionDenied,
                          "executors do not pin prefixes"};
       }
@@ -1163,7 +1050,7 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::HandlePrefixR
       return std::nullopt;
     }
     case wire::Message::Unpin: {
-      if (session.role == wire::Role::Executor) {
+      if (session.role == SessionRole::kExecutor) {
         return Rejection{RejectReason::kPermissionDenied, wire::ErrorCode::PermissionDenied,
                          "executors do not pin prefixes"};
       }
@@ -1210,20 +1097,20 @@ void CacheManagerService::HandleStats(const wire::Envelope& envelope, absl::Time
   auto events_endpoint = reply->CreateString(options_.events_endpoint);
   auto metrics_url = reply->CreateString(options_.metrics_url);
   std::vector<uint64_t> ids;
-  ids.reserve(sessions_.size());
-  for (const auto& [id, session] : sessions_) ids.push_back(id);
+  ids.reserve(static_cast<size_t>(sessions_.size()));
+  for (const auto& [id, session] : sessions_.sessions()) ids.push_back(id);
   std::sort(ids.begin(), ids.end());
   // A session id is all that binds a tcp:// session: a peer that has not proven who it is
   // (no kernel credentials, no secret) gets the list with every id 0, so that it cannot
   // act as another session.
-  const auto asker = sessions_.find(envelope.session_id());
-  const bool show_ids = asker != sessions_.end() && asker->second.authenticated;
+  const Session* asker = sessions_.Find(envelope.session_id());
+  const bool show_ids = asker != nullptr && asker->authenticated;
   std::vector<flatbuffers::Offset<wire::SessionSummary>> summaries;
   summaries.reserve(ids.size());
   for (uint64_t id : ids) {
-    const Session& session = sessions_.at(id);
+    const Session& session = *sessions_.Find(id);
     summaries.push_back(wire::CreateSessionSummary(
-        *reply, show_ids ? id : 0, session.role, session.pid, session.pid_verified,
+        *reply, show_ids ? id : 0, WireRoleOf(session.role), session.pid, session.pid_verified,
         reply->CreateString(session.name), session.quarantined,
         session.num_seqs,
         static_cast<int32_t>(session.pending_fences.size())));
@@ -1273,11 +1160,9 @@ CacheManagerSnapshot CacheManagerService::Snapshot() const {
   const HeldBlocks held = BlocksHeldApart();
   snapshot.quarantined_blocks = held.quarantined;
   snapshot.draining_blocks = held.draining;
-  snapshot.open_fences = static_cast<int32_t>(fences_.size());
-  for (const auto& [id, session] : sessions_) {
-    if (auto role = SessionRoleOf(session.role)) {
-      ++snapshot.sessions_by_role[static_cast<size_t>(*role)];
-    }
+  snapshot.open_fences = fences_.size();
+  for (const auto& [id, session] : sessions_.sessions()) {
+    ++snapshot.sessions_by_role[static_cast<size_t>(session.role)];
   }
   snapshot.epoch = options_.epoch;
   snapshot.events_published = events_published_;
@@ -1288,12 +1173,10 @@ CacheManagerSnapshot CacheManagerService::Snapshot() const {
 
 uint64_t CacheManagerService::TakeEventBatch(flatbuffers::FlatBufferBuilder* out) {
   std::vector<BlockEvent> events = ledger_.TakeEvents();
-  if (events.empty() && !announce_cleared_) {
-    commit_tokens_.clear();  // their blocks were indexed already: nothing was stored
-    return 0;
-  }
+  // Even an empty batch: the commits' token ids are not kept past it.
+  if (options_.vllm_events) vllm_.AddBatch(events, announce_cleared_);
+  if (events.empty() && !announce_cleared_) return 0;
   out->Clear();
-  if (options_.vllm_events) ConvertToVllm(events, announce_cleared_);
   std::vector<flatbuffers::Offset<wire::KvEvent>> encoded;
   encoded.reserve(events.size() + 1);
   if (announce_cleared_) {
@@ -1323,82 +1206,6 @@ uint64_t CacheManagerService::TakeEventBatch(flatbuffers::FlatBufferBuilder* out
   out->Finish(wire::CreateEventBatch(*out, seq, options_.epoch, vector));
   events_published_ += encoded.size();
   return seq;
-}
-
-void CacheManagerService::ConvertToVllm(std::span<const BlockEvent> events, bool cleared) {
-  auto clear = [this] {
-    vllm_stored_.clear();
-    VllmEvent event;
-    event.kind = VllmEvent::Kind::kAllBlocksCleared;
-    vllm_pending_.push_back(std::move(event));
-  };
-  if (cleared) clear();
-  const auto block_size = static_cast<size_t>(ledger_.block_size());
-  for (const BlockEvent& event : events) {
-    switch (event.kind) {
-      case BlockEvent::Kind::kStored: {
-        auto tokens = commit_tokens_.find(event.block);
-        if (tokens == commit_tokens_.end() || tokens->second.size() != block_size) {
-          ++vllm_blocks_without_tokens_;
-          break;
-        }
-        const uint64_t id = VllmBlockId(event.hash, options_.hash_algorithm);
-        if (!vllm_stored_.insert(id).second) {
-          // Another hash with the same 64 bits is stored already: a consumer could not tell
-          // them apart, so this one is left out.
-          ++vllm_blocks_without_tokens_;
-          break;
-        }
-        const std::optional<uint64_t> parent =
-            event.has_parent ? std::optional<uint64_t>(VllmBlockId(event.parent_hash, options_.hash_algorithm))
-                             : std::nullopt;
-        // The block continues the previous event's chain: one event for both. Ids stay
-        // unique within the event (parent included), which consumers require.
-        VllmEvent* last = vllm_pending_.empty() ? nullptr : &vllm_pending_.back();
-        const bool extends =
-            last != nullptr && last->kind == VllmEvent::Kind::kBlockStored && parent &&
-            *parent == last->block_hashes.back() &&
-            std::find(last->block_hashes.begin(), last->block_hashes.end(), id) ==
-                last->block_hashes.end() &&
-            last->parent_block_hash != id;
-        if (!extends) {
-          VllmEvent stored;
-          stored.kind = VllmEvent::Kind::kBlockStored;
-          stored.parent_block_hash = parent;
-          vllm_pending_.push_back(std::move(stored));
-          last = &vllm_pending_.back();
-        }
-        last->block_hashes.push_back(id);
-        for (int32_t token : tokens->second) {
-          last->token_ids.push_back(static_cast<uint32_t>(token));
-        }
-        break;
-      }
-      case BlockEvent::Kind::kRemoved: {
-        if (vllm_stored_.erase(VllmBlockId(event.hash, options_.hash_algorithm)) == 0) break;  // never published
-        VllmEvent* last = vllm_pending_.empty() ? nullptr : &vllm_pending_.back();
-        if (last == nullptr || last->kind != VllmEvent::Kind::kBlockRemoved) {
-          VllmEvent removed;
-          removed.kind = VllmEvent::Kind::kBlockRemoved;
-          vllm_pending_.push_back(std::move(removed));
-          last = &vllm_pending_.back();
-        }
-        last->block_hashes.push_back(VllmBlockId(event.hash, options_.hash_algorithm));
-        break;
-      }
-      case BlockEvent::Kind::kAllCleared:
-        clear();
-        break;
-    }
-  }
-  // Tokens of blocks that stored nothing (indexed already) are not kept past their batch.
-  commit_tokens_.clear();
-}
-
-std::vector<VllmEvent> CacheManagerService::TakeVllmEvents() {
-  std::vector<VllmEvent> taken;
-  taken.swap(vllm_pending_);
-  return taken;
 }
 
 void CacheManagerService::HandleEventSnapshot(const wire::Envelope& envelope,

@@ -55,9 +55,7 @@
 
 #include <sys/types.h>
 
-#include <array>
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <span>
 #include <string>
@@ -77,8 +75,11 @@
 #include "flatbuffers/flatbuffers.h"
 #include "schemas/kvcm_protocol_generated.h"
 #include "services/cache_manager/cache_manager_metrics.h"
+#include "services/cache_manager/fence_table.h"
 #include "services/cache_manager/peer_credentials.h"
 #include "services/cache_manager/process_watcher.h"
+#include "services/cache_manager/session_table.h"
+#include "services/cache_manager/vllm_conversion.h"
 #include "services/cache_manager/vllm_events.h"
 
 namespace kvcm {
@@ -98,10 +99,6 @@ struct PoolExport {
   int32_t cuda_device = -1;                 // cuda
   std::vector<uint8_t> cuda_ipc_handle;     // cuda: 64 bytes
 };
-
-// Sequence ids from here up belong to sequences draining behind a fence; routers cannot
-// allocate them.
-inline constexpr SeqId kFirstDrainingSeq = SeqId{1} << 63;
 
 class CacheManagerService {
  public:
@@ -204,9 +201,9 @@ class CacheManagerService {
   // them) is left out, and so is its later removal: a vLLM consumer keys blocks by their
   // tokens. Consecutive stored blocks of one chain share an event, as do consecutive
   // removals. Empty when nothing happened, or without vllm_events.
-  std::vector<VllmEvent> TakeVllmEvents();
+  std::vector<VllmEvent> TakeVllmEvents() { return vllm_.Take(); }
   // Blocks left out of the vLLM stream for want of their token ids, since the start.
-  uint64_t vllm_blocks_without_tokens() const { return vllm_blocks_without_tokens_; }
+  uint64_t vllm_blocks_without_tokens() const { return vllm_.blocks_without_tokens(); }
 
   // Gauges for the metrics, computed now.
   CacheManagerSnapshot Snapshot() const;
@@ -216,7 +213,7 @@ class CacheManagerService {
   const Options& options() const { return options_; }
   // The uids served over ipc:// (Options::allowed_uids, or this process's effective uid).
   const std::vector<uid_t>& allowed_uids() const { return allowed_uids_; }
-  int32_t num_sessions() const { return static_cast<int32_t>(sessions_.size()); }
+  int32_t num_sessions() const { return sessions_.size(); }
   uint64_t rejected_messages() const { return rejected_messages_; }
 
   // Blocks held only by quarantined sessions (quarantined) and, of the rest, those held
@@ -230,54 +227,12 @@ class CacheManagerService {
   std::vector<std::pair<BlockId, MapState>> HeldApartList() const;
   int32_t QuarantinedBlocks() const { return BlocksHeldApart().quarantined; }
   int32_t DrainingBlocks() const { return BlocksHeldApart().draining; }
-  int32_t open_fences() const { return static_cast<int32_t>(fences_.size()); }
+  int32_t open_fences() const { return fences_.size(); }
 
  private:
-  struct Session {
-    uint64_t id = 0;
-    wire::Role role = wire::Role::Unknown;
-    pid_t pid = 0;              // 0 when unknown (tcp:// client)
-    bool pid_verified = false;  // pid came from ipc:// credentials (and is watched)
-    // ipc:// (the kernel vouched for the peer) or tcp:// with the secret. Otherwise only
-    // reads: no Attach, Pin, Unpin or Step.
-    bool authenticated = false;
-    std::string name;
-    absl::Time last_seen;
-    bool quarantined = false;
-    // Sequences this session allocated and still owns: the ledger keeps each one's owner
-    // (BlockLedger::SetOwner), so that a Step's op finds it in the sequence's own record.
-    int32_t num_seqs = 0;
-    absl::flat_hash_set<uint64_t> pending_fences;  // executors: fences not acknowledged yet
-    // Replies of the last four Steps applied, for retries: a ring whose buffers are
-    // reused. Each reply is at most max_message_bytes (a Step whose reply could be larger
-    // is refused before it runs), so a session holds at most four times that here (64 MiB
-    // at the default 16 MiB), and in practice the size of its last four replies.
-    struct SentStep {
-      uint64_t request_id = 0;  // 0: empty
-      size_t request_hash = 0;
-      size_t request_size = 0;
-      std::vector<uint8_t> reply;
-    };
-    std::array<SentStep, 4> sent_steps;
-    size_t next_sent = 0;
-    uint64_t last_step_request_id = 0;  // of the last Step applied
-    // Ids freed with drain: never live again in this session, since executors refuse
-    // steps naming them for good.
-    absl::flat_hash_set<SeqId> drained_ids;
-  };
-
-  // The sequences of a router session that ended, waiting for the executors that may
-  // still write them.
-  struct Fence {
-    uint64_t router_session = 0;
-    ReclaimReason reason = ReclaimReason::kClientDied;
-    std::vector<SeqId> seqs;                // renamed to ids >= kFirstDrainingSeq
-    absl::flat_hash_set<uint64_t> waiting;  // executor sessions yet to acknowledge
-    // A sequence fence (FreeOp.drain): the router's ids of the sequences, the router living
-    // on; empty for a fence over a whole ended router session.
-    std::vector<SeqId> router_seqs;
-    bool count_reclaimed = true;  // a drained free is the router's own, not a reclaim
-  };
+  // The sessions and their checks (session_table.h); open fences (fence_table.h).
+  using Session = SessionTable::Session;
+  using Fence = FenceTable::Fence;
 
   // A refusal before anything changed.
   struct Rejection {
@@ -291,7 +246,6 @@ class CacheManagerService {
 
   void Reject(uint64_t request_id, const Rejection& rejection,
               flatbuffers::FlatBufferBuilder* reply);
-  uint64_t NewSessionId();
   // Whether `given` equals options_.tcp_secret (never when that is empty).
   bool SecretMatches(const flatbuffers::String* given) const;
   // Session checks for every request but Hello; null (and `rejection` set) on failure.
@@ -325,8 +279,8 @@ class CacheManagerService {
   // `successor` (the live session the same process registered again as) when that is not 0.
   // Counts reclaimed blocks; returns the blocks that became unused now.
   int32_t EndSession(uint64_t session_id, ReclaimReason reason, uint64_t successor = 0);
-  // `executor` acknowledged fence `id` (or ended); frees the fenced sequences once nobody
-  // is waiting. Unknown ids are ignored. Returns the blocks that became unused.
+  // `executor` acknowledged fence `id` (or ended); frees the sequences of the fence that
+  // FenceTable::Acknowledge closed, if any. Returns the blocks that became unused.
   int32_t AcknowledgeFence(uint64_t id, uint64_t executor);
   // Frees sequences and counts the blocks that became unused for `reason` (unless !count).
   int32_t FreeSequences(std::span<const SeqId> seqs, ReclaimReason reason, bool count = true);
@@ -348,25 +302,11 @@ class CacheManagerService {
   CacheManagerMetrics* const metrics_;
   const absl::Time start_time_;
 
-  absl::flat_hash_map<uint64_t, Session> sessions_;
-  // Session ids are random (NewSessionId); those ended recently, oldest first.
-  absl::flat_hash_set<uint64_t> ended_ids_;
-  std::deque<uint64_t> ended_order_;
-  absl::flat_hash_map<uint64_t, Fence> fences_;  // open fences by id
-  uint64_t next_fence_id_ = 1;
-  SeqId next_draining_seq_ = kFirstDrainingSeq;
-  // Turns one batch's ledger events into vLLM events (TakeVllmEvents).
-  void ConvertToVllm(std::span<const BlockEvent> events, bool cleared);
-
+  SessionTable sessions_;
+  FenceTable fences_;
   uint64_t event_seq_ = 0;  // last batch number handed out
-  // vLLM-format events (Options::vllm_events): the token ids Commits brought, by block,
-  // until the batch that stores those blocks is taken (a block already indexed stores
-  // nothing, and its entry goes with that batch); the ids stored and not yet removed; the
-  // events converted and not yet taken.
-  absl::flat_hash_map<BlockId, std::vector<int32_t>> commit_tokens_;
-  absl::flat_hash_set<uint64_t> vllm_stored_;
-  std::vector<VllmEvent> vllm_pending_;
-  uint64_t vllm_blocks_without_tokens_ = 0;
+  // vLLM-format events (Options::vllm_events): fed each Commit's token ids and each batch.
+  VllmConverter vllm_;
   bool announce_cleared_ = true;
   uint64_t events_published_ = 0;
   uint64_t rejected_messages_ = 0;

@@ -1,0 +1,341 @@
+// VllmConverter (services/cache_manager/vllm_conversion.h) alone: ledger events and commit
+// tokens in, vLLM-format events out (docs/protocol.md, "vLLM-format KV events").
+
+#include "services/cache_manager/vllm_conversion.h"
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace kvcm {
+namespace {
+
+constexpr int32_t kBlockSize = 4;
+
+// A hash whose first byte is `tag` (so its default-algorithm id is tag << 56) and whose last
+// byte is `low` (its kVllmSha256Cbor id).
+BlockHash Hash(uint8_t tag, uint8_t low = 0) {
+  BlockHash hash;
+  hash.bytes[0] = tag;
+  hash.bytes[31] = low;
+  return hash;
+}
+uint64_t Id(uint8_t tag) { return uint64_t{tag} << 56; }
+
+BlockEvent Stored(BlockId block, const BlockHash& hash,
+                  std::optional<BlockHash> parent = std::nullopt) {
+  BlockEvent event;
+  event.kind = BlockEvent::Kind::kStored;
+  event.block = block;
+  event.hash = hash;
+  if (parent) {
+    event.parent_hash = *parent;
+    event.has_parent = true;
+  }
+  return event;
+}
+BlockEvent Removed(BlockId block, const BlockHash& hash) {
+  BlockEvent event;
+  event.kind = BlockEvent::Kind::kRemoved;
+  event.block = block;
+  event.hash = hash;
+  return event;
+}
+BlockEvent AllCleared() {
+  BlockEvent event;
+  event.kind = BlockEvent::Kind::kAllCleared;
+  return event;
+}
+
+// Block `block`'s tokens: 4 ids starting at 100 * (block + 1).
+std::vector<int32_t> TokensOf(BlockId block) {
+  std::vector<int32_t> tokens;
+  for (int32_t i = 0; i < kBlockSize; ++i) tokens.push_back(100 * (block + 1) + i);
+  return tokens;
+}
+std::vector<uint32_t> Unsigned(const std::vector<int32_t>& tokens) {
+  return std::vector<uint32_t>(tokens.begin(), tokens.end());
+}
+
+// A commit of `blocks` (the sequence's whole table) with the tokens of every block.
+void CommitAll(VllmConverter& converter, const std::vector<BlockId>& blocks) {
+  std::vector<int32_t> tokens;
+  for (BlockId block : blocks) {
+    const std::vector<int32_t> mine = TokensOf(block);
+    tokens.insert(tokens.end(), mine.begin(), mine.end());
+  }
+  converter.AddCommitTokens(blocks, static_cast<int32_t>(blocks.size()) * kBlockSize, tokens);
+}
+
+TEST(VllmConverterTest, ACommitWithTokensGivesBlockStoredWithTheParentHashAndTheTokens) {
+  VllmConverter converter(kBlockSize);
+  CommitAll(converter, {7});
+  const BlockEvent events[] = {Stored(7, Hash(2), Hash(1))};
+  converter.AddBatch(events, /*cleared=*/false);
+
+  const std::vector<VllmEvent> out = converter.Take();
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].kind, VllmEvent::Kind::kBlockStored);
+  EXPECT_EQ(out[0].block_hashes, std::vector<uint64_t>{Id(2)});
+  EXPECT_EQ(out[0].parent_block_hash, std::optional<uint64_t>(Id(1)));
+  EXPECT_EQ(out[0].token_ids, Unsigned(TokensOf(7)));
+  EXPECT_EQ(converter.blocks_without_tokens(), 0u);
+}
+
+TEST(VllmConverterTest, ASequencesFirstBlockHasNoParent) {
+  VllmConverter converter(kBlockSize);
+  CommitAll(converter, {0});
+  const BlockEvent events[] = {Stored(0, Hash(1))};
+  converter.AddBatch(events, false);
+
+  const std::vector<VllmEvent> out = converter.Take();
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].parent_block_hash, std::nullopt);
+}
+
+TEST(VllmConverterTest, TokensGoOntoTheLastFullBlocksTheCommitCovers) {
+  VllmConverter converter(kBlockSize);
+  // Three blocks in the table, 10 tokens committed (two full blocks), the tokens of one
+  // block: they are block 11's (the second), not 10's nor 12's (partly written).
+  const std::vector<BlockId> table = {10, 11, 12};
+  converter.AddCommitTokens(table, 10, TokensOf(11));
+  const BlockEvent events[] = {Stored(10, Hash(1)), Stored(11, Hash(2), Hash(1))};
+  converter.AddBatch(events, false);
+
+  const std::vector<VllmEvent> out = converter.Take();
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].block_hashes, std::vector<uint64_t>{Id(2)});
+  EXPECT_EQ(out[0].token_ids, Unsigned(TokensOf(11)));
+  EXPECT_EQ(converter.blocks_without_tokens(), 1u);  // block 10
+}
+
+TEST(VllmConverterTest, TokensForMoreBlocksThanTheCommitCoversAreIgnored) {
+  VllmConverter converter(kBlockSize);
+  std::vector<int32_t> two = TokensOf(0);
+  const std::vector<int32_t> second = TokensOf(1);
+  two.insert(two.end(), second.begin(), second.end());
+  const std::vector<BlockId> table = {0, 1};
+  converter.AddCommitTokens(table, kBlockSize, two);          // one block committed
+  converter.AddCommitTokens(std::span<const BlockId>(table).first(1), 2 * kBlockSize,
+                            two);                              // a table too short
+  const BlockEvent events[] = {Stored(0, Hash(1))};
+  converter.AddBatch(events, false);
+
+  EXPECT_TRUE(converter.Take().empty());
+  EXPECT_EQ(converter.blocks_without_tokens(), 1u);
+}
+
+TEST(VllmConverterTest, ABlockCommittedWithoutTokensIsCountedAndNotPublished) {
+  VllmConverter converter(kBlockSize);
+  const BlockEvent events[] = {Stored(3, Hash(1)), Stored(4, Hash(2), Hash(1))};
+  converter.AddBatch(events, false);
+
+  EXPECT_TRUE(converter.Take().empty());
+  EXPECT_EQ(converter.blocks_without_tokens(), 2u);
+}
+
+TEST(VllmConverterTest, TheRemovalOfABlockNeverPublishedGivesNothing) {
+  VllmConverter converter(kBlockSize);
+  const BlockEvent stored[] = {Stored(3, Hash(1))};  // no tokens
+  converter.AddBatch(stored, false);
+  const BlockEvent removed[] = {Removed(3, Hash(1)), Removed(4, Hash(9))};
+  converter.AddBatch(removed, false);
+
+  EXPECT_TRUE(converter.Take().empty());
+}
+
+TEST(VllmConverterTest, ARemovalGivesBlockRemovedOnce) {
+  VllmConverter converter(kBlockSize);
+  CommitAll(converter, {3});
+  const BlockEvent stored[] = {Stored(3, Hash(1))};
+  converter.AddBatch(stored, false);
+  const BlockEvent removed[] = {Removed(3, Hash(1))};
+  converter.AddBatch(removed, false);
+  converter.AddBatch(removed, false);  // removed again: nothing stored under that id now
+
+  const std::vector<VllmEvent> out = converter.Take();
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_EQ(out[1].kind, VllmEvent::Kind::kBlockRemoved);
+  EXPECT_EQ(out[1].block_hashes, std::vector<uint64_t>{Id(1)});
+}
+
+TEST(VllmConverterTest, ConsecutiveStoredBlocksOfOneChainShareAnEvent) {
+  VllmConverter converter(kBlockSize);
+  CommitAll(converter, {0, 1, 2});
+  const BlockEvent events[] = {Stored(0, Hash(1)), Stored(1, Hash(2), Hash(1)),
+                               Stored(2, Hash(3), Hash(2))};
+  converter.AddBatch(events, false);
+
+  const std::vector<VllmEvent> out = converter.Take();
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].block_hashes, (std::vector<uint64_t>{Id(1), Id(2), Id(3)}));
+  EXPECT_EQ(out[0].parent_block_hash, std::nullopt);
+  std::vector<uint32_t> tokens;
+  for (BlockId block : {0, 1, 2}) {
+    const std::vector<uint32_t> mine = Unsigned(TokensOf(block));
+    tokens.insert(tokens.end(), mine.begin(), mine.end());
+  }
+  EXPECT_EQ(out[0].token_ids, tokens);
+}
+
+TEST(VllmConverterTest, AStoredBlockOfAnotherChainStartsANewEvent) {
+  VllmConverter converter(kBlockSize);
+  CommitAll(converter, {0, 1});
+  const BlockEvent events[] = {Stored(0, Hash(1)), Stored(1, Hash(2), Hash(7))};
+  converter.AddBatch(events, false);
+
+  const std::vector<VllmEvent> out = converter.Take();
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_EQ(out[1].block_hashes, std::vector<uint64_t>{Id(2)});
+  EXPECT_EQ(out[1].parent_block_hash, std::optional<uint64_t>(Id(7)));
+}
+
+TEST(VllmConverterTest, ABlockWhoseIdIsTheEventsParentStartsANewEvent) {
+  VllmConverter converter(kBlockSize);
+  CommitAll(converter, {0, 1});
+  // Block 0 (id 2) is the child of id 1, never published; block 1 has id 1 and continues
+  // the chain: in one event the ids would not be unique, parent included.
+  const BlockEvent events[] = {Stored(0, Hash(2), Hash(1)), Stored(1, Hash(1), Hash(2))};
+  converter.AddBatch(events, false);
+
+  const std::vector<VllmEvent> out = converter.Take();
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_EQ(out[1].block_hashes, std::vector<uint64_t>{Id(1)});
+  EXPECT_EQ(out[1].parent_block_hash, std::optional<uint64_t>(Id(2)));
+}
+
+TEST(VllmConverterTest, ABlockWhoseIdIsPublishedAlreadyIsCountedAndLeftOut) {
+  VllmConverter converter(kBlockSize);
+  CommitAll(converter, {0, 1});
+  // Two hashes with the same first 8 bytes: the same id.
+  const BlockEvent events[] = {Stored(0, Hash(1, 1)), Stored(1, Hash(1, 2))};
+  converter.AddBatch(events, false);
+
+  const std::vector<VllmEvent> out = converter.Take();
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].block_hashes, std::vector<uint64_t>{Id(1)});
+  EXPECT_EQ(out[0].token_ids, Unsigned(TokensOf(0)));
+  EXPECT_EQ(converter.blocks_without_tokens(), 1u);
+}
+
+TEST(VllmConverterTest, ConsecutiveRemovalsShareAnEvent) {
+  VllmConverter converter(kBlockSize);
+  CommitAll(converter, {0, 1});
+  const BlockEvent stored[] = {Stored(0, Hash(1)), Stored(1, Hash(2), Hash(1))};
+  converter.AddBatch(stored, false);
+  const BlockEvent removed[] = {Removed(1, Hash(2)), Removed(0, Hash(1))};
+  converter.AddBatch(removed, false);
+
+  const std::vector<VllmEvent> out = converter.Take();
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_EQ(out[1].kind, VllmEvent::Kind::kBlockRemoved);
+  EXPECT_EQ(out[1].block_hashes, (std::vector<uint64_t>{Id(2), Id(1)}));
+}
+
+TEST(VllmConverterTest, EventsComeInTheLedgersOrder) {
+  VllmConverter converter(kBlockSize);
+  CommitAll(converter, {0});
+  const BlockEvent first[] = {Stored(0, Hash(1))};
+  converter.AddBatch(first, false);
+  CommitAll(converter, {2});
+  const BlockEvent second[] = {Removed(0, Hash(1)), Stored(2, Hash(3)), AllCleared()};
+  converter.AddBatch(second, false);
+
+  const std::vector<VllmEvent> out = converter.Take();
+  ASSERT_EQ(out.size(), 4u);
+  EXPECT_EQ(out[0].kind, VllmEvent::Kind::kBlockStored);
+  EXPECT_EQ(out[0].block_hashes, std::vector<uint64_t>{Id(1)});
+  EXPECT_EQ(out[1].kind, VllmEvent::Kind::kBlockRemoved);
+  EXPECT_EQ(out[1].block_hashes, std::vector<uint64_t>{Id(1)});
+  EXPECT_EQ(out[2].kind, VllmEvent::Kind::kBlockStored);
+  EXPECT_EQ(out[2].block_hashes, std::vector<uint64_t>{Id(3)});
+  EXPECT_EQ(out[3].kind, VllmEvent::Kind::kAllBlocksCleared);
+}
+
+TEST(VllmConverterTest, ClearedPutsAllBlocksClearedBeforeTheBatch) {
+  VllmConverter converter(kBlockSize);
+  CommitAll(converter, {0});
+  const BlockEvent events[] = {Stored(0, Hash(1))};
+  converter.AddBatch(events, /*cleared=*/true);
+
+  const std::vector<VllmEvent> out = converter.Take();
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_EQ(out[0].kind, VllmEvent::Kind::kAllBlocksCleared);
+  EXPECT_EQ(out[1].kind, VllmEvent::Kind::kBlockStored);
+}
+
+TEST(VllmConverterTest, AnEmptyClearedBatchGivesALoneAllBlocksCleared) {
+  VllmConverter converter(kBlockSize);
+  converter.AddBatch({}, /*cleared=*/true);
+
+  const std::vector<VllmEvent> out = converter.Take();
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].kind, VllmEvent::Kind::kAllBlocksCleared);
+  EXPECT_TRUE(out[0].block_hashes.empty());
+}
+
+TEST(VllmConverterTest, AClearForgetsWhatWasPublished) {
+  for (const bool ledger_clear : {false, true}) {
+    SCOPED_TRACE(ledger_clear ? "the ledger's kAllCleared" : "cleared");
+    VllmConverter converter(kBlockSize);
+    CommitAll(converter, {0});
+    const BlockEvent stored[] = {Stored(0, Hash(1))};
+    converter.AddBatch(stored, false);
+    if (ledger_clear) {
+      const BlockEvent clear[] = {AllCleared()};
+      converter.AddBatch(clear, false);
+    } else {
+      converter.AddBatch({}, true);
+    }
+    // The block published before the clear is not removed after it, and its id may be
+    // published again.
+    CommitAll(converter, {5});
+    const BlockEvent after[] = {Removed(0, Hash(1)), Stored(5, Hash(1))};
+    converter.AddBatch(after, false);
+
+    const std::vector<VllmEvent> out = converter.Take();
+    ASSERT_EQ(out.size(), 3u);
+    EXPECT_EQ(out[1].kind, VllmEvent::Kind::kAllBlocksCleared);
+    EXPECT_EQ(out[2].kind, VllmEvent::Kind::kBlockStored);
+    EXPECT_EQ(out[2].token_ids, Unsigned(TokensOf(5)));
+    EXPECT_EQ(converter.blocks_without_tokens(), 0u);
+  }
+}
+
+TEST(VllmConverterTest, TokensAreForgottenAtTheEndOfTheNextBatch) {
+  VllmConverter converter(kBlockSize);
+  CommitAll(converter, {0});
+  converter.AddBatch({}, false);  // the block was indexed already: it stored nothing
+  const BlockEvent later[] = {Stored(0, Hash(1))};
+  converter.AddBatch(later, false);
+
+  EXPECT_TRUE(converter.Take().empty());
+  EXPECT_EQ(converter.blocks_without_tokens(), 1u);
+}
+
+TEST(VllmConverterTest, TakeHandsEachEventOutOnce) {
+  VllmConverter converter(kBlockSize);
+  converter.AddBatch({}, true);
+  EXPECT_EQ(converter.Take().size(), 1u);
+  EXPECT_TRUE(converter.Take().empty());
+}
+
+TEST(VllmConverterTest, IdsFollowTheHashAlgorithm) {
+  VllmConverter converter(kBlockSize, HashAlgorithm::kVllmSha256Cbor);
+  CommitAll(converter, {0});
+  const BlockEvent events[] = {Stored(0, Hash(1, 42), Hash(2, 43))};
+  converter.AddBatch(events, false);
+  const BlockEvent removed[] = {Removed(0, Hash(1, 42))};
+  converter.AddBatch(removed, false);
+
+  const std::vector<VllmEvent> out = converter.Take();
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_EQ(out[0].block_hashes, std::vector<uint64_t>{42});
+  EXPECT_EQ(out[0].parent_block_hash, std::optional<uint64_t>(43));
+  EXPECT_EQ(out[1].block_hashes, std::vector<uint64_t>{42});
+}
+
+}  // namespace
+}  // namespace kvcm
