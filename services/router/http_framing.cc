@@ -81,6 +81,156 @@ std::string BodyLimitMessage(size_t limit) {
                       " bytes (--max-request-body-bytes)");
 }
 
+// Where the head that starts `window` ends (after its first empty line, LF or CRLF, as
+// libevent reads lines), searching for line ends from `from`; npos if not in the window.
+size_t HeadEnd(std::string_view window, size_t from) {
+  for (size_t at = window.find('\n', from); at != std::string_view::npos;
+       at = window.find('\n', at + 1)) {
+    if (at + 1 < window.size() && window[at + 1] == '\n') return at + 2;
+    if (at + 2 < window.size() && window[at + 1] == '\r' && window[at + 2] == '\n') {
+      return at + 3;
+    }
+  }
+  return std::string_view::npos;
+}
+
+// The path of the request line that starts `window` (without its query, at most 256
+// bytes), for a refusal's shape; "" until the line is whole.
+std::string PathOf(std::string_view window) {
+  const size_t eol = window.find('\n');
+  if (eol == std::string_view::npos) return "";
+  const std::string_view line = WithoutEol(window.substr(0, eol + 1));
+  const size_t a = line.find(' ');
+  const size_t b = a == std::string_view::npos ? a : line.find(' ', a + 1);
+  if (b == std::string_view::npos) return "";
+  std::string_view target = line.substr(a + 1, b - a - 1);
+  target = target.substr(0, target.find('?'));
+  return std::string(target.substr(0, 256));
+}
+
+// Why a request is refused: its status and message.
+struct Problem {
+  int status;
+  std::string message;
+};
+
+struct RequestLine {
+  std::string_view method;
+  bool may_have_body = false;
+};
+
+// The request line: method SP request-target SP HTTP-version.
+std::optional<Problem> ReadRequestLine(std::string_view line, RequestLine* out) {
+  const size_t a = line.find(' ');
+  const size_t b = a == std::string_view::npos ? a : line.find(' ', a + 1);
+  if (b == std::string_view::npos || line.find(' ', b + 1) != std::string_view::npos) {
+    return Problem{400, "malformed request line: it must be METHOD SP TARGET SP HTTP-VERSION"};
+  }
+  const std::string_view method = line.substr(0, a);
+  const std::string_view target = line.substr(a + 1, b - a - 1);
+  const std::string_view version = line.substr(b + 1);
+  if (!IsToken(method) || target.empty() || !IsHttpVersion(version)) {
+    return Problem{400, "malformed request line: it must be METHOD SP TARGET SP HTTP-VERSION"};
+  }
+  // origin-form ("/path?query") or "*": libevent 2.1 refuses, with its own page, some
+  // absolute-form targets it cannot parse, and the router serves none.
+  if (target != "*" && target.front() != '/') {
+    return Problem{400, "malformed request line: the target must be a path (origin-form)"};
+  }
+  for (const char ch : target) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (c <= 0x20 || c == 0x7f) {
+      return Problem{400, "malformed request line: the target has a control character"};
+    }
+  }
+  // libevent 2.1 refuses a major version over 1 itself (its own page), and answers any other
+  // in the request's own version ("HTTP/1.9 200 OK").
+  if (version != "HTTP/1.1" && version != "HTTP/1.0") {
+    return Problem{505, "HTTP version not supported: the router speaks HTTP/1.1 and HTTP/1.0"};
+  }
+  const std::optional<bool> may_have_body = MayHaveBody(method);
+  if (!may_have_body.has_value()) {
+    return Problem{501, absl::StrCat("method ", std::string(method.substr(0, 32)),
+                                     " is not implemented")};
+  }
+  out->method = method;
+  out->may_have_body = *may_have_body;
+  return std::nullopt;
+}
+
+struct BodyFraming {
+  bool chunked = false;
+  uint64_t length = 0;  // Content-Length's
+};
+
+// The header lines (`lines`, up to and with the head's empty line): name ":" OWS value OWS,
+// and the body's framing they give. RFC 9112 wants 400 for a name with whitespace before
+// its colon and for framing two readers may read two ways: libevent takes the first of
+// several Content-Lengths, a "+48" as 48, a "-0" as 0 and "Transfer-Encoding :" as another
+// header, so a proxy in front reading the other framing would see another request where
+// libevent sees a body, or the reverse (request smuggling).
+std::optional<Problem> ReadBodyFraming(std::string_view lines, const RequestLine& request,
+                                       size_t max_body_bytes, BodyFraming* out) {
+  std::optional<std::string_view> length;
+  int encodings = 0;
+  for (size_t at = 0; at < lines.size();) {
+    const size_t eol = lines.find('\n', at);
+    const std::string_view line = WithoutEol(lines.substr(at, eol + 1 - at));
+    at = eol + 1;
+    if (line.empty()) break;
+    if (line.front() == ' ' || line.front() == '\t') {
+      return Problem{400, "ambiguous framing: a header line folded onto the one before "
+                          "(obs-fold)"};
+    }
+    const size_t colon = line.find(':');
+    if (colon == std::string_view::npos || !IsToken(line.substr(0, colon))) {
+      return Problem{400, "ambiguous framing: a header name must be a token, with no "
+                          "whitespace before its colon"};
+    }
+    const std::string_view name = line.substr(0, colon);
+    const std::string_view value = TrimWhitespace(line.substr(colon + 1));
+    if (value.find('\r') != std::string_view::npos ||
+        value.find('\0') != std::string_view::npos) {
+      return Problem{400, "malformed header: a value has a CR or NUL"};
+    }
+    if (EqualsIgnoreCase(name, "Content-Length")) {
+      if (!IsDigits(value)) return Problem{400, "ambiguous framing: Content-Length must be digits"};
+      if (length.has_value() && *length != value) {
+        return Problem{400, "ambiguous framing: the request has Content-Lengths that differ"};
+      }
+      length = value;
+    } else if (EqualsIgnoreCase(name, "Expect")) {
+      // libevent answers any other expectation itself (417, its own page).
+      if (!EqualsIgnoreCase(value, "100-continue")) {
+        return Problem{417, "the only expectation met is Expect: 100-continue"};
+      }
+    } else if (EqualsIgnoreCase(name, "Transfer-Encoding")) {
+      if (++encodings > 1 || !EqualsIgnoreCase(value, "chunked")) {
+        return Problem{400, "ambiguous framing: Transfer-Encoding must be one \"chunked\""};
+      }
+    }
+  }
+  if (encodings > 0 && length.has_value()) {
+    return Problem{400, "ambiguous framing: the request has both Transfer-Encoding and "
+                        "Content-Length"};
+  }
+  if (length.has_value()) {
+    std::string_view digits = *length;
+    while (digits.size() > 1 && digits.front() == '0') digits.remove_prefix(1);
+    if (digits.size() > 18) return Problem{413, BodyLimitMessage(max_body_bytes)};
+    for (const char c : digits) out->length = out->length * 10 + static_cast<uint64_t>(c - '0');
+  }
+  if (!request.may_have_body && (out->length > 0 || encodings > 0)) {
+    // libevent reads no body of these: it would be read as the next request.
+    return Problem{400, absl::StrCat("ambiguous framing: a ", std::string(request.method),
+                                     " request has a body, which would be read as another "
+                                     "request")};
+  }
+  if (out->length > max_body_bytes) return Problem{413, BodyLimitMessage(max_body_bytes)};
+  out->chunked = encodings > 0;
+  return std::nullopt;
+}
+
 }  // namespace
 
 size_t RequestFraming::WindowWanted() const {
@@ -166,158 +316,40 @@ FramingStep RequestFraming::Head(std::string_view window) {
     scanned_ = 0;
     return step;
   }
-  // The head ends at its first empty line (LF or CRLF, as libevent reads lines).
-  size_t end = std::string_view::npos;
-  for (size_t at = window.find('\n', scanned_); at != std::string_view::npos;
-       at = window.find('\n', at + 1)) {
-    if (at + 1 < window.size() && window[at + 1] == '\n') {
-      end = at + 2;
-      break;
-    }
-    if (at + 2 < window.size() && window[at + 1] == '\r' && window[at + 2] == '\n') {
-      end = at + 3;
-      break;
-    }
-  }
-  const size_t first_eol = window.find('\n');
-  path_.clear();
-  if (first_eol != std::string_view::npos) {  // the path, for the refusal's shape
-    const std::string_view line = WithoutEol(window.substr(0, first_eol + 1));
-    const size_t a = line.find(' ');
-    const size_t b = a == std::string_view::npos ? a : line.find(' ', a + 1);
-    if (b != std::string_view::npos) {
-      std::string_view target = line.substr(a + 1, b - a - 1);
-      target = target.substr(0, target.find('?'));
-      path_ = std::string(target.substr(0, 256));
-    }
-  }
-  if (end == std::string_view::npos) {
-    if (window.size() > limits_.max_head_bytes) {
-      return Refuse(431, absl::StrCat("the request line and headers are over the router's limit "
-                                      "of ",
-                                      limits_.max_head_bytes,
-                                      " bytes (--max-request-header-bytes)"));
-    }
+  const size_t end = HeadEnd(window, scanned_);
+  path_ = PathOf(window);
+  if (end == std::string_view::npos && window.size() <= limits_.max_head_bytes) {
     scanned_ = window.size() < 3 ? 0 : window.size() - 3;
-    return step;
+    return step;  // not whole yet
   }
   scanned_ = 0;
-  if (end > limits_.max_head_bytes) {
+  if (end == std::string_view::npos || end > limits_.max_head_bytes) {
     return Refuse(431, absl::StrCat("the request line and headers are over the router's limit "
                                     "of ",
                                     limits_.max_head_bytes, " bytes (--max-request-header-bytes)"));
   }
-
-  // The request line: method SP request-target SP HTTP-version.
   const std::string_view head = window.substr(0, end);
   const size_t line_end = head.find('\n');
-  const std::string_view request_line = WithoutEol(head.substr(0, line_end + 1));
-  const size_t a = request_line.find(' ');
-  const size_t b = a == std::string_view::npos ? a : request_line.find(' ', a + 1);
-  if (b == std::string_view::npos || request_line.find(' ', b + 1) != std::string_view::npos) {
-    return Refuse(400, "malformed request line: it must be METHOD SP TARGET SP HTTP-VERSION");
+  RequestLine line;
+  if (std::optional<Problem> problem = ReadRequestLine(WithoutEol(head.substr(0, line_end + 1)),
+                                                       &line)) {
+    return Refuse(problem->status, std::move(problem->message));
   }
-  const std::string_view method = request_line.substr(0, a);
-  const std::string_view target = request_line.substr(a + 1, b - a - 1);
-  const std::string_view version = request_line.substr(b + 1);
-  if (!IsToken(method) || target.empty() || !IsHttpVersion(version)) {
-    return Refuse(400, "malformed request line: it must be METHOD SP TARGET SP HTTP-VERSION");
+  BodyFraming body;
+  if (std::optional<Problem> problem = ReadBodyFraming(head.substr(line_end + 1), line,
+                                                       limits_.max_body_bytes, &body)) {
+    return Refuse(problem->status, std::move(problem->message));
   }
-  // origin-form ("/path?query") or "*": libevent 2.1 refuses, with its own page, some
-  // absolute-form targets it cannot parse, and the router serves none.
-  if (target != "*" && target.front() != '/') {
-    return Refuse(400, "malformed request line: the target must be a path (origin-form)");
-  }
-  for (const char ch : target) {
-    const auto c = static_cast<unsigned char>(ch);
-    if (c <= 0x20 || c == 0x7f) {
-      return Refuse(400, "malformed request line: the target has a control character");
-    }
-  }
-  // libevent 2.1 refuses a major version over 1 itself (its own page), and answers any other
-  // in the request's own version ("HTTP/1.9 200 OK").
-  if (version != "HTTP/1.1" && version != "HTTP/1.0") {
-    return Refuse(505, "HTTP version not supported: the router speaks HTTP/1.1 and HTTP/1.0");
-  }
-  const std::optional<bool> may_have_body = MayHaveBody(method);
-  if (!may_have_body.has_value()) {
-    return Refuse(501,
-                  absl::StrCat("method ", std::string(method.substr(0, 32)), " is not implemented"));
-  }
-
-  // The header lines: name ":" OWS value OWS. RFC 9112 wants 400 for a name with whitespace
-  // before its colon and for framing two readers may read two ways: libevent takes the
-  // first of several Content-Lengths, a "+48" as 48, a "-0" as 0 and "Transfer-Encoding :"
-  // as another header, so a proxy in front reading the other framing would see another
-  // request where libevent sees a body, or the reverse (request smuggling).
-  std::optional<std::string_view> length;
-  int encodings = 0;
-  size_t at = line_end + 1;
-  while (at < head.size()) {
-    const size_t eol = head.find('\n', at);
-    const std::string_view line = WithoutEol(head.substr(at, eol + 1 - at));
-    at = eol + 1;
-    if (line.empty()) break;
-    if (line.front() == ' ' || line.front() == '\t') {
-      return Refuse(400, "ambiguous framing: a header line folded onto the one before (obs-fold)");
-    }
-    const size_t colon = line.find(':');
-    if (colon == std::string_view::npos || !IsToken(line.substr(0, colon))) {
-      return Refuse(400, "ambiguous framing: a header name must be a token, with no whitespace "
-                         "before its colon");
-    }
-    const std::string_view name = line.substr(0, colon);
-    const std::string_view value = TrimWhitespace(line.substr(colon + 1));
-    if (value.find('\r') != std::string_view::npos ||
-        value.find('\0') != std::string_view::npos) {
-      return Refuse(400, "malformed header: a value has a CR or NUL");
-    }
-    if (EqualsIgnoreCase(name, "Content-Length")) {
-      if (!IsDigits(value)) return Refuse(400, "ambiguous framing: Content-Length must be digits");
-      if (length.has_value() && *length != value) {
-        return Refuse(400, "ambiguous framing: the request has Content-Lengths that differ");
-      }
-      length = value;
-    } else if (EqualsIgnoreCase(name, "Expect")) {
-      // libevent answers any other expectation itself (417, its own page).
-      if (!EqualsIgnoreCase(value, "100-continue")) {
-        return Refuse(417, "the only expectation met is Expect: 100-continue");
-      }
-    } else if (EqualsIgnoreCase(name, "Transfer-Encoding")) {
-      if (++encodings > 1 || !EqualsIgnoreCase(value, "chunked")) {
-        return Refuse(400, "ambiguous framing: Transfer-Encoding must be one \"chunked\"");
-      }
-    }
-  }
-  if (encodings > 0 && length.has_value()) {
-    return Refuse(400, "ambiguous framing: the request has both Transfer-Encoding and "
-                       "Content-Length");
-  }
-  uint64_t body = 0;
-  if (length.has_value()) {
-    std::string_view digits = *length;
-    while (digits.size() > 1 && digits.front() == '0') digits.remove_prefix(1);
-    if (digits.size() > 18) return Refuse(413, BodyLimitMessage(limits_.max_body_bytes));
-    for (const char c : digits) body = body * 10 + static_cast<uint64_t>(c - '0');
-  }
-  if (!*may_have_body && (body > 0 || encodings > 0)) {
-    // libevent reads no body of these: it would be read as the next request.
-    return Refuse(400, absl::StrCat("ambiguous framing: a ", std::string(method),
-                                    " request has a body, which would be read as another "
-                                    "request"));
-  }
-  if (body > limits_.max_body_bytes) return Refuse(413, BodyLimitMessage(limits_.max_body_bytes));
-
   ++heads_;
   step.kind = FramingStep::Kind::kPass;
   step.length = end;
-  if (encodings > 0) {
+  if (body.chunked) {
     state_ = State::kChunkLine;
     body_bytes_ = 0;
     trailer_bytes_ = 0;
-  } else if (body > 0) {
+  } else if (body.length > 0) {
     state_ = State::kBody;
-    left_ = body;
+    left_ = body.length;
   }
   return step;
 }
