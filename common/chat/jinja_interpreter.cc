@@ -20,17 +20,6 @@
 namespace kvcm::jinja {
 namespace {
 
-constexpr std::string_view kFilters[] = {
-    "capitalize", "count", "d", "default", "e", "escape", "first", "float", "indent", "int",
-    "items", "join", "last", "length", "list", "lower", "map", "reject", "rejectattr", "replace",
-    "reverse", "safe", "select", "selectattr", "sort", "string", "title", "tojson", "trim",
-    "unique", "upper", "abs"};
-constexpr std::string_view kTests[] = {
-    "boolean", "callable", "defined", "divisibleby", "eq", "equalto", "escaped", "even", "false",
-    "filter", "float", "ge", "gt", "greaterthan", "in", "integer", "iterable", "le", "lessthan",
-    "lower", "lt", "mapping", "ne", "none", "number", "odd", "sameas", "sequence", "string",
-    "test", "true", "undefined", "upper", "==", "!=", "<", "<=", ">", ">="};
-
 absl::Status TypeError(std::string message) { return absl::InvalidArgumentError(std::move(message)); }
 
 absl::Status UndefinedError(const Value& v) {
@@ -282,13 +271,398 @@ Value BoundMethod(const Value& self, const std::string& name) {
   });
 }
 
-bool IsStringMethod(std::string_view name) {
-  static constexpr std::string_view kMethods[] = {
-      "strip", "lstrip", "rstrip", "split", "startswith", "endswith", "upper", "lower", "title",
-      "capitalize", "replace", "find", "count", "join", "format", "splitlines", "isdigit",
-      "isalpha", "isalnum", "isspace", "isupper", "islower", "removeprefix", "removesuffix"};
-  return std::find(std::begin(kMethods), std::end(kMethods), name) != std::end(kMethods);
+// A table from name to the one small function that implements it, sorted by name (Jinja's
+// FILTERS/TESTS dicts, and Python's methods per type). The supported names are the keys.
+template <typename Fn>
+struct Entry {
+  std::string_view name;
+  Fn fn;
+};
+
+template <typename Fn, size_t N>
+constexpr bool SortedByName(const Entry<Fn> (&table)[N]) {
+  for (size_t i = 1; i < N; ++i) {
+    if (!(table[i - 1].name < table[i].name)) return false;
+  }
+  return true;
 }
+
+template <typename Fn, size_t N>
+Fn FindIn(const Entry<Fn> (&table)[N], std::string_view name) {
+  const auto* it =
+      std::lower_bound(std::begin(table), std::end(table), name,
+                       [](const Entry<Fn>& e, std::string_view n) { return e.name < n; });
+  return it != std::end(table) && it->name == name ? it->fn : nullptr;
+}
+
+template <typename Fn, size_t N>
+std::vector<std::string_view> KeysOf(const Entry<Fn> (&table)[N]) {
+  std::vector<std::string_view> keys;
+  for (const Entry<Fn>& e : table) keys.push_back(e.name);
+  return keys;
+}
+
+// ---- Methods: self.name(args), per receiver type.
+
+using MethodFn = absl::StatusOr<Value> (*)(Interpreter& in, const std::string& name,
+                                           const Value& self, CallArgs& args);
+
+absl::StatusOr<Value> DictGet(Interpreter&, const std::string&, const Value& self, CallArgs& args) {
+  KVCM_RETURN_IF_ERROR(CheckArgs(args, 2, {}, "get"));
+  if (args.positional.empty()) return TypeError("get expected at least 1 argument, got 0");
+  if (const Value* v = self.as_dict().Find(args.positional[0])) return *v;
+  return args.positional.size() > 1 ? args.positional[1] : Value::None();
+}
+
+absl::StatusOr<Value> DictItems(Interpreter&, const std::string& name, const Value& self,
+                                CallArgs& args) {
+  KVCM_RETURN_IF_ERROR(CheckArgs(args, 0, {}, name));
+  std::vector<Value> out;
+  for (const auto& [k, v] : self.as_dict().items)
+    out.push_back(Value::MakeList({k, v}, /*is_tuple=*/true));
+  return Value::MakeList(std::move(out));
+}
+
+absl::StatusOr<Value> DictKeys(Interpreter&, const std::string& name, const Value& self,
+                               CallArgs& args) {
+  KVCM_RETURN_IF_ERROR(CheckArgs(args, 0, {}, name));
+  std::vector<Value> out;
+  for (const auto& [k, v] : self.as_dict().items) out.push_back(k);
+  return Value::MakeList(std::move(out));
+}
+
+absl::StatusOr<Value> DictValues(Interpreter&, const std::string& name, const Value& self,
+                                 CallArgs& args) {
+  KVCM_RETURN_IF_ERROR(CheckArgs(args, 0, {}, name));
+  std::vector<Value> out;
+  for (const auto& [k, v] : self.as_dict().items) out.push_back(v);
+  return Value::MakeList(std::move(out));
+}
+
+constexpr Entry<MethodFn> kDictMethods[] = {
+    {"get", DictGet}, {"items", DictItems}, {"keys", DictKeys}, {"values", DictValues}};
+static_assert(SortedByName(kDictMethods));
+
+template <bool kLeft, bool kRight>
+absl::StatusOr<Value> StrStrip(Interpreter&, const std::string& name, const Value& self,
+                               CallArgs& args) {
+  KVCM_ASSIGN_OR_RETURN(std::string out, StripMethod(self, args, kLeft, kRight, name));
+  return Value::String(std::move(out));
+}
+
+absl::StatusOr<Value> StrUpper(Interpreter&, const std::string& name, const Value& self,
+                               CallArgs& args) {
+  KVCM_RETURN_IF_ERROR(CheckArgs(args, 0, {}, name));
+  return Value::String(CaseUpper(self.as_string()));
+}
+
+absl::StatusOr<Value> StrLower(Interpreter&, const std::string& name, const Value& self,
+                               CallArgs& args) {
+  KVCM_RETURN_IF_ERROR(CheckArgs(args, 0, {}, name));
+  return Value::String(CaseLower(self.as_string()));
+}
+
+absl::StatusOr<Value> StrTitle(Interpreter&, const std::string& name, const Value& self,
+                               CallArgs& args) {
+  KVCM_RETURN_IF_ERROR(CheckArgs(args, 0, {}, name));
+  std::u32string cps = DecodeUtf8(self.as_string());
+  bool prev_cased = false;
+  for (char32_t& c : cps) {
+    const bool cased = IsCased(c);
+    c = prev_cased ? Lower(c) : Upper(c);
+    prev_cased = cased;
+  }
+  return Value::String(EncodeUtf8(cps));
+}
+
+absl::StatusOr<Value> StrCapitalize(Interpreter&, const std::string& name, const Value& self,
+                                    CallArgs& args) {
+  KVCM_RETURN_IF_ERROR(CheckArgs(args, 0, {}, name));
+  std::u32string cps = DecodeUtf8(self.as_string());
+  for (size_t i = 0; i < cps.size(); ++i) cps[i] = i == 0 ? Upper(cps[i]) : Lower(cps[i]);
+  return Value::String(EncodeUtf8(cps));
+}
+
+// startswith / endswith.
+absl::StatusOr<Value> StrAffix(Interpreter&, const std::string& name, const Value& self,
+                               CallArgs& args) {
+  KVCM_RETURN_IF_ERROR(CheckArgs(args, 1, {}, name));
+  if (args.positional.empty())
+    return TypeError(absl::StrCat(name, "() takes at least 1 argument (0 given)"));
+  std::vector<Value> options;
+  if (args.positional[0].is_list() && args.positional[0].as_list().is_tuple) {
+    options = args.positional[0].as_list().items;
+  } else {
+    options.push_back(args.positional[0]);
+  }
+  const std::string& s = self.as_string();
+  for (const Value& o : options) {
+    if (!o.is_string()) {
+      return TypeError(
+          absl::StrCat(name, " first arg must be str or a tuple of str, not ", o.TypeName()));
+    }
+    if (name == "startswith" ? absl::StartsWith(s, o.as_string())
+                             : absl::EndsWith(s, o.as_string())) {
+      return Value::Bool(true);
+    }
+  }
+  return Value::Bool(false);
+}
+
+// removeprefix / removesuffix.
+absl::StatusOr<Value> StrRemoveAffix(Interpreter&, const std::string& name, const Value& self,
+                                     CallArgs& args) {
+  KVCM_RETURN_IF_ERROR(CheckArgs(args, 1, {}, name));
+  if (args.positional.size() != 1 || !args.positional[0].is_string()) {
+    return TypeError(absl::StrCat(name, "() argument must be str"));
+  }
+  const std::string& s = self.as_string();
+  const std::string& fix = args.positional[0].as_string();
+  if (name == "removeprefix" && absl::StartsWith(s, fix))
+    return Value::String(s.substr(fix.size()));
+  if (name == "removesuffix" && absl::EndsWith(s, fix) && !fix.empty()) {
+    return Value::String(s.substr(0, s.size() - fix.size()));
+  }
+  return self;
+}
+
+absl::StatusOr<Value> StrReplace(Interpreter& in, const std::string& name, const Value& self,
+                                 CallArgs& args) {
+  KVCM_RETURN_IF_ERROR(CheckArgs(args, 3, {}, name));
+  if (args.positional.size() < 2 || !args.positional[0].is_string() ||
+      !args.positional[1].is_string()) {
+    return TypeError("replace() takes two str arguments");
+  }
+  int64_t count = -1;
+  if (args.positional.size() == 3) {
+    if (!args.positional[2].is_int()) return TypeError("replace() count must be an int");
+    count = args.positional[2].as_int();
+  }
+  std::string out = Replace(self.as_string(), args.positional[0].as_string(),
+                            args.positional[1].as_string(), count);
+  KVCM_RETURN_IF_ERROR(in.CheckSize(out.size()));
+  return Value::String(std::move(out));
+}
+
+// str.split() with no separator: runs of whitespace.
+std::vector<Value> SplitWhitespace(const std::string& s, int64_t maxsplit) {
+  std::vector<Value> parts;
+  std::u32string cps = DecodeUtf8(s);
+  size_t i = 0;
+  while (true) {
+    while (i < cps.size() && IsPythonSpace(cps[i])) ++i;
+    if (i >= cps.size()) break;
+    if (maxsplit >= 0 && static_cast<int64_t>(parts.size()) == maxsplit) {
+      size_t e = cps.size();
+      while (e > i && IsPythonSpace(cps[e - 1])) --e;
+      parts.push_back(Value::String(EncodeUtf8(std::u32string_view(cps).substr(i, e - i))));
+      break;
+    }
+    size_t j = i;
+    while (j < cps.size() && !IsPythonSpace(cps[j])) ++j;
+    parts.push_back(Value::String(EncodeUtf8(std::u32string_view(cps).substr(i, j - i))));
+    i = j;
+  }
+  return parts;
+}
+
+std::vector<Value> SplitOn(const std::string& s, const std::string& d, int64_t maxsplit) {
+  std::vector<Value> parts;
+  size_t pos = 0;
+  while (true) {
+    const size_t hit = s.find(d, pos);
+    if (hit == std::string::npos ||
+        (maxsplit >= 0 && static_cast<int64_t>(parts.size()) == maxsplit)) {
+      parts.push_back(Value::String(s.substr(pos)));
+      break;
+    }
+    parts.push_back(Value::String(s.substr(pos, hit - pos)));
+    pos = hit + d.size();
+  }
+  return parts;
+}
+
+absl::StatusOr<Value> StrSplit(Interpreter& in, const std::string& name, const Value& self,
+                               CallArgs& args) {
+  KVCM_RETURN_IF_ERROR(CheckArgs(args, 2, {"sep", "maxsplit"}, name));
+  const Value* sep = Arg(args, 0, "sep");
+  const Value* maxsplit_v = Arg(args, 1, "maxsplit");
+  int64_t maxsplit = -1;
+  if (maxsplit_v != nullptr) {
+    if (!maxsplit_v->is_int()) return TypeError("split() maxsplit must be an int");
+    maxsplit = maxsplit_v->as_int();
+  }
+  std::vector<Value> parts;
+  if (sep == nullptr || sep->is_none()) {
+    parts = SplitWhitespace(self.as_string(), maxsplit);
+  } else {
+    if (!sep->is_string())
+      return TypeError(absl::StrCat("must be str or None, not ", sep->TypeName()));
+    if (sep->as_string().empty()) return TypeError("empty separator");
+    parts = SplitOn(self.as_string(), sep->as_string(), maxsplit);
+  }
+  KVCM_RETURN_IF_ERROR(in.Charge(static_cast<int64_t>(parts.size())));
+  return Value::MakeList(std::move(parts));
+}
+
+absl::StatusOr<Value> StrSplitlines(Interpreter&, const std::string& name, const Value& self,
+                                    CallArgs& args) {
+  KVCM_RETURN_IF_ERROR(CheckArgs(args, 0, {}, name));
+  std::vector<Value> parts;
+  for (std::string& line : SplitLines(self.as_string()))
+    parts.push_back(Value::String(std::move(line)));
+  return Value::MakeList(std::move(parts));
+}
+
+// The one str argument of find and count.
+absl::StatusOr<std::string> SubstringArg(const std::string& name, CallArgs& args) {
+  KVCM_RETURN_IF_ERROR(CheckArgs(args, 1, {}, name));
+  if (args.positional.size() != 1 || !args.positional[0].is_string()) {
+    return TypeError(absl::StrCat(name, "() argument must be str"));
+  }
+  return args.positional[0].as_string();
+}
+
+absl::StatusOr<Value> StrFind(Interpreter&, const std::string& name, const Value& self,
+                              CallArgs& args) {
+  KVCM_ASSIGN_OR_RETURN(const std::string sub, SubstringArg(name, args));
+  const std::string& s = self.as_string();
+  const size_t hit = s.find(sub);
+  if (hit == std::string::npos) return Value::Int(-1);
+  return Value::Int(static_cast<int64_t>(DecodeUtf8(std::string_view(s).substr(0, hit)).size()));
+}
+
+absl::StatusOr<Value> StrCount(Interpreter&, const std::string& name, const Value& self,
+                               CallArgs& args) {
+  KVCM_ASSIGN_OR_RETURN(const std::string sub, SubstringArg(name, args));
+  const std::string& s = self.as_string();
+  if (sub.empty()) return Value::Int(static_cast<int64_t>(DecodeUtf8(s).size()) + 1);
+  int64_t n = 0;
+  for (size_t pos = s.find(sub); pos != std::string::npos; pos = s.find(sub, pos + sub.size())) ++n;
+  return Value::Int(n);
+}
+
+absl::StatusOr<Value> StrJoin(Interpreter& in, const std::string& name, const Value& self,
+                              CallArgs& args) {
+  KVCM_RETURN_IF_ERROR(CheckArgs(args, 1, {}, name));
+  if (args.positional.size() != 1) return TypeError("join() takes exactly one argument");
+  KVCM_ASSIGN_OR_RETURN(std::vector<Value> items, Iterate(args.positional[0]));
+  std::string out;
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (!items[i].is_string()) {
+      return TypeError(absl::StrCat("sequence item ", i, ": expected str instance, ",
+                                    items[i].TypeName(), " found"));
+    }
+    if (i > 0) out += self.as_string();
+    out += items[i].as_string();
+    KVCM_RETURN_IF_ERROR(in.CheckSize(out.size()));
+  }
+  return Value::String(std::move(out));
+}
+
+// The argument a str.format field `{field}` names; null when there is none.
+const Value* FormatArg(const std::string& field, const CallArgs& args, size_t& auto_index) {
+  if (field.empty()) {
+    const Value* v = auto_index < args.positional.size() ? &args.positional[auto_index] : nullptr;
+    ++auto_index;
+    return v;
+  }
+  if (std::all_of(field.begin(), field.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    const size_t index = std::stoul(field);
+    return index < args.positional.size() ? &args.positional[index] : nullptr;
+  }
+  return Arg(args, SIZE_MAX, field);
+}
+
+absl::StatusOr<Value> StrFormat(Interpreter& in, const std::string&, const Value& self,
+                                CallArgs& args) {
+  const std::string& s = self.as_string();
+  std::string out;
+  size_t auto_index = 0;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == '{' && i + 1 < s.size() && s[i + 1] == '{') {
+      out.push_back('{');
+      ++i;
+    } else if (s[i] == '}' && i + 1 < s.size() && s[i + 1] == '}') {
+      out.push_back('}');
+      ++i;
+    } else if (s[i] == '{') {
+      const size_t close = s.find('}', i);
+      if (close == std::string::npos) return TypeError("Single '{' encountered in format string");
+      const std::string field = s.substr(i + 1, close - i - 1);
+      if (field.find_first_of(":!.[") != std::string::npos) {
+        return NotSupported("a str.format field with a conversion or format spec");
+      }
+      const Value* v = FormatArg(field, args, auto_index);
+      if (v == nullptr) return TypeError(absl::StrCat("format: no argument for {", field, "}"));
+      out += ToStr(*v);
+      i = close;
+    } else if (s[i] == '}') {
+      return TypeError("Single '}' encountered in format string");
+    } else {
+      out.push_back(s[i]);
+    }
+  }
+  KVCM_RETURN_IF_ERROR(in.CheckSize(out.size()));
+  return Value::String(std::move(out));
+}
+
+// isdigit isalpha isalnum isspace isupper islower, on ASCII text (isspace on any).
+absl::StatusOr<Value> StrIsClass(Interpreter&, const std::string& name, const Value& self,
+                                 CallArgs& args) {
+  KVCM_RETURN_IF_ERROR(CheckArgs(args, 0, {}, name));
+  std::u32string cps = DecodeUtf8(self.as_string());
+  if (cps.empty()) return Value::Bool(false);
+  bool cased = false;
+  for (char32_t c : cps) {
+    if (c >= 0x80 && name != "isspace")
+      return NotSupported(absl::StrCat("str.", name, "() on non-ASCII text"));
+    const bool digit = c >= '0' && c <= '9';
+    const bool letter = IsAsciiLetter(c);
+    if (name == "isdigit" && !digit) return Value::Bool(false);
+    if (name == "isalpha" && !letter) return Value::Bool(false);
+    if (name == "isalnum" && !letter && !digit) return Value::Bool(false);
+    if (name == "isspace" && !IsPythonSpace(c)) return Value::Bool(false);
+    if (name == "isupper" && c >= 'a' && c <= 'z') return Value::Bool(false);
+    if (name == "islower" && c >= 'A' && c <= 'Z') return Value::Bool(false);
+    cased = cased || letter;
+  }
+  if (name == "isupper" || name == "islower") return Value::Bool(cased);
+  return Value::Bool(true);
+}
+
+constexpr Entry<MethodFn> kStrMethods[] = {
+    {"capitalize", StrCapitalize},
+    {"count", StrCount},
+    {"endswith", StrAffix},
+    {"find", StrFind},
+    {"format", StrFormat},
+    {"isalnum", StrIsClass},
+    {"isalpha", StrIsClass},
+    {"isdigit", StrIsClass},
+    {"islower", StrIsClass},
+    {"isspace", StrIsClass},
+    {"isupper", StrIsClass},
+    {"join", StrJoin},
+    {"lower", StrLower},
+    {"lstrip", StrStrip<true, false>},
+    {"removeprefix", StrRemoveAffix},
+    {"removesuffix", StrRemoveAffix},
+    {"replace", StrReplace},
+    {"rstrip", StrStrip<false, true>},
+    {"split", StrSplit},
+    {"splitlines", StrSplitlines},
+    {"startswith", StrAffix},
+    {"strip", StrStrip<true, true>},
+    {"title", StrTitle},
+    {"upper", StrUpper},
+};
+static_assert(SortedByName(kStrMethods));
+
+bool IsStringMethod(std::string_view name) { return FindIn(kStrMethods, name) != nullptr; }
+bool IsDictMethod(std::string_view name) { return FindIn(kDictMethods, name) != nullptr; }
+
+// Python's other methods: the subset refuses them by name.
 bool IsOtherPythonStringMethod(std::string_view name) {
   static constexpr std::string_view kMethods[] = {
       "casefold", "center", "encode", "expandtabs", "format_map", "index", "isascii",
@@ -296,9 +670,6 @@ bool IsOtherPythonStringMethod(std::string_view name) {
       "partition", "rfind", "rindex", "rjust", "rpartition", "rsplit", "swapcase", "translate",
       "zfill"};
   return std::find(std::begin(kMethods), std::end(kMethods), name) != std::end(kMethods);
-}
-bool IsDictMethod(std::string_view name) {
-  return name == "items" || name == "keys" || name == "values" || name == "get";
 }
 bool IsOtherPythonDictMethod(std::string_view name) {
   static constexpr std::string_view kMethods[] = {"clear", "copy", "fromkeys", "pop", "popitem",
@@ -415,13 +786,877 @@ absl::StatusOr<Value> AttributeOf(const Value& item, const std::string& attribut
   return cur;
 }
 
+// ---- Tests: `value is name(args)`.
+
+using TestFn = absl::StatusOr<bool> (*)(Interpreter& in, const std::string& name, const Value& v,
+                                        CallArgs& args);
+
+// The one argument of a test that needs it.
+absl::StatusOr<const Value*> TestArg(const std::string& name, const CallArgs& args) {
+  const Value* arg = Arg(args, 0, "");
+  if (arg == nullptr) return TypeError(absl::StrCat("the test '", name, "' needs an argument"));
+  return arg;
+}
+
+// A test of the value alone: `Is<Pred>`.
+template <bool (*kPred)(const Value&)>
+absl::StatusOr<bool> Is(Interpreter&, const std::string&, const Value& v, CallArgs&) {
+  return kPred(v);
+}
+bool IsDefined(const Value& v) { return !v.is_undefined(); }
+bool IsUndefined(const Value& v) { return v.is_undefined(); }
+bool IsNone(const Value& v) { return v.is_none(); }
+bool IsBoolean(const Value& v) { return v.is_bool(); }
+bool IsTrue(const Value& v) { return v.is_bool() && v.as_bool(); }
+bool IsFalse(const Value& v) { return v.is_bool() && !v.as_bool(); }
+bool IsInteger(const Value& v) { return v.is_int(); }
+bool IsFloat(const Value& v) { return v.is_float(); }
+bool IsNumber(const Value& v) { return v.is_number(); }
+bool IsString(const Value& v) { return v.is_string(); }
+bool IsMapping(const Value& v) { return v.is_dict(); }
+bool IsIterable(const Value& v) {
+  return v.is_string() || v.is_list() || v.is_dict() || v.is_undefined();
+}
+bool IsCallable(const Value& v) { return v.is_callable(); }
+bool IsEscaped(const Value&) { return false; }
+
+// lower / upper: no character of the other case, and at least one cased.
+absl::StatusOr<bool> TestCase(Interpreter&, const std::string& name, const Value& v, CallArgs&) {
+  const std::string s = ToStr(v);
+  bool cased = false;
+  for (char c : s) {
+    if (name == "lower" && c >= 'A' && c <= 'Z') return false;
+    if (name == "upper" && c >= 'a' && c <= 'z') return false;
+    cased = cased || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z');
+  }
+  return cased;
+}
+
+// v % divisor with Python's semantics, for odd, even and divisibleby.
+absl::StatusOr<double> TestModulo(const Value& v, const Value& divisor) {
+  if (v.is_undefined()) return UndefinedError(v);
+  if (!v.is_number() || !divisor.is_number()) {
+    return TypeError(absl::StrCat("unsupported operand type(s) for %: '", v.TypeName(), "' and '",
+                                  divisor.TypeName(), "'"));
+  }
+  if (!v.is_float() && !divisor.is_float()) {
+    const int64_t x = v.is_int() ? v.as_int() : v.as_bool();
+    const int64_t y = divisor.is_int() ? divisor.as_int() : divisor.as_bool();
+    if (y == 0) return TypeError("integer modulo by zero");
+    int64_t r = x % y;
+    if (r != 0 && ((r < 0) != (y < 0))) r += y;
+    return static_cast<double>(r);
+  }
+  if (divisor.as_double() == 0) return TypeError("float modulo");
+  double m = std::fmod(v.as_double(), divisor.as_double());
+  if (m != 0 && ((m < 0) != (divisor.as_double() < 0))) m += divisor.as_double();
+  return m;
+}
+
+absl::StatusOr<bool> TestOdd(Interpreter&, const std::string&, const Value& v, CallArgs&) {
+  KVCM_ASSIGN_OR_RETURN(double m, TestModulo(v, Value::Int(2)));
+  return m == 1;
+}
+
+absl::StatusOr<bool> TestEven(Interpreter&, const std::string&, const Value& v, CallArgs&) {
+  KVCM_ASSIGN_OR_RETURN(double m, TestModulo(v, Value::Int(2)));
+  return m == 0;
+}
+
+absl::StatusOr<bool> TestDivisibleBy(Interpreter&, const std::string& name, const Value& v,
+                                     CallArgs& args) {
+  KVCM_ASSIGN_OR_RETURN(const Value* arg, TestArg(name, args));
+  KVCM_ASSIGN_OR_RETURN(double m, TestModulo(v, *arg));
+  return m == 0;
+}
+
+absl::StatusOr<bool> TestIn(Interpreter&, const std::string& name, const Value& v, CallArgs& args) {
+  KVCM_ASSIGN_OR_RETURN(const Value* arg, TestArg(name, args));
+  return Contains(*arg, v);
+}
+
+absl::StatusOr<bool> TestSameAs(Interpreter&, const std::string& name, const Value& v,
+                                CallArgs& args) {
+  KVCM_ASSIGN_OR_RETURN(const Value* arg, TestArg(name, args));
+  if (v.is_none() || arg->is_none()) return v.is_none() && arg->is_none();
+  if (v.is_bool() || arg->is_bool())
+    return v.is_bool() && arg->is_bool() && v.as_bool() == arg->as_bool();
+  if (v.is_string() && arg->is_string()) return &v.as_string() == &arg->as_string();
+  if (v.is_list() && arg->is_list()) return &v.as_list() == &arg->as_list();
+  if (v.is_dict() && arg->is_dict()) return &v.as_dict() == &arg->as_dict();
+  return Equal(v, *arg) && v.TypeName() == arg->TypeName();
+}
+
+absl::StatusOr<bool> TestFilter(Interpreter&, const std::string& name, const Value&,
+                                CallArgs& args) {
+  KVCM_ASSIGN_OR_RETURN(const Value* arg, TestArg(name, args));
+  return arg->is_string() && IsKnownFilter(arg->as_string());
+}
+
+absl::StatusOr<bool> TestTest(Interpreter&, const std::string& name, const Value&, CallArgs& args) {
+  KVCM_ASSIGN_OR_RETURN(const Value* arg, TestArg(name, args));
+  return arg->is_string() && IsKnownTest(arg->as_string());
+}
+
+absl::StatusOr<bool> TestEq(Interpreter&, const std::string& name, const Value& v, CallArgs& args) {
+  KVCM_ASSIGN_OR_RETURN(const Value* arg, TestArg(name, args));
+  return Equal(v, *arg);
+}
+
+absl::StatusOr<bool> TestNe(Interpreter&, const std::string& name, const Value& v, CallArgs& args) {
+  KVCM_ASSIGN_OR_RETURN(const Value* arg, TestArg(name, args));
+  return !Equal(v, *arg);
+}
+
+// lt gt le ge and their aliases: `TestOrder<swap, negate>` is (swap ? arg < v : v < arg), negated.
+template <bool kSwap, bool kNegate>
+absl::StatusOr<bool> TestOrder(Interpreter&, const std::string& name, const Value& v,
+                               CallArgs& args) {
+  KVCM_ASSIGN_OR_RETURN(const Value* arg, TestArg(name, args));
+  if (v.is_undefined()) return UndefinedError(v);
+  if (arg->is_undefined()) return UndefinedError(*arg);
+  KVCM_ASSIGN_OR_RETURN(bool less, kSwap ? Less(*arg, v) : Less(v, *arg));
+  return less != kNegate;
+}
+constexpr TestFn TestLt = TestOrder<false, false>;
+constexpr TestFn TestGt = TestOrder<true, false>;
+constexpr TestFn TestLe = TestOrder<true, true>;   // !(arg < v)
+constexpr TestFn TestGe = TestOrder<false, true>;  // !(v < arg)
+
+constexpr Entry<TestFn> kTestTable[] = {
+    {"!=", TestNe},
+    {"<", TestLt},
+    {"<=", TestLe},
+    {"==", TestEq},
+    {">", TestGt},
+    {">=", TestGe},
+    {"boolean", Is<IsBoolean>},
+    {"callable", Is<IsCallable>},
+    {"defined", Is<IsDefined>},
+    {"divisibleby", TestDivisibleBy},
+    {"eq", TestEq},
+    {"equalto", TestEq},
+    {"escaped", Is<IsEscaped>},
+    {"even", TestEven},
+    {"false", Is<IsFalse>},
+    {"filter", TestFilter},
+    {"float", Is<IsFloat>},
+    {"ge", TestGe},
+    {"greaterthan", TestGt},
+    {"gt", TestGt},
+    {"in", TestIn},
+    {"integer", Is<IsInteger>},
+    {"iterable", Is<IsIterable>},
+    {"le", TestLe},
+    {"lessthan", TestLt},
+    {"lower", TestCase},
+    {"lt", TestLt},
+    {"mapping", Is<IsMapping>},
+    {"ne", TestNe},
+    {"none", Is<IsNone>},
+    {"number", Is<IsNumber>},
+    {"odd", TestOdd},
+    {"sameas", TestSameAs},
+    {"sequence", Is<IsIterable>},
+    {"string", Is<IsString>},
+    {"test", TestTest},
+    {"true", Is<IsTrue>},
+    {"undefined", Is<IsUndefined>},
+    {"upper", TestCase},
+};
+static_assert(SortedByName(kTestTable));
+
+// ---- Filters: `value | name(args)`.
+
+using FilterFn = absl::StatusOr<Value> (*)(Interpreter& in, const std::string& name, const Value& v,
+                                           CallArgs& args);
+
+absl::StatusOr<Value> FilterSafe(Interpreter&, const std::string&, const Value& v, CallArgs&) {
+  return v;
+}
+
+absl::StatusOr<Value> FilterDefault(Interpreter&, const std::string& name, const Value& v,
+                                    CallArgs& args) {
+  KVCM_RETURN_IF_ERROR(CheckArgs(args, 2, {"default_value", "boolean"}, name));
+  const Value* dflt = Arg(args, 0, "default_value");
+  const Value* boolean = Arg(args, 1, "boolean");
+  if (v.is_undefined() || (boolean != nullptr && boolean->Truthy() && !v.Truthy())) {
+    return dflt != nullptr ? *dflt : Value::String("");
+  }
+  return v;
+}
+
+absl::StatusOr<Value> FilterLength(Interpreter&, const std::string&, const Value& v, CallArgs&) {
+  KVCM_ASSIGN_OR_RETURN(int64_t n, Length(v));
+  return Value::Int(n);
+}
+
+absl::StatusOr<Value> FilterString(Interpreter&, const std::string&, const Value& v, CallArgs&) {
+  return Value::String(ToStr(v));
+}
+
+absl::StatusOr<Value> FilterTrim(Interpreter&, const std::string& name, const Value& v,
+                                 CallArgs& args) {
+  KVCM_RETURN_IF_ERROR(CheckArgs(args, 1, {"chars"}, name));
+  const Value* chars = Arg(args, 0, "chars");
+  Value s = Value::String(ToStr(v));
+  CallArgs strip_args;
+  if (chars != nullptr) strip_args.positional.push_back(*chars);
+  KVCM_ASSIGN_OR_RETURN(std::string out, StripMethod(s, strip_args, true, true, "strip"));
+  return Value::String(std::move(out));
+}
+
+absl::StatusOr<Value> FilterUpper(Interpreter&, const std::string&, const Value& v, CallArgs&) {
+  return Value::String(CaseUpper(ToStr(v)));
+}
+
+absl::StatusOr<Value> FilterLower(Interpreter&, const std::string&, const Value& v, CallArgs&) {
+  return Value::String(CaseLower(ToStr(v)));
+}
+
+absl::StatusOr<Value> FilterCapitalize(Interpreter& in, const std::string&, const Value& v,
+                                       CallArgs&) {
+  CallArgs none;
+  return in.CallMethod(Value::String(ToStr(v)), "capitalize", none);
+}
+
+absl::StatusOr<Value> FilterTitle(Interpreter&, const std::string&, const Value& v, CallArgs&) {
+  std::u32string cps = DecodeUtf8(ToStr(v));
+  bool word_start = true;
+  for (char32_t& c : cps) {
+    const bool separator =
+        c == '-' || c == '(' || c == '{' || c == '[' || c == '<' || IsPythonSpace(c);
+    if (separator) {
+      word_start = true;
+    } else {
+      c = word_start ? Upper(c) : Lower(c);
+      word_start = false;
+    }
+  }
+  return Value::String(EncodeUtf8(cps));
+}
+
+absl::StatusOr<Value> FilterEscape(Interpreter&, const std::string&, const Value& v, CallArgs&) {
+  return Value::String(HtmlEscape(ToStr(v)));
+}
+
+absl::StatusOr<Value> FilterReplace(Interpreter& in, const std::string& name, const Value& v,
+                                    CallArgs& args) {
+  KVCM_RETURN_IF_ERROR(CheckArgs(args, 3, {"old", "new", "count"}, name));
+  const Value* old_v = Arg(args, 0, "old");
+  const Value* new_v = Arg(args, 1, "new");
+  const Value* count_v = Arg(args, 2, "count");
+  if (old_v == nullptr || new_v == nullptr) return TypeError("replace() needs old and new");
+  int64_t count = -1;
+  if (count_v != nullptr && !count_v->is_none()) {
+    if (!count_v->is_int()) return TypeError("replace() count must be an int");
+    count = count_v->as_int();
+  }
+  std::string out = Replace(ToStr(v), ToStr(*old_v), ToStr(*new_v), count);
+  KVCM_RETURN_IF_ERROR(in.CheckSize(out.size()));
+  return Value::String(std::move(out));
+}
+
+absl::StatusOr<Value> FilterIndent(Interpreter& in, const std::string& name, const Value& v,
+                                   CallArgs& args) {
+  KVCM_RETURN_IF_ERROR(CheckArgs(args, 3, {"width", "first", "blank"}, name));
+  const Value* width = Arg(args, 0, "width");
+  const Value* first = Arg(args, 1, "first");
+  const Value* blank = Arg(args, 2, "blank");
+  std::string indention(4, ' ');
+  if (width != nullptr) {
+    if (width->is_string()) {
+      indention = width->as_string();
+    } else if (width->is_int()) {
+      indention =
+          std::string(static_cast<size_t>(std::clamp<int64_t>(width->as_int(), 0, 4096)), ' ');
+    } else {
+      return TypeError("indent() width must be an int or a str");
+    }
+  }
+  std::vector<std::string> lines = SplitLines(ToStr(v) + "\n");
+  std::string rv;
+  if (blank != nullptr && blank->Truthy()) {
+    for (size_t i = 0; i < lines.size(); ++i) {
+      if (i > 0) rv += "\n" + indention;
+      rv += lines[i];
+    }
+  } else {
+    rv = lines.empty() ? "" : lines[0];
+    for (size_t i = 1; i < lines.size(); ++i) {
+      rv += "\n";
+      if (!lines[i].empty()) rv += indention + lines[i];
+    }
+  }
+  if (first != nullptr && first->Truthy()) rv = indention + rv;
+  KVCM_RETURN_IF_ERROR(in.CheckSize(rv.size()));
+  return Value::String(std::move(rv));
+}
+
+absl::StatusOr<Value> FilterTojson(Interpreter& in, const std::string& name, const Value& v,
+                                   CallArgs& args) {
+  KVCM_RETURN_IF_ERROR(
+      CheckArgs(args, 4, {"ensure_ascii", "indent", "separators", "sort_keys"}, name));
+  const Value* ensure_ascii = Arg(args, 0, "ensure_ascii");
+  const Value* indent_v = Arg(args, 1, "indent");
+  const Value* separators = Arg(args, 2, "separators");
+  const Value* sort_keys = Arg(args, 3, "sort_keys");
+  int indent = -1;
+  std::string indent_string;
+  if (indent_v != nullptr && !indent_v->is_none()) {
+    if (indent_v->is_int()) {
+      indent = static_cast<int>(std::clamp<int64_t>(indent_v->as_int(), 0, 4096));
+    } else if (indent_v->is_string()) {
+      indent = 0;
+      indent_string = indent_v->as_string();
+    } else {
+      return TypeError("tojson indent must be an int or a str");
+    }
+  }
+  std::string item_sep = indent >= 0 ? "," : ", ";
+  std::string key_sep = ": ";
+  if (separators != nullptr && !separators->is_none()) {
+    if (!separators->is_list() || separators->as_list().items.size() != 2 ||
+        !separators->as_list().items[0].is_string() ||
+        !separators->as_list().items[1].is_string()) {
+      return TypeError("tojson separators must be a pair of strings");
+    }
+    item_sep = separators->as_list().items[0].as_string();
+    key_sep = separators->as_list().items[1].as_string();
+  }
+  KVCM_ASSIGN_OR_RETURN(std::string json, ToJson(v, indent, indent_string, item_sep, key_sep,
+                                                 sort_keys != nullptr && sort_keys->Truthy()));
+  if (ensure_ascii != nullptr && ensure_ascii->Truthy()) json = EnsureAscii(json);
+  KVCM_RETURN_IF_ERROR(in.CheckSize(json.size()));
+  return Value::String(std::move(json));
+}
+
+absl::StatusOr<Value> FilterInt(Interpreter&, const std::string& name, const Value& v,
+                                CallArgs& args) {
+  KVCM_RETURN_IF_ERROR(CheckArgs(args, 2, {"default", "base"}, name));
+  const Value* dflt = Arg(args, 0, "default");
+  const Value fallback = dflt != nullptr ? *dflt : Value::Int(0);
+  if (v.is_int()) return v;
+  if (v.is_bool()) return Value::Int(v.as_bool());
+  if (v.is_float()) {
+    if (!std::isfinite(v.as_float()) || std::fabs(v.as_float()) > 9e18) return fallback;
+    return Value::Int(static_cast<int64_t>(v.as_float()));
+  }
+  if (v.is_string()) {
+    const std::string t = Strip(v.as_string(), nullptr, true, true);
+    char* end = nullptr;
+    errno = 0;
+    const long long i = std::strtoll(t.c_str(), &end, 10);
+    if (!t.empty() && end == t.c_str() + t.size() && errno == 0) return Value::Int(i);
+    const double d = std::strtod(t.c_str(), &end);
+    if (!t.empty() && end == t.c_str() + t.size() && std::isfinite(d) && std::fabs(d) < 9e18) {
+      return Value::Int(static_cast<int64_t>(d));
+    }
+  }
+  return fallback;
+}
+
+absl::StatusOr<Value> FilterFloat(Interpreter&, const std::string& name, const Value& v,
+                                  CallArgs& args) {
+  KVCM_RETURN_IF_ERROR(CheckArgs(args, 1, {"default"}, name));
+  const Value* dflt = Arg(args, 0, "default");
+  const Value fallback = dflt != nullptr ? *dflt : Value::Float(0.0);
+  if (v.is_number()) return Value::Float(v.as_double());
+  if (v.is_string()) {
+    const std::string t = Strip(v.as_string(), nullptr, true, true);
+    char* end = nullptr;
+    const double d = std::strtod(t.c_str(), &end);
+    if (!t.empty() && end == t.c_str() + t.size()) return Value::Float(d);
+  }
+  return fallback;
+}
+
+absl::StatusOr<Value> FilterAbs(Interpreter&, const std::string&, const Value& v, CallArgs&) {
+  if (v.is_float()) return Value::Float(std::fabs(v.as_float()));
+  if (v.is_int()) {
+    if (v.as_int() == INT64_MIN) return NotSupported("an integer beyond 64 bits");
+    return Value::Int(v.as_int() < 0 ? -v.as_int() : v.as_int());
+  }
+  if (v.is_bool()) return Value::Int(v.as_bool());
+  return TypeError(absl::StrCat("bad operand type for abs(): '", v.TypeName(), "'"));
+}
+
+absl::StatusOr<Value> FilterItems(Interpreter& in, const std::string&, const Value& v, CallArgs&) {
+  if (v.is_undefined()) return Value::MakeList({});
+  if (!v.is_dict()) return TypeError("Can only get item pairs from a mapping.");
+  CallArgs none;
+  return in.CallMethod(v, "items", none);
+}
+
+absl::StatusOr<Value> FilterList(Interpreter&, const std::string&, const Value& v, CallArgs&) {
+  KVCM_ASSIGN_OR_RETURN(std::vector<Value> items, Iterate(v));
+  return Value::MakeList(std::move(items));
+}
+
+// first / last.
+absl::StatusOr<Value> FilterEnd(Interpreter&, const std::string& name, const Value& v, CallArgs&) {
+  KVCM_ASSIGN_OR_RETURN(std::vector<Value> items, Iterate(v));
+  if (items.empty())
+    return Value::MakeUndefined(absl::StrCat("the ", name, " item of an empty sequence"));
+  return name == "first" ? items.front() : items.back();
+}
+
+absl::StatusOr<Value> FilterReverse(Interpreter&, const std::string&, const Value& v, CallArgs&) {
+  if (v.is_string()) {
+    std::u32string cps = Chars(v);
+    std::reverse(cps.begin(), cps.end());
+    return Value::String(EncodeUtf8(cps));
+  }
+  KVCM_ASSIGN_OR_RETURN(std::vector<Value> items, Iterate(v));
+  std::reverse(items.begin(), items.end());
+  return Value::MakeList(std::move(items));
+}
+
+absl::StatusOr<Value> FilterJoin(Interpreter& in, const std::string& name, const Value& v,
+                                 CallArgs& args) {
+  KVCM_RETURN_IF_ERROR(CheckArgs(args, 2, {"d", "attribute"}, name));
+  const Value* sep = Arg(args, 0, "d");
+  const Value* attribute = Arg(args, 1, "attribute");
+  KVCM_ASSIGN_OR_RETURN(std::vector<Value> items, Iterate(v));
+  const std::string d = sep != nullptr ? ToStr(*sep) : "";
+  std::string out;
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (i > 0) out += d;
+    if (attribute != nullptr && !attribute->is_none()) {
+      KVCM_ASSIGN_OR_RETURN(Value item, AttributeOf(items[i], ToStr(*attribute)));
+      out += ToStr(item);
+    } else {
+      out += ToStr(items[i]);
+    }
+    KVCM_RETURN_IF_ERROR(in.CheckSize(out.size()));
+  }
+  return Value::String(std::move(out));
+}
+
+// map(attribute=..., default=...).
+absl::StatusOr<Value> MapAttribute(const std::vector<Value>& items, const Value& attribute,
+                                   const Value* dflt) {
+  std::vector<Value> out;
+  for (const Value& item : items) {
+    KVCM_ASSIGN_OR_RETURN(Value x, AttributeOf(item, ToStr(attribute)));
+    if (x.is_undefined() && dflt != nullptr) x = *dflt;
+    out.push_back(std::move(x));
+  }
+  return Value::MakeList(std::move(out));
+}
+
+absl::StatusOr<Value> FilterMap(Interpreter& in, const std::string&, const Value& v,
+                                CallArgs& args) {
+  KVCM_ASSIGN_OR_RETURN(std::vector<Value> items, Iterate(v));
+  const Value* attribute = nullptr;
+  const Value* dflt = nullptr;
+  for (const auto& [k, kv] : args.keyword) {
+    if (k == "attribute")
+      attribute = &kv;
+    else if (k == "default")
+      dflt = &kv;
+  }
+  if (attribute != nullptr) return MapAttribute(items, *attribute, dflt);
+  if (args.positional.empty() || !args.positional[0].is_string()) {
+    return TypeError("map() needs a filter name or attribute=");
+  }
+  const std::string filter = args.positional[0].as_string();
+  if (!IsKnownFilter(filter)) return NotSupported(absl::StrCat("the filter '", filter, "'"));
+  CallArgs rest;
+  rest.positional.assign(args.positional.begin() + 1, args.positional.end());
+  rest.keyword = args.keyword;
+  std::vector<Value> out;
+  for (const Value& item : items) {
+    KVCM_RETURN_IF_ERROR(in.Charge(1));
+    CallArgs copy = rest;
+    KVCM_ASSIGN_OR_RETURN(Value x, in.ApplyFilter(filter, item, copy));
+    out.push_back(std::move(x));
+  }
+  return Value::MakeList(std::move(out));
+}
+
+// select reject selectattr rejectattr.
+absl::StatusOr<Value> FilterSelect(Interpreter& in, const std::string& name, const Value& v,
+                                   CallArgs& args) {
+  const bool by_attr = name == "selectattr" || name == "rejectattr";
+  const bool keep_if = name == "select" || name == "selectattr";
+  KVCM_ASSIGN_OR_RETURN(std::vector<Value> items, Iterate(v));
+  size_t next = 0;
+  std::string attribute;
+  if (by_attr) {
+    if (args.positional.empty()) return TypeError(absl::StrCat(name, "() needs an attribute"));
+    attribute = ToStr(args.positional[next++]);
+  }
+  std::string test;
+  if (next < args.positional.size()) test = ToStr(args.positional[next++]);
+  if (!test.empty() && !IsKnownTest(test))
+    return NotSupported(absl::StrCat("the test '", test, "'"));
+  CallArgs test_args;
+  test_args.positional.assign(args.positional.begin() + static_cast<std::ptrdiff_t>(next),
+                              args.positional.end());
+  std::vector<Value> out;
+  for (const Value& item : items) {
+    KVCM_RETURN_IF_ERROR(in.Charge(1));
+    Value x = item;
+    if (by_attr) {
+      KVCM_ASSIGN_OR_RETURN(x, AttributeOf(item, attribute));
+    }
+    bool pass;
+    if (test.empty()) {
+      pass = x.Truthy();
+    } else {
+      CallArgs copy = test_args;
+      KVCM_ASSIGN_OR_RETURN(pass, in.ApplyTest(test, x, copy));
+    }
+    if (pass == keep_if) out.push_back(item);
+  }
+  return Value::MakeList(std::move(out));
+}
+
+// The keys unique and sort compare: the item or its attribute, lowered unless case-sensitive.
+absl::StatusOr<std::vector<Value>> SortKeys(const std::vector<Value>& items,
+                                            const Value* case_sensitive, const Value* attribute) {
+  const bool cs = case_sensitive != nullptr && case_sensitive->Truthy();
+  std::vector<Value> keys;
+  for (const Value& item : items) {
+    Value key = item;
+    if (attribute != nullptr && !attribute->is_none()) {
+      KVCM_ASSIGN_OR_RETURN(key, AttributeOf(item, ToStr(*attribute)));
+    }
+    if (!cs && key.is_string()) key = Value::String(CaseLower(key.as_string()));
+    keys.push_back(std::move(key));
+  }
+  return keys;
+}
+
+absl::StatusOr<Value> FilterUnique(Interpreter& in, const std::string& name, const Value& v,
+                                   CallArgs& args) {
+  KVCM_RETURN_IF_ERROR(CheckArgs(args, 2, {"reverse", "case_sensitive", "attribute"}, name));
+  const Value* case_sensitive = Arg(args, 0, "case_sensitive");
+  const Value* attribute = Arg(args, 1, "attribute");
+  KVCM_ASSIGN_OR_RETURN(std::vector<Value> items, Iterate(v));
+  KVCM_ASSIGN_OR_RETURN(std::vector<Value> keys, SortKeys(items, case_sensitive, attribute));
+  std::vector<Value> out, seen;
+  for (size_t i = 0; i < items.size(); ++i) {
+    KVCM_RETURN_IF_ERROR(in.Charge(static_cast<int64_t>(seen.size())));
+    bool dup = false;
+    for (const Value& s : seen) dup = dup || Equal(s, keys[i]);
+    if (!dup) {
+      seen.push_back(keys[i]);
+      out.push_back(items[i]);
+    }
+  }
+  return Value::MakeList(std::move(out));
+}
+
+absl::StatusOr<Value> FilterSort(Interpreter&, const std::string& name, const Value& v,
+                                 CallArgs& args) {
+  KVCM_RETURN_IF_ERROR(CheckArgs(args, 3, {"reverse", "case_sensitive", "attribute"}, name));
+  const Value* reverse = Arg(args, 0, "reverse");
+  const Value* case_sensitive = Arg(args, 1, "case_sensitive");
+  const Value* attribute = Arg(args, 2, "attribute");
+  KVCM_ASSIGN_OR_RETURN(std::vector<Value> items, Iterate(v));
+  KVCM_ASSIGN_OR_RETURN(std::vector<Value> keys, SortKeys(items, case_sensitive, attribute));
+  std::vector<size_t> order(items.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  absl::Status error;
+  const bool rev = reverse != nullptr && reverse->Truthy();
+  std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) {
+    absl::StatusOr<bool> lt = rev ? Less(keys[y], keys[x]) : Less(keys[x], keys[y]);
+    if (!lt.ok()) {
+      error = lt.status();
+      return false;
+    }
+    return *lt;
+  });
+  KVCM_RETURN_IF_ERROR(error);
+  std::vector<Value> out;
+  for (size_t i : order) out.push_back(items[i]);
+  return Value::MakeList(std::move(out));
+}
+
+constexpr Entry<FilterFn> kFilterTable[] = {
+    {"abs", FilterAbs},           {"capitalize", FilterCapitalize},
+    {"count", FilterLength},      {"d", FilterDefault},
+    {"default", FilterDefault},   {"e", FilterEscape},
+    {"escape", FilterEscape},     {"first", FilterEnd},
+    {"float", FilterFloat},       {"indent", FilterIndent},
+    {"int", FilterInt},           {"items", FilterItems},
+    {"join", FilterJoin},         {"last", FilterEnd},
+    {"length", FilterLength},     {"list", FilterList},
+    {"lower", FilterLower},       {"map", FilterMap},
+    {"reject", FilterSelect},     {"rejectattr", FilterSelect},
+    {"replace", FilterReplace},   {"reverse", FilterReverse},
+    {"safe", FilterSafe},         {"select", FilterSelect},
+    {"selectattr", FilterSelect}, {"sort", FilterSort},
+    {"string", FilterString},     {"title", FilterTitle},
+    {"tojson", FilterTojson},     {"trim", FilterTrim},
+    {"unique", FilterUnique},     {"upper", FilterUpper},
+};
+static_assert(SortedByName(kFilterTable));
+
+// obj[start:stop:step], the parts evaluated (None where left out; ints checked).
+absl::StatusOr<Value> SliceValue(const Value& obj, const Value (&parts)[3]) {
+  const int64_t step = parts[2].is_none() ? 1 : *ToIndex(parts[2]);
+  if (step == 0) return TypeError("slice step cannot be zero");
+  if (obj.is_undefined()) return UndefinedError(obj);
+  if (obj.is_list()) {
+    return Value::MakeList(SliceOf(obj.as_list().items, &parts[0], &parts[1], step),
+                           obj.as_list().is_tuple);
+  }
+  if (obj.is_string()) {
+    std::u32string cps = Chars(obj);
+    std::vector<char32_t> v(cps.begin(), cps.end());
+    std::vector<char32_t> sliced = SliceOf(v, &parts[0], &parts[1], step);
+    return Value::String(EncodeUtf8(std::u32string(sliced.begin(), sliced.end())));
+  }
+  return Value::MakeUndefined("slice");
+}
+
+// not v, +v, -v.
+absl::StatusOr<Value> UnaryOp(const std::string& op, const Value& v) {
+  if (op == "not") return Value::Bool(!v.Truthy());
+  if (v.is_undefined()) return UndefinedError(v);
+  if (op == "+") {
+    if (!v.is_number())
+      return TypeError(absl::StrCat("bad operand type for unary +: '", v.TypeName(), "'"));
+    return v.is_bool() ? Value::Int(v.as_bool()) : v;
+  }
+  if (v.is_float()) return Value::Float(-v.as_float());
+  if (v.is_int() || v.is_bool()) {
+    const int64_t i = v.is_int() ? v.as_int() : v.as_bool();
+    if (i == INT64_MIN) return NotSupported("an integer beyond 64 bits");
+    return Value::Int(-i);
+  }
+  return TypeError(absl::StrCat("bad operand type for unary -: '", v.TypeName(), "'"));
+}
+
+// ---- Binary operators (and/or short-circuit in EvalBinary): `a op b`, one function each.
+
+using BinaryFn = absl::StatusOr<Value> (*)(Interpreter& in, const std::string& op, const Value& a,
+                                           const Value& b);
+
+absl::Status Defined(const Value& a, const Value& b) {
+  if (a.is_undefined()) return UndefinedError(a);
+  if (b.is_undefined()) return UndefinedError(b);
+  return absl::OkStatus();
+}
+
+absl::Status UnsupportedOperands(const std::string& op, const Value& a, const Value& b) {
+  return TypeError(absl::StrCat("unsupported operand type(s) for ", op, ": '", a.TypeName(),
+                                "' and '", b.TypeName(), "'"));
+}
+
+int64_t AsInt(const Value& v) { return v.is_int() ? v.as_int() : v.as_bool(); }
+
+absl::StatusOr<Value> CheckedInt(bool overflow, int64_t r) {
+  if (overflow) return NotSupported("an integer beyond 64 bits");
+  return Value::Int(r);
+}
+
+// Arithmetic on two numbers: int_op on two ints (bools count as ints), float_op otherwise.
+template <typename IntOp, typename FloatOp>
+absl::StatusOr<Value> Numeric(const std::string& op, const Value& a, const Value& b, IntOp int_op,
+                              FloatOp float_op) {
+  if (!a.is_number() || !b.is_number()) return UnsupportedOperands(op, a, b);
+  if (!a.is_float() && !b.is_float()) return int_op(AsInt(a), AsInt(b));
+  return float_op(a.as_double(), b.as_double());
+}
+
+// Python's floored x // y and x % y on ints.
+absl::StatusOr<std::pair<int64_t, int64_t>> IntDivMod(int64_t x, int64_t y,
+                                                      const char* zero_error) {
+  if (y == 0) return TypeError(zero_error);
+  if (x == INT64_MIN && y == -1) return NotSupported("an integer beyond 64 bits");
+  int64_t q = x / y;
+  int64_t m = x % y;
+  if (m != 0 && ((m < 0) != (y < 0))) {
+    --q;
+    m += y;
+  }
+  return std::make_pair(q, m);
+}
+
+// Python's x % y on floats (y != 0).
+double FloatMod(double x, double y) {
+  double m = std::fmod(x, y);
+  if (m != 0 && ((m < 0) != (y < 0))) m += y;
+  return m;
+}
+
+absl::StatusOr<Value> OpConcat(Interpreter& in, const std::string&, const Value& a,
+                               const Value& b) {
+  std::string s = ToStr(a) + ToStr(b);
+  KVCM_RETURN_IF_ERROR(in.CheckSize(s.size()));
+  return Value::String(std::move(s));
+}
+
+absl::StatusOr<Value> OpAdd(Interpreter& in, const std::string& op, const Value& a,
+                            const Value& b) {
+  KVCM_RETURN_IF_ERROR(Defined(a, b));
+  if (a.is_string() && b.is_string()) {
+    std::string s = a.as_string() + b.as_string();
+    KVCM_RETURN_IF_ERROR(in.CheckSize(s.size()));
+    return Value::String(std::move(s));
+  }
+  if (a.is_list() && b.is_list() && a.as_list().is_tuple == b.as_list().is_tuple) {
+    std::vector<Value> items = a.as_list().items;
+    items.insert(items.end(), b.as_list().items.begin(), b.as_list().items.end());
+    KVCM_RETURN_IF_ERROR(in.CheckSize(items.size() * sizeof(Value)));
+    return Value::MakeList(std::move(items), a.as_list().is_tuple);
+  }
+  if (a.is_string()) {
+    return TypeError(absl::StrCat("can only concatenate str (not \"", b.TypeName(), "\") to str"));
+  }
+  return Numeric(
+      op, a, b,
+      [](int64_t x, int64_t y) -> absl::StatusOr<Value> {
+        int64_t r = 0;
+        const bool overflow = __builtin_add_overflow(x, y, &r);
+        return CheckedInt(overflow, r);
+      },
+      [](double x, double y) -> absl::StatusOr<Value> { return Value::Float(x + y); });
+}
+
+absl::StatusOr<Value> OpSub(Interpreter&, const std::string& op, const Value& a, const Value& b) {
+  KVCM_RETURN_IF_ERROR(Defined(a, b));
+  return Numeric(
+      op, a, b,
+      [](int64_t x, int64_t y) -> absl::StatusOr<Value> {
+        int64_t r = 0;
+        const bool overflow = __builtin_sub_overflow(x, y, &r);
+        return CheckedInt(overflow, r);
+      },
+      [](double x, double y) -> absl::StatusOr<Value> { return Value::Float(x - y); });
+}
+
+// seq * n (or n * seq) for a str, list or tuple.
+absl::StatusOr<Value> Repeat(Interpreter& in, const Value& seq, const Value& times) {
+  if (!times.is_int() && !times.is_bool()) {
+    return TypeError(
+        absl::StrCat("can't multiply sequence by non-int of type '", times.TypeName(), "'"));
+  }
+  const int64_t n = std::max<int64_t>(0, AsInt(times));
+  const size_t bounded_n =
+      static_cast<size_t>(std::min<int64_t>(n, in.limits().max_output_bytes + 1));
+  if (seq.is_string()) {
+    if (n > 0 && seq.as_string().size() > 0) {
+      KVCM_RETURN_IF_ERROR(in.CheckSize(bounded_n * seq.as_string().size()));
+    }
+    std::string s;
+    for (int64_t i = 0; i < n && !seq.as_string().empty(); ++i) s += seq.as_string();
+    return Value::String(std::move(s));
+  }
+  if (n > 0 && !seq.as_list().items.empty()) {
+    KVCM_RETURN_IF_ERROR(in.CheckSize(bounded_n * seq.as_list().items.size() * sizeof(Value)));
+  }
+  std::vector<Value> items;
+  for (int64_t i = 0; i < n; ++i) {
+    items.insert(items.end(), seq.as_list().items.begin(), seq.as_list().items.end());
+  }
+  return Value::MakeList(std::move(items), seq.as_list().is_tuple);
+}
+
+absl::StatusOr<Value> OpMul(Interpreter& in, const std::string& op, const Value& a,
+                            const Value& b) {
+  KVCM_RETURN_IF_ERROR(Defined(a, b));
+  const bool a_seq = a.is_string() || a.is_list();
+  const bool b_seq = b.is_string() || b.is_list();
+  if (a_seq != b_seq) return a_seq ? Repeat(in, a, b) : Repeat(in, b, a);
+  return Numeric(
+      op, a, b,
+      [](int64_t x, int64_t y) -> absl::StatusOr<Value> {
+        int64_t r = 0;
+        const bool overflow = __builtin_mul_overflow(x, y, &r);
+        return CheckedInt(overflow, r);
+      },
+      [](double x, double y) -> absl::StatusOr<Value> { return Value::Float(x * y); });
+}
+
+absl::StatusOr<Value> OpDiv(Interpreter&, const std::string& op, const Value& a, const Value& b) {
+  KVCM_RETURN_IF_ERROR(Defined(a, b));
+  return Numeric(
+      op, a, b,
+      [](int64_t x, int64_t y) -> absl::StatusOr<Value> {
+        if (y == 0) return TypeError("division by zero");
+        return Value::Float(static_cast<double>(x) / static_cast<double>(y));
+      },
+      [](double x, double y) -> absl::StatusOr<Value> {
+        if (y == 0) return TypeError("float division by zero");
+        return Value::Float(x / y);
+      });
+}
+
+absl::StatusOr<Value> OpFloorDiv(Interpreter&, const std::string& op, const Value& a,
+                                 const Value& b) {
+  KVCM_RETURN_IF_ERROR(Defined(a, b));
+  return Numeric(
+      op, a, b,
+      [](int64_t x, int64_t y) -> absl::StatusOr<Value> {
+        KVCM_ASSIGN_OR_RETURN(auto qm, IntDivMod(x, y, "integer division or modulo by zero"));
+        return Value::Int(qm.first);
+      },
+      [](double x, double y) -> absl::StatusOr<Value> {
+        if (y == 0) return TypeError("float floor division by zero");
+        const double div = (x - FloatMod(x, y)) / y;
+        double floordiv = std::floor(div);
+        if (div - floordiv > 0.5) floordiv += 1.0;
+        return Value::Float(floordiv);
+      });
+}
+
+absl::StatusOr<Value> OpMod(Interpreter&, const std::string& op, const Value& a, const Value& b) {
+  KVCM_RETURN_IF_ERROR(Defined(a, b));
+  if (a.is_string()) return NotSupported("printf-style string formatting with '%'");
+  return Numeric(
+      op, a, b,
+      [](int64_t x, int64_t y) -> absl::StatusOr<Value> {
+        KVCM_ASSIGN_OR_RETURN(auto qm, IntDivMod(x, y, "integer modulo by zero"));
+        return Value::Int(qm.second);
+      },
+      [](double x, double y) -> absl::StatusOr<Value> {
+        if (y == 0) return TypeError("float modulo");
+        return Value::Float(FloatMod(x, y));
+      });
+}
+
+absl::StatusOr<Value> OpPow(Interpreter& in, const std::string& op, const Value& a,
+                            const Value& b) {
+  KVCM_RETURN_IF_ERROR(Defined(a, b));
+  return Numeric(
+      op, a, b,
+      [&in](int64_t x, int64_t y) -> absl::StatusOr<Value> {
+        if (y < 0) return Value::Float(std::pow(static_cast<double>(x), static_cast<double>(y)));
+        int64_t result = 1;
+        for (int64_t i = 0; i < y; ++i) {
+          if (__builtin_mul_overflow(result, x, &result))
+            return NotSupported("an integer beyond 64 bits");
+          if (result == 0 || result == 1) break;
+          KVCM_RETURN_IF_ERROR(in.Charge(1));
+        }
+        if (result == 1 && x == -1 && y % 2 == 1) result = -1;
+        return Value::Int(result);
+      },
+      [](double x, double y) -> absl::StatusOr<Value> { return Value::Float(std::pow(x, y)); });
+}
+
+constexpr Entry<BinaryFn> kBinaryOps[] = {
+    {"%", OpMod}, {"*", OpMul}, {"**", OpPow},      {"+", OpAdd},
+    {"-", OpSub}, {"/", OpDiv}, {"//", OpFloorDiv}, {"~", OpConcat},
+};
+static_assert(SortedByName(kBinaryOps));
+
 }  // namespace
 
-bool IsKnownFilter(std::string_view name) {
-  return std::find(std::begin(kFilters), std::end(kFilters), name) != std::end(kFilters);
-}
-bool IsKnownTest(std::string_view name) {
-  return std::find(std::begin(kTests), std::end(kTests), name) != std::end(kTests);
+bool IsKnownFilter(std::string_view name) { return FindIn(kFilterTable, name) != nullptr; }
+bool IsKnownTest(std::string_view name) { return FindIn(kTestTable, name) != nullptr; }
+
+std::vector<std::string_view> SupportedFilters() { return KeysOf(kFilterTable); }
+std::vector<std::string_view> SupportedTests() { return KeysOf(kTestTable); }
+std::vector<std::string_view> SupportedMethods(std::string_view type) {
+  if (type == "str") return KeysOf(kStrMethods);
+  if (type == "dict") return KeysOf(kDictMethods);
+  return {};
 }
 
 absl::StatusOr<Value> GetAttr(const Value& obj, const std::string& name) {
@@ -833,20 +2068,7 @@ absl::StatusOr<Value> Interpreter::EvalInner(const Expr& expr) {
           parts[i] = Value::None();
         }
       }
-      const int64_t step = parts[2].is_none() ? 1 : *ToIndex(parts[2]);
-      if (step == 0) return TypeError("slice step cannot be zero");
-      if (obj.is_undefined()) return UndefinedError(obj);
-      if (obj.is_list()) {
-        return Value::MakeList(SliceOf(obj.as_list().items, &parts[0], &parts[1], step),
-                               obj.as_list().is_tuple);
-      }
-      if (obj.is_string()) {
-        std::u32string cps = Chars(obj);
-        std::vector<char32_t> v(cps.begin(), cps.end());
-        std::vector<char32_t> sliced = SliceOf(v, &parts[0], &parts[1], step);
-        return Value::String(EncodeUtf8(std::u32string(sliced.begin(), sliced.end())));
-      }
-      return Value::MakeUndefined("slice");
+      return SliceValue(obj, parts);
     }
     case Expr::Kind::kCall: {
       KVCM_ASSIGN_OR_RETURN(Value callee, Eval(*expr.a));
@@ -866,19 +2088,7 @@ absl::StatusOr<Value> Interpreter::EvalInner(const Expr& expr) {
     }
     case Expr::Kind::kUnary: {
       KVCM_ASSIGN_OR_RETURN(Value v, Eval(*expr.a));
-      if (expr.name == "not") return Value::Bool(!v.Truthy());
-      if (v.is_undefined()) return UndefinedError(v);
-      if (expr.name == "+") {
-        if (!v.is_number()) return TypeError(absl::StrCat("bad operand type for unary +: '", v.TypeName(), "'"));
-        return v.is_bool() ? Value::Int(v.as_bool()) : v;
-      }
-      if (v.is_float()) return Value::Float(-v.as_float());
-      if (v.is_int() || v.is_bool()) {
-        const int64_t i = v.is_int() ? v.as_int() : v.as_bool();
-        if (i == INT64_MIN) return NotSupported("an integer beyond 64 bits");
-        return Value::Int(-i);
-      }
-      return TypeError(absl::StrCat("bad operand type for unary -: '", v.TypeName(), "'"));
+      return UnaryOp(expr.name, v);
     }
     case Expr::Kind::kBinary:
       return EvalBinary(expr);
@@ -926,130 +2136,9 @@ absl::StatusOr<Value> Interpreter::EvalBinary(const Expr& expr) {
     return Eval(*expr.b);
   }
   KVCM_ASSIGN_OR_RETURN(Value b, Eval(*expr.b));
-  if (op == "~") {
-    std::string s = ToStr(a) + ToStr(b);
-    KVCM_RETURN_IF_ERROR(CheckSize(s.size()));
-    return Value::String(std::move(s));
-  }
-  if (a.is_undefined()) return UndefinedError(a);
-  if (b.is_undefined()) return UndefinedError(b);
-  const auto unsupported = [&]() {
-    return TypeError(absl::StrCat("unsupported operand type(s) for ", op, ": '", a.TypeName(),
-                                  "' and '", b.TypeName(), "'"));
-  };
-  if (op == "+") {
-    if (a.is_string() && b.is_string()) {
-      std::string s = a.as_string() + b.as_string();
-      KVCM_RETURN_IF_ERROR(CheckSize(s.size()));
-      return Value::String(std::move(s));
-    }
-    if (a.is_list() && b.is_list() && a.as_list().is_tuple == b.as_list().is_tuple) {
-      std::vector<Value> items = a.as_list().items;
-      items.insert(items.end(), b.as_list().items.begin(), b.as_list().items.end());
-      KVCM_RETURN_IF_ERROR(CheckSize(items.size() * sizeof(Value)));
-      return Value::MakeList(std::move(items), a.as_list().is_tuple);
-    }
-    if (a.is_string() || b.is_string()) {
-      if (a.is_string()) {
-        return TypeError(absl::StrCat("can only concatenate str (not \"", b.TypeName(), "\") to str"));
-      }
-      return unsupported();
-    }
-  }
-  if (op == "*" && ((a.is_string() || a.is_list()) != (b.is_string() || b.is_list()))) {
-    const Value& seq = (a.is_string() || a.is_list()) ? a : b;
-    const Value& times = (a.is_string() || a.is_list()) ? b : a;
-    if (!times.is_int() && !times.is_bool()) {
-      return TypeError(absl::StrCat("can't multiply sequence by non-int of type '", times.TypeName(), "'"));
-    }
-    const int64_t n = std::max<int64_t>(0, times.is_int() ? times.as_int() : times.as_bool());
-    if (seq.is_string()) {
-      if (n > 0 && seq.as_string().size() > 0) {
-        KVCM_RETURN_IF_ERROR(CheckSize(
-            static_cast<size_t>(std::min<int64_t>(n, limits_.max_output_bytes + 1)) * seq.as_string().size()));
-      }
-      std::string s;
-      for (int64_t i = 0; i < n && !seq.as_string().empty(); ++i) s += seq.as_string();
-      return Value::String(std::move(s));
-    }
-    if (n > 0 && !seq.as_list().items.empty()) {
-      KVCM_RETURN_IF_ERROR(CheckSize(static_cast<size_t>(std::min<int64_t>(n, limits_.max_output_bytes + 1)) *
-                                     seq.as_list().items.size() * sizeof(Value)));
-    }
-    std::vector<Value> items;
-    for (int64_t i = 0; i < n; ++i) {
-      items.insert(items.end(), seq.as_list().items.begin(), seq.as_list().items.end());
-    }
-    return Value::MakeList(std::move(items), seq.as_list().is_tuple);
-  }
-  if (op == "%" && a.is_string()) return NotSupported("printf-style string formatting with '%'");
-  if (!a.is_number() || !b.is_number()) return unsupported();
-  const bool ints = !a.is_float() && !b.is_float();
-  if (ints) {
-    const int64_t x = a.is_int() ? a.as_int() : a.as_bool();
-    const int64_t y = b.is_int() ? b.as_int() : b.as_bool();
-    int64_t r = 0;
-    if (op == "+") {
-      if (__builtin_add_overflow(x, y, &r)) return NotSupported("an integer beyond 64 bits");
-      return Value::Int(r);
-    }
-    if (op == "-") {
-      if (__builtin_sub_overflow(x, y, &r)) return NotSupported("an integer beyond 64 bits");
-      return Value::Int(r);
-    }
-    if (op == "*") {
-      if (__builtin_mul_overflow(x, y, &r)) return NotSupported("an integer beyond 64 bits");
-      return Value::Int(r);
-    }
-    if (op == "/") {
-      if (y == 0) return TypeError("division by zero");
-      return Value::Float(static_cast<double>(x) / static_cast<double>(y));
-    }
-    if (op == "//" || op == "%") {
-      if (y == 0) return TypeError(op == "//" ? "integer division or modulo by zero" : "integer modulo by zero");
-      if (x == INT64_MIN && y == -1) return NotSupported("an integer beyond 64 bits");
-      int64_t q = x / y;
-      int64_t m = x % y;
-      if (m != 0 && ((m < 0) != (y < 0))) {
-        --q;
-        m += y;
-      }
-      return Value::Int(op == "//" ? q : m);
-    }
-    if (op == "**") {
-      if (y < 0) return Value::Float(std::pow(static_cast<double>(x), static_cast<double>(y)));
-      int64_t result = 1;
-      for (int64_t i = 0; i < y; ++i) {
-        if (__builtin_mul_overflow(result, x, &result)) return NotSupported("an integer beyond 64 bits");
-        if (result == 0 || result == 1) break;
-        KVCM_RETURN_IF_ERROR(Charge(1));
-      }
-      if (result == 1 && x == -1 && y % 2 == 1) result = -1;
-      return Value::Int(result);
-    }
-  } else {
-    const double x = a.as_double();
-    const double y = b.as_double();
-    if (op == "+") return Value::Float(x + y);
-    if (op == "-") return Value::Float(x - y);
-    if (op == "*") return Value::Float(x * y);
-    if (op == "/") {
-      if (y == 0) return TypeError("float division by zero");
-      return Value::Float(x / y);
-    }
-    if (op == "//" || op == "%") {
-      if (y == 0) return TypeError(op == "//" ? "float floor division by zero" : "float modulo");
-      double m = std::fmod(x, y);
-      if (m != 0 && ((m < 0) != (y < 0))) m += y;
-      if (op == "%") return Value::Float(m);
-      const double div = (x - m) / y;
-      double floordiv = std::floor(div);
-      if (div - floordiv > 0.5) floordiv += 1.0;
-      return Value::Float(floordiv);
-    }
-    if (op == "**") return Value::Float(std::pow(x, y));
-  }
-  return unsupported();
+  if (const BinaryFn fn = FindIn(kBinaryOps, op)) return fn(*this, op, a, b);
+  KVCM_RETURN_IF_ERROR(Defined(a, b));
+  return UnsupportedOperands(op, a, b);
 }
 
 absl::StatusOr<Value> Interpreter::EvalCompare(const Expr& expr) {
@@ -1087,683 +2176,25 @@ absl::StatusOr<Value> Interpreter::EvalCompare(const Expr& expr) {
 
 absl::StatusOr<Value> Interpreter::CallMethod(const Value& self, const std::string& name,
                                               CallArgs& args) {
-  if (self.is_dict()) {
-    const Dict& dict = self.as_dict();
-    if (name == "get") {
-      KVCM_RETURN_IF_ERROR(CheckArgs(args, 2, {}, "get"));
-      if (args.positional.empty()) return TypeError("get expected at least 1 argument, got 0");
-      if (const Value* v = dict.Find(args.positional[0])) return *v;
-      return args.positional.size() > 1 ? args.positional[1] : Value::None();
-    }
-    KVCM_RETURN_IF_ERROR(CheckArgs(args, 0, {}, name));
-    std::vector<Value> out;
-    for (const auto& [k, v] : dict.items) {
-      if (name == "items") {
-        out.push_back(Value::MakeList({k, v}, /*is_tuple=*/true));
-      } else {
-        out.push_back(name == "keys" ? k : v);
-      }
-    }
-    return Value::MakeList(std::move(out));
+  MethodFn fn = nullptr;
+  if (self.is_dict()) fn = FindIn(kDictMethods, name);
+  if (self.is_string()) fn = FindIn(kStrMethods, name);
+  if (fn == nullptr) {
+    return NotSupported(absl::StrCat("the ", self.TypeName(), " method '", name, "'"));
   }
-  // str methods
-  const std::string& s = self.as_string();
-  if (name == "strip") {
-    KVCM_ASSIGN_OR_RETURN(std::string out, StripMethod(self, args, true, true, name));
-    return Value::String(std::move(out));
-  }
-  if (name == "lstrip") {
-    KVCM_ASSIGN_OR_RETURN(std::string out, StripMethod(self, args, true, false, name));
-    return Value::String(std::move(out));
-  }
-  if (name == "rstrip") {
-    KVCM_ASSIGN_OR_RETURN(std::string out, StripMethod(self, args, false, true, name));
-    return Value::String(std::move(out));
-  }
-  if (name == "upper" || name == "lower") {
-    KVCM_RETURN_IF_ERROR(CheckArgs(args, 0, {}, name));
-    return Value::String(name == "upper" ? CaseUpper(s) : CaseLower(s));
-  }
-  if (name == "title" || name == "capitalize") {
-    KVCM_RETURN_IF_ERROR(CheckArgs(args, 0, {}, name));
-    std::u32string cps = DecodeUtf8(s);
-    bool prev_cased = false;
-    for (size_t i = 0; i < cps.size(); ++i) {
-      if (name == "capitalize") {
-        cps[i] = i == 0 ? Upper(cps[i]) : Lower(cps[i]);
-      } else {
-        const bool cased = IsCased(cps[i]);
-        cps[i] = prev_cased ? Lower(cps[i]) : Upper(cps[i]);
-        prev_cased = cased;
-      }
-    }
-    return Value::String(EncodeUtf8(cps));
-  }
-  if (name == "startswith" || name == "endswith") {
-    KVCM_RETURN_IF_ERROR(CheckArgs(args, 1, {}, name));
-    if (args.positional.empty()) return TypeError(absl::StrCat(name, "() takes at least 1 argument (0 given)"));
-    std::vector<Value> options;
-    if (args.positional[0].is_list() && args.positional[0].as_list().is_tuple) {
-      options = args.positional[0].as_list().items;
-    } else {
-      options.push_back(args.positional[0]);
-    }
-    for (const Value& o : options) {
-      if (!o.is_string()) {
-        return TypeError(absl::StrCat(name, " first arg must be str or a tuple of str, not ", o.TypeName()));
-      }
-      if (name == "startswith" ? absl::StartsWith(s, o.as_string()) : absl::EndsWith(s, o.as_string())) {
-        return Value::Bool(true);
-      }
-    }
-    return Value::Bool(false);
-  }
-  if (name == "removeprefix" || name == "removesuffix") {
-    KVCM_RETURN_IF_ERROR(CheckArgs(args, 1, {}, name));
-    if (args.positional.size() != 1 || !args.positional[0].is_string()) {
-      return TypeError(absl::StrCat(name, "() argument must be str"));
-    }
-    const std::string& fix = args.positional[0].as_string();
-    if (name == "removeprefix" && absl::StartsWith(s, fix)) return Value::String(s.substr(fix.size()));
-    if (name == "removesuffix" && absl::EndsWith(s, fix) && !fix.empty()) {
-      return Value::String(s.substr(0, s.size() - fix.size()));
-    }
-    return self;
-  }
-  if (name == "replace") {
-    KVCM_RETURN_IF_ERROR(CheckArgs(args, 3, {}, name));
-    if (args.positional.size() < 2 || !args.positional[0].is_string() || !args.positional[1].is_string()) {
-      return TypeError("replace() takes two str arguments");
-    }
-    int64_t count = -1;
-    if (args.positional.size() == 3) {
-      if (!args.positional[2].is_int()) return TypeError("replace() count must be an int");
-      count = args.positional[2].as_int();
-    }
-    std::string out = Replace(s, args.positional[0].as_string(), args.positional[1].as_string(), count);
-    KVCM_RETURN_IF_ERROR(CheckSize(out.size()));
-    return Value::String(std::move(out));
-  }
-  if (name == "split") {
-    KVCM_RETURN_IF_ERROR(CheckArgs(args, 2, {"sep", "maxsplit"}, name));
-    const Value* sep = Arg(args, 0, "sep");
-    const Value* maxsplit_v = Arg(args, 1, "maxsplit");
-    int64_t maxsplit = -1;
-    if (maxsplit_v != nullptr) {
-      if (!maxsplit_v->is_int()) return TypeError("split() maxsplit must be an int");
-      maxsplit = maxsplit_v->as_int();
-    }
-    std::vector<Value> parts;
-    if (sep == nullptr || sep->is_none()) {
-      std::u32string cps = DecodeUtf8(s);
-      size_t i = 0;
-      while (true) {
-        while (i < cps.size() && IsPythonSpace(cps[i])) ++i;
-        if (i >= cps.size()) break;
-        if (maxsplit >= 0 && static_cast<int64_t>(parts.size()) == maxsplit) {
-          size_t e = cps.size();
-          while (e > i && IsPythonSpace(cps[e - 1])) --e;
-          parts.push_back(Value::String(EncodeUtf8(std::u32string_view(cps).substr(i, e - i))));
-          break;
-        }
-        size_t j = i;
-        while (j < cps.size() && !IsPythonSpace(cps[j])) ++j;
-        parts.push_back(Value::String(EncodeUtf8(std::u32string_view(cps).substr(i, j - i))));
-        i = j;
-      }
-    } else {
-      if (!sep->is_string()) return TypeError(absl::StrCat("must be str or None, not ", sep->TypeName()));
-      const std::string& d = sep->as_string();
-      if (d.empty()) return TypeError("empty separator");
-      size_t pos = 0;
-      while (true) {
-        const size_t hit = s.find(d, pos);
-        if (hit == std::string::npos || (maxsplit >= 0 && static_cast<int64_t>(parts.size()) == maxsplit)) {
-          parts.push_back(Value::String(s.substr(pos)));
-          break;
-        }
-        parts.push_back(Value::String(s.substr(pos, hit - pos)));
-        pos = hit + d.size();
-      }
-    }
-    KVCM_RETURN_IF_ERROR(Charge(static_cast<int64_t>(parts.size())));
-    return Value::MakeList(std::move(parts));
-  }
-  if (name == "splitlines") {
-    KVCM_RETURN_IF_ERROR(CheckArgs(args, 0, {}, name));
-    std::vector<Value> parts;
-    for (std::string& line : SplitLines(s)) parts.push_back(Value::String(std::move(line)));
-    return Value::MakeList(std::move(parts));
-  }
-  if (name == "find" || name == "count") {
-    KVCM_RETURN_IF_ERROR(CheckArgs(args, 1, {}, name));
-    if (args.positional.size() != 1 || !args.positional[0].is_string()) {
-      return TypeError(absl::StrCat(name, "() argument must be str"));
-    }
-    const std::string& sub = args.positional[0].as_string();
-    if (name == "find") {
-      const size_t hit = s.find(sub);
-      if (hit == std::string::npos) return Value::Int(-1);
-      return Value::Int(static_cast<int64_t>(DecodeUtf8(std::string_view(s).substr(0, hit)).size()));
-    }
-    if (sub.empty()) return Value::Int(static_cast<int64_t>(DecodeUtf8(s).size()) + 1);
-    int64_t n = 0;
-    for (size_t pos = s.find(sub); pos != std::string::npos; pos = s.find(sub, pos + sub.size())) ++n;
-    return Value::Int(n);
-  }
-  if (name == "join") {
-    KVCM_RETURN_IF_ERROR(CheckArgs(args, 1, {}, name));
-    if (args.positional.size() != 1) return TypeError("join() takes exactly one argument");
-    KVCM_ASSIGN_OR_RETURN(std::vector<Value> items, Iterate(args.positional[0]));
-    std::string out;
-    for (size_t i = 0; i < items.size(); ++i) {
-      if (!items[i].is_string()) {
-        return TypeError(absl::StrCat("sequence item ", i, ": expected str instance, ",
-                                      items[i].TypeName(), " found"));
-      }
-      if (i > 0) out += s;
-      out += items[i].as_string();
-      KVCM_RETURN_IF_ERROR(CheckSize(out.size()));
-    }
-    return Value::String(std::move(out));
-  }
-  if (name == "format") {
-    std::string out;
-    size_t auto_index = 0;
-    for (size_t i = 0; i < s.size(); ++i) {
-      if (s[i] == '{' && i + 1 < s.size() && s[i + 1] == '{') {
-        out.push_back('{');
-        ++i;
-      } else if (s[i] == '}' && i + 1 < s.size() && s[i + 1] == '}') {
-        out.push_back('}');
-        ++i;
-      } else if (s[i] == '{') {
-        const size_t close = s.find('}', i);
-        if (close == std::string::npos) return TypeError("Single '{' encountered in format string");
-        const std::string field = s.substr(i + 1, close - i - 1);
-        if (field.find_first_of(":!.[") != std::string::npos) {
-          return NotSupported("a str.format field with a conversion or format spec");
-        }
-        const Value* v = nullptr;
-        if (field.empty()) {
-          if (auto_index < args.positional.size()) v = &args.positional[auto_index];
-          ++auto_index;
-        } else if (std::all_of(field.begin(), field.end(), [](char c) { return c >= '0' && c <= '9'; })) {
-          const size_t index = std::stoul(field);
-          if (index < args.positional.size()) v = &args.positional[index];
-        } else {
-          v = Arg(args, SIZE_MAX, field);
-        }
-        if (v == nullptr) return TypeError(absl::StrCat("format: no argument for {", field, "}"));
-        out += ToStr(*v);
-        i = close;
-      } else if (s[i] == '}') {
-        return TypeError("Single '}' encountered in format string");
-      } else {
-        out.push_back(s[i]);
-      }
-    }
-    KVCM_RETURN_IF_ERROR(CheckSize(out.size()));
-    return Value::String(std::move(out));
-  }
-  if (name == "isdigit" || name == "isalpha" || name == "isalnum" || name == "isspace" ||
-      name == "isupper" || name == "islower") {
-    KVCM_RETURN_IF_ERROR(CheckArgs(args, 0, {}, name));
-    std::u32string cps = DecodeUtf8(s);
-    if (cps.empty()) return Value::Bool(false);
-    bool cased = false;
-    for (char32_t c : cps) {
-      if (c >= 0x80 && name != "isspace") return NotSupported(absl::StrCat("str.", name, "() on non-ASCII text"));
-      const bool digit = c >= '0' && c <= '9';
-      const bool letter = IsAsciiLetter(c);
-      if (name == "isdigit" && !digit) return Value::Bool(false);
-      if (name == "isalpha" && !letter) return Value::Bool(false);
-      if (name == "isalnum" && !letter && !digit) return Value::Bool(false);
-      if (name == "isspace" && !IsPythonSpace(c)) return Value::Bool(false);
-      if (name == "isupper" && c >= 'a' && c <= 'z') return Value::Bool(false);
-      if (name == "islower" && c >= 'A' && c <= 'Z') return Value::Bool(false);
-      cased = cased || letter;
-    }
-    if (name == "isupper" || name == "islower") return Value::Bool(cased);
-    return Value::Bool(true);
-  }
-  return NotSupported(absl::StrCat("the str method '", name, "'"));
+  return fn(*this, name, self, args);
 }
 
 absl::StatusOr<bool> Interpreter::ApplyTest(const std::string& name, const Value& v, CallArgs& args) {
-  const Value* arg = Arg(args, 0, "");
-  auto need_arg = [&]() -> absl::Status {
-    if (arg == nullptr) return TypeError(absl::StrCat("the test '", name, "' needs an argument"));
-    return absl::OkStatus();
-  };
-  if (name == "defined") return !v.is_undefined();
-  if (name == "undefined") return v.is_undefined();
-  if (name == "none") return v.is_none();
-  if (name == "boolean") return v.is_bool();
-  if (name == "true") return v.is_bool() && v.as_bool();
-  if (name == "false") return v.is_bool() && !v.as_bool();
-  if (name == "integer") return v.is_int();
-  if (name == "float") return v.is_float();
-  if (name == "number") return v.is_number();
-  if (name == "string") return v.is_string();
-  if (name == "mapping") return v.is_dict();
-  if (name == "iterable") return v.is_string() || v.is_list() || v.is_dict() || v.is_undefined();
-  if (name == "sequence") return v.is_string() || v.is_list() || v.is_dict() || v.is_undefined();
-  if (name == "callable") return v.is_callable();
-  if (name == "escaped") return false;
-  if (name == "lower" || name == "upper") {
-    const std::string s = ToStr(v);
-    bool cased = false;
-    for (char c : s) {
-      if (name == "lower" && c >= 'A' && c <= 'Z') return false;
-      if (name == "upper" && c >= 'a' && c <= 'z') return false;
-      cased = cased || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z');
-    }
-    return cased;
-  }
-  if (name == "odd" || name == "even" || name == "divisibleby") {
-    Value divisor = Value::Int(2);
-    if (name == "divisibleby") {
-      KVCM_RETURN_IF_ERROR(need_arg());
-      divisor = *arg;
-    }
-    if (v.is_undefined()) return UndefinedError(v);
-    if (!v.is_number() || !divisor.is_number()) {
-      return TypeError(absl::StrCat("unsupported operand type(s) for %: '", v.TypeName(), "' and '",
-                                    divisor.TypeName(), "'"));
-    }
-    double m;
-    if (!v.is_float() && !divisor.is_float()) {
-      const int64_t x = v.is_int() ? v.as_int() : v.as_bool();
-      const int64_t y = divisor.is_int() ? divisor.as_int() : divisor.as_bool();
-      if (y == 0) return TypeError("integer modulo by zero");
-      int64_t r = x % y;
-      if (r != 0 && ((r < 0) != (y < 0))) r += y;
-      m = static_cast<double>(r);
-    } else {
-      if (divisor.as_double() == 0) return TypeError("float modulo");
-      m = std::fmod(v.as_double(), divisor.as_double());
-      if (m != 0 && ((m < 0) != (divisor.as_double() < 0))) m += divisor.as_double();
-    }
-    if (name == "odd") return m == 1;
-    return m == 0;
-  }
-  if (name == "in") {
-    KVCM_RETURN_IF_ERROR(need_arg());
-    return Contains(*arg, v);
-  }
-  if (name == "sameas") {
-    KVCM_RETURN_IF_ERROR(need_arg());
-    if (v.is_none() || arg->is_none()) return v.is_none() && arg->is_none();
-    if (v.is_bool() || arg->is_bool()) return v.is_bool() && arg->is_bool() && v.as_bool() == arg->as_bool();
-    if (v.is_string() && arg->is_string()) return &v.as_string() == &arg->as_string();
-    if (v.is_list() && arg->is_list()) return &v.as_list() == &arg->as_list();
-    if (v.is_dict() && arg->is_dict()) return &v.as_dict() == &arg->as_dict();
-    return Equal(v, *arg) && v.TypeName() == arg->TypeName();
-  }
-  if (name == "filter") {
-    KVCM_RETURN_IF_ERROR(need_arg());
-    return arg->is_string() && IsKnownFilter(arg->as_string());
-  }
-  if (name == "test") {
-    KVCM_RETURN_IF_ERROR(need_arg());
-    return arg->is_string() && IsKnownTest(arg->as_string());
-  }
-  if (name == "eq" || name == "equalto" || name == "==") {
-    KVCM_RETURN_IF_ERROR(need_arg());
-    return Equal(v, *arg);
-  }
-  if (name == "ne" || name == "!=") {
-    KVCM_RETURN_IF_ERROR(need_arg());
-    return !Equal(v, *arg);
-  }
-  if (name == "lt" || name == "lessthan" || name == "<" || name == "gt" || name == "greaterthan" ||
-      name == ">" || name == "le" || name == "<=" || name == "ge" || name == ">=") {
-    KVCM_RETURN_IF_ERROR(need_arg());
-    if (v.is_undefined()) return UndefinedError(v);
-    if (arg->is_undefined()) return UndefinedError(*arg);
-    const bool lt = name == "lt" || name == "lessthan" || name == "<";
-    const bool gt = name == "gt" || name == "greaterthan" || name == ">";
-    const bool le = name == "le" || name == "<=";
-    if (lt) return Less(v, *arg);
-    if (gt) return Less(*arg, v);
-    KVCM_ASSIGN_OR_RETURN(bool inverse, le ? Less(*arg, v) : Less(v, *arg));
-    return !inverse;
-  }
-  return NotSupported(absl::StrCat("the test '", name, "'"));
+  const TestFn fn = FindIn(kTestTable, name);
+  if (fn == nullptr) return NotSupported(absl::StrCat("the test '", name, "'"));
+  return fn(*this, name, v, args);
 }
 
 absl::StatusOr<Value> Interpreter::ApplyFilter(const std::string& name, const Value& v, CallArgs& args) {
-  if (name == "safe") return v;
-  if (name == "default" || name == "d") {
-    KVCM_RETURN_IF_ERROR(CheckArgs(args, 2, {"default_value", "boolean"}, name));
-    const Value* dflt = Arg(args, 0, "default_value");
-    const Value* boolean = Arg(args, 1, "boolean");
-    if (v.is_undefined() || (boolean != nullptr && boolean->Truthy() && !v.Truthy())) {
-      return dflt != nullptr ? *dflt : Value::String("");
-    }
-    return v;
-  }
-  if (name == "length" || name == "count") {
-    KVCM_ASSIGN_OR_RETURN(int64_t n, Length(v));
-    return Value::Int(n);
-  }
-  if (name == "string") return Value::String(ToStr(v));
-  if (name == "trim") {
-    KVCM_RETURN_IF_ERROR(CheckArgs(args, 1, {"chars"}, name));
-    const Value* chars = Arg(args, 0, "chars");
-    Value s = Value::String(ToStr(v));
-    CallArgs strip_args;
-    if (chars != nullptr) strip_args.positional.push_back(*chars);
-    KVCM_ASSIGN_OR_RETURN(std::string out, StripMethod(s, strip_args, true, true, "strip"));
-    return Value::String(std::move(out));
-  }
-  if (name == "upper") return Value::String(CaseUpper(ToStr(v)));
-  if (name == "lower") return Value::String(CaseLower(ToStr(v)));
-  if (name == "capitalize") {
-    CallArgs none;
-    return CallMethod(Value::String(ToStr(v)), "capitalize", none);
-  }
-  if (name == "title") {
-    std::u32string cps = DecodeUtf8(ToStr(v));
-    bool word_start = true;
-    for (char32_t& c : cps) {
-      const bool separator = c == '-' || c == '(' || c == '{' || c == '[' || c == '<' || IsPythonSpace(c);
-      if (separator) {
-        word_start = true;
-      } else {
-        c = word_start ? Upper(c) : Lower(c);
-        word_start = false;
-      }
-    }
-    return Value::String(EncodeUtf8(cps));
-  }
-  if (name == "e" || name == "escape") return Value::String(HtmlEscape(ToStr(v)));
-  if (name == "replace") {
-    KVCM_RETURN_IF_ERROR(CheckArgs(args, 3, {"old", "new", "count"}, name));
-    const Value* old_v = Arg(args, 0, "old");
-    const Value* new_v = Arg(args, 1, "new");
-    const Value* count_v = Arg(args, 2, "count");
-    if (old_v == nullptr || new_v == nullptr) return TypeError("replace() needs old and new");
-    int64_t count = -1;
-    if (count_v != nullptr && !count_v->is_none()) {
-      if (!count_v->is_int()) return TypeError("replace() count must be an int");
-      count = count_v->as_int();
-    }
-    std::string out = Replace(ToStr(v), ToStr(*old_v), ToStr(*new_v), count);
-    KVCM_RETURN_IF_ERROR(CheckSize(out.size()));
-    return Value::String(std::move(out));
-  }
-  if (name == "indent") {
-    KVCM_RETURN_IF_ERROR(CheckArgs(args, 3, {"width", "first", "blank"}, name));
-    const Value* width = Arg(args, 0, "width");
-    const Value* first = Arg(args, 1, "first");
-    const Value* blank = Arg(args, 2, "blank");
-    std::string indention(4, ' ');
-    if (width != nullptr) {
-      if (width->is_string()) {
-        indention = width->as_string();
-      } else if (width->is_int()) {
-        indention = std::string(static_cast<size_t>(std::clamp<int64_t>(width->as_int(), 0, 4096)), ' ');
-      } else {
-        return TypeError("indent() width must be an int or a str");
-      }
-    }
-    std::vector<std::string> lines = SplitLines(ToStr(v) + "\n");
-    std::string rv;
-    if (blank != nullptr && blank->Truthy()) {
-      for (size_t i = 0; i < lines.size(); ++i) {
-        if (i > 0) rv += "\n" + indention;
-        rv += lines[i];
-      }
-    } else {
-      rv = lines.empty() ? "" : lines[0];
-      for (size_t i = 1; i < lines.size(); ++i) {
-        rv += "\n";
-        if (!lines[i].empty()) rv += indention + lines[i];
-      }
-    }
-    if (first != nullptr && first->Truthy()) rv = indention + rv;
-    KVCM_RETURN_IF_ERROR(CheckSize(rv.size()));
-    return Value::String(std::move(rv));
-  }
-  if (name == "tojson") {
-    KVCM_RETURN_IF_ERROR(CheckArgs(args, 4, {"ensure_ascii", "indent", "separators", "sort_keys"}, name));
-    const Value* ensure_ascii = Arg(args, 0, "ensure_ascii");
-    const Value* indent_v = Arg(args, 1, "indent");
-    const Value* separators = Arg(args, 2, "separators");
-    const Value* sort_keys = Arg(args, 3, "sort_keys");
-    int indent = -1;
-    std::string indent_string;
-    if (indent_v != nullptr && !indent_v->is_none()) {
-      if (indent_v->is_int()) {
-        indent = static_cast<int>(std::clamp<int64_t>(indent_v->as_int(), 0, 4096));
-      } else if (indent_v->is_string()) {
-        indent = 0;
-        indent_string = indent_v->as_string();
-      } else {
-        return TypeError("tojson indent must be an int or a str");
-      }
-    }
-    std::string item_sep = indent >= 0 ? "," : ", ";
-    std::string key_sep = ": ";
-    if (separators != nullptr && !separators->is_none()) {
-      if (!separators->is_list() || separators->as_list().items.size() != 2 ||
-          !separators->as_list().items[0].is_string() || !separators->as_list().items[1].is_string()) {
-        return TypeError("tojson separators must be a pair of strings");
-      }
-      item_sep = separators->as_list().items[0].as_string();
-      key_sep = separators->as_list().items[1].as_string();
-    }
-    KVCM_ASSIGN_OR_RETURN(std::string json, ToJson(v, indent, indent_string, item_sep, key_sep,
-                                                   sort_keys != nullptr && sort_keys->Truthy()));
-    if (ensure_ascii != nullptr && ensure_ascii->Truthy()) json = EnsureAscii(json);
-    KVCM_RETURN_IF_ERROR(CheckSize(json.size()));
-    return Value::String(std::move(json));
-  }
-  if (name == "int") {
-    KVCM_RETURN_IF_ERROR(CheckArgs(args, 2, {"default", "base"}, name));
-    const Value* dflt = Arg(args, 0, "default");
-    const Value fallback = dflt != nullptr ? *dflt : Value::Int(0);
-    if (v.is_int()) return v;
-    if (v.is_bool()) return Value::Int(v.as_bool());
-    if (v.is_float()) {
-      if (!std::isfinite(v.as_float()) || std::fabs(v.as_float()) > 9e18) return fallback;
-      return Value::Int(static_cast<int64_t>(v.as_float()));
-    }
-    if (v.is_string()) {
-      const std::string t = Strip(v.as_string(), nullptr, true, true);
-      char* end = nullptr;
-      errno = 0;
-      const long long i = std::strtoll(t.c_str(), &end, 10);
-      if (!t.empty() && end == t.c_str() + t.size() && errno == 0) return Value::Int(i);
-      const double d = std::strtod(t.c_str(), &end);
-      if (!t.empty() && end == t.c_str() + t.size() && std::isfinite(d) && std::fabs(d) < 9e18) {
-        return Value::Int(static_cast<int64_t>(d));
-      }
-    }
-    return fallback;
-  }
-  if (name == "float") {
-    KVCM_RETURN_IF_ERROR(CheckArgs(args, 1, {"default"}, name));
-    const Value* dflt = Arg(args, 0, "default");
-    const Value fallback = dflt != nullptr ? *dflt : Value::Float(0.0);
-    if (v.is_number()) return Value::Float(v.as_double());
-    if (v.is_string()) {
-      const std::string t = Strip(v.as_string(), nullptr, true, true);
-      char* end = nullptr;
-      const double d = std::strtod(t.c_str(), &end);
-      if (!t.empty() && end == t.c_str() + t.size()) return Value::Float(d);
-    }
-    return fallback;
-  }
-  if (name == "abs") {
-    if (v.is_float()) return Value::Float(std::fabs(v.as_float()));
-    if (v.is_int()) {
-      if (v.as_int() == INT64_MIN) return NotSupported("an integer beyond 64 bits");
-      return Value::Int(v.as_int() < 0 ? -v.as_int() : v.as_int());
-    }
-    if (v.is_bool()) return Value::Int(v.as_bool());
-    return TypeError(absl::StrCat("bad operand type for abs(): '", v.TypeName(), "'"));
-  }
-  if (name == "items") {
-    if (v.is_undefined()) return Value::MakeList({});
-    if (!v.is_dict()) return TypeError("Can only get item pairs from a mapping.");
-    CallArgs none;
-    return CallMethod(v, "items", none);
-  }
-  if (name == "list") {
-    KVCM_ASSIGN_OR_RETURN(std::vector<Value> items, Iterate(v));
-    return Value::MakeList(std::move(items));
-  }
-  if (name == "first" || name == "last") {
-    KVCM_ASSIGN_OR_RETURN(std::vector<Value> items, Iterate(v));
-    if (items.empty()) return Value::MakeUndefined(absl::StrCat("the ", name, " item of an empty sequence"));
-    return name == "first" ? items.front() : items.back();
-  }
-  if (name == "reverse") {
-    if (v.is_string()) {
-      std::u32string cps = Chars(v);
-      std::reverse(cps.begin(), cps.end());
-      return Value::String(EncodeUtf8(cps));
-    }
-    KVCM_ASSIGN_OR_RETURN(std::vector<Value> items, Iterate(v));
-    std::reverse(items.begin(), items.end());
-    return Value::MakeList(std::move(items));
-  }
-  if (name == "join") {
-    KVCM_RETURN_IF_ERROR(CheckArgs(args, 2, {"d", "attribute"}, name));
-    const Value* sep = Arg(args, 0, "d");
-    const Value* attribute = Arg(args, 1, "attribute");
-    KVCM_ASSIGN_OR_RETURN(std::vector<Value> items, Iterate(v));
-    const std::string d = sep != nullptr ? ToStr(*sep) : "";
-    std::string out;
-    for (size_t i = 0; i < items.size(); ++i) {
-      if (i > 0) out += d;
-      if (attribute != nullptr && !attribute->is_none()) {
-        KVCM_ASSIGN_OR_RETURN(Value item, AttributeOf(items[i], ToStr(*attribute)));
-        out += ToStr(item);
-      } else {
-        out += ToStr(items[i]);
-      }
-      KVCM_RETURN_IF_ERROR(CheckSize(out.size()));
-    }
-    return Value::String(std::move(out));
-  }
-  if (name == "map") {
-    KVCM_ASSIGN_OR_RETURN(std::vector<Value> items, Iterate(v));
-    const Value* attribute = nullptr;
-    const Value* dflt = nullptr;
-    for (const auto& [k, kv] : args.keyword) {
-      if (k == "attribute") attribute = &kv;
-      else if (k == "default") dflt = &kv;
-    }
-    std::vector<Value> out;
-    if (attribute != nullptr) {
-      for (const Value& item : items) {
-        KVCM_ASSIGN_OR_RETURN(Value x, AttributeOf(item, ToStr(*attribute)));
-        if (x.is_undefined() && dflt != nullptr) x = *dflt;
-        out.push_back(std::move(x));
-      }
-      return Value::MakeList(std::move(out));
-    }
-    if (args.positional.empty() || !args.positional[0].is_string()) {
-      return TypeError("map() needs a filter name or attribute=");
-    }
-    const std::string filter = args.positional[0].as_string();
-    if (!IsKnownFilter(filter)) return NotSupported(absl::StrCat("the filter '", filter, "'"));
-    CallArgs rest;
-    rest.positional.assign(args.positional.begin() + 1, args.positional.end());
-    rest.keyword = args.keyword;
-    for (const Value& item : items) {
-      KVCM_RETURN_IF_ERROR(Charge(1));
-      CallArgs copy = rest;
-      KVCM_ASSIGN_OR_RETURN(Value x, ApplyFilter(filter, item, copy));
-      out.push_back(std::move(x));
-    }
-    return Value::MakeList(std::move(out));
-  }
-  if (name == "select" || name == "reject" || name == "selectattr" || name == "rejectattr") {
-    const bool by_attr = name == "selectattr" || name == "rejectattr";
-    const bool keep_if = name == "select" || name == "selectattr";
-    KVCM_ASSIGN_OR_RETURN(std::vector<Value> items, Iterate(v));
-    size_t next = 0;
-    std::string attribute;
-    if (by_attr) {
-      if (args.positional.empty()) return TypeError(absl::StrCat(name, "() needs an attribute"));
-      attribute = ToStr(args.positional[next++]);
-    }
-    std::string test;
-    if (next < args.positional.size()) test = ToStr(args.positional[next++]);
-    if (!test.empty() && !IsKnownTest(test)) return NotSupported(absl::StrCat("the test '", test, "'"));
-    CallArgs test_args;
-    test_args.positional.assign(args.positional.begin() + static_cast<std::ptrdiff_t>(next), args.positional.end());
-    std::vector<Value> out;
-    for (const Value& item : items) {
-      KVCM_RETURN_IF_ERROR(Charge(1));
-      Value x = item;
-      if (by_attr) {
-        KVCM_ASSIGN_OR_RETURN(x, AttributeOf(item, attribute));
-      }
-      bool pass;
-      if (test.empty()) {
-        pass = x.Truthy();
-      } else {
-        CallArgs copy = test_args;
-        KVCM_ASSIGN_OR_RETURN(pass, ApplyTest(test, x, copy));
-      }
-      if (pass == keep_if) out.push_back(item);
-    }
-    return Value::MakeList(std::move(out));
-  }
-  if (name == "unique" || name == "sort") {
-    KVCM_RETURN_IF_ERROR(CheckArgs(args, name == "sort" ? 3 : 2,
-                                   {"reverse", "case_sensitive", "attribute"}, name));
-    const Value* reverse = name == "sort" ? Arg(args, 0, "reverse") : nullptr;
-    const Value* case_sensitive = Arg(args, name == "sort" ? 1 : 0, "case_sensitive");
-    const Value* attribute = Arg(args, name == "sort" ? 2 : 1, "attribute");
-    const bool cs = case_sensitive != nullptr && case_sensitive->Truthy();
-    KVCM_ASSIGN_OR_RETURN(std::vector<Value> items, Iterate(v));
-    std::vector<Value> keys;
-    for (const Value& item : items) {
-      Value key = item;
-      if (attribute != nullptr && !attribute->is_none()) {
-        KVCM_ASSIGN_OR_RETURN(key, AttributeOf(item, ToStr(*attribute)));
-      }
-      if (!cs && key.is_string()) key = Value::String(CaseLower(key.as_string()));
-      keys.push_back(std::move(key));
-    }
-    if (name == "unique") {
-      std::vector<Value> out, seen;
-      for (size_t i = 0; i < items.size(); ++i) {
-        KVCM_RETURN_IF_ERROR(Charge(static_cast<int64_t>(seen.size())));
-        bool dup = false;
-        for (const Value& s : seen) dup = dup || Equal(s, keys[i]);
-        if (!dup) {
-          seen.push_back(keys[i]);
-          out.push_back(items[i]);
-        }
-      }
-      return Value::MakeList(std::move(out));
-    }
-    std::vector<size_t> order(items.size());
-    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-    absl::Status error;
-    const bool rev = reverse != nullptr && reverse->Truthy();
-    std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) {
-      absl::StatusOr<bool> lt = rev ? Less(keys[y], keys[x]) : Less(keys[x], keys[y]);
-      if (!lt.ok()) {
-        error = lt.status();
-        return false;
-      }
-      return *lt;
-    });
-    KVCM_RETURN_IF_ERROR(error);
-    std::vector<Value> out;
-    for (size_t i : order) out.push_back(items[i]);
-    return Value::MakeList(std::move(out));
-  }
-  return NotSupported(absl::StrCat("the filter '", name, "'"));
+  const FilterFn fn = FindIn(kFilterTable, name);
+  if (fn == nullptr) return NotSupported(absl::StrCat("the filter '", name, "'"));
+  return fn(*this, name, v, args);
 }
 
 }  // namespace kvcm::jinja

@@ -51,6 +51,7 @@ class Interpreter {
   absl::Status CheckSize(size_t bytes);
   // raise_exception(msg): an error that reaches the caller with msg unchanged.
   absl::Status Raise(std::string message);
+  const RenderLimits& limits() const { return limits_; }
 
  private:
   enum class Flow { kNormal, kBreak, kContinue };
@@ -83,5 +84,13 @@ class Interpreter {
 // then the item; obj[key] the item, then the attribute). Errors on undefined objects.
 absl::StatusOr<Value> GetAttr(const Value& obj, const std::string& name);
 absl::StatusOr<Value> GetItem(const Value& obj, const Value& key);
+
+// The names the interpreter implements, sorted: the keys of its tables of filters, tests and
+// methods (each name maps to one small function in jinja_interpreter.cc; docs/chat-templates.md
+// lists the same names, which jinja_tables_test checks). SupportedMethods takes the receiver's
+// Python type name ("str", "dict") and gives {} for a type without supported methods.
+std::vector<std::string_view> SupportedFilters();
+std::vector<std::string_view> SupportedTests();
+std::vector<std::string_view> SupportedMethods(std::string_view type);
 
 }  // namespace kvcm::jinja
