@@ -47,10 +47,6 @@ absl::Status ProtocolError(absl::string_view what) {
   return absl::InternalError(absl::StrCat("cache manager protocol error: ", what));
 }
 
-PoolBackend FromWireBackend(wire::PoolBackend backend) {
-  return backend == wire::PoolBackend::Cuda ? PoolBackend::kCuda : PoolBackend::kShm;
-}
-
 // The payload of a reply whose type Exchange() has checked. VerifyEnvelope guarantees a
 // payload, so the CHECK states what is already true.
 template <typename T>
@@ -58,12 +54,6 @@ const T& PayloadAs(const wire::Envelope* envelope) {
   const void* payload = envelope->payload();
   KVCM_CHECK(payload != nullptr);
   return *static_cast<const T*>(payload);
-}
-
-BlockHash HashFromWire(const wire::BlockHash* hash) {
-  BlockHash out;
-  std::memcpy(out.bytes.data(), hash->bytes()->Data(), out.bytes.size());
-  return out;
 }
 
 // Configures a socket for a client: no lingering on close, so neither a destructor nor
@@ -82,44 +72,6 @@ void ConfigureDealer(zmq::socket_t& socket, absl::Duration send_timeout) {
 
 // ---- Decoding helpers -----------------------------------------------------------------------
 
-absl::StatusOr<std::vector<KvEventRecord>> DecodeKvEvents(
-    const flatbuffers::Vector<flatbuffers::Offset<wire::KvEvent>>* events) {
-  std::vector<KvEventRecord> out;
-  if (events == nullptr) return out;
-  out.reserve(events->size());
-  for (flatbuffers::uoffset_t i = 0; i < events->size(); ++i) {
-    const wire::KvEvent* event = events->Get(i);
-    KvEventRecord record;
-    switch (event->kind()) {
-      case wire::EventKind::BlockStored:
-        record.kind = KvEventKind::kBlockStored;
-        break;
-      case wire::EventKind::BlockRemoved:
-        record.kind = KvEventKind::kBlockRemoved;
-        break;
-      case wire::EventKind::AllBlocksCleared:
-        record.kind = KvEventKind::kAllBlocksCleared;
-        break;
-      default:
-        return ProtocolError(
-            absl::StrCat("KV event ", i, " has unknown kind ", static_cast<int>(event->kind())));
-    }
-    if (record.kind != KvEventKind::kAllBlocksCleared) {
-      if (event->hash() == nullptr) {
-        return ProtocolError(absl::StrCat("KV event ", i, " has no block hash"));
-      }
-      record.hash = HashFromWire(event->hash());
-      record.block = event->block();
-    }
-    if (event->parent_hash() != nullptr) {
-      record.parent_hash = HashFromWire(event->parent_hash());
-      record.has_parent = true;
-    }
-    out.push_back(record);
-  }
-  return out;
-}
-
 absl::StatusOr<AttachedPool> CheckPoolDescriptor(const wire::PoolDescriptor* descriptor,
                                                  int32_t expected_num_blocks) {
   auto bad = [](auto&&... parts) {
@@ -135,7 +87,7 @@ absl::StatusOr<AttachedPool> CheckPoolDescriptor(const wire::PoolDescriptor* des
   if (expected_num_blocks > 0 && pool.num_blocks != expected_num_blocks) {
     return bad("num_blocks is ", pool.num_blocks, " but Hello announced ", expected_num_blocks);
   }
-  pool.backend = FromWireBackend(descriptor->backend());
+  pool.backend = PoolBackendFromWire(descriptor->backend());
   if (descriptor->backend() != wire::PoolBackend::Shm &&
       descriptor->backend() != wire::PoolBackend::Cuda) {
     return bad("unknown backend ", static_cast<int>(descriptor->backend()));
@@ -299,11 +251,10 @@ absl::StatusOr<CacheManagerClient::Reply> CacheManagerClient::Exchange(
 absl::Status CacheManagerClient::Register() {
   NoteProgress();
   flatbuffers::FlatBufferBuilder builder(256);
-  const auto name = builder.CreateString(options_.name);
-  const auto secret = options_.secret.empty() ? flatbuffers::Offset<flatbuffers::String>()
-                                              : builder.CreateString(options_.secret);
-  const auto hello =
-      wire::CreateHello(builder, options_.role, static_cast<int32_t>(getpid()), name, secret);
+  const auto hello = EncodeHello(builder, {.role = options_.role,
+                                           .pid = static_cast<int32_t>(getpid()),
+                                           .name = options_.name,
+                                           .secret = options_.secret});
   const uint64_t request_id = next_request_id_++;
   FinishEnvelope(builder, request_id, /*session_id=*/0, /*epoch=*/0, wire::Message::Hello,
                  hello.Union());
@@ -315,23 +266,10 @@ absl::Status CacheManagerClient::Register() {
                         absl::StrCat("cache manager at ", options_.endpoint,
                                      " refused Hello: ", std::string(status.message())));
   }
-  const wire::HelloReply* hello_reply = &PayloadAs<wire::HelloReply>(reply.envelope);
-  if (hello_reply->session_id() == 0 || hello_reply->epoch() == 0) {
-    return ProtocolError("HelloReply without a session id or epoch");
-  }
-  SessionInfo info;
-  info.session_id = hello_reply->session_id();
-  info.epoch = hello_reply->epoch();
-  info.heartbeat_interval = absl::Milliseconds(hello_reply->heartbeat_interval_ms());
-  info.heartbeat_timeout = absl::Milliseconds(hello_reply->heartbeat_timeout_ms());
-  info.num_blocks = hello_reply->num_blocks();
-  info.block_size = hello_reply->block_size();
-  absl::StatusOr<HashAlgorithm> algorithm = FromWire(hello_reply->hash_algorithm());
-  if (!algorithm.ok()) return ProtocolError(algorithm.status().message());
-  info.hash_algorithm = *algorithm;
-  info.max_ops_per_step = hello_reply->max_ops_per_step();
-  info.max_message_bytes = hello_reply->max_message_bytes();
-  info.wants_commit_tokens = hello_reply->wants_commit_tokens();
+  absl::StatusOr<SessionInfo> decoded =
+      DecodeHelloReply(PayloadAs<wire::HelloReply>(reply.envelope));
+  if (!decoded.ok()) return ProtocolError(decoded.status().message());
+  const SessionInfo& info = *decoded;
   {
     MutexLock lock(&session_mu_);
     session_ = info;
@@ -468,21 +406,7 @@ absl::StatusOr<SessionSnapshot> CacheManagerClient::DescribeSession() {
   const auto describe = wire::CreateDescribeSession(builder);
   KVCM_ASSIGN_OR_RETURN(Reply reply, Call(builder, wire::Message::DescribeSession,
                                           describe.Union(), wire::Message::DescribeSessionReply));
-  const auto& payload = PayloadAs<wire::DescribeSessionReply>(reply.envelope);
-  SessionSnapshot out;
-  out.last_step_request_id = payload.last_step_request_id();
-  if (const auto* sequences = payload.sequences(); sequences != nullptr) {
-    out.sequences.reserve(sequences->size());
-    for (const wire::SequenceState* state : *sequences) {
-      SequenceSnapshot seq;
-      seq.seq = state->seq();
-      seq.num_tokens = state->num_tokens();
-      seq.num_committed_tokens = state->num_committed_tokens();
-      if (state->blocks() != nullptr) seq.blocks.assign(state->blocks()->begin(), state->blocks()->end());
-      out.sequences.push_back(std::move(seq));
-    }
-  }
-  return out;
+  return DecodeDescribeSessionReply(PayloadAs<wire::DescribeSessionReply>(reply.envelope));
 }
 
 absl::StatusOr<int32_t> CacheManagerClient::EndSession(uint64_t session_id) {
@@ -534,58 +458,10 @@ absl::StatusOr<StatsSnapshot> CacheManagerClient::Stats() {
   const auto stats = wire::CreateStats(builder);
   KVCM_ASSIGN_OR_RETURN(
       Reply reply, Call(builder, wire::Message::Stats, stats.Union(), wire::Message::StatsReply));
-  const wire::StatsReply* r = &PayloadAs<wire::StatsReply>(reply.envelope);
-  StatsSnapshot s;
-  s.num_blocks = r->num_blocks();
-  s.block_size = r->block_size();
-  s.free_blocks = r->free_blocks();
-  s.in_use_blocks = r->in_use_blocks();
-  s.cached_blocks = r->cached_blocks();
-  s.pinned_blocks = r->pinned_blocks();
-  s.quarantined_blocks = r->quarantined_blocks();
-  s.draining_blocks = r->draining_blocks();
-  s.open_fences = r->open_fences();
-  s.live_sequences = r->live_sequences();
-  s.usage_ratio = r->usage_ratio();
-  s.occupancy_ratio = r->occupancy_ratio();
-  s.prefix_query_tokens = r->prefix_query_tokens();
-  s.prefix_hit_tokens = r->prefix_hit_tokens();
-  s.blocks_allocated = r->blocks_allocated();
-  s.blocks_released = r->blocks_released();
-  s.evictions = r->evictions();
-  s.allocation_failures = r->allocation_failures();
-  s.cow_copies = r->cow_copies();
-  s.epoch = r->epoch();
-  s.sessions = r->sessions();
-  s.events_published = r->events_published();
-  s.backend = FromWireBackend(r->backend());
-  s.pool_bytes = r->pool_bytes();
-  s.block_bytes = r->block_bytes();
-  if (r->spec() != nullptr) {
-    absl::StatusOr<KvCacheSpec> spec = FromWire(r->spec());
-    if (!spec.ok()) return ProtocolError(absl::StrCat("StatsReply: ", spec.status().message()));
-    s.spec = *spec;
-  }
-  s.uptime_seconds = r->uptime_seconds();
-  s.rejected_messages = r->rejected_messages();
-  if (r->events_endpoint() != nullptr) s.events_endpoint = r->events_endpoint()->str();
-  if (r->metrics_url() != nullptr) s.metrics_url = r->metrics_url()->str();
-  if (const auto* list = r->session_list(); list != nullptr) {
-    s.session_list.reserve(list->size());
-    for (const wire::SessionSummary* summary : *list) {
-      SessionListing listing;
-      listing.session_id = summary->session_id();
-      listing.role = summary->role();
-      listing.pid = summary->pid();
-      listing.pid_verified = summary->pid_verified();
-      if (summary->name() != nullptr) listing.name = summary->name()->str();
-      listing.quarantined = summary->quarantined();
-      listing.sequences = summary->sequences();
-      listing.pending_fences = summary->pending_fences();
-      s.session_list.push_back(std::move(listing));
-    }
-  }
-  return s;
+  absl::StatusOr<StatsSnapshot> stats_reply =
+      DecodeStatsReply(PayloadAs<wire::StatsReply>(reply.envelope));
+  if (!stats_reply.ok()) return ProtocolError(stats_reply.status().message());
+  return stats_reply;
 }
 
 absl::StatusOr<BlockMap> CacheManagerClient::GetBlockMap(uint32_t max_cells) {
@@ -604,12 +480,7 @@ absl::StatusOr<EventSnapshot> CacheManagerClient::Snapshot() {
   const auto request = wire::CreateEventSnapshot(builder);
   KVCM_ASSIGN_OR_RETURN(Reply reply, Call(builder, wire::Message::EventSnapshot, request.Union(),
                                           wire::Message::EventSnapshotReply));
-  const wire::EventSnapshotReply* r = &PayloadAs<wire::EventSnapshotReply>(reply.envelope);
-  EventSnapshot snapshot;
-  snapshot.seq = r->seq();
-  snapshot.epoch = r->epoch();
-  KVCM_ASSIGN_OR_RETURN(snapshot.events, DecodeKvEvents(r->events()));
-  return snapshot;
+  return DecodeEventSnapshotReply(PayloadAs<wire::EventSnapshotReply>(reply.envelope));
 }
 
 absl::StatusOr<AttachedPool> CacheManagerClient::Attach() {
@@ -671,10 +542,7 @@ absl::Status CacheManagerClient::Heartbeat() { return AcknowledgeFences({}); }
 
 absl::Status CacheManagerClient::AcknowledgeFences(std::span<const uint64_t> fence_ids) {
   flatbuffers::FlatBufferBuilder builder(64 + 8 * fence_ids.size());
-  const auto acks = fence_ids.empty()
-                        ? flatbuffers::Offset<flatbuffers::Vector<uint64_t>>()
-                        : builder.CreateVector(fence_ids.data(), fence_ids.size());
-  const auto heartbeat = wire::CreateHeartbeat(builder, acks);
+  const auto heartbeat = EncodeHeartbeat(builder, fence_ids);
   KVCM_ASSIGN_OR_RETURN(Reply reply, Call(builder, wire::Message::Heartbeat, heartbeat.Union(),
                                           wire::Message::HeartbeatReply));
   MutexLock lock(&fence_mu_);
@@ -689,22 +557,10 @@ std::vector<FenceNotice> CacheManagerClient::PendingFences() const {
 }
 
 void CacheManagerClient::TakeFencesLocked(const wire::HeartbeatReply& reply) {
-  std::vector<FenceNotice> fences;
-  if (reply.fences() != nullptr) {
-    for (const wire::Fence* fence : *reply.fences()) {
-      // A reply to a heartbeat sent before an acknowledgement may still list its fence.
-      if (acked_fences_.contains(fence->id())) continue;
-      fences.push_back({fence->id(), fence->router_session(), {}});
-    }
-  }
-  if (reply.sequence_fences() != nullptr) {
-    for (const wire::SequenceFence* fence : *reply.sequence_fences()) {
-      if (acked_fences_.contains(fence->id())) continue;
-      FenceNotice notice{fence->id(), fence->router_session(), {}};
-      notice.seqs = CopyScalars(fence->seqs());
-      fences.push_back(std::move(notice));
-    }
-  }
+  std::vector<FenceNotice> fences = DecodeHeartbeatReply(reply);
+  // A reply to a heartbeat sent before an acknowledgement may still list its fence.
+  std::erase_if(fences,
+                [&](const FenceNotice& fence) { return acked_fences_.contains(fence.id); });
   if (fences != fences_) {
     fences_ = std::move(fences);
     fence_generation_.fetch_add(1);
@@ -862,7 +718,7 @@ void CacheManagerClient::HeartbeatLoop(zmq::socket_t stop) {
       continue;
     }
     builder.Clear();
-    const auto heartbeat = wire::CreateHeartbeat(builder);
+    const auto heartbeat = EncodeHeartbeat(builder);
     pending_request = next_request_id++;
     pending_generation = generation;
     FinishEnvelope(builder, pending_request, current.session_id, current.epoch,

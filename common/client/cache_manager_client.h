@@ -94,6 +94,11 @@
 #include "common/memory/pool_layout.h"
 #include "common/memory/pool_memory.h"
 #include "common/sizing/kv_cache_spec.h"
+#include "common/wire/describe_session_codec.h"
+#include "common/wire/event_codec.h"
+#include "common/wire/heartbeat_codec.h"
+#include "common/wire/hello_codec.h"
+#include "common/wire/stats_codec.h"
 #include "common/wire/step_codec.h"
 #include "flatbuffers/flatbuffers.h"
 #include "schemas/kvcm_protocol_generated.h"
@@ -156,130 +161,10 @@ class BlockOps {
 };
 
 // ---- Replies as plain values ----------------------------------------------------------------
-
-// A fence the cache manager asks this executor to honour: stop writing for router session
-// `router_session`, then acknowledge `id`.
-struct FenceNotice {
-  uint64_t id = 0;
-  uint64_t router_session = 0;
-  // Empty: the whole router session ended. Otherwise only these sequences of a router that
-  // lives on (a SequenceFence, after its FreeOp.drain).
-  std::vector<SeqId> seqs;
-  bool operator==(const FenceNotice&) const = default;
-};
-
-// One live sequence of a session, as DescribeSession reports it.
-struct SequenceSnapshot {
-  SeqId seq = 0;
-  int32_t num_tokens = 0;
-  int32_t num_committed_tokens = 0;
-  std::vector<BlockId> blocks;  // the block table
-};
-
-// What the cache manager holds for this client's session (a router's resynchronisation).
-struct SessionSnapshot {
-  std::vector<SequenceSnapshot> sequences;  // by ascending seq
-  uint64_t last_step_request_id = 0;        // of the last Step applied; 0 before any
-};
-
-// The session that Hello established, with the limits the cache manager announced.
-struct SessionInfo {
-  uint64_t session_id = 0;
-  uint64_t epoch = 0;
-  absl::Duration heartbeat_interval;  // send a Heartbeat at least this often
-  absl::Duration heartbeat_timeout;   // silent longer than this: the session expires
-  int32_t num_blocks = 0;
-  int32_t block_size = 0;
-  HashAlgorithm hash_algorithm = kDefaultHashAlgorithm;
-  int32_t max_ops_per_step = 0;    // Step() refuses larger batches locally
-  uint32_t max_message_bytes = 0;  // also the client's limit on replies
-  // A router's Commits should carry the token ids of their new blocks
-  // (HelloReply.wants_commit_tokens: the cache manager publishes vLLM-format KV events).
-  bool wants_commit_tokens = false;
-};
-
-// One open session (StatsReply.session_list).
-struct SessionListing {
-  uint64_t session_id = 0;
-  wire::Role role = wire::Role::Unknown;
-  int32_t pid = 0;
-  bool pid_verified = false;  // the kernel vouched for the pid (ipc://)
-  std::string name;
-  bool quarantined = false;
-  int32_t sequences = 0;
-  int32_t pending_fences = 0;
-};
-
-// StatsReply as a plain struct; the comments carry the cache manager's definitions.
-// The six block states partition the pool:
-//   free + (in_use - quarantined - draining) + quarantined + draining + cached + pinned
-//   == num_blocks.
-struct StatsSnapshot {
-  int32_t num_blocks = 0;
-  int32_t block_size = 0;
-  int32_t free_blocks = 0;
-  int32_t in_use_blocks = 0;       // ref count > 0; includes quarantined_blocks
-  int32_t cached_blocks = 0;       // ref count 0, full, hashed, evictable
-  int32_t pinned_blocks = 0;       // kept cached on purpose (Pin)
-  int32_t quarantined_blocks = 0;  // held by a hung client; never handed out
-  int32_t draining_blocks = 0;     // of an ended router, fenced; in in_use_blocks
-  uint32_t open_fences = 0;        // fences waiting for an executor's acknowledgement
-  int32_t live_sequences = 0;
-  double usage_ratio = 0;            // in_use / num_blocks (cached and pinned not counted)
-  double occupancy_ratio = 0;        // (in_use + cached + pinned) / num_blocks = 1 - free share
-  uint64_t prefix_query_tokens = 0;  // prompt tokens of successful Allocate ops
-  uint64_t prefix_hit_tokens = 0;    // of those, found cached
-  uint64_t blocks_allocated = 0;
-  uint64_t blocks_released = 0;
-  uint64_t evictions = 0;
-  uint64_t allocation_failures = 0;
-  uint64_t cow_copies = 0;
-  uint64_t epoch = 0;
-  uint32_t sessions = 0;
-  uint64_t events_published = 0;
-  PoolBackend backend = PoolBackend::kShm;
-  uint64_t pool_bytes = 0;
-  uint64_t block_bytes = 0;
-  KvCacheSpec spec;
-  double uptime_seconds = 0;
-  uint64_t rejected_messages = 0;
-  std::string events_endpoint;  // where the KV events are published ("" if not reported)
-  std::string metrics_url;      // the cache manager's /metrics ("" if not reported)
-  std::vector<SessionListing> session_list;  // by ascending id
-
-  // prefix_hit_tokens / prefix_query_tokens; 0 before any query.
-  double prefix_hit_rate() const {
-    return prefix_query_tokens == 0
-               ? 0.0
-               : static_cast<double>(prefix_hit_tokens) / static_cast<double>(prefix_query_tokens);
-  }
-};
-
-// One KV event (schemas/kvcm_protocol.fbs KvEvent).
-enum class KvEventKind : uint8_t { kBlockStored, kBlockRemoved, kAllBlocksCleared };
-
-struct KvEventRecord {
-  KvEventKind kind = KvEventKind::kBlockStored;
-  BlockHash hash;         // Stored and Removed
-  // Stored: the previous block's hash; has_parent is false for a sequence's first block
-  // (its parent is the root of the chain, RootHash(salt), known to the router only).
-  BlockHash parent_hash;
-  BlockId block = kNoBlock;  // Stored and Removed
-  bool has_parent = false;
-};
-
-// An EventSnapshotReply: every block in the prefix index as BlockStored events, and `seq`,
-// the last batch published before it (apply batches after it).
-struct EventSnapshot {
-  uint64_t seq = 0;
-  uint64_t epoch = 0;
-  std::vector<KvEventRecord> events;
-};
-
-// Decodes a KvEvent vector (null reads as empty). INTERNAL for an unknown kind or a
-// Stored/Removed event without its hash.
-absl::StatusOr<std::vector<KvEventRecord>> DecodeKvEvents(
-    const flatbuffers::Vector<flatbuffers::Offset<wire::KvEvent>>* events);
+// The replies' plain forms live with their codecs in common/wire/, shared with the cache
+// manager: SessionInfo (hello_codec.h), FenceNotice (heartbeat_codec.h), SessionSnapshot
+// (describe_session_codec.h), StatsSnapshot (stats_codec.h), KvEventRecord and
+// EventSnapshot (event_codec.h).
 
 // The pool as an executor sees it after Attach(): the descriptor's values, checked, and the
 // mapping. Destroy it (or reset `mapping`) to unmap; do so before attaching to a new epoch.

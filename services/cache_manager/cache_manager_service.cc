@@ -13,6 +13,11 @@
 #include "absl/strings/string_view.h"
 #include "common/base/check.h"
 #include "common/wire/convert.h"
+#include "common/wire/describe_session_codec.h"
+#include "common/wire/event_codec.h"
+#include "common/wire/heartbeat_codec.h"
+#include "common/wire/hello_codec.h"
+#include "common/wire/stats_codec.h"
 
 namespace kvcm {
 namespace {
@@ -24,8 +29,6 @@ constexpr size_t kMaxNameBytes = 128;
 constexpr size_t kOpResultBytes = 512;
 // The envelope and the StepReply table around the results.
 constexpr size_t kStepReplyBytes = 256;
-// A sequence id no router can allocate: the ledger's dry runs name it.
-constexpr SeqId kDryRunSeq = ~SeqId{0};
 
 // An upper bound of the StepReply to `ops` in bytes, whatever the ledger answers: an
 // Allocate returns one block id per block of its tokens, an Append at most one per block
@@ -87,22 +90,6 @@ wire::Role WireRoleOf(SessionRole role) {
     case SessionRole::kControl: return wire::Role::Control;
     default: return wire::Role::Unknown;
   }
-}
-
-flatbuffers::Offset<wire::KvEvent> EncodeEvent(flatbuffers::FlatBufferBuilder& builder,
-                                               wire::EventKind kind, const BlockHash* hash,
-                                               const BlockHash* parent, BlockId block) {
-  wire::BlockHash wire_hash, wire_parent;
-  if (hash != nullptr) std::memcpy(static_cast<void*>(&wire_hash), hash, sizeof(*hash));
-  if (parent != nullptr) {
-    std::memcpy(static_cast<void*>(&wire_parent), parent, sizeof(*parent));
-  }
-  wire::KvEventBuilder event(builder);
-  event.add_kind(kind);
-  if (hash != nullptr) event.add_hash(&wire_hash);
-  if (parent != nullptr) event.add_parent_hash(&wire_parent);
-  event.add_block(block);
-  return event.Finish();
 }
 
 }  // namespace
@@ -167,6 +154,7 @@ CacheManagerService::CacheManagerService(const Options& options, BlockLedger led
       metrics_(metrics),
       start_time_(now),
       sessions_({.epoch = options.epoch, .heartbeat_timeout = options.heartbeat_timeout}),
+      steps_(&ledger_, {.max_sequences_per_session = options.max_sequences_per_session}),
       vllm_(ledger_.block_size(), options.hash_algorithm) {}
 
 // --- Dispatch ----------------------------------------------------------------------------
@@ -310,14 +298,14 @@ void CacheManagerService::Handle(const std::optional<PeerCredentials>& peer,
   }
 }
 
-bool CacheManagerService::SecretMatches(const flatbuffers::String* given) const {
-  if (options_.tcp_secret.empty() || given == nullptr) return false;
+bool CacheManagerService::SecretMatches(std::string_view given) const {
+  if (options_.tcp_secret.empty() || given.empty()) return false;
   const std::string& secret = options_.tcp_secret;
-  if (given->size() != secret.size()) return false;
+  if (given.size() != secret.size()) return false;
   // Constant time in the contents: a peer learns nothing from how long a refusal took.
   uint8_t difference = 0;
   for (size_t i = 0; i < secret.size(); ++i) {
-    difference |= static_cast<uint8_t>(given->c_str()[i] ^ secret[i]);
+    difference |= static_cast<uint8_t>(given[i] ^ secret[i]);
   }
   return difference == 0;
 }
@@ -387,44 +375,45 @@ void CacheManagerService::HandleHello(const wire::Envelope& envelope,
                                       const std::optional<PeerCredentials>& peer,
                                       absl::Time now, flatbuffers::FlatBufferBuilder* reply) {
   const uint64_t request_id = envelope.request_id();
-  const wire::Hello* hello = envelope.payload_as_Hello();
-  if (hello == nullptr || !SessionRoleOf(hello->role())) {
+  const wire::Hello* payload = envelope.payload_as_Hello();
+  if (payload == nullptr || !SessionRoleOf(payload->role())) {
     return Reject(request_id,
                   {RejectReason::kInvalidArgument, wire::ErrorCode::InvalidArgument,
                    "Hello needs a role: router, executor or control"},
                   reply);
   }
-  if (hello->name() != nullptr && hello->name()->size() > kMaxNameBytes) {
+  const HelloRequest hello = DecodeHello(*payload);
+  if (hello.name.size() > kMaxNameBytes) {
     return Reject(request_id,
                   {RejectReason::kInvalidArgument, wire::ErrorCode::InvalidArgument,
-                   absl::StrCat("client name of ", hello->name()->size(),
+                   absl::StrCat("client name of ", hello.name.size(),
                                 " bytes is longer than ", kMaxNameBytes)},
                   reply);
   }
-  if (hello->pid() <= 0 && !peer) {
+  if (hello.pid <= 0 && !peer) {
     return Reject(request_id,
                   {RejectReason::kInvalidArgument, wire::ErrorCode::InvalidArgument,
                    "Hello needs the client's pid"},
                   reply);
   }
-  const bool granted = peer.has_value() || SecretMatches(hello->secret());
-  if (!granted && hello->role() != wire::Role::Control) {
+  const bool granted = peer.has_value() || SecretMatches(hello.secret);
+  if (!granted && hello.role != wire::Role::Control) {
     return Reject(request_id,
                   {RejectReason::kPermissionDenied, wire::ErrorCode::PermissionDenied,
-                   absl::StrCat("over tcp:// a ", RoleName(hello->role()),
+                   absl::StrCat("over tcp:// a ", RoleName(hello.role),
                                 " must give the secret of the cache manager's run directory "
                                 "(RUN_DIR/tcp-secret); without it only a control session "
                                 "(read-only) is granted")},
                   reply);
   }
-  if (peer && hello->pid() != peer->pid) {
+  if (peer && hello.pid != peer->pid) {
     return Reject(request_id,
                   {RejectReason::kPermissionDenied, wire::ErrorCode::PermissionDenied,
-                   absl::StrCat("Hello claims pid ", hello->pid(),
+                   absl::StrCat("Hello claims pid ", hello.pid,
                                 " but the connection belongs to pid ", peer->pid)},
                   reply);
   }
-  const pid_t pid = hello->pid();
+  const pid_t pid = hello.pid;
   // The same process registering again after quarantine has given up its old session; an
   // executor's fences go with it to the new one (it is still the same writer). Only a pid
   // the kernel vouched for can replace a session: a pid claimed over tcp:// may be anyone's.
@@ -446,9 +435,9 @@ void CacheManagerService::HandleHello(const wire::Envelope& envelope,
 
   Session session;
   session.id = sessions_.NewId();
-  session.role = *SessionRoleOf(hello->role());
+  session.role = *SessionRoleOf(hello.role);
   session.pid = pid;
-  session.name = hello->name() != nullptr ? hello->name()->str() : std::string();
+  session.name = hello.name;
   session.last_seen = now;
   session.authenticated = granted;
   if (peer) {
@@ -464,15 +453,20 @@ void CacheManagerService::HandleHello(const wire::Envelope& envelope,
     EndSession(old_id, ReclaimReason::kSessionReplaced, executor ? id : 0);
   }
 
-  auto payload = wire::CreateHelloReply(
-      *reply, id, options_.epoch,
-      static_cast<uint32_t>(absl::ToInt64Milliseconds(options_.heartbeat_interval)),
-      static_cast<uint32_t>(absl::ToInt64Milliseconds(options_.heartbeat_timeout)),
-      ledger_.num_blocks(), ledger_.block_size(), ToWire(options_.hash_algorithm),
-      options_.max_ops_per_step, static_cast<uint32_t>(options_.max_message_bytes),
-      options_.vllm_events);
+  SessionInfo info;
+  info.session_id = id;
+  info.epoch = options_.epoch;
+  info.heartbeat_interval = options_.heartbeat_interval;
+  info.heartbeat_timeout = options_.heartbeat_timeout;
+  info.num_blocks = ledger_.num_blocks();
+  info.block_size = ledger_.block_size();
+  info.hash_algorithm = options_.hash_algorithm;
+  info.max_ops_per_step = options_.max_ops_per_step;
+  info.max_message_bytes = static_cast<uint32_t>(options_.max_message_bytes);
+  info.wants_commit_tokens = options_.vllm_events;
+  auto hello_reply = EncodeHelloReply(*reply, info);
   FinishEnvelope(*reply, request_id, id, options_.epoch, wire::Message::HelloReply,
-                 payload.Union());
+                 hello_reply.Union());
 }
 
 int32_t CacheManagerService::EndSession(uint64_t session_id, ReclaimReason reason,
@@ -562,29 +556,21 @@ void CacheManagerService::HandleHeartbeat(const wire::Envelope& envelope, Sessio
                                           flatbuffers::FlatBufferBuilder* reply) {
   const wire::Heartbeat* heartbeat = envelope.payload_as_Heartbeat();
   if (session.role == SessionRole::kExecutor && heartbeat->fence_acks() != nullptr) {
-    for (uint64_t fence_id : CopyScalars(heartbeat->fence_acks())) {
+    for (uint64_t fence_id : DecodeHeartbeat(*heartbeat)) {
       if (session.pending_fences.erase(fence_id) > 0) AcknowledgeFence(fence_id, session.id);
     }
   }
   std::vector<uint64_t> ids(session.pending_fences.begin(), session.pending_fences.end());
   std::sort(ids.begin(), ids.end());
-  std::vector<wire::Fence> fences;
-  std::vector<flatbuffers::Offset<wire::SequenceFence>> sequence_fences;
+  std::vector<FenceNotice> fences;
+  fences.reserve(ids.size());
   for (uint64_t fence_id : ids) {
     const Fence* open = fences_.Find(fence_id);
     KVCM_CHECK(open != nullptr) << "session " << session.id << " waits in closed fence "
                                 << fence_id;
-    const Fence& fence = *open;
-    if (fence.router_seqs.empty()) {
-      fences.emplace_back(fence_id, fence.router_session);
-    } else {
-      sequence_fences.push_back(wire::CreateSequenceFence(
-          *reply, fence_id, fence.router_session, reply->CreateVector(fence.router_seqs)));
-    }
+    fences.push_back({fence_id, open->router_session, open->router_seqs});
   }
-  auto whole = reply->CreateVectorOfStructs(fences);
-  auto scoped = sequence_fences.empty() ? 0 : reply->CreateVector(sequence_fences);
-  auto payload = wire::CreateHeartbeatReply(*reply, whole, scoped);
+  auto payload = EncodeHeartbeatReply(*reply, fences);
   FinishEnvelope(*reply, envelope.request_id(), session.id, options_.epoch,
                  wire::Message::HeartbeatReply, payload.Union());
 }
@@ -664,174 +650,6 @@ void CacheManagerService::HandleBlockMap(const wire::Envelope& envelope,
 
 // --- Step ----------------------------------------------------------------------------------
 
-std::optional<CacheManagerService::Rejection> CacheManagerService::ValidateStep(
-    std::span<const BlockOp> ops, const Session& session) {
-  // Each check is a test that passes inline; only a failing one builds its Rejection (out
-  // of line, in the lambdas below). A decode step is a Commit and an Append per running
-  // sequence, and an optional<Rejection> returned per check was most of this function.
-  const int64_t max_tokens = int64_t{ledger_.num_blocks()} * ledger_.block_size();
-  // Live sequences of the session after the ops so far.
-  auto live_seqs = static_cast<int64_t>(session.num_seqs);
-  auto no_room = [&](size_t i, wire::StepOp type) {
-    return Rejection{RejectReason::kLimitExceeded, wire::ErrorCode::ResourceExhausted,
-                     absl::StrCat("op ", i, " (", BlockOpName(type), "): the session would ",
-                                  "hold more than ", options_.max_sequences_per_session,
-                                  " live sequences, its limit")};
-  };
-  // Only the steps that allocate, fork or free put anything in these: a decode step leaves
-  // them empty, and its lookups below skip them.
-  if (!step_seqs_.empty()) step_seqs_.clear();
-  if (!step_drained_.empty()) step_drained_.clear();
-  // Tokens of `seq` whose KV can be written by now: those it had before this step (the
-  // executors write only after the step's reply), which is all a Commit may cover.
-  auto writable = [&](SeqId seq) -> int32_t {
-    if (!step_seqs_.empty()) {
-      if (auto it = step_seqs_.find(seq);
-          it != step_seqs_.end() && it->second.written != StepSeq::kNotWritten) {
-        return it->second.written;
-      }
-    }
-    absl::StatusOr<int32_t> tokens = ledger_.NumTokens(seq);
-    return tokens.ok() ? *tokens : 0;
-  };
-  // Who holds `seq` after the ops validated so far.
-  enum class Holder { kThisSession, kOtherSession, kNobody };
-  auto holder = [&](SeqId seq) {
-    if (!step_seqs_.empty()) {
-      if (auto it = step_seqs_.find(seq); it != step_seqs_.end()) {
-        return it->second.live ? Holder::kThisSession : Holder::kNobody;
-      }
-    }
-    const uint64_t owner = ledger_.OwnerOf(seq);
-    if (owner == 0) return Holder::kNobody;
-    return owner == session.id ? Holder::kThisSession : Holder::kOtherSession;
-  };
-  // The rejection of an op on `seq`, which is `held` by another session or by nobody.
-  auto not_owned = [&](size_t i, wire::StepOp type, SeqId seq, Holder held) {
-    if (held == Holder::kOtherSession) {
-      return Rejection{RejectReason::kWrongOwner, wire::ErrorCode::PermissionDenied,
-                       absl::StrCat("op ", i, " (", BlockOpName(type), "): sequence ", seq,
-                                    " belongs to another session")};
-    }
-    return Rejection{RejectReason::kUnknownSequence, wire::ErrorCode::NotFound,
-                     absl::StrCat("op ", i, " (", BlockOpName(type), "): sequence ", seq,
-                                  " is not live")};
-  };
-  auto check_new = [&](size_t i, wire::StepOp type, SeqId seq) -> std::optional<Rejection> {
-    if (seq >= kFirstDrainingSeq) {
-      return Rejection{RejectReason::kInvalidArgument, wire::ErrorCode::InvalidArgument,
-                       absl::StrCat("op ", i, " (", BlockOpName(type), "): sequence id ", seq,
-                                    " is reserved (ids from 2^63 up are the cache manager's)")};
-    }
-    if (session.drained_ids.contains(seq) || step_drained_.contains(seq)) {
-      return Rejection{RejectReason::kInvalidArgument, wire::ErrorCode::InvalidArgument,
-                       absl::StrCat("op ", i, " (", BlockOpName(type), "): sequence id ", seq,
-                                    " was freed with drain and cannot be live again (the "
-                                    "executors refuse it for good): choose a new id")};
-    }
-    auto it = step_seqs_.find(seq);
-    const bool live = it != step_seqs_.end() ? it->second.live : ledger_.IsLive(seq);
-    if (!live) return std::nullopt;
-    return Rejection{RejectReason::kDuplicateSequence, wire::ErrorCode::AlreadyExists,
-                     absl::StrCat("op ", i, " (", BlockOpName(type), "): sequence ", seq,
-                                  " is already live")};
-  };
-  auto invalid = [](size_t i, wire::StepOp type, const std::string& what) {
-    return Rejection{RejectReason::kInvalidArgument, wire::ErrorCode::InvalidArgument,
-                     absl::StrCat("op ", i, " (", BlockOpName(type), "): ", what)};
-  };
-  auto tokens_ok = [max_tokens](int32_t tokens) { return tokens >= 0 && tokens <= max_tokens; };
-  auto bad_tokens = [&](size_t i, wire::StepOp type, int32_t tokens, const char* field) {
-    return invalid(i, type, absl::StrCat(field, " = ", tokens, " is outside [0, ", max_tokens,
-                                         "] (the pool's capacity in tokens)"));
-  };
-  // At most one hash per full block of `tokens`.
-  auto hashes_ok = [&](const BlockOp& op) {
-    return static_cast<int64_t>(op.hashes.size()) <= op.num_tokens / ledger_.block_size();
-  };
-  auto bad_hashes = [&](size_t i, const BlockOp& op, const char* what) {
-    return invalid(i, op.kind, absl::StrCat(op.hashes.size(), what, op.num_tokens,
-                                            " tokens (at most one per full block)"));
-  };
-
-  for (size_t i = 0; i < ops.size(); ++i) {
-    const BlockOp& op = ops[i];
-    const wire::StepOp type = op.kind;
-    switch (type) {
-      case wire::StepOp::AllocateOp:
-        if (!tokens_ok(op.num_tokens)) return bad_tokens(i, type, op.num_tokens, "num_tokens");
-        if (!hashes_ok(op)) return bad_hashes(i, op, " block hashes for ");
-        if (auto bad = check_new(i, type, op.seq)) return bad;
-        if (++live_seqs > options_.max_sequences_per_session) return no_room(i, type);
-        step_seqs_[op.seq] = StepSeq{true, 0};
-        break;
-      case wire::StepOp::AppendOp:
-        if (!tokens_ok(op.num_tokens)) return bad_tokens(i, type, op.num_tokens, "num_tokens");
-        if (const Holder held = holder(op.seq); held != Holder::kThisSession) {
-          return not_owned(i, type, op.seq, held);
-        }
-        break;
-      case wire::StepOp::ForkOp: {
-        if (const Holder held = holder(op.seq); held != Holder::kThisSession) {
-          return not_owned(i, type, op.seq, held);
-        }
-        if (auto bad = check_new(i, type, op.child)) return bad;
-        if (++live_seqs > options_.max_sequences_per_session) return no_room(i, type);
-        const int32_t written = writable(op.seq);
-        step_seqs_[op.child] = StepSeq{true, written};
-        break;
-      }
-      case wire::StepOp::CommitOp: {
-        if (!tokens_ok(op.num_tokens)) {
-          return bad_tokens(i, type, op.num_tokens, "num_committed_tokens");
-        }
-        if (!hashes_ok(op)) return bad_hashes(i, op, " new block hashes for committing ");
-        if (const Holder held = holder(op.seq); held != Holder::kThisSession) {
-          return not_owned(i, type, op.seq, held);
-        }
-        if (const auto block_size = static_cast<size_t>(ledger_.block_size());
-            op.tokens.size() % block_size != 0 ||
-            op.tokens.size() / block_size >
-                static_cast<size_t>(std::max(op.num_tokens, 0)) / block_size) {
-          return invalid(i, type, absl::StrCat(
-              "carries ", op.tokens.size(), " token ids for a commit of ", op.num_tokens,
-              " tokens: give whole blocks of ", block_size, " tokens, the last full blocks ",
-              "committed, or none"));
-        }
-        if (const int32_t before = writable(op.seq); op.num_tokens > before) {
-          return invalid(i, type, absl::StrCat(
-              "commits ", op.num_tokens, " tokens of sequence ", op.seq, ", which had ", before,
-              " before this step: the KV of tokens added in the same step cannot have been "
-              "written yet (commit them in the next step)"));
-        }
-        break;
-      }
-      case wire::StepOp::CanAllocateOp:
-        if (!tokens_ok(op.num_tokens)) return bad_tokens(i, type, op.num_tokens, "num_tokens");
-        if (!hashes_ok(op)) return bad_hashes(i, op, " block hashes for ");
-        break;
-      case wire::StepOp::FreeOp: {
-        if (op.seq >= kFirstDrainingSeq) {
-          return invalid(i, type, absl::StrCat("sequence id ", op.seq,
-                                               " is reserved (ids from 2^63 up are the "
-                                               "cache manager's)"));
-        }
-        // A sequence nobody holds (freed already: a retried free) fails alone, as NOT_FOUND
-        // in its result; another session's is refused with the whole step.
-        const Holder held = holder(op.seq);
-        if (held == Holder::kOtherSession) return not_owned(i, type, op.seq, held);
-        if (held == Holder::kThisSession) --live_seqs;
-        step_seqs_[op.seq].live = false;
-        if (op.drain) step_drained_.insert(op.seq);
-        break;
-      }
-      default:  // DecodeStep let only the union's types through
-        KVCM_CHECK(false) << "decoded step op of unknown type";
-    }
-  }
-  return std::nullopt;
-}
-
 void CacheManagerService::HandleStep(const wire::Envelope& envelope,
                                      std::span<const uint8_t> request, Session& session,
                                      flatbuffers::FlatBufferBuilder* reply) {
@@ -875,8 +693,12 @@ void CacheManagerService::HandleStep(const wire::Envelope& envelope,
                    std::string(decoded.message())},
                   reply);
   }
-  if (auto rejection = ValidateStep(step_ops_, session)) {
-    return Reject(request_id, *rejection, reply);
+  const StepSession step_session{session.id, session.num_seqs, &session.drained_ids};
+  if (std::optional<StepRefusal> refused = steps_.Validate(step_ops_, step_session)) {
+    return Reject(request_id,
+                  {refused->reason, ToWireCode(refused->status.code()),
+                   std::string(refused->status.message())},
+                  reply);
   }
   // Every applied Step's reply is kept for a retry, so it must fit the message limit that
   // bounds what the session can make the cache manager hold (and what it announced).
@@ -891,75 +713,28 @@ void CacheManagerService::HandleStep(const wire::Envelope& envelope,
   }
   std::vector<flatbuffers::Offset<wire::OpResult>>& results = step_results_;
   results.clear();
-  OpResultWriter result_writer(*reply);
-  for (const BlockOp& op : step_ops_) {
-    OpOutcome& outcome = outcome_;
-    outcome.status = absl::OkStatus();
-    outcome.blocks.clear();
-    outcome.copies.clear();
-    outcome.num_cached_tokens = 0;
-    outcome.blocks_needed = 0;
-    switch (op.kind) {
-      case wire::StepOp::AllocateOp: {
-        outcome.status = ledger_.Allocate(op.seq, op.num_tokens, op.hashes, &allocated_);
-        if (!outcome.status.ok()) break;
-        KVCM_CHECK(ledger_.SetOwner(op.seq, session.id).ok());
-        ++session.num_seqs;
-        outcome.blocks.swap(allocated_.blocks);
-        outcome.num_cached_tokens = allocated_.num_cached_tokens;
-        break;
-      }
-      case wire::StepOp::AppendOp: {
-        outcome.status = ledger_.Append(op.seq, op.num_tokens, &appended_);
-        if (!outcome.status.ok()) break;
-        outcome.blocks.swap(appended_.new_blocks);
-        outcome.copies.swap(appended_.copies);
-        break;
-      }
-      case wire::StepOp::ForkOp:
-        outcome.status = ledger_.Fork(op.seq, op.child);
-        if (!outcome.status.ok()) break;
-        KVCM_CHECK(ledger_.SetOwner(op.child, session.id).ok());
-        ++session.num_seqs;
-        break;
-      case wire::StepOp::CommitOp:
-        outcome.status = ledger_.Commit(op.seq, op.num_tokens, op.hashes);
-        if (options_.vllm_events && !op.tokens.empty() && outcome.status.ok()) {
-          if (auto table = ledger_.BlockTable(op.seq); table.ok()) {
-            vllm_.AddCommitTokens(*table, op.num_tokens, op.tokens);
-          }
-        }
-        break;
-      case wire::StepOp::FreeOp: {
-        const SeqId seq = op.seq;
-        if (ledger_.OwnerOf(seq) != session.id) {
-          outcome.status = absl::NotFoundError(absl::StrCat("sequence ", seq, " is not live"));
-        } else if (op.drain) {
-          // Its blocks wait until every executor stopped writing it (a SequenceFence).
-          session.drained_ids.insert(seq);
-          const SeqId one[] = {seq};
-          FenceSequences(session.id, one, ReclaimReason::kGoodbye, {seq});
-        } else {
-          outcome.status = ledger_.Free(seq);
-        }
-        if (outcome.status.ok()) --session.num_seqs;
-        break;
-      }
-      case wire::StepOp::CanAllocateOp: {
-        auto plan = ledger_.CanAllocate(kDryRunSeq, op.num_tokens, op.hashes);
-        if (!plan.ok()) {
-          outcome.status = plan.status();
-          break;
-        }
-        outcome.num_cached_tokens = plan->prefix_hit_blocks * ledger_.block_size();
-        outcome.blocks_needed = plan->blocks_needed;
-        break;
-      }
-      default:
-        KVCM_CHECK(false) << "op type passed validation but is unknown";
+  // What a Step does beyond the ledger, at its op's place in the order.
+  struct Effects final : StepApplier::Effects {
+    CacheManagerService& service_;
+    Session& session_;
+    Effects(CacheManagerService& service, Session& session)
+        : service_(service), session_(session) {}
+    void Drain(SeqId seq) override {
+      session_.drained_ids.insert(seq);
+      const SeqId one[] = {seq};
+      service_.FenceSequences(session_.id, one, ReclaimReason::kGoodbye, {seq});
     }
-    results.push_back(result_writer.Add(outcome));
-  }
+    void CommittedTokens(SeqId seq, int32_t num_tokens, std::span<const int32_t> tokens) override {
+      if (!service_.options_.vllm_events) return;
+      if (auto table = service_.ledger_.BlockTable(seq); table.ok()) {
+        service_.vllm_.AddCommitTokens(*table, num_tokens, tokens);
+      }
+    }
+  } effects(*this, session);
+  const StepApplier::Applied applied = steps_.Apply(step_ops_, step_session, effects);
+  session.num_seqs = applied.num_seqs;
+  OpResultWriter result_writer(*reply);
+  for (const OpOutcome& outcome : applied.outcomes) results.push_back(result_writer.Add(outcome));
   auto vector = reply->CreateVector(results);
   auto payload = wire::CreateStepReply(*reply, vector, ledger_.AvailableBlocks());
   FinishEnvelope(*reply, request_id, session.id, options_.epoch, wire::Message::StepReply,
@@ -974,19 +749,18 @@ void CacheManagerService::HandleDescribeSession(const wire::Envelope& envelope,
                                                 const Session& session,
                                                 flatbuffers::FlatBufferBuilder* reply) {
   const std::vector<SeqId> seqs = SeqsOf(session);
-  std::vector<flatbuffers::Offset<wire::SequenceState>> states;
-  states.reserve(seqs.size());
+  SessionSnapshot snapshot;
+  snapshot.last_step_request_id = session.last_step_request_id;
+  snapshot.sequences.reserve(seqs.size());
   for (SeqId seq : seqs) {
     absl::StatusOr<std::vector<BlockId>> table = ledger_.BlockTable(seq);
     absl::StatusOr<int32_t> tokens = ledger_.NumTokens(seq);
     absl::StatusOr<int32_t> committed = ledger_.NumCommittedTokens(seq);
     KVCM_CHECK(table.ok() && tokens.ok() && committed.ok())
         << "session " << session.id << " owns sequence " << seq << " unknown to the ledger";
-    auto blocks = reply->CreateVector(*table);
-    states.push_back(wire::CreateSequenceState(*reply, seq, *tokens, *committed, blocks));
+    snapshot.sequences.push_back({seq, *tokens, *committed, *std::move(table)});
   }
-  auto vector = reply->CreateVector(states);
-  auto payload = wire::CreateDescribeSessionReply(*reply, vector, session.last_step_request_id);
+  auto payload = EncodeDescribeSessionReply(*reply, snapshot);
   FinishEnvelope(*reply, envelope.request_id(), session.id, options_.epoch,
                  wire::Message::DescribeSessionReply, payload.Union());
 }
@@ -1093,9 +867,6 @@ void CacheManagerService::HandleAttach(const wire::Envelope& envelope,
 void CacheManagerService::HandleStats(const wire::Envelope& envelope, absl::Time now,
                                       flatbuffers::FlatBufferBuilder* reply) {
   const LedgerStats stats = ledger_.Stats();
-  auto spec = ToWire(*reply, options_.spec);
-  auto events_endpoint = reply->CreateString(options_.events_endpoint);
-  auto metrics_url = reply->CreateString(options_.metrics_url);
   std::vector<uint64_t> ids;
   ids.reserve(static_cast<size_t>(sessions_.size()));
   for (const auto& [id, session] : sessions_.sessions()) ids.push_back(id);
@@ -1105,51 +876,47 @@ void CacheManagerService::HandleStats(const wire::Envelope& envelope, absl::Time
   // act as another session.
   const Session* asker = sessions_.Find(envelope.session_id());
   const bool show_ids = asker != nullptr && asker->authenticated;
-  std::vector<flatbuffers::Offset<wire::SessionSummary>> summaries;
-  summaries.reserve(ids.size());
+  StatsSnapshot out;
+  out.session_list.reserve(ids.size());
   for (uint64_t id : ids) {
     const Session& session = *sessions_.Find(id);
-    summaries.push_back(wire::CreateSessionSummary(
-        *reply, show_ids ? id : 0, WireRoleOf(session.role), session.pid, session.pid_verified,
-        reply->CreateString(session.name), session.quarantined,
-        session.num_seqs,
-        static_cast<int32_t>(session.pending_fences.size())));
+    out.session_list.push_back({show_ids ? id : 0, WireRoleOf(session.role), session.pid,
+                                session.pid_verified, session.name, session.quarantined,
+                                session.num_seqs,
+                                static_cast<int32_t>(session.pending_fences.size())});
   }
-  auto session_list = reply->CreateVector(summaries);
-  wire::StatsReplyBuilder out(*reply);
-  out.add_session_list(session_list);
-  out.add_num_blocks(stats.num_blocks);
-  out.add_block_size(stats.block_size);
-  out.add_free_blocks(stats.free_blocks);
-  out.add_in_use_blocks(stats.in_use_blocks);
-  out.add_cached_blocks(stats.cached_blocks);
-  out.add_pinned_blocks(stats.pinned_blocks);
+  out.num_blocks = stats.num_blocks;
+  out.block_size = stats.block_size;
+  out.free_blocks = stats.free_blocks;
+  out.in_use_blocks = stats.in_use_blocks;
+  out.cached_blocks = stats.cached_blocks;
+  out.pinned_blocks = stats.pinned_blocks;
   const HeldBlocks held = BlocksHeldApart();
-  out.add_quarantined_blocks(held.quarantined);
-  out.add_draining_blocks(held.draining);
-  out.add_open_fences(static_cast<uint32_t>(fences_.size()));
-  out.add_live_sequences(stats.live_sequences);
-  out.add_usage_ratio(stats.usage_ratio);
-  out.add_occupancy_ratio(stats.occupancy_ratio);
-  out.add_prefix_query_tokens(stats.prefix_query_tokens);
-  out.add_prefix_hit_tokens(stats.prefix_hit_tokens);
-  out.add_blocks_allocated(stats.blocks_allocated);
-  out.add_blocks_released(stats.blocks_released);
-  out.add_evictions(stats.evictions);
-  out.add_allocation_failures(stats.allocation_failures);
-  out.add_cow_copies(stats.cow_copies);
-  out.add_epoch(options_.epoch);
-  out.add_sessions(static_cast<uint32_t>(sessions_.size()));
-  out.add_events_published(events_published_);
-  out.add_backend(options_.pool.backend);
-  out.add_pool_bytes(options_.pool.total_bytes);
-  out.add_block_bytes(static_cast<uint64_t>(options_.spec.BytesPerBlock()));
-  out.add_spec(spec);
-  out.add_uptime_seconds(absl::ToDoubleSeconds(now - start_time_));
-  out.add_rejected_messages(rejected_messages_);
-  out.add_events_endpoint(events_endpoint);
-  out.add_metrics_url(metrics_url);
-  auto payload = out.Finish();
+  out.quarantined_blocks = held.quarantined;
+  out.draining_blocks = held.draining;
+  out.open_fences = static_cast<uint32_t>(fences_.size());
+  out.live_sequences = stats.live_sequences;
+  out.usage_ratio = stats.usage_ratio;
+  out.occupancy_ratio = stats.occupancy_ratio;
+  out.prefix_query_tokens = stats.prefix_query_tokens;
+  out.prefix_hit_tokens = stats.prefix_hit_tokens;
+  out.blocks_allocated = stats.blocks_allocated;
+  out.blocks_released = stats.blocks_released;
+  out.evictions = stats.evictions;
+  out.allocation_failures = stats.allocation_failures;
+  out.cow_copies = stats.cow_copies;
+  out.epoch = options_.epoch;
+  out.sessions = static_cast<uint32_t>(sessions_.size());
+  out.events_published = events_published_;
+  out.backend = PoolBackendFromWire(options_.pool.backend);
+  out.pool_bytes = options_.pool.total_bytes;
+  out.block_bytes = static_cast<uint64_t>(options_.spec.BytesPerBlock());
+  out.spec = options_.spec;
+  out.uptime_seconds = absl::ToDoubleSeconds(now - start_time_);
+  out.rejected_messages = rejected_messages_;
+  out.events_endpoint = options_.events_endpoint;
+  out.metrics_url = options_.metrics_url;
+  auto payload = EncodeStatsReply(*reply, out);
   FinishEnvelope(*reply, envelope.request_id(), envelope.session_id(), options_.epoch,
                  wire::Message::StatsReply, payload.Union());
 }
@@ -1177,50 +944,49 @@ uint64_t CacheManagerService::TakeEventBatch(flatbuffers::FlatBufferBuilder* out
   if (options_.vllm_events) vllm_.AddBatch(events, announce_cleared_);
   if (events.empty() && !announce_cleared_) return 0;
   out->Clear();
-  std::vector<flatbuffers::Offset<wire::KvEvent>> encoded;
-  encoded.reserve(events.size() + 1);
+  KvEventBatch batch;
+  batch.events.reserve(events.size() + 1);
   if (announce_cleared_) {
-    encoded.push_back(EncodeEvent(*out, wire::EventKind::AllBlocksCleared, nullptr, nullptr,
-                                  kNoBlock));
+    batch.events.push_back({.kind = KvEventKind::kAllBlocksCleared});
     announce_cleared_ = false;
   }
   for (const BlockEvent& event : events) {
     switch (event.kind) {
       case BlockEvent::Kind::kStored:
-        encoded.push_back(EncodeEvent(*out, wire::EventKind::BlockStored, &event.hash,
-                                      event.has_parent ? &event.parent_hash : nullptr,
-                                      event.block));
+        batch.events.push_back({.kind = KvEventKind::kBlockStored,
+                                .hash = event.hash,
+                                .parent_hash = event.has_parent ? event.parent_hash : BlockHash(),
+                                .block = event.block,
+                                .has_parent = event.has_parent});
         break;
       case BlockEvent::Kind::kRemoved:
-        encoded.push_back(EncodeEvent(*out, wire::EventKind::BlockRemoved, &event.hash,
-                                      nullptr, event.block));
+        batch.events.push_back(
+            {.kind = KvEventKind::kBlockRemoved, .hash = event.hash, .block = event.block});
         break;
       case BlockEvent::Kind::kAllCleared:
-        encoded.push_back(EncodeEvent(*out, wire::EventKind::AllBlocksCleared, nullptr,
-                                      nullptr, kNoBlock));
+        batch.events.push_back({.kind = KvEventKind::kAllBlocksCleared});
         break;
     }
   }
-  auto vector = out->CreateVector(encoded);
-  const uint64_t seq = ++event_seq_;
-  out->Finish(wire::CreateEventBatch(*out, seq, options_.epoch, vector));
-  events_published_ += encoded.size();
-  return seq;
+  batch.seq = ++event_seq_;
+  batch.epoch = options_.epoch;
+  out->Finish(EncodeEventBatch(*out, batch));
+  events_published_ += batch.events.size();
+  return batch.seq;
 }
 
 void CacheManagerService::HandleEventSnapshot(const wire::Envelope& envelope,
                                               flatbuffers::FlatBufferBuilder* reply) {
-  std::vector<flatbuffers::Offset<wire::KvEvent>> encoded;
+  EventSnapshot snapshot;
+  snapshot.seq = event_seq_;
+  snapshot.epoch = options_.epoch;
   // The epoch's first batch cleared the subscribers' mirrors before any could connect: a
   // late subscriber learns it here.
-  encoded.push_back(
-      EncodeEvent(*reply, wire::EventKind::AllBlocksCleared, nullptr, nullptr, kNoBlock));
+  snapshot.events.push_back({.kind = KvEventKind::kAllBlocksCleared});
   for (const auto& [block, hash] : ledger_.IndexedBlocks()) {
-    encoded.push_back(
-        EncodeEvent(*reply, wire::EventKind::BlockStored, &hash, nullptr, block));
+    snapshot.events.push_back({.kind = KvEventKind::kBlockStored, .hash = hash, .block = block});
   }
-  auto vector = reply->CreateVector(encoded);
-  auto payload = wire::CreateEventSnapshotReply(*reply, event_seq_, options_.epoch, vector);
+  auto payload = EncodeEventSnapshotReply(*reply, snapshot);
   FinishEnvelope(*reply, envelope.request_id(), envelope.session_id(), options_.epoch,
                  wire::Message::EventSnapshotReply, payload.Union());
 }

@@ -14,7 +14,8 @@
 //   owned by the sender, tracking the step's own allocations and frees in order); any
 //   failure rejects the whole message. Then the ops are applied in order, each with its own
 //   result; an op the ledger refuses (RESOURCE_EXHAUSTED, ...) changes nothing and later
-//   ops still run.
+//   ops still run. StepApplier (step_applier.h) does both on the decoded ops; the service
+//   decodes, checks the session, keeps the retry ring and encodes the reply.
 // - Only routers change sequences (Step). Pins are global and outlive sessions.
 // - Retries: the replies of a session's last four applied Steps are kept by request id; the
 //   same request again is answered with its first reply and runs nothing. A Step's request
@@ -79,6 +80,7 @@
 #include "services/cache_manager/peer_credentials.h"
 #include "services/cache_manager/process_watcher.h"
 #include "services/cache_manager/session_table.h"
+#include "services/cache_manager/step_applier.h"
 #include "services/cache_manager/vllm_conversion.h"
 #include "services/cache_manager/vllm_events.h"
 
@@ -247,7 +249,7 @@ class CacheManagerService {
   void Reject(uint64_t request_id, const Rejection& rejection,
               flatbuffers::FlatBufferBuilder* reply);
   // Whether `given` equals options_.tcp_secret (never when that is empty).
-  bool SecretMatches(const flatbuffers::String* given) const;
+  bool SecretMatches(std::string_view given) const;
   // Session checks for every request but Hello; null (and `rejection` set) on failure.
   Session* CheckSession(const wire::Envelope& envelope,
                         const std::optional<PeerCredentials>& peer, Rejection* rejection);
@@ -259,8 +261,6 @@ class CacheManagerService {
                   Session& session, flatbuffers::FlatBufferBuilder* reply);
   void HandleDescribeSession(const wire::Envelope& envelope, const Session& session,
                              flatbuffers::FlatBufferBuilder* reply);
-  // Validates a step's op list without changing anything.
-  std::optional<Rejection> ValidateStep(std::span<const BlockOp> ops, const Session& session);
   void HandleAttach(const wire::Envelope& envelope, flatbuffers::FlatBufferBuilder* reply);
   void HandleStats(const wire::Envelope& envelope, absl::Time now,
                    flatbuffers::FlatBufferBuilder* reply);
@@ -304,6 +304,7 @@ class CacheManagerService {
 
   SessionTable sessions_;
   FenceTable fences_;
+  StepApplier steps_;  // validates and applies Steps' ops to ledger_ (step_applier.h)
   uint64_t event_seq_ = 0;  // last batch number handed out
   // vLLM-format events (Options::vllm_events): fed each Commit's token ids and each batch.
   VllmConverter vllm_;
@@ -315,21 +316,6 @@ class CacheManagerService {
   // Scratch reused across messages.
   std::vector<BlockHash> hashes_;
   std::vector<BlockOp> step_ops_;  // the Step being handled, decoded (storage reused)
-  OpOutcome outcome_;              // the op being applied (storage reused)
-  // What the ledger answers an Allocate or Append into; swapped with outcome_'s vectors, so
-  // that neither allocates once grown.
-  AllocateResult allocated_;
-  AppendResult appended_;
-  // The sequences a Step's ops so far allocated, forked or freed (one table, so that an op
-  // touches one entry): whether each is live after them, and the tokens an allocated or
-  // forked one had before the step (kNotWritten for one only freed: the ledger knows).
-  struct StepSeq {
-    static constexpr int32_t kNotWritten = -1;
-    bool live = false;
-    int32_t written = kNotWritten;
-  };
-  absl::flat_hash_map<SeqId, StepSeq> step_seqs_;
-  absl::flat_hash_set<SeqId> step_drained_;  // freed with drain by the step
   std::vector<flatbuffers::Offset<wire::OpResult>> step_results_;  // the reply's, in op order
   BlockMap block_map_;  // the last BlockMap's, its cells' storage reused
 };
