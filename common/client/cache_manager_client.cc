@@ -558,9 +558,15 @@ std::vector<FenceNotice> CacheManagerClient::PendingFences() const {
 
 void CacheManagerClient::TakeFencesLocked(const wire::HeartbeatReply& reply) {
   std::vector<FenceNotice> fences = DecodeHeartbeatReply(reply);
-  // A reply to a heartbeat sent before an acknowledgement may still list its fence.
-  std::erase_if(fences,
-                [&](const FenceNotice& fence) { return acked_fences_.contains(fence.id); });
+  // A reply to a heartbeat sent before an acknowledgement may still list its fence. (A
+  // loop, not a lambda: the thread-safety analysis does not see a lambda run under the lock.)
+  size_t kept = 0;
+  for (size_t i = 0; i < fences.size(); ++i) {
+    if (acked_fences_.contains(fences[i].id)) continue;
+    if (kept != i) fences[kept] = std::move(fences[i]);
+    ++kept;
+  }
+  fences.resize(kept);
   if (fences != fences_) {
     fences_ = std::move(fences);
     fence_generation_.fetch_add(1);
