@@ -58,6 +58,7 @@
 #include "common/tokenizer/byte_level.h"
 #include "gtest/gtest.h"
 #include "tests/faults/launched_stack.h"
+#include "tests/support/byte_tokenizer.h"
 #include "tests/support/metrics_text.h"
 #include "tests/support/wait_for.h"
 #include "tests/support/status_matchers.h"
@@ -214,43 +215,6 @@ std::string Mib(int64_t bytes) {
   return absl::StrFormat("%.1f MiB", static_cast<double>(bytes) / (1024.0 * 1024.0));
 }
 
-// The model's folder gets a byte-level BPE tokenizer.json whose prompts get no BOS, as
-// SmolLM2's (its GGUF says add_bos_token false); its ids are the byte tokenizer's (<unk>,
-// <s>, </s>, then byte b as 3 + b), so the executors, which read no tokenizer, run the same
-// model (as RouterSecurityTest.AnEmptyPromptIsRefusedAndTheRouterKeepsServing does).
-void WriteTokenizerWithoutBos(const std::string& dir) {
-  using json = nlohmann::json;
-  json vocab = json::object();
-  json added = json::array();
-  const char* const specials[] = {"<unk>", "<s>", "</s>"};
-  for (int id = 0; id < 3; ++id) {
-    vocab[specials[id]] = id;
-    added.push_back({{"id", id},
-                     {"content", specials[id]},
-                     {"special", true},
-                     {"lstrip", false},
-                     {"rstrip", false},
-                     {"single_word", false},
-                     {"normalized", false}});
-  }
-  for (int b = 0; b < 256; ++b) {
-    std::string spelled;
-    internal::ByteLevelEncode(std::string(1, static_cast<char>(b)), &spelled);
-    vocab[spelled] = 3 + b;
-  }
-  const json tokenizer = {
-      {"version", "1.0"},
-      {"added_tokens", added},
-      {"normalizer", nullptr},
-      {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", true}}},
-      {"post_processor", {{"type", "ByteLevel"}}},
-      {"decoder", {{"type", "ByteLevel"}}},
-      {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", json::array()}}}};
-  std::ofstream(dir + "/tokenizer.json") << tokenizer.dump();
-  std::ofstream(dir + "/tokenizer_config.json")
-      << json{{"add_bos_token", false}, {"bos_token", "<s>"}, {"eos_token", "</s>"}}.dump();
-}
-
 class HostileClientTest : public LaunchedStackTest {
  protected:
   static constexpr int kNumBlocks = 1024;
@@ -333,15 +297,7 @@ class HostileClientTest : public LaunchedStackTest {
   std::vector<int32_t> ReferenceWithoutBos(const std::string& text, int32_t n) const {
     std::vector<int32_t> prompt;
     for (unsigned char c : text) prompt.push_back(3 + c);
-    std::vector<int32_t> tokens = testing::ReferenceGreedy(*model_, prompt, n);
-    const auto& eos = model_->config().eos_token_ids;
-    for (size_t i = 0; i < tokens.size(); ++i) {
-      if (std::find(eos.begin(), eos.end(), tokens[i]) != eos.end()) {
-        tokens.resize(i + 1);
-        break;
-      }
-    }
-    return tokens;
+    return testing::ReferenceAnswer(*model_, prompt, n);
   }
   static std::string GenerateBody(const std::string& text, int32_t n) {
     return json{{"inputs", text}, {"parameters", {{"max_new_tokens", n}, {"details", true}}}}
@@ -420,7 +376,7 @@ class HostileClientTest : public LaunchedStackTest {
 
 TEST_F(HostileClientTest, EveryAttackLeavesTheSameRouterServingWithinItsMemoryAndTheLedgerWhole) {
   const std::set<std::string> shm_before = DevShmEntries();
-  WriteTokenizerWithoutBos(model_dir_);
+  testing::WriteByteTokenizerWithoutBos(model_dir_);
   launch_wrapper_ = {"prlimit", absl::StrCat("--nofile=", kDescriptorLimit, ":", kDescriptorLimit),
                      "--"};
   // A chat template, so that a chat message's extra members reach the template's conversion.

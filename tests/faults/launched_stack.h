@@ -174,15 +174,7 @@ class LaunchedStackTest : public ::testing::Test {
   std::vector<int32_t> Reference(const std::string& text, int32_t n) const {
     std::vector<int32_t> prompt = {1};
     for (unsigned char c : text) prompt.push_back(3 + c);
-    std::vector<int32_t> tokens = testing::ReferenceGreedy(*model_, prompt, n);
-    const auto& eos = model_->config().eos_token_ids;
-    for (size_t i = 0; i < tokens.size(); ++i) {
-      if (std::find(eos.begin(), eos.end(), tokens[i]) != eos.end()) {
-        tokens.resize(i + 1);
-        break;
-      }
-    }
-    return tokens;
+    return testing::ReferenceAnswer(*model_, prompt, n);
   }
   // references_'s entry for the prompt, else Reference() of it.
   std::vector<int32_t> KnownReference(const std::string& text, int32_t n) const {

@@ -90,15 +90,7 @@ class LaunchProcessTest : public ::testing::Test {
   std::vector<int32_t> Reference(const std::string& text, int32_t n) const {
     std::vector<int32_t> prompt = {1};
     for (unsigned char c : text) prompt.push_back(3 + c);
-    std::vector<int32_t> tokens = testing::ReferenceGreedy(*model_, prompt, n);
-    const auto& eos = model_->config().eos_token_ids;
-    for (size_t i = 0; i < tokens.size(); ++i) {
-      if (std::find(eos.begin(), eos.end(), tokens[i]) != eos.end()) {
-        tokens.resize(i + 1);
-        break;
-      }
-    }
-    return tokens;
+    return testing::ReferenceAnswer(*model_, prompt, n);
   }
   // Until /info counts `executors`.
   static bool AwaitExecutors(const std::string& url, int executors) {

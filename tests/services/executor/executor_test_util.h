@@ -237,6 +237,26 @@ inline std::vector<int32_t> ReferenceGreedy(const LlamaModel& model, std::vector
   return out;
 }
 
+// `tokens` up to and including the first of `eos` (all of them if none is there): what the
+// router answers of a greedy generation.
+inline std::vector<int32_t> CutAfterEos(std::vector<int32_t> tokens,
+                                        const std::vector<int32_t>& eos) {
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (std::find(eos.begin(), eos.end(), tokens[i]) != eos.end()) {
+      tokens.resize(i + 1);
+      break;
+    }
+  }
+  return tokens;
+}
+
+// What the router answers of `n` greedy tokens after the prompt ids `prompt`: the model's
+// own greedy tokens, cut after an end-of-sequence id.
+inline std::vector<int32_t> ReferenceAnswer(const LlamaModel& model, std::vector<int32_t> prompt,
+                                            int32_t n) {
+  return CutAfterEos(ReferenceGreedy(model, std::move(prompt), n), model.config().eos_token_ids);
+}
+
 // The executor's /metrics, parsed.
 inline absl::StatusOr<MetricsText> ScrapeMetrics(const std::string& url) {
   absl::StatusOr<HttpResponse> response = HttpGet(url);

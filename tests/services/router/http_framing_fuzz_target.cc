@@ -43,6 +43,7 @@
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
 #include "services/router/http_framing.h"
+#include "tests/services/router/framing_driver.h"
 #include "tests/support/fuzz_target.h"
 
 namespace kvcm::router {
@@ -53,39 +54,13 @@ using fuzz::Fail;
 
 constexpr FramingLimits kLimits{.max_head_bytes = 512, .max_body_bytes = 1024};
 
-struct Pure {
-  std::string out;
-  std::optional<FramingRefusal> refusal;
-  uint64_t refused_request = 0;
-  uint64_t heads = 0;
-};
-
 // The bytes through RequestFraming in pieces of `piece` bytes (0: one piece).
-Pure FramePure(std::string_view input, size_t piece) {
-  RequestFraming framing(kLimits);
-  Pure result;
-  std::string raw;
-  for (size_t at = 0; at < input.size();) {
-    const size_t n = piece == 0 ? input.size() : std::min(piece, input.size() - at);
-    raw.append(input.substr(at, n));
-    at += n;
-    while (!framing.refused()) {
-      const size_t wanted = std::min(raw.size(), framing.WindowWanted());
-      const FramingStep step = framing.Next(std::string_view(raw).substr(0, wanted), raw.size());
-      if (step.kind == FramingStep::Kind::kNeedMore) break;
-      Check(step.length <= raw.size(), "a step takes more bytes than there are");
-      result.out += step.kind == FramingStep::Kind::kPass ? raw.substr(0, step.length)
-                                                          : step.replacement;
-      raw.erase(0, step.length);
-      if (step.kind == FramingStep::Kind::kRefuse) {
-        result.refusal = step.refusal;
-        result.refused_request = framing.heads();
-      }
-    }
-    if (framing.refused()) raw.clear();
-  }
-  result.heads = framing.heads();
-  return result;
+testing::Framed FramePure(std::string_view input, size_t piece) {
+  std::vector<size_t> pieces;
+  if (piece > 0) pieces.assign(input.size() / piece + 1, piece);
+  testing::Framed framed = testing::FrameInPieces(input, kLimits, pieces);
+  Check(framed.steps_in_bounds, "a step takes more bytes than there are");
+  return framed;
 }
 
 // An evhttp server on loopback whose connections are framed as the router's.
@@ -251,8 +226,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const size_t piece = data[0] % 9;  // 0: one piece, else 1 to 8 bytes at a time
   const std::string_view input(reinterpret_cast<const char*>(data) + 1, size - 1);
 
-  const Pure whole = FramePure(input, 0);
-  const Pure split = FramePure(input, piece == 0 ? 1 : piece);
+  const testing::Framed whole = FramePure(input, 0);
+  const testing::Framed split = FramePure(input, piece == 0 ? 1 : piece);
   Check(split.out == whole.out, "what passes depends on the pieces");
   Check(split.heads == whole.heads, "the heads counted depend on the pieces");
   Check(split.refusal.has_value() == whole.refusal.has_value() &&

@@ -13,54 +13,21 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/services/router/framing_driver.h"
 
 namespace kvcm::router {
 namespace {
 
 using ::testing::HasSubstr;
 
-struct Framed {
-  std::string out;  // what libevent reads
-  std::optional<FramingRefusal> refusal;
-  uint64_t refused_request = 0;
-  uint64_t heads = 0;
-};
+using testing::Framed;
 
-// Feeds `input` to a RequestFraming in pieces of the given sizes (the rest in one piece),
-// moving bytes as the router's connection filter does (Connection::Frame).
+// `input` framed in pieces of the given sizes (the rest in one piece).
 Framed Frame(std::string_view input, FramingLimits limits = {},
              const std::vector<size_t>& pieces = {}) {
-  RequestFraming framing(limits);
-  Framed result;
-  std::string raw;
-  size_t at = 0;
-  size_t piece = 0;
-  while (at < input.size()) {
-    const size_t n = piece < pieces.size() ? std::min(pieces[piece], input.size() - at)
-                                           : input.size() - at;
-    ++piece;
-    raw.append(input.substr(at, n));
-    at += n;
-    while (!framing.refused()) {
-      const size_t wanted = std::min(raw.size(), framing.WindowWanted());
-      const FramingStep step = framing.Next(std::string_view(raw).substr(0, wanted), raw.size());
-      if (step.kind == FramingStep::Kind::kNeedMore) break;
-      if (step.kind == FramingStep::Kind::kPass) {
-        EXPECT_LE(step.length, raw.size());
-        result.out += raw.substr(0, step.length);
-      } else {
-        result.out += step.replacement;
-      }
-      raw.erase(0, step.length);
-      if (step.kind == FramingStep::Kind::kRefuse) {
-        result.refusal = step.refusal;
-        result.refused_request = framing.heads();
-      }
-    }
-    if (framing.refused()) raw.clear();
-  }
-  result.heads = framing.heads();
-  return result;
+  Framed framed = testing::FrameInPieces(input, limits, pieces);
+  EXPECT_TRUE(framed.steps_in_bounds) << "a step took more bytes than there were";
+  return framed;
 }
 
 const std::string kGet = "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";

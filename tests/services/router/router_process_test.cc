@@ -716,15 +716,7 @@ TEST_F(RouterProcessTest, PenaltiesAndTruncationGiveTheReferenceTokens) {
   absl::StatusOr<HttpResponse> reply = HttpPost(url_ + "/generate", body.dump());
   ASSERT_TRUE(reply.ok() && reply->status == 200) << (reply.ok() ? reply->body : "");
   std::vector<int32_t> got = TokenIds(reply->body);
-  std::vector<int32_t> expected = want.tokens;
-  const auto& eos = model_->config().eos_token_ids;
-  for (size_t i = 0; i < expected.size(); ++i) {
-    if (std::find(eos.begin(), eos.end(), expected[i]) != eos.end()) {
-      expected.resize(i + 1);
-      break;
-    }
-  }
-  EXPECT_EQ(got, expected);
+  EXPECT_EQ(got, testing::CutAfterEos(want.tokens, model_->config().eos_token_ids));
 
   // OpenAI's frequency and presence penalties, the same definition.
   penalties = {};

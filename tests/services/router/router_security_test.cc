@@ -35,6 +35,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/services/router/router_stack.h"
+#include "tests/support/byte_tokenizer.h"
 #include "tests/support/wait_for.h"
 #include "tests/support/status_matchers.h"
 
@@ -120,41 +121,11 @@ json ErrorOf(const HttpResponse& reply) {
   return error.is_object() ? error : json(nullptr);
 }
 
-// The model of `dir`: the tiny model's weights with a byte-level BPE tokenizer.json whose
-// prompts get no BOS, as SmolLM2's (its GGUF says add_bos_token false). Its ids are the
-// byte tokenizer's (<unk>, <s>, </s>, then byte b as 3 + b), so the executors, which read
-// no tokenizer, run the same model.
+// The model of `dir`: the tiny model's weights with a byte-level tokenizer whose prompts get
+// no BOS, as SmolLM2's (tests/support/byte_tokenizer.h).
 absl::Status MakeModelWithoutBos(const std::string& dir) {
   KVCM_RETURN_IF_ERROR(MakeTinyModel(dir, kModelSeed));
-  json vocab = json::object();
-  json added = json::array();
-  const char* const specials[] = {"<unk>", "<s>", "</s>"};
-  for (int id = 0; id < 3; ++id) {
-    vocab[specials[id]] = id;
-    added.push_back({{"id", id},
-                     {"content", specials[id]},
-                     {"special", true},
-                     {"lstrip", false},
-                     {"rstrip", false},
-                     {"single_word", false},
-                     {"normalized", false}});
-  }
-  for (int b = 0; b < 256; ++b) {
-    std::string spelled;
-    internal::ByteLevelEncode(std::string(1, static_cast<char>(b)), &spelled);
-    vocab[spelled] = 3 + b;
-  }
-  const json tokenizer = {
-      {"version", "1.0"},
-      {"added_tokens", added},
-      {"normalizer", nullptr},
-      {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", true}}},
-      {"post_processor", {{"type", "ByteLevel"}}},
-      {"decoder", {{"type", "ByteLevel"}}},
-      {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", json::array()}}}};
-  std::ofstream(dir + "/tokenizer.json") << tokenizer.dump();
-  std::ofstream(dir + "/tokenizer_config.json")
-      << json{{"add_bos_token", false}, {"bos_token", "<s>"}, {"eos_token", "</s>"}}.dump();
+  testing::WriteByteTokenizerWithoutBos(dir);
   return absl::OkStatus();
 }
 

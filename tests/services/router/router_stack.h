@@ -167,15 +167,7 @@ class RouterStackTest : public ::testing::Test {
   }
   // What the router must answer: the greedy tokens, up to and including the first EOS.
   static std::vector<int32_t> Reference(const std::string& text, int32_t n) {
-    std::vector<int32_t> tokens = kvcm::testing::ReferenceGreedy(*model_, PromptIds(text), n);
-    const auto& eos = model_->config().eos_token_ids;
-    for (size_t i = 0; i < tokens.size(); ++i) {
-      if (std::find(eos.begin(), eos.end(), tokens[i]) != eos.end()) {
-        tokens.resize(i + 1);
-        break;
-      }
-    }
-    return tokens;
+    return kvcm::testing::ReferenceAnswer(*model_, PromptIds(text), n);
   }
 
   // Token ids of a /generate reply with details.
