@@ -731,6 +731,51 @@ int32_t BlockLedger::EvictAllCached() {
   return n;
 }
 
+// --- Holds -------------------------------------------------------------------------------
+
+absl::Status BlockLedger::Hold(BlockId block) {
+  if (block < 0 || block >= options_.num_blocks) {
+    return absl::InvalidArgumentError(absl::StrCat("hold of block ", block, ": out of range [0, ",
+                                                   options_.num_blocks, ")"));
+  }
+  // A duplicate is always in use (it is dropped when its last reference goes).
+  if (!IsIndexed(block) && !(IsDuplicate(block) && meta_[block].ref > 0)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "hold of block ", block, " (", std::string(BlockStateName(StateOf(block))),
+        "): only a block in the prefix index, or an in-use duplicate, holds committed KV"));
+  }
+  auto it = holds_.find(block);
+  if (it != holds_.end() && it->second == kMaxHoldsPerBlock) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "hold of block ", block, ": already held ", kMaxHoldsPerBlock,
+        " times, the most one block can be"));
+  }
+  Reuse(block);
+  if (it == holds_.end()) {
+    holds_.emplace(block, uint16_t{1});
+  } else {
+    ++it->second;
+  }
+  ++holds_total_;
+  return absl::OkStatus();
+}
+
+absl::Status BlockLedger::Unhold(BlockId block) {
+  if (block < 0 || block >= options_.num_blocks) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unhold of block ", block, ": out of range [0, ", options_.num_blocks, ")"));
+  }
+  auto it = holds_.find(block);
+  if (it == holds_.end()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("unhold of block ", block, ": it is not held"));
+  }
+  if (--it->second == 0) holds_.erase(it);
+  --holds_total_;
+  Release(block);
+  return absl::OkStatus();
+}
+
 // --- Introspection -------------------------------------------------------------------------
 
 LedgerStats BlockLedger::Stats() const {
@@ -840,7 +885,7 @@ size_t BlockLedger::MemoryBytes() const {
     return m.capacity() * (sizeof(Slot) + 1);
   };
   size_t bytes = vec(meta_) + vec(hash_) + vec(lru_ring_) + free_.MemoryBytes() + index_.MemoryBytes() +
-                 map(duplicates_) + seq_index_.MemoryBytes() + map(pins_) +
+                 map(duplicates_) + seq_index_.MemoryBytes() + map(pins_) + map(holds_) +
                  vec(free_slots_) + vec(events_) + vec(scratch_hits_);
   for (const Sequence& s : slots_) bytes += sizeof(Sequence) + vec(s.blocks) + vec(s.hashes);
   return bytes;
@@ -850,8 +895,23 @@ absl::Status BlockLedger::CheckInvariants() const {
   const int32_t n = options_.num_blocks;
   auto broken = [](auto&&... parts) { return absl::InternalError(absl::StrCat(parts...)); };
 
-  // Reference counts equal the references held by live sequences.
+  // Reference counts equal the references held by live sequences plus the holds.
   std::vector<int32_t> refs(n, 0);
+  {
+    int64_t holds = 0;
+    for (const auto& [b, count] : holds_) {
+      if (b < 0 || b >= n) return broken("hold on block id ", b, ", out of range");
+      if (count == 0) return broken("block ", b, ": an entry of zero holds");
+      // A held block keeps its committed KV findable: it stays indexed or a duplicate
+      // (neither is dropped while the block is in use).
+      if (!IsIndexed(b) && !IsDuplicate(b)) {
+        return broken("held block ", b, " is neither indexed nor a duplicate");
+      }
+      refs[b] += count;
+      holds += count;
+    }
+    if (holds != holds_total_) return broken("holds total ", holds_total_, " vs ", holds);
+  }
   std::vector<std::pair<SeqId, int32_t>> live_seqs;
   seq_index_.ForEach([&live_seqs](SeqId id, int32_t slot) { live_seqs.emplace_back(id, slot); });
   for (const auto& [id, slot] : live_seqs) {
@@ -884,7 +944,7 @@ absl::Status BlockLedger::CheckInvariants() const {
   for (BlockId b = 0; b < n; ++b) {
     if (refs[b] != meta_[b].ref) {
       return broken("block ", b, ": ref count ", meta_[b].ref, " but ", refs[b],
-                    " references");
+                    " references (holds included)");
     }
     if (meta_[b].pins > 0) ++pinned_any;
     if (((meta_[b].flags & kHasDuplicates) != 0) !=

@@ -7,7 +7,7 @@
 // States (they partition the pool; CheckInvariants() verifies it):
 //   free    ref count 0, holds nothing reusable.
 //   in use  ref count > 0: referenced by one or more live sequences (shared after a fork
-//           or a prefix hit).
+//           or a prefix hit), or held (Hold: the tier mover copying it out).
 //   cached  ref count 0, full, committed and hashed: reusable by a later sequence with the
 //           same prefix until evicted (least recently used first).
 //   pinned  ref count 0 and pinned by a named prefix: cached and never evicted.
@@ -265,6 +265,21 @@ class BlockLedger {
   // Evicts every cached (unpinned, unreferenced) block; returns how many.
   int32_t EvictAllCached();
 
+  // --- Holds (the tier mover's, docs/architecture.md "Tiers") ---------------------------
+  // Adds a reference to `block` that no sequence owns, so that it is not handed out (not
+  // evicted, not freed) until Unhold: the cache manager holds a committed block while its
+  // mover copies the block's bytes to a tier. Allowed for a block in the prefix index
+  // (in use, cached or pinned) only: a cached one leaves the LRU list and counts as in use
+  // while held. Errors: INVALID_ARGUMENT (out of range), FAILED_PRECONDITION (not in the
+  // prefix index, nor an in-use duplicate), RESOURCE_EXHAUSTED (65,535 holds on one block).
+  absl::Status Hold(BlockId block);
+  // Drops one hold: the block goes where a sequence's release would send it (cached while
+  // indexed, free otherwise, pinned while pinned). Errors: INVALID_ARGUMENT (out of range),
+  // FAILED_PRECONDITION (not held).
+  absl::Status Unhold(BlockId block);
+  // Holds now, in all (each Hold counts once).
+  int32_t held_blocks() const { return holds_total_; }
+
   // --- Introspection ---------------------------------------------------------------------
 
   LedgerStats Stats() const;
@@ -283,8 +298,9 @@ class BlockLedger {
   void SetLruClockForTest(uint32_t clock);
 
   // Verifies that the states partition the pool, ref counts equal the references held by
-  // live sequences, the prefix index, LRU list, free set and pin counts agree, and every
-  // sequence is well formed. Returns INTERNAL naming the first broken rule.
+  // live sequences plus the holds (each held block indexed or a duplicate), the prefix
+  // index, LRU list, free set and pin counts agree, and every sequence is well formed.
+  // Returns INTERNAL naming the first broken rule.
   absl::Status CheckInvariants() const;
 
   // Events since the last call, oldest first (empty unless Options::record_events).
@@ -401,7 +417,7 @@ class BlockLedger {
   // then does unindexing it need its hash.
   static constexpr uint8_t kHasDuplicates = 8;
   struct BlockMeta {
-    int32_t ref = 0;          // live sequences referencing the block
+    int32_t ref = 0;          // live sequences referencing the block, plus its holds
     uint32_t lru_stamp = 0;   // of its live entry in lru_ring_, where kInLru
     uint32_t tag = 0;         // BlockIndex::TagOf(hash_[b]), where kIndexed or kDuplicate
     uint16_t pins = 0;        // named pins holding it (at most kMaxPinsPerBlock)
@@ -466,6 +482,12 @@ class BlockLedger {
   };
   absl::flat_hash_map<std::string, PinEntry> pins_;
   int32_t pinned_blocks_total_ = 0;  // distinct blocks with pin_count_ > 0
+
+  // Hold's references, by block (each also counted in meta_[b].ref); few at a time, so
+  // apart from the per-block records. kMaxHoldsPerBlock at most per block.
+  absl::flat_hash_map<BlockId, uint16_t> holds_;
+  int32_t holds_total_ = 0;  // the sum of holds_
+  static constexpr int32_t kMaxHoldsPerBlock = UINT16_MAX;
 
   int32_t in_use_blocks_ = 0;
   int32_t pinned_idle_blocks_ = 0;  // ref 0 and pinned

@@ -707,5 +707,289 @@ TEST(LedgerBlockSizeOneTest, EveryTokenIsABlock) {
   EXPECT_INVARIANTS(ledger);
 }
 
+// --- Holds (the tier mover's) --------------------------------------------------------------
+
+// A 4-block pool, block size 4, whose block 0 is cached (indexed for hashes[0]) and the rest
+// free, unless `free_seq` is false: then sequence 1 still holds blocks 0 (committed) and 1.
+constexpr int32_t kHoldBs = 4;
+BlockLedger LedgerWithCommittedBlock0(std::vector<BlockHash>* hashes, bool free_seq = true) {
+  BlockLedger ledger = MakeLedger(4, kHoldBs);
+  *hashes = HashesOf(Iota(kHoldBs + 1), kHoldBs);
+  EXPECT_THAT(ledger.Allocate(1, kHoldBs + 1, *hashes), IsOk());  // 0 1
+  EXPECT_THAT(ledger.Commit(1, kHoldBs + 1), IsOk());              // 0 indexed
+  if (free_seq) {
+    EXPECT_THAT(ledger.Free(1), IsOk());  // 0 cached, 1 free
+  }
+  EXPECT_INVARIANTS(ledger);
+  return ledger;
+}
+
+TEST(BlockLedgerHoldTest, AHeldCachedBlockIsNotEvictedUntilUnhold) {
+  std::vector<BlockHash> hashes;
+  BlockLedger ledger = LedgerWithCommittedBlock0(&hashes);
+  ASSERT_EQ(ledger.StateOf(0), BlockState::kCached);
+
+  ASSERT_THAT(ledger.Hold(0), IsOk());
+  EXPECT_INVARIANTS(ledger);
+  EXPECT_EQ(ledger.StateOf(0), BlockState::kInUse);
+  EXPECT_EQ(ledger.RefCount(0), 1);
+  EXPECT_EQ(ledger.held_blocks(), 1);
+  EXPECT_TRUE(ledger.EvictionOrderForTest().empty());
+  EXPECT_EQ(ledger.AvailableBlocks(), 3);
+  LedgerStats stats = ledger.Stats();
+  EXPECT_EQ(stats.in_use_blocks, 1);
+  EXPECT_EQ(stats.cached_blocks, 0);
+  EXPECT_EQ(stats.free_blocks, 3);
+  EXPECT_EQ(ledger.EvictAllCached(), 0);
+  EXPECT_INVARIANTS(ledger);
+  EXPECT_EQ(ledger.Lookup(hashes), 1);
+  EXPECT_THAT(ledger.IndexedBlocks(), ElementsAre(std::pair<BlockId, BlockHash>(0, hashes[0])));
+
+  // Every other block is not enough for 4 blocks: the held one is not taken.
+  const auto before = Snapshot(ledger, {2});
+  EXPECT_THAT(ledger.Allocate(2, 4 * kHoldBs), StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_EQ(Snapshot(ledger, {2}), before);
+  EXPECT_INVARIANTS(ledger);
+  auto three = ledger.Allocate(2, 3 * kHoldBs);
+  ASSERT_THAT(three, IsOk());
+  EXPECT_THAT(three->blocks, ElementsAre(1, 2, 3));
+  EXPECT_INVARIANTS(ledger);
+  EXPECT_EQ(ledger.Stats().evictions, 0u);
+  EXPECT_EQ(ledger.Lookup(hashes), 1);
+  ASSERT_THAT(ledger.Free(2), IsOk());
+  EXPECT_INVARIANTS(ledger);
+
+  // Unheld, it is cached and evictable again.
+  ASSERT_THAT(ledger.Unhold(0), IsOk());
+  EXPECT_INVARIANTS(ledger);
+  EXPECT_EQ(ledger.held_blocks(), 0);
+  EXPECT_EQ(ledger.StateOf(0), BlockState::kCached);
+  EXPECT_THAT(ledger.EvictionOrderForTest(), ElementsAre(0));
+  stats = ledger.Stats();
+  EXPECT_EQ(stats.in_use_blocks, 0);
+  EXPECT_EQ(stats.cached_blocks, 1);
+  auto four = ledger.Allocate(3, 4 * kHoldBs);
+  ASSERT_THAT(four, IsOk());
+  EXPECT_THAT(four->blocks, ElementsAre(1, 2, 3, 0));
+  EXPECT_EQ(ledger.Stats().evictions, 1u);
+  EXPECT_EQ(ledger.Lookup(hashes), 0);
+  EXPECT_INVARIANTS(ledger);
+}
+
+TEST(BlockLedgerHoldTest, ABlockHeldWhileItsSequenceFreesItIsCachedAtUnhold) {
+  std::vector<BlockHash> hashes;
+  BlockLedger ledger = LedgerWithCommittedBlock0(&hashes, /*free_seq=*/false);
+  ASSERT_EQ(ledger.StateOf(0), BlockState::kInUse);
+
+  ASSERT_THAT(ledger.Hold(0), IsOk());
+  EXPECT_INVARIANTS(ledger);
+  EXPECT_EQ(ledger.RefCount(0), 2);
+  EXPECT_EQ(ledger.Stats().in_use_blocks, 2);
+
+  ASSERT_THAT(ledger.Free(1), IsOk());
+  EXPECT_INVARIANTS(ledger);
+  EXPECT_EQ(ledger.StateOf(0), BlockState::kInUse);
+  EXPECT_EQ(ledger.RefCount(0), 1);
+  EXPECT_EQ(ledger.StateOf(1), BlockState::kFree);
+  LedgerStats stats = ledger.Stats();
+  EXPECT_EQ(stats.in_use_blocks, 1);
+  EXPECT_EQ(stats.cached_blocks, 0);
+  EXPECT_EQ(stats.free_blocks, 3);
+  EXPECT_EQ(stats.live_sequences, 0);
+  BlockMap map;
+  ledger.FillBlockMap(4, {}, &map);
+  EXPECT_EQ(map.count(MapState::kInUse), 1);
+  EXPECT_EQ(map.count(MapState::kFree), 3);
+  // The cache manager may count it apart (draining) while it is held.
+  const std::pair<BlockId, MapState> apart[] = {{0, MapState::kDraining}};
+  ledger.FillBlockMap(4, apart, &map);
+  EXPECT_EQ(map.count(MapState::kDraining), 1);
+  EXPECT_EQ(map.count(MapState::kInUse), 0);
+
+  ASSERT_THAT(ledger.Unhold(0), IsOk());
+  EXPECT_INVARIANTS(ledger);
+  EXPECT_EQ(ledger.StateOf(0), BlockState::kCached);
+  stats = ledger.Stats();
+  EXPECT_EQ(stats.in_use_blocks, 0);
+  EXPECT_EQ(stats.cached_blocks, 1);
+  // A prefix hit on it.
+  auto hit = ledger.Allocate(2, kHoldBs + 1, hashes);
+  ASSERT_THAT(hit, IsOk());
+  EXPECT_EQ(hit->num_cached_tokens, kHoldBs);
+  EXPECT_THAT(hit->blocks, ElementsAre(0, 1));
+  EXPECT_INVARIANTS(ledger);
+}
+
+TEST(BlockLedgerHoldTest, RefusedHoldsAndUnholdsChangeNothing) {
+  std::vector<BlockHash> hashes;
+  BlockLedger ledger = LedgerWithCommittedBlock0(&hashes, /*free_seq=*/false);
+  ASSERT_THAT(ledger.Allocate(2, kHoldBs), IsOk());  // 2, uncommitted
+  const auto before = Snapshot(ledger, {1, 2});
+  // Free (3), in use but not committed (1, 2): nothing of theirs is in the prefix index.
+  EXPECT_THAT(ledger.Hold(3), StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(ledger.Hold(1), StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(ledger.Hold(2), StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(ledger.Hold(-1), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ledger.Hold(4), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ledger.Hold(kNoBlock), StatusIs(absl::StatusCode::kInvalidArgument));
+  // Not held (0 is in use by sequence 1, but not held), or out of range.
+  EXPECT_THAT(ledger.Unhold(0), StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(ledger.Unhold(3), StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(ledger.Unhold(-1), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ledger.Unhold(4), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(Snapshot(ledger, {1, 2}), before);
+  EXPECT_EQ(ledger.held_blocks(), 0);
+  EXPECT_INVARIANTS(ledger);
+
+  // Once evicted, a formerly cached block cannot be held either.
+  ASSERT_THAT(ledger.Free(1), IsOk());
+  ASSERT_THAT(ledger.Free(2), IsOk());
+  EXPECT_EQ(ledger.EvictAllCached(), 1);
+  EXPECT_INVARIANTS(ledger);
+  const auto evicted = Snapshot(ledger, {});
+  EXPECT_THAT(ledger.Hold(0), StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_EQ(Snapshot(ledger, {}), evicted);
+  EXPECT_INVARIANTS(ledger);
+}
+
+TEST(BlockLedgerHoldTest, TwoHoldsNeedTwoUnholds) {
+  std::vector<BlockHash> hashes;
+  BlockLedger ledger = LedgerWithCommittedBlock0(&hashes);
+  ASSERT_THAT(ledger.Hold(0), IsOk());
+  EXPECT_INVARIANTS(ledger);
+  ASSERT_THAT(ledger.Hold(0), IsOk());
+  EXPECT_INVARIANTS(ledger);
+  EXPECT_EQ(ledger.RefCount(0), 2);
+  EXPECT_EQ(ledger.held_blocks(), 2);
+  EXPECT_EQ(ledger.Stats().in_use_blocks, 1);
+
+  ASSERT_THAT(ledger.Unhold(0), IsOk());
+  EXPECT_INVARIANTS(ledger);
+  EXPECT_EQ(ledger.StateOf(0), BlockState::kInUse);
+  EXPECT_EQ(ledger.held_blocks(), 1);
+  EXPECT_EQ(ledger.EvictAllCached(), 0);
+  EXPECT_INVARIANTS(ledger);
+
+  ASSERT_THAT(ledger.Unhold(0), IsOk());
+  EXPECT_INVARIANTS(ledger);
+  EXPECT_EQ(ledger.StateOf(0), BlockState::kCached);
+  EXPECT_EQ(ledger.held_blocks(), 0);
+  EXPECT_THAT(ledger.Unhold(0), StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_EQ(ledger.StateOf(0), BlockState::kCached);
+  EXPECT_INVARIANTS(ledger);
+}
+
+TEST(BlockLedgerHoldTest, HoldsPerBlockAreLimited) {
+  std::vector<BlockHash> hashes;
+  BlockLedger ledger = LedgerWithCommittedBlock0(&hashes);
+  for (int i = 0; i < 65535; ++i) ASSERT_THAT(ledger.Hold(0), IsOk()) << i;
+  EXPECT_INVARIANTS(ledger);
+  const auto before = Snapshot(ledger, {});
+  EXPECT_THAT(ledger.Hold(0), StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_EQ(Snapshot(ledger, {}), before);
+  EXPECT_EQ(ledger.held_blocks(), 65535);
+  EXPECT_INVARIANTS(ledger);
+  for (int i = 0; i < 65535; ++i) ASSERT_THAT(ledger.Unhold(0), IsOk()) << i;
+  EXPECT_EQ(ledger.StateOf(0), BlockState::kCached);
+  EXPECT_EQ(ledger.held_blocks(), 0);
+  EXPECT_INVARIANTS(ledger);
+}
+
+TEST(BlockLedgerHoldTest, AHeldPinnedBlockStaysPinnedAfterUnhold) {
+  std::vector<BlockHash> hashes;
+  BlockLedger ledger = LedgerWithCommittedBlock0(&hashes);
+  const auto head = std::span(hashes).first(1);
+  ASSERT_THAT(ledger.Pin("p", head), IsOk());
+  EXPECT_INVARIANTS(ledger);
+  ASSERT_EQ(ledger.StateOf(0), BlockState::kPinned);
+
+  ASSERT_THAT(ledger.Hold(0), IsOk());
+  EXPECT_INVARIANTS(ledger);
+  EXPECT_EQ(ledger.StateOf(0), BlockState::kInUse);
+  EXPECT_EQ(ledger.Stats().pinned_blocks, 0);
+  EXPECT_EQ(ledger.Stats().in_use_blocks, 1);
+  ASSERT_THAT(ledger.Unhold(0), IsOk());
+  EXPECT_INVARIANTS(ledger);
+  EXPECT_EQ(ledger.StateOf(0), BlockState::kPinned);
+  EXPECT_EQ(ledger.Stats().pinned_blocks, 1);
+  EXPECT_TRUE(ledger.EvictionOrderForTest().empty());
+
+  // Held, then unpinned: still in use; cached at Unhold.
+  ASSERT_THAT(ledger.Hold(0), IsOk());
+  EXPECT_INVARIANTS(ledger);
+  ASSERT_THAT(ledger.Unpin("p"), IsOk());
+  EXPECT_INVARIANTS(ledger);
+  EXPECT_EQ(ledger.StateOf(0), BlockState::kInUse);
+  EXPECT_TRUE(ledger.EvictionOrderForTest().empty());
+  ASSERT_THAT(ledger.Unhold(0), IsOk());
+  EXPECT_INVARIANTS(ledger);
+  EXPECT_EQ(ledger.StateOf(0), BlockState::kCached);
+  EXPECT_THAT(ledger.EvictionOrderForTest(), ElementsAre(0));
+
+  // Held, then pinned (Pin while held), then Unhold: pinned; Unpin: cached.
+  ASSERT_THAT(ledger.Hold(0), IsOk());
+  EXPECT_INVARIANTS(ledger);
+  ASSERT_THAT(ledger.Pin("q", head), IsOk());
+  EXPECT_INVARIANTS(ledger);
+  EXPECT_EQ(ledger.StateOf(0), BlockState::kInUse);
+  ASSERT_THAT(ledger.Unhold(0), IsOk());
+  EXPECT_INVARIANTS(ledger);
+  EXPECT_EQ(ledger.StateOf(0), BlockState::kPinned);
+  EXPECT_TRUE(ledger.EvictionOrderForTest().empty());
+  ASSERT_THAT(ledger.Unpin("q"), IsOk());
+  EXPECT_INVARIANTS(ledger);
+  EXPECT_EQ(ledger.StateOf(0), BlockState::kCached);
+  EXPECT_THAT(ledger.EvictionOrderForTest(), ElementsAre(0));
+}
+
+TEST(BlockLedgerHoldTest, ADuplicateMayBeHeld) {
+  // Blocks 0 and 2 hold the same content: 0 is indexed, 2 its duplicate.
+  auto make = [](const std::vector<BlockHash>& hashes) {
+    BlockLedger ledger = MakeLedger(4, kHoldBs);
+    EXPECT_THAT(ledger.Allocate(1, kHoldBs + 1, hashes), IsOk());  // 0 1
+    EXPECT_THAT(ledger.Allocate(2, kHoldBs + 1, hashes), IsOk());  // 2 3
+    EXPECT_THAT(ledger.Commit(1, kHoldBs + 1), IsOk());
+    EXPECT_THAT(ledger.Commit(2, kHoldBs + 1), IsOk());
+    EXPECT_INVARIANTS(ledger);
+    return ledger;
+  };
+  const auto hashes = HashesOf(Iota(kHoldBs + 1), kHoldBs);
+  {  // Still a duplicate at Unhold: freed.
+    BlockLedger ledger = make(hashes);
+    ASSERT_THAT(ledger.Hold(2), IsOk());
+    EXPECT_INVARIANTS(ledger);
+    ASSERT_THAT(ledger.Free(2), IsOk());
+    EXPECT_INVARIANTS(ledger);
+    EXPECT_EQ(ledger.StateOf(2), BlockState::kInUse);
+    ASSERT_THAT(ledger.Unhold(2), IsOk());
+    EXPECT_INVARIANTS(ledger);
+    EXPECT_EQ(ledger.StateOf(2), BlockState::kFree);
+    EXPECT_EQ(ledger.Lookup(hashes), 1);
+  }
+  {  // The indexed block evicted while the duplicate is held: it takes over, cached at Unhold.
+    BlockLedger ledger = make(hashes);
+    ASSERT_THAT(ledger.Hold(2), IsOk());
+    ASSERT_THAT(ledger.Free(2), IsOk());  // 2 held, 3 free
+    ASSERT_THAT(ledger.Free(1), IsOk());  // 0 cached, 1 free
+    EXPECT_INVARIANTS(ledger);
+    auto taken = ledger.Allocate(3, 3 * kHoldBs);  // 1 3, and 0 evicted
+    ASSERT_THAT(taken, IsOk());
+    EXPECT_THAT(taken->blocks, ElementsAre(1, 3, 0));
+    EXPECT_INVARIANTS(ledger);
+    EXPECT_EQ(ledger.Lookup(hashes), 1);
+    EXPECT_THAT(ledger.IndexedBlocks(),
+                ElementsAre(std::pair<BlockId, BlockHash>(2, hashes[0])));
+    ASSERT_THAT(ledger.Unhold(2), IsOk());
+    EXPECT_INVARIANTS(ledger);
+    EXPECT_EQ(ledger.StateOf(2), BlockState::kCached);
+    ASSERT_THAT(ledger.Free(3), IsOk());
+    auto hit = ledger.Allocate(4, kHoldBs + 1, hashes);
+    ASSERT_THAT(hit, IsOk());
+    EXPECT_EQ(hit->blocks[0], 2);
+    EXPECT_EQ(hit->num_cached_tokens, kHoldBs);
+    EXPECT_INVARIANTS(ledger);
+  }
+}
+
 }  // namespace
 }  // namespace kvcm
