@@ -29,7 +29,7 @@ flatbuffers::Offset<wire::HelloReply> EncodeHelloReply(flatbuffers::FlatBufferBu
       static_cast<uint32_t>(absl::ToInt64Milliseconds(info.heartbeat_interval)),
       static_cast<uint32_t>(absl::ToInt64Milliseconds(info.heartbeat_timeout)),
       info.num_blocks, info.block_size, ToWire(info.hash_algorithm), info.max_ops_per_step,
-      info.max_message_bytes, info.wants_commit_tokens);
+      info.max_message_bytes, info.wants_commit_tokens, info.tiers);
 }
 
 absl::StatusOr<SessionInfo> DecodeHelloReply(const wire::HelloReply& reply) {
@@ -49,6 +49,7 @@ absl::StatusOr<SessionInfo> DecodeHelloReply(const wire::HelloReply& reply) {
   info.max_ops_per_step = reply.max_ops_per_step();
   info.max_message_bytes = reply.max_message_bytes();
   info.wants_commit_tokens = reply.wants_commit_tokens();
+  info.tiers = reply.tiers();
   return info;
 }
 

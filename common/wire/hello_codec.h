@@ -43,6 +43,9 @@ struct SessionInfo {
   // A router's Commits should carry the token ids of their new blocks
   // (HelloReply.wants_commit_tokens: the cache manager publishes vLLM-format KV events).
   bool wants_commit_tokens = false;
+  // The cache manager has a host or disk tier (HelloReply.tiers): an Allocate may be
+  // answered UNAVAILABLE while its prefix loads, and is sent again.
+  bool tiers = false;
   friend bool operator==(const SessionInfo&, const SessionInfo&) = default;
 };
 

@@ -230,6 +230,8 @@ flatbuffers::Offset<wire::OpResult> EncodeOpOutcome(flatbuffers::FlatBufferBuild
   if (!outcome.blocks.empty()) result.add_blocks(blocks);
   if (outcome.num_cached_tokens != 0) result.add_num_cached_tokens(outcome.num_cached_tokens);
   if (outcome.blocks_needed != 0) result.add_blocks_needed(outcome.blocks_needed);
+  if (outcome.host_tokens != 0) result.add_host_tokens(outcome.host_tokens);
+  if (outcome.disk_tokens != 0) result.add_disk_tokens(outcome.disk_tokens);
   if (!outcome.copies.empty()) result.add_copies(copies);
   return result.Finish();
 }
@@ -237,7 +239,8 @@ flatbuffers::Offset<wire::OpResult> EncodeOpOutcome(flatbuffers::FlatBufferBuild
 flatbuffers::Offset<wire::OpResult> OpResultWriter::Add(const OpOutcome& outcome) {
   const bool empty_ok = outcome.status.ok() && outcome.blocks.empty() &&
                         outcome.copies.empty() && outcome.num_cached_tokens == 0 &&
-                        outcome.blocks_needed == 0;
+                        outcome.blocks_needed == 0 && outcome.host_tokens == 0 &&
+                        outcome.disk_tokens == 0;
   if (!empty_ok) return EncodeOpOutcome(builder_, outcome);
   if (empty_ok_.IsNull()) empty_ok_ = EncodeOpOutcome(builder_, outcome);
   return empty_ok_;
@@ -263,6 +266,8 @@ absl::StatusOr<std::vector<OpOutcome>> DecodeStepReply(const wire::StepReply& re
     }
     outcome.num_cached_tokens = result->num_cached_tokens();
     outcome.blocks_needed = result->blocks_needed();
+    outcome.host_tokens = result->host_tokens();
+    outcome.disk_tokens = result->disk_tokens();
     if (const auto* copies = result->copies(); copies != nullptr) {
       outcome.copies.reserve(copies->size());
       for (const wire::CopyOrder* copy : *copies) {

@@ -63,6 +63,10 @@ struct OpOutcome {
   int32_t num_cached_tokens = 0;
   // CanAllocate: new blocks the allocation would take.
   int32_t blocks_needed = 0;
+  // Allocate with tiers: prefix tokens the host and disk tiers hold beyond the pool (being
+  // loaded, when the status is UNAVAILABLE), or that were loaded from them (OK).
+  int32_t host_tokens = 0;
+  int32_t disk_tokens = 0;
   // Append: copy each order's src into its dst before the step that writes dst.
   std::vector<CopyOrder> copies;
 };

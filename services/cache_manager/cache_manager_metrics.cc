@@ -157,6 +157,65 @@ constexpr MetricSpec kVllmBlocksWithoutTokens{
     "Blocks stored without the token ids a vLLM-format event needs (a router that did not "
     "send them at Commit), left out of that stream with their later removal."};
 
+// The host (T1) and disk (T2) tiers (tiers/kv_tiers.h, docs/architecture.md "Tiers"). Like
+// the vLLM stream's, these are exported from start-up, at 0 while the tiers are off.
+constexpr MetricSpec kTierCapacityBlocks{
+    "kvcm_cache_manager_tier_capacity_blocks", MetricType::Gauge, "tier",
+    "Block slots of each tier below the pool (host: --host-tier-bytes, disk: "
+    "--disk-tier-bytes); 0 for a tier that is off."};
+constexpr MetricSpec kTierBlocks{
+    "kvcm_cache_manager_tier_blocks", MetricType::Gauge, "tier,state",
+    "Slots of each tier holding a block: ready (written, loadable) or writing (a mover is "
+    "writing it)."};
+constexpr MetricSpec kTierHeldBlocks{
+    "kvcm_cache_manager_tier_held_blocks", MetricType::Gauge, "",
+    "Pool blocks held while a mover copies them out to the tiers (write-through); they are "
+    "not handed out until the copy has read them."};
+constexpr MetricSpec kTierLoadingBlocks{
+    "kvcm_cache_manager_tier_loading_blocks", MetricType::Gauge, "",
+    "Pool blocks of prefetches waiting for a mover to load them from a tier; they become "
+    "matchable only once loaded."};
+constexpr MetricSpec kTierStoredBlocks{
+    "kvcm_cache_manager_tier_stored_blocks_total", MetricType::Counter, "tier",
+    "Blocks written into each tier."};
+constexpr MetricSpec kTierLoadedBlocks{
+    "kvcm_cache_manager_tier_loaded_blocks_total", MetricType::Counter, "tier",
+    "Blocks loaded from each tier into the pool: prefix hits the pool no longer held."};
+constexpr MetricSpec kTierEvictedBlocks{
+    "kvcm_cache_manager_tier_evicted_blocks_total", MetricType::Counter, "tier",
+    "Ready slots of each tier reused for another block (least recently used first)."};
+constexpr MetricSpec kTierStoresDropped{
+    "kvcm_cache_manager_tier_stores_dropped_total", MetricType::Counter, "",
+    "Stores to the tiers cancelled before they started because the pool needed their "
+    "blocks: a copy never makes an allocation wait or fail."};
+constexpr MetricSpec kTierDiskFull{
+    "kvcm_cache_manager_tier_disk_full_total", MetricType::Counter, "",
+    "Disk tier writes refused for want of space (ENOSPC, EFBIG)."};
+constexpr MetricSpec kTierWriteErrors{
+    "kvcm_cache_manager_tier_write_errors_total", MetricType::Counter, "",
+    "Disk tier writes that failed for another reason than space."};
+constexpr MetricSpec kTierLoadFailures{
+    "kvcm_cache_manager_tier_load_failures_total", MetricType::Counter, "",
+    "Loads from a tier that gave nothing (the slot was refused or could not be read); the "
+    "request computes those blocks again."};
+constexpr MetricSpec kTierRefusals{
+    "kvcm_cache_manager_tier_refusals_total", MetricType::Counter, "reason",
+    "Disk tier slots not served, by the check they failed (bad_header, other_identity, "
+    "checksum, truncated, wrong_hash, io_error), at start-up or at a load."};
+constexpr MetricSpec kTierRecoveredBlocks{
+    "kvcm_cache_manager_tier_recovered_blocks_total", MetricType::Counter, "",
+    "Blocks found valid in the disk tier at start-up."};
+constexpr MetricSpec kTierBytesWritten{
+    "kvcm_cache_manager_tier_bytes_written_total", MetricType::Counter, "",
+    "Bytes written to the disk tier (whole slots: header and padded block)."};
+constexpr MetricSpec kTierBytesRead{
+    "kvcm_cache_manager_tier_bytes_read_total", MetricType::Counter, "",
+    "Bytes read from the disk tier (whole slots)."};
+constexpr MetricSpec kTierLoadSeconds{
+    "kvcm_cache_manager_tier_load_seconds", MetricType::Histogram, "tier",
+    "Time a mover took to copy one block from a tier into the pool, by tier (disk: read "
+    "and verification included)."};
+
 // Not in this list: kvcm_cache_manager_config_info, the effective configuration (a gauge at 1,
 // one label per option), which main.cc adds to the same registry (common/config/config.h):
 // its labels are the binary's flags, so it is declared from the flags themselves.
@@ -197,7 +256,31 @@ constexpr std::array kSpecs = {
     kVllmBufferBatches,
     kVllmSubscriptions,
     kVllmBlocksWithoutTokens,
+    kTierCapacityBlocks,
+    kTierBlocks,
+    kTierHeldBlocks,
+    kTierLoadingBlocks,
+    kTierStoredBlocks,
+    kTierLoadedBlocks,
+    kTierEvictedBlocks,
+    kTierStoresDropped,
+    kTierDiskFull,
+    kTierWriteErrors,
+    kTierLoadFailures,
+    kTierRefusals,
+    kTierRecoveredBlocks,
+    kTierBytesWritten,
+    kTierBytesRead,
+    kTierLoadSeconds,
 };
+
+// Bucket upper bounds for kvcm_cache_manager_tier_load_seconds: 10 µs to 10 s in a 1-2.5-5
+// series. A host copy of one block takes microseconds, a disk read milliseconds, and a load
+// that outlasts --tier-load-timeout-ms (2 s by default) still lands in a bucket.
+std::vector<double> TierLoadBucketsSeconds() {
+  return {1e-5,   2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025,
+          0.05,   0.1,    0.25, 0.5,  1,      2.5,  5,    10};
+}
 
 // --- Label values --------------------------------------------------------------------------
 
@@ -334,10 +417,54 @@ class CacheManagerMetrics::SnapshotCollector : public prometheus::Collectable {
     add(kEpoch, static_cast<double>(s.epoch));
     add(kOpenFences, s.open_fences);
     add(kEventsPublished, static_cast<double>(s.events_published));
+    AddTierFamilies(s, families);
     return families;
   }
 
  private:
+  // The kvcm_cache_manager_tier_* snapshot series: every label set, at 0 without tiers.
+  static void AddTierFamilies(const CacheManagerSnapshot& s,
+                              std::vector<prometheus::MetricFamily>& families) {
+    const tiers::TierSnapshot t = s.tiers.value_or(tiers::TierSnapshot{});
+    const tiers::TierCounters& c = t.counters;
+    auto tier_label = [](int i) {
+      return Label("tier", tiers::TierName(static_cast<tiers::Tier>(i)));
+    };
+    auto by_tier = [&](const MetricSpec& spec, auto value_of) {
+      families.push_back(NewFamily(spec));
+      for (int i = 0; i < tiers::kNumTiers; ++i) {
+        AddSample(families.back(), static_cast<double>(value_of(i)), {tier_label(i)});
+      }
+    };
+    auto add = [&families](const MetricSpec& spec, double value) {
+      families.push_back(NewFamily(spec));
+      AddSample(families.back(), value);
+    };
+    by_tier(kTierCapacityBlocks, [&](int i) { return t.slots[i]; });
+    families.push_back(NewFamily(kTierBlocks));
+    for (int i = 0; i < tiers::kNumTiers; ++i) {
+      AddSample(families.back(), t.ready[i], {tier_label(i), Label("state", "ready")});
+      AddSample(families.back(), t.writing[i], {tier_label(i), Label("state", "writing")});
+    }
+    add(kTierHeldBlocks, s.tier_held_blocks);
+    add(kTierLoadingBlocks, s.tier_loading_blocks);
+    by_tier(kTierStoredBlocks, [&](int i) { return c.stored[i]; });
+    by_tier(kTierLoadedBlocks, [&](int i) { return c.loaded[i]; });
+    by_tier(kTierEvictedBlocks, [&](int i) { return c.evicted[i]; });
+    add(kTierStoresDropped, static_cast<double>(c.stores_dropped));
+    add(kTierDiskFull, static_cast<double>(c.disk_full));
+    add(kTierWriteErrors, static_cast<double>(c.write_errors));
+    add(kTierLoadFailures, static_cast<double>(c.load_failures));
+    families.push_back(NewFamily(kTierRefusals));
+    for (int i = 0; i < tiers::kNumRefusals; ++i) {
+      AddSample(families.back(), static_cast<double>(c.refused[i]),
+                {Label("reason", tiers::RefusalName(static_cast<tiers::Refusal>(i)))});
+    }
+    add(kTierRecoveredBlocks, static_cast<double>(c.recovered));
+    add(kTierBytesWritten, static_cast<double>(c.bytes_written));
+    add(kTierBytesRead, static_cast<double>(c.bytes_read));
+  }
+
   const CacheInfo info_;
   mutable Mutex mu_;
   CacheManagerSnapshot snapshot_ ABSL_GUARDED_BY(mu_);
@@ -387,6 +514,21 @@ CacheManagerMetrics::CacheManagerMetrics(const CacheInfo& info)
   vllm_buffer_batches_ = &AddGaugeFamily(*registry_, kVllmBufferBatches).Add({});
   vllm_subscriptions_ = &AddCounterFamily(*registry_, kVllmSubscriptions).Add({});
   vllm_without_tokens_ = &AddCounterFamily(*registry_, kVllmBlocksWithoutTokens).Add({});
+  auto& tier_load = AddHistogramFamily(*registry_, kTierLoadSeconds);
+  for (int i = 0; i < tiers::kNumTiers; ++i) {
+    tier_load_seconds_[i] =
+        &tier_load.Add({{"tier", std::string(tiers::TierName(static_cast<tiers::Tier>(i)))}},
+                       TierLoadBucketsSeconds());
+  }
+}
+
+void CacheManagerMetrics::ObserveTierLoads(
+    std::span<const std::pair<tiers::Tier, double>> loads) {
+  for (const auto& [tier, seconds] : loads) {
+    const size_t i = static_cast<size_t>(tier);
+    KVCM_CHECK(i < tier_load_seconds_.size()) << i;
+    tier_load_seconds_[i]->Observe(seconds);
+  }
 }
 
 void CacheManagerMetrics::CountVllmEvent(int type) {

@@ -23,13 +23,17 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "common/block/block_ledger.h"
 #include "common/metrics/labeled_histograms.h"
 #include "common/metrics/metric_spec.h"
+#include "services/cache_manager/tiers/kv_tiers.h"
 
 namespace prometheus {
 class Counter;
@@ -126,6 +130,12 @@ struct CacheManagerSnapshot {
   uint64_t epoch = 0;
   // KV events published since start (BlockStored, BlockRemoved, AllBlocksCleared).
   uint64_t events_published = 0;
+  // The host and disk tiers (tiers/kv_tiers.h), when they are on; the kvcm_cache_manager_tier_*
+  // series read 0 without them. held: pool blocks held while a mover copies them out;
+  // loading: pool blocks of prefetches waiting for their loads (TierCoordinator).
+  std::optional<tiers::TierSnapshot> tiers;
+  int32_t tier_held_blocks = 0;
+  int32_t tier_loading_blocks = 0;
 };
 
 class CacheManagerMetrics {
@@ -175,6 +185,9 @@ class CacheManagerMetrics {
   void CountVllmBlocksWithoutTokens(int64_t blocks);
   // Subscriptions received on the PUB (XPUB): consumers connecting or reconnecting.
   void CountVllmSubscriptions(int n);
+  // Loads from the tiers and how long each took (KvTiers::TakeLoadSeconds), for
+  // kvcm_cache_manager_tier_load_seconds.
+  void ObserveTierLoads(std::span<const std::pair<tiers::Tier, double>> loads);
   // Replaces the snapshot the next scrapes read. REQUIRES: snapshot.ledger describes this
   // pool (num_blocks as constructed, states summing to it) and quarantined_blocks is within
   // [0, in_use_blocks]; these are internal invariants, checked.
@@ -211,6 +224,7 @@ class CacheManagerMetrics {
   prometheus::Gauge* vllm_buffer_batches_ = nullptr;
   prometheus::Counter* vllm_without_tokens_ = nullptr;
   prometheus::Counter* vllm_subscriptions_ = nullptr;
+  std::array<prometheus::Histogram*, tiers::kNumTiers> tier_load_seconds_{};  // by Tier
 };
 
 }  // namespace kvcm

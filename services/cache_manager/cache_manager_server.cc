@@ -180,6 +180,16 @@ absl::StatusOr<std::unique_ptr<CacheManagerServer>> CacheManagerServer::Create(
   std::unique_ptr<CacheManagerServer> server(
       new CacheManagerServer(options, std::move(run_dir), std::move(memory), metrics));
   if (absl::Status loop = server->loop_.Init(); !loop.ok()) return loop;
+  if (options.tiers.enabled()) {
+    tiers::KvTiers::PoolAccess access{server->memory_.get(), *layout,
+                                      service_options.spec.num_layers};
+    auto tiers = tiers::KvTiers::Create(options.tiers, service_options.spec,
+                                        service_options.hash_algorithm, access,
+                                        [](std::string line) { Log(line); });
+    if (!tiers.ok()) return tiers.status();
+    server->tiers_ = *std::move(tiers);
+    service_options.tiers = server->tiers_.get();
+  }
   auto service =
       CacheManagerService::Create(service_options, server->watcher_.get(), metrics, MonotonicNow());
   if (!service.ok()) return service.status();
@@ -338,6 +348,11 @@ absl::Status CacheManagerServer::Run() {
   if (vllm_events_ && vllm_events_->replay_socket() != nullptr) {
     watches.push_back(loop_.WatchSocket(*vllm_events_->replay_socket(),
                                         [this] { vllm_events_->ServeReplay(); }));
+  }
+  if (tiers_ != nullptr) {
+    watches.push_back(loop_.WatchFd(tiers_->wake_fd(), [this] {
+      if (service_->PollTiers(MonotonicNow())) changed_ = true;
+    }));
   }
   watches.push_back(loop_.AddTimer(service_->options().heartbeat_interval / 2,
                                    [this](absl::Duration late) { OnExpiryTimer(late); }));
@@ -639,7 +654,10 @@ void CacheManagerServer::PublishEvents() {
 }
 
 void CacheManagerServer::PublishSnapshot() {
-  if (metrics_ != nullptr) metrics_->PublishSnapshot(service_->Snapshot());
+  if (metrics_ == nullptr) return;
+  metrics_->PublishSnapshot(service_->Snapshot());
+  const std::vector<std::pair<tiers::Tier, double>> loads = service_->TakeTierLoadSeconds();
+  if (!loads.empty()) metrics_->ObserveTierLoads(loads);
 }
 
 }  // namespace kvcm

@@ -70,6 +70,9 @@ class CacheManagerServer {
     // The vLLM-format KV event stream (vllm_event_publisher.h); unset: off. Its block size
     // and medium are taken from the pool.
     std::optional<VllmEventPublisher::Options> vllm_events;
+    // The host and disk tiers (tiers/kv_tiers.h); off unless enabled(). They copy to and
+    // from `memory` on their own threads.
+    tiers::TierOptions tiers;
   };
 
   // Binds every socket in `run_dir` (which the caller has acquired) and starts the service.
@@ -143,6 +146,8 @@ class CacheManagerServer {
   const Options options_;
   RunDirectory run_dir_;
   std::unique_ptr<PoolMemory> memory_;
+  // After memory_ and before service_: destroyed after the service, before the memory.
+  std::unique_ptr<tiers::KvTiers> tiers_;
   CacheManagerMetrics* const metrics_;
   EventLoop loop_;
   bool changed_ = false;  // the turn changed the ledger: publish its events after it

@@ -155,7 +155,26 @@ CacheManagerService::CacheManagerService(const Options& options, BlockLedger led
       start_time_(now),
       sessions_({.epoch = options.epoch, .heartbeat_timeout = options.heartbeat_timeout}),
       steps_(&ledger_, {.max_sequences_per_session = options.max_sequences_per_session}),
-      vllm_(ledger_.block_size(), options.hash_algorithm) {}
+      vllm_(ledger_.block_size(), options.hash_algorithm) {
+  if (options.tiers != nullptr) {
+    tiers_ = std::make_unique<TierCoordinator>(
+        options.tiers, &ledger_,
+        TierCoordinator::Options{.load_timeout = options.tiers->options().load_timeout});
+  }
+}
+
+void CacheManagerService::TakeLedgerEventsForTiers() {
+  if (tiers_ == nullptr) return;
+  std::vector<BlockEvent> events = ledger_.TakeEvents();
+  tiers_->OnEvents(events);
+  pending_events_.insert(pending_events_.end(), events.begin(), events.end());
+}
+
+bool CacheManagerService::PollTiers(absl::Time now) {
+  if (tiers_ == nullptr || !tiers_->Poll(now)) return false;
+  TakeLedgerEventsForTiers();
+  return true;
+}
 
 // --- Dispatch ----------------------------------------------------------------------------
 
@@ -260,7 +279,7 @@ void CacheManagerService::Handle(const std::optional<PeerCredentials>& peer,
                                     RoleName(WireRoleOf(session->role)))},
                       reply);
       }
-      return HandleStep(envelope, request, *session, reply);
+      return HandleStep(envelope, request, *session, now, reply);
     case M::DescribeSession: return HandleDescribeSession(envelope, *session, reply);
     case M::EndSession: {
       const uint64_t target = envelope.payload_as_EndSession()->session_id();
@@ -464,6 +483,7 @@ void CacheManagerService::HandleHello(const wire::Envelope& envelope,
   info.max_ops_per_step = options_.max_ops_per_step;
   info.max_message_bytes = static_cast<uint32_t>(options_.max_message_bytes);
   info.wants_commit_tokens = options_.vllm_events;
+  info.tiers = tiers_ != nullptr;
   auto hello_reply = EncodeHelloReply(*reply, info);
   FinishEnvelope(*reply, request_id, id, options_.epoch, wire::Message::HelloReply,
                  hello_reply.Union());
@@ -652,7 +672,7 @@ void CacheManagerService::HandleBlockMap(const wire::Envelope& envelope,
 
 void CacheManagerService::HandleStep(const wire::Envelope& envelope,
                                      std::span<const uint8_t> request, Session& session,
-                                     flatbuffers::FlatBufferBuilder* reply) {
+                                     absl::Time now, flatbuffers::FlatBufferBuilder* reply) {
   const uint64_t request_id = envelope.request_id();
   const size_t request_hash = HashBytes(request);
   if (const Session::SentStep* sent = session.FindSentStep(request_id)) {
@@ -730,8 +750,18 @@ void CacheManagerService::HandleStep(const wire::Envelope& envelope,
         service_.vllm_.AddCommitTokens(*table, num_tokens, tokens);
       }
     }
+    std::optional<absl::Status> BeforeAllocate(const BlockOp& op, OpOutcome* outcome) override {
+      if (service_.tiers_ == nullptr) return std::nullopt;
+      return service_.tiers_->BeforeAllocate(op, now_, outcome);
+    }
+    absl::Time now_;
   } effects(*this, session);
+  effects.now_ = now;
+  if (tiers_ != nullptr) tiers_->MakeRoom(step_ops_);
   const StepApplier::Applied applied = steps_.Apply(step_ops_, step_session, effects);
+  // Before any other message can end a sequence: the blocks this step stored are held for
+  // their write-through now.
+  TakeLedgerEventsForTiers();
   session.num_seqs = applied.num_seqs;
   OpResultWriter result_writer(*reply);
   for (const OpOutcome& outcome : applied.outcomes) results.push_back(result_writer.Add(outcome));
@@ -933,13 +963,27 @@ CacheManagerSnapshot CacheManagerService::Snapshot() const {
   }
   snapshot.epoch = options_.epoch;
   snapshot.events_published = events_published_;
+  if (const TierCoordinator* tiers = tier_coordinator(); tiers != nullptr) {
+    snapshot.tiers = tiers->tiers().Snapshot();
+    snapshot.tier_held_blocks = tiers->held_blocks();
+    snapshot.tier_loading_blocks = tiers->loading_blocks();
+  }
   return snapshot;
+}
+
+std::vector<std::pair<tiers::Tier, double>> CacheManagerService::TakeTierLoadSeconds() {
+  if (tiers_ == nullptr) return {};
+  return tiers_->tiers().TakeLoadSeconds();
 }
 
 // --- KV events -----------------------------------------------------------------------------
 
 uint64_t CacheManagerService::TakeEventBatch(flatbuffers::FlatBufferBuilder* out) {
   std::vector<BlockEvent> events = ledger_.TakeEvents();
+  if (!pending_events_.empty()) {
+    events.insert(events.begin(), pending_events_.begin(), pending_events_.end());
+    pending_events_.clear();
+  }
   // Even an empty batch: the commits' token ids are not kept past it.
   if (options_.vllm_events) vllm_.AddBatch(events, announce_cleared_);
   if (events.empty() && !announce_cleared_) return 0;

@@ -60,6 +60,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -81,6 +82,7 @@
 #include "services/cache_manager/process_watcher.h"
 #include "services/cache_manager/session_table.h"
 #include "services/cache_manager/step_applier.h"
+#include "services/cache_manager/tier_coordinator.h"
 #include "services/cache_manager/vllm_conversion.h"
 #include "services/cache_manager/vllm_events.h"
 
@@ -144,6 +146,8 @@ class CacheManagerService {
     // HelloReply asks routers for the token ids of committed blocks, and TakeEventBatch
     // also turns the ledger's events into VllmEvents for TakeVllmEvents.
     bool vllm_events = false;
+    // The host and disk tiers (tiers/kv_tiers.h), or null; they outlive the service.
+    tiers::KvTiers* tiers = nullptr;
   };
 
   // INVALID_ARGUMENT for options Create() would refuse, without allocating anything, so
@@ -210,6 +214,15 @@ class CacheManagerService {
   // Gauges for the metrics, computed now.
   CacheManagerSnapshot Snapshot() const;
 
+  // With tiers: applies the mover's results (Options::tiers->wake_fd() is readable). True
+  // when the ledger changed, so that events wait for TakeEventBatch.
+  bool PollTiers(absl::Time now);
+  // The tier coordinator, or null without tiers.
+  const TierCoordinator* tier_coordinator() const { return tiers_.get(); }
+  // With tiers: the loads done since the last call and how long each took, by tier
+  // (KvTiers::TakeLoadSeconds), for the metrics' histogram. Empty without tiers.
+  std::vector<std::pair<tiers::Tier, double>> TakeTierLoadSeconds();
+
   uint64_t epoch() const { return options_.epoch; }
   const BlockLedger& ledger() const { return ledger_; }
   const Options& options() const { return options_; }
@@ -258,7 +271,7 @@ class CacheManagerService {
                    absl::Time now, flatbuffers::FlatBufferBuilder* reply);
   // `request` is the whole envelope's bytes (for recognising a retry).
   void HandleStep(const wire::Envelope& envelope, std::span<const uint8_t> request,
-                  Session& session, flatbuffers::FlatBufferBuilder* reply);
+                  Session& session, absl::Time now, flatbuffers::FlatBufferBuilder* reply);
   void HandleDescribeSession(const wire::Envelope& envelope, const Session& session,
                              flatbuffers::FlatBufferBuilder* reply);
   void HandleAttach(const wire::Envelope& envelope, flatbuffers::FlatBufferBuilder* reply);
@@ -312,6 +325,14 @@ class CacheManagerService {
   uint64_t events_published_ = 0;
   uint64_t rejected_messages_ = 0;
   bool shutting_down_ = false;
+
+  // With Options::tiers.
+  std::unique_ptr<TierCoordinator> tiers_;
+  // Ledger events taken after a Step or a tier result (for the write-through), waiting for
+  // TakeEventBatch.
+  std::vector<BlockEvent> pending_events_;
+  // Takes the ledger's events into pending_events_, handing them to the tiers first.
+  void TakeLedgerEventsForTiers();
 
   // Scratch reused across messages.
   std::vector<BlockHash> hashes_;

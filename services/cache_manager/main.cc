@@ -116,6 +116,22 @@ ABSL_FLAG(int32_t, kv_events_buffer_steps, 10000,
 ABSL_FLAG(bool, kv_events_allow_remote, false,
           "Let the --kv-events endpoints name a non-loopback address (reachable from other "
           "machines, as a cluster router on another host needs).");
+ABSL_FLAG(std::string, host_tier_bytes, "",
+          "Host-memory tier (T1) below the pool, e.g. 8GiB: every block the pool caches is "
+          "written through to it, and a prompt whose prefix it holds is loaded back instead "
+          "of computed. Empty or 0: off. docs/architecture.md, \"Tiers\".");
+ABSL_FLAG(std::string, disk_tier_dir, "",
+          "Disk tier (T2): a directory of preallocated slot files, kept across restarts and "
+          "verified at every read (the model's bytes, the KV layout, a checksum). One cache "
+          "manager per directory. Needs --disk-tier-bytes and --model-config. Empty: off.");
+ABSL_FLAG(std::string, disk_tier_bytes, "", "The disk tier's capacity, e.g. 100GiB.");
+ABSL_FLAG(int32_t, tier_mover_threads, 1,
+          "Threads copying blocks between the pool and the tiers (never the socket thread).");
+ABSL_FLAG(int32_t, tier_load_timeout_ms, 2000,
+          "A request waits at most this long for its prefix to load from a tier; past it, "
+          "what did not arrive is computed.");
+ABSL_FLAG(bool, disk_tier_direct_io, true,
+          "Read and write the disk tier with O_DIRECT where the file system allows it.");
 
 namespace kvcm {
 namespace {
@@ -185,6 +201,32 @@ absl::StatusOr<PoolBackend> ChooseBackend() {
     }
   }
   return *backend;
+}
+
+// The tiers' flags, checked (tiers::CheckTierOptions) before anything is acquired.
+absl::StatusOr<tiers::TierOptions> TierOptionsFromFlags() {
+  tiers::TierOptions options;
+  const auto bytes = [](const char* flag, const std::string& value) -> absl::StatusOr<uint64_t> {
+    if (value.empty() || value == "0") return 0;
+    absl::StatusOr<int64_t> parsed = ParseByteSize(value);
+    if (!parsed.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(flag, ": ", parsed.status().message()));
+    }
+    return static_cast<uint64_t>(*parsed);
+  };
+  absl::StatusOr<uint64_t> host = bytes("--host-tier-bytes", absl::GetFlag(FLAGS_host_tier_bytes));
+  if (!host.ok()) return host.status();
+  absl::StatusOr<uint64_t> disk = bytes("--disk-tier-bytes", absl::GetFlag(FLAGS_disk_tier_bytes));
+  if (!disk.ok()) return disk.status();
+  options.host_bytes = *host;
+  options.disk_bytes = *disk;
+  options.disk_dir = absl::GetFlag(FLAGS_disk_tier_dir);
+  options.model_path = absl::GetFlag(FLAGS_model_config);
+  options.mover_threads = absl::GetFlag(FLAGS_tier_mover_threads);
+  options.load_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_tier_load_timeout_ms));
+  options.direct_io = absl::GetFlag(FLAGS_disk_tier_direct_io);
+  if (absl::Status checked = tiers::CheckTierOptions(options); !checked.ok()) return checked;
+  return options;
 }
 
 absl::StatusOr<PoolBudget> BudgetFromFlags(PoolBackend backend) {
@@ -338,6 +380,8 @@ int Main(const std::vector<config::Setting>& settings) {
   }
   auto vllm_events = VllmEventsFromFlags();
   if (!vllm_events.ok()) return fail(vllm_events.status());
+  auto tier_options = TierOptionsFromFlags();
+  if (!tier_options.ok()) return fail(tier_options.status());
   if (absl::GetFlag(FLAGS_hello_timeout_ms) < 0) {
     return fail(absl::InvalidArgumentError(
         "--hello-timeout-ms must be >= 0 (0: never close a silent connection)"));
@@ -391,6 +435,7 @@ int Main(const std::vector<config::Setting>& settings) {
   options.hello_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_hello_timeout_ms));
   options.signal_fd = signal_fd.get();
   options.vllm_events = *vllm_events;
+  options.tiers = *tier_options;
   auto server = CacheManagerServer::Create(options, *std::move(run_dir), *std::move(memory),
                                            service, &metrics);
   if (!server.ok()) return fail(server.status());

@@ -248,8 +248,14 @@ int32_t StepApplier::ApplyOne(const BlockOp& op, uint64_t session_id, Effects& e
   outcome.copies.clear();
   outcome.num_cached_tokens = 0;
   outcome.blocks_needed = 0;
+  outcome.host_tokens = 0;
+  outcome.disk_tokens = 0;
   switch (op.kind) {
     case wire::StepOp::AllocateOp:
+      if (std::optional<absl::Status> loading = effects.BeforeAllocate(op, &outcome)) {
+        outcome.status = *std::move(loading);
+        return 0;
+      }
       outcome.status = ledger_->Allocate(op.seq, op.num_tokens, op.hashes, &allocated_);
       if (!outcome.status.ok()) return 0;
       KVCM_CHECK(ledger_->SetOwner(op.seq, session_id).ok());

@@ -85,6 +85,13 @@ class StepApplier {
     // empty).
     virtual void CommittedTokens(SeqId seq, int32_t num_committed_tokens,
                                  std::span<const int32_t> tokens) = 0;
+    // Before an Allocate runs: a status to refuse it with instead (its prefix is loading
+    // from a tier, tier_coordinator.h), with `outcome`'s tier counts set; nullopt to run it.
+    virtual std::optional<absl::Status> BeforeAllocate(const BlockOp& op, OpOutcome* outcome) {
+      (void)op;
+      (void)outcome;
+      return std::nullopt;
+    }
   };
 
   struct Applied {

@@ -321,6 +321,7 @@ void RouterCore::ContinueStep(StepPlan plan, std::vector<OpOutcome> outcomes) {
   }
   if (RouterMetrics* m = options_.metrics) {
     m->CountPromptTokens(work.cached_prompt_tokens, work.computed_prompt_tokens);
+    m->CountTierPromptTokens(work.host_tier_prompt_tokens, work.disk_tier_prompt_tokens);
     m->CountRecomputedCommittedTokens(work.recomputed_committed_tokens);
     m->CountPreemptions(static_cast<int64_t>(planner_->preemptions() - preemptions_reported_));
     preemptions_reported_ = planner_->preemptions();
@@ -329,6 +330,9 @@ void RouterCore::ContinueStep(StepPlan plan, std::vector<OpOutcome> outcomes) {
   for (const ExecutorWork::Batch& batch : work.batches) {
     step_sequences_ += static_cast<int32_t>(batch.step.seqs.size());
   }
+  // Nothing ran and an admission waits for its prefix to load from a tier: the next step
+  // comes after a pause, not at once (it would only be refused again).
+  waiting_for_tiers_ = work.loading_admissions > 0 && step_sequences_ == 0;
   step_prefill_ = work.prefill_tokens;
   step_decode_ = work.decode_tokens;
   step_started_ = MonotonicNow();
@@ -419,7 +423,17 @@ void RouterCore::FinishStep() {
     trace_.tokens = delivered;
     trace->Record(trace_);
   }
+  if (waiting_for_tiers_) return ScheduleTurnAfter(kTierLoadPoll);
   ScheduleTurn();
+}
+
+void RouterCore::ScheduleTurnAfter(absl::Duration delay) {
+  if (delayed_turn_ != 0) return;
+  delayed_turn_ = loop_.AddTimer(delay, [this](absl::Duration) {
+    loop_.Cancel(delayed_turn_);
+    delayed_turn_ = 0;
+    ScheduleTurn();
+  });
 }
 
 absl::Status RouterCore::Run(int signal_fd) {

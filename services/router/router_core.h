@@ -139,6 +139,12 @@ class RouterCore {
   RouterCore(const Options& options, Sink sink);
   void Turn();       // starts a step if none is in flight and there is work
   void ScheduleTurn();
+  // A turn `delay` from now (one at a time): while admissions wait for tier loads.
+  void ScheduleTurnAfter(absl::Duration delay);
+  // How often a router with nothing else to run asks again for an admission whose prefix
+  // the cache manager is loading from a tier: a block loads in well under a millisecond
+  // from host memory or a local disk.
+  static constexpr absl::Duration kTierLoadPoll = absl::Milliseconds(1);
   void OnResult(uint64_t executor, uint64_t step_id, absl::StatusOr<StepReport> report);
   // Hands the planner the executors dropped without proof that they stopped (Abandon).
   void AbandonUnconfirmed();
@@ -169,6 +175,8 @@ class RouterCore {
   // Returns whether that choice was still open.
   bool FinishChoice(uint64_t id, int32_t choice);
   bool turn_scheduled_ = false;
+  bool waiting_for_tiers_ = false;  // the last step only had admissions waiting for loads
+  EventLoop::Id delayed_turn_ = 0;  // ScheduleTurnAfter's timer, 0 when none
   // The client's available_blocks_after_last_step() is of the step just answered.
   bool fresh_available_ = false;
   uint64_t steps_ = 0;

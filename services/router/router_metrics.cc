@@ -37,6 +37,10 @@ constexpr MetricSpec kPromptTokens{
     "kvcm_router_prompt_tokens_total", MetricType::Counter, "source",
     "Prompt tokens admitted, by source: cached (their KV was found in the prefix cache) or "
     "computed (prefilled)."};
+constexpr MetricSpec kTierPromptTokens{
+    "kvcm_router_prompt_tokens_from_tier_total", MetricType::Counter, "tier",
+    "Of the cached prompt tokens, those the cache manager loaded from its host or disk tier "
+    "for the request (docs/architecture.md, \"Tiers\")."};
 constexpr MetricSpec kGenerated{"kvcm_router_generated_tokens_total", MetricType::Counter, "",
                                 "Tokens generated and sent to clients."};
 constexpr MetricSpec kPreemptions{
@@ -67,11 +71,11 @@ constexpr MetricSpec kConnectionsShed{
 // Not in this list: kvcm_router_config_info, the effective configuration (a gauge at 1,
 // one label per option), which main.cc adds to the same registry (common/config/config.h):
 // its labels are the binary's flags, so it is declared from the flags themselves.
-constexpr std::array kSpecs = {kQueued,       kRunning,        kExecutors,   kSteps,
-                               kStepDuration, kBatchSequences, kBatchTokens, kPromptTokens,
-                               kGenerated,    kPreemptions,    kRecomputed,  kRequests,
-                               kTtft,         kTpot,           kE2e,         kSlowDropped,
-                               kConnectionsShed};
+constexpr std::array kSpecs = {kQueued,          kRunning,        kExecutors,   kSteps,
+                               kStepDuration,    kBatchSequences, kBatchTokens, kPromptTokens,
+                               kTierPromptTokens, kGenerated,     kPreemptions, kRecomputed,
+                               kRequests,        kTtft,           kTpot,        kE2e,
+                               kSlowDropped,     kConnectionsShed};
 
 constexpr std::array<const char*, kRequestOutcomes> kOutcomeNames = {
     "ok", "invalid", "overloaded", "unavailable", "cancelled"};
@@ -101,6 +105,9 @@ RouterMetrics::RouterMetrics() : registry_(std::make_shared<prometheus::Registry
   auto& prompt = AddCounterFamily(*registry_, kPromptTokens);
   prompt_cached_ = &prompt.Add({{"source", "cached"}});
   prompt_computed_ = &prompt.Add({{"source", "computed"}});
+  auto& tier_prompt = AddCounterFamily(*registry_, kTierPromptTokens);
+  prompt_host_tier_ = &tier_prompt.Add({{"tier", "host"}});
+  prompt_disk_tier_ = &tier_prompt.Add({{"tier", "disk"}});
   generated_ = &AddCounterFamily(*registry_, kGenerated).Add({});
   preemptions_ = &AddCounterFamily(*registry_, kPreemptions).Add({});
   recomputed_committed_ = &AddCounterFamily(*registry_, kRecomputed).Add({});
@@ -136,6 +143,11 @@ void RouterMetrics::SetState(size_t queued, size_t running, int executors) {
 void RouterMetrics::CountPromptTokens(int64_t cached, int64_t computed) {
   prompt_cached_->Increment(static_cast<double>(cached));
   prompt_computed_->Increment(static_cast<double>(computed));
+}
+
+void RouterMetrics::CountTierPromptTokens(int64_t host, int64_t disk) {
+  prompt_host_tier_->Increment(static_cast<double>(host));
+  prompt_disk_tier_->Increment(static_cast<double>(disk));
 }
 
 void RouterMetrics::CountGeneratedTokens(int64_t n) { generated_->Increment(static_cast<double>(n)); }

@@ -47,6 +47,8 @@ class RouterMetrics {
                    int32_t decode_tokens);
   void SetState(size_t queued, size_t running, int executors);
   void CountPromptTokens(int64_t cached, int64_t computed);
+  // Of the cached ones, loaded from the cache manager's host and disk tiers.
+  void CountTierPromptTokens(int64_t host, int64_t disk);
   void CountGeneratedTokens(int64_t n);
   void CountPreemptions(int64_t n);
   void CountRecomputedCommittedTokens(int64_t n);
@@ -75,6 +77,8 @@ class RouterMetrics {
   prometheus::Histogram* batch_tokens_ = nullptr;
   prometheus::Counter* prompt_cached_ = nullptr;
   prometheus::Counter* prompt_computed_ = nullptr;
+  prometheus::Counter* prompt_host_tier_ = nullptr;
+  prometheus::Counter* prompt_disk_tier_ = nullptr;
   prometheus::Counter* generated_ = nullptr;
   prometheus::Counter* preemptions_ = nullptr;
   prometheus::Counter* recomputed_committed_ = nullptr;

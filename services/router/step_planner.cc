@@ -431,6 +431,9 @@ ExecutorWork& StepPlanner::Apply(const StepPlan& plan, std::span<const OpOutcome
   ExecutorWork& work = work_;
   work.cached_prompt_tokens = 0;
   work.computed_prompt_tokens = 0;
+  work.host_tier_prompt_tokens = 0;
+  work.disk_tier_prompt_tokens = 0;
+  work.loading_admissions = 0;
   work.recomputed_committed_tokens = 0;
   work.prefill_tokens = 0;
   work.decode_tokens = 0;
@@ -494,9 +497,12 @@ ExecutorWork& StepPlanner::Apply(const StepPlan& plan, std::span<const OpOutcome
           } else {
             run.req.cached_prompt_tokens = outcome.num_cached_tokens;
             work.cached_prompt_tokens += outcome.num_cached_tokens;
+            work.host_tier_prompt_tokens += outcome.host_tokens;
+            work.disk_tier_prompt_tokens += outcome.disk_tokens;
             work.computed_prompt_tokens += op.num_tokens - outcome.num_cached_tokens;
           }
         } else {
+          if (absl::IsUnavailable(outcome.status)) ++work.loading_admissions;
           refused_admissions.push_back(it->second.seq);
         }
         break;

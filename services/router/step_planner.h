@@ -117,6 +117,12 @@ struct ExecutorWork {
   // Of first admissions: prompt tokens found in the prefix cache, and those to compute.
   int32_t cached_prompt_tokens = 0;
   int32_t computed_prompt_tokens = 0;
+  // Of cached_prompt_tokens, those the cache manager loaded from its host and disk tiers.
+  int32_t host_tier_prompt_tokens = 0;
+  int32_t disk_tier_prompt_tokens = 0;
+  // Admissions refused while the cache manager loads their prefix from a tier (UNAVAILABLE,
+  // docs/architecture.md "Tiers"): back at the queue's head, sent again in a later step.
+  int32_t loading_admissions = 0;
   // Of re-admissions after a preemption: tokens that had been committed but are computed
   // again (their cached blocks were evicted meanwhile).
   int32_t recomputed_committed_tokens = 0;

@@ -171,6 +171,54 @@ TEST_F(KvcmctlTest, PlanMemoryFractionAndNumBlocks) {
   EXPECT_EQ(j["max_total_tokens"], 65536);
 }
 
+TEST_F(KvcmctlTest, PlanShowsWhatTheTiersHold) {
+  // Blocks of 2 MiB: a host tier of 256 GiB holds 131072 of them. A disk slot is 4096 B of
+  // header + 2 MiB = 2101248 B; 1 TiB / 2101248 = 523265 slots, split among 4 files: 523264.
+  Result r = Run(With(Llama3_8B(), {"--pool-bytes", "64GiB", "--host-tier-bytes", "256GiB",
+                                    "--disk-tier-bytes", "1TiB", "--json"}));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  nlohmann::json j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j["tiers"].size(), 2u);
+  EXPECT_EQ(j["tiers"][0]["tier"], "host");
+  EXPECT_EQ(j["tiers"][0]["slot_bytes"], 2097152);
+  EXPECT_EQ(j["tiers"][0]["blocks"], 131072);
+  EXPECT_EQ(j["tiers"][0]["tokens"], 2097152);
+  EXPECT_EQ(j["tiers"][1]["tier"], "disk");
+  EXPECT_EQ(j["tiers"][1]["bytes"], 1099511627776);
+  EXPECT_EQ(j["tiers"][1]["slot_bytes"], 2101248);
+  EXPECT_EQ(j["tiers"][1]["blocks"], 523264);
+  EXPECT_EQ(j["tiers"][1]["tokens"], 8372224);
+
+  r = Run(With(Llama3_8B(), {"--pool-bytes", "64GiB", "--host-tier-bytes", "256GiB",
+                             "--disk-tier-bytes", "1TiB"}));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("host tier blocks = floor(274877906944 / 2097152) = 131072\n"));
+  EXPECT_THAT(r.out, HasSubstr("host tier tokens = 131072 blocks x 16 tokens = 2097152"));
+  EXPECT_THAT(r.out, HasSubstr("disk tier slot   = 4096 B header + 2097152 B block rounded up "
+                               "to 4096 = 2101248 B"));
+  EXPECT_THAT(r.out, HasSubstr("disk tier blocks = floor(1099511627776 / 2101248) = 523265, "
+                               "in 4 equal files = 523264"));
+
+  // A block that is not a whole number of pages: 2 x 32 x 8 x 1 x 2 x 3 = 3072 B, padded to
+  // 4096, after a 4096-byte header: slots of 8192 B. 80 KiB makes 10 slots, 2 per file.
+  r = Run({"plan", "--layers", "32", "--kv-heads", "8", "--head-dim", "1", "--block-size",
+           "3", "--num-blocks", "10", "--disk-tier-bytes", "80KiB", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j["tiers"].size(), 1u);
+  EXPECT_EQ(j["tiers"][0]["slot_bytes"], 8192);
+  EXPECT_EQ(j["tiers"][0]["blocks"], 8);  // 10 slots, 4 files of 2
+  EXPECT_EQ(j["tiers"][0]["tokens"], 24);
+
+  // No tier flags: no tiers key. A host tier smaller than a block is refused.
+  r = Run(With(Llama3_8B(), {"--pool-bytes", "64GiB", "--json"}));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_FALSE(nlohmann::json::parse(r.out).contains("tiers"));
+  r = Run(With(Llama3_8B(), {"--pool-bytes", "64GiB", "--host-tier-bytes", "1MiB"}));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.err, HasSubstr("--host-tier-bytes"));
+}
+
 TEST_F(KvcmctlTest, PlanFromModelConfigFile) {
   // Llama-2-7B: MHA (no num_key_value_heads), 32 layers, head dim 4096 / 32 = 128, fp16.
   const std::string config = WriteFile("config.json", R"({

@@ -3,6 +3,8 @@
 
 #include "tools/launch/launch_options.h"
 
+#include <string>
+
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/support/status_matchers.h"
@@ -42,6 +44,40 @@ TEST(LaunchOptionsTest, RoutesTheVllmEventFlagsToTheCacheManager) {
                           "--kv-events-topic=kv@a@m", "--kv-events-buffer-steps=500"));
   EXPECT_TRUE(options->router_args.empty());
   EXPECT_THAT(LaunchUsage(), HasSubstr("--kv-events-endpoint"));
+}
+
+TEST(LaunchOptionsTest, RoutesTheTierFlagsToTheCacheManager) {
+  absl::StatusOr<LaunchOptions> options = ParseLaunchOptions(
+      {"--model=/m", "--host-tier-bytes", "64GiB", "--disk-tier-dir=/var/kvcm/tier",
+       "--disk-tier-bytes", "1TiB", "--tier-mover-threads=2", "--tier-load-timeout-ms", "500",
+       "--disk-tier-direct-io", "--num-blocks=100"});
+  ASSERT_THAT(options, IsOk());
+  EXPECT_THAT(options->cache_manager_args,
+              ElementsAre("--host-tier-bytes=64GiB", "--disk-tier-dir=/var/kvcm/tier",
+                          "--disk-tier-bytes=1TiB", "--tier-mover-threads=2",
+                          "--tier-load-timeout-ms=500", "--disk-tier-direct-io",
+                          "--num-blocks=100"));
+  EXPECT_TRUE(options->router_args.empty());
+  EXPECT_TRUE(options->executor_args.empty());
+  const std::string usage = LaunchUsage();
+  for (const char* flag : {"--host-tier-bytes", "--disk-tier-dir", "--disk-tier-bytes",
+                           "--tier-mover-threads", "--tier-load-timeout-ms",
+                           "--disk-tier-direct-io[bool]"}) {
+    EXPECT_THAT(usage, HasSubstr(flag));
+  }
+
+  // The boolean one also with a value, or turned off as Abseil spells it.
+  options = ParseLaunchOptions({"--model=/m", "--disk-tier-direct-io=false"});
+  ASSERT_THAT(options, IsOk());
+  EXPECT_THAT(options->cache_manager_args, ElementsAre("--disk-tier-direct-io=false"));
+  options = ParseLaunchOptions({"--model=/m", "--nodisk-tier-direct-io"});
+  ASSERT_THAT(options, IsOk());
+  EXPECT_THAT(options->cache_manager_args, ElementsAre("--nodisk-tier-direct-io"));
+  EXPECT_THAT(ParseLaunchOptions({"--model=/m", "--nodisk-tier-direct-io=true"}),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  // Only boolean flags have a --no form.
+  EXPECT_THAT(ParseLaunchOptions({"--model=/m", "--nohost-tier-bytes"}),
+              StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 TEST(LaunchOptionsTest, DefaultsAndErrorsNameTheFlag) {

@@ -6,6 +6,7 @@
 #include <optional>
 #include <ostream>
 #include <string>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -44,6 +45,8 @@ constexpr FlagSpec kPlanFlags[] = {
     {"margin", "M", "safety margin for --memory-fraction, 0 <= M < 1 (default 0.1)"},
     {"num-blocks", "N", "a fixed number of blocks"},
     {"seq-len", "N", "also show how many sequences of N tokens fit (default 4096)"},
+    {"host-tier-bytes", "BYTES", "also show what a host-memory tier of BYTES holds"},
+    {"disk-tier-bytes", "BYTES", "also show what a disk tier of BYTES holds"},
     {"json", "", "print one JSON object instead of text"},
     {"help", "", "print this help"},
 };
@@ -215,6 +218,12 @@ absl::StatusOr<PlanOptions> ParsePlanOptions(absl::Span<const std::string> args)
     KVCM_ASSIGN_OR_RETURN(options.seq_len,
                           ParsePositive(flags, "seq-len", std::numeric_limits<int64_t>::max()));
   }
+  for (const auto& [flag, field] : {std::pair{"host-tier-bytes", &options.host_tier_bytes},
+                                     std::pair{"disk-tier-bytes", &options.disk_tier_bytes}}) {
+    if (!flags.Has(flag)) continue;
+    KVCM_ASSIGN_OR_RETURN(*field, ParseBytesFlag(flags, flag));
+    if (*field <= 0) return FlagError(flag, "must be positive");
+  }
   options.json = flags.Has("json");
   return options;
 }
@@ -225,6 +234,7 @@ std::string PlanUsage() {
       "                    (--pool-bytes BYTES | --memory-fraction F --free-memory BYTES\n"
       "                     [--margin M] | --num-blocks N)\n"
       "                    [--dtype T] [--block-size N] [--seq-len N] [--json]\n"
+      "                    [--host-tier-bytes BYTES] [--disk-tier-bytes BYTES]\n"
       "\n"
       "Prints how many KV-cache blocks fit in a memory budget and what that means:\n"
       "  bytes per token  = 2 (K and V) x layers x KV heads x head dim x dtype bytes\n"
@@ -232,6 +242,12 @@ std::string PlanUsage() {
       "  num_blocks       = floor(usable bytes / bytes per block)\n"
       "  max total tokens = num_blocks x block size (TGI's max_batch_total_tokens)\n"
       "With --memory-fraction: usable bytes = free memory x F x (1 - margin).\n"
+      "Tiers (the cache manager's flags of the same names):\n"
+      "  host tier blocks = floor(host tier bytes / bytes per block)\n"
+      "  disk tier slot   = 4096 B header + bytes per block rounded up to 4096\n"
+      "  disk tier blocks = floor(disk tier bytes / slot), at least 1, in 4 files of\n"
+      "                     equal size (a remainder of fewer slots than files is dropped)\n"
+      "  tokens           = blocks x block size\n"
       "BYTES take binary units KiB/MiB/GiB/TiB (also K/M/G/T) or decimal KB/MB/GB/TB.\n"
       "\n"
       "Flags:\n",
@@ -264,6 +280,38 @@ absl::StatusOr<PlanReport> BuildPlanReport(const PlanOptions& options) {
     KVCM_ASSIGN_OR_RETURN(SequenceFit fit, SequencesThatFit(report.plan, seq_len));
     report.fits.push_back(fit);
   }
+
+  const int64_t block_bytes = report.plan.bytes_per_block;
+  const int64_t block_size = report.plan.spec.block_size;
+  constexpr int64_t kMaxSlots = std::numeric_limits<int32_t>::max();
+  if (options.host_tier_bytes > 0) {
+    TierPlan host{.tier = "host", .bytes = options.host_tier_bytes, .slot_bytes = block_bytes};
+    host.blocks = options.host_tier_bytes / block_bytes;
+    if (host.blocks == 0 || host.blocks > kMaxSlots) {
+      return FlagError("host-tier-bytes",
+                       absl::StrCat(options.host_tier_bytes, " holds ", host.blocks,
+                                    " blocks of ", block_bytes,
+                                    " bytes: give at least one block's bytes, and fewer than "
+                                    "2^31 blocks"));
+    }
+    host.tokens = host.blocks * block_size;
+    report.tiers.push_back(host);
+  }
+  if (options.disk_tier_bytes > 0) {
+    constexpr int64_t kPage = 4096;
+    TierPlan disk{.tier = "disk", .bytes = options.disk_tier_bytes};
+    disk.slot_bytes = kDiskTierSlotHeaderBytes + (block_bytes + kPage - 1) / kPage * kPage;
+    const int64_t slots = std::max<int64_t>(1, options.disk_tier_bytes / disk.slot_bytes);
+    if (slots > kMaxSlots) {
+      return FlagError("disk-tier-bytes",
+                       absl::StrCat(options.disk_tier_bytes, " makes ", slots, " slots of ",
+                                    disk.slot_bytes, " bytes, more than 2^31 - 1"));
+    }
+    const int64_t files = std::min(kDiskTierFiles, slots);
+    disk.blocks = slots / files * files;
+    disk.tokens = disk.blocks * block_size;
+    report.tiers.push_back(disk);
+  }
   return report;
 }
 
@@ -282,6 +330,28 @@ std::string FormatPlanText(const PlanReport& report) {
                                           fit.blocks_per_sequence, fit.num_sequences,
                                           fit.wasted_tokens_per_sequence,
                                           FormatBytes(fit.wasted_bytes_per_sequence)));
+  }
+  if (!report.tiers.empty()) {
+    absl::StrAppend(&out, "\nTiers below the pool (--host-tier-bytes, --disk-tier-bytes):\n");
+  }
+  for (const TierPlan& tier : report.tiers) {
+    std::string blocks = absl::StrCat("floor(", tier.bytes, " / ", tier.slot_bytes, ")");
+    if (tier.tier == "disk") {
+      absl::StrAppend(&out, "  disk tier slot   = 4096 B header + ", report.plan.bytes_per_block,
+                      " B block rounded up to 4096 = ", ExactBytes(tier.slot_bytes),
+                      "\n");
+      const int64_t slots = std::max<int64_t>(1, tier.bytes / tier.slot_bytes);
+      if (slots != tier.bytes / tier.slot_bytes) absl::StrAppend(&blocks, ", at least 1");
+      if (slots != tier.blocks) {
+        absl::StrAppend(&blocks, " = ", slots, ", in ", kDiskTierFiles, " equal files");
+      }
+    }
+    absl::StrAppend(&out, absl::StrFormat("  %-16s = ", tier.tier + " tier blocks"), blocks,
+                    " = ", tier.blocks, "\n");
+    absl::StrAppend(&out, absl::StrFormat("  %-16s = ", tier.tier + " tier tokens"),
+                    tier.blocks, " blocks x ", report.plan.spec.block_size, " tokens = ",
+                    tier.tokens, " (", FormatBytes(tier.blocks * report.plan.bytes_per_block),
+                    " of KV)\n");
   }
   return out;
 }
@@ -316,6 +386,19 @@ std::string FormatPlanJson(const PlanReport& report) {
     });
   }
   j["sequences"] = std::move(fits);
+  if (!report.tiers.empty()) {
+    nlohmann::ordered_json tiers = nlohmann::ordered_json::array();
+    for (const TierPlan& tier : report.tiers) {
+      tiers.push_back({
+          {"tier", tier.tier},
+          {"bytes", tier.bytes},
+          {"slot_bytes", tier.slot_bytes},
+          {"blocks", tier.blocks},
+          {"tokens", tier.tokens},
+      });
+    }
+    j["tiers"] = std::move(tiers);
+  }
   return j.dump(2) + "\n";
 }
 

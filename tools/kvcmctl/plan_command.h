@@ -8,6 +8,7 @@
 //                --pool-bytes 64GiB   (one line)
 //   kvcmctl plan --model-config path/config.json --memory-fraction 0.9 --free-memory 80GiB
 //   kvcmctl plan --model-config path/config.json --dtype fp8 --num-blocks 4096 --json
+//   kvcmctl plan ... --host-tier-bytes 256GiB --disk-tier-bytes 2TiB   (the tiers below)
 //
 // Split into parse / build / format so that each step is testable without a process.
 
@@ -55,6 +56,26 @@ struct PlanOptions {
   int64_t seq_len = 4096;
 
   bool json = false;  // --json: print one JSON object instead of text
+
+  // --host-tier-bytes, --disk-tier-bytes: the cache manager's flags of the same names (the
+  // host and disk tiers below the pool); 0: not shown.
+  int64_t host_tier_bytes = 0;
+  int64_t disk_tier_bytes = 0;
+};
+
+// What a tier below the pool holds, computed as the cache manager does (KvTiers::Create,
+// DiskTier::Open): the host tier holds floor(bytes / bytes per block) blocks; a disk tier
+// slot is a 4096-byte header and the block rounded up to 4096 bytes, the slots (at least 1)
+// are split evenly among kDiskTierFiles files (at most one per slot) and a remainder is
+// dropped.
+inline constexpr int64_t kDiskTierSlotHeaderBytes = 4096;
+inline constexpr int64_t kDiskTierFiles = 4;
+struct TierPlan {
+  std::string tier;        // "host" or "disk"
+  int64_t bytes = 0;       // the flag's value
+  int64_t slot_bytes = 0;  // host: bytes per block; disk: header + rounded block
+  int64_t blocks = 0;
+  int64_t tokens = 0;      // blocks x block size
 };
 
 // Parses the words after "plan". INVALID_ARGUMENT naming the flag for an unknown or
@@ -71,11 +92,13 @@ struct PlanReport {
   std::vector<std::string> notes;  // choices made from it (SpecFromHfConfig's notes)
   PoolPlan plan;
   std::vector<SequenceFit> fits;  // kStandardSeqLens and seq_len, ascending, no repeats
+  std::vector<TierPlan> tiers;     // host, then disk, those given
 };
 
 // Reads the model config if any and plans the pool. Errors: those of SpecFromHfConfigFile
 // and PlanPool (NOT_FOUND for an unreadable config, RESOURCE_EXHAUSTED when not one block
-// fits, INVALID_ARGUMENT otherwise).
+// fits, INVALID_ARGUMENT otherwise); INVALID_ARGUMENT for a tier the cache manager would
+// refuse (a host tier smaller than one block, more than 2^31 - 1 slots).
 // REQUIRES: `options` came from ParsePlanOptions with help == false.
 absl::StatusOr<PlanReport> BuildPlanReport(const PlanOptions& options);
 
@@ -88,7 +111,8 @@ std::string FormatPlanText(const PlanReport& report);
 // ({"kind": "pool-bytes", "pool_bytes"} | {"kind": "memory-fraction", "free_bytes",
 // "fraction", "margin"} | {"kind": "num-blocks", "num_blocks"}), usable_bytes, num_blocks,
 // pool_bytes, unused_bytes, max_total_tokens, sequences (one object per SequenceFit with
-// its field names). Counts are JSON integers, exact.
+// its field names), tiers (only with a tier flag: one object per TierPlan with its field
+// names). Counts are JSON integers, exact.
 std::string FormatPlanJson(const PlanReport& report);
 
 // The `plan` entry of main.cc's command table: parse, build, print.

@@ -18,12 +18,16 @@ enum class Target { kCacheManager, kRouter, kExecutor };
 struct Route {
   std::string_view flag;  // dashed, without "--"
   Target target;
+  // A boolean flag: given without "=VALUE" it takes no value (passed on as --flag), and
+  // --noflag turns it off, as Abseil spells it.
+  bool boolean = false;
 };
 
-// Flags of the services that the launcher routes (each takes a value). The services' own
+// Flags of the services that the launcher routes (each takes a value, but the boolean ones,
+// which may also be given bare or as --noflag). The services' own
 // flags the launcher sets itself (--run-dir, --model, --model-config, --name,
 // --metrics-address, --router, --cache-manager) are not here: they are the launcher's.
-constexpr std::array<Route, 33> kRoutes = {{
+constexpr std::array<Route, 39> kRoutes = {{
     {"backend", Target::kCacheManager},
     {"cuda-device", Target::kCacheManager},
     {"block-size", Target::kCacheManager},
@@ -40,6 +44,12 @@ constexpr std::array<Route, 33> kRoutes = {{
     {"kv-events-replay-endpoint", Target::kCacheManager},
     {"kv-events-topic", Target::kCacheManager},
     {"kv-events-buffer-steps", Target::kCacheManager},
+    {"host-tier-bytes", Target::kCacheManager},
+    {"disk-tier-dir", Target::kCacheManager},
+    {"disk-tier-bytes", Target::kCacheManager},
+    {"tier-mover-threads", Target::kCacheManager},
+    {"tier-load-timeout-ms", Target::kCacheManager},
+    {"disk-tier-direct-io", Target::kCacheManager, /*boolean=*/true},
     {"hostname", Target::kRouter},
     {"allowed-hosts", Target::kRouter},
     {"port", Target::kRouter},
@@ -233,8 +243,18 @@ absl::StatusOr<LaunchOptions> ParseLaunchOptions(const std::vector<std::string>&
                                 : options.cache_manager_args)
           .push_back(value);
     } else {
-      const auto route = std::find_if(kRoutes.begin(), kRoutes.end(),
-                                      [&](const Route& r) { return r.flag == name; });
+      auto route = std::find_if(kRoutes.begin(), kRoutes.end(),
+                                [&](const Route& r) { return r.flag == name; });
+      // --noflag of a boolean flag.
+      const bool negated = route == kRoutes.end() && name.rfind("no", 0) == 0 &&
+                           std::find_if(kRoutes.begin(), kRoutes.end(), [&](const Route& r) {
+                             return r.boolean && r.flag == std::string_view(name).substr(2);
+                           }) != kRoutes.end();
+      if (negated) {
+        route = std::find_if(kRoutes.begin(), kRoutes.end(), [&](const Route& r) {
+          return r.flag == std::string_view(name).substr(2);
+        });
+      }
       if (route == kRoutes.end()) {
         return absl::InvalidArgumentError(absl::StrCat(
             "unknown flag --", name,
@@ -242,11 +262,20 @@ absl::StatusOr<LaunchOptions> ParseLaunchOptions(const std::vector<std::string>&
             "=VALUE, --router-arg=... or --executor-arg=... (kvcm-launch --help lists the "
             "routed ones)"));
       }
-      status = take_value();
       std::vector<std::string>& out = route->target == Target::kCacheManager
                                           ? options.cache_manager_args
                                       : route->target == Target::kRouter ? options.router_args
                                                                          : options.executor_args;
+      if (route->boolean && (negated || eq == std::string_view::npos)) {
+        if (negated && eq != std::string_view::npos) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("--", name, " takes no value; use --",
+                           std::string(route->flag), "=true|false"));
+        }
+        out.push_back(absl::StrCat("--", name));  // bare --flag or --noflag
+        continue;
+      }
+      status = take_value();
       out.push_back(absl::StrCat("--", name, "=", value));
       if (name == "num-blocks" || name == "pool-bytes" || name == "memory-fraction") {
         options.pool_sized = true;
@@ -284,12 +313,15 @@ Launcher flags:
 Each launcher flag can also be set by KVCM_LAUNCH_<FLAG> (e.g. KVCM_LAUNCH_EXECUTORS=2);
 precedence: flag > environment > file > default.
 
-Routed flags (each passed on as --flag=VALUE):
+Routed flags (each passed on as --flag=VALUE; a boolean one, marked [bool], may also be
+given bare, --flag, or as --noflag):
 )";
   for (Target target : {Target::kCacheManager, Target::kRouter, Target::kExecutor}) {
     std::vector<std::string> names;
     for (const Route& r : kRoutes) {
-      if (r.target == target) names.push_back(absl::StrCat("--", std::string(r.flag)));
+      if (r.target == target) {
+        names.push_back(absl::StrCat("--", std::string(r.flag), r.boolean ? "[bool]" : ""));
+      }
     }
     absl::StrAppend(&usage, "  to the ", TargetName(target), ": ", absl::StrJoin(names, " "),
                     "\n");

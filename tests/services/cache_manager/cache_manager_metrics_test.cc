@@ -7,6 +7,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -246,6 +247,90 @@ TEST_F(CacheManagerMetricsTest, CountsRequestsRejectionsAndReclaims) {
   EXPECT_EQ(ValueOr(text, reclaimed, {{"reason", "client_died"}}), 12);
   EXPECT_EQ(ValueOr(text, reclaimed, {{"reason", "session_replaced"}}), 3);
   EXPECT_EQ(ValueOr(text, reclaimed, {{"reason", "goodbye"}}), 0);
+}
+
+// Without tiers every tier series is exported at 0; a snapshot with tiers is exported as is,
+// and the load durations the server passes on feed the histogram by tier.
+TEST_F(CacheManagerMetricsTest, ExportsTheTiers) {
+  {
+    const MetricsText text = Scrape();
+    for (const char* tier : {"host", "disk"}) {
+      EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_tier_capacity_blocks", {{"tier", tier}}), 0);
+      EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_tier_blocks",
+                        {{"tier", tier}, {"state", "ready"}}),
+                0);
+      EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_tier_load_seconds_count", {{"tier", tier}}),
+                0);
+    }
+    for (int i = 0; i < tiers::kNumRefusals; ++i) {
+      const std::string reason(tiers::RefusalName(static_cast<tiers::Refusal>(i)));
+      EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_tier_refusals_total", {{"reason", reason}}),
+                0);
+    }
+    EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_tier_held_blocks"), 0);
+  }
+
+  CacheManagerSnapshot s = Snapshot(/*in_use=*/4, /*cached=*/8, /*pinned=*/0,
+                                    /*quarantined=*/0);
+  tiers::TierSnapshot t;
+  t.slots = {100, 1000};
+  t.ready = {40, 300};
+  t.writing = {2, 5};
+  t.counters.stored = {60, 320};
+  t.counters.loaded = {7, 11};
+  t.counters.evicted = {3, 0};
+  t.counters.stores_dropped = 4;
+  t.counters.disk_full = 1;
+  t.counters.write_errors = 2;
+  t.counters.load_failures = 5;
+  t.counters.refused[static_cast<size_t>(tiers::Refusal::kChecksum)] = 6;
+  t.counters.refused[static_cast<size_t>(tiers::Refusal::kOtherIdentity)] = 9;
+  t.counters.recovered = 250;
+  t.counters.bytes_written = 123456789;
+  t.counters.bytes_read = 98765;
+  s.tiers = t;
+  s.tier_held_blocks = 3;
+  s.tier_loading_blocks = 12;
+  metrics_.PublishSnapshot(s);
+  const std::vector<std::pair<tiers::Tier, double>> loads = {
+      {tiers::Tier::kHost, 2e-5}, {tiers::Tier::kDisk, 3e-3}, {tiers::Tier::kDisk, 0.2}};
+  metrics_.ObserveTierLoads(loads);
+
+  const MetricsText text = Scrape();
+  const std::string capacity = "kvcm_cache_manager_tier_capacity_blocks";
+  EXPECT_EQ(ValueOr(text, capacity, {{"tier", "host"}}), 100);
+  EXPECT_EQ(ValueOr(text, capacity, {{"tier", "disk"}}), 1000);
+  const std::string blocks = "kvcm_cache_manager_tier_blocks";
+  EXPECT_EQ(ValueOr(text, blocks, {{"tier", "host"}, {"state", "ready"}}), 40);
+  EXPECT_EQ(ValueOr(text, blocks, {{"tier", "host"}, {"state", "writing"}}), 2);
+  EXPECT_EQ(ValueOr(text, blocks, {{"tier", "disk"}, {"state", "ready"}}), 300);
+  EXPECT_EQ(ValueOr(text, blocks, {{"tier", "disk"}, {"state", "writing"}}), 5);
+  EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_tier_held_blocks"), 3);
+  EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_tier_loading_blocks"), 12);
+  EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_tier_stored_blocks_total", {{"tier", "host"}}), 60);
+  EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_tier_stored_blocks_total", {{"tier", "disk"}}), 320);
+  EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_tier_loaded_blocks_total", {{"tier", "host"}}), 7);
+  EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_tier_loaded_blocks_total", {{"tier", "disk"}}), 11);
+  EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_tier_evicted_blocks_total", {{"tier", "host"}}), 3);
+  EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_tier_evicted_blocks_total", {{"tier", "disk"}}), 0);
+  EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_tier_stores_dropped_total"), 4);
+  EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_tier_disk_full_total"), 1);
+  EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_tier_write_errors_total"), 2);
+  EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_tier_load_failures_total"), 5);
+  const std::string refusals = "kvcm_cache_manager_tier_refusals_total";
+  EXPECT_EQ(ValueOr(text, refusals, {{"reason", "checksum"}}), 6);
+  EXPECT_EQ(ValueOr(text, refusals, {{"reason", "other_identity"}}), 9);
+  EXPECT_EQ(ValueOr(text, refusals, {{"reason", "bad_header"}}), 0);
+  EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_tier_recovered_blocks_total"), 250);
+  EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_tier_bytes_written_total"), 123456789);
+  EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_tier_bytes_read_total"), 98765);
+  const std::string load = "kvcm_cache_manager_tier_load_seconds";
+  EXPECT_EQ(ValueOr(text, load + "_count", {{"tier", "host"}}), 1);
+  EXPECT_EQ(ValueOr(text, load + "_count", {{"tier", "disk"}}), 2);
+  EXPECT_DOUBLE_EQ(ValueOr(text, load + "_sum", {{"tier", "disk"}}), 3e-3 + 0.2);
+  EXPECT_EQ(ValueOr(text, load + "_bucket", {{"tier", "host"}, {"le", "2.5e-05"}}), 1);
+  EXPECT_EQ(ValueOr(text, load + "_bucket", {{"tier", "disk"}, {"le", "0.005"}}), 1);
+  EXPECT_EQ(ValueOr(text, load + "_bucket", {{"tier", "disk"}, {"le", "+Inf"}}), 2);
 }
 
 // One scrape reads one snapshot: while another thread publishes changing snapshots, every

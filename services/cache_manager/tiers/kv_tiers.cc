@@ -1,0 +1,544 @@
+#include "services/cache_manager/tiers/kv_tiers.h"
+
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/base/check.h"
+#include "common/base/monotonic_clock.h"
+
+namespace kvcm::tiers {
+namespace {
+
+constexpr int kHost = static_cast<int>(Tier::kHost);
+constexpr int kDisk = static_cast<int>(Tier::kDisk);
+
+uint64_t RoundUp4K(uint64_t bytes) { return (bytes + 4095) / 4096 * 4096; }
+
+}  // namespace
+
+std::string_view TierName(Tier tier) { return tier == Tier::kHost ? "host" : "disk"; }
+
+absl::Status CheckTierOptions(const TierOptions& options) {
+  if (!options.disk_dir.empty() && options.disk_bytes == 0) {
+    return absl::InvalidArgumentError(
+        "--disk-tier-dir needs --disk-tier-bytes: the disk tier's capacity");
+  }
+  if (options.disk_dir.empty() && options.disk_bytes > 0) {
+    return absl::InvalidArgumentError("--disk-tier-bytes needs --disk-tier-dir");
+  }
+  if (!options.disk_dir.empty() && options.model_path.empty()) {
+    return absl::InvalidArgumentError(
+        "--disk-tier-dir needs the model (--model-config naming a GGUF file or a model "
+        "folder): a disk tier's blocks are served only to the model whose bytes wrote them");
+  }
+  if (options.enabled() && (options.mover_threads < 1 || options.mover_threads > 64)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tier-mover-threads must be in [1, 64], not ", options.mover_threads));
+  }
+  if (options.enabled() && options.load_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--tier-load-timeout-ms must be positive");
+  }
+  return absl::OkStatus();
+}
+
+KvTiers::KvTiers(const TierOptions& options, const KvCacheSpec& spec, PoolAccess pool,
+                 std::function<void(std::string)> log)
+    : options_(options),
+      spec_(spec),
+      pool_(std::move(pool)),
+      block_bytes_(static_cast<uint64_t>(spec.BytesPerBlock())),
+      log_(std::move(log)) {}
+
+absl::StatusOr<std::unique_ptr<KvTiers>> KvTiers::Create(const TierOptions& options,
+                                                         const KvCacheSpec& spec,
+                                                         HashAlgorithm algorithm,
+                                                         PoolAccess pool,
+                                                         std::function<void(std::string)> log) {
+  if (absl::Status checked = CheckTierOptions(options); !checked.ok()) return checked;
+  if (absl::Status valid = spec.Validate(); !valid.ok()) return valid;
+  if (pool.memory == nullptr) return absl::InvalidArgumentError("tiers need the pool memory");
+  std::unique_ptr<KvTiers> tiers(new KvTiers(options, spec, std::move(pool), std::move(log)));
+  tiers->wake_fd_ = UniqueFd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!tiers->wake_fd_.valid()) {
+    return absl::InternalError(absl::StrCat("eventfd: ", std::strerror(errno)));
+  }
+  const uint64_t bb = tiers->block_bytes_;
+  if (options.host_bytes > 0) {
+    const uint64_t slots = options.host_bytes / bb;
+    if (slots == 0 || slots > INT32_MAX) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--host-tier-bytes ", options.host_bytes, " holds ", slots,
+                       " blocks of ", bb, " bytes: give at least one block's bytes"));
+    }
+    tiers->host_ = static_cast<uint8_t*>(std::aligned_alloc(4096, RoundUp4K(slots * bb)));
+    if (tiers->host_ == nullptr) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the host tier's ", slots * bb, " bytes (--host-tier-bytes) could not be allocated"));
+    }
+    tiers->tiers_[kHost].count = static_cast<int32_t>(slots);
+  }
+  if (!options.disk_dir.empty()) {
+    absl::StatusOr<std::array<uint8_t, 16>> digest =
+        ModelDigest(options.model_path, options.disk_dir + "/model-digests");
+    if (!digest.ok()) return digest.status();
+    DiskTier::Options disk;
+    disk.dir = options.disk_dir;
+    disk.capacity_bytes = options.disk_bytes;
+    disk.block_bytes = bb;
+    disk.identity = MakeTierIdentity(*digest, spec, algorithm);
+    disk.direct_io = options.direct_io;
+    absl::StatusOr<std::unique_ptr<DiskTier>> opened = DiskTier::Open(disk);
+    if (!opened.ok()) return opened.status();
+    tiers->disk_ = *std::move(opened);
+    tiers->tiers_[kDisk].count = tiers->disk_->num_slots();
+  }
+  for (TierSlots& t : tiers->tiers_) {
+    t.holder.resize(static_cast<size_t>(t.count));
+    t.used.assign(static_cast<size_t>(t.count), false);
+    t.free.reserve(static_cast<size_t>(t.count));
+    for (int32_t s = t.count - 1; s >= 0; --s) t.free.push_back(s);  // lowest first
+  }
+  tiers->Recover();
+  for (int i = 0; i < options.mover_threads; ++i) {
+    tiers->movers_.emplace_back([t = tiers.get()] { t->MoverLoop(); });
+  }
+  return tiers;
+}
+
+void KvTiers::Recover() {
+  if (disk_ == nullptr) return;
+  const DiskTier::OpenReport& report = disk_->open_report();
+  TierSlots& t = tiers_[kDisk];
+  std::vector<bool> taken(static_cast<size_t>(t.count), false);
+  for (const DiskTier::Recovered& r : disk_->recovered()) {
+    Entry& entry = index_[r.hash];
+    entry.slot[kDisk] = r.slot;
+    entry.ready[kDisk] = true;
+    t.holder[static_cast<size_t>(r.slot)] = r.hash;
+    t.used[static_cast<size_t>(r.slot)] = true;
+    taken[static_cast<size_t>(r.slot)] = true;
+    ++t.ready;
+    Touch(Tier::kDisk, r.hash, entry);
+  }
+  t.free.clear();
+  for (int32_t s = t.count - 1; s >= 0; --s) {
+    if (!taken[static_cast<size_t>(s)]) t.free.push_back(s);
+  }
+  serial_ = report.max_serial;
+  counters_.recovered = static_cast<uint64_t>(report.recovered);
+  for (int i = 0; i < kNumRefusals; ++i) {
+    counters_.refused[static_cast<size_t>(i)] += static_cast<uint64_t>(report.refused[i]);
+  }
+  std::string refused;
+  for (int i = 0; i < kNumRefusals; ++i) {
+    if (report.refused[i] == 0) continue;
+    absl::StrAppend(&refused, refused.empty() ? "" : ", ", report.refused[i], " ",
+                    std::string(RefusalName(static_cast<Refusal>(i))));
+  }
+  log_(absl::StrCat("disk tier ", options_.disk_dir, ": ", report.slots, " slots of ",
+                    disk_->slot_bytes(), " bytes, ", report.recovered, " blocks recovered, ",
+                    report.empty, " empty", refused.empty() ? "" : ", refused: ", refused,
+                    " (scanned in ", absl::StrFormat("%.3f", report.seconds), " s; ",
+                    disk_->direct_io() ? "O_DIRECT" : "buffered I/O", ")"));
+}
+
+KvTiers::~KvTiers() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  jobs_ready_.notify_all();
+  for (std::thread& mover : movers_) mover.join();
+  std::free(host_);
+}
+
+DiskTier::OpenReport KvTiers::disk_report() const {
+  return disk_ == nullptr ? DiskTier::OpenReport{} : disk_->open_report();
+}
+
+// --- The ledger thread's index -------------------------------------------------------------
+
+void KvTiers::Touch(Tier tier, const BlockHash& hash, Entry& entry) {
+  TierSlots& t = tiers_[static_cast<int>(tier)];
+  entry.tick[static_cast<int>(tier)] = ++t.clock;
+  t.lru.emplace_back(hash, t.clock);
+  // Stale entries are skipped when met; past twice the slots they are dropped at once.
+  if (t.lru.size() > 2 * static_cast<size_t>(t.count) + 64) {
+    std::deque<std::pair<BlockHash, uint64_t>> live;
+    for (const auto& [h, tick] : t.lru) {
+      auto it = index_.find(h);
+      if (it != index_.end() && it->second.tick[static_cast<int>(tier)] == tick &&
+          it->second.slot[static_cast<int>(tier)] >= 0) {
+        live.emplace_back(h, tick);
+      }
+    }
+    t.lru.swap(live);
+  }
+}
+
+int32_t KvTiers::TakeSlot(Tier tier) {
+  TierSlots& t = tiers_[static_cast<int>(tier)];
+  if (t.count == 0) return -1;
+  if (!t.free.empty()) {
+    const int32_t slot = t.free.back();
+    t.free.pop_back();
+    return slot;
+  }
+  // The least recently used ready slot that no load reads. Entries passed over (being read)
+  // go to the back, as if used now.
+  for (size_t tries = t.lru.size(); tries > 0 && !t.lru.empty(); --tries) {
+    auto [hash, tick] = t.lru.front();
+    t.lru.pop_front();
+    auto it = index_.find(hash);
+    if (it == index_.end()) continue;
+    Entry& entry = it->second;
+    const int i = static_cast<int>(tier);
+    if (entry.tick[i] != tick || entry.slot[i] < 0 || !entry.ready[i]) continue;
+    if (entry.readers > 0) {
+      t.lru.emplace_back(hash, tick);
+      continue;
+    }
+    const int32_t slot = entry.slot[i];
+    DropSlot(tier, hash, entry);
+    ++counters_.evicted[static_cast<size_t>(i)];
+    EraseIfEmpty(hash);
+    t.free.pop_back();  // DropSlot freed it
+    return slot;
+  }
+  return -1;
+}
+
+void KvTiers::DropSlot(Tier tier, const BlockHash& hash, Entry& entry) {
+  (void)hash;
+  const int i = static_cast<int>(tier);
+  TierSlots& t = tiers_[i];
+  const int32_t slot = entry.slot[i];
+  if (slot < 0) return;
+  if (entry.ready[i]) {
+    --t.ready;
+  } else {
+    --t.writing;
+  }
+  t.used[static_cast<size_t>(slot)] = false;
+  t.free.push_back(slot);
+  entry.slot[i] = -1;
+  entry.ready[i] = false;
+}
+
+void KvTiers::EraseIfEmpty(const BlockHash& hash) {
+  auto it = index_.find(hash);
+  if (it != index_.end() && it->second.slot[kHost] < 0 && it->second.slot[kDisk] < 0 &&
+      it->second.readers == 0) {
+    index_.erase(it);
+  }
+}
+
+bool KvTiers::WantStore(const BlockHash& hash) const {
+  if (index_.contains(hash)) return false;
+  for (const TierSlots& t : tiers_) {
+    if (t.count > 0 && (!t.free.empty() || t.ready > 0)) return true;
+  }
+  return false;
+}
+
+void KvTiers::Store(BlockId block, const BlockHash& hash) {
+  Job job;
+  job.kind = Job::Kind::kStore;
+  job.block = block;
+  job.hash = hash;
+  job.serial = ++serial_;
+  Entry entry;
+  for (int i = 0; i < kNumTiers; ++i) {
+    const int32_t slot = TakeSlot(static_cast<Tier>(i));
+    if (slot < 0) continue;
+    TierSlots& t = tiers_[i];
+    t.used[static_cast<size_t>(slot)] = true;
+    t.holder[static_cast<size_t>(slot)] = hash;
+    ++t.writing;
+    entry.slot[i] = slot;
+    job.slot[i] = slot;
+  }
+  index_[hash] = entry;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stores_.push_back(job);
+  }
+  jobs_ready_.notify_one();
+}
+
+int32_t KvTiers::LeadingReady(std::span<const BlockHash> hashes) const {
+  int32_t n = 0;
+  for (const BlockHash& hash : hashes) {
+    auto it = index_.find(hash);
+    if (it == index_.end() || !(it->second.ready[kHost] || it->second.ready[kDisk])) break;
+    ++n;
+  }
+  return n;
+}
+
+Tier KvTiers::SourceOf(const BlockHash& hash) const {
+  const Entry& entry = index_.at(hash);
+  return entry.ready[kHost] ? Tier::kHost : Tier::kDisk;
+}
+
+void KvTiers::Load(uint64_t ticket, BlockId block, const BlockHash& hash) {
+  Entry& entry = index_.at(hash);
+  Job job;
+  job.kind = Job::Kind::kLoad;
+  job.block = block;
+  job.hash = hash;
+  job.ticket = ticket;
+  job.source = entry.ready[kHost] ? Tier::kHost : Tier::kDisk;
+  const int i = static_cast<int>(job.source);
+  KVCM_CHECK(entry.ready[i]) << "load of a block no tier holds ready";
+  job.slot[i] = entry.slot[i];
+  ++entry.readers;
+  Touch(job.source, hash, entry);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    loads_.push_back(job);
+  }
+  jobs_ready_.notify_one();
+}
+
+std::vector<BlockId> KvTiers::CancelQueuedStores() {
+  std::deque<Job> cancelled;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    cancelled.swap(stores_);
+  }
+  std::vector<BlockId> blocks;
+  blocks.reserve(cancelled.size());
+  for (const Job& job : cancelled) {
+    blocks.push_back(job.block);
+    auto it = index_.find(job.hash);
+    if (it != index_.end()) {
+      for (int i = 0; i < kNumTiers; ++i) {
+        if (job.slot[i] >= 0) DropSlot(static_cast<Tier>(i), job.hash, it->second);
+      }
+      EraseIfEmpty(job.hash);
+    }
+    ++counters_.stores_dropped;
+  }
+  return blocks;
+}
+
+int32_t KvTiers::queued_stores() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int32_t>(stores_.size());
+}
+
+void KvTiers::CountRefusal(Refusal refusal, int32_t slot) {
+  ++counters_.refused[static_cast<size_t>(refusal)];
+  bool& logged = refusal_logged_[static_cast<size_t>(refusal)];
+  if (logged) return;
+  logged = true;
+  log_(absl::StrCat("disk tier: slot ", slot, " not served (", std::string(RefusalName(refusal)),
+                    "); its block is computed again and the slot reused (logged once per "
+                    "reason; kvcm_cache_manager_tier_refusals_total counts them)"));
+}
+
+void KvTiers::Poll(std::vector<Done>* out) {
+  uint64_t ignored;
+  (void)!::read(wake_fd_.get(), &ignored, sizeof(ignored));
+  std::vector<Result> results;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    results.swap(results_);
+  }
+  for (Result& result : results) ApplyResult(result, out);
+}
+
+void KvTiers::ApplyResult(Result& result, std::vector<Done>* out) {
+  const Job& job = result.job;
+  switch (result.kind) {
+    case Result::Kind::kReleased:
+      out->push_back({Done::Kind::kReleased, job.block, 0, Tier::kHost, 0});
+      return;
+    case Result::Kind::kStored: {
+      auto it = index_.find(job.hash);
+      for (int i = 0; i < kNumTiers; ++i) {
+        // The entry or its slot may be gone: cancelled, or reused after a failure.
+        if (job.slot[i] < 0 || it == index_.end() || it->second.slot[i] != job.slot[i] ||
+            it->second.ready[i]) {
+          continue;
+        }
+        Entry& entry = it->second;
+        const absl::Status& written = result.written[static_cast<size_t>(i)];
+        if (written.ok()) {
+          entry.ready[i] = true;
+          --tiers_[i].writing;
+          ++tiers_[i].ready;
+          ++counters_.stored[static_cast<size_t>(i)];
+          Touch(static_cast<Tier>(i), job.hash, entry);
+          continue;
+        }
+        if (absl::IsResourceExhausted(written)) {
+          if (counters_.disk_full++ == 0) log_(absl::StrCat("disk tier full: ", written.message()));
+        } else if (counters_.write_errors++ == 0) {
+          log_(absl::StrCat("disk tier write failed: ", written.message()));
+        }
+        DropSlot(static_cast<Tier>(i), job.hash, entry);
+      }
+      EraseIfEmpty(job.hash);
+      return;
+    }
+    case Result::Kind::kLoaded:
+    case Result::Kind::kLoadFailed: {
+      const int i = static_cast<int>(job.source);
+      auto it = index_.find(job.hash);
+      if (it != index_.end()) {
+        --it->second.readers;
+        if (result.kind == Result::Kind::kLoadFailed && job.source == Tier::kDisk &&
+            it->second.slot[i] == job.slot[i]) {
+          DropSlot(Tier::kDisk, job.hash, it->second);
+        }
+        EraseIfEmpty(job.hash);
+      }
+      const bool loaded = result.kind == Result::Kind::kLoaded;
+      if (loaded) {
+        ++counters_.loaded[static_cast<size_t>(i)];
+        load_seconds_.emplace_back(job.source, result.seconds);
+      } else {
+        ++counters_.load_failures;
+        if (!result.load_error.ok() && absl::IsDataLoss(result.load_error)) {
+          CountRefusal(result.refusal, job.slot[i]);
+        } else if (!result.load_error.ok()) {
+          log_(absl::StrCat("tier load failed: ", result.load_error.message()));
+        }
+      }
+      out->push_back({loaded ? Done::Kind::kLoaded : Done::Kind::kLoadFailed, job.block,
+                      job.ticket, job.source, result.seconds});
+      return;
+    }
+  }
+}
+
+TierSnapshot KvTiers::Snapshot() const {
+  TierSnapshot s;
+  for (int i = 0; i < kNumTiers; ++i) {
+    s.slots[i] = tiers_[i].count;
+    s.ready[i] = tiers_[i].ready;
+    s.writing[i] = tiers_[i].writing;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    s.queued_stores = static_cast<int32_t>(stores_.size());
+    s.queued_loads = static_cast<int32_t>(loads_.size());
+  }
+  s.counters = counters_;
+  if (disk_ != nullptr) {
+    s.counters.bytes_written = disk_->bytes_written();
+    s.counters.bytes_read = disk_->bytes_read();
+  }
+  return s;
+}
+
+std::vector<std::pair<Tier, double>> KvTiers::TakeLoadSeconds() {
+  std::vector<std::pair<Tier, double>> out;
+  out.swap(load_seconds_);
+  return out;
+}
+
+// --- The movers ----------------------------------------------------------------------------
+
+void KvTiers::MoverLoop() {
+  SlotBuffer buffer(disk_ != nullptr ? disk_->slot_bytes() : RoundUp4K(block_bytes_ + 4096));
+  while (true) {
+    Job job;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      jobs_ready_.wait(lock, [this] { return stopping_ || !loads_.empty() || !stores_.empty(); });
+      if (stopping_) return;
+      std::deque<Job>& queue = loads_.empty() ? stores_ : loads_;
+      job = queue.front();
+      queue.pop_front();
+    }
+    if (job.kind == Job::Kind::kStore) {
+      RunStore(job, buffer);
+    } else {
+      RunLoad(job, buffer);
+    }
+  }
+}
+
+absl::Status KvTiers::CopyOut(BlockId block, uint8_t* dst) const {
+  const PoolLayout& l = pool_.layout;
+  for (int32_t layer = 0; layer < pool_.num_layers; ++layer) {
+    for (int32_t kv = 0; kv < 2; ++kv) {
+      const uint64_t offset = static_cast<uint64_t>(l.Offset(layer, kv, block, 0, 0));
+      if (absl::Status s = CopyFromPool(*pool_.memory, offset, dst, l.block_stride); !s.ok()) {
+        return s;
+      }
+      dst += l.block_stride;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status KvTiers::CopyIn(const uint8_t* src, BlockId block) const {
+  const PoolLayout& l = pool_.layout;
+  for (int32_t layer = 0; layer < pool_.num_layers; ++layer) {
+    for (int32_t kv = 0; kv < 2; ++kv) {
+      const uint64_t offset = static_cast<uint64_t>(l.Offset(layer, kv, block, 0, 0));
+      if (absl::Status s = CopyToPool(*pool_.memory, offset, src, l.block_stride); !s.ok()) {
+        return s;
+      }
+      src += l.block_stride;
+    }
+  }
+  return absl::OkStatus();
+}
+
+void KvTiers::Post(Result result) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    results_.push_back(std::move(result));
+  }
+  const uint64_t one = 1;
+  (void)!::write(wake_fd_.get(), &one, sizeof(one));
+}
+
+void KvTiers::RunStore(const Job& job, SlotBuffer& buffer) {
+  const absl::Status copied = CopyOut(job.block, buffer.data());
+  Post({Result::Kind::kReleased, job, {}, Refusal::kIoError, absl::OkStatus(), 0});
+  Result stored{Result::Kind::kStored, job, {}, Refusal::kIoError, absl::OkStatus(), 0};
+  if (!copied.ok()) {
+    stored.written = {copied, copied};
+    Post(std::move(stored));
+    return;
+  }
+  if (job.slot[kHost] >= 0) {
+    std::memcpy(host_ + static_cast<uint64_t>(job.slot[kHost]) * block_bytes_, buffer.data(),
+                block_bytes_);
+  }
+  if (job.slot[kDisk] >= 0) {
+    stored.written[kDisk] = disk_->Write(job.slot[kDisk], job.hash, job.serial, buffer);
+  }
+  Post(std::move(stored));
+}
+
+void KvTiers::RunLoad(const Job& job, SlotBuffer& buffer) {
+  const absl::Time start = MonotonicNow();
+  Result result{Result::Kind::kLoaded, job, {}, Refusal::kIoError, absl::OkStatus(), 0};
+  const int i = static_cast<int>(job.source);
+  if (job.source == Tier::kHost) {
+    result.load_error =
+        CopyIn(host_ + static_cast<uint64_t>(job.slot[i]) * block_bytes_, job.block);
+  } else {
+    result.load_error = disk_->Read(job.slot[i], job.hash, buffer, &result.refusal);
+    if (result.load_error.ok()) result.load_error = CopyIn(buffer.data(), job.block);
+  }
+  if (!result.load_error.ok()) result.kind = Result::Kind::kLoadFailed;
+  result.seconds = absl::ToDoubleSeconds(MonotonicNow() - start);
+  Post(std::move(result));
+}
+
+}  // namespace kvcm::tiers

@@ -1,0 +1,248 @@
+#pragma once
+// KvTiers: the host-memory tier (T1) and the disk tier (T2) below the pool (T0), and the
+// mover threads that copy blocks between them (docs/architecture.md, "Tiers").
+//
+// What it keeps: an index from block hash to the slots that hold the block's bytes, one per
+// tier, each either being written or ready. The index, the slots' LRU order and every
+// decision are the ledger thread's (the cache manager's socket thread); the bytes are the
+// mover threads'. The two meet only in a job queue and a result queue (one mutex), and an
+// eventfd that wakes the ledger thread when results wait.
+//
+// - Store(block, hash): write-through. A block that entered the prefix index is copied out
+//   of the pool by a mover into a T1 slot and, from there, into a T2 slot, unless the tiers
+//   hold its hash already. The caller holds the pool block (BlockLedger::Hold) until Poll
+//   reports kReleased, which comes as soon as the bytes are out of the pool, before the disk
+//   write. A full tier reuses its least recently used ready slot; a slot being read is never
+//   reused.
+// - Load(ticket, block, hash): the bytes of `hash`, from T1 if it holds them, else from T2
+//   (verified: DiskTier::Read), into the pool block `block`, which the caller took for it
+//   and makes matchable only after Poll reports kLoaded. A T2 slot that fails verification
+//   is dropped from the index and counted by reason.
+// - Jobs run loads first (a request waits for them), then stores, in order.
+//
+// Why write-through and not demotion at eviction: a block evicted from the pool would have
+// to be copied before its block is handed out, which puts a tier on the step path; and a
+// block written only at eviction is lost when the cache manager is killed, while the disk
+// tier must keep what was computed before a crash. Every stored block is thus on disk a
+// bounded time after its commit (the mover's queue).
+//
+// Thread safety: every public method but wake_fd() is for the ledger thread only.
+
+#include <sys/types.h>
+
+#include <array>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/base/unique_fd.h"
+#include "common/block/block_hash.h"
+#include "common/block/block_ledger.h"
+#include "common/memory/pool_layout.h"
+#include "common/memory/pool_memory.h"
+#include "common/sizing/kv_cache_spec.h"
+#include "services/cache_manager/tiers/disk_tier.h"
+
+namespace kvcm::tiers {
+
+struct TierOptions {
+  uint64_t host_bytes = 0;   // T1; 0: none
+  std::string disk_dir;      // T2; empty: none
+  uint64_t disk_bytes = 0;   // T2's capacity; > 0 with disk_dir
+  // The model whose KV the pool holds (a GGUF file or a folder): T2's slots are served only
+  // to the same bytes (DiskTier's identity). Required with disk_dir.
+  std::string model_path;
+  int32_t mover_threads = 1;
+  // How long a request may wait for its blocks to load before it computes them.
+  absl::Duration load_timeout = absl::Seconds(2);
+  bool direct_io = true;     // T2 with O_DIRECT where the file system takes it
+  // Checked: the options make sense together (INVALID_ARGUMENT naming the flag otherwise).
+  bool enabled() const { return host_bytes > 0 || !disk_dir.empty(); }
+};
+absl::Status CheckTierOptions(const TierOptions& options);
+
+enum class Tier : uint8_t { kHost = 0, kDisk = 1 };
+inline constexpr int kNumTiers = 2;
+// "host", "disk".
+std::string_view TierName(Tier tier);
+
+// Totals since the start, for the metrics and StatsReply.
+struct TierCounters {
+  std::array<uint64_t, kNumTiers> stored{};       // blocks written into each tier
+  std::array<uint64_t, kNumTiers> loaded{};       // blocks loaded from each tier
+  std::array<uint64_t, kNumTiers> evicted{};      // ready slots reused for another block
+  uint64_t stores_dropped = 0;    // stores cancelled: the pool needed their blocks
+  uint64_t disk_full = 0;         // disk writes refused for want of space
+  uint64_t write_errors = 0;      // other failed disk writes
+  uint64_t load_failures = 0;     // loads that gave nothing (refused or failed)
+  std::array<uint64_t, kNumRefusals> refused{};   // T2 slots not served, by reason
+  uint64_t recovered = 0;         // T2 blocks found at start
+  uint64_t bytes_written = 0;     // to T2
+  uint64_t bytes_read = 0;        // from T2
+};
+
+struct TierSnapshot {
+  std::array<int32_t, kNumTiers> slots{};   // capacity in blocks
+  std::array<int32_t, kNumTiers> ready{};   // slots holding a verified-on-write block
+  std::array<int32_t, kNumTiers> writing{};
+  int32_t queued_stores = 0;
+  int32_t queued_loads = 0;
+  TierCounters counters;
+};
+
+class KvTiers {
+ public:
+  // Reads or writes one block's bytes in the pool: 2 x num_layers runs of block_stride
+  // bytes (pool_layout.h), gathered into BytesPerBlock() contiguous bytes in layer, K|V
+  // order, the order of a tier slot's data.
+  struct PoolAccess {
+    PoolMemory* memory = nullptr;  // outlives the tiers
+    PoolLayout layout;
+    int32_t num_layers = 0;
+  };
+
+  // Opens T2 (DiskTier::Open: lock, files, recovery) and allocates T1. `log` gets one line
+  // per notable event (recovery, each refusal reason's first occurrence).
+  static absl::StatusOr<std::unique_ptr<KvTiers>> Create(
+      const TierOptions& options, const KvCacheSpec& spec, HashAlgorithm algorithm,
+      PoolAccess pool, std::function<void(std::string)> log);
+  ~KvTiers();  // stops the movers after the job each is running
+  KvTiers(const KvTiers&) = delete;
+  KvTiers& operator=(const KvTiers&) = delete;
+
+  const TierOptions& options() const { return options_; }
+  // Readable (an eventfd) when Poll() has results to take; any thread may poll it.
+  int wake_fd() const { return wake_fd_.get(); }
+  // What T2 found at start (zeros without T2).
+  DiskTier::OpenReport disk_report() const;
+
+  // True when a block of this hash should be stored: no tier has or is writing it, and
+  // some tier has room or a slot it may reuse.
+  bool WantStore(const BlockHash& hash) const;
+  // Queues the write-through of pool block `block` (held by the caller) holding `hash`.
+  void Store(BlockId block, const BlockHash& hash);
+  // Of `hashes`, how many leading ones a tier holds ready (loadable now).
+  int32_t LeadingReady(std::span<const BlockHash> hashes) const;
+  // The tier a load of `hash` would read (T1 before T2). REQUIRES: LeadingReady covers it.
+  Tier SourceOf(const BlockHash& hash) const;
+  // Queues a load of `hash` into pool block `block`. REQUIRES: LeadingReady covered it.
+  void Load(uint64_t ticket, BlockId block, const BlockHash& hash);
+  // Takes back the stores queued but not started; returns their pool blocks, which the
+  // caller unholds (their blocks are needed more than their copies).
+  std::vector<BlockId> CancelQueuedStores();
+  int32_t queued_stores() const;
+
+  struct Done {
+    enum class Kind : uint8_t {
+      kReleased,    // a store read pool block `block`: unhold it
+      kLoaded,      // a load wrote pool block `block`
+      kLoadFailed,  // a load gave nothing: `block` holds garbage
+    };
+    Kind kind = Kind::kReleased;
+    BlockId block = kNoBlock;
+    uint64_t ticket = 0;   // loads
+    Tier tier = Tier::kHost;
+    double seconds = 0;    // loads: how long the copy took
+  };
+  // Takes the movers' results, updates the index, appends what the caller must act on.
+  void Poll(std::vector<Done>* out);
+
+  TierSnapshot Snapshot() const;
+  // Load durations since the last call, by tier, for the histogram.
+  std::vector<std::pair<Tier, double>> TakeLoadSeconds();
+
+ private:
+  struct Entry {
+    std::array<int32_t, kNumTiers> slot{-1, -1};
+    std::array<bool, kNumTiers> ready{false, false};
+    std::array<uint64_t, kNumTiers> tick{0, 0};  // of its live entry in the tier's LRU ring
+    int32_t readers = 0;                         // loads in flight
+  };
+  struct TierSlots {
+    int32_t count = 0;
+    std::vector<int32_t> free;                   // unused slots
+    std::vector<BlockHash> holder;               // by slot: the hash it is for
+    std::vector<bool> used;
+    std::deque<std::pair<BlockHash, uint64_t>> lru;  // (hash, tick), oldest first; stale
+                                                     // entries are skipped
+    uint64_t clock = 0;
+    int32_t ready = 0;
+    int32_t writing = 0;
+  };
+  struct Job {
+    enum class Kind : uint8_t { kStore, kLoad } kind = Kind::kStore;
+    BlockId block = kNoBlock;
+    BlockHash hash;
+    std::array<int32_t, kNumTiers> slot{-1, -1};  // store: destinations; load: one source
+    Tier source = Tier::kHost;
+    uint64_t ticket = 0;
+    uint64_t serial = 0;
+  };
+  struct Result {
+    enum class Kind : uint8_t { kReleased, kStored, kLoaded, kLoadFailed } kind;
+    Job job;
+    std::array<absl::Status, kNumTiers> written;  // kStored: per destination
+    Refusal refusal = Refusal::kIoError;          // kLoadFailed
+    absl::Status load_error;
+    double seconds = 0;
+  };
+
+  KvTiers(const TierOptions& options, const KvCacheSpec& spec, PoolAccess pool,
+          std::function<void(std::string)> log);
+  // Indexes the blocks T2 found at start.
+  void Recover();
+  void MoverLoop();
+  void RunStore(const Job& job, SlotBuffer& buffer);
+  void RunLoad(const Job& job, SlotBuffer& buffer);
+  absl::Status CopyOut(BlockId block, uint8_t* dst) const;
+  absl::Status CopyIn(const uint8_t* src, BlockId block) const;
+  void Post(Result result);
+
+  // Ledger thread: slot bookkeeping.
+  // A slot of `tier` for a new block: a free one, else the least recently used ready one
+  // no load reads (its block leaves the index); -1 when there is none.
+  int32_t TakeSlot(Tier tier);
+  void Touch(Tier tier, const BlockHash& hash, Entry& entry);
+  void DropSlot(Tier tier, const BlockHash& hash, Entry& entry);
+  void EraseIfEmpty(const BlockHash& hash);
+  void ApplyResult(Result& result, std::vector<Done>* out);
+  void CountRefusal(Refusal refusal, int32_t slot);
+
+  const TierOptions options_;
+  const KvCacheSpec spec_;
+  const PoolAccess pool_;
+  const uint64_t block_bytes_;
+  const std::function<void(std::string)> log_;
+  std::unique_ptr<DiskTier> disk_;
+  uint8_t* host_ = nullptr;  // T1: slots x block_bytes_
+  UniqueFd wake_fd_;
+
+  // Ledger thread.
+  absl::flat_hash_map<BlockHash, Entry, BlockHashHasher> index_;
+  std::array<TierSlots, kNumTiers> tiers_;
+  uint64_t serial_ = 0;
+  TierCounters counters_;
+  std::array<bool, kNumRefusals> refusal_logged_{};
+  std::vector<std::pair<Tier, double>> load_seconds_;
+
+  // Shared with the movers, under mu_.
+  mutable std::mutex mu_;
+  std::condition_variable jobs_ready_;
+  std::deque<Job> loads_;
+  std::deque<Job> stores_;
+  std::vector<Result> results_;
+  bool stopping_ = false;
+  std::vector<std::thread> movers_;
+};
+
+}  // namespace kvcm::tiers
