@@ -158,6 +158,8 @@ class LaunchedStackTest : public ::testing::Test {
     options.argv.insert(options.argv.end(), extra.begin(), extra.end());
     options.argv.insert(options.argv.begin(), launch_wrapper_.begin(), launch_wrapper_.end());
     options.output_path = dir_->path() + "/launch.log";
+    // A second Launch (a restart) must not find the first one's ready line.
+    std::filesystem::remove(options.output_path);
     options.env = {"TMPDIR=" + dir_->path()};
     absl::StatusOr<std::unique_ptr<testing::Subprocess>> started =
         testing::Subprocess::Start(options);
