@@ -28,6 +28,26 @@ void StepPlanner::Enqueue(RequestId request, std::vector<int32_t> tokens, int32_
   queue_.push_back(std::move(queued));
 }
 
+BlockOp StepPlanner::CommitOf(Running& run) const {
+  HashUpTo(run, run.computed);
+  const int32_t full = run.computed / options_.block_size;
+  std::vector<BlockHash> fresh;
+  if (full > run.hashes_sent) {
+    fresh.assign(run.hashes.begin() + run.hashes_sent, run.hashes.begin() + full);
+  }
+  // The token ids of the full blocks this commit completes (those past the committed
+  // ones), when the cache manager asked for them.
+  std::span<const int32_t> fresh_tokens;
+  if (const int32_t from = run.committed / options_.block_size;
+      options_.commit_tokens && full > from) {
+    const auto bs = static_cast<size_t>(options_.block_size);
+    fresh_tokens = std::span<const int32_t>(run.req.tokens)
+                       .subspan(static_cast<size_t>(from) * bs,
+                                static_cast<size_t>(full - from) * bs);
+  }
+  return BlockOp::Commit(run.seq, run.computed, fresh, fresh_tokens);
+}
+
 void StepPlanner::Finish(RequestId request, int32_t choice) {
   if (auto it = seq_of_.find(request); it != seq_of_.end()) {
     for (SeqId seq : it->second) {
@@ -199,6 +219,12 @@ StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId>
     if (run.fork_parent != 0) {  // never forked: nothing to free in the cache manager
       --running_.at(run.fork_parent).forks_pending;
     } else {
+      // The full blocks its last step wrote are committed first, so that they stay cached
+      // (and reach the cache manager's tiers) after the free: a request that ends in the
+      // step that computed its prompt would otherwise leave none of its prompt behind.
+      if (run.computed / options_.block_size > run.committed / options_.block_size) {
+        add(CommitOf(run), seq, StepPlan::OpRole::kCommit);
+      }
       add(BlockOp::Free(seq), seq, StepPlan::OpRole::kFree);
       available += BlocksFor(run.held);  // an estimate: shared blocks stay taken
     }
@@ -233,24 +259,7 @@ StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId>
         run.forks_pending == 0) {
       continue;
     }
-    HashUpTo(run, run.computed);
-    const int32_t full = run.computed / options_.block_size;
-    std::vector<BlockHash> fresh;
-    if (full > run.hashes_sent) {
-      fresh.assign(run.hashes.begin() + run.hashes_sent, run.hashes.begin() + full);
-    }
-    // The token ids of the full blocks this commit completes (those past the committed
-    // ones), when the cache manager asked for them.
-    std::span<const int32_t> fresh_tokens;
-    if (const int32_t from = run.committed / options_.block_size;
-        options_.commit_tokens && full > from) {
-      const auto bs = static_cast<size_t>(options_.block_size);
-      fresh_tokens = std::span<const int32_t>(run.req.tokens)
-                         .subspan(static_cast<size_t>(from) * bs,
-                                  static_cast<size_t>(full - from) * bs);
-    }
-    add(BlockOp::Commit(seq, run.computed, fresh, fresh_tokens), seq,
-        StepPlan::OpRole::kCommit);
+    add(CommitOf(run), seq, StepPlan::OpRole::kCommit);
   }
 
   // Forks: after the parent's commit, so that each child holds the same committed prompt

@@ -281,6 +281,9 @@ class StepPlanner {
   }
   // Makes run.hashes cover every full block of the first `tokens` tokens.
   void HashUpTo(Running& run, int32_t tokens) const;
+  // The Commit of every token `run` has computed, with the hashes (and, when the cache
+  // manager wants them, the token ids) of the full blocks it completes.
+  BlockOp CommitOf(Running& run) const;
   ExecutorId LeastLoaded(std::span<const ExecutorId> executors) const;
   // Back to the queue's head; `preempted` (not a refused admission) marks it readmitted.
   void Requeue(Running&& run, bool preempted);

@@ -52,10 +52,32 @@ TEST(StepPlannerTest, AStepFreesThenCommitsThenAppendsThenAdmits) {
   EXPECT_EQ(second.prefill_tokens, 5);
   sim.Step(kOne);  // request 2 is done: freed first in the next step
   sim.Step(kOne);
-  EXPECT_EQ(sim.plans()[3].ops[0].kind, wire::StepOp::FreeOp);
+  // Request 1 is done by then: committed first (the KV its last step wrote, so that its
+  // full blocks stay cached), then freed.
+  std::vector<std::pair<wire::StepOp, int32_t>> ops;
+  for (const BlockOp& op : sim.plans()[3].ops) ops.emplace_back(op.kind, op.num_tokens);
+  using P = std::pair<wire::StepOp, int32_t>;
+  EXPECT_THAT(ops, ElementsAre(P{wire::StepOp::CommitOp, 8}, P{wire::StepOp::FreeOp, 0}));
   EXPECT_EQ(sim.failure(), "");
   EXPECT_EQ(sim.generated()[1], Reference(Tokens(6), 3));
   EXPECT_EQ(sim.generated()[2], Reference(Tokens(5, 50), 1));
+}
+
+// Regression: a request that ended in the step that computed its prompt (one new token)
+// was freed without a commit, so none of its prompt stayed in the prefix cache (nor reached
+// the cache manager's tiers), and the same prompt again computed everything.
+TEST(StepPlannerTest, ARequestEndingInItsPrefillStepLeavesItsPromptCached) {
+  PlannerSim sim(Options(), 64);
+  sim.planner().Enqueue(1, Tokens(9), 1);  // two full blocks of 4 and one token
+  sim.Step(kOne);                          // prefills 9, samples its only token
+  sim.Step(kOne);                          // commits 9 and frees it
+  EXPECT_EQ(sim.ledger().Stats().cached_blocks, 2);
+  EXPECT_EQ(sim.ledger().Stats().in_use_blocks, 0);
+  sim.planner().Enqueue(2, Tokens(9), 1);
+  sim.Step(kOne);
+  EXPECT_EQ(sim.plans()[2].ops.back().kind, wire::StepOp::AllocateOp);
+  EXPECT_EQ(sim.failure(), "");
+  EXPECT_EQ(sim.generated()[2], Reference(Tokens(9), 1));
 }
 
 TEST(StepPlannerTest, ADecodingSequenceAppendsAndCommitsOnceABlockNotOnceAToken) {
