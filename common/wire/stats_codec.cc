@@ -30,8 +30,24 @@ flatbuffers::Offset<wire::StatsReply> EncodeStatsReply(flatbuffers::FlatBufferBu
         listing.pending_fences));
   }
   const auto session_list = builder.CreateVector(summaries);
+  flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<wire::TierStats>>> tiers;
+  if (!s.tiers.empty()) {
+    std::vector<flatbuffers::Offset<wire::TierStats>> tier_stats;
+    tier_stats.reserve(s.tiers.size());
+    for (const TierListing& tier : s.tiers) {
+      tier_stats.push_back(wire::CreateTierStats(
+          builder, builder.CreateString(tier.name), tier.capacity_blocks, tier.ready_blocks,
+          tier.writing_blocks, tier.stored_total, tier.loaded_total, tier.evicted_total));
+    }
+    tiers = builder.CreateVector(tier_stats);
+  }
   wire::StatsReplyBuilder out(builder);
   out.add_session_list(session_list);
+  if (!tiers.IsNull()) out.add_tiers(tiers);
+  out.add_tier_held_blocks(s.tier_held_blocks);
+  out.add_tier_loading_blocks(s.tier_loading_blocks);
+  out.add_tier_refusals_total(s.tier_refusals_total);
+  out.add_tier_recovered_blocks(s.tier_recovered_blocks);
   out.add_num_blocks(s.num_blocks);
   out.add_block_size(s.block_size);
   out.add_free_blocks(s.free_blocks);
@@ -118,6 +134,24 @@ absl::StatusOr<StatsSnapshot> DecodeStatsReply(const wire::StatsReply& r) {
       s.session_list.push_back(std::move(listing));
     }
   }
+  if (const auto* tiers = r.tiers(); tiers != nullptr) {
+    s.tiers.reserve(tiers->size());
+    for (const wire::TierStats* tier : *tiers) {
+      TierListing listing;
+      if (tier->name() != nullptr) listing.name = tier->name()->str();
+      listing.capacity_blocks = tier->capacity_blocks();
+      listing.ready_blocks = tier->ready_blocks();
+      listing.writing_blocks = tier->writing_blocks();
+      listing.stored_total = tier->stored_total();
+      listing.loaded_total = tier->loaded_total();
+      listing.evicted_total = tier->evicted_total();
+      s.tiers.push_back(std::move(listing));
+    }
+  }
+  s.tier_held_blocks = r.tier_held_blocks();
+  s.tier_loading_blocks = r.tier_loading_blocks();
+  s.tier_refusals_total = r.tier_refusals_total();
+  s.tier_recovered_blocks = r.tier_recovered_blocks();
   return s;
 }
 

@@ -946,6 +946,19 @@ void CacheManagerService::HandleStats(const wire::Envelope& envelope, absl::Time
   out.rejected_messages = rejected_messages_;
   out.events_endpoint = options_.events_endpoint;
   out.metrics_url = options_.metrics_url;
+  if (const TierCoordinator* coordinator = tier_coordinator(); coordinator != nullptr) {
+    const tiers::TierSnapshot t = coordinator->tiers().Snapshot();
+    for (int i = 0; i < tiers::kNumTiers; ++i) {
+      if (t.slots[i] == 0) continue;  // a tier that is off
+      out.tiers.push_back({std::string(tiers::TierName(static_cast<tiers::Tier>(i))),
+                           t.slots[i], t.ready[i], t.writing[i], t.counters.stored[i],
+                           t.counters.loaded[i], t.counters.evicted[i]});
+    }
+    out.tier_held_blocks = coordinator->held_blocks();
+    out.tier_loading_blocks = coordinator->loading_blocks();
+    for (const uint64_t refused : t.counters.refused) out.tier_refusals_total += refused;
+    out.tier_recovered_blocks = t.counters.recovered;
+  }
   auto payload = EncodeStatsReply(*reply, out);
   FinishEnvelope(*reply, envelope.request_id(), envelope.session_id(), options_.epoch,
                  wire::Message::StatsReply, payload.Union());

@@ -163,6 +163,43 @@ TEST(StatsFormatTest, StatesSumToCapacityWithQuarantinedApart) {
   EXPECT_EQ(j["cow_copies"], 2);
 }
 
+TEST(StatsFormatTest, TiersAreShownOnlyWhenOn) {
+  const StatsSnapshot plain = SampleStats();
+  EXPECT_THAT(FormatStatsText(plain), Not(HasSubstr("Tiers")));
+  EXPECT_FALSE(nlohmann::json::parse(FormatStatsJson(plain)).contains("tiers"));
+  EXPECT_FALSE(nlohmann::json::parse(FormatStatsJson(plain)).contains("tier_held_blocks"));
+
+  StatsSnapshot tiered = plain;
+  tiered.tiers = {{"host", 64, 40, 2, 50, 7, 3}, {"disk", 1000, 45, 1, 46, 5, 0}};
+  tiered.tier_held_blocks = 2;
+  tiered.tier_loading_blocks = 4;
+  tiered.tier_refusals_total = 1;
+  tiered.tier_recovered_blocks = 9;
+  const std::string text = FormatStatsText(tiered);
+  EXPECT_THAT(text, HasSubstr("Tiers: 2 pool blocks held for stores, 4 loading; disk refusals 1, "
+                              "blocks recovered at start 9\n"));
+  EXPECT_THAT(text, HasSubstr("  tier     capacity      ready  writing       stored       loaded"
+                              "      evicted\n"));
+  EXPECT_THAT(text, HasSubstr("  host           64         40        2           50            7"
+                              "            3\n"));
+  EXPECT_THAT(text, HasSubstr("  disk         1000         45        1           46            5"
+                              "            0\n"));
+  const nlohmann::json j = nlohmann::json::parse(FormatStatsJson(tiered));
+  ASSERT_EQ(j["tiers"].size(), 2u);
+  EXPECT_EQ(j["tiers"][0]["name"], "host");
+  EXPECT_EQ(j["tiers"][0]["capacity_blocks"], 64);
+  EXPECT_EQ(j["tiers"][0]["ready_blocks"], 40);
+  EXPECT_EQ(j["tiers"][0]["writing_blocks"], 2);
+  EXPECT_EQ(j["tiers"][0]["stored_total"], 50);
+  EXPECT_EQ(j["tiers"][0]["loaded_total"], 7);
+  EXPECT_EQ(j["tiers"][0]["evicted_total"], 3);
+  EXPECT_EQ(j["tiers"][1]["name"], "disk");
+  EXPECT_EQ(j["tier_held_blocks"], 2);
+  EXPECT_EQ(j["tier_loading_blocks"], 4);
+  EXPECT_EQ(j["tier_refusals_total"], 1);
+  EXPECT_EQ(j["tier_recovered_blocks"], 9);
+}
+
 TEST(InfoFormatTest, ShowsShapeSizesAndEndpoints) {
   InfoReport report;
   report.endpoint = "ipc:///d/cache-manager.sock";

@@ -20,6 +20,7 @@
 #include "nlohmann/json.hpp"
 #include "tests/support/cache_manager_process.h"
 #include "tests/support/subprocess.h"
+#include "tests/support/wait_for.h"
 #include "tests/support/status_matchers.h"
 
 #ifndef KVCMCTL_PATH
@@ -35,7 +36,9 @@ using ::kvcm::testing::RunProgram;
 using ::kvcm::testing::RunResult;
 using ::kvcm::testing::StartCacheManager;
 using ::kvcm::testing::TempDir;
+using ::kvcm::testing::WaitFor;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using ::testing::SizeIs;
 
 RunResult Kvcmctl(const std::vector<std::string>& args,
@@ -134,6 +137,67 @@ TEST_F(KvcmctlLiveTest, StatsSumToCapacity) {
   EXPECT_THAT(result.output, HasSubstr("total                16   100.0%"));
   EXPECT_THAT(result.output, HasSubstr("in use                3    18.8%"));
   EXPECT_THAT(result.output, HasSubstr("Live sequences 1"));
+  // No tiers: nothing about them.
+  EXPECT_THAT(result.output, Not(HasSubstr("Tiers")));
+  EXPECT_FALSE(j.contains("tiers"));
+}
+
+// A cache manager with a host tier: `kvcmctl stats` shows it, and the blocks a Commit wrote
+// through to it once a mover has copied them.
+TEST(KvcmctlTiersTest, StatsShowTheHostTier) {
+  CacheManagerOptions options;
+  options.num_blocks = 16;
+  options.block_size = 4;
+  options.extra_args = {"--host-tier-bytes=8KiB"};  // 16 slots of 512 B
+  absl::StatusOr<std::unique_ptr<CacheManagerProcess>> cm = StartCacheManager(options);
+  ASSERT_THAT(cm, IsOk());
+  CacheManagerClient::Options client_options;
+  client_options.endpoint = (*cm)->endpoint();
+  client_options.role = wire::Role::Router;
+  client_options.name = "kvcmctl-tiers-test";
+  absl::StatusOr<std::unique_ptr<CacheManagerClient>> router =
+      CacheManagerClient::Connect(client_options);
+  ASSERT_THAT(router, IsOk());
+  std::vector<int32_t> tokens(8);
+  std::iota(tokens.begin(), tokens.end(), 0);
+  std::vector<BlockHash> hashes;
+  HashFullBlocks(HashAlgorithm::kSha256, RootHash(HashAlgorithm::kSha256, ""), tokens, 4,
+                 &hashes);
+  BlockOps step;
+  step.Allocate(1, 8, hashes);
+  ASSERT_THAT((*router)->Step(step), IsOk());
+  step.Clear();
+  step.Commit(1, 8).Free(1);  // 2 full blocks enter the prefix index: written through
+  ASSERT_THAT((*router)->Step(step), IsOk());
+
+  nlohmann::json j;
+  const absl::Status stored = WaitFor(
+      [&] {
+        const RunResult result = Kvcmctl({"stats", "--run-dir", (*cm)->run_dir(), "--json"});
+        if (result.exit_code != 0) return false;
+        j = nlohmann::json::parse(result.output);
+        return j.contains("tiers") && j["tiers"].size() == 1 &&
+               j["tiers"][0]["ready_blocks"] == 2;
+      },
+      absl::Seconds(60));
+  ASSERT_THAT(stored, IsOk()) << j.dump();
+  EXPECT_EQ(j["tiers"][0]["name"], "host");  // no disk tier: not listed
+  EXPECT_EQ(j["tiers"][0]["capacity_blocks"], 16);
+  EXPECT_EQ(j["tiers"][0]["writing_blocks"], 0);
+  EXPECT_EQ(j["tiers"][0]["stored_total"], 2);
+  EXPECT_EQ(j["tiers"][0]["loaded_total"], 0);
+  EXPECT_EQ(j["tiers"][0]["evicted_total"], 0);
+  EXPECT_EQ(j["tier_held_blocks"], 0);
+  EXPECT_EQ(j["tier_loading_blocks"], 0);
+  EXPECT_EQ(j["tier_refusals_total"], 0);
+  EXPECT_EQ(j["tier_recovered_blocks"], 0);
+
+  const RunResult text = Kvcmctl({"stats", "--run-dir", (*cm)->run_dir()});
+  ASSERT_EQ(text.exit_code, 0) << text.output;
+  EXPECT_THAT(text.output, HasSubstr("Tiers: 0 pool blocks held for stores, 0 loading; disk "
+                                     "refusals 0, blocks recovered at start 0\n"));
+  EXPECT_THAT(text.output, HasSubstr("  host           16          2        0            2"));
+  EXPECT_THAT(text.output, Not(HasSubstr("  disk ")));
 }
 
 TEST_F(KvcmctlLiveTest, WatchPrintsOneLinePerIntervalAndSaysGoodbye) {

@@ -3,6 +3,7 @@
 #include <memory>
 #include <ostream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -46,7 +47,9 @@ std::string StatsUsage() {
       "\n"
       "Shows a running kvcm-cache-manager's blocks by state (free, in use, cached, pinned,\n"
       "quarantined, draining; they sum to the capacity), usage and occupancy, the prefix hit rate\n"
-      "(hit tokens / prompt tokens) and its counters.\n"
+      "(hit tokens / prompt tokens) and its counters; with tiers below the pool (host, disk),\n"
+      "each tier's capacity, blocks ready and being written, and blocks stored, loaded and\n"
+      "evicted.\n"
       "\n"
       "Flags:\n",
       FlagHelp(WithConnectionFlags({})));
@@ -97,6 +100,21 @@ std::string FormatStatsText(const StatsSnapshot& s) {
                                         s.events_published, s.rejected_messages));
   absl::StrAppend(&out, absl::StrFormat("Sessions %d; open fences %d; uptime %.1f s; epoch %d\n",
                                         s.sessions, s.open_fences, s.uptime_seconds, s.epoch));
+  if (!s.tiers.empty()) {
+    absl::StrAppend(&out, absl::StrFormat("Tiers: %d pool blocks held for stores, %d loading; "
+                                          "disk refusals %d, blocks recovered at start %d\n",
+                                          s.tier_held_blocks, s.tier_loading_blocks,
+                                          s.tier_refusals_total, s.tier_recovered_blocks));
+    absl::StrAppend(&out, absl::StrFormat("  %-6s %10s %10s %8s %12s %12s %12s\n", "tier",
+                                          "capacity", "ready", "writing", "stored", "loaded",
+                                          "evicted"));
+    for (const TierListing& tier : s.tiers) {
+      absl::StrAppend(&out, absl::StrFormat("  %-6s %10d %10d %8d %12d %12d %12d\n", tier.name,
+                                            tier.capacity_blocks, tier.ready_blocks,
+                                            tier.writing_blocks, tier.stored_total,
+                                            tier.loaded_total, tier.evicted_total));
+    }
+  }
   if (states.total() != s.num_blocks) {
     absl::StrAppend(&out, absl::StrFormat("WARNING: the states sum to %d blocks, not %d\n",
                                           states.total(), s.num_blocks));
@@ -133,6 +151,25 @@ std::string FormatStatsJson(const StatsSnapshot& s) {
   j["rejected_messages"] = s.rejected_messages;
   j["sessions"] = s.sessions;
   j["uptime_seconds"] = s.uptime_seconds;
+  if (!s.tiers.empty()) {
+    nlohmann::ordered_json tiers = nlohmann::ordered_json::array();
+    for (const TierListing& tier : s.tiers) {
+      nlohmann::ordered_json entry;
+      entry["name"] = tier.name;
+      entry["capacity_blocks"] = tier.capacity_blocks;
+      entry["ready_blocks"] = tier.ready_blocks;
+      entry["writing_blocks"] = tier.writing_blocks;
+      entry["stored_total"] = tier.stored_total;
+      entry["loaded_total"] = tier.loaded_total;
+      entry["evicted_total"] = tier.evicted_total;
+      tiers.push_back(std::move(entry));
+    }
+    j["tiers"] = std::move(tiers);
+    j["tier_held_blocks"] = s.tier_held_blocks;
+    j["tier_loading_blocks"] = s.tier_loading_blocks;
+    j["tier_refusals_total"] = s.tier_refusals_total;
+    j["tier_recovered_blocks"] = s.tier_recovered_blocks;
+  }
   return j.dump(2) + "\n";
 }
 

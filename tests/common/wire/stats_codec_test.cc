@@ -61,6 +61,14 @@ StatsSnapshot Distinct() {
       {7, wire::Role::Router, 1234, true, "router-0", false, 3, 0},
       {9, wire::Role::Executor, 4321, false, "executor-1", true, 0, 2},
   };
+  s.tiers = {
+      {"host", 32, 33, 34, uint64_t{1} << 35, 36, 37},
+      {"disk", 38, 39, 40, 41, 42, uint64_t{1} << 43},
+  };
+  s.tier_held_blocks = 44;
+  s.tier_loading_blocks = 45;
+  s.tier_refusals_total = 46;
+  s.tier_recovered_blocks = 47;
   return s;
 }
 
@@ -90,6 +98,34 @@ TEST(StatsCodecTest, EveryFieldSurvives) {
   EXPECT_EQ(decoded->session_list[1].pending_fences, 2);
   EXPECT_EQ(decoded->session_list[0].role, wire::Role::Router);
   EXPECT_TRUE(decoded->session_list[0].pid_verified);
+  ASSERT_EQ(decoded->tiers.size(), 2u);
+  EXPECT_EQ(decoded->tiers[0].name, "host");
+  EXPECT_EQ(decoded->tiers[0].capacity_blocks, 32);
+  EXPECT_EQ(decoded->tiers[0].ready_blocks, 33);
+  EXPECT_EQ(decoded->tiers[0].writing_blocks, 34);
+  EXPECT_EQ(decoded->tiers[0].stored_total, uint64_t{1} << 35);
+  EXPECT_EQ(decoded->tiers[1].name, "disk");
+  EXPECT_EQ(decoded->tiers[1].loaded_total, 42u);
+  EXPECT_EQ(decoded->tiers[1].evicted_total, uint64_t{1} << 43);
+  EXPECT_EQ(decoded->tier_held_blocks, 44);
+  EXPECT_EQ(decoded->tier_loading_blocks, 45);
+  EXPECT_EQ(decoded->tier_refusals_total, 46u);
+  EXPECT_EQ(decoded->tier_recovered_blocks, 47u);
+}
+
+TEST(StatsCodecTest, NoTiersEncodesNoList) {
+  StatsSnapshot stats = Distinct();
+  stats.tiers.clear();
+  stats.tier_held_blocks = 0;
+  stats.tier_loading_blocks = 0;
+  stats.tier_refusals_total = 0;
+  stats.tier_recovered_blocks = 0;
+  flatbuffers::FlatBufferBuilder builder;
+  builder.Finish(EncodeStatsReply(builder, stats));
+  EXPECT_EQ(flatbuffers::GetRoot<wire::StatsReply>(builder.GetBufferPointer())->tiers(), nullptr);
+  absl::StatusOr<StatsSnapshot> decoded = RoundTrip(stats);
+  ASSERT_THAT(decoded, IsOk());
+  EXPECT_EQ(*decoded, stats);
 }
 
 TEST(StatsCodecTest, ShmAndAnEmptySessionListSurvive) {
