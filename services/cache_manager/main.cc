@@ -325,6 +325,9 @@ int Main(const std::vector<config::Setting>& settings) {
     Log("cannot create a signalfd");
     return 1;
   }
+  // A disk tier file past RLIMIT_FSIZE must fail its fallocate or pwrite with EFBIG (a
+  // clear error at start, a counted disk-full write while serving), not kill the process.
+  signal(SIGXFSZ, SIG_IGN);
 
   auto fail = [](const absl::Status& status) {
     Log(absl::StrCat("error: ", status.message()));

@@ -15,112 +15,20 @@
 #include <string>
 #include <vector>
 
-#include "tests/faults/launched_stack.h"
+#include "tests/faults/tier_stack.h"
 #include "tests/support/wait_for.h"
 
 namespace kvcm::faults {
 namespace {
 
-using testing::HttpPost;
-using testing::HttpResponse;
-
-// Prompts long enough to fill many 4-token blocks, distinct from their first byte.
-std::vector<std::string> LongPrompts() {
-  std::vector<std::string> prompts;
-  for (int p = 0; p < 3; ++p) {
-    std::string text;
-    for (int i = 0; text.size() < 160; ++i) {
-      text += std::string(1, static_cast<char>('a' + p)) + absl::StrCat(" tiered cache line ", i, "; ");
-    }
-    prompts.push_back(text);
-  }
-  return prompts;
-}
-
-class TierRestartTest : public LaunchedStackTest {
+class TierRestartTest : public TierStackTest {
  protected:
-  TierRestartTest() : LaunchedStackTest("kvcm-tier-restart") {}
+  TierRestartTest() : TierStackTest("kvcm-tier-restart") {}
 
   std::vector<std::string> TierFlags() const {
     return {"--cache-manager-arg=--disk-tier-dir=" + dir_->path() + "/tier",
             "--cache-manager-arg=--disk-tier-bytes=64MiB",
             "--cache-manager-arg=--host-tier-bytes=8MiB"};
-  }
-
-  // POST /v1/completions, greedy: the usage's cached prompt tokens and the prompt tokens.
-  std::pair<int, int> CachedTokens(const std::string& text) const {
-    const json body = {{"model", "tiny"}, {"prompt", text}, {"max_tokens", 4},
-                       {"temperature", 0}};
-    absl::StatusOr<HttpResponse> reply = HttpPost(url_ + "/v1/completions", body.dump());
-    EXPECT_THAT(reply, IsOk());
-    if (!reply.ok()) return {-1, -1};
-    EXPECT_EQ(reply->status, 200) << reply->body;
-    const json parsed = json::parse(reply->body, nullptr, /*allow_exceptions=*/false);
-    if (!parsed.is_object() || !parsed.contains("usage")) return {-1, -1};
-    return {parsed["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>(),
-            parsed["usage"]["prompt_tokens"].get<int>()};
-  }
-
-  // The cache manager's value of one series (its whole name with labels); -1 when absent.
-  double Metric(const std::string& series) const {
-    absl::StatusOr<HttpResponse> reply = testing::HttpGet(CacheManagerMetricsUrl(), absl::Seconds(2));
-    if (!reply.ok() || reply->status != 200) return -1;
-    for (absl::string_view line : absl::StrSplit(reply->body, '\n')) {
-      if (absl::StartsWith(line, series + " ")) {
-        return std::stod(std::string(line.substr(series.size() + 1)));
-      }
-    }
-    return -1;
-  }
-
-  // Until the disk tier has written at least `blocks` blocks (the write-through is the
-  // mover's, after the step that committed them).
-  void AwaitStoredOnDisk(double blocks) const {
-    const absl::Time deadline = absl::Now() + absl::Seconds(30);
-    double stored = -1;
-    while (absl::Now() < deadline) {
-      stored = Metric("kvcm_cache_manager_tier_stored_blocks_total{tier=\"disk\"}");
-      if (stored >= blocks) return;
-      absl::SleepFor(absl::Milliseconds(50));
-    }
-    FAIL() << "the disk tier stored " << stored << " blocks, want " << blocks;
-  }
-
-  // Every prompt once, with its reference tokens; returns the full blocks they commit.
-  int ServeAll(const std::vector<std::string>& prompts) {
-    int blocks = 0;
-    for (const std::string& text : prompts) {
-      const Outcome outcome = Request(text, 6, absl::Seconds(60));
-      EXPECT_EQ(outcome.kind, "completed") << outcome.detail;
-      blocks += static_cast<int>(text.size() + 1) / 4;  // BOS and one token per byte
-    }
-    return blocks;
-  }
-
-  // SIGKILL to every process of the stack at once, and until each has exited (its
-  // descriptors closed: the disk directory's lock free), as after a node's crash.
-  void KillEverything() {
-    const std::vector<pid_t> pids = AllPids();
-    for (pid_t pid : pids) ::kill(pid, SIGKILL);
-    ASSERT_THAT(launch_->Signal(SIGKILL), IsOk());
-    ASSERT_THAT(launch_->Wait(absl::Seconds(30)), IsOk());
-    for (pid_t pid : pids) {
-      ASSERT_THAT(testing::WaitFor([&] { return Exited(pid); }, absl::Seconds(30),
-                                   absl::StrCat("pid ", pid, " to exit")),
-                  IsOk());
-    }
-  }
-  // Gone, or a zombie (its descriptors are closed).
-  static bool Exited(pid_t pid) {
-    const std::string stat = testing::ReadFileOrEmpty(absl::StrCat("/proc/", pid, "/stat"));
-    if (stat.empty()) return true;
-    const size_t close = stat.rfind(')');
-    return close != std::string::npos && close + 2 < stat.size() && stat[close + 2] == 'Z';
-  }
-
-  void ExpectIdle() {
-    std::optional<Scrape> last;
-    EXPECT_TRUE(AwaitIdle(absl::Seconds(20), &last)) << "blocks still held after the requests";
   }
 };
 
