@@ -340,6 +340,7 @@ int HostBench(const Flags& flags, const KvCacheSpec& spec, std::vector<uint8_t>&
     KVCM_CHECK(kv->WantStore(HashOf(flags.seed, i)));
     kv->Store(i, HashOf(flags.seed, i));
   }
+  kv->Flush();
   int released = 0;
   wait([&] {
     for (const Done& d : done) released += d.kind == Done::Kind::kReleased;
@@ -365,6 +366,7 @@ int HostBench(const Flags& flags, const KvCacheSpec& spec, std::vector<uint8_t>&
   for (int rep = 0; rep < flags.reps; ++rep) {
     start = Clock::now();
     for (int i = 0; i < n; ++i) kv->Load(++ticket, n + i, hashes[static_cast<size_t>(i)]);
+    kv->Flush();
     int loaded = 0;
     wait([&] {
       for (const Done& d : done) {

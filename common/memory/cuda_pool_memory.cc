@@ -8,6 +8,7 @@
 #include <cstring>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 
@@ -116,6 +117,68 @@ class CudaPoolMapping final : public PoolMapping {
 }  // namespace
 
 namespace memory_internal {
+
+absl::StatusOr<void*> CreateCudaStream(int device) {
+  ScopedDevice scoped(device);
+  if (!scoped.status().ok()) return scoped.status();
+  cudaStream_t stream = nullptr;
+  if (const cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+      e != cudaSuccess) {
+    return absl::InternalError(absl::StrCat("cudaStreamCreateWithFlags: ", CudaErrorText(e)));
+  }
+  return static_cast<void*>(stream);
+}
+
+void DestroyCudaStream(void* stream) {
+  if (stream != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(stream));
+}
+
+absl::Status CudaCopyRunsAsync(int device, void* stream, std::span<const CudaCopyRun> runs,
+                               CopyDirection direction) {
+  ScopedDevice scoped(device);
+  if (!scoped.status().ok()) return scoped.status();
+  const cudaMemcpyKind kind =
+      direction == CopyDirection::kHostToDevice ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost;
+  auto* s = static_cast<cudaStream_t>(stream);
+  for (const CudaCopyRun& run : runs) {
+    if (const cudaError_t e = cudaMemcpyAsync(run.dst, run.src, run.bytes, kind, s);
+        e != cudaSuccess) {
+      cudaStreamSynchronize(s);  // what was queued finishes before the buffers are reused
+      return absl::InternalError(
+          absl::StrCat("cudaMemcpyAsync of ", run.bytes, " bytes: ", CudaErrorText(e)));
+    }
+  }
+  if (const cudaError_t e = cudaStreamSynchronize(s); e != cudaSuccess) {
+    return absl::InternalError(absl::StrCat("cudaStreamSynchronize: ", CudaErrorText(e)));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<void*> CudaHostAlloc(uint64_t bytes) {
+  void* data = nullptr;
+  if (const cudaError_t e = cudaHostAlloc(&data, bytes, cudaHostAllocPortable); e != cudaSuccess) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cudaHostAlloc of ", bytes, " page-locked bytes: ", CudaErrorText(e)));
+  }
+  return data;
+}
+
+void CudaHostFree(void* data) {
+  if (data != nullptr) cudaFreeHost(data);
+}
+
+absl::Status CudaHostRegister(void* data, uint64_t bytes) {
+  if (const cudaError_t e = cudaHostRegister(data, bytes, cudaHostRegisterPortable);
+      e != cudaSuccess) {
+    return absl::InternalError(
+        absl::StrCat("cudaHostRegister of ", bytes, " bytes: ", CudaErrorText(e)));
+  }
+  return absl::OkStatus();
+}
+
+void CudaHostUnregister(void* data) {
+  if (data != nullptr) cudaHostUnregister(data);
+}
 
 absl::Status CudaCopy(void* dst, const void* src, uint64_t bytes, CopyDirection direction) {
   const cudaMemcpyKind kind =

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -23,6 +24,15 @@ absl::Status NotBuilt() {
 namespace memory_internal {
 
 absl::Status CudaCopy(void*, const void*, uint64_t, CopyDirection) { return NotBuilt(); }
+absl::StatusOr<void*> CreateCudaStream(int) { return NotBuilt(); }
+void DestroyCudaStream(void*) {}
+absl::Status CudaCopyRunsAsync(int, void*, std::span<const CudaCopyRun>, CopyDirection) {
+  return NotBuilt();
+}
+absl::StatusOr<void*> CudaHostAlloc(uint64_t) { return NotBuilt(); }
+void CudaHostFree(void*) {}
+absl::Status CudaHostRegister(void*, uint64_t) { return NotBuilt(); }
+void CudaHostUnregister(void*) {}
 
 }  // namespace memory_internal
 

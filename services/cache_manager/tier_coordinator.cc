@@ -22,6 +22,12 @@ TierCoordinator::TierCoordinator(tiers::KvTiers* tiers, BlockLedger* ledger, Opt
     : tiers_(tiers), ledger_(ledger), options_(options) {}
 
 void TierCoordinator::OnEvents(std::span<const BlockEvent> events) {
+  // Most Steps (decodes inside a block) store nothing: no work, no allocation.
+  if (std::none_of(events.begin(), events.end(), [](const BlockEvent& e) {
+        return e.kind == BlockEvent::Kind::kStored;
+      })) {
+    return;
+  }
   // A block stored and then removed again within these events (evicted, perhaps reused for
   // other content already) no longer holds the hash its kStored names: never store it.
   absl::flat_hash_set<BlockHash, BlockHashHasher> removed_later;
@@ -48,6 +54,7 @@ void TierCoordinator::OnEvents(std::span<const BlockEvent> events) {
     ++held_;
     tiers_->Store(event.block, event.hash);
   }
+  tiers_->Flush();
 }
 
 std::optional<absl::Status> TierCoordinator::BeforeAllocate(const BlockOp& op, absl::Time now,
@@ -113,6 +120,7 @@ std::optional<absl::Status> TierCoordinator::BeforeAllocate(const BlockOp& op, a
   outcome->host_tokens = prefetch.host_blocks * block_size;
   outcome->disk_tokens = prefetch.disk_blocks * block_size;
   const int32_t pending = prefetch.pending;
+  tiers_->Flush();
   by_seq_[seq] = hashes[static_cast<size_t>(blocks - 1)];
   prefetches_[hashes[static_cast<size_t>(blocks - 1)]] = std::move(prefetch);
   return absl::UnavailableError(absl::StrCat("loading ", pending,

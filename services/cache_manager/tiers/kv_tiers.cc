@@ -77,11 +77,13 @@ absl::StatusOr<std::unique_ptr<KvTiers>> KvTiers::Create(const TierOptions& opti
           absl::StrCat("--host-tier-bytes ", options.host_bytes, " holds ", slots,
                        " blocks of ", bb, " bytes: give at least one block's bytes"));
     }
-    tiers->host_ = static_cast<uint8_t*>(std::aligned_alloc(4096, RoundUp4K(slots * bb)));
-    if (tiers->host_ == nullptr) {
+    absl::StatusOr<HostBuffer> host =
+        HostBuffer::Allocate(tiers->pool_.memory->backend(), slots * bb);
+    if (!host.ok()) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          "the host tier's ", slots * bb, " bytes (--host-tier-bytes) could not be allocated"));
+          "the host tier's ", slots * bb, " bytes (--host-tier-bytes): ", host.status().message()));
     }
+    tiers->host_ = *std::move(host);
     tiers->tiers_[kHost].count = static_cast<int32_t>(slots);
   }
   if (!options.disk_dir.empty()) {
@@ -106,8 +108,14 @@ absl::StatusOr<std::unique_ptr<KvTiers>> KvTiers::Create(const TierOptions& opti
     for (int32_t s = t.count - 1; s >= 0; --s) t.free.push_back(s);  // lowest first
   }
   tiers->Recover();
-  for (int i = 0; i < options.mover_threads; ++i) {
-    tiers->movers_.emplace_back([t = tiers.get()] { t->MoverLoop(); });
+  tiers->mover_state_.resize(static_cast<size_t>(options.mover_threads));
+  for (Mover& mover : tiers->mover_state_) {
+    absl::StatusOr<std::unique_ptr<PoolCopier>> copier = PoolCopier::Create(tiers->pool_.memory);
+    if (!copier.ok()) return copier.status();
+    mover.copier = *std::move(copier);
+  }
+  for (Mover& mover : tiers->mover_state_) {
+    tiers->movers_.emplace_back([t = tiers.get(), m = &mover] { t->MoverLoop(*m); });
   }
   return tiers;
 }
@@ -156,7 +164,6 @@ KvTiers::~KvTiers() {
   }
   jobs_ready_.notify_all();
   for (std::thread& mover : movers_) mover.join();
-  std::free(host_);
 }
 
 DiskTier::OpenReport KvTiers::disk_report() const {
@@ -266,11 +273,7 @@ void KvTiers::Store(BlockId block, const BlockHash& hash) {
     job.slot[i] = slot;
   }
   index_[hash] = entry;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stores_.push_back(job);
-  }
-  jobs_ready_.notify_one();
+  staged_stores_.push_back(job);
 }
 
 int32_t KvTiers::LeadingReady(std::span<const BlockHash> hashes) const {
@@ -301,11 +304,7 @@ void KvTiers::Load(uint64_t ticket, BlockId block, const BlockHash& hash) {
   job.slot[i] = entry.slot[i];
   ++entry.readers;
   Touch(job.source, hash, entry);
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    loads_.push_back(job);
-  }
-  jobs_ready_.notify_one();
+  staged_loads_.push_back(job);
 }
 
 std::vector<BlockId> KvTiers::CancelQueuedStores() {
@@ -314,6 +313,8 @@ std::vector<BlockId> KvTiers::CancelQueuedStores() {
     std::lock_guard<std::mutex> lock(mu_);
     cancelled.swap(stores_);
   }
+  cancelled.insert(cancelled.end(), staged_stores_.begin(), staged_stores_.end());
+  staged_stores_.clear();
   std::vector<BlockId> blocks;
   blocks.reserve(cancelled.size());
   for (const Job& job : cancelled) {
@@ -332,7 +333,7 @@ std::vector<BlockId> KvTiers::CancelQueuedStores() {
 
 int32_t KvTiers::queued_stores() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return static_cast<int32_t>(stores_.size());
+  return static_cast<int32_t>(stores_.size() + staged_stores_.size());
 }
 
 void KvTiers::CountRefusal(Refusal refusal, int32_t slot) {
@@ -430,7 +431,7 @@ TierSnapshot KvTiers::Snapshot() const {
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    s.queued_stores = static_cast<int32_t>(stores_.size());
+    s.queued_stores = static_cast<int32_t>(stores_.size() + staged_stores_.size());
     s.queued_loads = static_cast<int32_t>(loads_.size());
   }
   s.counters = counters_;
@@ -449,65 +450,76 @@ std::vector<std::pair<Tier, double>> KvTiers::TakeLoadSeconds() {
 
 // --- The movers ----------------------------------------------------------------------------
 
-void KvTiers::MoverLoop() {
+void KvTiers::MoverLoop(Mover& mover) {
   SlotBuffer buffer(disk_ != nullptr ? disk_->slot_bytes() : RoundUp4K(block_bytes_ + 4096));
+  const PoolBackend backend = pool_.memory->backend();
+  // Beside a cuda pool the slot buffer is page-locked; a failure only makes copies slower.
+  const bool pinned = PinForDevice(backend, buffer.slot(), buffer.slot_bytes()).ok();
   while (true) {
     Job job;
     {
       std::unique_lock<std::mutex> lock(mu_);
       jobs_ready_.wait(lock, [this] { return stopping_ || !loads_.empty() || !stores_.empty(); });
-      if (stopping_) return;
+      if (stopping_) break;
       std::deque<Job>& queue = loads_.empty() ? stores_ : loads_;
       job = queue.front();
       queue.pop_front();
     }
     if (job.kind == Job::Kind::kStore) {
-      RunStore(job, buffer);
+      RunStore(job, mover, buffer);
     } else {
-      RunLoad(job, buffer);
+      RunLoad(job, mover, buffer);
     }
   }
+  if (pinned) UnpinForDevice(backend, buffer.slot());
 }
 
-absl::Status KvTiers::CopyOut(BlockId block, uint8_t* dst) const {
+void KvTiers::RunsOf(BlockId block, std::vector<PoolCopier::Run>* runs) const {
   const PoolLayout& l = pool_.layout;
+  runs->clear();
   for (int32_t layer = 0; layer < pool_.num_layers; ++layer) {
     for (int32_t kv = 0; kv < 2; ++kv) {
-      const uint64_t offset = static_cast<uint64_t>(l.Offset(layer, kv, block, 0, 0));
-      if (absl::Status s = CopyFromPool(*pool_.memory, offset, dst, l.block_stride); !s.ok()) {
-        return s;
-      }
-      dst += l.block_stride;
+      runs->push_back({static_cast<uint64_t>(l.Offset(layer, kv, block, 0, 0)),
+                       static_cast<uint64_t>(l.block_stride)});
     }
   }
-  return absl::OkStatus();
-}
-
-absl::Status KvTiers::CopyIn(const uint8_t* src, BlockId block) const {
-  const PoolLayout& l = pool_.layout;
-  for (int32_t layer = 0; layer < pool_.num_layers; ++layer) {
-    for (int32_t kv = 0; kv < 2; ++kv) {
-      const uint64_t offset = static_cast<uint64_t>(l.Offset(layer, kv, block, 0, 0));
-      if (absl::Status s = CopyToPool(*pool_.memory, offset, src, l.block_stride); !s.ok()) {
-        return s;
-      }
-      src += l.block_stride;
-    }
-  }
-  return absl::OkStatus();
 }
 
 void KvTiers::Post(Result result) {
+  bool first;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    first = results_.empty();
     results_.push_back(std::move(result));
   }
-  const uint64_t one = 1;
-  (void)!::write(wake_fd_.get(), &one, sizeof(one));
+  // One wake-up per batch of results: the ledger thread takes them all in one Poll, so a
+  // result that finds others waiting needs none (each wake-up is a turn of its loop).
+  if (first) {
+    const uint64_t one = 1;
+    (void)!::write(wake_fd_.get(), &one, sizeof(one));
+  }
 }
 
-void KvTiers::RunStore(const Job& job, SlotBuffer& buffer) {
-  const absl::Status copied = CopyOut(job.block, buffer.data());
+void KvTiers::Flush() {
+  if (staged_stores_.empty() && staged_loads_.empty()) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    loads_.insert(loads_.end(), staged_loads_.begin(), staged_loads_.end());
+    stores_.insert(stores_.end(), staged_stores_.begin(), staged_stores_.end());
+  }
+  const size_t jobs = staged_stores_.size() + staged_loads_.size();
+  staged_stores_.clear();
+  staged_loads_.clear();
+  if (jobs == 1) {
+    jobs_ready_.notify_one();
+  } else {
+    jobs_ready_.notify_all();
+  }
+}
+
+void KvTiers::RunStore(const Job& job, Mover& mover, SlotBuffer& buffer) {
+  RunsOf(job.block, &mover.runs);
+  const absl::Status copied = mover.copier->Gather(mover.runs, buffer.data());
   Post({Result::Kind::kReleased, job, {}, Refusal::kIoError, absl::OkStatus(), 0});
   Result stored{Result::Kind::kStored, job, {}, Refusal::kIoError, absl::OkStatus(), 0};
   if (!copied.ok()) {
@@ -516,8 +528,8 @@ void KvTiers::RunStore(const Job& job, SlotBuffer& buffer) {
     return;
   }
   if (job.slot[kHost] >= 0) {
-    std::memcpy(host_ + static_cast<uint64_t>(job.slot[kHost]) * block_bytes_, buffer.data(),
-                block_bytes_);
+    std::memcpy(host_.data() + static_cast<uint64_t>(job.slot[kHost]) * block_bytes_,
+                buffer.data(), block_bytes_);
   }
   if (job.slot[kDisk] >= 0) {
     stored.written[kDisk] = disk_->Write(job.slot[kDisk], job.hash, job.serial, buffer);
@@ -525,16 +537,17 @@ void KvTiers::RunStore(const Job& job, SlotBuffer& buffer) {
   Post(std::move(stored));
 }
 
-void KvTiers::RunLoad(const Job& job, SlotBuffer& buffer) {
+void KvTiers::RunLoad(const Job& job, Mover& mover, SlotBuffer& buffer) {
   const absl::Time start = MonotonicNow();
   Result result{Result::Kind::kLoaded, job, {}, Refusal::kIoError, absl::OkStatus(), 0};
   const int i = static_cast<int>(job.source);
+  RunsOf(job.block, &mover.runs);
   if (job.source == Tier::kHost) {
-    result.load_error =
-        CopyIn(host_ + static_cast<uint64_t>(job.slot[i]) * block_bytes_, job.block);
+    result.load_error = mover.copier->Scatter(
+        host_.data() + static_cast<uint64_t>(job.slot[i]) * block_bytes_, mover.runs);
   } else {
     result.load_error = disk_->Read(job.slot[i], job.hash, buffer, &result.refusal);
-    if (result.load_error.ok()) result.load_error = CopyIn(buffer.data(), job.block);
+    if (result.load_error.ok()) result.load_error = mover.copier->Scatter(buffer.data(), mover.runs);
   }
   if (!result.load_error.ok()) result.kind = Result::Kind::kLoadFailed;
   result.seconds = absl::ToDoubleSeconds(MonotonicNow() - start);

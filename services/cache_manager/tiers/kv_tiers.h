@@ -26,6 +26,12 @@
 // tier must keep what was computed before a crash. Every stored block is thus on disk a
 // bounded time after its commit (the mover's queue).
 //
+// The copies (docs/architecture.md, "Tiers", the CUDA path): each mover has a PoolCopier
+// (common/memory/pool_copier.h): memcpy beside a shm pool; beside a cuda pool,
+// cudaMemcpyAsync of a block's runs on the mover's own stream and one wait, into T1's
+// page-locked memory, and disk reads and writes staged through a page-locked slot buffer.
+// The cache manager allocated the pool, so it may copy into it.
+//
 // Thread safety: every public method but wake_fd() is for the ledger thread only.
 
 #include <sys/types.h>
@@ -48,6 +54,7 @@
 #include "common/base/unique_fd.h"
 #include "common/block/block_hash.h"
 #include "common/block/block_ledger.h"
+#include "common/memory/pool_copier.h"
 #include "common/memory/pool_layout.h"
 #include "common/memory/pool_memory.h"
 #include "common/sizing/kv_cache_spec.h"
@@ -129,16 +136,20 @@ class KvTiers {
   // True when a block of this hash should be stored: no tier has or is writing it, and
   // some tier has room or a slot it may reuse.
   bool WantStore(const BlockHash& hash) const;
-  // Queues the write-through of pool block `block` (held by the caller) holding `hash`.
+  // Stages the write-through of pool block `block` (held by the caller) holding `hash`;
+  // Flush() hands the staged jobs to the movers.
   void Store(BlockId block, const BlockHash& hash);
   // Of `hashes`, how many leading ones a tier holds ready (loadable now).
   int32_t LeadingReady(std::span<const BlockHash> hashes) const;
   // The tier a load of `hash` would read (T1 before T2). REQUIRES: LeadingReady covers it.
   Tier SourceOf(const BlockHash& hash) const;
-  // Queues a load of `hash` into pool block `block`. REQUIRES: LeadingReady covered it.
+  // Stages a load of `hash` into pool block `block` (Flush() hands it to the movers).
+  // REQUIRES: LeadingReady covered it.
   void Load(uint64_t ticket, BlockId block, const BlockHash& hash);
-  // Takes back the stores queued but not started; returns their pool blocks, which the
-  // caller unholds (their blocks are needed more than their copies).
+  // Hands the staged stores and loads to the movers under one lock, with one wake-up.
+  void Flush();
+  // Takes back the stores queued (or staged) but not started; returns their pool blocks,
+  // which the caller unholds (their blocks are needed more than their copies).
   std::vector<BlockId> CancelQueuedStores();
   int32_t queued_stores() const;
 
@@ -201,11 +212,16 @@ class KvTiers {
           std::function<void(std::string)> log);
   // Indexes the blocks T2 found at start.
   void Recover();
-  void MoverLoop();
-  void RunStore(const Job& job, SlotBuffer& buffer);
-  void RunLoad(const Job& job, SlotBuffer& buffer);
-  absl::Status CopyOut(BlockId block, uint8_t* dst) const;
-  absl::Status CopyIn(const uint8_t* src, BlockId block) const;
+  // The mover's own copier (a CUDA stream of its own for a cuda pool) and slot buffer.
+  struct Mover {
+    std::unique_ptr<PoolCopier> copier;
+    std::vector<PoolCopier::Run> runs;  // a block's runs, reused
+  };
+  void MoverLoop(Mover& mover);
+  void RunStore(const Job& job, Mover& mover, SlotBuffer& buffer);
+  void RunLoad(const Job& job, Mover& mover, SlotBuffer& buffer);
+  // The 2 x num_layers runs of `block` in the pool, in a slot's data order.
+  void RunsOf(BlockId block, std::vector<PoolCopier::Run>* runs) const;
   void Post(Result result);
 
   // Ledger thread: slot bookkeeping.
@@ -224,7 +240,7 @@ class KvTiers {
   const uint64_t block_bytes_;
   const std::function<void(std::string)> log_;
   std::unique_ptr<DiskTier> disk_;
-  uint8_t* host_ = nullptr;  // T1: slots x block_bytes_
+  HostBuffer host_;  // T1: slots x block_bytes_ (page-locked beside a cuda pool)
   UniqueFd wake_fd_;
 
   // Ledger thread.
@@ -233,6 +249,8 @@ class KvTiers {
   uint64_t serial_ = 0;
   TierCounters counters_;
   std::array<bool, kNumRefusals> refusal_logged_{};
+  std::vector<Job> staged_stores_;  // Store and Load's, until Flush
+  std::vector<Job> staged_loads_;
   std::vector<std::pair<Tier, double>> load_seconds_;
 
   // Shared with the movers, under mu_.
@@ -242,6 +260,7 @@ class KvTiers {
   std::deque<Job> stores_;
   std::vector<Result> results_;
   bool stopping_ = false;
+  std::vector<Mover> mover_state_;  // one per mover thread, made before they start
   std::vector<std::thread> movers_;
 };
 

@@ -68,7 +68,8 @@ inline bool PollUntil(int wake_fd, const std::function<void()>& step,
 class Env {
  public:
   // A pool of `num_blocks` blocks and a directory named after the running test.
-  explicit Env(int32_t num_blocks) {
+  // A cuda pool on device 0 with PoolBackend::kCuda (the caller skips without a GPU).
+  explicit Env(int32_t num_blocks, PoolBackend backend = PoolBackend::kShm) {
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
     root_ = absl::StrCat(::testing::TempDir(), "/", info->test_suite_name(), "-", ::getpid(),
                          "-", info->name());
@@ -78,8 +79,10 @@ class Env {
     WriteModel(model_, 1);
     EXPECT_EQ(static_cast<uint64_t>(Spec().BytesPerBlock()), kBlockBytes);
     layout_ = *PoolLayout::For(Spec(), num_blocks);
-    auto memory = CreateShmPoolMemory(static_cast<uint64_t>(layout_.total_bytes),
-                                      absl::StrCat("tier-test-", ::getpid()));
+    auto memory = backend == PoolBackend::kCuda
+                      ? CreateCudaPoolMemory(0, static_cast<uint64_t>(layout_.total_bytes))
+                      : CreateShmPoolMemory(static_cast<uint64_t>(layout_.total_bytes),
+                                            absl::StrCat("tier-test-", ::getpid()));
     EXPECT_TRUE(memory.ok()) << memory.status();
     if (memory.ok()) memory_ = *std::move(memory);
   }
