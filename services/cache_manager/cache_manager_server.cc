@@ -462,6 +462,8 @@ int CacheManagerServer::DrainRequests() {
     } catch (const zmq::error_t& error) {
       queue_full = error.num() == EAGAIN;
     }
+    // The copies this request staged start now, after its reply (tier_coordinator.h).
+    service_->FlushTiers();
     if (!delivered) {
       // The client disconnected before its reply (its session stays until its process exits
       // or its lease expires), or it stopped reading and its queue is full. Either way the

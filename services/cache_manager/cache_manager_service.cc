@@ -173,6 +173,7 @@ void CacheManagerService::TakeLedgerEventsForTiers() {
 bool CacheManagerService::PollTiers(absl::Time now) {
   if (tiers_ == nullptr || !tiers_->Poll(now)) return false;
   TakeLedgerEventsForTiers();
+  tiers_->Flush();
   return true;
 }
 
@@ -182,6 +183,7 @@ void CacheManagerService::Handle(const std::optional<PeerCredentials>& peer,
                                  std::span<const uint8_t> request, absl::Time now,
                                  flatbuffers::FlatBufferBuilder* reply) {
   reply->Clear();
+  FlushTiers();
   const VerifiedEnvelope verified = VerifyEnvelope(request, options_.max_message_bytes);
   // Another user's process is served nothing, whatever it sent: not a session, not Stats,
   // not even a reason why its bytes are malformed.

@@ -217,6 +217,12 @@ class CacheManagerService {
   // With tiers: applies the mover's results (Options::tiers->wake_fd() is readable). True
   // when the ledger changed, so that events wait for TakeEventBatch.
   bool PollTiers(absl::Time now);
+  // With tiers: hands the copies the last messages staged to the movers. The server calls
+  // it after sending each reply (Handle calls it first too, so that nothing staged waits
+  // longer than the next message).
+  void FlushTiers() {
+    if (tiers_ != nullptr) tiers_->Flush();
+  }
   // The tier coordinator, or null without tiers.
   const TierCoordinator* tier_coordinator() const { return tiers_.get(); }
   // With tiers: the loads done since the last call and how long each took, by tier

@@ -54,7 +54,6 @@ void TierCoordinator::OnEvents(std::span<const BlockEvent> events) {
     ++held_;
     tiers_->Store(event.block, event.hash);
   }
-  tiers_->Flush();
 }
 
 std::optional<absl::Status> TierCoordinator::BeforeAllocate(const BlockOp& op, absl::Time now,
@@ -120,7 +119,6 @@ std::optional<absl::Status> TierCoordinator::BeforeAllocate(const BlockOp& op, a
   outcome->host_tokens = prefetch.host_blocks * block_size;
   outcome->disk_tokens = prefetch.disk_blocks * block_size;
   const int32_t pending = prefetch.pending;
-  tiers_->Flush();
   by_seq_[seq] = hashes[static_cast<size_t>(blocks - 1)];
   prefetches_[hashes[static_cast<size_t>(blocks - 1)]] = std::move(prefetch);
   return absl::UnavailableError(absl::StrCat("loading ", pending,

@@ -70,6 +70,11 @@ class TierCoordinator {
   // Applies the movers' results. True when the ledger changed (events to take).
   bool Poll(absl::Time now);
 
+  // Hands the stores and loads staged since the last call to the movers (KvTiers::Flush).
+  // The service's owner calls it once the reply that staged them is sent, so that the
+  // movers' wake-up and copies do not delay that reply; the holds were taken already.
+  void Flush() { tiers_->Flush(); }
+
   // Pool blocks held for stores now; prefetches loading and their blocks.
   int32_t held_blocks() const { return held_; }
   int32_t loading_prefetches() const;

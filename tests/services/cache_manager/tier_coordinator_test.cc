@@ -54,12 +54,14 @@ class TierCoordinatorTest : public ::testing::Test {
   void TakeEvents() { coordinator_->OnEvents(ledger_->TakeEvents()); }
   void ExpectInvariants() { EXPECT_THAT(ledger_->CheckInvariants(), IsOk()); }
 
-  // Polls the coordinator (taking the ledger's events after each change, as the service
-  // does) until `done` holds.
+  // Polls the coordinator (handing staged copies to the movers, as the server does after
+  // each reply, and taking the ledger's events after each change, as the service does)
+  // until `done` holds.
   void PollTill(const std::function<bool()>& done) {
     ASSERT_TRUE(PollUntil(
         tiers_->wake_fd(),
         [&] {
+          coordinator_->Flush();
           if (coordinator_->Poll(kT0)) TakeEvents();
           ExpectInvariants();
         },
