@@ -30,9 +30,11 @@ void TierCoordinator::OnEvents(std::span<const BlockEvent> events) {
   }
   // A block stored and then removed again within these events (evicted, perhaps reused for
   // other content already) no longer holds the hash its kStored names: never store it.
-  absl::flat_hash_set<BlockHash, BlockHashHasher> removed_later;
+  absl::flat_hash_set<BlockHash, BlockHashHasher>& removed_later = removed_later_;
+  removed_later.clear();
   bool cleared_later = false;
-  std::vector<bool> stale(events.size(), false);
+  std::vector<bool>& stale = stale_;
+  stale.assign(events.size(), false);
   for (size_t i = events.size(); i-- > 0;) {
     const BlockEvent& event = events[i];
     if (event.kind == BlockEvent::Kind::kAllCleared) {

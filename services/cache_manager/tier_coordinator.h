@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "common/block/block_hash.h"
@@ -109,6 +110,9 @@ class TierCoordinator {
   absl::flat_hash_map<BlockHash, Prefetch, BlockHashHasher> prefetches_;
   absl::flat_hash_map<SeqId, BlockHash> by_seq_;
   std::vector<tiers::KvTiers::Done> done_;  // Poll's scratch
+  // OnEvents' scratch: hashes removed later in the events, and which kStored are stale.
+  absl::flat_hash_set<BlockHash, BlockHashHasher> removed_later_;
+  std::vector<bool> stale_;
 };
 
 }  // namespace kvcm
