@@ -51,6 +51,7 @@
 #include <string_view>
 #include <vector>
 
+#include "bench/allocation_trace.h"
 #include "common/base/check.h"
 #include "common/block/block_hash.h"
 #include "common/block/block_ledger.h"
@@ -58,76 +59,12 @@
 namespace kvcm {
 namespace {
 
-struct Request {
-  int32_t prompt = 0;
-  int32_t generated = 0;
-  int32_t sys_id = -1;
-  int64_t offset = 0;      // of its prompt in Trace::tokens
-  int64_t gen_offset = 0;  // of its generated tokens in Trace::generated
-};
-
-struct Trace {
-  int32_t num_blocks = 0;
-  int32_t block_size = 0;
-  int32_t max_live = 0;
-  uint64_t seed = 0;
-  std::vector<Request> requests;
-  std::vector<int32_t> tokens;
-  // Generated tokens, drawn before any clock starts (the router has them from the executor).
-  std::vector<int32_t> generated;
-};
-
-int32_t GeneratedToken(uint64_t request, int64_t position);
-
-uint32_t U32At(const std::string& b, size_t at) {
-  uint32_t v;
-  std::memcpy(&v, b.data() + at, sizeof(v));
-  return v;
-}
+using Request = bench::TraceRequest;
+using Trace = bench::AllocationTrace;
+using bench::GeneratedToken;
 
 Trace ReadTrace(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  KVCM_CHECK(in) << "cannot open trace " << path;
-  std::string head(8 + 6 * 4 + 2 * 8, '\0');
-  in.read(head.data(), static_cast<std::streamsize>(head.size()));
-  KVCM_CHECK(in && head.compare(0, 8, "KVTRACE1") == 0) << path << " is not a KVTRACE1 file";
-  Trace t;
-  t.num_blocks = static_cast<int32_t>(U32At(head, 8));
-  t.block_size = static_cast<int32_t>(U32At(head, 12));
-  const uint32_t n = U32At(head, 16);
-  t.max_live = static_cast<int32_t>(U32At(head, 20));
-  std::memcpy(&t.seed, head.data() + 32, sizeof(t.seed));
-  uint64_t total = 0;
-  std::memcpy(&total, head.data() + 40, sizeof(total));
-  std::vector<int32_t> table(static_cast<size_t>(n) * 3);
-  in.read(reinterpret_cast<char*>(table.data()),
-          static_cast<std::streamsize>(table.size() * sizeof(int32_t)));
-  t.tokens.resize(total);
-  in.read(reinterpret_cast<char*>(t.tokens.data()),
-          static_cast<std::streamsize>(total * sizeof(int32_t)));
-  KVCM_CHECK(in) << path << " is truncated";
-  int64_t offset = 0;
-  t.requests.resize(n);
-  for (uint32_t i = 0; i < n; ++i) {
-    Request& r = t.requests[i];
-    r.prompt = table[3 * i];
-    r.generated = table[3 * i + 1];
-    r.sys_id = table[3 * i + 2];
-    r.offset = offset;
-    offset += r.prompt;
-    r.gen_offset = static_cast<int64_t>(t.generated.size());
-    for (int32_t g = 0; g < r.generated; ++g) t.generated.push_back(GeneratedToken(i, r.prompt + g));
-  }
-  KVCM_CHECK(offset == static_cast<int64_t>(total)) << "prompt lengths do not add up";
-  return t;
-}
-
-// The generated token at `position` of request `request`: a fixed function (splitmix64).
-int32_t GeneratedToken(uint64_t request, int64_t position) {
-  uint64_t z = (request << 32) + static_cast<uint64_t>(position) + 0x9e3779b97f4a7c15ULL;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return static_cast<int32_t>((z ^ (z >> 31)) % 128000);
+  return bench::ReadAllocationTrace(path, /*draw_generated=*/true);
 }
 
 enum class Growth { kPerToken, kPerBlock };

@@ -49,6 +49,7 @@
 #include <xxhash.h>
 
 #include "absl/strings/str_cat.h"
+#include "bench/allocation_trace.h"
 #include "common/base/check.h"
 #include "common/block/block_hash.h"
 #include "common/memory/pool_layout.h"
@@ -81,17 +82,6 @@ BlockHash HashOf(uint64_t seed, int i) {
   return Xxh3Digest({reinterpret_cast<const uint8_t*>(message.data()), message.size()});
 }
 
-std::string CpuModel() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("model name", 0) == 0) {
-      const size_t colon = line.find(':');
-      if (colon != std::string::npos) return line.substr(colon + 2);
-    }
-  }
-  return "unknown";
-}
 
 std::string FileSystem(const std::string& path) {
   struct statfs s {};
@@ -445,7 +435,7 @@ int Main(int argc, char** argv) {
   }
   const std::string root = pattern;
 
-  std::printf("cpu: %s (%ld online)\n", CpuModel().c_str(), ::sysconf(_SC_NPROCESSORS_ONLN));
+  std::printf("cpu: %s (%ld online)\n", bench::CpuModel().c_str(), ::sysconf(_SC_NPROCESSORS_ONLN));
   std::printf("directory: %s on %s\n", root.c_str(), FileSystem(root).c_str());
   std::printf("blocks: %d x %llu bytes (%s), seed %llu, best of %d reps\n", flags.blocks,
               static_cast<unsigned long long>(block_bytes), spec.ToString().c_str(),

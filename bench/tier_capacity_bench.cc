@@ -59,6 +59,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
+#include "bench/allocation_trace.h"
 #include "common/base/check.h"
 #include "common/block/block_hash.h"
 #include "common/block/block_ledger.h"
@@ -66,65 +67,12 @@
 namespace kvcm {
 namespace {
 
-struct Request {
-  int32_t prompt = 0;
-  int32_t generated = 0;
-  int64_t offset = 0;  // of its prompt in Trace::tokens
-};
+using Request = bench::TraceRequest;
+using Trace = bench::AllocationTrace;
+using bench::GeneratedToken;
 
-struct Trace {
-  int32_t num_blocks = 0;
-  int32_t block_size = 0;
-  int32_t max_live = 0;
-  uint64_t seed = 0;
-  std::vector<Request> requests;
-  std::vector<int32_t> tokens;
-};
-
-uint32_t U32At(const std::string& b, size_t at) {
-  uint32_t v;
-  std::memcpy(&v, b.data() + at, sizeof(v));
-  return v;
-}
-
-// As bench/ledger_trace_bench.cc reads it.
 Trace ReadTrace(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  KVCM_CHECK(in) << "cannot open trace " << path;
-  std::string head(8 + 6 * 4 + 2 * 8, '\0');
-  in.read(head.data(), static_cast<std::streamsize>(head.size()));
-  KVCM_CHECK(in && head.compare(0, 8, "KVTRACE1") == 0) << path << " is not a KVTRACE1 file";
-  Trace t;
-  t.num_blocks = static_cast<int32_t>(U32At(head, 8));
-  t.block_size = static_cast<int32_t>(U32At(head, 12));
-  const uint32_t n = U32At(head, 16);
-  t.max_live = static_cast<int32_t>(U32At(head, 20));
-  std::memcpy(&t.seed, head.data() + 32, sizeof(t.seed));
-  uint64_t total = 0;
-  std::memcpy(&total, head.data() + 40, sizeof(total));
-  std::vector<int32_t> table(static_cast<size_t>(n) * 3);
-  in.read(reinterpret_cast<char*>(table.data()),
-          static_cast<std::streamsize>(table.size() * sizeof(int32_t)));
-  t.tokens.resize(total);
-  in.read(reinterpret_cast<char*>(t.tokens.data()),
-          static_cast<std::streamsize>(total * sizeof(int32_t)));
-  KVCM_CHECK(in) << path << " is truncated";
-  int64_t offset = 0;
-  t.requests.resize(n);
-  for (uint32_t i = 0; i < n; ++i) {
-    t.requests[i] = {table[3 * i], table[3 * i + 1], offset};
-    offset += table[3 * i];
-  }
-  KVCM_CHECK(offset == static_cast<int64_t>(total)) << "prompt lengths do not add up";
-  return t;
-}
-
-// The generated token at `position` of request `request`: bench/ledger_trace_bench.cc's.
-int32_t GeneratedToken(uint64_t request, int64_t position) {
-  uint64_t z = (request << 32) + static_cast<uint64_t>(position) + 0x9e3779b97f4a7c15ULL;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return static_cast<int32_t>((z ^ (z >> 31)) % 128000);
+  return bench::ReadAllocationTrace(path, /*draw_generated=*/false);
 }
 
 // The tiers' index as the cache manager keeps it (services/cache_manager/tiers/kv_tiers.cc),
@@ -317,17 +265,6 @@ ReplayResult Replay(const Trace& t, int32_t num_blocks, std::vector<TierModel>* 
   return result;
 }
 
-std::string CpuModel() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("model name", 0) == 0) {
-      const size_t colon = line.find(':');
-      if (colon != std::string::npos) return line.substr(colon + 2);
-    }
-  }
-  return "unknown";
-}
 
 double Percent(uint64_t part, uint64_t whole) {
   return whole == 0 ? 0 : 100.0 * static_cast<double>(part) / static_cast<double>(whole);
@@ -365,7 +302,7 @@ int Main(int argc, char** argv) {
     return 2;
   }
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
-  std::printf("cpu: %s (counts only: nothing here is timed)\n", CpuModel().c_str());
+  std::printf("cpu: %s (counts only: nothing here is timed)\n", bench::CpuModel().c_str());
   Trace trace = ReadTrace(trace_path);
   if (requests > 0 && requests < trace.requests.size()) trace.requests.resize(requests);
   int64_t entries = 0;

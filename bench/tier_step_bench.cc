@@ -56,6 +56,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench/allocation_trace.h"
 #include "common/base/check.h"
 #include "common/block/block_hash.h"
 #include "common/client/cache_manager_client.h"
@@ -166,17 +167,6 @@ uint64_t ProcessCpuNs(pid_t pid) {
   return total;
 }
 
-std::string CpuModel() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("model name", 0) == 0) {
-      const size_t colon = line.find(':');
-      if (colon != std::string::npos) return line.substr(colon + 2);
-    }
-  }
-  return "unknown";
-}
 
 struct Side {
   explicit Side(const char* side_name) : name(side_name) {}
@@ -243,7 +233,7 @@ int Main(int argc, char** argv) {
   const int steps = FlagInt(argc, argv, "--steps", 500);   // per run
   const int rounds = FlagInt(argc, argv, "--rounds", 16);
   const int paced_steps = FlagInt(argc, argv, "--paced-steps", 125);  // per run
-  std::printf("cpu: %s (%ld online); nothing random (no seed)\n", CpuModel().c_str(),
+  std::printf("cpu: %s (%ld online); nothing random (no seed)\n", bench::CpuModel().c_str(),
               ::sysconf(_SC_NPROCESSORS_ONLN));
 
   absl::StatusOr<testing::TempDir> dir = testing::TempDir::Create("kvcm-tier-step");
