@@ -102,8 +102,6 @@ absl::StatusOr<std::unique_ptr<KvTiers>> KvTiers::Create(const TierOptions& opti
     tiers->tiers_[kDisk].count = tiers->disk_->num_slots();
   }
   for (TierSlots& t : tiers->tiers_) {
-    t.holder.resize(static_cast<size_t>(t.count));
-    t.used.assign(static_cast<size_t>(t.count), false);
     t.free.reserve(static_cast<size_t>(t.count));
     for (int32_t s = t.count - 1; s >= 0; --s) t.free.push_back(s);  // lowest first
   }
@@ -129,8 +127,6 @@ void KvTiers::Recover() {
     Entry& entry = index_[r.hash];
     entry.slot[kDisk] = r.slot;
     entry.ready[kDisk] = true;
-    t.holder[static_cast<size_t>(r.slot)] = r.hash;
-    t.used[static_cast<size_t>(r.slot)] = true;
     taken[static_cast<size_t>(r.slot)] = true;
     ++t.ready;
     Touch(Tier::kDisk, r.hash, entry);
@@ -213,7 +209,7 @@ int32_t KvTiers::TakeSlot(Tier tier) {
       continue;
     }
     const int32_t slot = entry.slot[i];
-    DropSlot(tier, hash, entry);
+    DropSlot(tier, entry);
     ++counters_.evicted[static_cast<size_t>(i)];
     EraseIfEmpty(hash);
     t.free.pop_back();  // DropSlot freed it
@@ -222,8 +218,7 @@ int32_t KvTiers::TakeSlot(Tier tier) {
   return -1;
 }
 
-void KvTiers::DropSlot(Tier tier, const BlockHash& hash, Entry& entry) {
-  (void)hash;
+void KvTiers::DropSlot(Tier tier, Entry& entry) {
   const int i = static_cast<int>(tier);
   TierSlots& t = tiers_[i];
   const int32_t slot = entry.slot[i];
@@ -233,7 +228,6 @@ void KvTiers::DropSlot(Tier tier, const BlockHash& hash, Entry& entry) {
   } else {
     --t.writing;
   }
-  t.used[static_cast<size_t>(slot)] = false;
   t.free.push_back(slot);
   entry.slot[i] = -1;
   entry.ready[i] = false;
@@ -266,8 +260,6 @@ void KvTiers::Store(BlockId block, const BlockHash& hash) {
     const int32_t slot = TakeSlot(static_cast<Tier>(i));
     if (slot < 0) continue;
     TierSlots& t = tiers_[i];
-    t.used[static_cast<size_t>(slot)] = true;
-    t.holder[static_cast<size_t>(slot)] = hash;
     ++t.writing;
     entry.slot[i] = slot;
     job.slot[i] = slot;
@@ -322,7 +314,7 @@ std::vector<BlockId> KvTiers::CancelQueuedStores() {
     auto it = index_.find(job.hash);
     if (it != index_.end()) {
       for (int i = 0; i < kNumTiers; ++i) {
-        if (job.slot[i] >= 0) DropSlot(static_cast<Tier>(i), job.hash, it->second);
+        if (job.slot[i] >= 0) DropSlot(static_cast<Tier>(i), it->second);
       }
       EraseIfEmpty(job.hash);
     }
@@ -386,7 +378,7 @@ void KvTiers::ApplyResult(Result& result, std::vector<Done>* out) {
         } else if (counters_.write_errors++ == 0) {
           log_(absl::StrCat("disk tier write failed: ", written.message()));
         }
-        DropSlot(static_cast<Tier>(i), job.hash, entry);
+        DropSlot(static_cast<Tier>(i), entry);
       }
       EraseIfEmpty(job.hash);
       return;
@@ -399,7 +391,7 @@ void KvTiers::ApplyResult(Result& result, std::vector<Done>* out) {
         --it->second.readers;
         if (result.kind == Result::Kind::kLoadFailed && job.source == Tier::kDisk &&
             it->second.slot[i] == job.slot[i]) {
-          DropSlot(Tier::kDisk, job.hash, it->second);
+          DropSlot(Tier::kDisk, it->second);
         }
         EraseIfEmpty(job.hash);
       }

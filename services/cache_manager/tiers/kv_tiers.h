@@ -182,8 +182,6 @@ class KvTiers {
   struct TierSlots {
     int32_t count = 0;
     std::vector<int32_t> free;                   // unused slots
-    std::vector<BlockHash> holder;               // by slot: the hash it is for
-    std::vector<bool> used;
     std::deque<std::pair<BlockHash, uint64_t>> lru;  // (hash, tick), oldest first; stale
                                                      // entries are skipped
     uint64_t clock = 0;
@@ -229,7 +227,7 @@ class KvTiers {
   // no load reads (its block leaves the index); -1 when there is none.
   int32_t TakeSlot(Tier tier);
   void Touch(Tier tier, const BlockHash& hash, Entry& entry);
-  void DropSlot(Tier tier, const BlockHash& hash, Entry& entry);
+  void DropSlot(Tier tier, Entry& entry);
   void EraseIfEmpty(const BlockHash& hash);
   void ApplyResult(Result& result, std::vector<Done>* out);
   void CountRefusal(Refusal refusal, int32_t slot);
