@@ -26,6 +26,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -176,14 +177,23 @@ bool ParseReplies(std::string_view bytes, std::vector<Reply>* replies) {
 // Sends `input` in pieces of `piece` bytes (0: one piece) to the server, half-closes, and
 // returns all that comes back until the server closes.
 std::string Exchange(Server& server, std::string_view input, size_t piece) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  Check(fd >= 0, "cannot make a socket");
   sockaddr_in address{};
   address.sin_family = AF_INET;
   address.sin_port = htons(static_cast<uint16_t>(server.port));
   address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  Check(::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) == 0,
-        "cannot connect");
-  ::fcntl(fd, F_SETFL, O_NONBLOCK);
+  // Non-blocking, and waited for: libFuzzer's SIGALRM (its -timeout watchdog, no SA_RESTART)
+  // made a blocking connect return EINTR now and then, which read as a broken contract.
+  if (::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) != 0) {
+    Check(errno == EINPROGRESS || errno == EINTR, "cannot connect");
+    pollfd p{fd, POLLOUT, 0};
+    while (::poll(&p, 1, -1) < 0) Check(errno == EINTR, "cannot wait for the connection");
+    int error = 0;
+    socklen_t length = sizeof(error);
+    Check(::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length) == 0 && error == 0,
+          "cannot connect");
+  }
   std::string received;
   size_t sent = 0;
   bool shut = false;
