@@ -186,13 +186,14 @@ std::string Exchange(Server& server, std::string_view input, size_t piece) {
   // Non-blocking, and waited for: libFuzzer's SIGALRM (its -timeout watchdog, no SA_RESTART)
   // made a blocking connect return EINTR now and then, which read as a broken contract.
   if (::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) != 0) {
-    Check(errno == EINPROGRESS || errno == EINTR, "cannot connect");
+    Check(errno == EINPROGRESS || errno == EINTR,
+          absl::StrCat("cannot connect: ", std::strerror(errno)));
     pollfd p{fd, POLLOUT, 0};
     while (::poll(&p, 1, -1) < 0) Check(errno == EINTR, "cannot wait for the connection");
     int error = 0;
     socklen_t length = sizeof(error);
     Check(::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length) == 0 && error == 0,
-          "cannot connect");
+          absl::StrCat("cannot connect: ", std::strerror(error)));
   }
   std::string received;
   size_t sent = 0;
