@@ -211,6 +211,17 @@ constexpr MetricSpec kTierBytesWritten{
 constexpr MetricSpec kTierBytesRead{
     "kvcm_cache_manager_tier_bytes_read_total", MetricType::Counter, "",
     "Bytes read from the disk tier (whole slots)."};
+constexpr MetricSpec kTierSyncs{
+    "kvcm_cache_manager_tier_syncs_total", MetricType::Counter, "",
+    "fdatasync rounds of the disk tier's files (at most one per --disk-tier-sync-ms while "
+    "blocks are written)."};
+constexpr MetricSpec kTierSyncErrors{
+    "kvcm_cache_manager_tier_sync_errors_total", MetricType::Counter, "",
+    "Disk tier files whose fdatasync failed; the sync is tried again at the next interval."};
+constexpr MetricSpec kTierUnsyncedWrites{
+    "kvcm_cache_manager_tier_unsynced_writes", MetricType::Gauge, "",
+    "Disk tier writes done but not yet covered by a sync: a crash of the machine may lose "
+    "them, a crash of the process does not."};
 constexpr MetricSpec kTierLoadSeconds{
     "kvcm_cache_manager_tier_load_seconds", MetricType::Histogram, "tier",
     "Time a mover took to copy one block from a tier into the pool, by tier (disk: read "
@@ -271,6 +282,9 @@ constexpr std::array kSpecs = {
     kTierRecoveredBlocks,
     kTierBytesWritten,
     kTierBytesRead,
+    kTierSyncs,
+    kTierSyncErrors,
+    kTierUnsyncedWrites,
     kTierLoadSeconds,
 };
 
@@ -463,6 +477,9 @@ class CacheManagerMetrics::SnapshotCollector : public prometheus::Collectable {
     add(kTierRecoveredBlocks, static_cast<double>(c.recovered));
     add(kTierBytesWritten, static_cast<double>(c.bytes_written));
     add(kTierBytesRead, static_cast<double>(c.bytes_read));
+    add(kTierSyncs, static_cast<double>(c.syncs));
+    add(kTierSyncErrors, static_cast<double>(c.sync_errors));
+    add(kTierUnsyncedWrites, static_cast<double>(t.unsynced_writes));
   }
 
   const CacheInfo info_;

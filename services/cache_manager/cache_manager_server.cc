@@ -183,7 +183,10 @@ absl::StatusOr<std::unique_ptr<CacheManagerServer>> CacheManagerServer::Create(
   if (options.tiers.enabled()) {
     tiers::KvTiers::PoolAccess access{server->memory_.get(), *layout,
                                       service_options.spec.num_layers};
-    auto tiers = tiers::KvTiers::Create(options.tiers, service_options.spec,
+    tiers::TierOptions tier_options = options.tiers;
+    // The vLLM-format stream announces what the tiers gain and lose.
+    tier_options.record_events = options.vllm_events.has_value();
+    auto tiers = tiers::KvTiers::Create(tier_options, service_options.spec,
                                         service_options.hash_algorithm, access,
                                         [](std::string line) { Log(line); });
     if (!tiers.ok()) return tiers.status();
@@ -236,7 +239,6 @@ absl::StatusOr<std::unique_ptr<CacheManagerServer>> CacheManagerServer::Create(
   if (options.vllm_events.has_value()) {
     VllmEventPublisher::Options vllm = *options.vllm_events;
     vllm.info.block_size = server->service_->ledger().block_size();
-    vllm.info.medium = server->memory_->backend() == PoolBackend::kCuda ? "GPU" : "CPU";
     vllm.seq_file = server->run_dir_.File(RunDirectory::kVllmEventsSeqFile);
     auto publisher = VllmEventPublisher::Create(server->context_, vllm, metrics);
     if (!publisher.ok()) return publisher.status();

@@ -155,11 +155,16 @@ CacheManagerService::CacheManagerService(const Options& options, BlockLedger led
       start_time_(now),
       sessions_({.epoch = options.epoch, .heartbeat_timeout = options.heartbeat_timeout}),
       steps_(&ledger_, {.max_sequences_per_session = options.max_sequences_per_session}),
-      vllm_(ledger_.block_size(), options.hash_algorithm) {
+      vllm_(ledger_.block_size(), options.hash_algorithm,
+            options.pool.backend == wire::PoolBackend::Cuda ? VllmMedium::kGpu
+                                                            : VllmMedium::kCpu) {
   if (options.tiers != nullptr) {
-    tiers_ = std::make_unique<TierCoordinator>(
-        options.tiers, &ledger_,
-        TierCoordinator::Options{.load_timeout = options.tiers->options().load_timeout});
+    TierCoordinator::Options tier_options;
+    tier_options.load_timeout = options.tiers->options().load_timeout;
+    if (options.vllm_events) {
+      tier_options.commit_tokens = [this](BlockId block) { return vllm_.CommitTokens(block); };
+    }
+    tiers_ = std::make_unique<TierCoordinator>(options.tiers, &ledger_, std::move(tier_options));
   }
 }
 
@@ -171,7 +176,8 @@ void CacheManagerService::TakeLedgerEventsForTiers() {
 }
 
 bool CacheManagerService::PollTiers(absl::Time now) {
-  if (tiers_ == nullptr || !tiers_->Poll(now)) return false;
+  if (tiers_ == nullptr) return false;
+  if (!tiers_->Poll(now)) return tiers_->tiers().has_events();  // only the tiers changed
   TakeLedgerEventsForTiers();
   tiers_->Flush();
   return true;
@@ -1000,7 +1006,10 @@ uint64_t CacheManagerService::TakeEventBatch(flatbuffers::FlatBufferBuilder* out
     pending_events_.clear();
   }
   // Even an empty batch: the commits' token ids are not kept past it.
-  if (options_.vllm_events) vllm_.AddBatch(events, announce_cleared_);
+  if (options_.vllm_events) {
+    vllm_.AddBatch(events, announce_cleared_);
+    if (tiers_ != nullptr) vllm_.AddTierEvents(tiers_->tiers().TakeEvents());
+  }
   if (events.empty() && !announce_cleared_) return 0;
   out->Clear();
   KvEventBatch batch;

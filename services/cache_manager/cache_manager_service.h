@@ -215,7 +215,7 @@ class CacheManagerService {
   CacheManagerSnapshot Snapshot() const;
 
   // With tiers: applies the mover's results (Options::tiers->wake_fd() is readable). True
-  // when the ledger changed, so that events wait for TakeEventBatch.
+  // when the ledger or the tiers changed, so that events wait for TakeEventBatch.
   bool PollTiers(absl::Time now);
   // With tiers: hands the copies the last messages staged to the movers. The server calls
   // it after sending each reply (Handle calls it first too, so that nothing staged waits

@@ -132,6 +132,10 @@ ABSL_FLAG(int32_t, tier_load_timeout_ms, 2000,
           "what did not arrive is computed.");
 ABSL_FLAG(bool, disk_tier_direct_io, true,
           "Read and write the disk tier with O_DIRECT where the file system allows it.");
+ABSL_FLAG(int32_t, disk_tier_sync_ms, 1000,
+          "At most this often, fdatasync the disk tier's files when blocks were written since "
+          "the last sync (a mover thread does it): a block survives a crash of the machine "
+          "this long after its write. 0: after every write.");
 
 namespace kvcm {
 namespace {
@@ -225,6 +229,7 @@ absl::StatusOr<tiers::TierOptions> TierOptionsFromFlags() {
   options.mover_threads = absl::GetFlag(FLAGS_tier_mover_threads);
   options.load_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_tier_load_timeout_ms));
   options.direct_io = absl::GetFlag(FLAGS_disk_tier_direct_io);
+  options.disk_sync_interval = absl::Milliseconds(absl::GetFlag(FLAGS_disk_tier_sync_ms));
   if (absl::Status checked = tiers::CheckTierOptions(options); !checked.ok()) return checked;
   return options;
 }

@@ -54,7 +54,15 @@ void TierCoordinator::OnEvents(std::span<const BlockEvent> events) {
     // stored block is held until the mover has read it.
     if (!ledger_->Hold(event.block).ok()) continue;
     ++held_;
-    tiers_->Store(event.block, event.hash);
+    tiers::BlockLineage lineage;
+    lineage.parent = event.parent_hash;
+    lineage.has_parent = event.has_parent;
+    if (options_.commit_tokens) {
+      if (const std::vector<int32_t>* tokens = options_.commit_tokens(event.block)) {
+        lineage.tokens = *tokens;
+      }
+    }
+    tiers_->Store(event.block, event.hash, std::move(lineage));
   }
 }
 

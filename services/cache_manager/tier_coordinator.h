@@ -25,6 +25,7 @@
 // Thread safety: none; the service's thread.
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <span>
 #include <vector>
@@ -51,6 +52,10 @@ class TierCoordinator {
  public:
   struct Options {
     absl::Duration load_timeout = absl::Seconds(2);
+    // The token ids the commits brought for a pool block (VllmConverter::CommitTokens), or
+    // null: a stored block's lineage, kept in T2's slot header and announced by the
+    // vLLM-format events. Unset: no tokens.
+    std::function<const std::vector<int32_t>*(BlockId)> commit_tokens;
   };
 
   // `tiers` and `ledger` outlive the coordinator.

@@ -8,8 +8,11 @@
 
 namespace kvcm {
 
-VllmConverter::VllmConverter(int32_t block_size, HashAlgorithm algorithm)
-    : block_size_(static_cast<size_t>(block_size)), algorithm_(algorithm) {
+VllmConverter::VllmConverter(int32_t block_size, HashAlgorithm algorithm,
+                             VllmMedium pool_medium)
+    : block_size_(static_cast<size_t>(block_size)),
+      algorithm_(algorithm),
+      pool_medium_(pool_medium) {
   KVCM_CHECK(block_size > 0);
 }
 
@@ -27,11 +30,96 @@ void VllmConverter::AddCommitTokens(std::span<const BlockId> block_table,
   }
 }
 
+const std::vector<int32_t>* VllmConverter::CommitTokens(BlockId block) const {
+  auto it = commit_tokens_.find(block);
+  return it == commit_tokens_.end() ? nullptr : &it->second;
+}
+
 void VllmConverter::Clear() {
-  stored_.clear();
+  published_.clear();
   VllmEvent event;
   event.kind = VllmEvent::Kind::kAllBlocksCleared;
   pending_.push_back(std::move(event));
+}
+
+VllmMedium VllmConverter::MediumOf(Place place) const {
+  switch (place) {
+    case kPool:
+      return pool_medium_;
+    case kHostTier:
+      return VllmMedium::kCpu;
+    case kDiskTier:
+      return VllmMedium::kDisk;
+  }
+  return pool_medium_;
+}
+
+uint8_t VllmConverter::PlacesOf(uint8_t places, VllmMedium medium) const {
+  uint8_t of = 0;
+  for (Place place : {kPool, kHostTier, kDiskTier}) {
+    if ((places & place) != 0 && MediumOf(place) == medium) of |= place;
+  }
+  return of;
+}
+
+bool VllmConverter::Store(Place place, const BlockHash& hash, const BlockHash* parent,
+                          std::span<const int32_t> tokens) {
+  if (tokens.size() != block_size_) return false;
+  const uint64_t id = VllmBlockId(hash, algorithm_);
+  auto [it, inserted] = published_.try_emplace(id, Published{hash, 0, {}});
+  // Another hash with the same 64 bits is published already: a consumer could not tell
+  // them apart, so this one is left out.
+  if (!inserted && !(it->second.hash == hash)) return false;
+  const VllmMedium medium = MediumOf(place);
+  const bool announced = PlacesOf(it->second.places, medium) != 0;
+  it->second.places |= place;
+  if (inserted) it->second.tokens.assign(tokens.begin(), tokens.end());
+  if (announced) return true;
+  const std::optional<uint64_t> parent_id =
+      parent != nullptr ? std::optional<uint64_t>(VllmBlockId(*parent, algorithm_)) : std::nullopt;
+  // The block continues the previous event's chain in the same medium: one event for both.
+  // Ids stay unique within the event (parent included), which consumers require.
+  VllmEvent* last = pending_.empty() ? nullptr : &pending_.back();
+  const bool extends =
+      last != nullptr && last->kind == VllmEvent::Kind::kBlockStored &&
+      last->medium == medium && parent_id && *parent_id == last->block_hashes.back() &&
+      std::find(last->block_hashes.begin(), last->block_hashes.end(), id) ==
+          last->block_hashes.end() &&
+      last->parent_block_hash != id;
+  if (!extends) {
+    VllmEvent stored;
+    stored.kind = VllmEvent::Kind::kBlockStored;
+    stored.parent_block_hash = parent_id;
+    stored.medium = medium;
+    pending_.push_back(std::move(stored));
+    last = &pending_.back();
+  }
+  last->block_hashes.push_back(id);
+  for (int32_t token : tokens) last->token_ids.push_back(static_cast<uint32_t>(token));
+  return true;
+}
+
+void VllmConverter::Remove(Place place, const BlockHash& hash) {
+  auto it = published_.find(VllmBlockId(hash, algorithm_));
+  // Never published here (or published for the other hash of a clash).
+  if (it == published_.end() || !(it->second.hash == hash) || (it->second.places & place) == 0) {
+    return;
+  }
+  it->second.places &= static_cast<uint8_t>(~place);
+  const VllmMedium medium = MediumOf(place);
+  const uint64_t id = it->first;
+  const bool still_there = PlacesOf(it->second.places, medium) != 0;
+  if (it->second.places == 0) published_.erase(it);
+  if (still_there) return;
+  VllmEvent* last = pending_.empty() ? nullptr : &pending_.back();
+  if (last == nullptr || last->kind != VllmEvent::Kind::kBlockRemoved || last->medium != medium) {
+    VllmEvent removed;
+    removed.kind = VllmEvent::Kind::kBlockRemoved;
+    removed.medium = medium;
+    pending_.push_back(std::move(removed));
+    last = &pending_.back();
+  }
+  last->block_hashes.push_back(id);
 }
 
 void VllmConverter::AddBatch(std::span<const BlockEvent> events, bool cleared) {
@@ -39,56 +127,21 @@ void VllmConverter::AddBatch(std::span<const BlockEvent> events, bool cleared) {
   for (const BlockEvent& event : events) {
     switch (event.kind) {
       case BlockEvent::Kind::kStored: {
-        auto tokens = commit_tokens_.find(event.block);
-        if (tokens == commit_tokens_.end() || tokens->second.size() != block_size_) {
+        std::span<const int32_t> tokens;
+        if (auto committed = commit_tokens_.find(event.block); committed != commit_tokens_.end()) {
+          tokens = committed->second;
+        } else if (auto known = published_.find(VllmBlockId(event.hash, algorithm_));
+                   known != published_.end() && known->second.hash == event.hash) {
+          tokens = known->second.tokens;  // loaded from a tier that announced it
+        }
+        if (!Store(kPool, event.hash, event.has_parent ? &event.parent_hash : nullptr, tokens)) {
           ++blocks_without_tokens_;
-          break;
-        }
-        const uint64_t id = VllmBlockId(event.hash, algorithm_);
-        if (!stored_.insert(id).second) {
-          // Another hash with the same 64 bits is stored already: a consumer could not tell
-          // them apart, so this one is left out.
-          ++blocks_without_tokens_;
-          break;
-        }
-        const std::optional<uint64_t> parent =
-            event.has_parent ? std::optional<uint64_t>(VllmBlockId(event.parent_hash, algorithm_))
-                             : std::nullopt;
-        // The block continues the previous event's chain: one event for both. Ids stay
-        // unique within the event (parent included), which consumers require.
-        VllmEvent* last = pending_.empty() ? nullptr : &pending_.back();
-        const bool extends =
-            last != nullptr && last->kind == VllmEvent::Kind::kBlockStored && parent &&
-            *parent == last->block_hashes.back() &&
-            std::find(last->block_hashes.begin(), last->block_hashes.end(), id) ==
-                last->block_hashes.end() &&
-            last->parent_block_hash != id;
-        if (!extends) {
-          VllmEvent stored;
-          stored.kind = VllmEvent::Kind::kBlockStored;
-          stored.parent_block_hash = parent;
-          pending_.push_back(std::move(stored));
-          last = &pending_.back();
-        }
-        last->block_hashes.push_back(id);
-        for (int32_t token : tokens->second) {
-          last->token_ids.push_back(static_cast<uint32_t>(token));
         }
         break;
       }
-      case BlockEvent::Kind::kRemoved: {
-        const uint64_t id = VllmBlockId(event.hash, algorithm_);
-        if (stored_.erase(id) == 0) break;  // never published
-        VllmEvent* last = pending_.empty() ? nullptr : &pending_.back();
-        if (last == nullptr || last->kind != VllmEvent::Kind::kBlockRemoved) {
-          VllmEvent removed;
-          removed.kind = VllmEvent::Kind::kBlockRemoved;
-          pending_.push_back(std::move(removed));
-          last = &pending_.back();
-        }
-        last->block_hashes.push_back(id);
+      case BlockEvent::Kind::kRemoved:
+        Remove(kPool, event.hash);
         break;
-      }
       case BlockEvent::Kind::kAllCleared:
         Clear();
         break;
@@ -96,6 +149,21 @@ void VllmConverter::AddBatch(std::span<const BlockEvent> events, bool cleared) {
   }
   // Tokens of blocks that stored nothing (indexed already) are not kept past their batch.
   commit_tokens_.clear();
+}
+
+void VllmConverter::AddTierEvents(std::span<const tiers::TierEvent> events) {
+  for (const tiers::TierEvent& event : events) {
+    const Place place = event.tier == tiers::Tier::kHost ? kHostTier : kDiskTier;
+    if (event.kind == tiers::TierEvent::Kind::kRemoved) {
+      Remove(place, event.hash);
+      continue;
+    }
+    const tiers::BlockLineage& lineage = event.lineage;
+    if (!Store(place, event.hash, lineage.has_parent ? &lineage.parent : nullptr,
+               lineage.tokens)) {
+      ++blocks_without_tokens_;
+    }
+  }
 }
 
 std::vector<VllmEvent> VllmConverter::Take() {

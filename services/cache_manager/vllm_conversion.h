@@ -1,19 +1,26 @@
 #pragma once
-// VllmConverter: the cache manager's ledger events turned into vLLM-format KV events
-// (docs/protocol.md, "vLLM-format KV events"; the values and their encoding are
-// vllm_events.h's, the sockets VllmEventPublisher's).
+// VllmConverter: the cache manager's ledger events and its tiers' events turned into
+// vLLM-format KV events (docs/protocol.md, "vLLM-format KV events"; the values and their
+// encoding are vllm_events.h's, the sockets VllmEventPublisher's).
 //
 // In: the ledger's BlockEvents, one batch at a time (as CacheManagerService::TakeEventBatch
 // takes them), and before each batch the token ids the batch's commits carried
-// (AddCommitTokens). Out: VllmEvents in the ledger's order (Take):
+// (AddCommitTokens); after it, the host and disk tiers' TierEvents (AddTierEvents), which
+// carry their blocks' tokens. Out: VllmEvents in that order (Take), each naming its medium:
+// the pool's (GPU for a cuda pool, CPU for a shm pool), CPU for the host tier, DISK for the
+// disk tier. A block is announced stored in a medium when the first place of that medium
+// gains it and removed when the last one loses it: beside a shm pool, pool and host tier are
+// both CPU, and a block evicted from the pool that the host tier keeps stays announced.
 // - A stored block gives BlockStored with its id, its parent's id (none for a sequence's
 //   first block) and its block_size token ids. Consecutive stored blocks of one chain share
 //   an event, with ids unique within it (its parent's included).
 // - A stored block without its token ids (its commit carried none: a router that does not
-//   send them) is left out and counted (blocks_without_tokens), and so is one whose id
+//   send them; a block loaded from a tier takes those the tier announced it with) is left
+//   out and counted (blocks_without_tokens), and so is one whose id
 //   equals that of a block published and not removed yet (a consumer could not tell them
-//   apart). A removal gives BlockRemoved only for a block published and not removed yet,
-//   so each published block is removed once; consecutive removals share an event.
+//   apart). A removal gives BlockRemoved only for a block published and not removed yet
+//   (in that medium), so each published block is removed once; consecutive removals of one
+//   medium share an event.
 // - `cleared` (the first batch of an epoch) puts an AllBlocksCleared before the batch's
 //   events, and a kAllCleared event of the ledger gives one in its place; either forgets
 //   which blocks were published, so that nothing published before is removed after it.
@@ -28,18 +35,19 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 #include "common/block/block_hash.h"
 #include "common/block/block_ledger.h"
+#include "services/cache_manager/tiers/kv_tiers.h"
 #include "services/cache_manager/vllm_events.h"
 
 namespace kvcm {
 
 class VllmConverter {
  public:
-  // REQUIRES: block_size > 0.
+  // REQUIRES: block_size > 0. `pool_medium`: the pool's (kGpu for a cuda pool, kCpu for shm).
   explicit VllmConverter(int32_t block_size,
-                         HashAlgorithm algorithm = kDefaultHashAlgorithm);
+                         HashAlgorithm algorithm = kDefaultHashAlgorithm,
+                         VllmMedium pool_medium = VllmMedium::kGpu);
 
   // A commit that succeeded carried `tokens`: the token ids of the last full blocks it
   // committed, block after block, ending at the last full block of
@@ -53,6 +61,14 @@ class VllmConverter {
   // first. An empty batch without `cleared` adds nothing but forgets the tokens.
   void AddBatch(std::span<const BlockEvent> events, bool cleared);
 
+  // Converts the tiers' events (tiers::KvTiers::TakeEvents), in order. A stored block
+  // without block_size token ids is counted in blocks_without_tokens and left out.
+  void AddTierEvents(std::span<const tiers::TierEvent> events);
+
+  // The token ids the last commits brought for pool block `block` (AddCommitTokens), until
+  // the end of the next batch; null when none did.
+  const std::vector<int32_t>* CommitTokens(BlockId block) const;
+
   // The events converted since the last call, in order; empty when there were none.
   std::vector<VllmEvent> Take();
 
@@ -60,14 +76,35 @@ class VllmConverter {
   uint64_t blocks_without_tokens() const { return blocks_without_tokens_; }
 
  private:
+  // The places a block can be, one bit each in Published::places.
+  enum Place : uint8_t { kPool = 1, kHostTier = 2, kDiskTier = 4 };
+  struct Published {
+    BlockHash hash;      // the hash the id was published for
+    uint8_t places = 0;  // where it is now
+    // Its token ids: a block a tier loads back into the pool is committed by the cache
+    // manager, with no tokens of a router's, and announced with these.
+    std::vector<int32_t> tokens;
+  };
+
   void Clear();
+  VllmMedium MediumOf(Place place) const;
+  // The places of `places` whose medium is `medium`.
+  uint8_t PlacesOf(uint8_t places, VllmMedium medium) const;
+  // `hash` gained `place`: a BlockStored of the place's medium unless another place of that
+  // medium holds it already. False (nothing changed) when `tokens` are not one block's or
+  // the id is published for another hash.
+  bool Store(Place place, const BlockHash& hash, const BlockHash* parent,
+             std::span<const int32_t> tokens);
+  // `hash` lost `place`: a BlockRemoved when no place of the medium holds it any more.
+  void Remove(Place place, const BlockHash& hash);
 
   const size_t block_size_;
   const HashAlgorithm algorithm_;
+  const VllmMedium pool_medium_;
   // The token ids commits brought, by block, until the end of the next batch.
   absl::flat_hash_map<BlockId, std::vector<int32_t>> commit_tokens_;
-  absl::flat_hash_set<uint64_t> stored_;  // ids published and not removed yet
-  std::vector<VllmEvent> pending_;        // converted, not taken yet
+  absl::flat_hash_map<uint64_t, Published> published_;  // by id, while some place holds it
+  std::vector<VllmEvent> pending_;                      // converted, not taken yet
   uint64_t blocks_without_tokens_ = 0;
 };
 

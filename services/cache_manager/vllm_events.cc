@@ -59,6 +59,18 @@ std::string_view VllmEventTypeName(VllmEvent::Kind kind) {
   return "AllBlocksCleared";
 }
 
+std::string_view VllmMediumName(VllmMedium medium) {
+  switch (medium) {
+    case VllmMedium::kGpu:
+      return "GPU";
+    case VllmMedium::kCpu:
+      return "CPU";
+    case VllmMedium::kDisk:
+      return "DISK";
+  }
+  return "GPU";
+}
+
 void EncodeVllmBatch(double timestamp, std::span<const VllmEvent> events,
                      const VllmStreamInfo& info, std::string* out) {
   out->clear();
@@ -89,7 +101,7 @@ void EncodeVllmBatch(double timestamp, std::span<const VllmEvent> events,
         PackString(packer, "lora_id");
         packer.pack_nil();
         PackString(packer, "medium");
-        PackString(packer, info.medium);
+        PackString(packer, VllmMediumName(event.medium));
         PackString(packer, "lora_name");
         packer.pack_nil();
         break;
@@ -100,7 +112,7 @@ void EncodeVllmBatch(double timestamp, std::span<const VllmEvent> events,
         PackString(packer, "block_hashes");
         PackHashes(packer, event.block_hashes);
         PackString(packer, "medium");
-        PackString(packer, info.medium);
+        PackString(packer, VllmMediumName(event.medium));
         break;
       case VllmEvent::Kind::kAllBlocksCleared:
         packer.pack_map(1);

@@ -7,8 +7,8 @@
 // A batch's payload is the msgpack array [ts (float64, seconds since 1970), [event...],
 // data_parallel_rank (int)], each event a map with a "type" key:
 //   {"type":"BlockStored","block_hashes":[u64...],"parent_block_hash":u64|nil,
-//    "token_ids":[u32...],"block_size":N,"lora_id":nil,"medium":"GPU"|"CPU","lora_name":nil}
-//   {"type":"BlockRemoved","block_hashes":[u64...],"medium":"GPU"|"CPU"}
+//    "token_ids":[u32...],"block_size":N,"lora_id":nil,"medium":M,"lora_name":nil}
+//   {"type":"BlockRemoved","block_hashes":[u64...],"medium":M}
 //   {"type":"AllBlocksCleared"}
 // Hashes are msgpack unsigned integers, never bin.
 //
@@ -25,6 +25,14 @@
 
 namespace kvcm {
 
+// Where an event's blocks are (or were): its "medium". vLLM names its device pool "GPU" and
+// its CPU offloading tier "CPU"; NVIDIA Dynamo's router reads "GPU" as its device tier,
+// "CPU" as its host tier and "DISK" as its disk tier. kvcm: the pool is "GPU" (cuda) or
+// "CPU" (shm), the host tier "CPU", the disk tier "DISK".
+enum class VllmMedium : uint8_t { kGpu, kCpu, kDisk };
+// "GPU", "CPU", "DISK".
+std::string_view VllmMediumName(VllmMedium medium);
+
 struct VllmEvent {
   enum class Kind : uint8_t { kBlockStored, kBlockRemoved, kAllBlocksCleared };
   Kind kind = Kind::kAllBlocksCleared;
@@ -33,12 +41,12 @@ struct VllmEvent {
   std::optional<uint64_t> parent_block_hash;  // Stored: the first block's parent, if any
   // Stored: block_hashes.size() * block_size token ids, block after block.
   std::vector<uint32_t> token_ids;
+  VllmMedium medium = VllmMedium::kGpu;  // Stored and Removed
 };
 
 // What every event of one stream says alike.
 struct VllmStreamInfo {
   int32_t block_size = 16;
-  std::string medium = "GPU";  // "GPU" for a cuda pool, "CPU" for a shm pool
   int32_t data_parallel_rank = 0;
 };
 

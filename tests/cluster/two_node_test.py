@@ -42,13 +42,14 @@ class Node:
     """One kvcm-launch stack; its output read line by line."""
 
     def __init__(self, name, bin_dir, model_dir, work_dir, num_blocks,
-                 pub="tcp://127.0.0.1:0", replay="tcp://127.0.0.1:0"):
+                 pub="tcp://127.0.0.1:0", replay="tcp://127.0.0.1:0", extra_args=()):
         self.name = name
         self.log_path = os.path.join(work_dir, f"launch-{name}.log")
         argv = [os.path.join(bin_dir, "kvcm-launch"), "--model", model_dir, "--threads", "1",
                 "--block-size", str(BLOCK), "--num-blocks", str(num_blocks),
                 "--run-dir", os.path.join(work_dir, f"run-{name}"), "--port", "0",
-                "--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay]
+                "--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay,
+                *extra_args]
         print(f"node {name}: {' '.join(argv)}", flush=True)
         self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True, env=dict(os.environ, TMPDIR=work_dir))

@@ -4,6 +4,12 @@
 // served before must report at least 90% of their prompt tokens cached and give the same
 // tokens; a slot file with flipped bytes, or the directory of another model, must serve
 // nothing and change no output. The ledger is whole afterwards (no block in use).
+//
+// Killed once the disk tier reports every write done and synced (no block in use or held,
+// no slot being written, kvcm_cache_manager_tier_unsynced_writes 0: polled, never slept
+// for), the cache manager alone or every process: every full block of every prompt must be
+// recovered, and each prompt sent again must report all of them cached and give the same
+// greedy tokens.
 
 #include <fcntl.h>
 #include <signal.h>
@@ -11,6 +17,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <iostream>
 #include <regex>
 #include <string>
 #include <vector>
@@ -29,6 +36,80 @@ class TierRestartTest : public TierStackTest {
     return {"--cache-manager-arg=--disk-tier-dir=" + dir_->path() + "/tier",
             "--cache-manager-arg=--disk-tier-bytes=64MiB",
             "--cache-manager-arg=--host-tier-bytes=8MiB"};
+  }
+  // TierFlags() with the disk syncs (through kvcm-launch's route of the flag), and loads that
+  // never time out: what a prompt reports cached then depends on the disk alone.
+  std::vector<std::string> SyncedTierFlags() const {
+    std::vector<std::string> flags = TierFlags();
+    flags.push_back("--disk-tier-sync-ms=200");
+    flags.push_back("--tier-load-timeout-ms=600000");
+    return flags;
+  }
+
+  // Until one scrape of the cache manager shows no block in use (every request's blocks
+  // committed and freed, none held for a store), no disk slot being written, every disk
+  // write covered by a sync and a sync done: what the disk tier holds then survives a crash
+  // of the process and of the machine. Returns the blocks stored on disk, -1 past the hang
+  // guard.
+  double AwaitDiskSynced() const {
+    const std::vector<std::string> series = {
+        "kvcm_cache_blocks{state=\"in_use\"}",
+        "kvcm_cache_manager_tier_held_blocks",
+        "kvcm_cache_manager_tier_blocks{tier=\"disk\",state=\"writing\"}",
+        "kvcm_cache_manager_tier_unsynced_writes",
+        "kvcm_cache_manager_tier_syncs_total",
+        "kvcm_cache_manager_tier_stored_blocks_total{tier=\"disk\"}",
+        "kvcm_cache_manager_tier_stores_dropped_total",
+        "kvcm_cache_manager_tier_sync_errors_total"};
+    std::vector<double> last;
+    const absl::Status synced = testing::WaitFor(
+        [&] {
+          last = ScrapeSeries(CacheManagerMetricsUrl(), series);
+          return last[0] == 0 && last[1] == 0 && last[2] == 0 && last[3] == 0 && last[4] > 0 &&
+                 last[5] > 0;
+        },
+        absl::Seconds(60), "every disk write done and synced");
+    std::string values;
+    for (size_t i = 0; i < series.size(); ++i) {
+      absl::StrAppend(&values, "\n  ", series[i], " ", last.empty() ? -1 : last[i]);
+    }
+    EXPECT_THAT(synced, IsOk()) << values;
+    if (!synced.ok()) return -1;
+    EXPECT_EQ(last[6], 0) << "stores dropped: their blocks were never written" << values;
+    EXPECT_EQ(last[7], 0) << values;
+    std::cout << "disk tier synced:" << values << "\n";
+    return last[5];
+  }
+
+  // Until kvcm-launch has started the cache manager again after `old_pid` died and a
+  // request completes with the model's tokens (a hang guard of 90 s).
+  void AwaitCacheManagerRestarted(pid_t old_pid) {
+    ASSERT_THAT(testing::WaitFor([&] { return CurrentPid("cache-manager") != old_pid; },
+                                 absl::Seconds(90), "the cache manager to be started again"),
+                IsOk())
+        << testing::Tail(launch_->Output(), 6000);
+    ASSERT_THAT(testing::WaitFor(
+                    [&] {
+                      return Request("probe after a restart", 2, absl::Seconds(10)).kind ==
+                             "completed";
+                    },
+                    absl::Seconds(90), "a request to complete after the restart"),
+                IsOk())
+        << testing::Tail(launch_->Output(), 6000);
+  }
+
+  // Each prompt again: every full block but the one holding its last token (computed anyway,
+  // for its logits) cached, all of them loaded from disk, and the model's greedy tokens.
+  void ExpectEveryFullBlockFromDisk(const std::vector<std::string>& prompts) {
+    int want_loaded = 0;
+    for (const std::string& text : prompts) {
+      const auto [cached, total] = CachedTokens(text);
+      EXPECT_EQ(cached, (total - 1) / 4 * 4) << "'" << text << "': " << cached << " of " << total;
+      want_loaded += (total - 1) / 4;
+      const Outcome outcome = Request(text, 6, absl::Seconds(60));
+      EXPECT_EQ(outcome.kind, "completed") << outcome.detail;
+    }
+    EXPECT_GE(Metric("kvcm_cache_manager_tier_loaded_blocks_total{tier=\"disk\"}"), want_loaded);
   }
 };
 
@@ -128,6 +209,41 @@ TEST_F(TierRestartTest, TheDirectoryOfAnotherModelServesNothing) {
   EXPECT_GT(Metric("kvcm_cache_manager_tier_refusals_total{reason=\"other_identity\"}"), 0);
   ServeAll(prompts);  // the other model's tokens: computed, not read from the tier
   EXPECT_EQ(Metric("kvcm_cache_manager_tier_loaded_blocks_total{tier=\"disk\"}"), 0);
+  ExpectIdle();
+  ExpectCleanShutdown({});
+}
+
+TEST_F(TierRestartTest, CacheManagerKilledAfterTheLastSyncRecoversEveryFullBlock) {
+  const std::vector<std::string> prompts = LongPrompts();
+  ASSERT_NO_FATAL_FAILURE(Launch(/*executors=*/1, /*num_blocks=*/256, SyncedTierFlags()));
+  const int full_blocks = ServeAll(prompts);
+  const double stored = AwaitDiskSynced();
+  ASSERT_GE(stored, full_blocks);
+
+  const pid_t cache_manager = CurrentPid("cache-manager");
+  ASSERT_GT(cache_manager, 0);
+  ASSERT_EQ(::kill(cache_manager, SIGKILL), 0);
+  ASSERT_NO_FATAL_FAILURE(AwaitCacheManagerRestarted(cache_manager));
+  // Every block stored, none more: nothing was written after the scrape.
+  EXPECT_EQ(Metric("kvcm_cache_manager_tier_recovered_blocks_total"), stored)
+      << testing::Tail(launch_->Output(), 6000);
+  ExpectEveryFullBlockFromDisk(prompts);
+  ExpectIdle();
+  ExpectCleanShutdown({});
+}
+
+TEST_F(TierRestartTest, EveryProcessKilledAfterTheLastSyncRecoversEveryFullBlock) {
+  const std::vector<std::string> prompts = LongPrompts();
+  ASSERT_NO_FATAL_FAILURE(Launch(/*executors=*/1, /*num_blocks=*/256, SyncedTierFlags()));
+  const int full_blocks = ServeAll(prompts);
+  const double stored = AwaitDiskSynced();
+  ASSERT_GE(stored, full_blocks);
+  ASSERT_NO_FATAL_FAILURE(KillEverything());
+
+  ASSERT_NO_FATAL_FAILURE(Launch(/*executors=*/1, /*num_blocks=*/256, SyncedTierFlags()));
+  EXPECT_EQ(Metric("kvcm_cache_manager_tier_recovered_blocks_total"), stored)
+      << testing::Tail(launch_->Output(), 6000);
+  ExpectEveryFullBlockFromDisk(prompts);
   ExpectIdle();
   ExpectCleanShutdown({});
 }

@@ -61,6 +61,24 @@ inline double MetricAt(const std::string& url, const std::string& series) {
   return -1;
 }
 
+// The values of `series` in one scrape of `url` (so that they are of one moment); -1 for
+// each absent one, all -1 when it cannot be scraped.
+inline std::vector<double> ScrapeSeries(const std::string& url,
+                                        const std::vector<std::string>& series) {
+  std::vector<double> values(series.size(), -1);
+  if (url.empty()) return values;
+  absl::StatusOr<testing::HttpResponse> reply = testing::HttpGet(url, absl::Seconds(2));
+  if (!reply.ok() || reply->status != 200) return values;
+  for (absl::string_view line : absl::StrSplit(reply->body, '\n')) {
+    for (size_t i = 0; i < series.size(); ++i) {
+      if (absl::StartsWith(line, series[i] + " ")) {
+        values[i] = std::stod(std::string(line.substr(series[i].size() + 1)));
+      }
+    }
+  }
+  return values;
+}
+
 class TierStackTest : public LaunchedStackTest {
  protected:
   using LaunchedStackTest::LaunchedStackTest;

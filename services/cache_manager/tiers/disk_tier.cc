@@ -39,8 +39,12 @@ static_assert(std::endian::native == std::endian::little,
 
 constexpr uint64_t kPage = 4096;  // header size, slot alignment, O_DIRECT's unit
 constexpr char kMagic[8] = {'K', 'V', 'C', 'M', 'S', 'L', 'O', 'T'};
-constexpr uint32_t kVersion = 1;
-constexpr uint32_t kCoveredBytes = 120;
+constexpr uint32_t kVersion = 2;
+// Version 1's header checksum covered [0, 120) and sat at 120.
+constexpr uint32_t kVersion1 = 1;
+constexpr uint32_t kVersion1Covered = 120;
+// Version 2 covers the fixed fields and the token ids; its checksum follows them.
+constexpr uint32_t kFixedBytes = 128;
 constexpr absl::string_view kIdentityTag = "kvcm.tier.v1";
 constexpr absl::string_view kDigestCacheTag = "digest-v1";
 // Model files larger than the cache file would hold are not expected: one line per model.
@@ -54,7 +58,11 @@ constexpr size_t kOffHash = 32;
 constexpr size_t kOffSerial = 64;
 constexpr size_t kOffDataBytes = 72;
 constexpr size_t kOffDataChecksum = 80;
-constexpr size_t kOffHeaderChecksum = 120;
+constexpr size_t kOffParent = 88;
+constexpr size_t kOffFlags = 120;
+constexpr size_t kOffTokenCount = 124;
+constexpr size_t kOffTokens = 128;
+constexpr uint32_t kFlagHasParent = 1;
 
 // Zeros for Invalidate: one aligned page, so that it can be written with O_DIRECT.
 alignas(kPage) constexpr uint8_t kZeroPage[kPage] = {};
@@ -94,17 +102,25 @@ struct SlotHeader {
   uint64_t serial = 0;
   uint64_t data_bytes = 0;
   uint64_t data_checksum = 0;
+  BlockLineage lineage;  // only when asked for (CheckHeader's want_lineage)
 };
 
 // nullopt when the header at `slot` is well formed and of `identity`; else why not. The
 // checksum is checked before the identity, so that a torn header is never reported as a
 // file of another model.
 std::optional<Refusal> CheckHeader(const uint8_t* slot, const TierIdentity& identity,
-                                   SlotHeader* header) {
-  if (std::memcmp(slot, kMagic, sizeof(kMagic)) != 0 ||
-      Get<uint32_t>(slot + kOffVersion) != kVersion ||
-      Get<uint32_t>(slot + kOffCovered) != kCoveredBytes ||
-      Get<uint64_t>(slot + kOffHeaderChecksum) != Xxh64(slot, kCoveredBytes)) {
+                                   SlotHeader* header, bool want_lineage = false) {
+  if (std::memcmp(slot, kMagic, sizeof(kMagic)) != 0) return Refusal::kBadHeader;
+  const uint32_t version = Get<uint32_t>(slot + kOffVersion);
+  const uint32_t covered = Get<uint32_t>(slot + kOffCovered);
+  if (version == kVersion1 && covered == kVersion1Covered &&
+      Get<uint64_t>(slot + kVersion1Covered) == Xxh64(slot, kVersion1Covered)) {
+    return Refusal::kOtherIdentity;  // whole, but of the earlier format
+  }
+  const uint32_t tokens = Get<uint32_t>(slot + kOffTokenCount);
+  if (version != kVersion || covered < kFixedBytes || covered + 8 > kPage ||
+      tokens > kMaxSlotTokens || covered != kFixedBytes + 4 * tokens ||
+      Get<uint64_t>(slot + covered) != Xxh64(slot, covered)) {
     return Refusal::kBadHeader;
   }
   if (std::memcmp(slot + kOffIdentity, identity.data(), identity.size()) != 0) {
@@ -114,6 +130,15 @@ std::optional<Refusal> CheckHeader(const uint8_t* slot, const TierIdentity& iden
   header->serial = Get<uint64_t>(slot + kOffSerial);
   header->data_bytes = Get<uint64_t>(slot + kOffDataBytes);
   header->data_checksum = Get<uint64_t>(slot + kOffDataChecksum);
+  if (want_lineage) {
+    BlockLineage& lineage = header->lineage;
+    lineage.has_parent = (Get<uint32_t>(slot + kOffFlags) & kFlagHasParent) != 0;
+    if (lineage.has_parent) {
+      std::memcpy(lineage.parent.bytes.data(), slot + kOffParent, lineage.parent.bytes.size());
+    }
+    lineage.tokens.resize(tokens);
+    if (tokens > 0) std::memcpy(lineage.tokens.data(), slot + kOffTokens, 4 * size_t{tokens});
+  }
   return std::nullopt;
 }
 
@@ -574,7 +599,8 @@ void DiskTier::ScanHeaders(const std::vector<uint64_t>& old_sizes) {
       continue;
     }
     SlotHeader parsed;
-    if (std::optional<Refusal> refusal = CheckHeader(header.slot(), options_.identity, &parsed)) {
+    if (std::optional<Refusal> refusal =
+            CheckHeader(header.slot(), options_.identity, &parsed, /*want_lineage=*/true)) {
       ++report_.refused[static_cast<size_t>(*refusal)];
       continue;
     }
@@ -593,7 +619,8 @@ void DiskTier::ScanHeaders(const std::vector<uint64_t>& old_sizes) {
       ++report_.refused[static_cast<size_t>(Refusal::kWrongHash)];
       continue;
     }
-    recovered_.push_back({found[i].slot, found[i].header.hash, found[i].header.serial});
+    recovered_.push_back({found[i].slot, found[i].header.hash, found[i].header.serial,
+                          std::move(found[i].header.lineage)});
   }
   report_.recovered = static_cast<int32_t>(recovered_.size());
 }
@@ -601,7 +628,7 @@ void DiskTier::ScanHeaders(const std::vector<uint64_t>& old_sizes) {
 DiskTier::~DiskTier() = default;  // closing lock_ releases the flock
 
 absl::Status DiskTier::Write(int32_t slot, const BlockHash& hash, uint64_t serial,
-                             SlotBuffer& buffer) {
+                             SlotBuffer& buffer, const BlockLineage& lineage) {
   if (slot < 0 || slot >= num_slots_ || buffer.slot_bytes() != slot_bytes_) {
     return absl::InvalidArgumentError(absl::StrCat(
         "disk tier write: slot ", slot, " of ", num_slots_, ", buffer of ",
@@ -611,13 +638,22 @@ absl::Status DiskTier::Write(int32_t slot, const BlockHash& hash, uint64_t seria
   std::memset(header, 0, kPage);
   std::memcpy(header, kMagic, sizeof(kMagic));
   Put<uint32_t>(header + kOffVersion, kVersion);
-  Put<uint32_t>(header + kOffCovered, kCoveredBytes);
+  const uint32_t tokens =
+      lineage.tokens.size() <= kMaxSlotTokens ? static_cast<uint32_t>(lineage.tokens.size()) : 0;
+  const uint32_t covered = kFixedBytes + 4 * tokens;
+  Put<uint32_t>(header + kOffCovered, covered);
   std::memcpy(header + kOffIdentity, options_.identity.data(), options_.identity.size());
   std::memcpy(header + kOffHash, hash.bytes.data(), hash.bytes.size());
   Put<uint64_t>(header + kOffSerial, serial);
   Put<uint64_t>(header + kOffDataBytes, options_.block_bytes);
   Put<uint64_t>(header + kOffDataChecksum, Xxh64(buffer.data(), options_.block_bytes));
-  Put<uint64_t>(header + kOffHeaderChecksum, Xxh64(header, kCoveredBytes));
+  if (lineage.has_parent) {
+    std::memcpy(header + kOffParent, lineage.parent.bytes.data(), lineage.parent.bytes.size());
+    Put<uint32_t>(header + kOffFlags, kFlagHasParent);
+  }
+  Put<uint32_t>(header + kOffTokenCount, tokens);
+  if (tokens > 0) std::memcpy(header + kOffTokens, lineage.tokens.data(), 4 * size_t{tokens});
+  Put<uint64_t>(header + covered, Xxh64(header, covered));
   const int fd = files_[static_cast<size_t>(slot / slots_per_file_)].get();
   const uint64_t offset = static_cast<uint64_t>(slot % slots_per_file_) * slot_bytes_;
   if (PwriteAll(fd, buffer.slot(), slot_bytes_, offset) < 0) {
@@ -628,6 +664,7 @@ absl::Status DiskTier::Write(int32_t slot, const BlockHash& hash, uint64_t seria
                                : absl::InternalError(message);
   }
   bytes_written_.fetch_add(slot_bytes_, std::memory_order_relaxed);
+  writes_.fetch_add(1, std::memory_order_release);
   return absl::OkStatus();
 }
 
@@ -683,6 +720,29 @@ absl::Status DiskTier::Invalidate(int32_t slot) {
     return absl::InternalError(absl::StrCat("disk tier invalidate of slot ", slot, " in ",
                                             options_.dir, ": ", Errno(error)));
   }
+  writes_.fetch_add(1, std::memory_order_release);
+  return absl::OkStatus();
+}
+
+absl::Status DiskTier::Sync() {
+  // The writes counted now returned before the fdatasyncs start: those are what they cover.
+  const uint64_t covered = writes_.load(std::memory_order_acquire);
+  absl::Status first_error;
+  for (size_t i = 0; i < files_.size(); ++i) {
+    if (::fdatasync(files_[i].get()) == 0) continue;
+    const int error = errno;
+    sync_errors_.fetch_add(1, std::memory_order_relaxed);
+    if (first_error.ok()) {
+      first_error = absl::InternalError(absl::StrCat("disk tier fdatasync of ", options_.dir,
+                                                     "/tier-", i, ".kvcm: ", Errno(error)));
+    }
+  }
+  if (!first_error.ok()) return first_error;
+  uint64_t synced = synced_writes_.load(std::memory_order_relaxed);
+  while (synced < covered &&
+         !synced_writes_.compare_exchange_weak(synced, covered, std::memory_order_release)) {
+  }
+  syncs_.fetch_add(1, std::memory_order_relaxed);
   return absl::OkStatus();
 }
 

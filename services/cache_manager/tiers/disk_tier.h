@@ -10,18 +10,23 @@
 // and can be read and written with O_DIRECT. O_DIRECT is used where the file system takes
 // it (open() refuses it on tmpfs: then buffered I/O, direct_io() false).
 //
-// Slot header (little-endian, version 1), at the slot's offset 0:
+// Slot header (little-endian, version 2), at the slot's offset 0:
 //   [0, 8)     magic "KVCMSLOT"
-//   [8, 12)    u32 format version (1)
-//   [12, 16)   u32 header bytes covered by header_checksum (= 120)
+//   [8, 12)    u32 format version (2)
+//   [12, 16)   u32 C: header bytes covered by the header checksum (= 128 + 4 x tokens)
 //   [16, 32)   identity (TierIdentity: the model's bytes, the KV layout, the hash algorithm)
 //   [32, 64)   the block's hash (BlockHash bytes)
 //   [64, 72)   u64 serial: a counter the writer increases at every write (newest wins)
 //   [72, 80)   u64 data bytes (= block_bytes)
 //   [80, 88)   u64 XXH3-64 (seed 0) of the data bytes
-//   [88, 120)  zero
-//   [120, 128) u64 XXH3-64 (seed 0) of bytes [0, 120)
-//   rest of the 4096 bytes zero.
+//   [88, 120)  the parent block's hash (zero for a chain's first block)
+//   [120, 124) u32 flags: bit 0 set when the block has a parent
+//   [124, 128) u32 token count (0, or the block size)
+//   [128, C)   the block's token ids, i32 each (BlockLineage: what the vLLM-format events
+//              announce of a block after a restart)
+//   [C, C + 8) u64 XXH3-64 (seed 0) of bytes [0, C)
+//   rest of the 4096 bytes zero. A version 1 header (kvcm's first format, whose checksum
+// sits at [120, 128)) is refused as another identity.
 // A slot is written with one pwrite of header and data together. A write torn by a crash
 // (SIGKILL mid-write, a power cut), a flipped byte, a truncated file or a file of another
 // model fails the header's or the data's checksum or the identity, and is never served.
@@ -32,7 +37,7 @@
 //
 // Thread safety: after Open(), Write, Read and Invalidate may be called from several
 // threads at once for different slots; the caller (the tier table) never hands one slot to
-// two calls at a time. The counters are atomics.
+// two calls at a time. Sync may run beside them. The counters are atomics.
 
 #include <array>
 #include <atomic>
@@ -50,6 +55,18 @@
 #include "common/sizing/kv_cache_spec.h"
 
 namespace kvcm::tiers {
+
+// What a block's slot says of its place in the prefix chain and its tokens, so that the
+// vLLM-format events can announce it (services/cache_manager/vllm_conversion.h) after a
+// restart. Tokens are empty when the commit carried none (the router sends them only while
+// the vLLM-format stream is on).
+struct BlockLineage {
+  BlockHash parent;
+  bool has_parent = false;
+  std::vector<int32_t> tokens;
+};
+// The most token ids a slot header holds; a longer block's are not kept.
+inline constexpr size_t kMaxSlotTokens = (4096 - 128 - 8) / 4;
 
 // What a slot must carry to be served: XXH3-128 (canonical, big-endian) of
 //   "kvcm.tier.v1" || model digest (16 bytes) || i32 num_layers || i32 num_kv_heads ||
@@ -121,6 +138,7 @@ class DiskTier {
     int32_t slot = 0;
     BlockHash hash;
     uint64_t serial = 0;
+    BlockLineage lineage;
   };
 
   // What Open() found, counted by reason (empty slots, all zeros, are not refusals).
@@ -154,9 +172,11 @@ class DiskTier {
   const std::vector<Recovered>& recovered() const { return recovered_; }
 
   // Writes `buffer.data()` (block_bytes) as block `hash` into `slot`, with a header carrying
-  // `serial`: fills the header in `buffer` and writes the whole slot with one pwrite.
+  // `serial` and `lineage` (its tokens only when they fit, kMaxSlotTokens): fills the header
+  // in `buffer` and writes the whole slot with one pwrite.
   // RESOURCE_EXHAUSTED on ENOSPC or EFBIG (the disk is full), INTERNAL on other errors.
-  absl::Status Write(int32_t slot, const BlockHash& hash, uint64_t serial, SlotBuffer& buffer);
+  absl::Status Write(int32_t slot, const BlockHash& hash, uint64_t serial, SlotBuffer& buffer,
+                     const BlockLineage& lineage = {});
 
   // Reads `slot` into `buffer` and verifies it: header checksum and magic, identity, that it
   // names `hash`, the data's length and checksum. DATA_LOSS with *refusal set when any check
@@ -170,6 +190,23 @@ class DiskTier {
   // Bytes written and read by Write and Read (slot bytes), for the metrics.
   uint64_t bytes_written() const { return bytes_written_.load(std::memory_order_relaxed); }
   uint64_t bytes_read() const { return bytes_read_.load(std::memory_order_relaxed); }
+
+  // fdatasync of every file: makes every Write and Invalidate that returned before the call
+  // durable across a node's crash, not only a process's. A write into a fallocate'd file's
+  // unwritten extent changes the file's extent map, which O_DIRECT does not make durable (nor
+  // does buffered I/O, whose data waits in the page cache): without it a power cut may lose,
+  // or read as zeros, a slot that a SIGKILL would have left whole. May be called from any
+  // thread, also during writes (those it does not cover stay unsynced). INTERNAL naming the
+  // first file that failed (the others are synced all the same); every failed file counted
+  // in sync_errors(), and synced_writes() not advanced, so the next Sync() tries again.
+  absl::Status Sync();
+  // Writes (Write and Invalidate) that succeeded since Open(), and how many of them the last
+  // successful Sync() covered: writes() - synced_writes() slots may not survive a node's
+  // crash. syncs(): successful Sync() calls; sync_errors(): files whose fdatasync failed.
+  uint64_t writes() const { return writes_.load(std::memory_order_acquire); }
+  uint64_t synced_writes() const { return synced_writes_.load(std::memory_order_acquire); }
+  uint64_t syncs() const { return syncs_.load(std::memory_order_relaxed); }
+  uint64_t sync_errors() const { return sync_errors_.load(std::memory_order_relaxed); }
 
  private:
   explicit DiskTier(const Options& options) : options_(options) {}
@@ -189,6 +226,10 @@ class DiskTier {
   std::vector<Recovered> recovered_;
   std::atomic<uint64_t> bytes_written_{0};
   std::atomic<uint64_t> bytes_read_{0};
+  std::atomic<uint64_t> writes_{0};
+  std::atomic<uint64_t> synced_writes_{0};
+  std::atomic<uint64_t> syncs_{0};
+  std::atomic<uint64_t> sync_errors_{0};
 };
 
 }  // namespace kvcm::tiers

@@ -45,6 +45,9 @@ absl::Status CheckTierOptions(const TierOptions& options) {
   if (options.enabled() && options.load_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--tier-load-timeout-ms must be positive");
   }
+  if (options.disk_sync_interval < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--disk-tier-sync-ms must be 0 or more");
+  }
   return absl::OkStatus();
 }
 
@@ -136,6 +139,7 @@ void KvTiers::Recover() {
     if (!taken[static_cast<size_t>(s)]) t.free.push_back(s);
   }
   serial_ = report.max_serial;
+  RecordRecovered();
   counters_.recovered = static_cast<uint64_t>(report.recovered);
   for (int i = 0; i < kNumRefusals; ++i) {
     counters_.refused[static_cast<size_t>(i)] += static_cast<uint64_t>(report.refused[i]);
@@ -160,6 +164,50 @@ KvTiers::~KvTiers() {
   }
   jobs_ready_.notify_all();
   for (std::thread& mover : movers_) mover.join();
+}
+
+void KvTiers::RecordRecovered() {
+  if (!options_.record_events) return;
+  const std::vector<DiskTier::Recovered>& recovered = disk_->recovered();
+  absl::flat_hash_map<BlockHash, size_t, BlockHashHasher> by_hash;
+  for (size_t i = 0; i < recovered.size(); ++i) by_hash.emplace(recovered[i].hash, i);
+  // Each block after its ancestors that T2 holds: walk up to the first one announced (or
+  // absent), then announce down again.
+  std::vector<bool> announced(recovered.size(), false);
+  std::vector<size_t> chain;
+  for (size_t i = 0; i < recovered.size(); ++i) {
+    for (size_t at = i; !announced[at];) {
+      announced[at] = true;  // also guards against a cycle of corrupt-but-valid headers
+      chain.push_back(at);
+      const BlockLineage& lineage = recovered[at].lineage;
+      if (!lineage.has_parent) break;
+      auto parent = by_hash.find(lineage.parent);
+      if (parent == by_hash.end()) break;
+      at = parent->second;
+    }
+    for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
+      RecordEvent(TierEvent::Kind::kStored, Tier::kDisk, recovered[*it].hash,
+                  &recovered[*it].lineage);
+    }
+    chain.clear();
+  }
+}
+
+void KvTiers::RecordEvent(TierEvent::Kind kind, Tier tier, const BlockHash& hash,
+                          const BlockLineage* lineage) {
+  if (!options_.record_events) return;
+  TierEvent event;
+  event.kind = kind;
+  event.tier = tier;
+  event.hash = hash;
+  if (lineage != nullptr) event.lineage = *lineage;
+  events_.push_back(std::move(event));
+}
+
+std::vector<TierEvent> KvTiers::TakeEvents() {
+  std::vector<TierEvent> taken;
+  taken.swap(events_);
+  return taken;
 }
 
 DiskTier::OpenReport KvTiers::disk_report() const {
@@ -209,7 +257,7 @@ int32_t KvTiers::TakeSlot(Tier tier) {
       continue;
     }
     const int32_t slot = entry.slot[i];
-    DropSlot(tier, entry);
+    DropSlot(tier, hash, entry);
     ++counters_.evicted[static_cast<size_t>(i)];
     EraseIfEmpty(hash);
     t.free.pop_back();  // DropSlot freed it
@@ -218,13 +266,14 @@ int32_t KvTiers::TakeSlot(Tier tier) {
   return -1;
 }
 
-void KvTiers::DropSlot(Tier tier, Entry& entry) {
+void KvTiers::DropSlot(Tier tier, const BlockHash& hash, Entry& entry) {
   const int i = static_cast<int>(tier);
   TierSlots& t = tiers_[i];
   const int32_t slot = entry.slot[i];
   if (slot < 0) return;
   if (entry.ready[i]) {
     --t.ready;
+    RecordEvent(TierEvent::Kind::kRemoved, tier, hash, nullptr);
   } else {
     --t.writing;
   }
@@ -249,12 +298,13 @@ bool KvTiers::WantStore(const BlockHash& hash) const {
   return false;
 }
 
-void KvTiers::Store(BlockId block, const BlockHash& hash) {
+void KvTiers::Store(BlockId block, const BlockHash& hash, BlockLineage lineage) {
   Job job;
   job.kind = Job::Kind::kStore;
   job.block = block;
   job.hash = hash;
   job.serial = ++serial_;
+  job.lineage = std::move(lineage);
   Entry entry;
   for (int i = 0; i < kNumTiers; ++i) {
     const int32_t slot = TakeSlot(static_cast<Tier>(i));
@@ -265,7 +315,7 @@ void KvTiers::Store(BlockId block, const BlockHash& hash) {
     job.slot[i] = slot;
   }
   index_[hash] = entry;
-  staged_stores_.push_back(job);
+  staged_stores_.push_back(std::move(job));
 }
 
 int32_t KvTiers::LeadingReady(std::span<const BlockHash> hashes) const {
@@ -314,7 +364,7 @@ std::vector<BlockId> KvTiers::CancelQueuedStores() {
     auto it = index_.find(job.hash);
     if (it != index_.end()) {
       for (int i = 0; i < kNumTiers; ++i) {
-        if (job.slot[i] >= 0) DropSlot(static_cast<Tier>(i), it->second);
+        if (job.slot[i] >= 0) DropSlot(static_cast<Tier>(i), job.hash, it->second);
       }
       EraseIfEmpty(job.hash);
     }
@@ -371,6 +421,7 @@ void KvTiers::ApplyResult(Result& result, std::vector<Done>* out) {
           ++tiers_[i].ready;
           ++counters_.stored[static_cast<size_t>(i)];
           Touch(static_cast<Tier>(i), job.hash, entry);
+          RecordEvent(TierEvent::Kind::kStored, static_cast<Tier>(i), job.hash, &job.lineage);
           continue;
         }
         if (absl::IsResourceExhausted(written)) {
@@ -378,7 +429,7 @@ void KvTiers::ApplyResult(Result& result, std::vector<Done>* out) {
         } else if (counters_.write_errors++ == 0) {
           log_(absl::StrCat("disk tier write failed: ", written.message()));
         }
-        DropSlot(static_cast<Tier>(i), entry);
+        DropSlot(static_cast<Tier>(i), job.hash, entry);
       }
       EraseIfEmpty(job.hash);
       return;
@@ -391,7 +442,7 @@ void KvTiers::ApplyResult(Result& result, std::vector<Done>* out) {
         --it->second.readers;
         if (result.kind == Result::Kind::kLoadFailed && job.source == Tier::kDisk &&
             it->second.slot[i] == job.slot[i]) {
-          DropSlot(Tier::kDisk, it->second);
+          DropSlot(Tier::kDisk, job.hash, it->second);
         }
         EraseIfEmpty(job.hash);
       }
@@ -430,6 +481,9 @@ TierSnapshot KvTiers::Snapshot() const {
   if (disk_ != nullptr) {
     s.counters.bytes_written = disk_->bytes_written();
     s.counters.bytes_read = disk_->bytes_read();
+    s.counters.syncs = disk_->syncs();
+    s.counters.sync_errors = disk_->sync_errors();
+    s.unsynced_writes = disk_->writes() - disk_->synced_writes();
   }
   return s;
 }
@@ -448,10 +502,18 @@ void KvTiers::MoverLoop(Mover& mover) {
   // Beside a cuda pool the slot buffer is page-locked; a failure only makes copies slower.
   const bool pinned = PinForDevice(backend, buffer.slot(), buffer.slot_bytes()).ok();
   while (true) {
+    SyncIfDue(/*force=*/false);
     Job job;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      jobs_ready_.wait(lock, [this] { return stopping_ || !loads_.empty() || !stores_.empty(); });
+      const auto ready = [this] { return stopping_ || !loads_.empty() || !stores_.empty(); };
+      // Writes not yet synced: wake at the sync's time even without jobs. A mover that
+      // writes or syncs comes back here, so some mover always watches for the next sync.
+      if (UnsyncedLocked()) {
+        if (!jobs_ready_.wait_until(lock, next_sync_, ready)) continue;
+      } else {
+        jobs_ready_.wait(lock, ready);
+      }
       if (stopping_) break;
       std::deque<Job>& queue = loads_.empty() ? stores_ : loads_;
       job = queue.front();
@@ -463,7 +525,33 @@ void KvTiers::MoverLoop(Mover& mover) {
       RunLoad(job, mover, buffer);
     }
   }
+  SyncIfDue(/*force=*/true);  // a clean stop leaves nothing unsynced
   if (pinned) UnpinForDevice(backend, buffer.slot());
+}
+
+bool KvTiers::UnsyncedLocked() const {
+  return disk_ != nullptr && !syncing_ && disk_->writes() != disk_->synced_writes();
+}
+
+void KvTiers::SyncIfDue(bool force) {
+  const auto now = std::chrono::steady_clock::now();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!UnsyncedLocked() || (!force && now < next_sync_)) return;
+    syncing_ = true;
+    // From the start: under a steady stream of writes the syncs begin once per interval.
+    next_sync_ = now + absl::ToChronoNanoseconds(options_.disk_sync_interval);
+  }
+  const absl::Status synced = disk_->Sync();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    syncing_ = false;
+  }
+  // Tried again at the next interval; counted (kvcm_cache_manager_tier_sync_errors_total).
+  if (!synced.ok() && !sync_error_logged_.exchange(true)) {
+    log_(absl::StrCat("disk tier sync failed (logged once; blocks written since the last "
+                      "sync may not survive a crash of the machine): ", synced.message()));
+  }
 }
 
 void KvTiers::RunsOf(BlockId block, std::vector<PoolCopier::Run>* runs) const {
@@ -524,7 +612,8 @@ void KvTiers::RunStore(const Job& job, Mover& mover, SlotBuffer& buffer) {
                 buffer.data(), block_bytes_);
   }
   if (job.slot[kDisk] >= 0) {
-    stored.written[kDisk] = disk_->Write(job.slot[kDisk], job.hash, job.serial, buffer);
+    stored.written[kDisk] =
+        disk_->Write(job.slot[kDisk], job.hash, job.serial, buffer, job.lineage);
   }
   Post(std::move(stored));
 }

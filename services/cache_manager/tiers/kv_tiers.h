@@ -24,7 +24,8 @@
 // to be copied before its block is handed out, which puts a tier on the step path; and a
 // block written only at eviction is lost when the cache manager is killed, while the disk
 // tier must keep what was computed before a crash. Every stored block is thus on disk a
-// bounded time after its commit (the mover's queue).
+// bounded time after its commit (the mover's queue), and durable across a crash of the
+// machine within options().disk_sync_interval more (SyncIfDue: DiskTier::Sync on a mover).
 //
 // The copies (docs/architecture.md, "Tiers", the CUDA path): each mover has a PoolCopier
 // (common/memory/pool_copier.h): memcpy beside a shm pool; beside a cuda pool,
@@ -37,6 +38,8 @@
 #include <sys/types.h>
 
 #include <array>
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -73,6 +76,13 @@ struct TierOptions {
   // How long a request may wait for its blocks to load before it computes them.
   absl::Duration load_timeout = absl::Seconds(2);
   bool direct_io = true;     // T2 with O_DIRECT where the file system takes it
+  // How often at most a mover calls DiskTier::Sync (fdatasync) while blocks were written
+  // since the last one: a block is durable across a node's crash at most this long (and the
+  // sync's own time) after its write. 0: after every write. Never on the ledger thread.
+  absl::Duration disk_sync_interval = absl::Seconds(1);
+  // Keep a TierEvent for every block a tier gains or loses, for TakeEvents() (the
+  // vLLM-format stream announces them); off, nothing is kept.
+  bool record_events = false;
   // Checked: the options make sense together (INVALID_ARGUMENT naming the flag otherwise).
   bool enabled() const { return host_bytes > 0 || !disk_dir.empty(); }
 };
@@ -82,6 +92,17 @@ enum class Tier : uint8_t { kHost = 0, kDisk = 1 };
 inline constexpr int kNumTiers = 2;
 // "host", "disk".
 std::string_view TierName(Tier tier);
+
+// A block a tier now holds ready (kStored: written and loadable; with its lineage, as the
+// store or the slot's header gave it) or no longer holds (kRemoved: its slot reused or
+// refused). Blocks being written, and stores that failed, are never announced.
+struct TierEvent {
+  enum class Kind : uint8_t { kStored, kRemoved };
+  Kind kind = Kind::kStored;
+  Tier tier = Tier::kHost;
+  BlockHash hash;
+  BlockLineage lineage;  // kStored
+};
 
 // Totals since the start, for the metrics and StatsReply.
 struct TierCounters {
@@ -96,6 +117,8 @@ struct TierCounters {
   uint64_t recovered = 0;         // T2 blocks found at start
   uint64_t bytes_written = 0;     // to T2
   uint64_t bytes_read = 0;        // from T2
+  uint64_t syncs = 0;             // successful DiskTier::Sync calls
+  uint64_t sync_errors = 0;       // files whose fdatasync failed
 };
 
 struct TierSnapshot {
@@ -104,6 +127,8 @@ struct TierSnapshot {
   std::array<int32_t, kNumTiers> writing{};
   int32_t queued_stores = 0;
   int32_t queued_loads = 0;
+  // T2 writes done but not yet covered by a sync: lost to a node's crash, not a process's.
+  uint64_t unsynced_writes = 0;
   TierCounters counters;
 };
 
@@ -136,9 +161,10 @@ class KvTiers {
   // True when a block of this hash should be stored: no tier has or is writing it, and
   // some tier has room or a slot it may reuse.
   bool WantStore(const BlockHash& hash) const;
-  // Stages the write-through of pool block `block` (held by the caller) holding `hash`;
-  // Flush() hands the staged jobs to the movers.
-  void Store(BlockId block, const BlockHash& hash);
+  // Stages the write-through of pool block `block` (held by the caller) holding `hash`,
+  // whose place in its chain and tokens are `lineage` (kept in T2's slot header and in the
+  // kStored TierEvents); Flush() hands the staged jobs to the movers.
+  void Store(BlockId block, const BlockHash& hash, BlockLineage lineage = {});
   // Of `hashes`, how many leading ones a tier holds ready (loadable now).
   int32_t LeadingReady(std::span<const BlockHash> hashes) const;
   // The tier a load of `hash` would read (T1 before T2). REQUIRES: LeadingReady covers it.
@@ -168,6 +194,12 @@ class KvTiers {
   // Takes the movers' results, updates the index, appends what the caller must act on.
   void Poll(std::vector<Done>* out);
 
+  // With TierOptions::record_events: what the tiers gained and lost since the last call, in
+  // order. The blocks T2 recovered at start come first, each after its parent when T2 holds
+  // that too, so that a consumer that places blocks under their parents finds them.
+  std::vector<TierEvent> TakeEvents();
+  bool has_events() const { return !events_.empty(); }
+
   TierSnapshot Snapshot() const;
   // Load durations since the last call, by tier, for the histogram.
   std::vector<std::pair<Tier, double>> TakeLoadSeconds();
@@ -196,6 +228,7 @@ class KvTiers {
     Tier source = Tier::kHost;
     uint64_t ticket = 0;
     uint64_t serial = 0;
+    BlockLineage lineage;  // stores
   };
   struct Result {
     enum class Kind : uint8_t { kReleased, kStored, kLoaded, kLoadFailed } kind;
@@ -216,6 +249,10 @@ class KvTiers {
     std::vector<PoolCopier::Run> runs;  // a block's runs, reused
   };
   void MoverLoop(Mover& mover);
+  // Mover threads: DiskTier::Sync when T2 has unsynced writes, no other mover syncs and
+  // options_.disk_sync_interval has passed since the last sync began (at once with `force`).
+  void SyncIfDue(bool force);
+  bool UnsyncedLocked() const;  // under mu_: unsynced writes and no sync running
   void RunStore(const Job& job, Mover& mover, SlotBuffer& buffer);
   void RunLoad(const Job& job, Mover& mover, SlotBuffer& buffer);
   // The 2 x num_layers runs of `block` in the pool, in a slot's data order.
@@ -227,7 +264,12 @@ class KvTiers {
   // no load reads (its block leaves the index); -1 when there is none.
   int32_t TakeSlot(Tier tier);
   void Touch(Tier tier, const BlockHash& hash, Entry& entry);
-  void DropSlot(Tier tier, Entry& entry);
+  // Frees `entry`'s slot of `tier` (announcing its removal when it was ready).
+  void DropSlot(Tier tier, const BlockHash& hash, Entry& entry);
+  void RecordEvent(TierEvent::Kind kind, Tier tier, const BlockHash& hash,
+                   const BlockLineage* lineage);
+  // Recover's events, each recovered block after its recovered parent.
+  void RecordRecovered();
   void EraseIfEmpty(const BlockHash& hash);
   void ApplyResult(Result& result, std::vector<Done>* out);
   void CountRefusal(Refusal refusal, int32_t slot);
@@ -250,6 +292,7 @@ class KvTiers {
   std::vector<Job> staged_stores_;  // Store and Load's, until Flush
   std::vector<Job> staged_loads_;
   std::vector<std::pair<Tier, double>> load_seconds_;
+  std::vector<TierEvent> events_;  // with record_events, until TakeEvents
 
   // Shared with the movers, under mu_.
   mutable std::mutex mu_;
@@ -260,6 +303,10 @@ class KvTiers {
   bool stopping_ = false;
   std::vector<Mover> mover_state_;  // one per mover thread, made before they start
   std::vector<std::thread> movers_;
+  // The disk sync's schedule, under mu_ (SyncIfDue).
+  bool syncing_ = false;
+  std::chrono::steady_clock::time_point next_sync_{};
+  std::atomic<bool> sync_error_logged_{false};
 };
 
 }  // namespace kvcm::tiers

@@ -288,6 +288,9 @@ TEST_F(CacheManagerMetricsTest, ExportsTheTiers) {
   t.counters.recovered = 250;
   t.counters.bytes_written = 123456789;
   t.counters.bytes_read = 98765;
+  t.counters.syncs = 17;
+  t.counters.sync_errors = 1;
+  t.unsynced_writes = 8;
   s.tiers = t;
   s.tier_held_blocks = 3;
   s.tier_loading_blocks = 12;
@@ -324,6 +327,9 @@ TEST_F(CacheManagerMetricsTest, ExportsTheTiers) {
   EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_tier_recovered_blocks_total"), 250);
   EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_tier_bytes_written_total"), 123456789);
   EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_tier_bytes_read_total"), 98765);
+  EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_tier_syncs_total"), 17);
+  EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_tier_sync_errors_total"), 1);
+  EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_tier_unsynced_writes"), 8);
   const std::string load = "kvcm_cache_manager_tier_load_seconds";
   EXPECT_EQ(ValueOr(text, load + "_count", {{"tier", "host"}}), 1);
   EXPECT_EQ(ValueOr(text, load + "_count", {{"tier", "disk"}}), 2);

@@ -212,6 +212,89 @@ TEST_F(DiskTierTest, ReopenRecoversEverySlotWithHashAndSerial) {
   }
 }
 
+TEST_F(DiskTierTest, ReopenRecoversEachBlocksParentAndTokens) {
+  std::vector<BlockLineage> lineages(3);
+  for (int32_t t = 0; t < 16; ++t) lineages[0].tokens.push_back(1000 + t);  // a chain's root
+  lineages[1].parent = HashOf(0);
+  lineages[1].has_parent = true;
+  for (int32_t t = 0; t < 16; ++t) lineages[1].tokens.push_back(-5 + 7 * t);  // any i32
+  lineages[2].parent = HashOf(1);
+  lineages[2].has_parent = true;  // and no tokens: the commit carried none
+  {
+    auto tier = OpenOrDie(Options());
+    ASSERT_NE(tier, nullptr);
+    std::mt19937_64 random(kSeed);
+    SlotBuffer buffer(tier->slot_bytes());
+    for (int32_t slot = 0; slot < 3; ++slot) {
+      FillRandom(buffer, random);
+      ASSERT_THAT(tier->Write(slot, HashOf(slot), 1 + static_cast<uint64_t>(slot), buffer,
+                              lineages[static_cast<size_t>(slot)]),
+                  IsOk());
+    }
+  }
+  auto tier = OpenOrDie(Options());
+  ASSERT_NE(tier, nullptr);
+  ASSERT_EQ(tier->recovered().size(), 3u);
+  for (const DiskTier::Recovered& recovered : tier->recovered()) {
+    const BlockLineage& want = lineages[static_cast<size_t>(recovered.slot)];
+    EXPECT_EQ(recovered.lineage.has_parent, want.has_parent) << "slot " << recovered.slot;
+    if (want.has_parent) {
+      EXPECT_EQ(recovered.lineage.parent, want.parent);
+    }
+    EXPECT_EQ(recovered.lineage.tokens, want.tokens) << "slot " << recovered.slot;
+  }
+  SlotBuffer read(tier->slot_bytes());
+  EXPECT_THAT(tier->Read(1, HashOf(1), read, nullptr), IsOk());
+}
+
+TEST_F(DiskTierTest, AFlippedTokenIsBadHeader) {
+  BlockLineage lineage;
+  for (int32_t t = 0; t < 16; ++t) lineage.tokens.push_back(t);
+  {
+    auto tier = OpenOrDie(Options());
+    ASSERT_NE(tier, nullptr);
+    SlotBuffer buffer(tier->slot_bytes());
+    ASSERT_THAT(tier->Write(0, HashOf(0), 1, buffer, lineage), IsOk());
+    ASSERT_THAT(tier->Write(1, HashOf(1), 2, buffer, lineage), IsOk());
+  }
+  const auto [path, offset] = Where(1, 4);
+  FlipByte(path, offset + 128 + 4 * 9);  // the tenth token id
+  auto tier = OpenOrDie(Options());
+  ASSERT_NE(tier, nullptr);
+  EXPECT_EQ(Refused(*tier, Refusal::kBadHeader), 1);
+  ASSERT_EQ(tier->recovered().size(), 1u);
+  EXPECT_EQ(tier->recovered()[0].slot, 0);
+}
+
+// A slot of kvcm's first format (version 1: its header checksum over [0, 120) at 120, no
+// lineage) is whole but not this format: refused as another identity, never as damage.
+TEST_F(DiskTierTest, ASlotOfTheFirstFormatIsRefusedAsAnotherIdentity) {
+  { ASSERT_NE(OpenOrDie(Options()), nullptr); }  // creates the files
+  std::vector<uint8_t> header(4096, 0);
+  std::memcpy(header.data(), "KVCMSLOT", 8);
+  const uint32_t version = 1;
+  const uint32_t covered = 120;
+  std::memcpy(header.data() + 8, &version, 4);
+  std::memcpy(header.data() + 12, &covered, 4);
+  const TierIdentity identity = Identity();
+  std::memcpy(header.data() + 16, identity.data(), identity.size());
+  const BlockHash hash = HashOf(0);
+  std::memcpy(header.data() + 32, hash.bytes.data(), hash.bytes.size());
+  const uint64_t checksum = XXH3_64bits(header.data(), covered);
+  std::memcpy(header.data() + 120, &checksum, 8);
+  const auto [path, offset] = Where(0, 4);
+  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  ASSERT_GE(fd, 0) << path;
+  ASSERT_EQ(::pwrite(fd, header.data(), header.size(), static_cast<off_t>(offset)), 4096);
+  ::close(fd);
+
+  auto tier = OpenOrDie(Options());
+  ASSERT_NE(tier, nullptr);
+  EXPECT_EQ(Refused(*tier, Refusal::kOtherIdentity), 1);
+  EXPECT_EQ(Refused(*tier, Refusal::kBadHeader), 0);
+  EXPECT_EQ(tier->open_report().recovered, 0);
+}
+
 TEST_F(DiskTierTest, SecondOpenWhileAliveIsAlreadyExistsNamingThePid) {
   auto first = OpenOrDie(Options());
   ASSERT_NE(first, nullptr);
@@ -416,6 +499,27 @@ TEST_F(DiskTierTest, DiskFullIsResourceExhausted) {
   EXPECT_EQ(WEXITSTATUS(status), 0)
       << "10: open, 11: setrlimit, 12: write below the limit, 13: write past it not "
          "RESOURCE_EXHAUSTED, 14: open past it not RESOURCE_EXHAUSTED, 15: no byte count";
+}
+
+TEST_F(DiskTierTest, SyncCoversTheWritesThatReturnedBeforeIt) {
+  auto tier = OpenOrDie(Options());
+  ASSERT_NE(tier, nullptr);
+  EXPECT_EQ(tier->writes(), 0u);
+  EXPECT_EQ(tier->synced_writes(), 0u);
+  WriteSlots(*tier, 3);
+  EXPECT_EQ(tier->writes(), 3u);
+  EXPECT_EQ(tier->synced_writes(), 0u);
+  ASSERT_THAT(tier->Sync(), IsOk());
+  EXPECT_EQ(tier->synced_writes(), 3u);
+  EXPECT_EQ(tier->syncs(), 1u);
+  // An invalidation is a write too: a reused slot's old header must not come back.
+  ASSERT_THAT(tier->Invalidate(0), IsOk());
+  EXPECT_EQ(tier->writes(), 4u);
+  EXPECT_EQ(tier->synced_writes(), 3u);
+  ASSERT_THAT(tier->Sync(), IsOk());
+  EXPECT_EQ(tier->synced_writes(), 4u);
+  EXPECT_EQ(tier->syncs(), 2u);
+  EXPECT_EQ(tier->sync_errors(), 0u);
 }
 
 TEST(TierIdentityTest, DiffersWhenAnyInputDiffers) {

@@ -16,6 +16,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/services/cache_manager/tier_test_env.h"
@@ -67,10 +69,10 @@ class KvTiersTest : public ::testing::Test {
   // Fills pool block `block` with seed `seed`, stores it as `hash` and waits until it is
   // released and written. Returns its bytes.
   std::vector<uint8_t> StoreAndWait(KvTiers& tiers, BlockId block, const BlockHash& hash,
-                                    uint64_t seed) {
+                                    uint64_t seed, BlockLineage lineage = {}) {
     std::vector<uint8_t> bytes = env_.FillBlock(block, seed);
     EXPECT_TRUE(tiers.WantStore(hash));
-    tiers.Store(block, hash);
+    tiers.Store(block, hash, std::move(lineage));
     tiers.Flush();
     EXPECT_FALSE(tiers.WantStore(hash));  // being written
     const int before = CountDone(Done::Kind::kReleased, block);
@@ -263,6 +265,80 @@ TEST_F(KvTiersTest, RestartRecoversTheDiskTier) {
   EXPECT_EQ(tiers->LeadingReady(all), 4);
 }
 
+// Block i's lineage in the event tests: parent HashOf(i - 1) (none for i = 0) and 4 tokens.
+BlockLineage LineageOf(int i) {
+  BlockLineage lineage;
+  if (i > 0) {
+    lineage.parent = HashOf(i - 1);
+    lineage.has_parent = true;
+  }
+  for (int32_t t = 0; t < 4; ++t) lineage.tokens.push_back(100 * i + t);
+  return lineage;
+}
+
+// "stored host 1", "removed disk 0", ... with the lineage checked against LineageOf.
+std::vector<std::string> Describe(const std::vector<TierEvent>& events) {
+  std::vector<std::string> out;
+  for (const TierEvent& event : events) {
+    int i = 0;
+    while (i < 100 && !(HashOf(i) == event.hash)) ++i;
+    const bool stored = event.kind == TierEvent::Kind::kStored;
+    out.push_back(absl::StrCat(stored ? "stored " : "removed ", std::string(TierName(event.tier)), " ", i));
+    if (!stored) continue;
+    const BlockLineage want = LineageOf(i);
+    EXPECT_EQ(event.lineage.has_parent, want.has_parent) << out.back();
+    if (want.has_parent) {
+      EXPECT_EQ(event.lineage.parent, want.parent) << out.back();
+    }
+    EXPECT_EQ(event.lineage.tokens, want.tokens) << out.back();
+  }
+  return out;
+}
+
+TEST_F(KvTiersTest, EventsAnnounceWhatEachTierGainsAndLosesWithTheBlocksLineage) {
+  TierOptions options = env_.Options(/*host_blocks=*/2, /*disk_slots=*/8);
+  options.record_events = true;
+  auto tiers = env_.MakeTiers(options);
+  ASSERT_NE(tiers, nullptr);
+  EXPECT_FALSE(tiers->has_events());  // an empty disk tier recovered nothing
+  for (int i = 0; i < 3; ++i) {
+    StoreAndWait(*tiers, i, HashOf(i), kSeed + static_cast<uint64_t>(i), LineageOf(i));
+  }
+  EXPECT_TRUE(tiers->has_events());
+  // Block 2's store took block 0's host slot, the least recently used: removed from the
+  // host tier when the store was staged, before block 2 was written.
+  EXPECT_THAT(Describe(tiers->TakeEvents()),
+              ::testing::ElementsAre("stored host 0", "stored disk 0", "stored host 1",
+                                     "stored disk 1", "removed host 0", "stored host 2",
+                                     "stored disk 2"));
+  EXPECT_FALSE(tiers->has_events());
+  // A disk slot refused at load is gone from the disk tier: announced removed.
+  FlipByte(env_.disk_dir() + "/tier-0.kvcm", 4096 + 17);  // block 0's slot 0
+  EXPECT_EQ(LoadAndWait(*tiers, 5, 6, HashOf(0)).kind, Done::Kind::kLoadFailed);
+  EXPECT_THAT(Describe(tiers->TakeEvents()), ::testing::ElementsAre("removed disk 0"));
+}
+
+TEST_F(KvTiersTest, RecoveredBlocksAreAnnouncedEachAfterItsParent) {
+  {
+    auto tiers = env_.MakeTiers(env_.Options(0, 8));
+    ASSERT_NE(tiers, nullptr);
+    // Children first, so that slot order (the order of the scan) is not chain order: slots
+    // 0..2 hold blocks 3, 2, 1; block 0 (the root) is never stored; block 6's parent 5 is
+    // not on disk either.
+    for (int i : {3, 2, 1, 6}) {
+      StoreAndWait(*tiers, i, HashOf(i), kSeed + static_cast<uint64_t>(i), LineageOf(i));
+    }
+    EXPECT_FALSE(tiers->has_events());  // record_events off: nothing kept
+  }
+  TierOptions options = env_.Options(0, 8);
+  options.record_events = true;
+  auto tiers = env_.MakeTiers(options);
+  ASSERT_NE(tiers, nullptr);
+  EXPECT_THAT(Describe(tiers->TakeEvents()),
+              ::testing::ElementsAre("stored disk 1", "stored disk 2", "stored disk 3",
+                                     "stored disk 6"));
+}
+
 TEST_F(KvTiersTest, CancelQueuedStoresReturnsEachUnstartedBlockOnce) {
   auto tiers = env_.MakeTiers(env_.Options(8, 8));
   ASSERT_NE(tiers, nullptr);
@@ -326,6 +402,56 @@ TEST_F(KvTiersTest, DiskTierOfAnotherModelRecoversNothing) {
   tiers = env_.MakeTiers(env_.Options(0, 8));
   ASSERT_NE(tiers, nullptr);
   EXPECT_EQ(tiers->LeadingReady(both), 2);
+}
+
+// The movers sync the disk tier on their own, never the ledger thread: until unsynced_writes
+// is 0 (a bounded poll of the snapshot: a sync posts no result).
+bool AwaitSynced(const KvTiers& tiers) {
+  const absl::Time deadline = absl::Now() + testenv::kHangGuard;
+  while (tiers.Snapshot().unsynced_writes != 0) {
+    if (absl::Now() >= deadline) return false;
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  return true;
+}
+
+TEST_F(KvTiersTest, MoversSyncTheDiskTierAtMostOncePerInterval) {
+  TierOptions options = env_.Options(/*host_blocks=*/0, /*disk_slots=*/8);
+  options.disk_sync_interval = absl::Hours(1);
+  auto tiers = env_.MakeTiers(options);
+  ASSERT_NE(tiers, nullptr);
+  EXPECT_EQ(tiers->Snapshot().counters.syncs, 0u);
+  // No sync before: the first write is synced at once.
+  StoreAndWait(*tiers, 0, HashOf(0), kSeed);
+  ASSERT_TRUE(AwaitSynced(*tiers)) << "the first write was never synced";
+  EXPECT_EQ(tiers->Snapshot().counters.syncs, 1u);
+  // The next one waits for the interval (an hour): written, not synced.
+  StoreAndWait(*tiers, 1, HashOf(1), kSeed + 1);
+  const TierSnapshot s = tiers->Snapshot();
+  EXPECT_EQ(s.counters.stored[1], 2u);
+  EXPECT_EQ(s.unsynced_writes, 1u);
+  EXPECT_EQ(s.counters.syncs, 1u);
+  EXPECT_EQ(s.counters.sync_errors, 0u);
+}
+
+TEST_F(KvTiersTest, ZeroSyncIntervalSyncsAfterEveryWrite) {
+  TierOptions options = env_.Options(/*host_blocks=*/0, /*disk_slots=*/8);
+  options.disk_sync_interval = absl::ZeroDuration();
+  auto tiers = env_.MakeTiers(options);
+  ASSERT_NE(tiers, nullptr);
+  for (int i = 0; i < 3; ++i) {
+    StoreAndWait(*tiers, i, HashOf(i), kSeed + static_cast<uint64_t>(i));
+    ASSERT_TRUE(AwaitSynced(*tiers)) << "write " << i << " was never synced";
+    EXPECT_EQ(tiers->Snapshot().counters.syncs, static_cast<uint64_t>(i + 1));
+  }
+}
+
+TEST_F(KvTiersTest, NegativeSyncIntervalIsRefusedNamingTheFlag) {
+  TierOptions options = env_.Options(/*host_blocks=*/0, /*disk_slots=*/8);
+  options.disk_sync_interval = absl::Milliseconds(-1);
+  const absl::Status checked = CheckTierOptions(options);
+  EXPECT_TRUE(absl::IsInvalidArgument(checked)) << checked;
+  EXPECT_THAT(std::string(checked.message()), ::testing::HasSubstr("--disk-tier-sync-ms"));
 }
 
 }  // namespace

@@ -48,7 +48,7 @@ class TierCoordinatorTest : public ::testing::Test {
     tiers_ = env_.MakeTiers(env_.Options(host_blocks, disk_slots));
     ASSERT_NE(tiers_, nullptr);
     coordinator_ = std::make_unique<TierCoordinator>(
-        tiers_.get(), ledger_.get(), TierCoordinator::Options{.load_timeout = kLoadTimeout});
+        tiers_.get(), ledger_.get(), TierCoordinator::Options{.load_timeout = kLoadTimeout, .commit_tokens = {}});
   }
 
   void TakeEvents() { coordinator_->OnEvents(ledger_->TakeEvents()); }

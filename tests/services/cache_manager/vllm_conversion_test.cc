@@ -5,8 +5,11 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace kvcm {
@@ -335,6 +338,166 @@ TEST(VllmConverterTest, IdsFollowTheHashAlgorithm) {
   EXPECT_EQ(out[0].block_hashes, std::vector<uint64_t>{42});
   EXPECT_EQ(out[0].parent_block_hash, std::optional<uint64_t>(43));
   EXPECT_EQ(out[1].block_hashes, std::vector<uint64_t>{42});
+}
+
+// A tier's event for block `tag`: stored with parent `parent` (0: none) and the tokens of
+// pool block `tag` (none with `tokens` false), or removed.
+tiers::TierEvent TierStored(tiers::Tier tier, uint8_t tag, uint8_t parent = 0,
+                            bool tokens = true) {
+  tiers::TierEvent event;
+  event.kind = tiers::TierEvent::Kind::kStored;
+  event.tier = tier;
+  event.hash = Hash(tag);
+  if (parent != 0) {
+    event.lineage.parent = Hash(parent);
+    event.lineage.has_parent = true;
+  }
+  if (tokens) event.lineage.tokens = TokensOf(tag);
+  return event;
+}
+tiers::TierEvent TierRemoved(tiers::Tier tier, uint8_t tag) {
+  tiers::TierEvent event;
+  event.kind = tiers::TierEvent::Kind::kRemoved;
+  event.tier = tier;
+  event.hash = Hash(tag);
+  return event;
+}
+
+// "stored GPU [1 2] parent 0", "removed DISK [3]": ids by tag (Id(tag) >> 56).
+std::vector<std::string> Describe(const std::vector<VllmEvent>& events) {
+  std::vector<std::string> out;
+  for (const VllmEvent& event : events) {
+    std::string ids;
+    for (uint64_t id : event.block_hashes) absl::StrAppend(&ids, ids.empty() ? "" : " ", id >> 56);
+    switch (event.kind) {
+      case VllmEvent::Kind::kBlockStored:
+        out.push_back(absl::StrCat("stored ", std::string(VllmMediumName(event.medium)), " [",
+                                   ids, "] parent ",
+                                   event.parent_block_hash ? *event.parent_block_hash >> 56 : 0));
+        break;
+      case VllmEvent::Kind::kBlockRemoved:
+        out.push_back(absl::StrCat("removed ", std::string(VllmMediumName(event.medium)), " [",
+                                   ids, "]"));
+        break;
+      case VllmEvent::Kind::kAllBlocksCleared:
+        out.push_back("cleared");
+        break;
+    }
+  }
+  return out;
+}
+
+TEST(VllmConverterTest, EachPlaceAnnouncesInItsMediumBesideACudaPool) {
+  VllmConverter converter(kBlockSize, kDefaultHashAlgorithm, VllmMedium::kGpu);
+  CommitAll(converter, {1});
+  const BlockEvent stored[] = {Stored(1, Hash(1))};
+  converter.AddBatch(stored, false);
+  const tiers::TierEvent tier_stored[] = {TierStored(tiers::Tier::kHost, 1),
+                                          TierStored(tiers::Tier::kDisk, 1)};
+  converter.AddTierEvents(tier_stored);
+  // Evicted from the pool, then from the host tier: each medium removes it on its own.
+  const BlockEvent removed[] = {Removed(1, Hash(1))};
+  converter.AddBatch(removed, false);
+  const tiers::TierEvent host_removed[] = {TierRemoved(tiers::Tier::kHost, 1)};
+  converter.AddTierEvents(host_removed);
+
+  const std::vector<VllmEvent> out = converter.Take();
+  EXPECT_THAT(Describe(out), ::testing::ElementsAre("stored GPU [1] parent 0",
+                                                    "stored CPU [1] parent 0",
+                                                    "stored DISK [1] parent 0",
+                                                    "removed GPU [1]", "removed CPU [1]"));
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(out[i].token_ids, Unsigned(TokensOf(1))) << i;
+  EXPECT_EQ(converter.blocks_without_tokens(), 0u);
+}
+
+// Beside a shm pool, the pool and the host tier are both host memory ("CPU"): a block is
+// announced once while either holds it, and removed when neither does.
+TEST(VllmConverterTest, BesideAShmPoolThePoolAndTheHostTierShareTheCpuMedium) {
+  VllmConverter converter(kBlockSize, kDefaultHashAlgorithm, VllmMedium::kCpu);
+  CommitAll(converter, {1});
+  const BlockEvent stored[] = {Stored(1, Hash(1))};
+  converter.AddBatch(stored, false);
+  const tiers::TierEvent host_stored[] = {TierStored(tiers::Tier::kHost, 1)};
+  converter.AddTierEvents(host_stored);
+  EXPECT_THAT(Describe(converter.Take()), ::testing::ElementsAre("stored CPU [1] parent 0"));
+
+  const BlockEvent removed[] = {Removed(1, Hash(1))};
+  converter.AddBatch(removed, false);
+  EXPECT_TRUE(converter.Take().empty());  // the host tier still holds it
+
+  const tiers::TierEvent host_removed[] = {TierRemoved(tiers::Tier::kHost, 1)};
+  converter.AddTierEvents(host_removed);
+  EXPECT_THAT(Describe(converter.Take()), ::testing::ElementsAre("removed CPU [1]"));
+  // Gone everywhere: a second removal gives nothing.
+  converter.AddTierEvents(host_removed);
+  EXPECT_TRUE(converter.Take().empty());
+}
+
+TEST(VllmConverterTest, TierBlocksOfOneChainShareAnEventPerMedium) {
+  VllmConverter converter(kBlockSize);
+  const tiers::TierEvent events[] = {
+      TierStored(tiers::Tier::kDisk, 1), TierStored(tiers::Tier::kDisk, 2, 1),
+      TierStored(tiers::Tier::kHost, 3, 2),  // another medium: a new event
+      TierStored(tiers::Tier::kDisk, 3, 2), TierRemoved(tiers::Tier::kDisk, 1),
+      TierRemoved(tiers::Tier::kDisk, 2), TierRemoved(tiers::Tier::kHost, 3)};
+  converter.AddTierEvents(events);
+  EXPECT_THAT(Describe(converter.Take()),
+              ::testing::ElementsAre("stored DISK [1 2] parent 0", "stored CPU [3] parent 2",
+                                     "stored DISK [3] parent 2", "removed DISK [1 2]",
+                                     "removed CPU [3]"));
+}
+
+// A prefetch commits the blocks a tier loaded into the pool itself, with no router's tokens:
+// they are announced with the tokens the tier announced them with.
+TEST(VllmConverterTest, ABlockLoadedFromATierIsAnnouncedInThePoolWithTheTiersTokens) {
+  VllmConverter converter(kBlockSize, kDefaultHashAlgorithm, VllmMedium::kGpu);
+  const tiers::TierEvent recovered[] = {TierStored(tiers::Tier::kDisk, 1)};
+  converter.AddTierEvents(recovered);
+  const BlockEvent loaded[] = {Stored(9, Hash(1))};  // pool block 9, no commit tokens
+  converter.AddBatch(loaded, false);
+
+  const std::vector<VllmEvent> out = converter.Take();
+  EXPECT_THAT(Describe(out), ::testing::ElementsAre("stored DISK [1] parent 0",
+                                                    "stored GPU [1] parent 0"));
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_EQ(out[1].token_ids, Unsigned(TokensOf(1)));
+  EXPECT_EQ(converter.blocks_without_tokens(), 0u);
+}
+
+TEST(VllmConverterTest, ATierBlockWithoutTokensIsCountedAndNeverAnnounced) {
+  VllmConverter converter(kBlockSize);
+  const tiers::TierEvent stored[] = {TierStored(tiers::Tier::kDisk, 1, 0, /*tokens=*/false)};
+  converter.AddTierEvents(stored);
+  const tiers::TierEvent removed[] = {TierRemoved(tiers::Tier::kDisk, 1),
+                                      TierRemoved(tiers::Tier::kHost, 2)};
+  converter.AddTierEvents(removed);
+  EXPECT_TRUE(converter.Take().empty());
+  EXPECT_EQ(converter.blocks_without_tokens(), 1u);
+}
+
+TEST(VllmConverterTest, ATierBlockWhoseIdIsAnotherHashsIsCountedAndLeftOut) {
+  VllmConverter converter(kBlockSize);
+  CommitAll(converter, {0});
+  const BlockEvent stored[] = {Stored(0, Hash(1, 1))};
+  converter.AddBatch(stored, false);
+  tiers::TierEvent clash = TierStored(tiers::Tier::kDisk, 1);
+  clash.hash = Hash(1, 2);  // the same first 8 bytes
+  converter.AddTierEvents({&clash, 1});
+  tiers::TierEvent clash_removed = TierRemoved(tiers::Tier::kDisk, 1);
+  clash_removed.hash = Hash(1, 2);
+  converter.AddTierEvents({&clash_removed, 1});
+  EXPECT_THAT(Describe(converter.Take()), ::testing::ElementsAre("stored GPU [1] parent 0"));
+  EXPECT_EQ(converter.blocks_without_tokens(), 1u);
+}
+
+TEST(VllmConverterTest, CommitTokensAreThoseOfTheLastCommitUntilTheNextBatch) {
+  VllmConverter converter(kBlockSize);
+  EXPECT_EQ(converter.CommitTokens(3), nullptr);
+  CommitAll(converter, {3});
+  ASSERT_NE(converter.CommitTokens(3), nullptr);
+  EXPECT_EQ(*converter.CommitTokens(3), TokensOf(3));
+  converter.AddBatch({}, false);
+  EXPECT_EQ(converter.CommitTokens(3), nullptr);
 }
 
 }  // namespace

@@ -45,6 +45,7 @@ TEST(VllmEventsTest, BatchIsAnArrayOfThreeWithTaggedMaps) {
   stored.block_hashes = {0xfedcba9876543210ull, 7};
   stored.parent_block_hash = 0x8000000000000001ull;
   stored.token_ids = {1, 2, 3, 4, 70000, 6, 7, 4000000000u};
+  stored.medium = VllmMedium::kCpu;
   VllmEvent root;
   root.kind = VllmEvent::Kind::kBlockStored;
   root.block_hashes = {9};
@@ -52,10 +53,10 @@ TEST(VllmEventsTest, BatchIsAnArrayOfThreeWithTaggedMaps) {
   VllmEvent removed;
   removed.kind = VllmEvent::Kind::kBlockRemoved;
   removed.block_hashes = {7, 0xfedcba9876543210ull};
+  removed.medium = VllmMedium::kDisk;
   const std::vector<VllmEvent> events = {cleared, stored, root, removed};
   VllmStreamInfo info;
   info.block_size = 4;
-  info.medium = "CPU";
   std::string payload;
   EncodeVllmBatch(1764000000.25, events, info, &payload);
 
@@ -98,6 +99,7 @@ TEST(VllmEventsTest, BatchIsAnArrayOfThreeWithTaggedMaps) {
   EXPECT_EQ(Value(e1, "lora_id").type, msgpack::type::NIL);
   EXPECT_EQ(Value(e1, "lora_name").type, msgpack::type::NIL);
   EXPECT_EQ(Str(Value(e1, "medium")), "CPU");
+  EXPECT_EQ(Str(Value(list.via.array.ptr[2], "medium")), "GPU");  // the default
 
   const msgpack::object& e2 = list.via.array.ptr[2];
   EXPECT_EQ(Value(e2, "parent_block_hash").type, msgpack::type::NIL);
@@ -105,6 +107,7 @@ TEST(VllmEventsTest, BatchIsAnArrayOfThreeWithTaggedMaps) {
   const msgpack::object& e3 = list.via.array.ptr[3];
   EXPECT_EQ(Keys(e3), (std::vector<std::string>{"type", "block_hashes", "medium"}));
   EXPECT_EQ(Str(Value(e3, "type")), "BlockRemoved");
+  EXPECT_EQ(Str(Value(e3, "medium")), "DISK");
   EXPECT_EQ(Value(e3, "block_hashes").via.array.ptr[1].via.u64, 0xfedcba9876543210ull);
 
   // The strict reader agrees.
@@ -123,12 +126,12 @@ TEST(VllmEventsTest, RandomBatchesRoundTripThroughTheReader) {
   for (int round = 0; round < 200; ++round) {
     VllmStreamInfo info;
     info.block_size = 1 + static_cast<int32_t>(rng() % 32);
-    info.medium = rng() % 2 ? "GPU" : "CPU";
     std::vector<VllmEvent> events(rng() % 6);
     uint64_t next_id = rng();
     for (VllmEvent& event : events) {
       event.kind = static_cast<VllmEvent::Kind>(rng() % 3);
       if (event.kind == VllmEvent::Kind::kAllBlocksCleared) continue;
+      event.medium = static_cast<VllmMedium>(rng() % 3);
       const size_t blocks = 1 + rng() % 5;
       for (size_t b = 0; b < blocks; ++b) event.block_hashes.push_back(next_id++);
       if (event.kind == VllmEvent::Kind::kBlockStored) {
@@ -149,7 +152,7 @@ TEST(VllmEventsTest, RandomBatchesRoundTripThroughTheReader) {
       EXPECT_EQ(read->events[i].parent_block_hash, events[i].parent_block_hash);
       EXPECT_EQ(read->events[i].token_ids, events[i].token_ids);
       if (events[i].kind != VllmEvent::Kind::kAllBlocksCleared) {
-        EXPECT_EQ(read->events[i].medium, info.medium);
+        EXPECT_EQ(read->events[i].medium, VllmMediumName(events[i].medium));
       }
     }
   }
