@@ -47,6 +47,7 @@
 #include "common/base/check.h"
 #include "common/base/monotonic_clock.h"
 #include "bench/server_stack.h"
+#include "bench/stream_client.h"
 #include "nlohmann/json.hpp"
 #include "tests/support/cache_manager_process.h"
 #include "tests/support/subprocess.h"
@@ -56,70 +57,8 @@ namespace kvcm {
 namespace {
 
 using json = nlohmann::json;
+using bench::StreamClient;
 using testing::TempDir;
-
-// One client thread holding every stream.
-class StreamClient {
- public:
-  struct Stream {
-    StreamClient* client = nullptr;
-    evhttp_connection* connection = nullptr;
-    std::vector<absl::Time> arrivals;  // one per token event
-    std::string pending;               // bytes after the last complete event
-    bool done = false;
-  };
-
-  // Opens `n` streams to host:port, POSTing `body` to `path`, and runs until all end.
-  std::vector<Stream> Run(const std::string& host, int port, const std::string& path,
-                          const std::string& body, int n) {
-    event_base* base = event_base_new();
-    streams_.assign(static_cast<size_t>(n), Stream{});
-    left_ = n;
-    base_ = base;
-    for (Stream& s : streams_) {
-      s.client = this;
-      s.connection = evhttp_connection_base_new(base, nullptr, host.c_str(),
-                                                static_cast<ev_uint16_t>(port));
-      evhttp_connection_set_timeout(s.connection, 600);
-      evhttp_request* request = evhttp_request_new(&StreamClient::OnDone, &s);
-      evhttp_request_set_chunked_cb(request, &StreamClient::OnChunk);
-      evkeyvalq* headers = evhttp_request_get_output_headers(request);
-      evhttp_add_header(headers, "Host", host.c_str());
-      evhttp_add_header(headers, "Content-Type", "application/json");
-      evbuffer_add(evhttp_request_get_output_buffer(request), body.data(), body.size());
-      KVCM_CHECK(evhttp_make_request(s.connection, request, EVHTTP_REQ_POST, path.c_str()) == 0);
-    }
-    event_base_dispatch(base);
-    for (Stream& s : streams_) evhttp_connection_free(s.connection);
-    event_base_free(base);
-    return std::move(streams_);
-  }
-
- private:
-  static void OnChunk(evhttp_request* request, void* arg) {
-    auto* s = static_cast<Stream*>(arg);
-    evbuffer* in = evhttp_request_get_input_buffer(request);
-    const size_t length = evbuffer_get_length(in);
-    std::string bytes(length, '\0');
-    evbuffer_remove(in, bytes.data(), length);
-    s->pending += bytes;
-    const absl::Time now = MonotonicNow();
-    for (size_t end; (end = s->pending.find("\n\n")) != std::string::npos;) {
-      if (s->pending.rfind("data:", 0) == 0) s->arrivals.push_back(now);
-      s->pending.erase(0, end + 2);
-    }
-  }
-  static void OnDone(evhttp_request*, void* arg) {
-    auto* s = static_cast<Stream*>(arg);
-    if (s->done) return;
-    s->done = true;
-    if (--s->client->left_ == 0) event_base_loopexit(s->client->base_, nullptr);
-  }
-
-  std::vector<Stream> streams_;
-  int left_ = 0;
-  event_base* base_ = nullptr;
-};
 
 // Step times of a step trace line, nanoseconds of CLOCK_MONOTONIC.
 struct TracedStep {

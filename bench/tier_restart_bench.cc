@@ -9,23 +9,19 @@
 // prefill of what is not cached, and the first token. The stack is kvcm-launch with one
 // executor; the prompts are words from a fixed seed (printed).
 
-#include <signal.h>
-
 #include <cstdio>
 #include <filesystem>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/numbers.h"
 #include "absl/time/clock.h"
+#include "bench/launch_stack.h"
 #include "common/base/check.h"
 #include "nlohmann/json.hpp"
-#include "tests/support/cache_manager_process.h"
 #include "tests/support/http_client.h"
 #include "tests/support/real_model.h"
-#include "tests/support/subprocess.h"
 
 namespace kvcm::bench {
 namespace {
@@ -54,53 +50,15 @@ Args ParseArgs(int argc, char** argv) {
   return args;
 }
 
-// About `words` words of English-like text, different for each seed.
-std::string Text(uint32_t seed, int words) {
-  static const char* const kWords[] = {
-      "cache", "block",  "river", "stone",  "memory", "token", "garden", "window", "paper",
-      "light", "engine", "north", "silver", "market", "cloud", "letter", "forest", "signal",
-      "table", "bridge", "winter", "number", "music",  "field", "thread", "harbor", "glass"};
-  std::mt19937 rng(seed);
-  std::uniform_int_distribution<size_t> pick(0, std::size(kWords) - 1);
-  std::string text;
-  for (int i = 0; i < words; ++i) {
-    text += kWords[pick(rng)];
-    text += (i % 17 == 16) ? ". " : " ";
-  }
-  return text;
-}
-
-struct Stack {
-  std::unique_ptr<testing::Subprocess> launch;
-  std::string url;
-};
-
-Stack Start(const std::string& model, const std::string& dir, int tokens, int threads) {
-  testing::Subprocess::Options options;
+LaunchStack Start(const std::string& model, const std::string& dir, int tokens, int threads) {
   const int blocks = tokens / 16 * 2 + 64;  // two prompts and room to spare
-  options.argv = {testing::KvcmBinaryPath("kvcm-launch"), "--model", model, "--port", "0",
-                  "--run-dir", dir + "/run", "--executors", "1",
-                  "--num-blocks", std::to_string(blocks), "--threads", std::to_string(threads),
-                  "--max-input-tokens", std::to_string(tokens + 256),
-                  "--max-total-tokens", std::to_string(tokens + 512),
-                  "--disk-tier-dir", dir + "/tier", "--disk-tier-bytes", "1GiB"};
-  options.output_path = dir + "/launch.log";
-  std::filesystem::remove(options.output_path);
-  auto started = testing::Subprocess::Start(options);
-  KVCM_CHECK(started.ok()) << started.status();
-  Stack stack;
-  stack.launch = *std::move(started);
-  auto ready = stack.launch->WaitForLine("kvcm-launch: ready http=(\\S+) executors=1",
-                                         absl::Now() + absl::Seconds(120));
-  KVCM_CHECK(ready.ok()) << ready.status() << "\n" << testing::Tail(stack.launch->Output());
-  stack.url = (*ready)[1];
-  return stack;
-}
-
-void Stop(Stack& stack) {
-  KVCM_CHECK(stack.launch->Signal(SIGTERM).ok());
-  auto code = stack.launch->Wait(absl::Seconds(60));
-  KVCM_CHECK(code.ok() && *code == 0) << testing::Tail(stack.launch->Output());
+  return StartLaunch(model,
+                     {"--run-dir", dir + "/run", "--num-blocks", std::to_string(blocks),
+                      "--threads", std::to_string(threads),
+                      "--max-input-tokens", std::to_string(tokens + 256),
+                      "--max-total-tokens", std::to_string(tokens + 512),
+                      "--disk-tier-dir", dir + "/tier", "--disk-tier-bytes", "1GiB"},
+                     dir + "/launch.log");
 }
 
 struct Timed {
@@ -110,7 +68,7 @@ struct Timed {
   std::string text;
 };
 
-Timed Complete(const Stack& stack, const std::string& prompt) {
+Timed Complete(const LaunchStack& stack, const std::string& prompt) {
   const json body = {{"model", "m"}, {"prompt", prompt}, {"max_tokens", 1}, {"temperature", 0}};
   const absl::Time start = absl::Now();
   auto reply = testing::HttpPost(stack.url + "/v1/completions", body.dump(), absl::Minutes(5));
@@ -136,22 +94,22 @@ int Main(int argc, char** argv) {
       std::filesystem::temp_directory_path().string(), "/kvcm-tier-restart-bench-", getpid());
   std::filesystem::create_directories(dir);
   constexpr uint32_t kSeed = 20261206;
-  // SmolLM2's tokenizer gives about 1.06 tokens per word of this text (the dots).
+  // About 1.06 tokens per word (SeededText).
   const int words = args.tokens * 17 / 18;
-  const std::string warm_prompt = Text(kSeed, words);
-  const std::string cold_prompt = Text(kSeed + 1, words);
+  const std::string warm_prompt = SeededText(kSeed, words);
+  const std::string cold_prompt = SeededText(kSeed + 1, words);
   std::printf("tier_restart_bench: %s, prompts of about %d tokens (seed %u), %d executor "
               "thread(s), disk tier in %s\n",
               model.c_str(), args.tokens, kSeed, args.threads, dir.c_str());
 
-  Stack first = Start(model, dir, args.tokens, args.threads);
+  LaunchStack first = Start(model, dir, args.tokens, args.threads);
   const Timed before = Complete(first, warm_prompt);
   // Stopped whole: the cache manager's pool and host memory are gone; the disk tier stays.
-  Stop(first);
-  Stack second = Start(model, dir, args.tokens, args.threads);
+  StopLaunch(first);
+  LaunchStack second = Start(model, dir, args.tokens, args.threads);
   const Timed warm = Complete(second, warm_prompt);
   const Timed cold = Complete(second, cold_prompt);
-  Stop(second);
+  StopLaunch(second);
   std::filesystem::remove_all(dir);
 
   std::printf("first start, cold:       %7.3f s  (%d prompt tokens, %d cached)\n",
