@@ -19,19 +19,16 @@ for the KvRouter. Then checks:
 Every wait is bounded; the seed and every score are printed; exit status 1 when a check fails.
 """
 
-import argparse
 import asyncio
 import json
 import os
 import random
-import shutil
-import subprocess
 import sys
-import tempfile
 import threading
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from two_node_test import BLOCK, MODEL_NAME, TIMEOUT_S, Node, prompt_text  # noqa: E402
+from two_node_test import (BLOCK, MODEL_NAME, TIMEOUT_S, Node, finish, make_work,  # noqa: E402
+                           parse_args, prompt_text)
 
 NAMESPACE_PATH = "kvcm.node.generate"  # Dynamo's namespace.component.endpoint of the workers
 
@@ -294,17 +291,9 @@ async def run(args, model, a, b, checks):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bin-dir", required=True)
-    parser.add_argument("--seed", type=int, default=15)
-    parser.add_argument("--keep", action="store_true", help="keep the work directory")
-    parser.add_argument("--dynamo-log", default="warn", help="Dynamo's DYN_LOG level")
-    args = parser.parse_args()
-    print(f"seed {args.seed}", flush=True)
-    work = tempfile.mkdtemp(prefix="kvcm-kvrouter-")
-    model = os.path.join(work, "tiny")
-    subprocess.run([os.path.join(args.bin_dir, "kvcm-make-tiny-model"), f"--output={model}",
-                    f"--seed={args.seed}"], check=True, timeout=TIMEOUT_S)
+    args = parse_args(__doc__, lambda parser: parser.add_argument(
+        "--dynamo-log", default="warn", help="Dynamo's DYN_LOG level"))
+    work, model = make_work(args, "kvcm-kvrouter-")
     nodes, broker, checks = [], None, []
     try:
         a = Node("a", args.bin_dir, model, work, num_blocks=256)
@@ -325,13 +314,7 @@ def main():
             n.stop()
         if broker is not None:
             broker.stop()
-        if args.keep:
-            print(f"work directory {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
-    failed = checks.count(False)
-    print(f"{len(checks) - failed} passed, {failed} failed", flush=True)
-    return 1 if failed or not checks else 0
+    return finish(args, work, checks)
 
 
 if __name__ == "__main__":

@@ -19,19 +19,16 @@ One kvcm-launch node (tests/cluster/two_node_test.py's Node) with a tiny model, 
 Every wait is bounded; the seed is printed; exit status 1 when a check fails.
 """
 
-import argparse
 import os
 import random
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dynamo_indexer import Indexer, free_port  # noqa: E402
-from two_node_test import BLOCK, MODEL_NAME, TIMEOUT_S, Node, prime, prompt_text  # noqa: E402
+from two_node_test import (BLOCK, MODEL_NAME, TIMEOUT_S, Node, finish, make_work,  # noqa: E402
+                           parse_args, prime, prompt_text)
 
 
 def tiers(indexer, tokens):
@@ -51,17 +48,9 @@ def await_tiers(indexer, tokens, want):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bin-dir", required=True)
-    parser.add_argument("--seed", type=int, default=15)
-    parser.add_argument("--keep", action="store_true", help="keep the work directory")
-    args = parser.parse_args()
-    print(f"seed {args.seed}", flush=True)
+    args = parse_args(__doc__)
     rng = random.Random(args.seed)
-    work = tempfile.mkdtemp(prefix="kvcm-tier-media-")
-    model = os.path.join(work, "tiny")
-    subprocess.run([os.path.join(args.bin_dir, "kvcm-make-tiny-model"), f"--output={model}",
-                    f"--seed={args.seed}"], check=True, timeout=TIMEOUT_S)
+    work, model = make_work(args, "kvcm-tier-media-")
     node, indexer, checks = None, None, []
 
     def check(what, got, ok):
@@ -117,13 +106,7 @@ def main():
             indexer.stop()
         if node is not None:
             node.stop()
-        if args.keep:
-            print(f"work directory {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
-    failed = checks.count(False)
-    print(f"{len(checks) - failed} passed, {failed} failed", flush=True)
-    return 1 if failed or not checks else 0
+    return finish(args, work, checks)
 
 
 if __name__ == "__main__":

@@ -106,6 +106,40 @@ class Node:
                 self.process.wait()
 
 
+def parse_args(doc, add_args=None):
+    """The cluster scripts' common flags (--bin-dir, --seed, --keep) and `add_args`'s; prints
+    the seed."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--bin-dir", required=True)
+    parser.add_argument("--seed", type=int, default=15)
+    parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    if add_args is not None:
+        add_args(parser)
+    args = parser.parse_args()
+    print(f"seed {args.seed}", flush=True)
+    return args
+
+
+def make_work(args, prefix):
+    """A fresh work directory and a tiny model in it (kvcm-make-tiny-model, args.seed)."""
+    work = tempfile.mkdtemp(prefix=prefix)
+    model = os.path.join(work, "tiny")
+    subprocess.run([os.path.join(args.bin_dir, "kvcm-make-tiny-model"), f"--output={model}",
+                    f"--seed={args.seed}"], check=True, timeout=TIMEOUT_S)
+    return work, model
+
+
+def finish(args, work, checks):
+    """Removes the work directory (unless --keep), prints the tally; the exit status."""
+    if args.keep:
+        print(f"work directory {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    failed = checks.count(False)
+    print(f"{len(checks) - failed} passed, {failed} failed", flush=True)
+    return 1 if failed or not checks else 0
+
+
 def prompt_text(rng, n):
     return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(n))
 
@@ -127,17 +161,9 @@ def prime(indexer, node, instance, rng):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bin-dir", required=True)
-    parser.add_argument("--seed", type=int, default=15)
-    parser.add_argument("--keep", action="store_true", help="keep the work directory")
-    args = parser.parse_args()
-    print(f"seed {args.seed}", flush=True)
+    args = parse_args(__doc__)
     rng = random.Random(args.seed)
-    work = tempfile.mkdtemp(prefix="kvcm-dyn-")
-    model = os.path.join(work, "tiny")
-    subprocess.run([os.path.join(args.bin_dir, "kvcm-make-tiny-model"), f"--output={model}",
-                    f"--seed={args.seed}"], check=True, timeout=TIMEOUT_S)
+    work, model = make_work(args, "kvcm-dyn-")
     nodes, indexer, checks = [], None, []
 
     def check(what, got, ok):
@@ -231,13 +257,7 @@ def main():
             indexer.stop()
         for n in nodes:
             n.stop()
-        if args.keep:
-            print(f"work directory {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
-    failed = checks.count(False)
-    print(f"{len(checks) - failed} passed, {failed} failed", flush=True)
-    return 1 if failed or not checks else 0
+    return finish(args, work, checks)
 
 
 if __name__ == "__main__":
