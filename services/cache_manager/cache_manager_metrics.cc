@@ -155,7 +155,8 @@ constexpr MetricSpec kVllmSubscriptions{
 constexpr MetricSpec kVllmBlocksWithoutTokens{
     "kvcm_cache_manager_vllm_blocks_without_tokens_total", MetricType::Counter, "",
     "Blocks stored without the token ids a vLLM-format event needs (a router that did not "
-    "send them at Commit), left out of that stream with their later removal."};
+    "send them at Commit, or a tier block written without them), left out of that stream "
+    "with their later removal."};
 
 // The host (T1) and disk (T2) tiers (tiers/kv_tiers.h, docs/architecture.md "Tiers"). Like
 // the vLLM stream's, these are exported from start-up, at 0 while the tiers are off.
