@@ -72,44 +72,40 @@ void ConfigureDealer(zmq::socket_t& socket, absl::Duration send_timeout) {
 
 // ---- Decoding helpers -----------------------------------------------------------------------
 
-absl::StatusOr<AttachedPool> CheckPoolDescriptor(const wire::PoolDescriptor* descriptor,
+absl::StatusOr<AttachedPool> CheckPoolDescriptor(const PoolDescriptorInfo& descriptor,
                                                  int32_t expected_num_blocks) {
   auto bad = [](auto&&... parts) {
     return ProtocolError(absl::StrCat("pool descriptor: ", parts...));
   };
-  if (descriptor == nullptr) return bad("missing");
   AttachedPool pool;
-  absl::StatusOr<KvCacheSpec> spec = FromWire(descriptor->spec());
-  if (!spec.ok()) return bad(spec.status().message());
-  pool.spec = *spec;
-  pool.num_blocks = descriptor->num_blocks();
+  pool.spec = descriptor.spec;
+  pool.num_blocks = descriptor.num_blocks;
   if (pool.num_blocks <= 0) return bad("num_blocks is ", pool.num_blocks);
   if (expected_num_blocks > 0 && pool.num_blocks != expected_num_blocks) {
     return bad("num_blocks is ", pool.num_blocks, " but Hello announced ", expected_num_blocks);
   }
-  pool.backend = PoolBackendFromWire(descriptor->backend());
-  if (descriptor->backend() != wire::PoolBackend::Shm &&
-      descriptor->backend() != wire::PoolBackend::Cuda) {
-    return bad("unknown backend ", static_cast<int>(descriptor->backend()));
+  pool.backend = PoolBackendFromWire(descriptor.backend);
+  if (descriptor.backend != wire::PoolBackend::Shm &&
+      descriptor.backend != wire::PoolBackend::Cuda) {
+    return bad("unknown backend ", static_cast<int>(descriptor.backend));
   }
-  pool.epoch = descriptor->epoch();
+  pool.epoch = descriptor.epoch;
 
   absl::StatusOr<PoolLayout> expected = PoolLayout::For(pool.spec, pool.num_blocks);
   if (!expected.ok()) return bad(expected.status().message());
-  const wire::PoolLayout* layout = descriptor->layout();
-  if (layout == nullptr) return bad("layout missing");
+  const PoolStrides& layout = descriptor.layout;
   const struct {
     const char* name;
     uint64_t got;
     int64_t want;
   } fields[] = {
-      {"elem_bytes", layout->elem_bytes(), expected->elem_bytes},
-      {"head_stride", layout->head_stride(), expected->head_stride},
-      {"token_stride", layout->token_stride(), expected->token_stride},
-      {"block_stride", layout->block_stride(), expected->block_stride},
-      {"kv_stride", layout->kv_stride(), expected->kv_stride},
-      {"layer_stride", layout->layer_stride(), expected->layer_stride},
-      {"total_bytes", layout->total_bytes(), expected->total_bytes},
+      {"elem_bytes", layout.elem_bytes, expected->elem_bytes},
+      {"head_stride", layout.head_stride, expected->head_stride},
+      {"token_stride", layout.token_stride, expected->token_stride},
+      {"block_stride", layout.block_stride, expected->block_stride},
+      {"kv_stride", layout.kv_stride, expected->kv_stride},
+      {"layer_stride", layout.layer_stride, expected->layer_stride},
+      {"total_bytes", layout.total_bytes, expected->total_bytes},
   };
   for (const auto& field : fields) {
     if (field.got != static_cast<uint64_t>(field.want)) {
@@ -488,20 +484,21 @@ absl::StatusOr<AttachedPool> CacheManagerClient::Attach() {
   const auto attach = wire::CreateAttach(builder);
   KVCM_ASSIGN_OR_RETURN(Reply reply, Call(builder, wire::Message::Attach, attach.Union(),
                                           wire::Message::AttachReply));
-  const wire::PoolDescriptor* descriptor =
-      PayloadAs<wire::AttachReply>(reply.envelope).descriptor();
+  absl::StatusOr<PoolDescriptorInfo> descriptor =
+      DecodeAttachReply(PayloadAs<wire::AttachReply>(reply.envelope));
+  if (!descriptor.ok()) return ProtocolError(descriptor.status().message());
   const SessionInfo current = session();
-  KVCM_ASSIGN_OR_RETURN(AttachedPool pool, CheckPoolDescriptor(descriptor, current.num_blocks));
+  KVCM_ASSIGN_OR_RETURN(AttachedPool pool, CheckPoolDescriptor(*descriptor, current.num_blocks));
   if (pool.epoch != current.epoch) {
     return ProtocolError(absl::StrCat("pool descriptor of epoch ", pool.epoch,
                                       " in session of epoch ", current.epoch));
   }
   const uint64_t total_bytes = static_cast<uint64_t>(pool.layout.total_bytes);
   if (pool.backend == PoolBackend::kShm) {
-    if (descriptor->fd_channel_path() == nullptr || descriptor->fd_channel_path()->size() == 0) {
+    if (descriptor->fd_channel_path.empty()) {
       return ProtocolError("shm pool descriptor without fd_channel_path");
     }
-    const std::string path = descriptor->fd_channel_path()->str();
+    const std::string& path = descriptor->fd_channel_path;
     KVCM_ASSIGN_OR_RETURN(ReceivedFd received, ReceiveFdFromChannel(path, options_.call_timeout));
     // The header is the epoch, 8 bytes little-endian: proof that the descriptor came from
     // the cache manager we registered with, not a successor that took over the path.
@@ -520,16 +517,15 @@ absl::StatusOr<AttachedPool> CacheManagerClient::Attach() {
     KVCM_ASSIGN_OR_RETURN(pool.mapping, MapShmPool(std::move(received.fd), total_bytes));
   } else {
     CudaIpcHandle handle{};
-    const auto* bytes = descriptor->cuda_ipc_handle();
-    if (bytes == nullptr || bytes->size() != handle.size()) {
+    const std::vector<uint8_t>& bytes = descriptor->cuda_ipc_handle;
+    if (bytes.size() != handle.size()) {
       return ProtocolError(absl::StrCat("cuda pool descriptor has an IPC handle of ",
-                                        bytes == nullptr ? 0 : bytes->size(), " bytes; expected ",
-                                        handle.size()));
+                                        bytes.size(), " bytes; expected ", handle.size()));
     }
-    std::memcpy(handle.data(), bytes->data(), handle.size());
+    std::memcpy(handle.data(), bytes.data(), handle.size());
     KVCM_ASSIGN_OR_RETURN(pool.mapping,
-                          OpenCudaPool(descriptor->cuda_device(), handle, total_bytes));
-    pool.cuda_device = descriptor->cuda_device();
+                          OpenCudaPool(descriptor->cuda_device, handle, total_bytes));
+    pool.cuda_device = descriptor->cuda_device;
   }
   if (pool.mapping->size_bytes() != total_bytes) {
     return ProtocolError(absl::StrCat("mapped ", pool.mapping->size_bytes(),

@@ -94,6 +94,7 @@
 #include "common/memory/pool_layout.h"
 #include "common/memory/pool_memory.h"
 #include "common/sizing/kv_cache_spec.h"
+#include "common/wire/attach_codec.h"
 #include "common/wire/describe_session_codec.h"
 #include "common/wire/event_codec.h"
 #include "common/wire/heartbeat_codec.h"
@@ -164,7 +165,7 @@ class BlockOps {
 // The replies' plain forms live with their codecs in common/wire/, shared with the cache
 // manager: SessionInfo (hello_codec.h), FenceNotice (heartbeat_codec.h), SessionSnapshot
 // (describe_session_codec.h), StatsSnapshot (stats_codec.h), KvEventRecord and
-// EventSnapshot (event_codec.h).
+// EventSnapshot (event_codec.h), PoolDescriptorInfo (attach_codec.h).
 
 // The pool as an executor sees it after Attach(): the descriptor's values, checked, and the
 // mapping. Destroy it (or reset `mapping`) to unmap; do so before attaching to a new epoch.
@@ -178,11 +179,12 @@ struct AttachedPool {
   std::unique_ptr<PoolMapping> mapping;
 };
 
-// Checks a PoolDescriptor's values (not its memory): the spec is valid, num_blocks is
-// positive and matches `expected_num_blocks` when that is positive, and every stride is what
-// PoolLayout::For gives. Returns the values with `mapping` null. INTERNAL naming the first
-// field that disagrees (the cache manager sent an inconsistent descriptor).
-absl::StatusOr<AttachedPool> CheckPoolDescriptor(const wire::PoolDescriptor* descriptor,
+// Checks a decoded PoolDescriptor's values (not its memory; DecodeAttachReply checked the
+// spec): num_blocks is positive and matches `expected_num_blocks` when that is positive, the
+// backend is known, and every stride is what PoolLayout::For gives. Returns the values with
+// `mapping` null. INTERNAL naming the first field that disagrees (the cache manager sent an
+// inconsistent descriptor).
+absl::StatusOr<AttachedPool> CheckPoolDescriptor(const PoolDescriptorInfo& descriptor,
                                                  int32_t expected_num_blocks);
 
 // The secret in `path` (a file of mode 0600, as the cache manager writes RUN_DIR/tcp-secret),

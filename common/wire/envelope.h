@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/wire/message_limits.h"
 #include "flatbuffers/flatbuffers.h"
 #include "schemas/kvcm_protocol_generated.h"
 
@@ -23,8 +24,6 @@ namespace kvcm {
 inline constexpr uint16_t kProtocolVersion = 1;
 // Envelope file identifier, as in schemas/kvcm_protocol.fbs.
 inline constexpr char kEnvelopeIdentifier[] = "KVCP";
-// Default cap on one message; a Step of 4096 allocations with hashes stays far below it.
-inline constexpr size_t kDefaultMaxMessageBytes = 16u << 20;
 // Verifier limits: tables nested deeper or more numerous than this are refused.
 inline constexpr size_t kVerifierMaxDepth = 16;
 inline constexpr size_t kVerifierMaxTables = 1u << 20;

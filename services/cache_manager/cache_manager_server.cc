@@ -25,6 +25,8 @@
 #include "common/transport/descriptor_limit.h"
 #include "common/transport/event_loop.h"
 #include "common/transport/zmq_util.h"
+#include "common/wire/envelope.h"
+#include "schemas/kvcm_protocol_generated.h"
 
 namespace kvcm {
 namespace {

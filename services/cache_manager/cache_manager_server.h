@@ -38,6 +38,7 @@
 #include "common/memory/fd_channel.h"
 #include "common/transport/event_loop.h"
 #include "common/memory/pool_memory.h"
+#include "flatbuffers/flatbuffers.h"
 #include "services/cache_manager/cache_manager_metrics.h"
 #include "services/cache_manager/cache_manager_service.h"
 #include "services/cache_manager/run_directory.h"

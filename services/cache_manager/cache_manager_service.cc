@@ -12,14 +12,30 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "common/base/check.h"
+#include "common/wire/attach_codec.h"
+#include "common/wire/block_map_codec.h"
 #include "common/wire/convert.h"
 #include "common/wire/describe_session_codec.h"
+#include "common/wire/envelope.h"
 #include "common/wire/event_codec.h"
 #include "common/wire/heartbeat_codec.h"
 #include "common/wire/hello_codec.h"
 #include "common/wire/stats_codec.h"
+#include "common/wire/step_codec.h"
+#include "flatbuffers/flatbuffers.h"
+#include "schemas/kvcm_protocol_generated.h"
 
 namespace kvcm {
+
+// The header declares wire::PoolBackend opaquely and defaults PoolExport::backend to zero.
+static_assert(static_cast<int>(wire::PoolBackend::Shm) == 0);
+
+struct CacheManagerService::Rejection {
+  RejectReason reason;
+  wire::ErrorCode code;
+  std::string message;
+};
+
 namespace {
 
 constexpr size_t kMaxNameBytes = 128;
@@ -92,8 +108,7 @@ wire::Role WireRoleOf(SessionRole role) {
   }
 }
 
-}  // namespace
-
+// Role name for logs ("router", "executor", "control", "unknown").
 const char* RoleName(wire::Role role) {
   switch (role) {
     case wire::Role::Router: return "router";
@@ -102,6 +117,8 @@ const char* RoleName(wire::Role role) {
     default: return "unknown";
   }
 }
+
+}  // namespace
 
 absl::Status CacheManagerService::CheckOptions(const Options& options) {
   if (absl::Status valid = options.spec.Validate(); !valid.ok()) return valid;
@@ -167,6 +184,8 @@ CacheManagerService::CacheManagerService(const Options& options, BlockLedger led
     tiers_ = std::make_unique<TierCoordinator>(options.tiers, &ledger_, std::move(tier_options));
   }
 }
+
+CacheManagerService::~CacheManagerService() = default;
 
 void CacheManagerService::TakeLedgerEventsForTiers() {
   if (tiers_ == nullptr) return;
@@ -888,16 +907,17 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::HandlePrefixR
 void CacheManagerService::HandleAttach(const wire::Envelope& envelope,
                                        flatbuffers::FlatBufferBuilder* reply) {
   const PoolExport& pool = options_.pool;
-  auto spec = ToWire(*reply, options_.spec);
-  auto layout = wire::CreatePoolLayout(*reply, pool.layer_stride, pool.kv_stride,
-                                       pool.block_stride, pool.token_stride, pool.head_stride,
-                                       pool.elem_bytes, pool.total_bytes);
-  auto path = reply->CreateString(pool.fd_channel_path);
-  auto handle = reply->CreateVector(pool.cuda_ipc_handle);
-  auto descriptor =
-      wire::CreatePoolDescriptor(*reply, spec, ledger_.num_blocks(), layout, pool.backend,
-                                 options_.epoch, path, pool.cuda_device, handle);
-  auto payload = wire::CreateAttachReply(*reply, descriptor);
+  PoolDescriptorInfo descriptor;
+  descriptor.spec = options_.spec;
+  descriptor.num_blocks = ledger_.num_blocks();
+  descriptor.layout = {pool.layer_stride, pool.kv_stride,   pool.block_stride, pool.token_stride,
+                       pool.head_stride,  pool.elem_bytes, pool.total_bytes};
+  descriptor.backend = pool.backend;
+  descriptor.epoch = options_.epoch;
+  descriptor.fd_channel_path = pool.fd_channel_path;
+  descriptor.cuda_device = pool.cuda_device;
+  descriptor.cuda_ipc_handle = pool.cuda_ipc_handle;
+  auto payload = EncodeAttachReply(*reply, descriptor);
   FinishEnvelope(*reply, envelope.request_id(), envelope.session_id(), options_.epoch,
                  wire::Message::AttachReply, payload.Union());
 }

@@ -58,24 +58,23 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/block/block_hash.h"
 #include "common/block/block_ledger.h"
 #include "common/sizing/kv_cache_spec.h"
 #include "common/block/block_map.h"
-#include "common/wire/block_map_codec.h"
-#include "common/wire/envelope.h"
-#include "common/wire/step_codec.h"
-#include "flatbuffers/flatbuffers.h"
-#include "schemas/kvcm_protocol_generated.h"
+#include "common/wire/message_limits.h"
 #include "services/cache_manager/cache_manager_metrics.h"
 #include "services/cache_manager/fence_table.h"
 #include "services/cache_manager/peer_credentials.h"
@@ -86,12 +85,28 @@
 #include "services/cache_manager/vllm_conversion.h"
 #include "services/cache_manager/vllm_events.h"
 
+// The FlatBuffers and generated types this header only names: the .cc includes the
+// generated code (schemas/kvcm_protocol.fbs), so that the service's users need not.
+namespace flatbuffers {
+class FlatBufferBuilder;
+template <typename T>
+struct Offset;
+}  // namespace flatbuffers
+
 namespace kvcm {
+
+namespace wire {
+struct Envelope;
+struct OpResult;
+enum class PoolBackend : uint8_t;  // the .cc checks that Shm is its zero value
+}  // namespace wire
+
+struct BlockOp;  // common/wire/step_codec.h
 
 // What an attaching client needs to reach the pool; filled in by the server from the pool
 // memory and sent in every AttachReply.
 struct PoolExport {
-  wire::PoolBackend backend = wire::PoolBackend::Shm;
+  wire::PoolBackend backend{};  // wire::PoolBackend::Shm
   uint64_t layer_stride = 0;
   uint64_t kv_stride = 0;
   uint64_t block_stride = 0;
@@ -160,6 +175,8 @@ class CacheManagerService {
   static absl::StatusOr<std::unique_ptr<CacheManagerService>> Create(
       const Options& options, ProcessWatcher* watcher, CacheManagerMetrics* metrics,
       absl::Time now);
+  // Out of line: the scratch vectors' element types are complete only in the .cc.
+  ~CacheManagerService();
 
   // Handles one inbound message and writes exactly one reply envelope into `reply` (which
   // is cleared first). `peer` is the sender's credentials when known (ipc://).
@@ -255,12 +272,8 @@ class CacheManagerService {
   using Session = SessionTable::Session;
   using Fence = FenceTable::Fence;
 
-  // A refusal before anything changed.
-  struct Rejection {
-    RejectReason reason;
-    wire::ErrorCode code;
-    std::string message;
-  };
+  // A refusal before anything changed (defined in the .cc: it holds a wire::ErrorCode).
+  struct Rejection;
 
   CacheManagerService(const Options& options, BlockLedger ledger, ProcessWatcher* watcher,
                       CacheManagerMetrics* metrics, absl::Time now);
@@ -346,8 +359,5 @@ class CacheManagerService {
   std::vector<flatbuffers::Offset<wire::OpResult>> step_results_;  // the reply's, in op order
   BlockMap block_map_;  // the last BlockMap's, its cells' storage reused
 };
-
-// Role name for logs ("router", "executor", "control", "unknown").
-const char* RoleName(wire::Role role);
 
 }  // namespace kvcm

@@ -339,17 +339,22 @@ TEST(CacheManagerClientUnitTest, UnansweredCallIsDeadlineExceededNamingTheType) 
 
 // ---- Pure helpers --------------------------------------------------------------------------
 
-const wire::PoolDescriptor* Descriptor(flatbuffers::FlatBufferBuilder& b, const KvCacheSpec& spec,
-                                       int32_t num_blocks, uint64_t block_stride_delta) {
+PoolDescriptorInfo Descriptor(const KvCacheSpec& spec, int32_t num_blocks,
+                              uint64_t block_stride_delta) {
   const PoolLayout layout = *PoolLayout::For(spec, num_blocks);
-  auto wire_layout = wire::CreatePoolLayout(
-      b, layout.layer_stride, layout.kv_stride, layout.block_stride + block_stride_delta,
-      layout.token_stride, layout.head_stride, static_cast<uint32_t>(layout.elem_bytes),
-      layout.total_bytes);
-  auto descriptor = wire::CreatePoolDescriptor(b, ToWire(b, spec), num_blocks, wire_layout,
-                                               wire::PoolBackend::Shm, 9);
-  b.Finish(descriptor);
-  return flatbuffers::GetRoot<wire::PoolDescriptor>(b.GetBufferPointer());
+  PoolDescriptorInfo descriptor;
+  descriptor.spec = spec;
+  descriptor.num_blocks = num_blocks;
+  descriptor.layout = {static_cast<uint64_t>(layout.layer_stride),
+                       static_cast<uint64_t>(layout.kv_stride),
+                       static_cast<uint64_t>(layout.block_stride) + block_stride_delta,
+                       static_cast<uint64_t>(layout.token_stride),
+                       static_cast<uint64_t>(layout.head_stride),
+                       static_cast<uint32_t>(layout.elem_bytes),
+                       static_cast<uint64_t>(layout.total_bytes)};
+  descriptor.backend = wire::PoolBackend::Shm;
+  descriptor.epoch = 9;
+  return descriptor;
 }
 
 TEST(CheckPoolDescriptorTest, AcceptsTheLayoutOfTheSpecAndRefusesOthers) {
@@ -359,22 +364,23 @@ TEST(CheckPoolDescriptorTest, AcceptsTheLayoutOfTheSpecAndRefusesOthers) {
   spec.head_dim = 16;
   spec.dtype = DType::kFloat16;
   spec.block_size = 4;
-  flatbuffers::FlatBufferBuilder good_builder;
-  absl::StatusOr<AttachedPool> good = CheckPoolDescriptor(Descriptor(good_builder, spec, 8, 0), 8);
+  absl::StatusOr<AttachedPool> good = CheckPoolDescriptor(Descriptor(spec, 8, 0), 8);
   ASSERT_THAT(good, IsOk());
   EXPECT_EQ(good->layout, *PoolLayout::For(spec, 8));
   EXPECT_EQ(good->epoch, 9u);
   EXPECT_EQ(good->mapping, nullptr);
 
-  flatbuffers::FlatBufferBuilder bad_builder;
-  absl::StatusOr<AttachedPool> bad = CheckPoolDescriptor(Descriptor(bad_builder, spec, 8, 2), 8);
+  absl::StatusOr<AttachedPool> bad = CheckPoolDescriptor(Descriptor(spec, 8, 2), 8);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInternal);
   EXPECT_THAT(bad.status().message(), HasSubstr("layout.block_stride"));
 
-  flatbuffers::FlatBufferBuilder other_builder;
-  EXPECT_THAT(CheckPoolDescriptor(Descriptor(other_builder, spec, 8, 0), 16).status().message(),
+  EXPECT_THAT(CheckPoolDescriptor(Descriptor(spec, 8, 0), 16).status().message(),
               HasSubstr("but Hello announced 16"));
-  EXPECT_EQ(CheckPoolDescriptor(nullptr, 8).status().code(), absl::StatusCode::kInternal);
+
+  PoolDescriptorInfo unknown_backend = Descriptor(spec, 8, 0);
+  unknown_backend.backend = static_cast<wire::PoolBackend>(7);
+  EXPECT_THAT(CheckPoolDescriptor(unknown_backend, 8).status().message(),
+              HasSubstr("unknown backend 7"));
 }
 
 TEST(BlockOpsTest, RecordsOpsInOrder) {
