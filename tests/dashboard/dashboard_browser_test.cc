@@ -174,14 +174,13 @@ class DashboardBrowserTest : public ::testing::Test {
     return counts;
   }
 
-  // Waits until `want` holds for two scrapes 300 ms apart that agree. `want` must name the
-  // settled state itself (no block in use but the test's own): agreeing scrapes alone only
-  // usually mean that the router's last frees went out.
+  // Waits until `want` holds for two successive scrapes that agree. `want` must name the
+  // settled state itself (no block in use but the test's own): agreeing scrapes alone do
+  // not mean that the router's last frees went out, however far apart they are.
   Counts WaitForStableCounts(const std::function<bool(const Counts&)>& want) {
     Counts last = ScrapeCounts();
     const absl::Status settled = testing::WaitFor(
         [&] {
-          absl::SleepFor(absl::Milliseconds(300));
           Counts now = ScrapeCounts();
           const bool stable = now == last && want(now);
           last = std::move(now);

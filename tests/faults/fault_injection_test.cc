@@ -36,6 +36,7 @@
 #include "common/base/mutex.h"
 #include "gtest/gtest.h"
 #include "tests/faults/launched_stack.h"
+#include "tests/support/wait_for.h"
 
 namespace kvcm::faults {
 namespace {
@@ -95,7 +96,8 @@ TEST_F(FaultInjectionTest, KillsAndStopsOfEveryProcessLoseNoRequestAndNoBlock) {
         if (!outcome.acceptable) tally.bad.push_back(outcome.kind + ": " + outcome.detail);
         if (!outcome.detail.empty()) tally.example.try_emplace(outcome.kind, outcome.detail);
         if (!outcome.acceptable || outcome.kind != "completed") {
-          // A refused or dropped connection: back off a little, as a client would.
+          // A refused or dropped connection: back off a little, as a client would (pacing
+          // the load, not a wait for a peer: its length changes no outcome).
           absl::SleepFor(absl::Milliseconds(50));
         }
       }
@@ -120,6 +122,7 @@ TEST_F(FaultInjectionTest, KillsAndStopsOfEveryProcessLoseNoRequestAndNoBlock) {
                                             scrape->capacity));
         }
       }
+      // Pacing: a scrape every 200 ms or so, not a wait for a peer (every scrape is checked).
       absl::SleepFor(absl::Milliseconds(200));
     }
   });
@@ -149,26 +152,28 @@ TEST_F(FaultInjectionTest, KillsAndStopsOfEveryProcessLoseNoRequestAndNoBlock) {
       ASSERT_EQ(::kill(pid, SIGKILL), 0) << name;
     } else {
       ASSERT_EQ(::kill(pid, SIGSTOP), 0) << name;
+      // The stop's length is the fault itself (a process hung for a while); any length, a
+      // slow machine's longer one too, must end in recovery.
       absl::SleepFor(absl::Milliseconds(500 + static_cast<int64_t>(script() % 2500)));
       ::kill(pid, SIGCONT);
       at = absl::Now();
     }
     ++injected[name];
-    // Recovered: a request completes with the right tokens (a short one, probed every 100 ms).
-    const absl::Time deadline = at + absl::Seconds(60);
-    bool recovered = false;
-    while (absl::Now() < deadline) {
-      if (Request("probe after a fault", 2, absl::Seconds(10)).kind == "completed") {
-        recovered = true;
-        break;
-      }
-      absl::SleepFor(absl::Milliseconds(100));
-    }
+    // Recovered: a request completes with the right tokens (a short one, probed until it does;
+    // 60 s only guards against a hang).
+    const bool recovered =
+        testing::WaitFor(
+            [&] {
+              return Request("probe after a fault", 2, absl::Seconds(10)).kind == "completed";
+            },
+            at + absl::Seconds(60), "a probe to complete after the fault")
+            .ok();
     if (!recovered) {
       unrecovered.push_back(name);
       break;
     }
     recovery_ms[name].push_back(absl::ToDoubleMilliseconds(absl::Now() - at));
+    // Pacing the script: a seeded pause of load between faults, not a wait for a peer.
     absl::SleepFor(absl::Milliseconds(300 + static_cast<int64_t>(script() % 1700)));
   }
   stop_load = true;

@@ -37,6 +37,7 @@
 #include "tests/support/http_client.h"
 #include "tests/support/subprocess.h"
 #include "tests/support/status_matchers.h"
+#include "tests/support/wait_for.h"
 
 namespace kvcm::faults {
 
@@ -249,16 +250,14 @@ class LaunchedStackTest : public ::testing::Test {
 
   // Until no block is in use, quarantined or draining (within `timeout`); the last scrape.
   bool AwaitIdle(absl::Duration timeout, std::optional<Scrape>* last) const {
-    const absl::Time deadline = absl::Now() + timeout;
-    while (absl::Now() < deadline) {
-      *last = ScrapeCacheManager();
-      if (*last && (*last)->blocks["in_use"] == 0 && (*last)->blocks["quarantined"] == 0 &&
-          (*last)->blocks["draining"] == 0) {
-        return true;
-      }
-      absl::SleepFor(absl::Milliseconds(200));
-    }
-    return false;
+    return testing::WaitFor(
+               [&] {
+                 *last = ScrapeCacheManager();
+                 return *last && (*last)->blocks["in_use"] == 0 &&
+                        (*last)->blocks["quarantined"] == 0 && (*last)->blocks["draining"] == 0;
+               },
+               timeout, "the blocks to be idle")
+        .ok();
   }
 
   // POST /generate (TGI): completed with the reference's tokens, or a clear error.

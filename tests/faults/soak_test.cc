@@ -45,6 +45,7 @@
 #include "common/base/mutex.h"
 #include "gtest/gtest.h"
 #include "tests/faults/launched_stack.h"
+#include "tests/support/wait_for.h"
 
 namespace kvcm::faults {
 namespace {
@@ -286,7 +287,8 @@ TEST_F(SoakTest, SteadyLoadWithExecutorRestartsKeepsMemoryFdsAndLatencyFlat) {
                                 outcome.kind, outcome.acceptable});
         if (!outcome.acceptable) log.bad.push_back(outcome.kind + ": " + outcome.detail);
         if (!outcome.detail.empty()) log.example.try_emplace(outcome.kind, outcome.detail);
-        if (outcome.kind != "completed") absl::SleepFor(absl::Milliseconds(50));  // back off
+        // A client's back-off after a failure: pacing the load, not a wait for a peer.
+        if (outcome.kind != "completed") absl::SleepFor(absl::Milliseconds(50));
       }
     });
   }
@@ -313,6 +315,7 @@ TEST_F(SoakTest, SteadyLoadWithExecutorRestartsKeepsMemoryFdsAndLatencyFlat) {
         }
       }
       latest = scrape;
+      // Pacing: a scrape every 200 ms or so, not a wait for a peer (every scrape is checked).
       absl::SleepFor(absl::Milliseconds(200));
     }
   });
@@ -369,6 +372,8 @@ TEST_F(SoakTest, SteadyLoadWithExecutorRestartsKeepsMemoryFdsAndLatencyFlat) {
   };
   absl::Time next_sample = start + kWindow;
   while (absl::Now() < end) {
+    // The script's clock: until the next sample, restart or the end. Time passing is what is
+    // sampled; a late wake-up only makes a window longer.
     const absl::Time wake = std::min({next_sample, next_restart, end});
     absl::SleepFor(wake - absl::Now());
     const absl::Time now = absl::Now();
@@ -388,12 +393,13 @@ TEST_F(SoakTest, SteadyLoadWithExecutorRestartsKeepsMemoryFdsAndLatencyFlat) {
                                    kill ? "SIGKILL" : "SIGTERM", executor, pid)
                 << std::endl;
       next_restart = now + absl::Seconds(45 + static_cast<int64_t>(script() % 31));
-      // Its successor: kvcm-launch starts it within its backoff; checked before the next.
-      const absl::Time deadline = absl::Now() + absl::Seconds(30);
-      while (CurrentPid(executor) == pid && absl::Now() < deadline) {
-        absl::SleepFor(absl::Milliseconds(100));
+      // Its successor: kvcm-launch starts it within its backoff; checked before the next
+      // (30 s only guards against a hang).
+      if (!testing::WaitFor([&] { return CurrentPid(executor) != pid; }, absl::Seconds(30),
+                            "the executor's successor")
+               .ok()) {
+        unrecovered.push_back(executor);
       }
-      if (CurrentPid(executor) == pid) unrecovered.push_back(executor);
     } else if (now >= next_restart) {
       next_restart = absl::InfiniteFuture();
     }
@@ -407,8 +413,29 @@ TEST_F(SoakTest, SteadyLoadWithExecutorRestartsKeepsMemoryFdsAndLatencyFlat) {
   const bool idle = AwaitIdle(absl::Seconds(30), &last);
   stop_scrape = true;
   scraper.join();
-  absl::SleepFor(absl::Seconds(2));  // the last connections' close reaches every process
-  const std::map<std::string, Footprint> final_footprints = footprints();
+
+  // The baseline: the first sample at or after the warm-up.
+  size_t base = 0;
+  while (base + 1 < samples.size() && samples[base].t < absl::ToDoubleSeconds(kWarmUp)) ++base;
+  const Sample& first = samples[base];
+  // Fds: a slack of 8 for sockets in the middle of a reconnect (a restarted executor's
+  // ZeroMQ connections) when the end is sampled.
+  constexpr int kFdSlack = 8;
+  // The end footprints, once the close of the load's and the scraper's last connections has
+  // reached every long-lived process: its fds are back within the bound checked below. The
+  // deadline only guards against a hang: leaked fds never come back, and the check fails.
+  std::map<std::string, Footprint> final_footprints;
+  (void)testing::WaitFor(
+      [&] {
+        final_footprints = footprints();
+        for (const std::string& name : long_lived) {
+          if (final_footprints.at(name).fds > first.processes.at(name).fds + kFdSlack) {
+            return false;
+          }
+        }
+        return true;
+      },
+      absl::Seconds(30), "the last connections to close");
 
   // The table.
   std::string table = "     t  p50 ms  p99 ms    ok  failed";
@@ -435,10 +462,6 @@ TEST_F(SoakTest, SteadyLoadWithExecutorRestartsKeepsMemoryFdsAndLatencyFlat) {
   std::cout << "soak: samples (R: a restart in the window or the one before)\n"
             << table << std::endl;
 
-  // The baseline: the first sample at or after the warm-up.
-  size_t base = 0;
-  while (base + 1 < samples.size() && samples[base].t < absl::ToDoubleSeconds(kWarmUp)) ++base;
-  const Sample& first = samples[base];
   // The latency windows compared: the first and last full, clean (no restart) windows after
   // the warm-up; the last sample is a partial window (the load stopping) and is left out.
   std::optional<size_t> first_clean, last_clean;
@@ -560,12 +583,10 @@ TEST_F(SoakTest, SteadyLoadWithExecutorRestartsKeepsMemoryFdsAndLatencyFlat) {
   // (tens of MiB) and a steady state still moves a few MiB (malloc's per-thread arenas, the
   // kernel's accounting of touched file pages), so a fixed floor keeps noise from failing
   // the run; a leak of a few hundred bytes per request over ten minutes' requests (tens of
-  // thousands) still exceeds it. Fds: a slack of 8 for sockets in the middle of a reconnect
-  // (a restarted executor's ZeroMQ connections) when the end is sampled.
+  // thousands) still exceeds it. Fds: kFdSlack above.
   auto rss_bound = [](int64_t base_kib) {
     return base_kib + std::max<int64_t>(base_kib / 5, 16 * 1024);
   };
-  constexpr int kFdSlack = 8;
   for (const std::string& name : long_lived) {
     const Footprint& a = first.processes.at(name);
     const Footprint& b = final_footprints.at(name);

@@ -121,14 +121,14 @@ class TierStackTest : public LaunchedStackTest {
   // Until the disk tier has written at least `blocks` blocks (the write-through is the
   // mover's, after the step that committed them).
   void AwaitStoredOnDisk(double blocks) const {
-    const absl::Time deadline = absl::Now() + absl::Seconds(60);
     double stored = -1;
-    while (absl::Now() < deadline) {
-      stored = Metric("kvcm_cache_manager_tier_stored_blocks_total{tier=\"disk\"}");
-      if (stored >= blocks) return;
-      absl::SleepFor(absl::Milliseconds(50));
-    }
-    FAIL() << "the disk tier stored " << stored << " blocks, want " << blocks;
+    const absl::Status written = testing::WaitFor(
+        [&] {
+          stored = Metric("kvcm_cache_manager_tier_stored_blocks_total{tier=\"disk\"}");
+          return stored >= blocks;
+        },
+        absl::Seconds(60), "the disk tier's writes");
+    ASSERT_THAT(written, IsOk()) << "the disk tier stored " << stored << " blocks, want " << blocks;
   }
 
   // Every prompt once, with its reference tokens; returns the full blocks they commit.

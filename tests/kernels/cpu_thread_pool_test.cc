@@ -12,6 +12,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
+#include "tests/support/wait_for.h"
 
 namespace kvcm::kernels {
 namespace {
@@ -78,19 +79,16 @@ TEST(CpuThreadPoolTest, WorkersThatSleepBetweenJobsAlwaysWakeForTheNext) {
   std::atomic<int> done{0};
   std::atomic<bool> finished{false};
   std::thread watchdog([&] {
-    int last = -1;
-    absl::Time last_change = absl::Now();
     while (!finished.load()) {
-      const int now = done.load();
-      if (now != last) {
-        last = now;
-        last_change = absl::Now();
-      } else if (absl::Now() - last_change > absl::Seconds(60)) {
+      const int before = done.load();
+      const absl::Status progressed =
+          testing::WaitFor([&] { return finished.load() || done.load() != before; },
+                           absl::Seconds(60), "one job done");
+      if (!progressed.ok()) {
         std::fprintf(stderr, "ParallelFor stuck after %d jobs: a worker missed its wake-up\n",
-                     now);
+                     before);
         std::abort();
       }
-      absl::SleepFor(absl::Milliseconds(50));
     }
   });
   int64_t total = 0;

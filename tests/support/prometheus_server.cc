@@ -14,11 +14,11 @@
 #include "absl/time/clock.h"
 #include "nlohmann/json.hpp"
 #include "tests/support/http_client.h"
+#include "tests/support/wait_for.h"
 
 namespace kvcm::testing {
 namespace {
 
-constexpr absl::Duration kPollInterval = absl::Milliseconds(100);
 constexpr absl::Duration kStopGrace = absl::Seconds(10);
 constexpr int kStartAttempts = 3;  // the free port may be taken before Prometheus binds it
 
@@ -109,14 +109,18 @@ absl::StatusOr<std::unique_ptr<PrometheusServer>> PrometheusServer::Start(const 
     absl::StatusOr<std::unique_ptr<Subprocess>> process = Subprocess::Start(process_options);
     if (!process.ok()) return process.status();
     const std::string ready_url = absl::StrCat("http://127.0.0.1:", *port, "/-/ready");
-    const absl::Time deadline = absl::Now() + options.start_timeout;
-    while (!(*process)->Poll().has_value() && absl::Now() < deadline) {
-      absl::StatusOr<HttpResponse> ready = HttpGet(ready_url, absl::Seconds(2));
-      if (ready.ok() && ready->status == 200) {
-        return std::unique_ptr<PrometheusServer>(
-            new PrometheusServer(std::move(*dir), std::move(*process), *port));
-      }
-      absl::SleepFor(kPollInterval);
+    bool ready = false;
+    (void)::kvcm::testing::WaitFor(
+        [&] {
+          if ((*process)->Poll().has_value()) return true;
+          absl::StatusOr<HttpResponse> reply = HttpGet(ready_url, absl::Seconds(2));
+          ready = reply.ok() && reply->status == 200;
+          return ready;
+        },
+        options.start_timeout, "prometheus to be ready");
+    if (ready) {
+      return std::unique_ptr<PrometheusServer>(
+          new PrometheusServer(std::move(*dir), std::move(*process), *port));
     }
     const std::optional<int> exit_code = (*process)->Poll();
     (*process)->Stop(kStopGrace);
@@ -187,15 +191,16 @@ absl::StatusOr<std::vector<PrometheusServer::Series>> PrometheusServer::Query(
 absl::Status PrometheusServer::WaitFor(const std::string& promql,
                                        const std::function<bool(const std::vector<Series>&)>& done,
                                        absl::Duration timeout) const {
-  const absl::Time deadline = absl::Now() + timeout;
   std::string last;
-  while (true) {
-    absl::StatusOr<std::vector<Series>> result = Query(promql);
-    if (result.ok() && done(*result)) return absl::OkStatus();
-    last = result.ok() ? Describe(*result) : result.status().ToString();
-    if (absl::Now() >= deadline) break;
-    absl::SleepFor(kPollInterval);
-  }
+  const absl::Status waited = ::kvcm::testing::WaitFor(
+      [&] {
+        absl::StatusOr<std::vector<Series>> result = Query(promql);
+        if (result.ok() && done(*result)) return true;
+        last = result.ok() ? Describe(*result) : result.status().ToString();
+        return false;
+      },
+      timeout);
+  if (waited.ok()) return absl::OkStatus();
   return absl::DeadlineExceededError(absl::StrCat("query ", promql, " after ",
                                                   absl::FormatDuration(timeout), ": ", last,
                                                   "\nprometheus log:\n", LogTail()));

@@ -21,11 +21,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "tests/support/wait_for.h"
 
 namespace kvcm::testing {
 namespace {
-
-constexpr absl::Duration kPollInterval = absl::Milliseconds(10);
 
 // Lets the child's environment be built before fork: this environment, with `changes`
 // applied ("NAME=value" sets, "NAME" removes).
@@ -142,10 +141,13 @@ absl::StatusOr<std::vector<std::string>> Subprocess::WaitForLine(const std::stri
   } catch (const std::regex_error& error) {
     return absl::InvalidArgumentError(absl::StrCat("bad regex \"", regex, "\": ", error.what()));
   }
-  while (true) {
+  // Set by the check that ends the wait: the match, or the child's exit before one.
+  std::optional<absl::StatusOr<std::vector<std::string>>> result;
+  std::string output;
+  auto found = [&] {
     // Checked before reading, so a line written just before exiting is still seen.
     const bool exited = Poll().has_value();
-    const std::string output = Output();
+    output = Output();
     size_t start = 0;
     for (size_t end = output.find('\n'); end != std::string::npos;
          start = end + 1, end = output.find('\n', start)) {
@@ -154,21 +156,20 @@ absl::StatusOr<std::vector<std::string>> Subprocess::WaitForLine(const std::stri
       if (std::regex_search(line, match, pattern)) {
         std::vector<std::string> groups;
         for (const auto& group : match) groups.push_back(group.str());
-        return groups;
+        result = std::move(groups);
+        return true;
       }
     }
     if (exited) {
-      return absl::FailedPreconditionError(absl::StrCat(
+      result = absl::FailedPreconditionError(absl::StrCat(
           "pid ", pid_, " exited with code ", *exit_code_, " before printing a line matching \"",
           regex, "\"; output:\n", Tail(output)));
     }
-    if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat("pid ", pid_, " printed no line matching \"",
-                                                      regex, "\" in time; output:\n",
-                                                      Tail(output)));
-    }
-    absl::SleepFor(absl::Milliseconds(5));
-  }
+    return exited;
+  };
+  if (WaitFor(found, deadline).ok()) return *std::move(result);
+  return absl::DeadlineExceededError(absl::StrCat("pid ", pid_, " printed no line matching \"",
+                                                  regex, "\" in time; output:\n", Tail(output)));
 }
 
 std::optional<int> Subprocess::Poll() {
@@ -180,13 +181,9 @@ std::optional<int> Subprocess::Poll() {
 }
 
 absl::StatusOr<int> Subprocess::Wait(absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (!Poll().has_value()) {
-    if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("pid ", pid_, " still running after ", absl::FormatDuration(timeout)));
-    }
-    absl::SleepFor(kPollInterval);
+  if (!WaitFor([this] { return Poll().has_value(); }, timeout).ok()) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("pid ", pid_, " still running after ", absl::FormatDuration(timeout)));
   }
   return *exit_code_;
 }

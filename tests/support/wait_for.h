@@ -18,7 +18,11 @@
 // values, as Subprocess::WaitForLine takes them.
 // Thread safety: none of its own; the condition decides what it touches.
 
+#include <sys/types.h>
+
 #include <algorithm>
+#include <fstream>
+#include <string>
 #include <type_traits>
 #include <utility>
 
@@ -58,6 +62,17 @@ template <typename Condition>
 absl::Status WaitFor(Condition&& condition, absl::Duration timeout,
                      absl::string_view what = "the condition") {
   return WaitFor(std::forward<Condition>(condition), absl::Now() + timeout, what);
+}
+
+// Whether thread `tid` of this process sleeps in the kernel, as a thread blocked in a wait
+// does: state S in /proc/self/task/TID/stat (after the name, which may hold anything). For
+// a condition "the other thread is blocked now" in place of a guess at how long it takes.
+inline bool ThreadSleeps(pid_t tid) {
+  std::ifstream file(absl::StrCat("/proc/self/task/", tid, "/stat"));
+  std::string stat;
+  std::getline(file, stat);
+  const size_t name_end = stat.rfind(')');
+  return name_end != std::string::npos && stat.compare(name_end, 3, ") S") == 0;
 }
 
 }  // namespace kvcm::testing

@@ -26,6 +26,7 @@
 #include "tests/support/http_client.h"
 #include "tests/support/subprocess.h"
 #include "tests/support/status_matchers.h"
+#include "tests/support/wait_for.h"
 
 namespace kvcm {
 namespace {
@@ -94,16 +95,14 @@ class LaunchProcessTest : public ::testing::Test {
   }
   // Until /info counts `executors`.
   static bool AwaitExecutors(const std::string& url, int executors) {
-    const absl::Time deadline = absl::Now() + absl::Seconds(30);
-    while (absl::Now() < deadline) {
-      absl::StatusOr<testing::HttpResponse> info = HttpGet(url + "/info");
-      if (info.ok() && info->status == 200 &&
-          json::parse(info->body)["executors"].get<int>() == executors) {
-        return true;
-      }
-      absl::SleepFor(absl::Milliseconds(50));
-    }
-    return false;
+    return testing::WaitFor(
+               [&] {
+                 absl::StatusOr<testing::HttpResponse> info = HttpGet(url + "/info");
+                 return info.ok() && info->status == 200 &&
+                        json::parse(info->body)["executors"].get<int>() == executors;
+               },
+               absl::Seconds(30), "/info to count the executors")
+        .ok();
   }
 
   std::unique_ptr<TempDir> dir_;
@@ -133,10 +132,8 @@ TEST_F(LaunchProcessTest, ServesRestartsWhatDiesAndStopsEverythingAtSigterm) {
   ASSERT_EQ(::kill(first[0], SIGKILL), 0);
   ASSERT_THAT(launch->WaitForLine("kvcm-launch: executor-1 exited \\(killed by signal 9",
                                   absl::Now() + absl::Seconds(10)), IsOk());
-  const absl::Time deadline = absl::Now() + absl::Seconds(20);
-  while (Pids(launch->Output(), "executor-1").size() < 2 && absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(50));
-  }
+  (void)testing::WaitFor([&] { return Pids(launch->Output(), "executor-1").size() >= 2; },
+                         absl::Seconds(20), "executor-1 to be started again");
   ASSERT_EQ(Pids(launch->Output(), "executor-1").size(), 2u) << launch->Output();
   ASSERT_TRUE(AwaitExecutors(url, 2)) << launch->Output();
   EXPECT_EQ(Generate(url, "after an executor", 5), Reference("after an executor", 5));
@@ -145,10 +142,8 @@ TEST_F(LaunchProcessTest, ServesRestartsWhatDiesAndStopsEverythingAtSigterm) {
   const std::vector<pid_t> cm = Pids(launch->Output(), "cache-manager");
   ASSERT_EQ(cm.size(), 1u);
   ASSERT_EQ(::kill(cm[0], SIGKILL), 0);
-  const absl::Time cm_deadline = absl::Now() + absl::Seconds(20);
-  while (Pids(launch->Output(), "cache-manager").size() < 2 && absl::Now() < cm_deadline) {
-    absl::SleepFor(absl::Milliseconds(50));
-  }
+  (void)testing::WaitFor([&] { return Pids(launch->Output(), "cache-manager").size() >= 2; },
+                         absl::Seconds(20), "the cache manager to be started again");
   ASSERT_EQ(Pids(launch->Output(), "cache-manager").size(), 2u) << launch->Output();
   EXPECT_EQ(Generate(url, "after the cache manager", 5), Reference("after the cache manager", 5))
       << launch->Output();

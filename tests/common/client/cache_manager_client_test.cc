@@ -4,7 +4,10 @@
 #include "common/client/cache_manager_client.h"
 
 #include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
@@ -32,6 +35,7 @@ using ::kvcm::testing::CacheManagerOptions;
 using ::kvcm::testing::CacheManagerProcess;
 using ::kvcm::testing::StartCacheManager;
 using ::kvcm::testing::TempDir;
+using ::kvcm::testing::ThreadSleeps;
 using ::kvcm::testing::WaitFor;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
@@ -455,10 +459,20 @@ TEST_F(CacheManagerClientTest, NoHeartbeatReachesTheCacheManagerAfterGoodbye) {
                                      absl::Seconds(60), "two heartbeats sent");
   EXPECT_THAT(piled, IsOk());  // not ASSERT: the cache manager is stopped
   absl::StatusOr<int32_t> released;
-  std::thread bye([&] { released = leaving->Goodbye(); });
-  // The Goodbye is on its way (or waiting) behind them. A fixed wait, but one that cannot
-  // fail the test: a Goodbye that starts only after SIGCONT must be answered the same way.
-  absl::SleepFor(absl::Milliseconds(200));
+  std::atomic<pid_t> bye_tid{0};
+  std::thread bye([&] {
+    bye_tid.store(static_cast<pid_t>(::syscall(SYS_gettid)));
+    released = leaving->Goodbye();
+  });
+  // Until the Goodbye is on its way (or waiting) behind them: its thread blocks. Had it only
+  // slept on the way, a Goodbye that starts after SIGCONT must be answered the same way.
+  const absl::Status blocked = WaitFor(
+      [&] {
+        const pid_t tid = bye_tid.load();
+        return tid != 0 && ThreadSleeps(tid);
+      },
+      absl::Seconds(60), "the Goodbye to block");
+  EXPECT_THAT(blocked, IsOk());  // not ASSERT: the cache manager is stopped
   ASSERT_THAT(cm_->process().Signal(SIGCONT), IsOk());
   bye.join();
   ASSERT_THAT(released, IsOk());

@@ -7,6 +7,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <sys/signalfd.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -14,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/base/monotonic_clock.h"
 #include "common/base/unique_fd.h"
@@ -21,10 +23,13 @@
 #include "gtest/gtest.h"
 #include "zmq.hpp"
 #include "tests/support/status_matchers.h"
+#include "tests/support/wait_for.h"
 
 namespace kvcm {
 namespace {
 
+using ::kvcm::testing::ThreadSleeps;
+using ::kvcm::testing::WaitFor;
 using ::testing::ElementsAre;
 
 struct Pipe {
@@ -126,7 +131,8 @@ TEST(EventLoopTest, TimersRepeatReportLatenessAndStopWhenCancelled) {
   // A loop stopped past its due time reports the delay.
   std::vector<absl::Duration> late_once;
   loop.AddTimer(absl::Milliseconds(1), [&](absl::Duration late) { late_once.push_back(late); });
-  absl::SleepFor(absl::Milliseconds(30));  // the lateness itself, not a wait for a peer
+  // The lateness itself, not a wait for a peer; checked one-sided (a longer sleep is later).
+  absl::SleepFor(absl::Milliseconds(30));
   ASSERT_THAT(loop.RunOnce(absl::ZeroDuration()), IsOk());
   ASSERT_EQ(late_once.size(), 1u);
   EXPECT_GE(late_once[0], absl::Milliseconds(25));
@@ -135,11 +141,20 @@ TEST(EventLoopTest, TimersRepeatReportLatenessAndStopWhenCancelled) {
 TEST(EventLoopTest, PostFromAnotherThreadWakesALoopWaitingForever) {
   EventLoop loop;
   ASSERT_THAT(loop.Init(), IsOk());
+  // The loop's thread, once a turn has called the before-poll hook.
+  std::atomic<pid_t> turning{0};
+  loop.SetBeforePoll([&] { turning.store(static_cast<pid_t>(::syscall(SYS_gettid))); });
   std::thread::id ran_on;
   std::thread poster([&] {
-    // Most likely the loop is waiting by then; if it is not, the post is taken by its first
-    // turn instead, and the test passes the same way (it only tests less).
-    absl::SleepFor(absl::Milliseconds(50));
+    // Until the loop waits: its thread, past the hook, asleep in the kernel (in its poll; a
+    // post that still came first would be taken by that turn, and the test pass the same way).
+    EXPECT_THAT(WaitFor(
+                    [&] {
+                      const pid_t tid = turning.load();
+                      return tid != 0 && ThreadSleeps(tid);
+                    },
+                    absl::Seconds(60), "the loop to wait in its poll"),
+                IsOk());
     loop.Post([&] {
       ran_on = std::this_thread::get_id();
       loop.Stop();
