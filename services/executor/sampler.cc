@@ -50,6 +50,10 @@ absl::Status ValidateSamplingParams(const SamplingParams& p) {
           absl::StrCat("sampling: ", name, " must be in [-2, 2], got ", value));
     }
   }
+  if (p.min_tokens < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sampling: min_tokens must be >= 0, got ", p.min_tokens));
+  }
   if (p.max_tokens < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("sampling: max_tokens must be >= 1, got ", p.max_tokens));
@@ -155,6 +159,17 @@ void ApplyPenalties(std::span<float> logits, std::span<const int32_t> history,
     for (const auto& [token, count] : counts) {
       logits[static_cast<size_t>(token)] -=
           params.frequency_penalty * static_cast<float>(count) + params.presence_penalty;
+    }
+  }
+}
+
+void ApplyMinTokens(std::span<float> logits, int64_t token_index, const SamplingParams& params,
+                    std::span<const int32_t> stop_ids) {
+  if (token_index >= params.min_tokens) return;
+  const auto vocab = static_cast<int64_t>(logits.size());
+  for (const int32_t id : stop_ids) {
+    if (id >= 0 && id < vocab) {
+      logits[static_cast<size_t>(id)] = -std::numeric_limits<float>::infinity();
     }
   }
 }

@@ -33,11 +33,12 @@ struct SamplingParams {
   float repetition_penalty = 1.0f;  // > 0; 1 = none (see ApplyPenalties)
   float frequency_penalty = 0.0f;   // in [-2, 2]; 0 = none
   float presence_penalty = 0.0f;    // in [-2, 2]; 0 = none
+  int32_t min_tokens = 0;           // >= 0; see ApplyMinTokens; 0 = none
 };
 
 // INVALID_ARGUMENT naming the field: temperature negative or not finite, top_p outside
 // (0, 1], top_k negative, max_tokens < 1, repetition_penalty <= 0, a frequency or presence
-// penalty outside [-2, 2].
+// penalty outside [-2, 2], min_tokens negative.
 absl::Status ValidateSamplingParams(const SamplingParams& params);
 
 // Penalties, as vLLM defines them (and Hugging Face for the repetition penalty), applied to
@@ -51,6 +52,19 @@ absl::Status ValidateSamplingParams(const SamplingParams& params);
 // Tokens outside the row are ignored (the executor refuses them before this).
 void ApplyPenalties(std::span<float> logits, std::span<const int32_t> history,
                     int32_t prompt_len, const SamplingParams& params);
+
+// vLLM's min_tokens, applied to one row of logits in place before sampling (vLLM masks
+// before its penalties; either order gives the same row, -infinity stays so under them):
+// while the token being chosen is one of the request's first params.min_tokens
+// (token_index < min_tokens, 0 for the first generated token), every id of `stop_ids` (the
+// model's EOS ids, and any other token that would end the request) gets -infinity, so that
+// neither greedy choice nor sampling can pick it, and the log-probabilities reported are of
+// that masked distribution. vLLM masks the same set (its EOS ids and stop_token_ids)
+// whether or not the request also ignores EOS. From token min_tokens on, nothing changes.
+// Ids outside the row are ignored. (A row of nothing but stop ids is all -infinity then:
+// Greedy and Sample still return a token.)
+void ApplyMinTokens(std::span<float> logits, int64_t token_index, const SamplingParams& params,
+                    std::span<const int32_t> stop_ids);
 
 // A token and its log-probability.
 struct TokenLogprob {

@@ -658,6 +658,7 @@ struct HttpFrontend::Impl {
     submission.sampling = a.params.sampling;
     submission.outputs = a.params.outputs;
     submission.api = a.api == Api::kOpenAi ? RequestApi::kOpenAi : RequestApi::kTgi;
+    submission.ignore_eos = a.params.ignore_eos;
     active.emplace(id, std::move(a));
     core->Submit(std::move(submission));
   }

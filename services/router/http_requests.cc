@@ -379,6 +379,26 @@ std::optional<HttpError> RequestParser::OpenAiParam(const std::string& key, cons
       }
       a.params.sampling.top_k = std::max<int32_t>(0, value.get<int32_t>());
     }
+  } else if (key == "ignore_eos") {
+    // vLLM's extension: the EOS ids leave the request's stop set (RouterCore's
+    // Submission::ignore_eos), nothing else does: stop strings still end it, and an EOS
+    // generated is an ordinary token, which the tokenizer decodes to no text (vLLM's
+    // skip_special_tokens default).
+    if (!value.is_null()) {
+      if (!value.is_boolean()) return fail(422, "`ignore_eos` must be a boolean", key);
+      a.params.ignore_eos = value.get<bool>();
+    }
+  } else if (key == "min_tokens") {  // vLLM's extension; checked against max_tokens at the end
+    if (!value.is_null()) {
+      if (!value.is_number_integer() || value.get<int64_t>() < 0 ||
+          value.get<int64_t>() > options_.max_total_tokens) {
+        return fail(422,
+                    absl::StrCat("`min_tokens` must be an integer in [0, ",
+                                 options_.max_total_tokens, "]"),
+                    key);
+      }
+      a.params.min_tokens = value.get<int32_t>();
+    }
   } else if (key == "model" || key == "user") {
     if (!value.is_string() && !value.is_null()) return fail(422, "must be a string", key);
   } else {
@@ -398,6 +418,26 @@ std::optional<HttpError> RequestParser::FinishOpenAiParams(GenerationRequest* ac
     a.params.max_new_tokens = *given.max_completion_tokens;
   } else if (given.max_tokens.has_value()) {
     a.params.max_new_tokens = *given.max_tokens;
+  }
+  // vLLM's rule: min_tokens at most max_tokens (whichever of the two names gave it).
+  if (a.params.min_tokens > a.params.max_new_tokens) {
+    return HttpError{422,
+                     absl::StrCat("`min_tokens` must be at most `",
+                                  given.max_completion_tokens.has_value() ? "max_completion_tokens"
+                                                                          : "max_tokens",
+                                  "` (", a.params.max_new_tokens, "), got ", a.params.min_tokens),
+                     "validation", "min_tokens", Api::kOpenAi};
+  }
+  // vLLM holds back EOS (its logit set to -inf) until min_tokens tokens are out; the
+  // executors cannot do that yet (SamplingParams.min_tokens is not carried to them), and
+  // letting EOS through but not ending there would be another behaviour than the one asked
+  // for. So any value but 0 is refused rather than ignored.
+  if (a.params.min_tokens > 0) {
+    return HttpError{422,
+                     "`min_tokens` > 0 is not supported by this server yet (its executors "
+                     "cannot hold back the EOS token); send 0, or `ignore_eos`: true with "
+                     "`max_tokens` for a fixed output length",
+                     "validation", "min_tokens", Api::kOpenAi};
   }
   if (a.params.sampling.temperature >= kGreedyBelowTemperature) {
     a.params.do_sample = true;

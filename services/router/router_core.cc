@@ -88,6 +88,7 @@ void RouterCore::Submit(Submission submission) {
     }
     known_[s.id].assign(static_cast<size_t>(s.outputs.sequences), true);
     api_of_[s.id] = s.api;
+    if (s.ignore_eos) ignore_eos_.insert(s.id);
     planner_->Enqueue(s.id, std::move(s.prompt), s.max_new_tokens, s.sampling, s.outputs);
     ScheduleTurn();
   });
@@ -107,6 +108,7 @@ bool RouterCore::FinishChoice(uint64_t id, int32_t choice) {
   if (std::none_of(open.begin(), open.end(), [](bool b) { return b; })) {
     known_.erase(it);
     api_of_.erase(id);
+    ignore_eos_.erase(id);
   }
   return was_open;
 }
@@ -174,6 +176,7 @@ void RouterCore::FailAll(const absl::Status& status) {
   }
   known_.clear();
   api_of_.clear();
+  ignore_eos_.clear();
   if (!failed.empty()) sink_(std::move(failed));
 }
 
@@ -284,6 +287,7 @@ void RouterCore::Turn() {
   for (RequestId id : plan.rejected) {
     known_.erase(id);
     api_of_.erase(id);
+    ignore_eos_.erase(id);
     Progress p;
     p.id = id;
     p.finished = true;
@@ -393,7 +397,8 @@ void RouterCore::FinishStep() {
     p.top_ids = std::move(event.top_ids);
     p.top_logprobs = std::move(event.top_logprobs);
     p.prompt_logprobs = std::move(event.prompt_logprobs);
-    const bool eos = std::find(options_.eos_token_ids.begin(), options_.eos_token_ids.end(),
+    const bool eos = !ignore_eos_.contains(event.request) &&
+                     std::find(options_.eos_token_ids.begin(), options_.eos_token_ids.end(),
                                event.token) != options_.eos_token_ids.end();
     if (eos || event.finished) {
       p.finished = true;

@@ -37,6 +37,9 @@ struct Submission {
   SeqSampling sampling;
   RequestOutputs outputs;
   RequestApi api = RequestApi::kTgi;  // shown by /dashboard
+  // vLLM's ignore_eos: the model's EOS tokens end nothing (they are generated as any other
+  // token); only max_new_tokens, a stop string or a cancel ends the request.
+  bool ignore_eos = false;
 };
 
 // The scheduler as /dashboard shows it (services/router/dashboard.h), taken on the core's
@@ -171,6 +174,7 @@ class RouterCore {
   // Requests queued or running, and which of their choices have not finished.
   absl::flat_hash_map<uint64_t, std::vector<bool>> known_;
   absl::flat_hash_map<uint64_t, RequestApi> api_of_;  // of the requests in known_
+  absl::flat_hash_set<uint64_t> ignore_eos_;           // those of them that ignore EOS
   // Marks `choice` (-1: every one) of `id` finished; forgets `id` when none is left.
   // Returns whether that choice was still open.
   bool FinishChoice(uint64_t id, int32_t choice);

@@ -162,6 +162,49 @@ TEST(SamplerTest, PenaltiesFollowVllmsDefinitions) {
   EXPECT_NEAR(mass, 1.0, 1e-6);
 }
 
+TEST(SamplerTest, EosIsNeverChosenBeforeMinTokensEvenWhenItIsTheArgmax) {
+  // EOS (id 2) towers over every other token; id 6 is a second stop id, next most likely.
+  const std::vector<float> raw = {0.1f, 0.4f, 9.0f, 0.3f, -0.5f, 0.2f, 5.0f, 0.35f};
+  const std::vector<int32_t> stop_ids = {2, 6, 40 /* outside the row: ignored */};
+  for (const float temperature : {0.0f, 0.7f, 2.0f}) {
+    SamplingParams p;
+    p.temperature = temperature;
+    p.min_tokens = 5;
+    p.seed = 99;
+    absl::StatusOr<Sampler> sampler = Sampler::Create(p);
+    ASSERT_THAT(sampler, IsOk());
+    for (int64_t index = 0; index < 5; ++index) {
+      for (uint64_t seed = 0; seed < 50; ++seed) {  // many draws of each index
+        SamplingParams seeded = p;
+        seeded.seed = seed;
+        std::vector<float> logits = raw;
+        ApplyMinTokens(logits, index, seeded, stop_ids);
+        EXPECT_EQ(logits[2], -INFINITY);
+        EXPECT_EQ(logits[6], -INFINITY);
+        const int32_t token = Sampler::Create(seeded)->Sample(logits, index);
+        EXPECT_NE(token, 2) << "temperature " << temperature << ", token " << index;
+        EXPECT_NE(token, 6) << "temperature " << temperature << ", token " << index;
+        // What is reported is the masked distribution: EOS has no probability at all.
+        EXPECT_EQ(LogprobOf(logits, 2, temperature), -INFINITY);
+      }
+    }
+    // From token min_tokens on the row is left alone: EOS is the argmax again.
+    std::vector<float> logits = raw;
+    ApplyMinTokens(logits, 5, p, stop_ids);
+    EXPECT_EQ(logits, raw);
+    if (temperature == 0.0f) {
+      EXPECT_EQ(sampler->Sample(logits, 5), 2);
+    }
+  }
+  // min_tokens 0 (the default) changes nothing, and a negative one is refused.
+  std::vector<float> logits = raw;
+  ApplyMinTokens(logits, 0, SamplingParams{}, stop_ids);
+  EXPECT_EQ(logits, raw);
+  SamplingParams negative;
+  negative.min_tokens = -1;
+  EXPECT_THAT(Sampler::Create(negative).status().message(), HasSubstr("min_tokens"));
+}
+
 TEST(SamplerTest, StopOnEosOrMaxTokens) {
   SamplingParams p;
   p.max_tokens = 3;

@@ -758,22 +758,37 @@ TEST_F(RouterProcessTest, PenaltiesAndTruncationGiveTheReferenceTokens) {
   ExpectWhole(Stats());
 }
 
+// For the tests of an EOS the tiny model reaches: `plain`, 8 greedy tokens of a prompt (none
+// an EOS of the model's), ends at its 4th token for a router that reads the returned copy of
+// the model at `model_dir` (--model; the executors read the original), whose
+// generation_config.json names that token an EOS. FAILED_PRECONDITION when `plain` cannot
+// tell (fewer tokens, or the 4th one seen before it): pick another prompt then.
+absl::StatusOr<TempDir> CopyEndingAtFourth(const std::string& model_dir,
+                                           const std::vector<int32_t>& plain) {
+  if (plain.size() != 8) {
+    return absl::FailedPreconditionError("the model drew its EOS early; pick another prompt");
+  }
+  const int32_t stop = plain[3];
+  if (std::count(plain.begin(), plain.begin() + 3, stop) != 0) {
+    return absl::FailedPreconditionError("the 4th token comes earlier; pick another prompt");
+  }
+  absl::StatusOr<TempDir> copy = TempDir::Create("kvcm-gencfg");
+  if (!copy.ok()) return copy.status();
+  std::filesystem::copy_file(model_dir + "/config.json", copy->path() + "/config.json");
+  std::ofstream out(copy->path() + "/generation_config.json");
+  out << json{{"bos_token_id", 1}, {"eos_token_id", {stop, 2}}}.dump();
+  if (!out.flush()) return absl::InternalError("writing generation_config.json");
+  return copy;
+}
+
 // Instruction-tuned models often name their end-of-turn token only in
 // generation_config.json: generation must stop there too.
 TEST_F(RouterProcessTest, GenerationConfigEosIdsEndGenerationToo) {
   const std::string text = "where does it stop?";
   const std::vector<int32_t> plain = Reference(text, 8);
-  ASSERT_EQ(plain.size(), 8u) << "the model drew its EOS early; pick another prompt";
-  // An end token the model reaches at its 4th token, and not before.
-  const int32_t stop = plain[3];
-  ASSERT_EQ(std::count(plain.begin(), plain.begin() + 3, stop), 0) << "pick another prompt";
-  absl::StatusOr<TempDir> copy = TempDir::Create("kvcm-gencfg");
+  absl::StatusOr<TempDir> copy = CopyEndingAtFourth(*model_dir_, plain);
   ASSERT_THAT(copy, IsOk());
-  std::filesystem::copy_file(*model_dir_ + "/config.json", copy->path() + "/config.json");
-  {
-    std::ofstream out(copy->path() + "/generation_config.json");
-    out << json{{"bos_token_id", 1}, {"eos_token_id", {stop, 2}}}.dump();
-  }
+  const int32_t stop = plain[3];
   // The router reads the copy (the last --model wins); the executors the original.
   ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/64, /*executors=*/1,
                                      {"--model", copy->path()}));
@@ -796,6 +811,80 @@ TEST_F(RouterProcessTest, GenerationConfigEosIdsEndGenerationToo) {
   ASSERT_THAT(refused, IsOk());
   EXPECT_NE(refused->exit_code, 0);
   EXPECT_THAT(refused->output, HasSubstr("generation_config.json: eos_token_id"));
+}
+
+// vLLM's ignore_eos, as benchmark tools send it: a request that would end at its 4th token
+// (an EOS of generation_config.json, as in the test above) runs to max_tokens instead,
+// finish_reason "length", the EOS token generated as any other. A stop string still ends it.
+TEST_F(RouterProcessTest, IgnoreEosGeneratesExactlyMaxTokensWhereTheModelWouldStopEarlier) {
+  const std::string text = "where does it stop?";
+  const std::vector<int32_t> plain = Reference(text, 8);
+  absl::StatusOr<TempDir> copy = CopyEndingAtFourth(*model_dir_, plain);
+  ASSERT_THAT(copy, IsOk());
+  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/64, /*executors=*/1,
+                                     {"--model", copy->path()}));
+  auto complete = [&](json body) {
+    body["prompt"] = text;
+    body["max_tokens"] = 8;
+    body["temperature"] = 0;
+    absl::StatusOr<HttpResponse> reply = HttpPost(url_ + "/v1/completions", body.dump());
+    EXPECT_TRUE(reply.ok() && reply->status == 200) << (reply.ok() ? reply->body : "");
+    return reply.ok() && reply->status == 200 ? json::parse(reply->body) : json();
+  };
+  // Without it (or with false, or null), generation ends at the EOS token: 4 tokens.
+  for (const json& flag : {json(), json(false)}) {
+    json body = json::object();
+    if (!flag.is_null()) body["ignore_eos"] = flag;
+    const json ended = complete(body);
+    ASSERT_TRUE(ended.contains("choices")) << body.dump();
+    EXPECT_EQ(ended["choices"][0]["finish_reason"], "stop");
+    EXPECT_EQ(ended["usage"]["completion_tokens"], 4);
+  }
+  // With it: exactly max_tokens, every one the greedy reference's, EOS included.
+  const json full = complete({{"ignore_eos", true}, {"min_tokens", 0}, {"logprobs", 0}});
+  ASSERT_TRUE(full.contains("choices")) << full.dump();
+  EXPECT_EQ(full["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(full["usage"]["completion_tokens"], 8);
+  EXPECT_EQ(full["choices"][0]["logprobs"]["tokens"].size(), 8u) << full.dump();
+  EXPECT_EQ(full["choices"][0]["text"].get<std::string>(), AsJsonText(BytesOf(plain)));
+  // Streamed alike.
+  absl::StatusOr<HttpResponse> streamed = HttpPost(
+      url_ + "/v1/completions",
+      json{{"prompt", text}, {"max_tokens", 8}, {"temperature", 0}, {"ignore_eos", true},
+           {"stream", true}, {"stream_options", {{"include_usage", true}}}}.dump());
+  ASSERT_TRUE(streamed.ok() && streamed->status == 200);
+  std::string finish;
+  int64_t tokens = -1;
+  for (absl::string_view line : absl::StrSplit(streamed->body, '\n')) {
+    if (!absl::ConsumePrefix(&line, "data: ") || line == "[DONE]") continue;
+    const json chunk = json::parse(std::string(line));
+    if (chunk.contains("usage") && chunk["usage"].is_object()) {
+      tokens = chunk["usage"]["completion_tokens"].get<int64_t>();
+    }
+    for (const json& choice : chunk["choices"]) {
+      if (choice["finish_reason"].is_string()) finish = choice["finish_reason"];
+    }
+  }
+  EXPECT_EQ(finish, "length");
+  EXPECT_EQ(tokens, 8);
+  // TGI's API has no ignore_eos: refused there, named.
+  absl::StatusOr<HttpResponse> tgi = HttpPost(
+      url_ + "/generate",
+      json{{"inputs", text}, {"parameters", {{"ignore_eos", true}}}}.dump());
+  ASSERT_THAT(tgi, IsOk());
+  EXPECT_EQ(tgi->status, 422);
+  EXPECT_THAT(tgi->body, HasSubstr("ignore_eos"));
+  // min_tokens over max_tokens, or any above 0 for now, is a 400 naming it.
+  for (const int min_tokens : {9, 2}) {
+    absl::StatusOr<HttpResponse> refused = HttpPost(
+        url_ + "/v1/completions",
+        json{{"prompt", text}, {"max_tokens", 8}, {"min_tokens", min_tokens}}.dump());
+    ASSERT_THAT(refused, IsOk());
+    EXPECT_EQ(refused->status, 400) << refused->body;
+    EXPECT_EQ(json::parse(refused->body)["error"]["param"], "min_tokens") << refused->body;
+  }
+  EXPECT_TRUE(AwaitNoBlockInUse());
+  ExpectWhole(Stats());
 }
 
 TEST_F(RouterProcessTest, SeveralAnswersToOnePromptAreEachTheAnswerOfItsOwnSeed) {
