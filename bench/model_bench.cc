@@ -3,13 +3,25 @@
 // for B parallel sequences of PP prompt tokens, one prefill of all B x PP tokens (S_PP,
 // prompt tokens/s), then TG decode steps of the B sequences (S_TG, generated tokens/s).
 //
-//   build/bench/model_bench [--threads 2] [--pp 128] [--tg 32]
+//   build/bench/model_bench [--threads 2] [--pp 128] [--tg 32] [--busy-rounds 3]
 //                           [--llama-batched-bench PATH]   # scripts/build-llama-cpp.sh
 //
 // kvcm runs LlamaModel::Forward over an fp16 pool in plain memory (the KV dtype kvcm picks
 // for a quantized GGUF; llama.cpp's default cache type is f16 too), B = 1, 8 and 32. The
 // ratio printed is kvcm / llama.cpp tokens/s (goal >= 1.0 at B >= 8, docs/PERFORMANCE.md).
+//
+// Then the busy-neighbour case: the decode step at B = 1 and 8 with a process spinning on
+// CPU 0 beside it (as the router, the cache manager or another executor would be on one
+// node), against the quiet step, alternated --busy-rounds times, medians printed (goal
+// busy <= 1.5x quiet). With --llama-batched-bench, llama.cpp's decode gets the same
+// neighbour in the same run.
 
+#include <sched.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -89,6 +101,38 @@ Rates RunKvcm(const LlamaModel& model, int batch, int pp, int tg) {
   return rates;
 }
 
+// A process spinning on CPU 0 from construction to destruction: the busy neighbour.
+class Spinner {
+ public:
+  Spinner() {
+    pid_ = fork();
+    KVCM_CHECK(pid_ >= 0) << "fork failed";
+    if (pid_ == 0) {
+      cpu_set_t cpus;
+      CPU_ZERO(&cpus);
+      CPU_SET(0, &cpus);
+      (void)sched_setaffinity(0, sizeof(cpus), &cpus);
+      volatile uint64_t sink = 0;
+      for (;;) sink = sink + 1;
+    }
+  }
+  ~Spinner() {
+    kill(pid_, SIGKILL);
+    int status = 0;
+    (void)waitpid(pid_, &status, 0);
+  }
+  Spinner(const Spinner&) = delete;
+  Spinner& operator=(const Spinner&) = delete;
+
+ private:
+  pid_t pid_ = -1;
+};
+
+double Median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
+}
+
 // This process's resident memory (VmRSS of /proc/self/status) in MB; -1 where unknown.
 double ResidentMegabytes() {
   std::ifstream status("/proc/self/status");
@@ -107,11 +151,11 @@ double ResidentMegabytes() {
 // llama-batched-bench's table: "|  PP |  TG |  B | N_KV | T_PP s | S_PP t/s | T_TG s |
 // S_TG t/s | T s | S t/s |", one row per B.
 std::map<int, Rates> RunLlamaCpp(const std::string& binary, const std::string& gguf,
-                                 int threads, int pp, int tg) {
+                                 int threads, int pp, int tg, const std::string& batches) {
   std::map<int, Rates> out;
   absl::StatusOr<testing::RunResult> run = testing::RunProgram(
       {binary, "-m", gguf, "-c", "8192", "-b", "4096", "-ub", "512", "-npp", std::to_string(pp),
-       "-ntg", std::to_string(tg), "-npl", "1,8,32", "-t", std::to_string(threads), "-tb",
+       "-ntg", std::to_string(tg), "-npl", batches, "-t", std::to_string(threads), "-tb",
        std::to_string(threads), "-ngl", "0"},
       "", absl::Minutes(10));
   KVCM_CHECK(run.ok()) << run.status();
@@ -155,7 +199,7 @@ int Main(int argc, char** argv) {
   std::map<int, Rates> kvcm;
   for (int b : kBatches) kvcm[b] = RunKvcm(**model, b, pp, tg);
   std::map<int, Rates> reference;
-  if (!llama.empty()) reference = RunLlamaCpp(llama, gguf, threads, pp, tg);
+  if (!llama.empty()) reference = RunLlamaCpp(llama, gguf, threads, pp, tg, "1,8,32");
   std::printf("\n%3s %14s %14s %8s %14s %14s %8s\n", "B", "kvcm S_PP", "llama.cpp", "ratio",
               "kvcm S_TG", "llama.cpp", "ratio");
   for (int b : kBatches) {
@@ -169,6 +213,51 @@ int Main(int argc, char** argv) {
     std::printf("%3d %14.1f %14.1f %7.2fx %14.1f %14.1f %7.2fx\n", b, k.prefill,
                 it->second.prefill, k.prefill / it->second.prefill, k.decode, it->second.decode,
                 k.decode / it->second.decode);
+  }
+
+  // The busy neighbour: decode step in ms (B / S_TG), quiet and busy alternated.
+  const int rounds = bench::FlagValue(argc, argv, "--busy-rounds", 3);
+  if (rounds <= 0) return 0;
+  constexpr int kBusyBatches[] = {1, 8};
+  std::map<int, std::vector<double>> quiet_ms;
+  std::map<int, std::vector<double>> busy_ms;
+  std::map<int, std::vector<double>> llama_quiet_ms;
+  std::map<int, std::vector<double>> llama_busy_ms;
+  auto step_ms = [](int b, double decode) { return 1000.0 * b / decode; };
+  for (int round = 0; round < rounds; ++round) {
+    for (int b : kBusyBatches) {
+      quiet_ms[b].push_back(step_ms(b, RunKvcm(**model, b, pp, tg).decode));
+      Spinner spinner;
+      busy_ms[b].push_back(step_ms(b, RunKvcm(**model, b, pp, tg).decode));
+    }
+    if (llama.empty()) continue;
+    std::map<int, Rates> quiet = RunLlamaCpp(llama, gguf, threads, pp, tg, "1,8");
+    std::map<int, Rates> busy;
+    {
+      Spinner spinner;
+      busy = RunLlamaCpp(llama, gguf, threads, pp, tg, "1,8");
+    }
+    for (int b : kBusyBatches) {
+      if (quiet.count(b) == 0 || busy.count(b) == 0) continue;
+      llama_quiet_ms[b].push_back(step_ms(b, quiet[b].decode));
+      llama_busy_ms[b].push_back(step_ms(b, busy[b].decode));
+    }
+  }
+  std::printf("\ndecode step with a process spinning on CPU 0 beside it, median of %d rounds\n",
+              rounds);
+  std::printf("%3s %12s %12s %8s %14s %14s %8s\n", "B", "kvcm quiet", "kvcm busy", "ratio",
+              "llama.cpp quiet", "llama.cpp busy", "ratio");
+  for (int b : kBusyBatches) {
+    const double q = Median(quiet_ms[b]);
+    const double k = Median(busy_ms[b]);
+    if (llama_quiet_ms[b].empty()) {
+      std::printf("%3d %10.2fms %10.2fms %7.2fx %14s %14s %8s\n", b, q, k, k / q, "-", "-", "-");
+      continue;
+    }
+    const double lq = Median(llama_quiet_ms[b]);
+    const double lb = Median(llama_busy_ms[b]);
+    std::printf("%3d %10.2fms %10.2fms %7.2fx %12.2fms %12.2fms %7.2fx\n", b, q, k, k / q, lq, lb,
+                lb / lq);
   }
   return 0;
 }

@@ -2,11 +2,18 @@
 // CpuThreadPool: persistent worker threads for the CPU kernels, cheap enough to use once per
 // layer per decode step.
 //
-// ParallelFor hands out task indices from one atomic counter to the calling thread and up to
-// num_threads - 1 workers, and returns when every task has run. Workers that just finished
-// spin briefly (about 100 us) before sleeping on a futex (std::atomic::wait), so back-to-back
-// calls, such as one per layer, do not pay a wake-up each (a futex wake-up costs tens of
-// microseconds on a shared VM); after that they cost nothing.
+// ParallelFor hands out task indices from one atomic claim word to the calling thread and up
+// to num_threads - 1 workers, and returns when every task has *finished*: it joins on the
+// tasks, not on the workers. A worker the scheduler has pushed off its core (another process
+// shares the cores, as the router, the cache manager and other executors do on one node)
+// therefore holds up a call only while it holds a task it claimed; one that had not woken
+// yet claims nothing, and the caller and the other workers run its share. Callers cut their
+// work into a few chunks per thread so that a claimed chunk is short (docs/executor.md,
+// "Threads").
+//
+// Waiting threads spin briefly (about 20 us) before they sleep on a futex
+// (std::atomic::wait), so back-to-back calls, such as one per layer, do not pay a wake-up
+// each, while a thread that waits longer gives its core back to whoever needs it.
 //
 // Thread safety: ParallelFor may be called from any thread; concurrent calls run one after
 // the other. A call from inside a task of the same pool runs its tasks serially on the
@@ -14,6 +21,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <thread>
 #include <vector>
 
@@ -24,13 +32,19 @@ namespace kvcm::kernels {
 
 class CpuThreadPool {
  public:
-  // The process-wide pool the kernels use: hardware_concurrency() - 1 workers (the caller
-  // is the last thread), at most kMaxWorkers, started on first use and never destroyed.
+  // The process-wide pool the kernels use: one worker fewer than the CPUs this process may
+  // run on (UsableCpus(); the caller is the last thread), at most kMaxWorkers, started on
+  // first use and never destroyed.
   static CpuThreadPool& Default();
 
+  // Called by a worker each time it wakes for a generation, before it claims a task (tests
+  // hold a worker there, as a scheduler that took its core away would).
+  using WakeHook = std::function<void(int32_t worker)>;
+
   // Starts `num_workers` worker threads (clamped to [0, kMaxWorkers]). A waiting thread
-  // spins `spin_iterations` times (about 100 us by default) before it sleeps.
-  explicit CpuThreadPool(int32_t num_workers, int32_t spin_iterations = kDefaultSpinIterations);
+  // spins `spin_iterations` times (about 20 us by default) before it sleeps.
+  explicit CpuThreadPool(int32_t num_workers, int32_t spin_iterations = kDefaultSpinIterations,
+                         WakeHook on_wake = nullptr);
   // Stops and joins the workers. REQUIRES: no ParallelFor in progress.
   ~CpuThreadPool();
   CpuThreadPool(const CpuThreadPool&) = delete;
@@ -45,29 +59,41 @@ class CpuThreadPool {
   void ParallelFor(int64_t num_tasks, int32_t num_threads, absl::FunctionRef<void(int64_t)> fn);
 
   static constexpr int32_t kMaxWorkers = 255;
-  // About 100 us of spinning on current x86 cores (PAUSE is 40-140 cycles).
-  static constexpr int32_t kDefaultSpinIterations = 4096;
+  // About 20 us of spinning on current x86 cores (PAUSE is 40-140 cycles).
+  static constexpr int32_t kDefaultSpinIterations = 1024;
 
  private:
+  // The claim word: (generation << 40) | (tasks << 20) | next task. One call of at most
+  // kMaxTasksPerJob tasks is one generation; longer calls run as several.
+  static constexpr int kTaskBits = 20;
+  static constexpr uint64_t kTaskMask = (uint64_t{1} << kTaskBits) - 1;
+  static constexpr int64_t kMaxTasksPerJob = int64_t{kTaskMask};
+  static constexpr uint32_t kGenerationMask = (uint32_t{1} << 24) - 1;
+
   void WorkerLoop(int32_t id);
-  void RunTasks();
+  // Claims and runs tasks of generation `generation` until none is left.
+  void RunTasks(uint32_t generation);
+  // One generation: publishes it, runs tasks, waits until all num_tasks have returned.
+  // REQUIRES: dispatch_mu_ held, 0 < num_tasks <= kMaxTasksPerJob.
+  void RunJob(int64_t num_tasks, int32_t participants, absl::FunctionRef<void(int64_t)> fn);
 
   const int32_t spin_iterations_;
+  const WakeHook on_wake_;
 
   Mutex dispatch_mu_;  // one ParallelFor at a time
 
-  // The job of the current epoch. Written by the dispatcher, holding dispatch_mu_, before it
-  // publishes the epoch (release) and read by participating workers after they see it
-  // (acquire); not rewritten until every participant has checked out through busy_. Not
-  // ABSL_GUARDED_BY(dispatch_mu_): the workers read them without it, ordered by the epoch.
+  // The function of the current generation. Written by the dispatcher, holding dispatch_mu_,
+  // before it publishes the generation's claim word (release); read by a thread only after
+  // it claimed a task of that generation (acquire), and not rewritten before that task has
+  // finished (done_). Not ABSL_GUARDED_BY(dispatch_mu_): the workers read it without it.
   const absl::FunctionRef<void(int64_t)>* job_fn_ = nullptr;
-  int64_t job_tasks_ = 0;
 
-  // (generation << 8) | participating workers. Workers with id < participants run the job.
+  // (generation << 8) | participating workers, 24 bits of generation: what the workers
+  // wait on. Workers with id < participants join that generation.
   std::atomic<uint32_t> epoch_{0};
   std::atomic<bool> stop_{false};
-  std::atomic<int64_t> next_task_{0};
-  std::atomic<int32_t> busy_{0};  // participants that have not yet checked out
+  std::atomic<uint64_t> claim_{0};  // see kTaskBits
+  std::atomic<int32_t> done_{0};    // tasks of the current generation that have returned
 
   std::vector<std::thread> workers_;
 };

@@ -103,6 +103,43 @@ TEST(CpuThreadPoolTest, WorkersThatSleepBetweenJobsAlwaysWakeForTheNext) {
   EXPECT_EQ(total, int64_t{kJobs} * 3);
 }
 
+// Regression: ParallelFor waited for every participating worker to check in, so a worker the
+// scheduler kept off the cores (another process busy on them) held up the whole call even
+// when the other threads had run every task: the decode step went 5x slower beside one busy
+// process. Now the call joins on its tasks. Here the only worker is held before it claims
+// anything, as a descheduled one would be: the caller runs every task and returns, and
+// after the worker is let go every later call still runs each task once.
+TEST(CpuThreadPoolTest, ACallDoesNotWaitForAWorkerThatHasNotStarted) {
+  std::atomic<bool> hold{true};
+  std::atomic<int> held{0};
+  CpuThreadPool pool(1, CpuThreadPool::kDefaultSpinIterations, [&](int32_t) {
+    held++;
+    hold.wait(true);
+  });
+
+  std::atomic<bool> returned{false};
+  std::vector<std::atomic<int>> runs(64);
+  std::thread caller([&] {
+    pool.ParallelFor(64, 0, [&](int64_t i) { runs[static_cast<size_t>(i)]++; });
+    returned.store(true);
+  });
+  // Generous: the caller alone needs microseconds; only a call that waits for the held
+  // worker runs into the limit.
+  const absl::Status done =
+      testing::WaitFor([&] { return returned.load(); }, absl::Seconds(60), "ParallelFor returned");
+  EXPECT_TRUE(done.ok()) << done << " (held workers: " << held.load() << ")";
+  hold.store(false);
+  hold.notify_all();
+  caller.join();
+  for (size_t i = 0; i < runs.size(); ++i) EXPECT_EQ(runs[i].load(), 1) << "task " << i;
+  for (int round = 0; round < 100; ++round) ExpectEachTaskOnce(pool, 33, 0);
+}
+
+TEST(CpuThreadPoolTest, MoreTasksThanOneGenerationHolds) {
+  CpuThreadPool pool(2);
+  ExpectEachTaskOnce(pool, (int64_t{1} << 20) + 5, 0);
+}
+
 TEST(CpuThreadPoolTest, DefaultPoolUsesTheMachine) {
   EXPECT_GE(CpuThreadPool::Default().max_threads(), 1);
   ExpectEachTaskOnce(CpuThreadPool::Default(), 64, 0);

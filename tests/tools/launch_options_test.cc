@@ -85,6 +85,7 @@ TEST(LaunchOptionsTest, DefaultsAndErrorsNameTheFlag) {
   ASSERT_THAT(plain, IsOk());
   EXPECT_EQ(plain->executors, 1);
   EXPECT_FALSE(plain->pool_sized);  // the launcher then asks for kDefaultPoolBytes
+  EXPECT_FALSE(plain->threads_set);  // and gives each executor ExecutorThreads
   EXPECT_TRUE(plain->run_dir.empty());
 
   struct Bad {
@@ -109,6 +110,28 @@ TEST(LaunchOptionsTest, DefaultsAndErrorsNameTheFlag) {
   EXPECT_THAT(std::string(ParseLaunchOptions({"--model=/m", "--x=1"}).status().message()),
               HasSubstr("--cache-manager-arg="));
   EXPECT_THAT(LaunchUsage(), HasSubstr("--num-blocks"));
+}
+
+TEST(LaunchOptionsTest, ThreadsGivenEitherWayAreTheUsers) {
+  absl::StatusOr<LaunchOptions> routed = ParseLaunchOptions({"--model=/m", "--threads", "3"});
+  ASSERT_THAT(routed, IsOk());
+  EXPECT_TRUE(routed->threads_set);
+  absl::StatusOr<LaunchOptions> passed =
+      ParseLaunchOptions({"--model=/m", "--executor-arg=--threads=3"});
+  ASSERT_THAT(passed, IsOk());
+  EXPECT_TRUE(passed->threads_set);
+  absl::StatusOr<LaunchOptions> other =
+      ParseLaunchOptions({"--model=/m", "--executor-arg=--call-timeout-ms=900"});
+  ASSERT_THAT(other, IsOk());
+  EXPECT_FALSE(other->threads_set);
+}
+
+TEST(LaunchOptionsTest, ExecutorsShareTheCpus) {
+  EXPECT_EQ(ExecutorThreads(2, 1), 2);
+  EXPECT_EQ(ExecutorThreads(16, 3), 5);
+  EXPECT_EQ(ExecutorThreads(8, 2), 4);
+  EXPECT_EQ(ExecutorThreads(2, 4), 1);  // never 0, which would mean one per CPU
+  EXPECT_EQ(ExecutorThreads(0, 1), 1);
 }
 
 TEST(LaunchOptionsTest, PrometheusTargetsIsTheLaunchersOwnAndOffByDefault) {

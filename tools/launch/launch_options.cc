@@ -6,6 +6,7 @@
 #include <set>
 #include <string_view>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -175,6 +176,13 @@ absl::StatusOr<ConfiguredArgs> ApplyLaunchConfig(const std::vector<std::string>&
     for (const auto& [key, value] : *cache_manager) {
       if (sizing.contains(key) && sizes(value)) out.pool_sized = true;
     }
+    // Likewise the executors' threads (0 means "choose", so it leaves the choice here).
+    absl::StatusOr<config::SectionValues> executor =
+        config::ReadSection(out.config_file, "executor");
+    if (!executor.ok()) return executor.status();
+    for (const auto& [key, value] : *executor) {
+      if (key == "threads" && sizes(value)) out.threads_set = true;
+    }
   }
   for (const std::string& entry : environment) {
     const size_t eq = entry.find('=');
@@ -185,8 +193,16 @@ absl::StatusOr<ConfiguredArgs> ApplyLaunchConfig(const std::vector<std::string>&
         out.pool_sized = true;
       }
     }
+    if (entry.substr(0, eq) == config::EnvironmentVariable("executor", "threads") &&
+        sizes(entry.substr(eq + 1))) {
+      out.threads_set = true;
+    }
   }
   return out;
+}
+
+int32_t ExecutorThreads(int32_t cpus, int32_t executors) {
+  return std::max<int32_t>(1, std::max<int32_t>(cpus, 1) / std::max<int32_t>(executors, 1));
 }
 
 absl::StatusOr<LaunchOptions> ParseLaunchOptions(const std::vector<std::string>& args) {
@@ -243,6 +259,9 @@ absl::StatusOr<LaunchOptions> ParseLaunchOptions(const std::vector<std::string>&
        : name == "executor-arg" ? options.executor_args
                                 : options.cache_manager_args)
           .push_back(value);
+      if (name == "executor-arg" && absl::StartsWith(value, "--threads")) {
+        options.threads_set = true;
+      }
     } else {
       auto route = std::find_if(kRoutes.begin(), kRoutes.end(),
                                 [&](const Route& r) { return r.flag == name; });
@@ -278,6 +297,7 @@ absl::StatusOr<LaunchOptions> ParseLaunchOptions(const std::vector<std::string>&
       }
       status = take_value();
       out.push_back(absl::StrCat("--", name, "=", value));
+      if (name == "threads") options.threads_set = true;
       if (name == "num-blocks" || name == "pool-bytes" || name == "memory-fraction") {
         options.pool_sized = true;
       }
@@ -299,7 +319,8 @@ their log lines, and stops them all cleanly at SIGINT/SIGTERM (a second signal: 
 
 Launcher flags:
   --model PATH              a model folder or a GGUF file (required)
-  --executors N             executors to run (default 1)
+  --executors N             executors to run (default 1); unless --threads is given,
+                            each gets an equal share of this process's CPUs
   --run-dir DIR             the run directory (default: a fresh one, removed at exit)
   --bin-dir DIR             where the kvcm binaries are (default: beside kvcm-launch)
   --restart-backoff-ms MS   first wait before a restart (default 500; doubles to 10 s)

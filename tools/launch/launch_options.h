@@ -36,11 +36,20 @@ struct LaunchOptions {
   // Whether a pool size (--num-blocks, --pool-bytes, --memory-fraction) was given; if not,
   // the launcher asks for kDefaultPoolBytes.
   bool pool_sized = false;
+  // Whether the executors' thread count is given (--threads, --executor-arg=--threads=N, the
+  // executor section of --config, KVCM_EXECUTOR_THREADS); if not, the launcher gives each
+  // executor its share of the CPUs (ExecutorThreads).
+  bool threads_set = false;
   // --config: passed on to every process it starts (each reads its own section); "" = none.
   std::string config_file;
 };
 
 inline constexpr char kDefaultPoolBytes[] = "1GiB";
+
+// The forward-pass threads of each of `executors` executors on `cpus` usable CPUs when none
+// is given: an equal share, at least 1, so that executors started together do not each
+// run one thread per CPU and stall on one another (docs/executor.md, "Threads").
+int32_t ExecutorThreads(int32_t cpus, int32_t executors);
 
 // Parses argv (without argv[0]). INVALID_ARGUMENT naming the flag for an unknown flag, a
 // flag without its value, a bad number, or no --model.
@@ -62,6 +71,9 @@ struct ConfiguredArgs {
   // Whether the cache manager's section of the file or a KVCM_CACHE_MANAGER_ variable sizes
   // the pool (num_blocks, pool_bytes, memory_fraction), so the launcher must not.
   bool pool_sized = false;
+  // Whether the executor section of the file or KVCM_EXECUTOR_THREADS sets a thread count
+  // other than 0, so the launcher must not.
+  bool threads_set = false;
 };
 
 // Applies the file and the environment (`environment`: "NAME=VALUE" entries) to argv

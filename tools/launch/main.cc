@@ -32,6 +32,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/base/atomic_file.h"
+#include "common/base/cpus.h"
 #include "common/base/log.h"
 #include "common/base/monotonic_clock.h"
 #include "common/base/run_dir.h"
@@ -201,6 +202,10 @@ absl::Status Launcher::Prepare() {
     executor->argv.insert(executor->argv.end(),
                           {"--model", options_.model, "--run-dir", run_dir_, "--name",
                            absl::StrCat("executor-", i), "--metrics-address", "127.0.0.1:0"});
+    if (!options_.threads_set) {
+      executor->argv.push_back(absl::StrCat(
+          "--threads=", ExecutorThreads(UsableCpus(), static_cast<int32_t>(options_.executors))));
+    }
     executor->argv.insert(executor->argv.end(), options_.executor_args.begin(),
                           options_.executor_args.end());
     children_.push_back(std::move(executor));
@@ -482,6 +487,7 @@ int main(int argc, char** argv) {
   }
   options->config_file = configured->config_file;
   options->pool_sized = options->pool_sized || configured->pool_sized;
+  options->threads_set = options->threads_set || configured->threads_set;
   kvcm::LogLine("kvcm-launch",
                 kvcm::config::Describe(configured->settings, configured->config_file));
   kvcm::UniqueFd signals = kvcm::BlockTerminationSignals();

@@ -69,6 +69,24 @@ TEST(ApplyLaunchConfigTest, APoolSizedByTheCacheManagersSectionOrVariablesCounts
   EXPECT_TRUE(configured->pool_sized);
 }
 
+TEST(ApplyLaunchConfigTest, ExecutorThreadsSetByTheExecutorsSectionOrVariableCountAsSet) {
+  const std::string set = WriteFile("launch_e.yaml", "executor:\n  threads: 3\n");
+  absl::StatusOr<ConfiguredArgs> configured = ApplyLaunchConfig({"--config", set}, {});
+  ASSERT_THAT(configured, IsOk());
+  EXPECT_TRUE(configured->threads_set);
+  // 0 is the executor's "choose": the launcher still gives each executor its share.
+  const std::string zero = WriteFile("launch_f.yaml", "executor:\n  threads: 0\n");
+  configured = ApplyLaunchConfig({"--config", zero}, {});
+  ASSERT_THAT(configured, IsOk());
+  EXPECT_FALSE(configured->threads_set);
+  configured = ApplyLaunchConfig({}, {"KVCM_EXECUTOR_THREADS=2"});
+  ASSERT_THAT(configured, IsOk());
+  EXPECT_TRUE(configured->threads_set);
+  configured = ApplyLaunchConfig({}, {});
+  ASSERT_THAT(configured, IsOk());
+  EXPECT_FALSE(configured->threads_set);
+}
+
 TEST(ApplyLaunchConfigTest, UnknownLaunchKeyIsAnError) {
   const std::string path = WriteFile("launch_d.yaml", "launch:\n  executor: 2\n");
   absl::StatusOr<ConfiguredArgs> configured = ApplyLaunchConfig({"--config", path}, {});
