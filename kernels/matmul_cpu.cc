@@ -19,6 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/base/check.h"
+#include "common/base/float16.h"
 #include "kernels/cpu_isa.h"
 #include "kernels/cpu_thread_pool.h"
 
@@ -78,7 +79,7 @@ uint32_t LoadU32(const uint8_t* p) {
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-float LoadF16(const uint8_t* p) { return Fp16ToFp32(LoadU16(p)); }
+float LoadF16(const uint8_t* p) { return FloatFromHalf(LoadU16(p)); }
 
 // get_scale_min_k4 (ggml-quants.c): the 6-bit scale and min of sub-block j of a Q4_K/Q5_K
 // super-block.

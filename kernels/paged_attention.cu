@@ -28,7 +28,6 @@
 
 #include "common/base/check.h"
 #include "kernels/cuda_check.h"
-#include "kernels/kv_dtype.h"
 #include "kernels/paged_attention.h"
 
 namespace kvcm::kernels::cuda {

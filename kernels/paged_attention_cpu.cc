@@ -17,9 +17,9 @@
 #endif
 
 #include "common/base/check.h"
+#include "common/base/float16.h"
 #include "kernels/cpu_isa.h"
 #include "kernels/cpu_thread_pool.h"
-#include "kernels/kv_dtype.h"
 #include "kernels/paged_attention.h"
 #include "kernels/paged_attention_cpu_internal.h"
 

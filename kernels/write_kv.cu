@@ -4,8 +4,8 @@
 
 #include <cstdint>
 
+#include "common/base/float16.h"
 #include "kernels/cuda_check.h"
-#include "kernels/kv_dtype.h"
 #include "kernels/write_kv.h"
 
 namespace kvcm::kernels::cuda {
@@ -18,9 +18,9 @@ __device__ __forceinline__ void Store(uint8_t* dst, float x) {
   if constexpr (kDType == KvDType::kFloat32) {
     *reinterpret_cast<float*>(dst) = x;
   } else if constexpr (kDType == KvDType::kFloat16) {
-    *reinterpret_cast<uint16_t*>(dst) = FloatToHalfBits(x);
+    *reinterpret_cast<uint16_t*>(dst) = HalfFromFloat(x);
   } else {
-    *reinterpret_cast<uint16_t*>(dst) = FloatToBFloat16Bits(x);
+    *reinterpret_cast<uint16_t*>(dst) = BFloat16FromFloat(x);
   }
 }
 

@@ -1,7 +1,7 @@
 #include <cstring>
 
 #include "common/base/check.h"
-#include "kernels/kv_dtype.h"
+#include "common/base/float16.h"
 #include "kernels/write_kv.h"
 
 namespace kvcm::kernels::cpu {
@@ -21,10 +21,10 @@ void StoreHead(KvDType dtype, uint8_t* dst, const float* src, int32_t head_dim) 
       std::memcpy(dst, src, static_cast<size_t>(head_dim) * sizeof(float));
       return;
     case KvDType::kFloat16:
-      StoreRow(dst, src, head_dim, FloatToHalfBits);
+      StoreRow(dst, src, head_dim, HalfFromFloat);
       return;
     case KvDType::kBFloat16:
-      StoreRow(dst, src, head_dim, FloatToBFloat16Bits);
+      StoreRow(dst, src, head_dim, BFloat16FromFloat);
       return;
   }
 }

@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "common/base/float16.h"
 
 namespace kvcm {
 namespace {
@@ -58,16 +59,6 @@ constexpr std::array<TypeRow, 34> kTypes = {{
     {GgmlType::kQ1_0, {"Q1_0", 128, 2 + 16}},
 }};
 
-uint32_t FloatBits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return u;
-}
-float BitsFloat(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
 uint16_t LoadU16(const uint8_t* p) {
   uint16_t v;
   std::memcpy(&v, p, sizeof(v));
@@ -78,7 +69,7 @@ uint32_t LoadU32(const uint8_t* p) {
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-float LoadF16(const uint8_t* p) { return Fp16ToFp32(LoadU16(p)); }
+float LoadF16(const uint8_t* p) { return FloatFromHalf(LoadU16(p)); }
 void StoreU16(uint8_t* p, uint16_t v) { std::memcpy(p, &v, sizeof(v)); }
 void StoreU32(uint8_t* p, uint32_t v) { std::memcpy(p, &v, sizeof(v)); }
 
@@ -296,7 +287,7 @@ void QuantQ4_0(const float* x, uint8_t* y, int64_t nb) {
     const float max = SignedAbsMax(x, kQK);
     const float d = max / -8;
     const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    StoreU16(y, Fp32ToFp16(d));
+    StoreU16(y, HalfFromFloatKeepingNanPayload(d));
     for (int j = 0; j < kQK / 2; ++j) {
       const uint8_t xi0 = TruncClamp(x[j] * id + 8.5f, 15);
       const uint8_t xi1 = TruncClamp(x[kQK / 2 + j] * id + 8.5f, 15);
@@ -311,8 +302,8 @@ void QuantQ4_1(const float* x, uint8_t* y, int64_t nb) {
     MinMax(x, kQK, &min, &max);
     const float d = (max - min) / ((1 << 4) - 1);
     const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    StoreU16(y, Fp32ToFp16(d));
-    StoreU16(y + 2, Fp32ToFp16(min));
+    StoreU16(y, HalfFromFloatKeepingNanPayload(d));
+    StoreU16(y + 2, HalfFromFloatKeepingNanPayload(min));
     for (int j = 0; j < kQK / 2; ++j) {
       const uint8_t xi0 = TruncClamp((x[j] - min) * id + 0.5f, 15);
       const uint8_t xi1 = TruncClamp((x[kQK / 2 + j] - min) * id + 0.5f, 15);
@@ -326,7 +317,7 @@ void QuantQ5_0(const float* x, uint8_t* y, int64_t nb) {
     const float max = SignedAbsMax(x, kQK);
     const float d = max / -16;
     const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    StoreU16(y, Fp32ToFp16(d));
+    StoreU16(y, HalfFromFloatKeepingNanPayload(d));
     uint32_t qh = 0;
     for (int j = 0; j < kQK / 2; ++j) {
       const uint8_t xi0 = TruncClamp(x[j] * id + 16.5f, 31);
@@ -345,8 +336,8 @@ void QuantQ5_1(const float* x, uint8_t* y, int64_t nb) {
     MinMax(x, kQK, &min, &max);
     const float d = (max - min) / ((1 << 5) - 1);
     const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    StoreU16(y, Fp32ToFp16(d));
-    StoreU16(y + 2, Fp32ToFp16(min));
+    StoreU16(y, HalfFromFloatKeepingNanPayload(d));
+    StoreU16(y + 2, HalfFromFloatKeepingNanPayload(min));
     uint32_t qh = 0;
     for (int j = 0; j < kQK / 2; ++j) {
       const uint8_t xi0 = TruncClamp((x[j] - min) * id + 0.5f, 31);
@@ -365,7 +356,7 @@ void QuantQ8_0(const float* x, uint8_t* y, int64_t nb) {
     for (int j = 0; j < kQK; ++j) amax = std::max(amax, std::fabs(x[j]));
     const float d = amax / ((1 << 7) - 1);
     const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    StoreU16(y, Fp32ToFp16(d));
+    StoreU16(y, HalfFromFloatKeepingNanPayload(d));
     for (int j = 0; j < kQK; ++j) {
       y[2 + j] = static_cast<uint8_t>(RoundInt8(x[j] * id));
     }
@@ -460,50 +451,6 @@ absl::StatusOr<int64_t> TypeBytes(GgmlType type, int64_t element_count) {
   return blocks * traits->type_size;
 }
 
-float Fp16ToFp32(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1Fu;
-  const uint32_t mant = h & 0x3FFu;
-  if (exp == 0) {
-    // Zero or subnormal: mant * 2^-24, exact in float32.
-    const float v = static_cast<float>(mant) * 5.9604644775390625e-8f;
-    return BitsFloat(FloatBits(v) | sign);
-  }
-  if (exp == 0x1F) return BitsFloat(sign | 0x7F800000u | (mant << 13));  // inf, NaN
-  return BitsFloat(sign | ((exp + (127 - 15)) << 23) | (mant << 13));
-}
-
-uint16_t Fp32ToFp16(float f) {
-  uint32_t x = FloatBits(f);
-  const uint32_t sign = x & 0x80000000u;
-  x ^= sign;
-  uint32_t o;
-  if (x >= 0x47800000u) {
-    // |f| >= 65536, inf or NaN. NaN keeps its top payload bits and is made quiet.
-    o = x > 0x7F800000u ? (0x7E00u | ((x >> 13) & 0x3FFu)) : 0x7C00u;
-  } else if (x < 0x38800000u) {
-    // A subnormal half or zero: adding 0.5 aligns the 10 mantissa bits at the bottom, and
-    // the float addition rounds to nearest even.
-    constexpr uint32_t kDenormMagic = ((127 - 15) + (23 - 10) + 1) << 23;
-    const float sum = BitsFloat(x) + BitsFloat(kDenormMagic);
-    o = FloatBits(sum) - kDenormMagic;
-  } else {
-    const uint32_t mant_odd = (x >> 13) & 1u;
-    x += (static_cast<uint32_t>(15 - 127) << 23) + 0xFFFu;  // rebias, round
-    x += mant_odd;                                          // ties to even
-    o = x >> 13;  // an overflow here carries into the exponent: infinity
-  }
-  return static_cast<uint16_t>(o | (sign >> 16));
-}
-
-float Bf16ToFp32(uint16_t h) { return BitsFloat(static_cast<uint32_t>(h) << 16); }
-
-uint16_t Fp32ToBf16(float f) {
-  const uint32_t u = FloatBits(f);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 64);  // NaN
-  return static_cast<uint16_t>((u + (0x7FFFu + ((u >> 16) & 1u))) >> 16);
-}
-
 absl::Status Dequantize(GgmlType type, std::span<const std::byte> src, std::span<float> dst) {
   if (!CanDequantize(type)) {
     if (!GetGgmlTypeTraits(type).has_value()) {
@@ -524,10 +471,10 @@ absl::Status Dequantize(GgmlType type, std::span<const std::byte> src, std::span
       if (n > 0) std::memcpy(y, x, src.size());
       break;
     case GgmlType::kF16:
-      for (int64_t i = 0; i < n; ++i) y[i] = Fp16ToFp32(LoadU16(x + 2 * i));
+      for (int64_t i = 0; i < n; ++i) y[i] = FloatFromHalf(LoadU16(x + 2 * i));
       break;
     case GgmlType::kBF16:
-      for (int64_t i = 0; i < n; ++i) y[i] = Bf16ToFp32(LoadU16(x + 2 * i));
+      for (int64_t i = 0; i < n; ++i) y[i] = FloatFromBFloat16(LoadU16(x + 2 * i));
       break;
     case GgmlType::kQ4_0:
       DequantQ4_0(x, y, n / kQK);
@@ -579,10 +526,10 @@ absl::Status Quantize(GgmlType type, std::span<const float> src, std::span<std::
       if (n > 0) std::memcpy(y, x, dst.size());
       break;
     case GgmlType::kF16:
-      for (int64_t i = 0; i < n; ++i) StoreU16(y + 2 * i, Fp32ToFp16(x[i]));
+      for (int64_t i = 0; i < n; ++i) StoreU16(y + 2 * i, HalfFromFloatKeepingNanPayload(x[i]));
       break;
     case GgmlType::kBF16:
-      for (int64_t i = 0; i < n; ++i) StoreU16(y + 2 * i, Fp32ToBf16(x[i]));
+      for (int64_t i = 0; i < n; ++i) StoreU16(y + 2 * i, BFloat16FromFloat(x[i]));
       break;
     case GgmlType::kQ4_0:
       QuantQ4_0(x, y, n / kQK);

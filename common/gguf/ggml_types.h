@@ -102,13 +102,9 @@ absl::Status Quantize(GgmlType type, std::span<const float> src, std::span<std::
 // negative or not a multiple of the block size, or the type is not a ggml type.
 absl::StatusOr<int64_t> TypeBytes(GgmlType type, int64_t element_count);
 
-// IEEE half <-> single precision, exactly (fp32 -> fp16 rounds to nearest even and
-// overflows to infinity, as F16C's vcvtps2ph and numpy's astype(float16) do).
-float Fp16ToFp32(uint16_t h);
-uint16_t Fp32ToFp16(float f);
-// bfloat16: widening is exact; narrowing is ggml's ggml_compute_fp32_to_bf16 (round to
-// nearest even, NaN made quiet).
-float Bf16ToFp32(uint16_t h);
-uint16_t Fp32ToBf16(float f);
+// F16 and BF16 elements convert with common/base/float16.h: FloatFromHalf,
+// FloatFromBFloat16 (exact), HalfFromFloatKeepingNanPayload (round to nearest even, overflow
+// to infinity, NaN payload kept, as F16C's vcvtps2ph and numpy's astype(float16) do) and
+// BFloat16FromFloat (ggml's ggml_compute_fp32_to_bf16: round to nearest even, NaN made quiet).
 
 }  // namespace kvcm

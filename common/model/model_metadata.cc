@@ -13,6 +13,7 @@
 #include "absl/strings/strip.h"
 #include "common/base/status_macros.h"
 #include "common/gguf/gguf_file.h"
+#include "common/model/model_config.h"
 #include "common/tokenizer/gguf_tokenizer.h"
 #include "nlohmann/json.hpp"
 
@@ -79,27 +80,16 @@ absl::Status ReadFolder(ModelMetadata* m) {
   const std::string folder(absl::StripSuffix(m->path, "/"));
   m->name = std::filesystem::path(folder).filename().string();
 
+  // vocab_size, bos_token_id and eos_token_id as the one reader of config.json reads them.
   const std::string config_path = folder + "/config.json";
-  KVCM_ASSIGN_OR_RETURN(const Json config, ReadJsonObject(config_path));
-  const auto vocab = config.find("vocab_size");
-  if (vocab == config.end() || !vocab->is_number_integer() || vocab->get<int64_t>() < 1 ||
-      vocab->get<int64_t>() > INT32_MAX) {
+  KVCM_ASSIGN_OR_RETURN(const ModelConfig config, ReadHfModelConfigFile(config_path));
+  if (!config.vocab_size.has_value()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(config_path, ": vocab_size must be a positive integer"));
+        absl::StrCat(config.Where(), "missing required key \"vocab_size\""));
   }
-  m->tokenizer.vocab_size = vocab->get<int32_t>();
-  if (const auto bos = config.find("bos_token_id");
-      bos != config.end() && bos->is_number_integer()) {
-    if (bos->get<int64_t>() < 0 || bos->get<int64_t>() >= m->tokenizer.vocab_size) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(config_path, ": bos_token_id ", bos->dump(), " is outside the vocabulary"));
-    }
-    m->tokenizer.bos_token_id = bos->get<int32_t>();
-  }
-  if (const auto eos = config.find("eos_token_id"); eos != config.end()) {
-    KVCM_RETURN_IF_ERROR(
-        AppendEosIds(*eos, config_path, m->tokenizer.vocab_size, &m->tokenizer.eos_token_ids));
-  }
+  m->tokenizer.vocab_size = *config.vocab_size;
+  m->tokenizer.bos_token_id = config.bos_token_id.value_or(-1);
+  m->tokenizer.eos_token_ids = config.eos_token_ids;
   m->eos_token_ids = m->tokenizer.eos_token_ids;
 
   const std::string generation_path = folder + "/generation_config.json";
@@ -153,40 +143,27 @@ absl::Status ReadGguf(ModelMetadata* m) {
   if (absl::EndsWith(name, ".gguf")) name.resize(name.size() - 5);
   m->name = name;
   KVCM_ASSIGN_OR_RETURN(const std::unique_ptr<GgufFile> file, GgufFile::Open(m->path));
-  KVCM_ASSIGN_OR_RETURN(const std::string arch, file->GetString("general.architecture"));
+  // The vocabulary size and the ids as the one reader of GGUF metadata reads them.
+  KVCM_ASSIGN_OR_RETURN(const ModelConfig config, ModelConfigFromGguf(*file));
+  if (!config.vocab_size.has_value()) {
+    return absl::InvalidArgumentError(absl::StrCat(m->path, ": no vocabulary size (",
+                                                   config.model_type,
+                                                   ".vocab_size, or tokenizer.ggml.tokens)"));
+  }
   std::vector<std::string> tokens;
   if (file->Has("tokenizer.ggml.tokens")) {
     KVCM_ASSIGN_OR_RETURN(tokens, file->GetStringArray("tokenizer.ggml.tokens"));
   }
-  const std::string vocab_key = absl::StrCat(arch, ".vocab_size");
-  int64_t vocab = static_cast<int64_t>(tokens.size());
-  if (file->Has(vocab_key)) {
-    KVCM_ASSIGN_OR_RETURN(vocab, file->GetInt(vocab_key));
-  }
-  if (vocab < 1 || vocab > INT32_MAX) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        m->path, ": no vocabulary size (", vocab_key, ", or tokenizer.ggml.tokens)"));
-  }
-  m->tokenizer.vocab_size = static_cast<int32_t>(vocab);
-  auto id_of = [&](const char* key) -> absl::StatusOr<int32_t> {
-    if (!file->Has(key)) return -1;
-    KVCM_ASSIGN_OR_RETURN(const int64_t id, file->GetInt(key));
-    if (id < 0 || id >= vocab) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(m->path, ": GGUF key \"", key, "\" (", id, ") is outside the vocabulary"));
-    }
-    return static_cast<int32_t>(id);
-  };
   auto text_of = [&](int32_t id) {
     return id >= 0 && id < static_cast<int32_t>(tokens.size()) ? tokens[static_cast<size_t>(id)]
                                                                : std::string();
   };
-  KVCM_ASSIGN_OR_RETURN(m->tokenizer.bos_token_id, id_of("tokenizer.ggml.bos_token_id"));
-  KVCM_ASSIGN_OR_RETURN(const int32_t eos, id_of("tokenizer.ggml.eos_token_id"));
-  KVCM_ASSIGN_OR_RETURN(const int32_t eot, id_of("tokenizer.ggml.eot_token_id"));
-  if (eos >= 0) m->tokenizer.eos_token_ids.push_back(eos);
+  m->tokenizer.vocab_size = *config.vocab_size;
+  m->tokenizer.bos_token_id = config.bos_token_id.value_or(-1);
+  m->tokenizer.eos_token_ids = config.eos_token_ids;
+  const int32_t eos = config.eos_token_ids.empty() ? -1 : config.eos_token_ids.front();
   m->eos_token_ids = m->tokenizer.eos_token_ids;
-  if (eot >= 0) AddId(eot, &m->eos_token_ids);
+  if (config.eot_token_id.has_value()) AddId(*config.eot_token_id, &m->eos_token_ids);
   m->bos_token = text_of(m->tokenizer.bos_token_id);
   m->eos_token = text_of(eos);
   if (file->Has("tokenizer.chat_template")) {

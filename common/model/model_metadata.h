@@ -5,7 +5,8 @@
 // shape elsewhere (common/sizing).
 //
 // `--model PATH` is either
-//   a Hugging Face folder  config.json (vocab_size, bos_token_id, eos_token_id),
+//   a Hugging Face folder  config.json (vocab_size, bos_token_id, eos_token_id, as
+//                          common/model/model_config.h reads them),
 //                          generation_config.json (more eos_token_id: instruction-tuned
 //                          models name their end-of-turn token there; generation stops at
 //                          any of them, as vLLM does), the chat template from
@@ -14,7 +15,8 @@
 //                          "default" is taken), and tokenizer_config.json's bos_token and
 //                          eos_token (strings or {"content": ...}) for the template;
 //   a GGUF file            general.architecture's vocab_size (else the number of tokens),
-//                          tokenizer.ggml.bos_token_id, eos_token_id and eot_token_id,
+//                          tokenizer.ggml.bos_token_id, eos_token_id and eot_token_id (as
+//                          common/model/model_config.h reads them),
 //                          tokenizer.chat_template, and the bos/eos tokens' text.
 //
 // Errors name the file and the key: NOT_FOUND for a missing config.json or GGUF file;

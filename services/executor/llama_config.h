@@ -1,45 +1,40 @@
 #pragma once
-// LlamaConfig: the hyperparameters of a Llama-family model, read from a Hugging Face
-// `config.json`.
+// LlamaConfig: the hyperparameters of a Llama-family model, built from the model's
+// ModelConfig (common/model/model_config.h reads config.json or a GGUF file's metadata, and
+// refuses malformed keys: INVALID_ARGUMENT naming the key). What is checked here is what the
+// forward pass supports, with these defaults:
 //
-// Keys (top level):
-//
-//   architectures            ["LlamaForCausalLM"], ["MistralForCausalLM"] or
-//                            ["Qwen2ForCausalLM"]; when absent, "model_type" must be
-//                            "llama", "mistral" or "qwen2"
-//   attention_bias           (Llama) bias on q, k, v and o: default false
-//   use_sliding_window       (Qwen2) must be false; its sliding_window is then unused
-//   vocab_size               required
-//   hidden_size              required
-//   intermediate_size        required
-//   num_hidden_layers        required
-//   num_attention_heads      required
-//   num_key_value_heads      default num_attention_heads (MHA); must divide it
-//   head_dim                 default hidden_size / num_attention_heads (must divide)
-//   rms_norm_eps             default 1e-6 (HF LlamaConfig's default)
-//   rope_theta               default 10000 (transformers 5: in rope_parameters)
+//   architecture             "architectures" naming LlamaForCausalLM, MistralForCausalLM or
+//                            Qwen2ForCausalLM; when absent, "model_type" llama, mistral or
+//                            qwen2; GGUF general.architecture llama (Llama 2/3, SmolLM,
+//                            Mistral) or qwen2 (bias on q/k/v)
+//   vocab_size, hidden_size, intermediate_size   required (GGUF: ARCH.vocab_size, else the
+//                            number of tokens; ARCH.embedding_length; ARCH.feed_forward_length)
+//   head_dim                 even (RoPE); GGUF attention.value_length and
+//                            rope.dimension_count must equal it
+//   rms_norm_eps             default 1e-6 (HF LlamaConfig's default); GGUF: required
+//   rope_theta               default 10000
 //   max_position_embeddings  default 2048 (HF LlamaConfig's default)
-//   tie_word_embeddings      default false
-//   bos_token_id             int, list of ints or null (default none)
-//   eos_token_id             int, list of ints or null (default none)
-//   torch_dtype (or dtype)   the checkpoint's dtype name; informational
-//   rope_scaling             null, or {"rope_type": "llama3" | "linear" | "default", ...};
-//                            "llama3" (Llama 3.1+) and "linear" are implemented
-//   rope_parameters          transformers >= 5's spelling of both: {"rope_theta": ...,
-//                            "rope_type": ..., factor, ...}; read like rope_scaling, and
-//                            where both spellings are present they must agree
-//                            (INVALID_ARGUMENT otherwise). A key of either that changes RoPE
-//                            and is not understood (attention_factor, beta_fast, ...) is
-//                            UNIMPLEMENTED, never ignored; so is a per-layer-type
-//                            rope_parameters.
+//   rope scaling             none, "linear" (factor) or "llama3" (Llama 3.1+: factor,
+//                            low_freq_factor default 1, high_freq_factor default 4,
+//                            original_max_position_embeddings required); GGUF none or linear.
+//                            A RoPE key that is not understood (attention_factor, beta_fast,
+//                            a partial_rotary_factor other than 1, ...) is UNIMPLEMENTED, never
+//                            ignored; so is a per-layer-type rope_parameters
+//   attention_bias           (Llama) bias on q, k, v and o: default false; Qwen2: q, k, v
+//   bos_token_id, eos_token_id   as read (GGUF: eos and eot ids)
+//   torch_dtype              informational; GGUF: "GGUF <type>", the type most of the 2-D
+//                            weights are in
 //
 // Rejected, naming the key:
-//   UNIMPLEMENTED     another architecture; rope_scaling of another type (dynamic, yarn,
-//                     longrope, ...); mlp_bias true; hidden_act other than "silu"; a Mistral
-//                     sliding_window shorter than max_position_embeddings; Qwen2's
-//                     use_sliding_window true
-//   INVALID_ARGUMENT  malformed JSON, a required key missing, a value of the wrong type or
-//                     out of range (the message names the key and the value)
+//   UNIMPLEMENTED     another architecture; rope scaling of another type (dynamic, yarn,
+//                     longrope, ...); mlp_bias true; hidden_act other than "silu"; a
+//                     sliding_window shorter than max_position_embeddings (not Qwen2's);
+//                     Qwen2's use_sliding_window true; GGUF: ARCH.attention.sliding_window,
+//                     a rope_freqs.weight tensor (Llama 3.1's per-frequency RoPE factors)
+//   INVALID_ARGUMENT  a required key missing, an odd head_dim, a scaling without what its
+//                     type needs; and ModelConfig's refusals (malformed JSON or metadata, a
+//                     value of the wrong type or out of range)
 //   NOT_FOUND         (LoadLlamaConfig) the file cannot be read
 //
 // Thread safety: a plain value.
@@ -49,6 +44,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/model/model_config.h"
 #include "common/sizing/kv_cache_spec.h"
 #include "common/tokenizer/tokenizer.h"
 
@@ -99,36 +95,17 @@ struct LlamaConfig {
   TokenizerConfig Tokenizer() const { return {vocab_size, bos_token_id, eos_token_ids}; }
 };
 
-// Parses the text of a config.json (see the key table above).
+// The LlamaConfig of `model` (see the table above); refusals start with model.Where().
+absl::StatusOr<LlamaConfig> LlamaConfigFromModelConfig(const ModelConfig& model);
+
+// LlamaConfigFromModelConfig of the text of a config.json.
 absl::StatusOr<LlamaConfig> ParseLlamaConfig(const std::string& json_text);
 
-// Reads and parses a config.json file; errors are prefixed with its path.
+// LlamaConfigFromModelConfig of a config.json file; errors are prefixed with its path.
 absl::StatusOr<LlamaConfig> LoadLlamaConfig(const std::string& path);
 
-// The same hyperparameters from a GGUF file's metadata (llama.cpp's keys, ARCH being
-// general.architecture):
-//
-//   general.architecture                   "llama" (Llama 2/3, SmolLM, Mistral) or "qwen2"
-//                                          (bias on q/k/v)
-//   ARCH.block_count                       num_hidden_layers
-//   ARCH.embedding_length                  hidden_size
-//   ARCH.feed_forward_length               intermediate_size
-//   ARCH.attention.head_count              num_attention_heads
-//   ARCH.attention.head_count_kv           num_key_value_heads (default: head_count)
-//   ARCH.attention.key_length              head_dim (default hidden / heads); value_length
-//                                          and rope.dimension_count must equal it
-//   ARCH.attention.layer_norm_rms_epsilon  rms_norm_eps (required)
-//   ARCH.rope.freq_base                    rope_theta (default 10000)
-//   ARCH.rope.scaling.type / .factor       "none" or "linear"; others UNIMPLEMENTED
-//   ARCH.context_length                    max_position_embeddings
-//   ARCH.vocab_size                        vocab_size (default: the number of tokens)
-//   tokenizer.ggml.bos_token_id            bos_token_id
-//   tokenizer.ggml.eos_token_id, .eot_token_id   eos_token_ids
-// tie_word_embeddings is true when there is no `output.weight` tensor; a `rope_freqs.weight`
-// tensor (Llama 3.1's per-frequency RoPE factors) and an ARCH.attention.sliding_window are
-// UNIMPLEMENTED. torch_dtype reads "GGUF <type>", the type most of the 2-D weights are in.
-// Errors name the file and the key: INVALID_ARGUMENT for a missing or malformed key,
-// UNIMPLEMENTED as above.
+// LlamaConfigFromModelConfig of a GGUF file's metadata (ModelConfigFromGguf); errors name
+// the file and the key.
 class GgufFile;
 absl::StatusOr<LlamaConfig> LlamaConfigFromGguf(const GgufFile& file);
 

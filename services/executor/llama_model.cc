@@ -14,13 +14,13 @@
 #include "absl/strings/str_join.h"
 #include "common/base/check.h"
 #include "common/base/status_macros.h"
+#include "common/safetensors/safetensors.h"
 #include "kernels/cpu_thread_pool.h"
 #include "kernels/paged_attention.h"
 #include "kernels/paged_kv.h"
 #include "kernels/write_kv.h"
 #include "common/gguf/ggml_types.h"
 #include "common/gguf/gguf_file.h"
-#include "services/executor/safetensors.h"
 
 namespace kvcm {
 namespace {

@@ -23,12 +23,12 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "common/base/check.h"
+#include "common/base/float16.h"
 #include "common/base/status_macros.h"
 #include "common/memory/pool_memory.h"
 #include "kernels/paged_attention.h"
 #include "kernels/paged_kv.h"
 #include "kernels/write_kv.h"
-#include "services/executor/float16.h"
 #include "services/executor/llama_model_cuda_kernels.h"
 
 namespace kvcm {
@@ -325,13 +325,14 @@ absl::Status LlamaCudaModel::Impl::Upload() {
       dequantized = p.matrix->Dequantize();
       host = dequantized.data();
       if (uses_cublas) {
-        // Rounded to nearest, ties to even (float16.h), as the kernels round activations.
+        // Rounded to nearest, ties to even (common/base/float16.h), as the kernels round
+        // activations.
         narrowed.resize(dequantized.size());
         const bool half = weight_type_ == llama_cuda::WeightType::kFloat16;
         for (size_t i = 0; i < dequantized.size(); ++i) {
           const float v = dequantized[i];
-          narrowed[i] = half ? FloatToHalf(v) : FloatToBFloat16(v);
-          if (half && std::isfinite(v) && std::isinf(HalfToFloat(narrowed[i]))) {
+          narrowed[i] = half ? HalfFromFloat(v) : BFloat16FromFloat(v);
+          if (half && std::isfinite(v) && std::isinf(FloatFromHalf(narrowed[i]))) {
             return absl::InvalidArgumentError(
                 absl::StrCat("weight ", p.name, "[", i / static_cast<size_t>(p.matrix->cols()),
                              "][", i % static_cast<size_t>(p.matrix->cols()), "] = ", v,

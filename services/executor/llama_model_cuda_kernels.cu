@@ -39,7 +39,8 @@ __global__ void EmbedKernel(const int32_t* tokens, const T* table, int64_t h, fl
   for (int64_t i = threadIdx.x; i < h; i += blockDim.x) dst[i] = Widen(src[i]);
 }
 
-// Round to nearest, ties to even, as FloatToHalf / FloatToBFloat16 do on the host.
+// Round to nearest, ties to even, as HalfFromFloat / BFloat16FromFloat (common/base/float16.h) do
+// on the host.
 __global__ void NarrowToHalfKernel(const float* x, int64_t n, __half* out) {
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {

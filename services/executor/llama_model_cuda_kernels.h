@@ -22,7 +22,7 @@ void Embed(const int32_t* tokens, int64_t rows, const void* table, WeightType ty
            float* x, void* stream);
 
 // out[i] = x[i] rounded to `type` (kFloat16 or kBFloat16), to nearest, ties to even, as
-// services/executor/float16.h rounds on the host; i < n.
+// common/base/float16.h rounds on the host; i < n.
 void NarrowTo(const float* x, int64_t n, WeightType type, uint16_t* out, void* stream);
 
 // y[r][i] += bias[i], r < rows, i < width (a projection's bias, LlamaModel's AddBias).

@@ -83,7 +83,7 @@ struct AttentionInputs {
 std::unique_ptr<AttentionInputs> MakeAttentionInputs(const AttentionCase& c, KvDType dtype);
 
 // Element `d` of the K (kv = 0) or V (kv = 1) row of (block, token, head) in layer 1,
-// decoded independently of kernels/kv_dtype.h.
+// decoded independently of common/base/float16.h.
 double ReadPoolElement(const AttentionInputs& in, int32_t kv, int32_t block, int32_t token,
                        int32_t head, int32_t d);
 
@@ -96,7 +96,7 @@ std::vector<double> ReferenceAttention(const AttentionInputs& in);
 double RelativeError(const std::vector<float>& got, const std::vector<double>& want);
 double RelativeError(const std::vector<float>& got, const std::vector<float>& want);
 
-// Decodes fp16 / bf16 bits with ldexp, without the bit tricks of kernels/kv_dtype.h.
+// Decodes fp16 / bf16 bits with ldexp, without the bit tricks of common/base/float16.h.
 double DecodeHalfIndependent(uint16_t h);
 double DecodeBFloat16Independent(uint16_t b);
 

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "common/base/float16.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu_isa.h"
 #include "tests/support/status_matchers.h"
@@ -45,7 +46,7 @@ std::vector<std::byte> RandomTensor(GgmlType type, int64_t rows, int64_t cols, u
   std::uniform_real_distribution<float> scale(0.001f, 0.05f);
   const GgmlTypeTraits traits = GetGgmlTypeTraits(type).value();
   auto set_f16 = [&](int64_t offset) {
-    const uint16_t h = Fp32ToFp16(scale(rng));
+    const uint16_t h = HalfFromFloat(scale(rng));
     std::memcpy(out.data() + offset, &h, sizeof(h));
   };
   for (int64_t b = 0; b < bytes / traits.type_size; ++b) {

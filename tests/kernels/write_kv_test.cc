@@ -1,6 +1,6 @@
 // cpu::WriteKv: values land at the slots' addresses computed from the layout, converted
 // with round-to-nearest-even; negative slots and everything else are left alone.
-// Also kernels/kv_dtype.h against independent conversions.
+// Also common/base/float16.h against independent conversions.
 
 #include <cmath>
 #include <cstring>
@@ -9,9 +9,9 @@
 #include <random>
 #include <vector>
 
+#include "common/base/float16.h"
 #include "common/memory/pool_layout.h"
 #include "gtest/gtest.h"
-#include "kernels/kv_dtype.h"
 #include "kernels/paged_kv.h"
 #include "kernels/write_kv.h"
 #include "tests/kernels/attention_case.h"
@@ -99,7 +99,7 @@ std::vector<float> InterestingFloats() {
 TEST(KvDTypeTest, HalfDecodesEveryValue) {
   for (uint32_t h = 0; h < 0x10000u; ++h) {
     const double want = DecodeHalfIndependent(static_cast<uint16_t>(h));
-    const float got = HalfBitsToFloat(static_cast<uint16_t>(h));
+    const float got = FloatFromHalf(static_cast<uint16_t>(h));
     if (std::isnan(want)) {
       EXPECT_TRUE(std::isnan(got)) << h;
     } else {
@@ -111,7 +111,7 @@ TEST(KvDTypeTest, HalfDecodesEveryValue) {
 TEST(KvDTypeTest, BFloat16DecodesEveryValue) {
   for (uint32_t b = 0; b < 0x10000u; ++b) {
     const double want = DecodeBFloat16Independent(static_cast<uint16_t>(b));
-    const float got = BFloat16BitsToFloat(static_cast<uint16_t>(b));
+    const float got = FloatFromBFloat16(static_cast<uint16_t>(b));
     if (std::isnan(want)) {
       EXPECT_TRUE(std::isnan(got)) << b;
     } else {
@@ -122,12 +122,12 @@ TEST(KvDTypeTest, BFloat16DecodesEveryValue) {
 
 TEST(KvDTypeTest, EncodesRoundToNearestEven) {
   for (float x : InterestingFloats()) {
-    ASSERT_EQ(FloatToHalfBits(x), HalfRne(x)) << x;
-    ASSERT_EQ(FloatToBFloat16Bits(x), BFloat16Rne(x)) << x;
+    ASSERT_EQ(HalfFromFloat(x), HalfRne(x)) << x;
+    ASSERT_EQ(BFloat16FromFloat(x), BFloat16Rne(x)) << x;
   }
   const float nan = std::numeric_limits<float>::quiet_NaN();
-  EXPECT_TRUE(std::isnan(HalfBitsToFloat(FloatToHalfBits(nan))));
-  EXPECT_TRUE(std::isnan(BFloat16BitsToFloat(FloatToBFloat16Bits(nan))));
+  EXPECT_TRUE(std::isnan(FloatFromHalf(HalfFromFloat(nan))));
+  EXPECT_TRUE(std::isnan(FloatFromBFloat16(BFloat16FromFloat(nan))));
 }
 
 class WriteKvTest : public ::testing::TestWithParam<KvDType> {};

@@ -10,8 +10,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/base/status_macros.h"
+#include "common/safetensors/safetensors.h"
 #include "nlohmann/json.hpp"
-#include "services/executor/safetensors.h"
 
 namespace kvcm {
 namespace {

@@ -16,6 +16,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/base/float16.h"
 #include "common/gguf/ggml_types.h"
 #include "common/gguf/gguf_writer.h"
 #include "gmock/gmock.h"
@@ -251,17 +252,17 @@ TEST(GgmlTypesTest, DequantizeChecksSizesAndTypes) {
 
 TEST(GgmlTypesTest, HalfConversionsRoundTripEveryPattern) {
   for (uint32_t h = 0; h < 65536; ++h) {
-    const float f = Fp16ToFp32(static_cast<uint16_t>(h));
+    const float f = FloatFromHalf(static_cast<uint16_t>(h));
     if (std::isnan(f)) continue;
-    ASSERT_EQ(Fp32ToFp16(f), h) << h;
-    ASSERT_EQ(Fp32ToBf16(Bf16ToFp32(static_cast<uint16_t>(h))), h) << h;
+    ASSERT_EQ(HalfFromFloatKeepingNanPayload(f), h) << h;
+    ASSERT_EQ(BFloat16FromFloat(FloatFromBFloat16(static_cast<uint16_t>(h))), h) << h;
   }
-  EXPECT_EQ(Fp16ToFp32(0x3C00), 1.0f);
-  EXPECT_EQ(Fp16ToFp32(0x0001), std::ldexp(1.0f, -24));
-  EXPECT_EQ(Fp32ToFp16(65520.0f), 0x7C00);  // rounds up to infinity
-  EXPECT_EQ(Fp32ToFp16(65519.0f), 0x7BFF);
-  EXPECT_EQ(Fp32ToFp16(std::ldexp(1.0f, -25)), 0x0000);  // a tie, to even
-  EXPECT_EQ(Fp32ToFp16(std::ldexp(1.5f, -25)), 0x0001);
+  EXPECT_EQ(FloatFromHalf(0x3C00), 1.0f);
+  EXPECT_EQ(FloatFromHalf(0x0001), std::ldexp(1.0f, -24));
+  EXPECT_EQ(HalfFromFloatKeepingNanPayload(65520.0f), 0x7C00);  // rounds up to infinity
+  EXPECT_EQ(HalfFromFloatKeepingNanPayload(65519.0f), 0x7BFF);
+  EXPECT_EQ(HalfFromFloatKeepingNanPayload(std::ldexp(1.0f, -25)), 0x0000);  // a tie, to even
+  EXPECT_EQ(HalfFromFloatKeepingNanPayload(std::ldexp(1.5f, -25)), 0x0001);
 }
 
 // --- malformed files: one test per error class ---------------------------------------

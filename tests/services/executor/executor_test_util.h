@@ -23,11 +23,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "common/base/float16.h"
 #include "common/base/run_dir.h"
 #include "common/memory/pool_layout.h"
 #include "common/sizing/kv_cache_spec.h"
 #include "common/wire/executor_codec.h"
-#include "services/executor/float16.h"
 #include "services/executor/llama_model.h"
 #include "services/executor/sampler.h"
 #include "tests/support/cache_manager_process.h"
@@ -189,7 +189,7 @@ inline float KvElementAsFloat(const uint8_t* p, DType dtype) {
   }
   uint16_t bits;
   std::memcpy(&bits, p, sizeof(bits));
-  return dtype == DType::kFloat16 ? HalfToFloat(bits) : BFloat16ToFloat(bits);
+  return dtype == DType::kFloat16 ? FloatFromHalf(bits) : FloatFromBFloat16(bits);
 }
 
 // Calls fn(offset) with the byte offset of every (layer, K|V, KV head) vector a sequence has

@@ -9,10 +9,10 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "common/safetensors/safetensors.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "services/executor/llama_model.h"
-#include "services/executor/safetensors.h"
 #include "tests/support/subprocess.h"
 #include "tools/make_tiny_model/tiny_model.h"
 #include "tests/support/status_matchers.h"

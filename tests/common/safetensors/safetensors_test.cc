@@ -1,4 +1,4 @@
-#include "services/executor/safetensors.h"
+#include "common/safetensors/safetensors.h"
 
 #include <cmath>
 #include <cstdint>
@@ -12,7 +12,6 @@
 #include "absl/status/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "services/executor/float16.h"
 #include "tests/support/subprocess.h"
 #include "tests/support/status_matchers.h"
 
@@ -331,44 +330,6 @@ TEST_F(SafetensorsTest, FolderWithoutShardsIsNotFound) {
   const absl::Status s = SafetensorsFolder::Open(dir_->path()).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(s.message(), HasSubstr("no .safetensors"));
-}
-
-// ---- float16.h ----------------------------------------------------------------------------
-
-TEST(Float16Test, EveryHalfRoundTripsThroughFloat) {
-  for (uint32_t bits = 0; bits <= 0xffff; ++bits) {
-    const uint16_t half = static_cast<uint16_t>(bits);
-    const float f = HalfToFloat(half);
-    if (std::isnan(f)) {
-      EXPECT_TRUE(std::isnan(HalfToFloat(FloatToHalf(f))));
-      continue;
-    }
-    ASSERT_EQ(FloatToHalf(f), half) << std::hex << bits;
-  }
-}
-
-TEST(Float16Test, HalfKnownValuesAndRounding) {
-  EXPECT_EQ(HalfToFloat(0x3c00), 1.0f);
-  EXPECT_EQ(HalfToFloat(0xc000), -2.0f);
-  EXPECT_EQ(HalfToFloat(0x7bff), 65504.0f);
-  EXPECT_EQ(HalfToFloat(0x0001), std::ldexp(1.0f, -24));  // smallest subnormal
-  EXPECT_EQ(FloatToHalf(65520.0f), 0x7c00);               // ties up to infinity
-  EXPECT_EQ(FloatToHalf(65519.0f), 0x7bff);
-  EXPECT_EQ(FloatToHalf(1.0f + std::ldexp(1.0f, -11)), 0x3c00);      // tie to even (down)
-  EXPECT_EQ(FloatToHalf(1.0f + 3 * std::ldexp(1.0f, -11)), 0x3c02);  // tie to even (up)
-  EXPECT_EQ(FloatToHalf(std::ldexp(1.0f, -25)), 0x0000);             // tie to even zero
-  EXPECT_EQ(FloatToHalf(std::ldexp(1.5f, -25)), 0x0001);
-  EXPECT_EQ(FloatToHalf(-0.0f), 0x8000);
-}
-
-TEST(Float16Test, BFloat16RoundsToNearestEven) {
-  EXPECT_EQ(BFloat16ToFloat(0x3f80), 1.0f);
-  EXPECT_EQ(FloatToBFloat16(1.0f), 0x3f80);
-  EXPECT_EQ(FloatToBFloat16(1.0f + std::ldexp(1.0f, -8)), 0x3f80);      // tie, even down
-  EXPECT_EQ(FloatToBFloat16(1.0f + 3 * std::ldexp(1.0f, -8)), 0x3f82);  // tie, even up
-  EXPECT_EQ(FloatToBFloat16(1.0f + std::ldexp(1.0f, -7)), 0x3f81);      // exact
-  EXPECT_TRUE(std::isnan(BFloat16ToFloat(FloatToBFloat16(NAN))));
-  EXPECT_EQ(FloatToBFloat16(INFINITY), 0x7f80);
 }
 
 }  // namespace

@@ -1,8 +1,8 @@
 # Writes the seed corpus of the safetensors fuzz target
-# (tests/services/executor/fuzz/safetensors/): small files in the layout of
-# services/executor/safetensors.h, with every dtype kvcm converts, metadata, a scalar, an
+# (tests/common/safetensors/fuzz/safetensors/): small files in the layout of
+# common/safetensors/safetensors.h, with every dtype kvcm converts, metadata, a scalar, an
 # empty tensor, a gap between tensors and integer dtypes.
-#   python3 tests/services/executor/fuzz/make_safetensors_seeds.py tests/services/executor/fuzz/safetensors
+#   python3 tests/common/safetensors/fuzz/make_safetensors_seeds.py tests/common/safetensors/fuzz/safetensors
 import json
 import struct
 import sys

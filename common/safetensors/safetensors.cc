@@ -1,4 +1,4 @@
-#include "services/executor/safetensors.h"
+#include "common/safetensors/safetensors.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -17,9 +17,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/base/float16.h"
 #include "common/base/status_macros.h"
 #include "nlohmann/json.hpp"
-#include "services/executor/float16.h"
 
 namespace kvcm {
 namespace {
@@ -259,7 +259,7 @@ absl::StatusOr<std::vector<float>> SafetensorsFile::LoadFloat32(const std::strin
     for (size_t i = 0; i < n; ++i) {
       uint16_t bits = 0;
       std::memcpy(&bits, bytes.data() + 2 * i, 2);
-      out[i] = bf16 ? BFloat16ToFloat(bits) : HalfToFloat(bits);
+      out[i] = bf16 ? FloatFromBFloat16(bits) : FloatFromHalf(bits);
     }
   } else {
     return absl::UnimplementedError(
@@ -428,7 +428,8 @@ absl::StatusOr<std::vector<std::byte>> EncodeFloat32As(std::span<const float> va
   } else if (dtype == "F16" || dtype == "BF16") {
     out.resize(values.size() * 2);
     for (size_t i = 0; i < values.size(); ++i) {
-      const uint16_t bits = dtype == "F16" ? FloatToHalf(values[i]) : FloatToBFloat16(values[i]);
+      const uint16_t bits =
+          dtype == "F16" ? HalfFromFloat(values[i]) : BFloat16FromFloat(values[i]);
       std::memcpy(out.data() + 2 * i, &bits, 2);
     }
   } else {

@@ -4,7 +4,7 @@
 // DATA_LOSS or INVALID_ARGUMENT (the header's error list), never a crash or an exception;
 // an accepted file's tensors lie inside its data section with the byte size their shape and
 // dtype say, and the F32, F16 and BF16 ones load as fp32 (the rest are UNIMPLEMENTED).
-// Seeds: tests/services/executor/fuzz/safetensors/ (make_safetensors_seeds.py).
+// Seeds: tests/common/safetensors/fuzz/safetensors/ (make_safetensors_seeds.py).
 
 #include <sys/mman.h>
 #include <unistd.h>
@@ -16,7 +16,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "services/executor/safetensors.h"
+#include "common/safetensors/safetensors.h"
 #include "tests/support/fuzz_target.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
