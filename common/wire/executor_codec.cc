@@ -65,7 +65,8 @@ void EncodeStepBatch(flatbuffers::FlatBufferBuilder& builder, uint64_t request_i
     auto table = builder.CreateVector(s.block_table);
     auto sampling = wire::CreateSamplingParams(
         builder, s.sampling.temperature, s.sampling.top_p, s.sampling.top_k, s.sampling.seed,
-        s.sampling.repetition_penalty, s.sampling.frequency_penalty, s.sampling.presence_penalty);
+        s.sampling.repetition_penalty, s.sampling.frequency_penalty, s.sampling.presence_penalty,
+        s.sampling.min_tokens);
     flatbuffers::Offset<flatbuffers::Vector<int32_t>> penalty_tokens;
     if (!s.penalty_tokens.empty()) penalty_tokens = builder.CreateVector(s.penalty_tokens);
     flatbuffers::Offset<flatbuffers::Vector<uint64_t>> fork_seeds;
@@ -133,6 +134,7 @@ absl::StatusOr<StepRequest> DecodeStepBatch(const wire::StepBatch& step) {
         s.sampling.repetition_penalty = p->repetition_penalty();
         s.sampling.frequency_penalty = p->frequency_penalty();
         s.sampling.presence_penalty = p->presence_penalty();
+        s.sampling.min_tokens = p->min_tokens();
       }
       s.penalty_tokens = ToVector(work->penalty_tokens());
       s.penalty_prompt_len = work->penalty_prompt_len();
@@ -164,6 +166,10 @@ absl::StatusOr<StepRequest> DecodeStepBatch(const wire::StepBatch& step) {
           return absl::InvalidArgumentError(
               absl::StrCat(name, " has ", penalty, " ", value, "; must be in [-2, 2]"));
         }
+      }
+      if (p.min_tokens < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(name, " has min_tokens ", p.min_tokens, "; must be >= 0 (0 = none)"));
       }
       if (s.top_n < 0 || s.top_n > kMaxTopN) {
         return absl::InvalidArgumentError(

@@ -67,6 +67,9 @@ struct SeqSampling {
   float repetition_penalty = 1.0f;  // over prompt and output tokens; 1 = none
   float frequency_penalty = 0.0f;   // over output tokens, per occurrence; 0 = none
   float presence_penalty = 0.0f;    // over output tokens, once per token; 0 = none
+  // vLLM's min_tokens: while sample_index < min_tokens the model's EOS ids cannot be chosen
+  // (docs/executor.md, "Sampling"); 0 = none. Absent on the wire (an older router): 0.
+  int32_t min_tokens = 0;
 
   bool penalized() const {
     return repetition_penalty != 1.0f || frequency_penalty != 0.0f || presence_penalty != 0.0f;

@@ -65,6 +65,10 @@ ExecutorService::ExecutorService(Options options, const ExecutorModel* model, Po
   model_info_.vocab_size = c.vocab_size;
   model_info_.max_position_embeddings = c.max_position_embeddings;
   model_info_.eos_token_ids = c.eos_token_ids;
+  end_ids_ = c.eos_token_ids;
+  for (const int32_t id : options_.end_token_ids) {
+    if (std::find(end_ids_.begin(), end_ids_.end(), id) == end_ids_.end()) end_ids_.push_back(id);
+  }
   // The checkpoint's dtype, as written in config.json (weights compute in fp32).
   absl::StatusOr<DType> dtype = ParseDType(c.torch_dtype.empty() ? "fp32" : c.torch_dtype);
   model_info_.weight_dtype = dtype.ok() ? *dtype : DType::kFloat32;
@@ -523,7 +527,7 @@ absl::StatusOr<StepReport> ExecutorService::RunStep(const StepRequest& step) {
     }
     if (s.sample) {
       const int64_t index = s.sample_index >= 0 ? s.sample_index : s.context_len;
-      absl::StatusOr<ChosenToken> chosen = ChooseToken(last, s, index);
+      absl::StatusOr<ChosenToken> chosen = ChooseToken(last, s, index, end_ids_);
       if (chosen.ok()) {
         outcome.token = chosen->token;
         outcome.logprob = chosen->logprob;
@@ -545,7 +549,7 @@ absl::StatusOr<StepReport> ExecutorService::RunStep(const StepRequest& step) {
 }
 
 absl::StatusOr<ChosenToken> ChooseToken(std::span<const float> logits, const SeqStep& seq,
-                                        int64_t index) {
+                                        int64_t index, std::span<const int32_t> end_ids) {
   if (logits.empty()) return absl::FailedPreconditionError("no logits to sample from");
   for (size_t i = 0; i < logits.size(); ++i) {
     if (std::isnan(logits[i])) {
@@ -562,27 +566,44 @@ absl::StatusOr<ChosenToken> ChooseToken(std::span<const float> logits, const Seq
   params.repetition_penalty = sampling.repetition_penalty;
   params.frequency_penalty = sampling.frequency_penalty;
   params.presence_penalty = sampling.presence_penalty;
+  params.min_tokens = sampling.min_tokens;
   absl::StatusOr<Sampler> sampler = Sampler::Create(params);
   if (!sampler.ok()) return sampler.status();
-  std::vector<float> penalized;
-  if (sampling.penalized()) {
-    penalized.assign(logits.begin(), logits.end());
-    ApplyPenalties(penalized, seq.penalty_tokens, seq.penalty_prompt_len, params);
-    logits = penalized;
-  }
+  // The row sampled as token number `at`: the end ids held back while at < min_tokens
+  // (before the penalties, as vLLM does: -infinity stays so), then the penalties.
+  auto row_for = [&](int64_t at, std::vector<float>* row) -> std::span<const float> {
+    const bool held_back = at < params.min_tokens && !end_ids.empty();
+    if (!held_back && !sampling.penalized()) return logits;
+    row->assign(logits.begin(), logits.end());
+    ApplyMinTokens(*row, at, params, end_ids);
+    if (sampling.penalized()) {
+      ApplyPenalties(*row, seq.penalty_tokens, seq.penalty_prompt_len, params);
+    }
+    return *row;
+  };
+  std::vector<float> row;
+  const std::span<const float> sampled = row_for(index, &row);
   ChosenToken chosen;
-  chosen.token = sampler->Sample(logits, index);
+  chosen.token = sampler->Sample(sampled, index);
   if (seq.logprobs || seq.top_n > 0) {
-    chosen.logprob = LogprobOf(logits, chosen.token, params.temperature);
-    chosen.top = TopLogprobs(logits, seq.top_n, params.temperature);
+    chosen.logprob = LogprobOf(sampled, chosen.token, params.temperature);
+    chosen.top = TopLogprobs(sampled, seq.top_n, params.temperature);
   }
-  // Forked sequences' first tokens: the same row, their own seeds, sample index 0.
+  // Forked sequences' first tokens: the same row, their own seeds, sample index 0 (whose
+  // min_tokens mask differs from index's only when index is past min_tokens).
+  std::vector<float> fork_row;
+  std::span<const float> fork_sampled = sampled;
+  if (!seq.fork_seeds.empty() && (index < params.min_tokens) != (0 < params.min_tokens)) {
+    fork_sampled = row_for(0, &fork_row);
+  }
   for (uint64_t seed : seq.fork_seeds) {
     SamplingParams fork = params;
     fork.seed = seed;
-    const int32_t token = Sampler::Create(fork)->Sample(logits, 0);
+    const int32_t token = Sampler::Create(fork)->Sample(fork_sampled, 0);
     chosen.fork_tokens.push_back(token);
-    if (seq.logprobs) chosen.fork_logprobs.push_back(LogprobOf(logits, token, params.temperature));
+    if (seq.logprobs) {
+      chosen.fork_logprobs.push_back(LogprobOf(fork_sampled, token, params.temperature));
+    }
   }
   return chosen;
 }

@@ -77,6 +77,10 @@ class ExecutorService {
     // Fault tests only: sleep this long after each layer of a step's forward pass, so that
     // a step is seconds into writing the pool when a test kills its router. 0 in service.
     absl::Duration fault_layer_delay = absl::ZeroDuration();
+    // Tokens that end generation besides the model's EOS ids (config.json's, or the GGUF's
+    // eos and eot): generation_config.json's eos_token_id, as the router reads it. min_tokens
+    // holds all of them back (ChooseToken).
+    std::vector<int32_t> end_token_ids;
   };
 
   // What the service did with an inbound message.
@@ -169,6 +173,8 @@ class ExecutorService {
   PoolSource* const pool_;
   ExecutorMetrics* const metrics_;
   ModelInfo model_info_;
+  // What min_tokens holds back: the model's EOS ids and Options::end_token_ids.
+  std::vector<int32_t> end_ids_;
 
   // Fencing.
   absl::flat_hash_set<uint64_t> fenced_;
@@ -210,10 +216,13 @@ struct ChosenToken {
 };
 
 // The token chosen from `logits` (one row, [vocab]) for `seq` as the request's generated
-// token number `index`: its penalties applied (ApplyPenalties over seq.penalty_tokens), then
-// Sampler (sampler.h). FAILED_PRECONDITION when the logits hold a NaN (a broken model or
-// pool: sampling would hide it); INVALID_ARGUMENT from ValidateSamplingParams.
+// token number `index`: while index < seq.sampling.min_tokens the `end_ids` (the tokens that
+// would end the request: the model's EOS ids) held back (ApplyMinTokens), then its penalties
+// applied (ApplyPenalties over seq.penalty_tokens), then Sampler (sampler.h); log-probabilities
+// are of that row. Fork seeds draw as token number 0. FAILED_PRECONDITION when the logits hold
+// a NaN (a broken model or pool: sampling would hide it); INVALID_ARGUMENT from
+// ValidateSamplingParams.
 absl::StatusOr<ChosenToken> ChooseToken(std::span<const float> logits, const SeqStep& seq,
-                                        int64_t index);
+                                        int64_t index, std::span<const int32_t> end_ids = {});
 
 }  // namespace kvcm

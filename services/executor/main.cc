@@ -36,6 +36,7 @@
 #include "common/base/unique_fd.h"
 #include "common/config/config.h"
 #include "common/metrics/metrics_server.h"
+#include "common/model/model_metadata.h"
 #include "services/executor/executor_metrics.h"
 #include "services/executor/executor_model.h"
 #include "services/executor/executor_pool.h"
@@ -62,8 +63,8 @@ ABSL_FLAG(std::string, name, "",
           "This executor's name in logs, the cache manager and the router (at most 128 "
           "bytes). Default: executor-PID.");
 ABSL_FLAG(int32_t, threads, 0,
-          "Threads for the forward pass, this one included; 0 = one per CPU. Results do not "
-          "depend on it.");
+          "Threads for the forward pass, this one included; 0 = one per CPU this process may "
+          "run on (kvcm-launch gives each executor its share). Results do not depend on it.");
 ABSL_FLAG(std::string, metrics_address, "127.0.0.1:9401",
           "HOST:PORT serving /metrics (port 0 picks a free one; it is logged).");
 ABSL_FLAG(int32_t, call_timeout_ms, 2000,
@@ -200,6 +201,14 @@ int Main(const std::vector<config::Setting>& settings) {
   service_options.metrics_url = (*metrics_server)->url();
   service_options.pid = static_cast<int32_t>(::getpid());
   service_options.fault_layer_delay = absl::Milliseconds(absl::GetFlag(FLAGS_fault_layer_delay_ms));
+  // The tokens that end generation as the router reads them (generation_config.json's too):
+  // min_tokens holds them all back (docs/executor.md, "Sampling").
+  if (absl::StatusOr<ModelMetadata> metadata = ReadModelMetadata(folder); metadata.ok()) {
+    service_options.end_token_ids = metadata->eos_token_ids;
+  } else {
+    Log(absl::StrCat("min_tokens holds back config.json's EOS ids only: ",
+                     metadata.status().ToString()));
+  }
   ExecutorService service(service_options, &executor_model, pool->get(), &metrics);
   ExecutorServer::Options server_options;
   server_options.router_endpoint = router;

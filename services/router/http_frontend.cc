@@ -68,6 +68,20 @@ constexpr char kComponent[] = "kvcm-router";
 void Log(std::string_view text) { LogLine(kComponent, text); }
 
 constexpr char kVersion[] = "0.1.0";
+// OpenAI's system_fingerprint (TGI's "{version}-{label}"): the router and its version,
+// "kvcm-router-0.1.0", the same for every response of one build (docs/router.md, "HTTP API
+// (OpenAI-compatible)").
+const std::string& SystemFingerprint() {
+  static const std::string* const fingerprint =
+      new std::string(absl::StrCat(kComponent, "-", kVersion));
+  return *fingerprint;
+}
+// /info's validation_workers: every request is parsed, checked and tokenized on the HTTP
+// thread, the one thread the front end runs on (http_frontend.h).
+constexpr int kValidationWorkers = 1;
+// /info's max_client_batch_size: the inputs one request may carry. /generate's `inputs` is
+// one string and /v1/completions' `prompt` one prompt or a list of one (RequestParser).
+constexpr int kMaxClientBatchSize = 1;
 
 // A token's text as OpenAI's completions logprobs show it: the text; for a piece that is not
 // UTF-8 on its own (part of a character), "bytes:\xNN..." as OpenAI writes those; for one
@@ -437,6 +451,9 @@ struct HttpFrontend::Impl {
     bool done = false;
     std::string finish_reason;
     double sum_logprob = 0;  // for best_of
+    // With finish_reason "stop_sequence": where in `text` the stop sequence that ended it
+    // starts (OpenAI's text stops there).
+    size_t stop_at = std::string::npos;
   };
 
   struct Active {
@@ -646,7 +663,6 @@ struct HttpFrontend::Impl {
       if (a.chat) {  // OpenAI's first chunk of each choice names the role
         for (int32_t k = 0; k < a.shown; ++k) {
           json choice = OpenAiChoice(a, static_cast<size_t>(k), "", nullptr);
-          choice["delta"] = {{"role", "assistant"}, {"content", ""}};
           SendEvent(request, Dump(OpenAiChunk(a, json::array({std::move(choice)}))), Api::kOpenAi);
         }
       }
@@ -723,16 +739,18 @@ struct HttpFrontend::Impl {
                                   : "chat.completion"},
             {"created", a.created},
             {"model", options.model_id},
+            {"system_fingerprint", SystemFingerprint()},
             {"choices", std::move(choices)}};
   }
-  // A choice: completions' {"text"}; chat's {"message"} in a reply and {"delta"} in a stream.
+  // A choice: completions' {"text"}; chat's {"message"} in a reply and {"delta"} in a stream,
+  // both {"role", "content"} (TGI's TextMessage requires both, in every delta).
   static json OpenAiChoice(const Active& a, size_t index, const std::string& text,
                            const json& finish_reason) {
     json choice = {{"index", index}, {"logprobs", nullptr}, {"finish_reason", finish_reason}};
     if (!a.chat) {
       choice["text"] = text;
     } else if (a.stream) {
-      choice["delta"] = text.empty() ? json::object() : json({{"content", text}});
+      choice["delta"] = {{"role", "assistant"}, {"content", text}};
     } else {
       choice["message"] = {{"role", "assistant"}, {"content", text}};
     }
@@ -945,13 +963,7 @@ struct HttpFrontend::Impl {
           const Choice& c = a.choices[shown[k]];
           std::string text = TextOf(c);
           // OpenAI's text stops before the stop sequence (TGI's keeps it).
-          if (c.finish_reason == "stop_sequence") {
-            size_t cut = text.size();
-            for (const std::string& sequence : a.params.stop) {
-              cut = std::min(cut, text.find(sequence));
-            }
-            text.resize(cut);
-          }
+          if (c.finish_reason == "stop_sequence") text.resize(std::min(c.stop_at, text.size()));
           json choice = OpenAiChoice(a, k,
                                      a.params.return_full_text ? a.prompt_text + text : text,
                                      OpenAiFinishReason(c.finish_reason));
@@ -991,21 +1003,31 @@ struct HttpFrontend::Impl {
     active.erase(id);
   }
 
-  // Whether the text `c` generated so far contains a stop sequence; if so, its tokens end
-  // with the one that completed it.
-  // Whether a stop sequence ends in the text `piece` adds to what `c` said before (every
-  // earlier token was looked at already, so a match can only end in the new text).
-  static bool StopSequenceSeen(const Active& a, const Choice& c,
-                               const IncrementalDecoder::Piece& piece) {
-    if (a.params.stop.empty()) return false;
+  // Where a stop sequence ending in the text `piece` adds to what `c` said before starts,
+  // counted in that text (c.text, then the piece); nullopt if none does. Only a match that
+  // ends in the new text counts: every earlier token was looked at already. As vLLM does,
+  // nothing is looked for while the request's first min_tokens tokens come out, and a
+  // sequence those tokens spelled never counts later (docs/router.md, "ignore_eos and
+  // min_tokens").
+  static std::optional<size_t> StopSequenceSeen(const Active& a, const Choice& c,
+                                                const IncrementalDecoder::Piece& piece) {
+    if (a.params.stop.empty()) return std::nullopt;
+    if (static_cast<int64_t>(c.generated.size()) <= a.params.sampling.min_tokens) {
+      return std::nullopt;
+    }
     size_t longest = 0;
     for (const std::string& sequence : a.params.stop) longest = std::max(longest, sequence.size());
     const size_t keep = std::min(c.text.size(), longest > 0 ? longest - 1 : 0);
     const std::string tail = c.text.substr(c.text.size() - keep) + piece.ready + piece.pending;
+    std::optional<size_t> first;
     for (const std::string& sequence : a.params.stop) {
-      if (tail.find(sequence) != std::string::npos) return true;
+      // A match starting at `from` or later ends past `keep`, in the new text.
+      const size_t from = keep - std::min(keep, sequence.size() - 1);
+      const size_t at = tail.find(sequence, from);
+      if (at != std::string::npos && (!first.has_value() || at < *first)) first = at;
     }
-    return false;
+    if (!first.has_value()) return std::nullopt;
+    return c.text.size() - keep + *first;
   }
 
   // One server-sent event: "data:" as TGI writes it, "data: " as OpenAI does.
@@ -1078,6 +1100,7 @@ struct HttpFrontend::Impl {
       end.generated_text = all;
       end.finish_reason = c.finish_reason;
       end.generated_tokens = c.generated.size();
+      end.input_length = a.prompt_tokens;
       if (a.params.do_sample) end.seed = a.params.seed;
       event.end = &end;
     }
@@ -1172,10 +1195,13 @@ struct HttpFrontend::Impl {
           absl::StatusOr<IncrementalDecoder::Piece> next = c.decoder.Next(*tokenizer, c.generated);
           if (next.ok()) piece = *std::move(next);
         }
-        if (!finished && StopSequenceSeen(a, c, piece)) {
+        const std::optional<size_t> at =
+            finished ? std::nullopt : StopSequenceSeen(a, c, piece);
+        if (at.has_value()) {
           // Ends here: the text up to and including the stop sequence; the core frees the
           // sequence at its next step and any token it still reports is dropped.
           finished = true;
+          c.stop_at = *at;
           c.finish_reason = "stop_sequence";
           core->Cancel(p.id, p.choice);
         }
@@ -1216,6 +1242,8 @@ struct HttpFrontend::Impl {
                        {"max_stop_sequences", 4},
                        {"max_top_n_tokens", options.max_top_n_tokens},
                        {"max_best_of", options.max_best_of},
+                       {"validation_workers", kValidationWorkers},
+                       {"max_client_batch_size", kMaxClientBatchSize},
                        {"executors", core->live_executors()},
                        {"router", "kvcm-router"},
                        {"version", kVersion}};
@@ -1226,16 +1254,123 @@ struct HttpFrontend::Impl {
     // The ids a prompt of this text is run with, BOS included: what the cache holds and the
     // KV events carry (a cluster router's query needs exactly those).
     std::vector<int32_t> ids;
-    if (std::optional<HttpError> bad = parser->ParseTokenize(Body(request), &ids)) {
+    const std::string body = Body(request);
+    if (std::optional<HttpError> bad = parser->ParseTokenize(body, &ids)) {
       return ReplyError(request, *bad);
     }
+    // ParseTokenize read `inputs` from this body: a JSON object with a string there.
+    const json root = json::parse(body, nullptr, /*allow_exceptions=*/false);
+    const std::string inputs = root.is_object() && root.contains("inputs") &&
+                                       root["inputs"].is_string()
+                                   ? root["inputs"].get<std::string>()
+                                   : std::string();
+    const std::optional<std::vector<TokenSpan>> spans = TokenSpans(inputs, ids);
     json out = json::array();
-    for (int32_t id : ids) {
-      const int32_t one[] = {id};
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const int32_t one[] = {ids[i]};
       absl::StatusOr<std::string> text = tokenizer->Decode(one);
-      out.push_back({{"id", id}, {"text", text.ok() ? *text : ""}});
+      json token = {{"id", ids[i]}, {"text", text.ok() ? *text : ""}};
+      if (spans.has_value()) {
+        token["start"] = (*spans)[i].start;
+        token["stop"] = (*spans)[i].stop;
+      }
+      out.push_back(std::move(token));
     }
     Reply(request, 200, Dump(out));
+  }
+
+  // The bytes of /tokenize's `inputs` an id stands for: TGI's SimpleToken start and stop
+  // (docs/router.md, "HTTP API (TGI-compatible)").
+  struct TokenSpan {
+    size_t start = 0;
+    size_t stop = 0;
+  };
+  // Each id's span of `input`, from the text the ids decode to, id by id: an id that holds
+  // part of a character (byte-level BPE splits some) spans the whole character, as Hugging
+  // Face's offsets do; the ids that decode to nothing span the text of `input` between
+  // their neighbours' that spells them, one after the other (added tokens such as
+  // <|im_start|>: Tokenizer::TokenId of that text is the id), the BOS that RequestParser
+  // puts first nothing. nullopt when the ids' text does not spell `input` (a normalizer
+  // changed it: lowercase, NFKC): offsets into `input` are then unknown, and /tokenize
+  // leaves start and stop out rather than guess.
+  std::optional<std::vector<TokenSpan>> TokenSpans(std::string_view input,
+                                                   std::span<const int32_t> ids) const {
+    std::vector<TokenSpan> spans(ids.size());
+    // The character boundary at or before / at or after `at` (`input` is a JSON string's
+    // bytes, so UTF-8).
+    auto char_start = [&](size_t at) {
+      while (at > 0 && at < input.size() &&
+             (static_cast<unsigned char>(input[at]) & 0xC0) == 0x80) {
+        --at;
+      }
+      return at;
+    };
+    auto char_end = [&](size_t at) {
+      while (at < input.size() && (static_cast<unsigned char>(input[at]) & 0xC0) == 0x80) ++at;
+      return at;
+    };
+    IncrementalDecoder decoder;
+    size_t at = 0;    // bytes of `input` the decoder's whole text so far spells
+    size_t held = 0;  // bytes after `at` the ids so far spell, not yet a whole character
+    std::vector<size_t> silent;  // the ids since the last text, each decoded to nothing
+    for (size_t i = 0; i < ids.size(); ++i) {
+      absl::StatusOr<IncrementalDecoder::Piece> piece = decoder.Next(*tokenizer, ids.first(i + 1));
+      if (!piece.ok()) return std::nullopt;
+      // What the ids spell from `at` on: what was held, then this id's text.
+      const std::string text = piece->ready + piece->pending;
+      const size_t begin = at + held;
+      if (begin == at + text.size()) {  // nothing: spelled by text to come, or none
+        spans[i] = {begin, begin};
+        if (held == 0) silent.push_back(i);
+        continue;
+      }
+      if (input.substr(at, text.size()) != text) {
+        // Text no id decodes to: the ids just before that decoded to nothing spell it.
+        if (silent.empty() || held > 0) return std::nullopt;
+        size_t found = input.find(text, at + 1);
+        while (found != std::string_view::npos && found - at <= kMaxSpelling * silent.size() &&
+               !SpellSilent(input, ids, silent, 0, at, found, &spans)) {
+          found = input.find(text, found + 1);
+        }
+        if (found == std::string_view::npos || found - at > kMaxSpelling * silent.size()) {
+          return std::nullopt;
+        }
+        at = found;
+      }
+      silent.clear();
+      spans[i] = {char_start(at + held), char_end(at + text.size())};
+      at += piece->ready.size();
+      held = piece->pending.size();
+    }
+    if (at < input.size() && held == 0 &&
+        SpellSilent(input, ids, silent, 0, at, input.size(), &spans)) {
+      at = input.size();
+    }
+    if (at + held != input.size()) return std::nullopt;
+    return spans;
+  }
+  // Whether the ids silent[j...] (which decode to nothing) spell input[from, to) one after
+  // the other, each a text Tokenizer::TokenId names it by (of at most kMaxSpelling bytes),
+  // but the BOS RequestParser puts first, which spells nothing; if so, sets their spans.
+  static constexpr size_t kMaxSpelling = 256;
+  bool SpellSilent(std::string_view input, std::span<const int32_t> ids,
+                   const std::vector<size_t>& silent, size_t j, size_t from, size_t to,
+                   std::vector<TokenSpan>* spans) const {
+    if (j == silent.size()) return from == to;
+    const size_t k = silent[j];
+    if (k == 0 && tokenizer->add_bos() && ids[0] == tokenizer->bos_id() &&
+        SpellSilent(input, ids, silent, j + 1, from, to, spans)) {
+      (*spans)[k] = {from, from};
+      return true;
+    }
+    for (size_t after = from + 1; after <= to && after - from <= kMaxSpelling; ++after) {
+      if (tokenizer->TokenId(input.substr(from, after - from)) == ids[k] &&
+          SpellSilent(input, ids, silent, j + 1, after, to, spans)) {
+        (*spans)[k] = {from, after};
+        return true;
+      }
+    }
+    return false;
   }
 
   // The path of a request, without its query.

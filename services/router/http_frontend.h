@@ -6,7 +6,8 @@
 //   POST /generate_stream  the same, as server-sent events: one per token, the last one with
 //                          generated_text and details
 //   POST /                 either, by "stream"
-//   POST /tokenize         {"inputs"} -> [{"id", "text"}], at most max_input_tokens of them
+//   POST /tokenize         {"inputs"} -> [{"id", "text", "start", "stop"}], at most
+//                          max_input_tokens of them (start and stop: the bytes of inputs)
 //   GET  /health           200 with an executor registered, else 503
 //   GET  /info             the model, the pool and the limits
 //   GET  /metrics          Prometheus text (RouterMetrics)

@@ -188,12 +188,14 @@ std::optional<HttpError> RequestParser::ParseParams(const json& root, Params* pa
   return std::nullopt;
 }
 
-// Greedy sampling that keeps `sampling`'s penalties (they apply to greedy choices too).
+// Greedy sampling that keeps `sampling`'s penalties and min_tokens (they apply to greedy
+// choices too).
 SeqSampling RequestParser::Greedy(const SeqSampling& sampling) {
   SeqSampling greedy;
   greedy.repetition_penalty = sampling.repetition_penalty;
   greedy.frequency_penalty = sampling.frequency_penalty;
   greedy.presence_penalty = sampling.presence_penalty;
+  greedy.min_tokens = sampling.min_tokens;
   return greedy;
 }
 
@@ -397,7 +399,7 @@ std::optional<HttpError> RequestParser::OpenAiParam(const std::string& key, cons
                                  options_.max_total_tokens, "]"),
                     key);
       }
-      a.params.min_tokens = value.get<int32_t>();
+      a.params.sampling.min_tokens = value.get<int32_t>();
     }
   } else if (key == "model" || key == "user") {
     if (!value.is_string() && !value.is_null()) return fail(422, "must be a string", key);
@@ -419,24 +421,15 @@ std::optional<HttpError> RequestParser::FinishOpenAiParams(GenerationRequest* ac
   } else if (given.max_tokens.has_value()) {
     a.params.max_new_tokens = *given.max_tokens;
   }
-  // vLLM's rule: min_tokens at most max_tokens (whichever of the two names gave it).
-  if (a.params.min_tokens > a.params.max_new_tokens) {
+  // vLLM's rule: min_tokens at most max_tokens (whichever of the two names gave it). The
+  // executors hold EOS back (its logit -inf) until min_tokens tokens are out, as vLLM does.
+  const int32_t min_tokens = a.params.sampling.min_tokens;
+  if (min_tokens > a.params.max_new_tokens) {
     return HttpError{422,
                      absl::StrCat("`min_tokens` must be at most `",
                                   given.max_completion_tokens.has_value() ? "max_completion_tokens"
                                                                           : "max_tokens",
-                                  "` (", a.params.max_new_tokens, "), got ", a.params.min_tokens),
-                     "validation", "min_tokens", Api::kOpenAi};
-  }
-  // vLLM holds back EOS (its logit set to -inf) until min_tokens tokens are out; the
-  // executors cannot do that yet (SamplingParams.min_tokens is not carried to them), and
-  // letting EOS through but not ending there would be another behaviour than the one asked
-  // for. So any value but 0 is refused rather than ignored.
-  if (a.params.min_tokens > 0) {
-    return HttpError{422,
-                     "`min_tokens` > 0 is not supported by this server yet (its executors "
-                     "cannot hold back the EOS token); send 0, or `ignore_eos`: true with "
-                     "`max_tokens` for a fixed output length",
+                                  "` (", a.params.max_new_tokens, "), got ", min_tokens),
                      "validation", "min_tokens", Api::kOpenAi};
   }
   if (a.params.sampling.temperature >= kGreedyBelowTemperature) {

@@ -91,11 +91,9 @@ struct Params {
   bool do_sample = false;
   uint64_t seed = 0;
   // OpenAI (vLLM's extensions; docs/router.md, "ignore_eos and min_tokens"): generation
-  // does not end at the model's EOS token(s), only at max_tokens or a stop string.
+  // does not end at the model's EOS token(s), only at max_tokens or a stop string. (vLLM's
+  // min_tokens is sampling.min_tokens: the executors hold EOS back until then.)
   bool ignore_eos = false;
-  // Generation may not end before this many tokens: 0 (the default) is the only value
-  // served until the executors hold back EOS (a larger one is refused, never ignored).
-  int32_t min_tokens = 0;
 };
 
 // A generation request, parsed and checked.

@@ -89,6 +89,7 @@ void RouterCore::Submit(Submission submission) {
     known_[s.id].assign(static_cast<size_t>(s.outputs.sequences), true);
     api_of_[s.id] = s.api;
     if (s.ignore_eos) ignore_eos_.insert(s.id);
+    if (s.sampling.min_tokens > 0) min_tokens_[s.id] = s.sampling.min_tokens;
     planner_->Enqueue(s.id, std::move(s.prompt), s.max_new_tokens, s.sampling, s.outputs);
     ScheduleTurn();
   });
@@ -109,6 +110,7 @@ bool RouterCore::FinishChoice(uint64_t id, int32_t choice) {
     known_.erase(it);
     api_of_.erase(id);
     ignore_eos_.erase(id);
+    min_tokens_.erase(id);
   }
   return was_open;
 }
@@ -177,6 +179,7 @@ void RouterCore::FailAll(const absl::Status& status) {
   known_.clear();
   api_of_.clear();
   ignore_eos_.clear();
+  min_tokens_.clear();
   if (!failed.empty()) sink_(std::move(failed));
 }
 
@@ -288,6 +291,7 @@ void RouterCore::Turn() {
     known_.erase(id);
     api_of_.erase(id);
     ignore_eos_.erase(id);
+    min_tokens_.erase(id);
     Progress p;
     p.id = id;
     p.finished = true;
@@ -397,7 +401,9 @@ void RouterCore::FinishStep() {
     p.top_ids = std::move(event.top_ids);
     p.top_logprobs = std::move(event.top_logprobs);
     p.prompt_logprobs = std::move(event.prompt_logprobs);
+    const auto min_tokens = min_tokens_.find(event.request);
     const bool eos = !ignore_eos_.contains(event.request) &&
+                     (min_tokens == min_tokens_.end() || event.index >= min_tokens->second) &&
                      std::find(options_.eos_token_ids.begin(), options_.eos_token_ids.end(),
                                event.token) != options_.eos_token_ids.end();
     if (eos || event.finished) {

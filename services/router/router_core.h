@@ -175,6 +175,9 @@ class RouterCore {
   absl::flat_hash_map<uint64_t, std::vector<bool>> known_;
   absl::flat_hash_map<uint64_t, RequestApi> api_of_;  // of the requests in known_
   absl::flat_hash_set<uint64_t> ignore_eos_;           // those of them that ignore EOS
+  // Those of them with vLLM's min_tokens: an EOS id (held back by the executors; one that
+  // comes anyway, from an executor that does not honour min_tokens) before it ends nothing.
+  absl::flat_hash_map<uint64_t, int32_t> min_tokens_;
   // Marks `choice` (-1: every one) of `id` finished; forgets `id` when none is left.
   // Returns whether that choice was still open.
   bool FinishChoice(uint64_t id, int32_t choice);

@@ -91,6 +91,8 @@ void AppendTgiStreamEvent(const TgiStreamEvent& event, std::string* out) {
     AppendJsonString(end.finish_reason, out);
     out->append(R"(,"generated_tokens":)");
     AppendInteger(end.generated_tokens, out);
+    out->append(R"(,"input_length":)");
+    AppendInteger(end.input_length, out);
     out->append(R"(,"seed":)");
     if (end.seed.has_value()) {
       AppendInteger(*end.seed, out);

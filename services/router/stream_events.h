@@ -49,11 +49,14 @@ struct TgiStreamToken {
   bool special = false;
 };
 
-// What the last event of a stream adds: generated_text and details.
+// What the last event of a stream adds: generated_text and details (TGI's StreamDetails:
+// finish_reason, generated_tokens, input_length, seed; docs/router.md, "HTTP API
+// (TGI-compatible)").
 struct TgiStreamEnd {
   std::string_view generated_text;
   std::string_view finish_reason;
   size_t generated_tokens = 0;
+  size_t input_length = 0;  // the prompt's tokens, BOS included
   std::optional<uint64_t> seed;  // null without sampling
 };
 

@@ -43,6 +43,7 @@ StepRequest SampleStep() {
   b.sampling.repetition_penalty = 1.3f;
   b.sampling.frequency_penalty = -0.5f;
   b.sampling.presence_penalty = 0.25f;
+  b.sampling.min_tokens = 6;
   b.penalty_tokens = {1, 2, 3, 50, 50};
   b.penalty_prompt_len = 3;
   b.logprobs = true;
@@ -91,6 +92,7 @@ TEST(ExecutorWireTest, StepBatchRoundTrips) {
   EXPECT_EQ(step->seqs[1].sampling.repetition_penalty, 1.3f);
   EXPECT_EQ(step->seqs[1].sampling.frequency_penalty, -0.5f);
   EXPECT_EQ(step->seqs[1].sampling.presence_penalty, 0.25f);
+  EXPECT_EQ(step->seqs[1].sampling.min_tokens, 6);
   EXPECT_THAT(step->seqs[1].penalty_tokens, ElementsAre(1, 2, 3, 50, 50));
   EXPECT_EQ(step->seqs[1].penalty_prompt_len, 3);
   EXPECT_TRUE(step->seqs[1].logprobs);
@@ -101,6 +103,7 @@ TEST(ExecutorWireTest, StepBatchRoundTrips) {
   // Defaults: no penalty, nothing reported.
   EXPECT_EQ(step->seqs[0].sampling.repetition_penalty, 1.0f);
   EXPECT_FALSE(step->seqs[0].sampling.penalized());
+  EXPECT_EQ(step->seqs[0].sampling.min_tokens, 0);
   EXPECT_TRUE(step->seqs[0].penalty_tokens.empty());
   EXPECT_FALSE(step->seqs[0].logprobs);
   EXPECT_EQ(step->seqs[0].top_n, 0);
@@ -108,6 +111,27 @@ TEST(ExecutorWireTest, StepBatchRoundTrips) {
   EXPECT_EQ(step->seqs[0].score_next, 77);
   ASSERT_EQ(step->copies.size(), 1u);
   EXPECT_EQ(step->copies[0], (CopyOrder{4, 10}));
+}
+
+// min_tokens 0 is not written (flatbuffers leaves defaults out), so a step without the field,
+// as a router from before min_tokens sends it, is the same bytes and decodes to 0.
+TEST(ExecutorWireTest, MinTokensIsCarriedAndAbsentReadsZero) {
+  StepRequest sent = SampleStep();
+  sent.seqs[1].sampling.min_tokens = 0;
+  flatbuffers::FlatBufferBuilder builder;
+  EncodeStepBatch(builder, 1, 1, sent);
+  const wire::StepBatch& batch = *Verified(builder).payload_as_StepBatch();
+  EXPECT_EQ(batch.seqs()->Get(1)->sampling()->min_tokens(), 0);
+  absl::StatusOr<StepRequest> step = DecodeStepBatch(batch);
+  ASSERT_THAT(step, IsOk());
+  EXPECT_EQ(step->seqs[1].sampling.min_tokens, 0);
+
+  sent.seqs[1].sampling.min_tokens = 1 << 20;
+  flatbuffers::FlatBufferBuilder large;
+  EncodeStepBatch(large, 1, 1, sent);
+  step = DecodeStepBatch(*Verified(large).payload_as_StepBatch());
+  ASSERT_THAT(step, IsOk());
+  EXPECT_EQ(step->seqs[1].sampling.min_tokens, 1 << 20);
 }
 
 TEST(ExecutorWireTest, StepResultRoundTripsWithPerSequenceCodes) {
@@ -265,6 +289,8 @@ TEST(ExecutorWireTest, DecodeRefusesInconsistentSteps) {
        [](StepRequest& s) { s.seqs[1].sampling.frequency_penalty = 2.5f; }, "frequency_penalty"},
       {"presence penalty too small",
        [](StepRequest& s) { s.seqs[1].sampling.presence_penalty = -3; }, "presence_penalty"},
+      {"negative min_tokens", [](StepRequest& s) { s.seqs[1].sampling.min_tokens = -1; },
+       "min_tokens -1"},
       {"top_n too big", [](StepRequest& s) { s.seqs[1].top_n = kMaxTopN + 1; }, "top_n"},
       {"penalty prompt past the tokens", [](StepRequest& s) { s.seqs[1].penalty_prompt_len = 6; },
        "penalty_prompt_len 6"},

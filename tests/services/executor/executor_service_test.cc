@@ -30,8 +30,11 @@ namespace kvcm {
 namespace {
 
 using ::kvcm::testing::TempDir;
+using ::testing::Contains;
+using ::testing::ElementsAre;
 using ::testing::ElementsAreArray;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr int32_t kNumBlocks = 64;
 constexpr uint64_t kEpoch = 1000;
@@ -253,6 +256,60 @@ TEST_P(ExecutorServiceTest, SampledTokensDependOnSeedAndIndexNotOnBatching) {
   const auto alone = Generate({kPrompts[1]}, {0}, 8, sampling);
   const auto batched = Generate({kPrompts[0], kPrompts[2], kPrompts[1]}, {20, 40, 0}, 8, sampling);
   EXPECT_EQ(alone[0], batched[2]);
+}
+
+// vLLM's min_tokens through RunStep: the tokens that end generation (here the greedy
+// answer's 4th token, an end token as generation_config.json names one, and the model's own
+// EOS ids) cannot be chosen before token number min_tokens; from there on the model chooses
+// as before.
+TEST_P(ExecutorServiceTest, MinTokensHoldsTheEndTokensBackUntilItsCount) {
+  const std::vector<int32_t>& prompt = kPrompts[0];
+  const std::vector<int32_t> plain = ReferenceGreedy(prompt, 8);
+  const int32_t stop = plain[3];
+  ASSERT_EQ(std::count(plain.begin(), plain.begin() + 3, stop), 0) << "pick another prompt";
+  ExecutorService::Options options;
+  options.name = "unit";
+  options.model_name = "tiny";
+  options.end_token_ids = {stop};
+  service_ = std::make_unique<ExecutorService>(options, executor_model_.get(), pool_.get(),
+                                               nullptr);
+  // The reference: the contiguous pass, the end ids at -infinity for the first min_tokens.
+  constexpr int32_t kMinTokens = 6;
+  std::vector<int32_t> end_ids = model_->config().eos_token_ids;
+  end_ids.push_back(stop);
+  std::vector<int32_t> want;
+  std::vector<int32_t> context = prompt;
+  const size_t vocab = static_cast<size_t>(model_->config().vocab_size);
+  for (int32_t i = 0; i < 8; ++i) {
+    absl::StatusOr<std::vector<float>> logits = model_->ForwardContiguous(context);
+    ASSERT_THAT(logits, IsOk());
+    std::vector<float> last(logits->end() - static_cast<std::ptrdiff_t>(vocab), logits->end());
+    if (i < kMinTokens) {
+      for (const int32_t id : end_ids) {
+        last[static_cast<size_t>(id)] = -std::numeric_limits<float>::infinity();
+      }
+    }
+    want.push_back(Greedy(last));
+    context.push_back(want.back());
+  }
+  SeqSampling sampling;
+  sampling.min_tokens = kMinTokens;
+  const std::vector<int32_t> held = Generate({prompt}, {0}, 8, sampling)[0];
+  EXPECT_THAT(held, ElementsAreArray(want));
+  EXPECT_THAT(std::vector<int32_t>(held.begin(), held.begin() + 3),
+              ElementsAre(plain[0], plain[1], plain[2]));
+  for (int32_t i = 0; i < kMinTokens; ++i) {
+    EXPECT_THAT(end_ids, Not(Contains(held[static_cast<size_t>(i)]))) << "token " << i;
+  }
+  // Without min_tokens the end token comes 4th, as the model chooses it.
+  EXPECT_THAT(Generate({prompt}, {20}, 8)[0], ElementsAreArray(plain));
+  // Sampled too: whatever the seed, no end id before min_tokens.
+  sampling.temperature = 1.5f;
+  for (uint64_t seed = 1; seed <= 4; ++seed) {
+    sampling.seed = seed;
+    const std::vector<int32_t> drawn = Generate({prompt}, {40}, kMinTokens, sampling)[0];
+    for (const int32_t token : drawn) EXPECT_THAT(end_ids, Not(Contains(token))) << seed;
+  }
 }
 
 TEST_P(ExecutorServiceTest, InputLogprobsScoreThePromptChunkByChunkAsTheContiguousPass) {
@@ -816,6 +873,55 @@ TEST(ChooseTokenTest, ForkSeedsDrawWhatThoseSeedsWouldDrawAtIndexZero) {
     distinct.insert(own.token);
   }
   EXPECT_GT(distinct.size(), 1u) << "seven draws at temperature 1.5 all alike";
+}
+
+// vLLM's min_tokens: the end ids are held back while the index is below it, for greedy and
+// sampled choices, the log-probabilities are of the masked row, and fork seeds (index 0) are
+// held back as index 0 is.
+TEST(ChooseTokenTest, MinTokensHoldsTheEndIdsBackBeforeItsIndex) {
+  const std::vector<float> logits = {0.0f, 5.0f, 1.0f, 4.0f, 0.5f};
+  const std::vector<int32_t> end_ids = {1, 3};
+  SeqStep seq;
+  seq.sampling.min_tokens = 3;
+  seq.logprobs = true;
+  seq.top_n = 5;
+  for (int64_t index = 0; index < 3; ++index) {
+    absl::StatusOr<ChosenToken> chosen = ChooseToken(logits, seq, index, end_ids);
+    ASSERT_THAT(chosen, IsOk());
+    EXPECT_EQ(chosen->token, 2) << index;  // the best that is no end id
+    double z = 0;
+    for (float l : {0.0f, 1.0f, 0.5f}) z += std::exp(static_cast<double>(l));
+    EXPECT_NEAR(chosen->logprob, 1.0 - std::log(z), 1e-6);
+    ASSERT_EQ(chosen->top.size(), 5u);
+    EXPECT_EQ(chosen->top[3].logprob, -std::numeric_limits<float>::infinity());
+    EXPECT_EQ(chosen->top[4].logprob, -std::numeric_limits<float>::infinity());
+  }
+  // From index min_tokens on, the row is the model's.
+  EXPECT_EQ(ChooseToken(logits, seq, 3, end_ids)->token, 1);
+  // No end ids known, or min_tokens 0: nothing held back.
+  EXPECT_EQ(ChooseToken(logits, seq, 0)->token, 1);
+  seq.sampling.min_tokens = 0;
+  EXPECT_EQ(ChooseToken(logits, seq, 0, end_ids)->token, 1);
+  // Sampled: many seeds, never an end id before min_tokens, but one after it.
+  seq.sampling.min_tokens = 2;
+  seq.sampling.temperature = 3.0f;
+  bool ended_after = false;
+  for (uint64_t seed = 0; seed < 200; ++seed) {
+    seq.sampling.seed = seed;
+    for (int64_t index = 0; index < 2; ++index) {
+      EXPECT_THAT(end_ids, Not(Contains(ChooseToken(logits, seq, index, end_ids)->token)));
+    }
+    const int32_t later = ChooseToken(logits, seq, 2, end_ids)->token;
+    ended_after = ended_after || later == 1 || later == 3;
+  }
+  EXPECT_TRUE(ended_after);
+  // Fork seeds draw as index 0: held back even when the main draw is past min_tokens.
+  seq.sampling.temperature = 0.0f;
+  seq.fork_seeds = {7, 8};
+  absl::StatusOr<ChosenToken> forked = ChooseToken(logits, seq, 5, end_ids);
+  ASSERT_THAT(forked, IsOk());
+  EXPECT_EQ(forked->token, 1);
+  EXPECT_THAT(forked->fork_tokens, ElementsAre(2, 2));
 }
 
 TEST(ChooseTokenTest, PenaltiesSteerGreedyAwayFromWhatWasSeen) {

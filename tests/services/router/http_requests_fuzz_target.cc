@@ -88,11 +88,12 @@ void CheckAccepted(const GenerationRequest& r, Api api) {
   Check(p.outputs.sequences >= 1 && p.outputs.sequences <= limits.max_best_of,
         "between 1 and max_best_of sequences");
   Check(r.shown >= 1 && r.shown <= p.outputs.sequences, "the shown sequences are generated");
-  // vLLM's min_tokens at most max_tokens, and 0 until the executors are sent it; TGI has
+  // vLLM's min_tokens at most max_tokens (DecodeStepBatch refuses a negative one); TGI has
   // neither it nor ignore_eos.
-  Check(p.min_tokens >= 0 && p.min_tokens <= p.max_new_tokens, "min_tokens in [0, max_tokens]");
-  Check(p.min_tokens == 0, "min_tokens > 0 is refused, not ignored");
-  Check(api == Api::kOpenAi || !p.ignore_eos, "TGI has no ignore_eos");
+  Check(p.sampling.min_tokens >= 0 && p.sampling.min_tokens <= p.max_new_tokens,
+        "min_tokens in [0, max_tokens]");
+  Check(api == Api::kOpenAi || (!p.ignore_eos && p.sampling.min_tokens == 0),
+        "TGI has no ignore_eos or min_tokens");
   const SeqSampling& s = p.sampling;
   // What DecodeStepBatch refuses (common/wire/executor_codec.h).
   Check(std::isfinite(s.temperature) && s.temperature >= 0, "temperature >= 0");

@@ -1,6 +1,7 @@
 // RequestParser (services/router/http_requests.h) on vLLM's `ignore_eos` and `min_tokens`:
-// accepted on /v1/completions and /v1/chat/completions with their defaults, refused with the
-// parameter named when out of range, and refused on TGI's /generate (TGI has neither). Over
+// accepted on /v1/completions and /v1/chat/completions with their defaults, min_tokens carried
+// in the sampling parameters the executors get, refused with the parameter named when out of
+// range, and refused on TGI's /generate (TGI has neither). Over
 // a byte-level tokenizer and SmolLM2's chat template, with the front end's default limits.
 
 #include "services/router/http_requests.h"
@@ -66,13 +67,41 @@ TEST_F(RequestParserTest, IgnoreEosAndMinTokensDefaultToOffAndZeroOnBothOpenAiEn
     GenerationRequest r;
     ASSERT_EQ(Parse(endpoint, json::object(), &r), std::nullopt);
     EXPECT_FALSE(r.params.ignore_eos);
-    EXPECT_EQ(r.params.min_tokens, 0);
+    EXPECT_EQ(r.params.sampling.min_tokens, 0);
     // null is the default too, as for OpenAI's other optional parameters.
     ASSERT_EQ(Parse(endpoint, {{"ignore_eos", nullptr}, {"min_tokens", nullptr}}, &r),
               std::nullopt);
     EXPECT_FALSE(r.params.ignore_eos);
-    EXPECT_EQ(r.params.min_tokens, 0);
+    EXPECT_EQ(r.params.sampling.min_tokens, 0);
   }
+}
+
+TEST_F(RequestParserTest, MinTokensIsAcceptedAndCarriedInTheSamplingParameters) {
+  for (const std::string endpoint : {"completions", "chat"}) {
+    SCOPED_TRACE(endpoint);
+    GenerationRequest r;
+    // Greedy (temperature 0): min_tokens survives the greedy parameters.
+    ASSERT_EQ(Parse(endpoint, {{"min_tokens", 5}, {"max_tokens", 9}, {"temperature", 0}}, &r),
+              std::nullopt);
+    EXPECT_EQ(r.params.sampling.min_tokens, 5);
+    EXPECT_EQ(r.params.sampling.temperature, 0.0f);
+    EXPECT_EQ(r.params.max_new_tokens, 9);
+    // Sampled, with ignore_eos, and equal to max_tokens (vLLM's bound is inclusive).
+    ASSERT_EQ(Parse(endpoint,
+                    {{"min_tokens", 4}, {"max_tokens", 4}, {"temperature", 0.8},
+                     {"ignore_eos", true}},
+                    &r),
+              std::nullopt);
+    EXPECT_EQ(r.params.sampling.min_tokens, 4);
+    EXPECT_EQ(r.params.sampling.temperature, 0.8f);
+    EXPECT_TRUE(r.params.ignore_eos);
+  }
+  // Chat's max_completion_tokens bounds it when given.
+  GenerationRequest r;
+  ASSERT_EQ(Parse("chat", {{"min_tokens", 6}, {"max_tokens", 2}, {"max_completion_tokens", 6}},
+                  &r),
+            std::nullopt);
+  EXPECT_EQ(r.params.sampling.min_tokens, 6);
 }
 
 TEST_F(RequestParserTest, IgnoreEosIsAcceptedOnBothOpenAiEndpoints) {
@@ -110,9 +139,6 @@ TEST_F(RequestParserTest, BadIgnoreEosAndMinTokensValuesAreRefusedNamingTheParam
       {"chat",
        {{"min_tokens", 5}, {"max_tokens", 9}, {"max_completion_tokens", 4}},
        "`min_tokens` must be at most `max_completion_tokens` (4), got 5"},
-      // In range, but not served yet: refused rather than ignored.
-      {"completions", {{"min_tokens", 4}, {"max_tokens", 4}}, "`min_tokens` > 0 is not supported"},
-      {"chat", {{"min_tokens", 1}, {"ignore_eos", true}}, "`min_tokens` > 0 is not supported"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.endpoint + " " + c.extra.dump());

@@ -343,6 +343,7 @@ json OpenAiChunk(const Active& a, json choices) {
                                 : "chat.completion"},
           {"created", a.created},
           {"model", a.model_id},
+          {"system_fingerprint", "kvcm-router-0.1.0"},
           {"choices", std::move(choices)}};
 }
 
@@ -352,7 +353,7 @@ json OpenAiChoice(const Active& a, size_t index, const std::string& text,
   if (!a.chat) {
     choice["text"] = text;
   } else if (a.stream) {
-    choice["delta"] = text.empty() ? json::object() : json({{"content", text}});
+    choice["delta"] = {{"role", "assistant"}, {"content", text}};
   } else {
     choice["message"] = {{"role", "assistant"}, {"content", text}};
   }
@@ -444,6 +445,7 @@ void Stream(const Active& a, size_t index, bool finished, const std::string& pie
     end.generated_text = all;
     end.finish_reason = c.finish_reason;
     end.generated_tokens = c.generated.size();
+    end.input_length = a.prompt_tokens;
     if (a.do_sample) end.seed = a.seed;
     event.end = &end;
   }
@@ -855,6 +857,7 @@ void CheckSameAsDom(const TgiStreamEvent& e, std::string_view bytes) {
     event["generated_text"] = std::string(e.end->generated_text);
     event["details"] = {{"finish_reason", std::string(e.end->finish_reason)},
                         {"generated_tokens", e.end->generated_tokens},
+                        {"input_length", e.end->input_length},
                         {"seed", e.end->seed.has_value() ? json(*e.end->seed) : json(nullptr)}};
   }
   Check(bytes == mirror::Dump(event),
@@ -881,6 +884,7 @@ void FormatRawEvents(Reader& in) {
       end->generated_text = generated_text;
       end->finish_reason = kFinishReasons[in.Byte() % 3];
       end->generated_tokens = in.U64();
+      end->input_length = index;  // any value, and the seeds read as before
       const bool seeded = in.Bool();
       const uint64_t seed = in.U64();
       if (seeded) end->seed = seed;

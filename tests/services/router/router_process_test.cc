@@ -15,12 +15,14 @@
 #include <iterator>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -272,6 +274,71 @@ TEST_F(RouterProcessTest, AStopSequenceEndsTheRequestAfterTheTokenThatCompletesI
     ASSERT_FALSE(final_part.is_discarded());
     EXPECT_EQ(final_part["details"]["finish_reason"], "stop_sequence");
   }
+  EXPECT_TRUE(AwaitNoBlockInUse());
+}
+
+// vLLM's rule for stop strings and min_tokens: none is looked for while the first
+// min_tokens tokens come out, and a match must end in a later token's text. Regression: the
+// router ended such a request at a stop string inside its first min_tokens tokens, and
+// OpenAI's text was cut at the first occurrence anywhere.
+TEST_F(RouterProcessTest, AStopStringInsideTheFirstMinTokensDoesNotEndTheRequest) {
+  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/128, /*executors=*/1));
+  const std::string prompt = "stop when you see it";
+  constexpr int kMaxTokens = 30;
+  const std::vector<int32_t> full = Reference(prompt, kMaxTokens);
+  ASSERT_GE(full.size(), 12u);
+  // A stop string the model says early: the bytes of two consecutive byte tokens, valid
+  // UTF-8 (JSON carries nothing else).
+  auto usable = [&](size_t i) {
+    const std::string pair = BytesOf({full[i], full[i + 1]});
+    return pair.size() >= 2 && AsJsonText(pair) == pair;
+  };
+  size_t at = 2;
+  while (at + 2 < full.size() && !usable(at)) ++at;
+  ASSERT_LT(at + 2, full.size()) << "no two byte tokens in a row to stop at";
+  const std::string stop = BytesOf({full[at], full[at + 1]});
+  auto prefix = [&](size_t k) {
+    return BytesOf(std::vector<int32_t>(full.begin(), full.begin() + static_cast<std::ptrdiff_t>(k)));
+  };
+  // The first token whose text completes the stop string: min_tokens covers it.
+  size_t first_end = 1;
+  while (prefix(first_end).find(stop) == std::string::npos) ++first_end;
+  const auto min_tokens = static_cast<int32_t>(first_end);
+  // What must come instead: the first later token whose own text ends a match.
+  size_t end = full.size();
+  size_t match = std::string::npos;
+  for (size_t k = first_end + 1; k <= full.size(); ++k) {
+    const size_t before = prefix(k - 1).size();
+    const size_t from = before - std::min(before, stop.size() - 1);
+    const size_t found = prefix(k).find(stop, from);
+    if (found != std::string::npos) {
+      end = k;
+      match = found;
+      break;
+    }
+  }
+  std::printf("stop string at token %zu; min_tokens %d; ends at token %zu of %zu (%s)\n",
+              first_end, min_tokens, end, full.size(),
+              match == std::string::npos ? "length" : "stop string again");
+  const json body = {{"prompt", prompt},         {"max_tokens", kMaxTokens},
+                     {"temperature", 0},         {"stop", {stop}},
+                     {"min_tokens", min_tokens}, {"logprobs", 0}};
+  absl::StatusOr<HttpResponse> reply =
+      HttpPost(url_ + "/v1/completions", body.dump(-1, ' ', false, json::error_handler_t::replace));
+  ASSERT_TRUE(reply.ok() && reply->status == 200) << (reply.ok() ? reply->body : "");
+  const json got = json::parse(reply->body);
+  EXPECT_EQ(got["usage"]["completion_tokens"], end) << got.dump();
+  EXPECT_EQ(got["choices"][0]["finish_reason"], match == std::string::npos ? "length" : "stop");
+  const std::string text = prefix(end);
+  EXPECT_EQ(got["choices"][0]["text"],
+            AsJsonText(match == std::string::npos ? text : text.substr(0, match)));
+  // Without min_tokens the same stop string ends it at its first occurrence, as before.
+  json early = body;
+  early.erase("min_tokens");
+  reply = HttpPost(url_ + "/v1/completions",
+                   early.dump(-1, ' ', false, json::error_handler_t::replace));
+  ASSERT_TRUE(reply.ok() && reply->status == 200) << (reply.ok() ? reply->body : "");
+  EXPECT_EQ(json::parse(reply->body)["usage"]["completion_tokens"], first_end) << reply->body;
   EXPECT_TRUE(AwaitNoBlockInUse());
 }
 
@@ -764,7 +831,8 @@ TEST_F(RouterProcessTest, PenaltiesAndTruncationGiveTheReferenceTokens) {
 // generation_config.json names that token an EOS. FAILED_PRECONDITION when `plain` cannot
 // tell (fewer tokens, or the 4th one seen before it): pick another prompt then.
 absl::StatusOr<TempDir> CopyEndingAtFourth(const std::string& model_dir,
-                                           const std::vector<int32_t>& plain) {
+                                           const std::vector<int32_t>& plain,
+                                           bool with_weights = false) {
   if (plain.size() != 8) {
     return absl::FailedPreconditionError("the model drew its EOS early; pick another prompt");
   }
@@ -775,6 +843,13 @@ absl::StatusOr<TempDir> CopyEndingAtFourth(const std::string& model_dir,
   absl::StatusOr<TempDir> copy = TempDir::Create("kvcm-gencfg");
   if (!copy.ok()) return copy.status();
   std::filesystem::copy_file(model_dir + "/config.json", copy->path() + "/config.json");
+  if (with_weights) {  // a folder executors can load too
+    for (const auto& entry : std::filesystem::directory_iterator(model_dir)) {
+      const std::string name = entry.path().filename().string();
+      if (name == "config.json" || name == "generation_config.json") continue;
+      std::filesystem::create_symlink(entry.path(), copy->path() + "/" + name);
+    }
+  }
   std::ofstream out(copy->path() + "/generation_config.json");
   out << json{{"bos_token_id", 1}, {"eos_token_id", {stop, 2}}}.dump();
   if (!out.flush()) return absl::InternalError("writing generation_config.json");
@@ -874,15 +949,117 @@ TEST_F(RouterProcessTest, IgnoreEosGeneratesExactlyMaxTokensWhereTheModelWouldSt
   ASSERT_THAT(tgi, IsOk());
   EXPECT_EQ(tgi->status, 422);
   EXPECT_THAT(tgi->body, HasSubstr("ignore_eos"));
-  // min_tokens over max_tokens, or any above 0 for now, is a 400 naming it.
-  for (const int min_tokens : {9, 2}) {
-    absl::StatusOr<HttpResponse> refused = HttpPost(
-        url_ + "/v1/completions",
-        json{{"prompt", text}, {"max_tokens", 8}, {"min_tokens", min_tokens}}.dump());
-    ASSERT_THAT(refused, IsOk());
-    EXPECT_EQ(refused->status, 400) << refused->body;
-    EXPECT_EQ(json::parse(refused->body)["error"]["param"], "min_tokens") << refused->body;
+  // min_tokens: an EOS that still comes before it (here the executor's model does not name
+  // that EOS, only the router's generation_config.json does, so nothing holds it back) is an
+  // ordinary token: the request goes on to an EOS from token min_tokens on, or max_tokens.
+  const json held = complete({{"min_tokens", 6}, {"logprobs", 0}});
+  ASSERT_TRUE(held.contains("choices")) << held.dump();
+  size_t until = plain.size();
+  for (size_t i = 6; i < plain.size(); ++i) {
+    if (plain[i] == plain[3]) {
+      until = i + 1;
+      break;
+    }
   }
+  EXPECT_EQ(held["usage"]["completion_tokens"], until) << held.dump();
+  EXPECT_EQ(held["choices"][0]["finish_reason"], until < plain.size() ? "stop" : "length");
+  EXPECT_EQ(held["choices"][0]["logprobs"]["tokens"].size(), until) << held.dump();
+  // min_tokens over max_tokens is a 400 naming it.
+  absl::StatusOr<HttpResponse> refused = HttpPost(
+      url_ + "/v1/completions",
+      json{{"prompt", text}, {"max_tokens", 8}, {"min_tokens", 9}}.dump());
+  ASSERT_THAT(refused, IsOk());
+  EXPECT_EQ(refused->status, 400) << refused->body;
+  EXPECT_EQ(json::parse(refused->body)["error"]["param"], "min_tokens") << refused->body;
+  EXPECT_TRUE(AwaitNoBlockInUse());
+  ExpectWhole(Stats());
+}
+
+// vLLM's min_tokens: the request that would end at its 4th token (an EOS of
+// generation_config.json, which the router and the executor both read) cannot end before
+// min_tokens tokens are out: the executor holds the EOS ids back (logit -inf) until then,
+// so the 4th token is the model's best other one, and generation goes on greedily from
+// there, ending at an EOS after that (finish_reason "stop") or at max_tokens ("length").
+TEST_F(RouterProcessTest, MinTokensHoldsEosBackUntilThatManyTokensAreOut) {
+  const std::string text = "where does it stop?";
+  const std::vector<int32_t> plain = Reference(text, 8);
+  absl::StatusOr<TempDir> copy = CopyEndingAtFourth(*model_dir_, plain, /*with_weights=*/true);
+  ASSERT_THAT(copy, IsOk());
+  const int32_t stop = plain[3];
+  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/64, /*executors=*/1,
+                                     {"--model", copy->path()}, {"--model", copy->path()}));
+  constexpr int32_t kMaxTokens = 12;
+  constexpr int32_t kMinTokens = 6;
+  // The reference: the contiguous greedy pass with the EOS ids at -inf for the first
+  // kMinTokens tokens, cut after the first EOS id from there on.
+  std::vector<int32_t> eos = model_->config().eos_token_ids;
+  eos.push_back(stop);
+  std::vector<int32_t> want;
+  std::vector<int32_t> context = PromptIds(text);
+  const size_t vocab = static_cast<size_t>(model_->config().vocab_size);
+  bool ended = false;
+  while (static_cast<int32_t>(want.size()) < kMaxTokens && !ended) {
+    absl::StatusOr<std::vector<float>> logits = model_->ForwardContiguous(context);
+    ASSERT_THAT(logits, IsOk());
+    std::vector<float> last(logits->end() - static_cast<std::ptrdiff_t>(vocab), logits->end());
+    if (static_cast<int32_t>(want.size()) < kMinTokens) {
+      for (const int32_t id : eos) {
+        last[static_cast<size_t>(id)] = -std::numeric_limits<float>::infinity();
+      }
+    }
+    want.push_back(Greedy(last));
+    context.push_back(want.back());
+    ended = std::find(eos.begin(), eos.end(), want.back()) != eos.end();
+  }
+  ASSERT_GE(want.size(), static_cast<size_t>(kMinTokens));
+  ASSERT_NE(want[3], stop);
+  auto complete = [&](json body) {
+    body["prompt"] = text;
+    body["temperature"] = 0;
+    body["max_tokens"] = kMaxTokens;
+    absl::StatusOr<HttpResponse> reply = HttpPost(url_ + "/v1/completions", body.dump());
+    EXPECT_TRUE(reply.ok() && reply->status == 200) << (reply.ok() ? reply->body : "");
+    return reply.ok() && reply->status == 200 ? json::parse(reply->body) : json();
+  };
+  // Without min_tokens the EOS ends it at the 4th token, as before.
+  const json plain_reply = complete(json::object());
+  ASSERT_TRUE(plain_reply.contains("choices")) << plain_reply.dump();
+  EXPECT_EQ(plain_reply["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(plain_reply["usage"]["completion_tokens"], 4);
+  // With it: the masked reference's tokens, at least min_tokens of them.
+  const json held = complete({{"min_tokens", kMinTokens}, {"logprobs", 0}});
+  ASSERT_TRUE(held.contains("choices")) << held.dump();
+  EXPECT_EQ(held["usage"]["completion_tokens"], want.size()) << held.dump();
+  EXPECT_EQ(held["choices"][0]["logprobs"]["tokens"].size(), want.size()) << held.dump();
+  EXPECT_EQ(held["choices"][0]["finish_reason"], ended ? "stop" : "length");
+  const std::vector<int32_t> first(want.begin(), want.begin() + kMinTokens);
+  EXPECT_TRUE(absl::StartsWith(held["choices"][0]["text"].get<std::string>(),
+                               AsJsonText(BytesOf(first))))
+      << held.dump();
+  // Streamed alike: min_tokens = max_tokens gives exactly that many.
+  absl::StatusOr<HttpResponse> streamed = HttpPost(
+      url_ + "/v1/completions",
+      json{{"prompt", text}, {"max_tokens", kMinTokens}, {"min_tokens", kMinTokens},
+           {"temperature", 0}, {"stream", true}, {"stream_options", {{"include_usage", true}}}}
+          .dump());
+  ASSERT_TRUE(streamed.ok() && streamed->status == 200);
+  std::string finish;
+  std::string streamed_text;
+  int64_t tokens = -1;
+  for (absl::string_view line : absl::StrSplit(streamed->body, '\n')) {
+    if (!absl::ConsumePrefix(&line, "data: ") || line == "[DONE]") continue;
+    const json chunk = json::parse(std::string(line));
+    if (chunk.contains("usage") && chunk["usage"].is_object()) {
+      tokens = chunk["usage"]["completion_tokens"].get<int64_t>();
+    }
+    for (const json& choice : chunk["choices"]) {
+      if (choice["finish_reason"].is_string()) finish = choice["finish_reason"];
+      if (choice["text"].is_string()) streamed_text += choice["text"].get<std::string>();
+    }
+  }
+  EXPECT_EQ(finish, "length");
+  EXPECT_EQ(tokens, kMinTokens);
+  EXPECT_EQ(streamed_text, AsJsonText(BytesOf(first)));
   EXPECT_TRUE(AwaitNoBlockInUse());
   ExpectWhole(Stats());
 }

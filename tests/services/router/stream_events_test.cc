@@ -51,6 +51,7 @@ json EventJson(const TgiStreamEvent& e) {
     event["generated_text"] = std::string(e.end->generated_text);
     event["details"] = {{"finish_reason", std::string(e.end->finish_reason)},
                         {"generated_tokens", e.end->generated_tokens},
+                        {"input_length", e.end->input_length},
                         {"seed", e.end->seed.has_value() ? json(*e.end->seed) : json(nullptr)}};
   }
   return event;
@@ -126,6 +127,7 @@ TEST(StreamEventsTest, EventsAreTheBytesOfTheJsonDom) {
       end.generated_text = texts[5];
       end.finish_reason = rng() % 2 == 0 ? "length" : "eos_token";
       end.generated_tokens = rng() % 4096;
+      end.input_length = 1 + rng() % 4096;
       if (rng() % 2 == 0) end.seed = (uint64_t{rng()} << 32) | rng();
       event.end = &end;
     }
