@@ -603,4 +603,36 @@ absl::StatusOr<ModelConfig> ReadModelConfig(const std::string& path) {
   return ReadHfModelConfigFile(path);
 }
 
+absl::StatusOr<std::vector<int32_t>> ReadEndTokenIds(const std::string& path) {
+  KVCM_ASSIGN_OR_RETURN(const ModelConfig config, ReadModelConfig(path));
+  std::vector<int32_t> ids = config.eos_token_ids;
+  auto add = [&](int32_t id) {
+    if (std::find(ids.begin(), ids.end(), id) == ids.end()) ids.push_back(id);
+  };
+  if (config.eot_token_id.has_value()) add(*config.eot_token_id);
+  std::error_code error;
+  if (!std::filesystem::is_directory(path, error)) return ids;
+  const std::string generation_path = absl::StrCat(path, "/generation_config.json");
+  if (!std::filesystem::exists(generation_path, error)) return ids;
+  KVCM_ASSIGN_OR_RETURN(const std::string text, ReadWholeFile(generation_path));
+  const Json root = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!root.is_object()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(generation_path, ": not a JSON object"));
+  }
+  const auto eos = root.find("eos_token_id");
+  if (eos == root.end() || eos->is_null()) return ids;
+  const Json list = eos->is_array() ? *eos : Json::array({*eos});
+  const int64_t vocab = config.vocab_size.value_or(std::numeric_limits<int32_t>::max());
+  for (const Json& id : list) {
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= vocab) {
+      return absl::InvalidArgumentError(absl::StrCat(generation_path,
+                                                     ": eos_token_id must be token ids in [0, ",
+                                                     vocab, "), got ", eos->dump()));
+    }
+    add(static_cast<int32_t>(id.get<int64_t>()));
+  }
+  return ids;
+}
+
 }  // namespace kvcm

@@ -163,4 +163,12 @@ absl::StatusOr<ModelConfig> ModelConfigFromGguf(const GgufFile& file);
 // a config.json file.
 absl::StatusOr<ModelConfig> ReadModelConfig(const std::string& path);
 
+// The ids generation ends at for the model at `path`, without repeats: a folder's config.json
+// eos_token_id, then its generation_config.json's (as transformers' generate() and vLLM read
+// them); a GGUF file's eos ids, then its eot id. The errors of ReadModelConfig, and
+// INVALID_ARGUMENT "PATH/generation_config.json: eos_token_id must be token ids in [0, V),
+// got ..." for a malformed one. (The router's metadata and the executor's min_tokens both
+// use it: one rule for where generation ends.)
+absl::StatusOr<std::vector<int32_t>> ReadEndTokenIds(const std::string& path);
+
 }  // namespace kvcm

@@ -43,28 +43,6 @@ void AddId(int32_t id, std::vector<int32_t>* ids) {
   if (std::find(ids->begin(), ids->end(), id) == ids->end()) ids->push_back(id);
 }
 
-// Appends the ids of an "eos_token_id" value (an int, a list of ints, or null) to `out`,
-// without repeats. INVALID_ARGUMENT naming `path` for anything else, or an id outside the
-// vocabulary.
-absl::Status AppendEosIds(const Json& value, const std::string& path, int32_t vocab,
-                          std::vector<int32_t>* out) {
-  if (value.is_null()) return absl::OkStatus();
-  std::vector<Json> ids;
-  if (value.is_array()) {
-    ids.assign(value.begin(), value.end());
-  } else {
-    ids.push_back(value);
-  }
-  for (const Json& id : ids) {
-    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= vocab) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          path, ": eos_token_id must be token ids in [0, ", vocab, "), got ", value.dump()));
-    }
-    AddId(id.get<int32_t>(), out);
-  }
-  return absl::OkStatus();
-}
-
 // A special token of tokenizer_config.json: a string, or {"content": "..."} (AddedToken).
 std::string TokenText(const Json& root, const char* key) {
   const auto it = root.find(key);
@@ -90,16 +68,8 @@ absl::Status ReadFolder(ModelMetadata* m) {
   m->tokenizer.vocab_size = *config.vocab_size;
   m->tokenizer.bos_token_id = config.bos_token_id.value_or(-1);
   m->tokenizer.eos_token_ids = config.eos_token_ids;
-  m->eos_token_ids = m->tokenizer.eos_token_ids;
-
-  const std::string generation_path = folder + "/generation_config.json";
-  if (std::filesystem::exists(generation_path)) {
-    KVCM_ASSIGN_OR_RETURN(const Json generation, ReadJsonObject(generation_path));
-    if (const auto eos = generation.find("eos_token_id"); eos != generation.end()) {
-      KVCM_RETURN_IF_ERROR(
-          AppendEosIds(*eos, generation_path, m->tokenizer.vocab_size, &m->eos_token_ids));
-    }
-  }
+  // config.json's and generation_config.json's: the rule the executors' min_tokens uses too.
+  KVCM_ASSIGN_OR_RETURN(m->eos_token_ids, ReadEndTokenIds(folder));
 
   const std::string tokenizer_config_path = folder + "/tokenizer_config.json";
   Json tokenizer_config = Json::object();

@@ -36,7 +36,7 @@
 #include "common/base/unique_fd.h"
 #include "common/config/config.h"
 #include "common/metrics/metrics_server.h"
-#include "common/model/model_metadata.h"
+#include "common/model/model_config.h"
 #include "services/executor/executor_metrics.h"
 #include "services/executor/executor_model.h"
 #include "services/executor/executor_pool.h"
@@ -203,11 +203,11 @@ int Main(const std::vector<config::Setting>& settings) {
   service_options.fault_layer_delay = absl::Milliseconds(absl::GetFlag(FLAGS_fault_layer_delay_ms));
   // The tokens that end generation as the router reads them (generation_config.json's too):
   // min_tokens holds them all back (docs/executor.md, "Sampling").
-  if (absl::StatusOr<ModelMetadata> metadata = ReadModelMetadata(folder); metadata.ok()) {
-    service_options.end_token_ids = metadata->eos_token_ids;
+  if (absl::StatusOr<std::vector<int32_t>> ends = ReadEndTokenIds(folder); ends.ok()) {
+    service_options.end_token_ids = *std::move(ends);
   } else {
     Log(absl::StrCat("min_tokens holds back config.json's EOS ids only: ",
-                     metadata.status().ToString()));
+                     ends.status().ToString()));
   }
   ExecutorService service(service_options, &executor_model, pool->get(), &metrics);
   ExecutorServer::Options server_options;

@@ -459,5 +459,38 @@ TEST_F(ReadModelConfigTest, GgufMissingOrInvalidKeysAreRefusedNamingTheKey) {
   }
 }
 
+// ---- Where generation ends ------------------------------------------------------------------
+
+// The ids, or a failure naming the error.
+std::vector<int32_t> EndIds(const std::string& path) {
+  absl::StatusOr<std::vector<int32_t>> ids = ReadEndTokenIds(path);
+  EXPECT_THAT(ids, IsOk());
+  return ids.ok() ? *ids : std::vector<int32_t>{};
+}
+
+TEST_F(ReadModelConfigTest, EndTokenIdsJoinConfigAndGenerationConfigWithoutRepeats) {
+  Write("config.json", Llama31().dump());
+  // Only config.json: its ids, in order.
+  EXPECT_THAT(EndIds(dir_->path()), ElementsAre(128001, 128008, 128009));
+  // generation_config.json adds its own after them, once each.
+  Write("generation_config.json", R"({"eos_token_id": [128009, 7], "do_sample": true})");
+  EXPECT_THAT(EndIds(dir_->path()), ElementsAre(128001, 128008, 128009, 7));
+  Write("generation_config.json", R"({"eos_token_id": null})");
+  EXPECT_THAT(EndIds(dir_->path()), ElementsAre(128001, 128008, 128009));
+  // An id outside the vocabulary, or not an id, is refused naming the file.
+  for (const char* bad : {R"({"eos_token_id": 128256})", R"({"eos_token_id": "eos"})", "[1]"}) {
+    Write("generation_config.json", bad);
+    absl::StatusOr<std::vector<int32_t>> ids = ReadEndTokenIds(dir_->path());
+    ASSERT_FALSE(ids.ok()) << bad;
+    EXPECT_EQ(ids.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(ids.status().message(), HasSubstr("generation_config.json")) << bad;
+  }
+}
+
+TEST_F(ReadModelConfigTest, EndTokenIdsOfAGgufAreItsEosThenItsEot) {
+  const std::string path = WriteGguf(GgufKeys());
+  EXPECT_THAT(EndIds(path), ElementsAre(1, 3));
+}
+
 }  // namespace
 }  // namespace kvcm
