@@ -18,8 +18,8 @@ namespace kvcm {
 namespace {
 
 constexpr const char* kArchitectures[] = {"LlamaForCausalLM", "MistralForCausalLM",
-                                          "Qwen2ForCausalLM"};
-constexpr const char* kModelTypes[] = {"llama", "mistral", "qwen2"};
+                                          "Qwen2ForCausalLM", "Qwen3ForCausalLM"};
+constexpr const char* kModelTypes[] = {"llama", "mistral", "qwen2", "qwen3"};
 
 // The supported architecture `m` names (Hugging Face), or the refusal naming the key.
 absl::StatusOr<std::string> HfArchitecture(const ModelConfig& m) {
@@ -148,6 +148,7 @@ std::string LlamaConfig::ToString() const {
                       ", rope scaling ", RopeScalingName(rope_scaling),
                       tie_word_embeddings ? ", tied embeddings" : "",
                       qkv_bias ? (o_bias ? ", q/k/v/o bias" : ", q/k/v bias") : "",
+                      qk_norm ? ", q/k norm" : "",
                       torch_dtype.empty() ? "" : ", ", torch_dtype);
 }
 
@@ -169,12 +170,16 @@ absl::StatusOr<LlamaConfig> LlamaConfigFromModelConfig(const ModelConfig& m) {
 
   LlamaConfig c;
   if (gguf) {
-    if (m.model_type != "llama" && m.model_type != "qwen2") {
+    if (m.model_type == "llama") {
+      c.architecture = "LlamaForCausalLM (GGUF llama)";
+    } else if (m.model_type == "qwen2") {
+      c.architecture = "Qwen2ForCausalLM (GGUF qwen2)";
+    } else if (m.model_type == "qwen3") {
+      c.architecture = "Qwen3ForCausalLM (GGUF qwen3)";
+    } else {
       return unimplemented(absl::StrCat("general.architecture \"", m.model_type,
-                                        "\" is not supported (supported: llama, qwen2)"));
+                                        "\" is not supported (supported: llama, qwen2, qwen3)"));
     }
-    c.architecture =
-        m.model_type == "qwen2" ? "Qwen2ForCausalLM (GGUF qwen2)" : "LlamaForCausalLM (GGUF llama)";
   } else {
     KVCM_ASSIGN_OR_RETURN(c.architecture, HfArchitecture(m));
   }
@@ -230,25 +235,31 @@ absl::StatusOr<LlamaConfig> LlamaConfigFromModelConfig(const ModelConfig& m) {
         "not supported yet");
   }
   const bool qwen2 = c.architecture.starts_with("Qwen2ForCausalLM");
-  if (qwen2) {
-    // Qwen2's q, k and v projections always have a bias, its o projection none.
-    c.qkv_bias = true;
+  const bool qwen3 = c.architecture.starts_with("Qwen3ForCausalLM");
+  if (qwen2 || qwen3) {
     if (m.use_sliding_window.value_or(false)) {
       return unimplemented(
           "\"use_sliding_window\": true (sliding-window attention) is not supported");
     }
+  }
+  if (qwen2) {
+    // Qwen2's q, k and v projections always have a bias, its o projection none.
+    c.qkv_bias = true;
   } else {
+    // Llama's and Qwen3's attention_bias: q, k, v and o (GGUF files have no such key).
     c.qkv_bias = m.attention_bias.value_or(false);
     c.o_bias = c.qkv_bias;
   }
+  // Qwen3 normalizes each head of q and of k (its q_norm and k_norm) before RoPE.
+  c.qk_norm = qwen3;
   if (m.sliding_window.has_value()) {
     if (gguf) {
       return unimplemented(absl::StrCat("GGUF key \"", m.sliding_window_key,
                                         "\" (sliding-window attention) is not supported"));
     }
-    // Qwen2's window applies only with use_sliding_window (refused above); a window at least
-    // as long as the context never slides.
-    if (!qwen2 && *m.sliding_window < c.max_position_embeddings) {
+    // Qwen2's and Qwen3's window applies only with use_sliding_window (refused above); a
+    // window at least as long as the context never slides.
+    if (!qwen2 && !qwen3 && *m.sliding_window < c.max_position_embeddings) {
       return unimplemented(absl::StrCat("\"", m.sliding_window_key, "\" ", *m.sliding_window,
                                         " (shorter than max_position_embeddings=",
                                         c.max_position_embeddings, ") is not supported"));

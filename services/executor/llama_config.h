@@ -4,10 +4,11 @@
 // refuses malformed keys: INVALID_ARGUMENT naming the key). What is checked here is what the
 // forward pass supports, with these defaults:
 //
-//   architecture             "architectures" naming LlamaForCausalLM, MistralForCausalLM or
-//                            Qwen2ForCausalLM; when absent, "model_type" llama, mistral or
-//                            qwen2; GGUF general.architecture llama (Llama 2/3, SmolLM,
-//                            Mistral) or qwen2 (bias on q/k/v)
+//   architecture             "architectures" naming LlamaForCausalLM, MistralForCausalLM,
+//                            Qwen2ForCausalLM or Qwen3ForCausalLM; when absent, "model_type"
+//                            llama, mistral, qwen2 or qwen3; GGUF general.architecture llama
+//                            (Llama 2/3, SmolLM, Mistral), qwen2 (bias on q/k/v) or qwen3
+//                            (dense Qwen3: per-head q/k norm, no bias)
 //   vocab_size, hidden_size, intermediate_size   required (GGUF: ARCH.vocab_size, else the
 //                            number of tokens; ARCH.embedding_length; ARCH.feed_forward_length)
 //   head_dim                 even (RoPE); GGUF attention.value_length and
@@ -21,7 +22,10 @@
 //                            A RoPE key that is not understood (attention_factor, beta_fast,
 //                            a partial_rotary_factor other than 1, ...) is UNIMPLEMENTED, never
 //                            ignored; so is a per-layer-type rope_parameters
-//   attention_bias           (Llama) bias on q, k, v and o: default false; Qwen2: q, k, v
+//   attention_bias           (Llama, Qwen3) bias on q, k, v and o: default false; Qwen2:
+//                            q, k, v always
+//   qk_norm                  Qwen3: an RMSNorm (weights q_norm, k_norm of head_dim, epsilon
+//                            rms_norm_eps) over each head of q and of k, before RoPE
 //   bos_token_id, eos_token_id   as read (GGUF: eos and eot ids)
 //   torch_dtype              informational; GGUF: "GGUF <type>", the type most of the 2-D
 //                            weights are in
@@ -29,9 +33,10 @@
 // Rejected, naming the key:
 //   UNIMPLEMENTED     another architecture; rope scaling of another type (dynamic, yarn,
 //                     longrope, ...); mlp_bias true; hidden_act other than "silu"; a
-//                     sliding_window shorter than max_position_embeddings (not Qwen2's);
-//                     Qwen2's use_sliding_window true; GGUF: ARCH.attention.sliding_window,
-//                     a rope_freqs.weight tensor (Llama 3.1's per-frequency RoPE factors)
+//                     sliding_window shorter than max_position_embeddings (not Qwen2's or
+//                     Qwen3's); Qwen2's and Qwen3's use_sliding_window true; GGUF:
+//                     ARCH.attention.sliding_window, a rope_freqs.weight tensor (Llama
+//                     3.1's per-frequency RoPE factors)
 //   INVALID_ARGUMENT  a required key missing, an odd head_dim, a scaling without what its
 //                     type needs; and ModelConfig's refusals (malformed JSON or metadata, a
 //                     value of the wrong type or out of range)
@@ -64,7 +69,7 @@ struct RopeScaling {
 std::string RopeScalingName(const RopeScaling& scaling);
 
 struct LlamaConfig {
-  std::string architecture;  // e.g. "LlamaForCausalLM"
+  std::string architecture;  // e.g. "LlamaForCausalLM", "Qwen3ForCausalLM (GGUF qwen3)"
   int32_t vocab_size = 0;
   int32_t hidden_size = 0;
   int32_t intermediate_size = 0;
@@ -78,7 +83,10 @@ struct LlamaConfig {
   int32_t max_position_embeddings = 2048;
   bool tie_word_embeddings = false;
   bool qkv_bias = false;  // q_proj, k_proj, v_proj have a bias (Qwen2; Llama's attention_bias)
-  bool o_bias = false;    // o_proj has one (Llama's attention_bias)
+  bool o_bias = false;    // o_proj has one (Llama's and Qwen3's attention_bias)
+  // Qwen3: q_norm and k_norm ([head_dim] RMSNorm weights) normalize each head of q and of k
+  // after the projections (and biases), before RoPE.
+  bool qk_norm = false;
   int32_t bos_token_id = -1;           // -1: none
   std::vector<int32_t> eos_token_ids;  // empty: none; generation stops on any of them
   std::string torch_dtype;             // as written, "" when absent

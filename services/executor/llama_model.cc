@@ -147,6 +147,8 @@ std::string GgufTensorName(const std::string& hf_name) {
       {"self_attn.k_proj.bias", "attn_k.bias"},
       {"self_attn.v_proj.bias", "attn_v.bias"},
       {"self_attn.o_proj.bias", "attn_output.bias"},
+      {"self_attn.q_norm.weight", "attn_q_norm.weight"},
+      {"self_attn.k_norm.weight", "attn_k_norm.weight"},
   };
   constexpr std::string_view kLayers = "model.layers.";
   if (hf_name.starts_with(kLayers)) {
@@ -170,8 +172,8 @@ std::string GgufTensorName(const std::string& hf_name) {
 // q_proj and k_proj inside each head from Hugging Face's rotate-half RoPE layout (the first
 // half of a head, then the second) to ggml's interleaved pairs (row 2i is HF's row i, row
 // 2i + 1 is HF's row i + head_dim / 2); LoadMatrix undoes it (`unpermute`), so the model computes
-// RoPE one way for both sources. qwen2 files keep HF's order (ggml runs them with NEOX RoPE,
-// which is rotate-half).
+// RoPE one way for both sources. qwen2 and qwen3 files keep HF's order (ggml runs them with
+// NEOX RoPE, which is rotate-half).
 class GgufSource final : public WeightSource {
  public:
   GgufSource(const GgufFile& file, const LlamaConfig& config, bool unpermute)
@@ -405,6 +407,11 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::LoadWeights(
       KVCM_RETURN_IF_ERROR(load(p + "self_attn.v_proj.bias", {kv}, &layer.v_bias));
     }
     if (c.o_bias) KVCM_RETURN_IF_ERROR(load(p + "self_attn.o_proj.bias", {h}, &layer.o_bias));
+    if (c.qk_norm) {
+      const int64_t d = c.head_dim;
+      KVCM_RETURN_IF_ERROR(load(p + "self_attn.q_norm.weight", {d}, &layer.q_norm));
+      KVCM_RETURN_IF_ERROR(load(p + "self_attn.k_norm.weight", {d}, &layer.k_norm));
+    }
   }
   KVCM_RETURN_IF_ERROR(load("model.norm.weight", {h}, &model->weights_.final_norm));
   if (!c.tie_word_embeddings) {
@@ -432,6 +439,21 @@ void LlamaModel::RmsNorm(const float* x, int64_t rows, const std::vector<float>&
         static_cast<float>(1.0 / std::sqrt(sum_sq / static_cast<double>(h) + config_.rms_norm_eps));
     for (int64_t i = 0; i < h; ++i)
       out[r * h + i] = weight[static_cast<size_t>(i)] * (xr[i] * inv_rms);
+  }
+}
+
+void LlamaModel::HeadNorm(float* x, int64_t rows, int32_t heads,
+                          const std::vector<float>& weight) const {
+  if (weight.empty()) return;
+  // Each head alone, in a fixed order: the same row gives the same bits in any batch.
+  const int64_t d = config_.head_dim;
+  for (int64_t r = 0; r < rows * heads; ++r) {
+    float* xr = x + r * d;
+    double sum_sq = 0;
+    for (int64_t i = 0; i < d; ++i) sum_sq += static_cast<double>(xr[i]) * xr[i];
+    const float inv_rms =
+        static_cast<float>(1.0 / std::sqrt(sum_sq / static_cast<double>(d) + config_.rms_norm_eps));
+    for (int64_t i = 0; i < d; ++i) xr[i] = weight[static_cast<size_t>(i)] * (xr[i] * inv_rms);
   }
 }
 
@@ -485,6 +507,8 @@ void LlamaModel::AttentionInputs(int32_t l, const float* x, int64_t rows,
   AddBias(q, rows, layer.q_bias);
   AddBias(k, rows, layer.k_bias);
   AddBias(v, rows, layer.v_bias);
+  HeadNorm(q, rows, config_.num_attention_heads, layer.q_norm);
+  HeadNorm(k, rows, config_.num_key_value_heads, layer.k_norm);
   ApplyRope(q, rows, config_.num_attention_heads, positions);
   ApplyRope(k, rows, config_.num_key_value_heads, positions);
 }

@@ -110,6 +110,9 @@ struct LlamaWeights {
     std::vector<float> k_bias;  // [K]
     std::vector<float> v_bias;  // [K]
     std::vector<float> o_bias;  // [H]
+    // Per-head RMSNorm weights of q and of k (qk_norm, Qwen3; empty otherwise).
+    std::vector<float> q_norm;  // [head_dim]
+    std::vector<float> k_norm;  // [head_dim]
   };
   kernels::WeightMatrix embed_tokens;  // [V, H]; rows dequantized at lookup
   std::vector<Layer> layers;
@@ -158,6 +161,7 @@ class LlamaModel {
   //   lm_head.weight                                    [V, H]  (not read when tied)
   //   model.layers.{l}.self_attn.{q,k,v}_proj.bias      [Q], [K], [K]  (with qkv_bias)
   //   model.layers.{l}.self_attn.o_proj.bias            [H]  (with o_bias)
+  //   model.layers.{l}.self_attn.{q,k}_norm.weight      [head_dim]  (with qk_norm: Qwen3)
   // Other tensors are ignored. Errors: those of LoadLlamaConfig and SafetensorsFolder::Open;
   // NOT_FOUND naming a missing tensor; INVALID_ARGUMENT naming a tensor whose shape differs,
   // with the expected and actual shapes; UNIMPLEMENTED for a dtype other than F32/F16/BF16.
@@ -165,11 +169,13 @@ class LlamaModel {
   // `path` may also be a GGUF file (IsGgufFile): the config comes from its metadata
   // (LlamaConfigFromGguf) and the same tensors under llama.cpp's names (token_embd,
   // blk.{l}.attn_norm, attn_q, attn_k, attn_v, attn_output, ffn_norm, ffn_gate, ffn_up,
-  // ffn_down, output_norm, output; attn_{q,k,v}.bias for qwen2), of any type Dequantize
+  // ffn_down, output_norm, output; attn_{q,k,v}.bias for qwen2; attn_q_norm, attn_k_norm
+  // for qwen3), of any type Dequantize
   // implements: matrices of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K stay quantized
   // (kernels::WeightMatrix::FromGgml), other types and the norms are dequantized to fp32 at
   // load; a llama file's q and k rows are put back from
-  // GGUF's RoPE order (see llama_model.cc; qwen2 files keep Hugging Face's order). Errors:
+  // GGUF's RoPE order (see llama_model.cc; qwen2 and qwen3 files keep Hugging Face's order).
+  // Errors:
   // GgufFile::Open's and LlamaConfigFromGguf's, and the tensor errors above naming the file.
   static absl::StatusOr<std::unique_ptr<LlamaModel>> Load(
       const std::string& path, const LlamaModelOptions& options = LlamaModelOptions());
@@ -229,11 +235,15 @@ class LlamaModel {
               int64_t out, float* y) const;
   // out[rows][H] = RMSNorm(x[rows][H]) * weight.
   void RmsNorm(const float* x, int64_t rows, const std::vector<float>& weight, float* out) const;
+  // Qwen3's q_norm / k_norm: RMSNorm of each of the `heads` heads of each row, in place, with
+  // the head_dim weights `weight`; nothing for an empty weight.
+  void HeadNorm(float* x, int64_t rows, int32_t heads, const std::vector<float>& weight) const;
   // Rotates `heads` heads of each row in place by its position (HF rotate_half convention).
   void ApplyRope(float* x, int64_t rows, int32_t heads, std::span<const int32_t> positions) const;
   // x[rows][H] = embeddings of `tokens`.
   void Embed(std::span<const int32_t> tokens, float* x) const;
-  // Layer `l` up to attention: q [rows][Q], k and v [rows][K], RoPE applied.
+  // Layer `l` up to attention: q [rows][Q], k and v [rows][K], biases, q/k norms and RoPE
+  // applied.
   void AttentionInputs(int32_t l, const float* x, int64_t rows, std::span<const int32_t> positions,
                        float* q, float* k, float* v) const;
   // Layer `l` after attention: x += o_proj(attn); x += MLP(post_norm(x)).

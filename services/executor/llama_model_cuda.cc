@@ -604,6 +604,7 @@ absl::Status LlamaCudaModel::Impl::CopyBlocks(const PagedPool& pool,
 
 absl::StatusOr<std::unique_ptr<LlamaCudaModel>> LlamaCudaModel::Create(
     const LlamaModel& model, int32_t device, const LlamaCudaModelOptions& options) {
+  KVCM_RETURN_IF_ERROR(CheckCudaSupport(model.config()));
   if (options.weight_dtype != DType::kFloat32 && options.weight_dtype != DType::kFloat16 &&
       options.weight_dtype != DType::kBFloat16) {
     return absl::InvalidArgumentError(absl::StrCat("CUDA weight dtype ",

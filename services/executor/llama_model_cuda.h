@@ -38,6 +38,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "kernels/copy_blocks.h"
 #include "services/executor/llama_model.h"
 
@@ -52,11 +53,25 @@ struct LlamaCudaModelOptions {
   DType weight_dtype = DType::kBFloat16;
 };
 
+// OK when LlamaCudaModel computes `config`'s model as LlamaModel does; otherwise
+// UNIMPLEMENTED naming the missing feature (Qwen3's per-head q/k norm). Create checks it
+// first, in builds with and without CUDA.
+inline absl::Status CheckCudaSupport(const LlamaConfig& config) {
+  if (config.qk_norm) {
+    return absl::UnimplementedError(absl::StrCat(
+        config.architecture,
+        ": qwen3's per-head q/k norm (q_norm, k_norm) is not implemented on CUDA devices yet; "
+        "run this model on the CPU executor"));
+  }
+  return absl::OkStatus();
+}
+
 class LlamaCudaModel {
  public:
   // Copies `model`'s weights to `device` in options.weight_dtype and makes the stream and
-  // the cuBLAS handle. Errors: UNIMPLEMENTED when this build has no CUDA kernels;
-  // UNAVAILABLE ("no CUDA device: ...") without a device; INVALID_ARGUMENT for a device index
+  // the cuBLAS handle. Errors: UNIMPLEMENTED when this build has no CUDA kernels, or for a
+  // model with qk_norm (Qwen3's per-head q/k norm has no CUDA kernel yet: refused before any
+  // device is touched, rather than computing other logits than the CPU); UNAVAILABLE ("no CUDA device: ...") without a device; INVALID_ARGUMENT for a device index
   // out of range, a weight dtype other than fp32, fp16 or bf16, or a finite weight beyond
   // fp16's range with fp16 (naming the tensor); RESOURCE_EXHAUSTED when the weights do not
   // fit (with the bytes needed and free); INTERNAL when cuBLAS cannot start.

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/base/check.h"
+#include "common/base/status_macros.h"
 #include "services/executor/llama_model_cuda.h"
 
 namespace kvcm {
@@ -9,7 +10,8 @@ namespace kvcm {
 class LlamaCudaModel::Impl {};
 
 absl::StatusOr<std::unique_ptr<LlamaCudaModel>> LlamaCudaModel::Create(
-    const LlamaModel&, int32_t device, const LlamaCudaModelOptions&) {
+    const LlamaModel& model, int32_t device, const LlamaCudaModelOptions&) {
+  KVCM_RETURN_IF_ERROR(CheckCudaSupport(model.config()));
   return absl::UnimplementedError(
       absl::StrCat("kvcm was built without CUDA: the model cannot run on CUDA device ", device,
                    " (rebuild with nvcc on the PATH or -DKVCM_CUDA=ON)"));

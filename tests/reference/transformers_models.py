@@ -6,6 +6,11 @@ loaders that does not go through kvcm's own writer (tools/make_tiny_model).
   llama       LlamaForCausalLM: grouped-query attention, llama3 RoPE scaling
   llama-bias  LlamaForCausalLM with attention_bias (q, k, v and o) and tied embeddings
   qwen2       Qwen2ForCausalLM (bias on q, k and v), tied embeddings
+  qwen3       Qwen3ForCausalLM (per-head q/k RMSNorm, no bias): head_dim 16 with hidden 32
+              and 4 heads (head_dim != hidden / heads), grouped-query attention (2 KV heads)
+  qwen3-mha   Qwen3ForCausalLM: 2 heads of 8 with hidden 48, no GQA, tied embeddings
+  qwen3-bias  Qwen3ForCausalLM with attention_bias (q, k, v and o), 4 query heads on one KV
+              head, head_dim = hidden / heads
 
 transformers 5 writes its own config spelling (dtype, rope_parameters), which kvcm must read.
 Weights are drawn with a fixed seed at a scale that makes the logits far from ties. For
@@ -27,7 +32,8 @@ import shutil
 
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
 
 SEED = 20261202
 NEW_TOKENS = 6
@@ -48,6 +54,17 @@ MODELS = {
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     "qwen2": (Qwen2ForCausalLM, Qwen2Config(
         **COMMON, tie_word_embeddings=True, use_sliding_window=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "qwen3": (Qwen3ForCausalLM, Qwen3Config(
+        **dict(COMMON, head_dim=16), tie_word_embeddings=False, use_sliding_window=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "qwen3-mha": (Qwen3ForCausalLM, Qwen3Config(
+        **dict(COMMON, hidden_size=48, num_attention_heads=2, num_key_value_heads=2),
+        tie_word_embeddings=True, use_sliding_window=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "qwen3-bias": (Qwen3ForCausalLM, Qwen3Config(
+        **dict(COMMON, num_key_value_heads=1), attention_bias=True, tie_word_embeddings=False,
+        use_sliding_window=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
 }
 

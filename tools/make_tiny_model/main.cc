@@ -2,7 +2,7 @@
 // (config.json + model.safetensors), loadable by the executor, for tests and the demo.
 //
 //   kvcm-make-tiny-model --output=DIR [--seed=N] [--dtype=fp32|bf16|fp16]
-//                        [--architecture=llama|qwen2] [--attention_bias]
+//                        [--architecture=llama|qwen2|qwen3] [--attention_bias]
 //                        [--tie_word_embeddings] [--num_shards=N] [size flags]
 //
 // Flags are parsed here into TinyModelOptions (tools/make_tiny_model/tiny_model.h), which
@@ -28,9 +28,10 @@ ABSL_FLAG(std::string, output, "", "Model folder to create (required).");
 ABSL_FLAG(uint64_t, seed, kDefaults.seed, "Seed of the random weights.");
 ABSL_FLAG(std::string, dtype, "fp32", "Weight dtype in the file: fp32, bf16 or fp16.");
 ABSL_FLAG(std::string, architecture, kDefaults.architecture,
-          "llama, or qwen2 (Qwen2ForCausalLM: a bias on q, k and v).");
+          "llama, qwen2 (Qwen2ForCausalLM: a bias on q, k and v) or qwen3 "
+          "(Qwen3ForCausalLM: a per-head RMSNorm of q and k).");
 ABSL_FLAG(bool, attention_bias, kDefaults.attention_bias,
-          "llama only: Llama's attention_bias, a bias on q, k, v and o.");
+          "llama and qwen3: attention_bias, a bias on q, k, v and o.");
 ABSL_FLAG(bool, tie_word_embeddings, kDefaults.tie_word_embeddings,
           "Share the embedding matrix with the LM head (no lm_head.weight).");
 ABSL_FLAG(int32_t, num_shards, kDefaults.num_shards,

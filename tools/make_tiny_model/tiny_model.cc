@@ -83,11 +83,13 @@ absl::Status Validate(const TinyModelOptions& o) {
   for (const auto& [name, value] : sizes) {
     if (value <= 0) return invalid(name, " must be positive, got ", value);
   }
-  if (o.architecture != "llama" && o.architecture != "qwen2") {
-    return invalid("architecture must be \"llama\" or \"qwen2\", got \"", o.architecture, "\"");
+  if (o.architecture != "llama" && o.architecture != "qwen2" && o.architecture != "qwen3") {
+    return invalid("architecture must be \"llama\", \"qwen2\" or \"qwen3\", got \"",
+                   o.architecture, "\"");
   }
-  if (o.attention_bias && o.architecture != "llama") {
-    return invalid("attention_bias is Llama's (qwen2 always has its q, k and v biases)");
+  if (o.attention_bias && o.architecture == "qwen2") {
+    return invalid("attention_bias is Llama's and Qwen3's (qwen2 always has its q, k and v "
+                   "biases)");
   }
   if (o.num_heads % o.num_kv_heads != 0) {
     return invalid("num_heads (", o.num_heads, ") must be a multiple of num_kv_heads (",
@@ -119,7 +121,10 @@ absl::Status Validate(const TinyModelOptions& o) {
 
 std::string TinyModelConfigJson(const TinyModelOptions& o) {
   nlohmann::ordered_json config = {
-      {"architectures", {o.architecture == "qwen2" ? "Qwen2ForCausalLM" : "LlamaForCausalLM"}},
+      {"architectures",
+       {o.architecture == "qwen2"   ? "Qwen2ForCausalLM"
+        : o.architecture == "qwen3" ? "Qwen3ForCausalLM"
+                                    : "LlamaForCausalLM"}},
       {"model_type", o.architecture},
       {"vocab_size", o.vocab_size},
       {"hidden_size", o.hidden_size},
@@ -215,6 +220,11 @@ absl::Status WriteTinyModel(const std::string& folder, const TinyModelOptions& o
     }
     if (o.attention_bias) {
       KVCM_RETURN_IF_ERROR(add(shard, p + "self_attn.o_proj.bias", {h}, 0, 0.5));
+    }
+    if (o.architecture == "qwen3") {
+      const int64_t d = o.head_dim;
+      KVCM_RETURN_IF_ERROR(add(shard, p + "self_attn.q_norm.weight", {d}, 1, norm_noise));
+      KVCM_RETURN_IF_ERROR(add(shard, p + "self_attn.k_norm.weight", {d}, 1, norm_noise));
     }
     KVCM_RETURN_IF_ERROR(add(shard, p + "post_attention_layernorm.weight", {h}, 1, norm_noise));
     KVCM_RETURN_IF_ERROR(add(shard, p + "mlp.gate_proj.weight", {inter, h}, 0, 1 / std::sqrt(h)));

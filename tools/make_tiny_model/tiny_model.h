@@ -10,8 +10,9 @@
 //   model.embed_tokens.weight, lm_head.weight   N(0, 1), N(0, 2 / sqrt(hidden))
 //   *_layernorm.weight, model.norm.weight       1 + N(0, 0.1)
 //   q/k/v/o/gate/up/down_proj.weight            N(0, 1 / sqrt(fan_in))
-//   q/k/v_proj.bias (qwen2; llama with attention_bias), o_proj.bias (llama with
-//   attention_bias)                             N(0, 0.5)
+//   q/k/v_proj.bias (qwen2; llama and qwen3 with attention_bias), o_proj.bias (llama and
+//   qwen3 with attention_bias)                  N(0, 0.5)
+//   self_attn.q_norm/k_norm.weight (qwen3)      1 + N(0, 0.1)
 //
 // No tokenizer file is written: the model uses the byte-level tokenizer (tokenizer.h),
 // hence vocab 320 >= 259, BOS 1, EOS 2.
@@ -28,10 +29,11 @@
 namespace kvcm {
 
 struct TinyModelOptions {
-  // "llama" (LlamaForCausalLM) or "qwen2" (Qwen2ForCausalLM: the same layers with a bias on
-  // q, k and v, large enough to change every logit).
+  // "llama" (LlamaForCausalLM), "qwen2" (Qwen2ForCausalLM: the same layers with a bias on
+  // q, k and v, large enough to change every logit) or "qwen3" (Qwen3ForCausalLM: Llama's
+  // layers with an RMSNorm over each head of q and of k).
   std::string architecture = "llama";
-  // llama only: Llama's "attention_bias", a bias on q, k, v and o.
+  // llama and qwen3: "attention_bias", a bias on q, k, v and o.
   bool attention_bias = false;
   int32_t vocab_size = 320;  // >= 259 for the byte-level tokenizer
   int32_t hidden_size = 64;

@@ -114,6 +114,17 @@ TEST(SpecFromHfConfigTest, ExplicitHeadDimWins) {
   EXPECT_EQ(spec, (KvCacheSpec{40, 8, 128, DType::kBFloat16, 16}));
 }
 
+TEST(SpecFromHfConfigTest, Qwen3HeadDimLargerThanHiddenOverHeads) {
+  // Qwen/Qwen3-0.6B: hidden 1024 / 16 heads would be 64, but head_dim is 128; 28 layers,
+  // 8 KV heads, bf16.
+  const KvCacheSpec spec = Spec(R"({"architectures": ["Qwen3ForCausalLM"],
+      "model_type": "qwen3", "hidden_size": 1024, "num_attention_heads": 16,
+      "num_hidden_layers": 28, "num_key_value_heads": 8, "head_dim": 128,
+      "sliding_window": null, "use_sliding_window": false, "torch_dtype": "bfloat16"})");
+  EXPECT_EQ(spec, (KvCacheSpec{28, 8, 128, DType::kBFloat16, 16}));
+  EXPECT_EQ(spec.BytesPerToken(), 114688);  // 2 x 28 x 8 x 128 x 2
+}
+
 TEST(SpecFromHfConfigTest, HeadDimFallbackNeedsExactDivision) {
   const absl::Status status = Error(R"({"hidden_size": 4000, "num_attention_heads": 24,
       "num_hidden_layers": 2, "torch_dtype": "bfloat16"})");

@@ -65,6 +65,36 @@ constexpr char kLlama31_8B[] = R"json({
   "vocab_size": 128256
 })json";
 
+// Qwen/Qwen3-0.6B's config.json: head_dim 128 with hidden 1024 and 16 heads.
+constexpr char kQwen3_06B[] = R"json({
+  "architectures": ["Qwen3ForCausalLM"],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "bos_token_id": 151643,
+  "eos_token_id": 151645,
+  "head_dim": 128,
+  "hidden_act": "silu",
+  "hidden_size": 1024,
+  "initializer_range": 0.02,
+  "intermediate_size": 3072,
+  "max_position_embeddings": 40960,
+  "max_window_layers": 28,
+  "model_type": "qwen3",
+  "num_attention_heads": 16,
+  "num_hidden_layers": 28,
+  "num_key_value_heads": 8,
+  "rms_norm_eps": 1e-06,
+  "rope_scaling": null,
+  "rope_theta": 1000000,
+  "sliding_window": null,
+  "tie_word_embeddings": true,
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.51.0",
+  "use_cache": true,
+  "use_sliding_window": false,
+  "vocab_size": 151936
+})json";
+
 constexpr char kMinimal[] = R"json({
   "architectures": ["LlamaForCausalLM"],
   "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
@@ -253,6 +283,59 @@ TEST(LlamaConfigTest, AttentionBiasesOfLlamaAndQwen2) {
   const absl::Status windowed = ParseLlamaConfig(qwen2.dump()).status();
   EXPECT_EQ(windowed.code(), absl::StatusCode::kUnimplemented) << windowed;
   EXPECT_THAT(windowed.message(), HasSubstr("use_sliding_window"));
+}
+
+TEST(LlamaConfigTest, Qwen3HasQkNormAndItsOwnHeadDim) {
+  absl::StatusOr<LlamaConfig> c = ParseLlamaConfig(kQwen3_06B);
+  ASSERT_THAT(c, IsOk());
+  EXPECT_EQ(c->architecture, "Qwen3ForCausalLM");
+  EXPECT_TRUE(c->qk_norm);
+  EXPECT_FALSE(c->qkv_bias);
+  EXPECT_FALSE(c->o_bias);
+  EXPECT_EQ(c->hidden_size, 1024);
+  EXPECT_EQ(c->num_attention_heads, 16);
+  EXPECT_EQ(c->num_key_value_heads, 8);
+  EXPECT_EQ(c->head_dim, 128);  // not 1024 / 16
+  EXPECT_FLOAT_EQ(c->rms_norm_eps, 1e-6f);
+  EXPECT_EQ(c->rope_theta, 1e6);
+  EXPECT_EQ(c->max_position_embeddings, 40960);
+  EXPECT_TRUE(c->tie_word_embeddings);
+  EXPECT_THAT(c->eos_token_ids, ElementsAre(151645));
+  EXPECT_THAT(c->ToString(), HasSubstr("q/k norm"));
+  absl::StatusOr<KvCacheSpec> spec = c->KvSpec(DType::kBFloat16, 16);
+  ASSERT_THAT(spec, IsOk());
+  EXPECT_EQ(spec->num_layers, 28);
+  EXPECT_EQ(spec->num_kv_heads, 8);
+  EXPECT_EQ(spec->head_dim, 128);
+
+  // model_type alone names it too; attention_bias is Llama's (q, k, v and o).
+  Json config = Json::parse(kQwen3_06B);
+  config.erase("architectures");
+  config["attention_bias"] = true;
+  c = ParseLlamaConfig(config.dump());
+  ASSERT_THAT(c, IsOk());
+  EXPECT_EQ(c->architecture, "Qwen3ForCausalLM");
+  EXPECT_TRUE(c->qk_norm);
+  EXPECT_TRUE(c->qkv_bias);
+  EXPECT_TRUE(c->o_bias);
+
+  // A window is used only with use_sliding_window, which is refused.
+  config = Json::parse(kQwen3_06B);
+  config["sliding_window"] = 4096;
+  EXPECT_THAT(ParseLlamaConfig(config.dump()), IsOk());
+  config["use_sliding_window"] = true;
+  const absl::Status windowed = ParseLlamaConfig(config.dump()).status();
+  EXPECT_EQ(windowed.code(), absl::StatusCode::kUnimplemented) << windowed;
+  EXPECT_THAT(windowed.message(), HasSubstr("use_sliding_window"));
+
+  // Only Qwen3 has the q/k norm.
+  for (const char* other : {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}) {
+    config = Json::parse(kQwen3_06B);
+    config["architectures"] = Json::array({other});
+    c = ParseLlamaConfig(config.dump());
+    ASSERT_THAT(c, IsOk()) << other;
+    EXPECT_FALSE(c->qk_norm) << other;
+  }
 }
 
 TEST(LlamaConfigTest, RopeScalingVariants) {

@@ -1,7 +1,8 @@
 // THE test of the executor's model: a forward over the paged pool (WriteKv + PagedAttention)
 // gives the logits of the plain contiguous forward, for prefill, decode, chunked prefill,
 // prefill over a shared cached prefix, mixed batches, any block size and placement, and
-// fp32 / fp16 / bf16 caches.
+// fp32 / fp16 / bf16 caches; for a Llama and for a Qwen3 (its per-head q/k norm, and a
+// head_dim other than hidden / heads).
 //
 // Tolerances, as max |paged - reference| / max(1, max |reference|) over a logits row:
 //   fp32 cache  1e-5  (only the order of the attention sums differs; about 7e-7 seen)
@@ -52,19 +53,32 @@ double Tolerance(DType dtype) {
   }
 }
 
-// One model for the whole suite (loading is cheap but not free).
+// The tiny model of `architecture` ("llama" or "qwen3"), one for the whole suite (loading
+// is cheap but not free).
+TinyModelOptions TinyOptions(const std::string& architecture) {
+  TinyModelOptions options;
+  options.architecture = architecture;
+  if (architecture == "qwen3") options.head_dim = 24;  // not hidden 64 / 4 heads
+  return options;
+}
+
 class ModelHolder {
  public:
-  static const LlamaModel& Get() {
-    static ModelHolder* holder = new ModelHolder();
+  static const LlamaModel& Get(const std::string& architecture = "llama") {
+    if (architecture == "qwen3") {
+      static ModelHolder* qwen3 = new ModelHolder("qwen3");
+      return *qwen3->model_;
+    }
+    KVCM_CHECK(architecture == "llama") << architecture;
+    static ModelHolder* holder = new ModelHolder("llama");
     return *holder->model_;
   }
 
  private:
-  ModelHolder() {
+  explicit ModelHolder(const std::string& architecture) {
     absl::StatusOr<testing::TempDir> dir = testing::TempDir::Create("kvcm-paged");
     KVCM_CHECK(dir.ok()) << dir.status();
-    TinyModelOptions options;
+    const TinyModelOptions options = TinyOptions(architecture);
     std::printf("tiny model seed %llu\n", static_cast<unsigned long long>(options.seed));
     KVCM_CHECK(WriteTinyModel(dir->path(), options).ok());
     LlamaModelOptions model_options;
@@ -202,12 +216,13 @@ std::vector<int32_t> RandomTokens(std::mt19937_64& rng, int32_t n, int32_t vocab
   return tokens;
 }
 
-using Param = std::tuple<int32_t /*block_size*/, DType>;
+using Param = std::tuple<int32_t /*block_size*/, DType, const char* /*architecture*/>;
 
 class PagedForwardTest : public ::testing::TestWithParam<Param> {
  protected:
   int32_t block_size() const { return std::get<0>(GetParam()); }
   DType dtype() const { return std::get<1>(GetParam()); }
+  const LlamaModel& model() const { return ModelHolder::Get(std::get<2>(GetParam())); }
   uint64_t Seed() const {
     const uint64_t seed =
         1000 + static_cast<uint64_t>(block_size()) * 10 + static_cast<uint64_t>(dtype());
@@ -226,7 +241,7 @@ class PagedForwardTest : public ::testing::TestWithParam<Param> {
 // in one batch (each next token greedy on the reference logits), sequences dropping out at
 // different steps.
 TEST_P(PagedForwardTest, BatchedPrefillThenDecodeMatchesContiguous) {
-  const LlamaModel& model = ModelHolder::Get();
+  const LlamaModel& model = this->model();
   const int32_t vocab = model.config().vocab_size;
   const uint64_t seed = Seed();
   std::mt19937_64 rng(seed);
@@ -262,7 +277,7 @@ TEST_P(PagedForwardTest, BatchedPrefillThenDecodeMatchesContiguous) {
 // One prompt prefilled in chunks of 5, 6, 1 and 9 tokens: each chunk is a prefill over the
 // sequence's own cached prefix.
 TEST_P(PagedForwardTest, ChunkedPrefillMatchesContiguous) {
-  const LlamaModel& model = ModelHolder::Get();
+  const LlamaModel& model = this->model();
   const uint64_t seed = Seed();
   std::mt19937_64 rng(seed);
   TestPool pool(model.config(), dtype(), block_size(), 100, seed);
@@ -280,7 +295,7 @@ TEST_P(PagedForwardTest, ChunkedPrefillMatchesContiguous) {
 // ledger does on a prefix hit, reuses A's blocks for them and prefills only its own suffix.
 // Then A and B decode together, reading the shared blocks.
 TEST_P(PagedForwardTest, PrefillOverSharedCachedPrefixMatchesContiguous) {
-  const LlamaModel& model = ModelHolder::Get();
+  const LlamaModel& model = this->model();
   const int32_t vocab = model.config().vocab_size;
   const uint64_t seed = Seed();
   std::mt19937_64 rng(seed);
@@ -317,7 +332,7 @@ TEST_P(PagedForwardTest, PrefillOverSharedCachedPrefixMatchesContiguous) {
 
 // Decode of one sequence, prefill of another and a chunk of a third in the same batch.
 TEST_P(PagedForwardTest, MixedPrefillAndDecodeBatchMatchesContiguous) {
-  const LlamaModel& model = ModelHolder::Get();
+  const LlamaModel& model = this->model();
   const int32_t vocab = model.config().vocab_size;
   const uint64_t seed = Seed();
   std::mt19937_64 rng(seed);
@@ -338,10 +353,13 @@ TEST_P(PagedForwardTest, MixedPrefillAndDecodeBatchMatchesContiguous) {
 INSTANTIATE_TEST_SUITE_P(BlockSizesAndCacheDTypes, PagedForwardTest,
                          ::testing::Combine(::testing::Values(1, 3, 16),
                                             ::testing::Values(DType::kFloat32, DType::kFloat16,
-                                                              DType::kBFloat16)),
+                                                              DType::kBFloat16),
+                                            ::testing::Values("llama", "qwen3")),
                          [](const ::testing::TestParamInfo<Param>& param_info) {
+                           const std::string architecture = std::get<2>(param_info.param);
                            return absl::StrCat(
-                               "BlockSize", std::get<0>(param_info.param), "_",
+                               architecture == "llama" ? "" : "Qwen3_", "BlockSize",
+                               std::get<0>(param_info.param), "_",
                                std::string(DTypeName(std::get<1>(param_info.param))));
                          });
 
@@ -373,32 +391,36 @@ TEST(PagedForwardMiscTest, LastTokenLogitsAreRowsOfAllTokenLogits) {
   EXPECT_EQ(run(LogitsScope::kLastTokenPerSeq), last);
 }
 
-// The same paged steps on models with 1 and 4 threads give bitwise equal logits.
+// The same paged steps on models with 1 and 4 threads give bitwise equal logits (a Llama and
+// a Qwen3).
 TEST(PagedForwardMiscTest, ResultsDoNotDependOnThreadCount) {
-  absl::StatusOr<testing::TempDir> dir = testing::TempDir::Create("kvcm-paged-threads");
-  ASSERT_THAT(dir, IsOk());
-  ASSERT_THAT(WriteTinyModel(dir->path(), TinyModelOptions()), IsOk());
-  std::vector<std::vector<float>> results;
-  for (const int32_t threads : {1, 4}) {
-    LlamaModelOptions options;
-    options.num_threads = threads;
-    auto model = LlamaModel::Load(dir->path(), options);
-    ASSERT_THAT(model, IsOk());
-    std::mt19937_64 rng(5);
-    TestPool pool((*model)->config(), DType::kBFloat16, 3, 64, 5);
-    Sequence a, b;
-    a.tokens = RandomTokens(rng, 25, 320);
-    b.tokens = RandomTokens(rng, 9, 320);
-    std::vector<float> all = Step(**model, pool, {{&a, 25}, {&b, 9}});
-    for (int32_t step = 0; step < 4; ++step) {
-      a.tokens.push_back(3 + step);
-      b.tokens.push_back(4 + step);
-      const std::vector<float> next = Step(**model, pool, {{&a, 1}, {&b, 1}});
-      all.insert(all.end(), next.begin(), next.end());
+  for (const char* architecture : {"llama", "qwen3"}) {
+    SCOPED_TRACE(architecture);
+    absl::StatusOr<testing::TempDir> dir = testing::TempDir::Create("kvcm-paged-threads");
+    ASSERT_THAT(dir, IsOk());
+    ASSERT_THAT(WriteTinyModel(dir->path(), TinyOptions(architecture)), IsOk());
+    std::vector<std::vector<float>> results;
+    for (const int32_t threads : {1, 4}) {
+      LlamaModelOptions options;
+      options.num_threads = threads;
+      auto model = LlamaModel::Load(dir->path(), options);
+      ASSERT_THAT(model, IsOk());
+      std::mt19937_64 rng(5);
+      TestPool pool((*model)->config(), DType::kBFloat16, 3, 64, 5);
+      Sequence a, b;
+      a.tokens = RandomTokens(rng, 25, 320);
+      b.tokens = RandomTokens(rng, 9, 320);
+      std::vector<float> all = Step(**model, pool, {{&a, 25}, {&b, 9}});
+      for (int32_t step = 0; step < 4; ++step) {
+        a.tokens.push_back(3 + step);
+        b.tokens.push_back(4 + step);
+        const std::vector<float> next = Step(**model, pool, {{&a, 1}, {&b, 1}});
+        all.insert(all.end(), next.begin(), next.end());
+      }
+      results.push_back(std::move(all));
     }
-    results.push_back(std::move(all));
+    EXPECT_EQ(results[0], results[1]);
   }
-  EXPECT_EQ(results[0], results[1]);
 }
 
 class PagedForwardErrorTest : public ::testing::Test {
@@ -526,6 +548,18 @@ TEST(LlamaCudaModelCreateTest, WithoutADeviceSaysWhy) {
     EXPECT_EQ(made.status().code(), absl::StatusCode::kUnimplemented) << made.status();
     EXPECT_THAT(made.status().message(), HasSubstr("built without CUDA"));
   }
+}
+
+// Qwen3's per-head q/k norm has no CUDA kernel: the device model refuses it up front, with
+// or without a device and in builds without CUDA, rather than compute other logits.
+TEST(LlamaCudaModelCreateTest, Qwen3QkNormIsRefused) {
+  const LlamaModel& qwen3 = ModelHolder::Get("qwen3");
+  ASSERT_TRUE(qwen3.config().qk_norm);
+  absl::StatusOr<std::unique_ptr<LlamaCudaModel>> made = LlamaCudaModel::Create(qwen3, 0);
+  EXPECT_EQ(made.status().code(), absl::StatusCode::kUnimplemented) << made.status();
+  EXPECT_THAT(made.status().message(), HasSubstr("q/k norm"));
+  EXPECT_THAT(made.status().message(), HasSubstr("not implemented on CUDA devices yet"));
+  EXPECT_THAT(CheckCudaSupport(ModelHolder::Get().config()), IsOk());
 }
 
 }  // namespace

@@ -168,6 +168,56 @@ TEST_F(TinyModelGenerationTest, Qwen2ArchitectureAddsTheQkvBiasesAndKeepsTheOthe
   EXPECT_EQ(WriteTinyModel(Path("y"), other).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// --architecture=qwen3: a Qwen3ForCausalLM config and per-head q/k norm weights (of
+// head_dim, which need not be hidden / heads), the other tensors the llama model's.
+TEST_F(TinyModelGenerationTest, Qwen3ArchitectureAddsTheQkNormsAndKeepsTheOtherTensors) {
+  absl::StatusOr<testing::RunResult> run = testing::RunProgram(
+      {KVCM_MAKE_TINY_MODEL_PATH, "--output=" + Path("qwen3"), "--architecture=qwen3",
+       "--head_dim=24"},
+      "", absl::Seconds(60));
+  ASSERT_THAT(run, IsOk());
+  EXPECT_EQ(run->exit_code, 0) << run->output;
+  TinyModelOptions llama_options;
+  llama_options.head_dim = 24;
+  ASSERT_THAT(WriteTinyModel(Path("llama"), llama_options), IsOk());
+
+  auto qwen3 = LlamaModel::Load(Path("qwen3"));
+  ASSERT_THAT(qwen3, IsOk());
+  EXPECT_EQ((*qwen3)->config().architecture, "Qwen3ForCausalLM");
+  EXPECT_TRUE((*qwen3)->config().qk_norm);
+  EXPECT_FALSE((*qwen3)->config().qkv_bias);
+  EXPECT_EQ((*qwen3)->config().head_dim, 24);
+  const LlamaWeights::Layer& layer = (*qwen3)->weights().layers[0];
+  EXPECT_EQ(layer.q_norm.size(), size_t{24});
+  EXPECT_EQ(layer.k_norm.size(), size_t{24});
+  EXPECT_NE(layer.q_norm, layer.k_norm);
+  auto llama = LlamaModel::Load(Path("llama"));
+  ASSERT_THAT(llama, IsOk());
+  EXPECT_FALSE((*llama)->config().qk_norm);
+  EXPECT_TRUE((*llama)->weights().layers[0].q_norm.empty());
+  EXPECT_EQ((*qwen3)->weights().layers[0].input_norm, (*llama)->weights().layers[0].input_norm);
+  // The norms change the logits.
+  const std::vector<int32_t> tokens = {1, 72, 105, 33};
+  absl::StatusOr<std::vector<float>> with = (*qwen3)->ForwardContiguous(tokens);
+  absl::StatusOr<std::vector<float>> without = (*llama)->ForwardContiguous(tokens);
+  ASSERT_THAT(with, IsOk());
+  ASSERT_THAT(without, IsOk());
+  double diff = 0;
+  for (size_t i = 0; i < with->size(); ++i) {
+    diff = std::max(diff, double{std::abs((*with)[i] - (*without)[i])});
+  }
+  EXPECT_GT(diff, 0.1);
+
+  TinyModelOptions biased;
+  biased.architecture = "qwen3";
+  biased.attention_bias = true;  // Qwen3's attention_bias: q, k, v and o
+  ASSERT_THAT(WriteTinyModel(Path("qwen3-bias"), biased), IsOk());
+  auto with_bias = LlamaModel::Load(Path("qwen3-bias"));
+  ASSERT_THAT(with_bias, IsOk());
+  EXPECT_TRUE((*with_bias)->config().qkv_bias);
+  EXPECT_TRUE((*with_bias)->config().o_bias);
+}
+
 // --attention_bias: Llama's attention_bias, a bias on q, k, v and o.
 TEST_F(TinyModelGenerationTest, AttentionBiasAddsTheFourBiases) {
   absl::StatusOr<testing::RunResult> run = testing::RunProgram(
