@@ -63,7 +63,7 @@ class FilledService {
     options.spec.block_size = kBlockSize;
     options.ledger.num_blocks = num_blocks;
     options.pool.backend = wire::PoolBackend::Shm;
-    options.pool.total_bytes = 4096;
+    options.pool.layout.total_bytes = 4096;
     options.pool.fd_channel_path = "/run/kvcm/pool-fd.sock";
     auto service = CacheManagerService::Create(options, &watcher_, nullptr, now_);
     KVCM_CHECK(service.ok()) << service.status();

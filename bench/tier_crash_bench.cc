@@ -43,6 +43,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "bench/server_stack.h"
 #include "common/base/check.h"
 #include "nlohmann/json.hpp"
 #include "tests/support/cache_manager_process.h"
@@ -65,25 +66,12 @@ struct Args {
 
 Args ParseArgs(int argc, char** argv) {
   Args args;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string name = argv[i];
-    uint64_t value = 0;
-    KVCM_CHECK(absl::SimpleAtoi(argv[i + 1], &value)) << "bad value for " << name;
-    if (name == "--rounds") {
-      args.rounds = static_cast<int>(value);
-    } else if (name == "--rate") {
-      args.rate = static_cast<int>(value);
-    } else if (name == "--sync-ms") {
-      args.sync_ms = static_cast<int>(value);
-    } else if (name == "--clients") {
-      args.clients = static_cast<int>(value);
-    } else if (name == "--seed") {
-      args.seed = value;
-    } else {
-      KVCM_CHECK(false) << "unknown flag " << name
-                        << " (--rounds N, --rate N, --sync-ms N, --clients N, --seed N)";
-    }
-  }
+  args.rounds = FlagValue(argc, argv, "--rounds", args.rounds);
+  args.rate = FlagValue(argc, argv, "--rate", args.rate);
+  args.sync_ms = FlagValue(argc, argv, "--sync-ms", args.sync_ms);
+  args.clients = FlagValue(argc, argv, "--clients", args.clients);
+  const std::string seed = FlagString(argc, argv, "--seed", std::to_string(args.seed));
+  KVCM_CHECK(absl::SimpleAtoi(seed, &args.seed)) << "bad value for --seed: " << seed;
   return args;
 }
 

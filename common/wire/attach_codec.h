@@ -15,22 +15,11 @@
 
 #include "absl/status/statusor.h"
 #include "common/sizing/kv_cache_spec.h"
+#include "common/wire/pool_strides.h"
 #include "flatbuffers/flatbuffers.h"
 #include "schemas/kvcm_protocol_generated.h"
 
 namespace kvcm {
-
-// A PoolLayout as sent: byte strides of [layer][K|V][block][token][kv head][dim].
-struct PoolStrides {
-  uint64_t layer_stride = 0;
-  uint64_t kv_stride = 0;
-  uint64_t block_stride = 0;
-  uint64_t token_stride = 0;
-  uint64_t head_stride = 0;
-  uint32_t elem_bytes = 0;
-  uint64_t total_bytes = 0;
-  friend bool operator==(const PoolStrides&, const PoolStrides&) = default;
-};
 
 // What an AttachReply tells an executor about the pool.
 struct PoolDescriptorInfo {

@@ -164,13 +164,13 @@ absl::StatusOr<std::unique_ptr<CacheManagerServer>> CacheManagerServer::Create(
   PoolExport& pool = service_options.pool;
   pool.backend = memory->backend() == PoolBackend::kCuda ? wire::PoolBackend::Cuda
                                                          : wire::PoolBackend::Shm;
-  pool.layer_stride = static_cast<uint64_t>(layout->layer_stride);
-  pool.kv_stride = static_cast<uint64_t>(layout->kv_stride);
-  pool.block_stride = static_cast<uint64_t>(layout->block_stride);
-  pool.token_stride = static_cast<uint64_t>(layout->token_stride);
-  pool.head_stride = static_cast<uint64_t>(layout->head_stride);
-  pool.elem_bytes = static_cast<uint32_t>(layout->elem_bytes);
-  pool.total_bytes = static_cast<uint64_t>(layout->total_bytes);
+  pool.layout = {.layer_stride = static_cast<uint64_t>(layout->layer_stride),
+                 .kv_stride = static_cast<uint64_t>(layout->kv_stride),
+                 .block_stride = static_cast<uint64_t>(layout->block_stride),
+                 .token_stride = static_cast<uint64_t>(layout->token_stride),
+                 .head_stride = static_cast<uint64_t>(layout->head_stride),
+                 .elem_bytes = static_cast<uint32_t>(layout->elem_bytes),
+                 .total_bytes = static_cast<uint64_t>(layout->total_bytes)};
   pool.cuda_device = memory->cuda_device();
   if (auto handle = memory->cuda_ipc_handle()) {
     pool.cuda_ipc_handle.assign(handle->begin(), handle->end());

@@ -910,8 +910,7 @@ void CacheManagerService::HandleAttach(const wire::Envelope& envelope,
   PoolDescriptorInfo descriptor;
   descriptor.spec = options_.spec;
   descriptor.num_blocks = ledger_.num_blocks();
-  descriptor.layout = {pool.layer_stride, pool.kv_stride,   pool.block_stride, pool.token_stride,
-                       pool.head_stride,  pool.elem_bytes, pool.total_bytes};
+  descriptor.layout = pool.layout;
   descriptor.backend = pool.backend;
   descriptor.epoch = options_.epoch;
   descriptor.fd_channel_path = pool.fd_channel_path;
@@ -967,7 +966,7 @@ void CacheManagerService::HandleStats(const wire::Envelope& envelope, absl::Time
   out.sessions = static_cast<uint32_t>(sessions_.size());
   out.events_published = events_published_;
   out.backend = PoolBackendFromWire(options_.pool.backend);
-  out.pool_bytes = options_.pool.total_bytes;
+  out.pool_bytes = options_.pool.layout.total_bytes;
   out.block_bytes = static_cast<uint64_t>(options_.spec.BytesPerBlock());
   out.spec = options_.spec;
   out.uptime_seconds = absl::ToDoubleSeconds(now - start_time_);

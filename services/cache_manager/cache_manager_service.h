@@ -75,6 +75,7 @@
 #include "common/sizing/kv_cache_spec.h"
 #include "common/block/block_map.h"
 #include "common/wire/message_limits.h"
+#include "common/wire/pool_strides.h"
 #include "services/cache_manager/cache_manager_metrics.h"
 #include "services/cache_manager/fence_table.h"
 #include "services/cache_manager/peer_credentials.h"
@@ -107,13 +108,7 @@ struct BlockOp;  // common/wire/step_codec.h
 // memory and sent in every AttachReply.
 struct PoolExport {
   wire::PoolBackend backend{};  // wire::PoolBackend::Shm
-  uint64_t layer_stride = 0;
-  uint64_t kv_stride = 0;
-  uint64_t block_stride = 0;
-  uint64_t token_stride = 0;
-  uint64_t head_stride = 0;
-  uint32_t elem_bytes = 0;
-  uint64_t total_bytes = 0;
+  PoolStrides layout;
   std::string fd_channel_path;              // shm: the Unix socket passing the memfd
   int32_t cuda_device = -1;                 // cuda
   std::vector<uint8_t> cuda_ipc_handle;     // cuda: 64 bytes

@@ -366,7 +366,7 @@ class World {
     options.epoch = ++epoch_counter_;
     options.heartbeat_interval = kHeartbeatInterval;
     options.heartbeat_timeout = kHeartbeatTimeout;
-    options.pool.total_bytes = 1;
+    options.pool.layout.total_bytes = 1;
     watcher_.Clear();
     auto service = CacheManagerService::Create(options, &watcher_, nullptr, now_);
     if (!service.ok()) {

@@ -328,8 +328,14 @@ void Launcher::Advance() {
   }
   if (all_ready && !announced_) {
     announced_ = true;
+    // threads_each: what the launcher gave each executor, when it chose (last: tests and
+    // scripts read the fields before it).
     Log(absl::StrCat("ready http=", url_, " executors=", options_.executors,
-                     " run_dir=", run_dir_));
+                     " run_dir=", run_dir_,
+                     options_.threads_set
+                         ? ""
+                         : absl::StrCat(" threads_each=",
+                                        ExecutorThreads(UsableCpus(), options_.executors))));
   }
 }
 

@@ -60,7 +60,7 @@ class FenceModel {
     options.spec = KvCacheSpec{2, 2, 8, DType::kFloat16, kBlockSize};
     options.ledger.num_blocks = kBlocks;
     options.epoch = 5;
-    options.pool.total_bytes = 1;
+    options.pool.layout.total_bytes = 1;
     auto service = CacheManagerService::Create(options, &watcher_, nullptr, now_);
     EXPECT_THAT(service, IsOk());
     service_ = *std::move(service);

@@ -98,7 +98,7 @@ class Harness {
     options.max_sessions_per_process = 4;
     options.max_sequences_per_session = 64;
     options.pool.backend = wire::PoolBackend::Shm;
-    options.pool.total_bytes = 4096;
+    options.pool.layout.total_bytes = 4096;
     options.pool.fd_channel_path = "/run/kvcm/pool-fd.sock";
     absl::StatusOr<std::unique_ptr<CacheManagerService>> service =
         CacheManagerService::Create(options, &watcher_, nullptr, now_);

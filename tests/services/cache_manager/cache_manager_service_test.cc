@@ -81,7 +81,7 @@ class CacheManagerServiceTest : public ::testing::Test {
     options.heartbeat_timeout = absl::Seconds(3);
     options.max_ops_per_step = 8;
     options.pool.backend = wire::PoolBackend::Shm;
-    options.pool.total_bytes = 4096;
+    options.pool.layout.total_bytes = 4096;
     options.pool.fd_channel_path = "/run/kvcm/pool-fd.sock";
     Restart();
   }
