@@ -49,6 +49,29 @@ using ::testing::Not;
 using namespace ::kvcm::testing;  // NOLINT: the stack's helpers
 using RouterProcessTest = RouterStackTest;
 
+// What an OpenAI /v1/completions stream said: the last finish_reason, the text of its
+// choices joined, and the usage chunk's completion_tokens (-1 without one).
+struct OpenAiStream {
+  std::string finish;
+  std::string text;
+  int64_t tokens = -1;
+};
+OpenAiStream ReadOpenAiStream(const std::string& body) {
+  OpenAiStream out;
+  for (absl::string_view line : absl::StrSplit(body, '\n')) {
+    if (!absl::ConsumePrefix(&line, "data: ") || line == "[DONE]") continue;
+    const json chunk = json::parse(std::string(line));
+    if (chunk.contains("usage") && chunk["usage"].is_object()) {
+      out.tokens = chunk["usage"]["completion_tokens"].get<int64_t>();
+    }
+    for (const json& choice : chunk["choices"]) {
+      if (choice["finish_reason"].is_string()) out.finish = choice["finish_reason"];
+      if (choice["text"].is_string()) out.text += choice["text"].get<std::string>();
+    }
+  }
+  return out;
+}
+
 TEST_F(RouterProcessTest, ConcurrentGreedyRequestsGiveTheTokensOfTheModelRunAlone) {
   ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/512, /*executors=*/2));
   // 32 requests over HTTP at once, mixed lengths, every other one streaming, several sharing
@@ -928,20 +951,9 @@ TEST_F(RouterProcessTest, IgnoreEosGeneratesExactlyMaxTokensWhereTheModelWouldSt
       json{{"prompt", text}, {"max_tokens", 8}, {"temperature", 0}, {"ignore_eos", true},
            {"stream", true}, {"stream_options", {{"include_usage", true}}}}.dump());
   ASSERT_TRUE(streamed.ok() && streamed->status == 200);
-  std::string finish;
-  int64_t tokens = -1;
-  for (absl::string_view line : absl::StrSplit(streamed->body, '\n')) {
-    if (!absl::ConsumePrefix(&line, "data: ") || line == "[DONE]") continue;
-    const json chunk = json::parse(std::string(line));
-    if (chunk.contains("usage") && chunk["usage"].is_object()) {
-      tokens = chunk["usage"]["completion_tokens"].get<int64_t>();
-    }
-    for (const json& choice : chunk["choices"]) {
-      if (choice["finish_reason"].is_string()) finish = choice["finish_reason"];
-    }
-  }
-  EXPECT_EQ(finish, "length");
-  EXPECT_EQ(tokens, 8);
+  const OpenAiStream stream = ReadOpenAiStream(streamed->body);
+  EXPECT_EQ(stream.finish, "length");
+  EXPECT_EQ(stream.tokens, 8);
   // TGI's API has no ignore_eos: refused there, named.
   absl::StatusOr<HttpResponse> tgi = HttpPost(
       url_ + "/generate",
@@ -1043,23 +1055,10 @@ TEST_F(RouterProcessTest, MinTokensHoldsEosBackUntilThatManyTokensAreOut) {
            {"temperature", 0}, {"stream", true}, {"stream_options", {{"include_usage", true}}}}
           .dump());
   ASSERT_TRUE(streamed.ok() && streamed->status == 200);
-  std::string finish;
-  std::string streamed_text;
-  int64_t tokens = -1;
-  for (absl::string_view line : absl::StrSplit(streamed->body, '\n')) {
-    if (!absl::ConsumePrefix(&line, "data: ") || line == "[DONE]") continue;
-    const json chunk = json::parse(std::string(line));
-    if (chunk.contains("usage") && chunk["usage"].is_object()) {
-      tokens = chunk["usage"]["completion_tokens"].get<int64_t>();
-    }
-    for (const json& choice : chunk["choices"]) {
-      if (choice["finish_reason"].is_string()) finish = choice["finish_reason"];
-      if (choice["text"].is_string()) streamed_text += choice["text"].get<std::string>();
-    }
-  }
-  EXPECT_EQ(finish, "length");
-  EXPECT_EQ(tokens, kMinTokens);
-  EXPECT_EQ(streamed_text, AsJsonText(BytesOf(first)));
+  const OpenAiStream stream = ReadOpenAiStream(streamed->body);
+  EXPECT_EQ(stream.finish, "length");
+  EXPECT_EQ(stream.tokens, kMinTokens);
+  EXPECT_EQ(stream.text, AsJsonText(BytesOf(first)));
   EXPECT_TRUE(AwaitNoBlockInUse());
   ExpectWhole(Stats());
 }
