@@ -295,6 +295,8 @@ TEST_F(RouterSecurityTest, SlowlorisConnectionsAreDroppedAtTheRequestDeadlineWhi
   ::close(fd);
   EXPECT_EQ(RouterMetric("kvcm_router_http_slow_requests_dropped_total"), kSlow);
 
+  // The served requests' blocks are freed with the router's next step, after their replies.
+  EXPECT_TRUE(AwaitNoBlockInUse());
   const StatsSnapshot stats = Stats();
   EXPECT_EQ(stats.in_use_blocks, 0);
   ExpectWhole(stats);
@@ -1220,6 +1222,8 @@ TEST_F(RouterSecurityTest, BodiesOverTheLimitAndMalformedChunksAreAnsweredInTheR
                          absl::Hex(body.size()), ";name=value\r\n", body, "\r\n0\r\n\r\n"));
   ASSERT_EQ(extended.rfind("HTTP/1.1 200", 0), 0u) << extended.substr(0, 300);
   EXPECT_EQ(TokenIds(extended.substr(extended.find("\r\n\r\n") + 4)), Reference("ext", 3));
+  // The served request's blocks are freed with the router's next step, after its reply.
+  EXPECT_TRUE(AwaitNoBlockInUse());
   const StatsSnapshot stats = Stats();
   EXPECT_EQ(stats.in_use_blocks, 0);
   ExpectWhole(stats);
