@@ -137,6 +137,13 @@ std::optional<Problem> ReadRequestLine(std::string_view line, RequestLine* out) 
   if (target != "*" && target.front() != '/') {
     return Problem{400, "malformed request line: the target must be a path (origin-form)"};
   }
+  // libevent 2.1 reads a target that starts with "//" as a host and a path
+  // ("//v1/completions" is host "v1", path "/completions"), and refuses with its own page
+  // one whose host it cannot parse; the router serves no such path.
+  if (target.starts_with("//")) {
+    return Problem{400, "malformed request line: the target must be a path that does not "
+                        "start with \"//\""};
+  }
   for (const char ch : target) {
     const auto c = static_cast<unsigned char>(ch);
     if (c <= 0x20 || c == 0x7f) {

@@ -202,6 +202,7 @@ TEST(RequestFramingTest, MalformedRequestLinesAndUnknownMethodsAreRefused) {
       {"GET /health HTTP/x\r\n\r\n", 400},   {"GET /health HTTP/1.9\r\n\r\n", 505},
       {"GET /health HTTP/0.9\r\n\r\n", 505}, {"GET /health HTTP/2.0\r\n\r\n", 505},
       {"GET http://a/health HTTP/1.1\r\n\r\n", 400},
+      {"GET //v1/completions HTTP/1.1\r\n\r\n", 400},  {"GET //ge\x80n HTTP/1.1\r\n\r\n", 400},
       {"GET / HTTP/1.1\r\nExpect: nothing\r\n\r\n", 417},    {"GET /a\x01 HTTP/1.1\r\n\r\n", 400},
       {"BREW /pot HTTP/1.1\r\n\r\n", 501},   {"G(ET / HTTP/1.1\r\n\r\n", 400},
       {"GET / HTTP/1.1\r\nNoColon\r\n\r\n", 400},
