@@ -67,9 +67,9 @@ class Regex {
     const std::string rewritten = internal::OnigurumaWhitespace(pattern);
     int error = 0;
     PCRE2_SIZE offset = 0;
-    pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(rewritten.data()),
-                                     rewritten.size(), PCRE2_UTF | PCRE2_UCP, &error, &offset,
-                                     nullptr);
+    pcre2_code* code =
+        pcre2_compile(reinterpret_cast<PCRE2_SPTR>(rewritten.data()), rewritten.size(),
+                      PCRE2_UTF | PCRE2_UCP, &error, &offset, nullptr);
     if (code == nullptr) {
       std::array<PCRE2_UCHAR, 256> message{};
       pcre2_get_error_message(error, message.data(), message.size());
@@ -139,9 +139,9 @@ size_t PreviousStart(std::string_view text, size_t end) {
 
 // Unicode White_Space (Rust's char::is_whitespace, which Hugging Face's lstrip/rstrip use).
 bool IsWhiteSpace(uint32_t cp) {
-  return (cp >= 0x09 && cp <= 0x0D) || cp == 0x20 || cp == 0x85 || cp == 0xA0 ||
-         cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 ||
-         cp == 0x202F || cp == 0x205F || cp == 0x3000;
+  return (cp >= 0x09 && cp <= 0x0D) || cp == 0x20 || cp == 0x85 || cp == 0xA0 || cp == 0x1680 ||
+         (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F ||
+         cp == 0x205F || cp == 0x3000;
 }
 
 // Abseil's string_view is its own type here; heterogeneous lookups need it.
@@ -255,11 +255,11 @@ struct BpeTokenizer::Impl {
 
   std::array<int32_t, 256> byte_id{};  // the token of each single byte, -1 when none
   absl::flat_hash_map<uint64_t, MergeResult> merges;
-  absl::flat_hash_map<std::string, int32_t> raw_to_id;     // raw bytes -> vocab token
-  absl::flat_hash_map<std::string, int32_t> piece_to_id;   // byte-level spelling -> id
-  absl::flat_hash_map<std::string, int32_t> added_to_id;   // added content -> id
-  std::vector<std::string> decoded;                        // id -> raw bytes
-  std::vector<uint8_t> special;                            // id -> Decode skips it
+  absl::flat_hash_map<std::string, int32_t> raw_to_id;    // raw bytes -> vocab token
+  absl::flat_hash_map<std::string, int32_t> piece_to_id;  // byte-level spelling -> id
+  absl::flat_hash_map<std::string, int32_t> added_to_id;  // added content -> id
+  std::vector<std::string> decoded;                       // id -> raw bytes
+  std::vector<uint8_t> special;                           // id -> Decode skips it
 
   mutable Mutex cache_mu;
   mutable absl::flat_hash_map<std::string, std::vector<int32_t>> cache ABSL_GUARDED_BY(cache_mu);
@@ -298,8 +298,7 @@ struct BpeTokenizer::Impl {
       const BpeAddedToken& token = added[static_cast<size_t>(index)];
       size_t start = begin;
       size_t stop = end;
-      if (token.single_word &&
-          (IsWordCharBefore(text, start) || IsWordCharAt(text, stop))) {
+      if (token.single_word && (IsWordCharBefore(text, start) || IsWordCharAt(text, stop))) {
         continue;
       }
       if (token.lstrip) {
@@ -364,8 +363,8 @@ struct BpeTokenizer::Impl {
       const size_t first = out->size();
       auto extend_last = [&](std::string_view part) {
         std::string_view& last = (*out)[out->size() - 1];
-        last = std::string_view(last.data(), static_cast<size_t>(part.data() + part.size() -
-                                                                 last.data()));
+        last = std::string_view(last.data(),
+                                static_cast<size_t>(part.data() + part.size() - last.data()));
       };
       switch (step.spec.behavior) {
         case Behavior::kRemoved:
@@ -395,8 +394,8 @@ struct BpeTokenizer::Impl {
             const auto& [part, is_match] = parts[i];
             if (is_match && !previous_match && !reversed.empty()) {
               std::string_view& last = reversed.back();
-              last = std::string_view(part.data(), static_cast<size_t>(last.data() + last.size() -
-                                                                       part.data()));
+              last = std::string_view(part.data(),
+                                      static_cast<size_t>(last.data() + last.size() - part.data()));
             } else {
               reversed.push_back(part);
             }
@@ -499,7 +498,8 @@ struct BpeTokenizer::Impl {
     auto push = [&](int32_t pos) {
       const int32_t next = sym[static_cast<size_t>(pos)].next;
       if (next < 0) return;
-      const MergeResult m = Lookup(sym[static_cast<size_t>(pos)].id, sym[static_cast<size_t>(next)].id);
+      const MergeResult m =
+          Lookup(sym[static_cast<size_t>(pos)].id, sym[static_cast<size_t>(next)].id);
       if (m.id >= 0) heap.push({m.rank, pos, m.id});
     };
     for (int32_t i = 0; i + 1 < n; ++i) push(i);
@@ -547,7 +547,8 @@ struct BpeTokenizer::Impl {
     if (cacheable) {
       MutexLock lock(&cache_mu);
       if (cache.size() < kMaxCacheEntries) {
-        cache.try_emplace(std::string(word), ids->begin() + static_cast<std::ptrdiff_t>(first), ids->end());
+        cache.try_emplace(std::string(word), ids->begin() + static_cast<std::ptrdiff_t>(first),
+                          ids->end());
       }
     }
   }
@@ -618,17 +619,21 @@ struct BpeTokenizer::Impl {
     }
     return ids;
   }
+  // FromVocab's passes, in order.
+  absl::Status SetIds(BpeVocab& vocab, int32_t model_vocab_size);
+  void SetTokens(const std::vector<std::string>& tokens);
+  absl::Status SetMerges(const std::vector<std::string>& merge_list, const std::string& source);
+  absl::Status SetAddedTokens(std::vector<BpeAddedToken> tokens, const std::string& source);
+  absl::Status SetPreTokenizer(std::vector<BpePreTokenizerStep> spec, const std::string& pre_name,
+                               const std::string& source);
 };
 
 BpeTokenizer::BpeTokenizer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 BpeTokenizer::~BpeTokenizer() = default;
 
-absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::FromVocab(BpeVocab vocab,
-                                                                      int32_t vocab_size) {
-  auto impl = std::make_unique<Impl>();
+// Sizes and ids: the vocab's size, bos/eos/unk, the normalizer.
+absl::Status BpeTokenizer::Impl::SetIds(BpeVocab& vocab, int32_t model_vocab_size) {
   const std::string& source = vocab.source;
-
-  // Sizes and ids.
   int64_t size = static_cast<int64_t>(vocab.tokens.size());
   for (const BpeAddedToken& token : vocab.added_tokens) {
     if (token.id < 0) {
@@ -637,65 +642,67 @@ absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::FromVocab(BpeVocab v
     }
     size = std::max<int64_t>(size, int64_t{token.id} + 1);
   }
-  if (vocab_size > 0 && size > vocab_size) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        source, ": the tokenizer has ids up to ", size - 1,
-        ", outside the model's vocab_size ", vocab_size));
+  if (model_vocab_size > 0 && size > model_vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": the tokenizer has ids up to ",
+                                                   size - 1, ", outside the model's vocab_size ",
+                                                   model_vocab_size));
   }
   if (size > INT32_MAX / 2) {
     return absl::InvalidArgumentError(absl::StrCat(source, ": too many ids (", size, ")"));
   }
-  impl->vocab_size = vocab_size > 0 ? vocab_size : static_cast<int32_t>(size);
+  vocab_size = model_vocab_size > 0 ? model_vocab_size : static_cast<int32_t>(size);
   for (const auto& [name, id] : {std::pair<const char*, int32_t>{"bos", vocab.bos_id},
-                                {"eos", vocab.eos_id},
-                                {"unk", vocab.unk_id}}) {
-    if (id < -1 || id >= impl->vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat(source, ": ", name, " id ", id,
-                                                     " is outside [0, vocab_size=",
-                                                     impl->vocab_size, ")"));
+                                 {"eos", vocab.eos_id},
+                                 {"unk", vocab.unk_id}}) {
+    if (id < -1 || id >= vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          source, ": ", name, " id ", id, " is outside [0, vocab_size=", vocab_size, ")"));
     }
   }
-  impl->bos_id = vocab.bos_id;
-  impl->eos_id = vocab.eos_id;
-  impl->add_bos = vocab.add_bos && vocab.bos_id >= 0;
-  impl->ignore_merges = vocab.ignore_merges;
-  {
-    absl::StatusOr<Normalizer> normalizer =
-        Normalizer::Create(std::move(vocab.normalizers), source);
-    if (!normalizer.ok()) return normalizer.status();
-    impl->normalizer = std::move(*normalizer);
-  }
-  impl->unk_id = vocab.unk_id;
-  impl->fuse_unk = vocab.fuse_unk;
+  bos_id = vocab.bos_id;
+  eos_id = vocab.eos_id;
+  add_bos = vocab.add_bos && vocab.bos_id >= 0;
+  ignore_merges = vocab.ignore_merges;
+  absl::StatusOr<Normalizer> created = Normalizer::Create(std::move(vocab.normalizers), source);
+  if (!created.ok()) return created.status();
+  normalizer = std::move(*created);
+  unk_id = vocab.unk_id;
+  fuse_unk = vocab.fuse_unk;
+  return absl::OkStatus();
+}
 
-  // Tokens: the byte-level spelling and the raw bytes behind it.
-  impl->decoded.assign(static_cast<size_t>(impl->vocab_size), std::string());
-  impl->special.assign(static_cast<size_t>(impl->vocab_size), 1);
-  impl->byte_id.fill(-1);
-  impl->piece_to_id.reserve(vocab.tokens.size());
-  impl->raw_to_id.reserve(vocab.tokens.size());
-  for (size_t id = 0; id < vocab.tokens.size(); ++id) {
-    const std::string& token = vocab.tokens[id];
+// Tokens: the byte-level spelling and the raw bytes behind it.
+void BpeTokenizer::Impl::SetTokens(const std::vector<std::string>& tokens) {
+  decoded.assign(static_cast<size_t>(vocab_size), std::string());
+  special.assign(static_cast<size_t>(vocab_size), 1);
+  byte_id.fill(-1);
+  piece_to_id.reserve(tokens.size());
+  raw_to_id.reserve(tokens.size());
+  for (size_t id = 0; id < tokens.size(); ++id) {
+    const std::string& token = tokens[id];
     if (token.empty()) continue;
-    impl->special[id] = 0;
-    impl->piece_to_id.try_emplace(token, static_cast<int32_t>(id));
+    special[id] = 0;
+    piece_to_id.try_emplace(token, static_cast<int32_t>(id));
     std::string raw;
     if (internal::ByteLevelDecode(token, &raw)) {
-      impl->raw_to_id.try_emplace(raw, static_cast<int32_t>(id));
-      if (raw.size() == 1 && impl->byte_id[static_cast<unsigned char>(raw[0])] < 0) {
-        impl->byte_id[static_cast<unsigned char>(raw[0])] = static_cast<int32_t>(id);
+      raw_to_id.try_emplace(raw, static_cast<int32_t>(id));
+      if (raw.size() == 1 && byte_id[static_cast<unsigned char>(raw[0])] < 0) {
+        byte_id[static_cast<unsigned char>(raw[0])] = static_cast<int32_t>(id);
       }
-      impl->decoded[id] = std::move(raw);
+      decoded[id] = std::move(raw);
     } else {
-      impl->decoded[id] = token;  // as Hugging Face's ByteLevel decoder: the token as it is
+      decoded[id] = token;  // as Hugging Face's ByteLevel decoder: the token as it is
     }
   }
+}
 
-  // Merges: (left id, right id) -> (rank, merged id); a later duplicate wins, as in
-  // Hugging Face's map.
-  impl->merges.reserve(vocab.merges.size());
-  for (size_t rank = 0; rank < vocab.merges.size(); ++rank) {
-    const std::string& merge = vocab.merges[rank];
+// Merges: (left id, right id) -> (rank, merged id); a later duplicate wins, as in Hugging
+// Face's map.
+absl::Status BpeTokenizer::Impl::SetMerges(const std::vector<std::string>& merge_list,
+                                           const std::string& source) {
+  merges.reserve(merge_list.size());
+  for (size_t rank = 0; rank < merge_list.size(); ++rank) {
+    const std::string& merge = merge_list[rank];
     const size_t space = merge.find(' ');
     if (space == std::string::npos || space == 0 || space + 1 == merge.size() ||
         merge.find(' ', space + 1) != std::string::npos) {
@@ -708,72 +715,81 @@ absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::FromVocab(BpeVocab v
     int32_t ids[3];
     const std::string* parts[3] = {&left, &right, &joined};
     for (int k = 0; k < 3; ++k) {
-      auto it = impl->piece_to_id.find(*parts[k]);
-      if (it == impl->piece_to_id.end()) {
+      auto it = piece_to_id.find(*parts[k]);
+      if (it == piece_to_id.end()) {
         return absl::InvalidArgumentError(absl::StrCat(source, ": merges[", rank, "] \"", merge,
                                                        "\" names \"", *parts[k],
                                                        "\", which is not in the vocab"));
       }
       ids[k] = it->second;
     }
-    impl->merges[PairKey(ids[0], ids[1])] = {static_cast<int32_t>(rank), ids[2]};
+    merges[PairKey(ids[0], ids[1])] = {static_cast<int32_t>(rank), ids[2]};
   }
+  return absl::OkStatus();
+}
 
-  // Added tokens.
-  impl->added = std::move(vocab.added_tokens);
+// Added tokens: their matchers (raw or normalized) and how they decode.
+absl::Status BpeTokenizer::Impl::SetAddedTokens(std::vector<BpeAddedToken> tokens,
+                                                const std::string& source) {
+  added = std::move(tokens);
   bool single_word = false;
-  for (size_t i = 0; i < impl->added.size(); ++i) {
-    const BpeAddedToken& token = impl->added[i];
+  for (size_t i = 0; i < added.size(); ++i) {
+    const BpeAddedToken& token = added[i];
     const auto id = static_cast<size_t>(token.id);
     if (InvalidUtf8Offset(token.content) != std::string_view::npos) {
-      return absl::InvalidArgumentError(absl::StrCat(source, ": added token ", token.id,
-                                                     " is not valid UTF-8"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(source, ": added token ", token.id, " is not valid UTF-8"));
     }
-    impl->added_to_id.try_emplace(token.content, token.id);
-    impl->special[id] = token.special ? 1 : 0;
+    added_to_id.try_emplace(token.content, token.id);
+    special[id] = token.special ? 1 : 0;
     // A token matched in normalized text is matched, and decodes, as its own normalized
     // form (Hugging Face's AddedVocabulary normalizes such tokens' contents): "kvcm" is
     // "▁kvcm" after a Prepend("▁").
     std::string content = token.content;
     if (token.normalized) {
-      if (absl::Status s = impl->normalizer.Apply(token.content, &content); !s.ok()) return s;
+      if (absl::Status s = normalizer.Apply(token.content, &content); !s.ok()) return s;
     }
     if (token.special) {
-      impl->decoded[id].clear();
+      decoded[id].clear();
     } else {
       std::string raw;
-      impl->decoded[id] = internal::ByteLevelDecode(content, &raw) ? raw : content;
+      decoded[id] = internal::ByteLevelDecode(content, &raw) ? raw : content;
     }
-    (token.normalized ? impl->normalized_matcher : impl->raw_matcher)
-        .Add(static_cast<int>(i), content);
+    (token.normalized ? normalized_matcher : raw_matcher).Add(static_cast<int>(i), content);
     single_word |= token.single_word;
   }
-  impl->raw_matcher.Finish();
-  impl->normalized_matcher.Finish();
+  raw_matcher.Finish();
+  normalized_matcher.Finish();
   if (single_word) {
-    absl::StatusOr<std::unique_ptr<Regex>> word = Regex::Compile(R"([\p{Alphabetic}\p{N}_])", source);
+    absl::StatusOr<std::unique_ptr<Regex>> word =
+        Regex::Compile(R"([\p{Alphabetic}\p{N}_])", source);
     if (!word.ok()) return word.status();
-    impl->word_char = std::move(*word);
+    word_char = std::move(*word);
   }
+  return absl::OkStatus();
+}
 
-  // The pre-tokenizer.
-  std::vector<BpePreTokenizerStep> steps = std::move(vocab.pre_tokenizer);
-  if (steps.empty()) {
-    absl::StatusOr<std::vector<BpePreTokenizerStep>> named = BpePreTokenizerForName(vocab.pre);
+// The pre-tokenizer: the vocab's steps, or the ones its name stands for.
+absl::Status BpeTokenizer::Impl::SetPreTokenizer(std::vector<BpePreTokenizerStep> spec,
+                                                 const std::string& pre_name,
+                                                 const std::string& source) {
+  std::vector<BpePreTokenizerStep> specs = std::move(spec);
+  if (specs.empty()) {
+    absl::StatusOr<std::vector<BpePreTokenizerStep>> named = BpePreTokenizerForName(pre_name);
     if (!named.ok()) {
       return absl::Status(named.status().code(),
                           absl::StrCat(source, ": ", named.status().message()));
     }
-    steps = std::move(*named);
+    specs = std::move(*named);
   }
-  for (size_t i = 0; i < steps.size(); ++i) {
-    const bool byte_level = steps[i].kind == BpePreTokenizerStep::Kind::kByteLevel;
-    if (byte_level != (i + 1 == steps.size())) {
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const bool byte_level = specs[i].kind == BpePreTokenizerStep::Kind::kByteLevel;
+    if (byte_level != (i + 1 == specs.size())) {
       return absl::UnimplementedError(absl::StrCat(
           source, ": the pre-tokenizer must end with ByteLevel, and have it only there"));
     }
     Impl::Step step;
-    step.spec = std::move(steps[i]);
+    step.spec = std::move(specs[i]);
     if (!byte_level || step.spec.use_regex) {
       const std::string_view pattern =
           byte_level ? kGpt2PreTokenizerRegex : std::string_view(step.spec.regex);
@@ -782,11 +798,28 @@ absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::FromVocab(BpeVocab v
       step.regex = std::move(*regex);
       if (byte_level) step.spec.behavior = BpePreTokenizerStep::Behavior::kIsolated;
     }
-    impl->steps.push_back(std::move(step));
+    steps.push_back(std::move(step));
   }
-  if (impl->steps.empty()) {
+  if (steps.empty()) {
     return absl::UnimplementedError(
         absl::StrCat(source, ": the pre-tokenizer must end with ByteLevel"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::FromVocab(BpeVocab vocab,
+                                                                      int32_t vocab_size) {
+  auto impl = std::make_unique<Impl>();
+  const std::string source = vocab.source;
+  if (absl::Status s = impl->SetIds(vocab, vocab_size); !s.ok()) return s;
+  impl->SetTokens(vocab.tokens);
+  if (absl::Status s = impl->SetMerges(vocab.merges, source); !s.ok()) return s;
+  if (absl::Status s = impl->SetAddedTokens(std::move(vocab.added_tokens), source); !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = impl->SetPreTokenizer(std::move(vocab.pre_tokenizer), vocab.pre, source);
+      !s.ok()) {
+    return s;
   }
   return std::unique_ptr<BpeTokenizer>(new BpeTokenizer(std::move(impl)));
 }
@@ -804,11 +837,11 @@ absl::StatusOr<std::string> BpeTokenizer::Decode(std::span<const int32_t> ids) c
   for (size_t i = 0; i < ids.size(); ++i) {
     const int32_t id = ids[i];
     if (id < 0 || id >= impl_->vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("Decode: ids[", i, "] = ", id,
-                                                     " is outside [0, vocab_size=",
-                                                     impl_->vocab_size, ")"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "Decode: ids[", i, "] = ", id, " is outside [0, vocab_size=", impl_->vocab_size, ")"));
     }
-    if (impl_->special[static_cast<size_t>(id)] == 0) text += impl_->decoded[static_cast<size_t>(id)];
+    if (impl_->special[static_cast<size_t>(id)] == 0)
+      text += impl_->decoded[static_cast<size_t>(id)];
   }
   return text;
 }
@@ -823,8 +856,10 @@ bool BpeTokenizer::IsSpecial(int32_t id) const {
 }
 
 std::optional<int32_t> BpeTokenizer::TokenId(std::string_view piece) const {
-  if (auto it = impl_->added_to_id.find(AbslView(piece)); it != impl_->added_to_id.end()) return it->second;
-  if (auto it = impl_->piece_to_id.find(AbslView(piece)); it != impl_->piece_to_id.end()) return it->second;
+  if (auto it = impl_->added_to_id.find(AbslView(piece)); it != impl_->added_to_id.end())
+    return it->second;
+  if (auto it = impl_->piece_to_id.find(AbslView(piece)); it != impl_->piece_to_id.end())
+    return it->second;
   return std::nullopt;
 }
 
