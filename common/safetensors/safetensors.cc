@@ -48,6 +48,119 @@ bool NonNegativeInteger(const Json& value, uint64_t* out) {
   return false;
 }
 
+// The header's "__metadata__" entry (null, or an object of strings) into *out.
+absl::Status ReadSafetensorsMetadata(const Json& entry, const std::string& where,
+                                     std::map<std::string, std::string>* out) {
+  if (entry.is_null()) return absl::OkStatus();
+  if (!entry.is_object()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": \"__metadata__\" must be an object, got ", entry.type_name()));
+  }
+  for (const auto& [key, value] : entry.items()) {
+    if (!value.is_string()) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": \"__metadata__\" value of \"", key,
+                                                     "\" must be a string, got ",
+                                                     value.type_name()));
+    }
+    (*out)[key] = value.get<std::string>();
+  }
+  return absl::OkStatus();
+}
+
+// One tensor's header entry: its dtype, shape and data_offsets, which must lie within the
+// data section's `data_size` bytes and hold exactly the shape's bytes.
+absl::StatusOr<SafetensorsTensorInfo> ReadSafetensorsEntry(const std::string& name,
+                                                           const Json& entry,
+                                                           const std::string& where,
+                                                           uint64_t data_size) {
+  const std::string what = absl::StrCat(where, ", tensor \"", name, "\"");
+  if (!entry.is_object()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": entry must be a JSON object, got ", entry.type_name()));
+  }
+  SafetensorsTensorInfo info;
+  info.name = name;
+
+  const auto dtype = entry.find("dtype");
+  if (dtype == entry.end() || !dtype->is_string()) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": missing string \"dtype\""));
+  }
+  info.dtype = dtype->get<std::string>();
+  const int32_t elem_bytes = SafetensorsDTypeBytes(info.dtype);
+  if (elem_bytes == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": unknown dtype \"", info.dtype, "\""));
+  }
+
+  const auto shape = entry.find("shape");
+  if (shape == entry.end() || !shape->is_array()) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": missing array \"shape\""));
+  }
+  // The product in bytes, checked for overflow as it grows.
+  uint64_t expected_bytes = static_cast<uint64_t>(elem_bytes);
+  bool overflow = false;
+  for (const Json& dim : *shape) {
+    uint64_t d = 0;
+    if (!NonNegativeInteger(dim, &d) ||
+        d > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": \"shape\" must hold non-negative integers, got ", shape->dump()));
+    }
+    info.shape.push_back(static_cast<int64_t>(d));
+    if (__builtin_mul_overflow(expected_bytes, d, &expected_bytes)) overflow = true;
+  }
+
+  const auto offsets = entry.find("data_offsets");
+  uint64_t begin = 0;
+  uint64_t end = 0;
+  if (offsets == entry.end() || !offsets->is_array() || offsets->size() != 2 ||
+      !NonNegativeInteger((*offsets)[0], &begin) || !NonNegativeInteger((*offsets)[1], &end)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": \"data_offsets\" must be [begin, end] of non-negative integers"));
+  }
+  if (begin > end) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": data_offsets [", begin, ", ", end, "] have begin after end"));
+  }
+  if (end > data_size) {
+    return absl::DataLossError(absl::StrCat(what, ": data_offsets [", begin, ", ", end,
+                                            "] run past the end of the ", data_size,
+                                            "-byte data section (truncated file?)"));
+  }
+  if (overflow || expected_bytes != end - begin) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": shape ", ShapeString(info.shape), " of ", info.dtype, " needs ",
+                     overflow ? std::string("more than 2^64") : absl::StrCat(expected_bytes),
+                     " bytes but data_offsets [", begin, ", ", end, "] hold ", end - begin));
+  }
+  info.begin = begin;
+  info.end = end;
+  return info;
+}
+
+// No two non-empty tensors may share a byte.
+absl::Status CheckNoSafetensorsOverlap(const std::vector<SafetensorsTensorInfo>& tensors,
+                                       const std::string& where) {
+  // No two non-empty tensors may share a byte.
+  std::vector<const SafetensorsTensorInfo*> by_offset;
+  for (const SafetensorsTensorInfo& t : tensors) {
+    if (t.end > t.begin) by_offset.push_back(&t);
+  }
+  std::sort(by_offset.begin(), by_offset.end(),
+            [](const SafetensorsTensorInfo* a, const SafetensorsTensorInfo* b) {
+              return a->begin < b->begin;
+            });
+  for (size_t i = 1; i < by_offset.size(); ++i) {
+    const SafetensorsTensorInfo& prev = *by_offset[i - 1];
+    const SafetensorsTensorInfo& next = *by_offset[i];
+    if (next.begin < prev.end) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": tensors \"", prev.name, "\" [", prev.begin, ", ", prev.end,
+                       ") and \"", next.name, "\" [", next.begin, ", ", next.end, ") overlap"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 int64_t SafetensorsTensorInfo::NumElements() const {
@@ -130,103 +243,18 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
 
   for (const auto& [name, entry] : header.items()) {
     if (name == "__metadata__") {
-      if (entry.is_null()) continue;
-      if (!entry.is_object()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(where, ": \"__metadata__\" must be an object, got ", entry.type_name()));
-      }
-      for (const auto& [key, value] : entry.items()) {
-        if (!value.is_string()) {
-          return absl::InvalidArgumentError(absl::StrCat(where, ": \"__metadata__\" value of \"",
-                                                         key, "\" must be a string, got ",
-                                                         value.type_name()));
-        }
-        file->metadata_[key] = value.get<std::string>();
+      if (absl::Status s = ReadSafetensorsMetadata(entry, where, &file->metadata_); !s.ok()) {
+        return s;
       }
       continue;
     }
-    const std::string what = absl::StrCat(where, ", tensor \"", name, "\"");
-    if (!entry.is_object()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(what, ": entry must be a JSON object, got ", entry.type_name()));
-    }
-    SafetensorsTensorInfo info;
-    info.name = name;
-
-    const auto dtype = entry.find("dtype");
-    if (dtype == entry.end() || !dtype->is_string()) {
-      return absl::InvalidArgumentError(absl::StrCat(what, ": missing string \"dtype\""));
-    }
-    info.dtype = dtype->get<std::string>();
-    const int32_t elem_bytes = SafetensorsDTypeBytes(info.dtype);
-    if (elem_bytes == 0) {
-      return absl::InvalidArgumentError(absl::StrCat(what, ": unknown dtype \"", info.dtype, "\""));
-    }
-
-    const auto shape = entry.find("shape");
-    if (shape == entry.end() || !shape->is_array()) {
-      return absl::InvalidArgumentError(absl::StrCat(what, ": missing array \"shape\""));
-    }
-    // The product in bytes, checked for overflow as it grows.
-    uint64_t expected_bytes = static_cast<uint64_t>(elem_bytes);
-    bool overflow = false;
-    for (const Json& dim : *shape) {
-      uint64_t d = 0;
-      if (!NonNegativeInteger(dim, &d) ||
-          d > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(what, ": \"shape\" must hold non-negative integers, got ", shape->dump()));
-      }
-      info.shape.push_back(static_cast<int64_t>(d));
-      if (__builtin_mul_overflow(expected_bytes, d, &expected_bytes)) overflow = true;
-    }
-
-    const auto offsets = entry.find("data_offsets");
-    uint64_t begin = 0;
-    uint64_t end = 0;
-    if (offsets == entry.end() || !offsets->is_array() || offsets->size() != 2 ||
-        !NonNegativeInteger((*offsets)[0], &begin) || !NonNegativeInteger((*offsets)[1], &end)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(what, ": \"data_offsets\" must be [begin, end] of non-negative integers"));
-    }
-    if (begin > end) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(what, ": data_offsets [", begin, ", ", end, "] have begin after end"));
-    }
-    if (end > data_size) {
-      return absl::DataLossError(absl::StrCat(what, ": data_offsets [", begin, ", ", end,
-                                              "] run past the end of the ", data_size,
-                                              "-byte data section (truncated file?)"));
-    }
-    if (overflow || expected_bytes != end - begin) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(what, ": shape ", ShapeString(info.shape), " of ", info.dtype, " needs ",
-                       overflow ? std::string("more than 2^64") : absl::StrCat(expected_bytes),
-                       " bytes but data_offsets [", begin, ", ", end, "] hold ", end - begin));
-    }
-    info.begin = begin;
-    info.end = end;
-    file->tensors_.push_back(std::move(info));
+    absl::StatusOr<SafetensorsTensorInfo> info =
+        ReadSafetensorsEntry(name, entry, where, data_size);
+    if (!info.ok()) return info.status();
+    file->tensors_.push_back(*std::move(info));
   }
 
-  // No two non-empty tensors may share a byte.
-  std::vector<const SafetensorsTensorInfo*> by_offset;
-  for (const SafetensorsTensorInfo& t : file->tensors_) {
-    if (t.end > t.begin) by_offset.push_back(&t);
-  }
-  std::sort(by_offset.begin(), by_offset.end(),
-            [](const SafetensorsTensorInfo* a, const SafetensorsTensorInfo* b) {
-              return a->begin < b->begin;
-            });
-  for (size_t i = 1; i < by_offset.size(); ++i) {
-    const SafetensorsTensorInfo& prev = *by_offset[i - 1];
-    const SafetensorsTensorInfo& next = *by_offset[i];
-    if (next.begin < prev.end) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, ": tensors \"", prev.name, "\" [", prev.begin, ", ", prev.end,
-                       ") and \"", next.name, "\" [", next.begin, ", ", next.end, ") overlap"));
-    }
-  }
+  if (absl::Status s = CheckNoSafetensorsOverlap(file->tensors_, where); !s.ok()) return s;
 
   for (size_t i = 0; i < file->tensors_.size(); ++i) file->index_[file->tensors_[i].name] = i;
   return file;
