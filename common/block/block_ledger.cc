@@ -41,14 +41,14 @@ absl::Status BlockLedger::CheckOptions(const Options& options) {
         absl::StrCat("block_size must be positive, got ", options.block_size));
   }
   if (int64_t{options.num_blocks} * options.block_size > int64_t{INT32_MAX}) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "num_blocks × block_size = ", int64_t{options.num_blocks} * options.block_size,
-        " tokens does not fit a 32-bit token count"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_blocks × block_size = ", int64_t{options.num_blocks} * options.block_size,
+                     " tokens does not fit a 32-bit token count"));
   }
   if (options.sliding_window_tokens < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "sliding_window_tokens must be >= 0 (0 = full attention), got ",
-        options.sliding_window_tokens));
+    return absl::InvalidArgumentError(
+        absl::StrCat("sliding_window_tokens must be >= 0 (0 = full attention), got ",
+                     options.sliding_window_tokens));
   }
   if (options.max_pinned_blocks < 0 || options.max_pinned_blocks > options.num_blocks) {
     return absl::InvalidArgumentError(absl::StrCat("max_pinned_blocks must be in [0, ",
@@ -244,8 +244,8 @@ void BlockLedger::TakeBlocks(int32_t n, std::vector<BlockId>* out) {
   for (int32_t i = 0; i < from_free; ++i) meta[ids[i]].ref = 1;
   // The rest evicted in one loop, EvictLruHead's steps inlined, counts added once.
   const int32_t evicted = n - from_free;
-  KVCM_CHECK(evicted <= lru_size_) << "TakeBlocks(" << n << ") with " << from_free
-                                   << " free and " << lru_size_ << " cached blocks";
+  KVCM_CHECK(evicted <= lru_size_) << "TakeBlocks(" << n << ") with " << from_free << " free and "
+                                   << lru_size_ << " cached blocks";
   for (int32_t i = from_free; i < n; ++i) {
     const BlockId block = PopLruHead();
     KVCM_CHECK(meta[block].ref == 0 && meta[block].pins == 0) << "block " << block;
@@ -300,9 +300,9 @@ void BlockLedger::Release(BlockId block) { ReleaseTailFirst(std::span(&block, 1)
 
 // --- Allocate ------------------------------------------------------------------------------
 
-absl::StatusOr<AdmissionPlan> BlockLedger::PlanAllocate(
-    SeqId seq, int32_t num_tokens, std::span<const BlockHash> block_hashes,
-    std::vector<BlockId>* hits) const {
+absl::StatusOr<AdmissionPlan> BlockLedger::PlanAllocate(SeqId seq, int32_t num_tokens,
+                                                        std::span<const BlockHash> block_hashes,
+                                                        std::vector<BlockId>* hits) const {
   if (seq_index_.contains(seq)) {
     return absl::AlreadyExistsError(absl::StrCat("sequence ", seq, " is already live"));
   }
@@ -319,14 +319,13 @@ absl::StatusOr<AdmissionPlan> BlockLedger::PlanAllocate(
   }
   const size_t full_blocks = static_cast<size_t>(FullBlocks(num_tokens));
   if (block_hashes.size() > full_blocks) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "sequence ", seq, ": ", block_hashes.size(), " block hashes for ", num_tokens,
-        " tokens, which fill only ", full_blocks, " blocks"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("sequence ", seq, ": ", block_hashes.size(), " block hashes for ", num_tokens,
+                     " tokens, which fill only ", full_blocks, " blocks"));
   }
   // A hit never covers the last prompt token (it must be computed to get logits).
   const size_t matchable = std::min(
-      block_hashes.size(),
-      num_tokens > 0 ? static_cast<size_t>(FullBlocks(num_tokens - 1)) : 0);
+      block_hashes.size(), num_tokens > 0 ? static_cast<size_t>(FullBlocks(num_tokens - 1)) : 0);
   AdmissionPlan plan;
   int32_t hits_from_lru = 0;
   for (size_t i = 0; i < matchable; ++i) {
@@ -341,10 +340,9 @@ absl::StatusOr<AdmissionPlan> BlockLedger::PlanAllocate(
   const int32_t available = AvailableBlocks() - hits_from_lru;
   if (plan.blocks_needed > available) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "sequence ", seq, ": needs ", plan.blocks_needed, " new blocks (", num_tokens,
-        " tokens, ", plan.prefix_hit_blocks, " blocks cached), but only ", available,
-        " can be taken now (", free_.size(), " free, ", lru_size_ - hits_from_lru,
-        " cached evictable)"));
+        "sequence ", seq, ": needs ", plan.blocks_needed, " new blocks (", num_tokens, " tokens, ",
+        plan.prefix_hit_blocks, " blocks cached), but only ", available, " can be taken now (",
+        free_.size(), " free, ", lru_size_ - hits_from_lru, " cached evictable)"));
   }
   plan.evictions = std::max(0, plan.blocks_needed - free_.size());
   return plan;
@@ -368,8 +366,7 @@ absl::Status BlockLedger::Allocate(SeqId seq, int32_t num_tokens,
                                    std::span<const BlockHash> block_hashes,
                                    AllocateResult* result) {
   scratch_hits_.clear();
-  absl::StatusOr<AdmissionPlan> plan =
-      PlanAllocate(seq, num_tokens, block_hashes, &scratch_hits_);
+  absl::StatusOr<AdmissionPlan> plan = PlanAllocate(seq, num_tokens, block_hashes, &scratch_hits_);
   if (!plan.ok()) {
     if (absl::IsResourceExhausted(plan.status())) ++counters_.allocation_failures;
     return plan.status();
@@ -419,10 +416,13 @@ absl::StatusOr<AdmissionPlan> BlockLedger::PlanAppend(const Sequence& s,
   if (num_new_tokens > 0 && partial && meta_[s.blocks.back()].ref > 1) {
     // The copy reads the shared block's KV: it must be written, or the copy is garbage.
     if (s.num_committed < s.num_tokens) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "sequence ", s.id, " shares its partly filled last block, whose KV is not committed "
-          "(", s.num_committed, " of ", s.num_tokens, " tokens): commit it before appending, "
-          "as copy-on-write copies that KV"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("sequence ", s.id,
+                       " shares its partly filled last block, whose KV is not committed "
+                       "(",
+                       s.num_committed, " of ", s.num_tokens,
+                       " tokens): commit it before appending, "
+                       "as copy-on-write copies that KV"));
     }
     plan.copies = 1;
   }
@@ -430,9 +430,9 @@ absl::StatusOr<AdmissionPlan> BlockLedger::PlanAppend(const Sequence& s,
                        static_cast<int32_t>(s.blocks.size()) + plan.copies;
   if (plan.blocks_needed > AvailableBlocks()) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "sequence ", s.id, ": appending ", num_new_tokens, " tokens needs ",
-        plan.blocks_needed, " new blocks, but only ", AvailableBlocks(), " can be taken now (",
-        free_.size(), " free, ", lru_size_, " cached evictable)"));
+        "sequence ", s.id, ": appending ", num_new_tokens, " tokens needs ", plan.blocks_needed,
+        " new blocks, but only ", AvailableBlocks(), " can be taken now (", free_.size(), " free, ",
+        lru_size_, " cached evictable)"));
   }
   plan.evictions = std::max(0, plan.blocks_needed - free_.size());
   return plan;
@@ -492,9 +492,8 @@ absl::Status BlockLedger::Fork(SeqId parent, SeqId child) {
   const int32_t parent_slot = seq_index_.Find(parent);
   if (parent_slot < 0) return NotFound(parent);
   if (seq_index_.contains(child)) {
-    return absl::AlreadyExistsError(
-        absl::StrCat("cannot fork ", parent, " into ", child, ": sequence ", child,
-                     " is already live"));
+    return absl::AlreadyExistsError(absl::StrCat("cannot fork ", parent, " into ", child,
+                                                 ": sequence ", child, " is already live"));
   }
   const int32_t child_slot = AcquireSlot();  // may move slots_: index, don't hold pointers
   const Sequence& p = slots_[parent_slot];
@@ -515,8 +514,8 @@ absl::Status BlockLedger::Fork(SeqId parent, SeqId child) {
 }
 
 inline void BlockLedger::Register(Sequence& s) {
-  const int32_t limit = std::min(static_cast<int32_t>(s.hashes.size()),
-                                 FullBlocks(s.num_committed));
+  const int32_t limit =
+      std::min(static_cast<int32_t>(s.hashes.size()), FullBlocks(s.num_committed));
   if (limit <= s.num_registered) return;  // most commits of a decode step: inline, no call
   RegisterUpTo(s, limit);
 }
@@ -560,9 +559,8 @@ void BlockLedger::ApplyWindow(Sequence& s) {
   if (window == 0) return;
   const int64_t first_needed_token = int64_t{s.num_committed} - window + 1;
   if (first_needed_token <= 0) return;
-  const int32_t release_upto = static_cast<int32_t>(
-      std::min<int64_t>(first_needed_token / options_.block_size,
-                        static_cast<int64_t>(s.blocks.size())));
+  const int32_t release_upto = static_cast<int32_t>(std::min<int64_t>(
+      first_needed_token / options_.block_size, static_cast<int64_t>(s.blocks.size())));
   for (int32_t i = s.first_live; i < release_upto; ++i) {
     if (s.blocks[i] == kNoBlock) continue;
     Release(s.blocks[i]);
@@ -582,15 +580,15 @@ absl::Status BlockLedger::Commit(SeqId seq, int32_t num_committed_tokens,
                      " to ", num_committed_tokens, " tokens"));
   }
   if (num_committed_tokens > s->num_tokens) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("sequence ", seq, ": cannot commit ", num_committed_tokens,
-                     " tokens, it holds only ", s->num_tokens));
+    return absl::InvalidArgumentError(absl::StrCat("sequence ", seq, ": cannot commit ",
+                                                   num_committed_tokens, " tokens, it holds only ",
+                                                   s->num_tokens));
   }
   const size_t full_blocks = static_cast<size_t>(FullBlocks(s->num_tokens));
   if (s->hashes.size() + new_block_hashes.size() > full_blocks) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "sequence ", seq, ": ", s->hashes.size() + new_block_hashes.size(),
-        " block hashes in all, but only ", full_blocks, " blocks are full"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("sequence ", seq, ": ", s->hashes.size() + new_block_hashes.size(),
+                     " block hashes in all, but only ", full_blocks, " blocks are full"));
   }
   if (new_block_hashes.size() == 1) {
     s->hashes.push_back(new_block_hashes[0]);  // a decode step filling a block
@@ -666,10 +664,9 @@ absl::Status BlockLedger::Pin(const std::string& name, std::span<const BlockHash
   for (size_t i = 0; i < block_hashes.size(); ++i) {
     const BlockId found = index_.Find(block_hashes[i], HashOf());
     if (found == kNoBlock) {
-      return absl::NotFoundError(absl::StrCat("pin '", name, "': block ", i, " of ",
-                                              block_hashes.size(), " (hash ",
-                                              block_hashes[i].ToHex().substr(0, 16),
-                                              "…) is not in the prefix cache"));
+      return absl::NotFoundError(
+          absl::StrCat("pin '", name, "': block ", i, " of ", block_hashes.size(), " (hash ",
+                       block_hashes[i].ToHex().substr(0, 16), "…) is not in the prefix cache"));
     }
     blocks.push_back(found);
   }
@@ -683,15 +680,15 @@ absl::Status BlockLedger::Pin(const std::string& name, std::span<const BlockHash
   for (BlockId b : blocks) {
     newly_pinned += meta_[b].pins == 0 ? 1 : 0;
     if (meta_[b].pins == kMaxPinsPerBlock) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "pin '", name, "': block ", b, " is already held by ", kMaxPinsPerBlock,
-          " pins, the most one block can have"));
+      return absl::ResourceExhaustedError(absl::StrCat("pin '", name, "': block ", b,
+                                                       " is already held by ", kMaxPinsPerBlock,
+                                                       " pins, the most one block can have"));
     }
   }
   if (pinned_blocks_total_ + newly_pinned > options_.max_pinned_blocks) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "pin '", name, "' would pin ", pinned_blocks_total_ + newly_pinned,
-        " blocks, over the limit of ", options_.max_pinned_blocks));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("pin '", name, "' would pin ", pinned_blocks_total_ + newly_pinned,
+                     " blocks, over the limit of ", options_.max_pinned_blocks));
   }
   for (BlockId b : blocks) {
     if (meta_[b].pins++ > 0) continue;
@@ -735,8 +732,8 @@ int32_t BlockLedger::EvictAllCached() {
 
 absl::Status BlockLedger::Hold(BlockId block) {
   if (block < 0 || block >= options_.num_blocks) {
-    return absl::InvalidArgumentError(absl::StrCat("hold of block ", block, ": out of range [0, ",
-                                                   options_.num_blocks, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("hold of block ", block, ": out of range [0, ", options_.num_blocks, ")"));
   }
   // A duplicate is always in use (it is dropped when its last reference goes).
   if (!IsIndexed(block) && !(IsDuplicate(block) && meta_[block].ref > 0)) {
@@ -746,9 +743,9 @@ absl::Status BlockLedger::Hold(BlockId block) {
   }
   auto it = holds_.find(block);
   if (it != holds_.end() && it->second == kMaxHoldsPerBlock) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "hold of block ", block, ": already held ", kMaxHoldsPerBlock,
-        " times, the most one block can be"));
+    return absl::ResourceExhaustedError(absl::StrCat("hold of block ", block, ": already held ",
+                                                     kMaxHoldsPerBlock,
+                                                     " times, the most one block can be"));
   }
   Reuse(block);
   if (it == holds_.end()) {
@@ -762,8 +759,8 @@ absl::Status BlockLedger::Hold(BlockId block) {
 
 absl::Status BlockLedger::Unhold(BlockId block) {
   if (block < 0 || block >= options_.num_blocks) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "unhold of block ", block, ": out of range [0, ", options_.num_blocks, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("unhold of block ", block, ": out of range [0, ", options_.num_blocks, ")"));
   }
   auto it = holds_.find(block);
   if (it == holds_.end()) {
@@ -856,8 +853,8 @@ void BlockLedger::FillBlockMap(int32_t max_cells,
     in_cell.fill(0);
     for (BlockId b = first; b < end; ++b) {
       const BlockMeta& m = meta_[b];
-      MapState state = m.ref > 0    ? MapState::kInUse
-                       : m.pins > 0 ? MapState::kPinned
+      MapState state = m.ref > 0                   ? MapState::kInUse
+                       : m.pins > 0                ? MapState::kPinned
                        : (m.flags & kIndexed) != 0 ? MapState::kCached
                                                    : MapState::kFree;
       if (next_held < held_apart.size() && held_apart[next_held].first == b) {
@@ -884,162 +881,217 @@ size_t BlockLedger::MemoryBytes() const {
     using Slot = typename std::decay_t<decltype(m)>::value_type;
     return m.capacity() * (sizeof(Slot) + 1);
   };
-  size_t bytes = vec(meta_) + vec(hash_) + vec(lru_ring_) + free_.MemoryBytes() + index_.MemoryBytes() +
-                 map(duplicates_) + seq_index_.MemoryBytes() + map(pins_) + map(holds_) +
-                 vec(free_slots_) + vec(events_) + vec(scratch_hits_);
+  size_t bytes = vec(meta_) + vec(hash_) + vec(lru_ring_) + free_.MemoryBytes() +
+                 index_.MemoryBytes() + map(duplicates_) + seq_index_.MemoryBytes() + map(pins_) +
+                 map(holds_) + vec(free_slots_) + vec(events_) + vec(scratch_hits_);
   for (const Sequence& s : slots_) bytes += sizeof(Sequence) + vec(s.blocks) + vec(s.hashes);
   return bytes;
 }
 
-absl::Status BlockLedger::CheckInvariants() const {
-  const int32_t n = options_.num_blocks;
-  auto broken = [](auto&&... parts) { return absl::InternalError(absl::StrCat(parts...)); };
+namespace {
 
-  // Reference counts equal the references held by live sequences plus the holds.
-  std::vector<int32_t> refs(n, 0);
-  {
-    int64_t holds = 0;
-    for (const auto& [b, count] : holds_) {
-      if (b < 0 || b >= n) return broken("hold on block id ", b, ", out of range");
-      if (count == 0) return broken("block ", b, ": an entry of zero holds");
-      // A held block keeps its committed KV findable: it stays indexed or a duplicate
-      // (neither is dropped while the block is in use).
-      if (!IsIndexed(b) && !IsDuplicate(b)) {
-        return broken("held block ", b, " is neither indexed nor a duplicate");
-      }
-      refs[b] += count;
-      holds += count;
+template <typename... Parts>
+absl::Status Broken(const Parts&... parts) {
+  return absl::InternalError(absl::StrCat(parts...));
+}
+
+}  // namespace
+
+absl::Status BlockLedger::CheckInvariants() const {
+  std::vector<int32_t> refs(static_cast<size_t>(options_.num_blocks), 0);
+  if (absl::Status s = CheckHolds(&refs); !s.ok()) return s;
+  if (absl::Status s = CheckSequences(&refs); !s.ok()) return s;
+  StateCounts counts;
+  if (absl::Status s = CheckBlocks(refs, &counts); !s.ok()) return s;
+  if (absl::Status s = CheckCounts(counts); !s.ok()) return s;
+  if (absl::Status s = CheckIndexEntries(counts.indexed); !s.ok()) return s;
+  if (absl::Status s = CheckLruRing(counts.cached); !s.ok()) return s;
+  return CheckPins();
+}
+
+// Reference counts equal the references held by live sequences plus the holds: the holds'.
+absl::Status BlockLedger::CheckHolds(std::vector<int32_t>* refs) const {
+  const int32_t n = options_.num_blocks;
+  int64_t holds = 0;
+  for (const auto& [b, count] : holds_) {
+    if (b < 0 || b >= n) return Broken("hold on block id ", b, ", out of range");
+    if (count == 0) return Broken("block ", b, ": an entry of zero holds");
+    // A held block keeps its committed KV findable: it stays indexed or a duplicate
+    // (neither is dropped while the block is in use).
+    if (!IsIndexed(b) && !IsDuplicate(b)) {
+      return Broken("held block ", b, " is neither indexed nor a duplicate");
     }
-    if (holds != holds_total_) return broken("holds total ", holds_total_, " vs ", holds);
+    (*refs)[static_cast<size_t>(b)] += count;
+    holds += count;
   }
+  if (holds != holds_total_) return Broken("holds total ", holds_total_, " vs ", holds);
+  return absl::OkStatus();
+}
+
+// Each live sequence's slot, token counts and block table; its blocks' references.
+absl::Status BlockLedger::CheckSequences(std::vector<int32_t>* refs) const {
+  const int32_t n = options_.num_blocks;
   std::vector<std::pair<SeqId, int32_t>> live_seqs;
   seq_index_.ForEach([&live_seqs](SeqId id, int32_t slot) { live_seqs.emplace_back(id, slot); });
   for (const auto& [id, slot] : live_seqs) {
     const Sequence& s = slots_[static_cast<size_t>(slot)];
-    if (s.id != id) return broken("slot ", slot, " holds sequence ", s.id, " not ", id);
+    if (s.id != id) return Broken("slot ", slot, " holds sequence ", s.id, " not ", id);
     if (s.num_tokens < 0 || s.num_committed < 0 || s.num_committed > s.num_tokens) {
-      return broken("sequence ", id, ": tokens ", s.num_tokens, ", committed ",
-                    s.num_committed);
+      return Broken("sequence ", id, ": tokens ", s.num_tokens, ", committed ", s.num_committed);
     }
     if (static_cast<int32_t>(s.blocks.size()) != BlocksFor(s.num_tokens)) {
-      return broken("sequence ", id, ": ", s.blocks.size(), " blocks for ", s.num_tokens,
+      return Broken("sequence ", id, ": ", s.blocks.size(), " blocks for ", s.num_tokens,
                     " tokens");
     }
     if (s.hashes.size() > static_cast<size_t>(s.num_tokens / options_.block_size)) {
-      return broken("sequence ", id, ": hashes for non-full blocks");
+      return Broken("sequence ", id, ": hashes for non-full blocks");
     }
     for (size_t i = 0; i < s.blocks.size(); ++i) {
       const BlockId b = s.blocks[i];
       if (b == kNoBlock) {
         if (static_cast<int32_t>(i) >= s.first_live) {
-          return broken("sequence ", id, ": released block ", i, " inside the window");
+          return Broken("sequence ", id, ": released block ", i, " inside the window");
         }
         continue;
       }
-      if (b < 0 || b >= n) return broken("sequence ", id, ": block id ", b, " out of range");
-      ++refs[b];
+      if (b < 0 || b >= n) return Broken("sequence ", id, ": block id ", b, " out of range");
+      ++(*refs)[static_cast<size_t>(b)];
     }
   }
-  int32_t free_count = 0, in_use = 0, cached = 0, pinned_idle = 0, pinned_any = 0, indexed = 0;
-  for (BlockId b = 0; b < n; ++b) {
-    if (refs[b] != meta_[b].ref) {
-      return broken("block ", b, ": ref count ", meta_[b].ref, " but ", refs[b],
-                    " references (holds included)");
+  return absl::OkStatus();
+}
+
+// Each block: its reference count, duplicate and index marks, and the one list its state
+// puts it on; counts of each state into *counts.
+absl::Status BlockLedger::CheckBlocks(const std::vector<int32_t>& refs, StateCounts* counts) const {
+  for (BlockId b = 0; b < options_.num_blocks; ++b) {
+    if (refs[static_cast<size_t>(b)] != meta_[b].ref) {
+      return Broken("block ", b, ": ref count ", meta_[b].ref, " but ",
+                    refs[static_cast<size_t>(b)], " references (holds included)");
     }
-    if (meta_[b].pins > 0) ++pinned_any;
+    if (meta_[b].pins > 0) ++counts->pinned_any;
     if (((meta_[b].flags & kHasDuplicates) != 0) !=
         (IsIndexed(b) && duplicates_.contains(hash_[b]))) {
-      return broken("block ", b, ": its has-duplicates flag disagrees with the duplicates");
+      return Broken("block ", b, ": its has-duplicates flag disagrees with the duplicates");
     }
     if (IsIndexed(b)) {
-      ++indexed;
+      ++counts->indexed;
       if (index_.Find(hash_[b], HashOf()) != b) {
-        return broken("block ", b, ": marked indexed but the index disagrees");
+        return Broken("block ", b, ": marked indexed but the index disagrees");
       }
     }
     if (IsDuplicate(b)) {
-      if (IsIndexed(b) || meta_[b].ref == 0) {
-        return broken("duplicate block ", b, " is indexed or not in use");
-      }
-      const BlockId holder = index_.Find(hash_[b], HashOf());
-      if (holder == kNoBlock || holder == b) {
-        return broken("duplicate block ", b, ": its hash is not indexed in another block");
-      }
-      auto dup = duplicates_.find(hash_[b]);
-      if (dup == duplicates_.end() ||
-          std::none_of(dup->second.begin(), dup->second.end(),
-                       [b](const Duplicate& d) { return d.block == b; })) {
-        return broken("duplicate block ", b, " not recorded as one");
-      }
+      if (absl::Status s = CheckDuplicate(b); !s.ok()) return s;
     }
     const bool in_free = free_.Contains(b);
     const bool in_lru = (meta_[b].flags & kInLru) != 0;
     switch (StateOf(b)) {
       case BlockState::kInUse:
-        ++in_use;
-        if (in_free || in_lru) return broken("in-use block ", b, " on a free or LRU list");
+        ++counts->in_use;
+        if (in_free || in_lru) return Broken("in-use block ", b, " on a free or LRU list");
         break;
       case BlockState::kPinned:
-        ++pinned_idle;
-        if (!IsIndexed(b)) return broken("pinned block ", b, " is not in the prefix index");
-        if (in_free || in_lru) return broken("pinned block ", b, " on a free or LRU list");
+        ++counts->pinned_idle;
+        if (!IsIndexed(b)) return Broken("pinned block ", b, " is not in the prefix index");
+        if (in_free || in_lru) return Broken("pinned block ", b, " on a free or LRU list");
         break;
       case BlockState::kCached:
-        ++cached;
-        if (in_free || !in_lru) return broken("cached block ", b, " not (only) on the LRU");
+        ++counts->cached;
+        if (in_free || !in_lru) return Broken("cached block ", b, " not (only) on the LRU");
         break;
       case BlockState::kFree:
-        ++free_count;
-        if (!in_free || in_lru) return broken("free block ", b, " not (only) in the free set");
+        ++counts->free;
+        if (!in_free || in_lru) return Broken("free block ", b, " not (only) in the free set");
         break;
     }
   }
-  if (free_count + in_use + cached + pinned_idle != n) return broken("states do not partition");
-  if (free_count != free_.size() || !free_.ConsistentForTest()) {
-    return broken("free set holds ", free_.size(), " but ", free_count, " blocks are free");
+  return absl::OkStatus();
+}
+
+// A duplicate block is in use, not indexed, its hash indexed in another block, and recorded.
+absl::Status BlockLedger::CheckDuplicate(BlockId b) const {
+  if (IsIndexed(b) || meta_[b].ref == 0) {
+    return Broken("duplicate block ", b, " is indexed or not in use");
   }
-  if (in_use != in_use_blocks_) return broken("in-use count ", in_use_blocks_, " vs ", in_use);
-  if (pinned_idle != pinned_idle_blocks_) return broken("pinned count mismatch");
-  if (pinned_any != pinned_blocks_total_) return broken("pinned total mismatch");
-  if (indexed != index_.size()) return broken("index size mismatch");
-  {  // Every entry of the index is a block marked indexed (none stale, none twice).
-    int32_t entries = 0;
-    bool stale = false;
-    index_.ForEach([&](BlockId b) {
-      ++entries;
-      stale |= b < 0 || b >= n || !IsIndexed(b);
-    });
-    if (stale || entries != indexed) return broken("index holds ", entries, " entries, ", indexed, " indexed blocks");
+  const BlockId holder = index_.Find(hash_[b], HashOf());
+  if (holder == kNoBlock || holder == b) {
+    return Broken("duplicate block ", b, ": its hash is not indexed in another block");
   }
-  // The LRU ring holds exactly one live entry per cached block, and its stamps increase.
-  {
-    std::vector<uint8_t> seen(static_cast<size_t>(n), 0);
-    int32_t live = 0;
-    uint32_t last_stamp = 0;
-    for (size_t i = lru_front_; i < lru_ring_.size(); ++i) {
-      const LruEntry& e = lru_ring_[i];
-      if (e.block < 0 || e.block >= n) return broken("LRU ring holds block id ", e.block);
-      if (!LruEntryLive(e)) continue;
-      if (seen[static_cast<size_t>(e.block)]++) return broken("block ", e.block, " twice in the LRU");
-      // Stamps wrap at 2^32; live entries span far fewer pushes, so the signed difference
-      // orders them.
-      if (live > 0 && static_cast<int32_t>(e.stamp - last_stamp) <= 0) {
-        return broken("LRU stamps out of order at ", e.block);
-      }
-      last_stamp = e.stamp;
-      ++live;
+  auto dup = duplicates_.find(hash_[b]);
+  if (dup == duplicates_.end() || std::none_of(dup->second.begin(), dup->second.end(),
+                                               [b](const Duplicate& d) { return d.block == b; })) {
+    return Broken("duplicate block ", b, " not recorded as one");
+  }
+  return absl::OkStatus();
+}
+
+// The states partition the pool, and the ledger's running counts agree with them.
+absl::Status BlockLedger::CheckCounts(const StateCounts& c) const {
+  if (c.free + c.in_use + c.cached + c.pinned_idle != options_.num_blocks) {
+    return Broken("states do not partition");
+  }
+  if (c.free != free_.size() || !free_.ConsistentForTest()) {
+    return Broken("free set holds ", free_.size(), " but ", c.free, " blocks are free");
+  }
+  if (c.in_use != in_use_blocks_) return Broken("in-use count ", in_use_blocks_, " vs ", c.in_use);
+  if (c.pinned_idle != pinned_idle_blocks_) return Broken("pinned count mismatch");
+  if (c.pinned_any != pinned_blocks_total_) return Broken("pinned total mismatch");
+  if (c.indexed != index_.size()) return Broken("index size mismatch");
+  return absl::OkStatus();
+}
+
+// Every entry of the index is a block marked indexed (none stale, none twice).
+absl::Status BlockLedger::CheckIndexEntries(int32_t indexed) const {
+  const int32_t n = options_.num_blocks;
+  int32_t entries = 0;
+  bool stale = false;
+  index_.ForEach([&](BlockId b) {
+    ++entries;
+    stale |= b < 0 || b >= n || !IsIndexed(b);
+  });
+  if (stale || entries != indexed) {
+    return Broken("index holds ", entries, " entries, ", indexed, " indexed blocks");
+  }
+  return absl::OkStatus();
+}
+
+// The LRU ring holds exactly one live entry per cached block, and its stamps increase.
+absl::Status BlockLedger::CheckLruRing(int32_t cached) const {
+  const int32_t n = options_.num_blocks;
+  std::vector<uint8_t> seen(static_cast<size_t>(n), 0);
+  int32_t live = 0;
+  uint32_t last_stamp = 0;
+  for (size_t i = lru_front_; i < lru_ring_.size(); ++i) {
+    const LruEntry& e = lru_ring_[i];
+    if (e.block < 0 || e.block >= n) return Broken("LRU ring holds block id ", e.block);
+    if (!LruEntryLive(e)) continue;
+    if (seen[static_cast<size_t>(e.block)]++) {
+      return Broken("block ", e.block, " twice in the LRU");
     }
-    if (live != lru_size_ || live != cached) {
-      return broken("LRU ring has ", live, " live entries, size ", lru_size_, ", cached ", cached);
+    // Stamps wrap at 2^32; live entries span far fewer pushes, so the signed difference
+    // orders them.
+    if (live > 0 && static_cast<int32_t>(e.stamp - last_stamp) <= 0) {
+      return Broken("LRU stamps out of order at ", e.block);
     }
+    last_stamp = e.stamp;
+    ++live;
   }
-  // Pin counts equal the named pins.
-  std::vector<int32_t> pins(n, 0);
+  if (live != lru_size_ || live != cached) {
+    return Broken("LRU ring has ", live, " live entries, size ", lru_size_, ", cached ", cached);
+  }
+  return absl::OkStatus();
+}
+
+// Pin counts equal the named pins.
+absl::Status BlockLedger::CheckPins() const {
+  std::vector<int32_t> pins(static_cast<size_t>(options_.num_blocks), 0);
   for (const auto& [name, entry] : pins_) {
-    for (BlockId b : entry.blocks) ++pins[b];
+    for (BlockId b : entry.blocks) ++pins[static_cast<size_t>(b)];
   }
-  for (BlockId b = 0; b < n; ++b) {
-    if (pins[b] != meta_[b].pins) return broken("block ", b, ": pin count mismatch");
+  for (BlockId b = 0; b < options_.num_blocks; ++b) {
+    if (pins[static_cast<size_t>(b)] != meta_[b].pins) {
+      return Broken("block ", b, ": pin count mismatch");
+    }
   }
   return absl::OkStatus();
 }

@@ -326,6 +326,23 @@ class BlockLedger {
   size_t MemoryBytes() const;
 
  private:
+  // Breaks one invariant at a time to show CheckInvariants finds it
+  // (tests/common/block/block_ledger_invariants_test.cc).
+  friend class BlockLedgerTestPeer;
+
+  // CheckInvariants' passes, in order (block_ledger.cc).
+  struct StateCounts {
+    int32_t free = 0, in_use = 0, cached = 0, pinned_idle = 0, pinned_any = 0, indexed = 0;
+  };
+  absl::Status CheckHolds(std::vector<int32_t>* refs) const;
+  absl::Status CheckSequences(std::vector<int32_t>* refs) const;
+  absl::Status CheckBlocks(const std::vector<int32_t>& refs, StateCounts* counts) const;
+  absl::Status CheckDuplicate(BlockId b) const;
+  absl::Status CheckCounts(const StateCounts& c) const;
+  absl::Status CheckIndexEntries(int32_t indexed) const;
+  absl::Status CheckLruRing(int32_t cached) const;
+  absl::Status CheckPins() const;
+
   struct Sequence {
     SeqId id = 0;
     int32_t num_tokens = 0;
