@@ -242,6 +242,21 @@ class GgufFile::Parser {
   }
   absl::Status ReadString(std::string* out, const std::string& context);
   absl::Status ReadValue(GgufValueType type, int depth, const std::string& context, GgufValue* out);
+  absl::Status ReadArray(int depth, const std::string& context, GgufValue* out);
+  // A value of type Stored, widened into *field.
+  template <typename Stored, typename Field>
+  absl::Status ReadAs(Field* field, const std::string& context) {
+    Stored v{};
+    KVCM_RETURN_IF_ERROR(Read(&v, context));
+    *field = v;
+    return absl::OkStatus();
+  }
+  // Run's passes, in order.
+  absl::Status ReadHeader(uint64_t* tensor_count, uint64_t* kv_count);
+  absl::Status ReadAlignment();
+  absl::Status ReadTensorInfo(uint64_t i, uint64_t count, GgufTensorInfo* out);
+  absl::Status PlaceTensorData();
+  absl::Status CheckNoTensorOverlap() const;
 
   GgufFile& file_;
   std::span<const std::byte> bytes_;
@@ -268,66 +283,26 @@ absl::Status GgufFile::Parser::ReadValue(GgufValueType type, int depth, const st
                                          GgufValue* out) {
   out->type = type;
   switch (type) {
-    case GgufValueType::kUint8: {
-      uint8_t v = 0;
-      KVCM_RETURN_IF_ERROR(Read(&v, context));
-      out->uint_value = v;
-      return absl::OkStatus();
-    }
-    case GgufValueType::kInt8: {
-      int8_t v = 0;
-      KVCM_RETURN_IF_ERROR(Read(&v, context));
-      out->int_value = v;
-      return absl::OkStatus();
-    }
-    case GgufValueType::kUint16: {
-      uint16_t v = 0;
-      KVCM_RETURN_IF_ERROR(Read(&v, context));
-      out->uint_value = v;
-      return absl::OkStatus();
-    }
-    case GgufValueType::kInt16: {
-      int16_t v = 0;
-      KVCM_RETURN_IF_ERROR(Read(&v, context));
-      out->int_value = v;
-      return absl::OkStatus();
-    }
-    case GgufValueType::kUint32: {
-      uint32_t v = 0;
-      KVCM_RETURN_IF_ERROR(Read(&v, context));
-      out->uint_value = v;
-      return absl::OkStatus();
-    }
-    case GgufValueType::kInt32: {
-      int32_t v = 0;
-      KVCM_RETURN_IF_ERROR(Read(&v, context));
-      out->int_value = v;
-      return absl::OkStatus();
-    }
-    case GgufValueType::kUint64: {
-      uint64_t v = 0;
-      KVCM_RETURN_IF_ERROR(Read(&v, context));
-      out->uint_value = v;
-      return absl::OkStatus();
-    }
-    case GgufValueType::kInt64: {
-      int64_t v = 0;
-      KVCM_RETURN_IF_ERROR(Read(&v, context));
-      out->int_value = v;
-      return absl::OkStatus();
-    }
-    case GgufValueType::kFloat32: {
-      float v = 0;
-      KVCM_RETURN_IF_ERROR(Read(&v, context));
-      out->float_value = v;
-      return absl::OkStatus();
-    }
-    case GgufValueType::kFloat64: {
-      double v = 0;
-      KVCM_RETURN_IF_ERROR(Read(&v, context));
-      out->float_value = v;
-      return absl::OkStatus();
-    }
+    case GgufValueType::kUint8:
+      return ReadAs<uint8_t>(&out->uint_value, context);
+    case GgufValueType::kInt8:
+      return ReadAs<int8_t>(&out->int_value, context);
+    case GgufValueType::kUint16:
+      return ReadAs<uint16_t>(&out->uint_value, context);
+    case GgufValueType::kInt16:
+      return ReadAs<int16_t>(&out->int_value, context);
+    case GgufValueType::kUint32:
+      return ReadAs<uint32_t>(&out->uint_value, context);
+    case GgufValueType::kInt32:
+      return ReadAs<int32_t>(&out->int_value, context);
+    case GgufValueType::kUint64:
+      return ReadAs<uint64_t>(&out->uint_value, context);
+    case GgufValueType::kInt64:
+      return ReadAs<int64_t>(&out->int_value, context);
+    case GgufValueType::kFloat32:
+      return ReadAs<float>(&out->float_value, context);
+    case GgufValueType::kFloat64:
+      return ReadAs<double>(&out->float_value, context);
     case GgufValueType::kBool: {
       uint8_t v = 0;
       KVCM_RETURN_IF_ERROR(Read(&v, context));
@@ -337,70 +312,47 @@ absl::Status GgufFile::Parser::ReadValue(GgufValueType type, int depth, const st
     }
     case GgufValueType::kString:
       return ReadString(&out->string_value, context);
-    case GgufValueType::kArray: {
-      if (depth >= kMaxArrayDepth) {
-        return Error(absl::StrCat(context, ": arrays nested deeper than ", kMaxArrayDepth));
-      }
-      uint32_t element_type = 0;
-      KVCM_RETURN_IF_ERROR(Read(&element_type, context));
-      if (!gguf_internal::IsValueType(element_type)) {
-        return Error(absl::StrCat(context, ": unknown array element type ", element_type));
-      }
-      out->element_type = static_cast<GgufValueType>(element_type);
-      uint64_t count = 0;
-      KVCM_RETURN_IF_ERROR(Read(&count, context));
-      const size_t min_size = gguf_internal::MinEncodedSize(out->element_type);
-      if (count > remaining() / min_size) {
-        return Error(absl::StrCat(context, ": array of ", count, " ",
-                                  GgufValueTypeName(out->element_type),
-                                  " elements cannot fit in the ", remaining(), " bytes left"));
-      }
-      // Each value costs sizeof(GgufValue) in memory however few bytes it takes in the
-      // file, so the file's total is bounded too.
-      if (count > static_cast<uint64_t>(kMaxMetadataValues) - values_) {
-        return Error(absl::StrCat(context, ": array of ", count, " elements takes the file past ",
-                                  kMaxMetadataValues, " metadata values"));
-      }
-      values_ += count;
-      out->elements.resize(count);
-      for (uint64_t i = 0; i < count; ++i) {
-        KVCM_RETURN_IF_ERROR(ReadValue(out->element_type, depth + 1, context, &out->elements[i]));
-      }
-      return absl::OkStatus();
-    }
+    case GgufValueType::kArray:
+      return ReadArray(depth, context, out);
   }
   return Error(absl::StrCat(context, ": unknown value type ", static_cast<uint32_t>(type)));
 }
 
-absl::Status GgufFile::Parser::Run() {
-  char magic[4];
-  if (!Take(magic, sizeof(magic))) {
-    return Error(absl::StrCat("truncated header: ", bytes_.size(), " bytes"));
+absl::Status GgufFile::Parser::ReadArray(int depth, const std::string& context, GgufValue* out) {
+  if (depth >= kMaxArrayDepth) {
+    return Error(absl::StrCat(context, ": arrays nested deeper than ", kMaxArrayDepth));
   }
-  if (std::memcmp(magic, "GGUF", 4) != 0) {
-    return Error(absl::StrCat("bad magic ", Quoted(std::string_view(magic, 4)),
-                              ", not 'GGUF': not a GGUF file"));
+  uint32_t element_type = 0;
+  KVCM_RETURN_IF_ERROR(Read(&element_type, context));
+  if (!gguf_internal::IsValueType(element_type)) {
+    return Error(absl::StrCat(context, ": unknown array element type ", element_type));
   }
-  uint32_t version = 0;
-  KVCM_RETURN_IF_ERROR(Read(&version, "header"));
-  if (version == 1) return Error("GGUF version 1 is not supported (versions 2 and 3 are)");
-  if (version != 2 && version != 3) {
-    return Error(absl::StrCat("unsupported GGUF version ", version, " (versions 2 and 3 are)"));
+  out->element_type = static_cast<GgufValueType>(element_type);
+  uint64_t count = 0;
+  KVCM_RETURN_IF_ERROR(Read(&count, context));
+  const size_t min_size = gguf_internal::MinEncodedSize(out->element_type);
+  if (count > remaining() / min_size) {
+    return Error(absl::StrCat(context, ": array of ", count, " ",
+                              GgufValueTypeName(out->element_type), " elements cannot fit in the ",
+                              remaining(), " bytes left"));
   }
-  file_.version_ = version;
-  uint64_t tensor_count = 0, kv_count = 0;
-  KVCM_RETURN_IF_ERROR(Read(&tensor_count, "header"));
-  KVCM_RETURN_IF_ERROR(Read(&kv_count, "header"));
-  // The smallest key/value is 13 bytes (empty key, type, one byte), the smallest tensor
-  // info 32 (empty name, one dim, type, offset).
-  constexpr size_t kMinKv = 8 + 4 + 1;
-  constexpr size_t kMinTensorInfo = 8 + 4 + 8 + 4 + 8;
-  if (kv_count > remaining() / kMinKv ||
-      tensor_count > (remaining() - kv_count * kMinKv) / kMinTensorInfo) {
-    return Error(absl::StrCat("header counts ", kv_count, " key/values and ", tensor_count,
-                              " tensors cannot fit in the ", remaining(), " bytes left"));
+  // Each value costs sizeof(GgufValue) in memory however few bytes it takes in the
+  // file, so the file's total is bounded too.
+  if (count > static_cast<uint64_t>(kMaxMetadataValues) - values_) {
+    return Error(absl::StrCat(context, ": array of ", count, " elements takes the file past ",
+                              kMaxMetadataValues, " metadata values"));
   }
+  values_ += count;
+  out->elements.resize(count);
+  for (uint64_t i = 0; i < count; ++i) {
+    KVCM_RETURN_IF_ERROR(ReadValue(out->element_type, depth + 1, context, &out->elements[i]));
+  }
+  return absl::OkStatus();
+}
 
+absl::Status GgufFile::Parser::Run() {
+  uint64_t tensor_count = 0, kv_count = 0;
+  KVCM_RETURN_IF_ERROR(ReadHeader(&tensor_count, &kv_count));
   file_.metadata_.reserve(kv_count);
   for (uint64_t i = 0; i < kv_count; ++i) {
     GgufKeyValue kv;
@@ -418,6 +370,52 @@ absl::Status GgufFile::Parser::Run() {
     file_.metadata_.push_back(std::move(kv));
   }
 
+  KVCM_RETURN_IF_ERROR(ReadAlignment());
+  file_.tensors_.reserve(tensor_count);
+  for (uint64_t i = 0; i < tensor_count; ++i) {
+    GgufTensorInfo t;
+    KVCM_RETURN_IF_ERROR(ReadTensorInfo(i, tensor_count, &t));
+    file_.tensor_index_.emplace(t.name, file_.tensors_.size());
+    file_.tensors_.push_back(std::move(t));
+  }
+  KVCM_RETURN_IF_ERROR(PlaceTensorData());
+  return CheckNoTensorOverlap();
+}
+
+// The magic, the version (2 or 3) and the counts, which must fit in the bytes left.
+absl::Status GgufFile::Parser::ReadHeader(uint64_t* tensor_count, uint64_t* kv_count) {
+  char magic[4];
+  if (!Take(magic, sizeof(magic))) {
+    return Error(absl::StrCat("truncated header: ", bytes_.size(), " bytes"));
+  }
+  if (std::memcmp(magic, "GGUF", 4) != 0) {
+    return Error(absl::StrCat("bad magic ", Quoted(std::string_view(magic, 4)),
+                              ", not 'GGUF': not a GGUF file"));
+  }
+  uint32_t version = 0;
+  KVCM_RETURN_IF_ERROR(Read(&version, "header"));
+  if (version == 1) return Error("GGUF version 1 is not supported (versions 2 and 3 are)");
+  if (version != 2 && version != 3) {
+    return Error(absl::StrCat("unsupported GGUF version ", version, " (versions 2 and 3 are)"));
+  }
+  file_.version_ = version;
+  KVCM_RETURN_IF_ERROR(Read(tensor_count, "header"));
+  KVCM_RETURN_IF_ERROR(Read(kv_count, "header"));
+  // The smallest key/value is 13 bytes (empty key, type, one byte), the smallest tensor
+  // info 32 (empty name, one dim, type, offset).
+  constexpr size_t kMinKv = 8 + 4 + 1;
+  constexpr size_t kMinTensorInfo = 8 + 4 + 8 + 4 + 8;
+  if (*kv_count > remaining() / kMinKv ||
+      *tensor_count > (remaining() - *kv_count * kMinKv) / kMinTensorInfo) {
+    return Error(absl::StrCat("header counts ", *kv_count, " key/values and ", *tensor_count,
+                              " tensors cannot fit in the ", remaining(), " bytes left"));
+  }
+
+  return absl::OkStatus();
+}
+
+// general.alignment, when given: a uint32 power of two.
+absl::Status GgufFile::Parser::ReadAlignment() {
   if (auto it = file_.key_index_.find("general.alignment"); it != file_.key_index_.end()) {
     const GgufValue& value = file_.metadata_[it->second].value;
     if (value.type != GgufValueType::kUint32) {
@@ -431,49 +429,52 @@ absl::Status GgufFile::Parser::Run() {
     file_.alignment_ = static_cast<uint32_t>(value.uint_value);
   }
 
-  file_.tensors_.reserve(tensor_count);
-  for (uint64_t i = 0; i < tensor_count; ++i) {
-    GgufTensorInfo t;
-    KVCM_RETURN_IF_ERROR(
-        ReadString(&t.name, absl::StrCat("tensor info ", i, " of ", tensor_count, " (its name)")));
-    const std::string context = absl::StrCat("tensor ", Quoted(t.name));
-    if (file_.tensor_index_.contains(t.name)) return Error(absl::StrCat("duplicate ", context));
-    uint32_t n_dims = 0;
-    KVCM_RETURN_IF_ERROR(Read(&n_dims, context));
-    if (n_dims == 0 || n_dims > static_cast<uint32_t>(kMaxDims)) {
-      return Error(absl::StrCat(context, " has ", n_dims, " dims, not 1 to ", kMaxDims));
-    }
-    int64_t elements = 1;
-    for (uint32_t d = 0; d < n_dims; ++d) {
-      uint64_t ne = 0;
-      KVCM_RETURN_IF_ERROR(Read(&ne, context));
-      if (ne == 0) return Error(absl::StrCat(context, ": dim ", d, " is zero"));
-      if (ne > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) ||
-          static_cast<int64_t>(ne) > std::numeric_limits<int64_t>::max() / elements) {
-        return Error(absl::StrCat(context, ": dims overflow int64 at dim ", d, " (", ne, ")"));
-      }
-      t.dims.push_back(static_cast<int64_t>(ne));
-      elements *= static_cast<int64_t>(ne);
-    }
-    t.element_count = elements;
-    uint32_t type = 0;
-    KVCM_RETURN_IF_ERROR(Read(&type, context));
-    t.type = static_cast<GgmlType>(type);
-    const std::optional<GgmlTypeTraits> traits = GetGgmlTypeTraits(t.type);
-    if (!traits.has_value()) return Error(absl::StrCat(context, ": unknown tensor type ", type));
-    if (t.dims[0] % traits->block_size != 0) {
-      return Error(absl::StrCat(context, ": a row of ", t.dims[0], " ", traits->name,
-                                " elements is not whole blocks of ", traits->block_size));
-    }
-    absl::StatusOr<int64_t> bytes = TypeBytes(t.type, elements);
-    if (!bytes.ok()) return Error(absl::StrCat(context, ": ", bytes.status().message()));
-    t.byte_size = *bytes;
-    KVCM_RETURN_IF_ERROR(Read(&t.offset, context));
-    file_.tensor_index_.emplace(t.name, file_.tensors_.size());
-    file_.tensors_.push_back(std::move(t));
-  }
+  return absl::OkStatus();
+}
 
-  // The data section starts at the next multiple of the alignment.
+// Tensor info i of `count`: its name (new), dims, type and offset.
+absl::Status GgufFile::Parser::ReadTensorInfo(uint64_t i, uint64_t count, GgufTensorInfo* out) {
+  KVCM_RETURN_IF_ERROR(
+      ReadString(&out->name, absl::StrCat("tensor info ", i, " of ", count, " (its name)")));
+  const std::string context = absl::StrCat("tensor ", Quoted(out->name));
+  if (file_.tensor_index_.contains(out->name)) return Error(absl::StrCat("duplicate ", context));
+  uint32_t n_dims = 0;
+  KVCM_RETURN_IF_ERROR(Read(&n_dims, context));
+  if (n_dims == 0 || n_dims > static_cast<uint32_t>(kMaxDims)) {
+    return Error(absl::StrCat(context, " has ", n_dims, " dims, not 1 to ", kMaxDims));
+  }
+  int64_t elements = 1;
+  for (uint32_t d = 0; d < n_dims; ++d) {
+    uint64_t ne = 0;
+    KVCM_RETURN_IF_ERROR(Read(&ne, context));
+    if (ne == 0) return Error(absl::StrCat(context, ": dim ", d, " is zero"));
+    if (ne > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) ||
+        static_cast<int64_t>(ne) > std::numeric_limits<int64_t>::max() / elements) {
+      return Error(absl::StrCat(context, ": dims overflow int64 at dim ", d, " (", ne, ")"));
+    }
+    out->dims.push_back(static_cast<int64_t>(ne));
+    elements *= static_cast<int64_t>(ne);
+  }
+  out->element_count = elements;
+  uint32_t type = 0;
+  KVCM_RETURN_IF_ERROR(Read(&type, context));
+  out->type = static_cast<GgmlType>(type);
+  const std::optional<GgmlTypeTraits> traits = GetGgmlTypeTraits(out->type);
+  if (!traits.has_value()) return Error(absl::StrCat(context, ": unknown tensor type ", type));
+  if (out->dims[0] % traits->block_size != 0) {
+    return Error(absl::StrCat(context, ": a row of ", out->dims[0], " ", traits->name,
+                              " elements is not whole blocks of ", traits->block_size));
+  }
+  absl::StatusOr<int64_t> bytes = TypeBytes(out->type, elements);
+  if (!bytes.ok()) return Error(absl::StrCat(context, ": ", bytes.status().message()));
+  out->byte_size = *bytes;
+  KVCM_RETURN_IF_ERROR(Read(&out->offset, context));
+  return absl::OkStatus();
+}
+
+// Each tensor's data, in the data section that starts at the next multiple of the
+// alignment: aligned, and inside the file.
+absl::Status GgufFile::Parser::PlaceTensorData() {
   const uint64_t align = file_.alignment_;
   file_.data_offset_ = (static_cast<uint64_t>(pos_) + align - 1) / align * align;
   const uint64_t size = bytes_.size();
@@ -492,6 +493,11 @@ absl::Status GgufFile::Parser::Run() {
     }
     t.data = bytes_.subspan(file_.data_offset_ + t.offset, byte_size);
   }
+  return absl::OkStatus();
+}
+
+// No two tensors' data overlap.
+absl::Status GgufFile::Parser::CheckNoTensorOverlap() const {
   std::vector<size_t> order(file_.tensors_.size());
   std::iota(order.begin(), order.end(), size_t{0});
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
