@@ -73,48 +73,74 @@ size_t HashBytes(std::span<const uint8_t> bytes) {
 std::optional<RequestType> RequestTypeOf(wire::Message type) {
   using M = wire::Message;
   switch (type) {
-    case M::Hello: return RequestType::kHello;
-    case M::Attach: return RequestType::kAttach;
-    case M::Step: return RequestType::kStep;
-    case M::Lookup: return RequestType::kLookup;
-    case M::Pin: return RequestType::kPin;
-    case M::Unpin: return RequestType::kUnpin;
-    case M::Stats: return RequestType::kStats;
-    case M::Heartbeat: return RequestType::kHeartbeat;
-    case M::Goodbye: return RequestType::kGoodbye;
-    case M::EventSnapshot: return RequestType::kEventSnapshot;
-    case M::DescribeSession: return RequestType::kDescribeSession;
-    case M::EndSession: return RequestType::kEndSession;
-    case M::BlockMap: return RequestType::kBlockMap;
-    default: return std::nullopt;
+    case M::Hello:
+      return RequestType::kHello;
+    case M::Attach:
+      return RequestType::kAttach;
+    case M::Step:
+      return RequestType::kStep;
+    case M::Lookup:
+      return RequestType::kLookup;
+    case M::Pin:
+      return RequestType::kPin;
+    case M::Unpin:
+      return RequestType::kUnpin;
+    case M::Stats:
+      return RequestType::kStats;
+    case M::Heartbeat:
+      return RequestType::kHeartbeat;
+    case M::Goodbye:
+      return RequestType::kGoodbye;
+    case M::EventSnapshot:
+      return RequestType::kEventSnapshot;
+    case M::DescribeSession:
+      return RequestType::kDescribeSession;
+    case M::EndSession:
+      return RequestType::kEndSession;
+    case M::BlockMap:
+      return RequestType::kBlockMap;
+    default:
+      return std::nullopt;
   }
 }
 
 std::optional<SessionRole> SessionRoleOf(wire::Role role) {
   switch (role) {
-    case wire::Role::Router: return SessionRole::kRouter;
-    case wire::Role::Executor: return SessionRole::kExecutor;
-    case wire::Role::Control: return SessionRole::kControl;
-    default: return std::nullopt;
+    case wire::Role::Router:
+      return SessionRole::kRouter;
+    case wire::Role::Executor:
+      return SessionRole::kExecutor;
+    case wire::Role::Control:
+      return SessionRole::kControl;
+    default:
+      return std::nullopt;
   }
 }
 
 wire::Role WireRoleOf(SessionRole role) {
   switch (role) {
-    case SessionRole::kRouter: return wire::Role::Router;
-    case SessionRole::kExecutor: return wire::Role::Executor;
-    case SessionRole::kControl: return wire::Role::Control;
-    default: return wire::Role::Unknown;
+    case SessionRole::kRouter:
+      return wire::Role::Router;
+    case SessionRole::kExecutor:
+      return wire::Role::Executor;
+    case SessionRole::kControl:
+      return wire::Role::Control;
+    default:
+      return wire::Role::Unknown;
   }
 }
 
 // Role name for logs ("router", "executor", "control", "unknown").
 const char* RoleName(wire::Role role) {
   switch (role) {
-    case wire::Role::Router: return "router";
-    case wire::Role::Executor: return "executor";
-    case wire::Role::Control: return "control";
-    default: return "unknown";
+    case wire::Role::Router:
+      return "router";
+    case wire::Role::Executor:
+      return "executor";
+    case wire::Role::Control:
+      return "control";
+    default:
+      return "unknown";
   }
 }
 
@@ -147,8 +173,7 @@ absl::Status CacheManagerService::CheckOptions(const Options& options) {
 }
 
 absl::StatusOr<std::unique_ptr<CacheManagerService>> CacheManagerService::Create(
-    const Options& options, ProcessWatcher* watcher, CacheManagerMetrics* metrics,
-    absl::Time now) {
+    const Options& options, ProcessWatcher* watcher, CacheManagerMetrics* metrics, absl::Time now) {
   KVCM_CHECK(watcher != nullptr);
   if (absl::Status checked = CheckOptions(options); !checked.ok()) return checked;
   BlockLedger::Options ledger_options = options.ledger;
@@ -161,8 +186,8 @@ absl::StatusOr<std::unique_ptr<CacheManagerService>> CacheManagerService::Create
 }
 
 CacheManagerService::CacheManagerService(const Options& options, BlockLedger ledger,
-                                         ProcessWatcher* watcher,
-                                         CacheManagerMetrics* metrics, absl::Time now)
+                                         ProcessWatcher* watcher, CacheManagerMetrics* metrics,
+                                         absl::Time now)
     : options_(options),
       allowed_uids_(options.allowed_uids.empty() ? std::vector<uid_t>{::geteuid()}
                                                  : options.allowed_uids),
@@ -173,8 +198,7 @@ CacheManagerService::CacheManagerService(const Options& options, BlockLedger led
       sessions_({.epoch = options.epoch, .heartbeat_timeout = options.heartbeat_timeout}),
       steps_(&ledger_, {.max_sequences_per_session = options.max_sequences_per_session}),
       vllm_(ledger_.block_size(), options.hash_algorithm,
-            options.pool.backend == wire::PoolBackend::Cuda ? VllmMedium::kGpu
-                                                            : VllmMedium::kCpu) {
+            options.pool.backend == wire::PoolBackend::Cuda ? VllmMedium::kGpu : VllmMedium::kCpu) {
   if (options.tiers != nullptr) {
     TierCoordinator::Options tier_options;
     tier_options.load_timeout = options.tiers->options().load_timeout;
@@ -204,6 +228,22 @@ bool CacheManagerService::PollTiers(absl::Time now) {
 
 // --- Dispatch ----------------------------------------------------------------------------
 
+namespace {
+
+// The reason counted and the code replied for an envelope refused before it was read.
+std::pair<RejectReason, wire::ErrorCode> EnvelopeFaultCodes(EnvelopeFault fault) {
+  switch (fault) {
+    case EnvelopeFault::kOversized:
+      return {RejectReason::kOversized, wire::ErrorCode::Malformed};
+    case EnvelopeFault::kUnsupportedVersion:
+      return {RejectReason::kUnsupportedVersion, wire::ErrorCode::UnsupportedVersion};
+    default:
+      return {RejectReason::kMalformed, wire::ErrorCode::Malformed};
+  }
+}
+
+}  // namespace
+
 void CacheManagerService::Handle(const std::optional<PeerCredentials>& peer,
                                  std::span<const uint8_t> request, absl::Time now,
                                  flatbuffers::FlatBufferBuilder* reply) {
@@ -224,18 +264,8 @@ void CacheManagerService::Handle(const std::optional<PeerCredentials>& peer,
   if (verified.fault != EnvelopeFault::kNone) {
     // The reply names the request when its id could be read, so that the sender sees the
     // refusal instead of waiting out its timeout.
-    const uint64_t id = verified.request_id;
-    switch (verified.fault) {
-      case EnvelopeFault::kOversized:
-        return Reject(id, {RejectReason::kOversized, wire::ErrorCode::Malformed,
-                           verified.reason}, reply);
-      case EnvelopeFault::kUnsupportedVersion:
-        return Reject(id, {RejectReason::kUnsupportedVersion,
-                           wire::ErrorCode::UnsupportedVersion, verified.reason}, reply);
-      default:
-        return Reject(id, {RejectReason::kMalformed, wire::ErrorCode::Malformed,
-                           verified.reason}, reply);
-    }
+    const auto [reason, code] = EnvelopeFaultCodes(verified.fault);
+    return Reject(verified.request_id, {reason, code, verified.reason}, reply);
   }
   const wire::Envelope& envelope = *verified.envelope;
   const uint64_t request_id = envelope.request_id();
@@ -243,8 +273,7 @@ void CacheManagerService::Handle(const std::optional<PeerCredentials>& peer,
   if (!type) {
     return Reject(request_id,
                   {RejectReason::kMalformed, wire::ErrorCode::Malformed,
-                   absl::StrCat("message type ",
-                                wire::EnumNameMessage(envelope.payload_type()),
+                   absl::StrCat("message type ", wire::EnumNameMessage(envelope.payload_type()),
                                 " is not a request")},
                   reply);
   }
@@ -273,75 +302,94 @@ void CacheManagerService::Handle(const std::optional<PeerCredentials>& peer,
   Session* session = CheckSession(envelope, peer, &rejection);
   if (session == nullptr) return Reject(request_id, rejection, reply);
   session->last_seen = now;
-
-  using M = wire::Message;
-  if (!session->authenticated &&
-      (*type == RequestType::kAttach || *type == RequestType::kStep ||
-       *type == RequestType::kPin || *type == RequestType::kUnpin)) {
-    return Reject(request_id,
-                  {RejectReason::kPermissionDenied, wire::ErrorCode::PermissionDenied,
-                   absl::StrCat("session ", session->id, " came over tcp:// without the "
-                                "run directory's secret: it may read, but not attach, pin or "
-                                "step")},
-                  reply);
+  if (std::optional<Rejection> refused = CheckPermission(*type, *session)) {
+    return Reject(request_id, *refused, reply);
   }
+  Dispatch(envelope, request, *session, now, reply);
+}
+
+std::optional<CacheManagerService::Rejection> CacheManagerService::CheckPermission(
+    RequestType type, const Session& session) const {
+  if (!session.authenticated && (type == RequestType::kAttach || type == RequestType::kStep ||
+                                 type == RequestType::kPin || type == RequestType::kUnpin)) {
+    return Rejection{RejectReason::kPermissionDenied, wire::ErrorCode::PermissionDenied,
+                     absl::StrCat("session ", session.id,
+                                  " came over tcp:// without the run directory's secret: it may "
+                                  "read, but not attach, pin or step")};
+  }
+  if (type == RequestType::kStep && session.role != SessionRole::kRouter) {
+    return Rejection{RejectReason::kPermissionDenied, wire::ErrorCode::PermissionDenied,
+                     absl::StrCat("only routers change sequences; this session is a ",
+                                  RoleName(WireRoleOf(session.role)))};
+  }
+  return std::nullopt;
+}
+
+void CacheManagerService::Dispatch(const wire::Envelope& envelope, std::span<const uint8_t> request,
+                                   Session& session, absl::Time now,
+                                   flatbuffers::FlatBufferBuilder* reply) {
+  using M = wire::Message;
   switch (envelope.payload_type()) {
-    case M::Heartbeat: return HandleHeartbeat(envelope, *session, reply);
+    case M::Heartbeat:
+      return HandleHeartbeat(envelope, session, reply);
     case M::Goodbye: {
-      const uint64_t id = session->id;
+      const uint64_t id = session.id;
       const int32_t released = EndSession(id, ReclaimReason::kGoodbye);
       auto payload = wire::CreateGoodbyeReply(*reply, released);
-      return FinishEnvelope(*reply, request_id, id, options_.epoch, M::GoodbyeReply,
+      return FinishEnvelope(*reply, envelope.request_id(), id, options_.epoch, M::GoodbyeReply,
                             payload.Union());
     }
-    case M::Attach: return HandleAttach(envelope, reply);
-    case M::Stats: return HandleStats(envelope, now, reply);
-    case M::EventSnapshot: return HandleEventSnapshot(envelope, reply);
-    case M::BlockMap: return HandleBlockMap(envelope, reply);
+    case M::Attach:
+      return HandleAttach(envelope, reply);
+    case M::Stats:
+      return HandleStats(envelope, now, reply);
+    case M::EventSnapshot:
+      return HandleEventSnapshot(envelope, reply);
+    case M::BlockMap:
+      return HandleBlockMap(envelope, reply);
     case M::Step:
-      if (session->role != SessionRole::kRouter) {
-        return Reject(request_id,
-                      {RejectReason::kPermissionDenied, wire::ErrorCode::PermissionDenied,
-                       absl::StrCat("only routers change sequences; this session is a ",
-                                    RoleName(WireRoleOf(session->role)))},
-                      reply);
-      }
-      return HandleStep(envelope, request, *session, now, reply);
-    case M::DescribeSession: return HandleDescribeSession(envelope, *session, reply);
-    case M::EndSession: {
-      const uint64_t target = envelope.payload_as_EndSession()->session_id();
-      if (session->role != SessionRole::kControl || !session->pid_verified) {
-        return Reject(request_id,
-                      {RejectReason::kPermissionDenied, wire::ErrorCode::PermissionDenied,
-                       "only a control session over ipc:// (kvcmctl) ends other sessions"},
-                      reply);
-      }
-      if (target == session->id) {
-        return Reject(request_id,
-                      {RejectReason::kInvalidArgument, wire::ErrorCode::InvalidArgument,
-                       "a session ends itself with Goodbye"},
-                      reply);
-      }
-      const Session* ended = sessions_.Find(target);
-      if (ended == nullptr) {
-        return Reject(request_id,
-                      {RejectReason::kInvalidArgument, wire::ErrorCode::NotFound,
-                       absl::StrCat("no session ", target)},
-                      reply);
-      }
-      const wire::Role role = WireRoleOf(ended->role);
-      const int32_t released = EndSession(target, ReclaimReason::kEndedByOperator);
-      auto payload = wire::CreateEndSessionReply(*reply, released, role);
-      return FinishEnvelope(*reply, request_id, session->id, options_.epoch,
-                            M::EndSessionReply, payload.Union());
-    }
+      return HandleStep(envelope, request, session, now, reply);
+    case M::DescribeSession:
+      return HandleDescribeSession(envelope, session, reply);
+    case M::EndSession:
+      return HandleEndSession(envelope, session, reply);
     default: {
-      if (auto refused = HandlePrefixRequest(envelope, *session, reply)) {
-        return Reject(request_id, *refused, reply);
+      if (auto refused = HandlePrefixRequest(envelope, session, reply)) {
+        return Reject(envelope.request_id(), *refused, reply);
       }
       return;
     }
   }
+}
+
+void CacheManagerService::HandleEndSession(const wire::Envelope& envelope, const Session& session,
+                                           flatbuffers::FlatBufferBuilder* reply) {
+  const uint64_t request_id = envelope.request_id();
+  const uint64_t target = envelope.payload_as_EndSession()->session_id();
+  if (session.role != SessionRole::kControl || !session.pid_verified) {
+    return Reject(request_id,
+                  {RejectReason::kPermissionDenied, wire::ErrorCode::PermissionDenied,
+                   "only a control session over ipc:// (kvcmctl) ends other sessions"},
+                  reply);
+  }
+  if (target == session.id) {
+    return Reject(request_id,
+                  {RejectReason::kInvalidArgument, wire::ErrorCode::InvalidArgument,
+                   "a session ends itself with Goodbye"},
+                  reply);
+  }
+  const Session* ended = sessions_.Find(target);
+  if (ended == nullptr) {
+    return Reject(request_id,
+                  {RejectReason::kInvalidArgument, wire::ErrorCode::NotFound,
+                   absl::StrCat("no session ", target)},
+                  reply);
+  }
+  const wire::Role role = WireRoleOf(ended->role);
+  const int32_t released = EndSession(target, ReclaimReason::kEndedByOperator);
+  auto payload = wire::CreateEndSessionReply(*reply, released, role);
+  return FinishEnvelope(*reply, request_id, session.id, options_.epoch,
+                        wire::Message::EndSessionReply, payload.Union());
 }
 
 bool CacheManagerService::SecretMatches(std::string_view given) const {
@@ -392,7 +440,8 @@ CacheManagerService::Session* CacheManagerService::CheckSession(
       break;
     case Refusal::kNotRegistered:
       *rejection = {RejectReason::kNotRegistered, wire::ErrorCode::NotRegistered,
-                    absl::StrCat("session ", id, " is not registered here (never, or it ended "
+                    absl::StrCat("session ", id,
+                                 " is not registered here (never, or it ended "
                                  "long ago): send Hello first")};
       break;
     case Refusal::kEnded:
@@ -400,15 +449,16 @@ CacheManagerService::Session* CacheManagerService::CheckSession(
                     absl::StrCat("session ", id, " has ended: register again")};
       break;
     case Refusal::kOtherProcess:
-      *rejection = {RejectReason::kPermissionDenied, wire::ErrorCode::PermissionDenied,
-                    absl::StrCat("session ", id, " belongs to pid ", checked.session->pid,
-                                 ", not to ",
-                                 peer ? absl::StrCat("pid ", peer->pid)
-                                      : std::string("a peer without credentials (tcp://)"))};
+      *rejection = {
+          RejectReason::kPermissionDenied, wire::ErrorCode::PermissionDenied,
+          absl::StrCat("session ", id, " belongs to pid ", checked.session->pid, ", not to ",
+                       peer ? absl::StrCat("pid ", peer->pid)
+                            : std::string("a peer without credentials (tcp://)"))};
       break;
     case Refusal::kQuarantined:
       *rejection = {RejectReason::kStaleSession, wire::ErrorCode::StaleSession,
-                    absl::StrCat("session ", id, " missed its heartbeats and was quarantined; "
+                    absl::StrCat("session ", id,
+                                 " missed its heartbeats and was quarantined; "
                                  "its sequences are gone: register again")};
       break;
   }
@@ -418,8 +468,8 @@ CacheManagerService::Session* CacheManagerService::CheckSession(
 // --- Sessions ----------------------------------------------------------------------------
 
 void CacheManagerService::HandleHello(const wire::Envelope& envelope,
-                                      const std::optional<PeerCredentials>& peer,
-                                      absl::Time now, flatbuffers::FlatBufferBuilder* reply) {
+                                      const std::optional<PeerCredentials>& peer, absl::Time now,
+                                      flatbuffers::FlatBufferBuilder* reply) {
   const uint64_t request_id = envelope.request_id();
   const wire::Hello* payload = envelope.payload_as_Hello();
   if (payload == nullptr || !SessionRoleOf(payload->role())) {
@@ -432,8 +482,8 @@ void CacheManagerService::HandleHello(const wire::Envelope& envelope,
   if (hello.name.size() > kMaxNameBytes) {
     return Reject(request_id,
                   {RejectReason::kInvalidArgument, wire::ErrorCode::InvalidArgument,
-                   absl::StrCat("client name of ", hello.name.size(),
-                                " bytes is longer than ", kMaxNameBytes)},
+                   absl::StrCat("client name of ", hello.name.size(), " bytes is longer than ",
+                                kMaxNameBytes)},
                   reply);
   }
   if (hello.pid <= 0 && !peer) {
@@ -517,7 +567,7 @@ void CacheManagerService::HandleHello(const wire::Envelope& envelope,
 }
 
 int32_t CacheManagerService::EndSession(uint64_t session_id, ReclaimReason reason,
-                                       uint64_t successor) {
+                                        uint64_t successor) {
   // Its id is remembered for a while, so that a late request is told its session ended.
   const std::optional<Session> removed = sessions_.Remove(session_id);
   if (!removed) return 0;
@@ -591,8 +641,8 @@ int32_t CacheManagerService::FreeSequences(std::span<const SeqId> seqs, ReclaimR
   const uint64_t released_before = ledger_.Stats().blocks_released;
   for (SeqId seq : seqs) {
     const absl::Status freed = ledger_.Free(seq);
-    KVCM_CHECK(freed.ok()) << "sequence " << seq << " to free is unknown to the ledger: "
-                           << freed.ToString();
+    KVCM_CHECK(freed.ok()) << "sequence " << seq
+                           << " to free is unknown to the ledger: " << freed.ToString();
   }
   const auto released = static_cast<int32_t>(ledger_.Stats().blocks_released - released_before);
   if (count && metrics_ != nullptr && released > 0) metrics_->CountReclaimed(reason, released);
@@ -703,61 +753,77 @@ void CacheManagerService::HandleStep(const wire::Envelope& envelope,
   const uint64_t request_id = envelope.request_id();
   const size_t request_hash = HashBytes(request);
   if (const Session::SentStep* sent = session.FindSentStep(request_id)) {
-    if (sent->request_hash != request_hash || sent->request_size != request.size()) {
-      return Reject(request_id,
-                    {RejectReason::kInvalidArgument, wire::ErrorCode::InvalidArgument,
-                     absl::StrCat("request id ", request_id, " was a different Step of this "
-                                  "session: a retry must resend the same bytes")},
-                    reply);
-    }
-    // A retry of a Step already applied: its reply again, its ops not again.
-    reply->Clear();
-    reply->PushBytes(sent->reply.data(), sent->reply.size());
-    if (metrics_ != nullptr) metrics_->CountReplayedStep();
-    return;
+    return ReplayStep(*sent, request_id, request_hash, request.size(), reply);
   }
+  if (std::optional<Rejection> refused = CheckStep(envelope, session)) {
+    return Reject(request_id, *refused, reply);
+  }
+  ApplyStep(request_id, session, now, reply);
+  // Kept for a retry, whatever its size (at most max_message_bytes, checked above), over
+  // the oldest of the ring.
+  session.KeepSentStep(request_id, request_hash, request.size(),
+                       {reply->GetBufferPointer(), reply->GetSize()});
+}
+
+void CacheManagerService::ReplayStep(const Session::SentStep& sent, uint64_t request_id,
+                                     size_t request_hash, size_t request_size,
+                                     flatbuffers::FlatBufferBuilder* reply) {
+  if (sent.request_hash != request_hash || sent.request_size != request_size) {
+    return Reject(request_id,
+                  {RejectReason::kInvalidArgument, wire::ErrorCode::InvalidArgument,
+                   absl::StrCat("request id ", request_id,
+                                " was a different Step of this "
+                                "session: a retry must resend the same bytes")},
+                  reply);
+  }
+  // A retry of a Step already applied: its reply again, its ops not again.
+  reply->Clear();
+  reply->PushBytes(sent.reply.data(), sent.reply.size());
+  if (metrics_ != nullptr) metrics_->CountReplayedStep();
+}
+
+std::optional<CacheManagerService::Rejection> CacheManagerService::CheckStep(
+    const wire::Envelope& envelope, const Session& session) {
+  const uint64_t request_id = envelope.request_id();
   // Request ids of a session's Steps increase, so an id not above the last applied one is
   // a retry of a Step that is no longer kept (or a client bug): running it again could
   // apply its ops twice.
   if (request_id != 0 && request_id <= session.last_step_request_id) {
-    return Reject(request_id,
-                  {RejectReason::kInvalidArgument, wire::ErrorCode::FailedPrecondition,
-                   absl::StrCat("request id ", request_id, " is not above the last Step ",
-                                "applied in this session (", session.last_step_request_id,
-                                ") and is not among the ", session.sent_steps.size(),
-                                " kept for retries: it is not run again; DescribeSession ",
-                                "tells what the session holds")},
-                  reply);
+    return Rejection{RejectReason::kInvalidArgument, wire::ErrorCode::FailedPrecondition,
+                     absl::StrCat("request id ", request_id, " is not above the last Step ",
+                                  "applied in this session (", session.last_step_request_id,
+                                  ") and is not among the ", session.sent_steps.size(),
+                                  " kept for retries: it is not run again; DescribeSession ",
+                                  "tells what the session holds")};
   }
   const StepLimits limits{options_.max_ops_per_step, options_.max_hashes_per_message,
                           ledger_.block_size()};
   if (absl::Status decoded = DecodeStep(*envelope.payload_as_Step(), limits, &step_ops_);
       !decoded.ok()) {
     const bool oversized = absl::IsResourceExhausted(decoded);
-    return Reject(request_id,
-                  {oversized ? RejectReason::kOversized : RejectReason::kMalformed,
-                   oversized ? wire::ErrorCode::InvalidArgument : wire::ErrorCode::Malformed,
-                   std::string(decoded.message())},
-                  reply);
+    return Rejection{oversized ? RejectReason::kOversized : RejectReason::kMalformed,
+                     oversized ? wire::ErrorCode::InvalidArgument : wire::ErrorCode::Malformed,
+                     std::string(decoded.message())};
   }
-  const StepSession step_session{session.id, session.num_seqs, &session.drained_ids};
-  if (std::optional<StepRefusal> refused = steps_.Validate(step_ops_, step_session)) {
-    return Reject(request_id,
-                  {refused->reason, ToWireCode(refused->status.code()),
-                   std::string(refused->status.message())},
-                  reply);
+  if (std::optional<StepRefusal> refused = steps_.Validate(step_ops_, StepSessionOf(session))) {
+    return Rejection{refused->reason, ToWireCode(refused->status.code()),
+                     std::string(refused->status.message())};
   }
   // Every applied Step's reply is kept for a retry, so it must fit the message limit that
   // bounds what the session can make the cache manager hold (and what it announced).
   if (const size_t bound = StepReplyBound(step_ops_, ledger_.block_size());
       bound > options_.max_message_bytes) {
-    return Reject(request_id,
-                  {RejectReason::kOversized, wire::ErrorCode::InvalidArgument,
-                   absl::StrCat("the reply to this step could take ", bound, " bytes, over the ",
-                                options_.max_message_bytes, "-byte message limit: split it ",
-                                "into smaller steps")},
-                  reply);
+    return Rejection{RejectReason::kOversized, wire::ErrorCode::InvalidArgument,
+                     absl::StrCat("the reply to this step could take ", bound, " bytes, over the ",
+                                  options_.max_message_bytes, "-byte message limit: split it ",
+                                  "into smaller steps")};
   }
+  return std::nullopt;
+}
+
+void CacheManagerService::ApplyStep(uint64_t request_id, Session& session, absl::Time now,
+                                    flatbuffers::FlatBufferBuilder* reply) {
+  const StepSession step_session = StepSessionOf(session);
   std::vector<flatbuffers::Offset<wire::OpResult>>& results = step_results_;
   results.clear();
   // What a Step does beyond the ledger, at its op's place in the order.
@@ -796,10 +862,6 @@ void CacheManagerService::HandleStep(const wire::Envelope& envelope,
   auto payload = wire::CreateStepReply(*reply, vector, ledger_.AvailableBlocks());
   FinishEnvelope(*reply, request_id, session.id, options_.epoch, wire::Message::StepReply,
                  payload.Union());
-  // Kept for a retry, whatever its size (at most max_message_bytes, checked above), over
-  // the oldest of the ring.
-  session.KeepSentStep(request_id, request_hash, request.size(),
-                       {reply->GetBufferPointer(), reply->GetSize()});
 }
 
 void CacheManagerService::HandleDescribeSession(const wire::Envelope& envelope,
@@ -825,14 +887,13 @@ void CacheManagerService::HandleDescribeSession(const wire::Envelope& envelope,
 // --- Prefix cache --------------------------------------------------------------------------
 
 std::optional<CacheManagerService::Rejection> CacheManagerService::HandlePrefixRequest(
-    const wire::Envelope& envelope, const Session& session,
-    flatbuffers::FlatBufferBuilder* reply) {
+    const wire::Envelope& envelope, const Session& session, flatbuffers::FlatBufferBuilder* reply) {
   const uint64_t request_id = envelope.request_id();
   auto too_many = [&](size_t count) -> std::optional<Rejection> {
     if (count <= static_cast<size_t>(options_.max_hashes_per_message)) return std::nullopt;
-    return Rejection{RejectReason::kOversized, wire::ErrorCode::InvalidArgument,
-                     absl::StrCat(count, " block hashes exceed the limit of ",
-                                  options_.max_hashes_per_message)};
+    return Rejection{
+        RejectReason::kOversized, wire::ErrorCode::InvalidArgument,
+        absl::StrCat(count, " block hashes exceed the limit of ", options_.max_hashes_per_message)};
   };
   auto check_name = [&](const flatbuffers::String* name) -> std::optional<Rejection> {
     if (name != nullptr && name->size() > 0 && name->size() <= kMaxNameBytes) {
@@ -852,14 +913,12 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::HandlePrefixR
       if (auto bad = too_many(HashCount(lookup->block_hashes()))) return bad;
       FromWire(lookup->block_hashes(), &hashes_);
       const int64_t covered = int64_t{ledger_.block_size()} * static_cast<int64_t>(hashes_.size());
-      const int32_t num_tokens =
-          lookup->num_tokens() > 0
-              ? lookup->num_tokens()
-              : static_cast<int32_t>(std::min<int64_t>(covered, INT32_MAX));
-      auto payload =
-          wire::CreateLookupReply(*reply, ledger_.ReusableBlocks(num_tokens, hashes_));
-      FinishEnvelope(*reply, request_id, session.id, options_.epoch,
-                     wire::Message::LookupReply, payload.Union());
+      const int32_t num_tokens = lookup->num_tokens() > 0
+                                     ? lookup->num_tokens()
+                                     : static_cast<int32_t>(std::min<int64_t>(covered, INT32_MAX));
+      auto payload = wire::CreateLookupReply(*reply, ledger_.ReusableBlocks(num_tokens, hashes_));
+      FinishEnvelope(*reply, request_id, session.id, options_.epoch, wire::Message::LookupReply,
+                     payload.Union());
       return std::nullopt;
     }
     case wire::Message::Pin: {
@@ -892,8 +951,8 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::HandlePrefixR
         return std::nullopt;
       }
       auto payload = wire::CreateUnpinReply(*reply);
-      FinishEnvelope(*reply, request_id, session.id, options_.epoch,
-                     wire::Message::UnpinReply, payload.Union());
+      FinishEnvelope(*reply, request_id, session.id, options_.epoch, wire::Message::UnpinReply,
+                     payload.Union());
       return std::nullopt;
     }
     default:
@@ -977,9 +1036,9 @@ void CacheManagerService::HandleStats(const wire::Envelope& envelope, absl::Time
     const tiers::TierSnapshot t = coordinator->tiers().Snapshot();
     for (int i = 0; i < tiers::kNumTiers; ++i) {
       if (t.slots[i] == 0) continue;  // a tier that is off
-      out.tiers.push_back({std::string(tiers::TierName(static_cast<tiers::Tier>(i))),
-                           t.slots[i], t.ready[i], t.writing[i], t.counters.stored[i],
-                           t.counters.loaded[i], t.counters.evicted[i]});
+      out.tiers.push_back({std::string(tiers::TierName(static_cast<tiers::Tier>(i))), t.slots[i],
+                           t.ready[i], t.writing[i], t.counters.stored[i], t.counters.loaded[i],
+                           t.counters.evicted[i]});
     }
     out.tier_held_blocks = coordinator->held_blocks();
     out.tier_loading_blocks = coordinator->loading_blocks();

@@ -281,11 +281,30 @@ class CacheManagerService {
   Session* CheckSession(const wire::Envelope& envelope,
                         const std::optional<PeerCredentials>& peer, Rejection* rejection);
 
+  // Handle's steps after the envelope and session checks.
+  // Whether the session may send a request of this type (tcp:// without the secret reads
+  // only; only routers step); nullopt when it may.
+  std::optional<Rejection> CheckPermission(RequestType type, const Session& session) const;
+  void Dispatch(const wire::Envelope& envelope, std::span<const uint8_t> request,
+                Session& session, absl::Time now, flatbuffers::FlatBufferBuilder* reply);
+  void HandleEndSession(const wire::Envelope& envelope, const Session& session,
+                        flatbuffers::FlatBufferBuilder* reply);
+
   void HandleHello(const wire::Envelope& envelope, const std::optional<PeerCredentials>& peer,
                    absl::Time now, flatbuffers::FlatBufferBuilder* reply);
   // `request` is the whole envelope's bytes (for recognising a retry).
   void HandleStep(const wire::Envelope& envelope, std::span<const uint8_t> request,
                   Session& session, absl::Time now, flatbuffers::FlatBufferBuilder* reply);
+  // HandleStep's steps: a retry's kept reply (or its refusal when its bytes differ); the
+  // checks before anything changes; the application and its reply.
+  void ReplayStep(const Session::SentStep& sent, uint64_t request_id, size_t request_hash,
+                  size_t request_size, flatbuffers::FlatBufferBuilder* reply);
+  std::optional<Rejection> CheckStep(const wire::Envelope& envelope, const Session& session);
+  void ApplyStep(uint64_t request_id, Session& session, absl::Time now,
+                 flatbuffers::FlatBufferBuilder* reply);
+  static StepSession StepSessionOf(const Session& session) {
+    return StepSession{session.id, session.num_seqs, &session.drained_ids};
+  }
   void HandleDescribeSession(const wire::Envelope& envelope, const Session& session,
                              flatbuffers::FlatBufferBuilder* reply);
   void HandleAttach(const wire::Envelope& envelope, flatbuffers::FlatBufferBuilder* reply);
