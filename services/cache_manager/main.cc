@@ -92,8 +92,7 @@ ABSL_FLAG(int64_t, max_message_bytes, 16 << 20,
 ABSL_FLAG(int32_t, max_hashes_per_message, 1 << 16,
           "Most block hashes in one message (a Step's commits, a prefix request).");
 ABSL_FLAG(int32_t, max_sessions, 4096, "Most sessions open at once; more Hellos are refused.");
-ABSL_FLAG(int32_t, max_sessions_per_process, 64,
-          "Most sessions one client process may hold open.");
+ABSL_FLAG(int32_t, max_sessions_per_process, 64, "Most sessions one client process may hold open.");
 ABSL_FLAG(int32_t, max_sequences_per_session, 1 << 20,
           "Most live sequences one session may hold; Steps allocating more are refused.");
 ABSL_FLAG(int32_t, hello_timeout_ms, 10000,
@@ -184,10 +183,10 @@ absl::StatusOr<PoolBackend> ChooseBackend() {
   if (name == "auto") {
     auto devices = CudaDeviceCount();
     if (devices.ok() && *devices > absl::GetFlag(FLAGS_cuda_device)) return PoolBackend::kCuda;
-    Log(absl::StrCat("backend auto: using shm (",
-                     devices.ok() ? std::string("no such CUDA device")
-                                  : std::string(devices.status().message()),
-                     ")"));
+    Log(absl::StrCat(
+        "backend auto: using shm (",
+        devices.ok() ? std::string("no such CUDA device") : std::string(devices.status().message()),
+        ")"));
     return PoolBackend::kShm;
   }
   auto backend = ParsePoolBackend(name);
@@ -195,8 +194,8 @@ absl::StatusOr<PoolBackend> ChooseBackend() {
   if (*backend == PoolBackend::kCuda) {
     auto devices = CudaDeviceCount();
     if (!devices.ok()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "--backend cuda needs a CUDA device: ", devices.status().message()));
+      return absl::FailedPreconditionError(
+          absl::StrCat("--backend cuda needs a CUDA device: ", devices.status().message()));
     }
     if (*devices <= absl::GetFlag(FLAGS_cuda_device)) {
       return absl::FailedPreconditionError(
@@ -239,13 +238,14 @@ absl::StatusOr<PoolBudget> BudgetFromFlags(PoolBackend backend) {
   const std::string pool_bytes = absl::GetFlag(FLAGS_pool_bytes);
   const double fraction = absl::GetFlag(FLAGS_memory_fraction);
   if (FlagGiven("num_blocks") && num_blocks <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--num-blocks ", num_blocks, ": a pool needs at least one block (or size it with "
-        "--pool-bytes or --memory-fraction instead)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--num-blocks ", num_blocks,
+                     ": a pool needs at least one block (or size it with "
+                     "--pool-bytes or --memory-fraction instead)"));
   }
   if (FlagGiven("memory_fraction") && !(fraction > 0 && fraction <= 1)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--memory-fraction ", fraction, ": give a fraction of free memory in (0, 1]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--memory-fraction ", fraction, ": give a fraction of free memory in (0, 1]"));
   }
   const int given = (num_blocks != 0) + !pool_bytes.empty() + (fraction != 0);
   if (given != 1) {
@@ -277,8 +277,7 @@ absl::StatusOr<std::optional<VllmEventPublisher::Options>> VllmEventsFromFlags()
   const std::string replay = absl::GetFlag(FLAGS_kv_events_replay_endpoint);
   if (endpoint.empty()) {
     if (!replay.empty()) {
-      return absl::InvalidArgumentError(
-          "--kv-events-replay-endpoint needs --kv-events-endpoint");
+      return absl::InvalidArgumentError("--kv-events-replay-endpoint needs --kv-events-endpoint");
     }
     return std::nullopt;
   }
@@ -322,6 +321,59 @@ absl::StatusOr<std::optional<VllmEventPublisher::Options>> VllmEventsFromFlags()
   return options;
 }
 
+// The service's options from the flags, given the KV spec, the pool plan and the hash.
+absl::StatusOr<CacheManagerService::Options> ServiceOptionsFromFlags(const KvCacheSpec& spec,
+                                                                     const PoolPlan& plan,
+                                                                     HashAlgorithm hash_algorithm) {
+  CacheManagerService::Options service;
+  service.spec = spec;
+  service.ledger.num_blocks = static_cast<int32_t>(plan.num_blocks);
+  service.ledger.sliding_window_tokens = absl::GetFlag(FLAGS_sliding_window_tokens);
+  service.ledger.max_pinned_blocks = absl::GetFlag(FLAGS_max_pinned_blocks);
+  service.hash_algorithm = hash_algorithm;
+  // Microseconds since 1970: different at every start, and below 2^53 until 2255. Compared
+  // for equality only (a clock set back may give a later start a lower one).
+  service.epoch = static_cast<uint64_t>(absl::ToUnixMicros(absl::Now()));
+  service.heartbeat_interval = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_interval_ms));
+  service.heartbeat_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_timeout_ms));
+  service.max_ops_per_step = absl::GetFlag(FLAGS_max_ops_per_step);
+  // The limit travels in HelloReply as 32 bits; below 64 KiB not even a modest Step fits.
+  const int64_t max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  if (max_message_bytes < (int64_t{64} << 10) || max_message_bytes > (int64_t{1} << 30)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-message-bytes ", max_message_bytes, " is outside 65536-1073741824"));
+  }
+  service.max_message_bytes = static_cast<size_t>(max_message_bytes);
+  service.max_hashes_per_message = absl::GetFlag(FLAGS_max_hashes_per_message);
+  service.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  service.max_sessions_per_process = absl::GetFlag(FLAGS_max_sessions_per_process);
+  service.max_sequences_per_session = absl::GetFlag(FLAGS_max_sequences_per_session);
+  if (absl::Status checked = CacheManagerService::CheckOptions(service); !checked.ok()) {
+    return checked;
+  }
+  return service;
+}
+
+// The ready line (launchers wait for it) and what a peer needs to know to connect.
+void LogReady(const CacheManagerServer& server, const std::string& metrics_url,
+              const std::optional<VllmEventPublisher::Options>& vllm_events) {
+  Log(absl::StrCat("ready epoch=", server.epoch(), " endpoint=", server.request_endpoint(),
+                   " events=", server.event_endpoint(), " metrics=", metrics_url,
+                   server.tcp_endpoint().empty() ? "" : " tcp=" + server.tcp_endpoint()));
+  if (!server.vllm_events_endpoint().empty()) {
+    Log(absl::StrCat(
+        "vLLM-format KV events on ", server.vllm_events_endpoint(), " topic=", vllm_events->topic,
+        " replay=",
+        server.vllm_replay_endpoint().empty() ? std::string("none") : server.vllm_replay_endpoint(),
+        " buffer_steps=", vllm_events->buffer_steps, " first_seq=", server.vllm_first_seq()));
+  }
+  if (!server.tcp_endpoint().empty()) {  // a tcp:// endpoint always has a secret
+    Log(absl::StrCat("routers and executors on ", server.tcp_endpoint(),
+                     " must give the secret in ", server.tcp_secret_path(),
+                     " (mode 0600); without it a peer gets a read-only control session"));
+  }
+}
+
 int Main(const std::vector<config::Setting>& settings) {
   Log(config::Describe(settings, config::ConfigFilePath()));
   // Before any thread starts: see common/base/termination_signals.h.
@@ -360,32 +412,10 @@ int Main(const std::vector<config::Setting>& settings) {
   }
 
   // Every flag is checked before anything is acquired (the lock, the pool, the port).
-  CacheManagerService::Options service;
-  service.spec = *spec;
-  service.ledger.num_blocks = static_cast<int32_t>(plan->num_blocks);
-  service.ledger.sliding_window_tokens = absl::GetFlag(FLAGS_sliding_window_tokens);
-  service.ledger.max_pinned_blocks = absl::GetFlag(FLAGS_max_pinned_blocks);
-  service.hash_algorithm = *hash_algorithm;
-  // Microseconds since 1970: different at every start, and below 2^53 until 2255. Compared
-  // for equality only (a clock set back may give a later start a lower one).
-  service.epoch = static_cast<uint64_t>(absl::ToUnixMicros(absl::Now()));
-  service.heartbeat_interval = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_interval_ms));
-  service.heartbeat_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_timeout_ms));
-  service.max_ops_per_step = absl::GetFlag(FLAGS_max_ops_per_step);
-  // The limit travels in HelloReply as 32 bits; below 64 KiB not even a modest Step fits.
-  const int64_t max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
-  if (max_message_bytes < (int64_t{64} << 10) || max_message_bytes > (int64_t{1} << 30)) {
-    return fail(absl::InvalidArgumentError(absl::StrCat(
-        "--max-message-bytes ", max_message_bytes, " is outside 65536-1073741824")));
-  }
-  service.max_message_bytes = static_cast<size_t>(max_message_bytes);
-  service.max_hashes_per_message = absl::GetFlag(FLAGS_max_hashes_per_message);
-  service.max_sessions = absl::GetFlag(FLAGS_max_sessions);
-  service.max_sessions_per_process = absl::GetFlag(FLAGS_max_sessions_per_process);
-  service.max_sequences_per_session = absl::GetFlag(FLAGS_max_sequences_per_session);
-  if (absl::Status checked = CacheManagerService::CheckOptions(service); !checked.ok()) {
-    return fail(checked);
-  }
+  absl::StatusOr<CacheManagerService::Options> service_options =
+      ServiceOptionsFromFlags(*spec, *plan, *hash_algorithm);
+  if (!service_options.ok()) return fail(service_options.status());
+  CacheManagerService::Options service = *std::move(service_options);
   auto vllm_events = VllmEventsFromFlags();
   if (!vllm_events.ok()) return fail(vllm_events.status());
   auto tier_options = TierOptionsFromFlags();
@@ -397,8 +427,7 @@ int Main(const std::vector<config::Setting>& settings) {
 
   // Every connection holds a descriptor: the soft limit (often 1024) goes up to the hard one.
   if (std::optional<RaisedLimit> raised = RaiseDescriptorLimit(); raised.has_value()) {
-    Log(absl::StrCat("file descriptor limit raised from ", raised->before, " to ",
-                     raised->after));
+    Log(absl::StrCat("file descriptor limit raised from ", raised->before, " to ", raised->after));
   }
   // The lock first: a second instance must fail before it allocates or binds anything.
   const std::string run_dir_path = absl::GetFlag(FLAGS_run_dir).empty()
@@ -448,26 +477,7 @@ int Main(const std::vector<config::Setting>& settings) {
                                            service, &metrics);
   if (!server.ok()) return fail(server.status());
 
-  Log(absl::StrCat("ready epoch=", (*server)->epoch(),
-                   " endpoint=", (*server)->request_endpoint(),
-                   " events=", (*server)->event_endpoint(),
-                   " metrics=", (*metrics_server)->url(),
-                   (*server)->tcp_endpoint().empty() ? ""
-                                                     : " tcp=" + (*server)->tcp_endpoint()));
-  if (!(*server)->vllm_events_endpoint().empty()) {
-    Log(absl::StrCat("vLLM-format KV events on ", (*server)->vllm_events_endpoint(),
-                     " topic=", (*vllm_events)->topic, " replay=",
-                     (*server)->vllm_replay_endpoint().empty()
-                         ? std::string("none")
-                         : (*server)->vllm_replay_endpoint(),
-                     " buffer_steps=", (*vllm_events)->buffer_steps,
-                     " first_seq=", (*server)->vllm_first_seq()));
-  }
-  if (!service.tcp_secret.empty()) {
-    Log(absl::StrCat("routers and executors on ", (*server)->tcp_endpoint(),
-                     " must give the secret in ", (*server)->tcp_secret_path(),
-                     " (mode 0600); without it a peer gets a read-only control session"));
-  }
+  LogReady(**server, (*metrics_server)->url(), *vllm_events);
   const absl::Status ran = (*server)->Run();
   server->reset();
   if (!ran.ok()) return fail(ran);
@@ -483,10 +493,9 @@ int main(int argc, char** argv) {
       argc, argv,
       {.binary = "kvcm-cache-manager",
        .section = "cache_manager",
-       .usage =
-           "owns the KV block pool and serves it to routers and executors.\n"
-           "  kvcm-cache-manager --layers 32 --kv-heads 8 --head-dim 128 --num-blocks 4096\n"
-           "  kvcm-cache-manager --model-config config.json --memory-fraction 0.9",
+       .usage = "owns the KV block pool and serves it to routers and executors.\n"
+                "  kvcm-cache-manager --layers 32 --kv-heads 8 --head-dim 128 --num-blocks 4096\n"
+                "  kvcm-cache-manager --model-config config.json --memory-fraction 0.9",
        .defining_file = __FILE__,
        .run = &kvcm::Main});
 }
