@@ -73,8 +73,8 @@ void EncodeStepBatch(flatbuffers::FlatBufferBuilder& builder, uint64_t request_i
     if (!s.fork_seeds.empty()) fork_seeds = builder.CreateVector(s.fork_seeds);
     seqs.push_back(wire::CreateSeqWork(builder, s.seq, tokens, s.context_len, table, sampling,
                                        s.sample, s.sample_index, penalty_tokens,
-                                       s.penalty_prompt_len, s.logprobs, s.top_n,
-                                       s.input_logprobs, s.score_next, fork_seeds));
+                                       s.penalty_prompt_len, s.logprobs, s.top_n, s.input_logprobs,
+                                       s.score_next, fork_seeds));
   }
   std::vector<wire::CopyOrder> copies;
   copies.reserve(step.copies.size());
@@ -86,6 +86,112 @@ void EncodeStepBatch(flatbuffers::FlatBufferBuilder& builder, uint64_t request_i
   FinishExecutorEnvelope(builder, request_id, executor_id, step.epoch,
                          wire::ExecutorMessage::StepBatch, batch.Union());
 }
+
+namespace {
+
+// A SeqWork's fields as they are (checked by CheckSeqStep).
+SeqStep SeqStepOf(const wire::SeqWork& w) {
+  SeqStep s;
+  s.seq = w.seq();
+  s.tokens = ToVector(w.tokens());
+  s.context_len = w.context_len();
+  s.block_table = ToVector(w.block_table());
+  s.sample = w.sample();
+  s.sample_index = w.sample_index();
+  if (const wire::SamplingParams* p = w.sampling()) {
+    s.sampling.temperature = p->temperature();
+    s.sampling.top_p = p->top_p();
+    s.sampling.top_k = p->top_k();
+    s.sampling.seed = p->seed();
+    s.sampling.repetition_penalty = p->repetition_penalty();
+    s.sampling.frequency_penalty = p->frequency_penalty();
+    s.sampling.presence_penalty = p->presence_penalty();
+    s.sampling.min_tokens = p->min_tokens();
+  }
+  s.penalty_tokens = ToVector(w.penalty_tokens());
+  s.penalty_prompt_len = w.penalty_prompt_len();
+  s.logprobs = w.logprobs();
+  s.top_n = w.top_n();
+  s.input_logprobs = w.input_logprobs();
+  s.score_next = w.score_next();
+  s.fork_seeds = CopyScalars(w.fork_seeds());
+  return s;
+}
+
+absl::Status CheckSeqSampling(const SeqSampling& p, const std::string& name) {
+  if (!std::isfinite(p.temperature) || p.temperature < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " has temperature ", p.temperature, "; must be >= 0"));
+  }
+  if (!std::isfinite(p.top_p) || p.top_p <= 0 || p.top_p > 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " has top_p ", p.top_p, "; must be in (0, 1]"));
+  }
+  if (p.top_k < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " has top_k ", p.top_k, "; must be >= 0 (0 = all tokens)"));
+  }
+  if (!std::isfinite(p.repetition_penalty) || p.repetition_penalty <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, " has repetition_penalty ", p.repetition_penalty, "; must be > 0 (1 = none)"));
+  }
+  for (const auto& [penalty, value] : {std::pair{"frequency_penalty", p.frequency_penalty},
+                                       std::pair{"presence_penalty", p.presence_penalty}}) {
+    if (!std::isfinite(value) || value < -2 || value > 2) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, " has ", penalty, " ", value, "; must be in [-2, 2]"));
+    }
+  }
+  if (p.min_tokens < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " has min_tokens ", p.min_tokens, "; must be >= 0 (0 = none)"));
+  }
+  return absl::OkStatus();
+}
+
+// What the executor relies on of one sequence's work; `name` says which it is in errors.
+absl::Status CheckSeqStep(const SeqStep& s, const std::string& name) {
+  if (s.tokens.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " has no new tokens"));
+  }
+  if (s.context_len < static_cast<int64_t>(s.tokens.size())) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " has context_len ", s.context_len,
+                                                   " below its ", s.tokens.size(), " new tokens"));
+  }
+  for (size_t j = 0; j < s.block_table.size(); ++j) {
+    if (s.block_table[j] < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, " has block id ", s.block_table[j], " at block_table[", j, "]"));
+    }
+  }
+  if (absl::Status sampling = CheckSeqSampling(s.sampling, name); !sampling.ok()) {
+    return sampling;
+  }
+  if (s.top_n < 0 || s.top_n > kMaxTopN) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " has top_n ", s.top_n, "; must be in [0, ", kMaxTopN, "]"));
+  }
+  if (s.penalty_prompt_len < 0 ||
+      s.penalty_prompt_len > static_cast<int64_t>(s.penalty_tokens.size())) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " has penalty_prompt_len ",
+                                                   s.penalty_prompt_len, " for ",
+                                                   s.penalty_tokens.size(), " penalty tokens"));
+  }
+  if (static_cast<int64_t>(s.fork_seeds.size()) > kMaxForkSeeds ||
+      (!s.fork_seeds.empty() && !s.sample)) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " has ", s.fork_seeds.size(),
+                                                   " fork seeds; at most ", kMaxForkSeeds,
+                                                   ", and only when it samples"));
+  }
+  for (int32_t token : s.penalty_tokens) {
+    if (token < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(name, " has penalty token ", token));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::StatusOr<StepRequest> DecodeStepBatch(const wire::StepBatch& step) {
   StepRequest out;
@@ -100,99 +206,12 @@ absl::StatusOr<StepRequest> DecodeStepBatch(const wire::StepBatch& step) {
     out.seqs.reserve(seqs->size());
     absl::flat_hash_set<uint64_t> ids;
     for (flatbuffers::uoffset_t i = 0; i < seqs->size(); ++i) {
-      const wire::SeqWork* work = seqs->Get(i);
-      SeqStep s;
-      s.seq = work->seq();
+      SeqStep s = SeqStepOf(*seqs->Get(i));
       const std::string name = SeqName(i, s.seq);
       if (!ids.insert(s.seq).second) {
         return absl::InvalidArgumentError(absl::StrCat(name, " appears twice in the step"));
       }
-      s.tokens = ToVector(work->tokens());
-      s.context_len = work->context_len();
-      s.block_table = ToVector(work->block_table());
-      s.sample = work->sample();
-      s.sample_index = work->sample_index();
-      if (s.tokens.empty()) {
-        return absl::InvalidArgumentError(absl::StrCat(name, " has no new tokens"));
-      }
-      if (s.context_len < static_cast<int64_t>(s.tokens.size())) {
-        return absl::InvalidArgumentError(absl::StrCat(name, " has context_len ", s.context_len,
-                                                       " below its ", s.tokens.size(),
-                                                       " new tokens"));
-      }
-      for (size_t j = 0; j < s.block_table.size(); ++j) {
-        if (s.block_table[j] < 0) {
-          return absl::InvalidArgumentError(
-              absl::StrCat(name, " has block id ", s.block_table[j], " at block_table[", j, "]"));
-        }
-      }
-      if (const wire::SamplingParams* p = work->sampling()) {
-        s.sampling.temperature = p->temperature();
-        s.sampling.top_p = p->top_p();
-        s.sampling.top_k = p->top_k();
-        s.sampling.seed = p->seed();
-        s.sampling.repetition_penalty = p->repetition_penalty();
-        s.sampling.frequency_penalty = p->frequency_penalty();
-        s.sampling.presence_penalty = p->presence_penalty();
-        s.sampling.min_tokens = p->min_tokens();
-      }
-      s.penalty_tokens = ToVector(work->penalty_tokens());
-      s.penalty_prompt_len = work->penalty_prompt_len();
-      s.logprobs = work->logprobs();
-      s.top_n = work->top_n();
-      s.input_logprobs = work->input_logprobs();
-      s.score_next = work->score_next();
-      s.fork_seeds = CopyScalars(work->fork_seeds());
-      const SeqSampling& p = s.sampling;
-      if (!std::isfinite(p.temperature) || p.temperature < 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(name, " has temperature ", p.temperature, "; must be >= 0"));
-      }
-      if (!std::isfinite(p.top_p) || p.top_p <= 0 || p.top_p > 1) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(name, " has top_p ", p.top_p, "; must be in (0, 1]"));
-      }
-      if (p.top_k < 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(name, " has top_k ", p.top_k, "; must be >= 0 (0 = all tokens)"));
-      }
-      if (!std::isfinite(p.repetition_penalty) || p.repetition_penalty <= 0) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            name, " has repetition_penalty ", p.repetition_penalty, "; must be > 0 (1 = none)"));
-      }
-      for (const auto& [penalty, value] : {std::pair{"frequency_penalty", p.frequency_penalty},
-                                           std::pair{"presence_penalty", p.presence_penalty}}) {
-        if (!std::isfinite(value) || value < -2 || value > 2) {
-          return absl::InvalidArgumentError(
-              absl::StrCat(name, " has ", penalty, " ", value, "; must be in [-2, 2]"));
-        }
-      }
-      if (p.min_tokens < 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(name, " has min_tokens ", p.min_tokens, "; must be >= 0 (0 = none)"));
-      }
-      if (s.top_n < 0 || s.top_n > kMaxTopN) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(name, " has top_n ", s.top_n, "; must be in [0, ", kMaxTopN, "]"));
-      }
-      if (s.penalty_prompt_len < 0 ||
-          s.penalty_prompt_len > static_cast<int64_t>(s.penalty_tokens.size())) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(name, " has penalty_prompt_len ", s.penalty_prompt_len, " for ",
-                         s.penalty_tokens.size(), " penalty tokens"));
-      }
-      if (static_cast<int64_t>(s.fork_seeds.size()) > kMaxForkSeeds ||
-          (!s.fork_seeds.empty() && !s.sample)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(name, " has ", s.fork_seeds.size(), " fork seeds; at most ",
-                         kMaxForkSeeds, ", and only when it samples"));
-      }
-      for (int32_t token : s.penalty_tokens) {
-        if (token < 0) {
-          return absl::InvalidArgumentError(
-              absl::StrCat(name, " has penalty token ", token));
-        }
-      }
+      if (absl::Status checked = CheckSeqStep(s, name); !checked.ok()) return checked;
       out.seqs.push_back(std::move(s));
     }
   }
@@ -236,11 +255,10 @@ void EncodeStepResult(flatbuffers::FlatBufferBuilder& builder, uint64_t request_
     if (!outcome.fork_logprobs.empty()) {
       fork_logprobs = builder.CreateVector(outcome.fork_logprobs);
     }
-    results.push_back(wire::CreateSeqResult(builder, outcome.seq,
-                                            outcome.status.ok() ? outcome.token : -1,
-                                            ToWireCode(outcome.status.code()), reason,
-                                            outcome.logprob, top_ids, top_logprobs,
-                                            input_logprobs, fork_tokens, fork_logprobs));
+    results.push_back(
+        wire::CreateSeqResult(builder, outcome.seq, outcome.status.ok() ? outcome.token : -1,
+                              ToWireCode(outcome.status.code()), reason, outcome.logprob, top_ids,
+                              top_logprobs, input_logprobs, fork_tokens, fork_logprobs));
   }
   auto vector = builder.CreateVector(results);
   auto result = wire::CreateStepResult(builder, report.step_id, vector, report.prefill_tokens,
