@@ -1,12 +1,11 @@
 // Hugging Face tokenizer.json (and tokenizer_config.json) -> BpeVocab / BpeTokenizer.
 #include <filesystem>
 #include <fstream>
-#include <sstream>
-#include <tuple>
-#include <string>
-#include <utility>
-
 #include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <utility>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
@@ -77,6 +76,15 @@ class Parser {
     if (!type.empty() && type != "BPE") {
       return Invalid("model.type", absl::StrCat("is \"", type, "\", not a known model type"));
     }
+    if (absl::Status s = ModelOptions(*model, vocab); !s.ok()) return s;
+    if (absl::Status s = ModelVocab(*model, vocab); !s.ok()) return s;
+    return ModelMerges(*model, vocab);
+  }
+
+  // model's options: fuse_unk and ignore_merges; the others must keep the values that change
+  // nothing (each refused by name otherwise).
+  absl::Status ModelOptions(const Json& model_json, BpeVocab* vocab) {
+    const Json* model = &model_json;
     if (const Json* d = Member(*model, "dropout"); d != nullptr) {
       if (!d->is_number()) return Invalid("model.dropout", "must be a number or null");
       if (d->get<double>() != 0.0) return Unimplemented("model.dropout", "(BPE dropout)");
@@ -96,7 +104,12 @@ class Parser {
         !s.ok()) {
       return s;
     }
+    return absl::OkStatus();
+  }
 
+  // model.vocab (token: id) and model.unk_token.
+  absl::Status ModelVocab(const Json& model_json, BpeVocab* vocab) {
+    const Json* model = &model_json;
     const Json* v = Member(*model, "vocab");
     if (v == nullptr) return Invalid("model.vocab", "is missing");
     if (!v->is_object()) return Invalid("model.vocab", "must be an object of token: id");
@@ -132,11 +145,18 @@ class Parser {
       auto it = v->find(unk->get<std::string>());
       if (it == v->end()) {
         return Invalid("model.unk_token", absl::StrCat("names \"", unk->get<std::string>(),
-                                                      "\", which is not in model.vocab"));
+                                                       "\", which is not in model.vocab"));
       }
       vocab->unk_id = it.value().get<int32_t>();
     }
 
+    return absl::OkStatus();
+  }
+
+  // model.merges: "a b" or ["a", "b"], each part and their join in model.vocab.
+  absl::Status ModelMerges(const Json& model_json, BpeVocab* vocab) {
+    const Json* model = &model_json;
+    const Json* v = Member(*model, "vocab");
     if (const Json* merges = Member(*model, "merges"); merges != nullptr) {
       if (!merges->is_array()) return Invalid("model.merges", "must be an array");
       vocab->merges.reserve(merges->size());
@@ -149,7 +169,8 @@ class Parser {
           const std::string& line = m.get_ref<const std::string&>();
           const size_t space = line.find(' ');
           if (space == std::string::npos || line.find(' ', space + 1) != std::string::npos) {
-            return Invalid(key, absl::StrCat("\"", line, "\" is not two tokens separated by a space"));
+            return Invalid(key,
+                           absl::StrCat("\"", line, "\" is not two tokens separated by a space"));
           }
           a = line.substr(0, space);
           b = line.substr(space + 1);
@@ -190,7 +211,8 @@ class Parser {
       if (id == nullptr) return Invalid(key + ".id", "is missing");
       if (absl::Status s = GetId(*id, key + ".id", &token.id); !s.ok()) return s;
       const Json* content = Member(t, "content");
-      if (content == nullptr || !content->is_string() || content->get_ref<const std::string&>().empty()) {
+      if (content == nullptr || !content->is_string() ||
+          content->get_ref<const std::string&>().empty()) {
         return Invalid(key + ".content", "must be a non-empty string");
       }
       token.content = content->get<std::string>();
@@ -324,8 +346,8 @@ class Parser {
         return Invalid(key + ".pretokenizers", "must be an array");
       }
       for (size_t i = 0; i < list->size(); ++i) {
-        if (absl::Status s = PreTokenizer((*list)[i], absl::StrCat(key, ".pretokenizers[", i, "]"),
-                                          steps);
+        if (absl::Status s =
+                PreTokenizer((*list)[i], absl::StrCat(key, ".pretokenizers[", i, "]"), steps);
             !s.ok()) {
           return s;
         }
@@ -413,9 +435,11 @@ class Parser {
     if (type == "ByteLevel") return absl::OkStatus();
     if (type == "Sequence") {
       const Json* list = Member(p, "processors");
-      if (list == nullptr || !list->is_array()) return Invalid(key + ".processors", "must be an array");
+      if (list == nullptr || !list->is_array())
+        return Invalid(key + ".processors", "must be an array");
       for (size_t i = 0; i < list->size(); ++i) {
-        if (absl::Status s = PostProcessor((*list)[i], absl::StrCat(key, ".processors[", i, "]"), vocab);
+        if (absl::Status s =
+                PostProcessor((*list)[i], absl::StrCat(key, ".processors[", i, "]"), vocab);
             !s.ok()) {
           return s;
         }
@@ -426,7 +450,8 @@ class Parser {
       return Unimplemented(key, absl::StrCat("post-processor \"", type, "\""));
     }
     const Json* single = Member(p, "single");
-    if (single == nullptr || !single->is_array()) return Invalid(key + ".single", "must be an array");
+    if (single == nullptr || !single->is_array())
+      return Invalid(key + ".single", "must be an array");
     if (single->empty() || !(*single)[0].is_object()) return absl::OkStatus();
     const Json* special = Member((*single)[0], "SpecialToken");
     if (special == nullptr) return absl::OkStatus();
@@ -435,10 +460,14 @@ class Parser {
     }
     const std::string name = (*special)["id"].get<std::string>();
     int32_t id = -1;
-    if (const Json* tokens = Member(p, "special_tokens"); tokens != nullptr && tokens->is_object()) {
-      if (const Json* entry = Member(*tokens, name.c_str()); entry != nullptr && entry->is_object()) {
-        if (const Json* ids = Member(*entry, "ids"); ids != nullptr && ids->is_array() && ids->size() == 1) {
-          if (absl::Status s = GetId((*ids)[0], absl::StrCat(key, ".special_tokens[\"", name, "\"].ids[0]"), &id);
+    if (const Json* tokens = Member(p, "special_tokens");
+        tokens != nullptr && tokens->is_object()) {
+      if (const Json* entry = Member(*tokens, name.c_str());
+          entry != nullptr && entry->is_object()) {
+        if (const Json* ids = Member(*entry, "ids");
+            ids != nullptr && ids->is_array() && ids->size() == 1) {
+          if (absl::Status s = GetId(
+                  (*ids)[0], absl::StrCat(key, ".special_tokens[\"", name, "\"].ids[0]"), &id);
               !s.ok()) {
             return s;
           }
@@ -454,12 +483,10 @@ class Parser {
   }
 
  private:
-  bool SparseOk() const {
-    return max_id_ < 0 || static_cast<size_t>(max_id_) < 2 * count_ + 1024;
-  }
+  bool SparseOk() const { return max_id_ < 0 || static_cast<size_t>(max_id_) < 2 * count_ + 1024; }
   absl::Status Sparse(std::string_view key) const {
-    return Invalid(key, absl::StrCat("has id ", max_id_, " for only ", count_,
-                                     " tokens (ids must be dense)"));
+    return Invalid(
+        key, absl::StrCat("has id ", max_id_, " for only ", count_, " tokens (ids must be dense)"));
   }
 
   std::string file_;
@@ -565,7 +592,8 @@ absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::FromTokenizerJson(
       return absl::InvalidArgumentError(absl::StrCat(config_path, ": not valid JSON: ", e.what()));
     }
     if (!tc.is_object()) {
-      return absl::InvalidArgumentError(absl::StrCat(config_path, ": the top level must be an object"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(config_path, ": the top level must be an object"));
     }
     if (auto it = tc.find("add_bos_token"); it != tc.end() && !it->is_null()) {
       if (!it->is_boolean()) {
