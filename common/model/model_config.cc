@@ -229,12 +229,8 @@ absl::Status ParseRope(const Json& section, ModelConfig* c) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<ModelConfig> ParseHfRoot(const Json& root) {
-  if (!root.is_object()) {
-    return ConfigError(absl::StrCat("expected a JSON object, got ", root.type_name()));
-  }
-  ModelConfig c;
-  c.format = ModelConfig::Format::kHuggingFace;
+// "architectures": a non-empty list of strings, when present.
+absl::Status ParseArchitectures(const Json& root, ModelConfig* c) {
   if (const Json* archs = Get(root, "architectures"); archs != nullptr) {
     if (!archs->is_array() || archs->empty()) {
       return ConfigError(
@@ -245,9 +241,100 @@ absl::StatusOr<ModelConfig> ParseHfRoot(const Json& root) {
         return ConfigError(
             absl::StrCat("key \"architectures\" must be a list of strings, got ", archs->dump()));
       }
-      c.architectures.push_back(a.get<std::string>());
+      c->architectures.push_back(a.get<std::string>());
     }
   }
+  return absl::OkStatus();
+}
+
+// Layers, query and KV heads, and the head size (given, or hidden_size / heads).
+absl::Status ParseAttentionShape(const Json& s, ModelConfig* c) {
+  KVCM_ASSIGN_OR_RETURN(c->num_hidden_layers, RequiredPositiveInt(s, "num_hidden_layers"));
+  KVCM_ASSIGN_OR_RETURN(c->num_attention_heads, RequiredPositiveInt(s, "num_attention_heads"));
+  KVCM_ASSIGN_OR_RETURN(const std::optional<int32_t> kv_heads,
+                        OptionalPositiveInt(s, "num_key_value_heads"));
+  c->num_key_value_heads = kv_heads.value_or(c->num_attention_heads);  // absent: MHA
+  if (c->num_attention_heads % c->num_key_value_heads != 0) {
+    return ConfigError(absl::StrCat("\"num_key_value_heads\" (", c->num_key_value_heads,
+                                    ") does not divide \"num_attention_heads\" (",
+                                    c->num_attention_heads,
+                                    "): each KV head must serve a whole group of query heads"));
+  }
+  KVCM_ASSIGN_OR_RETURN(c->hidden_size, OptionalPositiveInt(s, "hidden_size"));
+  KVCM_ASSIGN_OR_RETURN(const std::optional<int32_t> head_dim, OptionalPositiveInt(s, "head_dim"));
+  if (head_dim.has_value()) {
+    c->head_dim = *head_dim;
+  } else {
+    if (!c->hidden_size.has_value()) {
+      return ConfigError("missing required key \"hidden_size\" (there is no \"head_dim\")");
+    }
+    if (*c->hidden_size % c->num_attention_heads != 0) {
+      return ConfigError(absl::StrCat("no \"head_dim\", and \"hidden_size\" (", *c->hidden_size,
+                                      ") is not divisible by \"num_attention_heads\" (",
+                                      c->num_attention_heads, ")"));
+    }
+    c->head_dim = *c->hidden_size / c->num_attention_heads;
+  }
+  return absl::OkStatus();
+}
+
+// "sliding_window" or "sliding_window_size": a length, or null/false for none.
+absl::Status ParseSlidingWindow(const Json& s, ModelConfig* c) {
+  for (const char* key : {"sliding_window", "sliding_window_size"}) {
+    const Json* window = Get(s, key);
+    if (window == nullptr || (window->is_boolean() && !window->get<bool>())) continue;
+    if (!window->is_number_integer() || window->get<int64_t>() < 0) {
+      return ConfigError(absl::StrCat(
+          "key \"", key, "\" must be a window length, null or false, got ", window->dump()));
+    }
+    c->sliding_window = window->is_number_unsigned()
+                            ? static_cast<int64_t>(std::min<uint64_t>(
+                                  window->get<uint64_t>(), std::numeric_limits<int64_t>::max()))
+                            : window->get<int64_t>();
+    c->sliding_window_key = key;
+    break;
+  }
+
+  return absl::OkStatus();
+}
+
+// bos_token_id (one id) and eos_token_id (one or a list), within vocab_size.
+absl::Status ParseSpecialTokenIds(const Json& s, ModelConfig* c) {
+  KVCM_ASSIGN_OR_RETURN(const std::vector<int32_t> bos, TokenIds(s, "bos_token_id", c->vocab_size));
+  if (const Json* bos_value = Get(s, "bos_token_id");
+      bos_value != nullptr && bos_value->is_array() && bos_value->size() > 1) {
+    return ConfigError(
+        absl::StrCat("key \"bos_token_id\" must be a single id, got ", s["bos_token_id"].dump()));
+  }
+  if (!bos.empty()) c->bos_token_id = bos[0];
+  KVCM_ASSIGN_OR_RETURN(c->eos_token_ids, TokenIds(s, "eos_token_id", c->vocab_size));
+
+  return absl::OkStatus();
+}
+
+// The weights' dtype: in the text section or the root; transformers writes "torch_dtype",
+// releases since 4.56 "dtype".
+absl::Status ParseTorchDtype(const Json& root, const Json* section, ModelConfig* c) {
+  for (const Json* object : {section, &root}) {
+    for (const char* key : {"torch_dtype", "dtype"}) {
+      KVCM_ASSIGN_OR_RETURN(const std::optional<std::string> dtype, OptionalString(*object, key));
+      if (!dtype.has_value()) continue;
+      c->torch_dtype = *dtype;
+      c->torch_dtype_key = key;
+      break;
+    }
+    if (!c->torch_dtype_key.empty()) break;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ModelConfig> ParseHfRoot(const Json& root) {
+  if (!root.is_object()) {
+    return ConfigError(absl::StrCat("expected a JSON object, got ", root.type_name()));
+  }
+  ModelConfig c;
+  c.format = ModelConfig::Format::kHuggingFace;
+  KVCM_RETURN_IF_ERROR(ParseArchitectures(root, &c));
   KVCM_ASSIGN_OR_RETURN(const std::optional<std::string> model_type,
                         OptionalString(root, "model_type"));
   c.model_type = model_type.value_or("");
@@ -262,32 +349,7 @@ absl::StatusOr<ModelConfig> ParseHfRoot(const Json& root) {
   }
   const Json& s = *section;
 
-  KVCM_ASSIGN_OR_RETURN(c.num_hidden_layers, RequiredPositiveInt(s, "num_hidden_layers"));
-  KVCM_ASSIGN_OR_RETURN(c.num_attention_heads, RequiredPositiveInt(s, "num_attention_heads"));
-  KVCM_ASSIGN_OR_RETURN(const std::optional<int32_t> kv_heads,
-                        OptionalPositiveInt(s, "num_key_value_heads"));
-  c.num_key_value_heads = kv_heads.value_or(c.num_attention_heads);  // absent: MHA
-  if (c.num_attention_heads % c.num_key_value_heads != 0) {
-    return ConfigError(absl::StrCat("\"num_key_value_heads\" (", c.num_key_value_heads,
-                                    ") does not divide \"num_attention_heads\" (",
-                                    c.num_attention_heads,
-                                    "): each KV head must serve a whole group of query heads"));
-  }
-  KVCM_ASSIGN_OR_RETURN(c.hidden_size, OptionalPositiveInt(s, "hidden_size"));
-  KVCM_ASSIGN_OR_RETURN(const std::optional<int32_t> head_dim, OptionalPositiveInt(s, "head_dim"));
-  if (head_dim.has_value()) {
-    c.head_dim = *head_dim;
-  } else {
-    if (!c.hidden_size.has_value()) {
-      return ConfigError("missing required key \"hidden_size\" (there is no \"head_dim\")");
-    }
-    if (*c.hidden_size % c.num_attention_heads != 0) {
-      return ConfigError(absl::StrCat("no \"head_dim\", and \"hidden_size\" (", *c.hidden_size,
-                                      ") is not divisible by \"num_attention_heads\" (",
-                                      c.num_attention_heads, ")"));
-    }
-    c.head_dim = *c.hidden_size / c.num_attention_heads;
-  }
+  KVCM_RETURN_IF_ERROR(ParseAttentionShape(s, &c));
   KVCM_ASSIGN_OR_RETURN(c.kv_lora_rank, OptionalPositiveInt(s, "kv_lora_rank"));
   KVCM_ASSIGN_OR_RETURN(c.intermediate_size, OptionalPositiveInt(s, "intermediate_size"));
   KVCM_ASSIGN_OR_RETURN(c.vocab_size, OptionalPositiveInt(s, "vocab_size"));
@@ -301,41 +363,10 @@ absl::StatusOr<ModelConfig> ParseHfRoot(const Json& root) {
   KVCM_ASSIGN_OR_RETURN(c.mlp_bias, OptionalBool(s, "mlp_bias"));
   KVCM_ASSIGN_OR_RETURN(c.use_sliding_window, OptionalBool(s, "use_sliding_window"));
   KVCM_ASSIGN_OR_RETURN(c.hidden_act, OptionalString(s, "hidden_act"));
-  for (const char* key : {"sliding_window", "sliding_window_size"}) {
-    const Json* window = Get(s, key);
-    if (window == nullptr || (window->is_boolean() && !window->get<bool>())) continue;
-    if (!window->is_number_integer() || window->get<int64_t>() < 0) {
-      return ConfigError(absl::StrCat(
-          "key \"", key, "\" must be a window length, null or false, got ", window->dump()));
-    }
-    c.sliding_window = window->is_number_unsigned()
-                           ? static_cast<int64_t>(std::min<uint64_t>(
-                                 window->get<uint64_t>(), std::numeric_limits<int64_t>::max()))
-                           : window->get<int64_t>();
-    c.sliding_window_key = key;
-    break;
-  }
+  KVCM_RETURN_IF_ERROR(ParseSlidingWindow(s, &c));
 
-  KVCM_ASSIGN_OR_RETURN(const std::vector<int32_t> bos, TokenIds(s, "bos_token_id", c.vocab_size));
-  if (const Json* bos_value = Get(s, "bos_token_id");
-      bos_value != nullptr && bos_value->is_array() && bos_value->size() > 1) {
-    return ConfigError(
-        absl::StrCat("key \"bos_token_id\" must be a single id, got ", s["bos_token_id"].dump()));
-  }
-  if (!bos.empty()) c.bos_token_id = bos[0];
-  KVCM_ASSIGN_OR_RETURN(c.eos_token_ids, TokenIds(s, "eos_token_id", c.vocab_size));
-
-  // transformers writes "torch_dtype"; releases since 4.56 write "dtype" instead.
-  for (const Json* object : {section, &root}) {
-    for (const char* key : {"torch_dtype", "dtype"}) {
-      KVCM_ASSIGN_OR_RETURN(const std::optional<std::string> dtype, OptionalString(*object, key));
-      if (!dtype.has_value()) continue;
-      c.torch_dtype = *dtype;
-      c.torch_dtype_key = key;
-      break;
-    }
-    if (!c.torch_dtype_key.empty()) break;
-  }
+  KVCM_RETURN_IF_ERROR(ParseSpecialTokenIds(s, &c));
+  KVCM_RETURN_IF_ERROR(ParseTorchDtype(root, section, &c));
   return c;
 }
 
@@ -617,8 +648,7 @@ absl::StatusOr<std::vector<int32_t>> ReadEndTokenIds(const std::string& path) {
   KVCM_ASSIGN_OR_RETURN(const std::string text, ReadWholeFile(generation_path));
   const Json root = Json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (!root.is_object()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(generation_path, ": not a JSON object"));
+    return absl::InvalidArgumentError(absl::StrCat(generation_path, ": not a JSON object"));
   }
   const auto eos = root.find("eos_token_id");
   if (eos == root.end() || eos->is_null()) return ids;
