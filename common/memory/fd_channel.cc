@@ -204,12 +204,11 @@ absl::StatusOr<pid_t> FdChannelListener::ServeOne(int fd_to_send, std::span<cons
   return cred.pid;
 }
 
-absl::StatusOr<ReceivedFd> ReceiveFdFromChannel(const std::string& socket_path,
-                                                absl::Duration timeout) {
-  // Clamped so that the steady-clock deadline cannot overflow.
-  const Clock::time_point deadline =
-      Clock::now() +
-      absl::ToChronoNanoseconds(std::clamp(timeout, absl::ZeroDuration(), absl::Hours(24 * 365)));
+namespace {
+
+// A connection to the channel's server, which must be this user (or root): a socket
+// planted by someone else would hand out memory of their choosing.
+absl::StatusOr<UniqueFd> ConnectToChannel(const std::string& socket_path) {
   KVCM_ASSIGN_OR_RETURN(const sockaddr_un addr, SocketAddress(socket_path));
   UniqueFd sock(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (!sock.valid()) return ErrnoError(errno, "fd channel: socket");
@@ -219,8 +218,6 @@ absl::StatusOr<ReceivedFd> ReceiveFdFromChannel(const std::string& socket_path,
                                        " (is the cache manager running?)"))
             .message());
   }
-  // The server must be this user (or root): a socket planted by someone else would hand
-  // out memory of their choosing.
   ucred server{};
   socklen_t server_len = sizeof(server);
   if (::getsockopt(sock.get(), SOL_SOCKET, SO_PEERCRED, &server, &server_len) != 0) {
@@ -231,6 +228,42 @@ absl::StatusOr<ReceivedFd> ReceiveFdFromChannel(const std::string& socket_path,
         "fd channel ", socket_path, " is served by uid ", server.uid, " (pid ", server.pid,
         "), not by this user (uid ", ::geteuid(), "): refusing its descriptor"));
   }
+
+  return sock;
+}
+
+// The descriptors `msg` carried into *received: one in all, or DATA_LOSS.
+absl::Status TakeDescriptors(msghdr* msg, const std::string& socket_path, UniqueFd* received) {
+  for (cmsghdr* cmsg = CMSG_FIRSTHDR(msg); cmsg != nullptr; cmsg = CMSG_NXTHDR(msg, cmsg)) {
+    if (cmsg->cmsg_level != SOL_SOCKET || cmsg->cmsg_type != SCM_RIGHTS) continue;
+    const size_t count = (cmsg->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < count; ++i) {
+      int fd = -1;
+      std::memcpy(&fd, CMSG_DATA(cmsg) + i * sizeof(int), sizeof(int));
+      UniqueFd owned(fd);
+      if (received->valid()) {
+        return absl::DataLossError(
+            absl::StrCat("fd channel: ", socket_path, " sent more than one descriptor"));
+      }
+      *received = std::move(owned);
+    }
+  }
+  if ((msg->msg_flags & MSG_CTRUNC) != 0) {
+    return absl::DataLossError(
+        absl::StrCat("fd channel: ", socket_path, " sent more than one descriptor"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<ReceivedFd> ReceiveFdFromChannel(const std::string& socket_path,
+                                                absl::Duration timeout) {
+  // Clamped so that the steady-clock deadline cannot overflow.
+  const Clock::time_point deadline =
+      Clock::now() +
+      absl::ToChronoNanoseconds(std::clamp(timeout, absl::ZeroDuration(), absl::Hours(24 * 365)));
+  KVCM_ASSIGN_OR_RETURN(UniqueFd sock, ConnectToChannel(socket_path));
 
   uint8_t buffer[sizeof(uint32_t) + kMaxFdChannelHeaderBytes];
   size_t want = sizeof(uint32_t);  // the length first, then the header it announces
@@ -264,23 +297,8 @@ absl::StatusOr<ReceivedFd> ReceiveFdFromChannel(const std::string& socket_path,
       return absl::UnavailableError(
           ErrnoError(errno, absl::StrCat("fd channel: recvmsg from ", socket_path)).message());
     }
-    for (cmsghdr* cmsg = CMSG_FIRSTHDR(&msg); cmsg != nullptr; cmsg = CMSG_NXTHDR(&msg, cmsg)) {
-      if (cmsg->cmsg_level != SOL_SOCKET || cmsg->cmsg_type != SCM_RIGHTS) continue;
-      const size_t count = (cmsg->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-      for (size_t i = 0; i < count; ++i) {
-        int fd = -1;
-        std::memcpy(&fd, CMSG_DATA(cmsg) + i * sizeof(int), sizeof(int));
-        UniqueFd owned(fd);
-        if (received.valid()) {
-          return absl::DataLossError(
-              absl::StrCat("fd channel: ", socket_path, " sent more than one descriptor"));
-        }
-        received = std::move(owned);
-      }
-    }
-    if ((msg.msg_flags & MSG_CTRUNC) != 0) {
-      return absl::DataLossError(
-          absl::StrCat("fd channel: ", socket_path, " sent more than one descriptor"));
+    if (absl::Status taken = TakeDescriptors(&msg, socket_path, &received); !taken.ok()) {
+      return taken;
     }
     if (n == 0) {
       if (got == 0 && !received.valid()) {
