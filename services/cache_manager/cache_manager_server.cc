@@ -10,8 +10,8 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstdio>
 #include <csignal>
+#include <cstdio>
 #include <cstring>
 #include <utility>
 
@@ -149,35 +149,44 @@ class CacheManagerServer::PidfdWatcher : public ProcessWatcher {
   absl::flat_hash_map<pid_t, UniqueFd> connect_pidfds_;
 };
 
+namespace {
+
+// What an attaching executor needs to map the pool: its backend, layout and handle.
+void FillPoolExport(const PoolLayout& layout, const PoolMemory& memory, const RunDirectory& run_dir,
+                    PoolExport* pool) {
+  pool->backend =
+      memory.backend() == PoolBackend::kCuda ? wire::PoolBackend::Cuda : wire::PoolBackend::Shm;
+  pool->layout = {.layer_stride = static_cast<uint64_t>(layout.layer_stride),
+                  .kv_stride = static_cast<uint64_t>(layout.kv_stride),
+                  .block_stride = static_cast<uint64_t>(layout.block_stride),
+                  .token_stride = static_cast<uint64_t>(layout.token_stride),
+                  .head_stride = static_cast<uint64_t>(layout.head_stride),
+                  .elem_bytes = static_cast<uint32_t>(layout.elem_bytes),
+                  .total_bytes = static_cast<uint64_t>(layout.total_bytes)};
+  pool->cuda_device = memory.cuda_device();
+  if (auto handle = memory.cuda_ipc_handle()) {
+    pool->cuda_ipc_handle.assign(handle->begin(), handle->end());
+  }
+  if (memory.backend() == PoolBackend::kShm) {
+    pool->fd_channel_path = run_dir.File(RunDirectory::kFdChannelSocket);
+  }
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<CacheManagerServer>> CacheManagerServer::Create(
     const Options& options, RunDirectory run_dir, std::unique_ptr<PoolMemory> memory,
     CacheManagerService::Options service_options, CacheManagerMetrics* metrics) {
   auto layout = PoolLayout::For(service_options.spec, service_options.ledger.num_blocks);
   if (!layout.ok()) return layout.status();
   if (static_cast<uint64_t>(layout->total_bytes) > memory->size_bytes()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "pool memory of ", memory->size_bytes(), " bytes is smaller than the layout's ",
-        layout->total_bytes));
+    return absl::InvalidArgumentError(absl::StrCat("pool memory of ", memory->size_bytes(),
+                                                   " bytes is smaller than the layout's ",
+                                                   layout->total_bytes));
   }
   service_options.events_endpoint = run_dir.IpcEndpoint(RunDirectory::kEventSocket);
   service_options.vllm_events = options.vllm_events.has_value();
-  PoolExport& pool = service_options.pool;
-  pool.backend = memory->backend() == PoolBackend::kCuda ? wire::PoolBackend::Cuda
-                                                         : wire::PoolBackend::Shm;
-  pool.layout = {.layer_stride = static_cast<uint64_t>(layout->layer_stride),
-                 .kv_stride = static_cast<uint64_t>(layout->kv_stride),
-                 .block_stride = static_cast<uint64_t>(layout->block_stride),
-                 .token_stride = static_cast<uint64_t>(layout->token_stride),
-                 .head_stride = static_cast<uint64_t>(layout->head_stride),
-                 .elem_bytes = static_cast<uint32_t>(layout->elem_bytes),
-                 .total_bytes = static_cast<uint64_t>(layout->total_bytes)};
-  pool.cuda_device = memory->cuda_device();
-  if (auto handle = memory->cuda_ipc_handle()) {
-    pool.cuda_ipc_handle.assign(handle->begin(), handle->end());
-  }
-  if (memory->backend() == PoolBackend::kShm) {
-    pool.fd_channel_path = run_dir.File(RunDirectory::kFdChannelSocket);
-  }
+  FillPoolExport(*layout, *memory, run_dir, &service_options.pool);
 
   std::unique_ptr<CacheManagerServer> server(
       new CacheManagerServer(options, std::move(run_dir), std::move(memory), metrics));
@@ -188,9 +197,9 @@ absl::StatusOr<std::unique_ptr<CacheManagerServer>> CacheManagerServer::Create(
     tiers::TierOptions tier_options = options.tiers;
     // The vLLM-format stream announces what the tiers gain and lose.
     tier_options.record_events = options.vllm_events.has_value();
-    auto tiers = tiers::KvTiers::Create(tier_options, service_options.spec,
-                                        service_options.hash_algorithm, access,
-                                        [](std::string line) { Log(line); });
+    auto tiers =
+        tiers::KvTiers::Create(tier_options, service_options.spec, service_options.hash_algorithm,
+                               access, [](std::string line) { Log(line); });
     if (!tiers.ok()) return tiers.status();
     server->tiers_ = *std::move(tiers);
     service_options.tiers = server->tiers_.get();
@@ -208,36 +217,7 @@ absl::StatusOr<std::unique_ptr<CacheManagerServer>> CacheManagerServer::Create(
     server->fd_channel_ = std::make_unique<FdChannelListener>(*std::move(channel));
   }
 
-  const int linger_ms = static_cast<int>(absl::ToInt64Milliseconds(options.linger));
-  try {
-    server->requests_ = zmq::socket_t(server->context_, zmq::socket_type::router);
-    server->requests_.set(zmq::sockopt::router_mandatory, 1);
-    server->requests_.set(zmq::sockopt::handshake_ivl, kHandshakeMs);
-    LimitInboundMessages(server->requests_, server->service_->options().max_message_bytes);
-    server->requests_.set(zmq::sockopt::linger, linger_ms);
-    server->requests_.bind(server->request_endpoint());
-    if (!options.tcp_endpoint.empty()) {
-      server->requests_.bind(options.tcp_endpoint);
-      server->tcp_bound_ = server->requests_.get(zmq::sockopt::last_endpoint);
-    }
-    if (zmq_socket_monitor(server->requests_.handle(), kMonitorEndpoint,
-                           ZMQ_EVENT_ACCEPTED | ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_CLOSED) != 0) {
-      throw zmq::error_t();
-    }
-    server->monitor_ = zmq::socket_t(server->context_, zmq::socket_type::pair);
-    server->monitor_.set(zmq::sockopt::linger, 0);
-    server->monitor_.connect(kMonitorEndpoint);
-    server->fd_dir_ = UniqueFd(::open("/proc/self/fd", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-    server->events_ = zmq::socket_t(server->context_, zmq::socket_type::pub);
-    server->events_.set(zmq::sockopt::sndhwm, kEventHighWaterMark);
-    // Subscribers send only their subscriptions.
-    LimitInboundMessages(server->events_, 1024);
-    server->events_.set(zmq::sockopt::linger, linger_ms);
-    server->events_.bind(server->event_endpoint());
-  } catch (const zmq::error_t& error) {
-    return absl::UnavailableError(absl::StrCat("cannot bind the cache manager's sockets: ",
-                                               error.what()));
-  }
+  if (absl::Status bound = server->BindSockets(options); !bound.ok()) return bound;
   if (options.vllm_events.has_value()) {
     VllmEventPublisher::Options vllm = *options.vllm_events;
     vllm.info.block_size = server->service_->ledger().block_size();
@@ -250,6 +230,41 @@ absl::StatusOr<std::unique_ptr<CacheManagerServer>> CacheManagerServer::Create(
   server->PublishEvents();
   server->PublishSnapshot();
   return server;
+}
+
+// The request socket (ipc://, and tcp:// when asked), its monitor, and the event socket.
+absl::Status CacheManagerServer::BindSockets(const Options& options) {
+  const int linger_ms = static_cast<int>(absl::ToInt64Milliseconds(options.linger));
+  try {
+    requests_ = zmq::socket_t(context_, zmq::socket_type::router);
+    requests_.set(zmq::sockopt::router_mandatory, 1);
+    requests_.set(zmq::sockopt::handshake_ivl, kHandshakeMs);
+    LimitInboundMessages(requests_, service_->options().max_message_bytes);
+    requests_.set(zmq::sockopt::linger, linger_ms);
+    requests_.bind(request_endpoint());
+    if (!options.tcp_endpoint.empty()) {
+      requests_.bind(options.tcp_endpoint);
+      tcp_bound_ = requests_.get(zmq::sockopt::last_endpoint);
+    }
+    if (zmq_socket_monitor(requests_.handle(), kMonitorEndpoint,
+                           ZMQ_EVENT_ACCEPTED | ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_CLOSED) != 0) {
+      throw zmq::error_t();
+    }
+    monitor_ = zmq::socket_t(context_, zmq::socket_type::pair);
+    monitor_.set(zmq::sockopt::linger, 0);
+    monitor_.connect(kMonitorEndpoint);
+    fd_dir_ = UniqueFd(::open("/proc/self/fd", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    events_ = zmq::socket_t(context_, zmq::socket_type::pub);
+    events_.set(zmq::sockopt::sndhwm, kEventHighWaterMark);
+    // Subscribers send only their subscriptions.
+    LimitInboundMessages(events_, 1024);
+    events_.set(zmq::sockopt::linger, linger_ms);
+    events_.bind(event_endpoint());
+  } catch (const zmq::error_t& error) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot bind the cache manager's sockets: ", error.what()));
+  }
+  return absl::OkStatus();
 }
 
 CacheManagerServer::CacheManagerServer(const Options& options, RunDirectory run_dir,
@@ -288,8 +303,7 @@ void CacheManagerServer::OnSessionProcessExited(uint64_t session, pid_t pid) {
   const int32_t before = service_->ledger().Stats().in_use_blocks;
   if (!service_->OnSessionProcessExited(session)) return;
   Log(absl::StrCat("client pid ", pid, " exited; its session ", session, " ended (",
-                   before - service_->ledger().Stats().in_use_blocks,
-                   " blocks no longer in use)"));
+                   before - service_->ledger().Stats().in_use_blocks, " blocks no longer in use)"));
   changed_ = true;
 }
 
@@ -350,8 +364,8 @@ absl::Status CacheManagerServer::Run() {
                                         [this] { vllm_events_->ServeSubscriptions(); }));
   }
   if (vllm_events_ && vllm_events_->replay_socket() != nullptr) {
-    watches.push_back(loop_.WatchSocket(*vllm_events_->replay_socket(),
-                                        [this] { vllm_events_->ServeReplay(); }));
+    watches.push_back(
+        loop_.WatchSocket(*vllm_events_->replay_socket(), [this] { vllm_events_->ServeReplay(); }));
   }
   if (tiers_ != nullptr) {
     watches.push_back(loop_.WatchFd(tiers_->wake_fd(), [this] {
@@ -436,16 +450,15 @@ int CacheManagerServer::DrainRequests() {
     if (frames == 1) {
       service_->Handle(peer, bytes, MonotonicNow(), &reply_);
     } else {
-      service_->RefuseMalformed(
-          PeekRequestId<wire::Envelope>(bytes, kEnvelopeIdentifier),
-          absl::StrCat("a request is one frame; this message had ", frames), &reply_);
+      service_->RefuseMalformed(PeekRequestId<wire::Envelope>(bytes, kEnvelopeIdentifier),
+                                absl::StrCat("a request is one frame; this message had ", frames),
+                                &reply_);
     }
     // A connection is no longer silent once a request of it is taken (a Hello, or a request
     // of a live session after a reconnection); one that only sends what is refused is
     // still closed at the deadline.
     if (!silent_.empty() && source_fd >= 0 && reply_.GetSize() > 0 &&
-        wire::GetEnvelope(reply_.GetBufferPointer())->payload_type() !=
-            wire::Message::ErrorReply) {
+        wire::GetEnvelope(reply_.GetBufferPointer())->payload_type() != wire::Message::ErrorReply) {
       silent_.erase(source_fd);
     }
     // Events of this request go out before the next request is handled, so that an
@@ -477,8 +490,8 @@ int CacheManagerServer::DrainRequests() {
       if (metrics_ != nullptr) metrics_->CountUndeliveredReply(queue_full);
       if ((unroutable_replies_ & (unroutable_replies_ - 1)) == 0) {  // 1, 2, 4, 8, ...
         Log(absl::StrCat("a reply could not be delivered (",
-                         queue_full ? "the client's queue is full" : "the client is gone",
-                         "); ", unroutable_replies_,
+                         queue_full ? "the client's queue is full" : "the client is gone", "); ",
+                         unroutable_replies_,
                          " so far (kvcm_cache_manager_undelivered_replies_total)"));
       }
     }
@@ -542,8 +555,8 @@ void CacheManagerServer::CloseSilentConnections(absl::Time now) {
   silent_closed_ += static_cast<uint64_t>(closed);
   if (metrics_ != nullptr) metrics_->CountSilentConnectionsClosed(closed);
   Log(absl::StrCat("closed ", closed, " connection(s) that made no valid request within ",
-                   absl::FormatDuration(options_.hello_timeout), " of connecting; ",
-                   silent_closed_, " so far (kvcm_cache_manager_silent_connections_closed_total)"));
+                   absl::FormatDuration(options_.hello_timeout), " of connecting; ", silent_closed_,
+                   " so far (kvcm_cache_manager_silent_connections_closed_total)"));
 }
 
 void CacheManagerServer::TakeConnectPidfd(int connection) {
@@ -554,10 +567,8 @@ void CacheManagerServer::TakeConnectPidfd(int connection) {
   socklen_t peer_len = sizeof(peer);
   int pidfd = -1;
   socklen_t pidfd_len = sizeof(pidfd);
-  if (::getsockopt(connection, SOL_SOCKET, SO_PEERCRED, &peer, &peer_len) != 0 ||
-      peer.pid <= 0 ||
-      ::getsockopt(connection, SOL_SOCKET, SO_PEERPIDFD, &pidfd, &pidfd_len) != 0 ||
-      pidfd < 0) {
+  if (::getsockopt(connection, SOL_SOCKET, SO_PEERCRED, &peer, &peer_len) != 0 || peer.pid <= 0 ||
+      ::getsockopt(connection, SOL_SOCKET, SO_PEERPIDFD, &pidfd, &pidfd_len) != 0 || pidfd < 0) {
     return;
   }
   UniqueFd owned(pidfd);
@@ -603,7 +614,8 @@ void CacheManagerServer::GuardDescriptors() {
     // Unbinding also closes every connection made through the endpoints: the idle flood
     // goes, and real clients connect again by themselves (ZeroMQ) into their sessions.
     Log(absl::StrCat(open, " of ", limit, " descriptors open: not accepting connections until ",
-                     2 * reserve, " are free again; the connections made so far were closed "
+                     2 * reserve,
+                     " are free again; the connections made so far were closed "
                      "(clients connect again; their sessions stay)"));
   } else if (!accepting_ && left >= 2 * reserve) {
     try {

@@ -105,6 +105,7 @@ class CacheManagerServer {
   uint64_t vllm_first_seq() const { return vllm_events_ ? vllm_events_->first_seq() : 0; }
 
  private:
+  absl::Status BindSockets(const Options& options);
   CacheManagerServer(const Options& options, RunDirectory run_dir,
                      std::unique_ptr<PoolMemory> memory, CacheManagerMetrics* metrics);
 
