@@ -38,7 +38,7 @@ std::string ShownError(const absl::Status& status) {
                       absl::StatusCodeToString(status.code()), ")");
 }
 
-const char* ApiName(RequestApi api) { return api == RequestApi::kOpenAi ? "openai" : "tgi"; }
+const char* ApiName(Api api) { return api == Api::kOpenAi ? "openai" : "tgi"; }
 
 }  // namespace
 

@@ -1,6 +1,8 @@
 #pragma once
-// HttpFrontend: the router's HTTP server (libevent's evhttp on one thread of its own: an open
-// stream costs a connection, not a thread) with the TGI-compatible API:
+// HttpFrontend: the router's HTTP front end, the glue between the HTTP server
+// (http_server.h: libevent's evhttp on one thread of its own, an open stream costing a
+// connection, not a thread), the two APIs (tgi_api.h, openai_api.h; bodies parsed by
+// http_requests.h) and RouterCore. It serves the TGI-compatible API:
 //
 //   POST /generate         {"inputs": "...", "parameters": {...}} -> {"generated_text", "details"}
 //   POST /generate_stream  the same, as server-sent events: one per token, the last one with
@@ -21,10 +23,10 @@
 // "code"}} (every error of a path under /v1/ has it).
 //
 // Requests are checked and tokenized here, then handed to RouterCore; the tokens it reports
-// come back through Deliver() (any thread) and are written out on this thread. Errors have
-// TGI's shape {"error": "...", "error_type": "..."}: 400 for a body that is not JSON or a
-// request whose framing is ambiguous, 422 for invalid or unsupported parameters (never
-// ignored silently), 429 when max_concurrent_requests are in flight, 503 without an
+// come back through Deliver() (any thread) and are written out on the server's thread.
+// Errors have TGI's shape {"error": "...", "error_type": "..."}: 400 for a body that is not
+// JSON or a request whose framing is ambiguous, 422 for invalid or unsupported parameters
+// (never ignored silently), 429 when max_concurrent_requests are in flight, 503 without an
 // executor, 404 for an unknown path, 405 for a known path asked with another method than
 // its route's, 415 for a POST whose Content-Type is not application/json, 403 for a Host
 // that is not this server's (DNS rebinding; docs/router.md, "Browsers"); 413 for a body
@@ -40,7 +42,6 @@
 #include <memory>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -50,10 +51,6 @@
 #include "services/router/dashboard.h"
 #include "services/router/router_core.h"
 #include "services/router/router_metrics.h"
-
-struct event_base;
-struct evhttp;
-struct event;
 
 namespace kvcm::router {
 
@@ -107,7 +104,7 @@ class HttpFrontend {
 
   // --allowed-hosts: comma-separated names or IP literals (an IPv6 one with or without
   // brackets), no ports; "*" allows any Host. Lower-cased; INVALID_ARGUMENT naming the bad
-  // entry.
+  // entry. (HttpServer::ParseAllowedHosts, which checks the Host of each request.)
   static absl::StatusOr<std::vector<std::string>> ParseAllowedHosts(std::string_view text);
 
   // Binds and starts serving on its own thread.
@@ -128,7 +125,7 @@ class HttpFrontend {
   int port() const { return port_; }
   // What the core reports (its sink calls this).
   void Deliver(std::vector<Progress> progress);
-  // Stops accepting and joins the thread.
+  // Stops accepting and joins the server's thread.
   void Stop();
 
   struct Impl;
@@ -136,7 +133,6 @@ class HttpFrontend {
  private:
   HttpFrontend() = default;
   std::unique_ptr<Impl> impl_;
-  std::thread thread_;
   int port_ = 0;
 };
 

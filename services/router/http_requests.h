@@ -2,7 +2,10 @@
 // The bodies of the router's generation requests, parsed: what turns the body of a TGI
 // `POST /generate`, `/generate_stream` or `/`, an OpenAI `POST /v1/completions` or
 // `POST /v1/chat/completions` into the request the router submits (its prompt tokenized, its
-// sampling and outputs resolved), or into the error to answer. No sockets and no libevent:
+// sampling and outputs resolved), or into the error to answer. What both APIs share is
+// here (http_requests.cc); each API's members of RequestParser are defined with that API's
+// replies (tgi_api.cc: ParseGenerate, ParseTokenize; openai_api.cc: ParseCompletions,
+// ParseChatCompletions), one library of the three. No sockets and no libevent:
 // HttpFrontend (http_frontend.h) checks the method, hands the body here, then answers the
 // error or starts the request (its limits on prompt length, concurrency and executors are
 // its own); the fuzz target tests/services/router/http_requests_fuzz_target.cc feeds any
@@ -32,11 +35,10 @@
 #include "common/tokenizer/tokenizer.h"
 #include "common/wire/executor_codec.h"
 #include "nlohmann/json_fwd.hpp"
+#include "services/router/generation.h"
 #include "services/router/step_planner.h"
 
 namespace kvcm::router {
-
-enum class Api : uint8_t { kTgi, kOpenAi };
 
 // The deepest a request body's JSON may nest arrays and objects (the body's own object is
 // level 1). The parser builds any depth without recursion, but dumping, copying and a chat
@@ -62,52 +64,18 @@ inline constexpr size_t kMaxTemplateMessageBytes = 256;
 // parameter's name or value, a path, a template's refusal) quotes it through this.
 std::string Shortened(absl::string_view text, size_t max_bytes = kMaxEchoedValueBytes);
 
+// Refusals both APIs' parsers word alike: "parameter `key` is not supported by this server
+// (value)", both Shortened; a body nested deeper than kMaxJsonDepth; a prompt `field` that
+// gives no tokens (an empty text, or one the tokenizer drops whole, for a model that adds no
+// BOS: a sequence computes at least its last prompt token, the planner checks it).
+std::string UnsupportedParameterMessage(absl::string_view key, const nlohmann::json& value);
+std::string TooDeepMessage();
+std::string NoPromptTokensMessage(absl::string_view field);
+
 // A temperature below this samples as greedy (OpenAI's and TGI's alike): the logits divided
 // by 1e-40 overflow, and the distribution the token is drawn from (and its
 // log-probabilities) is no longer a number (docs/router.md, "Log-probabilities").
 inline constexpr float kGreedyBelowTemperature = 1e-5f;
-
-// An error, in the shape of the API it answers.
-struct HttpError {
-  int status = 422;
-  std::string message;
-  std::string type = "validation";
-  std::string param = "";  // OpenAI: the offending parameter, if one
-  Api api = Api::kTgi;
-};
-
-// A request's generation parameters, resolved.
-struct Params {
-  int32_t max_new_tokens = 0;
-  SeqSampling sampling;
-  RequestOutputs outputs;
-  int32_t truncate = 0;  // TGI: keep the prompt's last `truncate` tokens (0: all)
-  int32_t best_of = 1;   // sequences generated (TGI's best_of; OpenAI's max(n, best_of))
-  int32_t n = 1;         // OpenAI: choices returned
-  bool show_logprobs = false;  // OpenAI: the client asked for logprobs
-  bool details = false;
-  bool return_full_text = false;
-  std::vector<std::string> stop;  // generation ends once the text contains one
-  bool do_sample = false;
-  uint64_t seed = 0;
-  // OpenAI (vLLM's extensions; docs/router.md, "ignore_eos and min_tokens"): generation
-  // does not end at the model's EOS token(s), only at max_tokens or a stop string. (vLLM's
-  // min_tokens is sampling.min_tokens: the executors hold EOS back until then.)
-  bool ignore_eos = false;
-};
-
-// A generation request, parsed and checked.
-struct GenerationRequest {
-  Api api = Api::kTgi;
-  bool chat = false;    // /v1/chat/completions (messages, deltas) rather than /v1/completions
-  bool stream = false;
-  bool as_list = false;  // POST / without streaming answers [reply], as TGI does
-  bool include_usage = false;  // OpenAI: stream_options.include_usage
-  int32_t shown = 1;           // choices returned (OpenAI's n; 1 for TGI)
-  Params params;
-  std::string prompt_text;
-  std::vector<int32_t> prompt;  // its tokens (BOS first when the tokenizer adds one)
-};
 
 // What requests are checked against: HttpFrontend::Options's fields of the same names.
 struct RequestLimits {
@@ -157,10 +125,17 @@ class RequestParser {
     std::optional<int32_t> max_tokens;
     std::optional<int32_t> max_completion_tokens;  // chat: wins over max_tokens
   };
+  // TGI's (tgi_api.cc).
   std::optional<HttpError> ParseParams(const nlohmann::json& root, Params* params);
+  std::optional<HttpError> TgiParam(const std::string& key, const nlohmann::json& value,
+                                    Params* params) const;
+  // OpenAI's (openai_api.cc).
   std::optional<HttpError> OpenAiParam(const std::string& key, const nlohmann::json& value,
                                        GenerationRequest* active_request,
                                        OpenAiGiven* given) const;
+  std::optional<HttpError> OpenAiExtensionParam(const std::string& key,
+                                                const nlohmann::json& value,
+                                                GenerationRequest* active_request) const;
   std::optional<HttpError> FinishOpenAiParams(GenerationRequest* active_request,
                                               const OpenAiGiven& given);
   static SeqSampling Greedy(const SeqSampling& sampling);

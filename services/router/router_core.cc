@@ -126,7 +126,7 @@ void RouterCore::RequestView(size_t max_sequences, std::function<void(RouterView
     for (const StepPlanner::RunningSummary& run : planner_->RunningSummaries(max_sequences)) {
       const auto api = api_of_.find(run.request);
       view.sequences.push_back({run.request, run.choice,
-                                api == api_of_.end() ? RequestApi::kTgi : api->second,
+                                api == api_of_.end() ? Api::kTgi : api->second,
                                 run.prompt_tokens, run.generated_tokens, run.blocks,
                                 run.executor});
     }

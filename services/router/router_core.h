@@ -36,7 +36,7 @@ struct Submission {
   int32_t max_new_tokens = 1;
   SeqSampling sampling;
   RequestOutputs outputs;
-  RequestApi api = RequestApi::kTgi;  // shown by /dashboard
+  Api api = Api::kTgi;  // shown by /dashboard
   // vLLM's ignore_eos: the model's EOS tokens end nothing (they are generated as any other
   // token); only max_new_tokens, a stop string or a cancel ends the request.
   bool ignore_eos = false;
@@ -48,7 +48,7 @@ struct RouterView {
   struct Sequence {
     uint64_t request = 0;
     int32_t choice = 0;
-    RequestApi api = RequestApi::kTgi;
+    Api api = Api::kTgi;
     int32_t prompt_tokens = 0;
     int32_t generated_tokens = 0;
     int32_t blocks = 0;
@@ -173,7 +173,7 @@ class RouterCore {
   std::unique_ptr<StepPlanner> planner_;
   // Requests queued or running, and which of their choices have not finished.
   absl::flat_hash_map<uint64_t, std::vector<bool>> known_;
-  absl::flat_hash_map<uint64_t, RequestApi> api_of_;  // of the requests in known_
+  absl::flat_hash_map<uint64_t, Api> api_of_;  // of the requests in known_
   absl::flat_hash_set<uint64_t> ignore_eos_;           // those of them that ignore EOS
   // Those of them with vLLM's min_tokens: an EOS id (held back by the executors; one that
   // comes anyway, from an executor that does not honour min_tokens) before it ends nothing.

@@ -79,7 +79,7 @@ constexpr std::array kSpecs = {kQueued,          kRunning,        kExecutors,   
 
 constexpr std::array<const char*, kRequestOutcomes> kOutcomeNames = {
     "ok", "invalid", "overloaded", "unavailable", "cancelled"};
-constexpr std::array<const char*, kRequestApis> kApiNames = {"tgi", "openai"};
+constexpr std::array<const char*, kApis> kApiNames = {"tgi", "openai"};
 
 std::vector<double> SecondsBuckets() {
   return {1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
@@ -112,7 +112,7 @@ RouterMetrics::RouterMetrics() : registry_(std::make_shared<prometheus::Registry
   preemptions_ = &AddCounterFamily(*registry_, kPreemptions).Add({});
   recomputed_committed_ = &AddCounterFamily(*registry_, kRecomputed).Add({});
   auto& requests = AddCounterFamily(*registry_, kRequests);
-  for (int a = 0; a < kRequestApis; ++a) {
+  for (int a = 0; a < kApis; ++a) {
     for (int i = 0; i < kRequestOutcomes; ++i) {
       requests_[a][i] = &requests.Add({{"api", kApiNames[a]}, {"outcome", kOutcomeNames[i]}});
     }
@@ -156,7 +156,7 @@ void RouterMetrics::CountRecomputedCommittedTokens(int64_t n) {
   recomputed_committed_->Increment(static_cast<double>(n));
 }
 
-void RouterMetrics::CountRequest(RequestApi api, RequestOutcome outcome) {
+void RouterMetrics::CountRequest(Api api, RequestOutcome outcome) {
   const auto a = static_cast<size_t>(api);
   const auto i = static_cast<size_t>(outcome);
   KVCM_CHECK(a < requests_.size() && i < requests_[a].size()) << a << " " << i;

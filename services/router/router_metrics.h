@@ -10,6 +10,7 @@
 #include <string_view>
 
 #include "common/metrics/metric_spec.h"
+#include "services/router/api.h"
 
 namespace prometheus {
 class Counter;
@@ -31,9 +32,6 @@ enum class RequestOutcome : uint8_t {
 };
 inline constexpr int kRequestOutcomes = static_cast<int>(RequestOutcome::kCount);
 
-// Which HTTP API a request came through (label `api`).
-enum class RequestApi : uint8_t { kTgi, kOpenAi, kCount };
-inline constexpr int kRequestApis = static_cast<int>(RequestApi::kCount);
 
 class RouterMetrics {
  public:
@@ -54,7 +52,7 @@ class RouterMetrics {
   void CountRecomputedCommittedTokens(int64_t n);
 
   // HTTP thread.
-  void CountRequest(RequestApi api, RequestOutcome outcome);
+  void CountRequest(Api api, RequestOutcome outcome);
   void ObserveTimeToFirstToken(double seconds);
   void ObserveTimePerOutputToken(double seconds);
   void ObserveRequestDuration(double seconds);
@@ -82,7 +80,7 @@ class RouterMetrics {
   prometheus::Counter* generated_ = nullptr;
   prometheus::Counter* preemptions_ = nullptr;
   prometheus::Counter* recomputed_committed_ = nullptr;
-  std::array<std::array<prometheus::Counter*, kRequestOutcomes>, kRequestApis> requests_{};
+  std::array<std::array<prometheus::Counter*, kRequestOutcomes>, kApis> requests_{};
   prometheus::Histogram* ttft_ = nullptr;
   prometheus::Histogram* tpot_ = nullptr;
   prometheus::Histogram* e2e_ = nullptr;

@@ -32,13 +32,15 @@
 // What is the router's own code here and what is not: the TGI stream events are written by
 // the router's library (services/router/stream_events.h: AppendTgiStreamEvent,
 // AppendJsonString, AppendJsonNumber, ShownLogprob) and error messages quote through
-// Shortened (services/router/http_requests.h). The other shapes are built by HttpFrontend's
-// Impl (services/router/http_frontend.cc: Details, TgiToken, OpenAiLogprobs, ChatLogprobs,
-// OpenAiChoice, OpenAiChunk, OpenAiUsage, ErrorBody, Stream, Finish), which is not reachable
-// from outside that file: namespace `mirror` below copies them as they are there, over the
-// same building blocks (ShownLogprob, nlohmann's dump with error_handler_t::replace). A
-// change to those functions must be copied here until they move into a library of their
-// own (docs/RELIABILITY.md, "Fuzzing").
+// Shortened (services/router/http_requests.h). The other shapes are built by the APIs'
+// formatters (services/router/tgi_api.cc: Details, TgiToken, TgiReply, AppendTgiTokenEvent;
+// services/router/openai_api.cc: OpenAiLogprobs, ChatLogprobs, OpenAiChoice, OpenAiChunk,
+// OpenAiUsage, OpenAiReply, OpenAiTokenChunk; the error bodies of both), which were
+// reachable from nowhere but the front end when this target was written: namespace `mirror`
+// below copies them as they are there, over the same building blocks (ShownLogprob,
+// nlohmann's dump with error_handler_t::replace). A change to those functions must be copied
+// here until this target calls them (tgi_api.h, openai_api.h) instead of its copies
+// (docs/RELIABILITY.md, "Fuzzing").
 //
 // An input is accepted (fuzz::NoteAccepted) when it described a whole response: one cut
 // short is formatted all the same, with zeros for what is missing, and counted refused.

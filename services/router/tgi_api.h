@@ -1,0 +1,72 @@
+#pragma once
+// The TGI-compatible API's replies (docs/router.md, "HTTP API (TGI-compatible)"), formatted
+// from plain values: no sockets, no libevent, so each can be tested and fuzzed on its own.
+// The front end (http_frontend.h) sends what these return. Request bodies are parsed by
+// RequestParser (http_requests.h), whose TGI members (ParseGenerate, ParseTokenize) are
+// defined in tgi_api.cc.
+//
+//   POST /generate         {"generated_text", "details"} (TgiReply; POST / without
+//                          streaming: [that], as TGI does)
+//   POST /generate_stream  one event per token, the last one with generated_text and
+//                          details (AppendTgiTokenEvent, after kTgiEventField)
+//   POST /tokenize         [{"id", "text", "start", "stop"}] (TgiTokenizeReply)
+//   GET  /info             the model, the pool and the limits (TgiInfoReply)
+//
+// Errors: {"error": "...", "error_type": "..."} (TgiErrorBody).
+//
+// Thread safety: pure functions; `tokenizer` is only read.
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/tokenizer/tokenizer.h"
+#include "nlohmann/json_fwd.hpp"
+#include "services/router/generation.h"
+
+namespace kvcm::router {
+
+// How TGI writes a server-sent event's field: "data:", no space.
+inline constexpr std::string_view kTgiEventField = "data:";
+
+// TGI's error shape.
+nlohmann::json TgiErrorBody(const HttpError& error);
+
+// /generate's reply (and POST /'s: [reply] with g.as_list) once every choice is done: the
+// best choice's text and, with details, its tokens, prefill, top tokens and the other
+// best_of sequences, best first.
+std::string TgiReply(const Generation& g, const Tokenizer& tokenizer);
+
+// The stream event (its JSON, without the field and the blank line) of choice `index`'s
+// newest token `token` (already in its `generated`) with `logprob`; `piece` the text it
+// adds; `finished`: the last event, with generated_text and details. Written without a DOM
+// (stream_events.h): the per-token path.
+void AppendTgiTokenEvent(const Generation& g, size_t index, int32_t token, float logprob,
+                         bool finished, const std::string& piece, const Tokenizer& tokenizer,
+                         std::string* out);
+
+// /tokenize's reply for `body` (whose `inputs` RequestParser::ParseTokenize turned into
+// `ids`): each id, its text and, when the ids spell `inputs`, the bytes of it the id stands
+// for (start and stop: TGI's SimpleToken; docs/router.md, "HTTP API (TGI-compatible)").
+std::string TgiTokenizeReply(std::string_view body, const std::vector<int32_t>& ids,
+                             const Tokenizer& tokenizer);
+
+// What /info shows: the front end's limits and the pool's.
+struct TgiInfo {
+  std::string model_id;
+  int32_t block_size = 0;
+  int32_t num_blocks = 0;
+  int64_t max_batch_total_tokens = 0;
+  int32_t max_batch_prefill_tokens = 0;
+  int32_t max_input_tokens = 0;
+  int32_t max_total_tokens = 0;
+  int32_t max_concurrent_requests = 0;
+  int32_t max_top_n_tokens = 0;
+  int32_t max_best_of = 0;
+  int32_t executors = 0;  // live ones
+};
+std::string TgiInfoReply(const TgiInfo& info);
+
+}  // namespace kvcm::router

@@ -1,0 +1,187 @@
+// The replies of both HTTP APIs, formatted without a socket (services/router/tgi_api.h,
+// services/router/openai_api.h) from a Generation (services/router/generation.h) over a
+// byte-level tokenizer: TGI's /generate (details, best_of, POST /'s list), its stream's last
+// event, /tokenize's spans and its error shape; OpenAI's completion (a stop sequence cut,
+// usage), a chat stream's role chunk, its errors (400 for 422) and token texts; and the
+// per-choice bookkeeping both share (Shown, StopSequenceSeen).
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/tokenizer/tokenizer.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "services/router/generation.h"
+#include "services/router/openai_api.h"
+#include "services/router/tgi_api.h"
+
+namespace kvcm::router {
+namespace {
+
+using json = nlohmann::json;
+
+// ByteTokenizer's id of byte `c`.
+int32_t Id(char c) { return static_cast<unsigned char>(c) + ByteTokenizer::kByteOffset; }
+
+class ApiRepliesTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<std::unique_ptr<ByteTokenizer>> tokenizer = ByteTokenizer::Create(320);
+    ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+    tokenizer_ = *std::move(tokenizer);
+  }
+
+  // A request for "hi" that generated `texts`, one choice each, with these log-probabilities
+  // per token.
+  static Generation Generated(Api api, const std::vector<std::string>& texts,
+                              const std::vector<float>& logprob_per_choice) {
+    Generation g;
+    g.api = api;
+    g.prompt_text = "hi";
+    g.prompt = {ByteTokenizer::kBosId, Id('h'), Id('i')};
+    g.prompt_tokens = g.prompt.size();
+    for (size_t k = 0; k < texts.size(); ++k) {
+      Choice& c = g.choices.emplace_back();
+      for (char ch : texts[k]) {
+        c.generated.push_back(Id(ch));
+        c.logprobs.push_back(logprob_per_choice[k]);
+        c.sum_logprob += logprob_per_choice[k];
+      }
+      c.text = texts[k];
+      c.finish_reason = "length";
+      c.done = true;
+    }
+    return g;
+  }
+
+  std::unique_ptr<ByteTokenizer> tokenizer_;
+};
+
+TEST_F(ApiRepliesTest, TgiReplyShowsTheBestChoiceAndTheOthersBestFirst) {
+  Generation g = Generated(Api::kTgi, {"ab", "cd", "ef"}, {-2.0f, -0.5f, -1.0f});
+  g.params.details = true;
+  g.params.outputs.logprobs = true;
+  const json reply = json::parse(TgiReply(g, *tokenizer_));
+  EXPECT_EQ(reply["generated_text"], "cd");
+  EXPECT_EQ(reply["details"]["finish_reason"], "length");
+  EXPECT_EQ(reply["details"]["generated_tokens"], 2);
+  EXPECT_TRUE(reply["details"]["seed"].is_null());
+  EXPECT_EQ(reply["details"]["prefill"], json::array());
+  ASSERT_EQ(reply["details"]["tokens"].size(), 2u);
+  EXPECT_EQ(reply["details"]["tokens"][0],
+            json({{"id", Id('c')}, {"text", "c"}, {"logprob", -0.5}, {"special", false}}));
+  ASSERT_EQ(reply["details"]["best_of_sequences"].size(), 2u);
+  EXPECT_EQ(reply["details"]["best_of_sequences"][0]["generated_text"], "ef");
+  EXPECT_EQ(reply["details"]["best_of_sequences"][1]["generated_text"], "ab");
+}
+
+TEST_F(ApiRepliesTest, TgiReplyOfPostSlashIsAListOfOneWithTheFullText) {
+  Generation g = Generated(Api::kTgi, {"!"}, {-1.0f});
+  g.as_list = true;
+  g.params.return_full_text = true;
+  EXPECT_EQ(TgiReply(g, *tokenizer_), R"([{"generated_text":"hi!"}])");
+}
+
+TEST_F(ApiRepliesTest, TgiLastStreamEventCarriesTheTextAndTheSeed) {
+  Generation g = Generated(Api::kTgi, {"ok"}, {-0.25f});
+  g.params.do_sample = true;
+  g.params.seed = 7;
+  std::string event;
+  AppendTgiTokenEvent(g, 0, Id('k'), -0.25f, /*finished=*/true, "k", *tokenizer_, &event);
+  const json parsed = json::parse(event);
+  EXPECT_EQ(parsed["index"], 1);
+  EXPECT_EQ(parsed["token"]["text"], "k");
+  EXPECT_EQ(parsed["generated_text"], "ok");
+  EXPECT_EQ(parsed["details"]["seed"], 7);
+  EXPECT_EQ(parsed["details"]["input_length"], 3);
+}
+
+TEST_F(ApiRepliesTest, TgiTokenizeSpansTheBytesOfTheInputsAndBosNothing) {
+  const std::vector<int32_t> ids = {ByteTokenizer::kBosId, Id('h'), Id('i')};
+  const json reply = json::parse(TgiTokenizeReply(R"({"inputs":"hi"})", ids, *tokenizer_));
+  ASSERT_EQ(reply.size(), 3u);
+  EXPECT_EQ(reply[0], json({{"id", 1}, {"text", ""}, {"start", 0}, {"stop", 0}}));
+  EXPECT_EQ(reply[1], json({{"id", Id('h')}, {"text", "h"}, {"start", 0}, {"stop", 1}}));
+  EXPECT_EQ(reply[2], json({{"id", Id('i')}, {"text", "i"}, {"start", 1}, {"stop", 2}}));
+}
+
+TEST_F(ApiRepliesTest, ErrorsHaveTheirApisShapes) {
+  const HttpError error{422, "bad `x`", "validation", "x", Api::kOpenAi};
+  EXPECT_EQ(Dump(TgiErrorBody(error)), R"({"error":"bad `x`","error_type":"validation"})");
+  EXPECT_EQ(Dump(OpenAiErrorBody(error)),
+            R"({"error":{"code":null,"message":"bad `x`","param":"x",)"
+            R"("type":"invalid_request_error"}})");
+  EXPECT_EQ(OpenAiErrorStatus(422), 400);
+  EXPECT_EQ(OpenAiErrorStatus(429), 429);
+  EXPECT_EQ(OpenAiErrorBody({503, "down", "unavailable"})["error"]["type"], "service_unavailable");
+}
+
+TEST_F(ApiRepliesTest, OpenAiCompletionStopsBeforeItsStopSequenceAndCountsUsage) {
+  Generation g = Generated(Api::kOpenAi, {"yes.no"}, {-1.0f});
+  g.choices[0].finish_reason = "stop_sequence";
+  g.choices[0].stop_at = 3;
+  g.completion_id = OpenAiCompletionId(/*chat=*/false, 5);
+  g.created = 123;
+  g.cached_prompt_tokens = 2;
+  const json reply = json::parse(OpenAiReply(g, *tokenizer_, "tiny"));
+  EXPECT_EQ(reply["id"], "cmpl-5");
+  EXPECT_EQ(reply["object"], "text_completion");
+  EXPECT_EQ(reply["model"], "tiny");
+  EXPECT_EQ(reply["system_fingerprint"], "kvcm-router-0.1.0");
+  ASSERT_EQ(reply["choices"].size(), 1u);
+  EXPECT_EQ(reply["choices"][0]["text"], "yes");
+  EXPECT_EQ(reply["choices"][0]["finish_reason"], "stop");
+  EXPECT_TRUE(reply["choices"][0]["logprobs"].is_null());
+  EXPECT_EQ(reply["usage"], json({{"prompt_tokens", 3},
+                                  {"completion_tokens", 6},
+                                  {"total_tokens", 9},
+                                  {"prompt_tokens_details", {{"cached_tokens", 2}}}}));
+}
+
+TEST_F(ApiRepliesTest, OpenAiShowsTheBestNOfBestOf) {
+  Generation g = Generated(Api::kOpenAi, {"a", "b", "c"}, {-3.0f, -1.0f, -2.0f});
+  g.shown = 2;
+  const json reply = json::parse(OpenAiReply(g, *tokenizer_, "tiny"));
+  ASSERT_EQ(reply["choices"].size(), 2u);
+  EXPECT_EQ(reply["choices"][0]["text"], "b");
+  EXPECT_EQ(reply["choices"][0]["index"], 0);
+  EXPECT_EQ(reply["choices"][1]["text"], "c");
+  EXPECT_EQ(Shown(g), (std::vector<size_t>{1, 2}));
+}
+
+TEST_F(ApiRepliesTest, OpenAiChatStreamStartsWithTheRoleAndLogprobsShowTokens) {
+  Generation g = Generated(Api::kOpenAi, {"x"}, {-1.0f});
+  g.chat = true;
+  g.stream = true;
+  g.completion_id = OpenAiCompletionId(/*chat=*/true, 9);
+  const json role = json::parse(OpenAiRoleChunk(g, 0, "tiny"));
+  EXPECT_EQ(role["object"], "chat.completion.chunk");
+  EXPECT_EQ(role["id"], "chatcmpl-9");
+  EXPECT_EQ(role["choices"][0]["delta"], json({{"role", "assistant"}, {"content", ""}}));
+  EXPECT_TRUE(role["choices"][0]["finish_reason"].is_null());
+  g.params.show_logprobs = true;
+  const json token =
+      json::parse(OpenAiTokenChunk(g, 0, /*finished=*/true, "x", *tokenizer_, "tiny"));
+  EXPECT_EQ(token["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(token["choices"][0]["logprobs"]["content"][0]["token"], "x");
+  EXPECT_EQ(token["choices"][0]["logprobs"]["content"][0]["bytes"], json({'x'}));
+  EXPECT_EQ(OpenAiTokenText(5, "\xC3"), "bytes:\\xc3");
+  EXPECT_EQ(OpenAiTokenText(5, ""), "token_id:5");
+}
+
+TEST_F(ApiRepliesTest, AStopSequenceIsFoundWhereItEndsInTheNewText) {
+  Generation g = Generated(Api::kTgi, {"abc"}, {-1.0f});
+  g.params.stop = {"cd"};
+  IncrementalDecoder::Piece piece;
+  piece.ready = "de";
+  EXPECT_EQ(StopSequenceSeen(g, g.choices[0], piece), 2u);
+  piece.ready = "xy";
+  EXPECT_EQ(StopSequenceSeen(g, g.choices[0], piece), std::nullopt);
+  g.params.sampling.min_tokens = 3;  // nothing is looked for while they come out
+  piece.ready = "de";
+  EXPECT_EQ(StopSequenceSeen(g, g.choices[0], piece), std::nullopt);
+}
+
+}  // namespace
+}  // namespace kvcm::router
