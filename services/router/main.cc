@@ -10,8 +10,8 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <atomic>
+#include <cstdio>
 #include <fstream>
 #include <optional>
 #include <sstream>
@@ -54,8 +54,7 @@ ABSL_FLAG(std::string, allowed_hosts, "",
           "--hostname, localhost, 127.0.0.1 and [::1] (any IP literal when --hostname is "
           "0.0.0.0 or ::); others get 403, so a page rebound to this address by DNS cannot "
           "read it. *: any. Default: none.");
-ABSL_FLAG(int32_t, max_concurrent_requests, 128,
-          "Requests in flight at most; more get 429.");
+ABSL_FLAG(int32_t, max_concurrent_requests, 128, "Requests in flight at most; more get 429.");
 ABSL_FLAG(int32_t, max_input_tokens, 1024, "Prompt tokens per request at most.");
 ABSL_FLAG(int64_t, max_request_body_bytes, 1 << 20,
           "Largest HTTP request body; larger ones get 413.");
@@ -118,6 +117,94 @@ std::vector<config::Setting> ExportedSettings(std::vector<config::Setting> setti
   return settings;
 }
 
+// The flags whose values are checked on their own, before anything is read or started.
+absl::Status CheckFlags() {
+  if (absl::GetFlag(FLAGS_max_best_of) < 1 || absl::GetFlag(FLAGS_max_best_of) > 16 ||
+      absl::GetFlag(FLAGS_max_best_of) > absl::GetFlag(FLAGS_max_running)) {
+    return absl::InvalidArgumentError("--max-best-of must be in [1, 16] and at most --max-running");
+  }
+  if (absl::GetFlag(FLAGS_max_top_n_tokens) < 0 ||
+      absl::GetFlag(FLAGS_max_top_n_tokens) > kMaxTopN) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-top-n-tokens must be in [0, ", kMaxTopN, "]"));
+  }
+  if (absl::GetFlag(FLAGS_drain_timeout_ms) < 0) {
+    return absl::InvalidArgumentError("--drain-timeout-ms must be >= 0");
+  }
+  if (absl::GetFlag(FLAGS_max_request_body_bytes) < 1024 ||
+      absl::GetFlag(FLAGS_max_request_header_bytes) < 1024) {
+    return absl::InvalidArgumentError(
+        "--max-request-body-bytes and --max-request-header-bytes must be at least 1024");
+  }
+  if (absl::GetFlag(FLAGS_http_request_timeout_ms) < 0 ||
+      absl::GetFlag(FLAGS_http_idle_timeout_seconds) <= 0) {
+    return absl::InvalidArgumentError(
+        "--http-request-timeout-ms must be >= 0 and --http-idle-timeout-seconds > 0");
+  }
+  return absl::OkStatus();
+}
+
+// The chat template: --chat-template FILE (which replaces the model's in *metadata), else
+// the model's; none when there is none or it cannot be parsed (then
+// /v1/chat/completions answers 501 saying why). Errors: NOT_FOUND for an unreadable FILE.
+absl::StatusOr<std::optional<ChatTemplate>> LoadChatTemplate(ModelMetadata* metadata) {
+  if (!absl::GetFlag(FLAGS_chat_template).empty()) {
+    const std::string path = absl::GetFlag(FLAGS_chat_template);
+    std::ifstream in(path, std::ios::binary);
+    std::stringstream text;
+    text << in.rdbuf();
+    if (!in) return absl::NotFoundError(absl::StrCat("cannot read --chat-template ", path));
+    metadata->chat_template = text.str();
+    metadata->chat_template_source = path;
+  }
+  std::optional<ChatTemplate> chat_template;
+  if (!metadata->chat_template.empty()) {
+    absl::StatusOr<ChatTemplate> parsed = ChatTemplate::Parse(metadata->chat_template);
+    if (!parsed.ok()) {
+      // A server without chat is still a server: /v1/chat/completions says why it cannot.
+      Log(absl::StrCat("the chat template of ", metadata->chat_template_source, " cannot be used (",
+                       parsed.status().message(),
+                       "); /v1/chat/completions answers 501 until --chat-template FILE gives one"));
+    } else {
+      chat_template = *std::move(parsed);
+      Log(absl::StrCat("chat template from ", metadata->chat_template_source));
+    }
+  } else {
+    Log("the model has no chat template: /v1/chat/completions answers 501 until "
+        "--chat-template FILE gives one");
+  }
+  return chat_template;
+}
+
+// The HTTP front end's options: the flags', the model's and the pool's as the core sees it.
+router::HttpFrontend::Options HttpOptions(std::vector<std::string> allowed_hosts,
+                                          const ModelMetadata& metadata,
+                                          const std::optional<ChatTemplate>& chat_template,
+                                          const router::RouterCore& core) {
+  router::HttpFrontend::Options http;
+  http.host = absl::GetFlag(FLAGS_hostname);
+  http.port = absl::GetFlag(FLAGS_port);
+  http.allowed_hosts = std::move(allowed_hosts);
+  http.max_concurrent_requests = absl::GetFlag(FLAGS_max_concurrent_requests);
+  http.max_input_tokens = absl::GetFlag(FLAGS_max_input_tokens);
+  http.max_body_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_max_request_body_bytes));
+  http.max_header_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_max_request_header_bytes));
+  http.request_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_http_request_timeout_ms));
+  http.timeout_seconds = absl::GetFlag(FLAGS_http_idle_timeout_seconds);
+  http.max_total_tokens = absl::GetFlag(FLAGS_max_total_tokens);
+  http.max_top_n_tokens = absl::GetFlag(FLAGS_max_top_n_tokens);
+  http.max_best_of = absl::GetFlag(FLAGS_max_best_of);
+  http.model_id = metadata.name;
+  http.chat_template = chat_template.has_value() ? &*chat_template : nullptr;
+  http.bos_token = metadata.bos_token;
+  http.eos_token = metadata.eos_token;
+  http.block_size = core.session().block_size;
+  http.num_blocks = core.session().num_blocks;
+  http.max_batch_total_tokens = core.planner_options().max_batch_total_tokens;
+  http.max_batch_prefill_tokens = core.planner_options().max_batch_prefill_tokens;
+  return http;
+}
+
 int Main(const std::vector<config::Setting>& settings) {
   Log(config::Describe(settings, config::ConfigFilePath()));
   UniqueFd signal_fd = BlockTerminationSignals();
@@ -134,57 +221,25 @@ int Main(const std::vector<config::Setting>& settings) {
   // the descriptor limit"), and the guard closes what still arrives when none is left.
   // Every connection holds a descriptor: the soft limit (often 1024) goes up to the hard one.
   if (std::optional<RaisedLimit> raised = RaiseDescriptorLimit(); raised.has_value()) {
-    Log(absl::StrCat("file descriptor limit raised from ", raised->before, " to ",
-                     raised->after));
+    Log(absl::StrCat("file descriptor limit raised from ", raised->before, " to ", raised->after));
   }
   if (absl::Status guard = InstallAcceptGuard(); !guard.ok()) return fail(guard);
+  if (absl::Status checked = CheckFlags(); !checked.ok()) return fail(checked);
   const std::string model = absl::GetFlag(FLAGS_model);
   if (model.empty()) return fail(absl::InvalidArgumentError("--model is required"));
-  if (absl::GetFlag(FLAGS_max_best_of) < 1 || absl::GetFlag(FLAGS_max_best_of) > 16 ||
-      absl::GetFlag(FLAGS_max_best_of) > absl::GetFlag(FLAGS_max_running)) {
-    return fail(absl::InvalidArgumentError(
-        "--max-best-of must be in [1, 16] and at most --max-running"));
-  }
-  if (absl::GetFlag(FLAGS_max_top_n_tokens) < 0 || absl::GetFlag(FLAGS_max_top_n_tokens) > kMaxTopN) {
-    return fail(absl::InvalidArgumentError(
-        absl::StrCat("--max-top-n-tokens must be in [0, ", kMaxTopN, "]")));
-  }
   absl::StatusOr<std::vector<std::string>> allowed_hosts =
       router::HttpFrontend::ParseAllowedHosts(absl::GetFlag(FLAGS_allowed_hosts));
   if (!allowed_hosts.ok()) return fail(allowed_hosts.status());
-  const std::string run_dir = std::string(absl::StripSuffix(
-      absl::GetFlag(FLAGS_run_dir).empty() ? DefaultRunDirFromEnvironment()
-                                           : absl::GetFlag(FLAGS_run_dir),
-      "/"));
+  const std::string run_dir = std::string(absl::StripSuffix(absl::GetFlag(FLAGS_run_dir).empty()
+                                                                ? DefaultRunDirFromEnvironment()
+                                                                : absl::GetFlag(FLAGS_run_dir),
+                                                            "/"));
   absl::StatusOr<ModelMetadata> metadata = ReadModelMetadata(model);
   if (!metadata.ok()) return fail(metadata.status());
   absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = LoadModelTokenizer(*metadata);
   if (!tokenizer.ok()) return fail(tokenizer.status());
-  if (!absl::GetFlag(FLAGS_chat_template).empty()) {
-    const std::string path = absl::GetFlag(FLAGS_chat_template);
-    std::ifstream in(path, std::ios::binary);
-    std::stringstream text;
-    text << in.rdbuf();
-    if (!in) return fail(absl::NotFoundError(absl::StrCat("cannot read --chat-template ", path)));
-    metadata->chat_template = text.str();
-    metadata->chat_template_source = path;
-  }
-  std::optional<ChatTemplate> chat_template;
-  if (!metadata->chat_template.empty()) {
-    absl::StatusOr<ChatTemplate> parsed = ChatTemplate::Parse(metadata->chat_template);
-    if (!parsed.ok()) {
-      // A server without chat is still a server: /v1/chat/completions says why it cannot.
-      Log(absl::StrCat("the chat template of ", metadata->chat_template_source,
-                       " cannot be used (", parsed.status().message(),
-                       "); /v1/chat/completions answers 501 until --chat-template FILE gives one"));
-    } else {
-      chat_template = *std::move(parsed);
-      Log(absl::StrCat("chat template from ", metadata->chat_template_source));
-    }
-  } else {
-    Log("the model has no chat template: /v1/chat/completions answers 501 until "
-        "--chat-template FILE gives one");
-  }
+  absl::StatusOr<std::optional<ChatTemplate>> chat_template = LoadChatTemplate(&*metadata);
+  if (!chat_template.ok()) return fail(chat_template.status());
 
   router::RouterCore::Options core_options;
   core_options.cache_manager_endpoint = absl::GetFlag(FLAGS_cache_manager).empty()
@@ -197,9 +252,6 @@ int Main(const std::vector<config::Setting>& settings) {
   core_options.max_batch_prefill_tokens = absl::GetFlag(FLAGS_max_batch_prefill_tokens);
   core_options.max_batch_total_tokens = absl::GetFlag(FLAGS_max_batch_total_tokens);
   core_options.max_running = absl::GetFlag(FLAGS_max_running);
-  if (absl::GetFlag(FLAGS_drain_timeout_ms) < 0) {
-    return fail(absl::InvalidArgumentError("--drain-timeout-ms must be >= 0"));
-  }
   core_options.drain_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_drain_timeout_ms));
   core_options.eos_token_ids = metadata->eos_token_ids;
   router::RouterMetrics metrics;
@@ -217,47 +269,19 @@ int Main(const std::vector<config::Setting>& settings) {
   if ((*tokenizer)->eos_id() >= 0 && core_options.eos_token_ids.empty()) {
     core_options.eos_token_ids = {(*tokenizer)->eos_id()};
   }
-  Log(absl::StrCat("generation ends at token(s) ", absl::StrJoin(core_options.eos_token_ids, ", "),
-                   metadata->gguf ? " (GGUF eos and eot ids)"
-                                  : " (config.json, generation_config.json)"));
+  Log(absl::StrCat(
+      "generation ends at token(s) ", absl::StrJoin(core_options.eos_token_ids, ", "),
+      metadata->gguf ? " (GGUF eos and eot ids)" : " (config.json, generation_config.json)"));
   std::atomic<router::HttpFrontend*> frontend_ptr{nullptr};
-  auto core = router::RouterCore::Create(
-      core_options, [&frontend_ptr](std::vector<router::Progress> progress) {
-        if (router::HttpFrontend* f = frontend_ptr.load()) f->Deliver(std::move(progress));
-      });
+  auto core = router::RouterCore::Create(core_options,
+                                         [&frontend_ptr](std::vector<router::Progress> progress) {
+                                           if (router::HttpFrontend* f = frontend_ptr.load())
+                                             f->Deliver(std::move(progress));
+                                         });
   if (!core.ok()) return fail(core.status());
 
-  router::HttpFrontend::Options http;
-  http.host = absl::GetFlag(FLAGS_hostname);
-  http.port = absl::GetFlag(FLAGS_port);
-  http.allowed_hosts = *std::move(allowed_hosts);
-  http.max_concurrent_requests = absl::GetFlag(FLAGS_max_concurrent_requests);
-  http.max_input_tokens = absl::GetFlag(FLAGS_max_input_tokens);
-  if (absl::GetFlag(FLAGS_max_request_body_bytes) < 1024 ||
-      absl::GetFlag(FLAGS_max_request_header_bytes) < 1024) {
-    return fail(absl::InvalidArgumentError(
-        "--max-request-body-bytes and --max-request-header-bytes must be at least 1024"));
-  }
-  if (absl::GetFlag(FLAGS_http_request_timeout_ms) < 0 ||
-      absl::GetFlag(FLAGS_http_idle_timeout_seconds) <= 0) {
-    return fail(absl::InvalidArgumentError(
-        "--http-request-timeout-ms must be >= 0 and --http-idle-timeout-seconds > 0"));
-  }
-  http.max_body_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_max_request_body_bytes));
-  http.max_header_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_max_request_header_bytes));
-  http.request_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_http_request_timeout_ms));
-  http.timeout_seconds = absl::GetFlag(FLAGS_http_idle_timeout_seconds);
-  http.max_total_tokens = absl::GetFlag(FLAGS_max_total_tokens);
-  http.max_top_n_tokens = absl::GetFlag(FLAGS_max_top_n_tokens);
-  http.max_best_of = absl::GetFlag(FLAGS_max_best_of);
-  http.model_id = metadata->name;
-  http.chat_template = chat_template.has_value() ? &*chat_template : nullptr;
-  http.bos_token = metadata->bos_token;
-  http.eos_token = metadata->eos_token;
-  http.block_size = (*core)->session().block_size;
-  http.num_blocks = (*core)->session().num_blocks;
-  http.max_batch_total_tokens = (*core)->planner_options().max_batch_total_tokens;
-  http.max_batch_prefill_tokens = (*core)->planner_options().max_batch_prefill_tokens;
+  router::HttpFrontend::Options http =
+      HttpOptions(*std::move(allowed_hosts), *metadata, *chat_template, **core);
   // GET /dashboard: its own control session to the cache manager, opened at the first poll.
   router::Dashboard::Options dashboard_options;
   dashboard_options.cache_manager_endpoint = core_options.cache_manager_endpoint;
@@ -270,8 +294,8 @@ int Main(const std::vector<config::Setting>& settings) {
   Log(absl::StrCat("ready http=http://", http.host, ":", (*frontend)->port(), " metrics=http://",
                    http.host, ":", (*frontend)->port(), "/metrics",
                    " executors=", core_options.executor_endpoint,
-                   " cache_manager=", core_options.cache_manager_endpoint, " block_size=",
-                   http.block_size, " num_blocks=", http.num_blocks));
+                   " cache_manager=", core_options.cache_manager_endpoint,
+                   " block_size=", http.block_size, " num_blocks=", http.num_blocks));
   const absl::Status ran = (*core)->Run(signal_fd.get());
   frontend_ptr.store(nullptr);
   (*frontend)->Stop();
@@ -288,9 +312,8 @@ int main(int argc, char** argv) {
       argc, argv,
       {.binary = "kvcm-router",
        .section = "router",
-       .usage =
-           "serves a model over HTTP (TGI's API) with kvcm's cache manager and executors.\n"
-           "  kvcm-router --model DIR --run-dir RUN_DIR --port 3000",
+       .usage = "serves a model over HTTP (TGI's API) with kvcm's cache manager and executors.\n"
+                "  kvcm-router --model DIR --run-dir RUN_DIR --port 3000",
        .defining_file = __FILE__,
        .run = &kvcm::Main});
 }
