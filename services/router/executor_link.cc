@@ -22,7 +22,8 @@ std::string ModelMismatch(const ModelInfo& want, const ModelInfo& got) {
   auto differ = [](const char* what, auto a, auto b) {
     return absl::StrCat(what, " ", b, " (the others serve ", a, ")");
   };
-  if (want.num_layers != got.num_layers) return differ("num_layers", want.num_layers, got.num_layers);
+  if (want.num_layers != got.num_layers)
+    return differ("num_layers", want.num_layers, got.num_layers);
   if (want.hidden_size != got.hidden_size) {
     return differ("hidden_size", want.hidden_size, got.hidden_size);
   }
@@ -57,9 +58,9 @@ absl::Status ExecutorLink::Bind() {
   // Binding an ipc:// path replaces whatever socket file is there: a second router on the
   // same run directory would take the executors of the first without a word.
   if (IpcPath(options_.endpoint).has_value() && ProbeIpcListener(options_.endpoint).ok()) {
-    return absl::AlreadyExistsError(absl::StrCat(
-        "another router listens on ", options_.endpoint,
-        " (stop it, or give this one another --executor-endpoint or --run-dir)"));
+    return absl::AlreadyExistsError(
+        absl::StrCat("another router listens on ", options_.endpoint,
+                     " (stop it, or give this one another --executor-endpoint or --run-dir)"));
   }
   try {
     socket_.set(zmq::sockopt::linger, 0);
@@ -121,64 +122,9 @@ void ExecutorLink::HandleReadable(absl::Time now) {
     Executor* executor = known == by_identity_.end() ? nullptr : &executors_.at(known->second);
     if (executor != nullptr) executor->last_heard = now;
     switch (envelope.payload_type()) {
-      case wire::ExecutorMessage::ExecutorHello: {
-        absl::StatusOr<ExecutorHelloInfo> hello =
-            DecodeExecutorHello(*envelope.payload_as_ExecutorHello());
-        if (!hello.ok()) {
-          Refuse(identity, envelope.request_id(), wire::ErrorCode::InvalidArgument,
-                 std::string(hello.status().message()));
-          break;
-        }
-        if (model_.has_value()) {
-          if (const std::string why = ModelMismatch(*model_, hello->model); !why.empty()) {
-            Log(absl::StrCat("refused executor ", hello->name, ": it serves another model (",
-                             why, ")"));
-            Refuse(identity, envelope.request_id(), wire::ErrorCode::InvalidArgument,
-                   absl::StrCat("this router serves another model: ", why));
-            break;
-          }
-        } else {
-          model_ = hello->model;
-        }
-        if (executor != nullptr) {  // registered again (restarted, or a new pool epoch)
-          const uint64_t old = executor->id;
-          Remove(old, /*stopped=*/false, /*announce=*/false);
-        }
-        Executor fresh;
-        fresh.id = next_executor_++;
-        fresh.identity = identity;
-        fresh.hello = *std::move(hello);
-        fresh.epoch = envelope.epoch();
-        fresh.last_heard = now;
-        fresh.registered = now;
-        Log(absl::StrCat("executor ", fresh.id, " (", fresh.hello.name, ", pid ",
-                         fresh.hello.pid, ") registered in cache-manager epoch ", fresh.epoch));
-        out_.Clear();
-        FinishExecutorEnvelope(out_, envelope.request_id(), fresh.id, 0,
-                               wire::ExecutorMessage::ExecutorHelloReply,
-                               wire::CreateExecutorHelloReply(out_, fresh.id,
-                                                              options_.heartbeat_interval_ms)
-                                   .Union());
-        // Its death is seen at once. (The pid is the one it claims: a wrong claim only
-        // hurts its own liveness, and silence still drops it.)
-        const long pidfd = ::syscall(SYS_pidfd_open, fresh.hello.pid, 0);
-        if (pidfd >= 0) {
-          fresh.pidfd = UniqueFd(static_cast<int>(pidfd));
-          const uint64_t id = fresh.id;
-          fresh.pid_watch = loop_->WatchFd(fresh.pidfd.get(), [this, id] {
-            Log(absl::StrCat("executor ", id, " exited: dropped"));
-            Drop(id, /*stopped=*/true);
-          });
-        }
-        by_identity_[identity] = fresh.id;
-        executors_.emplace(fresh.id, std::move(fresh));
-        // The router counts it before the executor hears it is registered: the executor's
-        // "registered" line is what kvcm-launch's ready waits for, and a request sent at that
-        // line must not find no executor (docs/operations.md, "kvcm-launch").
-        if (on_change_) on_change_();
-        Reply(identity, out_);
+      case wire::ExecutorMessage::ExecutorHello:
+        HandleHello(identity, envelope, executor, now);
         break;
-      }
       case wire::ExecutorMessage::Heartbeat:
         if (executor == nullptr) {
           Refuse(identity, envelope.request_id(), wire::ErrorCode::NotRegistered,
@@ -204,31 +150,94 @@ void ExecutorLink::HandleReadable(absl::Time now) {
         break;
       }
       case wire::ExecutorMessage::StepResult:
-      case wire::ExecutorMessage::ErrorReply: {
-        if (executor == nullptr || executor->pending_request != envelope.request_id()) break;
-        const uint64_t step = executor->pending_step;
-        const uint64_t id = executor->id;
-        executor->pending_request = 0;
-        executor->pending_step = 0;
-        absl::StatusOr<StepReport> report;
-        if (const wire::ErrorReply* error = envelope.payload_as_ErrorReply()) {
-          report = FromWire(error->code(), error->reason() == nullptr ? "" : error->reason()->str());
-        } else {
-          report = DecodeStepResult(*envelope.payload_as_StepResult());
-          ++executor->steps;
-          executor->last_step_us = report->duration_us;
-        }
-        if (on_result_) on_result_(id, step, std::move(report));
+      case wire::ExecutorMessage::ErrorReply:
+        HandleResult(envelope, executor);
         break;
-      }
       case wire::ExecutorMessage::GoodbyeReply:
       case wire::ExecutorMessage::HeartbeatReply:
         break;
       default:
-        Refuse(identity, envelope.request_id(), wire::ErrorCode::Malformed,
-               absl::StrCat("unexpected ", std::string(ExecutorMessageName(envelope.payload_type()))));
+        Refuse(
+            identity, envelope.request_id(), wire::ErrorCode::Malformed,
+            absl::StrCat("unexpected ", std::string(ExecutorMessageName(envelope.payload_type()))));
     }
   }
+}
+
+// ExecutorHello: registers the sender (again, when `executor` already names it), if it
+// serves the router's model (the first executor's sets it).
+void ExecutorLink::HandleHello(const std::string& identity, const wire::ExecutorEnvelope& envelope,
+                               Executor* executor, absl::Time now) {
+  absl::StatusOr<ExecutorHelloInfo> hello =
+      DecodeExecutorHello(*envelope.payload_as_ExecutorHello());
+  if (!hello.ok()) {
+    Refuse(identity, envelope.request_id(), wire::ErrorCode::InvalidArgument,
+           std::string(hello.status().message()));
+    return;
+  }
+  if (model_.has_value()) {
+    if (const std::string why = ModelMismatch(*model_, hello->model); !why.empty()) {
+      Log(absl::StrCat("refused executor ", hello->name, ": it serves another model (", why, ")"));
+      Refuse(identity, envelope.request_id(), wire::ErrorCode::InvalidArgument,
+             absl::StrCat("this router serves another model: ", why));
+      return;
+    }
+  } else {
+    model_ = hello->model;
+  }
+  if (executor != nullptr) {  // registered again (restarted, or a new pool epoch)
+    const uint64_t old = executor->id;
+    Remove(old, /*stopped=*/false, /*announce=*/false);
+  }
+  Executor fresh;
+  fresh.id = next_executor_++;
+  fresh.identity = identity;
+  fresh.hello = *std::move(hello);
+  fresh.epoch = envelope.epoch();
+  fresh.last_heard = now;
+  fresh.registered = now;
+  Log(absl::StrCat("executor ", fresh.id, " (", fresh.hello.name, ", pid ", fresh.hello.pid,
+                   ") registered in cache-manager epoch ", fresh.epoch));
+  out_.Clear();
+  FinishExecutorEnvelope(
+      out_, envelope.request_id(), fresh.id, 0, wire::ExecutorMessage::ExecutorHelloReply,
+      wire::CreateExecutorHelloReply(out_, fresh.id, options_.heartbeat_interval_ms).Union());
+  // Its death is seen at once. (The pid is the one it claims: a wrong claim only
+  // hurts its own liveness, and silence still drops it.)
+  const long pidfd = ::syscall(SYS_pidfd_open, fresh.hello.pid, 0);
+  if (pidfd >= 0) {
+    fresh.pidfd = UniqueFd(static_cast<int>(pidfd));
+    const uint64_t id = fresh.id;
+    fresh.pid_watch = loop_->WatchFd(fresh.pidfd.get(), [this, id] {
+      Log(absl::StrCat("executor ", id, " exited: dropped"));
+      Drop(id, /*stopped=*/true);
+    });
+  }
+  by_identity_[identity] = fresh.id;
+  executors_.emplace(fresh.id, std::move(fresh));
+  // The router counts it before the executor hears it is registered: the executor's
+  // "registered" line is what kvcm-launch's ready waits for, and a request sent at that
+  // line must not find no executor (docs/operations.md, "kvcm-launch").
+  if (on_change_) on_change_();
+  Reply(identity, out_);
+}
+
+// A StepResult or an ErrorReply: the pending step's report, to on_result_.
+void ExecutorLink::HandleResult(const wire::ExecutorEnvelope& envelope, Executor* executor) {
+  if (executor == nullptr || executor->pending_request != envelope.request_id()) return;
+  const uint64_t step = executor->pending_step;
+  const uint64_t id = executor->id;
+  executor->pending_request = 0;
+  executor->pending_step = 0;
+  absl::StatusOr<StepReport> report;
+  if (const wire::ErrorReply* error = envelope.payload_as_ErrorReply()) {
+    report = FromWire(error->code(), error->reason() == nullptr ? "" : error->reason()->str());
+  } else {
+    report = DecodeStepResult(*envelope.payload_as_StepResult());
+    ++executor->steps;
+    executor->last_step_us = report->duration_us;
+  }
+  if (on_result_) on_result_(id, step, std::move(report));
 }
 
 std::vector<uint64_t> ExecutorLink::DropSilent(absl::Time now) {

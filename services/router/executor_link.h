@@ -97,6 +97,10 @@ class ExecutorLink {
   // again is replaced in one change, so the count never shows it gone in between).
   void Remove(uint64_t executor, bool stopped, bool announce);
 
+  // HandleReadable's messages that take more than a reply.
+  void HandleHello(const std::string& identity, const wire::ExecutorEnvelope& envelope,
+                   Executor* executor, absl::Time now);
+  void HandleResult(const wire::ExecutorEnvelope& envelope, Executor* executor);
   void Reply(const std::string& identity, const flatbuffers::FlatBufferBuilder& message);
   void Refuse(const std::string& identity, uint64_t request_id, wire::ErrorCode code,
               const std::string& reason);
