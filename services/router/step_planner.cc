@@ -41,9 +41,9 @@ BlockOp StepPlanner::CommitOf(Running& run) const {
   if (const int32_t from = run.committed / options_.block_size;
       options_.commit_tokens && full > from) {
     const auto bs = static_cast<size_t>(options_.block_size);
-    fresh_tokens = std::span<const int32_t>(run.req.tokens)
-                       .subspan(static_cast<size_t>(from) * bs,
-                                static_cast<size_t>(full - from) * bs);
+    fresh_tokens =
+        std::span<const int32_t>(run.req.tokens)
+            .subspan(static_cast<size_t>(from) * bs, static_cast<size_t>(full - from) * bs);
   }
   return BlockOp::Commit(run.seq, run.computed, fresh, fresh_tokens);
 }
@@ -369,8 +369,7 @@ StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId>
     const int64_t whole = int64_t{head.prompt_len} + head.max_new_tokens;
     if ((options_.num_blocks > 0 && BlocksFor(static_cast<int32_t>(std::min<int64_t>(
                                         whole, INT32_MAX - 64))) > options_.num_blocks) ||
-        whole > options_.max_batch_total_tokens ||
-        head.forks_wanted + 1 > options_.max_running) {
+        whole > options_.max_batch_total_tokens || head.forks_wanted + 1 > options_.max_running) {
       plan.rejected.push_back(head.request);
       queue_.pop_front();
       continue;
@@ -397,8 +396,8 @@ StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId>
     total_tokens += size;
     // A prompt still to be scored is computed whole: no hashes, no hit.
     const bool scoring = run.req.outputs.prompt_logprobs && Unscored(run.req);
-    add(BlockOp::Allocate(run.seq, size, scoring ? std::vector<BlockHash>{} : run.hashes),
-        run.seq, StepPlan::OpRole::kAdmit);
+    add(BlockOp::Allocate(run.seq, size, scoring ? std::vector<BlockHash>{} : run.hashes), run.seq,
+        StepPlan::OpRole::kAdmit);
     plan.chunks.push_back({run.seq, run.chunk});
     plan.prefill_tokens += run.chunk;
     scheduled_.push_back(run.seq);
@@ -446,7 +445,17 @@ ExecutorWork& StepPlanner::Apply(const StepPlan& plan, std::span<const OpOutcome
   work.recomputed_committed_tokens = 0;
   work.prefill_tokens = 0;
   work.decode_tokens = 0;
-  // Copy-on-write orders by sequence: only sequences that have some are in it.
+  // 1. The outcomes, op by op: blocks, commits, preemptions, refused admissions.
+  ApplyOutcomes(plan, outcomes, work);
+  // 2. The batches: each scheduled sequence's work, on its executor's batch.
+  FillBatches(plan, work);
+  return work;
+}
+
+// Apply's pass 1. Copy-on-write orders go to step_copies_ by sequence (only sequences that
+// have some are in it).
+void StepPlanner::ApplyOutcomes(const StepPlan& plan, std::span<const OpOutcome> outcomes,
+                                ExecutorWork& work) {
   absl::flat_hash_map<SeqId, std::vector<CopyOrder>>& copies = step_copies_;
   copies.clear();
   std::vector<SeqId> refused_admissions;
@@ -521,9 +530,13 @@ ExecutorWork& StepPlanner::Apply(const StepPlan& plan, std::span<const OpOutcome
   for (auto seq = refused_admissions.rbegin(); seq != refused_admissions.rend(); ++seq) {
     Requeue(std::move(running_.at(*seq)), /*preempted=*/false);
   }
+}
 
-  // The batches of earlier steps are filled again: `batches` and `filled` count what this
-  // step has used of them (batches are few: one per executor, found by a linear search).
+// Apply's pass 2. The batches of earlier steps are filled again.
+void StepPlanner::FillBatches(const StepPlan& plan, ExecutorWork& work) {
+  const absl::flat_hash_map<SeqId, std::vector<CopyOrder>>& copies = step_copies_;
+  // `batches` and `filled` count what this step has used of them (batches are few: one per
+  // executor, found by a linear search).
   size_t batches = 0;
   std::vector<size_t> filled;
   auto batch_for = [&](ExecutorId executor) -> size_t {
@@ -588,11 +601,9 @@ ExecutorWork& StepPlanner::Apply(const StepPlan& plan, std::span<const OpOutcome
   work.batches.resize(batches);
   for (size_t b = 0; b < batches; ++b) work.batches[b].step.seqs.resize(filled[b]);
   scheduled_.swap(still);
-  return work;
 }
 
-void StepPlanner::Fork(Running& parent, const SeqResult& outcome,
-                       std::vector<TokenEvent>* events) {
+void StepPlanner::Fork(Running& parent, const SeqResult& outcome, std::vector<TokenEvent>* events) {
   const int32_t forks = parent.req.forks_wanted;
   parent.req.forks_wanted = 0;
   const std::vector<int32_t> prompt(parent.req.tokens.begin(),

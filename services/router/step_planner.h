@@ -313,6 +313,10 @@ class StepPlanner {
     last_refusal_ = status;
   }
   std::vector<SeqId> scheduled_;  // of the step in flight, in schedule order
+  // Apply's passes.
+  void ApplyOutcomes(const StepPlan& plan, std::span<const OpOutcome> outcomes,
+                     ExecutorWork& work);
+  void FillBatches(const StepPlan& plan, ExecutorWork& work);
   // What Apply returns, and its scratch: kept from step to step for their capacity.
   ExecutorWork work_;
   absl::flat_hash_map<SeqId, std::vector<CopyOrder>> step_copies_;
