@@ -148,41 +148,119 @@ std::string LlamaConfig::ToString() const {
                       ", rope scaling ", RopeScalingName(rope_scaling),
                       tie_word_embeddings ? ", tied embeddings" : "",
                       qkv_bias ? (o_bias ? ", q/k/v/o bias" : ", q/k/v bias") : "",
-                      qk_norm ? ", q/k norm" : "",
-                      torch_dtype.empty() ? "" : ", ", torch_dtype);
+                      qk_norm ? ", q/k norm" : "", torch_dtype.empty() ? "" : ", ", torch_dtype);
 }
+
+namespace {
+
+absl::Status Invalid(const ModelConfig& m, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(m.Where(), what));
+}
+absl::Status Unimplemented(const ModelConfig& m, absl::string_view what) {
+  return absl::UnimplementedError(absl::StrCat(m.Where(), what));
+}
+
+// The architecture's name: a GGUF file's general.architecture, or config.json's.
+absl::StatusOr<std::string> ArchitectureOf(const ModelConfig& m) {
+  const bool gguf = m.format == ModelConfig::Format::kGguf;
+  if (gguf) {
+    if (m.model_type == "llama") {
+      return std::string("LlamaForCausalLM (GGUF llama)");
+    } else if (m.model_type == "qwen2") {
+      return std::string("Qwen2ForCausalLM (GGUF qwen2)");
+    } else if (m.model_type == "qwen3") {
+      return std::string("Qwen3ForCausalLM (GGUF qwen3)");
+    } else {
+      return Unimplemented(m, absl::StrCat("general.architecture \"", m.model_type,
+                                           "\" is not supported (supported: llama, qwen2, qwen3)"));
+    }
+  } else {
+    return HfArchitecture(m);
+  }
+}
+
+// A GGUF file's keys that must agree with the head dim, and its epsilon (llama.cpp writes it
+// always; there is no default to fall back on).
+absl::Status CheckGgufShape(const ModelConfig& m, int32_t head_dim) {
+  const std::pair<const char*, std::optional<int32_t>> same[] = {
+      {"attention.value_length", m.value_head_dim},
+      {"rope.dimension_count", m.rope_dimension_count}};
+  for (const auto& [suffix, value] : same) {
+    if (!value.has_value() || *value == head_dim) continue;
+    return Unimplemented(
+        m, absl::StrCat("GGUF key \"", m.model_type, ".", suffix, "\" is ", *value,
+                        ", not the head dim ", head_dim,
+                        " (partial rotary or unequal key/value heads are not supported)"));
+  }
+  if (!m.rms_norm_eps.has_value()) {
+    return Invalid(m, absl::StrCat(m.KeyName("rms_norm_eps"), " is missing"));
+  }
+  return absl::OkStatus();
+}
+
+// The family's attention details (biases, QK norm), and the features this implementation
+// does not have, refused rather than computing wrong logits.
+absl::Status SetFamilyFeatures(const ModelConfig& m, LlamaConfig* c) {
+  const bool gguf = m.format == ModelConfig::Format::kGguf;
+  if (m.hidden_act.has_value() && *m.hidden_act != "silu") {
+    return Unimplemented(
+        m, absl::StrCat("\"hidden_act\" \"", *m.hidden_act, "\" is not supported (only \"silu\")"));
+  }
+  if (m.mlp_bias.value_or(false)) return Unimplemented(m, "\"mlp_bias\": true is not supported");
+  if (gguf && m.gguf_rope_freqs) {
+    return Unimplemented(
+        m,
+        "tensor \"rope_freqs.weight\" (per-frequency RoPE factors, as Llama 3.1 files carry) is "
+        "not supported yet");
+  }
+  const bool qwen2 = c->architecture.starts_with("Qwen2ForCausalLM");
+  const bool qwen3 = c->architecture.starts_with("Qwen3ForCausalLM");
+  if (qwen2 || qwen3) {
+    if (m.use_sliding_window.value_or(false)) {
+      return Unimplemented(
+          m, "\"use_sliding_window\": true (sliding-window attention) is not supported");
+    }
+  }
+  if (qwen2) {
+    // Qwen2's q, k and v projections always have a bias, its o projection none.
+    c->qkv_bias = true;
+  } else {
+    // Llama's and Qwen3's attention_bias: q, k, v and o (GGUF files have no such key).
+    c->qkv_bias = m.attention_bias.value_or(false);
+    c->o_bias = c->qkv_bias;
+  }
+  // Qwen3 normalizes each head of q and of k (its q_norm and k_norm) before RoPE.
+  c->qk_norm = qwen3;
+  if (m.sliding_window.has_value()) {
+    if (gguf) {
+      return Unimplemented(m, absl::StrCat("GGUF key \"", m.sliding_window_key,
+                                           "\" (sliding-window attention) is not supported"));
+    }
+    // Qwen2's and Qwen3's window applies only with use_sliding_window (refused above); a
+    // window at least as long as the context never slides.
+    if (!qwen2 && !qwen3 && *m.sliding_window < c->max_position_embeddings) {
+      return Unimplemented(m, absl::StrCat("\"", m.sliding_window_key, "\" ", *m.sliding_window,
+                                           " (shorter than max_position_embeddings=",
+                                           c->max_position_embeddings, ") is not supported"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::StatusOr<LlamaConfig> LlamaConfigFromModelConfig(const ModelConfig& m) {
   const bool gguf = m.format == ModelConfig::Format::kGguf;
-  auto invalid = [&](absl::string_view what) {
-    return absl::InvalidArgumentError(absl::StrCat(m.Where(), what));
-  };
-  auto unimplemented = [&](absl::string_view what) {
-    return absl::UnimplementedError(absl::StrCat(m.Where(), what));
-  };
   auto required = [&](const std::optional<int32_t>& value,
                       const char* hf_key) -> absl::StatusOr<int32_t> {
     if (value.has_value()) return *value;
-    if (gguf) return invalid(absl::StrCat(m.KeyName(hf_key), " is missing"));
-    return invalid(
-        absl::StrCat("missing required key \"", m.text_config ? "text_config." : "", hf_key, "\""));
+    if (gguf) return Invalid(m, absl::StrCat(m.KeyName(hf_key), " is missing"));
+    return Invalid(m, absl::StrCat("missing required key \"", m.text_config ? "text_config." : "",
+                                   hf_key, "\""));
   };
 
   LlamaConfig c;
-  if (gguf) {
-    if (m.model_type == "llama") {
-      c.architecture = "LlamaForCausalLM (GGUF llama)";
-    } else if (m.model_type == "qwen2") {
-      c.architecture = "Qwen2ForCausalLM (GGUF qwen2)";
-    } else if (m.model_type == "qwen3") {
-      c.architecture = "Qwen3ForCausalLM (GGUF qwen3)";
-    } else {
-      return unimplemented(absl::StrCat("general.architecture \"", m.model_type,
-                                        "\" is not supported (supported: llama, qwen2, qwen3)"));
-    }
-  } else {
-    KVCM_ASSIGN_OR_RETURN(c.architecture, HfArchitecture(m));
-  }
+  KVCM_ASSIGN_OR_RETURN(c.architecture, ArchitectureOf(m));
   KVCM_ASSIGN_OR_RETURN(c.vocab_size, required(m.vocab_size, "vocab_size"));
   KVCM_ASSIGN_OR_RETURN(c.hidden_size, required(m.hidden_size, "hidden_size"));
   KVCM_ASSIGN_OR_RETURN(c.intermediate_size, required(m.intermediate_size, "intermediate_size"));
@@ -191,23 +269,11 @@ absl::StatusOr<LlamaConfig> LlamaConfigFromModelConfig(const ModelConfig& m) {
   c.num_key_value_heads = m.num_key_value_heads;
   c.head_dim = m.head_dim;
   if (c.head_dim % 2 != 0) {
-    return invalid(absl::StrCat(gguf ? m.KeyName("head_dim") : "head_dim",
-                                " must be even for RoPE, got ", c.head_dim));
+    return Invalid(m, absl::StrCat(gguf ? m.KeyName("head_dim") : "head_dim",
+                                   " must be even for RoPE, got ", c.head_dim));
   }
   if (gguf) {
-    const std::pair<const char*, std::optional<int32_t>> same[] = {
-        {"attention.value_length", m.value_head_dim},
-        {"rope.dimension_count", m.rope_dimension_count}};
-    for (const auto& [suffix, value] : same) {
-      if (!value.has_value() || *value == c.head_dim) continue;
-      return unimplemented(absl::StrCat(
-          "GGUF key \"", m.model_type, ".", suffix, "\" is ", *value, ", not the head dim ",
-          c.head_dim, " (partial rotary or unequal key/value heads are not supported)"));
-    }
-    // llama.cpp writes the epsilon always; there is no default to fall back on.
-    if (!m.rms_norm_eps.has_value()) {
-      return invalid(absl::StrCat(m.KeyName("rms_norm_eps"), " is missing"));
-    }
+    KVCM_RETURN_IF_ERROR(CheckGgufShape(m, c.head_dim));
   }
   c.rms_norm_eps = static_cast<float>(m.rms_norm_eps.value_or(1e-6));
   c.rope_theta = m.rope_theta.value_or(10000.0);
@@ -216,55 +282,13 @@ absl::StatusOr<LlamaConfig> LlamaConfigFromModelConfig(const ModelConfig& m) {
   c.tie_word_embeddings = m.tie_word_embeddings;
   c.bos_token_id = m.bos_token_id.value_or(-1);
   c.eos_token_ids = m.eos_token_ids;
-  if (m.eot_token_id.has_value() &&
-      std::find(c.eos_token_ids.begin(), c.eos_token_ids.end(), *m.eot_token_id) ==
-          c.eos_token_ids.end()) {
+  if (m.eot_token_id.has_value() && std::find(c.eos_token_ids.begin(), c.eos_token_ids.end(),
+                                              *m.eot_token_id) == c.eos_token_ids.end()) {
     c.eos_token_ids.push_back(*m.eot_token_id);  // GGUF: generation ends at the end of a turn
   }
   c.torch_dtype = gguf ? absl::StrCat("GGUF ", m.gguf_weight_type) : m.torch_dtype;
 
-  // Features this implementation does not have: refuse rather than compute wrong logits.
-  if (m.hidden_act.has_value() && *m.hidden_act != "silu") {
-    return unimplemented(
-        absl::StrCat("\"hidden_act\" \"", *m.hidden_act, "\" is not supported (only \"silu\")"));
-  }
-  if (m.mlp_bias.value_or(false)) return unimplemented("\"mlp_bias\": true is not supported");
-  if (gguf && m.gguf_rope_freqs) {
-    return unimplemented(
-        "tensor \"rope_freqs.weight\" (per-frequency RoPE factors, as Llama 3.1 files carry) is "
-        "not supported yet");
-  }
-  const bool qwen2 = c.architecture.starts_with("Qwen2ForCausalLM");
-  const bool qwen3 = c.architecture.starts_with("Qwen3ForCausalLM");
-  if (qwen2 || qwen3) {
-    if (m.use_sliding_window.value_or(false)) {
-      return unimplemented(
-          "\"use_sliding_window\": true (sliding-window attention) is not supported");
-    }
-  }
-  if (qwen2) {
-    // Qwen2's q, k and v projections always have a bias, its o projection none.
-    c.qkv_bias = true;
-  } else {
-    // Llama's and Qwen3's attention_bias: q, k, v and o (GGUF files have no such key).
-    c.qkv_bias = m.attention_bias.value_or(false);
-    c.o_bias = c.qkv_bias;
-  }
-  // Qwen3 normalizes each head of q and of k (its q_norm and k_norm) before RoPE.
-  c.qk_norm = qwen3;
-  if (m.sliding_window.has_value()) {
-    if (gguf) {
-      return unimplemented(absl::StrCat("GGUF key \"", m.sliding_window_key,
-                                        "\" (sliding-window attention) is not supported"));
-    }
-    // Qwen2's and Qwen3's window applies only with use_sliding_window (refused above); a
-    // window at least as long as the context never slides.
-    if (!qwen2 && !qwen3 && *m.sliding_window < c.max_position_embeddings) {
-      return unimplemented(absl::StrCat("\"", m.sliding_window_key, "\" ", *m.sliding_window,
-                                        " (shorter than max_position_embeddings=",
-                                        c.max_position_embeddings, ") is not supported"));
-    }
-  }
+  KVCM_RETURN_IF_ERROR(SetFamilyFeatures(m, &c));
   return c;
 }
 
