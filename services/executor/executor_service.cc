@@ -214,14 +214,14 @@ absl::StatusOr<const PoolView*> ExecutorService::PoolForEpoch(uint64_t epoch) {
     if (!current.ok()) {
       return absl::AbortedError(absl::StrCat(
           "stale epoch: the step is of cache-manager epoch ", epoch, ", the pool attached of ",
-          pool->epoch, ", and the cache manager cannot say which is current: ",
-          current.status().message()));
+          pool->epoch,
+          ", and the cache manager cannot say which is current: ", current.status().message()));
     }
     if (*current) {
-      return absl::AbortedError(absl::StrCat(
-          "stale epoch: the step's block tables are of cache-manager epoch ", epoch,
-          " but the cache manager runs epoch ", pool->epoch,
-          ", the pool attached (re-admit the sequences)"));
+      return absl::AbortedError(
+          absl::StrCat("stale epoch: the step's block tables are of cache-manager epoch ", epoch,
+                       " but the cache manager runs epoch ", pool->epoch,
+                       ", the pool attached (re-admit the sequences)"));
     }
   }
   // The attached epoch is gone (the cache manager restarted and the heartbeat has not told
@@ -252,19 +252,20 @@ absl::StatusOr<const PoolView*> ExecutorService::PoolForEpoch(uint64_t epoch) {
       "the router has its Hello in that epoch"));
 }
 
-absl::Status ExecutorService::CheckAndBuild(const StepRequest& step, const PoolView& pool) {
-  const int32_t block_size = pool.spec.block_size;
-  const int32_t num_blocks = pool.num_blocks;
-  size_t max_blocks = 1;
-  int64_t total_tokens = 0;
+namespace {
+
+// Each sequence's block table: long enough for its context, within the pool, and all of
+// them within `max_entries` once made dense (max_blocks wide); its new tokens are counted.
+absl::Status CheckBlockTables(const StepRequest& step, int32_t block_size, int32_t num_blocks,
+                              size_t max_entries, size_t* max_blocks, int64_t* total_tokens) {
   for (size_t i = 0; i < step.seqs.size(); ++i) {
     const SeqStep& s = step.seqs[i];
     const int64_t needed = (int64_t{s.context_len} + block_size - 1) / block_size;
     if (needed > num_blocks || static_cast<int64_t>(s.block_table.size()) > num_blocks) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          SeqName(i, s.seq), " has context_len ", s.context_len, " and ", s.block_table.size(),
-          " blocks in its table; the pool holds ", num_blocks, " blocks of ", block_size,
-          " tokens"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(SeqName(i, s.seq), " has context_len ", s.context_len, " and ",
+                       s.block_table.size(), " blocks in its table; the pool holds ", num_blocks,
+                       " blocks of ", block_size, " tokens"));
     }
     if (static_cast<int64_t>(s.block_table.size()) < needed) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -279,15 +280,19 @@ absl::Status ExecutorService::CheckAndBuild(const StepRequest& step, const PoolV
       }
     }
     // Entries past the context are never read: the dense table keeps only what is needed.
-    max_blocks = std::max(max_blocks, static_cast<size_t>(needed));
-    total_tokens += static_cast<int64_t>(s.tokens.size());
+    *max_blocks = std::max(*max_blocks, static_cast<size_t>(needed));
+    *total_tokens += static_cast<int64_t>(s.tokens.size());
   }
-  if (step.seqs.size() * max_blocks > options_.max_block_table_entries) {
+  if (step.seqs.size() * *max_blocks > max_entries) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "the step's block tables would take ", step.seqs.size(), " sequences x ", max_blocks,
-        " blocks, more than the ", options_.max_block_table_entries,
-        " entries one step may use"));
+        "the step's block tables would take ", step.seqs.size(), " sequences x ", *max_blocks,
+        " blocks, more than the ", max_entries, " entries one step may use"));
   }
+  return absl::OkStatus();
+}
+
+// Copy orders within the pool, no destination twice, none copied from after it is written.
+absl::Status CheckCopies(const StepRequest& step, int32_t num_blocks) {
   absl::flat_hash_set<int32_t> destinations;
   for (size_t i = 0; i < step.copies.size(); ++i) {
     const auto [src, dst] = step.copies[i];
@@ -308,7 +313,11 @@ absl::Status ExecutorService::CheckAndBuild(const StepRequest& step, const PoolV
     }
   }
 
-  const int32_t vocab = model_->host().config().vocab_size;
+  return absl::OkStatus();
+}
+
+// Penalty and scored tokens within the vocabulary.
+absl::Status CheckTokenIds(const StepRequest& step, int32_t vocab) {
   for (size_t i = 0; i < step.seqs.size(); ++i) {
     const SeqStep& s = step.seqs[i];
     for (int32_t token : s.penalty_tokens) {
@@ -318,12 +327,40 @@ absl::Status ExecutorService::CheckAndBuild(const StepRequest& step, const PoolV
       }
     }
     if (s.score_next >= vocab) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          SeqName(i, s.seq), " asks to score token ", s.score_next, " outside the vocabulary of ",
-          vocab));
+      return absl::InvalidArgumentError(absl::StrCat(SeqName(i, s.seq), " asks to score token ",
+                                                     s.score_next, " outside the vocabulary of ",
+                                                     vocab));
     }
   }
 
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ExecutorService::CheckAndBuild(const StepRequest& step, const PoolView& pool) {
+  size_t max_blocks = 1;
+  int64_t total_tokens = 0;
+  KVCM_RETURN_IF_ERROR(CheckBlockTables(step, pool.spec.block_size, pool.num_blocks,
+                                        options_.max_block_table_entries, &max_blocks,
+                                        &total_tokens));
+  KVCM_RETURN_IF_ERROR(CheckCopies(step, pool.num_blocks));
+  KVCM_RETURN_IF_ERROR(CheckTokenIds(step, model_->host().config().vocab_size));
+  BuildForward(step, max_blocks, total_tokens);
+  const PagedPool paged = ExecutorModel::Paged(pool);
+  // The pool was checked against the model when attached; Forward checks it again, but only
+  // after the copies ran: check first so that a refusal changes nothing.
+  if (absl::Status fits = model_->host().CheckPool(paged); !fits.ok()) {
+    return absl::InternalError(
+        absl::StrCat("the attached pool does not fit the model: ", fits.message()));
+  }
+  return model_->host().CheckBatch(forward_, paged);
+}
+
+// The step's sequences as one batch of the model's forward (forward_), block tables dense
+// and max_blocks wide.
+void ExecutorService::BuildForward(const StepRequest& step, size_t max_blocks,
+                                   int64_t total_tokens) {
   forward_.token_ids.clear();
   forward_.query_lens.clear();
   forward_.context_lens.clear();
@@ -344,14 +381,6 @@ absl::Status ExecutorService::CheckAndBuild(const StepRequest& step, const PoolV
     std::copy(s.block_table.begin(), s.block_table.begin() + static_cast<std::ptrdiff_t>(used),
               forward_.block_tables.begin() + static_cast<std::ptrdiff_t>(i * max_blocks));
   }
-  const PagedPool paged = ExecutorModel::Paged(pool);
-  // The pool was checked against the model when attached; Forward checks it again, but only
-  // after the copies ran: check first so that a refusal changes nothing.
-  if (absl::Status fits = model_->host().CheckPool(paged); !fits.ok()) {
-    return absl::InternalError(
-        absl::StrCat("the attached pool does not fit the model: ", fits.message()));
-  }
-  return model_->host().CheckBatch(forward_, paged);
 }
 
 absl::Status ExecutorService::CheckNotFenced(const StepRequest& step) const {
@@ -428,10 +457,9 @@ int ExecutorService::ApplyFences() {
   }
   if (absl::Status acked = pool_->AcknowledgeFences(ids); !acked.ok()) {
     if (!fence_ack_failed_) {
-      LogLine(kComponent, absl::StrCat("cannot acknowledge ", ids.size(),
-                                       " fence(s) yet (retrying every ",
-                                       absl::FormatDuration(kFenceAckRetry), "): ",
-                                       acked.message()));
+      LogLine(kComponent,
+              absl::StrCat("cannot acknowledge ", ids.size(), " fence(s) yet (retrying every ",
+                           absl::FormatDuration(kFenceAckRetry), "): ", acked.message()));
     }
     fence_ack_failed_ = true;
     fence_ack_retry_at_ = MonotonicNow() + kFenceAckRetry;
@@ -439,11 +467,12 @@ int ExecutorService::ApplyFences() {
   }
   fence_ack_failed_ = false;
   for (const FenceNotice& fence : fences) {
-    LogLine(kComponent,
-            absl::StrCat("fenced ", fence.seqs.empty() ? "" : absl::StrCat(fence.seqs.size(), " sequence(s) of "),
-                         "router session ", fence.router_session,
-                         ": no step of it runs here any more (fence ", fence.id,
-                         " acknowledged)"));
+    LogLine(
+        kComponent,
+        absl::StrCat("fenced ",
+                     fence.seqs.empty() ? "" : absl::StrCat(fence.seqs.size(), " sequence(s) of "),
+                     "router session ", fence.router_session,
+                     ": no step of it runs here any more (fence ", fence.id, " acknowledged)"));
   }
   return static_cast<int>(fences.size());
 }
@@ -487,8 +516,7 @@ absl::StatusOr<StepReport> ExecutorService::RunStep(const StepRequest& step) {
       if (absl::IsCancelled(ran)) {
         ++abandoned_steps_;
         LogLine(kComponent, absl::StrCat("abandoned step ", step.step_id, " (", ran.message(),
-                                         "): router session ", step.router_session,
-                                         " was fenced"));
+                                         "): router session ", step.router_session, " was fenced"));
         return absl::CancelledError(absl::StrCat("step abandoned: router session ",
                                                  step.router_session, " was fenced (",
                                                  ran.message(), ")"));

@@ -166,6 +166,7 @@ class ExecutorService {
   void RecordFence(const FenceNotice& fence);
   // Checks 3 above; fills forward_ on success.
   absl::Status CheckAndBuild(const StepRequest& step, const PoolView& pool);
+  void BuildForward(const StepRequest& step, size_t max_blocks, int64_t total_tokens);
   uint64_t attached_epoch() const;
 
   const Options options_;
