@@ -22,6 +22,7 @@
 #include "gtest/gtest.h"
 #include "tests/services/cache_manager/tier_test_env.h"
 #include "tests/support/status_matchers.h"
+#include "tests/support/wait_for.h"
 
 namespace kvcm::tiers {
 namespace {
@@ -405,14 +406,11 @@ TEST_F(KvTiersTest, DiskTierOfAnotherModelRecoversNothing) {
 }
 
 // The movers sync the disk tier on their own, never the ledger thread: until unsynced_writes
-// is 0 (a bounded poll of the snapshot: a sync posts no result).
+// is 0 (a poll of the snapshot: a sync posts no result).
 bool AwaitSynced(const KvTiers& tiers) {
-  const absl::Time deadline = absl::Now() + testenv::kHangGuard;
-  while (tiers.Snapshot().unsynced_writes != 0) {
-    if (absl::Now() >= deadline) return false;
-    absl::SleepFor(absl::Milliseconds(1));
-  }
-  return true;
+  return kvcm::testing::WaitFor([&] { return tiers.Snapshot().unsynced_writes == 0; },
+                                absl::Now() + testenv::kHangGuard, "the disk tier's sync")
+      .ok();
 }
 
 TEST_F(KvTiersTest, MoversSyncTheDiskTierAtMostOncePerInterval) {
