@@ -11,7 +11,7 @@
 //            top_logprobs, text_offset; the echoed prompt's with echo), usage;
 //   shape 4  its stream: one chunk per token, the usage chunk, [DONE];
 //   shape 5  /v1/chat/completions: message, logprobs.content with top_logprobs, usage;
-//   shape 6  its stream: deltas;
+//   shape 6  its stream: the role chunks, deltas;
 //   shape 7  error bodies of both APIs (a quoted value Shortened);
 //
 // (the input's first byte, modulo 8) — with log-probabilities of any bit pattern (-inf,
@@ -27,20 +27,23 @@
 //   - every log-probability written is null where the document allows it or a finite number
 //     no lower than kMinLogprob (-9999);
 //   - a TGI stream event's bytes (AppendTgiStreamEvent) are those nlohmann writes for the
-//     same event built as a DOM (services/router/stream_events.h promises it).
+//     same event built as a DOM (services/router/stream_events.h promises it);
+//   - a TGI stream has one event per token the router kept, and a choice whose last token
+//     spells a stop sequence ends there.
 //
-// What is the router's own code here and what is not: the TGI stream events are written by
-// the router's library (services/router/stream_events.h: AppendTgiStreamEvent,
-// AppendJsonString, AppendJsonNumber, ShownLogprob) and error messages quote through
-// Shortened (services/router/http_requests.h). The other shapes are built by the APIs'
-// formatters (services/router/tgi_api.cc: Details, TgiToken, TgiReply, AppendTgiTokenEvent;
-// services/router/openai_api.cc: OpenAiLogprobs, ChatLogprobs, OpenAiChoice, OpenAiChunk,
-// OpenAiUsage, OpenAiReply, OpenAiTokenChunk; the error bodies of both), which were
-// reachable from nowhere but the front end when this target was written: namespace `mirror`
-// below copies them as they are there, over the same building blocks (ShownLogprob,
-// nlohmann's dump with error_handler_t::replace). A change to those functions must be copied
-// here until this target calls them (tgi_api.h, openai_api.h) instead of its copies
-// (docs/RELIABILITY.md, "Fuzzing").
+// All of it is the router's own code: the TGI stream events' bytes are written by
+// services/router/stream_events.h (AppendTgiStreamEvent, ShownLogprob), error messages quote
+// through Shortened and UnsupportedParameterMessage (services/router/http_requests.h), and
+// every other shape by the APIs' formatters, from a real router::Generation and a real
+// tokenizer: services/router/tgi_api.h (TgiReply, AppendTgiTokenEvent, TgiErrorBody) and
+// services/router/openai_api.h (OpenAiReply, OpenAiRoleChunk, OpenAiTokenChunk,
+// OpenAiUsageChunk, OpenAiErrorBody), over generation.h (Shown, BestFirst, StopSequenceSeen,
+// TextOf, Dump, Logprob). What the target adds is what the front end does between them
+// (Run, AddToken: HttpFrontend::Impl's Start, AddToken, Stream and Finish): recording each
+// token the core reports, its piece through an IncrementalDecoder, the stop sequence that
+// ends a choice (checked: a choice whose last token spells one ends there). The tokenizer is
+// a byte-level BpeTokenizer built from the input's tokens (Vocabulary): a token's text any
+// bytes, a special one decoding to nothing.
 //
 // An input is accepted (fuzz::NoteAccepted) when it described a whole response: one cut
 // short is formatted all the same, with zeros for what is missing, and counted refused.
@@ -53,17 +56,25 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "common/base/utf8.h"
+#include "common/tokenizer/bpe_tokenizer.h"
+#include "common/tokenizer/byte_level.h"
+#include "common/tokenizer/incremental_decoder.h"
+#include "common/tokenizer/tokenizer.h"
 #include "nlohmann/json.hpp"
+#include "services/router/generation.h"
 #include "services/router/http_requests.h"
+#include "services/router/openai_api.h"
 #include "services/router/stream_events.h"
+#include "services/router/tgi_api.h"
 #include "tests/support/fuzz_target.h"
 
 // services/router/openapi.json, embedded at build time (cmake/KvcmEmbed.cmake).
@@ -166,7 +177,8 @@ class Reader {
   size_t text_budget_ = kTextBudget;
 };
 
-// A token as the core reports it and the tokenizer spells it.
+// A token as the core reports it and the tokenizer spells it (shapes 1 to 6: `id` names an
+// entry of the input's Vocabulary, below).
 struct Token {
   int32_t id = 0;
   std::string text;  // TokenText(id): any bytes a tokenizer may give
@@ -192,376 +204,187 @@ Token ReadToken(Reader& in, size_t top_n) {
   return t;
 }
 
-// ---- The router's formatting, as HttpFrontend::Impl has it -------------------------------
+// ---- The router's state: a Generation and the model's tokenizer --------------------------
 
-namespace mirror {
+// The model's tokenizer, built from the input's tokens: a byte-level BPE (BpeTokenizer, as
+// a tokenizer.json gives one) whose vocabulary holds each token the input names: tokens of
+// the same input id, text and special flag are one entry, its piece the text (any bytes:
+// the byte-level alphabet spells every byte). A special token is an added special token
+// (IsSpecial; it decodes to nothing); a token of no text is an id without a piece (which
+// also decodes to nothing and is special, as a padded vocab's ids are). The ids the router
+// sees are the entries' places, 0 up.
+class Vocabulary {
+ public:
+  // The id of `t`'s entry, added if new.
+  int32_t Id(const Token& t) {
+    const auto [first, last] = by_input_id_.equal_range(t.id);
+    for (auto it = first; it != last; ++it) {
+      const Entry& e = entries_[static_cast<size_t>(it->second)];
+      if (e.text == t.text && e.special == t.special) return it->second;
+    }
+    const auto id = static_cast<int32_t>(entries_.size());
+    entries_.push_back({t.text, t.special});
+    by_input_id_.emplace(t.id, id);
+    return id;
+  }
 
-// Params and Active, the members the formatting reads (Impl::Active, Impl::Choice).
-struct Choice {
-  std::vector<Token> generated;  // with logprobs and top alternatives
-  std::string text;              // what a stream has sent so far
-  std::string finish_reason;     // "length", "eos_token", "stop_sequence"
+  std::unique_ptr<Tokenizer> Build() const {
+    BpeVocab vocab;
+    vocab.source = "the fuzz input's vocabulary";
+    // ByteLevel without its regex: nothing to compile per input (Encode is not called).
+    BpePreTokenizerStep byte_level;
+    byte_level.kind = BpePreTokenizerStep::Kind::kByteLevel;
+    byte_level.use_regex = false;
+    vocab.pre_tokenizer.push_back(byte_level);
+    vocab.tokens.resize(std::max<size_t>(entries_.size(), 1));
+    for (size_t id = 0; id < entries_.size(); ++id) {
+      if (entries_[id].special) {
+        vocab.added_tokens.push_back(
+            {absl::StrCat("<|special_", id, "|>"), static_cast<int32_t>(id), /*special=*/true});
+      } else {
+        internal::ByteLevelEncode(entries_[id].text, &vocab.tokens[id]);
+      }
+    }
+    absl::StatusOr<std::unique_ptr<BpeTokenizer>> tokenizer =
+        BpeTokenizer::FromVocab(std::move(vocab), 0);
+    Check(tokenizer.ok(), "the input's vocabulary makes a tokenizer");
+    return *std::move(tokenizer);
+  }
+
+ private:
+  struct Entry {
+    std::string text;
+    bool special = false;
+  };
+  std::vector<Entry> entries_;
+  std::multimap<int32_t, int32_t> by_input_id_;
 };
-struct Active {
-  bool stream = false;
-  bool as_list = false;
-  bool chat = false;
-  Api api = Api::kTgi;
-  int32_t top_n = 0;
-  bool logprobs = true;  // params.outputs.logprobs
-  bool details = false;
-  bool do_sample = false;
-  uint64_t seed = 0;
-  bool return_full_text = false;
-  bool show_logprobs = false;
-  bool prompt_logprobs = false;
-  bool include_usage = false;
-  std::vector<std::string> stop;
-  std::string prompt_text;
-  std::vector<Token> prompt;  // with prompt_logprobs: logprob of each (the first NaN)
-  std::vector<Choice> choices;
-  int32_t shown = 1;
-  std::string completion_id;
-  int64_t created = 0;
-  size_t prompt_tokens = 0;
-  int32_t cached_prompt_tokens = 0;
+
+// What the core reports of one generated token (Progress): its id, log-probability and top
+// alternatives (whether it finished its choice, and why: Request::finish).
+struct Reported {
+  int32_t id = 0;
+  float logprob = 0;
+  std::vector<std::pair<int32_t, float>> top;
+};
+
+// A request as the input describes it: the router's Generation before its first token,
+// what the core will report for each choice, and the tokenizer.
+struct Request {
+  Generation g;
   std::string model_id;
+  std::vector<std::vector<Reported>> tokens;  // per choice
+  // Per choice: the core's finish reason of its last token; "" when the router ends it at
+  // the stop sequence its last token spells (the core reports that token unfinished).
+  std::vector<std::string> finish;
+  std::unique_ptr<Tokenizer> tokenizer;
+  bool fail = false;
+  size_t fail_after = 0;
+  std::string failure;
 };
 
-// The anonymous namespace's Dump and OpenAiTokenText, OpenAiErrorType.
-std::string Dump(const json& value) {
-  return value.dump(-1, ' ', false, json::error_handler_t::replace);
-}
-std::string OpenAiTokenText(int32_t id, const std::string& piece) {
-  if (piece.empty()) return absl::StrCat("token_id:", id);
-  if (IsValidUtf8(piece)) return piece;
-  std::string out = "bytes:";
-  for (unsigned char c : piece) absl::StrAppend(&out, "\\x", absl::Hex(c, absl::kZeroPad2));
-  return out;
-}
-const char* OpenAiErrorType(int status) {
-  switch (status) {
-    case 429:
-      return "rate_limit_error";
-    case 503:
-      return "service_unavailable";
-    case 500:
-      return "server_error";
-    default:
-      return "invalid_request_error";
-  }
-}
-
-json Logprob(float value) { return std::isnan(value) ? json(nullptr) : json(ShownLogprob(value)); }
-json NumberLogprob(float value) {
-  return ShownLogprob(std::isnan(value) ? -std::numeric_limits<float>::infinity() : value);
-}
-
-json TgiToken(const Token& t, float logprob) {
-  return {{"id", t.id}, {"text", t.text}, {"logprob", Logprob(logprob)}, {"special", t.special}};
-}
-json TgiTopTokens(const std::vector<Token>& top) {
-  json out = json::array();
-  for (const Token& t : top) out.push_back(TgiToken(t, t.logprob));
-  return out;
-}
-
-std::string TextOf(const Choice& c) {
-  std::string text;
-  for (const Token& t : c.generated) text += t.text;
-  return text;
-}
-
-json Details(const Active& a, const Choice& c, bool with_prefill = true) {
-  constexpr float kNone = std::numeric_limits<float>::quiet_NaN();
-  json tokens = json::array();
-  for (const Token& t : c.generated) tokens.push_back(TgiToken(t, a.logprobs ? t.logprob : kNone));
-  json prefill = json::array();
-  if (with_prefill && a.prompt_logprobs) {
-    for (const Token& t : a.prompt) {
-      prefill.push_back({{"id", t.id}, {"text", t.text}, {"logprob", Logprob(t.logprob)}});
-    }
-  }
-  const size_t index = static_cast<size_t>(&c - a.choices.data());
-  json details = {{"finish_reason", c.finish_reason},
-                  {"generated_tokens", c.generated.size()},
-                  {"seed", a.do_sample ? json(a.seed + index) : json(nullptr)},
-                  {"prefill", prefill},
-                  {"tokens", tokens}};
-  if (a.top_n > 0) {
-    json top = json::array();
-    for (const Token& t : c.generated) top.push_back(TgiTopTokens(t.top));
-    details["top_tokens"] = top;
-  }
-  return details;
-}
-
-json OpenAiLogprobs(const Active& a, const Choice& c, bool with_prompt, size_t from, size_t to,
-                    size_t offset) {
-  json tokens = json::array(), token_logprobs = json::array(), top = json::array(),
-       offsets = json::array();
-  auto add = [&](const Token& t, float logprob, const json& alternatives) {
-    tokens.push_back(OpenAiTokenText(t.id, t.text));
-    token_logprobs.push_back(Logprob(logprob));
-    top.push_back(alternatives);
-    offsets.push_back(offset);
-    offset += t.text.size();
-  };
-  if (with_prompt) {
-    for (const Token& t : a.prompt) {
-      const float logprob = a.prompt_logprobs ? t.logprob : std::numeric_limits<float>::quiet_NaN();
-      add(t, logprob,
-          std::isnan(logprob) ? json(nullptr)
-                              : json({{OpenAiTokenText(t.id, t.text), NumberLogprob(logprob)}}));
-    }
-  }
-  for (size_t i = from; i < to && i < c.generated.size(); ++i) {
-    json alternatives = json::object();
-    for (const Token& alternative : c.generated[i].top) {
-      alternatives[OpenAiTokenText(alternative.id, alternative.text)] =
-          NumberLogprob(alternative.logprob);
-    }
-    add(c.generated[i], a.logprobs ? c.generated[i].logprob : 0.0f, alternatives);
-  }
-  return {{"tokens", tokens},
-          {"token_logprobs", token_logprobs},
-          {"top_logprobs", top},
-          {"text_offset", offsets}};
-}
-
-json OpenAiUsage(const Active& a) {
-  size_t completion = 0;
-  for (const Choice& c : a.choices) completion += c.generated.size();
-  return {{"prompt_tokens", a.prompt_tokens},
-          {"completion_tokens", completion},
-          {"total_tokens", a.prompt_tokens + completion},
-          {"prompt_tokens_details", {{"cached_tokens", a.cached_prompt_tokens}}}};
-}
-
-json OpenAiChunk(const Active& a, json choices) {
-  return {{"id", a.completion_id},
-          {"object", !a.chat    ? "text_completion"
-                     : a.stream ? "chat.completion.chunk"
-                                : "chat.completion"},
-          {"created", a.created},
-          {"model", a.model_id},
-          {"system_fingerprint", "kvcm-router-0.1.0"},
-          {"choices", std::move(choices)}};
-}
-
-json OpenAiChoice(const Active& a, size_t index, const std::string& text,
-                  const json& finish_reason) {
-  json choice = {{"index", index}, {"logprobs", nullptr}, {"finish_reason", finish_reason}};
-  if (!a.chat) {
-    choice["text"] = text;
-  } else if (a.stream) {
-    choice["delta"] = {{"role", "assistant"}, {"content", text}};
-  } else {
-    choice["message"] = {{"role", "assistant"}, {"content", text}};
-  }
-  return choice;
-}
-
-std::string OpenAiFinishReason(const std::string& tgi) {
-  return tgi == "length" ? "length" : "stop";
-}
-
-json ChatLogprobs(const Active& a, const Choice& c, size_t from, size_t to) {
-  auto entry = [&](const Token& t, float logprob) {
-    json bytes = json::array();
-    for (unsigned char b : t.text) bytes.push_back(b);
-    return json({{"token", OpenAiTokenText(t.id, t.text)},
-                 {"logprob", NumberLogprob(logprob)},
-                 {"bytes", bytes}});
-  };
-  json content = json::array();
-  for (size_t i = from; i < to && i < c.generated.size(); ++i) {
-    json e = entry(c.generated[i], a.logprobs ? c.generated[i].logprob : 0.0f);
-    json top = json::array();
-    for (const Token& alternative : c.generated[i].top) {
-      top.push_back(entry(alternative, alternative.logprob));
-    }
-    e["top_logprobs"] = std::move(top);
-    content.push_back(std::move(e));
-  }
-  return {{"content", content}};
-}
-
-json ErrorBody(const HttpError& error) {
-  if (error.api == Api::kOpenAi) {
-    return {{"error",
-             {{"message", error.message},
-              {"type", OpenAiErrorType(error.status)},
-              {"param", error.param.empty() ? json(nullptr) : json(error.param)},
-              {"code", nullptr}}}};
-  }
-  return {{"error", error.message}, {"error_type", error.type}};
-}
-
-// Impl::SendEvent: "data:" (TGI) or "data: " (OpenAI), the data, a blank line.
-void AppendEvent(Api api, std::string_view data, std::string* out) {
-  out->append(api == Api::kOpenAi ? "data: " : "data:");
+// Impl::SendEvent: the field, the data, a blank line.
+void AppendEvent(std::string_view field, std::string_view data, std::string* out) {
+  out->append(field);
   out->append(data);
   out->append("\n\n");
 }
 
-// Impl::Stream for the newest token of choice `index` (already in c.generated, its piece
-// already added to c.text): the event's bytes appended to `out`.
-void Stream(const Active& a, size_t index, bool finished, const std::string& piece,
-            std::string* out) {
-  const Choice& c = a.choices[index];
-  const Token& newest = c.generated.back();
-  if (a.api == Api::kOpenAi) {
-    const bool first_chunk = c.generated.size() == 1;
-    const std::string first = first_chunk && a.return_full_text ? a.prompt_text : "";
-    json choice =
-        OpenAiChoice(a, index, first + piece,
-                     finished ? json(OpenAiFinishReason(c.finish_reason)) : json(nullptr));
-    if (a.show_logprobs && a.chat) {
-      choice["logprobs"] = ChatLogprobs(a, c, c.generated.size() - 1, c.generated.size());
-    } else if (a.show_logprobs) {
-      const size_t last = c.generated.size() - 1;
-      const size_t offset = first_chunk ? 0
-                                        : (a.return_full_text ? a.prompt_text.size() : 0) +
-                                              c.text.size() - piece.size();
-      choice["logprobs"] =
-          OpenAiLogprobs(a, c, first_chunk && a.return_full_text, last, last + 1, offset);
-    }
-    AppendEvent(Api::kOpenAi, Dump(OpenAiChunk(a, json::array({std::move(choice)}))), out);
-    return;
-  }
-  TgiStreamEvent event;
-  event.index = c.generated.size() - 1;
-  event.token = {newest.id, a.logprobs ? newest.logprob : 0.0f, piece, newest.special};
-  std::vector<TgiStreamToken> top;
-  if (a.top_n > 0) {
-    event.with_top_tokens = true;
-    for (const Token& t : newest.top) top.push_back({t.id, t.logprob, t.text, t.special});
-    event.top_tokens = top;
-  }
-  TgiStreamEnd end;
-  std::string all;
-  if (finished) {
-    all = TextOf(c);
-    if (a.return_full_text) all = a.prompt_text + all;
-    end.generated_text = all;
-    end.finish_reason = c.finish_reason;
-    end.generated_tokens = c.generated.size();
-    end.input_length = a.prompt_tokens;
-    if (a.do_sample) end.seed = a.seed;
-    event.end = &end;
-  }
-  out->append("data:");
-  AppendTgiStreamEvent(event, out);
-  out->append("\n\n");
+HttpError Failure(const Request& r) { return {503, r.failure, "unavailable", "", r.g.api}; }
+nlohmann::json ErrorBody(const HttpError& error) {
+  return error.api == Api::kOpenAi ? OpenAiErrorBody(error) : TgiErrorBody(error);
 }
 
-// The choices shown (Impl::Shown): all in order, or the `shown` with the highest total
-// log-probability.
-std::vector<size_t> Shown(const Active& a, bool best_first) {
-  std::vector<size_t> order(a.choices.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  if (best_first || static_cast<int32_t>(order.size()) > a.shown) {
-    std::vector<double> sum(a.choices.size(), 0);
-    for (size_t i = 0; i < a.choices.size(); ++i) {
-      for (const Token& t : a.choices[i].generated) sum[i] += t.logprob;
-    }
-    std::stable_sort(order.begin(), order.end(),
-                     [&](size_t x, size_t y) { return sum[x] > sum[y]; });
-    if (!best_first) order.resize(static_cast<size_t>(a.shown));
+// HttpFrontend::Impl::AddToken, then Stream: choice `index`'s token `p` recorded, looked at
+// for stop sequences and, streamed, its event appended to `out`. Whether the choice is done.
+bool AddToken(Request& r, size_t index, const Reported& p, bool reported_finished,
+              const std::string& finish_reason, std::string* out) {
+  Generation& g = r.g;
+  Choice& c = g.choices[index];
+  bool finished = reported_finished;
+  c.generated.push_back(p.id);
+  c.sum_logprob += p.logprob;
+  if (g.params.outputs.logprobs) c.logprobs.push_back(p.logprob);
+  if (g.params.outputs.top_n > 0) c.top.push_back(p.top);
+  c.finish_reason = finish_reason;
+  IncrementalDecoder::Piece piece;
+  if (g.stream || !g.params.stop.empty()) {
+    absl::StatusOr<IncrementalDecoder::Piece> next = c.decoder.Next(*r.tokenizer, c.generated);
+    if (next.ok()) piece = *std::move(next);
   }
-  return order;
+  const std::optional<size_t> at = finished ? std::nullopt : StopSequenceSeen(g, c, piece);
+  if (at.has_value()) {
+    finished = true;
+    c.stop_at = *at;
+    c.finish_reason = "stop_sequence";
+  }
+  const std::string added = finished ? piece.ready + piece.pending : piece.ready;
+  c.text += added;
+  if (g.stream) {
+    if (g.api == Api::kOpenAi) {
+      AppendEvent(kOpenAiEventField,
+                  OpenAiTokenChunk(g, index, finished, added, *r.tokenizer, r.model_id), out);
+    } else {
+      out->append(kTgiEventField);
+      AppendTgiTokenEvent(g, index, p.id, p.logprob, finished, added, *r.tokenizer, out);
+      out->append("\n\n");
+    }
+  }
+  c.done = finished;
+  return finished;
 }
 
-// Impl::Finish's reply of an unstreamed request that succeeded: its body.
-std::string UnstreamedReply(const Active& a) {
-  if (a.api == Api::kOpenAi) {
-    json choices = json::array();
-    const std::vector<size_t> shown = Shown(a, /*best_first=*/false);
-    for (size_t k = 0; k < shown.size(); ++k) {
-      const Choice& c = a.choices[shown[k]];
-      std::string text = TextOf(c);
-      // OpenAI's text stops before the stop sequence (TGI's keeps it).
-      if (c.finish_reason == "stop_sequence") {
-        size_t cut = text.size();
-        for (const std::string& sequence : a.stop) cut = std::min(cut, text.find(sequence));
-        text.resize(cut);
-      }
-      json choice = OpenAiChoice(a, k, a.return_full_text ? a.prompt_text + text : text,
-                                 OpenAiFinishReason(c.finish_reason));
-      if (a.show_logprobs) {
-        choice["logprobs"] =
-            a.chat ? ChatLogprobs(a, c, 0, c.generated.size())
-                   : OpenAiLogprobs(a, c, a.return_full_text, 0, c.generated.size(), 0);
-      }
-      choices.push_back(std::move(choice));
-    }
-    json body = OpenAiChunk(a, std::move(choices));
-    body["usage"] = OpenAiUsage(a);
-    return Dump(body);
+// A request from its first token to its end (Impl::Start, DeliverProgress and Finish): a
+// chat stream's role chunks, then the choices' tokens one at a time, round robin, each
+// choice's last one finishing it (or the stop sequence it spells); then OpenAI's usage
+// chunk and [DONE], or the reply. A request that fails after `fail_after` tokens (the
+// core's error; an unstreamed one's whenever it comes) answers the error, a stream's as its
+// last event; `*failed` says so.
+std::string Run(Request& r, bool* failed) {
+  Generation& g = r.g;
+  *failed = false;
+  if (r.fail && !g.stream) {
+    *failed = true;
+    return Dump(ErrorBody(Failure(r)));
   }
-  const std::vector<size_t> order = Shown(a, /*best_first=*/true);
-  const Choice& best = a.choices[order.front()];
-  const std::string text = TextOf(best);
-  json body = {{"generated_text", a.return_full_text ? a.prompt_text + text : text}};
-  if (a.details) {
-    body["details"] = Details(a, best);
-    if (a.choices.size() > 1) {
-      json others = json::array();
-      for (size_t k = 1; k < order.size(); ++k) {
-        const Choice& c = a.choices[order[k]];
-        json other = Details(a, c, /*with_prefill=*/false);
-        const std::string other_text = TextOf(c);
-        other["generated_text"] = a.return_full_text ? a.prompt_text + other_text : other_text;
-        others.push_back(std::move(other));
-      }
-      body["details"]["best_of_sequences"] = std::move(others);
-    }
-  }
-  return Dump(a.as_list ? json::array({body}) : body);
-}
-
-// A streamed request from its first token to its end (Impl::DeliverProgress, Stream and
-// Finish): the choices' tokens one at a time, round robin, each choice's last one finishing
-// it; then OpenAI's usage chunk and [DONE]; or, when it fails after `fail_after` tokens,
-// the error event.
-std::string StreamedReply(Active a, std::optional<size_t> fail_after, const std::string& failure) {
-  std::vector<Choice> whole = std::move(a.choices);
-  a.choices.assign(whole.size(), Choice{});
-  for (size_t i = 0; i < whole.size(); ++i) a.choices[i].finish_reason = whole[i].finish_reason;
   std::string out;
+  if (g.stream && g.chat) {
+    for (int32_t k = 0; k < g.shown; ++k) {
+      AppendEvent(kOpenAiEventField, OpenAiRoleChunk(g, static_cast<size_t>(k), r.model_id), &out);
+    }
+  }
   size_t sent = 0;
   for (size_t step = 0;; ++step) {
     bool any = false;
-    for (size_t i = 0; i < whole.size(); ++i) {
-      if (step >= whole[i].generated.size()) continue;
+    for (size_t i = 0; i < g.choices.size(); ++i) {
+      if (g.choices[i].done || step >= r.tokens[i].size()) continue;
       any = true;
-      if (fail_after.has_value() && sent == *fail_after) {
-        const HttpError error{503, failure, "unavailable", "", a.api};
-        AppendEvent(a.api, Dump(ErrorBody(error)), &out);
+      if (r.fail && sent == r.fail_after) {
+        AppendEvent(g.api == Api::kOpenAi ? kOpenAiEventField : kTgiEventField,
+                    Dump(ErrorBody(Failure(r))), &out);
+        *failed = true;
         return out;
       }
-      Choice& c = a.choices[i];
-      c.generated.push_back(whole[i].generated[step]);
-      const std::string& piece = c.generated.back().text;
-      c.text += piece;
-      Stream(a, i, step + 1 == whole[i].generated.size(), piece, &out);
+      const bool last = step + 1 == r.tokens[i].size();
+      const bool reported_finished = last && !r.finish[i].empty();
+      AddToken(r, i, r.tokens[i][step], reported_finished,
+               reported_finished ? r.finish[i] : std::string(), &out);
       ++sent;
+      Check(!last || g.choices[i].done,
+            "a choice whose last token spells a stop sequence ends there (StopSequenceSeen)");
     }
     if (!any) break;
   }
-  if (a.api == Api::kOpenAi) {
-    if (a.include_usage) {
-      json usage = OpenAiChunk(a, json::array());
-      usage["usage"] = OpenAiUsage(a);
-      AppendEvent(Api::kOpenAi, Dump(usage), &out);
-    }
-    AppendEvent(Api::kOpenAi, "[DONE]", &out);
+  if (!g.stream) {
+    return g.api == Api::kOpenAi ? OpenAiReply(g, *r.tokenizer, r.model_id)
+                                 : TgiReply(g, *r.tokenizer);
+  }
+  if (g.api == Api::kOpenAi) {
+    if (g.include_usage) AppendEvent(kOpenAiEventField, OpenAiUsageChunk(g, r.model_id), &out);
+    AppendEvent(kOpenAiEventField, kOpenAiDone, &out);
   }
   return out;
 }
-
-}  // namespace mirror
 
 // ---- The checks --------------------------------------------------------------------------
 
@@ -843,7 +666,7 @@ void CheckSameAsDom(const TgiStreamEvent& e, std::string_view bytes) {
   auto token = [](const TgiStreamToken& t) {
     return json{{"id", t.id},
                 {"text", std::string(t.text)},
-                {"logprob", mirror::Logprob(t.logprob)},
+                {"logprob", Logprob(t.logprob)},
                 {"special", t.special}};
   };
   json event = {{"index", e.index},
@@ -862,7 +685,7 @@ void CheckSameAsDom(const TgiStreamEvent& e, std::string_view bytes) {
                         {"input_length", e.end->input_length},
                         {"seed", e.end->seed.has_value() ? json(*e.end->seed) : json(nullptr)}};
   }
-  Check(bytes == mirror::Dump(event),
+  Check(bytes == Dump(event),
         "a stream event's bytes are those nlohmann writes for it (stream_events.h)");
 }
 
@@ -908,78 +731,98 @@ void FormatRawEvents(Reader& in) {
 }
 
 // Shapes 1 to 6: a request and what it generated, from the input.
-mirror::Active ReadRequest(Reader& in, int shape, bool* fail, std::string* failure) {
-  mirror::Active a;
-  a.api = shape <= 2 ? Api::kTgi : Api::kOpenAi;
-  a.stream = shape == 1 || shape == 4 || shape == 6;
-  a.chat = shape == 5 || shape == 6;
+Request ReadRequest(Reader& in, int shape) {
+  Request r;
+  Generation& g = r.g;
+  g.api = shape <= 2 ? Api::kTgi : Api::kOpenAi;
+  g.stream = shape == 1 || shape == 4 || shape == 6;
+  g.chat = shape == 5 || shape == 6;
+  Params& params = g.params;
   const uint8_t flags = in.Byte();
-  a.details = (flags & 1) != 0;
-  a.do_sample = (flags & 2) != 0;
-  a.return_full_text = (flags & 4) != 0 && !a.chat;  // chat has no echo
-  a.show_logprobs = (flags & 8) != 0 && a.api == Api::kOpenAi;
-  a.prompt_logprobs = (flags & 16) != 0;
-  a.include_usage = (flags & 32) != 0 && a.stream && a.api == Api::kOpenAi;
-  a.as_list = (flags & 64) != 0 && shape == 2;
-  *fail = (flags & 128) != 0;
+  params.details = (flags & 1) != 0;
+  params.do_sample = (flags & 2) != 0;
+  params.return_full_text = (flags & 4) != 0 && !g.chat;  // chat has no echo
+  params.show_logprobs = (flags & 8) != 0 && g.api == Api::kOpenAi;
+  params.outputs.prompt_logprobs = (flags & 16) != 0;
+  g.include_usage = (flags & 32) != 0 && g.stream && g.api == Api::kOpenAi;
+  g.as_list = (flags & 64) != 0 && shape == 2;
+  r.fail = (flags & 128) != 0;
   // What RequestParser sets: TGI always has the generated tokens' logprobs (details and
   // streams show them); OpenAI only when asked.
-  a.logprobs = a.api == Api::kTgi || a.show_logprobs;
-  a.top_n = static_cast<int32_t>(in.Count(5));
-  if (a.api == Api::kOpenAi && !a.show_logprobs) a.top_n = 0;
-  a.seed = in.U64();
-  a.created = static_cast<int64_t>(in.U64());
-  a.prompt_tokens = in.U64();
-  a.cached_prompt_tokens = static_cast<int32_t>(in.U32() & 0x7FFFFFFF);
-  a.model_id = in.Text();
-  a.completion_id = absl::StrCat(a.chat ? "chatcmpl-" : "cmpl-", in.U32());
-  a.prompt_text = in.Text();
-  const size_t prompt = 1 + in.Count(7);
-  for (size_t i = 0; i < prompt; ++i) a.prompt.push_back(ReadToken(in, 0));
+  params.outputs.logprobs = g.api == Api::kTgi || params.show_logprobs;
+  params.outputs.top_n = static_cast<int32_t>(in.Count(5));
+  if (g.api == Api::kOpenAi && !params.show_logprobs) params.outputs.top_n = 0;
+  params.seed = in.U64();
+  g.created = static_cast<int64_t>(in.U64());
+  g.prompt_tokens = in.U64();
+  g.cached_prompt_tokens = static_cast<int32_t>(in.U32() & 0x7FFFFFFF);
+  r.model_id = in.Text();
+  g.completion_id = OpenAiCompletionId(g.chat, in.U32());
+  g.prompt_text = in.Text();
+  std::vector<Token> prompt(1 + in.Count(7));
+  for (Token& t : prompt) t = ReadToken(in, 0);
   // The first prompt token has no log-probability (nothing before it).
-  a.prompt.front().logprob = std::numeric_limits<float>::quiet_NaN();
+  prompt.front().logprob = std::numeric_limits<float>::quiet_NaN();
   const size_t stops = in.Count(4);
   for (size_t i = 0; i < stops; ++i) {
     std::string stop = in.Text();
-    if (!stop.empty()) a.stop.push_back(std::move(stop));  // RequestParser refuses ""
+    if (!stop.empty()) params.stop.push_back(std::move(stop));  // RequestParser refuses ""
   }
   const size_t choices = 1 + in.Count(3);
-  a.shown = static_cast<int32_t>(1 + in.Count(choices - 1));
-  if (a.api == Api::kTgi || a.stream) a.shown = static_cast<int32_t>(choices);
+  g.shown = static_cast<int32_t>(1 + in.Count(choices - 1));
+  if (g.api == Api::kTgi || g.stream) g.shown = static_cast<int32_t>(choices);
+  params.best_of = static_cast<int32_t>(choices);
+  params.n = g.shown;
+  params.outputs.sequences = static_cast<int32_t>(choices);
+  std::vector<std::vector<Token>> generated(choices);
   for (size_t i = 0; i < choices; ++i) {
-    mirror::Choice c;
-    c.finish_reason = kFinishReasons[in.Byte() % 3];
-    if (c.finish_reason == std::string("stop_sequence") && a.stop.empty()) {
-      c.finish_reason = "eos_token";
+    std::string finish = kFinishReasons[in.Byte() % 3];
+    if (finish == "stop_sequence" && params.stop.empty()) finish = "eos_token";
+    generated[i].resize(1 + in.Count(11));
+    for (Token& t : generated[i]) t = ReadToken(in, static_cast<size_t>(params.outputs.top_n));
+    // A choice that ends at a stop sequence: its last token spells it (a text, so no special
+    // token), and the router finds it there.
+    if (finish == "stop_sequence") {
+      generated[i].back().text += params.stop[in.Byte() % params.stop.size()];
+      generated[i].back().special = false;
+      finish.clear();
     }
-    const size_t tokens = 1 + in.Count(11);
-    for (size_t t = 0; t < tokens; ++t) {
-      Token token = ReadToken(in, static_cast<size_t>(a.top_n));
-      c.generated.push_back(std::move(token));
-    }
-    // A choice that ended at a stop sequence has it in its text (the router stops there).
-    if (c.finish_reason == std::string("stop_sequence")) {
-      c.generated.back().text += a.stop[in.Byte() % a.stop.size()];
-    }
-    a.choices.push_back(std::move(c));
+    r.finish.push_back(std::move(finish));
   }
-  *failure = Shortened(in.Text(), kMaxTemplateMessageBytes);
-  return a;
+  r.failure = Shortened(in.Text(), kMaxTemplateMessageBytes);
+  r.fail_after = in.Count(8);
+
+  Vocabulary vocabulary;
+  for (const Token& t : prompt) {
+    g.prompt.push_back(vocabulary.Id(t));
+    if (params.outputs.prompt_logprobs) g.prompt_logprobs.push_back(t.logprob);
+  }
+  for (const std::vector<Token>& tokens : generated) {
+    std::vector<Reported>& reported = r.tokens.emplace_back();
+    for (const Token& t : tokens) {
+      Reported p{vocabulary.Id(t), t.logprob, {}};
+      for (const Token& alternative : t.top) {
+        p.top.emplace_back(vocabulary.Id(alternative), alternative.logprob);
+      }
+      reported.push_back(std::move(p));
+    }
+  }
+  r.tokenizer = vocabulary.Build();
+  g.choices.assign(choices, Choice{});
+  return r;
 }
 
 void FormatRequest(Reader& in, int shape) {
-  bool fail = false;
-  std::string failure;
-  const mirror::Active a = ReadRequest(in, shape, &fail, &failure);
-  const size_t fail_after = in.Count(8);
-  if (a.stream) {
-    const std::string written =
-        mirror::StreamedReply(a, fail ? std::optional<size_t>(fail_after) : std::nullopt, failure);
-    CheckStream(written, a.api,
-                a.api == Api::kTgi ? "StreamEvent"
-                : a.chat           ? "ChatCompletionChunkEvent"
+  Request r = ReadRequest(in, shape);
+  const Generation& g = r.g;
+  bool failed = false;
+  const std::string written = Run(r, &failed);
+  if (g.stream) {
+    CheckStream(written, g.api,
+                g.api == Api::kTgi ? "StreamEvent"
+                : g.chat           ? "ChatCompletionChunkEvent"
                                    : "CompletionChunkEvent");
-    if (a.api == Api::kTgi && !fail) {
+    if (g.api == Api::kTgi && !failed) {
       // One event per token. Events end with a blank line, which no JSON text holds (a
       // token's text may hold "data:" itself).
       size_t events = 0;
@@ -988,22 +831,16 @@ void FormatRequest(Reader& in, int shape) {
         ++events;
       }
       size_t tokens = 0;
-      for (const mirror::Choice& c : a.choices) tokens += c.generated.size();
+      for (const Choice& c : g.choices) tokens += c.generated.size();
       Check(events == tokens, "a TGI stream has one event per token");
     }
     return;
   }
-  if (fail) {
-    // Impl::Finish with an error, then ReplyError (OpenAI's 400 for TGI's 422).
-    const HttpError error{503, failure, "unavailable", "", a.api};
-    CheckDocument(mirror::Dump(mirror::ErrorBody(error)),
-                  a.api == Api::kOpenAi ? "OpenAiError" : "TgiError");
-    return;
-  }
-  const std::string written = mirror::UnstreamedReply(a);
-  if (a.api == Api::kOpenAi) {
-    CheckDocument(written, a.chat ? "ChatCompletion" : "Completion");
-  } else if (a.as_list) {
+  if (failed) {
+    CheckDocument(written, g.api == Api::kOpenAi ? "OpenAiError" : "TgiError");
+  } else if (g.api == Api::kOpenAi) {
+    CheckDocument(written, g.chat ? "ChatCompletion" : "Completion");
+  } else if (g.as_list) {
     const json list = json::parse(written, nullptr, false);
     Check(list.is_array() && list.size() == 1, "POST / answers a list of one reply");
     CheckDocument(list[0].dump(), "GenerateResponse");
@@ -1022,15 +859,13 @@ void FormatErrors(Reader& in) {
     error.status = kStatuses[in.Byte() % std::size(kStatuses)];
     const std::string key = in.Text();
     const std::string value = in.Text();
-    error.message = in.Bool() ? absl::StrCat("parameter `", Shortened(key),
-                                             "` is not supported by this server (",
-                                             Shortened(mirror::Dump(json(value))), ")")
+    error.message = in.Bool() ? UnsupportedParameterMessage(key, json(value))
                               : Shortened(value, kMaxTemplateMessageBytes);
     error.type = in.Bool() ? "validation" : "unavailable";
     error.param = Shortened(key);
-    const json body = CheckDocument(mirror::Dump(mirror::ErrorBody(error)),
+    const json body = CheckDocument(Dump(ErrorBody(error)),
                                     error.api == Api::kOpenAi ? "OpenAiError" : "TgiError");
-    Check(mirror::Dump(body).size() <= 8 * (kMaxTemplateMessageBytes + 4 * kMaxEchoedValueBytes),
+    Check(Dump(body).size() <= 8 * (kMaxTemplateMessageBytes + 4 * kMaxEchoedValueBytes),
           "an error body is short, however long what it quotes");
   }
 }

@@ -6,7 +6,10 @@
 # DIR/http_responses_regressions/ (one input per value that broke the router's replies:
 # log-probabilities of -inf, +inf, NaN, denormals and below -9999; token counts and seeds of
 # 2^64 - 1; stop sequences as long as the target makes (16 KiB); texts that are not UTF-8 or
-# hold control bytes). The regression tgi_stream_token_text_holding_data_colon is not
+# hold control bytes). In requests (shapes 1 to 6) a token's id names an entry of the
+# tokenizer the target builds (its Vocabulary): the same id with the same text and special
+# flag is the same token; a special token decodes to nothing (its text is not shown), and so
+# does one of no text. The regression tgi_stream_token_text_holding_data_colon is not
 # written here: libFuzzer found it (a bug of the target's own), and it is kept as found.
 import os
 import struct
@@ -158,6 +161,16 @@ SEEDS = {
         (EOS, ordinary_tokens(3, top=2), None)]),
     "chat_stream": request(6, flags=LOGPROBS | USAGE, top_n=1, choices=[
         (LENGTH, ordinary_tokens(3, top=1), None)]),
+    # Special tokens (decoding to nothing: TGI's special, OpenAI's "token_id:N"), one of no
+    # text, and ids repeated (the same token chosen and among the alternatives).
+    "special_and_repeated_tokens": request(4, flags=LOGPROBS | ECHO | PROMPT_LOGPROBS, top_n=2,
+                                           choices=[(EOS, [
+                                               token(5, "x", ordinary(-1), False,
+                                                     [(5, "x", ordinary(-1)),
+                                                      (2, "", ordinary(-2))]),
+                                               token(2, "", ordinary(-0.5), True,
+                                                     [(2, "", ordinary(-0.5)),
+                                                      (6, "", ordinary(-3))])], None)]),
     "error_bodies": errors([
         (False, 4, text("typical_p"), text("0.5"), True, True),
         (True, 0, text("logit_bias"), text("x", repeat=2000), True, True),
@@ -219,7 +232,7 @@ REGRESSIONS = {
     "texts_not_utf8_with_control_bytes": request(6, flags=LOGPROBS | USAGE, top_n=1,
                                                  model=b"m\xff\x01", prompt_text=INVALID[:20],
                                                  choices=[(LENGTH, [
-                                                     token(9, INVALID[:10], ordinary(-1), True,
+                                                     token(9, INVALID[:10], ordinary(-1), False,
                                                            [(10, INVALID[10:], ordinary(-2))]),
                                                      token(11, b"\x00", ordinary(-1), False,
                                                            [(12, b"\x1b[0m", ordinary(-3))])],
