@@ -112,8 +112,11 @@ struct CompletionLogprobs {
     offsets.push_back(offset);
     offset += text.size();
   }
-  // The echoed prompt's tokens (its first unscored).
+  // The echoed prompt's tokens (its first unscored). What follows starts after the prompt's
+  // text as echoed, whatever its tokens decode to (a normalizer may have changed it), as the
+  // stream's later chunks count it.
   void AddPrompt(const Generation& g) {
+    const size_t start = offset;
     for (size_t i = 0; i < g.prompt.size(); ++i) {
       const float logprob = i < g.prompt_logprobs.size() ? g.prompt_logprobs[i]
                                                          : std::numeric_limits<float>::quiet_NaN();
@@ -123,6 +126,7 @@ struct CompletionLogprobs {
               : json({{OpenAiTokenText(g.prompt[i], TokenText(tokenizer, g.prompt[i])),
                        NumberLogprob(logprob)}}));
     }
+    offset = start + g.prompt_text.size();
   }
   // Generated tokens [from, to).
   void AddGenerated(const Choice& c, size_t from, size_t to) {

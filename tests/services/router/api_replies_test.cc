@@ -183,5 +183,34 @@ TEST_F(ApiRepliesTest, AStopSequenceIsFoundWhereItEndsInTheNewText) {
   EXPECT_EQ(StopSequenceSeen(g, g.choices[0], piece), std::nullopt);
 }
 
+// With echo, a generated token's text_offset counts the prompt's text as echoed, in the
+// unstreamed reply and in the stream alike, even where the prompt's tokens decode to other
+// text (as after a normalizer): "hi there" is echoed, its tokens spell "hi".
+TEST_F(ApiRepliesTest, EchoedCompletionOffsetsCountThePromptTextAsEchoed) {
+  Generation g = Generated(Api::kOpenAi, {"ab"}, {-1.0f});
+  g.prompt_text = "hi there";
+  g.params.return_full_text = true;
+  g.params.show_logprobs = true;
+  const json reply = json::parse(OpenAiReply(g, *tokenizer_, "m"));
+  const json& offsets = reply["choices"][0]["logprobs"]["text_offset"];
+  ASSERT_EQ(offsets.size(), 5u);  // BOS, h, i, then a, b
+  EXPECT_EQ(offsets[3], 8);
+  EXPECT_EQ(offsets[4], 9);
+
+  // The same choice streamed: its first chunk echoes the prompt, the second does not.
+  Choice& c = g.choices[0];
+  c.generated = {Id('a')};
+  c.text = "a";
+  c.done = false;
+  const json first = json::parse(OpenAiTokenChunk(g, 0, false, "a", *tokenizer_, "m"));
+  const json& first_offsets = first["choices"][0]["logprobs"]["text_offset"];
+  ASSERT_EQ(first_offsets.size(), 4u);
+  EXPECT_EQ(first_offsets[3], 8);
+  c.generated.push_back(Id('b'));
+  c.text = "ab";
+  const json second = json::parse(OpenAiTokenChunk(g, 0, true, "b", *tokenizer_, "m"));
+  EXPECT_EQ(second["choices"][0]["logprobs"]["text_offset"], json::array({9}));
+}
+
 }  // namespace
 }  // namespace kvcm::router
