@@ -86,9 +86,10 @@ absl::StatusOr<Value> GetAttr(const Value& obj, const std::string& name);
 absl::StatusOr<Value> GetItem(const Value& obj, const Value& key);
 
 // The names the interpreter implements, sorted: the keys of its tables of filters, tests and
-// methods (each name maps to one small function in jinja_interpreter.cc; docs/chat-templates.md
-// lists the same names, which jinja_tables_test checks). SupportedMethods takes the receiver's
-// Python type name ("str", "dict") and gives {} for a type without supported methods.
+// methods (each name maps to one small function in jinja_filters.cc, jinja_tests.cc or
+// jinja_methods.cc; docs/chat-templates.md lists the same names, which jinja_tables_test
+// checks). SupportedMethods takes the receiver's Python type name ("str", "dict") and gives {}
+// for a type without supported methods.
 std::vector<std::string_view> SupportedFilters();
 std::vector<std::string_view> SupportedTests();
 std::vector<std::string_view> SupportedMethods(std::string_view type);

@@ -2,7 +2,8 @@
 // The lexer and parser of the Jinja subset ChatTemplate interprets (common/chat/chat_template.h):
 // template source -> a tree of statements and expressions, with the whitespace rules
 // transformers renders with (trim_blocks, lstrip_blocks, `{%-`/`-%}`, the one trailing newline
-// Jinja drops, newlines normalised to "\n").
+// Jinja drops, newlines normalised to "\n"). The lexer is jinja_lexer.cc (internal,
+// jinja_lexer.h); the parser, jinja_parser.cc.
 //
 // Errors: INVALID_ARGUMENT "chat template LINE:COLUMN: ..." (columns count bytes from 1) for a
 // syntax error, and for a construct outside the subset (an unknown tag, filter or test, ...)
