@@ -4,9 +4,11 @@
 // prompt tokens/s), then TG decode steps of the B sequences (S_TG, generated tokens/s).
 //
 //   build/bench/model_bench [--threads 2] [--pp 128] [--tg 32] [--busy-rounds 3]
-//                           [--llama-batched-bench PATH]   # scripts/build-llama-cpp.sh
+//                           [--matmul int8|fp32] [--llama-batched-bench PATH]
+//                           # PATH: scripts/build-llama-cpp.sh
 //
-// kvcm runs LlamaModel::Forward over an fp16 pool in plain memory (the KV dtype kvcm picks
+// kvcm runs LlamaModel::Forward (--matmul: LlamaModelOptions::matmul, int8 by default, as the
+// executor) over an fp16 pool in plain memory (the KV dtype kvcm picks
 // for a quantized GGUF; llama.cpp's default cache type is f16 too), B = 1, 8 and 32. The
 // ratio printed is kvcm / llama.cpp tokens/s (goal >= 1.0 at B >= 8, docs/PERFORMANCE.md).
 //
@@ -40,6 +42,7 @@
 #include "bench/server_stack.h"
 #include "common/base/check.h"
 #include "common/memory/pool_layout.h"
+#include "kernels/matmul_cpu.h"
 #include "services/executor/llama_model.h"
 #include "services/executor/sampler.h"
 #include "tests/support/real_model.h"
@@ -189,9 +192,15 @@ int Main(int argc, char** argv) {
   }
   LlamaModelOptions options;
   options.num_threads = threads;
+  const std::string matmul = bench::FlagString(argc, argv, "--matmul", "int8");
+  if (!kernels::ParseMatMulPath(matmul, &options.matmul)) {
+    std::printf("--matmul must be int8 or fp32, got %s\n", matmul.c_str());
+    return 1;
+  }
   absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(gguf, options);
   KVCM_CHECK(model.ok()) << model.status();
-  std::printf("SmolLM2-135M-Instruct (Q4_1 GGUF), %d thread(s), PP %d, TG %d\n", threads, pp, tg);
+  std::printf("SmolLM2-135M-Instruct (Q4_1 GGUF), %d thread(s), PP %d, TG %d, %s matmuls\n",
+              threads, pp, tg, matmul.c_str());
   std::printf("weight matrices %.1f MB; resident after load %.1f MB\n",
               static_cast<double>((*model)->weights().matrix_bytes()) / (1 << 20),
               ResidentMegabytes());

@@ -69,6 +69,20 @@ CpuIsa BestCpuIsa() {
   return best;
 }
 
+bool CpuHasAvx512Vnni() {
+#if defined(__x86_64__)
+  // CPUID leaf 7, sub-leaf 0, ECX bit 11; the ZMM state is the OS's, checked for kAvx512.
+  static const bool vnni = [] {
+    if (BestCpuIsa() != CpuIsa::kAvx512) return false;
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    return __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) != 0 && (ecx & (1u << 11)) != 0;
+  }();
+  return vnni;
+#else
+  return false;
+#endif
+}
+
 CpuIsa ActiveCpuIsa() { return ActiveIsa().load(std::memory_order_relaxed); }
 
 void SetCpuIsaForTest(CpuIsa isa) {

@@ -30,6 +30,11 @@ CpuIsa BestCpuIsa();
 // The ISA the kernels use now: BestCpuIsa() unless SetCpuIsaForTest chose another.
 CpuIsa ActiveCpuIsa();
 
+// Whether kAvx512 also has AVX512_VNNI (vpdpbusd), for MatMulInt8 (kernels/matmul_cpu.h):
+// under ActiveCpuIsa() == kAvx512 it runs its VNNI loops when this holds, else its AVX2
+// ones. Forcing kAvx2 or kPortable with SetCpuIsaForTest selects those loops.
+bool CpuHasAvx512Vnni();
+
 // Makes the kernels use `isa`. REQUIRES: isa <= BestCpuIsa().
 void SetCpuIsaForTest(CpuIsa isa);
 

@@ -41,7 +41,8 @@ constexpr int64_t kScaleBytes = 2 * kLanes * static_cast<int64_t>(sizeof(float))
 struct CodeForm {
   WeightMatrix::Format format;
   int64_t group;        // elements sharing a scale and bias
-  int32_t code_offset;  // kCodes4: code = nibble - code_offset
+  int32_t code_offset;  // code = stored unsigned code - code_offset
+  bool has_bias;        // some bias may be nonzero (a min or a K-quant's -min * m)
 };
 
 // The code form of `type`, or false when it has none (it is packed as fp32).
@@ -49,20 +50,22 @@ bool GetCodeForm(GgmlType type, CodeForm* form) {
   using F = WeightMatrix::Format;
   switch (type) {
     case GgmlType::kQ4_0:
-      *form = {F::kCodes4, 32, 8};
+      *form = {F::kCodes4, 32, 8, false};
       return true;
     case GgmlType::kQ4_1:
     case GgmlType::kQ4_K:
-      *form = {F::kCodes4, 32, 0};
+      *form = {F::kCodes4, 32, 0, true};
       return true;
     case GgmlType::kQ5_0:
-    case GgmlType::kQ5_1:
     case GgmlType::kQ8_0:
+      *form = {F::kCodes8, 32, 128, false};
+      return true;
+    case GgmlType::kQ5_1:
     case GgmlType::kQ5_K:
-      *form = {F::kCodes8, 32, 0};
+      *form = {F::kCodes8, 32, 128, true};
       return true;
     case GgmlType::kQ6_K:
-      *form = {F::kCodes8, 16, 0};
+      *form = {F::kCodes8, 16, 128, false};
       return true;
     default:
       return false;
@@ -80,6 +83,27 @@ uint32_t LoadU32(const uint8_t* p) {
   return v;
 }
 float LoadF16(const uint8_t* p) { return FloatFromHalf(LoadU16(p)); }
+
+// Where code j (0 .. group - 1) of lane l sits in a group's codes (see matmul_cpu.h): blocks
+// of 64 bytes, one little-endian dword per lane, each holding 4 consecutive codes of 8 bits
+// (kCodes8) or 8 of 4 bits (kCodes4: codes 8q .. 8q+3 in the low nibbles of the 4 bytes,
+// 8q+4 .. 8q+7 in the high ones), so that one vpdpbusd multiplies 4 consecutive k of 16
+// rows by one broadcast dword of activations.
+struct CodePlace {
+  int64_t byte;
+  int shift;
+};
+CodePlace PlaceOf(WeightMatrix::Format format, int64_t j, int64_t lane) {
+  if (format == WeightMatrix::Format::kCodes4) {
+    return {(j / 8) * 64 + lane * 4 + j % 4, static_cast<int>(4 * ((j % 8) / 4))};
+  }
+  return {(j / 4) * 64 + lane * 4 + j % 4, 0};
+}
+// The stored (unsigned) code j of lane l.
+int StoredCode(WeightMatrix::Format format, const uint8_t* codes, int64_t j, int64_t lane) {
+  const CodePlace at = PlaceOf(format, j, lane);
+  return (codes[at.byte] >> at.shift) & (format == WeightMatrix::Format::kCodes4 ? 0xF : 0xFF);
+}
 
 // get_scale_min_k4 (ggml-quants.c): the 6-bit scale and min of sub-block j of a Q4_K/Q5_K
 // super-block.
@@ -235,21 +259,10 @@ void DequantPanel(const PanelArgs& a, float* out) {
     std::memcpy(bias, gp + sizeof(scale), sizeof(bias));
     const uint8_t* codes = gp + kScaleBytes;
     float* o = out + g * a.group * kLanes;
-    if (a.format == WeightMatrix::Format::kCodes4) {
-      for (int64_t j = 0; j < a.group / 2; ++j) {
-        for (int64_t l = 0; l < kLanes; ++l) {
-          const int lo = (codes[j * kLanes + l] & 0xF) - a.code_offset;
-          const int hi = (codes[j * kLanes + l] >> 4) - a.code_offset;
-          o[(2 * j) * kLanes + l] = static_cast<float>(lo) * scale[l] + bias[l];
-          o[(2 * j + 1) * kLanes + l] = static_cast<float>(hi) * scale[l] + bias[l];
-        }
-      }
-    } else {
-      for (int64_t j = 0; j < a.group; ++j) {
-        for (int64_t l = 0; l < kLanes; ++l) {
-          const int c = static_cast<int8_t>(codes[j * kLanes + l]);
-          o[j * kLanes + l] = static_cast<float>(c) * scale[l] + bias[l];
-        }
+    for (int64_t j = 0; j < a.group; ++j) {
+      for (int64_t l = 0; l < kLanes; ++l) {
+        const int c = StoredCode(a.format, codes, j, l) - a.code_offset;
+        o[j * kLanes + l] = static_cast<float>(c) * scale[l] + bias[l];
       }
     }
   }
@@ -308,25 +321,19 @@ void DequantPanel(const PanelArgs& a, float* out) {
     const __m256 b[2] = {_mm256_loadu_ps(sp + 16), _mm256_loadu_ps(sp + 24)};
     const uint8_t* codes = gp + kScaleBytes;
     float* o = out + g * a.group * kLanes;
-    if (a.format == WeightMatrix::Format::kCodes4) {
-      for (int64_t j = 0; j < a.group / 2; ++j) {
-        for (int h = 0; h < 2; ++h) {
-          const __m256i v = _mm256_cvtepu8_epi32(
-              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + j * kLanes + 8 * h)));
-          const __m256i lo = _mm256_sub_epi32(_mm256_and_si256(v, mask), offset);
-          const __m256i hi = _mm256_sub_epi32(_mm256_srli_epi32(v, 4), offset);
-          _mm256_storeu_ps(o + (2 * j) * kLanes + 8 * h,
-                           _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lo), s[h]), b[h]));
-          _mm256_storeu_ps(o + (2 * j + 1) * kLanes + 8 * h,
-                           _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(hi), s[h]), b[h]));
-        }
-      }
-    } else {
-      for (int64_t j = 0; j < a.group; ++j) {
-        for (int h = 0; h < 2; ++h) {
-          const __m256i v = _mm256_cvtepi8_epi32(
-              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + j * kLanes + 8 * h)));
-          _mm256_storeu_ps(o + j * kLanes + 8 * h,
+    // A block of 64 bytes: per lane one dword of 4 bytes (layout in SetCodedRow).
+    const bool four = a.format == WeightMatrix::Format::kCodes4;
+    const int per_block = four ? 8 : 4;
+    const __m256i m = four ? mask : _mm256_set1_epi32(0xFF);
+    for (int64_t q = 0; q < a.group / per_block; ++q) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256i d =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + q * 64 + 32 * h));
+        for (int e = 0; e < per_block; ++e) {
+          const int shift = four ? 8 * (e % 4) + 4 * (e / 4) : 8 * e;
+          const __m256i v = _mm256_sub_epi32(
+              _mm256_and_si256(_mm256_srl_epi32(d, _mm_cvtsi32_si128(shift)), m), offset);
+          _mm256_storeu_ps(o + (q * per_block + e) * kLanes + 8 * h,
                            _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(v), s[h]), b[h]));
         }
       }
@@ -440,8 +447,9 @@ namespace avx512 {
 template <int G, bool kFour, bool kOffset>
 void DequantGroups(const uint8_t* panel, int64_t groups, int64_t group_bytes, int32_t code_offset,
                    float* out) {
-  const __m512i mask = _mm512_set1_epi32(0xF);
+  const __m512i mask = _mm512_set1_epi32(kFour ? 0xF : 0xFF);
   const __m512i offset = _mm512_set1_epi32(code_offset);
+  constexpr int kPerBlock = kFour ? 8 : 4;  // codes per lane in a 64-byte block
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* gp = panel + g * group_bytes;
     const float* sp = reinterpret_cast<const float*>(gp);
@@ -449,28 +457,16 @@ void DequantGroups(const uint8_t* panel, int64_t groups, int64_t group_bytes, in
     const __m512 b = _mm512_loadu_ps(sp + kLanes);
     const uint8_t* codes = gp + kScaleBytes;
     float* o = out + g * G * kLanes;
-    if constexpr (kFour) {
+    KVCM_UNROLL
+    for (int q = 0; q < G / kPerBlock; ++q) {
+      const __m512i d = _mm512_loadu_si512(codes + q * 64);
       KVCM_UNROLL
-      for (int j = 0; j < G / 2; ++j) {
-        const __m512i v = _mm512_cvtepu8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * kLanes)));
-        __m512i lo = _mm512_and_si512(v, mask);
-        __m512i hi = _mm512_srli_epi32(v, 4);
-        if constexpr (kOffset) {
-          lo = _mm512_sub_epi32(lo, offset);
-          hi = _mm512_sub_epi32(hi, offset);
-        }
-        _mm512_storeu_ps(o + (2 * j) * kLanes,
-                         _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lo), s), b));
-        _mm512_storeu_ps(o + (2 * j + 1) * kLanes,
-                         _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(hi), s), b));
-      }
-    } else {
-      KVCM_UNROLL
-      for (int j = 0; j < G; ++j) {
-        const __m512i v = _mm512_cvtepi8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * kLanes)));
-        _mm512_storeu_ps(o + j * kLanes, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(v), s), b));
+      for (int e = 0; e < kPerBlock; ++e) {
+        const int shift = kFour ? 8 * (e % 4) + 4 * (e / 4) : 8 * e;
+        __m512i v = _mm512_and_si512(_mm512_srli_epi32(d, shift), mask);
+        if constexpr (kOffset) v = _mm512_sub_epi32(v, offset);
+        _mm512_storeu_ps(o + (q * kPerBlock + e) * kLanes,
+                         _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(v), s), b));
       }
     }
   }
@@ -486,10 +482,10 @@ void DequantPanel(const PanelArgs& a, float* out) {
       DequantGroups<32, true, false>(a.panel, groups, a.group_bytes, 0, out);
     }
   } else if (a.group == 16) {
-    DequantGroups<16, false, false>(a.panel, groups, a.group_bytes, 0, out);
+    DequantGroups<16, false, true>(a.panel, groups, a.group_bytes, a.code_offset, out);
   } else {
     KVCM_CHECK(a.group == 32);
-    DequantGroups<32, false, false>(a.panel, groups, a.group_bytes, 0, out);
+    DequantGroups<32, false, true>(a.panel, groups, a.group_bytes, a.code_offset, out);
   }
 }
 
@@ -626,6 +622,7 @@ void WeightMatrix::Allocate(Format format, int64_t rows, int64_t cols, int64_t g
   cols_ = cols;
   group_ = group;
   code_offset_ = code_offset;
+  has_bias_ = false;
   panel_bytes_ = cols / group * group_bytes();
   data_.assign(static_cast<size_t>(num_panels() * panel_bytes_), 0);
 }
@@ -646,15 +643,11 @@ void WeightMatrix::SetCodedRow(int64_t r, const int8_t* codes, const float* scal
     std::memcpy(gp + (kLanes + lane) * 4, &biases[g], sizeof(float));
     uint8_t* c = gp + kScaleBytes;
     const int8_t* src = codes + g * group_;
-    if (format_ == Format::kCodes4) {
-      for (int64_t j = 0; j < group_ / 2; ++j) {
-        const int lo = src[2 * j] + code_offset_;
-        const int hi = src[2 * j + 1] + code_offset_;
-        KVCM_CHECK(lo >= 0 && lo < 16 && hi >= 0 && hi < 16);
-        c[j * kLanes + lane] = static_cast<uint8_t>(lo | (hi << 4));
-      }
-    } else {
-      for (int64_t j = 0; j < group_; ++j) c[j * kLanes + lane] = static_cast<uint8_t>(src[j]);
+    for (int64_t j = 0; j < group_; ++j) {
+      const int u = src[j] + code_offset_;
+      KVCM_CHECK(u >= 0 && u < (format_ == Format::kCodes4 ? 16 : 256)) << u;
+      const CodePlace at = PlaceOf(format_, j, lane);
+      c[at.byte] = static_cast<uint8_t>(c[at.byte] | (u << at.shift));
     }
   }
 }
@@ -710,6 +703,7 @@ absl::StatusOr<WeightMatrix> WeightMatrix::FromGgml(GgmlType type, std::span<con
   CodeForm form;
   if (GetCodeForm(type, &form)) {
     m.Allocate(form.format, rows, cols, form.group, form.code_offset);
+    m.has_bias_ = form.has_bias;
     std::vector<int8_t> codes(static_cast<size_t>(cols));
     std::vector<float> scales(static_cast<size_t>(cols / form.group));
     std::vector<float> biases(scales.size());
@@ -749,16 +743,8 @@ void WeightMatrix::DequantizeRow(int64_t r, float* out) const {
     std::memcpy(&bias, gp + (kLanes + lane) * 4, sizeof(float));
     const uint8_t* c = gp + kScaleBytes;
     float* o = out + g * group_;
-    if (format_ == Format::kCodes4) {
-      for (int64_t j = 0; j < group_ / 2; ++j) {
-        const uint8_t byte = c[j * kLanes + lane];
-        o[2 * j] = static_cast<float>((byte & 0xF) - code_offset_) * scale + bias;
-        o[2 * j + 1] = static_cast<float>((byte >> 4) - code_offset_) * scale + bias;
-      }
-    } else {
-      for (int64_t j = 0; j < group_; ++j) {
-        o[j] = static_cast<float>(static_cast<int8_t>(c[j * kLanes + lane])) * scale + bias;
-      }
+    for (int64_t j = 0; j < group_; ++j) {
+      o[j] = static_cast<float>(StoredCode(format_, c, j, lane) - code_offset_) * scale + bias;
     }
   }
 }

@@ -301,7 +301,8 @@ std::vector<double> InverseFrequencies(const LlamaConfig& c) {
 
 }  // namespace
 
-LlamaModel::LlamaModel(LlamaConfig config, int32_t num_threads) : config_(std::move(config)) {
+LlamaModel::LlamaModel(LlamaConfig config, int32_t num_threads, kernels::MatMulPath matmul)
+    : config_(std::move(config)), matmul_(matmul) {
   const int32_t available = kernels::CpuThreadPool::Default().max_threads();
   num_threads_ = num_threads <= 0 ? available : std::min(num_threads, available);
 }
@@ -368,7 +369,8 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& 
 
 absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::LoadWeights(
     LlamaConfig config, const WeightSource& source, const LlamaModelOptions& options) {
-  auto model = std::unique_ptr<LlamaModel>(new LlamaModel(std::move(config), options.num_threads));
+  auto model = std::unique_ptr<LlamaModel>(
+      new LlamaModel(std::move(config), options.num_threads, options.matmul));
   const LlamaConfig& c = model->config_;
   const int64_t h = c.hidden_size;
   const int64_t q = int64_t{c.num_attention_heads} * c.head_dim;
@@ -425,7 +427,25 @@ void LlamaModel::MatMul(const float* x, int64_t rows, int64_t in, const kernels:
                         int64_t out, float* y) const {
   KVCM_CHECK(w.rows() == out && w.cols() == in)
       << w.rows() << "x" << w.cols() << " != " << out << "x" << in;
-  kernels::MatMul(x, rows, w, y, num_threads_);
+  if (matmul_ == kernels::MatMulPath::kInt8) {
+    kernels::MatMulInt8(x, rows, w, y, num_threads_);
+  } else {
+    kernels::MatMul(x, rows, w, y, num_threads_);
+  }
+}
+
+void LlamaModel::MatMuls(const float* x, int64_t rows, int64_t in,
+                         std::initializer_list<kernels::MatMulOutput> outputs) const {
+  for (const kernels::MatMulOutput& o : outputs) {
+    KVCM_CHECK(o.w->cols() == in) << o.w->cols() << " != " << in;
+  }
+  if (matmul_ == kernels::MatMulPath::kInt8) {
+    kernels::MatMulInt8(
+        x, rows, std::span<const kernels::MatMulOutput>(outputs.begin(), outputs.size()),
+        num_threads_);
+    return;
+  }
+  for (const kernels::MatMulOutput& o : outputs) kernels::MatMul(x, rows, *o.w, o.y, num_threads_);
 }
 
 void LlamaModel::RmsNorm(const float* x, int64_t rows, const std::vector<float>& weight,
@@ -501,9 +521,9 @@ void LlamaModel::AttentionInputs(int32_t l, const float* x, int64_t rows,
   const int64_t kv_width = int64_t{config_.num_key_value_heads} * config_.head_dim;
   std::vector<float> normed(static_cast<size_t>(rows * h));
   RmsNorm(x, rows, layer.input_norm, normed.data());
-  MatMul(normed.data(), rows, h, layer.q_proj, q_width, q);
-  MatMul(normed.data(), rows, h, layer.k_proj, kv_width, k);
-  MatMul(normed.data(), rows, h, layer.v_proj, kv_width, v);
+  KVCM_CHECK(layer.q_proj.rows() == q_width && layer.k_proj.rows() == kv_width &&
+             layer.v_proj.rows() == kv_width);
+  MatMuls(normed.data(), rows, h, {{&layer.q_proj, q}, {&layer.k_proj, k}, {&layer.v_proj, v}});
   AddBias(q, rows, layer.q_bias);
   AddBias(k, rows, layer.k_bias);
   AddBias(v, rows, layer.v_bias);
@@ -527,8 +547,8 @@ void LlamaModel::AttentionOutputAndMlp(int32_t l, const float* attn, int64_t row
   RmsNorm(x, rows, layer.post_norm, normed.data());
   std::vector<float> gate(static_cast<size_t>(rows * inter));
   std::vector<float> up(static_cast<size_t>(rows * inter));
-  MatMul(normed.data(), rows, h, layer.gate_proj, inter, gate.data());
-  MatMul(normed.data(), rows, h, layer.up_proj, inter, up.data());
+  KVCM_CHECK(layer.gate_proj.rows() == inter && layer.up_proj.rows() == inter);
+  MatMuls(normed.data(), rows, h, {{&layer.gate_proj, gate.data()}, {&layer.up_proj, up.data()}});
   for (size_t i = 0; i < gate.size(); ++i) {
     const float g = gate[i];
     gate[i] = g / (1.0f + std::exp(-g)) * up[i];  // SiLU(gate) * up

@@ -14,10 +14,12 @@
 //   ForwardContiguous  the reference: one sequence from position 0 with a private,
 //                      contiguous fp32 KV cache and plain attention; no pool, no kernels.
 //
-// Matrix products are kernels::MatMul (kernels/matmul_cpu.h) on the kernels' process-wide
-// thread pool, split over output features; each output is one chain of multiply-adds in a
-// fixed order, so results are bitwise the same for any number of threads and for any
-// batching of the same tokens (attention aside, which is the kernel's).
+// Matrix products are kernels::MatMulInt8 (or kernels::MatMul with LlamaModelOptions::matmul
+// = kFp32; kernels/matmul_cpu.h) on the kernels' process-wide thread pool, split over output
+// features; each row of activations is quantized on its own and each output is one chain of
+// operations in a fixed order, so results are bitwise the same for any number of threads and
+// for any batching of the same tokens (attention aside, which is the kernel's). Products
+// sharing an input (q, k, v; gate, up) are one call: one quantization, one parallel loop.
 //
 // Ownership: the model owns its weights (loaded once; a GGUF file's quantized tensors are
 // repacked and stay quantized, fp32 otherwise). The pool memory belongs to the
@@ -28,6 +30,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <span>
 #include <string>
@@ -86,6 +89,12 @@ struct LlamaModelOptions {
   // Threads for the matrix products and attention, the caller included. 0 (default): the
   // hardware concurrency; more is clamped to it. Results do not depend on it.
   int32_t num_threads = 0;
+  // How the quantized matrices multiply (kernels/matmul_cpu.h): kInt8 (default) quantizes
+  // the activations to 8 bits per group and uses integer dot products, as llama.cpp does;
+  // kFp32 dequantizes the weights and multiplies in fp32 (the reference, closer to
+  // transformers' logits). fp32 matrices (F16, BF16, F32 tensors) take fp32 either way.
+  // Results do not depend on the batch or the threads on either path.
+  kernels::MatMulPath matmul = kernels::MatMulPath::kInt8;
 };
 
 // The model's parameters with Hugging Face's shapes (see LlamaModel::Load): H = hidden_size,
@@ -219,7 +228,7 @@ class LlamaModel {
   absl::StatusOr<std::vector<float>> ForwardContiguous(std::span<const int32_t> tokens) const;
 
  private:
-  LlamaModel(LlamaConfig config, int32_t num_threads);
+  LlamaModel(LlamaConfig config, int32_t num_threads, kernels::MatMulPath matmul);
   static absl::StatusOr<std::unique_ptr<LlamaModel>> LoadWeights(
       LlamaConfig config, const internal::WeightSource& source, const LlamaModelOptions& options);
 
@@ -229,10 +238,14 @@ class LlamaModel {
   void ParallelChunks(int64_t n, int64_t min_chunk,
                       absl::FunctionRef<void(int64_t, int64_t)> fn) const;
 
-  // y[rows][out] = x[rows][in] . w[out][in]^T (kernels::MatMul on num_threads_ threads).
-  // REQUIRES: w is [out, in].
+  // y[rows][out] = x[rows][in] . w[out][in]^T (kernels::MatMulInt8 or kernels::MatMul, as
+  // matmul_ says, on num_threads_ threads). REQUIRES: w is [out, in].
   void MatMul(const float* x, int64_t rows, int64_t in, const kernels::WeightMatrix& w,
               int64_t out, float* y) const;
+  // Several products of the same x[rows][in] (each output's w is [rows of y, in]): one call
+  // of kernels::MatMulInt8 on the int8 path, MatMul each on the fp32 path.
+  void MatMuls(const float* x, int64_t rows, int64_t in,
+               std::initializer_list<kernels::MatMulOutput> outputs) const;
   // out[rows][H] = RMSNorm(x[rows][H]) * weight.
   void RmsNorm(const float* x, int64_t rows, const std::vector<float>& weight, float* out) const;
   // Qwen3's q_norm / k_norm: RMSNorm of each of the `heads` heads of each row, in place, with
@@ -255,6 +268,7 @@ class LlamaModel {
   std::vector<double> inv_freq_;  // [head_dim / 2], rope_scaling applied
   LlamaWeights weights_;
   int32_t num_threads_ = 1;  // threads of the kernels' pool a parallel loop uses
+  kernels::MatMulPath matmul_ = kernels::MatMulPath::kInt8;
 };
 
 }  // namespace kvcm

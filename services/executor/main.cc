@@ -37,6 +37,7 @@
 #include "common/config/config.h"
 #include "common/metrics/metrics_server.h"
 #include "common/model/model_config.h"
+#include "kernels/matmul_cpu.h"
 #include "services/executor/executor_metrics.h"
 #include "services/executor/executor_model.h"
 #include "services/executor/executor_pool.h"
@@ -65,6 +66,11 @@ ABSL_FLAG(std::string, name, "",
 ABSL_FLAG(int32_t, threads, 0,
           "Threads for the forward pass, this one included; 0 = one per CPU this process may "
           "run on (kvcm-launch gives each executor its share). Results do not depend on it.");
+ABSL_FLAG(std::string, matmul, "int8",
+          "On a shm pool: how the quantized weight matrices multiply. int8 (default): the "
+          "activations quantized to 8 bits per group, integer dot products (as llama.cpp); "
+          "fp32: the weights dequantized, fp32 products (the reference, closer to "
+          "transformers' logits, slower). fp32 matrices take fp32 either way.");
 ABSL_FLAG(std::string, metrics_address, "127.0.0.1:9401",
           "HOST:PORT serving /metrics (port 0 picks a free one; it is logged).");
 ABSL_FLAG(int32_t, call_timeout_ms, 2000,
@@ -119,6 +125,11 @@ int Main(const std::vector<config::Setting>& settings) {
   if (absl::GetFlag(FLAGS_threads) < 0) {
     return fail("", absl::InvalidArgumentError("--threads must be >= 0"));
   }
+  kernels::MatMulPath matmul_path;
+  if (!kernels::ParseMatMulPath(absl::GetFlag(FLAGS_matmul), &matmul_path)) {
+    return fail("", absl::InvalidArgumentError(absl::StrCat("--matmul must be int8 or fp32, got \"",
+                                                            absl::GetFlag(FLAGS_matmul), "\"")));
+  }
   LlamaCudaModelOptions cuda_options;
   {
     const absl::StatusOr<DType> dtype = ParseDType(absl::GetFlag(FLAGS_cuda_weight_dtype));
@@ -146,6 +157,7 @@ int Main(const std::vector<config::Setting>& settings) {
   const absl::Time load_start = absl::Now();
   LlamaModelOptions model_options;
   model_options.num_threads = absl::GetFlag(FLAGS_threads);
+  model_options.matmul = matmul_path;
   absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(folder, model_options);
   if (!model.ok()) {
     return fail(absl::StrCat("cannot load the model from ", folder, ": "), model.status());

@@ -8,7 +8,8 @@
 //     usage.prompt_tokens equal to transformers' prompt length, streamed or not;
 //   - /v1/completions on a plain prompt gets no BOS (the GGUF says add_bos_token = false)
 //     and answers transformers' greedy tokens.
-// The pool is fp32, as the reference computes, so greedy choices cannot flip on rounding.
+// The pool and the matmuls (--matmul=fp32) are fp32, as the reference computes, so greedy
+// choices cannot flip on rounding.
 
 #include <signal.h>
 
@@ -100,6 +101,10 @@ class RealModelRouterTest : public ::testing::Test {
     args.run_dir = cm_->run_dir();
     args.router = IpcEndpointIn(cm_->run_dir(), kRouterExecutorsSocket);
     args.threads = 2;
+    // The fp32 matmuls: transformers' greedy tokens exactly. The int8 default rounds the
+    // activations to 8 bits, which flips near ties (tests/services/executor/
+    // real_model_test.cc checks it against the same reference).
+    args.extra = {"--matmul=fp32"};
     absl::StatusOr<ExecutorProcess> executor = kvcm::testing::StartExecutor(args);
     ASSERT_THAT(executor, IsOk());
     executor_ = std::make_unique<ExecutorProcess>(std::move(*executor));
