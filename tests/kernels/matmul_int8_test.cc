@@ -82,8 +82,9 @@ std::vector<float> RandomActivations(int64_t n, uint32_t seed) {
 }
 
 bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
+  // memcmp may not be given the null data() of an empty vector, even for 0 bytes.
   return a.size() == b.size() &&
-         std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
 const GgmlType kCodedTypes[] = {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0,
