@@ -88,7 +88,8 @@ inline AllocationTrace ReadAllocationTrace(const std::string& path, bool draw_ge
     offset += r.prompt;
     if (!draw_generated) continue;
     r.gen_offset = static_cast<int64_t>(t.generated.size());
-    for (int32_t g = 0; g < r.generated; ++g) t.generated.push_back(GeneratedToken(i, r.prompt + g));
+    for (int32_t g = 0; g < r.generated; ++g)
+      t.generated.push_back(GeneratedToken(i, r.prompt + g));
   }
   KVCM_CHECK(offset == static_cast<int64_t>(total)) << "prompt lengths do not add up";
   return t;

@@ -104,8 +104,8 @@ void LedgerAllocateFreePrefixHit(benchmark::State& state) {
   std::vector<int32_t> prompt(static_cast<size_t>(batch * kBlockSize + 1));
   std::iota(prompt.begin(), prompt.end(), 7);
   std::vector<BlockHash> hashes;
-  HashFullBlocks(HashAlgorithm::kSha256, RootHash(HashAlgorithm::kSha256, ""), prompt,
-                 kBlockSize, &hashes);
+  HashFullBlocks(HashAlgorithm::kSha256, RootHash(HashAlgorithm::kSha256, ""), prompt, kBlockSize,
+                 &hashes);
   const int32_t ntok = static_cast<int32_t>(prompt.size());
   (void)ledger.Allocate(1, ntok, hashes);
   (void)ledger.Commit(1, ntok);

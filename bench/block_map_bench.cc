@@ -99,8 +99,8 @@ class FilledService {
     for (auto& op : frees) op = BlockOp::Free(op.seq);
     StepInBatches(frees);
     request_.Clear();
-    const auto pin = wire::CreatePin(request_, request_.CreateString("bench"),
-                                     ToWire(request_, pin_));
+    const auto pin =
+        wire::CreatePin(request_, request_.CreateString("bench"), ToWire(request_, pin_));
     FinishEnvelope(request_, ++request_id_, session_, 1, wire::Message::Pin, pin.Union());
     Send();
     KVCM_CHECK(Reply().payload_type() == wire::Message::PinReply);
@@ -124,8 +124,8 @@ class FilledService {
  private:
   uint64_t Hello() {
     request_.Clear();
-    const auto hello = wire::CreateHello(request_, wire::Role::Router, kRouterPid,
-                                         request_.CreateString("bench"));
+    const auto hello =
+        wire::CreateHello(request_, wire::Role::Router, kRouterPid, request_.CreateString("bench"));
     FinishEnvelope(request_, ++request_id_, 0, 0, wire::Message::Hello, hello.Union());
     Send();
     KVCM_CHECK(Reply().payload_type() == wire::Message::HelloReply);

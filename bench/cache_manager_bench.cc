@@ -282,8 +282,8 @@ std::string CheckStepReply(std::span<const uint8_t> bytes, int ops) {
     const wire::OpResult* result = reply->results()->Get(i);
     if (result == nullptr) return "empty result";
     if (result->code() != wire::ErrorCode::Ok) {
-      return "op " + std::to_string(i) + ": " + std::string(WireCodeName(result->code())) +
-             " " + (result->reason() != nullptr ? result->reason()->str() : "");
+      return "op " + std::to_string(i) + ": " + std::string(WireCodeName(result->code())) + " " +
+             (result->reason() != nullptr ? result->reason()->str() : "");
     }
     const size_t blocks = result->blocks() == nullptr ? 0 : result->blocks()->size();
     if (static_cast<int>(i) < kSeqsPerStep && blocks != 1) {
@@ -435,14 +435,30 @@ class Environment {
     }
 
     // The cache manager.
-    cache_manager_ = Child::Spawn(
-        {KVCM_CACHE_MANAGER_PATH, "--run-dir", dir_ + "/run", "--backend", "shm",
-         "--num-blocks", std::to_string(kNumBlocks), "--layers", std::to_string(kLayers),
-         "--kv-heads", std::to_string(kKvHeads), "--head-dim", std::to_string(kHeadDim),
-         "--dtype", "fp16", "--block-size", std::to_string(kBlockSize),
-         "--metrics-address", "127.0.0.1:0", "--heartbeat-interval-ms", "1000",
-         "--heartbeat-timeout-ms", "600000"},
-        dir_ + "/cache-manager.log", &error_);
+    cache_manager_ = Child::Spawn({KVCM_CACHE_MANAGER_PATH,
+                                   "--run-dir",
+                                   dir_ + "/run",
+                                   "--backend",
+                                   "shm",
+                                   "--num-blocks",
+                                   std::to_string(kNumBlocks),
+                                   "--layers",
+                                   std::to_string(kLayers),
+                                   "--kv-heads",
+                                   std::to_string(kKvHeads),
+                                   "--head-dim",
+                                   std::to_string(kHeadDim),
+                                   "--dtype",
+                                   "fp16",
+                                   "--block-size",
+                                   std::to_string(kBlockSize),
+                                   "--metrics-address",
+                                   "127.0.0.1:0",
+                                   "--heartbeat-interval-ms",
+                                   "1000",
+                                   "--heartbeat-timeout-ms",
+                                   "600000"},
+                                  dir_ + "/cache-manager.log", &error_);
     if (cache_manager_ == nullptr) return false;
     auto ready = cache_manager_->WaitForLine("ready epoch=", &error_);
     if (!ready) return false;
@@ -486,9 +502,9 @@ class Environment {
     // The bare PULL counter.
     const std::string pull_endpoint = "ipc://" + dir_ + "/pull.sock";
     const std::string report_endpoint = "ipc://" + dir_ + "/report.sock";
-    pull_ = Child::Spawn({self, "--pull_server=" + pull_endpoint,
-                          "--report_endpoint=" + report_endpoint},
-                         dir_ + "/pull.log", &error_);
+    pull_ = Child::Spawn(
+        {self, "--pull_server=" + pull_endpoint, "--report_endpoint=" + report_endpoint},
+        dir_ + "/pull.log", &error_);
     if (pull_ == nullptr || !pull_->WaitForLine("ready", &error_)) return false;
     push_ = zmq::socket_t(context_, zmq::socket_type::push);
     push_.set(zmq::sockopt::linger, 0);
@@ -756,8 +772,8 @@ void SetThroughputCounters(benchmark::State& state, int messages, uint64_t serve
   state.counters["units"] = messages;
   state.counters["msgs_per_s"] =
       benchmark::Counter(messages, benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["ops_per_s"] = benchmark::Counter(
-      static_cast<double>(messages) * kOpsPerStep, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["ops_per_s"] = benchmark::Counter(static_cast<double>(messages) * kOpsPerStep,
+                                                   benchmark::Counter::kIsIterationInvariantRate);
   const double total = static_cast<double>(messages) * static_cast<double>(state.iterations());
   state.counters["server_cpu_us"] = static_cast<double>(server_cpu_ns) / 1e3 / total;
 }
@@ -896,7 +912,7 @@ absl::StatusOr<std::unique_ptr<BenchService>> MakeBenchService(std::string hash_
   options.heartbeat_interval = absl::Seconds(1);
   options.heartbeat_timeout = absl::Seconds(600);
   KVCM_ASSIGN_OR_RETURN(bench->service, CacheManagerService::Create(options, &bench->watcher,
-                                                                     &bench->metrics, absl::Now()));
+                                                                    &bench->metrics, absl::Now()));
   return bench;
 }
 
@@ -924,9 +940,8 @@ void ServiceHandle(benchmark::State& state, HandleMode mode) {
   CacheManagerService& service = *(*bench)->service;
   CacheManagerMetrics& metrics = (*bench)->metrics;
   // What libzmq reports for an ipc:// peer: ":uid:gid:pid".
-  const std::string peer_address =
-      ":" + std::to_string(::getuid()) + ":" + std::to_string(::getgid()) + ":" +
-      std::to_string(::getpid());
+  const std::string peer_address = ":" + std::to_string(::getuid()) + ":" +
+                                   std::to_string(::getgid()) + ":" + std::to_string(::getpid());
   const std::optional<PeerCredentials> peer = ParseIpcPeerAddress(peer_address);
 
   flatbuffers::FlatBufferBuilder request;
@@ -1020,9 +1035,9 @@ void ServiceHandleDecodeStep(benchmark::State& state, bool once_a_block) {
     return;
   }
   CacheManagerService& service = *(*bench)->service;
-  const std::optional<PeerCredentials> peer = ParseIpcPeerAddress(
-      ":" + std::to_string(::getuid()) + ":" + std::to_string(::getgid()) + ":" +
-      std::to_string(::getpid()));
+  const std::optional<PeerCredentials> peer =
+      ParseIpcPeerAddress(":" + std::to_string(::getuid()) + ":" + std::to_string(::getgid()) +
+                          ":" + std::to_string(::getpid()));
   flatbuffers::FlatBufferBuilder request;
   flatbuffers::FlatBufferBuilder reply;
   auto hello = wire::CreateHello(request, wire::Role::Router, ::getpid());
@@ -1130,9 +1145,7 @@ void LedgerDecodeStep(benchmark::State& state, bool once_a_block) {
 }
 
 void ServiceHandleStep(benchmark::State& state) { ServiceHandle(state, HandleMode::kWarm); }
-void ServiceHandleStepAndLoop(benchmark::State& state) {
-  ServiceHandle(state, HandleMode::kLoop);
-}
+void ServiceHandleStepAndLoop(benchmark::State& state) { ServiceHandle(state, HandleMode::kLoop); }
 void ServiceHandleStepCold(benchmark::State& state) { ServiceHandle(state, HandleMode::kCold); }
 
 BENCHMARK(ServiceHandleStep);
@@ -1213,7 +1226,8 @@ int RunPullServer(const std::string& endpoint, const std::string& report_endpoin
 std::optional<std::string> FlagValue(int argc, char** argv, std::string_view name) {
   const std::string prefix = "--" + std::string(name) + "=";
   for (int i = 1; i < argc; ++i) {
-    if (std::string_view(argv[i]).rfind(prefix, 0) == 0) return std::string(argv[i] + prefix.size());
+    if (std::string_view(argv[i]).rfind(prefix, 0) == 0)
+      return std::string(argv[i] + prefix.size());
   }
   return std::nullopt;
 }

@@ -31,13 +31,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "bench/server_stack.h"
 #include "common/base/check.h"
 #include "common/base/run_dir.h"
 #include "common/memory/pool_layout.h"
-#include "bench/server_stack.h"
-#include "nlohmann/json.hpp"
 #include "common/model/model_metadata.h"
 #include "common/tokenizer/tokenizer.h"
+#include "nlohmann/json.hpp"
 #include "services/executor/llama_model.h"
 #include "services/executor/sampler.h"
 #include "tests/support/cache_manager_process.h"
@@ -104,8 +104,8 @@ struct Run {
   double seconds = 0;
 };
 
-Run InProcess(const LlamaModel& model, const Tokenizer& tokenizer,
-               const std::vector<int32_t>& eos, int round, int batch, int new_tokens) {
+Run InProcess(const LlamaModel& model, const Tokenizer& tokenizer, const std::vector<int32_t>& eos,
+              int round, int batch, int new_tokens) {
   PagedPool pool;
   pool.spec = model.config().KvSpec(DType::kFloat32, kBlockSize).value();
   const int32_t blocks_per_seq = (kPromptTokens + new_tokens + kBlockSize - 1) / kBlockSize;
@@ -152,8 +152,7 @@ Run InProcess(const LlamaModel& model, const Tokenizer& tokenizer,
       const int32_t token = Greedy({logits.data() + k * vocab, vocab});
       s.tokens.push_back(token);
       ++run.tokens;
-      s.done = ++s.generated >= new_tokens ||
-               std::find(eos.begin(), eos.end(), token) != eos.end();
+      s.done = ++s.generated >= new_tokens || std::find(eos.begin(), eos.end(), token) != eos.end();
     }
   }
   run.seconds = absl::ToDoubleSeconds(absl::Now() - start);
@@ -189,9 +188,10 @@ int Main(int argc, char** argv) {
   const int threads = bench::FlagValue(argc, argv, "--threads", 2);
   const int batch = bench::FlagValue(argc, argv, "--batch", 16);
   const int new_tokens = bench::FlagValue(argc, argv, "--new-tokens", 32);
-  std::printf("full-stack throughput: %d requests of %d prompt tokens, up to %d new tokens each, "
-              "greedy; executor and in-process model on %d thread(s); %d round(s)\n",
-              batch, kPromptTokens, new_tokens, threads, rounds);
+  std::printf(
+      "full-stack throughput: %d requests of %d prompt tokens, up to %d new tokens each, "
+      "greedy; executor and in-process model on %d thread(s); %d round(s)\n",
+      batch, kPromptTokens, new_tokens, threads, rounds);
   absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-fsb");
   KVCM_CHECK(dir.ok()) << dir.status();
   const std::string only = bench::FlagString(argc, argv, "--only", "");
@@ -234,8 +234,8 @@ int Main(int argc, char** argv) {
     const std::vector<int32_t>& eos = metadata->eos_token_ids;
     (void)InProcess(**model, **tokenizer, eos, 0, batch, 4);
     (void)FullStack(url, 0, batch, 4);
-    std::printf("\n%-7s %5s %14s %14s %8s\n", "model", "round", "in-process t/s",
-                "full stack t/s", "ratio");
+    std::printf("\n%-7s %5s %14s %14s %8s\n", "model", "round", "in-process t/s", "full stack t/s",
+                "ratio");
     std::vector<double> ratios;
     for (int round = 1; round <= rounds; ++round) {
       const Run alone = InProcess(**model, **tokenizer, eos, round, batch, new_tokens);

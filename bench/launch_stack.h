@@ -28,8 +28,8 @@ struct LaunchStack {
 inline LaunchStack StartLaunch(const std::string& model, const std::vector<std::string>& args,
                                const std::string& log_path) {
   testing::Subprocess::Options options;
-  options.argv = {testing::KvcmBinaryPath("kvcm-launch"), "--model", model, "--port", "0",
-                  "--executors", "1"};
+  options.argv = {
+      testing::KvcmBinaryPath("kvcm-launch"), "--model", model, "--port", "0", "--executors", "1"};
   options.argv.insert(options.argv.end(), args.begin(), args.end());
   options.output_path = log_path;
   std::filesystem::remove(options.output_path);
@@ -55,8 +55,8 @@ inline void StopLaunch(LaunchStack& stack) {
 // gives about 1.06 tokens per word of it (the dots).
 inline std::string SeededText(uint32_t seed, int words) {
   static const char* const kWords[] = {
-      "cache", "block",  "river", "stone",  "memory", "token", "garden", "window", "paper",
-      "light", "engine", "north", "silver", "market", "cloud", "letter", "forest", "signal",
+      "cache", "block",  "river",  "stone",  "memory", "token", "garden", "window", "paper",
+      "light", "engine", "north",  "silver", "market", "cloud", "letter", "forest", "signal",
       "table", "bridge", "winter", "number", "music",  "field", "thread", "harbor", "glass"};
   std::mt19937 rng(seed);
   std::uniform_int_distribution<size_t> pick(0, std::size(kWords) - 1);

@@ -212,8 +212,8 @@ ReplayResult Replay(const Trace& t, Growth growth, HashAlgorithm algorithm,
   }
   while (!live.empty()) free_oldest();
   result.cpu_ns = ThreadCpuNs() - cpu_start;
-  result.ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start)
-                  .count();
+  result.ns =
+      std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count();
   result.block_ops = 2 * entries;
   result.evictions = ledger.Stats().evictions;
   result.ledger_bytes = ledger.MemoryBytes();
@@ -302,9 +302,10 @@ int Main(int argc, char** argv) {
     KVCM_CHECK(peer.empty()) << "--requests cannot be compared with a peer";
     trace.requests.resize(requests);
   }
-  std::printf("trace %s: %zu requests, %zu prompt tokens, pool %d blocks of %d, %d live, seed %llu\n",
-              trace_path.c_str(), trace.requests.size(), trace.tokens.size(), trace.num_blocks,
-              trace.block_size, trace.max_live, static_cast<unsigned long long>(trace.seed));
+  std::printf(
+      "trace %s: %zu requests, %zu prompt tokens, pool %d blocks of %d, %d live, seed %llu\n",
+      trace_path.c_str(), trace.requests.size(), trace.tokens.size(), trace.num_blocks,
+      trace.block_size, trace.max_live, static_cast<unsigned long long>(trace.seed));
 
   const HashAlgorithm fast = kDefaultHashAlgorithm;
   const HashAlgorithm v1 = HashAlgorithm::kXxh3;
@@ -331,9 +332,8 @@ int Main(int argc, char** argv) {
     plan = PrecomputeHashes(trace, fast);
   }
   // Hashing alone, as the router hashes a prompt: its full blocks, into a reused vector.
-  for (HashAlgorithm algorithm :
-       {HashAlgorithm::kXxh3V2, HashAlgorithm::kXxh3, HashAlgorithm::kFast128,
-        HashAlgorithm::kSha256}) {
+  for (HashAlgorithm algorithm : {HashAlgorithm::kXxh3V2, HashAlgorithm::kXxh3,
+                                  HashAlgorithm::kFast128, HashAlgorithm::kSha256}) {
     if (!only.empty()) break;
     const BlockHash root = RootHash(algorithm, "");
     std::vector<BlockHash> hashes;

@@ -153,14 +153,31 @@ double ResidentMegabytes() {
 
 // llama-batched-bench's table: "|  PP |  TG |  B | N_KV | T_PP s | S_PP t/s | T_TG s |
 // S_TG t/s | T s | S t/s |", one row per B.
-std::map<int, Rates> RunLlamaCpp(const std::string& binary, const std::string& gguf,
-                                 int threads, int pp, int tg, const std::string& batches) {
+std::map<int, Rates> RunLlamaCpp(const std::string& binary, const std::string& gguf, int threads,
+                                 int pp, int tg, const std::string& batches) {
   std::map<int, Rates> out;
-  absl::StatusOr<testing::RunResult> run = testing::RunProgram(
-      {binary, "-m", gguf, "-c", "8192", "-b", "4096", "-ub", "512", "-npp", std::to_string(pp),
-       "-ntg", std::to_string(tg), "-npl", batches, "-t", std::to_string(threads), "-tb",
-       std::to_string(threads), "-ngl", "0"},
-      "", absl::Minutes(10));
+  absl::StatusOr<testing::RunResult> run = testing::RunProgram({binary,
+                                                                "-m",
+                                                                gguf,
+                                                                "-c",
+                                                                "8192",
+                                                                "-b",
+                                                                "4096",
+                                                                "-ub",
+                                                                "512",
+                                                                "-npp",
+                                                                std::to_string(pp),
+                                                                "-ntg",
+                                                                std::to_string(tg),
+                                                                "-npl",
+                                                                batches,
+                                                                "-t",
+                                                                std::to_string(threads),
+                                                                "-tb",
+                                                                std::to_string(threads),
+                                                                "-ngl",
+                                                                "0"},
+                                                               "", absl::Minutes(10));
   KVCM_CHECK(run.ok()) << run.status();
   for (absl::string_view line : absl::StrSplit(run->output, '\n')) {
     std::vector<std::string> cells;
@@ -171,8 +188,8 @@ std::map<int, Rates> RunLlamaCpp(const std::string& binary, const std::string& g
     int b = 0;
     double s_pp = 0;
     double s_tg = 0;
-    if (cells.size() >= 11 && absl::SimpleAtoi(cells[3], &b) &&
-        absl::SimpleAtod(cells[6], &s_pp) && absl::SimpleAtod(cells[8], &s_tg)) {
+    if (cells.size() >= 11 && absl::SimpleAtoi(cells[3], &b) && absl::SimpleAtod(cells[6], &s_pp) &&
+        absl::SimpleAtod(cells[8], &s_tg)) {
       out[b] = {s_pp, s_tg};
     }
   }
@@ -219,8 +236,8 @@ int Main(int argc, char** argv) {
                   "-");
       continue;
     }
-    std::printf("%3d %14.1f %14.1f %7.2fx %14.1f %14.1f %7.2fx\n", b, k.prefill,
-                it->second.prefill, k.prefill / it->second.prefill, k.decode, it->second.decode,
+    std::printf("%3d %14.1f %14.1f %7.2fx %14.1f %14.1f %7.2fx\n", b, k.prefill, it->second.prefill,
+                k.prefill / it->second.prefill, k.decode, it->second.decode,
                 k.decode / it->second.decode);
   }
 

@@ -62,7 +62,7 @@ struct Shape {
   int32_t kv_heads;
 };
 
-constexpr Shape kGqa{"", 8};      // Llama-3-8B
+constexpr Shape kGqa{"", 8};       // Llama-3-8B
 constexpr Shape kMha{"mha/", 32};  // Llama-2-7B
 
 std::string DTypeLabel(KvDType dtype) {
@@ -200,8 +200,8 @@ void MemRead(benchmark::State& state, Shape shape, KvDType dtype, int32_t contex
   std::vector<float> sums(static_cast<size_t>(tasks));
   for (auto _ : state) {
     pool.ParallelFor(tasks, 0, [&](int64_t t) {
-      sums[static_cast<size_t>(t)] = SumFloats(f.plain.data() + static_cast<size_t>(t) * per_task,
-                                               per_task);
+      sums[static_cast<size_t>(t)] =
+          SumFloats(f.plain.data() + static_cast<size_t>(t) * per_task, per_task);
     });
     benchmark::DoNotOptimize(sums.data());
   }
@@ -234,16 +234,14 @@ void RegisterAll() {
   for (const Shape& shape : {kGqa, kMha}) {
     for (KvDType dtype : {KvDType::kFloat16, KvDType::kFloat32}) {
       for (int32_t context : {2048, 8192}) {
-        const std::string suffix =
-            shape.label + DTypeLabel(dtype) + "/" + std::to_string(context);
-        benchmark::RegisterBenchmark(("MemRead/" + suffix).c_str(), MemRead, shape, dtype,
-                                     context)
+        const std::string suffix = shape.label + DTypeLabel(dtype) + "/" + std::to_string(context);
+        benchmark::RegisterBenchmark(("MemRead/" + suffix).c_str(), MemRead, shape, dtype, context)
             ->UseRealTime();
-        benchmark::RegisterBenchmark(("PagedDecodeAscending/" + suffix).c_str(), PagedDecode,
-                                     shape, dtype, context, false)
+        benchmark::RegisterBenchmark(("PagedDecodeAscending/" + suffix).c_str(), PagedDecode, shape,
+                                     dtype, context, false)
             ->UseRealTime();
-        benchmark::RegisterBenchmark(("PagedDecodeShuffled/" + suffix).c_str(), PagedDecode,
-                                     shape, dtype, context, true)
+        benchmark::RegisterBenchmark(("PagedDecodeShuffled/" + suffix).c_str(), PagedDecode, shape,
+                                     dtype, context, true)
             ->UseRealTime();
       }
     }

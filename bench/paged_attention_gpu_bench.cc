@@ -47,13 +47,13 @@ constexpr int32_t kQHeads = 32;
 constexpr int32_t kHeadDim = 128;
 constexpr int32_t kBlockSize = 16;
 
-#define BENCH_CUDA(expr)                                                                    \
-  do {                                                                                      \
-    const cudaError_t err_ = (expr);                                                        \
-    if (err_ != cudaSuccess) {                                                              \
-      std::fprintf(stderr, "%s: %s\n", #expr, cudaGetErrorString(err_));                    \
-      std::exit(1);                                                                         \
-    }                                                                                       \
+#define BENCH_CUDA(expr)                                                 \
+  do {                                                                   \
+    const cudaError_t err_ = (expr);                                     \
+    if (err_ != cudaSuccess) {                                           \
+      std::fprintf(stderr, "%s: %s\n", #expr, cudaGetErrorString(err_)); \
+      std::exit(1);                                                      \
+    }                                                                    \
   } while (false)
 
 struct Shape {
@@ -63,7 +63,7 @@ struct Shape {
   bool shuffled;
 
   std::string Name() const {
-    const char* dt = dtype == KvDType::kFloat32 ? "fp32"
+    const char* dt = dtype == KvDType::kFloat32   ? "fp32"
                      : dtype == KvDType::kFloat16 ? "fp16"
                                                   : "bf16";
     return std::string(dt) + "/" + std::to_string(seqs) + "x" + std::to_string(context) +
@@ -104,10 +104,10 @@ struct Fixture {
   cudaEvent_t stop = nullptr;
 
   ~Fixture() {
-    for (void* p : {static_cast<void*>(pool), static_cast<void*>(copy_dst),
-                    static_cast<void*>(query_lens), static_cast<void*>(context_lens),
-                    static_cast<void*>(tables), static_cast<void*>(query),
-                    static_cast<void*>(out)}) {
+    for (void* p :
+         {static_cast<void*>(pool), static_cast<void*>(copy_dst), static_cast<void*>(query_lens),
+          static_cast<void*>(context_lens), static_cast<void*>(tables), static_cast<void*>(query),
+          static_cast<void*>(out)}) {
       if (p != nullptr) cudaFree(p);
     }
     if (start != nullptr) cudaEventDestroy(start);
@@ -196,9 +196,8 @@ void GpuCopy(benchmark::State& state, Shape shape) {
 
 void GpuPagedDecode(benchmark::State& state, Shape shape) {
   Fixture& f = GetFixture(shape);
-  TimeEachIteration(state, f, [&] {
-    kernels::cuda::PagedAttention(f.view, f.batch, f.query, f.out, nullptr);
-  });
+  TimeEachIteration(
+      state, f, [&] { kernels::cuda::PagedAttention(f.view, f.batch, f.query, f.out, nullptr); });
   state.counters["units"] = static_cast<double>(shape.KvBytes());
   state.counters["GB/s"] = benchmark::Counter(static_cast<double>(shape.KvBytes()),
                                               benchmark::Counter::kIsIterationInvariantRate);

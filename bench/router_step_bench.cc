@@ -96,8 +96,7 @@ router::PlannerOptions Options(int32_t n, const SessionInfo& session) {
 
 // One step against the cache manager; returns the plan and outcomes (for replay).
 void RunStep(router::StepPlanner& planner, CacheManagerClient& client,
-             std::vector<OpOutcome>* outcomes_out = nullptr,
-             router::StepPlan* plan_out = nullptr) {
+             std::vector<OpOutcome>* outcomes_out = nullptr, router::StepPlan* plan_out = nullptr) {
   // As the router does: the last StepReply's available blocks; Stats only before the first.
   int32_t available = client.available_blocks_after_last_step();
   if (available < 0) {
@@ -183,7 +182,11 @@ void CacheManagerStats(benchmark::State& state) {
 }
 
 BENCHMARK(CacheManagerStats)->Iterations(kIterations)->Unit(benchmark::kMicrosecond);
-BENCHMARK(RouterDecodeStep)->Arg(64)->Arg(256)->Iterations(kIterations)->Unit(benchmark::kMicrosecond);
+BENCHMARK(RouterDecodeStep)
+    ->Arg(64)
+    ->Arg(256)
+    ->Iterations(kIterations)
+    ->Unit(benchmark::kMicrosecond);
 BENCHMARK(PlannerOnly)->Arg(64)->Arg(256)->Iterations(kIterations)->Unit(benchmark::kMicrosecond);
 
 }  // namespace

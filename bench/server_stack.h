@@ -30,17 +30,18 @@ struct ServerStack {
 };
 
 // Starts the three; `router_args` are appended to the router's own; logs go to `log_dir`.
-inline std::unique_ptr<ServerStack> StartServerStack(
-    const std::string& model_dir, const testing::CacheManagerOptions& cm_options,
-    const std::vector<std::string>& router_args, int executor_threads,
-    const std::string& log_dir) {
+inline std::unique_ptr<ServerStack> StartServerStack(const std::string& model_dir,
+                                                     const testing::CacheManagerOptions& cm_options,
+                                                     const std::vector<std::string>& router_args,
+                                                     int executor_threads,
+                                                     const std::string& log_dir) {
   auto stack = std::make_unique<ServerStack>();
   auto cm = testing::CacheManagerProcess::Start(cm_options);
   KVCM_CHECK(cm.ok()) << cm.status();
   stack->cache_manager = *std::move(cm);
   testing::Subprocess::Options router;
   router.argv = {testing::KvcmBinaryPath("kvcm-router"), "--model", model_dir, "--run-dir",
-                 stack->cache_manager->run_dir(), "--port", "0"};
+                 stack->cache_manager->run_dir(),        "--port",  "0"};
   router.argv.insert(router.argv.end(), router_args.begin(), router_args.end());
   router.output_path = log_dir + "/router.log";
   auto started = testing::Subprocess::Start(router);
@@ -52,16 +53,22 @@ inline std::unique_ptr<ServerStack> StartServerStack(
   stack->url = (*ready)[1];
   KVCM_CHECK(absl::SimpleAtoi((*ready)[2], &stack->port));
   testing::Subprocess::Options executor;
-  executor.argv = {testing::KvcmBinaryPath("kvcm-executor"), "--model", model_dir, "--run-dir",
-                   stack->cache_manager->run_dir(), "--threads",
-                   std::to_string(executor_threads), "--metrics-address", "127.0.0.1:0"};
+  executor.argv = {testing::KvcmBinaryPath("kvcm-executor"),
+                   "--model",
+                   model_dir,
+                   "--run-dir",
+                   stack->cache_manager->run_dir(),
+                   "--threads",
+                   std::to_string(executor_threads),
+                   "--metrics-address",
+                   "127.0.0.1:0"};
   executor.output_path = log_dir + "/executor.log";
   started = testing::Subprocess::Start(executor);
   KVCM_CHECK(started.ok()) << started.status();
   stack->executor = *std::move(started);
-  KVCM_CHECK(stack->executor
-                 ->WaitForLine("registered with the router", absl::Now() + absl::Seconds(60))
-                 .ok());
+  KVCM_CHECK(
+      stack->executor->WaitForLine("registered with the router", absl::Now() + absl::Seconds(60))
+          .ok());
   return stack;
 }
 

@@ -39,8 +39,8 @@ class StreamClient {
     base_ = base;
     for (Stream& s : streams_) {
       s.client = this;
-      s.connection = evhttp_connection_base_new(base, nullptr, host.c_str(),
-                                                static_cast<ev_uint16_t>(port));
+      s.connection =
+          evhttp_connection_base_new(base, nullptr, host.c_str(), static_cast<ev_uint16_t>(port));
       evhttp_connection_set_timeout(s.connection, 600);
       evhttp_request* request = evhttp_request_new(&StreamClient::OnDone, &s);
       evhttp_request_set_chunked_cb(request, &StreamClient::OnChunk);

@@ -31,8 +31,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <optional>
@@ -44,10 +44,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "common/base/check.h"
-#include "common/base/monotonic_clock.h"
 #include "bench/server_stack.h"
 #include "bench/stream_client.h"
+#include "common/base/check.h"
+#include "common/base/monotonic_clock.h"
 #include "nlohmann/json.hpp"
 #include "tests/support/cache_manager_process.h"
 #include "tests/support/subprocess.h"
@@ -138,7 +138,8 @@ std::vector<double> Gaps(const std::vector<StreamClient::Stream>& streams, int t
   return gaps;
 }
 double Quantile(const std::vector<double>& sorted, double q) {
-  return sorted[std::min(sorted.size() - 1, static_cast<size_t>(q * static_cast<double>(sorted.size())))];
+  return sorted[std::min(sorted.size() - 1,
+                         static_cast<size_t>(q * static_cast<double>(sorted.size())))];
 }
 double Mean(const std::vector<double>& v) {
   double sum = 0;
@@ -163,7 +164,10 @@ class BareServer {
   };
   BareServer(std::string event, int tokens, int expected, std::vector<Tick> ticks,
              std::vector<Busy> busy)
-      : event_(std::move(event)), tokens_(tokens), expected_(expected), ticks_(std::move(ticks)),
+      : event_(std::move(event)),
+        tokens_(tokens),
+        expected_(expected),
+        ticks_(std::move(ticks)),
         busy_(std::move(busy)) {
     base_ = event_base_new();
     http_ = evhttp_new(base_);
@@ -221,8 +225,8 @@ class BareServer {
   }
   void Arm() {
     if (next_ >= ticks_.size()) return;
-    const int64_t wait = std::max<int64_t>(
-        0, start_ + ticks_[next_].offset_ns - Nanos(MonotonicNow()));
+    const int64_t wait =
+        std::max<int64_t>(0, start_ + ticks_[next_].offset_ns - Nanos(MonotonicNow()));
     timeval tv = absl::ToTimeval(absl::Nanoseconds(wait));
     evtimer_add(tick_, &tv);
   }
@@ -337,8 +341,8 @@ int Main(int argc, char** argv) {
   std::vector<int> made;
   std::vector<BareServer::Tick> ticks;
   std::vector<BareServer::Busy> busy;
-  std::vector<double> router_ms, plan_ms, cm_ms, complete_ms, executor_ms, idle_ms,
-      prefill_step_ms, decode_step_ms;
+  std::vector<double> router_ms, plan_ms, cm_ms, complete_ms, executor_ms, idle_ms, prefill_step_ms,
+      decode_step_ms;
   int made_total = 0;
   for (size_t i = 0; i < steps.size(); ++i) {
     const TracedStep& s = steps[i];
@@ -349,12 +353,14 @@ int Main(int argc, char** argv) {
     busy.push_back({s.dispatched - steps[0].answered, s.answered - steps[0].answered});
     // The router's own share of a step: planning, the cache manager's Step, sending the
     // batches, then completing the step and handing tokens to the HTTP thread.
-    router_ms.push_back(static_cast<double>((s.dispatched - s.planned) + (s.delivered - s.answered)) / 1e6);
+    router_ms.push_back(
+        static_cast<double>((s.dispatched - s.planned) + (s.delivered - s.answered)) / 1e6);
     cm_ms.push_back(static_cast<double>(s.cache_manager) / 1e6);
     plan_ms.push_back(static_cast<double>(s.dispatched - s.planned - s.cache_manager) / 1e6);
     complete_ms.push_back(static_cast<double>(s.delivered - s.answered) / 1e6);
     executor_ms.push_back(static_cast<double>(s.answered - s.dispatched) / 1e6);
-    if (i + 1 < steps.size()) idle_ms.push_back(static_cast<double>(steps[i + 1].planned - s.delivered) / 1e6);
+    if (i + 1 < steps.size())
+      idle_ms.push_back(static_cast<double>(steps[i + 1].planned - s.delivered) / 1e6);
     (s.prefill_tokens > 0 ? prefill_step_ms : decode_step_ms)
         .push_back(static_cast<double>(s.delivered - s.planned) / 1e6);
   }
@@ -368,9 +374,13 @@ int Main(int argc, char** argv) {
 
   // The bare server replays the steps with a token event of the router's size.
   const std::string event =
-      "data:" + json{{"index", 9}, {"token", {{"id", 77}, {"text", "x"},
-                                              {"logprob", -1.2345678}, {"special", false}}},
-                     {"generated_text", nullptr}, {"details", nullptr}}.dump() + "\n\n";
+      "data:" +
+      json{{"index", 9},
+           {"token", {{"id", 77}, {"text", "x"}, {"logprob", -1.2345678}, {"special", false}}},
+           {"generated_text", nullptr},
+           {"details", nullptr}}
+          .dump() +
+      "\n\n";
   std::vector<double> bare_added, bare_gaps;
   std::vector<int> bare_attributed;
   {
@@ -382,26 +392,30 @@ int Main(int argc, char** argv) {
     bare_added = AddedLatencies(served, bare.births(), &bare_attributed, &bare_per_step);
   }
 
-  std::printf("%d streams of %d tokens at once, one client thread, one executor of the tiny "
-              "model, --max-batch-prefill-tokens %d\n", streams, tokens, prefill);
-  std::printf("router: %zu steps in %.2f s (%zu with prefill, %.2f ms mean; %zu decode only, "
-              "%.2f ms mean); its threads %d idle, %d with %d streams open\n",
-              steps.size(), routed_wall, prefill_step_ms.size(), Mean(prefill_step_ms),
-              decode_step_ms.size(), Mean(decode_step_ms), threads_idle, threads_busy, streams);
-  std::printf("per step, mean: router's own %.3f ms (planning and sending %.3f, cache manager "
-              "%.3f, completing %.3f), executor %.2f ms, between steps %.3f ms: router share "
-              "%.2f%%\n",
-              Mean(router_ms), Mean(plan_ms), Mean(cm_ms), Mean(complete_ms), Mean(executor_ms),
-              Mean(idle_ms),
-              100.0 * (Mean(router_ms) + Mean(idle_ms)) /
-                  (Mean(router_ms) + Mean(idle_ms) + Mean(executor_ms)));
-  std::printf("tokens the attribution gives a step beyond what it made: router %d, bare %d "
-              "(of %d)\n",
-              Misattributed(router_attributed, made), Misattributed(bare_attributed, made),
-              made_total);
+  std::printf(
+      "%d streams of %d tokens at once, one client thread, one executor of the tiny "
+      "model, --max-batch-prefill-tokens %d\n",
+      streams, tokens, prefill);
+  std::printf(
+      "router: %zu steps in %.2f s (%zu with prefill, %.2f ms mean; %zu decode only, "
+      "%.2f ms mean); its threads %d idle, %d with %d streams open\n",
+      steps.size(), routed_wall, prefill_step_ms.size(), Mean(prefill_step_ms),
+      decode_step_ms.size(), Mean(decode_step_ms), threads_idle, threads_busy, streams);
+  std::printf(
+      "per step, mean: router's own %.3f ms (planning and sending %.3f, cache manager "
+      "%.3f, completing %.3f), executor %.2f ms, between steps %.3f ms: router share "
+      "%.2f%%\n",
+      Mean(router_ms), Mean(plan_ms), Mean(cm_ms), Mean(complete_ms), Mean(executor_ms),
+      Mean(idle_ms),
+      100.0 * (Mean(router_ms) + Mean(idle_ms)) /
+          (Mean(router_ms) + Mean(idle_ms) + Mean(executor_ms)));
+  std::printf(
+      "tokens the attribution gives a step beyond what it made: router %d, bare %d "
+      "(of %d)\n",
+      Misattributed(router_attributed, made), Misattributed(bare_attributed, made), made_total);
   std::printf("\n%-34s %10s %10s %10s\n", "ms", "p50", "p99", "max");
-  std::printf("%-34s %10.3f %10.3f %10.3f\n", "added latency: router",
-              Quantile(router_added, 0.5), Quantile(router_added, 0.99), router_added.back());
+  std::printf("%-34s %10.3f %10.3f %10.3f\n", "added latency: router", Quantile(router_added, 0.5),
+              Quantile(router_added, 0.99), router_added.back());
   std::printf("%-34s %10.3f %10.3f %10.3f\n", "added latency: bare evhttp replay",
               Quantile(bare_added, 0.5), Quantile(bare_added, 0.99), bare_added.back());
   std::printf("%-34s %9.2fx %9.2fx   (goal <= 1.20x)\n", "ratio",
@@ -411,15 +425,15 @@ int Main(int argc, char** argv) {
               Quantile(router_gaps, 0.5), Quantile(router_gaps, 0.99), router_gaps.back());
   std::printf("%-34s %10.2f %10.2f %10.2f\n", "gap between tokens: bare replay",
               Quantile(bare_gaps, 0.5), Quantile(bare_gaps, 0.99), bare_gaps.back());
-  std::printf("%-34s %9.2fx %9.2fx\n", "ratio", Quantile(router_gaps, 0.5) / Quantile(bare_gaps, 0.5),
+  std::printf("%-34s %9.2fx %9.2fx\n", "ratio",
+              Quantile(router_gaps, 0.5) / Quantile(bare_gaps, 0.5),
               Quantile(router_gaps, 0.99) / Quantile(bare_gaps, 0.99));
   if (per_step) {
     // Where the tails come from: each step's tokens, its added latency in both runs, when
     // it was answered, and the router's own parts of the next step (planning and sending,
     // the cache manager's Step within it), which run while this step's tokens are written.
-    std::printf("\n%5s %7s %8s %10s %10s %10s %10s %10s %10s %10s\n", "step", "tokens",
-                "prefill", "router p50", "max", "bare p50", "max", "answered", "next plan",
-                "next cm");
+    std::printf("\n%5s %7s %8s %10s %10s %10s %10s %10s %10s %10s\n", "step", "tokens", "prefill",
+                "router p50", "max", "bare p50", "max", "answered", "next plan", "next cm");
     for (size_t i = 0; i < steps.size(); ++i) {
       std::vector<double>& r = router_per_step[i];
       std::vector<double>& b = bare_per_step[i];

@@ -90,20 +90,33 @@ BlockHash HashOf(uint64_t seed, int i) {
   return Xxh3Digest({reinterpret_cast<const uint8_t*>(message.data()), message.size()});
 }
 
-
 std::string FileSystem(const std::string& path) {
   struct statfs s {};
   if (::statfs(path.c_str(), &s) != 0) return "unknown";
   const auto type = static_cast<uint64_t>(s.f_type);
   const char* name = "other";
   switch (type) {
-    case 0xEF53: name = "ext2/ext3/ext4"; break;
-    case 0x01021994: name = "tmpfs"; break;
-    case 0x58465342: name = "xfs"; break;
-    case 0x9123683E: name = "btrfs"; break;
-    case 0x794C7630: name = "overlayfs"; break;
-    case 0x6969: name = "nfs"; break;
-    case 0x2FC12FC1: name = "zfs"; break;
+    case 0xEF53:
+      name = "ext2/ext3/ext4";
+      break;
+    case 0x01021994:
+      name = "tmpfs";
+      break;
+    case 0x58465342:
+      name = "xfs";
+      break;
+    case 0x9123683E:
+      name = "btrfs";
+      break;
+    case 0x794C7630:
+      name = "overlayfs";
+      break;
+    case 0x6969:
+      name = "nfs";
+      break;
+    case 0x2FC12FC1:
+      name = "zfs";
+      break;
   }
   char hex[32];
   std::snprintf(hex, sizeof(hex), "0x%llx", static_cast<unsigned long long>(type));
@@ -242,8 +255,7 @@ using Done = tiers::KvTiers::Done;
 // Polls `kv` into `done` until `finished()`, waiting on wake_fd between polls as the cache
 // manager's socket thread does. The wait is bounded (10 ms) because the disk sync that
 // StoreAll waits for posts no result; a load's result always wakes it.
-void PollUntil(tiers::KvTiers& kv, std::vector<Done>& done,
-               const std::function<bool()>& finished) {
+void PollUntil(tiers::KvTiers& kv, std::vector<Done>& done, const std::function<bool()>& finished) {
   while (true) {
     kv.Poll(&done);
     if (finished()) return;
@@ -266,9 +278,9 @@ struct Loader {
 // a timed load. Null (after a message) when KvTiers::Create fails.
 std::unique_ptr<Loader> StoreAll(const tiers::TierOptions& options, const KvCacheSpec& spec,
                                  const BenchPool& pool, const std::vector<BlockHash>& hashes) {
-  auto created = tiers::KvTiers::Create(
-      options, spec, HashAlgorithm::kXxh3V2, pool.Access(),
-      [](std::string line) { std::printf("tiers: %s\n", line.c_str()); });
+  auto created =
+      tiers::KvTiers::Create(options, spec, HashAlgorithm::kXxh3V2, pool.Access(),
+                             [](std::string line) { std::printf("tiers: %s\n", line.c_str()); });
   if (!created.ok()) {
     std::fprintf(stderr, "KvTiers::Create: %s\n", created.status().ToString().c_str());
     return nullptr;
@@ -369,8 +381,7 @@ int DiskBench(const Flags& flags, const KvCacheSpec& spec, const std::string& ro
   tiers::SlotBuffer buffer(slot_bytes);
   auto start = Clock::now();
   for (int i = 0; i < n; ++i) {
-    std::memcpy(buffer.data(), data.data() + static_cast<uint64_t>(i) * block_bytes,
-                block_bytes);
+    std::memcpy(buffer.data(), data.data() + static_cast<uint64_t>(i) * block_bytes, block_bytes);
     const absl::Status written = disk->Write(i, hashes[static_cast<size_t>(i)], i + 1, buffer);
     KVCM_CHECK(written.ok()) << written;
   }
@@ -417,14 +428,15 @@ int DiskBench(const Flags& flags, const KvCacheSpec& spec, const std::string& ro
     ::close(fd);
   }
 
-  std::printf("\nT2 (disk) load: %d blocks, slot %llu bytes (4096 header + data), %zu files, "
-              "O_DIRECT %s\n",
-              n, static_cast<unsigned long long>(slot_bytes), tier_files.size(),
-              direct ? "yes (tier and baseline)" : "no (buffered: tier and baseline)");
+  std::printf(
+      "\nT2 (disk) load: %d blocks, slot %llu bytes (4096 header + data), %zu files, "
+      "O_DIRECT %s\n",
+      n, static_cast<unsigned long long>(slot_bytes), tier_files.size(),
+      direct ? "yes (tier and baseline)" : "no (buffered: tier and baseline)");
   PrintRow("DiskTier::Write (informative, not synced)", total, write_s);
   for (const auto& loader : loaders) {
-    PrintRow(MoversName("informative: KvTiers store + sync", loader->movers, "").c_str(),
-             total, loader->store_s);
+    PrintRow(MoversName("informative: KvTiers store + sync", loader->movers, "").c_str(), total,
+             loader->store_s);
   }
 
   Aligned base_buffer(slot_bytes);
@@ -448,14 +460,13 @@ int DiskBench(const Flags& flags, const KvCacheSpec& spec, const std::string& ro
     for (int i = 0; i < n; ++i) {
       tiers::Refusal refusal = tiers::Refusal::kIoError;
       const absl::Status read = disk->Read(i, hashes[static_cast<size_t>(i)], buffer, &refusal);
-      KVCM_CHECK(read.ok()) << "slot " << i << ": " << read << " ("
-                            << tiers::RefusalName(refusal) << ")";
+      KVCM_CHECK(read.ok()) << "slot " << i << ": " << read << " (" << tiers::RefusalName(refusal)
+                            << ")";
     }
     best_read = std::min(best_read, Seconds(start));
     KVCM_CHECK(disk->bytes_read() - read_before == total);
     // The last block read back is the one written.
-    KVCM_CHECK(std::memcmp(buffer.data(),
-                           data.data() + static_cast<uint64_t>(n - 1) * block_bytes,
+    KVCM_CHECK(std::memcmp(buffer.data(), data.data() + static_cast<uint64_t>(n - 1) * block_bytes,
                            block_bytes) == 0);
 
     dropped &= DropFromPageCache(base_path);
@@ -492,8 +503,8 @@ int DiskBench(const Flags& flags, const KvCacheSpec& spec, const std::string& ro
   PrintRow("informative: XXH3-64 of the data in memory", static_cast<uint64_t>(n) * block_bytes,
            best_hash);
   for (const auto& loader : loaders) {
-    PrintRatio(MoversName("T2 load / pread", loader->movers, "").c_str(),
-               total / loader->best_s, total / best_base, 0.8);
+    PrintRatio(MoversName("T2 load / pread", loader->movers, "").c_str(), total / loader->best_s,
+               total / best_base, 0.8);
   }
   std::printf("  %-44s ratio %.2f (informative)\n", "DiskTier::Read alone / pread",
               best_base / best_read);
@@ -519,8 +530,8 @@ int HostBench(const Flags& flags, const KvCacheSpec& spec, const std::vector<uin
       spec, pool, hashes);
   if (loaders.empty()) return 1;
 
-  std::printf("\nT1 (host) load: %d blocks of %llu bytes (%d runs of %lld bytes in the pool)\n",
-              n, static_cast<unsigned long long>(block_bytes), 2 * spec.num_layers,
+  std::printf("\nT1 (host) load: %d blocks of %llu bytes (%d runs of %lld bytes in the pool)\n", n,
+              static_cast<unsigned long long>(block_bytes), 2 * spec.num_layers,
               static_cast<long long>(pool.layout.block_stride));
   for (const auto& loader : loaders) {
     PrintRow(MoversName("informative: KvTiers store -> T1", loader->movers, "").c_str(), total,
@@ -549,8 +560,8 @@ int HostBench(const Flags& flags, const KvCacheSpec& spec, const std::vector<uin
   }
   PrintRow("baseline: memcpy per block (best of reps)", total, best_base);
   for (const auto& loader : loaders) {
-    PrintRatio(MoversName("T1 load / memcpy", loader->movers, "").c_str(),
-               total / loader->best_s, total / best_base, 0.8);
+    PrintRatio(MoversName("T1 load / memcpy", loader->movers, "").c_str(), total / loader->best_s,
+               total / best_base, 0.8);
   }
   return 0;
 }

@@ -140,12 +140,12 @@ class TierModel {
 };
 
 struct ReplayResult {
-  uint64_t pool_hits = 0;                 // blocks the pool shared at Allocate
-  std::vector<uint64_t> with_tier_hits;   // per tier model: pool hits + its loads
+  uint64_t pool_hits = 0;                // blocks the pool shared at Allocate
+  std::vector<uint64_t> with_tier_hits;  // per tier model: pool hits + its loads
   uint64_t evictions = 0;
-  uint64_t early_frees = 0;               // requests freed before their turn (pool full)
+  uint64_t early_frees = 0;  // requests freed before their turn (pool full)
   int32_t peak_in_use = 0;
-  double mean_live = 0;                   // live requests, averaged over Allocates
+  double mean_live = 0;  // live requests, averaged over Allocates
 };
 
 ReplayResult Replay(const Trace& t, int32_t num_blocks, std::vector<TierModel>* tiers) {
@@ -247,8 +247,8 @@ ReplayResult Replay(const Trace& t, int32_t num_blocks, std::vector<TierModel>* 
       }
       n = next;
       if (n % bs == 0) {
-        KVCM_CHECK(ledger.Commit(seq, n, std::span(&hashes[static_cast<size_t>(n / bs - 1)], 1))
-                       .ok());
+        KVCM_CHECK(
+            ledger.Commit(seq, n, std::span(&hashes[static_cast<size_t>(n / bs - 1)], 1)).ok());
       } else {
         KVCM_CHECK(ledger.Commit(seq, n).ok());
       }
@@ -264,7 +264,6 @@ ReplayResult Replay(const Trace& t, int32_t num_blocks, std::vector<TierModel>* 
   KVCM_CHECK(ledger.CheckInvariants().ok()) << ledger.CheckInvariants();
   return result;
 }
-
 
 double Percent(uint64_t part, uint64_t whole) {
   return whole == 0 ? 0 : 100.0 * static_cast<double>(part) / static_cast<double>(whole);
@@ -309,21 +308,22 @@ int Main(int argc, char** argv) {
   for (const Request& r : trace.requests) {
     entries += (r.prompt + r.generated + trace.block_size - 1) / trace.block_size;
   }
-  std::printf("trace %s: %zu requests, %zu prompt tokens, its pool %d blocks of %d, %d live, "
-              "seed %llu; %lld block-table entries; hash %s\n",
-              trace_path.c_str(), trace.requests.size(), trace.tokens.size(), trace.num_blocks,
-              trace.block_size, trace.max_live, static_cast<unsigned long long>(trace.seed),
-              static_cast<long long>(entries),
-              std::string(HashAlgorithmName(kDefaultHashAlgorithm)).c_str());
+  std::printf(
+      "trace %s: %zu requests, %zu prompt tokens, its pool %d blocks of %d, %d live, "
+      "seed %llu; %lld block-table entries; hash %s\n",
+      trace_path.c_str(), trace.requests.size(), trace.tokens.size(), trace.num_blocks,
+      trace.block_size, trace.max_live, static_cast<unsigned long long>(trace.seed),
+      static_cast<long long>(entries),
+      std::string(HashAlgorithmName(kDefaultHashAlgorithm)).c_str());
 
   std::vector<TierModel> none;
   const ReplayResult unbounded = Replay(trace, static_cast<int32_t>(entries + 1), &none);
-  std::printf("(c) unbounded pool (%lld blocks): %llu hit blocks, %llu evictions, peak %d "
-              "blocks in use, %.1f live\n",
-              static_cast<long long>(entries + 1),
-              static_cast<unsigned long long>(unbounded.pool_hits),
-              static_cast<unsigned long long>(unbounded.evictions), unbounded.peak_in_use,
-              unbounded.mean_live);
+  std::printf(
+      "(c) unbounded pool (%lld blocks): %llu hit blocks, %llu evictions, peak %d "
+      "blocks in use, %.1f live\n",
+      static_cast<long long>(entries + 1), static_cast<unsigned long long>(unbounded.pool_hits),
+      static_cast<unsigned long long>(unbounded.evictions), unbounded.peak_in_use,
+      unbounded.mean_live);
 
   for (size_t at = 0; at < pools.size();) {
     const size_t comma = std::min(pools.find(',', at), pools.size());
@@ -342,13 +342,13 @@ int Main(int argc, char** argv) {
     tiers.emplace_back(tier_blocks, TierModel::Admission::kWriteThrough);
     tiers.emplace_back(tier_blocks, TierModel::Admission::kSecondUse);
     const ReplayResult r = Replay(trace, pool, &tiers);
-    std::printf("\npool %d blocks (%s: %s %d / %g), tier index %lld blocks (%lld x the "
-                "pool): %.1f live on average, %llu requests freed early, %llu evictions\n",
-                pool, spec.c_str(), basis == "peak" ? "(c)'s peak in use" : "the trace's pool",
-                whole, divisor, static_cast<long long>(tier_blocks),
-                static_cast<long long>(tier_multiple), r.mean_live,
-                static_cast<unsigned long long>(r.early_frees),
-                static_cast<unsigned long long>(r.evictions));
+    std::printf(
+        "\npool %d blocks (%s: %s %d / %g), tier index %lld blocks (%lld x the "
+        "pool): %.1f live on average, %llu requests freed early, %llu evictions\n",
+        pool, spec.c_str(), basis == "peak" ? "(c)'s peak in use" : "the trace's pool", whole,
+        divisor, static_cast<long long>(tier_blocks), static_cast<long long>(tier_multiple),
+        r.mean_live, static_cast<unsigned long long>(r.early_frees),
+        static_cast<unsigned long long>(r.evictions));
     std::printf("  %-34s %12s %10s %12s %12s %12s\n", "replay", "hit blocks", "of (c)",
                 "tier loads", "tier stores", "tier evicts");
     std::printf("  %-34s %12llu %9.2f%%\n", "(c) unbounded pool",
@@ -366,12 +366,12 @@ int Main(int argc, char** argv) {
                   static_cast<unsigned long long>(tiers[k].evicted()));
     }
     const double b = Percent(r.with_tier_hits[0], unbounded.pool_hits) / 100.0;
-    std::printf("  (b) write-through / (c) ratio %.4f (goal >= 0.95: %s); (a) / (c) %.4f; "
-                "second-use / write-through %.4f\n",
-                b, b >= 0.95 ? "met" : "missed",
-                Percent(r.pool_hits, unbounded.pool_hits) / 100.0,
-                static_cast<double>(r.with_tier_hits[1]) /
-                    static_cast<double>(std::max<uint64_t>(r.with_tier_hits[0], 1)));
+    std::printf(
+        "  (b) write-through / (c) ratio %.4f (goal >= 0.95: %s); (a) / (c) %.4f; "
+        "second-use / write-through %.4f\n",
+        b, b >= 0.95 ? "met" : "missed", Percent(r.pool_hits, unbounded.pool_hits) / 100.0,
+        static_cast<double>(r.with_tier_hits[1]) /
+            static_cast<double>(std::max<uint64_t>(r.with_tier_hits[0], 1)));
   }
   return 0;
 }

@@ -91,12 +91,9 @@ struct Result {
 
 // One streamed chat completion: its time to first token, usage and answer.
 Turn Chat(const LaunchStack& stack, int port, const json& messages, int max_tokens) {
-  const json body = {{"model", "m"},
-                     {"messages", messages},
-                     {"max_tokens", max_tokens},
-                     {"temperature", 0},
-                     {"stream", true},
-                     {"stream_options", {{"include_usage", true}}}};
+  const json body = {
+      {"model", "m"},     {"messages", messages}, {"max_tokens", max_tokens},
+      {"temperature", 0}, {"stream", true},       {"stream_options", {{"include_usage", true}}}};
   StreamClient client;
   const absl::Time start = MonotonicNow();
   const std::vector<StreamClient::Stream> streams =
@@ -143,8 +140,9 @@ struct Config {
 Config Start(const std::string& model, const std::string& dir, const Workload& w, bool tiers) {
   const int pool_tokens = PoolBlocks(w) * kBlockSize;
   std::vector<std::string> args = {
-      "--run-dir", dir + "/run", "--num-blocks", std::to_string(PoolBlocks(w)),
-      "--threads", std::to_string(w.threads),
+      "--run-dir",          dir + "/run",
+      "--num-blocks",       std::to_string(PoolBlocks(w)),
+      "--threads",          std::to_string(w.threads),
       "--max-input-tokens", std::to_string(pool_tokens - w.max_tokens - kBlockSize),
       "--max-total-tokens", std::to_string(pool_tokens - kBlockSize)};
   if (tiers) {
@@ -238,11 +236,12 @@ int Main(int argc, char** argv) {
   const std::string dir = absl::StrCat(std::filesystem::temp_directory_path().string(),
                                        "/kvcm-tier-chat-bench-", getpid());
   std::filesystem::create_directories(dir);
-  std::printf("tier_chat_bench: %s, %d conversations of %d turns round-robin, user messages "
-              "of %d words (seed %u), answers of at most %d tokens, greedy; pool of %d blocks "
-              "of %d tokens (a conversation is about %d tokens), %d executor thread(s)\n",
-              model.c_str(), w.conversations, w.turns, w.words, kSeed, w.max_tokens,
-              PoolBlocks(w), kBlockSize, ConversationTokens(w), w.threads);
+  std::printf(
+      "tier_chat_bench: %s, %d conversations of %d turns round-robin, user messages "
+      "of %d words (seed %u), answers of at most %d tokens, greedy; pool of %d blocks "
+      "of %d tokens (a conversation is about %d tokens), %d executor thread(s)\n",
+      model.c_str(), w.conversations, w.turns, w.words, kSeed, w.max_tokens, PoolBlocks(w),
+      kBlockSize, ConversationTokens(w), w.threads);
   std::fflush(stdout);
 
   // Both stacks run at once and take the requests in turn, which of the two first
@@ -275,15 +274,15 @@ int Main(int argc, char** argv) {
       cached_on += on.turns[i].cached_tokens;
       prompt += off.turns[i].prompt_tokens;
     }
-    std::printf("%-5d %14.3f %14.3f %8lld of %6lld %8lld of %6lld\n", t + 1, ttft_off,
-                ttft_on, static_cast<long long>(cached_off), static_cast<long long>(prompt),
+    std::printf("%-5d %14.3f %14.3f %8lld of %6lld %8lld of %6lld\n", t + 1, ttft_off, ttft_on,
+                static_cast<long long>(cached_off), static_cast<long long>(prompt),
                 static_cast<long long>(cached_on), static_cast<long long>(prompt));
   }
 
   const Figures f_off = Summarize(off);
   const Figures f_on = Summarize(on);
-  std::printf("\n%-10s %9s %9s %10s %12s %16s %8s\n", "", "TTFT p50", "TTFT p99",
-              "requests/s", "out tokens/s", "cached/prompt", "busy");
+  std::printf("\n%-10s %9s %9s %10s %12s %16s %8s\n", "", "TTFT p50", "TTFT p99", "requests/s",
+              "out tokens/s", "cached/prompt", "busy");
   auto print = [](const char* name, const Figures& f) {
     std::printf("%-10s %8.3fs %8.3fs %10.3f %12.2f %7lld/%-8lld %7.1fs\n", name, f.p50, f.p99,
                 f.requests_per_s, f.tokens_per_s, static_cast<long long>(f.cached_tokens),
@@ -293,11 +292,11 @@ int Main(int argc, char** argv) {
   print("tiers on", f_on);
   std::printf("tiers on: %.0f cached prompt tokens loaded from the host tier, %.0f from disk\n",
               on.from_host, on.from_disk);
-  std::printf("ratios (tiers on / off): TTFT p50 %.2fx (goal <= 0.5x: %s), p99 %.2fx, "
-              "requests/s %.2fx, output tokens/s %.2fx\n",
-              f_on.p50 / f_off.p50, f_on.p50 <= 0.5 * f_off.p50 ? "met" : "MISSED",
-              f_on.p99 / f_off.p99, f_on.requests_per_s / f_off.requests_per_s,
-              f_on.tokens_per_s / f_off.tokens_per_s);
+  std::printf(
+      "ratios (tiers on / off): TTFT p50 %.2fx (goal <= 0.5x: %s), p99 %.2fx, "
+      "requests/s %.2fx, output tokens/s %.2fx\n",
+      f_on.p50 / f_off.p50, f_on.p50 <= 0.5 * f_off.p50 ? "met" : "MISSED", f_on.p99 / f_off.p99,
+      f_on.requests_per_s / f_off.requests_per_s, f_on.tokens_per_s / f_off.tokens_per_s);
 
   size_t same = 0;
   size_t first_difference = off.turns.size();
@@ -308,12 +307,11 @@ int Main(int argc, char** argv) {
       first_difference = i;
     }
   }
-  std::printf("same greedy answers with tiers on and off: %zu of %zu\n", same,
-              off.turns.size());
+  std::printf("same greedy answers with tiers on and off: %zu of %zu\n", same, off.turns.size());
   KVCM_CHECK(same == off.turns.size())
       << "the tiers changed an answer, first request " << first_difference << ": \""
-      << off.turns[first_difference].answer << "\" against \""
-      << on.turns[first_difference].answer << "\"";
+      << off.turns[first_difference].answer << "\" against \"" << on.turns[first_difference].answer
+      << "\"";
   return 0;
 }
 

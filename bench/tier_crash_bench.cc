@@ -92,13 +92,11 @@ class Stack {
  public:
   Stack(const std::string& model, const std::string& dir, int sync_ms) : dir_(dir) {
     testing::Subprocess::Options options;
-    options.argv = {testing::KvcmBinaryPath("kvcm-launch"), "--model", model,
-                    "--port", "0", "--run-dir", dir + "/run", "--executors", "1",
-                    "--threads", "1", "--block-size", "4", "--num-blocks", "4096",
-                    "--restart-backoff-ms", "100",
-                    "--prometheus-targets", dir + "/targets.json",
-                    "--disk-tier-dir", dir + "/tier", "--disk-tier-bytes", "1GiB",
-                    "--disk-tier-sync-ms", std::to_string(sync_ms),
+    options.argv = {testing::KvcmBinaryPath("kvcm-launch"), "--model", model, "--port", "0",
+                    "--run-dir", dir + "/run", "--executors", "1", "--threads", "1", "--block-size",
+                    "4", "--num-blocks", "4096", "--restart-backoff-ms", "100",
+                    "--prometheus-targets", dir + "/targets.json", "--disk-tier-dir", dir + "/tier",
+                    "--disk-tier-bytes", "1GiB", "--disk-tier-sync-ms", std::to_string(sync_ms),
                     // A prompt's check waits for its blocks however long they take to load.
                     "--tier-load-timeout-ms", "600000"};
     options.output_path = dir + "/launch.log";
@@ -138,8 +136,7 @@ class Stack {
                                      /*allow_exceptions=*/false);
     if (!targets.is_array()) return values;
     for (const json& group : targets) {
-      if (group.value("labels", json::object()).value("__kvcm_component", "") !=
-              "cache-manager" ||
+      if (group.value("labels", json::object()).value("__kvcm_component", "") != "cache-manager" ||
           !group.contains("targets") || group["targets"].empty()) {
         continue;
       }
@@ -162,15 +159,14 @@ class Stack {
   // when it failed (the cache manager is down and the router gave up, say).
   std::optional<std::pair<int, int>> Complete(const std::string& prompt,
                                               absl::Duration timeout) const {
-    const json body = {{"model", "m"}, {"prompt", prompt}, {"max_tokens", 1},
-                       {"temperature", 0}};
+    const json body = {{"model", "m"}, {"prompt", prompt}, {"max_tokens", 1}, {"temperature", 0}};
     auto reply = testing::HttpPost(url_ + "/v1/completions", body.dump(), timeout);
     if (!reply.ok() || reply->status != 200) return std::nullopt;
     const json parsed = json::parse(reply->body, nullptr, /*allow_exceptions=*/false);
     if (!parsed.is_object() || !parsed.contains("usage")) return std::nullopt;
-    return std::pair<int, int>{parsed["usage"]["prompt_tokens"].get<int>(),
-                               parsed["usage"]["prompt_tokens_details"]["cached_tokens"]
-                                   .get<int>()};
+    return std::pair<int, int>{
+        parsed["usage"]["prompt_tokens"].get<int>(),
+        parsed["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>()};
   }
 
  private:
@@ -205,10 +201,11 @@ int Main(int argc, char** argv) {
   tiny.seed = 11;
   const std::string model = dir + "/tiny";
   KVCM_CHECK(WriteTinyModel(model, tiny).ok());
-  std::printf("tier_crash_bench: %d round(s), seed %llu, %d prompts/s%s, --disk-tier-sync-ms "
-              "%d, %d client(s), the tiny model, disk tier in %s\n",
-              args.rounds, static_cast<unsigned long long>(args.seed), args.rate,
-              args.rate == 0 ? " (unpaced)" : "", args.sync_ms, args.clients, dir.c_str());
+  std::printf(
+      "tier_crash_bench: %d round(s), seed %llu, %d prompts/s%s, --disk-tier-sync-ms "
+      "%d, %d client(s), the tiny model, disk tier in %s\n",
+      args.rounds, static_cast<unsigned long long>(args.seed), args.rate,
+      args.rate == 0 ? " (unpaced)" : "", args.sync_ms, args.clients, dir.c_str());
   std::mt19937_64 rng(args.seed);
   std::atomic<int> next_prompt{0};
   std::vector<Round> rounds;
@@ -246,8 +243,7 @@ int Main(int argc, char** argv) {
         }
       });
     }
-    absl::SleepFor(start + absl::Seconds(round.kill_after) - absl::Milliseconds(50) -
-                   absl::Now());
+    absl::SleepFor(start + absl::Seconds(round.kill_after) - absl::Milliseconds(50) - absl::Now());
     const std::vector<double> at_kill = stack.Metrics(
         {"kvcm_cache_manager_tier_unsynced_writes", "kvcm_cache_manager_tier_held_blocks",
          "kvcm_cache_manager_tier_syncs_total", "kvcm_cache_manager_tier_stores_dropped_total"});
@@ -292,17 +288,16 @@ int Main(int argc, char** argv) {
         round.oldest_lost = std::max(round.oldest_lost, age);
       }
     }
-    std::printf("round %d: SIGKILL at %.3f s (50 ms before: %.0f blocks held for stores, %.0f "
-                "disk writes not synced, %.0f syncs since the start, %.0f stores dropped): %d "
-                "prompts completed "
-                "before it, %d found again whole, %d lost (%d in part); youngest found again "
-                "%.3f s old, oldest lost %s\n",
-                r, round.kill_after, round.held_at_kill, round.unsynced_at_kill, round.syncs,
-                round.stores_dropped,
-                round.completed, round.recovered,
-                round.completed - round.recovered, round.partial, round.youngest_recovered,
-                round.oldest_lost < 0 ? "none"
-                                      : absl::StrFormat("%.3f s old", round.oldest_lost).c_str());
+    std::printf(
+        "round %d: SIGKILL at %.3f s (50 ms before: %.0f blocks held for stores, %.0f "
+        "disk writes not synced, %.0f syncs since the start, %.0f stores dropped): %d "
+        "prompts completed "
+        "before it, %d found again whole, %d lost (%d in part); youngest found again "
+        "%.3f s old, oldest lost %s\n",
+        r, round.kill_after, round.held_at_kill, round.unsynced_at_kill, round.syncs,
+        round.stores_dropped, round.completed, round.recovered, round.completed - round.recovered,
+        round.partial, round.youngest_recovered,
+        round.oldest_lost < 0 ? "none" : absl::StrFormat("%.3f s old", round.oldest_lost).c_str());
     std::fflush(stdout);
     rounds.push_back(round);
     stack.Stop();
@@ -320,9 +315,10 @@ int Main(int argc, char** argv) {
     youngest = std::min(youngest, round.youngest_recovered);
     oldest_lost = std::max(oldest_lost, round.oldest_lost);
   }
-  std::printf("over %d rounds: %d prompts completed before a kill, %d found again whole, %d "
-              "lost (stores dropped before the kills: %.0f)\n",
-              args.rounds, completed, recovered, completed - recovered, stores_dropped);
+  std::printf(
+      "over %d rounds: %d prompts completed before a kill, %d found again whole, %d "
+      "lost (stores dropped before the kills: %.0f)\n",
+      args.rounds, completed, recovered, completed - recovered, stores_dropped);
   std::printf("youngest prompt found again: %.3f s before the kill\n", youngest);
   if (oldest_lost < 0) {
     std::printf("oldest prompt lost: none\n");

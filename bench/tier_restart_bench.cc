@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "absl/strings/str_cat.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "bench/launch_stack.h"
 #include "common/base/check.h"
@@ -52,13 +52,13 @@ Args ParseArgs(int argc, char** argv) {
 
 LaunchStack Start(const std::string& model, const std::string& dir, int tokens, int threads) {
   const int blocks = tokens / 16 * 2 + 64;  // two prompts and room to spare
-  return StartLaunch(model,
-                     {"--run-dir", dir + "/run", "--num-blocks", std::to_string(blocks),
-                      "--threads", std::to_string(threads),
-                      "--max-input-tokens", std::to_string(tokens + 256),
-                      "--max-total-tokens", std::to_string(tokens + 512),
-                      "--disk-tier-dir", dir + "/tier", "--disk-tier-bytes", "1GiB"},
-                     dir + "/launch.log");
+  return StartLaunch(
+      model,
+      {"--run-dir", dir + "/run", "--num-blocks", std::to_string(blocks), "--threads",
+       std::to_string(threads), "--max-input-tokens", std::to_string(tokens + 256),
+       "--max-total-tokens", std::to_string(tokens + 512), "--disk-tier-dir", dir + "/tier",
+       "--disk-tier-bytes", "1GiB"},
+      dir + "/launch.log");
 }
 
 struct Timed {
@@ -90,17 +90,18 @@ int Main(int argc, char** argv) {
     std::printf("%s\n", testing::SmolLM2Missing(model).c_str());
     return 0;
   }
-  const std::string dir = absl::StrCat(
-      std::filesystem::temp_directory_path().string(), "/kvcm-tier-restart-bench-", getpid());
+  const std::string dir = absl::StrCat(std::filesystem::temp_directory_path().string(),
+                                       "/kvcm-tier-restart-bench-", getpid());
   std::filesystem::create_directories(dir);
   constexpr uint32_t kSeed = 20261206;
   // About 1.06 tokens per word (SeededText).
   const int words = args.tokens * 17 / 18;
   const std::string warm_prompt = SeededText(kSeed, words);
   const std::string cold_prompt = SeededText(kSeed + 1, words);
-  std::printf("tier_restart_bench: %s, prompts of about %d tokens (seed %u), %d executor "
-              "thread(s), disk tier in %s\n",
-              model.c_str(), args.tokens, kSeed, args.threads, dir.c_str());
+  std::printf(
+      "tier_restart_bench: %s, prompts of about %d tokens (seed %u), %d executor "
+      "thread(s), disk tier in %s\n",
+      model.c_str(), args.tokens, kSeed, args.threads, dir.c_str());
 
   LaunchStack first = Start(model, dir, args.tokens, args.threads);
   const Timed before = Complete(first, warm_prompt);
@@ -112,8 +113,8 @@ int Main(int argc, char** argv) {
   StopLaunch(second);
   std::filesystem::remove_all(dir);
 
-  std::printf("first start, cold:       %7.3f s  (%d prompt tokens, %d cached)\n",
-              before.seconds, before.prompt_tokens, before.cached_tokens);
+  std::printf("first start, cold:       %7.3f s  (%d prompt tokens, %d cached)\n", before.seconds,
+              before.prompt_tokens, before.cached_tokens);
   std::printf("after restart, warm:     %7.3f s  (%d prompt tokens, %d cached from disk)\n",
               warm.seconds, warm.prompt_tokens, warm.cached_tokens);
   std::printf("after restart, cold:     %7.3f s  (%d prompt tokens, %d cached)\n", cold.seconds,

@@ -167,16 +167,15 @@ uint64_t ProcessCpuNs(pid_t pid) {
   return total;
 }
 
-
 struct Side {
   explicit Side(const char* side_name) : name(side_name) {}
   const char* name;
   std::unique_ptr<testing::CacheManagerProcess> process;
   std::unique_ptr<CacheManagerClient> client;
   DecodeStepStream stream{64};
-  std::vector<double> samples;         // seconds, back to back
-  std::vector<double> paced_samples;   // seconds, each after the mover went idle
-  uint64_t cpu_ns = 0;                 // the process's, over the back-to-back steps
+  std::vector<double> samples;        // seconds, back to back
+  std::vector<double> paced_samples;  // seconds, each after the mover went idle
+  uint64_t cpu_ns = 0;                // the process's, over the back-to-back steps
 };
 
 // Until `side`'s mover has nothing in hand (outside the clock); one Stats round trip when
@@ -197,8 +196,7 @@ void WaitMoverIdle(Side& side, std::chrono::microseconds poll) {
 // `steps` steps of `side`; timed into `samples` (and its CPU time into *cpu_ns) unless
 // null (the CPU time over the whole run: the copies the steps queued may finish after
 // it); paced: each step only once the side's mover is idle.
-void RunSteps(Side& side, int steps, std::vector<double>* samples, uint64_t* cpu_ns,
-              bool paced) {
+void RunSteps(Side& side, int steps, std::vector<double>* samples, uint64_t* cpu_ns, bool paced) {
   const uint64_t cpu_start = cpu_ns != nullptr ? ProcessCpuNs(side.process->process().pid()) : 0;
   for (int i = 0; i < steps; ++i) {
     if (paced) WaitMoverIdle(side, std::chrono::microseconds(100));
@@ -230,7 +228,7 @@ int FlagInt(int argc, char** argv, std::string_view name, int fallback) {
 
 int Main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
-  const int steps = FlagInt(argc, argv, "--steps", 500);   // per run
+  const int steps = FlagInt(argc, argv, "--steps", 500);  // per run
   const int rounds = FlagInt(argc, argv, "--rounds", 16);
   const int paced_steps = FlagInt(argc, argv, "--paced-steps", 125);  // per run
   std::printf("cpu: %s (%ld online); nothing random (no seed)\n", bench::CpuModel().c_str(),
@@ -282,10 +280,10 @@ int Main(int argc, char** argv) {
   }
   absl::StatusOr<StatsSnapshot> first = on.client->Stats();
   KVCM_CHECK(first.ok() && first->tiers.size() == 2) << "the tiered process has no two tiers";
-  std::printf("tiers on: host %d slots, disk %d slots in %s; block 16 KiB (2 layers x 2 KV "
-              "heads x 64, fp16, 16 tokens); 64 sequences, decode steps once a block\n",
-              first->tiers[0].capacity_blocks, first->tiers[1].capacity_blocks,
-              disk_dir.c_str());
+  std::printf(
+      "tiers on: host %d slots, disk %d slots in %s; block 16 KiB (2 layers x 2 KV "
+      "heads x 64, fp16, 16 tokens); 64 sequences, decode steps once a block\n",
+      first->tiers[0].capacity_blocks, first->tiers[1].capacity_blocks, disk_dir.c_str());
 
   RunSteps(off, kWarmupSteps, nullptr, nullptr, false);
   RunSteps(on, kWarmupSteps, nullptr, nullptr, false);
@@ -307,13 +305,14 @@ int Main(int argc, char** argv) {
   absl::StatusOr<StatsSnapshot> stats = on.client->Stats();
   KVCM_CHECK(stats.ok()) << stats.status();
   const double committed = static_cast<double>(on.stream.stored());
-  std::printf("%d rounds of %d back-to-back and %d paced steps each side (+%d warm-up); "
-              "%.2f blocks stored per step; tiered: host stored %llu, disk stored %llu of %.0f "
-              "committed full blocks\n",
-              rounds, steps, paced_steps, kWarmupSteps,
-              committed / static_cast<double>(rounds * (steps + paced_steps) + kWarmupSteps),
-              static_cast<unsigned long long>(stats->tiers[0].stored_total),
-              static_cast<unsigned long long>(stats->tiers[1].stored_total), committed);
+  std::printf(
+      "%d rounds of %d back-to-back and %d paced steps each side (+%d warm-up); "
+      "%.2f blocks stored per step; tiered: host stored %llu, disk stored %llu of %.0f "
+      "committed full blocks\n",
+      rounds, steps, paced_steps, kWarmupSteps,
+      committed / static_cast<double>(rounds * (steps + paced_steps) + kWarmupSteps),
+      static_cast<unsigned long long>(stats->tiers[0].stored_total),
+      static_cast<unsigned long long>(stats->tiers[1].stored_total), committed);
   for (int mode = 0; mode < 2; ++mode) {
     std::printf("\n%s\n%-10s %10s %10s %10s %18s\n",
                 mode == 0 ? "back to back (the mover shares the CPUs with the steps):"
@@ -329,8 +328,8 @@ int Main(int argc, char** argv) {
       for (double x : v) mean += x;
       mean /= static_cast<double>(v.size());
       if (mode == 0) {
-        std::printf("%-10s %10.1f %10.1f %10.1f %18.1f\n", side->name, p50[k] * 1e6,
-                    p99[k] * 1e6, mean * 1e6,
+        std::printf("%-10s %10.1f %10.1f %10.1f %18.1f\n", side->name, p50[k] * 1e6, p99[k] * 1e6,
+                    mean * 1e6,
                     static_cast<double>(side->cpu_ns) / 1e3 / static_cast<double>(v.size()));
       } else {
         std::printf("%-10s %10.1f %10.1f %10.1f\n", side->name, p50[k] * 1e6, p99[k] * 1e6,

@@ -18,11 +18,10 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "absl/time/time.h"
 #include "bench/ratio_reporter.h"
@@ -83,8 +82,8 @@ void KvcmEncode(benchmark::State& state, bool cached) {
   }
   if (tokens != s.tokens) state.SkipWithError("kvcm's token count differs from Hugging Face's");
   state.counters["units"] = static_cast<double>(tokens);
-  state.counters["tokens/s"] =
-      benchmark::Counter(static_cast<double>(tokens), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(tokens),
+                                                  benchmark::Counter::kIsIterationInvariantRate);
 }
 
 // One repetition = one of the Python side's passes, as a manual time.

@@ -38,16 +38,15 @@ void CopyBlocks(uint8_t* base, const PoolLayout& layout, const BlockCopy* copies
   KVCM_CHECK(num_layers * 2 <= 65535) << num_layers << " layers";
   const dim3 grid(static_cast<unsigned>(num_copies), static_cast<unsigned>(num_layers * 2));
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const uintptr_t misalign = reinterpret_cast<uintptr_t>(base) |
-                             static_cast<uintptr_t>(layout.block_stride) |
-                             static_cast<uintptr_t>(layout.kv_stride) |
-                             static_cast<uintptr_t>(layout.layer_stride);
+  const uintptr_t misalign =
+      reinterpret_cast<uintptr_t>(base) | static_cast<uintptr_t>(layout.block_stride) |
+      static_cast<uintptr_t>(layout.kv_stride) | static_cast<uintptr_t>(layout.layer_stride);
   if (misalign % 16 == 0) {
     CopyBlocksKernel<uint4><<<grid, kThreads, 0, s>>>(base, layout.layer_stride, layout.kv_stride,
                                                       layout.block_stride, copies);
   } else {
-    CopyBlocksKernel<uint8_t><<<grid, kThreads, 0, s>>>(
-        base, layout.layer_stride, layout.kv_stride, layout.block_stride, copies);
+    CopyBlocksKernel<uint8_t><<<grid, kThreads, 0, s>>>(base, layout.layer_stride, layout.kv_stride,
+                                                        layout.block_stride, copies);
   }
   KVCM_CUDA_CHECK(cudaGetLastError());
 }

@@ -14,8 +14,7 @@ void CopyBlocks(uint8_t* base, const PoolLayout& layout, const BlockCopy* copies
   const int64_t num_layers = layout.total_bytes / layout.layer_stride;
   for (int32_t i = 0; i < num_copies; ++i) {
     const BlockCopy& c = copies[i];
-    KVCM_CHECK(c.src >= 0 && c.src < layout.num_blocks && c.dst >= 0 &&
-               c.dst < layout.num_blocks)
+    KVCM_CHECK(c.src >= 0 && c.src < layout.num_blocks && c.dst >= 0 && c.dst < layout.num_blocks)
         << "copy " << i << ": " << c.src << " -> " << c.dst << " of " << layout.num_blocks;
     for (int64_t layer = 0; layer < num_layers; ++layer) {
       for (int64_t kv = 0; kv < 2; ++kv) {

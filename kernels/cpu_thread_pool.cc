@@ -108,17 +108,16 @@ void CpuThreadPool::RunJob(int64_t num_tasks, int32_t participants,
   job_fn_ = &fn;
   done_.store(0, std::memory_order_relaxed);
   const uint32_t generation = ((epoch_.load(std::memory_order_relaxed) >> 8) + 1) & kGenerationMask;
-  claim_.store((uint64_t{generation} << kGenerationShift) |
-                   (static_cast<uint64_t>(num_tasks) << kTaskBits),
-               std::memory_order_release);
+  claim_.store(
+      (uint64_t{generation} << kGenerationShift) | (static_cast<uint64_t>(num_tasks) << kTaskBits),
+      std::memory_order_release);
   // seq_cst, not release: notify_all skips the wake-up when it reads that nobody sleeps
   // (libstdc++ keeps a count of sleepers), and only a seq_cst store keeps that read from
   // passing the store (on x86 a release store waits in the store buffer while the read
   // goes ahead). A worker that went to sleep just then would miss this generation, and
   // the caller would run its share; sleepers count themselves with a seq_cst increment
   // before they read the epoch, so one of the two always sees the other.
-  epoch_.store((generation << 8) | static_cast<uint32_t>(participants),
-               std::memory_order_seq_cst);
+  epoch_.store((generation << 8) | static_cast<uint32_t>(participants), std::memory_order_seq_cst);
   epoch_.notify_all();
 
   RunTasks(generation);

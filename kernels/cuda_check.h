@@ -7,10 +7,10 @@
 
 #include "common/base/check.h"
 
-#define KVCM_CUDA_CHECK(expr)                                                         \
-  do {                                                                                \
-    const cudaError_t kvcm_cuda_err_ = (expr);                                        \
-    KVCM_CHECK(kvcm_cuda_err_ == cudaSuccess)                                         \
-        << #expr << ": " << cudaGetErrorName(kvcm_cuda_err_) << " ("                  \
-        << cudaGetErrorString(kvcm_cuda_err_) << ")";                                 \
+#define KVCM_CUDA_CHECK(expr)                                        \
+  do {                                                               \
+    const cudaError_t kvcm_cuda_err_ = (expr);                       \
+    KVCM_CHECK(kvcm_cuda_err_ == cudaSuccess)                        \
+        << #expr << ": " << cudaGetErrorName(kvcm_cuda_err_) << " (" \
+        << cudaGetErrorString(kvcm_cuda_err_) << ")";                \
   } while (false)

@@ -18,8 +18,7 @@ void WriteKv(const PagedKvView&, const float*, const float*, const int64_t*, int
   KVCM_NO_CUDA("cuda::WriteKv");
 }
 
-void PagedAttention(const PagedKvView&, const PagedAttentionBatch&, const float*, float*,
-                    void*) {
+void PagedAttention(const PagedKvView&, const PagedAttentionBatch&, const float*, float*, void*) {
   KVCM_NO_CUDA("cuda::PagedAttention");
 }
 

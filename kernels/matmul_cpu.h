@@ -145,10 +145,10 @@ struct QuantizedRows {
   int64_t rows = 0;
   int64_t cols = 0;
   int64_t group = 0;
-  std::vector<int8_t> codes;        // [rows][cols]
-  std::vector<float> scales;        // [rows][cols / group]
-  std::vector<int32_t> sums;        // [rows][cols / group]
-  std::vector<float> scaled_sums;   // [rows][cols / group]
+  std::vector<int8_t> codes;       // [rows][cols]
+  std::vector<float> scales;       // [rows][cols / group]
+  std::vector<int32_t> sums;       // [rows][cols / group]
+  std::vector<float> scaled_sums;  // [rows][cols / group]
 };
 // *out = x[m][cols] quantized (on the calling thread, ActiveCpuIsa()'s loops, which all give
 // the same codes). REQUIRES: cols % group == 0.

@@ -74,16 +74,16 @@ struct UnitArgs {
   int np;
   int64_t groups;
   int64_t group_bytes;
-  int32_t offset;      // code_offset
-  const int8_t* xc;    // codes of the first row, row stride `cols`
-  const float* xd;     // scales, row stride `groups`
-  const float* xds;    // scaled sums
-  const int32_t* xs;   // sums
+  int32_t offset;     // code_offset
+  const int8_t* xc;   // codes of the first row, row stride `cols`
+  const float* xd;    // scales, row stride `groups`
+  const float* xds;   // scaled sums
+  const int32_t* xs;  // sums
   int64_t rows;
   int64_t cols;
-  float* y;            // y[0][0] of the unit, row stride ldy
+  float* y;  // y[0][0] of the unit, row stride ldy
   int64_t ldy;
-  int64_t valid;       // outputs of the unit that exist (<= 16 np)
+  int64_t valid;  // outputs of the unit that exist (<= 16 np)
 };
 
 namespace portable {
@@ -204,9 +204,8 @@ void Tile(const UnitArgs& a, const uint8_t* panel, int64_t r0, float* y, int64_t
           for (int r = 0; r < R; ++r) {
             const __m256i b0 = _mm256_set1_epi32(Load32(xg[r] + 8 * q));
             const __m256i b1 = _mm256_set1_epi32(Load32(xg[r] + 8 * q + 4));
-            is[r][h] = _mm256_add_epi16(
-                is[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, b0),
-                                           _mm256_maddubs_epi16(hi, b1)));
+            is[r][h] = _mm256_add_epi16(is[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, b0),
+                                                                   _mm256_maddubs_epi16(hi, b1)));
           }
         }
       }
@@ -223,14 +222,13 @@ void Tile(const UnitArgs& a, const uint8_t* panel, int64_t r0, float* y, int64_t
         KVCM_UNROLL
         for (int h = 0; h < 2; ++h) {
           const __m256i c = _mm256_xor_si256(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + q * 64 + 32 * h)),
-              flip);
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + q * 64 + 32 * h)), flip);
           const __m256i mag = _mm256_abs_epi8(c);
           KVCM_UNROLL
           for (int r = 0; r < R; ++r) {
             const __m256i b = _mm256_sign_epi8(_mm256_set1_epi32(Load32(xg[r] + 4 * q)), c);
-            is[r][h] = _mm256_add_epi32(is[r][h],
-                                        _mm256_madd_epi16(_mm256_maddubs_epi16(mag, b), ones));
+            is[r][h] =
+                _mm256_add_epi32(is[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, b), ones));
           }
         }
       }
@@ -397,8 +395,7 @@ void Tile(const UnitArgs& a, const uint8_t* const* panels, int64_t r0, float* y,
       for (int r = 0; r < R; ++r) {
         const int64_t gi = (r0 + r) * a.groups + g;
         // vpdpbusd summed u * q; the codes are u - offset.
-        const __m512i isum =
-            _mm512_sub_epi32(is[r][p], _mm512_set1_epi32(a.offset * a.xs[gi]));
+        const __m512i isum = _mm512_sub_epi32(is[r][p], _mm512_set1_epi32(a.offset * a.xs[gi]));
         acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum),
                                     _mm512_mul_ps(ws, _mm512_set1_ps(a.xd[gi])), acc[r][p]);
         if constexpr (kBias) {
@@ -493,8 +490,8 @@ UnitFn UnitFor(Variant v, const WeightMatrix& w) {
   const int64_t group = w.group();
   KVCM_CHECK(group == 32 || (group == 16 && !four)) << group;
 #if defined(__x86_64__)
-#define KVCM_PICK(ns)                                                   \
-  if (four) return bias ? ns::Unit<true, 32, true> : ns::Unit<true, 32, false>; \
+#define KVCM_PICK(ns)                                                                    \
+  if (four) return bias ? ns::Unit<true, 32, true> : ns::Unit<true, 32, false>;          \
   if (group == 16) return bias ? ns::Unit<false, 16, true> : ns::Unit<false, 16, false>; \
   return bias ? ns::Unit<false, 32, true> : ns::Unit<false, 32, false>;
   if (v == Variant::kVnni) {
@@ -621,8 +618,7 @@ void MatMulInt8(const float* x, int64_t m, std::span<const MatMulOutput> outputs
   int64_t first_unit[kMaxOutputs + 1];
   first_unit[0] = 0;
   for (int i = 0; i < num_coded; ++i) {
-    first_unit[i + 1] =
-        first_unit[i] + (coded[i].w->num_panels() + kUnitPanels - 1) / kUnitPanels;
+    first_unit[i + 1] = first_unit[i] + (coded[i].w->num_panels() + kUnitPanels - 1) / kUnitPanels;
   }
   const int64_t units = first_unit[num_coded];
   UnitFn unit_fns[kMaxOutputs];

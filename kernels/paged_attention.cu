@@ -35,7 +35,7 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kChunk = 256;        // context positions per online-softmax step
+constexpr int kChunk = 256;  // context positions per online-softmax step
 constexpr int kMaxHeadDim = 512;
 constexpr int kMaxDevices = 64;
 
@@ -50,7 +50,7 @@ struct Params {
   int32_t head_dim;
   int32_t num_seqs;
   int32_t num_q_heads;
-  int32_t group_size;   // query heads per KV head
+  int32_t group_size;  // query heads per KV head
   int32_t heads_per_cta;
   int32_t head_groups;  // thread blocks per KV head
   int32_t lanes_per_token;
@@ -366,9 +366,9 @@ __global__ void __launch_bounds__(kThreads, 3) AttentionKernel(Params prm) {
       if (direct) {
         prm.out[(token * prm.num_q_heads + q_head) * head_dim + d] = a / l_s[g];
       } else {
-        float* p = prm.partials +
-                   ((int64_t{seq} * prm.num_q_heads + q_head) * prm.num_partitions + part) *
-                       (head_dim + 2);
+        float* p =
+            prm.partials + ((int64_t{seq} * prm.num_q_heads + q_head) * prm.num_partitions + part) *
+                               (head_dim + 2);
         if (d == 0) {
           p[0] = m_s[g];
           p[1] = l_s[g];
@@ -390,7 +390,8 @@ __global__ void __launch_bounds__(kThreads) MergeKernel(Params prm) {
   const int64_t token = QueryStart(prm.query_lens, seq);
   const int32_t parts = (context_len + prm.partition_size - 1) / prm.partition_size;
   const int64_t row = prm.head_dim + 2;
-  const float* p = prm.partials + (int64_t{seq} * prm.num_q_heads + q_head) * prm.num_partitions * row;
+  const float* p =
+      prm.partials + (int64_t{seq} * prm.num_q_heads + q_head) * prm.num_partitions * row;
   float max = -INFINITY;
   for (int32_t i = 0; i < parts; ++i) max = fmaxf(max, p[i * row]);
   float sum = 0.0f;
@@ -420,8 +421,7 @@ const DeviceInfo& Device() {
   std::lock_guard<std::mutex> lock(mu);
   DeviceInfo& info = infos[device];
   if (info.num_sms == 0) {
-    KVCM_CUDA_CHECK(
-        cudaDeviceGetAttribute(&info.num_sms, cudaDevAttrMultiProcessorCount, device));
+    KVCM_CUDA_CHECK(cudaDeviceGetAttribute(&info.num_sms, cudaDevAttrMultiProcessorCount, device));
     cudaMemPoolProps props = {};
     props.allocType = cudaMemAllocationTypePinned;
     props.location.type = cudaMemLocationTypeDevice;
@@ -461,8 +461,8 @@ int CeilPow2(int x) {
 
 }  // namespace
 
-void PagedAttention(const PagedKvView& view, const PagedAttentionBatch& batch,
-                    const float* query, float* out, void* stream) {
+void PagedAttention(const PagedKvView& view, const PagedAttentionBatch& batch, const float* query,
+                    float* out, void* stream) {
   if (batch.num_seqs <= 0) return;
   KVCM_CHECK(view.num_kv_heads > 0 && batch.num_q_heads % view.num_kv_heads == 0)
       << "num_q_heads " << batch.num_q_heads << ", num_kv_heads " << view.num_kv_heads;
@@ -517,8 +517,8 @@ void PagedAttention(const PagedKvView& view, const PagedAttentionBatch& batch,
     // Enough partitions for about 4 thread blocks per SM, of at least kChunk positions each.
     const int64_t max_context = int64_t{batch.max_blocks_per_seq} * view.block_size;
     const int64_t want = (4 * int64_t{device.num_sms} + base_ctas - 1) / base_ctas;
-    const int64_t size = std::max<int64_t>(
-        kChunk, ((max_context + want - 1) / want + kChunk - 1) / kChunk * kChunk);
+    const int64_t size =
+        std::max<int64_t>(kChunk, ((max_context + want - 1) / want + kChunk - 1) / kChunk * kChunk);
     prm.partition_size = static_cast<int32_t>(std::min<int64_t>(size, 1 << 30));
     prm.num_partitions = static_cast<int32_t>((max_context + size - 1) / size);
     if (prm.num_partitions <= 1) {

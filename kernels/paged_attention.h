@@ -32,7 +32,7 @@ struct PagedAttentionBatch {
   const int32_t* context_lens = nullptr;  // [num_seqs]
   const int32_t* block_tables = nullptr;  // [num_seqs][max_blocks_per_seq]
   int32_t max_blocks_per_seq = 0;
-  float scale = 1.0f;                     // usually 1 / sqrt(head_dim)
+  float scale = 1.0f;  // usually 1 / sqrt(head_dim)
   // Optional host-side hint: max(query_lens), or 0 when unknown. The CUDA launcher cannot
   // read the (device) query_lens, so it sizes its grid from this: 1 lets it split long
   // decode contexts across thread blocks, > 1 spreads prefill query tokens over thread
@@ -54,8 +54,8 @@ namespace cpu {
 // (docs/PERFORMANCE.md).
 // Thread safety: callable from several threads; calls share the pool and take turns. Called
 // from inside a task of that pool, it runs on the calling thread alone.
-void PagedAttention(const PagedKvView& view, const PagedAttentionBatch& batch,
-                    const float* query, float* out, int32_t num_threads = 0);
+void PagedAttention(const PagedKvView& view, const PagedAttentionBatch& batch, const float* query,
+                    float* out, int32_t num_threads = 0);
 }  // namespace cpu
 
 namespace cuda {
@@ -69,8 +69,8 @@ namespace cuda {
 // token (from L2 mostly): correct for any length, but not tiled like FlashAttention, and
 // slow for long prompts.
 // REQUIRES: view.head_dim <= 512; num_seqs <= 65535.
-void PagedAttention(const PagedKvView& view, const PagedAttentionBatch& batch,
-                    const float* query, float* out, void* stream);
+void PagedAttention(const PagedKvView& view, const PagedAttentionBatch& batch, const float* query,
+                    float* out, void* stream);
 }  // namespace cuda
 
 }  // namespace kvcm::kernels

@@ -179,16 +179,15 @@ void CheckBatch(const PagedKvView& view, const PagedAttentionBatch& batch) {
     const int32_t* table = batch.block_tables + int64_t{s} * batch.max_blocks_per_seq;
     for (int32_t j = 0; j < blocks; ++j) {
       KVCM_CHECK(table[j] >= 0 && table[j] < view.num_blocks)
-          << "sequence " << s << ": block " << table[j] << " at " << j << " of "
-          << view.num_blocks;
+          << "sequence " << s << ": block " << table[j] << " at " << j << " of " << view.num_blocks;
     }
   }
 }
 
 }  // namespace
 
-void PagedAttention(const PagedKvView& view, const PagedAttentionBatch& batch,
-                    const float* query, float* out, int32_t num_threads) {
+void PagedAttention(const PagedKvView& view, const PagedAttentionBatch& batch, const float* query,
+                    float* out, int32_t num_threads) {
   if (batch.num_seqs <= 0) return;
   CheckBatch(view, batch);
   CpuThreadPool& pool = CpuThreadPool::Default();
@@ -251,8 +250,7 @@ void PagedAttention(const PagedKvView& view, const PagedAttentionBatch& batch,
       group.q_count = w.q_count;
       group.first_offset = offset;
       group.num_parts = (w.pos_end + split - 1) / split;
-      const int64_t part_floats =
-          int64_t{batch.num_q_heads} * w.q_count * job.PartialRowStride();
+      const int64_t part_floats = int64_t{batch.num_q_heads} * w.q_count * job.PartialRowStride();
       for (int32_t p = 0; p < group.num_parts; ++p) {
         AttentionWork part = w;
         part.pos_begin = p * split;

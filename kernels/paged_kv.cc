@@ -20,8 +20,8 @@ absl::StatusOr<PagedKvView> LayerView(uint8_t* base, const PoolLayout& layout,
       view.dtype = KvDType::kBFloat16;
       break;
     default:
-      return absl::InvalidArgumentError(absl::StrCat(
-          "no attention kernel for KV-cache dtype ", std::string(DTypeName(spec.dtype))));
+      return absl::InvalidArgumentError(absl::StrCat("no attention kernel for KV-cache dtype ",
+                                                     std::string(DTypeName(spec.dtype))));
   }
   if (layer < 0 || layer >= spec.num_layers) {
     return absl::InvalidArgumentError(

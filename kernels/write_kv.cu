@@ -48,8 +48,8 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-void WriteKv(const PagedKvView& view, const float* key, const float* value,
-             const int64_t* slots, int32_t num_tokens, void* stream) {
+void WriteKv(const PagedKvView& view, const float* key, const float* value, const int64_t* slots,
+             int32_t num_tokens, void* stream) {
   if (num_tokens <= 0) return;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (view.dtype) {

@@ -15,14 +15,14 @@
 namespace kvcm::kernels {
 
 namespace cpu {
-void WriteKv(const PagedKvView& view, const float* key, const float* value,
-             const int64_t* slots, int32_t num_tokens);
+void WriteKv(const PagedKvView& view, const float* key, const float* value, const int64_t* slots,
+             int32_t num_tokens);
 }  // namespace cpu
 
 namespace cuda {
 // Device pointers; `stream` is a cudaStream_t (nullptr: the default stream). Asynchronous.
-void WriteKv(const PagedKvView& view, const float* key, const float* value,
-             const int64_t* slots, int32_t num_tokens, void* stream);
+void WriteKv(const PagedKvView& view, const float* key, const float* value, const int64_t* slots,
+             int32_t num_tokens, void* stream);
 }  // namespace cuda
 
 }  // namespace kvcm::kernels

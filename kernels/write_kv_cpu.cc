@@ -33,8 +33,8 @@ void StoreHead(KvDType dtype, uint8_t* dst, const float* src, int32_t head_dim) 
 
 // Single-threaded: a step writes a few K/V rows per sequence (one in decode), far less than
 // attention then reads.
-void WriteKv(const PagedKvView& view, const float* key, const float* value,
-             const int64_t* slots, int32_t num_tokens) {
+void WriteKv(const PagedKvView& view, const float* key, const float* value, const int64_t* slots,
+             int32_t num_tokens) {
   const int64_t capacity = int64_t{view.num_blocks} * view.block_size;
   const int64_t token_elems = int64_t{view.num_kv_heads} * view.head_dim;
   for (int32_t i = 0; i < num_tokens; ++i) {

@@ -48,6 +48,7 @@ PACKAGES=(
   libclang-rt-14-dev         # its sanitizer and libFuzzer runtimes (scripts/fuzz.sh; only
                              # recommended by clang)
   llvm-14                    # llvm-symbolizer: source lines in sanitizer reports
+  clang-format-14            # scripts/format.sh: the format check scripts/test.sh runs first
 )
 
 missing=()

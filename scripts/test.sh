@@ -31,6 +31,8 @@ export CCACHE_NOHASHDIR="${CCACHE_NOHASHDIR:-1}"
 export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-20G}"
 scripts/bootstrap.sh
 stage_done "packages and build"
+# Every C++ and CUDA file as clang-format writes it (scripts/format.sh rewrites them).
+scripts/format.sh --check
 scripts/python-env.sh
 # The bundled real model, for the tests that run it; they find it through this variable.
 KVCM_SMOLLM2_GGUF="$(scripts/get-model.sh)"

@@ -33,8 +33,7 @@ std::string Folder(const std::string& path) {
 
 }  // namespace
 
-absl::Status WriteFileAtomically(const std::string& path, std::string_view content,
-                                 mode_t mode) {
+absl::Status WriteFileAtomically(const std::string& path, std::string_view content, mode_t mode) {
   const std::string temp = absl::StrCat(path, ".tmp-", ::getpid());
   // Removes the temp file and reports errno (saved first: unlink may change it).
   auto fail = [&temp](const std::string& what) {

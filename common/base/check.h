@@ -38,8 +38,8 @@ struct Voidify {
 
 }  // namespace kvcm::internal
 
-#define KVCM_CHECK(condition)                     \
+#define KVCM_CHECK(condition)                         \
   (__builtin_expect(static_cast<bool>(condition), 1)) \
-      ? (void)0                                   \
-      : ::kvcm::internal::Voidify() &             \
+      ? (void)0                                       \
+      : ::kvcm::internal::Voidify() &                 \
             ::kvcm::internal::CheckFailure(__FILE__, __LINE__, #condition).stream()

@@ -9,8 +9,8 @@
 #include <algorithm>
 #include <bit>
 
-#include "absl/strings/str_cat.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
 #include "common/base/check.h"
 
 namespace kvcm {
@@ -112,7 +112,8 @@ BlockHash Murmur3X64128(const uint8_t* data, size_t len) {
     k2 *= c1;
     h2 ^= k2;
   }
-  for (size_t i = std::min<size_t>(rest, 8); i > 0; --i) k1 ^= uint64_t{tail[i - 1]} << (8 * (i - 1));
+  for (size_t i = std::min<size_t>(rest, 8); i > 0; --i)
+    k1 ^= uint64_t{tail[i - 1]} << (8 * (i - 1));
   if (rest > 0) {
     k1 *= c1;
     k1 = std::rotl(k1, 31);
@@ -198,15 +199,15 @@ template <size_t kTokens>
   // The last round, XXH128_mix32B(acc, message, message + kLen - 16, secret, 0), with the
   // message's first 16 bytes being the parent's words.
   const uint8_t* last = at(kLen - 16);
-  acc.low64 += XXH3_mul128_fold64(parent.lo ^ XXH_readLE64(secret),
-                                  parent.hi ^ XXH_readLE64(secret + 8));
+  acc.low64 +=
+      XXH3_mul128_fold64(parent.lo ^ XXH_readLE64(secret), parent.hi ^ XXH_readLE64(secret + 8));
   acc.low64 ^= XXH_readLE64(last) + XXH_readLE64(last + 8);
   acc.high64 += XXH3_mix16B(last, secret + 16, 0);
   acc.high64 ^= parent.lo + parent.hi;
   // The path's finalisation (seed 0).
   const uint64_t low = XXH3_avalanche(acc.low64 + acc.high64);
-  const uint64_t high = 0 - XXH3_avalanche(acc.low64 * XXH_PRIME64_1 +
-                                           acc.high64 * XXH_PRIME64_4 + kLen * XXH_PRIME64_2);
+  const uint64_t high = 0 - XXH3_avalanche(acc.low64 * XXH_PRIME64_1 + acc.high64 * XXH_PRIME64_4 +
+                                           kLen * XXH_PRIME64_2);
   // The canonical digest is high then low, each big-endian; read back little-endian.
   return {__builtin_bswap64(high), __builtin_bswap64(low)};
 }
@@ -219,12 +220,12 @@ enum class Xxh3Message { kV1, kV2 };
 // length dispatch folds away and the message is assembled in a few stores.
 template <Xxh3Message kMessage, size_t kTokens>
 [[gnu::always_inline]] inline BlockHash Xxh3BlockOf(const BlockHash& parent,
-                                                   const int32_t* tokens) {
+                                                    const int32_t* tokens) {
   if constexpr (kMessage == Xxh3Message::kV2 && kHasXxh3V2Step<kTokens>) {
     return HashOf(Xxh3V2Step<kTokens>(WordsOf(parent), tokens));
   }
-  constexpr size_t kSize = kMessage == Xxh3Message::kV1 ? 32 + 4 + 4 * kTokens + 4
-                                                        : 16 + 4 * kTokens;
+  constexpr size_t kSize =
+      kMessage == Xxh3Message::kV1 ? 32 + 4 + 4 * kTokens + 4 : 16 + 4 * kTokens;
   uint8_t message[kSize];
   if constexpr (kMessage == Xxh3Message::kV1) {
     std::memcpy(message, parent.bytes.data(), 32);
@@ -240,8 +241,8 @@ template <Xxh3Message kMessage, size_t kTokens>
   // What XXH3_128bits(message, kSize) calls, forced inline (xxhash.h's own inline path for
   // XXH_INLINE_ALL users), so that the constant length picks the mixing rounds at compile
   // time: the public function is an out-of-line call that tests the length at run time.
-  return Xxh3Canonical(XXH3_128bits_internal(message, kSize, 0, XXH3_kSecret,
-                                             sizeof(XXH3_kSecret), XXH3_hashLong_128b_default));
+  return Xxh3Canonical(XXH3_128bits_internal(message, kSize, 0, XXH3_kSecret, sizeof(XXH3_kSecret),
+                                             XXH3_hashLong_128b_default));
 }
 
 // The block sizes with a fast path (a power of two from 8 to 32: the sizes deployments use).

@@ -83,8 +83,8 @@ struct CopyOrder {
 };
 
 struct AllocateResult {
-  std::vector<BlockId> blocks;      // the sequence's whole block table
-  int32_t num_cached_tokens = 0;    // leading tokens whose KV is already in the pool
+  std::vector<BlockId> blocks;    // the sequence's whole block table
+  int32_t num_cached_tokens = 0;  // leading tokens whose KV is already in the pool
 };
 
 struct AppendResult {
@@ -97,17 +97,17 @@ struct AppendResult {
 
 // What an operation would do, computed without changing anything.
 struct AdmissionPlan {
-  int32_t blocks_needed = 0;       // new blocks the operation takes from the pool
-  int32_t prefix_hit_blocks = 0;   // leading blocks shared instead of allocated
-  int32_t evictions = 0;           // cached blocks that would be evicted to make room
-  int32_t copies = 0;              // copy-on-write copies
+  int32_t blocks_needed = 0;      // new blocks the operation takes from the pool
+  int32_t prefix_hit_blocks = 0;  // leading blocks shared instead of allocated
+  int32_t evictions = 0;          // cached blocks that would be evicted to make room
+  int32_t copies = 0;             // copy-on-write copies
 };
 
 // Something the prefix index gained or lost, for the KV event stream.
 struct BlockEvent {
   enum class Kind : uint8_t { kStored, kRemoved, kAllCleared };
   Kind kind = Kind::kStored;
-  BlockHash hash;                  // unset for kAllCleared
+  BlockHash hash;  // unset for kAllCleared
   // kStored only: the hash of the sequence's previous block; absent (has_parent false) for
   // its first block, whose parent is the chain's root, RootHash(salt), which only the
   // caller knows (as vLLM's BlockStored leaves parent_block_hash None).
@@ -317,8 +317,7 @@ class BlockLedger {
   // of 1M blocks costs one pass and one reply-sized buffer. O(num_blocks).
   // REQUIRES: max_cells > 0; `held_apart` by ascending block id, each once, each block in
   // use, each state kQuarantined or kDraining.
-  void FillBlockMap(int32_t max_cells,
-                    std::span<const std::pair<BlockId, MapState>> held_apart,
+  void FillBlockMap(int32_t max_cells, std::span<const std::pair<BlockId, MapState>> held_apart,
                     BlockMap* out) const;
 
   // Bytes the ledger's own structures hold (per-block arrays, index, sequences), counting
@@ -426,19 +425,19 @@ class BlockLedger {
   // Per-block metadata, indexed by BlockId: what taking, releasing, evicting and indexing a
   // block touch, in one 16-byte record (four to a cache line, a MiB for 65,536 blocks).
   // The full hashes are apart (hash_): only indexing writes them and only lookups read them.
-  static constexpr uint8_t kIndexed = 1;    // index_ maps hash_[b] to b
+  static constexpr uint8_t kIndexed = 1;  // index_ maps hash_[b] to b
   // b holds the content of hash_[b], for which another block is indexed (in duplicates_).
   static constexpr uint8_t kDuplicate = 2;
-  static constexpr uint8_t kInLru = 4;      // cached: its live entry is in lru_ring_
+  static constexpr uint8_t kInLru = 4;  // cached: its live entry is in lru_ring_
   // Indexed, and in-use duplicates of its content wait in duplicates_ to take over: only
   // then does unindexing it need its hash.
   static constexpr uint8_t kHasDuplicates = 8;
   struct BlockMeta {
-    int32_t ref = 0;          // live sequences referencing the block, plus its holds
-    uint32_t lru_stamp = 0;   // of its live entry in lru_ring_, where kInLru
-    uint32_t tag = 0;         // BlockIndex::TagOf(hash_[b]), where kIndexed or kDuplicate
-    uint16_t pins = 0;        // named pins holding it (at most kMaxPinsPerBlock)
-    uint8_t flags = 0;        // kIndexed, kDuplicate, kInLru, kHasDuplicates
+    int32_t ref = 0;         // live sequences referencing the block, plus its holds
+    uint32_t lru_stamp = 0;  // of its live entry in lru_ring_, where kInLru
+    uint32_t tag = 0;        // BlockIndex::TagOf(hash_[b]), where kIndexed or kDuplicate
+    uint16_t pins = 0;       // named pins holding it (at most kMaxPinsPerBlock)
+    uint8_t flags = 0;       // kIndexed, kDuplicate, kInLru, kHasDuplicates
     uint8_t unused = 0;
   };
   static_assert(sizeof(BlockMeta) == 16);

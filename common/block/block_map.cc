@@ -4,12 +4,18 @@ namespace kvcm {
 
 std::string_view MapStateName(MapState state) {
   switch (state) {
-    case MapState::kFree: return "free";
-    case MapState::kInUse: return "in_use";
-    case MapState::kCached: return "cached";
-    case MapState::kPinned: return "pinned";
-    case MapState::kQuarantined: return "quarantined";
-    case MapState::kDraining: return "draining";
+    case MapState::kFree:
+      return "free";
+    case MapState::kInUse:
+      return "in_use";
+    case MapState::kCached:
+      return "cached";
+    case MapState::kPinned:
+      return "pinned";
+    case MapState::kQuarantined:
+      return "quarantined";
+    case MapState::kDraining:
+      return "draining";
   }
   return "unknown";
 }

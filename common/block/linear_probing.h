@@ -15,8 +15,9 @@ namespace kvcm {
 // (hole, its position], where it would no longer be found. `empty(entry)` tells an empty
 // slot, `home(entry)` an entry's home slot; `Entry{}` is the empty entry.
 template <typename Entry, typename IsEmpty, typename HomeOf>
-[[gnu::always_inline]] inline void BackwardShiftErase(std::vector<Entry>& slots, size_t mask, size_t hole,
-                        const IsEmpty& empty, const HomeOf& home) {
+[[gnu::always_inline]] inline void BackwardShiftErase(std::vector<Entry>& slots, size_t mask,
+                                                      size_t hole, const IsEmpty& empty,
+                                                      const HomeOf& home) {
   for (size_t j = (hole + 1) & mask; !empty(slots[j]); j = (j + 1) & mask) {
     const size_t h = home(slots[j]);
     const bool stays = hole <= j ? (hole < h && h <= j) : (hole < h || h <= j);

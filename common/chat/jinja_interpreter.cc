@@ -358,15 +358,16 @@ absl::StatusOr<Value> GetItem(const Value& obj, const Value& key) {
 
 Interpreter::Interpreter(const RenderLimits& limits, Dict context)
     : limits_(limits), context_(std::move(context)) {
-  builtins_["raise_exception"] =
-      Value::MakeCallable("raise_exception", [](Interpreter& in, CallArgs& args) -> absl::StatusOr<Value> {
+  builtins_["raise_exception"] = Value::MakeCallable(
+      "raise_exception", [](Interpreter& in, CallArgs& args) -> absl::StatusOr<Value> {
         const Value* msg = Arg(args, 0, "message");
         return in.Raise(msg == nullptr ? std::string() : ToStr(*msg));
       });
-  builtins_["strftime_now"] =
-      Value::MakeCallable("strftime_now", [](Interpreter&, CallArgs& args) -> absl::StatusOr<Value> {
+  builtins_["strftime_now"] = Value::MakeCallable(
+      "strftime_now", [](Interpreter&, CallArgs& args) -> absl::StatusOr<Value> {
         const Value* fmt = Arg(args, 0, "format");
-        if (fmt == nullptr || !fmt->is_string()) return TypeError("strftime_now() needs a format string");
+        if (fmt == nullptr || !fmt->is_string())
+          return TypeError("strftime_now() needs a format string");
         const std::time_t now = std::time(nullptr);
         std::tm tm{};
         localtime_r(&now, &tm);
@@ -380,7 +381,8 @@ Interpreter::Interpreter(const RenderLimits& limits, Dict context)
         std::vector<int64_t> n;
         for (const Value& v : args.positional) {
           if (!v.is_int() && !v.is_bool()) {
-            return TypeError(absl::StrCat("'", v.TypeName(), "' object cannot be interpreted as an integer"));
+            return TypeError(
+                absl::StrCat("'", v.TypeName(), "' object cannot be interpreted as an integer"));
           }
           n.push_back(v.is_int() ? v.as_int() : v.as_bool());
         }
@@ -428,18 +430,19 @@ Interpreter::Interpreter(const RenderLimits& limits, Dict context)
         for (auto& [k, v] : args.keyword) attrs.Set(Value::String(k), v);
         for (const auto& [k, v] : attrs.items) {
           if (k.is_string() && absl::StartsWith(k.as_string(), "_")) {
-            return TypeError(absl::StrCat(
-                "Chat templates cannot store underscore-prefixed attributes on a namespace, but got ",
-                StringRepr(k.as_string()), ". Please rename the attribute."));
+            return TypeError(
+                absl::StrCat("Chat templates cannot store underscore-prefixed attributes on a "
+                             "namespace, but got ",
+                             StringRepr(k.as_string()), ". Please rename the attribute."));
           }
         }
         return Value::MakeNamespace(std::move(attrs));
       });
   for (const char* name : {"lipsum", "cycler", "joiner"}) {
     const std::string what = absl::StrCat("the function '", name, "'");
-    builtins_[name] = Value::MakeCallable(name, [what](Interpreter&, CallArgs&) -> absl::StatusOr<Value> {
-      return NotSupported(what);
-    });
+    builtins_[name] = Value::MakeCallable(
+        name,
+        [what](Interpreter&, CallArgs&) -> absl::StatusOr<Value> { return NotSupported(what); });
   }
 }
 
@@ -471,8 +474,9 @@ absl::Status Interpreter::At(const Expr& expr, absl::Status status) const {
       absl::StartsWith(status.message(), "chat template ")) {
     return status;
   }
-  return absl::Status(status.code(), absl::StrCat("chat template ", expr.pos.line, ":",
-                                                  expr.pos.column, ": ", std::string(status.message())));
+  return absl::Status(status.code(),
+                      absl::StrCat("chat template ", expr.pos.line, ":", expr.pos.column, ": ",
+                                   std::string(status.message())));
 }
 
 absl::StatusOr<std::string> Interpreter::Render(const Body& body) {
@@ -536,7 +540,8 @@ absl::StatusOr<Interpreter::Flow> Interpreter::Exec(const Stmt& stmt, std::strin
     case Stmt::Kind::kMacro: {
       const Stmt* macro = &stmt;
       frames_.back()[stmt.text] = Value::MakeCallable(
-          stmt.text, [macro](Interpreter& in, CallArgs& args) { return in.CallMacro(*macro, args); });
+          stmt.text,
+          [macro](Interpreter& in, CallArgs& args) { return in.CallMacro(*macro, args); });
       return Flow::kNormal;
     }
     case Stmt::Kind::kBreak:
@@ -549,7 +554,8 @@ absl::StatusOr<Interpreter::Flow> Interpreter::Exec(const Stmt& stmt, std::strin
       std::string captured;
       KVCM_RETURN_IF_ERROR(ExecBody(stmt.body, captured).status());
       KVCM_ASSIGN_OR_RETURN(CallArgs args, EvalArgs(*stmt.expr));
-      absl::StatusOr<Value> v = ApplyFilter(stmt.expr->name, Value::String(std::move(captured)), args);
+      absl::StatusOr<Value> v =
+          ApplyFilter(stmt.expr->name, Value::String(std::move(captured)), args);
       if (!v.ok()) return At(*stmt.expr, v.status());
       out += ToStr(*v);
       KVCM_RETURN_IF_ERROR(CheckSize(out.size()));
@@ -560,9 +566,7 @@ absl::StatusOr<Interpreter::Flow> Interpreter::Exec(const Stmt& stmt, std::strin
 }
 
 absl::Status Interpreter::Assign(const Stmt& stmt, Value value) {
-  const auto error_at = [&stmt](std::string msg) {
-    return SyntaxError(stmt.pos, msg);
-  };
+  const auto error_at = [&stmt](std::string msg) { return SyntaxError(stmt.pos, msg); };
   if (stmt.attr_set) {
     Value target = Lookup(stmt.targets[0]);
     if (!target.is_namespace()) {
@@ -640,11 +644,12 @@ absl::StatusOr<Interpreter::Flow> Interpreter::ExecFor(const Stmt& stmt, std::st
     loop.Set(Value::String("depth0"), Value::Int(0));
     if (i > 0) loop.Set(Value::String("previtem"), items[static_cast<size_t>(i - 1)]);
     if (i + 1 < n) loop.Set(Value::String("nextitem"), items[static_cast<size_t>(i + 1)]);
-    loop.Set(Value::String("cycle"),
-             Value::MakeCallable("cycle", [i](Interpreter&, CallArgs& args) -> absl::StatusOr<Value> {
-               if (args.positional.empty()) return TypeError("no items for cycling given");
-               return args.positional[static_cast<size_t>(i) % args.positional.size()];
-             }));
+    loop.Set(
+        Value::String("cycle"),
+        Value::MakeCallable("cycle", [i](Interpreter&, CallArgs& args) -> absl::StatusOr<Value> {
+          if (args.positional.empty()) return TypeError("no items for cycling given");
+          return args.positional[static_cast<size_t>(i) % args.positional.size()];
+        }));
     frame["loop"] = Value::MakeDict(std::move(loop));
     frames_.push_back(std::move(frame));
     absl::StatusOr<Flow> flow = ExecBody(stmt.body, out);
@@ -657,9 +662,9 @@ absl::StatusOr<Interpreter::Flow> Interpreter::ExecFor(const Stmt& stmt, std::st
 
 absl::StatusOr<Value> Interpreter::CallMacro(const Stmt& macro, CallArgs& args) {
   if (call_depth_ >= limits_.max_call_depth) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "chat template ", macro.pos.line, ":", macro.pos.column, ": macro calls nested deeper than ",
-        limits_.max_call_depth));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("chat template ", macro.pos.line, ":", macro.pos.column,
+                     ": macro calls nested deeper than ", limits_.max_call_depth));
   }
   if (args.positional.size() > macro.params.size()) {
     return TypeError(absl::StrCat("macro '", macro.text, "' takes not more than ",
@@ -679,7 +684,9 @@ absl::StatusOr<Value> Interpreter::CallMacro(const Stmt& macro, CallArgs& args) 
   for (const auto& [k, v] : args.keyword) {
     bool known = false;
     for (const MacroParam& p : macro.params) known = known || p.name == k;
-    if (!known) return TypeError(absl::StrCat("macro '", macro.text, "' takes no keyword argument '", k, "'"));
+    if (!known)
+      return TypeError(
+          absl::StrCat("macro '", macro.text, "' takes no keyword argument '", k, "'"));
   }
   // The macro sees the template's top level and its arguments.
   std::vector<Frame> saved(std::make_move_iterator(frames_.begin() + 1),
@@ -711,7 +718,8 @@ absl::StatusOr<CallArgs> Interpreter::EvalArgs(const Expr& expr) {
 
 absl::StatusOr<Value> Interpreter::CallValue(const Value& callee, CallArgs& args) {
   if (callee.is_undefined()) return UndefinedError(callee);
-  if (!callee.is_callable()) return TypeError(absl::StrCat("'", callee.TypeName(), "' object is not callable"));
+  if (!callee.is_callable())
+    return TypeError(absl::StrCat("'", callee.TypeName(), "' object is not callable"));
   return callee.as_callable().fn(*this, args);
 }
 
@@ -866,13 +874,15 @@ absl::StatusOr<Value> Interpreter::CallMethod(const Value& self, const std::stri
   return fn(*this, name, self, args);
 }
 
-absl::StatusOr<bool> Interpreter::ApplyTest(const std::string& name, const Value& v, CallArgs& args) {
+absl::StatusOr<bool> Interpreter::ApplyTest(const std::string& name, const Value& v,
+                                            CallArgs& args) {
   const TestFn fn = internal::FindTest(name);
   if (fn == nullptr) return NotSupported(absl::StrCat("the test '", name, "'"));
   return fn(*this, name, v, args);
 }
 
-absl::StatusOr<Value> Interpreter::ApplyFilter(const std::string& name, const Value& v, CallArgs& args) {
+absl::StatusOr<Value> Interpreter::ApplyFilter(const std::string& name, const Value& v,
+                                               CallArgs& args) {
   const FilterFn fn = internal::FindFilter(name);
   if (fn == nullptr) return NotSupported(absl::StrCat("the filter '", name, "'"));
   return fn(*this, name, v, args);

@@ -54,18 +54,24 @@ class Parser {
   }
   std::string Describe(const Token& t) const {
     switch (t.type) {
-      case Tok::kEof: return "end of template";
-      case Tok::kBlockEnd: return "end of statement block";
-      case Tok::kVarEnd: return "end of print statement";
-      case Tok::kString: return "string";
+      case Tok::kEof:
+        return "end of template";
+      case Tok::kBlockEnd:
+        return "end of statement block";
+      case Tok::kVarEnd:
+        return "end of print statement";
+      case Tok::kString:
+        return "string";
       case Tok::kInt:
-      case Tok::kFloat: return absl::StrCat("number ", t.text);
-      default: return absl::StrCat("'", t.text, "'");
+      case Tok::kFloat:
+        return absl::StrCat("number ", t.text);
+      default:
+        return absl::StrCat("'", t.text, "'");
     }
   }
   absl::Status Unexpected(std::string_view expected) const {
-    return SyntaxError(Cur().pos, absl::StrCat("expected ", std::string(expected), ", got ",
-                                               Describe(Cur())));
+    return SyntaxError(Cur().pos,
+                       absl::StrCat("expected ", std::string(expected), ", got ", Describe(Cur())));
   }
   absl::Status ExpectOp(std::string_view op) {
     if (!IsOp(op)) return Unexpected(absl::StrCat("'", std::string(op), "'"));
@@ -109,9 +115,9 @@ class Parser {
           for (std::string_view e : ends) {
             absl::StrAppend(&names, names.empty() ? "" : " or ", "'", std::string(e), "'");
           }
-          return SyntaxError(opened, absl::StrCat("unclosed '", std::string(opener),
-                                                  "' block: expected ", names,
-                                                  " before the end of the template"));
+          return SyntaxError(
+              opened, absl::StrCat("unclosed '", std::string(opener), "' block: expected ", names,
+                                   " before the end of the template"));
         }
         case Tok::kData: {
           auto stmt = std::make_unique<Stmt>(Stmt::Kind::kText, t.pos);
@@ -183,17 +189,20 @@ class Parser {
       if (loop_depth_ == 0) {
         return SyntaxError(name_pos, absl::StrCat("'", name, "' outside of a loop"));
       }
-      auto stmt = std::make_unique<Stmt>(name == "break" ? Stmt::Kind::kBreak : Stmt::Kind::kContinue, pos);
+      auto stmt =
+          std::make_unique<Stmt>(name == "break" ? Stmt::Kind::kBreak : Stmt::Kind::kContinue, pos);
       KVCM_RETURN_IF_ERROR(ExpectBlockEnd());
       return StmtPtr(std::move(stmt));
     }
-    static constexpr std::string_view kJinjaTags[] = {
-        "call", "include", "import", "from", "extends", "block", "with", "autoescape", "do", "trans"};
+    static constexpr std::string_view kJinjaTags[] = {"call",    "include", "import", "from",
+                                                      "extends", "block",   "with",   "autoescape",
+                                                      "do",      "trans"};
     for (std::string_view tag : kJinjaTags) {
       if (name == tag) return Unsupported(name_pos, absl::StrCat("the tag '", name, "'"));
     }
-    static constexpr std::string_view kEnds[] = {"endif", "endfor", "endset", "endmacro", "else",
-                                                 "elif", "endgeneration", "endfilter", "endraw"};
+    static constexpr std::string_view kEnds[] = {"endif",         "endfor",    "endset",
+                                                 "endmacro",      "else",      "elif",
+                                                 "endgeneration", "endfilter", "endraw"};
     for (std::string_view tag : kEnds) {
       if (name == tag) {
         return SyntaxError(name_pos, absl::StrCat("unexpected '", name, "' (no block to close)"));
@@ -330,9 +339,7 @@ class Parser {
 
   // ----- expressions
 
-  static ExprPtr Make(Expr::Kind kind, Position pos) {
-    return std::make_unique<Expr>(kind, pos);
-  }
+  static ExprPtr Make(Expr::Kind kind, Position pos) { return std::make_unique<Expr>(kind, pos); }
   static std::unique_ptr<Expr> MakeMutable(Expr::Kind kind, Position pos) {
     return std::make_unique<Expr>(kind, pos);
   }

@@ -85,17 +85,17 @@ struct MacroParam {
 
 struct Stmt {
   enum class Kind {
-    kText,        // text
-    kOutput,      // {{ expr }}
-    kIf,          // if expr: body, else_body (elif is a nested kIf in else_body)
-    kFor,         // for targets in expr [if filter]: body, else_body
-    kSet,         // set targets = expr, or set ns.attr = expr
-    kSetBlock,    // set name %}body{% endset
-    kMacro,       // macro name(params): body
+    kText,      // text
+    kOutput,    // {{ expr }}
+    kIf,        // if expr: body, else_body (elif is a nested kIf in else_body)
+    kFor,       // for targets in expr [if filter]: body, else_body
+    kSet,       // set targets = expr, or set ns.attr = expr
+    kSetBlock,  // set name %}body{% endset
+    kMacro,     // macro name(params): body
     kBreak,
     kContinue,
-    kGeneration,  // generation %}body{% endgeneration (transformers' tag; renders body)
-    kFilterBlock, // filter name(args) %}body{% endfilter
+    kGeneration,   // generation %}body{% endgeneration (transformers' tag; renders body)
+    kFilterBlock,  // filter name(args) %}body{% endfilter
   };
   Stmt(Kind k, Position p) : kind(k), pos(p) {}
   Kind kind;

@@ -63,10 +63,10 @@ struct Namespace {
 
 class Value {
  public:
-  using Storage = std::variant<Undefined, NoneType, bool, int64_t, double,
-                               std::shared_ptr<const std::string>, std::shared_ptr<const List>,
-                               std::shared_ptr<const Dict>, std::shared_ptr<Namespace>,
-                               std::shared_ptr<const Callable>>;
+  using Storage =
+      std::variant<Undefined, NoneType, bool, int64_t, double, std::shared_ptr<const std::string>,
+                   std::shared_ptr<const List>, std::shared_ptr<const Dict>,
+                   std::shared_ptr<Namespace>, std::shared_ptr<const Callable>>;
 
   Value() : storage_(Undefined{}) {}
   static Value MakeUndefined(std::string name) { return Value(Undefined{std::move(name)}); }
@@ -100,9 +100,7 @@ class Value {
   }
   bool is_list() const { return std::holds_alternative<std::shared_ptr<const List>>(storage_); }
   bool is_dict() const { return std::holds_alternative<std::shared_ptr<const Dict>>(storage_); }
-  bool is_namespace() const {
-    return std::holds_alternative<std::shared_ptr<Namespace>>(storage_);
-  }
+  bool is_namespace() const { return std::holds_alternative<std::shared_ptr<Namespace>>(storage_); }
   bool is_callable() const {
     return std::holds_alternative<std::shared_ptr<const Callable>>(storage_);
   }
@@ -112,7 +110,9 @@ class Value {
   double as_float() const { return std::get<double>(storage_); }
   // int, float or bool as a double.
   double as_double() const;
-  const std::string& as_string() const { return *std::get<std::shared_ptr<const std::string>>(storage_); }
+  const std::string& as_string() const {
+    return *std::get<std::shared_ptr<const std::string>>(storage_);
+  }
   const List& as_list() const { return *std::get<std::shared_ptr<const List>>(storage_); }
   const Dict& as_dict() const { return *std::get<std::shared_ptr<const Dict>>(storage_); }
   Namespace& as_namespace() const { return *std::get<std::shared_ptr<Namespace>>(storage_); }

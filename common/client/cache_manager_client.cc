@@ -123,8 +123,8 @@ absl::StatusOr<AttachedPool> CheckPoolDescriptor(const PoolDescriptorInfo& descr
 absl::StatusOr<std::string> ReadSecretFile(const std::string& path) {
   UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
   if (!fd.valid()) {
-    return absl::NotFoundError(absl::StrCat("cannot open the secret file ", path, ": ",
-                                            std::strerror(errno)));
+    return absl::NotFoundError(
+        absl::StrCat("cannot open the secret file ", path, ": ", std::strerror(errno)));
   }
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
@@ -280,10 +280,11 @@ absl::Status CacheManagerClient::Register() {
 absl::Status CacheManagerClient::SessionGone(std::string_view why) {
   const auto [current, generation] = SessionAndGeneration();
   lost_generation_.store(generation);
-  return absl::AbortedError(absl::StrCat(
-      "cache manager ended session ", current.session_id, " of epoch ", current.epoch, " (",
-      std::string(why), "); its sequences are gone. Quiesce what writes for it, then call "
-      "Reregister()"));
+  return absl::AbortedError(
+      absl::StrCat("cache manager ended session ", current.session_id, " of epoch ", current.epoch,
+                   " (", std::string(why),
+                   "); its sequences are gone. Quiesce what writes for it, then call "
+                   "Reregister()"));
 }
 
 absl::Status CacheManagerClient::CheckSession() {
@@ -400,8 +401,8 @@ absl::StatusOr<std::vector<OpOutcome>> CacheManagerClient::RetryLastStep() {
 absl::StatusOr<SessionSnapshot> CacheManagerClient::DescribeSession() {
   flatbuffers::FlatBufferBuilder builder(64);
   const auto describe = wire::CreateDescribeSession(builder);
-  KVCM_ASSIGN_OR_RETURN(Reply reply, Call(builder, wire::Message::DescribeSession,
-                                          describe.Union(), wire::Message::DescribeSessionReply));
+  KVCM_ASSIGN_OR_RETURN(Reply reply, Call(builder, wire::Message::DescribeSession, describe.Union(),
+                                          wire::Message::DescribeSessionReply));
   return DecodeDescribeSessionReply(PayloadAs<wire::DescribeSessionReply>(reply.envelope));
 }
 
@@ -519,12 +520,11 @@ absl::StatusOr<AttachedPool> CacheManagerClient::Attach() {
     CudaIpcHandle handle{};
     const std::vector<uint8_t>& bytes = descriptor->cuda_ipc_handle;
     if (bytes.size() != handle.size()) {
-      return ProtocolError(absl::StrCat("cuda pool descriptor has an IPC handle of ",
-                                        bytes.size(), " bytes; expected ", handle.size()));
+      return ProtocolError(absl::StrCat("cuda pool descriptor has an IPC handle of ", bytes.size(),
+                                        " bytes; expected ", handle.size()));
     }
     std::memcpy(handle.data(), bytes.data(), handle.size());
-    KVCM_ASSIGN_OR_RETURN(pool.mapping,
-                          OpenCudaPool(descriptor->cuda_device, handle, total_bytes));
+    KVCM_ASSIGN_OR_RETURN(pool.mapping, OpenCudaPool(descriptor->cuda_device, handle, total_bytes));
     pool.cuda_device = descriptor->cuda_device;
   }
   if (pool.mapping->size_bytes() != total_bytes) {
@@ -671,8 +671,7 @@ void CacheManagerClient::HeartbeatLoop(zmq::socket_t stop) {
           if (!frames.ok() || frames->empty()) break;
           if (frames->size() != 1) continue;
           const VerifiedEnvelope verified = VerifyEnvelope(FrameBytes((*frames)[0]));
-          if (verified.envelope != nullptr &&
-              verified.envelope->request_id() == pending_request) {
+          if (verified.envelope != nullptr && verified.envelope->request_id() == pending_request) {
             heartbeats_answered_.fetch_add(1);
             break;
           }

@@ -377,15 +377,13 @@ class CacheManagerClient {
                              flatbuffers::Offset<void> payload, wire::Message reply_type);
   // Marks the current session lost and returns the ABORTED status naming `why`.
   absl::Status SessionGone(std::string_view why);
-  void TakeFencesLocked(const wire::HeartbeatReply& reply)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(fence_mu_);
+  void TakeFencesLocked(const wire::HeartbeatReply& reply) ABSL_EXCLUSIVE_LOCKS_REQUIRED(fence_mu_);
   // The session and its generation, read together.
-  std::pair<SessionInfo, uint64_t> SessionAndGeneration() const
-      ABSL_LOCKS_EXCLUDED(session_mu_);
+  std::pair<SessionInfo, uint64_t> SessionAndGeneration() const ABSL_LOCKS_EXCLUDED(session_mu_);
 
   const Options options_;
   zmq::context_t context_;
-  zmq::socket_t socket_;  // DEALER, used by the caller's thread only
+  zmq::socket_t socket_;                // DEALER, used by the caller's thread only
   int32_t last_available_blocks_ = -1;  // of the last StepReply
   // The last Step sent and not answered yet (for RetryLastStep); empty when answered.
   uint64_t heartbeat_starts_ = 0;

@@ -41,10 +41,14 @@ bool IsSection(std::string_view name) {
 
 std::string_view SourceName(Source source) {
   switch (source) {
-    case Source::kDefault: return "default";
-    case Source::kFile: return "file";
-    case Source::kEnvironment: return "env";
-    case Source::kCommandLine: return "flag";
+    case Source::kDefault:
+      return "default";
+    case Source::kFile:
+      return "file";
+    case Source::kEnvironment:
+      return "env";
+    case Source::kCommandLine:
+      return "flag";
   }
   return "";
 }
@@ -104,16 +108,16 @@ absl::StatusOr<SectionValues> ParseSection(std::string_view yaml, std::string_vi
   if (root.IsNull()) return values;  // an empty file
   if (!root.IsMap()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(file, ": expected a mapping of sections (cache_manager:, router:, "
-                           "executor:, launch:) at the top level"));
+        absl::StrCat(file,
+                     ": expected a mapping of sections (cache_manager:, router:, "
+                     "executor:, launch:) at the top level"));
   }
   for (const auto& entry : root) {
     const std::string name = entry.first.as<std::string>("");
     if (!IsSection(name)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "unknown section \"", name, "\" in ", file, " (sections: ",
-          absl::StrJoin(std::vector<std::string>(std::begin(kSections), std::end(kSections)),
-                        ", "),
+          absl::StrJoin(std::vector<std::string>(std::begin(kSections), std::end(kSections)), ", "),
           ")"));
     }
     if (name != section) continue;
@@ -126,11 +130,11 @@ absl::StatusOr<SectionValues> ParseSection(std::string_view yaml, std::string_vi
       const std::string key = option.first.as<std::string>("");
       const YAML::Node& value = option.second;
       if (!value.IsScalar()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            key, " in section ", name, " of ", file, ": expected a scalar, got ",
-            value.IsNull()       ? "nothing (write \"\" for an empty string)"
-            : value.IsSequence() ? "a list"
-                                 : "a mapping"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(key, " in section ", name, " of ", file, ": expected a scalar, got ",
+                         value.IsNull()       ? "nothing (write \"\" for an empty string)"
+                         : value.IsSequence() ? "a list"
+                                              : "a mapping"));
       }
       if (!values.emplace(key, value.Scalar()).second) {
         return absl::InvalidArgumentError(
@@ -151,11 +155,16 @@ absl::StatusOr<SectionValues> ReadSection(const std::string& path, std::string_v
 
 std::string_view TypeName(Type type) {
   switch (type) {
-    case Type::kBool: return "bool";
-    case Type::kInt32: return "int32";
-    case Type::kInt64: return "int64";
-    case Type::kDouble: return "double";
-    case Type::kString: return "string";
+    case Type::kBool:
+      return "bool";
+    case Type::kInt32:
+      return "int32";
+    case Type::kInt64:
+      return "int64";
+    case Type::kDouble:
+      return "double";
+    case Type::kString:
+      return "string";
   }
   return "";
 }
@@ -181,7 +190,8 @@ bool IsValid(Type type, std::string_view view) {
       double v = 0;
       return absl::SimpleAtod(text, &v);
     }
-    case Type::kString: return true;
+    case Type::kString:
+      return true;
   }
   return false;
 }
@@ -198,9 +208,8 @@ absl::StatusOr<std::vector<Setting>> Resolve(const Inputs& inputs) {
     }
     if (!IsValid(it->second->type, value)) {
       return absl::InvalidArgumentError(
-          absl::StrCat(key, " in section ", inputs.section, " of ", inputs.file_path,
-                       ": expected ", std::string(TypeName(it->second->type)), ", got ",
-                       Quoted(value)));
+          absl::StrCat(key, " in section ", inputs.section, " of ", inputs.file_path, ": expected ",
+                       std::string(TypeName(it->second->type)), ", got ", Quoted(value)));
     }
   }
   const std::string prefix = EnvironmentVariable(inputs.section, "");
@@ -214,15 +223,14 @@ absl::StatusOr<std::vector<Setting>> Resolve(const Inputs& inputs) {
     auto it = by_name.find(option);
     // Upper-cased names only: KVCM_ROUTER_port is not the variable of an option.
     if (it == by_name.end() || variable != EnvironmentVariable(inputs.section, option)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "unknown environment variable ", variable, ": ", inputs.section, " has no option \"",
-          option, "\" (variables are ", prefix, "<OPTION>)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown environment variable ", variable, ": ", inputs.section,
+                       " has no option \"", option, "\" (variables are ", prefix, "<OPTION>)"));
     }
     if (!IsValid(it->second->type, value)) {
       return absl::InvalidArgumentError(absl::StrCat(variable, ": expected ",
                                                      std::string(TypeName(it->second->type)),
-                                                     ", got ",
-                                                     Quoted(value)));
+                                                     ", got ", Quoted(value)));
     }
     from_env[option] = value;
   }
@@ -295,8 +303,8 @@ absl::StatusOr<std::vector<Setting>> ApplyToFlags(std::string_view section,
     absl::CommandLineFlag* flag = absl::FindCommandLineFlag(setting.name);
     std::string error;
     if (flag == nullptr || !flag->ParseFrom(setting.value, &error)) {
-      return absl::InvalidArgumentError(absl::StrCat(setting.name, " from ", setting.origin,
-                                                     ": ", error));
+      return absl::InvalidArgumentError(
+          absl::StrCat(setting.name, " from ", setting.origin, ": ", error));
     }
   }
   return settings;
@@ -350,9 +358,10 @@ void ExportInfoMetric(prometheus::Registry& registry, const std::string& metric_
   labels["config_file"] = std::string(file_path);
   auto& family = prometheus::BuildGauge()
                      .Name(metric_name)
-                     .Help("Always 1; the labels are the effective configuration, one per "
-                           "option (secrets redacted), and the --config file read (\"\" for "
-                           "none).")
+                     .Help(
+                         "Always 1; the labels are the effective configuration, one per "
+                         "option (secrets redacted), and the --config file read (\"\" for "
+                         "none).")
                      .Register(registry);
   family.Add(labels).Set(1);
 }

@@ -36,8 +36,7 @@ class Registry;
 namespace kvcm::config {
 
 // The sections a configuration file may hold, one per binary.
-inline constexpr std::string_view kSections[] = {"cache_manager", "router", "executor",
-                                                 "launch"};
+inline constexpr std::string_view kSections[] = {"cache_manager", "router", "executor", "launch"};
 
 // "KVCM_" + section + "_" + option, upper-cased: ("cache_manager", "num_blocks") ->
 // "KVCM_CACHE_MANAGER_NUM_BLOCKS".
@@ -63,7 +62,7 @@ bool IsValid(Type type, std::string_view text);
 
 // An option a binary takes.
 struct Option {
-  std::string name;           // underscored, e.g. "num_blocks"
+  std::string name;  // underscored, e.g. "num_blocks"
   Type type = Type::kString;
   std::string default_value;  // as the flag prints it
   // The value after the command line: the default unless the option was given there.
@@ -83,12 +82,12 @@ struct Setting {
 };
 
 struct Inputs {
-  std::string section;                         // one of kSections
-  std::vector<Option> options;                 // every option the binary takes
-  std::set<std::string, std::less<>> given;    // names given on the command line
-  std::string file_path;                       // "" = no --config
-  SectionValues file;                          // the file's section (ReadSection)
-  std::vector<std::string> environment;        // "NAME=VALUE" entries, as environ
+  std::string section;                       // one of kSections
+  std::vector<Option> options;               // every option the binary takes
+  std::set<std::string, std::less<>> given;  // names given on the command line
+  std::string file_path;                     // "" = no --config
+  SectionValues file;                        // the file's section (ReadSection)
+  std::vector<std::string> environment;      // "NAME=VALUE" entries, as environ
 };
 
 // The effective value of every option, in inputs.options' order. INVALID_ARGUMENT: a key

@@ -128,7 +128,7 @@ struct ModelConfig {
   std::string sliding_window_key;
   std::optional<bool> use_sliding_window;
   std::optional<int32_t> bos_token_id;
-  std::vector<int32_t> eos_token_ids;  // without repeats
+  std::vector<int32_t> eos_token_ids;   // without repeats
   std::optional<int32_t> eot_token_id;  // GGUF: end of turn (chat models), generation ends too
 
   // HF: the checkpoint's dtype name as written ("bfloat16"), and the key it came from

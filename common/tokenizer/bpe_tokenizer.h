@@ -82,13 +82,12 @@ absl::StatusOr<std::vector<BpePreTokenizerStep>> BpePreTokenizerForName(std::str
 struct BpeAddedToken {
   std::string content;  // raw text (not byte-level encoded)
   int32_t id = -1;
-  bool special = false;  // decodes to nothing; IsSpecial
-  bool lstrip = false;   // also takes the whitespace on its left
-  bool rstrip = false;   // also takes the whitespace on its right
+  bool special = false;      // decodes to nothing; IsSpecial
+  bool lstrip = false;       // also takes the whitespace on its left
+  bool rstrip = false;       // also takes the whitespace on its right
   bool single_word = false;  // only where no word character touches it
   bool normalized = false;   // matched after the normalizer, in a second pass
 };
-
 
 struct BpeVocab {
   // Byte-level-encoded strings (tokenizer.json's model.vocab, GGUF's tokenizer.ggml.tokens);
@@ -133,8 +132,7 @@ struct BpeVocab {
 // that is understood by Hugging Face but not here (dropout, byte_fallback, subword
 // prefixes/suffixes, the Metaspace pre-tokenizer, the Precompiled and Nmt normalizers, ...),
 // naming it.
-absl::StatusOr<BpeVocab> ParseTokenizerJson(std::string_view json_text,
-                                            std::string_view file_name);
+absl::StatusOr<BpeVocab> ParseTokenizerJson(std::string_view json_text, std::string_view file_name);
 
 class BpeTokenizer final : public Tokenizer {
  public:

@@ -64,9 +64,9 @@ std::string SentencePieceModelProto(const std::vector<std::string>& tokens,
     PutBytes(&model, 1, piece);  // ModelProto.pieces
   }
   std::string trainer;
-  PutInt(&trainer, 3, 2);  // model_type BPE
+  PutInt(&trainer, 3, 2);                                    // model_type BPE
   PutInt(&trainer, 4, static_cast<int64_t>(tokens.size()));  // vocab_size
-  PutInt(&trainer, 35, 1);  // byte_fallback
+  PutInt(&trainer, 35, 1);                                   // byte_fallback
   PutInt(&trainer, 40, unk_id);
   PutInt(&trainer, 41, bos_id);
   PutInt(&trainer, 42, eos_id);
@@ -104,18 +104,19 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadGgufSentencePiece(const GgufFile&
     if (!read.ok()) return read.status();
     types = *std::move(read);
   }
-  for (const auto& [key, size] : {std::pair<const char*, size_t>{"tokenizer.ggml.scores", scores.size()},
-                                  {"tokenizer.ggml.token_type", types.size()}}) {
+  for (const auto& [key, size] :
+       {std::pair<const char*, size_t>{"tokenizer.ggml.scores", scores.size()},
+        {"tokenizer.ggml.token_type", types.size()}}) {
     if (size != n) {
-      return absl::InvalidArgumentError(absl::StrCat(file.name(), ": ", key, " has ", size,
-                                                     " entries for ", n, " tokens"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(file.name(), ": ", key, " has ", size, " entries for ", n, " tokens"));
     }
   }
   for (size_t id = 0; id < n; ++id) {
     if (types[id] < 1 || types[id] > 6) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          file.name(), ": tokenizer.ggml.token_type[", id, "] = ", types[id],
-          " is not a SentencePiece piece type (1 normal .. 6 byte)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(file.name(), ": tokenizer.ggml.token_type[", id, "] = ", types[id],
+                       " is not a SentencePiece piece type (1 normal .. 6 byte)"));
     }
   }
   const int64_t fallback_eos = config.eos_token_ids.empty() ? -1 : config.eos_token_ids[0];
@@ -126,8 +127,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadGgufSentencePiece(const GgufFile&
     absl::StatusOr<int64_t> id = OptionalInt(file, keys[i], ids[i]);
     if (!id.ok()) return id.status();
     if (*id < -1 || *id >= static_cast<int64_t>(n)) {
-      return absl::InvalidArgumentError(absl::StrCat(file.name(), ": ", keys[i], " = ", *id,
-                                                     " is not a token id"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(file.name(), ": ", keys[i], " = ", *id, " is not a token id"));
     }
     ids[i] = *id;
   }
@@ -139,8 +140,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadGgufSentencePiece(const GgufFile&
   }
   absl::StatusOr<std::unique_ptr<SentencePieceTokenizer>> tokenizer =
       SentencePieceTokenizer::FromModelProto(
-          SentencePieceModelProto(*tokens, scores, types, ids[0], ids[1], ids[2],
-                                  add_space_prefix),
+          SentencePieceModelProto(*tokens, scores, types, ids[0], ids[1], ids[2], add_space_prefix),
           config.vocab_size, file.name());
   if (!tokenizer.ok()) return tokenizer.status();
   return std::unique_ptr<Tokenizer>(std::move(*tokenizer));
@@ -149,13 +149,13 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadGgufSentencePiece(const GgufFile&
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadGgufTokenizer(const GgufFile& file,
-                                                              const TokenizerConfig& config) {
+                                                             const TokenizerConfig& config) {
   absl::StatusOr<std::string> model = file.GetString("tokenizer.ggml.model");
   if (!model.ok()) return model.status();
   if (*model == "llama") return LoadGgufSentencePiece(file, config);
   if (*model != "gpt2") {
-    return absl::UnimplementedError(absl::StrCat(file.name(), ": tokenizer.ggml.model \"", *model,
-                                                 "\" is not implemented"));
+    return absl::UnimplementedError(
+        absl::StrCat(file.name(), ": tokenizer.ggml.model \"", *model, "\" is not implemented"));
   }
   BpeVocab vocab;
   vocab.source = file.name();
@@ -171,9 +171,9 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadGgufTokenizer(const GgufFile& fil
     absl::StatusOr<std::vector<int64_t>> types = file.GetIntArray("tokenizer.ggml.token_type");
     if (!types.ok()) return types.status();
     if (types->size() != vocab.tokens.size()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          file.name(), ": tokenizer.ggml.token_type has ", types->size(), " entries for ",
-          vocab.tokens.size(), " tokens"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(file.name(), ": tokenizer.ggml.token_type has ", types->size(),
+                       " entries for ", vocab.tokens.size(), " tokens"));
     }
     for (size_t id = 0; id < types->size(); ++id) {
       const int64_t type = (*types)[id];
@@ -199,8 +199,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadGgufTokenizer(const GgufFile& fil
     absl::StatusOr<int64_t> id = OptionalInt(file, key, fallback);
     if (!id.ok()) return id.status();
     if (*id < -1 || *id >= static_cast<int64_t>(vocab.tokens.size())) {
-      return absl::InvalidArgumentError(absl::StrCat(file.name(), ": ", key, " = ", *id,
-                                                     " is not a token id"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(file.name(), ": ", key, " = ", *id, " is not a token id"));
     }
     *out = static_cast<int32_t>(*id);
   }

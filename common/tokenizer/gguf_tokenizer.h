@@ -33,6 +33,6 @@ namespace kvcm {
 class GgufFile;
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadGgufTokenizer(const GgufFile& file,
-                                                              const TokenizerConfig& config);
+                                                             const TokenizerConfig& config);
 
 }  // namespace kvcm

@@ -11,16 +11,18 @@ size_t CompleteUtf8Prefix(std::string_view text) {
   for (size_t back = 1; back <= 3 && back <= text.size(); ++back) {
     const auto c = static_cast<unsigned char>(text[text.size() - back]);
     if ((c & 0xC0) == 0x80) continue;  // a continuation byte: keep looking
-    const size_t need =
-        (c & 0xE0) == 0xC0 ? 2 : (c & 0xF0) == 0xE0 ? 3 : (c & 0xF8) == 0xF0 ? 4 : 1;
+    const size_t need = (c & 0xE0) == 0xC0   ? 2
+                        : (c & 0xF0) == 0xE0 ? 3
+                        : (c & 0xF8) == 0xF0 ? 4
+                                             : 1;
     if (need > back) end = text.size() - back;
     break;
   }
   return end;
 }
 
-absl::StatusOr<IncrementalDecoder::Piece> IncrementalDecoder::Next(
-    const Tokenizer& tokenizer, std::span<const int32_t> ids) {
+absl::StatusOr<IncrementalDecoder::Piece> IncrementalDecoder::Next(const Tokenizer& tokenizer,
+                                                                   std::span<const int32_t> ids) {
   absl::StatusOr<std::string> before = tokenizer.Decode(ids.subspan(prefix_, read_ - prefix_));
   if (!before.ok()) return before.status();
   absl::StatusOr<std::string> after = tokenizer.Decode(ids.subspan(prefix_));
@@ -33,8 +35,8 @@ absl::StatusOr<IncrementalDecoder::Piece> IncrementalDecoder::Next(
     absl::StatusOr<std::string> all = tokenizer.Decode(ids);
     if (!all.ok()) return all.status();
     *after = *std::move(all);
-    added = emitted_ < after->size() ? std::string_view(*after).substr(emitted_)
-                                     : std::string_view();
+    added =
+        emitted_ < after->size() ? std::string_view(*after).substr(emitted_) : std::string_view();
   }
   Piece piece;
   if (!added.empty() && CompleteUtf8Prefix(added) == added.size()) {

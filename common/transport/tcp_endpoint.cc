@@ -51,8 +51,8 @@ absl::StatusOr<TcpEndpoint> CheckTcpEndpoint(std::string_view endpoint_view,
   } else if (bracketed && ::inet_pton(AF_INET6, out.host.c_str(), &v6) == 1) {
     out.loopback = IN6_IS_ADDR_LOOPBACK(&v6);
   } else {
-    return bad(absl::StrCat("host \"", host,
-                            "\" is not an IP address (IPv4, [IPv6], or localhost)"));
+    return bad(
+        absl::StrCat("host \"", host, "\" is not an IP address (IPv4, [IPv6], or localhost)"));
   }
   if (!out.loopback && !allow_remote) {
     return absl::InvalidArgumentError(absl::StrCat(

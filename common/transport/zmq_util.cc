@@ -166,11 +166,13 @@ absl::Status CheckIpcDirectory(std::string_view endpoint) {
   const std::optional<std::string> path = IpcPath(endpoint);
   if (!path.has_value()) return absl::OkStatus();
   const size_t slash = path->rfind('/');
-  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path->substr(0, slash);
+  const std::string dir = slash == std::string::npos ? "."
+                          : slash == 0               ? "/"
+                                                     : path->substr(0, slash);
   struct stat st {};
   if (::stat(dir.c_str(), &st) != 0) {
-    return absl::NotFoundError(absl::StrCat("run directory ", dir, " of ", std::string(endpoint), ": ",
-                                            std::strerror(errno)));
+    return absl::NotFoundError(absl::StrCat("run directory ", dir, " of ", std::string(endpoint),
+                                            ": ", std::strerror(errno)));
   }
   if (st.st_uid != ::geteuid() && st.st_uid != 0) {
     return absl::PermissionDeniedError(absl::StrCat(
@@ -178,10 +180,10 @@ absl::Status CheckIpcDirectory(std::string_view endpoint) {
         ::geteuid(), "): refusing to talk to a cache manager there"));
   }
   if ((st.st_mode & 022) != 0) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "run directory ", dir, " (mode ", absl::StrFormat("%04o", st.st_mode & 07777),
-        ") can be written by other users, who could replace its sockets: refusing it "
-        "(the cache manager creates it with mode 0700)"));
+    return absl::PermissionDeniedError(
+        absl::StrCat("run directory ", dir, " (mode ", absl::StrFormat("%04o", st.st_mode & 07777),
+                     ") can be written by other users, who could replace its sockets: refusing it "
+                     "(the cache manager creates it with mode 0700)"));
   }
   return absl::OkStatus();
 }

@@ -11,13 +11,13 @@ flatbuffers::Offset<wire::AttachReply> EncodeAttachReply(flatbuffers::FlatBuffer
   const auto spec = ToWire(builder, pool.spec);
   const PoolStrides& strides = pool.layout;
   const auto layout = wire::CreatePoolLayout(
-      builder, strides.layer_stride, strides.kv_stride, strides.block_stride,
-      strides.token_stride, strides.head_stride, strides.elem_bytes, strides.total_bytes);
+      builder, strides.layer_stride, strides.kv_stride, strides.block_stride, strides.token_stride,
+      strides.head_stride, strides.elem_bytes, strides.total_bytes);
   const auto path = builder.CreateString(pool.fd_channel_path);
   const auto handle = builder.CreateVector(pool.cuda_ipc_handle);
   const auto descriptor =
-      wire::CreatePoolDescriptor(builder, spec, pool.num_blocks, layout, pool.backend,
-                                 pool.epoch, path, pool.cuda_device, handle);
+      wire::CreatePoolDescriptor(builder, spec, pool.num_blocks, layout, pool.backend, pool.epoch,
+                                 path, pool.cuda_device, handle);
   return wire::CreateAttachReply(builder, descriptor);
 }
 

@@ -1,7 +1,6 @@
 #include "common/wire/block_map_codec.h"
 
 #include <algorithm>
-
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -23,8 +22,8 @@ int32_t BlockMapCellsFor(uint32_t requested) {
 flatbuffers::Offset<wire::BlockMapReply> EncodeBlockMapReply(
     flatbuffers::FlatBufferBuilder& builder, const BlockMap& map) {
   static_assert(sizeof(MapState) == 1);
-  const auto cells = builder.CreateVector(reinterpret_cast<const uint8_t*>(map.cells.data()),
-                                          map.cells.size());
+  const auto cells =
+      builder.CreateVector(reinterpret_cast<const uint8_t*>(map.cells.data()), map.cells.size());
   const auto counts = builder.CreateVector(map.counts.data(), map.counts.size());
   return wire::CreateBlockMapReply(builder, map.num_blocks, map.blocks_per_cell, cells, counts);
 }

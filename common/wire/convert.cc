@@ -11,34 +11,48 @@ static_assert(sizeof(wire::BlockHash) == sizeof(BlockHash));
 
 wire::DType ToWire(DType dtype) {
   switch (dtype) {
-    case DType::kFloat32: return wire::DType::Float32;
-    case DType::kFloat16: return wire::DType::Float16;
-    case DType::kBFloat16: return wire::DType::BFloat16;
-    case DType::kFloat8E4M3: return wire::DType::Float8E4M3;
-    case DType::kFloat8E5M2: return wire::DType::Float8E5M2;
+    case DType::kFloat32:
+      return wire::DType::Float32;
+    case DType::kFloat16:
+      return wire::DType::Float16;
+    case DType::kBFloat16:
+      return wire::DType::BFloat16;
+    case DType::kFloat8E4M3:
+      return wire::DType::Float8E4M3;
+    case DType::kFloat8E5M2:
+      return wire::DType::Float8E5M2;
   }
   return wire::DType::Float32;
 }
 
 absl::StatusOr<DType> FromWire(wire::DType dtype) {
   switch (dtype) {
-    case wire::DType::Float32: return DType::kFloat32;
-    case wire::DType::Float16: return DType::kFloat16;
-    case wire::DType::BFloat16: return DType::kBFloat16;
-    case wire::DType::Float8E4M3: return DType::kFloat8E4M3;
-    case wire::DType::Float8E5M2: return DType::kFloat8E5M2;
+    case wire::DType::Float32:
+      return DType::kFloat32;
+    case wire::DType::Float16:
+      return DType::kFloat16;
+    case wire::DType::BFloat16:
+      return DType::kBFloat16;
+    case wire::DType::Float8E4M3:
+      return DType::kFloat8E4M3;
+    case wire::DType::Float8E5M2:
+      return DType::kFloat8E5M2;
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown dtype value ", static_cast<int>(dtype)));
+  return absl::InvalidArgumentError(absl::StrCat("unknown dtype value ", static_cast<int>(dtype)));
 }
 
 wire::HashAlgorithm ToWire(HashAlgorithm algorithm) {
   switch (algorithm) {
-    case HashAlgorithm::kSha256: return wire::HashAlgorithm::Sha256;
-    case HashAlgorithm::kFast128: return wire::HashAlgorithm::Fast128;
-    case HashAlgorithm::kXxh3: return wire::HashAlgorithm::Xxh3;
-    case HashAlgorithm::kVllmSha256Cbor: return wire::HashAlgorithm::VllmSha256Cbor;
-    case HashAlgorithm::kXxh3V2: return wire::HashAlgorithm::Xxh3V2;
+    case HashAlgorithm::kSha256:
+      return wire::HashAlgorithm::Sha256;
+    case HashAlgorithm::kFast128:
+      return wire::HashAlgorithm::Fast128;
+    case HashAlgorithm::kXxh3:
+      return wire::HashAlgorithm::Xxh3;
+    case HashAlgorithm::kVllmSha256Cbor:
+      return wire::HashAlgorithm::VllmSha256Cbor;
+    case HashAlgorithm::kXxh3V2:
+      return wire::HashAlgorithm::Xxh3V2;
   }
   KVCM_CHECK(false) << "unknown hash algorithm " << static_cast<int>(algorithm);
   return wire::HashAlgorithm::Sha256;
@@ -46,11 +60,16 @@ wire::HashAlgorithm ToWire(HashAlgorithm algorithm) {
 
 absl::StatusOr<HashAlgorithm> FromWire(wire::HashAlgorithm algorithm) {
   switch (algorithm) {
-    case wire::HashAlgorithm::Sha256: return HashAlgorithm::kSha256;
-    case wire::HashAlgorithm::Fast128: return HashAlgorithm::kFast128;
-    case wire::HashAlgorithm::Xxh3: return HashAlgorithm::kXxh3;
-    case wire::HashAlgorithm::VllmSha256Cbor: return HashAlgorithm::kVllmSha256Cbor;
-    case wire::HashAlgorithm::Xxh3V2: return HashAlgorithm::kXxh3V2;
+    case wire::HashAlgorithm::Sha256:
+      return HashAlgorithm::kSha256;
+    case wire::HashAlgorithm::Fast128:
+      return HashAlgorithm::kFast128;
+    case wire::HashAlgorithm::Xxh3:
+      return HashAlgorithm::kXxh3;
+    case wire::HashAlgorithm::VllmSha256Cbor:
+      return HashAlgorithm::kVllmSha256Cbor;
+    case wire::HashAlgorithm::Xxh3V2:
+      return HashAlgorithm::kXxh3V2;
   }
   return absl::InvalidArgumentError(
       absl::StrCat("unknown hash algorithm value ", static_cast<int>(algorithm)));

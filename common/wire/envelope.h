@@ -54,8 +54,7 @@ uint64_t PeekRequestId(std::span<const uint8_t> bytes, const char* identifier) {
       !flatbuffers::BufferHasIdentifier(bytes.data(), identifier)) {
     return 0;
   }
-  flatbuffers::Verifier verifier(bytes.data(), bytes.size(), kVerifierMaxDepth,
-                                 kVerifierMaxTables);
+  flatbuffers::Verifier verifier(bytes.data(), bytes.size(), kVerifierMaxDepth, kVerifierMaxTables);
   if (verifier.VerifyOffset(0) == 0) return 0;
   const auto* table = flatbuffers::GetRoot<flatbuffers::Table>(bytes.data());
   if (!table->VerifyTableStart(verifier) ||
@@ -84,12 +83,11 @@ VerifiedRoot<Root> VerifyEnvelopeOf(std::span<const uint8_t> bytes, size_t max_b
                               identifier, " file identifier)");
     return out;
   }
-  flatbuffers::Verifier verifier(bytes.data(), bytes.size(), kVerifierMaxDepth,
-                                 kVerifierMaxTables);
+  flatbuffers::Verifier verifier(bytes.data(), bytes.size(), kVerifierMaxDepth, kVerifierMaxTables);
   if (!verifier.VerifyBuffer<Root>(identifier)) {
     out.fault = EnvelopeFault::kMalformed;
-    out.reason = absl::StrCat("message of ", bytes.size(),
-                              " bytes failed FlatBuffers verification");
+    out.reason =
+        absl::StrCat("message of ", bytes.size(), " bytes failed FlatBuffers verification");
     return out;
   }
   const Root* root = flatbuffers::GetRoot<Root>(bytes.data());
@@ -123,8 +121,8 @@ void FinishEnvelope(flatbuffers::FlatBufferBuilder& builder, uint64_t request_id
                     flatbuffers::Offset<void> payload);
 
 // A finished envelope holding an ErrorReply.
-void FinishErrorReply(flatbuffers::FlatBufferBuilder& builder, uint64_t request_id,
-                      uint64_t epoch, wire::ErrorCode code, std::string_view reason);
+void FinishErrorReply(flatbuffers::FlatBufferBuilder& builder, uint64_t request_id, uint64_t epoch,
+                      wire::ErrorCode code, std::string_view reason);
 
 // absl::Status <-> wire error codes. Codes without a wire equivalent become kInternal-like
 // FailedPrecondition on the wire; protocol-only codes map back to the nearest absl code

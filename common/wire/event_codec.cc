@@ -30,9 +30,12 @@ BlockHash HashFromWire(const wire::BlockHash* hash) {
 
 wire::EventKind KindToWire(KvEventKind kind) {
   switch (kind) {
-    case KvEventKind::kBlockStored: return wire::EventKind::BlockStored;
-    case KvEventKind::kBlockRemoved: return wire::EventKind::BlockRemoved;
-    case KvEventKind::kAllBlocksCleared: return wire::EventKind::AllBlocksCleared;
+    case KvEventKind::kBlockStored:
+      return wire::EventKind::BlockStored;
+    case KvEventKind::kBlockRemoved:
+      return wire::EventKind::BlockRemoved;
+    case KvEventKind::kAllBlocksCleared:
+      return wire::EventKind::AllBlocksCleared;
   }
   return wire::EventKind::AllBlocksCleared;
 }

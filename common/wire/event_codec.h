@@ -26,7 +26,7 @@ enum class KvEventKind : uint8_t { kBlockStored, kBlockRemoved, kAllBlocksCleare
 
 struct KvEventRecord {
   KvEventKind kind = KvEventKind::kBlockStored;
-  BlockHash hash{};       // Stored and Removed
+  BlockHash hash{};  // Stored and Removed
   // Stored: the previous block's hash; has_parent is false for a sequence's first block
   // (its parent is the root of the chain, RootHash(salt), known to the router only).
   BlockHash parent_hash{};

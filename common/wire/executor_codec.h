@@ -37,8 +37,8 @@ using VerifiedExecutorEnvelope = VerifiedRoot<wire::ExecutorEnvelope>;
 
 // Checks `bytes` (which must outlive the returned pointer). On success the payload union has
 // been verified and may be read.
-inline VerifiedExecutorEnvelope VerifyExecutorEnvelope(
-    std::span<const uint8_t> bytes, size_t max_bytes = kDefaultMaxMessageBytes) {
+inline VerifiedExecutorEnvelope VerifyExecutorEnvelope(std::span<const uint8_t> bytes,
+                                                       size_t max_bytes = kDefaultMaxMessageBytes) {
   return VerifyEnvelopeOf<wire::ExecutorEnvelope>(bytes, max_bytes, kExecutorEnvelopeIdentifier);
 }
 
@@ -95,8 +95,8 @@ struct SeqStep {
   // them the prompt's.
   std::vector<int32_t> penalty_tokens;
   int32_t penalty_prompt_len = 0;
-  bool logprobs = false;  // report the sampled token's log-probability
-  int32_t top_n = 0;      // and the top_n most likely tokens (at most kMaxTopN)
+  bool logprobs = false;        // report the sampled token's log-probability
+  int32_t top_n = 0;            // and the top_n most likely tokens (at most kMaxTopN)
   bool input_logprobs = false;  // score each new token after the first
   int32_t score_next = -1;      // and this one at the last position
   // With `sample`: one more draw per seed (sample index 0), for forked sequences.
@@ -118,10 +118,10 @@ struct StepRequest {
 // One sequence's outcome (SeqResult).
 struct SeqOutcome {
   SeqId seq = 0;
-  int32_t token = -1;   // the sampled token; -1 when not asked for or on failure
-  absl::Status status;  // per-sequence failure (e.g. non-finite logits)
-  float logprob = 0.0f;               // with SeqStep::logprobs
-  std::vector<int32_t> top_ids;       // with SeqStep::top_n, most likely first
+  int32_t token = -1;            // the sampled token; -1 when not asked for or on failure
+  absl::Status status;           // per-sequence failure (e.g. non-finite logits)
+  float logprob = 0.0f;          // with SeqStep::logprobs
+  std::vector<int32_t> top_ids;  // with SeqStep::top_n, most likely first
   std::vector<float> top_logprobs;
   std::vector<float> input_logprobs;  // with SeqStep::input_logprobs
   std::vector<int32_t> fork_tokens;   // with SeqStep::fork_seeds, in their order

@@ -6,9 +6,8 @@ namespace kvcm {
 
 flatbuffers::Offset<wire::Heartbeat> EncodeHeartbeat(flatbuffers::FlatBufferBuilder& builder,
                                                      std::span<const uint64_t> fence_acks) {
-  const auto acks = fence_acks.empty()
-                        ? flatbuffers::Offset<flatbuffers::Vector<uint64_t>>()
-                        : builder.CreateVector(fence_acks.data(), fence_acks.size());
+  const auto acks = fence_acks.empty() ? flatbuffers::Offset<flatbuffers::Vector<uint64_t>>()
+                                       : builder.CreateVector(fence_acks.data(), fence_acks.size());
   return wire::CreateHeartbeat(builder, acks);
 }
 
@@ -30,9 +29,9 @@ flatbuffers::Offset<wire::HeartbeatReply> EncodeHeartbeatReply(
   }
   const auto whole_vector = builder.CreateVectorOfStructs(whole);
   const auto scoped_vector =
-      scoped.empty() ? flatbuffers::Offset<flatbuffers::Vector<
-                           flatbuffers::Offset<wire::SequenceFence>>>()
-                     : builder.CreateVector(scoped);
+      scoped.empty()
+          ? flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<wire::SequenceFence>>>()
+          : builder.CreateVector(scoped);
   return wire::CreateHeartbeatReply(builder, whole_vector, scoped_vector);
 }
 

@@ -27,9 +27,9 @@ flatbuffers::Offset<wire::HelloReply> EncodeHelloReply(flatbuffers::FlatBufferBu
   return wire::CreateHelloReply(
       builder, info.session_id, info.epoch,
       static_cast<uint32_t>(absl::ToInt64Milliseconds(info.heartbeat_interval)),
-      static_cast<uint32_t>(absl::ToInt64Milliseconds(info.heartbeat_timeout)),
-      info.num_blocks, info.block_size, ToWire(info.hash_algorithm), info.max_ops_per_step,
-      info.max_message_bytes, info.wants_commit_tokens, info.tiers);
+      static_cast<uint32_t>(absl::ToInt64Milliseconds(info.heartbeat_timeout)), info.num_blocks,
+      info.block_size, ToWire(info.hash_algorithm), info.max_ops_per_step, info.max_message_bytes,
+      info.wants_commit_tokens, info.tiers);
 }
 
 absl::StatusOr<SessionInfo> DecodeHelloReply(const wire::HelloReply& reply) {

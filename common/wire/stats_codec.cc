@@ -24,10 +24,10 @@ flatbuffers::Offset<wire::StatsReply> EncodeStatsReply(flatbuffers::FlatBufferBu
   std::vector<flatbuffers::Offset<wire::SessionSummary>> summaries;
   summaries.reserve(s.session_list.size());
   for (const SessionListing& listing : s.session_list) {
-    summaries.push_back(wire::CreateSessionSummary(
-        builder, listing.session_id, listing.role, listing.pid, listing.pid_verified,
-        builder.CreateString(listing.name), listing.quarantined, listing.sequences,
-        listing.pending_fences));
+    summaries.push_back(
+        wire::CreateSessionSummary(builder, listing.session_id, listing.role, listing.pid,
+                                   listing.pid_verified, builder.CreateString(listing.name),
+                                   listing.quarantined, listing.sequences, listing.pending_fences));
   }
   const auto session_list = builder.CreateVector(summaries);
   flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<wire::TierStats>>> tiers;

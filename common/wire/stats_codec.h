@@ -39,13 +39,13 @@ struct SessionListing {
 
 // One tier below the pool that is on (StatsReply.tiers; docs/architecture.md, "Tiers").
 struct TierListing {
-  std::string name;              // "host" or "disk"
-  int32_t capacity_blocks = 0;   // block slots
-  int32_t ready_blocks = 0;      // slots holding a loadable block
-  int32_t writing_blocks = 0;    // slots a mover is writing
-  uint64_t stored_total = 0;     // blocks written into the tier since the start
-  uint64_t loaded_total = 0;     // blocks loaded from it into the pool
-  uint64_t evicted_total = 0;    // ready slots reused for another block
+  std::string name;             // "host" or "disk"
+  int32_t capacity_blocks = 0;  // block slots
+  int32_t ready_blocks = 0;     // slots holding a loadable block
+  int32_t writing_blocks = 0;   // slots a mover is writing
+  uint64_t stored_total = 0;    // blocks written into the tier since the start
+  uint64_t loaded_total = 0;    // blocks loaded from it into the pool
+  uint64_t evicted_total = 0;   // ready slots reused for another block
   friend bool operator==(const TierListing&, const TierListing&) = default;
 };
 
@@ -87,9 +87,9 @@ struct StatsSnapshot {
   std::vector<SessionListing> session_list;  // by ascending id
   // The tiers that are on, host before disk; empty without tiers (then the four below are 0).
   std::vector<TierListing> tiers;
-  int32_t tier_held_blocks = 0;      // pool blocks held while a mover copies them out
-  int32_t tier_loading_blocks = 0;   // pool blocks of prefetches waiting for their loads
-  uint64_t tier_refusals_total = 0;  // disk slots not served, every reason
+  int32_t tier_held_blocks = 0;        // pool blocks held while a mover copies them out
+  int32_t tier_loading_blocks = 0;     // pool blocks of prefetches waiting for their loads
+  uint64_t tier_refusals_total = 0;    // disk slots not served, every reason
   uint64_t tier_recovered_blocks = 0;  // disk blocks found valid at start
 
   // prefix_hit_tokens / prefix_query_tokens; 0 before any query.

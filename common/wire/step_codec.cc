@@ -65,13 +65,20 @@ BlockOp BlockOp::CanAllocate(int32_t num_tokens, std::span<const BlockHash> hash
 
 const char* BlockOpName(wire::StepOp kind) {
   switch (kind) {
-    case wire::StepOp::AllocateOp: return "allocate";
-    case wire::StepOp::AppendOp: return "append";
-    case wire::StepOp::ForkOp: return "fork";
-    case wire::StepOp::CommitOp: return "commit";
-    case wire::StepOp::FreeOp: return "free";
-    case wire::StepOp::CanAllocateOp: return "can_allocate";
-    default: return "unknown";
+    case wire::StepOp::AllocateOp:
+      return "allocate";
+    case wire::StepOp::AppendOp:
+      return "append";
+    case wire::StepOp::ForkOp:
+      return "fork";
+    case wire::StepOp::CommitOp:
+      return "commit";
+    case wire::StepOp::FreeOp:
+      return "free";
+    case wire::StepOp::CanAllocateOp:
+      return "can_allocate";
+    default:
+      return "unknown";
   }
 }
 
@@ -94,8 +101,7 @@ absl::Status EncodeStep(flatbuffers::FlatBufferBuilder& builder, uint64_t reques
       case wire::StepOp::ForkOp:
         offset = wire::CreateForkOp(builder, op.seq, op.child).Union();
         break;
-      case wire::StepOp::CommitOp:
-      {
+      case wire::StepOp::CommitOp: {
         const auto hashes = ToWire(builder, op.hashes);
         flatbuffers::Offset<flatbuffers::Vector<int32_t>> tokens;
         if (!op.tokens.empty()) tokens = builder.CreateVector(op.tokens);
@@ -110,8 +116,7 @@ absl::Status EncodeStep(flatbuffers::FlatBufferBuilder& builder, uint64_t reques
             wire::CreateCanAllocateOp(builder, op.num_tokens, ToWire(builder, op.hashes)).Union();
         break;
       default:
-        return absl::InvalidArgumentError(
-            absl::StrCat("step op ", types.size(), " has no kind"));
+        return absl::InvalidArgumentError(absl::StrCat("step op ", types.size(), " has no kind"));
     }
     types.push_back(op.kind);
     offsets.push_back(offset);
@@ -237,10 +242,9 @@ flatbuffers::Offset<wire::OpResult> EncodeOpOutcome(flatbuffers::FlatBufferBuild
 }
 
 flatbuffers::Offset<wire::OpResult> OpResultWriter::Add(const OpOutcome& outcome) {
-  const bool empty_ok = outcome.status.ok() && outcome.blocks.empty() &&
-                        outcome.copies.empty() && outcome.num_cached_tokens == 0 &&
-                        outcome.blocks_needed == 0 && outcome.host_tokens == 0 &&
-                        outcome.disk_tokens == 0;
+  const bool empty_ok = outcome.status.ok() && outcome.blocks.empty() && outcome.copies.empty() &&
+                        outcome.num_cached_tokens == 0 && outcome.blocks_needed == 0 &&
+                        outcome.host_tokens == 0 && outcome.disk_tokens == 0;
   if (!empty_ok) return EncodeOpOutcome(builder_, outcome);
   if (empty_ok_.IsNull()) empty_ok_ = EncodeOpOutcome(builder_, outcome);
   return empty_ok_;
@@ -251,8 +255,8 @@ absl::StatusOr<std::vector<OpOutcome>> DecodeStepReply(const wire::StepReply& re
   const auto* results = reply.results();
   const size_t count = results == nullptr ? 0 : results->size();
   if (count != expected_ops) {
-    return absl::InternalError(absl::StrCat("cache manager protocol error: StepReply has ",
-                                            count, " results for ", expected_ops, " ops"));
+    return absl::InternalError(absl::StrCat("cache manager protocol error: StepReply has ", count,
+                                            " results for ", expected_ops, " ops"));
   }
   std::vector<OpOutcome> outcomes(count);
   for (size_t i = 0; i < count; ++i) {

@@ -27,10 +27,10 @@ namespace kvcm {
 // Laid out without padding holes (72 bytes): the cache manager decodes a Step's ops into
 // a vector of them, which a request after a context switch finds cold.
 struct BlockOp {
-  SeqId seq = 0;                  // Allocate, Append, Commit, Free; Fork: the parent
-  SeqId child = 0;                // Fork
-  int32_t num_tokens = 0;         // Allocate, CanAllocate: prompt tokens; Append: more
-                                  // tokens; Commit: tokens whose KV is written
+  SeqId seq = 0;           // Allocate, Append, Commit, Free; Fork: the parent
+  SeqId child = 0;         // Fork
+  int32_t num_tokens = 0;  // Allocate, CanAllocate: prompt tokens; Append: more
+                           // tokens; Commit: tokens whose KV is written
   wire::StepOp kind = wire::StepOp::NONE;
   bool drain = false;             // Free
   std::vector<BlockHash> hashes;  // Allocate, CanAllocate: leading full blocks; Commit: new

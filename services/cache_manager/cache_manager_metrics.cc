@@ -37,7 +37,8 @@ constexpr MetricSpec kBlocks{
     "handed out again once every such executor acknowledged the fence or died)."};
 constexpr MetricSpec kUsageRatio{
     "kvcm_cache_usage_ratio", MetricType::Gauge, "",
-    "In-use blocks (quarantined and draining included) / capacity: the share of the pool that cannot be "
+    "In-use blocks (quarantined and draining included) / capacity: the share of the pool that "
+    "cannot be "
     "handed out without ending a sequence. Cached and pinned blocks do not count, as in "
     "vLLM's kv_cache_usage_perc."};
 constexpr MetricSpec kOccupancyRatio{
@@ -176,9 +177,9 @@ constexpr MetricSpec kTierLoadingBlocks{
     "kvcm_cache_manager_tier_loading_blocks", MetricType::Gauge, "",
     "Pool blocks of prefetches waiting for a mover to load them from a tier; they become "
     "matchable only once loaded."};
-constexpr MetricSpec kTierStoredBlocks{
-    "kvcm_cache_manager_tier_stored_blocks_total", MetricType::Counter, "tier",
-    "Blocks written into each tier."};
+constexpr MetricSpec kTierStoredBlocks{"kvcm_cache_manager_tier_stored_blocks_total",
+                                       MetricType::Counter, "tier",
+                                       "Blocks written into each tier."};
 constexpr MetricSpec kTierLoadedBlocks{
     "kvcm_cache_manager_tier_loaded_blocks_total", MetricType::Counter, "tier",
     "Blocks loaded from each tier into the pool: prefix hits the pool no longer held."};
@@ -189,9 +190,9 @@ constexpr MetricSpec kTierStoresDropped{
     "kvcm_cache_manager_tier_stores_dropped_total", MetricType::Counter, "",
     "Stores to the tiers cancelled before they started because the pool needed their "
     "blocks: a copy never makes an allocation wait or fail."};
-constexpr MetricSpec kTierDiskFull{
-    "kvcm_cache_manager_tier_disk_full_total", MetricType::Counter, "",
-    "Disk tier writes refused for want of space (ENOSPC, EFBIG)."};
+constexpr MetricSpec kTierDiskFull{"kvcm_cache_manager_tier_disk_full_total", MetricType::Counter,
+                                   "",
+                                   "Disk tier writes refused for want of space (ENOSPC, EFBIG)."};
 constexpr MetricSpec kTierWriteErrors{
     "kvcm_cache_manager_tier_write_errors_total", MetricType::Counter, "",
     "Disk tier writes that failed for another reason than space."};
@@ -203,15 +204,14 @@ constexpr MetricSpec kTierRefusals{
     "kvcm_cache_manager_tier_refusals_total", MetricType::Counter, "reason",
     "Disk tier slots not served, by the check they failed (bad_header, other_identity, "
     "checksum, truncated, wrong_hash, io_error), at start-up or at a load."};
-constexpr MetricSpec kTierRecoveredBlocks{
-    "kvcm_cache_manager_tier_recovered_blocks_total", MetricType::Counter, "",
-    "Blocks found valid in the disk tier at start-up."};
+constexpr MetricSpec kTierRecoveredBlocks{"kvcm_cache_manager_tier_recovered_blocks_total",
+                                          MetricType::Counter, "",
+                                          "Blocks found valid in the disk tier at start-up."};
 constexpr MetricSpec kTierBytesWritten{
     "kvcm_cache_manager_tier_bytes_written_total", MetricType::Counter, "",
     "Bytes written to the disk tier (whole slots: header and padded block)."};
-constexpr MetricSpec kTierBytesRead{
-    "kvcm_cache_manager_tier_bytes_read_total", MetricType::Counter, "",
-    "Bytes read from the disk tier (whole slots)."};
+constexpr MetricSpec kTierBytesRead{"kvcm_cache_manager_tier_bytes_read_total", MetricType::Counter,
+                                    "", "Bytes read from the disk tier (whole slots)."};
 constexpr MetricSpec kTierSyncs{
     "kvcm_cache_manager_tier_syncs_total", MetricType::Counter, "",
     "fdatasync rounds of the disk tier's files (at most one per --disk-tier-sync-ms while "
@@ -293,19 +293,28 @@ constexpr std::array kSpecs = {
 // series. A host copy of one block takes microseconds, a disk read milliseconds, and a load
 // that outlasts --tier-load-timeout-ms (2 s by default) still lands in a bucket.
 std::vector<double> TierLoadBucketsSeconds() {
-  return {1e-5,   2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025,
-          0.05,   0.1,    0.25, 0.5,  1,      2.5,  5,    10};
+  return {1e-5,  2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01,
+          0.025, 0.05,   0.1,  0.25, 0.5,    1,    2.5,  5,      10};
 }
 
 // --- Label values --------------------------------------------------------------------------
 
-constexpr std::array<std::string_view, kRequestTypes> kRequestTypeNames = {
-    "hello", "attach", "step",      "lookup",  "pin",
-    "unpin", "stats",  "heartbeat", "goodbye", "event_snapshot", "describe_session",
-    "end_session", "block_map"};
+constexpr std::array<std::string_view, kRequestTypes> kRequestTypeNames = {"hello",
+                                                                           "attach",
+                                                                           "step",
+                                                                           "lookup",
+                                                                           "pin",
+                                                                           "unpin",
+                                                                           "stats",
+                                                                           "heartbeat",
+                                                                           "goodbye",
+                                                                           "event_snapshot",
+                                                                           "describe_session",
+                                                                           "end_session",
+                                                                           "block_map"};
 constexpr std::array<std::string_view, kRejectReasons> kRejectReasonNames = {
-    "malformed",     "unsupported_version", "oversized",        "not_registered",
-    "stale_session", "stale_epoch",         "invalid_argument", "unknown_sequence",
+    "malformed",     "unsupported_version", "oversized",         "not_registered",
+    "stale_session", "stale_epoch",         "invalid_argument",  "unknown_sequence",
     "wrong_owner",   "duplicate_sequence",  "permission_denied", "limit_exceeded",
     "shutting_down"};
 constexpr std::array<std::string_view, kSessionRoles> kSessionRoleNames = {"router", "executor",
@@ -399,12 +408,9 @@ class CacheManagerMetrics::SnapshotCollector : public prometheus::Collectable {
     add(kCapacityBlocks, ledger.num_blocks);
     families.push_back(NewFamily(kBlocks));
     const std::array<int32_t, kExportedStates> by_state = {
-        ledger.free_blocks,
-        ledger.in_use_blocks - s.quarantined_blocks - s.draining_blocks,
-        ledger.cached_blocks,
-        ledger.pinned_blocks,
-        s.quarantined_blocks,
-        s.draining_blocks};
+        ledger.free_blocks,   ledger.in_use_blocks - s.quarantined_blocks - s.draining_blocks,
+        ledger.cached_blocks, ledger.pinned_blocks,
+        s.quarantined_blocks, s.draining_blocks};
     for (int i = 0; i < kExportedStates; ++i) {
       AddSample(families.back(), by_state[i], {Label("state", kExportedStateNames[i])});
     }
@@ -540,8 +546,7 @@ CacheManagerMetrics::CacheManagerMetrics(const CacheInfo& info)
   }
 }
 
-void CacheManagerMetrics::ObserveTierLoads(
-    std::span<const std::pair<tiers::Tier, double>> loads) {
+void CacheManagerMetrics::ObserveTierLoads(std::span<const std::pair<tiers::Tier, double>> loads) {
   for (const auto& [tier, seconds] : loads) {
     const size_t i = static_cast<size_t>(tier);
     KVCM_CHECK(i < tier_load_seconds_.size()) << i;

@@ -213,7 +213,7 @@ class CacheManagerMetrics {
   std::array<prometheus::Counter*, kReclaimReasons> reclaimed_{};
   prometheus::Counter* replayed_steps_ = nullptr;
   prometheus::Gauge* accepting_ = nullptr;
-  std::array<prometheus::Counter*, 2> watches_{};  // pid_lookup, connect_pidfd
+  std::array<prometheus::Counter*, 2> watches_{};      // pid_lookup, connect_pidfd
   std::array<prometheus::Counter*, 2> undelivered_{};  // peer_gone, queue_full
   prometheus::Counter* silent_closed_ = nullptr;
   std::array<prometheus::Counter*, 3> vllm_events_{};  // stored, removed, all cleared

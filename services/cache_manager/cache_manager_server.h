@@ -36,8 +36,8 @@
 #include "absl/time/time.h"
 #include "common/base/unique_fd.h"
 #include "common/memory/fd_channel.h"
-#include "common/transport/event_loop.h"
 #include "common/memory/pool_memory.h"
+#include "common/transport/event_loop.h"
 #include "flatbuffers/flatbuffers.h"
 #include "services/cache_manager/cache_manager_metrics.h"
 #include "services/cache_manager/cache_manager_service.h"
@@ -162,7 +162,7 @@ class CacheManagerServer {
   zmq::socket_t monitor_;  // PAIR on requests_'s monitor: accepted and closed connections
   bool accepting_ = true;
   uint64_t dropped_reported_ = 0;  // ConnectionsDroppedAtDescriptorLimit() last logged
-  UniqueFd fd_dir_;                 // /proc/self/fd, to count descriptors when none is free
+  UniqueFd fd_dir_;                // /proc/self/fd, to count descriptors when none is free
   // Connections accepted that have sent nothing yet, by descriptor (the inode tells a
   // descriptor reused for another connection apart).
   struct Silent {
@@ -176,7 +176,7 @@ class CacheManagerServer {
   SeenConnections seen_;
   zmq::socket_t events_;
   std::unique_ptr<VllmEventPublisher> vllm_events_;  // null when off
-  uint64_t vllm_without_tokens_reported_ = 0;  // the service's count already in the metrics
+  uint64_t vllm_without_tokens_reported_ = 0;        // the service's count already in the metrics
 
   flatbuffers::FlatBufferBuilder reply_;
   flatbuffers::FlatBufferBuilder event_batch_;

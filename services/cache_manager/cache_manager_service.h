@@ -72,8 +72,8 @@
 #include "absl/time/time.h"
 #include "common/block/block_hash.h"
 #include "common/block/block_ledger.h"
-#include "common/sizing/kv_cache_spec.h"
 #include "common/block/block_map.h"
+#include "common/sizing/kv_cache_spec.h"
 #include "common/wire/message_limits.h"
 #include "common/wire/pool_strides.h"
 #include "services/cache_manager/cache_manager_metrics.h"
@@ -109,9 +109,9 @@ struct BlockOp;  // common/wire/step_codec.h
 struct PoolExport {
   wire::PoolBackend backend{};  // wire::PoolBackend::Shm
   PoolStrides layout;
-  std::string fd_channel_path;              // shm: the Unix socket passing the memfd
-  int32_t cuda_device = -1;                 // cuda
-  std::vector<uint8_t> cuda_ipc_handle;     // cuda: 64 bytes
+  std::string fd_channel_path;           // shm: the Unix socket passing the memfd
+  int32_t cuda_device = -1;              // cuda
+  std::vector<uint8_t> cuda_ipc_handle;  // cuda: 64 bytes
 };
 
 class CacheManagerService {
@@ -167,9 +167,10 @@ class CacheManagerService {
   static absl::Status CheckOptions(const Options& options);
 
   // `watcher` and `metrics` must outlive the service; `metrics` may be null (tests).
-  static absl::StatusOr<std::unique_ptr<CacheManagerService>> Create(
-      const Options& options, ProcessWatcher* watcher, CacheManagerMetrics* metrics,
-      absl::Time now);
+  static absl::StatusOr<std::unique_ptr<CacheManagerService>> Create(const Options& options,
+                                                                     ProcessWatcher* watcher,
+                                                                     CacheManagerMetrics* metrics,
+                                                                     absl::Time now);
   // Out of line: the scratch vectors' element types are complete only in the .cc.
   ~CacheManagerService();
 
@@ -278,15 +279,15 @@ class CacheManagerService {
   // Whether `given` equals options_.tcp_secret (never when that is empty).
   bool SecretMatches(std::string_view given) const;
   // Session checks for every request but Hello; null (and `rejection` set) on failure.
-  Session* CheckSession(const wire::Envelope& envelope,
-                        const std::optional<PeerCredentials>& peer, Rejection* rejection);
+  Session* CheckSession(const wire::Envelope& envelope, const std::optional<PeerCredentials>& peer,
+                        Rejection* rejection);
 
   // Handle's steps after the envelope and session checks.
   // Whether the session may send a request of this type (tcp:// without the secret reads
   // only; only routers step); nullopt when it may.
   std::optional<Rejection> CheckPermission(RequestType type, const Session& session) const;
-  void Dispatch(const wire::Envelope& envelope, std::span<const uint8_t> request,
-                Session& session, absl::Time now, flatbuffers::FlatBufferBuilder* reply);
+  void Dispatch(const wire::Envelope& envelope, std::span<const uint8_t> request, Session& session,
+                absl::Time now, flatbuffers::FlatBufferBuilder* reply);
   void HandleEndSession(const wire::Envelope& envelope, const Session& session,
                         flatbuffers::FlatBufferBuilder* reply);
 
@@ -310,8 +311,7 @@ class CacheManagerService {
   void HandleAttach(const wire::Envelope& envelope, flatbuffers::FlatBufferBuilder* reply);
   void HandleStats(const wire::Envelope& envelope, absl::Time now,
                    flatbuffers::FlatBufferBuilder* reply);
-  void HandleEventSnapshot(const wire::Envelope& envelope,
-                           flatbuffers::FlatBufferBuilder* reply);
+  void HandleEventSnapshot(const wire::Envelope& envelope, flatbuffers::FlatBufferBuilder* reply);
   // The pool as a map (BlockLedger::FillBlockMap with the blocks held apart), for any
   // session, Control ones included: it says nothing a StatsReply does not, block by block.
   void HandleBlockMap(const wire::Envelope& envelope, flatbuffers::FlatBufferBuilder* reply);
@@ -335,8 +335,8 @@ class CacheManagerService {
   // Puts `seqs` (just taken from `router_session`) behind a fence for every executor
   // session; frees them at once when there is none. `router_seqs`: the router's ids for a
   // sequence fence, empty for a whole ended session. Returns the blocks released now.
-  int32_t FenceSequences(uint64_t router_session, std::span<const SeqId> seqs,
-                         ReclaimReason reason, std::vector<SeqId> router_seqs);
+  int32_t FenceSequences(uint64_t router_session, std::span<const SeqId> seqs, ReclaimReason reason,
+                         std::vector<SeqId> router_seqs);
   void HandleHeartbeat(const wire::Envelope& envelope, Session& session,
                        flatbuffers::FlatBufferBuilder* reply);
 
@@ -350,7 +350,7 @@ class CacheManagerService {
 
   SessionTable sessions_;
   FenceTable fences_;
-  StepApplier steps_;  // validates and applies Steps' ops to ledger_ (step_applier.h)
+  StepApplier steps_;       // validates and applies Steps' ops to ledger_ (step_applier.h)
   uint64_t event_seq_ = 0;  // last batch number handed out
   // vLLM-format events (Options::vllm_events): fed each Commit's token ids and each batch.
   VllmConverter vllm_;

@@ -28,8 +28,8 @@ std::optional<PeerCredentials> ParseIpcPeerAddress(std::string_view peer_address
   const auto uid = TakeField(rest);
   const auto gid = TakeField(rest);
   const auto pid = TakeField(rest);
-  if (!uid || !gid || !pid || !rest.empty() || *pid == 0 || *pid > INT32_MAX ||
-      *uid > UINT32_MAX || *gid > UINT32_MAX) {
+  if (!uid || !gid || !pid || !rest.empty() || *pid == 0 || *pid > INT32_MAX || *uid > UINT32_MAX ||
+      *gid > UINT32_MAX) {
     return std::nullopt;
   }
   return PeerCredentials{static_cast<uid_t>(*uid), static_cast<gid_t>(*gid),

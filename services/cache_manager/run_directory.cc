@@ -31,8 +31,7 @@ absl::Status MakeDirectory(const std::string& path) {
     }
   }
   if (::mkdir(path.c_str(), 0700) != 0 && errno != EEXIST) {
-    return absl::InternalError(absl::StrCat("cannot create run directory ", path, ": ",
-                                            Errno()));
+    return absl::InternalError(absl::StrCat("cannot create run directory ", path, ": ", Errno()));
   }
   // Opened without following a symbolic link, then checked and fixed through the
   // descriptor: a link planted at the path cannot make the cache manager use (or chmod)
@@ -42,21 +41,22 @@ absl::Status MakeDirectory(const std::string& path) {
     struct stat link {};
     if ((errno == ELOOP || errno == ENOTDIR) && ::lstat(path.c_str(), &link) == 0 &&
         S_ISLNK(link.st_mode)) {
-      return absl::PermissionDeniedError(absl::StrCat(
-          "run directory ", path, " is a symbolic link: refused (it could lead into another "
-          "user's directory); give the real path"));
+      return absl::PermissionDeniedError(
+          absl::StrCat("run directory ", path,
+                       " is a symbolic link: refused (it could lead into another "
+                       "user's directory); give the real path"));
     }
-    return absl::InternalError(absl::StrCat("run directory ", path, " cannot be opened: ",
-                                            Errno()));
+    return absl::InternalError(
+        absl::StrCat("run directory ", path, " cannot be opened: ", Errno()));
   }
   struct stat st {};
   if (::fstat(dir.get(), &st) != 0 || !S_ISDIR(st.st_mode)) {
     return absl::InternalError(absl::StrCat("run directory ", path, " is not a directory"));
   }
   if (st.st_uid != ::geteuid()) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "run directory ", path, " belongs to uid ", st.st_uid, ", not to this user (uid ",
-        ::geteuid(), ")"));
+    return absl::PermissionDeniedError(absl::StrCat("run directory ", path, " belongs to uid ",
+                                                    st.st_uid, ", not to this user (uid ",
+                                                    ::geteuid(), ")"));
   }
   // One that others could write may hold what they planted (a socket, a lock file, a link
   // under the names the clients open): refused, as the clients refuse it
@@ -65,7 +65,8 @@ absl::Status MakeDirectory(const std::string& path) {
     char mode[8];
     std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(st.st_mode & 07777));
     return absl::PermissionDeniedError(absl::StrCat(
-        "run directory ", path, " (mode ", mode, ") can be written by other users, who could "
+        "run directory ", path, " (mode ", mode,
+        ") can be written by other users, who could "
         "have planted files in it: refused; remove it (the cache manager creates it with mode "
         "0700) or check its contents and chmod 0700 it"));
   }
@@ -99,9 +100,9 @@ absl::StatusOr<RunDirectory> RunDirectory::Acquire(const std::string& path_in) {
   }
   const size_t longest = path.size() + 1 + sizeof(kRequestSocket);
   if (longest > sizeof(sockaddr_un{}.sun_path)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "run directory ", path, " is too long: socket paths in it would exceed the ",
-        sizeof(sockaddr_un{}.sun_path) - 1, "-byte limit of Unix socket addresses"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("run directory ", path, " is too long: socket paths in it would exceed the ",
+                     sizeof(sockaddr_un{}.sun_path) - 1, "-byte limit of Unix socket addresses"));
   }
   if (absl::Status made = MakeDirectory(path); !made.ok()) return made;
 
@@ -112,17 +113,16 @@ absl::StatusOr<RunDirectory> RunDirectory::Acquire(const std::string& path_in) {
   }
   if (::flock(lock.get(), LOCK_EX | LOCK_NB) != 0) {
     if (errno == EWOULDBLOCK) {
-      return absl::AlreadyExistsError(absl::StrCat(
-          "kvcm-cache-manager is already running on ", path, " (pid ", ReadPid(lock.get()),
-          " holds ", kLockFile, ")"));
+      return absl::AlreadyExistsError(absl::StrCat("kvcm-cache-manager is already running on ",
+                                                   path, " (pid ", ReadPid(lock.get()), " holds ",
+                                                   kLockFile, ")"));
     }
     return absl::InternalError(absl::StrCat("cannot lock ", lock_path, ": ", Errno()));
   }
   const std::string pid = absl::StrCat(::getpid(), "\n");
   if (::ftruncate(lock.get(), 0) != 0 ||
       ::pwrite(lock.get(), pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
-    return absl::InternalError(absl::StrCat("cannot write pid into ", lock_path, ": ",
-                                            Errno()));
+    return absl::InternalError(absl::StrCat("cannot write pid into ", lock_path, ": ", Errno()));
   }
   // Whoever held the lock before us is gone: its socket files are stale.
   for (const char* name : {kRequestSocket, kEventSocket, kFdChannelSocket, kTcpSecretFile}) {

@@ -17,9 +17,8 @@ constexpr SeqId kDryRunSeq = ~SeqId{0};
 // "op 3 (append): " and `what`.
 StepRefusal Refuse(RejectReason reason, absl::StatusCode code, size_t i, const BlockOp& op,
                    absl::string_view what) {
-  return StepRefusal{reason,
-                     absl::Status(code, absl::StrCat("op ", i, " (", BlockOpName(op.kind), "): ",
-                                                     what))};
+  return StepRefusal{
+      reason, absl::Status(code, absl::StrCat("op ", i, " (", BlockOpName(op.kind), "): ", what))};
 }
 
 StepRefusal Invalid(size_t i, const BlockOp& op, absl::string_view what) {
@@ -51,12 +50,24 @@ std::optional<StepRefusal> StepApplier::Validate(std::span<const BlockOp> ops,
     const BlockOp& op = ops[i];
     bool ok = false;
     switch (op.kind) {
-      case wire::StepOp::AllocateOp: ok = ValidateAllocate(i, op, &refusal); break;
-      case wire::StepOp::AppendOp: ok = ValidateAppend(i, op, &refusal); break;
-      case wire::StepOp::ForkOp: ok = ValidateFork(i, op, &refusal); break;
-      case wire::StepOp::CommitOp: ok = ValidateCommit(i, op, &refusal); break;
-      case wire::StepOp::CanAllocateOp: ok = ValidateCanAllocate(i, op, &refusal); break;
-      case wire::StepOp::FreeOp: ok = ValidateFree(i, op, &refusal); break;
+      case wire::StepOp::AllocateOp:
+        ok = ValidateAllocate(i, op, &refusal);
+        break;
+      case wire::StepOp::AppendOp:
+        ok = ValidateAppend(i, op, &refusal);
+        break;
+      case wire::StepOp::ForkOp:
+        ok = ValidateFork(i, op, &refusal);
+        break;
+      case wire::StepOp::CommitOp:
+        ok = ValidateCommit(i, op, &refusal);
+        break;
+      case wire::StepOp::CanAllocateOp:
+        ok = ValidateCanAllocate(i, op, &refusal);
+        break;
+      case wire::StepOp::FreeOp:
+        ok = ValidateFree(i, op, &refusal);
+        break;
       default:  // DecodeStep let only the union's types through
         KVCM_CHECK(false) << "decoded step op of unknown type";
     }
@@ -99,17 +110,19 @@ bool StepApplier::ValidateCommit(size_t i, const BlockOp& op, StepRefusal* refus
       op.tokens.size() % block_size != 0 ||
       op.tokens.size() / block_size >
           static_cast<size_t>(std::max(op.num_tokens, 0)) / block_size) {
-    *refusal = Invalid(i, op, absl::StrCat(
-        "carries ", op.tokens.size(), " token ids for a commit of ", op.num_tokens,
-        " tokens: give whole blocks of ", block_size, " tokens, the last full blocks ",
-        "committed, or none"));
+    *refusal = Invalid(i, op,
+                       absl::StrCat("carries ", op.tokens.size(), " token ids for a commit of ",
+                                    op.num_tokens, " tokens: give whole blocks of ", block_size,
+                                    " tokens, the last full blocks ", "committed, or none"));
     return false;
   }
   if (const int32_t before = Writable(op.seq); op.num_tokens > before) {
-    *refusal = Invalid(i, op, absl::StrCat(
-        "commits ", op.num_tokens, " tokens of sequence ", op.seq, ", which had ", before,
-        " before this step: the KV of tokens added in the same step cannot have been "
-        "written yet (commit them in the next step)"));
+    *refusal = Invalid(
+        i, op,
+        absl::StrCat("commits ", op.num_tokens, " tokens of sequence ", op.seq, ", which had ",
+                     before,
+                     " before this step: the KV of tokens added in the same step cannot have been "
+                     "written yet (commit them in the next step)"));
     return false;
   }
   return true;
@@ -122,9 +135,10 @@ bool StepApplier::ValidateCanAllocate(size_t i, const BlockOp& op, StepRefusal* 
 
 bool StepApplier::ValidateFree(size_t i, const BlockOp& op, StepRefusal* refusal) {
   if (op.seq >= kFirstDrainingSeq) {
-    *refusal = Invalid(i, op, absl::StrCat("sequence id ", op.seq,
-                                           " is reserved (ids from 2^63 up are the "
-                                           "cache manager's)"));
+    *refusal = Invalid(i, op,
+                       absl::StrCat("sequence id ", op.seq,
+                                    " is reserved (ids from 2^63 up are the "
+                                    "cache manager's)"));
     return false;
   }
   // A sequence nobody holds (freed already: a retried free) fails alone, as NOT_FOUND in
@@ -140,8 +154,9 @@ bool StepApplier::ValidateFree(size_t i, const BlockOp& op, StepRefusal* refusal
 bool StepApplier::CheckTokens(size_t i, const BlockOp& op, const char* field,
                               StepRefusal* refusal) const {
   if (op.num_tokens >= 0 && op.num_tokens <= max_tokens_) return true;
-  *refusal = Invalid(i, op, absl::StrCat(field, " = ", op.num_tokens, " is outside [0, ",
-                                         max_tokens_, "] (the pool's capacity in tokens)"));
+  *refusal = Invalid(i, op,
+                     absl::StrCat(field, " = ", op.num_tokens, " is outside [0, ", max_tokens_,
+                                  "] (the pool's capacity in tokens)"));
   return false;
 }
 
@@ -151,8 +166,9 @@ bool StepApplier::CheckHashes(size_t i, const BlockOp& op, const char* what,
   if (static_cast<int64_t>(op.hashes.size()) <= op.num_tokens / ledger_->block_size()) {
     return true;
   }
-  *refusal = Invalid(i, op, absl::StrCat(op.hashes.size(), what, op.num_tokens,
-                                         " tokens (at most one per full block)"));
+  *refusal = Invalid(
+      i, op,
+      absl::StrCat(op.hashes.size(), what, op.num_tokens, " tokens (at most one per full block)"));
   return false;
 }
 
@@ -173,17 +189,19 @@ bool StepApplier::CheckHeld(size_t i, const BlockOp& op, StepRefusal* refusal) c
 // `seq` may become live: not reserved, not drained by this session, not live now.
 bool StepApplier::CheckNew(size_t i, const BlockOp& op, SeqId seq, StepRefusal* refusal) const {
   if (seq >= kFirstDrainingSeq) {
-    *refusal = Invalid(i, op, absl::StrCat("sequence id ", seq,
-                                           " is reserved (ids from 2^63 up are the cache "
-                                           "manager's)"));
+    *refusal = Invalid(i, op,
+                       absl::StrCat("sequence id ", seq,
+                                    " is reserved (ids from 2^63 up are the cache "
+                                    "manager's)"));
     return false;
   }
   if ((session_->drained_ids != nullptr && session_->drained_ids->contains(seq)) ||
       step_drained_.contains(seq)) {
-    *refusal = Invalid(i, op, absl::StrCat("sequence id ", seq,
-                                           " was freed with drain and cannot be live again "
-                                           "(the executors refuse it for good): choose a "
-                                           "new id"));
+    *refusal = Invalid(i, op,
+                       absl::StrCat("sequence id ", seq,
+                                    " was freed with drain and cannot be live again "
+                                    "(the executors refuse it for good): choose a "
+                                    "new id"));
     return false;
   }
   auto it = step_seqs_.find(seq);
@@ -199,8 +217,7 @@ bool StepApplier::CheckRoom(size_t i, const BlockOp& op, StepRefusal* refusal) {
   if (++live_seqs_ <= options_.max_sequences_per_session) return true;
   *refusal = Refuse(RejectReason::kLimitExceeded, absl::StatusCode::kResourceExhausted, i, op,
                     absl::StrCat("the session would hold more than ",
-                                 options_.max_sequences_per_session,
-                                 " live sequences, its limit"));
+                                 options_.max_sequences_per_session, " live sequences, its limit"));
   return false;
 }
 

@@ -54,8 +54,8 @@ struct OpOutcome;
 
 // What the applier needs of the session that sent the Step.
 struct StepSession {
-  uint64_t id = 0;        // the owner of its sequences in the ledger (never 0)
-  int32_t num_seqs = 0;   // live sequences it holds before the step
+  uint64_t id = 0;       // the owner of its sequences in the ledger (never 0)
+  int32_t num_seqs = 0;  // live sequences it holds before the step
   // Ids it freed with drain (SessionTable::Session::drained_ids); null: none.
   const absl::flat_hash_set<SeqId>* drained_ids = nullptr;
 };

@@ -23,9 +23,8 @@ TierCoordinator::TierCoordinator(tiers::KvTiers* tiers, BlockLedger* ledger, Opt
 
 void TierCoordinator::OnEvents(std::span<const BlockEvent> events) {
   // Most Steps (decodes inside a block) store nothing: no work, no allocation.
-  if (std::none_of(events.begin(), events.end(), [](const BlockEvent& e) {
-        return e.kind == BlockEvent::Kind::kStored;
-      })) {
+  if (std::none_of(events.begin(), events.end(),
+                   [](const BlockEvent& e) { return e.kind == BlockEvent::Kind::kStored; })) {
     return;
   }
   // A block stored and then removed again within these events (evicted, perhaps reused for
@@ -70,8 +69,9 @@ std::optional<absl::Status> TierCoordinator::BeforeAllocate(const BlockOp& op, a
                                                             OpOutcome* outcome) {
   const int32_t block_size = ledger_->block_size();
   // The block holding the prompt's last token is never reused (its logits are computed).
-  const int32_t usable = std::min<int32_t>(static_cast<int32_t>(op.hashes.size()),
-                                           op.num_tokens > 0 ? (op.num_tokens - 1) / block_size : 0);
+  const int32_t usable =
+      std::min<int32_t>(static_cast<int32_t>(op.hashes.size()),
+                        op.num_tokens > 0 ? (op.num_tokens - 1) / block_size : 0);
   if (usable == 0) return std::nullopt;
   const std::span<const BlockHash> hashes(op.hashes.data(), static_cast<size_t>(usable));
   const int32_t in_pool = ledger_->Lookup(hashes);
@@ -84,9 +84,10 @@ std::optional<absl::Status> TierCoordinator::BeforeAllocate(const BlockOp& op, a
     outcome->host_tokens = prefetch.host_blocks * block_size;
     outcome->disk_tokens = prefetch.disk_blocks * block_size;
     if (!prefetch.done() && now < prefetch.deadline) {
-      return absl::UnavailableError(absl::StrCat(
-          "loading ", prefetch.pending, " of this prompt's blocks from the host and disk tiers: "
-          "send the Allocate again"));
+      return absl::UnavailableError(
+          absl::StrCat("loading ", prefetch.pending,
+                       " of this prompt's blocks from the host and disk tiers: "
+                       "send the Allocate again"));
     }
     if (!prefetch.done()) {
       // Timed out: nothing it loads is matchable before it is done, so this Allocate gets
@@ -198,8 +199,7 @@ void TierCoordinator::Finish(Prefetch& prefetch, absl::Time now) {
     ++loaded;
   }
   if (loaded > prefetch.pool_blocks) {
-    const absl::Status committed =
-        ledger_->Commit(prefetch.seq, loaded * ledger_->block_size());
+    const absl::Status committed = ledger_->Commit(prefetch.seq, loaded * ledger_->block_size());
     KVCM_CHECK(committed.ok()) << "commit of prefetch " << prefetch.seq << ": " << committed;
   }
   const absl::Status freed = ledger_->Free(prefetch.seq);

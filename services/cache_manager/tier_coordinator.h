@@ -67,8 +67,7 @@ class TierCoordinator {
   // For an Allocate about to run: nullopt to run it; otherwise the UNAVAILABLE status to
   // answer it with (`outcome`'s tier counts set), while its prefix loads. An Allocate that
   // runs after a prefetch of its prefix gets the tier counts of what was loaded.
-  std::optional<absl::Status> BeforeAllocate(const BlockOp& op, absl::Time now,
-                                             OpOutcome* outcome);
+  std::optional<absl::Status> BeforeAllocate(const BlockOp& op, absl::Time now, OpOutcome* outcome);
 
   // Drops queued stores when the pool may lack the blocks `ops` could take.
   void MakeRoom(std::span<const BlockOp> ops);
@@ -91,9 +90,9 @@ class TierCoordinator {
  private:
   struct Prefetch {
     SeqId seq = 0;
-    int32_t pool_blocks = 0;  // leading blocks that were in the pool already
-    int32_t blocks = 0;       // pool_blocks + the blocks to load
-    std::vector<int8_t> state;  // per loaded block: 0 loading, 1 loaded, -1 failed
+    int32_t pool_blocks = 0;          // leading blocks that were in the pool already
+    int32_t blocks = 0;               // pool_blocks + the blocks to load
+    std::vector<int8_t> state;        // per loaded block: 0 loading, 1 loaded, -1 failed
     std::vector<tiers::Tier> source;  // per loaded block: the tier it comes from
     int32_t pending = 0;
     int32_t host_blocks = 0;  // of the loads, from each tier

@@ -8,8 +8,7 @@
 
 namespace kvcm {
 
-VllmConverter::VllmConverter(int32_t block_size, HashAlgorithm algorithm,
-                             VllmMedium pool_medium)
+VllmConverter::VllmConverter(int32_t block_size, HashAlgorithm algorithm, VllmMedium pool_medium)
     : block_size_(static_cast<size_t>(block_size)),
       algorithm_(algorithm),
       pool_medium_(pool_medium) {
@@ -17,8 +16,7 @@ VllmConverter::VllmConverter(int32_t block_size, HashAlgorithm algorithm,
 }
 
 void VllmConverter::AddCommitTokens(std::span<const BlockId> block_table,
-                                    int32_t num_committed_tokens,
-                                    std::span<const int32_t> tokens) {
+                                    int32_t num_committed_tokens, std::span<const int32_t> tokens) {
   const size_t blocks = tokens.size() / block_size_;
   const size_t end = static_cast<size_t>(std::max(num_committed_tokens, 0)) / block_size_;
   if (blocks > end || block_table.size() < end) return;
@@ -80,12 +78,12 @@ bool VllmConverter::Store(Place place, const BlockHash& hash, const BlockHash* p
   // The block continues the previous event's chain in the same medium: one event for both.
   // Ids stay unique within the event (parent included), which consumers require.
   VllmEvent* last = pending_.empty() ? nullptr : &pending_.back();
-  const bool extends =
-      last != nullptr && last->kind == VllmEvent::Kind::kBlockStored &&
-      last->medium == medium && parent_id && *parent_id == last->block_hashes.back() &&
-      std::find(last->block_hashes.begin(), last->block_hashes.end(), id) ==
-          last->block_hashes.end() &&
-      last->parent_block_hash != id;
+  const bool extends = last != nullptr && last->kind == VllmEvent::Kind::kBlockStored &&
+                       last->medium == medium && parent_id &&
+                       *parent_id == last->block_hashes.back() &&
+                       std::find(last->block_hashes.begin(), last->block_hashes.end(), id) ==
+                           last->block_hashes.end() &&
+                       last->parent_block_hash != id;
   if (!extends) {
     VllmEvent stored;
     stored.kind = VllmEvent::Kind::kBlockStored;
@@ -159,8 +157,7 @@ void VllmConverter::AddTierEvents(std::span<const tiers::TierEvent> events) {
       continue;
     }
     const tiers::BlockLineage& lineage = event.lineage;
-    if (!Store(place, event.hash, lineage.has_parent ? &lineage.parent : nullptr,
-               lineage.tokens)) {
+    if (!Store(place, event.hash, lineage.has_parent ? &lineage.parent : nullptr, lineage.tokens)) {
       ++blocks_without_tokens_;
     }
   }

@@ -45,8 +45,7 @@ namespace kvcm {
 class VllmConverter {
  public:
   // REQUIRES: block_size > 0. `pool_medium`: the pool's (kGpu for a cuda pool, kCpu for shm).
-  explicit VllmConverter(int32_t block_size,
-                         HashAlgorithm algorithm = kDefaultHashAlgorithm,
+  explicit VllmConverter(int32_t block_size, HashAlgorithm algorithm = kDefaultHashAlgorithm,
                          VllmMedium pool_medium = VllmMedium::kGpu);
 
   // A commit that succeeded carried `tokens`: the token ids of the last full blocks it

@@ -50,7 +50,8 @@ absl::StatusOr<uint64_t> ReadSeqFile(const std::string& path) {
   }
   if (!value.has_value() || *value > VllmEventPublisher::kMaxVllmSeq) {
     return absl::InvalidArgumentError(absl::StrCat(
-        path, " does not hold a sequence number as kvcm-cache-manager writes it; delete it "
+        path,
+        " does not hold a sequence number as kvcm-cache-manager writes it; delete it "
         "to start the vLLM-format KV events again from 0, and register this node with its "
         "cluster router again"));
   }
@@ -114,10 +115,10 @@ absl::StatusOr<std::unique_ptr<VllmEventPublisher>> VllmEventPublisher::Create(
       publisher->replay_endpoint_ = publisher->replay_.get(zmq::sockopt::last_endpoint);
     }
   } catch (const zmq::error_t& error) {
-    return absl::UnavailableError(absl::StrCat(
-        "cannot bind the vLLM-format KV event sockets (", options.endpoint,
-        options.replay_endpoint.empty() ? "" : ", " + options.replay_endpoint,
-        "): ", error.what()));
+    return absl::UnavailableError(
+        absl::StrCat("cannot bind the vLLM-format KV event sockets (", options.endpoint,
+                     options.replay_endpoint.empty() ? "" : ", " + options.replay_endpoint,
+                     "): ", error.what()));
   }
   if (metrics != nullptr) metrics->SetVllmBufferBatches(0);
   return publisher;
@@ -129,9 +130,8 @@ VllmEventPublisher::~VllmEventPublisher() {
 }
 
 absl::Status VllmEventPublisher::ReserveSeqsUpTo(uint64_t limit) {
-  absl::Status written =
-      WriteFileAtomically(options_.seq_file, absl::StrCat(kSeqFileComment, "\n", limit, "\n"),
-                          0600);
+  absl::Status written = WriteFileAtomically(
+      options_.seq_file, absl::StrCat(kSeqFileComment, "\n", limit, "\n"), 0600);
   if (written.ok()) reserved_until_ = limit;
   return written;
 }
@@ -146,7 +146,8 @@ void VllmEventPublisher::Publish(std::span<const VllmEvent> events, double times
     if (!reserved.ok()) {
       reserved_until_ = ~uint64_t{0};
       Log(absl::StrCat("cannot reserve more vLLM-format KV event sequence numbers (",
-                       reserved.message(), "): after a restart this node must be registered "
+                       reserved.message(),
+                       "): after a restart this node must be registered "
                        "with its cluster router again"));
     }
   }
@@ -178,8 +179,8 @@ bool VllmEventPublisher::SendOnPub(const Batch& batch) {
     pub_.send(zmq::const_buffer(options_.topic.data(), options_.topic.size()),
               zmq::send_flags::sndmore);
     pub_.send(zmq::const_buffer(seq_be, sizeof(seq_be)), zmq::send_flags::sndmore);
-    return pub_.send(zmq::const_buffer(batch.payload.data(), batch.payload.size()),
-                     zmq::send_flags::none)
+    return pub_
+        .send(zmq::const_buffer(batch.payload.data(), batch.payload.size()), zmq::send_flags::none)
         .has_value();
   } catch (const zmq::error_t& error) {
     Log(absl::StrCat("publishing vLLM-format event batch ", batch.seq, ": ", error.what(),
@@ -221,8 +222,8 @@ bool VllmEventPublisher::SendReplayFrame(const zmq::message_t& identity, const B
     replay_.send(zmq::const_buffer("", 0), kMore);
     replay_.send(zmq::const_buffer(topic.data(), topic.size()), kMore);
     replay_.send(zmq::const_buffer(seq_be, sizeof(seq_be)), kMore);
-    return replay_.send(zmq::const_buffer(payload.data(), payload.size()),
-                        zmq::send_flags::dontwait)
+    return replay_
+        .send(zmq::const_buffer(payload.data(), payload.size()), zmq::send_flags::dontwait)
         .has_value();
   } catch (const zmq::error_t&) {
     return false;  // the peer is gone (router_mandatory: EHOSTUNREACH)
@@ -233,9 +234,9 @@ void VllmEventPublisher::RefuseReplay(std::string_view why) {
   ++malformed_;
   if (metrics_ != nullptr) metrics_->CountVllmReplayRequest(/*malformed=*/true, 0);
   if (malformed_ <= kMalformedLoggedInFull || malformed_ % kMalformedLogEvery == 0) {
-    Log(absl::StrCat("vLLM-format replay request refused (", malformed_,
-                     " so far): ", std::string(why), "; a request is an empty frame, then the start ",
-                     "sequence number as 8 bytes big-endian"));
+    Log(absl::StrCat(
+        "vLLM-format replay request refused (", malformed_, " so far): ", std::string(why),
+        "; a request is an empty frame, then the start ", "sequence number as 8 bytes big-endian"));
   }
 }
 
@@ -255,13 +256,13 @@ void VllmEventPublisher::ServeReplay() {
       continue;
     }
     if (frames[1].size() != 0) {
-      RefuseReplay(absl::StrCat("the first frame has ", frames[1].size(),
-                                " bytes instead of being empty"));
+      RefuseReplay(
+          absl::StrCat("the first frame has ", frames[1].size(), " bytes instead of being empty"));
       continue;
     }
     if (frames[2].size() != 8) {
-      RefuseReplay(absl::StrCat("the sequence number has ", frames[2].size(),
-                                " bytes instead of 8"));
+      RefuseReplay(
+          absl::StrCat("the sequence number has ", frames[2].size(), " bytes instead of 8"));
       continue;
     }
     uint64_t start = 0;
@@ -278,8 +279,10 @@ void VllmEventPublisher::ServeReplay() {
     for (const Batch& batch : buffer_) send(batch);
     if (delivered) delivered = SendReplayFrame(frames[0], nullptr);
     if (!delivered) {
-      Log(absl::StrCat("vLLM-format replay from seq ", start, ": the subscriber stopped "
-                       "reading or left after ", sent, " batch(es); the rest is not sent"));
+      Log(absl::StrCat("vLLM-format replay from seq ", start,
+                       ": the subscriber stopped "
+                       "reading or left after ",
+                       sent, " batch(es); the rest is not sent"));
     }
     if (metrics_ != nullptr) metrics_->CountVllmReplayRequest(/*malformed=*/false, sent);
   }

@@ -53,9 +53,9 @@ namespace kvcm {
 class VllmEventPublisher {
  public:
   struct Options {
-    std::string endpoint;         // PUB, e.g. tcp://127.0.0.1:5557 (port 0: any free one)
-    std::string replay_endpoint;  // ROUTER; empty: no replay
-    std::string topic;            // first frame of every batch
+    std::string endpoint;          // PUB, e.g. tcp://127.0.0.1:5557 (port 0: any free one)
+    std::string replay_endpoint;   // ROUTER; empty: no replay
+    std::string topic;             // first frame of every batch
     int32_t buffer_steps = 10000;  // batches kept for replay, >= 1
     // Where sequence numbers are reserved across restarts (above); empty: every start
     // begins at 0 (tests of the publisher alone).
@@ -73,9 +73,11 @@ class VllmEventPublisher {
   // Binds both sockets in `context`. INVALID_ARGUMENT for options that make no sense or a
   // seq_file that is not one this publisher wrote (delete it to start again from 0, and
   // register the node with its cluster router again), INTERNAL when seq_file cannot be
-  // read or written, UNAVAILABLE when a socket cannot be bound. `metrics` may be null and must outlive it.
-  static absl::StatusOr<std::unique_ptr<VllmEventPublisher>> Create(
-      zmq::context_t& context, const Options& options, CacheManagerMetrics* metrics);
+  // read or written, UNAVAILABLE when a socket cannot be bound. `metrics` may be null and must
+  // outlive it.
+  static absl::StatusOr<std::unique_ptr<VllmEventPublisher>> Create(zmq::context_t& context,
+                                                                    const Options& options,
+                                                                    CacheManagerMetrics* metrics);
 
   ~VllmEventPublisher();
 
@@ -128,8 +130,8 @@ class VllmEventPublisher {
   uint64_t first_seq_ = 0;
   uint64_t next_seq_ = 0;
   uint64_t reserved_until_ = ~uint64_t{0};  // without seq_file: no limit
-  std::optional<Batch> first_;  // seq first_seq_, once it left the ring below
-  std::deque<Batch> buffer_;    // the latest batches, oldest first
+  std::optional<Batch> first_;              // seq first_seq_, once it left the ring below
+  std::deque<Batch> buffer_;                // the latest batches, oldest first
   uint64_t malformed_ = 0;
 };
 

@@ -52,9 +52,12 @@ uint64_t VllmBlockId(const BlockHash& hash, HashAlgorithm algorithm) {
 
 std::string_view VllmEventTypeName(VllmEvent::Kind kind) {
   switch (kind) {
-    case VllmEvent::Kind::kBlockStored: return "BlockStored";
-    case VllmEvent::Kind::kBlockRemoved: return "BlockRemoved";
-    case VllmEvent::Kind::kAllBlocksCleared: return "AllBlocksCleared";
+    case VllmEvent::Kind::kBlockStored:
+      return "BlockStored";
+    case VllmEvent::Kind::kBlockRemoved:
+      return "BlockRemoved";
+    case VllmEvent::Kind::kAllBlocksCleared:
+      return "AllBlocksCleared";
   }
   return "AllBlocksCleared";
 }

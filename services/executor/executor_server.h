@@ -12,10 +12,10 @@
 //   missing pool triggers a re-attachment on this thread, between steps.
 //
 // Run() turns an EventLoop (common/transport/event_loop.h) over the DEALER and the
-// signalfd; nothing else touches the socket. Steps run on this thread (the model parallelizes inside Forward), so a signal is
-// seen between steps: the step in progress always completes and is answered. On a signal
-// it answers the messages already queued, says Goodbye to the router (waiting up to
-// goodbye_timeout for the reply), ends the cache-manager session and returns OK.
+// signalfd; nothing else touches the socket. Steps run on this thread (the model parallelizes
+// inside Forward), so a signal is seen between steps: the step in progress always completes and is
+// answered. On a signal it answers the messages already queued, says Goodbye to the router (waiting
+// up to goodbye_timeout for the reply), ends the cache-manager session and returns OK.
 //
 // Thread safety: create, Run() and destroy on one thread.
 

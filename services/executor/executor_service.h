@@ -7,8 +7,8 @@
 // A StepBatch, in order (nothing is written to the pool before the last check passes):
 //   1. VerifyExecutorEnvelope, DecodeStepBatch (Malformed / InvalidArgument).
 //   2. The router session: refused (StaleSession) once the cache manager fenced it (see
-//      ApplyFences). The pool: none attached -> Unavailable "no pool attached". The step's epoch is the
-//      cache-manager epoch its block tables were granted in. Earlier than the pool's:
+//      ApplyFences). The pool: none attached -> Unavailable "no pool attached". The step's epoch is
+//      the cache-manager epoch its block tables were granted in. Earlier than the pool's:
 //      StaleEpoch (the router must re-admit). Later: the cache manager restarted and this
 //      executor has not noticed yet: PoolSource::Reattach() (the weights stay loaded), and
 //      StaleEpoch all the same ("stale epoch, re-attached: ..."; "re-attaching" if the
@@ -49,11 +49,11 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/wire/executor_codec.h"
 #include "flatbuffers/flatbuffers.h"
 #include "services/executor/executor_metrics.h"
 #include "services/executor/executor_model.h"
 #include "services/executor/executor_pool.h"
-#include "common/wire/executor_codec.h"
 #include "services/executor/llama_model.h"
 #include "services/executor/sampler.h"
 

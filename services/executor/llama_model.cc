@@ -9,18 +9,18 @@
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
-#include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/base/check.h"
 #include "common/base/status_macros.h"
+#include "common/gguf/ggml_types.h"
+#include "common/gguf/gguf_file.h"
 #include "common/safetensors/safetensors.h"
 #include "kernels/cpu_thread_pool.h"
 #include "kernels/paged_attention.h"
 #include "kernels/paged_kv.h"
 #include "kernels/write_kv.h"
-#include "common/gguf/ggml_types.h"
-#include "common/gguf/gguf_file.h"
 
 namespace kvcm {
 namespace {
@@ -221,10 +221,10 @@ class GgufSource final : public WeightSource {
     const GgufTensorInfo& t = **found;
     const std::vector<int64_t> row_major(t.dims.rbegin(), t.dims.rend());
     if (row_major != shape) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor \"", name, "\" in \"", file_.name(), "\" has shape ", ShapeString(row_major),
-          " (GGUF dims ", ShapeString(t.dims), "), expected ", ShapeString(shape),
-          " from the file's metadata"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor \"", name, "\" in \"", file_.name(), "\" has shape ",
+                       ShapeString(row_major), " (GGUF dims ", ShapeString(t.dims), "), expected ",
+                       ShapeString(shape), " from the file's metadata"));
     }
     return &t;
   }
@@ -328,8 +328,8 @@ LlamaModel::~LlamaModel() = default;
 int64_t LlamaWeights::matrix_bytes() const {
   int64_t bytes = embed_tokens.bytes() + lm_head.bytes();
   for (const Layer& l : layers) {
-    for (const kernels::WeightMatrix* m : {&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj,
-                                           &l.gate_proj, &l.up_proj, &l.down_proj}) {
+    for (const kernels::WeightMatrix* m :
+         {&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.gate_proj, &l.up_proj, &l.down_proj}) {
       bytes += m->bytes();
     }
   }
@@ -359,10 +359,10 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& 
   KVCM_ASSIGN_OR_RETURN(const std::unique_ptr<SafetensorsFolder> shards,
                         SafetensorsFolder::Open(path));
   if (!config.tie_word_embeddings && !shards->Find("lm_head.weight").first) {
-    return absl::NotFoundError(absl::StrCat(
-        "model folder \"", path, "\" has no tensor \"lm_head.weight\" (expected shape [",
-        config.vocab_size, ", ", config.hidden_size,
-        "]) and config.json does not set tie_word_embeddings"));
+    return absl::NotFoundError(absl::StrCat("model folder \"", path,
+                                            "\" has no tensor \"lm_head.weight\" (expected shape [",
+                                            config.vocab_size, ", ", config.hidden_size,
+                                            "]) and config.json does not set tie_word_embeddings"));
   }
   return LoadWeights(std::move(config), SafetensorsSource(*shards, path), options);
 }
@@ -388,8 +388,8 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::LoadWeights(
     return absl::OkStatus();
   };
 
-  KVCM_RETURN_IF_ERROR(load_matrix("model.embed_tokens.weight", {vocab, h},
-                                   &model->weights_.embed_tokens));
+  KVCM_RETURN_IF_ERROR(
+      load_matrix("model.embed_tokens.weight", {vocab, h}, &model->weights_.embed_tokens));
   model->weights_.layers.resize(static_cast<size_t>(c.num_hidden_layers));
   for (int32_t l = 0; l < c.num_hidden_layers; ++l) {
     LlamaWeights::Layer& layer = model->weights_.layers[static_cast<size_t>(l)];
@@ -440,9 +440,9 @@ void LlamaModel::MatMuls(const float* x, int64_t rows, int64_t in,
     KVCM_CHECK(o.w->cols() == in) << o.w->cols() << " != " << in;
   }
   if (matmul_ == kernels::MatMulPath::kInt8) {
-    kernels::MatMulInt8(
-        x, rows, std::span<const kernels::MatMulOutput>(outputs.begin(), outputs.size()),
-        num_threads_);
+    kernels::MatMulInt8(x, rows,
+                        std::span<const kernels::MatMulOutput>(outputs.begin(), outputs.size()),
+                        num_threads_);
     return;
   }
   for (const kernels::MatMulOutput& o : outputs) kernels::MatMul(x, rows, *o.w, o.y, num_threads_);
@@ -568,8 +568,8 @@ void LlamaModel::Logits(const float* x, std::span<const int64_t> rows,
   std::vector<float> normed(picked.size());
   RmsNorm(picked.data(), static_cast<int64_t>(rows.size()), weights_.final_norm, normed.data());
   logits->assign(rows.size() * static_cast<size_t>(config_.vocab_size), 0.0f);
-  MatMul(normed.data(), static_cast<int64_t>(rows.size()), h,
-         weights_.head(), config_.vocab_size, logits->data());
+  MatMul(normed.data(), static_cast<int64_t>(rows.size()), h, weights_.head(), config_.vocab_size,
+         logits->data());
 }
 
 absl::Status LlamaModel::CheckPool(const PagedPool& pool) const {
@@ -649,8 +649,7 @@ absl::Status LlamaModel::CheckBatch(const ForwardBatch& b, const PagedPool& pool
                    total_new);
   }
   if (!b.all_logits.empty() && b.all_logits.size() != num_seqs) {
-    return invalid("all_logits has ", b.all_logits.size(), " entries for ", num_seqs,
-                   " sequences");
+    return invalid("all_logits has ", b.all_logits.size(), " entries for ", num_seqs, " sequences");
   }
   for (size_t t = 0; t < b.token_ids.size(); ++t) {
     if (b.token_ids[t] < 0 || b.token_ids[t] >= config_.vocab_size) {
@@ -741,8 +740,8 @@ absl::Status LlamaModel::Forward(const ForwardBatch& batch, const PagedPool& poo
     kernels::cpu::PagedAttention(view, attention, q.data(), attn.data(), num_threads_);
     AttentionOutputAndMlp(l, attn.data(), rows, x.data());
     if (after_layer != nullptr && !(*after_layer)(l)) {
-      return absl::CancelledError(absl::StrCat("stopped after layer ", l, " of ",
-                                               c.num_hidden_layers));
+      return absl::CancelledError(
+          absl::StrCat("stopped after layer ", l, " of ", c.num_hidden_layers));
     }
   }
   Logits(x.data(), plan.logit_rows, logits);

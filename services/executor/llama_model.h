@@ -240,8 +240,8 @@ class LlamaModel {
 
   // y[rows][out] = x[rows][in] . w[out][in]^T (kernels::MatMulInt8 or kernels::MatMul, as
   // matmul_ says, on num_threads_ threads). REQUIRES: w is [out, in].
-  void MatMul(const float* x, int64_t rows, int64_t in, const kernels::WeightMatrix& w,
-              int64_t out, float* y) const;
+  void MatMul(const float* x, int64_t rows, int64_t in, const kernels::WeightMatrix& w, int64_t out,
+              float* y) const;
   // Several products of the same x[rows][in] (each output's w is [rows of y, in]): one call
   // of kernels::MatMulInt8 on the int8 path, MatMul each on the fp32 path.
   void MatMuls(const float* x, int64_t rows, int64_t in,

@@ -71,10 +71,11 @@ class LlamaCudaModel {
   // Copies `model`'s weights to `device` in options.weight_dtype and makes the stream and
   // the cuBLAS handle. Errors: UNIMPLEMENTED when this build has no CUDA kernels, or for a
   // model with qk_norm (Qwen3's per-head q/k norm has no CUDA kernel yet: refused before any
-  // device is touched, rather than computing other logits than the CPU); UNAVAILABLE ("no CUDA device: ...") without a device; INVALID_ARGUMENT for a device index
-  // out of range, a weight dtype other than fp32, fp16 or bf16, or a finite weight beyond
-  // fp16's range with fp16 (naming the tensor); RESOURCE_EXHAUSTED when the weights do not
-  // fit (with the bytes needed and free); INTERNAL when cuBLAS cannot start.
+  // device is touched, rather than computing other logits than the CPU); UNAVAILABLE ("no CUDA
+  // device: ...") without a device; INVALID_ARGUMENT for a device index out of range, a weight
+  // dtype other than fp32, fp16 or bf16, or a finite weight beyond fp16's range with fp16 (naming
+  // the tensor); RESOURCE_EXHAUSTED when the weights do not fit (with the bytes needed and free);
+  // INTERNAL when cuBLAS cannot start.
   static absl::StatusOr<std::unique_ptr<LlamaCudaModel>> Create(
       const LlamaModel& model, int32_t device,
       const LlamaCudaModelOptions& options = LlamaCudaModelOptions());
@@ -93,15 +94,13 @@ class LlamaCudaModel {
   // FAILED_PRECONDITION when pool.cuda_device is not device(); then the model's CheckPool
   // and CheckBatch, before anything is written; INTERNAL with CUDA's message when a device
   // or cuBLAS call fails (RESOURCE_EXHAUSTED when scratch memory runs out).
-  absl::Status Forward(const ForwardBatch& batch, const PagedPool& pool,
-                       std::vector<float>* logits,
+  absl::Status Forward(const ForwardBatch& batch, const PagedPool& pool, std::vector<float>* logits,
                        LogitsScope scope = LogitsScope::kLastTokenPerSeq) const;
 
   // Copy-on-write orders (kernels::cuda::CopyBlocks) on a device pool, waited for.
   // FAILED_PRECONDITION for a pool on another device; INVALID_ARGUMENT for a block outside
   // the pool, a destination twice or one that is also a source.
-  absl::Status CopyBlocks(const PagedPool& pool,
-                          std::span<const kernels::BlockCopy> copies) const;
+  absl::Status CopyBlocks(const PagedPool& pool, std::span<const kernels::BlockCopy> copies) const;
 
  private:
   class Impl;

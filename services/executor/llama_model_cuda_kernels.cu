@@ -3,8 +3,6 @@
 // another order and multiply-adds are fused: results agree with the CPU's to fp32
 // rounding, not bit for bit.
 
-#include "services/executor/llama_model_cuda_kernels.h"
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -13,6 +11,7 @@
 #include <cstdint>
 
 #include "kernels/cuda_check.h"
+#include "services/executor/llama_model_cuda_kernels.h"
 
 namespace kvcm::llama_cuda {
 namespace {
@@ -77,8 +76,7 @@ __global__ void __launch_bounds__(kThreads)
     if (threadIdx.x < stride) partial[threadIdx.x] += partial[threadIdx.x + stride];
     __syncthreads();
   }
-  const float inv_rms =
-      static_cast<float>(1.0 / sqrt(partial[0] / static_cast<double>(h) + eps));
+  const float inv_rms = static_cast<float>(1.0 / sqrt(partial[0] / static_cast<double>(h) + eps));
   float* o = out + int64_t{blockIdx.x} * h;
   for (int64_t i = threadIdx.x; i < h; i += kThreads) o[i] = weight[i] * (xr[i] * inv_rms);
 }
@@ -219,11 +217,11 @@ void AddBias(float* y, int64_t rows, int64_t width, const float* bias, void* str
   KVCM_CUDA_CHECK(cudaGetLastError());
 }
 
-void RmsNorm(const float* x, int64_t rows, int64_t h, const float* weight, double eps,
-             float* out, void* stream) {
+void RmsNorm(const float* x, int64_t rows, int64_t h, const float* weight, double eps, float* out,
+             void* stream) {
   if (rows <= 0) return;
-  RmsNormKernel<<<static_cast<unsigned>(rows), kThreads, 0, AsStream(stream)>>>(x, h, weight,
-                                                                                  eps, out);
+  RmsNormKernel<<<static_cast<unsigned>(rows), kThreads, 0, AsStream(stream)>>>(x, h, weight, eps,
+                                                                                out);
   KVCM_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -246,8 +244,8 @@ void MatMul(const float* x, int64_t rows, int64_t in, const float* w, int64_t ou
 void Rope(float* x, int64_t rows, int32_t heads, int32_t d, const int32_t* positions,
           const double* inv_freq, void* stream) {
   if (rows <= 0) return;
-  RopeKernel<<<static_cast<unsigned>(rows), kThreads, 0, AsStream(stream)>>>(x, heads, d,
-                                                                               positions, inv_freq);
+  RopeKernel<<<static_cast<unsigned>(rows), kThreads, 0, AsStream(stream)>>>(x, heads, d, positions,
+                                                                             inv_freq);
   KVCM_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -30,8 +30,8 @@ void AddBias(float* y, int64_t rows, int64_t width, const float* bias, void* str
 
 // out[r][i] = weight[i] * (x[r][i] / sqrt(mean_i(x[r][i]^2) + eps)); the sum of squares is
 // taken in double, as on the CPU.
-void RmsNorm(const float* x, int64_t rows, int64_t h, const float* weight, double eps,
-             float* out, void* stream);
+void RmsNorm(const float* x, int64_t rows, int64_t h, const float* weight, double eps, float* out,
+             void* stream);
 
 // y[rows][out] = x[rows][in] . w[out][in]^T, all fp32 (the fp32 weight path; 16-bit
 // weights go through cuBLAS, llama_model_cuda.cc). Few rows (decode): one warp per output

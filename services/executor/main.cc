@@ -115,7 +115,8 @@ int Main(const std::vector<config::Setting>& settings) {
   };
 
   const std::string folder = absl::GetFlag(FLAGS_model);
-  if (folder.empty()) return fail("", absl::InvalidArgumentError("--model (a folder or a GGUF file) is required"));
+  if (folder.empty())
+    return fail("", absl::InvalidArgumentError("--model (a folder or a GGUF file) is required"));
   if (!absl::GetFlag(FLAGS_run_dir).empty() && !absl::GetFlag(FLAGS_cache_manager).empty()) {
     return fail("", absl::InvalidArgumentError("give --run-dir or --cache-manager, not both"));
   }
@@ -141,9 +142,10 @@ int Main(const std::vector<config::Setting>& settings) {
     }
     cuda_options.weight_dtype = *dtype;
   }
-  const std::string run_dir = std::string(absl::StripSuffix(
-      absl::GetFlag(FLAGS_run_dir).empty() ? DefaultRunDirFromEnvironment()
-                                      : absl::GetFlag(FLAGS_run_dir), "/"));
+  const std::string run_dir = std::string(absl::StripSuffix(absl::GetFlag(FLAGS_run_dir).empty()
+                                                                ? DefaultRunDirFromEnvironment()
+                                                                : absl::GetFlag(FLAGS_run_dir),
+                                                            "/"));
   const std::string cache_manager = absl::GetFlag(FLAGS_cache_manager).empty()
                                         ? IpcEndpointIn(run_dir, kCacheManagerSocket)
                                         : absl::GetFlag(FLAGS_cache_manager);
@@ -247,9 +249,9 @@ int main(int argc, char** argv) {
       argc, argv,
       {.binary = "kvcm-executor",
        .section = "executor",
-       .usage =
-           "runs a Llama model on the cache manager's KV pool for a router.\n"
-           "  kvcm-executor --model DIR --run-dir RUN_DIR --router ipc://RUN_DIR/router-executors.sock",
+       .usage = "runs a Llama model on the cache manager's KV pool for a router.\n"
+                "  kvcm-executor --model DIR --run-dir RUN_DIR --router "
+                "ipc://RUN_DIR/router-executors.sock",
        .defining_file = __FILE__,
        .run = &kvcm::Main});
 }

@@ -138,8 +138,8 @@ int32_t Sampler::Sample(std::span<const float> logits, int64_t token_index) cons
   return order[static_cast<size_t>(keep - 1)];  // rounding at the very top of the range
 }
 
-void ApplyPenalties(std::span<float> logits, std::span<const int32_t> history,
-                    int32_t prompt_len, const SamplingParams& params) {
+void ApplyPenalties(std::span<float> logits, std::span<const int32_t> history, int32_t prompt_len,
+                    const SamplingParams& params) {
   const auto vocab = static_cast<int64_t>(logits.size());
   auto in_row = [vocab](int32_t token) { return token >= 0 && token < vocab; };
   if (params.repetition_penalty != 1.0f) {
@@ -207,9 +207,9 @@ float LogprobOf(std::span<const float> logits, int32_t token, float temperature)
   return LogprobWith(NormalizerOf(logits, temperature), logits[static_cast<size_t>(token)]);
 }
 
-std::vector<TokenLogprob> TopLogprobs(std::span<const float> logits, int32_t n,
-                                      float temperature) {
-  const auto k = static_cast<size_t>(std::clamp<int64_t>(n, 0, static_cast<int64_t>(logits.size())));
+std::vector<TokenLogprob> TopLogprobs(std::span<const float> logits, int32_t n, float temperature) {
+  const auto k =
+      static_cast<size_t>(std::clamp<int64_t>(n, 0, static_cast<int64_t>(logits.size())));
   std::vector<int32_t> order(logits.size());
   std::iota(order.begin(), order.end(), 0);
   std::partial_sort(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(k), order.end(),

@@ -25,11 +25,11 @@
 namespace kvcm {
 
 struct SamplingParams {
-  float temperature = 0.0f;  // 0: greedy. Higher flattens the distribution.
-  float top_p = 1.0f;        // nucleus mass in (0, 1]; 1 keeps every token
-  int32_t top_k = 0;         // keep the k most likely tokens; 0 keeps all
-  uint64_t seed = 0;         // the request's seed; same seed, same samples
-  int32_t max_tokens = 16;   // stop after this many generated tokens (>= 1)
+  float temperature = 0.0f;         // 0: greedy. Higher flattens the distribution.
+  float top_p = 1.0f;               // nucleus mass in (0, 1]; 1 keeps every token
+  int32_t top_k = 0;                // keep the k most likely tokens; 0 keeps all
+  uint64_t seed = 0;                // the request's seed; same seed, same samples
+  int32_t max_tokens = 16;          // stop after this many generated tokens (>= 1)
   float repetition_penalty = 1.0f;  // > 0; 1 = none (see ApplyPenalties)
   float frequency_penalty = 0.0f;   // in [-2, 2]; 0 = none
   float presence_penalty = 0.0f;    // in [-2, 2]; 0 = none
@@ -50,8 +50,8 @@ absl::Status ValidateSamplingParams(const SamplingParams& params);
 // - frequency_penalty f and presence_penalty p, for every token the output holds c > 0
 //   times: l - f * c - p.
 // Tokens outside the row are ignored (the executor refuses them before this).
-void ApplyPenalties(std::span<float> logits, std::span<const int32_t> history,
-                    int32_t prompt_len, const SamplingParams& params);
+void ApplyPenalties(std::span<float> logits, std::span<const int32_t> history, int32_t prompt_len,
+                    const SamplingParams& params);
 
 // vLLM's min_tokens, applied to one row of logits in place before sampling (vLLM masks
 // before its penalties; either order gives the same row, -infinity stays so under them):

@@ -77,14 +77,14 @@ class Dashboard {
   const Options options_;
   RouterCore* const core_;
   std::unique_ptr<CacheManagerClient> client_;  // the refresher thread's only
-  std::string logged_error_;                     // the refresher thread's only
+  std::string logged_error_;                    // the refresher thread's only
 
   std::mutex mu_;
   std::condition_variable wake_;
-  std::string state_;              // guarded by mu_
-  absl::Time state_time_;          // guarded by mu_; of state_
-  bool fetch_wanted_ = false;      // guarded by mu_; a poll found state_ old
-  bool stop_ = false;              // guarded by mu_
+  std::string state_;          // guarded by mu_
+  absl::Time state_time_;      // guarded by mu_; of state_
+  bool fetch_wanted_ = false;  // guarded by mu_; a poll found state_ old
+  bool stop_ = false;          // guarded by mu_
   std::thread thread_;
 };
 

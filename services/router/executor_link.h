@@ -44,11 +44,11 @@ class ExecutorLink {
     absl::Time last_heard;
     uint64_t pending_request = 0;  // the StepBatch it owes a result for (0: none)
     uint64_t pending_step = 0;
-    UniqueFd pidfd;               // the registered process; invalid if it could not be opened
+    UniqueFd pidfd;  // the registered process; invalid if it could not be opened
     EventLoop::Id pid_watch = 0;
     absl::Time registered;
-    uint64_t steps = 0;           // StepResults it returned
-    uint64_t last_step_us = 0;    // the last one's duration, as the executor measured it
+    uint64_t steps = 0;         // StepResults it returned
+    uint64_t last_step_us = 0;  // the last one's duration, as the executor measured it
   };
   // A StepResult (or its refusal) for step `step_id` from `executor`.
   using ResultHandler =

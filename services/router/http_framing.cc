@@ -24,8 +24,8 @@ bool IsToken(std::string_view text) {
   for (const char ch : text) {
     const auto c = static_cast<unsigned char>(ch);
     // (strchr would find a NUL: the terminator.)
-    if (!absl::ascii_isalnum(c) && std::string_view("!#$%&'*+-.^_`|~").find(ch) ==
-                                       std::string_view::npos) {
+    if (!absl::ascii_isalnum(c) &&
+        std::string_view("!#$%&'*+-.^_`|~").find(ch) == std::string_view::npos) {
       return false;
     }
   }
@@ -33,8 +33,7 @@ bool IsToken(std::string_view text) {
 }
 
 bool EqualsIgnoreCase(std::string_view a, std::string_view b) {
-  return a.size() == b.size() &&
-         std::equal(a.begin(), a.end(), b.begin(), [](char x, char y) {
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](char x, char y) {
            return absl::ascii_tolower(static_cast<unsigned char>(x)) ==
                   absl::ascii_tolower(static_cast<unsigned char>(y));
          });
@@ -61,9 +60,8 @@ std::string_view WithoutEol(std::string_view line) {
 // (evhttp_method_may_have_body: not of HEAD and TRACE).
 std::optional<bool> MayHaveBody(std::string_view method) {
   static constexpr std::pair<std::string_view, bool> kMethods[] = {
-      {"GET", true},     {"POST", true},    {"HEAD", false},
-      {"PUT", true},     {"DELETE", true},  {"OPTIONS", true},
-      {"TRACE", false},  {"CONNECT", true}, {"PATCH", true}};
+      {"GET", true},     {"POST", true},   {"HEAD", false},   {"PUT", true},  {"DELETE", true},
+      {"OPTIONS", true}, {"TRACE", false}, {"CONNECT", true}, {"PATCH", true}};
   for (const auto& [name, body] : kMethods) {
     if (name == method) return body;
   }
@@ -141,8 +139,9 @@ std::optional<Problem> ReadRequestLine(std::string_view line, RequestLine* out) 
   // ("//v1/completions" is host "v1", path "/completions"), and refuses with its own page
   // one whose host it cannot parse; the router serves no such path.
   if (target.starts_with("//")) {
-    return Problem{400, "malformed request line: the target must be a path that does not "
-                        "start with \"//\""};
+    return Problem{400,
+                   "malformed request line: the target must be a path that does not "
+                   "start with \"//\""};
   }
   for (const char ch : target) {
     const auto c = static_cast<unsigned char>(ch);
@@ -157,8 +156,8 @@ std::optional<Problem> ReadRequestLine(std::string_view line, RequestLine* out) 
   }
   const std::optional<bool> may_have_body = MayHaveBody(method);
   if (!may_have_body.has_value()) {
-    return Problem{501, absl::StrCat("method ", std::string(method.substr(0, 32)),
-                                     " is not implemented")};
+    return Problem{
+        501, absl::StrCat("method ", std::string(method.substr(0, 32)), " is not implemented")};
   }
   out->method = method;
   out->may_have_body = *may_have_body;
@@ -186,18 +185,19 @@ std::optional<Problem> ReadBodyFraming(std::string_view lines, const RequestLine
     at = eol + 1;
     if (line.empty()) break;
     if (line.front() == ' ' || line.front() == '\t') {
-      return Problem{400, "ambiguous framing: a header line folded onto the one before "
-                          "(obs-fold)"};
+      return Problem{400,
+                     "ambiguous framing: a header line folded onto the one before "
+                     "(obs-fold)"};
     }
     const size_t colon = line.find(':');
     if (colon == std::string_view::npos || !IsToken(line.substr(0, colon))) {
-      return Problem{400, "ambiguous framing: a header name must be a token, with no "
-                          "whitespace before its colon"};
+      return Problem{400,
+                     "ambiguous framing: a header name must be a token, with no "
+                     "whitespace before its colon"};
     }
     const std::string_view name = line.substr(0, colon);
     const std::string_view value = TrimWhitespace(line.substr(colon + 1));
-    if (value.find('\r') != std::string_view::npos ||
-        value.find('\0') != std::string_view::npos) {
+    if (value.find('\r') != std::string_view::npos || value.find('\0') != std::string_view::npos) {
       return Problem{400, "malformed header: a value has a CR or NUL"};
     }
     if (EqualsIgnoreCase(name, "Content-Length")) {
@@ -218,8 +218,9 @@ std::optional<Problem> ReadBodyFraming(std::string_view lines, const RequestLine
     }
   }
   if (encodings > 0 && length.has_value()) {
-    return Problem{400, "ambiguous framing: the request has both Transfer-Encoding and "
-                        "Content-Length"};
+    return Problem{400,
+                   "ambiguous framing: the request has both Transfer-Encoding and "
+                   "Content-Length"};
   }
   if (length.has_value()) {
     std::string_view digits = *length;
@@ -338,13 +339,13 @@ FramingStep RequestFraming::Head(std::string_view window) {
   const std::string_view head = window.substr(0, end);
   const size_t line_end = head.find('\n');
   RequestLine line;
-  if (std::optional<Problem> problem = ReadRequestLine(WithoutEol(head.substr(0, line_end + 1)),
-                                                       &line)) {
+  if (std::optional<Problem> problem =
+          ReadRequestLine(WithoutEol(head.substr(0, line_end + 1)), &line)) {
     return Refuse(problem->status, std::move(problem->message));
   }
   BodyFraming body;
-  if (std::optional<Problem> problem = ReadBodyFraming(head.substr(line_end + 1), line,
-                                                       limits_.max_body_bytes, &body)) {
+  if (std::optional<Problem> problem =
+          ReadBodyFraming(head.substr(line_end + 1), line, limits_.max_body_bytes, &body)) {
     return Refuse(problem->status, std::move(problem->message));
   }
   ++heads_;
@@ -410,9 +411,9 @@ FramingStep RequestFraming::ChunkLine(std::string_view window) {
     state_ = State::kTrailers;
   } else {
     char hex[20];
-    step.replacement = std::string(hex, static_cast<size_t>(std::snprintf(
-                                             hex, sizeof(hex), "%llx\r\n",
-                                             static_cast<unsigned long long>(size))));
+    step.replacement =
+        std::string(hex, static_cast<size_t>(std::snprintf(hex, sizeof(hex), "%llx\r\n",
+                                                           static_cast<unsigned long long>(size))));
     state_ = State::kChunkData;
     left_ = size;
   }
@@ -436,15 +437,17 @@ FramingStep RequestFraming::Trailer(std::string_view window) {
   const size_t eol = window.find('\n');
   if (eol == std::string_view::npos) {
     if (trailer_bytes_ + window.size() > limits_.max_head_bytes) {
-      return Refuse(431, "malformed chunked body: its trailers are over the header limit "
-                         "(--max-request-header-bytes)");
+      return Refuse(431,
+                    "malformed chunked body: its trailers are over the header limit "
+                    "(--max-request-header-bytes)");
     }
     return step;
   }
   trailer_bytes_ += eol + 1;
   if (trailer_bytes_ > limits_.max_head_bytes) {
-    return Refuse(431, "malformed chunked body: its trailers are over the header limit "
-                       "(--max-request-header-bytes)");
+    return Refuse(431,
+                  "malformed chunked body: its trailers are over the header limit "
+                  "(--max-request-header-bytes)");
   }
   const std::string_view line = WithoutEol(window.substr(0, eol + 1));
   step.kind = FramingStep::Kind::kReplace;
@@ -479,9 +482,9 @@ void FramedInput::Frame(evbuffer* input, size_t added) {
     const size_t available = evbuffer_get_length(raw_);
     const size_t wanted = std::min(available, framing_.WindowWanted());
     const char* window =
-        wanted == 0 ? ""
-                    : reinterpret_cast<const char*>(
-                          evbuffer_pullup(raw_, static_cast<ev_ssize_t>(wanted)));
+        wanted == 0
+            ? ""
+            : reinterpret_cast<const char*>(evbuffer_pullup(raw_, static_cast<ev_ssize_t>(wanted)));
     const FramingStep step = framing_.Next({window, wanted}, available);
     if (step.kind == FramingStep::Kind::kNeedMore) break;
     if (step.kind == FramingStep::Kind::kPass) {

@@ -14,8 +14,8 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <string>
 #include <optional>
+#include <string>
 #include <string_view>
 
 struct evbuffer;
@@ -23,8 +23,8 @@ struct evbuffer;
 namespace kvcm::router {
 
 struct FramingLimits {
-  size_t max_head_bytes = 16384;       // a request line with its headers, up to the empty line
-  size_t max_body_bytes = 1048576;     // a body, chunked or not (chunked: its data)
+  size_t max_head_bytes = 16384;    // a request line with its headers, up to the empty line
+  size_t max_body_bytes = 1048576;  // a body, chunked or not (chunked: its data)
 };
 
 // A request refused by its framing: the status, the message, and the request's path when
@@ -73,12 +73,12 @@ class RequestFraming {
 
  private:
   enum class State {
-    kHead,        // before a request line, or in a head
-    kBody,        // `left_` bytes of a Content-Length body
-    kChunkLine,   // a chunk's size line
-    kChunkData,   // `left_` bytes of a chunk's data
-    kChunkEnd,    // the CRLF after a chunk's data
-    kTrailers,    // the trailer lines after the last chunk
+    kHead,       // before a request line, or in a head
+    kBody,       // `left_` bytes of a Content-Length body
+    kChunkLine,  // a chunk's size line
+    kChunkData,  // `left_` bytes of a chunk's data
+    kChunkEnd,   // the CRLF after a chunk's data
+    kTrailers,   // the trailer lines after the last chunk
     kRefused,
   };
 
@@ -91,11 +91,11 @@ class RequestFraming {
   const FramingLimits limits_;
   State state_ = State::kHead;
   uint64_t left_ = 0;
-  uint64_t body_bytes_ = 0;    // a chunked body's data so far
-  size_t trailer_bytes_ = 0;   // its trailers so far
-  size_t scanned_ = 0;         // bytes of a head searched for its end so far
+  uint64_t body_bytes_ = 0;   // a chunked body's data so far
+  size_t trailer_bytes_ = 0;  // its trailers so far
+  size_t scanned_ = 0;        // bytes of a head searched for its end so far
   uint64_t heads_ = 0;
-  std::string path_;           // the current request's
+  std::string path_;  // the current request's
 };
 
 // One connection's framing inside libevent: Frame() is called from an evbuffer callback of

@@ -131,10 +131,8 @@ class RequestParser {
                                     Params* params) const;
   // OpenAI's (openai_api.cc).
   std::optional<HttpError> OpenAiParam(const std::string& key, const nlohmann::json& value,
-                                       GenerationRequest* active_request,
-                                       OpenAiGiven* given) const;
-  std::optional<HttpError> OpenAiExtensionParam(const std::string& key,
-                                                const nlohmann::json& value,
+                                       GenerationRequest* active_request, OpenAiGiven* given) const;
+  std::optional<HttpError> OpenAiExtensionParam(const std::string& key, const nlohmann::json& value,
                                                 GenerationRequest* active_request) const;
   std::optional<HttpError> FinishOpenAiParams(GenerationRequest* active_request,
                                               const OpenAiGiven& given);

@@ -27,8 +27,7 @@ RouterCore::~RouterCore() {
   context_.close();
 }
 
-absl::StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(const Options& options,
-                                                               Sink sink) {
+absl::StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(const Options& options, Sink sink) {
   std::unique_ptr<RouterCore> core(new RouterCore(options, std::move(sink)));
   KVCM_RETURN_IF_ERROR(core->loop_.Init());
   CacheManagerClient::Options client;
@@ -61,10 +60,10 @@ absl::StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(const Options& op
   core->link_ = std::make_unique<ExecutorLink>(core->context_, &core->loop_, link);
   KVCM_RETURN_IF_ERROR(core->link_->Bind());
   RouterCore* self = core.get();
-  core->link_->set_on_result([self](uint64_t executor, uint64_t step,
-                                    absl::StatusOr<StepReport> report) {
-    self->OnResult(executor, step, std::move(report));
-  });
+  core->link_->set_on_result(
+      [self](uint64_t executor, uint64_t step, absl::StatusOr<StepReport> report) {
+        self->OnResult(executor, step, std::move(report));
+      });
   core->link_->set_on_change([self] {
     self->live_executors_.store(static_cast<int>(self->link_->executors().size()));
     if (RouterMetrics* m = self->options_.metrics) {
@@ -126,9 +125,8 @@ void RouterCore::RequestView(size_t max_sequences, std::function<void(RouterView
     for (const StepPlanner::RunningSummary& run : planner_->RunningSummaries(max_sequences)) {
       const auto api = api_of_.find(run.request);
       view.sequences.push_back({run.request, run.choice,
-                                api == api_of_.end() ? Api::kTgi : api->second,
-                                run.prompt_tokens, run.generated_tokens, run.blocks,
-                                run.executor});
+                                api == api_of_.end() ? Api::kTgi : api->second, run.prompt_tokens,
+                                run.generated_tokens, run.blocks, run.executor});
     }
     const absl::Time now = MonotonicNow();
     for (const auto& [id, executor] : link_->executors()) {
@@ -138,10 +136,9 @@ void RouterCore::RequestView(size_t max_sequences, std::function<void(RouterView
                                 absl::ToDoubleSeconds(now - executor.registered),
                                 absl::ToDoubleSeconds(now - executor.last_heard)});
     }
-    std::sort(view.executors.begin(), view.executors.end(),
-              [](const RouterView::Executor& a, const RouterView::Executor& b) {
-                return a.id < b.id;
-              });
+    std::sort(
+        view.executors.begin(), view.executors.end(),
+        [](const RouterView::Executor& a, const RouterView::Executor& b) { return a.id < b.id; });
     done(std::move(view));
   });
 }
@@ -203,18 +200,18 @@ void RouterCore::Recover() {
         recovering_ = false;
         unanswered_.reset();
         planner_->ResetAll();
-        FailAll(absl::UnavailableError(absl::StrCat("the cache manager did not come back: ",
-                                                    again.message())));
+        FailAll(absl::UnavailableError(
+            absl::StrCat("the cache manager did not come back: ", again.message())));
       }
       return;
     }
     const SessionInfo fresh = cache_manager_->session();
     if (fresh.block_size != session_.block_size || fresh.num_blocks != session_.num_blocks) {
       // The planner was built for the old shape: this router cannot serve the new pool.
-      fatal_ = absl::FailedPreconditionError(absl::StrCat(
-          "the cache manager came back with another pool (", fresh.num_blocks, " blocks of ",
-          fresh.block_size, " tokens, was ", session_.num_blocks, " of ", session_.block_size,
-          "): restart the router"));
+      fatal_ = absl::FailedPreconditionError(
+          absl::StrCat("the cache manager came back with another pool (", fresh.num_blocks,
+                       " blocks of ", fresh.block_size, " tokens, was ", session_.num_blocks,
+                       " of ", session_.block_size, "): restart the router"));
       Log(std::string(fatal_.message()));
       planner_->ResetAll();
       FailAll(fatal_);
@@ -323,7 +320,8 @@ void RouterCore::ContinueStep(StepPlan plan, std::vector<OpOutcome> outcomes) {
   if (const uint64_t refused = planner_->refused_ops(); refused > refused_ops_reported_) {
     Log(absl::StrCat("the cache manager refused ", refused - refused_ops_reported_,
                      " op(s) of step ", plan.step_id, " for a reason other than room (",
-                     planner_->last_refusal().ToString(), "): a bug of the router or the "
+                     planner_->last_refusal().ToString(),
+                     "): a bug of the router or the "
                      "cache manager; the sequences are computed again"));
     refused_ops_reported_ = refused;
   }
@@ -365,8 +363,7 @@ void RouterCore::ContinueStep(StepPlan plan, std::vector<OpOutcome> outcomes) {
   if (awaiting_.empty()) FinishStep();
 }
 
-void RouterCore::OnResult(uint64_t executor, uint64_t step_id,
-                          absl::StatusOr<StepReport> report) {
+void RouterCore::OnResult(uint64_t executor, uint64_t step_id, absl::StatusOr<StepReport> report) {
   if (!in_flight_ || step_id != step_id_ || awaiting_.erase(executor) == 0) return;
   if (report.ok()) {
     for (SeqOutcome& outcome : report->results) results_.push_back(std::move(outcome));
@@ -420,8 +417,8 @@ void RouterCore::FinishStep() {
   if (!progress.empty()) sink_(std::move(progress));
   if (options_.step_trace != nullptr) trace_.delivered_ns = absl::ToUnixNanos(MonotonicNow());
   if (RouterMetrics* m = options_.metrics) {
-    m->ObserveStep(absl::ToDoubleSeconds(finished - step_started_), step_sequences_,
-                   step_prefill_, step_decode_);
+    m->ObserveStep(absl::ToDoubleSeconds(finished - step_started_), step_sequences_, step_prefill_,
+                   step_decode_);
     m->CountGeneratedTokens(static_cast<int64_t>(events.size()));
     m->SetState(planner_->queued(), planner_->running(),
                 static_cast<int>(link_->executors().size()));

@@ -58,7 +58,7 @@ struct RouterView {
     uint64_t id = 0;
     std::string name;
     int32_t pid = 0;
-    bool busy = false;             // owes the router a step's result now
+    bool busy = false;  // owes the router a step's result now
     uint64_t steps = 0;
     double last_step_seconds = 0;  // the last step's duration, as the executor measured it
     double connected_seconds = 0;  // since it registered
@@ -66,21 +66,21 @@ struct RouterView {
   };
   uint64_t steps = 0;
   size_t queued = 0;
-  size_t running = 0;                // sequences; `sequences` lists the oldest of them
-  std::vector<Sequence> sequences;   // at most the max_sequences asked for
-  std::vector<Executor> executors;   // by id
-  bool recovering = false;           // the cache manager does not answer
-  bool draining = false;             // a signal asked the router to stop
+  size_t running = 0;               // sequences; `sequences` lists the oldest of them
+  std::vector<Sequence> sequences;  // at most the max_sequences asked for
+  std::vector<Executor> executors;  // by id
+  bool recovering = false;          // the cache manager does not answer
+  bool draining = false;            // a signal asked the router to stop
 };
 
 // What happened to a request in one step.
 struct Progress {
   uint64_t id = 0;
-  int32_t choice = 0;       // which of Submission::outputs.sequences
-  int32_t token = -1;       // a generated token, or -1
-  bool finished = false;    // this choice ended, with finish_reason; or (error) all did
-  std::string finish_reason;  // "length", "eos_token"
-  absl::Status error;       // the request failed (finished is true)
+  int32_t choice = 0;                // which of Submission::outputs.sequences
+  int32_t token = -1;                // a generated token, or -1
+  bool finished = false;             // this choice ended, with finish_reason; or (error) all did
+  std::string finish_reason;         // "length", "eos_token"
+  absl::Status error;                // the request failed (finished is true)
   int32_t cached_prompt_tokens = 0;  // of its prompt, found in the prefix cache
   // With Submission::outputs (TokenEvent's).
   float logprob = 0.0f;
@@ -115,8 +115,7 @@ class RouterCore {
   using Sink = std::function<void(std::vector<Progress>)>;
 
   // Connects to the cache manager and binds the executor endpoint.
-  static absl::StatusOr<std::unique_ptr<RouterCore>> Create(const Options& options,
-                                                            Sink sink);
+  static absl::StatusOr<std::unique_ptr<RouterCore>> Create(const Options& options, Sink sink);
   ~RouterCore();
 
   const SessionInfo& session() const { return session_; }
@@ -140,7 +139,7 @@ class RouterCore {
 
  private:
   RouterCore(const Options& options, Sink sink);
-  void Turn();       // starts a step if none is in flight and there is work
+  void Turn();  // starts a step if none is in flight and there is work
   void ScheduleTurn();
   // A turn `delay` from now (one at a time): while admissions wait for tier loads.
   void ScheduleTurnAfter(absl::Duration delay);
@@ -174,7 +173,7 @@ class RouterCore {
   // Requests queued or running, and which of their choices have not finished.
   absl::flat_hash_map<uint64_t, std::vector<bool>> known_;
   absl::flat_hash_map<uint64_t, Api> api_of_;  // of the requests in known_
-  absl::flat_hash_set<uint64_t> ignore_eos_;           // those of them that ignore EOS
+  absl::flat_hash_set<uint64_t> ignore_eos_;   // those of them that ignore EOS
   // Those of them with vLLM's min_tokens: an EOS id (held back by the executors; one that
   // comes anyway, from an executor that does not honour min_tokens) before it ends nothing.
   absl::flat_hash_map<uint64_t, int32_t> min_tokens_;

@@ -26,9 +26,8 @@ constexpr MetricSpec kExecutors{"kvcm_router_executors", MetricType::Gauge, "",
 constexpr MetricSpec kSteps{"kvcm_router_steps_total", MetricType::Counter, "",
                             "Scheduler steps run (a Step to the cache manager and a StepBatch "
                             "to each executor with work)."};
-constexpr MetricSpec kStepDuration{
-    "kvcm_router_step_duration_seconds", MetricType::Histogram, "",
-    "Time of a step from planning to the last executor's result."};
+constexpr MetricSpec kStepDuration{"kvcm_router_step_duration_seconds", MetricType::Histogram, "",
+                                   "Time of a step from planning to the last executor's result."};
 constexpr MetricSpec kBatchSequences{"kvcm_router_batch_sequences", MetricType::Histogram, "",
                                      "Sequences computed in a step."};
 constexpr MetricSpec kBatchTokens{"kvcm_router_batch_tokens", MetricType::Histogram, "",
@@ -53,10 +52,10 @@ constexpr MetricSpec kRecomputed{
     "An executor's death adds nothing here (only its unanswered step is redone)."};
 constexpr MetricSpec kRequests{"kvcm_router_requests_total", MetricType::Counter, "api,outcome",
                                "Requests by API and by how they ended."};
-constexpr MetricSpec kTtft{"kvcm_router_time_to_first_token_seconds", MetricType::Histogram,
-                           "", "From the request's arrival to its first generated token."};
-constexpr MetricSpec kTpot{"kvcm_router_time_per_output_token_seconds", MetricType::Histogram,
-                           "", "Between a request's consecutive generated tokens."};
+constexpr MetricSpec kTtft{"kvcm_router_time_to_first_token_seconds", MetricType::Histogram, "",
+                           "From the request's arrival to its first generated token."};
+constexpr MetricSpec kTpot{"kvcm_router_time_per_output_token_seconds", MetricType::Histogram, "",
+                           "Between a request's consecutive generated tokens."};
 constexpr MetricSpec kE2e{"kvcm_router_request_duration_seconds", MetricType::Histogram, "",
                           "From a request's arrival to its last token."};
 constexpr MetricSpec kSlowDropped{
@@ -71,14 +70,14 @@ constexpr MetricSpec kConnectionsShed{
 // Not in this list: kvcm_router_config_info, the effective configuration (a gauge at 1,
 // one label per option), which main.cc adds to the same registry (common/config/config.h):
 // its labels are the binary's flags, so it is declared from the flags themselves.
-constexpr std::array kSpecs = {kQueued,          kRunning,        kExecutors,   kSteps,
-                               kStepDuration,    kBatchSequences, kBatchTokens, kPromptTokens,
-                               kTierPromptTokens, kGenerated,     kPreemptions, kRecomputed,
-                               kRequests,        kTtft,           kTpot,        kE2e,
-                               kSlowDropped,     kConnectionsShed};
+constexpr std::array kSpecs = {kQueued,           kRunning,        kExecutors,   kSteps,
+                               kStepDuration,     kBatchSequences, kBatchTokens, kPromptTokens,
+                               kTierPromptTokens, kGenerated,      kPreemptions, kRecomputed,
+                               kRequests,         kTtft,           kTpot,        kE2e,
+                               kSlowDropped,      kConnectionsShed};
 
-constexpr std::array<const char*, kRequestOutcomes> kOutcomeNames = {
-    "ok", "invalid", "overloaded", "unavailable", "cancelled"};
+constexpr std::array<const char*, kRequestOutcomes> kOutcomeNames = {"ok", "invalid", "overloaded",
+                                                                     "unavailable", "cancelled"};
 constexpr std::array<const char*, kApis> kApiNames = {"tgi", "openai"};
 
 std::vector<double> SecondsBuckets() {
@@ -99,8 +98,7 @@ RouterMetrics::RouterMetrics() : registry_(std::make_shared<prometheus::Registry
   executors_ = &AddGaugeFamily(*registry_, kExecutors).Add({});
   steps_ = &AddCounterFamily(*registry_, kSteps).Add({});
   step_duration_ = &AddHistogramFamily(*registry_, kStepDuration).Add({}, SecondsBuckets());
-  batch_sequences_ =
-      &AddHistogramFamily(*registry_, kBatchSequences).Add({}, PowersOfTwo(1024));
+  batch_sequences_ = &AddHistogramFamily(*registry_, kBatchSequences).Add({}, PowersOfTwo(1024));
   batch_tokens_ = &AddHistogramFamily(*registry_, kBatchTokens).Add({}, PowersOfTwo(65536));
   auto& prompt = AddCounterFamily(*registry_, kPromptTokens);
   prompt_cached_ = &prompt.Add({{"source", "cached"}});
@@ -150,7 +148,9 @@ void RouterMetrics::CountTierPromptTokens(int64_t host, int64_t disk) {
   prompt_disk_tier_->Increment(static_cast<double>(disk));
 }
 
-void RouterMetrics::CountGeneratedTokens(int64_t n) { generated_->Increment(static_cast<double>(n)); }
+void RouterMetrics::CountGeneratedTokens(int64_t n) {
+  generated_->Increment(static_cast<double>(n));
+}
 void RouterMetrics::CountPreemptions(int64_t n) { preemptions_->Increment(static_cast<double>(n)); }
 void RouterMetrics::CountRecomputedCommittedTokens(int64_t n) {
   recomputed_committed_->Increment(static_cast<double>(n));

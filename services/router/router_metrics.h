@@ -23,15 +23,14 @@ namespace kvcm::router {
 
 // How a request ended (label `outcome`).
 enum class RequestOutcome : uint8_t {
-  kOk,          // generated to max_new_tokens or EOS
-  kInvalid,     // refused with a 4xx before it was queued (malformed, unsupported, too long)
-  kOverloaded,  // 429: max_concurrent_requests in flight
-  kUnavailable, // 503: no executor, or the cache manager failed a step
-  kCancelled,   // the client went away
+  kOk,           // generated to max_new_tokens or EOS
+  kInvalid,      // refused with a 4xx before it was queued (malformed, unsupported, too long)
+  kOverloaded,   // 429: max_concurrent_requests in flight
+  kUnavailable,  // 503: no executor, or the cache manager failed a step
+  kCancelled,    // the client went away
   kCount
 };
 inline constexpr int kRequestOutcomes = static_cast<int>(RequestOutcome::kCount);
-
 
 class RouterMetrics {
  public:

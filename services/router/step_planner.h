@@ -150,10 +150,10 @@ struct RequestOutputs {
 // A token a request generated (or its end), for the caller to stream.
 struct TokenEvent {
   RequestId request = 0;
-  int32_t choice = 0;  // which of RequestOutputs::sequences
-  int32_t token = -1;  // -1 with `finished` only: ended without a new token
-  int32_t index = 0;   // 0 for the first generated token
-  bool finished = false;  // max_new_tokens reached (the sequence is freed next step)
+  int32_t choice = 0;                // which of RequestOutputs::sequences
+  int32_t token = -1;                // -1 with `finished` only: ended without a new token
+  int32_t index = 0;                 // 0 for the first generated token
+  bool finished = false;             // max_new_tokens reached (the sequence is freed next step)
   int32_t cached_prompt_tokens = 0;  // of its prompt, found in the prefix cache at admission
   // With RequestOutputs::logprobs / top_n:
   float logprob = 0.0f;
@@ -256,20 +256,20 @@ class StepPlanner {
     Queued req;
     SeqId seq = 0;
     ExecutorId executor = 0;
-    uint64_t admitted = 0;      // admission order, for preemption (latest first)
-    int32_t held = 0;           // tokens the cache manager holds for it
-    int32_t computed = 0;       // tokens whose KV is written
-    int32_t committed = 0;      // tokens committed
-    int32_t hashes_sent = 0;    // full-block hashes the cache manager knows
+    uint64_t admitted = 0;          // admission order, for preemption (latest first)
+    int32_t held = 0;               // tokens the cache manager holds for it
+    int32_t computed = 0;           // tokens whose KV is written
+    int32_t committed = 0;          // tokens committed
+    int32_t hashes_sent = 0;        // full-block hashes the cache manager knows
     std::vector<BlockHash> hashes;  // of its full blocks, from the root
     std::vector<BlockId> blocks;    // its block table
-    bool finishing = false;     // freed at the next step
+    bool finishing = false;         // freed at the next step
     // Forked from this sequence at the next Plan (0: it exists in the cache manager).
     SeqId fork_parent = 0;
     int32_t forks_pending = 0;  // children still to be forked from it (its free waits)
     // This step:
-    int32_t chunk = 0;          // tokens it computes (0: not scheduled)
-    int32_t start = 0;          // first token computed
+    int32_t chunk = 0;  // tokens it computes (0: not scheduled)
+    int32_t start = 0;  // first token computed
   };
 
   // Whether some prompt token still lacks its score.
@@ -300,7 +300,7 @@ class StepPlanner {
   absl::flat_hash_map<RequestId, std::vector<SeqId>> seq_of_;
   // Removes `seq` from running_, order_ and seq_of_.
   void Forget(SeqId seq);
-  std::vector<SeqId> to_free_;  // freed in the next Plan()
+  std::vector<SeqId> to_free_;   // freed in the next Plan()
   std::vector<SeqId> to_drain_;  // freed with drain in the next Plan() (Abandon)
   SeqId next_seq_ = 1;
   uint64_t next_step_ = 1;
@@ -314,8 +314,7 @@ class StepPlanner {
   }
   std::vector<SeqId> scheduled_;  // of the step in flight, in schedule order
   // Apply's passes.
-  void ApplyOutcomes(const StepPlan& plan, std::span<const OpOutcome> outcomes,
-                     ExecutorWork& work);
+  void ApplyOutcomes(const StepPlan& plan, std::span<const OpOutcome> outcomes, ExecutorWork& work);
   void FillBatches(const StepPlan& plan, ExecutorWork& work);
   // What Apply returns, and its scratch: kept from step to step for their capacity.
   ExecutorWork work_;

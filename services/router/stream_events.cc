@@ -15,7 +15,8 @@ namespace {
 template <typename Integer>
 void AppendInteger(Integer value, std::string* out) {
   std::array<char, 24> digits;
-  const std::to_chars_result end = std::to_chars(digits.data(), digits.data() + digits.size(), value);
+  const std::to_chars_result end =
+      std::to_chars(digits.data(), digits.data() + digits.size(), value);
   out->append(digits.data(), end.ptr);
 }
 
@@ -48,13 +49,27 @@ void AppendJsonString(std::string_view text, std::string* out) {
     out->append(text.data() + run, i - run);
     run = i + 1;
     switch (c) {
-      case '"': out->append("\\\""); break;
-      case '\\': out->append("\\\\"); break;
-      case '\b': out->append("\\b"); break;
-      case '\t': out->append("\\t"); break;
-      case '\n': out->append("\\n"); break;
-      case '\f': out->append("\\f"); break;
-      case '\r': out->append("\\r"); break;
+      case '"':
+        out->append("\\\"");
+        break;
+      case '\\':
+        out->append("\\\\");
+        break;
+      case '\b':
+        out->append("\\b");
+        break;
+      case '\t':
+        out->append("\\t");
+        break;
+      case '\n':
+        out->append("\\n");
+        break;
+      case '\f':
+        out->append("\\f");
+        break;
+      case '\r':
+        out->append("\\r");
+        break;
       default: {
         const char escape[] = {'\\', 'u', '0', '0', kHex[c >> 4], kHex[c & 0xF]};
         out->append(escape, sizeof(escape));

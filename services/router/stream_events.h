@@ -56,7 +56,7 @@ struct TgiStreamEnd {
   std::string_view generated_text;
   std::string_view finish_reason;
   size_t generated_tokens = 0;
-  size_t input_length = 0;  // the prompt's tokens, BOS included
+  size_t input_length = 0;       // the prompt's tokens, BOS included
   std::optional<uint64_t> seed;  // null without sampling
 };
 

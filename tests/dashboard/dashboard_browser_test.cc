@@ -33,9 +33,9 @@
 #include "tests/support/cache_manager_process.h"
 #include "tests/support/http_client.h"
 #include "tests/support/metrics_text.h"
+#include "tests/support/status_matchers.h"
 #include "tests/support/subprocess.h"
 #include "tests/support/wait_for.h"
-#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -98,10 +98,21 @@ class DashboardBrowserTest : public ::testing::Test {
   // Starts the stack with a pool of `num_blocks`; sets url_, metrics_url_, endpoint_.
   void Launch(int32_t num_blocks) {
     Subprocess::Options options;
-    options.argv = {testing::KvcmBinaryPath("kvcm-launch"), "--model", model_dir_,
-                    "--executors", "2", "--num-blocks", absl::StrCat(num_blocks),
-                    "--block-size", absl::StrCat(kBlockSize), "--port", "0", "--threads", "1",
-                    "--run-dir", dir_->path() + "/run"};
+    options.argv = {testing::KvcmBinaryPath("kvcm-launch"),
+                    "--model",
+                    model_dir_,
+                    "--executors",
+                    "2",
+                    "--num-blocks",
+                    absl::StrCat(num_blocks),
+                    "--block-size",
+                    absl::StrCat(kBlockSize),
+                    "--port",
+                    "0",
+                    "--threads",
+                    "1",
+                    "--run-dir",
+                    dir_->path() + "/run"};
     // The cache manager's default heartbeat timeout (5 s): the test's silent session is
     // quarantined after it, and no other session (the router's, the executors', the test's
     // live holder) for a stall of a loaded machine with chromium starting beside them
@@ -132,9 +143,9 @@ class DashboardBrowserTest : public ::testing::Test {
         for (int r = c; r < requests; r += 4) {
           const std::string prompt = absl::StrCat(kPrefix, "; request ", r);
           const bool openai = r % 2 == 1;
-          const json body =
-              openai ? json{{"model", "tiny"}, {"prompt", prompt}, {"max_tokens", 6}}
-                     : json{{"inputs", prompt}, {"parameters", {{"max_new_tokens", 6}}}};
+          const json body = openai
+                                ? json{{"model", "tiny"}, {"prompt", prompt}, {"max_tokens", 6}}
+                                : json{{"inputs", prompt}, {"parameters", {{"max_new_tokens", 6}}}};
           absl::StatusOr<testing::HttpResponse> reply = testing::HttpPost(
               url_ + (openai ? "/v1/completions" : "/generate"), body.dump(), absl::Seconds(60));
           if (reply.ok() && reply->status == 200) ++ok;
@@ -370,8 +381,7 @@ TEST_F(DashboardBrowserTest, ALargePoolIsShownInRunsOfBlocksWithExactCounts) {
   BlockOps ops;
   ops.Allocate(SeqId{1} << 40, 900 * kBlockSize);
   ASSERT_THAT(holder->Step(ops), IsOk());
-  const Counts before =
-      WaitForStableCounts([](const Counts& c) { return c.at("in_use") == 900; });
+  const Counts before = WaitForStableCounts([](const Counts& c) { return c.at("in_use") == 900; });
   const json page = OpenInBrowser(dir_->path() + "/large.png");
   absl::StatusOr<testing::HttpResponse> polled =
       testing::HttpGet(url_ + "/dashboard/state", absl::Seconds(5));

@@ -79,7 +79,8 @@ TEST_F(FaultInjectionTest, KillsAndStopsOfEveryProcessLoseNoRequestAndNoBlock) {
   // A fault-free run first: the stack serves every prompt with the model's own tokens.
   for (const auto& [text, n] : prompts) {
     const Outcome outcome = Request(text, n, absl::Seconds(60));
-    ASSERT_EQ(outcome.kind, "completed") << outcome.detail << "\n" << testing::Tail(launch_->Output());
+    ASSERT_EQ(outcome.kind, "completed") << outcome.detail << "\n"
+                                         << testing::Tail(launch_->Output());
   }
 
   std::atomic<bool> stop_load{false};
@@ -118,8 +119,8 @@ TEST_F(FaultInjectionTest, KillsAndStopsOfEveryProcessLoseNoRequestAndNoBlock) {
         double sum = 0;
         for (const auto& [state, count] : scrape->blocks) sum += count;
         if (sum != scrape->capacity || scrape->capacity != kNumBlocks) {
-          violations.push_back(absl::StrCat("states sum to ", sum, ", capacity ",
-                                            scrape->capacity));
+          violations.push_back(
+              absl::StrCat("states sum to ", sum, ", capacity ", scrape->capacity));
         }
       }
       // Pacing: a scrape every 200 ms or so, not a wait for a peer (every scrape is checked).
@@ -132,10 +133,10 @@ TEST_F(FaultInjectionTest, KillsAndStopsOfEveryProcessLoseNoRequestAndNoBlock) {
     std::string process;
     bool kill;  // SIGKILL; else SIGSTOP for a while, then SIGCONT
   };
-  const std::vector<Fault> kinds = {
-      {"executor-0", true}, {"executor-1", true},  {"executor-0", false}, {"executor-1", false},
-      {"router", true},     {"router", false},     {"cache-manager", true},
-      {"cache-manager", false}};
+  const std::vector<Fault> kinds = {{"executor-0", true},    {"executor-1", true},
+                                    {"executor-0", false},   {"executor-1", false},
+                                    {"router", true},        {"router", false},
+                                    {"cache-manager", true}, {"cache-manager", false}};
   std::mt19937_64 script(seed);
   std::map<std::string, int> injected;
   std::map<std::string, std::vector<double>> recovery_ms;  // by fault
@@ -226,8 +227,9 @@ TEST_F(FaultInjectionTest, KillsAndStopsOfEveryProcessLoseNoRequestAndNoBlock) {
                                    << "a clear error; the first: " << tally.bad.front();
     EXPECT_GT(tally.outcomes["completed"], 0);
   }
-  EXPECT_TRUE(unrecovered.empty()) << "no correct reply within 60 s after " << unrecovered.front()
-                                   << "\n" << testing::Tail(launch_->Output(), 8000);
+  EXPECT_TRUE(unrecovered.empty())
+      << "no correct reply within 60 s after " << unrecovered.front() << "\n"
+      << testing::Tail(launch_->Output(), 8000);
   EXPECT_GT(faults, 0);
   EXPECT_TRUE(violations.empty()) << violations.front();
   EXPECT_TRUE(idle) << "blocks still held once idle: in_use "

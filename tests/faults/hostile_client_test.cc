@@ -60,8 +60,8 @@
 #include "tests/faults/launched_stack.h"
 #include "tests/support/byte_tokenizer.h"
 #include "tests/support/metrics_text.h"
-#include "tests/support/wait_for.h"
 #include "tests/support/status_matchers.h"
+#include "tests/support/wait_for.h"
 
 #if defined(__has_feature)
 #if __has_feature(address_sanitizer)
@@ -288,7 +288,7 @@ class HostileClientTest : public LaunchedStackTest {
         },
         absl::Seconds(30), what);
     EXPECT_THAT(counted, IsOk()) << "; counted: " << Show(added) << "\n"
-                              << testing::Tail(launch_->Output());
+                                 << testing::Tail(launch_->Output());
     return added;
   }
 
@@ -355,9 +355,9 @@ class HostileClientTest : public LaunchedStackTest {
         },
         absl::Seconds(30), "no request in flight and no block in use");
     EXPECT_THAT(idle, IsOk()) << ": in_use " << (last ? last->blocks["in_use"] : -1)
-                           << ", running sequences "
-                           << RouterMetric("kvcm_router_running_sequences") << "\n"
-                           << testing::Tail(launch_->Output());
+                              << ", running sequences "
+                              << RouterMetric("kvcm_router_running_sequences") << "\n"
+                              << testing::Tail(launch_->Output());
     if (last.has_value()) {
       double sum = 0;
       for (const auto& [state, count] : last->blocks) sum += count;

@@ -6,10 +6,10 @@
 // "Fault injection" and "Soak"). Test support only.
 
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <sys/file.h>
 #include <sys/socket.h>
-#include <netinet/in.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -35,8 +35,8 @@
 #include "nlohmann/json.hpp"
 #include "tests/services/executor/executor_test_util.h"
 #include "tests/support/http_client.h"
-#include "tests/support/subprocess.h"
 #include "tests/support/status_matchers.h"
+#include "tests/support/subprocess.h"
 #include "tests/support/wait_for.h"
 
 namespace kvcm::faults {
@@ -146,16 +146,26 @@ class LaunchedStackTest : public ::testing::Test {
     targets_file_ = dir_->path() + "/targets.json";
     testing::Subprocess::Options options;
     options.argv = {testing::KvcmBinaryPath("kvcm-launch"),
-                    "--model", model_dir_,
-                    "--port", std::to_string(port),
-                    "--run-dir", run_dir_,
-                    "--executors", std::to_string(executors),
-                    "--num-blocks", std::to_string(num_blocks),
-                    "--threads", "1",
-                    "--block-size", "4",
-                    "--heartbeat-timeout-ms", "2000",
-                    "--restart-backoff-ms", "100",
-                    "--prometheus-targets", targets_file_};
+                    "--model",
+                    model_dir_,
+                    "--port",
+                    std::to_string(port),
+                    "--run-dir",
+                    run_dir_,
+                    "--executors",
+                    std::to_string(executors),
+                    "--num-blocks",
+                    std::to_string(num_blocks),
+                    "--threads",
+                    "1",
+                    "--block-size",
+                    "4",
+                    "--heartbeat-timeout-ms",
+                    "2000",
+                    "--restart-backoff-ms",
+                    "100",
+                    "--prometheus-targets",
+                    targets_file_};
     options.argv.insert(options.argv.end(), extra.begin(), extra.end());
     options.argv.insert(options.argv.begin(), launch_wrapper_.begin(), launch_wrapper_.end());
     options.output_path = dir_->path() + "/launch.log";
@@ -166,9 +176,9 @@ class LaunchedStackTest : public ::testing::Test {
         testing::Subprocess::Start(options);
     ASSERT_THAT(started, IsOk());
     launch_ = *std::move(started);
-    auto ready = launch_->WaitForLine(
-        absl::StrCat("kvcm-launch: ready http=(\\S+) executors=", executors),
-        absl::Now() + absl::Seconds(60));
+    auto ready =
+        launch_->WaitForLine(absl::StrCat("kvcm-launch: ready http=(\\S+) executors=", executors),
+                             absl::Now() + absl::Seconds(60));
     ASSERT_THAT(ready, IsOk()) << "\n" << testing::Tail(launch_->Output());
     url_ = (*ready)[1];
   }
@@ -213,8 +223,7 @@ class LaunchedStackTest : public ::testing::Test {
     const json targets = json::parse(text, nullptr, /*allow_exceptions=*/false);
     if (!targets.is_array()) return "";
     for (const json& group : targets) {
-      if (group.value("labels", json::object()).value("__kvcm_component", "") ==
-              "cache-manager" &&
+      if (group.value("labels", json::object()).value("__kvcm_component", "") == "cache-manager" &&
           group.contains("targets") && !group["targets"].empty()) {
         return absl::StrCat("http://", group["targets"][0].get<std::string>(), "/metrics");
       }

@@ -283,8 +283,8 @@ TEST_F(SoakTest, SteadyLoadWithExecutorRestartsKeepsMemoryFdsAndLatencyFlat) {
         const Outcome outcome = Send(route, text, n);
         const absl::Time done = absl::Now();
         MutexLock lock(&log.mutex);
-        log.finished.push_back({done, absl::ToDoubleMilliseconds(done - sent), route,
-                                outcome.kind, outcome.acceptable});
+        log.finished.push_back({done, absl::ToDoubleMilliseconds(done - sent), route, outcome.kind,
+                                outcome.acceptable});
         if (!outcome.acceptable) log.bad.push_back(outcome.kind + ": " + outcome.detail);
         if (!outcome.detail.empty()) log.example.try_emplace(outcome.kind, outcome.detail);
         // A client's back-off after a failure: pacing the load, not a wait for a peer.
@@ -310,8 +310,8 @@ TEST_F(SoakTest, SteadyLoadWithExecutorRestartsKeepsMemoryFdsAndLatencyFlat) {
         double sum = 0;
         for (const auto& [state, count] : scrape->blocks) sum += count;
         if (sum != scrape->capacity || scrape->capacity != kNumBlocks) {
-          violations.push_back(absl::StrCat("states sum to ", sum, ", capacity ",
-                                            scrape->capacity));
+          violations.push_back(
+              absl::StrCat("states sum to ", sum, ", capacity ", scrape->capacity));
         }
       }
       latest = scrape;
@@ -389,8 +389,9 @@ TEST_F(SoakTest, SteadyLoadWithExecutorRestartsKeepsMemoryFdsAndLatencyFlat) {
       ASSERT_EQ(::kill(pid, kill ? SIGKILL : SIGTERM), 0) << executor;
       restart_times.push_back(now);
       ++restarts[absl::StrCat(kill ? "SIGKILL " : "SIGTERM ", executor)];
-      std::cout << absl::StrFormat("soak: t=%.0f s: %s %s (pid %d)", absl::ToDoubleSeconds(now - start),
-                                   kill ? "SIGKILL" : "SIGTERM", executor, pid)
+      std::cout << absl::StrFormat("soak: t=%.0f s: %s %s (pid %d)",
+                                   absl::ToDoubleSeconds(now - start), kill ? "SIGKILL" : "SIGTERM",
+                                   executor, pid)
                 << std::endl;
       next_restart = now + absl::Seconds(45 + static_cast<int64_t>(script() % 31));
       // Its successor: kvcm-launch starts it within its backoff; checked before the next
@@ -505,8 +506,8 @@ TEST_F(SoakTest, SteadyLoadWithExecutorRestartsKeepsMemoryFdsAndLatencyFlat) {
     const Footprint& a = first.processes.at(name);
     const Footprint& b = final_footprints.at(name);
     absl::StrAppend(&footprint_lines,
-                    absl::StrFormat("\n    %s (pid %d): RSS %.1f -> %.1f MiB, fds %d -> %d",
-                                    name, b.pid, static_cast<double>(a.rss_kib) / 1024,
+                    absl::StrFormat("\n    %s (pid %d): RSS %.1f -> %.1f MiB, fds %d -> %d", name,
+                                    b.pid, static_cast<double>(a.rss_kib) / 1024,
                                     static_cast<double>(b.rss_kib) / 1024, a.fds, b.fds));
   }
   // Each executor incarnation: its first sample after its own warm-up (its second sample:
@@ -533,13 +534,12 @@ TEST_F(SoakTest, SteadyLoadWithExecutorRestartsKeepsMemoryFdsAndLatencyFlat) {
     }
   }
   for (const auto& [pid, inc] : incarnations) {
-    absl::StrAppend(&footprint_lines,
-                    absl::StrFormat("\n    %s (pid %d, %d samples): RSS %.1f -> %.1f MiB, "
-                                    "fds %d -> %d",
-                                    inc.name, pid, inc.samples,
-                                    static_cast<double>(inc.early.rss_kib) / 1024,
-                                    static_cast<double>(inc.late.rss_kib) / 1024, inc.early.fds,
-                                    inc.late.fds));
+    absl::StrAppend(
+        &footprint_lines,
+        absl::StrFormat("\n    %s (pid %d, %d samples): RSS %.1f -> %.1f MiB, "
+                        "fds %d -> %d",
+                        inc.name, pid, inc.samples, static_cast<double>(inc.early.rss_kib) / 1024,
+                        static_cast<double>(inc.late.rss_kib) / 1024, inc.early.fds, inc.late.fds));
   }
   std::cout << "soak: seed " << seed << ", " << seconds << " s, " << kClients << " clients, "
             << kExecutors << " executors, " << kNumBlocks << " blocks\n"
@@ -549,15 +549,15 @@ TEST_F(SoakTest, SteadyLoadWithExecutorRestartsKeepsMemoryFdsAndLatencyFlat) {
             << "  from t=" << first.t << " s (after warm-up) to the end, idle:" << footprint_lines
             << "\n"
             << "  latency of completed requests, first vs last clean window: "
-            << (first_clean ? absl::StrFormat("t=%.0f p50 %.1f ms p99 %.1f ms", samples[*first_clean].t,
-                                              samples[*first_clean].p50_ms,
-                                              samples[*first_clean].p99_ms)
-                            : "none")
+            << (first_clean
+                    ? absl::StrFormat("t=%.0f p50 %.1f ms p99 %.1f ms", samples[*first_clean].t,
+                                      samples[*first_clean].p50_ms, samples[*first_clean].p99_ms)
+                    : "none")
             << " vs "
-            << (last_clean ? absl::StrFormat("t=%.0f p50 %.1f ms p99 %.1f ms", samples[*last_clean].t,
-                                             samples[*last_clean].p50_ms,
-                                             samples[*last_clean].p99_ms)
-                           : "none")
+            << (last_clean
+                    ? absl::StrFormat("t=%.0f p50 %.1f ms p99 %.1f ms", samples[*last_clean].t,
+                                      samples[*last_clean].p50_ms, samples[*last_clean].p99_ms)
+                    : "none")
             << "\n"
             << "  scrapes: " << scrapes.load() << " answered, " << unanswered.load()
             << " unanswered, " << violations.size() << " with states not summing to capacity"
@@ -592,10 +592,9 @@ TEST_F(SoakTest, SteadyLoadWithExecutorRestartsKeepsMemoryFdsAndLatencyFlat) {
     const Footprint& b = final_footprints.at(name);
     EXPECT_EQ(a.pid, b.pid) << name << " restarted during the soak (only executors are)";
     EXPECT_GT(a.rss_kib, 0) << name;
-    EXPECT_LE(b.rss_kib, rss_bound(a.rss_kib)) << name << ": RSS grew from " << a.rss_kib
-                                               << " KiB to " << b.rss_kib << " KiB";
-    EXPECT_LE(b.fds, a.fds + kFdSlack) << name << ": fds grew from " << a.fds << " to "
-                                       << b.fds;
+    EXPECT_LE(b.rss_kib, rss_bound(a.rss_kib))
+        << name << ": RSS grew from " << a.rss_kib << " KiB to " << b.rss_kib << " KiB";
+    EXPECT_LE(b.fds, a.fds + kFdSlack) << name << ": fds grew from " << a.fds << " to " << b.fds;
   }
   for (const auto& [pid, inc] : incarnations) {
     if (inc.samples < 4) continue;  // too short-lived to say

@@ -59,8 +59,7 @@ double SumOfFamily(const std::string& url, const std::string& family) {
 uint64_t SeedFor(const std::string& test) {
   const uint64_t seed = static_cast<uint64_t>(
       EnvOr("KVCM_TIER_FAULT_SEED", absl::ToUnixNanos(absl::Now()) & 0x7fffffff));
-  std::cout << test << ": seed " << seed << " (KVCM_TIER_FAULT_SEED=" << seed
-            << " repeats it)\n";
+  std::cout << test << ": seed " << seed << " (KVCM_TIER_FAULT_SEED=" << seed << " repeats it)\n";
   return seed;
 }
 
@@ -81,14 +80,22 @@ class TierFaultTest : public TierStackTest {
   std::pair<int, std::string> LaunchExpectingFailure(const std::vector<std::string>& extra) {
     testing::Subprocess::Options options;
     options.argv = {testing::KvcmBinaryPath("kvcm-launch"),
-                    "--model", model_dir_,
-                    "--port", std::to_string(FreePort()),
-                    "--run-dir", dir_->path() + "/run",
-                    "--executors", "1",
-                    "--num-blocks", "64",
-                    "--threads", "1",
-                    "--block-size", "4",
-                    "--restart-backoff-ms", "100"};
+                    "--model",
+                    model_dir_,
+                    "--port",
+                    std::to_string(FreePort()),
+                    "--run-dir",
+                    dir_->path() + "/run",
+                    "--executors",
+                    "1",
+                    "--num-blocks",
+                    "64",
+                    "--threads",
+                    "1",
+                    "--block-size",
+                    "4",
+                    "--restart-backoff-ms",
+                    "100"};
     options.argv.insert(options.argv.end(), extra.begin(), extra.end());
     options.argv.insert(options.argv.begin(), launch_wrapper_.begin(), launch_wrapper_.end());
     options.output_path = dir_->path() + "/failed-launch.log";
@@ -109,8 +116,8 @@ class TierFaultTest : public TierStackTest {
   // Until kvcm-launch has started `process` again after `old_pid` died and a request
   // completes with the model's tokens (a hang guard of 90 s).
   void AwaitRestarted(const std::string& process, pid_t old_pid) {
-    ASSERT_THAT(testing::WaitFor([&] { return CurrentPid(process) != old_pid; },
-                                 absl::Seconds(90), process + " to be started again"),
+    ASSERT_THAT(testing::WaitFor([&] { return CurrentPid(process) != old_pid; }, absl::Seconds(90),
+                                 process + " to be started again"),
                 IsOk())
         << testing::Tail(launch_->Output(), 6000);
     ASSERT_THAT(testing::WaitFor(
@@ -126,8 +133,11 @@ class TierFaultTest : public TierStackTest {
   // The OpenAI completion of `text`, greedy, `n` tokens with their texts (logprobs): the
   // usage's cached prompt tokens, and whether the tokens are the model's reference.
   std::pair<int, bool> CompletionFromTiers(const std::string& text, int n) {
-    const json body = {{"model", "tiny"}, {"prompt", text}, {"max_tokens", n},
-                       {"temperature", 0}, {"logprobs", 1}};
+    const json body = {{"model", "tiny"},
+                       {"prompt", text},
+                       {"max_tokens", n},
+                       {"temperature", 0},
+                       {"logprobs", 1}};
     absl::StatusOr<testing::HttpResponse> reply =
         testing::HttpPost(url_ + "/v1/completions", body.dump(), absl::Seconds(60));
     EXPECT_THAT(reply, IsOk());
@@ -294,9 +304,8 @@ TEST_F(TierFaultTest, AWorkingSetFourTimesThePoolComesBackFromTheHostAndDiskTier
     prompts.push_back(text);
     references_[{text, 6}] = Reference(text, 6);
   }
-  ASSERT_NO_FATAL_FAILURE(
-      Launch(/*executors=*/1, kPoolBlocks,
-             TierFlags(absl::StrCat(kPoolBlocks * kBlockBytes), "16MiB")));
+  ASSERT_NO_FATAL_FAILURE(Launch(/*executors=*/1, kPoolBlocks,
+                                 TierFlags(absl::StrCat(kPoolBlocks * kBlockBytes), "16MiB")));
 
   // Round one: each prompt computed, and on disk before the next (a store still queued when
   // the pool needs its block is dropped, by design).
@@ -326,8 +335,8 @@ TEST_F(TierFaultTest, AWorkingSetFourTimesThePoolComesBackFromTheHostAndDiskTier
   const double loaded_host = Metric("kvcm_cache_manager_tier_loaded_blocks_total{tier=\"host\"}");
   const double loaded_disk = Metric("kvcm_cache_manager_tier_loaded_blocks_total{tier=\"disk\"}");
   std::cout << "router: from host " << router_host << ", from disk " << router_disk
-            << " tokens; cache manager: loaded " << loaded_host << " from host, "
-            << loaded_disk << " from disk\n";
+            << " tokens; cache manager: loaded " << loaded_host << " from host, " << loaded_disk
+            << " from disk\n";
   EXPECT_GT(router_host, 0);
   EXPECT_GT(router_disk, 0);
   EXPECT_GT(loaded_host, 0);
@@ -374,8 +383,7 @@ void TierFaultTest::KillWhileLoading(const std::string& process) {
   }
   ::kill(victim, SIGKILL);
   std::cout << "SIGKILL " << process << " (pid " << victim << ") with " << loading
-            << " blocks loading" << (done.load() ? " (the request was already over)" : "")
-            << "\n";
+            << " blocks loading" << (done.load() ? " (the request was already over)" : "") << "\n";
   client.join();
   std::cout << "the request: " << outcome.kind << "\n";
   EXPECT_TRUE(outcome.acceptable) << outcome.kind << ": " << outcome.detail;
@@ -404,8 +412,9 @@ TEST_F(TierFaultTest, ExecutorKilledWhileItsRequestsBlocksLoadLeaksNothing) {
 TEST_F(TierFaultTest, ADiskTierDirectoryUnderARegularFileFailsTheStartNamingIt) {
   std::ofstream(dir_->path() + "/file") << "not a directory\n";
   const std::string tier = dir_->path() + "/file/tier";
-  const auto [code, output] = LaunchExpectingFailure(
-      {"--cache-manager-arg=--disk-tier-dir=" + tier, "--cache-manager-arg=--disk-tier-bytes=16MiB"});
+  const auto [code, output] =
+      LaunchExpectingFailure({"--cache-manager-arg=--disk-tier-dir=" + tier,
+                              "--cache-manager-arg=--disk-tier-bytes=16MiB"});
   EXPECT_NE(code, 0) << testing::Tail(output, 6000);
   EXPECT_NE(code, -1) << "kvcm-launch did not exit\n" << testing::Tail(output, 6000);
   EXPECT_TRUE(absl::StrContains(output, tier)) << testing::Tail(output, 6000);

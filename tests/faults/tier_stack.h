@@ -27,7 +27,8 @@ namespace kvcm::faults {
 inline std::string TieredPrompt(int p, size_t min_chars) {
   std::string text;
   for (int i = 0; text.size() < min_chars; ++i) {
-    text += std::string(1, static_cast<char>('a' + p)) + absl::StrCat(" tiered cache line ", i, "; ");
+    text +=
+        std::string(1, static_cast<char>('a' + p)) + absl::StrCat(" tiered cache line ", i, "; ");
   }
   return text;
 }
@@ -105,8 +106,7 @@ class TierStackTest : public LaunchedStackTest {
 
   // POST /v1/completions, greedy: the usage's cached prompt tokens and the prompt tokens.
   std::pair<int, int> CachedTokens(const std::string& text) const {
-    const json body = {{"model", "tiny"}, {"prompt", text}, {"max_tokens", 4},
-                       {"temperature", 0}};
+    const json body = {{"model", "tiny"}, {"prompt", text}, {"max_tokens", 4}, {"temperature", 0}};
     absl::StatusOr<testing::HttpResponse> reply =
         testing::HttpPost(url_ + "/v1/completions", body.dump());
     EXPECT_THAT(reply, IsOk());

@@ -25,25 +25,41 @@ std::vector<AttentionCase> StandardAttentionCases() {
     add({.name = "decode_bs" + std::to_string(bs), .block_size = bs, .seqs = decode});
   }
   for (int32_t g : {1, 2, 4, 8}) {
-    add({.name = "decode_gqa" + std::to_string(g), .group_size = g, .head_dim = 128,
+    add({.name = "decode_gqa" + std::to_string(g),
+         .group_size = g,
+         .head_dim = 128,
          .seqs = decode});
   }
   add({.name = "decode_mqa", .num_kv_heads = 1, .group_size = 8, .seqs = decode});
-  add({.name = "decode_dim20_group3_bs5", .block_size = 5, .num_kv_heads = 3, .group_size = 3,
-       .head_dim = 20, .seqs = decode});
+  add({.name = "decode_dim20_group3_bs5",
+       .block_size = 5,
+       .num_kv_heads = 3,
+       .group_size = 3,
+       .head_dim = 20,
+       .seqs = decode});
   add({.name = "decode_dim8", .block_size = 4, .group_size = 2, .head_dim = 8, .seqs = decode});
   add({.name = "decode_ascending", .seqs = decode, .shuffled = false});
   // Head dims that change the CUDA kernel's lane mapping (80: partly filled lanes; 256 and
   // 512: 32 lanes per token, 16 elements per lane for 512).
   add({.name = "decode_dim80", .head_dim = 80, .seqs = decode});
-  add({.name = "decode_dim256_gqa2", .block_size = 8, .group_size = 2, .head_dim = 256,
+  add({.name = "decode_dim256_gqa2",
+       .block_size = 8,
+       .group_size = 2,
+       .head_dim = 256,
        .seqs = decode});
-  add({.name = "prefill_dim512", .num_kv_heads = 1, .group_size = 2, .head_dim = 512,
+  add({.name = "prefill_dim512",
+       .num_kv_heads = 1,
+       .group_size = 2,
+       .head_dim = 512,
        .seqs = {{40, 40}, {300, 1}}});
   // Long contexts: split across threads (CPU) and partitions (CUDA).
-  add({.name = "decode_long", .group_size = 4, .head_dim = 128,
+  add({.name = "decode_long",
+       .group_size = 4,
+       .head_dim = 128,
        .seqs = {{4000, 1}, {2500, 1}, {1, 1}}});
-  add({.name = "decode_long_bs1_range3", .block_size = 1, .seqs = {{3000, 1}},
+  add({.name = "decode_long_bs1_range3",
+       .block_size = 1,
+       .seqs = {{3000, 1}},
        .value_range = 3.0f});
   // Prefill over a cached prefix (and with none), causal; mixed with decode.
   const std::vector<SeqShape> prefill = {{40, 40}, {100, 13}, {301, 37}, {1, 1}, {77, 1}};
@@ -51,13 +67,23 @@ std::vector<AttentionCase> StandardAttentionCases() {
     add({.name = "prefill_bs" + std::to_string(bs), .block_size = bs, .seqs = prefill});
   }
   for (int32_t g : {1, 2, 8}) {
-    add({.name = "prefill_gqa" + std::to_string(g), .block_size = 32, .group_size = g,
-         .head_dim = 128, .seqs = prefill});
+    add({.name = "prefill_gqa" + std::to_string(g),
+         .block_size = 32,
+         .group_size = g,
+         .head_dim = 128,
+         .seqs = prefill});
   }
-  add({.name = "prefill_mqa_bs3", .block_size = 3, .num_kv_heads = 1, .group_size = 4,
+  add({.name = "prefill_mqa_bs3",
+       .block_size = 3,
+       .num_kv_heads = 1,
+       .group_size = 4,
        .seqs = prefill});
-  add({.name = "prefill_dim20_group3", .block_size = 5, .num_kv_heads = 3, .group_size = 3,
-       .head_dim = 20, .seqs = prefill});
+  add({.name = "prefill_dim20_group3",
+       .block_size = 5,
+       .num_kv_heads = 3,
+       .group_size = 3,
+       .head_dim = 20,
+       .seqs = prefill});
   add({.name = "prefill_long_range2", .seqs = {{1200, 300}}, .value_range = 2.0f});
   return cases;
 }
@@ -136,7 +162,7 @@ std::unique_ptr<AttentionInputs> MakeAttentionInputs(const AttentionCase& c, KvD
     in->max_query_len = std::max(in->max_query_len, s.query_len);
     in->total_query_tokens += s.query_len;
   }
-  in->max_blocks_per_seq += 1;  // a spare, unused column
+  in->max_blocks_per_seq += 1;                 // a spare, unused column
   const int32_t num_blocks = blocks_used + 5;  // and unused blocks
 
   in->spec.num_layers = 2;
@@ -252,7 +278,8 @@ std::vector<double> ReferenceAttention(const AttentionInputs& in) {
         double max = -std::numeric_limits<double>::infinity();
         for (int32_t pos = 0; pos <= last; ++pos) {
           double dot = 0.0;
-          const double* kr = k.data() + static_cast<size_t>(pos) * row + static_cast<size_t>(h) * head_dim;
+          const double* kr =
+              k.data() + static_cast<size_t>(pos) * row + static_cast<size_t>(h) * head_dim;
           for (int32_t d = 0; d < head_dim; ++d) dot += double{qv[d]} * kr[d];
           scores[static_cast<size_t>(pos)] = dot * double{in.batch.scale};
           max = std::max(max, scores[static_cast<size_t>(pos)]);
@@ -265,7 +292,8 @@ std::vector<double> ReferenceAttention(const AttentionInputs& in) {
         double* o = out.data() + (token * num_q_heads + hq) * head_dim;
         for (int32_t pos = 0; pos <= last; ++pos) {
           const double p = scores[static_cast<size_t>(pos)] / sum;
-          const double* vr = v.data() + static_cast<size_t>(pos) * row + static_cast<size_t>(h) * head_dim;
+          const double* vr =
+              v.data() + static_cast<size_t>(pos) * row + static_cast<size_t>(h) * head_dim;
           for (int32_t d = 0; d < head_dim; ++d) o[d] += p * vr[d];
         }
       }

@@ -75,9 +75,7 @@ struct AttentionInputs {
   int64_t total_query_tokens = 0;
   std::vector<float> query;
   PagedAttentionBatch batch;  // points into the vectors above (host pointers)
-  int64_t OutputSize() const {
-    return total_query_tokens * batch.num_q_heads * spec.head_dim;
-  }
+  int64_t OutputSize() const { return total_query_tokens * batch.num_q_heads * spec.head_dim; }
 };
 
 std::unique_ptr<AttentionInputs> MakeAttentionInputs(const AttentionCase& c, KvDType dtype);

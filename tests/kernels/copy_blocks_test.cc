@@ -1,12 +1,13 @@
 // cpu::CopyBlocks: each destination block becomes its source for every layer, K and V;
 // every other byte is unchanged.
 
+#include "kernels/copy_blocks.h"
+
 #include <random>
 #include <vector>
 
 #include "common/memory/pool_layout.h"
 #include "gtest/gtest.h"
-#include "kernels/copy_blocks.h"
 #include "tests/support/status_matchers.h"
 
 namespace kvcm::kernels {

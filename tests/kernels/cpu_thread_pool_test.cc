@@ -21,8 +21,8 @@ void ExpectEachTaskOnce(CpuThreadPool& pool, int64_t tasks, int32_t threads) {
   std::vector<std::atomic<int>> runs(static_cast<size_t>(tasks));
   pool.ParallelFor(tasks, threads, [&](int64_t i) { runs[static_cast<size_t>(i)]++; });
   for (int64_t i = 0; i < tasks; ++i) {
-    ASSERT_EQ(runs[static_cast<size_t>(i)].load(), 1) << "task " << i << " of " << tasks
-                                                      << ", threads " << threads;
+    ASSERT_EQ(runs[static_cast<size_t>(i)].load(), 1)
+        << "task " << i << " of " << tasks << ", threads " << threads;
   }
 }
 
@@ -44,9 +44,7 @@ TEST(CpuThreadPoolTest, NoWorkers) {
 TEST(CpuThreadPoolTest, NestedCallRunsInline) {
   CpuThreadPool pool(2);
   std::atomic<int> inner{0};
-  pool.ParallelFor(4, 0, [&](int64_t) {
-    pool.ParallelFor(5, 0, [&](int64_t) { inner++; });
-  });
+  pool.ParallelFor(4, 0, [&](int64_t) { pool.ParallelFor(5, 0, [&](int64_t) { inner++; }); });
   EXPECT_EQ(inner.load(), 20);
 }
 

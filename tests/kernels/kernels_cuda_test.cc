@@ -172,8 +172,7 @@ std::string CaseName(const ::testing::TestParamInfo<std::tuple<int, KvDType, Hin
 INSTANTIATE_TEST_SUITE_P(
     Cases, CudaPagedAttentionTest,
     ::testing::Combine(::testing::Range(0, static_cast<int>(Cases().size())),
-                       ::testing::Values(KvDType::kFloat32, KvDType::kFloat16,
-                                         KvDType::kBFloat16),
+                       ::testing::Values(KvDType::kFloat32, KvDType::kFloat16, KvDType::kBFloat16),
                        ::testing::Values(Hint::kExact, Hint::kUnknown, Hint::kOne)),
     CaseName);
 

@@ -77,7 +77,8 @@ std::vector<float> ReferenceRow(GgmlType type, const std::vector<std::byte>& dat
   EXPECT_THAT(Dequantize(type,
                          std::span<const std::byte>(data).subspan(
                              static_cast<size_t>(r * row_bytes), static_cast<size_t>(row_bytes)),
-                         out), IsOk());
+                         out),
+              IsOk());
   return out;
 }
 

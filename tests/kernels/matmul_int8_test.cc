@@ -87,9 +87,8 @@ bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
          (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
-const GgmlType kCodedTypes[] = {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0,
-                                GgmlType::kQ5_1, GgmlType::kQ8_0, GgmlType::kQ4_K,
-                                GgmlType::kQ5_K, GgmlType::kQ6_K};
+const GgmlType kCodedTypes[] = {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ5_1,
+                                GgmlType::kQ8_0, GgmlType::kQ4_K, GgmlType::kQ5_K, GgmlType::kQ6_K};
 const CpuIsa kIsas[] = {CpuIsa::kPortable, CpuIsa::kAvx2, CpuIsa::kAvx512};
 
 bool Supported(CpuIsa isa) { return static_cast<int>(isa) <= static_cast<int>(BestCpuIsa()); }
@@ -199,8 +198,9 @@ double CheckAgainstExact(const std::vector<float>& x, int64_t m, const WeightMat
       }
       const double bound = (terms + 2) * kUnit * magnitude * 1.01 + 1e-30;
       const double err = std::abs(y[static_cast<size_t>(i * w.rows() + o)] - ref);
-      EXPECT_LE(err, bound) << "y[" << i << "][" << o << "] = "
-                            << y[static_cast<size_t>(i * w.rows() + o)] << ", exact " << ref;
+      EXPECT_LE(err, bound) << "y[" << i << "][" << o
+                            << "] = " << y[static_cast<size_t>(i * w.rows() + o)] << ", exact "
+                            << ref;
       worst = std::max(worst, err / bound);
     }
   }
@@ -233,8 +233,8 @@ double CheckAgainstFp32(const std::vector<float>& x, int64_t m, const WeightMatr
       }
       // MatMul's bound, and the integer path's rounding: at most 2 per group, relative to
       // terms no larger than |w| (|x| + d / 2).
-      const double bound = step + 1e-5 * magnitude +
-                           (2 * ng + 2) * kUnit * 1.01 * (magnitude + step) + 1e-30;
+      const double bound =
+          step + 1e-5 * magnitude + (2 * ng + 2) * kUnit * 1.01 * (magnitude + step) + 1e-30;
       const double err = std::abs(double{y8[static_cast<size_t>(i * w.rows() + o)]} -
                                   y32[static_cast<size_t>(i * w.rows() + o)]);
       EXPECT_LE(err, bound) << "y[" << i << "][" << o << "]: int8 "
@@ -325,9 +325,9 @@ TEST_P(MatMulInt8Test, EveryIsaMatchesTheExactSumAndTheFp32Path) {
         for (const CpuIsa isa : kIsas) {
           if (!Supported(isa)) continue;
           for (const int32_t threads : {1, 2}) {
-            SCOPED_TRACE(testing::Message() << rows << " x " << cols << ", m " << m << " from row "
-                                            << begin << ", " << IsaLabel(isa) << ", " << threads
-                                            << " thread(s)");
+            SCOPED_TRACE(testing::Message()
+                         << rows << " x " << cols << ", m " << m << " from row " << begin << ", "
+                         << IsaLabel(isa) << ", " << threads << " thread(s)");
             EXPECT_TRUE(SameBits(RunInt8(part, m, *w, isa, threads), expected));
           }
         }
@@ -347,12 +347,12 @@ TEST(MatMulInt8Test, SeveralOutputsShareOneCallAndFp32MatricesTakeMatMul) {
   const int64_t cols = 512;
   const std::vector<float> x = RandomActivations(9 * cols, kSeed + 3);
   std::vector<WeightMatrix> ws;
-  for (const auto& [type, rows] :
-       {std::pair<GgmlType, int64_t>{GgmlType::kQ4_1, 70}, {GgmlType::kQ6_K, 21},
-        {GgmlType::kF16, 19}, {GgmlType::kQ8_0, 130}}) {
-    ws.push_back(
-        WeightMatrix::FromGgml(type, RandomTensor(type, rows, cols, kSeed + 4), rows, cols)
-            .value());
+  for (const auto& [type, rows] : {std::pair<GgmlType, int64_t>{GgmlType::kQ4_1, 70},
+                                   {GgmlType::kQ6_K, 21},
+                                   {GgmlType::kF16, 19},
+                                   {GgmlType::kQ8_0, 130}}) {
+    ws.push_back(WeightMatrix::FromGgml(type, RandomTensor(type, rows, cols, kSeed + 4), rows, cols)
+                     .value());
   }
   std::vector<std::vector<float>> ys(ws.size());
   std::vector<MatMulOutput> outputs;

@@ -6,6 +6,8 @@
 // reference is computed on the stored (rounded) K/V, so what is measured is the kernel's
 // fp32 arithmetic, not the storage's precision.
 
+#include "kernels/paged_attention.h"
+
 #include <iostream>
 #include <string>
 #include <tuple>
@@ -13,7 +15,6 @@
 
 #include "gtest/gtest.h"
 #include "kernels/cpu_isa.h"
-#include "kernels/paged_attention.h"
 #include "tests/kernels/attention_case.h"
 
 namespace kvcm::kernels {
@@ -46,8 +47,7 @@ std::vector<float> RunCpu(const testing_util::AttentionInputs& in, CpuIsa isa,
   return out;
 }
 
-class PagedAttentionCpuTest
-    : public ::testing::TestWithParam<std::tuple<int, KvDType, CpuIsa>> {};
+class PagedAttentionCpuTest : public ::testing::TestWithParam<std::tuple<int, KvDType, CpuIsa>> {};
 
 TEST_P(PagedAttentionCpuTest, MatchesFloat64Reference) {
   const auto [index, dtype, isa] = GetParam();
@@ -55,8 +55,8 @@ TEST_P(PagedAttentionCpuTest, MatchesFloat64Reference) {
     GTEST_SKIP() << "this CPU has no " << CpuIsaName(isa);
   }
   const AttentionCase& c = Cases()[static_cast<size_t>(index)];
-  std::cout << "case " << c.name << " seed " << c.seed << " dtype " << KvDTypeName(dtype)
-            << " isa " << CpuIsaName(isa) << std::endl;
+  std::cout << "case " << c.name << " seed " << c.seed << " dtype " << KvDTypeName(dtype) << " isa "
+            << CpuIsaName(isa) << std::endl;
   const auto in = MakeAttentionInputs(c, dtype);
   const std::vector<double> ref = ReferenceAttention(*in);
   // All threads (contexts split when items are few) and one thread (never split).
@@ -76,16 +76,20 @@ std::string CaseName(const ::testing::TestParamInfo<std::tuple<int, KvDType, Cpu
 INSTANTIATE_TEST_SUITE_P(
     Cases, PagedAttentionCpuTest,
     ::testing::Combine(::testing::Range(0, static_cast<int>(Cases().size())),
-                       ::testing::Values(KvDType::kFloat32, KvDType::kFloat16,
-                                         KvDType::kBFloat16),
+                       ::testing::Values(KvDType::kFloat32, KvDType::kFloat16, KvDType::kBFloat16),
                        ::testing::Values(CpuIsa::kPortable, CpuIsa::kAvx2, CpuIsa::kAvx512)),
     CaseName);
 
 // Softmax is shift-invariant: huge scores (up to ~1e4) must not overflow exp.
 TEST(PagedAttentionCpuTest, LargeScoresStayFinite) {
-  AttentionCase c{.name = "large_scores", .block_size = 16, .num_kv_heads = 1,
-                  .group_size = 2, .head_dim = 64, .seqs = {{300, 1}, {50, 5}},
-                  .value_range = 12.0f, .seed = 7};
+  AttentionCase c{.name = "large_scores",
+                  .block_size = 16,
+                  .num_kv_heads = 1,
+                  .group_size = 2,
+                  .head_dim = 64,
+                  .seqs = {{300, 1}, {50, 5}},
+                  .value_range = 12.0f,
+                  .seed = 7};
   const auto in = MakeAttentionInputs(c, KvDType::kFloat32);
   in->batch.scale = 1.0f;
   const std::vector<double> ref = ReferenceAttention(*in);

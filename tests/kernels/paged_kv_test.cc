@@ -1,11 +1,12 @@
 // LayerView from a real PoolLayout.
 
+#include "kernels/paged_kv.h"
+
 #include <vector>
 
 #include "common/memory/pool_layout.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kernels/paged_kv.h"
 #include "tests/support/status_matchers.h"
 
 namespace kvcm::kernels {

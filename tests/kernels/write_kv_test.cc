@@ -2,6 +2,8 @@
 // with round-to-nearest-even; negative slots and everything else are left alone.
 // Also common/base/float16.h against independent conversions.
 
+#include "kernels/write_kv.h"
+
 #include <cmath>
 #include <cstring>
 #include <iostream>
@@ -13,7 +15,6 @@
 #include "common/memory/pool_layout.h"
 #include "gtest/gtest.h"
 #include "kernels/paged_kv.h"
-#include "kernels/write_kv.h"
 #include "tests/kernels/attention_case.h"
 #include "tests/support/status_matchers.h"
 
@@ -74,12 +75,28 @@ uint16_t HalfRne(float x) {
 }
 
 std::vector<float> InterestingFloats() {
-  std::vector<float> v = {0.0f, -0.0f, 1.0f, -1.0f, 65504.0f, 65519.0f, 65520.0f, 1e6f,
-                          -1e6f, 6.1035156e-05f, 5.9604645e-08f, 2.9802322e-08f, 2.98e-08f,
-                          1e-10f, 3.0f / 1024.0f, 1.0009765625f, 1.00048828125f,
-                          1.00146484375f, std::numeric_limits<float>::infinity(),
+  std::vector<float> v = {0.0f,
+                          -0.0f,
+                          1.0f,
+                          -1.0f,
+                          65504.0f,
+                          65519.0f,
+                          65520.0f,
+                          1e6f,
+                          -1e6f,
+                          6.1035156e-05f,
+                          5.9604645e-08f,
+                          2.9802322e-08f,
+                          2.98e-08f,
+                          1e-10f,
+                          3.0f / 1024.0f,
+                          1.0009765625f,
+                          1.00048828125f,
+                          1.00146484375f,
+                          std::numeric_limits<float>::infinity(),
                           -std::numeric_limits<float>::infinity(),
-                          std::numeric_limits<float>::denorm_min(), 3.3895314e38f};
+                          std::numeric_limits<float>::denorm_min(),
+                          3.3895314e38f};
   std::mt19937_64 rng(11);
   std::uniform_real_distribution<float> wide(-70000.0f, 70000.0f);
   std::uniform_real_distribution<float> small(-1e-4f, 1e-4f);

@@ -33,9 +33,9 @@
 #include "tests/support/cache_manager_process.h"
 #include "tests/support/http_client.h"
 #include "tests/support/prometheus_server.h"
+#include "tests/support/status_matchers.h"
 #include "tests/support/subprocess.h"
 #include "tests/support/wait_for.h"
-#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -160,10 +160,23 @@ class MonitoringStackTest : public ::testing::Test {
 
 TEST_F(MonitoringStackTest, EveryPanelQueryAndRecordingRuleHasDataFromAStackUnderLoad) {
   Subprocess::Options options;
-  options.argv = {testing::KvcmBinaryPath("kvcm-launch"), "--model", model_dir_,
-                  "--executors", "2", "--num-blocks", "256", "--block-size", "4",
-                  "--port", "0", "--threads", "1", "--restart-backoff-ms", "2000",
-                  "--prometheus-targets", targets_path_};
+  options.argv = {testing::KvcmBinaryPath("kvcm-launch"),
+                  "--model",
+                  model_dir_,
+                  "--executors",
+                  "2",
+                  "--num-blocks",
+                  "256",
+                  "--block-size",
+                  "4",
+                  "--port",
+                  "0",
+                  "--threads",
+                  "1",
+                  "--restart-backoff-ms",
+                  "2000",
+                  "--prometheus-targets",
+                  targets_path_};
   options.output_path = dir_->path() + "/launch.log";
   options.env = {"TMPDIR=" + dir_->path()};
   absl::StatusOr<std::unique_ptr<Subprocess>> launch = Subprocess::Start(options);

@@ -56,9 +56,9 @@ class CacheManagerInput {
     if (!EncodeStep(b, ++request_id_, 1, 1, ops).ok()) std::abort();
     fuzz::AppendRecord(flags, BufferSpan(b), &out_);
   }
-  void Message(uint8_t flags, wire::Message type,
-               const std::function<flatbuffers::Offset<void>(flatbuffers::FlatBufferBuilder&)>&
-                   build) {
+  void Message(
+      uint8_t flags, wire::Message type,
+      const std::function<flatbuffers::Offset<void>(flatbuffers::FlatBufferBuilder&)>& build) {
     flatbuffers::FlatBufferBuilder b;
     const flatbuffers::Offset<void> payload = build(b);
     FinishEnvelope(b, ++request_id_, 1, 1, type, payload);
@@ -100,9 +100,8 @@ std::vector<std::pair<std::string, std::string>> CacheManagerSeeds() {
       return wire::CreatePin(b, b.CreateString("system"), ToWire(b, Hashes(100, 2))).Union();
     });
     in.Step(kRouterB, {BlockOp::Allocate(7, 14, Hashes(100, 3)), BlockOp::CanAllocate(64)});
-    in.Message(kRouterB, wire::Message::Unpin, [](auto& b) {
-      return wire::CreateUnpin(b, b.CreateString("system")).Union();
-    });
+    in.Message(kRouterB, wire::Message::Unpin,
+               [](auto& b) { return wire::CreateUnpin(b, b.CreateString("system")).Union(); });
     in.Message(kControl | kEventsAfter, wire::Message::Stats,
                [](auto& b) { return wire::CreateStats(b).Union(); });
     seeds.emplace_back("prefix_cache", in.bytes());
@@ -166,9 +165,9 @@ class ExecutorInput {
     EncodeStepBatch(b, ++request_id_, 7, step);
     fuzz::AppendRecord(0, BufferSpan(b), &out_);
   }
-  void Message(wire::ExecutorMessage type,
-               const std::function<flatbuffers::Offset<void>(flatbuffers::FlatBufferBuilder&)>&
-                   build) {
+  void Message(
+      wire::ExecutorMessage type,
+      const std::function<flatbuffers::Offset<void>(flatbuffers::FlatBufferBuilder&)>& build) {
     flatbuffers::FlatBufferBuilder b;
     const flatbuffers::Offset<void> payload = build(b);
     FinishExecutorEnvelope(b, ++request_id_, 7, kEpoch, type, payload);
@@ -204,8 +203,12 @@ std::vector<std::pair<std::string, std::string>> ExecutorSeeds() {
     ExecutorInput in;
     StepRequest step = NewStep(1, 42);
     SeqStep a = Seq(1, {1, 2, 3, 4, 5}, 5, {2, 3});
-    a.sampling = {.temperature = 0.8f, .top_p = 0.9f, .top_k = 40, .seed = 7,
-                  .repetition_penalty = 1.1f, .frequency_penalty = 0.5f,
+    a.sampling = {.temperature = 0.8f,
+                  .top_p = 0.9f,
+                  .top_k = 40,
+                  .seed = 7,
+                  .repetition_penalty = 1.1f,
+                  .frequency_penalty = 0.5f,
                   .presence_penalty = -0.5f};
     a.sample_index = 0;
     a.penalty_tokens = {1, 2, 3, 4, 5};

@@ -118,8 +118,9 @@ TEST(CacheManagerSimTest, EverySeedKeepsTheInvariantsAndRecovers) {
 }
 
 // The oracle is not vacuous: with routers sending steps to executors of any epoch (as
-// services/router did before it waited for their Hello; docs/RELIABILITY.md, "Deterministic simulation", "Found"), some
-// seed has an executor write blocks handed to another sequence since (seed 880 of this model).
+// services/router did before it waited for their Hello; docs/RELIABILITY.md, "Deterministic
+// simulation", "Found"), some seed has an executor write blocks handed to another sequence since
+// (seed 880 of this model).
 TEST(CacheManagerSimTest, TheOracleCatchesAStepThatMeetsNoFence) {
   SimResult failed;
   uint64_t seed = 1;

@@ -42,8 +42,10 @@ inline void WriteByteTokenizerWithoutBos(const std::string& dir) {
       {"decoder", {{"type", "ByteLevel"}}},
       {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", nlohmann::json::array()}}}};
   std::ofstream(dir + "/tokenizer.json") << tokenizer.dump();
-  std::ofstream(dir + "/tokenizer_config.json")
-      << nlohmann::json{{"add_bos_token", false}, {"bos_token", "<s>"}, {"eos_token", "</s>"}}.dump();
+  std::ofstream(dir + "/tokenizer_config.json") << nlohmann::json{
+      {"add_bos_token", false},
+      {"bos_token", "<s>"},
+      {"eos_token", "</s>"}}.dump();
 }
 
 }  // namespace kvcm::testing

@@ -33,9 +33,15 @@ absl::StatusOr<std::unique_ptr<CacheManagerProcess>> CacheManagerProcess::Start(
   }
 
   Subprocess::Options process_options;
-  process_options.argv = {KvcmBinaryPath("kvcm-cache-manager"), "--run-dir", cm->run_dir_,
-                          "--backend", options.backend, "--block-size",
-                          absl::StrCat(options.block_size), "--metrics-address", "127.0.0.1:0"};
+  process_options.argv = {KvcmBinaryPath("kvcm-cache-manager"),
+                          "--run-dir",
+                          cm->run_dir_,
+                          "--backend",
+                          options.backend,
+                          "--block-size",
+                          absl::StrCat(options.block_size),
+                          "--metrics-address",
+                          "127.0.0.1:0"};
   // A zero or empty field leaves its flag out (extra_args may then give --model-config or
   // another sizing flag).
   auto add = [&](const char* flag, const std::string& value, bool given) {

@@ -223,8 +223,7 @@ TEST(KVCM_FUZZ_SUITE, EverySeedOfTheCorpusIsAccepted) {
   for (const Seed& seed : seeds) {
     EXPECT_LE(seed.bytes.size(), size_t{KVCM_FUZZ_MAX_LEN})
         << seed.name << " is longer than the target's -max_len";
-    EXPECT_TRUE(RunOne(seed.bytes)) << KVCM_FUZZ_NAME << ": seed " << seed.name
-                                    << " was refused";
+    EXPECT_TRUE(RunOne(seed.bytes)) << KVCM_FUZZ_NAME << ": seed " << seed.name << " was refused";
   }
   std::printf("%s: %zu seeds from %s, all accepted\n", KVCM_FUZZ_NAME, seeds.size(),
               KVCM_FUZZ_CORPUS_DIR);

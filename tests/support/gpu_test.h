@@ -21,13 +21,13 @@ inline bool GpuRequired() {
 
 }  // namespace kvcm::testing
 
-#define KVCM_SKIP_WITHOUT_GPU()                                                      \
-  do {                                                                               \
-    const ::absl::StatusOr<int> kvcm_gpu_count_ = ::kvcm::CudaDeviceCount();         \
-    if (!kvcm_gpu_count_.ok()) {                                                     \
-      if (::kvcm::testing::GpuRequired()) {                                          \
-        FAIL() << "KVCM_REQUIRE_GPU=1 but " << kvcm_gpu_count_.status().message();   \
-      }                                                                              \
-      GTEST_SKIP() << kvcm_gpu_count_.status().message();                            \
-    }                                                                                \
+#define KVCM_SKIP_WITHOUT_GPU()                                                    \
+  do {                                                                             \
+    const ::absl::StatusOr<int> kvcm_gpu_count_ = ::kvcm::CudaDeviceCount();       \
+    if (!kvcm_gpu_count_.ok()) {                                                   \
+      if (::kvcm::testing::GpuRequired()) {                                        \
+        FAIL() << "KVCM_REQUIRE_GPU=1 but " << kvcm_gpu_count_.status().message(); \
+      }                                                                            \
+      GTEST_SKIP() << kvcm_gpu_count_.status().message();                          \
+    }                                                                              \
   } while (false)

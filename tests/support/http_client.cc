@@ -85,11 +85,10 @@ absl::StatusOr<HttpResponse> HttpRequest(std::string_view method, const std::str
     return Errno("connect to", url);
   }
   std::string request = absl::StrCat(std::string(method), " ", target,
-                                     " HTTP/1.0\r\nHost: ", authority,
-                                     "\r\nConnection: close\r\n");
+                                     " HTTP/1.0\r\nHost: ", authority, "\r\nConnection: close\r\n");
   if (method != "GET") {
-    absl::StrAppend(&request, "Content-Type: application/json\r\nContent-Length: ",
-                    body.size(), "\r\n");
+    absl::StrAppend(&request, "Content-Type: application/json\r\nContent-Length: ", body.size(),
+                    "\r\n");
   }
   absl::StrAppend(&request, "\r\n", std::string(body));
   for (size_t sent = 0; sent < request.size();) {

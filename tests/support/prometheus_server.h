@@ -25,8 +25,8 @@
 #include "absl/time/time.h"
 #include "nlohmann/json.hpp"
 #include "tests/support/metrics_text.h"
-#include "tests/support/subprocess.h"
 #include "tests/support/status_matchers.h"
+#include "tests/support/subprocess.h"
 
 namespace kvcm::testing {
 

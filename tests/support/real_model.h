@@ -27,8 +27,9 @@ inline std::string SmolLM2GgufPath() {
 
 // A message for a test that cannot find it.
 inline std::string SmolLM2Missing(const std::string& path) {
-  return path + " is missing: scripts/get-model.sh fetches it (scripts/test.sh runs it), "
-                "or set KVCM_SMOLLM2_GGUF";
+  return path +
+         " is missing: scripts/get-model.sh fetches it (scripts/test.sh runs it), "
+         "or set KVCM_SMOLLM2_GGUF";
 }
 
 }  // namespace kvcm::testing

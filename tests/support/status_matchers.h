@@ -38,14 +38,13 @@ MATCHER(IsOk, negation ? "is not OK" : "is OK") {
 
 // The status's code is `code`, and its message matches `message` (any, if not given).
 MATCHER_P2(StatusIs, code, message,
-           absl::StrCat(negation ? "has not " : "has ", "code ",
-                        absl::StatusCodeToString(code), " and a message that ",
+           absl::StrCat(negation ? "has not " : "has ", "code ", absl::StatusCodeToString(code),
+                        " and a message that ",
                         ::testing::DescribeMatcher<std::string>(message, negation))) {
   const absl::Status& status = status_matchers_internal::StatusOf(arg);
   *result_listener << "whose status is " << status;
-  return status.code() == code &&
-         ::testing::Matches(::testing::SafeMatcherCast<const std::string&>(message))(
-             std::string(status.message()));
+  return status.code() == code && ::testing::Matches(::testing::SafeMatcherCast<const std::string&>(
+                                      message))(std::string(status.message()));
 }
 inline auto StatusIs(absl::StatusCode code) { return StatusIs(code, ::testing::_); }
 

@@ -21,7 +21,8 @@ absl::Status Bad(std::string_view what) {
 bool IsUnsigned(const msgpack::object& o) { return o.type == msgpack::type::POSITIVE_INTEGER; }
 
 absl::StatusOr<std::string> AsString(const msgpack::object& o, std::string_view field) {
-  if (o.type != msgpack::type::STR) return Bad(absl::StrCat(std::string(field), " is not a string"));
+  if (o.type != msgpack::type::STR)
+    return Bad(absl::StrCat(std::string(field), " is not a string"));
   return std::string(o.via.str.ptr, o.via.str.size);
 }
 
@@ -62,7 +63,8 @@ absl::StatusOr<ReadVllmBatch> DecodeVllmPayload(std::string_view payload) {
   if (ts.type != msgpack::type::FLOAT64) return Bad("ts is not a float64");
   batch.timestamp = ts.via.f64;
   const msgpack::object& rank = root.via.array.ptr[2];
-  if (rank.type != msgpack::type::POSITIVE_INTEGER && rank.type != msgpack::type::NEGATIVE_INTEGER) {
+  if (rank.type != msgpack::type::POSITIVE_INTEGER &&
+      rank.type != msgpack::type::NEGATIVE_INTEGER) {
     return Bad("data_parallel_rank is not an integer");
   }
   batch.data_parallel_rank = rank.as<int64_t>();
@@ -139,7 +141,8 @@ absl::StatusOr<ReadVllmBatch> DecodeVllmPayload(std::string_view payload) {
         return Bad("BlockStored ids repeat (parent included)");
       }
     } else if (event.type == "BlockRemoved") {
-      if (!has_hashes || !has_medium || map.via.map.size != 3) return Bad("BlockRemoved lacks a field");
+      if (!has_hashes || !has_medium || map.via.map.size != 3)
+        return Bad("BlockRemoved lacks a field");
     } else if (event.type == "AllBlocksCleared") {
       if (map.via.map.size != 1) return Bad("AllBlocksCleared has fields");
     } else {
@@ -156,8 +159,8 @@ absl::StatusOr<std::unique_ptr<VllmEventSubscriber>> VllmEventSubscriber::Connec
   subscriber->socket_ = zmq::socket_t(subscriber->context_, zmq::socket_type::sub);
   subscriber->socket_.set(zmq::sockopt::subscribe, "");
   subscriber->socket_.set(zmq::sockopt::linger, 0);
-  if (absl::Status connected = ConnectAndAwaitHandshake(subscriber->context_, subscriber->socket_,
-                                                        endpoint, deadline);
+  if (absl::Status connected =
+          ConnectAndAwaitHandshake(subscriber->context_, subscriber->socket_, endpoint, deadline);
       !connected.ok()) {
     return connected;
   }

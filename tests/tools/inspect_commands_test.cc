@@ -9,11 +9,11 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/support/status_matchers.h"
 #include "tools/kvcmctl/connection.h"
 #include "tools/kvcmctl/info_command.h"
 #include "tools/kvcmctl/stats_command.h"
 #include "tools/kvcmctl/watch_command.h"
-#include "tests/support/status_matchers.h"
 
 namespace kvcm::kvcmctl {
 namespace {

@@ -19,9 +19,9 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/support/cache_manager_process.h"
+#include "tests/support/status_matchers.h"
 #include "tests/support/subprocess.h"
 #include "tests/support/wait_for.h"
-#include "tests/support/status_matchers.h"
 
 #ifndef KVCMCTL_PATH
 #error "KVCMCTL_PATH must name the kvcmctl binary"
@@ -161,8 +161,7 @@ TEST(KvcmctlTiersTest, StatsShowTheHostTier) {
   std::vector<int32_t> tokens(8);
   std::iota(tokens.begin(), tokens.end(), 0);
   std::vector<BlockHash> hashes;
-  HashFullBlocks(HashAlgorithm::kSha256, RootHash(HashAlgorithm::kSha256, ""), tokens, 4,
-                 &hashes);
+  HashFullBlocks(HashAlgorithm::kSha256, RootHash(HashAlgorithm::kSha256, ""), tokens, 4, &hashes);
   BlockOps step;
   step.Allocate(1, 8, hashes);
   ASSERT_THAT((*router)->Step(step), IsOk());
@@ -176,8 +175,7 @@ TEST(KvcmctlTiersTest, StatsShowTheHostTier) {
         const RunResult result = Kvcmctl({"stats", "--run-dir", (*cm)->run_dir(), "--json"});
         if (result.exit_code != 0) return false;
         j = nlohmann::json::parse(result.output);
-        return j.contains("tiers") && j["tiers"].size() == 1 &&
-               j["tiers"][0]["ready_blocks"] == 2;
+        return j.contains("tiers") && j["tiers"].size() == 1 && j["tiers"][0]["ready_blocks"] == 2;
       },
       absl::Seconds(60));
   ASSERT_THAT(stored, IsOk()) << j.dump();

@@ -201,8 +201,8 @@ TEST_F(KvcmctlTest, PlanShowsWhatTheTiersHold) {
 
   // A block that is not a whole number of pages: 2 x 32 x 8 x 1 x 2 x 3 = 3072 B, padded to
   // 4096, after a 4096-byte header: slots of 8192 B. 80 KiB makes 10 slots, 2 per file.
-  r = Run({"plan", "--layers", "32", "--kv-heads", "8", "--head-dim", "1", "--block-size",
-           "3", "--num-blocks", "10", "--disk-tier-bytes", "80KiB", "--json"});
+  r = Run({"plan", "--layers", "32", "--kv-heads", "8", "--head-dim", "1", "--block-size", "3",
+           "--num-blocks", "10", "--disk-tier-bytes", "80KiB", "--json"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   j = nlohmann::json::parse(r.out);
   ASSERT_EQ(j["tiers"].size(), 1u);

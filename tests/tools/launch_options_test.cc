@@ -24,8 +24,7 @@ TEST(LaunchOptionsTest, RoutesEachFlagToTheProcessThatTakesIt) {
   EXPECT_EQ(options->model, "/m");
   EXPECT_EQ(options->executors, 3);
   EXPECT_TRUE(options->pool_sized);
-  EXPECT_THAT(options->cache_manager_args,
-              ElementsAre("--num-blocks=4096", "--tcp-allow-remote"));
+  EXPECT_THAT(options->cache_manager_args, ElementsAre("--num-blocks=4096", "--tcp-allow-remote"));
   EXPECT_THAT(options->router_args,
               ElementsAre("--port=8080", "--max-input-tokens=512", "--max-running=8",
                           "--allowed-hosts=kvcm.example,[::1]"));
@@ -33,10 +32,10 @@ TEST(LaunchOptionsTest, RoutesEachFlagToTheProcessThatTakesIt) {
 }
 
 TEST(LaunchOptionsTest, RoutesTheVllmEventFlagsToTheCacheManager) {
-  absl::StatusOr<LaunchOptions> options = ParseLaunchOptions(
-      {"--model=/m", "--kv-events-endpoint", "tcp://127.0.0.1:5557",
-       "--kv-events-replay-endpoint=tcp://127.0.0.1:5558", "--kv-events-topic", "kv@a@m",
-       "--kv-events-buffer-steps=500"});
+  absl::StatusOr<LaunchOptions> options =
+      ParseLaunchOptions({"--model=/m", "--kv-events-endpoint", "tcp://127.0.0.1:5557",
+                          "--kv-events-replay-endpoint=tcp://127.0.0.1:5558", "--kv-events-topic",
+                          "kv@a@m", "--kv-events-buffer-steps=500"});
   ASSERT_THAT(options, IsOk());
   EXPECT_THAT(options->cache_manager_args,
               ElementsAre("--kv-events-endpoint=tcp://127.0.0.1:5557",
@@ -52,17 +51,17 @@ TEST(LaunchOptionsTest, RoutesTheTierFlagsToTheCacheManager) {
        "--disk-tier-bytes", "1TiB", "--tier-mover-threads=2", "--tier-load-timeout-ms", "500",
        "--disk-tier-direct-io", "--disk-tier-sync-ms", "250", "--num-blocks=100"});
   ASSERT_THAT(options, IsOk());
-  EXPECT_THAT(options->cache_manager_args,
-              ElementsAre("--host-tier-bytes=64GiB", "--disk-tier-dir=/var/kvcm/tier",
-                          "--disk-tier-bytes=1TiB", "--tier-mover-threads=2",
-                          "--tier-load-timeout-ms=500", "--disk-tier-direct-io",
-                          "--disk-tier-sync-ms=250", "--num-blocks=100"));
+  EXPECT_THAT(
+      options->cache_manager_args,
+      ElementsAre("--host-tier-bytes=64GiB", "--disk-tier-dir=/var/kvcm/tier",
+                  "--disk-tier-bytes=1TiB", "--tier-mover-threads=2", "--tier-load-timeout-ms=500",
+                  "--disk-tier-direct-io", "--disk-tier-sync-ms=250", "--num-blocks=100"));
   EXPECT_TRUE(options->router_args.empty());
   EXPECT_TRUE(options->executor_args.empty());
   const std::string usage = LaunchUsage();
-  for (const char* flag : {"--host-tier-bytes", "--disk-tier-dir", "--disk-tier-bytes",
-                           "--tier-mover-threads", "--tier-load-timeout-ms",
-                           "--disk-tier-direct-io[bool]", "--disk-tier-sync-ms"}) {
+  for (const char* flag :
+       {"--host-tier-bytes", "--disk-tier-dir", "--disk-tier-bytes", "--tier-mover-threads",
+        "--tier-load-timeout-ms", "--disk-tier-direct-io[bool]", "--disk-tier-sync-ms"}) {
     EXPECT_THAT(usage, HasSubstr(flag));
   }
 
@@ -84,7 +83,7 @@ TEST(LaunchOptionsTest, DefaultsAndErrorsNameTheFlag) {
   absl::StatusOr<LaunchOptions> plain = ParseLaunchOptions({"--model=/m"});
   ASSERT_THAT(plain, IsOk());
   EXPECT_EQ(plain->executors, 1);
-  EXPECT_FALSE(plain->pool_sized);  // the launcher then asks for kDefaultPoolBytes
+  EXPECT_FALSE(plain->pool_sized);   // the launcher then asks for kDefaultPoolBytes
   EXPECT_FALSE(plain->threads_set);  // and gives each executor ExecutorThreads
   EXPECT_TRUE(plain->run_dir.empty());
 
@@ -142,10 +141,9 @@ TEST(LaunchOptionsTest, PrometheusTargetsIsTheLaunchersOwnAndOffByDefault) {
   EXPECT_TRUE(options->cache_manager_args.empty());
   EXPECT_TRUE(options->router_args.empty());
   EXPECT_TRUE(ParseLaunchOptions({"--model=/m"})->prometheus_targets.empty());
-  EXPECT_THAT(std::string(ParseLaunchOptions({"--model=/m", "--prometheus-targets"})
-                              .status()
-                              .message()),
-              HasSubstr("--prometheus-targets needs a value"));
+  EXPECT_THAT(
+      std::string(ParseLaunchOptions({"--model=/m", "--prometheus-targets"}).status().message()),
+      HasSubstr("--prometheus-targets needs a value"));
   EXPECT_THAT(LaunchUsage(), HasSubstr("--prometheus-targets FILE"));
 }
 

@@ -24,8 +24,8 @@
 #include "nlohmann/json.hpp"
 #include "tests/services/executor/executor_test_util.h"
 #include "tests/support/http_client.h"
-#include "tests/support/subprocess.h"
 #include "tests/support/status_matchers.h"
+#include "tests/support/subprocess.h"
 #include "tests/support/wait_for.h"
 
 namespace kvcm {
@@ -54,9 +54,19 @@ class LaunchProcessTest : public ::testing::Test {
   std::unique_ptr<Subprocess> Launch(std::vector<std::string> extra,
                                      const std::string& log = "launch.log") {
     Subprocess::Options options;
-    options.argv = {testing::KvcmBinaryPath("kvcm-launch"), "--model", model_dir_,
-                    "--port", "0", "--threads", "1", "--block-size", "4",
-                    "--heartbeat-timeout-ms", "2000", "--restart-backoff-ms", "100"};
+    options.argv = {testing::KvcmBinaryPath("kvcm-launch"),
+                    "--model",
+                    model_dir_,
+                    "--port",
+                    "0",
+                    "--threads",
+                    "1",
+                    "--block-size",
+                    "4",
+                    "--heartbeat-timeout-ms",
+                    "2000",
+                    "--restart-backoff-ms",
+                    "100"};
     options.argv.insert(options.argv.end(), extra.begin(), extra.end());
     options.output_path = dir_->path() + "/" + log;
     options.env = {"TMPDIR=" + dir_->path()};
@@ -131,7 +141,8 @@ TEST_F(LaunchProcessTest, ServesRestartsWhatDiesAndStopsEverythingAtSigterm) {
   ASSERT_EQ(first.size(), 1u);
   ASSERT_EQ(::kill(first[0], SIGKILL), 0);
   ASSERT_THAT(launch->WaitForLine("kvcm-launch: executor-1 exited \\(killed by signal 9",
-                                  absl::Now() + absl::Seconds(10)), IsOk());
+                                  absl::Now() + absl::Seconds(10)),
+              IsOk());
   (void)testing::WaitFor([&] { return Pids(launch->Output(), "executor-1").size() >= 2; },
                          absl::Seconds(20), "executor-1 to be started again");
   ASSERT_EQ(Pids(launch->Output(), "executor-1").size(), 2u) << launch->Output();
@@ -204,20 +215,20 @@ TEST_F(LaunchProcessTest, ARequestSentAtTheReadyLineIsServedHoweverSlowlyExecuto
         Launch({"--executors", absl::StrCat(executors), "--num-blocks", "64", "--bin-dir", bin},
                absl::StrCat("launch-", seed, ".log"));
     ASSERT_NE(launch, nullptr);
-    auto router = launch->WaitForLine("kvcm-router: ready http=(\\S+)",
-                                      absl::Now() + absl::Seconds(60));
+    auto router =
+        launch->WaitForLine("kvcm-router: ready http=(\\S+)", absl::Now() + absl::Seconds(60));
     ASSERT_THAT(router, IsOk());
-    absl::StatusOr<testing::HttpResponse> early = HttpPost(
-        (*router)[1] + "/generate",
-        json{{"inputs", "too early"}, {"parameters", {{"max_new_tokens", 2}}}}.dump());
+    absl::StatusOr<testing::HttpResponse> early =
+        HttpPost((*router)[1] + "/generate",
+                 json{{"inputs", "too early"}, {"parameters", {{"max_new_tokens", 2}}}}.dump());
     ASSERT_THAT(early, IsOk()) << "\n" << launch->Output();
     EXPECT_EQ(early->status, 503) << early->body;
     EXPECT_THAT(early->body, HasSubstr("no executor is registered"));
 
     std::ofstream(gate).put('\n');
-    auto ready = launch->WaitForLine(
-        absl::StrCat("kvcm-launch: ready http=(\\S+) executors=", executors),
-        absl::Now() + absl::Seconds(60));
+    auto ready =
+        launch->WaitForLine(absl::StrCat("kvcm-launch: ready http=(\\S+) executors=", executors),
+                            absl::Now() + absl::Seconds(60));
     ASSERT_THAT(ready, IsOk());
     EXPECT_EQ(Generate((*ready)[1], "at the ready line", 4), Reference("at the ready line", 4))
         << "seed " << seed << "\n"

@@ -24,9 +24,9 @@
 #include "tests/services/executor/executor_test_util.h"
 #include "tests/support/http_client.h"
 #include "tests/support/metrics_text.h"
+#include "tests/support/status_matchers.h"
 #include "tests/support/subprocess.h"
 #include "tests/support/wait_for.h"
-#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -62,8 +62,13 @@ class LaunchTwoNodesTest : public ::testing::Test {
 
   std::unique_ptr<Subprocess> Launch(const std::string& log, std::vector<std::string> args) {
     Subprocess::Options options;
-    options.argv = {testing::KvcmBinaryPath("kvcm-launch"), "--model", model_dir_,
-                    "--threads", "1", "--block-size", "4"};
+    options.argv = {testing::KvcmBinaryPath("kvcm-launch"),
+                    "--model",
+                    model_dir_,
+                    "--threads",
+                    "1",
+                    "--block-size",
+                    "4"};
     options.argv.insert(options.argv.end(), args.begin(), args.end());
     options.output_path = dir_->path() + "/" + log;
     options.env = {"TMPDIR=" + dir_->path()};
@@ -150,9 +155,9 @@ TEST_F(LaunchTwoNodesTest, TwoNodesServeSideBySideEachOnItsOwnPorts) {
   Start(b);
   for (Node* node : {&a, &b}) {
     ASSERT_NE(node->launch, nullptr);
-    auto ready = node->launch->WaitForLine(
-        "kvcm-launch: ready http=(\\S+) executors=1 run_dir=(\\S+)",
-        absl::Now() + absl::Seconds(90));
+    auto ready =
+        node->launch->WaitForLine("kvcm-launch: ready http=(\\S+) executors=1 run_dir=(\\S+)",
+                                  absl::Now() + absl::Seconds(90));
     ASSERT_THAT(ready, IsOk()) << node->name << ": " << ready.status() << node->launch->Output();
     node->url = (*ready)[1];
     EXPECT_EQ((*ready)[2], node->run_dir);
@@ -202,14 +207,14 @@ TEST_F(LaunchTwoNodesTest, TwoNodesServeSideBySideEachOnItsOwnPorts) {
   EXPECT_THAT(clash->Output(), HasSubstr("router failed before it was ready"));
 
   // And one on A's run directory: A's cache manager holds it.
-  std::unique_ptr<Subprocess> same_dir = Launch(
-      "launch-dir-clash.log", {"--run-dir", a.run_dir, "--port", "0", "--num-blocks", "32"});
+  std::unique_ptr<Subprocess> same_dir =
+      Launch("launch-dir-clash.log", {"--run-dir", a.run_dir, "--port", "0", "--num-blocks", "32"});
   ASSERT_NE(same_dir, nullptr);
   code = same_dir->Wait(absl::Seconds(60));
   ASSERT_THAT(code, IsOk()) << same_dir->Output();
   EXPECT_EQ(*code, 1);
-  EXPECT_THAT(same_dir->Output(), HasSubstr("kvcm-cache-manager is already running on " +
-                                            a.run_dir));
+  EXPECT_THAT(same_dir->Output(),
+              HasSubstr("kvcm-cache-manager is already running on " + a.run_dir));
   EXPECT_THAT(same_dir->Output(), HasSubstr("cache-manager failed before it was ready"));
 
   // Node A lost nothing: its sockets are there and it answers.

@@ -11,9 +11,9 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/support/status_matchers.h"
 #include "tools/kvcmctl/command.h"
 #include "tools/kvcmctl/flag_parser.h"
-#include "tests/support/status_matchers.h"
 
 namespace kvcm::kvcmctl {
 namespace {

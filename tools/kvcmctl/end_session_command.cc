@@ -24,8 +24,8 @@ absl::StatusOr<EndSessionOptions> ParseEndSessionOptions(absl::Span<const std::s
   }
   const std::string& id = flags.positional()[0];
   if (!absl::SimpleAtoi(id, &options.session_id) || options.session_id == 0) {
-    return absl::InvalidArgumentError(absl::StrCat("session id \"", id,
-                                                   "\" is not a positive number"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("session id \"", id, "\" is not a positive number"));
   }
   return options;
 }
@@ -43,8 +43,7 @@ std::string EndSessionUsage() {
       FlagHelp(WithConnectionFlags({})));
 }
 
-int RunEndSessionCommand(absl::Span<const std::string> args, std::ostream& out,
-                         std::ostream& err) {
+int RunEndSessionCommand(absl::Span<const std::string> args, std::ostream& out, std::ostream& err) {
   const absl::StatusOr<EndSessionOptions> options =
       ParseEndSessionOptions(args, DefaultRunDirFromEnvironment());
   if (!options.ok()) {
@@ -66,8 +65,7 @@ int RunEndSessionCommand(absl::Span<const std::string> args, std::ostream& out,
   (void)(*client)->Goodbye();
   if (!released.ok()) {
     err << "kvcmctl end-session: "
-        << DescribeUnreachable(released.status(), options->connection.endpoint).message()
-        << "\n";
+        << DescribeUnreachable(released.status(), options->connection.endpoint).message() << "\n";
     return kExitFailure;
   }
   out << "ended session " << options->session_id << ": " << *released

@@ -33,7 +33,6 @@ absl::StatusOr<EndSessionOptions> ParseEndSessionOptions(absl::Span<const std::s
                                                          std::string_view default_run_dir);
 std::string EndSessionUsage();
 
-int RunEndSessionCommand(absl::Span<const std::string> args, std::ostream& out,
-                         std::ostream& err);
+int RunEndSessionCommand(absl::Span<const std::string> args, std::ostream& out, std::ostream& err);
 
 }  // namespace kvcm::kvcmctl

@@ -28,9 +28,7 @@ void Row(std::string* out, std::string_view name, std::string_view value) {
 }
 
 // "router", "executor", "control", "unknown".
-std::string RoleText(wire::Role role) {
-  return absl::AsciiStrToLower(wire::EnumNameRole(role));
-}
+std::string RoleText(wire::Role role) { return absl::AsciiStrToLower(wire::EnumNameRole(role)); }
 
 int64_t BytesPerToken(const KvCacheSpec& spec) {
   return spec.Validate().ok() ? spec.BytesPerToken() : 0;
@@ -96,11 +94,13 @@ std::string FormatInfoText(const InfoReport& report) {
   Row(&out, "max message", FormatBytes(session.max_message_bytes));
   Row(&out, "sessions", absl::StrCat(s.sessions, " (this kvcmctl included)"));
   for (const SessionListing& l : s.session_list) {
-    absl::StrAppend(&out, absl::StrFormat(
-        "    %-16d %-8s pid %d%s  %s%s  %d sequences%s\n", l.session_id, RoleText(l.role),
-        l.pid, l.pid_verified ? "" : " (claimed, tcp)", l.name.empty() ? "-" : l.name,
-        l.quarantined ? "  QUARANTINED" : "", l.sequences,
-        l.pending_fences > 0 ? absl::StrCat(", ", l.pending_fences, " fences pending") : ""));
+    absl::StrAppend(
+        &out,
+        absl::StrFormat(
+            "    %-16d %-8s pid %d%s  %s%s  %d sequences%s\n", l.session_id, RoleText(l.role),
+            l.pid, l.pid_verified ? "" : " (claimed, tcp)", l.name.empty() ? "-" : l.name,
+            l.quarantined ? "  QUARANTINED" : "", l.sequences,
+            l.pending_fences > 0 ? absl::StrCat(", ", l.pending_fences, " fences pending") : ""));
   }
   Row(&out, "requests", report.endpoint);
   if (!report.events_endpoint.empty()) Row(&out, "events", report.events_endpoint);

@@ -31,8 +31,9 @@ constexpr Command kCommands[] = {
      &RunInfoCommand},
     {"stats", "a running cache manager's blocks by state, hit rate and counters", &RunStatsCommand},
     {"watch", "one line of cache statistics per interval", &RunWatchCommand},
-    {"end-session", "end another session of a process gone for good (a tcp peer, a hung "
-                    "executor)",
+    {"end-session",
+     "end another session of a process gone for good (a tcp peer, a hung "
+     "executor)",
      &RunEndSessionCommand},
 };
 

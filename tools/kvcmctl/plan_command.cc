@@ -32,7 +32,8 @@ namespace {
 
 // The flags of `kvcmctl plan`, defined here and nowhere else.
 constexpr FlagSpec kPlanFlags[] = {
-    {"model-config", "PATH", "config.json, model folder or GGUF file giving layers, KV heads, head dim, dtype"},
+    {"model-config", "PATH",
+     "config.json, model folder or GGUF file giving layers, KV heads, head dim, dtype"},
     {"layers", "N", "transformer layers (instead of --model-config)"},
     {"kv-heads", "N", "KV heads per layer; fewer than query heads under GQA"},
     {"head-dim", "N", "elements per head"},
@@ -219,7 +220,7 @@ absl::StatusOr<PlanOptions> ParsePlanOptions(absl::Span<const std::string> args)
                           ParsePositive(flags, "seq-len", std::numeric_limits<int64_t>::max()));
   }
   for (const auto& [flag, field] : {std::pair{"host-tier-bytes", &options.host_tier_bytes},
-                                     std::pair{"disk-tier-bytes", &options.disk_tier_bytes}}) {
+                                    std::pair{"disk-tier-bytes", &options.disk_tier_bytes}}) {
     if (!flags.Has(flag)) continue;
     KVCM_ASSIGN_OR_RETURN(*field, ParseBytesFlag(flags, flag));
     if (*field <= 0) return FlagError(flag, "must be positive");
@@ -260,9 +261,8 @@ absl::StatusOr<PlanReport> BuildPlanReport(const PlanOptions& options) {
   KvCacheSpec spec;
   if (!options.model_config.empty()) {
     report.model_config = options.model_config;
-    KVCM_ASSIGN_OR_RETURN(
-        spec, SpecFromModelPath(options.model_config, options.block_size, options.dtype,
-                                   &report.notes));
+    KVCM_ASSIGN_OR_RETURN(spec, SpecFromModelPath(options.model_config, options.block_size,
+                                                  options.dtype, &report.notes));
   } else {
     spec.num_layers = options.num_layers;
     spec.num_kv_heads = options.num_kv_heads;
@@ -288,11 +288,11 @@ absl::StatusOr<PlanReport> BuildPlanReport(const PlanOptions& options) {
     TierPlan host{.tier = "host", .bytes = options.host_tier_bytes, .slot_bytes = block_bytes};
     host.blocks = options.host_tier_bytes / block_bytes;
     if (host.blocks == 0 || host.blocks > kMaxSlots) {
-      return FlagError("host-tier-bytes",
-                       absl::StrCat(options.host_tier_bytes, " holds ", host.blocks,
-                                    " blocks of ", block_bytes,
-                                    " bytes: give at least one block's bytes, and fewer than "
-                                    "2^31 blocks"));
+      return FlagError(
+          "host-tier-bytes",
+          absl::StrCat(options.host_tier_bytes, " holds ", host.blocks, " blocks of ", block_bytes,
+                       " bytes: give at least one block's bytes, and fewer than "
+                       "2^31 blocks"));
     }
     host.tokens = host.blocks * block_size;
     report.tiers.push_back(host);
@@ -338,20 +338,18 @@ std::string FormatPlanText(const PlanReport& report) {
     std::string blocks = absl::StrCat("floor(", tier.bytes, " / ", tier.slot_bytes, ")");
     if (tier.tier == "disk") {
       absl::StrAppend(&out, "  disk tier slot   = 4096 B header + ", report.plan.bytes_per_block,
-                      " B block rounded up to 4096 = ", ExactBytes(tier.slot_bytes),
-                      "\n");
+                      " B block rounded up to 4096 = ", ExactBytes(tier.slot_bytes), "\n");
       const int64_t slots = std::max<int64_t>(1, tier.bytes / tier.slot_bytes);
       if (slots != tier.bytes / tier.slot_bytes) absl::StrAppend(&blocks, ", at least 1");
       if (slots != tier.blocks) {
         absl::StrAppend(&blocks, " = ", slots, ", in ", kDiskTierFiles, " equal files");
       }
     }
-    absl::StrAppend(&out, absl::StrFormat("  %-16s = ", tier.tier + " tier blocks"), blocks,
-                    " = ", tier.blocks, "\n");
-    absl::StrAppend(&out, absl::StrFormat("  %-16s = ", tier.tier + " tier tokens"),
-                    tier.blocks, " blocks x ", report.plan.spec.block_size, " tokens = ",
-                    tier.tokens, " (", FormatBytes(tier.blocks * report.plan.bytes_per_block),
-                    " of KV)\n");
+    absl::StrAppend(&out, absl::StrFormat("  %-16s = ", tier.tier + " tier blocks"), blocks, " = ",
+                    tier.blocks, "\n");
+    absl::StrAppend(&out, absl::StrFormat("  %-16s = ", tier.tier + " tier tokens"), tier.blocks,
+                    " blocks x ", report.plan.spec.block_size, " tokens = ", tier.tokens, " (",
+                    FormatBytes(tier.blocks * report.plan.bytes_per_block), " of KV)\n");
   }
   return out;
 }

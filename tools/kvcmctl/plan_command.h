@@ -75,7 +75,7 @@ struct TierPlan {
   int64_t bytes = 0;       // the flag's value
   int64_t slot_bytes = 0;  // host: bytes per block; disk: header + rounded block
   int64_t blocks = 0;
-  int64_t tokens = 0;      // blocks x block size
+  int64_t tokens = 0;  // blocks x block size
 };
 
 // Parses the words after "plan". INVALID_ARGUMENT naming the flag for an unknown or
@@ -88,11 +88,11 @@ std::string PlanUsage();
 
 // Everything `plan` prints.
 struct PlanReport {
-  std::string model_config;  // the config.json read, if any
+  std::string model_config;        // the config.json read, if any
   std::vector<std::string> notes;  // choices made from it (SpecFromHfConfig's notes)
   PoolPlan plan;
   std::vector<SequenceFit> fits;  // kStandardSeqLens and seq_len, ascending, no repeats
-  std::vector<TierPlan> tiers;     // host, then disk, those given
+  std::vector<TierPlan> tiers;    // host, then disk, those given
 };
 
 // Reads the model config if any and plans the pool. Errors: those of SpecFromHfConfigFile

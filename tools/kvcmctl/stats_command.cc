@@ -20,8 +20,7 @@ namespace kvcm::kvcmctl {
 BlockStates StatesOf(const StatsSnapshot& stats) {
   BlockStates states;
   states.free = stats.free_blocks;
-  states.in_use =
-      int64_t{stats.in_use_blocks} - stats.quarantined_blocks - stats.draining_blocks;
+  states.in_use = int64_t{stats.in_use_blocks} - stats.quarantined_blocks - stats.draining_blocks;
   states.cached = stats.cached_blocks;
   states.pinned = stats.pinned_blocks;
   states.quarantined = stats.quarantined_blocks;
@@ -72,8 +71,7 @@ std::string FormatStatsText(const StatsSnapshot& s) {
   absl::StrAppend(&out, absl::StrFormat("  %-12s %10s %8s\n", "state", "blocks", "share"));
   const std::pair<const char*, int64_t> rows[] = {
       {"free", states.free},     {"in use", states.in_use},           {"cached", states.cached},
-      {"pinned", states.pinned}, {"quarantined", states.quarantined},
-      {"draining", states.draining},
+      {"pinned", states.pinned}, {"quarantined", states.quarantined}, {"draining", states.draining},
   };
   for (const auto& [name, count] : rows) {
     absl::StrAppend(&out, absl::StrFormat("  %-12s %10d %8s\n", name, count,
@@ -82,10 +80,11 @@ std::string FormatStatsText(const StatsSnapshot& s) {
   absl::StrAppend(&out, absl::StrFormat("  %-12s %10d %8s\n", "total", states.total(),
                                         Percent(static_cast<double>(states.total()), total)));
   absl::StrAppend(
-      &out, absl::StrFormat("Usage %s (in use, quarantined and draining included, / capacity); occupancy %s "
-                            "(holding KV / capacity)\n",
-                            absl::StrFormat("%.1f%%", 100 * s.usage_ratio),
-                            absl::StrFormat("%.1f%%", 100 * s.occupancy_ratio)));
+      &out, absl::StrFormat(
+                "Usage %s (in use, quarantined and draining included, / capacity); occupancy %s "
+                "(holding KV / capacity)\n",
+                absl::StrFormat("%.1f%%", 100 * s.usage_ratio),
+                absl::StrFormat("%.1f%%", 100 * s.occupancy_ratio)));
   absl::StrAppend(&out, absl::StrFormat("Live sequences %d\n", s.live_sequences));
   absl::StrAppend(&out, absl::StrFormat("Prefix hit rate %s (%d of %d prompt tokens were cached)\n",
                                         Percent(static_cast<double>(s.prefix_hit_tokens),
@@ -105,14 +104,14 @@ std::string FormatStatsText(const StatsSnapshot& s) {
                                           "disk refusals %d, blocks recovered at start %d\n",
                                           s.tier_held_blocks, s.tier_loading_blocks,
                                           s.tier_refusals_total, s.tier_recovered_blocks));
-    absl::StrAppend(&out, absl::StrFormat("  %-6s %10s %10s %8s %12s %12s %12s\n", "tier",
-                                          "capacity", "ready", "writing", "stored", "loaded",
-                                          "evicted"));
+    absl::StrAppend(
+        &out, absl::StrFormat("  %-6s %10s %10s %8s %12s %12s %12s\n", "tier", "capacity", "ready",
+                              "writing", "stored", "loaded", "evicted"));
     for (const TierListing& tier : s.tiers) {
-      absl::StrAppend(&out, absl::StrFormat("  %-6s %10d %10d %8d %12d %12d %12d\n", tier.name,
-                                            tier.capacity_blocks, tier.ready_blocks,
-                                            tier.writing_blocks, tier.stored_total,
-                                            tier.loaded_total, tier.evicted_total));
+      absl::StrAppend(&out,
+                      absl::StrFormat("  %-6s %10d %10d %8d %12d %12d %12d\n", tier.name,
+                                      tier.capacity_blocks, tier.ready_blocks, tier.writing_blocks,
+                                      tier.stored_total, tier.loaded_total, tier.evicted_total));
     }
   }
   if (states.total() != s.num_blocks) {

@@ -134,8 +134,8 @@ std::string WatchUsage() {
 
 std::string FormatWatchHeader() {
   return absl::StrFormat("%-8s %7s %7s %7s %7s %7s %7s %7s %7s %7s %8s %8s %7s %7s\n", "time",
-                         "free", "in_use", "cached", "pinned", "quar", "drain", "usage", "occup", "hit", "alloc/s",
-                         "evict/s", "cow/s", "fail/s");
+                         "free", "in_use", "cached", "pinned", "quar", "drain", "usage", "occup",
+                         "hit", "alloc/s", "evict/s", "cow/s", "fail/s");
 }
 
 std::string FormatWatchLine(const WatchSample& sample) {

@@ -79,9 +79,12 @@ std::string Dashed(std::string_view name) {
 
 const char* TargetName(Target target) {
   switch (target) {
-    case Target::kCacheManager: return "cache manager";
-    case Target::kRouter: return "router";
-    case Target::kExecutor: return "each executor";
+    case Target::kCacheManager:
+      return "cache manager";
+    case Target::kRouter:
+      return "router";
+    case Target::kExecutor:
+      return "each executor";
   }
   return "";
 }
@@ -154,8 +157,7 @@ absl::StatusOr<ConfiguredArgs> ApplyLaunchConfig(const std::vector<std::string>&
   absl::StatusOr<std::vector<config::Setting>> settings = config::Resolve(inputs);
   if (!settings.ok()) return settings.status();
   for (const config::Setting& setting : *settings) {
-    if (setting.source == config::Source::kFile ||
-        setting.source == config::Source::kEnvironment) {
+    if (setting.source == config::Source::kFile || setting.source == config::Source::kEnvironment) {
       out.args.push_back(absl::StrCat("--", Dashed(setting.name), "=", setting.value));
     }
   }
@@ -210,8 +212,8 @@ absl::StatusOr<LaunchOptions> ParseLaunchOptions(const std::vector<std::string>&
   for (size_t i = 0; i < args.size(); ++i) {
     std::string_view arg = args[i];
     if (arg.substr(0, 2) != "--") {
-      return absl::InvalidArgumentError(
-          absl::StrCat("unexpected argument \"", std::string(arg), "\": every argument is a --flag"));
+      return absl::InvalidArgumentError(absl::StrCat("unexpected argument \"", std::string(arg),
+                                                     "\": every argument is a --flag"));
     }
     arg.remove_prefix(2);
     const size_t eq = arg.find('=');
@@ -288,9 +290,8 @@ absl::StatusOr<LaunchOptions> ParseLaunchOptions(const std::vector<std::string>&
                                                                          : options.executor_args;
       if (route->boolean && (negated || eq == std::string_view::npos)) {
         if (negated && eq != std::string_view::npos) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("--", name, " takes no value; use --",
-                           std::string(route->flag), "=true|false"));
+          return absl::InvalidArgumentError(absl::StrCat("--", name, " takes no value; use --",
+                                                         std::string(route->flag), "=true|false"));
         }
         out.push_back(absl::StrCat("--", name));  // bare --flag or --noflag
         continue;
@@ -345,8 +346,7 @@ given bare, --flag, or as --noflag):
         names.push_back(absl::StrCat("--", std::string(r.flag), r.boolean ? "[bool]" : ""));
       }
     }
-    absl::StrAppend(&usage, "  to the ", TargetName(target), ": ", absl::StrJoin(names, " "),
-                    "\n");
+    absl::StrAppend(&usage, "  to the ", TargetName(target), ": ", absl::StrJoin(names, " "), "\n");
   }
   absl::StrAppend(&usage, "Without a pool size (--num-blocks, --pool-bytes, --memory-fraction) ",
                   "the pool gets --pool-bytes=", kDefaultPoolBytes, ".\n");

@@ -19,12 +19,12 @@
 namespace kvcm::launch {
 
 struct LaunchOptions {
-  std::string model;            // --model: the model folder (required)
-  int executors = 1;            // --executors
-  std::string run_dir;          // --run-dir; "" = a fresh one, removed at exit
-  std::string bin_dir;          // --bin-dir; "" = the launcher's own directory
+  std::string model;    // --model: the model folder (required)
+  int executors = 1;    // --executors
+  std::string run_dir;  // --run-dir; "" = a fresh one, removed at exit
+  std::string bin_dir;  // --bin-dir; "" = the launcher's own directory
   // Restart backoff: the first wait, doubled after each quick death up to the most.
-  int restart_backoff_ms = 500;      // --restart-backoff-ms
+  int restart_backoff_ms = 500;  // --restart-backoff-ms
   int max_restart_backoff_ms = 10000;
   // --prometheus-targets: a file_sd target file kept current with every process's metrics
   // address (tools/launch/prometheus_targets.h); "" = none. Its folder must exist.

@@ -133,8 +133,8 @@ absl::Status Launcher::Prepare() {
   }
   for (const char* binary : {"kvcm-cache-manager", "kvcm-router", "kvcm-executor"}) {
     if (::access((bin + "/" + binary).c_str(), X_OK) != 0) {
-      return absl::NotFoundError(absl::StrCat(bin, "/", binary,
-                                              " is missing or not executable (--bin-dir)"));
+      return absl::NotFoundError(
+          absl::StrCat(bin, "/", binary, " is missing or not executable (--bin-dir)"));
     }
   }
   // A model folder (its config.json) or a GGUF file: the cache manager reads either.
@@ -160,8 +160,8 @@ absl::Status Launcher::Prepare() {
   run_dir_ = options_.run_dir;
   if (run_dir_.empty()) {
     const char* tmp = std::getenv("TMPDIR");
-    std::string pattern = absl::StrCat(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp",
-                                       "/kvcm-launch.XXXXXX");
+    std::string pattern =
+        absl::StrCat(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp", "/kvcm-launch.XXXXXX");
     if (::mkdtemp(pattern.data()) == nullptr) {
       return absl::InternalError(absl::StrCat("mkdtemp ", pattern, ": ", std::strerror(errno)));
     }
@@ -192,8 +192,7 @@ absl::Status Launcher::Prepare() {
 
   auto router = child("router", Group::kRouter, "kvcm-router", "ready http=");
   router->argv.insert(router->argv.end(), {"--model", options_.model, "--run-dir", run_dir_});
-  router->argv.insert(router->argv.end(), options_.router_args.begin(),
-                      options_.router_args.end());
+  router->argv.insert(router->argv.end(), options_.router_args.begin(), options_.router_args.end());
   children_.push_back(std::move(router));
 
   for (int i = 0; i < options_.executors; ++i) {
@@ -330,12 +329,11 @@ void Launcher::Advance() {
     announced_ = true;
     // threads_each: what the launcher gave each executor, when it chose (last: tests and
     // scripts read the fields before it).
-    Log(absl::StrCat("ready http=", url_, " executors=", options_.executors,
-                     " run_dir=", run_dir_,
-                     options_.threads_set
-                         ? ""
-                         : absl::StrCat(" threads_each=",
-                                        ExecutorThreads(UsableCpus(), options_.executors))));
+    Log(absl::StrCat(
+        "ready http=", url_, " executors=", options_.executors, " run_dir=", run_dir_,
+        options_.threads_set
+            ? ""
+            : absl::StrCat(" threads_each=", ExecutorThreads(UsableCpus(), options_.executors))));
   }
 }
 
@@ -427,8 +425,8 @@ void Launcher::Fail(const std::string& why) {
 absl::Status Launcher::Run(int signal_fd) {
   if (absl::Status s = loop_.Init(); !s.ok()) return s;
   if (absl::Status s = Prepare(); !s.ok()) return s;
-  Log(absl::StrCat("run directory ", run_dir_, own_run_dir_ ? " (removed at exit)" : "",
-                   "; ", options_.executors, " executor(s)"));
+  Log(absl::StrCat("run directory ", run_dir_, own_run_dir_ ? " (removed at exit)" : "", "; ",
+                   options_.executors, " executor(s)"));
   loop_.WatchSignals(signal_fd, [this](int signo) {
     if (!stopping_) {
       Log(absl::StrCat("signal ", signo, " (", strsignal(signo), ")"));
@@ -477,8 +475,7 @@ int main(int argc, char** argv) {
   absl::StatusOr<kvcm::launch::ConfiguredArgs> configured =
       kvcm::launch::ApplyLaunchConfig(args, environment);
   if (!configured.ok()) {
-    std::fprintf(stderr, "kvcm-launch: %s\n",
-                 std::string(configured.status().message()).c_str());
+    std::fprintf(stderr, "kvcm-launch: %s\n", std::string(configured.status().message()).c_str());
     return 2;
   }
   if (configured->print_config) {

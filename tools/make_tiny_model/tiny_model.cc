@@ -84,12 +84,13 @@ absl::Status Validate(const TinyModelOptions& o) {
     if (value <= 0) return invalid(name, " must be positive, got ", value);
   }
   if (o.architecture != "llama" && o.architecture != "qwen2" && o.architecture != "qwen3") {
-    return invalid("architecture must be \"llama\", \"qwen2\" or \"qwen3\", got \"",
-                   o.architecture, "\"");
+    return invalid("architecture must be \"llama\", \"qwen2\" or \"qwen3\", got \"", o.architecture,
+                   "\"");
   }
   if (o.attention_bias && o.architecture == "qwen2") {
-    return invalid("attention_bias is Llama's and Qwen3's (qwen2 always has its q, k and v "
-                   "biases)");
+    return invalid(
+        "attention_bias is Llama's and Qwen3's (qwen2 always has its q, k and v "
+        "biases)");
   }
   if (o.num_heads % o.num_kv_heads != 0) {
     return invalid("num_heads (", o.num_heads, ") must be a multiple of num_kv_heads (",
@@ -105,11 +106,13 @@ absl::Status Validate(const TinyModelOptions& o) {
   if (!o.rope_scaling.empty() && o.rope_scaling != "linear" && o.rope_scaling != "llama3") {
     return invalid("rope scaling must be \"\", \"linear\" or \"llama3\"");
   }
-  if (!o.rope_scaling.empty() && !(o.rope_factor > 0)) return invalid("rope factor must be positive");
+  if (!o.rope_scaling.empty() && !(o.rope_factor > 0))
+    return invalid("rope factor must be positive");
   if (o.rope_scaling == "llama3" && (o.rope_original_max_position_embeddings <= 0 ||
-                                      !(o.rope_high_freq_factor > o.rope_low_freq_factor))) {
-    return invalid("llama3 rope scaling needs original_max_position_embeddings > 0 and "
-                   "high_freq_factor > low_freq_factor");
+                                     !(o.rope_high_freq_factor > o.rope_low_freq_factor))) {
+    return invalid(
+        "llama3 rope scaling needs original_max_position_embeddings > 0 and "
+        "high_freq_factor > low_freq_factor");
   }
   if (!(o.rope_theta > 0) || !(o.rms_norm_eps > 0)) {
     return invalid("rope_theta and rms_norm_eps must be positive");

@@ -65,8 +65,8 @@ std::string TinyModelConfigJson(const TinyModelOptions& options);
 
 // Creates `folder` (and parents) and writes config.json and the safetensors shard(s).
 // INVALID_ARGUMENT for inconsistent options (another architecture, attention_bias with
-// qwen2, heads not a multiple of KV heads, odd head_dim, fp8 dtype, a non-positive size, more shards than layers); INTERNAL when
-// writing fails.
+// qwen2, heads not a multiple of KV heads, odd head_dim, fp8 dtype, a non-positive size, more
+// shards than layers); INTERNAL when writing fails.
 absl::Status WriteTinyModel(const std::string& folder, const TinyModelOptions& options);
 
 }  // namespace kvcm

@@ -159,8 +159,7 @@ ssize_t PreadAll(int fd, uint8_t* buffer, size_t size, uint64_t offset) {
 ssize_t PwriteAll(int fd, const uint8_t* buffer, size_t size, uint64_t offset) {
   size_t done = 0;
   while (done < size) {
-    const ssize_t n =
-        ::pwrite(fd, buffer + done, size - done, static_cast<off_t>(offset + done));
+    const ssize_t n = ::pwrite(fd, buffer + done, size - done, static_cast<off_t>(offset + done));
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return -1;
     if (n == 0) {
@@ -197,8 +196,7 @@ absl::Status MakeDirectory(const std::string& path) {
   }
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-    return absl::InternalError(absl::StrCat("disk tier directory ", path,
-                                            " is not a directory"));
+    return absl::InternalError(absl::StrCat("disk tier directory ", path, " is not a directory"));
   }
   return absl::OkStatus();
 }
@@ -222,14 +220,13 @@ absl::StatusOr<UniqueFd> LockDirectory(const std::string& dir) {
   if (!lock.valid()) {
     const int error = errno;
     const std::string message = absl::StrCat("cannot open ", path, ": ", Errno(error));
-    return error == EACCES ? absl::PermissionDeniedError(message)
-                           : absl::InternalError(message);
+    return error == EACCES ? absl::PermissionDeniedError(message) : absl::InternalError(message);
   }
   if (::flock(lock.get(), LOCK_EX | LOCK_NB) != 0) {
     const int error = errno;
     if (error == EWOULDBLOCK) {
-      return absl::AlreadyExistsError(absl::StrCat("disk tier directory ", dir,
-                                                   " is in use by pid ", ReadPid(lock.get())));
+      return absl::AlreadyExistsError(
+          absl::StrCat("disk tier directory ", dir, " is in use by pid ", ReadPid(lock.get())));
     }
     return absl::InternalError(absl::StrCat("cannot lock ", path, ": ", Errno(error)));
   }
@@ -237,8 +234,7 @@ absl::StatusOr<UniqueFd> LockDirectory(const std::string& dir) {
   if (::ftruncate(lock.get(), 0) != 0 ||
       ::pwrite(lock.get(), pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
     const int error = errno;
-    return absl::InternalError(absl::StrCat("cannot write pid into ", path, ": ",
-                                            Errno(error)));
+    return absl::InternalError(absl::StrCat("cannot write pid into ", path, ": ", Errno(error)));
   }
   return lock;
 }
@@ -260,8 +256,7 @@ absl::StatusOr<UniqueFd> OpenTierFile(const std::string& path, bool* direct_io) 
   if (!fd.valid()) {
     const int error = errno;
     const std::string message = absl::StrCat("cannot open ", path, ": ", Errno(error));
-    return error == EACCES ? absl::PermissionDeniedError(message)
-                           : absl::InternalError(message);
+    return error == EACCES ? absl::PermissionDeniedError(message) : absl::InternalError(message);
   }
   return fd;
 }
@@ -271,8 +266,8 @@ absl::StatusOr<UniqueFd> OpenTierFile(const std::string& path, bool* direct_io) 
 absl::Status Preallocate(int fd, const std::string& path, uint64_t old_size, uint64_t size) {
   if (old_size > size && ::ftruncate(fd, static_cast<off_t>(size)) != 0) {
     const int error = errno;
-    return absl::InternalError(absl::StrCat("cannot shrink ", path, " to ", size, " bytes: ",
-                                            Errno(error)));
+    return absl::InternalError(
+        absl::StrCat("cannot shrink ", path, " to ", size, " bytes: ", Errno(error)));
   }
   int error = 0;
   if (::fallocate(fd, 0, 0, static_cast<off_t>(size)) != 0) {
@@ -282,12 +277,12 @@ absl::Status Preallocate(int fd, const std::string& path, uint64_t old_size, uin
   }
   if (error == 0) return absl::OkStatus();
   if (IsOutOfSpace(error)) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "cannot preallocate ", size, " bytes for ", path, ": ", Errno(error),
-        "; free space or lower the disk tier's capacity"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot preallocate ", size, " bytes for ", path, ": ", Errno(error),
+                     "; free space or lower the disk tier's capacity"));
   }
-  return absl::InternalError(absl::StrCat("cannot preallocate ", size, " bytes for ", path,
-                                          ": ", Errno(error)));
+  return absl::InternalError(
+      absl::StrCat("cannot preallocate ", size, " bytes for ", path, ": ", Errno(error)));
 }
 
 // The key under which a digest is cached: a file's own; for a directory, the newest mtime
@@ -327,8 +322,8 @@ absl::Status ListModelFiles(const std::string& dir, const struct stat& dir_stat,
     struct stat st {};
     if (::stat(absl::StrCat(dir, "/", name).c_str(), &st) != 0) {
       const int error = errno;
-      status = absl::InternalError(absl::StrCat("cannot stat ", dir, "/", name, ": ",
-                                                Errno(error)));
+      status =
+          absl::InternalError(absl::StrCat("cannot stat ", dir, "/", name, ": ", Errno(error)));
       break;
     }
     if (!S_ISREG(st.st_mode)) continue;
@@ -374,15 +369,14 @@ std::string CacheLine(const std::string& path, const DigestKey& key,
                       const std::array<uint8_t, 16>& digest) {
   std::string hex;
   for (uint8_t byte : digest) absl::StrAppend(&hex, absl::Hex(byte, absl::kZeroPad2));
-  return absl::StrCat(kDigestCacheTag, " ", path, " ", key.size, " ", key.mtime_ns, " ",
-                      key.inode, " ", hex);
+  return absl::StrCat(kDigestCacheTag, " ", path, " ", key.size, " ", key.mtime_ns, " ", key.inode,
+                      " ", hex);
 }
 
 // The cached digest of `path` under `key`, if the cache file has one. The path may hold
 // spaces, so a line is split from the right.
 std::optional<std::array<uint8_t, 16>> LookUpDigest(const std::string& contents,
-                                                    const std::string& path,
-                                                    const DigestKey& key) {
+                                                    const std::string& path, const DigestKey& key) {
   const std::string prefix = CacheLine(path, key, {});
   const absl::string_view head(prefix.data(), prefix.size() - 32);  // without the hex
   for (absl::string_view line : absl::StrSplit(contents, '\n')) {
@@ -419,8 +413,8 @@ void PutIdentityInt(XXH3_state_t* state, int32_t value) {
 
 }  // namespace
 
-TierIdentity MakeTierIdentity(const std::array<uint8_t, 16>& model_digest,
-                              const KvCacheSpec& spec, HashAlgorithm algorithm) {
+TierIdentity MakeTierIdentity(const std::array<uint8_t, 16>& model_digest, const KvCacheSpec& spec,
+                              HashAlgorithm algorithm) {
   XXH3_state_t state;
   XXH3_INITSTATE(&state);
   XXH3_128bits_reset(&state);
@@ -451,11 +445,11 @@ absl::StatusOr<std::array<uint8_t, 16>> ModelDigest(const std::string& model_pat
       return listed;
     }
   } else if (S_ISREG(st.st_mode)) {
-    key = DigestKey{static_cast<uint64_t>(st.st_size), MtimeNs(st),
-                    static_cast<uint64_t>(st.st_ino)};
+    key =
+        DigestKey{static_cast<uint64_t>(st.st_size), MtimeNs(st), static_cast<uint64_t>(st.st_ino)};
   } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "model ", model_path, " is neither a regular file nor a directory"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("model ", model_path, " is neither a regular file nor a directory"));
   }
   std::string cached;
   if (!cache_file.empty()) {
@@ -473,8 +467,7 @@ absl::StatusOr<std::array<uint8_t, 16>> ModelDigest(const std::string& model_pat
     const uint32_t length = static_cast<uint32_t>(name.size());
     XXH3_128bits_update(&state, &length, sizeof(length));
     XXH3_128bits_update(&state, name.data(), name.size());
-    if (absl::Status hashed = HashFile(absl::StrCat(model_path, "/", name), &state);
-        !hashed.ok()) {
+    if (absl::Status hashed = HashFile(absl::StrCat(model_path, "/", name), &state); !hashed.ok()) {
       return hashed;
     }
   }
@@ -485,12 +478,18 @@ absl::StatusOr<std::array<uint8_t, 16>> ModelDigest(const std::string& model_pat
 
 std::string_view RefusalName(Refusal refusal) {
   switch (refusal) {
-    case Refusal::kBadHeader: return "bad_header";
-    case Refusal::kOtherIdentity: return "other_identity";
-    case Refusal::kChecksum: return "checksum";
-    case Refusal::kTruncated: return "truncated";
-    case Refusal::kWrongHash: return "wrong_hash";
-    case Refusal::kIoError: return "io_error";
+    case Refusal::kBadHeader:
+      return "bad_header";
+    case Refusal::kOtherIdentity:
+      return "other_identity";
+    case Refusal::kChecksum:
+      return "checksum";
+    case Refusal::kTruncated:
+      return "truncated";
+    case Refusal::kWrongHash:
+      return "wrong_hash";
+    case Refusal::kIoError:
+      return "io_error";
   }
   return "unknown";
 }
@@ -499,8 +498,7 @@ SlotBuffer::SlotBuffer(uint64_t slot_bytes) : slot_bytes_(slot_bytes) {
   KVCM_CHECK(slot_bytes >= kPage && slot_bytes % kPage == 0)
       << "slot bytes " << slot_bytes << " is not a positive multiple of 4096";
   slot_ = static_cast<uint8_t*>(std::aligned_alloc(kPage, slot_bytes));
-  KVCM_CHECK(slot_ != nullptr) << "cannot allocate a slot buffer of " << slot_bytes
-                               << " bytes";
+  KVCM_CHECK(slot_ != nullptr) << "cannot allocate a slot buffer of " << slot_bytes << " bytes";
   std::memset(slot_, 0, slot_bytes);
 }
 
@@ -510,19 +508,19 @@ absl::StatusOr<std::unique_ptr<DiskTier>> DiskTier::Open(const Options& options)
   const auto started = std::chrono::steady_clock::now();
   if (options.dir.empty()) return absl::InvalidArgumentError("disk tier: no directory");
   if (options.block_bytes == 0 || options.block_bytes > (uint64_t{1} << 40)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "disk tier: block bytes ", options.block_bytes, " is not in [1, 2^40]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("disk tier: block bytes ", options.block_bytes, " is not in [1, 2^40]"));
   }
   if (options.files < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("disk tier: files ", options.files,
-                                                   " is not positive"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("disk tier: files ", options.files, " is not positive"));
   }
   const uint64_t slot_bytes = kPage + RoundUpToPage(options.block_bytes);
   const uint64_t slots = std::max<uint64_t>(1, options.capacity_bytes / slot_bytes);
   if (slots > static_cast<uint64_t>(std::numeric_limits<int32_t>::max())) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "disk tier: capacity ", options.capacity_bytes, " bytes makes ", slots,
-        " slots of ", slot_bytes, " bytes, more than 2^31 - 1"));
+    return absl::InvalidArgumentError(absl::StrCat("disk tier: capacity ", options.capacity_bytes,
+                                                   " bytes makes ", slots, " slots of ", slot_bytes,
+                                                   " bytes, more than 2^31 - 1"));
   }
   // The slots are split evenly among the files; a remainder of fewer slots than files is
   // dropped, so that the files never exceed the capacity.
@@ -630,9 +628,9 @@ DiskTier::~DiskTier() = default;  // closing lock_ releases the flock
 absl::Status DiskTier::Write(int32_t slot, const BlockHash& hash, uint64_t serial,
                              SlotBuffer& buffer, const BlockLineage& lineage) {
   if (slot < 0 || slot >= num_slots_ || buffer.slot_bytes() != slot_bytes_) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "disk tier write: slot ", slot, " of ", num_slots_, ", buffer of ",
-        buffer.slot_bytes(), " bytes for slots of ", slot_bytes_));
+    return absl::InvalidArgumentError(absl::StrCat("disk tier write: slot ", slot, " of ",
+                                                   num_slots_, ", buffer of ", buffer.slot_bytes(),
+                                                   " bytes for slots of ", slot_bytes_));
   }
   uint8_t* header = buffer.slot();
   std::memset(header, 0, kPage);
@@ -671,14 +669,15 @@ absl::Status DiskTier::Write(int32_t slot, const BlockHash& hash, uint64_t seria
 absl::Status DiskTier::Read(int32_t slot, const BlockHash& hash, SlotBuffer& buffer,
                             Refusal* refusal) {
   if (slot < 0 || slot >= num_slots_ || buffer.slot_bytes() != slot_bytes_) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "disk tier read: slot ", slot, " of ", num_slots_, ", buffer of ",
-        buffer.slot_bytes(), " bytes for slots of ", slot_bytes_));
+    return absl::InvalidArgumentError(absl::StrCat("disk tier read: slot ", slot, " of ",
+                                                   num_slots_, ", buffer of ", buffer.slot_bytes(),
+                                                   " bytes for slots of ", slot_bytes_));
   }
   auto refuse = [&](Refusal why, const std::string& what) {
     if (refusal != nullptr) *refusal = why;
     return absl::DataLossError(absl::StrCat("disk tier slot ", slot, " in ", options_.dir,
-                                            " refused (", std::string(RefusalName(why)), "): ", what));
+                                            " refused (", std::string(RefusalName(why)),
+                                            "): ", what));
   };
   const int fd = files_[static_cast<size_t>(slot / slots_per_file_)].get();
   const uint64_t offset = static_cast<uint64_t>(slot % slots_per_file_) * slot_bytes_;
@@ -686,8 +685,8 @@ absl::Status DiskTier::Read(int32_t slot, const BlockHash& hash, SlotBuffer& buf
   if (n < 0) {
     const int error = errno;
     if (refusal != nullptr) *refusal = Refusal::kIoError;
-    return absl::InternalError(absl::StrCat("disk tier read of slot ", slot, " in ",
-                                            options_.dir, ": ", Errno(error)));
+    return absl::InternalError(
+        absl::StrCat("disk tier read of slot ", slot, " in ", options_.dir, ": ", Errno(error)));
   }
   bytes_read_.fetch_add(static_cast<uint64_t>(n), std::memory_order_relaxed);
   if (static_cast<uint64_t>(n) < slot_bytes_) {
@@ -698,8 +697,8 @@ absl::Status DiskTier::Read(int32_t slot, const BlockHash& hash, SlotBuffer& buf
     return refuse(*bad, *bad == Refusal::kBadHeader ? "bad header" : "another identity");
   }
   if (!(header.hash == hash)) {
-    return refuse(Refusal::kWrongHash, absl::StrCat("it holds block ", header.hash.ToHex(),
-                                                    ", not ", hash.ToHex()));
+    return refuse(Refusal::kWrongHash,
+                  absl::StrCat("it holds block ", header.hash.ToHex(), ", not ", hash.ToHex()));
   }
   if (header.data_bytes != options_.block_bytes ||
       header.data_checksum != Xxh64(buffer.data(), options_.block_bytes)) {
@@ -710,8 +709,8 @@ absl::Status DiskTier::Read(int32_t slot, const BlockHash& hash, SlotBuffer& buf
 
 absl::Status DiskTier::Invalidate(int32_t slot) {
   if (slot < 0 || slot >= num_slots_) {
-    return absl::InvalidArgumentError(absl::StrCat("disk tier invalidate: slot ", slot,
-                                                   " of ", num_slots_));
+    return absl::InvalidArgumentError(
+        absl::StrCat("disk tier invalidate: slot ", slot, " of ", num_slots_));
   }
   const int fd = files_[static_cast<size_t>(slot / slots_per_file_)].get();
   const uint64_t offset = static_cast<uint64_t>(slot % slots_per_file_) * slot_bytes_;

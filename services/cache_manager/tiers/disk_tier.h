@@ -74,8 +74,8 @@ inline constexpr size_t kMaxSlotTokens = (4096 - 128 - 8) / 4;
 // A block's hash already depends on the salt (the chain's root is RootHash(salt)), so a
 // block written under another salt has another hash and is never looked up.
 using TierIdentity = std::array<uint8_t, 16>;
-TierIdentity MakeTierIdentity(const std::array<uint8_t, 16>& model_digest,
-                              const KvCacheSpec& spec, HashAlgorithm algorithm);
+TierIdentity MakeTierIdentity(const std::array<uint8_t, 16>& model_digest, const KvCacheSpec& spec,
+                              HashAlgorithm algorithm);
 
 // XXH3-128 of a model's bytes: for a regular file (a GGUF), "file" || u64 size || the
 // bytes; for a directory, every regular file directly in it whose name ends in
@@ -111,8 +111,8 @@ class SlotBuffer {
   SlotBuffer(const SlotBuffer&) = delete;
   SlotBuffer& operator=(const SlotBuffer&) = delete;
 
-  uint8_t* slot() { return slot_; }           // slot_bytes, 4096-aligned
-  uint8_t* data() { return slot_ + 4096; }    // the block's bytes
+  uint8_t* slot() { return slot_; }         // slot_bytes, 4096-aligned
+  uint8_t* data() { return slot_ + 4096; }  // the block's bytes
   const uint8_t* data() const { return slot_ + 4096; }
   uint64_t slot_bytes() const { return slot_bytes_; }
 
@@ -128,8 +128,8 @@ class DiskTier {
     uint64_t capacity_bytes = 0;  // slots = capacity_bytes / slot_bytes, at least 1
     uint64_t block_bytes = 0;     // KvCacheSpec::BytesPerBlock(); > 0
     TierIdentity identity{};
-    int32_t files = 4;            // at most; fewer when there are fewer slots
-    bool direct_io = true;        // try O_DIRECT
+    int32_t files = 4;      // at most; fewer when there are fewer slots
+    bool direct_io = true;  // try O_DIRECT
   };
 
   // A slot found valid at Open(): header magic, version, checksum and identity right. Its
@@ -149,7 +149,7 @@ class DiskTier {
     std::array<int32_t, kNumRefusals> refused{};  // by Refusal
     uint64_t max_serial = 0;  // the highest serial found; writes continue above it
     bool direct_io = false;
-    double seconds = 0;       // how long the scan took
+    double seconds = 0;  // how long the scan took
   };
 
   // Locks the directory, creates or resizes the files (a truncated file is extended again;

@@ -61,8 +61,7 @@ KvTiers::KvTiers(const TierOptions& options, const KvCacheSpec& spec, PoolAccess
 
 absl::StatusOr<std::unique_ptr<KvTiers>> KvTiers::Create(const TierOptions& options,
                                                          const KvCacheSpec& spec,
-                                                         HashAlgorithm algorithm,
-                                                         PoolAccess pool,
+                                                         HashAlgorithm algorithm, PoolAccess pool,
                                                          std::function<void(std::string)> log) {
   if (absl::Status checked = CheckTierOptions(options); !checked.ok()) return checked;
   if (absl::Status valid = spec.Validate(); !valid.ok()) return valid;
@@ -76,9 +75,9 @@ absl::StatusOr<std::unique_ptr<KvTiers>> KvTiers::Create(const TierOptions& opti
   if (options.host_bytes > 0) {
     const uint64_t slots = options.host_bytes / bb;
     if (slots == 0 || slots > INT32_MAX) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--host-tier-bytes ", options.host_bytes, " holds ", slots,
-                       " blocks of ", bb, " bytes: give at least one block's bytes"));
+      return absl::InvalidArgumentError(absl::StrCat("--host-tier-bytes ", options.host_bytes,
+                                                     " holds ", slots, " blocks of ", bb,
+                                                     " bytes: give at least one block's bytes"));
     }
     absl::StatusOr<HostBuffer> host =
         HostBuffer::Allocate(tiers->pool_.memory->backend(), slots * bb);
@@ -458,8 +457,8 @@ void KvTiers::ApplyResult(Result& result, std::vector<Done>* out) {
           log_(absl::StrCat("tier load failed: ", result.load_error.message()));
         }
       }
-      out->push_back({loaded ? Done::Kind::kLoaded : Done::Kind::kLoadFailed, job.block,
-                      job.ticket, job.source, result.seconds});
+      out->push_back({loaded ? Done::Kind::kLoaded : Done::Kind::kLoadFailed, job.block, job.ticket,
+                      job.source, result.seconds});
       return;
     }
   }
@@ -549,8 +548,10 @@ void KvTiers::SyncIfDue(bool force) {
   }
   // Tried again at the next interval; counted (kvcm_cache_manager_tier_sync_errors_total).
   if (!synced.ok() && !sync_error_logged_.exchange(true)) {
-    log_(absl::StrCat("disk tier sync failed (logged once; blocks written since the last "
-                      "sync may not survive a crash of the machine): ", synced.message()));
+    log_(
+        absl::StrCat("disk tier sync failed (logged once; blocks written since the last "
+                     "sync may not survive a crash of the machine): ",
+                     synced.message()));
   }
 }
 
@@ -608,8 +609,8 @@ void KvTiers::RunStore(const Job& job, Mover& mover, SlotBuffer& buffer) {
     return;
   }
   if (job.slot[kHost] >= 0) {
-    std::memcpy(host_.data() + static_cast<uint64_t>(job.slot[kHost]) * block_bytes_,
-                buffer.data(), block_bytes_);
+    std::memcpy(host_.data() + static_cast<uint64_t>(job.slot[kHost]) * block_bytes_, buffer.data(),
+                block_bytes_);
   }
   if (job.slot[kDisk] >= 0) {
     stored.written[kDisk] =
@@ -628,7 +629,8 @@ void KvTiers::RunLoad(const Job& job, Mover& mover, SlotBuffer& buffer) {
         host_.data() + static_cast<uint64_t>(job.slot[i]) * block_bytes_, mover.runs);
   } else {
     result.load_error = disk_->Read(job.slot[i], job.hash, buffer, &result.refusal);
-    if (result.load_error.ok()) result.load_error = mover.copier->Scatter(buffer.data(), mover.runs);
+    if (result.load_error.ok())
+      result.load_error = mover.copier->Scatter(buffer.data(), mover.runs);
   }
   if (!result.load_error.ok()) result.kind = Result::Kind::kLoadFailed;
   result.seconds = absl::ToDoubleSeconds(MonotonicNow() - start);

@@ -66,16 +66,16 @@
 namespace kvcm::tiers {
 
 struct TierOptions {
-  uint64_t host_bytes = 0;   // T1; 0: none
-  std::string disk_dir;      // T2; empty: none
-  uint64_t disk_bytes = 0;   // T2's capacity; > 0 with disk_dir
+  uint64_t host_bytes = 0;  // T1; 0: none
+  std::string disk_dir;     // T2; empty: none
+  uint64_t disk_bytes = 0;  // T2's capacity; > 0 with disk_dir
   // The model whose KV the pool holds (a GGUF file or a folder): T2's slots are served only
   // to the same bytes (DiskTier's identity). Required with disk_dir.
   std::string model_path;
   int32_t mover_threads = 1;
   // How long a request may wait for its blocks to load before it computes them.
   absl::Duration load_timeout = absl::Seconds(2);
-  bool direct_io = true;     // T2 with O_DIRECT where the file system takes it
+  bool direct_io = true;  // T2 with O_DIRECT where the file system takes it
   // How often at most a mover calls DiskTier::Sync (fdatasync) while blocks were written
   // since the last one: a block is durable across a node's crash at most this long (and the
   // sync's own time) after its write. 0: after every write. Never on the ledger thread.
@@ -106,24 +106,24 @@ struct TierEvent {
 
 // Totals since the start, for the metrics and StatsReply.
 struct TierCounters {
-  std::array<uint64_t, kNumTiers> stored{};       // blocks written into each tier
-  std::array<uint64_t, kNumTiers> loaded{};       // blocks loaded from each tier
-  std::array<uint64_t, kNumTiers> evicted{};      // ready slots reused for another block
-  uint64_t stores_dropped = 0;    // stores cancelled: the pool needed their blocks
-  uint64_t disk_full = 0;         // disk writes refused for want of space
-  uint64_t write_errors = 0;      // other failed disk writes
-  uint64_t load_failures = 0;     // loads that gave nothing (refused or failed)
-  std::array<uint64_t, kNumRefusals> refused{};   // T2 slots not served, by reason
-  uint64_t recovered = 0;         // T2 blocks found at start
-  uint64_t bytes_written = 0;     // to T2
-  uint64_t bytes_read = 0;        // from T2
-  uint64_t syncs = 0;             // successful DiskTier::Sync calls
-  uint64_t sync_errors = 0;       // files whose fdatasync failed
+  std::array<uint64_t, kNumTiers> stored{};      // blocks written into each tier
+  std::array<uint64_t, kNumTiers> loaded{};      // blocks loaded from each tier
+  std::array<uint64_t, kNumTiers> evicted{};     // ready slots reused for another block
+  uint64_t stores_dropped = 0;                   // stores cancelled: the pool needed their blocks
+  uint64_t disk_full = 0;                        // disk writes refused for want of space
+  uint64_t write_errors = 0;                     // other failed disk writes
+  uint64_t load_failures = 0;                    // loads that gave nothing (refused or failed)
+  std::array<uint64_t, kNumRefusals> refused{};  // T2 slots not served, by reason
+  uint64_t recovered = 0;                        // T2 blocks found at start
+  uint64_t bytes_written = 0;                    // to T2
+  uint64_t bytes_read = 0;                       // from T2
+  uint64_t syncs = 0;                            // successful DiskTier::Sync calls
+  uint64_t sync_errors = 0;                      // files whose fdatasync failed
 };
 
 struct TierSnapshot {
-  std::array<int32_t, kNumTiers> slots{};   // capacity in blocks
-  std::array<int32_t, kNumTiers> ready{};   // slots holding a verified-on-write block
+  std::array<int32_t, kNumTiers> slots{};  // capacity in blocks
+  std::array<int32_t, kNumTiers> ready{};  // slots holding a verified-on-write block
   std::array<int32_t, kNumTiers> writing{};
   int32_t queued_stores = 0;
   int32_t queued_loads = 0;
@@ -145,9 +145,10 @@ class KvTiers {
 
   // Opens T2 (DiskTier::Open: lock, files, recovery) and allocates T1. `log` gets one line
   // per notable event (recovery, each refusal reason's first occurrence).
-  static absl::StatusOr<std::unique_ptr<KvTiers>> Create(
-      const TierOptions& options, const KvCacheSpec& spec, HashAlgorithm algorithm,
-      PoolAccess pool, std::function<void(std::string)> log);
+  static absl::StatusOr<std::unique_ptr<KvTiers>> Create(const TierOptions& options,
+                                                         const KvCacheSpec& spec,
+                                                         HashAlgorithm algorithm, PoolAccess pool,
+                                                         std::function<void(std::string)> log);
   ~KvTiers();  // stops the movers after the job each is running
   KvTiers(const KvTiers&) = delete;
   KvTiers& operator=(const KvTiers&) = delete;
@@ -187,9 +188,9 @@ class KvTiers {
     };
     Kind kind = Kind::kReleased;
     BlockId block = kNoBlock;
-    uint64_t ticket = 0;   // loads
+    uint64_t ticket = 0;  // loads
     Tier tier = Tier::kHost;
-    double seconds = 0;    // loads: how long the copy took
+    double seconds = 0;  // loads: how long the copy took
   };
   // Takes the movers' results, updates the index, appends what the caller must act on.
   void Poll(std::vector<Done>* out);
@@ -213,7 +214,7 @@ class KvTiers {
   };
   struct TierSlots {
     int32_t count = 0;
-    std::vector<int32_t> free;                   // unused slots
+    std::vector<int32_t> free;                       // unused slots
     std::deque<std::pair<BlockHash, uint64_t>> lru;  // (hash, tick), oldest first; stale
                                                      // entries are skipped
     uint64_t clock = 0;

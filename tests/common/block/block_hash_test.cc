@@ -16,13 +16,11 @@ namespace {
 // the byte encoding documented in common/block/block_hash.h (Python hashlib and mmh3). A
 // change here is a wire change: caches and peers built with the old encoding stop matching.
 constexpr char kRootSha[] = "8c9082fa5d3a4c3cac833d8ac1072441f1186b25142614bc16cebc5a653fdb92";
-constexpr char kRootSaltSha[] =
-    "8b28482fa8d151e376299e35fa88d95b1f686df13c640c1c3c5f8a33c4ac8399";
+constexpr char kRootSaltSha[] = "8b28482fa8d151e376299e35fa88d95b1f686df13c640c1c3c5f8a33c4ac8399";
 constexpr char kBlock0Sha[] = "5da00b179036ba4b20f0db6b24d87a012ea20fc76afcea50b885ac05429ffef6";
 constexpr char kBlock1Sha[] = "0eff7bf9c0453beb736638ddb0ab3c48eb9bc1ed8b49e0393b6abcd3d46d0ad2";
 constexpr char kRootFast[] = "8191260192c41afbaf2c19d6f7ca3d6d00000000000000000000000000000000";
-constexpr char kBlock0Fast[] =
-    "9971f11f30493bcf64193fde4058db8000000000000000000000000000000000";
+constexpr char kBlock0Fast[] = "9971f11f30493bcf64193fde4058db8000000000000000000000000000000000";
 
 std::span<const uint8_t> Bytes(std::string_view s) {
   return {reinterpret_cast<const uint8_t*>(s.data()), s.size()};
@@ -45,8 +43,9 @@ TEST(BlockHashTest, Fast128MatchesMurmur3Reference) {
   EXPECT_EQ(Fast128Digest(Bytes("")).ToHex(), std::string(64, '0'));
   EXPECT_EQ(Fast128Digest(Bytes("hello")).ToHex().substr(0, 32),
             "029bbd41b3a7d8cb191dae486a901e5b");
-  EXPECT_EQ(Fast128Digest(Bytes("The quick brown fox jumps over the lazy dog")).ToHex().substr(0, 32),
-            "6c1b07bc7bbc4be347939ac4a93c437a");
+  EXPECT_EQ(
+      Fast128Digest(Bytes("The quick brown fox jumps over the lazy dog")).ToHex().substr(0, 32),
+      "6c1b07bc7bbc4be347939ac4a93c437a");
   const BlockHash root = RootHash(HashAlgorithm::kFast128, "");
   EXPECT_EQ(root.ToHex(), kRootFast);
   const std::vector<int32_t> block0 = {1, 2, 3, 4};
@@ -122,9 +121,8 @@ TEST(BlockHashTest, VllmSha256CborMatchesVllm) {
 }
 
 TEST(BlockHashTest, HashAlgorithmNamesRoundTrip) {
-  for (HashAlgorithm algo : {HashAlgorithm::kSha256, HashAlgorithm::kFast128,
-                             HashAlgorithm::kXxh3, HashAlgorithm::kVllmSha256Cbor,
-                             HashAlgorithm::kXxh3V2}) {
+  for (HashAlgorithm algo : {HashAlgorithm::kSha256, HashAlgorithm::kFast128, HashAlgorithm::kXxh3,
+                             HashAlgorithm::kVllmSha256Cbor, HashAlgorithm::kXxh3V2}) {
     absl::StatusOr<HashAlgorithm> parsed = ParseHashAlgorithm(HashAlgorithmName(algo));
     ASSERT_THAT(parsed, IsOk());
     EXPECT_EQ(*parsed, algo);
@@ -151,7 +149,7 @@ TEST(BlockHashTest, ChainDependsOnEveryInput) {
     const BlockHash root = RootHash(algo, "");
     const std::vector<int32_t> tokens = {10, 20, 30, 40};
     const BlockHash base = ChainBlockHash(algo, root, tokens);
-    EXPECT_EQ(base, ChainBlockHash(algo, root, tokens));  // deterministic
+    EXPECT_EQ(base, ChainBlockHash(algo, root, tokens));                        // deterministic
     EXPECT_NE(base, ChainBlockHash(algo, RootHash(algo, "tenant-b"), tokens));  // salt
     std::vector<int32_t> other = tokens;
     other[3] = 41;
@@ -185,7 +183,6 @@ TEST(BlockHashTest, HashFullBlocksChainsAndSkipsPartialBlock) {
   EXPECT_EQ(other[0], hashes[0]);
   EXPECT_NE(other[1], hashes[1]);
 }
-
 
 // Appending block after block to one vector (as a sequence grows) must grow it
 // geometrically: a reserve of exactly size + new blocks copied the whole vector on every
@@ -236,7 +233,8 @@ std::vector<uint8_t> Version1Message(const BlockHash& parent, std::span<const in
 std::vector<uint8_t> Version2Message(const BlockHash& parent, std::span<const int32_t> tokens) {
   std::vector<uint8_t> m(parent.bytes.begin(), parent.bytes.begin() + 16);
   for (int32_t t : tokens) {
-    for (int i = 0; i < 4; ++i) m.push_back(static_cast<uint8_t>(static_cast<uint32_t>(t) >> (8 * i)));
+    for (int i = 0; i < 4; ++i)
+      m.push_back(static_cast<uint8_t>(static_cast<uint32_t>(t) >> (8 * i)));
   }
   return m;
 }
@@ -318,7 +316,8 @@ TEST(BlockHashTest, Xxh3FastPathEqualsTheVersion1Message) {
 
 // The parent may be an element of the vector the hashes are appended to, which may move.
 TEST(BlockHashTest, HashFullBlocksTakesItsParentFromTheOutputVector) {
-  for (HashAlgorithm algo : {HashAlgorithm::kXxh3, HashAlgorithm::kXxh3V2, HashAlgorithm::kSha256}) {
+  for (HashAlgorithm algo :
+       {HashAlgorithm::kXxh3, HashAlgorithm::kXxh3V2, HashAlgorithm::kSha256}) {
     const std::vector<int32_t> tokens(16 * 40, 3);
     std::vector<BlockHash> hashes = {RootHash(algo, "")};
     hashes.shrink_to_fit();

@@ -39,7 +39,7 @@ TEST(BlockIndexTest, FindsInsertsAndErasesExactlyAsAMapDoes) {
     std::vector<BlockHash> hashes(kBlocks);
     auto hash_of = [&](int32_t b) -> const BlockHash& { return hashes[static_cast<size_t>(b)]; };
     std::map<std::vector<uint8_t>, int32_t> model;  // hash bytes → block
-    std::vector<int32_t> block_key(kBlocks, -1);     // which candidate hash a block holds
+    std::vector<int32_t> block_key(kBlocks, -1);    // which candidate hash a block holds
     // Candidate hashes: few home slots and colliding tags, distinct full hashes.
     std::vector<BlockHash> candidates;
     for (int i = 0; i < 200; ++i) {
@@ -67,7 +67,8 @@ TEST(BlockIndexTest, FindsInsertsAndErasesExactlyAsAMapDoes) {
           block_key[static_cast<size_t>(block)] = c;
         }
       } else if (op == 1 && block_key[static_cast<size_t>(block)] >= 0) {
-        const BlockHash& held = candidates[static_cast<size_t>(block_key[static_cast<size_t>(block)])];
+        const BlockHash& held =
+            candidates[static_cast<size_t>(block_key[static_cast<size_t>(block)])];
         index.Erase(BlockIndex::TagOf(held), block);
         model.erase(bytes(held));
         block_key[static_cast<size_t>(block)] = -1;

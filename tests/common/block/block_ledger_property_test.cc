@@ -37,10 +37,10 @@ class ShadowLedger {
 
   struct Outcome {
     Code code = Code::kOk;
-    std::vector<BlockId> blocks;   // Allocate: table; Append: new blocks
+    std::vector<BlockId> blocks;  // Allocate: table; Append: new blocks
     std::vector<CopyOrder> copies;
     int32_t cached_tokens = 0;
-    int32_t count = 0;             // Lookup / EvictAllCached
+    int32_t count = 0;  // Lookup / EvictAllCached
   };
   static Outcome Err(Code code) {
     Outcome out;
@@ -368,8 +368,7 @@ class PropertyRun {
       const bool dry = op < 4;
       const int32_t len = Uniform(std::min(n_ * bs_ + 2, 6 * bs_ + 3));
       const auto& doc = docs_[Uniform(4)];
-      std::vector<int32_t> prompt(doc.begin(),
-                                  doc.begin() + std::min<size_t>(len, doc.size()));
+      std::vector<int32_t> prompt(doc.begin(), doc.begin() + std::min<size_t>(len, doc.size()));
       while (static_cast<int32_t>(prompt.size()) < len) prompt.push_back(Uniform(50));
       if (Uniform(4) == 0 && !prompt.empty()) prompt.back() = 1000 + Uniform(50);
       auto hashes = HashesOf(prompt, bs_);
@@ -392,8 +391,8 @@ class PropertyRun {
     } else if (op < 48) {  // Append
       const bool dry = op < 28;
       const int32_t add = Uniform(10) == 0 ? -1 : Uniform(2 * bs_ + 1);
-      what = (dry ? "CanAppend(" : "Append(") + std::to_string(id) + ", " +
-             std::to_string(add) + ")";
+      what =
+          (dry ? "CanAppend(" : "Append(") + std::to_string(id) + ", " + std::to_string(add) + ")";
       want = shadow_->Append(id, add, dry);
       if (dry) {
         got.code = ledger_->CanAppend(id, add).status().code();

@@ -105,7 +105,7 @@ TEST_P(LedgerScenarioTest, AllocateAndAppendIntoAKeptResultAnswerWhatTheReturnin
   both([&](BlockLedger& l) { return l.Commit(1, 2 * bs() + 1); });
   allocate_both(2, 2 * bs() + 1, hashes);  // two blocks hit
   EXPECT_EQ(allocated.num_cached_tokens, 2 * bs());
-  append_both(1, bs());                    // a new block
+  append_both(1, bs());  // a new block
   EXPECT_EQ(appended.new_blocks.size(), 1u);
   both([&](BlockLedger& l) { return l.Commit(2, 2 * bs() + 1); });
   both([&](BlockLedger& l) { return l.Fork(2, 3); });
@@ -214,7 +214,8 @@ TEST_P(LedgerScenarioTest, LruStampsWrappingKeepTheEvictionOrder) {
 TEST_P(LedgerScenarioTest, RenameKeepsBlocksAndFreesTheOldId) {
   BlockLedger ledger = MakeLedger(8, bs());
   const auto prompt = Iota(2 * bs() + 2);
-  ASSERT_THAT(ledger.Allocate(1, static_cast<int32_t>(prompt.size()), HashesOf(prompt, bs())), IsOk());
+  ASSERT_THAT(ledger.Allocate(1, static_cast<int32_t>(prompt.size()), HashesOf(prompt, bs())),
+              IsOk());
   ASSERT_THAT(ledger.Commit(1, bs() + 1), IsOk());
   ASSERT_THAT(ledger.Allocate(2, 1), IsOk());
   EXPECT_EQ(ledger.Rename(1, 2).code(), absl::StatusCode::kAlreadyExists);
@@ -467,8 +468,7 @@ TEST_P(LedgerScenarioTest, PinErrorsChangeNothing) {
   EXPECT_EQ(ledger.Unpin("nope").code(), absl::StatusCode::kNotFound);
   // Limit: num_blocks / 2 = 2 blocks by default.
   ASSERT_THAT(ledger.Pin("p", std::span(hashes).first(2)), IsOk());
-  EXPECT_EQ(ledger.Pin("p", std::span(hashes).first(1)).code(),
-            absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(ledger.Pin("p", std::span(hashes).first(1)).code(), absl::StatusCode::kAlreadyExists);
   ASSERT_THAT(ledger.Pin("q", std::span(hashes).first(1)), IsOk());  // same block: no new one
   ASSERT_THAT(ledger.Unpin("q"), IsOk());
   ASSERT_THAT(ledger.Unpin("p"), IsOk());
@@ -518,7 +518,7 @@ TEST_P(LedgerScenarioTest, CachedBlocksReusedByAnAllocationAreNotEvictedForIt) {
   const auto hashes = HashesOf(doc, bs());
   ASSERT_THAT(ledger.Allocate(1, 2 * bs() + 1, hashes), IsOk());
   ASSERT_THAT(ledger.Commit(1, 2 * bs() + 1), IsOk());
-  ASSERT_THAT(ledger.Free(1), IsOk());           // 0 1 cached, 2 3 free
+  ASSERT_THAT(ledger.Free(1), IsOk());            // 0 1 cached, 2 3 free
   ASSERT_THAT(ledger.Allocate(9, bs()), IsOk());  // takes 2
   // The prompt plus one more block hits the 2 cached blocks and needs 2 new ones: 1 is free
   // and the only evictable blocks are the hit itself, so it must fail and change nothing.
@@ -559,9 +559,9 @@ TEST_P(LedgerScenarioTest, ADuplicateStillInUseTakesOverWhenTheIndexedBlockIsEvi
   const auto hashes = HashesOf(doc, bs());
   ASSERT_THAT(ledger.Allocate(1, bs() + 1, hashes), IsOk());  // 0 1
   ASSERT_THAT(ledger.Allocate(2, bs() + 1, hashes), IsOk());  // 2 3 (nothing committed yet)
-  ASSERT_THAT(ledger.Commit(1, bs() + 1), IsOk());             // 0 indexed
-  ASSERT_THAT(ledger.Commit(2, bs() + 1), IsOk());             // 2 a duplicate of 0
-  ASSERT_THAT(ledger.Free(1), IsOk());                         // 0 cached, 1 free
+  ASSERT_THAT(ledger.Commit(1, bs() + 1), IsOk());            // 0 indexed
+  ASSERT_THAT(ledger.Commit(2, bs() + 1), IsOk());            // 2 a duplicate of 0
+  ASSERT_THAT(ledger.Free(1), IsOk());                        // 0 cached, 1 free
   (void)ledger.TakeEvents();
   // Two new blocks: 1 is free, 0 is evicted. Sequence 2's block 2 holds the same content.
   ASSERT_THAT(ledger.Allocate(3, 2 * bs()), IsOk());
@@ -610,8 +610,7 @@ TEST_P(LedgerScenarioTest, ErrorsAreClearAndChangeNothing) {
   ASSERT_THAT(ledger.Commit(1, 2), IsOk());
   const std::vector<SeqId> seqs = {1, 2, 3, 4};
   const auto before = Snapshot(ledger, seqs);
-  auto expect_unchanged = [&](absl::Status status, absl::StatusCode code,
-                              std::string_view text) {
+  auto expect_unchanged = [&](absl::Status status, absl::StatusCode code, std::string_view text) {
     EXPECT_EQ(status.code(), code) << status;
     EXPECT_THAT(std::string(status.message()), HasSubstr(std::string(text)));
     EXPECT_EQ(Snapshot(ledger, seqs), before);
@@ -666,8 +665,8 @@ TEST_P(LedgerScenarioTest, RecordsStoredAndRemovedEvents) {
   EXPECT_EQ(events[1].parent_hash, hashes[0]);
   EXPECT_EQ(events[1].block, 1);
   ASSERT_THAT(ledger.Free(1), IsOk());
-  EXPECT_TRUE(ledger.TakeEvents().empty());  // cached, not removed
-  ASSERT_THAT(ledger.Allocate(2, 1), IsOk());   // evicts the tail block
+  EXPECT_TRUE(ledger.TakeEvents().empty());    // cached, not removed
+  ASSERT_THAT(ledger.Allocate(2, 1), IsOk());  // evicts the tail block
   events = ledger.TakeEvents();
   ASSERT_EQ(events.size(), 1u);
   EXPECT_EQ(events[0].kind, BlockEvent::Kind::kRemoved);
@@ -675,7 +674,9 @@ TEST_P(LedgerScenarioTest, RecordsStoredAndRemovedEvents) {
 }
 
 INSTANTIATE_TEST_SUITE_P(BlockSizes, LedgerScenarioTest, ::testing::Values(4, 16),
-                         [](const auto& param_info) { return "bs" + std::to_string(param_info.param); });
+                         [](const auto& param_info) {
+                           return "bs" + std::to_string(param_info.param);
+                         });
 
 TEST(LedgerOptionsTest, RejectsNonsense) {
   BlockLedger::Options options;
@@ -716,7 +717,7 @@ BlockLedger LedgerWithCommittedBlock0(std::vector<BlockHash>* hashes, bool free_
   BlockLedger ledger = MakeLedger(4, kHoldBs);
   *hashes = HashesOf(Iota(kHoldBs + 1), kHoldBs);
   EXPECT_THAT(ledger.Allocate(1, kHoldBs + 1, *hashes), IsOk());  // 0 1
-  EXPECT_THAT(ledger.Commit(1, kHoldBs + 1), IsOk());              // 0 indexed
+  EXPECT_THAT(ledger.Commit(1, kHoldBs + 1), IsOk());             // 0 indexed
   if (free_seq) {
     EXPECT_THAT(ledger.Free(1), IsOk());  // 0 cached, 1 free
   }
@@ -977,8 +978,7 @@ TEST(BlockLedgerHoldTest, ADuplicateMayBeHeld) {
     EXPECT_THAT(taken->blocks, ElementsAre(1, 3, 0));
     EXPECT_INVARIANTS(ledger);
     EXPECT_EQ(ledger.Lookup(hashes), 1);
-    EXPECT_THAT(ledger.IndexedBlocks(),
-                ElementsAre(std::pair<BlockId, BlockHash>(2, hashes[0])));
+    EXPECT_THAT(ledger.IndexedBlocks(), ElementsAre(std::pair<BlockId, BlockHash>(2, hashes[0])));
     ASSERT_THAT(ledger.Unhold(2), IsOk());
     EXPECT_INVARIANTS(ledger);
     EXPECT_EQ(ledger.StateOf(2), BlockState::kCached);

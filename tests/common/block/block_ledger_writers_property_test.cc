@@ -88,8 +88,8 @@ class WritersRun {
 
   const std::string& failure() const { return failure_; }
   std::string Summary() const {
-    return "writers=" + std::to_string(writers_started_) +
-           " renamed=" + std::to_string(renamed_) + " deaths=" + std::to_string(deaths_) +
+    return "writers=" + std::to_string(writers_started_) + " renamed=" + std::to_string(renamed_) +
+           " deaths=" + std::to_string(deaths_) +
            " prefix_hit_tokens=" + std::to_string(ledger_->Stats().prefix_hit_tokens) +
            " cow=" + std::to_string(ledger_->Stats().cow_copies);
   }
@@ -104,12 +104,12 @@ class WritersRun {
     bool writing = false;         // a writer is in flight
   };
   struct Writer {
-    SeqId seq = 0;                  // its current id (renamed while it drains)
-    bool draining = false;          // its router died: freed when it finishes
-    bool orphaned = false;          // without the fence: its sequence was freed under it
-    int32_t first_token = 0;        // it writes tokens [first_token, end_token)
+    SeqId seq = 0;            // its current id (renamed while it drains)
+    bool draining = false;    // its router died: freed when it finishes
+    bool orphaned = false;    // without the fence: its sequence was freed under it
+    int32_t first_token = 0;  // it writes tokens [first_token, end_token)
     int32_t end_token = 0;
-    std::vector<BlockId> blocks;    // the blocks those tokens are in
+    std::vector<BlockId> blocks;  // the blocks those tokens are in
     int ticks_left = 0;
   };
 
@@ -255,8 +255,8 @@ class WritersRun {
       const SeqId draining = next_draining_++;
       const absl::Status renamed = ledger_->Rename(id, draining);
       if (!renamed.ok()) {
-        failure_ = "rename of sequence " + std::to_string(id) + ": " +
-                   std::string(renamed.message());
+        failure_ =
+            "rename of sequence " + std::to_string(id) + ": " + std::string(renamed.message());
         return;
       }
       seqs_[draining] = seqs_[id];

@@ -3,6 +3,8 @@
 // shown by their dominant state, and the blocks the cache manager holds apart counted as
 // such.
 
+#include "common/block/block_map.h"
+
 #include <algorithm>
 #include <array>
 #include <cstdio>
@@ -12,7 +14,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/block/block_ledger.h"
-#include "common/block/block_map.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/common/block/ledger_test_util.h"
@@ -36,10 +37,14 @@ BlockLedger MakeLedger(int32_t num_blocks, int32_t block_size) {
 
 MapState AsMapState(BlockState state) {
   switch (state) {
-    case BlockState::kFree: return MapState::kFree;
-    case BlockState::kInUse: return MapState::kInUse;
-    case BlockState::kCached: return MapState::kCached;
-    case BlockState::kPinned: return MapState::kPinned;
+    case BlockState::kFree:
+      return MapState::kFree;
+    case BlockState::kInUse:
+      return MapState::kInUse;
+    case BlockState::kCached:
+      return MapState::kCached;
+    case BlockState::kPinned:
+      return MapState::kPinned;
   }
   return MapState::kFree;
 }
@@ -98,9 +103,9 @@ TEST(BlockMapTest, EachBlockIsInTheStateTheLedgerReportsAndTheCountsAreItsStats)
   EXPECT_EQ(map.num_blocks, 12);
   EXPECT_EQ(map.blocks_per_cell, 1);
   using S = MapState;
-  EXPECT_THAT(map.cells, ElementsAre(S::kPinned, S::kPinned, S::kCached, S::kInUse, S::kInUse,
-                                     S::kFree, S::kFree, S::kFree, S::kFree, S::kFree, S::kFree,
-                                     S::kFree));
+  EXPECT_THAT(map.cells,
+              ElementsAre(S::kPinned, S::kPinned, S::kCached, S::kInUse, S::kInUse, S::kFree,
+                          S::kFree, S::kFree, S::kFree, S::kFree, S::kFree, S::kFree));
   EXPECT_THAT(map.counts, ElementsAre(7, 2, 1, 2, 0, 0));
   ExpectCountsAreTheLedgers(map, ledger);
 }
@@ -141,8 +146,8 @@ TEST(BlockMapTest, BlocksHeldApartCountAsQuarantinedOrDrainingInsteadOfInUse) {
   EXPECT_THAT(map.counts, ElementsAre(4, 2, 0, 0, 1, 1));
   // In a run of two, one quarantined block beside one in use shows the run quarantined.
   ledger.FillBlockMap(4, held, &map);
-  EXPECT_THAT(map.cells, ElementsAre(MapState::kQuarantined, MapState::kDraining,
-                                     MapState::kFree, MapState::kFree));
+  EXPECT_THAT(map.cells, ElementsAre(MapState::kQuarantined, MapState::kDraining, MapState::kFree,
+                                     MapState::kFree));
   EXPECT_EQ(map, ExpectedMap(ledger, 4, held));
 }
 

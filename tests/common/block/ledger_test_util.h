@@ -24,8 +24,8 @@ inline std::vector<int32_t> Iota(int32_t n, int32_t start = 0) {
 inline std::vector<BlockHash> HashesOf(const std::vector<int32_t>& tokens, int32_t block_size,
                                        std::string_view salt = "") {
   std::vector<BlockHash> out;
-  HashFullBlocks(HashAlgorithm::kSha256, RootHash(HashAlgorithm::kSha256, salt), tokens,
-                 block_size, &out);
+  HashFullBlocks(HashAlgorithm::kSha256, RootHash(HashAlgorithm::kSha256, salt), tokens, block_size,
+                 &out);
   return out;
 }
 
@@ -63,8 +63,8 @@ inline LedgerSnapshot Snapshot(const BlockLedger& ledger, const std::vector<SeqI
 }
 
 inline std::ostream& operator<<(std::ostream& os, const LedgerSnapshot& s) {
-  os << "{free " << s.free << ", in_use " << s.in_use << ", cached " << s.cached
-     << ", pinned " << s.pinned << ", live " << s.live << ", states";
+  os << "{free " << s.free << ", in_use " << s.in_use << ", cached " << s.cached << ", pinned "
+     << s.pinned << ", live " << s.live << ", states";
   for (BlockState st : s.states) os << " " << BlockStateName(st);
   return os << "}";
 }

@@ -21,9 +21,12 @@ TEST(SequenceTableTest, BehavesAsAMapThroughGrowthAndErasure) {
     std::map<uint64_t, int32_t> model;
     auto random_id = [&]() -> uint64_t {
       switch (rng() % 3) {
-        case 0: return rng() % 300;                       // small, counting ids
-        case 1: return (rng() % 300) << 40;               // differ in high bits only
-        default: return 0xffffffff00000000ULL | (rng() % 300);
+        case 0:
+          return rng() % 300;  // small, counting ids
+        case 1:
+          return (rng() % 300) << 40;  // differ in high bits only
+        default:
+          return 0xffffffff00000000ULL | (rng() % 300);
       }
     };
     for (int step = 0; step < 50000; ++step) {

@@ -26,8 +26,8 @@
 #include "common/block/block_hash.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "tests/support/subprocess.h"
 #include "tests/support/status_matchers.h"
+#include "tests/support/subprocess.h"
 
 namespace kvcm {
 namespace {
@@ -53,8 +53,7 @@ struct Case {
 // A token id of one of the CBOR integer widths (each width's edges included).
 int64_t DrawToken(std::mt19937_64& rng, bool wide) {
   static constexpr int64_t kEdges[] = {
-      0,     1,          23,         24,         255,        256,       65535,
-      65536, 151935,     2147483647, 2147483648, 4294967294, 4294967295};
+      0, 1, 23, 24, 255, 256, 65535, 65536, 151935, 2147483647, 2147483648, 4294967294, 4294967295};
   switch (rng() % (wide ? 7 : 5)) {
     case 0:
       return static_cast<int64_t>(rng() % 24);
@@ -78,8 +77,8 @@ int64_t DrawToken(std::mt19937_64& rng, bool wide) {
 std::vector<Case> MakeCases(uint64_t seed) {
   std::mt19937_64 rng(seed);
   static constexpr int kBlockSizes[] = {1, 2, 3, 7, 16, 16, 16, 17, 32, 64, 128, 256};
-  static const std::optional<std::string> kSeeds[] = {std::nullopt, std::nullopt, "0",
-                                                      "kvcm-test", "1234567890"};
+  static const std::optional<std::string> kSeeds[] = {std::nullopt, std::nullopt, "0", "kvcm-test",
+                                                      "1234567890"};
   std::vector<Case> cases;
   for (int i = 0; i < 240; ++i) {
     Case c;
@@ -156,8 +155,8 @@ TEST(VllmHashReferenceTest, EqualsVllmsOwnFunctions) {
 
   ASSERT_TRUE(std::filesystem::exists(KVCM_VLLM_PYTHON))
       << KVCM_VLLM_PYTHON << " is missing: run scripts/python-env.sh";
-  const std::vector<std::string> argv = {KVCM_VLLM_PYTHON, KVCM_VLLM_HASH_SCRIPT, "--cache",
-                                         KVCM_VLLM_WHEEL_CACHE, in_path, out_path};
+  const std::vector<std::string> argv = {
+      KVCM_VLLM_PYTHON, KVCM_VLLM_HASH_SCRIPT, "--cache", KVCM_VLLM_WHEEL_CACHE, in_path, out_path};
   auto run = RunProgram(argv, "", absl::Minutes(5));
   ASSERT_THAT(run, IsOk());
   std::printf("%s", run->output.c_str());
@@ -179,8 +178,8 @@ TEST(VllmHashReferenceTest, EqualsVllmsOwnFunctions) {
   for (size_t i = 0; i < cases.size(); ++i) {
     const Case& c = cases[i];
     const nlohmann::json& want = out["cases"][i];
-    SCOPED_TRACE(absl::StrCat("case ", i, " block_size ", c.block_size, " tokens ",
-                              c.tokens.size(), " seed ", c.seed.value_or("(unset)")));
+    SCOPED_TRACE(absl::StrCat("case ", i, " block_size ", c.block_size, " tokens ", c.tokens.size(),
+                              " seed ", c.seed.value_or("(unset)")));
     const std::string salt = c.seed.value_or("");
     const BlockHash root = RootHash(HashAlgorithm::kVllmSha256Cbor, salt);
     ASSERT_EQ(root.ToHex(), want["none_hash"].get<std::string>());
@@ -221,9 +220,10 @@ TEST(VllmHashReferenceTest, EqualsVllmsOwnFunctions) {
       ++blocks_checked;
     }
   }
-  std::printf("vllm_hash_reference_test: %zu sequences, %d blocks equal to vLLM's (%d also "
-              "through the int32 entry points)\n",
-              cases.size(), blocks_checked, int32_checked);
+  std::printf(
+      "vllm_hash_reference_test: %zu sequences, %d blocks equal to vLLM's (%d also "
+      "through the int32 entry points)\n",
+      cases.size(), blocks_checked, int32_checked);
   EXPECT_GT(int32_checked, 100);
 }
 

@@ -27,8 +27,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const std::vector<kvcm::ChatMessage> kTurns = {
       {"system", "Be brief.", ""},
       {"user", "Hi! Ünïcödé 🙂", ""},
-      {"assistant", "", R"({"tool_calls": [{"type": "function", "function": {"name": "f",)"
-                        R"( "arguments": {"x": 1}}}]})"},
+      {"assistant", "",
+       R"({"tool_calls": [{"type": "function", "function": {"name": "f",)"
+       R"( "arguments": {"x": 1}}}]})"},
       {"tool", "42", R"({"tool_call_id": "c1", "name": "f"})"},
       {"user", "And then?", ""}};
   static const std::vector<kvcm::ChatMessage> kOne = {{"user", "Hello", ""}};

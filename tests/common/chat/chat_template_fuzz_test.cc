@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "gtest/gtest.h"
 #include "common/chat/chat_template.h"
+#include "gtest/gtest.h"
 #include "tests/common/chat/chat_test_cases.h"
 #include "tests/support/status_matchers.h"
 
@@ -24,28 +24,45 @@ using chat_test::Json;
 
 uint64_t Seed() {
   uint64_t seed = 7355608;
-  if (const char* s = std::getenv("KVCM_TEST_SEED"); s != nullptr) seed = std::strtoull(s, nullptr, 10);
+  if (const char* s = std::getenv("KVCM_TEST_SEED"); s != nullptr)
+    seed = std::strtoull(s, nullptr, 10);
   std::cout << "seed " << seed << " (KVCM_TEST_SEED overrides)\n";
   return seed;
 }
 
 std::string Mutate(std::string s, std::mt19937_64& rng) {
   static const std::vector<std::string> kPieces = {
-      "{%", "%}", "{{", "}}", "{#", "#}", "-", "+", "(", ")", "[", "]", "{", "}", "|", ",", ":",
-      "'", "\"", "\\", "\n", " ", "loop", "for", "endfor", "if", "endif", "else", "elif", "set",
-      "in", "not", "is", "and", "or", "none", "messages", "message", "ns", "range(9)", "0", "-1",
-      "1.5", "~", "*", "**", "//", "%", "==", "trim", "length", "tojson", "default", "defined",
-      "raise_exception('x')", "é", "\xff", "[::-1]", ".strip()", "|join(',')", "{% raw %}"};
+      "{%",       "%}",       "{{",      "}}",       "{#",
+      "#}",       "-",        "+",       "(",        ")",
+      "[",        "]",        "{",       "}",        "|",
+      ",",        ":",        "'",       "\"",       "\\",
+      "\n",       " ",        "loop",    "for",      "endfor",
+      "if",       "endif",    "else",    "elif",     "set",
+      "in",       "not",      "is",      "and",      "or",
+      "none",     "messages", "message", "ns",       "range(9)",
+      "0",        "-1",       "1.5",     "~",        "*",
+      "**",       "//",       "%",       "==",       "trim",
+      "length",   "tojson",   "default", "defined",  "raise_exception('x')",
+      "é",        "\xff",     "[::-1]",  ".strip()", "|join(',')",
+      "{% raw %}"};
   auto pick = [&](size_t n) { return n == 0 ? size_t{0} : static_cast<size_t>(rng() % n); };
   const int edits = 1 + static_cast<int>(pick(4));
   for (int e = 0; e < edits; ++e) {
     const size_t at = pick(s.size() + 1);
     switch (pick(5)) {
-      case 0: s.erase(at, 1 + pick(8)); break;                                        // delete
-      case 1: s.insert(at, kPieces[pick(kPieces.size())]); break;                     // insert
-      case 2: s.insert(at, s.substr(pick(s.size() + 1), 1 + pick(16))); break;        // duplicate
-      case 3: if (at < s.size()) s[at] = static_cast<char>(rng() & 0xFF); break;      // byte
-      default: {                                                                      // swap
+      case 0:
+        s.erase(at, 1 + pick(8));
+        break;  // delete
+      case 1:
+        s.insert(at, kPieces[pick(kPieces.size())]);
+        break;  // insert
+      case 2:
+        s.insert(at, s.substr(pick(s.size() + 1), 1 + pick(16)));
+        break;  // duplicate
+      case 3:
+        if (at < s.size()) s[at] = static_cast<char>(rng() & 0xFF);
+        break;    // byte
+      default: {  // swap
         const size_t b = pick(s.size() + 1);
         if (at < s.size() && b < s.size()) std::swap(s[at], s[b]);
       }

@@ -20,10 +20,10 @@
 namespace kvcm {
 namespace {
 
-using ::testing::AllOf;
-using ::testing::HasSubstr;
 using chat_test::Case;
 using chat_test::Json;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
 
 // Renders every case with kvcm and compares with transformers: the same text, or both
 // failing (raise_exception with the same message).
@@ -51,7 +51,8 @@ void CompareWithReference(const std::vector<Case>& cases) {
     const std::string error = want["error"].get<std::string>();
     if (got.ok()) {
       ADD_FAILURE() << c.Label() << ": transformers failed (" << type << ": " << error
-                    << ") but kvcm rendered:\n" << *got;
+                    << ") but kvcm rendered:\n"
+                    << *got;
       continue;
     }
     EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument) << c.Label();
@@ -83,7 +84,8 @@ TEST(ChatTemplateReferenceTest, EveryTemplateAndConversationMatchesTransformers)
 
 TEST(ChatTemplateReferenceTest, SeededRandomConversationsMatchTransformers) {
   uint64_t seed = 20240601;
-  if (const char* s = std::getenv("KVCM_TEST_SEED"); s != nullptr) seed = std::strtoull(s, nullptr, 10);
+  if (const char* s = std::getenv("KVCM_TEST_SEED"); s != nullptr)
+    seed = std::strtoull(s, nullptr, 10);
   std::cout << "seed " << seed << " (KVCM_TEST_SEED overrides)\n";
   std::mt19937_64 rng(seed);
   const std::vector<chat_test::TemplateFile> templates = chat_test::Templates();
@@ -120,7 +122,8 @@ absl::Status ParseError(const std::string& source) {
   return t.status();
 }
 
-absl::StatusOr<std::string> RenderOne(const std::string& source, const ChatTemplateOptions& options = {}) {
+absl::StatusOr<std::string> RenderOne(const std::string& source,
+                                      const ChatTemplateOptions& options = {}) {
   absl::StatusOr<ChatTemplate> t = ChatTemplate::Parse(source);
   if (!t.ok()) return t.status();
   const std::vector<ChatMessage> messages = {{"user", "hi", ""}};
@@ -158,9 +161,11 @@ TEST(ChatTemplateErrorTest, MalformedTemplatesNameLineAndColumn) {
         << b.source;
   }
   // Constructs outside the subset name the way out.
-  EXPECT_THAT(std::string(ParseError("{{ x | dictsort }}").message()), HasSubstr("--chat-template FILE"));
-  EXPECT_THAT(std::string(RenderOne("{{ 'a'.zfill(3) }}").status().message()),
-              AllOf(HasSubstr("chat template 1:"), HasSubstr("zfill"), HasSubstr("--chat-template FILE")));
+  EXPECT_THAT(std::string(ParseError("{{ x | dictsort }}").message()),
+              HasSubstr("--chat-template FILE"));
+  EXPECT_THAT(
+      std::string(RenderOne("{{ 'a'.zfill(3) }}").status().message()),
+      AllOf(HasSubstr("chat template 1:"), HasSubstr("zfill"), HasSubstr("--chat-template FILE")));
 }
 
 TEST(ChatTemplateErrorTest, RuntimeErrorsAndRaiseException) {
@@ -169,7 +174,8 @@ TEST(ChatTemplateErrorTest, RuntimeErrorsAndRaiseException) {
   EXPECT_EQ(r.status().message(), "Roles must alternate!");
   r = RenderOne("line\n  {{ nothing.attr }}");
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(r.status().message()), AllOf(HasSubstr("chat template 2:"), HasSubstr("'nothing' is undefined")));
+  EXPECT_THAT(std::string(r.status().message()),
+              AllOf(HasSubstr("chat template 2:"), HasSubstr("'nothing' is undefined")));
   r = RenderOne("{{ 'a' + 1 }}");
   EXPECT_THAT(std::string(r.status().message()), HasSubstr("can only concatenate str"));
   // Jinja's lexer accepts a raw or comment tag that ends the source.
@@ -179,7 +185,8 @@ TEST(ChatTemplateErrorTest, RuntimeErrorsAndRaiseException) {
   EXPECT_EQ(RenderOne("[{{ nothing }}{{ messages[0].nokey }}{{ messages[5] }}]").value(), "[]");
   ChatTemplateOptions options;
   options.extra_context_json = "[1]";
-  EXPECT_THAT(std::string(RenderOne("x", options).status().message()), HasSubstr("extra_context_json"));
+  EXPECT_THAT(std::string(RenderOne("x", options).status().message()),
+              HasSubstr("extra_context_json"));
 }
 
 TEST(ChatTemplateLimitsTest, RunawayTemplatesHitTheLimits) {
@@ -191,13 +198,15 @@ TEST(ChatTemplateLimitsTest, RunawayTemplatesHitTheLimits) {
       "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}",
       "{% for i in range(10000000) %}{{ 'xxxxxxxxxx' }}{% endfor %}",
       "{{ 'x' * 1000000000000 }}",
-      "{% set ns = namespace(s='ab') %}{% for i in range(100) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+      "{% set ns = namespace(s='ab') %}{% for i in range(100) %}{% set ns.s = ns.s + ns.s %}{% "
+      "endfor %}",
       "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
       "{% set big = 'y' * 900000 %}{% for i in range(100000) %}{% set z = big ~ 'a' %}{% endfor %}",
   };
   for (const std::string& source : runaway) {
     absl::StatusOr<std::string> r = RenderOne(source, options);
-    EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << source << ": " << r.status();
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted)
+        << source << ": " << r.status();
   }
   // Nesting too deep for the parser is an error, not a stack overflow.
   for (const char* open : {"(", "[", "not ", "-"}) {
@@ -231,7 +240,8 @@ TEST(ChatTemplateTest, RenderIsThreadSafe) {
           for (size_t i = 0; i < conversations.size(); ++i) {
             Case k{&t, &conversations[i], true};
             absl::StatusOr<std::string> r = tmpl->Render(conversations[i].messages, k.Options());
-            if ((r.ok() ? *r : r.status().ToString()) != want[i]) ++mismatches[static_cast<size_t>(n)];
+            if ((r.ok() ? *r : r.status().ToString()) != want[i])
+              ++mismatches[static_cast<size_t>(n)];
           }
         }
       });

@@ -42,8 +42,8 @@ inline std::vector<TemplateFile> Templates() {
   std::vector<TemplateFile> out;
   for (const auto& entry : std::filesystem::directory_iterator(TestDir() + "/templates")) {
     if (entry.path().extension() != ".jinja") continue;
-    out.push_back({entry.path().stem().string(), entry.path().string(),
-                   ReadFile(entry.path().string())});
+    out.push_back(
+        {entry.path().stem().string(), entry.path().string(), ReadFile(entry.path().string())});
   }
   std::sort(out.begin(), out.end(),
             [](const TemplateFile& a, const TemplateFile& b) { return a.name < b.name; });
@@ -94,9 +94,10 @@ inline std::vector<Conversation> Conversations() {
 // braces and Jinja-looking text.
 inline Conversation RandomConversation(std::mt19937_64& rng, int index) {
   static const std::vector<std::string> kFragments = {
-      "Hello", "world", " ", "  ", "\n", "\n\n", "\t", "é", "日本語", "🙂", "'", "\"", "\\",
-      "{{ x }}", "{% if %}", "{#", "<|im_end|>", "[INST]", "&amp;", "<b>", "42", "3.14",
-      "none", "True", "a, b", "!", "?", "\u00a0", "\u2028", "\r\n", "Ünïcödé", "tab\there"};
+      "Hello",      "world",  " ",     "  ",     "\n",     "\n\n",    "\t",       "é",
+      "日本語",     "🙂",   "'",     "\"",     "\\",     "{{ x }}", "{% if %}", "{#",
+      "<|im_end|>", "[INST]", "&amp;", "<b>",    "42",     "3.14",    "none",     "True",
+      "a, b",       "!",      "?",     "\u00a0", "\u2028", "\r\n",    "Ünïcödé",  "tab\there"};
   auto pick = [&](size_t n) { return static_cast<size_t>(rng() % n); };
   auto text = [&]() {
     std::string s;
@@ -113,7 +114,8 @@ inline Conversation RandomConversation(std::mt19937_64& rng, int index) {
     if (pick(12) == 0) role = i % 2 == 0 ? "assistant" : "user";
     c.messages.push_back({role, text(), ""});
   }
-  for (const ChatMessage& m : c.messages) c.messages_json.push_back({{"role", m.role}, {"content", m.content}});
+  for (const ChatMessage& m : c.messages)
+    c.messages_json.push_back({{"role", m.role}, {"content", m.content}});
   return c;
 }
 
@@ -162,8 +164,8 @@ inline absl::StatusOr<std::vector<Json>> RunReference(const std::vector<Case>& c
   KVCM_ASSIGN_OR_RETURN(auto child, testing::Subprocess::Start(options));
   KVCM_ASSIGN_OR_RETURN(int code, child->Wait(absl::Seconds(240)));
   if (code != 0) {
-    return absl::InternalError(absl::StrCat("render_reference.py exited with ", code, ": ",
-                                            child->Output()));
+    return absl::InternalError(
+        absl::StrCat("render_reference.py exited with ", code, ": ", child->Output()));
   }
   const Json results = Json::parse(ReadFile(out_path))["results"];
   std::vector<Json> out(results.begin(), results.end());

@@ -24,9 +24,9 @@
 #include "tests/support/cache_manager_process.h"
 #include "tests/support/http_client.h"
 #include "tests/support/metrics_text.h"
+#include "tests/support/status_matchers.h"
 #include "tests/support/subprocess.h"
 #include "tests/support/wait_for.h"
-#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -396,7 +396,9 @@ TEST_F(CacheManagerClientTest, CanAllocateAdmitsWithoutChangingAnything) {
   CacheSequence(1, 0, 12);  // three cached blocks
   const std::vector<BlockHash> hashes = HashesOf(0, 12);
   BlockOps step;
-  step.CanAllocate(13, hashes).Allocate(2, 4 * (kNumBlocks - 3)).CanAllocate(13, hashes)
+  step.CanAllocate(13, hashes)
+      .Allocate(2, 4 * (kNumBlocks - 3))
+      .CanAllocate(13, hashes)
       .CanAllocate(5 * kBlockSize);
   absl::StatusOr<std::vector<OpOutcome>> outcomes = client_->Step(step);
   ASSERT_THAT(outcomes, IsOk());
@@ -440,8 +442,7 @@ TEST_F(CacheManagerClientTest, AStepReplySaysHowManyBlocksCanBeTakenAfterIt) {
   ASSERT_THAT(client_->Step(step), IsOk());
   absl::StatusOr<StatsSnapshot> stats = client_->Stats();
   ASSERT_THAT(stats, IsOk());
-  EXPECT_EQ(client_->available_blocks_after_last_step(),
-            stats->free_blocks + stats->cached_blocks);
+  EXPECT_EQ(client_->available_blocks_after_last_step(), stats->free_blocks + stats->cached_blocks);
   EXPECT_EQ(client_->available_blocks_after_last_step(), stats->num_blocks - 4);
   step.Clear();
   step.Free(1).Free(2);
@@ -482,9 +483,9 @@ TEST_F(CacheManagerClientTest, NoHeartbeatReachesTheCacheManagerAfterGoodbye) {
   ASSERT_THAT(metrics, IsOk());
   auto parsed = kvcm::testing::ParseMetricsText(metrics->body);
   ASSERT_THAT(parsed, IsOk());
-  EXPECT_EQ(*parsed->Value("kvcm_cache_manager_rejected_messages_total",
-                           {{"reason", "stale_session"}}),
-            0);
+  EXPECT_EQ(
+      *parsed->Value("kvcm_cache_manager_rejected_messages_total", {{"reason", "stale_session"}}),
+      0);
   // Registering again brings the heartbeats back.
   ASSERT_THAT(leaving->EnsureSession(), IsOk());
   const uint64_t again = leaving->heartbeats_sent();

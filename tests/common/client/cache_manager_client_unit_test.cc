@@ -23,10 +23,10 @@
 #include "common/wire/envelope.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/support/status_matchers.h"
 #include "tests/support/subprocess.h"
 #include "tests/support/wait_for.h"
 #include "zmq.hpp"
-#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -290,7 +290,7 @@ TEST(CacheManagerClientUnitTest, HeartbeatThreadNoticesALostSession) {
   EXPECT_EQ(stats.status().code(), absl::StatusCode::kAborted) << stats.status();
   EXPECT_THAT(stats.status().message(), HasSubstr("ended session 1"));
   EXPECT_EQ(fake.Count(wire::Message::Stats), stats_before);  // not sent
-  EXPECT_TRUE((*client)->session_lost());  // until the caller registers again
+  EXPECT_TRUE((*client)->session_lost());                     // until the caller registers again
   EXPECT_EQ((*client)->EnsureSession().code(), absl::StatusCode::kAborted);
   ASSERT_THAT((*client)->Reregister(), IsOk());
   EXPECT_FALSE((*client)->session_lost());

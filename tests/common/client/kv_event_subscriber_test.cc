@@ -2,7 +2,6 @@
 // when the subscription has arrived): batch application, the first batch of an epoch, late
 // joining with a snapshot, gap detection and recovery, restarts, and refused messages.
 
-#include "common/base/monotonic_clock.h"
 #include "common/client/kv_event_subscriber.h"
 
 #include <cstdint>
@@ -13,15 +12,16 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/base/monotonic_clock.h"
 #include "common/block/block_hash.h"
 #include "common/transport/zmq_util.h"
 #include "flatbuffers/flatbuffers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "schemas/kvcm_protocol_generated.h"
+#include "tests/support/status_matchers.h"
 #include "tests/support/subprocess.h"
 #include "zmq.hpp"
-#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {

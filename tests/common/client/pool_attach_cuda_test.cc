@@ -21,8 +21,8 @@
 #include "gtest/gtest.h"
 #include "tests/support/cache_manager_process.h"
 #include "tests/support/gpu_test.h"
-#include "tests/support/subprocess.h"
 #include "tests/support/status_matchers.h"
+#include "tests/support/subprocess.h"
 
 namespace kvcm {
 namespace {
@@ -100,7 +100,8 @@ TEST(PoolAttachCudaTest, ExecutorProcessesShareTheDevicePool) {
   std::vector<uint8_t> bytes(static_cast<size_t>(pool->layout.block_stride));
   ASSERT_THAT(CopyFromPool(*pool->mapping,
                            static_cast<uint64_t>(pool->layout.Offset(2, 1, blocks[1], 0, 0)),
-                           bytes.data(), bytes.size()), IsOk());
+                           bytes.data(), bytes.size()),
+              IsOk());
   bool any_nonzero = false;
   for (uint8_t b : bytes) any_nonzero |= b != 0;
   EXPECT_TRUE(any_nonzero);

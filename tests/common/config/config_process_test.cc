@@ -20,14 +20,14 @@
 #include "tests/support/cache_manager_process.h"
 #include "tests/support/http_client.h"
 #include "tests/support/metrics_text.h"
-#include "tests/support/subprocess.h"
 #include "tests/support/status_matchers.h"
+#include "tests/support/subprocess.h"
 
 namespace kvcm::config {
 namespace {
 
-using ::testing::HasSubstr;
 using kvcm::testing::Subprocess;
+using ::testing::HasSubstr;
 
 struct Binary {
   const char* section;
@@ -86,8 +86,8 @@ TEST(ExampleConfigTest, EveryBinaryAcceptsTheExampleAndItChangesNothing) {
   for (const Binary& binary : kBinaries) {
     SCOPED_TRACE(binary.section);
     const Finished defaults = RunToExit({binary.path, "--print-config"});
-    const Finished with_file = RunToExit({binary.path, "--config", KVCM_EXAMPLE_CONFIG,
-                                     "--print-config"});
+    const Finished with_file =
+        RunToExit({binary.path, "--config", KVCM_EXAMPLE_CONFIG, "--print-config"});
     ASSERT_EQ(with_file.exit_code, 0) << with_file.output;
     EXPECT_EQ(with_file.output, defaults.output);
   }
@@ -104,8 +104,8 @@ TEST(BinaryConfigTest, AnUnknownKeyStopsTheBinaryNamingTheKeyAndTheFile) {
 }
 
 TEST(BinaryConfigTest, AValueOfTheWrongTypeStopsTheBinaryNamingItAndTheType) {
-  const Finished env = RunToExit({KVCM_EXECUTOR_BIN, "--print-config"},
-                            {"KVCM_EXECUTOR_THREADS=four"});
+  const Finished env =
+      RunToExit({KVCM_EXECUTOR_BIN, "--print-config"}, {"KVCM_EXECUTOR_THREADS=four"});
   EXPECT_EQ(env.exit_code, 1);
   EXPECT_THAT(env.output, HasSubstr("KVCM_EXECUTOR_THREADS: expected int32, got \"four\""));
   const std::string path = WriteFile("wrong_type.yaml", "launch:\n  executors: two\n");
@@ -116,19 +116,19 @@ TEST(BinaryConfigTest, AValueOfTheWrongTypeStopsTheBinaryNamingItAndTheType) {
 }
 
 TEST(BinaryConfigTest, LaunchTakesFlagOverEnvironmentOverFile) {
-  const std::string path =
-      WriteFile("launch.yaml", "launch:\n  executors: 3\n  restart_backoff_ms: 70\n  "
-                               "bin_dir: /from/file\n");
-  const Finished run = RunToExit({KVCM_LAUNCH_BIN, "--config", path, "--bin-dir", "/from/flag",
-                             "--print-config"},
-                            {"KVCM_LAUNCH_RESTART_BACKOFF_MS=90", "KVCM_LAUNCH_BIN_DIR=/env"});
+  const std::string path = WriteFile("launch.yaml",
+                                     "launch:\n  executors: 3\n  restart_backoff_ms: 70\n  "
+                                     "bin_dir: /from/file\n");
+  const Finished run =
+      RunToExit({KVCM_LAUNCH_BIN, "--config", path, "--bin-dir", "/from/flag", "--print-config"},
+                {"KVCM_LAUNCH_RESTART_BACKOFF_MS=90", "KVCM_LAUNCH_BIN_DIR=/env"});
   ASSERT_EQ(run.exit_code, 0) << run.output;
   absl::StatusOr<SectionValues> printed = ParseSection(run.output, "--print-config", "launch");
   ASSERT_THAT(printed, IsOk()) << run.output;
-  EXPECT_EQ(printed->at("executors"), "3");             // file
-  EXPECT_EQ(printed->at("restart_backoff_ms"), "90");   // environment over file
-  EXPECT_EQ(printed->at("bin_dir"), "/from/flag");      // flag over both
-  EXPECT_EQ(printed->at("model"), "");                  // default
+  EXPECT_EQ(printed->at("executors"), "3");            // file
+  EXPECT_EQ(printed->at("restart_backoff_ms"), "90");  // environment over file
+  EXPECT_EQ(printed->at("bin_dir"), "/from/flag");     // flag over both
+  EXPECT_EQ(printed->at("model"), "");                 // default
 }
 
 // kvcm-launch passes --config on: the cache manager it starts reads the same file, and a
@@ -138,12 +138,11 @@ TEST(BinaryConfigTest, LaunchPassesTheFileOnToTheProcessesItStarts) {
   const std::string model = absl::StrCat(::testing::TempDir(), "/", ::getpid(), "_launch_model");
   ASSERT_EQ(std::system(absl::StrCat("mkdir -p ", model).c_str()), 0);
   std::ofstream(model + "/config.json") << "{}";
-  const std::string path =
-      WriteFile("launch_children.yaml", "cache_manager:\n  num_blokcs: 64\n");
+  const std::string path = WriteFile("launch_children.yaml", "cache_manager:\n  num_blokcs: 64\n");
   const Finished run = RunToExit({KVCM_LAUNCH_BIN, "--config", path, "--model", model});
   EXPECT_EQ(run.exit_code, 1) << run.output;
-  EXPECT_THAT(run.output, HasSubstr("unknown key \"num_blokcs\" in section cache_manager of " +
-                                    path));
+  EXPECT_THAT(run.output,
+              HasSubstr("unknown key \"num_blokcs\" in section cache_manager of " + path));
 }
 
 // A real cache manager: the file sets num_blocks, hash_algorithm and max_ops_per_step; the
@@ -163,8 +162,7 @@ TEST(BinaryConfigTest, CacheManagerResolvesFlagOverEnvironmentOverFileOverDefaul
   absl::StatusOr<kvcm::testing::HttpResponse> response =
       kvcm::testing::HttpGet((*manager)->metrics_url());
   ASSERT_THAT(response, IsOk());
-  absl::StatusOr<kvcm::testing::MetricsText> text =
-      kvcm::testing::ParseMetricsText(response->body);
+  absl::StatusOr<kvcm::testing::MetricsText> text = kvcm::testing::ParseMetricsText(response->body);
   ASSERT_THAT(text, IsOk());
   const std::vector<kvcm::testing::MetricSample> info =
       text->Samples("kvcm_cache_manager_config_info");

@@ -33,12 +33,8 @@ namespace {
 
 using ::testing::HasSubstr;
 
-Option Int(std::string name, std::string value) {
-  return {name, Type::kInt32, value, value};
-}
-Option Str(std::string name, std::string value) {
-  return {name, Type::kString, value, value};
-}
+Option Int(std::string name, std::string value) { return {name, Type::kInt32, value, value}; }
+Option Str(std::string name, std::string value) { return {name, Type::kString, value, value}; }
 
 // Three options, each one source higher than the last: a default, a file value, an
 // environment value over a file value, a flag over both.
@@ -95,8 +91,8 @@ TEST(ResolveTest, SettingsKeepTheOptionsOrder) {
   ASSERT_THAT(settings, IsOk());
   std::vector<std::string> names;
   for (const Setting& s : *settings) names.push_back(s.name);
-  EXPECT_THAT(names, ::testing::ElementsAre("block_size", "num_blocks", "backend",
-                                            "max_ops_per_step"));
+  EXPECT_THAT(names,
+              ::testing::ElementsAre("block_size", "num_blocks", "backend", "max_ops_per_step"));
 }
 
 TEST(ResolveTest, UnknownFileKeyIsAnErrorNamingTheKeyAndTheFile) {
@@ -166,9 +162,9 @@ TEST(IsValidTest, AcceptsWhatAbseilFlagsAcceptAndNothingElse) {
 }
 
 TEST(ParseSectionTest, ReadsOnlyTheGivenSection) {
-  absl::StatusOr<SectionValues> values = ParseSection(
-      "cache_manager:\n  num_blocks: 64\n  dtype: \"\"\nrouter:\n  port: 8080\n", "f.yaml",
-      "cache_manager");
+  absl::StatusOr<SectionValues> values =
+      ParseSection("cache_manager:\n  num_blocks: 64\n  dtype: \"\"\nrouter:\n  port: 8080\n",
+                   "f.yaml", "cache_manager");
   ASSERT_THAT(values, IsOk());
   EXPECT_EQ(*values, (SectionValues{{"num_blocks", "64"}, {"dtype", ""}}));
   values = ParseSection("router:\n", "f.yaml", "router");
@@ -257,8 +253,7 @@ TEST(ApplyToFlagsTest, SetsTheFlagsOfThisFileFromTheFileAndTheEnvironment) {
   std::vector<std::string> names;
   for (const Option& o : options) names.push_back(o.name);
   // Only this file's flags (not --config, not Abseil's own), sorted.
-  EXPECT_THAT(names, ::testing::ElementsAre("big", "label", "ratio", "verbose_widgets",
-                                            "widgets"));
+  EXPECT_THAT(names, ::testing::ElementsAre("big", "label", "ratio", "verbose_widgets", "widgets"));
   const std::string path = absl::StrCat(::testing::TempDir(), "/config_test_", ::getpid(), ".yaml");
   {
     std::ofstream out(path);

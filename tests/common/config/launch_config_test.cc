@@ -10,8 +10,8 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tools/launch/launch_options.h"
 #include "tests/support/status_matchers.h"
+#include "tools/launch/launch_options.h"
 
 namespace kvcm::launch {
 namespace {
@@ -27,13 +27,13 @@ std::string WriteFile(const std::string& name, const std::string& text) {
 }
 
 TEST(ApplyLaunchConfigTest, FileAndEnvironmentBecomeFlagsInFrontAndTheCommandLineWins) {
-  const std::string path = WriteFile(
-      "launch_a.yaml", "launch:\n  model: /m/file\n  executors: 3\n  run_dir: /r/file\n");
+  const std::string path =
+      WriteFile("launch_a.yaml", "launch:\n  model: /m/file\n  executors: 3\n  run_dir: /r/file\n");
   absl::StatusOr<ConfiguredArgs> configured = ApplyLaunchConfig(
       {"--config", path, "--run-dir=/r/flag", "--port", "8080"}, {"KVCM_LAUNCH_EXECUTORS=2"});
   ASSERT_THAT(configured, IsOk());
-  EXPECT_THAT(configured->args, ElementsAre("--model=/m/file", "--executors=2",
-                                            "--run-dir=/r/flag", "--port", "8080"));
+  EXPECT_THAT(configured->args, ElementsAre("--model=/m/file", "--executors=2", "--run-dir=/r/flag",
+                                            "--port", "8080"));
   EXPECT_EQ(configured->config_file, path);
   EXPECT_FALSE(configured->pool_sized);
   absl::StatusOr<LaunchOptions> options = ParseLaunchOptions(configured->args);
@@ -58,9 +58,9 @@ TEST(ApplyLaunchConfigTest, APoolSizedByTheCacheManagersSectionOrVariablesCounts
   ASSERT_THAT(configured, IsOk());
   EXPECT_TRUE(configured->pool_sized);
   // The example's defaults (0 and "") size nothing.
-  const std::string unsized = WriteFile(
-      "launch_c.yaml",
-      "cache_manager:\n  num_blocks: 0\n  pool_bytes: \"\"\n  memory_fraction: 0\n");
+  const std::string unsized =
+      WriteFile("launch_c.yaml",
+                "cache_manager:\n  num_blocks: 0\n  pool_bytes: \"\"\n  memory_fraction: 0\n");
   configured = ApplyLaunchConfig({"--config", unsized}, {});
   ASSERT_THAT(configured, IsOk());
   EXPECT_FALSE(configured->pool_sized);

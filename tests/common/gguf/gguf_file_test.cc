@@ -21,8 +21,8 @@
 #include "common/gguf/gguf_writer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/support/subprocess.h"
 #include "tests/support/status_matchers.h"
+#include "tests/support/subprocess.h"
 
 namespace kvcm {
 namespace {
@@ -133,7 +133,8 @@ TEST(GgufFileTest, GettersCheckTypes) {
   ASSERT_THAT(w.Add("f64", GgufValue::Float64(1e300)), IsOk());
   ASSERT_THAT(w.Add("b", GgufValue::Bool(true)), IsOk());
   ASSERT_THAT(w.Add("ints", GgufValue::Array(GgufValueType::kUint16,
-                                             {GgufValue::Uint16(1), GgufValue::Uint16(65535)})), IsOk());
+                                             {GgufValue::Uint16(1), GgufValue::Uint16(65535)})),
+              IsOk());
   ASSERT_THAT(w.Add("floats", GgufValue::Float32Array(std::vector<float>{1.5f})), IsOk());
   ASSERT_THAT(w.Add("strs", GgufValue::StringArray({"p", "q"})), IsOk());
   const std::string bytes = w.Serialize();
@@ -174,7 +175,8 @@ TEST(GgufFileTest, WriterRoundTrip) {
   ASSERT_THAT(w.SetAlignment(256), IsOk());
   ASSERT_THAT(w.Add("nested", GgufValue::Array(GgufValueType::kArray,
                                                {GgufValue::StringArray({"a"}),
-                                                GgufValue::Int32Array(std::vector<int32_t>{3})})), IsOk());
+                                                GgufValue::Int32Array(std::vector<int32_t>{3})})),
+              IsOk());
   ASSERT_THAT(w.AddTensor("q", {64, 3}, GgmlType::kQ4_1, x), IsOk());
   ASSERT_THAT(w.AddTensor("f", {64, 3}, GgmlType::kF32, x), IsOk());
   const std::string bytes = w.Serialize();

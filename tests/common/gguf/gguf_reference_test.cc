@@ -27,8 +27,8 @@
 #include "gtest/gtest.h"
 #include "tests/common/gguf/gguf_test_util.h"
 #include "tests/support/real_model.h"
-#include "tests/support/subprocess.h"
 #include "tests/support/status_matchers.h"
+#include "tests/support/subprocess.h"
 
 namespace kvcm {
 namespace {
@@ -291,7 +291,9 @@ TEST(GgufReferenceTest, GgufReaderPythonReadsWhatGgufWriterWrote) {
     for (float& v : x) v = normal(rng);
     ASSERT_THAT(writer.AddTensor(s.name, s.dims, s.type, x), IsOk()) << s.name;
     std::string q(static_cast<size_t>(*TypeBytes(s.type, n)), '\0');
-    ASSERT_THAT(Quantize(s.type, x, std::span<std::byte>(reinterpret_cast<std::byte*>(q.data()), q.size())), IsOk());
+    ASSERT_THAT(
+        Quantize(s.type, x, std::span<std::byte>(reinterpret_cast<std::byte*>(q.data()), q.size())),
+        IsOk());
     bytes.push_back(std::move(q));
   }
   absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-gguf");
@@ -351,7 +353,8 @@ TEST(GgufReferenceTest, SmolLM2MatchesGgufReader) {
   const std::string embd = dir->path() + "/token_embd.f32";
   const std::string down = dir->path() + "/ffn_down.f32";
   ASSERT_THAT(RunGgufReference(
-                  {"dump", path, json, "token_embd.weight", embd, "blk.0.ffn_down.weight", down}), IsOk());
+                  {"dump", path, json, "token_embd.weight", embd, "blk.0.ffn_down.weight", down}),
+              IsOk());
   absl::StatusOr<nlohmann::json> dump = ReadJson(json);
   ASSERT_THAT(dump, IsOk());
   EXPECT_EQ(file.alignment(), (*dump)["alignment"].get<uint32_t>());

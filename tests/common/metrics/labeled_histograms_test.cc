@@ -55,8 +55,8 @@ TEST(LabeledHistogramsTest, EveryValueIsExportedAtZeroFromTheStart) {
   EXPECT_THAT(text, HasSubstr("# TYPE kvcm_test_requests_total counter"));
   for (const char* kind : {"a", "b"}) {
     EXPECT_THAT(text, HasSubstr(std::string("kvcm_test_requests_total{kind=\"") + kind + "\"} 0"));
-    EXPECT_THAT(text, HasSubstr(std::string("kvcm_test_latency_seconds_count{kind=\"") + kind +
-                                "\"} 0"));
+    EXPECT_THAT(text,
+                HasSubstr(std::string("kvcm_test_latency_seconds_count{kind=\"") + kind + "\"} 0"));
     EXPECT_THAT(text, HasSubstr(std::string("kvcm_test_latency_seconds_bucket{kind=\"") + kind +
                                 "\",le=\"+Inf\"} 0"));
   }
@@ -95,7 +95,8 @@ TEST(LabeledHistogramsTest, ExportsWhatPrometheusCppsHistogramAndCounterWould) {
     const prometheus::ClientMetric& reference_histogram_metric =
         MetricOf(FamilyOf(theirs, kLatency.name), kind);
     EXPECT_EQ(histogram.histogram.sample_count, reference_histogram_metric.histogram.sample_count);
-    ASSERT_EQ(histogram.histogram.bucket.size(), reference_histogram_metric.histogram.bucket.size());
+    ASSERT_EQ(histogram.histogram.bucket.size(),
+              reference_histogram_metric.histogram.bucket.size());
     for (size_t b = 0; b < histogram.histogram.bucket.size(); ++b) {
       EXPECT_EQ(histogram.histogram.bucket[b].upper_bound,
                 reference_histogram_metric.histogram.bucket[b].upper_bound);
@@ -118,9 +119,8 @@ TEST(LabeledHistogramsTest, ExportsWhatPrometheusCppsHistogramAndCounterWould) {
 // buckets, _count equal to +Inf, the counter equal to _count), and the last one has
 // every observation.
 TEST(LabeledHistogramsTest, ScrapesDuringObservationsAreValidAndNothingIsLost) {
-  auto histograms = std::make_shared<LabeledHistograms>(kLatency, kCount, "kind",
-                                                        std::vector<std::string>{"a", "b"},
-                                                        RequestLatencyBucketsSeconds());
+  auto histograms = std::make_shared<LabeledHistograms>(
+      kLatency, kCount, "kind", std::vector<std::string>{"a", "b"}, RequestLatencyBucketsSeconds());
   ScrapeRegistry registry;
   registry.AddCollector(histograms);
   constexpr int kThreads = 4;

@@ -380,7 +380,7 @@ TEST_F(ReadModelConfigTest, GgufMetadata) {
   EXPECT_EQ(c->bos_token_id, 0);
   EXPECT_THAT(c->eos_token_ids, ElementsAre(1));
   EXPECT_EQ(c->eot_token_id, 3);
-  EXPECT_TRUE(c->tie_word_embeddings);               // no output.weight
+  EXPECT_TRUE(c->tie_word_embeddings);  // no output.weight
   EXPECT_EQ(c->gguf_embedding_type, "F16");
   EXPECT_EQ(c->gguf_weight_type, "F16");
   EXPECT_FALSE(c->gguf_rope_freqs);

@@ -12,8 +12,8 @@
 #include "absl/status/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/support/subprocess.h"
 #include "tests/support/status_matchers.h"
+#include "tests/support/subprocess.h"
 
 namespace kvcm {
 namespace {
@@ -135,7 +135,8 @@ TEST_F(SafetensorsTest, MissingFileIsNotFound) {
 TEST_F(SafetensorsTest, TruncatedDataIsDataLossNamingTensorAndFile) {
   const std::string path = Path("t.safetensors");
   ASSERT_THAT(WriteSafetensors(path, {{"first", "F32", {4}, Bytes({1, 2, 3, 4}, "F32")},
-                                      {"second", "F32", {4}, Bytes({5, 6, 7, 8}, "F32")}}), IsOk());
+                                      {"second", "F32", {4}, Bytes({5, 6, 7, 8}, "F32")}}),
+              IsOk());
   std::string raw = ReadText(path);
   raw.resize(raw.size() - 3);
   WriteText(path, raw);
@@ -259,7 +260,8 @@ TEST_F(SafetensorsTest, GapsAndEmptyTensorsAreTolerated) {
 TEST_F(SafetensorsTest, RandomCorruptionNeverCrashes) {
   const std::string path = Path("fuzz.safetensors");
   ASSERT_THAT(WriteSafetensors(path, {{"alpha", "F32", {2, 2}, Bytes({1, 2, 3, 4}, "F32")},
-                                      {"beta", "BF16", {3}, Bytes({1, 2, 3}, "BF16")}}), IsOk());
+                                      {"beta", "BF16", {3}, Bytes({1, 2, 3}, "BF16")}}),
+              IsOk());
   const std::string original = ReadText(path);
   const uint64_t seed = 20240611;
   std::printf("RandomCorruptionNeverCrashes seed %llu\n", static_cast<unsigned long long>(seed));
@@ -285,9 +287,11 @@ TEST_F(SafetensorsTest, RandomCorruptionNeverCrashes) {
 
 TEST_F(SafetensorsTest, FolderWithIndexLoadsEveryShard) {
   ASSERT_THAT(WriteSafetensors(Path("model-00001-of-00002.safetensors"),
-                               {{"a", "F32", {1}, Bytes({1}, "F32")}}), IsOk());
+                               {{"a", "F32", {1}, Bytes({1}, "F32")}}),
+              IsOk());
   ASSERT_THAT(WriteSafetensors(Path("model-00002-of-00002.safetensors"),
-                               {{"b", "F16", {2}, Bytes({2, 3}, "F16")}}), IsOk());
+                               {{"b", "F16", {2}, Bytes({2, 3}, "F16")}}),
+              IsOk());
   WriteText(Path("model.safetensors.index.json"),
             R"({"metadata":{},"weight_map":{"a":"model-00001-of-00002.safetensors",)"
             R"("b":"model-00002-of-00002.safetensors"}})");
@@ -300,8 +304,10 @@ TEST_F(SafetensorsTest, FolderWithIndexLoadsEveryShard) {
 }
 
 TEST_F(SafetensorsTest, IndexNamingTheWrongShardIsInvalid) {
-  ASSERT_THAT(WriteSafetensors(Path("one.safetensors"), {{"a", "F32", {1}, Bytes({1}, "F32")}}), IsOk());
-  ASSERT_THAT(WriteSafetensors(Path("two.safetensors"), {{"b", "F32", {1}, Bytes({1}, "F32")}}), IsOk());
+  ASSERT_THAT(WriteSafetensors(Path("one.safetensors"), {{"a", "F32", {1}, Bytes({1}, "F32")}}),
+              IsOk());
+  ASSERT_THAT(WriteSafetensors(Path("two.safetensors"), {{"b", "F32", {1}, Bytes({1}, "F32")}}),
+              IsOk());
   WriteText(Path("model.safetensors.index.json"),
             R"({"weight_map":{"a":"two.safetensors","b":"two.safetensors"}})");
   const absl::Status s = SafetensorsFolder::Open(dir_->path()).status();
@@ -317,8 +323,10 @@ TEST_F(SafetensorsTest, IndexNamingTheWrongShardIsInvalid) {
 }
 
 TEST_F(SafetensorsTest, TensorInTwoShardsIsInvalid) {
-  ASSERT_THAT(WriteSafetensors(Path("one.safetensors"), {{"a", "F32", {1}, Bytes({1}, "F32")}}), IsOk());
-  ASSERT_THAT(WriteSafetensors(Path("two.safetensors"), {{"a", "F32", {1}, Bytes({2}, "F32")}}), IsOk());
+  ASSERT_THAT(WriteSafetensors(Path("one.safetensors"), {{"a", "F32", {1}, Bytes({1}, "F32")}}),
+              IsOk());
+  ASSERT_THAT(WriteSafetensors(Path("two.safetensors"), {{"a", "F32", {1}, Bytes({2}, "F32")}}),
+              IsOk());
   const absl::Status s = SafetensorsFolder::Open(dir_->path()).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), AllOf(HasSubstr("\"a\""), HasSubstr("one.safetensors"),

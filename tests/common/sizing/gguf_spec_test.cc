@@ -13,8 +13,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/support/real_model.h"
-#include "tests/support/subprocess.h"
 #include "tests/support/status_matchers.h"
+#include "tests/support/subprocess.h"
 
 namespace kvcm {
 namespace {
@@ -79,31 +79,36 @@ TEST(SpecFromGgufTest, FloatEmbeddingsGiveTheirDtypeAndKeyLengthWins) {
 TEST(SpecFromGgufTest, MalformedMetadataNamesTheFileAndKey) {
   auto dir = testing::TempDir::Create("kvcm-gguf-spec");
   ASSERT_THAT(dir, IsOk());
-  const std::string missing = WriteGguf(*dir, "missing.gguf",
-                                        {{"llama.attention.head_count", GgufValue::Uint32(4)}});
+  const std::string missing =
+      WriteGguf(*dir, "missing.gguf", {{"llama.attention.head_count", GgufValue::Uint32(4)}});
   absl::Status s = SpecFromGgufFile(missing, 16, std::nullopt).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("missing.gguf"));
   EXPECT_THAT(s.message(), HasSubstr("llama.block_count"));
 
-  const std::string indivisible = WriteGguf(*dir, "gqa.gguf",
-                                            {{"llama.block_count", GgufValue::Uint32(2)},
-                                             {"llama.attention.head_count", GgufValue::Uint32(9)},
-                                             {"llama.attention.head_count_kv", GgufValue::Uint32(4)},
-                                             {"llama.embedding_length", GgufValue::Uint32(576)}});
+  const std::string indivisible =
+      WriteGguf(*dir, "gqa.gguf",
+                {{"llama.block_count", GgufValue::Uint32(2)},
+                 {"llama.attention.head_count", GgufValue::Uint32(9)},
+                 {"llama.attention.head_count_kv", GgufValue::Uint32(4)},
+                 {"llama.embedding_length", GgufValue::Uint32(576)}});
   s = SpecFromGgufFile(indivisible, 16, std::nullopt).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("llama.attention.head_count_kv"));
 
-  const std::string wrong_type =
-      WriteGguf(*dir, "type.gguf", {{"llama.block_count", GgufValue::String("thirty")},
-                                    {"llama.attention.head_count", GgufValue::Uint32(4)}});
+  const std::string wrong_type = WriteGguf(*dir, "type.gguf",
+                                           {{"llama.block_count", GgufValue::String("thirty")},
+                                            {"llama.attention.head_count", GgufValue::Uint32(4)}});
   s = SpecFromGgufFile(wrong_type, 16, std::nullopt).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("llama.block_count"));
 
   const std::string not_gguf = dir->path() + "/not.gguf";
-  { std::FILE* f = std::fopen(not_gguf.c_str(), "wb"); std::fputs("GGUF", f); std::fclose(f); }
+  {
+    std::FILE* f = std::fopen(not_gguf.c_str(), "wb");
+    std::fputs("GGUF", f);
+    std::fclose(f);
+  }
   s = SpecFromModelPath(not_gguf, 16, std::nullopt).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_THAT(s.message(), HasSubstr("not.gguf"));

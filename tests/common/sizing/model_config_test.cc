@@ -88,8 +88,9 @@ TEST(SpecFromHfConfigTest, NotesSayWhichDTypeWasTakenAndThatAWindowIsIgnored) {
   ASSERT_THAT(SpecFromHfConfig(kLlama31_8B, 16, DType::kFloat16, &notes), IsOk());
   EXPECT_TRUE(notes.empty());
   ASSERT_THAT(SpecFromHfConfig(R"json({"hidden_size": 64, "num_attention_heads": 4,
-      "num_hidden_layers": 2, "sliding_window": null, "torch_dtype": "bfloat16"})json", 16,
-                               std::nullopt, &notes), IsOk());
+      "num_hidden_layers": 2, "sliding_window": null, "torch_dtype": "bfloat16"})json",
+                               16, std::nullopt, &notes),
+              IsOk());
   ASSERT_EQ(notes.size(), 1u);
   EXPECT_THAT(notes[0], HasSubstr("KV dtype bf16"));
 }

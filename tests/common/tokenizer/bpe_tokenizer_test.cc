@@ -6,12 +6,11 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "absl/status/status.h"
 #include "absl/strings/escaping.h"
@@ -25,8 +24,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/support/real_model.h"
-#include "tests/support/subprocess.h"
 #include "tests/support/status_matchers.h"
+#include "tests/support/subprocess.h"
 
 namespace kvcm {
 namespace {
@@ -246,8 +245,7 @@ TEST_P(SmolLM2GgufVocabTest, LoadGgufTokenizerMatchesHuggingFace) {
   EXPECT_TRUE(bpe->IsSpecial(2));
 }
 
-INSTANTIATE_TEST_SUITE_P(SmolLM2, SmolLM2GgufVocabTest,
-                         ::testing::Values(Family{"smollm2", 49152}),
+INSTANTIATE_TEST_SUITE_P(SmolLM2, SmolLM2GgufVocabTest, ::testing::Values(Family{"smollm2", 49152}),
                          [](const ::testing::TestParamInfo<Family>& param) {
                            return param.param.name;
                          });
@@ -335,10 +333,10 @@ TEST(NormalizerTest, ContentThatIsNotUtf8IsRefused) {
 
 // A byte-level tokenizer.json: the 256 bytes, then `merges` (each "a b" in byte-level
 // spelling, results added to the vocab), then `extra` appended to the top-level object.
-std::string TinyTokenizerJson(const std::vector<std::pair<std::string, std::string>>& merges,
-                              const std::string& extra = "",
-                              const std::string& pre_tokenizer =
-                                  R"({"type": "ByteLevel", "add_prefix_space": false, "use_regex": true})") {
+std::string TinyTokenizerJson(
+    const std::vector<std::pair<std::string, std::string>>& merges, const std::string& extra = "",
+    const std::string& pre_tokenizer =
+        R"({"type": "ByteLevel", "add_prefix_space": false, "use_regex": true})") {
   Json vocab = Json::object();
   int id = 0;
   for (int b = 0; b < 256; ++b) {
@@ -418,8 +416,9 @@ TEST_F(BpeTokenizerJsonTest, IgnoreMergesTakesAWordOfTheVocabWhole) {
     SCOPED_TRACE(ignore);
     std::string variant = text;
     const std::string model_key = R"("model":{)";
-    variant.replace(variant.find(model_key), model_key.size(),
-                    model_key + (ignore ? R"("ignore_merges":true,)" : R"("ignore_merges":false,)"));
+    variant.replace(
+        variant.find(model_key), model_key.size(),
+        model_key + (ignore ? R"("ignore_merges":true,)" : R"("ignore_merges":false,)"));
     auto tokenizer = BpeTokenizer::FromTokenizerJson(Write(variant), TokenizerConfig());
     ASSERT_THAT(tokenizer, IsOk());
     const int32_t he = (*tokenizer)->TokenId("he").value();
@@ -454,7 +453,8 @@ TEST_F(BpeTokenizerJsonTest, TokenizerConfigSetsBosEosAndAddBos) {
 TEST_F(BpeTokenizerJsonTest, TokenizerJsonWinsOverTokenizerModel) {
   Write(TinyTokenizerJson({}), "tokenizer.json");
   Write("not a SentencePiece model", "tokenizer.model");
-  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = LoadTokenizer(dir_->path(), TokenizerConfig());
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer =
+      LoadTokenizer(dir_->path(), TokenizerConfig());
   ASSERT_THAT(tokenizer, IsOk());
   EXPECT_NE(dynamic_cast<const BpeTokenizer*>(tokenizer->get()), nullptr);
 }
@@ -550,7 +550,8 @@ TEST_F(BpeTokenizerJsonTest, MalformedFilesNameTheFileAndKey) {
     const absl::Status s = Load(c.text);
     EXPECT_EQ(s.code(), c.code) << s;
     EXPECT_THAT(std::string(s.message()), HasSubstr("tokenizer.json")) << s;
-    for (const std::string& word : c.words) EXPECT_THAT(std::string(s.message()), HasSubstr(word)) << s;
+    for (const std::string& word : c.words)
+      EXPECT_THAT(std::string(s.message()), HasSubstr(word)) << s;
   }
   // Unknown pre-tokenizers, a bad regex.
   absl::Status s = Load(TinyTokenizerJson({}, "", R"({"type": "Metaspace"})"));
@@ -599,11 +600,12 @@ TEST(BpePreTokenizerTest, SplitBehaviors) {
     }
     BpePreTokenizerStep split;
     split.regex = "-";
-    split.behavior = c.behavior == "Removed"              ? BpePreTokenizerStep::Behavior::kRemoved
-                     : c.behavior == "Isolated"           ? BpePreTokenizerStep::Behavior::kIsolated
-                     : c.behavior == "MergedWithPrevious" ? BpePreTokenizerStep::Behavior::kMergedWithPrevious
-                     : c.behavior == "MergedWithNext"     ? BpePreTokenizerStep::Behavior::kMergedWithNext
-                                                          : BpePreTokenizerStep::Behavior::kContiguous;
+    split.behavior =
+        c.behavior == "Removed"              ? BpePreTokenizerStep::Behavior::kRemoved
+        : c.behavior == "Isolated"           ? BpePreTokenizerStep::Behavior::kIsolated
+        : c.behavior == "MergedWithPrevious" ? BpePreTokenizerStep::Behavior::kMergedWithPrevious
+        : c.behavior == "MergedWithNext"     ? BpePreTokenizerStep::Behavior::kMergedWithNext
+                                             : BpePreTokenizerStep::Behavior::kContiguous;
     split.invert = c.invert;
     BpePreTokenizerStep bytes;
     bytes.kind = BpePreTokenizerStep::Kind::kByteLevel;
@@ -663,7 +665,9 @@ TEST(GgufTokenizerTest, ModelsAndKeys) {
     GgufWriter w;
     ASSERT_THAT(w.Add("tokenizer.ggml.model", GgufValue::String("gpt2")), IsOk());
     ASSERT_THAT(w.Add("tokenizer.ggml.tokens", GgufValue::StringArray(tokens)), IsOk());
-    ASSERT_THAT(w.Add("tokenizer.ggml.token_type", GgufValue::Int32Array(std::vector<int32_t>{1, 3})), IsOk());
+    ASSERT_THAT(
+        w.Add("tokenizer.ggml.token_type", GgufValue::Int32Array(std::vector<int32_t>{1, 3})),
+        IsOk());
     const absl::Status s = load(w);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_THAT(s.message(), AllOf(HasSubstr("tiny.gguf"), HasSubstr("token_type")));

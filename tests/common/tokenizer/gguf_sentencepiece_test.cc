@@ -7,8 +7,8 @@
 #include <cstdio>
 #include <fstream>
 #include <functional>
-#include <optional>
 #include <memory>
+#include <optional>
 #include <random>
 #include <span>
 #include <string>
@@ -23,8 +23,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/common/tokenizer/sentencepiece_train_for_test.h"
-#include "tests/support/subprocess.h"
 #include "tests/support/status_matchers.h"
+#include "tests/support/subprocess.h"
 
 namespace kvcm {
 namespace {
@@ -45,7 +45,8 @@ class GgufSentencePieceTest : public ::testing::Test {
          "hello world, hello cache, hello block; naïve café", "  spaces   stay  as they are",
          "blocks are shared between sequences with a common prefix"},
         dir_->path() + "/tokenizer", 360,
-        {{"byte_fallback", "true"}, {"normalization_rule_name", "identity"},
+        {{"byte_fallback", "true"},
+         {"normalization_rule_name", "identity"},
          {"remove_extra_whitespaces", "false"}});
     ASSERT_EQ(error, "");
     // tokenizer.vocab: "piece<TAB>score" per id; the types follow from the pieces.
@@ -108,17 +109,24 @@ TEST_F(GgufSentencePieceTest, EncodesAndDecodesAsTheOriginalModel) {
   EXPECT_TRUE((*gguf)->add_bos());
   EXPECT_TRUE((*gguf)->IsSpecial(1));
   EXPECT_EQ((*gguf)->TokenId("</s>"), 2);
-  std::vector<std::string> texts = {
-      "the quick brown fox", "  leading and   inner spaces  ", "hello cache, hello block",
-      "unseen: 日本語 and emoji 🙂 go to bytes", "naïve café", "", "x", "tab\tand\nnewline"};
+  std::vector<std::string> texts = {"the quick brown fox",
+                                    "  leading and   inner spaces  ",
+                                    "hello cache, hello block",
+                                    "unseen: 日本語 and emoji 🙂 go to bytes",
+                                    "naïve café",
+                                    "",
+                                    "x",
+                                    "tab\tand\nnewline"};
   // And seeded random strings over letters, spaces and a few multi-byte characters.
   const uint32_t seed = 20261202;
   std::printf("seed %u\n", seed);
   std::mt19937 rng(seed);
-  const std::vector<std::string> alphabet = {"a", "e", "t", "h", "o", " ", "  ", "é", "日", "q", ","};
+  const std::vector<std::string> alphabet = {"a",  "e", "t",  "h", "o", " ",
+                                             "  ", "é", "日", "q", ","};
   for (int i = 0; i < 200; ++i) {
     std::string text;
-    for (int n = static_cast<int>(rng() % 24); n > 0; --n) text += alphabet[rng() % alphabet.size()];
+    for (int n = static_cast<int>(rng() % 24); n > 0; --n)
+      text += alphabet[rng() % alphabet.size()];
     texts.push_back(text);
   }
   for (const std::string& text : texts) {
@@ -178,7 +186,8 @@ TEST_F(GgufSentencePieceTest, BadArraysAreRefusedNamingTheFileAndKey) {
   ASSERT_THAT(w.Add("tokenizer.ggml.tokens", GgufValue::StringArray(tokens_)), IsOk());
   const std::string bytes = w.Serialize();
   absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::FromBuffer(
-      "small-vocab.gguf", std::span(reinterpret_cast<const std::byte*>(bytes.data()), bytes.size()));
+      "small-vocab.gguf",
+      std::span(reinterpret_cast<const std::byte*>(bytes.data()), bytes.size()));
   ASSERT_THAT(file, IsOk());
   TokenizerConfig config;
   config.vocab_size = 100;

@@ -20,16 +20,15 @@
 #include "gtest/gtest.h"
 #include "tests/common/tokenizer/sentencepiece_train_for_test.h"
 #include "tests/support/real_model.h"
-#include "tests/support/subprocess.h"
 #include "tests/support/status_matchers.h"
+#include "tests/support/subprocess.h"
 
 namespace kvcm {
 namespace {
 
 // Streams `ids` through a decoder; checks each piece (whole UTF-8, when the ids are text)
 // and returns what the stream says.
-std::string Stream(const Tokenizer& tokenizer, const std::vector<int32_t>& ids,
-                   bool text = true) {
+std::string Stream(const Tokenizer& tokenizer, const std::vector<int32_t>& ids, bool text = true) {
   IncrementalDecoder decoder;
   std::string streamed;
   std::string pending;
@@ -74,8 +73,11 @@ class CountingTokenizer final : public Tokenizer {
 };
 
 const char* const kTexts[] = {
-    "the quick brown fox", "  two  spaces, then a tab\tand a newline\n",
-    "naïve café, 日本語のテキスト, emoji 🙂🚀 and ß", "ends inside nothing: é", "",
+    "the quick brown fox",
+    "  two  spaces, then a tab\tand a newline\n",
+    "naïve café, 日本語のテキスト, emoji 🙂🚀 and ß",
+    "ends inside nothing: é",
+    "",
 };
 
 TEST(IncrementalDecoderTest, BytesSplitCharactersAcrossIdsAndTheStreamIsTheWholeText) {

@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "tests/support/subprocess.h"
 #include "tests/support/status_matchers.h"
+#include "tests/support/subprocess.h"
 
 namespace kvcm {
 namespace {
@@ -28,12 +28,11 @@ class AtTheDescriptorLimit {
     sockaddr_un address{};
     address.sun_family = AF_UNIX;
     std::snprintf(address.sun_path, sizeof(address.sun_path), "%s", path.c_str());
-    bound_ = ::bind(listener_, reinterpret_cast<const sockaddr*>(&address),
-                    sizeof(address)) == 0 &&
+    bound_ = ::bind(listener_, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) == 0 &&
              ::listen(listener_, 8) == 0;
     client_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    connected_ = ::connect(client_, reinterpret_cast<const sockaddr*>(&address),
-                           sizeof(address)) == 0;
+    connected_ =
+        ::connect(client_, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) == 0;
     ::getrlimit(RLIMIT_NOFILE, &saved_);
     rlimit low = saved_;
     low.rlim_cur = static_cast<rlim_t>(client_ + 16);
@@ -110,8 +109,7 @@ TEST(AcceptGuardTest, NonBlockingListenersStillSeeEagain) {
   const int listener = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   sockaddr_un address{};
   address.sun_family = AF_UNIX;
-  std::snprintf(address.sun_path, sizeof(address.sun_path), "%s/idle.sock",
-                dir->path().c_str());
+  std::snprintf(address.sun_path, sizeof(address.sun_path), "%s/idle.sock", dir->path().c_str());
   ASSERT_EQ(::bind(listener, reinterpret_cast<const sockaddr*>(&address), sizeof(address)), 0);
   ASSERT_EQ(::listen(listener, 8), 0);
   EXPECT_EQ(::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC), -1);

@@ -21,9 +21,9 @@
 #include "common/base/unique_fd.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "zmq.hpp"
 #include "tests/support/status_matchers.h"
 #include "tests/support/wait_for.h"
+#include "zmq.hpp"
 
 namespace kvcm {
 namespace {

@@ -34,13 +34,12 @@ TEST(TcpEndpointTest, WhatLibzmqWouldMisreadIsRefusedWithTheFlagNamed) {
     const char* endpoint;
     const char* message;
   };
-  for (const Case& c : {Case{"tcp://127.0.0.1:99999", "port 99999 is outside 1-65535"},
-                        Case{"tcp://garbage", "no port"},
-                        Case{"tcp://garbage:5557", "is not an IP address"},
-                        Case{"tcp://127.0.0.1:http", "is not a number"},
-                        Case{"tcp://127.0.0.1:", "is not a number"},
-                        Case{"ipc:///tmp/x", "not a tcp:// endpoint"},
-                        Case{"tcp://::1:5557", "is not an IP address"}}) {
+  for (const Case& c :
+       {Case{"tcp://127.0.0.1:99999", "port 99999 is outside 1-65535"},
+        Case{"tcp://garbage", "no port"}, Case{"tcp://garbage:5557", "is not an IP address"},
+        Case{"tcp://127.0.0.1:http", "is not a number"},
+        Case{"tcp://127.0.0.1:", "is not a number"}, Case{"ipc:///tmp/x", "not a tcp:// endpoint"},
+        Case{"tcp://::1:5557", "is not an IP address"}}) {
     SCOPED_TRACE(c.endpoint);
     auto checked = CheckTcpEndpoint(c.endpoint, "--tcp-address", false);
     ASSERT_FALSE(checked.ok());

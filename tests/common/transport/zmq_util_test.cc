@@ -1,11 +1,12 @@
 // AlignFrame: a frame whose data is not 8-byte aligned is replaced by an aligned copy with
 // the same bytes; an aligned one is left where it is.
 
+#include "common/transport/zmq_util.h"
+
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
-#include "common/transport/zmq_util.h"
 #include "gtest/gtest.h"
 
 namespace kvcm {

@@ -79,8 +79,8 @@ TEST(AttachCodecTest, AReplyWithoutDescriptorLayoutOrSpecIsRefused) {
 
   flatbuffers::FlatBufferBuilder no_spec;
   const auto layout = wire::CreatePoolLayout(no_spec);
-  no_spec.Finish(wire::CreateAttachReply(
-      no_spec, wire::CreatePoolDescriptor(no_spec, /*spec=*/0, 8, layout)));
+  no_spec.Finish(
+      wire::CreateAttachReply(no_spec, wire::CreatePoolDescriptor(no_spec, /*spec=*/0, 8, layout)));
   absl::StatusOr<PoolDescriptorInfo> specless = DecodeAttachReply(Root(no_spec));
   EXPECT_EQ(specless.status().code(), absl::StatusCode::kInternal);
   EXPECT_THAT(specless.status().message(), HasSubstr("pool descriptor: "));

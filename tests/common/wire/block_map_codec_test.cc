@@ -20,9 +20,8 @@ absl::StatusOr<BlockMap> DecodeRaw(int32_t num_blocks, int32_t per_cell,
                                    const std::vector<uint8_t>& cells,
                                    const std::vector<int32_t>& counts) {
   flatbuffers::FlatBufferBuilder builder;
-  builder.Finish(wire::CreateBlockMapReply(builder, num_blocks, per_cell,
-                                           builder.CreateVector(cells),
-                                           builder.CreateVector(counts)));
+  builder.Finish(wire::CreateBlockMapReply(
+      builder, num_blocks, per_cell, builder.CreateVector(cells), builder.CreateVector(counts)));
   return DecodeBlockMapReply(
       *flatbuffers::GetRoot<wire::BlockMapReply>(builder.GetBufferPointer()));
 }

@@ -12,9 +12,8 @@ namespace {
 // The schema's numbers are the wire: a client and a cache manager built apart agree on them.
 TEST(ConvertTest, EveryHashAlgorithmRoundTripsWithItsSchemaNumber) {
   const std::pair<HashAlgorithm, int> expected[] = {
-      {HashAlgorithm::kSha256, 0}, {HashAlgorithm::kFast128, 1},
-      {HashAlgorithm::kXxh3, 2},   {HashAlgorithm::kVllmSha256Cbor, 3},
-      {HashAlgorithm::kXxh3V2, 4},
+      {HashAlgorithm::kSha256, 0},         {HashAlgorithm::kFast128, 1}, {HashAlgorithm::kXxh3, 2},
+      {HashAlgorithm::kVllmSha256Cbor, 3}, {HashAlgorithm::kXxh3V2, 4},
   };
   for (const auto& [algorithm, number] : expected) {
     const wire::HashAlgorithm w = ToWire(algorithm);

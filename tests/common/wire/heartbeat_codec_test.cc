@@ -55,9 +55,9 @@ TEST(HeartbeatCodecTest, NoFencesReadAsNone) {
 
   flatbuffers::FlatBufferBuilder empty;
   empty.Finish(wire::CreateHeartbeatReply(empty));
-  EXPECT_TRUE(DecodeHeartbeatReply(
-                  *flatbuffers::GetRoot<wire::HeartbeatReply>(empty.GetBufferPointer()))
-                  .empty());
+  EXPECT_TRUE(
+      DecodeHeartbeatReply(*flatbuffers::GetRoot<wire::HeartbeatReply>(empty.GetBufferPointer()))
+          .empty());
 }
 
 }  // namespace

@@ -11,10 +11,8 @@ namespace kvcm {
 namespace {
 
 TEST(HelloCodecTest, EveryFieldOfAHelloSurvives) {
-  const HelloRequest hello = {.role = wire::Role::Executor,
-                              .pid = 4242,
-                              .name = "executor-3",
-                              .secret = "s3cret"};
+  const HelloRequest hello = {
+      .role = wire::Role::Executor, .pid = 4242, .name = "executor-3", .secret = "s3cret"};
   flatbuffers::FlatBufferBuilder builder;
   builder.Finish(EncodeHello(builder, hello));
   flatbuffers::Verifier verifier(builder.GetBufferPointer(), builder.GetSize());

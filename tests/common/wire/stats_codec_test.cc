@@ -162,9 +162,8 @@ TEST(StatsCodecTest, AnOutOfRangeSpecIsRefused) {
   reply.add_spec(spec);
   builder.Finish(reply.Finish());
   // A spec the encoder could write: accepted.
-  ASSERT_THAT(
-      DecodeStatsReply(*flatbuffers::GetRoot<wire::StatsReply>(builder.GetBufferPointer())),
-      IsOk());
+  ASSERT_THAT(DecodeStatsReply(*flatbuffers::GetRoot<wire::StatsReply>(builder.GetBufferPointer())),
+              IsOk());
 
   flatbuffers::FlatBufferBuilder bad;
   const auto huge = wire::CreateKvCacheSpec(bad, (1u << 30) + 1, 5, 7, wire::DType::Float16, 11);

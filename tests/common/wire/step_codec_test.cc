@@ -28,8 +28,8 @@ BlockHash HashOf(int i) {
 std::vector<BlockOp> EveryKind() {
   const std::vector<BlockHash> two = {HashOf(1), HashOf(2)};
   const std::vector<BlockHash> one = {HashOf(3)};
-  return {BlockOp::Allocate(7, 40, two), BlockOp::Append(7, 3),   BlockOp::Fork(7, 9),
-          BlockOp::Commit(7, 32, one),   BlockOp::Free(9, true),  BlockOp::Free(11),
+  return {BlockOp::Allocate(7, 40, two), BlockOp::Append(7, 3),  BlockOp::Fork(7, 9),
+          BlockOp::Commit(7, 32, one),   BlockOp::Free(9, true), BlockOp::Free(11),
           BlockOp::CanAllocate(20, two)};
 }
 
@@ -140,7 +140,6 @@ TEST(StepCodecTest, OutcomesRoundTripAndTheirCountIsChecked) {
   EXPECT_TRUE(absl::IsInternal(short_count.status())) << short_count.status();
   EXPECT_THAT(short_count.status().message(), HasSubstr("4 results for 5 ops"));
 }
-
 
 // OpResultWriter: the empty OK results of a reply share one table (the reply is smaller than
 // with a table each), every other result is its own, and all decode as they were given.

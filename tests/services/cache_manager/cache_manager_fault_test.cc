@@ -11,8 +11,8 @@
 #include <cstring>
 
 #include "tests/services/cache_manager/live_cache_manager.h"
-#include "zmq.hpp"
 #include "tests/support/status_matchers.h"
+#include "zmq.hpp"
 
 namespace kvcm::live_test {
 namespace {
@@ -67,9 +67,9 @@ TEST(CacheManagerFaultTest, KilledClientBlocksComeBackAtItsDeathNotAtItsLease) {
   ASSERT_THAT(metrics, IsOk());
   auto parsed = kvcm::testing::ParseMetricsText(metrics->body);
   ASSERT_THAT(parsed, IsOk());
-  EXPECT_EQ(*parsed->Value("kvcm_cache_manager_reclaimed_blocks_total",
-                           {{"reason", "client_died"}}),
-            kHeld);
+  EXPECT_EQ(
+      *parsed->Value("kvcm_cache_manager_reclaimed_blocks_total", {{"reason", "client_died"}}),
+      kHeld);
 }
 
 TEST(CacheManagerFaultTest, StoppedClientIsQuarantinedThenRefusedThenRegistersAnew) {

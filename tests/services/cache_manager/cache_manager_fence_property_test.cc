@@ -89,10 +89,11 @@ class FenceModel {
       }
       ASSERT_THAT(service_->ledger().CheckInvariants(), IsOk()) << Where();
     }
-    std::printf("  %d blocks handed out, %d router deaths, %d drained frees, %d executor "
-                "deaths, %d fences acknowledged; %d checks of a block against in-flight "
-                "writers\n",
-                handed_, router_deaths_, drained_, executor_deaths_, acks_, checks_);
+    std::printf(
+        "  %d blocks handed out, %d router deaths, %d drained frees, %d executor "
+        "deaths, %d fences acknowledged; %d checks of a block against in-flight "
+        "writers\n",
+        handed_, router_deaths_, drained_, executor_deaths_, acks_, checks_);
     EXPECT_GT(router_deaths_, 0);
     EXPECT_GT(drained_, 0);
     EXPECT_GT(acks_, 0);
@@ -152,8 +153,7 @@ class FenceModel {
       for (int32_t b : write.blocks) {
         ASSERT_NE(b, block) << Where() << ": block " << block << " handed to router session "
                             << router_session << " while executor " << write.executor
-                            << " may still write it for router session "
-                            << write.router_session;
+                            << " may still write it for router session " << write.router_session;
       }
     }
   }
@@ -239,9 +239,9 @@ class FenceModel {
     for (const auto& [fence, scope] : known_sequence_fences_[e]) {
       bool running = false;
       for (const InFlight& write : in_flight_) {
-        running |= write.executor == e && write.router_session == scope.first &&
-                   std::find(scope.second.begin(), scope.second.end(), write.seq) !=
-                       scope.second.end();
+        running |=
+            write.executor == e && write.router_session == scope.first &&
+            std::find(scope.second.begin(), scope.second.end(), write.seq) != scope.second.end();
       }
       if (!running) acks.push_back(fence);
     }

@@ -73,9 +73,9 @@ struct Client {
 // What the ledger shows of its blocks: to compare before and after a refused message.
 std::string LedgerState(const BlockLedger& ledger) {
   const LedgerStats s = ledger.Stats();
-  std::string out = absl::StrCat(s.free_blocks, "/", s.in_use_blocks, "/", s.cached_blocks, "/",
-                                 s.pinned_blocks, "/", s.live_sequences, "/", s.blocks_allocated,
-                                 "/", s.blocks_released, ":");
+  std::string out =
+      absl::StrCat(s.free_blocks, "/", s.in_use_blocks, "/", s.cached_blocks, "/", s.pinned_blocks,
+                   "/", s.live_sequences, "/", s.blocks_allocated, "/", s.blocks_released, ":");
   for (BlockId b = 0; b < kBlocks; ++b) absl::StrAppend(&out, ledger.RefCount(b), ",");
   return out;
 }
@@ -171,9 +171,9 @@ class Harness {
 
   void Register(Client& client) {
     flatbuffers::FlatBufferBuilder hello;
-    FinishEnvelope(hello, 1, 0, 0, wire::Message::Hello,
-                   wire::CreateHello(hello, client.role, client.pid, hello.CreateString("fuzz"))
-                       .Union());
+    FinishEnvelope(
+        hello, 1, 0, 0, wire::Message::Hello,
+        wire::CreateHello(hello, client.role, client.pid, hello.CreateString("fuzz")).Union());
     Check(Send(client, BufferSpan(hello)), "a client registers");
     client.session =
         wire::GetEnvelope(reply_.GetBufferPointer())->payload_as_HelloReply()->session_id();
@@ -183,10 +183,9 @@ class Harness {
   absl::Time now_ = absl::FromUnixSeconds(1'000'000);
   std::unique_ptr<CacheManagerService> service_;
   flatbuffers::FlatBufferBuilder reply_;
-  std::array<Client, 4> clients_ = {Client{wire::Role::Router, 1000},
-                                    Client{wire::Role::Router, 1001},
-                                    Client{wire::Role::Executor, 2000},
-                                    Client{wire::Role::Control, 3000, true}};
+  std::array<Client, 4> clients_ = {
+      Client{wire::Role::Router, 1000}, Client{wire::Role::Router, 1001},
+      Client{wire::Role::Executor, 2000}, Client{wire::Role::Control, 3000, true}};
 };
 
 }  // namespace

@@ -79,8 +79,7 @@ TEST(CacheManagerLeaseTest, AStoppedCacheManagerQuarantinesNobodyWhenItResumes) 
 
   ExpectNobodyQuarantinedFor(routers, absl::Milliseconds(kTimeoutMs * 5 / 2));
   for (const Holder& router : routers) EXPECT_FALSE(router.client->session_lost());
-  EXPECT_NE(manager->Output().find("every lease extended"), std::string::npos)
-      << manager->Output();
+  EXPECT_NE(manager->Output().find("every lease extended"), std::string::npos) << manager->Output();
 
   // A client that really stops is still quarantined afterwards.
   auto log = kvcm::testing::TempDir::Create("kvcm-lease");
@@ -125,8 +124,7 @@ TEST(CacheManagerLeaseTest, StepsOfTheWallClockChangeNoLease) {
   options.block_size = kBlockSize;
   options.heartbeat_interval_ms = kIntervalMs;
   options.heartbeat_timeout_ms = kTimeoutMs;
-  options.env = {"LD_PRELOAD=" CLOCK_OFFSET_LIBRARY,
-                 "KVCM_TEST_CLOCK_OFFSET_FILE=" + offset_file,
+  options.env = {"LD_PRELOAD=" CLOCK_OFFSET_LIBRARY, "KVCM_TEST_CLOCK_OFFSET_FILE=" + offset_file,
                  // Under AddressSanitizer the preloaded library comes before its runtime.
                  "ASAN_OPTIONS=verify_asan_link_order=0"};
   auto started = CacheManagerProcess::Start(options);

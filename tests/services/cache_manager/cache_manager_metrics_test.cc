@@ -256,16 +256,13 @@ TEST_F(CacheManagerMetricsTest, ExportsTheTiers) {
     const MetricsText text = Scrape();
     for (const char* tier : {"host", "disk"}) {
       EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_tier_capacity_blocks", {{"tier", tier}}), 0);
-      EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_tier_blocks",
-                        {{"tier", tier}, {"state", "ready"}}),
-                0);
-      EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_tier_load_seconds_count", {{"tier", tier}}),
-                0);
+      EXPECT_EQ(
+          ValueOr(text, "kvcm_cache_manager_tier_blocks", {{"tier", tier}, {"state", "ready"}}), 0);
+      EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_tier_load_seconds_count", {{"tier", tier}}), 0);
     }
     for (int i = 0; i < tiers::kNumRefusals; ++i) {
       const std::string reason(tiers::RefusalName(static_cast<tiers::Refusal>(i)));
-      EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_tier_refusals_total", {{"reason", reason}}),
-                0);
+      EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_tier_refusals_total", {{"reason", reason}}), 0);
     }
     EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_tier_held_blocks"), 0);
   }

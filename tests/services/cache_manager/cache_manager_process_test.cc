@@ -2,24 +2,23 @@
 // on the real socket, SIGTERM, a taken metrics port, and its /metrics through promtool and
 // a real Prometheus server. Every test checks that the pool is whole afterwards.
 
-#include "tests/services/cache_manager/live_cache_manager.h"
-
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <fstream>
 #include <thread>
-#include <atomic>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_join.h"
-#include "gmock/gmock.h"
 #include "common/base/run_dir.h"
 #include "common/memory/fd_channel.h"
 #include "common/transport/zmq_util.h"
 #include "common/wire/step_codec.h"
+#include "gmock/gmock.h"
+#include "tests/services/cache_manager/live_cache_manager.h"
 #include "tests/support/status_matchers.h"
 
 namespace kvcm::live_test {
@@ -30,8 +29,8 @@ TEST(CacheManagerProcessTest, SecondInstanceOnTheSameRunDirectoryRefusesToStart)
   ASSERT_NE(manager, nullptr);
   auto second = kvcm::testing::RunProgram(
       {kvcm::testing::KvcmBinaryPath("kvcm-cache-manager"), "--run-dir", manager->run_dir(),
-       "--backend", "shm", "--num-blocks", "16", "--layers", "1", "--kv-heads", "1",
-       "--head-dim", "8", "--metrics-address", "127.0.0.1:0"},
+       "--backend", "shm", "--num-blocks", "16", "--layers", "1", "--kv-heads", "1", "--head-dim",
+       "8", "--metrics-address", "127.0.0.1:0"},
       "", absl::Seconds(30));
   ASSERT_THAT(second, IsOk());
   EXPECT_NE(second->exit_code, 0);
@@ -71,9 +70,18 @@ TEST(CacheManagerProcessTest, BadFlagsAreNamedBeforeAnythingIsAcquired) {
   for (const Case& c : cases) {
     SCOPED_TRACE(absl::StrJoin(c.flags, " "));
     std::vector<std::string> argv = {kvcm::testing::KvcmBinaryPath("kvcm-cache-manager"),
-                                     "--run-dir", manager->run_dir(), "--backend", "shm",
-                                     "--layers", "1", "--kv-heads", "1", "--head-dim", "8",
-                                     "--metrics-address", "127.0.0.1:" + port};
+                                     "--run-dir",
+                                     manager->run_dir(),
+                                     "--backend",
+                                     "shm",
+                                     "--layers",
+                                     "1",
+                                     "--kv-heads",
+                                     "1",
+                                     "--head-dim",
+                                     "8",
+                                     "--metrics-address",
+                                     "127.0.0.1:" + port};
     argv.insert(argv.end(), c.flags.begin(), c.flags.end());
     auto run = kvcm::testing::RunProgram(argv, "", absl::Seconds(30));
     ASSERT_THAT(run, IsOk());
@@ -115,8 +123,8 @@ TEST(CacheManagerProcessTest, ASymlinkedRunDirectoryIsRefused) {
   ASSERT_EQ(::mkdir(real.c_str(), 0700), 0);
   ASSERT_EQ(::symlink(real.c_str(), link.c_str()), 0);
   auto run = kvcm::testing::RunProgram(
-      {kvcm::testing::KvcmBinaryPath("kvcm-cache-manager"), "--run-dir", link, "--backend",
-       "shm", "--num-blocks", "16", "--layers", "1", "--kv-heads", "1", "--head-dim", "8",
+      {kvcm::testing::KvcmBinaryPath("kvcm-cache-manager"), "--run-dir", link, "--backend", "shm",
+       "--num-blocks", "16", "--layers", "1", "--kv-heads", "1", "--head-dim", "8",
        "--metrics-address", "127.0.0.1:0"},
       "", absl::Seconds(30));
   ASSERT_THAT(run, IsOk());
@@ -149,7 +157,8 @@ TEST(CacheManagerProcessTest, OverTcpOnlyPeersWithTheSecretMayUseThePool) {
   auto started = CacheManagerProcess::Start(options);
   ASSERT_THAT(started, IsOk());
   CacheManagerProcess& manager = **started;
-  auto ready = manager.process().WaitForLine(" tcp=(tcp://[0-9.:]+)", absl::Now() + absl::Seconds(5));
+  auto ready =
+      manager.process().WaitForLine(" tcp=(tcp://[0-9.:]+)", absl::Now() + absl::Seconds(5));
   ASSERT_THAT(ready, IsOk());
   const std::string tcp = (*ready)[1];
   const std::string secret_file = manager.run_dir() + "/tcp-secret";
@@ -244,8 +253,7 @@ TEST(CacheManagerProcessTest, GarbageOnTheRealSocketGetsErrorRepliesAndChangesNo
     zmq::message_t reply;
     ASSERT_TRUE(dealer.recv(reply)) << "no reply to a bad message";
     AlignFrame(reply);
-    const VerifiedEnvelope verified =
-        VerifyEnvelope(FrameBytes(reply));
+    const VerifiedEnvelope verified = VerifyEnvelope(FrameBytes(reply));
     ASSERT_EQ(verified.fault, EnvelopeFault::kNone) << verified.reason;
     ASSERT_EQ(verified.envelope->payload_type(), wire::Message::ErrorReply);
     EXPECT_FALSE(verified.envelope->payload_as_ErrorReply()->reason()->str().empty());
@@ -262,8 +270,7 @@ TEST(CacheManagerProcessTest, GarbageOnTheRealSocketGetsErrorRepliesAndChangesNo
   ASSERT_THAT(metrics, IsOk());
   auto parsed = kvcm::testing::ParseMetricsText(metrics->body);
   ASSERT_THAT(parsed, IsOk());
-  EXPECT_GE(*parsed->Value("kvcm_cache_manager_rejected_messages_total",
-                           {{"reason", "malformed"}}),
+  EXPECT_GE(*parsed->Value("kvcm_cache_manager_rejected_messages_total", {{"reason", "malformed"}}),
             50);
   EXPECT_EQ(*parsed->Value("kvcm_cache_manager_rejected_messages_total",
                            {{"reason", "unsupported_version"}}),
@@ -295,8 +302,8 @@ TEST(CacheManagerProcessTest, AMultiFrameMessageIsRefusedWholeAndNoFrameIsTakenF
   }
   // Then one proper request: its reply must be the next thing to arrive after the refusal.
   dealer.send(zmq::buffer(frames[0]), zmq::send_flags::none);
-  for (const auto& [id, type] : {std::pair{101u, wire::Message::ErrorReply},
-                                 std::pair{101u, wire::Message::StatsReply}}) {
+  for (const auto& [id, type] :
+       {std::pair{101u, wire::Message::ErrorReply}, std::pair{101u, wire::Message::StatsReply}}) {
     zmq::message_t reply;
     ASSERT_TRUE(dealer.recv(reply)) << "no reply";
     AlignFrame(reply);
@@ -557,8 +564,8 @@ TEST(CacheManagerProcessTest, TakenMetricsPortIsAClearError) {
   ASSERT_THAT(dir, IsOk());
   auto second = kvcm::testing::RunProgram(
       {kvcm::testing::KvcmBinaryPath("kvcm-cache-manager"), "--run-dir", dir->path() + "/run",
-       "--backend", "shm", "--num-blocks", "16", "--layers", "1", "--kv-heads", "1",
-       "--head-dim", "8", "--metrics-address", address},
+       "--backend", "shm", "--num-blocks", "16", "--layers", "1", "--kv-heads", "1", "--head-dim",
+       "8", "--metrics-address", address},
       "", absl::Seconds(30));
   ASSERT_THAT(second, IsOk());
   EXPECT_NE(second->exit_code, 0);
@@ -572,8 +579,8 @@ TEST(CacheManagerProcessTest, CudaBackendWithoutADeviceIsAClearError) {
   ASSERT_THAT(dir, IsOk());
   auto run = kvcm::testing::RunProgram(
       {kvcm::testing::KvcmBinaryPath("kvcm-cache-manager"), "--run-dir", dir->path() + "/run",
-       "--backend", "cuda", "--num-blocks", "16", "--layers", "1", "--kv-heads", "1",
-       "--head-dim", "8", "--metrics-address", "127.0.0.1:0"},
+       "--backend", "cuda", "--num-blocks", "16", "--layers", "1", "--kv-heads", "1", "--head-dim",
+       "8", "--metrics-address", "127.0.0.1:0"},
       "", absl::Seconds(30));
   ASSERT_THAT(run, IsOk());
   EXPECT_EQ(run->exit_code, 1) << run->output;
@@ -654,7 +661,8 @@ TEST(CacheManagerMetricsLiveTest, ScrapePassesPromtoolAndPrometheusSeesTheBlocks
   options.targets = {url.substr(7, url.find("/metrics") - 7)};
   auto prometheus = kvcm::testing::PrometheusServer::Start(options);
   ASSERT_THAT(prometheus, IsOk());
-  EXPECT_THAT((*prometheus)->WaitForValue("sum(kvcm_cache_blocks)", kBlocks, absl::Seconds(60)), IsOk())
+  EXPECT_THAT((*prometheus)->WaitForValue("sum(kvcm_cache_blocks)", kBlocks, absl::Seconds(60)),
+              IsOk())
       << (*prometheus)->LogTail();
   EXPECT_TRUE((*prometheus)
                   ->WaitForValue("kvcm_cache_blocks{state=\"in_use\"}", 14, absl::Seconds(30))
@@ -671,7 +679,7 @@ TEST(CacheManagerProcessTest, RepliesAClientDoesNotReadAreCountedAndItsStepIsLea
   zmq::socket_t dealer(context, zmq::socket_type::dealer);
   dealer.set(zmq::sockopt::linger, 0);
   dealer.set(zmq::sockopt::rcvtimeo, 60000);  // a bound on each wait for a reply
-  dealer.set(zmq::sockopt::rcvhwm, 1);   // its own queue: one message
+  dealer.set(zmq::sockopt::rcvhwm, 1);        // its own queue: one message
   dealer.set(zmq::sockopt::rcvbuf, 4096);
   dealer.connect(manager->endpoint());
   auto receive = [&]() -> const wire::Envelope* {
@@ -683,9 +691,9 @@ TEST(CacheManagerProcessTest, RepliesAClientDoesNotReadAreCountedAndItsStepIsLea
     return verified.envelope;
   };
   flatbuffers::FlatBufferBuilder b;
-  FinishEnvelope(b, 1, 0, 0, wire::Message::Hello,
-                 wire::CreateHello(b, wire::Role::Router, ::getpid(), b.CreateString("deaf"))
-                     .Union());
+  FinishEnvelope(
+      b, 1, 0, 0, wire::Message::Hello,
+      wire::CreateHello(b, wire::Role::Router, ::getpid(), b.CreateString("deaf")).Union());
   dealer.send(zmq::const_buffer(b.GetBufferPointer(), b.GetSize()), zmq::send_flags::none);
   const wire::Envelope* hello = receive();
   ASSERT_NE(hello, nullptr);

@@ -5,8 +5,6 @@
 // Each refusal must be clear (an ErrorReply naming the limit), counted by reason in
 // kvcm_cache_manager_rejected_messages_total, and leave the ledger whole.
 
-#include "tests/services/cache_manager/live_cache_manager.h"
-
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -22,6 +20,7 @@
 #include "common/transport/zmq_util.h"
 #include "common/wire/step_codec.h"
 #include "gmock/gmock.h"
+#include "tests/services/cache_manager/live_cache_manager.h"
 #include "tests/support/gpu_test.h"
 #include "tests/support/status_matchers.h"
 
@@ -37,13 +36,13 @@ constexpr uid_t kNobody = 65534;
 std::optional<std::vector<std::string>> AsNobody(std::string* why) {
   if (::geteuid() == 0) {
     if (auto setpriv = kvcm::testing::FindProgram("setpriv"); setpriv.ok()) {
-      return std::vector<std::string>{*setpriv, "--reuid=65534", "--regid=65534",
-                                      "--clear-groups", "--"};
+      return std::vector<std::string>{*setpriv, "--reuid=65534", "--regid=65534", "--clear-groups",
+                                      "--"};
     }
   }
   if (auto sudo = kvcm::testing::FindProgram("sudo"); sudo.ok()) {
-    auto probe = kvcm::testing::RunProgram({*sudo, "-n", "-u", "nobody", "true"}, "",
-                                           absl::Seconds(10));
+    auto probe =
+        kvcm::testing::RunProgram({*sudo, "-n", "-u", "nobody", "true"}, "", absl::Seconds(10));
     if (probe.ok() && probe->exit_code == 0) {
       return std::vector<std::string>{*sudo, "-n", "-u", "nobody", "--"};
     }
@@ -102,9 +101,8 @@ TEST(CacheManagerSecurityTest, AnotherUsersClientGetsNoSessionAndNoPoolFdAndIsCo
   ASSERT_THAT(stats, IsOk());
   EXPECT_EQ(stats->rejected_messages, 3u);
   EXPECT_EQ(Rejected(*manager, "permission_denied"), 3);
-  EXPECT_EQ(MetricValue(manager->metrics_url(), "kvcm_cache_manager_sessions",
-                        {{"role", "router"}}),
-            0);
+  EXPECT_EQ(
+      MetricValue(manager->metrics_url(), "kvcm_cache_manager_sessions", {{"role", "router"}}), 0);
   EXPECT_THAT(manager->Output(), HasSubstr("peer uid 65534 is not allowed"));
   EXPECT_EQ(stats->in_use_blocks, 0);
   ExpectWhole(*stats);
@@ -306,8 +304,7 @@ TEST(CacheManagerSecurityTest, AStepOverMaxOpsPerStepIsRefusedWhole) {
   RawSession raw = OpenRaw(context, *manager);
   flatbuffers::FlatBufferBuilder b;
   ASSERT_THAT(EncodeStep(b, 2, raw.session, raw.epoch, nine.ops()), IsOk());
-  const std::string refusal =
-      SendExpectingRefusal(raw.dealer, {b.GetBufferPointer(), b.GetSize()});
+  const std::string refusal = SendExpectingRefusal(raw.dealer, {b.GetBufferPointer(), b.GetSize()});
   EXPECT_THAT(refusal, HasSubstr("step of 9 ops exceeds the limit of 8")) << refusal;
   EXPECT_EQ(Rejected(*manager, "oversized"), 1);
   // Eight are fine, and freed again.
@@ -438,8 +435,17 @@ TEST(CacheManagerSecurityTest, BadLimitFlagsAreNamed) {
         std::vector<std::string>{"--max-sequences-per-session", "-1"}}) {
     SCOPED_TRACE(absl::StrJoin(flags, " "));
     std::vector<std::string> argv = {kvcm::testing::KvcmBinaryPath("kvcm-cache-manager"),
-                                     "--backend", "shm", "--num-blocks", "16", "--layers", "1",
-                                     "--kv-heads", "1", "--head-dim", "8", "--metrics-address",
+                                     "--backend",
+                                     "shm",
+                                     "--num-blocks",
+                                     "16",
+                                     "--layers",
+                                     "1",
+                                     "--kv-heads",
+                                     "1",
+                                     "--head-dim",
+                                     "8",
+                                     "--metrics-address",
                                      "127.0.0.1:0"};
     argv.insert(argv.end(), flags.begin(), flags.end());
     auto dir = kvcm::testing::TempDir::Create("kvcm-sec");
@@ -456,7 +462,7 @@ TEST(CacheManagerSecurityTest, BadLimitFlagsAreNamed) {
 
 TEST(CacheManagerSecurityTest, TheLogNeverCarriesTheTcpSecretOrThePoolsHandles) {
   CacheManagerOptions options;
-  options.backend = "auto";  // a CUDA pool, and its IPC handle, where there is a GPU
+  options.backend = "auto";      // a CUDA pool, and its IPC handle, where there is a GPU
   options.num_blocks = kBlocks;  // room for StartHolder's blocks
   options.block_size = kBlockSize;
   // Its sessions send no heartbeats: none may expire while a loaded machine is slow.
@@ -469,9 +475,8 @@ TEST(CacheManagerSecurityTest, TheLogNeverCarriesTheTcpSecretOrThePoolsHandles) 
       manager.process().WaitForLine(" tcp=(tcp://[0-9.:]+)", absl::Now() + absl::Seconds(5));
   ASSERT_THAT(ready, IsOk());
   const std::string tcp = (*ready)[1];
-  const std::string secret =
-      std::string(absl::StripAsciiWhitespace(
-          kvcm::testing::ReadFileOrEmpty(manager.run_dir() + "/tcp-secret")));
+  const std::string secret = std::string(absl::StripAsciiWhitespace(
+      kvcm::testing::ReadFileOrEmpty(manager.run_dir() + "/tcp-secret")));
   ASSERT_GE(secret.size(), 32u);
   // Everything that could make it log a secret or a handle: routers and executors over
   // tcp:// with the secret, one with a wrong secret (whose bytes must not be echoed
@@ -553,8 +558,7 @@ TEST(CacheManagerSecurityTest, TheLogNeverCarriesTheTcpSecretOrThePoolsHandles) 
   const std::string log = manager.Output();
   std::printf("%zu bytes of log checked\n", log.size());
   for (const std::string& needle : {secret, wrong, secret.substr(0, 16), wrong.substr(0, 16)}) {
-    EXPECT_EQ(log.find(needle), std::string::npos) << "the log carries " << needle << ":\n"
-                                                   << log;
+    EXPECT_EQ(log.find(needle), std::string::npos) << "the log carries " << needle << ":\n" << log;
   }
   // On a GPU the pool descriptor carries a 64-byte CUDA IPC handle: neither it nor its hex
   // may appear (with the shm backend it is empty).

@@ -163,7 +163,7 @@ class CacheManagerServiceTest : public ::testing::Test {
   }
 
   const wire::Envelope& Step(uint64_t session, const std::vector<BlockOp>& ops,
-                            pid_t pid = kRouterPid) {
+                             pid_t pid = kRouterPid) {
     request_.Clear();
     EXPECT_THAT(EncodeStep(request_, ++request_id_, session, 777, ops), IsOk());
     return Send(BufferSpan(request_), pid);
@@ -242,8 +242,7 @@ TEST_F(CacheManagerServiceTest, HelloWithAnotherProcessPidIsRefused) {
 
 TEST_F(CacheManagerServiceTest, StepAllocatesAppendsCommitsAndFrees) {
   const uint64_t s = Hello();
-  const wire::Envelope& reply =
-      Step(s, {Allocate(1, 10, {HashOf(1), HashOf(2)}), Append(1, 3)});
+  const wire::Envelope& reply = Step(s, {Allocate(1, 10, {HashOf(1), HashOf(2)}), Append(1, 3)});
   ASSERT_EQ(reply.payload_type(), wire::Message::StepReply);
   const auto* results = reply.payload_as_StepReply()->results();
   ASSERT_EQ(results->size(), 2u);
@@ -426,9 +425,9 @@ TEST_F(CacheManagerServiceTest, ARepeatedStepIsAnsweredFromTheReplayCacheNotRunT
 
   // The same bytes again: the same reply, byte for byte; nothing runs twice.
   Send(sent);
-  EXPECT_EQ(std::vector<uint8_t>(reply_.GetBufferPointer(),
-                                 reply_.GetBufferPointer() + reply_.GetSize()),
-            answer);
+  EXPECT_EQ(
+      std::vector<uint8_t>(reply_.GetBufferPointer(), reply_.GetBufferPointer() + reply_.GetSize()),
+      answer);
   EXPECT_EQ(LedgerState(), state);
 
   // The same request id with other ops is a client bug: refused, nothing changes.
@@ -489,9 +488,9 @@ TEST_F(CacheManagerServiceTest, AStepReplyOfMebibytesIsKeptAndReplayedWhole) {
   const LedgerStats before = service_->ledger().Stats();
 
   Send(sent);
-  EXPECT_EQ(std::vector<uint8_t>(reply_.GetBufferPointer(),
-                                 reply_.GetBufferPointer() + reply_.GetSize()),
-            answer);
+  EXPECT_EQ(
+      std::vector<uint8_t>(reply_.GetBufferPointer(), reply_.GetBufferPointer() + reply_.GetSize()),
+      answer);
   const LedgerStats after = service_->ledger().Stats();
   EXPECT_EQ(after.in_use_blocks, before.in_use_blocks);
   EXPECT_EQ(after.blocks_allocated, before.blocks_allocated);
@@ -503,9 +502,9 @@ TEST_F(CacheManagerServiceTest, AStepReplyOfMebibytesIsKeptAndReplayedWhole) {
     ASSERT_EQ(ErrorOf(Step(s, {Allocate(seq, 4)})), wire::ErrorCode::Ok);
   }
   Send(sent);
-  EXPECT_EQ(std::vector<uint8_t>(reply_.GetBufferPointer(),
-                                 reply_.GetBufferPointer() + reply_.GetSize()),
-            answer);
+  EXPECT_EQ(
+      std::vector<uint8_t>(reply_.GetBufferPointer(), reply_.GetBufferPointer() + reply_.GetSize()),
+      answer);
   EXPECT_EQ(ReplayedSteps(), 2);
   EXPECT_THAT(service_->ledger().CheckInvariants(), IsOk());
 }
@@ -596,9 +595,9 @@ TEST_F(CacheManagerServiceTest, OverTcpTheSecretGrantsRolesAndAClaimedPidReplace
   const uint64_t reader = control->payload_as_HelloReply()->session_id();
   auto stats_ids = [&](uint64_t asker) {
     std::vector<uint64_t> seen;
-    const wire::Envelope& reply = Request(
-        asker, wire::Message::Stats,
-        [](flatbuffers::FlatBufferBuilder& b) { return wire::CreateStats(b).Union(); });
+    const wire::Envelope& reply =
+        Request(asker, wire::Message::Stats,
+                [](flatbuffers::FlatBufferBuilder& b) { return wire::CreateStats(b).Union(); });
     EXPECT_EQ(reply.payload_type(), wire::Message::StatsReply);
     const wire::StatsReply* stats = reply.payload_as_StatsReply();
     if (stats != nullptr && stats->session_list() != nullptr) {
@@ -677,10 +676,11 @@ TEST_F(CacheManagerServiceTest, SessionIdsAreUnguessableAndBoundToTheirCredentia
   EXPECT_EQ(service_->ledger().Stats().live_sequences, 1);
   // An id that was never issued, and one that ended, are told apart.
   EXPECT_EQ(ErrorOf(Step(12345, {Free(1)})), wire::ErrorCode::NotRegistered);
-  Request(ids[0], wire::Message::Goodbye, [](auto& b) { return wire::CreateGoodbye(b).Union(); },
-          2000);
-  EXPECT_EQ(ErrorOf(Request(ids[0], wire::Message::Stats,
-                            [](auto& b) { return wire::CreateStats(b).Union(); }, 2000)),
+  Request(
+      ids[0], wire::Message::Goodbye, [](auto& b) { return wire::CreateGoodbye(b).Union(); }, 2000);
+  EXPECT_EQ(ErrorOf(Request(
+                ids[0], wire::Message::Stats, [](auto& b) { return wire::CreateStats(b).Union(); },
+                2000)),
             wire::ErrorCode::StaleSession);
 }
 
@@ -866,7 +866,8 @@ class CacheManagerFenceTest : public CacheManagerServiceTest {
     while (lo < hi) {
       const int32_t mid = (lo + hi + 1) / 2;
       const wire::Envelope& reply = Step(router, {Allocate(999, mid * kBlockSize)}, pid);
-      const bool ok = reply.payload_as_StepReply()->results()->Get(0)->code() == wire::ErrorCode::Ok;
+      const bool ok =
+          reply.payload_as_StepReply()->results()->Get(0)->code() == wire::ErrorCode::Ok;
       if (ok) {
         EXPECT_EQ(ErrorOf(Step(router, {Free(999)}, pid)), wire::ErrorCode::Ok);
         lo = mid;
@@ -935,8 +936,8 @@ TEST_F(CacheManagerFenceTest, GoodbyeAndReplacedRouterSessionsAreFencedToo) {
   const uint64_t exec = Hello(wire::Role::Executor, kExecutorPid);
   const uint64_t router = Hello();
   ASSERT_EQ(ErrorOf(Step(router, {Allocate(1, 12)})), wire::ErrorCode::Ok);
-  const wire::Envelope& bye = Request(
-      router, wire::Message::Goodbye, [](auto& b) { return wire::CreateGoodbye(b).Union(); });
+  const wire::Envelope& bye = Request(router, wire::Message::Goodbye,
+                                      [](auto& b) { return wire::CreateGoodbye(b).Union(); });
   ASSERT_EQ(bye.payload_type(), wire::Message::GoodbyeReply);
   EXPECT_EQ(bye.payload_as_GoodbyeReply()->blocks_released(), 0);  // draining, not released
   EXPECT_EQ(service_->DrainingBlocks(), 3);
@@ -984,9 +985,9 @@ TEST_F(CacheManagerFenceTest, HungExecutorKeepsItsFenceUntilItDiesOrComesBack) {
   EXPECT_EQ(service_->num_sessions(), 1);
   EXPECT_EQ(service_->DrainingBlocks(), 3);
   // It comes back: refused, registers again, and finds its fence in the new session.
-  EXPECT_EQ(ErrorOf(Request(exec, wire::Message::Heartbeat,
-                            [](auto& b) { return wire::CreateHeartbeat(b).Union(); },
-                            kExecutorPid)),
+  EXPECT_EQ(ErrorOf(Request(
+                exec, wire::Message::Heartbeat,
+                [](auto& b) { return wire::CreateHeartbeat(b).Union(); }, kExecutorPid)),
             wire::ErrorCode::StaleSession);
   const uint64_t renewed = Hello(wire::Role::Executor, kExecutorPid);
   EXPECT_EQ(service_->DrainingBlocks(), 3);
@@ -1038,9 +1039,9 @@ TEST_F(CacheManagerFenceTest, AnUnusedSessionOfARetriedExecutorHelloDoesNotHoldF
   // The unused session was given up for the live one of the same process, which took its
   // place in the fence and acknowledged it.
   EXPECT_EQ(service_->num_sessions(), 1);
-  EXPECT_EQ(ErrorOf(Request(unused, wire::Message::Heartbeat,
-                            [](auto& b) { return wire::CreateHeartbeat(b).Union(); },
-                            kExecutorPid)),
+  EXPECT_EQ(ErrorOf(Request(
+                unused, wire::Message::Heartbeat,
+                [](auto& b) { return wire::CreateHeartbeat(b).Union(); }, kExecutorPid)),
             wire::ErrorCode::StaleSession);
   EXPECT_EQ(service_->open_fences(), 0);
   EXPECT_EQ(service_->DrainingBlocks(), 0);
@@ -1060,8 +1061,8 @@ TEST_F(CacheManagerFenceTest, AFreeWithDrainWaitsForTheExecutorsWhileTheRouterLi
   EXPECT_EQ(AllocatableBlocks(other, 3000), kBlocks - 2);
   // The executor learns a sequence fence (not a fence over the whole router).
   const wire::Envelope& beat = Request(
-      executor, wire::Message::Heartbeat,
-      [](auto& b) { return wire::CreateHeartbeat(b).Union(); }, 2000);
+      executor, wire::Message::Heartbeat, [](auto& b) { return wire::CreateHeartbeat(b).Union(); },
+      2000);
   ASSERT_EQ(beat.payload_type(), wire::Message::HeartbeatReply);
   const auto* reply = beat.payload_as_HeartbeatReply();
   EXPECT_TRUE(reply->fences() == nullptr || reply->fences()->size() == 0);
@@ -1148,10 +1149,12 @@ TEST_F(CacheManagerFenceTest, AHungTcpExecutorKeepsItsFencesUntilAnOperatorEndsI
   const uint64_t router2 = Hello(wire::Role::Router, 3001);
   for (int round = 0; round < 5; ++round) {
     now_ += absl::Seconds(10);
-    (void)Request(operator_session, wire::Message::Heartbeat,
-                  [](auto& b) { return wire::CreateHeartbeat(b).Union(); }, 3000);
-    (void)Request(router2, wire::Message::Heartbeat,
-                  [](auto& b) { return wire::CreateHeartbeat(b).Union(); }, 3001);
+    (void)Request(
+        operator_session, wire::Message::Heartbeat,
+        [](auto& b) { return wire::CreateHeartbeat(b).Union(); }, 3000);
+    (void)Request(
+        router2, wire::Message::Heartbeat, [](auto& b) { return wire::CreateHeartbeat(b).Union(); },
+        3001);
     service_->ExpireSessions(now_);
     EXPECT_EQ(service_->DrainingBlocks(), 3);
     EXPECT_EQ(service_->open_fences(), 1);
@@ -1340,12 +1343,12 @@ TEST_F(CacheManagerServiceTest, EventBatchesAreNumberedAndAddUpToTheSnapshot) {
 // The pool in all six states: the map, asked by a control session, shows each block in its
 // state and counts them as the metrics' snapshot does, summing to the pool.
 TEST_F(CacheManagerFenceTest, BlockMapShowsEveryStateAsTheSnapshotCountsIt) {
-  const uint64_t hung = Hello();                                          // quarantined
-  const uint64_t dead = Hello(wire::Role::Router, 3000);                  // draining
-  const uint64_t live = Hello(wire::Role::Router, 3001);                  // in use, cached
-  Hello(wire::Role::Executor, kExecutorPid);                              // fences wait for it
+  const uint64_t hung = Hello();                          // quarantined
+  const uint64_t dead = Hello(wire::Role::Router, 3000);  // draining
+  const uint64_t live = Hello(wire::Role::Router, 3001);  // in use, cached
+  Hello(wire::Role::Executor, kExecutorPid);              // fences wait for it
   const uint64_t control = Hello(wire::Role::Control, 4000);
-  ASSERT_EQ(ErrorOf(Step(hung, {Allocate(1, 3 * kBlockSize)})), wire::ErrorCode::Ok);  // 0-2
+  ASSERT_EQ(ErrorOf(Step(hung, {Allocate(1, 3 * kBlockSize)})), wire::ErrorCode::Ok);        // 0-2
   ASSERT_EQ(ErrorOf(Step(dead, {Allocate(2, 2 * kBlockSize)}, 3000)), wire::ErrorCode::Ok);  // 3-4
   const std::vector<BlockHash> hashes = {HashOf(1), HashOf(2), HashOf(3)};
   ASSERT_EQ(ErrorOf(Step(live, {Allocate(3, 3 * kBlockSize, hashes)}, 3001)),
@@ -1353,26 +1356,30 @@ TEST_F(CacheManagerFenceTest, BlockMapShowsEveryStateAsTheSnapshotCountsIt) {
   ASSERT_EQ(ErrorOf(Step(live, {Commit(3, 3 * kBlockSize)}, 3001)), wire::ErrorCode::Ok);
   ASSERT_EQ(ErrorOf(Step(live, {Free(3), Allocate(4, 4 * kBlockSize)}, 3001)),
             wire::ErrorCode::Ok);  // 5-7 cached; 8-11 in use
-  const wire::Envelope& pinned = Request(live, wire::Message::Pin, [&](auto& b) {
-    return wire::CreatePin(b, b.CreateString("system"), ToWire(b, std::span(hashes).first(1)))
-        .Union();
-  }, 3001);
+  const wire::Envelope& pinned = Request(
+      live, wire::Message::Pin,
+      [&](auto& b) {
+        return wire::CreatePin(b, b.CreateString("system"), ToWire(b, std::span(hashes).first(1)))
+            .Union();
+      },
+      3001);
   ASSERT_EQ(ErrorOf(pinned), wire::ErrorCode::Ok);  // 5 pinned
-  service_->OnProcessExited(3000);  // 3-4 drain behind the executor's fence
+  service_->OnProcessExited(3000);                  // 3-4 drain behind the executor's fence
   // Everyone but the first router keeps talking; it is quarantined.
   now_ += absl::Seconds(4);
   for (auto [session, pid] : {std::pair{live, pid_t{3001}}, {control, pid_t{4000}}}) {
-    Request(session, wire::Message::Heartbeat,
-            [](auto& b) { return wire::CreateHeartbeat(b).Union(); }, pid);
+    Request(
+        session, wire::Message::Heartbeat, [](auto& b) { return wire::CreateHeartbeat(b).Union(); },
+        pid);
   }
   service_->ExpireSessions(now_);
   ASSERT_EQ(service_->QuarantinedBlocks(), 3);
   ASSERT_EQ(service_->DrainingBlocks(), 2);
 
   auto block_map = [&](uint32_t max_cells) {
-    const wire::Envelope& reply = Request(control, wire::Message::BlockMap, [&](auto& b) {
-      return wire::CreateBlockMap(b, max_cells).Union();
-    }, 4000);
+    const wire::Envelope& reply = Request(
+        control, wire::Message::BlockMap,
+        [&](auto& b) { return wire::CreateBlockMap(b, max_cells).Union(); }, 4000);
     EXPECT_EQ(reply.payload_type(), wire::Message::BlockMapReply) << reply_reason();
     absl::StatusOr<BlockMap> map = DecodeBlockMapReply(*reply.payload_as_BlockMapReply());
     EXPECT_THAT(map, IsOk());
@@ -1383,14 +1390,14 @@ TEST_F(CacheManagerFenceTest, BlockMapShowsEveryStateAsTheSnapshotCountsIt) {
   ASSERT_EQ(map.cells.size(), static_cast<size_t>(kBlocks));
   using S = MapState;
   const std::vector<MapState> first(map.cells.begin(), map.cells.begin() + 13);
-  EXPECT_EQ(first, (std::vector<MapState>{S::kQuarantined, S::kQuarantined, S::kQuarantined,
-                                          S::kDraining, S::kDraining, S::kPinned, S::kCached,
-                                          S::kCached, S::kInUse, S::kInUse, S::kInUse,
-                                          S::kInUse, S::kFree}));
+  EXPECT_EQ(first,
+            (std::vector<MapState>{S::kQuarantined, S::kQuarantined, S::kQuarantined, S::kDraining,
+                                   S::kDraining, S::kPinned, S::kCached, S::kCached, S::kInUse,
+                                   S::kInUse, S::kInUse, S::kInUse, S::kFree}));
   const CacheManagerSnapshot snapshot = service_->Snapshot();
   EXPECT_EQ(map.count(S::kFree), snapshot.ledger.free_blocks);
-  EXPECT_EQ(map.count(S::kInUse), snapshot.ledger.in_use_blocks - snapshot.quarantined_blocks -
-                                      snapshot.draining_blocks);
+  EXPECT_EQ(map.count(S::kInUse),
+            snapshot.ledger.in_use_blocks - snapshot.quarantined_blocks - snapshot.draining_blocks);
   EXPECT_EQ(map.count(S::kCached), snapshot.ledger.cached_blocks);
   EXPECT_EQ(map.count(S::kPinned), snapshot.ledger.pinned_blocks);
   EXPECT_EQ(map.count(S::kQuarantined), snapshot.quarantined_blocks);

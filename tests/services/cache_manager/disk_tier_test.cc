@@ -58,8 +58,7 @@ TierIdentity Identity(uint8_t model_byte = 1) {
 
 BlockHash HashOf(int i) {
   const std::string message = absl::StrCat("block ", i);
-  return Xxh3Digest(
-      {reinterpret_cast<const uint8_t*>(message.data()), message.size()});
+  return Xxh3Digest({reinterpret_cast<const uint8_t*>(message.data()), message.size()});
 }
 
 void FillRandom(SlotBuffer& buffer, std::mt19937_64& random) {
@@ -80,8 +79,7 @@ class DiskTierTest : public ::testing::Test {
  protected:
   void SetUp() override {
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    root_ = absl::StrCat(::testing::TempDir(), "/disk_tier_test-", ::getpid(), "-",
-                         info->name());
+    root_ = absl::StrCat(::testing::TempDir(), "/disk_tier_test-", ::getpid(), "-", info->name());
     std::filesystem::remove_all(root_);
     ASSERT_TRUE(std::filesystem::create_directories(root_)) << root_;
     dir_ = root_ + "/tier";
@@ -300,8 +298,8 @@ TEST_F(DiskTierTest, SecondOpenWhileAliveIsAlreadyExistsNamingThePid) {
   ASSERT_NE(first, nullptr);
   EXPECT_THAT(DiskTier::Open(Options()),
               StatusIs(absl::StatusCode::kAlreadyExists,
-                       HasSubstr(absl::StrCat("disk tier directory ", dir_,
-                                              " is in use by pid ", ::getpid()))));
+                       HasSubstr(absl::StrCat("disk tier directory ", dir_, " is in use by pid ",
+                                              ::getpid()))));
   first.reset();
   EXPECT_THAT(DiskTier::Open(Options()), IsOk());
 }
@@ -314,8 +312,7 @@ TEST_F(DiskTierTest, FlippedDataByteIsChecksum) {
   FlipByte(path, offset + 4096 + 1234);
   SlotBuffer read(tier->slot_bytes());
   Refusal refusal = Refusal::kIoError;
-  EXPECT_THAT(tier->Read(5, HashOf(5), read, &refusal),
-              StatusIs(absl::StatusCode::kDataLoss));
+  EXPECT_THAT(tier->Read(5, HashOf(5), read, &refusal), StatusIs(absl::StatusCode::kDataLoss));
   EXPECT_EQ(refusal, Refusal::kChecksum);
   EXPECT_THAT(tier->Read(4, HashOf(4), read, &refusal), IsOk());
 }
@@ -432,7 +429,7 @@ TEST_F(DiskTierTest, TwoSlotsOfOneHashKeepTheNewestSerial) {
     ASSERT_NE(tier, nullptr);
     SlotBuffer buffer(tier->slot_bytes());
     ASSERT_THAT(tier->Write(2, HashOf(1), 5, buffer), IsOk());
-    ASSERT_THAT(tier->Write(5, HashOf(1), 9, buffer), IsOk());  // newer in the later slot
+    ASSERT_THAT(tier->Write(5, HashOf(1), 9, buffer), IsOk());   // newer in the later slot
     ASSERT_THAT(tier->Write(1, HashOf(2), 20, buffer), IsOk());  // newer in the earlier slot
     ASSERT_THAT(tier->Write(6, HashOf(2), 3, buffer), IsOk());
   }

@@ -61,8 +61,9 @@ int Run(const std::string& endpoint, int32_t blocks) {
     step.Commit(id, n * block_size);
     auto committed = (*client)->Step(step);
     if (!committed.ok() || !(*committed)[0].status.ok()) {
-      std::printf("commit failed: %s\n",
-                  (!committed.ok() ? committed.status() : (*committed)[0].status).ToString().c_str());
+      std::printf(
+          "commit failed: %s\n",
+          (!committed.ok() ? committed.status() : (*committed)[0].status).ToString().c_str());
       return 1;
     }
   }

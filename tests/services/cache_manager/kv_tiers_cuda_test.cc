@@ -37,12 +37,14 @@ RoundTrip StoreAndLoad(PoolBackend backend) {
   Env env(8, backend);
   std::vector<Done> done;
   auto wait = [&](KvTiers& tiers, Done::Kind kind, BlockId block) {
-    EXPECT_TRUE(PollUntil(tiers.wake_fd(), [&] { tiers.Poll(&done); }, [&] {
-      for (const Done& d : done) {
-        if (d.kind == kind && d.block == block) return tiers.Snapshot().writing[1] == 0;
-      }
-      return false;
-    }));
+    EXPECT_TRUE(PollUntil(
+        tiers.wake_fd(), [&] { tiers.Poll(&done); },
+        [&] {
+          for (const Done& d : done) {
+            if (d.kind == kind && d.block == block) return tiers.Snapshot().writing[1] == 0;
+          }
+          return false;
+        }));
   };
   {
     auto tiers = env.MakeTiers(env.Options(4, 4));

@@ -53,7 +53,8 @@ class KvTiersTest : public ::testing::Test {
 
   // Polls into done_ until `done` holds.
   void PollTill(KvTiers& tiers, const std::function<bool()>& done) {
-    ASSERT_TRUE(PollUntil(tiers.wake_fd(), [&] { tiers.Poll(&done_); }, done))
+    ASSERT_TRUE(PollUntil(
+        tiers.wake_fd(), [&] { tiers.Poll(&done_); }, done))
         << "hang guard: the movers never reported";
   }
   int CountDone(Done::Kind kind, BlockId block) const {
@@ -63,8 +64,7 @@ class KvTiersTest : public ::testing::Test {
   }
   static bool Idle(const KvTiers& tiers) {
     const TierSnapshot s = tiers.Snapshot();
-    return s.queued_stores == 0 && s.queued_loads == 0 && s.writing[0] == 0 &&
-           s.writing[1] == 0;
+    return s.queued_stores == 0 && s.queued_loads == 0 && s.writing[0] == 0 && s.writing[1] == 0;
   }
 
   // Fills pool block `block` with seed `seed`, stores it as `hash` and waits until it is
@@ -77,9 +77,8 @@ class KvTiersTest : public ::testing::Test {
     tiers.Flush();
     EXPECT_FALSE(tiers.WantStore(hash));  // being written
     const int before = CountDone(Done::Kind::kReleased, block);
-    PollTill(tiers, [&] {
-      return CountDone(Done::Kind::kReleased, block) == before + 1 && Idle(tiers);
-    });
+    PollTill(tiers,
+             [&] { return CountDone(Done::Kind::kReleased, block) == before + 1 && Idle(tiers); });
     const BlockHash one[] = {hash};
     EXPECT_EQ(tiers.LeadingReady(one), 1);
     return bytes;
@@ -284,7 +283,8 @@ std::vector<std::string> Describe(const std::vector<TierEvent>& events) {
     int i = 0;
     while (i < 100 && !(HashOf(i) == event.hash)) ++i;
     const bool stored = event.kind == TierEvent::Kind::kStored;
-    out.push_back(absl::StrCat(stored ? "stored " : "removed ", std::string(TierName(event.tier)), " ", i));
+    out.push_back(
+        absl::StrCat(stored ? "stored " : "removed ", std::string(TierName(event.tier)), " ", i));
     if (!stored) continue;
     const BlockLineage want = LineageOf(i);
     EXPECT_EQ(event.lineage.has_parent, want.has_parent) << out.back();
@@ -308,10 +308,10 @@ TEST_F(KvTiersTest, EventsAnnounceWhatEachTierGainsAndLosesWithTheBlocksLineage)
   EXPECT_TRUE(tiers->has_events());
   // Block 2's store took block 0's host slot, the least recently used: removed from the
   // host tier when the store was staged, before block 2 was written.
-  EXPECT_THAT(Describe(tiers->TakeEvents()),
-              ::testing::ElementsAre("stored host 0", "stored disk 0", "stored host 1",
-                                     "stored disk 1", "removed host 0", "stored host 2",
-                                     "stored disk 2"));
+  EXPECT_THAT(
+      Describe(tiers->TakeEvents()),
+      ::testing::ElementsAre("stored host 0", "stored disk 0", "stored host 1", "stored disk 1",
+                             "removed host 0", "stored host 2", "stored disk 2"));
   EXPECT_FALSE(tiers->has_events());
   // A disk slot refused at load is gone from the disk tier: announced removed.
   FlipByte(env_.disk_dir() + "/tier-0.kvcm", 4096 + 17);  // block 0's slot 0
@@ -335,9 +335,9 @@ TEST_F(KvTiersTest, RecoveredBlocksAreAnnouncedEachAfterItsParent) {
   options.record_events = true;
   auto tiers = env_.MakeTiers(options);
   ASSERT_NE(tiers, nullptr);
-  EXPECT_THAT(Describe(tiers->TakeEvents()),
-              ::testing::ElementsAre("stored disk 1", "stored disk 2", "stored disk 3",
-                                     "stored disk 6"));
+  EXPECT_THAT(
+      Describe(tiers->TakeEvents()),
+      ::testing::ElementsAre("stored disk 1", "stored disk 2", "stored disk 3", "stored disk 6"));
 }
 
 TEST_F(KvTiersTest, CancelQueuedStoresReturnsEachUnstartedBlockOnce) {

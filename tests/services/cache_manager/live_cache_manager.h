@@ -26,10 +26,10 @@
 #include "tests/support/metrics_text.h"
 #include "tests/support/prometheus_server.h"
 #include "tests/support/promtool.h"
+#include "tests/support/status_matchers.h"
 #include "tests/support/subprocess.h"
 #include "tests/support/wait_for.h"
 #include "zmq.hpp"
-#include "tests/support/status_matchers.h"
 
 namespace kvcm::live_test {
 
@@ -61,7 +61,7 @@ inline std::unique_ptr<CacheManagerProcess> StartManager(
 }
 
 inline std::unique_ptr<CacheManagerClient> Connect(const CacheManagerProcess& manager,
-                                            wire::Role role = wire::Role::Router) {
+                                                   wire::Role role = wire::Role::Router) {
   CacheManagerClient::Options options;
   options.endpoint = manager.endpoint();
   options.role = role;
@@ -73,8 +73,8 @@ inline std::unique_ptr<CacheManagerClient> Connect(const CacheManagerProcess& ma
 
 // A fault_client process holding kHeld blocks; returns it and the blocks it holds.
 inline std::unique_ptr<Subprocess> StartHolder(const CacheManagerProcess& manager,
-                                        absl::flat_hash_set<int32_t>* held,
-                                        const std::string& output_path) {
+                                               absl::flat_hash_set<int32_t>* held,
+                                               const std::string& output_path) {
   Subprocess::Options options;
   options.argv = {FAULT_CLIENT_PATH, "--endpoint", manager.endpoint(), "--blocks",
                   absl::StrCat(kHeld)};

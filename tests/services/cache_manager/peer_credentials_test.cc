@@ -15,9 +15,9 @@ TEST(PeerCredentialsTest, ParsesWhatLibzmqWritesForUnixSockets) {
 }
 
 TEST(PeerCredentialsTest, TcpAddressesAndGarbageAreNotCredentials) {
-  for (const char* text : {"127.0.0.1", "::1", "fe80::1:2:3", "::ffff:127.0.0.1", "",
-                           "localhost", "localhost:1:2", "localhost:1:2:0", "localhost:a:b:c",
-                           "localhost:1:2:3:4", "localhost:1:2:99999999999"}) {
+  for (const char* text :
+       {"127.0.0.1", "::1", "fe80::1:2:3", "::ffff:127.0.0.1", "", "localhost", "localhost:1:2",
+        "localhost:1:2:0", "localhost:a:b:c", "localhost:1:2:3:4", "localhost:1:2:99999999999"}) {
     EXPECT_FALSE(ParseIpcPeerAddress(text).has_value()) << text;
   }
 }

@@ -46,10 +46,10 @@ BlockHash HashOf(int i) {
 // Every observable part of the ledger: counts, counters and each sequence's record.
 std::string Fingerprint(const BlockLedger& ledger) {
   const LedgerStats s = ledger.Stats();
-  std::string out = absl::StrCat("free ", s.free_blocks, " in_use ", s.in_use_blocks, " cached ",
-                                 s.cached_blocks, " live ", s.live_sequences, " allocated ",
-                                 s.blocks_allocated, " released ", s.blocks_released,
-                                 " available ", ledger.AvailableBlocks(), "\n");
+  std::string out =
+      absl::StrCat("free ", s.free_blocks, " in_use ", s.in_use_blocks, " cached ", s.cached_blocks,
+                   " live ", s.live_sequences, " allocated ", s.blocks_allocated, " released ",
+                   s.blocks_released, " available ", ledger.AvailableBlocks(), "\n");
   std::vector<std::pair<SeqId, uint64_t>> seqs;
   ledger.ForEachSequence([&](SeqId seq, uint64_t owner) { seqs.emplace_back(seq, owner); });
   std::sort(seqs.begin(), seqs.end());
@@ -192,8 +192,7 @@ TEST_F(StepApplierTest, TheSequenceLimitCountsTheStepsOwnAllocationsForksAndFree
                             std::string("op 1 (fork): the session would hold more than 4 live "
                                         "sequences, its limit")));
   // A free earlier in the step makes room; one of a sequence nobody holds does not.
-  EXPECT_TRUE(Passes({BlockOp::Free(1), BlockOp::Allocate(10, 4),
-                                  BlockOp::Fork(2, 11)}));
+  EXPECT_TRUE(Passes({BlockOp::Free(1), BlockOp::Allocate(10, 4), BlockOp::Fork(2, 11)}));
   EXPECT_EQ(Refusal({BlockOp::Free(99), BlockOp::Allocate(10, 4), BlockOp::Fork(2, 11)}).reason,
             RejectReason::kLimitExceeded);
 }
@@ -224,8 +223,7 @@ TEST_F(StepApplierTest, AnAppendOfTokensOutsideThePoolIsRefused) {
 TEST_F(StepApplierTest, AForkOfAParentNotHeldOrIntoALiveOrReservedChildIsRefused) {
   Hold(1, 4, kMine);
   Hold(2, 4, kTheirs);
-  EXPECT_EQ(Parts(Refusal({BlockOp::Fork(9, 10)})),
-            NotLive("op 0 (fork): sequence 9 is not live"));
+  EXPECT_EQ(Parts(Refusal({BlockOp::Fork(9, 10)})), NotLive("op 0 (fork): sequence 9 is not live"));
   EXPECT_EQ(Parts(Refusal({BlockOp::Fork(2, 10)})),
             NotMine("op 0 (fork): sequence 2 belongs to another session"));
   EXPECT_EQ(Parts(Refusal({BlockOp::Fork(1, 2)})),
@@ -268,8 +266,7 @@ TEST_F(StepApplierTest, ACommitCoversOnlyTokensItsSequenceHadBeforeTheStep) {
                     "step: the KV of tokens added in the same step cannot have been written "
                     "yet (commit them in the next step)"));
   // A fork's child may commit what its parent had.
-  EXPECT_TRUE(Passes({BlockOp::Fork(1, 3), BlockOp::Append(3, 4),
-                                  BlockOp::Commit(3, 8)}));
+  EXPECT_TRUE(Passes({BlockOp::Fork(1, 3), BlockOp::Append(3, 4), BlockOp::Commit(3, 8)}));
   EXPECT_EQ(Refusal({BlockOp::Fork(1, 3), BlockOp::Append(3, 4), BlockOp::Commit(3, 9)}).reason,
             RejectReason::kInvalidArgument);
 }
@@ -327,8 +324,8 @@ TEST_F(StepApplierTest, AnOpOnASequenceFreedEarlierInTheStepIsRefusedAndOneAlloc
   Hold(1, 4, kMine);
   EXPECT_EQ(Parts(Refusal({BlockOp::Free(1), BlockOp::Append(1, 1)})),
             NotLive("op 1 (append): sequence 1 is not live"));
-  EXPECT_TRUE(Passes({BlockOp::Allocate(2, 4), BlockOp::Append(2, 1),
-                                  BlockOp::Fork(2, 3), BlockOp::Free(3)}));
+  EXPECT_TRUE(Passes(
+      {BlockOp::Allocate(2, 4), BlockOp::Append(2, 1), BlockOp::Fork(2, 3), BlockOp::Free(3)}));
   // ... and validation alone allocated nothing.
   EXPECT_FALSE(ledger_.IsLive(2));
 }
@@ -354,9 +351,9 @@ TEST_F(StepApplierTest, ARefusedStepChangesNothingInTheLedgerWhateverItsEarlierO
 TEST_F(StepApplierTest, AnAcceptedStepsOutcomesComeInOpOrderWithTheSessionsNewCount) {
   Hold(1, 4, kMine);
   Hold(2, 4, kMine);
-  const StepApplier::Applied applied = ValidateAndApply(
-      {BlockOp::Allocate(3, 6), BlockOp::Append(1, 5), BlockOp::CanAllocate(8),
-       BlockOp::Fork(3, 4), BlockOp::Free(2), BlockOp::Commit(1, 4)});
+  const StepApplier::Applied applied =
+      ValidateAndApply({BlockOp::Allocate(3, 6), BlockOp::Append(1, 5), BlockOp::CanAllocate(8),
+                        BlockOp::Fork(3, 4), BlockOp::Free(2), BlockOp::Commit(1, 4)});
   ASSERT_THAT(applied.outcomes, SizeIs(6));
   for (const OpOutcome& outcome : applied.outcomes) EXPECT_THAT(outcome.status, IsOk());
   EXPECT_EQ(applied.outcomes[0].blocks, *ledger_.BlockTable(3));  // the whole table
@@ -390,9 +387,9 @@ TEST_F(StepApplierTest, DrainsAndCommittedTokenIdsReachTheCallerInOpOrder) {
   Hold(1, 8, kMine);
   Hold(2, 8, kMine);
   const std::vector<int32_t> tokens(4, 3);
-  const StepApplier::Applied applied = ValidateAndApply(
-      {BlockOp::Commit(2, 8, {}, tokens), BlockOp::Free(1, /*drain=*/true),
-       BlockOp::Commit(2, 8), BlockOp::Free(2)});
+  const StepApplier::Applied applied =
+      ValidateAndApply({BlockOp::Commit(2, 8, {}, tokens), BlockOp::Free(1, /*drain=*/true),
+                        BlockOp::Commit(2, 8), BlockOp::Free(2)});
   EXPECT_THAT(effects_.calls, ElementsAre("tokens 2 8 4", "drain 1"));
   ASSERT_THAT(applied.outcomes, SizeIs(4));
   EXPECT_THAT(applied.outcomes[1].status, IsOk());
@@ -401,10 +398,10 @@ TEST_F(StepApplierTest, DrainsAndCommittedTokenIdsReachTheCallerInOpOrder) {
 
 TEST_F(StepApplierTest, AShorterStepAfterALongerOneGetsExactlyItsOwnOutcomes) {
   Hold(1, 4, kMine);
-  ASSERT_THAT(ValidateAndApply({BlockOp::Append(1, 4), BlockOp::Allocate(2, 8),
-                                BlockOp::CanAllocate(4)})
-                  .outcomes,
-              SizeIs(3));
+  ASSERT_THAT(
+      ValidateAndApply({BlockOp::Append(1, 4), BlockOp::Allocate(2, 8), BlockOp::CanAllocate(4)})
+          .outcomes,
+      SizeIs(3));
   mine_.num_seqs = 2;
   const StepApplier::Applied applied = ValidateAndApply({BlockOp::Append(1, 0)});
   ASSERT_THAT(applied.outcomes, SizeIs(1));

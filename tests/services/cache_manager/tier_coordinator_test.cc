@@ -48,7 +48,8 @@ class TierCoordinatorTest : public ::testing::Test {
     tiers_ = env_.MakeTiers(env_.Options(host_blocks, disk_slots));
     ASSERT_NE(tiers_, nullptr);
     coordinator_ = std::make_unique<TierCoordinator>(
-        tiers_.get(), ledger_.get(), TierCoordinator::Options{.load_timeout = kLoadTimeout, .commit_tokens = {}});
+        tiers_.get(), ledger_.get(),
+        TierCoordinator::Options{.load_timeout = kLoadTimeout, .commit_tokens = {}});
   }
 
   void TakeEvents() { coordinator_->OnEvents(ledger_->TakeEvents()); }
@@ -70,8 +71,7 @@ class TierCoordinatorTest : public ::testing::Test {
   }
   bool TiersIdle() const {
     const tiers::TierSnapshot s = tiers_->Snapshot();
-    return s.queued_stores == 0 && s.queued_loads == 0 && s.writing[0] == 0 &&
-           s.writing[1] == 0;
+    return s.queued_stores == 0 && s.queued_loads == 0 && s.writing[0] == 0 && s.writing[1] == 0;
   }
   void DrainStores() {
     PollTill([&] { return coordinator_->held_blocks() == 0 && TiersIdle(); });
@@ -150,7 +150,7 @@ TEST_F(TierCoordinatorTest, BlockReusedBeforeItsEventsAreTakenIsNotStoredUnderIt
   ASSERT_EQ(ledger_->EvictAllCached(), 1);
   const std::vector<std::vector<uint8_t>> bytes = CommitPrefix(2, 9, 1);
   ASSERT_EQ((*ledger_->BlockTable(2))[0], block);  // lowest free id first
-  TakeEvents();  // Stored(0, block), Removed(0), Stored(9, block)
+  TakeEvents();                                    // Stored(0, block), Removed(0), Stored(9, block)
   EXPECT_EQ(coordinator_->held_blocks(), 1);
   ExpectInvariants();
   DrainStores();
@@ -159,8 +159,7 @@ TEST_F(TierCoordinatorTest, BlockReusedBeforeItsEventsAreTakenIsNotStoredUnderIt
   EXPECT_EQ(tiers_->LeadingReady(h9), 1);
 }
 
-class PrefetchTest : public TierCoordinatorTest,
-                     public ::testing::WithParamInterface<tiers::Tier> {
+class PrefetchTest : public TierCoordinatorTest, public ::testing::WithParamInterface<tiers::Tier> {
  protected:
   // A 3-block prefix committed, written to the tiers, evicted from the pool and the pool
   // cleared; returns the bytes it had.
@@ -263,7 +262,9 @@ TEST_P(PrefetchTest, PastTheLoadTimeoutTheAllocateRunsWithoutTheLoads) {
 
 INSTANTIATE_TEST_SUITE_P(Tiers, PrefetchTest,
                          ::testing::Values(tiers::Tier::kHost, tiers::Tier::kDisk),
-                         [](const auto& param_info) { return std::string(tiers::TierName(param_info.param)); });
+                         [](const auto& param_info) {
+                           return std::string(tiers::TierName(param_info.param));
+                         });
 
 TEST_F(TierCoordinatorTest, MakeRoomCancelsQueuedStoresWhenThePoolIsShort) {
   Start(8, 8);

@@ -71,8 +71,8 @@ class Env {
   // A cuda pool on device 0 with PoolBackend::kCuda (the caller skips without a GPU).
   explicit Env(int32_t num_blocks, PoolBackend backend = PoolBackend::kShm) {
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    root_ = absl::StrCat(::testing::TempDir(), "/", info->test_suite_name(), "-", ::getpid(),
-                         "-", info->name());
+    root_ = absl::StrCat(::testing::TempDir(), "/", info->test_suite_name(), "-", ::getpid(), "-",
+                         info->name());
     std::filesystem::remove_all(root_);
     std::filesystem::create_directories(root_);
     model_ = root_ + "/model.gguf";
@@ -100,9 +100,7 @@ class Env {
   PoolMemory& memory() { return *memory_; }
   const PoolLayout& layout() const { return layout_; }
 
-  KvTiers::PoolAccess Access() {
-    return {memory_.get(), layout_, Spec().num_layers};
-  }
+  KvTiers::PoolAccess Access() { return {memory_.get(), layout_, Spec().num_layers}; }
 
   TierOptions Options(int32_t host_blocks, int32_t disk_slots) const {
     TierOptions options;

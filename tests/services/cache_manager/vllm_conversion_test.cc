@@ -120,9 +120,9 @@ TEST(VllmConverterTest, TokensForMoreBlocksThanTheCommitCoversAreIgnored) {
   const std::vector<int32_t> second = TokensOf(1);
   two.insert(two.end(), second.begin(), second.end());
   const std::vector<BlockId> table = {0, 1};
-  converter.AddCommitTokens(table, kBlockSize, two);          // one block committed
+  converter.AddCommitTokens(table, kBlockSize, two);  // one block committed
   converter.AddCommitTokens(std::span<const BlockId>(table).first(1), 2 * kBlockSize,
-                            two);                              // a table too short
+                            two);  // a table too short
   const BlockEvent events[] = {Stored(0, Hash(1))};
   converter.AddBatch(events, false);
 
@@ -342,8 +342,7 @@ TEST(VllmConverterTest, IdsFollowTheHashAlgorithm) {
 
 // A tier's event for block `tag`: stored with parent `parent` (0: none) and the tokens of
 // pool block `tag` (none with `tokens` false), or removed.
-tiers::TierEvent TierStored(tiers::Tier tier, uint8_t tag, uint8_t parent = 0,
-                            bool tokens = true) {
+tiers::TierEvent TierStored(tiers::Tier tier, uint8_t tag, uint8_t parent = 0, bool tokens = true) {
   tiers::TierEvent event;
   event.kind = tiers::TierEvent::Kind::kStored;
   event.tier = tier;
@@ -371,13 +370,13 @@ std::vector<std::string> Describe(const std::vector<VllmEvent>& events) {
     for (uint64_t id : event.block_hashes) absl::StrAppend(&ids, ids.empty() ? "" : " ", id >> 56);
     switch (event.kind) {
       case VllmEvent::Kind::kBlockStored:
-        out.push_back(absl::StrCat("stored ", std::string(VllmMediumName(event.medium)), " [",
-                                   ids, "] parent ",
+        out.push_back(absl::StrCat("stored ", std::string(VllmMediumName(event.medium)), " [", ids,
+                                   "] parent ",
                                    event.parent_block_hash ? *event.parent_block_hash >> 56 : 0));
         break;
       case VllmEvent::Kind::kBlockRemoved:
-        out.push_back(absl::StrCat("removed ", std::string(VllmMediumName(event.medium)), " [",
-                                   ids, "]"));
+        out.push_back(
+            absl::StrCat("removed ", std::string(VllmMediumName(event.medium)), " [", ids, "]"));
         break;
       case VllmEvent::Kind::kAllBlocksCleared:
         out.push_back("cleared");
@@ -402,10 +401,9 @@ TEST(VllmConverterTest, EachPlaceAnnouncesInItsMediumBesideACudaPool) {
   converter.AddTierEvents(host_removed);
 
   const std::vector<VllmEvent> out = converter.Take();
-  EXPECT_THAT(Describe(out), ::testing::ElementsAre("stored GPU [1] parent 0",
-                                                    "stored CPU [1] parent 0",
-                                                    "stored DISK [1] parent 0",
-                                                    "removed GPU [1]", "removed CPU [1]"));
+  EXPECT_THAT(Describe(out), ::testing::ElementsAre(
+                                 "stored GPU [1] parent 0", "stored CPU [1] parent 0",
+                                 "stored DISK [1] parent 0", "removed GPU [1]", "removed CPU [1]"));
   for (size_t i = 0; i < 3; ++i) EXPECT_EQ(out[i].token_ids, Unsigned(TokensOf(1))) << i;
   EXPECT_EQ(converter.blocks_without_tokens(), 0u);
 }
@@ -436,15 +434,15 @@ TEST(VllmConverterTest, BesideAShmPoolThePoolAndTheHostTierShareTheCpuMedium) {
 TEST(VllmConverterTest, TierBlocksOfOneChainShareAnEventPerMedium) {
   VllmConverter converter(kBlockSize);
   const tiers::TierEvent events[] = {
-      TierStored(tiers::Tier::kDisk, 1), TierStored(tiers::Tier::kDisk, 2, 1),
+      TierStored(tiers::Tier::kDisk, 1),    TierStored(tiers::Tier::kDisk, 2, 1),
       TierStored(tiers::Tier::kHost, 3, 2),  // another medium: a new event
       TierStored(tiers::Tier::kDisk, 3, 2), TierRemoved(tiers::Tier::kDisk, 1),
-      TierRemoved(tiers::Tier::kDisk, 2), TierRemoved(tiers::Tier::kHost, 3)};
+      TierRemoved(tiers::Tier::kDisk, 2),   TierRemoved(tiers::Tier::kHost, 3)};
   converter.AddTierEvents(events);
-  EXPECT_THAT(Describe(converter.Take()),
-              ::testing::ElementsAre("stored DISK [1 2] parent 0", "stored CPU [3] parent 2",
-                                     "stored DISK [3] parent 2", "removed DISK [1 2]",
-                                     "removed CPU [3]"));
+  EXPECT_THAT(
+      Describe(converter.Take()),
+      ::testing::ElementsAre("stored DISK [1 2] parent 0", "stored CPU [3] parent 2",
+                             "stored DISK [3] parent 2", "removed DISK [1 2]", "removed CPU [3]"));
 }
 
 // A prefetch commits the blocks a tier loaded into the pool itself, with no router's tokens:
@@ -457,8 +455,8 @@ TEST(VllmConverterTest, ABlockLoadedFromATierIsAnnouncedInThePoolWithTheTiersTok
   converter.AddBatch(loaded, false);
 
   const std::vector<VllmEvent> out = converter.Take();
-  EXPECT_THAT(Describe(out), ::testing::ElementsAre("stored DISK [1] parent 0",
-                                                    "stored GPU [1] parent 0"));
+  EXPECT_THAT(Describe(out),
+              ::testing::ElementsAre("stored DISK [1] parent 0", "stored GPU [1] parent 0"));
   ASSERT_EQ(out.size(), 2u);
   EXPECT_EQ(out[1].token_ids, Unsigned(TokensOf(1)));
   EXPECT_EQ(converter.blocks_without_tokens(), 0u);

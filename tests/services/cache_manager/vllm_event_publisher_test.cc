@@ -18,9 +18,9 @@
 #include "common/base/monotonic_clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/support/status_matchers.h"
 #include "tests/support/subprocess.h"
 #include "tests/support/vllm_event_reader.h"
-#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -123,8 +123,7 @@ TEST(VllmEventPublisherTest, ASeqFileThatCannotBeWrittenStopsTheStart) {
   auto publisher = VllmEventPublisher::Create(context, options, nullptr);
   ASSERT_FALSE(publisher.ok());
   EXPECT_TRUE(absl::IsInternal(publisher.status())) << publisher.status();
-  EXPECT_THAT(std::string(publisher.status().message()),
-              ::testing::HasSubstr(options.seq_file));
+  EXPECT_THAT(std::string(publisher.status().message()), ::testing::HasSubstr(options.seq_file));
 }
 
 TEST(VllmEventPublisherTest, AfterARestartAWrappedBufferKeepsThatStartsFirstBatch) {

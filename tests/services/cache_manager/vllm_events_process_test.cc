@@ -1,9 +1,9 @@
 // The real kvcm-cache-manager's vLLM-format KV event stream (docs/protocol.md, "vLLM-format
 // KV events"), read over loopback TCP by a consumer written against the format
 // (tests/support/vllm_event_reader.h): sequence numbers from 0, AllBlocksCleared first and
-// after a restart, which goes on above the numbers sent before, stored blocks with their token ids and parents, removals of stored ids
-// on eviction, replay to a late subscriber ending with the -1 frame, a buffer that wrapped,
-// and bad input on the replay socket and in Commits.
+// after a restart, which goes on above the numbers sent before, stored blocks with their token ids
+// and parents, removals of stored ids on eviction, replay to a late subscriber ending with the -1
+// frame, a buffer that wrapped, and bad input on the replay socket and in Commits.
 
 #include <csignal>
 #include <cstdio>
@@ -25,9 +25,9 @@
 #include "tests/support/cache_manager_process.h"
 #include "tests/support/http_client.h"
 #include "tests/support/metrics_text.h"
+#include "tests/support/status_matchers.h"
 #include "tests/support/vllm_event_reader.h"
 #include "tests/support/wait_for.h"
-#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -47,8 +47,7 @@ struct Node {
 };
 
 // A cache manager of `num_blocks` with the vLLM-format stream on ports picked free.
-Node StartNode(int32_t num_blocks, const std::string& run_dir = "",
-               int32_t buffer_steps = 10000) {
+Node StartNode(int32_t num_blocks, const std::string& run_dir = "", int32_t buffer_steps = 10000) {
   CacheManagerOptions options;
   options.run_dir = run_dir;
   options.num_blocks = num_blocks;
@@ -309,8 +308,7 @@ TEST(VllmEventsProcessTest, ASubscriptionIsAnsweredWithTheLatestBatch) {
     auto batch = (*subscriber)->Next(MonotonicNow() + absl::Seconds(10));
     ASSERT_THAT(batch, IsOk());
     ExpectSameEvents(*batch, batches.back());
-    EXPECT_EQ(Metric(*node.process, "kvcm_cache_manager_vllm_subscriptions_total"),
-              subscribers);
+    EXPECT_EQ(Metric(*node.process, "kvcm_cache_manager_vllm_subscriptions_total"), subscribers);
   }
   // Published and buffered counts are those of the stream alone.
   EXPECT_EQ(Metric(*node.process, "kvcm_cache_manager_vllm_batches_published_total"), 3);
@@ -392,8 +390,7 @@ TEST(VllmEventsProcessTest, AnUnreadableSeqFileStopsTheStartNamingIt) {
     options.extra_args = {"--kv-events-endpoint", "tcp://127.0.0.1:0"};
     auto started = CacheManagerProcess::Start(options);
     ASSERT_FALSE(started.ok()) << content;
-    EXPECT_THAT(std::string(started.status().message()), ::testing::HasSubstr(seq_file))
-        << content;
+    EXPECT_THAT(std::string(started.status().message()), ::testing::HasSubstr(seq_file)) << content;
     EXPECT_THAT(std::string(started.status().message()), ::testing::HasSubstr("delete it"))
         << content;
   }
@@ -436,12 +433,12 @@ TEST(VllmEventsProcessTest, MalformedReplayRequestsAreCountedAndChangeNothing) {
   auto before = client->Stats();
   ASSERT_THAT(before, IsOk());
   const std::vector<std::vector<std::string>> bad = {
-      {std::string(8, '\0')},                          // no delimiter
-      {"", "1234"},                                    // short seq
-      {"x", std::string(8, '\0')},                     // a delimiter that is not empty
-      {"", std::string(8, '\0'), "more"},              // a frame too many
-      {"", std::string(9, '\x7f')},                    // a long seq
-      {"", "", ""},                                    // garbage
+      {std::string(8, '\0')},              // no delimiter
+      {"", "1234"},                        // short seq
+      {"x", std::string(8, '\0')},         // a delimiter that is not empty
+      {"", std::string(8, '\0'), "more"},  // a frame too many
+      {"", std::string(9, '\x7f')},        // a long seq
+      {"", "", ""},                        // garbage
   };
   for (size_t i = 0; i < bad.size(); ++i) {
     // 300 ms for a reply that must not come: a slow machine can only make this miss one,

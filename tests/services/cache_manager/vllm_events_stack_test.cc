@@ -11,9 +11,9 @@
 
 #include "common/base/monotonic_clock.h"
 #include "tests/services/router/router_stack.h"
+#include "tests/support/status_matchers.h"
 #include "tests/support/vllm_event_reader.h"
 #include "tests/support/wait_for.h"
-#include "tests/support/status_matchers.h"
 
 namespace kvcm::testing {
 namespace {
@@ -110,9 +110,9 @@ View Apply(const std::vector<ReadVllmBatch>& batches) {
         for (size_t i = 0; i < event.block_hashes.size(); ++i) {
           Block block;
           block.parent = parent;
-          block.tokens.assign(event.token_ids.begin() + static_cast<ptrdiff_t>(i * kBlockSize),
-                              event.token_ids.begin() +
-                                  static_cast<ptrdiff_t>((i + 1) * kBlockSize));
+          block.tokens.assign(
+              event.token_ids.begin() + static_cast<ptrdiff_t>(i * kBlockSize),
+              event.token_ids.begin() + static_cast<ptrdiff_t>((i + 1) * kBlockSize));
           const uint64_t id = event.block_hashes[i];
           EXPECT_FALSE(view.live.contains(id)) << "stored twice: " << id;
           view.live[id] = block;

@@ -11,8 +11,8 @@
 
 #include "gtest/gtest.h"
 #include "msgpack.hpp"
-#include "tests/support/vllm_event_reader.h"
 #include "tests/support/status_matchers.h"
+#include "tests/support/vllm_event_reader.h"
 
 namespace kvcm {
 namespace {
@@ -79,9 +79,9 @@ TEST(VllmEventsTest, BatchIsAnArrayOfThreeWithTaggedMaps) {
 
   const msgpack::object& e1 = list.via.array.ptr[1];
   ASSERT_EQ(e1.type, msgpack::type::MAP);
-  EXPECT_EQ(Keys(e1), (std::vector<std::string>{"type", "block_hashes", "parent_block_hash",
-                                                "token_ids", "block_size", "lora_id", "medium",
-                                                "lora_name"}));
+  EXPECT_EQ(Keys(e1),
+            (std::vector<std::string>{"type", "block_hashes", "parent_block_hash", "token_ids",
+                                      "block_size", "lora_id", "medium", "lora_name"}));
   EXPECT_EQ(Str(Value(e1, "type")), "BlockStored");
   const msgpack::object& hashes = Value(e1, "block_hashes");
   ASSERT_EQ(hashes.type, msgpack::type::ARRAY);

@@ -32,9 +32,9 @@
 #include "tests/services/executor/step_driver.h"
 #include "tests/support/cache_manager_process.h"
 #include "tests/support/gpu_test.h"
+#include "tests/support/status_matchers.h"
 #include "tests/support/subprocess.h"
 #include "tools/make_tiny_model/tiny_model.h"
-#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -119,8 +119,8 @@ TEST(ExecutorCudaProcessTest, GreedyTokensEqualTheCpuReferenceAndTheKvIsInTheDev
   for (const StepDriver::Sequence& seq : *seqs) {
     kvcm::testing::ForEachWrittenKvVector(
         layout, shared->spec, seq.blocks, seq.committed, [&](int64_t at) {
-          worst = std::max(worst, kvcm::testing::WorstKvVectorError(
-                                      device.data(), local.data(), at, layout, shared->spec));
+          worst = std::max(worst, kvcm::testing::WorstKvVectorError(device.data(), local.data(), at,
+                                                                    layout, shared->spec));
           compared += shared->spec.head_dim;
         });
   }

@@ -34,10 +34,10 @@
 #include "tests/services/executor/step_driver.h"
 #include "tests/support/cache_manager_process.h"
 #include "tests/support/promtool.h"
+#include "tests/support/status_matchers.h"
 #include "tests/support/subprocess.h"
 #include "tests/support/wait_for.h"
 #include "tools/make_tiny_model/tiny_model.h"
-#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -348,7 +348,8 @@ TEST_F(ExecutorProcessTest, MalformedAndInconsistentStepsGetErrorsAndServingGoes
 
   // Bytes that are no executor message at all: ErrorReply Malformed, request id 0.
   const std::string garbage = "this is not a flatbuffer, not even close";
-  ASSERT_THAT(driver_->SendRaw({reinterpret_cast<const uint8_t*>(garbage.data()), garbage.size()}), IsOk());
+  ASSERT_THAT(driver_->SendRaw({reinterpret_cast<const uint8_t*>(garbage.data()), garbage.size()}),
+              IsOk());
   auto reply = driver_->AwaitReply(0, deadline);
   ASSERT_THAT(reply, IsOk());
   ASSERT_EQ(reply->envelope->payload_type(), wire::ExecutorMessage::ErrorReply);
@@ -481,8 +482,7 @@ TEST_F(ExecutorProcessTest, CacheManagerRestartReattachesWithoutReloadingWeights
       auto early = driver_->Generate({kPrompts[2]}, 6);
       if (!early.ok()) {
         EXPECT_TRUE(absl::IsAborted(early.status())) << early.status();
-        EXPECT_THAT(std::string(early.status().message()),
-                    HasSubstr("stale epoch, re-attached"));
+        EXPECT_THAT(std::string(early.status().message()), HasSubstr("stale epoch, re-attached"));
       }
       if (driver_->hello_epoch() != cm_->epoch()) {
         auto hello = driver_->AwaitHello(absl::Now() + absl::Seconds(60));

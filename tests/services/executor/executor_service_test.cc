@@ -22,9 +22,9 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "services/executor/sampler.h"
+#include "tests/support/status_matchers.h"
 #include "tests/support/subprocess.h"
 #include "tools/make_tiny_model/tiny_model.h"
-#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -155,8 +155,8 @@ class ExecutorServiceTest : public ::testing::TestWithParam<std::pair<DType, int
     options.name = "unit";
     options.model_name = "tiny";
     executor_model_ = std::make_unique<ExecutorModel>(model_);
-    service_ = std::make_unique<ExecutorService>(options, executor_model_.get(), pool_.get(),
-                                                 nullptr);
+    service_ =
+        std::make_unique<ExecutorService>(options, executor_model_.get(), pool_.get(), nullptr);
   }
 
   int32_t block_size() const { return GetParam().second; }
@@ -271,8 +271,8 @@ TEST_P(ExecutorServiceTest, MinTokensHoldsTheEndTokensBackUntilItsCount) {
   options.name = "unit";
   options.model_name = "tiny";
   options.end_token_ids = {stop};
-  service_ = std::make_unique<ExecutorService>(options, executor_model_.get(), pool_.get(),
-                                               nullptr);
+  service_ =
+      std::make_unique<ExecutorService>(options, executor_model_.get(), pool_.get(), nullptr);
   // The reference: the contiguous pass, the end ids at -infinity for the first min_tokens.
   constexpr int32_t kMinTokens = 6;
   std::vector<int32_t> end_ids = model_->config().eos_token_ids;
@@ -405,8 +405,8 @@ TEST_P(ExecutorServiceTest, RefusedStepsLeaveThePoolUntouched) {
       {"table longer than the pool",
        [](StepRequest& s) { s.seqs[0].block_table.resize(kNumBlocks + 1, 0); },
        "the pool holds 64 blocks"},
-      {"context longer than the pool",
-       [](StepRequest& s) { s.seqs[0].context_len = 1 << 30; }, "the pool holds 64 blocks"},
+      {"context longer than the pool", [](StepRequest& s) { s.seqs[0].context_len = 1 << 30; },
+       "the pool holds 64 blocks"},
       {"copy out of range",
        [](StepRequest& s) {
          s.copies.push_back({kNumBlocks + 1, 3});

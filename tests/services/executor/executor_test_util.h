@@ -30,10 +30,10 @@
 #include "common/wire/executor_codec.h"
 #include "services/executor/llama_model.h"
 #include "services/executor/sampler.h"
+#include "tests/services/executor/step_driver.h"
 #include "tests/support/cache_manager_process.h"
 #include "tests/support/http_client.h"
 #include "tests/support/metrics_text.h"
-#include "tests/services/executor/step_driver.h"
 #include "tests/support/subprocess.h"
 
 namespace kvcm::testing {
@@ -107,14 +107,13 @@ inline absl::StatusOr<ExecutorProcess> StartExecutor(const ExecutorArgs& args,
 // Writes a tiny random Llama model (weights from `seed`) into `output` with the
 // kvcm-make-tiny-model binary. INTERNAL with its output when it fails.
 inline absl::Status MakeTinyModel(const std::string& output, uint64_t seed) {
-  absl::StatusOr<RunResult> made =
-      RunProgram({KvcmBinaryPath("kvcm-make-tiny-model"), "--output", output, "--seed",
-                  absl::StrCat(seed)},
-                 "", absl::Seconds(60));
+  absl::StatusOr<RunResult> made = RunProgram(
+      {KvcmBinaryPath("kvcm-make-tiny-model"), "--output", output, "--seed", absl::StrCat(seed)},
+      "", absl::Seconds(60));
   if (!made.ok()) return made.status();
   if (made->exit_code != 0) {
-    return absl::InternalError(absl::StrCat("kvcm-make-tiny-model exited ", made->exit_code,
-                                            ": ", made->output));
+    return absl::InternalError(
+        absl::StrCat("kvcm-make-tiny-model exited ", made->exit_code, ": ", made->output));
   }
   return absl::OkStatus();
 }
@@ -173,8 +172,8 @@ inline absl::Status StartExecutorStack(const std::string& model_dir,
   absl::StatusOr<ExecutorHelloInfo> hello =
       stack->driver->AwaitHello(absl::Now() + absl::Seconds(30));
   if (!hello.ok()) {
-    return absl::Status(hello.status().code(), absl::StrCat(hello.status().message(), "\n",
-                                                            stack->executor.Output()));
+    return absl::Status(hello.status().code(),
+                        absl::StrCat(hello.status().message(), "\n", stack->executor.Output()));
   }
   stack->hello = std::move(*hello);
   return absl::OkStatus();

@@ -27,9 +27,9 @@
 #include "services/executor/llama_model.h"
 #include "tests/services/executor/executor_test_util.h"
 #include "tests/support/cache_manager_process.h"
+#include "tests/support/status_matchers.h"
 #include "tests/support/subprocess.h"
 #include "tests/support/wait_for.h"
-#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -99,11 +99,14 @@ class FencingProcessTest : public ::testing::Test {
     sockets_ = std::make_unique<TempDir>(std::move(*sockets));
     const std::string router = IpcEndpointIn(sockets_->path(), kRouterExecutorsSocket);
     Subprocess::Options router_options;
-    router_options.argv = {KvcmBinaryPath("kvcm-test-router"), "--router", router,
-                           "--cache-manager", cm_->endpoint(), "--prompt-tokens",
+    router_options.argv = {KvcmBinaryPath("kvcm-test-router"),
+                           "--router",
+                           router,
+                           "--cache-manager",
+                           cm_->endpoint(),
+                           "--prompt-tokens",
                            absl::StrCat(kPromptTokens)};
-    router_options.argv.insert(router_options.argv.end(), router_extra.begin(),
-                               router_extra.end());
+    router_options.argv.insert(router_options.argv.end(), router_extra.begin(), router_extra.end());
     router_options.output_path = sockets_->path() + "/router.out";
     absl::StatusOr<std::unique_ptr<Subprocess>> dead = Subprocess::Start(router_options);
     ASSERT_THAT(dead, IsOk());
@@ -280,9 +283,9 @@ TEST_F(FencingProcessTest, KilledRoutersBlocksWaitForTheExecutorToAbandonItsStep
   for (int32_t layer = 0; layer < num_layers_; ++layer) {
     for (int32_t b : dead_blocks_) {
       for (int kv = 0; kv < 2; ++kv) {
-        std::memset(base + layer * layout.layer_stride + kv * layout.kv_stride +
-                        b * layout.block_stride,
-                    0xAB, static_cast<size_t>(layout.block_stride));
+        std::memset(
+            base + layer * layout.layer_stride + kv * layout.kv_stride + b * layout.block_stride,
+            0xAB, static_cast<size_t>(layout.block_stride));
       }
     }
   }
@@ -339,9 +342,8 @@ TEST_F(FencingProcessTest, ASequenceFreedWithDrainWaitsForTheExecutorWhileItsRou
       WaitFor([&] { return Stats().draining_blocks == 0; }, deadline, "the blocks to drain");
   ASSERT_THAT(drained, IsOk()) << "\n" << executor_.Output();
   EXPECT_THAT(executor_.Output(), HasSubstr("abandoned step 1 (stopped after layer"));
-  EXPECT_TRUE(executor_.process
-                  ->WaitForLine("fenced 1 sequence\\(s\\) of router session", deadline)
-                  .ok())
+  EXPECT_TRUE(
+      executor_.process->WaitForLine("fenced 1 sequence\\(s\\) of router session", deadline).ok())
       << executor_.Output();
   EXPECT_EQ(Stats().open_fences, 0u);
   EXPECT_EQ(dead_router_->Wait(absl::ZeroDuration()).status().code(),

@@ -360,16 +360,18 @@ TEST(LlamaConfigTest, RopeScalingVariants) {
 TEST(LlamaConfigTest, TransformersFiveRopeParametersAreReadLikeTheOldKeys) {
   Json old_style = Json::parse(kMinimal);
   old_style["rope_theta"] = 500000.0;
-  old_style["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0},
-                               {"low_freq_factor", 1.0}, {"high_freq_factor", 4.0},
+  old_style["rope_scaling"] = {{"rope_type", "llama3"},
+                               {"factor", 8.0},
+                               {"low_freq_factor", 1.0},
+                               {"high_freq_factor", 4.0},
                                {"original_max_position_embeddings", 8192}};
   Json new_style = Json::parse(kMinimal);
   new_style.erase("rope_theta");
   new_style.erase("rope_scaling");
-  new_style["rope_parameters"] = {{"rope_theta", 500000.0}, {"rope_type", "llama3"},
-                                  {"factor", 8.0}, {"low_freq_factor", 1.0},
-                                  {"high_freq_factor", 4.0},
-                                  {"original_max_position_embeddings", 8192}};
+  new_style["rope_parameters"] = {
+      {"rope_theta", 500000.0},  {"rope_type", "llama3"},
+      {"factor", 8.0},           {"low_freq_factor", 1.0},
+      {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 8192}};
   absl::StatusOr<LlamaConfig> a = ParseLlamaConfig(old_style.dump());
   absl::StatusOr<LlamaConfig> b = ParseLlamaConfig(new_style.dump());
   ASSERT_THAT(a, IsOk());
@@ -392,22 +394,23 @@ TEST(LlamaConfigTest, TransformersFiveRopeParametersAreReadLikeTheOldKeys) {
 
   // Both spellings present: they must agree.
   Json both = old_style;
-  both["rope_parameters"] = {{"rope_theta", 10000.0}, {"rope_type", "llama3"}, {"factor", 8.0},
+  both["rope_parameters"] = {{"rope_theta", 10000.0},
+                             {"rope_type", "llama3"},
+                             {"factor", 8.0},
                              {"original_max_position_embeddings", 8192}};
   absl::Status disagree = ParseLlamaConfig(both.dump()).status();
   EXPECT_EQ(disagree.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(disagree.message(), HasSubstr("disagree"));
 
   // A key that changes the math and is not understood is refused, naming it.
-  new_style["rope_parameters"] = {{"rope_theta", 10000.0}, {"rope_type", "default"},
-                                  {"attention_factor", 0.5}};
+  new_style["rope_parameters"] = {
+      {"rope_theta", 10000.0}, {"rope_type", "default"}, {"attention_factor", 0.5}};
   absl::Status unknown = ParseLlamaConfig(new_style.dump()).status();
   EXPECT_EQ(unknown.code(), absl::StatusCode::kUnimplemented);
   EXPECT_THAT(unknown.message(), HasSubstr("rope_parameters.attention_factor"));
   new_style["rope_parameters"] = {{"rope_theta", 10000.0}, {"partial_rotary_factor", 1.0}};
   EXPECT_THAT(ParseLlamaConfig(new_style.dump()), IsOk());  // the whole head: fine
-  new_style["rope_parameters"] = {{"rope_theta", 10000.0}, {"rope_type", "yarn"},
-                                  {"factor", 4.0}};
+  new_style["rope_parameters"] = {{"rope_theta", 10000.0}, {"rope_type", "yarn"}, {"factor", 4.0}};
   EXPECT_EQ(ParseLlamaConfig(new_style.dump()).status().code(), absl::StatusCode::kUnimplemented);
   // Per layer type (Gemma 3's shape) is not a Llama's.
   new_style["rope_parameters"] = {{"full_attention", {{"rope_theta", 1e6}}},
@@ -416,8 +419,7 @@ TEST(LlamaConfigTest, TransformersFiveRopeParametersAreReadLikeTheOldKeys) {
   EXPECT_EQ(per_layer.code(), absl::StatusCode::kUnimplemented);
   EXPECT_THAT(per_layer.message(), HasSubstr("per layer type"));
   new_style["rope_parameters"] = 5;
-  EXPECT_EQ(ParseLlamaConfig(new_style.dump()).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseLlamaConfig(new_style.dump()).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(LlamaConfigTest, LoadNamesThePath) {

@@ -40,6 +40,8 @@
 // the biases' effect, the refused weight dtype) skips with "no CUDA device: ..."; with
 // KVCM_REQUIRE_GPU=1 (scripts/gpu-check.sh sets it) they fail instead.
 
+#include "services/executor/llama_model_cuda.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -62,13 +64,12 @@
 #include "gtest/gtest.h"
 #include "kernels/copy_blocks.h"
 #include "services/executor/llama_model.h"
-#include "services/executor/llama_model_cuda.h"
 #include "services/executor/sampler.h"
 #include "tests/services/executor/executor_test_util.h"
 #include "tests/support/gpu_test.h"
+#include "tests/support/status_matchers.h"
 #include "tests/support/subprocess.h"
 #include "tools/make_tiny_model/tiny_model.h"
-#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {
@@ -238,8 +239,8 @@ struct Case {
 std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
   const Case& c = info.param;
   return absl::StrCat(absl::StrReplaceAll(c.architecture, {{"-", "_"}}), "_",
-                      std::string(DTypeName(c.weights)), "_weights_block",
-                      c.block_size, "_", std::string(DTypeName(c.cache)), "_cache");
+                      std::string(DTypeName(c.weights)), "_weights_block", c.block_size, "_",
+                      std::string(DTypeName(c.cache)), "_cache");
 }
 
 // How gtest (and so ctest's test list) prints a case.
@@ -333,8 +334,9 @@ TEST_P(LlamaCudaForwardTest, LogitsAndKvMatchTheCpuForward) {
     for (const auto& [seq, n] : work) {
       row += static_cast<size_t>(n);
       if (seq->cached == static_cast<int32_t>(seq->tokens.size())) {
-        seq->tokens.push_back(Greedy(std::span<const float>(cpu_logits).subspan(
-            (row - 1) * static_cast<size_t>(vocab), static_cast<size_t>(vocab))));
+        seq->tokens.push_back(Greedy(
+            std::span<const float>(cpu_logits)
+                .subspan((row - 1) * static_cast<size_t>(vocab), static_cast<size_t>(vocab))));
       }
     }
   };
@@ -374,13 +376,13 @@ TEST_P(LlamaCudaForwardTest, LogitsAndKvMatchTheCpuForward) {
   int64_t compared = 0;
   for (const Sequence& seq : seqs) {
     kvcm::testing::ForEachWrittenKvVector(layout, spec, seq.blocks, seq.cached, [&](int64_t at) {
-      kv_worst = std::max(kv_worst, kvcm::testing::WorstKvVectorError(
-                                        device.data(), host.data(), at, layout, spec));
+      kv_worst = std::max(kv_worst, kvcm::testing::WorstKvVectorError(device.data(), host.data(),
+                                                                      at, layout, spec));
       compared += spec.head_dim;
     });
   }
-  std::printf("K/V: %lld elements, worst relative error %.3g\n",
-              static_cast<long long>(compared), kv_worst);
+  std::printf("K/V: %lld elements, worst relative error %.3g\n", static_cast<long long>(compared),
+              kv_worst);
   EXPECT_GT(compared, 0);
   EXPECT_LE(kv_worst, tolerance());
 }
@@ -448,16 +450,15 @@ TEST_P(WeightRoundingTest, WeightRoundingAloneStaysWithinHalfTheTolerance) {
   EXPECT_LE(worst, WeightTolerance(weights) / 2);
 }
 
-INSTANTIATE_TEST_SUITE_P(Cpu, WeightRoundingTest,
-                         ::testing::Values(Rounding{"llama", DType::kBFloat16},
-                                           Rounding{"llama", DType::kFloat16},
-                                           Rounding{"qwen2", DType::kBFloat16},
-                                           Rounding{"qwen2", DType::kFloat16},
-                                           Rounding{"llama-bias", DType::kBFloat16}),
-                         [](const auto& test_param) {
-                           return absl::StrCat(absl::StrReplaceAll(test_param.param.architecture, {{"-", "_"}}), "_",
-                                               std::string(DTypeName(test_param.param.weights)));
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Cpu, WeightRoundingTest,
+    ::testing::Values(Rounding{"llama", DType::kBFloat16}, Rounding{"llama", DType::kFloat16},
+                      Rounding{"qwen2", DType::kBFloat16}, Rounding{"qwen2", DType::kFloat16},
+                      Rounding{"llama-bias", DType::kBFloat16}),
+    [](const auto& test_param) {
+      return absl::StrCat(absl::StrReplaceAll(test_param.param.architecture, {{"-", "_"}}), "_",
+                          std::string(DTypeName(test_param.param.weights)));
+    });
 
 // The tiny qwen2 and llama-bias models are the tiny llama one (same seed, same draws per
 // tensor name) plus their biases: so a device pass that dropped them would be as far from

@@ -33,9 +33,9 @@
 #include "services/executor/llama_model.h"
 #include "services/executor/llama_model_cuda.h"
 #include "services/executor/sampler.h"
+#include "tests/support/status_matchers.h"
 #include "tests/support/subprocess.h"
 #include "tools/make_tiny_model/tiny_model.h"
-#include "tests/support/status_matchers.h"
 
 namespace kvcm {
 namespace {

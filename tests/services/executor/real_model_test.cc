@@ -17,6 +17,8 @@
 // order of sums; the int8 path (the default) has its own, wider bound (below). The worst
 // error seen is printed.
 
+#include "tests/support/real_model.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -35,7 +37,6 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "services/executor/llama_model.h"
-#include "tests/support/real_model.h"
 
 namespace kvcm {
 namespace {
@@ -144,8 +145,8 @@ TEST_P(RealModelTest, GreedyTokensAndLogitsMatchTransformersThroughThePagedForwa
   std::printf("block order seed %llu\n", static_cast<unsigned long long>(kSeed));
   int32_t needed = 0;
   for (const json& p : prompts) {
-    needed += (static_cast<int32_t>(p["prompt_ids"].size()) + new_tokens + kBlockSize - 1) /
-              kBlockSize;
+    needed +=
+        (static_cast<int32_t>(p["prompt_ids"].size()) + new_tokens + kBlockSize - 1) / kBlockSize;
   }
   PagedPool pool;
   pool.spec = model_->config().KvSpec(DType::kFloat32, kBlockSize).value();
@@ -210,9 +211,8 @@ TEST_P(RealModelTest, GreedyTokensAndLogitsMatchTransformersThroughThePagedForwa
         worst = error;
         worst_where = absl::StrCat(where, " id ", id);
       }
-      EXPECT_LE(error, tolerance)
-          << where << ": logit of id " << id << " is " << row[id] << ", reference "
-          << values[i].get<double>();
+      EXPECT_LE(error, tolerance) << where << ": logit of id " << id << " is " << row[id]
+                                  << ", reference " << values[i].get<double>();
     }
   };
 
@@ -228,8 +228,7 @@ TEST_P(RealModelTest, GreedyTokensAndLogitsMatchTransformersThroughThePagedForwa
     const float max = *std::max_element(row, row + vocab);
     double sum = 0;
     for (int32_t v = 0; v < vocab; ++v) sum += std::exp(static_cast<double>(row[v]) - max);
-    EXPECT_NEAR(std::log(sum) + max, p["last_logsumexp"].get<double>(), tolerance)
-        << seqs[i].name;
+    EXPECT_NEAR(std::log(sum) + max, p["last_logsumexp"].get<double>(), tolerance) << seqs[i].name;
   }
   // Greedy decoding, all sequences in each step. The fp32 path feeds its own choices, which
   // must be the reference's. The int8 path feeds the reference's (its logits stay comparable
@@ -271,9 +270,10 @@ TEST_P(RealModelTest, GreedyTokensAndLogitsMatchTransformersThroughThePagedForwa
           << seqs[i].name << " (" << prompts[i]["prompt_ids"].size() << " prompt tokens)";
     }
   }
-  std::printf("worst logit error %.2e (%s); smallest top-1/top-2 margin in the reference %.3f; "
-              "%d greedy choice(s) flipped at a margin below %.3f\n",
-              worst, worst_where.c_str(), smallest_margin, flips, 2 * tolerance);
+  std::printf(
+      "worst logit error %.2e (%s); smallest top-1/top-2 margin in the reference %.3f; "
+      "%d greedy choice(s) flipped at a margin below %.3f\n",
+      worst, worst_where.c_str(), smallest_margin, flips, 2 * tolerance);
 }
 
 INSTANTIATE_TEST_SUITE_P(MatMulPaths, RealModelTest,

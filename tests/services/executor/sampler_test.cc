@@ -143,11 +143,11 @@ TEST(SamplerTest, PenaltiesFollowVllmsDefinitions) {
   // Prompt {0, 1, 1}; output {2, 2, 3, 9 (outside the row: ignored)}.
   const std::vector<int32_t> history = {0, 1, 1, 2, 2, 3, 9};
   ApplyPenalties(logits, history, /*prompt_len=*/3, p);
-  EXPECT_FLOAT_EQ(logits[0], 2.0f);                      // repetition only: 4 / 2
-  EXPECT_FLOAT_EQ(logits[1], -2.0f);                     // negative: -1 * 2, once
+  EXPECT_FLOAT_EQ(logits[0], 2.0f);                         // repetition only: 4 / 2
+  EXPECT_FLOAT_EQ(logits[1], -2.0f);                        // negative: -1 * 2, once
   EXPECT_FLOAT_EQ(logits[2], 3.0f / 2 - 0.5f * 2 - 0.25f);  // seen twice in the output
   EXPECT_FLOAT_EQ(logits[3], 1.0f / 2 - 0.5f - 0.25f);
-  EXPECT_FLOAT_EQ(logits[4], 0.5f);                      // never seen
+  EXPECT_FLOAT_EQ(logits[4], 0.5f);  // never seen
   // The distribution helpers: log-probabilities sum to one, top-n sorted.
   const std::vector<TokenLogprob> top = TopLogprobs(logits, 10, 0.7f);
   ASSERT_EQ(top.size(), logits.size());

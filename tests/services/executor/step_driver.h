@@ -32,8 +32,8 @@
 #include "absl/time/time.h"
 #include "common/block/block_hash.h"
 #include "common/client/cache_manager_client.h"
-#include "schemas/kvcm_executor_generated.h"
 #include "common/wire/executor_codec.h"
+#include "schemas/kvcm_executor_generated.h"
 #include "zmq.hpp"
 
 namespace kvcm::testing {

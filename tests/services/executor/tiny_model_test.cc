@@ -20,13 +20,13 @@
 #include "absl/time/time.h"
 #include "common/memory/pool_layout.h"
 #include "common/safetensors/safetensors.h"
+#include "common/tokenizer/tokenizer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "services/executor/llama_model.h"
 #include "services/executor/sampler.h"
-#include "common/tokenizer/tokenizer.h"
-#include "tests/support/subprocess.h"
 #include "tests/support/status_matchers.h"
+#include "tests/support/subprocess.h"
 
 #ifndef KVCM_MAKE_TINY_MODEL_PATH
 #error "KVCM_MAKE_TINY_MODEL_PATH must name the kvcm-make-tiny-model binary"
@@ -127,7 +127,8 @@ TEST_F(TinyModelGenerationTest, BothRopeSpellingsGiveTheSameLogitsAndTheKeyMatte
   }
   EXPECT_EQ(logits[0], logits[1]);
   double diff = 0;
-  for (size_t i = 0; i < logits[0].size(); ++i) diff = std::max(diff, double{std::abs(logits[0][i] - logits[2][i])});
+  for (size_t i = 0; i < logits[0].size(); ++i)
+    diff = std::max(diff, double{std::abs(logits[0][i] - logits[2][i])});
   EXPECT_GT(diff, 1e-3) << "theta and scaling should change the logits";
 }
 
@@ -171,10 +172,10 @@ TEST_F(TinyModelGenerationTest, Qwen2ArchitectureAddsTheQkvBiasesAndKeepsTheOthe
 // --architecture=qwen3: a Qwen3ForCausalLM config and per-head q/k norm weights (of
 // head_dim, which need not be hidden / heads), the other tensors the llama model's.
 TEST_F(TinyModelGenerationTest, Qwen3ArchitectureAddsTheQkNormsAndKeepsTheOtherTensors) {
-  absl::StatusOr<testing::RunResult> run = testing::RunProgram(
-      {KVCM_MAKE_TINY_MODEL_PATH, "--output=" + Path("qwen3"), "--architecture=qwen3",
-       "--head_dim=24"},
-      "", absl::Seconds(60));
+  absl::StatusOr<testing::RunResult> run =
+      testing::RunProgram({KVCM_MAKE_TINY_MODEL_PATH, "--output=" + Path("qwen3"),
+                           "--architecture=qwen3", "--head_dim=24"},
+                          "", absl::Seconds(60));
   ASSERT_THAT(run, IsOk());
   EXPECT_EQ(run->exit_code, 0) << run->output;
   TinyModelOptions llama_options;

@@ -70,8 +70,8 @@ double WorstLogitError(const LlamaModel& model, const std::vector<int32_t>& toke
   double worst = 0;
   for (size_t t = 0; t < tokens.size(); ++t) {
     for (size_t v = 0; v < vocab; ++v) {
-      worst = std::max(worst, std::abs((*logits)[t * vocab + v] -
-                                       want["logits"][t][v].get<double>()));
+      worst =
+          std::max(worst, std::abs((*logits)[t * vocab + v] - want["logits"][t][v].get<double>()));
     }
   }
   return worst;
@@ -109,8 +109,8 @@ TEST_P(TransformersModelsTest, LogitsAndGreedyTokensEqualTransformers) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, TransformersModelsTest,
-                         ::testing::Values("llama", "llama-bias", "qwen2", "qwen3",
-                                           "qwen3-mha", "qwen3-bias"),
+                         ::testing::Values("llama", "llama-bias", "qwen2", "qwen3", "qwen3-mha",
+                                           "qwen3-bias"),
                          [](const ::testing::TestParamInfo<const char*>& param) {
                            std::string n = param.param;
                            std::replace(n.begin(), n.end(), '-', '_');
@@ -172,8 +172,7 @@ void WriteQwen3Gguf(const std::string& path, GgmlType type, const std::string& s
       {"qwen3.context_length",
        GgufValue::Uint32(config["max_position_embeddings"].get<uint32_t>())},
       {"qwen3.embedding_length", GgufValue::Uint32(config["hidden_size"].get<uint32_t>())},
-      {"qwen3.feed_forward_length",
-       GgufValue::Uint32(config["intermediate_size"].get<uint32_t>())},
+      {"qwen3.feed_forward_length", GgufValue::Uint32(config["intermediate_size"].get<uint32_t>())},
       {"qwen3.attention.head_count",
        GgufValue::Uint32(config["num_attention_heads"].get<uint32_t>())},
       {"qwen3.attention.head_count_kv",
@@ -280,7 +279,8 @@ TEST(TransformersModelsNegativeTest, UnchangedCopyStillMatches) {
   // The copy itself (rewritten by kvcm's writer) changes nothing.
   absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-qwen3");
   ASSERT_THAT(dir, IsOk());
-  CopyQwen3(dir->path(), [](std::string text) { return text; }, [](float v) { return v; });
+  CopyQwen3(
+      dir->path(), [](std::string text) { return text; }, [](float v) { return v; });
   const double worst = Qwen3CopyError(dir->path(), "Qwen3ForCausalLM");
   std::printf("qwen3 copy: worst logit error %.2e\n", worst);
   EXPECT_LE(worst, kTolerance);
@@ -291,7 +291,8 @@ TEST(TransformersModelsNegativeTest, ChangedQkNormWeightsMoveTheLogits) {
   // 0.1)): a loader or forward that ignored them would look like this.
   absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-qwen3");
   ASSERT_THAT(dir, IsOk());
-  CopyQwen3(dir->path(), [](std::string text) { return text; }, [](float) { return 1.0f; });
+  CopyQwen3(
+      dir->path(), [](std::string text) { return text; }, [](float) { return 1.0f; });
   const double worst = Qwen3CopyError(dir->path(), "Qwen3ForCausalLM");
   std::printf("qwen3 with q/k norm weights 1: worst logit error %.2e\n", worst);
   EXPECT_GT(worst, 100 * kTolerance);
@@ -322,7 +323,8 @@ TEST(TransformersModelsNegativeTest, SkippedQkNormMovesTheLogits) {
 TEST(TransformersModelsNegativeTest, MissingQkNormIsRefusedNamingTheTensor) {
   absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-qwen3");
   ASSERT_THAT(dir, IsOk());
-  CopyQwen3(dir->path(), [](std::string text) { return text; }, [](float v) { return v; });
+  CopyQwen3(
+      dir->path(), [](std::string text) { return text; }, [](float v) { return v; });
   // Rewrite the shard without layer 1's k_norm.
   absl::StatusOr<std::unique_ptr<SafetensorsFile>> file =
       SafetensorsFile::Open(ModelFolder("qwen3") + "/model.safetensors");

@@ -18,8 +18,8 @@
 #include "common/wire/executor_codec.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/support/subprocess.h"
 #include "tests/support/status_matchers.h"
+#include "tests/support/subprocess.h"
 
 namespace kvcm::router {
 namespace {

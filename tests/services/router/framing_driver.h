@@ -30,8 +30,8 @@ inline Framed FrameInPieces(std::string_view input, FramingLimits limits,
   std::string raw;
   size_t at = 0;
   for (size_t piece = 0; at < input.size(); ++piece) {
-    const size_t n = piece < pieces.size() ? std::min(pieces[piece], input.size() - at)
-                                           : input.size() - at;
+    const size_t n =
+        piece < pieces.size() ? std::min(pieces[piece], input.size() - at) : input.size() - at;
     raw.append(input.substr(at, n));
     at += n;
     while (!framing.refused()) {
@@ -42,8 +42,8 @@ inline Framed FrameInPieces(std::string_view input, FramingLimits limits,
         result.steps_in_bounds = false;
         return result;
       }
-      result.out += step.kind == FramingStep::Kind::kPass ? raw.substr(0, step.length)
-                                                          : step.replacement;
+      result.out +=
+          step.kind == FramingStep::Kind::kPass ? raw.substr(0, step.length) : step.replacement;
       raw.erase(0, step.length);
       if (step.kind == FramingStep::Kind::kRefuse) {
         result.refusal = step.refusal;

@@ -39,8 +39,8 @@
 #include <vector>
 
 #include "absl/strings/ascii.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
 #include "services/router/http_framing.h"
@@ -109,8 +109,7 @@ struct Server {
       evhttp_add_header(evhttp_request_get_output_headers(request), "Connection", "close");
       evhttp_send_reply(request, refusal.status, "Refused", out);
     } else {
-      evhttp_add_header(evhttp_request_get_output_headers(request), "Content-Type",
-                        "text/plain");
+      evhttp_add_header(evhttp_request_get_output_headers(request), "Content-Type", "text/plain");
       evhttp_send_reply(request, 200, "OK", out);
     }
     evbuffer_free(out);
@@ -124,9 +123,8 @@ struct Server {
     evhttp_set_max_body_size(http, kLimits.max_body_bytes);
     evhttp_set_bevcb(http, &NewConnection, this);
     evhttp_set_allowed_methods(http, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_HEAD |
-                                         EVHTTP_REQ_PUT | EVHTTP_REQ_DELETE |
-                                         EVHTTP_REQ_OPTIONS | EVHTTP_REQ_TRACE |
-                                         EVHTTP_REQ_CONNECT | EVHTTP_REQ_PATCH);
+                                         EVHTTP_REQ_PUT | EVHTTP_REQ_DELETE | EVHTTP_REQ_OPTIONS |
+                                         EVHTTP_REQ_TRACE | EVHTTP_REQ_CONNECT | EVHTTP_REQ_PATCH);
     evhttp_set_gencb(http, &OnRequest, this);
     evhttp_bound_socket* bound = evhttp_bind_socket_with_handle(http, "127.0.0.1", 0);
     Check(bound != nullptr, "cannot listen on loopback");
@@ -250,23 +248,23 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string received = Exchange(*server, input, piece);
   // What broke, with the input and the replies (escaped), for the seed driver's log.
   const auto broken = [&](std::string_view what) {
-    return absl::StrCat(std::string(what), "\ninput: ", absl::CHexEscape(std::string(input.substr(0, 600))),
+    return absl::StrCat(std::string(what),
+                        "\ninput: ", absl::CHexEscape(std::string(input.substr(0, 600))),
                         "\nreplies: ", absl::CHexEscape(received.substr(0, 600)));
   };
   std::vector<Reply> replies;
   Check(ParseReplies(received, &replies), broken("a reply that is no HTTP/1.1 response"));
   for (const Reply& reply : replies) {
     Check(reply.content_type.find("text/html") == std::string::npos,
-          absl::StrCat("libevent answered itself: ", reply.status, "\ninput: ",
-                       absl::CHexEscape(std::string(input.substr(0, 600)))));
+          absl::StrCat("libevent answered itself: ", reply.status,
+                       "\ninput: ", absl::CHexEscape(std::string(input.substr(0, 600)))));
   }
   Check(replies.size() <= whole.heads, broken("more replies than requests passed"));
   if (whole.refusal.has_value()) {
     // Answered last, unless a reply before it closed the connection (HTTP/1.0, or
     // "Connection: close"), when fewer replies came.
     Check(replies.size() <= whole.refused_request, broken("a reply after the refusal"));
-    Check(replies.size() < whole.refused_request ||
-              replies.back().status == whole.refusal->status,
+    Check(replies.size() < whole.refused_request || replies.back().status == whole.refusal->status,
           broken("a refused request was not answered with its refusal"));
   } else if (!replies.empty()) {
     Check(replies.back().status == 200, broken("a request passed was not answered 200"));

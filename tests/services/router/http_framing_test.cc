@@ -33,8 +33,9 @@ Framed Frame(std::string_view input, FramingLimits limits = {},
 const std::string kGet = "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
 
 std::string Post(const std::string& path, const std::string& body) {
-  return absl::StrCat("POST ", path, " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: ",
-                      body.size(), "\r\n\r\n", body);
+  return absl::StrCat("POST ", path,
+                      " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: ", body.size(), "\r\n\r\n",
+                      body);
 }
 
 std::string ChunkedHead(const std::string& path) {
@@ -74,9 +75,9 @@ TEST(RequestFramingTest, WhatPassesDoesNotDependOnThePiecesTheBytesArriveIn) {
 
 TEST(RequestFramingTest, ChunkExtensionsAndTrailersAreLeftOutAndTheChunksPass) {
   // libevent 2.1 answers a legal chunk extension with 413 "Request Entity Too Large".
-  const Framed framed = Frame(ChunkedHead("/generate") +
-                              "30;ext=1\r\n" + std::string(48, 'a') + "\r\n" +
-                              "A ; a=\"b\"\r\n0123456789\r\n0;last\r\nExpires: never\r\n\r\n");
+  const Framed framed =
+      Frame(ChunkedHead("/generate") + "30;ext=1\r\n" + std::string(48, 'a') + "\r\n" +
+            "A ; a=\"b\"\r\n0123456789\r\n0;last\r\nExpires: never\r\n\r\n");
   EXPECT_FALSE(framed.refusal.has_value());
   EXPECT_EQ(framed.out, ChunkedHead("/generate") + "30\r\n" + std::string(48, 'a') +
                             "\r\na\r\n0123456789\r\n0\r\n\r\n");
@@ -87,9 +88,9 @@ TEST(RequestFramingTest, ABodyOverTheLimitIsRefusedAtItsHeadWith413AndItsPath) {
   const Framed fits = Frame(Post("/v1/completions", std::string(100, 'x')), limits);
   EXPECT_FALSE(fits.refusal.has_value());
   // Only the head: the refusal needs no byte of the body.
-  const Framed over = Frame(
-      "POST /v1/completions HTTP/1.1\r\nContent-Length: 101\r\nExpect: 100-continue\r\n\r\n",
-      limits);
+  const Framed over =
+      Frame("POST /v1/completions HTTP/1.1\r\nContent-Length: 101\r\nExpect: 100-continue\r\n\r\n",
+            limits);
   ASSERT_TRUE(over.refusal.has_value());
   EXPECT_EQ(over.refusal->status, 413);
   EXPECT_EQ(over.refusal->path, "/v1/completions");
@@ -97,8 +98,9 @@ TEST(RequestFramingTest, ABodyOverTheLimitIsRefusedAtItsHeadWith413AndItsPath) {
   // libevent reads a bodiless request in its place, the first on the connection.
   EXPECT_EQ(over.out, RequestFraming::kRefusedHead);
   EXPECT_EQ(over.refused_request, 1u);
-  const Framed huge = Frame("POST /generate HTTP/1.1\r\nContent-Length: 99999999999999999999999"
-                            "\r\n\r\n");
+  const Framed huge = Frame(
+      "POST /generate HTTP/1.1\r\nContent-Length: 99999999999999999999999"
+      "\r\n\r\n");
   ASSERT_TRUE(huge.refusal.has_value());
   EXPECT_EQ(huge.refusal->status, 413);
 }
@@ -107,9 +109,8 @@ TEST(RequestFramingTest, AChunkedBodyOverTheLimitIsRefusedWith413AndEndedForLibe
   const FramingLimits limits{.max_head_bytes = 1024, .max_body_bytes = 100};
   const std::string head = ChunkedHead("/generate");
   const std::string first = "32\r\n" + std::string(50, 'a') + "\r\n";
-  const Framed framed = Frame(head + first + "33\r\n" + std::string(51, 'b') + "\r\n0\r\n\r\n" +
-                                  kGet,
-                              limits);
+  const Framed framed =
+      Frame(head + first + "33\r\n" + std::string(51, 'b') + "\r\n0\r\n\r\n" + kGet, limits);
   ASSERT_TRUE(framed.refusal.has_value());
   EXPECT_EQ(framed.refusal->status, 413);
   EXPECT_EQ(framed.refused_request, 1u);
@@ -125,15 +126,15 @@ TEST(RequestFramingTest, AChunkedBodyOverTheLimitIsRefusedWith413AndEndedForLibe
 TEST(RequestFramingTest, MalformedChunkedBodiesAreRefusedWith400) {
   const std::string head = ChunkedHead("/v1/chat/completions");
   const std::string cases[] = {
-      "zz\r\nhello\r\n0\r\n\r\n",          // not hexadecimal
-      "5\r\nhelloXX0\r\n\r\n",             // no CRLF after the data
-      "5\nhello\r\n0\r\n\r\n",             // a size line ended by LF alone
-      "-5\r\nhello\r\n0\r\n\r\n",          // a sign
-      "0x5\r\nhello\r\n0\r\n\r\n",         // a prefix
-      "5 x\r\nhello\r\n0\r\n\r\n",         // not an extension
-      "5;a\x01\r\nhello\r\n0\r\n\r\n",     // a control character in an extension
-      "0\r\nnot a field\r\n\r\n",          // a trailer line that is no field
-      std::string(5000, '1'),              // a size line too long
+      "zz\r\nhello\r\n0\r\n\r\n",       // not hexadecimal
+      "5\r\nhelloXX0\r\n\r\n",          // no CRLF after the data
+      "5\nhello\r\n0\r\n\r\n",          // a size line ended by LF alone
+      "-5\r\nhello\r\n0\r\n\r\n",       // a sign
+      "0x5\r\nhello\r\n0\r\n\r\n",      // a prefix
+      "5 x\r\nhello\r\n0\r\n\r\n",      // not an extension
+      "5;a\x01\r\nhello\r\n0\r\n\r\n",  // a control character in an extension
+      "0\r\nnot a field\r\n\r\n",       // a trailer line that is no field
+      std::string(5000, '1'),           // a size line too long
   };
   for (const std::string& body : cases) {
     SCOPED_TRACE(body.substr(0, 40));
@@ -187,8 +188,8 @@ TEST(RequestFramingTest, AHeadOverTheLimitIsRefusedWith431WithOrWithoutItsEnd) {
     EXPECT_EQ(framed.refusal->status, 431);
     EXPECT_EQ(framed.refusal->path, "/v1/models");
   }
-  const std::string fits = absl::StrCat("GET / HTTP/1.1\r\nX-Pad: ", std::string(150, 'a'),
-                                        "\r\n\r\n");
+  const std::string fits =
+      absl::StrCat("GET / HTTP/1.1\r\nX-Pad: ", std::string(150, 'a'), "\r\n\r\n");
   EXPECT_FALSE(Frame(fits, limits).refusal.has_value());
 }
 
@@ -198,15 +199,23 @@ TEST(RequestFramingTest, MalformedRequestLinesAndUnknownMethodsAreRefused) {
     int status;
   };
   const Case cases[] = {
-      {"GET /health\r\n\r\n", 400},          {"GET  /health HTTP/1.1\r\n\r\n", 400},
-      {"GET /health HTTP/x\r\n\r\n", 400},   {"GET /health HTTP/1.9\r\n\r\n", 505},
-      {"GET /health HTTP/0.9\r\n\r\n", 505}, {"GET /health HTTP/2.0\r\n\r\n", 505},
+      {"GET /health\r\n\r\n", 400},
+      {"GET  /health HTTP/1.1\r\n\r\n", 400},
+      {"GET /health HTTP/x\r\n\r\n", 400},
+      {"GET /health HTTP/1.9\r\n\r\n", 505},
+      {"GET /health HTTP/0.9\r\n\r\n", 505},
+      {"GET /health HTTP/2.0\r\n\r\n", 505},
       {"GET http://a/health HTTP/1.1\r\n\r\n", 400},
-      {"GET //v1/completions HTTP/1.1\r\n\r\n", 400},  {"GET //ge\x80n HTTP/1.1\r\n\r\n", 400},
-      {"GET / HTTP/1.1\r\nExpect: nothing\r\n\r\n", 417},    {"GET /a\x01 HTTP/1.1\r\n\r\n", 400},
-      {"BREW /pot HTTP/1.1\r\n\r\n", 501},   {"G(ET / HTTP/1.1\r\n\r\n", 400},
+      {"GET //v1/completions HTTP/1.1\r\n\r\n", 400},
+      {"GET //ge\x80n HTTP/1.1\r\n\r\n", 400},
+      {"GET / HTTP/1.1\r\nExpect: nothing\r\n\r\n", 417},
+      {"GET /a\x01 HTTP/1.1\r\n\r\n", 400},
+      {"BREW /pot HTTP/1.1\r\n\r\n", 501},
+      {"G(ET / HTTP/1.1\r\n\r\n", 400},
       {"GET / HTTP/1.1\r\nNoColon\r\n\r\n", 400},
-      {std::string("GET / HTTP/1.1\r\nX: a\0b\r\n\r\n", sizeof("GET / HTTP/1.1\r\nX: a\0b\r\n\r\n") - 1), 400},
+      {std::string("GET / HTTP/1.1\r\nX: a\0b\r\n\r\n",
+                   sizeof("GET / HTTP/1.1\r\nX: a\0b\r\n\r\n") - 1),
+       400},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.line);
@@ -224,8 +233,10 @@ TEST(RequestFramingTest, EmptyLinesBeforeARequestAreSkippedAndLfAloneEndsHeadLin
 }
 
 TEST(RequestFramingTest, ARefusalAfterServedRequestsNamesItsOwnIndex) {
-  const Framed framed = Frame(kGet + kGet + "GET /x HTTP/1.1\r\nContent-Length: 1\r\n"
-                                            "Content-Length: 2\r\n\r\n" + kGet);
+  const Framed framed = Frame(kGet + kGet +
+                              "GET /x HTTP/1.1\r\nContent-Length: 1\r\n"
+                              "Content-Length: 2\r\n\r\n" +
+                              kGet);
   ASSERT_TRUE(framed.refusal.has_value());
   EXPECT_EQ(framed.refused_request, 3u);
   EXPECT_EQ(framed.out, kGet + kGet + std::string(RequestFraming::kRefusedHead));

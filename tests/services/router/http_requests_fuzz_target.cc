@@ -99,8 +99,7 @@ void CheckAccepted(const GenerationRequest& r, Api api) {
   Check(std::isfinite(s.temperature) && s.temperature >= 0, "temperature >= 0");
   Check(std::isfinite(s.top_p) && s.top_p > 0 && s.top_p <= 1, "top_p in (0, 1]");
   Check(s.top_k >= 0, "top_k >= 0");
-  Check(std::isfinite(s.repetition_penalty) && s.repetition_penalty > 0,
-        "repetition_penalty > 0");
+  Check(std::isfinite(s.repetition_penalty) && s.repetition_penalty > 0, "repetition_penalty > 0");
   Check(std::isfinite(s.frequency_penalty) && std::abs(s.frequency_penalty) <= 2,
         "frequency_penalty in [-2, 2]");
   Check(std::isfinite(s.presence_penalty) && std::abs(s.presence_penalty) <= 2,
@@ -120,8 +119,8 @@ void CheckLogprobFormatting(const uint8_t* bytes) {
   const nlohmann::json streamed = nlohmann::json::parse(written, nullptr, false);
   Check(streamed.is_number() && streamed.get<double>() >= kMinLogprob,
         "a streamed log-probability is a number no lower than kMinLogprob");
-  const nlohmann::json dumped = nlohmann::json::parse(
-      nlohmann::json(ShownLogprob(value)).dump(), nullptr, false);
+  const nlohmann::json dumped =
+      nlohmann::json::parse(nlohmann::json(ShownLogprob(value)).dump(), nullptr, false);
   Check(dumped.is_number() && dumped.get<double>() >= kMinLogprob,
         "a log-probability in a reply is a number no lower than kMinLogprob");
 }
@@ -140,11 +139,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::optional<HttpError> error;
   try {
     switch (endpoint) {
-      case 0: error = f.parser->ParseGenerate(body, false, &parsed); break;
-      case 1: error = f.parser->ParseGenerate(body, true, &parsed); break;
-      case 2: error = f.parser->ParseGenerate(body, std::nullopt, &parsed); break;
-      case 3: error = f.parser->ParseCompletions(body, &parsed); break;
-      default: error = f.parser->ParseChatCompletions(body, &parsed); break;
+      case 0:
+        error = f.parser->ParseGenerate(body, false, &parsed);
+        break;
+      case 1:
+        error = f.parser->ParseGenerate(body, true, &parsed);
+        break;
+      case 2:
+        error = f.parser->ParseGenerate(body, std::nullopt, &parsed);
+        break;
+      case 3:
+        error = f.parser->ParseCompletions(body, &parsed);
+        break;
+      default:
+        error = f.parser->ParseChatCompletions(body, &parsed);
+        break;
     }
   } catch (const std::exception& e) {
     kvcm::fuzz::Fail(absl::StrCat("the parser threw (the front end answers 500): ", e.what()));

@@ -43,9 +43,8 @@ class RequestParserTest : public ::testing::Test {
 
   // The body of `endpoint` ("completions" or "chat") with `extra` members added.
   static std::string Body(const std::string& endpoint, const json& extra) {
-    json body = endpoint == "chat"
-                    ? json{{"messages", {{{"role", "user"}, {"content", "hi"}}}}}
-                    : json{{"prompt", "hi"}};
+    json body = endpoint == "chat" ? json{{"messages", {{{"role", "user"}, {"content", "hi"}}}}}
+                                   : json{{"prompt", "hi"}};
     for (const auto& [key, value] : extra.items()) body[key] = value;
     return body.dump();
   }
@@ -87,19 +86,18 @@ TEST_F(RequestParserTest, MinTokensIsAcceptedAndCarriedInTheSamplingParameters) 
     EXPECT_EQ(r.params.sampling.temperature, 0.0f);
     EXPECT_EQ(r.params.max_new_tokens, 9);
     // Sampled, with ignore_eos, and equal to max_tokens (vLLM's bound is inclusive).
-    ASSERT_EQ(Parse(endpoint,
-                    {{"min_tokens", 4}, {"max_tokens", 4}, {"temperature", 0.8},
-                     {"ignore_eos", true}},
-                    &r),
-              std::nullopt);
+    ASSERT_EQ(
+        Parse(endpoint,
+              {{"min_tokens", 4}, {"max_tokens", 4}, {"temperature", 0.8}, {"ignore_eos", true}},
+              &r),
+        std::nullopt);
     EXPECT_EQ(r.params.sampling.min_tokens, 4);
     EXPECT_EQ(r.params.sampling.temperature, 0.8f);
     EXPECT_TRUE(r.params.ignore_eos);
   }
   // Chat's max_completion_tokens bounds it when given.
   GenerationRequest r;
-  ASSERT_EQ(Parse("chat", {{"min_tokens", 6}, {"max_tokens", 2}, {"max_completion_tokens", 6}},
-                  &r),
+  ASSERT_EQ(Parse("chat", {{"min_tokens", 6}, {"max_tokens", 2}, {"max_completion_tokens", 6}}, &r),
             std::nullopt);
   EXPECT_EQ(r.params.sampling.min_tokens, 6);
 }

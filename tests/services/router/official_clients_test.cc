@@ -15,8 +15,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/services/router/router_stack.h"
-#include "tests/support/subprocess.h"
 #include "tests/support/status_matchers.h"
+#include "tests/support/subprocess.h"
 
 namespace kvcm {
 namespace {
@@ -49,9 +49,9 @@ TEST_F(OfficialClientsTest, TextGenerationAndOpenAiClientsWorkUnchanged) {
            "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}"
            "{{ '<|im_start|>assistant\n' }}{% endif %}";
   }
-  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/128, /*executors=*/1,
-                                     {"--max-input-tokens", "64", "--chat-template",
-                                      template_path}));
+  ASSERT_NO_FATAL_FAILURE(
+      StartStack(/*num_blocks=*/128, /*executors=*/1,
+                 {"--max-input-tokens", "64", "--chat-template", template_path}));
   const std::string chat = "Hi, kvcm";
   const std::string rendered = "<|im_start|>user\n" + chat + "<|im_end|>\n<|im_start|>assistant\n";
   const std::string prompt = "Clients from PyPI talk to kvcm";  // BOS + 30 bytes

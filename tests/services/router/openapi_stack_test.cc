@@ -41,8 +41,8 @@
 #include "tests/support/cache_manager_process.h"
 #include "tests/support/http_client.h"
 #include "tests/support/metrics_text.h"
-#include "tests/support/subprocess.h"
 #include "tests/support/status_matchers.h"
+#include "tests/support/subprocess.h"
 
 namespace kvcm {
 namespace {
@@ -91,11 +91,27 @@ class OpenApiStackTest : public ::testing::Test {
     }
     Subprocess::Options options;
     // Short prompts and generations (the fuzzer asks for up to --max-total-tokens each).
-    options.argv = {testing::KvcmBinaryPath("kvcm-launch"), "--model", model,
-                    "--executors", "1", "--num-blocks", absl::StrCat(kNumBlocks),
-                    "--block-size", "4", "--port", "0", "--threads", "1",
-                    "--run-dir", dir_->path() + "/run", "--chat-template", chat_template,
-                    "--max-input-tokens", "96", "--max-total-tokens", "128"};
+    options.argv = {testing::KvcmBinaryPath("kvcm-launch"),
+                    "--model",
+                    model,
+                    "--executors",
+                    "1",
+                    "--num-blocks",
+                    absl::StrCat(kNumBlocks),
+                    "--block-size",
+                    "4",
+                    "--port",
+                    "0",
+                    "--threads",
+                    "1",
+                    "--run-dir",
+                    dir_->path() + "/run",
+                    "--chat-template",
+                    chat_template,
+                    "--max-input-tokens",
+                    "96",
+                    "--max-total-tokens",
+                    "128"};
     options.output_path = dir_->path() + "/launch.log";
     options.env = {"TMPDIR=" + dir_->path()};
     absl::StatusOr<std::unique_ptr<Subprocess>> launch = Subprocess::Start(options);
@@ -164,8 +180,9 @@ class OpenApiStackTest : public ::testing::Test {
       absl::StrAppend(&routes, routes.empty() ? "" : ",", std::string(route.method), " ",
                       std::string(route.path));
     }
-    std::vector<std::string> argv = {kPython, kChecker, "--url", url_, "--routes", routes,
-                                     "--report-dir", dir_->path() + "/report"};
+    std::vector<std::string> argv = {
+        kPython,    kChecker, "--url",        url_,
+        "--routes", routes,   "--report-dir", dir_->path() + "/report"};
     argv.insert(argv.end(), extra.begin(), extra.end());
     absl::StatusOr<testing::RunResult> run = testing::RunProgram(argv, "", timeout);
     EXPECT_THAT(run, IsOk());
@@ -341,7 +358,9 @@ TEST_F(OpenApiStackTest, RealResponsesHaveEveryMemberTgiRequires) {
   ask("POST", "/generate",
       json({{"inputs", inputs_bytes},
             {"parameters",
-             {{"max_new_tokens", 3}, {"details", true}, {"decoder_input_details", true},
+             {{"max_new_tokens", 3},
+              {"details", true},
+              {"decoder_input_details", true},
               {"top_n_tokens", 2}}}})
           .dump(),
       "application/json");
@@ -430,8 +449,8 @@ TEST_F(OpenApiStackTest, RealResponsesMatchTheDocumentAndSchemathesisFindsNothin
   const std::string seed = EnvOr("KVCM_OPENAPI_SEED", "20261202");
   std::printf("openapi: schemathesis seed %s (KVCM_OPENAPI_SEED replays it)\n", seed.c_str());
   const std::string seconds = EnvOr("KVCM_OPENAPI_SECONDS", "60");
-  const json report = Check({"--seed", seed, "--max-examples",
-                             EnvOr("KVCM_OPENAPI_EXAMPLES", "25"), "--max-time", seconds},
+  const json report = Check({"--seed", seed, "--max-examples", EnvOr("KVCM_OPENAPI_EXAMPLES", "25"),
+                             "--max-time", seconds},
                             absl::Seconds(std::stoi(seconds) + 180));
   ASSERT_TRUE(report.is_object());
   EXPECT_TRUE(report["failures"].empty()) << report["failures"].dump(1);

@@ -50,8 +50,8 @@ inline std::vector<int32_t> Reference(std::vector<int32_t> tokens, int32_t max_n
 
 // Choice `choice` > 0 of a request with sampling seed `seed`: its first token drawn with
 // seed + choice, then the reference's.
-inline std::vector<int32_t> ForkReference(const std::vector<int32_t>& prompt, int32_t max_new_tokens,
-                                          uint64_t seed, int32_t choice) {
+inline std::vector<int32_t> ForkReference(const std::vector<int32_t>& prompt,
+                                          int32_t max_new_tokens, uint64_t seed, int32_t choice) {
   std::vector<int32_t> out = {ForkToken(prompt, seed + static_cast<uint64_t>(choice))};
   std::vector<int32_t> context = prompt;
   context.push_back(out[0]);
@@ -64,8 +64,7 @@ class PlannerSim {
  public:
   PlannerSim(const PlannerOptions& options, int32_t num_blocks)
       : options_(options),
-        ledger_(*BlockLedger::Create({.num_blocks = num_blocks,
-                                      .block_size = options.block_size})),
+        ledger_(*BlockLedger::Create({.num_blocks = num_blocks, .block_size = options.block_size})),
         pool_(static_cast<size_t>(num_blocks) * options.block_size, -1),
         planner_(options) {}
 
@@ -123,7 +122,8 @@ class PlannerSim {
     std::vector<SeqResult> results;
     int64_t computed = 0;
     for (const ExecutorWork::Batch& batch : work.batches) {
-      for (const SeqStep& seq : batch.step.seqs) computed += static_cast<int64_t>(seq.tokens.size());
+      for (const SeqStep& seq : batch.step.seqs)
+        computed += static_cast<int64_t>(seq.tokens.size());
       RunBatch(batch.step, batch.executor == lose_executor ? nullptr : &results);
     }
     if (computed != work.prefill_tokens + work.decode_tokens) {
@@ -264,7 +264,8 @@ class PlannerSim {
         if (seq.logprobs) result.logprob = Score(seq.context_len, result.token);
         for (uint64_t seed : seq.fork_seeds) {
           result.fork_tokens.push_back(ForkToken(context, seed));
-          if (seq.logprobs) result.fork_logprobs.push_back(Score(seq.context_len, result.fork_tokens.back()));
+          if (seq.logprobs)
+            result.fork_logprobs.push_back(Score(seq.context_len, result.fork_tokens.back()));
         }
         for (int32_t k = 0; k < seq.top_n; ++k) {
           result.top_ids.push_back(k);
@@ -278,7 +279,8 @@ class PlannerSim {
         for (size_t k = 1; k < seq.tokens.size(); ++k) {
           result.input_logprobs.push_back(Score(first + static_cast<int32_t>(k), seq.tokens[k]));
         }
-        if (seq.score_next >= 0) result.input_logprobs.push_back(Score(seq.context_len, seq.score_next));
+        if (seq.score_next >= 0)
+          result.input_logprobs.push_back(Score(seq.context_len, seq.score_next));
       }
       if (results != nullptr) {
         results->push_back(result);

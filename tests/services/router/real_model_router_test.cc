@@ -32,8 +32,8 @@
 #include "tests/support/cache_manager_process.h"
 #include "tests/support/http_client.h"
 #include "tests/support/real_model.h"
-#include "tests/support/subprocess.h"
 #include "tests/support/status_matchers.h"
+#include "tests/support/subprocess.h"
 
 namespace kvcm {
 namespace {
@@ -85,9 +85,17 @@ class RealModelRouterTest : public ::testing::Test {
     ASSERT_THAT(log, IsOk());
     log_ = std::make_unique<TempDir>(std::move(*log));
     Subprocess::Options router;
-    router.argv = {kvcm::testing::KvcmBinaryPath("kvcm-router"), "--model", gguf_, "--run-dir",
-                   cm_->run_dir(), "--port", "0", "--max-input-tokens", "1000",
-                   "--max-total-tokens", "1100"};
+    router.argv = {kvcm::testing::KvcmBinaryPath("kvcm-router"),
+                   "--model",
+                   gguf_,
+                   "--run-dir",
+                   cm_->run_dir(),
+                   "--port",
+                   "0",
+                   "--max-input-tokens",
+                   "1000",
+                   "--max-total-tokens",
+                   "1100"};
     router.output_path = log_->path() + "/router";
     absl::StatusOr<std::unique_ptr<Subprocess>> started = Subprocess::Start(router);
     ASSERT_THAT(started, IsOk());
@@ -236,9 +244,9 @@ TEST_F(RealModelRouterTest, MalformedMessagesAndUnsupportedParametersGet400) {
     ASSERT_FALSE(error.is_discarded()) << reply.body;
     EXPECT_EQ(error["error"]["param"], "messages") << reply.body;
   }
-  const HttpResponse tools = Post("/v1/chat/completions",
-                                  {{"messages", {{{"role", "user"}, {"content", "hi"}}}},
-                                   {"tools", json::array({{{"type", "function"}}})}});
+  const HttpResponse tools =
+      Post("/v1/chat/completions", {{"messages", {{{"role", "user"}, {"content", "hi"}}}},
+                                    {"tools", json::array({{{"type", "function"}}})}});
   EXPECT_EQ(tools.status, 400) << tools.body;
 }
 

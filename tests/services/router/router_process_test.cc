@@ -12,9 +12,9 @@
 
 #include <algorithm>
 #include <atomic>
-#include <iterator>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <memory>
 #include <set>
@@ -38,8 +38,8 @@
 #include "tests/support/http_client.h"
 #include "tests/support/metrics_text.h"
 #include "tests/support/promtool.h"
-#include "tests/support/subprocess.h"
 #include "tests/support/status_matchers.h"
+#include "tests/support/subprocess.h"
 
 namespace kvcm {
 namespace {
@@ -95,11 +95,11 @@ TEST_F(RouterProcessTest, ConcurrentGreedyRequestsGiveTheTokensOfTheModelRunAlon
     clients.emplace_back([&, i] {
       const Case& c = cases[i];
       absl::StatusOr<HttpResponse> reply =
-          HttpPost(url_ + (c.stream ? "/generate_stream" : "/generate"),
-                   GenerateBody(c.text, c.n), absl::Seconds(60));
+          HttpPost(url_ + (c.stream ? "/generate_stream" : "/generate"), GenerateBody(c.text, c.n),
+                   absl::Seconds(60));
       if (!reply.ok() || reply->status != 200) {
-        errors[i] = reply.ok() ? absl::StrCat(reply->status, " ", reply->body)
-                               : reply.status().ToString();
+        errors[i] =
+            reply.ok() ? absl::StrCat(reply->status, " ", reply->body) : reply.status().ToString();
         return;
       }
       got[i] = c.stream ? StreamIds(reply->body) : TokenIds(reply->body);
@@ -120,8 +120,8 @@ TEST_F(RouterProcessTest, ConcurrentGreedyRequestsGiveTheTokensOfTheModelRunAlon
 // of the next step may arrive while a slice is pending. Every stream still gets exactly
 // its tokens, in order.
 TEST_F(RouterProcessTest, MoreStreamsThanASliceOfDeliveryEachGetTheirTokensInOrder) {
-  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/1024, /*executors=*/1,
-                                     {"--max-concurrent-requests", "256"}));
+  ASSERT_NO_FATAL_FAILURE(
+      StartStack(/*num_blocks=*/1024, /*executors=*/1, {"--max-concurrent-requests", "256"}));
   constexpr int kStreams = 150;
   std::vector<std::string> prompts;
   for (int p = 0; p < 6; ++p) prompts.push_back(absl::StrCat("stream ", p, std::string(p, '+')));
@@ -132,12 +132,11 @@ TEST_F(RouterProcessTest, MoreStreamsThanASliceOfDeliveryEachGetTheirTokensInOrd
   std::vector<std::thread> clients;
   for (int i = 0; i < kStreams; ++i) {
     clients.emplace_back([&, i] {
-      absl::StatusOr<HttpResponse> reply =
-          HttpPost(url_ + "/generate_stream", GenerateBody(prompt_of(i), tokens_of(i)),
-                   absl::Seconds(120));
+      absl::StatusOr<HttpResponse> reply = HttpPost(
+          url_ + "/generate_stream", GenerateBody(prompt_of(i), tokens_of(i)), absl::Seconds(120));
       if (!reply.ok() || reply->status != 200) {
-        errors[static_cast<size_t>(i)] = reply.ok() ? absl::StrCat(reply->status, " ", reply->body)
-                                                    : reply.status().ToString();
+        errors[static_cast<size_t>(i)] =
+            reply.ok() ? absl::StrCat(reply->status, " ", reply->body) : reply.status().ToString();
         return;
       }
       got[static_cast<size_t>(i)] = StreamIds(reply->body);
@@ -196,7 +195,8 @@ TEST_F(RouterProcessTest, TheStepTraceHasALinePerStepWithItsPartsInOrderAndItsTo
     clients.emplace_back([&, i] {
       absl::StatusOr<HttpResponse> reply = HttpPost(
           url_ + "/generate",
-          GenerateBody(absl::StrCat("trace ", std::string(static_cast<size_t>(i) * 7, 'x')), 3 + i));
+          GenerateBody(absl::StrCat("trace ", std::string(static_cast<size_t>(i) * 7, 'x')),
+                       3 + i));
       if (!reply.ok() || reply->status != 200) return;
       ++ok;
       generated += static_cast<int64_t>(TokenIds(reply->body).size());
@@ -210,8 +210,8 @@ TEST_F(RouterProcessTest, TheStepTraceHasALinePerStepWithItsPartsInOrderAndItsTo
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   auto count_lines = [&trace] {
     std::ifstream in(trace);
-    return static_cast<double>(std::count(std::istreambuf_iterator<char>(in),
-                                          std::istreambuf_iterator<char>(), '\n'));
+    return static_cast<double>(
+        std::count(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>(), '\n'));
   };
   while (count_lines() < RouterMetric("kvcm_router_step_duration_seconds_count") &&
          absl::Now() < deadline) {
@@ -256,10 +256,10 @@ TEST_F(RouterProcessTest, TheStepTraceHasALinePerStepWithItsPartsInOrderAndItsTo
 TEST_F(RouterProcessTest, AStepTraceThatCannotBeWrittenStopsTheRouterNamingTheFile) {
   ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/64, /*executors=*/1));
   const std::string trace = cm_->run_dir() + "/no-such-dir/steps.jsonl";
-  absl::StatusOr<kvcm::testing::RunResult> second = kvcm::testing::RunProgram(
-      {KvcmBinaryPath("kvcm-router"), "--model", *model_dir_, "--run-dir", cm_->run_dir(),
-       "--port", "0", "--step-trace", trace},
-      "", absl::Seconds(30));
+  absl::StatusOr<kvcm::testing::RunResult> second =
+      kvcm::testing::RunProgram({KvcmBinaryPath("kvcm-router"), "--model", *model_dir_, "--run-dir",
+                                 cm_->run_dir(), "--port", "0", "--step-trace", trace},
+                                "", absl::Seconds(30));
   ASSERT_THAT(second, IsOk());
   EXPECT_NE(second->exit_code, 0);
   EXPECT_THAT(second->output, HasSubstr("cannot open the step trace " + trace));
@@ -321,7 +321,8 @@ TEST_F(RouterProcessTest, AStopStringInsideTheFirstMinTokensDoesNotEndTheRequest
   ASSERT_LT(at + 2, full.size()) << "no two byte tokens in a row to stop at";
   const std::string stop = BytesOf({full[at], full[at + 1]});
   auto prefix = [&](size_t k) {
-    return BytesOf(std::vector<int32_t>(full.begin(), full.begin() + static_cast<std::ptrdiff_t>(k)));
+    return BytesOf(
+        std::vector<int32_t>(full.begin(), full.begin() + static_cast<std::ptrdiff_t>(k)));
   };
   // The first token whose text completes the stop string: min_tokens covers it.
   size_t first_end = 1;
@@ -340,12 +341,11 @@ TEST_F(RouterProcessTest, AStopStringInsideTheFirstMinTokensDoesNotEndTheRequest
       break;
     }
   }
-  std::printf("stop string at token %zu; min_tokens %d; ends at token %zu of %zu (%s)\n",
-              first_end, min_tokens, end, full.size(),
+  std::printf("stop string at token %zu; min_tokens %d; ends at token %zu of %zu (%s)\n", first_end,
+              min_tokens, end, full.size(),
               match == std::string::npos ? "length" : "stop string again");
-  const json body = {{"prompt", prompt},         {"max_tokens", kMaxTokens},
-                     {"temperature", 0},         {"stop", {stop}},
-                     {"min_tokens", min_tokens}, {"logprobs", 0}};
+  const json body = {{"prompt", prompt}, {"max_tokens", kMaxTokens}, {"temperature", 0},
+                     {"stop", {stop}},   {"min_tokens", min_tokens}, {"logprobs", 0}};
   absl::StatusOr<HttpResponse> reply =
       HttpPost(url_ + "/v1/completions", body.dump(-1, ' ', false, json::error_handler_t::replace));
   ASSERT_TRUE(reply.ok() && reply->status == 200) << (reply.ok() ? reply->body : "");
@@ -383,8 +383,8 @@ TEST_F(RouterProcessTest, AStepLongerThanTheSilenceDeadlineKeepsItsExecutor) {
 
 TEST_F(RouterProcessTest, APoolOfFewBlocksForcesPreemptionAndEveryRequestStillGetsItsTokens) {
   // 24 blocks of 4 tokens: six requests of ~20 prompt and 30 new tokens cannot all fit.
-  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/24, /*executors=*/1,
-                                     {"--max-total-tokens", "96"}));
+  ASSERT_NO_FATAL_FAILURE(
+      StartStack(/*num_blocks=*/24, /*executors=*/1, {"--max-total-tokens", "96"}));
   std::vector<std::string> texts;
   for (int i = 0; i < 6; ++i) texts.push_back(absl::StrCat("preempt me please ", i));
   std::unique_ptr<Requests> requests = StartRequests(texts, 30);
@@ -432,13 +432,11 @@ TEST_F(RouterProcessTest, BadRequestsGetTheirStatusAndLeaveTheLedgerWhole) {
        "repetition_penalty"},
       {"/generate", R"({"inputs": "a", "parameters": {"frequency_penalty": 3}})", 422,
        "frequency_penalty"},
-      {"/generate", R"({"inputs": "a", "parameters": {"top_n_tokens": 6}})", 422,
-       "top_n_tokens"},
+      {"/generate", R"({"inputs": "a", "parameters": {"top_n_tokens": 6}})", 422, "top_n_tokens"},
       {"/generate", R"({"inputs": "a", "parameters": {"truncate": 41}})", 422, "truncate"},
-      {"/generate_stream", R"({"inputs": "a", "parameters": {"decoder_input_details": true}})",
-       422, "not supported when streaming"},
-      {"/generate", R"({"inputs": "a", "parameters": {"watermark": true}})", 422,
-       "not supported"},
+      {"/generate_stream", R"({"inputs": "a", "parameters": {"decoder_input_details": true}})", 422,
+       "not supported when streaming"},
+      {"/generate", R"({"inputs": "a", "parameters": {"watermark": true}})", 422, "not supported"},
       {"/generate", R"({"inputs": "a", "parameters": {"best_of": 2}})", 422, "needs sampling"},
       {"/generate", R"({"inputs": "a", "parameters": {"best_of": 5, "do_sample": true}})", 422,
        "best_of"},
@@ -475,8 +473,8 @@ TEST_F(RouterProcessTest, BadRequestsGetTheirStatusAndLeaveTheLedgerWhole) {
 
 TEST_F(RouterProcessTest, AClientThatLeavesMidStreamHasItsBlocksFreed) {
   // Slow steps (5 ms a layer), so that the stream is still running when the client goes.
-  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/128, /*executors=*/1, {},
-                                     {"--fault-layer-delay-ms", "5"}));
+  ASSERT_NO_FATAL_FAILURE(
+      StartStack(/*num_blocks=*/128, /*executors=*/1, {}, {"--fault-layer-delay-ms", "5"}));
   const int port = std::stoi(url_.substr(url_.rfind(':') + 1));
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_in address{};
@@ -485,10 +483,10 @@ TEST_F(RouterProcessTest, AClientThatLeavesMidStreamHasItsBlocksFreed) {
   ::inet_pton(AF_INET, "127.0.0.1", &address.sin_addr);
   ASSERT_EQ(::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address)), 0);
   const std::string body = GenerateBody("a long story, please", 400);
-  const std::string request =
-      absl::StrCat("POST /generate_stream HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
-                   "application/json\r\nContent-Length: ",
-                   body.size(), "\r\n\r\n", body);
+  const std::string request = absl::StrCat(
+      "POST /generate_stream HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+      "application/json\r\nContent-Length: ",
+      body.size(), "\r\n\r\n", body);
   ASSERT_EQ(::send(fd, request.data(), request.size(), MSG_NOSIGNAL),
             static_cast<ssize_t>(request.size()));
   // Read until the first token event arrived: the sequence holds blocks now.
@@ -508,10 +506,9 @@ TEST_F(RouterProcessTest, AClientThatLeavesMidStreamHasItsBlocksFreed) {
 
 TEST_F(RouterProcessTest, AnExecutorKilledMidGenerationChangesNoToken) {
   // Two executors, slow steps; one is killed with SIGKILL while both generate.
-  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/256, /*executors=*/2, {},
-                                     {"--fault-layer-delay-ms", "3"}));
-  std::vector<std::string> texts = {"first request", "second request", "third one",
-                                    "and a fourth"};
+  ASSERT_NO_FATAL_FAILURE(
+      StartStack(/*num_blocks=*/256, /*executors=*/2, {}, {"--fault-layer-delay-ms", "3"}));
+  std::vector<std::string> texts = {"first request", "second request", "third one", "and a fourth"};
   std::unique_ptr<Requests> requests = StartRequests(texts, 40);
   // A few steps in, every request generating.
   ASSERT_TRUE(AwaitGenerating(4, 8)) << router_->Output();
@@ -535,10 +532,9 @@ TEST_F(RouterProcessTest, AnExecutorKilledMidGenerationChangesNoToken) {
 // stay draining until the hung one resumes and acknowledges its fence; every request still
 // gets its reference tokens.
 TEST_F(RouterProcessTest, AHungExecutorsSequencesAreFreedWithDrainAndFinishElsewhere) {
-  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/256, /*executors=*/2, {},
-                                     {"--fault-layer-delay-ms", "20"}));
-  std::vector<std::string> texts = {"first request", "second request", "third one",
-                                    "and a fourth"};
+  ASSERT_NO_FATAL_FAILURE(
+      StartStack(/*num_blocks=*/256, /*executors=*/2, {}, {"--fault-layer-delay-ms", "20"}));
+  std::vector<std::string> texts = {"first request", "second request", "third one", "and a fourth"};
   std::unique_ptr<Requests> requests = StartRequests(texts, 30);
   // A few steps in, every request generating.
   ASSERT_TRUE(AwaitGenerating(4, 8)) << router_->Output();
@@ -573,10 +569,10 @@ TEST_F(RouterProcessTest, AHungExecutorsSequencesAreFreedWithDrainAndFinishElsew
 
 TEST_F(RouterProcessTest, ASecondRouterOnTheSameRunDirectoryRefusesToStartAndTheFirstServesOn) {
   ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/64, /*executors=*/1));
-  absl::StatusOr<kvcm::testing::RunResult> second = kvcm::testing::RunProgram(
-      {KvcmBinaryPath("kvcm-router"), "--model", *model_dir_, "--run-dir", cm_->run_dir(),
-       "--port", "0"},
-      "", absl::Seconds(30));
+  absl::StatusOr<kvcm::testing::RunResult> second =
+      kvcm::testing::RunProgram({KvcmBinaryPath("kvcm-router"), "--model", *model_dir_, "--run-dir",
+                                 cm_->run_dir(), "--port", "0"},
+                                "", absl::Seconds(30));
   ASSERT_THAT(second, IsOk());
   EXPECT_NE(second->exit_code, 0);
   EXPECT_THAT(second->output, HasSubstr("another router listens on"));
@@ -615,8 +611,8 @@ TEST_F(RouterProcessTest, ACacheManagerKilledUnderLoadRestartsAndEveryRequestCom
 }
 
 TEST_F(RouterProcessTest, SigtermFinishesTheRunningRequestsRefusesNewOnesAndExitsCleanly) {
-  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/128, /*executors=*/1, {},
-                                     {"--fault-layer-delay-ms", "3"}));
+  ASSERT_NO_FATAL_FAILURE(
+      StartStack(/*num_blocks=*/128, /*executors=*/1, {}, {"--fault-layer-delay-ms", "3"}));
   std::unique_ptr<Requests> running = StartRequests({"finish me first"}, 60);
   ASSERT_TRUE(AwaitGenerating(1, 3)) << router_->Output();  // a few of its 60 steps in
   ASSERT_THAT(router_->Signal(SIGTERM), IsOk());
@@ -663,8 +659,8 @@ TEST_F(RouterProcessTest, OpenAiCompletionsGiveTheReferenceTokensUsageAndCachedT
     EXPECT_THAT(reply, IsOk());
     return reply.ok() ? *reply : HttpResponse{};
   };
-  const json greedy = {{"model", "tiny"}, {"prompt", prompt}, {"max_tokens", 6},
-                       {"temperature", 0}};
+  const json greedy = {
+      {"model", "tiny"}, {"prompt", prompt}, {"max_tokens", 6}, {"temperature", 0}};
   HttpResponse first = post(greedy);
   ASSERT_EQ(first.status, 200) << first.body;
   json reply = json::parse(first.body);
@@ -681,8 +677,11 @@ TEST_F(RouterProcessTest, OpenAiCompletionsGiveTheReferenceTokensUsageAndCachedT
 
   // Token ids as the prompt, streamed, with a usage chunk and [DONE] at the end.
   const std::vector<int32_t> ids = PromptIds(prompt);
-  HttpResponse streamed = post({{"prompt", ids}, {"max_tokens", 6}, {"temperature", 0},
-                                {"stream", true}, {"stream_options", {{"include_usage", true}}}});
+  HttpResponse streamed = post({{"prompt", ids},
+                                {"max_tokens", 6},
+                                {"temperature", 0},
+                                {"stream", true},
+                                {"stream_options", {{"include_usage", true}}}});
   ASSERT_EQ(streamed.status, 200) << streamed.body;
   std::string text;
   json usage;
@@ -710,8 +709,8 @@ TEST_F(RouterProcessTest, OpenAiCompletionsGiveTheReferenceTokensUsageAndCachedT
   EXPECT_EQ(error["error"]["param"], "n");
   EXPECT_EQ(error["error"]["type"], "invalid_request_error");
   EXPECT_EQ(RouterMetric("kvcm_router_requests_total", {{"api", "openai"}, {"outcome", "ok"}}), 3);
-  EXPECT_EQ(
-      RouterMetric("kvcm_router_requests_total", {{"api", "openai"}, {"outcome", "invalid"}}), 1);
+  EXPECT_EQ(RouterMetric("kvcm_router_requests_total", {{"api", "openai"}, {"outcome", "invalid"}}),
+            1);
   EXPECT_EQ(RouterMetric("kvcm_router_requests_total", {{"api", "tgi"}, {"outcome", "ok"}}), 0);
   absl::StatusOr<HttpResponse> models = kvcm::testing::HttpGet(url_ + "/v1/models");
   ASSERT_TRUE(models.ok() && models->status == 200);
@@ -754,7 +753,8 @@ TEST_F(RouterProcessTest, DetailsCarryTheModelsLogprobsTopTokensAndPromptScores)
     EXPECT_NEAR(prefill[j]["logprob"].get<double>(), want.prompt[j - 1], 1e-3) << "prompt " << j;
   }
   // Streamed tokens carry their log-probability too.
-  absl::StatusOr<HttpResponse> streamed = HttpPost(url_ + "/generate_stream", GenerateBody(text, 5));
+  absl::StatusOr<HttpResponse> streamed =
+      HttpPost(url_ + "/generate_stream", GenerateBody(text, 5));
   ASSERT_TRUE(streamed.ok() && streamed->status == 200);
   size_t seen = 0;
   for (absl::string_view line : absl::StrSplit(streamed->body, '\n')) {
@@ -768,8 +768,9 @@ TEST_F(RouterProcessTest, DetailsCarryTheModelsLogprobsTopTokensAndPromptScores)
 
   // OpenAI's echo with logprobs: the prompt's tokens first, the first unscored.
   absl::StatusOr<HttpResponse> echoed = HttpPost(
-      url_ + "/v1/completions", json{{"prompt", text}, {"max_tokens", 3}, {"temperature", 0},
-                                     {"echo", true}, {"logprobs", 1}}.dump());
+      url_ + "/v1/completions",
+      json{{"prompt", text}, {"max_tokens", 3}, {"temperature", 0}, {"echo", true}, {"logprobs", 1}}
+          .dump());
   ASSERT_TRUE(echoed.ok() && echoed->status == 200) << (echoed.ok() ? echoed->body : "");
   const json choice = json::parse(echoed->body)["choices"][0];
   const json& scores = choice["logprobs"]["token_logprobs"];
@@ -813,10 +814,14 @@ TEST_F(RouterProcessTest, PenaltiesAndTruncationGiveTheReferenceTokens) {
   penalties.frequency_penalty = 1.2f;
   penalties.presence_penalty = 0.7f;
   const ReferenceScores openai = Score(*model_, PromptIds(text), 8, penalties);
-  absl::StatusOr<HttpResponse> completion = HttpPost(
-      url_ + "/v1/completions",
-      json{{"prompt", text}, {"max_tokens", 8}, {"temperature", 0}, {"frequency_penalty", 1.2},
-           {"presence_penalty", 0.7}, {"logprobs", 2}}.dump());
+  absl::StatusOr<HttpResponse> completion =
+      HttpPost(url_ + "/v1/completions", json{{"prompt", text},
+                                              {"max_tokens", 8},
+                                              {"temperature", 0},
+                                              {"frequency_penalty", 1.2},
+                                              {"presence_penalty", 0.7},
+                                              {"logprobs", 2}}
+                                             .dump());
   ASSERT_TRUE(completion.ok() && completion->status == 200)
       << (completion.ok() ? completion->body : "");
   const json logprobs = json::parse(completion->body)["choices"][0]["logprobs"];
@@ -833,17 +838,21 @@ TEST_F(RouterProcessTest, PenaltiesAndTruncationGiveTheReferenceTokens) {
   std::vector<int32_t> ids = PromptIds(long_text);
   ids.erase(ids.begin(), ids.end() - 10);
   const std::vector<int32_t> truncated = kvcm::testing::ReferenceGreedy(*model_, ids, 4);
-  absl::StatusOr<HttpResponse> cut = HttpPost(
-      url_ + "/generate",
-      json{{"inputs", long_text},
-           {"parameters", {{"max_new_tokens", 4}, {"details", true}, {"truncate", 10},
-                           {"decoder_input_details", true}}}}.dump());
+  absl::StatusOr<HttpResponse> cut =
+      HttpPost(url_ + "/generate", json{{"inputs", long_text},
+                                        {"parameters",
+                                         {{"max_new_tokens", 4},
+                                          {"details", true},
+                                          {"truncate", 10},
+                                          {"decoder_input_details", true}}}}
+                                       .dump());
   ASSERT_TRUE(cut.ok() && cut->status == 200) << (cut.ok() ? cut->body : "");
   EXPECT_EQ(json::parse(cut->body)["details"]["prefill"].size(), 10u);
   std::vector<int32_t> cut_ids = TokenIds(cut->body);
   cut_ids.resize(std::min(cut_ids.size(), truncated.size()));
-  EXPECT_EQ(cut_ids, std::vector<int32_t>(truncated.begin(),
-                                          truncated.begin() + static_cast<std::ptrdiff_t>(cut_ids.size())));
+  EXPECT_EQ(cut_ids,
+            std::vector<int32_t>(truncated.begin(),
+                                 truncated.begin() + static_cast<std::ptrdiff_t>(cut_ids.size())));
   EXPECT_TRUE(AwaitNoBlockInUse());
   ExpectWhole(Stats());
 }
@@ -888,8 +897,8 @@ TEST_F(RouterProcessTest, GenerationConfigEosIdsEndGenerationToo) {
   ASSERT_THAT(copy, IsOk());
   const int32_t stop = plain[3];
   // The router reads the copy (the last --model wins); the executors the original.
-  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/64, /*executors=*/1,
-                                     {"--model", copy->path()}));
+  ASSERT_NO_FATAL_FAILURE(
+      StartStack(/*num_blocks=*/64, /*executors=*/1, {"--model", copy->path()}));
   EXPECT_THAT(router_->Output(), HasSubstr(absl::StrCat("generation ends at token(s) 2, ", stop)));
   absl::StatusOr<HttpResponse> reply = HttpPost(url_ + "/generate", GenerateBody(text, 8));
   ASSERT_TRUE(reply.ok() && reply->status == 200) << (reply.ok() ? reply->body : "");
@@ -902,10 +911,10 @@ TEST_F(RouterProcessTest, GenerationConfigEosIdsEndGenerationToo) {
     std::ofstream out(copy->path() + "/generation_config.json");
     out << R"({"eos_token_id": "two"})";
   }
-  absl::StatusOr<RunResult> refused = RunProgram(
-      {KvcmBinaryPath("kvcm-router"), "--model", copy->path(), "--run-dir", cm_->run_dir(),
-       "--port", "0"},
-      "", absl::Seconds(30));
+  absl::StatusOr<RunResult> refused =
+      RunProgram({KvcmBinaryPath("kvcm-router"), "--model", copy->path(), "--run-dir",
+                  cm_->run_dir(), "--port", "0"},
+                 "", absl::Seconds(30));
   ASSERT_THAT(refused, IsOk());
   EXPECT_NE(refused->exit_code, 0);
   EXPECT_THAT(refused->output, HasSubstr("generation_config.json: eos_token_id"));
@@ -919,8 +928,8 @@ TEST_F(RouterProcessTest, IgnoreEosGeneratesExactlyMaxTokensWhereTheModelWouldSt
   const std::vector<int32_t> plain = Reference(text, 8);
   absl::StatusOr<TempDir> copy = CopyEndingAtFourth(*model_dir_, plain);
   ASSERT_THAT(copy, IsOk());
-  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/64, /*executors=*/1,
-                                     {"--model", copy->path()}));
+  ASSERT_NO_FATAL_FAILURE(
+      StartStack(/*num_blocks=*/64, /*executors=*/1, {"--model", copy->path()}));
   auto complete = [&](json body) {
     body["prompt"] = text;
     body["max_tokens"] = 8;
@@ -946,18 +955,21 @@ TEST_F(RouterProcessTest, IgnoreEosGeneratesExactlyMaxTokensWhereTheModelWouldSt
   EXPECT_EQ(full["choices"][0]["logprobs"]["tokens"].size(), 8u) << full.dump();
   EXPECT_EQ(full["choices"][0]["text"].get<std::string>(), AsJsonText(BytesOf(plain)));
   // Streamed alike.
-  absl::StatusOr<HttpResponse> streamed = HttpPost(
-      url_ + "/v1/completions",
-      json{{"prompt", text}, {"max_tokens", 8}, {"temperature", 0}, {"ignore_eos", true},
-           {"stream", true}, {"stream_options", {{"include_usage", true}}}}.dump());
+  absl::StatusOr<HttpResponse> streamed =
+      HttpPost(url_ + "/v1/completions", json{{"prompt", text},
+                                              {"max_tokens", 8},
+                                              {"temperature", 0},
+                                              {"ignore_eos", true},
+                                              {"stream", true},
+                                              {"stream_options", {{"include_usage", true}}}}
+                                             .dump());
   ASSERT_TRUE(streamed.ok() && streamed->status == 200);
   const OpenAiStream stream = ReadOpenAiStream(streamed->body);
   EXPECT_EQ(stream.finish, "length");
   EXPECT_EQ(stream.tokens, 8);
   // TGI's API has no ignore_eos: refused there, named.
   absl::StatusOr<HttpResponse> tgi = HttpPost(
-      url_ + "/generate",
-      json{{"inputs", text}, {"parameters", {{"ignore_eos", true}}}}.dump());
+      url_ + "/generate", json{{"inputs", text}, {"parameters", {{"ignore_eos", true}}}}.dump());
   ASSERT_THAT(tgi, IsOk());
   EXPECT_EQ(tgi->status, 422);
   EXPECT_THAT(tgi->body, HasSubstr("ignore_eos"));
@@ -977,9 +989,9 @@ TEST_F(RouterProcessTest, IgnoreEosGeneratesExactlyMaxTokensWhereTheModelWouldSt
   EXPECT_EQ(held["choices"][0]["finish_reason"], until < plain.size() ? "stop" : "length");
   EXPECT_EQ(held["choices"][0]["logprobs"]["tokens"].size(), until) << held.dump();
   // min_tokens over max_tokens is a 400 naming it.
-  absl::StatusOr<HttpResponse> refused = HttpPost(
-      url_ + "/v1/completions",
-      json{{"prompt", text}, {"max_tokens", 8}, {"min_tokens", 9}}.dump());
+  absl::StatusOr<HttpResponse> refused =
+      HttpPost(url_ + "/v1/completions",
+               json{{"prompt", text}, {"max_tokens", 8}, {"min_tokens", 9}}.dump());
   ASSERT_THAT(refused, IsOk());
   EXPECT_EQ(refused->status, 400) << refused->body;
   EXPECT_EQ(json::parse(refused->body)["error"]["param"], "min_tokens") << refused->body;
@@ -998,8 +1010,8 @@ TEST_F(RouterProcessTest, MinTokensHoldsEosBackUntilThatManyTokensAreOut) {
   absl::StatusOr<TempDir> copy = CopyEndingAtFourth(*model_dir_, plain, /*with_weights=*/true);
   ASSERT_THAT(copy, IsOk());
   const int32_t stop = plain[3];
-  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/64, /*executors=*/1,
-                                     {"--model", copy->path()}, {"--model", copy->path()}));
+  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/64, /*executors=*/1, {"--model", copy->path()},
+                                     {"--model", copy->path()}));
   constexpr int32_t kMaxTokens = 12;
   constexpr int32_t kMinTokens = 6;
   // The reference: the contiguous greedy pass with the EOS ids at -inf for the first
@@ -1045,15 +1057,18 @@ TEST_F(RouterProcessTest, MinTokensHoldsEosBackUntilThatManyTokensAreOut) {
   EXPECT_EQ(held["choices"][0]["logprobs"]["tokens"].size(), want.size()) << held.dump();
   EXPECT_EQ(held["choices"][0]["finish_reason"], ended ? "stop" : "length");
   const std::vector<int32_t> first(want.begin(), want.begin() + kMinTokens);
-  EXPECT_TRUE(absl::StartsWith(held["choices"][0]["text"].get<std::string>(),
-                               AsJsonText(BytesOf(first))))
+  EXPECT_TRUE(
+      absl::StartsWith(held["choices"][0]["text"].get<std::string>(), AsJsonText(BytesOf(first))))
       << held.dump();
   // Streamed alike: min_tokens = max_tokens gives exactly that many.
-  absl::StatusOr<HttpResponse> streamed = HttpPost(
-      url_ + "/v1/completions",
-      json{{"prompt", text}, {"max_tokens", kMinTokens}, {"min_tokens", kMinTokens},
-           {"temperature", 0}, {"stream", true}, {"stream_options", {{"include_usage", true}}}}
-          .dump());
+  absl::StatusOr<HttpResponse> streamed =
+      HttpPost(url_ + "/v1/completions", json{{"prompt", text},
+                                              {"max_tokens", kMinTokens},
+                                              {"min_tokens", kMinTokens},
+                                              {"temperature", 0},
+                                              {"stream", true},
+                                              {"stream_options", {{"include_usage", true}}}}
+                                             .dump());
   ASSERT_TRUE(streamed.ok() && streamed->status == 200);
   const OpenAiStream stream = ReadOpenAiStream(streamed->body);
   EXPECT_EQ(stream.finish, "length");
@@ -1072,15 +1087,15 @@ TEST_F(RouterProcessTest, SeveralAnswersToOnePromptAreEachTheAnswerOfItsOwnSeed)
     return reply.ok() && reply->status == 200 ? json::parse(reply->body) : json();
   };
   // OpenAI's n = 3: choice i is what the same request with seed 7 + i answers alone.
-  const json three = completion({{"prompt", prompt}, {"max_tokens", 8}, {"temperature", 0.9},
-                                 {"seed", 7}, {"n", 3}});
+  const json three = completion(
+      {{"prompt", prompt}, {"max_tokens", 8}, {"temperature", 0.9}, {"seed", 7}, {"n", 3}});
   ASSERT_EQ(three["choices"].size(), 3u) << three.dump();
   size_t tokens = 0;
   std::set<std::string> distinct;
   for (size_t i = 0; i < 3; ++i) {
     EXPECT_EQ(three["choices"][i]["index"], i);
-    const json alone = completion({{"prompt", prompt}, {"max_tokens", 8}, {"temperature", 0.9},
-                                   {"seed", 7 + i}});
+    const json alone =
+        completion({{"prompt", prompt}, {"max_tokens", 8}, {"temperature", 0.9}, {"seed", 7 + i}});
     EXPECT_EQ(three["choices"][i]["text"], alone["choices"][0]["text"]) << "choice " << i;
     tokens += alone["usage"]["completion_tokens"].get<size_t>();
     distinct.insert(three["choices"][i]["text"].get<std::string>());
@@ -1090,10 +1105,14 @@ TEST_F(RouterProcessTest, SeveralAnswersToOnePromptAreEachTheAnswerOfItsOwnSeed)
   EXPECT_EQ(three["usage"]["prompt_tokens"], 21);
 
   // Streamed, each chunk names its choice, and each choice's chunks join to its text.
-  absl::StatusOr<HttpResponse> streamed = HttpPost(
-      url_ + "/v1/completions",
-      json{{"prompt", prompt}, {"max_tokens", 8}, {"temperature", 0.9}, {"seed", 7}, {"n", 3},
-           {"stream", true}}.dump());
+  absl::StatusOr<HttpResponse> streamed =
+      HttpPost(url_ + "/v1/completions", json{{"prompt", prompt},
+                                              {"max_tokens", 8},
+                                              {"temperature", 0.9},
+                                              {"seed", 7},
+                                              {"n", 3},
+                                              {"stream", true}}
+                                             .dump());
   ASSERT_TRUE(streamed.ok() && streamed->status == 200);
   std::vector<std::string> texts(3);
   for (absl::string_view line : absl::StrSplit(streamed->body, '\n')) {
@@ -1108,13 +1127,13 @@ TEST_F(RouterProcessTest, SeveralAnswersToOnePromptAreEachTheAnswerOfItsOwnSeed)
   // TGI's best_of = 3 (the server picks the seeds): the answer with the highest
   // log-probability, the others in best_of_sequences, each what its seed answers alone.
   auto generate = [&](const json& parameters) {
-    absl::StatusOr<HttpResponse> reply = HttpPost(
-        url_ + "/generate", json{{"inputs", prompt}, {"parameters", parameters}}.dump());
+    absl::StatusOr<HttpResponse> reply =
+        HttpPost(url_ + "/generate", json{{"inputs", prompt}, {"parameters", parameters}}.dump());
     EXPECT_TRUE(reply.ok() && reply->status == 200) << (reply.ok() ? reply->body : "");
     return reply.ok() && reply->status == 200 ? json::parse(reply->body) : json();
   };
-  const json best_of = generate({{"max_new_tokens", 6}, {"do_sample", true}, {"best_of", 3},
-                                 {"details", true}});
+  const json best_of =
+      generate({{"max_new_tokens", 6}, {"do_sample", true}, {"best_of", 3}, {"details", true}});
   ASSERT_EQ(best_of["details"]["best_of_sequences"].size(), 2u) << best_of.dump();
   std::vector<json> answers = {best_of["details"]};
   answers[0]["generated_text"] = best_of["generated_text"];
@@ -1124,8 +1143,8 @@ TEST_F(RouterProcessTest, SeveralAnswersToOnePromptAreEachTheAnswerOfItsOwnSeed)
   for (size_t k = 0; k < answers.size(); ++k) {
     const uint64_t seed = answers[k]["seed"].get<uint64_t>();
     seeds.insert(seed);
-    const json alone = generate({{"max_new_tokens", 6}, {"do_sample", true}, {"seed", seed},
-                                 {"details", true}});
+    const json alone =
+        generate({{"max_new_tokens", 6}, {"do_sample", true}, {"seed", seed}, {"details", true}});
     EXPECT_EQ(answers[k]["generated_text"], alone["generated_text"]) << "seed " << seed;
     double sum = 0;
     for (const json& t : alone["details"]["tokens"]) sum += t["logprob"].get<double>();
@@ -1140,8 +1159,8 @@ TEST_F(RouterProcessTest, SeveralAnswersToOnePromptAreEachTheAnswerOfItsOwnSeed)
   // A seed with best_of is refused, as TGI does.
   absl::StatusOr<HttpResponse> seeded = HttpPost(
       url_ + "/generate",
-      json{{"inputs", prompt},
-           {"parameters", {{"do_sample", true}, {"best_of", 2}, {"seed", 4}}}}.dump());
+      json{{"inputs", prompt}, {"parameters", {{"do_sample", true}, {"best_of", 2}, {"seed", 4}}}}
+          .dump());
   ASSERT_THAT(seeded, IsOk());
   EXPECT_EQ(seeded->status, 422) << seeded->body;
   EXPECT_TRUE(AwaitNoBlockInUse());

@@ -36,8 +36,8 @@
 #include "gtest/gtest.h"
 #include "tests/services/router/router_stack.h"
 #include "tests/support/byte_tokenizer.h"
-#include "tests/support/wait_for.h"
 #include "tests/support/status_matchers.h"
+#include "tests/support/wait_for.h"
 
 namespace kvcm {
 namespace {
@@ -154,29 +154,29 @@ int ConnectWithin(const std::string& url, absl::Duration timeout) {
 }
 
 TEST_F(RouterSecurityTest, OversizedBodiesHeadersAndPromptsAreRefusedAndTheLedgerStaysWhole) {
-  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/64, /*executors=*/1,
-                                     {"--max-request-body-bytes", "4096",
-                                      "--max-request-header-bytes", "2048",
-                                      "--max-input-tokens", "40", "--max-total-tokens", "60"}));
+  ASSERT_NO_FATAL_FAILURE(
+      StartStack(/*num_blocks=*/64, /*executors=*/1,
+                 {"--max-request-body-bytes", "4096", "--max-request-header-bytes", "2048",
+                  "--max-input-tokens", "40", "--max-total-tokens", "60"}));
   // A body over --max-request-body-bytes: 413 once its Content-Length is read.
   const std::string body = json{{"inputs", std::string(8000, 'x')}}.dump();
-  const std::string big_body = Exchange(
-      url_, absl::StrCat("POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
-                         "application/json\r\nContent-Length: ",
-                         body.size(), "\r\n\r\n", body));
+  const std::string big_body =
+      Exchange(url_, absl::StrCat("POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                                  "application/json\r\nContent-Length: ",
+                                  body.size(), "\r\n\r\n", body));
   EXPECT_THAT(big_body, HasSubstr("HTTP/1.1 413")) << big_body.substr(0, 200);
   // Headers over --max-request-header-bytes: refused before any handler runs, 431 in the
   // route's shape, and the connection closed.
-  const std::string big_headers = Exchange(
-      url_, absl::StrCat("GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: ",
-                         std::string(4000, 'a'), "\r\n\r\n"));
+  const std::string big_headers =
+      Exchange(url_, absl::StrCat("GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: ",
+                                  std::string(4000, 'a'), "\r\n\r\n"));
   EXPECT_THAT(big_headers, HasSubstr("HTTP/1.1 431")) << big_headers.substr(0, 200);
   EXPECT_THAT(big_headers, HasSubstr("--max-request-header-bytes")) << big_headers.substr(0, 200);
   // Just under both limits: answered.
-  const std::string fits = Exchange(
-      url_, absl::StrCat("GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
-                         "X-Pad: ",
-                         std::string(1500, 'a'), "\r\n\r\n"));
+  const std::string fits =
+      Exchange(url_, absl::StrCat("GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+                                  "X-Pad: ",
+                                  std::string(1500, 'a'), "\r\n\r\n"));
   EXPECT_THAT(fits, HasSubstr("HTTP/1.1 200")) << fits.substr(0, 200);
 
   // Prompts over --max-input-tokens and --max-total-tokens: 422 naming the limit, counted.
@@ -262,10 +262,11 @@ TEST_F(RouterSecurityTest, SlowlorisConnectionsAreDroppedAtTheRequestDeadlineWhi
     first = std::min(first, d);
     last = std::max(last, d);
   }
-  std::printf("%d slowloris connections dropped %s to %s after they started (deadline %d ms); "
-              "%d requests served meanwhile\n",
-              kSlow, absl::FormatDuration(first).c_str(), absl::FormatDuration(last).c_str(),
-              kDeadlineMs, served);
+  std::printf(
+      "%d slowloris connections dropped %s to %s after they started (deadline %d ms); "
+      "%d requests served meanwhile\n",
+      kSlow, absl::FormatDuration(first).c_str(), absl::FormatDuration(last).c_str(), kDeadlineMs,
+      served);
   EXPECT_GT(served, 0);
   EXPECT_EQ(RouterMetric("kvcm_router_http_slow_requests_dropped_total"), kSlow);
 
@@ -421,9 +422,8 @@ TEST_F(RouterSecurityTest, AnEmptyPromptIsRefusedAndTheRouterKeepsServing) {
   }
   EXPECT_EQ(RouterMetric("kvcm_router_requests_total", {{"api", "tgi"}, {"outcome", "invalid"}}),
             tgi_before + 4);
-  EXPECT_EQ(
-      RouterMetric("kvcm_router_requests_total", {{"api", "openai"}, {"outcome", "invalid"}}),
-      openai_before + 2);
+  EXPECT_EQ(RouterMetric("kvcm_router_requests_total", {{"api", "openai"}, {"outcome", "invalid"}}),
+            openai_before + 2);
 
   // A prompt of two bytes is two tokens, no BOS, and gets the model's tokens for them.
   absl::StatusOr<HttpResponse> fine = HttpPost(url_ + "/generate", GenerateBody("ok", 3));
@@ -515,11 +515,9 @@ TEST_F(RouterSecurityTest, AHugeUnsupportedValueIsEchoedAsAShortPrefix) {
   };
   const Case cases[] = {
       {"/generate", json{{"inputs", "a"}, {"parameters", {{"typical_p", huge}}}}.dump(), 422,
-       "parameter `typical_p` is not supported by this server (\"" + huge.substr(0, 63) +
-           "...)"},
+       "parameter `typical_p` is not supported by this server (\"" + huge.substr(0, 63) + "...)"},
       {"/v1/completions", json{{"prompt", "a"}, {"logit_bias", huge}}.dump(), 400,
-       "parameter `logit_bias` is not supported by this server (\"" + huge.substr(0, 63) +
-           "...)"},
+       "parameter `logit_bias` is not supported by this server (\"" + huge.substr(0, 63) + "...)"},
       {"/v1/completions", json{{"prompt", "a"}, {huge, 1}}.dump(), 400,
        "parameter `" + huge.substr(0, 64) + "...` is not supported by this server (1)"},
   };
@@ -556,9 +554,8 @@ TEST_F(RouterSecurityTest, TokenizeRefusesAnInputOverMaxInputTokensInsteadOfAnsw
   EXPECT_EQ(over->status, 422) << over->body;
   EXPECT_THAT(over->body, HasSubstr("less than 40 tokens. Given: 41"));
   // 1 MB of digits (under --max-request-body-bytes) was a 22 MB reply of one entry per id.
-  absl::StatusOr<HttpResponse> huge =
-      HttpPost(url_ + "/tokenize", json{{"inputs", std::string(1000000, '7')}}.dump(),
-               absl::Seconds(30));
+  absl::StatusOr<HttpResponse> huge = HttpPost(
+      url_ + "/tokenize", json{{"inputs", std::string(1000000, '7')}}.dump(), absl::Seconds(30));
   ASSERT_THAT(huge, IsOk());
   EXPECT_EQ(huge->status, 422) << huge->body.substr(0, 300);
   EXPECT_LT(huge->body.size(), 1024u);
@@ -597,8 +594,8 @@ TEST_F(RouterSecurityTest, SilentConnectionsPastTheFdLimitAreShedAndExecutorsSti
       break;  // the router took no more in 30 s: the wait below says why
     }
   }
-  auto stopped = router_->WaitForLine("not accepting HTTP connections",
-                                      absl::Now() + absl::Seconds(30));
+  auto stopped =
+      router_->WaitForLine("not accepting HTTP connections", absl::Now() + absl::Seconds(30));
   ASSERT_THAT(stopped, IsOk()) << "\n" << Tail(router_->Output());
   ASSERT_EQ(silent.size() + reset_at_connect, kFlood)
       << "connections the router did not take in 30 s";
@@ -648,8 +645,9 @@ TEST_F(RouterSecurityTest, SilentConnectionsPastTheFdLimitAreShedAndExecutorsSti
     ASSERT_LT(absl::Now(), served_by) << Tail(router_->Output());
     absl::SleepFor(absl::Milliseconds(20));
   }
-  EXPECT_THAT(router_->WaitForLine("accepting HTTP connections again",
-                                   absl::Now() + absl::Seconds(30)), IsOk());
+  EXPECT_THAT(
+      router_->WaitForLine("accepting HTTP connections again", absl::Now() + absl::Seconds(30)),
+      IsOk());
   ASSERT_TRUE(StillServing(url_, *router_, pid));
   ASSERT_NO_FATAL_FAILURE(AwaitExecutors(2));
   EXPECT_GE(RouterMetric("kvcm_router_http_connections_shed_total"), kFlood - kLimit);
@@ -670,9 +668,9 @@ TEST_F(RouterSecurityTest, SilentConnectionsPastTheFdLimitAreShedAndExecutorsSti
 // A POST of `body` to `path`, framed by Content-Length, as raw bytes.
 std::string RawPost(const std::string& path, const std::string& body,
                     const std::string& extra_headers = "") {
-  return absl::StrCat("POST ", path, " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: ",
-                      "application/json\r\n", extra_headers, "Content-Length: ", body.size(),
-                      "\r\n\r\n", body);
+  return absl::StrCat("POST ", path,
+                      " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: ", "application/json\r\n",
+                      extra_headers, "Content-Length: ", body.size(), "\r\n\r\n", body);
 }
 
 // One reply of a keep-alive connection, framed by its Content-Length ("" if it broke off).
@@ -710,9 +708,8 @@ void WriteChatTemplate(const std::string& path) {
 // The OpenAI error object of a reply; null when the reply has none.
 json OpenAiErrorOf(const HttpResponse& reply) {
   const json error = ErrorOf(reply);
-  return error.is_object() && error.contains("error") && error["error"].is_object()
-             ? error["error"]
-             : json(nullptr);
+  return error.is_object() && error.contains("error") && error["error"].is_object() ? error["error"]
+                                                                                    : json(nullptr);
 }
 
 TEST_F(RouterSecurityTest, UnstreamedRequestsWhoseClientsLeaveAreCancelledAndFreeTheirBlocks) {
@@ -720,8 +717,8 @@ TEST_F(RouterSecurityTest, UnstreamedRequestsWhoseClientsLeaveAreCancelledAndFre
   // connection whose request had arrived, so an unstreamed request (which writes nothing
   // until its reply) ran to its last token after its client closed: a client could fill
   // the batch and the pool and leave.
-  ASSERT_NO_FATAL_FAILURE(StartStack(/*num_blocks=*/1024, /*executors=*/1, {},
-                                     {"--fault-layer-delay-ms", "5"}));
+  ASSERT_NO_FATAL_FAILURE(
+      StartStack(/*num_blocks=*/1024, /*executors=*/1, {}, {"--fault-layer-delay-ms", "5"}));
   const pid_t pid = router_->pid();
   const MetricLabels tgi_cancelled = {{"api", "tgi"}, {"outcome", "cancelled"}};
   const MetricLabels openai_cancelled = {{"api", "openai"}, {"outcome", "cancelled"}};
@@ -757,7 +754,8 @@ TEST_F(RouterSecurityTest, UnstreamedRequestsWhoseClientsLeaveAreCancelledAndFre
   }
   // Every one generating, holding blocks.
   ASSERT_THAT(WaitFor([&] { return RouterMetric("kvcm_router_running_sequences") == 5; },
-                      absl::Seconds(20), "the five requests to run"), IsOk())
+                      absl::Seconds(20), "the five requests to run"),
+              IsOk())
       << Tail(router_->Output());
   EXPECT_GT(Stats().in_use_blocks, 0);
   const double generated_at_close = RouterMetric("kvcm_router_generated_tokens_total");
@@ -818,13 +816,14 @@ TEST_F(RouterSecurityTest, ATinyTemperatureGivesFiniteLogprobsOnEveryApi) {
   };
 
   // TGI, with details and top tokens: the greedy tokens.
-  absl::StatusOr<HttpResponse> tgi = HttpPost(
-      url_ + "/generate",
-      json{{"inputs", "ok"},
-           {"parameters",
-            {{"max_new_tokens", 4}, {"details", true}, {"do_sample", true},
-             {"temperature", 1e-40}, {"top_n_tokens", 5}}}}
-          .dump());
+  absl::StatusOr<HttpResponse> tgi = HttpPost(url_ + "/generate", json{{"inputs", "ok"},
+                                                                       {"parameters",
+                                                                        {{"max_new_tokens", 4},
+                                                                         {"details", true},
+                                                                         {"do_sample", true},
+                                                                         {"temperature", 1e-40},
+                                                                         {"top_n_tokens", 5}}}}
+                                                                      .dump());
   ASSERT_THAT(tgi, IsOk());
   ASSERT_EQ(tgi->status, 200) << tgi->body;
   EXPECT_EQ(TokenIds(tgi->body), Reference("ok", 4));
@@ -837,13 +836,14 @@ TEST_F(RouterSecurityTest, ATinyTemperatureGivesFiniteLogprobsOnEveryApi) {
   ASSERT_TRUE(StillServing(url_, *router_, pid));
 
   // TGI streamed: each event's token and top tokens.
-  absl::StatusOr<HttpResponse> stream = HttpPost(
-      url_ + "/generate_stream",
-      json{{"inputs", "ok"},
-           {"parameters",
-            {{"max_new_tokens", 4}, {"do_sample", true}, {"temperature", 1e-40},
-             {"top_n_tokens", 5}}}}
-          .dump());
+  absl::StatusOr<HttpResponse> stream =
+      HttpPost(url_ + "/generate_stream", json{{"inputs", "ok"},
+                                               {"parameters",
+                                                {{"max_new_tokens", 4},
+                                                 {"do_sample", true},
+                                                 {"temperature", 1e-40},
+                                                 {"top_n_tokens", 5}}}}
+                                              .dump());
   ASSERT_THAT(stream, IsOk());
   ASSERT_EQ(stream->status, 200) << stream->body;
   for (absl::string_view line : absl::StrSplit(stream->body, '\n')) {
@@ -871,13 +871,12 @@ TEST_F(RouterSecurityTest, ATinyTemperatureGivesFiniteLogprobsOnEveryApi) {
 
   // OpenAI chat: content[].logprob and its top_logprobs.
   absl::StatusOr<HttpResponse> chat = HttpPost(
-      url_ + "/v1/chat/completions",
-      json{{"messages", {{{"role", "user"}, {"content", "ok"}}}},
-           {"max_tokens", 4},
-           {"temperature", 1e-40},
-           {"logprobs", true},
-           {"top_logprobs", 5}}
-          .dump());
+      url_ + "/v1/chat/completions", json{{"messages", {{{"role", "user"}, {"content", "ok"}}}},
+                                          {"max_tokens", 4},
+                                          {"temperature", 1e-40},
+                                          {"logprobs", true},
+                                          {"top_logprobs", 5}}
+                                         .dump());
   ASSERT_THAT(chat, IsOk());
   ASSERT_EQ(chat->status, 200) << chat->body;
   // The parsed reply lives in a variable: a range-for over a member of a temporary reads
@@ -968,10 +967,9 @@ TEST_F(RouterSecurityTest, AnEmptyStopStringIsRefusedByBothApis) {
     ASSERT_TRUE(StillServing(url_, *router_, pid));
   }
   // A non-empty stop string is served on both.
-  absl::StatusOr<HttpResponse> served =
-      HttpPost(url_ + "/v1/completions",
-               json{{"prompt", "a"}, {"stop", {"zz"}}, {"max_tokens", 2}, {"temperature", 0}}
-                   .dump());
+  absl::StatusOr<HttpResponse> served = HttpPost(
+      url_ + "/v1/completions",
+      json{{"prompt", "a"}, {"stop", {"zz"}}, {"max_tokens", 2}, {"temperature", 0}}.dump());
   ASSERT_THAT(served, IsOk());
   EXPECT_EQ(served->status, 200) << served->body;
 }
@@ -996,13 +994,13 @@ TEST_F(RouterSecurityTest, MaxCompletionTokensWinsOverMaxTokensInChat) {
   for (const auto& [max_tokens, max_completion_tokens] :
        {std::pair<int, int>{7, 3}, std::pair<int, int>{3, 7}}) {
     SCOPED_TRACE(absl::StrCat(max_tokens, " ", max_completion_tokens));
-    absl::StatusOr<HttpResponse> reply = HttpPost(
-        url_ + "/v1/chat/completions",
-        json{{"messages", {{{"role", "user"}, {"content", "count"}}}},
-             {"temperature", 0},
-             {"max_tokens", max_tokens},
-             {"max_completion_tokens", max_completion_tokens}}
-            .dump());
+    absl::StatusOr<HttpResponse> reply =
+        HttpPost(url_ + "/v1/chat/completions",
+                 json{{"messages", {{{"role", "user"}, {"content", "count"}}}},
+                      {"temperature", 0},
+                      {"max_tokens", max_tokens},
+                      {"max_completion_tokens", max_completion_tokens}}
+                     .dump());
     ASSERT_THAT(reply, IsOk());
     ASSERT_EQ(reply->status, 200) << reply->body;
     const json body = json::parse(reply->body);
@@ -1081,8 +1079,7 @@ TEST_F(RouterSecurityTest, AmbiguousFramingIsRefusedWith400AndNothingAfterItIsRe
   // route's API's shape, and its connection closed: one reply, whatever follows unread.
   const std::string body = GenerateBody("frame", 2);
   const std::string smuggled = "GET /info HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
-  const std::string chunked =
-      absl::StrCat(absl::Hex(body.size()), "\r\n", body, "\r\n0\r\n\r\n");
+  const std::string chunked = absl::StrCat(absl::Hex(body.size()), "\r\n", body, "\r\n0\r\n\r\n");
   struct Case {
     std::string what;
     std::string request;
@@ -1100,8 +1097,8 @@ TEST_F(RouterSecurityTest, AmbiguousFramingIsRefusedWith400AndNothingAfterItIsRe
       {"Transfer-Encoding with a space before its colon",
        absl::StrCat(head, "Transfer-Encoding : chunked\r\nContent-Length: ", chunked.size(),
                     "\r\n\r\n", chunked)},
-      {"Content-Length: +N", absl::StrCat(head, "Content-Length: +", body.size(), "\r\n\r\n",
-                                          body)},
+      {"Content-Length: +N",
+       absl::StrCat(head, "Content-Length: +", body.size(), "\r\n\r\n", body)},
       {"Content-Length: -0", absl::StrCat(head, "Content-Length: -0\r\n\r\n", smuggled)},
       {"Transfer-Encoding with Content-Length",
        absl::StrCat(head, "Transfer-Encoding: chunked\r\nContent-Length: ", chunked.size(),
@@ -1142,12 +1139,11 @@ TEST_F(RouterSecurityTest, AmbiguousFramingIsRefusedWith400AndNothingAfterItIsRe
   }
   // What RFC 9112 allows is served: chunked alone, and the same Content-Length twice.
   const std::string fine_chunked = Exchange(
-      url_, absl::StrCat(head, "Connection: close\r\nTransfer-Encoding: chunked\r\n\r\n",
-                         chunked));
+      url_, absl::StrCat(head, "Connection: close\r\nTransfer-Encoding: chunked\r\n\r\n", chunked));
   EXPECT_EQ(fine_chunked.rfind("HTTP/1.1 200", 0), 0u) << fine_chunked;
-  const std::string fine_twice = Exchange(
-      url_, absl::StrCat(head, "Connection: close\r\nContent-Length: ", body.size(),
-                         "\r\nContent-Length: ", body.size(), "\r\n\r\n", body));
+  const std::string fine_twice =
+      Exchange(url_, absl::StrCat(head, "Connection: close\r\nContent-Length: ", body.size(),
+                                  "\r\nContent-Length: ", body.size(), "\r\n\r\n", body));
   EXPECT_EQ(fine_twice.rfind("HTTP/1.1 200", 0), 0u) << fine_twice;
   ExpectWhole(Stats());
 }
@@ -1192,11 +1188,9 @@ TEST_F(RouterSecurityTest, BodiesOverTheLimitAndMalformedChunksAreAnsweredInTheR
                     "\r\n0\r\n\r\n"),
        413, "--max-request-body-bytes"},
       {"a chunk size that is not hexadecimal",
-       "Transfer-Encoding: chunked\r\n\r\nzz\r\nhello\r\n0\r\n\r\n", 400,
-       "malformed chunked body"},
-      {"chunk data without its CRLF",
-       "Transfer-Encoding: chunked\r\n\r\n5\r\nhelloXY0\r\n\r\n", 400,
-       "malformed chunked body"},
+       "Transfer-Encoding: chunked\r\n\r\nzz\r\nhello\r\n0\r\n\r\n", 400, "malformed chunked body"},
+      {"chunk data without its CRLF", "Transfer-Encoding: chunked\r\n\r\n5\r\nhelloXY0\r\n\r\n",
+       400, "malformed chunked body"},
   };
   for (const std::string path : {"/generate", "/v1/completions"}) {
     const bool openai = path != "/generate";
@@ -1252,8 +1246,7 @@ TEST_F(RouterSecurityTest, NoReplyQuotesMoreThanAShortPrefixOfWhatTheClientSent)
       {"GET", "/v1" + long_path, "", 404},
       {"GET", "/v1/models" + long_path, "", 404},
       {"POST", "/v1/chat/completions",
-       json{{"messages", {{{"role", "bad"}, {"content", std::string(500000, 'c')}}}}}.dump(),
-       400},
+       json{{"messages", {{{"role", "bad"}, {"content", std::string(500000, 'c')}}}}}.dump(), 400},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.method + " " + c.path.substr(0, 40));
@@ -1302,7 +1295,8 @@ TEST_F(RouterSecurityTest, TheDashboardAndConfigInfoShowNoPathOfTheMachine) {
                                               : json(nullptr);
   };
   ASSERT_THAT(WaitFor([&] { return state().contains("pool"); }, absl::Seconds(10),
-                      "the dashboard's first state"), IsOk());
+                      "the dashboard's first state"),
+              IsOk());
   ASSERT_THAT(cm_->process().Signal(SIGSTOP), IsOk());
   absl::Cleanup resume = [this] { (void)cm_->process().Signal(SIGCONT); };
   std::string shown;
@@ -1315,13 +1309,15 @@ TEST_F(RouterSecurityTest, TheDashboardAndConfigInfoShowNoPathOfTheMachine) {
                     shown = s["error"].get<std::string>();
                     return true;
                   },
-                  absl::Seconds(10), "the dashboard to say the cache manager does not answer"), IsOk());
+                  absl::Seconds(10), "the dashboard to say the cache manager does not answer"),
+              IsOk());
   std::move(resume).Invoke();
   EXPECT_EQ(shown, "the cache manager does not answer (DEADLINE_EXCEEDED)");
   EXPECT_EQ(shown.find('/'), std::string::npos) << shown;
   EXPECT_THAT(router_->Output(), HasSubstr("dashboard: DEADLINE_EXCEEDED"));
   ASSERT_THAT(WaitFor([&] { return state().contains("pool"); }, absl::Seconds(10),
-                      "the dashboard's state once the cache manager answers again"), IsOk());
+                      "the dashboard's state once the cache manager answers again"),
+              IsOk());
   ASSERT_TRUE(StillServing(url_, *router_, pid));
 }
 
@@ -1404,10 +1400,10 @@ TEST_F(RouterSecurityTest, AStreamThePoolCanNeverHoldIsRefusedBeforeItStartsAsWh
   const Case cases[] = {
       {"/generate_stream", "/generate", tgi, "/generate_stream", tgi, 422, false},
       {"/ with stream", "/", tgi, "/", tgi_stream, 422, false},
-      {"/v1/completions", "/v1/completions", completion, "/v1/completions", completion_stream,
+      {"/v1/completions", "/v1/completions", completion, "/v1/completions", completion_stream, 400,
+       true},
+      {"/v1/chat/completions", "/v1/chat/completions", chat, "/v1/chat/completions", chat_stream,
        400, true},
-      {"/v1/chat/completions", "/v1/chat/completions", chat, "/v1/chat/completions",
-       chat_stream, 400, true},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
@@ -1425,10 +1421,8 @@ TEST_F(RouterSecurityTest, AStreamThePoolCanNeverHoldIsRefusedBeforeItStartsAsWh
     absl::Cleanup close_fd = [fd] { ::close(fd); };
     ASSERT_TRUE(SendAll(fd, RawPost(c.stream_path, c.streamed.dump())));
     const std::string reply = ReadOneReply(fd);
-    EXPECT_EQ(reply.rfind(absl::StrCat("HTTP/1.1 ", c.status, " "), 0), 0u)
-        << reply.substr(0, 400);
-    EXPECT_THAT(HeadOf(reply), HasSubstr("content-type: application/json"))
-        << reply.substr(0, 400);
+    EXPECT_EQ(reply.rfind(absl::StrCat("HTTP/1.1 ", c.status, " "), 0), 0u) << reply.substr(0, 400);
+    EXPECT_THAT(HeadOf(reply), HasSubstr("content-type: application/json")) << reply.substr(0, 400);
     EXPECT_THAT(reply, Not(HasSubstr("data:"))) << reply.substr(0, 400);
     const size_t split = reply.find("\r\n\r\n");
     ASSERT_NE(split, std::string::npos) << reply;
@@ -1441,8 +1435,8 @@ TEST_F(RouterSecurityTest, AStreamThePoolCanNeverHoldIsRefusedBeforeItStartsAsWh
     ASSERT_TRUE(StillServing(url_, *router_, pid));
   }
   // A stream the pool holds is still a stream.
-  const std::string fits = Exchange(
-      url_, RawPost("/generate_stream", GenerateBody("fits", 3), "Connection: close\r\n"));
+  const std::string fits =
+      Exchange(url_, RawPost("/generate_stream", GenerateBody("fits", 3), "Connection: close\r\n"));
   EXPECT_EQ(fits.rfind("HTTP/1.1 200", 0), 0u) << fits.substr(0, 400);
   EXPECT_THAT(HeadOf(fits), HasSubstr("content-type: text/event-stream"));
   ASSERT_TRUE(AwaitNoBlockInUse());
@@ -1502,13 +1496,14 @@ TEST_F(RouterSecurityTest, APostThatIsNotApplicationJsonIsRefusedWith415AndGener
   };
   const Route routes[] = {
       {"/generate", {{"inputs", "a"}, {"parameters", {{"max_new_tokens", 2}}}}, false, true},
-      {"/generate_stream", {{"inputs", "a"}, {"parameters", {{"max_new_tokens", 2}}}}, false,
-       true},
+      {"/generate_stream", {{"inputs", "a"}, {"parameters", {{"max_new_tokens", 2}}}}, false, true},
       {"/", {{"inputs", "a"}, {"parameters", {{"max_new_tokens", 2}}}}, false, true},
       {"/tokenize", {{"inputs", "a"}}, false, false},
       {"/v1/completions", {{"prompt", "a"}, {"max_tokens", 2}}, true, true},
       {"/v1/chat/completions",
-       {{"messages", {{{"role", "user"}, {"content", "a"}}}}, {"max_tokens", 2}}, true, true},
+       {{"messages", {{{"role", "user"}, {"content", "a"}}}}, {"max_tokens", 2}},
+       true,
+       true},
   };
   const std::string refused[] = {
       "Content-Type: text/plain\r\n",
@@ -1563,9 +1558,9 @@ TEST_F(RouterSecurityTest, APostThatIsNotApplicationJsonIsRefusedWith415AndGener
         Exchange(url_, PostWithHeaders("/generate", headers, GenerateBody("json", 3)));
     ASSERT_EQ(StatusOf(reply), 200) << reply.substr(0, 400);
     EXPECT_EQ(TokenIds(BodyOf(reply).dump()), Reference("json", 3));
-    const std::string openai = Exchange(
-        url_, PostWithHeaders("/v1/completions", headers,
-                              json{{"prompt", "a"}, {"max_tokens", 2}}.dump()));
+    const std::string openai =
+        Exchange(url_, PostWithHeaders("/v1/completions", headers,
+                                       json{{"prompt", "a"}, {"max_tokens", 2}}.dump()));
     EXPECT_EQ(StatusOf(openai), 200) << openai.substr(0, 400);
   }
   ASSERT_TRUE(AwaitNoBlockInUse());

@@ -30,8 +30,8 @@
 #include "tests/support/cache_manager_process.h"
 #include "tests/support/http_client.h"
 #include "tests/support/metrics_text.h"
-#include "tests/support/subprocess.h"
 #include "tests/support/status_matchers.h"
+#include "tests/support/subprocess.h"
 
 namespace kvcm::testing {
 
@@ -119,9 +119,13 @@ class RouterStackTest : public ::testing::Test {
     log_ = std::make_unique<TempDir>(std::move(*log));
     Subprocess::Options router;
     const std::vector<std::string> command = {
-        KvcmBinaryPath("kvcm-router"), "--model",
-        router_model_dir_.empty() ? *model_dir_ : router_model_dir_, "--run-dir", cm_->run_dir(),
-        "--port", "0"};
+        KvcmBinaryPath("kvcm-router"),
+        "--model",
+        router_model_dir_.empty() ? *model_dir_ : router_model_dir_,
+        "--run-dir",
+        cm_->run_dir(),
+        "--port",
+        "0"};
     router.argv = router_wrapper_;
     router.argv.insert(router.argv.end(), command.begin(), command.end());
     router.argv.insert(router.argv.end(), router_flags.begin(), router_flags.end());
@@ -218,8 +222,8 @@ class RouterStackTest : public ::testing::Test {
     Requests* r = requests.get();
     for (size_t i = 0; i < texts.size(); ++i) {
       r->threads.emplace_back([this, r, i, text = texts[i], max_new_tokens] {
-        absl::StatusOr<HttpResponse> reply = HttpPost(
-            url_ + "/generate", GenerateBody(text, max_new_tokens), absl::Seconds(120));
+        absl::StatusOr<HttpResponse> reply =
+            HttpPost(url_ + "/generate", GenerateBody(text, max_new_tokens), absl::Seconds(120));
         if (reply.ok() && reply->status == 200) {
           r->got[i] = TokenIds(reply->body);
         } else {
@@ -309,13 +313,13 @@ inline std::string AsJsonText(const std::string& text) {
 
 // The model's log-probabilities, from the contiguous reference pass (fp32, no pool).
 struct ReferenceScores {
-  std::vector<int32_t> tokens;                            // greedy, with the penalties
-  std::vector<float> logprobs;                            // of each
+  std::vector<int32_t> tokens;                              // greedy, with the penalties
+  std::vector<float> logprobs;                              // of each
   std::vector<std::vector<std::pair<int32_t, float>>> top;  // top 3 of each
-  std::vector<float> prompt;                              // of each prompt token after the first
+  std::vector<float> prompt;                                // of each prompt token after the first
 };
 inline ReferenceScores Score(const LlamaModel& model, std::vector<int32_t> context, int32_t n,
-                      const SamplingParams& penalties = {}) {
+                             const SamplingParams& penalties = {}) {
   ReferenceScores out;
   const size_t vocab = static_cast<size_t>(model.config().vocab_size);
   const auto prompt_len = static_cast<int32_t>(context.size());

@@ -41,9 +41,7 @@ TEST(StepPlannerPropertyTest, BudgetsHoldNobodyStarvesAndGreedyTokensEqualTheRef
     std::printf("seed %d\n", seed);
     SCOPED_TRACE(seed);
     std::mt19937 rng(static_cast<uint32_t>(seed));
-    auto pick = [&rng](int lo, int hi) {
-      return std::uniform_int_distribution<int>(lo, hi)(rng);
-    };
+    auto pick = [&rng](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
     PlannerOptions options;
     options.block_size = std::vector<int>{1, 2, 4, 8}[pick(0, 3)];
     options.max_batch_prefill_tokens = pick(1, 40);
@@ -71,7 +69,7 @@ TEST(StepPlannerPropertyTest, BudgetsHoldNobodyStarvesAndGreedyTokensEqualTheRef
       q.arrival = pick(0, 40);
       if (pick(0, 3) == 0) q.sampling.frequency_penalty = 0.5f;  // carries its context
       q.outputs.logprobs = pick(0, 3) == 0;
-      q.outputs.prompt_logprobs = pick(0, 3) == 0;  // skips the prefix cache, scored
+      q.outputs.prompt_logprobs = pick(0, 3) == 0;             // skips the prefix cache, scored
       q.outputs.sequences = pick(0, 3) == 0 ? pick(2, 3) : 1;  // forks
       q.sampling.seed = static_cast<uint64_t>(pick(0, 1000));
     }
@@ -114,8 +112,8 @@ TEST(StepPlannerPropertyTest, BudgetsHoldNobodyStarvesAndGreedyTokensEqualTheRef
         if (done.insert(id).second) ++finished;
       }
       for (const TokenEvent& event : events) {
-        if (event.finished && ++choices_done[event.request] ==
-                                  requests[event.request - 1].outputs.sequences &&
+        if (event.finished &&
+            ++choices_done[event.request] == requests[event.request - 1].outputs.sequences &&
             done.insert(event.request).second) {
           ++finished;
         }
@@ -150,8 +148,7 @@ TEST(StepPlannerPropertyTest, BudgetsHoldNobodyStarvesAndGreedyTokensEqualTheRef
             << "request " << q.id;
         continue;
       }
-      EXPECT_EQ(sim.generated()[q.id], Reference(q.prompt, q.max_new_tokens))
-          << "request " << q.id;
+      EXPECT_EQ(sim.generated()[q.id], Reference(q.prompt, q.max_new_tokens)) << "request " << q.id;
       for (int32_t choice = 1; choice < q.outputs.sequences; ++choice) {
         EXPECT_EQ(sim.generated(q.id, choice),
                   testing::ForkReference(q.prompt, q.max_new_tokens, q.sampling.seed, choice))
@@ -163,12 +160,13 @@ TEST(StepPlannerPropertyTest, BudgetsHoldNobodyStarvesAndGreedyTokensEqualTheRef
     sim.Step(executors);
     EXPECT_EQ(sim.planner().running(), 0u);
     EXPECT_EQ(sim.ledger().Stats().in_use_blocks, 0);
-    std::printf("  block size %d, %d blocks, prefill budget %d, total %lld: %d completed, "
-                "%llu preemptions, %lld prompt tokens cached, %zu steps\n",
-                options.block_size, options.num_blocks, options.max_batch_prefill_tokens,
-                static_cast<long long>(options.max_batch_total_tokens), completed,
-                static_cast<unsigned long long>(sim.planner().preemptions()),
-                static_cast<long long>(sim.cached_prompt_tokens()), sim.plans().size());
+    std::printf(
+        "  block size %d, %d blocks, prefill budget %d, total %lld: %d completed, "
+        "%llu preemptions, %lld prompt tokens cached, %zu steps\n",
+        options.block_size, options.num_blocks, options.max_batch_prefill_tokens,
+        static_cast<long long>(options.max_batch_total_tokens), completed,
+        static_cast<unsigned long long>(sim.planner().preemptions()),
+        static_cast<long long>(sim.cached_prompt_tokens()), sim.plans().size());
   }
 }
 

@@ -45,8 +45,8 @@ TEST(StepPlannerTest, AStepFreesThenCommitsThenAppendsThenAdmits) {
   const StepPlan& second = sim.plans()[1];
   std::vector<wire::StepOp> kinds;
   for (const BlockOp& op : second.ops) kinds.push_back(op.kind);
-  EXPECT_THAT(kinds, ElementsAre(wire::StepOp::CommitOp, wire::StepOp::AppendOp,
-                                 wire::StepOp::AllocateOp));
+  EXPECT_THAT(
+      kinds, ElementsAre(wire::StepOp::CommitOp, wire::StepOp::AppendOp, wire::StepOp::AllocateOp));
   EXPECT_EQ(second.ops[0].num_tokens, 6);  // what the first step wrote, a step late
   EXPECT_EQ(second.decode_tokens, 1);
   EXPECT_EQ(second.prefill_tokens, 5);
@@ -96,8 +96,7 @@ TEST(StepPlannerTest, ADecodingSequenceAppendsAndCommitsOnceABlockNotOnceAToken)
   }
   using P = std::pair<int32_t, int32_t>;
   EXPECT_THAT(ops, ElementsAre(P{5, 3},  // the prompt's full block; room up to 8 tokens
-                               P{0, 0}, P{0, 0},
-                               P{8, 4},  // a block filled; room up to 12
+                               P{0, 0}, P{0, 0}, P{8, 4},  // a block filled; room up to 12
                                P{0, 0}, P{0, 0}, P{0, 0},
                                P{12, 3},  // up to 15, the most it can reach, not 16
                                P{0, 0}, P{0, 0}));
@@ -352,9 +351,9 @@ TEST(StepPlannerTest, SeveralAnswersShareThePromptByForkAndCopyTheLastBlockOnWri
   sim.Step(kOne);  // commit, two forks, three appends with copy-on-write
   std::vector<wire::StepOp> kinds;
   for (const BlockOp& op : sim.plans()[1].ops) kinds.push_back(op.kind);
-  EXPECT_THAT(kinds, ElementsAre(wire::StepOp::CommitOp, wire::StepOp::ForkOp,
-                                 wire::StepOp::ForkOp, wire::StepOp::AppendOp,
-                                 wire::StepOp::AppendOp, wire::StepOp::AppendOp));
+  EXPECT_THAT(kinds,
+              ElementsAre(wire::StepOp::CommitOp, wire::StepOp::ForkOp, wire::StepOp::ForkOp,
+                          wire::StepOp::AppendOp, wire::StepOp::AppendOp, wire::StepOp::AppendOp));
   size_t copies = 0;
   for (const auto& batch : sim.works()[1].batches) copies += batch.step.copies.size();
   EXPECT_EQ(copies, 2u);  // two of the three sharers copy; the last one keeps the block

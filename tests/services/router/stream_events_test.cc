@@ -28,12 +28,12 @@ std::string Dump(const json& value) {
 
 // As the router's front end writes a log-probability: null when not computed, else its
 // ShownLogprob (finite).
-json Logprob(float value) {
-  return std::isnan(value) ? json(nullptr) : json(ShownLogprob(value));
-}
+json Logprob(float value) { return std::isnan(value) ? json(nullptr) : json(ShownLogprob(value)); }
 
 json TokenJson(const TgiStreamToken& t) {
-  return {{"id", t.id}, {"text", std::string(t.text)}, {"logprob", Logprob(t.logprob)},
+  return {{"id", t.id},
+          {"text", std::string(t.text)},
+          {"logprob", Logprob(t.logprob)},
           {"special", t.special}};
 }
 
@@ -58,10 +58,28 @@ json EventJson(const TgiStreamEvent& e) {
 }
 
 std::string RandomText(std::mt19937& rng) {
-  static const char* const kPieces[] = {"a", " the", "\"", "\\", "\n", "\t", "\r", "\b",
-                                        "\f", "\x01", "\x1f", "\x7f", "/", "é", "€", "😀",
-                                        "\xc3", "\xa9", "\xed\xa0\x80", "\xf4\x90\x80\x80",
-                                        "\xc0\xaf", "\xff"};
+  static const char* const kPieces[] = {"a",
+                                        " the",
+                                        "\"",
+                                        "\\",
+                                        "\n",
+                                        "\t",
+                                        "\r",
+                                        "\b",
+                                        "\f",
+                                        "\x01",
+                                        "\x1f",
+                                        "\x7f",
+                                        "/",
+                                        "é",
+                                        "€",
+                                        "😀",
+                                        "\xc3",
+                                        "\xa9",
+                                        "\xed\xa0\x80",
+                                        "\xf4\x90\x80\x80",
+                                        "\xc0\xaf",
+                                        "\xff"};
   std::string text;
   const int n = static_cast<int>(rng() % 6);
   for (int i = 0; i < n; ++i) {
@@ -85,12 +103,19 @@ float RandomLogprob(std::mt19937& rng) {
       std::memcpy(&value, &bits, sizeof(value));
       return value;
     }
-    case 1: return -std::uniform_real_distribution<float>(0.0f, 30.0f)(rng);
-    case 2: return std::numeric_limits<float>::quiet_NaN();
+    case 1:
+      return -std::uniform_real_distribution<float>(0.0f, 30.0f)(rng);
+    case 2:
+      return std::numeric_limits<float>::quiet_NaN();
     default: {
-      const float special[] = {0.0f, -0.0f, -1.0f, std::numeric_limits<float>::infinity(),
+      const float special[] = {0.0f,
+                               -0.0f,
+                               -1.0f,
+                               std::numeric_limits<float>::infinity(),
                                -std::numeric_limits<float>::infinity(),
-                               std::numeric_limits<float>::denorm_min(), -1e-7f, -123456.0f};
+                               std::numeric_limits<float>::denorm_min(),
+                               -1e-7f,
+                               -123456.0f};
       return special[rng() % std::size(special)];
     }
   }
