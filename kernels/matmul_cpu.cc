@@ -1,6 +1,6 @@
 // WeightMatrix packing and the CPU MatMul (see matmul_cpu.h). The inner loops exist three
-// times: portable C++ (unfused multiply-add), AVX2 + FMA and AVX-512, through target pragmas
-// as in paged_attention_cpu.cc; ActiveCpuIsa() picks one per call.
+// times: portable C++ (unfused multiply-add), AVX2 + FMA and AVX-512, through the target
+// pragmas of matmul_panels_internal.h; ActiveCpuIsa() picks one per call.
 //
 // This file is compiled with -ffp-contract=off: the dequantization must be ggml's multiply
 // then add, and the portable loops must not be fused differently from one build to another.
@@ -22,19 +22,13 @@
 #include "common/base/float16.h"
 #include "kernels/cpu_isa.h"
 #include "kernels/cpu_thread_pool.h"
-
-// Full unrolling of the register tiles' loops, so their accumulators live in registers.
-#if defined(__clang__)
-#define KVCM_UNROLL _Pragma("clang loop unroll(full)")
-#else
-#define KVCM_UNROLL _Pragma("GCC unroll 16")
-#endif
+#include "kernels/matmul_panels_internal.h"
 
 namespace kvcm::kernels {
 namespace {
 
-constexpr int64_t kLanes = WeightMatrix::kPanelRows;
-constexpr int64_t kScaleBytes = 2 * kLanes * static_cast<int64_t>(sizeof(float));
+using matmul_internal::kLanes;
+using matmul_internal::kScaleBytes;
 
 // --- The code form of ggml's types ---------------------------------------------------------
 
@@ -117,6 +111,103 @@ void ScaleMinK4(int j, const uint8_t* q, uint8_t* d, uint8_t* m) {
   }
 }
 
+// DecodeRow (below) for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0: blocks of 32 elements with an fp16
+// scale (and, for Q4_1 and Q5_1, an fp16 min).
+void DecodeBlocksOf32(GgmlType type, const uint8_t* x, int64_t cols, int8_t* codes, float* scales,
+                      float* biases) {
+  for (int64_t b = 0; b < cols / 32; ++b, codes += 32) {
+    int8_t* c = codes;
+    if (type == GgmlType::kQ8_0) {
+      scales[b] = LoadF16(x);
+      biases[b] = 0.0f;
+      for (int j = 0; j < 32; ++j) c[j] = static_cast<int8_t>(x[2 + j]);
+      x += 34;
+      continue;
+    }
+    const bool has_min = type == GgmlType::kQ4_1 || type == GgmlType::kQ5_1;
+    const bool five = type == GgmlType::kQ5_0 || type == GgmlType::kQ5_1;
+    scales[b] = LoadF16(x);
+    biases[b] = has_min ? LoadF16(x + 2) : 0.0f;
+    const uint8_t* p = x + (has_min ? 4 : 2);
+    uint32_t qh = 0;
+    if (five) {
+      qh = LoadU32(p);
+      p += 4;
+    }
+    const int sub = type == GgmlType::kQ4_0 ? 8 : type == GgmlType::kQ5_0 ? 16 : 0;
+    for (int j = 0; j < 16; ++j) {
+      int x0 = p[j] & 0x0F;
+      int x1 = p[j] >> 4;
+      if (five) {
+        x0 |= static_cast<int>(((qh >> (j + 0)) << 4) & 0x10);
+        x1 |= static_cast<int>((qh >> (j + 12)) & 0x10);
+      }
+      c[j] = static_cast<int8_t>(x0 - sub);
+      c[j + 16] = static_cast<int8_t>(x1 - sub);
+    }
+    x += type == GgmlType::kQ4_0   ? 18
+         : type == GgmlType::kQ4_1 ? 20
+         : type == GgmlType::kQ5_0 ? 22
+                                   : 24;
+  }
+}
+
+// DecodeRow for Q4_K and Q5_K: super-blocks of 256 elements, 8 sub-blocks of 32 with 6-bit
+// scales and mins.
+void DecodeQ4KOrQ5K(GgmlType type, const uint8_t* x, int64_t cols, int8_t* codes, float* scales,
+                    float* biases) {
+  const bool five = type == GgmlType::kQ5_K;
+  for (int64_t b = 0; b < cols / 256; ++b) {
+    const float d = LoadF16(x);
+    const float min = LoadF16(x + 2);
+    const uint8_t* sc = x + 4;
+    const uint8_t* qh = x + 16;
+    const uint8_t* q = five ? x + 48 : x + 16;
+    for (int j = 0; j < 4; ++j) {  // 64 elements: 32 low nibbles, then 32 high ones
+      for (int half = 0; half < 2; ++half) {
+        uint8_t s, m;
+        ScaleMinK4(2 * j + half, sc, &s, &m);
+        *scales++ = d * static_cast<float>(s);
+        *biases++ = -(min * static_cast<float>(m));
+        const unsigned bit = 1u << (2 * j + half);
+        for (int l = 0; l < 32; ++l) {
+          int v = half == 0 ? (q[l] & 0xF) : (q[l] >> 4);
+          if (five && (qh[l] & bit) != 0) v += 16;
+          *codes++ = static_cast<int8_t>(v);
+        }
+      }
+      q += 32;
+    }
+    x += five ? 176 : 144;
+  }
+}
+
+// DecodeRow for Q6_K: super-blocks of 256 elements, 16 groups of 16 with 8-bit scales.
+void DecodeQ6K(const uint8_t* x, int64_t cols, int8_t* codes, float* scales, float* biases) {
+  for (int64_t b = 0; b < cols / 256; ++b) {
+    const float d = LoadF16(x + 208);
+    const uint8_t* ql = x;
+    const uint8_t* qh = x + 128;
+    const uint8_t* sc = x + 192;
+    for (int g = 0; g < 16; ++g) {
+      *scales++ = d * static_cast<float>(static_cast<int8_t>(sc[g]));
+      *biases++ = 0.0f;
+    }
+    for (int n = 0; n < 2; ++n) {  // 128 elements each
+      for (int l = 0; l < 32; ++l) {
+        codes[l + 0] = static_cast<int8_t>(((ql[l + 0] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32);
+        codes[l + 32] = static_cast<int8_t>(((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
+        codes[l + 64] = static_cast<int8_t>(((ql[l + 0] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+        codes[l + 96] = static_cast<int8_t>(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+      }
+      codes += 128;
+      ql += 64;
+      qh += 32;
+    }
+    x += 210;
+  }
+}
+
 // One row of `cols` elements of `type` (a code form) as codes[cols] and, per group,
 // scales and biases with value = float(code) * scale + bias: ggml's dequantize_row_* with
 // the same float operations (bias 0 for the types without a min; a - m is a + (-m)).
@@ -127,101 +218,16 @@ void DecodeRow(GgmlType type, const uint8_t* x, int64_t cols, int8_t* codes, flo
     case GgmlType::kQ4_1:
     case GgmlType::kQ5_0:
     case GgmlType::kQ5_1:
-    case GgmlType::kQ8_0: {
-      for (int64_t b = 0; b < cols / 32; ++b, codes += 32) {
-        int8_t* c = codes;
-        if (type == GgmlType::kQ8_0) {
-          scales[b] = LoadF16(x);
-          biases[b] = 0.0f;
-          for (int j = 0; j < 32; ++j) c[j] = static_cast<int8_t>(x[2 + j]);
-          x += 34;
-          continue;
-        }
-        const bool has_min = type == GgmlType::kQ4_1 || type == GgmlType::kQ5_1;
-        const bool five = type == GgmlType::kQ5_0 || type == GgmlType::kQ5_1;
-        scales[b] = LoadF16(x);
-        biases[b] = has_min ? LoadF16(x + 2) : 0.0f;
-        const uint8_t* p = x + (has_min ? 4 : 2);
-        uint32_t qh = 0;
-        if (five) {
-          qh = LoadU32(p);
-          p += 4;
-        }
-        const int sub = type == GgmlType::kQ4_0 ? 8 : type == GgmlType::kQ5_0 ? 16 : 0;
-        for (int j = 0; j < 16; ++j) {
-          int x0 = p[j] & 0x0F;
-          int x1 = p[j] >> 4;
-          if (five) {
-            x0 |= static_cast<int>(((qh >> (j + 0)) << 4) & 0x10);
-            x1 |= static_cast<int>((qh >> (j + 12)) & 0x10);
-          }
-          c[j] = static_cast<int8_t>(x0 - sub);
-          c[j + 16] = static_cast<int8_t>(x1 - sub);
-        }
-        x += type == GgmlType::kQ4_0   ? 18
-             : type == GgmlType::kQ4_1 ? 20
-             : type == GgmlType::kQ5_0 ? 22
-                                       : 24;
-      }
+    case GgmlType::kQ8_0:
+      DecodeBlocksOf32(type, x, cols, codes, scales, biases);
       return;
-    }
     case GgmlType::kQ4_K:
-    case GgmlType::kQ5_K: {
-      const bool five = type == GgmlType::kQ5_K;
-      for (int64_t b = 0; b < cols / 256; ++b) {
-        const float d = LoadF16(x);
-        const float min = LoadF16(x + 2);
-        const uint8_t* sc = x + 4;
-        const uint8_t* qh = x + 16;
-        const uint8_t* q = five ? x + 48 : x + 16;
-        for (int j = 0; j < 4; ++j) {  // 64 elements: 32 low nibbles, then 32 high ones
-          for (int half = 0; half < 2; ++half) {
-            uint8_t s, m;
-            ScaleMinK4(2 * j + half, sc, &s, &m);
-            *scales++ = d * static_cast<float>(s);
-            *biases++ = -(min * static_cast<float>(m));
-            const unsigned bit = 1u << (2 * j + half);
-            for (int l = 0; l < 32; ++l) {
-              int v = half == 0 ? (q[l] & 0xF) : (q[l] >> 4);
-              if (five && (qh[l] & bit) != 0) v += 16;
-              *codes++ = static_cast<int8_t>(v);
-            }
-          }
-          q += 32;
-        }
-        x += five ? 176 : 144;
-      }
+    case GgmlType::kQ5_K:
+      DecodeQ4KOrQ5K(type, x, cols, codes, scales, biases);
       return;
-    }
-    case GgmlType::kQ6_K: {
-      for (int64_t b = 0; b < cols / 256; ++b) {
-        const float d = LoadF16(x + 208);
-        const uint8_t* ql = x;
-        const uint8_t* qh = x + 128;
-        const uint8_t* sc = x + 192;
-        for (int g = 0; g < 16; ++g) {
-          *scales++ = d * static_cast<float>(static_cast<int8_t>(sc[g]));
-          *biases++ = 0.0f;
-        }
-        for (int n = 0; n < 2; ++n) {  // 128 elements each
-          for (int l = 0; l < 32; ++l) {
-            codes[l + 0] =
-                static_cast<int8_t>(((ql[l + 0] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32);
-            codes[l + 32] =
-                static_cast<int8_t>(((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
-            codes[l + 64] =
-                static_cast<int8_t>(((ql[l + 0] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
-            codes[l + 96] =
-                static_cast<int8_t>(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
-          }
-          codes += 128;
-          ql += 64;
-          qh += 32;
-        }
-        x += 210;
-      }
+    case GgmlType::kQ6_K:
+      DecodeQ6K(x, cols, codes, scales, biases);
       return;
-    }
     default:
       KVCM_CHECK(false) << "no code form for " << GgmlTypeName(type);
   }
@@ -303,12 +309,7 @@ void PanelRows(const float* x, int64_t ldx, int64_t rows, int64_t k, const float
 }  // namespace portable
 
 #if defined(__x86_64__)
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#endif
+KVCM_TARGET_BEGIN("avx2,fma,f16c")
 namespace avx2 {
 
 void DequantPanel(const PanelArgs& a, float* out) {
@@ -423,24 +424,9 @@ void PanelRows(const float* x, int64_t ldx, int64_t rows, int64_t k, const float
 }
 
 }  // namespace avx2
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+KVCM_TARGET_END
 
-#if defined(__clang__)
-#pragma clang attribute push(                                                    \
-    __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))), \
-    apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq")
-// GCC 12's AVX-512 intrinsics start from _mm512_undefined_*(), a self-initialised
-// variable, which -Wmaybe-uninitialized reports once inlined.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
+KVCM_AVX512_TARGET_BEGIN("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq")
 namespace avx512 {
 
 // One panel's groups of G columns; kCodes4 with kOffset: code = nibble - offset.
@@ -576,12 +562,7 @@ void PanelRows(const float* x, int64_t ldx, int64_t rows, int64_t k, const float
 }
 
 }  // namespace avx512
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC diagnostic pop
-#pragma GCC pop_options
-#endif
+KVCM_AVX512_TARGET_END
 #endif  // __x86_64__
 
 struct Loops {

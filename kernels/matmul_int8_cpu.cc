@@ -1,6 +1,7 @@
 // MatMulInt8 and QuantizeRows (see matmul_cpu.h): the integer path of the CPU matmul. The
-// inner loops exist three times: portable C++, AVX2 and AVX-512 VNNI, through target pragmas
-// as in matmul_cpu.cc; ActiveCpuIsa() (and CpuHasAvx512Vnni()) picks one per call.
+// inner loops exist three times: portable C++, AVX2 and AVX-512 VNNI, through the target
+// pragmas of matmul_panels_internal.h; ActiveCpuIsa() (and CpuHasAvx512Vnni()) picks one per
+// call.
 //
 // Every variant computes, per output and group, the exact int32 isum = sum (u - offset) * q
 // and then the same two fused multiply-adds in the same order, so all give the same bits.
@@ -18,18 +19,13 @@
 #include "kernels/cpu_isa.h"
 #include "kernels/cpu_thread_pool.h"
 #include "kernels/matmul_cpu.h"
-
-#if defined(__clang__)
-#define KVCM_UNROLL _Pragma("clang loop unroll(full)")
-#else
-#define KVCM_UNROLL _Pragma("GCC unroll 16")
-#endif
+#include "kernels/matmul_panels_internal.h"
 
 namespace kvcm::kernels {
 namespace {
 
-constexpr int64_t kLanes = WeightMatrix::kPanelRows;
-constexpr int64_t kScaleBytes = 2 * kLanes * static_cast<int64_t>(sizeof(float));
+using matmul_internal::kLanes;
+using matmul_internal::kScaleBytes;
 constexpr int kUnitPanels = 4;  // panels (64 outputs) one work item takes
 constexpr int64_t kMaxGroup = 32;
 
@@ -123,12 +119,7 @@ void Unit(const UnitArgs& a, bool four, int64_t group, bool bias) {
 }  // namespace portable
 
 #if defined(__x86_64__)
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#endif
+KVCM_TARGET_BEGIN("avx2,fma,f16c")
 namespace avx2 {
 
 void QuantizeRow(const float* x, int64_t cols, int64_t group, int8_t* codes, float* scales,
@@ -275,24 +266,9 @@ void Unit(const UnitArgs& a) {
 }
 
 }  // namespace avx2
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+KVCM_TARGET_END
 
-#if defined(__clang__)
-#pragma clang attribute push(                                                               \
-    __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni"))), \
-    apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")
-// GCC 12's AVX-512 intrinsics start from _mm512_undefined_*(), a self-initialised
-// variable, which -Wmaybe-uninitialized reports once inlined.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
+KVCM_AVX512_TARGET_BEGIN("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")
 namespace vnni {
 
 void QuantizeRow(const float* x, int64_t cols, int64_t group, int8_t* codes, float* scales,
@@ -449,12 +425,7 @@ void Unit(const UnitArgs& a) {
 }
 
 }  // namespace vnni
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC diagnostic pop
-#pragma GCC pop_options
-#endif
+KVCM_AVX512_TARGET_END
 #endif  // __x86_64__
 
 enum class Variant { kPortable, kAvx2, kVnni };
@@ -529,6 +500,96 @@ void Resize(int64_t m, int64_t cols, int64_t group, QuantizedRows* q) {
   }
 }
 
+constexpr int kMaxOutputs = 8;  // products one MatMulInt8 call takes
+
+// Runs the outputs of fp32 matrices on the fp32 path (MatMul) and copies those of coded ones
+// into `coded`, skipping empty matrices; returns the number of coded outputs.
+int RunFp32Outputs(const float* x, int64_t m, std::span<const MatMulOutput> outputs,
+                   int32_t num_threads, MatMulOutput* coded) {
+  int num_coded = 0;
+  for (const MatMulOutput& o : outputs) {
+    if (o.w->empty()) continue;
+    if (o.w->format() == WeightMatrix::Format::kFloat32) {
+      MatMul(x, m, *o.w, o.y, num_threads);
+    } else {
+      coded[num_coded++] = o;
+    }
+  }
+  return num_coded;
+}
+
+// Quantizes the m rows of x into q, on this thread unless x is big.
+void QuantizeAllRows(QuantizeFn quantize, const float* x, int64_t m, QuantizedRows* q,
+                     CpuThreadPool& pool, int32_t threads) {
+  const int64_t k = q->cols;
+  constexpr int64_t kRowsPerTask = 64;
+  if (m * k < (int64_t{1} << 18) || threads <= 1) {
+    QuantizeRange(quantize, x, 0, m, q);
+  } else {
+    pool.ParallelFor((m + kRowsPerTask - 1) / kRowsPerTask, threads, [&](int64_t task) {
+      QuantizeRange(quantize, x, task * kRowsPerTask, std::min(m, (task + 1) * kRowsPerTask), q);
+    });
+  }
+}
+
+// x (m rows of k columns) quantized once per group size of the coded outputs (32 and 16 at
+// most); for_output[i] is the one coded[i] takes. Thread-local: the buffers are reused from
+// call to call without allocating.
+void QuantizeForOutputs(QuantizeFn quantize, const float* x, int64_t m, int64_t k,
+                        const MatMulOutput* coded, int num_coded, CpuThreadPool& pool,
+                        int32_t threads, const QuantizedRows** for_output) {
+  thread_local QuantizedRows quantized[2];
+  for (int slot = 0; slot < 2; ++slot) {
+    const int64_t group = slot == 0 ? 32 : 16;
+    bool needed = false;
+    for (int i = 0; i < num_coded; ++i) {
+      if (coded[i].w->group() == group) {
+        needed = true;
+        for_output[i] = &quantized[slot];
+      }
+    }
+    if (!needed) continue;
+    QuantizedRows* q = &quantized[slot];
+    Resize(m, k, group, q);
+    QuantizeAllRows(quantize, x, m, q, pool, threads);
+  }
+}
+
+// The work item of panels p0 .. p0 + 3 of `w` (those that exist) and rows r0 .. r0 + rows - 1
+// of x, quantized in q; y is the output of `w`.
+UnitArgs UnitAt(const WeightMatrix& w, const QuantizedRows& q, float* y, int64_t p0, int64_t r0,
+                int64_t rows) {
+  const int64_t k = w.cols();
+  const int64_t n = w.rows();
+  const int64_t groups = k / w.group();
+  UnitArgs a;
+  a.np = static_cast<int>(std::min<int64_t>(kUnitPanels, w.num_panels() - p0));
+  for (int p = 0; p < a.np; ++p) a.panels[p] = w.panel(p0 + p);
+  a.groups = groups;
+  a.group_bytes = w.group_bytes();
+  a.offset = w.code_offset();
+  a.xc = q.codes.data() + r0 * k;
+  a.xd = q.scales.data() + r0 * groups;
+  a.xds = q.scaled_sums.data() + r0 * groups;
+  a.xs = q.sums.data() + r0 * groups;
+  a.rows = rows;
+  a.cols = k;
+  a.y = y + r0 * n + p0 * kLanes;
+  a.ldy = n;
+  a.valid = std::min<int64_t>(a.np * kLanes, n - p0 * kLanes);
+  return a;
+}
+
+// Runs a work item of `w` on `fn`, or on the portable loop where there is none.
+void RunUnit(UnitFn fn, const UnitArgs& a, const WeightMatrix& w) {
+  if (fn != nullptr) {
+    fn(a);
+  } else {
+    const bool four = w.format() == WeightMatrix::Format::kCodes4;
+    portable::Unit(a, four, w.group(), w.has_bias());
+  }
+}
+
 }  // namespace
 
 std::string_view MatMulPathName(MatMulPath path) {
@@ -566,18 +627,9 @@ void MatMulInt8(const float* x, int64_t m, std::span<const MatMulOutput> outputs
                 int32_t num_threads) {
   if (m <= 0) return;
   // fp32 matrices: the fp32 path; the coded ones share the quantized x below.
-  constexpr int kMaxOutputs = 8;
   KVCM_CHECK(outputs.size() <= kMaxOutputs) << outputs.size();
   MatMulOutput coded[kMaxOutputs];
-  int num_coded = 0;
-  for (const MatMulOutput& o : outputs) {
-    if (o.w->empty()) continue;
-    if (o.w->format() == WeightMatrix::Format::kFloat32) {
-      MatMul(x, m, *o.w, o.y, num_threads);
-    } else {
-      coded[num_coded++] = o;
-    }
-  }
+  const int num_coded = RunFp32Outputs(x, m, outputs, num_threads, coded);
   if (num_coded == 0) return;
   const int64_t k = coded[0].w->cols();
   for (int i = 1; i < num_coded; ++i) KVCM_CHECK(coded[i].w->cols() == k);
@@ -586,33 +638,8 @@ void MatMulInt8(const float* x, int64_t m, std::span<const MatMulOutput> outputs
   CpuThreadPool& pool = CpuThreadPool::Default();
   const int32_t threads =
       num_threads <= 0 ? pool.max_threads() : std::min(num_threads, pool.max_threads());
-
-  // x quantized once per group size (16 and 32 at most), on this thread unless it is big.
-  // Thread-local: the buffers are reused from call to call without allocating.
-  thread_local QuantizedRows quantized[2];
   const QuantizedRows* for_output[kMaxOutputs];
-  const QuantizeFn quantize = QuantizeFor(variant);
-  for (int slot = 0; slot < 2; ++slot) {
-    const int64_t group = slot == 0 ? 32 : 16;
-    bool needed = false;
-    for (int i = 0; i < num_coded; ++i) {
-      if (coded[i].w->group() == group) {
-        needed = true;
-        for_output[i] = &quantized[slot];
-      }
-    }
-    if (!needed) continue;
-    QuantizedRows* q = &quantized[slot];
-    Resize(m, k, group, q);
-    constexpr int64_t kRowsPerTask = 64;
-    if (m * k < (int64_t{1} << 18) || threads <= 1) {
-      QuantizeRange(quantize, x, 0, m, q);
-    } else {
-      pool.ParallelFor((m + kRowsPerTask - 1) / kRowsPerTask, threads, [&](int64_t task) {
-        QuantizeRange(quantize, x, task * kRowsPerTask, std::min(m, (task + 1) * kRowsPerTask), q);
-      });
-    }
-  }
+  QuantizeForOutputs(QuantizeFor(variant), x, m, k, coded, num_coded, pool, threads, for_output);
 
   // Work items: units of 4 panels of every output, in order.
   int64_t first_unit[kMaxOutputs + 1];
@@ -638,31 +665,8 @@ void MatMulInt8(const float* x, int64_t m, std::span<const MatMulOutput> outputs
       for (int64_t unit = begin; unit < end; ++unit) {
         while (unit >= first_unit[i + 1]) ++i;
         const WeightMatrix& w = *coded[i].w;
-        const QuantizedRows& q = *for_output[i];
-        const int64_t n = w.rows();
-        const int64_t groups = k / w.group();
         const int64_t p0 = (unit - first_unit[i]) * kUnitPanels;
-        UnitArgs a;
-        a.np = static_cast<int>(std::min<int64_t>(kUnitPanels, w.num_panels() - p0));
-        for (int p = 0; p < a.np; ++p) a.panels[p] = w.panel(p0 + p);
-        a.groups = groups;
-        a.group_bytes = w.group_bytes();
-        a.offset = w.code_offset();
-        a.xc = q.codes.data() + r0 * k;
-        a.xd = q.scales.data() + r0 * groups;
-        a.xds = q.scaled_sums.data() + r0 * groups;
-        a.xs = q.sums.data() + r0 * groups;
-        a.rows = rows;
-        a.cols = k;
-        a.y = coded[i].y + r0 * n + p0 * kLanes;
-        a.ldy = n;
-        a.valid = std::min<int64_t>(a.np * kLanes, n - p0 * kLanes);
-        if (unit_fns[i] != nullptr) {
-          unit_fns[i](a);
-        } else {
-          const bool four = w.format() == WeightMatrix::Format::kCodes4;
-          portable::Unit(a, four, w.group(), w.has_bias());
-        }
+        RunUnit(unit_fns[i], UnitAt(w, *for_output[i], coded[i].y, p0, r0, rows), w);
       }
     }
   };
