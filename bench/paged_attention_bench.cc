@@ -40,7 +40,9 @@
 #include <vector>
 
 #include "bench/ratio_reporter.h"
+#include "common/base/dtype.h"
 #include "common/memory/pool_layout.h"
+#include "common/sizing/kv_cache_spec.h"
 #include "kernels/cpu_isa.h"
 #include "kernels/cpu_thread_pool.h"
 #include "kernels/paged_attention.h"
@@ -48,8 +50,6 @@
 
 namespace kvcm {
 namespace {
-
-using kernels::KvDType;
 
 constexpr int32_t kSeqs = 8;
 constexpr int32_t kQHeads = 32;
@@ -65,26 +65,14 @@ struct Shape {
 constexpr Shape kGqa{"", 8};       // Llama-3-8B
 constexpr Shape kMha{"mha/", 32};  // Llama-2-7B
 
-std::string DTypeLabel(KvDType dtype) {
-  switch (dtype) {
-    case KvDType::kFloat32:
-      return "fp32";
-    case KvDType::kFloat16:
-      return "fp16";
-    case KvDType::kBFloat16:
-      return "bf16";
-  }
-  return "?";
-}
-
-int64_t KvBytes(int32_t kv_heads, KvDType dtype, int32_t context) {
-  return int64_t{kSeqs} * context * 2 * kv_heads * kHeadDim * kernels::KvDTypeBytes(dtype);
+int64_t KvBytes(int32_t kv_heads, DType dtype, int32_t context) {
+  return int64_t{kSeqs} * context * 2 * kv_heads * kHeadDim * DTypeBytes(dtype);
 }
 
 // One pool for a (KV heads, dtype, context), kept while consecutive benchmarks use it.
 struct Fixture {
   int32_t kv_heads = 0;
-  KvDType dtype = KvDType::kFloat32;
+  DType dtype = DType::kFloat32;
   int32_t context = 0;
   KvCacheSpec spec;
   PoolLayout layout;
@@ -100,16 +88,16 @@ struct Fixture {
 };
 
 // Random values in +-[0.5, 1) straight into the bit patterns: no NaN, no subnormals.
-void FillPool(std::vector<uint8_t>& pool, KvDType dtype) {
+void FillPool(std::vector<uint8_t>& pool, DType dtype) {
   std::mt19937_64 rng(1);
-  if (dtype == KvDType::kFloat32) {
+  if (dtype == DType::kFloat32) {
     for (size_t i = 0; i + 4 <= pool.size(); i += 4) {
       const uint32_t bits = (static_cast<uint32_t>(rng()) & 0x807fffffu) | 0x3f000000u;
       std::memcpy(&pool[i], &bits, 4);
     }
   } else {
-    const uint16_t keep = dtype == KvDType::kFloat16 ? 0x83ff : 0x807f;
-    const uint16_t set = dtype == KvDType::kFloat16 ? 0x3800 : 0x3f00;
+    const uint16_t keep = dtype == DType::kFloat16 ? 0x83ff : 0x807f;
+    const uint16_t set = dtype == DType::kFloat16 ? 0x3800 : 0x3f00;
     for (size_t i = 0; i + 8 <= pool.size(); i += 8) {
       uint64_t r = rng();
       for (int j = 0; j < 4; ++j, r >>= 16) {
@@ -120,7 +108,7 @@ void FillPool(std::vector<uint8_t>& pool, KvDType dtype) {
   }
 }
 
-Fixture& GetFixture(int32_t kv_heads, KvDType dtype, int32_t context) {
+Fixture& GetFixture(int32_t kv_heads, DType dtype, int32_t context) {
   static std::unique_ptr<Fixture> fixture;
   if (fixture && fixture->kv_heads == kv_heads && fixture->dtype == dtype &&
       fixture->context == context) {
@@ -135,9 +123,7 @@ Fixture& GetFixture(int32_t kv_heads, KvDType dtype, int32_t context) {
   f->spec.num_kv_heads = kv_heads;
   f->spec.head_dim = kHeadDim;
   f->spec.block_size = kBlockSize;
-  f->spec.dtype = dtype == KvDType::kFloat32   ? DType::kFloat32
-                  : dtype == KvDType::kFloat16 ? DType::kFloat16
-                                               : DType::kBFloat16;
+  f->spec.dtype = dtype;
   const int32_t blocks_per_seq = context / kBlockSize;
   const int32_t num_blocks = kSeqs * blocks_per_seq;
   f->layout = *PoolLayout::For(f->spec, num_blocks);
@@ -191,7 +177,7 @@ void SetCounters(benchmark::State& state, int64_t kv_bytes) {
                                               benchmark::Counter::kIsIterationInvariantRate);
 }
 
-void MemRead(benchmark::State& state, Shape shape, KvDType dtype, int32_t context) {
+void MemRead(benchmark::State& state, Shape shape, DType dtype, int32_t context) {
   Fixture& f = GetFixture(shape.kv_heads, dtype, context);
   kernels::CpuThreadPool& pool = kernels::CpuThreadPool::Default();
   // As many tasks per thread as PagedDecode has work items (8 sequences over the threads).
@@ -208,7 +194,7 @@ void MemRead(benchmark::State& state, Shape shape, KvDType dtype, int32_t contex
   SetCounters(state, KvBytes(shape.kv_heads, dtype, context));
 }
 
-void PagedDecode(benchmark::State& state, Shape shape, KvDType dtype, int32_t context,
+void PagedDecode(benchmark::State& state, Shape shape, DType dtype, int32_t context,
                  bool shuffled) {
   Fixture& f = GetFixture(shape.kv_heads, dtype, context);
   kernels::PagedAttentionBatch batch;
@@ -232,9 +218,10 @@ void PagedDecode(benchmark::State& state, Shape shape, KvDType dtype, int32_t co
 // "MemRead/mha/...".
 void RegisterAll() {
   for (const Shape& shape : {kGqa, kMha}) {
-    for (KvDType dtype : {KvDType::kFloat16, KvDType::kFloat32}) {
+    for (DType dtype : {DType::kFloat16, DType::kFloat32}) {
       for (int32_t context : {2048, 8192}) {
-        const std::string suffix = shape.label + DTypeLabel(dtype) + "/" + std::to_string(context);
+        const std::string suffix =
+            shape.label + std::string(DTypeName(dtype)) + "/" + std::to_string(context);
         benchmark::RegisterBenchmark(("MemRead/" + suffix).c_str(), MemRead, shape, dtype, context)
             ->UseRealTime();
         benchmark::RegisterBenchmark(("PagedDecodeAscending/" + suffix).c_str(), PagedDecode, shape,

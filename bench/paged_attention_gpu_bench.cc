@@ -33,14 +33,14 @@
 #include <vector>
 
 #include "bench/ratio_reporter.h"
+#include "common/base/dtype.h"
 #include "common/memory/pool_layout.h"
+#include "common/sizing/kv_cache_spec.h"
 #include "kernels/paged_attention.h"
 #include "kernels/paged_kv.h"
 
 namespace kvcm {
 namespace {
-
-using kernels::KvDType;
 
 constexpr int32_t kKvHeads = 8;
 constexpr int32_t kQHeads = 32;
@@ -57,20 +57,17 @@ constexpr int32_t kBlockSize = 16;
   } while (false)
 
 struct Shape {
-  KvDType dtype;
+  DType dtype;  // fp32, fp16 or bf16
   int32_t seqs;
   int32_t context;
   bool shuffled;
 
   std::string Name() const {
-    const char* dt = dtype == KvDType::kFloat32   ? "fp32"
-                     : dtype == KvDType::kFloat16 ? "fp16"
-                                                  : "bf16";
-    return std::string(dt) + "/" + std::to_string(seqs) + "x" + std::to_string(context) +
-           (shuffled ? "/shuffled" : "/ascending");
+    return std::string(DTypeName(dtype)) + "/" + std::to_string(seqs) + "x" +
+           std::to_string(context) + (shuffled ? "/shuffled" : "/ascending");
   }
   int64_t KvBytes() const {
-    return int64_t{seqs} * context * 2 * kKvHeads * kHeadDim * kernels::KvDTypeBytes(dtype);
+    return int64_t{seqs} * context * 2 * kKvHeads * kHeadDim * DTypeBytes(dtype);
   }
 };
 
@@ -126,9 +123,7 @@ Fixture& GetFixture(const Shape& shape) {
   spec.num_kv_heads = kKvHeads;
   spec.head_dim = kHeadDim;
   spec.block_size = kBlockSize;
-  spec.dtype = shape.dtype == KvDType::kFloat32   ? DType::kFloat32
-               : shape.dtype == KvDType::kFloat16 ? DType::kFloat16
-                                                  : DType::kBFloat16;
+  spec.dtype = shape.dtype;
   const int32_t blocks_per_seq = shape.context / kBlockSize;
   const int32_t num_blocks = shape.seqs * blocks_per_seq;
   const PoolLayout layout = *PoolLayout::For(spec, num_blocks);
@@ -205,12 +200,12 @@ void GpuPagedDecode(benchmark::State& state, Shape shape) {
 
 void RegisterAll() {
   std::vector<Shape> shapes;
-  for (KvDType dtype : {KvDType::kFloat16, KvDType::kBFloat16, KvDType::kFloat32}) {
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16, DType::kFloat32}) {
     for (auto [seqs, context] : {std::pair{4, 8192}, std::pair{32, 8192}, std::pair{128, 2048}}) {
       shapes.push_back({dtype, seqs, context, true});
     }
   }
-  shapes.push_back({KvDType::kFloat16, 32, 8192, false});
+  shapes.push_back({DType::kFloat16, 32, 8192, false});
   for (const Shape& shape : shapes) {
     benchmark::RegisterBenchmark(("GpuCopy/" + shape.Name()).c_str(), GpuCopy, shape)
         ->UseManualTime()

@@ -27,6 +27,7 @@
 #include <mutex>
 
 #include "common/base/check.h"
+#include "common/base/dtype.h"
 #include "kernels/cuda_check.h"
 #include "kernels/paged_attention.h"
 
@@ -70,11 +71,11 @@ struct Params {
 
 // ---- element loads -------------------------------------------------------------------------
 
-template <KvDType kDType>
+template <DType kDType>
 struct Elem;
 
 template <>
-struct Elem<KvDType::kFloat32> {
+struct Elem<DType::kFloat32> {
   static constexpr int kBytes = 4;
   __device__ static float Load1(const uint8_t* p) { return *reinterpret_cast<const float*>(p); }
   // Word w of a row as its 1 (fp32) or 2 (16-bit) elements.
@@ -83,7 +84,7 @@ struct Elem<KvDType::kFloat32> {
 };
 
 template <>
-struct Elem<KvDType::kFloat16> {
+struct Elem<DType::kFloat16> {
   static constexpr int kBytes = 2;
   __device__ static float Load1(const uint8_t* p) {
     return __half2float(__ushort_as_half(*reinterpret_cast<const unsigned short*>(p)));
@@ -100,7 +101,7 @@ struct Elem<KvDType::kFloat16> {
 };
 
 template <>
-struct Elem<KvDType::kBFloat16> {
+struct Elem<DType::kBFloat16> {
   static constexpr int kBytes = 2;
   __device__ static float Load1(const uint8_t* p) {
     return __uint_as_float(uint32_t{*reinterpret_cast<const unsigned short*>(p)} << 16);
@@ -113,7 +114,7 @@ struct Elem<KvDType::kBFloat16> {
 };
 
 // Elements [d0, d0 + kE) of a row (zeros past head_dim).
-template <KvDType kDType, int kE>
+template <DType kDType, int kE>
 __device__ __forceinline__ void LoadRow(const uint8_t* row, int d0, int head_dim, bool aligned,
                                         float (&x)[kE]) {
   using E = Elem<kDType>;
@@ -180,7 +181,7 @@ __host__ __device__ constexpr size_t SmemBytes(int heads, int head_dim) {
          sizeof(int64_t) * kChunk;
 }
 
-template <KvDType kDType, int kE, int kMaxHeads>
+template <DType kDType, int kE, int kMaxHeads>
 __global__ void __launch_bounds__(kThreads, 3) AttentionKernel(Params prm) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float m_s[kMaxHeads];
@@ -433,7 +434,7 @@ const DeviceInfo& Device() {
   return info;
 }
 
-template <KvDType kDType, int kE, int kMaxHeads>
+template <DType kDType, int kE, int kMaxHeads>
 void Launch(const Params& prm, dim3 grid, cudaStream_t stream) {
   const size_t smem = SmemBytes<kMaxHeads>(prm.heads_per_cta, prm.head_dim);
   auto* kernel = &AttentionKernel<kDType, kE, kMaxHeads>;
@@ -445,9 +446,9 @@ void Launch(const Params& prm, dim3 grid, cudaStream_t stream) {
   KVCM_CUDA_CHECK(cudaGetLastError());
 }
 
-template <KvDType kDType>
+template <DType kDType>
 void LaunchForDType(const Params& prm, dim3 grid, cudaStream_t stream, int elems_per_lane) {
-  if constexpr (kDType == KvDType::kFloat32) {
+  if constexpr (kDType == DType::kFloat32) {
     if (elems_per_lane == 8) return Launch<kDType, 8, 8>(prm, grid, stream);
   }
   Launch<kDType, 16, 4>(prm, grid, stream);
@@ -468,6 +469,7 @@ void PagedAttention(const PagedKvView& view, const PagedAttentionBatch& batch, c
       << "num_q_heads " << batch.num_q_heads << ", num_kv_heads " << view.num_kv_heads;
   KVCM_CHECK(view.head_dim > 0 && view.head_dim <= kMaxHeadDim) << "head_dim " << view.head_dim;
   KVCM_CHECK(view.block_size > 0);
+  if (!IsKernelDType(view.dtype)) NoKernelForDType(view.dtype);
   const DeviceInfo& device = Device();
   cudaStream_t s = static_cast<cudaStream_t>(stream);
 
@@ -495,7 +497,7 @@ void PagedAttention(const PagedKvView& view, const PagedAttentionBatch& batch, c
   prm.out = out;
 
   // 32 bytes of a row per lane: 16 elements of fp16/bf16, 8 of fp32 (16 past head dim 256).
-  const int elems_per_lane = view.dtype == KvDType::kFloat32 && view.head_dim <= 256 ? 8 : 16;
+  const int elems_per_lane = view.dtype == DType::kFloat32 && view.head_dim <= 256 ? 8 : 16;
   const int max_heads = elems_per_lane == 8 ? 8 : 4;
   prm.lanes_per_token = CeilPow2((view.head_dim + elems_per_lane - 1) / elems_per_lane);
   prm.head_groups = (prm.group_size + max_heads - 1) / max_heads;
@@ -543,15 +545,18 @@ void PagedAttention(const PagedKvView& view, const PagedAttentionBatch& batch, c
                   static_cast<unsigned>(view.num_kv_heads * prm.head_groups),
                   static_cast<unsigned>(int64_t{batch.num_seqs} * prm.query_split));
   switch (view.dtype) {
-    case KvDType::kFloat32:
-      LaunchForDType<KvDType::kFloat32>(prm, grid, s, elems_per_lane);
+    case DType::kFloat32:
+      LaunchForDType<DType::kFloat32>(prm, grid, s, elems_per_lane);
       break;
-    case KvDType::kFloat16:
-      LaunchForDType<KvDType::kFloat16>(prm, grid, s, elems_per_lane);
+    case DType::kFloat16:
+      LaunchForDType<DType::kFloat16>(prm, grid, s, elems_per_lane);
       break;
-    case KvDType::kBFloat16:
-      LaunchForDType<KvDType::kBFloat16>(prm, grid, s, elems_per_lane);
+    case DType::kBFloat16:
+      LaunchForDType<DType::kBFloat16>(prm, grid, s, elems_per_lane);
       break;
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E5M2:
+      NoKernelForDType(view.dtype);
   }
   if (partials != nullptr) {
     MergeKernel<<<dim3(static_cast<unsigned>(batch.num_seqs),

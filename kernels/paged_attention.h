@@ -17,7 +17,8 @@
 // query_lens[i] > 1 with context_lens[i] - query_lens[i] cached tokens.
 //
 // REQUIRES: num_q_heads % view.num_kv_heads == 0; 1 <= query_lens[i] <= context_lens[i];
-// every block id in use < view.num_blocks.
+// every block id in use < view.num_blocks; IsKernelDType(view.dtype) (an fp8 view
+// CHECK-fails).
 
 #include <cstdint>
 

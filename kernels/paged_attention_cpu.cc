@@ -95,10 +95,10 @@ namespace avx512 {
 #endif
 #else
 namespace avx2 {
-AttentionWorkFn GetWorkFn(KvDType) { return nullptr; }
+AttentionWorkFn GetWorkFn(DType) { return nullptr; }
 }  // namespace avx2
 namespace avx512 {
-AttentionWorkFn GetWorkFn(KvDType) { return nullptr; }
+AttentionWorkFn GetWorkFn(DType) { return nullptr; }
 }  // namespace avx512
 #endif
 
@@ -151,7 +151,7 @@ using internal::kTile;
 // partial states costs more than an idle thread.
 constexpr int32_t kMinSplitPositions = 256;
 
-AttentionWorkFn WorkFn(KvDType dtype) {
+AttentionWorkFn WorkFn(DType dtype) {
   const CpuIsa isa = ActiveCpuIsa();
   if (isa == CpuIsa::kAvx512) {
     if (AttentionWorkFn fn = internal::avx512::GetWorkFn(dtype)) return fn;
@@ -163,6 +163,7 @@ AttentionWorkFn WorkFn(KvDType dtype) {
 }
 
 void CheckBatch(const PagedKvView& view, const PagedAttentionBatch& batch) {
+  if (!IsKernelDType(view.dtype)) NoKernelForDType(view.dtype);
   KVCM_CHECK(view.num_kv_heads > 0 && view.head_dim > 0 && view.block_size > 0);
   KVCM_CHECK(batch.num_q_heads > 0 && batch.num_q_heads % view.num_kv_heads == 0)
       << "num_q_heads " << batch.num_q_heads << " is not a multiple of num_kv_heads "

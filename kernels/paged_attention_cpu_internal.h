@@ -65,16 +65,17 @@ using AttentionWorkFn = void (*)(const AttentionJob& job, const AttentionWork& w
 // Combines the partial states of `group` into `out`. Scalar; the same for every ISA.
 void MergeGroup(const AttentionJob& job, const AttentionGroup& group);
 
+// Each GetWorkFn returns nullptr for a dtype IsKernelDType refuses (fp8).
 namespace portable {
-AttentionWorkFn GetWorkFn(KvDType dtype);
+AttentionWorkFn GetWorkFn(DType dtype);
 }  // namespace portable
 namespace avx2 {
 // nullptr when the build has no AVX2 path (not x86-64).
-AttentionWorkFn GetWorkFn(KvDType dtype);
+AttentionWorkFn GetWorkFn(DType dtype);
 }  // namespace avx2
 namespace avx512 {
 // nullptr when the build has no AVX-512 path (not x86-64).
-AttentionWorkFn GetWorkFn(KvDType dtype);
+AttentionWorkFn GetWorkFn(DType dtype);
 }  // namespace avx512
 
 }  // namespace kvcm::kernels::cpu::internal

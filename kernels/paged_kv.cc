@@ -1,5 +1,7 @@
 #include "kernels/paged_kv.h"
 
+#include <cstdlib>
+
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/base/check.h"
@@ -9,20 +11,11 @@ namespace kvcm::kernels {
 absl::StatusOr<PagedKvView> LayerView(uint8_t* base, const PoolLayout& layout,
                                       const KvCacheSpec& spec, int32_t layer) {
   PagedKvView view;
-  switch (spec.dtype) {
-    case DType::kFloat32:
-      view.dtype = KvDType::kFloat32;
-      break;
-    case DType::kFloat16:
-      view.dtype = KvDType::kFloat16;
-      break;
-    case DType::kBFloat16:
-      view.dtype = KvDType::kBFloat16;
-      break;
-    default:
-      return absl::InvalidArgumentError(absl::StrCat("no attention kernel for KV-cache dtype ",
-                                                     std::string(DTypeName(spec.dtype))));
+  if (!IsKernelDType(spec.dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat("no attention kernel for KV-cache dtype ",
+                                                   std::string(DTypeName(spec.dtype))));
   }
+  view.dtype = spec.dtype;
   if (layer < 0 || layer >= spec.num_layers) {
     return absl::InvalidArgumentError(
         absl::StrCat("layer ", layer, " out of range [0, ", spec.num_layers, ")"));
@@ -40,16 +33,9 @@ absl::StatusOr<PagedKvView> LayerView(uint8_t* base, const PoolLayout& layout,
   return view;
 }
 
-int32_t KvDTypeBytes(KvDType dtype) {
-  switch (dtype) {
-    case KvDType::kFloat32:
-      return 4;
-    case KvDType::kFloat16:
-    case KvDType::kBFloat16:
-      return 2;
-  }
-  KVCM_CHECK(false) << "unknown KvDType " << static_cast<int>(dtype);
-  return 0;
+void NoKernelForDType(DType dtype) {
+  KVCM_CHECK(false) << "no kernel for KV-cache dtype " << DTypeName(dtype);
+  std::abort();
 }
 
 }  // namespace kvcm::kernels

@@ -18,18 +18,26 @@
 #include <cstdint>
 
 #include "absl/status/statusor.h"
+#include "common/base/dtype.h"
 #include "common/memory/pool_layout.h"
 #include "common/sizing/kv_cache_spec.h"
 
 namespace kvcm::kernels {
 
-// Element types the kernels store K/V in. Compute is always fp32.
-enum class KvDType : uint8_t { kFloat32, kFloat16, kBFloat16 };
+// True for the element types the kernels store K/V in: kFloat32, kFloat16, kBFloat16. The
+// fp8 values have no kernel; every kernel CHECK-fails on them (LayerView refuses them
+// first). Compute is always fp32.
+constexpr bool IsKernelDType(DType dtype) {
+  return dtype == DType::kFloat32 || dtype == DType::kFloat16 || dtype == DType::kBFloat16;
+}
+
+// CHECK-fails naming `dtype`: what a kernel does when given a dtype IsKernelDType refuses.
+[[noreturn]] void NoKernelForDType(DType dtype);
 
 struct PagedKvView {
-  uint8_t* k = nullptr;  // this layer's K arena (block 0, token 0, head 0, dim 0)
-  uint8_t* v = nullptr;  // this layer's V arena
-  KvDType dtype = KvDType::kFloat32;
+  uint8_t* k = nullptr;           // this layer's K arena (block 0, token 0, head 0, dim 0)
+  uint8_t* v = nullptr;           // this layer's V arena
+  DType dtype = DType::kFloat32;  // one of IsKernelDType's
   int32_t num_blocks = 0;
   int32_t block_size = 0;
   int32_t num_kv_heads = 0;
@@ -44,9 +52,6 @@ struct PagedKvView {
 // REQUIRES: layout.Validate(spec).ok().
 absl::StatusOr<PagedKvView> LayerView(uint8_t* base, const PoolLayout& layout,
                                       const KvCacheSpec& spec, int32_t layer);
-
-// Bytes per element: 4, 2, 2.
-int32_t KvDTypeBytes(KvDType dtype);
 
 // True when this build has the CUDA kernels (KVCM_CUDA_ENABLED); false means every cuda::
 // function aborts. Says nothing about whether a device is present.

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "common/base/dtype.h"
 #include "common/base/float16.h"
 #include "kernels/cuda_check.h"
 #include "kernels/write_kv.h"
@@ -13,21 +14,21 @@ namespace {
 
 constexpr int kThreads = 128;
 
-template <KvDType kDType>
+template <DType kDType>
 __device__ __forceinline__ void Store(uint8_t* dst, float x) {
-  if constexpr (kDType == KvDType::kFloat32) {
+  if constexpr (kDType == DType::kFloat32) {
     *reinterpret_cast<float*>(dst) = x;
-  } else if constexpr (kDType == KvDType::kFloat16) {
+  } else if constexpr (kDType == DType::kFloat16) {
     *reinterpret_cast<uint16_t*>(dst) = HalfFromFloat(x);
   } else {
     *reinterpret_cast<uint16_t*>(dst) = BFloat16FromFloat(x);
   }
 }
 
-template <KvDType kDType>
+template <DType kDType>
 __global__ void __launch_bounds__(kThreads)
     WriteKvKernel(PagedKvView view, const float* key, const float* value, const int64_t* slots) {
-  constexpr int64_t kBytes = kDType == KvDType::kFloat32 ? 4 : 2;
+  constexpr int64_t kBytes = kDType == DType::kFloat32 ? 4 : 2;
   const int64_t token = blockIdx.x;
   const int64_t slot = slots[token];
   if (slot < 0) return;
@@ -53,15 +54,18 @@ void WriteKv(const PagedKvView& view, const float* key, const float* value, cons
   if (num_tokens <= 0) return;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (view.dtype) {
-    case KvDType::kFloat32:
-      WriteKvKernel<KvDType::kFloat32><<<num_tokens, kThreads, 0, s>>>(view, key, value, slots);
+    case DType::kFloat32:
+      WriteKvKernel<DType::kFloat32><<<num_tokens, kThreads, 0, s>>>(view, key, value, slots);
       break;
-    case KvDType::kFloat16:
-      WriteKvKernel<KvDType::kFloat16><<<num_tokens, kThreads, 0, s>>>(view, key, value, slots);
+    case DType::kFloat16:
+      WriteKvKernel<DType::kFloat16><<<num_tokens, kThreads, 0, s>>>(view, key, value, slots);
       break;
-    case KvDType::kBFloat16:
-      WriteKvKernel<KvDType::kBFloat16><<<num_tokens, kThreads, 0, s>>>(view, key, value, slots);
+    case DType::kBFloat16:
+      WriteKvKernel<DType::kBFloat16><<<num_tokens, kThreads, 0, s>>>(view, key, value, slots);
       break;
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E5M2:
+      NoKernelForDType(view.dtype);
   }
   KVCM_CUDA_CHECK(cudaGetLastError());
 }

@@ -6,7 +6,8 @@
 //   slots:      [num_tokens]; a negative slot skips the token (padding)
 //
 // Converts to the view's dtype (round to nearest even for fp16/bf16).
-// REQUIRES: every non-negative slot < num_blocks * block_size.
+// REQUIRES: every non-negative slot < num_blocks * block_size; IsKernelDType(view.dtype) (an
+// fp8 view CHECK-fails).
 
 #include <cstdint>
 

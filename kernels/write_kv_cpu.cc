@@ -15,18 +15,22 @@ void StoreRow(uint8_t* dst, const float* src, int32_t n, Convert convert) {
   }
 }
 
-void StoreHead(KvDType dtype, uint8_t* dst, const float* src, int32_t head_dim) {
+void StoreHead(DType dtype, uint8_t* dst, const float* src, int32_t head_dim) {
   switch (dtype) {
-    case KvDType::kFloat32:
+    case DType::kFloat32:
       std::memcpy(dst, src, static_cast<size_t>(head_dim) * sizeof(float));
       return;
-    case KvDType::kFloat16:
+    case DType::kFloat16:
       StoreRow(dst, src, head_dim, HalfFromFloat);
       return;
-    case KvDType::kBFloat16:
+    case DType::kBFloat16:
       StoreRow(dst, src, head_dim, BFloat16FromFloat);
       return;
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E5M2:
+      break;
   }
+  NoKernelForDType(dtype);
 }
 
 }  // namespace

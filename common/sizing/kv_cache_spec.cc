@@ -52,21 +52,6 @@ absl::Status RequirePositive(absl::string_view field, int32_t value) {
 
 }  // namespace
 
-int32_t DTypeBytes(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return 4;
-    case DType::kFloat16:
-    case DType::kBFloat16:
-      return 2;
-    case DType::kFloat8E4M3:
-    case DType::kFloat8E5M2:
-      return 1;
-  }
-  KVCM_CHECK(false) << "unknown DType " << static_cast<int>(dtype);
-  return 0;
-}
-
 std::string_view DTypeName(DType dtype) {
   switch (dtype) {
     case DType::kFloat32:

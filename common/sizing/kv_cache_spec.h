@@ -18,21 +18,11 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/base/dtype.h"
 
 namespace kvcm {
 
-// Element type of the cached K and V tensors. This is the KV-cache dtype, which may differ
-// from the model's weight dtype (an fp8 cache for a bf16 model, for instance).
-enum class DType {
-  kFloat32,
-  kFloat16,
-  kBFloat16,
-  kFloat8E4M3,
-  kFloat8E5M2,
-};
-
-// Bytes per element: 4, 2, 2, 1, 1.
-int32_t DTypeBytes(DType dtype);
+// DType and DTypeBytes are in common/base/dtype.h (no Abseil there, for nvcc).
 
 // Short canonical name: "fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2". ParseDType accepts
 // each of these.

@@ -255,14 +255,12 @@ class GgufSource final : public WeightSource {
   const bool unpermute_;
 };
 
-absl::StatusOr<kernels::KvDType> KernelDType(DType dtype) {
+absl::StatusOr<DType> KernelDType(DType dtype) {
   switch (dtype) {
     case DType::kFloat32:
-      return kernels::KvDType::kFloat32;
     case DType::kFloat16:
-      return kernels::KvDType::kFloat16;
     case DType::kBFloat16:
-      return kernels::KvDType::kBFloat16;
+      return dtype;
     default:
       return absl::UnimplementedError(absl::StrCat("KV pool dtype ", std::string(DTypeName(dtype)),
                                                    " has no CPU kernel (fp32, fp16, bf16 do)"));

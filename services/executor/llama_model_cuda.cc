@@ -119,17 +119,6 @@ absl::Status CublasStatus(cublasStatus_t status, std::string_view what) {
 // recommends for Hopper (4 MiB before it).
 constexpr uint64_t kCublasWorkspaceBytes = uint64_t{32} << 20;
 
-llama_cuda::WeightType WeightTypeOf(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat16:
-      return llama_cuda::WeightType::kFloat16;
-    case DType::kBFloat16:
-      return llama_cuda::WeightType::kBFloat16;
-    default:
-      return llama_cuda::WeightType::kFloat32;
-  }
-}
-
 // Offsets of the pieces of one device allocation, each 256-byte aligned (what cudaMalloc
 // gives, enough for any vector load).
 class Carver {
@@ -172,8 +161,8 @@ class StreamBuffer {
   uint8_t* base_ = nullptr;
 };
 
-// Weights as device pointers into one allocation: matrices in the weight type
-// (llama_cuda::WeightType), norms and biases fp32; a bias the model lacks is null.
+// Weights as device pointers into one allocation: matrices in the weight dtype
+// (Impl::weight_dtype_), norms and biases fp32; a bias the model lacks is null.
 struct DeviceLayer {
   const float* input_norm = nullptr;
   const void* q_proj = nullptr;
@@ -205,10 +194,7 @@ struct Activation {
 class LlamaCudaModel::Impl {
  public:
   Impl(const LlamaModel& model, int32_t device, DType weight_dtype)
-      : model_(model),
-        device_(device),
-        weight_dtype_(weight_dtype),
-        weight_type_(WeightTypeOf(weight_dtype)) {}
+      : model_(model), device_(device), weight_dtype_(weight_dtype) {}
   Impl(const Impl&) = delete;
   Impl& operator=(const Impl&) = delete;
   ~Impl() {
@@ -240,9 +226,8 @@ class LlamaCudaModel::Impl {
 
   const LlamaModel& model_;
   const int32_t device_;
-  const DType weight_dtype_;
-  const llama_cuda::WeightType weight_type_;
-  std::mutex mu_;  // one call at a time on the stream (and on cublas_, bound to it)
+  const DType weight_dtype_;  // kFloat32, kFloat16 or kBFloat16 (Create refuses the others)
+  std::mutex mu_;             // one call at a time on the stream (and on cublas_, bound to it)
   cudaStream_t stream_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
   const CublasApi* cublas_api_ = nullptr;  // loaded with cublas_
@@ -302,7 +287,7 @@ absl::Status LlamaCudaModel::Impl::Upload() {
          add(l.o_bias)});
   }
   weight_bytes_ = carver.total();
-  const bool uses_cublas = weight_type_ != llama_cuda::WeightType::kFloat32;
+  const bool uses_cublas = weight_dtype_ != DType::kFloat32;
   const uint64_t needed = weight_bytes_ + (uses_cublas ? kCublasWorkspaceBytes : 0);
 
   KVCM_ASSIGN_OR_RETURN(const auto memory, CudaMemoryInfo(device_));  // checks the index too
@@ -328,7 +313,7 @@ absl::Status LlamaCudaModel::Impl::Upload() {
         // Rounded to nearest, ties to even (common/base/float16.h), as the kernels round
         // activations.
         narrowed.resize(dequantized.size());
-        const bool half = weight_type_ == llama_cuda::WeightType::kFloat16;
+        const bool half = weight_dtype_ == DType::kFloat16;
         for (size_t i = 0; i < dequantized.size(); ++i) {
           const float v = dequantized[i];
           narrowed[i] = half ? HalfFromFloat(v) : BFloat16FromFloat(v);
@@ -376,8 +361,8 @@ absl::Status LlamaCudaModel::Impl::Upload() {
 Activation LlamaCudaModel::Impl::Prepare(const float* x, int64_t rows, int64_t in,
                                          uint16_t* scratch) const {
   Activation a{x, nullptr, rows, in};
-  if (weight_type_ != llama_cuda::WeightType::kFloat32) {
-    llama_cuda::NarrowTo(x, rows * in, weight_type_, scratch, stream_);
+  if (weight_dtype_ != DType::kFloat32) {
+    llama_cuda::NarrowTo(x, rows * in, weight_dtype_, scratch, stream_);
     a.narrowed = scratch;
   }
   return a;
@@ -386,7 +371,7 @@ Activation LlamaCudaModel::Impl::Prepare(const float* x, int64_t rows, int64_t i
 absl::Status LlamaCudaModel::Impl::MatMul(const Activation& x, const void* w, int64_t out,
                                           float* y) const {
   if (x.rows <= 0 || out <= 0) return absl::OkStatus();
-  if (weight_type_ == llama_cuda::WeightType::kFloat32) {
+  if (weight_dtype_ == DType::kFloat32) {
     llama_cuda::MatMul(x.fp32, x.rows, x.in, static_cast<const float*>(w), out, y, stream_);
     return absl::OkStatus();
   }
@@ -405,8 +390,7 @@ absl::Status LlamaCudaModel::Impl::MatMul(const Activation& x, const void* w, in
   //   m = out, n = rows, k = in.
   // A and B in the weight type, C fp32, accumulated in fp32 (CUBLAS_COMPUTE_32F, on tensor
   // cores for 16-bit inputs); alpha = 1, beta = 0 (y is overwritten).
-  const cudaDataType_t type =
-      weight_type_ == llama_cuda::WeightType::kFloat16 ? CUDA_R_16F : CUDA_R_16BF;
+  const cudaDataType_t type = weight_dtype_ == DType::kFloat16 ? CUDA_R_16F : CUDA_R_16BF;
   const int m = static_cast<int>(out);
   const int n = static_cast<int>(x.rows);
   const int k = static_cast<int>(x.in);
@@ -471,7 +455,7 @@ absl::Status LlamaCudaModel::Impl::Forward(const ForwardBatch& batch, const Page
   const uint64_t o_picked_normed = carver.Take<float>(num_logits * h);
   const uint64_t o_logits = carver.Take<float>(num_logits * vocab);
   // The 16-bit copy of a product's input (Prepare): the widest of them.
-  const bool narrows = weight_type_ != llama_cuda::WeightType::kFloat32;
+  const bool narrows = weight_dtype_ != DType::kFloat32;
   const int64_t narrowed_elements =
       std::max({rows * h, rows * q_width, rows * inter, num_logits * h});
   const uint64_t o_narrowed = carver.Take<uint16_t>(narrows ? narrowed_elements : 0);
@@ -517,7 +501,7 @@ absl::Status LlamaCudaModel::Impl::Forward(const ForwardBatch& batch, const Page
   attention.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
   attention.max_query_len = *std::max_element(batch.query_lens.begin(), batch.query_lens.end());
 
-  llama_cuda::Embed(scratch.At<int32_t>(o_tokens), rows, embed_tokens_, weight_type_, h, x, s);
+  llama_cuda::Embed(scratch.At<int32_t>(o_tokens), rows, embed_tokens_, weight_dtype_, h, x, s);
   for (int32_t l = 0; l < c.num_hidden_layers; ++l) {
     const DeviceLayer& layer = layers_[static_cast<size_t>(l)];
     // Attention inputs (LlamaModel::AttentionInputs), biases before RoPE as there.

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "common/base/dtype.h"
 #include "kernels/cuda_check.h"
 #include "services/executor/llama_model_cuda_kernels.h"
 
@@ -176,31 +177,35 @@ __global__ void GatherRowsKernel(const float* x, const int64_t* rows, int64_t h,
 
 }  // namespace
 
-void Embed(const int32_t* tokens, int64_t rows, const void* table, WeightType type, int64_t h,
-           float* x, void* stream) {
+void Embed(const int32_t* tokens, int64_t rows, const void* table, DType type, int64_t h, float* x,
+           void* stream) {
   if (rows <= 0) return;
   const unsigned blocks = static_cast<unsigned>(rows);
   switch (type) {
-    case WeightType::kFloat32:
+    case DType::kFloat32:
       EmbedKernel<<<blocks, kThreads, 0, AsStream(stream)>>>(
           tokens, static_cast<const float*>(table), h, x);
       break;
-    case WeightType::kFloat16:
+    case DType::kFloat16:
       EmbedKernel<<<blocks, kThreads, 0, AsStream(stream)>>>(
           tokens, static_cast<const __half*>(table), h, x);
       break;
-    case WeightType::kBFloat16:
+    case DType::kBFloat16:
       EmbedKernel<<<blocks, kThreads, 0, AsStream(stream)>>>(
           tokens, static_cast<const __nv_bfloat16*>(table), h, x);
+      break;
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E5M2:
+      KVCM_CHECK(false) << "Embed: no kernel for weight dtype " << static_cast<int>(type);
       break;
   }
   KVCM_CUDA_CHECK(cudaGetLastError());
 }
 
-void NarrowTo(const float* x, int64_t n, WeightType type, uint16_t* out, void* stream) {
+void NarrowTo(const float* x, int64_t n, DType type, uint16_t* out, void* stream) {
   if (n <= 0) return;
-  KVCM_CHECK(type != WeightType::kFloat32) << "NarrowTo needs a 16-bit type";
-  if (type == WeightType::kFloat16) {
+  KVCM_CHECK(type == DType::kFloat16 || type == DType::kBFloat16) << "NarrowTo needs a 16-bit type";
+  if (type == DType::kFloat16) {
     NarrowToHalfKernel<<<GridFor(n), kThreads, 0, AsStream(stream)>>>(
         x, n, reinterpret_cast<__half*>(out));
   } else {

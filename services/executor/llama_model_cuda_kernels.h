@@ -4,26 +4,27 @@
 // forward (llama_model.cc), which is its reference. All pointers are device pointers; every
 // launcher is asynchronous on `stream` (a cudaStream_t) and CHECK-fails when the launch
 // does (kernels/cuda_check.h). Row-major throughout; activations are fp32, weight matrices
-// fp32, fp16 or bf16 (WeightType).
+// fp32, fp16 or bf16 (DType; the launchers CHECK-fail on the fp8 values).
 //
 // This header is C++17 (nvcc compiles its .cu file as such): no C++20 types here.
 
 #include <cstdint>
 
+#include "common/base/dtype.h"
+
 namespace kvcm::llama_cuda {
 
-// How a weight matrix is stored on the device: fp32, or IEEE binary16 / bfloat16 bits as
-// uint16_t.
-enum class WeightType { kFloat32, kFloat16, kBFloat16 };
+// A weight matrix is stored on the device as fp32 (DType::kFloat32), or as IEEE binary16
+// (kFloat16) or bfloat16 (kBFloat16) bits in uint16_t.
 
 // x[r][:] = table[tokens[r]][:] widened to fp32 (exact), r < rows; table is [vocab][h] of
 // `type`.
-void Embed(const int32_t* tokens, int64_t rows, const void* table, WeightType type, int64_t h,
-           float* x, void* stream);
+void Embed(const int32_t* tokens, int64_t rows, const void* table, DType type, int64_t h, float* x,
+           void* stream);
 
 // out[i] = x[i] rounded to `type` (kFloat16 or kBFloat16), to nearest, ties to even, as
 // common/base/float16.h rounds on the host; i < n.
-void NarrowTo(const float* x, int64_t n, WeightType type, uint16_t* out, void* stream);
+void NarrowTo(const float* x, int64_t n, DType type, uint16_t* out, void* stream);
 
 // y[r][i] += bias[i], r < rows, i < width (a projection's bias, LlamaModel's AddBias).
 void AddBias(float* y, int64_t rows, int64_t width, const float* bias, void* stream);

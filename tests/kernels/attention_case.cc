@@ -88,34 +88,6 @@ std::vector<AttentionCase> StandardAttentionCases() {
   return cases;
 }
 
-KvDType ToKvDType(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return KvDType::kFloat32;
-    case DType::kFloat16:
-      return KvDType::kFloat16;
-    case DType::kBFloat16:
-      return KvDType::kBFloat16;
-    default:
-      KVCM_CHECK(false) << "no KvDType for " << DTypeName(dtype);
-      return KvDType::kFloat32;
-  }
-}
-
-DType ToDType(KvDType dtype) {
-  switch (dtype) {
-    case KvDType::kFloat32:
-      return DType::kFloat32;
-    case KvDType::kFloat16:
-      return DType::kFloat16;
-    case KvDType::kBFloat16:
-      return DType::kBFloat16;
-  }
-  return DType::kFloat32;
-}
-
-std::string KvDTypeName(KvDType dtype) { return std::string(DTypeName(ToDType(dtype))); }
-
 double DecodeHalfIndependent(uint16_t h) {
   const int sign = (h >> 15) & 1;
   const int exponent = (h >> 10) & 0x1f;
@@ -148,7 +120,7 @@ double DecodeBFloat16Independent(uint16_t b) {
   return sign ? -value : value;
 }
 
-std::unique_ptr<AttentionInputs> MakeAttentionInputs(const AttentionCase& c, KvDType dtype) {
+std::unique_ptr<AttentionInputs> MakeAttentionInputs(const AttentionCase& c, DType dtype) {
   auto in = std::make_unique<AttentionInputs>();
   std::mt19937_64 rng(c.seed);
   std::uniform_real_distribution<float> uniform(-c.value_range, c.value_range);
@@ -168,7 +140,7 @@ std::unique_ptr<AttentionInputs> MakeAttentionInputs(const AttentionCase& c, KvD
   in->spec.num_layers = 2;
   in->spec.num_kv_heads = c.num_kv_heads;
   in->spec.head_dim = c.head_dim;
-  in->spec.dtype = ToDType(dtype);
+  in->spec.dtype = dtype;
   in->spec.block_size = c.block_size;
   absl::StatusOr<PoolLayout> layout = PoolLayout::For(in->spec, num_blocks);
   KVCM_CHECK(layout.ok()) << layout.status().ToString();

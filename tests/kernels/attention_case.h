@@ -15,19 +15,18 @@
 #include <string>
 #include <vector>
 
+#include "common/base/dtype.h"
 #include "common/memory/pool_layout.h"
 #include "common/sizing/kv_cache_spec.h"
 #include "kernels/paged_attention.h"
 #include "kernels/paged_kv.h"
 
-namespace kvcm::kernels {
+namespace kvcm {
 
-// Names the dtype in test output: "fp16", not "1-byte object <01>".
-inline void PrintTo(KvDType dtype, std::ostream* os) {
-  *os << (dtype == KvDType::kFloat32 ? "fp32" : dtype == KvDType::kFloat16 ? "fp16" : "bf16");
-}
+// Names the dtype in test output ("fp16") instead of dumping its bytes.
+inline void PrintTo(DType dtype, std::ostream* os) { *os << DTypeName(dtype); }
 
-}  // namespace kvcm::kernels
+}  // namespace kvcm
 
 namespace kvcm::kernels::testing_util {
 
@@ -53,10 +52,6 @@ struct AttentionCase {
 // contexts long enough to be split across threads or thread blocks), with fixed seeds.
 std::vector<AttentionCase> StandardAttentionCases();
 
-KvDType ToKvDType(DType dtype);
-DType ToDType(KvDType dtype);
-std::string KvDTypeName(KvDType dtype);
-
 // Inputs of one case in host memory. Not movable: batch points into it.
 struct AttentionInputs {
   AttentionInputs() = default;
@@ -78,7 +73,7 @@ struct AttentionInputs {
   int64_t OutputSize() const { return total_query_tokens * batch.num_q_heads * spec.head_dim; }
 };
 
-std::unique_ptr<AttentionInputs> MakeAttentionInputs(const AttentionCase& c, KvDType dtype);
+std::unique_ptr<AttentionInputs> MakeAttentionInputs(const AttentionCase& c, DType dtype);
 
 // Element `d` of the K (kv = 0) or V (kv = 1) row of (block, token, head) in layer 1,
 // decoded independently of common/base/float16.h.

@@ -33,12 +33,10 @@ namespace {
 
 using testing_util::AttentionCase;
 using testing_util::AttentionInputs;
-using testing_util::KvDTypeName;
 using testing_util::MakeAttentionInputs;
 using testing_util::ReferenceAttention;
 using testing_util::RelativeError;
 using testing_util::StandardAttentionCases;
-using testing_util::ToDType;
 
 constexpr double kMaxRelativeError = 1e-5;
 
@@ -123,15 +121,15 @@ std::string HintName(Hint hint) {
 
 void PrintTo(Hint hint, std::ostream* os) { *os << HintName(hint); }
 
-class CudaPagedAttentionTest
-    : public CudaDeviceTest,
-      public ::testing::WithParamInterface<std::tuple<int, KvDType, Hint>> {};
+class CudaPagedAttentionTest : public CudaDeviceTest,
+                               public ::testing::WithParamInterface<std::tuple<int, DType, Hint>> {
+};
 
 TEST_P(CudaPagedAttentionTest, MatchesCpu) {
   const auto [index, dtype, hint] = GetParam();
   const AttentionCase& c = Cases()[static_cast<size_t>(index)];
-  std::cout << "case " << c.name << " seed " << c.seed << " dtype " << KvDTypeName(dtype)
-            << " hint " << HintName(hint) << std::endl;
+  std::cout << "case " << c.name << " seed " << c.seed << " dtype " << DTypeName(dtype) << " hint "
+            << HintName(hint) << std::endl;
   const std::unique_ptr<AttentionInputs> in = MakeAttentionInputs(c, dtype);
   std::vector<float> cpu_out(static_cast<size_t>(in->OutputSize()));
   cpu::PagedAttention(in->view, in->batch, in->query.data(), cpu_out.data());
@@ -163,29 +161,30 @@ TEST_P(CudaPagedAttentionTest, MatchesCpu) {
   EXPECT_LT(vs_ref, kMaxRelativeError);
 }
 
-std::string CaseName(const ::testing::TestParamInfo<std::tuple<int, KvDType, Hint>>& param) {
+std::string CaseName(const ::testing::TestParamInfo<std::tuple<int, DType, Hint>>& param) {
   const int index = std::get<0>(param.param);
-  return Cases()[static_cast<size_t>(index)].name + "_" + KvDTypeName(std::get<1>(param.param)) +
-         "_" + HintName(std::get<2>(param.param));
+  return Cases()[static_cast<size_t>(index)].name + "_" +
+         std::string(DTypeName(std::get<1>(param.param))) + "_" +
+         HintName(std::get<2>(param.param));
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Cases, CudaPagedAttentionTest,
     ::testing::Combine(::testing::Range(0, static_cast<int>(Cases().size())),
-                       ::testing::Values(KvDType::kFloat32, KvDType::kFloat16, KvDType::kBFloat16),
+                       ::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
                        ::testing::Values(Hint::kExact, Hint::kUnknown, Hint::kOne)),
     CaseName);
 
-class CudaWriteKvTest : public CudaDeviceTest, public ::testing::WithParamInterface<KvDType> {};
+class CudaWriteKvTest : public CudaDeviceTest, public ::testing::WithParamInterface<DType> {};
 
 TEST_P(CudaWriteKvTest, SameBytesAsCpu) {
-  const KvDType dtype = GetParam();
+  const DType dtype = GetParam();
   KvCacheSpec spec;
   spec.num_layers = 2;
   spec.num_kv_heads = 3;
   spec.head_dim = 40;
   spec.block_size = 5;
-  spec.dtype = ToDType(dtype);
+  spec.dtype = dtype;
   const absl::StatusOr<PoolLayout> layout = PoolLayout::For(spec, 11);
   ASSERT_THAT(layout, IsOk());
   std::mt19937_64 rng(17);
@@ -219,14 +218,31 @@ TEST_P(CudaWriteKvTest, SameBytesAsCpu) {
   EXPECT_EQ(mismatches, 0u);
 }
 
-std::string DtypeName(const ::testing::TestParamInfo<KvDType>& param) {
-  return KvDTypeName(param.param);
+std::string DtypeName(const ::testing::TestParamInfo<DType>& param) {
+  return std::string(DTypeName(param.param));
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, CudaWriteKvTest,
-                         ::testing::Values(KvDType::kFloat32, KvDType::kFloat16,
-                                           KvDType::kBFloat16),
+                         ::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
                          DtypeName);
+
+// The kernels have no fp8 path: they abort before any CUDA call, so no device is needed.
+TEST(CudaKernelsDeathTest, RefuseFp8) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  PagedKvView view;
+  view.dtype = DType::kFloat8E4M3;
+  view.num_blocks = 1;
+  view.block_size = 16;
+  view.num_kv_heads = 1;
+  view.head_dim = 64;
+  EXPECT_DEATH(cuda::WriteKv(view, nullptr, nullptr, nullptr, 1, nullptr),
+               "no kernel for KV-cache dtype fp8_e4m3");
+  PagedAttentionBatch batch;
+  batch.num_seqs = 1;
+  batch.num_q_heads = 1;
+  EXPECT_DEATH(cuda::PagedAttention(view, batch, nullptr, nullptr, nullptr),
+               "no kernel for KV-cache dtype fp8_e4m3");
+}
 
 using CudaCopyBlocksTest = CudaDeviceTest;
 

@@ -24,7 +24,6 @@ void PrintTo(CpuIsa isa, std::ostream* os) { *os << CpuIsaName(isa); }
 namespace {
 
 using testing_util::AttentionCase;
-using testing_util::KvDTypeName;
 using testing_util::MakeAttentionInputs;
 using testing_util::ReferenceAttention;
 using testing_util::RelativeError;
@@ -47,7 +46,7 @@ std::vector<float> RunCpu(const testing_util::AttentionInputs& in, CpuIsa isa,
   return out;
 }
 
-class PagedAttentionCpuTest : public ::testing::TestWithParam<std::tuple<int, KvDType, CpuIsa>> {};
+class PagedAttentionCpuTest : public ::testing::TestWithParam<std::tuple<int, DType, CpuIsa>> {};
 
 TEST_P(PagedAttentionCpuTest, MatchesFloat64Reference) {
   const auto [index, dtype, isa] = GetParam();
@@ -55,7 +54,7 @@ TEST_P(PagedAttentionCpuTest, MatchesFloat64Reference) {
     GTEST_SKIP() << "this CPU has no " << CpuIsaName(isa);
   }
   const AttentionCase& c = Cases()[static_cast<size_t>(index)];
-  std::cout << "case " << c.name << " seed " << c.seed << " dtype " << KvDTypeName(dtype) << " isa "
+  std::cout << "case " << c.name << " seed " << c.seed << " dtype " << DTypeName(dtype) << " isa "
             << CpuIsaName(isa) << std::endl;
   const auto in = MakeAttentionInputs(c, dtype);
   const std::vector<double> ref = ReferenceAttention(*in);
@@ -67,16 +66,17 @@ TEST_P(PagedAttentionCpuTest, MatchesFloat64Reference) {
   }
 }
 
-std::string CaseName(const ::testing::TestParamInfo<std::tuple<int, KvDType, CpuIsa>>& param) {
+std::string CaseName(const ::testing::TestParamInfo<std::tuple<int, DType, CpuIsa>>& param) {
   const int index = std::get<0>(param.param);
-  return Cases()[static_cast<size_t>(index)].name + "_" + KvDTypeName(std::get<1>(param.param)) +
-         "_" + std::string(CpuIsaName(std::get<2>(param.param)));
+  return Cases()[static_cast<size_t>(index)].name + "_" +
+         std::string(DTypeName(std::get<1>(param.param))) + "_" +
+         std::string(CpuIsaName(std::get<2>(param.param)));
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Cases, PagedAttentionCpuTest,
     ::testing::Combine(::testing::Range(0, static_cast<int>(Cases().size())),
-                       ::testing::Values(KvDType::kFloat32, KvDType::kFloat16, KvDType::kBFloat16),
+                       ::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
                        ::testing::Values(CpuIsa::kPortable, CpuIsa::kAvx2, CpuIsa::kAvx512)),
     CaseName);
 
@@ -90,7 +90,7 @@ TEST(PagedAttentionCpuTest, LargeScoresStayFinite) {
                   .seqs = {{300, 1}, {50, 5}},
                   .value_range = 12.0f,
                   .seed = 7};
-  const auto in = MakeAttentionInputs(c, KvDType::kFloat32);
+  const auto in = MakeAttentionInputs(c, DType::kFloat32);
   in->batch.scale = 1.0f;
   const std::vector<double> ref = ReferenceAttention(*in);
   for (CpuIsa isa : {CpuIsa::kPortable, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
@@ -105,10 +105,20 @@ TEST(PagedAttentionCpuTest, LargeScoresStayFinite) {
 // reassociation), and the call is repeatable.
 TEST(PagedAttentionCpuTest, RepeatedCallsAgree) {
   const AttentionCase& c = Cases()[0];
-  const auto in = MakeAttentionInputs(c, KvDType::kFloat16);
+  const auto in = MakeAttentionInputs(c, DType::kFloat16);
   const std::vector<float> a = RunCpu(*in, BestCpuIsa(), 0);
   const std::vector<float> b = RunCpu(*in, BestCpuIsa(), 0);
   EXPECT_EQ(a, b);
+}
+
+// The kernel has no fp8 path: it aborts rather than read fp8 bytes as another type.
+TEST(PagedAttentionCpuDeathTest, RefusesFp8) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const auto in = MakeAttentionInputs(Cases()[0], DType::kFloat32);
+  in->view.dtype = DType::kFloat8E4M3;
+  std::vector<float> out(static_cast<size_t>(in->OutputSize()));
+  EXPECT_DEATH(cpu::PagedAttention(in->view, in->batch, in->query.data(), out.data()),
+               "no kernel for KV-cache dtype fp8_e4m3");
 }
 
 }  // namespace

@@ -34,7 +34,7 @@ TEST(LayerViewTest, PointsIntoTheLayoutOfEachLayer) {
     ASSERT_THAT(view, IsOk());
     EXPECT_EQ(view->k, base + layout->Offset(layer, 0, 0, 0, 0));
     EXPECT_EQ(view->v, base + layout->Offset(layer, 1, 0, 0, 0));
-    EXPECT_EQ(view->dtype, KvDType::kBFloat16);
+    EXPECT_EQ(view->dtype, DType::kBFloat16);
     EXPECT_EQ(view->num_blocks, 100);
     EXPECT_EQ(view->block_size, 16);
     EXPECT_EQ(view->num_kv_heads, 8);
@@ -45,24 +45,31 @@ TEST(LayerViewTest, PointsIntoTheLayoutOfEachLayer) {
     // Element (b, t, h, d) of K by the view's formula is the layout's address.
     const int64_t b = 57, t = 9, h = 5, d = 100;
     EXPECT_EQ(view->k + b * view->block_stride + t * view->token_stride + h * view->head_stride +
-                  d * KvDTypeBytes(view->dtype),
+                  d * DTypeBytes(view->dtype),
               base + layout->Offset(layer, 0, 57, 9, 5) + d * layout->elem_bytes);
   }
 }
 
 TEST(LayerViewTest, MapsEachDtype) {
-  for (auto [dtype, kv_dtype] : {std::pair{DType::kFloat32, KvDType::kFloat32},
-                                 std::pair{DType::kFloat16, KvDType::kFloat16},
-                                 std::pair{DType::kBFloat16, KvDType::kBFloat16}}) {
+  for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
     const KvCacheSpec spec = Llama8BSpec(dtype);
     const absl::StatusOr<PoolLayout> layout = PoolLayout::For(spec, 4);
     ASSERT_THAT(layout, IsOk());
     std::vector<uint8_t> pool(16);
     const absl::StatusOr<PagedKvView> view = LayerView(pool.data(), *layout, spec, 0);
     ASSERT_THAT(view, IsOk());
-    EXPECT_EQ(view->dtype, kv_dtype);
-    EXPECT_EQ(KvDTypeBytes(view->dtype), DTypeBytes(dtype));
+    EXPECT_EQ(view->dtype, dtype);
+    EXPECT_EQ(DTypeBytes(view->dtype), layout->elem_bytes);
   }
+}
+
+TEST(IsKernelDTypeTest, AcceptsTheFloatTypesOnly) {
+  static_assert(IsKernelDType(DType::kFloat32));
+  static_assert(IsKernelDType(DType::kFloat16));
+  static_assert(IsKernelDType(DType::kBFloat16));
+  static_assert(!IsKernelDType(DType::kFloat8E4M3));
+  static_assert(!IsKernelDType(DType::kFloat8E5M2));
+  EXPECT_DEATH(NoKernelForDType(DType::kFloat8E5M2), "no kernel for KV-cache dtype fp8_e5m2");
 }
 
 TEST(LayerViewTest, RejectsFp8AndLayersOutOfRange) {

@@ -23,8 +23,6 @@ namespace {
 
 using testing_util::DecodeBFloat16Independent;
 using testing_util::DecodeHalfIndependent;
-using testing_util::KvDTypeName;
-using testing_util::ToDType;
 
 // Nearest bf16 to x, ties to even, found by comparing the two neighbours in float64.
 uint16_t BFloat16Rne(float x) {
@@ -113,7 +111,7 @@ std::vector<float> InterestingFloats() {
   return v;
 }
 
-TEST(KvDTypeTest, HalfDecodesEveryValue) {
+TEST(DTypeConversionTest, HalfDecodesEveryValue) {
   for (uint32_t h = 0; h < 0x10000u; ++h) {
     const double want = DecodeHalfIndependent(static_cast<uint16_t>(h));
     const float got = FloatFromHalf(static_cast<uint16_t>(h));
@@ -125,7 +123,7 @@ TEST(KvDTypeTest, HalfDecodesEveryValue) {
   }
 }
 
-TEST(KvDTypeTest, BFloat16DecodesEveryValue) {
+TEST(DTypeConversionTest, BFloat16DecodesEveryValue) {
   for (uint32_t b = 0; b < 0x10000u; ++b) {
     const double want = DecodeBFloat16Independent(static_cast<uint16_t>(b));
     const float got = FloatFromBFloat16(static_cast<uint16_t>(b));
@@ -137,7 +135,7 @@ TEST(KvDTypeTest, BFloat16DecodesEveryValue) {
   }
 }
 
-TEST(KvDTypeTest, EncodesRoundToNearestEven) {
+TEST(DTypeConversionTest, EncodesRoundToNearestEven) {
   for (float x : InterestingFloats()) {
     ASSERT_EQ(HalfFromFloat(x), HalfRne(x)) << x;
     ASSERT_EQ(BFloat16FromFloat(x), BFloat16Rne(x)) << x;
@@ -147,16 +145,16 @@ TEST(KvDTypeTest, EncodesRoundToNearestEven) {
   EXPECT_TRUE(std::isnan(FloatFromBFloat16(BFloat16FromFloat(nan))));
 }
 
-class WriteKvTest : public ::testing::TestWithParam<KvDType> {};
+class WriteKvTest : public ::testing::TestWithParam<DType> {};
 
 TEST_P(WriteKvTest, RoundTripThroughStrides) {
-  const KvDType dtype = GetParam();
+  const DType dtype = GetParam();
   KvCacheSpec spec;
   spec.num_layers = 3;
   spec.num_kv_heads = 3;
   spec.head_dim = 20;
   spec.block_size = 5;
-  spec.dtype = ToDType(dtype);
+  spec.dtype = dtype;
   const int32_t num_blocks = 7;
   const absl::StatusOr<PoolLayout> layout = PoolLayout::For(spec, num_blocks);
   ASSERT_THAT(layout, IsOk());
@@ -191,10 +189,10 @@ TEST_P(WriteKvTest, RoundTripThroughStrides) {
           const float x = src[static_cast<size_t>(i * elems + h * spec.head_dim + d)];
           uint8_t* dst = want.data() + layout->Offset(layer, kv, block, token, h) +
                          int64_t{d} * layout->elem_bytes;
-          if (dtype == KvDType::kFloat32) {
+          if (dtype == DType::kFloat32) {
             std::memcpy(dst, &x, sizeof(x));
           } else {
-            const uint16_t bits = dtype == KvDType::kFloat16 ? HalfRne(x) : BFloat16Rne(x);
+            const uint16_t bits = dtype == DType::kFloat16 ? HalfRne(x) : BFloat16Rne(x);
             std::memcpy(dst, &bits, sizeof(bits));
           }
         }
@@ -207,13 +205,33 @@ TEST_P(WriteKvTest, RoundTripThroughStrides) {
   EXPECT_EQ(mismatches, 0u) << "bytes differing from the expected pool";
 }
 
-std::string DtypeName(const ::testing::TestParamInfo<KvDType>& param) {
-  return KvDTypeName(param.param);
+// The kernel has no fp8 path: it aborts rather than store another type's bytes.
+TEST(WriteKvDeathTest, RefusesFp8) {
+  std::vector<uint8_t> pool(64);
+  PagedKvView view;
+  view.k = pool.data();
+  view.v = pool.data() + 32;
+  view.dtype = DType::kFloat8E5M2;
+  view.num_blocks = 1;
+  view.block_size = 1;
+  view.num_kv_heads = 1;
+  view.head_dim = 4;
+  view.block_stride = 4;
+  view.token_stride = 4;
+  view.head_stride = 4;
+  const std::vector<float> key(4, 1.0f);
+  const std::vector<float> value(4, 1.0f);
+  const int64_t slot = 0;
+  EXPECT_DEATH(cpu::WriteKv(view, key.data(), value.data(), &slot, 1),
+               "no kernel for KV-cache dtype fp8_e5m2");
+}
+
+std::string DtypeName(const ::testing::TestParamInfo<DType>& param) {
+  return std::string(DTypeName(param.param));
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, WriteKvTest,
-                         ::testing::Values(KvDType::kFloat32, KvDType::kFloat16,
-                                           KvDType::kBFloat16),
+                         ::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
                          DtypeName);
 
 }  // namespace
