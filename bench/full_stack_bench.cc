@@ -106,7 +106,7 @@ struct Run {
 
 Run InProcess(const LlamaModel& model, const Tokenizer& tokenizer, const std::vector<int32_t>& eos,
               int round, int batch, int new_tokens) {
-  PagedPool pool;
+  PoolView pool;
   pool.spec = model.config().KvSpec(DType::kFloat32, kBlockSize).value();
   const int32_t blocks_per_seq = (kPromptTokens + new_tokens + kBlockSize - 1) / kBlockSize;
   pool.layout = PoolLayout::For(pool.spec, batch * blocks_per_seq).value();

@@ -60,7 +60,7 @@ struct Rates {
 };
 
 Rates RunKvcm(const LlamaModel& model, int batch, int pp, int tg) {
-  PagedPool pool;
+  PoolView pool;
   pool.spec = model.config().KvSpec(DType::kFloat16, kBlockSize).value();
   const int32_t blocks_per_seq = (pp + tg + kBlockSize - 1) / kBlockSize;
   pool.layout = PoolLayout::For(pool.spec, batch * blocks_per_seq).value();

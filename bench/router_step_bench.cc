@@ -65,8 +65,8 @@ struct Environment {
 };
 
 // An executor's answer: `token` sampled for `seq`.
-router::SeqResult Sampled(SeqId seq, int32_t token) {
-  router::SeqResult result;
+SeqResult Sampled(SeqId seq, int32_t token) {
+  SeqResult result;
   result.seq = seq;
   result.token = token;
   return result;
@@ -111,9 +111,9 @@ void RunStep(router::StepPlanner& planner, CacheManagerClient& client,
   absl::StatusOr<std::vector<OpOutcome>> outcomes = client.Step(ops);
   KVCM_CHECK(outcomes.ok()) << outcomes.status();
   router::ExecutorWork& work = planner.Apply(plan, *outcomes);
-  std::vector<router::SeqResult> results;
+  std::vector<SeqResult> results;
   for (const auto& batch : work.batches) {
-    for (const SeqStep& seq : batch.step.seqs) results.push_back(Sampled(seq.seq, 5));
+    for (const SeqWork& seq : batch.step.seqs) results.push_back(Sampled(seq.seq, 5));
   }
   planner.Complete(results);
   if (outcomes_out != nullptr) *outcomes_out = *std::move(outcomes);
@@ -150,7 +150,7 @@ void PlannerOnly(benchmark::State& state) {
   auto client = Connect();
   router::StepPlanner planner(Options(n, client->session()));
   Admit(planner, *client, n);
-  std::vector<router::SeqResult> results;
+  std::vector<SeqResult> results;
   const std::vector<router::ExecutorId> executors = {1};
   for (auto _ : state) {
     // The same shape of step without the round trips: outcomes made up as the cache
@@ -163,7 +163,7 @@ void PlannerOnly(benchmark::State& state) {
     router::ExecutorWork& work = planner.Apply(plan, outcomes);
     results.clear();
     for (const auto& batch : work.batches) {
-      for (const SeqStep& seq : batch.step.seqs) results.push_back(Sampled(seq.seq, 5));
+      for (const SeqWork& seq : batch.step.seqs) results.push_back(Sampled(seq.seq, 5));
     }
     benchmark::DoNotOptimize(planner.Complete(results));
   }

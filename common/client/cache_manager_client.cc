@@ -72,12 +72,12 @@ void ConfigureDealer(zmq::socket_t& socket, absl::Duration send_timeout) {
 
 // ---- Decoding helpers -----------------------------------------------------------------------
 
-absl::StatusOr<AttachedPool> CheckPoolDescriptor(const PoolDescriptorInfo& descriptor,
-                                                 int32_t expected_num_blocks) {
+absl::StatusOr<PoolView> CheckPoolDescriptor(const PoolDescriptorInfo& descriptor,
+                                             int32_t expected_num_blocks) {
   auto bad = [](auto&&... parts) {
     return ProtocolError(absl::StrCat("pool descriptor: ", parts...));
   };
-  AttachedPool pool;
+  PoolView pool;
   pool.spec = descriptor.spec;
   pool.num_blocks = descriptor.num_blocks;
   if (pool.num_blocks <= 0) return bad("num_blocks is ", pool.num_blocks);
@@ -349,27 +349,26 @@ absl::StatusOr<CacheManagerClient::Reply> CacheManagerClient::MapErrorReply(
   return reply;
 }
 
-absl::StatusOr<std::vector<OpOutcome>> CacheManagerClient::Step(const BlockOps& batch) {
-  if (batch.empty()) return std::vector<OpOutcome>{};
+absl::StatusOr<std::vector<OpOutcome>> CacheManagerClient::Step(std::span<const BlockOp> ops) {
+  if (ops.empty()) return std::vector<OpOutcome>{};
   const int32_t max_ops = session().max_ops_per_step;
-  if (max_ops > 0 && batch.size() > static_cast<size_t>(max_ops)) {
-    return absl::InvalidArgumentError(absl::StrCat("step of ", batch.size(),
+  if (max_ops > 0 && ops.size() > static_cast<size_t>(max_ops)) {
+    return absl::InvalidArgumentError(absl::StrCat("step of ", ops.size(),
                                                    " ops exceeds the cache manager's limit of ",
                                                    max_ops, " ops per step"));
   }
   KVCM_RETURN_IF_ERROR(CheckSession());
-  flatbuffers::FlatBufferBuilder builder(256 + batch.size() * 64);
+  flatbuffers::FlatBufferBuilder builder(256 + ops.size() * 64);
   const SessionInfo current = session();
   const uint64_t request_id = next_request_id_;
-  KVCM_RETURN_IF_ERROR(
-      EncodeStep(builder, request_id, current.session_id, current.epoch, batch.ops()));
+  KVCM_RETURN_IF_ERROR(EncodeStep(builder, request_id, current.session_id, current.epoch, ops));
   ++next_request_id_;
   NoteProgress();
   // Kept until answered, for RetryLastStep.
   unanswered_step_.assign(builder.GetBufferPointer(),
                           builder.GetBufferPointer() + builder.GetSize());
   unanswered_step_id_ = request_id;
-  unanswered_step_ops_ = batch.size();
+  unanswered_step_ops_ = ops.size();
   absl::StatusOr<Reply> reply =
       MapErrorReply(Exchange(builder, request_id, wire::Message::Step, wire::Message::StepReply));
   if (!reply.ok()) {
@@ -377,7 +376,7 @@ absl::StatusOr<std::vector<OpOutcome>> CacheManagerClient::Step(const BlockOps& 
     return reply.status();
   }
   unanswered_step_.clear();
-  return OutcomesOf(*reply, batch.size());
+  return OutcomesOf(*reply, ops.size());
 }
 
 absl::StatusOr<std::vector<OpOutcome>> CacheManagerClient::RetryLastStep() {
@@ -489,7 +488,9 @@ absl::StatusOr<AttachedPool> CacheManagerClient::Attach() {
       DecodeAttachReply(PayloadAs<wire::AttachReply>(reply.envelope));
   if (!descriptor.ok()) return ProtocolError(descriptor.status().message());
   const SessionInfo current = session();
-  KVCM_ASSIGN_OR_RETURN(AttachedPool pool, CheckPoolDescriptor(*descriptor, current.num_blocks));
+  AttachedPool attached;
+  KVCM_ASSIGN_OR_RETURN(attached.view, CheckPoolDescriptor(*descriptor, current.num_blocks));
+  PoolView& pool = attached.view;
   if (pool.epoch != current.epoch) {
     return ProtocolError(absl::StrCat("pool descriptor of epoch ", pool.epoch,
                                       " in session of epoch ", current.epoch));
@@ -515,7 +516,7 @@ absl::StatusOr<AttachedPool> CacheManagerClient::Attach() {
       return ProtocolError(absl::StrCat("fd channel ", path, " is of epoch ", header_epoch,
                                         " but the descriptor says ", pool.epoch));
     }
-    KVCM_ASSIGN_OR_RETURN(pool.mapping, MapShmPool(std::move(received.fd), total_bytes));
+    KVCM_ASSIGN_OR_RETURN(attached.mapping, MapShmPool(std::move(received.fd), total_bytes));
   } else {
     CudaIpcHandle handle{};
     const std::vector<uint8_t>& bytes = descriptor->cuda_ipc_handle;
@@ -524,14 +525,16 @@ absl::StatusOr<AttachedPool> CacheManagerClient::Attach() {
                                         " bytes; expected ", handle.size()));
     }
     std::memcpy(handle.data(), bytes.data(), handle.size());
-    KVCM_ASSIGN_OR_RETURN(pool.mapping, OpenCudaPool(descriptor->cuda_device, handle, total_bytes));
+    KVCM_ASSIGN_OR_RETURN(attached.mapping,
+                          OpenCudaPool(descriptor->cuda_device, handle, total_bytes));
     pool.cuda_device = descriptor->cuda_device;
   }
-  if (pool.mapping->size_bytes() != total_bytes) {
-    return ProtocolError(absl::StrCat("mapped ", pool.mapping->size_bytes(),
+  if (attached.mapping->size_bytes() != total_bytes) {
+    return ProtocolError(absl::StrCat("mapped ", attached.mapping->size_bytes(),
                                       " bytes; the layout needs ", total_bytes));
   }
-  return pool;
+  pool.base = static_cast<uint8_t*>(attached.mapping->base());
+  return attached;
 }
 
 absl::Status CacheManagerClient::Heartbeat() { return AcknowledgeFences({}); }

@@ -93,6 +93,7 @@
 #include "common/block/block_map.h"
 #include "common/memory/pool_layout.h"
 #include "common/memory/pool_memory.h"
+#include "common/memory/pool_view.h"
 #include "common/sizing/kv_cache_spec.h"
 #include "common/wire/attach_codec.h"
 #include "common/wire/describe_session_codec.h"
@@ -109,8 +110,9 @@ namespace kvcm {
 
 // ---- Step ---------------------------------------------------------------------------------
 
-// The block operations of one scheduler step, sent in one round trip by
-// CacheManagerClient::Step. Ops run in the order added; each gets its own outcome.
+// A builder of the block operations of one step, for callers that write them by hand (tools,
+// tests, benchmarks; the router's planner makes its ops itself): CacheManagerClient::Step
+// takes it as the span of its ops. Ops run in the order added; each gets its own outcome.
 // A plain value: build it, send it, Clear() it and reuse it.
 class BlockOps {
  public:
@@ -153,6 +155,7 @@ class BlockOps {
   }
 
   const std::vector<BlockOp>& ops() const { return ops_; }
+  operator std::span<const BlockOp>() const { return ops_; }  // NOLINT: what Step() takes
   size_t size() const { return ops_.size(); }
   bool empty() const { return ops_.empty(); }
   void Clear() { ops_.clear(); }
@@ -167,25 +170,21 @@ class BlockOps {
 // (describe_session_codec.h), StatsSnapshot (stats_codec.h), KvEventRecord and
 // EventSnapshot (event_codec.h), PoolDescriptorInfo (attach_codec.h).
 
-// The pool as an executor sees it after Attach(): the descriptor's values, checked, and the
-// mapping. Destroy it (or reset `mapping`) to unmap; do so before attaching to a new epoch.
+// The pool as an executor sees it after Attach(): the descriptor's values, checked, with
+// view.base the mapping's. Destroy it (or reset `mapping`) to unmap; do so before attaching
+// to a new epoch.
 struct AttachedPool {
-  KvCacheSpec spec;
-  int32_t num_blocks = 0;
-  PoolLayout layout;  // equal to PoolLayout::For(spec, num_blocks): checked at attach
-  PoolBackend backend = PoolBackend::kShm;
-  int32_t cuda_device = -1;  // cuda: the device the arena (and mapping) is on; shm: -1
-  uint64_t epoch = 0;
+  PoolView view;
   std::unique_ptr<PoolMapping> mapping;
 };
 
 // Checks a decoded PoolDescriptor's values (not its memory; DecodeAttachReply checked the
 // spec): num_blocks is positive and matches `expected_num_blocks` when that is positive, the
 // backend is known, and every stride is what PoolLayout::For gives. Returns the values with
-// `mapping` null. INTERNAL naming the first field that disagrees (the cache manager sent an
+// `base` null. INTERNAL naming the first field that disagrees (the cache manager sent an
 // inconsistent descriptor).
-absl::StatusOr<AttachedPool> CheckPoolDescriptor(const PoolDescriptorInfo& descriptor,
-                                                 int32_t expected_num_blocks);
+absl::StatusOr<PoolView> CheckPoolDescriptor(const PoolDescriptorInfo& descriptor,
+                                             int32_t expected_num_blocks);
 
 // The secret in `path` (a file of mode 0600, as the cache manager writes RUN_DIR/tcp-secret),
 // surrounding whitespace dropped. NOT_FOUND when it cannot be opened, PERMISSION_DENIED when
@@ -239,10 +238,11 @@ class CacheManagerClient {
   // Stops and joins the heartbeat thread; closes the sockets without lingering.
   ~CacheManagerClient();
 
-  // All ops of `batch` in one round trip; outcomes in op order. An empty batch returns an
-  // empty vector without a round trip. INVALID_ARGUMENT (nothing sent) when the batch has
-  // more ops than the session's max_ops_per_step; INTERNAL when the reply's count differs.
-  absl::StatusOr<std::vector<OpOutcome>> Step(const BlockOps& batch);
+  // All `ops` in one round trip (a StepPlan's ops as they are, or a BlockOps); outcomes in op
+  // order. No ops return an empty vector without a round trip. INVALID_ARGUMENT (nothing
+  // sent) when there are more ops than the session's max_ops_per_step; INTERNAL when the
+  // reply's count differs.
+  absl::StatusOr<std::vector<OpOutcome>> Step(std::span<const BlockOp> ops);
 
   // After Step() returned DEADLINE_EXCEEDED, its ops may or may not have run. This sends the
   // same request again (same request id, same bytes): the cache manager runs it if it never

@@ -57,10 +57,10 @@ std::string_view ExecutorMessageName(wire::ExecutorMessage type) {
 // ---- Steps ----------------------------------------------------------------------------------
 
 void EncodeStepBatch(flatbuffers::FlatBufferBuilder& builder, uint64_t request_id,
-                     uint64_t executor_id, const StepRequest& step) {
+                     uint64_t executor_id, const StepBatch& step) {
   std::vector<flatbuffers::Offset<wire::SeqWork>> seqs;
   seqs.reserve(step.seqs.size());
-  for (const SeqStep& s : step.seqs) {
+  for (const SeqWork& s : step.seqs) {
     auto tokens = builder.CreateVector(s.tokens);
     auto table = builder.CreateVector(s.block_table);
     auto sampling = wire::CreateSamplingParams(
@@ -89,9 +89,9 @@ void EncodeStepBatch(flatbuffers::FlatBufferBuilder& builder, uint64_t request_i
 
 namespace {
 
-// A SeqWork's fields as they are (checked by CheckSeqStep).
-SeqStep SeqStepOf(const wire::SeqWork& w) {
-  SeqStep s;
+// A SeqWork's fields as they are (checked by CheckSeqWork).
+SeqWork SeqWorkOf(const wire::SeqWork& w) {
+  SeqWork s;
   s.seq = w.seq();
   s.tokens = ToVector(w.tokens());
   s.context_len = w.context_len();
@@ -118,39 +118,8 @@ SeqStep SeqStepOf(const wire::SeqWork& w) {
   return s;
 }
 
-absl::Status CheckSeqSampling(const SeqSampling& p, const std::string& name) {
-  if (!std::isfinite(p.temperature) || p.temperature < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name, " has temperature ", p.temperature, "; must be >= 0"));
-  }
-  if (!std::isfinite(p.top_p) || p.top_p <= 0 || p.top_p > 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name, " has top_p ", p.top_p, "; must be in (0, 1]"));
-  }
-  if (p.top_k < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name, " has top_k ", p.top_k, "; must be >= 0 (0 = all tokens)"));
-  }
-  if (!std::isfinite(p.repetition_penalty) || p.repetition_penalty <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        name, " has repetition_penalty ", p.repetition_penalty, "; must be > 0 (1 = none)"));
-  }
-  for (const auto& [penalty, value] : {std::pair{"frequency_penalty", p.frequency_penalty},
-                                       std::pair{"presence_penalty", p.presence_penalty}}) {
-    if (!std::isfinite(value) || value < -2 || value > 2) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(name, " has ", penalty, " ", value, "; must be in [-2, 2]"));
-    }
-  }
-  if (p.min_tokens < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name, " has min_tokens ", p.min_tokens, "; must be >= 0 (0 = none)"));
-  }
-  return absl::OkStatus();
-}
-
 // What the executor relies on of one sequence's work; `name` says which it is in errors.
-absl::Status CheckSeqStep(const SeqStep& s, const std::string& name) {
+absl::Status CheckSeqWork(const SeqWork& s, const std::string& name) {
   if (s.tokens.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(name, " has no new tokens"));
   }
@@ -164,8 +133,8 @@ absl::Status CheckSeqStep(const SeqStep& s, const std::string& name) {
           absl::StrCat(name, " has block id ", s.block_table[j], " at block_table[", j, "]"));
     }
   }
-  if (absl::Status sampling = CheckSeqSampling(s.sampling, name); !sampling.ok()) {
-    return sampling;
+  if (absl::Status sampling = ValidateSamplingParams(s.sampling); !sampling.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": ", sampling.message()));
   }
   if (s.top_n < 0 || s.top_n > kMaxTopN) {
     return absl::InvalidArgumentError(
@@ -193,8 +162,8 @@ absl::Status CheckSeqStep(const SeqStep& s, const std::string& name) {
 
 }  // namespace
 
-absl::StatusOr<StepRequest> DecodeStepBatch(const wire::StepBatch& step) {
-  StepRequest out;
+absl::StatusOr<StepBatch> DecodeStepBatch(const wire::StepBatch& step) {
+  StepBatch out;
   out.step_id = step.step_id();
   out.epoch = step.epoch();
   out.router_session = step.router_session();
@@ -206,12 +175,12 @@ absl::StatusOr<StepRequest> DecodeStepBatch(const wire::StepBatch& step) {
     out.seqs.reserve(seqs->size());
     absl::flat_hash_set<uint64_t> ids;
     for (flatbuffers::uoffset_t i = 0; i < seqs->size(); ++i) {
-      SeqStep s = SeqStepOf(*seqs->Get(i));
+      SeqWork s = SeqWorkOf(*seqs->Get(i));
       const std::string name = SeqName(i, s.seq);
       if (!ids.insert(s.seq).second) {
         return absl::InvalidArgumentError(absl::StrCat(name, " appears twice in the step"));
       }
-      if (absl::Status checked = CheckSeqStep(s, name); !checked.ok()) return checked;
+      if (absl::Status checked = CheckSeqWork(s, name); !checked.ok()) return checked;
       out.seqs.push_back(std::move(s));
     }
   }
@@ -230,10 +199,10 @@ absl::StatusOr<StepRequest> DecodeStepBatch(const wire::StepBatch& step) {
 }
 
 void EncodeStepResult(flatbuffers::FlatBufferBuilder& builder, uint64_t request_id,
-                      uint64_t executor_id, uint64_t epoch, const StepReport& report) {
+                      uint64_t executor_id, uint64_t epoch, const StepResult& report) {
   std::vector<flatbuffers::Offset<wire::SeqResult>> results;
   results.reserve(report.results.size());
-  for (const SeqOutcome& outcome : report.results) {
+  for (const SeqResult& outcome : report.results) {
     flatbuffers::Offset<flatbuffers::String> reason;
     if (!outcome.status.ok()) {
       const absl::string_view message = outcome.status.message();
@@ -267,8 +236,8 @@ void EncodeStepResult(flatbuffers::FlatBufferBuilder& builder, uint64_t request_
                          result.Union());
 }
 
-StepReport DecodeStepResult(const wire::StepResult& result) {
-  StepReport out;
+StepResult DecodeStepResult(const wire::StepResult& result) {
+  StepResult out;
   out.step_id = result.step_id();
   out.prefill_tokens = result.prefill_tokens();
   out.decode_tokens = result.decode_tokens();
@@ -276,7 +245,7 @@ StepReport DecodeStepResult(const wire::StepResult& result) {
   if (const auto* results = result.results()) {
     out.results.reserve(results->size());
     for (const wire::SeqResult* r : *results) {
-      SeqOutcome outcome;
+      SeqResult outcome;
       outcome.seq = r->seq();
       outcome.token = r->token();
       outcome.logprob = r->logprob();
@@ -297,8 +266,8 @@ StepReport DecodeStepResult(const wire::StepResult& result) {
 // ---- Registration ---------------------------------------------------------------------------
 
 void EncodeExecutorHello(flatbuffers::FlatBufferBuilder& builder, uint64_t request_id,
-                         uint64_t executor_id, uint64_t epoch, const ExecutorHelloInfo& hello) {
-  const ModelInfo& m = hello.model;
+                         uint64_t executor_id, uint64_t epoch, const ExecutorHello& hello) {
+  const ModelSummary& m = hello.model;
   auto model_name = builder.CreateString(m.name);
   auto eos = builder.CreateVector(m.eos_token_ids);
   auto model = wire::CreateModelSummary(
@@ -315,8 +284,8 @@ void EncodeExecutorHello(flatbuffers::FlatBufferBuilder& builder, uint64_t reque
                          wire::ExecutorMessage::ExecutorHello, payload.Union());
 }
 
-absl::StatusOr<ExecutorHelloInfo> DecodeExecutorHello(const wire::ExecutorHello& hello) {
-  ExecutorHelloInfo out;
+absl::StatusOr<ExecutorHello> DecodeExecutorHello(const wire::ExecutorHello& hello) {
+  ExecutorHello out;
   out.name = ReasonOf(hello.name());
   out.pid = hello.pid();
   const wire::ModelSummary* m = hello.model();

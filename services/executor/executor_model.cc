@@ -20,17 +20,12 @@ absl::Status ExecutorModel::Prepare(const PoolView& pool) {
   return absl::OkStatus();
 }
 
-PagedPool ExecutorModel::Paged(const PoolView& pool) {
-  return PagedPool{pool.base, pool.layout, pool.spec,
-                   pool.backend == PoolBackend::kCuda ? pool.cuda_device : -1};
-}
-
 absl::Status ExecutorModel::CopyBlocks(const PoolView& pool,
                                        std::span<const kernels::BlockCopy> copies) const {
   if (copies.empty()) return absl::OkStatus();
   if (pool.backend == PoolBackend::kCuda) {
     KVCM_CHECK(cuda_ != nullptr) << "a cuda pool that was not prepared";
-    return cuda_->CopyBlocks(Paged(pool), copies);
+    return cuda_->CopyBlocks(pool, copies);
   }
   kernels::cpu::CopyBlocks(pool.base, pool.layout, copies.data(),
                            static_cast<int32_t>(copies.size()));
@@ -42,9 +37,9 @@ absl::Status ExecutorModel::Forward(const ForwardBatch& batch, const PoolView& p
                                     const std::function<bool(int32_t layer)>* after_layer) const {
   if (pool.backend == PoolBackend::kCuda) {
     KVCM_CHECK(cuda_ != nullptr) << "a cuda pool that was not prepared";
-    return cuda_->Forward(batch, Paged(pool), logits);
+    return cuda_->Forward(batch, pool, logits);
   }
-  return host_->Forward(batch, Paged(pool), logits, LogitsScope::kLastTokenPerSeq, after_layer);
+  return host_->Forward(batch, pool, logits, LogitsScope::kLastTokenPerSeq, after_layer);
 }
 
 }  // namespace kvcm

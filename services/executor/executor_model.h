@@ -45,9 +45,6 @@ class ExecutorModel {
   // RESOURCE_EXHAUSTED when they do not fit).
   absl::Status Prepare(const PoolView& pool);
 
-  // The pool as the forward pass addresses it.
-  static PagedPool Paged(const PoolView& pool);
-
   // Copy-on-write orders, then one step, on the memory `pool` is in. REQUIRES for a cuda
   // pool: Prepare(pool) succeeded. Errors: the forward pass's (LlamaModel::Forward,
   // LlamaCudaModel::Forward) and CopyBlocks's.

@@ -59,12 +59,13 @@ CacheManagerPool::~CacheManagerPool() {
   attached_.reset();
 }
 
-const PoolView* CacheManagerPool::pool() const { return attached_.has_value() ? &view_ : nullptr; }
+const PoolView* CacheManagerPool::pool() const {
+  return attached_.has_value() ? &attached_->view : nullptr;
+}
 
 void CacheManagerPool::Detach() {
   if (!attached_.has_value()) return;
   attached_.reset();
-  view_ = PoolView{};
   if (metrics_ != nullptr) metrics_->ObserveDetach();
 }
 
@@ -101,28 +102,21 @@ absl::Status CacheManagerPool::Reattach() {
     attached = client_->Attach();
   }
   if (!attached.ok()) return attached.status();
-  KVCM_RETURN_IF_ERROR(CheckPoolFitsModel(attached->spec, options_.model));
+  KVCM_RETURN_IF_ERROR(CheckPoolFitsModel(attached->view.spec, options_.model));
   // The attachment's own time; what `accept` does (copying weights to a device) is not.
   const double seconds = absl::ToDoubleSeconds(MonotonicNow() - start);
-  PoolView view;
-  view.base = static_cast<uint8_t*>(attached->mapping->base());
-  view.layout = attached->layout;
-  view.spec = attached->spec;
-  view.num_blocks = attached->num_blocks;
-  view.epoch = attached->epoch;
-  view.backend = attached->backend;
-  view.cuda_device = attached->cuda_device;
+  const PoolView& view = attached->view;
   if (!options_.accept && view.backend == PoolBackend::kCuda) {
     return absl::FailedPreconditionError(
         "the pool is in CUDA memory but this executor runs the model on the host: start the "
         "cache manager with --backend shm");
   }
   if (options_.accept) KVCM_RETURN_IF_ERROR(options_.accept(view));
-  view_ = view;
-  const uint64_t bytes = attached->mapping->size_bytes();
-  attached_ = std::move(*attached);
+  attached_ = *std::move(attached);
   ++attaches_;
-  if (metrics_ != nullptr) metrics_->ObserveAttach(seconds, bytes, view_.epoch);
+  if (metrics_ != nullptr) {
+    metrics_->ObserveAttach(seconds, attached_->mapping->size_bytes(), attached_->view.epoch);
+  }
   return absl::OkStatus();
 }
 
@@ -131,7 +125,7 @@ absl::StatusOr<bool> CacheManagerPool::AttachedEpochIsCurrent() {
   const absl::Status beat = client_->Heartbeat();
   if (absl::IsAborted(beat)) return false;  // the session (and maybe its epoch) is gone
   if (!beat.ok()) return beat;
-  return client_->epoch() == view_.epoch;
+  return client_->epoch() == attached_->view.epoch;
 }
 
 void CacheManagerPool::Goodbye() {

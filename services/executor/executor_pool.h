@@ -24,21 +24,11 @@
 #include "common/client/cache_manager_client.h"
 #include "common/memory/pool_layout.h"
 #include "common/memory/pool_memory.h"
+#include "common/memory/pool_view.h"
 #include "common/sizing/kv_cache_spec.h"
 #include "services/executor/executor_metrics.h"
 
 namespace kvcm {
-
-// An attached pool, as the step logic addresses it.
-struct PoolView {
-  uint8_t* base = nullptr;  // host pointer (shm) or device pointer (cuda)
-  PoolLayout layout;        // checked against spec and num_blocks
-  KvCacheSpec spec;
-  int32_t num_blocks = 0;
-  uint64_t epoch = 0;  // the cache manager's epoch the pool belongs to
-  PoolBackend backend = PoolBackend::kShm;
-  int32_t cuda_device = -1;  // cuda: the device base is on; shm: -1
-};
 
 // The KV shape a model needs from the pool.
 struct ModelKvShape {
@@ -150,8 +140,7 @@ class CacheManagerPool : public PoolSource {
   const Options options_;
   std::unique_ptr<CacheManagerClient> client_;
   ExecutorMetrics* const metrics_;
-  std::optional<AttachedPool> attached_;  // the mapping; reset before attaching again
-  PoolView view_;
+  std::optional<AttachedPool> attached_;  // reset before attaching again
   absl::Time next_attempt_ = absl::InfinitePast();
   int attaches_ = 0;
 };

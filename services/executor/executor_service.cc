@@ -180,13 +180,13 @@ void ExecutorService::Refuse(uint64_t request_id, wire::ErrorCode code, std::str
 
 void ExecutorService::HandleStep(const wire::ExecutorEnvelope& envelope, absl::Time received,
                                  flatbuffers::FlatBufferBuilder* reply) {
-  absl::StatusOr<StepRequest> step = DecodeStepBatch(*envelope.payload_as_StepBatch());
+  absl::StatusOr<StepBatch> step = DecodeStepBatch(*envelope.payload_as_StepBatch());
   if (!step.ok()) {
     Refuse(envelope.request_id(), wire::ErrorCode::InvalidArgument,
            std::string(step.status().message()), StepError::kInvalidArgument, reply);
     return;
   }
-  absl::StatusOr<StepReport> report = RunStep(*step);
+  absl::StatusOr<StepResult> report = RunStep(*step);
   if (!report.ok()) {
     Refuse(envelope.request_id(), WireCodeFor(report.status()),
            std::string(report.status().message()), ErrorKind(report.status()), reply);
@@ -198,7 +198,7 @@ void ExecutorService::HandleStep(const wire::ExecutorEnvelope& envelope, absl::T
   EncodeStepResult(*reply, envelope.request_id(), executor_id_, attached_epoch(), *report);
   if (metrics_ != nullptr) {
     int32_t sampled = 0;
-    for (const SeqOutcome& outcome : report->results) sampled += outcome.token >= 0 ? 1 : 0;
+    for (const SeqResult& outcome : report->results) sampled += outcome.token >= 0 ? 1 : 0;
     metrics_->ObserveStep(static_cast<int32_t>(step->seqs.size()), report->prefill_tokens,
                           report->decode_tokens, sampled, seconds);
   }
@@ -256,10 +256,10 @@ namespace {
 
 // Each sequence's block table: long enough for its context, within the pool, and all of
 // them within `max_entries` once made dense (max_blocks wide); its new tokens are counted.
-absl::Status CheckBlockTables(const StepRequest& step, int32_t block_size, int32_t num_blocks,
+absl::Status CheckBlockTables(const StepBatch& step, int32_t block_size, int32_t num_blocks,
                               size_t max_entries, size_t* max_blocks, int64_t* total_tokens) {
   for (size_t i = 0; i < step.seqs.size(); ++i) {
-    const SeqStep& s = step.seqs[i];
+    const SeqWork& s = step.seqs[i];
     const int64_t needed = (int64_t{s.context_len} + block_size - 1) / block_size;
     if (needed > num_blocks || static_cast<int64_t>(s.block_table.size()) > num_blocks) {
       return absl::InvalidArgumentError(
@@ -292,7 +292,7 @@ absl::Status CheckBlockTables(const StepRequest& step, int32_t block_size, int32
 }
 
 // Copy orders within the pool, no destination twice, none copied from after it is written.
-absl::Status CheckCopies(const StepRequest& step, int32_t num_blocks) {
+absl::Status CheckCopies(const StepBatch& step, int32_t num_blocks) {
   absl::flat_hash_set<int32_t> destinations;
   for (size_t i = 0; i < step.copies.size(); ++i) {
     const auto [src, dst] = step.copies[i];
@@ -317,9 +317,9 @@ absl::Status CheckCopies(const StepRequest& step, int32_t num_blocks) {
 }
 
 // Penalty and scored tokens within the vocabulary.
-absl::Status CheckTokenIds(const StepRequest& step, int32_t vocab) {
+absl::Status CheckTokenIds(const StepBatch& step, int32_t vocab) {
   for (size_t i = 0; i < step.seqs.size(); ++i) {
-    const SeqStep& s = step.seqs[i];
+    const SeqWork& s = step.seqs[i];
     for (int32_t token : s.penalty_tokens) {
       if (token >= vocab) {
         return absl::InvalidArgumentError(absl::StrCat(
@@ -338,7 +338,7 @@ absl::Status CheckTokenIds(const StepRequest& step, int32_t vocab) {
 
 }  // namespace
 
-absl::Status ExecutorService::CheckAndBuild(const StepRequest& step, const PoolView& pool) {
+absl::Status ExecutorService::CheckAndBuild(const StepBatch& step, const PoolView& pool) {
   size_t max_blocks = 1;
   int64_t total_tokens = 0;
   KVCM_RETURN_IF_ERROR(CheckBlockTables(step, pool.spec.block_size, pool.num_blocks,
@@ -347,20 +347,18 @@ absl::Status ExecutorService::CheckAndBuild(const StepRequest& step, const PoolV
   KVCM_RETURN_IF_ERROR(CheckCopies(step, pool.num_blocks));
   KVCM_RETURN_IF_ERROR(CheckTokenIds(step, model_->host().config().vocab_size));
   BuildForward(step, max_blocks, total_tokens);
-  const PagedPool paged = ExecutorModel::Paged(pool);
   // The pool was checked against the model when attached; Forward checks it again, but only
   // after the copies ran: check first so that a refusal changes nothing.
-  if (absl::Status fits = model_->host().CheckPool(paged); !fits.ok()) {
+  if (absl::Status fits = model_->host().CheckPool(pool); !fits.ok()) {
     return absl::InternalError(
         absl::StrCat("the attached pool does not fit the model: ", fits.message()));
   }
-  return model_->host().CheckBatch(forward_, paged);
+  return model_->host().CheckBatch(forward_, pool);
 }
 
 // The step's sequences as one batch of the model's forward (forward_), block tables dense
 // and max_blocks wide.
-void ExecutorService::BuildForward(const StepRequest& step, size_t max_blocks,
-                                   int64_t total_tokens) {
+void ExecutorService::BuildForward(const StepBatch& step, size_t max_blocks, int64_t total_tokens) {
   forward_.token_ids.clear();
   forward_.query_lens.clear();
   forward_.context_lens.clear();
@@ -369,7 +367,7 @@ void ExecutorService::BuildForward(const StepRequest& step, size_t max_blocks,
   forward_.max_blocks_per_seq = static_cast<int32_t>(max_blocks);
   forward_.block_tables.assign(step.seqs.size() * max_blocks, 0);
   for (size_t i = 0; i < step.seqs.size(); ++i) {
-    const SeqStep& s = step.seqs[i];
+    const SeqWork& s = step.seqs[i];
     forward_.token_ids.insert(forward_.token_ids.end(), s.tokens.begin(), s.tokens.end());
     forward_.query_lens.push_back(static_cast<int32_t>(s.tokens.size()));
     forward_.context_lens.push_back(s.context_len);
@@ -383,14 +381,14 @@ void ExecutorService::BuildForward(const StepRequest& step, size_t max_blocks,
   }
 }
 
-absl::Status ExecutorService::CheckNotFenced(const StepRequest& step) const {
+absl::Status ExecutorService::CheckNotFenced(const StepBatch& step) const {
   if (fenced_.contains(step.router_session)) {
     return absl::CancelledError(absl::StrCat(
         "router session ", step.router_session,
         " was fenced by the cache manager (its router ended): its blocks may belong to "
         "someone else now, so this executor writes nothing for it"));
   }
-  for (const SeqStep& s : step.seqs) {
+  for (const SeqWork& s : step.seqs) {
     if (fenced_seqs_.contains({step.router_session, s.seq})) {
       return absl::CancelledError(absl::StrCat(
           "sequence ", s.seq, " of router session ", step.router_session,
@@ -409,7 +407,7 @@ void ExecutorService::RecordFence(const FenceNotice& fence) {
   for (uint64_t seq : fence.seqs) fenced_seqs_.insert({fence.router_session, seq});
 }
 
-bool ExecutorService::FenceNames(const StepRequest& step) {
+bool ExecutorService::FenceNames(const StepBatch& step) {
   bool named = false;
   for (const FenceNotice& fence : pool_->PendingFences()) {
     if (fence.router_session != step.router_session) continue;
@@ -425,7 +423,7 @@ bool ExecutorService::FenceNames(const StepRequest& step) {
   return named;
 }
 
-bool ExecutorService::FencedSinceStepBegan(const StepRequest& step) {
+bool ExecutorService::FencedSinceStepBegan(const StepBatch& step) {
   const uint64_t generation = pool_->fence_generation();
   if (generation == seen_fence_generation_) return false;
   seen_fence_generation_ = generation;
@@ -477,7 +475,7 @@ int ExecutorService::ApplyFences() {
   return static_cast<int>(fences.size());
 }
 
-absl::StatusOr<StepReport> ExecutorService::RunStep(const StepRequest& step) {
+absl::StatusOr<StepResult> ExecutorService::RunStep(const StepBatch& step) {
   KVCM_RETURN_IF_ERROR(CheckNotFenced(step));
   absl::StatusOr<const PoolView*> found = PoolForEpoch(step.epoch);
   if (!found.ok()) return found.status();
@@ -487,7 +485,7 @@ absl::StatusOr<StepReport> ExecutorService::RunStep(const StepRequest& step) {
   seen_fence_generation_ = pool_->fence_generation();
   if (FenceNames(step)) return CheckNotFenced(step);
 
-  StepReport report;
+  StepResult report;
   report.step_id = step.step_id;
   report.results.reserve(step.seqs.size());
   if (!step.copies.empty()) {
@@ -533,7 +531,7 @@ absl::StatusOr<StepReport> ExecutorService::RunStep(const StepRequest& step) {
       << logits_.size() << " logits for " << rows << " rows";
   size_t row = 0;  // the sequence's first row of logits
   for (size_t i = 0; i < step.seqs.size(); ++i) {
-    const SeqStep& s = step.seqs[i];
+    const SeqWork& s = step.seqs[i];
     const int32_t new_tokens = static_cast<int32_t>(s.tokens.size());
     if (new_tokens > 1 || s.context_len == new_tokens) {
       report.prefill_tokens += new_tokens;
@@ -542,7 +540,7 @@ absl::StatusOr<StepReport> ExecutorService::RunStep(const StepRequest& step) {
     }
     const size_t own_rows = s.input_logprobs ? s.tokens.size() : 1;
     const std::span<const float> last(logits_.data() + (row + own_rows - 1) * vocab, vocab);
-    SeqOutcome outcome;
+    SeqResult outcome;
     outcome.seq = s.seq;
     if (s.input_logprobs) {
       // Token j + 1 under the logits of position j; the chunk's next token under the last.
@@ -576,7 +574,7 @@ absl::StatusOr<StepReport> ExecutorService::RunStep(const StepRequest& step) {
   return report;
 }
 
-absl::StatusOr<ChosenToken> ChooseToken(std::span<const float> logits, const SeqStep& seq,
+absl::StatusOr<ChosenToken> ChooseToken(std::span<const float> logits, const SeqWork& seq,
                                         int64_t index, std::span<const int32_t> end_ids) {
   if (logits.empty()) return absl::FailedPreconditionError("no logits to sample from");
   for (size_t i = 0; i < logits.size(); ++i) {
@@ -585,26 +583,17 @@ absl::StatusOr<ChosenToken> ChooseToken(std::span<const float> logits, const Seq
           absl::StrCat("the logits hold a NaN (token ", i, "): nothing was sampled"));
     }
   }
-  const SeqSampling& sampling = seq.sampling;
-  SamplingParams params;
-  params.temperature = sampling.temperature;
-  params.top_p = sampling.top_p;
-  params.top_k = sampling.top_k;
-  params.seed = sampling.seed;
-  params.repetition_penalty = sampling.repetition_penalty;
-  params.frequency_penalty = sampling.frequency_penalty;
-  params.presence_penalty = sampling.presence_penalty;
-  params.min_tokens = sampling.min_tokens;
+  const SamplingParams& params = seq.sampling;
   absl::StatusOr<Sampler> sampler = Sampler::Create(params);
   if (!sampler.ok()) return sampler.status();
   // The row sampled as token number `at`: the end ids held back while at < min_tokens
   // (before the penalties, as vLLM does: -infinity stays so), then the penalties.
   auto row_for = [&](int64_t at, std::vector<float>* row) -> std::span<const float> {
     const bool held_back = at < params.min_tokens && !end_ids.empty();
-    if (!held_back && !sampling.penalized()) return logits;
+    if (!held_back && !params.penalized()) return logits;
     row->assign(logits.begin(), logits.end());
     ApplyMinTokens(*row, at, params, end_ids);
-    if (sampling.penalized()) {
+    if (params.penalized()) {
       ApplyPenalties(*row, seq.penalty_tokens, seq.penalty_prompt_len, params);
     }
     return *row;
@@ -638,8 +627,8 @@ absl::StatusOr<ChosenToken> ChooseToken(std::span<const float> logits, const Seq
 
 // ---- To the router --------------------------------------------------------------------------
 
-ExecutorHelloInfo ExecutorService::HelloInfo() const {
-  ExecutorHelloInfo hello;
+ExecutorHello ExecutorService::HelloInfo() const {
+  ExecutorHello hello;
   hello.name = options_.name;
   hello.pid = options_.pid;
   hello.model = model_info_;

@@ -2,7 +2,7 @@
 // ExecutorService: kvcm-executor's logic, without sockets (docs/architecture.md). It speaks
 // the executor protocol (schemas/kvcm_executor.fbs) with the router and runs step batches on
 // the model and the attached pool. ExecutorServer (executor_server.h) feeds it the frames of
-// its DEALER socket and sends what it builds; tests feed it bytes or StepRequests directly.
+// its DEALER socket and sends what it builds; tests feed it bytes or StepBatches directly.
 //
 // A StepBatch, in order (nothing is written to the pool before the last check passes):
 //   1. VerifyExecutorEnvelope, DecodeStepBatch (Malformed / InvalidArgument).
@@ -104,7 +104,7 @@ class ExecutorService {
   // Runs one decoded step (checks 2-4 above). The error statuses carry the codes of the
   // ErrorReply (via ToWireCode): UNAVAILABLE (no pool), ABORTED (stale epoch),
   // INVALID_ARGUMENT, INTERNAL (the forward pass failed after the checks).
-  absl::StatusOr<StepReport> RunStep(const StepRequest& step);
+  absl::StatusOr<StepResult> RunStep(const StepBatch& step);
 
   // Fencing (docs/architecture.md, "Fencing"). Call between steps: takes the fences the
   // cache manager sent, refuses every later step of their router sessions (StaleSession),
@@ -144,7 +144,7 @@ class ExecutorService {
   bool goodbye_answered() const { return goodbye_answered_; }
   uint64_t steps() const { return steps_; }
   // The Hello this executor announces (from the model and the attached pool).
-  ExecutorHelloInfo HelloInfo() const;
+  ExecutorHello HelloInfo() const;
 
  private:
   // Writes an ErrorReply for `status` and counts it.
@@ -156,24 +156,24 @@ class ExecutorService {
   absl::StatusOr<const PoolView*> PoolForEpoch(uint64_t epoch);
   // CANCELLED when `step` is refused: its router session was fenced, or one of its
   // sequences was (a sequence fence of a router that lives on).
-  absl::Status CheckNotFenced(const StepRequest& step) const;
+  absl::Status CheckNotFenced(const StepBatch& step) const;
   // True when a pending fence names `step`'s router session, or one of its sequences; it
   // is then recorded as fenced.
-  bool FenceNames(const StepRequest& step);
+  bool FenceNames(const StepBatch& step);
   // True when the fences changed since the last check and one names `step`.
-  bool FencedSinceStepBegan(const StepRequest& step);
+  bool FencedSinceStepBegan(const StepBatch& step);
   // Records `fence` as refused from now on.
   void RecordFence(const FenceNotice& fence);
   // Checks 3 above; fills forward_ on success.
-  absl::Status CheckAndBuild(const StepRequest& step, const PoolView& pool);
-  void BuildForward(const StepRequest& step, size_t max_blocks, int64_t total_tokens);
+  absl::Status CheckAndBuild(const StepBatch& step, const PoolView& pool);
+  void BuildForward(const StepBatch& step, size_t max_blocks, int64_t total_tokens);
   uint64_t attached_epoch() const;
 
   const Options options_;
   const ExecutorModel* const model_;
   PoolSource* const pool_;
   ExecutorMetrics* const metrics_;
-  ModelInfo model_info_;
+  ModelSummary model_info_;
   // What min_tokens holds back: the model's EOS ids and Options::end_token_ids.
   std::vector<int32_t> end_ids_;
 
@@ -207,13 +207,13 @@ class ExecutorService {
 };
 
 // A sampled token, with its log-probability and the most likely alternatives when the
-// sequence asked for them (SeqStep::logprobs, top_n).
+// sequence asked for them (SeqWork::logprobs, top_n).
 struct ChosenToken {
   int32_t token = -1;
   float logprob = 0.0f;
   std::vector<TokenLogprob> top;
-  std::vector<int32_t> fork_tokens;  // one per SeqStep::fork_seeds
-  std::vector<float> fork_logprobs;  // with SeqStep::logprobs
+  std::vector<int32_t> fork_tokens;  // one per SeqWork::fork_seeds
+  std::vector<float> fork_logprobs;  // with SeqWork::logprobs
 };
 
 // The token chosen from `logits` (one row, [vocab]) for `seq` as the request's generated
@@ -223,7 +223,7 @@ struct ChosenToken {
 // are of that row. Fork seeds draw as token number 0. FAILED_PRECONDITION when the logits hold
 // a NaN (a broken model or pool: sampling would hide it); INVALID_ARGUMENT from
 // ValidateSamplingParams.
-absl::StatusOr<ChosenToken> ChooseToken(std::span<const float> logits, const SeqStep& seq,
+absl::StatusOr<ChosenToken> ChooseToken(std::span<const float> logits, const SeqWork& seq,
                                         int64_t index, std::span<const int32_t> end_ids = {});
 
 }  // namespace kvcm

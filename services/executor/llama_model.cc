@@ -570,7 +570,7 @@ void LlamaModel::Logits(const float* x, std::span<const int64_t> rows,
          logits->data());
 }
 
-absl::Status LlamaModel::CheckPool(const PagedPool& pool) const {
+absl::Status LlamaModel::CheckPool(const PoolView& pool) const {
   if (pool.base == nullptr) return absl::InvalidArgumentError("KV pool: base is null");
   const KvCacheSpec& spec = pool.spec;
   if (absl::Status s = spec.Validate(); !s.ok()) {
@@ -596,7 +596,7 @@ absl::Status LlamaModel::CheckPool(const PagedPool& pool) const {
   return KernelDType(spec.dtype).status();
 }
 
-absl::Status LlamaModel::CheckBatch(const ForwardBatch& b, const PagedPool& pool) const {
+absl::Status LlamaModel::CheckBatch(const ForwardBatch& b, const PoolView& pool) const {
   auto invalid = [](auto&&... parts) {
     return absl::InvalidArgumentError(absl::StrCat("forward batch: ", parts...));
   };
@@ -694,7 +694,7 @@ TokenPlan PlanTokens(const ForwardBatch& batch, int32_t block_size, LogitsScope 
   return plan;
 }
 
-absl::Status LlamaModel::Forward(const ForwardBatch& batch, const PagedPool& pool,
+absl::Status LlamaModel::Forward(const ForwardBatch& batch, const PoolView& pool,
                                  std::vector<float>* logits, LogitsScope scope,
                                  const std::function<bool(int32_t layer)>* after_layer) const {
   KVCM_CHECK(logits != nullptr);

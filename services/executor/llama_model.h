@@ -40,23 +40,12 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/memory/pool_layout.h"
+#include "common/memory/pool_view.h"
 #include "common/sizing/kv_cache_spec.h"
 #include "kernels/matmul_cpu.h"
 #include "services/executor/llama_config.h"
 
 namespace kvcm {
-
-// The KV pool as the model sees it: the arena's base (host memory), its layout and block
-// shape. The spec's num_layers, num_kv_heads and head_dim must be the model's; its dtype
-// may be fp32, fp16 or bf16 (compute is fp32 either way).
-struct PagedPool {
-  uint8_t* base = nullptr;
-  PoolLayout layout;
-  KvCacheSpec spec;
-  // -1: `base` is host memory (LlamaModel::Forward). Otherwise the CUDA device `base` lives
-  // on: only LlamaCudaModel (llama_model_cuda.h) runs over it.
-  int32_t cuda_device = -1;
-};
 
 // One step of a batch of sequences. Sequence i (i < query_lens.size()):
 //   - adds query_lens[i] >= 1 new tokens, stored back to back with the other sequences'
@@ -201,14 +190,14 @@ class LlamaModel {
   // OK when the model can run on `pool`: base not null, layout.Validate(spec) OK, and the
   // spec's layers, KV heads and head dim equal the model's (else FAILED_PRECONDITION naming
   // the field and both values); UNIMPLEMENTED for a cache dtype without a kernel (fp8).
-  absl::Status CheckPool(const PagedPool& pool) const;
+  absl::Status CheckPool(const PoolView& pool) const;
 
   // OK when `batch` is well formed for `pool` (see ForwardBatch); otherwise
   // INVALID_ARGUMENT naming the field and sequence: sizes that disagree, query_lens[i] < 1,
   // context_lens[i] < query_lens[i] or > max_position_embeddings, too few block-table
   // entries, a token id outside [0, vocab_size), a block id outside [0, num_blocks), or a
   // slot written twice.
-  absl::Status CheckBatch(const ForwardBatch& batch, const PagedPool& pool) const;
+  absl::Status CheckBatch(const ForwardBatch& batch, const PoolView& pool) const;
 
   // Runs one step: writes the new tokens' K/V into the pool and sets *logits to
   // [num_seqs][vocab] (kLastTokenPerSeq) or [num_new_tokens][vocab] (kAllTokens), row-major.
@@ -218,7 +207,7 @@ class LlamaModel {
   // K/V; when it returns false the pass stops there and returns CANCELLED, writing nothing
   // more (the executor abandons a step this way once its router was fenced).
   // REQUIRES: logits != nullptr.
-  absl::Status Forward(const ForwardBatch& batch, const PagedPool& pool, std::vector<float>* logits,
+  absl::Status Forward(const ForwardBatch& batch, const PoolView& pool, std::vector<float>* logits,
                        LogitsScope scope = LogitsScope::kLastTokenPerSeq,
                        const std::function<bool(int32_t layer)>* after_layer = nullptr) const;
 

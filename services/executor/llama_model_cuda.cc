@@ -208,16 +208,16 @@ class LlamaCudaModel::Impl {
   }
 
   absl::Status Upload();
-  absl::Status Forward(const ForwardBatch& batch, const PagedPool& pool, std::vector<float>* logits,
+  absl::Status Forward(const ForwardBatch& batch, const PoolView& pool, std::vector<float>* logits,
                        LogitsScope scope);
-  absl::Status CopyBlocks(const PagedPool& pool, std::span<const kernels::BlockCopy> copies);
+  absl::Status CopyBlocks(const PoolView& pool, std::span<const kernels::BlockCopy> copies);
 
   int32_t device() const { return device_; }
   DType weight_dtype() const { return weight_dtype_; }
   uint64_t weight_bytes() const { return weight_bytes_; }
 
  private:
-  absl::Status CheckDevicePool(const PagedPool& pool) const;
+  absl::Status CheckDevicePool(const PoolView& pool) const;
   // x as the products read it; `scratch` holds rows * in 16-bit elements (unused with fp32
   // weights). Enqueues the rounding on the stream.
   Activation Prepare(const float* x, int64_t rows, int64_t in, uint16_t* scratch) const;
@@ -403,7 +403,7 @@ absl::Status LlamaCudaModel::Impl::MatMul(const Activation& x, const void* w, in
       "cublasGemmEx");
 }
 
-absl::Status LlamaCudaModel::Impl::CheckDevicePool(const PagedPool& pool) const {
+absl::Status LlamaCudaModel::Impl::CheckDevicePool(const PoolView& pool) const {
   if (pool.cuda_device != device_) {
     return absl::FailedPreconditionError(
         absl::StrCat("the KV pool is ",
@@ -414,7 +414,7 @@ absl::Status LlamaCudaModel::Impl::CheckDevicePool(const PagedPool& pool) const 
   return model_.CheckPool(pool);
 }
 
-absl::Status LlamaCudaModel::Impl::Forward(const ForwardBatch& batch, const PagedPool& pool,
+absl::Status LlamaCudaModel::Impl::Forward(const ForwardBatch& batch, const PoolView& pool,
                                            std::vector<float>* logits, LogitsScope scope) {
   KVCM_CHECK(logits != nullptr);
   KVCM_RETURN_IF_ERROR(CheckDevicePool(pool));
@@ -548,7 +548,7 @@ absl::Status LlamaCudaModel::Impl::Forward(const ForwardBatch& batch, const Page
   return absl::OkStatus();
 }
 
-absl::Status LlamaCudaModel::Impl::CopyBlocks(const PagedPool& pool,
+absl::Status LlamaCudaModel::Impl::CopyBlocks(const PoolView& pool,
                                               std::span<const kernels::BlockCopy> copies) {
   KVCM_RETURN_IF_ERROR(CheckDevicePool(pool));
   if (copies.empty()) return absl::OkStatus();
@@ -612,12 +612,12 @@ int32_t LlamaCudaModel::device() const { return impl_->device(); }
 DType LlamaCudaModel::weight_dtype() const { return impl_->weight_dtype(); }
 uint64_t LlamaCudaModel::weight_bytes() const { return impl_->weight_bytes(); }
 
-absl::Status LlamaCudaModel::Forward(const ForwardBatch& batch, const PagedPool& pool,
+absl::Status LlamaCudaModel::Forward(const ForwardBatch& batch, const PoolView& pool,
                                      std::vector<float>* logits, LogitsScope scope) const {
   return impl_->Forward(batch, pool, logits, scope);
 }
 
-absl::Status LlamaCudaModel::CopyBlocks(const PagedPool& pool,
+absl::Status LlamaCudaModel::CopyBlocks(const PoolView& pool,
                                         std::span<const kernels::BlockCopy> copies) const {
   return impl_->CopyBlocks(pool, copies);
 }

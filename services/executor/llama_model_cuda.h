@@ -94,13 +94,13 @@ class LlamaCudaModel {
   // FAILED_PRECONDITION when pool.cuda_device is not device(); then the model's CheckPool
   // and CheckBatch, before anything is written; INTERNAL with CUDA's message when a device
   // or cuBLAS call fails (RESOURCE_EXHAUSTED when scratch memory runs out).
-  absl::Status Forward(const ForwardBatch& batch, const PagedPool& pool, std::vector<float>* logits,
+  absl::Status Forward(const ForwardBatch& batch, const PoolView& pool, std::vector<float>* logits,
                        LogitsScope scope = LogitsScope::kLastTokenPerSeq) const;
 
   // Copy-on-write orders (kernels::cuda::CopyBlocks) on a device pool, waited for.
   // FAILED_PRECONDITION for a pool on another device; INVALID_ARGUMENT for a block outside
   // the pool, a destination twice or one that is also a source.
-  absl::Status CopyBlocks(const PagedPool& pool, std::span<const kernels::BlockCopy> copies) const;
+  absl::Status CopyBlocks(const PoolView& pool, std::span<const kernels::BlockCopy> copies) const;
 
  private:
   class Impl;

@@ -33,12 +33,12 @@ uint64_t LlamaCudaModel::weight_bytes() const {
   return 0;
 }
 
-absl::Status LlamaCudaModel::Forward(const ForwardBatch&, const PagedPool&, std::vector<float>*,
+absl::Status LlamaCudaModel::Forward(const ForwardBatch&, const PoolView&, std::vector<float>*,
                                      LogitsScope) const {
   return absl::UnimplementedError("kvcm was built without CUDA");
 }
 
-absl::Status LlamaCudaModel::CopyBlocks(const PagedPool&,
+absl::Status LlamaCudaModel::CopyBlocks(const PoolView&,
                                         std::span<const kernels::BlockCopy>) const {
   return absl::UnimplementedError("kvcm was built without CUDA");
 }

@@ -27,40 +27,6 @@ float Sanitize(float logit) {
 
 }  // namespace
 
-absl::Status ValidateSamplingParams(const SamplingParams& p) {
-  if (!std::isfinite(p.temperature) || p.temperature < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("sampling: temperature must be finite and >= 0, got ", p.temperature));
-  }
-  if (!(p.top_p > 0 && p.top_p <= 1)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("sampling: top_p must be in (0, 1], got ", p.top_p));
-  }
-  if (p.top_k < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("sampling: top_k must be >= 0, got ", p.top_k));
-  }
-  if (!std::isfinite(p.repetition_penalty) || p.repetition_penalty <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "sampling: repetition_penalty must be finite and > 0, got ", p.repetition_penalty));
-  }
-  for (const auto& [name, value] : {std::pair{"frequency_penalty", p.frequency_penalty},
-                                    std::pair{"presence_penalty", p.presence_penalty}}) {
-    if (!std::isfinite(value) || value < -2 || value > 2) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("sampling: ", name, " must be in [-2, 2], got ", value));
-    }
-  }
-  if (p.min_tokens < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("sampling: min_tokens must be >= 0, got ", p.min_tokens));
-  }
-  if (p.max_tokens < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("sampling: max_tokens must be >= 1, got ", p.max_tokens));
-  }
-  return absl::OkStatus();
-}
-
 int32_t Greedy(std::span<const float> logits) {
   KVCM_CHECK(!logits.empty());
   int32_t best = 0;
@@ -76,7 +42,9 @@ int32_t Greedy(std::span<const float> logits) {
 }
 
 absl::StatusOr<Sampler> Sampler::Create(const SamplingParams& params) {
-  if (absl::Status s = ValidateSamplingParams(params); !s.ok()) return s;
+  if (absl::Status s = ValidateSamplingParams(params); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("sampling: ", s.message()));
+  }
   return Sampler(params);
 }
 
@@ -227,10 +195,10 @@ std::vector<TokenLogprob> TopLogprobs(std::span<const float> logits, int32_t n, 
   return top;
 }
 
-StopReason CheckStop(int32_t token, int32_t num_generated, const SamplingParams& params,
+StopReason CheckStop(int32_t token, int32_t num_generated, int32_t max_tokens,
                      std::span<const int32_t> eos_ids) {
   if (std::find(eos_ids.begin(), eos_ids.end(), token) != eos_ids.end()) return StopReason::kEos;
-  if (num_generated >= params.max_tokens) return StopReason::kMaxTokens;
+  if (num_generated >= max_tokens) return StopReason::kMaxTokens;
   return StopReason::kNone;
 }
 

@@ -1,7 +1,8 @@
 #pragma once
 // Sampling the next token from a row of logits.
 //
-// A request's samples depend only on its SamplingParams (seed included) and on the index of
+// A request's samples depend only on its SamplingParams (common/wire/executor_protocol.h,
+// seed included) and on the index of
 // the token being sampled, never on batching, on other requests or on call order: the
 // random number for token `index` is a counter-based hash of (seed, index)
 // (SplitMix64-style), not a stream. Re-running a request with the same seed gives the same
@@ -21,25 +22,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/wire/executor_protocol.h"
 
 namespace kvcm {
-
-struct SamplingParams {
-  float temperature = 0.0f;         // 0: greedy. Higher flattens the distribution.
-  float top_p = 1.0f;               // nucleus mass in (0, 1]; 1 keeps every token
-  int32_t top_k = 0;                // keep the k most likely tokens; 0 keeps all
-  uint64_t seed = 0;                // the request's seed; same seed, same samples
-  int32_t max_tokens = 16;          // stop after this many generated tokens (>= 1)
-  float repetition_penalty = 1.0f;  // > 0; 1 = none (see ApplyPenalties)
-  float frequency_penalty = 0.0f;   // in [-2, 2]; 0 = none
-  float presence_penalty = 0.0f;    // in [-2, 2]; 0 = none
-  int32_t min_tokens = 0;           // >= 0; see ApplyMinTokens; 0 = none
-};
-
-// INVALID_ARGUMENT naming the field: temperature negative or not finite, top_p outside
-// (0, 1], top_k negative, max_tokens < 1, repetition_penalty <= 0, a frequency or presence
-// penalty outside [-2, 2], min_tokens negative.
-absl::Status ValidateSamplingParams(const SamplingParams& params);
 
 // Penalties, as vLLM defines them (and Hugging Face for the repetition penalty), applied to
 // one row of logits in place before sampling. `history` is what the sequence holds before
@@ -112,12 +97,12 @@ class Sampler {
 enum class StopReason {
   kNone,       // keep going
   kEos,        // the token is an end-of-sequence id (it is still returned to the caller)
-  kMaxTokens,  // num_generated reached params.max_tokens
+  kMaxTokens,  // num_generated reached max_tokens
 };
 
-// Whether to stop after generating `token`, the num_generated-th token (1-based) of the
-// request. EOS wins over max_tokens when both hold.
-StopReason CheckStop(int32_t token, int32_t num_generated, const SamplingParams& params,
+// Whether to stop after generating `token`, the num_generated-th token (1-based) of a
+// request of at most `max_tokens` generated tokens. EOS wins over max_tokens when both hold.
+StopReason CheckStop(int32_t token, int32_t num_generated, int32_t max_tokens,
                      std::span<const int32_t> eos_ids);
 
 }  // namespace kvcm

@@ -18,7 +18,7 @@ constexpr char kComponent[] = "kvcm-router";
 void Log(std::string_view text) { LogLine(kComponent, text); }
 
 // What must agree between executors for them to serve the same model.
-std::string ModelMismatch(const ModelInfo& want, const ModelInfo& got) {
+std::string ModelMismatch(const ModelSummary& want, const ModelSummary& got) {
   auto differ = [](const char* what, auto a, auto b) {
     return absl::StrCat(what, " ", b, " (the others serve ", a, ")");
   };
@@ -168,8 +168,7 @@ void ExecutorLink::HandleReadable(absl::Time now) {
 // serves the router's model (the first executor's sets it).
 void ExecutorLink::HandleHello(const std::string& identity, const wire::ExecutorEnvelope& envelope,
                                Executor* executor, absl::Time now) {
-  absl::StatusOr<ExecutorHelloInfo> hello =
-      DecodeExecutorHello(*envelope.payload_as_ExecutorHello());
+  absl::StatusOr<ExecutorHello> hello = DecodeExecutorHello(*envelope.payload_as_ExecutorHello());
   if (!hello.ok()) {
     Refuse(identity, envelope.request_id(), wire::ErrorCode::InvalidArgument,
            std::string(hello.status().message()));
@@ -229,7 +228,7 @@ void ExecutorLink::HandleResult(const wire::ExecutorEnvelope& envelope, Executor
   const uint64_t id = executor->id;
   executor->pending_request = 0;
   executor->pending_step = 0;
-  absl::StatusOr<StepReport> report;
+  absl::StatusOr<StepResult> report;
   if (const wire::ErrorReply* error = envelope.payload_as_ErrorReply()) {
     report = FromWire(error->code(), error->reason() == nullptr ? "" : error->reason()->str());
   } else {
@@ -267,7 +266,7 @@ void ExecutorLink::Remove(uint64_t id, bool stopped, bool announce) {
   if (announce && on_change_) on_change_();
 }
 
-absl::Status ExecutorLink::SendStep(uint64_t id, const StepRequest& step, absl::Time now) {
+absl::Status ExecutorLink::SendStep(uint64_t id, const StepBatch& step, absl::Time now) {
   auto it = executors_.find(id);
   if (it == executors_.end()) return absl::NotFoundError(absl::StrCat("no executor ", id));
   Executor& executor = it->second;

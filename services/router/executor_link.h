@@ -36,7 +36,7 @@ class ExecutorLink {
   struct Executor {
     uint64_t id = 0;
     std::string identity;  // the DEALER's routing id
-    ExecutorHelloInfo hello;
+    ExecutorHello hello;
     // The cache-manager epoch its Hello announced (the envelope's): it holds an executor
     // session in that epoch, so every fence that epoch's router sessions get waits for it.
     // An executor that attaches to another epoch says Hello again.
@@ -52,7 +52,7 @@ class ExecutorLink {
   };
   // A StepResult (or its refusal) for step `step_id` from `executor`.
   using ResultHandler =
-      std::function<void(uint64_t executor, uint64_t step_id, absl::StatusOr<StepReport>)>;
+      std::function<void(uint64_t executor, uint64_t step_id, absl::StatusOr<StepResult>)>;
 
   // `loop` (which outlives the link) watches the executors' pidfds.
   ExecutorLink(zmq::context_t& context, EventLoop* loop, Options options);
@@ -78,7 +78,7 @@ class ExecutorLink {
   std::vector<uint64_t> TakeUnconfirmed() { return std::exchange(unconfirmed_, {}); }
 
   // Sends `step` to `executor` (epoch and router_session filled in by the caller).
-  absl::Status SendStep(uint64_t executor, const StepRequest& step, absl::Time now);
+  absl::Status SendStep(uint64_t executor, const StepBatch& step, absl::Time now);
   // Goodbye to every executor (the router stops).
   void SayGoodbye();
 
@@ -90,7 +90,7 @@ class ExecutorLink {
   std::vector<uint64_t> LiveInEpoch(uint64_t epoch) const;
   const absl::flat_hash_map<uint64_t, Executor>& executors() const { return executors_; }
   // The model every executor serves (the first one's); nullopt before any registered.
-  const std::optional<ModelInfo>& model() const { return model_; }
+  const std::optional<ModelSummary>& model() const { return model_; }
 
  private:
   // Drop's work; `announce` false leaves on_change_ to the caller (an executor registered
@@ -111,7 +111,7 @@ class ExecutorLink {
   bool bound_ = false;
   absl::flat_hash_map<uint64_t, Executor> executors_;
   absl::flat_hash_map<std::string, uint64_t> by_identity_;
-  std::optional<ModelInfo> model_;
+  std::optional<ModelSummary> model_;
   uint64_t next_executor_ = 1;
   uint64_t next_request_ = 1;
   ResultHandler on_result_;

@@ -38,7 +38,7 @@ struct HttpError {
 // A request's generation parameters, resolved.
 struct Params {
   int32_t max_new_tokens = 0;
-  SeqSampling sampling;
+  SamplingParams sampling;
   RequestOutputs outputs;
   int32_t truncate = 0;        // TGI: keep the prompt's last `truncate` tokens (0: all)
   int32_t best_of = 1;         // sequences generated (TGI's best_of; OpenAI's max(n, best_of))

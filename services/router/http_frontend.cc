@@ -260,7 +260,8 @@ struct HttpFrontend::Impl {
   // Streams choice `index`'s newest token (`p`'s); `finished` with its finish reason.
   // `piece`: the text the token adds (never a broken UTF-8 sequence until the end: what is
   // incomplete waits for the next token).
-  void Stream(Active& a, size_t index, const Progress& p, bool finished, const std::string& piece) {
+  void Stream(Active& a, size_t index, const TokenEvent& p, bool finished,
+              const std::string& piece) {
     if (a.api == Api::kOpenAi) {
       server->SendEvent(a.request, kOpenAiEventField,
                         OpenAiTokenChunk(a, index, finished, piece, *tokenizer, options.model_id));
@@ -273,8 +274,8 @@ struct HttpFrontend::Impl {
 
   // A slice of what the core reported (HttpServer::Hooks::deliver), then the latencies of
   // its tokens.
-  void DeliverSlice(std::span<const Progress> batch) {
-    DeliverProgress(batch);
+  void DeliverSlice(std::span<const TokenEvent> batch) {
+    DeliverEvents(batch);
     if (metrics != nullptr) {
       for (double seconds : first_token_seconds) metrics->ObserveTimeToFirstToken(seconds);
       for (double seconds : token_gap_seconds) metrics->ObserveTimePerOutputToken(seconds);
@@ -283,13 +284,13 @@ struct HttpFrontend::Impl {
     token_gap_seconds.clear();
   }
 
-  void DeliverProgress(std::span<const Progress> batch) {
-    for (const Progress& p : batch) {
-      auto it = active.find(p.id);
+  void DeliverEvents(std::span<const TokenEvent> batch) {
+    for (const TokenEvent& p : batch) {
+      auto it = active.find(p.request);
       if (it == active.end()) continue;
       Active& a = it->second;
       if (!p.error.ok()) {  // the whole request failed
-        Done(p.id, a, p.error);
+        Done(p.request, a, p.error);
         continue;
       }
       if (p.choice < 0 || static_cast<size_t>(p.choice) >= a.choices.size()) continue;
@@ -304,13 +305,13 @@ struct HttpFrontend::Impl {
       }
       if (!finished) continue;
       c.done = true;
-      if (--a.open == 0) Done(p.id, a, absl::OkStatus());
+      if (--a.open == 0) Done(p.request, a, absl::OkStatus());
     }
   }
 
   // Choice `index`'s token `p.token`: recorded, timed, looked at for stop sequences and
   // streamed. Returns whether the choice is finished.
-  bool AddToken(Active& a, size_t index, const Progress& p) {
+  bool AddToken(Active& a, size_t index, const TokenEvent& p) {
     Choice& c = a.choices[index];
     bool finished = p.finished;
     NoteTokenTime(a, index, c);
@@ -338,7 +339,7 @@ struct HttpFrontend::Impl {
       finished = true;
       c.stop_at = *at;
       c.finish_reason = "stop_sequence";
-      core->Cancel(p.id, p.choice);
+      core->Cancel(p.request, p.choice);
     }
     // At the end, what is still incomplete goes too.
     std::string added = finished ? piece.ready + piece.pending : piece.ready;
@@ -457,7 +458,7 @@ struct HttpFrontend::Impl {
     hooks.reply_error = &Impl::ReplyError;
     hooks.refuse = [this](evhttp_request* r, const HttpError& error) { Refuse(r, error); };
     hooks.api_of_path = &ApiOfPath;
-    hooks.deliver = [this](std::span<const Progress> batch) { DeliverSlice(batch); };
+    hooks.deliver = [this](std::span<const TokenEvent> batch) { DeliverSlice(batch); };
     hooks.closed = [this](uint64_t id) { OnClosed(id); };
     return hooks;
   }
@@ -577,8 +578,8 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(const Options&
   return frontend;
 }
 
-void HttpFrontend::Deliver(std::vector<Progress> progress) {
-  impl_->server->Deliver(std::move(progress));
+void HttpFrontend::Deliver(std::vector<TokenEvent> events) {
+  impl_->server->Deliver(std::move(events));
 }
 
 void HttpFrontend::Stop() {

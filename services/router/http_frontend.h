@@ -124,7 +124,7 @@ class HttpFrontend {
 
   int port() const { return port_; }
   // What the core reports (its sink calls this).
-  void Deliver(std::vector<Progress> progress);
+  void Deliver(std::vector<TokenEvent> events);
   // Stops accepting and joins the server's thread.
   void Stop();
 

@@ -53,8 +53,8 @@ bool NestedDeeperThan(const json& value, int max_depth) {
 
 // Greedy sampling that keeps `sampling`'s penalties and min_tokens (they apply to greedy
 // choices too).
-SeqSampling RequestParser::Greedy(const SeqSampling& sampling) {
-  SeqSampling greedy;
+SamplingParams RequestParser::Greedy(const SamplingParams& sampling) {
+  SamplingParams greedy;
   greedy.repetition_penalty = sampling.repetition_penalty;
   greedy.frequency_penalty = sampling.frequency_penalty;
   greedy.presence_penalty = sampling.presence_penalty;

@@ -136,7 +136,7 @@ class RequestParser {
                                                 GenerationRequest* active_request) const;
   std::optional<HttpError> FinishOpenAiParams(GenerationRequest* active_request,
                                               const OpenAiGiven& given);
-  static SeqSampling Greedy(const SeqSampling& sampling);
+  static SamplingParams Greedy(const SamplingParams& sampling);
 
   const RequestLimits options_;
   const Tokenizer* const tokenizer_;

@@ -352,10 +352,10 @@ struct HttpServer::Impl {
         host_rules(server_options) {}
 
   Mutex mailbox_mutex;
-  std::vector<Progress> mailbox ABSL_GUARDED_BY(mailbox_mutex);
+  std::vector<TokenEvent> mailbox ABSL_GUARDED_BY(mailbox_mutex);
   // Reports taken from the mailbox, handed over kDeliverySlice at a time; `delivered` of
   // them so far.
-  std::vector<Progress> delivering;
+  std::vector<TokenEvent> delivering;
   size_t delivered = 0;
 
   // A connection of evhttp's, by its bufferevent, from NewConnection on. libevent 2.1 tells
@@ -637,7 +637,7 @@ struct HttpServer::Impl {
       delivering.swap(mailbox);
     }
     const size_t end = std::min(delivering.size(), delivered + kDeliverySlice);
-    hooks.deliver(std::span<const Progress>(delivering).subspan(delivered, end - delivered));
+    hooks.deliver(std::span<const TokenEvent>(delivering).subspan(delivered, end - delivered));
     delivered = end;
     if (delivered < delivering.size()) return true;
     MutexLock lock(&mailbox_mutex);
@@ -785,14 +785,14 @@ void HttpServer::Run() {
   thread_ = std::thread([base = impl_->base] { event_base_dispatch(base); });
 }
 
-void HttpServer::Deliver(std::vector<Progress> progress) {
+void HttpServer::Deliver(std::vector<TokenEvent> events) {
   {
     MutexLock lock(&impl_->mailbox_mutex);
     if (impl_->mailbox.empty()) {
-      impl_->mailbox.swap(progress);  // a step's tokens, handed over whole
+      impl_->mailbox.swap(events);  // a step's tokens, handed over whole
     } else {
-      impl_->mailbox.insert(impl_->mailbox.end(), std::make_move_iterator(progress.begin()),
-                            std::make_move_iterator(progress.end()));
+      impl_->mailbox.insert(impl_->mailbox.end(), std::make_move_iterator(events.begin()),
+                            std::make_move_iterator(events.end()));
     }
   }
   event_active(impl_->mail, 0, 0);

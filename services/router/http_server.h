@@ -81,7 +81,7 @@ class HttpServer {
     // The API whose error shape a path no route matched has (404, framing, Host).
     std::function<Api(std::string_view path)> api_of_path;
     // The core's reports Deliver() took, a slice at a time, in order.
-    std::function<void(std::span<const Progress>)> deliver;
+    std::function<void(std::span<const TokenEvent>)> deliver;
     // The client of the tracked request `id` closed its connection (Track); the request is
     // no longer tracked, and libevent's (or freed) by now: it must not be answered.
     std::function<void(uint64_t id)> closed;
@@ -107,7 +107,7 @@ class HttpServer {
   void Stop();
   int port() const { return port_; }
   // What the core reports (any thread): handed to Hooks::deliver on the server's thread.
-  void Deliver(std::vector<Progress> progress);
+  void Deliver(std::vector<TokenEvent> events);
 
   // ---- On the server's thread -------------------------------------------------------
   // A whole reply; no Content-Type when `content_type` is null.

@@ -274,9 +274,9 @@ int Main(const std::vector<config::Setting>& settings) {
       metadata->gguf ? " (GGUF eos and eot ids)" : " (config.json, generation_config.json)"));
   std::atomic<router::HttpFrontend*> frontend_ptr{nullptr};
   auto core = router::RouterCore::Create(core_options,
-                                         [&frontend_ptr](std::vector<router::Progress> progress) {
+                                         [&frontend_ptr](std::vector<router::TokenEvent> events) {
                                            if (router::HttpFrontend* f = frontend_ptr.load())
-                                             f->Deliver(std::move(progress));
+                                             f->Deliver(std::move(events));
                                          });
   if (!core.ok()) return fail(core.status());
 

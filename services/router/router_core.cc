@@ -61,7 +61,7 @@ absl::StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(const Options& op
   KVCM_RETURN_IF_ERROR(core->link_->Bind());
   RouterCore* self = core.get();
   core->link_->set_on_result(
-      [self](uint64_t executor, uint64_t step, absl::StatusOr<StepReport> report) {
+      [self](uint64_t executor, uint64_t step, absl::StatusOr<StepResult> report) {
         self->OnResult(executor, step, std::move(report));
       });
   core->link_->set_on_change([self] {
@@ -78,8 +78,8 @@ absl::StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(const Options& op
 void RouterCore::Submit(Submission submission) {
   loop_.Post([this, s = std::move(submission)]() mutable {
     if (draining_.load()) {  // arrived after the signal: not started
-      Progress p;
-      p.id = s.id;
+      TokenEvent p;
+      p.request = s.id;
       p.finished = true;
       p.error = absl::UnavailableError("the router is shutting down");
       sink_({std::move(p)});
@@ -164,10 +164,10 @@ void RouterCore::ScheduleTurn() {
 }
 
 void RouterCore::FailAll(const absl::Status& status) {
-  std::vector<Progress> failed;
+  std::vector<TokenEvent> failed;
   for (const auto& [id, open] : known_) {
-    Progress p;
-    p.id = id;
+    TokenEvent p;
+    p.request = id;
     p.finished = true;
     p.error = status;
     failed.push_back(std::move(p));
@@ -283,26 +283,24 @@ void RouterCore::Turn() {
   trace_ = StepTraceEntry{};
   trace_.planned_ns = absl::ToUnixNanos(MonotonicNow());
   StepPlan plan = planner_->Plan(available, executors);
-  std::vector<Progress> progress;
+  std::vector<TokenEvent> rejected;
   for (RequestId id : plan.rejected) {
     known_.erase(id);
     api_of_.erase(id);
     ignore_eos_.erase(id);
     min_tokens_.erase(id);
-    Progress p;
-    p.id = id;
+    TokenEvent p;
+    p.request = id;
     p.finished = true;
     p.error = absl::ResourceExhaustedError(
         "the prompt and max_new_tokens need more KV cache than the pool holds");
-    progress.push_back(std::move(p));
+    rejected.push_back(std::move(p));
   }
-  if (!progress.empty()) sink_(std::move(progress));
+  if (!rejected.empty()) sink_(std::move(rejected));
   std::vector<OpOutcome> outcomes;
   if (!plan.ops.empty()) {
-    BlockOps ops;
-    for (const BlockOp& op : plan.ops) ops.Add(op);
     const absl::Time asked = MonotonicNow();
-    absl::StatusOr<std::vector<OpOutcome>> reply = cache_manager_->Step(ops);
+    absl::StatusOr<std::vector<OpOutcome>> reply = cache_manager_->Step(plan.ops);
     trace_.cache_manager_ns = absl::ToInt64Nanoseconds(MonotonicNow() - asked);
     if (!reply.ok()) {
       // Not answered: maybe applied (then its retry is answered from the replay cache), maybe
@@ -363,10 +361,10 @@ void RouterCore::ContinueStep(StepPlan plan, std::vector<OpOutcome> outcomes) {
   if (awaiting_.empty()) FinishStep();
 }
 
-void RouterCore::OnResult(uint64_t executor, uint64_t step_id, absl::StatusOr<StepReport> report) {
+void RouterCore::OnResult(uint64_t executor, uint64_t step_id, absl::StatusOr<StepResult> report) {
   if (!in_flight_ || step_id != step_id_ || awaiting_.erase(executor) == 0) return;
   if (report.ok()) {
-    for (SeqOutcome& outcome : report->results) results_.push_back(std::move(outcome));
+    for (SeqResult& outcome : report->results) results_.push_back(std::move(outcome));
   } else {
     Log(absl::StrCat("executor ", executor, " refused step ", step_id, ": ",
                      report.status().ToString()));
@@ -381,40 +379,33 @@ void RouterCore::FinishStep() {
   trace_.answered_ns = absl::ToUnixNanos(reading_since_.value_or(MonotonicNow()));
   std::vector<TokenEvent> events = planner_->Complete(results_);
   AbandonUnconfirmed();
-  std::vector<Progress> progress;
-  progress.reserve(events.size());
+  // The events go on as they are, less those of choices cancelled meanwhile, with what only
+  // the router knows: whether the token is an EOS that ends its choice.
+  std::vector<TokenEvent> delivering;
+  delivering.reserve(events.size());
   for (TokenEvent& event : events) {
     auto live = known_.find(event.request);
     if (live == known_.end() || static_cast<size_t>(event.choice) >= live->second.size() ||
         !live->second[static_cast<size_t>(event.choice)]) {
       continue;  // cancelled meanwhile
     }
-    Progress p;
-    p.id = event.request;
-    p.choice = event.choice;
-    p.token = event.token;
-    p.cached_prompt_tokens = event.cached_prompt_tokens;
-    p.logprob = event.logprob;
-    p.top_ids = std::move(event.top_ids);
-    p.top_logprobs = std::move(event.top_logprobs);
-    p.prompt_logprobs = std::move(event.prompt_logprobs);
     const auto min_tokens = min_tokens_.find(event.request);
     const bool eos = !ignore_eos_.contains(event.request) &&
                      (min_tokens == min_tokens_.end() || event.index >= min_tokens->second) &&
                      std::find(options_.eos_token_ids.begin(), options_.eos_token_ids.end(),
                                event.token) != options_.eos_token_ids.end();
     if (eos || event.finished) {
-      p.finished = true;
-      p.finish_reason = eos ? "eos_token" : "length";
+      event.finished = true;
+      event.finish_reason = eos ? "eos_token" : "length";
       planner_->Finish(event.request, event.choice);
       FinishChoice(event.request, event.choice);
     }
-    progress.push_back(std::move(p));
+    delivering.push_back(std::move(event));
   }
   const absl::Time finished = MonotonicNow();
   // The tokens first: the metrics can wait until the HTTP thread has them.
-  const auto delivered = static_cast<int32_t>(progress.size());
-  if (!progress.empty()) sink_(std::move(progress));
+  const auto delivered = static_cast<int32_t>(delivering.size());
+  if (!delivering.empty()) sink_(std::move(delivering));
   if (options_.step_trace != nullptr) trace_.delivered_ns = absl::ToUnixNanos(MonotonicNow());
   if (RouterMetrics* m = options_.metrics) {
     m->ObserveStep(absl::ToDoubleSeconds(finished - step_started_), step_sequences_, step_prefill_,

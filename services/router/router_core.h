@@ -34,7 +34,7 @@ struct Submission {
   uint64_t id = 0;
   std::vector<int32_t> prompt;
   int32_t max_new_tokens = 1;
-  SeqSampling sampling;
+  SamplingParams sampling;
   RequestOutputs outputs;
   Api api = Api::kTgi;  // shown by /dashboard
   // vLLM's ignore_eos: the model's EOS tokens end nothing (they are generated as any other
@@ -73,22 +73,6 @@ struct RouterView {
   bool draining = false;            // a signal asked the router to stop
 };
 
-// What happened to a request in one step.
-struct Progress {
-  uint64_t id = 0;
-  int32_t choice = 0;                // which of Submission::outputs.sequences
-  int32_t token = -1;                // a generated token, or -1
-  bool finished = false;             // this choice ended, with finish_reason; or (error) all did
-  std::string finish_reason;         // "length", "eos_token"
-  absl::Status error;                // the request failed (finished is true)
-  int32_t cached_prompt_tokens = 0;  // of its prompt, found in the prefix cache
-  // With Submission::outputs (TokenEvent's).
-  float logprob = 0.0f;
-  std::vector<int32_t> top_ids;
-  std::vector<float> top_logprobs;
-  std::vector<float> prompt_logprobs;  // with the first token
-};
-
 class RouterCore {
  public:
   struct Options {
@@ -112,7 +96,7 @@ class RouterCore {
     // (503). A second signal stops at once.
     absl::Duration drain_timeout = absl::Seconds(10);
   };
-  using Sink = std::function<void(std::vector<Progress>)>;
+  using Sink = std::function<void(std::vector<TokenEvent>)>;
 
   // Connects to the cache manager and binds the executor endpoint.
   static absl::StatusOr<std::unique_ptr<RouterCore>> Create(const Options& options, Sink sink);
@@ -147,7 +131,7 @@ class RouterCore {
   // the cache manager is loading from a tier: a block loads in well under a millisecond
   // from host memory or a local disk.
   static constexpr absl::Duration kTierLoadPoll = absl::Milliseconds(1);
-  void OnResult(uint64_t executor, uint64_t step_id, absl::StatusOr<StepReport> report);
+  void OnResult(uint64_t executor, uint64_t step_id, absl::StatusOr<StepResult> report);
   // Hands the planner the executors dropped without proof that they stopped (Abandon).
   void AbandonUnconfirmed();
   void FinishStep();

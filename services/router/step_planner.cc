@@ -10,7 +10,7 @@
 namespace kvcm::router {
 
 void StepPlanner::Enqueue(RequestId request, std::vector<int32_t> tokens, int32_t max_new_tokens,
-                          SeqSampling sampling, RequestOutputs outputs) {
+                          SamplingParams sampling, RequestOutputs outputs) {
   KVCM_CHECK(!tokens.empty()) << "request " << request << " has no prompt tokens";
   Queued queued;
   queued.request = request;
@@ -412,17 +412,17 @@ StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId>
 
 namespace {
 
-// The `i`-th sequence of `seqs`, as a fresh SeqStep: an element left from an earlier step
+// The `i`-th sequence of `seqs`, as a fresh SeqWork: an element left from an earlier step
 // is reset to the defaults but keeps its vectors' capacity.
-SeqStep& FreshSeqStep(std::vector<SeqStep>& seqs, size_t i) {
+SeqWork& FreshSeqWork(std::vector<SeqWork>& seqs, size_t i) {
   if (i == seqs.size()) return seqs.emplace_back();
   auto emptied = [](auto& v) {
     auto kept = std::move(v);
     kept.clear();
     return kept;
   };
-  SeqStep& step = seqs[i];
-  SeqStep fresh;
+  SeqWork& step = seqs[i];
+  SeqWork fresh;
   fresh.tokens = emptied(step.tokens);
   fresh.block_table = emptied(step.block_table);
   fresh.penalty_tokens = emptied(step.penalty_tokens);
@@ -569,8 +569,8 @@ void StepPlanner::FillBatches(const StepPlan& plan, ExecutorWork& work) {
       work.prefill_tokens += run.chunk;
     }
     const size_t b = batch_for(run.executor);
-    StepRequest& step = work.batches[b].step;
-    SeqStep& seq_step = FreshSeqStep(step.seqs, filled[b]++);
+    StepBatch& step = work.batches[b].step;
+    SeqWork& seq_step = FreshSeqWork(step.seqs, filled[b]++);
     seq_step.seq = seq;
     seq_step.tokens.assign(run.req.tokens.begin() + run.start, run.req.tokens.begin() + end);
     seq_step.context_len = end;

@@ -111,7 +111,7 @@ struct StepPlan {
 struct ExecutorWork {
   struct Batch {
     ExecutorId executor = 0;
-    StepRequest step;  // epoch and router_session are the caller's to fill in
+    StepBatch step;  // epoch and router_session are the caller's to fill in
   };
   std::vector<Batch> batches;
   // Of first admissions: prompt tokens found in the prefix cache, and those to compute.
@@ -132,9 +132,6 @@ struct ExecutorWork {
   int32_t decode_tokens = 0;
 };
 
-// One sequence's outcome from its executor, as Complete() takes it (the StepResult's).
-using SeqResult = SeqOutcome;
-
 // What a request wants reported beside its tokens (the executor computes it).
 struct RequestOutputs {
   bool logprobs = false;         // each generated token's log-probability
@@ -147,13 +144,19 @@ struct RequestOutputs {
   int32_t sequences = 1;
 };
 
-// A token a request generated (or its end), for the caller to stream.
+// A token a request generated (or its end), for the caller to stream. The planner fills it
+// from a step's results; RouterCore adds what only it knows (EOS, errors) and hands the same
+// event to the HTTP front end.
 struct TokenEvent {
   RequestId request = 0;
-  int32_t choice = 0;                // which of RequestOutputs::sequences
-  int32_t token = -1;                // -1 with `finished` only: ended without a new token
-  int32_t index = 0;                 // 0 for the first generated token
-  bool finished = false;             // max_new_tokens reached (the sequence is freed next step)
+  int32_t choice = 0;  // which of RequestOutputs::sequences
+  int32_t token = -1;  // -1 with `finished` only: ended without a new token
+  int32_t index = 0;   // 0 for the first generated token
+  // This choice ended: from the planner, max_new_tokens reached (the sequence is freed next
+  // step); from RouterCore also an EOS token, or (with `error`) every choice of the request.
+  bool finished = false;
+  std::string finish_reason;         // RouterCore's: "length", "eos_token"
+  absl::Status error;                // RouterCore's: the request failed (finished is true)
   int32_t cached_prompt_tokens = 0;  // of its prompt, found in the prefix cache at admission
   // With RequestOutputs::logprobs / top_n:
   float logprob = 0.0f;
@@ -172,7 +175,7 @@ class StepPlanner {
   // prompt's log-probabilities computes its whole prompt (no prefix-cache hit: a cached
   // block's tokens were never scored), then commits it for others as usual.
   void Enqueue(RequestId request, std::vector<int32_t> tokens, int32_t max_new_tokens,
-               SeqSampling sampling = {}, RequestOutputs outputs = {});
+               SamplingParams sampling = {}, RequestOutputs outputs = {});
   // Ends a request's choice (-1: all of them; a stop sequence or EOS seen by the caller, or
   // the client left): queued, it is dropped; running, its sequence is freed in the next
   // step. Unknown ids are ignored.
@@ -240,7 +243,7 @@ class StepPlanner {
     int32_t prompt_len = 0;
     int32_t generated = 0;
     int32_t max_new_tokens = 0;
-    SeqSampling sampling;
+    SamplingParams sampling;
     RequestOutputs outputs;
     // With outputs.prompt_logprobs: per prompt token (NaN: not scored yet), and how many of
     // the first are scored (the first needs nothing).

@@ -139,9 +139,9 @@ std::vector<std::pair<std::string, std::string>> CacheManagerSeeds() {
 
 constexpr uint64_t kEpoch = 1000;  // the executor target's pool
 
-SeqStep Seq(SeqId id, std::vector<int32_t> tokens, int32_t context_len,
+SeqWork Seq(SeqId id, std::vector<int32_t> tokens, int32_t context_len,
             std::vector<BlockId> blocks) {
-  SeqStep s;
+  SeqWork s;
   s.seq = id;
   s.tokens = std::move(tokens);
   s.context_len = context_len;
@@ -150,8 +150,8 @@ SeqStep Seq(SeqId id, std::vector<int32_t> tokens, int32_t context_len,
   return s;
 }
 
-StepRequest NewStep(uint64_t step_id, uint64_t router_session) {
-  StepRequest step;
+StepBatch NewStep(uint64_t step_id, uint64_t router_session) {
+  StepBatch step;
   step.step_id = step_id;
   step.epoch = kEpoch;
   step.router_session = router_session;
@@ -160,7 +160,7 @@ StepRequest NewStep(uint64_t step_id, uint64_t router_session) {
 
 class ExecutorInput {
  public:
-  void Step(const StepRequest& step) {
+  void Step(const StepBatch& step) {
     flatbuffers::FlatBufferBuilder b;
     EncodeStepBatch(b, ++request_id_, 7, step);
     fuzz::AppendRecord(0, BufferSpan(b), &out_);
@@ -184,8 +184,8 @@ std::vector<std::pair<std::string, std::string>> ExecutorSeeds() {
   std::vector<std::pair<std::string, std::string>> seeds;
   {  // Prefill then decode of one greedy sequence with log-probabilities.
     ExecutorInput in;
-    StepRequest step = NewStep(1, 42);
-    SeqStep s = Seq(1, {1, 72, 101, 108, 108, 111}, 6, {0, 1});
+    StepBatch step = NewStep(1, 42);
+    SeqWork s = Seq(1, {1, 72, 101, 108, 108, 111}, 6, {0, 1});
     s.logprobs = true;
     s.top_n = 3;
     s.input_logprobs = true;
@@ -201,8 +201,8 @@ std::vector<std::pair<std::string, std::string>> ExecutorSeeds() {
   }
   {  // Two sampled sequences with penalties and fork seeds, then a copy-on-write step.
     ExecutorInput in;
-    StepRequest step = NewStep(1, 42);
-    SeqStep a = Seq(1, {1, 2, 3, 4, 5}, 5, {2, 3});
+    StepBatch step = NewStep(1, 42);
+    SeqWork a = Seq(1, {1, 2, 3, 4, 5}, 5, {2, 3});
     a.sampling = {.temperature = 0.8f,
                   .top_p = 0.9f,
                   .top_k = 40,
@@ -214,11 +214,11 @@ std::vector<std::pair<std::string, std::string>> ExecutorSeeds() {
     a.penalty_tokens = {1, 2, 3, 4, 5};
     a.penalty_prompt_len = 5;
     a.fork_seeds = {8, 9};
-    SeqStep b = Seq(2, {6, 7, 8}, 3, {4});
+    SeqWork b = Seq(2, {6, 7, 8}, 3, {4});
     b.sample = false;
     step.seqs = {a, b};
     in.Step(step);
-    StepRequest cow = NewStep(2, 42);
+    StepBatch cow = NewStep(2, 42);
     cow.seqs.push_back(Seq(3, {9}, 6, {2, 5}));
     cow.copies = {{3, 5}};
     in.Step(cow);
@@ -230,7 +230,7 @@ std::vector<std::pair<std::string, std::string>> ExecutorSeeds() {
                [](auto& b) { return wire::CreateExecutorHelloReply(b, 7, 500).Union(); });
     in.Message(wire::ExecutorMessage::Heartbeat,
                [](auto& b) { return wire::CreateHeartbeat(b).Union(); });
-    StepRequest step = NewStep(1, 43);
+    StepBatch step = NewStep(1, 43);
     step.seqs.push_back(Seq(1, {1, 10}, 2, {0}));
     in.Step(step);
     in.Message(wire::ExecutorMessage::ErrorReply, [](auto& b) {

@@ -770,7 +770,7 @@ TEST(CacheManagerClientRestartTest, ExecutorReattachesAfterACrash) {
   ASSERT_NE(executor, nullptr);
   absl::StatusOr<AttachedPool> pool = executor->Attach();
   ASSERT_THAT(pool, IsOk());
-  const uint64_t old_epoch = pool->epoch;
+  const uint64_t old_epoch = pool->view.epoch;
 
   // kill -9: the socket files and the lock stay behind; the successor must cope.
   ASSERT_THAT((*first)->process().Signal(SIGKILL), IsOk());
@@ -787,7 +787,7 @@ TEST(CacheManagerClientRestartTest, ExecutorReattachesAfterACrash) {
   ASSERT_THAT(executor->Reregister(), IsOk());
   absl::StatusOr<AttachedPool> again = executor->Attach();
   ASSERT_THAT(again, IsOk());
-  EXPECT_EQ(again->epoch, (*second)->epoch());
+  EXPECT_EQ(again->view.epoch, (*second)->epoch());
 }
 
 TEST(CacheManagerClientNoServerTest, MissingSocketIsUnavailableAtOnce) {

@@ -364,13 +364,13 @@ TEST(CheckPoolDescriptorTest, AcceptsTheLayoutOfTheSpecAndRefusesOthers) {
   spec.head_dim = 16;
   spec.dtype = DType::kFloat16;
   spec.block_size = 4;
-  absl::StatusOr<AttachedPool> good = CheckPoolDescriptor(Descriptor(spec, 8, 0), 8);
+  absl::StatusOr<PoolView> good = CheckPoolDescriptor(Descriptor(spec, 8, 0), 8);
   ASSERT_THAT(good, IsOk());
   EXPECT_EQ(good->layout, *PoolLayout::For(spec, 8));
   EXPECT_EQ(good->epoch, 9u);
-  EXPECT_EQ(good->mapping, nullptr);
+  EXPECT_EQ(good->base, nullptr);
 
-  absl::StatusOr<AttachedPool> bad = CheckPoolDescriptor(Descriptor(spec, 8, 2), 8);
+  absl::StatusOr<PoolView> bad = CheckPoolDescriptor(Descriptor(spec, 8, 2), 8);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInternal);
   EXPECT_THAT(bad.status().message(), HasSubstr("layout.block_stride"));
 

@@ -94,12 +94,12 @@ TEST(PoolAttachCudaTest, ExecutorProcessesShareTheDevicePool) {
   ASSERT_THAT(executor, IsOk());
   absl::StatusOr<AttachedPool> pool = (*executor)->Attach();
   ASSERT_THAT(pool, IsOk());
-  EXPECT_EQ(pool->backend, PoolBackend::kCuda);
+  EXPECT_EQ(pool->view.backend, PoolBackend::kCuda);
   EXPECT_EQ(pool->mapping->backend(), PoolBackend::kCuda);
-  EXPECT_EQ(pool->layout, *PoolLayout::For(pool->spec, 8));
-  std::vector<uint8_t> bytes(static_cast<size_t>(pool->layout.block_stride));
+  EXPECT_EQ(pool->view.layout, *PoolLayout::For(pool->view.spec, 8));
+  std::vector<uint8_t> bytes(static_cast<size_t>(pool->view.layout.block_stride));
   ASSERT_THAT(CopyFromPool(*pool->mapping,
-                           static_cast<uint64_t>(pool->layout.Offset(2, 1, blocks[1], 0, 0)),
+                           static_cast<uint64_t>(pool->view.layout.Offset(2, 1, blocks[1], 0, 0)),
                            bytes.data(), bytes.size()),
               IsOk());
   bool any_nonzero = false;

@@ -82,16 +82,16 @@ TEST_F(PoolAttachTest, DescriptorMatchesTheSpecAndTheMappingCoversThePool) {
   ASSERT_NE(executor, nullptr);
   absl::StatusOr<AttachedPool> pool = executor->Attach();
   ASSERT_THAT(pool, IsOk());
-  EXPECT_EQ(pool->epoch, cm_->epoch());
-  EXPECT_EQ(pool->backend, PoolBackend::kShm);
-  EXPECT_EQ(pool->num_blocks, 8);
-  EXPECT_EQ(pool->spec.num_layers, 3);
-  EXPECT_EQ(pool->spec.num_kv_heads, 2);
-  EXPECT_EQ(pool->spec.head_dim, 16);
-  EXPECT_EQ(pool->spec.dtype, DType::kFloat16);
-  absl::StatusOr<PoolLayout> expected = PoolLayout::For(pool->spec, 8);
+  EXPECT_EQ(pool->view.epoch, cm_->epoch());
+  EXPECT_EQ(pool->view.backend, PoolBackend::kShm);
+  EXPECT_EQ(pool->view.num_blocks, 8);
+  EXPECT_EQ(pool->view.spec.num_layers, 3);
+  EXPECT_EQ(pool->view.spec.num_kv_heads, 2);
+  EXPECT_EQ(pool->view.spec.head_dim, 16);
+  EXPECT_EQ(pool->view.spec.dtype, DType::kFloat16);
+  absl::StatusOr<PoolLayout> expected = PoolLayout::For(pool->view.spec, 8);
   ASSERT_THAT(expected, IsOk());
-  EXPECT_EQ(pool->layout, *expected);
+  EXPECT_EQ(pool->view.layout, *expected);
   ASSERT_NE(pool->mapping, nullptr);
   EXPECT_EQ(pool->mapping->backend(), PoolBackend::kShm);
   EXPECT_EQ(pool->mapping->size_bytes(), static_cast<uint64_t>(expected->total_bytes));
@@ -143,9 +143,9 @@ TEST_F(PoolAttachTest, TwoExecutorProcessesShareBlocksThroughThePool) {
   absl::StatusOr<AttachedPool> pool = executor->Attach();
   ASSERT_THAT(pool, IsOk());
   const auto* base = static_cast<const uint8_t*>(pool->mapping->base());
-  const int64_t offset = pool->layout.Offset(2, 1, blocks[1], 0, 0);  // last layer, V
+  const int64_t offset = pool->view.layout.Offset(2, 1, blocks[1], 0, 0);  // last layer, V
   bool any_nonzero = false;
-  for (int64_t i = 0; i < pool->layout.block_stride; ++i) any_nonzero |= base[offset + i] != 0;
+  for (int64_t i = 0; i < pool->view.layout.block_stride; ++i) any_nonzero |= base[offset + i] != 0;
   EXPECT_TRUE(any_nonzero);
 }
 

@@ -86,18 +86,18 @@ int Run(int argc, char** argv) {
     return 1;
   }
   std::printf("pool_peer: attached epoch=%llu num_blocks=%d pool_bytes=%llu mode=%s seed=%llu\n",
-              static_cast<unsigned long long>(pool->epoch), pool->num_blocks,
+              static_cast<unsigned long long>(pool->view.epoch), pool->view.num_blocks,
               static_cast<unsigned long long>(pool->mapping->size_bytes()), mode.c_str(),
               static_cast<unsigned long long>(seed));
 
-  const PoolLayout& layout = pool->layout;
+  const PoolLayout& layout = pool->view.layout;
   std::vector<uint8_t> bytes(static_cast<size_t>(layout.block_stride));
   for (int32_t block : blocks) {
-    if (block < 0 || block >= pool->num_blocks) {
+    if (block < 0 || block >= pool->view.num_blocks) {
       std::fprintf(stderr, "pool_peer: block %d out of range\n", block);
       return 1;
     }
-    for (int32_t layer = 0; layer < pool->spec.num_layers; ++layer) {
+    for (int32_t layer = 0; layer < pool->view.spec.num_layers; ++layer) {
       for (int32_t kv = 0; kv < 2; ++kv) {
         const uint64_t offset = static_cast<uint64_t>(layout.Offset(layer, kv, block, 0, 0));
         if (mode == "write") {

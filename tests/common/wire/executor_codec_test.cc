@@ -19,19 +19,19 @@ namespace {
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
-StepRequest SampleStep() {
-  StepRequest step;
+StepBatch SampleStep() {
+  StepBatch step;
   step.step_id = 42;
   step.epoch = 1234567;
   step.router_session = 88;
-  SeqStep a;
+  SeqWork a;
   a.seq = 7;
   a.tokens = {1, 2, 3, 4, 5};
   a.context_len = 5;
   a.block_table = {3, 9};
   a.sample = true;
   a.sample_index = 0;
-  SeqStep b;
+  SeqWork b;
   b.seq = 8;
   b.tokens = {11};
   b.context_len = 9;
@@ -72,7 +72,7 @@ TEST(ExecutorWireTest, StepBatchRoundTrips) {
   EXPECT_EQ(envelope.executor_id(), 3u);
   EXPECT_EQ(envelope.epoch(), 1234567u);
   ASSERT_EQ(envelope.payload_type(), wire::ExecutorMessage::StepBatch);
-  absl::StatusOr<StepRequest> step = DecodeStepBatch(*envelope.payload_as_StepBatch());
+  absl::StatusOr<StepBatch> step = DecodeStepBatch(*envelope.payload_as_StepBatch());
   ASSERT_THAT(step, IsOk());
   EXPECT_EQ(step->step_id, 42u);
   EXPECT_EQ(step->epoch, 1234567u);
@@ -116,13 +116,13 @@ TEST(ExecutorWireTest, StepBatchRoundTrips) {
 // min_tokens 0 is not written (flatbuffers leaves defaults out), so a step without the field,
 // as a router from before min_tokens sends it, is the same bytes and decodes to 0.
 TEST(ExecutorWireTest, MinTokensIsCarriedAndAbsentReadsZero) {
-  StepRequest sent = SampleStep();
+  StepBatch sent = SampleStep();
   sent.seqs[1].sampling.min_tokens = 0;
   flatbuffers::FlatBufferBuilder builder;
   EncodeStepBatch(builder, 1, 1, sent);
   const wire::StepBatch& batch = *Verified(builder).payload_as_StepBatch();
   EXPECT_EQ(batch.seqs()->Get(1)->sampling()->min_tokens(), 0);
-  absl::StatusOr<StepRequest> step = DecodeStepBatch(batch);
+  absl::StatusOr<StepBatch> step = DecodeStepBatch(batch);
   ASSERT_THAT(step, IsOk());
   EXPECT_EQ(step->seqs[1].sampling.min_tokens, 0);
 
@@ -135,10 +135,10 @@ TEST(ExecutorWireTest, MinTokensIsCarriedAndAbsentReadsZero) {
 }
 
 TEST(ExecutorWireTest, StepResultRoundTripsWithPerSequenceCodes) {
-  StepReport report;
+  StepResult report;
   report.step_id = 9;
   auto outcome = [](SeqId seq, int32_t token, absl::Status status) {
-    SeqOutcome o;
+    SeqResult o;
     o.seq = seq;
     o.token = token;
     o.status = std::move(status);
@@ -160,7 +160,7 @@ TEST(ExecutorWireTest, StepResultRoundTripsWithPerSequenceCodes) {
   EncodeStepResult(builder, 5, 3, 11, report);
   const wire::ExecutorEnvelope& envelope = Verified(builder);
   ASSERT_EQ(envelope.payload_type(), wire::ExecutorMessage::StepResult);
-  const StepReport decoded = DecodeStepResult(*envelope.payload_as_StepResult());
+  const StepResult decoded = DecodeStepResult(*envelope.payload_as_StepResult());
   EXPECT_EQ(decoded.step_id, 9u);
   EXPECT_EQ(decoded.prefill_tokens, 5);
   EXPECT_EQ(decoded.decode_tokens, 2);
@@ -182,7 +182,7 @@ TEST(ExecutorWireTest, StepResultRoundTripsWithPerSequenceCodes) {
 }
 
 TEST(ExecutorWireTest, HelloRoundTrips) {
-  ExecutorHelloInfo hello;
+  ExecutorHello hello;
   hello.name = "exec-a";
   hello.pid = 4321;
   hello.model.name = "tiny";
@@ -201,8 +201,7 @@ TEST(ExecutorWireTest, HelloRoundTrips) {
   flatbuffers::FlatBufferBuilder builder;
   EncodeExecutorHello(builder, 1, 0, 77, hello);
   const wire::ExecutorEnvelope& envelope = Verified(builder);
-  absl::StatusOr<ExecutorHelloInfo> decoded =
-      DecodeExecutorHello(*envelope.payload_as_ExecutorHello());
+  absl::StatusOr<ExecutorHello> decoded = DecodeExecutorHello(*envelope.payload_as_ExecutorHello());
   ASSERT_THAT(decoded, IsOk());
   EXPECT_EQ(decoded->name, "exec-a");
   EXPECT_EQ(decoded->pid, 4321);
@@ -266,55 +265,55 @@ TEST(ExecutorWireTest, VersionIsChecked) {
 TEST(ExecutorWireTest, DecodeRefusesInconsistentSteps) {
   struct Case {
     const char* what;
-    void (*mutate)(StepRequest&);
+    void (*mutate)(StepBatch&);
     const char* message;
   };
   const Case cases[] = {
-      {"duplicate", [](StepRequest& s) { s.seqs[1].seq = s.seqs[0].seq; }, "twice"},
-      {"no tokens", [](StepRequest& s) { s.seqs[0].tokens.clear(); }, "no new tokens"},
-      {"short context", [](StepRequest& s) { s.seqs[0].context_len = 2; }, "context_len 2"},
-      {"negative block", [](StepRequest& s) { s.seqs[1].block_table[2] = -4; }, "block id -4"},
-      {"negative temperature", [](StepRequest& s) { s.seqs[1].sampling.temperature = -1; },
+      {"duplicate", [](StepBatch& s) { s.seqs[1].seq = s.seqs[0].seq; }, "twice"},
+      {"no tokens", [](StepBatch& s) { s.seqs[0].tokens.clear(); }, "no new tokens"},
+      {"short context", [](StepBatch& s) { s.seqs[0].context_len = 2; }, "context_len 2"},
+      {"negative block", [](StepBatch& s) { s.seqs[1].block_table[2] = -4; }, "block id -4"},
+      {"negative temperature", [](StepBatch& s) { s.seqs[1].sampling.temperature = -1; },
        "temperature"},
       {"nan temperature",
-       [](StepRequest& s) {
+       [](StepBatch& s) {
          s.seqs[1].sampling.temperature = std::numeric_limits<float>::quiet_NaN();
        },
        "temperature"},
-      {"top_p zero", [](StepRequest& s) { s.seqs[1].sampling.top_p = 0; }, "top_p"},
-      {"top_k negative", [](StepRequest& s) { s.seqs[1].sampling.top_k = -2; }, "top_k"},
-      {"zero repetition penalty", [](StepRequest& s) { s.seqs[1].sampling.repetition_penalty = 0; },
+      {"top_p zero", [](StepBatch& s) { s.seqs[1].sampling.top_p = 0; }, "top_p"},
+      {"top_k negative", [](StepBatch& s) { s.seqs[1].sampling.top_k = -2; }, "top_k"},
+      {"zero repetition penalty", [](StepBatch& s) { s.seqs[1].sampling.repetition_penalty = 0; },
        "repetition_penalty"},
       {"frequency penalty too big",
-       [](StepRequest& s) { s.seqs[1].sampling.frequency_penalty = 2.5f; }, "frequency_penalty"},
-      {"presence penalty too small",
-       [](StepRequest& s) { s.seqs[1].sampling.presence_penalty = -3; }, "presence_penalty"},
-      {"negative min_tokens", [](StepRequest& s) { s.seqs[1].sampling.min_tokens = -1; },
-       "min_tokens -1"},
-      {"top_n too big", [](StepRequest& s) { s.seqs[1].top_n = kMaxTopN + 1; }, "top_n"},
-      {"penalty prompt past the tokens", [](StepRequest& s) { s.seqs[1].penalty_prompt_len = 6; },
+       [](StepBatch& s) { s.seqs[1].sampling.frequency_penalty = 2.5f; }, "frequency_penalty"},
+      {"presence penalty too small", [](StepBatch& s) { s.seqs[1].sampling.presence_penalty = -3; },
+       "presence_penalty"},
+      {"negative min_tokens", [](StepBatch& s) { s.seqs[1].sampling.min_tokens = -1; },
+       "min_tokens must be >= 0 (0 = none), got -1"},
+      {"top_n too big", [](StepBatch& s) { s.seqs[1].top_n = kMaxTopN + 1; }, "top_n"},
+      {"penalty prompt past the tokens", [](StepBatch& s) { s.seqs[1].penalty_prompt_len = 6; },
        "penalty_prompt_len 6"},
-      {"negative penalty token", [](StepRequest& s) { s.seqs[1].penalty_tokens[0] = -1; },
+      {"negative penalty token", [](StepBatch& s) { s.seqs[1].penalty_tokens[0] = -1; },
        "penalty token -1"},
       {"fork seeds without sampling",
-       [](StepRequest& s) {
+       [](StepBatch& s) {
          s.seqs[0].sample = false;
          s.seqs[0].fork_seeds = {1};
        },
        "fork seeds"},
       {"too many fork seeds",
-       [](StepRequest& s) { s.seqs[1].fork_seeds.assign(kMaxForkSeeds + 1, 3); }, "fork seeds"},
-      {"negative copy", [](StepRequest& s) { s.copies[0].dst = -1; }, "copies[0]"},
-      {"no router session", [](StepRequest& s) { s.router_session = 0; }, "router_session"},
+       [](StepBatch& s) { s.seqs[1].fork_seeds.assign(kMaxForkSeeds + 1, 3); }, "fork seeds"},
+      {"negative copy", [](StepBatch& s) { s.copies[0].dst = -1; }, "copies[0]"},
+      {"no router session", [](StepBatch& s) { s.router_session = 0; }, "router_session"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
-    StepRequest step = SampleStep();
+    StepBatch step = SampleStep();
     c.mutate(step);
     flatbuffers::FlatBufferBuilder builder;
     EncodeStepBatch(builder, 1, 1, step);
     const wire::ExecutorEnvelope& envelope = Verified(builder);
-    absl::StatusOr<StepRequest> decoded = DecodeStepBatch(*envelope.payload_as_StepBatch());
+    absl::StatusOr<StepBatch> decoded = DecodeStepBatch(*envelope.payload_as_StepBatch());
     ASSERT_FALSE(decoded.ok());
     EXPECT_TRUE(absl::IsInvalidArgument(decoded.status())) << decoded.status();
     EXPECT_THAT(std::string(decoded.status().message()), HasSubstr(c.message));

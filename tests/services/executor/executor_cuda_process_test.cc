@@ -104,24 +104,27 @@ TEST(ExecutorCudaProcessTest, GreedyTokensEqualTheCpuReferenceAndTheKvIsInTheDev
   ASSERT_THAT(client, IsOk());
   absl::StatusOr<AttachedPool> shared = (*client)->Attach();
   ASSERT_THAT(shared, IsOk());
-  ASSERT_EQ(shared->backend, PoolBackend::kCuda);
-  const PoolLayout& layout = shared->layout;
+  ASSERT_EQ(shared->view.backend, PoolBackend::kCuda);
+  const PoolLayout& layout = shared->view.layout;
   std::vector<uint8_t> device(static_cast<size_t>(layout.total_bytes));
   ASSERT_THAT(CopyFromPool(*shared->mapping, 0, device.data(), device.size()), IsOk());
 
   // A CPU replay of the driver's steps into a host pool of the same layout.
   std::vector<uint8_t> local(static_cast<size_t>(layout.total_bytes), 0);
-  const PagedPool local_pool{local.data(), layout, shared->spec, -1};
+  PoolView local_pool = shared->view;
+  local_pool.base = local.data();
+  local_pool.backend = PoolBackend::kShm;
+  local_pool.cuda_device = -1;
   ASSERT_THAT(kvcm::testing::ReplaySteps(**model, stack.driver->sent_steps(), local_pool), IsOk());
 
   double worst = 0;
   int64_t compared = 0;
   for (const StepDriver::Sequence& seq : *seqs) {
     kvcm::testing::ForEachWrittenKvVector(
-        layout, shared->spec, seq.blocks, seq.committed, [&](int64_t at) {
+        layout, shared->view.spec, seq.blocks, seq.committed, [&](int64_t at) {
           worst = std::max(worst, kvcm::testing::WorstKvVectorError(device.data(), local.data(), at,
-                                                                    layout, shared->spec));
-          compared += shared->spec.head_dim;
+                                                                    layout, shared->view.spec));
+          compared += shared->view.spec.head_dim;
         });
   }
   std::printf("compared %lld K/V elements: worst relative error %.3g (tolerance %.1g)\n",

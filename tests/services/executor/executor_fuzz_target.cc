@@ -138,8 +138,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     fuzz::Check(answer.envelope->payload_type() == wire::ExecutorMessage::StepResult,
                 "a step is answered with a StepResult or an ErrorReply");
-    const StepRequest step = DecodeStepBatch(*request.envelope->payload_as_StepBatch()).value();
-    const StepReport report = DecodeStepResult(*answer.envelope->payload_as_StepResult());
+    const StepBatch step = DecodeStepBatch(*request.envelope->payload_as_StepBatch()).value();
+    const StepResult report = DecodeStepResult(*answer.envelope->payload_as_StepResult());
     fuzz::Check(report.results.size() == step.seqs.size(), "one result per sequence");
     for (size_t i = 0; i < step.seqs.size(); ++i) {
       fuzz::Check(report.results[i].seq == step.seqs[i].seq, "results in the step's order");

@@ -177,26 +177,27 @@ TEST_P(ExecutorGenerationTest, BatchedGreedyTokensEqualTheReferenceAndTheKvIsInT
   ASSERT_THAT(client, IsOk());
   absl::StatusOr<AttachedPool> shared = (*client)->Attach();
   ASSERT_THAT(shared, IsOk());
-  ASSERT_EQ(shared->backend, PoolBackend::kShm);
+  ASSERT_EQ(shared->view.backend, PoolBackend::kShm);
   // ... and replays the driver's steps with an in-process paged Forward into a local pool of
   // the same layout and block tables.
-  std::vector<uint8_t> local(static_cast<size_t>(shared->layout.total_bytes), 0);
-  const PagedPool local_pool{local.data(), shared->layout, shared->spec};
+  std::vector<uint8_t> local(static_cast<size_t>(shared->view.layout.total_bytes), 0);
+  PoolView local_pool = shared->view;
+  local_pool.base = local.data();
   ASSERT_THAT(kvcm::testing::ReplaySteps(*model_, driver_->sent_steps(), local_pool), IsOk());
 
   // Every written (layer, K|V, position, head) vector of every sequence: bitwise equal. The
   // same model code, tokens, positions and batches give the same bits (the model's matmuls
   // and the attention kernel reduce in a fixed order whatever the thread count).
   const auto* pool_bytes = static_cast<const uint8_t*>(shared->mapping->base());
-  const PoolLayout& layout = shared->layout;
-  const size_t head_bytes = static_cast<size_t>(layout.elem_bytes * shared->spec.head_dim);
+  const PoolLayout& layout = shared->view.layout;
+  const size_t head_bytes = static_cast<size_t>(layout.elem_bytes * shared->view.spec.head_dim);
   int64_t compared = 0;
   int64_t differing = 0;
   bool any_nonzero = false;
   for (const StepDriver::Sequence& seq : *seqs) {
     ASSERT_EQ(seq.committed, seq.prompt_len + kNewTokens - 1);
     kvcm::testing::ForEachWrittenKvVector(
-        layout, shared->spec, seq.blocks, seq.committed, [&](int64_t offset) {
+        layout, shared->view.spec, seq.blocks, seq.committed, [&](int64_t offset) {
           const uint8_t* got = pool_bytes + offset;
           differing += std::memcmp(got, local.data() + offset, head_bytes) != 0;
           for (size_t b = 0; b < head_bytes && !any_nonzero; ++b) any_nonzero = got[b] != 0;
@@ -356,16 +357,16 @@ TEST_F(ExecutorProcessTest, MalformedAndInconsistentStepsGetErrorsAndServingGoes
   EXPECT_EQ(reply->envelope->payload_as_ErrorReply()->code(), wire::ErrorCode::Malformed);
 
   // A block id outside the pool.
-  StepRequest step;
+  StepBatch step;
   step.epoch = driver_->epoch();
-  SeqStep s;
+  SeqWork s;
   s.seq = 900;
   s.tokens = {1, 2, 3};
   s.context_len = 3;
   s.block_table = {kNumBlocks + 5};
   s.sample = true;
   step.seqs.push_back(s);
-  absl::StatusOr<StepReport> refused = driver_->RunStep(step);
+  absl::StatusOr<StepResult> refused = driver_->RunStep(step);
   EXPECT_TRUE(absl::IsInvalidArgument(refused.status())) << refused.status();
   EXPECT_THAT(std::string(refused.status().message()), HasSubstr("the pool has 256 blocks"));
 
@@ -396,7 +397,7 @@ TEST_F(ExecutorProcessTest, SigtermMidStepAnswersTheStepAndExitsCleanly) {
   for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = 3 + static_cast<int32_t>(i * 37 % 300);
   auto seq = driver_->Allocate(prompt);
   ASSERT_THAT(seq, IsOk());
-  StepRequest step;
+  StepBatch step;
   step.step_id = 1;
   step.epoch = driver_->epoch();
   step.seqs.push_back(driver_->WorkFor(*seq, /*sample=*/true));
@@ -411,7 +412,7 @@ TEST_F(ExecutorProcessTest, SigtermMidStepAnswersTheStepAndExitsCleanly) {
                                absl::Seconds(60));
   ASSERT_THAT(executor_.process->Signal(SIGTERM), IsOk());
 
-  absl::StatusOr<StepReport> report =
+  absl::StatusOr<StepResult> report =
       driver_->AwaitStep(*request_id, absl::Now() + absl::Seconds(60));
   ASSERT_THAT(report, IsOk()) << "\n" << executor_.Output();
   ASSERT_EQ(report->results.size(), 1u);

@@ -186,16 +186,16 @@ class ExecutorServiceTest : public ::testing::TestWithParam<std::pair<DType, int
   // sequence i in blocks starting at first_block[i].
   std::vector<std::vector<int32_t>> Generate(const std::vector<std::vector<int32_t>>& prompts,
                                              const std::vector<int32_t>& first_block, int32_t n,
-                                             const SeqSampling& sampling = {}) {
+                                             const SamplingParams& sampling = {}) {
     std::vector<std::vector<int32_t>> tokens = prompts;
     std::vector<std::vector<int32_t>> generated(prompts.size());
     const int32_t max_len = 64;
     for (int32_t step_index = 0; step_index < n; ++step_index) {
-      StepRequest step;
+      StepBatch step;
       step.step_id = static_cast<uint64_t>(step_index);
       step.epoch = kEpoch;
       for (size_t i = 0; i < prompts.size(); ++i) {
-        SeqStep s;
+        SeqWork s;
         s.seq = i + 1;
         const int32_t len = static_cast<int32_t>(tokens[i].size());
         if (step_index == 0) {
@@ -210,7 +210,7 @@ class ExecutorServiceTest : public ::testing::TestWithParam<std::pair<DType, int
         s.sample_index = step_index;
         step.seqs.push_back(std::move(s));
       }
-      absl::StatusOr<StepReport> report = service_->RunStep(step);
+      absl::StatusOr<StepResult> report = service_->RunStep(step);
       EXPECT_THAT(report, IsOk());
       if (!report.ok()) return generated;
       for (size_t i = 0; i < prompts.size(); ++i) {
@@ -249,7 +249,7 @@ TEST_P(ExecutorServiceTest, GreedyStepsMatchTheContiguousReference) {
 }
 
 TEST_P(ExecutorServiceTest, SampledTokensDependOnSeedAndIndexNotOnBatching) {
-  SeqSampling sampling;
+  SamplingParams sampling;
   sampling.temperature = 1.0f;
   sampling.top_p = 0.95f;
   sampling.seed = 77;
@@ -292,7 +292,7 @@ TEST_P(ExecutorServiceTest, MinTokensHoldsTheEndTokensBackUntilItsCount) {
     want.push_back(Greedy(last));
     context.push_back(want.back());
   }
-  SeqSampling sampling;
+  SamplingParams sampling;
   sampling.min_tokens = kMinTokens;
   const std::vector<int32_t> held = Generate({prompt}, {0}, 8, sampling)[0];
   EXPECT_THAT(held, ElementsAreArray(want));
@@ -329,12 +329,12 @@ TEST_P(ExecutorServiceTest, InputLogprobsScoreThePromptChunkByChunkAsTheContiguo
   int32_t sampled = -1;
   for (size_t c = 0; c < chunks.size(); ++c) {
     const auto [begin, end] = chunks[c];
-    StepRequest step;
+    StepBatch step;
     step.step_id = c;
     step.epoch = kEpoch;
     step.router_session = 1;
     if (c == 1) {
-      SeqStep other;
+      SeqWork other;
       other.seq = 9;
       other.tokens = kPrompts[0];
       other.context_len = static_cast<int32_t>(kPrompts[0].size());
@@ -342,7 +342,7 @@ TEST_P(ExecutorServiceTest, InputLogprobsScoreThePromptChunkByChunkAsTheContiguo
       other.sample = true;
       step.seqs.push_back(std::move(other));
     }
-    SeqStep s;
+    SeqWork s;
     s.seq = 1;
     s.tokens.assign(prompt.begin() + static_cast<std::ptrdiff_t>(begin),
                     prompt.begin() + static_cast<std::ptrdiff_t>(end));
@@ -353,9 +353,9 @@ TEST_P(ExecutorServiceTest, InputLogprobsScoreThePromptChunkByChunkAsTheContiguo
     s.logprobs = s.sample;
     if (!s.sample) s.score_next = prompt[end];
     step.seqs.push_back(std::move(s));
-    absl::StatusOr<StepReport> report = service_->RunStep(step);
+    absl::StatusOr<StepResult> report = service_->RunStep(step);
     ASSERT_THAT(report, IsOk());
-    const SeqOutcome& outcome = report->results.back();
+    const SeqResult& outcome = report->results.back();
     ASSERT_THAT(outcome.status, IsOk());
     EXPECT_EQ(outcome.input_logprobs.size(), end - begin - (s.sample ? 1 : 0));
     got.insert(got.end(), outcome.input_logprobs.begin(), outcome.input_logprobs.end());
@@ -381,10 +381,10 @@ TEST_P(ExecutorServiceTest, RefusedStepsLeaveThePoolUntouched) {
   const std::vector<uint8_t> before = pool_->memory();
   const int32_t needed = (11 + block_size() - 1) / block_size();
   auto valid = [&] {
-    StepRequest step;
+    StepBatch step;
     step.epoch = kEpoch;
     step.copies = {{1, 2}};
-    SeqStep s;
+    SeqWork s;
     s.seq = 5;
     s.tokens = kPrompts[1];
     s.context_len = 11;
@@ -395,37 +395,37 @@ TEST_P(ExecutorServiceTest, RefusedStepsLeaveThePoolUntouched) {
   };
   struct Case {
     const char* what;
-    void (*mutate)(StepRequest&);
+    void (*mutate)(StepBatch&);
     const char* message;
   };
   const Case cases[] = {
-      {"block out of range", [](StepRequest& s) { s.seqs[0].block_table.back() = kNumBlocks; },
+      {"block out of range", [](StepBatch& s) { s.seqs[0].block_table.back() = kNumBlocks; },
        "the pool has 64 blocks"},
-      {"short table", [](StepRequest& s) { s.seqs[0].block_table.pop_back(); }, "needs"},
+      {"short table", [](StepBatch& s) { s.seqs[0].block_table.pop_back(); }, "needs"},
       {"table longer than the pool",
-       [](StepRequest& s) { s.seqs[0].block_table.resize(kNumBlocks + 1, 0); },
+       [](StepBatch& s) { s.seqs[0].block_table.resize(kNumBlocks + 1, 0); },
        "the pool holds 64 blocks"},
-      {"context longer than the pool", [](StepRequest& s) { s.seqs[0].context_len = 1 << 30; },
+      {"context longer than the pool", [](StepBatch& s) { s.seqs[0].context_len = 1 << 30; },
        "the pool holds 64 blocks"},
       {"copy out of range",
-       [](StepRequest& s) {
+       [](StepBatch& s) {
          s.copies.push_back({kNumBlocks + 1, 3});
        },
        "outside"},
       {"copy destination twice",
-       [](StepRequest& s) {
+       [](StepBatch& s) {
          s.copies.push_back({4, 2});
        },
        "repeats a destination"},
       {"copy source overwritten",
-       [](StepRequest& s) {
+       [](StepBatch& s) {
          s.copies.push_back({2, 9});
        },
        "overwrites"},
-      {"token outside the vocabulary", [](StepRequest& s) { s.seqs[0].tokens[3] = 100000; }, ""},
+      {"token outside the vocabulary", [](StepBatch& s) { s.seqs[0].tokens[3] = 100000; }, ""},
       {"slot written twice",
-       [](StepRequest& s) {
-         SeqStep other = s.seqs[0];
+       [](StepBatch& s) {
+         SeqWork other = s.seqs[0];
          other.seq = 6;
          s.seqs.push_back(other);
        },
@@ -433,16 +433,16 @@ TEST_P(ExecutorServiceTest, RefusedStepsLeaveThePoolUntouched) {
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
-    StepRequest step = valid();
+    StepBatch step = valid();
     c.mutate(step);
-    absl::StatusOr<StepReport> report = service_->RunStep(step);
+    absl::StatusOr<StepResult> report = service_->RunStep(step);
     ASSERT_FALSE(report.ok());
     EXPECT_TRUE(absl::IsInvalidArgument(report.status())) << report.status();
     EXPECT_THAT(std::string(report.status().message()), HasSubstr(c.message));
     EXPECT_TRUE(pool_->memory() == before) << "the pool changed";
   }
   // The valid step itself runs (and does change the pool).
-  absl::StatusOr<StepReport> report = service_->RunStep(valid());
+  absl::StatusOr<StepResult> report = service_->RunStep(valid());
   ASSERT_THAT(report, IsOk());
   EXPECT_FALSE(pool_->memory() == before);
 }
@@ -457,11 +457,11 @@ TEST_P(ExecutorServiceTest, AStepWhoseBlockTablesWouldBeTooLargeIsRefusedBeforeA
   // Sequences of 11 tokens, each needing ceil(11 / block size) blocks.
   const int32_t needed = (11 + block_size() - 1) / block_size();
   auto step_of = [&](int n) {
-    StepRequest step;
+    StepBatch step;
     step.epoch = kEpoch;
     step.router_session = 1;
     for (int i = 0; i < n; ++i) {
-      SeqStep s;
+      SeqWork s;
       s.seq = static_cast<uint64_t>(i + 1);
       s.tokens = kPrompts[1];
       s.context_len = 11;
@@ -471,7 +471,7 @@ TEST_P(ExecutorServiceTest, AStepWhoseBlockTablesWouldBeTooLargeIsRefusedBeforeA
     return step;
   };
   const int fits = 8 / needed;
-  absl::StatusOr<StepReport> over = bounded.RunStep(step_of(fits + 1));
+  absl::StatusOr<StepResult> over = bounded.RunStep(step_of(fits + 1));
   EXPECT_TRUE(absl::IsInvalidArgument(over.status())) << over.status();
   EXPECT_THAT(std::string(over.status().message()), HasSubstr("entries one step may use"));
   EXPECT_TRUE(pool_->memory() == before) << "a refused step wrote into the pool";
@@ -492,16 +492,16 @@ TEST_P(ExecutorServiceTest, CopiesRunBeforeTheForwardPass) {
       }
     }
   }
-  StepRequest step;
+  StepBatch step;
   step.epoch = kEpoch;
   step.copies = {{3, 8}};
-  SeqStep s;
+  SeqWork s;
   s.seq = 1;
   s.tokens = kPrompts[0];
   s.context_len = 5;
   s.block_table = Blocks(20, 4);
   step.seqs.push_back(s);
-  absl::StatusOr<StepReport> report = service_->RunStep(step);
+  absl::StatusOr<StepResult> report = service_->RunStep(step);
   ASSERT_THAT(report, IsOk());
   EXPECT_EQ(report->results[0].token, -1);  // not asked to sample
   EXPECT_EQ(report->prefill_tokens, 5);
@@ -516,8 +516,8 @@ TEST_P(ExecutorServiceTest, CopiesRunBeforeTheForwardPass) {
 }
 
 TEST_P(ExecutorServiceTest, AnotherEpochIsRefusedAndReattachesOnlyWhenTheCacheManagerConfirmsIt) {
-  StepRequest step;
-  SeqStep s;
+  StepBatch step;
+  SeqWork s;
   s.seq = 1;
   s.tokens = {1, 2};
   s.context_len = 2;
@@ -536,7 +536,7 @@ TEST_P(ExecutorServiceTest, AnotherEpochIsRefusedAndReattachesOnlyWhenTheCacheMa
   // stays.
   for (uint64_t other : {kEpoch - 1, kEpoch + 1}) {
     step.epoch = other;
-    absl::StatusOr<StepReport> stale = service_->RunStep(step);
+    absl::StatusOr<StepResult> stale = service_->RunStep(step);
     EXPECT_TRUE(absl::IsAborted(stale.status())) << stale.status();
     EXPECT_THAT(std::string(stale.status().message()), HasSubstr("stale epoch"));
     EXPECT_EQ(pool_->reattaches(), 0);
@@ -544,7 +544,7 @@ TEST_P(ExecutorServiceTest, AnotherEpochIsRefusedAndReattachesOnlyWhenTheCacheMa
   }
   // The cache manager cannot answer: refused, the mapping stays.
   pool_->set_epoch_current(absl::DeadlineExceededError("no answer"));
-  absl::StatusOr<StepReport> unknown = service_->RunStep(step);
+  absl::StatusOr<StepResult> unknown = service_->RunStep(step);
   EXPECT_TRUE(absl::IsAborted(unknown.status())) << unknown.status();
   EXPECT_THAT(std::string(unknown.status().message()), HasSubstr("cannot say which"));
   EXPECT_EQ(pool_->reattaches(), 0);
@@ -555,19 +555,19 @@ TEST_P(ExecutorServiceTest, AnotherEpochIsRefusedAndReattachesOnlyWhenTheCacheMa
   // The next step of that epoch runs.
   pool_->set_epoch_current(false);
   pool_->set_epoch_after_reattach(kEpoch + 1);
-  absl::StatusOr<StepReport> newer = service_->RunStep(step);
+  absl::StatusOr<StepResult> newer = service_->RunStep(step);
   EXPECT_TRUE(absl::IsAborted(newer.status())) << newer.status();
   EXPECT_THAT(std::string(newer.status().message()), HasSubstr("stale epoch, re-attached"));
   EXPECT_EQ(pool_->reattaches(), 1);
   EXPECT_TRUE(service_->WantsHello(absl::Now()));  // announces the new epoch
-  absl::StatusOr<StepReport> next = service_->RunStep(step);
+  absl::StatusOr<StepResult> next = service_->RunStep(step);
   ASSERT_THAT(next, IsOk());
   EXPECT_EQ(pool_->reattaches(), 1);
 
   // Gone again, but attaching fails: stale epoch, re-attaching.
   step.epoch = kEpoch + 5;
   pool_->set_reattach_result(absl::UnavailableError("nothing listens"));
-  absl::StatusOr<StepReport> failed = service_->RunStep(step);
+  absl::StatusOr<StepResult> failed = service_->RunStep(step);
   EXPECT_TRUE(absl::IsAborted(failed.status())) << failed.status();
   EXPECT_THAT(std::string(failed.status().message()), HasSubstr("stale epoch, re-attaching"));
   EXPECT_EQ(pool_->reattaches(), 2);
@@ -600,7 +600,7 @@ TEST_P(ExecutorServiceTest, HandleAnswersEveryRequestAndNoReply) {
 
   // Something only a router receives: InvalidArgument.
   request.Clear();
-  EncodeStepResult(request, 32, 1, kEpoch, StepReport{});
+  EncodeStepResult(request, 32, 1, kEpoch, StepResult{});
   handled = service_->Handle(BufferSpan(request), now, &reply);
   ASSERT_TRUE(handled.reply);
   verified = VerifyExecutorEnvelope(BufferSpan(reply));
@@ -608,10 +608,10 @@ TEST_P(ExecutorServiceTest, HandleAnswersEveryRequestAndNoReply) {
   EXPECT_EQ(verified.envelope->payload_as_ErrorReply()->code(), wire::ErrorCode::InvalidArgument);
 
   // A StepBatch with a block outside the pool: an ErrorReply naming it, with its request id.
-  StepRequest step;
+  StepBatch step;
   step.epoch = kEpoch;
   step.router_session = 7;
-  SeqStep s;
+  SeqWork s;
   s.seq = 3;
   s.tokens = {1};
   s.context_len = 1;
@@ -653,7 +653,7 @@ TEST_P(ExecutorServiceTest, RegistersWithTheRouterAndAgainWhenForgotten) {
   VerifiedExecutorEnvelope verified = VerifyExecutorEnvelope(BufferSpan(hello));
   ASSERT_NE(verified.envelope, nullptr);
   EXPECT_EQ(verified.envelope->epoch(), kEpoch);
-  absl::StatusOr<ExecutorHelloInfo> info =
+  absl::StatusOr<ExecutorHello> info =
       DecodeExecutorHello(*verified.envelope->payload_as_ExecutorHello());
   ASSERT_THAT(info, IsOk());
   EXPECT_EQ(info->kv_spec, pool_->view().spec);
@@ -711,11 +711,11 @@ TEST_P(ExecutorServiceTest, RegistersWithTheRouterAndAgainWhenForgotten) {
 }
 
 // A step of router session 7 over sequence 5, blocks from 10.
-StepRequest FenceTestStep(int32_t block_size) {
-  StepRequest step;
+StepBatch FenceTestStep(int32_t block_size) {
+  StepBatch step;
   step.epoch = kEpoch;
   step.router_session = 7;
-  SeqStep s;
+  SeqWork s;
   s.seq = 5;
   s.tokens = kPrompts[1];
   s.context_len = static_cast<int32_t>(kPrompts[1].size());
@@ -736,7 +736,7 @@ TEST_P(ExecutorServiceTest, FencedRouterSessionsStepsAreRefusedAfterTheAcknowled
   EXPECT_THAT(pool_->acked(), ElementsAreArray({uint64_t{3}}));
   EXPECT_TRUE(service_->fenced_sessions().contains(7));
 
-  absl::StatusOr<StepReport> refused = service_->RunStep(FenceTestStep(block_size()));
+  absl::StatusOr<StepResult> refused = service_->RunStep(FenceTestStep(block_size()));
   EXPECT_TRUE(absl::IsCancelled(refused.status())) << refused.status();
   EXPECT_THAT(refused.status().message(), HasSubstr("router session 7 was fenced"));
   EXPECT_EQ(pool_->memory(), before);  // nothing written
@@ -751,16 +751,16 @@ TEST_P(ExecutorServiceTest, FencedRouterSessionsStepsAreRefusedAfterTheAcknowled
   EXPECT_EQ(pool_->memory(), before);
 
   // Another router's steps still run.
-  StepRequest other = FenceTestStep(block_size());
+  StepBatch other = FenceTestStep(block_size());
   other.router_session = 8;
   EXPECT_THAT(service_->RunStep(other), IsOk());
 }
 
 TEST_P(ExecutorServiceTest, AFenceArrivingMidStepStopsItAtTheNextLayer) {
-  const StepRequest step = FenceTestStep(block_size());
+  const StepBatch step = FenceTestStep(block_size());
   // Query 1 is the look before writing, query 2 comes after layer 0.
   pool_->ScheduleFence({/*id=*/4, /*router_session=*/7, {}}, 1);
-  absl::StatusOr<StepReport> abandoned = service_->RunStep(step);
+  absl::StatusOr<StepResult> abandoned = service_->RunStep(step);
   EXPECT_TRUE(absl::IsCancelled(abandoned.status())) << abandoned.status();
   EXPECT_THAT(abandoned.status().message(), HasSubstr("stopped after layer 0"));
   EXPECT_EQ(service_->abandoned_steps(), 1u);
@@ -783,35 +783,35 @@ TEST_P(ExecutorServiceTest, AFenceArrivingMidStepStopsItAtTheNextLayer) {
 
 TEST_P(ExecutorServiceTest, AFenceOfAnotherRouterDoesNotStopTheStep) {
   pool_->ScheduleFence({/*id=*/5, /*router_session=*/99, {}}, 1);
-  absl::StatusOr<StepReport> report = service_->RunStep(FenceTestStep(block_size()));
+  absl::StatusOr<StepResult> report = service_->RunStep(FenceTestStep(block_size()));
   ASSERT_THAT(report, IsOk());
   EXPECT_EQ(service_->abandoned_steps(), 0u);
   EXPECT_GE(report->results[0].token, 0);
 }
 
 TEST_P(ExecutorServiceTest, ASequenceFenceStopsOnlyStepsNamingItsSequences) {
-  const StepRequest step = FenceTestStep(block_size());
+  const StepBatch step = FenceTestStep(block_size());
   const uint64_t seq = step.seqs[0].seq;
   // Another sequence of the same router, fenced mid-step: the step runs on.
   pool_->ScheduleFence({/*id=*/6, /*router_session=*/7, {seq + 100}}, 1);
-  absl::StatusOr<StepReport> unaffected = service_->RunStep(step);
+  absl::StatusOr<StepResult> unaffected = service_->RunStep(step);
   ASSERT_THAT(unaffected, IsOk());
   EXPECT_EQ(service_->abandoned_steps(), 0u);
   EXPECT_EQ(service_->ApplyFences(), 1);
   // Its own sequence, fenced mid-step (the router freed it with drain after moving it
   // elsewhere): stopped at the next layer, acknowledged between steps, refused after.
   pool_->ScheduleFence({/*id=*/7, /*router_session=*/7, {seq}}, 1);
-  absl::StatusOr<StepReport> stopped = service_->RunStep(step);
+  absl::StatusOr<StepResult> stopped = service_->RunStep(step);
   EXPECT_TRUE(absl::IsCancelled(stopped.status())) << stopped.status();
   EXPECT_EQ(service_->abandoned_steps(), 1u);
   EXPECT_EQ(service_->ApplyFences(), 1);
   EXPECT_THAT(pool_->acked(), ElementsAreArray({uint64_t{6}, uint64_t{7}}));
-  absl::StatusOr<StepReport> refused = service_->RunStep(step);
+  absl::StatusOr<StepResult> refused = service_->RunStep(step);
   EXPECT_TRUE(absl::IsCancelled(refused.status())) << refused.status();
   EXPECT_THAT(refused.status().message(), HasSubstr(absl::StrCat("sequence ", seq)));
   // The router itself is not fenced: its other sequences run.
   EXPECT_FALSE(service_->fenced_sessions().contains(7));
-  StepRequest other = step;
+  StepBatch other = step;
   other.seqs[0].seq = seq + 1;
   EXPECT_THAT(service_->RunStep(other), IsOk());
 }
@@ -819,9 +819,9 @@ TEST_P(ExecutorServiceTest, ASequenceFenceStopsOnlyStepsNamingItsSequences) {
 TEST_P(ExecutorServiceTest, NoPoolIsUnavailable) {
   pool_->set_attached(false);
   pool_->set_reattach_result(absl::UnavailableError("nothing listens"));
-  StepRequest step;
+  StepBatch step;
   step.epoch = 0;
-  absl::StatusOr<StepReport> report = service_->RunStep(step);
+  absl::StatusOr<StepResult> report = service_->RunStep(step);
   EXPECT_TRUE(absl::IsUnavailable(report.status())) << report.status();
 }
 
@@ -836,13 +836,13 @@ INSTANTIATE_TEST_SUITE_P(DTypesAndBlockSizes, ExecutorServiceTest,
 
 TEST(ChooseTokenTest, GreedyTakesTheArgmaxAndNaNFails) {
   const std::vector<float> logits = {0.5f, 3.0f, -1.0f, 3.0f};
-  absl::StatusOr<ChosenToken> token = ChooseToken(logits, SeqStep{}, 0);
+  absl::StatusOr<ChosenToken> token = ChooseToken(logits, SeqWork{}, 0);
   ASSERT_THAT(token, IsOk());
   EXPECT_EQ(token->token, 1);  // lowest id among ties
   std::vector<float> broken = logits;
   broken[2] = std::numeric_limits<float>::quiet_NaN();
-  EXPECT_TRUE(absl::IsFailedPrecondition(ChooseToken(broken, SeqStep{}, 0).status()));
-  SeqStep hot;
+  EXPECT_TRUE(absl::IsFailedPrecondition(ChooseToken(broken, SeqWork{}, 0).status()));
+  SeqWork hot;
   hot.sampling.temperature = 2.0f;
   hot.sampling.seed = 5;
   // Pure function of (logits, params, index).
@@ -852,7 +852,7 @@ TEST(ChooseTokenTest, GreedyTakesTheArgmaxAndNaNFails) {
 TEST(ChooseTokenTest, ForkSeedsDrawWhatThoseSeedsWouldDrawAtIndexZero) {
   std::vector<float> logits(64);
   for (size_t i = 0; i < logits.size(); ++i) logits[i] = std::sin(static_cast<float>(i) * 1.7f);
-  SeqStep seq;
+  SeqWork seq;
   seq.sampling.temperature = 1.5f;
   seq.sampling.seed = 100;
   seq.logprobs = true;
@@ -863,7 +863,7 @@ TEST(ChooseTokenTest, ForkSeedsDrawWhatThoseSeedsWouldDrawAtIndexZero) {
   ASSERT_EQ(chosen->fork_logprobs.size(), seq.fork_seeds.size());
   std::set<int32_t> distinct = {chosen->token};
   for (size_t i = 0; i < seq.fork_seeds.size(); ++i) {
-    SeqStep alone;
+    SeqWork alone;
     alone.sampling = seq.sampling;
     alone.sampling.seed = seq.fork_seeds[i];
     alone.logprobs = true;
@@ -881,7 +881,7 @@ TEST(ChooseTokenTest, ForkSeedsDrawWhatThoseSeedsWouldDrawAtIndexZero) {
 TEST(ChooseTokenTest, MinTokensHoldsTheEndIdsBackBeforeItsIndex) {
   const std::vector<float> logits = {0.0f, 5.0f, 1.0f, 4.0f, 0.5f};
   const std::vector<int32_t> end_ids = {1, 3};
-  SeqStep seq;
+  SeqWork seq;
   seq.sampling.min_tokens = 3;
   seq.logprobs = true;
   seq.top_n = 5;
@@ -926,7 +926,7 @@ TEST(ChooseTokenTest, MinTokensHoldsTheEndIdsBackBeforeItsIndex) {
 
 TEST(ChooseTokenTest, PenaltiesSteerGreedyAwayFromWhatWasSeen) {
   const std::vector<float> logits = {2.0f, 1.9f, -0.5f, 1.0f};
-  SeqStep seq;
+  SeqWork seq;
   seq.penalty_tokens = {0, 2};  // the prompt holds tokens 0 and 2
   seq.penalty_prompt_len = 2;
   seq.sampling.repetition_penalty = 1.2f;  // 2.0 -> 1.667 < 1.9
@@ -945,7 +945,7 @@ TEST(ChooseTokenTest, PenaltiesSteerGreedyAwayFromWhatWasSeen) {
 
 TEST(ChooseTokenTest, LogprobsAreThoseOfThePenalizedTemperedDistribution) {
   const std::vector<float> logits = {1.0f, 3.0f, 3.0f, -2.0f, 0.0f};
-  SeqStep seq;
+  SeqWork seq;
   seq.logprobs = true;
   seq.top_n = 3;
   absl::StatusOr<ChosenToken> chosen = ChooseToken(logits, seq, 0);

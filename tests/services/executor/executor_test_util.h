@@ -137,7 +137,7 @@ struct ExecutorStack {
   std::string router;
   std::unique_ptr<StepDriver> driver;
   ExecutorProcess executor;
-  ExecutorHelloInfo hello;  // what the executor announced
+  ExecutorHello hello;  // what the executor announced
 };
 
 // Starts the stack with the model in `model_dir` and waits for the executor's Hello;
@@ -169,8 +169,7 @@ inline absl::Status StartExecutorStack(const std::string& model_dir,
   absl::StatusOr<ExecutorProcess> executor = StartExecutor(args);
   if (!executor.ok()) return executor.status();
   stack->executor = std::move(*executor);
-  absl::StatusOr<ExecutorHelloInfo> hello =
-      stack->driver->AwaitHello(absl::Now() + absl::Seconds(30));
+  absl::StatusOr<ExecutorHello> hello = stack->driver->AwaitHello(absl::Now() + absl::Seconds(30));
   if (!hello.ok()) {
     return absl::Status(hello.status().code(),
                         absl::StrCat(hello.status().message(), "\n", stack->executor.Output()));
@@ -289,17 +288,17 @@ inline int64_t CpuTicks(pid_t pid) {
 
 // Replays `steps` (as a StepDriver sent them) on a local pool with LlamaModel::Forward:
 // the same tokens, positions and block tables, batched the same way.
-inline absl::Status ReplaySteps(const LlamaModel& model, const std::vector<StepRequest>& steps,
-                                const PagedPool& pool) {
+inline absl::Status ReplaySteps(const LlamaModel& model, const std::vector<StepBatch>& steps,
+                                const PoolView& pool) {
   std::vector<float> logits;
-  for (const StepRequest& step : steps) {
+  for (const StepBatch& step : steps) {
     ForwardBatch batch;
     size_t max_blocks = 1;
-    for (const SeqStep& s : step.seqs) max_blocks = std::max(max_blocks, s.block_table.size());
+    for (const SeqWork& s : step.seqs) max_blocks = std::max(max_blocks, s.block_table.size());
     batch.max_blocks_per_seq = static_cast<int32_t>(max_blocks);
     batch.block_tables.assign(step.seqs.size() * max_blocks, 0);
     for (size_t i = 0; i < step.seqs.size(); ++i) {
-      const SeqStep& s = step.seqs[i];
+      const SeqWork& s = step.seqs[i];
       batch.token_ids.insert(batch.token_ids.end(), s.tokens.begin(), s.tokens.end());
       batch.query_lens.push_back(static_cast<int32_t>(s.tokens.size()));
       batch.context_lens.push_back(s.context_len);

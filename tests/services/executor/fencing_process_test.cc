@@ -164,7 +164,7 @@ class FencingProcessTest : public ::testing::Test {
 
   // Whether any byte of layer `layer`'s K of the dead router's first block is non-zero.
   bool LayerWritten(int32_t layer) const {
-    const PoolLayout& layout = pool_->layout;
+    const PoolLayout& layout = pool_->view.layout;
     const auto* base = static_cast<const uint8_t*>(pool_->mapping->base()) +
                        layer * layout.layer_stride + dead_blocks_[0] * layout.block_stride;
     return std::any_of(base, base + layout.block_stride, [](uint8_t b) { return b != 0; });
@@ -278,7 +278,7 @@ TEST_F(FencingProcessTest, KilledRoutersBlocksWaitForTheExecutorToAbandonItsStep
   // blocks with a pattern and wait past two of the executor's layer delays. A fixed wait,
   // to show that something does not happen: a slow machine can only make it miss a late
   // write, never report one that did not come.
-  const PoolLayout& layout = pool_->layout;
+  const PoolLayout& layout = pool_->view.layout;
   auto* base = static_cast<uint8_t*>(pool_->mapping->base());
   for (int32_t layer = 0; layer < num_layers_; ++layer) {
     for (int32_t b : dead_blocks_) {

@@ -196,9 +196,19 @@ class TwinPools {
     std::shuffle(free_.begin(), free_.end(), rng);
   }
 
-  PagedPool HostPool() { return PagedPool{host_.data(), layout_, spec_, -1}; }
-  PagedPool DevicePool() const {
-    return PagedPool{static_cast<uint8_t*>(device_->base()), layout_, spec_, 0};
+  PoolView HostPool() { return View(host_.data(), PoolBackend::kShm, -1); }
+  PoolView DevicePool() const {
+    return View(static_cast<uint8_t*>(device_->base()), PoolBackend::kCuda, 0);
+  }
+  PoolView View(uint8_t* base, PoolBackend backend, int32_t cuda_device) const {
+    PoolView view;
+    view.base = base;
+    view.spec = spec_;
+    view.num_blocks = layout_.num_blocks;
+    view.layout = layout_;
+    view.backend = backend;
+    view.cuda_device = cuda_device;
+    return view;
   }
   std::vector<uint8_t> DeviceBytes() const {
     std::vector<uint8_t> bytes(host_.size());
@@ -542,7 +552,7 @@ TEST_F(LlamaCudaModelTest, RefusalsLeaveTheDevicePoolUntouched) {
   absl::Status s = device.Forward(batch, pools.HostPool(), &logits);
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
   EXPECT_THAT(s.message(), HasSubstr("in host memory"));
-  PagedPool elsewhere = pools.DevicePool();
+  PoolView elsewhere = pools.DevicePool();
   elsewhere.cuda_device = 7;
   s = device.Forward(batch, elsewhere, &logits);
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;

@@ -110,13 +110,13 @@ class TestPool {
     free_.pop_back();
     return b;
   }
-  const PagedPool& pool() const { return pool_; }
+  const PoolView& pool() const { return pool_; }
   int32_t block_size() const { return pool_.spec.block_size; }
   const std::vector<uint8_t>& memory() const { return memory_; }
 
  private:
   std::vector<uint8_t> memory_;
-  PagedPool pool_;
+  PoolView pool_;
   std::vector<int32_t> free_;
 };
 
@@ -506,12 +506,12 @@ TEST_F(PagedForwardErrorTest, PoolThatDoesNotFitTheModelIsFailedPrecondition) {
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(s.message(), HasSubstr("num_kv_heads is 4 in the pool but 2 in the model"));
 
-  PagedPool bad_layout = pool_.pool();
+  PoolView bad_layout = pool_.pool();
   bad_layout.layout.block_stride += 4;
   s = ModelHolder::Get().Forward(batch_, bad_layout, &logits);
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
 
-  PagedPool null_base = pool_.pool();
+  PoolView null_base = pool_.pool();
   null_base.base = nullptr;
   EXPECT_EQ(ModelHolder::Get().Forward(batch_, null_base, &logits).code(),
             absl::StatusCode::kInvalidArgument);
@@ -525,7 +525,7 @@ TEST_F(PagedForwardErrorTest, PoolThatDoesNotFitTheModelIsFailedPrecondition) {
 // A pool in device memory would be dereferenced as a host pointer: refused before any
 // access (the base here is host memory, so a read would not even crash).
 TEST_F(PagedForwardErrorTest, DevicePoolIsRefusedByTheHostForward) {
-  PagedPool device = pool_.pool();
+  PoolView device = pool_.pool();
   device.cuda_device = 0;
   const std::vector<uint8_t> before = pool_.memory();
   std::vector<float> logits;

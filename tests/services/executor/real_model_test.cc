@@ -148,7 +148,7 @@ TEST_P(RealModelTest, GreedyTokensAndLogitsMatchTransformersThroughThePagedForwa
     needed +=
         (static_cast<int32_t>(p["prompt_ids"].size()) + new_tokens + kBlockSize - 1) / kBlockSize;
   }
-  PagedPool pool;
+  PoolView pool;
   pool.spec = model_->config().KvSpec(DType::kFloat32, kBlockSize).value();
   pool.layout = PoolLayout::For(pool.spec, needed).value();
   std::vector<uint8_t> memory(static_cast<size_t>(pool.layout.total_bytes), 0x5a);

@@ -121,9 +121,6 @@ TEST(SamplerTest, InvalidParamsAreNamed) {
   p.top_k = -1;
   EXPECT_THAT(Sampler::Create(p).status().message(), HasSubstr("top_k"));
   p = {};
-  p.max_tokens = 0;
-  EXPECT_THAT(Sampler::Create(p).status().message(), HasSubstr("max_tokens"));
-  p = {};
   p.repetition_penalty = 0;
   EXPECT_THAT(Sampler::Create(p).status().message(), HasSubstr("repetition_penalty"));
   p = {};
@@ -206,14 +203,13 @@ TEST(SamplerTest, EosIsNeverChosenBeforeMinTokensEvenWhenItIsTheArgmax) {
 }
 
 TEST(SamplerTest, StopOnEosOrMaxTokens) {
-  SamplingParams p;
-  p.max_tokens = 3;
+  const int32_t max_tokens = 3;
   const std::vector<int32_t> eos = {2, 7};
-  EXPECT_EQ(CheckStop(5, 1, p, eos), StopReason::kNone);
-  EXPECT_EQ(CheckStop(7, 1, p, eos), StopReason::kEos);
-  EXPECT_EQ(CheckStop(5, 3, p, eos), StopReason::kMaxTokens);
-  EXPECT_EQ(CheckStop(2, 3, p, eos), StopReason::kEos);  // EOS wins
-  EXPECT_EQ(CheckStop(2, 1, p, {}), StopReason::kNone);
+  EXPECT_EQ(CheckStop(5, 1, max_tokens, eos), StopReason::kNone);
+  EXPECT_EQ(CheckStop(7, 1, max_tokens, eos), StopReason::kEos);
+  EXPECT_EQ(CheckStop(5, 3, max_tokens, eos), StopReason::kMaxTokens);
+  EXPECT_EQ(CheckStop(2, 3, max_tokens, eos), StopReason::kEos);  // EOS wins
+  EXPECT_EQ(CheckStop(2, 1, max_tokens, {}), StopReason::kNone);
 }
 
 }  // namespace

@@ -71,7 +71,7 @@ int main(int argc, char** argv) {
   auto seq = (*driver)->Allocate(prompt);
   if (!seq.ok()) return Fail(seq.status().ToString());
   Say(absl::StrCat("blocks=", absl::StrJoin(seq->blocks, ",")));
-  kvcm::StepRequest step;
+  kvcm::StepBatch step;
   step.step_id = 1;
   step.epoch = (*driver)->epoch();
   step.seqs.push_back((*driver)->WorkFor(*seq, /*sample=*/true));

@@ -113,7 +113,7 @@ absl::StatusOr<StepDriver::Inbound> StepDriver::ReceiveOne(absl::Time deadline, 
   }
 }
 
-absl::StatusOr<ExecutorHelloInfo> StepDriver::AwaitHello(absl::Time deadline) {
+absl::StatusOr<ExecutorHello> StepDriver::AwaitHello(absl::Time deadline) {
   const int before = hellos_;
   while (hellos_ == before) {
     bool timed_out = false;
@@ -158,8 +158,8 @@ absl::StatusOr<StepDriver::Inbound> StepDriver::AwaitReply(uint64_t request_id,
   }
 }
 
-absl::StatusOr<uint64_t> StepDriver::SendStep(const StepRequest& request) {
-  StepRequest step = request;
+absl::StatusOr<uint64_t> StepDriver::SendStep(const StepBatch& request) {
+  StepBatch step = request;
   // As a router does: the session that granted the block tables (a made-up one without a
   // cache manager).
   if (step.router_session == 0) {
@@ -173,7 +173,7 @@ absl::StatusOr<uint64_t> StepDriver::SendStep(const StepRequest& request) {
   return request_id;
 }
 
-absl::StatusOr<StepReport> StepDriver::AwaitStep(uint64_t request_id, absl::Time deadline) {
+absl::StatusOr<StepResult> StepDriver::AwaitStep(uint64_t request_id, absl::Time deadline) {
   KVCM_ASSIGN_OR_RETURN(Inbound inbound, AwaitReply(request_id, deadline));
   const wire::ExecutorEnvelope& envelope = *inbound.envelope;
   if (const wire::ErrorReply* error = envelope.payload_as_ErrorReply()) {
@@ -187,7 +187,7 @@ absl::StatusOr<StepReport> StepDriver::AwaitStep(uint64_t request_id, absl::Time
   return DecodeStepResult(*result);
 }
 
-absl::StatusOr<StepReport> StepDriver::RunStep(const StepRequest& step) {
+absl::StatusOr<StepResult> StepDriver::RunStep(const StepBatch& step) {
   KVCM_ASSIGN_OR_RETURN(const uint64_t request_id, SendStep(step));
   return AwaitStep(request_id, absl::Now() + options_.step_timeout);
 }
@@ -215,8 +215,8 @@ absl::StatusOr<StepDriver::Sequence> StepDriver::Allocate(std::vector<int32_t> t
   return seq;
 }
 
-SeqStep StepDriver::WorkFor(const Sequence& seq, bool sample) const {
-  SeqStep work;
+SeqWork StepDriver::WorkFor(const Sequence& seq, bool sample) const {
+  SeqWork work;
   work.seq = seq.id;
   const int32_t len = static_cast<int32_t>(seq.tokens.size());
   const int32_t first = std::min(seq.committed, len - 1);
@@ -260,11 +260,11 @@ absl::StatusOr<std::vector<StepDriver::Sequence>> StepDriver::Generate(
     seqs.push_back(std::move(seq));
   }
   for (int32_t n = 0; n < new_tokens; ++n) {
-    StepRequest step;
+    StepBatch step;
     step.step_id = next_step_++;
     step.epoch = epoch();
     for (const Sequence& seq : seqs) step.seqs.push_back(WorkFor(seq, /*sample=*/true));
-    KVCM_ASSIGN_OR_RETURN(StepReport report, RunStep(step));
+    KVCM_ASSIGN_OR_RETURN(StepResult report, RunStep(step));
     if (report.results.size() != seqs.size()) {
       return absl::InternalError(
           absl::StrCat(report.results.size(), " results for ", seqs.size(), " sequences"));
@@ -274,7 +274,7 @@ absl::StatusOr<std::vector<StepDriver::Sequence>> StepDriver::Generate(
     BlockOps batch;
     for (size_t i = 0; i < seqs.size(); ++i) {
       Sequence& seq = seqs[i];
-      const SeqOutcome& outcome = report.results[i];
+      const SeqResult& outcome = report.results[i];
       if (!outcome.status.ok()) return outcome.status;
       if (outcome.seq != seq.id) return absl::InternalError("results out of order");
       AddCommit(seq, static_cast<int32_t>(seq.tokens.size()), &batch);

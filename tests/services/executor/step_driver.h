@@ -14,10 +14,10 @@
 //   options.cache_manager_endpoint = cache_manager->endpoint();
 //   KVCM_ASSIGN_OR_RETURN(auto driver, StepDriver::Start(options));
 //   ... start kvcm-executor with --router options.router_endpoint ...
-//   KVCM_ASSIGN_OR_RETURN(ExecutorHelloInfo hello, driver->AwaitHello(deadline));
+//   KVCM_ASSIGN_OR_RETURN(ExecutorHello hello, driver->AwaitHello(deadline));
 //   KVCM_ASSIGN_OR_RETURN(auto seqs, driver->Generate({{1, 5, 9}, {1, 7}}, 8));
 //
-// Every StepRequest sent is kept (sent_steps()) so that a test can replay the same steps on
+// Every StepBatch sent is kept (sent_steps()) so that a test can replay the same steps on
 // a local pool. One executor at a time (the last that said Hello).
 // Thread safety: none; one owner thread.
 
@@ -45,7 +45,7 @@ class StepDriver {
     std::string cache_manager_endpoint;  // "" = no cache manager (raw traffic only)
     uint32_t heartbeat_interval_ms = 0;  // announced in ExecutorHelloReply
     absl::Duration step_timeout = absl::Seconds(60);  // RunStep's wait for the reply
-    SeqSampling sampling;                             // for Generate (default greedy)
+    SamplingParams sampling;                          // for Generate (default greedy)
   };
 
   // A sequence as the router tracks it.
@@ -71,7 +71,7 @@ class StepDriver {
   ~StepDriver();
 
   // Waits for an ExecutorHello (answering it). DEADLINE_EXCEEDED naming what did arrive.
-  absl::StatusOr<ExecutorHelloInfo> AwaitHello(absl::Time deadline);
+  absl::StatusOr<ExecutorHello> AwaitHello(absl::Time deadline);
 
   // ---- Raw traffic ----------------------------------------------------------------------------
 
@@ -88,12 +88,12 @@ class StepDriver {
 
   // Sends `step` (recorded in sent_steps()) and returns its request id. A step without a
   // router_session gets this driver's cache-manager session id (1 without one).
-  absl::StatusOr<uint64_t> SendStep(const StepRequest& step);
+  absl::StatusOr<uint64_t> SendStep(const StepBatch& step);
   // The StepResult of request `request_id`. An ErrorReply becomes its status (FromWire; a
   // StaleEpoch is ABORTED).
-  absl::StatusOr<StepReport> AwaitStep(uint64_t request_id, absl::Time deadline);
+  absl::StatusOr<StepResult> AwaitStep(uint64_t request_id, absl::Time deadline);
   // SendStep + AwaitStep with options.step_timeout.
-  absl::StatusOr<StepReport> RunStep(const StepRequest& step);
+  absl::StatusOr<StepResult> RunStep(const StepBatch& step);
 
   // ---- Sequences, with the cache manager --------------------------------------------------------
 
@@ -101,7 +101,7 @@ class StepDriver {
   // RESOURCE_EXHAUSTED when the pool is full.
   absl::StatusOr<Sequence> Allocate(std::vector<int32_t> tokens);
   // The work of `seq`'s uncommitted tokens (at least the last one), for a step.
-  SeqStep WorkFor(const Sequence& seq, bool sample) const;
+  SeqWork WorkFor(const Sequence& seq, bool sample) const;
   // Frees the sequences at the cache manager.
   absl::Status Free(std::span<const Sequence> seqs);
   // Generates `new_tokens` tokens for each prompt, batched (one prefill step for all, then
@@ -112,10 +112,10 @@ class StepDriver {
   CacheManagerClient& cache_manager() { return *cache_manager_; }
   uint64_t epoch() const { return cache_manager_ == nullptr ? 0 : cache_manager_->epoch(); }
   int32_t block_size() const;
-  const std::vector<StepRequest>& sent_steps() const { return sent_steps_; }
+  const std::vector<StepBatch>& sent_steps() const { return sent_steps_; }
   bool goodbye_received() const { return goodbye_received_; }
   int hellos() const { return hellos_; }
-  const ExecutorHelloInfo& last_hello() const { return last_hello_; }
+  const ExecutorHello& last_hello() const { return last_hello_; }
   // The epoch in the last ExecutorHello's envelope.
   uint64_t hello_epoch() const { return hello_epoch_; }
 
@@ -137,10 +137,10 @@ class StepDriver {
   uint64_t next_request_id_ = 1;
   uint64_t next_seq_ = 1;
   uint64_t next_step_ = 1;
-  std::vector<StepRequest> sent_steps_;
+  std::vector<StepBatch> sent_steps_;
   bool goodbye_received_ = false;
   int hellos_ = 0;
-  ExecutorHelloInfo last_hello_;
+  ExecutorHello last_hello_;
   uint64_t hello_epoch_ = 0;
 };
 

@@ -247,16 +247,22 @@ TEST_F(TinyModelGenerationTest, BinaryRejectsBadFlags) {
   }
 }
 
+// How one request of Generate samples, and how many tokens it generates at most.
+struct Request {
+  SamplingParams sampling;
+  int32_t max_tokens = 16;
+};
+
 // Generates up to `max_tokens` for each prompt, all requests batched together, through the
 // paged forward: one prefill step, then one decode step per token. Stops a request on EOS.
 std::vector<std::vector<int32_t>> Generate(const LlamaModel& model,
                                            const std::vector<std::vector<int32_t>>& prompts,
-                                           const std::vector<SamplingParams>& params,
+                                           const std::vector<Request>& params,
                                            const std::vector<int32_t>& eos_ids) {
   const int32_t block_size = 4;
   const int32_t max_blocks = 32;
   const KvCacheSpec spec = model.config().KvSpec(DType::kFloat16, block_size).value();
-  PagedPool pool;
+  PoolView pool;
   pool.spec = spec;
   pool.layout = PoolLayout::For(spec, max_blocks * static_cast<int32_t>(prompts.size())).value();
   std::vector<uint8_t> memory(static_cast<size_t>(pool.layout.total_bytes));
@@ -268,7 +274,7 @@ std::vector<std::vector<int32_t>> Generate(const LlamaModel& model,
   std::vector<bool> done(n, false);
   std::vector<int32_t> fed(n, 0);  // tokens whose K/V are in the pool
   std::vector<Sampler> samplers;
-  for (const SamplingParams& p : params) samplers.push_back(Sampler::Create(p).value());
+  for (const Request& p : params) samplers.push_back(Sampler::Create(p.sampling).value());
   const int32_t vocab = model.config().vocab_size;
   while (true) {
     ForwardBatch batch;
@@ -299,8 +305,8 @@ std::vector<std::vector<int32_t>> Generate(const LlamaModel& model,
           static_cast<int64_t>(generated[i].size()));
       generated[i].push_back(token);
       tokens[i].push_back(token);
-      done[i] = CheckStop(token, static_cast<int32_t>(generated[i].size()), params[i], eos_ids) !=
-                StopReason::kNone;
+      done[i] = CheckStop(token, static_cast<int32_t>(generated[i].size()), params[i].max_tokens,
+                          eos_ids) != StopReason::kNone;
     }
   }
   return generated;
@@ -323,7 +329,7 @@ TEST_F(TinyModelGenerationTest, GreedyGenerationIsDeterministicAndNotDegenerate)
     const std::vector<int32_t> text = (*tokenizer)->Encode("Hello, paged world").value();
     prompt.insert(prompt.end(), text.begin(), text.end());
 
-    SamplingParams greedy;
+    Request greedy;
     greedy.max_tokens = 24;
     const std::vector<int32_t> eos = (*model)->config().eos_token_ids;
     const std::vector<std::vector<int32_t>> out = Generate(**model, {prompt}, {greedy}, eos);
@@ -359,13 +365,13 @@ TEST_F(TinyModelGenerationTest, SampledGenerationDependsOnlyOnTheRequestSeed) {
   ASSERT_THAT(WriteTinyModel(Path("m"), TinyModelOptions()), IsOk());
   auto model = LlamaModel::Load(Path("m"));
   ASSERT_THAT(model, IsOk());
-  SamplingParams a;
-  a.temperature = 0.8f;
-  a.top_p = 0.9f;
-  a.seed = 31;
+  Request a;
+  a.sampling.temperature = 0.8f;
+  a.sampling.top_p = 0.9f;
+  a.sampling.seed = 31;
   a.max_tokens = 16;
-  SamplingParams b = a;
-  b.seed = 32;
+  Request b = a;
+  b.sampling.seed = 32;
   b.max_tokens = 9;
   const std::vector<int32_t> prompt_a = {1, 50, 60, 70};
   const std::vector<int32_t> prompt_b = {1, 80, 90, 100, 110, 120, 130};

@@ -27,8 +27,8 @@ namespace {
 using ::testing::ElementsAre;
 using ::testing::IsEmpty;
 
-ExecutorHelloInfo Hello(const std::string& name) {
-  ExecutorHelloInfo hello;
+ExecutorHello Hello(const std::string& name) {
+  ExecutorHello hello;
   hello.name = name;
   hello.pid = static_cast<int32_t>(::getpid());
   hello.model.name = "tiny";

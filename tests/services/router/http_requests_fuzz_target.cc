@@ -94,7 +94,7 @@ void CheckAccepted(const GenerationRequest& r, Api api) {
         "min_tokens in [0, max_tokens]");
   Check(api == Api::kOpenAi || (!p.ignore_eos && p.sampling.min_tokens == 0),
         "TGI has no ignore_eos or min_tokens");
-  const SeqSampling& s = p.sampling;
+  const SamplingParams& s = p.sampling;
   // What DecodeStepBatch refuses (common/wire/executor_codec.h).
   Check(std::isfinite(s.temperature) && s.temperature >= 0, "temperature >= 0");
   Check(std::isfinite(s.top_p) && s.top_p > 0 && s.top_p <= 1, "top_p in (0, 1]");

@@ -122,7 +122,7 @@ class PlannerSim {
     std::vector<SeqResult> results;
     int64_t computed = 0;
     for (const ExecutorWork::Batch& batch : work.batches) {
-      for (const SeqStep& seq : batch.step.seqs)
+      for (const SeqWork& seq : batch.step.seqs)
         computed += static_cast<int64_t>(seq.tokens.size());
       RunBatch(batch.step, batch.executor == lose_executor ? nullptr : &results);
     }
@@ -225,12 +225,12 @@ class PlannerSim {
   }
 
   // `results` null: the executor died; it may have written some of the KV (it did, here).
-  void RunBatch(const StepRequest& step, std::vector<SeqResult>* results) {
+  void RunBatch(const StepBatch& step, std::vector<SeqResult>* results) {
     const int32_t bs = options_.block_size;
     for (const CopyOrder& copy : step.copies) {
       for (int32_t j = 0; j < bs; ++j) pool_[copy.dst * bs + j] = pool_[copy.src * bs + j];
     }
-    for (const SeqStep& seq : step.seqs) {
+    for (const SeqWork& seq : step.seqs) {
       if (seq.tokens.empty()) {  // the executor refuses it (DecodeStepBatch)
         Fail(absl::StrCat("sequence ", seq.seq, " scheduled without new tokens"));
         return;

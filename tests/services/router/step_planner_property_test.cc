@@ -32,7 +32,7 @@ struct Request {
   int32_t max_new_tokens = 0;
   int arrival = 0;
   bool cancelled = false;
-  SeqSampling sampling;
+  SamplingParams sampling;
   RequestOutputs outputs;
 };
 

@@ -254,7 +254,7 @@ TEST(StepPlannerTest, OnlyPenalizedSequencesCarryTheirContextAndOnlyWhenTheySamp
   PlannerOptions options = Options();
   options.max_batch_prefill_tokens = 4;  // a prompt of 9 goes in 3 chunks
   PlannerSim sim(options, 64);
-  SeqSampling penalized;
+  SamplingParams penalized;
   penalized.repetition_penalty = 1.3f;
   sim.planner().Enqueue(1, Tokens(9), 4, penalized);
   sim.planner().Enqueue(2, Tokens(3, 70), 4);
@@ -262,7 +262,7 @@ TEST(StepPlannerTest, OnlyPenalizedSequencesCarryTheirContextAndOnlyWhenTheySamp
   int penalized_samples = 0;
   for (const ExecutorWork& work : sim.works()) {
     for (const auto& batch : work.batches) {
-      for (const SeqStep& seq : batch.step.seqs) {
+      for (const SeqWork& seq : batch.step.seqs) {
         if (!seq.penalty_tokens.empty()) {
           ++penalized_samples;
           EXPECT_EQ(seq.penalty_prompt_len, 9);
@@ -341,7 +341,7 @@ TEST(StepPlannerTest, SeveralAnswersShareThePromptByForkAndCopyTheLastBlockOnWri
   PlannerSim sim(Options(), 64);
   // 10 prompt tokens: 2 full blocks and a partly filled third, which the forks share.
   const std::vector<int32_t> prompt = Tokens(10);
-  SeqSampling sampling;
+  SamplingParams sampling;
   sampling.seed = 500;
   RequestOutputs outputs;
   outputs.sequences = 3;
