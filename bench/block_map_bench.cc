@@ -45,7 +45,7 @@ constexpr int32_t kBlockSize = 16;
 constexpr int32_t kBlocksPerSeq = 64;
 constexpr pid_t kRouterPid = 1000;
 
-class NoWatcher : public ProcessWatcher {
+class NoWatcher : public cache_manager::ProcessWatcher {
  public:
   absl::Status Watch(uint64_t, pid_t) override { return absl::OkStatus(); }
   void Unwatch(uint64_t) override {}
@@ -55,7 +55,7 @@ class NoWatcher : public ProcessWatcher {
 class FilledService {
  public:
   explicit FilledService(int32_t num_blocks) {
-    CacheManagerService::Options options;
+    cache_manager::CacheManagerService::Options options;
     options.spec.num_layers = 2;
     options.spec.num_kv_heads = 2;
     options.spec.head_dim = 64;
@@ -65,7 +65,7 @@ class FilledService {
     options.pool.backend = wire::PoolBackend::Shm;
     options.pool.layout.total_bytes = 4096;
     options.pool.fd_channel_path = "/run/kvcm/pool-fd.sock";
-    auto service = CacheManagerService::Create(options, &watcher_, nullptr, now_);
+    auto service = cache_manager::CacheManagerService::Create(options, &watcher_, nullptr, now_);
     KVCM_CHECK(service.ok()) << service.status();
     service_ = *std::move(service);
     session_ = Hello();
@@ -112,11 +112,11 @@ class FilledService {
                               request_.GetBufferPointer() + request_.GetSize());
   }
 
-  CacheManagerService& service() { return *service_; }
+  cache_manager::CacheManagerService& service() { return *service_; }
   // Handles the BlockMap request; the reply stays in reply_.
   void HandleBlockMap() {
-    service_->Handle(PeerCredentials{::geteuid(), 1, kRouterPid}, block_map_request_, now_,
-                     &reply_);
+    service_->Handle(cache_manager::PeerCredentials{::geteuid(), 1, kRouterPid}, block_map_request_,
+                     now_, &reply_);
   }
   const wire::Envelope& Reply() const { return *wire::GetEnvelope(reply_.GetBufferPointer()); }
   size_t reply_bytes() const { return reply_.GetSize(); }
@@ -145,14 +145,14 @@ class FilledService {
         << wire::EnumNameMessage(Reply().payload_type());
   }
   void Send() {
-    service_->Handle(PeerCredentials{::geteuid(), 1, kRouterPid},
+    service_->Handle(cache_manager::PeerCredentials{::geteuid(), 1, kRouterPid},
                      std::span<const uint8_t>(request_.GetBufferPointer(), request_.GetSize()),
                      now_, &reply_);
   }
 
   NoWatcher watcher_;
   absl::Time now_ = absl::FromUnixSeconds(1'000'000);
-  std::unique_ptr<CacheManagerService> service_;
+  std::unique_ptr<cache_manager::CacheManagerService> service_;
   uint64_t session_ = 0;
   uint64_t request_id_ = 0;
   std::vector<BlockHash> pin_;

@@ -872,7 +872,7 @@ BENCHMARK(BarePushPull)->UseRealTime();
 
 // --- In process: the service alone -----------------------------------------------------------
 
-class FakeWatcher : public ProcessWatcher {
+class FakeWatcher : public cache_manager::ProcessWatcher {
  public:
   absl::Status Watch(uint64_t, pid_t) override { return absl::OkStatus(); }
   void Unwatch(uint64_t) override {}
@@ -883,10 +883,11 @@ class FakeWatcher : public ProcessWatcher {
 constexpr uint64_t kBenchEpoch = 42;
 
 struct BenchService {
-  explicit BenchService(const CacheManagerMetrics::CacheInfo& info) : metrics(info) {}
-  CacheManagerMetrics metrics;
+  explicit BenchService(const cache_manager::CacheManagerMetrics::CacheInfo& info)
+      : metrics(info) {}
+  cache_manager::CacheManagerMetrics metrics;
   FakeWatcher watcher;
-  std::unique_ptr<CacheManagerService> service;
+  std::unique_ptr<cache_manager::CacheManagerService> service;
 };
 
 absl::StatusOr<std::unique_ptr<BenchService>> MakeBenchService(std::string hash_algorithm) {
@@ -896,7 +897,7 @@ absl::StatusOr<std::unique_ptr<BenchService>> MakeBenchService(std::string hash_
   spec.head_dim = kHeadDim;
   spec.block_size = kBlockSize;
   spec.dtype = DType::kFloat16;
-  CacheManagerMetrics::CacheInfo info;
+  cache_manager::CacheManagerMetrics::CacheInfo info;
   info.num_blocks = kNumBlocks;
   info.block_size = kBlockSize;
   info.block_bytes = spec.BytesPerBlock();
@@ -905,14 +906,15 @@ absl::StatusOr<std::unique_ptr<BenchService>> MakeBenchService(std::string hash_
   info.backend = "shm";
   info.hash_algorithm = std::move(hash_algorithm);
   auto bench = std::make_unique<BenchService>(info);
-  CacheManagerService::Options options;
+  cache_manager::CacheManagerService::Options options;
   options.spec = spec;
   options.ledger.num_blocks = kNumBlocks;
   options.epoch = kBenchEpoch;
   options.heartbeat_interval = absl::Seconds(1);
   options.heartbeat_timeout = absl::Seconds(600);
-  KVCM_ASSIGN_OR_RETURN(bench->service, CacheManagerService::Create(options, &bench->watcher,
-                                                                    &bench->metrics, absl::Now()));
+  KVCM_ASSIGN_OR_RETURN(bench->service,
+                        cache_manager::CacheManagerService::Create(options, &bench->watcher,
+                                                                   &bench->metrics, absl::Now()));
   return bench;
 }
 
@@ -937,12 +939,13 @@ void ServiceHandle(benchmark::State& state, HandleMode mode) {
     state.SkipWithError(std::string(bench.status().message()).c_str());
     return;
   }
-  CacheManagerService& service = *(*bench)->service;
-  CacheManagerMetrics& metrics = (*bench)->metrics;
+  cache_manager::CacheManagerService& service = *(*bench)->service;
+  cache_manager::CacheManagerMetrics& metrics = (*bench)->metrics;
   // What libzmq reports for an ipc:// peer: ":uid:gid:pid".
   const std::string peer_address = ":" + std::to_string(::getuid()) + ":" +
                                    std::to_string(::getgid()) + ":" + std::to_string(::getpid());
-  const std::optional<PeerCredentials> peer = ParseIpcPeerAddress(peer_address);
+  const std::optional<cache_manager::PeerCredentials> peer =
+      cache_manager::ParseIpcPeerAddress(peer_address);
 
   flatbuffers::FlatBufferBuilder request;
   flatbuffers::FlatBufferBuilder reply;
@@ -979,7 +982,8 @@ void ServiceHandle(benchmark::State& state, HandleMode mode) {
         state.ResumeTiming();
       }
       if (loop) {
-        std::optional<PeerCredentials> parsed = ParseIpcPeerAddress(peer_address);
+        std::optional<cache_manager::PeerCredentials> parsed =
+            cache_manager::ParseIpcPeerAddress(peer_address);
         benchmark::DoNotOptimize(parsed);
         service.Handle(parsed, BufferSpan(steps[next++]), absl::Now(), &reply);
         benchmark::DoNotOptimize(absl::Now());
@@ -1034,10 +1038,10 @@ void ServiceHandleDecodeStep(benchmark::State& state, bool once_a_block) {
     state.SkipWithError(std::string(bench.status().message()).c_str());
     return;
   }
-  CacheManagerService& service = *(*bench)->service;
-  const std::optional<PeerCredentials> peer =
-      ParseIpcPeerAddress(":" + std::to_string(::getuid()) + ":" + std::to_string(::getgid()) +
-                          ":" + std::to_string(::getpid()));
+  cache_manager::CacheManagerService& service = *(*bench)->service;
+  const std::optional<cache_manager::PeerCredentials> peer = cache_manager::ParseIpcPeerAddress(
+      ":" + std::to_string(::getuid()) + ":" + std::to_string(::getgid()) + ":" +
+      std::to_string(::getpid()));
   flatbuffers::FlatBufferBuilder request;
   flatbuffers::FlatBufferBuilder reply;
   auto hello = wire::CreateHello(request, wire::Role::Router, ::getpid());

@@ -104,8 +104,8 @@ struct Run {
   double seconds = 0;
 };
 
-Run InProcess(const LlamaModel& model, const Tokenizer& tokenizer, const std::vector<int32_t>& eos,
-              int round, int batch, int new_tokens) {
+Run InProcess(const executor::LlamaModel& model, const Tokenizer& tokenizer,
+              const std::vector<int32_t>& eos, int round, int batch, int new_tokens) {
   PoolView pool;
   pool.spec = model.config().KvSpec(DType::kFloat32, kBlockSize).value();
   const int32_t blocks_per_seq = (kPromptTokens + new_tokens + kBlockSize - 1) / kBlockSize;
@@ -128,7 +128,7 @@ Run InProcess(const LlamaModel& model, const Tokenizer& tokenizer, const std::ve
   const absl::Time start = absl::Now();
   std::vector<float> logits;
   while (true) {
-    ForwardBatch step;
+    executor::ForwardBatch step;
     step.max_blocks_per_seq = blocks_per_seq;
     std::vector<size_t> members;
     for (size_t i = 0; i < seqs.size(); ++i) {
@@ -149,7 +149,7 @@ Run InProcess(const LlamaModel& model, const Tokenizer& tokenizer, const std::ve
     for (size_t k = 0; k < members.size(); ++k) {
       Seq& s = seqs[members[k]];
       s.computed = static_cast<int32_t>(s.tokens.size());
-      const int32_t token = Greedy({logits.data() + k * vocab, vocab});
+      const int32_t token = executor::Greedy({logits.data() + k * vocab, vocab});
       s.tokens.push_back(token);
       ++run.tokens;
       s.done = ++s.generated >= new_tokens || std::find(eos.begin(), eos.end(), token) != eos.end();
@@ -211,9 +211,10 @@ int Main(int argc, char** argv) {
     KVCM_CHECK(metadata.ok()) << metadata.status();
     absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = LoadModelTokenizer(*metadata);
     KVCM_CHECK(tokenizer.ok()) << tokenizer.status();
-    LlamaModelOptions model_options;
+    executor::LlamaModelOptions model_options;
     model_options.num_threads = threads;
-    absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(model_dir, model_options);
+    absl::StatusOr<std::unique_ptr<executor::LlamaModel>> model =
+        executor::LlamaModel::Load(model_dir, model_options);
     KVCM_CHECK(model.ok()) << model.status();
 
     testing::CacheManagerOptions cm_options;

@@ -59,7 +59,7 @@ struct Rates {
   double decode = 0;   // generated tokens/s
 };
 
-Rates RunKvcm(const LlamaModel& model, int batch, int pp, int tg) {
+Rates RunKvcm(const executor::LlamaModel& model, int batch, int pp, int tg) {
   PoolView pool;
   pool.spec = model.config().KvSpec(DType::kFloat16, kBlockSize).value();
   const int32_t blocks_per_seq = (pp + tg + kBlockSize - 1) / kBlockSize;
@@ -76,7 +76,7 @@ Rates RunKvcm(const LlamaModel& model, int batch, int pp, int tg) {
     }
   }
   auto step = [&](int32_t first) {
-    ForwardBatch b;
+    executor::ForwardBatch b;
     b.max_blocks_per_seq = blocks_per_seq;
     for (int i = 0; i < batch; ++i) {
       const auto& seq = tokens[static_cast<size_t>(i)];
@@ -91,7 +91,7 @@ Rates RunKvcm(const LlamaModel& model, int batch, int pp, int tg) {
     KVCM_CHECK(ran.ok()) << ran;
     for (int i = 0; i < batch; ++i) {
       tokens[static_cast<size_t>(i)].push_back(
-          Greedy({logits.data() + static_cast<size_t>(i) * vocab, vocab}));
+          executor::Greedy({logits.data() + static_cast<size_t>(i) * vocab, vocab}));
     }
   };
   Rates rates;
@@ -207,14 +207,15 @@ int Main(int argc, char** argv) {
     std::printf("%s\n", testing::SmolLM2Missing(gguf).c_str());
     return 1;
   }
-  LlamaModelOptions options;
+  executor::LlamaModelOptions options;
   options.num_threads = threads;
   const std::string matmul = bench::FlagString(argc, argv, "--matmul", "int8");
   if (!kernels::ParseMatMulPath(matmul, &options.matmul)) {
     std::printf("--matmul must be int8 or fp32, got %s\n", matmul.c_str());
     return 1;
   }
-  absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(gguf, options);
+  absl::StatusOr<std::unique_ptr<executor::LlamaModel>> model =
+      executor::LlamaModel::Load(gguf, options);
   KVCM_CHECK(model.ok()) << model.status();
   std::printf("SmolLM2-135M-Instruct (Q4_1 GGUF), %d thread(s), PP %d, TG %d, %s matmuls\n",
               threads, pp, tg, matmul.c_str());

@@ -189,7 +189,9 @@ struct BenchPool {
   int n = 0;
   uint64_t block_bytes = 0;
 
-  tiers::KvTiers::PoolAccess Access() const { return {memory.get(), layout, num_layers}; }
+  cache_manager::tiers::KvTiers::PoolAccess Access() const {
+    return {memory.get(), layout, num_layers};
+  }
 
   // Pool block `block`'s bytes from `bytes`, in a tier slot's order (layer, K|V).
   void Write(BlockId block, const uint8_t* bytes) {
@@ -250,12 +252,13 @@ BenchPool MakePool(const KvCacheSpec& spec, int n, const std::vector<uint8_t>& d
   return pool;
 }
 
-using Done = tiers::KvTiers::Done;
+using Done = cache_manager::tiers::KvTiers::Done;
 
 // Polls `kv` into `done` until `finished()`, waiting on wake_fd between polls as the cache
 // manager's socket thread does. The wait is bounded (10 ms) because the disk sync that
 // StoreAll waits for posts no result; a load's result always wakes it.
-void PollUntil(tiers::KvTiers& kv, std::vector<Done>& done, const std::function<bool()>& finished) {
+void PollUntil(cache_manager::tiers::KvTiers& kv, std::vector<Done>& done,
+               const std::function<bool()>& finished) {
   while (true) {
     kv.Poll(&done);
     if (finished()) return;
@@ -267,7 +270,7 @@ void PollUntil(tiers::KvTiers& kv, std::vector<Done>& done, const std::function<
 // One KvTiers measured: its mover count, the time its stores took, its best load pass.
 struct Loader {
   int movers = 0;
-  std::unique_ptr<tiers::KvTiers> kv;
+  std::unique_ptr<cache_manager::tiers::KvTiers> kv;
   double store_s = 0;
   double best_s = 1e30;
   uint64_t ticket = 0;
@@ -276,11 +279,12 @@ struct Loader {
 // A KvTiers with `options` over `pool` holding blocks [0, n): stored, copied out of the
 // pool, written to the tier and, for a disk tier, synced, so that none of that runs during
 // a timed load. Null (after a message) when KvTiers::Create fails.
-std::unique_ptr<Loader> StoreAll(const tiers::TierOptions& options, const KvCacheSpec& spec,
-                                 const BenchPool& pool, const std::vector<BlockHash>& hashes) {
-  auto created =
-      tiers::KvTiers::Create(options, spec, HashAlgorithm::kXxh3V2, pool.Access(),
-                             [](std::string line) { std::printf("tiers: %s\n", line.c_str()); });
+std::unique_ptr<Loader> StoreAll(const cache_manager::tiers::TierOptions& options,
+                                 const KvCacheSpec& spec, const BenchPool& pool,
+                                 const std::vector<BlockHash>& hashes) {
+  auto created = cache_manager::tiers::KvTiers::Create(
+      options, spec, HashAlgorithm::kXxh3V2, pool.Access(),
+      [](std::string line) { std::printf("tiers: %s\n", line.c_str()); });
   if (!created.ok()) {
     std::fprintf(stderr, "KvTiers::Create: %s\n", created.status().ToString().c_str());
     return nullptr;
@@ -288,7 +292,7 @@ std::unique_ptr<Loader> StoreAll(const tiers::TierOptions& options, const KvCach
   auto loader = std::make_unique<Loader>();
   loader->movers = options.mover_threads;
   loader->kv = *std::move(created);
-  tiers::KvTiers& kv = *loader->kv;
+  cache_manager::tiers::KvTiers& kv = *loader->kv;
   const int n = static_cast<int>(hashes.size());
   std::vector<Done> done;
   const auto start = Clock::now();
@@ -301,7 +305,7 @@ std::unique_ptr<Loader> StoreAll(const tiers::TierOptions& options, const KvCach
   PollUntil(kv, done, [&] {
     for (const Done& d : done) released += d.kind == Done::Kind::kReleased;
     done.clear();
-    const tiers::TierSnapshot s = kv.Snapshot();
+    const cache_manager::tiers::TierSnapshot s = kv.Snapshot();
     return released == n && s.queued_stores == 0 && s.writing[0] == 0 && s.writing[1] == 0 &&
            s.unsynced_writes == 0;
   });
@@ -313,7 +317,7 @@ std::unique_ptr<Loader> StoreAll(const tiers::TierOptions& options, const KvCach
 // KvTiers::Load of blocks [0, n) into [n, 2n), then Poll until every load is kLoaded; keeps
 // the best time.
 void TimedLoad(Loader& loader, const std::vector<BlockHash>& hashes) {
-  tiers::KvTiers& kv = *loader.kv;
+  cache_manager::tiers::KvTiers& kv = *loader.kv;
   const int n = static_cast<int>(hashes.size());
   std::vector<Done> done;
   done.reserve(static_cast<size_t>(n));
@@ -334,11 +338,11 @@ void TimedLoad(Loader& loader, const std::vector<BlockHash>& hashes) {
 
 // One Loader per mover count of --movers, from `options` with mover_threads set.
 std::vector<std::unique_ptr<Loader>> StoreAllPerMovers(
-    const Flags& flags, const std::function<tiers::TierOptions(int movers)>& options,
+    const Flags& flags, const std::function<cache_manager::tiers::TierOptions(int movers)>& options,
     const KvCacheSpec& spec, const BenchPool& pool, const std::vector<BlockHash>& hashes) {
   std::vector<std::unique_ptr<Loader>> loaders;
   for (const int movers : flags.movers) {
-    tiers::TierOptions o = options(movers);
+    cache_manager::tiers::TierOptions o = options(movers);
     o.mover_threads = movers;
     std::unique_ptr<Loader> loader = StoreAll(o, spec, pool, hashes);
     if (loader == nullptr) return {};
@@ -361,24 +365,24 @@ int DiskBench(const Flags& flags, const KvCacheSpec& spec, const std::string& ro
   const std::string tier_dir = root + "/tier";
   std::array<uint8_t, 16> digest{};
   for (int i = 0; i < 16; ++i) digest[i] = static_cast<uint8_t>(flags.seed >> (i % 8 * 8));
-  tiers::DiskTier::Options options;
+  cache_manager::tiers::DiskTier::Options options;
   options.dir = tier_dir;
   options.block_bytes = block_bytes;
-  options.identity = tiers::MakeTierIdentity(digest, spec, HashAlgorithm::kXxh3V2);
+  options.identity = cache_manager::tiers::MakeTierIdentity(digest, spec, HashAlgorithm::kXxh3V2);
   options.direct_io = flags.direct_io;
   const uint64_t slot_bytes = 4096 + (block_bytes + 4095) / 4096 * 4096;
   options.capacity_bytes = static_cast<uint64_t>(n) * slot_bytes;
-  auto opened = tiers::DiskTier::Open(options);
+  auto opened = cache_manager::tiers::DiskTier::Open(options);
   if (!opened.ok()) {
     std::fprintf(stderr, "DiskTier::Open: %s\n", opened.status().ToString().c_str());
     return 1;
   }
-  std::unique_ptr<tiers::DiskTier> disk = *std::move(opened);
+  std::unique_ptr<cache_manager::tiers::DiskTier> disk = *std::move(opened);
   KVCM_CHECK(disk->slot_bytes() == slot_bytes) << disk->slot_bytes();
   KVCM_CHECK(disk->num_slots() == n) << disk->num_slots();
   const bool direct = disk->direct_io();
 
-  tiers::SlotBuffer buffer(slot_bytes);
+  cache_manager::tiers::SlotBuffer buffer(slot_bytes);
   auto start = Clock::now();
   for (int i = 0; i < n; ++i) {
     std::memcpy(buffer.data(), data.data() + static_cast<uint64_t>(i) * block_bytes, block_bytes);
@@ -396,7 +400,7 @@ int DiskBench(const Flags& flags, const KvCacheSpec& spec, const std::string& ro
   std::vector<std::unique_ptr<Loader>> loaders = StoreAllPerMovers(
       flags,
       [&](int movers) {
-        tiers::TierOptions o;
+        cache_manager::tiers::TierOptions o;
         o.disk_dir = absl::StrCat(root, "/kv-tier-", movers);
         o.disk_bytes = static_cast<uint64_t>(n) * slot_bytes;
         o.model_path = model_path;
@@ -458,10 +462,10 @@ int DiskBench(const Flags& flags, const KvCacheSpec& spec, const std::string& ro
     const uint64_t read_before = disk->bytes_read();
     start = Clock::now();
     for (int i = 0; i < n; ++i) {
-      tiers::Refusal refusal = tiers::Refusal::kIoError;
+      cache_manager::tiers::Refusal refusal = cache_manager::tiers::Refusal::kIoError;
       const absl::Status read = disk->Read(i, hashes[static_cast<size_t>(i)], buffer, &refusal);
-      KVCM_CHECK(read.ok()) << "slot " << i << ": " << read << " (" << tiers::RefusalName(refusal)
-                            << ")";
+      KVCM_CHECK(read.ok()) << "slot " << i << ": " << read << " ("
+                            << cache_manager::tiers::RefusalName(refusal) << ")";
     }
     best_read = std::min(best_read, Seconds(start));
     KVCM_CHECK(disk->bytes_read() - read_before == total);
@@ -523,7 +527,7 @@ int HostBench(const Flags& flags, const KvCacheSpec& spec, const std::vector<uin
   std::vector<std::unique_ptr<Loader>> loaders = StoreAllPerMovers(
       flags,
       [&](int) {
-        tiers::TierOptions o;
+        cache_manager::tiers::TierOptions o;
         o.host_bytes = total;
         return o;
       },

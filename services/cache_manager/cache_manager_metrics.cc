@@ -16,7 +16,7 @@
 #include "prometheus/metric_family.h"
 #include "prometheus/registry.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 namespace {
 
 using prometheus::MetricType;
@@ -625,4 +625,4 @@ std::shared_ptr<prometheus::Registry> CacheManagerMetrics::registry() const { re
 
 std::span<const MetricSpec> CacheManagerMetrics::Specs() { return kSpecs; }
 
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

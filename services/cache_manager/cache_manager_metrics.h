@@ -42,8 +42,10 @@ class Registry;
 }  // namespace prometheus
 
 namespace kvcm {
+class ScrapeRegistry;  // common/metrics/scrape_registry.h
+}  // namespace kvcm
 
-class ScrapeRegistry;
+namespace kvcm::cache_manager {
 
 // Requests the cache manager serves (label `type`).
 enum class RequestType : uint8_t {
@@ -227,4 +229,4 @@ class CacheManagerMetrics {
   std::array<prometheus::Histogram*, tiers::kNumTiers> tier_load_seconds_{};  // by Tier
 };
 
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

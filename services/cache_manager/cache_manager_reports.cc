@@ -20,7 +20,7 @@
 #include "services/cache_manager/cache_manager_service.h"
 #include "services/cache_manager/session_roles.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 
 CacheManagerService::HeldBlocks CacheManagerService::BlocksHeldApart() const {
   HeldBlocks held;
@@ -246,4 +246,4 @@ void CacheManagerService::HandleEventSnapshot(const wire::Envelope& envelope,
                  wire::Message::EventSnapshotReply, payload.Union());
 }
 
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

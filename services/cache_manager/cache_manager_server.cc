@@ -28,7 +28,7 @@
 #include "common/wire/envelope.h"
 #include "schemas/kvcm_protocol_generated.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 namespace {
 
 constexpr char kComponent[] = "kvcm-cache-manager";
@@ -678,4 +678,4 @@ void CacheManagerServer::PublishSnapshot() {
   if (!loads.empty()) metrics_->ObserveTierLoads(loads);
 }
 
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

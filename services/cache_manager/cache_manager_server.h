@@ -46,7 +46,7 @@
 #include "services/cache_manager/vllm_event_publisher.h"
 #include "zmq.hpp"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 
 class CacheManagerServer {
  public:
@@ -184,4 +184,4 @@ class CacheManagerServer {
   std::string tcp_bound_;
 };
 
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

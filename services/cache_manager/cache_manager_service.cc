@@ -26,7 +26,7 @@
 #include "schemas/kvcm_protocol_generated.h"
 #include "services/cache_manager/session_roles.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 
 // The header declares wire::PoolBackend opaquely and defaults PoolExport::backend to zero.
 static_assert(static_cast<int>(wire::PoolBackend::Shm) == 0);
@@ -874,4 +874,4 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::HandlePrefixR
 
 // --- KV events -----------------------------------------------------------------------------
 
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

@@ -94,15 +94,17 @@ template <typename T>
 struct Offset;
 }  // namespace flatbuffers
 
-namespace kvcm {
-
-namespace wire {
+namespace kvcm::wire {
 struct Envelope;
 struct OpResult;
 enum class PoolBackend : uint8_t;  // the .cc checks that Shm is its zero value
-}  // namespace wire
+}  // namespace kvcm::wire
 
+namespace kvcm {
 struct BlockOp;  // common/wire/step_codec.h
+}  // namespace kvcm
+
+namespace kvcm::cache_manager {
 
 // What an attaching client needs to reach the pool; filled in by the server from the pool
 // memory and sent in every AttachReply.
@@ -374,4 +376,4 @@ class CacheManagerService {
   BlockMap block_map_;  // the last BlockMap's, its cells' storage reused
 };
 
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

@@ -4,7 +4,7 @@
 
 #include "common/base/check.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 
 const FenceTable::Fence& FenceTable::Open(uint64_t router_session, ReclaimReason reason,
                                           std::span<const SeqId> seqs,
@@ -46,4 +46,4 @@ const FenceTable::Fence* FenceTable::Find(uint64_t id) const {
   return it == fences_.end() ? nullptr : &it->second;
 }
 
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

@@ -36,7 +36,7 @@
 #include "common/block/block_ledger.h"
 #include "services/cache_manager/cache_manager_metrics.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 
 // Sequence ids from here up belong to sequences draining behind a fence; routers cannot
 // allocate them.
@@ -83,4 +83,4 @@ class FenceTable {
   SeqId next_draining_seq_ = kFirstDrainingSeq;
 };
 
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

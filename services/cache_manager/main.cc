@@ -136,7 +136,7 @@ ABSL_FLAG(int32_t, disk_tier_sync_ms, 1000,
           "the last sync (a mover thread does it): a block survives a crash of the machine "
           "this long after its write. 0: after every write.");
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 namespace {
 
 constexpr char kComponent[] = "kvcm-cache-manager";
@@ -486,7 +486,7 @@ int Main(const std::vector<config::Setting>& settings) {
 }
 
 }  // namespace
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager
 
 int main(int argc, char** argv) {
   return kvcm::config::RunMain(
@@ -497,5 +497,5 @@ int main(int argc, char** argv) {
                 "  kvcm-cache-manager --layers 32 --kv-heads 8 --head-dim 128 --num-blocks 4096\n"
                 "  kvcm-cache-manager --model-config config.json --memory-fraction 0.9",
        .defining_file = __FILE__,
-       .run = &kvcm::Main});
+       .run = &kvcm::cache_manager::Main});
 }

@@ -3,7 +3,7 @@
 #include <charconv>
 #include <cstdint>
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 namespace {
 
 // Reads ":<digits>" from the front of `text`.
@@ -36,4 +36,4 @@ std::optional<PeerCredentials> ParseIpcPeerAddress(std::string_view peer_address
                          static_cast<pid_t>(*pid)};
 }
 
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

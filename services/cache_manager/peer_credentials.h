@@ -12,7 +12,7 @@
 #include <optional>
 #include <string_view>
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 
 struct PeerCredentials {
   uid_t uid = 0;
@@ -24,4 +24,4 @@ struct PeerCredentials {
 // address such as "127.0.0.1" or "::1:2:3", garbage).
 std::optional<PeerCredentials> ParseIpcPeerAddress(std::string_view peer_address);
 
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

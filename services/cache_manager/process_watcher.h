@@ -12,7 +12,7 @@
 
 #include "absl/status/status.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 
 class ProcessWatcher {
  public:
@@ -24,4 +24,4 @@ class ProcessWatcher {
   virtual void Unwatch(uint64_t session) = 0;
 };
 
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

@@ -16,7 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 namespace {
 
 std::string Errno() { return std::strerror(errno); }
@@ -161,4 +161,4 @@ RunDirectory::~RunDirectory() {
   // later instances lock two different files.
 }
 
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

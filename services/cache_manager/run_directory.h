@@ -18,7 +18,7 @@
 #include "common/base/run_dir.h"
 #include "common/base/unique_fd.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 
 class RunDirectory {
  public:
@@ -60,4 +60,4 @@ class RunDirectory {
   UniqueFd lock_;  // holds the flock; invalid after a move
 };
 
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

@@ -22,7 +22,7 @@
 
 #include "absl/container/flat_hash_map.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 
 class SeenConnections {
  public:
@@ -44,6 +44,6 @@ class SeenConnections {
   absl::flat_hash_map<int, std::string> ids_;  // by descriptor: its connection's routing id
 };
 
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager
 
 #endif  // KVCM_SERVICES_CACHE_MANAGER_SEEN_CONNECTIONS_H_

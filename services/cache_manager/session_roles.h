@@ -8,7 +8,7 @@
 #include "schemas/kvcm_protocol_generated.h"
 #include "services/cache_manager/cache_manager_metrics.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 
 inline std::optional<SessionRole> SessionRoleOf(wire::Role role) {
   switch (role) {
@@ -50,4 +50,4 @@ inline const char* RoleName(wire::Role role) {
   }
 }
 
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

@@ -7,7 +7,7 @@
 
 #include "common/base/check.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 namespace {
 
 // A kept reply's buffer larger than this and than twice the next reply it holds is given
@@ -203,4 +203,4 @@ void SessionTable::ExtendLeases(absl::Time now) {
   }
 }
 
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

@@ -51,7 +51,7 @@
 #include "common/block/block_ledger.h"
 #include "services/cache_manager/cache_manager_metrics.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 
 class SessionTable {
  public:
@@ -180,4 +180,4 @@ class SessionTable {
   std::deque<uint64_t> ended_order_;
 };
 
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

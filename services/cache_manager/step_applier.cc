@@ -8,7 +8,7 @@
 #include "common/wire/step_codec.h"
 #include "services/cache_manager/fence_table.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 namespace {
 
 // A sequence id no router can allocate: the ledger's dry runs name it.
@@ -324,4 +324,4 @@ int32_t StepApplier::ApplyOne(const BlockOp& op, uint64_t session_id, Effects& e
   }
 }
 
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

@@ -46,11 +46,13 @@
 #include "common/block/block_ledger.h"
 #include "services/cache_manager/cache_manager_metrics.h"
 
-namespace kvcm {
-
 // Defined in common/wire/step_codec.h, which the callers include.
+namespace kvcm {
 struct BlockOp;
 struct OpOutcome;
+}  // namespace kvcm
+
+namespace kvcm::cache_manager {
 
 // What the applier needs of the session that sent the Step.
 struct StepSession {
@@ -165,4 +167,4 @@ class StepApplier {
   AppendResult appended_;
 };
 
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

@@ -8,7 +8,7 @@
 #include "common/base/check.h"
 #include "common/wire/step_codec.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 
 using tiers::KvTiers;
 using tiers::Tier;
@@ -216,4 +216,4 @@ void TierCoordinator::Finish(Prefetch& prefetch, absl::Time now) {
 
 int32_t TierCoordinator::loading_prefetches() const { return static_cast<int32_t>(by_seq_.size()); }
 
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

@@ -40,9 +40,11 @@
 #include "services/cache_manager/tiers/kv_tiers.h"
 
 namespace kvcm {
+struct BlockOp;    // common/wire/step_codec.h
+struct OpOutcome;  // common/wire/step_codec.h
+}  // namespace kvcm
 
-struct BlockOp;
-struct OpOutcome;
+namespace kvcm::cache_manager {
 
 // The prefetch sequences' ids: reserved for the cache manager (above the draining ids'
 // start, which routers cannot use), far above any draining id it will ever give.
@@ -119,4 +121,4 @@ class TierCoordinator {
   std::vector<bool> stale_;
 };
 
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

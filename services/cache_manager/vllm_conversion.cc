@@ -6,7 +6,7 @@
 
 #include "common/base/check.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 
 VllmConverter::VllmConverter(int32_t block_size, HashAlgorithm algorithm, VllmMedium pool_medium)
     : block_size_(static_cast<size_t>(block_size)),
@@ -169,4 +169,4 @@ std::vector<VllmEvent> VllmConverter::Take() {
   return taken;
 }
 
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

@@ -40,7 +40,7 @@
 #include "services/cache_manager/tiers/kv_tiers.h"
 #include "services/cache_manager/vllm_events.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 
 class VllmConverter {
  public:
@@ -107,4 +107,4 @@ class VllmConverter {
   uint64_t blocks_without_tokens_ = 0;
 };
 
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

@@ -11,7 +11,7 @@
 #include "common/base/log.h"
 #include "common/transport/zmq_util.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 namespace {
 
 constexpr char kComponent[] = "kvcm-cache-manager";
@@ -288,4 +288,4 @@ void VllmEventPublisher::ServeReplay() {
   }
 }
 
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

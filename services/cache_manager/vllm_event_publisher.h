@@ -48,7 +48,7 @@
 #include "services/cache_manager/vllm_events.h"
 #include "zmq.hpp"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 
 class VllmEventPublisher {
  public:
@@ -135,4 +135,4 @@ class VllmEventPublisher {
   uint64_t malformed_ = 0;
 };
 
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

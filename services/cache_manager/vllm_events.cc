@@ -4,7 +4,7 @@
 
 #include "msgpack.hpp"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 namespace {
 
 // msgpack's packer writes to any type with write(const char*, size_t).
@@ -127,4 +127,4 @@ void EncodeVllmBatch(double timestamp, std::span<const VllmEvent> events,
   packer.pack_int32(info.data_parallel_rank);
 }
 
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

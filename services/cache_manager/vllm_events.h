@@ -23,7 +23,7 @@
 
 #include "common/block/block_hash.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 
 // Where an event's blocks are (or were): its "medium". vLLM names its device pool "GPU" and
 // its CPU offloading tier "CPU"; NVIDIA Dynamo's router reads "GPU" as its device tier,
@@ -63,4 +63,4 @@ void EncodeVllmBatch(double timestamp, std::span<const VllmEvent> events,
 // "BlockStored", "BlockRemoved", "AllBlocksCleared".
 std::string_view VllmEventTypeName(VllmEvent::Kind kind);
 
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

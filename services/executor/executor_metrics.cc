@@ -9,7 +9,7 @@
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
 
-namespace kvcm {
+namespace kvcm::executor {
 namespace {
 
 using prometheus::MetricType;
@@ -169,4 +169,4 @@ std::shared_ptr<prometheus::Registry> ExecutorMetrics::registry() const { return
 
 std::span<const MetricSpec> ExecutorMetrics::Specs() { return kSpecs; }
 
-}  // namespace kvcm
+}  // namespace kvcm::executor

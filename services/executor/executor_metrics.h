@@ -28,7 +28,7 @@ class Histogram;
 class Registry;
 }  // namespace prometheus
 
-namespace kvcm {
+namespace kvcm::executor {
 
 // Which kind of work a step or a token was (label `phase`): prefill = the new tokens of a
 // sequence with more than one new token or no earlier context; decode = one new token after
@@ -101,4 +101,4 @@ class ExecutorMetrics {
   prometheus::Gauge* epoch_ = nullptr;
 };
 
-}  // namespace kvcm
+}  // namespace kvcm::executor

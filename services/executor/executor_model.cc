@@ -6,7 +6,7 @@
 #include "common/base/check.h"
 #include "common/base/status_macros.h"
 
-namespace kvcm {
+namespace kvcm::executor {
 
 absl::Status ExecutorModel::Prepare(const PoolView& pool) {
   if (pool.backend != PoolBackend::kCuda) return absl::OkStatus();
@@ -42,4 +42,4 @@ absl::Status ExecutorModel::Forward(const ForwardBatch& batch, const PoolView& p
   return host_->Forward(batch, pool, logits, LogitsScope::kLastTokenPerSeq, after_layer);
 }
 
-}  // namespace kvcm
+}  // namespace kvcm::executor

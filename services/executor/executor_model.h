@@ -24,7 +24,7 @@
 #include "services/executor/llama_model.h"
 #include "services/executor/llama_model_cuda.h"
 
-namespace kvcm {
+namespace kvcm::executor {
 
 class ExecutorModel {
  public:
@@ -60,4 +60,4 @@ class ExecutorModel {
   std::unique_ptr<LlamaCudaModel> cuda_;
 };
 
-}  // namespace kvcm
+}  // namespace kvcm::executor

@@ -8,7 +8,7 @@
 #include "common/base/status_macros.h"
 #include "common/transport/zmq_util.h"
 
-namespace kvcm {
+namespace kvcm::executor {
 namespace {
 
 std::string DescribeShape(int32_t layers, int32_t kv_heads, int32_t head_dim) {
@@ -134,4 +134,4 @@ void CacheManagerPool::Goodbye() {
   if (ProbeIpcListener(client_->options().endpoint).ok()) (void)client_->Goodbye();
 }
 
-}  // namespace kvcm
+}  // namespace kvcm::executor

@@ -28,7 +28,7 @@
 #include "common/sizing/kv_cache_spec.h"
 #include "services/executor/executor_metrics.h"
 
-namespace kvcm {
+namespace kvcm::executor {
 
 // The KV shape a model needs from the pool.
 struct ModelKvShape {
@@ -145,4 +145,4 @@ class CacheManagerPool : public PoolSource {
   int attaches_ = 0;
 };
 
-}  // namespace kvcm
+}  // namespace kvcm::executor

@@ -14,7 +14,7 @@
 #include "common/transport/event_loop.h"
 #include "common/transport/zmq_util.h"
 
-namespace kvcm {
+namespace kvcm::executor {
 namespace {
 
 constexpr char kComponent[] = "kvcm-executor";
@@ -198,4 +198,4 @@ absl::Status ExecutorServer::Run() {
   return absl::OkStatus();
 }
 
-}  // namespace kvcm
+}  // namespace kvcm::executor

@@ -30,7 +30,7 @@
 #include "services/executor/executor_service.h"
 #include "zmq.hpp"
 
-namespace kvcm {
+namespace kvcm::executor {
 
 class ExecutorServer {
  public:
@@ -87,4 +87,4 @@ class ExecutorServer {
   uint64_t unsent_ = 0;         // messages dropped: not connected or queue full
 };
 
-}  // namespace kvcm
+}  // namespace kvcm::executor

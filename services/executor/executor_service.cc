@@ -14,7 +14,7 @@
 #include "kernels/copy_blocks.h"
 #include "services/executor/sampler.h"
 
-namespace kvcm {
+namespace kvcm::executor {
 namespace {
 
 constexpr char kComponent[] = "kvcm-executor";
@@ -679,4 +679,4 @@ void ExecutorService::BuildGoodbye(absl::Time now, flatbuffers::FlatBufferBuilde
   last_sent_ = now;
 }
 
-}  // namespace kvcm
+}  // namespace kvcm::executor

@@ -57,7 +57,7 @@
 #include "services/executor/llama_model.h"
 #include "services/executor/sampler.h"
 
-namespace kvcm {
+namespace kvcm::executor {
 
 class ExecutorService {
  public:
@@ -226,4 +226,4 @@ struct ChosenToken {
 absl::StatusOr<ChosenToken> ChooseToken(std::span<const float> logits, const SeqWork& seq,
                                         int64_t index, std::span<const int32_t> end_ids = {});
 
-}  // namespace kvcm
+}  // namespace kvcm::executor

@@ -14,7 +14,7 @@
 #include "common/gguf/gguf_file.h"
 #include "common/model/model_config.h"
 
-namespace kvcm {
+namespace kvcm::executor {
 namespace {
 
 constexpr const char* kArchitectures[] = {"LlamaForCausalLM", "MistralForCausalLM",
@@ -307,4 +307,4 @@ absl::StatusOr<LlamaConfig> LlamaConfigFromGguf(const GgufFile& file) {
   return LlamaConfigFromModelConfig(config);
 }
 
-}  // namespace kvcm
+}  // namespace kvcm::executor

@@ -54,6 +54,10 @@
 #include "common/tokenizer/tokenizer.h"
 
 namespace kvcm {
+class GgufFile;  // common/gguf/gguf_file.h
+}  // namespace kvcm
+
+namespace kvcm::executor {
 
 // rope_scaling, resolved. kNone leaves the inverse frequencies as 1 / theta^(2i / head_dim).
 struct RopeScaling {
@@ -114,7 +118,6 @@ absl::StatusOr<LlamaConfig> LoadLlamaConfig(const std::string& path);
 
 // LlamaConfigFromModelConfig of a GGUF file's metadata (ModelConfigFromGguf); errors name
 // the file and the key.
-class GgufFile;
 absl::StatusOr<LlamaConfig> LlamaConfigFromGguf(const GgufFile& file);
 
-}  // namespace kvcm
+}  // namespace kvcm::executor

@@ -22,7 +22,7 @@
 #include "kernels/paged_kv.h"
 #include "kernels/write_kv.h"
 
-namespace kvcm {
+namespace kvcm::executor {
 namespace {
 
 // Four-lane float vectors (GCC/Clang vector extension): SSE on any x86-64, NEON on arm64.
@@ -820,4 +820,4 @@ absl::StatusOr<std::vector<float>> LlamaModel::ForwardContiguous(
   return logits;
 }
 
-}  // namespace kvcm
+}  // namespace kvcm::executor

@@ -45,7 +45,7 @@
 #include "kernels/matmul_cpu.h"
 #include "services/executor/llama_config.h"
 
-namespace kvcm {
+namespace kvcm::executor {
 
 // One step of a batch of sequences. Sequence i (i < query_lens.size()):
 //   - adds query_lens[i] >= 1 new tokens, stored back to back with the other sequences'
@@ -260,4 +260,4 @@ class LlamaModel {
   kernels::MatMulPath matmul_ = kernels::MatMulPath::kInt8;
 };
 
-}  // namespace kvcm
+}  // namespace kvcm::executor

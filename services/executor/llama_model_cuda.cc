@@ -31,7 +31,7 @@
 #include "kernels/write_kv.h"
 #include "services/executor/llama_model_cuda_kernels.h"
 
-namespace kvcm {
+namespace kvcm::executor {
 namespace {
 
 // OK, or the failed call with CUDA's name and text for the error (also cleared, so that a
@@ -622,4 +622,4 @@ absl::Status LlamaCudaModel::CopyBlocks(const PoolView& pool,
   return impl_->CopyBlocks(pool, copies);
 }
 
-}  // namespace kvcm
+}  // namespace kvcm::executor

@@ -42,7 +42,7 @@
 #include "kernels/copy_blocks.h"
 #include "services/executor/llama_model.h"
 
-namespace kvcm {
+namespace kvcm::executor {
 
 struct LlamaCudaModelOptions {
   // The dtype the weight matrices are kept and multiplied in on the device (kvcm-executor's
@@ -108,4 +108,4 @@ class LlamaCudaModel {
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace kvcm
+}  // namespace kvcm::executor

@@ -14,7 +14,7 @@
 #include "kernels/cuda_check.h"
 #include "services/executor/llama_model_cuda_kernels.h"
 
-namespace kvcm::llama_cuda {
+namespace kvcm::executor::llama_cuda {
 namespace {
 
 constexpr int kThreads = 256;
@@ -273,4 +273,4 @@ void GatherRows(const float* x, const int64_t* rows, int64_t n, int64_t h, float
   KVCM_CUDA_CHECK(cudaGetLastError());
 }
 
-}  // namespace kvcm::llama_cuda
+}  // namespace kvcm::executor::llama_cuda

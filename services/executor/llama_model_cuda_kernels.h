@@ -12,7 +12,7 @@
 
 #include "common/base/dtype.h"
 
-namespace kvcm::llama_cuda {
+namespace kvcm::executor::llama_cuda {
 
 // A weight matrix is stored on the device as fp32 (DType::kFloat32), or as IEEE binary16
 // (kFloat16) or bfloat16 (kBFloat16) bits in uint16_t.
@@ -55,4 +55,4 @@ void SiluMul(float* gate, const float* up, int64_t n, void* stream);
 void GatherRows(const float* x, const int64_t* rows, int64_t n, int64_t h, float* out,
                 void* stream);
 
-}  // namespace kvcm::llama_cuda
+}  // namespace kvcm::executor::llama_cuda

@@ -5,7 +5,7 @@
 #include "common/base/status_macros.h"
 #include "services/executor/llama_model_cuda.h"
 
-namespace kvcm {
+namespace kvcm::executor {
 
 class LlamaCudaModel::Impl {};
 
@@ -43,4 +43,4 @@ absl::Status LlamaCudaModel::CopyBlocks(const PoolView&,
   return absl::UnimplementedError("kvcm was built without CUDA");
 }
 
-}  // namespace kvcm
+}  // namespace kvcm::executor

@@ -84,7 +84,7 @@ ABSL_FLAG(int32_t, fault_layer_delay_ms, 0,
           "Fault tests only: sleep this long after each layer of every step, so that a step "
           "is still writing the pool seconds after it began. 0 (default) in service.");
 
-namespace kvcm {
+namespace kvcm::executor {
 namespace {
 
 constexpr char kComponent[] = "kvcm-executor";
@@ -242,7 +242,7 @@ int Main(const std::vector<config::Setting>& settings) {
 }
 
 }  // namespace
-}  // namespace kvcm
+}  // namespace kvcm::executor
 
 int main(int argc, char** argv) {
   return kvcm::config::RunMain(
@@ -253,5 +253,5 @@ int main(int argc, char** argv) {
                 "  kvcm-executor --model DIR --run-dir RUN_DIR --router "
                 "ipc://RUN_DIR/router-executors.sock",
        .defining_file = __FILE__,
-       .run = &kvcm::Main});
+       .run = &kvcm::executor::Main});
 }

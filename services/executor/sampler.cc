@@ -11,7 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/base/check.h"
 
-namespace kvcm {
+namespace kvcm::executor {
 namespace {
 
 uint64_t SplitMix64(uint64_t x) {
@@ -202,4 +202,4 @@ StopReason CheckStop(int32_t token, int32_t num_generated, int32_t max_tokens,
   return StopReason::kNone;
 }
 
-}  // namespace kvcm
+}  // namespace kvcm::executor

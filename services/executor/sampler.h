@@ -24,7 +24,7 @@
 #include "absl/status/statusor.h"
 #include "common/wire/executor_protocol.h"
 
-namespace kvcm {
+namespace kvcm::executor {
 
 // Penalties, as vLLM defines them (and Hugging Face for the repetition penalty), applied to
 // one row of logits in place before sampling. `history` is what the sequence holds before
@@ -105,4 +105,4 @@ enum class StopReason {
 StopReason CheckStop(int32_t token, int32_t num_generated, int32_t max_tokens,
                      std::span<const int32_t> eos_ids);
 
-}  // namespace kvcm
+}  // namespace kvcm::executor

@@ -55,7 +55,7 @@
 #include "absl/status/status.h"
 #include "common/block/block_hash.h"
 #include "common/block/block_ledger.h"
-#include "common/wire/executor_codec.h"
+#include "common/wire/executor_protocol.h"
 #include "common/wire/step_codec.h"
 
 namespace kvcm::router {

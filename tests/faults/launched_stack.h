@@ -131,7 +131,8 @@ class LaunchedStackTest : public ::testing::Test {
     dir_ = std::make_unique<testing::TempDir>(std::move(*dir));
     model_dir_ = dir_->path() + "/tiny";
     ASSERT_THAT(testing::MakeTinyModel(model_dir_, /*seed=*/11), IsOk());
-    absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(model_dir_);
+    absl::StatusOr<std::unique_ptr<executor::LlamaModel>> model =
+        executor::LlamaModel::Load(model_dir_);
     ASSERT_THAT(model, IsOk());
     model_ = *std::move(model);
   }
@@ -323,7 +324,7 @@ class LaunchedStackTest : public ::testing::Test {
   const std::string temp_prefix_;
   std::unique_ptr<testing::TempDir> dir_;
   std::string model_dir_;
-  std::unique_ptr<LlamaModel> model_;
+  std::unique_ptr<executor::LlamaModel> model_;
   // Reference() of the load's prompts, computed before the load starts and read-only after.
   std::map<std::pair<std::string, int32_t>, std::vector<int32_t>> references_;
   std::unique_ptr<testing::Subprocess> launch_;

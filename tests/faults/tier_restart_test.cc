@@ -201,7 +201,8 @@ TEST_F(TierRestartTest, TheDirectoryOfAnotherModelServesNothing) {
   // Another model (other weights, the same shape and tokenizer) on the same directory.
   model_dir_ = dir_->path() + "/other";
   ASSERT_THAT(testing::MakeTinyModel(model_dir_, /*seed=*/12), IsOk());
-  absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(model_dir_);
+  absl::StatusOr<std::unique_ptr<executor::LlamaModel>> model =
+      executor::LlamaModel::Load(model_dir_);
   ASSERT_THAT(model, IsOk());
   model_ = *std::move(model);
   ASSERT_NO_FATAL_FAILURE(Launch(/*executors=*/1, /*num_blocks=*/256, TierFlags()));

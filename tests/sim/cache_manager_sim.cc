@@ -78,7 +78,7 @@ BlockHash PromptHash(int prompt, int32_t index) {
 }
 
 // pidfds: the service asks to watch a session's pid; the world fires the exits.
-class SimWatcher : public ProcessWatcher {
+class SimWatcher : public cache_manager::ProcessWatcher {
  public:
   absl::Status Watch(uint64_t session, pid_t pid) override {
     auto it = Find(session);
@@ -360,7 +360,7 @@ class World {
   // ---- The cache manager ------------------------------------------------------------------
 
   void StartCacheManager() {
-    CacheManagerService::Options options;
+    cache_manager::CacheManagerService::Options options;
     options.spec = KvCacheSpec{2, 2, 8, DType::kFloat16, kBlockSize};
     options.ledger.num_blocks = kBlocks;
     options.epoch = ++epoch_counter_;
@@ -368,7 +368,7 @@ class World {
     options.heartbeat_timeout = kHeartbeatTimeout;
     options.pool.layout.total_bytes = 1;
     watcher_.Clear();
-    auto service = CacheManagerService::Create(options, &watcher_, nullptr, now_);
+    auto service = cache_manager::CacheManagerService::Create(options, &watcher_, nullptr, now_);
     if (!service.ok()) {
       Fail("cannot create the service: ", service.status().ToString());
       return;
@@ -454,7 +454,8 @@ class World {
   // The cache manager handles one request from a client and sends the reply back.
   void CmHandle(bool is_router, int index, int incarnation, pid_t pid, Channel channel,
                 std::vector<uint8_t> bytes) {
-    service_->Handle(PeerCredentials{::geteuid(), ::getegid(), pid}, bytes, now_, &reply_);
+    service_->Handle(cache_manager::PeerCredentials{::geteuid(), ::getegid(), pid}, bytes, now_,
+                     &reply_);
     const VerifiedEnvelope request = VerifyEnvelope(bytes);
     const VerifiedEnvelope reply = VerifyEnvelope(BufferSpan(reply_));
     if (reply.envelope == nullptr) {
@@ -1376,16 +1377,16 @@ class World {
     const auto hello =
         wire::CreateHello(builder_, wire::Role::Control, 1, builder_.CreateString("sim"));
     FinishEnvelope(builder_, 1, 0, 0, wire::Message::Hello, hello.Union());
-    service_->Handle(PeerCredentials{::geteuid(), ::getegid(), 1}, BufferSpan(builder_), now_,
-                     &reply_);
+    service_->Handle(cache_manager::PeerCredentials{::geteuid(), ::getegid(), 1},
+                     BufferSpan(builder_), now_, &reply_);
     const wire::Envelope* hello_reply = VerifyEnvelope(BufferSpan(reply_)).envelope;
     if (hello_reply == nullptr || hello_reply->payload_as_HelloReply() == nullptr) return "?";
     const uint64_t session = hello_reply->payload_as_HelloReply()->session_id();
     builder_.Clear();
     const auto stats = wire::CreateStats(builder_);
     FinishEnvelope(builder_, 2, session, epoch(), wire::Message::Stats, stats.Union());
-    service_->Handle(PeerCredentials{::geteuid(), ::getegid(), 1}, BufferSpan(builder_), now_,
-                     &reply_);
+    service_->Handle(cache_manager::PeerCredentials{::geteuid(), ::getegid(), 1},
+                     BufferSpan(builder_), now_, &reply_);
     const wire::Envelope* reply = VerifyEnvelope(BufferSpan(reply_)).envelope;
     if (reply == nullptr || reply->payload_as_StatsReply() == nullptr) return "?";
     std::string out = "; sessions:";
@@ -1453,7 +1454,7 @@ class World {
   uint64_t next_order_ = 0;
 
   SimWatcher watcher_;
-  std::unique_ptr<CacheManagerService> service_;
+  std::unique_ptr<cache_manager::CacheManagerService> service_;
   bool cm_up_ = false, cm_hung_ = false;
   int cm_incarnation_ = 0;
   uint64_t epoch_counter_ = 0;

@@ -46,7 +46,8 @@ class LaunchProcessTest : public ::testing::Test {
     dir_ = std::make_unique<TempDir>(std::move(*dir));
     model_dir_ = dir_->path() + "/tiny";
     ASSERT_THAT(testing::MakeTinyModel(model_dir_, /*seed=*/3), IsOk());
-    absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(model_dir_);
+    absl::StatusOr<std::unique_ptr<executor::LlamaModel>> model =
+        executor::LlamaModel::Load(model_dir_);
     ASSERT_THAT(model, IsOk());
     model_ = *std::move(model);
   }
@@ -117,7 +118,7 @@ class LaunchProcessTest : public ::testing::Test {
 
   std::unique_ptr<TempDir> dir_;
   std::string model_dir_;
-  std::unique_ptr<LlamaModel> model_;
+  std::unique_ptr<executor::LlamaModel> model_;
 };
 
 TEST_F(LaunchProcessTest, ServesRestartsWhatDiesAndStopsEverythingAtSigterm) {

@@ -30,7 +30,7 @@
 #include "common/base/atomic_file.h"
 #include "common/base/check.h"
 
-namespace kvcm::tiers {
+namespace kvcm::cache_manager::tiers {
 namespace {
 
 static_assert(std::endian::native == std::endian::little,
@@ -745,4 +745,4 @@ absl::Status DiskTier::Sync() {
   return absl::OkStatus();
 }
 
-}  // namespace kvcm::tiers
+}  // namespace kvcm::cache_manager::tiers

@@ -54,7 +54,7 @@
 #include "common/block/block_hash.h"
 #include "common/sizing/kv_cache_spec.h"
 
-namespace kvcm::tiers {
+namespace kvcm::cache_manager::tiers {
 
 // What a block's slot says of its place in the prefix chain and its tokens, so that the
 // vLLM-format events can announce it (services/cache_manager/vllm_conversion.h) after a
@@ -232,4 +232,4 @@ class DiskTier {
   std::atomic<uint64_t> sync_errors_{0};
 };
 
-}  // namespace kvcm::tiers
+}  // namespace kvcm::cache_manager::tiers

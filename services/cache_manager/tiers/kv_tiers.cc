@@ -13,7 +13,7 @@
 #include "common/base/check.h"
 #include "common/base/monotonic_clock.h"
 
-namespace kvcm::tiers {
+namespace kvcm::cache_manager::tiers {
 namespace {
 
 constexpr int kHost = static_cast<int>(Tier::kHost);
@@ -637,4 +637,4 @@ void KvTiers::RunLoad(const Job& job, Mover& mover, SlotBuffer& buffer) {
   Post(std::move(result));
 }
 
-}  // namespace kvcm::tiers
+}  // namespace kvcm::cache_manager::tiers

@@ -63,7 +63,7 @@
 #include "common/sizing/kv_cache_spec.h"
 #include "services/cache_manager/tiers/disk_tier.h"
 
-namespace kvcm::tiers {
+namespace kvcm::cache_manager::tiers {
 
 struct TierOptions {
   uint64_t host_bytes = 0;  // T1; 0: none
@@ -310,4 +310,4 @@ class KvTiers {
   std::atomic<bool> sync_error_logged_{false};
 };
 
-}  // namespace kvcm::tiers
+}  // namespace kvcm::cache_manager::tiers

@@ -28,7 +28,7 @@
 #include "services/cache_manager/cache_manager_service.h"
 #include "tests/support/status_matchers.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 namespace {
 
 class FakeWatcher : public ProcessWatcher {
@@ -315,4 +315,4 @@ TEST_P(FencePropertyTest, NoBlockIsHandedOutWhileAnotherRoutersStepMayWriteIt) {
 INSTANTIATE_TEST_SUITE_P(Seeds, FencePropertyTest, ::testing::Range(1u, 17u));
 
 }  // namespace
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

@@ -44,7 +44,7 @@
 #include "tests/support/fuzz_records.h"
 #include "tests/support/fuzz_target.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 namespace {
 
 using fuzz::Check;
@@ -189,10 +189,10 @@ class Harness {
 };
 
 }  // namespace
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  kvcm::Harness harness;
+  kvcm::cache_manager::Harness harness;
   bool accepted = false;
   for (const kvcm::fuzz::Record& record : kvcm::fuzz::SplitRecords({data, size})) {
     accepted = harness.Handle(record) || accepted;

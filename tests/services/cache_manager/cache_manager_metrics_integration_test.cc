@@ -19,7 +19,7 @@
 #include "tests/support/promtool.h"
 #include "tests/support/status_matchers.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 namespace {
 
 using ::kvcm::testing::HttpGet;
@@ -134,4 +134,4 @@ TEST_F(CacheManagerMetricsIntegrationTest, RealPrometheusScrapesIt) {
 }
 
 }  // namespace
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

@@ -19,7 +19,7 @@
 #include "tests/support/metrics_text.h"
 #include "tests/support/status_matchers.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 namespace {
 
 using ::kvcm::testing::HttpGet;
@@ -426,4 +426,4 @@ TEST(CacheManagerMetricsDeathTest, SnapshotOfAnotherPoolOrBrokenStatesDies) {
 }
 
 }  // namespace
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

@@ -24,7 +24,7 @@
 #include "prometheus/registry.h"
 #include "tests/support/status_matchers.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 namespace {
 
 using ::testing::HasSubstr;
@@ -1421,4 +1421,4 @@ TEST_F(CacheManagerFenceTest, BlockMapShowsEveryStateAsTheSnapshotCountsIt) {
 }
 
 }  // namespace
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

@@ -30,7 +30,7 @@
 #include "gtest/gtest.h"
 #include "tests/support/status_matchers.h"
 
-namespace kvcm::tiers {
+namespace kvcm::cache_manager::tiers {
 namespace {
 
 using ::testing::HasSubstr;
@@ -660,4 +660,4 @@ TEST_F(ModelDigestTest, MissingModelIsNotFoundAndUnwritableCacheIsNoError) {
 }
 
 }  // namespace
-}  // namespace kvcm::tiers
+}  // namespace kvcm::cache_manager::tiers

@@ -22,7 +22,7 @@
 #include "common/block/block_hash.h"
 #include "common/client/cache_manager_client.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 namespace {
 
 int Run(const std::string& endpoint, int32_t blocks) {
@@ -93,7 +93,7 @@ int Run(const std::string& endpoint, int32_t blocks) {
 }
 
 }  // namespace
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager
 
 int main(int argc, char** argv) {
   std::string endpoint;
@@ -107,5 +107,5 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: fault_client --endpoint ENDPOINT --blocks N\n");
     return 2;
   }
-  return kvcm::Run(endpoint, blocks);
+  return kvcm::cache_manager::Run(endpoint, blocks);
 }

@@ -9,7 +9,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 namespace {
 
 using ::testing::ElementsAre;
@@ -146,4 +146,4 @@ TEST(FenceTableDeathTest, AFenceWaitingForNobodyIsABug) {
 }
 
 }  // namespace
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

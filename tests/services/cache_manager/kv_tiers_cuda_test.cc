@@ -15,7 +15,7 @@
 #include "tests/services/cache_manager/tier_test_env.h"
 #include "tests/support/gpu_test.h"
 
-namespace kvcm::tiers {
+namespace kvcm::cache_manager::tiers {
 namespace {
 
 using testenv::Env;
@@ -90,4 +90,4 @@ TEST(KvTiersCudaTest, TheTiersKeepAndGiveBackTheBytesTheShmPathDoes) {
 }
 
 }  // namespace
-}  // namespace kvcm::tiers
+}  // namespace kvcm::cache_manager::tiers

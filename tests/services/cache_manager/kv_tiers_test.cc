@@ -24,7 +24,7 @@
 #include "tests/support/status_matchers.h"
 #include "tests/support/wait_for.h"
 
-namespace kvcm::tiers {
+namespace kvcm::cache_manager::tiers {
 namespace {
 
 using testenv::Env;
@@ -453,4 +453,4 @@ TEST_F(KvTiersTest, NegativeSyncIntervalIsRefusedNamingTheFlag) {
 }
 
 }  // namespace
-}  // namespace kvcm::tiers
+}  // namespace kvcm::cache_manager::tiers

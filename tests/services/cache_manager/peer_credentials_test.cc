@@ -2,7 +2,7 @@
 
 #include "gtest/gtest.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 namespace {
 
 TEST(PeerCredentialsTest, ParsesWhatLibzmqWritesForUnixSockets) {
@@ -23,4 +23,4 @@ TEST(PeerCredentialsTest, TcpAddressesAndGarbageAreNotCredentials) {
 }
 
 }  // namespace
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

@@ -8,7 +8,7 @@
 
 #include "gtest/gtest.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 namespace {
 
 // ROUTER's generated routing ids: a zero byte, then a 32-bit counter.
@@ -58,4 +58,4 @@ TEST(SeenConnectionsTest, AMessageWithoutADescriptorIsNeverSeen) {
 }
 
 }  // namespace
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

@@ -13,7 +13,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 namespace {
 
 using ::testing::ElementsAre;
@@ -377,4 +377,4 @@ TEST(SessionTableTest, ALargeKeptBufferIsGivenBackWhenASmallReplyTakesItsSlot) {
 }
 
 }  // namespace
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

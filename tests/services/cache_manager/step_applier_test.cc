@@ -23,7 +23,7 @@
 #include "services/cache_manager/fence_table.h"
 #include "tests/support/status_matchers.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 namespace {
 
 using ::testing::ElementsAre;
@@ -411,4 +411,4 @@ TEST_F(StepApplierTest, AShorterStepAfterALongerOneGetsExactlyItsOwnOutcomes) {
 }
 
 }  // namespace
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

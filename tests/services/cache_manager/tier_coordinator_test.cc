@@ -18,7 +18,7 @@
 #include "tests/services/cache_manager/tier_test_env.h"
 #include "tests/support/status_matchers.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 namespace {
 
 using tiers::testenv::Env;
@@ -297,4 +297,4 @@ TEST_F(TierCoordinatorTest, MakeRoomCancelsQueuedStoresWhenThePoolIsShort) {
 }
 
 }  // namespace
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

@@ -27,7 +27,7 @@
 #include "gtest/gtest.h"
 #include "services/cache_manager/tiers/kv_tiers.h"
 
-namespace kvcm::tiers::testenv {
+namespace kvcm::cache_manager::tiers::testenv {
 
 // 2 layers x 2 KV heads x head dim 8, fp16, 4 tokens a block: 512 bytes a block, in
 // 4 runs (layer, K|V) of 128 bytes.
@@ -171,4 +171,4 @@ class Env {
   std::unique_ptr<PoolMemory> memory_;
 };
 
-}  // namespace kvcm::tiers::testenv
+}  // namespace kvcm::cache_manager::tiers::testenv

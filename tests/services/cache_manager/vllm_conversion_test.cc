@@ -12,7 +12,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 namespace {
 
 constexpr int32_t kBlockSize = 4;
@@ -499,4 +499,4 @@ TEST(VllmConverterTest, CommitTokensAreThoseOfTheLastCommitUntilTheNextBatch) {
 }
 
 }  // namespace
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

@@ -22,7 +22,7 @@
 #include "tests/support/subprocess.h"
 #include "tests/support/vllm_event_reader.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 namespace {
 
 constexpr uint64_t kChunk = VllmEventPublisher::kSeqReservation;
@@ -147,4 +147,4 @@ TEST(VllmEventPublisherTest, AfterARestartAWrappedBufferKeepsThatStartsFirstBatc
 }
 
 }  // namespace
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

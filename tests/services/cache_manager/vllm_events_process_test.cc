@@ -29,7 +29,7 @@
 #include "tests/support/vllm_event_reader.h"
 #include "tests/support/wait_for.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 namespace {
 
 using testing::CacheManagerOptions;
@@ -530,4 +530,4 @@ TEST(VllmEventsProcessTest, OffByDefaultAndRoutersAreNotAskedForTokens) {
 }
 
 }  // namespace
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

@@ -14,7 +14,7 @@
 #include "tests/support/status_matchers.h"
 #include "tests/support/vllm_event_reader.h"
 
-namespace kvcm {
+namespace kvcm::cache_manager {
 namespace {
 
 std::string Str(const msgpack::object& o) {
@@ -203,4 +203,4 @@ TEST(VllmEventsTest, BlockIdIsTheHashsFirstEightBytesBigEndian) {
 }
 
 }  // namespace
-}  // namespace kvcm
+}  // namespace kvcm::cache_manager

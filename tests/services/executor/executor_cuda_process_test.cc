@@ -36,7 +36,7 @@
 #include "tests/support/subprocess.h"
 #include "tools/make_tiny_model/tiny_model.h"
 
-namespace kvcm {
+namespace kvcm::executor {
 namespace {
 
 using ::kvcm::testing::CacheManagerOptions;
@@ -135,4 +135,4 @@ TEST(ExecutorCudaProcessTest, GreedyTokensEqualTheCpuReferenceAndTheKvIsInTheDev
 }
 
 }  // namespace
-}  // namespace kvcm
+}  // namespace kvcm::executor

@@ -38,7 +38,7 @@
 #include "tests/support/fuzz_target.h"
 #include "tools/make_tiny_model/tiny_model.h"
 
-namespace kvcm {
+namespace kvcm::executor {
 namespace {
 
 using fuzz::Check;
@@ -96,10 +96,11 @@ class LocalPool : public PoolSource {
 };
 
 }  // namespace
-}  // namespace kvcm
+}  // namespace kvcm::executor
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  using namespace kvcm;  // NOLINT: one function
+  using namespace kvcm;            // NOLINT: one function
+  using namespace kvcm::executor;  // NOLINT
   const LlamaModel& model = Model();
   static const KvCacheSpec spec = model.config().KvSpec(DType::kFloat32, kBlockSize).value();
   LocalPool pool(spec);

@@ -15,7 +15,7 @@
 #include "tests/support/promtool.h"
 #include "tests/support/status_matchers.h"
 
-namespace kvcm {
+namespace kvcm::executor {
 namespace {
 
 using ::kvcm::testing::HttpGet;
@@ -125,4 +125,4 @@ TEST_F(ExecutorMetricsTest, PromtoolFindsNothing) {
 }
 
 }  // namespace
-}  // namespace kvcm
+}  // namespace kvcm::executor

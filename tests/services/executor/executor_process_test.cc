@@ -39,7 +39,7 @@
 #include "tests/support/wait_for.h"
 #include "tools/make_tiny_model/tiny_model.h"
 
-namespace kvcm {
+namespace kvcm::executor {
 namespace {
 
 using ::kvcm::testing::CacheManagerOptions;
@@ -510,4 +510,4 @@ TEST_F(ExecutorProcessTest, CacheManagerRestartReattachesWithoutReloadingWeights
 }
 
 }  // namespace
-}  // namespace kvcm
+}  // namespace kvcm::executor

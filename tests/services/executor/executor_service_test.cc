@@ -26,7 +26,7 @@
 #include "tests/support/subprocess.h"
 #include "tools/make_tiny_model/tiny_model.h"
 
-namespace kvcm {
+namespace kvcm::executor {
 namespace {
 
 using ::kvcm::testing::TempDir;
@@ -981,4 +981,4 @@ TEST(ChooseTokenTest, LogprobsAreThoseOfThePenalizedTemperedDistribution) {
 }
 
 }  // namespace
-}  // namespace kvcm
+}  // namespace kvcm::executor

@@ -222,14 +222,15 @@ inline double WorstKvVectorError(const uint8_t* got, const uint8_t* want, int64_
 }
 
 // Greedy generation of `n` tokens after `tokens` with the contiguous reference forward.
-inline std::vector<int32_t> ReferenceGreedy(const LlamaModel& model, std::vector<int32_t> tokens,
-                                            int32_t n) {
+inline std::vector<int32_t> ReferenceGreedy(const executor::LlamaModel& model,
+                                            std::vector<int32_t> tokens, int32_t n) {
   std::vector<int32_t> out;
   const size_t vocab = static_cast<size_t>(model.config().vocab_size);
   for (int32_t i = 0; i < n; ++i) {
     absl::StatusOr<std::vector<float>> logits = model.ForwardContiguous(tokens);
     if (!logits.ok()) return {};
-    out.push_back(Greedy(std::span<const float>(logits->data() + logits->size() - vocab, vocab)));
+    out.push_back(
+        executor::Greedy(std::span<const float>(logits->data() + logits->size() - vocab, vocab)));
     tokens.push_back(out.back());
   }
   return out;
@@ -250,8 +251,8 @@ inline std::vector<int32_t> CutAfterEos(std::vector<int32_t> tokens,
 
 // What the router answers of `n` greedy tokens after the prompt ids `prompt`: the model's
 // own greedy tokens, cut after an end-of-sequence id.
-inline std::vector<int32_t> ReferenceAnswer(const LlamaModel& model, std::vector<int32_t> prompt,
-                                            int32_t n) {
+inline std::vector<int32_t> ReferenceAnswer(const executor::LlamaModel& model,
+                                            std::vector<int32_t> prompt, int32_t n) {
   return CutAfterEos(ReferenceGreedy(model, std::move(prompt), n), model.config().eos_token_ids);
 }
 
@@ -288,11 +289,11 @@ inline int64_t CpuTicks(pid_t pid) {
 
 // Replays `steps` (as a StepDriver sent them) on a local pool with LlamaModel::Forward:
 // the same tokens, positions and block tables, batched the same way.
-inline absl::Status ReplaySteps(const LlamaModel& model, const std::vector<StepBatch>& steps,
-                                const PoolView& pool) {
+inline absl::Status ReplaySteps(const executor::LlamaModel& model,
+                                const std::vector<StepBatch>& steps, const PoolView& pool) {
   std::vector<float> logits;
   for (const StepBatch& step : steps) {
-    ForwardBatch batch;
+    executor::ForwardBatch batch;
     size_t max_blocks = 1;
     for (const SeqWork& s : step.seqs) max_blocks = std::max(max_blocks, s.block_table.size());
     batch.max_blocks_per_seq = static_cast<int32_t>(max_blocks);

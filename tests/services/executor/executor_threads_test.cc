@@ -18,7 +18,7 @@
 #include "services/executor/llama_model_cuda.h"
 #include "tests/support/status_matchers.h"
 
-namespace kvcm {
+namespace kvcm::executor {
 namespace {
 
 // Referenced, so that the linker keeps the CUDA forward's object and the libraries it needs.
@@ -49,4 +49,4 @@ TEST(ExecutorThreadsTest, TheMetricsServerStartsBesideTheModelLibrary) {
 }
 
 }  // namespace
-}  // namespace kvcm
+}  // namespace kvcm::executor

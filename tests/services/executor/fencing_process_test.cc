@@ -31,7 +31,7 @@
 #include "tests/support/subprocess.h"
 #include "tests/support/wait_for.h"
 
-namespace kvcm {
+namespace kvcm::executor {
 namespace {
 
 using ::kvcm::testing::CacheManagerOptions;
@@ -381,4 +381,4 @@ TEST_F(FencingProcessTest, KilledRoutersBlocksComeBackWhenItsHungExecutorDies) {
 }
 
 }  // namespace
-}  // namespace kvcm
+}  // namespace kvcm::executor

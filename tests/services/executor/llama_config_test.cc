@@ -8,7 +8,7 @@
 #include "nlohmann/json.hpp"
 #include "tests/support/status_matchers.h"
 
-namespace kvcm {
+namespace kvcm::executor {
 namespace {
 
 using ::testing::AllOf;
@@ -429,4 +429,4 @@ TEST(LlamaConfigTest, LoadNamesThePath) {
 }
 
 }  // namespace
-}  // namespace kvcm
+}  // namespace kvcm::executor

@@ -71,7 +71,7 @@
 #include "tests/support/subprocess.h"
 #include "tools/make_tiny_model/tiny_model.h"
 
-namespace kvcm {
+namespace kvcm::executor {
 namespace {
 
 using ::testing::HasSubstr;
@@ -578,4 +578,4 @@ TEST_F(LlamaCudaModelTest, RefusalsLeaveTheDevicePoolUntouched) {
 }
 
 }  // namespace
-}  // namespace kvcm
+}  // namespace kvcm::executor

@@ -17,7 +17,7 @@
 #include "tests/support/subprocess.h"
 #include "tools/make_tiny_model/tiny_model.h"
 
-namespace kvcm {
+namespace kvcm::executor {
 namespace {
 
 using ::testing::AllOf;
@@ -275,4 +275,4 @@ TEST(TinyModelTest, RejectsInconsistentOptions) {
 }
 
 }  // namespace
-}  // namespace kvcm
+}  // namespace kvcm::executor

@@ -37,7 +37,7 @@
 #include "tests/support/subprocess.h"
 #include "tools/make_tiny_model/tiny_model.h"
 
-namespace kvcm {
+namespace kvcm::executor {
 namespace {
 
 using ::testing::HasSubstr;
@@ -563,4 +563,4 @@ TEST(LlamaCudaModelCreateTest, Qwen3QkNormIsRefused) {
 }
 
 }  // namespace
-}  // namespace kvcm
+}  // namespace kvcm::executor

@@ -37,14 +37,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
   }
 
-  absl::StatusOr<kvcm::LlamaConfig> config = kvcm::ParseLlamaConfig(text);
+  absl::StatusOr<kvcm::executor::LlamaConfig> config = kvcm::executor::ParseLlamaConfig(text);
   if (!config.ok()) {
     Check(config.status().code() == absl::StatusCode::kInvalidArgument ||
               config.status().code() == absl::StatusCode::kUnimplemented,
           "ParseLlamaConfig refuses with INVALID_ARGUMENT or UNIMPLEMENTED");
     return 0;
   }
-  const kvcm::LlamaConfig& c = *config;
+  const kvcm::executor::LlamaConfig& c = *config;
   Check(c.vocab_size > 0 && c.hidden_size > 0 && c.intermediate_size > 0 &&
             c.num_hidden_layers > 0 && c.num_attention_heads > 0 && c.num_key_value_heads > 0 &&
             c.head_dim > 0,

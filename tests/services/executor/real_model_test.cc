@@ -38,7 +38,7 @@
 #include "nlohmann/json.hpp"
 #include "services/executor/llama_model.h"
 
-namespace kvcm {
+namespace kvcm::executor {
 namespace {
 
 using json = nlohmann::json;
@@ -283,4 +283,4 @@ INSTANTIATE_TEST_SUITE_P(MatMulPaths, RealModelTest,
                          });
 
 }  // namespace
-}  // namespace kvcm
+}  // namespace kvcm::executor

@@ -10,7 +10,7 @@
 #include "gtest/gtest.h"
 #include "tests/support/status_matchers.h"
 
-namespace kvcm {
+namespace kvcm::executor {
 namespace {
 
 using ::testing::HasSubstr;
@@ -213,4 +213,4 @@ TEST(SamplerTest, StopOnEosOrMaxTokens) {
 }
 
 }  // namespace
-}  // namespace kvcm
+}  // namespace kvcm::executor

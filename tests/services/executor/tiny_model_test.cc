@@ -32,7 +32,7 @@
 #error "KVCM_MAKE_TINY_MODEL_PATH must name the kvcm-make-tiny-model binary"
 #endif
 
-namespace kvcm {
+namespace kvcm::executor {
 namespace {
 
 using ::testing::HasSubstr;
@@ -385,4 +385,4 @@ TEST_F(TinyModelGenerationTest, SampledGenerationDependsOnlyOnTheRequestSeed) {
 }
 
 }  // namespace
-}  // namespace kvcm
+}  // namespace kvcm::executor

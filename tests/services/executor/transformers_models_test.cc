@@ -37,7 +37,7 @@
 #include "tests/support/status_matchers.h"
 #include "tests/support/subprocess.h"
 
-namespace kvcm {
+namespace kvcm::executor {
 namespace {
 
 using json = nlohmann::json;
@@ -345,4 +345,4 @@ TEST(TransformersModelsNegativeTest, MissingQkNormIsRefusedNamingTheTensor) {
 }
 
 }  // namespace
-}  // namespace kvcm
+}  // namespace kvcm::executor

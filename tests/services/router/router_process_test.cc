@@ -1031,7 +1031,7 @@ TEST_F(RouterProcessTest, MinTokensHoldsEosBackUntilThatManyTokensAreOut) {
         last[static_cast<size_t>(id)] = -std::numeric_limits<float>::infinity();
       }
     }
-    want.push_back(Greedy(last));
+    want.push_back(executor::Greedy(last));
     context.push_back(want.back());
     ended = std::find(eos.begin(), eos.end(), want.back()) != eos.end();
   }

@@ -54,7 +54,8 @@ class RouterStackTest : public ::testing::Test {
     dir_ = new TempDir(std::move(*dir));
     model_dir_ = new std::string(dir_->path() + "/tiny");
     ASSERT_THAT(kvcm::testing::MakeTinyModel(*model_dir_, kModelSeed), IsOk());
-    absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(*model_dir_);
+    absl::StatusOr<std::unique_ptr<executor::LlamaModel>> model =
+        executor::LlamaModel::Load(*model_dir_);
     ASSERT_THAT(model, IsOk());
     model_ = model->release();
   }
@@ -283,7 +284,7 @@ class RouterStackTest : public ::testing::Test {
 
   static inline TempDir* dir_ = nullptr;
   static inline std::string* model_dir_ = nullptr;
-  static inline LlamaModel* model_ = nullptr;
+  static inline executor::LlamaModel* model_ = nullptr;
   std::unique_ptr<CacheManagerProcess> cm_;
   std::unique_ptr<TempDir> log_;
   std::unique_ptr<Subprocess> router_;
@@ -318,26 +319,27 @@ struct ReferenceScores {
   std::vector<std::vector<std::pair<int32_t, float>>> top;  // top 3 of each
   std::vector<float> prompt;                                // of each prompt token after the first
 };
-inline ReferenceScores Score(const LlamaModel& model, std::vector<int32_t> context, int32_t n,
-                             const SamplingParams& penalties = {}) {
+inline ReferenceScores Score(const executor::LlamaModel& model, std::vector<int32_t> context,
+                             int32_t n, const SamplingParams& penalties = {}) {
   ReferenceScores out;
   const size_t vocab = static_cast<size_t>(model.config().vocab_size);
   const auto prompt_len = static_cast<int32_t>(context.size());
   absl::StatusOr<std::vector<float>> all = model.ForwardContiguous(context);
   if (!all.ok()) return out;
   for (size_t j = 1; j < context.size(); ++j) {
-    out.prompt.push_back(LogprobOf({all->data() + (j - 1) * vocab, vocab}, context[j]));
+    out.prompt.push_back(executor::LogprobOf({all->data() + (j - 1) * vocab, vocab}, context[j]));
   }
   for (int32_t i = 0; i < n; ++i) {
     absl::StatusOr<std::vector<float>> logits = model.ForwardContiguous(context);
     if (!logits.ok()) return out;
     std::vector<float> last(logits->end() - static_cast<std::ptrdiff_t>(vocab), logits->end());
-    ApplyPenalties(last, context, prompt_len, penalties);
-    const int32_t token = Greedy(last);
+    executor::ApplyPenalties(last, context, prompt_len, penalties);
+    const int32_t token = executor::Greedy(last);
     out.tokens.push_back(token);
-    out.logprobs.push_back(LogprobOf(last, token));
+    out.logprobs.push_back(executor::LogprobOf(last, token));
     auto& top = out.top.emplace_back();
-    for (const TokenLogprob& t : TopLogprobs(last, 3)) top.emplace_back(t.token, t.logprob);
+    for (const executor::TokenLogprob& t : executor::TopLogprobs(last, 3))
+      top.emplace_back(t.token, t.logprob);
     context.push_back(token);
   }
   return out;
