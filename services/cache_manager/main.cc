@@ -26,6 +26,7 @@
 #include "absl/time/clock.h"
 #include "common/base/command_line.h"
 #include "common/base/log.h"
+#include "common/base/status_macros.h"
 #include "common/base/termination_signals.h"
 #include "common/base/unique_fd.h"
 #include "common/block/block_hash.h"
@@ -374,6 +375,29 @@ void LogReady(const CacheManagerServer& server, const std::string& metrics_url,
   }
 }
 
+// --tcp-address, checked, as the endpoint to bind; empty without it.
+absl::StatusOr<std::string> TcpEndpointFromFlags() {
+  if (absl::GetFlag(FLAGS_tcp_address).empty()) return std::string();
+  KVCM_ASSIGN_OR_RETURN(TcpEndpoint tcp,
+                        CheckTcpEndpoint(absl::GetFlag(FLAGS_tcp_address), "--tcp-address",
+                                         absl::GetFlag(FLAGS_tcp_allow_remote)));
+  return tcp.BindEndpoint();
+}
+
+// What the metrics' info series says of the pool.
+CacheManagerMetrics::CacheInfo CacheInfoOf(const KvCacheSpec& spec, const PoolPlan& plan,
+                                           PoolBackend backend, HashAlgorithm hash_algorithm) {
+  CacheManagerMetrics::CacheInfo info;
+  info.num_blocks = static_cast<int32_t>(plan.num_blocks);
+  info.block_size = spec.block_size;
+  info.block_bytes = spec.BytesPerBlock();
+  info.pool_bytes = static_cast<uint64_t>(plan.pool_bytes);
+  info.dtype = std::string(DTypeName(spec.dtype));
+  info.backend = std::string(PoolBackendName(backend));
+  info.hash_algorithm = std::string(HashAlgorithmName(hash_algorithm));
+  return info;
+}
+
 int Main(const std::vector<config::Setting>& settings) {
   Log(config::Describe(settings, config::ConfigFilePath()));
   // Before any thread starts: see common/base/termination_signals.h.
@@ -403,13 +427,8 @@ int Main(const std::vector<config::Setting>& settings) {
   if (!plan.ok()) return fail(plan.status());
   auto hash_algorithm = ParseHashAlgorithm(absl::GetFlag(FLAGS_hash_algorithm));
   if (!hash_algorithm.ok()) return fail(hash_algorithm.status());
-  std::string tcp_endpoint;
-  if (!absl::GetFlag(FLAGS_tcp_address).empty()) {
-    auto tcp = CheckTcpEndpoint(absl::GetFlag(FLAGS_tcp_address), "--tcp-address",
-                                absl::GetFlag(FLAGS_tcp_allow_remote));
-    if (!tcp.ok()) return fail(tcp.status());
-    tcp_endpoint = tcp->BindEndpoint();
-  }
+  auto tcp_endpoint = TcpEndpointFromFlags();
+  if (!tcp_endpoint.ok()) return fail(tcp_endpoint.status());
 
   // Every flag is checked before anything is acquired (the lock, the pool, the port).
   absl::StatusOr<CacheManagerService::Options> service_options =
@@ -435,7 +454,7 @@ int Main(const std::vector<config::Setting>& settings) {
                                        : absl::GetFlag(FLAGS_run_dir);
   auto run_dir = RunDirectory::Acquire(run_dir_path);
   if (!run_dir.ok()) return fail(run_dir.status());
-  if (!tcp_endpoint.empty()) {
+  if (!tcp_endpoint->empty()) {
     auto secret = run_dir->CreateTcpSecret();
     if (!secret.ok()) return fail(secret.status());
     service.tcp_secret = *std::move(secret);
@@ -450,15 +469,7 @@ int Main(const std::vector<config::Setting>& settings) {
           : CreateShmPoolMemory(pool_bytes, "kvcm-pool");
   if (!memory.ok()) return fail(memory.status());
 
-  CacheManagerMetrics::CacheInfo info;
-  info.num_blocks = static_cast<int32_t>(plan->num_blocks);
-  info.block_size = spec->block_size;
-  info.block_bytes = spec->BytesPerBlock();
-  info.pool_bytes = pool_bytes;
-  info.dtype = std::string(DTypeName(spec->dtype));
-  info.backend = std::string(PoolBackendName(*backend));
-  info.hash_algorithm = std::string(HashAlgorithmName(*hash_algorithm));
-  CacheManagerMetrics metrics(info);
+  CacheManagerMetrics metrics(CacheInfoOf(*spec, *plan, *backend, *hash_algorithm));
   config::ExportInfoMetric(*metrics.registry(), "kvcm_cache_manager_config_info", settings,
                            config::ConfigFilePath());
   auto metrics_server =
@@ -468,7 +479,7 @@ int Main(const std::vector<config::Setting>& settings) {
   service.metrics_url = (*metrics_server)->url();
 
   CacheManagerServer::Options options;
-  options.tcp_endpoint = tcp_endpoint;
+  options.tcp_endpoint = *tcp_endpoint;
   options.hello_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_hello_timeout_ms));
   options.signal_fd = signal_fd.get();
   options.vllm_events = *vllm_events;

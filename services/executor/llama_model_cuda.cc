@@ -189,6 +189,93 @@ struct Activation {
   int64_t in = 0;
 };
 
+// A dequantized weight matrix `name` of `cols` columns rounded to `dtype` (kFloat16 or
+// kBFloat16), to nearest, ties to even (common/base/float16.h), as the kernels round
+// activations. INVALID_ARGUMENT naming the element when a finite fp32 value is beyond fp16's
+// range.
+absl::StatusOr<std::vector<uint16_t>> Narrow(const std::vector<float>& values, DType dtype,
+                                             const std::string& name, int64_t cols) {
+  std::vector<uint16_t> narrowed(values.size());
+  const bool half = dtype == DType::kFloat16;
+  for (size_t i = 0; i < values.size(); ++i) {
+    const float v = values[i];
+    narrowed[i] = half ? HalfFromFloat(v) : BFloat16FromFloat(v);
+    if (half && std::isfinite(v) && std::isinf(FloatFromHalf(narrowed[i]))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "weight ", name, "[", i / static_cast<size_t>(cols), "][", i % static_cast<size_t>(cols),
+          "] = ", v, " is beyond fp16's range (65504): use bf16 or fp32 weights on CUDA"));
+    }
+  }
+  return narrowed;
+}
+
+// Where each buffer of one forward step lies in its one scratch allocation: the batch's
+// integers first (copied up in one go), then the activations.
+struct StepScratch {
+  uint64_t tokens = 0, positions = 0, query_lens = 0, context_lens = 0, tables = 0, slots = 0,
+           logit_rows = 0;
+  uint64_t integer_bytes = 0;  // the integers', from offset 0
+  uint64_t x = 0, normed = 0, q = 0, k = 0, v = 0, attn = 0, proj = 0, gate = 0, up = 0, picked = 0,
+           picked_normed = 0, logits = 0;
+  uint64_t narrowed = 0;  // the 16-bit copy of a product's input (Prepare): the widest of them
+  uint64_t total = 0;
+};
+
+StepScratch PlanStepScratch(const LlamaConfig& c, const ForwardBatch& batch, const TokenPlan& plan,
+                            bool narrows) {
+  const int64_t rows = static_cast<int64_t>(batch.token_ids.size());
+  const int64_t num_seqs = static_cast<int64_t>(batch.query_lens.size());
+  const int64_t num_logits = static_cast<int64_t>(plan.logit_rows.size());
+  const int64_t h = c.hidden_size;
+  const int64_t q_width = int64_t{c.num_attention_heads} * c.head_dim;
+  const int64_t kv_width = int64_t{c.num_key_value_heads} * c.head_dim;
+  const int64_t inter = c.intermediate_size;
+  Carver carver;
+  StepScratch at;
+  at.tokens = carver.Take<int32_t>(rows);
+  at.positions = carver.Take<int32_t>(rows);
+  at.query_lens = carver.Take<int32_t>(num_seqs);
+  at.context_lens = carver.Take<int32_t>(num_seqs);
+  at.tables = carver.Take<int32_t>(static_cast<int64_t>(batch.block_tables.size()));
+  at.slots = carver.Take<int64_t>(rows);
+  at.logit_rows = carver.Take<int64_t>(num_logits);
+  at.integer_bytes = carver.total();
+  at.x = carver.Take<float>(rows * h);
+  at.normed = carver.Take<float>(rows * h);
+  at.q = carver.Take<float>(rows * q_width);
+  at.k = carver.Take<float>(rows * kv_width);
+  at.v = carver.Take<float>(rows * kv_width);
+  at.attn = carver.Take<float>(rows * q_width);
+  at.proj = carver.Take<float>(rows * h);
+  at.gate = carver.Take<float>(rows * inter);
+  at.up = carver.Take<float>(rows * inter);
+  at.picked = carver.Take<float>(num_logits * h);
+  at.picked_normed = carver.Take<float>(num_logits * h);
+  at.logits = carver.Take<float>(num_logits * c.vocab_size);
+  const int64_t narrowed_elements =
+      std::max({rows * h, rows * q_width, rows * inter, num_logits * h});
+  at.narrowed = carver.Take<uint16_t>(narrows ? narrowed_elements : 0);
+  at.total = carver.total();
+  return at;
+}
+
+// The batch's integers where `at` puts them, for one copy to the device.
+std::vector<uint8_t> StageIntegers(const StepScratch& at, const ForwardBatch& batch,
+                                   const TokenPlan& plan) {
+  std::vector<uint8_t> staging(at.integer_bytes, 0);
+  auto stage = [&](uint64_t offset, const auto& values) {
+    std::memcpy(staging.data() + offset, values.data(), values.size() * sizeof(*values.data()));
+  };
+  stage(at.tokens, batch.token_ids);
+  stage(at.positions, plan.positions);
+  stage(at.query_lens, batch.query_lens);
+  stage(at.context_lens, batch.context_lens);
+  stage(at.tables, batch.block_tables);
+  stage(at.slots, plan.slots);
+  stage(at.logit_rows, plan.logit_rows);
+  return staging;
+}
+
 }  // namespace
 
 class LlamaCudaModel::Impl {
@@ -208,6 +295,8 @@ class LlamaCudaModel::Impl {
   }
 
   absl::Status Upload();
+  // The cuBLAS handle, bound to stream_, and its workspace (bf16 and fp16 weights).
+  absl::Status CreateCublas();
   absl::Status Forward(const ForwardBatch& batch, const PoolView& pool, std::vector<float>* logits,
                        LogitsScope scope);
   absl::Status CopyBlocks(const PoolView& pool, std::span<const kernels::BlockCopy> copies);
@@ -218,6 +307,25 @@ class LlamaCudaModel::Impl {
 
  private:
   absl::Status CheckDevicePool(const PoolView& pool) const;
+  // One step's device buffers, in its scratch allocation (StepScratch).
+  struct LayerBuffers {
+    float* x;
+    float* normed;
+    float* q;
+    float* k;
+    float* v;
+    float* attn;
+    float* proj;
+    float* gate;
+    float* up;
+    const int32_t* positions;
+    const int64_t* slots;
+    uint16_t* narrowed;
+  };
+  // Decoder layer `l` over the step's `rows` tokens: enqueues its kernels and products on
+  // stream_, its K/V into the pool. REQUIRES: mu_ held.
+  absl::Status RunLayer(int32_t l, const LayerBuffers& b, int64_t rows,
+                        const kernels::PagedAttentionBatch& attention, const PoolView& pool);
   // x as the products read it; `scratch` holds rows * in 16-bit elements (unused with fp32
   // weights). Enqueues the rounding on the stream.
   Activation Prepare(const float* x, int64_t rows, int64_t in, uint16_t* scratch) const;
@@ -240,6 +348,18 @@ class LlamaCudaModel::Impl {
   const double* inv_freq_ = nullptr;
   std::vector<DeviceLayer> layers_;
 };
+
+absl::Status LlamaCudaModel::Impl::CreateCublas() {
+  // One handle for this object, bound to its stream, with its own workspace: every product
+  // is enqueued on stream_ under mu_, and nothing else uses the handle.
+  KVCM_ASSIGN_OR_RETURN(cublas_api_, LoadCublas());
+  KVCM_RETURN_IF_CUBLAS_ERROR(cublas_api_->create(&cublas_));
+  KVCM_RETURN_IF_CUBLAS_ERROR(cublas_api_->set_stream(cublas_, stream_));
+  KVCM_RETURN_IF_CUDA_ERROR(cudaMalloc(&cublas_workspace_, kCublasWorkspaceBytes));
+  KVCM_RETURN_IF_CUBLAS_ERROR(
+      cublas_api_->set_workspace(cublas_, cublas_workspace_, kCublasWorkspaceBytes));
+  return absl::OkStatus();
+}
 
 absl::Status LlamaCudaModel::Impl::Upload() {
   const LlamaWeights& w = model_.weights();
@@ -310,20 +430,8 @@ absl::Status LlamaCudaModel::Impl::Upload() {
       dequantized = p.matrix->Dequantize();
       host = dequantized.data();
       if (uses_cublas) {
-        // Rounded to nearest, ties to even (common/base/float16.h), as the kernels round
-        // activations.
-        narrowed.resize(dequantized.size());
-        const bool half = weight_dtype_ == DType::kFloat16;
-        for (size_t i = 0; i < dequantized.size(); ++i) {
-          const float v = dequantized[i];
-          narrowed[i] = half ? HalfFromFloat(v) : BFloat16FromFloat(v);
-          if (half && std::isfinite(v) && std::isinf(FloatFromHalf(narrowed[i]))) {
-            return absl::InvalidArgumentError(
-                absl::StrCat("weight ", p.name, "[", i / static_cast<size_t>(p.matrix->cols()),
-                             "][", i % static_cast<size_t>(p.matrix->cols()), "] = ", v,
-                             " is beyond fp16's range (65504): use bf16 or fp32 weights on CUDA"));
-          }
-        }
+        KVCM_ASSIGN_OR_RETURN(narrowed,
+                              Narrow(dequantized, weight_dtype_, p.name, p.matrix->cols()));
         host = narrowed.data();
       }
     }
@@ -331,16 +439,7 @@ absl::Status LlamaCudaModel::Impl::Upload() {
         cudaMemcpy(weights_ + p.offset, host, p.bytes, cudaMemcpyHostToDevice));
   }
   KVCM_RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-  if (uses_cublas) {
-    // One handle for this object, bound to its stream, with its own workspace: every product
-    // is enqueued on stream_ under mu_, and nothing else uses the handle.
-    KVCM_ASSIGN_OR_RETURN(cublas_api_, LoadCublas());
-    KVCM_RETURN_IF_CUBLAS_ERROR(cublas_api_->create(&cublas_));
-    KVCM_RETURN_IF_CUBLAS_ERROR(cublas_api_->set_stream(cublas_, stream_));
-    KVCM_RETURN_IF_CUDA_ERROR(cudaMalloc(&cublas_workspace_, kCublasWorkspaceBytes));
-    KVCM_RETURN_IF_CUBLAS_ERROR(
-        cublas_api_->set_workspace(cublas_, cublas_workspace_, kCublasWorkspaceBytes));
-  }
+  if (uses_cublas) KVCM_RETURN_IF_ERROR(CreateCublas());
 
   auto at = [&](uint64_t offset) -> const float* {
     return offset == kNone ? nullptr : reinterpret_cast<const float*>(weights_ + offset);
@@ -414,6 +513,47 @@ absl::Status LlamaCudaModel::Impl::CheckDevicePool(const PoolView& pool) const {
   return model_.CheckPool(pool);
 }
 
+absl::Status LlamaCudaModel::Impl::RunLayer(int32_t l, const LayerBuffers& b, int64_t rows,
+                                            const kernels::PagedAttentionBatch& attention,
+                                            const PoolView& pool) {
+  const LlamaConfig& c = model_.config();
+  const int64_t h = c.hidden_size;
+  const int64_t q_width = int64_t{c.num_attention_heads} * c.head_dim;
+  const int64_t kv_width = int64_t{c.num_key_value_heads} * c.head_dim;
+  const int64_t inter = c.intermediate_size;
+  void* const s = stream_;
+  const DeviceLayer& layer = layers_[static_cast<size_t>(l)];
+  // Attention inputs (LlamaModel::AttentionInputs), biases before RoPE as there.
+  llama_cuda::RmsNorm(b.x, rows, h, layer.input_norm, c.rms_norm_eps, b.normed, s);
+  const Activation attention_in = Prepare(b.normed, rows, h, b.narrowed);
+  KVCM_RETURN_IF_ERROR(MatMul(attention_in, layer.q_proj, q_width, b.q));
+  KVCM_RETURN_IF_ERROR(MatMul(attention_in, layer.k_proj, kv_width, b.k));
+  KVCM_RETURN_IF_ERROR(MatMul(attention_in, layer.v_proj, kv_width, b.v));
+  if (layer.q_bias != nullptr) llama_cuda::AddBias(b.q, rows, q_width, layer.q_bias, s);
+  if (layer.k_bias != nullptr) llama_cuda::AddBias(b.k, rows, kv_width, layer.k_bias, s);
+  if (layer.v_bias != nullptr) llama_cuda::AddBias(b.v, rows, kv_width, layer.v_bias, s);
+  llama_cuda::Rope(b.q, rows, c.num_attention_heads, c.head_dim, b.positions, inv_freq_, s);
+  llama_cuda::Rope(b.k, rows, c.num_key_value_heads, c.head_dim, b.positions, inv_freq_, s);
+  // The pool.
+  KVCM_ASSIGN_OR_RETURN(const kernels::PagedKvView view,
+                        kernels::LayerView(pool.base, pool.layout, pool.spec, l));
+  kernels::cuda::WriteKv(view, b.k, b.v, b.slots, static_cast<int32_t>(rows), s);
+  kernels::cuda::PagedAttention(view, attention, b.q, b.attn, s);
+  // Output projection and MLP (LlamaModel::AttentionOutputAndMlp).
+  KVCM_RETURN_IF_ERROR(MatMul(Prepare(b.attn, rows, q_width, b.narrowed), layer.o_proj, h, b.proj));
+  if (layer.o_bias != nullptr) llama_cuda::AddBias(b.proj, rows, h, layer.o_bias, s);
+  llama_cuda::Add(b.x, b.proj, rows * h, s);
+  llama_cuda::RmsNorm(b.x, rows, h, layer.post_norm, c.rms_norm_eps, b.normed, s);
+  const Activation mlp_in = Prepare(b.normed, rows, h, b.narrowed);
+  KVCM_RETURN_IF_ERROR(MatMul(mlp_in, layer.gate_proj, inter, b.gate));
+  KVCM_RETURN_IF_ERROR(MatMul(mlp_in, layer.up_proj, inter, b.up));
+  llama_cuda::SiluMul(b.gate, b.up, rows * inter, s);
+  KVCM_RETURN_IF_ERROR(
+      MatMul(Prepare(b.gate, rows, inter, b.narrowed), layer.down_proj, h, b.proj));
+  llama_cuda::Add(b.x, b.proj, rows * h, s);
+  return absl::OkStatus();
+}
+
 absl::Status LlamaCudaModel::Impl::Forward(const ForwardBatch& batch, const PoolView& pool,
                                            std::vector<float>* logits, LogitsScope scope) {
   KVCM_CHECK(logits != nullptr);
@@ -422,124 +562,49 @@ absl::Status LlamaCudaModel::Impl::Forward(const ForwardBatch& batch, const Pool
   const LlamaConfig& c = model_.config();
   const TokenPlan plan = PlanTokens(batch, pool.spec.block_size, scope);
   const int64_t rows = static_cast<int64_t>(batch.token_ids.size());
-  const int64_t num_seqs = static_cast<int64_t>(batch.query_lens.size());
-  const int64_t table_size = static_cast<int64_t>(batch.block_tables.size());
   const int64_t num_logits = static_cast<int64_t>(plan.logit_rows.size());
   const int64_t h = c.hidden_size;
-  const int64_t q_width = int64_t{c.num_attention_heads} * c.head_dim;
-  const int64_t kv_width = int64_t{c.num_key_value_heads} * c.head_dim;
-  const int64_t inter = c.intermediate_size;
   const int64_t vocab = c.vocab_size;
-
-  // One scratch allocation: the batch's integers first (copied up in one go), then the
-  // activations.
-  Carver carver;
-  const uint64_t o_tokens = carver.Take<int32_t>(rows);
-  const uint64_t o_positions = carver.Take<int32_t>(rows);
-  const uint64_t o_query_lens = carver.Take<int32_t>(num_seqs);
-  const uint64_t o_context_lens = carver.Take<int32_t>(num_seqs);
-  const uint64_t o_tables = carver.Take<int32_t>(table_size);
-  const uint64_t o_slots = carver.Take<int64_t>(rows);
-  const uint64_t o_logit_rows = carver.Take<int64_t>(num_logits);
-  const uint64_t integer_bytes = carver.total();
-  const uint64_t o_x = carver.Take<float>(rows * h);
-  const uint64_t o_normed = carver.Take<float>(rows * h);
-  const uint64_t o_q = carver.Take<float>(rows * q_width);
-  const uint64_t o_k = carver.Take<float>(rows * kv_width);
-  const uint64_t o_v = carver.Take<float>(rows * kv_width);
-  const uint64_t o_attn = carver.Take<float>(rows * q_width);
-  const uint64_t o_proj = carver.Take<float>(rows * h);
-  const uint64_t o_gate = carver.Take<float>(rows * inter);
-  const uint64_t o_up = carver.Take<float>(rows * inter);
-  const uint64_t o_picked = carver.Take<float>(num_logits * h);
-  const uint64_t o_picked_normed = carver.Take<float>(num_logits * h);
-  const uint64_t o_logits = carver.Take<float>(num_logits * vocab);
-  // The 16-bit copy of a product's input (Prepare): the widest of them.
-  const bool narrows = weight_dtype_ != DType::kFloat32;
-  const int64_t narrowed_elements =
-      std::max({rows * h, rows * q_width, rows * inter, num_logits * h});
-  const uint64_t o_narrowed = carver.Take<uint16_t>(narrows ? narrowed_elements : 0);
-
-  std::vector<uint8_t> staging(integer_bytes, 0);
-  auto stage = [&](uint64_t offset, const auto& values) {
-    std::memcpy(staging.data() + offset, values.data(), values.size() * sizeof(*values.data()));
-  };
-  stage(o_tokens, batch.token_ids);
-  stage(o_positions, plan.positions);
-  stage(o_query_lens, batch.query_lens);
-  stage(o_context_lens, batch.context_lens);
-  stage(o_tables, batch.block_tables);
-  stage(o_slots, plan.slots);
-  stage(o_logit_rows, plan.logit_rows);
+  const StepScratch at = PlanStepScratch(c, batch, plan, weight_dtype_ != DType::kFloat32);
+  const std::vector<uint8_t> staging = StageIntegers(at, batch, plan);
 
   std::lock_guard<std::mutex> lock(mu_);
   KVCM_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
   void* const s = stream_;
   StreamBuffer scratch(stream_);
-  KVCM_RETURN_IF_ERROR(scratch.Allocate(carver.total()));
-  KVCM_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(scratch.At<uint8_t>(0), staging.data(), integer_bytes,
-                                            cudaMemcpyHostToDevice, stream_));
-  float* const x = scratch.At<float>(o_x);
-  float* const normed = scratch.At<float>(o_normed);
-  float* const q = scratch.At<float>(o_q);
-  float* const k = scratch.At<float>(o_k);
-  float* const v = scratch.At<float>(o_v);
-  float* const attn = scratch.At<float>(o_attn);
-  float* const proj = scratch.At<float>(o_proj);
-  float* const gate = scratch.At<float>(o_gate);
-  float* const up = scratch.At<float>(o_up);
-  const int32_t* const positions = scratch.At<int32_t>(o_positions);
-  uint16_t* const narrowed = scratch.At<uint16_t>(o_narrowed);
+  KVCM_RETURN_IF_ERROR(scratch.Allocate(at.total));
+  KVCM_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(scratch.At<uint8_t>(0), staging.data(),
+                                            at.integer_bytes, cudaMemcpyHostToDevice, stream_));
+  const LayerBuffers buffers{scratch.At<float>(at.x),       scratch.At<float>(at.normed),
+                             scratch.At<float>(at.q),       scratch.At<float>(at.k),
+                             scratch.At<float>(at.v),       scratch.At<float>(at.attn),
+                             scratch.At<float>(at.proj),    scratch.At<float>(at.gate),
+                             scratch.At<float>(at.up),      scratch.At<int32_t>(at.positions),
+                             scratch.At<int64_t>(at.slots), scratch.At<uint16_t>(at.narrowed)};
 
   kernels::PagedAttentionBatch attention;
-  attention.num_seqs = static_cast<int32_t>(num_seqs);
+  attention.num_seqs = static_cast<int32_t>(batch.query_lens.size());
   attention.num_q_heads = c.num_attention_heads;
-  attention.query_lens = scratch.At<int32_t>(o_query_lens);
-  attention.context_lens = scratch.At<int32_t>(o_context_lens);
-  attention.block_tables = scratch.At<int32_t>(o_tables);
+  attention.query_lens = scratch.At<int32_t>(at.query_lens);
+  attention.context_lens = scratch.At<int32_t>(at.context_lens);
+  attention.block_tables = scratch.At<int32_t>(at.tables);
   attention.max_blocks_per_seq = batch.max_blocks_per_seq;
   attention.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
   attention.max_query_len = *std::max_element(batch.query_lens.begin(), batch.query_lens.end());
 
-  llama_cuda::Embed(scratch.At<int32_t>(o_tokens), rows, embed_tokens_, weight_dtype_, h, x, s);
+  llama_cuda::Embed(scratch.At<int32_t>(at.tokens), rows, embed_tokens_, weight_dtype_, h,
+                    buffers.x, s);
   for (int32_t l = 0; l < c.num_hidden_layers; ++l) {
-    const DeviceLayer& layer = layers_[static_cast<size_t>(l)];
-    // Attention inputs (LlamaModel::AttentionInputs), biases before RoPE as there.
-    llama_cuda::RmsNorm(x, rows, h, layer.input_norm, c.rms_norm_eps, normed, s);
-    const Activation attention_in = Prepare(normed, rows, h, narrowed);
-    KVCM_RETURN_IF_ERROR(MatMul(attention_in, layer.q_proj, q_width, q));
-    KVCM_RETURN_IF_ERROR(MatMul(attention_in, layer.k_proj, kv_width, k));
-    KVCM_RETURN_IF_ERROR(MatMul(attention_in, layer.v_proj, kv_width, v));
-    if (layer.q_bias != nullptr) llama_cuda::AddBias(q, rows, q_width, layer.q_bias, s);
-    if (layer.k_bias != nullptr) llama_cuda::AddBias(k, rows, kv_width, layer.k_bias, s);
-    if (layer.v_bias != nullptr) llama_cuda::AddBias(v, rows, kv_width, layer.v_bias, s);
-    llama_cuda::Rope(q, rows, c.num_attention_heads, c.head_dim, positions, inv_freq_, s);
-    llama_cuda::Rope(k, rows, c.num_key_value_heads, c.head_dim, positions, inv_freq_, s);
-    // The pool.
-    KVCM_ASSIGN_OR_RETURN(const kernels::PagedKvView view,
-                          kernels::LayerView(pool.base, pool.layout, pool.spec, l));
-    kernels::cuda::WriteKv(view, k, v, scratch.At<int64_t>(o_slots), static_cast<int32_t>(rows), s);
-    kernels::cuda::PagedAttention(view, attention, q, attn, s);
-    // Output projection and MLP (LlamaModel::AttentionOutputAndMlp).
-    KVCM_RETURN_IF_ERROR(MatMul(Prepare(attn, rows, q_width, narrowed), layer.o_proj, h, proj));
-    if (layer.o_bias != nullptr) llama_cuda::AddBias(proj, rows, h, layer.o_bias, s);
-    llama_cuda::Add(x, proj, rows * h, s);
-    llama_cuda::RmsNorm(x, rows, h, layer.post_norm, c.rms_norm_eps, normed, s);
-    const Activation mlp_in = Prepare(normed, rows, h, narrowed);
-    KVCM_RETURN_IF_ERROR(MatMul(mlp_in, layer.gate_proj, inter, gate));
-    KVCM_RETURN_IF_ERROR(MatMul(mlp_in, layer.up_proj, inter, up));
-    llama_cuda::SiluMul(gate, up, rows * inter, s);
-    KVCM_RETURN_IF_ERROR(MatMul(Prepare(gate, rows, inter, narrowed), layer.down_proj, h, proj));
-    llama_cuda::Add(x, proj, rows * h, s);
+    KVCM_RETURN_IF_ERROR(RunLayer(l, buffers, rows, attention, pool));
   }
   // Final norm and LM head for the chosen rows (LlamaModel::Logits).
-  float* const picked = scratch.At<float>(o_picked);
-  float* const picked_normed = scratch.At<float>(o_picked_normed);
-  float* const device_logits = scratch.At<float>(o_logits);
-  llama_cuda::GatherRows(x, scratch.At<int64_t>(o_logit_rows), num_logits, h, picked, s);
+  float* const picked = scratch.At<float>(at.picked);
+  float* const picked_normed = scratch.At<float>(at.picked_normed);
+  float* const device_logits = scratch.At<float>(at.logits);
+  llama_cuda::GatherRows(buffers.x, scratch.At<int64_t>(at.logit_rows), num_logits, h, picked, s);
   llama_cuda::RmsNorm(picked, num_logits, h, final_norm_, c.rms_norm_eps, picked_normed, s);
   KVCM_RETURN_IF_ERROR(
-      MatMul(Prepare(picked_normed, num_logits, h, narrowed), head_, vocab, device_logits));
+      MatMul(Prepare(picked_normed, num_logits, h, buffers.narrowed), head_, vocab, device_logits));
   logits->assign(static_cast<size_t>(num_logits * vocab), 0.0f);
   KVCM_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(logits->data(), device_logits,
                                             logits->size() * sizeof(float), cudaMemcpyDeviceToHost,

@@ -28,6 +28,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "common/base/check.h"
 #include "common/base/command_line.h"
 #include "common/base/log.h"
 #include "common/base/run_dir.h"
@@ -99,6 +100,84 @@ std::string ModelName(const std::string& folder) {
   return std::string(absl::StripSuffix(path, ".gguf"));
 }
 
+// The flags' values that need checking beyond their types: --model given, --run-dir or
+// --cache-manager, non-negative counts, --matmul and --cuda-weight-dtype known. INVALID_ARGUMENT
+// naming the flag.
+absl::Status CheckFlags() {
+  if (absl::GetFlag(FLAGS_model).empty()) {
+    return absl::InvalidArgumentError("--model (a folder or a GGUF file) is required");
+  }
+  if (!absl::GetFlag(FLAGS_run_dir).empty() && !absl::GetFlag(FLAGS_cache_manager).empty()) {
+    return absl::InvalidArgumentError("give --run-dir or --cache-manager, not both");
+  }
+  if (absl::GetFlag(FLAGS_fault_layer_delay_ms) < 0) {
+    return absl::InvalidArgumentError("--fault-layer-delay-ms must be >= 0");
+  }
+  if (absl::GetFlag(FLAGS_threads) < 0) {
+    return absl::InvalidArgumentError("--threads must be >= 0");
+  }
+  kernels::MatMulPath matmul_path;
+  if (!kernels::ParseMatMulPath(absl::GetFlag(FLAGS_matmul), &matmul_path)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--matmul must be int8 or fp32, got \"", absl::GetFlag(FLAGS_matmul), "\""));
+  }
+  const absl::StatusOr<DType> dtype = ParseDType(absl::GetFlag(FLAGS_cuda_weight_dtype));
+  if (!dtype.ok() ||
+      (*dtype != DType::kBFloat16 && *dtype != DType::kFloat16 && *dtype != DType::kFloat32)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--cuda-weight-dtype must be bf16, fp16 or fp32, got \"",
+                     absl::GetFlag(FLAGS_cuda_weight_dtype), "\""));
+  }
+  return absl::OkStatus();
+}
+
+// Where this executor finds its peers, and its name, from the flags (after CheckFlags).
+struct Peers {
+  std::string cache_manager;  // the cache manager's request endpoint
+  std::string router;         // the router's executor endpoint
+  std::string name;
+};
+
+Peers PeersFromFlags() {
+  const std::string run_dir = std::string(absl::StripSuffix(absl::GetFlag(FLAGS_run_dir).empty()
+                                                                ? DefaultRunDirFromEnvironment()
+                                                                : absl::GetFlag(FLAGS_run_dir),
+                                                            "/"));
+  Peers peers;
+  peers.cache_manager = absl::GetFlag(FLAGS_cache_manager).empty()
+                            ? IpcEndpointIn(run_dir, kCacheManagerSocket)
+                            : absl::GetFlag(FLAGS_cache_manager);
+  peers.router = absl::GetFlag(FLAGS_router).empty()
+                     ? IpcEndpointIn(run_dir, kRouterExecutorsSocket)
+                     : absl::GetFlag(FLAGS_router);
+  peers.name = absl::GetFlag(FLAGS_name).empty() ? absl::StrCat("executor-", ::getpid())
+                                                 : absl::GetFlag(FLAGS_name);
+  return peers;
+}
+
+// The service's options: its names, the metrics URL it announces, the fault delay, and the
+// tokens that end generation as the router reads them (generation_config.json's too), which
+// min_tokens holds back (docs/executor.md, "Sampling").
+ExecutorService::Options ServiceOptionsFromFlags(const std::string& name,
+                                                 const std::string& metrics_url) {
+  const std::string folder = absl::GetFlag(FLAGS_model);
+  ExecutorService::Options options;
+  options.name = name;
+  options.model_name = ModelName(folder);
+  options.metrics_url = metrics_url;
+  options.pid = static_cast<int32_t>(::getpid());
+  options.fault_layer_delay = absl::Milliseconds(absl::GetFlag(FLAGS_fault_layer_delay_ms));
+  if (absl::StatusOr<std::vector<int32_t>> ends = ReadEndTokenIds(folder); ends.ok()) {
+    options.end_token_ids = *std::move(ends);
+  } else {
+    Log(absl::StrCat("min_tokens holds back config.json's EOS ids only: ",
+                     ends.status().ToString()));
+  }
+  return options;
+}
+
+// Runs the executor: checks the flags, then 1. loads the model, 2. serves its metrics,
+// 3. attaches the cache manager's pool, 4. serves the router until a signal or a fatal error.
 int Main(const std::vector<config::Setting>& settings) {
   Log(config::Describe(settings, config::ConfigFilePath()));
   // Before any thread starts (the model's workers, ZeroMQ's I/O threads, the metrics
@@ -113,53 +192,18 @@ int Main(const std::vector<config::Setting>& settings) {
     Log(absl::StrCat("error: ", std::string(what), status.message()));
     return 1;
   };
-
+  if (absl::Status flags = CheckFlags(); !flags.ok()) return fail("", flags);
   const std::string folder = absl::GetFlag(FLAGS_model);
-  if (folder.empty())
-    return fail("", absl::InvalidArgumentError("--model (a folder or a GGUF file) is required"));
-  if (!absl::GetFlag(FLAGS_run_dir).empty() && !absl::GetFlag(FLAGS_cache_manager).empty()) {
-    return fail("", absl::InvalidArgumentError("give --run-dir or --cache-manager, not both"));
-  }
-  if (absl::GetFlag(FLAGS_fault_layer_delay_ms) < 0) {
-    return fail("", absl::InvalidArgumentError("--fault-layer-delay-ms must be >= 0"));
-  }
-  if (absl::GetFlag(FLAGS_threads) < 0) {
-    return fail("", absl::InvalidArgumentError("--threads must be >= 0"));
-  }
-  kernels::MatMulPath matmul_path;
-  if (!kernels::ParseMatMulPath(absl::GetFlag(FLAGS_matmul), &matmul_path)) {
-    return fail("", absl::InvalidArgumentError(absl::StrCat("--matmul must be int8 or fp32, got \"",
-                                                            absl::GetFlag(FLAGS_matmul), "\"")));
-  }
-  LlamaCudaModelOptions cuda_options;
-  {
-    const absl::StatusOr<DType> dtype = ParseDType(absl::GetFlag(FLAGS_cuda_weight_dtype));
-    if (!dtype.ok() ||
-        (*dtype != DType::kBFloat16 && *dtype != DType::kFloat16 && *dtype != DType::kFloat32)) {
-      return fail("", absl::InvalidArgumentError(
-                          absl::StrCat("--cuda-weight-dtype must be bf16, fp16 or fp32, got \"",
-                                       absl::GetFlag(FLAGS_cuda_weight_dtype), "\"")));
-    }
-    cuda_options.weight_dtype = *dtype;
-  }
-  const std::string run_dir = std::string(absl::StripSuffix(absl::GetFlag(FLAGS_run_dir).empty()
-                                                                ? DefaultRunDirFromEnvironment()
-                                                                : absl::GetFlag(FLAGS_run_dir),
-                                                            "/"));
-  const std::string cache_manager = absl::GetFlag(FLAGS_cache_manager).empty()
-                                        ? IpcEndpointIn(run_dir, kCacheManagerSocket)
-                                        : absl::GetFlag(FLAGS_cache_manager);
-  const std::string router = absl::GetFlag(FLAGS_router).empty()
-                                 ? IpcEndpointIn(run_dir, kRouterExecutorsSocket)
-                                 : absl::GetFlag(FLAGS_router);
-  const std::string name = absl::GetFlag(FLAGS_name).empty() ? absl::StrCat("executor-", ::getpid())
-                                                             : absl::GetFlag(FLAGS_name);
+  const Peers peers = PeersFromFlags();
+  const std::string& cache_manager = peers.cache_manager;
+  const std::string& router = peers.router;
+  const std::string& name = peers.name;
 
   // 1. The model: a bad folder fails here with the loader's message (file, tensor, shape).
   const absl::Time load_start = absl::Now();
   LlamaModelOptions model_options;
   model_options.num_threads = absl::GetFlag(FLAGS_threads);
-  model_options.matmul = matmul_path;
+  KVCM_CHECK(kernels::ParseMatMulPath(absl::GetFlag(FLAGS_matmul), &model_options.matmul));
   absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(folder, model_options);
   if (!model.ok()) {
     return fail(absl::StrCat("cannot load the model from ", folder, ": "), model.status());
@@ -188,6 +232,8 @@ int Main(const std::vector<config::Setting>& settings) {
   pool_options.client.secret_file = absl::GetFlag(FLAGS_cache_manager_secret_file);
   pool_options.client.call_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_call_timeout_ms));
   pool_options.model = {config.num_hidden_layers, config.num_key_value_heads, config.head_dim};
+  LlamaCudaModelOptions cuda_options;
+  cuda_options.weight_dtype = *ParseDType(absl::GetFlag(FLAGS_cuda_weight_dtype));
   ExecutorModel executor_model(model->get(), cuda_options);
   pool_options.accept = [&executor_model](const PoolView& view) {
     const bool copied_before = executor_model.cuda() != nullptr;
@@ -209,20 +255,8 @@ int Main(const std::vector<config::Setting>& settings) {
   const PoolView& attached = *(*pool)->pool();
 
   // 4. The router.
-  ExecutorService::Options service_options;
-  service_options.name = name;
-  service_options.model_name = ModelName(folder);
-  service_options.metrics_url = (*metrics_server)->url();
-  service_options.pid = static_cast<int32_t>(::getpid());
-  service_options.fault_layer_delay = absl::Milliseconds(absl::GetFlag(FLAGS_fault_layer_delay_ms));
-  // The tokens that end generation as the router reads them (generation_config.json's too):
-  // min_tokens holds them all back (docs/executor.md, "Sampling").
-  if (absl::StatusOr<std::vector<int32_t>> ends = ReadEndTokenIds(folder); ends.ok()) {
-    service_options.end_token_ids = *std::move(ends);
-  } else {
-    Log(absl::StrCat("min_tokens holds back config.json's EOS ids only: ",
-                     ends.status().ToString()));
-  }
+  const ExecutorService::Options service_options =
+      ServiceOptionsFromFlags(name, (*metrics_server)->url());
   ExecutorService service(service_options, &executor_model, pool->get(), &metrics);
   ExecutorServer::Options server_options;
   server_options.router_endpoint = router;
