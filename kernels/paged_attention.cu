@@ -64,6 +64,7 @@ struct Params {
   const int32_t* block_tables;
   int32_t max_blocks_per_seq;
   float scale;
+  int32_t sliding_window;  // 0: full causal attention
   const float* query;
   float* out;
   float* partials;  // [seq][q head][partition][2 + head_dim]
@@ -230,6 +231,11 @@ __global__ void __launch_bounds__(kThreads, 3) AttentionKernel(Params prm) {
     if (split) {
       begin = part * prm.partition_size;
       end = min(end, begin + prm.partition_size);
+    }
+    // A sliding window: nothing before its first position is read (a partition wholly before
+    // it stays empty, and its partial state weighs nothing in MergeKernel).
+    if (prm.sliding_window > 0) {
+      begin = max(begin, context_len - query_len + q + 1 - prm.sliding_window);
     }
 
     for (int i = tid; i < gc * head_dim; i += kThreads) {
@@ -493,6 +499,7 @@ void PagedAttention(const PagedKvView& view, const PagedAttentionBatch& batch, c
   prm.block_tables = batch.block_tables;
   prm.max_blocks_per_seq = batch.max_blocks_per_seq;
   prm.scale = batch.scale;
+  prm.sliding_window = batch.sliding_window;
   prm.query = query;
   prm.out = out;
 

@@ -6,7 +6,11 @@
 // block_tables[i * max_blocks_per_seq + j], j = 0 .. ceil(context_lens[i] / block_size) - 1.
 // Its query_lens[i] new tokens are the LAST query_lens[i] of its context: query token q
 // (0-based among the new ones) sits at position p = context_lens[i] - query_lens[i] + q and
-// attends causally to positions 0 .. p.
+// attends causally to positions 0 .. p; with a sliding window of W tokens
+// (batch.sliding_window = W > 0) to positions max(0, p - W + 1) .. p only, as Hugging Face
+// transformers and llama.cpp mask it. Table entries of blocks that lie wholly before every
+// query's window are never read, so they may be anything (kNoBlock where the cache manager
+// released them behind the window).
 //
 //   query: [total_query_tokens][num_q_heads][head_dim] fp32, sequences back to back in
 //          batch order (query_start[i] = sum of query_lens before i)
@@ -17,8 +21,8 @@
 // query_lens[i] > 1 with context_lens[i] - query_lens[i] cached tokens.
 //
 // REQUIRES: num_q_heads % view.num_kv_heads == 0; 1 <= query_lens[i] <= context_lens[i];
-// every block id in use < view.num_blocks; IsKernelDType(view.dtype) (an fp8 view
-// CHECK-fails).
+// every block id in use (within the window) < view.num_blocks; IsKernelDType(view.dtype) (an fp8
+// view CHECK-fails).
 
 #include <cstdint>
 
@@ -34,6 +38,9 @@ struct PagedAttentionBatch {
   const int32_t* block_tables = nullptr;  // [num_seqs][max_blocks_per_seq]
   int32_t max_blocks_per_seq = 0;
   float scale = 1.0f;  // usually 1 / sqrt(head_dim)
+  // Sliding-window attention: a query at position p sees positions p - sliding_window + 1 ..
+  // p. 0 = full causal attention.
+  int32_t sliding_window = 0;
   // Optional host-side hint: max(query_lens), or 0 when unknown. The CUDA launcher cannot
   // read the (device) query_lens, so it sizes its grid from this: 1 lets it split long
   // decode contexts across thread blocks, > 1 spreads prefill query tokens over thread

@@ -162,12 +162,18 @@ AttentionWorkFn WorkFn(DType dtype) {
   return internal::portable::GetWorkFn(dtype);
 }
 
+// The first position a query at `pos` attends to.
+int32_t FirstVisible(const PagedAttentionBatch& batch, int32_t pos) {
+  return batch.sliding_window > 0 ? std::max(0, pos - batch.sliding_window + 1) : 0;
+}
+
 void CheckBatch(const PagedKvView& view, const PagedAttentionBatch& batch) {
   if (!IsKernelDType(view.dtype)) NoKernelForDType(view.dtype);
   KVCM_CHECK(view.num_kv_heads > 0 && view.head_dim > 0 && view.block_size > 0);
   KVCM_CHECK(batch.num_q_heads > 0 && batch.num_q_heads % view.num_kv_heads == 0)
       << "num_q_heads " << batch.num_q_heads << " is not a multiple of num_kv_heads "
       << view.num_kv_heads;
+  KVCM_CHECK(batch.sliding_window >= 0) << "sliding_window " << batch.sliding_window;
   for (int32_t s = 0; s < batch.num_seqs; ++s) {
     const int32_t query_len = batch.query_lens[s];
     const int32_t context_len = batch.context_lens[s];
@@ -178,7 +184,9 @@ void CheckBatch(const PagedKvView& view, const PagedAttentionBatch& batch) {
         << "sequence " << s << ": " << context_len << " tokens need " << blocks
         << " blocks, max_blocks_per_seq is " << batch.max_blocks_per_seq;
     const int32_t* table = batch.block_tables + int64_t{s} * batch.max_blocks_per_seq;
-    for (int32_t j = 0; j < blocks; ++j) {
+    // Blocks wholly before the first query's window are never read.
+    const int32_t first_read = FirstVisible(batch, context_len - query_len) / view.block_size;
+    for (int32_t j = first_read; j < blocks; ++j) {
       KVCM_CHECK(table[j] >= 0 && table[j] < view.num_blocks)
           << "sequence " << s << ": block " << table[j] << " at " << j << " of " << view.num_blocks;
     }
@@ -223,9 +231,9 @@ void PagedAttention(const PagedKvView& view, const PagedAttentionBatch& batch, c
       w.seq = s;
       w.q_begin = q;
       w.q_count = std::min(kQueryTile, query_len - q);
-      w.pos_begin = 0;
+      w.pos_begin = FirstVisible(batch, first_pos + q);
       w.pos_end = first_pos + q + w.q_count;  // one past the tile's last position
-      positions += w.pos_end;
+      positions += w.pos_end - w.pos_begin;
       job.work.push_back(w);
     }
     start += query_len;
@@ -241,7 +249,7 @@ void PagedAttention(const PagedKvView& view, const PagedAttentionBatch& batch, c
     whole.swap(job.work);
     int64_t offset = 0;
     for (const AttentionWork& w : whole) {
-      if (w.pos_end <= split) {
+      if (w.pos_end - w.pos_begin <= split) {
         job.work.push_back(w);
         continue;
       }
@@ -250,12 +258,12 @@ void PagedAttention(const PagedKvView& view, const PagedAttentionBatch& batch, c
       group.q_begin = w.q_begin;
       group.q_count = w.q_count;
       group.first_offset = offset;
-      group.num_parts = (w.pos_end + split - 1) / split;
+      group.num_parts = (w.pos_end - w.pos_begin + split - 1) / split;
       const int64_t part_floats = int64_t{batch.num_q_heads} * w.q_count * job.PartialRowStride();
       for (int32_t p = 0; p < group.num_parts; ++p) {
         AttentionWork part = w;
-        part.pos_begin = p * split;
-        part.pos_end = std::min(w.pos_end, (p + 1) * split);
+        part.pos_begin = w.pos_begin + p * split;
+        part.pos_end = std::min(w.pos_end, w.pos_begin + (p + 1) * split);
         part.partial_offset = offset;
         part.group = static_cast<int32_t>(job.groups.size());
         offset += part_floats;

@@ -90,6 +90,10 @@ absl::StatusOr<PoolView> CheckPoolDescriptor(const PoolDescriptorInfo& descripto
     return bad("unknown backend ", static_cast<int>(descriptor.backend));
   }
   pool.epoch = descriptor.epoch;
+  if (descriptor.sliding_window_tokens < 0) {
+    return bad("sliding_window_tokens is ", descriptor.sliding_window_tokens);
+  }
+  pool.sliding_window_tokens = descriptor.sliding_window_tokens;
 
   absl::StatusOr<PoolLayout> expected = PoolLayout::For(pool.spec, pool.num_blocks);
   if (!expected.ok()) return bad(expected.status().message());

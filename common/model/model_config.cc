@@ -18,6 +18,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "common/base/status_macros.h"
@@ -298,6 +299,35 @@ absl::Status ParseSlidingWindow(const Json& s, ModelConfig* c) {
   return absl::OkStatus();
 }
 
+// "layer_types" (a string per layer), "max_window_layers" and "sliding_window_pattern".
+absl::Status ParseLayerTypes(const Json& s, ModelConfig* c) {
+  if (const Json* types = Get(s, "layer_types"); types != nullptr) {
+    if (!types->is_array() || types->size() != static_cast<size_t>(c->num_hidden_layers)) {
+      return ConfigError(absl::StrCat("key \"layer_types\" must be a list of ",
+                                      c->num_hidden_layers, " strings (one per layer), got ",
+                                      types->dump().substr(0, 200)));
+    }
+    for (const Json& type : *types) {
+      if (!type.is_string()) {
+        return ConfigError(absl::StrCat("key \"layer_types\" must hold strings, got ",
+                                        type.dump().substr(0, 100)));
+      }
+      c->layer_types.push_back(type.get<std::string>());
+    }
+  }
+  if (const Json* layers = Get(s, "max_window_layers"); layers != nullptr) {
+    if (!layers->is_number_integer() || layers->get<int64_t>() < 0 ||
+        layers->get<int64_t>() > std::numeric_limits<int32_t>::max()) {
+      return ConfigError(absl::StrCat("key \"max_window_layers\" must be a layer count, got ",
+                                      layers->dump().substr(0, 100)));
+    }
+    c->max_window_layers = static_cast<int32_t>(layers->get<int64_t>());
+  }
+  KVCM_ASSIGN_OR_RETURN(c->sliding_window_pattern,
+                        OptionalPositiveInt(s, "sliding_window_pattern"));
+  return absl::OkStatus();
+}
+
 // bos_token_id (one id) and eos_token_id (one or a list), within vocab_size.
 absl::Status ParseSpecialTokenIds(const Json& s, ModelConfig* c) {
   KVCM_ASSIGN_OR_RETURN(const std::vector<int32_t> bos, TokenIds(s, "bos_token_id", c->vocab_size));
@@ -364,6 +394,7 @@ absl::StatusOr<ModelConfig> ParseHfRoot(const Json& root) {
   KVCM_ASSIGN_OR_RETURN(c.use_sliding_window, OptionalBool(s, "use_sliding_window"));
   KVCM_ASSIGN_OR_RETURN(c.hidden_act, OptionalString(s, "hidden_act"));
   KVCM_RETURN_IF_ERROR(ParseSlidingWindow(s, &c));
+  KVCM_RETURN_IF_ERROR(ParseLayerTypes(s, &c));
 
   KVCM_RETURN_IF_ERROR(ParseSpecialTokenIds(s, &c));
   KVCM_RETURN_IF_ERROR(ParseTorchDtype(root, section, &c));
@@ -632,6 +663,63 @@ absl::StatusOr<ModelConfig> ReadModelConfig(const std::string& path) {
     }
   }
   return ReadHfModelConfigFile(path);
+}
+
+absl::StatusOr<std::vector<int32_t>> LayerWindows(const ModelConfig& config) {
+  const int32_t window = static_cast<int32_t>(
+      std::min<int64_t>(config.sliding_window.value_or(0), std::numeric_limits<int32_t>::max()));
+  const bool no_window = window <= 0 || window == std::numeric_limits<int32_t>::max();
+  const size_t layers = static_cast<size_t>(config.num_hidden_layers);
+  std::vector<int32_t> windows(layers, 0);
+  // The family: model_type, else the first architecture's name before "For", lowercased.
+  std::string type = config.model_type;
+  if (type.empty() && !config.architectures.empty()) {
+    type = absl::AsciiStrToLower(
+        config.architectures[0].substr(0, config.architectures[0].find("For")));
+  }
+  const bool qwen = type == "qwen2" || type == "qwen3";
+  // Qwen2's and Qwen3's window exists only with use_sliding_window; Mistral's is on every
+  // layer whatever layer_types says (transformers' MistralConfig ignores it).
+  if (qwen && !config.use_sliding_window.value_or(false)) return windows;
+  if (type == "mistral") {
+    if (!no_window) std::fill(windows.begin(), windows.end(), window);
+    return windows;
+  }
+  if (!config.layer_types.empty()) {
+    for (size_t i = 0; i < layers; ++i) {
+      const std::string& layer_type = config.layer_types[i];
+      if (layer_type == "full_attention") continue;
+      if (layer_type != "sliding_attention") {
+        return absl::UnimplementedError(absl::StrCat(
+            config.Where(), config.KeyName("layer_types"), "[", i, "] \"", layer_type.substr(0, 64),
+            "\" is not supported (full_attention, sliding_attention)"));
+      }
+      if (window <= 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(config.Where(), config.KeyName("layer_types"), "[", i,
+                         "] is \"sliding_attention\", but there is no sliding_window"));
+      }
+      windows[i] = no_window ? 0 : window;
+    }
+    return windows;
+  }
+  if (no_window) return windows;
+  if (qwen) {
+    for (size_t i = static_cast<size_t>(config.max_window_layers.value_or(28)); i < layers; ++i) {
+      windows[i] = window;
+    }
+    return windows;
+  }
+  if (type == "gemma2" || type == "gemma3" || type == "gemma3_text") {
+    const size_t pattern =
+        static_cast<size_t>(config.sliding_window_pattern.value_or(type == "gemma2" ? 2 : 6));
+    for (size_t i = 0; i < layers; ++i) {
+      if ((i + 1) % pattern != 0) windows[i] = window;
+    }
+    return windows;
+  }
+  std::fill(windows.begin(), windows.end(), window);
+  return windows;
 }
 
 absl::StatusOr<std::vector<int32_t>> ReadEndTokenIds(const std::string& path) {

@@ -32,6 +32,10 @@
 //     tie_word_embeddings, attention_bias, mlp_bias, use_sliding_window   booleans
 //     hidden_act                    a string
 //     sliding_window (or sliding_window_size)   an integer; null or false: none
+//     layer_types                   transformers >= 4.53: each layer's attention type, one
+//                                   string per layer ("full_attention", "sliding_attention")
+//     max_window_layers             Qwen2/Qwen3: the first layer index a window applies to
+//     sliding_window_pattern        Gemma 2/3 before layer_types: every Nth layer is full
 //     bos_token_id                  a token id or null; eos_token_id: an id, a list or null
 //                                   (ids inside [0, vocab_size) when vocab_size is given)
 //     torch_dtype (or "dtype", its name since transformers 4.56)   a string, from the
@@ -127,6 +131,9 @@ struct ModelConfig {
   std::optional<int64_t> sliding_window;  // a window length, from sliding_window_key
   std::string sliding_window_key;
   std::optional<bool> use_sliding_window;
+  std::vector<std::string> layer_types;           // HF, as written; empty when absent
+  std::optional<int32_t> max_window_layers;       // HF (Qwen2, Qwen3)
+  std::optional<int32_t> sliding_window_pattern;  // HF (Gemma 2, Gemma 3)
   std::optional<int32_t> bos_token_id;
   std::vector<int32_t> eos_token_ids;   // without repeats
   std::optional<int32_t> eot_token_id;  // GGUF: end of turn (chat models), generation ends too
@@ -162,6 +169,23 @@ absl::StatusOr<ModelConfig> ModelConfigFromGguf(const GgufFile& file);
 // What --model names: a GGUF file (by its magic), a Hugging Face folder (its config.json) or
 // a config.json file.
 absl::StatusOr<ModelConfig> ReadModelConfig(const std::string& path);
+
+// Each layer's attention window in tokens, 0 for full attention: a layer with window W
+// attends from a query at position p to positions p - W + 1 .. p (as transformers masks
+// it). As transformers decides it, by family (model_type, else the first architecture's
+// name before "For", lowercased), in this order:
+//   - Qwen2 and Qwen3 (model_type qwen2, qwen3) have none without "use_sliding_window";
+//   - Mistral: the window on every layer ("layer_types" is ignored, as transformers does);
+//   - "layer_types": "full_attention" is 0, "sliding_attention" the sliding window (which
+//     must then be given); any other type is UNIMPLEMENTED naming the key and the type;
+//   - Qwen2 and Qwen3: the window on the layers from "max_window_layers" (default 28) on;
+//   - Gemma 2 and Gemma 3 (model_type gemma2, gemma3, gemma3_text; GGUF gemma2, gemma3):
+//     the window on every layer but each "sliding_window_pattern"-th (default 2 for Gemma 2,
+//     6 for Gemma 3; GGUF files use these defaults, as llama.cpp does);
+//   - any other model: the window on every layer when there is one.
+// A window longer than INT32_MAX tokens is full attention. Which of these a consumer can
+// compute is the consumer's to check.
+absl::StatusOr<std::vector<int32_t>> LayerWindows(const ModelConfig& config);
 
 // The ids generation ends at for the model at `path`, without repeats: a folder's config.json
 // eos_token_id, then its generation_config.json's (as transformers' generate() and vLLM read

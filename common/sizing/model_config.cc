@@ -1,5 +1,6 @@
 #include "common/sizing/model_config.h"
 
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <string>
@@ -81,15 +82,22 @@ absl::StatusOr<KvCacheSpec> SpecFromModelConfig(const ModelConfig& config, int32
               "fp16, fp8_e4m3) picks another"
             : "; --dtype picks another"));
   }
-  if (config.sliding_window.has_value()) {
-    if (gguf) {
-      note(absl::StrCat(config.sliding_window_key,
-                        " is ignored: the pool is sized for full attention"));
-    } else {
-      note(absl::StrCat("the config's \"", config.sliding_window_key, "\" (",
-                        *config.sliding_window,
-                        ") is ignored: the pool is sized for full attention in every layer "
-                        "(kvcm does not release blocks behind a window yet)"));
+  if (absl::StatusOr<std::vector<int32_t>> windows = LayerWindows(config); windows.ok()) {
+    const int64_t windowed =
+        std::count_if(windows->begin(), windows->end(), [](int32_t w) { return w > 0; });
+    const int32_t widest = windowed == 0 ? 0 : *std::max_element(windows->begin(), windows->end());
+    if (windowed > 0 && windowed == static_cast<int64_t>(windows->size())) {
+      note(absl::StrCat("every layer attends within a sliding window of ", widest,
+                        " tokens: the cache manager releases a sequence's blocks behind it "
+                        "(--sliding-window-tokens), so a sequence holds about ",
+                        (widest + block_size - 1) / block_size + 2,
+                        " blocks at a time (the window and up to two blocks being filled); the "
+                        "pool's size does not change"));
+    } else if (windowed > 0) {
+      note(absl::StrCat(windowed, " of ", windows->size(),
+                        " layers attend within a sliding window of ", widest,
+                        " tokens, the others to the whole context: every block is kept for "
+                        "them, as with full attention"));
     }
   }
   if (absl::Status valid = spec.Validate(); !valid.ok()) {

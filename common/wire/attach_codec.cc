@@ -17,7 +17,7 @@ flatbuffers::Offset<wire::AttachReply> EncodeAttachReply(flatbuffers::FlatBuffer
   const auto handle = builder.CreateVector(pool.cuda_ipc_handle);
   const auto descriptor =
       wire::CreatePoolDescriptor(builder, spec, pool.num_blocks, layout, pool.backend, pool.epoch,
-                                 path, pool.cuda_device, handle);
+                                 path, pool.cuda_device, handle, pool.sliding_window_tokens);
   return wire::CreateAttachReply(builder, descriptor);
 }
 
@@ -47,6 +47,7 @@ absl::StatusOr<PoolDescriptorInfo> DecodeAttachReply(const wire::AttachReply& re
     out.fd_channel_path = descriptor->fd_channel_path()->str();
   }
   out.cuda_device = descriptor->cuda_device();
+  out.sliding_window_tokens = descriptor->sliding_window_tokens();
   if (const auto* handle = descriptor->cuda_ipc_handle(); handle != nullptr) {
     out.cuda_ipc_handle.assign(handle->begin(), handle->end());
   }

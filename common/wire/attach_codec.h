@@ -31,6 +31,7 @@ struct PoolDescriptorInfo {
   std::string fd_channel_path;           // shm: the Unix socket passing the memfd
   int32_t cuda_device = -1;              // cuda
   std::vector<uint8_t> cuda_ipc_handle;  // cuda: 64 bytes
+  int32_t sliding_window_tokens = 0;     // > 0: blocks behind the window are released
   friend bool operator==(const PoolDescriptorInfo&, const PoolDescriptorInfo&) = default;
 };
 

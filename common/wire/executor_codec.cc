@@ -127,8 +127,9 @@ absl::Status CheckSeqWork(const SeqWork& s, const std::string& name) {
     return absl::InvalidArgumentError(absl::StrCat(name, " has context_len ", s.context_len,
                                                    " below its ", s.tokens.size(), " new tokens"));
   }
+  // -1: a block released behind the sequence's sliding window (the executor checks where).
   for (size_t j = 0; j < s.block_table.size(); ++j) {
-    if (s.block_table[j] < 0) {
+    if (s.block_table[j] < -1) {
       return absl::InvalidArgumentError(
           absl::StrCat(name, " has block id ", s.block_table[j], " at block_table[", j, "]"));
     }

@@ -1,6 +1,7 @@
 #include "common/wire/hello_codec.h"
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "common/wire/convert.h"
 
 namespace kvcm {
@@ -29,7 +30,7 @@ flatbuffers::Offset<wire::HelloReply> EncodeHelloReply(flatbuffers::FlatBufferBu
       static_cast<uint32_t>(absl::ToInt64Milliseconds(info.heartbeat_interval)),
       static_cast<uint32_t>(absl::ToInt64Milliseconds(info.heartbeat_timeout)), info.num_blocks,
       info.block_size, ToWire(info.hash_algorithm), info.max_ops_per_step, info.max_message_bytes,
-      info.wants_commit_tokens, info.tiers);
+      info.wants_commit_tokens, info.tiers, info.sliding_window_tokens);
 }
 
 absl::StatusOr<SessionInfo> DecodeHelloReply(const wire::HelloReply& reply) {
@@ -50,6 +51,11 @@ absl::StatusOr<SessionInfo> DecodeHelloReply(const wire::HelloReply& reply) {
   info.max_message_bytes = reply.max_message_bytes();
   info.wants_commit_tokens = reply.wants_commit_tokens();
   info.tiers = reply.tiers();
+  if (reply.sliding_window_tokens() < 0) {
+    return absl::InternalError(
+        absl::StrCat("HelloReply with sliding_window_tokens ", reply.sliding_window_tokens()));
+  }
+  info.sliding_window_tokens = reply.sliding_window_tokens();
   return info;
 }
 

@@ -46,6 +46,9 @@ struct SessionInfo {
   // The cache manager has a host or disk tier (HelloReply.tiers): an Allocate may be
   // answered UNAVAILABLE while its prefix loads, and is sent again.
   bool tiers = false;
+  // > 0: blocks wholly behind a sequence's window of this many tokens are released
+  // (HelloReply.sliding_window_tokens); a router sends -1 for their table entries.
+  int32_t sliding_window_tokens = 0;
   friend bool operator==(const SessionInfo&, const SessionInfo&) = default;
 };
 

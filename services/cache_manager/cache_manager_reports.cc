@@ -86,6 +86,7 @@ void CacheManagerService::HandleAttach(const wire::Envelope& envelope,
   descriptor.fd_channel_path = pool.fd_channel_path;
   descriptor.cuda_device = pool.cuda_device;
   descriptor.cuda_ipc_handle = pool.cuda_ipc_handle;
+  descriptor.sliding_window_tokens = options_.ledger.sliding_window_tokens;
   auto payload = EncodeAttachReply(*reply, descriptor);
   FinishEnvelope(*reply, envelope.request_id(), envelope.session_id(), options_.epoch,
                  wire::Message::AttachReply, payload.Union());

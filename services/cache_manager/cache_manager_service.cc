@@ -121,13 +121,6 @@ absl::Status CacheManagerService::CheckOptions(const Options& options) {
       options.max_sequences_per_session <= 0) {
     return absl::InvalidArgumentError("message, session and sequence limits must be positive");
   }
-  if (options.ledger.sliding_window_tokens != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "a sliding window (", options.ledger.sliding_window_tokens,
-        " tokens) is not supported yet: no message tells the executors the window and they "
-        "attend to the whole context, so blocks released behind it would corrupt their "
-        "output. Run without it (the model's full context is cached)."));
-  }
   BlockLedger::Options ledger_options = options.ledger;
   ledger_options.block_size = options.spec.block_size;
   return BlockLedger::CheckOptions(ledger_options);
@@ -522,6 +515,7 @@ void CacheManagerService::HandleHello(const wire::Envelope& envelope,
   info.max_message_bytes = static_cast<uint32_t>(options_.max_message_bytes);
   info.wants_commit_tokens = options_.vllm_events;
   info.tiers = tiers_ != nullptr;
+  info.sliding_window_tokens = options_.ledger.sliding_window_tokens;
   auto hello_reply = EncodeHelloReply(*reply, info);
   FinishEnvelope(*reply, request_id, id, options_.epoch, wire::Message::HelloReply,
                  hello_reply.Union());

@@ -164,8 +164,8 @@ class CacheManagerService {
 
   // INVALID_ARGUMENT for options Create() would refuse, without allocating anything, so
   // that a service's flags are checked before it acquires its pool or ports. A sliding
-  // window is refused: no message carries it to the executors, which attend to the whole
-  // context, so blocks released behind it would corrupt their output.
+  // window (ledger.sliding_window_tokens) travels in the AttachReply and HelloReply: an
+  // executor whose layers do not all attend within it refuses the pool.
   static absl::Status CheckOptions(const Options& options);
 
   // `watcher` and `metrics` must outlive the service; `metrics` may be null (tests).

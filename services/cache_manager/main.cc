@@ -12,6 +12,7 @@
 #include <sys/signalfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -33,6 +34,7 @@
 #include "common/config/config.h"
 #include "common/memory/pool_memory.h"
 #include "common/metrics/metrics_server.h"
+#include "common/model/model_config.h"
 #include "common/sizing/byte_size.h"
 #include "common/sizing/model_config.h"
 #include "common/sizing/pool_plan.h"
@@ -82,9 +84,11 @@ ABSL_FLAG(std::string, hash_algorithm, "xxh3_v2",
           "version-1 message, for clients that do not know xxh3_v2), sha256 "
           "(collision-resistant; for clients that are not all trusted), sha256_cbor (vLLM's "
           "own, byte for byte: docs/cluster.md) or fast128.");
-ABSL_FLAG(int32_t, sliding_window_tokens, 0,
-          "Attention window in tokens; 0 = full. Refused for now: executors do not support "
-          "windows yet.");
+ABSL_FLAG(int32_t, sliding_window_tokens, -1,
+          "Release a sequence's blocks that lie wholly behind a sliding attention window of "
+          "this many tokens; 0 keeps every block. Default (-1): from --model-config, the "
+          "window when every layer of the model has one, else 0. Executors whose layers do "
+          "not all attend within it refuse the pool.");
 ABSL_FLAG(int32_t, max_pinned_blocks, 0, "Most blocks named pins may hold; 0 = half the pool.");
 ABSL_FLAG(int32_t, max_ops_per_step, 4096, "Most operations in one Step message.");
 ABSL_FLAG(int64_t, max_message_bytes, 16 << 20,
@@ -322,6 +326,38 @@ absl::StatusOr<std::optional<VllmEventPublisher::Options>> VllmEventsFromFlags()
   return options;
 }
 
+// --sliding-window-tokens, checked against --model-config's layers when both are given: a
+// window that some layer reads beyond would release blocks it still needs.
+absl::StatusOr<int32_t> SlidingWindowFromFlags() {
+  const int32_t flag = absl::GetFlag(FLAGS_sliding_window_tokens);
+  if (flag < -1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--sliding-window-tokens ", flag, ": give a window in tokens, 0 (none) or -1 (auto)"));
+  }
+  const std::string path = absl::GetFlag(FLAGS_model_config);
+  if (path.empty()) return std::max(flag, 0);
+  KVCM_ASSIGN_OR_RETURN(const ModelConfig model, ReadModelConfig(path));
+  KVCM_ASSIGN_OR_RETURN(const std::vector<int32_t> windows, LayerWindows(model));
+  const auto [least, most] = std::minmax_element(windows.begin(), windows.end());
+  const int32_t model_window = windows.empty() || *least == 0 ? 0 : *most;
+  if (flag == -1) {
+    if (model_window > 0) {
+      Log(absl::StrCat("model config: every layer attends within ", model_window,
+                       " tokens: blocks behind that window are released "
+                       "(--sliding-window-tokens 0 keeps them)"));
+    }
+    return model_window;
+  }
+  if (flag > 0 && (model_window == 0 || flag < model_window)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--sliding-window-tokens ", flag, " would release blocks that the model (", path,
+        ") still reads: ",
+        model_window == 0 ? "some of its layers attend to the whole context"
+                          : absl::StrCat("its layers attend to up to ", model_window, " tokens")));
+  }
+  return flag;
+}
+
 // The service's options from the flags, given the KV spec, the pool plan and the hash.
 absl::StatusOr<CacheManagerService::Options> ServiceOptionsFromFlags(const KvCacheSpec& spec,
                                                                      const PoolPlan& plan,
@@ -329,7 +365,7 @@ absl::StatusOr<CacheManagerService::Options> ServiceOptionsFromFlags(const KvCac
   CacheManagerService::Options service;
   service.spec = spec;
   service.ledger.num_blocks = static_cast<int32_t>(plan.num_blocks);
-  service.ledger.sliding_window_tokens = absl::GetFlag(FLAGS_sliding_window_tokens);
+  KVCM_ASSIGN_OR_RETURN(service.ledger.sliding_window_tokens, SlidingWindowFromFlags());
   service.ledger.max_pinned_blocks = absl::GetFlag(FLAGS_max_pinned_blocks);
   service.hash_algorithm = hash_algorithm;
   // Microseconds since 1970: different at every start, and below 2^53 until 2255. Compared

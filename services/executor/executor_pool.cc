@@ -17,7 +17,8 @@ std::string DescribeShape(int32_t layers, int32_t kv_heads, int32_t head_dim) {
 
 }  // namespace
 
-absl::Status CheckPoolFitsModel(const KvCacheSpec& spec, const ModelKvShape& shape) {
+absl::Status CheckPoolFitsModel(const PoolView& pool, const ModelKvShape& shape) {
+  const KvCacheSpec& spec = pool.spec;
   if (spec.num_layers != shape.num_layers || spec.num_kv_heads != shape.num_kv_heads ||
       spec.head_dim != shape.head_dim) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -32,7 +33,7 @@ absl::Status CheckPoolFitsModel(const KvCacheSpec& spec, const ModelKvShape& sha
         absl::StrCat("the pool's KV dtype ", std::string(DTypeName(spec.dtype)),
                      " has no kernel here (fp32, fp16 and bf16 do)"));
   }
-  return absl::OkStatus();
+  return CheckWindowReads(pool.sliding_window_tokens, shape.layer_windows);
 }
 
 absl::StatusOr<std::unique_ptr<CacheManagerPool>> CacheManagerPool::Connect(
@@ -102,7 +103,7 @@ absl::Status CacheManagerPool::Reattach() {
     attached = client_->Attach();
   }
   if (!attached.ok()) return attached.status();
-  KVCM_RETURN_IF_ERROR(CheckPoolFitsModel(attached->view.spec, options_.model));
+  KVCM_RETURN_IF_ERROR(CheckPoolFitsModel(attached->view, options_.model));
   // The attachment's own time; what `accept` does (copying weights to a device) is not.
   const double seconds = absl::ToDoubleSeconds(MonotonicNow() - start);
   const PoolView& view = attached->view;

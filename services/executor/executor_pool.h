@@ -35,13 +35,15 @@ struct ModelKvShape {
   int32_t num_layers = 0;
   int32_t num_kv_heads = 0;
   int32_t head_dim = 0;
+  std::vector<int32_t> layer_windows;  // each layer's sliding window, 0 = full attention
 };
 
 // OK when a pool of `spec` can hold the KV of a model of `shape` and the kernels handle its
 // dtype (fp32, fp16, bf16). Otherwise FAILED_PRECONDITION naming both shapes, e.g.
 // "the pool's KV shape (2 layers x 2 KV heads x head dim 8) does not match the model's
-// (4 layers x 2 KV heads x head dim 16)".
-absl::Status CheckPoolFitsModel(const KvCacheSpec& spec, const ModelKvShape& shape);
+// (4 layers x 2 KV heads x head dim 16)"; and a pool that releases blocks behind a sliding
+// window only for a model whose every layer attends within it (CheckWindowReads).
+absl::Status CheckPoolFitsModel(const PoolView& pool, const ModelKvShape& shape);
 
 class PoolSource {
  public:

@@ -254,12 +254,18 @@ absl::StatusOr<const PoolView*> ExecutorService::PoolForEpoch(uint64_t epoch) {
 
 namespace {
 
-// Each sequence's block table: long enough for its context, within the pool, and all of
-// them within `max_entries` once made dense (max_blocks wide); its new tokens are counted.
+// Each sequence's block table: long enough for its context, within the pool (-1 only for
+// a block wholly behind the pool's sliding window of `window` tokens, which the cache
+// manager has released), and all of them within `max_entries` once made dense (max_blocks
+// wide); its new tokens are counted.
 absl::Status CheckBlockTables(const StepBatch& step, int32_t block_size, int32_t num_blocks,
-                              size_t max_entries, size_t* max_blocks, int64_t* total_tokens) {
+                              int32_t window, size_t max_entries, size_t* max_blocks,
+                              int64_t* total_tokens) {
   for (size_t i = 0; i < step.seqs.size(); ++i) {
     const SeqWork& s = step.seqs[i];
+    const int64_t first_query = s.context_len - static_cast<int64_t>(s.tokens.size());
+    const int64_t released =
+        window > 0 ? std::max<int64_t>(0, first_query - window + 1) / block_size : 0;
     const int64_t needed = (int64_t{s.context_len} + block_size - 1) / block_size;
     if (needed > num_blocks || static_cast<int64_t>(s.block_table.size()) > num_blocks) {
       return absl::InvalidArgumentError(
@@ -273,6 +279,12 @@ absl::Status CheckBlockTables(const StepBatch& step, int32_t block_size, int32_t
           s.context_len, " needs ", needed, " blocks of ", block_size, " tokens"));
     }
     for (size_t j = 0; j < s.block_table.size(); ++j) {
+      if (s.block_table[j] == -1 && static_cast<int64_t>(j) >= released) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            SeqName(i, s.seq), " has no block at block_table[", j,
+            "], which its window still reads (the pool releases only blocks wholly before ",
+            released * block_size, ")"));
+      }
       if (s.block_table[j] >= num_blocks) {
         return absl::InvalidArgumentError(absl::StrCat(SeqName(i, s.seq), " names block ",
                                                        s.block_table[j], " at block_table[", j,
@@ -341,9 +353,9 @@ absl::Status CheckTokenIds(const StepBatch& step, int32_t vocab) {
 absl::Status ExecutorService::CheckAndBuild(const StepBatch& step, const PoolView& pool) {
   size_t max_blocks = 1;
   int64_t total_tokens = 0;
-  KVCM_RETURN_IF_ERROR(CheckBlockTables(step, pool.spec.block_size, pool.num_blocks,
-                                        options_.max_block_table_entries, &max_blocks,
-                                        &total_tokens));
+  KVCM_RETURN_IF_ERROR(
+      CheckBlockTables(step, pool.spec.block_size, pool.num_blocks, pool.sliding_window_tokens,
+                       options_.max_block_table_entries, &max_blocks, &total_tokens));
   KVCM_RETURN_IF_ERROR(CheckCopies(step, pool.num_blocks));
   KVCM_RETURN_IF_ERROR(CheckTokenIds(step, model_->host().config().vocab_size));
   BuildForward(step, max_blocks, total_tokens);

@@ -141,14 +141,22 @@ std::string RopeScalingName(const RopeScaling& s) {
 }
 
 std::string LlamaConfig::ToString() const {
-  return absl::StrCat(architecture, ": vocab ", vocab_size, ", hidden ", hidden_size,
-                      ", intermediate ", intermediate_size, ", ", num_hidden_layers, " layers, ",
-                      num_attention_heads, " heads (", num_key_value_heads, " KV) x head dim ",
-                      head_dim, ", rms_norm_eps ", rms_norm_eps, ", rope_theta ", rope_theta,
-                      ", rope scaling ", RopeScalingName(rope_scaling),
-                      tie_word_embeddings ? ", tied embeddings" : "",
-                      qkv_bias ? (o_bias ? ", q/k/v/o bias" : ", q/k/v bias") : "",
-                      qk_norm ? ", q/k norm" : "", torch_dtype.empty() ? "" : ", ", torch_dtype);
+  std::string windows;
+  const int64_t windowed =
+      std::count_if(layer_windows.begin(), layer_windows.end(), [](int32_t w) { return w > 0; });
+  if (windowed > 0) {
+    windows = absl::StrCat(", sliding window ",
+                           *std::max_element(layer_windows.begin(), layer_windows.end()), " on ",
+                           windowed, " of ", layer_windows.size(), " layers");
+  }
+  return absl::StrCat(
+      architecture, ": vocab ", vocab_size, ", hidden ", hidden_size, ", intermediate ",
+      intermediate_size, ", ", num_hidden_layers, " layers, ", num_attention_heads, " heads (",
+      num_key_value_heads, " KV) x head dim ", head_dim, ", rms_norm_eps ", rms_norm_eps,
+      ", rope_theta ", rope_theta, ", rope scaling ", RopeScalingName(rope_scaling),
+      tie_word_embeddings ? ", tied embeddings" : "",
+      qkv_bias ? (o_bias ? ", q/k/v/o bias" : ", q/k/v bias") : "", qk_norm ? ", q/k norm" : "",
+      windows, torch_dtype.empty() ? "" : ", ", torch_dtype);
 }
 
 namespace {
@@ -198,6 +206,33 @@ absl::Status CheckGgufShape(const ModelConfig& m, int32_t head_dim) {
   return absl::OkStatus();
 }
 
+// Each layer's sliding window (ModelConfig's LayerWindows). Mistral, Qwen2 and Qwen3 from
+// Hugging Face folders use them as transformers does. Llama has none (transformers ignores
+// the key), so a Llama config's window shorter than its context is refused rather than
+// guessed at, as is a window in a GGUF file of these architectures (llama.cpp applies none).
+absl::Status SetLayerWindows(const ModelConfig& m, LlamaConfig* c) {
+  KVCM_ASSIGN_OR_RETURN(c->layer_windows, LayerWindows(m));
+  const bool any = std::any_of(c->layer_windows.begin(), c->layer_windows.end(),
+                               [](int32_t w) { return w > 0; });
+  if (!any) return absl::OkStatus();
+  if (m.format == ModelConfig::Format::kGguf) {
+    return Unimplemented(
+        m, absl::StrCat("GGUF key \"", m.sliding_window_key,
+                        "\" (sliding-window attention) is not supported for ", m.model_type));
+  }
+  const bool windowed_family = c->architecture.starts_with("MistralForCausalLM") ||
+                               c->architecture.starts_with("Qwen2ForCausalLM") ||
+                               c->architecture.starts_with("Qwen3ForCausalLM");
+  if (!windowed_family && m.sliding_window.value_or(0) < c->max_position_embeddings) {
+    return Unimplemented(
+        m, absl::StrCat("\"", m.sliding_window_key, "\" ", *m.sliding_window,
+                        " (shorter than max_position_embeddings=", c->max_position_embeddings,
+                        ") is not supported for ", c->architecture));
+  }
+  if (!windowed_family) std::fill(c->layer_windows.begin(), c->layer_windows.end(), 0);
+  return absl::OkStatus();
+}
+
 // The family's attention details (biases, QK norm), and the features this implementation
 // does not have, refused rather than computing wrong logits.
 absl::Status SetFamilyFeatures(const ModelConfig& m, LlamaConfig* c) {
@@ -215,12 +250,6 @@ absl::Status SetFamilyFeatures(const ModelConfig& m, LlamaConfig* c) {
   }
   const bool qwen2 = c->architecture.starts_with("Qwen2ForCausalLM");
   const bool qwen3 = c->architecture.starts_with("Qwen3ForCausalLM");
-  if (qwen2 || qwen3) {
-    if (m.use_sliding_window.value_or(false)) {
-      return Unimplemented(
-          m, "\"use_sliding_window\": true (sliding-window attention) is not supported");
-    }
-  }
   if (qwen2) {
     // Qwen2's q, k and v projections always have a bias, its o projection none.
     c->qkv_bias = true;
@@ -231,20 +260,7 @@ absl::Status SetFamilyFeatures(const ModelConfig& m, LlamaConfig* c) {
   }
   // Qwen3 normalizes each head of q and of k (its q_norm and k_norm) before RoPE.
   c->qk_norm = qwen3;
-  if (m.sliding_window.has_value()) {
-    if (gguf) {
-      return Unimplemented(m, absl::StrCat("GGUF key \"", m.sliding_window_key,
-                                           "\" (sliding-window attention) is not supported"));
-    }
-    // Qwen2's and Qwen3's window applies only with use_sliding_window (refused above); a
-    // window at least as long as the context never slides.
-    if (!qwen2 && !qwen3 && *m.sliding_window < c->max_position_embeddings) {
-      return Unimplemented(m, absl::StrCat("\"", m.sliding_window_key, "\" ", *m.sliding_window,
-                                           " (shorter than max_position_embeddings=",
-                                           c->max_position_embeddings, ") is not supported"));
-    }
-  }
-  return absl::OkStatus();
+  return SetLayerWindows(m, c);
 }
 
 }  // namespace

@@ -24,6 +24,9 @@
 //                            ignored; so is a per-layer-type rope_parameters
 //   attention_bias           (Llama, Qwen3) bias on q, k, v and o: default false; Qwen2:
 //                            q, k, v always
+//   layer_windows            each layer's sliding window (ModelConfig's LayerWindows):
+//                            Mistral's sliding_window on every layer; Qwen2's and Qwen3's
+//                            from max_window_layers on with use_sliding_window; layer_types
 //   qk_norm                  Qwen3: an RMSNorm (weights q_norm, k_norm of head_dim, epsilon
 //                            rms_norm_eps) over each head of q and of k, before RoPE
 //   bos_token_id, eos_token_id   as read (GGUF: eos and eot ids)
@@ -32,9 +35,9 @@
 //
 // Rejected, naming the key:
 //   UNIMPLEMENTED     another architecture; rope scaling of another type (dynamic, yarn,
-//                     longrope, ...); mlp_bias true; hidden_act other than "silu"; a
-//                     sliding_window shorter than max_position_embeddings (not Qwen2's or
-//                     Qwen3's); Qwen2's and Qwen3's use_sliding_window true; GGUF:
+//                     longrope, ...); mlp_bias true; hidden_act other than "silu"; a Llama
+//                     sliding_window shorter than max_position_embeddings; a layer type
+//                     other than full or sliding attention; GGUF:
 //                     ARCH.attention.sliding_window, a rope_freqs.weight tensor (Llama
 //                     3.1's per-frequency RoPE factors)
 //   INVALID_ARGUMENT  a required key missing, an odd head_dim, a scaling without what its
@@ -91,6 +94,9 @@ struct LlamaConfig {
   // Qwen3: q_norm and k_norm ([head_dim] RMSNorm weights) normalize each head of q and of k
   // after the projections (and biases), before RoPE.
   bool qk_norm = false;
+  // Each layer's sliding window in tokens, 0 for full attention (ModelConfig's LayerWindows):
+  // a query at position p attends to positions p - W + 1 .. p. One entry per layer.
+  std::vector<int32_t> layer_windows;
   int32_t bos_token_id = -1;           // -1: none
   std::vector<int32_t> eos_token_ids;  // empty: none; generation stops on any of them
   std::string torch_dtype;             // as written, "" when absent

@@ -301,6 +301,8 @@ std::vector<double> InverseFrequencies(const LlamaConfig& c) {
 
 LlamaModel::LlamaModel(LlamaConfig config, int32_t num_threads, kernels::MatMulPath matmul)
     : config_(std::move(config)), matmul_(matmul) {
+  // A config built by hand may leave the windows out: full attention everywhere.
+  config_.layer_windows.resize(static_cast<size_t>(config_.num_hidden_layers), 0);
   const int32_t available = kernels::CpuThreadPool::Default().max_threads();
   num_threads_ = num_threads <= 0 ? available : std::min(num_threads, available);
 }
@@ -593,7 +595,15 @@ absl::Status LlamaModel::CheckPool(const PoolView& pool) const {
                        " is ", f.pool_value, " in the pool but ", f.model_value, " in the model"));
     }
   }
+  KVCM_RETURN_IF_ERROR(CheckWindowReads(pool.sliding_window_tokens, config_.layer_windows));
   return KernelDType(spec.dtype).status();
+}
+
+int32_t LlamaModel::ReadableFrom(int32_t first_query) const {
+  const auto [least, most] =
+      std::minmax_element(config_.layer_windows.begin(), config_.layer_windows.end());
+  if (least == config_.layer_windows.end() || *least == 0) return 0;
+  return std::max(0, first_query - *most + 1);
 }
 
 absl::Status LlamaModel::CheckBatch(const ForwardBatch& b, const PoolView& pool) const {
@@ -632,9 +642,12 @@ absl::Status LlamaModel::CheckBatch(const ForwardBatch& b, const PoolView& pool)
                      " tokens of block size ", block_size, " but max_blocks_per_seq is ",
                      b.max_blocks_per_seq);
     }
+    // Blocks wholly behind every layer's window may be released (-1): none is read.
+    const int64_t released = ReadableFrom(ctx - q) / block_size;
     for (int64_t j = 0; j < blocks_needed; ++j) {
       const int32_t block =
           b.block_tables[i * static_cast<size_t>(b.max_blocks_per_seq) + static_cast<size_t>(j)];
+      if (j < released && block == -1) continue;
       if (block < 0 || block >= pool.layout.num_blocks) {
         return invalid("block_tables[", i, "][", j, "] = ", block, " is outside [0, ",
                        pool.layout.num_blocks, ")");
@@ -735,6 +748,7 @@ absl::Status LlamaModel::Forward(const ForwardBatch& batch, const PoolView& pool
     KVCM_ASSIGN_OR_RETURN(const kernels::PagedKvView view,
                           kernels::LayerView(pool.base, pool.layout, pool.spec, l));
     kernels::cpu::WriteKv(view, k.data(), v.data(), plan.slots.data(), static_cast<int32_t>(rows));
+    attention.sliding_window = c.layer_windows[static_cast<size_t>(l)];
     kernels::cpu::PagedAttention(view, attention, q.data(), attn.data(), num_threads_);
     AttentionOutputAndMlp(l, attn.data(), rows, x.data());
     if (after_layer != nullptr && !(*after_layer)(l)) {
@@ -783,7 +797,9 @@ absl::StatusOr<std::vector<float>> LlamaModel::ForwardContiguous(
 
   for (int32_t l = 0; l < c.num_hidden_layers; ++l) {
     AttentionInputs(l, x.data(), rows, positions, q.data(), k.data(), v.data());
-    // Causal attention, one (position, head) per task: softmax(q . k_j * scale) over j <= t.
+    const int64_t window = c.layer_windows[static_cast<size_t>(l)];
+    // Causal attention, one (position, head) per task: softmax(q . k_j * scale) over j <= t
+    // (and j > t - window with a sliding window).
     ParallelChunks(rows * q_heads, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores(static_cast<size_t>(rows));
       for (int64_t task = begin; task < end; ++task) {
@@ -791,20 +807,21 @@ absl::StatusOr<std::vector<float>> LlamaModel::ForwardContiguous(
         const int32_t head = static_cast<int32_t>(task % q_heads);
         const int32_t kv_head = head / group;
         const float* qv = q.data() + (t * q_heads + head) * d;
+        const int64_t first = window > 0 ? std::max<int64_t>(0, t - window + 1) : 0;
         float max_score = -INFINITY;
-        for (int64_t j = 0; j <= t; ++j) {
+        for (int64_t j = first; j <= t; ++j) {
           const float s = Dot(qv, k.data() + (j * kv_heads + kv_head) * d, d) * scale;
           scores[static_cast<size_t>(j)] = s;
           max_score = std::max(max_score, s);
         }
         float denom = 0;
-        for (int64_t j = 0; j <= t; ++j) {
+        for (int64_t j = first; j <= t; ++j) {
           scores[static_cast<size_t>(j)] = std::exp(scores[static_cast<size_t>(j)] - max_score);
           denom += scores[static_cast<size_t>(j)];
         }
         float* out = attn.data() + (t * q_heads + head) * d;
         std::fill(out, out + d, 0.0f);
-        for (int64_t j = 0; j <= t; ++j) {
+        for (int64_t j = first; j <= t; ++j) {
           const float p = scores[static_cast<size_t>(j)] / denom;
           const float* vv = v.data() + (j * kv_heads + kv_head) * d;
           for (int32_t e = 0; e < d; ++e) out[e] += p * vv[e];

@@ -189,13 +189,16 @@ class LlamaModel {
 
   // OK when the model can run on `pool`: base not null, layout.Validate(spec) OK, and the
   // spec's layers, KV heads and head dim equal the model's (else FAILED_PRECONDITION naming
-  // the field and both values); UNIMPLEMENTED for a cache dtype without a kernel (fp8).
+  // the field and both values); a pool whose blocks are released behind a sliding window
+  // only when every layer attends within it (else FAILED_PRECONDITION naming the layer);
+  // UNIMPLEMENTED for a cache dtype without a kernel (fp8).
   absl::Status CheckPool(const PoolView& pool) const;
 
   // OK when `batch` is well formed for `pool` (see ForwardBatch); otherwise
   // INVALID_ARGUMENT naming the field and sequence: sizes that disagree, query_lens[i] < 1,
   // context_lens[i] < query_lens[i] or > max_position_embeddings, too few block-table
-  // entries, a token id outside [0, vocab_size), a block id outside [0, num_blocks), or a
+  // entries, a token id outside [0, vocab_size), a block id outside [0, num_blocks) (-1 is
+  // allowed for a block wholly behind every layer's window: released, never read), or a
   // slot written twice.
   absl::Status CheckBatch(const ForwardBatch& batch, const PoolView& pool) const;
 
@@ -217,6 +220,9 @@ class LlamaModel {
   absl::StatusOr<std::vector<float>> ForwardContiguous(std::span<const int32_t> tokens) const;
 
  private:
+  // The first position any layer reads for queries from `first_query` on: 0 unless every
+  // layer has a window.
+  int32_t ReadableFrom(int32_t first_query) const;
   LlamaModel(LlamaConfig config, int32_t num_threads, kernels::MatMulPath matmul);
   static absl::StatusOr<std::unique_ptr<LlamaModel>> LoadWeights(
       LlamaConfig config, const internal::WeightSource& source, const LlamaModelOptions& options);

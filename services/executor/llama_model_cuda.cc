@@ -538,7 +538,9 @@ absl::Status LlamaCudaModel::Impl::RunLayer(int32_t l, const LayerBuffers& b, in
   KVCM_ASSIGN_OR_RETURN(const kernels::PagedKvView view,
                         kernels::LayerView(pool.base, pool.layout, pool.spec, l));
   kernels::cuda::WriteKv(view, b.k, b.v, b.slots, static_cast<int32_t>(rows), s);
-  kernels::cuda::PagedAttention(view, attention, b.q, b.attn, s);
+  kernels::PagedAttentionBatch layer_attention = attention;
+  layer_attention.sliding_window = c.layer_windows[static_cast<size_t>(l)];
+  kernels::cuda::PagedAttention(view, layer_attention, b.q, b.attn, s);
   // Output projection and MLP (LlamaModel::AttentionOutputAndMlp).
   KVCM_RETURN_IF_ERROR(MatMul(Prepare(b.attn, rows, q_width, b.narrowed), layer.o_proj, h, b.proj));
   if (layer.o_bias != nullptr) llama_cuda::AddBias(b.proj, rows, h, layer.o_bias, s);

@@ -231,7 +231,8 @@ int Main(const std::vector<config::Setting>& settings) {
   pool_options.client.name = name;
   pool_options.client.secret_file = absl::GetFlag(FLAGS_cache_manager_secret_file);
   pool_options.client.call_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_call_timeout_ms));
-  pool_options.model = {config.num_hidden_layers, config.num_key_value_heads, config.head_dim};
+  pool_options.model = {config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
+                        config.layer_windows};
   LlamaCudaModelOptions cuda_options;
   cuda_options.weight_dtype = *ParseDType(absl::GetFlag(FLAGS_cuda_weight_dtype));
   ExecutorModel executor_model(model->get(), cuda_options);

@@ -156,7 +156,7 @@ void StepPlanner::ResetAll() {
 
 int64_t StepPlanner::held_blocks() const {
   int64_t blocks = 0;
-  for (const auto& [seq, run] : running_) blocks += BlocksFor(run.held);
+  for (const auto& [seq, run] : running_) blocks += LiveBlocks(run);
   return blocks;
 }
 
@@ -169,7 +169,7 @@ std::vector<StepPlanner::RunningSummary> StepPlanner::RunningSummaries(size_t ma
     if (it == running_.end()) continue;
     const Running& run = it->second;
     out.push_back({run.req.request, run.req.choice, seq, run.req.prompt_len, run.req.generated,
-                   BlocksFor(run.held), run.executor});
+                   LiveBlocks(run), run.executor});
   }
   return out;
 }
@@ -226,7 +226,7 @@ StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId>
         add(CommitOf(run), seq, StepPlan::OpRole::kCommit);
       }
       add(BlockOp::Free(seq), seq, StepPlan::OpRole::kFree);
-      available += BlocksFor(run.held);  // an estimate: shared blocks stay taken
+      available += LiveBlocks(run);  // an estimate: shared blocks stay taken
     }
     Forget(seq);
   }
@@ -285,13 +285,13 @@ StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId>
   if (executors.empty()) return plan;  // nobody to run anything: commits and frees only
 
   int64_t total_tokens = 0;
-  for (const auto& [seq, run] : running_) total_tokens += run.held;
+  for (const auto& [seq, run] : running_) total_tokens += LiveTokens(run);
   auto preempt_latest = [&]() -> SeqId {
     const SeqId victim = order_.back();
     Running& run = running_.at(victim);
     add(BlockOp::Free(victim), victim, StepPlan::OpRole::kFree);
-    available += BlocksFor(run.held);
-    total_tokens -= run.held;
+    available += LiveBlocks(run);
+    total_tokens -= LiveTokens(run);
     ++plan.preempted;
     ++preemptions_;
     Requeue(std::move(run), /*preempted=*/true);
@@ -575,6 +575,7 @@ void StepPlanner::FillBatches(const StepPlan& plan, ExecutorWork& work) {
     seq_step.tokens.assign(run.req.tokens.begin() + run.start, run.req.tokens.begin() + end);
     seq_step.context_len = end;
     seq_step.block_table.assign(run.blocks.begin(), run.blocks.begin() + BlocksFor(end));
+    std::fill_n(seq_step.block_table.begin(), ReleasedBlocks(run), kNoBlock);
     seq_step.sampling = run.req.sampling;
     seq_step.sample = end == size;
     seq_step.sample_index = run.req.generated;

@@ -44,6 +44,7 @@
 //
 // Thread safety: none; one thread (the router's loop) owns it.
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <optional>
@@ -80,6 +81,10 @@ struct PlannerOptions {
   // cache manager asked for them (HelloReply.wants_commit_tokens, for its vLLM-format KV
   // events). Updated when the cache manager comes back (SetCommitTokens).
   bool commit_tokens = false;
+  // > 0: the cache manager releases a sequence's blocks that lie wholly before
+  // committed - sliding_window_tokens + 1 (HelloReply.sliding_window_tokens). Their table
+  // entries go to executors as -1, and they no longer count as held.
+  int32_t sliding_window_tokens = 0;
 };
 
 // What one step asks of the cache manager, and what Apply needs to finish it.
@@ -208,6 +213,8 @@ class StepPlanner {
   void ResetAll();
   // Whether later Commits carry token ids (PlannerOptions::commit_tokens).
   void SetCommitTokens(bool on) { options_.commit_tokens = on; }
+  // The cache manager's window (PlannerOptions::sliding_window_tokens), after ResetAll.
+  void SetSlidingWindow(int32_t tokens) { options_.sliding_window_tokens = tokens; }
 
   // State, for metrics and tests.
   size_t queued() const { return queue_.size(); }
@@ -281,6 +288,17 @@ class StepPlanner {
   }
   int32_t BlocksFor(int32_t tokens) const {
     return (tokens + options_.block_size - 1) / options_.block_size;
+  }
+  // The leading blocks of `run` that the cache manager has released behind its window.
+  int32_t ReleasedBlocks(const Running& run) const {
+    const int32_t window = options_.sliding_window_tokens;
+    if (window <= 0 || run.committed < window) return 0;
+    return std::min(BlocksFor(run.held), (run.committed - window + 1) / options_.block_size);
+  }
+  // Blocks and tokens `run` holds in the pool, those released behind its window left out.
+  int32_t LiveBlocks(const Running& run) const { return BlocksFor(run.held) - ReleasedBlocks(run); }
+  int32_t LiveTokens(const Running& run) const {
+    return run.held - ReleasedBlocks(run) * options_.block_size;
   }
   // Makes run.hashes cover every full block of the first `tokens` tokens.
   void HashUpTo(Running& run, int32_t tokens) const;

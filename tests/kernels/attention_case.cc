@@ -85,6 +85,40 @@ std::vector<AttentionCase> StandardAttentionCases() {
        .head_dim = 20,
        .seqs = prefill});
   add({.name = "prefill_long_range2", .seqs = {{1200, 300}}, .value_range = 2.0f});
+  // Sliding windows: shorter and longer than a block, not a multiple of it, decode and
+  // prefill longer than the window, long contexts split across threads or partitions.
+  for (const bool released : {false, true}) {
+    const std::string suffix = released ? "_released" : "";
+    add({.name = "window16_decode_bs16" + suffix,
+         .seqs = decode,
+         .sliding_window = 16,
+         .release_behind_window = released});
+    add({.name = "window5_decode_bs3_gqa2" + suffix,
+         .block_size = 3,
+         .group_size = 2,
+         .seqs = decode,
+         .sliding_window = 5,
+         .release_behind_window = released});
+    add({.name = "window24_prefill_bs16" + suffix,
+         .seqs = prefill,
+         .sliding_window = 24,
+         .release_behind_window = released});
+    add({.name = "window1_prefill_bs1" + suffix,
+         .block_size = 1,
+         .seqs = prefill,
+         .sliding_window = 1,
+         .release_behind_window = released});
+    add({.name = "window1000_decode_long" + suffix,
+         .group_size = 4,
+         .head_dim = 128,
+         .seqs = {{4000, 1}, {2500, 1}, {999, 1}, {1, 1}},
+         .sliding_window = 1000,
+         .release_behind_window = released});
+    add({.name = "window300_prefill_long" + suffix,
+         .seqs = {{1200, 300}, {700, 1}},
+         .sliding_window = 300,
+         .release_behind_window = released});
+  }
   return cases;
 }
 
@@ -172,6 +206,11 @@ std::unique_ptr<AttentionInputs> MakeAttentionInputs(const AttentionCase& c, DTy
       slots.push_back(int64_t{table[pos / c.block_size]} * c.block_size + pos % c.block_size);
     }
     cpu::WriteKv(in->view, key.data(), value.data(), slots.data(), shape.context_len);
+    if (c.sliding_window > 0 && c.release_behind_window) {
+      const int32_t first_visible =
+          std::max(0, shape.context_len - shape.query_len - c.sliding_window + 1);
+      for (int32_t j = 0; j < first_visible / c.block_size; ++j) table[j] = -1;
+    }
   }
 
   const int32_t num_q_heads = c.num_kv_heads * c.group_size;
@@ -186,6 +225,7 @@ std::unique_ptr<AttentionInputs> MakeAttentionInputs(const AttentionCase& c, DTy
   in->batch.max_blocks_per_seq = in->max_blocks_per_seq;
   in->batch.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
   in->batch.max_query_len = in->max_query_len;
+  in->batch.sliding_window = c.sliding_window;
   return in;
 }
 
@@ -231,7 +271,10 @@ std::vector<double> ReferenceAttention(const AttentionInputs& in) {
     const size_t row = static_cast<size_t>(num_kv_heads) * head_dim;
     std::vector<double> k(static_cast<size_t>(ctx) * row);
     std::vector<double> v(k.size());
-    for (int32_t pos = 0; pos < ctx; ++pos) {
+    const int32_t window = in.batch.sliding_window;
+    // The first position any query of the sequence sees (blocks before it may be released).
+    const int32_t first_read = window > 0 ? std::max(0, ctx - qlen - window + 1) : 0;
+    for (int32_t pos = first_read / bs * bs; pos < ctx; ++pos) {
       for (int32_t h = 0; h < num_kv_heads; ++h) {
         for (int32_t d = 0; d < head_dim; ++d) {
           const size_t i = static_cast<size_t>(pos) * row + static_cast<size_t>(h) * head_dim +
@@ -244,11 +287,12 @@ std::vector<double> ReferenceAttention(const AttentionInputs& in) {
     std::vector<double> scores(static_cast<size_t>(ctx));
     for (int32_t q = 0; q < qlen; ++q, ++token) {
       const int32_t last = ctx - qlen + q;
+      const int32_t first = window > 0 ? std::max(0, last - window + 1) : 0;
       for (int32_t hq = 0; hq < num_q_heads; ++hq) {
         const int32_t h = hq / group;
         const float* qv = in.query.data() + (token * num_q_heads + hq) * head_dim;
         double max = -std::numeric_limits<double>::infinity();
-        for (int32_t pos = 0; pos <= last; ++pos) {
+        for (int32_t pos = first; pos <= last; ++pos) {
           double dot = 0.0;
           const double* kr =
               k.data() + static_cast<size_t>(pos) * row + static_cast<size_t>(h) * head_dim;
@@ -257,12 +301,12 @@ std::vector<double> ReferenceAttention(const AttentionInputs& in) {
           max = std::max(max, scores[static_cast<size_t>(pos)]);
         }
         double sum = 0.0;
-        for (int32_t pos = 0; pos <= last; ++pos) {
+        for (int32_t pos = first; pos <= last; ++pos) {
           scores[static_cast<size_t>(pos)] = std::exp(scores[static_cast<size_t>(pos)] - max);
           sum += scores[static_cast<size_t>(pos)];
         }
         double* o = out.data() + (token * num_q_heads + hq) * head_dim;
-        for (int32_t pos = 0; pos <= last; ++pos) {
+        for (int32_t pos = first; pos <= last; ++pos) {
           const double p = scores[static_cast<size_t>(pos)] / sum;
           const double* vr =
               v.data() + static_cast<size_t>(pos) * row + static_cast<size_t>(h) * head_dim;

@@ -45,11 +45,17 @@ struct AttentionCase {
   bool shuffled = true;
   float value_range = 1.0f;  // Q, K and V uniform in [-value_range, value_range]
   uint64_t seed = 0;
+  // > 0: sliding-window attention (PagedAttentionBatch::sliding_window).
+  int32_t sliding_window = 0;
+  // With a window: the table entries of the blocks wholly before every query's window are
+  // -1 (as the cache manager's release leaves them), so a kernel that reads one fails.
+  bool release_behind_window = false;
 };
 
 // The cases every attention test runs (block sizes 1, 3, 5, 16, 32; GQA 1, 2, 3, 4, 8 and
 // MQA; head dims 8, 20, 64, 128; decode, prefill over a cached prefix, mixed batches,
-// contexts long enough to be split across threads or thread blocks), with fixed seeds.
+// contexts long enough to be split across threads or thread blocks; sliding windows of
+// several lengths, with and without the blocks behind them released), with fixed seeds.
 std::vector<AttentionCase> StandardAttentionCases();
 
 // Inputs of one case in host memory. Not movable: batch points into it.
@@ -80,7 +86,8 @@ std::unique_ptr<AttentionInputs> MakeAttentionInputs(const AttentionCase& c, DTy
 double ReadPoolElement(const AttentionInputs& in, int32_t kv, int32_t block, int32_t token,
                        int32_t head, int32_t d);
 
-// Naive attention over contiguous copies of each sequence's K/V, in float64.
+// Naive attention over contiguous copies of each sequence's K/V, in float64 (within the
+// window when the case has one).
 std::vector<double> ReferenceAttention(const AttentionInputs& in);
 
 // max |got - want| / max |want| (the error relative to the output's scale; outputs are

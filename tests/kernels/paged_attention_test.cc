@@ -111,6 +111,23 @@ TEST(PagedAttentionCpuTest, RepeatedCallsAgree) {
   EXPECT_EQ(a, b);
 }
 
+// The windowed cases' reference differs from full attention: ignoring the window fails
+// the comparison above (each window case can fail), while honouring it passes.
+TEST(PagedAttentionCpuTest, IgnoringTheWindowFailsTheReference) {
+  int checked = 0;
+  for (const AttentionCase& c : Cases()) {
+    if (c.sliding_window == 0 || c.release_behind_window) continue;
+    const auto in = MakeAttentionInputs(c, DType::kFloat32);
+    const std::vector<double> ref = ReferenceAttention(*in);
+    in->batch.sliding_window = 0;
+    const double err = RelativeError(RunCpu(*in, BestCpuIsa(), 0), ref);
+    std::cout << c.name << ": without the window, relative error " << err << std::endl;
+    EXPECT_GT(err, 100 * kMaxRelativeError) << c.name;
+    ++checked;
+  }
+  EXPECT_GE(checked, 6);
+}
+
 // The kernel has no fp8 path: it aborts rather than read fp8 bytes as another type.
 TEST(PagedAttentionCpuDeathTest, RefusesFp8) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");

@@ -11,6 +11,11 @@ loaders that does not go through kvcm's own writer (tools/make_tiny_model).
   qwen3-mha   Qwen3ForCausalLM: 2 heads of 8 with hidden 48, no GQA, tied embeddings
   qwen3-bias  Qwen3ForCausalLM with attention_bias (q, k, v and o), 4 query heads on one KV
               head, head_dim = hidden / heads
+  mistral-window  MistralForCausalLM with a sliding window of 5 tokens on every layer
+  qwen2-window    Qwen2ForCausalLM with use_sliding_window: layer 0 full, layer 1 a window of
+                  4 (max_window_layers 1; transformers writes it as layer_types)
+  qwen3-window    Qwen3ForCausalLM with a window of 3 tokens on both layers
+The prompt and its continuation (18 tokens) are several windows long.
 
 transformers 5 writes its own config spelling (dtype, rope_parameters), which kvcm must read.
 Weights are drawn with a fixed seed at a scale that makes the logits far from ties. For
@@ -32,8 +37,8 @@ import shutil
 
 import torch
 import transformers
-from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM)
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 SEED = 20261202
 NEW_TOKENS = 6
@@ -65,6 +70,16 @@ MODELS = {
     "qwen3-bias": (Qwen3ForCausalLM, Qwen3Config(
         **dict(COMMON, num_key_value_heads=1), attention_bias=True, tie_word_embeddings=False,
         use_sliding_window=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "mistral-window": (MistralForCausalLM, MistralConfig(
+        **COMMON, sliding_window=5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "qwen2-window": (Qwen2ForCausalLM, Qwen2Config(
+        **COMMON, tie_word_embeddings=True, use_sliding_window=True, sliding_window=4,
+        max_window_layers=1, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "qwen3-window": (Qwen3ForCausalLM, Qwen3Config(
+        **dict(COMMON, head_dim=16), tie_word_embeddings=False, use_sliding_window=True,
+        sliding_window=3, max_window_layers=0,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
 }
 

@@ -28,10 +28,15 @@ ABSL_FLAG(std::string, output, "", "Model folder to create (required).");
 ABSL_FLAG(uint64_t, seed, kDefaults.seed, "Seed of the random weights.");
 ABSL_FLAG(std::string, dtype, "fp32", "Weight dtype in the file: fp32, bf16 or fp16.");
 ABSL_FLAG(std::string, architecture, kDefaults.architecture,
-          "llama, qwen2 (Qwen2ForCausalLM: a bias on q, k and v) or qwen3 "
+          "llama, mistral, qwen2 (Qwen2ForCausalLM: a bias on q, k and v) or qwen3 "
           "(Qwen3ForCausalLM: a per-head RMSNorm of q and k).");
 ABSL_FLAG(bool, attention_bias, kDefaults.attention_bias,
           "llama and qwen3: attention_bias, a bias on q, k, v and o.");
+ABSL_FLAG(int32_t, sliding_window, kDefaults.sliding_window,
+          "> 0: sliding-window attention of this many tokens (mistral: every layer; qwen2, "
+          "qwen3: the layers from --max-window-layers on).");
+ABSL_FLAG(int32_t, max_window_layers, kDefaults.max_window_layers,
+          "qwen2, qwen3 with --sliding-window: the first layer that slides.");
 ABSL_FLAG(bool, tie_word_embeddings, kDefaults.tie_word_embeddings,
           "Share the embedding matrix with the LM head (no lm_head.weight).");
 ABSL_FLAG(int32_t, num_shards, kDefaults.num_shards,
@@ -78,6 +83,8 @@ int main(int argc, char** argv) {
   options.seed = absl::GetFlag(FLAGS_seed);
   options.architecture = absl::GetFlag(FLAGS_architecture);
   options.attention_bias = absl::GetFlag(FLAGS_attention_bias);
+  options.sliding_window = absl::GetFlag(FLAGS_sliding_window);
+  options.max_window_layers = absl::GetFlag(FLAGS_max_window_layers);
   options.tie_word_embeddings = absl::GetFlag(FLAGS_tie_word_embeddings);
   options.num_shards = absl::GetFlag(FLAGS_num_shards);
   options.vocab_size = absl::GetFlag(FLAGS_vocab_size);

@@ -83,9 +83,20 @@ absl::Status Validate(const TinyModelOptions& o) {
   for (const auto& [name, value] : sizes) {
     if (value <= 0) return invalid(name, " must be positive, got ", value);
   }
-  if (o.architecture != "llama" && o.architecture != "qwen2" && o.architecture != "qwen3") {
-    return invalid("architecture must be \"llama\", \"qwen2\" or \"qwen3\", got \"", o.architecture,
-                   "\"");
+  if (o.architecture != "llama" && o.architecture != "mistral" && o.architecture != "qwen2" &&
+      o.architecture != "qwen3") {
+    return invalid("architecture must be \"llama\", \"mistral\", \"qwen2\" or \"qwen3\", got \"",
+                   o.architecture, "\"");
+  }
+  if (o.sliding_window < 0 || o.max_window_layers < 0 || o.max_window_layers > o.num_layers) {
+    return invalid("sliding_window (", o.sliding_window, ") must be >= 0 and max_window_layers (",
+                   o.max_window_layers, ") in [0, num_layers]");
+  }
+  if (o.sliding_window > 0 && o.architecture == "llama") {
+    return invalid("a sliding window is Mistral's, Qwen2's or Qwen3's, not Llama's");
+  }
+  if (o.attention_bias && o.architecture == "mistral") {
+    return invalid("attention_bias is Llama's and Qwen3's (Mistral's projections have none)");
   }
   if (o.attention_bias && o.architecture == "qwen2") {
     return invalid(
@@ -125,9 +136,10 @@ absl::Status Validate(const TinyModelOptions& o) {
 std::string TinyModelConfigJson(const TinyModelOptions& o) {
   nlohmann::ordered_json config = {
       {"architectures",
-       {o.architecture == "qwen2"   ? "Qwen2ForCausalLM"
-        : o.architecture == "qwen3" ? "Qwen3ForCausalLM"
-                                    : "LlamaForCausalLM"}},
+       {o.architecture == "qwen2"     ? "Qwen2ForCausalLM"
+        : o.architecture == "qwen3"   ? "Qwen3ForCausalLM"
+        : o.architecture == "mistral" ? "MistralForCausalLM"
+                                      : "LlamaForCausalLM"}},
       {"model_type", o.architecture},
       {"vocab_size", o.vocab_size},
       {"hidden_size", o.hidden_size},
@@ -164,6 +176,13 @@ std::string TinyModelConfigJson(const TinyModelOptions& o) {
   } else {
     config["rope_theta"] = o.rope_theta;
     config["rope_scaling"] = scaling;
+  }
+  if (o.sliding_window > 0) {
+    if (o.architecture != "mistral") {
+      config["use_sliding_window"] = true;
+      config["max_window_layers"] = o.max_window_layers;
+    }
+    config["sliding_window"] = o.sliding_window;
   }
   return config.dump(2) + "\n";
 }

@@ -29,12 +29,18 @@
 namespace kvcm {
 
 struct TinyModelOptions {
-  // "llama" (LlamaForCausalLM), "qwen2" (Qwen2ForCausalLM: the same layers with a bias on
-  // q, k and v, large enough to change every logit) or "qwen3" (Qwen3ForCausalLM: Llama's
-  // layers with an RMSNorm over each head of q and of k).
+  // "llama" (LlamaForCausalLM), "mistral" (MistralForCausalLM: Llama's layers), "qwen2"
+  // (Qwen2ForCausalLM: the same layers with a bias on q, k and v, large enough to change
+  // every logit) or "qwen3" (Qwen3ForCausalLM: Llama's layers with an RMSNorm over each head
+  // of q and of k).
   std::string architecture = "llama";
   // llama and qwen3: "attention_bias", a bias on q, k, v and o.
   bool attention_bias = false;
+  // > 0: sliding-window attention of this many tokens. mistral: "sliding_window" (every
+  // layer); qwen2 and qwen3: "use_sliding_window": true, "sliding_window" and
+  // "max_window_layers" (the layers from that index on slide). Not for llama.
+  int32_t sliding_window = 0;
+  int32_t max_window_layers = 0;
   int32_t vocab_size = 320;  // >= 259 for the byte-level tokenizer
   int32_t hidden_size = 64;
   int32_t intermediate_size = 128;
@@ -65,8 +71,8 @@ std::string TinyModelConfigJson(const TinyModelOptions& options);
 
 // Creates `folder` (and parents) and writes config.json and the safetensors shard(s).
 // INVALID_ARGUMENT for inconsistent options (another architecture, attention_bias with
-// qwen2, heads not a multiple of KV heads, odd head_dim, fp8 dtype, a non-positive size, more
-// shards than layers); INTERNAL when writing fails.
+// qwen2, a sliding window with llama or out of range, heads not a multiple of KV heads, odd
+// head_dim, fp8 dtype, a non-positive size, more shards than layers); INTERNAL when writing fails.
 absl::Status WriteTinyModel(const std::string& folder, const TinyModelOptions& options);
 
 }  // namespace kvcm

@@ -358,6 +358,81 @@ TEST_F(ReadModelConfigTest, KeptFeaturesForConsumersToJudge) {
 
 // ---- GGUF -------------------------------------------------------------------------------------
 
+// LayerWindows: each layer's window as transformers decides it per family.
+TEST_F(ReadModelConfigTest, LayerWindowsFollowEachFamilysRule) {
+  auto windows_of = [](const Json& config) {
+    absl::StatusOr<ModelConfig> c = ParseHfModelConfig(config.dump());
+    EXPECT_THAT(c, IsOk());
+    if (!c.ok()) return absl::StatusOr<std::vector<int32_t>>(c.status());
+    return LayerWindows(*c);
+  };
+  auto windows = [&](const Json& config) {
+    absl::StatusOr<std::vector<int32_t>> w = windows_of(config);
+    EXPECT_THAT(w, IsOk());
+    return w.value_or(std::vector<int32_t>());
+  };
+  Json base = {{"num_hidden_layers", 6}, {"num_attention_heads", 4}, {"head_dim", 8}};
+  // No window anywhere: every layer full.
+  EXPECT_THAT(windows(base), ElementsAre(0, 0, 0, 0, 0, 0));
+
+  // Mistral: every layer, whatever layer_types says (transformers' MistralConfig ignores it).
+  Json mistral = base;
+  mistral["model_type"] = "mistral";
+  mistral["sliding_window"] = 4096;
+  mistral["layer_types"] = Json::array();
+  for (int i = 0; i < 6; ++i) mistral["layer_types"].push_back("full_attention");
+  EXPECT_THAT(windows(mistral), ElementsAre(4096, 4096, 4096, 4096, 4096, 4096));
+  // The family from the architecture when model_type is absent.
+  mistral.erase("model_type");
+  mistral["architectures"] = {"MistralForCausalLM"};
+  EXPECT_THAT(windows(mistral), ElementsAre(4096, 4096, 4096, 4096, 4096, 4096));
+
+  // Qwen2: only with use_sliding_window, from max_window_layers on (default 28).
+  Json qwen2 = base;
+  qwen2["model_type"] = "qwen2";
+  qwen2["sliding_window"] = 32768;
+  EXPECT_THAT(windows(qwen2), ElementsAre(0, 0, 0, 0, 0, 0));
+  qwen2["use_sliding_window"] = true;
+  EXPECT_THAT(windows(qwen2), ElementsAre(0, 0, 0, 0, 0, 0));
+  qwen2["max_window_layers"] = 4;
+  EXPECT_THAT(windows(qwen2), ElementsAre(0, 0, 0, 0, 32768, 32768));
+  qwen2["max_window_layers"] = -1;
+  EXPECT_EQ(ParseHfModelConfig(qwen2.dump()).status().code(), absl::StatusCode::kInvalidArgument);
+
+  // Gemma 3 (text_config nesting): every sixth layer full, or sliding_window_pattern's.
+  Json gemma3 = {{"architectures", {"Gemma3ForConditionalGeneration"}},
+                 {"model_type", "gemma3"},
+                 {"text_config", base}};
+  gemma3["text_config"]["sliding_window"] = 1024;
+  EXPECT_THAT(windows(gemma3), ElementsAre(1024, 1024, 1024, 1024, 1024, 0));
+  gemma3["text_config"]["sliding_window_pattern"] = 3;
+  EXPECT_THAT(windows(gemma3), ElementsAre(1024, 1024, 0, 1024, 1024, 0));
+  // layer_types, when written, say it directly.
+  gemma3["text_config"]["layer_types"] = {"sliding_attention", "full_attention",
+                                          "sliding_attention", "sliding_attention",
+                                          "full_attention",    "sliding_attention"};
+  EXPECT_THAT(windows(gemma3), ElementsAre(1024, 0, 1024, 1024, 0, 1024));
+
+  // Refusals name the key: an unknown layer type, a list of the wrong length, a sliding
+  // layer without a window.
+  Json chunked = gemma3;
+  chunked["text_config"]["layer_types"][2] = "chunked_attention";
+  const absl::StatusOr<std::vector<int32_t>> unknown = windows_of(chunked);
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(unknown.status().message(),
+              HasSubstr("key \"text_config.layer_types\"[2] \"chunked_attention\""));
+  Json short_list = gemma3;
+  short_list["text_config"]["layer_types"] = {"full_attention"};
+  const absl::Status length = ParseHfModelConfig(short_list.dump()).status();
+  EXPECT_EQ(length.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(length.message(), HasSubstr("\"layer_types\" must be a list of 6 strings"));
+  Json no_window = gemma3;
+  no_window["text_config"].erase("sliding_window");
+  const absl::StatusOr<std::vector<int32_t>> missing = windows_of(no_window);
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(missing.status().message(), HasSubstr("no sliding_window"));
+}
+
 TEST_F(ReadModelConfigTest, GgufMetadata) {
   const std::string path = WriteGguf(GgufKeys());
   absl::StatusOr<ModelConfig> c = ReadModelConfig(path);

@@ -14,6 +14,7 @@
 #include "common/sizing/kv_cache_spec.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "tests/support/status_matchers.h"
 
 namespace kvcm {
@@ -70,7 +71,7 @@ TEST(SpecFromHfConfigTest, KvHeadsMustDivideQueryHeads) {
   EXPECT_THAT(status.message(), HasSubstr("\"num_key_value_heads\" (12) does not divide"));
 }
 
-TEST(SpecFromHfConfigTest, NotesSayWhichDTypeWasTakenAndThatAWindowIsIgnored) {
+TEST(SpecFromHfConfigTest, NotesSayWhichDTypeWasTakenAndWhatAWindowReleases) {
   // google/gemma-2-2b's KV-relevant keys: float32 weights and a 4096-token window.
   constexpr char kGemma2[] = R"json({"head_dim": 256, "hidden_size": 2304,
       "num_attention_heads": 8, "num_hidden_layers": 26, "num_key_value_heads": 4,
@@ -82,7 +83,15 @@ TEST(SpecFromHfConfigTest, NotesSayWhichDTypeWasTakenAndThatAWindowIsIgnored) {
   ASSERT_EQ(notes.size(), 2u);
   EXPECT_THAT(notes[0], HasSubstr("KV dtype fp32 from the config's torch_dtype \"float32\""));
   EXPECT_THAT(notes[0], HasSubstr("--dtype bf16"));
-  EXPECT_THAT(notes[1], HasSubstr("\"sliding_window\" (4096) is ignored"));
+  EXPECT_THAT(notes[1], HasSubstr("every layer attends within a sliding window of 4096 tokens"));
+  EXPECT_THAT(notes[1], HasSubstr("holds about 258 blocks"));
+  // Gemma 2 named: every other layer slides, the rest attend to the whole context.
+  notes.clear();
+  nlohmann::json gemma2 = nlohmann::json::parse(kGemma2);
+  gemma2["model_type"] = "gemma2";
+  ASSERT_THAT(SpecFromHfConfig(gemma2.dump(), 16, std::nullopt, &notes), IsOk());
+  ASSERT_EQ(notes.size(), 2u);
+  EXPECT_THAT(notes[1], HasSubstr("13 of 26 layers attend within a sliding window of 4096"));
   // With --dtype given nothing is chosen for the user; a null window is no window.
   notes.clear();
   ASSERT_THAT(SpecFromHfConfig(kLlama31_8B, 16, DType::kFloat16, &notes), IsOk());

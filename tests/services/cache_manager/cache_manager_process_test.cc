@@ -61,7 +61,7 @@ TEST(CacheManagerProcessTest, BadFlagsAreNamedBeforeAnythingIsAcquired) {
        "port 99999 is outside 1-65535"},
       {{"--num-blocks", "16", "--tcp-address", "tcp://garbage"}, "expected tcp://HOST:PORT"},
       {{"--num-blocks", "16", "--tcp-address", "tcp://0.0.0.0:5557"}, "--tcp-allow-remote"},
-      {{"--num-blocks", "16", "--sliding-window-tokens", "64"}, "not supported yet"},
+      {{"--num-blocks", "16", "--sliding-window-tokens", "-2"}, "give a window in tokens"},
       {{"--num-blocks", "16", "--heartbeat-timeout-ms", "100"}, "must be longer than"},
       {{"--num-blocks", "16", "--max-ops-per-step", "0"}, "limits must be positive"},
       {{"--num-blocks", "16", "--max-pinned-blocks", "17"}, "max_pinned_blocks"},

@@ -3,6 +3,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -12,6 +13,7 @@ namespace kvcm::executor {
 namespace {
 
 using ::testing::AllOf;
+using ::testing::Each;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using Json = nlohmann::json;
@@ -279,10 +281,66 @@ TEST(LlamaConfigTest, AttentionBiasesOfLlamaAndQwen2) {
   EXPECT_EQ(c->architecture, "Qwen2ForCausalLM");
   EXPECT_TRUE(c->qkv_bias);  // always, for Qwen2
   EXPECT_FALSE(c->o_bias);
-  qwen2["use_sliding_window"] = true;
-  const absl::Status windowed = ParseLlamaConfig(qwen2.dump()).status();
-  EXPECT_EQ(windowed.code(), absl::StatusCode::kUnimplemented) << windowed;
-  EXPECT_THAT(windowed.message(), HasSubstr("use_sliding_window"));
+  EXPECT_THAT(c->layer_windows, Each(0));
+}
+
+// Each layer's window, as transformers decides it for each family.
+TEST(LlamaConfigTest, SlidingWindowsPerLayer) {
+  Json config = Json::parse(kMinimal);
+  const int32_t layers = config["num_hidden_layers"].get<int32_t>();
+  ASSERT_GE(layers, 2);
+  // Mistral: every layer.
+  config["architectures"] = Json::array({"MistralForCausalLM"});
+  config["model_type"] = "mistral";
+  config["sliding_window"] = 64;
+  absl::StatusOr<LlamaConfig> c = ParseLlamaConfig(config.dump());
+  ASSERT_THAT(c, IsOk());
+  EXPECT_THAT(c->layer_windows, ::testing::SizeIs(layers));
+  EXPECT_THAT(c->layer_windows, Each(64));
+  EXPECT_THAT(c->ToString(), HasSubstr(absl::StrCat("sliding window 64 on ", layers, " of ")));
+
+  // Qwen2: only with use_sliding_window, from max_window_layers on (default 28, past these).
+  config["architectures"] = Json::array({"Qwen2ForCausalLM"});
+  config["model_type"] = "qwen2";
+  c = ParseLlamaConfig(config.dump());
+  ASSERT_THAT(c, IsOk());
+  EXPECT_THAT(c->layer_windows, Each(0));
+  config["use_sliding_window"] = true;
+  c = ParseLlamaConfig(config.dump());
+  ASSERT_THAT(c, IsOk());
+  EXPECT_THAT(c->layer_windows, Each(0));
+  config["max_window_layers"] = 1;
+  c = ParseLlamaConfig(config.dump());
+  ASSERT_THAT(c, IsOk());
+  EXPECT_EQ(c->layer_windows[0], 0);
+  for (int32_t i = 1; i < layers; ++i) EXPECT_EQ(c->layer_windows[static_cast<size_t>(i)], 64);
+
+  // layer_types, as transformers >= 4.53 writes them, win over max_window_layers.
+  Json types = Json::array();
+  for (int32_t i = 0; i < layers; ++i) {
+    types.push_back(i % 2 == 0 ? "sliding_attention" : "full_attention");
+  }
+  config["layer_types"] = types;
+  c = ParseLlamaConfig(config.dump());
+  ASSERT_THAT(c, IsOk());
+  for (int32_t i = 0; i < layers; ++i) {
+    EXPECT_EQ(c->layer_windows[static_cast<size_t>(i)], i % 2 == 0 ? 64 : 0) << i;
+  }
+  config["layer_types"][1] = "chunked_attention";
+  const absl::Status chunked = ParseLlamaConfig(config.dump()).status();
+  EXPECT_EQ(chunked.code(), absl::StatusCode::kUnimplemented) << chunked;
+  EXPECT_THAT(chunked.message(), HasSubstr("\"layer_types\"[1] \"chunked_attention\""));
+  config["layer_types"] = Json::array({"full_attention"});
+  const absl::Status short_list = ParseLlamaConfig(config.dump()).status();
+  EXPECT_EQ(short_list.code(), absl::StatusCode::kInvalidArgument) << short_list;
+  EXPECT_THAT(short_list.message(), HasSubstr("layer_types"));
+
+  // Llama has no window: one shorter than the context is refused, not guessed at.
+  config = Json::parse(kMinimal);
+  config["sliding_window"] = 64;
+  const absl::Status llama = ParseLlamaConfig(config.dump()).status();
+  EXPECT_EQ(llama.code(), absl::StatusCode::kUnimplemented) << llama;
+  EXPECT_THAT(llama.message(), HasSubstr("\"sliding_window\" 64"));
 }
 
 TEST(LlamaConfigTest, Qwen3HasQkNormAndItsOwnHeadDim) {
@@ -319,14 +377,19 @@ TEST(LlamaConfigTest, Qwen3HasQkNormAndItsOwnHeadDim) {
   EXPECT_TRUE(c->qkv_bias);
   EXPECT_TRUE(c->o_bias);
 
-  // A window is used only with use_sliding_window, which is refused.
+  // A window is used only with use_sliding_window, on the layers from max_window_layers.
   config = Json::parse(kQwen3_06B);
   config["sliding_window"] = 4096;
-  EXPECT_THAT(ParseLlamaConfig(config.dump()), IsOk());
+  c = ParseLlamaConfig(config.dump());
+  ASSERT_THAT(c, IsOk());
+  EXPECT_THAT(c->layer_windows, Each(0));
   config["use_sliding_window"] = true;
-  const absl::Status windowed = ParseLlamaConfig(config.dump()).status();
-  EXPECT_EQ(windowed.code(), absl::StatusCode::kUnimplemented) << windowed;
-  EXPECT_THAT(windowed.message(), HasSubstr("use_sliding_window"));
+  config["max_window_layers"] = 20;
+  c = ParseLlamaConfig(config.dump());
+  ASSERT_THAT(c, IsOk());
+  EXPECT_EQ(c->layer_windows[19], 0);
+  EXPECT_EQ(c->layer_windows[20], 4096);
+  EXPECT_EQ(c->layer_windows[27], 4096);
 
   // Only Qwen3 has the q/k norm.
   for (const char* other : {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}) {

@@ -1,8 +1,11 @@
 // THE test of the executor's model: a forward over the paged pool (WriteKv + PagedAttention)
 // gives the logits of the plain contiguous forward, for prefill, decode, chunked prefill,
 // prefill over a shared cached prefix, mixed batches, any block size and placement, and
-// fp32 / fp16 / bf16 caches; for a Llama and for a Qwen3 (its per-head q/k norm, and a
-// head_dim other than hidden / heads).
+// fp32 / fp16 / bf16 caches; for a Llama, for a Qwen3 (its per-head q/k norm, and a
+// head_dim other than hidden / heads), for a Mistral with a sliding window of 6 tokens on
+// every layer (the table entries of blocks behind every window sent as -1, as the cache
+// manager's release leaves them) and for a Qwen2 whose last two of four layers slide over 5
+// tokens. Sequences run several windows long.
 //
 // Tolerances, as max |paged - reference| / max(1, max |reference|) over a logits row:
 //   fp32 cache  1e-5  (only the order of the attention sums differs; about 7e-7 seen)
@@ -59,18 +62,24 @@ TinyModelOptions TinyOptions(const std::string& architecture) {
   TinyModelOptions options;
   options.architecture = architecture;
   if (architecture == "qwen3") options.head_dim = 24;  // not hidden 64 / 4 heads
+  if (architecture == "mistral-window") {
+    options.architecture = "mistral";
+    options.sliding_window = 6;
+  }
+  if (architecture == "qwen2-window") {
+    options.architecture = "qwen2";
+    options.sliding_window = 5;
+    options.max_window_layers = 2;
+  }
   return options;
 }
 
 class ModelHolder {
  public:
   static const LlamaModel& Get(const std::string& architecture = "llama") {
-    if (architecture == "qwen3") {
-      static ModelHolder* qwen3 = new ModelHolder("qwen3");
-      return *qwen3->model_;
-    }
-    KVCM_CHECK(architecture == "llama") << architecture;
-    static ModelHolder* holder = new ModelHolder("llama");
+    static auto* holders = new std::map<std::string, ModelHolder*>();
+    ModelHolder*& holder = (*holders)[architecture];
+    if (holder == nullptr) holder = new ModelHolder(architecture);
     return *holder->model_;
   }
 
@@ -140,14 +149,20 @@ std::vector<float> Step(const LlamaModel& model, TestPool& pool,
     max_blocks = std::max(max_blocks, static_cast<int32_t>(seq->blocks.size()));
   }
   batch.max_blocks_per_seq = max_blocks + 1;  // one spare entry: must be ignored
+  // With a window on every layer, the blocks wholly behind the window of every new token
+  // go as -1, as the cache manager's release leaves them: a read of one would fail.
+  const std::vector<int32_t>& windows = model.config().layer_windows;
+  const int32_t window = *std::min_element(windows.begin(), windows.end());
   for (const auto& [seq, n] : work) {
     batch.query_lens.push_back(n);
     batch.context_lens.push_back(seq->cached + n);
     for (int32_t i = seq->cached; i < seq->cached + n; ++i)
       batch.token_ids.push_back(seq->tokens[i]);
+    const int32_t released =
+        window > 0 ? std::max(0, seq->cached - window + 1) / pool.block_size() : 0;
     for (int32_t j = 0; j < batch.max_blocks_per_seq; ++j) {
-      batch.block_tables.push_back(j < static_cast<int32_t>(seq->blocks.size()) ? seq->blocks[j]
-                                                                                : -1);
+      batch.block_tables.push_back(
+          j >= released && j < static_cast<int32_t>(seq->blocks.size()) ? seq->blocks[j] : -1);
     }
   }
   std::vector<float> logits;
@@ -350,18 +365,23 @@ TEST_P(PagedForwardTest, MixedPrefillAndDecodeBatchMatchesContiguous) {
   ExpectWithinTolerance(checker.WorstError(), "mixed batch");
 }
 
-INSTANTIATE_TEST_SUITE_P(BlockSizesAndCacheDTypes, PagedForwardTest,
-                         ::testing::Combine(::testing::Values(1, 3, 16),
-                                            ::testing::Values(DType::kFloat32, DType::kFloat16,
-                                                              DType::kBFloat16),
-                                            ::testing::Values("llama", "qwen3")),
-                         [](const ::testing::TestParamInfo<Param>& param_info) {
-                           const std::string architecture = std::get<2>(param_info.param);
-                           return absl::StrCat(
-                               architecture == "llama" ? "" : "Qwen3_", "BlockSize",
-                               std::get<0>(param_info.param), "_",
-                               std::string(DTypeName(std::get<1>(param_info.param))));
-                         });
+// Test names: "Qwen3_BlockSize3_fp16"; the Llama's without a prefix.
+std::string ParamName(const ::testing::TestParamInfo<Param>& param_info) {
+  const std::map<std::string, std::string> prefixes = {{"llama", ""},
+                                                       {"qwen3", "Qwen3_"},
+                                                       {"mistral-window", "MistralWindow_"},
+                                                       {"qwen2-window", "Qwen2Window_"}};
+  return absl::StrCat(prefixes.at(std::get<2>(param_info.param)), "BlockSize",
+                      std::get<0>(param_info.param), "_",
+                      std::string(DTypeName(std::get<1>(param_info.param))));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    BlockSizesAndCacheDTypes, PagedForwardTest,
+    ::testing::Combine(::testing::Values(1, 3, 16),
+                       ::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
+                       ::testing::Values("llama", "qwen3", "mistral-window", "qwen2-window")),
+    ParamName);
 
 // The last-token logits are the matching rows of the all-token logits, and a repeated
 // forward gives the same bits.

@@ -160,7 +160,7 @@ TEST_F(TinyModelGenerationTest, Qwen2ArchitectureAddsTheQkvBiasesAndKeepsTheOthe
   EXPECT_EQ((*qwen2)->weights().layers[0].input_norm, (*llama)->weights().layers[0].input_norm);
 
   TinyModelOptions other;
-  other.architecture = "mistral";
+  other.architecture = "gemma";
   const absl::Status refused = WriteTinyModel(Path("x"), other);
   EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
   EXPECT_THAT(refused.message(), HasSubstr("architecture"));

@@ -11,15 +11,20 @@
 //               grouped-query attention
 //   qwen3-mha   Qwen3ForCausalLM: 2 heads of 8 with hidden 48, no GQA, tied embeddings
 //   qwen3-bias  Qwen3ForCausalLM with attention_bias (q, k, v and o), 4 query heads per KV head
+//   mistral-window  MistralForCausalLM, a sliding window of 5 tokens on every layer
+//   qwen2-window    Qwen2ForCausalLM, layer 0 full and layer 1 a window of 4 (layer_types)
+//   qwen3-window    Qwen3ForCausalLM, a window of 3 on both layers
+// (the prompt and its greedy continuation, 18 tokens, are several windows long).
 // The qwen3 model is also converted to a GGUF file (llama.cpp's qwen3 keys and tensor names,
 // attn_q_norm / attn_k_norm) that must give the same logits.
 // Negative controls show the comparison can fail: the qwen3 model with its q_norm / k_norm
 // weights changed, or read as a Llama (the same tensors, the q/k norm skipped), must move
-// the logits well beyond the tolerance.
+// the logits well beyond the tolerance; so must each window model read without its window.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <memory>
@@ -110,7 +115,8 @@ TEST_P(TransformersModelsTest, LogitsAndGreedyTokensEqualTransformers) {
 
 INSTANTIATE_TEST_SUITE_P(Models, TransformersModelsTest,
                          ::testing::Values("llama", "llama-bias", "qwen2", "qwen3", "qwen3-mha",
-                                           "qwen3-bias"),
+                                           "qwen3-bias", "mistral-window", "qwen2-window",
+                                           "qwen3-window"),
                          [](const ::testing::TestParamInfo<const char*>& param) {
                            std::string n = param.param;
                            std::replace(n.begin(), n.end(), '-', '_');
@@ -318,6 +324,35 @@ TEST(TransformersModelsNegativeTest, SkippedQkNormMovesTheLogits) {
   const double worst = Qwen3CopyError(dir->path(), "LlamaForCausalLM");
   std::printf("qwen3 read as llama (no q/k norm): worst logit error %.2e\n", worst);
   EXPECT_GT(worst, 100 * kTolerance);
+}
+
+// Each window model with its window taken out of config.json (so every layer attends to
+// the whole context) moves the logits beyond the tolerance: the window is what matches.
+TEST(TransformersModelsNegativeTest, WindowModelsWithoutTheirWindowMoveTheLogits) {
+  const json reference = Reference();
+  const std::vector<int32_t> tokens = reference["prompt"].get<std::vector<int32_t>>();
+  for (const char* name : {"mistral-window", "qwen2-window", "qwen3-window"}) {
+    absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-window");
+    ASSERT_THAT(dir, IsOk());
+    json config = json::parse(ReadFileOrEmpty(ModelFolder(name) + "/config.json"));
+    ASSERT_TRUE(config.contains("sliding_window")) << name;
+    config["sliding_window"] = nullptr;
+    config["use_sliding_window"] = false;
+    config.erase("layer_types");
+    {
+      std::ofstream out(dir->path() + "/config.json");
+      out << config.dump(2);
+    }
+    std::filesystem::copy_file(ModelFolder(name) + "/model.safetensors",
+                               dir->path() + "/model.safetensors");
+    LlamaModelOptions options;
+    options.num_threads = 1;
+    absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(dir->path(), options);
+    ASSERT_THAT(model, IsOk());
+    const double worst = WorstLogitError(**model, tokens, reference["models"][name]);
+    std::printf("%s without its window: worst logit error %.2e\n", name, worst);
+    EXPECT_GT(worst, 100 * kTolerance) << name;
+  }
 }
 
 TEST(TransformersModelsNegativeTest, MissingQkNormIsRefusedNamingTheTensor) {
