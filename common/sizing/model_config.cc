@@ -1,6 +1,7 @@
 #include "common/sizing/model_config.h"
 
 #include <algorithm>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -87,12 +88,13 @@ absl::StatusOr<KvCacheSpec> SpecFromModelConfig(const ModelConfig& config, int32
         std::count_if(windows->begin(), windows->end(), [](int32_t w) { return w > 0; });
     const int32_t widest = windowed == 0 ? 0 : *std::max_element(windows->begin(), windows->end());
     if (windowed > 0 && windowed == static_cast<int64_t>(windows->size())) {
-      note(absl::StrCat("every layer attends within a sliding window of ", widest,
-                        " tokens: the cache manager releases a sequence's blocks behind it "
-                        "(--sliding-window-tokens), so a sequence holds about ",
-                        (widest + block_size - 1) / block_size + 2,
-                        " blocks at a time (the window and up to two blocks being filled); the "
-                        "pool's size does not change"));
+      note(absl::StrCat(
+          "every layer attends within a sliding window of ", widest,
+          " tokens: the cache manager releases a sequence's blocks behind it "
+          "(--sliding-window-tokens), so a sequence holds about ",
+          BlocksHeldUnderWindow(std::numeric_limits<int32_t>::max(), widest, block_size),
+          " blocks at a time (the window and up to two blocks being filled); the "
+          "pool's size does not change"));
     } else if (windowed > 0) {
       note(absl::StrCat(windowed, " of ", windows->size(),
                         " layers attend within a sliding window of ", widest,
@@ -105,6 +107,18 @@ absl::StatusOr<KvCacheSpec> SpecFromModelConfig(const ModelConfig& config, int32
     return absl::Status(valid.code(), absl::StrCat(config.path, ": ", valid.message()));
   }
   return spec;
+}
+
+absl::StatusOr<int32_t> ReleasableWindow(const ModelConfig& config) {
+  KVCM_ASSIGN_OR_RETURN(const std::vector<int32_t> windows, LayerWindows(config));
+  if (windows.empty() || *std::min_element(windows.begin(), windows.end()) == 0) return 0;
+  return *std::max_element(windows.begin(), windows.end());
+}
+
+int64_t BlocksHeldUnderWindow(int64_t seq_len, int32_t window, int32_t block_size) {
+  const int64_t all = (seq_len + block_size - 1) / block_size;
+  if (window <= 0) return all;
+  return std::min<int64_t>(all, (int64_t{window} + block_size - 1) / block_size + 2);
 }
 
 absl::StatusOr<KvCacheSpec> SpecFromHfConfig(const std::string& json_text, int32_t block_size,

@@ -47,6 +47,16 @@ absl::StatusOr<KvCacheSpec> SpecFromModelConfig(const ModelConfig& config, int32
                                                 std::optional<DType> dtype_override,
                                                 std::vector<std::string>* notes = nullptr);
 
+// The sliding window behind which the cache manager may release a sequence's blocks for
+// `config` (--sliding-window-tokens): the widest layer window when every layer has one
+// (LayerWindows), else 0 (some layer attends to the whole context). LayerWindows' errors.
+absl::StatusOr<int32_t> ReleasableWindow(const ModelConfig& config);
+
+// Blocks a sequence of `seq_len` tokens holds while it decodes under a release window of
+// `window` tokens (> 0): the window and up to two blocks being filled, at most its own
+// blocks. With window 0, all its blocks.
+int64_t BlocksHeldUnderWindow(int64_t seq_len, int32_t window, int32_t block_size);
+
 // SpecFromModelConfig of the text of a config.json (ParseHfModelConfig).
 absl::StatusOr<KvCacheSpec> SpecFromHfConfig(const std::string& json_text, int32_t block_size,
                                              std::optional<DType> dtype_override,

@@ -337,9 +337,7 @@ absl::StatusOr<int32_t> SlidingWindowFromFlags() {
   const std::string path = absl::GetFlag(FLAGS_model_config);
   if (path.empty()) return std::max(flag, 0);
   KVCM_ASSIGN_OR_RETURN(const ModelConfig model, ReadModelConfig(path));
-  KVCM_ASSIGN_OR_RETURN(const std::vector<int32_t> windows, LayerWindows(model));
-  const auto [least, most] = std::minmax_element(windows.begin(), windows.end());
-  const int32_t model_window = windows.empty() || *least == 0 ? 0 : *most;
+  KVCM_ASSIGN_OR_RETURN(const int32_t model_window, ReleasableWindow(model));
   if (flag == -1) {
     if (model_window > 0) {
       Log(absl::StrCat("model config: every layer attends within ", model_window,

@@ -1,5 +1,6 @@
 #include "tools/kvcmctl/plan_command.h"
 
+#include <fstream>
 #include <sstream>
 #include <string>
 #include <variant>
@@ -176,6 +177,48 @@ TEST(BuildPlanReportTest, JsonCarriesTheFigures) {
   EXPECT_EQ(j["budget"]["num_blocks"], 4096);
   EXPECT_EQ(j["sequences"].size(), 3u);
   EXPECT_FALSE(j.contains("model_config"));
+}
+
+// Mistral 7B v0.1's KV-relevant keys: a 4,096-token window on every layer. The plan shows
+// what a decoding sequence holds with the blocks behind the window released; a model that
+// mixes windowed and full layers (Gemma 2) shows none.
+TEST(BuildPlanReportTest, AModelWindowShowsWhatADecodingSequenceHolds) {
+  const std::string path = ::testing::TempDir() + "/mistral_config.json";
+  nlohmann::json config = {{"architectures", {"MistralForCausalLM"}},
+                           {"model_type", "mistral"},
+                           {"num_hidden_layers", 32},
+                           {"num_attention_heads", 32},
+                           {"num_key_value_heads", 8},
+                           {"head_dim", 128},
+                           {"hidden_size", 4096},
+                           {"sliding_window", 4096},
+                           {"torch_dtype", "bfloat16"}};
+  std::ofstream(path) << config.dump();
+  absl::StatusOr<PlanReport> report =
+      BuildPlanReport(*Parse({"--model-config", path, "--pool-bytes", "16GiB"}));
+  ASSERT_THAT(report, IsOk());
+  EXPECT_EQ(report->sliding_window, 4096);
+  // 128 KiB per token, 2 MiB per block: 8192 blocks; a 32K-token sequence has 2048 of them,
+  // and holds 4096 / 16 + 2 = 258 while it decodes.
+  EXPECT_EQ(report->plan.num_blocks, 8192);
+  const nlohmann::json j = nlohmann::json::parse(FormatPlanJson(*report));
+  EXPECT_EQ(j["sliding_window_tokens"], 4096);
+  const nlohmann::json& longest = j["sequences"].back();
+  EXPECT_EQ(longest["seq_len"], 32768);
+  EXPECT_EQ(longest["num_sequences"], 4);
+  EXPECT_EQ(longest["window_blocks_per_sequence"], 258);
+  EXPECT_EQ(longest["window_sequences"], 31);
+  EXPECT_EQ(j["sequences"][0]["window_blocks_per_sequence"], 64);  // 1,024 tokens: all
+  EXPECT_THAT(FormatPlanText(*report), HasSubstr("With the model's sliding window of 4096"));
+
+  config["model_type"] = "gemma2";  // every other layer slides: every block is kept
+  config["architectures"] = {"Gemma2ForCausalLM"};
+  std::ofstream(path) << config.dump();
+  report = BuildPlanReport(*Parse({"--model-config", path, "--pool-bytes", "16GiB"}));
+  ASSERT_THAT(report, IsOk());
+  EXPECT_EQ(report->sliding_window, 0);
+  EXPECT_FALSE(nlohmann::json::parse(FormatPlanJson(*report)).contains("sliding_window_tokens"));
+  EXPECT_THAT(FormatPlanText(*report), ::testing::Not(HasSubstr("With the model's sliding")));
 }
 
 TEST(RunPlanCommandTest, ExitCodes) {

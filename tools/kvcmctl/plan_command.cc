@@ -19,6 +19,7 @@
 #include "absl/strings/string_view.h"
 #include "common/base/check.h"
 #include "common/base/status_macros.h"
+#include "common/model/model_config.h"
 #include "common/sizing/byte_size.h"
 #include "common/sizing/kv_cache_spec.h"
 #include "common/sizing/model_config.h"
@@ -263,6 +264,8 @@ absl::StatusOr<PlanReport> BuildPlanReport(const PlanOptions& options) {
     report.model_config = options.model_config;
     KVCM_ASSIGN_OR_RETURN(spec, SpecFromModelPath(options.model_config, options.block_size,
                                                   options.dtype, &report.notes));
+    KVCM_ASSIGN_OR_RETURN(const ModelConfig model, ReadModelConfig(options.model_config));
+    KVCM_ASSIGN_OR_RETURN(report.sliding_window, ReleasableWindow(model));
   } else {
     spec.num_layers = options.num_layers;
     spec.num_kv_heads = options.num_kv_heads;
@@ -331,6 +334,19 @@ std::string FormatPlanText(const PlanReport& report) {
                                           fit.wasted_tokens_per_sequence,
                                           FormatBytes(fit.wasted_bytes_per_sequence)));
   }
+  if (report.sliding_window > 0) {
+    absl::StrAppend(&out, "\nWith the model's sliding window of ", report.sliding_window,
+                    " tokens, blocks behind it released (a decoding sequence; a prompt's blocks "
+                    "are all taken when it is admitted):\n");
+    absl::StrAppend(&out,
+                    absl::StrFormat("  %10s %12s %12s\n", "seq_len", "blocks/seq", "sequences"));
+    for (const SequenceFit& fit : report.fits) {
+      const int64_t held =
+          BlocksHeldUnderWindow(fit.seq_len, report.sliding_window, report.plan.spec.block_size);
+      absl::StrAppend(&out, absl::StrFormat("  %10d %12d %12d\n", fit.seq_len, held,
+                                            report.plan.num_blocks / held));
+    }
+  }
   if (!report.tiers.empty()) {
     absl::StrAppend(&out, "\nTiers below the pool (--host-tier-bytes, --disk-tier-bytes):\n");
   }
@@ -374,14 +390,22 @@ std::string FormatPlanJson(const PlanReport& report) {
   j["unused_bytes"] = plan.unused_bytes;
   j["max_total_tokens"] = plan.max_total_tokens;
   nlohmann::ordered_json fits = nlohmann::ordered_json::array();
+  if (report.sliding_window > 0) j["sliding_window_tokens"] = report.sliding_window;
   for (const SequenceFit& fit : report.fits) {
-    fits.push_back({
+    nlohmann::ordered_json entry = {
         {"seq_len", fit.seq_len},
         {"blocks_per_sequence", fit.blocks_per_sequence},
         {"num_sequences", fit.num_sequences},
         {"wasted_tokens_per_sequence", fit.wasted_tokens_per_sequence},
         {"wasted_bytes_per_sequence", fit.wasted_bytes_per_sequence},
-    });
+    };
+    if (report.sliding_window > 0) {
+      const int64_t held =
+          BlocksHeldUnderWindow(fit.seq_len, report.sliding_window, plan.spec.block_size);
+      entry["window_blocks_per_sequence"] = held;
+      entry["window_sequences"] = plan.num_blocks / held;
+    }
+    fits.push_back(std::move(entry));
   }
   j["sequences"] = std::move(fits);
   if (!report.tiers.empty()) {

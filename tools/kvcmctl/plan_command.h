@@ -90,6 +90,9 @@ std::string PlanUsage();
 struct PlanReport {
   std::string model_config;        // the config.json read, if any
   std::vector<std::string> notes;  // choices made from it (SpecFromHfConfig's notes)
+  // The window behind which the cache manager releases blocks for this model
+  // (ReleasableWindow; 0: none, or no model config).
+  int32_t sliding_window = 0;
   PoolPlan plan;
   std::vector<SequenceFit> fits;  // kStandardSeqLens and seq_len, ascending, no repeats
   std::vector<TierPlan> tiers;    // host, then disk, those given
@@ -110,8 +113,10 @@ std::string FormatPlanText(const PlanReport& report);
 // (DTypeName), dtype_bytes, block_size, bytes_per_token, bytes_per_block, budget
 // ({"kind": "pool-bytes", "pool_bytes"} | {"kind": "memory-fraction", "free_bytes",
 // "fraction", "margin"} | {"kind": "num-blocks", "num_blocks"}), usable_bytes, num_blocks,
-// pool_bytes, unused_bytes, max_total_tokens, sequences (one object per SequenceFit with
-// its field names), tiers (only with a tier flag: one object per TierPlan with its field
+// pool_bytes, unused_bytes, max_total_tokens, sliding_window_tokens (only with a window),
+// sequences (one object per SequenceFit with its field names; with a window also
+// window_blocks_per_sequence and window_sequences: what a decoding sequence holds and how
+// many of them fit), tiers (only with a tier flag: one object per TierPlan with its field
 // names). Counts are JSON integers, exact.
 std::string FormatPlanJson(const PlanReport& report);
 
