@@ -389,10 +389,7 @@ TEST_F(RouterProcessTest, APoolOfFewBlocksForcesPreemptionAndEveryRequestStillGe
   for (int i = 0; i < 6; ++i) texts.push_back(absl::StrCat("preempt me please ", i));
   std::unique_ptr<Requests> requests = StartRequests(texts, 30);
   requests->Join();
-  for (size_t i = 0; i < texts.size(); ++i) {
-    EXPECT_EQ(requests->errors[i], "") << i;
-    EXPECT_EQ(requests->got[i], Reference(texts[i], 30)) << i;
-  }
+  ExpectReferenceAnswers(*requests, texts, 30);
   EXPECT_TRUE(AwaitNoBlockInUse());
   ASSERT_THAT(router_->Signal(SIGTERM), IsOk());
   ASSERT_THAT(router_->Wait(absl::Seconds(10)), IsOk());
@@ -516,10 +513,7 @@ TEST_F(RouterProcessTest, AnExecutorKilledMidGenerationChangesNoToken) {
   const int done_at_kill = requests->done.load();
   requests->Join();
   EXPECT_EQ(done_at_kill, 0) << "the kill came too late to be mid-generation";
-  for (size_t i = 0; i < texts.size(); ++i) {
-    EXPECT_EQ(requests->errors[i], "") << i;
-    EXPECT_EQ(requests->got[i], Reference(texts[i], 40)) << i;
-  }
+  ExpectReferenceAnswers(*requests, texts, 40);
   // Its pidfd told the router at once (not the silence limit).
   EXPECT_THAT(router_->Output(), HasSubstr("exited: dropped"));
   EXPECT_TRUE(AwaitNoBlockInUse());
@@ -551,10 +545,7 @@ TEST_F(RouterProcessTest, AHungExecutorsSequencesAreFreedWithDrainAndFinishElsew
   EXPECT_GT(draining, 0);
   requests->Join();
   EXPECT_EQ(done_at_stop, 0) << "the stop came too late to be mid-generation";
-  for (size_t i = 0; i < texts.size(); ++i) {
-    EXPECT_EQ(requests->errors[i], "") << i;
-    EXPECT_EQ(requests->got[i], Reference(texts[i], 30)) << i;
-  }
+  ExpectReferenceAnswers(*requests, texts, 30);
   EXPECT_GT(Stats().draining_blocks, 0) << "the fence did not wait for the stopped executor";
   // Resumed, it ends (or finishes) its step and acknowledges: the blocks come back.
   ASSERT_THAT(executors_[1].process->Signal(SIGCONT), IsOk());

@@ -237,6 +237,15 @@ class RouterStackTest : public ::testing::Test {
     return requests;
   }
 
+  // Every request of `texts` was answered, with the model's own `n` tokens.
+  static void ExpectReferenceAnswers(const Requests& requests,
+                                     const std::vector<std::string>& texts, int32_t n) {
+    for (size_t i = 0; i < texts.size(); ++i) {
+      EXPECT_EQ(requests.errors[i], "") << i;
+      EXPECT_EQ(requests.got[i], Reference(texts[i], n)) << i;
+    }
+  }
+
   StatsSnapshot Stats() {
     CacheManagerClient::Options options;
     options.endpoint = cm_->endpoint();

@@ -97,10 +97,7 @@ TEST_F(SlidingWindowStackTest, EveryAnswerIsTheModelsOwnAndBlocksBehindTheWindow
   const std::vector<std::string> texts = Prompts(4);
   std::unique_ptr<Requests> requests = StartRequests(texts, 24);
   requests->Join();
-  for (size_t i = 0; i < texts.size(); ++i) {
-    EXPECT_EQ(requests->errors[i], "") << i;
-    EXPECT_EQ(requests->got[i], Reference(texts[i], 24)) << i;
-  }
+  ExpectReferenceAnswers(*requests, texts, 24);
   // Each sequence of ~68 tokens (17 blocks) kept only the blocks of its last window.
   const double released = ManagerMetric("kvcm_cache_window_released_blocks_total");
   std::printf("blocks released behind the window: %.0f\n", released);
@@ -133,10 +130,7 @@ TEST_F(SlidingWindowStackTest, APoolTooSmallForTheWholeContextsStillGivesEveryAn
   const std::vector<std::string> texts = Prompts(6);
   std::unique_ptr<Requests> requests = StartRequests(texts, 30);
   requests->Join();
-  for (size_t i = 0; i < texts.size(); ++i) {
-    EXPECT_EQ(requests->errors[i], "") << i;
-    EXPECT_EQ(requests->got[i], Reference(texts[i], 30)) << i;
-  }
+  ExpectReferenceAnswers(*requests, texts, 30);
   EXPECT_TRUE(AwaitNoBlockInUse());
   ExpectWhole(Stats());
 }
