@@ -403,8 +403,8 @@ TEST_P(ExecutorServiceTest, RefusedStepsLeaveThePoolUntouched) {
        "the pool has 64 blocks"},
       {"short table", [](StepBatch& s) { s.seqs[0].block_table.pop_back(); }, "needs"},
       // -1 is only for a block the pool's window released; this pool releases none.
-      {"no block where the window still reads",
-       [](StepBatch& s) { s.seqs[0].block_table[0] = -1; }, "which its window still reads"},
+      {"no block where the window still reads", [](StepBatch& s) { s.seqs[0].block_table[0] = -1; },
+       "which its window still reads"},
       {"table longer than the pool",
        [](StepBatch& s) { s.seqs[0].block_table.resize(kNumBlocks + 1, 0); },
        "the pool holds 64 blocks"},
