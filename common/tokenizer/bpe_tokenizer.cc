@@ -1,8 +1,5 @@
 #include "common/tokenizer/bpe_tokenizer.h"
 
-#define PCRE2_CODE_UNIT_WIDTH 8
-#include <pcre2.h>
-
 #include <algorithm>
 #include <array>
 #include <climits>
@@ -18,9 +15,17 @@
 #include "common/base/mutex.h"
 #include "common/base/utf8.h"
 #include "common/tokenizer/byte_level.h"
+#include "common/tokenizer/text_matching_internal.h"
 
 namespace kvcm {
 namespace {
+
+using internal::AddedTokenMatcher;
+using internal::DecodeAt;
+using internal::IsWhiteSpace;
+using internal::PreviousStart;
+using internal::Regex;
+using internal::RegexError;
 
 // Llama 3's and Qwen2's published pre-tokenizer regexes (their tokenizer.json files).
 constexpr std::string_view kLlama3Regex =
@@ -34,116 +39,6 @@ constexpr size_t kMaxCacheEntries = 1 << 17;
 // Words with more symbols than this merge through a heap instead of rescans.
 constexpr size_t kHeapMergeThreshold = 48;
 
-// Per-thread PCRE2 state: match data (only the whole match is read) and a JIT stack large
-// enough for long runs of whitespace.
-struct ThreadMatchState {
-  pcre2_match_data* data = nullptr;
-  pcre2_match_context* context = nullptr;
-  pcre2_jit_stack* stack = nullptr;
-  ThreadMatchState() {
-    data = pcre2_match_data_create(1, nullptr);
-    context = pcre2_match_context_create(nullptr);
-    stack = pcre2_jit_stack_create(32 * 1024, 16 * 1024 * 1024, nullptr);
-    if (context != nullptr && stack != nullptr) pcre2_jit_stack_assign(context, nullptr, stack);
-  }
-  ~ThreadMatchState() {
-    pcre2_match_data_free(data);
-    pcre2_match_context_free(context);
-    pcre2_jit_stack_free(stack);
-  }
-  ThreadMatchState(const ThreadMatchState&) = delete;
-  ThreadMatchState& operator=(const ThreadMatchState&) = delete;
-};
-
-ThreadMatchState& MatchState() {
-  thread_local ThreadMatchState state;
-  return state;
-}
-
-class Regex {
- public:
-  static absl::StatusOr<std::unique_ptr<Regex>> Compile(std::string_view pattern,
-                                                        std::string_view source) {
-    const std::string rewritten = internal::OnigurumaWhitespace(pattern);
-    int error = 0;
-    PCRE2_SIZE offset = 0;
-    pcre2_code* code =
-        pcre2_compile(reinterpret_cast<PCRE2_SPTR>(rewritten.data()), rewritten.size(),
-                      PCRE2_UTF | PCRE2_UCP, &error, &offset, nullptr);
-    if (code == nullptr) {
-      std::array<PCRE2_UCHAR, 256> message{};
-      pcre2_get_error_message(error, message.data(), message.size());
-      return absl::InvalidArgumentError(
-          absl::StrCat(std::string(source), ": pre-tokenizer regex \"", std::string(pattern),
-                       "\" does not compile at offset ", offset, ": ",
-                       reinterpret_cast<const char*>(message.data())));
-    }
-    const bool jit = pcre2_jit_compile(code, PCRE2_JIT_COMPLETE) == 0;
-    return std::unique_ptr<Regex>(new Regex(code, jit));
-  }
-  ~Regex() { pcre2_code_free(code_); }
-  Regex(const Regex&) = delete;
-  Regex& operator=(const Regex&) = delete;
-
-  // The first match in subject[start..]: 1 with *begin/*end set, 0 when there is none, an
-  // error otherwise. `subject` must be valid UTF-8 (checked once by Encode).
-  int Find(std::string_view subject, size_t start, size_t* begin, size_t* end) const {
-    ThreadMatchState& state = MatchState();
-    const auto* data = reinterpret_cast<PCRE2_SPTR>(subject.data());
-    const int rc =
-        jit_ ? pcre2_jit_match(code_, data, subject.size(), start, 0, state.data, state.context)
-             : pcre2_match(code_, data, subject.size(), start, PCRE2_NO_UTF_CHECK, state.data,
-                           state.context);
-    if (rc == PCRE2_ERROR_NOMATCH) return 0;
-    if (rc < 0) return rc;
-    const PCRE2_SIZE* ovector = pcre2_get_ovector_pointer(state.data);
-    *begin = ovector[0];
-    *end = ovector[1];
-    return 1;
-  }
-
- private:
-  Regex(pcre2_code* code, bool jit) : code_(code), jit_(jit) {}
-  pcre2_code* code_;
-  bool jit_;
-};
-
-absl::Status RegexError(int rc) {
-  std::array<PCRE2_UCHAR, 256> message{};
-  pcre2_get_error_message(rc, message.data(), message.size());
-  return absl::InternalError(absl::StrCat("BPE pre-tokenizer: regex match failed: ",
-                                          reinterpret_cast<const char*>(message.data())));
-}
-
-// The code point at text[i] (valid UTF-8) and its length.
-uint32_t DecodeAt(std::string_view text, size_t i, size_t* len) {
-  const auto c = static_cast<unsigned char>(text[i]);
-  if (c < 0x80) {
-    *len = 1;
-    return c;
-  }
-  size_t n = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : 2;
-  if (i + n > text.size()) n = text.size() - i;
-  uint32_t cp = c & (n == 2 ? 0x1F : n == 3 ? 0x0F : 0x07);
-  for (size_t k = 1; k < n; ++k) cp = (cp << 6) | (static_cast<unsigned char>(text[i + k]) & 0x3F);
-  *len = n;
-  return cp;
-}
-
-// The start of the code point that ends at `end` (exclusive).
-size_t PreviousStart(std::string_view text, size_t end) {
-  size_t i = end - 1;
-  while (i > 0 && (static_cast<unsigned char>(text[i]) & 0xC0) == 0x80) --i;
-  return i;
-}
-
-// Unicode White_Space (Rust's char::is_whitespace, which Hugging Face's lstrip/rstrip use).
-bool IsWhiteSpace(uint32_t cp) {
-  return (cp >= 0x09 && cp <= 0x0D) || cp == 0x20 || cp == 0x85 || cp == 0xA0 || cp == 0x1680 ||
-         (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F ||
-         cp == 0x205F || cp == 0x3000;
-}
-
 // Abseil's string_view is its own type here; heterogeneous lookups need it.
 absl::string_view AbslView(std::string_view s) { return absl::string_view(s.data(), s.size()); }
 
@@ -154,49 +49,6 @@ uint64_t PairKey(int32_t a, int32_t b) {
 struct MergeResult {
   int32_t rank;
   int32_t id;
-};
-
-// Added tokens matched leftmost-longest (Hugging Face uses an Aho-Corasick automaton with
-// that semantics; the sets are small, so candidates are indexed by their first byte).
-class AddedTokenMatcher {
- public:
-  void Add(int index, const std::string& content) {
-    if (content.empty()) return;
-    contents_.push_back({index, content});
-  }
-  void Finish() {
-    for (size_t i = 0; i < contents_.size(); ++i) {
-      by_first_byte_[static_cast<unsigned char>(contents_[i].second[0])].push_back(i);
-    }
-    for (std::vector<size_t>& candidates : by_first_byte_) {
-      std::stable_sort(candidates.begin(), candidates.end(), [&](size_t a, size_t b) {
-        return contents_[a].second.size() > contents_[b].second.size();
-      });
-    }
-  }
-  bool empty() const { return contents_.empty(); }
-
-  // The leftmost-longest match at or after `from`: true with *begin, *end and *index set.
-  bool Find(std::string_view text, size_t from, size_t* begin, size_t* end, int* index) const {
-    for (size_t i = from; i < text.size(); ++i) {
-      const std::vector<size_t>& candidates = by_first_byte_[static_cast<unsigned char>(text[i])];
-      for (const size_t c : candidates) {
-        const std::string& content = contents_[c].second;
-        if (text.size() - i >= content.size() &&
-            std::memcmp(text.data() + i, content.data(), content.size()) == 0) {
-          *begin = i;
-          *end = i + content.size();
-          *index = contents_[c].first;
-          return true;
-        }
-      }
-    }
-    return false;
-  }
-
- private:
-  std::vector<std::pair<int, std::string>> contents_;
-  std::array<std::vector<size_t>, 256> by_first_byte_;
 };
 
 }  // namespace
@@ -246,6 +98,11 @@ struct BpeTokenizer::Impl {
   Normalizer normalizer;  // empty: none
   int32_t unk_id = -1;
   bool fuse_unk = false;
+  // SentencePiece-style BPE: words merged from characters, text made by token_decoder.
+  bool byte_level = true;
+  bool byte_fallback = false;
+  std::array<int32_t, 256> fallback_id{};  // the token "<0xNN>" of each byte, -1 when none
+  TokenDecoder token_decoder;
 
   std::vector<Step> steps;
   std::vector<BpeAddedToken> added;
@@ -255,11 +112,12 @@ struct BpeTokenizer::Impl {
 
   std::array<int32_t, 256> byte_id{};  // the token of each single byte, -1 when none
   absl::flat_hash_map<uint64_t, MergeResult> merges;
-  absl::flat_hash_map<std::string, int32_t> raw_to_id;    // raw bytes -> vocab token
-  absl::flat_hash_map<std::string, int32_t> piece_to_id;  // byte-level spelling -> id
+  absl::flat_hash_map<std::string, int32_t> raw_to_id;    // raw bytes (text) -> vocab token
+  absl::flat_hash_map<std::string, int32_t> piece_to_id;  // spelling -> id
   absl::flat_hash_map<std::string, int32_t> added_to_id;  // added content -> id
-  std::vector<std::string> decoded;                       // id -> raw bytes
-  std::vector<uint8_t> special;                           // id -> Decode skips it
+  // id -> raw bytes (byte-level), the spelling token_decoder takes (SentencePiece-style)
+  std::vector<std::string> decoded;
+  std::vector<uint8_t> special;  // id -> Decode skips it
 
   mutable Mutex cache_mu;
   mutable absl::flat_hash_map<std::string, std::vector<int32_t>> cache ABSL_GUARDED_BY(cache_mu);
@@ -421,20 +279,25 @@ struct BpeTokenizer::Impl {
     return absl::OkStatus();
   }
 
-  // Merges the bytes of `word` by rank, appending its ids to *ids.
+  // Merges the bytes of `word` (SentencePiece-style: its characters) by rank, appending its
+  // ids to *ids.
   void MergeWord(std::string_view word, std::vector<int32_t>* ids) const {
     std::vector<int32_t> symbols;
     symbols.reserve(word.size());
-    bool previous_unk = false;
-    for (const char ch : word) {
-      const int32_t id = byte_id[static_cast<unsigned char>(ch)];
-      if (id >= 0) {
-        symbols.push_back(id);
-        previous_unk = false;
-      } else if (unk_id >= 0) {
-        if (!(fuse_unk && previous_unk)) symbols.push_back(unk_id);
-        previous_unk = true;
+    if (byte_level) {
+      bool previous_unk = false;
+      for (const char ch : word) {
+        const int32_t id = byte_id[static_cast<unsigned char>(ch)];
+        if (id >= 0) {
+          symbols.push_back(id);
+          previous_unk = false;
+        } else if (unk_id >= 0) {
+          if (!(fuse_unk && previous_unk)) symbols.push_back(unk_id);
+          previous_unk = true;
+        }
       }
+    } else {
+      CharacterSymbols(word, &symbols);
     }
     if (symbols.size() >= 2) {
       if (symbols.size() <= kHeapMergeThreshold) {
@@ -444,6 +307,36 @@ struct BpeTokenizer::Impl {
       }
     }
     ids->insert(ids->end(), symbols.begin(), symbols.end());
+  }
+
+  // The first symbols of a SentencePiece-style word, as Hugging Face's BPE::merge_word: each
+  // character's token; else, with byte_fallback, its bytes' "<0xNN>" tokens; else unk, which
+  // waits for the next character with a token of its own (fused with the unks before it when
+  // fuse_unk), so that byte-fallback tokens in between come first.
+  void CharacterSymbols(std::string_view word, std::vector<int32_t>* symbols) const {
+    bool pending_unk = false;
+    for (size_t i = 0; i < word.size();) {
+      size_t len = 0;
+      DecodeAt(word, i, &len);
+      const std::string_view ch = word.substr(i, len);
+      i += len;
+      if (auto it = raw_to_id.find(AbslView(ch)); it != raw_to_id.end()) {
+        if (pending_unk) symbols->push_back(unk_id);
+        pending_unk = false;
+        symbols->push_back(it->second);
+        continue;
+      }
+      if (byte_fallback && std::all_of(ch.begin(), ch.end(), [&](char b) {
+            return fallback_id[static_cast<unsigned char>(b)] >= 0;
+          })) {
+        for (const char b : ch) symbols->push_back(fallback_id[static_cast<unsigned char>(b)]);
+        continue;
+      }
+      if (unk_id < 0) continue;
+      if (pending_unk && !fuse_unk) symbols->push_back(unk_id);
+      pending_unk = true;
+    }
+    if (pending_unk) symbols->push_back(unk_id);
   }
 
   MergeResult Lookup(int32_t a, int32_t b) const {
@@ -553,13 +446,61 @@ struct BpeTokenizer::Impl {
     }
   }
 
-  // One piece of text between added tokens: the pre-tokenizer, then BPE.
-  absl::Status EncodePiece(std::string_view piece, bool use_cache,
+  // Hugging Face's Metaspace pre-tokenizer on every piece of `pieces` (kept in *owned), into
+  // *out. *origin: where the piece at the start of the text begins (nullptr: none is).
+  static void Metaspace(const BpePreTokenizerStep& spec,
+                        const std::vector<std::string_view>& pieces, const char** origin,
+                        std::vector<std::string_view>* out, std::deque<std::string>* owned) {
+    using Scheme = BpePreTokenizerStep::PrependScheme;
+    const std::string_view r = spec.replacement;
+    out->clear();
+    for (const std::string_view p : pieces) {
+      if (p.empty()) continue;
+      const bool first = p.data() == *origin;
+      std::string text;
+      text.reserve(p.size() + r.size() + 8);
+      if (spec.prepend_scheme == Scheme::kAlways ||
+          (spec.prepend_scheme == Scheme::kFirst && first)) {
+        // Not when the piece starts with the replacement once its spaces are replaced.
+        if (p[0] != ' ' && p.substr(0, r.size()) != r) text += r;
+      }
+      for (const char ch : p) {
+        if (ch == ' ') {
+          text += r;
+        } else {
+          text.push_back(ch);
+        }
+      }
+      owned->push_back(std::move(text));
+      const std::string_view t = owned->back();
+      if (first) *origin = t.data();
+      if (!spec.split) {
+        out->push_back(t);
+        continue;
+      }
+      size_t start = 0;
+      for (size_t at = t.find(r); at != std::string_view::npos; at = t.find(r, at + r.size())) {
+        if (at > start) out->push_back(t.substr(start, at - start));
+        start = at;
+      }
+      if (start < t.size()) out->push_back(t.substr(start));
+    }
+  }
+
+  // One piece of text between added tokens: the pre-tokenizer, then BPE. `at_start`: the
+  // piece begins the text (Metaspace's prepend_scheme "first").
+  absl::Status EncodePiece(std::string_view piece, bool at_start, bool use_cache,
                            std::vector<int32_t>* ids) const {
     std::vector<std::string_view> pieces = {piece};
     std::vector<std::string_view> next;
-    std::deque<std::string> owned;  // pieces given a prefix space
+    std::deque<std::string> owned;  // pieces given a prefix space, Metaspace's pieces
+    const char* origin = at_start ? piece.data() : nullptr;
     for (const Step& step : steps) {
+      if (step.spec.kind == BpePreTokenizerStep::Kind::kMetaspace) {
+        Metaspace(step.spec, pieces, &origin, &next, &owned);
+        pieces.swap(next);
+        continue;
+      }
       if (step.spec.kind == BpePreTokenizerStep::Kind::kByteLevel) {
         if (step.spec.add_prefix_space) {
           for (std::string_view& p : pieces) {
@@ -610,8 +551,9 @@ struct BpeTokenizer::Impl {
           ids.push_back(added[static_cast<size_t>(index2)].id);
           continue;
         }
+        const bool at_start = range.first == 0 && range2.first == 0;
         if (absl::Status s = EncodePiece(piece.substr(range2.first, range2.second - range2.first),
-                                         use_cache, &ids);
+                                         at_start, use_cache, &ids);
             !s.ok()) {
           return s;
         }
@@ -621,11 +563,14 @@ struct BpeTokenizer::Impl {
   }
   // FromVocab's passes, in order.
   absl::Status SetIds(BpeVocab& vocab, int32_t model_vocab_size);
-  void SetTokens(const std::vector<std::string>& tokens);
+  absl::Status SetTokens(const std::vector<std::string>& tokens, const std::string& source);
   absl::Status SetMerges(const std::vector<std::string>& merge_list, const std::string& source);
   absl::Status SetAddedTokens(std::vector<BpeAddedToken> tokens, const std::string& source);
   absl::Status SetPreTokenizer(std::vector<BpePreTokenizerStep> spec, const std::string& pre_name,
                                const std::string& source);
+  absl::Status SetCharacterPreTokenizer(std::vector<BpePreTokenizerStep> spec,
+                                        const std::string& source);
+  absl::StatusOr<std::string> Decode(std::span<const int32_t> ids) const;
 };
 
 BpeTokenizer::BpeTokenizer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -668,14 +613,32 @@ absl::Status BpeTokenizer::Impl::SetIds(BpeVocab& vocab, int32_t model_vocab_siz
   normalizer = std::move(*created);
   unk_id = vocab.unk_id;
   fuse_unk = vocab.fuse_unk;
+  byte_level = vocab.byte_level;
+  byte_fallback = vocab.byte_fallback;
+  if (byte_level && byte_fallback) {
+    return absl::UnimplementedError(absl::StrCat(
+        source, ": byte_fallback with the ByteLevel pre-tokenizer is not implemented"));
+  }
+  if (byte_level && !vocab.decoder.empty()) {
+    return absl::UnimplementedError(
+        absl::StrCat(source,
+                     ": a decoder other than ByteLevel with the ByteLevel pre-tokenizer is not "
+                     "implemented"));
+  }
+  absl::StatusOr<TokenDecoder> decoder = TokenDecoder::Create(std::move(vocab.decoder), source);
+  if (!decoder.ok()) return decoder.status();
+  token_decoder = std::move(*decoder);
   return absl::OkStatus();
 }
 
-// Tokens: the byte-level spelling and the raw bytes behind it.
-void BpeTokenizer::Impl::SetTokens(const std::vector<std::string>& tokens) {
+// Tokens: the byte-level spelling and the raw bytes behind it (SentencePiece-style: the
+// text, and the "<0xNN>" tokens of byte_fallback).
+absl::Status BpeTokenizer::Impl::SetTokens(const std::vector<std::string>& tokens,
+                                           const std::string& source) {
   decoded.assign(static_cast<size_t>(vocab_size), std::string());
   special.assign(static_cast<size_t>(vocab_size), 1);
   byte_id.fill(-1);
+  fallback_id.fill(-1);
   piece_to_id.reserve(tokens.size());
   raw_to_id.reserve(tokens.size());
   for (size_t id = 0; id < tokens.size(); ++id) {
@@ -683,6 +646,15 @@ void BpeTokenizer::Impl::SetTokens(const std::vector<std::string>& tokens) {
     if (token.empty()) continue;
     special[id] = 0;
     piece_to_id.try_emplace(token, static_cast<int32_t>(id));
+    if (!byte_level) {
+      if (InvalidUtf8Offset(token) != std::string_view::npos) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(source, ": token ", id, " is not valid UTF-8"));
+      }
+      raw_to_id.try_emplace(token, static_cast<int32_t>(id));
+      decoded[id] = token;
+      continue;
+    }
     std::string raw;
     if (internal::ByteLevelDecode(token, &raw)) {
       raw_to_id.try_emplace(raw, static_cast<int32_t>(id));
@@ -694,6 +666,17 @@ void BpeTokenizer::Impl::SetTokens(const std::vector<std::string>& tokens) {
       decoded[id] = token;  // as Hugging Face's ByteLevel decoder: the token as it is
     }
   }
+  if (!byte_level) {
+    for (int b = 0; b < 256; ++b) {
+      // Hugging Face looks up format!("<{b:#04X}>"): "<0x0A>".
+      constexpr char kHex[] = "0123456789ABCDEF";
+      const std::string spelled = {'<', '0', 'x', kHex[b >> 4], kHex[b & 15], '>'};
+      if (auto it = piece_to_id.find(spelled); it != piece_to_id.end()) {
+        fallback_id[static_cast<size_t>(b)] = it->second;
+      }
+    }
+  }
+  return absl::OkStatus();
 }
 
 // Merges: (left id, right id) -> (rank, merged id); a later duplicate wins, as in Hugging
@@ -751,6 +734,8 @@ absl::Status BpeTokenizer::Impl::SetAddedTokens(std::vector<BpeAddedToken> token
     }
     if (token.special) {
       decoded[id].clear();
+    } else if (!byte_level) {
+      decoded[id] = content;  // the decoder's steps see it as any token
     } else {
       std::string raw;
       decoded[id] = internal::ByteLevelDecode(content, &raw) ? raw : content;
@@ -773,6 +758,7 @@ absl::Status BpeTokenizer::Impl::SetAddedTokens(std::vector<BpeAddedToken> token
 absl::Status BpeTokenizer::Impl::SetPreTokenizer(std::vector<BpePreTokenizerStep> spec,
                                                  const std::string& pre_name,
                                                  const std::string& source) {
+  if (!byte_level) return SetCharacterPreTokenizer(std::move(spec), source);
   std::vector<BpePreTokenizerStep> specs = std::move(spec);
   if (specs.empty()) {
     absl::StatusOr<std::vector<BpePreTokenizerStep>> named = BpePreTokenizerForName(pre_name);
@@ -783,20 +769,24 @@ absl::Status BpeTokenizer::Impl::SetPreTokenizer(std::vector<BpePreTokenizerStep
     specs = std::move(*named);
   }
   for (size_t i = 0; i < specs.size(); ++i) {
-    const bool byte_level = specs[i].kind == BpePreTokenizerStep::Kind::kByteLevel;
-    if (byte_level != (i + 1 == specs.size())) {
+    if (specs[i].kind == BpePreTokenizerStep::Kind::kMetaspace) {
+      return absl::UnimplementedError(
+          absl::StrCat(source, ": the Metaspace pre-tokenizer with ByteLevel is not implemented"));
+    }
+    const bool is_byte_level = specs[i].kind == BpePreTokenizerStep::Kind::kByteLevel;
+    if (is_byte_level != (i + 1 == specs.size())) {
       return absl::UnimplementedError(absl::StrCat(
           source, ": the pre-tokenizer must end with ByteLevel, and have it only there"));
     }
     Impl::Step step;
     step.spec = std::move(specs[i]);
-    if (!byte_level || step.spec.use_regex) {
+    if (!is_byte_level || step.spec.use_regex) {
       const std::string_view pattern =
-          byte_level ? kGpt2PreTokenizerRegex : std::string_view(step.spec.regex);
+          is_byte_level ? kGpt2PreTokenizerRegex : std::string_view(step.spec.regex);
       absl::StatusOr<std::unique_ptr<Regex>> regex = Regex::Compile(pattern, source);
       if (!regex.ok()) return regex.status();
       step.regex = std::move(*regex);
-      if (byte_level) step.spec.behavior = BpePreTokenizerStep::Behavior::kIsolated;
+      if (is_byte_level) step.spec.behavior = BpePreTokenizerStep::Behavior::kIsolated;
     }
     steps.push_back(std::move(step));
   }
@@ -807,12 +797,40 @@ absl::Status BpeTokenizer::Impl::SetPreTokenizer(std::vector<BpePreTokenizerStep
   return absl::OkStatus();
 }
 
+// SentencePiece-style pre-tokenizer: Split and Metaspace steps in any order, or none.
+absl::Status BpeTokenizer::Impl::SetCharacterPreTokenizer(std::vector<BpePreTokenizerStep> specs,
+                                                          const std::string& source) {
+  for (BpePreTokenizerStep& spec : specs) {
+    Impl::Step step;
+    if (spec.kind == BpePreTokenizerStep::Kind::kByteLevel) {
+      return absl::UnimplementedError(absl::StrCat(
+          source, ": the ByteLevel pre-tokenizer in SentencePiece-style BPE is not implemented"));
+    }
+    if (spec.kind == BpePreTokenizerStep::Kind::kMetaspace) {
+      size_t len = 0;
+      if (!spec.replacement.empty()) DecodeAt(spec.replacement, 0, &len);
+      if (spec.replacement.empty() || len != spec.replacement.size() ||
+          InvalidUtf8Offset(spec.replacement) != std::string_view::npos) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            source, ": Metaspace replacement \"", spec.replacement, "\" is not one character"));
+      }
+    } else {
+      absl::StatusOr<std::unique_ptr<Regex>> regex = Regex::Compile(spec.regex, source);
+      if (!regex.ok()) return regex.status();
+      step.regex = std::move(*regex);
+    }
+    step.spec = std::move(spec);
+    steps.push_back(std::move(step));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::FromVocab(BpeVocab vocab,
                                                                       int32_t vocab_size) {
   auto impl = std::make_unique<Impl>();
   const std::string source = vocab.source;
   if (absl::Status s = impl->SetIds(vocab, vocab_size); !s.ok()) return s;
-  impl->SetTokens(vocab.tokens);
+  if (absl::Status s = impl->SetTokens(vocab.tokens, source); !s.ok()) return s;
   if (absl::Status s = impl->SetMerges(vocab.merges, source); !s.ok()) return s;
   if (absl::Status s = impl->SetAddedTokens(std::move(vocab.added_tokens), source); !s.ok()) {
     return s;
@@ -833,15 +851,28 @@ absl::StatusOr<std::vector<int32_t>> BpeTokenizer::EncodeUncached(std::string_vi
 }
 
 absl::StatusOr<std::string> BpeTokenizer::Decode(std::span<const int32_t> ids) const {
+  return impl_->Decode(ids);
+}
+
+absl::StatusOr<std::string> BpeTokenizer::Impl::Decode(std::span<const int32_t> ids) const {
   std::string text;
+  std::vector<std::string> tokens;  // SentencePiece-style: the decoder's input
+  if (!byte_level) tokens.reserve(ids.size());
   for (size_t i = 0; i < ids.size(); ++i) {
     const int32_t id = ids[i];
-    if (id < 0 || id >= impl_->vocab_size) {
+    if (id < 0 || id >= vocab_size) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "Decode: ids[", i, "] = ", id, " is outside [0, vocab_size=", impl_->vocab_size, ")"));
+          "Decode: ids[", i, "] = ", id, " is outside [0, vocab_size=", vocab_size, ")"));
     }
-    if (impl_->special[static_cast<size_t>(id)] == 0)
-      text += impl_->decoded[static_cast<size_t>(id)];
+    if (special[static_cast<size_t>(id)] != 0) continue;
+    if (byte_level) {
+      text += decoded[static_cast<size_t>(id)];
+    } else {
+      tokens.push_back(decoded[static_cast<size_t>(id)]);
+    }
+  }
+  if (!byte_level) {
+    if (absl::Status s = token_decoder.Decode(std::move(tokens), &text); !s.ok()) return s;
   }
   return text;
 }

@@ -21,6 +21,12 @@ size_t CompleteUtf8Prefix(std::string_view text) {
   return end;
 }
 
+namespace {
+
+constexpr std::string_view kReplacementCharacter = "\xEF\xBF\xBD";  // U+FFFD
+
+}  // namespace
+
 absl::StatusOr<IncrementalDecoder::Piece> IncrementalDecoder::Next(const Tokenizer& tokenizer,
                                                                    std::span<const int32_t> ids) {
   absl::StatusOr<std::string> before = tokenizer.Decode(ids.subspan(prefix_, read_ - prefix_));
@@ -37,9 +43,19 @@ absl::StatusOr<IncrementalDecoder::Piece> IncrementalDecoder::Next(const Tokeniz
     *after = *std::move(all);
     added =
         emitted_ < after->size() ? std::string_view(*after).substr(emitted_) : std::string_view();
+    // Never from inside a character (the text returned may not be a prefix of this one).
+    while (!added.empty() && (static_cast<unsigned char>(added[0]) & 0xC0) == 0x80) {
+      added.remove_prefix(1);
+    }
   }
   Piece piece;
-  if (!added.empty() && CompleteUtf8Prefix(added) == added.size()) {
+  // A trailing U+FFFD may be the byte-fallback tokens of a character that later ids complete
+  // (Hugging Face's ByteFallback decodes "<0xE4><0xBD>" so): held back, as Hugging Face's
+  // DecodeStream, TGI and vLLM do.
+  const bool replaced =
+      added.size() >= kReplacementCharacter.size() &&
+      added.substr(added.size() - kReplacementCharacter.size()) == kReplacementCharacter;
+  if (!added.empty() && !replaced && CompleteUtf8Prefix(added) == added.size()) {
     piece.ready = std::string(added);
     emitted_ += piece.ready.size();
     // The text is whole here: the next window starts at the ids this one read before

@@ -11,10 +11,19 @@
 // text not be a prefix of the longer one's, the piece comes from decoding every id (the old
 // way, correct for any tokenizer).
 //
+// A decoder that strips the first space of its text (Llama 2's tokenizer.json: Strip(" ", 1,
+// 0)) strips it from both windows alike, so the difference keeps every space but the first of
+// the whole text, as a whole Decode does.
+//
 // Text that ends inside a UTF-8 sequence (a character split across byte tokens) is held back
 // as `pending` until a later token completes it, so every `ready` piece of valid UTF-8 text
 // is whole characters (bytes that are no UTF-8 at all pass through as Decode gives them),
-// and the `ready` pieces in order, then the last `pending`, are exactly Decode(ids).
+// and the `ready` pieces in order, then the last `pending`, are exactly Decode(ids). Text
+// that ends in U+FFFD is held back too: SentencePiece-style decoders (byte_fallback) make
+// "<0xE4><0xBD>" U+FFFD U+FFFD until "<0xA0>" makes it "你". When the ids hold bytes that no
+// later id can make UTF-8 ("<0x41><0xFF>" decodes to two U+FFFD, though "<0x41>" alone was
+// "A"), what was returned cannot change: the stream goes on from the whole decoding at the
+// next character, and may differ from Decode(ids).
 //
 // Thread safety: none; one per sequence.
 

@@ -2,8 +2,9 @@
 // Tokenizer: text <-> token ids for a model folder.
 //
 //   BpeTokenizer            the folder's `tokenizer.json` (Hugging Face fast tokenizer,
-//                           byte-level BPE: GPT-2, Llama 3, Qwen2, SmolLM, ...); see
-//                           common/tokenizer/bpe_tokenizer.h.
+//                           byte-level BPE: GPT-2, Llama 3, Qwen2, SmolLM, ...; or
+//                           SentencePiece-style BPE with byte_fallback: Llama 2, Mistral,
+//                           Gemma); see common/tokenizer/bpe_tokenizer.h.
 //   SentencePieceTokenizer  the folder's `tokenizer.model` (Llama 1/2, Mistral), through
 //                           libsentencepiece.
 //   ByteTokenizer           no tokenizer file: one token per UTF-8 byte (the tiny test
@@ -128,12 +129,12 @@ class SentencePieceTokenizer final : public Tokenizer {
 
 // The tokenizer of the model in `folder`: BpeTokenizer::FromTokenizerJson when
 // `tokenizer.json` exists (it wins over a `tokenizer.model` beside it, as Hugging Face's
-// AutoTokenizer with use_fast=True picks the fast tokenizer; its errors, UNIMPLEMENTED for
-// a tokenizer.json that is not byte-level BPE included, are returned, never hidden by a
-// fallback); else SentencePieceTokenizer when `tokenizer.model` exists; otherwise
-// ByteTokenizer, for which config.json's bos_token_id must be absent or 1 and its
-// eos_token_id absent or 2 (INVALID_ARGUMENT naming the key otherwise, since a config that
-// expects other ids was made for another tokenizer).
+// AutoTokenizer with use_fast=True picks the fast tokenizer, SentencePiece-style ones
+// included; its errors, UNIMPLEMENTED for a tokenizer.json holding what BpeTokenizer does not
+// implement included, are returned, never hidden by a fallback); else SentencePieceTokenizer when
+// `tokenizer.model` exists; otherwise ByteTokenizer, for which config.json's bos_token_id must be
+// absent or 1 and its eos_token_id absent or 2 (INVALID_ARGUMENT naming the key otherwise, since a
+// config that expects other ids was made for another tokenizer).
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::string& folder,
                                                          const TokenizerConfig& config);
 

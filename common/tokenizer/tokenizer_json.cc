@@ -1,4 +1,5 @@
 // Hugging Face tokenizer.json (and tokenizer_config.json) -> BpeVocab / BpeTokenizer.
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -94,11 +95,11 @@ class Parser {
       if (absl::Status s = GetString(*model, name, "model", &value); !s.ok()) return s;
       if (!value.empty()) return Unimplemented(absl::StrCat("model.", name), "(not empty)");
     }
-    bool byte_fallback = false;
-    if (absl::Status s = GetBool(*model, "byte_fallback", "model", &byte_fallback); !s.ok()) {
+    // byte_fallback: refused with the ByteLevel pre-tokenizer (Parse, once that is known).
+    if (absl::Status s = GetBool(*model, "byte_fallback", "model", &vocab->byte_fallback);
+        !s.ok()) {
       return s;
     }
-    if (byte_fallback) return Unimplemented("model.byte_fallback", "(true)");
     if (absl::Status s = GetBool(*model, "fuse_unk", "model", &vocab->fuse_unk); !s.ok()) return s;
     if (absl::Status s = GetBool(*model, "ignore_merges", "model", &vocab->ignore_merges);
         !s.ok()) {
@@ -292,25 +293,10 @@ class Parser {
       step.content = prepend->get<std::string>();
     } else if (type == "Replace") {
       step.kind = Kind::kReplace;
-      const Json* pattern = Member(n, "pattern");
-      const Json* regex =
-          pattern != nullptr && pattern->is_object() ? Member(*pattern, "Regex") : nullptr;
-      const Json* literal =
-          pattern != nullptr && pattern->is_object() ? Member(*pattern, "String") : nullptr;
-      if (regex != nullptr && regex->is_string()) {
-        step.pattern = regex->get<std::string>();
-        step.pattern_is_regex = true;
-      } else if (literal != nullptr && literal->is_string()) {
-        step.pattern = literal->get<std::string>();
-      } else {
-        return Invalid(key + ".pattern", "must be {\"Regex\": ...} or {\"String\": ...}");
+      if (absl::Status s = Replace(n, key, &step.pattern, &step.pattern_is_regex, &step.content);
+          !s.ok()) {
+        return s;
       }
-      if (step.pattern.empty()) return Invalid(key + ".pattern", "is empty");
-      const Json* content = Member(n, "content");
-      if (content == nullptr || !content->is_string()) {
-        return Invalid(key + ".content", "must be a string");
-      }
-      step.content = content->get<std::string>();
     } else if (type == "BertNormalizer") {
       step.kind = Kind::kBert;
       for (const auto& [name, field] :
@@ -332,6 +318,79 @@ class Parser {
     }
     steps->push_back(std::move(step));
     return absl::OkStatus();
+  }
+
+  // A Replace normalizer's or decoder's pattern ({"String": ...} or {"Regex": ...}) and
+  // content.
+  absl::Status Replace(const Json& n, const std::string& key, std::string* pattern_out,
+                       bool* is_regex, std::string* content_out) const {
+    const Json* pattern = Member(n, "pattern");
+    const Json* regex =
+        pattern != nullptr && pattern->is_object() ? Member(*pattern, "Regex") : nullptr;
+    const Json* literal =
+        pattern != nullptr && pattern->is_object() ? Member(*pattern, "String") : nullptr;
+    if (regex != nullptr && regex->is_string()) {
+      *pattern_out = regex->get<std::string>();
+      *is_regex = true;
+    } else if (literal != nullptr && literal->is_string()) {
+      *pattern_out = literal->get<std::string>();
+    } else {
+      return Invalid(key + ".pattern", "must be {\"Regex\": ...} or {\"String\": ...}");
+    }
+    if (pattern_out->empty()) return Invalid(key + ".pattern", "is empty");
+    const Json* content = Member(n, "content");
+    if (content == nullptr || !content->is_string()) {
+      return Invalid(key + ".content", "must be a string");
+    }
+    *content_out = content->get<std::string>();
+    return absl::OkStatus();
+  }
+
+  // `name` of `j`, a string of exactly one character (tokenizers reads it as a Rust char).
+  absl::Status GetCharacter(const Json& j, const char* name, const std::string& key,
+                            std::string* out) const {
+    const Json* m = Member(j, name);
+    if (m == nullptr || !m->is_string()) return Invalid(key + "." + name, "must be a string");
+    const std::string& text = m->get_ref<const std::string&>();
+    const auto lead = text.empty() ? 0 : static_cast<unsigned char>(text[0]);
+    const size_t len = lead < 0x80 ? 1 : lead >= 0xF0 ? 4 : lead >= 0xE0 ? 3 : 2;
+    if (text.empty() || len != text.size()) {
+      return Invalid(key + "." + name, absl::StrCat("is \"", text, "\", not one character"));
+    }
+    *out = text;
+    return absl::OkStatus();
+  }
+
+  // Metaspace's options, pre-tokenizer and decoder alike, as tokenizers 0.23 reads them:
+  // replacement (one character), prepend_scheme ("always" when absent), split (true when
+  // absent or null) and the legacy add_prefix_space (false must come with prepend_scheme
+  // "never"; true leaves prepend_scheme as it is).
+  absl::Status Metaspace(const Json& p, const std::string& key, BpePreTokenizerStep* step) const {
+    using Scheme = BpePreTokenizerStep::PrependScheme;
+    step->kind = BpePreTokenizerStep::Kind::kMetaspace;
+    if (absl::Status s = GetCharacter(p, "replacement", key, &step->replacement); !s.ok()) {
+      return s;
+    }
+    step->prepend_scheme = Scheme::kAlways;
+    if (auto it = p.find("prepend_scheme"); it != p.end()) {
+      static const std::pair<const char*, Scheme> kSchemes[] = {
+          {"always", Scheme::kAlways}, {"first", Scheme::kFirst}, {"never", Scheme::kNever}};
+      const auto* found = std::find_if(std::begin(kSchemes), std::end(kSchemes), [&](auto& s) {
+        return it->is_string() && it->get_ref<const std::string&>() == s.first;
+      });
+      if (found == std::end(kSchemes)) {
+        return Invalid(key + ".prepend_scheme", "must be \"always\", \"first\" or \"never\"");
+      }
+      step->prepend_scheme = found->second;
+    }
+    bool add_prefix_space = true;
+    if (absl::Status s = GetBool(p, "add_prefix_space", key, &add_prefix_space); !s.ok()) return s;
+    if (!add_prefix_space && step->prepend_scheme != Scheme::kNever) {
+      return Invalid(key + ".add_prefix_space",
+                     "is false, which does not match prepend_scheme (tokenizers refuses it too)");
+    }
+    step->split = true;
+    return GetBool(p, "split", key, &step->split);
   }
 
   absl::Status PreTokenizer(const Json& p, const std::string& key,
@@ -403,6 +462,8 @@ class Parser {
         return Invalid(key + ".behavior", absl::StrCat("is \"", behavior, "\", not a known one"));
       }
       if (absl::Status s = GetBool(p, "invert", key, &step.invert); !s.ok()) return s;
+    } else if (type == "Metaspace") {
+      if (absl::Status s = Metaspace(p, key, &step); !s.ok()) return s;
     } else {
       return Unimplemented(key, absl::StrCat("pre-tokenizer \"", type, "\""));
     }
@@ -410,10 +471,11 @@ class Parser {
     return absl::OkStatus();
   }
 
-  absl::Status Decoder(const Json& root) const {
+  absl::Status Decoder(const Json& root, BpeVocab* vocab) const {
     const Json* d = Member(root, "decoder");
     if (d == nullptr) return Unimplemented("decoder", "null (tokens joined with spaces)");
     if (!d->is_object()) return Invalid("decoder", "must be an object");
+    if (!vocab->byte_level) return DecoderSteps(*d, "decoder", &vocab->decoder);
     std::string type;
     if (absl::Status s = GetString(*d, "type", "decoder", &type); !s.ok()) return s;
     if (type == "ByteLevel") return absl::OkStatus();
@@ -424,7 +486,65 @@ class Parser {
         return absl::OkStatus();
       }
     }
-    return Unimplemented("decoder", absl::StrCat("\"", type, "\" (only ByteLevel is)"));
+    return Unimplemented("decoder", absl::StrCat("\"", type,
+                                                 "\" with the ByteLevel pre-tokenizer (only "
+                                                 "ByteLevel is)"));
+  }
+
+  // A SentencePiece-style decoder (token_decoder.h; a Sequence flattened into its steps).
+  absl::Status DecoderSteps(const Json& d, const std::string& key,
+                            std::vector<TokenDecoderStep>* steps) const {
+    if (!d.is_object()) return Invalid(key, "must be an object");
+    std::string type;
+    if (absl::Status s = GetString(d, "type", key, &type); !s.ok()) return s;
+    using Kind = TokenDecoderStep::Kind;
+    TokenDecoderStep step;
+    if (type == "Sequence") {
+      const Json* list = Member(d, "decoders");
+      if (list == nullptr || !list->is_array())
+        return Invalid(key + ".decoders", "must be an array");
+      for (size_t i = 0; i < list->size(); ++i) {
+        if (absl::Status s =
+                DecoderSteps((*list)[i], absl::StrCat(key, ".decoders[", i, "]"), steps);
+            !s.ok()) {
+          return s;
+        }
+      }
+      return absl::OkStatus();
+    } else if (type == "Replace") {
+      step.kind = Kind::kReplace;
+      if (absl::Status s = Replace(d, key, &step.pattern, &step.pattern_is_regex, &step.content);
+          !s.ok()) {
+        return s;
+      }
+    } else if (type == "ByteFallback" || type == "Fuse") {
+      step.kind = type == "Fuse" ? Kind::kFuse : Kind::kByteFallback;
+    } else if (type == "Strip") {
+      step.kind = Kind::kStrip;
+      if (absl::Status s = GetCharacter(d, "content", key, &step.content); !s.ok()) return s;
+      for (const auto& [name, field] :
+           {std::pair<const char*, size_t*>{"start", &step.start}, {"stop", &step.stop}}) {
+        const Json* m = Member(d, name);
+        if (m == nullptr || !m->is_number_unsigned()) {
+          return Invalid(absl::StrCat(key, ".", name), "must be a non-negative integer");
+        }
+        *field = m->get<size_t>();
+      }
+    } else if (type == "Metaspace") {
+      BpePreTokenizerStep metaspace;
+      if (absl::Status s = Metaspace(d, key, &metaspace); !s.ok()) return s;
+      step.kind = Kind::kMetaspace;
+      step.content = metaspace.replacement;
+      step.prepend = metaspace.prepend_scheme != BpePreTokenizerStep::PrependScheme::kNever;
+    } else if (type == "ByteLevel") {
+      return Unimplemented(key, "decoder \"ByteLevel\" without the ByteLevel pre-tokenizer");
+    } else {
+      return Unimplemented(key, absl::StrCat("decoder \"", type,
+                                             "\" (Replace, ByteFallback, Fuse, Strip, "
+                                             "Metaspace and Sequence are)"));
+    }
+    steps->push_back(std::move(step));
+    return absl::OkStatus();
   }
 
   // TemplateProcessing: a special token first in `single` is BOS.
@@ -512,12 +632,25 @@ absl::StatusOr<BpeVocab> Parse(std::string_view json_text, std::string_view file
   if (absl::Status s = parser.Model(root, &vocab); !s.ok()) return s;
   if (absl::Status s = parser.AddedTokens(root, &vocab); !s.ok()) return s;
   if (absl::Status s = parser.Normalizer(root, &vocab); !s.ok()) return s;
-  const Json* pre = Parser::Member(root, "pre_tokenizer");
-  if (pre == nullptr) return parser.Unimplemented("pre_tokenizer", "null");
-  if (absl::Status s = parser.PreTokenizer(*pre, "pre_tokenizer", &vocab.pre_tokenizer); !s.ok()) {
-    return s;
+  // No ByteLevel pre-tokenizer (null included): SentencePiece-style BPE.
+  if (const Json* pre = Parser::Member(root, "pre_tokenizer"); pre != nullptr) {
+    if (absl::Status s = parser.PreTokenizer(*pre, "pre_tokenizer", &vocab.pre_tokenizer);
+        !s.ok()) {
+      return s;
+    }
   }
-  if (absl::Status s = parser.Decoder(root); !s.ok()) return s;
+  auto has = [&](BpePreTokenizerStep::Kind kind) {
+    return std::any_of(vocab.pre_tokenizer.begin(), vocab.pre_tokenizer.end(),
+                       [&](const BpePreTokenizerStep& step) { return step.kind == kind; });
+  };
+  vocab.byte_level = has(BpePreTokenizerStep::Kind::kByteLevel);
+  if (vocab.byte_level && has(BpePreTokenizerStep::Kind::kMetaspace)) {
+    return parser.Unimplemented("pre_tokenizer", "Metaspace together with ByteLevel");
+  }
+  if (vocab.byte_level && vocab.byte_fallback) {
+    return parser.Unimplemented("model.byte_fallback", "(true) with the ByteLevel pre-tokenizer");
+  }
+  if (absl::Status s = parser.Decoder(root, &vocab); !s.ok()) return s;
   if (const Json* post = Parser::Member(root, "post_processor"); post != nullptr) {
     if (absl::Status s = parser.PostProcessor(*post, "post_processor", &vocab); !s.ok()) return s;
   }

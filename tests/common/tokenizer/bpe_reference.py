@@ -11,6 +11,11 @@ Subcommands (every output is derived from a fixed seed, printed on stdout):
                                       the bundled GGUF's vocabulary and merges with each of
                                       NORMALIZERS in DIR/NAME (its pre-tokenizer, specials
                                       and an added token "kvcm" matched after normalization)
+  sentencepiece --out-dir DIR         a small BPE with byte_fallback trained by tokenizers' own
+                                      trainer, written as the SentencePiece-style tokenizer.json
+                                      files Llama 2, Mistral and Gemma ship (one folder per
+                                      SENTENCEPIECE_FLAVOURS entry), expected.json also holding
+                                      "decode_cases" ({"ids", "decoded"}: ids no text encodes to)
   corpus --out FILE                   the test corpus alone (JSON list of strings)
   bench --dir DIR --corpus FILE       seconds to encode the corpus, one thread
 
@@ -292,6 +297,154 @@ def train(args):
                    args.seed, args.count, args.out_dir, bos)
 
 
+# Texts SentencePiece-style tokenizers treat specially, after the corpus: spaces at either end
+# and in runs, newlines and tabs, "▁" itself, and characters the trained vocabulary has never
+# seen (CJK, emoji, combining marks, U+FFFD, NUL), which fall back to their bytes.
+SENTENCEPIECE_TEXTS = ["", " ", "  ", "   ", " a", "  a", "a ", "a  ", " a ", "a  b   c", "\n",
+                       "\n\n",
+                       " \n ", "line1\nline2\n", "\tindented", "a\tb", "\r\n", "\u2581",
+                       "\u2581\u2581", "a\u2581b", "\u2581a \u2581", " \u2581", "\u4e2d\u6587",
+                       "\u9f98\u9f49", "\U0001f600", "\U0001f9d1\u200d\U0001f4bb", "e\u0301\u0327",
+                       "\u0301", "\ufffd", "\u0000", "a\u0000b", "\U00020000", "\ue000",
+                       "\u4e2d\ud55c\u4e2d", "\U0001f600\u4e2d\U0001f600", "x \u4e2d y",
+                       "<s>", "</s>", "<unk>", "a<s>b", "<s> a", " <s>", "Hello world",
+                       "Hello", " Hello", "Hello ", "hello  world", "<0x41>", "\u2581<0xE4>"]
+
+SPECIAL = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+           "special": True}
+PREPEND_REPLACE = {"type": "Sequence", "normalizers": [
+    {"type": "Prepend", "prepend": "\u2581"},
+    {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]}
+REPLACE_FALLBACK_FUSE = [{"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+                         {"type": "ByteFallback"}, {"type": "Fuse"}]
+METASPACE_FIRST = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first",
+                   "split": False}
+METASPACE_LEGACY = {"type": "Metaspace", "replacement": "\u2581", "add_prefix_space": True}
+# name: (normalizer, pre_tokenizer, decoder, merges as "a b" strings, model options)
+SENTENCEPIECE_FLAVOURS = {
+    # Llama 2 and Mistral v0.1 as transformers' LlamaConverter wrote them.
+    "llama2": (PREPEND_REPLACE, None,
+               {"type": "Sequence", "decoders": REPLACE_FALLBACK_FUSE + [
+                   {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}, True, {}),
+    # The newer non-legacy spelling: no normalizer, the Metaspace pre-tokenizer.
+    "metaspace": (None, METASPACE_FIRST, METASPACE_FIRST, False, {"ignore_merges": False}),
+    # The legacy spelling (before prepend_scheme): add_prefix_space, split by default, so
+    # "always" with every word its own piece.
+    "metaspace_legacy": (None, METASPACE_LEGACY, METASPACE_LEGACY, True, {}),
+    # Gemma: spaces replaced, nothing prepended, no Strip.
+    "gemma": ({"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}, None,
+              {"type": "Sequence", "decoders": REPLACE_FALLBACK_FUSE}, True, {}),
+    # Llama 2's shape with two byte tokens misspelled (so "<0xE4>" and "<0xF0>" are not in the
+    # vocabulary: CJK and emoji become <unk>) and fuse_unk off.
+    "llama2_unk": (PREPEND_REPLACE, None,
+                   {"type": "Sequence", "decoders": REPLACE_FALLBACK_FUSE + [
+                       {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}, True,
+                   {"fuse_unk": False}),
+}
+
+
+def sentencepiece_vocab(seed, vocab_size, alphabet):
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tok = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always",
+                                                 split=True)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=specials,
+                                  limit_alphabet=alphabet, show_progress=False)
+    tok.train_from_iterator(make_corpus(seed + 1, 4000), trainer)
+    model = json.loads(tok.to_str())["model"]
+    return model["vocab"], [tuple(m) if isinstance(m, list) else tuple(m.split(" "))
+                            for m in model["merges"]]
+
+
+def sentencepiece_json(vocab, merges, flavour):
+    normalizer, pre, decoder, string_merges, options = SENTENCEPIECE_FLAVOURS[flavour]
+    vocab = dict(vocab)
+    if flavour == "llama2_unk":
+        for byte in ("<0xE4>", "<0xF0>"):
+            vocab[byte.lower()] = vocab.pop(byte)
+    model = {"type": "BPE", "dropout": None, "unk_token": "<unk>",
+             "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": True,
+             "byte_fallback": True}
+    model.update(options)
+    model["vocab"] = vocab
+    model["merges"] = [" ".join(m) if string_merges else list(m) for m in merges]
+    single = [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+              {"Sequence": {"id": "A", "type_id": 0}}]
+    pair = single + [{"SpecialToken": {"id": "<s>", "type_id": 1}},
+                     {"Sequence": {"id": "B", "type_id": 1}}]
+    return {"version": "1.0", "truncation": None, "padding": None,
+            "added_tokens": [dict({"id": vocab[t], "content": t}, **SPECIAL)
+                             for t in ("<unk>", "<s>", "</s>")],
+            "normalizer": normalizer, "pre_tokenizer": pre,
+            "post_processor": {"type": "TemplateProcessing", "single": single, "pair": pair,
+                               "special_tokens": {"<s>": {"id": "<s>", "ids": [vocab["<s>"]],
+                                                          "tokens": ["<s>"]}}},
+            "decoder": decoder, "model": model}
+
+
+def decode_cases(tok, seed):
+    """Id sequences no text encodes to (bytes that are no UTF-8, split characters, lone "▁",
+    specials between bytes), with what tokenizers decodes them to."""
+    rng = random.Random(seed)
+    size = tok.get_vocab_size()
+    byte = {b: tok.token_to_id(f"<0x{b:02X}>") for b in range(256)}
+    byte = {b: i for b, i in byte.items() if i is not None}
+    meta = tok.token_to_id("\u2581")
+    fixed = [[byte[0xE4]] if 0xE4 in byte else [], [byte[0x41], byte[0xC3]], [meta], [meta, meta],
+             [1, meta], [meta, 2, meta], [byte[0x20], meta]]
+    cases = [ids for ids in fixed if ids]
+    for _ in range(150):
+        ids = []
+        for _ in range(rng.randint(1, 10)):
+            roll = rng.random()
+            if roll < 0.45:
+                ids.append(rng.choice(list(byte.values())))
+            elif roll < 0.55:
+                ids.append(rng.randint(0, 2))
+            elif roll < 0.65:
+                ids.append(meta)
+            else:
+                ids.append(rng.randrange(size))
+        cases.append(ids)
+    return [{"ids": ids, "decoded": tok.decode(ids, skip_special_tokens=True)} for ids in cases]
+
+
+def sentencepiece(args):
+    vocab, merges = sentencepiece_vocab(args.seed, args.vocab_size, args.alphabet)
+    for flavour in SENTENCEPIECE_FLAVOURS:
+        out_dir = os.path.join(args.out_dir, flavour)
+        os.makedirs(out_dir, exist_ok=True)
+        path = os.path.join(out_dir, "tokenizer.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(sentencepiece_json(vocab, merges, flavour), f, ensure_ascii=False,
+                      indent=1)
+            f.write("\n")
+        with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+            json.dump({"add_bos_token": True, "bos_token": "<s>", "eos_token": "</s>"}, f)
+            f.write("\n")
+        tok = Tokenizer.from_file(path)
+        cases = []
+        for text in make_corpus(args.seed, args.count) + SENTENCEPIECE_TEXTS:
+            ids = tok.encode(text, add_special_tokens=False).ids
+            cases.append({"text": text, "ids": ids,
+                          "decoded": tok.decode(ids, skip_special_tokens=True)})
+        with_bos = tok.encode("a", add_special_tokens=True).ids
+        with open(os.path.join(out_dir, "expected.json"), "w", encoding="utf-8") as f:
+            json.dump({"seed": args.seed, "family": flavour, "tokenizers": tokenizers_version(),
+                       "add_bos": with_bos[0] == tok.token_to_id("<s>"),
+                       "bos_id": tok.token_to_id("<s>"), "eos_id": tok.token_to_id("</s>"),
+                       "cases": cases, "decode_cases": decode_cases(tok, args.seed)},
+                      f, ensure_ascii=False)
+            f.write("\n")
+        print(f"{flavour}: {len(cases)} cases, seed {args.seed}, vocab {tok.get_vocab_size()}, "
+              f"{len(merges)} merges")
+
+
+def tokenizers_version():
+    import tokenizers
+    return tokenizers.__version__
+
+
 def corpus(args):
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(make_corpus(args.seed, args.count), f, ensure_ascii=False)
@@ -319,17 +472,20 @@ def bench(args):
 def main():
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("smollm2", "normalizers", "train", "corpus", "bench"):
+    for name in ("smollm2", "normalizers", "train", "sentencepiece", "corpus", "bench"):
         p = sub.add_parser(name)
         p.add_argument("--seed", type=int, default=20240917)
         p.add_argument("--count", type=int, default=1200)
-        if name in ("smollm2", "normalizers", "train"):
+        if name in ("smollm2", "normalizers", "train", "sentencepiece"):
             p.add_argument("--out-dir", required=True)
         if name in ("smollm2", "normalizers"):
             p.add_argument("--gguf", required=True)
         if name == "train":
             p.add_argument("--family", required=True)
             p.add_argument("--vocab-size", type=int, default=3500)
+        if name == "sentencepiece":
+            p.add_argument("--vocab-size", type=int, default=700)
+            p.add_argument("--alphabet", type=int, default=150)
         if name == "corpus":
             p.add_argument("--out", required=True)
         if name == "bench":
@@ -337,8 +493,8 @@ def main():
             p.add_argument("--corpus", required=True)
             p.add_argument("--repetitions", type=int, default=3)
     args = parser.parse_args()
-    {"smollm2": smollm2, "normalizers": normalized, "train": train, "corpus": corpus,
-     "bench": bench}[args.command](args)
+    {"smollm2": smollm2, "normalizers": normalized, "train": train,
+     "sentencepiece": sentencepiece, "corpus": corpus, "bench": bench}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -299,6 +299,32 @@ INSTANTIATE_TEST_SUITE_P(Normalizers, BpeNormalizerTest, ::testing::Values(Famil
                            return param.param.name;
                          });
 
+// The SentencePiece-style fixtures the tree keeps (tests/reference/sentencepiece_bpe, read by
+// sentencepiece_bpe_test without Python) are what bpe_reference.py writes with the reference
+// venv's tokenizers today, byte for byte.
+TEST(SentencePieceBpeFixturesTest, TheCommittedFixturesAreWhatTheReferenceWrites) {
+  absl::StatusOr<testing::TempDir> dir = testing::TempDir::Create("kvcm-sp-fixtures");
+  ASSERT_THAT(dir, IsOk());
+  ASSERT_EQ(RunReference({"sentencepiece", "--out-dir", dir->path() + "/out", "--seed",
+                          std::to_string(kSeed), "--count", "500"},
+                         dir->path()),
+            "");
+  int compared = 0;
+  for (const char* flavour : {"llama2", "metaspace", "metaspace_legacy", "gemma", "llama2_unk"}) {
+    for (const char* name : {"tokenizer.json", "tokenizer_config.json", "expected.json"}) {
+      const std::string relative = std::string(flavour) + "/" + name;
+      const std::string committed =
+          testing::ReadFileOrEmpty(std::string(KVCM_SENTENCEPIECE_BPE_FIXTURES) + "/" + relative);
+      ASSERT_FALSE(committed.empty()) << relative;
+      EXPECT_TRUE(committed == testing::ReadFileOrEmpty(dir->path() + "/out/" + relative))
+          << relative << " differs: run bpe_reference.py sentencepiece --out-dir "
+          << "tests/reference/sentencepiece_bpe --count 500";
+      ++compared;
+    }
+  }
+  EXPECT_EQ(compared, 15);
+}
+
 // Replace with a regex that matches empty strings. `tokenizers` 0.23.3 panics encoding
 // with one ("index out of bounds" on the corpus), so it cannot be the live reference; these
 // are what its normalizer gives alone (normalizers.Replace(Regex("x*"), "-").normalize_str).
@@ -553,10 +579,17 @@ TEST_F(BpeTokenizerJsonTest, MalformedFilesNameTheFileAndKey) {
     for (const std::string& word : c.words)
       EXPECT_THAT(std::string(s.message()), HasSubstr(word)) << s;
   }
-  // Unknown pre-tokenizers, a bad regex.
-  absl::Status s = Load(TinyTokenizerJson({}, "", R"({"type": "Metaspace"})"));
+  // Unknown pre-tokenizers (Metaspace is SentencePiece-style BPE's, not with ByteLevel), a
+  // bad regex.
+  absl::Status s = Load(TinyTokenizerJson({}, "",
+                                          R"({"type": "Sequence", "pretokenizers": [
+                                               {"type": "Metaspace", "replacement": "_"},
+                                               {"type": "ByteLevel", "use_regex": false}]})"));
   EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
   EXPECT_THAT(s.message(), AllOf(HasSubstr("pre_tokenizer"), HasSubstr("Metaspace")));
+  s = Load(TinyTokenizerJson({}, "", R"({"type": "WhitespaceSplit"})"));
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+  EXPECT_THAT(s.message(), AllOf(HasSubstr("pre_tokenizer"), HasSubstr("WhitespaceSplit")));
   s = Load(TinyTokenizerJson({}, "",
                              R"({"type": "Sequence", "pretokenizers": [
                                   {"type": "Split", "pattern": {"Regex": "(unclosed"},
