@@ -184,6 +184,21 @@ bool SameScaling(const RopeConfig& a, const RopeConfig& b) {
          a.original_max_position_embeddings == b.original_max_position_embeddings;
 }
 
+// Each layer type's set of a per-layer-type rope_parameters, with its own rope_theta.
+absl::Status ParseRopePerLayerType(const Json& params, ModelConfig* c) {
+  for (const auto& [layer_type, set] : params.items()) {
+    const std::string where = absl::StrCat("rope_parameters.", layer_type);
+    if (!set.is_object()) {
+      return ConfigError(
+          absl::StrCat("key \"", where, "\" must be an object, got ", set.dump().substr(0, 100)));
+    }
+    KVCM_ASSIGN_OR_RETURN(RopeConfig rope, ParseRopeSection(set, where));
+    KVCM_ASSIGN_OR_RETURN(rope.theta, OptionalPositiveNumber(set, "rope_theta", where));
+    c->rope_per_layer_type.emplace_back(layer_type, std::move(rope));
+  }
+  return absl::OkStatus();
+}
+
 // rope_theta and the RoPE set, from either spelling; both present must agree.
 absl::Status ParseRope(const Json& section, ModelConfig* c) {
   KVCM_ASSIGN_OR_RETURN(c->rope_theta, OptionalPositiveNumber(section, "rope_theta"));
@@ -207,7 +222,7 @@ absl::Status ParseRope(const Json& section, ModelConfig* c) {
       per_layer.per_layer_type = params->begin().key();
       c->rope = scaling.value_or(per_layer);
       c->rope.per_layer_type = per_layer.per_layer_type;
-      return absl::OkStatus();
+      return ParseRopePerLayerType(*params, c);
     }
     KVCM_ASSIGN_OR_RETURN(const RopeConfig parsed, ParseRopeSection(*params, "rope_parameters"));
     if (scaling.has_value() && !SameScaling(*scaling, parsed)) {
@@ -296,6 +311,22 @@ absl::Status ParseSlidingWindow(const Json& s, ModelConfig* c) {
     break;
   }
 
+  return absl::OkStatus();
+}
+
+// Gemma's keys: the sliding layers' RoPE base, the attention scale, soft-capping (null: none),
+// bidirectional attention and the MLP's activation.
+absl::Status ParseGemmaKeys(const Json& s, ModelConfig* c) {
+  KVCM_ASSIGN_OR_RETURN(c->rope_local_base_freq, OptionalPositiveNumber(s, "rope_local_base_freq"));
+  KVCM_ASSIGN_OR_RETURN(c->query_pre_attn_scalar,
+                        OptionalPositiveNumber(s, "query_pre_attn_scalar"));
+  KVCM_ASSIGN_OR_RETURN(c->attn_logit_softcapping,
+                        OptionalPositiveNumber(s, "attn_logit_softcapping"));
+  KVCM_ASSIGN_OR_RETURN(c->final_logit_softcapping,
+                        OptionalPositiveNumber(s, "final_logit_softcapping"));
+  KVCM_ASSIGN_OR_RETURN(c->use_bidirectional_attention,
+                        OptionalBool(s, "use_bidirectional_attention"));
+  KVCM_ASSIGN_OR_RETURN(c->hidden_activation, OptionalString(s, "hidden_activation"));
   return absl::OkStatus();
 }
 
@@ -389,6 +420,8 @@ absl::StatusOr<ModelConfig> ParseHfRoot(const Json& root) {
   KVCM_RETURN_IF_ERROR(ParseRope(s, &c));
   KVCM_ASSIGN_OR_RETURN(const std::optional<bool> tie, OptionalBool(s, "tie_word_embeddings"));
   c.tie_word_embeddings = tie.value_or(false);
+  c.tie_word_embeddings_given = tie.has_value();
+  KVCM_RETURN_IF_ERROR(ParseGemmaKeys(s, &c));
   KVCM_ASSIGN_OR_RETURN(c.attention_bias, OptionalBool(s, "attention_bias"));
   KVCM_ASSIGN_OR_RETURN(c.mlp_bias, OptionalBool(s, "mlp_bias"));
   KVCM_ASSIGN_OR_RETURN(c.use_sliding_window, OptionalBool(s, "use_sliding_window"));

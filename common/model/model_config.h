@@ -28,9 +28,15 @@
 //                                   they must agree (INVALID_ARGUMENT otherwise). Keys of
 //                                   either that the reader does not interpret are kept in
 //                                   RopeConfig::other_keys; a per-layer-type set
-//                                   ({"full_attention": {...}, ...}) in per_layer_type.
-//     tie_word_embeddings, attention_bias, mlp_bias, use_sliding_window   booleans
-//     hidden_act                    a string
+//                                   ({"full_attention": {...}, ...}): each type's set in
+//                                   rope_per_layer_type (its rope_theta in
+//                                   RopeConfig::theta), the first type's name in
+//                                   rope.per_layer_type
+//     rope_local_base_freq, query_pre_attn_scalar   Gemma: positive numbers
+//     attn_logit_softcapping, final_logit_softcapping   Gemma: positive numbers or null
+//     tie_word_embeddings, attention_bias, mlp_bias, use_sliding_window,
+//     use_bidirectional_attention   booleans
+//     hidden_act, hidden_activation (Gemma's spelling)   strings
 //     sliding_window (or sliding_window_size)   an integer; null or false: none
 //     layer_types                   transformers >= 4.53: each layer's attention type, one
 //                                   string per layer ("full_attention", "sliding_attention")
@@ -93,8 +99,10 @@ struct RopeConfig {
   // Every other key of the set, as ("rope_parameters.attention_factor", its JSON text).
   std::vector<std::pair<std::string, std::string>> other_keys;
   // A per-layer-type set (transformers 5: {"full_attention": {...}, ...}): the first layer
-  // type's name; nothing else of the set is read then.
+  // type's name; the sets themselves are ModelConfig::rope_per_layer_type.
   std::string per_layer_type;
+  // rope_theta inside the set (a per-layer-type set's own base); nullopt when absent.
+  std::optional<double> theta;
 };
 
 struct ModelConfig {
@@ -124,11 +132,25 @@ struct ModelConfig {
   std::optional<double> rms_norm_eps;
   std::optional<double> rope_theta;
   RopeConfig rope;
+  // HF rope_parameters per layer type (Gemma 3): each layer type's name and its set (source
+  // "rope_parameters.TYPE", theta its rope_theta), in the file's order; empty otherwise.
+  std::vector<std::pair<std::string, RopeConfig>> rope_per_layer_type;
+  // Gemma 3 (transformers < 5): the sliding layers' RoPE base, "rope_local_base_freq".
+  std::optional<double> rope_local_base_freq;
+  // Gemma: the attention scale is query_pre_attn_scalar ** -0.5 (instead of head_dim's).
+  std::optional<double> query_pre_attn_scalar;
+  // Gemma 2/3: tanh soft-capping of attention scores and of the final logits; nullopt when
+  // absent or null.
+  std::optional<double> attn_logit_softcapping;
+  std::optional<double> final_logit_softcapping;
+  std::optional<bool> use_bidirectional_attention;  // Gemma 3 (embedding models)
   bool tie_word_embeddings = false;
+  bool tie_word_embeddings_given = false;  // HF: the key is present
   std::optional<bool> attention_bias;
   std::optional<bool> mlp_bias;
   std::optional<std::string> hidden_act;
-  std::optional<int64_t> sliding_window;  // a window length, from sliding_window_key
+  std::optional<std::string> hidden_activation;  // Gemma's name for the MLP's activation
+  std::optional<int64_t> sliding_window;         // a window length, from sliding_window_key
   std::string sliding_window_key;
   std::optional<bool> use_sliding_window;
   std::vector<std::string> layer_types;           // HF, as written; empty when absent

@@ -1,6 +1,7 @@
 #include "services/executor/llama_config.h"
 
 #include <algorithm>
+#include <cmath>
 #include <iterator>
 #include <optional>
 #include <string>
@@ -10,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/base/float16.h"
 #include "common/base/status_macros.h"
 #include "common/gguf/gguf_file.h"
 #include "common/model/model_config.h"
@@ -18,13 +20,28 @@ namespace kvcm::executor {
 namespace {
 
 constexpr const char* kArchitectures[] = {"LlamaForCausalLM", "MistralForCausalLM",
-                                          "Qwen2ForCausalLM", "Qwen3ForCausalLM"};
-constexpr const char* kModelTypes[] = {"llama", "mistral", "qwen2", "qwen3"};
+                                          "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                          "Gemma3ForCausalLM"};
+constexpr const char* kModelTypes[] = {"llama", "mistral", "qwen2", "qwen3", "gemma3_text"};
+
+// The multimodal Gemma 3 (model_type "gemma3"): its language model is Gemma3ForCausalLM's,
+// but its checkpoint names the weights model.language_model.* beside a vision tower, which
+// the loader does not map; refused by name rather than reported as an unknown architecture.
+absl::Status RefuseMultimodalGemma3(const ModelConfig& m, absl::string_view what) {
+  return absl::UnimplementedError(
+      absl::StrCat(m.Where(), what,
+                   " (the multimodal Gemma 3) is not supported: its language model's weights "
+                   "(model.language_model.*) and vision tower are not loaded; the text-only "
+                   "Gemma3ForCausalLM (model_type gemma3_text) is"));
+}
 
 // The supported architecture `m` names (Hugging Face), or the refusal naming the key.
 absl::StatusOr<std::string> HfArchitecture(const ModelConfig& m) {
   if (!m.architectures.empty()) {
     for (const std::string& a : m.architectures) {
+      if (a == "Gemma3ForConditionalGeneration") {
+        return RefuseMultimodalGemma3(m, "\"architectures\" Gemma3ForConditionalGeneration");
+      }
       for (const char* known : kArchitectures) {
         if (a == known) return std::string(known);
       }
@@ -40,16 +57,16 @@ absl::StatusOr<std::string> HfArchitecture(const ModelConfig& m) {
   for (size_t i = 0; i < std::size(kModelTypes); ++i) {
     if (m.model_type == kModelTypes[i]) return std::string(kArchitectures[i]);
   }
+  if (m.model_type == "gemma3") return RefuseMultimodalGemma3(m, "\"model_type\" gemma3");
   return absl::UnimplementedError(
       absl::StrCat(m.Where(), "\"model_type\" \"", m.model_type,
                    "\" is not supported (supported: ", absl::StrJoin(kModelTypes, ", "), ")"));
 }
 
-// The RoPE scaling of `m`: the types and keys the forward pass implements, or the refusal
-// naming the key (UNIMPLEMENTED for what it does not implement, INVALID_ARGUMENT for a set
-// that lacks what its type needs).
-absl::StatusOr<RopeScaling> Scaling(const ModelConfig& m) {
-  const RopeConfig& rope = m.rope;
+// The RoPE scaling of the set `rope` of `m`: the types and keys the forward pass implements,
+// or the refusal naming the key (UNIMPLEMENTED for what it does not implement,
+// INVALID_ARGUMENT for a set that lacks what its type needs).
+absl::StatusOr<RopeScaling> Scaling(const ModelConfig& m, const RopeConfig& rope) {
   const bool gguf = m.format == ModelConfig::Format::kGguf;
   auto invalid = [&](absl::string_view what) {
     return absl::InvalidArgumentError(absl::StrCat(m.Where(), what));
@@ -57,10 +74,6 @@ absl::StatusOr<RopeScaling> Scaling(const ModelConfig& m) {
   auto unimplemented = [&](absl::string_view what) {
     return absl::UnimplementedError(absl::StrCat(m.Where(), what));
   };
-  if (!rope.per_layer_type.empty()) {
-    return unimplemented(absl::StrCat("\"rope_parameters\" per layer type (", rope.per_layer_type,
-                                      ", ...) is not supported"));
-  }
   RopeScaling scaling;
   if (gguf) {
     if (rope.type != "default" && rope.type != "linear") {
@@ -113,7 +126,61 @@ absl::StatusOr<RopeScaling> Scaling(const ModelConfig& m) {
   return scaling;
 }
 
+// The RoPE of a family with one set for every layer; a per-layer-type set is refused.
+absl::Status SetRope(const ModelConfig& m, LlamaConfig* c) {
+  if (!m.rope.per_layer_type.empty()) {
+    return absl::UnimplementedError(absl::StrCat(m.Where(), "\"rope_parameters\" per layer type (",
+                                                 m.rope.per_layer_type,
+                                                 ", ...) is not supported for ", c->architecture));
+  }
+  c->rope_theta = m.rope_theta.value_or(10000.0);
+  KVCM_ASSIGN_OR_RETURN(c->rope_scaling, Scaling(m, m.rope));
+  return absl::OkStatus();
+}
+
+// Gemma 3's two RoPEs, as Gemma3TextConfig resolves them: transformers 5's rope_parameters
+// per layer type (each set's rope_theta, else rope_theta for full attention and
+// rope_local_base_freq for sliding), or the older rope_theta (default 1e6) with rope_scaling
+// for the full-attention layers and rope_local_base_freq (default 10000, unscaled) for the
+// sliding ones.
+absl::Status SetGemmaRope(const ModelConfig& m, LlamaConfig* c) {
+  c->local_rope = true;
+  c->rope_theta = m.rope_theta.value_or(1e6);
+  c->local_rope_theta = m.rope_local_base_freq.value_or(10000.0);
+  if (m.rope_per_layer_type.empty()) {
+    KVCM_ASSIGN_OR_RETURN(c->rope_scaling, Scaling(m, m.rope));
+    return absl::OkStatus();
+  }
+  if (m.rope.source == "rope_scaling") {
+    return absl::UnimplementedError(
+        absl::StrCat(m.Where(),
+                     "\"rope_scaling\" beside a per-layer-type \"rope_parameters\" is not "
+                     "supported (write the scaling into rope_parameters.full_attention)"));
+  }
+  for (const auto& [layer_type, rope] : m.rope_per_layer_type) {
+    if (layer_type == "full_attention") {
+      c->rope_theta = rope.theta.value_or(c->rope_theta);
+      KVCM_ASSIGN_OR_RETURN(c->rope_scaling, Scaling(m, rope));
+    } else if (layer_type == "sliding_attention") {
+      c->local_rope_theta = rope.theta.value_or(c->local_rope_theta);
+      KVCM_ASSIGN_OR_RETURN(c->local_rope_scaling, Scaling(m, rope));
+    } else {
+      return absl::UnimplementedError(
+          absl::StrCat(m.Where(), "key \"rope_parameters.", layer_type.substr(0, 64),
+                       "\": layer type is not supported (full_attention, sliding_attention)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+float LlamaConfig::AttentionScale() const {
+  // transformers computes query_pre_attn_scalar ** -0.5 in double; head_dim's stays the fp32
+  // value the kernels always used.
+  if (query_pre_attn_scalar > 0) return static_cast<float>(1.0 / std::sqrt(query_pre_attn_scalar));
+  return 1.0f / std::sqrt(static_cast<float>(head_dim));
+}
 
 absl::StatusOr<KvCacheSpec> LlamaConfig::KvSpec(DType dtype, int32_t block_size) const {
   KvCacheSpec spec;
@@ -154,6 +221,12 @@ std::string LlamaConfig::ToString() const {
       intermediate_size, ", ", num_hidden_layers, " layers, ", num_attention_heads, " heads (",
       num_key_value_heads, " KV) x head dim ", head_dim, ", rms_norm_eps ", rms_norm_eps,
       ", rope_theta ", rope_theta, ", rope scaling ", RopeScalingName(rope_scaling),
+      local_rope ? absl::StrCat(", sliding layers' rope_theta ", local_rope_theta, " (scaling ",
+                                RopeScalingName(local_rope_scaling), ")")
+                 : "",
+      query_pre_attn_scalar > 0 ? absl::StrCat(", query_pre_attn_scalar ", query_pre_attn_scalar)
+                                : "",
+      activation == Activation::kGeluTanh ? ", gelu_pytorch_tanh" : "",
       tie_word_embeddings ? ", tied embeddings" : "",
       qkv_bias ? (o_bias ? ", q/k/v/o bias" : ", q/k/v bias") : "", qk_norm ? ", q/k norm" : "",
       windows, torch_dtype.empty() ? "" : ", ", torch_dtype);
@@ -178,6 +251,12 @@ absl::StatusOr<std::string> ArchitectureOf(const ModelConfig& m) {
       return std::string("Qwen2ForCausalLM (GGUF qwen2)");
     } else if (m.model_type == "qwen3") {
       return std::string("Qwen3ForCausalLM (GGUF qwen3)");
+    } else if (m.model_type == "gemma3") {
+      // llama.cpp's gemma3 files store the norms as 1 + w and leave the sliding layers' RoPE
+      // base and the attention scale to llama.cpp's per-size defaults: not read yet.
+      return Unimplemented(m,
+                           "general.architecture \"gemma3\" is not supported yet (GGUF Gemma 3: "
+                           "serve the Hugging Face folder, Gemma3ForCausalLM, instead)");
     } else {
       return Unimplemented(m, absl::StrCat("general.architecture \"", m.model_type,
                                            "\" is not supported (supported: llama, qwen2, qwen3)"));
@@ -222,7 +301,8 @@ absl::Status SetLayerWindows(const ModelConfig& m, LlamaConfig* c) {
   }
   const bool windowed_family = c->architecture.starts_with("MistralForCausalLM") ||
                                c->architecture.starts_with("Qwen2ForCausalLM") ||
-                               c->architecture.starts_with("Qwen3ForCausalLM");
+                               c->architecture.starts_with("Qwen3ForCausalLM") ||
+                               c->architecture.starts_with("Gemma3ForCausalLM");
   if (!windowed_family && m.sliding_window.value_or(0) < c->max_position_embeddings) {
     return Unimplemented(
         m, absl::StrCat("\"", m.sliding_window_key, "\" ", *m.sliding_window,
@@ -233,11 +313,50 @@ absl::Status SetLayerWindows(const ModelConfig& m, LlamaConfig* c) {
   return absl::OkStatus();
 }
 
+// Gemma 3's differences from Llama (see llama_config.h), and the Gemma features this
+// implementation does not have, refused naming the key rather than computing wrong logits.
+absl::Status SetGemma3Features(const ModelConfig& m, LlamaConfig* c) {
+  const std::pair<const char*, const std::optional<double>&> softcaps[] = {
+      {"attn_logit_softcapping", m.attn_logit_softcapping},
+      {"final_logit_softcapping", m.final_logit_softcapping}};
+  for (const auto& [key, value] : softcaps) {
+    if (!value.has_value()) continue;
+    return Unimplemented(m, absl::StrCat(m.KeyName(key), " (", *value,
+                                         ": tanh soft-capping) is not supported (only null)"));
+  }
+  if (m.use_bidirectional_attention.value_or(false)) {
+    return Unimplemented(
+        m, absl::StrCat(m.KeyName("use_bidirectional_attention"), " true is not supported"));
+  }
+  // Gemma3TextConfig reads hidden_activation (hidden_act is not its key).
+  const std::string activation = m.hidden_activation.value_or("gelu_pytorch_tanh");
+  if (activation != "gelu_pytorch_tanh") {
+    return Unimplemented(m, absl::StrCat(m.KeyName("hidden_activation"), " \"", activation,
+                                         "\" is not supported (only \"gelu_pytorch_tanh\")"));
+  }
+  c->activation = LlamaConfig::Activation::kGeluTanh;
+  c->qk_norm = true;
+  c->sandwich_norms = true;
+  c->norm_weight_offset = 1.0f;
+  c->query_pre_attn_scalar = m.query_pre_attn_scalar.value_or(256.0);
+  // transformers multiplies by sqrt(hidden_size) cast to the weights' dtype.
+  float scale = static_cast<float>(std::sqrt(static_cast<double>(c->hidden_size)));
+  if (m.torch_dtype == "bfloat16") {
+    scale = FloatFromBFloat16(BFloat16FromFloat(scale));
+  } else if (m.torch_dtype == "float16") {
+    scale = FloatFromHalf(HalfFromFloat(scale));
+  }
+  c->embedding_scale = scale;
+  if (!m.tie_word_embeddings_given) c->tie_word_embeddings = true;  // Gemma3TextConfig's default
+  return SetGemmaRope(m, c);
+}
+
 // The family's attention details (biases, QK norm), and the features this implementation
 // does not have, refused rather than computing wrong logits.
 absl::Status SetFamilyFeatures(const ModelConfig& m, LlamaConfig* c) {
   const bool gguf = m.format == ModelConfig::Format::kGguf;
-  if (m.hidden_act.has_value() && *m.hidden_act != "silu") {
+  const bool gemma3 = c->architecture.starts_with("Gemma3ForCausalLM");
+  if (!gemma3 && m.hidden_act.has_value() && *m.hidden_act != "silu") {
     return Unimplemented(
         m, absl::StrCat("\"hidden_act\" \"", *m.hidden_act, "\" is not supported (only \"silu\")"));
   }
@@ -254,12 +373,18 @@ absl::Status SetFamilyFeatures(const ModelConfig& m, LlamaConfig* c) {
     // Qwen2's q, k and v projections always have a bias, its o projection none.
     c->qkv_bias = true;
   } else {
-    // Llama's and Qwen3's attention_bias: q, k, v and o (GGUF files have no such key).
+    // Llama's, Qwen3's and Gemma 3's attention_bias: q, k, v and o (GGUF files have no such
+    // key).
     c->qkv_bias = m.attention_bias.value_or(false);
     c->o_bias = c->qkv_bias;
   }
   // Qwen3 normalizes each head of q and of k (its q_norm and k_norm) before RoPE.
   c->qk_norm = qwen3;
+  if (gemma3) {
+    KVCM_RETURN_IF_ERROR(SetGemma3Features(m, c));
+  } else {
+    KVCM_RETURN_IF_ERROR(SetRope(m, c));
+  }
   return SetLayerWindows(m, c);
 }
 
@@ -292,9 +417,9 @@ absl::StatusOr<LlamaConfig> LlamaConfigFromModelConfig(const ModelConfig& m) {
     KVCM_RETURN_IF_ERROR(CheckGgufShape(m, c.head_dim));
   }
   c.rms_norm_eps = static_cast<float>(m.rms_norm_eps.value_or(1e-6));
-  c.rope_theta = m.rope_theta.value_or(10000.0);
-  KVCM_ASSIGN_OR_RETURN(c.rope_scaling, Scaling(m));
-  c.max_position_embeddings = m.max_position_embeddings.value_or(2048);
+  // Gemma3TextConfig's default context is 131072, Llama's 2048.
+  c.max_position_embeddings = m.max_position_embeddings.value_or(
+      c.architecture.starts_with("Gemma3ForCausalLM") ? 131072 : 2048);
   c.tie_word_embeddings = m.tie_word_embeddings;
   c.bos_token_id = m.bos_token_id.value_or(-1);
   c.eos_token_ids = m.eos_token_ids;

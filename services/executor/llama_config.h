@@ -5,10 +5,19 @@
 // forward pass supports, with these defaults:
 //
 //   architecture             "architectures" naming LlamaForCausalLM, MistralForCausalLM,
-//                            Qwen2ForCausalLM or Qwen3ForCausalLM; when absent, "model_type"
-//                            llama, mistral, qwen2 or qwen3; GGUF general.architecture llama
-//                            (Llama 2/3, SmolLM, Mistral), qwen2 (bias on q/k/v) or qwen3
-//                            (dense Qwen3: per-head q/k norm, no bias)
+//                            Qwen2ForCausalLM, Qwen3ForCausalLM or Gemma3ForCausalLM; when
+//                            absent, "model_type" llama, mistral, qwen2, qwen3 or gemma3_text;
+//                            GGUF general.architecture llama (Llama 2/3, SmolLM, Mistral),
+//                            qwen2 (bias on q/k/v) or qwen3 (dense Qwen3: per-head q/k norm,
+//                            no bias)
+//   Gemma 3 (text)           q/k norm, norms computed as x_normed * (1 + w), embeddings
+//                            scaled by sqrt(hidden_size), norms after attention and the MLP,
+//                            attention scale query_pre_attn_scalar ** -0.5 (default 256),
+//                            hidden_activation gelu_pytorch_tanh (the default; no other),
+//                            one RoPE for the full-attention layers (rope_theta, default 1e6,
+//                            with its scaling; rope_parameters.full_attention) and one for
+//                            the sliding ones (rope_local_base_freq, default 10000;
+//                            rope_parameters.sliding_attention), tied embeddings by default
 //   vocab_size, hidden_size, intermediate_size   required (GGUF: ARCH.vocab_size, else the
 //                            number of tokens; ARCH.embedding_length; ARCH.feed_forward_length)
 //   head_dim                 even (RoPE); GGUF attention.value_length and
@@ -21,7 +30,8 @@
 //                            original_max_position_embeddings required); GGUF none or linear.
 //                            A RoPE key that is not understood (attention_factor, beta_fast,
 //                            a partial_rotary_factor other than 1, ...) is UNIMPLEMENTED, never
-//                            ignored; so is a per-layer-type rope_parameters
+//                            ignored; so is a per-layer-type rope_parameters except
+//                            Gemma 3's full_attention and sliding_attention sets
 //   attention_bias           (Llama, Qwen3) bias on q, k, v and o: default false; Qwen2:
 //                            q, k, v always
 //   layer_windows            each layer's sliding window (ModelConfig's LayerWindows):
@@ -34,7 +44,13 @@
 //                            weights are in
 //
 // Rejected, naming the key:
-//   UNIMPLEMENTED     another architecture; rope scaling of another type (dynamic, yarn,
+//   UNIMPLEMENTED     another architecture (Gemma3ForConditionalGeneration, the multimodal
+//                     Gemma 3, named as such); Gemma 3's attn_logit_softcapping or
+//                     final_logit_softcapping non-null, use_bidirectional_attention true, a
+//                     hidden_activation other than gelu_pytorch_tanh, a rope_parameters
+//                     layer type other than full_attention and sliding_attention, or
+//                     rope_scaling beside a per-layer-type rope_parameters; GGUF gemma3
+//                     files; rope scaling of another type (dynamic, yarn,
 //                     longrope, ...); mlp_bias true; hidden_act other than "silu"; a Llama
 //                     sliding_window shorter than max_position_embeddings; a layer type
 //                     other than full or sliding attention; GGUF:
@@ -91,9 +107,32 @@ struct LlamaConfig {
   bool tie_word_embeddings = false;
   bool qkv_bias = false;  // q_proj, k_proj, v_proj have a bias (Qwen2; Llama's attention_bias)
   bool o_bias = false;    // o_proj has one (Llama's and Qwen3's attention_bias)
-  // Qwen3: q_norm and k_norm ([head_dim] RMSNorm weights) normalize each head of q and of k
-  // after the projections (and biases), before RoPE.
+  // Qwen3, Gemma 3: q_norm and k_norm ([head_dim] RMSNorm weights) normalize each head of q
+  // and of k after the projections (and biases), before RoPE.
   bool qk_norm = false;
+  // Gemma 3: the sliding-window layers (layer_windows[l] > 0) rotate by their own RoPE
+  // (rope_local_base_freq, or rope_parameters.sliding_attention); the full-attention layers
+  // keep rope_theta and rope_scaling (rope_parameters.full_attention).
+  bool local_rope = false;
+  double local_rope_theta = 10000.0;
+  RopeScaling local_rope_scaling;
+  // Gemma stores its RMSNorm weights as w and computes x_normed * (1 + w); the loader adds this
+  // to every norm weight (layer norms, q/k norms, the final norm) so that one RMSNorm serves
+  // every family. 0 elsewhere.
+  float norm_weight_offset = 0.0f;
+  // Gemma: the token embeddings are multiplied by sqrt(hidden_size), rounded to the weights'
+  // dtype as transformers does (the LM head, tied or not, is not scaled). 1 elsewhere.
+  float embedding_scale = 1.0f;
+  // Gemma 2/3: post_attention_layernorm normalizes the attention output before the residual,
+  // pre_feedforward_layernorm is the MLP's input norm and post_feedforward_layernorm
+  // normalizes the MLP output before the residual.
+  bool sandwich_norms = false;
+  // Gemma: attention scores are scaled by query_pre_attn_scalar ** -0.5; 0 means head_dim's.
+  double query_pre_attn_scalar = 0.0;
+  // The MLP's activation on gate: SiLU (Llama, Qwen), or GELU with the tanh approximation
+  // (Gemma's gelu_pytorch_tanh).
+  enum class Activation { kSilu, kGeluTanh };
+  Activation activation = Activation::kSilu;
   // Each layer's sliding window in tokens, 0 for full attention (ModelConfig's LayerWindows):
   // a query at position p attends to positions p - W + 1 .. p. One entry per layer.
   std::vector<int32_t> layer_windows;
@@ -105,6 +144,10 @@ struct LlamaConfig {
   // head_dim in `dtype`, `block_size` tokens per block. INVALID_ARGUMENT from
   // KvCacheSpec::Validate when block_size is out of range.
   absl::StatusOr<KvCacheSpec> KvSpec(DType dtype, int32_t block_size) const;
+
+  // The factor attention scores are multiplied by: 1 / sqrt(query_pre_attn_scalar, else
+  // head_dim).
+  float AttentionScale() const;
 
   // One line for logs.
   std::string ToString() const;

@@ -255,6 +255,26 @@ class GgufSource final : public WeightSource {
   const bool unpermute_;
 };
 
+// Adds `offset` to every norm weight: Gemma's x_normed * (1 + w) is then RmsNorm's
+// x_normed * w' (1 + w rounds the same in fp32 as transformers' 1.0 + weight.float()).
+void AddNormOffset(float offset, LlamaWeights* w) {
+  for (LlamaWeights::Layer& l : w->layers) {
+    for (std::vector<float>* norm : {&l.input_norm, &l.post_norm, &l.q_norm, &l.k_norm,
+                                     &l.attn_output_norm, &l.mlp_output_norm}) {
+      for (float& v : *norm) v += offset;
+    }
+  }
+  for (float& v : w->final_norm) v += offset;
+}
+
+// GELU with the tanh approximation (PyTorch's gelu(approximate="tanh"), in fp32).
+float GeluTanh(float x) {
+  constexpr float kBeta = static_cast<float>(0.7978845608028654);  // sqrt(2 / pi)
+  constexpr float kKappa = 0.044715f;
+  const float inner = kBeta * (x + kKappa * x * x * x);
+  return 0.5f * x * (1.0f + std::tanh(inner));
+}
+
 absl::StatusOr<DType> KernelDType(DType dtype) {
   switch (dtype) {
     case DType::kFloat32:
@@ -267,16 +287,14 @@ absl::StatusOr<DType> KernelDType(DType dtype) {
   }
 }
 
-// HF's rope inverse frequencies, 1 / theta^(2i / head_dim), with rope_scaling applied
+// HF's rope inverse frequencies, 1 / theta^(2i / head_dim), with `s` applied
 // (transformers' _compute_linear_scaling_rope_parameters and _compute_llama3_parameters).
-std::vector<double> InverseFrequencies(const LlamaConfig& c) {
-  const int32_t half = c.head_dim / 2;
+std::vector<double> InverseFrequencies(int32_t head_dim, double theta, const RopeScaling& s) {
+  const int32_t half = head_dim / 2;
   std::vector<double> inv_freq(static_cast<size_t>(half));
   for (int32_t i = 0; i < half; ++i) {
-    inv_freq[static_cast<size_t>(i)] =
-        1.0 / std::pow(c.rope_theta, static_cast<double>(2 * i) / c.head_dim);
+    inv_freq[static_cast<size_t>(i)] = 1.0 / std::pow(theta, static_cast<double>(2 * i) / head_dim);
   }
-  const RopeScaling& s = c.rope_scaling;
   if (s.type == RopeScaling::Type::kLinear) {
     for (double& f : inv_freq) f /= s.factor;
   } else if (s.type == RopeScaling::Type::kLlama3) {
@@ -399,7 +417,15 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::LoadWeights(
     KVCM_RETURN_IF_ERROR(load_matrix(p + "self_attn.k_proj.weight", {kv, h}, &layer.k_proj));
     KVCM_RETURN_IF_ERROR(load_matrix(p + "self_attn.v_proj.weight", {kv, h}, &layer.v_proj));
     KVCM_RETURN_IF_ERROR(load_matrix(p + "self_attn.o_proj.weight", {h, q}, &layer.o_proj));
-    KVCM_RETURN_IF_ERROR(load(p + "post_attention_layernorm.weight", {h}, &layer.post_norm));
+    if (c.sandwich_norms) {
+      KVCM_RETURN_IF_ERROR(load(p + "pre_feedforward_layernorm.weight", {h}, &layer.post_norm));
+      KVCM_RETURN_IF_ERROR(
+          load(p + "post_attention_layernorm.weight", {h}, &layer.attn_output_norm));
+      KVCM_RETURN_IF_ERROR(
+          load(p + "post_feedforward_layernorm.weight", {h}, &layer.mlp_output_norm));
+    } else {
+      KVCM_RETURN_IF_ERROR(load(p + "post_attention_layernorm.weight", {h}, &layer.post_norm));
+    }
     KVCM_RETURN_IF_ERROR(load_matrix(p + "mlp.gate_proj.weight", {inter, h}, &layer.gate_proj));
     KVCM_RETURN_IF_ERROR(load_matrix(p + "mlp.up_proj.weight", {inter, h}, &layer.up_proj));
     KVCM_RETURN_IF_ERROR(load_matrix(p + "mlp.down_proj.weight", {h, inter}, &layer.down_proj));
@@ -416,10 +442,15 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::LoadWeights(
     }
   }
   KVCM_RETURN_IF_ERROR(load("model.norm.weight", {h}, &model->weights_.final_norm));
+  if (c.norm_weight_offset != 0.0f) AddNormOffset(c.norm_weight_offset, &model->weights_);
   if (!c.tie_word_embeddings) {
     KVCM_RETURN_IF_ERROR(load_matrix("lm_head.weight", {vocab, h}, &model->weights_.lm_head));
   }
-  model->inv_freq_ = InverseFrequencies(c);
+  model->inv_freq_ = InverseFrequencies(c.head_dim, c.rope_theta, c.rope_scaling);
+  if (c.local_rope) {
+    model->local_inv_freq_ =
+        InverseFrequencies(c.head_dim, c.local_rope_theta, c.local_rope_scaling);
+  }
   return model;
 }
 
@@ -477,8 +508,16 @@ void LlamaModel::HeadNorm(float* x, int64_t rows, int32_t heads,
   }
 }
 
+const std::vector<double>& LlamaModel::LayerInvFreq(int32_t l) const {
+  if (!local_inv_freq_.empty() && config_.layer_windows[static_cast<size_t>(l)] > 0) {
+    return local_inv_freq_;
+  }
+  return inv_freq_;
+}
+
 void LlamaModel::ApplyRope(float* x, int64_t rows, int32_t heads,
-                           std::span<const int32_t> positions) const {
+                           std::span<const int32_t> positions,
+                           const std::vector<double>& inv_freq) const {
   const int32_t d = config_.head_dim;
   const int32_t half = d / 2;
   std::vector<float> cos_table(static_cast<size_t>(half));
@@ -486,7 +525,7 @@ void LlamaModel::ApplyRope(float* x, int64_t rows, int32_t heads,
   for (int64_t r = 0; r < rows; ++r) {
     const double position = positions[static_cast<size_t>(r)];
     for (int32_t i = 0; i < half; ++i) {
-      const double angle = position * inv_freq_[static_cast<size_t>(i)];
+      const double angle = position * inv_freq[static_cast<size_t>(i)];
       cos_table[static_cast<size_t>(i)] = static_cast<float>(std::cos(angle));
       sin_table[static_cast<size_t>(i)] = static_cast<float>(std::sin(angle));
     }
@@ -508,7 +547,11 @@ void LlamaModel::ApplyRope(float* x, int64_t rows, int32_t heads,
 void LlamaModel::Embed(std::span<const int32_t> tokens, float* x) const {
   const int64_t h = config_.hidden_size;
   for (size_t t = 0; t < tokens.size(); ++t) {
-    weights_.embed_tokens.DequantizeRow(tokens[t], x + static_cast<int64_t>(t) * h);
+    float* row = x + static_cast<int64_t>(t) * h;
+    weights_.embed_tokens.DequantizeRow(tokens[t], row);
+    if (config_.embedding_scale != 1.0f) {
+      for (int64_t i = 0; i < h; ++i) row[i] *= config_.embedding_scale;
+    }
   }
 }
 
@@ -529,31 +572,46 @@ void LlamaModel::AttentionInputs(int32_t l, const float* x, int64_t rows,
   AddBias(v, rows, layer.v_bias);
   HeadNorm(q, rows, config_.num_attention_heads, layer.q_norm);
   HeadNorm(k, rows, config_.num_key_value_heads, layer.k_norm);
-  ApplyRope(q, rows, config_.num_attention_heads, positions);
-  ApplyRope(k, rows, config_.num_key_value_heads, positions);
+  const std::vector<double>& inv_freq = LayerInvFreq(l);
+  ApplyRope(q, rows, config_.num_attention_heads, positions, inv_freq);
+  ApplyRope(k, rows, config_.num_key_value_heads, positions, inv_freq);
+}
+
+void LlamaModel::Mlp(int32_t l, const float* x, int64_t rows, float* out) const {
+  const LlamaWeights::Layer& layer = weights_.layers[static_cast<size_t>(l)];
+  const int64_t h = config_.hidden_size;
+  const int64_t inter = config_.intermediate_size;
+  std::vector<float> gate(static_cast<size_t>(rows * inter));
+  std::vector<float> up(static_cast<size_t>(rows * inter));
+  KVCM_CHECK(layer.gate_proj.rows() == inter && layer.up_proj.rows() == inter);
+  MatMuls(x, rows, h, {{&layer.gate_proj, gate.data()}, {&layer.up_proj, up.data()}});
+  if (config_.activation == LlamaConfig::Activation::kGeluTanh) {
+    for (size_t i = 0; i < gate.size(); ++i) gate[i] = GeluTanh(gate[i]) * up[i];
+  } else {
+    for (size_t i = 0; i < gate.size(); ++i) {
+      const float g = gate[i];
+      gate[i] = g / (1.0f + std::exp(-g)) * up[i];  // SiLU(gate) * up
+    }
+  }
+  MatMul(gate.data(), rows, inter, layer.down_proj, h, out);
 }
 
 void LlamaModel::AttentionOutputAndMlp(int32_t l, const float* attn, int64_t rows, float* x) const {
   const LlamaWeights::Layer& layer = weights_.layers[static_cast<size_t>(l)];
   const int64_t h = config_.hidden_size;
   const int64_t q_width = int64_t{config_.num_attention_heads} * config_.head_dim;
-  const int64_t inter = config_.intermediate_size;
   std::vector<float> proj(static_cast<size_t>(rows * h));
+  std::vector<float> normed(static_cast<size_t>(rows * h));
   MatMul(attn, rows, q_width, layer.o_proj, h, proj.data());
   AddBias(proj.data(), rows, layer.o_bias);
+  // Gemma normalizes each sublayer's output before its residual add (sandwich norms).
+  const bool sandwich = config_.sandwich_norms;
+  if (sandwich) RmsNorm(proj.data(), rows, layer.attn_output_norm, proj.data());
   for (int64_t i = 0; i < rows * h; ++i) x[i] += proj[static_cast<size_t>(i)];
 
-  std::vector<float> normed(static_cast<size_t>(rows * h));
   RmsNorm(x, rows, layer.post_norm, normed.data());
-  std::vector<float> gate(static_cast<size_t>(rows * inter));
-  std::vector<float> up(static_cast<size_t>(rows * inter));
-  KVCM_CHECK(layer.gate_proj.rows() == inter && layer.up_proj.rows() == inter);
-  MatMuls(normed.data(), rows, h, {{&layer.gate_proj, gate.data()}, {&layer.up_proj, up.data()}});
-  for (size_t i = 0; i < gate.size(); ++i) {
-    const float g = gate[i];
-    gate[i] = g / (1.0f + std::exp(-g)) * up[i];  // SiLU(gate) * up
-  }
-  MatMul(gate.data(), rows, inter, layer.down_proj, h, proj.data());
+  Mlp(l, normed.data(), rows, proj.data());
+  if (sandwich) RmsNorm(proj.data(), rows, layer.mlp_output_norm, proj.data());
   for (int64_t i = 0; i < rows * h; ++i) x[i] += proj[static_cast<size_t>(i)];
 }
 
@@ -741,7 +799,7 @@ absl::Status LlamaModel::Forward(const ForwardBatch& batch, const PoolView& pool
   attention.context_lens = batch.context_lens.data();
   attention.block_tables = batch.block_tables.data();
   attention.max_blocks_per_seq = batch.max_blocks_per_seq;
-  attention.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  attention.scale = c.AttentionScale();
 
   for (int32_t l = 0; l < c.num_hidden_layers; ++l) {
     AttentionInputs(l, x.data(), rows, plan.positions, q.data(), k.data(), v.data());
@@ -793,7 +851,7 @@ absl::StatusOr<std::vector<float>> LlamaModel::ForwardContiguous(
   std::vector<float> v(static_cast<size_t>(rows * kv_width));
   std::vector<float> attn(static_cast<size_t>(rows * q_width));
   Embed(tokens, x.data());
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const float scale = c.AttentionScale();
 
   for (int32_t l = 0; l < c.num_hidden_layers; ++l) {
     AttentionInputs(l, x.data(), rows, positions, q.data(), k.data(), v.data());

@@ -1,7 +1,9 @@
 #pragma once
-// LlamaModel: a Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) on the
-// CPU, computing in fp32 over weights kept as their file stores them, whose attention reads
-// and writes the shared paged KV pool through the kernels of kernels/ (docs/architecture.md).
+// LlamaModel: a Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU; and
+// Gemma 3's variants, which LlamaConfig describes: GELU, norms around each sublayer, a RoPE
+// per layer type) on the CPU, computing in fp32 over weights kept as their file stores them, whose
+// attention reads and writes the shared paged KV pool through the kernels of kernels/
+// (docs/architecture.md).
 //
 // Two forward paths share every step but attention:
 //
@@ -98,7 +100,7 @@ struct LlamaWeights {
     kernels::WeightMatrix k_proj;     // [K, H]
     kernels::WeightMatrix v_proj;     // [K, H]
     kernels::WeightMatrix o_proj;     // [H, Q]
-    std::vector<float> post_norm;     // [H]
+    std::vector<float> post_norm;     // [H]: the MLP's input norm (Gemma: pre_feedforward)
     kernels::WeightMatrix gate_proj;  // [I, H]
     kernels::WeightMatrix up_proj;    // [I, H]
     kernels::WeightMatrix down_proj;  // [H, I]
@@ -108,9 +110,13 @@ struct LlamaWeights {
     std::vector<float> k_bias;  // [K]
     std::vector<float> v_bias;  // [K]
     std::vector<float> o_bias;  // [H]
-    // Per-head RMSNorm weights of q and of k (qk_norm, Qwen3; empty otherwise).
+    // Per-head RMSNorm weights of q and of k (qk_norm, Qwen3 and Gemma 3; empty otherwise).
     std::vector<float> q_norm;  // [head_dim]
     std::vector<float> k_norm;  // [head_dim]
+    // sandwich_norms (Gemma 3): the norms of the attention output and of the MLP output, each
+    // before its residual add (empty otherwise).
+    std::vector<float> attn_output_norm;  // [H]
+    std::vector<float> mlp_output_norm;   // [H]
   };
   kernels::WeightMatrix embed_tokens;  // [V, H]; rows dequantized at lookup
   std::vector<Layer> layers;
@@ -160,6 +166,12 @@ class LlamaModel {
   //   model.layers.{l}.self_attn.{q,k,v}_proj.bias      [Q], [K], [K]  (with qkv_bias)
   //   model.layers.{l}.self_attn.o_proj.bias            [H]  (with o_bias)
   //   model.layers.{l}.self_attn.{q,k}_norm.weight      [head_dim]  (with qk_norm: Qwen3)
+  // With sandwich_norms (Gemma 3), post_attention_layernorm is the attention output's norm
+  // and the MLP reads pre_feedforward_layernorm; post_feedforward_layernorm normalizes its
+  // output:
+  //   model.layers.{l}.pre_feedforward_layernorm.weight   [H]
+  //   model.layers.{l}.post_feedforward_layernorm.weight  [H]
+  // Every norm weight gets config().norm_weight_offset added at load (Gemma's 1 + w).
   // Other tensors are ignored. Errors: those of LoadLlamaConfig and SafetensorsFolder::Open;
   // NOT_FOUND naming a missing tensor; INVALID_ARGUMENT naming a tensor whose shape differs,
   // with the expected and actual shapes; UNIMPLEMENTED for a dtype other than F32/F16/BF16.
@@ -184,7 +196,8 @@ class LlamaModel {
 
   const LlamaConfig& config() const { return config_; }
   const LlamaWeights& weights() const { return weights_; }
-  // RoPE inverse frequencies, [head_dim / 2], rope_scaling applied.
+  // RoPE inverse frequencies, [head_dim / 2], rope_scaling applied: the full-attention
+  // layers' (every layer's unless config().local_rope).
   const std::vector<double>& inv_freq() const { return inv_freq_; }
 
   // OK when the model can run on `pool`: base not null, layout.Validate(spec) OK, and the
@@ -246,21 +259,30 @@ class LlamaModel {
   // Qwen3's q_norm / k_norm: RMSNorm of each of the `heads` heads of each row, in place, with
   // the head_dim weights `weight`; nothing for an empty weight.
   void HeadNorm(float* x, int64_t rows, int32_t heads, const std::vector<float>& weight) const;
-  // Rotates `heads` heads of each row in place by its position (HF rotate_half convention).
-  void ApplyRope(float* x, int64_t rows, int32_t heads, std::span<const int32_t> positions) const;
+  // Rotates `heads` heads of each row in place by its position (HF rotate_half convention)
+  // with the inverse frequencies `inv_freq`.
+  void ApplyRope(float* x, int64_t rows, int32_t heads, std::span<const int32_t> positions,
+                 const std::vector<double>& inv_freq) const;
+  // The inverse frequencies layer `l` rotates by (local_inv_freq_ for a sliding layer with
+  // local_rope, else inv_freq_).
+  const std::vector<double>& LayerInvFreq(int32_t l) const;
+  // out[rows][H] = down(act(gate(x)) * up(x)) of layer `l`, act SiLU or GELU (tanh).
+  void Mlp(int32_t l, const float* x, int64_t rows, float* out) const;
   // x[rows][H] = embeddings of `tokens`.
   void Embed(std::span<const int32_t> tokens, float* x) const;
   // Layer `l` up to attention: q [rows][Q], k and v [rows][K], biases, q/k norms and RoPE
   // applied.
   void AttentionInputs(int32_t l, const float* x, int64_t rows, std::span<const int32_t> positions,
                        float* q, float* k, float* v) const;
-  // Layer `l` after attention: x += o_proj(attn); x += MLP(post_norm(x)).
+  // Layer `l` after attention: x += o_proj(attn); x += MLP(post_norm(x)) (with
+  // sandwich_norms, each addend normalized first by attn_output_norm, mlp_output_norm).
   void AttentionOutputAndMlp(int32_t l, const float* attn, int64_t rows, float* x) const;
   // Final norm of the chosen rows of x, then the LM head: [rows.size()][vocab].
   void Logits(const float* x, std::span<const int64_t> rows, std::vector<float>* logits) const;
 
   LlamaConfig config_;
-  std::vector<double> inv_freq_;  // [head_dim / 2], rope_scaling applied
+  std::vector<double> inv_freq_;        // [head_dim / 2], rope_scaling applied
+  std::vector<double> local_inv_freq_;  // local_rope: the sliding layers'; empty otherwise
   LlamaWeights weights_;
   int32_t num_threads_ = 1;  // threads of the kernels' pool a parallel loop uses
   kernels::MatMulPath matmul_ = kernels::MatMulPath::kInt8;

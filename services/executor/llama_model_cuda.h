@@ -57,6 +57,17 @@ struct LlamaCudaModelOptions {
 // UNIMPLEMENTED naming the missing feature (Qwen3's per-head q/k norm). Create checks it
 // first, in builds with and without CUDA.
 inline absl::Status CheckCudaSupport(const LlamaConfig& config) {
+  // Gemma 3 needs more than the q/k norm: (1 + w) norms, norms after attention and the MLP,
+  // the embedding scale, GELU, its attention scale and a RoPE per layer type.
+  if (config.sandwich_norms || config.local_rope || config.norm_weight_offset != 0.0f ||
+      config.embedding_scale != 1.0f || config.query_pre_attn_scalar > 0 ||
+      config.activation != LlamaConfig::Activation::kSilu) {
+    return absl::UnimplementedError(absl::StrCat(
+        config.architecture,
+        ": Gemma 3 (its (1 + w) norms, post-attention and post-MLP norms, embedding scale, "
+        "GELU MLP, query_pre_attn_scalar and per-layer-type RoPE) is not implemented on CUDA "
+        "devices yet; run this model on the CPU executor"));
+  }
   if (config.qk_norm) {
     return absl::UnimplementedError(absl::StrCat(
         config.architecture,
@@ -70,8 +81,9 @@ class LlamaCudaModel {
  public:
   // Copies `model`'s weights to `device` in options.weight_dtype and makes the stream and
   // the cuBLAS handle. Errors: UNIMPLEMENTED when this build has no CUDA kernels, or for a
-  // model with qk_norm (Qwen3's per-head q/k norm has no CUDA kernel yet: refused before any
-  // device is touched, rather than computing other logits than the CPU); UNAVAILABLE ("no CUDA
+  // model with qk_norm (Qwen3's per-head q/k norm has no CUDA kernel yet) or Gemma 3's
+  // features (CheckCudaSupport: refused before any device is touched, rather than computing
+  // other logits than the CPU); UNAVAILABLE ("no CUDA
   // device: ...") without a device; INVALID_ARGUMENT for a device index out of range, a weight
   // dtype other than fp32, fp16 or bf16, or a finite weight beyond fp16's range with fp16 (naming
   // the tensor); RESOURCE_EXHAUSTED when the weights do not fit (with the bytes needed and free);

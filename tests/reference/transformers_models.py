@@ -15,6 +15,13 @@ loaders that does not go through kvcm's own writer (tools/make_tiny_model).
   qwen2-window    Qwen2ForCausalLM with use_sliding_window: layer 0 full, layer 1 a window of
                   4 (max_window_layers 1; transformers writes it as layer_types)
   qwen3-window    Qwen3ForCausalLM with a window of 3 tokens on both layers
+  gemma3      Gemma3ForCausalLM (gemma3_text): layers sliding (window 4), full, sliding;
+              head_dim 16 with hidden 32 and 4 heads, 2 KV heads, query_pre_attn_scalar 24,
+              full layers' RoPE theta 10000 with linear scaling x2, sliding layers' 100,
+              tied embeddings
+  gemma3-mha  Gemma3ForCausalLM: 2 heads of 16 on 2 KV heads (no GQA), 4 layers with
+              sliding_window_pattern 2 (sliding with a window of 3, full, sliding, full),
+              query_pre_attn_scalar 10, untied embeddings
 The prompt and its continuation (18 tokens) are several windows long.
 
 transformers 5 writes its own config spelling (dtype, rope_parameters), which kvcm must read.
@@ -37,7 +44,7 @@ import shutil
 
 import torch
 import transformers
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 SEED = 20261202
@@ -81,6 +88,20 @@ MODELS = {
         **dict(COMMON, head_dim=16), tie_word_embeddings=False, use_sliding_window=True,
         sliding_window=3, max_window_layers=0,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig(
+        **dict(COMMON, head_dim=16, num_hidden_layers=3), query_pre_attn_scalar=24,
+        sliding_window=4, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
+    "gemma3-mha": (Gemma3ForCausalLM, Gemma3TextConfig(
+        **dict(COMMON, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2,
+               head_dim=16), query_pre_attn_scalar=10, sliding_window=3,
+        sliding_window_pattern=2, tie_word_embeddings=False,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
 }
 
 

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "common/gguf/gguf_file.h"
 #include "common/gguf/gguf_writer.h"
 #include "gmock/gmock.h"
@@ -222,13 +223,79 @@ TEST_F(ReadModelConfigTest, TransformersFiveSpellings) {
   EXPECT_EQ(disagree.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(disagree.message(), HasSubstr("\"rope_parameters.rope_theta\""));
 
-  // Per layer type (Gemma 3's shape): recorded, not read.
+  // Per layer type (Gemma 3's shape): each layer type's set, with its own theta.
   config.erase("rope_theta");
-  config["rope_parameters"] = {{"full_attention", {{"rope_theta", 1e6}}},
-                               {"sliding_attention", {{"rope_theta", 1e4}}}};
+  config["rope_parameters"] = {
+      {"full_attention", {{"rope_theta", 1e6}, {"rope_type", "linear"}, {"factor", 8.0}}},
+      {"sliding_attention", {{"rope_theta", 1e4}, {"beta_fast", 32}}}};
   absl::StatusOr<ModelConfig> per_layer = ParseHfModelConfig(config.dump());
   ASSERT_THAT(per_layer, IsOk());
   EXPECT_EQ(per_layer->rope.per_layer_type, "full_attention");
+  ASSERT_EQ(per_layer->rope_per_layer_type.size(), 2u);
+  const auto& [full_type, full] = per_layer->rope_per_layer_type[0];
+  EXPECT_EQ(full_type, "full_attention");
+  EXPECT_EQ(full.source, "rope_parameters.full_attention");
+  EXPECT_EQ(full.theta, 1e6);
+  EXPECT_EQ(full.type, "linear");
+  EXPECT_EQ(full.factor, 8.0);
+  const auto& [sliding_type, sliding] = per_layer->rope_per_layer_type[1];
+  EXPECT_EQ(sliding_type, "sliding_attention");
+  EXPECT_EQ(sliding.theta, 1e4);
+  EXPECT_EQ(sliding.type, "default");
+  ASSERT_EQ(sliding.other_keys.size(), 1u);
+  EXPECT_EQ(sliding.other_keys[0].first, "rope_parameters.sliding_attention.beta_fast");
+  // A malformed set is refused naming it.
+  config["rope_parameters"]["sliding_attention"] = 3;
+  absl::Status bad = ParseHfModelConfig(config.dump()).status();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.message(), HasSubstr("\"rope_parameters.sliding_attention\" must be an object"));
+  config["rope_parameters"]["sliding_attention"] = {{"rope_theta", -1}};
+  bad = ParseHfModelConfig(config.dump()).status();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.message(), HasSubstr("rope_parameters.sliding_attention.rope_theta"));
+}
+
+TEST_F(ReadModelConfigTest, GemmaKeys) {
+  Json config = Llama31();
+  absl::StatusOr<ModelConfig> c = ParseHfModelConfig(config.dump());
+  ASSERT_THAT(c, IsOk());
+  EXPECT_FALSE(c->rope_local_base_freq.has_value());
+  EXPECT_FALSE(c->query_pre_attn_scalar.has_value());
+  EXPECT_FALSE(c->attn_logit_softcapping.has_value());
+  EXPECT_FALSE(c->final_logit_softcapping.has_value());
+  EXPECT_FALSE(c->use_bidirectional_attention.has_value());
+  EXPECT_FALSE(c->hidden_activation.has_value());
+  EXPECT_TRUE(c->tie_word_embeddings_given);
+
+  config["rope_local_base_freq"] = 10000;
+  config["query_pre_attn_scalar"] = 256;
+  config["attn_logit_softcapping"] = nullptr;
+  config["final_logit_softcapping"] = 30.0;
+  config["use_bidirectional_attention"] = false;
+  config["hidden_activation"] = "gelu_pytorch_tanh";
+  config.erase("tie_word_embeddings");
+  c = ParseHfModelConfig(config.dump());
+  ASSERT_THAT(c, IsOk());
+  EXPECT_EQ(c->rope_local_base_freq, 10000.0);
+  EXPECT_EQ(c->query_pre_attn_scalar, 256.0);
+  EXPECT_FALSE(c->attn_logit_softcapping.has_value());  // null: none
+  EXPECT_EQ(c->final_logit_softcapping, 30.0);
+  EXPECT_EQ(c->use_bidirectional_attention, false);
+  EXPECT_EQ(c->hidden_activation, "gelu_pytorch_tanh");
+  EXPECT_FALSE(c->tie_word_embeddings_given);
+
+  const std::pair<const char*, Json> bad[] = {
+      {"rope_local_base_freq", -1.0},     {"query_pre_attn_scalar", "256"},
+      {"attn_logit_softcapping", 0.0},    {"final_logit_softcapping", "30"},
+      {"use_bidirectional_attention", 1}, {"hidden_activation", 3}};
+  for (const auto& [key, value] : bad) {
+    SCOPED_TRACE(key);
+    Json broken = config;
+    broken[key] = value;
+    const absl::Status s = ParseHfModelConfig(broken.dump()).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(s.message(), HasSubstr(absl::StrCat("key \"", key, "\"")));
+  }
 }
 
 TEST_F(ReadModelConfigTest, TextConfigNesting) {

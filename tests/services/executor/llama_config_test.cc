@@ -1,5 +1,6 @@
 #include "services/executor/llama_config.h"
 
+#include <cmath>
 #include <string>
 
 #include "absl/status/status.h"
@@ -483,6 +484,146 @@ TEST(LlamaConfigTest, TransformersFiveRopeParametersAreReadLikeTheOldKeys) {
   EXPECT_THAT(per_layer.message(), HasSubstr("per layer type"));
   new_style["rope_parameters"] = 5;
   EXPECT_EQ(ParseLlamaConfig(new_style.dump()).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// A config in the shape of google/gemma-3-1b-it's (transformers 4.50's spelling: rope_theta,
+// rope_local_base_freq, sliding_window_pattern; no layer_types).
+constexpr char kGemma3_1B[] = R"json({
+  "architectures": ["Gemma3ForCausalLM"],
+  "attention_bias": false,
+  "attn_logit_softcapping": null,
+  "bos_token_id": 2,
+  "eos_token_id": [1, 106],
+  "final_logit_softcapping": null,
+  "head_dim": 256,
+  "hidden_activation": "gelu_pytorch_tanh",
+  "hidden_size": 1152,
+  "intermediate_size": 6912,
+  "max_position_embeddings": 32768,
+  "model_type": "gemma3_text",
+  "num_attention_heads": 4,
+  "num_hidden_layers": 26,
+  "num_key_value_heads": 1,
+  "query_pre_attn_scalar": 256,
+  "rms_norm_eps": 1e-06,
+  "rope_local_base_freq": 10000,
+  "rope_scaling": null,
+  "rope_theta": 1000000,
+  "sliding_window": 512,
+  "sliding_window_pattern": 6,
+  "torch_dtype": "bfloat16",
+  "vocab_size": 262144
+})json";
+
+TEST(LlamaConfigTest, Gemma3TextIsRead) {
+  absl::StatusOr<LlamaConfig> c = ParseLlamaConfig(kGemma3_1B);
+  ASSERT_THAT(c, IsOk());
+  EXPECT_EQ(c->architecture, "Gemma3ForCausalLM");
+  EXPECT_EQ(c->head_dim, 256);
+  EXPECT_TRUE(c->qk_norm);
+  EXPECT_TRUE(c->sandwich_norms);
+  EXPECT_EQ(c->norm_weight_offset, 1.0f);
+  // sqrt(1152) = 33.94..., rounded to bf16 (the checkpoint's dtype) as transformers does.
+  EXPECT_EQ(c->embedding_scale, 34.0f);
+  EXPECT_EQ(c->query_pre_attn_scalar, 256.0);
+  EXPECT_EQ(c->AttentionScale(), 1.0f / 16);
+  EXPECT_EQ(c->activation, LlamaConfig::Activation::kGeluTanh);
+  EXPECT_TRUE(c->tie_word_embeddings);  // Gemma3TextConfig's default
+  EXPECT_TRUE(c->local_rope);
+  EXPECT_EQ(c->rope_theta, 1e6);
+  EXPECT_EQ(c->local_rope_theta, 1e4);
+  EXPECT_EQ(c->rope_scaling.type, RopeScaling::Type::kNone);
+  // Every sixth layer attends to the whole context.
+  ASSERT_EQ(c->layer_windows.size(), 26u);
+  for (size_t l = 0; l < 26; ++l) {
+    EXPECT_EQ(c->layer_windows[l], (l + 1) % 6 == 0 ? 0 : 512) << l;
+  }
+  EXPECT_EQ(c->max_position_embeddings, 32768);
+  EXPECT_THAT(c->eos_token_ids, ElementsAre(1, 106));
+
+  // The larger models' linear scaling applies to the full-attention layers only; an fp32
+  // checkpoint keeps sqrt(hidden_size) unrounded.
+  Json config = Json::parse(kGemma3_1B);
+  config["rope_scaling"] = {{"rope_type", "linear"}, {"factor", 8.0}};
+  config["torch_dtype"] = "float32";
+  c = ParseLlamaConfig(config.dump());
+  ASSERT_THAT(c, IsOk());
+  EXPECT_EQ(c->rope_scaling.type, RopeScaling::Type::kLinear);
+  EXPECT_EQ(c->rope_scaling.factor, 8.0);
+  EXPECT_EQ(c->local_rope_scaling.type, RopeScaling::Type::kNone);
+  EXPECT_EQ(c->embedding_scale, static_cast<float>(std::sqrt(1152.0)));
+}
+
+TEST(LlamaConfigTest, Gemma3TransformersFiveRopeParametersPerLayerType) {
+  Json config = Json::parse(kGemma3_1B);
+  for (const char* key : {"rope_theta", "rope_local_base_freq", "rope_scaling"}) {
+    config.erase(key);
+  }
+  config["rope_parameters"] = {
+      {"full_attention", {{"rope_type", "linear"}, {"factor", 8.0}, {"rope_theta", 1e6}}},
+      {"sliding_attention", {{"rope_type", "default"}, {"rope_theta", 1e4}}}};
+  absl::StatusOr<LlamaConfig> c = ParseLlamaConfig(config.dump());
+  ASSERT_THAT(c, IsOk());
+  EXPECT_EQ(c->rope_theta, 1e6);
+  EXPECT_EQ(c->rope_scaling.type, RopeScaling::Type::kLinear);
+  EXPECT_EQ(c->rope_scaling.factor, 8.0);
+  EXPECT_EQ(c->local_rope_theta, 1e4);
+  EXPECT_EQ(c->local_rope_scaling.type, RopeScaling::Type::kNone);
+
+  // A scaling the forward pass lacks, in either set, is refused naming the set.
+  Json yarn = config;
+  yarn["rope_parameters"]["sliding_attention"] = {{"rope_type", "yarn"}, {"factor", 2.0}};
+  absl::Status s = ParseLlamaConfig(yarn.dump()).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+  EXPECT_THAT(s.message(), HasSubstr("rope_parameters.sliding_attention"));
+  Json other_type = config;
+  other_type["rope_parameters"]["chunked_attention"] = {{"rope_type", "default"}};
+  s = ParseLlamaConfig(other_type.dump()).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+  EXPECT_THAT(s.message(), HasSubstr("rope_parameters.chunked_attention"));
+  // Not for the other families: one RoPE for every layer.
+  Json qwen3 = Json::parse(kQwen3_06B);
+  qwen3["rope_parameters"] = config["rope_parameters"];
+  s = ParseLlamaConfig(qwen3.dump()).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+  EXPECT_THAT(s.message(), HasSubstr("per layer type"));
+}
+
+TEST(LlamaConfigTest, Gemma3FeaturesNotImplementedAreRefusedNamingTheKey) {
+  struct Case {
+    const char* key;
+    Json value;
+    const char* expect;
+  };
+  const Case cases[] = {
+      {"attn_logit_softcapping", 50.0, "attn_logit_softcapping"},
+      {"final_logit_softcapping", 30.0, "final_logit_softcapping"},
+      {"use_bidirectional_attention", true, "use_bidirectional_attention"},
+      {"hidden_activation", "gelu", "hidden_activation"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.key);
+    const absl::Status s = ErrorWith(kGemma3_1B, c.key, c.value);
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+    EXPECT_THAT(s.message(), HasSubstr(c.expect));
+  }
+}
+
+TEST(LlamaConfigTest, MultimodalGemma3IsRefusedByName) {
+  Json multimodal;
+  multimodal["architectures"] = {"Gemma3ForConditionalGeneration"};
+  multimodal["model_type"] = "gemma3";
+  multimodal["text_config"] = Json::parse(kGemma3_1B);
+  multimodal["text_config"].erase("architectures");
+  absl::Status s = ParseLlamaConfig(multimodal.dump()).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+  EXPECT_THAT(s.message(),
+              AllOf(HasSubstr("Gemma3ForConditionalGeneration"), HasSubstr("model.language_model"),
+                    HasSubstr("Gemma3ForCausalLM")));
+  multimodal.erase("architectures");
+  s = ParseLlamaConfig(multimodal.dump()).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+  EXPECT_THAT(s.message(), HasSubstr("\"model_type\" gemma3"));
 }
 
 TEST(LlamaConfigTest, LoadNamesThePath) {
