@@ -33,7 +33,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <memory>
@@ -135,38 +134,58 @@ INSTANTIATE_TEST_SUITE_P(Models, TransformersModelsTest,
                            return n;
                          });
 
-// The qwen3 folder copied to `dir`, its config.json's text passed through `edit_config` and
-// each q_norm / k_norm weight through `edit_norm`.
-void CopyQwen3(const std::string& dir, const std::function<std::string(std::string)>& edit_config,
-               const std::function<float(float)>& edit_norm) {
-  const std::string from = ModelFolder("qwen3");
+void NoConfigEdit(json&) {}
+void NoTensorEdit(const std::string&, std::vector<float>&) {}
+
+// The folder of model `name` copied to `dir` by kvcm's writer: its config.json passed through
+// `edit_config`, each tensor's values through `edit_tensor`, then `extra` tensors added.
+void CopyModel(
+    const std::string& name, const std::string& dir, const std::function<void(json&)>& edit_config,
+    const std::function<void(const std::string& name, std::vector<float>& values)>& edit_tensor,
+    std::vector<SafetensorsTensorToWrite> extra = {}) {
+  const std::string from = ModelFolder(name);
+  json config = json::parse(ReadFileOrEmpty(from + "/config.json"));
+  edit_config(config);
   {
     std::ofstream out(dir + "/config.json");
-    out << edit_config(ReadFileOrEmpty(from + "/config.json"));
+    out << config.dump(2);
     ASSERT_TRUE(out.good());
   }
   absl::StatusOr<std::unique_ptr<SafetensorsFile>> file =
       SafetensorsFile::Open(from + "/model.safetensors");
   ASSERT_THAT(file, IsOk());
   std::vector<SafetensorsTensorToWrite> tensors;
-  int norms = 0;
   for (const SafetensorsTensorInfo& info : (*file)->tensors()) {
     absl::StatusOr<std::vector<float>> values = (*file)->LoadFloat32(info.name);
     ASSERT_THAT(values, IsOk());
-    if (info.name.ends_with("q_norm.weight") || info.name.ends_with("k_norm.weight")) {
-      for (float& v : *values) v = edit_norm(v);
-      ++norms;
-    }
+    edit_tensor(info.name, *values);
     absl::StatusOr<std::vector<std::byte>> bytes = EncodeFloat32As(*values, "F32");
     ASSERT_THAT(bytes, IsOk());
     tensors.push_back({info.name, "F32", info.shape, *std::move(bytes)});
   }
-  EXPECT_EQ(norms, 4);  // two layers, q and k
+  for (SafetensorsTensorToWrite& tensor : extra) tensors.push_back(std::move(tensor));
   ASSERT_THAT(WriteSafetensors(dir + "/model.safetensors", tensors), IsOk());
 }
 
-// The worst logit error of the qwen3 copy in `dir` against transformers' qwen3 logits.
-double Qwen3CopyError(const std::string& dir, const std::string& want_architecture) {
+// The qwen3 folder copied to `dir`, its config.json's text passed through `edit_config` and
+// each q_norm / k_norm weight through `edit_norm`.
+void CopyQwen3(const std::string& dir, const std::function<std::string(std::string)>& edit_config,
+               const std::function<float(float)>& edit_norm) {
+  int norms = 0;
+  CopyModel(
+      "qwen3", dir, [&](json& config) { config = json::parse(edit_config(config.dump(2))); },
+      [&](const std::string& name, std::vector<float>& values) {
+        if (!name.ends_with("q_norm.weight") && !name.ends_with("k_norm.weight")) return;
+        for (float& v : values) v = edit_norm(v);
+        ++norms;
+      });
+  EXPECT_EQ(norms, 4);  // two layers, q and k
+}
+
+// The worst logit error of the copy of model `name` in `dir` against transformers' logits of
+// `name`; the copy must load as `want_architecture`.
+double CopyError(const std::string& dir, const std::string& name,
+                 const std::string& want_architecture) {
   const json reference = Reference();
   LlamaModelOptions options;
   options.num_threads = 1;
@@ -175,7 +194,7 @@ double Qwen3CopyError(const std::string& dir, const std::string& want_architectu
   if (!model.ok()) return 0;
   EXPECT_EQ((*model)->config().architecture, want_architecture);
   return WorstLogitError(**model, reference["prompt"].get<std::vector<int32_t>>(),
-                         reference["models"]["qwen3"]);
+                         reference["models"][name]);
 }
 
 // The qwen3 folder as llama.cpp's convert_hf_to_gguf writes it (architecture "qwen3": the
@@ -313,7 +332,7 @@ TEST(TransformersModelsNegativeTest, UnchangedCopyStillMatches) {
   ASSERT_THAT(dir, IsOk());
   CopyQwen3(
       dir->path(), [](std::string text) { return text; }, [](float v) { return v; });
-  const double worst = Qwen3CopyError(dir->path(), "Qwen3ForCausalLM");
+  const double worst = CopyError(dir->path(), "qwen3", "Qwen3ForCausalLM");
   std::printf("qwen3 copy: worst logit error %.2e\n", worst);
   EXPECT_LE(worst, kTolerance);
 }
@@ -325,7 +344,7 @@ TEST(TransformersModelsNegativeTest, ChangedQkNormWeightsMoveTheLogits) {
   ASSERT_THAT(dir, IsOk());
   CopyQwen3(
       dir->path(), [](std::string text) { return text; }, [](float) { return 1.0f; });
-  const double worst = Qwen3CopyError(dir->path(), "Qwen3ForCausalLM");
+  const double worst = CopyError(dir->path(), "qwen3", "Qwen3ForCausalLM");
   std::printf("qwen3 with q/k norm weights 1: worst logit error %.2e\n", worst);
   EXPECT_GT(worst, 100 * kTolerance);
 }
@@ -347,7 +366,7 @@ TEST(TransformersModelsNegativeTest, SkippedQkNormMovesTheLogits) {
         return text;
       },
       [](float v) { return v; });
-  const double worst = Qwen3CopyError(dir->path(), "LlamaForCausalLM");
+  const double worst = CopyError(dir->path(), "qwen3", "LlamaForCausalLM");
   std::printf("qwen3 read as llama (no q/k norm): worst logit error %.2e\n", worst);
   EXPECT_GT(worst, 100 * kTolerance);
 }
@@ -360,23 +379,21 @@ TEST(TransformersModelsNegativeTest, WindowModelsWithoutTheirWindowMoveTheLogits
   for (const char* name : {"mistral-window", "qwen2-window", "qwen3-window", "gemma3"}) {
     absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-window");
     ASSERT_THAT(dir, IsOk());
-    json config = json::parse(ReadFileOrEmpty(ModelFolder(name) + "/config.json"));
-    ASSERT_TRUE(config.contains("sliding_window")) << name;
-    if (config.contains("query_pre_attn_scalar")) {
-      // Gemma 3: its sliding layers keep their type (and so their RoPE); only the window
-      // grows past the prompt.
-      config["sliding_window"] = 4096;
-    } else {
-      config["sliding_window"] = nullptr;
-      config["use_sliding_window"] = false;
-      config.erase("layer_types");
-    }
-    {
-      std::ofstream out(dir->path() + "/config.json");
-      out << config.dump(2);
-    }
-    std::filesystem::copy_file(ModelFolder(name) + "/model.safetensors",
-                               dir->path() + "/model.safetensors");
+    CopyModel(
+        name, dir->path(),
+        [&](json& config) {
+          ASSERT_TRUE(config.contains("sliding_window")) << name;
+          if (config.contains("query_pre_attn_scalar")) {
+            // Gemma 3: its sliding layers keep their type (and so their RoPE); only the
+            // window grows past the prompt.
+            config["sliding_window"] = 4096;
+          } else {
+            config["sliding_window"] = nullptr;
+            config["use_sliding_window"] = false;
+            config.erase("layer_types");
+          }
+        },
+        NoTensorEdit);
     LlamaModelOptions options;
     options.num_threads = 1;
     absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(dir->path(), options);
@@ -411,55 +428,11 @@ TEST(TransformersModelsNegativeTest, MissingQkNormIsRefusedNamingTheTensor) {
                               ::testing::HasSubstr("model.layers.1.self_attn.k_norm.weight")));
 }
 
-// The gemma3 folder copied to `dir`, its config.json passed through `edit_config` and each
-// tensor's values through `edit_tensor` (which may also add tensors to `extra`).
-void CopyGemma3(
-    const std::string& dir, const std::function<void(json&)>& edit_config,
-    const std::function<void(const std::string& name, std::vector<float>& values)>& edit_tensor) {
-  const std::string from = ModelFolder("gemma3");
-  json config = json::parse(ReadFileOrEmpty(from + "/config.json"));
-  edit_config(config);
-  {
-    std::ofstream out(dir + "/config.json");
-    out << config.dump(2);
-    ASSERT_TRUE(out.good());
-  }
-  absl::StatusOr<std::unique_ptr<SafetensorsFile>> file =
-      SafetensorsFile::Open(from + "/model.safetensors");
-  ASSERT_THAT(file, IsOk());
-  std::vector<SafetensorsTensorToWrite> tensors;
-  for (const SafetensorsTensorInfo& info : (*file)->tensors()) {
-    absl::StatusOr<std::vector<float>> values = (*file)->LoadFloat32(info.name);
-    ASSERT_THAT(values, IsOk());
-    edit_tensor(info.name, *values);
-    absl::StatusOr<std::vector<std::byte>> bytes = EncodeFloat32As(*values, "F32");
-    ASSERT_THAT(bytes, IsOk());
-    tensors.push_back({info.name, "F32", info.shape, *std::move(bytes)});
-  }
-  ASSERT_THAT(WriteSafetensors(dir + "/model.safetensors", tensors), IsOk());
-}
-
-// The worst logit error of the gemma3 copy in `dir` against transformers' gemma3 logits.
-double Gemma3CopyError(const std::string& dir) {
-  const json reference = Reference();
-  LlamaModelOptions options;
-  options.num_threads = 1;
-  absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(dir, options);
-  EXPECT_THAT(model, IsOk());
-  if (!model.ok()) return 0;
-  EXPECT_EQ((*model)->config().architecture, "Gemma3ForCausalLM");
-  return WorstLogitError(**model, reference["prompt"].get<std::vector<int32_t>>(),
-                         reference["models"]["gemma3"]);
-}
-
-void NoConfigEdit(json&) {}
-void NoTensorEdit(const std::string&, std::vector<float>&) {}
-
 TEST(TransformersModelsGemma3Test, UnchangedCopyStillMatches) {
   absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-gemma3");
   ASSERT_THAT(dir, IsOk());
-  CopyGemma3(dir->path(), NoConfigEdit, NoTensorEdit);
-  const double worst = Gemma3CopyError(dir->path());
+  CopyModel("gemma3", dir->path(), NoConfigEdit, NoTensorEdit);
+  const double worst = CopyError(dir->path(), "gemma3", "Gemma3ForCausalLM");
   std::printf("gemma3 copy: worst logit error %.2e\n", worst);
   EXPECT_LE(worst, kTolerance);
 }
@@ -470,13 +443,14 @@ TEST(TransformersModelsGemma3Test, NormsWithoutTheOneMoveTheLogits) {
   absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-gemma3");
   ASSERT_THAT(dir, IsOk());
   int norms = 0;
-  CopyGemma3(dir->path(), NoConfigEdit, [&](const std::string& name, std::vector<float>& values) {
-    if (name.find("norm") == std::string::npos) return;
-    for (float& v : values) v -= 1.0f;
-    ++norms;
-  });
+  CopyModel("gemma3", dir->path(), NoConfigEdit,
+            [&](const std::string& name, std::vector<float>& values) {
+              if (name.find("norm") == std::string::npos) return;
+              for (float& v : values) v -= 1.0f;
+              ++norms;
+            });
   EXPECT_EQ(norms, 3 * 6 + 1);  // per layer: 4 layer norms, q_norm, k_norm; the final norm
-  const double worst = Gemma3CopyError(dir->path());
+  const double worst = CopyError(dir->path(), "gemma3", "Gemma3ForCausalLM");
   std::printf("gemma3 with norms x * w: worst logit error %.2e\n", worst);
   EXPECT_GT(worst, 100 * kTolerance);
 }
@@ -486,31 +460,25 @@ TEST(TransformersModelsGemma3Test, UnscaledEmbeddingsMoveTheLogits) {
   // untied): kvcm's scaled lookup then gives the unscaled embeddings.
   absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-gemma3");
   ASSERT_THAT(dir, IsOk());
-  std::vector<float> head;
-  CopyGemma3(
-      dir->path(), [](json& config) { config["tie_word_embeddings"] = false; },
+  // The head: lm_head.weight, the original embeddings.
+  absl::StatusOr<std::unique_ptr<SafetensorsFile>> original =
+      SafetensorsFile::Open(ModelFolder("gemma3") + "/model.safetensors");
+  ASSERT_THAT(original, IsOk());
+  absl::StatusOr<std::vector<float>> head = (*original)->LoadFloat32("model.embed_tokens.weight");
+  ASSERT_THAT(head, IsOk());
+  absl::StatusOr<std::vector<std::byte>> head_bytes = EncodeFloat32As(*head, "F32");
+  ASSERT_THAT(head_bytes, IsOk());
+  int scaled = 0;
+  CopyModel(
+      "gemma3", dir->path(), [](json& config) { config["tie_word_embeddings"] = false; },
       [&](const std::string& name, std::vector<float>& values) {
         if (name != "model.embed_tokens.weight") return;
-        head = values;
         for (float& v : values) v /= std::sqrt(32.0f);
-      });
-  ASSERT_FALSE(head.empty());
-  // Add lm_head.weight: the original embeddings.
-  {
-    absl::StatusOr<std::unique_ptr<SafetensorsFile>> copy =
-        SafetensorsFile::Open(dir->path() + "/model.safetensors");
-    ASSERT_THAT(copy, IsOk());
-    std::vector<SafetensorsTensorToWrite> tensors;
-    for (const SafetensorsTensorInfo& info : (*copy)->tensors()) {
-      absl::StatusOr<std::vector<float>> values = (*copy)->LoadFloat32(info.name);
-      ASSERT_THAT(values, IsOk());
-      tensors.push_back({info.name, "F32", info.shape, *EncodeFloat32As(*values, "F32")});
-    }
-    tensors.push_back({"lm_head.weight", "F32", {260, 32}, *EncodeFloat32As(head, "F32")});
-    copy->reset();
-    ASSERT_THAT(WriteSafetensors(dir->path() + "/model.safetensors", tensors), IsOk());
-  }
-  const double worst = Gemma3CopyError(dir->path());
+        ++scaled;
+      },
+      {{"lm_head.weight", "F32", {260, 32}, *std::move(head_bytes)}});
+  ASSERT_EQ(scaled, 1);
+  const double worst = CopyError(dir->path(), "gemma3", "Gemma3ForCausalLM");
   std::printf("gemma3 without the embedding scale: worst logit error %.2e\n", worst);
   EXPECT_GT(worst, 100 * kTolerance);
 }
@@ -519,10 +487,10 @@ TEST(TransformersModelsGemma3Test, HeadDimAttentionScaleMovesTheLogits) {
   // query_pre_attn_scalar set to head_dim: attention scaled by head_dim ** -0.5 as Llama's.
   absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-gemma3");
   ASSERT_THAT(dir, IsOk());
-  CopyGemma3(
-      dir->path(), [](json& config) { config["query_pre_attn_scalar"] = config["head_dim"]; },
-      NoTensorEdit);
-  const double worst = Gemma3CopyError(dir->path());
+  CopyModel(
+      "gemma3", dir->path(),
+      [](json& config) { config["query_pre_attn_scalar"] = config["head_dim"]; }, NoTensorEdit);
+  const double worst = CopyError(dir->path(), "gemma3", "Gemma3ForCausalLM");
   std::printf("gemma3 with head_dim ** -0.5: worst logit error %.2e\n", worst);
   EXPECT_GT(worst, 100 * kTolerance);
 }
@@ -531,14 +499,14 @@ TEST(TransformersModelsGemma3Test, OneRopeForEveryLayerMovesTheLogits) {
   // The sliding layers given the full-attention layers' RoPE.
   absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-gemma3");
   ASSERT_THAT(dir, IsOk());
-  CopyGemma3(
-      dir->path(),
+  CopyModel(
+      "gemma3", dir->path(),
       [](json& config) {
         json& rope = config["rope_parameters"];
         rope["sliding_attention"] = rope["full_attention"];
       },
       NoTensorEdit);
-  const double worst = Gemma3CopyError(dir->path());
+  const double worst = CopyError(dir->path(), "gemma3", "Gemma3ForCausalLM");
   std::printf("gemma3 with one RoPE for all layers: worst logit error %.2e\n", worst);
   EXPECT_GT(worst, 100 * kTolerance);
 }
