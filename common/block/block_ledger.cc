@@ -302,6 +302,7 @@ void BlockLedger::Release(BlockId block) { ReleaseTailFirst(std::span(&block, 1)
 
 absl::StatusOr<AdmissionPlan> BlockLedger::PlanAllocate(SeqId seq, int32_t num_tokens,
                                                         std::span<const BlockHash> block_hashes,
+                                                        const AllocateOptions& options,
                                                         std::vector<BlockId>* hits) const {
   if (seq_index_.contains(seq)) {
     return absl::AlreadyExistsError(absl::StrCat("sequence ", seq, " is already live"));
@@ -326,16 +327,40 @@ absl::StatusOr<AdmissionPlan> BlockLedger::PlanAllocate(SeqId seq, int32_t num_t
   // A hit never covers the last prompt token (it must be computed to get logits).
   const size_t matchable = std::min(
       block_hashes.size(), num_tokens > 0 ? static_cast<size_t>(FullBlocks(num_tokens - 1)) : 0);
+  const int32_t window = WindowOf(options);
+  const int32_t released = options.released_blocks;
+  if (window < 0 || released < 0 || static_cast<size_t>(released) > block_hashes.size() ||
+      (released > 0 && window == 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sequence ", seq, ": window ", window, " tokens with ", released,
+                     " leading blocks released (", block_hashes.size(),
+                     " hashed): released blocks need a window and their hashes"));
+  }
   AdmissionPlan plan;
   int32_t hits_from_lru = 0;
-  for (size_t i = 0; i < matchable; ++i) {
+  const size_t match_end =
+      options.max_hit_blocks < 0
+          ? matchable
+          : std::min(matchable, static_cast<size_t>(released + options.max_hit_blocks));
+  for (size_t i = static_cast<size_t>(released); i < match_end; ++i) {
     const BlockId b = index_.Find(block_hashes[i], HashOf());
     if (b == kNoBlock) break;
     ++plan.prefix_hit_blocks;
     if (hits != nullptr) hits->push_back(b);
     if (meta_[b].ref == 0 && meta_[b].pins == 0) ++hits_from_lru;
   }
-  plan.blocks_needed = total_blocks - plan.prefix_hit_blocks;
+  if (released > 0) {
+    // The released blocks must be behind the window of the first query computed.
+    const int64_t first_needed =
+        int64_t{released + plan.prefix_hit_blocks} * options_.block_size - window + 1;
+    if (int64_t{released} * options_.block_size > first_needed) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sequence ", seq, ": ", released, " leading blocks released, but with ",
+                       plan.prefix_hit_blocks, " blocks found after them the window of ", window,
+                       " tokens still reads from token ", std::max<int64_t>(first_needed, 0)));
+    }
+  }
+  plan.blocks_needed = total_blocks - released - plan.prefix_hit_blocks;
   // Cached blocks that this allocation reuses cannot also be evicted for it.
   const int32_t available = AvailableBlocks() - hits_from_lru;
   if (plan.blocks_needed > available) {
@@ -348,9 +373,10 @@ absl::StatusOr<AdmissionPlan> BlockLedger::PlanAllocate(SeqId seq, int32_t num_t
   return plan;
 }
 
-absl::StatusOr<AdmissionPlan> BlockLedger::CanAllocate(
-    SeqId seq, int32_t num_tokens, std::span<const BlockHash> block_hashes) const {
-  return PlanAllocate(seq, num_tokens, block_hashes, nullptr);
+absl::StatusOr<AdmissionPlan> BlockLedger::CanAllocate(SeqId seq, int32_t num_tokens,
+                                                       std::span<const BlockHash> block_hashes,
+                                                       const AllocateOptions& options) const {
+  return PlanAllocate(seq, num_tokens, block_hashes, options, nullptr);
 }
 
 absl::StatusOr<AllocateResult> BlockLedger::Allocate(SeqId seq, int32_t num_tokens,
@@ -365,8 +391,15 @@ absl::StatusOr<AllocateResult> BlockLedger::Allocate(SeqId seq, int32_t num_toke
 absl::Status BlockLedger::Allocate(SeqId seq, int32_t num_tokens,
                                    std::span<const BlockHash> block_hashes,
                                    AllocateResult* result) {
+  return Allocate(seq, num_tokens, block_hashes, AllocateOptions{}, result);
+}
+
+absl::Status BlockLedger::Allocate(SeqId seq, int32_t num_tokens,
+                                   std::span<const BlockHash> block_hashes,
+                                   const AllocateOptions& options, AllocateResult* result) {
   scratch_hits_.clear();
-  absl::StatusOr<AdmissionPlan> plan = PlanAllocate(seq, num_tokens, block_hashes, &scratch_hits_);
+  absl::StatusOr<AdmissionPlan> plan =
+      PlanAllocate(seq, num_tokens, block_hashes, options, &scratch_hits_);
   if (!plan.ok()) {
     if (absl::IsResourceExhausted(plan.status())) ++counters_.allocation_failures;
     return plan.status();
@@ -375,12 +408,14 @@ absl::Status BlockLedger::Allocate(SeqId seq, int32_t num_tokens,
   Sequence& s = slots_[slot];
   s.id = seq;
   s.num_tokens = num_tokens;
-  s.num_committed = plan->prefix_hit_blocks * options_.block_size;
-  s.num_registered = plan->prefix_hit_blocks;
-  s.first_live = 0;
+  const int32_t released = options.released_blocks;
+  s.num_committed = (released + plan->prefix_hit_blocks) * options_.block_size;
+  s.num_registered = released + plan->prefix_hit_blocks;
+  s.first_live = released;
+  s.window = WindowOf(options);
   s.owner = 0;
-  s.blocks.clear();
-  s.blocks.reserve(static_cast<size_t>(plan->prefix_hit_blocks + plan->blocks_needed));
+  s.blocks.assign(static_cast<size_t>(released), kNoBlock);
+  s.blocks.reserve(static_cast<size_t>(released + plan->prefix_hit_blocks + plan->blocks_needed));
   s.hashes.assign(block_hashes.begin(), block_hashes.end());
   for (BlockId b : scratch_hits_) {
     Reuse(b);
@@ -503,6 +538,7 @@ absl::Status BlockLedger::Fork(SeqId parent, SeqId child) {
   c.num_committed = p.num_committed;
   c.num_registered = p.num_registered;
   c.first_live = p.first_live;
+  c.window = p.window;
   c.owner = 0;
   c.blocks = p.blocks;
   c.hashes = p.hashes;
@@ -555,7 +591,7 @@ void BlockLedger::RegisterUpTo(Sequence& s, int32_t limit) {
 }
 
 void BlockLedger::ApplyWindow(Sequence& s) {
-  const int64_t window = options_.sliding_window_tokens;
+  const int64_t window = s.window;
   if (window == 0) return;
   const int64_t first_needed_token = int64_t{s.num_committed} - window + 1;
   if (first_needed_token <= 0) return;
@@ -633,6 +669,10 @@ absl::Status BlockLedger::SetOwner(SeqId seq, uint64_t owner) {
 }
 
 // --- Prefix cache --------------------------------------------------------------------------
+
+BlockId BlockLedger::IndexedBlock(const BlockHash& hash) const {
+  return index_.Find(hash, HashOf());
+}
 
 int32_t BlockLedger::Lookup(std::span<const BlockHash> block_hashes) const {
   int32_t n = 0;

@@ -42,10 +42,11 @@
 //   second is a private duplicate, freed (not cached) when released. If the first is
 //   evicted while a duplicate is still in use, the duplicate becomes the matchable one (and
 //   cached when released): the content stays findable as long as a block holds it.
-// - Sliding window (Options::sliding_window_tokens = W > 0): a query at position p attends
-//   to positions (p - W, p]. After Commit(seq, c), no future query (p >= c) needs a token
-//   before c - W + 1, so blocks lying wholly before it are released (their table entries
-//   become kNoBlock). Released blocks follow the same path as Free.
+// - Sliding window (W > 0 tokens: Options::sliding_window_tokens for every sequence, or a
+//   sequence's own from AllocateOptions): a query at position p attends to positions
+//   (p - W, p]. After Commit(seq, c), no future query (p >= c) needs a token before
+//   c - W + 1, so blocks lying wholly before it are released (their table entries become
+//   kNoBlock). Released blocks follow the same path as Free. Fork keeps the parent's window.
 //
 // Thread safety: none. One owner thread (the cache manager's ledger thread) calls it.
 
@@ -80,6 +81,23 @@ struct CopyOrder {
   BlockId src = kNoBlock;
   BlockId dst = kNoBlock;
   friend bool operator==(const CopyOrder&, const CopyOrder&) = default;
+};
+
+// How a sequence attends, given at Allocate (BlockLedger::Allocate's overload with options):
+// its own sliding window, and leading blocks it never holds because they lie behind it.
+struct AllocateOptions {
+  // Tokens its queries attend within (see "Sliding window" above); 0 = full attention;
+  // -1 = Options::sliding_window_tokens.
+  int32_t window_tokens = -1;
+  // Leading blocks of the prompt that the window has passed at the prefix hit: their table
+  // entries are kNoBlock from the start, and matching begins after them (a window's prefix
+  // hit needs only the blocks its queries read: matching from the right). They must have
+  // hashes, and lie wholly behind the window at the hit: released_blocks x block_size <=
+  // cached tokens - window + 1.
+  int32_t released_blocks = 0;
+  // At most this many blocks shared after the released ones (-1: as many as the prefix
+  // index holds), so that every group of a hybrid cache shares the same prefix.
+  int32_t max_hit_blocks = -1;
 };
 
 struct AllocateResult {
@@ -185,9 +203,15 @@ class BlockLedger {
   // to call allocates nothing once its vector has grown. On an error *result is unspecified.
   absl::Status Allocate(SeqId seq, int32_t num_tokens, std::span<const BlockHash> block_hashes,
                         AllocateResult* result);
+  // The same, for a sequence with its own window and leading blocks released behind it
+  // (AllocateOptions). Errors also: INVALID_ARGUMENT (released blocks without hashes, or
+  // that the window still needs at the prefix hit found).
+  absl::Status Allocate(SeqId seq, int32_t num_tokens, std::span<const BlockHash> block_hashes,
+                        const AllocateOptions& options, AllocateResult* result);
   // Dry run of Allocate: the same checks and the plan, changing nothing (no stats either).
   absl::StatusOr<AdmissionPlan> CanAllocate(SeqId seq, int32_t num_tokens,
-                                            std::span<const BlockHash> block_hashes = {}) const;
+                                            std::span<const BlockHash> block_hashes = {},
+                                            const AllocateOptions& options = {}) const;
 
   // Makes room for `num_new_tokens` more tokens. When the partly filled last block is shared
   // (a fork), this sequence gets a private copy of it (a CopyOrder), which reads its KV: so
@@ -248,6 +272,8 @@ class BlockLedger {
   // Number of leading `block_hashes` whose blocks are in the prefix index (cached, pinned or
   // in use). Changes nothing.
   int32_t Lookup(std::span<const BlockHash> block_hashes) const;
+  // The block the prefix index holds for `hash` (in use, cached or pinned), or kNoBlock.
+  BlockId IndexedBlock(const BlockHash& hash) const;
   // How many leading blocks Allocate(seq, num_tokens, block_hashes) would reuse now: those
   // of Lookup, less the block holding the prompt's last token, which Allocate never reuses
   // (its logits must be computed). Changes nothing.
@@ -350,6 +376,7 @@ class BlockLedger {
     int32_t num_registered = 0;
     // Blocks [0, first_live) were released by the sliding window.
     int32_t first_live = 0;
+    int32_t window = 0;  // its sliding window in tokens; 0 = full attention
     uint64_t owner = 0;  // SetOwner's
     std::vector<BlockId> blocks;
     std::vector<BlockHash> hashes;  // known hashes of full blocks [0, hashes.size())
@@ -379,7 +406,12 @@ class BlockLedger {
   // again.
   absl::StatusOr<AdmissionPlan> PlanAllocate(SeqId seq, int32_t num_tokens,
                                              std::span<const BlockHash> block_hashes,
+                                             const AllocateOptions& options,
                                              std::vector<BlockId>* hits) const;
+  // AllocateOptions::window_tokens with -1 resolved.
+  int32_t WindowOf(const AllocateOptions& options) const {
+    return options.window_tokens < 0 ? options_.sliding_window_tokens : options.window_tokens;
+  }
   absl::StatusOr<AdmissionPlan> PlanAppend(const Sequence& s, int32_t num_new_tokens) const;
   absl::Status NotFound(SeqId seq) const;
 
