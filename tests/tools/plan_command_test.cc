@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "common/sizing/kv_cache_groups.h"
 #include "common/sizing/kv_cache_spec.h"
 #include "common/sizing/pool_plan.h"
 #include "gmock/gmock.h"
@@ -219,6 +220,121 @@ TEST(BuildPlanReportTest, AModelWindowShowsWhatADecodingSequenceHolds) {
   EXPECT_EQ(report->sliding_window, 0);
   EXPECT_FALSE(nlohmann::json::parse(FormatPlanJson(*report)).contains("sliding_window_tokens"));
   EXPECT_THAT(FormatPlanText(*report), ::testing::Not(HasSubstr("With the model's sliding")));
+}
+
+// Gemma 3 1B's KV-relevant keys: 26 layers, every 6th (5, 11, 17, 23) attending to the
+// whole context and the others within 512 tokens; 1 KV head of 256, bf16.
+nlohmann::json Gemma3_1BConfig() {
+  return {{"architectures", {"Gemma3ForCausalLM"}},
+          {"model_type", "gemma3_text"},
+          {"num_hidden_layers", 26},
+          {"num_attention_heads", 4},
+          {"num_key_value_heads", 1},
+          {"head_dim", 256},
+          {"hidden_size", 1152},
+          {"sliding_window", 512},
+          {"sliding_window_pattern", 6},
+          {"torch_dtype", "bfloat16"}};
+}
+
+// A model of several layer types gets a "KV cache groups" section: 1 full group and 6
+// window groups of 4 slots. Each figure by hand, for an 8 GiB pool:
+//   full block 2 x 26 x 1 x 256 x 2 x 16 = 425984 B; page (4 slots) 65536 B
+//   pool pages 8589934592 / 65536 = 131072 (not 8589934592 / 425984 = 20164 blocks)
+//   a window group holds 512 / 16 + 2 = 34 pages of a long sequence, the full group all
+//   1024: 64 + 6 x 34 = 268 pages = 17563648 B against 64 x 425984 = 27262976 B
+//   4096: 256 + 204 = 460 pages = 30146560 B against 109051904 B
+//   32768: 2048 + 204 = 2252 pages = 147587072 B against 872415232 B, 131072 / 2252 = 58
+TEST(BuildPlanReportTest, KvCacheGroupsForAModelOfSeveralLayerTypes) {
+  const std::string path = ::testing::TempDir() + "/gemma3_config.json";
+  std::ofstream(path) << Gemma3_1BConfig().dump();
+  const absl::StatusOr<PlanReport> report =
+      BuildPlanReport(*Parse({"--model-config", path, "--pool-bytes", "8GiB"}));
+  ASSERT_THAT(report, IsOk());
+  EXPECT_EQ(report->plan.num_blocks, 20164);
+  ASSERT_TRUE(report->grouped.has_value());
+  EXPECT_EQ(report->grouped->groups.group_size, 4);
+  EXPECT_EQ(report->grouped->bytes_per_page, 65536);
+  EXPECT_EQ(report->grouped->num_pages, 131072);
+
+  const nlohmann::json j = nlohmann::json::parse(FormatPlanJson(*report));
+  ASSERT_TRUE(j.contains("kv_cache_groups"));
+  const nlohmann::json& groups = j["kv_cache_groups"];
+  EXPECT_EQ(groups["group_size"], 4);
+  EXPECT_EQ(groups["num_groups"], 7);
+  EXPECT_EQ(groups["padding_slots"], 2);
+  EXPECT_EQ(groups["groups"][0]["window"], 0);
+  EXPECT_EQ(groups["groups"][0]["layers"], nlohmann::json({5, 11, 17, 23}));
+  EXPECT_EQ(groups["groups"][1]["window"], 512);
+  EXPECT_EQ(groups["groups"][1]["layers"], nlohmann::json({0, 7, 14, 21}));
+  EXPECT_EQ(groups["groups"][6]["layers"], nlohmann::json({6, 13, 20}));
+  EXPECT_EQ(groups["bytes_per_page"], 65536);
+  EXPECT_EQ(groups["num_pages"], 131072);
+  ASSERT_EQ(groups["sequences"].size(), 3u);
+  const nlohmann::json& short_seq = groups["sequences"][0];
+  EXPECT_EQ(short_seq["seq_len"], 1024);
+  EXPECT_EQ(short_seq["pages_per_sequence"], 268);
+  EXPECT_EQ(short_seq["bytes_per_sequence"], 17563648);
+  EXPECT_EQ(short_seq["full_bytes_per_sequence"], 27262976);
+  EXPECT_EQ(groups["sequences"][1]["bytes_per_sequence"], 30146560);
+  EXPECT_EQ(groups["sequences"][1]["full_bytes_per_sequence"], 109051904);
+  EXPECT_EQ(groups["sequences"][1]["num_sequences"], 284);  // 131072 / 460
+  const nlohmann::json& longest = groups["sequences"][2];
+  EXPECT_EQ(longest["seq_len"], 32768);
+  EXPECT_EQ(longest["pages_per_sequence"], 2252);
+  EXPECT_EQ(longest["bytes_per_sequence"], 147587072);
+  EXPECT_EQ(longest["full_bytes_per_sequence"], 872415232);
+  EXPECT_NEAR(longest["ratio"].get<double>(), 147587072.0 / 872415232.0, 1e-12);
+  EXPECT_EQ(longest["num_sequences"], 58);
+  EXPECT_EQ(j["sequences"][2]["num_sequences"], 9);  // 20164 full blocks / 2048
+
+  const std::string text = FormatPlanText(*report);
+  EXPECT_THAT(text, HasSubstr("\nKV cache groups: 7 groups of 4 slots, one block table each"));
+  EXPECT_THAT(text, HasSubstr("  group 0: full attention, layers 5, 11, 17, 23\n"
+                              "  group 1: window 512, layers 0, 7, 14, 21\n"));
+  EXPECT_THAT(text, HasSubstr("  group 6: window 512, layers 6, 13, 20\n"));
+  EXPECT_THAT(text, HasSubstr("  padding slots    = 7 groups x 4 slots - 26 layers = 2\n"));
+  EXPECT_THAT(text, HasSubstr("  bytes per page   = 2 (K and V) x 4 slots x 1 KV heads x 256 "
+                              "head dim x 2 bytes (bf16) x 16 tokens = 65536 B (64.00 KiB)\n"));
+  EXPECT_THAT(text, HasSubstr("  pool pages       = floor(8589934592 / 65536) = 131072\n"));
+  EXPECT_THAT(text, HasSubstr("its blocks number usable bytes / bytes per page, not usable "
+                              "bytes / bytes per block"));
+  EXPECT_THAT(text, HasSubstr("        4096          460    28.75 MiB   104.00 MiB   0.276   "
+                              "       284\n"));
+  EXPECT_THAT(text, HasSubstr("       32768         2252   140.75 MiB   832.00 MiB   0.169   "
+                              "        58\n"));
+}
+
+// "layer_types" gives the same groups as the pattern; one type (Llama, Mistral's window on
+// every layer) gets no groups section.
+TEST(BuildPlanReportTest, KvCacheGroupsFromLayerTypesAndNoneForOneType) {
+  const std::string path = ::testing::TempDir() + "/gemma3_types_config.json";
+  nlohmann::json config = Gemma3_1BConfig();
+  config.erase("sliding_window_pattern");
+  std::vector<std::string> types(26, "sliding_attention");
+  for (int layer : {5, 11, 17, 23}) types[layer] = "full_attention";
+  config["layer_types"] = types;
+  std::ofstream(path) << config.dump();
+  absl::StatusOr<PlanReport> report =
+      BuildPlanReport(*Parse({"--model-config", path, "--num-blocks", "100"}));
+  ASSERT_THAT(report, IsOk());
+  ASSERT_TRUE(report->grouped.has_value());
+  EXPECT_EQ(report->grouped->groups.ToString(),
+            GroupLayers(std::vector<int32_t>{512, 512, 512, 512, 512, 0,   512, 512, 512,
+                                             512, 512, 0,   512, 512, 512, 512, 512, 0,
+                                             512, 512, 512, 512, 512, 0,   512, 512})
+                ->ToString());
+  // 100 full blocks of 425984 B make 42598400 B: 650 pages of 65536 B.
+  EXPECT_EQ(report->grouped->num_pages, 650);
+
+  config["model_type"] = "mistral";
+  config["architectures"] = {"MistralForCausalLM"};
+  std::ofstream(path) << config.dump();
+  report = BuildPlanReport(*Parse({"--model-config", path, "--num-blocks", "100"}));
+  ASSERT_THAT(report, IsOk());
+  EXPECT_FALSE(report->grouped.has_value());
+  EXPECT_FALSE(nlohmann::json::parse(FormatPlanJson(*report)).contains("kv_cache_groups"));
+  EXPECT_THAT(FormatPlanText(*report), ::testing::Not(HasSubstr("KV cache groups")));
 }
 
 TEST(RunPlanCommandTest, ExitCodes) {

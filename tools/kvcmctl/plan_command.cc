@@ -21,6 +21,7 @@
 #include "common/base/status_macros.h"
 #include "common/model/model_config.h"
 #include "common/sizing/byte_size.h"
+#include "common/sizing/kv_cache_groups.h"
 #include "common/sizing/kv_cache_spec.h"
 #include "common/sizing/model_config.h"
 #include "common/sizing/pool_plan.h"
@@ -201,6 +202,121 @@ nlohmann::ordered_json BudgetJson(const PoolBudget& budget) {
   return j;
 }
 
+// The groups of a model whose layers are not all of one type; none for one group.
+absl::StatusOr<std::optional<KvCacheGroups>> ModelGroups(const ModelConfig& model) {
+  KVCM_ASSIGN_OR_RETURN(const std::vector<int32_t> windows, LayerWindows(model));
+  KVCM_ASSIGN_OR_RETURN(KvCacheGroups groups, GroupLayers(windows));
+  if (groups.num_groups() <= 1) return std::nullopt;
+  return groups;
+}
+
+// What `plan`'s pool becomes laid out by pages of `groups`, for each of `fits`.
+absl::StatusOr<GroupedPlan> PlanGroups(KvCacheGroups groups, const PoolPlan& plan,
+                                       const std::vector<SequenceFit>& fits) {
+  GroupedPlan grouped;
+  grouped.bytes_per_page = PageSpec(plan.spec, groups).BytesPerBlock();
+  grouped.num_pages = plan.usable_bytes / grouped.bytes_per_page;
+  if (grouped.num_pages > kMaxNumBlocks) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a pool of KV cache groups holds ", grouped.num_pages, " pages of ", grouped.bytes_per_page,
+        " bytes, more than ", kMaxNumBlocks, "; give a larger block size"));
+  }
+  grouped.groups = std::move(groups);
+  for (const SequenceFit& fit : fits) {
+    GroupedFit entry;
+    entry.seq_len = fit.seq_len;
+    // The full figure first: when it fits in an int64, seq_len is far from overflowing in
+    // BlocksHeldByGroups, and the grouped bytes (at most num_groups x group_size slots per
+    // token) are checked below.
+    if (__builtin_mul_overflow(fit.blocks_per_sequence, plan.bytes_per_block,
+                               &entry.full_bytes_per_sequence)) {
+      return FlagError("seq-len", absl::StrCat(fit.seq_len,
+                                               " tokens hold more than 2^63 - 1 "
+                                               "bytes of KV"));
+    }
+    entry.pages_per_sequence =
+        BlocksHeldByGroups(grouped.groups, fit.seq_len, plan.spec.block_size);
+    if (__builtin_mul_overflow(entry.pages_per_sequence, grouped.bytes_per_page,
+                               &entry.bytes_per_sequence)) {
+      return FlagError("seq-len", absl::StrCat(fit.seq_len,
+                                               " tokens hold more than 2^63 - 1 "
+                                               "bytes of KV in KV cache groups"));
+    }
+    entry.ratio = static_cast<double>(entry.bytes_per_sequence) /
+                  static_cast<double>(entry.full_bytes_per_sequence);
+    entry.num_sequences = grouped.num_pages / entry.pages_per_sequence;
+    grouped.fits.push_back(entry);
+  }
+  return grouped;
+}
+
+// The "KV cache groups" section of the text output: the groups, the page, and what a
+// decoding sequence holds with them against all its layers in full.
+std::string GroupsText(const PoolPlan& plan, const GroupedPlan& grouped) {
+  const KvCacheGroups& groups = grouped.groups;
+  std::string out = absl::StrCat(
+      "\nKV cache groups: ", groups.num_groups(), " groups of ", groups.group_size,
+      " slots, one block table each; a window group releases the blocks behind its window:\n");
+  for (int32_t g = 0; g < groups.num_groups(); ++g) {
+    const KvCacheGroup& group = groups.groups[g];
+    absl::StrAppend(&out, "  group ", g, ": ",
+                    group.window == 0 ? "full attention" : absl::StrCat("window ", group.window),
+                    ", layers ", absl::StrJoin(group.layers, ", "), "\n");
+  }
+  absl::StrAppend(&out, "  padding slots    = ", groups.num_groups(), " groups x ",
+                  groups.group_size, " slots - ", groups.num_layers,
+                  " layers = ", groups.padding_slots(), "\n");
+  absl::StrAppend(&out, "  bytes per page   = 2 (K and V) x ", groups.group_size, " slots x ",
+                  plan.spec.num_kv_heads, " KV heads x ", plan.spec.head_dim, " head dim x ",
+                  DTypeBytes(plan.spec.dtype), " bytes (", std::string(DTypeName(plan.spec.dtype)),
+                  ") x ", plan.spec.block_size, " tokens = ", ExactBytes(grouped.bytes_per_page),
+                  "\n");
+  absl::StrAppend(&out, "  pool pages       = floor(", plan.usable_bytes, " / ",
+                  grouped.bytes_per_page, ") = ", grouped.num_pages, "\n");
+  absl::StrAppend(&out,
+                  "A pool serving groups is laid out by pages: its blocks number usable bytes / "
+                  "bytes per page, not usable bytes / bytes per block.\n");
+  absl::StrAppend(&out,
+                  "A decoding sequence in every group, against all its layers kept in full:\n");
+  absl::StrAppend(&out, absl::StrFormat("  %10s %12s %12s %12s %7s %12s\n", "seq_len", "pages/seq",
+                                        "with groups", "in full", "ratio", "sequences"));
+  for (const GroupedFit& fit : grouped.fits) {
+    absl::StrAppend(
+        &out,
+        absl::StrFormat("  %10d %12d %12s %12s %7.3f %12d\n", fit.seq_len, fit.pages_per_sequence,
+                        FormatBytes(fit.bytes_per_sequence),
+                        FormatBytes(fit.full_bytes_per_sequence), fit.ratio, fit.num_sequences));
+  }
+  return out;
+}
+
+nlohmann::ordered_json GroupsJson(const GroupedPlan& grouped) {
+  nlohmann::ordered_json groups = nlohmann::ordered_json::array();
+  for (const KvCacheGroup& group : grouped.groups.groups) {
+    groups.push_back({{"window", group.window}, {"layers", group.layers}});
+  }
+  nlohmann::ordered_json fits = nlohmann::ordered_json::array();
+  for (const GroupedFit& fit : grouped.fits) {
+    fits.push_back({
+        {"seq_len", fit.seq_len},
+        {"pages_per_sequence", fit.pages_per_sequence},
+        {"bytes_per_sequence", fit.bytes_per_sequence},
+        {"full_bytes_per_sequence", fit.full_bytes_per_sequence},
+        {"ratio", fit.ratio},
+        {"num_sequences", fit.num_sequences},
+    });
+  }
+  return {
+      {"group_size", grouped.groups.group_size},
+      {"num_groups", grouped.groups.num_groups()},
+      {"padding_slots", grouped.groups.padding_slots()},
+      {"groups", std::move(groups)},
+      {"bytes_per_page", grouped.bytes_per_page},
+      {"num_pages", grouped.num_pages},
+      {"sequences", std::move(fits)},
+  };
+}
+
 }  // namespace
 
 absl::StatusOr<PlanOptions> ParsePlanOptions(absl::Span<const std::string> args) {
@@ -244,6 +360,10 @@ std::string PlanUsage() {
       "  num_blocks       = floor(usable bytes / bytes per block)\n"
       "  max total tokens = num_blocks x block size (TGI's max_batch_total_tokens)\n"
       "With --memory-fraction: usable bytes = free memory x F x (1 - margin).\n"
+      "A model of several layer types (--model-config) also shows its KV cache groups, whose\n"
+      "pool is laid out by pages of group size layers:\n"
+      "  bytes per page   = 2 x group size x KV heads x head dim x dtype bytes x block size\n"
+      "  pool pages       = floor(usable bytes / bytes per page)\n"
       "Tiers (the cache manager's flags of the same names):\n"
       "  host tier blocks = floor(host tier bytes / bytes per block)\n"
       "  disk tier slot   = 4096 B header + bytes per block rounded up to 4096\n"
@@ -260,12 +380,14 @@ absl::StatusOr<PlanReport> BuildPlanReport(const PlanOptions& options) {
   KVCM_CHECK(!options.help);
   PlanReport report;
   KvCacheSpec spec;
+  std::optional<KvCacheGroups> groups;
   if (!options.model_config.empty()) {
     report.model_config = options.model_config;
     KVCM_ASSIGN_OR_RETURN(spec, SpecFromModelPath(options.model_config, options.block_size,
                                                   options.dtype, &report.notes));
     KVCM_ASSIGN_OR_RETURN(const ModelConfig model, ReadModelConfig(options.model_config));
     KVCM_ASSIGN_OR_RETURN(report.sliding_window, ReleasableWindow(model));
+    KVCM_ASSIGN_OR_RETURN(groups, ModelGroups(model));
   } else {
     spec.num_layers = options.num_layers;
     spec.num_kv_heads = options.num_kv_heads;
@@ -282,6 +404,9 @@ absl::StatusOr<PlanReport> BuildPlanReport(const PlanOptions& options) {
   for (int64_t seq_len : seq_lens) {
     KVCM_ASSIGN_OR_RETURN(SequenceFit fit, SequencesThatFit(report.plan, seq_len));
     report.fits.push_back(fit);
+  }
+  if (groups.has_value()) {
+    KVCM_ASSIGN_OR_RETURN(report.grouped, PlanGroups(std::move(*groups), report.plan, report.fits));
   }
 
   const int64_t block_bytes = report.plan.bytes_per_block;
@@ -347,6 +472,7 @@ std::string FormatPlanText(const PlanReport& report) {
                                             report.plan.num_blocks / held));
     }
   }
+  if (report.grouped.has_value()) absl::StrAppend(&out, GroupsText(report.plan, *report.grouped));
   if (!report.tiers.empty()) {
     absl::StrAppend(&out, "\nTiers below the pool (--host-tier-bytes, --disk-tier-bytes):\n");
   }
@@ -408,6 +534,7 @@ std::string FormatPlanJson(const PlanReport& report) {
     fits.push_back(std::move(entry));
   }
   j["sequences"] = std::move(fits);
+  if (report.grouped.has_value()) j["kv_cache_groups"] = GroupsJson(*report.grouped);
   if (!report.tiers.empty()) {
     nlohmann::ordered_json tiers = nlohmann::ordered_json::array();
     for (const TierPlan& tier : report.tiers) {

@@ -20,6 +20,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "common/sizing/kv_cache_groups.h"
 #include "common/sizing/kv_cache_spec.h"
 #include "common/sizing/pool_plan.h"
 
@@ -86,6 +87,29 @@ absl::StatusOr<PlanOptions> ParsePlanOptions(absl::Span<const std::string> args)
 // The usage text of `kvcmctl plan`.
 std::string PlanUsage();
 
+// One sequence length for a model served by KV cache groups (common/sizing/
+// kv_cache_groups.h): what a decoding sequence holds in every group together, against all
+// its layers kept in full (SequenceFit's blocks).
+struct GroupedFit {
+  int64_t seq_len = 0;
+  int64_t pages_per_sequence = 0;       // BlocksHeldByGroups
+  int64_t bytes_per_sequence = 0;       // pages_per_sequence x bytes per page
+  int64_t full_bytes_per_sequence = 0;  // blocks_per_sequence x bytes per block
+  double ratio = 0;                     // bytes_per_sequence / full_bytes_per_sequence
+  int64_t num_sequences = 0;            // floor(num_pages / pages_per_sequence); may be 0
+};
+
+// A model whose layers are of more than one type (full attention, windows) laid out as KV
+// cache groups. The pool of such a model is laid out by pages of group_size layers, so it
+// holds floor(usable bytes / bytes per page) of them, not floor(usable bytes / bytes per
+// block) full blocks.
+struct GroupedPlan {
+  KvCacheGroups groups;
+  int64_t bytes_per_page = 0;    // PageSpec(spec, groups).BytesPerBlock()
+  int64_t num_pages = 0;         // floor(usable_bytes / bytes_per_page)
+  std::vector<GroupedFit> fits;  // one per PlanReport::fits, in its order
+};
+
 // Everything `plan` prints.
 struct PlanReport {
   std::string model_config;        // the config.json read, if any
@@ -96,12 +120,15 @@ struct PlanReport {
   PoolPlan plan;
   std::vector<SequenceFit> fits;  // kStandardSeqLens and seq_len, ascending, no repeats
   std::vector<TierPlan> tiers;    // host, then disk, those given
+  // With --model-config, for a model of more than one KV cache group; else none.
+  std::optional<GroupedPlan> grouped;
 };
 
 // Reads the model config if any and plans the pool. Errors: those of SpecFromHfConfigFile
 // and PlanPool (NOT_FOUND for an unreadable config, RESOURCE_EXHAUSTED when not one block
-// fits, INVALID_ARGUMENT otherwise); INVALID_ARGUMENT for a tier the cache manager would
-// refuse (a host tier smaller than one block, more than 2^31 - 1 slots).
+// fits, INVALID_ARGUMENT otherwise); those of LayerWindows; INVALID_ARGUMENT for a tier the
+// cache manager would refuse (a host tier smaller than one block, more than 2^31 - 1 slots),
+// for more than 2^31 - 1 pages in a grouped pool, or a --seq-len whose bytes overflow int64.
 // REQUIRES: `options` came from ParsePlanOptions with help == false.
 absl::StatusOr<PlanReport> BuildPlanReport(const PlanOptions& options);
 
@@ -116,8 +143,10 @@ std::string FormatPlanText(const PlanReport& report);
 // pool_bytes, unused_bytes, max_total_tokens, sliding_window_tokens (only with a window),
 // sequences (one object per SequenceFit with its field names; with a window also
 // window_blocks_per_sequence and window_sequences: what a decoding sequence holds and how
-// many of them fit), tiers (only with a tier flag: one object per TierPlan with its field
-// names). Counts are JSON integers, exact.
+// many of them fit), kv_cache_groups (only with `grouped`: group_size, num_groups,
+// padding_slots, groups (each {"window", "layers"}), bytes_per_page, num_pages, and
+// sequences, one object per GroupedFit with its field names), tiers (only with a tier flag:
+// one object per TierPlan with its field names). Counts are JSON integers, exact.
 std::string FormatPlanJson(const PlanReport& report);
 
 // The `plan` entry of main.cc's command table: parse, build, print.
