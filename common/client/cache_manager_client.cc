@@ -94,6 +94,25 @@ absl::StatusOr<PoolView> CheckPoolDescriptor(const PoolDescriptorInfo& descripto
     return bad("sliding_window_tokens is ", descriptor.sliding_window_tokens);
   }
   pool.sliding_window_tokens = descriptor.sliding_window_tokens;
+  // Groups: each within the page's slots, no layer twice (whether they are the model's
+  // grouping is the executor's call).
+  std::vector<bool> seen;
+  for (size_t g = 0; g < descriptor.kv_groups.size(); ++g) {
+    const KvCacheGroup& group = descriptor.kv_groups[g];
+    if (group.window < 0 || group.layers.empty() ||
+        group.layers.size() > static_cast<size_t>(pool.spec.num_layers)) {
+      return bad("KV cache group ", g, " has window ", group.window, " and ", group.layers.size(),
+                 " layers for pages of ", pool.spec.num_layers, " slots");
+    }
+    for (int32_t layer : group.layers) {
+      if (layer < 0 || layer > (1 << 16)) return bad("KV cache group ", g, " has layer ", layer);
+      if (seen.size() <= static_cast<size_t>(layer)) seen.resize(static_cast<size_t>(layer) + 1);
+      if (seen[static_cast<size_t>(layer)])
+        return bad("layer ", layer, " is in two KV cache groups");
+      seen[static_cast<size_t>(layer)] = true;
+    }
+  }
+  pool.kv_groups = descriptor.kv_groups;
 
   absl::StatusOr<PoolLayout> expected = PoolLayout::For(pool.spec, pool.num_blocks);
   if (!expected.ok()) return bad(expected.status().message());

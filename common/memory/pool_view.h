@@ -10,11 +10,13 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/memory/pool_layout.h"
 #include "common/memory/pool_memory.h"
+#include "common/sizing/kv_cache_groups.h"
 #include "common/sizing/kv_cache_spec.h"
 
 namespace kvcm {
@@ -33,6 +35,11 @@ struct PoolView {
   // committed - sliding_window_tokens + 1 (docs/architecture.md, "Sliding windows"), so every
   // layer reading the pool must attend within that many tokens. 0: nothing is released.
   int32_t sliding_window_tokens = 0;
+  // Empty: no KV cache groups (every layer has its slot: spec.num_layers is the model's).
+  // Otherwise the pool holds pages of spec.num_layers slots, and layer groups[g].layers[i]
+  // lives in slot i of the blocks of group g's table (docs/architecture.md, "The hybrid KV
+  // cache").
+  std::vector<KvCacheGroup> kv_groups;
 };
 
 // OK when a model whose layers attend within `layer_windows` (tokens each, 0 = the whole

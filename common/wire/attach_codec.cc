@@ -15,9 +15,18 @@ flatbuffers::Offset<wire::AttachReply> EncodeAttachReply(flatbuffers::FlatBuffer
       strides.head_stride, strides.elem_bytes, strides.total_bytes);
   const auto path = builder.CreateString(pool.fd_channel_path);
   const auto handle = builder.CreateVector(pool.cuda_ipc_handle);
-  const auto descriptor =
-      wire::CreatePoolDescriptor(builder, spec, pool.num_blocks, layout, pool.backend, pool.epoch,
-                                 path, pool.cuda_device, handle, pool.sliding_window_tokens);
+  flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<wire::KvCacheGroup>>> groups;
+  if (!pool.kv_groups.empty()) {
+    std::vector<flatbuffers::Offset<wire::KvCacheGroup>> each;
+    for (const KvCacheGroup& group : pool.kv_groups) {
+      each.push_back(
+          wire::CreateKvCacheGroup(builder, group.window, builder.CreateVector(group.layers)));
+    }
+    groups = builder.CreateVector(each);
+  }
+  const auto descriptor = wire::CreatePoolDescriptor(
+      builder, spec, pool.num_blocks, layout, pool.backend, pool.epoch, path, pool.cuda_device,
+      handle, pool.sliding_window_tokens, groups);
   return wire::CreateAttachReply(builder, descriptor);
 }
 
@@ -50,6 +59,14 @@ absl::StatusOr<PoolDescriptorInfo> DecodeAttachReply(const wire::AttachReply& re
   out.sliding_window_tokens = descriptor->sliding_window_tokens();
   if (const auto* handle = descriptor->cuda_ipc_handle(); handle != nullptr) {
     out.cuda_ipc_handle.assign(handle->begin(), handle->end());
+  }
+  if (const auto* groups = descriptor->kv_groups(); groups != nullptr) {
+    for (const wire::KvCacheGroup* group : *groups) {
+      KvCacheGroup& g = out.kv_groups.emplace_back();
+      g.window = group->window();
+      if (group->layers() != nullptr)
+        g.layers.assign(group->layers()->begin(), group->layers()->end());
+    }
   }
   return out;
 }

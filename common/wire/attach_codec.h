@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/sizing/kv_cache_groups.h"
 #include "common/sizing/kv_cache_spec.h"
 #include "common/wire/pool_strides.h"
 #include "flatbuffers/flatbuffers.h"
@@ -32,6 +33,8 @@ struct PoolDescriptorInfo {
   int32_t cuda_device = -1;              // cuda
   std::vector<uint8_t> cuda_ipc_handle;  // cuda: 64 bytes
   int32_t sliding_window_tokens = 0;     // > 0: blocks behind the window are released
+  // The pool's KV cache groups (PoolDescriptor.kv_groups); empty: none.
+  std::vector<KvCacheGroup> kv_groups;
   friend bool operator==(const PoolDescriptorInfo&, const PoolDescriptorInfo&) = default;
 };
 

@@ -71,10 +71,12 @@ void EncodeStepBatch(flatbuffers::FlatBufferBuilder& builder, uint64_t request_i
     if (!s.penalty_tokens.empty()) penalty_tokens = builder.CreateVector(s.penalty_tokens);
     flatbuffers::Offset<flatbuffers::Vector<uint64_t>> fork_seeds;
     if (!s.fork_seeds.empty()) fork_seeds = builder.CreateVector(s.fork_seeds);
+    flatbuffers::Offset<flatbuffers::Vector<int32_t>> group_tables;
+    if (!s.group_tables.empty()) group_tables = builder.CreateVector(s.group_tables);
     seqs.push_back(wire::CreateSeqWork(builder, s.seq, tokens, s.context_len, table, sampling,
                                        s.sample, s.sample_index, penalty_tokens,
                                        s.penalty_prompt_len, s.logprobs, s.top_n, s.input_logprobs,
-                                       s.score_next, fork_seeds));
+                                       s.score_next, fork_seeds, group_tables));
   }
   std::vector<wire::CopyOrder> copies;
   copies.reserve(step.copies.size());
@@ -115,6 +117,7 @@ SeqWork SeqWorkOf(const wire::SeqWork& w) {
   s.input_logprobs = w.input_logprobs();
   s.score_next = w.score_next();
   s.fork_seeds = CopyScalars(w.fork_seeds());
+  s.group_tables = ToVector(w.group_tables());
   return s;
 }
 
@@ -132,6 +135,19 @@ absl::Status CheckSeqWork(const SeqWork& s, const std::string& name) {
     if (s.block_table[j] < -1) {
       return absl::InvalidArgumentError(
           absl::StrCat(name, " has block id ", s.block_table[j], " at block_table[", j, "]"));
+    }
+  }
+  // Groups 1..'s tables, each as long as group 0's (how many groups: the pool's business).
+  if (!s.group_tables.empty() &&
+      (s.block_table.empty() || s.group_tables.size() % s.block_table.size() != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " has ", s.group_tables.size(),
+                                                   " group table entries, not a multiple of its ",
+                                                   s.block_table.size(), " block table entries"));
+  }
+  for (size_t j = 0; j < s.group_tables.size(); ++j) {
+    if (s.group_tables[j] < -1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, " has block id ", s.group_tables[j], " at group_tables[", j, "]"));
     }
   }
   if (absl::Status sampling = ValidateSamplingParams(s.sampling); !sampling.ok()) {

@@ -69,6 +69,9 @@ struct SeqWork {
   int32_t score_next = -1;      // and this one at the last position
   // With `sample`: one more draw per seed (sample index 0), for forked sequences.
   std::vector<uint64_t> fork_seeds;
+  // With KV cache groups (PoolDescriptor.kv_groups): the tables of groups 1.., each as long
+  // as block_table (group 0's), one after another; empty without groups.
+  std::vector<BlockId> group_tables;
 };
 
 // Most fork seeds one sequence may carry.

@@ -30,7 +30,8 @@ flatbuffers::Offset<wire::HelloReply> EncodeHelloReply(flatbuffers::FlatBufferBu
       static_cast<uint32_t>(absl::ToInt64Milliseconds(info.heartbeat_interval)),
       static_cast<uint32_t>(absl::ToInt64Milliseconds(info.heartbeat_timeout)), info.num_blocks,
       info.block_size, ToWire(info.hash_algorithm), info.max_ops_per_step, info.max_message_bytes,
-      info.wants_commit_tokens, info.tiers, info.sliding_window_tokens);
+      info.wants_commit_tokens, info.tiers, info.sliding_window_tokens,
+      info.group_windows.empty() ? 0 : builder.CreateVector(info.group_windows));
 }
 
 absl::StatusOr<SessionInfo> DecodeHelloReply(const wire::HelloReply& reply) {
@@ -56,6 +57,14 @@ absl::StatusOr<SessionInfo> DecodeHelloReply(const wire::HelloReply& reply) {
         absl::StrCat("HelloReply with sliding_window_tokens ", reply.sliding_window_tokens()));
   }
   info.sliding_window_tokens = reply.sliding_window_tokens();
+  if (const auto* windows = reply.group_windows(); windows != nullptr) {
+    for (int32_t window : *windows) {
+      if (window < 0) {
+        return absl::InternalError(absl::StrCat("HelloReply with a group window of ", window));
+      }
+      info.group_windows.push_back(window);
+    }
+  }
   return info;
 }
 

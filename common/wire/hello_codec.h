@@ -49,6 +49,9 @@ struct SessionInfo {
   // > 0: blocks wholly behind a sequence's window of this many tokens are released
   // (HelloReply.sliding_window_tokens); a router sends -1 for their table entries.
   int32_t sliding_window_tokens = 0;
+  // The pool's KV cache groups, by window (HelloReply.group_windows; 0 = full attention);
+  // empty: none. With groups a sequence has a block table per group (OpOutcome.group_blocks).
+  std::vector<int32_t> group_windows;
   friend bool operator==(const SessionInfo&, const SessionInfo&) = default;
 };
 

@@ -223,6 +223,8 @@ flatbuffers::Offset<wire::OpResult> EncodeOpOutcome(flatbuffers::FlatBufferBuild
   }
   flatbuffers::Offset<flatbuffers::Vector<int32_t>> blocks;
   if (!outcome.blocks.empty()) blocks = builder.CreateVector(outcome.blocks);
+  flatbuffers::Offset<flatbuffers::Vector<int32_t>> group_blocks;
+  if (!outcome.group_blocks.empty()) group_blocks = builder.CreateVector(outcome.group_blocks);
   flatbuffers::Offset<flatbuffers::Vector<const wire::CopyOrder*>> copies;
   if (!outcome.copies.empty()) {
     wire::CopyOrder* out = nullptr;
@@ -238,13 +240,15 @@ flatbuffers::Offset<wire::OpResult> EncodeOpOutcome(flatbuffers::FlatBufferBuild
   if (outcome.host_tokens != 0) result.add_host_tokens(outcome.host_tokens);
   if (outcome.disk_tokens != 0) result.add_disk_tokens(outcome.disk_tokens);
   if (!outcome.copies.empty()) result.add_copies(copies);
+  if (!outcome.group_blocks.empty()) result.add_group_blocks(group_blocks);
   return result.Finish();
 }
 
 flatbuffers::Offset<wire::OpResult> OpResultWriter::Add(const OpOutcome& outcome) {
   const bool empty_ok = outcome.status.ok() && outcome.blocks.empty() && outcome.copies.empty() &&
-                        outcome.num_cached_tokens == 0 && outcome.blocks_needed == 0 &&
-                        outcome.host_tokens == 0 && outcome.disk_tokens == 0;
+                        outcome.group_blocks.empty() && outcome.num_cached_tokens == 0 &&
+                        outcome.blocks_needed == 0 && outcome.host_tokens == 0 &&
+                        outcome.disk_tokens == 0;
   if (!empty_ok) return EncodeOpOutcome(builder_, outcome);
   if (empty_ok_.IsNull()) empty_ok_ = EncodeOpOutcome(builder_, outcome);
   return empty_ok_;
@@ -272,6 +276,9 @@ absl::StatusOr<std::vector<OpOutcome>> DecodeStepReply(const wire::StepReply& re
     outcome.blocks_needed = result->blocks_needed();
     outcome.host_tokens = result->host_tokens();
     outcome.disk_tokens = result->disk_tokens();
+    if (const auto* group_blocks = result->group_blocks(); group_blocks != nullptr) {
+      outcome.group_blocks.assign(group_blocks->begin(), group_blocks->end());
+    }
     if (const auto* copies = result->copies(); copies != nullptr) {
       outcome.copies.reserve(copies->size());
       for (const wire::CopyOrder* copy : *copies) {

@@ -69,6 +69,9 @@ struct OpOutcome {
   int32_t disk_tokens = 0;
   // Append: copy each order's src into its dst before the step that writes dst.
   std::vector<CopyOrder> copies;
+  // With KV cache groups (SessionInfo::group_windows), Allocate and Append: groups 1..'s
+  // blocks, each as many as `blocks` (group 0's), one after another.
+  std::vector<BlockId> group_blocks;
 };
 
 // "allocate", "append", ... for messages; "unknown" outside the union.

@@ -40,6 +40,7 @@ TEST(AttachCodecTest, EveryFieldOfADescriptorSurvives) {
   for (size_t i = 0; i < pool.cuda_ipc_handle.size(); ++i) {
     pool.cuda_ipc_handle[i] = static_cast<uint8_t>(i * 7);
   }
+  pool.kv_groups = {{.window = 0, .layers = {2}}, {.window = 64, .layers = {0, 1}}};
   flatbuffers::FlatBufferBuilder builder;
   builder.Finish(EncodeAttachReply(builder, pool));
   flatbuffers::Verifier verifier(builder.GetBufferPointer(), builder.GetSize());

@@ -29,6 +29,7 @@ StepBatch SampleStep() {
   a.tokens = {1, 2, 3, 4, 5};
   a.context_len = 5;
   a.block_table = {3, 9};
+  a.group_tables = {-1, 11, 12, 13};  // KV cache groups 1 and 2
   a.sample = true;
   a.sample_index = 0;
   SeqWork b;
@@ -81,6 +82,8 @@ TEST(ExecutorWireTest, StepBatchRoundTrips) {
   EXPECT_EQ(step->seqs[0].seq, 7u);
   EXPECT_THAT(step->seqs[0].tokens, ElementsAre(1, 2, 3, 4, 5));
   EXPECT_THAT(step->seqs[0].block_table, ElementsAre(3, 9));
+  EXPECT_THAT(step->seqs[0].group_tables, ElementsAre(-1, 11, 12, 13));
+  EXPECT_TRUE(step->seqs[1].group_tables.empty());
   EXPECT_EQ(step->seqs[0].sampling.temperature, 0.0f);
   EXPECT_EQ(step->seqs[0].sampling.top_p, 1.0f);
   EXPECT_EQ(step->seqs[1].context_len, 9);
@@ -304,6 +307,16 @@ TEST(ExecutorWireTest, DecodeRefusesInconsistentSteps) {
       {"too many fork seeds",
        [](StepBatch& s) { s.seqs[1].fork_seeds.assign(kMaxForkSeeds + 1, 3); }, "fork seeds"},
       {"negative copy", [](StepBatch& s) { s.copies[0].dst = -1; }, "copies[0]"},
+      {"group tables not a multiple of the table",
+       [](StepBatch& s) {
+         s.seqs[0].group_tables = {1, 2, 3};
+       },
+       "3 group table entries"},
+      {"negative group block",
+       [](StepBatch& s) {
+         s.seqs[0].group_tables = {4, -2};
+       },
+       "block id -2 at group_tables[1]"},
       {"no router session", [](StepBatch& s) { s.router_session = 0; }, "router_session"},
   };
   for (const Case& c : cases) {

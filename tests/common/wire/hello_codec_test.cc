@@ -64,9 +64,17 @@ TEST(HelloCodecTest, EveryFieldOfAReplySurvives) {
   SessionInfo other = info;
   other.hash_algorithm = HashAlgorithm::kSha256;
   other.wants_commit_tokens = false;
+  other.group_windows = {0, 512, 512};
   decoded = RoundTrip(other);
   ASSERT_THAT(decoded, IsOk());
   EXPECT_EQ(*decoded, other);
+}
+
+TEST(HelloCodecTest, ANegativeGroupWindowIsRefused) {
+  SessionInfo info = Info();
+  info.group_windows = {0, -3};
+  absl::StatusOr<SessionInfo> refused = RoundTrip(info);
+  EXPECT_TRUE(absl::IsInternal(refused.status())) << refused.status();
 }
 
 TEST(HelloCodecTest, RepliesWithoutASessionOrWithAnUnknownHashAreRefused) {

@@ -114,6 +114,7 @@ void ExpectSameOutcomes(const std::vector<OpOutcome>& decoded,
     EXPECT_EQ(decoded[i].copies, outcomes[i].copies);
     EXPECT_EQ(decoded[i].num_cached_tokens, outcomes[i].num_cached_tokens);
     EXPECT_EQ(decoded[i].blocks_needed, outcomes[i].blocks_needed);
+    EXPECT_EQ(decoded[i].group_blocks, outcomes[i].group_blocks);
   }
 }
 
@@ -121,6 +122,7 @@ TEST(StepCodecTest, OutcomesRoundTripAndTheirCountIsChecked) {
   std::vector<OpOutcome> outcomes(4);
   outcomes[0].blocks = {3, 4, 5};
   outcomes[0].num_cached_tokens = 16;
+  outcomes[0].group_blocks = {6, 7, 8, -1, 11, 12};  // KV cache groups 1 and 2
   outcomes[1].blocks = {9};
   outcomes[1].copies = {CopyOrder{5, 9}};
   outcomes[2].status = absl::ResourceExhaustedError("2 blocks needed, 1 free");
