@@ -98,8 +98,10 @@ absl::StatusOr<KvCacheSpec> SpecFromModelConfig(const ModelConfig& config, int32
     } else if (windowed > 0) {
       note(absl::StrCat(windowed, " of ", windows->size(),
                         " layers attend within a sliding window of ", widest,
-                        " tokens, the others to the whole context: every block is kept for "
-                        "them, as with full attention"));
+                        " tokens, the others to the whole context: the cache manager keeps "
+                        "a block table per KV cache group of layers, and a window group "
+                        "releases the blocks behind its window (the pool is then laid out in "
+                        "pages of a group's layers; see the KV cache groups below)"));
     }
   }
   if (absl::Status valid = spec.Validate(); !valid.ok()) {

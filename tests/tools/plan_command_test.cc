@@ -212,7 +212,7 @@ TEST(BuildPlanReportTest, AModelWindowShowsWhatADecodingSequenceHolds) {
   EXPECT_EQ(j["sequences"][0]["window_blocks_per_sequence"], 64);  // 1,024 tokens: all
   EXPECT_THAT(FormatPlanText(*report), HasSubstr("With the model's sliding window of 4096"));
 
-  config["model_type"] = "gemma2";  // every other layer slides: every block is kept
+  config["model_type"] = "gemma2";  // every other layer slides: no single window
   config["architectures"] = {"Gemma2ForCausalLM"};
   std::ofstream(path) << config.dump();
   report = BuildPlanReport(*Parse({"--model-config", path, "--pool-bytes", "16GiB"}));
