@@ -10,6 +10,8 @@ namespace kvcm::executor {
 
 absl::Status ExecutorModel::Prepare(const PoolView& pool) {
   if (pool.backend != PoolBackend::kCuda) return absl::OkStatus();
+  // Refused before any weight is copied (LlamaCudaModel refuses such a pool too).
+  KVCM_RETURN_IF_ERROR(CheckCudaPoolGroups(pool));
   if (cuda_ != nullptr) {
     if (cuda_->device() == pool.cuda_device) return absl::OkStatus();
     return absl::FailedPreconditionError(absl::StrCat(

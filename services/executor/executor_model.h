@@ -41,7 +41,8 @@ class ExecutorModel {
 
   // Makes the model runnable on `pool`. shm: nothing to do. cuda: copies the weights to
   // pool.cuda_device unless they are there; FAILED_PRECONDITION when they are on another
-  // device; LlamaCudaModel::Create's errors (UNIMPLEMENTED in a build without CUDA,
+  // device; UNIMPLEMENTED for a pool with KV cache groups (CheckCudaPoolGroups);
+  // LlamaCudaModel::Create's errors (UNIMPLEMENTED in a build without CUDA,
   // RESOURCE_EXHAUSTED when they do not fit).
   absl::Status Prepare(const PoolView& pool);
 

@@ -7,6 +7,7 @@
 #include "common/base/monotonic_clock.h"
 #include "common/base/status_macros.h"
 #include "common/transport/zmq_util.h"
+#include "services/executor/kv_groups.h"
 
 namespace kvcm::executor {
 namespace {
@@ -19,8 +20,11 @@ std::string DescribeShape(int32_t layers, int32_t kv_heads, int32_t head_dim) {
 
 absl::Status CheckPoolFitsModel(const PoolView& pool, const ModelKvShape& shape) {
   const KvCacheSpec& spec = pool.spec;
-  if (spec.num_layers != shape.num_layers || spec.num_kv_heads != shape.num_kv_heads ||
-      spec.head_dim != shape.head_dim) {
+  // With KV cache groups the pool's layers are a page's slots: the groups decide them.
+  KVCM_RETURN_IF_ERROR(CheckPoolGroups(pool, shape.layer_windows));
+  const bool grouped = !pool.kv_groups.empty();
+  if ((!grouped && spec.num_layers != shape.num_layers) ||
+      spec.num_kv_heads != shape.num_kv_heads || spec.head_dim != shape.head_dim) {
     return absl::FailedPreconditionError(absl::StrCat(
         "the pool's KV shape (", DescribeShape(spec.num_layers, spec.num_kv_heads, spec.head_dim),
         ") does not match the model's (",

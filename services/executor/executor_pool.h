@@ -42,7 +42,9 @@ struct ModelKvShape {
 // dtype (fp32, fp16, bf16). Otherwise FAILED_PRECONDITION naming both shapes, e.g.
 // "the pool's KV shape (2 layers x 2 KV heads x head dim 8) does not match the model's
 // (4 layers x 2 KV heads x head dim 16)"; and a pool that releases blocks behind a sliding
-// window only for a model whose every layer attends within it (CheckWindowReads).
+// window only for a model whose every layer attends within it (CheckWindowReads). A pool
+// with KV cache groups must have the model's groups and pages of their group_size slots
+// (CheckPoolGroups, kv_groups.h).
 absl::Status CheckPoolFitsModel(const PoolView& pool, const ModelKvShape& shape);
 
 class PoolSource {

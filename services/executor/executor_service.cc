@@ -12,6 +12,7 @@
 #include "common/base/monotonic_clock.h"
 #include "common/base/status_macros.h"
 #include "kernels/copy_blocks.h"
+#include "services/executor/kv_groups.h"
 #include "services/executor/sampler.h"
 
 namespace kvcm::executor {
@@ -254,18 +255,68 @@ absl::StatusOr<const PoolView*> ExecutorService::PoolForEpoch(uint64_t epoch) {
 
 namespace {
 
-// Each sequence's block table: long enough for its context, within the pool (-1 only for
-// a block wholly behind the pool's sliding window of `window` tokens, which the cache
-// manager has released), and all of them within `max_entries` once made dense (max_blocks
+// One table of a sequence (`name`, e.g. "block_table"): within the pool, and -1 only for a
+// block wholly behind the window its layers read (the first `released` entries), which the
+// cache manager has released.
+absl::Status CheckTable(size_t index, const SeqWork& s, const char* name,
+                        std::span<const BlockId> table, int64_t released, int32_t block_size,
+                        int32_t num_blocks) {
+  for (size_t j = 0; j < table.size(); ++j) {
+    if (table[j] == -1 && static_cast<int64_t>(j) >= released) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          SeqName(index, s.seq), " has no block at ", name, "[", j,
+          "], which its window still reads (the pool releases only blocks wholly before ",
+          released * block_size, ")"));
+    }
+    if (table[j] >= num_blocks) {
+      return absl::InvalidArgumentError(absl::StrCat(SeqName(index, s.seq), " names block ",
+                                                     table[j], " at ", name, "[", j,
+                                                     "]; the pool has ", num_blocks, " blocks"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// With KV cache groups, the tables of groups 1.. (SeqWork::group_tables): one per group
+// after the first, each checked as block_table with its group's window. Without groups
+// there must be none: a step that does not fit the pool is refused, never misread.
+absl::Status CheckGroupTables(size_t index, const SeqWork& s, const PoolView& pool) {
+  const size_t len = s.block_table.size();
+  const size_t want = (static_cast<size_t>(NumBlockTables(pool)) - 1) * len;
+  if (s.group_tables.size() != want) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(SeqName(index, s.seq), " has ", s.group_tables.size(),
+                     " group table entries; the pool has ", pool.kv_groups.size(),
+                     " KV cache groups, so it needs ", want, " (a table of ", len,
+                     " entries for each group after the first)"));
+  }
+  const int64_t first_query = s.context_len - static_cast<int64_t>(s.tokens.size());
+  for (size_t g = 1; g < pool.kv_groups.size(); ++g) {
+    const std::span<const BlockId> table(s.group_tables.data() + (g - 1) * len, len);
+    const std::string name = absl::StrCat("group_tables (KV cache group ", g, ")");
+    KVCM_RETURN_IF_ERROR(
+        CheckTable(index, s, name.c_str(), table,
+                   ReleasedBlocks(pool.kv_groups[g].window, first_query, pool.spec.block_size),
+                   pool.spec.block_size, pool.num_blocks));
+  }
+  return absl::OkStatus();
+}
+
+// Each sequence's block tables (one per KV cache group, one without groups): long enough for
+// its context, within the pool (-1 only for a block wholly behind the window of the table's
+// layers: the pool's sliding window without groups, the group's own with them; released
+// by the cache manager), and all of them within `max_entries` once made dense (max_blocks
 // wide); its new tokens are counted.
-absl::Status CheckBlockTables(const StepBatch& step, int32_t block_size, int32_t num_blocks,
-                              int32_t window, size_t max_entries, size_t* max_blocks,
-                              int64_t* total_tokens) {
+absl::Status CheckBlockTables(const StepBatch& step, const PoolView& pool, size_t max_entries,
+                              size_t* max_blocks, int64_t* total_tokens) {
+  const int32_t block_size = pool.spec.block_size;
+  const int32_t num_blocks = pool.num_blocks;
+  // Group 0's table is block_table.
+  const int32_t window =
+      pool.kv_groups.empty() ? pool.sliding_window_tokens : pool.kv_groups[0].window;
   for (size_t i = 0; i < step.seqs.size(); ++i) {
     const SeqWork& s = step.seqs[i];
     const int64_t first_query = s.context_len - static_cast<int64_t>(s.tokens.size());
-    const int64_t released =
-        window > 0 ? std::max<int64_t>(0, first_query - window + 1) / block_size : 0;
     const int64_t needed = (int64_t{s.context_len} + block_size - 1) / block_size;
     if (needed > num_blocks || static_cast<int64_t>(s.block_table.size()) > num_blocks) {
       return absl::InvalidArgumentError(
@@ -278,27 +329,20 @@ absl::Status CheckBlockTables(const StepBatch& step, int32_t block_size, int32_t
           SeqName(i, s.seq), " has ", s.block_table.size(), " blocks in its table; context_len ",
           s.context_len, " needs ", needed, " blocks of ", block_size, " tokens"));
     }
-    for (size_t j = 0; j < s.block_table.size(); ++j) {
-      if (s.block_table[j] == -1 && static_cast<int64_t>(j) >= released) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            SeqName(i, s.seq), " has no block at block_table[", j,
-            "], which its window still reads (the pool releases only blocks wholly before ",
-            released * block_size, ")"));
-      }
-      if (s.block_table[j] >= num_blocks) {
-        return absl::InvalidArgumentError(absl::StrCat(SeqName(i, s.seq), " names block ",
-                                                       s.block_table[j], " at block_table[", j,
-                                                       "]; the pool has ", num_blocks, " blocks"));
-      }
-    }
+    KVCM_RETURN_IF_ERROR(CheckTable(i, s, "block_table", s.block_table,
+                                    ReleasedBlocks(window, first_query, block_size), block_size,
+                                    num_blocks));
+    KVCM_RETURN_IF_ERROR(CheckGroupTables(i, s, pool));
     // Entries past the context are never read: the dense table keeps only what is needed.
     *max_blocks = std::max(*max_blocks, static_cast<size_t>(needed));
     *total_tokens += static_cast<int64_t>(s.tokens.size());
   }
-  if (step.seqs.size() * *max_blocks > max_entries) {
+  const size_t tables = static_cast<size_t>(NumBlockTables(pool));
+  if (step.seqs.size() * *max_blocks * tables > max_entries) {
     return absl::InvalidArgumentError(absl::StrCat(
         "the step's block tables would take ", step.seqs.size(), " sequences x ", *max_blocks,
-        " blocks, more than the ", max_entries, " entries one step may use"));
+        " blocks", tables > 1 ? absl::StrCat(" x ", tables, " KV cache groups") : "",
+        ", more than the ", max_entries, " entries one step may use"));
   }
   return absl::OkStatus();
 }
@@ -354,11 +398,10 @@ absl::Status ExecutorService::CheckAndBuild(const StepBatch& step, const PoolVie
   size_t max_blocks = 1;
   int64_t total_tokens = 0;
   KVCM_RETURN_IF_ERROR(
-      CheckBlockTables(step, pool.spec.block_size, pool.num_blocks, pool.sliding_window_tokens,
-                       options_.max_block_table_entries, &max_blocks, &total_tokens));
+      CheckBlockTables(step, pool, options_.max_block_table_entries, &max_blocks, &total_tokens));
   KVCM_RETURN_IF_ERROR(CheckCopies(step, pool.num_blocks));
   KVCM_RETURN_IF_ERROR(CheckTokenIds(step, model_->host().config().vocab_size));
-  BuildForward(step, max_blocks, total_tokens);
+  BuildForward(step, max_blocks, total_tokens, NumBlockTables(pool));
   // The pool was checked against the model when attached; Forward checks it again, but only
   // after the copies ran: check first so that a refusal changes nothing.
   if (absl::Status fits = model_->host().CheckPool(pool); !fits.ok()) {
@@ -369,8 +412,10 @@ absl::Status ExecutorService::CheckAndBuild(const StepBatch& step, const PoolVie
 }
 
 // The step's sequences as one batch of the model's forward (forward_), block tables dense
-// and max_blocks wide.
-void ExecutorService::BuildForward(const StepBatch& step, size_t max_blocks, int64_t total_tokens) {
+// and max_blocks wide: group 0's in block_tables, those of groups 1 .. num_tables - 1 in
+// group_block_tables (empty without KV cache groups).
+void ExecutorService::BuildForward(const StepBatch& step, size_t max_blocks, int64_t total_tokens,
+                                   int32_t num_tables) {
   forward_.token_ids.clear();
   forward_.query_lens.clear();
   forward_.context_lens.clear();
@@ -390,6 +435,21 @@ void ExecutorService::BuildForward(const StepBatch& step, size_t max_blocks, int
     const size_t used = std::min(s.block_table.size(), max_blocks);
     std::copy(s.block_table.begin(), s.block_table.begin() + static_cast<std::ptrdiff_t>(used),
               forward_.block_tables.begin() + static_cast<std::ptrdiff_t>(i * max_blocks));
+  }
+  forward_.group_block_tables.clear();
+  if (num_tables <= 1) return;
+  const size_t table_entries = step.seqs.size() * max_blocks;
+  forward_.group_block_tables.assign(static_cast<size_t>(num_tables - 1) * table_entries, 0);
+  for (size_t g = 1; g < static_cast<size_t>(num_tables); ++g) {
+    for (size_t i = 0; i < step.seqs.size(); ++i) {
+      const SeqWork& s = step.seqs[i];
+      // Checked: group_tables holds (num_tables - 1) tables as long as block_table.
+      const size_t len = s.block_table.size();
+      const auto from = s.group_tables.begin() + static_cast<std::ptrdiff_t>((g - 1) * len);
+      std::copy(from, from + static_cast<std::ptrdiff_t>(std::min(len, max_blocks)),
+                forward_.group_block_tables.begin() +
+                    static_cast<std::ptrdiff_t>((g - 1) * table_entries + i * max_blocks));
+    }
   }
 }
 

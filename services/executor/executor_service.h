@@ -17,8 +17,9 @@
 //      run once the Hello that announces it reached the router.
 //   3. Against the pool: every block id (tables and copies) < num_blocks, each table holds
 //      at least ceil(context_len / block_size) blocks, no copy destination twice or also a
-//      source; then LlamaModel::CheckBatch (token ids, positions, slots written twice).
-//      InvalidArgument naming the sequence.
+//      source; with KV cache groups, a table per group (SeqWork::group_tables), -1 only
+//      behind its group's window; then LlamaModel::CheckBatch (token ids, positions, slots
+//      written twice). InvalidArgument naming the sequence.
 //   4. Copy-on-write orders, then one forward pass for all sequences, on the host or on the
 //      pool's CUDA device (ExecutorModel), then a token for each sequence that asked for one.
 // A refused message gets an ErrorReply with a code and a reason and is counted in
@@ -166,7 +167,8 @@ class ExecutorService {
   void RecordFence(const FenceNotice& fence);
   // Checks 3 above; fills forward_ on success.
   absl::Status CheckAndBuild(const StepBatch& step, const PoolView& pool);
-  void BuildForward(const StepBatch& step, size_t max_blocks, int64_t total_tokens);
+  void BuildForward(const StepBatch& step, size_t max_blocks, int64_t total_tokens,
+                    int32_t num_tables);
   uint64_t attached_epoch() const;
 
   const Options options_;

@@ -21,6 +21,7 @@
 #include "kernels/paged_attention.h"
 #include "kernels/paged_kv.h"
 #include "kernels/write_kv.h"
+#include "services/executor/kv_groups.h"
 
 namespace kvcm::executor {
 namespace {
@@ -639,11 +640,15 @@ absl::Status LlamaModel::CheckPool(const PoolView& pool) const {
   if (absl::Status s = pool.layout.Validate(spec); !s.ok()) {
     return absl::FailedPreconditionError(absl::StrCat("KV pool: ", s.message()));
   }
+  // With KV cache groups the pool's layers are a page's slots, which the groups decide.
+  KVCM_RETURN_IF_ERROR(CheckPoolGroups(pool, config_.layer_windows));
+  const int32_t model_layers =
+      pool.kv_groups.empty() ? config_.num_hidden_layers : pool.spec.num_layers;
   const struct {
     const char* name;
     int32_t pool_value;
     int32_t model_value;
-  } fields[] = {{"num_layers", spec.num_layers, config_.num_hidden_layers},
+  } fields[] = {{"num_layers", spec.num_layers, model_layers},
                 {"num_kv_heads", spec.num_kv_heads, config_.num_key_value_heads},
                 {"head_dim", spec.head_dim, config_.head_dim}};
   for (const auto& f : fields) {
@@ -664,6 +669,48 @@ int32_t LlamaModel::ReadableFrom(int32_t first_query) const {
   return std::max(0, first_query - *most + 1);
 }
 
+namespace {
+
+// KV cache group g's dense tables in `b` ([num_seqs][max_blocks_per_seq]): block_tables for
+// group 0, its part of group_block_tables for the others.
+const int32_t* TableOf(const ForwardBatch& b, int32_t g) {
+  if (g == 0) return b.block_tables.data();
+  const size_t table_entries = b.query_lens.size() * static_cast<size_t>(b.max_blocks_per_seq);
+  return b.group_block_tables.data() + static_cast<size_t>(g - 1) * table_entries;
+}
+
+std::string TableName(int32_t g) {
+  return g == 0 ? std::string("block_tables")
+                : absl::StrCat("group_block_tables (KV cache group ", g, ")");
+}
+
+// No slot written twice: two sequences (or two KV cache groups: their layers share a page's
+// slot numbers) writing one block is a ledger bug that would silently corrupt both.
+// REQUIRES: the tables' entries that are written were checked to be blocks of the pool.
+absl::Status CheckNoSlotWrittenTwice(const ForwardBatch& b, int32_t num_tables,
+                                     int32_t block_size) {
+  absl::flat_hash_map<int64_t, size_t> writer;
+  for (int32_t g = 0; g < num_tables; ++g) {
+    for (size_t i = 0; i < b.query_lens.size(); ++i) {
+      const int32_t* table = TableOf(b, g) + i * static_cast<size_t>(b.max_blocks_per_seq);
+      for (int32_t p = b.context_lens[i] - b.query_lens[i]; p < b.context_lens[i]; ++p) {
+        const int64_t block = table[p / block_size];
+        const int64_t slot = block * block_size + p % block_size;
+        const auto [it, inserted] = writer.emplace(slot, i);
+        if (!inserted) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "forward batch: slot ", slot, " (block ", block, ", offset ", p % block_size,
+              ") is written by both sequence ", it->second, " and sequence ", i,
+              num_tables > 1 ? " (KV cache groups' tables together)" : ""));
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status LlamaModel::CheckBatch(const ForwardBatch& b, const PoolView& pool) const {
   auto invalid = [](auto&&... parts) {
     return absl::InvalidArgumentError(absl::StrCat("forward batch: ", parts...));
@@ -678,6 +725,14 @@ absl::Status LlamaModel::CheckBatch(const ForwardBatch& b, const PoolView& pool)
   }
   if (b.block_tables.size() != num_seqs * static_cast<size_t>(b.max_blocks_per_seq)) {
     return invalid("block_tables has ", b.block_tables.size(), " entries, expected num_seqs (",
+                   num_seqs, ") x max_blocks_per_seq (", b.max_blocks_per_seq, ")");
+  }
+  // One dense table per KV cache group (one without groups); group 0's is block_tables.
+  const int32_t num_tables = NumBlockTables(pool);
+  const size_t table_entries = num_seqs * static_cast<size_t>(b.max_blocks_per_seq);
+  if (b.group_block_tables.size() != static_cast<size_t>(num_tables - 1) * table_entries) {
+    return invalid("group_block_tables has ", b.group_block_tables.size(),
+                   " entries, expected (KV cache groups (", num_tables, ") - 1) x num_seqs (",
                    num_seqs, ") x max_blocks_per_seq (", b.max_blocks_per_seq, ")");
   }
   const int32_t block_size = pool.spec.block_size;
@@ -700,15 +755,21 @@ absl::Status LlamaModel::CheckBatch(const ForwardBatch& b, const PoolView& pool)
                      " tokens of block size ", block_size, " but max_blocks_per_seq is ",
                      b.max_blocks_per_seq);
     }
-    // Blocks wholly behind every layer's window may be released (-1): none is read.
-    const int64_t released = ReadableFrom(ctx - q) / block_size;
-    for (int64_t j = 0; j < blocks_needed; ++j) {
-      const int32_t block =
-          b.block_tables[i * static_cast<size_t>(b.max_blocks_per_seq) + static_cast<size_t>(j)];
-      if (j < released && block == -1) continue;
-      if (block < 0 || block >= pool.layout.num_blocks) {
-        return invalid("block_tables[", i, "][", j, "] = ", block, " is outside [0, ",
-                       pool.layout.num_blocks, ")");
+    for (int32_t g = 0; g < num_tables; ++g) {
+      // Blocks wholly behind every window of the table's layers may be released (-1): none
+      // is read.
+      const int64_t released =
+          pool.kv_groups.empty()
+              ? ReadableFrom(ctx - q) / block_size
+              : ReleasedBlocks(pool.kv_groups[static_cast<size_t>(g)].window, ctx - q, block_size);
+      const int32_t* table = TableOf(b, g) + i * static_cast<size_t>(b.max_blocks_per_seq);
+      for (int64_t j = 0; j < blocks_needed; ++j) {
+        const int32_t block = table[j];
+        if (j < released && block == -1) continue;
+        if (block < 0 || block >= pool.layout.num_blocks) {
+          return invalid(TableName(g), "[", i, "][", j, "] = ", block, " is outside [0, ",
+                         pool.layout.num_blocks, ")");
+        }
       }
     }
     total_new += q;
@@ -726,22 +787,7 @@ absl::Status LlamaModel::CheckBatch(const ForwardBatch& b, const PoolView& pool)
                      " is outside [0, vocab_size=", config_.vocab_size, ")");
     }
   }
-  // No slot written twice: two sequences writing one block is a ledger bug that would
-  // silently corrupt both.
-  absl::flat_hash_map<int64_t, size_t> writer;
-  for (size_t i = 0; i < num_seqs; ++i) {
-    for (int32_t p = b.context_lens[i] - b.query_lens[i]; p < b.context_lens[i]; ++p) {
-      const int64_t block = b.block_tables[i * static_cast<size_t>(b.max_blocks_per_seq) +
-                                           static_cast<size_t>(p / block_size)];
-      const int64_t slot = block * block_size + p % block_size;
-      const auto [it, inserted] = writer.emplace(slot, i);
-      if (!inserted) {
-        return invalid("slot ", slot, " (block ", block, ", offset ", p % block_size,
-                       ") is written by both sequence ", it->second, " and sequence ", i);
-      }
-    }
-  }
-  return absl::OkStatus();
+  return CheckNoSlotWrittenTwice(b, num_tables, block_size);
 }
 
 TokenPlan PlanTokens(const ForwardBatch& batch, int32_t block_size, LogitsScope scope) {
@@ -765,6 +811,35 @@ TokenPlan PlanTokens(const ForwardBatch& batch, int32_t block_size, LogitsScope 
   return plan;
 }
 
+namespace {
+
+// Where the layers of KV cache group g read and write: its dense tables and the slots of
+// the batch's new tokens through them. Without groups, one group: the batch's tables and
+// the plan's slots. REQUIRES: CheckBatch passed.
+struct GroupTables {
+  std::vector<const int32_t*> tables;
+  std::vector<const int64_t*> slots;
+  std::vector<std::vector<int64_t>> own_slots;  // groups 1..'s (group 0's are the plan's)
+};
+
+GroupTables TablesOfGroups(const ForwardBatch& batch, const PoolView& pool, const TokenPlan& plan) {
+  const int32_t num_tables = NumBlockTables(pool);
+  GroupTables groups;
+  groups.tables.push_back(batch.block_tables.data());
+  groups.slots.push_back(plan.slots.data());
+  groups.own_slots.reserve(static_cast<size_t>(num_tables - 1));
+  for (int32_t g = 1; g < num_tables; ++g) {
+    const int32_t* table = TableOf(batch, g);
+    groups.tables.push_back(table);
+    groups.own_slots.push_back(WriteSlots(batch.query_lens, batch.context_lens, table,
+                                          batch.max_blocks_per_seq, pool.spec.block_size));
+    groups.slots.push_back(groups.own_slots.back().data());
+  }
+  return groups;
+}
+
+}  // namespace
+
 absl::Status LlamaModel::Forward(const ForwardBatch& batch, const PoolView& pool,
                                  std::vector<float>* logits, LogitsScope scope,
                                  const std::function<bool(int32_t layer)>* after_layer) const {
@@ -781,6 +856,9 @@ absl::Status LlamaModel::Forward(const ForwardBatch& batch, const PoolView& pool
   const int32_t num_seqs = static_cast<int32_t>(batch.query_lens.size());
 
   const TokenPlan plan = PlanTokens(batch, pool.spec.block_size, scope);
+  // With KV cache groups a layer reads and writes its group's table, in its slot.
+  const std::vector<LayerPlace> places = PlaceLayers(pool, c.num_hidden_layers);
+  const GroupTables groups = TablesOfGroups(batch, pool, plan);
 
   const int64_t h = c.hidden_size;
   const int64_t q_width = int64_t{c.num_attention_heads} * c.head_dim;
@@ -803,9 +881,13 @@ absl::Status LlamaModel::Forward(const ForwardBatch& batch, const PoolView& pool
 
   for (int32_t l = 0; l < c.num_hidden_layers; ++l) {
     AttentionInputs(l, x.data(), rows, plan.positions, q.data(), k.data(), v.data());
+    const LayerPlace place = places[static_cast<size_t>(l)];
     KVCM_ASSIGN_OR_RETURN(const kernels::PagedKvView view,
-                          kernels::LayerView(pool.base, pool.layout, pool.spec, l));
-    kernels::cpu::WriteKv(view, k.data(), v.data(), plan.slots.data(), static_cast<int32_t>(rows));
+                          kernels::LayerView(pool.base, pool.layout, pool.spec, place.pool_layer));
+    const size_t group = static_cast<size_t>(place.group);
+    kernels::cpu::WriteKv(view, k.data(), v.data(), groups.slots[group],
+                          static_cast<int32_t>(rows));
+    attention.block_tables = groups.tables[group];
     attention.sliding_window = c.layer_windows[static_cast<size_t>(l)];
     kernels::cpu::PagedAttention(view, attention, q.data(), attn.data(), num_threads_);
     AttentionOutputAndMlp(l, attn.data(), rows, x.data());

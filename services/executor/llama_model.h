@@ -59,11 +59,15 @@ namespace kvcm::executor {
 //     block_tables[i * max_blocks_per_seq + p / block_size] * block_size + p % block_size.
 // Entries of block_tables past a sequence's last block are ignored. Blocks holding a cached
 // prefix may be shared by several sequences (only read); no slot may be written twice.
+// On a pool with KV cache groups (PoolView::kv_groups), block_tables is group 0's and
+// group_block_tables holds groups 1..'s, each [num_seqs][max_blocks_per_seq], one after
+// another; a layer reads and writes its group's table (kv_groups.h). Empty without groups.
 struct ForwardBatch {
   std::vector<int32_t> token_ids;
   std::vector<int32_t> query_lens;
   std::vector<int32_t> context_lens;
   std::vector<int32_t> block_tables;
+  std::vector<int32_t> group_block_tables;
   int32_t max_blocks_per_seq = 0;
   // Per sequence (or empty: none): 1 returns logits for every new token of the sequence, not
   // only its last, whatever the LogitsScope (a prompt's scores).
@@ -204,7 +208,8 @@ class LlamaModel {
   // spec's layers, KV heads and head dim equal the model's (else FAILED_PRECONDITION naming
   // the field and both values); a pool whose blocks are released behind a sliding window
   // only when every layer attends within it (else FAILED_PRECONDITION naming the layer);
-  // UNIMPLEMENTED for a cache dtype without a kernel (fp8).
+  // UNIMPLEMENTED for a cache dtype without a kernel (fp8). A pool with KV cache groups
+  // must have the model's groups, its layers being their slots (CheckPoolGroups).
   absl::Status CheckPool(const PoolView& pool) const;
 
   // OK when `batch` is well formed for `pool` (see ForwardBatch); otherwise
@@ -212,7 +217,9 @@ class LlamaModel {
   // context_lens[i] < query_lens[i] or > max_position_embeddings, too few block-table
   // entries, a token id outside [0, vocab_size), a block id outside [0, num_blocks) (-1 is
   // allowed for a block wholly behind every layer's window: released, never read), or a
-  // slot written twice.
+  // slot written twice. With KV cache groups: group_block_tables of (groups - 1) tables, each
+  // checked as block_tables with its group's window deciding where -1 may be, and no slot
+  // written twice by any group's layers.
   absl::Status CheckBatch(const ForwardBatch& batch, const PoolView& pool) const;
 
   // Runs one step: writes the new tokens' K/V into the pool and sets *logits to

@@ -510,6 +510,7 @@ absl::Status LlamaCudaModel::Impl::CheckDevicePool(const PoolView& pool) const {
                                           : absl::StrCat("on CUDA device ", pool.cuda_device),
                      " but this model runs on CUDA device ", device_));
   }
+  KVCM_RETURN_IF_ERROR(CheckCudaPoolGroups(pool));
   return model_.CheckPool(pool);
 }
 

@@ -77,6 +77,19 @@ inline absl::Status CheckCudaSupport(const LlamaConfig& config) {
   return absl::OkStatus();
 }
 
+// OK for a pool without KV cache groups; UNIMPLEMENTED otherwise: the device forward reads
+// every layer through one block table and pool layer l, so it would misread a grouped pool
+// (docs/architecture.md, "The hybrid KV cache"). ExecutorModel::Prepare and every device
+// pass check it, in builds with and without CUDA.
+inline absl::Status CheckCudaPoolGroups(const PoolView& pool) {
+  if (pool.kv_groups.empty()) return absl::OkStatus();
+  return absl::UnimplementedError(absl::StrCat(
+      "the pool has ", pool.kv_groups.size(),
+      " KV cache groups: KV cache groups are served by the CPU model only; run the cache "
+      "manager with --backend shm, or with --sliding-window-tokens 0 (one block table for "
+      "every layer)"));
+}
+
 class LlamaCudaModel {
  public:
   // Copies `model`'s weights to `device` in options.weight_dtype and makes the stream and
@@ -103,7 +116,8 @@ class LlamaCudaModel {
   uint64_t weight_bytes() const;
 
   // LlamaModel::Forward's contract, for a pool whose base is a device pointer on device():
-  // FAILED_PRECONDITION when pool.cuda_device is not device(); then the model's CheckPool
+  // FAILED_PRECONDITION when pool.cuda_device is not device(); UNIMPLEMENTED for a pool with
+  // KV cache groups (CheckCudaPoolGroups); then the model's CheckPool
   // and CheckBatch, before anything is written; INTERNAL with CUDA's message when a device
   // or cuBLAS call fails (RESOURCE_EXHAUSTED when scratch memory runs out).
   absl::Status Forward(const ForwardBatch& batch, const PoolView& pool, std::vector<float>* logits,

@@ -1,7 +1,8 @@
 // ExecutorService without sockets or a cache manager: a tiny model written to a temp folder,
 // a local pool buffer behind a fake PoolSource. Steps against the contiguous reference,
 // sampling independent of batching, refused steps that leave the pool untouched, epochs,
-// and the protocol state (Hello, replies, malformed frames).
+// the protocol state (Hello, replies, malformed frames), and a pool of KV cache groups (its
+// steps, their refusals, the attach check).
 
 #include "services/executor/executor_service.h"
 
@@ -18,9 +19,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/memory/pool_layout.h"
+#include "common/sizing/kv_cache_groups.h"
 #include "common/wire/envelope.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "services/executor/kv_groups.h"
 #include "services/executor/sampler.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/subprocess.h"
@@ -101,6 +104,7 @@ class LocalPool : public PoolSource {
 
   std::vector<uint8_t>& memory() { return memory_; }
   const PoolView& view() const { return view_; }
+  void set_kv_groups(std::vector<KvCacheGroup> groups) { view_.kv_groups = std::move(groups); }
   void set_attached(bool attached) { attached_ = attached; }
   void set_epoch_after_reattach(uint64_t epoch) { epoch_after_reattach_ = epoch; }
   void set_reattach_result(absl::Status status) { reattach_result_ = std::move(status); }
@@ -836,6 +840,231 @@ INSTANTIATE_TEST_SUITE_P(DTypesAndBlockSizes, ExecutorServiceTest,
                            return absl::StrCat(std::string(DTypeName(test_param.param.first)),
                                                "_block", test_param.param.second);
                          });
+
+// KV cache groups (docs/architecture.md, "The hybrid KV cache") through RunStep: a tiny
+// Qwen2 whose last two of four layers slide over 5 tokens, on a pool of its two groups
+// (full attention: layers 0 and 1; window 5: layers 2 and 3) in pages of 2 slots.
+class ExecutorServiceGroupsTest : public ::testing::Test {
+ protected:
+  static constexpr int32_t kBlockSize = 4;
+  static constexpr int32_t kTableLen = 8;
+
+  static void SetUpTestSuite() {
+    absl::StatusOr<TempDir> dir = TempDir::Create("kvcm-exec-groups");
+    ASSERT_THAT(dir, IsOk());
+    dir_ = new TempDir(std::move(*dir));
+    TinyModelOptions options;
+    options.architecture = "qwen2";
+    options.sliding_window = 5;
+    options.max_window_layers = 2;
+    ASSERT_THAT(WriteTinyModel(dir_->path() + "/tiny", options), IsOk());
+    LlamaModelOptions model_options;
+    model_options.num_threads = 2;
+    absl::StatusOr<std::unique_ptr<LlamaModel>> model =
+        LlamaModel::Load(dir_->path() + "/tiny", model_options);
+    ASSERT_THAT(model, IsOk());
+    model_ = model->release();
+  }
+  static void TearDownTestSuite() {
+    delete model_;
+    delete dir_;
+  }
+
+  void SetUp() override {
+    groups_ = GroupLayers(model_->config().layer_windows).value();
+    ASSERT_EQ(groups_.num_groups(), 2) << groups_.ToString();
+    ASSERT_EQ(groups_.group_size, 2) << groups_.ToString();
+    const KvCacheSpec spec =
+        PageSpec(model_->config().KvSpec(DType::kFloat32, kBlockSize).value(), groups_);
+    pool_ = std::make_unique<LocalPool>(spec, kNumBlocks, kEpoch);
+    pool_->set_kv_groups(groups_.groups);
+    ExecutorService::Options options;
+    options.name = "unit";
+    options.model_name = "tiny";
+    executor_model_ = std::make_unique<ExecutorModel>(model_);
+    service_ =
+        std::make_unique<ExecutorService>(options, executor_model_.get(), pool_.get(), nullptr);
+  }
+
+  // Tokens [done, done + n) of `tokens` as one step of sequence 1, sampled greedily: group
+  // 0 in blocks 3, 4, ..., group 1 in blocks 40, 38, ... (other ids, another order), its
+  // entries wholly behind the window of the first new token -1, as the cache manager
+  // releases them.
+  StepBatch Step(const std::vector<int32_t>& tokens, int32_t done, int32_t n) {
+    StepBatch step;
+    step.step_id = next_step_++;
+    step.epoch = kEpoch;
+    SeqWork s;
+    s.seq = 1;
+    s.tokens.assign(tokens.begin() + done, tokens.begin() + done + n);
+    s.context_len = done + n;
+    s.sample = true;
+    const int64_t released = ReleasedBlocks(groups_.groups[1].window, done, kBlockSize);
+    for (int32_t j = 0; j < kTableLen; ++j) {
+      s.block_table.push_back(3 + j);
+      s.group_tables.push_back(j < released ? -1 : 40 - 2 * j);
+      released_ += j < released ? 1 : 0;
+    }
+    step.seqs.push_back(std::move(s));
+    return step;
+  }
+
+  static TempDir* dir_;
+  static LlamaModel* model_;
+  KvCacheGroups groups_;
+  std::unique_ptr<LocalPool> pool_;
+  std::unique_ptr<ExecutorModel> executor_model_;
+  std::unique_ptr<ExecutorService> service_;
+  uint64_t next_step_ = 1;
+  int32_t released_ = 0;
+};
+
+TempDir* ExecutorServiceGroupsTest::dir_ = nullptr;
+LlamaModel* ExecutorServiceGroupsTest::model_ = nullptr;
+
+TEST_F(ExecutorServiceGroupsTest, GreedyStepsOnAGroupedPoolMatchTheContiguousReference) {
+  std::vector<int32_t> tokens = kPrompts[1];
+  const int32_t prompt_len = static_cast<int32_t>(tokens.size());
+  const size_t vocab = static_cast<size_t>(model_->config().vocab_size);
+  std::vector<int32_t> got;
+  std::vector<int32_t> want;
+  for (int32_t i = 0; i < 12; ++i) {
+    const int32_t done = i == 0 ? 0 : static_cast<int32_t>(tokens.size()) - 1;
+    const int32_t n = i == 0 ? prompt_len : 1;
+    absl::StatusOr<StepResult> report = service_->RunStep(Step(tokens, done, n));
+    ASSERT_THAT(report, IsOk());
+    ASSERT_THAT(report->results[0].status, IsOk());
+    absl::StatusOr<std::vector<float>> logits = model_->ForwardContiguous(tokens);
+    ASSERT_THAT(logits, IsOk());
+    want.push_back(Greedy(std::span<const float>(*logits).last(vocab)));
+    got.push_back(report->results[0].token);
+    tokens.push_back(got.back());
+  }
+  EXPECT_THAT(got, ElementsAreArray(want));
+  EXPECT_GT(released_, 0) << "no table entry was released";
+}
+
+// Copy-on-write orders copy whole pages, every slot: a sequence that decodes through copies
+// of each group's last, partly filled block (as a forked one does) gets the reference token
+// and log-probability.
+TEST_F(ExecutorServiceGroupsTest, CopyOnWriteCopiesEverySlotOfAPage) {
+  std::vector<int32_t> tokens = kPrompts[1];  // 11 tokens: block 2 holds positions 8 .. 10
+  absl::StatusOr<StepResult> prefill = service_->RunStep(Step(tokens, 0, 11));
+  ASSERT_THAT(prefill, IsOk());
+  tokens.push_back(prefill->results[0].token);
+  StepBatch next = Step(tokens, 11, 1);
+  SeqWork& s = next.seqs[0];
+  next.copies = {{s.block_table[2], 60}, {s.group_tables[2], 61}};
+  s.block_table[2] = 60;
+  s.group_tables[2] = 61;
+  s.logprobs = true;
+  absl::StatusOr<StepResult> decoded = service_->RunStep(next);
+  ASSERT_THAT(decoded, IsOk());
+  absl::StatusOr<std::vector<float>> logits = model_->ForwardContiguous(tokens);
+  ASSERT_THAT(logits, IsOk());
+  const size_t vocab = static_cast<size_t>(model_->config().vocab_size);
+  const std::span<const float> last = std::span<const float>(*logits).last(vocab);
+  EXPECT_EQ(decoded->results[0].token, Greedy(last));
+  EXPECT_NEAR(decoded->results[0].logprob, LogprobOf(last, Greedy(last)), 1e-4);
+}
+
+TEST_F(ExecutorServiceGroupsTest, StepWithoutTheRightGroupTablesIsRefusedNamingTheSequence) {
+  const std::vector<int32_t>& tokens = kPrompts[1];
+  StepBatch none = Step(tokens, 0, 5);
+  none.seqs[0].group_tables.clear();
+  absl::StatusOr<StepResult> refused = service_->RunStep(none);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_THAT(refused.status().message(), HasSubstr("seq[0] (id 1) has 0 group table entries"));
+  EXPECT_THAT(refused.status().message(), HasSubstr("2 KV cache groups"));
+
+  StepBatch two = Step(tokens, 0, 5);
+  std::vector<int32_t>& tables = two.seqs[0].group_tables;
+  tables.insert(tables.end(), tables.begin(), tables.end());  // a table for a third group
+  refused = service_->RunStep(two);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_THAT(refused.status().message(), HasSubstr("has 16 group table entries"));
+  EXPECT_EQ(service_->steps(), 0u);
+}
+
+TEST_F(ExecutorServiceGroupsTest, NoBlockWhereAGroupStillReadsIsRefused) {
+  std::vector<int32_t> tokens = kPrompts[1];  // 11 tokens
+  tokens.push_back(7);
+  // Decoding position 11: the window group reads positions 7.. (block 1 on); the full
+  // group reads everything.
+  StepBatch inside = Step(tokens, 11, 1);
+  ASSERT_EQ(inside.seqs[0].group_tables[0], -1);
+  inside.seqs[0].group_tables[1] = -1;
+  absl::StatusOr<StepResult> refused = service_->RunStep(inside);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("seq[0] (id 1) has no block at group_tables (KV cache group 1)[1]"));
+
+  StepBatch full = Step(tokens, 11, 1);
+  full.seqs[0].block_table[0] = -1;
+  refused = service_->RunStep(full);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_THAT(refused.status().message(), HasSubstr("has no block at block_table[0]"));
+  EXPECT_EQ(service_->steps(), 0u);
+}
+
+TEST_F(ExecutorServiceGroupsTest, GroupTablesOnAPoolWithoutGroupsAreRefused) {
+  LocalPool plain(model_->config().KvSpec(DType::kFloat32, kBlockSize).value(), kNumBlocks, kEpoch);
+  ExecutorService service({}, executor_model_.get(), &plain, nullptr);
+  absl::StatusOr<StepResult> refused = service.RunStep(Step(kPrompts[1], 0, 5));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_THAT(refused.status().message(), HasSubstr("seq[0] (id 1) has 8 group table entries"));
+}
+
+// The attach check: the pool's groups must be the model's, exactly.
+TEST_F(ExecutorServiceGroupsTest, PoolWhoseGroupsDifferFromTheModelsIsRefusedAtAttach) {
+  const LlamaConfig& c = model_->config();
+  const ModelKvShape shape = {c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+                              c.layer_windows};
+  EXPECT_THAT(CheckPoolFitsModel(pool_->view(), shape), IsOk());
+  EXPECT_THAT(model_->CheckPool(pool_->view()), IsOk());
+  auto refusal = [&](const PoolView& pool) {
+    const absl::Status fits = CheckPoolFitsModel(pool, shape);
+    EXPECT_EQ(fits.code(), absl::StatusCode::kFailedPrecondition) << fits;
+    const absl::Status checked = model_->CheckPool(pool);
+    EXPECT_EQ(checked.code(), absl::StatusCode::kFailedPrecondition) << checked;
+    EXPECT_EQ(fits.message(), checked.message());
+    return std::string(fits.message());
+  };
+  PoolView pool = pool_->view();
+  pool.kv_groups.pop_back();
+  EXPECT_THAT(refusal(pool), HasSubstr("the pool has 1 KV cache groups but the model's layers "
+                                       "make 2"));
+  pool = pool_->view();
+  pool.kv_groups[1].window = 6;
+  EXPECT_THAT(refusal(pool), HasSubstr("KV cache group 1 of the pool is window 6 (layers 2, 3) "
+                                       "but the model's is window 5 (layers 2, 3)"));
+  pool = pool_->view();
+  std::swap(pool.kv_groups[0].layers[0], pool.kv_groups[0].layers[1]);
+  EXPECT_THAT(refusal(pool), HasSubstr("KV cache group 0 of the pool is full attention (layers "
+                                       "1, 0) but the model's is full attention (layers 0, 1)"));
+  pool = pool_->view();
+  pool.sliding_window_tokens = 5;
+  EXPECT_THAT(refusal(pool), HasSubstr("pool-wide sliding window of 5 tokens"));
+  // Pages of 4 slots (the model's layer count) for groups of 2.
+  LocalPool wide(model_->config().KvSpec(DType::kFloat32, kBlockSize).value(), kNumBlocks, kEpoch);
+  wide.set_kv_groups(groups_.groups);
+  EXPECT_THAT(refusal(wide.view()),
+              HasSubstr("the pool's pages hold 4 layer slots but the model's KV cache groups "
+                        "have 2"));
+}
+
+// The device model reads every layer through one table: a grouped pool in CUDA memory is
+// refused before any weight is copied, with or without a device.
+TEST_F(ExecutorServiceGroupsTest, CudaModelRefusesAGroupedPool) {
+  PoolView pool = pool_->view();
+  pool.backend = PoolBackend::kCuda;
+  pool.cuda_device = 0;
+  ExecutorModel model(model_);
+  const absl::Status prepared = model.Prepare(pool);
+  EXPECT_EQ(prepared.code(), absl::StatusCode::kUnimplemented) << prepared;
+  EXPECT_THAT(prepared.message(), HasSubstr("KV cache groups are served by the CPU model only"));
+  EXPECT_EQ(model.cuda(), nullptr);
+}
 
 TEST(ChooseTokenTest, GreedyTakesTheArgmaxAndNaNFails) {
   const std::vector<float> logits = {0.5f, 3.0f, -1.0f, 3.0f};

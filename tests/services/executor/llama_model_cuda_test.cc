@@ -60,6 +60,7 @@
 #include "common/base/check.h"
 #include "common/memory/pool_layout.h"
 #include "common/memory/pool_memory.h"
+#include "common/sizing/kv_cache_groups.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/copy_blocks.h"
@@ -574,6 +575,17 @@ TEST_F(LlamaCudaModelTest, RefusalsLeaveTheDevicePoolUntouched) {
   const std::vector<kernels::BlockCopy> outside = {{0, kNumBlocks}};
   s = device.CopyBlocks(pools.DevicePool(), outside);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+
+  // KV cache groups (even the one group of a model whose layers are all alike): the device
+  // forward reads every layer through one table, so it refuses them rather than misread.
+  PoolView grouped = pools.DevicePool();
+  grouped.kv_groups = GroupLayers(model.config().layer_windows).value().groups;
+  s = device.Forward(batch, grouped, &logits);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+  EXPECT_THAT(s.message(), HasSubstr("KV cache groups are served by the CPU model only"));
+  const std::vector<kernels::BlockCopy> one = {{0, 5}};
+  s = device.CopyBlocks(grouped, one);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
   EXPECT_EQ(pools.DeviceBytes(), before) << "a refused call wrote the device pool";
 }
 

@@ -5,7 +5,9 @@
 // head_dim other than hidden / heads), for a Mistral with a sliding window of 6 tokens on
 // every layer (the table entries of blocks behind every window sent as -1, as the cache
 // manager's release leaves them) and for a Qwen2 whose last two of four layers slide over 5
-// tokens. Sequences run several windows long.
+// tokens. Sequences run several windows long. That Qwen2 also runs on a pool of KV cache
+// groups, a table per group and each layer in its slot of its group's blocks
+// (docs/architecture.md, "The hybrid KV cache"), with malformed group tables refused.
 //
 // Tolerances, as max |paged - reference| / max(1, max |reference|) over a logits row:
 //   fp32 cache  1e-5  (only the order of the attention sums differs; about 7e-7 seen)
@@ -30,9 +32,11 @@
 #include "common/base/check.h"
 #include "common/memory/pool_layout.h"
 #include "common/memory/pool_memory.h"
+#include "common/sizing/kv_cache_groups.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/paged_kv.h"
+#include "services/executor/kv_groups.h"
 #include "services/executor/llama_model.h"
 #include "services/executor/llama_model_cuda.h"
 #include "services/executor/sampler.h"
@@ -122,6 +126,7 @@ class TestPool {
   const PoolView& pool() const { return pool_; }
   int32_t block_size() const { return pool_.spec.block_size; }
   const std::vector<uint8_t>& memory() const { return memory_; }
+  std::vector<uint8_t>& mutable_memory() { return memory_; }
 
  private:
   std::vector<uint8_t> memory_;
@@ -553,6 +558,208 @@ TEST_F(PagedForwardErrorTest, DevicePoolIsRefusedByTheHostForward) {
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
   EXPECT_THAT(s.message(), HasSubstr("CUDA device 0"));
   EXPECT_EQ(pool_.memory(), before);
+}
+
+// KV cache groups (docs/architecture.md, "The hybrid KV cache"): the Qwen2 whose last two of
+// four layers slide over 5 tokens groups into full attention (layers 0, 1) and window 5
+// (layers 2, 3), pages of 2 slots. Each sequence has a table per group, its blocks drawn
+// from one shuffled free list; the window group's entries wholly behind the window of
+// every new token go as -1.
+class GroupedPagedTest : public ::testing::Test {
+ protected:
+  static constexpr int32_t kBlockSize = 3;
+
+  struct GroupedSeq {
+    std::vector<int32_t> tokens;
+    int32_t cached = 0;
+    std::vector<std::vector<int32_t>> tables;  // per group
+  };
+
+  GroupedPagedTest()
+      : model_(ModelHolder::Get("qwen2-window")),
+        groups_(GroupLayers(model_.config().layer_windows).value()),
+        pool_(model_.config(), DType::kFloat32, kBlockSize, 120, 9) {
+    view_ = pool_.pool();
+    view_.spec = PageSpec(view_.spec, groups_);
+    view_.layout = PoolLayout::For(view_.spec, 120).value();  // fewer bytes than pool_'s
+    view_.kv_groups = groups_.groups;
+  }
+
+  // The batch of `work` (each sequence's next n tokens); tables grown as needed.
+  ForwardBatch Batch(const std::vector<std::pair<GroupedSeq*, int32_t>>& work) {
+    ForwardBatch batch;
+    batch.max_blocks_per_seq = 1;
+    for (const auto& [seq, n] : work) {
+      seq->tables.resize(static_cast<size_t>(groups_.num_groups()));
+      for (std::vector<int32_t>& table : seq->tables) {
+        while (static_cast<int32_t>(table.size()) * kBlockSize < seq->cached + n) {
+          table.push_back(pool_.TakeBlock());
+        }
+        batch.max_blocks_per_seq =
+            std::max(batch.max_blocks_per_seq, static_cast<int32_t>(table.size()));
+      }
+    }
+    for (int32_t g = 0; g < groups_.num_groups(); ++g) {
+      std::vector<int32_t>& out = g == 0 ? batch.block_tables : batch.group_block_tables;
+      for (const auto& [seq, n] : work) {
+        const int64_t released =
+            ReleasedBlocks(groups_.groups[static_cast<size_t>(g)].window, seq->cached, kBlockSize);
+        const std::vector<int32_t>& table = seq->tables[static_cast<size_t>(g)];
+        for (int32_t j = 0; j < batch.max_blocks_per_seq; ++j) {
+          const bool kept = j >= released && j < static_cast<int32_t>(table.size());
+          out.push_back(kept ? table[static_cast<size_t>(j)] : -1);
+          released_ += j < released ? 1 : 0;
+        }
+      }
+    }
+    for (const auto& [seq, n] : work) {
+      batch.query_lens.push_back(n);
+      batch.context_lens.push_back(seq->cached + n);
+      batch.token_ids.insert(batch.token_ids.end(), seq->tokens.begin() + seq->cached,
+                             seq->tokens.begin() + seq->cached + n);
+    }
+    return batch;
+  }
+
+  std::vector<float> Run(const std::vector<std::pair<GroupedSeq*, int32_t>>& work) {
+    const ForwardBatch batch = Batch(work);
+    std::vector<float> logits;
+    EXPECT_THAT(model_.Forward(batch, view_, &logits, LogitsScope::kAllTokens), IsOk());
+    for (const auto& [seq, n] : work) seq->cached += n;
+    return logits;
+  }
+
+  // The worst relative error of the rows of `logits` (all-token, for `work` just run)
+  // against the contiguous forward.
+  double Error(const std::vector<float>& logits,
+               const std::vector<std::pair<GroupedSeq*, int32_t>>& work) {
+    const int32_t vocab = model_.config().vocab_size;
+    double worst = 0;
+    size_t row = 0;
+    for (const auto& [seq, n] : work) {
+      const std::vector<int32_t> prefix(seq->tokens.begin(), seq->tokens.begin() + seq->cached);
+      absl::StatusOr<std::vector<float>> ref = model_.ForwardContiguous(prefix);
+      EXPECT_THAT(ref, IsOk());
+      if (!ref.ok()) return INFINITY;
+      for (int32_t q = 0; q < n; ++q, ++row) {
+        const int64_t position = seq->cached - n + q;
+        worst = std::max(
+            worst, RowError(logits.data() + row * vocab, ref->data() + position * vocab, vocab));
+      }
+    }
+    return worst;
+  }
+
+  const LlamaModel& model_;
+  KvCacheGroups groups_;
+  TestPool pool_;  // the memory and the free list; view_ is its grouped view
+  PoolView view_;
+  int32_t released_ = 0;
+};
+
+// Two sequences prefilled together, then decoded together several windows long: the
+// contiguous forward's logits. Each layer's keys are where its group's table and its slot
+// say: layer 3's (window group, slot 1) in slot 1 of the window group's blocks.
+TEST_F(GroupedPagedTest, GroupedPoolMatchesContiguousAndLayersLiveInTheirSlots) {
+  ASSERT_EQ(groups_.ToString(),
+            "2 groups of 2 slots: full attention (layers 0, 1), window 5 (layers 2, 3), 0 "
+            "padding slots");
+  std::mt19937_64 rng(31);
+  const int32_t vocab = model_.config().vocab_size;
+  GroupedSeq a, b;
+  a.tokens = RandomTokens(rng, 26, vocab);
+  b.tokens = RandomTokens(rng, 23, vocab);
+  double worst = 0;
+  std::vector<std::pair<GroupedSeq*, int32_t>> work = {{&a, 14}, {&b, 9}};
+  worst = std::max(worst, Error(Run(work), work));
+  for (int32_t step = 0; step < 12; ++step) {
+    work = {{&a, 1}};
+    if (step < 10) work.emplace_back(&b, step == 0 ? 4 : 1);
+    worst = std::max(worst, Error(Run(work), work));
+  }
+  std::printf("grouped pool: worst relative error %.3g, %d entries released\n", worst, released_);
+  EXPECT_LE(worst, Tolerance(DType::kFloat32));
+  EXPECT_GT(released_, 0);
+
+  // Layer 3's key of a's last token, recomputed by a fresh ungrouped pass over a's tokens,
+  // against the grouped pool's slot 1 of the window group's block.
+  TestPool plain(model_.config(), DType::kFloat32, kBlockSize, 120, 9);
+  Sequence whole;
+  whole.tokens = a.tokens;
+  Step(model_, plain, {{&whole, static_cast<int32_t>(a.tokens.size())}});
+  const int32_t p = a.cached - 1;
+  const int32_t kv_bytes = view_.spec.num_kv_heads * view_.spec.head_dim * 4;
+  for (int32_t layer = 0; layer < 4; ++layer) {
+    SCOPED_TRACE(absl::StrCat("layer ", layer));
+    const int32_t g = groups_.group_of[static_cast<size_t>(layer)];
+    const int32_t slot = groups_.slot_of[static_cast<size_t>(layer)];
+    const int32_t block = a.tables[static_cast<size_t>(g)][static_cast<size_t>(p / kBlockSize)];
+    const auto* grouped = reinterpret_cast<const float*>(
+        pool_.memory().data() + view_.layout.Offset(slot, 0, block, p % kBlockSize, 0));
+    const PoolView& flat = plain.pool();
+    const int32_t flat_block = whole.blocks[static_cast<size_t>(p / kBlockSize)];
+    const auto* want = reinterpret_cast<const float*>(
+        plain.memory().data() + flat.layout.Offset(layer, 0, flat_block, p % kBlockSize, 0));
+    for (int32_t i = 0; i < kv_bytes / 4; ++i) EXPECT_NEAR(grouped[i], want[i], 1e-4) << i;
+  }
+}
+
+// Negative control: the pool's two slots exchanged after the prefill (each layer then
+// reads its slot-mate's keys and values) moves the next logits far beyond the tolerance.
+TEST_F(GroupedPagedTest, ExchangedSlotsMoveTheLogits) {
+  std::mt19937_64 rng(32);
+  GroupedSeq a;
+  a.tokens = RandomTokens(rng, 15, model_.config().vocab_size);
+  std::vector<std::pair<GroupedSeq*, int32_t>> work = {{&a, 14}};
+  EXPECT_LE(Error(Run(work), work), Tolerance(DType::kFloat32));
+  std::vector<uint8_t>& memory = pool_.mutable_memory();
+  const auto stride = static_cast<std::ptrdiff_t>(view_.layout.layer_stride);
+  std::swap_ranges(memory.begin(), memory.begin() + stride, memory.begin() + stride);
+  work = {{&a, 1}};
+  const double moved = Error(Run(work), work);
+  std::printf("grouped pool with slots 0 and 1 exchanged: relative error %.3g\n", moved);
+  EXPECT_GT(moved, 100 * Tolerance(DType::kFloat32));
+}
+
+// The batch's tables per group, checked as block_tables: their count, -1 only behind the
+// group's window (nowhere in the full group), no slot written through two groups' tables.
+TEST_F(GroupedPagedTest, MalformedGroupTablesAreInvalidNamingTheTable) {
+  std::mt19937_64 rng(33);
+  GroupedSeq a;
+  a.tokens = RandomTokens(rng, 13, model_.config().vocab_size);
+  Run({{&a, 12}});
+  const ForwardBatch good = Batch({{&a, 1}});  // 12 cached: window 5 releases blocks 0 and 1
+  ASSERT_EQ(good.group_block_tables[0], -1);
+  struct Case {
+    const char* name;
+    std::function<void(ForwardBatch&)> edit;
+    const char* expect;
+  };
+  const std::vector<Case> cases = {
+      {"no group tables", [](ForwardBatch& b) { b.group_block_tables.clear(); },
+       "group_block_tables has 0 entries, expected (KV cache groups (2) - 1)"},
+      {"released in the full group", [](ForwardBatch& b) { b.block_tables[0] = -1; },
+       "block_tables[0][0] = -1"},
+      {"released inside the window", [](ForwardBatch& b) { b.group_block_tables[3] = -1; },
+       "group_block_tables (KV cache group 1)[0][3] = -1"},
+      {"block outside the pool", [](ForwardBatch& b) { b.group_block_tables[4] = 120; },
+       "group_block_tables (KV cache group 1)[0][4] = 120"},
+      {"one block in both groups",
+       [](ForwardBatch& b) { b.group_block_tables[4] = b.block_tables[4]; }, "written by both"},
+  };
+  const std::vector<uint8_t> before = pool_.memory();
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    ForwardBatch batch = good;
+    c.edit(batch);
+    std::vector<float> logits;
+    const absl::Status s = model_.Forward(batch, view_, &logits);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(s.message(), HasSubstr(c.expect));
+  }
+  EXPECT_EQ(pool_.memory(), before) << "a rejected batch wrote the pool";
+  std::vector<float> logits;
+  EXPECT_THAT(model_.Forward(good, view_, &logits), IsOk());
 }
 
 // Without a device (or without CUDA in the build) the device model says why instead of

@@ -28,7 +28,10 @@
 // and the gemma3 model computed without each of Gemma's differences from Llama: norms
 // x_normed * w instead of x_normed * (1 + w), embeddings unscaled, attention scaled by
 // head_dim ** -0.5, one RoPE for every layer. Its paged forward (chunked prefill, then
-// decode) gives its contiguous forward's logits.
+// decode) gives its contiguous forward's logits. On a pool of KV cache groups (one block
+// table per group of layers, docs/architecture.md, "The hybrid KV cache") the qwen2-window
+// and gemma3 models give transformers' logits and greedy tokens; with two groups' tables
+// swapped mid-prompt they do not.
 
 #include <algorithm>
 #include <cmath>
@@ -46,8 +49,10 @@
 #include "common/memory/pool_layout.h"
 #include "common/memory/pool_view.h"
 #include "common/safetensors/safetensors.h"
+#include "common/sizing/kv_cache_groups.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "services/executor/kv_groups.h"
 #include "services/executor/llama_model.h"
 #include "services/executor/llama_model_cuda.h"
 #include "tests/support/status_matchers.h"
@@ -562,6 +567,151 @@ TEST(TransformersModelsGemma3Test, PagedForwardMatchesContiguous) {
   std::printf("gemma3 paged vs contiguous: worst logit difference %.2e\n", worst);
   EXPECT_LE(worst, kTolerance);
 }
+
+// KV cache groups (docs/architecture.md, "The hybrid KV cache"): the model's layers grouped
+// by window (GroupLayers), a pool of pages of group_size slots (PageSpec), one block table
+// per group whose blocks lie scattered over the pool, different in every group, and the
+// window group's entries -1 once its window has passed them, as the cache manager releases
+// them. Runs `tokens` in `chunks` of new tokens, all-token logits; `swap_from`: from that
+// chunk on, groups 0 and 1 read and write each other's tables (a negative control; nothing
+// is released then, so that the swapped full group's table has no -1).
+struct GroupedRun {
+  std::vector<float> logits;  // [tokens][vocab]
+  KvCacheGroups groups;
+  int32_t released = 0;  // table entries sent as -1
+};
+GroupedRun RunGrouped(const LlamaModel& model, const std::vector<int32_t>& tokens,
+                      const std::vector<int32_t>& chunks, size_t swap_from = SIZE_MAX) {
+  constexpr int32_t kBlockSize = 2;
+  constexpr int32_t kNumBlocks = 64;
+  const LlamaConfig& c = model.config();
+  GroupedRun run;
+  run.groups = GroupLayers(c.layer_windows).value();
+  const int32_t num_groups = run.groups.num_groups();
+  PoolView pool;
+  pool.spec = PageSpec(c.KvSpec(DType::kFloat32, kBlockSize).value(), run.groups);
+  pool.num_blocks = kNumBlocks;
+  pool.layout = PoolLayout::For(pool.spec, kNumBlocks).value();
+  pool.kv_groups = run.groups.groups;
+  // Garbage, not zeros: a read of a slot nobody wrote cannot pass by luck.
+  std::vector<uint8_t> memory(static_cast<size_t>(pool.layout.total_bytes), 0x5a);
+  pool.base = memory.data();
+  const int32_t max_blocks = (static_cast<int32_t>(tokens.size()) + kBlockSize - 1) / kBlockSize;
+  EXPECT_LE(max_blocks * num_groups, kNumBlocks);
+  // Group g's block j: a permutation of the pool dealt out to the groups in turn.
+  std::vector<std::vector<int32_t>> tables(static_cast<size_t>(num_groups));
+  for (int32_t j = 0; j < max_blocks; ++j) {
+    for (int32_t g = 0; g < num_groups; ++g) {
+      tables[static_cast<size_t>(g)].push_back((37 * (j * num_groups + g) + 11) % kNumBlocks);
+    }
+  }
+  int32_t done = 0;
+  for (size_t chunk = 0; chunk < chunks.size(); ++chunk) {
+    const int32_t n = chunks[chunk];
+    const bool swap = chunk >= swap_from;
+    ForwardBatch batch;
+    batch.token_ids.assign(tokens.begin() + done, tokens.begin() + done + n);
+    batch.query_lens = {n};
+    batch.context_lens = {done + n};
+    batch.max_blocks_per_seq = max_blocks;
+    for (int32_t g = 0; g < num_groups; ++g) {
+      const int32_t window = run.groups.groups[static_cast<size_t>(g)].window;
+      const int64_t released = swap_from == SIZE_MAX ? ReleasedBlocks(window, done, kBlockSize) : 0;
+      const int32_t from = swap && g < 2 ? 1 - g : g;
+      std::vector<int32_t>& out = g == 0 ? batch.block_tables : batch.group_block_tables;
+      for (int32_t j = 0; j < max_blocks; ++j) {
+        out.push_back(j < released ? -1
+                                   : tables[static_cast<size_t>(from)][static_cast<size_t>(j)]);
+        run.released += j < released ? 1 : 0;
+      }
+    }
+    std::vector<float> logits;
+    EXPECT_THAT(model.Forward(batch, pool, &logits, LogitsScope::kAllTokens), IsOk());
+    run.logits.insert(run.logits.end(), logits.begin(), logits.end());
+    done += n;
+  }
+  EXPECT_EQ(done, static_cast<int32_t>(tokens.size()));
+  return run;
+}
+
+// The largest |logits - the reference's| over the prompt's positions.
+double WorstGroupedError(const std::vector<float>& logits, const json& want, size_t positions,
+                         size_t vocab) {
+  double worst = 0;
+  for (size_t t = 0; t < positions; ++t) {
+    for (size_t v = 0; v < vocab; ++v) {
+      worst = std::max(worst, std::abs(logits[t * vocab + v] - want["logits"][t][v].get<double>()));
+    }
+  }
+  return worst;
+}
+
+class TransformersModelsGroupedTest : public ::testing::TestWithParam<const char*> {};
+
+// The prompt in chunks of 5, 4 and 3 tokens, then greedy decoding one token a step: the
+// reference logits and greedy tokens, on a grouped pool.
+TEST_P(TransformersModelsGroupedTest, GroupedPoolGivesTransformersLogitsAndGreedyTokens) {
+  const std::string name = GetParam();
+  const json reference = Reference();
+  const json& want = reference["models"][name];
+  LlamaModelOptions options;
+  options.num_threads = 1;
+  absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(ModelFolder(name), options);
+  ASSERT_THAT(model, IsOk());
+  const size_t vocab = static_cast<size_t>((*model)->config().vocab_size);
+  std::vector<int32_t> tokens = reference["prompt"].get<std::vector<int32_t>>();
+  const size_t prompt_len = tokens.size();
+  const std::vector<int32_t> greedy_want = want["greedy"].get<std::vector<int32_t>>();
+  // The greedy tokens are fed back one a step; each step's last row chooses the next.
+  std::vector<int32_t> chunks = {5, 4, static_cast<int32_t>(prompt_len) - 9};
+  tokens.insert(tokens.end(), greedy_want.begin(), greedy_want.end() - 1);
+  chunks.insert(chunks.end(), greedy_want.size() - 1, 1);
+  const GroupedRun run = RunGrouped(**model, tokens, chunks);
+  ASSERT_GE(run.groups.num_groups(), 2) << run.groups.ToString();
+  EXPECT_GT(run.released, 0) << "no table entry was released";
+  ASSERT_EQ(run.logits.size(), tokens.size() * vocab);
+
+  const double worst = WorstGroupedError(run.logits, want, prompt_len, vocab);
+  std::printf("%s on a grouped pool (%s): worst logit error %.2e, %d entries released\n",
+              name.c_str(), run.groups.ToString().c_str(), worst, run.released);
+  EXPECT_LE(worst, kTolerance);
+  std::vector<int32_t> greedy;
+  for (size_t t = prompt_len - 1; t < tokens.size(); ++t) {
+    const float* row = run.logits.data() + t * vocab;
+    greedy.push_back(static_cast<int32_t>(std::max_element(row, row + vocab) - row));
+  }
+  EXPECT_EQ(greedy, greedy_want);
+}
+
+// Negative control: the first chunk as it should be, then groups 0 and 1 reading and
+// writing each other's tables: the prompt's later logits move well beyond the tolerance.
+TEST_P(TransformersModelsGroupedTest, SwappedGroupTablesMoveTheLogits) {
+  const std::string name = GetParam();
+  const json reference = Reference();
+  const json& want = reference["models"][name];
+  LlamaModelOptions options;
+  options.num_threads = 1;
+  absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(ModelFolder(name), options);
+  ASSERT_THAT(model, IsOk());
+  const size_t vocab = static_cast<size_t>((*model)->config().vocab_size);
+  const std::vector<int32_t> tokens = reference["prompt"].get<std::vector<int32_t>>();
+  const std::vector<int32_t> chunks = {5, static_cast<int32_t>(tokens.size()) - 5};
+  const GroupedRun same = RunGrouped(**model, tokens, chunks, /*swap_from=*/chunks.size());
+  EXPECT_LE(WorstGroupedError(same.logits, want, tokens.size(), vocab), kTolerance);
+  const GroupedRun swapped = RunGrouped(**model, tokens, chunks, /*swap_from=*/1);
+  const double worst = WorstGroupedError(swapped.logits, want, tokens.size(), vocab);
+  std::printf("%s with groups 0 and 1 swapped after the first chunk: worst logit error %.2e\n",
+              name.c_str(), worst);
+  EXPECT_GT(worst, 100 * kTolerance);
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, TransformersModelsGroupedTest,
+                         ::testing::Values("qwen2-window", "gemma3"),
+                         [](const ::testing::TestParamInfo<const char*>& param) {
+                           std::string n = param.param;
+                           std::replace(n.begin(), n.end(), '-', '_');
+                           return n;
+                         });
 
 // Gemma 3 has no CUDA kernels: the device model refuses it up front, naming it, with or
 // without a device and in builds without CUDA, rather than compute other logits.
