@@ -22,20 +22,30 @@ BlockHash GroupBlockHash(HashAlgorithm algorithm, const BlockHash& hash, int32_t
 
 absl::StatusOr<GroupedLedger> GroupedLedger::Create(Options options) {
   if (absl::Status status = BlockLedger::CheckOptions(options.pool); !status.ok()) return status;
-  if (options.pool.sliding_window_tokens != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "a grouped ledger's windows are its groups'; the pool's sliding_window_tokens must be "
-        "0, got ",
-        options.pool.sliding_window_tokens));
-  }
   if (options.group_windows.empty()) {
-    return absl::InvalidArgumentError("a grouped ledger needs at least one group");
+    options.group_windows = {options.pool.sliding_window_tokens};
   }
   for (size_t g = 0; g < options.group_windows.size(); ++g) {
     if (options.group_windows[g] < 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("group ", g, ": negative window ", options.group_windows[g], " tokens"));
     }
+  }
+  if (options.group_windows.size() > 1 && options.pool.sliding_window_tokens != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a grouped ledger's windows are its groups'; the pool's sliding_window_tokens must be "
+        "0, got ",
+        options.pool.sliding_window_tokens));
+  }
+  if (options.group_windows.size() == 1) {
+    // One group is a BlockLedger: its window is the pool's.
+    if (options.pool.sliding_window_tokens != 0 &&
+        options.pool.sliding_window_tokens != options.group_windows[0]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("one group of window ", options.group_windows[0],
+                       " tokens on a pool of window ", options.pool.sliding_window_tokens));
+    }
+    options.pool.sliding_window_tokens = options.group_windows[0];
   }
   absl::StatusOr<BlockLedger> pool = BlockLedger::Create(options.pool);
   if (!pool.ok()) return pool.status();
@@ -49,6 +59,11 @@ GroupedLedger::GroupedLedger(Options options, BlockLedger pool)
 }
 
 absl::StatusOr<SeqId> GroupedLedger::FirstOf(SeqId seq) const {
+  if (num_groups() == 1) {
+    if (pool_.IsLive(seq)) return seq;
+    return absl::NotFoundError(
+        absl::StrCat("unknown sequence ", seq, " (never allocated, or already freed)"));
+  }
   auto it = first_of_.find(seq);
   if (it == first_of_.end()) {
     return absl::NotFoundError(
@@ -153,6 +168,7 @@ absl::StatusOr<GroupedLedger::Plan> GroupedLedger::PlanAllocate(
 
 absl::StatusOr<AdmissionPlan> GroupedLedger::CanAllocate(
     SeqId seq, int32_t num_tokens, std::span<const BlockHash> block_hashes) const {
+  if (num_groups() == 1) return pool_.CanAllocate(seq, num_tokens, block_hashes);
   absl::StatusOr<Plan> plan = PlanAllocate(seq, num_tokens, block_hashes);
   if (!plan.ok()) return plan.status();
   AdmissionPlan out;
@@ -165,6 +181,7 @@ absl::StatusOr<AdmissionPlan> GroupedLedger::CanAllocate(
 
 int32_t GroupedLedger::ReusableBlocks(int32_t num_tokens,
                                       std::span<const BlockHash> block_hashes) const {
+  if (num_groups() == 1) return pool_.ReusableBlocks(num_tokens, block_hashes);
   if (num_tokens <= 0) return 0;
   DeriveHashes(block_hashes);
   const int32_t matchable =
@@ -172,13 +189,33 @@ int32_t GroupedLedger::ReusableBlocks(int32_t num_tokens,
   return CommonHit(matchable);
 }
 
+int32_t GroupedLedger::Lookup(std::span<const BlockHash> block_hashes) const {
+  if (num_groups() == 1) return pool_.Lookup(block_hashes);
+  DeriveHashes(block_hashes);
+  return CommonHit(static_cast<int32_t>(block_hashes.size()));
+}
+
+absl::Status GroupedLedger::Pin(const std::string& name, std::span<const BlockHash> block_hashes) {
+  if (num_groups() == 1) return pool_.Pin(name, block_hashes);
+  // Every group's hashes under the one name, so that Unpin(name) releases them all.
+  DeriveHashes(block_hashes);
+  std::vector<BlockHash> all;
+  all.reserve(block_hashes.size() * static_cast<size_t>(num_groups()));
+  for (const std::vector<BlockHash>& group : hashes_)
+    all.insert(all.end(), group.begin(), group.end());
+  return pool_.Pin(name, all);
+}
+
 // --- Sequences -----------------------------------------------------------------------------
 
-absl::Status GroupedLedger::Allocate(SeqId seq, int32_t num_tokens,
-                                     std::span<const BlockHash> block_hashes,
-                                     GroupedTables* result) {
+template <typename Take>
+absl::Status GroupedLedger::AllocateGroups(SeqId seq, int32_t num_tokens,
+                                           std::span<const BlockHash> block_hashes, Take&& take) {
   absl::StatusOr<Plan> plan = PlanAllocate(seq, num_tokens, block_hashes);
-  if (!plan.ok()) return plan.status();
+  if (!plan.ok()) {
+    if (absl::IsResourceExhausted(plan.status())) ++allocation_failures_;
+    return plan.status();
+  }
   // Hold every block the groups will share, so that no group's evictions take another's.
   held_.clear();
   for (int32_t g = 0; g < num_groups(); ++g) {
@@ -191,7 +228,6 @@ absl::Status GroupedLedger::Allocate(SeqId seq, int32_t num_tokens,
   }
   const SeqId first = next_first_;
   next_first_ += static_cast<SeqId>(num_groups());
-  result->groups.resize(static_cast<size_t>(num_groups()));
   for (int32_t g = 0; g < num_groups(); ++g) {
     const int32_t window = options_.group_windows[static_cast<size_t>(g)];
     const int32_t released = ReleasedAt(window, plan->hit);
@@ -204,21 +240,54 @@ absl::Status GroupedLedger::Allocate(SeqId seq, int32_t num_tokens,
     KVCM_CHECK(scratch_.num_cached_tokens == plan->hit * block_size())
         << "group " << g << " found " << scratch_.num_cached_tokens << " tokens, planned "
         << plan->hit * block_size();
-    result->groups[static_cast<size_t>(g)] = scratch_.blocks;
+    take(g);
   }
   for (BlockId b : held_) MustSucceed(pool_.Unhold(b));
   first_of_.emplace(seq, first);
-  result->num_cached_tokens = plan->hit * block_size();
   return absl::OkStatus();
 }
 
-absl::Status GroupedLedger::Append(SeqId seq, int32_t num_new_tokens, GroupedAppendResult* result) {
-  absl::StatusOr<SeqId> first = FirstOf(seq);
-  if (!first.ok()) return first.status();
+absl::Status GroupedLedger::Allocate(SeqId seq, int32_t num_tokens,
+                                     std::span<const BlockHash> block_hashes,
+                                     GroupedTables* result) {
+  result->groups.resize(static_cast<size_t>(num_groups()));
+  if (num_groups() == 1) {
+    absl::Status status = pool_.Allocate(seq, num_tokens, block_hashes, &scratch_);
+    if (!status.ok()) return status;
+    result->groups[0] = scratch_.blocks;
+    result->num_cached_tokens = scratch_.num_cached_tokens;
+    return absl::OkStatus();
+  }
+  absl::Status status = AllocateGroups(seq, num_tokens, block_hashes, [&](int32_t g) {
+    result->groups[static_cast<size_t>(g)] = scratch_.blocks;
+  });
+  if (!status.ok()) return status;
+  result->num_cached_tokens = scratch_.num_cached_tokens;
+  return absl::OkStatus();
+}
+
+absl::Status GroupedLedger::Allocate(SeqId seq, int32_t num_tokens,
+                                     std::span<const BlockHash> block_hashes,
+                                     AllocateResult* result, std::vector<BlockId>* group_blocks) {
+  group_blocks->clear();
+  if (num_groups() == 1) return pool_.Allocate(seq, num_tokens, block_hashes, result);
+  absl::Status status = AllocateGroups(seq, num_tokens, block_hashes, [&](int32_t g) {
+    if (g == 0) {
+      result->blocks.swap(scratch_.blocks);
+    } else {
+      group_blocks->insert(group_blocks->end(), scratch_.blocks.begin(), scratch_.blocks.end());
+    }
+  });
+  if (!status.ok()) return status;
+  result->num_cached_tokens = scratch_.num_cached_tokens;
+  return absl::OkStatus();
+}
+
+absl::Status GroupedLedger::CanAppendGroups(SeqId first, SeqId seq, int32_t num_new_tokens) const {
   // Every group grows by the same blocks; take none unless all fit.
   int32_t needed = 0;
   for (int32_t g = 0; g < num_groups(); ++g) {
-    absl::StatusOr<AdmissionPlan> plan = pool_.CanAppend(IdOf(*first, g), num_new_tokens);
+    absl::StatusOr<AdmissionPlan> plan = pool_.CanAppend(IdOf(first, g), num_new_tokens);
     if (!plan.ok()) return plan.status();
     needed += plan->blocks_needed;
   }
@@ -228,15 +297,51 @@ absl::Status GroupedLedger::Append(SeqId seq, int32_t num_new_tokens, GroupedApp
                      " new blocks in ", num_groups(), " KV cache groups, but only ",
                      pool_.AvailableBlocks(), " can be taken now"));
   }
+  return absl::OkStatus();
+}
+
+absl::Status GroupedLedger::Append(SeqId seq, int32_t num_new_tokens, GroupedAppendResult* result) {
+  absl::StatusOr<SeqId> first = FirstOf(seq);
+  if (!first.ok()) return first.status();
+  if (num_groups() > 1) {
+    if (absl::Status status = CanAppendGroups(*first, seq, num_new_tokens); !status.ok()) {
+      if (absl::IsResourceExhausted(status)) ++allocation_failures_;
+      return status;
+    }
+  }
   result->groups.resize(static_cast<size_t>(num_groups()));
   for (int32_t g = 0; g < num_groups(); ++g) {
-    MustSucceed(
-        pool_.Append(IdOf(*first, g), num_new_tokens, &result->groups[static_cast<size_t>(g)]));
+    absl::Status status =
+        pool_.Append(IdOf(*first, g), num_new_tokens, &result->groups[static_cast<size_t>(g)]);
+    if (num_groups() == 1) return status;
+    MustSucceed(status);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GroupedLedger::Append(SeqId seq, int32_t num_new_tokens, AppendResult* result,
+                                   std::vector<BlockId>* group_blocks) {
+  group_blocks->clear();
+  if (num_groups() == 1) return pool_.Append(seq, num_new_tokens, result);
+  absl::StatusOr<SeqId> first = FirstOf(seq);
+  if (!first.ok()) return first.status();
+  if (absl::Status status = CanAppendGroups(*first, seq, num_new_tokens); !status.ok()) {
+    if (absl::IsResourceExhausted(status)) ++allocation_failures_;
+    return status;
+  }
+  MustSucceed(pool_.Append(*first, num_new_tokens, result));
+  for (int32_t g = 1; g < num_groups(); ++g) {
+    MustSucceed(pool_.Append(IdOf(*first, g), num_new_tokens, &append_scratch_));
+    group_blocks->insert(group_blocks->end(), append_scratch_.new_blocks.begin(),
+                         append_scratch_.new_blocks.end());
+    result->copies.insert(result->copies.end(), append_scratch_.copies.begin(),
+                          append_scratch_.copies.end());
   }
   return absl::OkStatus();
 }
 
 absl::Status GroupedLedger::Fork(SeqId parent, SeqId child) {
+  if (num_groups() == 1) return pool_.Fork(parent, child);
   absl::StatusOr<SeqId> first = FirstOf(parent);
   if (!first.ok()) return first.status();
   if (first_of_.contains(child)) {
@@ -254,6 +359,7 @@ absl::Status GroupedLedger::Fork(SeqId parent, SeqId child) {
 
 absl::Status GroupedLedger::Commit(SeqId seq, int32_t num_committed_tokens,
                                    std::span<const BlockHash> new_block_hashes) {
+  if (num_groups() == 1) return pool_.Commit(seq, num_committed_tokens, new_block_hashes);
   absl::StatusOr<SeqId> first = FirstOf(seq);
   if (!first.ok()) return first.status();
   DeriveHashes(new_block_hashes);
@@ -270,11 +376,40 @@ absl::Status GroupedLedger::Commit(SeqId seq, int32_t num_committed_tokens,
 }
 
 absl::Status GroupedLedger::Free(SeqId seq) {
+  if (num_groups() == 1) return pool_.Free(seq);
   absl::StatusOr<SeqId> first = FirstOf(seq);
   if (!first.ok()) return first.status();
   for (int32_t g = 0; g < num_groups(); ++g) MustSucceed(pool_.Free(IdOf(*first, g)));
   first_of_.erase(seq);
   return absl::OkStatus();
+}
+
+absl::Status GroupedLedger::Rename(SeqId seq, SeqId new_id) {
+  if (num_groups() == 1) return pool_.Rename(seq, new_id);
+  absl::StatusOr<SeqId> first = FirstOf(seq);
+  if (!first.ok()) return first.status();
+  if (first_of_.contains(new_id)) {
+    return absl::AlreadyExistsError(absl::StrCat("cannot rename ", seq, " to ", new_id,
+                                                 ": sequence ", new_id, " is already live"));
+  }
+  // The pool's ids stay: only the map names the sequence.
+  first_of_.erase(seq);
+  first_of_.emplace(new_id, *first);
+  return absl::OkStatus();
+}
+
+absl::Status GroupedLedger::SetOwner(SeqId seq, uint64_t owner) {
+  if (num_groups() == 1) return pool_.SetOwner(seq, owner);
+  absl::StatusOr<SeqId> first = FirstOf(seq);
+  if (!first.ok()) return first.status();
+  for (int32_t g = 0; g < num_groups(); ++g) MustSucceed(pool_.SetOwner(IdOf(*first, g), owner));
+  return absl::OkStatus();
+}
+
+uint64_t GroupedLedger::OwnerOf(SeqId seq) const {
+  if (num_groups() == 1) return pool_.OwnerOf(seq);
+  auto it = first_of_.find(seq);
+  return it == first_of_.end() ? 0 : pool_.OwnerOf(it->second);
 }
 
 // --- Introspection -------------------------------------------------------------------------
@@ -294,25 +429,62 @@ absl::StatusOr<GroupedTables> GroupedLedger::BlockTables(SeqId seq) const {
   return tables;
 }
 
-std::vector<GroupStats> GroupedLedger::Stats() const {
+absl::StatusOr<std::vector<BlockId>> GroupedLedger::BlockTable(SeqId seq) const {
+  if (num_groups() == 1) return pool_.BlockTable(seq);
+  absl::StatusOr<SeqId> first = FirstOf(seq);
+  if (!first.ok()) return first.status();
+  return pool_.BlockTable(*first);
+}
+
+absl::StatusOr<int32_t> GroupedLedger::NumTokens(SeqId seq) const {
+  if (num_groups() == 1) return pool_.NumTokens(seq);
+  absl::StatusOr<SeqId> first = FirstOf(seq);
+  if (!first.ok()) return first.status();
+  return pool_.NumTokens(*first);
+}
+
+absl::StatusOr<int32_t> GroupedLedger::NumCommittedTokens(SeqId seq) const {
+  if (num_groups() == 1) return pool_.NumCommittedTokens(seq);
+  absl::StatusOr<SeqId> first = FirstOf(seq);
+  if (!first.ok()) return first.status();
+  return pool_.NumCommittedTokens(*first);
+}
+
+LedgerStats GroupedLedger::Stats() const {
+  LedgerStats stats = pool_.Stats();
+  if (num_groups() == 1) return stats;
+  stats.live_sequences = static_cast<int32_t>(first_of_.size());
+  // Every group's Allocate counts the same prompt and hit: count them once.
+  stats.prefix_query_tokens /= static_cast<uint64_t>(num_groups());
+  stats.prefix_hit_tokens /= static_cast<uint64_t>(num_groups());
+  // Refused before any group's pool saw the request.
+  stats.allocation_failures += allocation_failures_;
+  return stats;
+}
+
+std::vector<GroupStats> GroupedLedger::PerGroupStats() const {
   std::vector<GroupStats> stats(static_cast<size_t>(num_groups()));
   for (int32_t g = 0; g < num_groups(); ++g) {
     stats[static_cast<size_t>(g)].window = options_.group_windows[static_cast<size_t>(g)];
     stats[static_cast<size_t>(g)].window_released = window_released_[static_cast<size_t>(g)];
   }
-  for (const auto& [seq, first] : first_of_) {
+  // One group's releases are the pool's (its window is the pool's own).
+  if (num_groups() == 1) stats[0].window_released = pool_.Stats().window_released;
+  ForEachSequence([&](SeqId seq, uint64_t) {
+    const SeqId first = *FirstOf(seq);
     for (int32_t g = 0; g < num_groups(); ++g) {
       absl::StatusOr<std::vector<BlockId>> table = pool_.BlockTable(IdOf(first, g));
       if (!table.ok()) continue;
       stats[static_cast<size_t>(g)].held_blocks +=
           std::count_if(table->begin(), table->end(), [](BlockId b) { return b != kNoBlock; });
     }
-  }
+  });
   return stats;
 }
 
 absl::Status GroupedLedger::CheckInvariants() const {
   if (absl::Status status = pool_.CheckInvariants(); !status.ok()) return status;
+  if (num_groups() == 1) return absl::OkStatus();  // the pool's sequences are this ledger's
   int64_t live = 0;
   for (const auto& [seq, first] : first_of_) {
     absl::StatusOr<int32_t> tokens = pool_.NumTokens(IdOf(first, 0));

@@ -8,8 +8,9 @@
 // full-attention groups keep theirs: for a Gemma-3-shaped model at 32K tokens about a fifth
 // of the bytes of keeping every layer's KV.
 //
-// A sequence `seq` of this ledger is one sequence per group in the pool's ledger, which
-// live and die together: the same tokens, the same commit point, tables of the same length
+// A sequence `seq` of this ledger is one sequence per group in the pool's ledger (with one
+// group, `seq` itself: the ledger is then the pool's, call for call), which live and die
+// together: the same tokens, the same commit point, tables of the same length
 // (a window group's leading entries kNoBlock once released). Its block hashes are the
 // caller's chained hashes (common/block/block_hash.h) for group 0 and, for group g > 0,
 // GroupBlockHash(h, g): the same content in two groups is two different pages.
@@ -28,6 +29,8 @@
 
 #include <cstdint>
 #include <span>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -63,44 +66,103 @@ struct GroupStats {
 class GroupedLedger {
  public:
   struct Options {
-    // The pool of pages. Its sliding_window_tokens must be 0: windows are per group.
+    // The pool of pages. With one group its sliding_window_tokens is that group's window
+    // (a BlockLedger's own); with more it must be 0: windows are per group.
     BlockLedger::Options pool;
-    // Tokens each group attends within; 0 = full attention. At least one group.
+    // Tokens each group attends within; 0 = full attention. Empty: one group of the pool's
+    // window.
     std::vector<int32_t> group_windows;
     HashAlgorithm hash_algorithm = kDefaultHashAlgorithm;  // of GroupBlockHash
   };
 
-  // INVALID_ARGUMENT on nonsense (BlockLedger::CheckOptions', no groups, a negative window,
-  // a pool window).
+  // INVALID_ARGUMENT on nonsense (BlockLedger::CheckOptions', a negative window, a pool
+  // window beside more than one group, or one group whose window is not the pool's).
   static absl::StatusOr<GroupedLedger> Create(Options options);
 
   GroupedLedger(GroupedLedger&&) = default;
   GroupedLedger& operator=(GroupedLedger&&) = default;
 
   int32_t num_groups() const { return static_cast<int32_t>(options_.group_windows.size()); }
+  // Tokens each group attends within; 0 = full attention.
+  const std::vector<int32_t>& group_windows() const { return options_.group_windows; }
   int32_t block_size() const { return pool_.block_size(); }
+  int32_t num_blocks() const { return pool_.num_blocks(); }
   const BlockLedger& pool() const { return pool_; }
 
   // BlockLedger's calls, for every group at once; errors as BlockLedger's, for `seq`.
+  //
+  // With one group every call is the pool's own, on the caller's sequence ids and hashes:
+  // a GroupedLedger of one group is a BlockLedger, at the same cost. With more, sequence
+  // calls fan out to every group's pool sequence and block calls go to the pool.
   absl::Status Allocate(SeqId seq, int32_t num_tokens, std::span<const BlockHash> block_hashes,
                         GroupedTables* result);
+  // The same, as a Step reply carries it: group 0's table in `result`, groups 1..'s tables
+  // one after another in `group_blocks` (cleared; left empty with one group).
+  absl::Status Allocate(SeqId seq, int32_t num_tokens, std::span<const BlockHash> block_hashes,
+                        AllocateResult* result, std::vector<BlockId>* group_blocks);
   // Dry run: the blocks every group together would take, the common hit in blocks
   // (prefix_hit_blocks) and the evictions.
   absl::StatusOr<AdmissionPlan> CanAllocate(SeqId seq, int32_t num_tokens,
                                             std::span<const BlockHash> block_hashes) const;
   absl::Status Append(SeqId seq, int32_t num_new_tokens, GroupedAppendResult* result);
+  // The same, as a Step reply carries it: group 0's new blocks in `result`, every group's
+  // copy orders in result->copies, groups 1..'s new blocks one after another in
+  // `group_blocks` (cleared; left empty with one group).
+  absl::Status Append(SeqId seq, int32_t num_new_tokens, AppendResult* result,
+                      std::vector<BlockId>* group_blocks);
   absl::Status Fork(SeqId parent, SeqId child);
   absl::Status Commit(SeqId seq, int32_t num_committed_tokens,
                       std::span<const BlockHash> new_block_hashes = {});
   absl::Status Free(SeqId seq);
+  // Gives a live sequence another id (every group's tables move with it).
+  absl::Status Rename(SeqId seq, SeqId new_id);
 
+  absl::Status SetOwner(SeqId seq, uint64_t owner);
+  uint64_t OwnerOf(SeqId seq) const;
+  // fn(seq, owner) for every live sequence (its caller's id), in no particular order.
+  template <typename Fn>
+  void ForEachSequence(Fn&& fn) const {
+    if (num_groups() == 1) {
+      pool_.ForEachSequence(fn);
+      return;
+    }
+    for (const auto& [seq, first] : first_of_) fn(seq, pool_.OwnerOf(first));
+  }
+
+  // Leading blocks of `block_hashes` every group has cached now (the common hit, without
+  // Allocate's rule that a hit never covers the last token).
+  int32_t Lookup(std::span<const BlockHash> block_hashes) const;
   // Leading blocks Allocate(seq, num_tokens, block_hashes) would find in every group now.
   int32_t ReusableBlocks(int32_t num_tokens, std::span<const BlockHash> block_hashes) const;
+  // Pins every group's blocks of `block_hashes` under `name`: each must be cached in every
+  // group, window groups included (simple, and stricter than the hit needs).
+  absl::Status Pin(const std::string& name, std::span<const BlockHash> block_hashes);
+  absl::Status Unpin(const std::string& name) { return pool_.Unpin(name); }
+  absl::Status Hold(BlockId block) { return pool_.Hold(block); }
+  absl::Status Unhold(BlockId block) { return pool_.Unhold(block); }
+  int32_t held_blocks() const { return pool_.held_blocks(); }
+  int32_t RefCount(BlockId block) const { return pool_.RefCount(block); }
+  BlockState StateOf(BlockId block) const { return pool_.StateOf(block); }
+  int32_t EvictAllCached() { return pool_.EvictAllCached(); }
 
-  bool IsLive(SeqId seq) const { return first_of_.contains(seq); }
+  bool IsLive(SeqId seq) const {
+    return num_groups() == 1 ? pool_.IsLive(seq) : first_of_.contains(seq);
+  }
   absl::StatusOr<GroupedTables> BlockTables(SeqId seq) const;
-  std::vector<GroupStats> Stats() const;
+  // Group 0's table, tokens and commit point (every group's are the same length and count).
+  absl::StatusOr<std::vector<BlockId>> BlockTable(SeqId seq) const;
+  absl::StatusOr<int32_t> NumTokens(SeqId seq) const;
+  absl::StatusOr<int32_t> NumCommittedTokens(SeqId seq) const;
+  // The pool's, counting this ledger's sequences, prompts and refusals (not each group's).
+  LedgerStats Stats() const;
+  std::vector<GroupStats> PerGroupStats() const;
   int32_t AvailableBlocks() const { return pool_.AvailableBlocks(); }
+  std::vector<BlockEvent> TakeEvents() { return pool_.TakeEvents(); }
+  std::vector<std::pair<BlockId, BlockHash>> IndexedBlocks() const { return pool_.IndexedBlocks(); }
+  void FillBlockMap(int32_t max_cells, std::span<const std::pair<BlockId, MapState>> held_apart,
+                    BlockMap* out) const {
+    pool_.FillBlockMap(max_cells, held_apart, out);
+  }
 
   // The pool's invariants, and that every sequence's groups are all live with the same
   // tokens, commit point and table length, and its window groups hold nothing their window
@@ -112,6 +174,7 @@ class GroupedLedger {
 
   // The pool ledger's id of group g of a sequence whose first id is `first`.
   static SeqId IdOf(SeqId first, int32_t group) { return first + static_cast<SeqId>(group); }
+  // The pool's id of group 0 of `seq`: `seq` itself with one group.
   absl::StatusOr<SeqId> FirstOf(SeqId seq) const;
   // Group g's hashes of `block_hashes`, into hashes_[g].
   void DeriveHashes(std::span<const BlockHash> block_hashes) const;
@@ -129,16 +192,24 @@ class GroupedLedger {
   };
   absl::StatusOr<Plan> PlanAllocate(SeqId seq, int32_t num_tokens,
                                     std::span<const BlockHash> block_hashes) const;
+  // OK when every group of the sequence whose group 0 is `first` can grow by the tokens.
+  absl::Status CanAppendGroups(SeqId first, SeqId seq, int32_t num_new_tokens) const;
+  // Allocate over more than one group: group g's table into scratch_ and then `take`(g).
+  template <typename Take>
+  absl::Status AllocateGroups(SeqId seq, int32_t num_tokens,
+                              std::span<const BlockHash> block_hashes, Take&& take);
 
   Options options_;
   BlockLedger pool_;
   absl::flat_hash_map<SeqId, SeqId> first_of_;  // sequence -> its group 0's pool id
   SeqId next_first_ = 1;
   std::vector<uint64_t> window_released_;  // per group
+  uint64_t allocation_failures_ = 0;       // refused by the groups' plan, unseen by the pool
   // Scratch of the calls, kept for its capacity.
   mutable std::vector<std::vector<BlockHash>> hashes_;
   std::vector<BlockId> held_;
   AllocateResult scratch_;
+  AppendResult append_scratch_;
 };
 
 }  // namespace kvcm

@@ -37,10 +37,13 @@ std::vector<std::pair<BlockId, MapState>> CacheManagerService::HeldApartList() c
   };
   absl::flat_hash_map<BlockId, Refs> refs;
   auto count = [&](SeqId seq, int32_t Refs::*field) {
-    auto table = ledger_.BlockTable(seq);
-    KVCM_CHECK(table.ok()) << table.status().ToString();
-    for (BlockId block : *table) {
-      if (block != kNoBlock) ++(refs[block].*field);
+    // Every KV cache group's blocks: the sequence holds them all.
+    auto tables = ledger_.BlockTables(seq);
+    KVCM_CHECK(tables.ok()) << tables.status().ToString();
+    for (const std::vector<BlockId>& table : tables->groups) {
+      for (BlockId block : table) {
+        if (block != kNoBlock) ++(refs[block].*field);
+      }
     }
   };
   absl::flat_hash_set<uint64_t> quarantined;
@@ -87,6 +90,7 @@ void CacheManagerService::HandleAttach(const wire::Envelope& envelope,
   descriptor.cuda_device = pool.cuda_device;
   descriptor.cuda_ipc_handle = pool.cuda_ipc_handle;
   descriptor.sliding_window_tokens = options_.ledger.sliding_window_tokens;
+  descriptor.kv_groups = options_.kv_groups.groups;
   auto payload = EncodeAttachReply(*reply, descriptor);
   FinishEnvelope(*reply, envelope.request_id(), envelope.session_id(), options_.epoch,
                  wire::Message::AttachReply, payload.Union());

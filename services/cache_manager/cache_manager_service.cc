@@ -49,8 +49,9 @@ constexpr size_t kStepReplyBytes = 256;
 
 // An upper bound of the StepReply to `ops` in bytes, whatever the ledger answers: an
 // Allocate returns one block id per block of its tokens, an Append at most one per block
-// of its new tokens and a copy-on-write order; other ops return no blocks.
-size_t StepReplyBound(std::span<const BlockOp> ops, int32_t block_size) {
+// of its new tokens and a copy-on-write order, each in every KV cache group; other ops
+// return no blocks.
+size_t StepReplyBound(std::span<const BlockOp> ops, int32_t block_size, int32_t num_groups) {
   size_t bytes = kStepReplyBytes;
   for (const BlockOp& op : ops) {
     bytes += kOpResultBytes;
@@ -58,9 +59,11 @@ size_t StepReplyBound(std::span<const BlockOp> ops, int32_t block_size) {
       return static_cast<size_t>((int64_t{tokens} + block_size - 1) / block_size);
     };
     if (op.kind == wire::StepOp::AllocateOp) {
-      bytes += sizeof(BlockId) * blocks_of(op.num_tokens);
+      bytes += sizeof(BlockId) * blocks_of(op.num_tokens) * static_cast<size_t>(num_groups);
     } else if (op.kind == wire::StepOp::AppendOp) {
-      bytes += sizeof(BlockId) * (blocks_of(op.num_tokens) + 1) + sizeof(wire::CopyOrder);
+      // Each group's new blocks and its copy order (group_blocks, copies).
+      bytes += (sizeof(BlockId) * (blocks_of(op.num_tokens) + 1) + sizeof(wire::CopyOrder)) *
+               static_cast<size_t>(num_groups);
     }
   }
   return bytes;
@@ -105,6 +108,49 @@ std::optional<RequestType> RequestTypeOf(wire::Message type) {
   }
 }
 
+// The ledger of `options`: one pool of pages, for one group under the ledger's window or
+// for the model's KV cache groups.
+GroupedLedger::Options LedgerOptionsOf(const CacheManagerService::Options& options) {
+  GroupedLedger::Options out;
+  out.pool = options.ledger;
+  out.pool.block_size = options.spec.block_size;
+  out.hash_algorithm = options.hash_algorithm;
+  for (const KvCacheGroup& group : options.kv_groups.groups) {
+    out.group_windows.push_back(group.window);
+  }
+  return out;
+}
+
+// With KV cache groups: a pool of pages, and none of the features that do not know groups.
+absl::Status CheckGroups(const CacheManagerService::Options& options) {
+  const KvCacheGroups& groups = options.kv_groups;
+  if (groups.num_groups() == 0) return absl::OkStatus();
+  if (options.spec.num_layers != groups.group_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "with KV cache groups the pool's spec is a page's: ", groups.group_size,
+        " layer slots, got ", options.spec.num_layers, " layers (", groups.ToString(), ")"));
+  }
+  if (options.ledger.sliding_window_tokens != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "with KV cache groups the windows are the groups'; the ledger's sliding window must be "
+        "0, got ",
+        options.ledger.sliding_window_tokens, " tokens"));
+  }
+  for (const KvCacheGroup& group : groups.groups) {
+    if (group.window < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("KV cache group of negative window ", group.window, " tokens"));
+    }
+  }
+  if (options.tiers != nullptr || options.vllm_events) {
+    return absl::UnimplementedError(absl::StrCat(
+        "the host and disk tiers and the vLLM-format KV events do not support KV cache groups "
+        "yet (",
+        groups.ToString(), ")"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status CacheManagerService::CheckOptions(const Options& options) {
@@ -121,25 +167,23 @@ absl::Status CacheManagerService::CheckOptions(const Options& options) {
       options.max_sequences_per_session <= 0) {
     return absl::InvalidArgumentError("message, session and sequence limits must be positive");
   }
-  BlockLedger::Options ledger_options = options.ledger;
-  ledger_options.block_size = options.spec.block_size;
-  return BlockLedger::CheckOptions(ledger_options);
+  if (absl::Status groups = CheckGroups(options); !groups.ok()) return groups;
+  return BlockLedger::CheckOptions(LedgerOptionsOf(options).pool);
 }
 
 absl::StatusOr<std::unique_ptr<CacheManagerService>> CacheManagerService::Create(
     const Options& options, ProcessWatcher* watcher, CacheManagerMetrics* metrics, absl::Time now) {
   KVCM_CHECK(watcher != nullptr);
   if (absl::Status checked = CheckOptions(options); !checked.ok()) return checked;
-  BlockLedger::Options ledger_options = options.ledger;
-  ledger_options.block_size = options.spec.block_size;
-  ledger_options.record_events = true;
-  auto ledger = BlockLedger::Create(ledger_options);
+  GroupedLedger::Options ledger_options = LedgerOptionsOf(options);
+  ledger_options.pool.record_events = true;
+  auto ledger = GroupedLedger::Create(std::move(ledger_options));
   if (!ledger.ok()) return ledger.status();
   return std::unique_ptr<CacheManagerService>(
       new CacheManagerService(options, *std::move(ledger), watcher, metrics, now));
 }
 
-CacheManagerService::CacheManagerService(const Options& options, BlockLedger ledger,
+CacheManagerService::CacheManagerService(const Options& options, GroupedLedger ledger,
                                          ProcessWatcher* watcher, CacheManagerMetrics* metrics,
                                          absl::Time now)
     : options_(options),
@@ -516,6 +560,7 @@ void CacheManagerService::HandleHello(const wire::Envelope& envelope,
   info.wants_commit_tokens = options_.vllm_events;
   info.tiers = tiers_ != nullptr;
   info.sliding_window_tokens = options_.ledger.sliding_window_tokens;
+  if (options_.kv_groups.num_groups() > 0) info.group_windows = ledger_.group_windows();
   auto hello_reply = EncodeHelloReply(*reply, info);
   FinishEnvelope(*reply, request_id, id, options_.epoch, wire::Message::HelloReply,
                  hello_reply.Union());
@@ -714,7 +759,7 @@ std::optional<CacheManagerService::Rejection> CacheManagerService::CheckStep(
   }
   // Every applied Step's reply is kept for a retry, so it must fit the message limit that
   // bounds what the session can make the cache manager hold (and what it announced).
-  if (const size_t bound = StepReplyBound(step_ops_, ledger_.block_size());
+  if (const size_t bound = StepReplyBound(step_ops_, ledger_.block_size(), ledger_.num_groups());
       bound > options_.max_message_bytes) {
     return Rejection{RejectReason::kOversized, wire::ErrorCode::InvalidArgument,
                      absl::StrCat("the reply to this step could take ", bound, " bytes, over the ",

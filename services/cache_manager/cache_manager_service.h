@@ -73,6 +73,8 @@
 #include "common/block/block_hash.h"
 #include "common/block/block_ledger.h"
 #include "common/block/block_map.h"
+#include "common/block/grouped_ledger.h"
+#include "common/sizing/kv_cache_groups.h"
 #include "common/sizing/kv_cache_spec.h"
 #include "common/wire/message_limits.h"
 #include "common/wire/pool_strides.h"
@@ -123,6 +125,11 @@ class CacheManagerService {
     // num_blocks, sliding window, pin limit; block_size is taken from spec, and events are
     // always recorded.
     BlockLedger::Options ledger;
+    // The model's KV cache groups (docs/architecture.md, "The hybrid KV cache"); none
+    // (num_groups() == 0): every layer in one table, under ledger.sliding_window_tokens.
+    // With groups `spec` is the page's (PageSpec), ledger.sliding_window_tokens is 0, and
+    // neither `tiers` nor `vllm_events` is on (they do not support groups yet).
+    KvCacheGroups kv_groups;
     HashAlgorithm hash_algorithm = kDefaultHashAlgorithm;  // announced in HelloReply
     // Changes at every start; < 2^53 so that the epoch gauge is exact.
     uint64_t epoch = 1;
@@ -245,7 +252,9 @@ class CacheManagerService {
   std::vector<std::pair<tiers::Tier, double>> TakeTierLoadSeconds();
 
   uint64_t epoch() const { return options_.epoch; }
-  const BlockLedger& ledger() const { return ledger_; }
+  // The pool's ledger (with one group, the ledger itself: the same sequence ids).
+  const BlockLedger& ledger() const { return ledger_.pool(); }
+  const GroupedLedger& grouped_ledger() const { return ledger_; }
   const Options& options() const { return options_; }
   // The uids served over ipc:// (Options::allowed_uids, or this process's effective uid).
   const std::vector<uid_t>& allowed_uids() const { return allowed_uids_; }
@@ -273,7 +282,7 @@ class CacheManagerService {
   // A refusal before anything changed (defined in the .cc: it holds a wire::ErrorCode).
   struct Rejection;
 
-  CacheManagerService(const Options& options, BlockLedger ledger, ProcessWatcher* watcher,
+  CacheManagerService(const Options& options, GroupedLedger ledger, ProcessWatcher* watcher,
                       CacheManagerMetrics* metrics, absl::Time now);
 
   void Reject(uint64_t request_id, const Rejection& rejection,
@@ -345,7 +354,7 @@ class CacheManagerService {
   const Options options_;
   // options_.allowed_uids, or this process's effective uid when it is empty.
   const std::vector<uid_t> allowed_uids_;
-  BlockLedger ledger_;
+  GroupedLedger ledger_;
   ProcessWatcher* const watcher_;
   CacheManagerMetrics* const metrics_;
   const absl::Time start_time_;

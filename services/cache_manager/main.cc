@@ -24,6 +24,7 @@
 #include "absl/flags/usage.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/base/command_line.h"
 #include "common/base/log.h"
@@ -36,6 +37,7 @@
 #include "common/metrics/metrics_server.h"
 #include "common/model/model_config.h"
 #include "common/sizing/byte_size.h"
+#include "common/sizing/kv_cache_groups.h"
 #include "common/sizing/model_config.h"
 #include "common/sizing/pool_plan.h"
 #include "common/transport/accept_guard.h"
@@ -86,9 +88,12 @@ ABSL_FLAG(std::string, hash_algorithm, "xxh3_v2",
           "own, byte for byte: docs/cluster.md) or fast128.");
 ABSL_FLAG(int32_t, sliding_window_tokens, -1,
           "Release a sequence's blocks that lie wholly behind a sliding attention window of "
-          "this many tokens; 0 keeps every block. Default (-1): from --model-config, the "
-          "window when every layer of the model has one, else 0. Executors whose layers do "
-          "not all attend within it refuse the pool.");
+          "this many tokens; 0 keeps every block, in one table. Default (-1): from "
+          "--model-config: KV cache groups when its layers are of more than one attention "
+          "type (full, or each window size): a block table per group, each window group "
+          "releasing what its window passed (docs/operations.md); else the window when every "
+          "layer has one; else 0. Executors whose layers do not all attend within it refuse "
+          "the pool.");
 ABSL_FLAG(int32_t, max_pinned_blocks, 0, "Most blocks named pins may hold; 0 = half the pool.");
 ABSL_FLAG(int32_t, max_ops_per_step, 4096, "Most operations in one Step message.");
 ABSL_FLAG(int64_t, max_message_bytes, 16 << 20,
@@ -356,14 +361,48 @@ absl::StatusOr<int32_t> SlidingWindowFromFlags() {
   return flag;
 }
 
-// The service's options from the flags, given the KV spec, the pool plan and the hash.
-absl::StatusOr<CacheManagerService::Options> ServiceOptionsFromFlags(const KvCacheSpec& spec,
-                                                                     const PoolPlan& plan,
-                                                                     HashAlgorithm hash_algorithm) {
+// The KV cache groups of --model-config when --sliding-window-tokens is -1 (auto) and its
+// layers are of more than one attention type (docs/architecture.md, "The hybrid KV
+// cache"); nullopt otherwise (one table for every layer, as ever). With groups, the
+// features that do not know groups yet are refused by their flags.
+absl::StatusOr<std::optional<KvCacheGroups>> KvGroupsFromFlags() {
+  const std::string path = absl::GetFlag(FLAGS_model_config);
+  if (path.empty() || absl::GetFlag(FLAGS_sliding_window_tokens) != -1) return std::nullopt;
+  KVCM_ASSIGN_OR_RETURN(const ModelConfig model, ReadModelConfig(path));
+  KVCM_ASSIGN_OR_RETURN(const std::vector<int32_t> windows, LayerWindows(model));
+  KVCM_ASSIGN_OR_RETURN(KvCacheGroups groups, GroupLayers(windows));
+  if (groups.num_groups() < 2) return std::nullopt;
+  std::vector<std::string> refused;
+  const std::string host_bytes = absl::GetFlag(FLAGS_host_tier_bytes);
+  if (!host_bytes.empty() && host_bytes != "0") refused.push_back("--host-tier-bytes");
+  if (!absl::GetFlag(FLAGS_disk_tier_dir).empty()) refused.push_back("--disk-tier-dir");
+  if (!absl::GetFlag(FLAGS_kv_events_endpoint).empty()) {
+    refused.push_back("--kv-events-endpoint");
+  }
+  if (!refused.empty()) {
+    return absl::UnimplementedError(absl::StrCat(
+        absl::StrJoin(refused, ", "),
+        ": the host and disk tiers and the vLLM-format KV events do not support KV cache "
+        "groups yet, and the model (",
+        path, ") has layers of more than one attention type: ", groups.ToString(),
+        "; give --sliding-window-tokens 0 to keep every layer's blocks in one table instead"));
+  }
+  return groups;
+}
+
+// The service's options from the flags, given the pool's KV spec (a page's with groups),
+// the pool plan, the hash and the KV cache groups, if any.
+absl::StatusOr<CacheManagerService::Options> ServiceOptionsFromFlags(
+    const KvCacheSpec& spec, const PoolPlan& plan, HashAlgorithm hash_algorithm,
+    const std::optional<KvCacheGroups>& groups) {
   CacheManagerService::Options service;
   service.spec = spec;
+  if (groups.has_value()) service.kv_groups = *groups;
   service.ledger.num_blocks = static_cast<int32_t>(plan.num_blocks);
-  KVCM_ASSIGN_OR_RETURN(service.ledger.sliding_window_tokens, SlidingWindowFromFlags());
+  // With groups the windows are the groups' (a model of several window sizes has groups).
+  if (!groups.has_value()) {
+    KVCM_ASSIGN_OR_RETURN(service.ledger.sliding_window_tokens, SlidingWindowFromFlags());
+  }
   service.ledger.max_pinned_blocks = absl::GetFlag(FLAGS_max_pinned_blocks);
   service.hash_algorithm = hash_algorithm;
   // Microseconds since 1970: different at every start, and below 2^53 until 2255. Compared
@@ -451,13 +490,24 @@ int Main(const std::vector<config::Setting>& settings) {
   // A flood of connections at the descriptor limit must not abort the process in libzmq.
   if (absl::Status guard = InstallAcceptGuard(); !guard.ok()) return fail(guard);
 
-  auto spec = SpecFromFlags();
-  if (!spec.ok()) return fail(spec.status());
+  auto model_spec = SpecFromFlags();
+  if (!model_spec.ok()) return fail(model_spec.status());
+  auto groups = KvGroupsFromFlags();
+  if (!groups.ok()) return fail(groups.status());
+  // With groups the pool is one of pages of group_size layer slots (PageSpec).
+  const KvCacheSpec spec = groups->has_value() ? PageSpec(*model_spec, **groups) : *model_spec;
+  if (groups->has_value()) {
+    Log(
+        absl::StrCat("model config: layers of more than one attention type: KV cache groups, "
+                     "a block table each, whose window groups release what their window "
+                     "passed: ",
+                     (*groups)->ToString(), " (--sliding-window-tokens 0 keeps one table)"));
+  }
   auto backend = ChooseBackend();
   if (!backend.ok()) return fail(backend.status());
   auto budget = BudgetFromFlags(*backend);
   if (!budget.ok()) return fail(budget.status());
-  auto plan = PlanPool(*spec, *budget);
+  auto plan = PlanPool(spec, *budget);
   if (!plan.ok()) return fail(plan.status());
   auto hash_algorithm = ParseHashAlgorithm(absl::GetFlag(FLAGS_hash_algorithm));
   if (!hash_algorithm.ok()) return fail(hash_algorithm.status());
@@ -466,7 +516,7 @@ int Main(const std::vector<config::Setting>& settings) {
 
   // Every flag is checked before anything is acquired (the lock, the pool, the port).
   absl::StatusOr<CacheManagerService::Options> service_options =
-      ServiceOptionsFromFlags(*spec, *plan, *hash_algorithm);
+      ServiceOptionsFromFlags(spec, *plan, *hash_algorithm, *groups);
   if (!service_options.ok()) return fail(service_options.status());
   CacheManagerService::Options service = *std::move(service_options);
   auto vllm_events = VllmEventsFromFlags();
@@ -503,7 +553,7 @@ int Main(const std::vector<config::Setting>& settings) {
           : CreateShmPoolMemory(pool_bytes, "kvcm-pool");
   if (!memory.ok()) return fail(memory.status());
 
-  CacheManagerMetrics metrics(CacheInfoOf(*spec, *plan, *backend, *hash_algorithm));
+  CacheManagerMetrics metrics(CacheInfoOf(spec, *plan, *backend, *hash_algorithm));
   config::ExportInfoMetric(*metrics.registry(), "kvcm_cache_manager_config_info", settings,
                            config::ConfigFilePath());
   auto metrics_server =

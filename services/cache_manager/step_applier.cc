@@ -27,7 +27,7 @@ StepRefusal Invalid(size_t i, const BlockOp& op, absl::string_view what) {
 
 }  // namespace
 
-StepApplier::StepApplier(BlockLedger* ledger, Options options)
+StepApplier::StepApplier(GroupedLedger* ledger, Options options)
     : ledger_(ledger), options_(options) {}
 
 StepApplier::~StepApplier() = default;
@@ -263,6 +263,7 @@ int32_t StepApplier::ApplyOne(const BlockOp& op, uint64_t session_id, Effects& e
   outcome.status = absl::OkStatus();
   outcome.blocks.clear();
   outcome.copies.clear();
+  outcome.group_blocks.clear();
   outcome.num_cached_tokens = 0;
   outcome.blocks_needed = 0;
   outcome.host_tokens = 0;
@@ -273,14 +274,15 @@ int32_t StepApplier::ApplyOne(const BlockOp& op, uint64_t session_id, Effects& e
         outcome.status = *std::move(loading);
         return 0;
       }
-      outcome.status = ledger_->Allocate(op.seq, op.num_tokens, op.hashes, &allocated_);
+      outcome.status =
+          ledger_->Allocate(op.seq, op.num_tokens, op.hashes, &allocated_, &outcome.group_blocks);
       if (!outcome.status.ok()) return 0;
       KVCM_CHECK(ledger_->SetOwner(op.seq, session_id).ok());
       outcome.blocks.swap(allocated_.blocks);
       outcome.num_cached_tokens = allocated_.num_cached_tokens;
       return 1;
     case wire::StepOp::AppendOp:
-      outcome.status = ledger_->Append(op.seq, op.num_tokens, &appended_);
+      outcome.status = ledger_->Append(op.seq, op.num_tokens, &appended_, &outcome.group_blocks);
       if (!outcome.status.ok()) return 0;
       outcome.blocks.swap(appended_.new_blocks);
       outcome.copies.swap(appended_.copies);

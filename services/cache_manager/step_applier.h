@@ -44,6 +44,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "common/block/block_ledger.h"
+#include "common/block/grouped_ledger.h"
 #include "services/cache_manager/cache_manager_metrics.h"
 
 // Defined in common/wire/step_codec.h, which the callers include.
@@ -102,7 +103,7 @@ class StepApplier {
   };
 
   // `ledger` must outlive the applier.
-  StepApplier(BlockLedger* ledger, Options options);
+  StepApplier(GroupedLedger* ledger, Options options);
   ~StepApplier();
   StepApplier(const StepApplier&) = delete;
   StepApplier& operator=(const StepApplier&) = delete;
@@ -147,7 +148,7 @@ class StepApplier {
   // Applies one op into `outcome`; returns the change in the session's live sequences.
   int32_t ApplyOne(const BlockOp& op, uint64_t session_id, Effects& effects, OpOutcome& outcome);
 
-  BlockLedger* const ledger_;
+  GroupedLedger* const ledger_;
   const Options options_;
 
   // Validate()'s state for the Step being checked.

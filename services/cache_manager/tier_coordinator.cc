@@ -18,7 +18,7 @@ namespace {
 constexpr absl::Duration kKeepFinished = absl::Seconds(30);
 }  // namespace
 
-TierCoordinator::TierCoordinator(tiers::KvTiers* tiers, BlockLedger* ledger, Options options)
+TierCoordinator::TierCoordinator(tiers::KvTiers* tiers, GroupedLedger* ledger, Options options)
     : tiers_(tiers), ledger_(ledger), options_(options) {}
 
 void TierCoordinator::OnEvents(std::span<const BlockEvent> events) {
@@ -105,10 +105,14 @@ std::optional<absl::Status> TierCoordinator::BeforeAllocate(const BlockOp& op, a
   const SeqId seq = next_seq_++;
   // Fresh blocks for the loads, and the pool's hits shared ahead of them. Without room the
   // request computes its prefix, as without tiers.
-  absl::StatusOr<AllocateResult> taken =
-      ledger_->Allocate(seq, blocks * block_size, hashes.first(static_cast<size_t>(blocks)));
-  if (!taken.ok()) return std::nullopt;
-  const int32_t hits = taken->num_cached_tokens / block_size;
+  // The tiers serve a ledger of one group only (no group_blocks to fill).
+  KVCM_CHECK(ledger_->num_groups() == 1) << "the tiers do not support KV cache groups";
+  AllocateResult taken;
+  std::vector<BlockId> no_groups;
+  const absl::Status status = ledger_->Allocate(
+      seq, blocks * block_size, hashes.first(static_cast<size_t>(blocks)), &taken, &no_groups);
+  if (!status.ok()) return std::nullopt;
+  const int32_t hits = taken.num_cached_tokens / block_size;
   Prefetch prefetch;
   prefetch.seq = seq;
   prefetch.pool_blocks = hits;
@@ -123,7 +127,7 @@ std::optional<absl::Status> TierCoordinator::BeforeAllocate(const BlockOp& op, a
     } else {
       ++prefetch.disk_blocks;
     }
-    tiers_->Load(seq, taken->blocks[static_cast<size_t>(i)], hash);
+    tiers_->Load(seq, taken.blocks[static_cast<size_t>(i)], hash);
     ++prefetch.pending;
     ++loading_blocks_;
   }

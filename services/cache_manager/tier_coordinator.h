@@ -36,6 +36,7 @@
 #include "absl/time/time.h"
 #include "common/block/block_hash.h"
 #include "common/block/block_ledger.h"
+#include "common/block/grouped_ledger.h"
 #include "services/cache_manager/fence_table.h"
 #include "services/cache_manager/tiers/kv_tiers.h"
 
@@ -61,7 +62,7 @@ class TierCoordinator {
   };
 
   // `tiers` and `ledger` outlive the coordinator.
-  TierCoordinator(tiers::KvTiers* tiers, BlockLedger* ledger, Options options);
+  TierCoordinator(tiers::KvTiers* tiers, GroupedLedger* ledger, Options options);
 
   // Write-through of the blocks `events` stored (see the header comment).
   void OnEvents(std::span<const BlockEvent> events);
@@ -107,7 +108,7 @@ class TierCoordinator {
   void Finish(Prefetch& prefetch, absl::Time now);
 
   tiers::KvTiers* const tiers_;
-  BlockLedger* const ledger_;
+  GroupedLedger* const ledger_;
   const Options options_;
   int32_t held_ = 0;
   int32_t loading_blocks_ = 0;

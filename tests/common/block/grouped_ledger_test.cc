@@ -4,6 +4,7 @@
 
 #include "common/block/grouped_ledger.h"
 
+#include <map>
 #include <random>
 #include <set>
 
@@ -132,7 +133,6 @@ TEST(GroupBlockHashTest, GroupZeroIsTheHashAndGroupsDiffer) {
 TEST(GroupedLedgerTest, CreateRefusesNonsense) {
   GroupedLedger::Options options;
   options.pool = PoolOptions(8);
-  EXPECT_FALSE(GroupedLedger::Create(options).ok());  // no groups
   options.group_windows = {0, -4};
   EXPECT_FALSE(GroupedLedger::Create(options).ok());
   options.group_windows = {0, 32};
@@ -140,6 +140,16 @@ TEST(GroupedLedgerTest, CreateRefusesNonsense) {
   EXPECT_FALSE(GroupedLedger::Create(options).ok());
   options.pool.sliding_window_tokens = 0;
   EXPECT_TRUE(GroupedLedger::Create(options).ok());
+  // One group: its window is the pool's, so the two must agree.
+  options.group_windows = {32};
+  options.pool.sliding_window_tokens = 48;
+  EXPECT_FALSE(GroupedLedger::Create(options).ok());
+  options.pool.sliding_window_tokens = 32;
+  EXPECT_TRUE(GroupedLedger::Create(options).ok());
+  options.group_windows = {};  // none named: one group of the pool's window
+  absl::StatusOr<GroupedLedger> single = GroupedLedger::Create(options);
+  ASSERT_TRUE(single.ok()) << single.status();
+  EXPECT_EQ(single->group_windows(), std::vector<int32_t>{32});
 }
 
 TEST(GroupedLedgerTest, EachGroupHasATableAndOnlyWindowGroupsRelease) {
@@ -154,7 +164,7 @@ TEST(GroupedLedgerTest, EachGroupHasATableAndOnlyWindowGroupsRelease) {
   EXPECT_EQ(Held(after.groups[0]), 7);
   EXPECT_EQ(Held(after.groups[1]), 3);  // blocks 4..6
   EXPECT_EQ(Held(after.groups[2]), 3);
-  const std::vector<GroupStats> stats = ledger.Stats();
+  const std::vector<GroupStats> stats = ledger.PerGroupStats();
   EXPECT_EQ(stats[0].window_released, 0u);
   EXPECT_EQ(stats[1].window_released, 4u);
   EXPECT_EQ(stats[2].held_blocks, 3);
@@ -210,6 +220,9 @@ TEST(GroupedLedgerTest, AWindowGroupsHitNeedsOnlyTheBlocksItReads) {
   for (int i = 0; i < 6; ++i) EXPECT_EQ(tables.groups[1][i], kNoBlock) << i;
   EXPECT_EQ(tables.groups[1][6], prompt.first.groups[1][6]);
   EXPECT_EQ(tables.groups[1][7], prompt.first.groups[1][7]);
+  // The two prompts and one hit, each counted once, not once per group.
+  EXPECT_EQ(ledger.Stats().prefix_query_tokens, 280u);
+  EXPECT_EQ(ledger.Stats().prefix_hit_tokens, 128u);
   EXPECT_TRUE(ledger.CheckInvariants().ok()) << ledger.CheckInvariants();
 }
 
@@ -289,6 +302,7 @@ TEST(GroupedLedgerTest, FailedAllocateAndAppendChangeNothing) {
   EXPECT_EQ(unknown.code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(ledger.Commit(3, 41).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(Snapshot(ledger.pool(), PoolIds(40)), grown);
+  EXPECT_EQ(ledger.Stats().allocation_failures, 2u);  // the Allocate and the Append
   EXPECT_EQ(ledger.Free(42).code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(ledger.Fork(3, 3).code(), absl::StatusCode::kAlreadyExists);
   EXPECT_TRUE(ledger.CheckInvariants().ok()) << ledger.CheckInvariants();
@@ -308,6 +322,157 @@ TEST(GroupedLedgerTest, ForkCopiesTheSharedLastBlockInEveryGroup) {
   ASSERT_TRUE(ledger.Free(1).ok());
   ASSERT_TRUE(ledger.Free(2).ok());
   EXPECT_EQ(ledger.pool().Stats().in_use_blocks, 0);
+}
+
+// --- The rest of BlockLedger's API --------------------------------------------------------
+
+TEST(GroupedLedgerTest, StepReplyAllocateAndAppendCarryEveryGroup) {
+  GroupedLedger ledger = MakeGrouped(64, {0, 32, 32});
+  AllocateResult allocated;
+  std::vector<BlockId> group_blocks = {123};  // cleared by the call
+  ASSERT_TRUE(ledger.Allocate(7, 40, {}, &allocated, &group_blocks).ok());
+  const GroupedTables tables = *ledger.BlockTables(7);
+  EXPECT_EQ(allocated.blocks, tables.groups[0]);
+  std::vector<BlockId> rest = tables.groups[1];
+  rest.insert(rest.end(), tables.groups[2].begin(), tables.groups[2].end());
+  EXPECT_EQ(group_blocks, rest);  // groups 1.. one after another, each as long as group 0's
+  ASSERT_TRUE(ledger.Commit(7, 40).ok());
+  ASSERT_TRUE(ledger.Fork(7, 8).ok());
+  AppendResult appended;
+  ASSERT_TRUE(ledger.Append(8, 17, &appended, &group_blocks).ok());
+  // The shared partial block copied in every group, then one more block each.
+  EXPECT_EQ(appended.copies.size(), 3u);
+  EXPECT_EQ(appended.new_blocks.size(), 1u);
+  EXPECT_EQ(group_blocks.size(), 2u);
+  const GroupedTables forked = *ledger.BlockTables(8);
+  EXPECT_EQ(group_blocks[0], forked.groups[1].back());
+  EXPECT_EQ(group_blocks[1], forked.groups[2].back());
+  EXPECT_TRUE(ledger.CheckInvariants().ok()) << ledger.CheckInvariants();
+}
+
+TEST(GroupedLedgerTest, RenameMovesEveryGroupsTables) {
+  GroupedLedger ledger = MakeGrouped(64, {0, 32});
+  GroupedTables tables;
+  ASSERT_TRUE(ledger.Allocate(1, 40, {}, &tables).ok());
+  ASSERT_TRUE(ledger.Allocate(2, 20, {}, &tables).ok());
+  const GroupedTables before = *ledger.BlockTables(1);
+  EXPECT_EQ(ledger.Rename(1, 2).code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(ledger.Rename(5, 6).code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(ledger.Rename(1, 9).ok());
+  EXPECT_FALSE(ledger.IsLive(1));
+  EXPECT_TRUE(ledger.IsLive(9));
+  EXPECT_EQ(ledger.BlockTables(9)->groups, before.groups);
+  EXPECT_EQ(*ledger.NumTokens(9), 40);
+  ASSERT_TRUE(ledger.Free(9).ok());
+  EXPECT_EQ(ledger.Stats().live_sequences, 1);
+  EXPECT_TRUE(ledger.CheckInvariants().ok()) << ledger.CheckInvariants();
+}
+
+TEST(GroupedLedgerTest, OwnersNameTheCallersSequences) {
+  GroupedLedger ledger = MakeGrouped(64, {0, 32});
+  GroupedTables tables;
+  ASSERT_TRUE(ledger.Allocate(10, 40, {}, &tables).ok());
+  ASSERT_TRUE(ledger.Allocate(20, 40, {}, &tables).ok());
+  ASSERT_TRUE(ledger.SetOwner(10, 5).ok());
+  ASSERT_TRUE(ledger.SetOwner(20, 6).ok());
+  EXPECT_EQ(ledger.SetOwner(30, 6).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(ledger.OwnerOf(10), 5u);
+  EXPECT_EQ(ledger.OwnerOf(30), 0u);
+  ASSERT_TRUE(ledger.Fork(10, 11).ok());
+  ASSERT_TRUE(ledger.SetOwner(11, 5).ok());
+  std::map<SeqId, uint64_t> seen;
+  ledger.ForEachSequence([&](SeqId seq, uint64_t owner) { seen[seq] = owner; });
+  EXPECT_EQ(seen, (std::map<SeqId, uint64_t>{{10, 5}, {11, 5}, {20, 6}}));
+  EXPECT_EQ(ledger.Stats().live_sequences, 3);
+  EXPECT_EQ(ledger.pool().Stats().live_sequences, 6);  // one pool sequence per group
+}
+
+TEST(GroupedLedgerTest, PinsHoldEveryGroupsBlocks) {
+  GroupedLedger ledger = MakeGrouped(64, {0, 32});
+  const std::vector<BlockHash> hashes = HashesOf(Iota(64), kBlock);  // 4 full blocks
+  GroupedTables tables;
+  ASSERT_TRUE(ledger.Allocate(1, 64, hashes, &tables).ok());
+  // Committed up to 48 only: the window group still holds every block (it reads from 17).
+  ASSERT_TRUE(ledger.Commit(1, 48).ok());
+  ASSERT_TRUE(ledger.Free(1).ok());
+  const std::span<const BlockHash> three = std::span(hashes).first(3);
+  ASSERT_TRUE(ledger.Pin("doc", three).ok());
+  EXPECT_EQ(ledger.Stats().pinned_blocks, 6);  // 3 blocks x 2 groups
+  EXPECT_EQ(ledger.Pin("doc", three).code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(ledger.Pin("more", hashes).code(), absl::StatusCode::kNotFound);  // block 3
+  ASSERT_TRUE(ledger.Unpin("doc").ok());
+  EXPECT_EQ(ledger.Stats().pinned_blocks, 0);
+  EXPECT_EQ(ledger.Unpin("doc").code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(ledger.CheckInvariants().ok()) << ledger.CheckInvariants();
+}
+
+TEST(GroupedLedgerTest, LookupIsTheCommonHitWithoutTheLastTokenRule) {
+  GroupedLedger ledger = MakeGrouped(64, {0, 32});
+  const CachedPrompt prompt = CacheOnePrompt(ledger);
+  // The commit at 139 indexed blocks 0..7 in both groups, then released the window group's
+  // 0..5 (still cached). Every prefix is a hit; Allocate's would stop short of the last
+  // token, Lookup does not.
+  EXPECT_EQ(ledger.Lookup(prompt.hashes), 8);
+  EXPECT_EQ(ledger.Lookup(std::span(prompt.hashes).first(4)), 4);
+  EXPECT_EQ(ledger.ReusableBlocks(64, prompt.hashes), 3);
+  std::vector<int32_t> other = Iota(140);
+  other[2 * kBlock] = 9999;
+  EXPECT_EQ(ledger.Lookup(HashesOf(other, kBlock)), 2);
+  EXPECT_EQ(ledger.Lookup({}), 0);
+}
+
+// One group: every call is the pool's own, with the caller's ids, so a GroupedLedger of one
+// group and a BlockLedger given the same calls agree on every answer and every block.
+TEST(GroupedLedgerTest, OneGroupIsABlockLedgerCallForCall) {
+  for (const int32_t window : {0, 32}) {
+    SCOPED_TRACE(window);
+    BlockLedger::Options options = PoolOptions(32);
+    options.sliding_window_tokens = window;
+    GroupedLedger::Options one;
+    one.pool = options;  // no group windows: one group of the pool's window
+    absl::StatusOr<GroupedLedger> grouped = GroupedLedger::Create(one);
+    absl::StatusOr<BlockLedger> plain = BlockLedger::Create(options);
+    ASSERT_TRUE(grouped.ok() && plain.ok());
+    const std::vector<BlockHash> hashes = HashesOf(Iota(100), kBlock);
+    AllocateResult a, b;
+    std::vector<BlockId> group_blocks;
+    ASSERT_TRUE(grouped->Allocate(1, 100, hashes, &a, &group_blocks).ok());
+    ASSERT_TRUE(plain->Allocate(1, 100, hashes, &b).ok());
+    EXPECT_EQ(a.blocks, b.blocks);
+    EXPECT_TRUE(group_blocks.empty());
+    ASSERT_TRUE(grouped->Commit(1, 100).ok());
+    ASSERT_TRUE(plain->Commit(1, 100).ok());
+    EXPECT_EQ(*grouped->BlockTable(1), *plain->BlockTable(1));  // the window's releases too
+    ASSERT_TRUE(grouped->Rename(1, 7).ok());
+    ASSERT_TRUE(plain->Rename(1, 7).ok());
+    ASSERT_TRUE(grouped->SetOwner(7, 3).ok());
+    ASSERT_TRUE(plain->SetOwner(7, 3).ok());
+    EXPECT_EQ(grouped->OwnerOf(7), plain->OwnerOf(7));
+    EXPECT_TRUE(grouped->pool().IsLive(7));  // the caller's id, in the pool itself
+    ASSERT_TRUE(grouped->Fork(7, 8).ok());
+    ASSERT_TRUE(plain->Fork(7, 8).ok());
+    AppendResult x, y;
+    ASSERT_TRUE(grouped->Append(8, 20, &x, &group_blocks).ok());
+    ASSERT_TRUE(plain->Append(8, 20, &y).ok());
+    EXPECT_EQ(x.new_blocks, y.new_blocks);
+    EXPECT_EQ(x.copies, y.copies);
+    EXPECT_EQ(grouped->Lookup(hashes), plain->Lookup(hashes));
+    EXPECT_EQ(grouped->ReusableBlocks(100, hashes), plain->ReusableBlocks(100, hashes));
+    EXPECT_EQ(grouped->Pin("p", std::span(hashes).last(2)).code(),
+              plain->Pin("p", std::span(hashes).last(2)).code());
+    EXPECT_EQ(grouped->Stats().pinned_blocks, plain->Stats().pinned_blocks);
+    const absl::StatusOr<AdmissionPlan> p = grouped->CanAllocate(9, 100, hashes);
+    const absl::StatusOr<AdmissionPlan> q = plain->CanAllocate(9, 100, hashes);
+    ASSERT_TRUE(p.ok() && q.ok());
+    EXPECT_EQ(p->blocks_needed, q->blocks_needed);
+    EXPECT_EQ(p->prefix_hit_blocks, q->prefix_hit_blocks);
+    ASSERT_TRUE(grouped->Free(7).ok());
+    ASSERT_TRUE(plain->Free(7).ok());
+    EXPECT_EQ(Snapshot(grouped->pool(), {7, 8}), Snapshot(*plain, {7, 8}));
+    EXPECT_EQ(grouped->Stats().live_sequences, plain->Stats().live_sequences);
+    EXPECT_EQ(grouped->PerGroupStats()[0].window_released, plain->Stats().window_released);
+    EXPECT_TRUE(grouped->CheckInvariants().ok()) << grouped->CheckInvariants();
+  }
 }
 
 // Random ops on three groups: after each one the invariants hold, and a refused op leaves

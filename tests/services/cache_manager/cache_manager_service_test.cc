@@ -1420,5 +1420,85 @@ TEST_F(CacheManagerFenceTest, BlockMapShowsEveryStateAsTheSnapshotCountsIt) {
   EXPECT_EQ(block_map(UINT32_MAX).cells.size(), static_cast<size_t>(kBlocks));
 }
 
+// KV cache groups (docs/architecture.md, "The hybrid KV cache"): a model of one full and
+// one window-8 layer, on pages of one layer slot.
+class CacheManagerGroupsServiceTest : public CacheManagerServiceTest {
+ protected:
+  void SetUp() override {
+    CacheManagerServiceTest::SetUp();
+    absl::StatusOr<KvCacheGroups> groups = GroupLayers(std::vector<int32_t>{0, 8});
+    ASSERT_THAT(groups, IsOk());
+    options_.kv_groups = *groups;
+    options_.spec.num_layers = groups->group_size;
+    Restart();
+  }
+  void ExpectWhole() const {
+    EXPECT_THAT(service_->grouped_ledger().CheckInvariants(), IsOk());
+    EXPECT_THAT(service_->ledger().CheckInvariants(), IsOk());
+  }
+};
+
+TEST_F(CacheManagerGroupsServiceTest, OptionsThatDoNotKnowGroupsAreRefused) {
+  CacheManagerService::Options options = options_;
+  options.spec.num_layers = 2;  // the model's, not a page's
+  EXPECT_EQ(CacheManagerService::CheckOptions(options).code(), absl::StatusCode::kInvalidArgument);
+  options = options_;
+  options.ledger.sliding_window_tokens = 8;
+  EXPECT_EQ(CacheManagerService::CheckOptions(options).code(), absl::StatusCode::kInvalidArgument);
+  options = options_;
+  options.vllm_events = true;
+  const absl::Status refused = CacheManagerService::CheckOptions(options);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(std::string(refused.message()), ::testing::HasSubstr("KV cache groups"));
+  EXPECT_THAT(CacheManagerService::CheckOptions(options_), IsOk());
+}
+
+TEST_F(CacheManagerGroupsServiceTest, StepsCarryEveryGroupsBlocks) {
+  const wire::Envelope& hello = Request(
+      0, wire::Message::Hello,
+      [](flatbuffers::FlatBufferBuilder& b) {
+        return wire::CreateHello(b, wire::Role::Router, kRouterPid, b.CreateString("test")).Union();
+      },
+      kRouterPid, 0);
+  ASSERT_EQ(hello.payload_type(), wire::Message::HelloReply);
+  const auto* windows = hello.payload_as_HelloReply()->group_windows();
+  ASSERT_NE(windows, nullptr);
+  EXPECT_EQ(std::vector<int32_t>(windows->begin(), windows->end()), (std::vector<int32_t>{0, 8}));
+  const uint64_t s = hello.payload_as_HelloReply()->session_id();
+  std::vector<BlockHash> hashes;
+  for (int i = 0; i < 10; ++i) hashes.push_back(HashOf(i));
+  const wire::Envelope& allocated = Step(s, {Allocate(1, 40, hashes)});  // 10 blocks a group
+  ASSERT_EQ(allocated.payload_type(), wire::Message::StepReply);
+  const wire::OpResult* result = allocated.payload_as_StepReply()->results()->Get(0);
+  ASSERT_EQ(result->code(), wire::ErrorCode::Ok);
+  EXPECT_EQ(result->blocks()->size(), 10u);
+  ASSERT_NE(result->group_blocks(), nullptr);
+  EXPECT_EQ(result->group_blocks()->size(), 10u);
+  EXPECT_EQ(service_->ledger().Stats().in_use_blocks, 20);
+  ExpectWhole();
+  // Past the window the window group keeps its last two blocks only.
+  ASSERT_EQ(ErrorOf(Step(s, {Commit(1, 40)})), wire::ErrorCode::Ok);
+  EXPECT_EQ(service_->ledger().Stats().in_use_blocks, 12);
+  ExpectWhole();
+  // A fork's append copies the shared last block in every group.
+  const wire::Envelope& appended = Step(s, {Append(1, 2)});
+  ASSERT_EQ(appended.payload_as_StepReply()->results()->Get(0)->code(), wire::ErrorCode::Ok);
+  const wire::Envelope& forked = Step(s, {Commit(1, 42), Fork(1, 2)});
+  ASSERT_EQ(forked.payload_as_StepReply()->results()->Get(1)->code(), wire::ErrorCode::Ok);
+  const wire::Envelope& copied = Step(s, {Append(2, 1)});
+  const wire::OpResult* copy = copied.payload_as_StepReply()->results()->Get(0);
+  ASSERT_EQ(copy->code(), wire::ErrorCode::Ok);
+  ASSERT_NE(copy->copies(), nullptr);
+  EXPECT_EQ(copy->copies()->size(), 2u);
+  ExpectWhole();
+  // Both sequences' blocks in every group are counted when the session goes quiet.
+  for (int i = 0; i < 4; ++i) {
+    now_ += absl::Seconds(1);
+    service_->ExpireSessions(now_);
+  }
+  EXPECT_EQ(service_->QuarantinedBlocks(), service_->ledger().Stats().in_use_blocks);
+  ExpectWhole();
+}
+
 }  // namespace
 }  // namespace kvcm::cache_manager

@@ -44,7 +44,8 @@ BlockHash HashOf(int i) {
 }
 
 // Every observable part of the ledger: counts, counters and each sequence's record.
-std::string Fingerprint(const BlockLedger& ledger) {
+std::string Fingerprint(const GroupedLedger& grouped) {
+  const BlockLedger& ledger = grouped.pool();  // one group: the pool's ids are the ledger's
   const LedgerStats s = ledger.Stats();
   std::string out =
       absl::StrCat("free ", s.free_blocks, " in_use ", s.in_use_blocks, " cached ", s.cached_blocks,
@@ -61,10 +62,18 @@ std::string Fingerprint(const BlockLedger& ledger) {
   return out;
 }
 
+// A ledger of kBlocks pages for KV cache groups of `windows` (none: one group, no window).
+GroupedLedger MakeLedger(std::vector<int32_t> windows) {
+  GroupedLedger::Options options;
+  options.pool = {.num_blocks = kBlocks, .block_size = kBlockSize};
+  options.group_windows = std::move(windows);
+  return *GroupedLedger::Create(std::move(options));
+}
+
 // What a service with no executor session does: a drained sequence is freed at once.
 class RecordedEffects final : public StepApplier::Effects {
  public:
-  explicit RecordedEffects(BlockLedger* ledger) : ledger_(ledger) {}
+  explicit RecordedEffects(GroupedLedger* ledger) : ledger_(ledger) {}
   void Drain(SeqId seq) override {
     calls.push_back(absl::StrCat("drain ", seq));
     KVCM_CHECK(ledger_->Free(seq).ok());
@@ -76,19 +85,21 @@ class RecordedEffects final : public StepApplier::Effects {
   std::vector<std::string> calls;
 
  private:
-  BlockLedger* ledger_;
+  GroupedLedger* ledger_;
 };
 
 class StepApplierTest : public ::testing::Test {
  protected:
   StepApplierTest()
-      : ledger_(*BlockLedger::Create({.num_blocks = kBlocks, .block_size = kBlockSize})),
+      : ledger_(MakeLedger({})),
         applier_(&ledger_, {.max_sequences_per_session = kMaxSeqs}),
         effects_(&ledger_) {}
 
   // A live sequence of `tokens` tokens held by `owner`, all committed.
   void Hold(SeqId seq, int32_t tokens, uint64_t owner) {
-    ASSERT_THAT(ledger_.Allocate(seq, tokens), IsOk());
+    AllocateResult allocated;
+    std::vector<BlockId> group_blocks;
+    ASSERT_THAT(ledger_.Allocate(seq, tokens, {}, &allocated, &group_blocks), IsOk());
     ASSERT_THAT(ledger_.Commit(seq, tokens), IsOk());
     ASSERT_THAT(ledger_.SetOwner(seq, owner), IsOk());
     if (owner == kMine) ++mine_.num_seqs;
@@ -117,7 +128,7 @@ class StepApplierTest : public ::testing::Test {
     return applied;
   }
 
-  BlockLedger ledger_;
+  GroupedLedger ledger_;
   StepApplier applier_;
   RecordedEffects effects_;
   absl::flat_hash_set<SeqId> drained_;

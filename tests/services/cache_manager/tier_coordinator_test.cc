@@ -36,8 +36,9 @@ class TierCoordinatorTest : public ::testing::Test {
   TierCoordinatorTest() : env_(kBlocks) {
     RecordProperty("seed", std::to_string(kSeed));
     std::cout << "random data seed " << kSeed << "\n";
-    ledger_ = std::make_unique<BlockLedger>(*BlockLedger::Create(
-        {.num_blocks = kBlocks, .block_size = kBlockSize, .record_events = true}));
+    GroupedLedger::Options options;
+    options.pool = {.num_blocks = kBlocks, .block_size = kBlockSize, .record_events = true};
+    ledger_ = std::make_unique<GroupedLedger>(*GroupedLedger::Create(std::move(options)));
   }
   ~TierCoordinatorTest() override {
     coordinator_.reset();
@@ -84,10 +85,20 @@ class TierCoordinatorTest : public ::testing::Test {
     return hashes;
   }
 
+  // The ledger's Allocate, as a Step's (one group: no group_blocks).
+  absl::StatusOr<AllocateResult> Allocate(SeqId seq, int32_t num_tokens,
+                                          std::span<const BlockHash> hashes = {}) {
+    AllocateResult result;
+    std::vector<BlockId> group_blocks;
+    absl::Status status = ledger_->Allocate(seq, num_tokens, hashes, &result, &group_blocks);
+    if (!status.ok()) return status;
+    return result;
+  }
+
   // Sequence `seq` of `n` full blocks with the hashes Hashes(first, n), its bytes written
   // and committed; returns each block's bytes.
   std::vector<std::vector<uint8_t>> CommitPrefix(SeqId seq, int first, int n) {
-    absl::StatusOr<AllocateResult> taken = ledger_->Allocate(seq, n * kBlockSize);
+    absl::StatusOr<AllocateResult> taken = Allocate(seq, n * kBlockSize);
     EXPECT_THAT(taken.status(), IsOk());
     std::vector<std::vector<uint8_t>> bytes;
     if (!taken.ok()) return bytes;
@@ -100,7 +111,7 @@ class TierCoordinatorTest : public ::testing::Test {
   }
 
   Env env_;
-  std::unique_ptr<BlockLedger> ledger_;
+  std::unique_ptr<GroupedLedger> ledger_;  // of one group: the tiers know no other
   std::unique_ptr<tiers::KvTiers> tiers_;
   std::unique_ptr<TierCoordinator> coordinator_;
 };
@@ -218,7 +229,7 @@ TEST_P(PrefetchTest, LoadsThePrefixBackIntoThePool) {
             std::nullopt);
   EXPECT_EQ(served.host_tokens, ExpectedHost());
   EXPECT_EQ(served.disk_tokens, ExpectedDisk());
-  absl::StatusOr<AllocateResult> taken = ledger_->Allocate(2, 13, Hashes(0, 3));
+  absl::StatusOr<AllocateResult> taken = Allocate(2, 13, Hashes(0, 3));
   ASSERT_THAT(taken.status(), IsOk());
   EXPECT_EQ(taken->num_cached_tokens, 12);
   for (size_t i = 0; i < 3; ++i) {
@@ -248,7 +259,7 @@ TEST_P(PrefetchTest, PastTheLoadTimeoutTheAllocateRunsWithoutTheLoads) {
   EXPECT_EQ(late.host_tokens, 0);
   EXPECT_EQ(late.disk_tokens, 0);
   EXPECT_EQ(ledger_->Lookup(Hashes(0, 3)), 0);
-  absl::StatusOr<AllocateResult> taken = ledger_->Allocate(2, 13, Hashes(0, 3));
+  absl::StatusOr<AllocateResult> taken = Allocate(2, 13, Hashes(0, 3));
   ASSERT_THAT(taken.status(), IsOk());
   EXPECT_EQ(taken->num_cached_tokens, 0);
   ExpectInvariants();
@@ -291,7 +302,7 @@ TEST_F(TierCoordinatorTest, MakeRoomCancelsQueuedStoresWhenThePoolIsShort) {
   EXPECT_EQ(ledger_->AvailableBlocks(), kBlocks);
   EXPECT_EQ(tiers_->Snapshot().ready[0], 6 - static_cast<int32_t>(dropped));
   ExpectInvariants();
-  absl::StatusOr<AllocateResult> taken = ledger_->Allocate(2, 8 * kBlockSize);
+  absl::StatusOr<AllocateResult> taken = Allocate(2, 8 * kBlockSize);
   EXPECT_THAT(taken.status(), IsOk());
   ExpectInvariants();
 }
