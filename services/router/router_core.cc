@@ -45,6 +45,7 @@ absl::StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(const Options& op
   planner.block_size = core->session_.block_size;
   planner.num_blocks = core->session_.num_blocks;
   planner.sliding_window_tokens = core->session_.sliding_window_tokens;
+  planner.group_windows = core->session_.group_windows;
   planner.max_batch_prefill_tokens = options.max_batch_prefill_tokens;
   const int64_t pool_tokens = int64_t{core->session_.num_blocks} * core->session_.block_size;
   planner.max_batch_total_tokens = options.max_batch_total_tokens > 0
@@ -224,6 +225,7 @@ void RouterCore::Recover() {
     planner_->ResetAll();
     planner_->SetCommitTokens(session_.wants_commit_tokens);
     planner_->SetSlidingWindow(session_.sliding_window_tokens);
+    planner_->SetGroupWindows(session_.group_windows);
     recovering_ = false;
     Log(absl::StrCat("registered again with the cache manager (epoch ", session_.epoch,
                      "): ", planner_->queued(), " request(s) start again"));

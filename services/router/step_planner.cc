@@ -5,6 +5,7 @@
 #include <limits>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "common/base/check.h"
 
 namespace kvcm::router {
@@ -318,7 +319,7 @@ StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId>
       if (total_tokens + (reach - run.held) > options_.max_batch_total_tokens) reach = size;
     }
     const int32_t grow = reach - run.held;
-    const int32_t blocks = BlocksFor(reach) - BlocksFor(run.held);
+    const int32_t blocks = (BlocksFor(reach) - BlocksFor(run.held)) * NumGroups();
     bool preempted_self = false;
     while (blocks > available || total_tokens + grow > options_.max_batch_total_tokens) {
       if (preempt_latest() == seq) {
@@ -363,12 +364,16 @@ StepPlan StepPlanner::Plan(int32_t available_blocks, std::span<const ExecutorId>
   while (!queue_.empty() && budget > 0 && scheduled < options_.max_running) {
     Queued& head = queue_.front();
     const auto size = static_cast<int32_t>(head.tokens.size());
-    const int32_t blocks = BlocksFor(size);
+    // Every group takes the whole prompt's blocks at admission (window groups release
+    // theirs as the prefill's commits pass them).
+    const int32_t blocks = BlocksFor(size) * NumGroups();
     // Whole, it would hold its prompt and every token it may generate: if that can never
     // fit, it could be preempted for ever. Nor can more sequences than max_running.
     const int64_t whole = int64_t{head.prompt_len} + head.max_new_tokens;
-    if ((options_.num_blocks > 0 && BlocksFor(static_cast<int32_t>(std::min<int64_t>(
-                                        whole, INT32_MAX - 64))) > options_.num_blocks) ||
+    if ((options_.num_blocks > 0 &&
+         int64_t{BlocksFor(static_cast<int32_t>(std::min<int64_t>(whole, INT32_MAX - 64)))} *
+                 NumGroups() >
+             options_.num_blocks) ||
         whole > options_.max_batch_total_tokens || head.forks_wanted + 1 > options_.max_running) {
       plan.rejected.push_back(head.request);
       queue_.pop_front();
@@ -427,6 +432,7 @@ SeqWork& FreshSeqWork(std::vector<SeqWork>& seqs, size_t i) {
   fresh.block_table = emptied(step.block_table);
   fresh.penalty_tokens = emptied(step.penalty_tokens);
   fresh.fork_seeds = emptied(step.fork_seeds);
+  fresh.group_tables = emptied(step.group_tables);
   step = std::move(fresh);
   return step;
 }
@@ -450,6 +456,44 @@ ExecutorWork& StepPlanner::Apply(const StepPlan& plan, std::span<const OpOutcome
   // 2. The batches: each scheduled sequence's work, on its executor's batch.
   FillBatches(plan, work);
   return work;
+}
+
+void StepPlanner::ApplyCopies(Running& run, std::span<const CopyOrder> copies) const {
+  // Each copy replaced the shared, partly filled last block of one group's table: the one
+  // whose last block it copies.
+  for (const CopyOrder& copy : copies) {
+    if (!run.blocks.empty() && run.blocks.back() == copy.src) {
+      run.blocks.back() = copy.dst;
+      continue;
+    }
+    for (std::vector<BlockId>& table : run.group_blocks) {
+      if (!table.empty() && table.back() == copy.src) {
+        table.back() = copy.dst;
+        break;
+      }
+    }
+  }
+}
+
+bool StepPlanner::GroupBlocksFit(const OpOutcome& outcome) const {
+  return outcome.group_blocks.size() ==
+         static_cast<size_t>(NumGroups() - 1) * outcome.blocks.size();
+}
+
+absl::Status StepPlanner::GroupBlocksMismatch(const OpOutcome& outcome) const {
+  return absl::InternalError(
+      absl::StrCat("cache manager protocol error: ", outcome.group_blocks.size(),
+                   " blocks of KV cache groups 1.. beside ", outcome.blocks.size(),
+                   " of group 0, for ", NumGroups(), " groups"));
+}
+
+void StepPlanner::SplitGroupBlocks(const OpOutcome& outcome, Running& run) const {
+  run.group_blocks.resize(static_cast<size_t>(NumGroups() - 1));
+  const size_t n = outcome.blocks.size();
+  for (size_t g = 0; g < run.group_blocks.size(); ++g) {
+    const auto from = outcome.group_blocks.begin() + static_cast<ptrdiff_t>(g * n);
+    run.group_blocks[g].assign(from, from + static_cast<ptrdiff_t>(n));
+  }
 }
 
 // Apply's pass 1. Copy-on-write orders go to step_copies_ by sequence (only sequences that
@@ -481,12 +525,24 @@ void StepPlanner::ApplyOutcomes(const StepPlan& plan, std::span<const OpOutcome>
         break;
       case StepPlan::OpRole::kAppend:
         if (it == running_.end()) break;
+        if (outcome.status.ok() && !GroupBlocksFit(outcome)) {
+          NoteRefusal(GroupBlocksMismatch(outcome));
+          to_free_.push_back(it->second.seq);
+          Requeue(std::move(it->second), /*preempted=*/true);
+          break;
+        }
         if (outcome.status.ok()) {
           Running& run = it->second;
           run.held += op.num_tokens;
           // Copy-on-write: the copy replaced the shared, partly filled last block.
-          if (!outcome.copies.empty()) run.blocks.back() = outcome.copies.front().dst;
+          if (!outcome.copies.empty()) ApplyCopies(run, outcome.copies);
+          const size_t added = outcome.blocks.size();
           run.blocks.insert(run.blocks.end(), outcome.blocks.begin(), outcome.blocks.end());
+          for (size_t g = 0; g < run.group_blocks.size(); ++g) {
+            const auto from = outcome.group_blocks.begin() + static_cast<ptrdiff_t>(g * added);
+            run.group_blocks[g].insert(run.group_blocks[g].end(), from,
+                                       from + static_cast<ptrdiff_t>(added));
+          }
           if (!outcome.copies.empty()) {
             auto& own = copies[run.seq];
             own.insert(own.end(), outcome.copies.begin(), outcome.copies.end());
@@ -502,9 +558,17 @@ void StepPlanner::ApplyOutcomes(const StepPlan& plan, std::span<const OpOutcome>
         break;
       case StepPlan::OpRole::kAdmit:
         if (it == running_.end()) break;
+        if (outcome.status.ok() && !GroupBlocksFit(outcome)) {
+          // Allocated, but its tables cannot be read: freed, and admitted again later.
+          NoteRefusal(GroupBlocksMismatch(outcome));
+          to_free_.push_back(it->second.seq);
+          refused_admissions.push_back(it->second.seq);
+          break;
+        }
         if (outcome.status.ok()) {
           Running& run = it->second;
           run.blocks = outcome.blocks;
+          SplitGroupBlocks(outcome, run);
           run.held = op.num_tokens;
           run.committed = outcome.num_cached_tokens;
           run.computed = outcome.num_cached_tokens;
@@ -576,6 +640,13 @@ void StepPlanner::FillBatches(const StepPlan& plan, ExecutorWork& work) {
     seq_step.context_len = end;
     seq_step.block_table.assign(run.blocks.begin(), run.blocks.begin() + BlocksFor(end));
     std::fill_n(seq_step.block_table.begin(), ReleasedBlocks(run), kNoBlock);
+    for (size_t g = 0; g < run.group_blocks.size(); ++g) {
+      const size_t at = seq_step.group_tables.size();
+      seq_step.group_tables.insert(seq_step.group_tables.end(), run.group_blocks[g].begin(),
+                                   run.group_blocks[g].begin() + BlocksFor(end));
+      std::fill_n(seq_step.group_tables.begin() + static_cast<ptrdiff_t>(at),
+                  ReleasedBlocks(run, static_cast<int32_t>(g + 1)), kNoBlock);
+    }
     seq_step.sampling = run.req.sampling;
     seq_step.sample = end == size;
     seq_step.sample_index = run.req.generated;
@@ -631,6 +702,7 @@ void StepPlanner::Fork(Running& parent, const SeqResult& outcome, std::vector<To
     child.hashes = parent.hashes;
     child.hashes_sent = parent.hashes_sent;
     child.blocks = parent.blocks;
+    child.group_blocks = parent.group_blocks;
     child.fork_parent = parent.seq;
     TokenEvent event;
     event.request = child.req.request;

@@ -85,6 +85,11 @@ struct PlannerOptions {
   // committed - sliding_window_tokens + 1 (HelloReply.sliding_window_tokens). Their table
   // entries go to executors as -1, and they no longer count as held.
   int32_t sliding_window_tokens = 0;
+  // The pool's KV cache groups by window (HelloReply.group_windows; 0 = full attention);
+  // empty: none. With groups each sequence holds a block table per group: admissions and
+  // appends count blocks in every group, and each group's table goes to executors with -1
+  // where its own window released blocks (docs/architecture.md, "The hybrid KV cache").
+  std::vector<int32_t> group_windows;
 };
 
 // What one step asks of the cache manager, and what Apply needs to finish it.
@@ -215,6 +220,10 @@ class StepPlanner {
   void SetCommitTokens(bool on) { options_.commit_tokens = on; }
   // The cache manager's window (PlannerOptions::sliding_window_tokens), after ResetAll.
   void SetSlidingWindow(int32_t tokens) { options_.sliding_window_tokens = tokens; }
+  // The cache manager's KV cache groups (PlannerOptions::group_windows), after ResetAll.
+  void SetGroupWindows(std::vector<int32_t> windows) {
+    options_.group_windows = std::move(windows);
+  }
 
   // State, for metrics and tests.
   size_t queued() const { return queue_.size(); }
@@ -272,8 +281,10 @@ class StepPlanner {
     int32_t committed = 0;          // tokens committed
     int32_t hashes_sent = 0;        // full-block hashes the cache manager knows
     std::vector<BlockHash> hashes;  // of its full blocks, from the root
-    std::vector<BlockId> blocks;    // its block table
-    bool finishing = false;         // freed at the next step
+    std::vector<BlockId> blocks;    // its block table (group 0's, with KV cache groups)
+    // With KV cache groups: the tables of groups 1.., each as long as `blocks`.
+    std::vector<std::vector<BlockId>> group_blocks;
+    bool finishing = false;  // freed at the next step
     // Forked from this sequence at the next Plan (0: it exists in the cache manager).
     SeqId fork_parent = 0;
     int32_t forks_pending = 0;  // children still to be forked from it (its free waits)
@@ -289,17 +300,42 @@ class StepPlanner {
   int32_t BlocksFor(int32_t tokens) const {
     return (tokens + options_.block_size - 1) / options_.block_size;
   }
-  // The leading blocks of `run` that the cache manager has released behind its window.
-  int32_t ReleasedBlocks(const Running& run) const {
-    const int32_t window = options_.sliding_window_tokens;
+  // Block tables per sequence: 1 without KV cache groups.
+  int32_t NumGroups() const {
+    return options_.group_windows.empty() ? 1 : static_cast<int32_t>(options_.group_windows.size());
+  }
+  // Group g's window (the pool's one without groups).
+  int32_t WindowOf(int32_t group) const {
+    return options_.group_windows.empty() ? options_.sliding_window_tokens
+                                          : options_.group_windows[static_cast<size_t>(group)];
+  }
+  // The leading blocks of `run`'s table of `group` that the cache manager has released
+  // behind the group's window.
+  int32_t ReleasedBlocks(const Running& run, int32_t group = 0) const {
+    const int32_t window = WindowOf(group);
     if (window <= 0 || run.committed < window) return 0;
     return std::min(BlocksFor(run.held), (run.committed - window + 1) / options_.block_size);
   }
-  // Blocks and tokens `run` holds in the pool, those released behind its window left out.
-  int32_t LiveBlocks(const Running& run) const { return BlocksFor(run.held) - ReleasedBlocks(run); }
+  // Blocks `run` holds in the pool, in every group, those released behind a window left
+  // out; and the tokens whose KV group 0 holds.
+  int32_t LiveBlocks(const Running& run) const {
+    int32_t blocks = BlocksFor(run.held) - ReleasedBlocks(run);
+    for (int32_t g = 1; g < NumGroups(); ++g)
+      blocks += BlocksFor(run.held) - ReleasedBlocks(run, g);
+    return blocks;
+  }
   int32_t LiveTokens(const Running& run) const {
     return run.held - ReleasedBlocks(run) * options_.block_size;
   }
+  // An Append's copy-on-write orders: each replaces the last block of the group table it
+  // copies.
+  void ApplyCopies(Running& run, std::span<const CopyOrder> copies) const;
+  // Whether an Allocate's or Append's OpOutcome::group_blocks has (groups - 1) x its
+  // blocks; the refusal that says it has not.
+  bool GroupBlocksFit(const OpOutcome& outcome) const;
+  absl::Status GroupBlocksMismatch(const OpOutcome& outcome) const;
+  // An Allocate's tables of groups 1.. (OpOutcome::group_blocks) into run.group_blocks.
+  void SplitGroupBlocks(const OpOutcome& outcome, Running& run) const;
   // Makes run.hashes cover every full block of the first `tokens` tokens.
   void HashUpTo(Running& run, int32_t tokens) const;
   // The Commit of every token `run` has computed, with the hashes (and, when the cache

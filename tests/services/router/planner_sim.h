@@ -1,9 +1,12 @@
 #pragma once
 // A step loop around StepPlanner for tests, with nothing faked but the model: the block ops
-// run on a real BlockLedger (with the cache manager's own rule that a Commit covers only
-// tokens that existed before the step), and a simulated executor writes each token into a
-// pool of token slots through the block table and "samples" the next token from the
-// context it reads back through the same table. A block table that points at the wrong
+// run on a real ledger (a GroupedLedger, as the cache manager's: one full-attention group
+// unless PlannerOptions::group_windows names groups; with the cache manager's own rule that
+// a Commit covers only tokens that existed before the step), and a simulated executor
+// writes each token into a pool of token slots through every group's block table and
+// "samples" the next token from the context it reads back through group 0's table (which
+// must attend fully), checking that each window group's table gives back what its window
+// reads. A block table that points at the wrong
 // block, a prefix hit on the wrong KV, a missed copy-on-write or a read of an unwritten slot
 // shows up as a wrong token or a failed check.
 
@@ -18,6 +21,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "common/block/block_ledger.h"
+#include "common/block/grouped_ledger.h"
 #include "services/router/step_planner.h"
 
 namespace kvcm::router::testing {
@@ -64,21 +68,32 @@ class PlannerSim {
  public:
   PlannerSim(const PlannerOptions& options, int32_t num_blocks)
       : options_(options),
-        ledger_(*BlockLedger::Create({.num_blocks = num_blocks, .block_size = options.block_size})),
+        ledger_(MakeLedger(options, num_blocks)),
         pool_(static_cast<size_t>(num_blocks) * options.block_size, -1),
         planner_(options) {}
+
+  static GroupedLedger MakeLedger(const PlannerOptions& options, int32_t num_blocks) {
+    GroupedLedger::Options ledger;
+    ledger.pool = {.num_blocks = num_blocks, .block_size = options.block_size};
+    ledger.group_windows =
+        options.group_windows.empty() ? std::vector<int32_t>{0} : options.group_windows;
+    ledger.hash_algorithm = options.hash_algorithm;
+    return *GroupedLedger::Create(ledger);
+  }
 
   StepPlanner& planner() { return planner_; }
   // The cache manager restarts: a new, empty ledger and pool; the planner is told.
   void RestartCacheManager() {
-    const int32_t num_blocks = ledger_.Stats().num_blocks;
-    ledger_ = *BlockLedger::Create({.num_blocks = num_blocks, .block_size = options_.block_size});
+    const int32_t num_blocks = ledger_.pool().num_blocks();
+    ledger_ = MakeLedger(options_, num_blocks);
     std::fill(pool_.begin(), pool_.end(), -1);
     live_.clear();
     written_.clear();
     planner_.ResetAll();
   }
-  const BlockLedger& ledger() const { return ledger_; }
+  // The pool's ledger (every group's blocks); the grouped one.
+  const BlockLedger& ledger() const { return ledger_.pool(); }
+  const GroupedLedger& grouped_ledger() const { return ledger_; }
   // What each request generated so far (its choice 0), and each choice of it.
   absl::flat_hash_map<RequestId, std::vector<int32_t>>& generated() { return generated_; }
   std::vector<int32_t>& generated(RequestId request, int32_t choice) {
@@ -110,7 +125,7 @@ class PlannerSim {
   std::vector<TokenEvent> Step(std::span<const ExecutorId> executors,
                                ExecutorId lose_executor = 0) {
     // What the cache manager reports: free blocks and evictable cached ones.
-    const LedgerStats stats = ledger_.Stats();
+    const LedgerStats stats = ledger_.pool().Stats();
     StepPlan plan = planner_.Plan(stats.free_blocks + stats.cached_blocks, executors);
     rejected_.insert(rejected_.end(), plan.rejected.begin(), plan.rejected.end());
     std::vector<OpOutcome> outcomes = RunOps(plan.ops);
@@ -140,6 +155,21 @@ class PlannerSim {
     return events;
   }
 
+  // A slot holds a token and the group that wrote it: a table that names another group's
+  // block reads the wrong group.
+  static int32_t Slot(int32_t token, int32_t group) { return token * 8 + group; }
+  int32_t TokenIn(int32_t slot, int32_t group) {
+    if (slot < 0) return -1;
+    if (slot % 8 != group) {
+      Fail(absl::StrCat("group ", group, " reads a slot group ", slot % 8, " wrote"));
+    }
+    return slot / 8;
+  }
+  // Block tables per sequence.
+  int32_t NumGroups() const {
+    return options_.group_windows.empty() ? 1 : static_cast<int32_t>(options_.group_windows.size());
+  }
+
  private:
   void Fail(const std::string& what) {
     if (failure_.empty()) failure_ = what;
@@ -160,33 +190,42 @@ class PlannerSim {
           if (std::find(drained_.begin(), drained_.end(), op.seq) != drained_.end()) {
             Fail(absl::StrCat("sequence ", op.seq, " was allocated again after its drain"));
           }
-          auto allocated = ledger_.Allocate(op.seq, op.num_tokens, op.hashes);
-          if (!allocated.ok()) {
-            out.status = allocated.status();
-            break;
+          GroupedTables allocated;
+          out.status = ledger_.Allocate(op.seq, op.num_tokens, op.hashes, &allocated);
+          if (!out.status.ok()) break;
+          out.blocks = allocated.groups[0];
+          for (size_t g = 1; g < allocated.groups.size(); ++g) {
+            out.group_blocks.insert(out.group_blocks.end(), allocated.groups[g].begin(),
+                                    allocated.groups[g].end());
           }
-          out.blocks = allocated->blocks;
-          out.num_cached_tokens = allocated->num_cached_tokens;
+          out.num_cached_tokens = allocated.num_cached_tokens;
           live_.insert(op.seq);
-          written_[op.seq] = allocated->num_cached_tokens;  // written by whoever cached them
+          written_[op.seq] = allocated.num_cached_tokens;  // written by whoever cached them
           break;
         }
         case wire::StepOp::AppendOp: {
           if (std::find(drained_.begin(), drained_.end(), op.seq) != drained_.end()) {
             Fail(absl::StrCat("sequence ", op.seq, " grew after its drain"));
           }
-          auto appended = ledger_.Append(op.seq, op.num_tokens);
-          if (!appended.ok()) {
+          GroupedAppendResult appended;
+          out.status = ledger_.Append(op.seq, op.num_tokens, &appended);
+          if (!out.status.ok()) {
             // Only a lack of blocks is the planner's to meet (by preempting); any other
             // refusal is a bug it would hide, recomputing the sequence.
-            if (!absl::IsResourceExhausted(appended.status())) {
-              Fail(absl::StrCat("append refused: ", appended.status().ToString()));
+            if (!absl::IsResourceExhausted(out.status)) {
+              Fail(absl::StrCat("append refused: ", out.status.ToString()));
             }
-            out.status = appended.status();
             break;
           }
-          out.blocks = appended->new_blocks;
-          out.copies = appended->copies;
+          out.blocks = appended.groups[0].new_blocks;
+          for (size_t g = 0; g < appended.groups.size(); ++g) {
+            const AppendResult& group = appended.groups[g];
+            if (g > 0) {
+              out.group_blocks.insert(out.group_blocks.end(), group.new_blocks.begin(),
+                                      group.new_blocks.end());
+            }
+            out.copies.insert(out.copies.end(), group.copies.begin(), group.copies.end());
+          }
           break;
         }
         case wire::StepOp::CommitOp: {
@@ -240,17 +279,63 @@ class PlannerSim {
         Fail(absl::StrCat("block table of sequence ", seq.seq, " too short"));
         return;
       }
-      for (size_t k = 0; k < seq.tokens.size(); ++k) {
-        const int32_t p = first + static_cast<int32_t>(k);
-        pool_[seq.block_table[p / bs] * bs + p % bs] = seq.tokens[k];
+      const int32_t groups = NumGroups();
+      const size_t n = seq.block_table.size();
+      if (seq.group_tables.size() != (static_cast<size_t>(groups) - 1) * n) {
+        Fail(absl::StrCat("sequence ", seq.seq, " has ", seq.group_tables.size(),
+                          " group table entries for ", groups, " groups of ", n));
+        return;
+      }
+      auto table_of = [&](int32_t g) {
+        return g == 0 ? std::span<const BlockId>(seq.block_table)
+                      : std::span<const BlockId>(seq.group_tables).subspan((g - 1) * n, n);
+      };
+      // The tables are the ledger's, released entries included.
+      if (auto tables = ledger_.BlockTables(seq.seq); tables.ok()) {
+        for (int32_t g = 0; g < groups; ++g) {
+          const std::vector<BlockId>& own = tables->groups[static_cast<size_t>(g)];
+          const std::span<const BlockId> sent = table_of(g);
+          if (own.size() < sent.size() || !std::equal(sent.begin(), sent.end(), own.begin())) {
+            Fail(absl::StrCat("sequence ", seq.seq, ": group ", g, "'s table is not the ledger's"));
+          }
+        }
+      }
+      for (int32_t g = 0; g < groups; ++g) {
+        const std::span<const BlockId> table = table_of(g);
+        for (size_t k = 0; k < seq.tokens.size(); ++k) {
+          const int32_t p = first + static_cast<int32_t>(k);
+          if (table[p / bs] < 0) {
+            Fail(absl::StrCat("sequence ", seq.seq, " writes position ", p, " of group ", g,
+                              " into a released block"));
+            return;
+          }
+          pool_[table[p / bs] * bs + p % bs] = Slot(seq.tokens[k], g);
+        }
       }
       SeqResult result;
       result.seq = seq.seq;
       if (seq.sample) {
         std::vector<int32_t> context(static_cast<size_t>(seq.context_len));
         for (int32_t p = 0; p < seq.context_len; ++p) {
-          context[p] = pool_[seq.block_table[p / bs] * bs + p % bs];
+          context[p] = seq.block_table[p / bs] < 0
+                           ? -1
+                           : TokenIn(pool_[seq.block_table[p / bs] * bs + p % bs], 0);
           if (context[p] < 0) Fail(absl::StrCat("sequence ", seq.seq, " read unwritten KV"));
+        }
+        // Each window group gives back what its window reads for the step's first query
+        // (the later queries read less of the past).
+        for (int32_t g = 1; g < groups; ++g) {
+          const int32_t window = options_.group_windows[static_cast<size_t>(g)];
+          const std::span<const BlockId> table = table_of(g);
+          for (int32_t p = window == 0 ? 0 : std::max(0, first - window + 1); p < seq.context_len;
+               ++p) {
+            const int32_t got =
+                table[p / bs] < 0 ? -1 : TokenIn(pool_[table[p / bs] * bs + p % bs], g);
+            if (got != context[p]) {
+              Fail(absl::StrCat("sequence ", seq.seq, " reads ", got, " at position ", p,
+                                " of group ", g, ", group 0 holds ", context[p]));
+            }
+          }
         }
         result.token = NextToken(context);
         // Penalties need the whole context, and only penalized sequences pay for it.
@@ -293,7 +378,7 @@ class PlannerSim {
   }
 
   PlannerOptions options_;
-  BlockLedger ledger_;
+  GroupedLedger ledger_;
   std::vector<int32_t> pool_;  // one token id per KV slot
   StepPlanner planner_;
   std::vector<ExecutorWork> works_;

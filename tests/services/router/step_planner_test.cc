@@ -443,5 +443,111 @@ TEST(StepPlannerTest, WithoutExecutorsNothingIsAdmitted) {
   EXPECT_EQ(sim.generated()[1], Reference(Tokens(3), 1));
 }
 
+// KV cache groups (docs/architecture.md, "The hybrid KV cache"): a full group and a window
+// group of 8 tokens. Every group's table reaches the executor, the window group's with -1
+// behind its window; the simulated executor writes every group and checks that each window
+// group gives back what its window reads; answers are the reference's.
+PlannerOptions GroupedOptions() {
+  PlannerOptions options = Options();
+  options.group_windows = {0, 8};
+  return options;
+}
+
+TEST(StepPlannerGroupsTest, EachGroupsTableReachesTheExecutorWithItsWindowsReleases) {
+  PlannerSim sim(GroupedOptions(), 64);
+  sim.planner().Enqueue(1, Tokens(30), 20);
+  sim.planner().Enqueue(2, Tokens(9, 40), 25);
+  bool window_released = false;
+  for (int step = 0; step < 40; ++step) {
+    sim.Step(kOne);
+    for (const auto& batch : sim.works().back().batches) {
+      for (const SeqWork& seq : batch.step.seqs) {
+        ASSERT_EQ(seq.group_tables.size(), seq.block_table.size());
+        // Group 0 attends fully: never a released entry.
+        EXPECT_EQ(std::count(seq.block_table.begin(), seq.block_table.end(), -1), 0);
+        window_released |= std::count(seq.group_tables.begin(), seq.group_tables.end(), -1) > 0;
+      }
+    }
+  }
+  EXPECT_TRUE(window_released);
+  EXPECT_EQ(sim.failure(), "");
+  EXPECT_EQ(sim.generated()[1], Reference(Tokens(30), 20));
+  EXPECT_EQ(sim.generated()[2], Reference(Tokens(9, 40), 25));
+  EXPECT_EQ(sim.planner().running(), 0u);
+  EXPECT_EQ(sim.ledger().Stats().in_use_blocks, 0);
+  EXPECT_TRUE(sim.grouped_ledger().CheckInvariants().ok());
+}
+
+TEST(StepPlannerGroupsTest, TheWindowGroupHoldsOnlyItsWindowWhileDecoding) {
+  PlannerSim sim(GroupedOptions(), 64);
+  sim.planner().Enqueue(1, Tokens(40), 30);
+  for (int step = 0; step < 20; ++step) sim.Step(kOne);
+  ASSERT_EQ(sim.planner().running(), 1u);
+  // Group 0 holds every block of the context; the window group at most its 8 tokens and
+  // the blocks being filled: 2 + 2 blocks of 4.
+  const std::vector<StepPlanner::RunningSummary> running = sim.planner().RunningSummaries(1);
+  const int32_t context = running[0].prompt_tokens + running[0].generated_tokens;
+  EXPECT_LE(running[0].blocks, (context + kBlockSize - 1) / kBlockSize + 4);
+  EXPECT_EQ(sim.planner().held_blocks(), sim.ledger().Stats().in_use_blocks);
+  for (int step = 0; step < 20; ++step) sim.Step(kOne);
+  EXPECT_EQ(sim.failure(), "");
+  EXPECT_EQ(sim.generated()[1], Reference(Tokens(40), 30));
+}
+
+TEST(StepPlannerGroupsTest, ASharedPrefixHitsInEveryGroupAndForksCopyEveryGroup) {
+  PlannerSim sim(GroupedOptions(), 96);
+  std::vector<int32_t> a = Tokens(24);
+  std::vector<int32_t> b = a;
+  a.insert(a.end(), {90, 91});
+  b.insert(b.end(), {70, 71, 72});
+  sim.planner().Enqueue(1, a, 2);
+  sim.Step(kOne);
+  sim.Step(kOne);
+  sim.planner().Enqueue(2, b, 2);
+  RequestOutputs outputs;
+  outputs.sequences = 3;
+  sim.planner().Enqueue(3, Tokens(13, 200), 6, {}, outputs);
+  for (int step = 0; step < 16; ++step) sim.Step(kOne);
+  EXPECT_EQ(sim.cached_prompt_tokens(), 24);
+  EXPECT_EQ(sim.failure(), "");
+  EXPECT_EQ(sim.generated()[1], Reference(a, 2));
+  EXPECT_EQ(sim.generated()[2], Reference(b, 2));
+  EXPECT_EQ(sim.generated(3, 0), Reference(Tokens(13, 200), 6));
+  EXPECT_EQ(sim.generated(3, 2), testing::ForkReference(Tokens(13, 200), 6, 0, 2));
+  EXPECT_EQ(sim.ledger().Stats().in_use_blocks, 0);
+}
+
+TEST(StepPlannerGroupsTest, OutOfBlocksInAnyGroupTheLatestIsPreemptedToTheSameTokens) {
+  PlannerOptions options = GroupedOptions();
+  options.num_blocks = 14;
+  PlannerSim sim(options, 14);
+  sim.planner().Enqueue(1, Tokens(8), 12);
+  sim.planner().Enqueue(2, Tokens(8, 40), 12);
+  for (int step = 0; step < 80 && sim.generated()[2].size() < 12; ++step) sim.Step(kOne);
+  EXPECT_GE(sim.planner().preemptions(), 1u);
+  EXPECT_EQ(sim.failure(), "");
+  EXPECT_EQ(sim.generated()[1], Reference(Tokens(8), 12));
+  EXPECT_EQ(sim.generated()[2], Reference(Tokens(8, 40), 12));
+}
+
+// A cache manager whose reply lacks the other groups' blocks is refused, never misread:
+// counted, the sequence freed and computed again.
+TEST(StepPlannerGroupsTest, AReplyWithoutTheOtherGroupsBlocksIsRefusedNotMisread) {
+  PlannerSim sim(GroupedOptions(), 64);
+  int tampered = 0;
+  sim.set_tamper([&tampered](const BlockOp& op, OpOutcome& outcome) {
+    if (op.kind != wire::StepOp::AllocateOp || tampered > 0 || !outcome.status.ok()) return;
+    ++tampered;
+    outcome.group_blocks.clear();
+  });
+  sim.planner().Enqueue(1, Tokens(10), 5);
+  for (int step = 0; step < 12; ++step) sim.Step(kOne);
+  EXPECT_EQ(tampered, 1);
+  EXPECT_EQ(sim.planner().refused_ops(), 1u);
+  EXPECT_EQ(sim.failure(), "");
+  EXPECT_EQ(sim.generated()[1], Reference(Tokens(10), 5));
+  EXPECT_EQ(sim.ledger().Stats().in_use_blocks, 0);
+}
+
 }  // namespace
 }  // namespace kvcm::router
