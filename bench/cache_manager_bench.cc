@@ -52,6 +52,9 @@
 //                             its place); time per step. S = once_a_block_window64: the
 //                             router's shape to a cache manager releasing blocks behind a
 //                             64-token sliding window (goal: <= 1.10x once_a_block).
+//                             S = once_a_block_groups2 / _groups7: the same steps to a
+//                             cache manager with 2 or 7 KV cache groups (goal: <= 1.10x
+//                             once_a_block).
 //   LedgerDecodeStep/S/N      the same ops applied straight to a BlockLedger of the same
 //                             pool: the baseline, so the ratio is what the service adds
 //                             (decode, verification, validation, ownership, the reply).
@@ -94,6 +97,7 @@
 #include "common/base/check.h"
 #include "common/base/status_macros.h"
 #include "common/block/block_ledger.h"
+#include "common/sizing/kv_cache_groups.h"
 #include "common/wire/envelope.h"
 #include "common/wire/step_codec.h"
 #include "services/cache_manager/cache_manager_metrics.h"
@@ -892,14 +896,22 @@ struct BenchService {
   std::unique_ptr<cache_manager::CacheManagerService> service;
 };
 
-absl::StatusOr<std::unique_ptr<BenchService>> MakeBenchService(std::string hash_algorithm,
-                                                               int32_t sliding_window = 0) {
+// `layer_windows` non-empty: a model of those layers' windows, served with KV cache groups
+// (the pool's spec the page's).
+absl::StatusOr<std::unique_ptr<BenchService>> MakeBenchService(
+    std::string hash_algorithm, int32_t sliding_window = 0,
+    const std::vector<int32_t>& layer_windows = {}) {
   KvCacheSpec spec;
-  spec.num_layers = kLayers;
+  spec.num_layers = layer_windows.empty() ? kLayers : static_cast<int32_t>(layer_windows.size());
   spec.num_kv_heads = kKvHeads;
   spec.head_dim = kHeadDim;
   spec.block_size = kBlockSize;
   spec.dtype = DType::kFloat16;
+  KvCacheGroups groups;
+  if (!layer_windows.empty()) {
+    KVCM_ASSIGN_OR_RETURN(groups, GroupLayers(layer_windows));
+    spec = PageSpec(spec, groups);
+  }
   cache_manager::CacheManagerMetrics::CacheInfo info;
   info.num_blocks = kNumBlocks;
   info.block_size = kBlockSize;
@@ -913,6 +925,7 @@ absl::StatusOr<std::unique_ptr<BenchService>> MakeBenchService(std::string hash_
   options.spec = spec;
   options.ledger.num_blocks = kNumBlocks;
   options.ledger.sliding_window_tokens = sliding_window;
+  options.kv_groups = groups;
   options.epoch = kBenchEpoch;
   options.heartbeat_interval = absl::Seconds(1);
   options.heartbeat_timeout = absl::Seconds(600);
@@ -1037,10 +1050,11 @@ std::string CheckAllOk(std::span<const uint8_t> bytes, size_t ops) {
 // steps. .../once_a_block_window64/N: the same steps to a cache manager that releases each
 // sequence's blocks behind a sliding window of 64 tokens (a block at every block boundary
 // past the first 64 tokens: most of each sequence's 16 blocks go back before its Free).
-void ServiceHandleDecodeStep(benchmark::State& state, bool once_a_block,
-                             int32_t sliding_window = 0) {
+void ServiceHandleDecodeStep(benchmark::State& state, bool once_a_block, int32_t sliding_window = 0,
+                             const std::vector<int32_t>& layer_windows = {}) {
   const int n = static_cast<int>(state.range(0));
-  absl::StatusOr<std::unique_ptr<BenchService>> bench = MakeBenchService("xxh3_v2", sliding_window);
+  absl::StatusOr<std::unique_ptr<BenchService>> bench =
+      MakeBenchService("xxh3_v2", sliding_window, layer_windows);
   if (!bench.ok()) {
     state.SkipWithError(std::string(bench.status().message()).c_str());
     return;
@@ -1164,6 +1178,16 @@ BENCHMARK(ServiceHandleStepAndLoop);
 BENCHMARK(ServiceHandleStepCold)->MinTime(0.2);
 BENCHMARK_CAPTURE(ServiceHandleDecodeStep, once_a_block, true)->Arg(64)->Arg(256);
 BENCHMARK_CAPTURE(ServiceHandleDecodeStep, once_a_block_window64, true, 64)->Arg(64)->Arg(256);
+// KV cache groups: a full layer and a window layer of 64 tokens (2 groups), and a Gemma-3-like
+// model of one full and six window layers (7 groups); each sequence's ops reach every group.
+BENCHMARK_CAPTURE(ServiceHandleDecodeStep, once_a_block_groups2, true, 0,
+                  std::vector<int32_t>{0, 64})
+    ->Arg(64)
+    ->Arg(256);
+BENCHMARK_CAPTURE(ServiceHandleDecodeStep, once_a_block_groups7, true, 0,
+                  std::vector<int32_t>{64, 64, 64, 64, 64, 0, 64})
+    ->Arg(64)
+    ->Arg(256);
 BENCHMARK_CAPTURE(LedgerDecodeStep, once_a_block, true)->Arg(64)->Arg(256);
 BENCHMARK_CAPTURE(ServiceHandleDecodeStep, once_a_token, false)->Arg(64)->Arg(256);
 BENCHMARK_CAPTURE(LedgerDecodeStep, once_a_token, false)->Arg(64)->Arg(256);
@@ -1277,6 +1301,11 @@ int main(int argc, char** argv) {
   reporter.AddPair("ServiceHandleDecodeStep/", "LedgerDecodeStep/", 0, "step");
   // The window's releases must not cost a second pass over a step.
   reporter.AddPair("ServiceHandleDecodeStep/once_a_block_window64/",
+                   "ServiceHandleDecodeStep/once_a_block/", 1.10, "step");
+  // KV cache groups against the same sequences in one table.
+  reporter.AddPair("ServiceHandleDecodeStep/once_a_block_groups2/",
+                   "ServiceHandleDecodeStep/once_a_block/", 1.10, "step");
+  reporter.AddPair("ServiceHandleDecodeStep/once_a_block_groups7/",
                    "ServiceHandleDecodeStep/once_a_block/", 1.10, "step");
   const int rc = kvcm::bench::RunWithRatios(argc, argv, reporter);
   kvcm::Environment::Get().Stop();
