@@ -390,6 +390,27 @@ absl::StatusOr<std::optional<KvCacheGroups>> KvGroupsFromFlags() {
   return groups;
 }
 
+// The pool's spec: the model's, or with KV cache groups a page's (PageSpec: group_size
+// layer slots), and the groups, logged.
+struct PoolSpec {
+  KvCacheSpec spec;
+  std::optional<KvCacheGroups> groups;
+};
+absl::StatusOr<PoolSpec> PoolSpecFromFlags() {
+  PoolSpec pool;
+  KVCM_ASSIGN_OR_RETURN(const KvCacheSpec model_spec, SpecFromFlags());
+  KVCM_ASSIGN_OR_RETURN(pool.groups, KvGroupsFromFlags());
+  pool.spec = pool.groups.has_value() ? PageSpec(model_spec, *pool.groups) : model_spec;
+  if (pool.groups.has_value()) {
+    Log(
+        absl::StrCat("model config: layers of more than one attention type: KV cache groups, "
+                     "a block table each, whose window groups release what their window "
+                     "passed: ",
+                     pool.groups->ToString(), " (--sliding-window-tokens 0 keeps one table)"));
+  }
+  return pool;
+}
+
 // The service's options from the flags, given the pool's KV spec (a page's with groups),
 // the pool plan, the hash and the KV cache groups, if any.
 absl::StatusOr<CacheManagerService::Options> ServiceOptionsFromFlags(
@@ -490,19 +511,9 @@ int Main(const std::vector<config::Setting>& settings) {
   // A flood of connections at the descriptor limit must not abort the process in libzmq.
   if (absl::Status guard = InstallAcceptGuard(); !guard.ok()) return fail(guard);
 
-  auto model_spec = SpecFromFlags();
-  if (!model_spec.ok()) return fail(model_spec.status());
-  auto groups = KvGroupsFromFlags();
-  if (!groups.ok()) return fail(groups.status());
-  // With groups the pool is one of pages of group_size layer slots (PageSpec).
-  const KvCacheSpec spec = groups->has_value() ? PageSpec(*model_spec, **groups) : *model_spec;
-  if (groups->has_value()) {
-    Log(
-        absl::StrCat("model config: layers of more than one attention type: KV cache groups, "
-                     "a block table each, whose window groups release what their window "
-                     "passed: ",
-                     (*groups)->ToString(), " (--sliding-window-tokens 0 keeps one table)"));
-  }
+  auto pool_spec = PoolSpecFromFlags();
+  if (!pool_spec.ok()) return fail(pool_spec.status());
+  const KvCacheSpec spec = pool_spec->spec;
   auto backend = ChooseBackend();
   if (!backend.ok()) return fail(backend.status());
   auto budget = BudgetFromFlags(*backend);
@@ -516,7 +527,7 @@ int Main(const std::vector<config::Setting>& settings) {
 
   // Every flag is checked before anything is acquired (the lock, the pool, the port).
   absl::StatusOr<CacheManagerService::Options> service_options =
-      ServiceOptionsFromFlags(spec, *plan, *hash_algorithm, *groups);
+      ServiceOptionsFromFlags(spec, *plan, *hash_algorithm, pool_spec->groups);
   if (!service_options.ok()) return fail(service_options.status());
   CacheManagerService::Options service = *std::move(service_options);
   auto vllm_events = VllmEventsFromFlags();
