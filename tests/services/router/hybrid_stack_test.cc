@@ -4,9 +4,9 @@
 // that the cache manager (given --model-config) lays the pool out in pages of one layer slot
 // and keeps four block tables per sequence (one full group, three window groups). Every
 // answer must be the model's own greedy tokens (the contiguous reference forward) for prompts
-// and generations many windows long, with prefix hits and with preemption; the window groups
-// must have released blocks; and an executor whose model groups its layers otherwise must
-// refuse the pool.
+// and generations many windows long, with prefix hits and in a pool too small for every
+// request at once; the window groups must have released blocks; and an executor whose model
+// groups its layers otherwise must refuse the pool.
 
 #include <signal.h>
 
