@@ -41,8 +41,9 @@ namespace kvcm {
 //
 // `notes`, when given, receives what a user should know about choices made for them, one
 // line each: which KV dtype was taken from the config and how to pick another (a float32
-// config would size a pool twice as large as bf16), and that a sliding window in the config
-// is ignored (the pool is sized for full attention: windows are not supported yet).
+// config would size a pool twice as large as bf16), and what the config's sliding windows
+// do to the pool (blocks released behind the window when every layer has one; KV cache
+// groups when layers of several attention types mix).
 absl::StatusOr<KvCacheSpec> SpecFromModelConfig(const ModelConfig& config, int32_t block_size,
                                                 std::optional<DType> dtype_override,
                                                 std::vector<std::string>* notes = nullptr);
