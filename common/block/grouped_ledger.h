@@ -156,6 +156,12 @@ class GroupedLedger {
   // The pool's, counting this ledger's sequences, prompts and refusals (not each group's).
   LedgerStats Stats() const;
   std::vector<GroupStats> PerGroupStats() const;
+  // Blocks each group's window released since construction, by group (with one group, the
+  // pool's counter: LedgerStats::window_released). O(groups).
+  std::vector<uint64_t> WindowReleasedByGroup() const {
+    return num_groups() == 1 ? std::vector<uint64_t>{pool_.Stats().window_released}
+                             : window_released_;
+  }
   int32_t AvailableBlocks() const { return pool_.AvailableBlocks(); }
   std::vector<BlockEvent> TakeEvents() { return pool_.TakeEvents(); }
   std::vector<std::pair<BlockId, BlockHash>> IndexedBlocks() const { return pool_.IndexedBlocks(); }

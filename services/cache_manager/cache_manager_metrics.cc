@@ -79,6 +79,10 @@ constexpr MetricSpec kAllocationFailures{
 constexpr MetricSpec kWindowReleasedBlocks{
     "kvcm_cache_window_released_blocks_total", MetricType::Counter, "",
     "Blocks released because they slid wholly out of the model's attention window."};
+constexpr MetricSpec kGroupWindowReleasedBlocks{
+    "kvcm_cache_group_window_released_blocks_total", MetricType::Counter, "group,window",
+    "Of kvcm_cache_window_released_blocks_total, those of each KV cache group (window in "
+    "tokens, 0 for full attention); without groups one group, the pool's window."};
 constexpr MetricSpec kSessions{"kvcm_cache_manager_sessions", MetricType::Gauge, "role",
                                "Live client sessions, by role."};
 constexpr MetricSpec kEpoch{
@@ -247,6 +251,7 @@ constexpr std::array kSpecs = {
     kPrefixHitTokens,
     kAllocationFailures,
     kWindowReleasedBlocks,
+    kGroupWindowReleasedBlocks,
     kSessions,
     kEpoch,
     kOpenFences,
@@ -374,6 +379,7 @@ class CacheManagerMetrics::SnapshotCollector : public prometheus::Collectable {
     snapshot_.ledger.num_blocks = info.num_blocks;
     snapshot_.ledger.block_size = info.block_size;
     snapshot_.ledger.free_blocks = info.num_blocks;
+    for (int32_t window : info.group_windows) snapshot_.groups.push_back({window, 0});
   }
 
   void Publish(const CacheManagerSnapshot& snapshot) {
@@ -431,6 +437,12 @@ class CacheManagerMetrics::SnapshotCollector : public prometheus::Collectable {
     add(kPrefixHitTokens, static_cast<double>(ledger.prefix_hit_tokens));
     add(kAllocationFailures, static_cast<double>(ledger.allocation_failures));
     add(kWindowReleasedBlocks, static_cast<double>(ledger.window_released));
+    families.push_back(NewFamily(kGroupWindowReleasedBlocks));
+    for (size_t g = 0; g < s.groups.size(); ++g) {
+      AddSample(
+          families.back(), static_cast<double>(s.groups[g].released),
+          {Label("group", std::to_string(g)), Label("window", std::to_string(s.groups[g].window))});
+    }
     families.push_back(NewFamily(kSessions));
     for (int i = 0; i < kSessionRoles; ++i) {
       AddSample(families.back(), s.sessions_by_role[i], {Label("role", kSessionRoleNames[i])});

@@ -138,6 +138,13 @@ struct CacheManagerSnapshot {
   std::optional<tiers::TierSnapshot> tiers;
   int32_t tier_held_blocks = 0;
   int32_t tier_loading_blocks = 0;
+  // Per KV cache group (docs/architecture.md, "The hybrid KV cache"; without groups one, the
+  // pool's window): its window in tokens (0: full attention) and the blocks it released.
+  struct GroupReleases {
+    int32_t window = 0;
+    uint64_t released = 0;
+  };
+  std::vector<GroupReleases> groups;
 };
 
 class CacheManagerMetrics {
@@ -152,6 +159,8 @@ class CacheManagerMetrics {
     std::string dtype;           // KV element type, e.g. "bf16"
     std::string backend;         // pool memory backend, e.g. "shm" or "cuda"
     std::string hash_algorithm;  // block hash, e.g. "sha256"
+    // The KV cache groups' windows (0: full attention); without groups one, the pool's.
+    std::vector<int32_t> group_windows = {0};
   };
 
   explicit CacheManagerMetrics(const CacheInfo& info);

@@ -169,6 +169,12 @@ void CacheManagerService::HandleStats(const wire::Envelope& envelope, absl::Time
 CacheManagerSnapshot CacheManagerService::Snapshot() const {
   CacheManagerSnapshot snapshot;
   snapshot.ledger = ledger_.Stats();
+  const std::vector<uint64_t> released = ledger_.WindowReleasedByGroup();
+  for (size_t g = 0; g < released.size(); ++g) {
+    const int32_t window = ledger_.num_groups() == 1 ? options_.ledger.sliding_window_tokens
+                                                     : ledger_.group_windows()[g];
+    snapshot.groups.push_back({window, released[g]});
+  }
   const HeldBlocks held = BlocksHeldApart();
   snapshot.quarantined_blocks = held.quarantined;
   snapshot.draining_blocks = held.draining;

@@ -480,8 +480,16 @@ absl::StatusOr<std::string> TcpEndpointFromFlags() {
 
 // What the metrics' info series says of the pool.
 CacheManagerMetrics::CacheInfo CacheInfoOf(const KvCacheSpec& spec, const PoolPlan& plan,
-                                           PoolBackend backend, HashAlgorithm hash_algorithm) {
+                                           PoolBackend backend, HashAlgorithm hash_algorithm,
+                                           const CacheManagerService::Options& service) {
   CacheManagerMetrics::CacheInfo info;
+  info.group_windows = {service.ledger.sliding_window_tokens};
+  if (service.kv_groups.num_groups() > 1) {
+    info.group_windows.clear();
+    for (const KvCacheGroup& group : service.kv_groups.groups) {
+      info.group_windows.push_back(group.window);
+    }
+  }
   info.num_blocks = static_cast<int32_t>(plan.num_blocks);
   info.block_size = spec.block_size;
   info.block_bytes = spec.BytesPerBlock();
@@ -564,7 +572,7 @@ int Main(const std::vector<config::Setting>& settings) {
           : CreateShmPoolMemory(pool_bytes, "kvcm-pool");
   if (!memory.ok()) return fail(memory.status());
 
-  CacheManagerMetrics metrics(CacheInfoOf(spec, *plan, *backend, *hash_algorithm));
+  CacheManagerMetrics metrics(CacheInfoOf(spec, *plan, *backend, *hash_algorithm, service));
   config::ExportInfoMetric(*metrics.registry(), "kvcm_cache_manager_config_info", settings,
                            config::ConfigFilePath());
   auto metrics_server =

@@ -94,12 +94,12 @@ class HybridStackTest : public RouterStackTest {
     return connected.ok() ? (*connected)->session() : SessionInfo{};
   }
 
-  double ManagerMetric(const std::string& name) {
+  double ManagerMetric(const std::string& name, const MetricLabels& labels = {}) {
     absl::StatusOr<HttpResponse> scraped = HttpGet(cm_->metrics_url());
     if (!scraped.ok() || scraped->status != 200) return -1;
     absl::StatusOr<MetricsText> metrics = ParseMetricsText(scraped->body);
     if (!metrics.ok()) return -1;
-    absl::StatusOr<double> value = metrics->Value(name, {});
+    absl::StatusOr<double> value = metrics->Value(name, labels);
     return value.ok() ? *value : -1;
   }
 
@@ -127,6 +127,14 @@ TEST_F(HybridStackTest, EveryAnswerIsTheModelsOwnWithABlockTablePerGroup) {
   const double released = ManagerMetric("kvcm_cache_window_released_blocks_total");
   std::printf("blocks released behind the windows: %.0f\n", released);
   EXPECT_GE(released, 4 * 3 * 10);
+  // By group: the full group released nothing, the window groups all the rest alike.
+  const std::string by_group = "kvcm_cache_group_window_released_blocks_total";
+  EXPECT_EQ(ManagerMetric(by_group, {{"group", "0"}, {"window", "0"}}), 0);
+  for (const char* group : {"1", "2", "3"}) {
+    EXPECT_EQ(ManagerMetric(by_group, {{"group", group}, {"window", absl::StrCat(kWindow)}}),
+              released / 3)
+        << group;
+  }
   EXPECT_TRUE(AwaitNoBlockInUse());
   ExpectWhole(Stats());
 }
