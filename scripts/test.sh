@@ -34,9 +34,10 @@ stage_done "packages and build"
 # Every C++ and CUDA file as clang-format writes it (scripts/format.sh rewrites them).
 scripts/format.sh --check
 scripts/python-env.sh
-# The bundled real model, for the tests that run it; they find it through this variable.
+# The real models, for the tests that run them; they find them through these variables.
 KVCM_SMOLLM2_GGUF="$(scripts/get-model.sh)"
-export KVCM_SMOLLM2_GGUF
+KVCM_GEMMA3_GGUF="$(scripts/get-model.sh gemma3-270m)"
+export KVCM_SMOLLM2_GGUF KVCM_GEMMA3_GGUF
 stage_done "python environments and model"
 
 BUILD_DIR="${KVCM_BUILD_DIR:-build}"
