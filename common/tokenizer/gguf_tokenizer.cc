@@ -1,5 +1,6 @@
 #include "common/tokenizer/gguf_tokenizer.h"
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <string_view>
@@ -8,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "common/gguf/gguf_file.h"
 #include "common/tokenizer/bpe_tokenizer.h"
 
@@ -58,7 +60,12 @@ std::string SentencePieceModelProto(const std::vector<std::string>& tokens,
   std::string model;
   for (size_t id = 0; id < tokens.size(); ++id) {
     std::string piece;
-    PutBytes(&piece, 1, tokens[id]);
+    // SentencePiece matches user-defined pieces in the text after it escaped spaces as
+    // U+2581; llama.cpp's gemma3 files spell the whitespace runs among them ("  ", "   ", ...)
+    // with plain spaces, as Hugging Face's added tokens do.
+    PutBytes(
+        &piece, 1,
+        types[id] == 4 ? absl::StrReplaceAll(tokens[id], {{" ", "\xe2\x96\x81"}}) : tokens[id]);
     PutFloat(&piece, 2, static_cast<float>(scores[id]));
     PutInt(&piece, 3, types[id]);
     PutBytes(&model, 1, piece);  // ModelProto.pieces
@@ -71,6 +78,12 @@ std::string SentencePieceModelProto(const std::vector<std::string>& tokens,
   PutInt(&trainer, 41, bos_id);
   PutInt(&trainer, 42, eos_id);
   PutInt(&trainer, 43, -1);  // pad_id: none
+  // The pieces SentencePiece looks the special ids up by (bos_id() is PieceToId(bos_piece));
+  // its defaults "<unk>", "<s>" and "</s>" are Llama's, Gemma's are "<unk>", "<bos>", "<eos>".
+  const std::pair<uint32_t, int64_t> special_pieces[] = {{45, unk_id}, {46, bos_id}, {47, eos_id}};
+  for (const auto& [field, id] : special_pieces) {
+    if (id >= 0) PutBytes(&trainer, field, tokens[static_cast<size_t>(id)]);
+  }
   PutBytes(&model, 2, trainer);
   std::string normalizer;
   PutBytes(&normalizer, 1, "identity");
@@ -131,6 +144,11 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadGgufSentencePiece(const GgufFile&
           absl::StrCat(file.name(), ": ", keys[i], " = ", *id, " is not a token id"));
     }
     ids[i] = *id;
+  }
+  // SentencePiece needs the unknown token's piece to be of type UNKNOWN (2); llama.cpp's
+  // gemma3 files mark <unk> CONTROL (3) and name it only by tokenizer.ggml.unknown_token_id.
+  if (ids[0] >= 0 && std::find(types.begin(), types.end(), 2) == types.end()) {
+    types[static_cast<size_t>(ids[0])] = 2;
   }
   bool add_space_prefix = true;
   if (file.Has("tokenizer.ggml.add_space_prefix")) {

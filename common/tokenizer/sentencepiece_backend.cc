@@ -61,6 +61,11 @@ bool SentencePieceBackend::Decode(const std::vector<int32_t>& ids, std::string* 
 
 int32_t SentencePieceBackend::piece_size() const { return impl_->processor.GetPieceSize(); }
 
+std::string SentencePieceBackend::IdToPiece(int32_t id) const {
+  if (id < 0 || id >= piece_size()) return "";
+  return impl_->processor.IdToPiece(id);
+}
+
 int32_t SentencePieceBackend::PieceToId(std::string_view piece) const {
   const int id = impl_->processor.PieceToId(piece);
   // Unknown pieces come back as the <unk> id.

@@ -37,6 +37,8 @@ class SentencePieceBackend {
   int32_t piece_size() const;
   // The id of `piece`, -1 when the model has no such piece.
   int32_t PieceToId(std::string_view piece) const;
+  // The piece of `id` ("" outside [0, piece_size())).
+  std::string IdToPiece(int32_t id) const;
   // Control or unknown piece (false outside [0, piece_size())).
   bool IsControlOrUnknown(int32_t id) const;
   int32_t bos_id() const;  // -1 when the model has none

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 
 #include "absl/strings/str_cat.h"
 #include "common/tokenizer/normalizer.h"
@@ -79,29 +80,29 @@ absl::Status RegexError(int rc) {
 }
 
 void AddedTokenMatcher::Finish() {
-  for (size_t i = 0; i < contents_.size(); ++i) {
-    by_first_byte_[static_cast<unsigned char>(contents_[i].second[0])].push_back(i);
+  for (const auto& [index, content] : contents_) {
+    if (!index_of_.try_emplace(content, index).second) continue;
+    std::vector<size_t>& lengths = lengths_by_first_byte_[static_cast<unsigned char>(content[0])];
+    if (std::find(lengths.begin(), lengths.end(), content.size()) == lengths.end()) {
+      lengths.push_back(content.size());
+    }
   }
-  for (std::vector<size_t>& candidates : by_first_byte_) {
-    std::stable_sort(candidates.begin(), candidates.end(), [&](size_t a, size_t b) {
-      return contents_[a].second.size() > contents_[b].second.size();
-    });
+  for (std::vector<size_t>& lengths : lengths_by_first_byte_) {
+    std::sort(lengths.begin(), lengths.end(), std::greater<>());
   }
 }
 
 bool AddedTokenMatcher::Find(std::string_view text, size_t from, size_t* begin, size_t* end,
                              int* index) const {
   for (size_t i = from; i < text.size(); ++i) {
-    const std::vector<size_t>& candidates = by_first_byte_[static_cast<unsigned char>(text[i])];
-    for (const size_t c : candidates) {
-      const std::string& content = contents_[c].second;
-      if (text.size() - i >= content.size() &&
-          std::memcmp(text.data() + i, content.data(), content.size()) == 0) {
-        *begin = i;
-        *end = i + content.size();
-        *index = contents_[c].first;
-        return true;
-      }
+    for (const size_t length : lengths_by_first_byte_[static_cast<unsigned char>(text[i])]) {
+      if (text.size() - i < length) continue;
+      const auto found = index_of_.find(text.substr(i, length));
+      if (found == index_of_.end()) continue;
+      *begin = i;
+      *end = i + length;
+      *index = found->second;
+      return true;
     }
   }
   return false;

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
@@ -78,9 +79,18 @@ inline bool IsWhiteSpace(uint32_t cp) {
 }
 
 // Added tokens matched leftmost-longest (Hugging Face uses an Aho-Corasick automaton with
-// that semantics; the sets are small, so candidates are indexed by their first byte).
+// that semantics). Candidates are looked up by their first byte and length: a hash lookup
+// per distinct length, so thousands of tokens sharing a first byte (Gemma's <unused...>)
+// cost little.
 class AddedTokenMatcher {
  public:
+  AddedTokenMatcher() = default;
+  // Movable (the views stay valid: a moved vector keeps its elements), not copyable.
+  AddedTokenMatcher(AddedTokenMatcher&&) = default;
+  AddedTokenMatcher& operator=(AddedTokenMatcher&&) = default;
+  AddedTokenMatcher(const AddedTokenMatcher&) = delete;
+  AddedTokenMatcher& operator=(const AddedTokenMatcher&) = delete;
+
   void Add(int index, const std::string& content) {
     if (content.empty()) return;
     contents_.push_back({index, content});
@@ -89,11 +99,14 @@ class AddedTokenMatcher {
   bool empty() const { return contents_.empty(); }
 
   // The leftmost-longest match at or after `from`: true with *begin, *end and *index set.
+  // Of equal contents, the one added first.
   bool Find(std::string_view text, size_t from, size_t* begin, size_t* end, int* index) const;
 
  private:
   std::vector<std::pair<int, std::string>> contents_;
-  std::array<std::vector<size_t>, 256> by_first_byte_;
+  absl::flat_hash_map<std::string_view, int> index_of_;  // views into contents_
+  // The distinct lengths of the contents starting with each byte, longest first.
+  std::array<std::vector<size_t>, 256> lengths_by_first_byte_;
 };
 
 }  // namespace kvcm::internal

@@ -8,6 +8,7 @@
 #include "absl/strings/str_join.h"
 #include "common/tokenizer/bpe_tokenizer.h"
 #include "common/tokenizer/sentencepiece_backend.h"
+#include "common/tokenizer/text_matching_internal.h"
 
 namespace kvcm {
 namespace {
@@ -77,7 +78,14 @@ std::optional<int32_t> ByteTokenizer::TokenId(std::string_view piece) const {
 
 SentencePieceTokenizer::SentencePieceTokenizer(
     std::unique_ptr<internal::SentencePieceBackend> backend, int32_t vocab_size)
-    : backend_(std::move(backend)), vocab_size_(vocab_size) {}
+    : backend_(std::move(backend)),
+      specials_(std::make_unique<internal::AddedTokenMatcher>()),
+      vocab_size_(vocab_size) {
+  for (int32_t id = 0; id < backend_->piece_size(); ++id) {
+    if (backend_->IsControlOrUnknown(id)) specials_->Add(id, backend_->IdToPiece(id));
+  }
+  specials_->Finish();
+}
 
 SentencePieceTokenizer::~SentencePieceTokenizer() = default;
 
@@ -122,9 +130,29 @@ absl::StatusOr<std::unique_ptr<SentencePieceTokenizer>> SentencePieceTokenizer::
 }
 
 absl::StatusOr<std::vector<int32_t>> SentencePieceTokenizer::Encode(std::string_view text) const {
+  // The text between special pieces goes through SentencePiece one part at a time (each gets
+  // the dummy prefix when the model adds one, as llama.cpp's add_space_prefix does after a
+  // special token).
   std::vector<int32_t> ids;
+  std::vector<int32_t> part;
   std::string error;
-  if (!backend_->Encode(text, &ids, &error)) {
+  auto encode = [&](std::string_view segment) {
+    if (segment.empty()) return true;
+    if (!backend_->Encode(segment, &part, &error)) return false;
+    ids.insert(ids.end(), part.begin(), part.end());
+    return true;
+  };
+  size_t from = 0;
+  size_t begin = 0;
+  size_t end = 0;
+  int special = 0;
+  while (specials_->Find(text, from, &begin, &end, &special)) {
+    if (!encode(text.substr(from, begin - from))) break;
+    ids.push_back(special);
+    from = end;
+  }
+  if (error.empty()) encode(text.substr(from));
+  if (!error.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("SentencePiece Encode: ", error));
   }
   return ids;

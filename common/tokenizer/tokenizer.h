@@ -94,6 +94,7 @@ class ByteTokenizer final : public Tokenizer {
 };
 
 namespace internal {
+class AddedTokenMatcher;
 class SentencePieceBackend;
 }  // namespace internal
 
@@ -124,6 +125,9 @@ class SentencePieceTokenizer final : public Tokenizer {
   SentencePieceTokenizer(std::unique_ptr<internal::SentencePieceBackend> backend,
                          int32_t vocab_size);
   std::unique_ptr<internal::SentencePieceBackend> backend_;
+  // The control and unknown pieces ("<s>", "<start_of_turn>", ...), matched whole in the text
+  // before SentencePiece sees it, as Hugging Face's special tokens and llama.cpp's are.
+  std::unique_ptr<internal::AddedTokenMatcher> specials_;
   int32_t vocab_size_;
 };
 
