@@ -252,14 +252,11 @@ absl::StatusOr<std::string> ArchitectureOf(const ModelConfig& m) {
     } else if (m.model_type == "qwen3") {
       return std::string("Qwen3ForCausalLM (GGUF qwen3)");
     } else if (m.model_type == "gemma3") {
-      // llama.cpp's gemma3 files store the norms as 1 + w and leave the sliding layers' RoPE
-      // base and the attention scale to llama.cpp's per-size defaults: not read yet.
-      return Unimplemented(m,
-                           "general.architecture \"gemma3\" is not supported yet (GGUF Gemma 3: "
-                           "serve the Hugging Face folder, Gemma3ForCausalLM, instead)");
+      return std::string("Gemma3ForCausalLM (GGUF gemma3)");
     } else {
       return Unimplemented(m, absl::StrCat("general.architecture \"", m.model_type,
-                                           "\" is not supported (supported: llama, qwen2, qwen3)"));
+                                           "\" is not supported (supported: llama, qwen2, qwen3, "
+                                           "gemma3)"));
     }
   } else {
     return HfArchitecture(m);
@@ -294,7 +291,8 @@ absl::Status SetLayerWindows(const ModelConfig& m, LlamaConfig* c) {
   const bool any = std::any_of(c->layer_windows.begin(), c->layer_windows.end(),
                                [](int32_t w) { return w > 0; });
   if (!any) return absl::OkStatus();
-  if (m.format == ModelConfig::Format::kGguf) {
+  const bool gemma3 = c->architecture.starts_with("Gemma3ForCausalLM");
+  if (m.format == ModelConfig::Format::kGguf && !gemma3) {
     return Unimplemented(
         m, absl::StrCat("GGUF key \"", m.sliding_window_key,
                         "\" (sliding-window attention) is not supported for ", m.model_type));
@@ -310,6 +308,25 @@ absl::Status SetLayerWindows(const ModelConfig& m, LlamaConfig* c) {
                         ") is not supported for ", c->architecture));
   }
   if (!windowed_family) std::fill(c->layer_windows.begin(), c->layer_windows.end(), 0);
+  return absl::OkStatus();
+}
+
+// What a llama.cpp gemma3 file leaves to llama.cpp's code (llama-model.cpp's gemma3 case),
+// as llama.cpp runs it: the norms are stored as 1 + w already (convert_hf_to_gguf adds the 1),
+// the embedding scale is sqrt(hidden_size) in fp32, the attention scale is head_dim^-0.5
+// except for the 27B (62 layers: (hidden_size / heads)^-0.5, its query_pre_attn_scalar), the
+// sliding layers' RoPE base is 10000 and unscaled, and every sixth layer is full attention
+// (ModelConfig's LayerWindows).
+absl::Status SetGgufGemma3Features(const ModelConfig& m, LlamaConfig* c) {
+  c->norm_weight_offset = 0.0f;
+  c->query_pre_attn_scalar = c->num_hidden_layers == 62
+                                 ? static_cast<double>(c->hidden_size / c->num_attention_heads)
+                                 : static_cast<double>(c->head_dim);
+  c->embedding_scale = static_cast<float>(std::sqrt(static_cast<double>(c->hidden_size)));
+  c->local_rope = true;
+  c->rope_theta = m.rope_theta.value_or(10000.0);
+  c->local_rope_theta = 10000.0;
+  KVCM_ASSIGN_OR_RETURN(c->rope_scaling, Scaling(m, m.rope));
   return absl::OkStatus();
 }
 
@@ -337,6 +354,7 @@ absl::Status SetGemma3Features(const ModelConfig& m, LlamaConfig* c) {
   c->activation = LlamaConfig::Activation::kGeluTanh;
   c->qk_norm = true;
   c->sandwich_norms = true;
+  if (m.format == ModelConfig::Format::kGguf) return SetGgufGemma3Features(m, c);
   c->norm_weight_offset = 1.0f;
   c->query_pre_attn_scalar = m.query_pre_attn_scalar.value_or(256.0);
   // transformers multiplies by sqrt(hidden_size) cast to the weights' dtype.

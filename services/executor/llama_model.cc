@@ -123,9 +123,11 @@ class SafetensorsSource final : public WeightSource {
   const std::string folder_;
 };
 
-// llama.cpp's name of a Hugging Face tensor name (convert_hf_to_gguf's tensor map for
-// Llama): model.layers.{l}.self_attn.q_proj.weight -> blk.{l}.attn_q.weight, ...
-std::string GgufTensorName(const std::string& hf_name) {
+// llama.cpp's name of a Hugging Face tensor name (convert_hf_to_gguf's tensor map):
+// model.layers.{l}.self_attn.q_proj.weight -> blk.{l}.attn_q.weight, ... With Gemma's
+// sandwich norms, post_attention_layernorm is the attention output's norm
+// (post_attention_norm), and pre_/post_feedforward_layernorm are ffn_norm and post_ffw_norm.
+std::string GgufTensorName(const std::string& hf_name, bool sandwich_norms) {
   static const std::pair<std::string_view, std::string_view> kWhole[] = {
       {"model.embed_tokens.weight", "token_embd.weight"},
       {"model.norm.weight", "output_norm.weight"},
@@ -140,7 +142,6 @@ std::string GgufTensorName(const std::string& hf_name) {
       {"self_attn.k_proj.weight", "attn_k.weight"},
       {"self_attn.v_proj.weight", "attn_v.weight"},
       {"self_attn.o_proj.weight", "attn_output.weight"},
-      {"post_attention_layernorm.weight", "ffn_norm.weight"},
       {"mlp.gate_proj.weight", "ffn_gate.weight"},
       {"mlp.up_proj.weight", "ffn_up.weight"},
       {"mlp.down_proj.weight", "ffn_down.weight"},
@@ -158,8 +159,20 @@ std::string GgufTensorName(const std::string& hf_name) {
     if (dot != std::string_view::npos) {
       const std::string_view layer = rest.substr(0, dot);
       const std::string_view tail = rest.substr(dot + 1);
+      auto named = [&](std::string_view gguf) {
+        return absl::StrCat("blk.", std::string(layer), ".", std::string(gguf));
+      };
       for (const auto& [hf, gguf] : kLayer) {
-        if (tail == hf) return absl::StrCat("blk.", std::string(layer), ".", std::string(gguf));
+        if (tail == hf) return named(gguf);
+      }
+      if (tail == "post_attention_layernorm.weight") {
+        return named(sandwich_norms ? "post_attention_norm.weight" : "ffn_norm.weight");
+      }
+      if (sandwich_norms && tail == "pre_feedforward_layernorm.weight") {
+        return named("ffn_norm.weight");
+      }
+      if (sandwich_norms && tail == "post_feedforward_layernorm.weight") {
+        return named("post_ffw_norm.weight");
       }
     }
   }
@@ -181,7 +194,7 @@ class GgufSource final : public WeightSource {
       : file_(file), config_(config), unpermute_(unpermute) {}
 
   bool Has(const std::string& hf_name) const override {
-    return file_.FindTensor(GgufTensorName(hf_name)).ok();
+    return file_.FindTensor(GgufTensorName(hf_name, config_.sandwich_norms)).ok();
   }
 
   absl::StatusOr<std::vector<float>> Load(const std::string& hf_name,
@@ -213,7 +226,7 @@ class GgufSource final : public WeightSource {
   // The tensor of `hf_name`, checked to have `shape`.
   absl::StatusOr<const GgufTensorInfo*> Find(const std::string& hf_name,
                                              const std::vector<int64_t>& shape) const {
-    const std::string name = GgufTensorName(hf_name);
+    const std::string name = GgufTensorName(hf_name, config_.sandwich_norms);
     absl::StatusOr<const GgufTensorInfo*> found = file_.FindTensor(name);
     if (!found.ok()) {
       return absl::NotFoundError(absl::StrCat("\"", file_.name(), "\" has no tensor \"", name,
@@ -231,8 +244,9 @@ class GgufSource final : public WeightSource {
   }
 
   absl::Status Named(const std::string& hf_name, const absl::Status& s) const {
-    return absl::Status(s.code(), absl::StrCat("tensor \"", GgufTensorName(hf_name), "\" in \"",
-                                               file_.name(), "\": ", s.message()));
+    return absl::Status(s.code(),
+                        absl::StrCat("tensor \"", GgufTensorName(hf_name, config_.sandwich_norms),
+                                     "\" in \"", file_.name(), "\": ", s.message()));
   }
 
   // For each of `heads` heads, Hugging Face's row h * d + part * d / 2 + i is the file's row

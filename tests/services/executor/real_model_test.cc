@@ -1,10 +1,13 @@
-// The bundled real model, SmolLM2-135M-Instruct (Q4_1 GGUF), against Hugging Face
-// transformers loading the same GGUF in float32: tests/reference/smollm2_reference.json,
-// which tests/reference/smollm2_reference.py writes (it needs torch, which the suite does not
-// install; the outputs are committed and the script regenerates them).
+// The real models against Hugging Face transformers loading the same GGUF in float32: the
+// bundled SmolLM2-135M-Instruct (Q4_1; tests/reference/smollm2_reference.json) and Gemma 3
+// 270M (Q4_K_M; tests/reference/gemma3_270m_reference.json, whose longest prompt, 803 tokens,
+// outruns its 512-token sliding window), both written by tests/reference/real_model_reference.py
+// (it needs torch, which the suite does not install; the outputs are committed and the script
+// regenerates them).
 //
-// For every reference prompt (plain, chat-formatted with and without a system message, code,
-// non-Latin, ~400 tokens) all run as one batch through the paged forward (prefill in one
+// For every reference prompt (SmolLM2's: plain, chat-formatted with and without a system
+// message, code, non-Latin, ~400 tokens; Gemma's: plain, code, non-Latin, 803 tokens) all run
+// as one batch through the paged forward (prefill in one
 // step, then batched decode), kvcm must, on each matmul path (LlamaModelOptions::matmul):
 //   - produce exactly the reference's greedy tokens (fp32), or the reference's greedy token
 //     wherever its top-1/top-2 margin exceeds twice the tolerance, fed the reference's
@@ -25,10 +28,12 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <random>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -59,47 +64,64 @@ double ToleranceFor(kernels::MatMulPath path) {
   return path == kernels::MatMulPath::kFp32 ? kLogitTolerance : kInt8LogitTolerance;
 }
 
-json LoadReference() {
-  std::ifstream in(KVCM_SMOLLM2_REFERENCE);
-  KVCM_CHECK(in) << "cannot read " << KVCM_SMOLLM2_REFERENCE;
+// Gemma 3 270M (logits up to about 33 here): on the fp32 path 5.3e-5 is seen, over 803
+// prompt tokens too; the int8 path's worst is 0.96 logits (code step 23), and 2 of the 96
+// greedy choices flip, at reference margins of 0.25 and 0.09. The same bounds as SmolLM2's
+// hold; errors in the norms' offset, the embedding scale or a RoPE base give whole logits.
+constexpr double kGemma3LogitTolerance = 1e-3;
+constexpr double kGemma3Int8LogitTolerance = 2.0;
+
+double Gemma3ToleranceFor(kernels::MatMulPath path) {
+  return path == kernels::MatMulPath::kFp32 ? kGemma3LogitTolerance : kGemma3Int8LogitTolerance;
+}
+
+json LoadReference(const char* path) {
+  std::ifstream in(path);
+  KVCM_CHECK(in) << "cannot read " << path;
   std::stringstream text;
   text << in.rdbuf();
   return json::parse(text.str());
 }
 
-// The model on each matmul path (the fp32 reference, the int8 default).
+// The model at `path` on `matmul`, loaded once per process (nullptr when the file is missing).
+const LlamaModel* Loaded(const std::string& path, kernels::MatMulPath matmul) {
+  static auto* models = new std::map<std::pair<std::string, int>, std::unique_ptr<LlamaModel>>();
+  std::unique_ptr<LlamaModel>& model = (*models)[{path, static_cast<int>(matmul)}];
+  if (model == nullptr && std::filesystem::exists(path)) {
+    LlamaModelOptions options;
+    options.num_threads = 2;
+    options.matmul = matmul;
+    absl::StatusOr<std::unique_ptr<LlamaModel>> loaded = LlamaModel::Load(path, options);
+    KVCM_CHECK(loaded.ok()) << loaded.status();
+    model = std::move(*loaded);
+  }
+  return model.get();
+}
+
+// A real model on each matmul path (the fp32 reference, the int8 default).
 class RealModelTest : public ::testing::TestWithParam<kernels::MatMulPath> {
  protected:
-  static void SetUpTestSuite() {
-    const std::string path = testing::SmolLM2GgufPath();
-    if (!std::filesystem::exists(path)) return;
-    for (const kernels::MatMulPath matmul :
-         {kernels::MatMulPath::kFp32, kernels::MatMulPath::kInt8}) {
-      LlamaModelOptions options;
-      options.num_threads = 2;
-      options.matmul = matmul;
-      absl::StatusOr<std::unique_ptr<LlamaModel>> loaded = LlamaModel::Load(path, options);
-      KVCM_CHECK(loaded.ok()) << loaded.status();
-      models_[static_cast<int>(matmul)] = loaded->release();
-    }
-  }
-  static void TearDownTestSuite() {
-    for (LlamaModel*& m : models_) {
-      delete m;
-      m = nullptr;
-    }
-  }
   void SetUp() override {
     const std::string path = testing::SmolLM2GgufPath();
-    model_ = models_[static_cast<int>(GetParam())];
+    model_ = Loaded(path, GetParam());
     ASSERT_NE(model_, nullptr) << testing::SmolLM2Missing(path);
     std::printf("matmul path %s\n", std::string(kernels::MatMulPathName(GetParam())).c_str());
   }
 
-  static LlamaModel* models_[2];
-  LlamaModel* model_ = nullptr;
+  const LlamaModel* model_ = nullptr;
 };
-LlamaModel* RealModelTest::models_[2] = {nullptr, nullptr};
+
+// The second real model, Gemma 3 270M: five sliding-window layers (512 tokens) to one full
+// one, q/k norms, sandwich norms, GeGLU, two RoPE bases, Q4_K/Q5_0/Q6_K/Q8_0 weights.
+class Gemma3RealModelTest : public RealModelTest {
+ protected:
+  void SetUp() override {
+    const std::string path = testing::Gemma3GgufPath();
+    model_ = Loaded(path, GetParam());
+    ASSERT_NE(model_, nullptr) << testing::Gemma3Missing(path);
+    std::printf("matmul path %s\n", std::string(kernels::MatMulPathName(GetParam())).c_str());
+  }
+};
 
 TEST_P(RealModelTest, ConfigComesFromTheGgufMetadata) {
   const LlamaConfig& c = model_->config();
@@ -128,10 +150,11 @@ struct Sequence {
   std::vector<int32_t> greedy;
 };
 
-TEST_P(RealModelTest, GreedyTokensAndLogitsMatchTransformersThroughThePagedForward) {
-  const double tolerance = ToleranceFor(GetParam());
-  const json reference = LoadReference();
-  const int32_t vocab = model_->config().vocab_size;
+// Every reference prompt of `reference` through `model`'s paged forward as one batch, against
+// the reference's logits and greedy tokens (see the top of this file).
+void CheckAgainstReference(const LlamaModel& model, const json& reference,
+                           kernels::MatMulPath matmul, double tolerance) {
+  const int32_t vocab = model.config().vocab_size;
   const int32_t new_tokens = reference["new_tokens"].get<int32_t>();
   std::printf("reference: %s, torch %s, transformers %s\n",
               reference["generator"].get<std::string>().c_str(),
@@ -149,7 +172,7 @@ TEST_P(RealModelTest, GreedyTokensAndLogitsMatchTransformersThroughThePagedForwa
         (static_cast<int32_t>(p["prompt_ids"].size()) + new_tokens + kBlockSize - 1) / kBlockSize;
   }
   PoolView pool;
-  pool.spec = model_->config().KvSpec(DType::kFloat32, kBlockSize).value();
+  pool.spec = model.config().KvSpec(DType::kFloat32, kBlockSize).value();
   pool.layout = PoolLayout::For(pool.spec, needed).value();
   std::vector<uint8_t> memory(static_cast<size_t>(pool.layout.total_bytes), 0x5a);
   pool.base = memory.data();
@@ -192,7 +215,7 @@ TEST_P(RealModelTest, GreedyTokensAndLogitsMatchTransformersThroughThePagedForwa
       s.cached = len;
     }
     std::vector<float> logits;
-    const absl::Status status = model_->Forward(batch, pool, &logits);
+    const absl::Status status = model.Forward(batch, pool, &logits);
     KVCM_CHECK(status.ok()) << status;
     return logits;
   };
@@ -235,7 +258,7 @@ TEST_P(RealModelTest, GreedyTokensAndLogitsMatchTransformersThroughThePagedForwa
   // with the reference's after a near tie flipped); its choice must be the reference's
   // wherever the reference's top-1/top-2 margin exceeds twice the tolerance, and the flips
   // below that are printed.
-  const bool teacher_forced = GetParam() == kernels::MatMulPath::kInt8;
+  const bool teacher_forced = matmul == kernels::MatMulPath::kInt8;
   double smallest_margin = INFINITY;
   int flips = 0;
   for (int32_t t = 0; t < new_tokens; ++t) {
@@ -256,7 +279,7 @@ TEST_P(RealModelTest, GreedyTokensAndLogitsMatchTransformersThroughThePagedForwa
           ++flips;
           std::printf("%s step %d: %d instead of %d (reference margin %.3f, %s's %.3f)\n",
                       seqs[i].name.c_str(), t, next, ref_next, margin,
-                      std::string(kernels::MatMulPathName(GetParam())).c_str(),
+                      std::string(kernels::MatMulPathName(matmul)).c_str(),
                       static_cast<double>(row[next] - row[ref_next]));
         }
       }
@@ -275,6 +298,53 @@ TEST_P(RealModelTest, GreedyTokensAndLogitsMatchTransformersThroughThePagedForwa
       "%d greedy choice(s) flipped at a margin below %.3f\n",
       worst, worst_where.c_str(), smallest_margin, flips, 2 * tolerance);
 }
+
+TEST_P(RealModelTest, GreedyTokensAndLogitsMatchTransformersThroughThePagedForward) {
+  CheckAgainstReference(*model_, LoadReference(KVCM_SMOLLM2_REFERENCE), GetParam(),
+                        ToleranceFor(GetParam()));
+}
+
+TEST_P(Gemma3RealModelTest, ConfigComesFromTheGgufMetadata) {
+  const LlamaConfig& c = model_->config();
+  std::printf("loaded: %s\n", c.ToString().c_str());
+  EXPECT_EQ(c.architecture, "Gemma3ForCausalLM (GGUF gemma3)");
+  EXPECT_EQ(c.num_hidden_layers, 18);
+  EXPECT_EQ(c.hidden_size, 640);
+  EXPECT_EQ(c.intermediate_size, 2048);
+  EXPECT_EQ(c.num_attention_heads, 4);
+  EXPECT_EQ(c.num_key_value_heads, 1);
+  EXPECT_EQ(c.head_dim, 256);
+  EXPECT_EQ(c.vocab_size, 262144);
+  EXPECT_TRUE(c.tie_word_embeddings);
+  EXPECT_DOUBLE_EQ(c.rope_theta, 1e6);
+  EXPECT_DOUBLE_EQ(c.local_rope_theta, 10000.0);
+  EXPECT_FLOAT_EQ(c.rms_norm_eps, 1e-6f);
+  EXPECT_EQ(c.max_position_embeddings, 32768);
+  EXPECT_EQ(c.bos_token_id, 2);
+  EXPECT_EQ(c.eos_token_ids, std::vector<int32_t>{1});
+  // The norms are stored as 1 + w; the embeddings are scaled by sqrt(640) in fp32.
+  EXPECT_EQ(c.norm_weight_offset, 0.0f);
+  EXPECT_EQ(c.embedding_scale, static_cast<float>(std::sqrt(640.0)));
+  EXPECT_DOUBLE_EQ(c.query_pre_attn_scalar, 256.0);
+  EXPECT_EQ(c.activation, LlamaConfig::Activation::kGeluTanh);
+  EXPECT_TRUE(c.qk_norm);
+  EXPECT_TRUE(c.sandwich_norms);
+  std::vector<int32_t> windows(18, 512);
+  for (const int l : {5, 11, 17}) windows[static_cast<size_t>(l)] = 0;
+  EXPECT_EQ(c.layer_windows, windows);
+}
+
+TEST_P(Gemma3RealModelTest, GreedyTokensAndLogitsMatchTransformersThroughThePagedForward) {
+  if (testing::kUnderAddressSanitizer) GTEST_SKIP() << "minutes under ASan (real_model.h)";
+  CheckAgainstReference(*model_, LoadReference(KVCM_GEMMA3_REFERENCE), GetParam(),
+                        Gemma3ToleranceFor(GetParam()));
+}
+
+INSTANTIATE_TEST_SUITE_P(MatMulPaths, Gemma3RealModelTest,
+                         ::testing::Values(kernels::MatMulPath::kFp32, kernels::MatMulPath::kInt8),
+                         [](const ::testing::TestParamInfo<kernels::MatMulPath>& param) {
+                           return std::string(kernels::MatMulPathName(param.param));
+                         });
 
 INSTANTIATE_TEST_SUITE_P(MatMulPaths, RealModelTest,
                          ::testing::Values(kernels::MatMulPath::kFp32, kernels::MatMulPath::kInt8),

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Reference outputs of SmolLM2-135M-Instruct (the bundled Q4_1 GGUF) from Hugging Face
-transformers, for tests/services/executor/real_model_test.cc and
-tests/services/router/real_model_router_test.cc to compare kvcm against.
+"""Reference outputs of the real models scripts/get-model.sh fetches (SmolLM2-135M-Instruct
+as a Q4_1 GGUF; Gemma 3 270M as a Q4_K_M GGUF) from Hugging Face transformers, for
+tests/services/executor/real_model_test.cc and tests/services/router/real_model_router_test.cc
+to compare kvcm against.
 
 transformers loads the GGUF itself (from_pretrained(..., gguf_file=...)): it dequantizes
 every tensor with the gguf package, undoes the Q/K row order that GGUF conversion applies for
@@ -17,8 +18,18 @@ regenerates them:
 
   python3 -m venv /some/venv && /some/venv/bin/pip install torch accelerate transformers==5.24.0 \\
       gguf==0.19.0 numpy
-  /some/venv/bin/python3 tests/reference/smollm2_reference.py \\
+  /some/venv/bin/python3 tests/reference/real_model_reference.py \\
       --gguf "$(scripts/get-model.sh)" --out tests/reference/smollm2_reference.json
+  /some/venv/bin/python3 tests/reference/real_model_reference.py --add-special-tokens \\
+      --prompts plain,code,non_latin,window --gguf "$(scripts/get-model.sh gemma3-270m)" \\
+      --out tests/reference/gemma3_270m_reference.json
+
+SmolLM2 adds no BOS; Gemma's prompts start with <bos> (--add-special-tokens, as its
+tokenizer.ggml.add_bos_token says). The Gemma 3 270M file is the base model and carries no
+chat template, so its prompts are plain text; "long" is left out (the base model's greedy
+answer to it is <eos> at once) and "window", the same text twice, is longer than its
+512-token sliding window, so the window layers' attention and the cache's window release are
+exercised.
 """
 
 import argparse
@@ -75,6 +86,7 @@ PROMPTS = {
     "code": {"text": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"},
     "non_latin": {"text": "Москва — столица России. 北京是中国的首都。東京は"},
     "long": {"text": LONG},
+    "window": {"text": LONG + " " + LONG},
 }
 
 
@@ -82,7 +94,12 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--gguf", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--prompts", default="plain,chat,chat_system,code,non_latin,long",
+                        help="comma-separated names from PROMPTS")
+    parser.add_argument("--add-special-tokens", action="store_true",
+                        help="encode prompts with the tokenizer's BOS")
     args = parser.parse_args()
+    names = args.prompts.split(",")
 
     folder, name = os.path.split(os.path.abspath(args.gguf))
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -92,7 +109,7 @@ def main():
     vocab = model.config.vocab_size
 
     out = {
-        "generator": "tests/reference/smollm2_reference.py",
+        "generator": "tests/reference/real_model_reference.py",
         "gguf": name,
         "seed": SEED,
         "torch": torch.__version__,
@@ -100,13 +117,14 @@ def main():
         "new_tokens": NEW_TOKENS,
         "prompts": [],
     }
-    for key, spec in PROMPTS.items():
+    for key in names:
+        spec = PROMPTS[key]
         if "chat" in spec:
             text = tokenizer.apply_chat_template(
                 spec["chat"], add_generation_prompt=True, tokenize=False)
         else:
             text = spec["text"]
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = tokenizer(text, add_special_tokens=args.add_special_tokens)["input_ids"]
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0, -1].double().numpy()
             # An explicit attention mask: without one, generate() masks every prompt token
