@@ -422,6 +422,7 @@ absl::Status BlockLedger::Allocate(SeqId seq, int32_t num_tokens,
     s.blocks.push_back(b);
   }
   TakeBlocks(plan->blocks_needed, &s.blocks);
+  table_entries_ += static_cast<int64_t>(s.blocks.size()) - released;
   seq_index_.Insert(seq, slot);
 
   counters_.prefix_query_tokens += static_cast<uint64_t>(num_tokens);
@@ -517,6 +518,7 @@ absl::Status BlockLedger::Append(SeqId seq, int32_t num_new_tokens, AppendResult
   }
   TakeBlocks(plan->blocks_needed - plan->copies, &result->new_blocks);
   s->blocks.insert(s->blocks.end(), result->new_blocks.begin(), result->new_blocks.end());
+  table_entries_ += static_cast<int64_t>(result->new_blocks.size());
   s->num_tokens += num_new_tokens;
   return absl::OkStatus();
 }
@@ -545,6 +547,7 @@ absl::Status BlockLedger::Fork(SeqId parent, SeqId child) {
   for (BlockId b : c.blocks) {
     if (b != kNoBlock) Reuse(b);
   }
+  table_entries_ += static_cast<int64_t>(c.blocks.size()) - c.first_live;
   seq_index_.Insert(child, child_slot);
   return absl::OkStatus();
 }
@@ -602,6 +605,7 @@ void BlockLedger::ApplyWindow(Sequence& s) {
     Release(s.blocks[i]);
     s.blocks[i] = kNoBlock;
     ++counters_.window_released;
+    --table_entries_;
   }
   s.first_live = std::max(s.first_live, release_upto);
 }
@@ -643,6 +647,7 @@ absl::Status BlockLedger::Free(SeqId seq) {
   Sequence& s = slots_[static_cast<size_t>(slot)];
   // Tail first: among blocks released together, the tail is evicted before the head.
   ReleaseTailFirst(s.blocks);
+  table_entries_ -= static_cast<int64_t>(s.blocks.size()) - s.first_live;
   seq_index_.Erase(seq);
   ReleaseSlot(slot);
   return absl::OkStatus();

@@ -274,6 +274,15 @@ class BlockLedger {
   int32_t Lookup(std::span<const BlockHash> block_hashes) const;
   // The block the prefix index holds for `hash` (in use, cached or pinned), or kNoBlock.
   BlockId IndexedBlock(const BlockHash& hash) const;
+  // The hash `block` is indexed under (or stands in for, as a duplicate of an indexed
+  // block); nullopt for a block that has none (free, or holding no full block with a known
+  // hash) or an id out of range. O(1).
+  std::optional<BlockHash> HashOfBlock(BlockId block) const {
+    if (block < 0 || block >= num_blocks() || !(IsIndexed(block) || IsDuplicate(block))) {
+      return std::nullopt;
+    }
+    return hash_[static_cast<size_t>(block)];
+  }
   // How many leading blocks Allocate(seq, num_tokens, block_hashes) would reuse now: those
   // of Lookup, less the block holding the prompt's last token, which Allocate never reuses
   // (its logits must be computed). Changes nothing.
@@ -305,6 +314,9 @@ class BlockLedger {
   absl::Status Unhold(BlockId block);
   // Holds now, in all (each Hold counts once).
   int32_t held_blocks() const { return holds_total_; }
+  // Entries of the live sequences' block tables that hold a block (those a window released
+  // not counted): a block n tables share counts n times. Kept as the tables change: O(1).
+  int64_t table_entries() const { return table_entries_; }
 
   // --- Introspection ---------------------------------------------------------------------
 
@@ -539,6 +551,7 @@ class BlockLedger {
 
   int32_t in_use_blocks_ = 0;
   int32_t pinned_idle_blocks_ = 0;  // ref 0 and pinned
+  int64_t table_entries_ = 0;       // table_entries()
 
   LedgerStats counters_;
   std::vector<BlockEvent> events_;

@@ -57,6 +57,7 @@ absl::Status BlockLedger::CheckSequences(std::vector<int32_t>* refs) const {
   const int32_t n = options_.num_blocks;
   std::vector<std::pair<SeqId, int32_t>> live_seqs;
   seq_index_.ForEach([&live_seqs](SeqId id, int32_t slot) { live_seqs.emplace_back(id, slot); });
+  int64_t entries = 0;
   for (const auto& [id, slot] : live_seqs) {
     const Sequence& s = slots_[static_cast<size_t>(slot)];
     if (s.id != id) return Broken("slot ", slot, " holds sequence ", s.id, " not ", id);
@@ -80,7 +81,11 @@ absl::Status BlockLedger::CheckSequences(std::vector<int32_t>* refs) const {
       }
       if (b < 0 || b >= n) return Broken("sequence ", id, ": block id ", b, " out of range");
       ++(*refs)[static_cast<size_t>(b)];
+      ++entries;
     }
+  }
+  if (entries != table_entries_) {
+    return Broken("table entries ", table_entries_, " vs ", entries, " in the live tables");
   }
   return absl::OkStatus();
 }

@@ -55,6 +55,7 @@ absl::StatusOr<GroupedLedger> GroupedLedger::Create(Options options) {
 GroupedLedger::GroupedLedger(Options options, BlockLedger pool)
     : options_(std::move(options)), pool_(std::move(pool)) {
   window_released_.assign(options_.group_windows.size(), 0);
+  table_entries_.assign(options_.group_windows.size(), 0);
   hashes_.resize(options_.group_windows.size());
 }
 
@@ -235,8 +236,10 @@ absl::Status GroupedLedger::AllocateGroups(SeqId seq, int32_t num_tokens,
                                    .released_blocks = released,
                                    .max_hit_blocks = plan->hit - released};
     // Only the hashes up to the hit are matched; the rest are known for later commits.
-    MustSucceed(pool_.Allocate(IdOf(first, g), num_tokens, hashes_[static_cast<size_t>(g)],
-                               allocate, &scratch_));
+    MustSucceed(CountEntries(g, [&] {
+      return pool_.Allocate(IdOf(first, g), num_tokens, hashes_[static_cast<size_t>(g)], allocate,
+                            &scratch_);
+    }));
     KVCM_CHECK(scratch_.num_cached_tokens == plan->hit * block_size())
         << "group " << g << " found " << scratch_.num_cached_tokens << " tokens, planned "
         << plan->hit * block_size();
@@ -311,10 +314,12 @@ absl::Status GroupedLedger::Append(SeqId seq, int32_t num_new_tokens, GroupedApp
   }
   result->groups.resize(static_cast<size_t>(num_groups()));
   for (int32_t g = 0; g < num_groups(); ++g) {
-    absl::Status status =
-        pool_.Append(IdOf(*first, g), num_new_tokens, &result->groups[static_cast<size_t>(g)]);
-    if (num_groups() == 1) return status;
-    MustSucceed(status);
+    if (num_groups() == 1) {
+      return pool_.Append(IdOf(*first, g), num_new_tokens, &result->groups[0]);
+    }
+    MustSucceed(CountEntries(g, [&] {
+      return pool_.Append(IdOf(*first, g), num_new_tokens, &result->groups[static_cast<size_t>(g)]);
+    }));
   }
   return absl::OkStatus();
 }
@@ -329,9 +334,10 @@ absl::Status GroupedLedger::Append(SeqId seq, int32_t num_new_tokens, AppendResu
     if (absl::IsResourceExhausted(status)) ++allocation_failures_;
     return status;
   }
-  MustSucceed(pool_.Append(*first, num_new_tokens, result));
+  MustSucceed(CountEntries(0, [&] { return pool_.Append(*first, num_new_tokens, result); }));
   for (int32_t g = 1; g < num_groups(); ++g) {
-    MustSucceed(pool_.Append(IdOf(*first, g), num_new_tokens, &append_scratch_));
+    MustSucceed(CountEntries(
+        g, [&] { return pool_.Append(IdOf(*first, g), num_new_tokens, &append_scratch_); }));
     group_blocks->insert(group_blocks->end(), append_scratch_.new_blocks.begin(),
                          append_scratch_.new_blocks.end());
     result->copies.insert(result->copies.end(), append_scratch_.copies.begin(),
@@ -351,7 +357,7 @@ absl::Status GroupedLedger::Fork(SeqId parent, SeqId child) {
   const SeqId child_first = next_first_;
   next_first_ += static_cast<SeqId>(num_groups());
   for (int32_t g = 0; g < num_groups(); ++g) {
-    MustSucceed(pool_.Fork(IdOf(*first, g), IdOf(child_first, g)));
+    MustSucceed(CountEntries(g, [&] { return pool_.Fork(IdOf(*first, g), IdOf(child_first, g)); }));
   }
   first_of_.emplace(child, child_first);
   return absl::OkStatus();
@@ -366,8 +372,9 @@ absl::Status GroupedLedger::Commit(SeqId seq, int32_t num_committed_tokens,
   // Group 0 checks the commit; the others hold the same tokens, so they accept it too.
   for (int32_t g = 0; g < num_groups(); ++g) {
     const uint64_t released_before = pool_.Stats().window_released;
-    absl::Status status =
-        pool_.Commit(IdOf(*first, g), num_committed_tokens, hashes_[static_cast<size_t>(g)]);
+    absl::Status status = CountEntries(g, [&] {
+      return pool_.Commit(IdOf(*first, g), num_committed_tokens, hashes_[static_cast<size_t>(g)]);
+    });
     if (g == 0 && !status.ok()) return status;
     MustSucceed(status);
     window_released_[static_cast<size_t>(g)] += pool_.Stats().window_released - released_before;
@@ -379,7 +386,9 @@ absl::Status GroupedLedger::Free(SeqId seq) {
   if (num_groups() == 1) return pool_.Free(seq);
   absl::StatusOr<SeqId> first = FirstOf(seq);
   if (!first.ok()) return first.status();
-  for (int32_t g = 0; g < num_groups(); ++g) MustSucceed(pool_.Free(IdOf(*first, g)));
+  for (int32_t g = 0; g < num_groups(); ++g) {
+    MustSucceed(CountEntries(g, [&] { return pool_.Free(IdOf(*first, g)); }));
+  }
   first_of_.erase(seq);
   return absl::OkStatus();
 }
@@ -464,21 +473,13 @@ LedgerStats GroupedLedger::Stats() const {
 
 std::vector<GroupStats> GroupedLedger::PerGroupStats() const {
   std::vector<GroupStats> stats(static_cast<size_t>(num_groups()));
-  for (int32_t g = 0; g < num_groups(); ++g) {
-    stats[static_cast<size_t>(g)].window = options_.group_windows[static_cast<size_t>(g)];
-    stats[static_cast<size_t>(g)].window_released = window_released_[static_cast<size_t>(g)];
+  const std::vector<uint64_t> released = WindowReleasedByGroup();
+  const std::vector<int64_t> held = HeldBlocksByGroup();
+  for (size_t g = 0; g < stats.size(); ++g) {
+    stats[g].window = options_.group_windows[g];
+    stats[g].window_released = released[g];
+    stats[g].held_blocks = held[g];
   }
-  // One group's releases are the pool's (its window is the pool's own).
-  if (num_groups() == 1) stats[0].window_released = pool_.Stats().window_released;
-  ForEachSequence([&](SeqId seq, uint64_t) {
-    const SeqId first = *FirstOf(seq);
-    for (int32_t g = 0; g < num_groups(); ++g) {
-      absl::StatusOr<std::vector<BlockId>> table = pool_.BlockTable(IdOf(first, g));
-      if (!table.ok()) continue;
-      stats[static_cast<size_t>(g)].held_blocks +=
-          std::count_if(table->begin(), table->end(), [](BlockId b) { return b != kNoBlock; });
-    }
-  });
   return stats;
 }
 
@@ -486,6 +487,7 @@ absl::Status GroupedLedger::CheckInvariants() const {
   if (absl::Status status = pool_.CheckInvariants(); !status.ok()) return status;
   if (num_groups() == 1) return absl::OkStatus();  // the pool's sequences are this ledger's
   int64_t live = 0;
+  std::vector<int64_t> entries(static_cast<size_t>(num_groups()), 0);
   for (const auto& [seq, first] : first_of_) {
     absl::StatusOr<int32_t> tokens = pool_.NumTokens(IdOf(first, 0));
     absl::StatusOr<int32_t> committed = pool_.NumCommittedTokens(IdOf(first, 0));
@@ -505,11 +507,21 @@ absl::Status GroupedLedger::CheckInvariants() const {
       const int32_t window = options_.group_windows[static_cast<size_t>(g)];
       const int64_t first_needed = int64_t{*committed} - window + 1;
       const std::vector<BlockId> table = *pool_.BlockTable(id);
+      entries[static_cast<size_t>(g)] +=
+          std::count_if(table.begin(), table.end(), [](BlockId b) { return b != kNoBlock; });
       for (size_t i = 0; window > 0 && i < table.size(); ++i) {
         if (table[i] != kNoBlock && int64_t(i + 1) * block_size() <= first_needed) {
           return absl::InternalError(absl::StrCat("sequence ", seq, ": group ", g, " holds block ",
                                                   i, " behind its window of ", window, " tokens"));
         }
+      }
+    }
+  }
+  if (entries != table_entries_) {
+    for (size_t g = 0; g < entries.size(); ++g) {
+      if (entries[g] != table_entries_[g]) {
+        return absl::InternalError(absl::StrCat("group ", g, " counts ", table_entries_[g],
+                                                " held blocks, its tables hold ", entries[g]));
       }
     }
   }

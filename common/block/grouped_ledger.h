@@ -155,7 +155,14 @@ class GroupedLedger {
   absl::StatusOr<int32_t> NumCommittedTokens(SeqId seq) const;
   // The pool's, counting this ledger's sequences, prompts and refusals (not each group's).
   LedgerStats Stats() const;
+  // Window and counters by group. O(groups): no table is read.
   std::vector<GroupStats> PerGroupStats() const;
+  // Table entries of live sequences that hold a block, by group (GroupStats::held_blocks;
+  // with one group, the pool's BlockLedger::table_entries()). Kept as the tables change:
+  // O(groups).
+  std::vector<int64_t> HeldBlocksByGroup() const {
+    return num_groups() == 1 ? std::vector<int64_t>{pool_.table_entries()} : table_entries_;
+  }
   // Blocks each group's window released since construction, by group (with one group, the
   // pool's counter: LedgerStats::window_released). O(groups).
   std::vector<uint64_t> WindowReleasedByGroup() const {
@@ -198,6 +205,15 @@ class GroupedLedger {
   };
   absl::StatusOr<Plan> PlanAllocate(SeqId seq, int32_t num_tokens,
                                     std::span<const BlockHash> block_hashes) const;
+  // Runs `op` (a call on the pool for group g) and adds the change of the pool's table
+  // entries to group g's count; returns what `op` returned.
+  template <typename Op>
+  absl::Status CountEntries(int32_t group, Op&& op) {
+    const int64_t before = pool_.table_entries();
+    absl::Status status = op();
+    table_entries_[static_cast<size_t>(group)] += pool_.table_entries() - before;
+    return status;
+  }
   // OK when every group of the sequence whose group 0 is `first` can grow by the tokens.
   absl::Status CanAppendGroups(SeqId first, SeqId seq, int32_t num_new_tokens) const;
   // Allocate over more than one group: group g's table into scratch_ and then `take`(g).
@@ -210,6 +226,7 @@ class GroupedLedger {
   absl::flat_hash_map<SeqId, SeqId> first_of_;  // sequence -> its group 0's pool id
   SeqId next_first_ = 1;
   std::vector<uint64_t> window_released_;  // per group
+  std::vector<int64_t> table_entries_;     // per group, with more than one: HeldBlocksByGroup
   uint64_t allocation_failures_ = 0;       // refused by the groups' plan, unseen by the pool
   // Scratch of the calls, kept for its capacity.
   mutable std::vector<std::vector<BlockHash>> hashes_;

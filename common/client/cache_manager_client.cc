@@ -502,7 +502,7 @@ absl::StatusOr<EventSnapshot> CacheManagerClient::Snapshot() {
   return DecodeEventSnapshotReply(PayloadAs<wire::EventSnapshotReply>(reply.envelope));
 }
 
-absl::StatusOr<AttachedPool> CacheManagerClient::Attach() {
+absl::StatusOr<PoolDescriptorInfo> CacheManagerClient::DescribePool() {
   flatbuffers::FlatBufferBuilder builder(128);
   const auto attach = wire::CreateAttach(builder);
   KVCM_ASSIGN_OR_RETURN(Reply reply, Call(builder, wire::Message::Attach, attach.Union(),
@@ -511,13 +511,21 @@ absl::StatusOr<AttachedPool> CacheManagerClient::Attach() {
       DecodeAttachReply(PayloadAs<wire::AttachReply>(reply.envelope));
   if (!descriptor.ok()) return ProtocolError(descriptor.status().message());
   const SessionInfo current = session();
+  KVCM_RETURN_IF_ERROR(CheckPoolDescriptor(*descriptor, current.num_blocks).status());
+  if (descriptor->epoch != current.epoch) {
+    return ProtocolError(absl::StrCat("pool descriptor of epoch ", descriptor->epoch,
+                                      " in session of epoch ", current.epoch));
+  }
+  return descriptor;
+}
+
+absl::StatusOr<AttachedPool> CacheManagerClient::Attach() {
+  KVCM_ASSIGN_OR_RETURN(const PoolDescriptorInfo described, DescribePool());
+  const PoolDescriptorInfo* descriptor = &described;  // as the lines below read it
+  const SessionInfo current = session();
   AttachedPool attached;
   KVCM_ASSIGN_OR_RETURN(attached.view, CheckPoolDescriptor(*descriptor, current.num_blocks));
   PoolView& pool = attached.view;
-  if (pool.epoch != current.epoch) {
-    return ProtocolError(absl::StrCat("pool descriptor of epoch ", pool.epoch,
-                                      " in session of epoch ", current.epoch));
-  }
   const uint64_t total_bytes = static_cast<uint64_t>(pool.layout.total_bytes);
   if (pool.backend == PoolBackend::kShm) {
     if (descriptor->fd_channel_path.empty()) {

@@ -298,6 +298,10 @@ class CacheManagerClient {
   // (FAILED_PRECONDITION for a size or seal mismatch) and OpenCudaPool (UNAVAILABLE without
   // CUDA). After ABORTED (a new epoch) drop any old AttachedPool, then attach again.
   absl::StatusOr<AttachedPool> Attach();
+  // The pool's descriptor as Attach() asks for it (its spec, layout, window and KV cache
+  // groups), checked (CheckPoolDescriptor, and of this session's epoch), without mapping
+  // the pool: what a router shows of the pool (/info). Errors: Attach()'s before mapping.
+  absl::StatusOr<PoolDescriptorInfo> DescribePool();
 
   // One heartbeat now (the heartbeat thread sends its own).
   absl::Status Heartbeat();

@@ -83,6 +83,12 @@ constexpr MetricSpec kGroupWindowReleasedBlocks{
     "kvcm_cache_group_window_released_blocks_total", MetricType::Counter, "group,window",
     "Of kvcm_cache_window_released_blocks_total, those of each KV cache group (window in "
     "tokens, 0 for full attention); without groups one group, the pool's window."};
+constexpr MetricSpec kGroupHeldBlocks{
+    "kvcm_cache_group_held_blocks", MetricType::Gauge, "group,window",
+    "Block table entries of live sequences that hold a block, by KV cache group (window in "
+    "tokens, 0 for full attention; a block shared by n sequences counts n times). A window "
+    "group holds about window / block_size + 2 per decoding sequence, a full group all of "
+    "its blocks; without groups one group, the pool's window."};
 constexpr MetricSpec kSessions{"kvcm_cache_manager_sessions", MetricType::Gauge, "role",
                                "Live client sessions, by role."};
 constexpr MetricSpec kEpoch{
@@ -252,6 +258,7 @@ constexpr std::array kSpecs = {
     kAllocationFailures,
     kWindowReleasedBlocks,
     kGroupWindowReleasedBlocks,
+    kGroupHeldBlocks,
     kSessions,
     kEpoch,
     kOpenFences,
@@ -379,7 +386,7 @@ class CacheManagerMetrics::SnapshotCollector : public prometheus::Collectable {
     snapshot_.ledger.num_blocks = info.num_blocks;
     snapshot_.ledger.block_size = info.block_size;
     snapshot_.ledger.free_blocks = info.num_blocks;
-    for (int32_t window : info.group_windows) snapshot_.groups.push_back({window, 0});
+    for (int32_t window : info.group_windows) snapshot_.groups.push_back({window, 0, 0});
   }
 
   void Publish(const CacheManagerSnapshot& snapshot) {
@@ -437,12 +444,17 @@ class CacheManagerMetrics::SnapshotCollector : public prometheus::Collectable {
     add(kPrefixHitTokens, static_cast<double>(ledger.prefix_hit_tokens));
     add(kAllocationFailures, static_cast<double>(ledger.allocation_failures));
     add(kWindowReleasedBlocks, static_cast<double>(ledger.window_released));
-    families.push_back(NewFamily(kGroupWindowReleasedBlocks));
-    for (size_t g = 0; g < s.groups.size(); ++g) {
-      AddSample(
-          families.back(), static_cast<double>(s.groups[g].released),
-          {Label("group", std::to_string(g)), Label("window", std::to_string(s.groups[g].window))});
-    }
+    auto by_group = [&](const MetricSpec& spec, auto value_of) {
+      families.push_back(NewFamily(spec));
+      for (size_t g = 0; g < s.groups.size(); ++g) {
+        AddSample(families.back(), static_cast<double>(value_of(s.groups[g])),
+                  {Label("group", std::to_string(g)),
+                   Label("window", std::to_string(s.groups[g].window))});
+      }
+    };
+    by_group(kGroupWindowReleasedBlocks,
+             [](const CacheManagerSnapshot::Group& g) { return g.released; });
+    by_group(kGroupHeldBlocks, [](const CacheManagerSnapshot::Group& g) { return g.held; });
     families.push_back(NewFamily(kSessions));
     for (int i = 0; i < kSessionRoles; ++i) {
       AddSample(families.back(), s.sessions_by_role[i], {Label("role", kSessionRoleNames[i])});

@@ -139,12 +139,15 @@ struct CacheManagerSnapshot {
   int32_t tier_held_blocks = 0;
   int32_t tier_loading_blocks = 0;
   // Per KV cache group (docs/architecture.md, "The hybrid KV cache"; without groups one, the
-  // pool's window): its window in tokens (0: full attention) and the blocks it released.
-  struct GroupReleases {
+  // pool's window): its window in tokens (0: full attention), the blocks its window released
+  // and the entries of live sequences' tables in it that hold a block now
+  // (GroupedLedger::HeldBlocksByGroup).
+  struct Group {
     int32_t window = 0;
     uint64_t released = 0;
+    int64_t held = 0;
   };
-  std::vector<GroupReleases> groups;
+  std::vector<Group> groups;
 };
 
 class CacheManagerMetrics {

@@ -169,11 +169,13 @@ void CacheManagerService::HandleStats(const wire::Envelope& envelope, absl::Time
 CacheManagerSnapshot CacheManagerService::Snapshot() const {
   CacheManagerSnapshot snapshot;
   snapshot.ledger = ledger_.Stats();
+  // O(groups): counters the ledger keeps, no table read (a snapshot follows every change).
   const std::vector<uint64_t> released = ledger_.WindowReleasedByGroup();
+  const std::vector<int64_t> held_by_group = ledger_.HeldBlocksByGroup();
   for (size_t g = 0; g < released.size(); ++g) {
     const int32_t window = ledger_.num_groups() == 1 ? options_.ledger.sliding_window_tokens
                                                      : ledger_.group_windows()[g];
-    snapshot.groups.push_back({window, released[g]});
+    snapshot.groups.push_back({window, released[g], held_by_group[g]});
   }
   const HeldBlocks held = BlocksHeldApart();
   snapshot.quarantined_blocks = held.quarantined;

@@ -397,6 +397,7 @@ struct HttpFrontend::Impl {
     info.max_top_n_tokens = options.max_top_n_tokens;
     info.max_best_of = options.max_best_of;
     info.executors = core->live_executors();
+    info.kv_cache_groups = options.kv_cache_groups;
     HttpServer::Reply(request, 200, TgiInfoReply(info));
   }
 

@@ -51,6 +51,7 @@
 #include "services/router/dashboard.h"
 #include "services/router/router_core.h"
 #include "services/router/router_metrics.h"
+#include "services/router/tgi_api.h"
 
 namespace kvcm::router {
 
@@ -94,6 +95,8 @@ class HttpFrontend {
     int32_t num_blocks = 0;
     int64_t max_batch_total_tokens = 0;
     int32_t max_batch_prefill_tokens = 0;
+    // The pool's KV cache groups (TgiKvCacheGroups of the pool's descriptor).
+    std::vector<TgiKvCacheGroup> kv_cache_groups;
     // Serves /dashboard and /dashboard/state; null: they answer 404. Outlives the front end.
     Dashboard* dashboard = nullptr;
     // Host names (or IP literals) a request's Host may name besides `host`, localhost,

@@ -202,6 +202,9 @@ router::HttpFrontend::Options HttpOptions(std::vector<std::string> allowed_hosts
   http.num_blocks = core.session().num_blocks;
   http.max_batch_total_tokens = core.planner_options().max_batch_total_tokens;
   http.max_batch_prefill_tokens = core.planner_options().max_batch_prefill_tokens;
+  const PoolDescriptorInfo& pool = core.pool();
+  http.kv_cache_groups = router::TgiKvCacheGroups(
+      pool.spec, pool.kv_groups, pool.sliding_window_tokens, http.max_total_tokens);
   return http;
 }
 

@@ -40,6 +40,7 @@ absl::StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(const Options& op
   client.require_progress = true;
   KVCM_ASSIGN_OR_RETURN(core->cache_manager_, CacheManagerClient::Connect(client));
   core->session_ = core->cache_manager_->session();
+  KVCM_ASSIGN_OR_RETURN(core->pool_, core->cache_manager_->DescribePool());
 
   PlannerOptions& planner = core->planner_options_;
   planner.block_size = core->session_.block_size;

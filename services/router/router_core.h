@@ -103,6 +103,9 @@ class RouterCore {
   ~RouterCore();
 
   const SessionInfo& session() const { return session_; }
+  // The pool's descriptor as the cache manager described it at Create (its spec, window and
+  // KV cache groups; CacheManagerClient::DescribePool), for /info.
+  const PoolDescriptorInfo& pool() const { return pool_; }
   const PlannerOptions& planner_options() const { return planner_options_; }
 
   // True once a signal asked the router to stop: new requests are refused (any thread).
@@ -151,6 +154,7 @@ class RouterCore {
   EventLoop loop_;
   std::unique_ptr<CacheManagerClient> cache_manager_;
   SessionInfo session_;
+  PoolDescriptorInfo pool_;
   std::unique_ptr<ExecutorLink> link_;
   PlannerOptions planner_options_;
   std::unique_ptr<StepPlanner> planner_;

@@ -282,7 +282,38 @@ std::string TgiTokenizeReply(std::string_view body, const std::vector<int32_t>& 
   return Dump(out);
 }
 
+std::vector<TgiKvCacheGroup> TgiKvCacheGroups(const KvCacheSpec& spec,
+                                              std::span<const KvCacheGroup> groups,
+                                              int32_t sliding_window_tokens,
+                                              int32_t max_total_tokens) {
+  // Without groups the pool is one group of every layer, each block all of them.
+  KvCacheGroup all{.window = sliding_window_tokens, .layers = {}};
+  for (int32_t layer = 0; layer < spec.num_layers; ++layer) all.layers.push_back(layer);
+  const std::span<const KvCacheGroup> shown = groups.empty() ? std::span(&all, 1) : groups;
+  std::vector<TgiKvCacheGroup> out;
+  for (const KvCacheGroup& group : shown) {
+    // A group alone, so that BlocksHeldByGroups gives its blocks only.
+    KvCacheGroups alone;
+    alone.groups = {group};
+    out.push_back(
+        {.window_tokens = group.window,
+         .layers = group.layers,
+         .bytes_per_token = spec.BytesPerToken(),
+         .max_blocks_per_sequence = BlocksHeldByGroups(alone, max_total_tokens, spec.block_size)});
+  }
+  return out;
+}
+
 std::string TgiInfoReply(const TgiInfo& info) {
+  json groups = json::array();
+  for (size_t g = 0; g < info.kv_cache_groups.size(); ++g) {
+    const TgiKvCacheGroup& group = info.kv_cache_groups[g];
+    groups.push_back({{"group", g},
+                      {"window_tokens", group.window_tokens},
+                      {"layers", group.layers},
+                      {"bytes_per_token", group.bytes_per_token},
+                      {"max_blocks_per_sequence", group.max_blocks_per_sequence}});
+  }
   const json body = {{"model_id", info.model_id},
                      {"model_dtype", nullptr},
                      {"block_size", info.block_size},
@@ -300,7 +331,8 @@ std::string TgiInfoReply(const TgiInfo& info) {
                      {"max_client_batch_size", kMaxClientBatchSize},
                      {"executors", info.executors},
                      {"router", kRouterName},
-                     {"version", kRouterVersion}};
+                     {"version", kRouterVersion},
+                     {"kv_cache_groups", std::move(groups)}};
   return Dump(body);
 }
 

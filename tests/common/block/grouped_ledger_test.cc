@@ -172,6 +172,40 @@ TEST(GroupedLedgerTest, EachGroupHasATableAndOnlyWindowGroupsRelease) {
   EXPECT_TRUE(ledger.CheckInvariants().ok()) << ledger.CheckInvariants();
 }
 
+// HeldBlocksByGroup (the cache manager's kvcm_cache_group_held_blocks) is kept as the tables
+// change: each group's count is its live tables' entries that hold a block, shared ones
+// once per table, through every op that changes a table.
+TEST(GroupedLedgerTest, HeldBlocksByGroupCountsEveryTablesEntriesAsTheyChange) {
+  GroupedLedger ledger = MakeGrouped(64, {0, 32, 32});
+  using Held = std::vector<int64_t>;
+  EXPECT_EQ(ledger.HeldBlocksByGroup(), (Held{0, 0, 0}));
+  GroupedTables tables;
+  ASSERT_TRUE(ledger.Allocate(7, 100, {}, &tables).ok());
+  EXPECT_EQ(ledger.HeldBlocksByGroup(), (Held{7, 7, 7}));
+  // 100 - 32 + 1 = 69: blocks 0..3 (tokens 0..63) are behind every future query.
+  ASSERT_TRUE(ledger.Commit(7, 100).ok());
+  EXPECT_EQ(ledger.HeldBlocksByGroup(), (Held{7, 3, 3}));
+  ASSERT_TRUE(ledger.Fork(7, 8).ok());  // shared blocks count once per table
+  EXPECT_EQ(ledger.HeldBlocksByGroup(), (Held{14, 6, 6}));
+  GroupedAppendResult appended;
+  // 120 tokens: the shared last block copied (no new entry) and one block more per group.
+  ASSERT_TRUE(ledger.Append(8, 20, &appended).ok());
+  EXPECT_EQ(ledger.HeldBlocksByGroup(), (Held{15, 7, 7}));
+  ASSERT_TRUE(ledger.Free(7).ok());
+  EXPECT_EQ(ledger.HeldBlocksByGroup(), (Held{8, 4, 4}));
+  const std::vector<GroupStats> stats = ledger.PerGroupStats();
+  EXPECT_EQ(stats[0].held_blocks, 8);
+  EXPECT_EQ(stats[1].held_blocks, 4);
+  EXPECT_EQ(stats[1].window, 32);
+  EXPECT_TRUE(ledger.CheckInvariants().ok()) << ledger.CheckInvariants();
+  // A refused op changes no count.
+  EXPECT_FALSE(ledger.Allocate(9, 64 * kBlock, {}, &tables).ok());
+  EXPECT_EQ(ledger.HeldBlocksByGroup(), (Held{8, 4, 4}));
+  ASSERT_TRUE(ledger.Free(8).ok());
+  EXPECT_EQ(ledger.HeldBlocksByGroup(), (Held{0, 0, 0}));
+  EXPECT_TRUE(ledger.CheckInvariants().ok()) << ledger.CheckInvariants();
+}
+
 TEST(GroupedLedgerTest, OneFullGroupBehavesAsTheLedgerItStandsOn) {
   GroupedLedger grouped = MakeGrouped(32, {0});
   absl::StatusOr<BlockLedger> plain = BlockLedger::Create(PoolOptions(32));
@@ -471,6 +505,8 @@ TEST(GroupedLedgerTest, OneGroupIsABlockLedgerCallForCall) {
     EXPECT_EQ(Snapshot(grouped->pool(), {7, 8}), Snapshot(*plain, {7, 8}));
     EXPECT_EQ(grouped->Stats().live_sequences, plain->Stats().live_sequences);
     EXPECT_EQ(grouped->PerGroupStats()[0].window_released, plain->Stats().window_released);
+    EXPECT_EQ(grouped->HeldBlocksByGroup(), std::vector<int64_t>{plain->table_entries()});
+    EXPECT_EQ(plain->table_entries(), Held(*plain->BlockTable(8)));  // the one left
     EXPECT_TRUE(grouped->CheckInvariants().ok()) << grouped->CheckInvariants();
   }
 }

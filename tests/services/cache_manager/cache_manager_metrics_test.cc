@@ -124,6 +124,12 @@ TEST_F(CacheManagerMetricsTest, EveryLabelSetIsExportedAtZeroFromStartUp) {
   EXPECT_EQ(ValueOr(text, "kvcm_cache_usage_ratio"), 0);
   EXPECT_EQ(ValueOr(text, "kvcm_cache_occupancy_ratio"), 0);
   EXPECT_EQ(ValueOr(text, "kvcm_cache_live_sequences"), 0);
+  // Without groups: one group, the pool's window (CacheInfo's default, 0).
+  for (const char* by_group :
+       {"kvcm_cache_group_window_released_blocks_total", "kvcm_cache_group_held_blocks"}) {
+    ASSERT_EQ(text.Samples(by_group).size(), 1u) << by_group;
+    EXPECT_EQ(ValueOr(text, by_group, {{"group", "0"}, {"window", "0"}}), 0) << by_group;
+  }
   EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_epoch"), 0);
   EXPECT_EQ(ValueOr(text, "kvcm_cache_pool_bytes"), kNumBlocks * 262144.0);
   EXPECT_EQ(ValueOr(text, "kvcm_cache_info",
@@ -216,6 +222,54 @@ TEST_F(CacheManagerMetricsTest, ExportsThePublishedSnapshot) {
   EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_sessions", {{"role", "control"}}), 2);
   EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_epoch"), 42);
   EXPECT_EQ(ValueOr(text, "kvcm_cache_manager_events_published_total"), 1234);
+}
+
+// KV cache groups (docs/architecture.md, "The hybrid KV cache"): a series per group, at 0
+// from start-up, then each group's releases and held blocks from the snapshot.
+TEST(CacheManagerMetricsGroupsTest, ExportsEachGroupsReleasesAndHeldBlocks) {
+  CacheManagerMetrics::CacheInfo info = Info();
+  info.group_windows = {0, 512, 512};
+  CacheManagerMetrics metrics(info);
+  auto server = MetricsServer::Start("127.0.0.1:0", metrics.registry());
+  ASSERT_THAT(server, IsOk());
+  auto scrape = [&]() -> MetricsText {
+    auto response = HttpGet((*server)->url());
+    EXPECT_THAT(response, IsOk());
+    if (!response.ok()) return {};
+    auto text = ParseMetricsText(response->body);
+    EXPECT_THAT(text, IsOk());
+    return text.ok() ? *text : MetricsText{};
+  };
+  const char* const kHeld = "kvcm_cache_group_held_blocks";
+  const char* const kReleased = "kvcm_cache_group_window_released_blocks_total";
+  const MetricLabels full = {{"group", "0"}, {"window", "0"}};
+  const MetricLabels first = {{"group", "1"}, {"window", "512"}};
+  const MetricLabels second = {{"group", "2"}, {"window", "512"}};
+  MetricsText text = scrape();
+  EXPECT_EQ(text.types.at(kHeld), "gauge");
+  EXPECT_EQ(text.Samples(kHeld).size(), 3u);
+  for (const MetricLabels& labels : {full, first, second}) {
+    EXPECT_EQ(text.Value(kHeld, labels).value_or(-1), 0);
+    EXPECT_EQ(text.Value(kReleased, labels).value_or(-1), 0);
+  }
+  CacheManagerSnapshot s = Snapshot(/*in_use=*/40, /*cached=*/0, /*pinned=*/0, /*quarantined=*/0);
+  s.groups = {{0, 0, 40}, {512, 30, 34}, {512, 31, 33}};
+  metrics.PublishSnapshot(s);
+  text = scrape();
+  EXPECT_EQ(text.Value(kHeld, full).value_or(-1), 40);
+  EXPECT_EQ(text.Value(kHeld, first).value_or(-1), 34);
+  EXPECT_EQ(text.Value(kHeld, second).value_or(-1), 33);
+  EXPECT_EQ(text.Value(kReleased, full).value_or(-1), 0);
+  EXPECT_EQ(text.Value(kReleased, first).value_or(-1), 30);
+  EXPECT_EQ(text.Value(kReleased, second).value_or(-1), 31);
+  // A gauge: it goes down again when the sequences end.
+  s.groups = {{0, 0, 0}, {512, 30, 0}, {512, 31, 0}};
+  metrics.PublishSnapshot(s);
+  text = scrape();
+  for (const MetricLabels& labels : {full, first, second}) {
+    EXPECT_EQ(text.Value(kHeld, labels).value_or(-1), 0);
+  }
+  EXPECT_EQ(text.Value(kReleased, second).value_or(-1), 31);
 }
 
 TEST_F(CacheManagerMetricsTest, CountsRequestsRejectionsAndReclaims) {

@@ -3,13 +3,17 @@
 // byte-level tokenizer: TGI's /generate (details, best_of, POST /'s list), its stream's last
 // event, /tokenize's spans and its error shape; OpenAI's completion (a stop sequence cut,
 // usage), a chat stream's role chunk, its errors (400 for 422) and token texts; and the
-// per-choice bookkeeping both share (Shown, StopSequenceSeen).
+// per-choice bookkeeping both share (Shown, StopSequenceSeen); TGI's /info with the pool's
+// KV cache groups.
 
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "common/sizing/kv_cache_groups.h"
+#include "common/sizing/kv_cache_spec.h"
 #include "common/tokenizer/tokenizer.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "services/router/generation.h"
@@ -210,6 +214,78 @@ TEST_F(ApiRepliesTest, EchoedCompletionOffsetsCountThePromptTextAsEchoed) {
   c.text = "ab";
   const json second = json::parse(OpenAiTokenChunk(g, 0, true, "b", *tokenizer_, "m"));
   EXPECT_EQ(second["choices"][0]["logprobs"]["text_offset"], json::array({9}));
+}
+
+// /info's kv_cache_groups of a Gemma-3-1B-shaped pool (docs/kv-cache-sizing.md, "KV cache
+// groups"): 26 layers, every sixth full, the others a window of 512; pages of 4 slots of one
+// KV head of 256 in bf16, blocks of 16.
+TEST(TgiInfoTest, KvCacheGroupsShowEachGroupsWindowLayersBytesAndBlocks) {
+  std::vector<int32_t> windows(26, 512);
+  for (int32_t layer : {5, 11, 17, 23}) windows[static_cast<size_t>(layer)] = 0;
+  absl::StatusOr<KvCacheGroups> groups = GroupLayers(windows);
+  ASSERT_TRUE(groups.ok()) << groups.status();
+  const KvCacheSpec page{.num_layers = 4,
+                         .num_kv_heads = 1,
+                         .head_dim = 256,
+                         .dtype = DType::kBFloat16,
+                         .block_size = 16};
+  const std::vector<TgiKvCacheGroup> shown =
+      TgiKvCacheGroups(page, groups->groups, /*sliding_window_tokens=*/0, 32768);
+  ASSERT_EQ(shown.size(), 7u);
+  // 2 (K and V) x 4 slots x 1 head x 256 x 2 bytes, whatever the group's layers.
+  EXPECT_EQ(shown[0], (TgiKvCacheGroup{0, {5, 11, 17, 23}, 4096, 2048}));
+  EXPECT_EQ(shown[1], (TgiKvCacheGroup{512, {0, 7, 14, 21}, 4096, 34}));  // 512 / 16 + 2
+  EXPECT_EQ(shown[6], (TgiKvCacheGroup{512, {6, 13, 20}, 4096, 34}));
+  // A sequence shorter than the window holds all of its blocks in every group.
+  EXPECT_EQ(TgiKvCacheGroups(page, groups->groups, 0, 100)[3].max_blocks_per_sequence, 7);
+}
+
+TEST(TgiInfoTest, WithoutGroupsThePoolIsOneGroupOfEveryLayer) {
+  const KvCacheSpec llama{.num_layers = 32,
+                          .num_kv_heads = 8,
+                          .head_dim = 128,
+                          .dtype = DType::kBFloat16,
+                          .block_size = 16};
+  std::vector<int32_t> all(32);
+  for (int32_t layer = 0; layer < 32; ++layer) all[static_cast<size_t>(layer)] = layer;
+  EXPECT_THAT(TgiKvCacheGroups(llama, {}, 0, 4096),
+              ::testing::ElementsAre(TgiKvCacheGroup{0, all, 131072, 256}));
+  // A pool window of 4,096 tokens (Mistral 7B v0.1): 258 blocks of a 32K-token sequence.
+  EXPECT_THAT(TgiKvCacheGroups(llama, {}, 4096, 32768),
+              ::testing::ElementsAre(TgiKvCacheGroup{4096, all, 131072, 258}));
+}
+
+TEST(TgiInfoTest, ReplyKeepsTgisFieldsAndAddsTheGroups) {
+  TgiInfo info;
+  info.model_id = "tiny";
+  info.block_size = 4;
+  info.num_blocks = 512;
+  info.max_batch_total_tokens = 2048;
+  info.max_batch_prefill_tokens = 4096;
+  info.max_input_tokens = 1024;
+  info.max_total_tokens = 2048;
+  info.max_concurrent_requests = 128;
+  info.max_top_n_tokens = 5;
+  info.max_best_of = 4;
+  info.executors = 1;
+  info.kv_cache_groups = {{0, {0}, 512, 512}, {6, {1}, 512, 4}};
+  const json body = json::parse(TgiInfoReply(info));
+  // TGI's own fields, as its clients parse them.
+  EXPECT_EQ(body.at("model_id"), "tiny");
+  EXPECT_TRUE(body.at("model_dtype").is_null());
+  EXPECT_EQ(body.at("max_total_tokens"), 2048);
+  EXPECT_EQ(body.at("max_input_tokens"), 1024);
+  EXPECT_EQ(body.at("max_batch_total_tokens"), 2048);
+  EXPECT_EQ(body.at("max_concurrent_requests"), 128);
+  EXPECT_EQ(body.at("max_best_of"), 4);
+  EXPECT_EQ(body.at("max_stop_sequences"), 4);
+  EXPECT_EQ(body.at("max_total_tokens_in_pool"), 2048);
+  EXPECT_EQ(body.at("router"), "kvcm-router");
+  EXPECT_EQ(body.at("kv_cache_groups"), json::parse(R"([
+    {"group": 0, "window_tokens": 0, "layers": [0], "bytes_per_token": 512,
+     "max_blocks_per_sequence": 512},
+    {"group": 1, "window_tokens": 6, "layers": [1], "bytes_per_token": 512,
+     "max_blocks_per_sequence": 4}])"));
 }
 
 }  // namespace
