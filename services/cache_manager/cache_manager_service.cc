@@ -121,7 +121,7 @@ GroupedLedger::Options LedgerOptionsOf(const CacheManagerService::Options& optio
   return out;
 }
 
-// With KV cache groups: a pool of pages, and none of the features that do not know groups.
+// With KV cache groups: a pool of pages, and no tiers (they do not know groups yet).
 absl::Status CheckGroups(const CacheManagerService::Options& options) {
   const KvCacheGroups& groups = options.kv_groups;
   if (groups.num_groups() == 0) return absl::OkStatus();
@@ -142,11 +142,9 @@ absl::Status CheckGroups(const CacheManagerService::Options& options) {
           absl::StrCat("KV cache group of negative window ", group.window, " tokens"));
     }
   }
-  if (options.tiers != nullptr || options.vllm_events) {
+  if (options.tiers != nullptr) {
     return absl::UnimplementedError(absl::StrCat(
-        "the host and disk tiers and the vLLM-format KV events do not support KV cache groups "
-        "yet (",
-        groups.ToString(), ")"));
+        "the host and disk tiers do not support KV cache groups yet (", groups.ToString(), ")"));
   }
   return absl::OkStatus();
 }
@@ -196,7 +194,8 @@ CacheManagerService::CacheManagerService(const Options& options, GroupedLedger l
       sessions_({.epoch = options.epoch, .heartbeat_timeout = options.heartbeat_timeout}),
       steps_(&ledger_, {.max_sequences_per_session = options.max_sequences_per_session}),
       vllm_(ledger_.block_size(), options.hash_algorithm,
-            options.pool.backend == wire::PoolBackend::Cuda ? VllmMedium::kGpu : VllmMedium::kCpu) {
+            options.pool.backend == wire::PoolBackend::Cuda ? VllmMedium::kGpu : VllmMedium::kCpu,
+            ledger_.num_groups() > 1 ? ledger_.group_windows() : std::vector<int32_t>{}) {
   if (options.tiers != nullptr) {
     TierCoordinator::Options tier_options;
     tier_options.load_timeout = options.tiers->options().load_timeout;
@@ -787,7 +786,19 @@ void CacheManagerService::ApplyStep(uint64_t request_id, Session& session, absl:
     }
     void CommittedTokens(SeqId seq, int32_t num_tokens, std::span<const int32_t> tokens) override {
       if (!service_.options_.vllm_events) return;
-      if (auto table = service_.ledger_.BlockTable(seq); table.ok()) {
+      const GroupedLedger& ledger = service_.ledger_;
+      if (ledger.num_groups() > 1) {
+        // Every group's blocks, each published with the plain hash of its position: the
+        // one group 0's block there is indexed under (docs/protocol.md, "vLLM-format KV
+        // events").
+        if (auto table = ledger.BlockTable(seq); table.ok()) {
+          service_.vllm_.AddGroupedCommitTokens(
+              *table, num_tokens, tokens,
+              [&ledger](BlockId block) { return ledger.pool().HashOfBlock(block); });
+        }
+        return;
+      }
+      if (auto table = ledger.BlockTable(seq); table.ok()) {
         service_.vllm_.AddCommitTokens(*table, num_tokens, tokens);
       }
     }

@@ -128,7 +128,7 @@ class CacheManagerService {
     // The model's KV cache groups (docs/architecture.md, "The hybrid KV cache"); none
     // (num_groups() == 0): every layer in one table, under ledger.sliding_window_tokens.
     // With groups `spec` is the page's (PageSpec), ledger.sliding_window_tokens is 0, and
-    // neither `tiers` nor `vllm_events` is on (they do not support groups yet).
+    // `tiers` is null (tiers do not support groups yet); vllm_events name each block's group.
     KvCacheGroups kv_groups;
     HashAlgorithm hash_algorithm = kDefaultHashAlgorithm;  // announced in HelloReply
     // Changes at every start; < 2^53 so that the epoch gauge is exact.

@@ -376,13 +376,10 @@ absl::StatusOr<std::optional<KvCacheGroups>> KvGroupsFromFlags() {
   const std::string host_bytes = absl::GetFlag(FLAGS_host_tier_bytes);
   if (!host_bytes.empty() && host_bytes != "0") refused.push_back("--host-tier-bytes");
   if (!absl::GetFlag(FLAGS_disk_tier_dir).empty()) refused.push_back("--disk-tier-dir");
-  if (!absl::GetFlag(FLAGS_kv_events_endpoint).empty()) {
-    refused.push_back("--kv-events-endpoint");
-  }
   if (!refused.empty()) {
     return absl::UnimplementedError(absl::StrCat(
         absl::StrJoin(refused, ", "),
-        ": the host and disk tiers and the vLLM-format KV events do not support KV cache "
+        ": the host and disk tiers do not support KV cache "
         "groups yet, and the model (",
         path, ") has layers of more than one attention type: ", groups.ToString(),
         "; give --sliding-window-tokens 0 to keep every layer's blocks in one table instead"));

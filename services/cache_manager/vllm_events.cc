@@ -41,6 +41,46 @@ void PackFloat64(StringBuffer& buffer, double value) {
   buffer.write(bytes, sizeof(bytes));
 }
 
+// A BlockStored map; with a group, vLLM's group fields after the others (vllm_events.h).
+void PackStored(msgpack::packer<StringBuffer>& packer, const VllmEvent& event,
+                const VllmStreamInfo& info) {
+  packer.pack_map(event.group.has_value() ? 12 : 8);
+  PackString(packer, "type");
+  PackString(packer, "BlockStored");
+  PackString(packer, "block_hashes");
+  PackHashes(packer, event.block_hashes);
+  PackString(packer, "parent_block_hash");
+  if (event.parent_block_hash.has_value()) {
+    packer.pack_uint64(*event.parent_block_hash);
+  } else {
+    packer.pack_nil();
+  }
+  PackString(packer, "token_ids");
+  packer.pack_array(static_cast<uint32_t>(event.token_ids.size()));
+  for (uint32_t token : event.token_ids) packer.pack_uint32(token);
+  PackString(packer, "block_size");
+  packer.pack_int32(info.block_size);
+  PackString(packer, "lora_id");
+  packer.pack_nil();
+  PackString(packer, "medium");
+  PackString(packer, VllmMediumName(event.medium));
+  PackString(packer, "lora_name");
+  packer.pack_nil();
+  if (!event.group.has_value()) return;
+  PackString(packer, "extra_keys");
+  packer.pack_nil();
+  PackString(packer, "group_idx");
+  packer.pack_int32(event.group->index);
+  PackString(packer, "kv_cache_spec_kind");
+  PackString(packer, event.group->window > 0 ? "sliding_window" : "full_attention");
+  PackString(packer, "kv_cache_spec_sliding_window");
+  if (event.group->window > 0) {
+    packer.pack_int32(event.group->window);
+  } else {
+    packer.pack_nil();
+  }
+}
+
 }  // namespace
 
 uint64_t VllmBlockId(const BlockHash& hash, HashAlgorithm algorithm) {
@@ -85,37 +125,20 @@ void EncodeVllmBatch(double timestamp, std::span<const VllmEvent> events,
   for (const VllmEvent& event : events) {
     switch (event.kind) {
       case VllmEvent::Kind::kBlockStored:
-        packer.pack_map(8);
-        PackString(packer, "type");
-        PackString(packer, "BlockStored");
-        PackString(packer, "block_hashes");
-        PackHashes(packer, event.block_hashes);
-        PackString(packer, "parent_block_hash");
-        if (event.parent_block_hash.has_value()) {
-          packer.pack_uint64(*event.parent_block_hash);
-        } else {
-          packer.pack_nil();
-        }
-        PackString(packer, "token_ids");
-        packer.pack_array(static_cast<uint32_t>(event.token_ids.size()));
-        for (uint32_t token : event.token_ids) packer.pack_uint32(token);
-        PackString(packer, "block_size");
-        packer.pack_int32(info.block_size);
-        PackString(packer, "lora_id");
-        packer.pack_nil();
-        PackString(packer, "medium");
-        PackString(packer, VllmMediumName(event.medium));
-        PackString(packer, "lora_name");
-        packer.pack_nil();
+        PackStored(packer, event, info);
         break;
       case VllmEvent::Kind::kBlockRemoved:
-        packer.pack_map(3);
+        packer.pack_map(event.group.has_value() ? 4 : 3);
         PackString(packer, "type");
         PackString(packer, "BlockRemoved");
         PackString(packer, "block_hashes");
         PackHashes(packer, event.block_hashes);
         PackString(packer, "medium");
         PackString(packer, VllmMediumName(event.medium));
+        if (event.group.has_value()) {
+          PackString(packer, "group_idx");
+          packer.pack_int32(event.group->index);
+        }
         break;
       case VllmEvent::Kind::kAllBlocksCleared:
         packer.pack_map(1);

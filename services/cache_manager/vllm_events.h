@@ -10,6 +10,11 @@
 //    "token_ids":[u32...],"block_size":N,"lora_id":nil,"medium":M,"lora_name":nil}
 //   {"type":"BlockRemoved","block_hashes":[u64...],"medium":M}
 //   {"type":"AllBlocksCleared"}
+// An event of a KV cache group (VllmEvent::group; docs/protocol.md, "vLLM-format KV events")
+// carries vLLM's group fields after those: BlockStored "extra_keys":nil, "group_idx":g,
+// "kv_cache_spec_kind":"full_attention"|"sliding_window",
+// "kv_cache_spec_sliding_window":W|nil; BlockRemoved "group_idx":g. Without groups the
+// events carry none of them (the bytes of a stream without groups do not change).
 // Hashes are msgpack unsigned integers, never bin.
 //
 // Thread safety: stateless functions.
@@ -33,6 +38,14 @@ enum class VllmMedium : uint8_t { kGpu, kCpu, kDisk };
 // "GPU", "CPU", "DISK".
 std::string_view VllmMediumName(VllmMedium medium);
 
+// The KV cache group an event's blocks belong to (docs/architecture.md, "The hybrid KV
+// cache"): its index and the tokens its layers attend within (0 = full attention).
+struct VllmGroup {
+  int32_t index = 0;
+  int32_t window = 0;
+  friend bool operator==(const VllmGroup&, const VllmGroup&) = default;
+};
+
 struct VllmEvent {
   enum class Kind : uint8_t { kBlockStored, kBlockRemoved, kAllBlocksCleared };
   Kind kind = Kind::kAllBlocksCleared;
@@ -42,6 +55,8 @@ struct VllmEvent {
   // Stored: block_hashes.size() * block_size token ids, block after block.
   std::vector<uint32_t> token_ids;
   VllmMedium medium = VllmMedium::kGpu;  // Stored and Removed
+  // Stored and Removed of a pool with KV cache groups: the group's fields are written.
+  std::optional<VllmGroup> group;
 };
 
 // What every event of one stream says alike.

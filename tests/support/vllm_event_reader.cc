@@ -45,6 +45,138 @@ absl::StatusOr<uint64_t> ReadSeq(const zmq::message_t& frame) {
   return seq;
 }
 
+// The keys of an event read so far.
+struct SeenKeys {
+  bool type = false, hashes = false, parent = false, tokens = false, block_size = false,
+       medium = false, extra_keys = false, window = false;
+};
+
+// Reads one key of an event into `event`.
+absl::Status ReadField(const std::string& key, const msgpack::object& value, ReadVllmEvent* event,
+                       SeenKeys* seen) {
+  if (key == "type") {
+    absl::StatusOr<std::string> type = AsString(value, "type");
+    if (!type.ok()) return type.status();
+    event->type = *type;
+    seen->type = true;
+  } else if (key == "block_hashes") {
+    absl::StatusOr<std::vector<uint64_t>> hashes = AsHashes(value);
+    if (!hashes.ok()) return hashes.status();
+    event->block_hashes = *std::move(hashes);
+    seen->hashes = true;
+  } else if (key == "parent_block_hash") {
+    if (value.type == msgpack::type::NIL) {
+      event->parent_block_hash.reset();
+    } else if (IsUnsigned(value)) {
+      event->parent_block_hash = value.via.u64;
+    } else {
+      return Bad("parent_block_hash is neither nil nor an unsigned integer");
+    }
+    seen->parent = true;
+  } else if (key == "token_ids") {
+    if (value.type != msgpack::type::ARRAY) return Bad("token_ids is not an array");
+    for (uint32_t i = 0; i < value.via.array.size; ++i) {
+      const msgpack::object& t = value.via.array.ptr[i];
+      if (!IsUnsigned(t) || t.via.u64 > UINT32_MAX) return Bad("a token id is not a u32");
+      event->token_ids.push_back(static_cast<uint32_t>(t.via.u64));
+    }
+    seen->tokens = true;
+  } else if (key == "block_size") {
+    if (!IsUnsigned(value)) return Bad("block_size is not a positive integer");
+    event->block_size = static_cast<int64_t>(value.via.u64);
+    seen->block_size = true;
+  } else if (key == "medium") {
+    absl::StatusOr<std::string> medium = AsString(value, "medium");
+    if (!medium.ok()) return medium.status();
+    event->medium = *medium;
+    seen->medium = true;
+  } else if (key == "lora_id" || key == "lora_name") {
+    if (value.type != msgpack::type::NIL) return Bad(absl::StrCat(key, " is not nil"));
+  } else if (key == "extra_keys") {
+    if (value.type != msgpack::type::NIL && value.type != msgpack::type::ARRAY) {
+      return Bad("extra_keys is neither nil nor an array");
+    }
+    seen->extra_keys = true;
+  } else if (key == "group_idx") {
+    if (!IsUnsigned(value)) return Bad("group_idx is not an unsigned integer");
+    event->group_idx = static_cast<int64_t>(value.via.u64);
+  } else if (key == "kv_cache_spec_kind") {
+    absl::StatusOr<std::string> kind = AsString(value, "kv_cache_spec_kind");
+    if (!kind.ok()) return kind.status();
+    if (*kind != "full_attention" && *kind != "sliding_window") {
+      return Bad(absl::StrCat("unknown kv_cache_spec_kind ", *kind));
+    }
+    event->kv_cache_spec_kind = *kind;
+  } else if (key == "kv_cache_spec_sliding_window") {
+    if (value.type == msgpack::type::NIL) {
+      event->sliding_window.reset();
+    } else if (IsUnsigned(value) && value.via.u64 > 0) {
+      event->sliding_window = static_cast<int64_t>(value.via.u64);
+    } else {
+      return Bad("kv_cache_spec_sliding_window is neither nil nor a positive integer");
+    }
+    seen->window = true;
+  } else {
+    return Bad(absl::StrCat("unexpected key ", key));
+  }
+  return absl::OkStatus();
+}
+
+// What consumers require of an event of `size` keys, the `e`th of its batch.
+absl::Status CheckEvent(uint32_t size, uint32_t e, const ReadVllmEvent& event,
+                        const SeenKeys& seen) {
+  if (!seen.type) return Bad(absl::StrCat("event ", e, " has no type"));
+  if (event.type == "BlockStored") {
+    const bool grouped = event.group_idx.has_value();
+    if (!seen.hashes || !seen.parent || !seen.tokens || !seen.block_size || !seen.medium ||
+        size != (grouped ? 12u : 8u)) {
+      return Bad("BlockStored lacks a field");
+    }
+    if (grouped &&
+        (!seen.extra_keys || event.kv_cache_spec_kind.empty() || !seen.window ||
+         event.sliding_window.has_value() != (event.kv_cache_spec_kind == "sliding_window"))) {
+      return Bad("BlockStored has some of the group fields, or a kind and window that differ");
+    }
+    if (event.block_hashes.empty()) return Bad("BlockStored of no block");
+    if (event.token_ids.size() !=
+        event.block_hashes.size() * static_cast<size_t>(event.block_size)) {
+      return Bad(absl::StrCat("BlockStored of ", event.block_hashes.size(), " blocks of ",
+                              event.block_size, " has ", event.token_ids.size(), " tokens"));
+    }
+    absl::flat_hash_set<uint64_t> ids(event.block_hashes.begin(), event.block_hashes.end());
+    if (event.parent_block_hash.has_value()) ids.insert(*event.parent_block_hash);
+    if (ids.size() != event.block_hashes.size() + (event.parent_block_hash ? 1 : 0)) {
+      return Bad("BlockStored ids repeat (parent included)");
+    }
+  } else if (event.type == "BlockRemoved") {
+    if (!seen.hashes || !seen.medium || size != (event.group_idx.has_value() ? 4u : 3u)) {
+      return Bad("BlockRemoved lacks a field");
+    }
+  } else if (event.type == "AllBlocksCleared") {
+    if (size != 1) return Bad("AllBlocksCleared has fields");
+  } else {
+    return Bad(absl::StrCat("unknown event type ", event.type));
+  }
+  return absl::OkStatus();
+}
+
+// One event of a batch, the `e`th.
+absl::StatusOr<ReadVllmEvent> DecodeEvent(const msgpack::object& map, uint32_t e) {
+  if (map.type != msgpack::type::MAP) return Bad(absl::StrCat("event ", e, " is not a map"));
+  ReadVllmEvent event;
+  SeenKeys seen;
+  for (uint32_t k = 0; k < map.via.map.size; ++k) {
+    const msgpack::object_kv& kv = map.via.map.ptr[k];
+    absl::StatusOr<std::string> key = AsString(kv.key, "a key");
+    if (!key.ok()) return key.status();
+    if (absl::Status read = ReadField(*key, kv.val, &event, &seen); !read.ok()) return read;
+  }
+  if (absl::Status valid = CheckEvent(map.via.map.size, e, event, seen); !valid.ok()) {
+    return valid;
+  }
+  return event;
+}
+
 }  // namespace
 
 absl::StatusOr<ReadVllmBatch> DecodeVllmPayload(std::string_view payload) {
@@ -71,84 +203,9 @@ absl::StatusOr<ReadVllmBatch> DecodeVllmPayload(std::string_view payload) {
   const msgpack::object& events = root.via.array.ptr[1];
   if (events.type != msgpack::type::ARRAY) return Bad("events is not an array");
   for (uint32_t e = 0; e < events.via.array.size; ++e) {
-    const msgpack::object& map = events.via.array.ptr[e];
-    if (map.type != msgpack::type::MAP) return Bad(absl::StrCat("event ", e, " is not a map"));
-    ReadVllmEvent event;
-    bool has_type = false, has_hashes = false, has_parent = false, has_tokens = false,
-         has_block_size = false, has_medium = false;
-    for (uint32_t k = 0; k < map.via.map.size; ++k) {
-      const msgpack::object_kv& kv = map.via.map.ptr[k];
-      absl::StatusOr<std::string> key = AsString(kv.key, "a key");
-      if (!key.ok()) return key.status();
-      const msgpack::object& value = kv.val;
-      if (*key == "type") {
-        absl::StatusOr<std::string> type = AsString(value, "type");
-        if (!type.ok()) return type.status();
-        event.type = *type;
-        has_type = true;
-      } else if (*key == "block_hashes") {
-        absl::StatusOr<std::vector<uint64_t>> hashes = AsHashes(value);
-        if (!hashes.ok()) return hashes.status();
-        event.block_hashes = *std::move(hashes);
-        has_hashes = true;
-      } else if (*key == "parent_block_hash") {
-        if (value.type == msgpack::type::NIL) {
-          event.parent_block_hash.reset();
-        } else if (IsUnsigned(value)) {
-          event.parent_block_hash = value.via.u64;
-        } else {
-          return Bad("parent_block_hash is neither nil nor an unsigned integer");
-        }
-        has_parent = true;
-      } else if (*key == "token_ids") {
-        if (value.type != msgpack::type::ARRAY) return Bad("token_ids is not an array");
-        for (uint32_t i = 0; i < value.via.array.size; ++i) {
-          const msgpack::object& t = value.via.array.ptr[i];
-          if (!IsUnsigned(t) || t.via.u64 > UINT32_MAX) return Bad("a token id is not a u32");
-          event.token_ids.push_back(static_cast<uint32_t>(t.via.u64));
-        }
-        has_tokens = true;
-      } else if (*key == "block_size") {
-        if (!IsUnsigned(value)) return Bad("block_size is not a positive integer");
-        event.block_size = static_cast<int64_t>(value.via.u64);
-        has_block_size = true;
-      } else if (*key == "medium") {
-        absl::StatusOr<std::string> medium = AsString(value, "medium");
-        if (!medium.ok()) return medium.status();
-        event.medium = *medium;
-        has_medium = true;
-      } else if (*key == "lora_id" || *key == "lora_name") {
-        if (value.type != msgpack::type::NIL) return Bad(absl::StrCat(*key, " is not nil"));
-      } else {
-        return Bad(absl::StrCat("unexpected key ", *key));
-      }
-    }
-    if (!has_type) return Bad(absl::StrCat("event ", e, " has no type"));
-    if (event.type == "BlockStored") {
-      if (!has_hashes || !has_parent || !has_tokens || !has_block_size || !has_medium ||
-          map.via.map.size != 8) {
-        return Bad("BlockStored lacks a field");
-      }
-      if (event.block_hashes.empty()) return Bad("BlockStored of no block");
-      if (event.token_ids.size() !=
-          event.block_hashes.size() * static_cast<size_t>(event.block_size)) {
-        return Bad(absl::StrCat("BlockStored of ", event.block_hashes.size(), " blocks of ",
-                                event.block_size, " has ", event.token_ids.size(), " tokens"));
-      }
-      absl::flat_hash_set<uint64_t> ids(event.block_hashes.begin(), event.block_hashes.end());
-      if (event.parent_block_hash.has_value()) ids.insert(*event.parent_block_hash);
-      if (ids.size() != event.block_hashes.size() + (event.parent_block_hash ? 1 : 0)) {
-        return Bad("BlockStored ids repeat (parent included)");
-      }
-    } else if (event.type == "BlockRemoved") {
-      if (!has_hashes || !has_medium || map.via.map.size != 3)
-        return Bad("BlockRemoved lacks a field");
-    } else if (event.type == "AllBlocksCleared") {
-      if (map.via.map.size != 1) return Bad("AllBlocksCleared has fields");
-    } else {
-      return Bad(absl::StrCat("unknown event type ", event.type));
-    }
-    batch.events.push_back(std::move(event));
+    absl::StatusOr<ReadVllmEvent> event = DecodeEvent(events.via.array.ptr[e], e);
+    if (!event.ok()) return event.status();
+    batch.events.push_back(*std::move(event));
   }
   return batch;
 }

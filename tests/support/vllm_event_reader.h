@@ -7,7 +7,9 @@
 // The decoder refuses what consumers refuse: a payload that is not an array of 3, an event
 // that is not a map with a "type", hashes that are not unsigned integers (bin breaks a
 // whole batch in Dynamo), a BlockStored whose token count is not blocks x block_size or
-// whose ids repeat (parent included).
+// whose ids repeat (parent included). vLLM's group fields are read when present, all of
+// them (BlockStored: extra_keys nil or an array, group_idx, kv_cache_spec_kind and its window, the
+// window an integer exactly for "sliding_window"; BlockRemoved: group_idx) or none.
 //
 // Deadlines are on the monotonic clock (common/base/monotonic_clock.h), as
 // common/transport/zmq_util.h takes them.
@@ -33,6 +35,12 @@ struct ReadVllmEvent {
   std::vector<uint32_t> token_ids;
   int64_t block_size = 0;
   std::string medium;
+  // vLLM's KV cache group fields (docs/protocol.md, "vLLM-format KV events"): present in
+  // every event of a pool with groups, in none without. kv_cache_spec_kind is
+  // "full_attention" or "sliding_window"; sliding_window nullopt for full attention.
+  std::optional<int64_t> group_idx;
+  std::string kv_cache_spec_kind;
+  std::optional<int64_t> sliding_window;
 };
 
 struct ReadVllmBatch {

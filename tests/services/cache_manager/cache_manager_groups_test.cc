@@ -2,7 +2,8 @@
 // (docs/architecture.md, "The hybrid KV cache"): it announces its KV cache groups in
 // HelloReply and the pool descriptor, a Step's Allocate returns every group's table, a
 // commit past the window gives back the window group's blocks only, a prefix hits in every
-// group, and the features that do not know groups are refused by their flags.
+// group, and the tiers, which do not know groups, are refused by their flags (the
+// vLLM-format KV events serve groups: vllm_events_process_test).
 // --sliding-window-tokens 0 keeps the model in one table. Every test checks that the pool
 // is whole afterwards.
 
@@ -200,7 +201,6 @@ TEST(CacheManagerGroupsTest, FeaturesWithoutGroupsAreRefusedByTheirFlags) {
   const std::vector<std::vector<std::string>> cases = {
       {"--host-tier-bytes", "1MiB"},
       {"--disk-tier-dir", dir->path() + "/disk", "--disk-tier-bytes", "1MiB"},
-      {"--kv-events-endpoint", "tcp://127.0.0.1:0"},
   };
   for (const std::vector<std::string>& flags : cases) {
     SCOPED_TRACE(flags[0]);

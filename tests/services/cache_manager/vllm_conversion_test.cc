@@ -5,12 +5,18 @@
 
 #include <cstdint>
 #include <optional>
+#include <set>
+#include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/base/check.h"
+#include "common/block/grouped_ledger.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/support/status_matchers.h"
 
 namespace kvcm::cache_manager {
 namespace {
@@ -496,6 +502,139 @@ TEST(VllmConverterTest, CommitTokensAreThoseOfTheLastCommitUntilTheNextBatch) {
   EXPECT_EQ(*converter.CommitTokens(3), TokensOf(3));
   converter.AddBatch({}, false);
   EXPECT_EQ(converter.CommitTokens(3), nullptr);
+}
+
+// KV cache groups (docs/protocol.md, "vLLM-format KV events"), on a real GroupedLedger of a
+// full-attention group and a window group of 2 blocks: every group's blocks are published
+// under the plain hash of their position with the group's index, kind and window, with the
+// same token ids, and each (id, group) stored is removed once, naming the same id and group.
+struct GroupedFixture {
+  static constexpr int32_t kWindow = 2 * kBlockSize;
+  GroupedLedger ledger;
+  VllmConverter converter{kBlockSize, kDefaultHashAlgorithm, VllmMedium::kGpu, {0, kWindow}};
+
+  static GroupedLedger MakeLedger() {
+    GroupedLedger::Options options;
+    options.pool.num_blocks = 16;
+    options.pool.block_size = kBlockSize;
+    options.pool.record_events = true;
+    options.group_windows = {0, kWindow};
+    auto ledger = GroupedLedger::Create(options);
+    KVCM_CHECK(ledger.ok()) << ledger.status();
+    return *std::move(ledger);
+  }
+  GroupedFixture() : ledger(MakeLedger()) {}
+
+  // Allocates `tokens` (hashes of its full blocks given), commits them all with the full
+  // blocks' token ids, and converts the ledger's events.
+  void Run(SeqId seq, const std::vector<int32_t>& tokens, bool cleared) {
+    const std::vector<BlockHash> hashes = ChainHashes(tokens);
+    const int32_t n = static_cast<int32_t>(tokens.size());
+    GroupedTables tables;
+    ASSERT_THAT(ledger.Allocate(seq, n, hashes, &tables), IsOk());
+    ASSERT_THAT(ledger.Commit(seq, n), IsOk());
+    auto table = ledger.BlockTable(seq);
+    ASSERT_THAT(table, IsOk());
+    const std::span<const int32_t> full(tokens.data(), hashes.size() * kBlockSize);
+    converter.AddGroupedCommitTokens(
+        *table, n, full, [this](BlockId block) { return ledger.pool().HashOfBlock(block); });
+    converter.AddBatch(ledger.TakeEvents(), cleared);
+  }
+  static std::vector<BlockHash> ChainHashes(const std::vector<int32_t>& tokens) {
+    std::vector<BlockHash> hashes;
+    BlockHash parent = RootHash(kDefaultHashAlgorithm, "");
+    for (size_t i = 0; i + kBlockSize <= tokens.size(); i += kBlockSize) {
+      parent = ChainBlockHash(kDefaultHashAlgorithm, parent,
+                              std::span<const int32_t>(tokens).subspan(i, kBlockSize));
+      hashes.push_back(parent);
+    }
+    return hashes;
+  }
+  static std::vector<uint64_t> Ids(const std::vector<BlockHash>& hashes) {
+    std::vector<uint64_t> ids;
+    for (const BlockHash& hash : hashes) ids.push_back(VllmBlockId(hash));
+    return ids;
+  }
+};
+
+std::vector<int32_t> Iota(int32_t from, int32_t n) {
+  std::vector<int32_t> tokens;
+  for (int32_t i = 0; i < n; ++i) tokens.push_back(from + i);
+  return tokens;
+}
+
+TEST(VllmConverterGroupsTest, EveryGroupsBlocksArePublishedUnderThePlainHashWithTheirGroup) {
+  GroupedFixture f;
+  // 3 full blocks and a token more: the window group releases its first block in the same
+  // commit (it is cached, not removed), and it is published all the same.
+  const std::vector<int32_t> first = Iota(1000, 3 * kBlockSize + 1);
+  f.Run(1, first, /*cleared=*/true);
+  const std::vector<uint64_t> ids = GroupedFixture::Ids(GroupedFixture::ChainHashes(first));
+  const std::vector<uint32_t> tokens(first.begin(), first.begin() + 3 * kBlockSize);
+  std::vector<VllmEvent> events = f.converter.Take();
+  ASSERT_EQ(events.size(), 3u);
+  EXPECT_EQ(events[0].kind, VllmEvent::Kind::kAllBlocksCleared);
+  for (int32_t g = 0; g < 2; ++g) {
+    SCOPED_TRACE(absl::StrCat("group ", g));
+    const VllmEvent& stored = events[static_cast<size_t>(1 + g)];
+    EXPECT_EQ(stored.kind, VllmEvent::Kind::kBlockStored);
+    EXPECT_EQ(stored.block_hashes, ids);  // the plain hashes, equal across groups
+    EXPECT_EQ(stored.parent_block_hash, std::nullopt);
+    EXPECT_EQ(stored.token_ids, tokens);
+    EXPECT_EQ(stored.group, (VllmGroup{g, g == 0 ? 0 : GroupedFixture::kWindow}));
+  }
+
+  // A prompt sharing the first 2 blocks: its third block, in both groups, child of the second.
+  std::vector<int32_t> second(first.begin(), first.begin() + 2 * kBlockSize);
+  for (int32_t t : Iota(5000, kBlockSize + 1)) second.push_back(t);
+  f.Run(2, second, /*cleared=*/false);
+  const uint64_t third = GroupedFixture::Ids(GroupedFixture::ChainHashes(second))[2];
+  events = f.converter.Take();
+  ASSERT_EQ(events.size(), 2u);
+  for (int32_t g = 0; g < 2; ++g) {
+    const VllmEvent& stored = events[static_cast<size_t>(g)];
+    EXPECT_EQ(stored.kind, VllmEvent::Kind::kBlockStored);
+    EXPECT_EQ(stored.block_hashes, std::vector<uint64_t>{third});
+    EXPECT_EQ(stored.parent_block_hash, ids[1]);
+    EXPECT_EQ(stored.token_ids, Unsigned(Iota(5000, kBlockSize)));
+    EXPECT_EQ(stored.group->index, g);
+  }
+  EXPECT_EQ(f.converter.blocks_without_tokens(), 0u);
+
+  // Everything evicted: each (id, group) published is removed once, naming its group.
+  ASSERT_THAT(f.ledger.Free(1), IsOk());
+  ASSERT_THAT(f.ledger.Free(2), IsOk());
+  EXPECT_EQ(f.ledger.EvictAllCached(), 8);
+  f.converter.AddBatch(f.ledger.TakeEvents(), /*cleared=*/false);
+  std::multiset<std::pair<int32_t, uint64_t>> removed;
+  for (const VllmEvent& event : f.converter.Take()) {
+    ASSERT_EQ(event.kind, VllmEvent::Kind::kBlockRemoved);
+    ASSERT_TRUE(event.group.has_value());
+    EXPECT_EQ(event.group->window, event.group->index == 0 ? 0 : GroupedFixture::kWindow);
+    for (uint64_t id : event.block_hashes) removed.insert({event.group->index, id});
+  }
+  std::multiset<std::pair<int32_t, uint64_t>> expected;
+  for (int32_t g = 0; g < 2; ++g) {
+    for (uint64_t id : {ids[0], ids[1], ids[2], third}) expected.insert({g, id});
+  }
+  EXPECT_EQ(removed, expected);
+  // Nothing is removed twice.
+  f.ledger.EvictAllCached();
+  f.converter.AddBatch(f.ledger.TakeEvents(), /*cleared=*/false);
+  EXPECT_TRUE(f.converter.Take().empty());
+}
+
+// A grouped block whose commit brought no tokens is left out and counted, in every group.
+TEST(VllmConverterGroupsTest, AGroupedBlockWithoutTokensIsCountedAndLeftOut) {
+  GroupedFixture f;
+  const std::vector<int32_t> tokens = Iota(7, 2 * kBlockSize);
+  const std::vector<BlockHash> hashes = GroupedFixture::ChainHashes(tokens);
+  GroupedTables tables;
+  ASSERT_THAT(f.ledger.Allocate(1, 2 * kBlockSize, hashes, &tables), IsOk());
+  ASSERT_THAT(f.ledger.Commit(1, 2 * kBlockSize), IsOk());
+  f.converter.AddBatch(f.ledger.TakeEvents(), /*cleared=*/false);
+  EXPECT_TRUE(f.converter.Take().empty());
+  EXPECT_EQ(f.converter.blocks_without_tokens(), 4u);  // 2 blocks x 2 groups
 }
 
 }  // namespace

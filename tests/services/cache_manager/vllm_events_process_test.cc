@@ -7,8 +7,11 @@
 
 #include <csignal>
 #include <cstdio>
+#include <fstream>
 #include <random>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_set.h"
@@ -515,6 +518,137 @@ TEST(VllmEventsProcessTest, ACommitWithTheWrongNumberOfTokensIsRefusedWhole) {
   ASSERT_EQ(batches.size(), 2u);
   ASSERT_EQ(batches[1].events.size(), 1u);
   EXPECT_EQ(batches[1].events[0].block_hashes, Ids(hashes));
+}
+
+// A model of a full-attention layer and a layer of a window of 2 blocks (Qwen2-shaped:
+// max_window_layers 1), written to `dir`/config.json.
+std::string WriteMixedConfig(const std::string& dir, int32_t window) {
+  const std::string path = dir + "/config.json";
+  std::ofstream out(path);
+  out << R"({"model_type": "qwen2", "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "hidden_size": 64, "torch_dtype": "float16",
+            "use_sliding_window": true, "sliding_window": )"
+      << window << R"(, "max_window_layers": 1})";
+  return path;
+}
+
+// A block of a group, as a consumer keys it: (group_idx, id).
+using GroupId = std::pair<int64_t, uint64_t>;
+
+// Replays a grouped stream (after its first batch, the AllBlocksCleared) into a consumer's
+// view by (group, id), checking every event names group 0 (full attention) or 1 (a window
+// of `window` tokens), each (group, id) is stored once while live with its parent live in its
+// group, and removed only once stored. The stored events and the removed (group, id)s out.
+void ReadGroupedStream(const std::vector<ReadVllmBatch>& batches, int32_t window,
+                       std::vector<ReadVllmEvent>* stored, std::set<GroupId>* removed) {
+  absl::flat_hash_set<GroupId> live;
+  for (size_t b = 1; b < batches.size(); ++b) {
+    for (const ReadVllmEvent& event : batches[b].events) {
+      ASSERT_TRUE(event.group_idx.has_value()) << event.type << " without group_idx";
+      const int64_t group = *event.group_idx;
+      ASSERT_TRUE(group == 0 || group == 1) << group;
+      if (event.type == "BlockStored") {
+        EXPECT_EQ(event.medium, "CPU");
+        EXPECT_EQ(event.kv_cache_spec_kind, group == 0 ? "full_attention" : "sliding_window");
+        EXPECT_EQ(event.sliding_window, group == 0 ? std::nullopt : std::optional<int64_t>(window));
+        if (event.parent_block_hash) {
+          EXPECT_TRUE(live.contains(GroupId{group, *event.parent_block_hash}));
+        }
+        for (uint64_t id : event.block_hashes) {
+          EXPECT_TRUE(live.insert({group, id}).second) << group << "/" << id;
+        }
+        stored->push_back(event);
+      } else if (event.type == "BlockRemoved") {
+        for (uint64_t id : event.block_hashes) {
+          EXPECT_TRUE(live.erase(GroupId{group, id})) << "removed " << group << "/" << id;
+          removed->insert({group, id});
+        }
+      } else {
+        ADD_FAILURE() << "a second AllBlocksCleared at seq " << batches[b].seq;
+      }
+    }
+  }
+}
+
+// With KV cache groups (docs/protocol.md, "vLLM-format KV events"): the real cache manager
+// started on a mixed model publishes every group's blocks under the plain hash of their
+// position with the group's index, kind and window, with the same token ids in every
+// group, and removes each (id, group) it stored once.
+TEST(VllmEventsProcessTest, AGroupedPoolPublishesEveryGroupsBlocksUnderThePlainHash) {
+  constexpr int32_t kWindow = 2 * kBlockSize;
+  const uint32_t seed = 20261207;
+  std::printf("seed %u\n", seed);
+  std::mt19937 rng(seed);
+  auto dir = testing::TempDir::Create("kvcm-vllm-groups");
+  ASSERT_THAT(dir, IsOk());
+  CacheManagerOptions options;
+  options.num_blocks = 20;
+  options.block_size = kBlockSize;
+  options.layers = 0;  // the shape comes from the config
+  options.kv_heads = 0;
+  options.head_dim = 0;
+  options.dtype = "";
+  options.extra_args = {
+      "--model-config",    WriteMixedConfig(dir->path(), kWindow), "--kv-events-endpoint",
+      "tcp://127.0.0.1:0", "--kv-events-replay-endpoint",          "tcp://127.0.0.1:0"};
+  auto process = CacheManagerProcess::Start(options);
+  ASSERT_THAT(process, IsOk());
+  auto line = (*process)->process().WaitForLine(
+      "vLLM-format KV events on (\\S+) topic=(\\S+) replay=(\\S+)",
+      absl::Now() + absl::Seconds(10));
+  ASSERT_THAT(line, IsOk());
+  Node node{*std::move(process), (*line)[1], (*line)[3], (*line)[2]};
+  auto subscriber =
+      testing::VllmEventSubscriber::Connect(node.events, MonotonicNow() + absl::Seconds(10));
+  ASSERT_THAT(subscriber, IsOk());
+  auto client = ConnectRouter(*node.process);
+  ASSERT_NE(client, nullptr);
+  EXPECT_TRUE(client->session().wants_commit_tokens);
+  ASSERT_EQ(client->session().group_windows, (std::vector<int32_t>{0, kWindow}));
+
+  // A prompt of 3 full blocks and 2 tokens more (the window group releases its first block
+  // at the commit), one sharing its first 2 blocks, then enough to evict everything.
+  const std::vector<int32_t> first = RandomTokens(rng, 14);
+  std::vector<int32_t> second(first.begin(), first.begin() + 8);
+  for (int32_t t : RandomTokens(rng, 8)) second.push_back(t);
+  ASSERT_NO_FATAL_FAILURE(RunSequence(*client, 1, first));
+  ASSERT_NO_FATAL_FAILURE(RunSequence(*client, 2, second));
+  for (SeqId seq = 3; seq < 8; ++seq) {
+    ASSERT_NO_FATAL_FAILURE(RunSequence(*client, seq, RandomTokens(rng, 16)));
+  }
+
+  const std::vector<ReadVllmBatch> batches = Replay(node, 0);
+  ASSERT_FALSE(batches.empty());
+  ASSERT_EQ(batches[0].events.size(), 1u);
+  EXPECT_EQ(batches[0].events[0].type, "AllBlocksCleared");
+  std::vector<ReadVllmEvent> stored;
+  std::set<GroupId> removed;
+  ASSERT_NO_FATAL_FAILURE(ReadGroupedStream(batches, kWindow, &stored, &removed));
+  // The first prompt's 3 blocks in each group: the plain hashes, the same tokens; then the
+  // second prompt's last 2 blocks in each group, children of the shared second block.
+  ASSERT_GE(stored.size(), 4u);
+  const std::vector<uint64_t> first_ids = Ids(Hashes(first));
+  const std::vector<uint64_t> second_ids = Ids(Hashes(second));
+  for (int64_t g = 0; g < 2; ++g) {
+    SCOPED_TRACE(absl::StrCat("group ", g));
+    const ReadVllmEvent& one = stored[static_cast<size_t>(g)];
+    EXPECT_EQ(one.group_idx, g);
+    EXPECT_EQ(one.block_hashes, first_ids);
+    EXPECT_EQ(one.parent_block_hash, std::nullopt);
+    EXPECT_EQ(one.token_ids, std::vector<uint32_t>(first.begin(), first.begin() + 12));
+    const ReadVllmEvent& two = stored[static_cast<size_t>(2 + g)];
+    EXPECT_EQ(two.group_idx, g);
+    EXPECT_EQ(two.block_hashes, (std::vector<uint64_t>{second_ids[2], second_ids[3]}));
+    EXPECT_EQ(two.parent_block_hash, second_ids[1]);
+    EXPECT_EQ(two.token_ids, std::vector<uint32_t>(second.begin() + 8, second.end()));
+    for (uint64_t id : first_ids) EXPECT_TRUE(removed.contains({g, id})) << id;
+  }
+  EXPECT_EQ(Metric(*node.process, "kvcm_cache_manager_vllm_blocks_without_tokens_total"), 0);
+  // The live subscriber decodes the same stream.
+  auto batch = (*subscriber)->Next(MonotonicNow() + absl::Seconds(10));
+  ASSERT_THAT(batch, IsOk());
+  ASSERT_LT(batch->seq, batches.size());
+  ExpectSameEvents(*batch, batches[batch->seq]);
 }
 
 TEST(VllmEventsProcessTest, OffByDefaultAndRoutersAreNotAskedForTokens) {

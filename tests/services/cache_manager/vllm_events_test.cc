@@ -119,6 +119,73 @@ TEST(VllmEventsTest, BatchIsAnArrayOfThreeWithTaggedMaps) {
   EXPECT_EQ(read->events[3].block_hashes, removed.block_hashes);
 }
 
+// An event of a KV cache group carries vLLM's group fields after the others, in its
+// field order; full attention's window is nil.
+TEST(VllmEventsTest, GroupedEventsCarryTheGroupsFieldsAfterTheOthers) {
+  VllmEvent full;
+  full.kind = VllmEvent::Kind::kBlockStored;
+  full.block_hashes = {11, 12};
+  full.parent_block_hash = 10;
+  full.token_ids = {1, 2, 3, 4, 5, 6, 7, 8};
+  full.group = VllmGroup{0, 0};
+  VllmEvent window = full;
+  window.group = VllmGroup{1, 512};
+  VllmEvent removed;
+  removed.kind = VllmEvent::Kind::kBlockRemoved;
+  removed.block_hashes = {11};
+  removed.group = VllmGroup{1, 512};
+  const std::vector<VllmEvent> events = {full, window, removed};
+  VllmStreamInfo info;
+  info.block_size = 4;
+  std::string payload;
+  EncodeVllmBatch(1764000000.5, events, info, &payload);
+
+  msgpack::object_handle handle = msgpack::unpack(payload.data(), payload.size());
+  const msgpack::object& list = handle.get().via.array.ptr[1];
+  ASSERT_EQ(list.via.array.size, 3u);
+  const std::vector<std::string> stored_keys = {
+      "type",      "block_hashes",       "parent_block_hash",
+      "token_ids", "block_size",         "lora_id",
+      "medium",    "lora_name",          "extra_keys",
+      "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"};
+  const msgpack::object& e0 = list.via.array.ptr[0];
+  EXPECT_EQ(Keys(e0), stored_keys);
+  EXPECT_EQ(Value(e0, "extra_keys").type, msgpack::type::NIL);
+  ASSERT_EQ(Value(e0, "group_idx").type, msgpack::type::POSITIVE_INTEGER);
+  EXPECT_EQ(Value(e0, "group_idx").via.u64, 0u);
+  EXPECT_EQ(Str(Value(e0, "kv_cache_spec_kind")), "full_attention");
+  EXPECT_EQ(Value(e0, "kv_cache_spec_sliding_window").type, msgpack::type::NIL);
+  const msgpack::object& e1 = list.via.array.ptr[1];
+  EXPECT_EQ(Keys(e1), stored_keys);
+  EXPECT_EQ(Value(e1, "group_idx").via.u64, 1u);
+  EXPECT_EQ(Str(Value(e1, "kv_cache_spec_kind")), "sliding_window");
+  ASSERT_EQ(Value(e1, "kv_cache_spec_sliding_window").type, msgpack::type::POSITIVE_INTEGER);
+  EXPECT_EQ(Value(e1, "kv_cache_spec_sliding_window").via.u64, 512u);
+  const msgpack::object& e2 = list.via.array.ptr[2];
+  EXPECT_EQ(Keys(e2), (std::vector<std::string>{"type", "block_hashes", "medium", "group_idx"}));
+  EXPECT_EQ(Value(e2, "group_idx").via.u64, 1u);
+
+  // The strict reader agrees.
+  absl::StatusOr<testing::ReadVllmBatch> read = testing::DecodeVllmPayload(payload);
+  ASSERT_THAT(read, IsOk());
+  ASSERT_EQ(read->events.size(), 3u);
+  EXPECT_EQ(read->events[0].group_idx, 0);
+  EXPECT_EQ(read->events[0].kv_cache_spec_kind, "full_attention");
+  EXPECT_EQ(read->events[0].sliding_window, std::nullopt);
+  EXPECT_EQ(read->events[1].group_idx, 1);
+  EXPECT_EQ(read->events[1].kv_cache_spec_kind, "sliding_window");
+  EXPECT_EQ(read->events[1].sliding_window, 512);
+  EXPECT_EQ(read->events[1].block_hashes, full.block_hashes);
+  EXPECT_EQ(read->events[2].group_idx, 1);
+  // Without a group none of these fields is written (the stream without groups is as ever).
+  full.group.reset();
+  EncodeVllmBatch(1764000000.5, std::vector<VllmEvent>{full}, info, &payload);
+  read = testing::DecodeVllmPayload(payload);
+  ASSERT_THAT(read, IsOk());
+  EXPECT_EQ(read->events[0].group_idx, std::nullopt);
+  EXPECT_EQ(read->events[0].kv_cache_spec_kind, "");
+}
+
 TEST(VllmEventsTest, RandomBatchesRoundTripThroughTheReader) {
   const uint32_t seed = 20261202;
   std::printf("seed %u\n", seed);
@@ -187,6 +254,47 @@ TEST(VllmEventsTest, ReaderRefusesWhatConsumersRefuse) {
                  p.pack(std::string("GPU"));
                  p.pack(0);
                })).ok());
+  // A BlockRemoved whose group_idx is not an unsigned integer.
+  EXPECT_FALSE(testing::DecodeVllmPayload(pack([](auto& p) {
+                 p.pack_array(3);
+                 p.pack_double(1.0);
+                 p.pack_array(1);
+                 p.pack_map(4);
+                 p.pack(std::string("type"));
+                 p.pack(std::string("BlockRemoved"));
+                 p.pack(std::string("block_hashes"));
+                 p.pack_array(0);
+                 p.pack(std::string("medium"));
+                 p.pack(std::string("GPU"));
+                 p.pack(std::string("group_idx"));
+                 p.pack(std::string("1"));
+                 p.pack(0);
+               })).ok());
+  // A grouped BlockStored without its kind and window.
+  {
+    VllmEvent stored;
+    stored.kind = VllmEvent::Kind::kBlockStored;
+    stored.block_hashes = {1};
+    stored.token_ids = {1, 2, 3, 4};
+    stored.group = VllmGroup{1, 8};
+    VllmStreamInfo info;
+    info.block_size = 4;
+    std::string payload;
+    EncodeVllmBatch(1.0, std::vector<VllmEvent>{stored}, info, &payload);
+    ASSERT_THAT(testing::DecodeVllmPayload(payload), IsOk());
+    // Drop the last two keys (kind and window) and make the map header say 10.
+    const std::string window_key = "kv_cache_spec_kind";
+    const size_t at = payload.find(window_key);
+    ASSERT_NE(at, std::string::npos);
+    std::string cut = payload.substr(0, at - 1) + payload.substr(payload.size() - 1);
+    const size_t header = cut.find(static_cast<char>(0x8c));  // fixmap of 12
+    ASSERT_NE(header, std::string::npos);
+    cut[header] = static_cast<char>(0x8a);  // fixmap of 10
+    const absl::StatusOr<testing::ReadVllmBatch> refused = testing::DecodeVllmPayload(cut);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_NE(refused.status().message().find("BlockStored"), std::string::npos)
+        << refused.status();
+  }
   // Not msgpack at all.
   EXPECT_FALSE(testing::DecodeVllmPayload("\xc1garbage").ok());
 }
