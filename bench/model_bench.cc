@@ -1,11 +1,14 @@
-// The executor's model alone, on the bundled SmolLM2 GGUF, measured as llama.cpp's
-// llama-batched-bench measures it, and beside it in the same run when its binary is given:
-// for B parallel sequences of PP prompt tokens, one prefill of all B x PP tokens (S_PP,
+// The executor's model alone, on a real GGUF (the bundled SmolLM2 by default), measured as
+// llama.cpp's llama-batched-bench measures it, and beside it in the same run when its binary is
+// given: for B parallel sequences of PP prompt tokens, one prefill of all B x PP tokens (S_PP,
 // prompt tokens/s), then TG decode steps of the B sequences (S_TG, generated tokens/s).
 //
-//   build/bench/model_bench [--threads 2] [--pp 128] [--tg 32] [--busy-rounds 3]
-//                           [--matmul int8|fp32] [--llama-batched-bench PATH]
+//   build/bench/model_bench [--model smollm2|gemma3-270m] [--threads 2] [--pp 128] [--tg 32]
+//                           [--busy-rounds 3] [--matmul int8|fp32] [--llama-batched-bench PATH]
 //                           # PATH: scripts/build-llama-cpp.sh
+//
+// --model gemma3-270m (scripts/get-model.sh gemma3-270m) is the window model: with --pp past
+// 512, its window layers attend to the last 512 positions only, in both engines.
 //
 // kvcm runs LlamaModel::Forward (--matmul: LlamaModelOptions::matmul, int8 by default, as the
 // executor) over an fp16 pool in plain memory (the KV dtype kvcm picks
@@ -156,11 +159,18 @@ double ResidentMegabytes() {
 std::map<int, Rates> RunLlamaCpp(const std::string& binary, const std::string& gguf, int threads,
                                  int pp, int tg, const std::string& batches) {
   std::map<int, Rates> out;
+  // Room for the largest B's sequences whole (llama.cpp splits -c among the sequences).
+  int largest = 1;
+  for (absl::string_view b : absl::StrSplit(batches, ',')) {
+    int v = 0;
+    if (absl::SimpleAtoi(b, &v)) largest = std::max(largest, v);
+  }
+  const int context = std::max(8192, (largest * (pp + tg) + 255) / 256 * 256);
   absl::StatusOr<testing::RunResult> run = testing::RunProgram({binary,
                                                                 "-m",
                                                                 gguf,
                                                                 "-c",
-                                                                "8192",
+                                                                std::to_string(context),
                                                                 "-b",
                                                                 "4096",
                                                                 "-ub",
@@ -202,9 +212,16 @@ int Main(int argc, char** argv) {
   const int pp = bench::FlagValue(argc, argv, "--pp", 128);
   const int tg = bench::FlagValue(argc, argv, "--tg", 32);
   const std::string llama = bench::FlagString(argc, argv, "--llama-batched-bench", "");
-  const std::string gguf = testing::SmolLM2GgufPath();
+  const std::string which = bench::FlagString(argc, argv, "--model", "smollm2");
+  if (which != "smollm2" && which != "gemma3-270m") {
+    std::printf("--model must be smollm2 or gemma3-270m, got %s\n", which.c_str());
+    return 1;
+  }
+  const bool gemma = which == "gemma3-270m";
+  const std::string gguf = gemma ? testing::Gemma3GgufPath() : testing::SmolLM2GgufPath();
   if (!std::filesystem::exists(gguf)) {
-    std::printf("%s\n", testing::SmolLM2Missing(gguf).c_str());
+    std::printf("%s\n",
+                (gemma ? testing::Gemma3Missing(gguf) : testing::SmolLM2Missing(gguf)).c_str());
     return 1;
   }
   executor::LlamaModelOptions options;
@@ -217,7 +234,9 @@ int Main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<executor::LlamaModel>> model =
       executor::LlamaModel::Load(gguf, options);
   KVCM_CHECK(model.ok()) << model.status();
-  std::printf("SmolLM2-135M-Instruct (Q4_1 GGUF), %d thread(s), PP %d, TG %d, %s matmuls\n",
+  std::printf("%s, %d thread(s), PP %d, TG %d, %s matmuls\n",
+              gemma ? "Gemma 3 270M (Q4_K_M GGUF; 15 of 18 layers within a 512-token window)"
+                    : "SmolLM2-135M-Instruct (Q4_1 GGUF)",
               threads, pp, tg, matmul.c_str());
   std::printf("weight matrices %.1f MB; resident after load %.1f MB\n",
               static_cast<double>((*model)->weights().matrix_bytes()) / (1 << 20),
