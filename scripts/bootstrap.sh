@@ -35,6 +35,7 @@ PACKAGES=(
   libpcre2-dev               # common/tokenizer: byte-level BPE pre-tokenizer regexes (JIT)
   libicu-dev                 # common/tokenizer: Unicode NFC for tokenizer.json normalizers
   libevent-dev               # the router's HTTP server (evhttp: an open stream costs no thread)
+  liburing-dev               # the disk tier's reads, several in flight per mover (io_uring)
   libgtest-dev               # tests
   libgmock-dev
   libbenchmark-dev           # bench/

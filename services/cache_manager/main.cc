@@ -141,6 +141,11 @@ ABSL_FLAG(int32_t, tier_load_timeout_ms, 2000,
           "what did not arrive is computed.");
 ABSL_FLAG(bool, disk_tier_direct_io, true,
           "Read and write the disk tier with O_DIRECT where the file system allows it.");
+ABSL_FLAG(int32_t, disk_tier_read_depth, 8,
+          "Disk-tier reads each mover thread keeps in flight (1 to 64, io_uring): the disk "
+          "reads a prompt's next blocks while the mover verifies and copies one. 1: one at a "
+          "time. Where the kernel refuses io_uring (a container's seccomp filter), one at a "
+          "time, logged once.");
 ABSL_FLAG(int32_t, disk_tier_sync_ms, 1000,
           "At most this often, fdatasync the disk tier's files when blocks were written since "
           "the last sync (a mover thread does it): a block survives a crash of the machine "
@@ -238,6 +243,7 @@ absl::StatusOr<tiers::TierOptions> TierOptionsFromFlags() {
   options.mover_threads = absl::GetFlag(FLAGS_tier_mover_threads);
   options.load_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_tier_load_timeout_ms));
   options.direct_io = absl::GetFlag(FLAGS_disk_tier_direct_io);
+  options.disk_read_depth = absl::GetFlag(FLAGS_disk_tier_read_depth);
   options.disk_sync_interval = absl::Milliseconds(absl::GetFlag(FLAGS_disk_tier_sync_ms));
   if (absl::Status checked = tiers::CheckTierOptions(options); !checked.ok()) return checked;
   return options;

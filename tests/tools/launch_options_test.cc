@@ -49,19 +49,22 @@ TEST(LaunchOptionsTest, RoutesTheTierFlagsToTheCacheManager) {
   absl::StatusOr<LaunchOptions> options = ParseLaunchOptions(
       {"--model=/m", "--host-tier-bytes", "64GiB", "--disk-tier-dir=/var/kvcm/tier",
        "--disk-tier-bytes", "1TiB", "--tier-mover-threads=2", "--tier-load-timeout-ms", "500",
-       "--disk-tier-direct-io", "--disk-tier-sync-ms", "250", "--num-blocks=100"});
+       "--disk-tier-direct-io", "--disk-tier-sync-ms", "250", "--disk-tier-read-depth=8",
+       "--num-blocks=100"});
   ASSERT_THAT(options, IsOk());
   EXPECT_THAT(
       options->cache_manager_args,
       ElementsAre("--host-tier-bytes=64GiB", "--disk-tier-dir=/var/kvcm/tier",
                   "--disk-tier-bytes=1TiB", "--tier-mover-threads=2", "--tier-load-timeout-ms=500",
-                  "--disk-tier-direct-io", "--disk-tier-sync-ms=250", "--num-blocks=100"));
+                  "--disk-tier-direct-io", "--disk-tier-sync-ms=250", "--disk-tier-read-depth=8",
+                  "--num-blocks=100"));
   EXPECT_TRUE(options->router_args.empty());
   EXPECT_TRUE(options->executor_args.empty());
   const std::string usage = LaunchUsage();
   for (const char* flag :
        {"--host-tier-bytes", "--disk-tier-dir", "--disk-tier-bytes", "--tier-mover-threads",
-        "--tier-load-timeout-ms", "--disk-tier-direct-io[bool]", "--disk-tier-sync-ms"}) {
+        "--tier-load-timeout-ms", "--disk-tier-direct-io[bool]", "--disk-tier-sync-ms",
+        "--disk-tier-read-depth"}) {
     EXPECT_THAT(usage, HasSubstr(flag));
   }
 

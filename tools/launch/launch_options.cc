@@ -28,7 +28,7 @@ struct Route {
 // which may also be given bare or as --noflag). The services' own
 // flags the launcher sets itself (--run-dir, --model, --model-config, --name,
 // --metrics-address, --router, --cache-manager) are not here: they are the launcher's.
-constexpr std::array<Route, 40> kRoutes = {{
+constexpr std::array<Route, 41> kRoutes = {{
     {"backend", Target::kCacheManager},
     {"cuda-device", Target::kCacheManager},
     {"block-size", Target::kCacheManager},
@@ -52,6 +52,7 @@ constexpr std::array<Route, 40> kRoutes = {{
     {"tier-load-timeout-ms", Target::kCacheManager},
     {"disk-tier-direct-io", Target::kCacheManager, /*boolean=*/true},
     {"disk-tier-sync-ms", Target::kCacheManager},
+    {"disk-tier-read-depth", Target::kCacheManager},
     {"hostname", Target::kRouter},
     {"allowed-hosts", Target::kRouter},
     {"port", Target::kRouter},

@@ -29,6 +29,7 @@
 #include "absl/strings/strip.h"
 #include "common/base/atomic_file.h"
 #include "common/base/check.h"
+#include "common/base/status_macros.h"
 
 namespace kvcm::cache_manager::tiers {
 namespace {
@@ -666,30 +667,46 @@ absl::Status DiskTier::Write(int32_t slot, const BlockHash& hash, uint64_t seria
   return absl::OkStatus();
 }
 
-absl::Status DiskTier::Read(int32_t slot, const BlockHash& hash, SlotBuffer& buffer,
-                            Refusal* refusal) {
+absl::StatusOr<DiskTier::Extent> DiskTier::ExtentOf(int32_t slot, const SlotBuffer& buffer) const {
   if (slot < 0 || slot >= num_slots_ || buffer.slot_bytes() != slot_bytes_) {
     return absl::InvalidArgumentError(absl::StrCat("disk tier read: slot ", slot, " of ",
                                                    num_slots_, ", buffer of ", buffer.slot_bytes(),
                                                    " bytes for slots of ", slot_bytes_));
   }
+  return Extent{files_[static_cast<size_t>(slot / slots_per_file_)].get(),
+                static_cast<uint64_t>(slot % slots_per_file_) * slot_bytes_};
+}
+
+absl::Status DiskTier::Read(int32_t slot, const BlockHash& hash, SlotBuffer& buffer,
+                            Refusal* refusal) {
+  KVCM_ASSIGN_OR_RETURN(const Extent extent, ExtentOf(slot, buffer));
+  const ssize_t n = PreadAll(extent.fd, buffer.slot(), slot_bytes_, extent.offset);
+  return Verify(slot, hash, buffer, n < 0 ? -int64_t{errno} : int64_t{n}, refusal);
+}
+
+absl::Status DiskTier::Verify(int32_t slot, const BlockHash& hash, SlotBuffer& buffer, int64_t read,
+                              Refusal* refusal) {
+  KVCM_ASSIGN_OR_RETURN(const Extent extent, ExtentOf(slot, buffer));
   auto refuse = [&](Refusal why, const std::string& what) {
     if (refusal != nullptr) *refusal = why;
     return absl::DataLossError(absl::StrCat("disk tier slot ", slot, " in ", options_.dir,
                                             " refused (", std::string(RefusalName(why)),
                                             "): ", what));
   };
-  const int fd = files_[static_cast<size_t>(slot / slots_per_file_)].get();
-  const uint64_t offset = static_cast<uint64_t>(slot % slots_per_file_) * slot_bytes_;
-  const ssize_t n = PreadAll(fd, buffer.slot(), slot_bytes_, offset);
-  if (n < 0) {
-    const int error = errno;
-    if (refusal != nullptr) *refusal = Refusal::kIoError;
-    return absl::InternalError(
-        absl::StrCat("disk tier read of slot ", slot, " in ", options_.dir, ": ", Errno(error)));
+  if (read >= 0 && static_cast<uint64_t>(read) < slot_bytes_) {
+    // A short read (at end of file, or one the kernel split): the rest, as Read does.
+    const auto done = static_cast<uint64_t>(read);
+    const ssize_t n =
+        PreadAll(extent.fd, buffer.slot() + done, slot_bytes_ - done, extent.offset + done);
+    read = n < 0 ? -int64_t{errno} : read + n;
   }
-  bytes_read_.fetch_add(static_cast<uint64_t>(n), std::memory_order_relaxed);
-  if (static_cast<uint64_t>(n) < slot_bytes_) {
+  if (read < 0) {
+    if (refusal != nullptr) *refusal = Refusal::kIoError;
+    return absl::InternalError(absl::StrCat("disk tier read of slot ", slot, " in ", options_.dir,
+                                            ": ", Errno(static_cast<int>(-read))));
+  }
+  bytes_read_.fetch_add(static_cast<uint64_t>(read), std::memory_order_relaxed);
+  if (static_cast<uint64_t>(read) < slot_bytes_) {
     return refuse(Refusal::kTruncated, "the file ends inside the slot");
   }
   SlotHeader header;

@@ -182,6 +182,17 @@ class DiskTier {
   // names `hash`, the data's length and checksum. DATA_LOSS with *refusal set when any check
   // fails (the caller must not use the data), INTERNAL (*refusal kIoError) on read errors.
   absl::Status Read(int32_t slot, const BlockHash& hash, SlotBuffer& buffer, Refusal* refusal);
+  // Read in two halves, for a caller that keeps several reads in flight itself (KvTiers'
+  // movers, through ReadQueue): where `slot` lies (read slot_bytes() at `offset` of `fd`
+  // into buffer.slot()), then the checks Read makes of what that read gave. `read` is its
+  // result, bytes or -errno; a short read is continued here with pread. Statuses as Read's.
+  struct Extent {
+    int fd = -1;
+    uint64_t offset = 0;
+  };
+  absl::StatusOr<Extent> ExtentOf(int32_t slot, const SlotBuffer& buffer) const;
+  absl::Status Verify(int32_t slot, const BlockHash& hash, SlotBuffer& buffer, int64_t read,
+                      Refusal* refusal);
 
   // Zeroes the slot's header, so that a slot being reused is not found again after a crash
   // before its new contents are written. INTERNAL on errors.

@@ -42,6 +42,10 @@ absl::Status CheckTierOptions(const TierOptions& options) {
     return absl::InvalidArgumentError(
         absl::StrCat("--tier-mover-threads must be in [1, 64], not ", options.mover_threads));
   }
+  if (!options.disk_dir.empty() && (options.disk_read_depth < 1 || options.disk_read_depth > 64)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--disk-tier-read-depth must be in [1, 64], not ", options.disk_read_depth));
+  }
   if (options.enabled() && options.load_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--tier-load-timeout-ms must be positive");
   }
@@ -500,6 +504,7 @@ void KvTiers::MoverLoop(Mover& mover) {
   const PoolBackend backend = pool_.memory->backend();
   // Beside a cuda pool the slot buffer is page-locked; a failure only makes copies slower.
   const bool pinned = PinForDevice(backend, buffer.slot(), buffer.slot_bytes()).ok();
+  MakeReadBuffers(mover);
   while (true) {
     SyncIfDue(/*force=*/false);
     Job job;
@@ -520,12 +525,34 @@ void KvTiers::MoverLoop(Mover& mover) {
     }
     if (job.kind == Job::Kind::kStore) {
       RunStore(job, mover, buffer);
+    } else if (job.source == Tier::kHost) {
+      RunHostLoad(job, mover);
     } else {
-      RunLoad(job, mover, buffer);
+      RunDiskLoads(job, mover);
     }
   }
   SyncIfDue(/*force=*/true);  // a clean stop leaves nothing unsynced
   if (pinned) UnpinForDevice(backend, buffer.slot());
+  for (const std::unique_ptr<SlotBuffer>& read : mover.read_buffers) {
+    if (pinned) UnpinForDevice(backend, read->slot());
+  }
+}
+
+void KvTiers::MakeReadBuffers(Mover& mover) {
+  if (disk_ == nullptr) return;
+  const auto depth = static_cast<uint32_t>(options_.disk_read_depth);
+  mover.reads = ReadQueue::Create(depth, /*use_io_uring=*/depth > 1);
+  if (depth > 1 && !mover.reads->uses_io_uring() && !read_queue_logged_.exchange(true)) {
+    log_(absl::StrCat("disk tier: each mover reads one block at a time, not ", depth,
+                      " (--disk-tier-read-depth): ", mover.reads->io_uring_error().message()));
+  }
+  const PoolBackend backend = pool_.memory->backend();
+  for (uint32_t i = 0; i < depth; ++i) {
+    mover.read_buffers.push_back(std::make_unique<SlotBuffer>(disk_->slot_bytes()));
+    (void)PinForDevice(backend, mover.read_buffers.back()->slot(), disk_->slot_bytes());
+  }
+  mover.reading.resize(depth);
+  mover.read_start.resize(depth);
 }
 
 bool KvTiers::UnsyncedLocked() const {
@@ -619,21 +646,75 @@ void KvTiers::RunStore(const Job& job, Mover& mover, SlotBuffer& buffer) {
   Post(std::move(stored));
 }
 
-void KvTiers::RunLoad(const Job& job, Mover& mover, SlotBuffer& buffer) {
+void KvTiers::RunHostLoad(const Job& job, Mover& mover) {
   const absl::Time start = MonotonicNow();
   Result result{Result::Kind::kLoaded, job, {}, Refusal::kIoError, absl::OkStatus(), 0};
-  const int i = static_cast<int>(job.source);
   RunsOf(job.block, &mover.runs);
-  if (job.source == Tier::kHost) {
-    result.load_error = mover.copier->Scatter(
-        host_.data() + static_cast<uint64_t>(job.slot[i]) * block_bytes_, mover.runs);
-  } else {
-    result.load_error = disk_->Read(job.slot[i], job.hash, buffer, &result.refusal);
-    if (result.load_error.ok())
-      result.load_error = mover.copier->Scatter(buffer.data(), mover.runs);
-  }
+  result.load_error = mover.copier->Scatter(
+      host_.data() + static_cast<uint64_t>(job.slot[kHost]) * block_bytes_, mover.runs);
   if (!result.load_error.ok()) result.kind = Result::Kind::kLoadFailed;
   result.seconds = absl::ToDoubleSeconds(MonotonicNow() - start);
+  Post(std::move(result));
+}
+
+void KvTiers::RunDiskLoads(const Job& first, Mover& mover) {
+  ReadQueue& queue = *mover.reads;
+  std::vector<size_t> free;  // read buffers not reading
+  for (size_t i = mover.read_buffers.size(); i-- > 0;) free.push_back(i);
+  std::vector<Job> next{first};
+  while (true) {
+    {
+      // The disk loads queued behind, while buffers are free: a request's blocks come in a
+      // row, and the disk reads them while this thread verifies and copies.
+      std::lock_guard<std::mutex> lock(mu_);
+      while (!stopping_ && next.size() < free.size() && !loads_.empty() &&
+             loads_.front().source == Tier::kDisk) {
+        next.push_back(loads_.front());
+        loads_.pop_front();
+      }
+    }
+    for (const Job& job : next) {
+      const size_t i = free.back();
+      free.pop_back();
+      mover.reading[i] = job;
+      mover.read_start[i] = MonotonicNow();
+      SlotBuffer& buffer = *mover.read_buffers[i];
+      absl::StatusOr<DiskTier::Extent> extent = disk_->ExtentOf(job.slot[kDisk], buffer);
+      if (!extent.ok()) {
+        Post({Result::Kind::kLoadFailed, job, {}, Refusal::kIoError, extent.status(), 0});
+        free.push_back(i);
+        continue;
+      }
+      queue.Add(extent->fd, buffer.slot(), static_cast<uint32_t>(buffer.slot_bytes()),
+                extent->offset, i);
+    }
+    next.clear();
+    queue.Submit();
+    if (!queue.uses_io_uring() && queue.io_uring_error().code() == absl::StatusCode::kInternal &&
+        !read_queue_logged_.exchange(true)) {
+      log_(
+          absl::StrCat("disk tier: the kernel refused a read submission; this mover now reads "
+                       "one block at a time: ",
+                       queue.io_uring_error().message()));
+    }
+    if (queue.in_flight() == 0) return;
+    const ReadQueue::Completion done = queue.Wait();
+    FinishDiskLoad(done.tag, done.result, mover);
+    free.push_back(done.tag);
+  }
+}
+
+void KvTiers::FinishDiskLoad(size_t buffer, int64_t read, Mover& mover) {
+  const Job& job = mover.reading[buffer];
+  Result result{Result::Kind::kLoaded, job, {}, Refusal::kIoError, absl::OkStatus(), 0};
+  SlotBuffer& slot = *mover.read_buffers[buffer];
+  result.load_error = disk_->Verify(job.slot[kDisk], job.hash, slot, read, &result.refusal);
+  if (result.load_error.ok()) {
+    RunsOf(job.block, &mover.runs);
+    result.load_error = mover.copier->Scatter(slot.data(), mover.runs);
+  }
+  if (!result.load_error.ok()) result.kind = Result::Kind::kLoadFailed;
+  result.seconds = absl::ToDoubleSeconds(MonotonicNow() - mover.read_start[buffer]);
   Post(std::move(result));
 }
 

@@ -17,7 +17,9 @@
 // - Load(ticket, block, hash): the bytes of `hash`, from T1 if it holds them, else from T2
 //   (verified: DiskTier::Read), into the pool block `block`, which the caller took for it
 //   and makes matchable only after Poll reports kLoaded. A T2 slot that fails verification
-//   is dropped from the index and counted by reason.
+//   is dropped from the index and counted by reason. A mover keeps up to
+//   TierOptions::disk_read_depth T2 reads in flight (ReadQueue: io_uring), verifying and
+//   copying one block while the disk reads the next.
 // - Jobs run loads first (a request waits for them), then stores, in order.
 //
 // Why write-through and not demotion at eviction: a block evicted from the pool would have
@@ -62,6 +64,7 @@
 #include "common/memory/pool_memory.h"
 #include "common/sizing/kv_cache_spec.h"
 #include "services/cache_manager/tiers/disk_tier.h"
+#include "services/cache_manager/tiers/read_queue.h"
 
 namespace kvcm::cache_manager::tiers {
 
@@ -73,6 +76,10 @@ struct TierOptions {
   // to the same bytes (DiskTier's identity). Required with disk_dir.
   std::string model_path;
   int32_t mover_threads = 1;
+  // T2 reads each mover keeps in flight (1 to 64): the disk reads the next blocks of a
+  // request's loads while the mover verifies and copies one. 1: one read at a time. Needs
+  // io_uring; where the kernel refuses it, reads go one at a time (logged once).
+  int32_t disk_read_depth = 8;
   // How long a request may wait for its blocks to load before it computes them.
   absl::Duration load_timeout = absl::Seconds(2);
   bool direct_io = true;  // T2 with O_DIRECT where the file system takes it
@@ -244,10 +251,15 @@ class KvTiers {
           std::function<void(std::string)> log);
   // Indexes the blocks T2 found at start.
   void Recover();
-  // The mover's own copier (a CUDA stream of its own for a cuda pool) and slot buffer.
+  // The mover's own copier (a CUDA stream of its own for a cuda pool), and its T2 reads:
+  // a queue of disk_read_depth of them, each into its own slot buffer (made by the mover).
   struct Mover {
     std::unique_ptr<PoolCopier> copier;
     std::vector<PoolCopier::Run> runs;  // a block's runs, reused
+    std::unique_ptr<ReadQueue> reads;
+    std::vector<std::unique_ptr<SlotBuffer>> read_buffers;
+    std::vector<Job> reading;  // by read buffer: the load it reads for
+    std::vector<absl::Time> read_start;
   };
   void MoverLoop(Mover& mover);
   // Mover threads: DiskTier::Sync when T2 has unsynced writes, no other mover syncs and
@@ -255,7 +267,14 @@ class KvTiers {
   void SyncIfDue(bool force);
   bool UnsyncedLocked() const;  // under mu_: unsynced writes and no sync running
   void RunStore(const Job& job, Mover& mover, SlotBuffer& buffer);
-  void RunLoad(const Job& job, Mover& mover, SlotBuffer& buffer);
+  // A load from T1: one copy.
+  void RunHostLoad(const Job& job, Mover& mover);
+  // Loads from T2, `first` and those queued behind it, up to disk_read_depth read at once,
+  // each verified and copied as its read ends.
+  void RunDiskLoads(const Job& first, Mover& mover);
+  void FinishDiskLoad(size_t buffer, int64_t read, Mover& mover);
+  // The mover's ReadQueue and read buffers, at its start; pinned beside a cuda pool.
+  void MakeReadBuffers(Mover& mover);
   // The 2 x num_layers runs of `block` in the pool, in a slot's data order.
   void RunsOf(BlockId block, std::vector<PoolCopier::Run>* runs) const;
   void Post(Result result);
@@ -308,6 +327,7 @@ class KvTiers {
   bool syncing_ = false;
   std::chrono::steady_clock::time_point next_sync_{};
   std::atomic<bool> sync_error_logged_{false};
+  std::atomic<bool> read_queue_logged_{false};
 };
 
 }  // namespace kvcm::cache_manager::tiers

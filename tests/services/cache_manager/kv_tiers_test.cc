@@ -232,6 +232,74 @@ TEST_F(KvTiersTest, FlippedByteOnDiskIsRefusedAndDropped) {
   EXPECT_EQ(LoadAndWait(*tiers, 6, 3, HashOf(0)).kind, Done::Kind::kLoaded);
 }
 
+// A request's loads from the disk tier in one Flush, up to disk_read_depth read at once by
+// the one mover: each block verified alone, a damaged slot and a truncated one refused by
+// reason among loads that succeed, every good block's bytes exact.
+class KvTiersReadDepthTest : public KvTiersTest, public ::testing::WithParamInterface<int32_t> {};
+
+TEST_P(KvTiersReadDepthTest, LoadsReadTogetherAreEachVerified) {
+  TierOptions options = env_.Options(0, /*disk_slots=*/8);
+  options.disk_read_depth = GetParam();
+  auto tiers = env_.MakeTiers(options);
+  ASSERT_NE(tiers, nullptr);
+  // Block i in slot i (the lowest free slot first): 8 slots in 4 files, 2 in each.
+  std::vector<std::vector<uint8_t>> bytes;
+  for (int i = 0; i < 8; ++i) {
+    bytes.push_back(StoreAndWait(*tiers, 0, HashOf(i), kSeed + static_cast<uint64_t>(i)));
+  }
+  FlipByte(env_.disk_dir() + "/tier-1.kvcm", 4096 + 17);  // slot 2's data
+  // File 3 cut 100 bytes into its second slot: slot 6 whole, slot 7 read short.
+  ASSERT_EQ(::truncate((env_.disk_dir() + "/tier-3.kvcm").c_str(),
+                       static_cast<off_t>(testenv::kDiskSlotBytes + 100)),
+            0);
+  for (BlockId b = 1; b < 8; ++b) env_.ClearBlock(b);
+  for (int i = 1; i < 8; ++i) tiers->Load(static_cast<uint64_t>(100 + i), i, HashOf(i));
+  tiers->Flush();
+  std::map<uint64_t, Done> results;
+  PollTill(*tiers, [&] {
+    for (const Done& d : done_) {
+      if (d.ticket >= 100 && d.kind != Done::Kind::kReleased) results[d.ticket] = d;
+    }
+    return results.size() == 7;
+  });
+  for (int i = 1; i < 8; ++i) {
+    const Done& d = results[static_cast<uint64_t>(100 + i)];
+    EXPECT_EQ(d.block, i);
+    EXPECT_EQ(d.tier, Tier::kDisk);
+    if (i == 2 || i == 7) {
+      EXPECT_EQ(d.kind, Done::Kind::kLoadFailed) << "block " << i;
+      continue;
+    }
+    EXPECT_EQ(d.kind, Done::Kind::kLoaded) << "block " << i;
+    EXPECT_EQ(env_.ReadBlock(i), bytes[static_cast<size_t>(i)]) << "block " << i;
+  }
+  const TierSnapshot s = tiers->Snapshot();
+  EXPECT_EQ(s.counters.refused[static_cast<size_t>(Refusal::kChecksum)], 1u);
+  EXPECT_EQ(s.counters.refused[static_cast<size_t>(Refusal::kTruncated)], 1u);
+  EXPECT_EQ(s.counters.load_failures, 2u);
+  EXPECT_EQ(s.counters.loaded[1], 5u);
+  EXPECT_EQ(s.ready[1], 6);  // the two refused slots left the index
+  const BlockHash two[] = {HashOf(2)};
+  EXPECT_EQ(tiers->LeadingReady(two), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Depths, KvTiersReadDepthTest, ::testing::Values(1, 4),
+                         [](const ::testing::TestParamInfo<int32_t>& param) {
+                           return absl::StrCat("Depth", param.param);
+                         });
+
+TEST_F(KvTiersTest, ReadDepthOutOfRangeIsRefusedNamingTheFlag) {
+  TierOptions options = env_.Options(0, 8);
+  for (const int32_t depth : {0, 65}) {
+    options.disk_read_depth = depth;
+    const absl::Status s = CheckTierOptions(options);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << depth;
+    EXPECT_THAT(s.message(), ::testing::HasSubstr("--disk-tier-read-depth")) << depth;
+  }
+  options.disk_read_depth = 64;
+  EXPECT_THAT(CheckTierOptions(options), IsOk());
+}
+
 TEST_F(KvTiersTest, RestartRecoversTheDiskTier) {
   std::vector<std::vector<uint8_t>> bytes;
   {
