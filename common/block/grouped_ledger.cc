@@ -101,6 +101,18 @@ bool GroupedLedger::GroupServes(int32_t group, int32_t hit) const {
   return true;
 }
 
+AllocateOptions GroupedLedger::OneWindowHit(int32_t num_tokens,
+                                            std::span<const BlockHash> block_hashes) const {
+  DeriveHashes(block_hashes);  // group 0's hashes are the caller's
+  // A hit never covers the last prompt token (its logits must be computed).
+  const int32_t matchable = std::min(static_cast<int32_t>(block_hashes.size()),
+                                     num_tokens > 0 ? (num_tokens - 1) / block_size() : 0);
+  const int32_t hit = CommonHit(matchable);
+  const int32_t released = ReleasedAt(options_.group_windows[0], hit);
+  return AllocateOptions{
+      .window_tokens = -1, .released_blocks = released, .max_hit_blocks = hit - released};
+}
+
 int32_t GroupedLedger::CommonHit(int32_t matchable) const {
   // Full groups bound the hit from the left.
   int32_t hit = matchable;
@@ -169,6 +181,13 @@ absl::StatusOr<GroupedLedger::Plan> GroupedLedger::PlanAllocate(
 
 absl::StatusOr<AdmissionPlan> GroupedLedger::CanAllocate(
     SeqId seq, int32_t num_tokens, std::span<const BlockHash> block_hashes) const {
+  if (OneWindowGroup()) {
+    const AllocateOptions hit = OneWindowHit(num_tokens, block_hashes);
+    absl::StatusOr<AdmissionPlan> plan = pool_.CanAllocate(seq, num_tokens, block_hashes, hit);
+    // The hit counts the leading blocks it lies past too, as Allocate's cached tokens do.
+    if (plan.ok()) plan->prefix_hit_blocks += hit.released_blocks;
+    return plan;
+  }
   if (num_groups() == 1) return pool_.CanAllocate(seq, num_tokens, block_hashes);
   absl::StatusOr<Plan> plan = PlanAllocate(seq, num_tokens, block_hashes);
   if (!plan.ok()) return plan.status();
@@ -182,6 +201,10 @@ absl::StatusOr<AdmissionPlan> GroupedLedger::CanAllocate(
 
 int32_t GroupedLedger::ReusableBlocks(int32_t num_tokens,
                                       std::span<const BlockHash> block_hashes) const {
+  if (OneWindowGroup()) {
+    const AllocateOptions hit = OneWindowHit(num_tokens, block_hashes);
+    return hit.released_blocks + hit.max_hit_blocks;
+  }
   if (num_groups() == 1) return pool_.ReusableBlocks(num_tokens, block_hashes);
   if (num_tokens <= 0) return 0;
   DeriveHashes(block_hashes);
@@ -191,7 +214,7 @@ int32_t GroupedLedger::ReusableBlocks(int32_t num_tokens,
 }
 
 int32_t GroupedLedger::Lookup(std::span<const BlockHash> block_hashes) const {
-  if (num_groups() == 1) return pool_.Lookup(block_hashes);
+  if (num_groups() == 1 && !OneWindowGroup()) return pool_.Lookup(block_hashes);
   DeriveHashes(block_hashes);
   return CommonHit(static_cast<int32_t>(block_hashes.size()));
 }
@@ -255,7 +278,10 @@ absl::Status GroupedLedger::Allocate(SeqId seq, int32_t num_tokens,
                                      GroupedTables* result) {
   result->groups.resize(static_cast<size_t>(num_groups()));
   if (num_groups() == 1) {
-    absl::Status status = pool_.Allocate(seq, num_tokens, block_hashes, &scratch_);
+    absl::Status status = OneWindowGroup()
+                              ? pool_.Allocate(seq, num_tokens, block_hashes,
+                                               OneWindowHit(num_tokens, block_hashes), &scratch_)
+                              : pool_.Allocate(seq, num_tokens, block_hashes, &scratch_);
     if (!status.ok()) return status;
     result->groups[0] = scratch_.blocks;
     result->num_cached_tokens = scratch_.num_cached_tokens;
@@ -273,6 +299,10 @@ absl::Status GroupedLedger::Allocate(SeqId seq, int32_t num_tokens,
                                      std::span<const BlockHash> block_hashes,
                                      AllocateResult* result, std::vector<BlockId>* group_blocks) {
   group_blocks->clear();
+  if (OneWindowGroup()) {
+    return pool_.Allocate(seq, num_tokens, block_hashes, OneWindowHit(num_tokens, block_hashes),
+                          result);
+  }
   if (num_groups() == 1) return pool_.Allocate(seq, num_tokens, block_hashes, result);
   absl::Status status = AllocateGroups(seq, num_tokens, block_hashes, [&](int32_t g) {
     if (g == 0) {

@@ -92,8 +92,10 @@ class GroupedLedger {
   // BlockLedger's calls, for every group at once; errors as BlockLedger's, for `seq`.
   //
   // With one group every call is the pool's own, on the caller's sequence ids and hashes:
-  // a GroupedLedger of one group is a BlockLedger, at the same cost. With more, sequence
-  // calls fan out to every group's pool sequence and block calls go to the pool.
+  // a GroupedLedger of one group is a BlockLedger, at the same cost; but one group under a
+  // window (every layer windowed, as Mistral 7B v0.1's) has its prefix hits matched from the
+  // right as any window group's (Allocate, CanAllocate, Lookup, ReusableBlocks). With more,
+  // sequence calls fan out to every group's pool sequence and block calls go to the pool.
   absl::Status Allocate(SeqId seq, int32_t num_tokens, std::span<const BlockHash> block_hashes,
                         GroupedTables* result);
   // The same, as a Step reply carries it: group 0's table in `result`, groups 1..'s tables
@@ -195,6 +197,11 @@ class GroupedLedger {
   int32_t CommonHit(int32_t matchable) const;
   // Leading blocks a group of `window` tokens no longer reads once `hit` blocks are cached.
   int32_t ReleasedAt(int32_t window, int32_t hit) const;
+  // One group, under a window: its prefix hits are matched from the right.
+  bool OneWindowGroup() const { return num_groups() == 1 && options_.group_windows[0] > 0; }
+  // With OneWindowGroup(): how Allocate(_, num_tokens, block_hashes) shares the pool's
+  // cached blocks: past the leading blocks its hit no longer reads, the hit.
+  AllocateOptions OneWindowHit(int32_t num_tokens, std::span<const BlockHash> block_hashes) const;
   // Blocks [released, hit) of group g are in the pool's prefix index.
   bool GroupServes(int32_t group, int32_t hit) const;
   // The plan of an Allocate over every group: new blocks, and the cached ones it reuses.

@@ -280,6 +280,57 @@ TEST(GroupedLedgerTest, AWindowGroupsHitSurvivesTheEvictionOfItsOldBlocks) {
   EXPECT_TRUE(ledger.CheckInvariants().ok()) << ledger.CheckInvariants();
 }
 
+// One group under a window (every layer windowed, Mistral 7B v0.1's shape): the pool's own
+// sequences, but its hits matched from the right as a window group's, so that a prompt whose
+// oldest blocks were evicted still finds the blocks of its last window.
+TEST(GroupedLedgerTest, OneWindowGroupsHitSurvivesTheEvictionOfItsOldBlocks) {
+  GroupedLedger::Options one;
+  one.pool = PoolOptions(20);
+  one.pool.sliding_window_tokens = 32;  // no group windows: one group of the pool's window
+  one.hash_algorithm = HashAlgorithm::kSha256;
+  absl::StatusOr<GroupedLedger> created = GroupedLedger::Create(one);
+  ASSERT_TRUE(created.ok()) << created.status();
+  GroupedLedger& ledger = *created;
+  const CachedPrompt prompt = CacheOnePrompt(ledger);
+  // The commit at 139 released blocks 0..5 (it reads from token 108): they lead the eviction
+  // order, then 6 and 7 from the free. 8 cached, 12 free: a filler of 18 blocks evicts 0..5.
+  GroupedTables filler;
+  ASSERT_TRUE(ledger.Allocate(99, 288, {}, &filler).ok());
+  ASSERT_TRUE(ledger.Free(99).ok());
+  EXPECT_EQ(ledger.pool().Lookup(prompt.hashes), 0);  // from the left: nothing
+  // From the right: at token 128 the first computed query reads from token 97, blocks 6, 7.
+  EXPECT_EQ(ledger.Lookup(prompt.hashes), 8);
+  EXPECT_EQ(ledger.ReusableBlocks(140, prompt.hashes), 8);
+  const absl::StatusOr<AdmissionPlan> plan = ledger.CanAllocate(2, 140, prompt.hashes);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->prefix_hit_blocks, 8);
+  EXPECT_EQ(plan->blocks_needed, 1);  // the block of the prompt's last tokens
+  GroupedTables tables;
+  ASSERT_TRUE(ledger.Allocate(2, 140, prompt.hashes, &tables).ok());
+  EXPECT_EQ(tables.num_cached_tokens, 128);
+  ASSERT_EQ(tables.groups.size(), 1u);
+  ASSERT_EQ(tables.groups[0].size(), 9u);
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(tables.groups[0][i], kNoBlock) << i;
+  EXPECT_EQ(tables.groups[0][6], prompt.first.groups[0][6]);
+  EXPECT_EQ(tables.groups[0][7], prompt.first.groups[0][7]);
+  EXPECT_TRUE(ledger.pool().IsLive(2));  // the caller's id, in the pool itself
+  EXPECT_EQ(ledger.Stats().prefix_hit_tokens, 128u);
+  // Decoding on releases as before; the second Allocate form finds the same hit.
+  ASSERT_TRUE(ledger.Commit(2, 140).ok());
+  AppendResult appended;
+  std::vector<BlockId> group_blocks;
+  ASSERT_TRUE(ledger.Append(2, 20, &appended, &group_blocks).ok());
+  ASSERT_TRUE(ledger.Commit(2, 160).ok());
+  EXPECT_EQ((*ledger.BlockTable(2))[6], kNoBlock);  // 160 - 32 + 1 = 129: blocks 0..7 passed
+  AllocateResult again;
+  ASSERT_TRUE(ledger.Allocate(3, 140, prompt.hashes, &again, &group_blocks).ok());
+  EXPECT_EQ(again.num_cached_tokens, 128);
+  EXPECT_TRUE(group_blocks.empty());
+  ASSERT_TRUE(ledger.Free(2).ok());
+  ASSERT_TRUE(ledger.Free(3).ok());
+  EXPECT_TRUE(ledger.CheckInvariants().ok()) << ledger.CheckInvariants();
+}
+
 TEST(GroupedLedgerTest, AWindowGroupWithoutItsLastBlocksBoundsTheHit) {
   // The window group first: its blocks reach the eviction order before the full group's.
   GroupedLedger ledger = MakeGrouped(20, {32, 0});

@@ -94,7 +94,11 @@ class SlidingWindowStackTest : public RouterStackTest {
 
 TEST_F(SlidingWindowStackTest, EveryAnswerIsTheModelsOwnAndBlocksBehindTheWindowAreReleased) {
   ASSERT_NO_FATAL_FAILURE(StartWindowedStack(/*num_blocks=*/256, {"--sliding-window-tokens", "6"}));
-  const std::vector<std::string> texts = Prompts(4);
+  // Prompts that differ from their first block on: a prefix hit would start a sequence with
+  // its leading blocks never held (matched from the right), which no release then counts,
+  // and whether one hits depends on when each request arrives.
+  std::vector<std::string> texts;
+  for (const std::string& text : Prompts(4)) texts.push_back(text.substr(text.size() - 1) + text);
   std::unique_ptr<Requests> requests = StartRequests(texts, 24);
   requests->Join();
   ExpectReferenceAnswers(*requests, texts, 24);
@@ -118,6 +122,37 @@ TEST_F(SlidingWindowStackTest, ARepeatedPromptHitsThePrefixCacheAndGivesTheSameT
   // prefix cache, not dropped): all but the block of the prompt's last token.
   const double cached = RouterMetric("kvcm_router_prompt_tokens_total", {{"source", "cached"}});
   std::printf("cached prompt tokens: %.0f\n", cached);
+  EXPECT_GE(cached, 36);
+  EXPECT_TRUE(AwaitNoBlockInUse());
+  ExpectWhole(Stats());
+}
+
+TEST_F(SlidingWindowStackTest, APromptWhoseOldestBlocksWereEvictedStillHitsItsLastWindow) {
+  // 24 blocks of 4 tokens. The first request leaves its blocks cached, those behind its
+  // window oldest in the eviction order; a second, unrelated one needs more than the free
+  // blocks and evicts the oldest of them, so the first prompt's leading blocks are gone.
+  // Its repeat still finds the blocks of the window before its last token (a window's
+  // prefix hit is matched from the right), and gives the same tokens.
+  ASSERT_NO_FATAL_FAILURE(StartWindowedStack(/*num_blocks=*/24, {"--sliding-window-tokens", "6"}));
+  const std::string text = Prompts(1)[0];
+  const std::string other = "quite another prompt, sharing no prefix at all";
+  for (const std::string& prompt : {text, other}) {
+    absl::StatusOr<HttpResponse> reply = HttpPost(url_ + "/generate", GenerateBody(prompt, 12));
+    ASSERT_TRUE(reply.ok() && reply->status == 200) << prompt;
+    EXPECT_EQ(TokenIds(reply->body), Reference(prompt, 12)) << prompt;
+  }
+  const double evicted = ManagerMetric("kvcm_cache_block_evictions_total");
+  std::printf("blocks evicted by the second prompt: %.0f\n", evicted);
+  ASSERT_GE(evicted, 1) << "the second prompt must evict the first one's oldest block";
+  const double cached_before =
+      RouterMetric("kvcm_router_prompt_tokens_total", {{"source", "cached"}});
+  absl::StatusOr<HttpResponse> reply = HttpPost(url_ + "/generate", GenerateBody(text, 12));
+  ASSERT_TRUE(reply.ok() && reply->status == 200);
+  EXPECT_EQ(TokenIds(reply->body), Reference(text, 12));
+  const double cached =
+      RouterMetric("kvcm_router_prompt_tokens_total", {{"source", "cached"}}) - cached_before;
+  std::printf("cached prompt tokens of the repeat: %.0f\n", cached);
+  // All but the block of the prompt's last token; matched from the left it would be 0.
   EXPECT_GE(cached, 36);
   EXPECT_TRUE(AwaitNoBlockInUse());
   ExpectWhole(Stats());
