@@ -533,8 +533,8 @@ void KvTiers::MoverLoop(Mover& mover) {
   }
   SyncIfDue(/*force=*/true);  // a clean stop leaves nothing unsynced
   if (pinned) UnpinForDevice(backend, buffer.slot());
-  for (const std::unique_ptr<SlotBuffer>& read : mover.read_buffers) {
-    if (pinned) UnpinForDevice(backend, read->slot());
+  for (size_t i = 0; i < mover.read_buffers.size(); ++i) {
+    if (mover.read_pinned[i]) UnpinForDevice(backend, mover.read_buffers[i]->slot());
   }
 }
 
@@ -549,7 +549,9 @@ void KvTiers::MakeReadBuffers(Mover& mover) {
   const PoolBackend backend = pool_.memory->backend();
   for (uint32_t i = 0; i < depth; ++i) {
     mover.read_buffers.push_back(std::make_unique<SlotBuffer>(disk_->slot_bytes()));
-    (void)PinForDevice(backend, mover.read_buffers.back()->slot(), disk_->slot_bytes());
+    // As the store buffer: a buffer left unpinned only makes its copies slower.
+    mover.read_pinned.push_back(
+        PinForDevice(backend, mover.read_buffers.back()->slot(), disk_->slot_bytes()).ok());
   }
   mover.reading.resize(depth);
   mover.read_start.resize(depth);

@@ -258,7 +258,8 @@ class KvTiers {
     std::vector<PoolCopier::Run> runs;  // a block's runs, reused
     std::unique_ptr<ReadQueue> reads;
     std::vector<std::unique_ptr<SlotBuffer>> read_buffers;
-    std::vector<Job> reading;  // by read buffer: the load it reads for
+    std::vector<bool> read_pinned;  // by read buffer: page-locked beside a cuda pool
+    std::vector<Job> reading;       // by read buffer: the load it reads for
     std::vector<absl::Time> read_start;
   };
   void MoverLoop(Mover& mover);
