@@ -503,6 +503,11 @@ absl::StatusOr<EventSnapshot> CacheManagerClient::Snapshot() {
 }
 
 absl::StatusOr<PoolDescriptorInfo> CacheManagerClient::DescribePool() {
+  KVCM_ASSIGN_OR_RETURN(CheckedPool checked, DescribeCheckedPool());
+  return std::move(checked.descriptor);
+}
+
+absl::StatusOr<CacheManagerClient::CheckedPool> CacheManagerClient::DescribeCheckedPool() {
   flatbuffers::FlatBufferBuilder builder(128);
   const auto attach = wire::CreateAttach(builder);
   KVCM_ASSIGN_OR_RETURN(Reply reply, Call(builder, wire::Message::Attach, attach.Union(),
@@ -511,20 +516,19 @@ absl::StatusOr<PoolDescriptorInfo> CacheManagerClient::DescribePool() {
       DecodeAttachReply(PayloadAs<wire::AttachReply>(reply.envelope));
   if (!descriptor.ok()) return ProtocolError(descriptor.status().message());
   const SessionInfo current = session();
-  KVCM_RETURN_IF_ERROR(CheckPoolDescriptor(*descriptor, current.num_blocks).status());
+  KVCM_ASSIGN_OR_RETURN(PoolView view, CheckPoolDescriptor(*descriptor, current.num_blocks));
   if (descriptor->epoch != current.epoch) {
     return ProtocolError(absl::StrCat("pool descriptor of epoch ", descriptor->epoch,
                                       " in session of epoch ", current.epoch));
   }
-  return descriptor;
+  return CheckedPool{*std::move(descriptor), view};
 }
 
 absl::StatusOr<AttachedPool> CacheManagerClient::Attach() {
-  KVCM_ASSIGN_OR_RETURN(const PoolDescriptorInfo described, DescribePool());
-  const PoolDescriptorInfo* descriptor = &described;  // as the lines below read it
-  const SessionInfo current = session();
+  KVCM_ASSIGN_OR_RETURN(CheckedPool checked, DescribeCheckedPool());
+  const PoolDescriptorInfo* descriptor = &checked.descriptor;  // as the lines below read it
   AttachedPool attached;
-  KVCM_ASSIGN_OR_RETURN(attached.view, CheckPoolDescriptor(*descriptor, current.num_blocks));
+  attached.view = checked.view;
   PoolView& pool = attached.view;
   const uint64_t total_bytes = static_cast<uint64_t>(pool.layout.total_bytes);
   if (pool.backend == PoolBackend::kShm) {

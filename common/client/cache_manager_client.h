@@ -354,9 +354,17 @@ class CacheManagerClient {
     const wire::Envelope* envelope = nullptr;
   };
 
+  // The pool's descriptor and the values CheckPoolDescriptor took from it, checked once.
+  struct CheckedPool {
+    PoolDescriptorInfo descriptor;
+    PoolView view;
+  };
+
   explicit CacheManagerClient(Options options);
 
   absl::Status Register();
+  // DescribePool() with the checked view, which Attach() maps.
+  absl::StatusOr<CheckedPool> DescribeCheckedPool();
   absl::Status StartHeartbeats();
   // Stops and joins the thread; with `finish_pending`, it first waits (at most a call
   // timeout) for the reply to a heartbeat in flight.

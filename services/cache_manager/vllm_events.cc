@@ -41,14 +41,26 @@ void PackFloat64(StringBuffer& buffer, double value) {
   buffer.write(bytes, sizeof(bytes));
 }
 
+// The head of a BlockStored or BlockRemoved map of `fields` entries: its type and hashes.
+void PackMapHead(msgpack::packer<StringBuffer>& packer, uint32_t fields, std::string_view type,
+                 const VllmEvent& event) {
+  packer.pack_map(fields);
+  PackString(packer, "type");
+  PackString(packer, type);
+  PackString(packer, "block_hashes");
+  PackHashes(packer, event.block_hashes);
+}
+
+// vLLM's group_idx, which BlockStored and BlockRemoved both carry for a hybrid model.
+void PackGroupIndex(msgpack::packer<StringBuffer>& packer, const VllmGroup& group) {
+  PackString(packer, "group_idx");
+  packer.pack_int32(group.index);
+}
+
 // A BlockStored map; with a group, vLLM's group fields after the others (vllm_events.h).
 void PackStored(msgpack::packer<StringBuffer>& packer, const VllmEvent& event,
                 const VllmStreamInfo& info) {
-  packer.pack_map(event.group.has_value() ? 12 : 8);
-  PackString(packer, "type");
-  PackString(packer, "BlockStored");
-  PackString(packer, "block_hashes");
-  PackHashes(packer, event.block_hashes);
+  PackMapHead(packer, event.group.has_value() ? 12 : 8, "BlockStored", event);
   PackString(packer, "parent_block_hash");
   if (event.parent_block_hash.has_value()) {
     packer.pack_uint64(*event.parent_block_hash);
@@ -69,8 +81,7 @@ void PackStored(msgpack::packer<StringBuffer>& packer, const VllmEvent& event,
   if (!event.group.has_value()) return;
   PackString(packer, "extra_keys");
   packer.pack_nil();
-  PackString(packer, "group_idx");
-  packer.pack_int32(event.group->index);
+  PackGroupIndex(packer, *event.group);
   PackString(packer, "kv_cache_spec_kind");
   PackString(packer, event.group->window > 0 ? "sliding_window" : "full_attention");
   PackString(packer, "kv_cache_spec_sliding_window");
@@ -128,17 +139,10 @@ void EncodeVllmBatch(double timestamp, std::span<const VllmEvent> events,
         PackStored(packer, event, info);
         break;
       case VllmEvent::Kind::kBlockRemoved:
-        packer.pack_map(event.group.has_value() ? 4 : 3);
-        PackString(packer, "type");
-        PackString(packer, "BlockRemoved");
-        PackString(packer, "block_hashes");
-        PackHashes(packer, event.block_hashes);
+        PackMapHead(packer, event.group.has_value() ? 4 : 3, "BlockRemoved", event);
         PackString(packer, "medium");
         PackString(packer, VllmMediumName(event.medium));
-        if (event.group.has_value()) {
-          PackString(packer, "group_idx");
-          packer.pack_int32(event.group->index);
-        }
+        if (event.group.has_value()) PackGroupIndex(packer, *event.group);
         break;
       case VllmEvent::Kind::kAllBlocksCleared:
         packer.pack_map(1);

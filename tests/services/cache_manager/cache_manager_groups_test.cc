@@ -7,13 +7,13 @@
 // --sliding-window-tokens 0 keeps the model in one table. Every test checks that the pool
 // is whole afterwards.
 
-#include <fstream>
 #include <string>
 #include <vector>
 
 #include "common/wire/step_codec.h"
 #include "gmock/gmock.h"
 #include "tests/services/cache_manager/live_cache_manager.h"
+#include "tests/support/mixed_model_config.h"
 #include "tests/support/status_matchers.h"
 
 namespace kvcm::live_test {
@@ -21,18 +21,6 @@ namespace {
 
 constexpr int32_t kWindow = 8;  // tokens; 2 blocks of kBlockSize
 constexpr int32_t kPages = 64;
-
-// A Qwen2-shaped config of 2 layers: layer 0 full attention, layer 1 a window of kWindow
-// (max_window_layers 1), each 2 KV heads of head dim 16 in fp16.
-std::string WriteMixedConfig(const std::string& dir) {
-  const std::string path = dir + "/config.json";
-  std::ofstream out(path);
-  out << R"({"model_type": "qwen2", "num_hidden_layers": 2, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "hidden_size": 64, "torch_dtype": "float16",
-            "use_sliding_window": true, "sliding_window": )"
-      << kWindow << R"(, "max_window_layers": 1})";
-  return path;
-}
 
 CacheManagerOptions MixedOptions(const std::string& config) {
   CacheManagerOptions options;
@@ -59,7 +47,8 @@ std::vector<BlockHash> Hashes(int32_t n) {
 TEST(CacheManagerGroupsTest, AMixedModelGetsAGroupPerAttentionType) {
   auto dir = kvcm::testing::TempDir::Create("kvcm-groups");
   ASSERT_THAT(dir, IsOk());
-  auto manager = CacheManagerProcess::Start(MixedOptions(WriteMixedConfig(dir->path())));
+  auto manager = CacheManagerProcess::Start(
+      MixedOptions(testing::WriteMixedModelConfig(dir->path(), kWindow)));
   ASSERT_THAT(manager, IsOk());
   EXPECT_NE((*manager)->Output().find("KV cache groups"), std::string::npos)
       << (*manager)->Output();
@@ -140,7 +129,8 @@ TEST(CacheManagerGroupsTest, AMixedModelGetsAGroupPerAttentionType) {
 TEST(CacheManagerGroupsTest, CanAllocateCountsEveryGroupsBlocks) {
   auto dir = kvcm::testing::TempDir::Create("kvcm-groups");
   ASSERT_THAT(dir, IsOk());
-  auto manager = CacheManagerProcess::Start(MixedOptions(WriteMixedConfig(dir->path())));
+  auto manager = CacheManagerProcess::Start(
+      MixedOptions(testing::WriteMixedModelConfig(dir->path(), kWindow)));
   ASSERT_THAT(manager, IsOk());
   auto router = Connect(**manager);
   ASSERT_NE(router, nullptr);
@@ -165,7 +155,7 @@ TEST(CacheManagerGroupsTest, CanAllocateCountsEveryGroupsBlocks) {
 TEST(CacheManagerGroupsTest, SlidingWindowZeroKeepsOneTable) {
   auto dir = kvcm::testing::TempDir::Create("kvcm-groups");
   ASSERT_THAT(dir, IsOk());
-  CacheManagerOptions options = MixedOptions(WriteMixedConfig(dir->path()));
+  CacheManagerOptions options = MixedOptions(testing::WriteMixedModelConfig(dir->path(), kWindow));
   options.extra_args.insert(options.extra_args.end(), {"--sliding-window-tokens", "0"});
   auto manager = CacheManagerProcess::Start(options);
   ASSERT_THAT(manager, IsOk());
@@ -197,7 +187,7 @@ TEST(CacheManagerGroupsTest, SlidingWindowZeroKeepsOneTable) {
 TEST(CacheManagerGroupsTest, FeaturesWithoutGroupsAreRefusedByTheirFlags) {
   auto dir = kvcm::testing::TempDir::Create("kvcm-groups");
   ASSERT_THAT(dir, IsOk());
-  const std::string config = WriteMixedConfig(dir->path());
+  const std::string config = testing::WriteMixedModelConfig(dir->path(), kWindow);
   const std::vector<std::vector<std::string>> cases = {
       {"--host-tier-bytes", "1MiB"},
       {"--disk-tier-dir", dir->path() + "/disk", "--disk-tier-bytes", "1MiB"},

@@ -542,12 +542,8 @@ struct GroupedFixture {
   }
   static std::vector<BlockHash> ChainHashes(const std::vector<int32_t>& tokens) {
     std::vector<BlockHash> hashes;
-    BlockHash parent = RootHash(kDefaultHashAlgorithm, "");
-    for (size_t i = 0; i + kBlockSize <= tokens.size(); i += kBlockSize) {
-      parent = ChainBlockHash(kDefaultHashAlgorithm, parent,
-                              std::span<const int32_t>(tokens).subspan(i, kBlockSize));
-      hashes.push_back(parent);
-    }
+    HashFullBlocks(kDefaultHashAlgorithm, RootHash(kDefaultHashAlgorithm, ""), tokens, kBlockSize,
+                   &hashes);
     return hashes;
   }
   static std::vector<uint64_t> Ids(const std::vector<BlockHash>& hashes) {

@@ -7,7 +7,6 @@
 
 #include <csignal>
 #include <cstdio>
-#include <fstream>
 #include <random>
 #include <set>
 #include <string>
@@ -28,6 +27,7 @@
 #include "tests/support/cache_manager_process.h"
 #include "tests/support/http_client.h"
 #include "tests/support/metrics_text.h"
+#include "tests/support/mixed_model_config.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/vllm_event_reader.h"
 #include "tests/support/wait_for.h"
@@ -87,12 +87,8 @@ std::unique_ptr<CacheManagerClient> ConnectRouter(const CacheManagerProcess& pro
 // The chained hashes of the full blocks of `tokens`, as a router computes them.
 std::vector<BlockHash> Hashes(const std::vector<int32_t>& tokens) {
   std::vector<BlockHash> hashes;
-  BlockHash parent = RootHash(kDefaultHashAlgorithm, "");
-  for (size_t i = 0; i + kBlockSize <= tokens.size(); i += kBlockSize) {
-    parent = ChainBlockHash(kDefaultHashAlgorithm, parent,
-                            std::span<const int32_t>(tokens).subspan(i, kBlockSize));
-    hashes.push_back(parent);
-  }
+  HashFullBlocks(kDefaultHashAlgorithm, RootHash(kDefaultHashAlgorithm, ""), tokens, kBlockSize,
+                 &hashes);
   return hashes;
 }
 
@@ -124,6 +120,22 @@ std::vector<int32_t> RandomTokens(std::mt19937& rng, int n) {
   std::vector<int32_t> tokens(static_cast<size_t>(n));
   for (int32_t& t : tokens) t = static_cast<int32_t>(rng() % 50000);
   return tokens;
+}
+
+// Runs a prompt of 3 full blocks and 2 tokens more (sequence 1, `first`), one sharing its
+// first 2 blocks (sequence 2, `second`), then `evicting` prompts of `evicting_tokens` each,
+// enough to evict everything.
+void RunSharedThenEvicting(CacheManagerClient& client, std::mt19937& rng, SeqId evicting,
+                           int evicting_tokens, std::vector<int32_t>* first,
+                           std::vector<int32_t>* second) {
+  *first = RandomTokens(rng, 14);
+  second->assign(first->begin(), first->begin() + 8);
+  for (int32_t t : RandomTokens(rng, 8)) second->push_back(t);
+  ASSERT_NO_FATAL_FAILURE(RunSequence(client, 1, *first));
+  ASSERT_NO_FATAL_FAILURE(RunSequence(client, 2, *second));
+  for (SeqId seq = 3; seq < 3 + evicting; ++seq) {
+    ASSERT_NO_FATAL_FAILURE(RunSequence(client, seq, RandomTokens(rng, evicting_tokens)));
+  }
 }
 
 std::vector<ReadVllmBatch> Replay(const Node& node, uint64_t from) {
@@ -171,16 +183,8 @@ TEST(VllmEventsProcessTest, StoredBlocksCarryTokensAndEvictionRemovesTheirIds) {
   ASSERT_NE(client, nullptr);
   EXPECT_TRUE(client->session().wants_commit_tokens);
 
-  // A prompt of 3 full blocks and 2 tokens more, then one that shares its first 2 blocks,
-  // then enough distinct ones to evict everything.
-  const std::vector<int32_t> first = RandomTokens(rng, 14);
-  std::vector<int32_t> second(first.begin(), first.begin() + 8);
-  for (int32_t t : RandomTokens(rng, 8)) second.push_back(t);
-  ASSERT_NO_FATAL_FAILURE(RunSequence(*client, 1, first));
-  ASSERT_NO_FATAL_FAILURE(RunSequence(*client, 2, second));
-  for (SeqId seq = 3; seq < 7; ++seq) {
-    ASSERT_NO_FATAL_FAILURE(RunSequence(*client, seq, RandomTokens(rng, 32)));
-  }
+  std::vector<int32_t> first, second;
+  ASSERT_NO_FATAL_FAILURE(RunSharedThenEvicting(*client, rng, 4, 32, &first, &second));
 
   const std::vector<ReadVllmBatch> batches = Replay(node, 0);
   ASSERT_FALSE(batches.empty());
@@ -520,18 +524,6 @@ TEST(VllmEventsProcessTest, ACommitWithTheWrongNumberOfTokensIsRefusedWhole) {
   EXPECT_EQ(batches[1].events[0].block_hashes, Ids(hashes));
 }
 
-// A model of a full-attention layer and a layer of a window of 2 blocks (Qwen2-shaped:
-// max_window_layers 1), written to `dir`/config.json.
-std::string WriteMixedConfig(const std::string& dir, int32_t window) {
-  const std::string path = dir + "/config.json";
-  std::ofstream out(path);
-  out << R"({"model_type": "qwen2", "num_hidden_layers": 2, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "hidden_size": 64, "torch_dtype": "float16",
-            "use_sliding_window": true, "sliding_window": )"
-      << window << R"(, "max_window_layers": 1})";
-  return path;
-}
-
 // A block of a group, as a consumer keys it: (group_idx, id).
 using GroupId = std::pair<int64_t, uint64_t>;
 
@@ -588,9 +580,12 @@ TEST(VllmEventsProcessTest, AGroupedPoolPublishesEveryGroupsBlocksUnderThePlainH
   options.kv_heads = 0;
   options.head_dim = 0;
   options.dtype = "";
-  options.extra_args = {
-      "--model-config",    WriteMixedConfig(dir->path(), kWindow), "--kv-events-endpoint",
-      "tcp://127.0.0.1:0", "--kv-events-replay-endpoint",          "tcp://127.0.0.1:0"};
+  options.extra_args = {"--model-config",
+                        testing::WriteMixedModelConfig(dir->path(), kWindow),
+                        "--kv-events-endpoint",
+                        "tcp://127.0.0.1:0",
+                        "--kv-events-replay-endpoint",
+                        "tcp://127.0.0.1:0"};
   auto process = CacheManagerProcess::Start(options);
   ASSERT_THAT(process, IsOk());
   auto line = (*process)->process().WaitForLine(
@@ -606,16 +601,9 @@ TEST(VllmEventsProcessTest, AGroupedPoolPublishesEveryGroupsBlocksUnderThePlainH
   EXPECT_TRUE(client->session().wants_commit_tokens);
   ASSERT_EQ(client->session().group_windows, (std::vector<int32_t>{0, kWindow}));
 
-  // A prompt of 3 full blocks and 2 tokens more (the window group releases its first block
-  // at the commit), one sharing its first 2 blocks, then enough to evict everything.
-  const std::vector<int32_t> first = RandomTokens(rng, 14);
-  std::vector<int32_t> second(first.begin(), first.begin() + 8);
-  for (int32_t t : RandomTokens(rng, 8)) second.push_back(t);
-  ASSERT_NO_FATAL_FAILURE(RunSequence(*client, 1, first));
-  ASSERT_NO_FATAL_FAILURE(RunSequence(*client, 2, second));
-  for (SeqId seq = 3; seq < 8; ++seq) {
-    ASSERT_NO_FATAL_FAILURE(RunSequence(*client, seq, RandomTokens(rng, 16)));
-  }
+  // The window group releases the first prompt's first block at its commit.
+  std::vector<int32_t> first, second;
+  ASSERT_NO_FATAL_FAILURE(RunSharedThenEvicting(*client, rng, 5, 16, &first, &second));
 
   const std::vector<ReadVllmBatch> batches = Replay(node, 0);
   ASSERT_FALSE(batches.empty());

@@ -123,22 +123,46 @@ class Gemma3RealModelTest : public RealModelTest {
   }
 };
 
+// What a bundled GGUF's metadata must give (both tie their embeddings).
+struct ExpectedShape {
+  int64_t layers, hidden, intermediate, heads, kv_heads, head_dim, vocab;
+  double rope_theta;
+  float rms_norm_eps;
+  int64_t max_positions;
+  int32_t bos, eos;
+};
+
+void ExpectShape(const LlamaConfig& c, const ExpectedShape& e) {
+  EXPECT_EQ(c.num_hidden_layers, e.layers);
+  EXPECT_EQ(c.hidden_size, e.hidden);
+  EXPECT_EQ(c.intermediate_size, e.intermediate);
+  EXPECT_EQ(c.num_attention_heads, e.heads);
+  EXPECT_EQ(c.num_key_value_heads, e.kv_heads);
+  EXPECT_EQ(c.head_dim, e.head_dim);
+  EXPECT_EQ(c.vocab_size, e.vocab);
+  EXPECT_TRUE(c.tie_word_embeddings);
+  EXPECT_DOUBLE_EQ(c.rope_theta, e.rope_theta);
+  EXPECT_FLOAT_EQ(c.rms_norm_eps, e.rms_norm_eps);
+  EXPECT_EQ(c.max_position_embeddings, e.max_positions);
+  EXPECT_EQ(c.bos_token_id, e.bos);
+  EXPECT_EQ(c.eos_token_ids, std::vector<int32_t>{e.eos});
+}
+
 TEST_P(RealModelTest, ConfigComesFromTheGgufMetadata) {
   const LlamaConfig& c = model_->config();
   std::printf("loaded: %s\n", c.ToString().c_str());
-  EXPECT_EQ(c.num_hidden_layers, 30);
-  EXPECT_EQ(c.hidden_size, 576);
-  EXPECT_EQ(c.intermediate_size, 1536);
-  EXPECT_EQ(c.num_attention_heads, 9);
-  EXPECT_EQ(c.num_key_value_heads, 3);
-  EXPECT_EQ(c.head_dim, 64);
-  EXPECT_EQ(c.vocab_size, 49152);
-  EXPECT_TRUE(c.tie_word_embeddings);
-  EXPECT_DOUBLE_EQ(c.rope_theta, 100000.0);
-  EXPECT_FLOAT_EQ(c.rms_norm_eps, 1e-5f);
-  EXPECT_EQ(c.max_position_embeddings, 8192);
-  EXPECT_EQ(c.bos_token_id, 1);
-  EXPECT_EQ(c.eos_token_ids, std::vector<int32_t>{2});
+  ExpectShape(c, {.layers = 30,
+                  .hidden = 576,
+                  .intermediate = 1536,
+                  .heads = 9,
+                  .kv_heads = 3,
+                  .head_dim = 64,
+                  .vocab = 49152,
+                  .rope_theta = 100000.0,
+                  .rms_norm_eps = 1e-5f,
+                  .max_positions = 8192,
+                  .bos = 1,
+                  .eos = 2});
   EXPECT_EQ(c.torch_dtype, "GGUF Q4_1");
 }
 
@@ -308,20 +332,19 @@ TEST_P(Gemma3RealModelTest, ConfigComesFromTheGgufMetadata) {
   const LlamaConfig& c = model_->config();
   std::printf("loaded: %s\n", c.ToString().c_str());
   EXPECT_EQ(c.architecture, "Gemma3ForCausalLM (GGUF gemma3)");
-  EXPECT_EQ(c.num_hidden_layers, 18);
-  EXPECT_EQ(c.hidden_size, 640);
-  EXPECT_EQ(c.intermediate_size, 2048);
-  EXPECT_EQ(c.num_attention_heads, 4);
-  EXPECT_EQ(c.num_key_value_heads, 1);
-  EXPECT_EQ(c.head_dim, 256);
-  EXPECT_EQ(c.vocab_size, 262144);
-  EXPECT_TRUE(c.tie_word_embeddings);
-  EXPECT_DOUBLE_EQ(c.rope_theta, 1e6);
+  ExpectShape(c, {.layers = 18,
+                  .hidden = 640,
+                  .intermediate = 2048,
+                  .heads = 4,
+                  .kv_heads = 1,
+                  .head_dim = 256,
+                  .vocab = 262144,
+                  .rope_theta = 1e6,
+                  .rms_norm_eps = 1e-6f,
+                  .max_positions = 32768,
+                  .bos = 2,
+                  .eos = 1});
   EXPECT_DOUBLE_EQ(c.local_rope_theta, 10000.0);
-  EXPECT_FLOAT_EQ(c.rms_norm_eps, 1e-6f);
-  EXPECT_EQ(c.max_position_embeddings, 32768);
-  EXPECT_EQ(c.bos_token_id, 2);
-  EXPECT_EQ(c.eos_token_ids, std::vector<int32_t>{1});
   // The norms are stored as 1 + w; the embeddings are scaled by sqrt(640) in fp32.
   EXPECT_EQ(c.norm_weight_offset, 0.0f);
   EXPECT_EQ(c.embedding_scale, static_cast<float>(std::sqrt(640.0)));
