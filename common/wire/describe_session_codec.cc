@@ -10,8 +10,10 @@ flatbuffers::Offset<wire::DescribeSessionReply> EncodeDescribeSessionReply(
   states.reserve(snapshot.sequences.size());
   for (const SequenceSnapshot& seq : snapshot.sequences) {
     const auto blocks = builder.CreateVector(seq.blocks);
+    flatbuffers::Offset<flatbuffers::Vector<int32_t>> group_blocks;
+    if (!seq.group_blocks.empty()) group_blocks = builder.CreateVector(seq.group_blocks);
     states.push_back(wire::CreateSequenceState(builder, seq.seq, seq.num_tokens,
-                                               seq.num_committed_tokens, blocks));
+                                               seq.num_committed_tokens, blocks, group_blocks));
   }
   const auto vector = builder.CreateVector(states);
   return wire::CreateDescribeSessionReply(builder, vector, snapshot.last_step_request_id);
@@ -29,6 +31,9 @@ SessionSnapshot DecodeDescribeSessionReply(const wire::DescribeSessionReply& rep
       seq.num_committed_tokens = state->num_committed_tokens();
       if (state->blocks() != nullptr) {
         seq.blocks.assign(state->blocks()->begin(), state->blocks()->end());
+      }
+      if (state->group_blocks() != nullptr) {
+        seq.group_blocks.assign(state->group_blocks()->begin(), state->group_blocks()->end());
       }
       out.sequences.push_back(std::move(seq));
     }

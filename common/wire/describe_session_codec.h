@@ -24,7 +24,10 @@ struct SequenceSnapshot {
   SeqId seq = 0;
   int32_t num_tokens = 0;
   int32_t num_committed_tokens = 0;
-  std::vector<BlockId> blocks;  // the block table
+  std::vector<BlockId> blocks;  // the block table (group 0's with KV cache groups)
+  // With KV cache groups: groups 1..'s tables one after another, each as long as `blocks`
+  // (kNoBlock where a window group released a block); empty without groups.
+  std::vector<BlockId> group_blocks;
   friend bool operator==(const SequenceSnapshot&, const SequenceSnapshot&) = default;
 };
 

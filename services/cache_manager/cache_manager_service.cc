@@ -831,12 +831,20 @@ void CacheManagerService::HandleDescribeSession(const wire::Envelope& envelope,
   snapshot.last_step_request_id = session.last_step_request_id;
   snapshot.sequences.reserve(seqs.size());
   for (SeqId seq : seqs) {
-    absl::StatusOr<std::vector<BlockId>> table = ledger_.BlockTable(seq);
+    absl::StatusOr<GroupedTables> tables = ledger_.BlockTables(seq);
     absl::StatusOr<int32_t> tokens = ledger_.NumTokens(seq);
     absl::StatusOr<int32_t> committed = ledger_.NumCommittedTokens(seq);
-    KVCM_CHECK(table.ok() && tokens.ok() && committed.ok())
+    KVCM_CHECK(tables.ok() && tokens.ok() && committed.ok())
         << "session " << session.id << " owns sequence " << seq << " unknown to the ledger";
-    snapshot.sequences.push_back({seq, *tokens, *committed, *std::move(table)});
+    SequenceSnapshot& described = snapshot.sequences.emplace_back();
+    described.seq = seq;
+    described.num_tokens = *tokens;
+    described.num_committed_tokens = *committed;
+    described.blocks = std::move(tables->groups[0]);
+    for (size_t g = 1; g < tables->groups.size(); ++g) {
+      described.group_blocks.insert(described.group_blocks.end(), tables->groups[g].begin(),
+                                    tables->groups[g].end());
+    }
   }
   auto payload = EncodeDescribeSessionReply(*reply, snapshot);
   FinishEnvelope(*reply, envelope.request_id(), session.id, options_.epoch,

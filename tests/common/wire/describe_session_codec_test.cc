@@ -21,19 +21,23 @@ TEST(DescribeSessionCodecTest, EverySequenceSurvivesInOrder) {
   SessionSnapshot snapshot;
   snapshot.last_step_request_id = (uint64_t{1} << 40) + 3;
   snapshot.sequences = {
-      {1, 40, 32, {5, 6, 7}},
-      {uint64_t{1} << 62, 17, 0, {}},
-      {9, 1, 1, {0}},
+      {1, 40, 32, {5, 6, 7}, {}},
+      {uint64_t{1} << 62, 17, 0, {}, {}},
+      {9, 1, 1, {0}, {}},
+      {10, 12, 8, {1, 2, 3}, {kNoBlock, 11, 12, kNoBlock, kNoBlock, 13}},  // 2 more groups
   };
   const SessionSnapshot decoded = RoundTrip(snapshot);
   EXPECT_EQ(decoded, snapshot);
-  ASSERT_EQ(decoded.sequences.size(), 3u);
+  ASSERT_EQ(decoded.sequences.size(), 4u);
   EXPECT_EQ(decoded.last_step_request_id, (uint64_t{1} << 40) + 3);
   EXPECT_EQ(decoded.sequences[0].blocks, (std::vector<BlockId>{5, 6, 7}));
   EXPECT_EQ(decoded.sequences[0].num_committed_tokens, 32);
   EXPECT_EQ(decoded.sequences[1].seq, uint64_t{1} << 62);
   EXPECT_EQ(decoded.sequences[1].num_tokens, 17);
   EXPECT_TRUE(decoded.sequences[1].blocks.empty());
+  EXPECT_TRUE(decoded.sequences[0].group_blocks.empty());  // no groups: none written
+  EXPECT_EQ(decoded.sequences[3].group_blocks,
+            (std::vector<BlockId>{kNoBlock, 11, 12, kNoBlock, kNoBlock, 13}));
 }
 
 TEST(DescribeSessionCodecTest, AnEmptySessionSurvives) {
@@ -48,7 +52,7 @@ TEST(DescribeSessionCodecTest, AbsentListsReadAsEmpty) {
   const SessionSnapshot decoded = DecodeDescribeSessionReply(
       *flatbuffers::GetRoot<wire::DescribeSessionReply>(builder.GetBufferPointer()));
   ASSERT_EQ(decoded.sequences.size(), 1u);
-  EXPECT_EQ(decoded.sequences[0], (SequenceSnapshot{4, 8, 2, {}}));
+  EXPECT_EQ(decoded.sequences[0], (SequenceSnapshot{4, 8, 2, {}, {}}));
   EXPECT_EQ(decoded.last_step_request_id, 6u);
 
   flatbuffers::FlatBufferBuilder empty;

@@ -7,6 +7,7 @@
 // --sliding-window-tokens 0 keeps the model in one table. Every test checks that the pool
 // is whole afterwards.
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -95,6 +96,15 @@ TEST(CacheManagerGroupsTest, AMixedModelGetsAGroupPerAttentionType) {
   EXPECT_EQ(stats->in_use_blocks, 12);
   EXPECT_EQ(stats->cached_blocks, 8);
   ExpectWhole(*stats);
+  // DescribeSession reports both tables, the window group's released entries as -1.
+  auto described = router->DescribeSession();
+  ASSERT_THAT(described, IsOk());
+  ASSERT_EQ(described->sequences.size(), 1u);
+  EXPECT_EQ(described->sequences[0].num_committed_tokens, 40);
+  EXPECT_EQ(described->sequences[0].blocks, (*allocated)[0].blocks);
+  std::vector<BlockId> window_table = (*allocated)[0].group_blocks;
+  std::fill(window_table.begin(), window_table.begin() + 8, kNoBlock);
+  EXPECT_EQ(described->sequences[0].group_blocks, window_table);
 
   // The same prompt again hits in both groups: up to the block of its last token.
   step.Clear();
