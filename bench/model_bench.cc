@@ -46,8 +46,8 @@
 #include "common/base/check.h"
 #include "common/memory/pool_layout.h"
 #include "kernels/matmul_cpu.h"
-#include "services/executor/llama_model.h"
-#include "services/executor/sampler.h"
+#include "services/executor/model/llama_model.h"
+#include "services/executor/model/sampler.h"
 #include "tests/support/real_model.h"
 #include "tests/support/subprocess.h"
 

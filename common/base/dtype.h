@@ -1,7 +1,7 @@
 #pragma once
 // DType: the element type of a tensor, the one enum for KV-cache blocks
 // (common/sizing/kv_cache_spec.h), the kernels' paged K/V (kernels/paged_kv.h) and the CUDA
-// model's weight matrices (services/executor/llama_model_cuda_kernels.h).
+// model's weight matrices (services/executor/model/llama_model_cuda_kernels.h).
 //
 // This header is C++17 and includes no Abseil and no generated code: nvcc compiles the .cu
 // files that include it as C++17. DTypeName and ParseDType, which need Abseil or a library,

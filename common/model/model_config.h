@@ -2,7 +2,7 @@
 // ModelConfig: a model's hyperparameters as its files state them, read once for every
 // process that needs them (docs/architecture.md): the cache manager, kvcmctl and the launcher
 // derive the KV-cache shape from it (common/sizing/model_config.h), the executor builds its
-// LlamaConfig from it (services/executor/llama_config.h). The reader checks that every key it
+// LlamaConfig from it (services/executor/model/llama_config.h). The reader checks that every key it
 // reads is well formed and consistent; which architectures and features a consumer supports
 // is the consumer's to check (the executor refuses what it cannot compute).
 //

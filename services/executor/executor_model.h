@@ -21,8 +21,8 @@
 #include "absl/status/status.h"
 #include "kernels/copy_blocks.h"
 #include "services/executor/executor_pool.h"
-#include "services/executor/llama_model.h"
-#include "services/executor/llama_model_cuda.h"
+#include "services/executor/model/llama_model.h"
+#include "services/executor/model/llama_model_cuda.h"
 
 namespace kvcm::executor {
 

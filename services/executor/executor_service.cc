@@ -13,7 +13,7 @@
 #include "common/base/status_macros.h"
 #include "kernels/copy_blocks.h"
 #include "services/executor/kv_groups.h"
-#include "services/executor/sampler.h"
+#include "services/executor/model/sampler.h"
 
 namespace kvcm::executor {
 namespace {

@@ -55,8 +55,8 @@
 #include "services/executor/executor_metrics.h"
 #include "services/executor/executor_model.h"
 #include "services/executor/executor_pool.h"
-#include "services/executor/llama_model.h"
-#include "services/executor/sampler.h"
+#include "services/executor/model/llama_model.h"
+#include "services/executor/model/sampler.h"
 
 namespace kvcm::executor {
 

@@ -44,7 +44,7 @@
 #include "services/executor/executor_pool.h"
 #include "services/executor/executor_server.h"
 #include "services/executor/executor_service.h"
-#include "services/executor/llama_model.h"
+#include "services/executor/model/llama_model.h"
 
 ABSL_FLAG(std::string, model, "",
           "The model: a Hugging Face folder (config.json and *.safetensors) or a GGUF file. "

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Reference outputs of the real models scripts/get-model.sh fetches (SmolLM2-135M-Instruct
 as a Q4_1 GGUF; Gemma 3 270M as a Q4_K_M GGUF) from Hugging Face transformers, for
-tests/services/executor/real_model_test.cc and tests/services/router/real_model_router_test.cc
+tests/services/executor/model/real_model_test.cc and tests/services/router/real_model_router_test.cc
 to compare kvcm against.
 
 transformers loads the GGUF itself (from_pretrained(..., gguf_file=...)): it dequantizes

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Tiny random models written by Hugging Face transformers itself (save_pretrained), with
-their logits, for tests/services/executor/transformers_models_test.cc: a check of kvcm's
+their logits, for tests/services/executor/model/transformers_models_test.cc: a check of kvcm's
 loaders that does not go through kvcm's own writer (tools/make_tiny_model).
 
   llama       LlamaForCausalLM: grouped-query attention, llama3 RoPE scaling

@@ -27,7 +27,7 @@
 #include "common/memory/pool_memory.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "services/executor/llama_model.h"
+#include "services/executor/model/llama_model.h"
 #include "tests/services/executor/executor_test_util.h"
 #include "tests/services/executor/step_driver.h"
 #include "tests/support/cache_manager_process.h"

@@ -33,7 +33,7 @@
 #include "flatbuffers/flatbuffers.h"
 #include "services/executor/executor_model.h"
 #include "services/executor/executor_service.h"
-#include "services/executor/llama_model.h"
+#include "services/executor/model/llama_model.h"
 #include "tests/support/fuzz_records.h"
 #include "tests/support/fuzz_target.h"
 #include "tools/make_tiny_model/tiny_model.h"

@@ -24,7 +24,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "services/executor/kv_groups.h"
-#include "services/executor/sampler.h"
+#include "services/executor/model/sampler.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/subprocess.h"
 #include "tools/make_tiny_model/tiny_model.h"

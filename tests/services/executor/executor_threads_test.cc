@@ -15,7 +15,7 @@
 #include "common/metrics/metrics_server.h"
 #include "gtest/gtest.h"
 #include "prometheus/registry.h"
-#include "services/executor/llama_model_cuda.h"
+#include "services/executor/model/llama_model_cuda.h"
 #include "tests/support/status_matchers.h"
 
 namespace kvcm::executor {

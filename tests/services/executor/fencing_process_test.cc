@@ -24,7 +24,7 @@
 #include "common/client/cache_manager_client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "services/executor/llama_model.h"
+#include "services/executor/model/llama_model.h"
 #include "tests/services/executor/executor_test_util.h"
 #include "tests/support/cache_manager_process.h"
 #include "tests/support/status_matchers.h"

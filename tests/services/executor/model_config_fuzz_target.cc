@@ -1,7 +1,7 @@
 // The fuzz target of config.json loading (tests/support/fuzz_target.h): the one reader,
 // common/model/model_config.h, under the cache manager's and kvcmctl's SpecFromHfConfig
 // (common/sizing/model_config.h) and the executor's ParseLlamaConfig
-// (services/executor/llama_config.h). Any text is accepted or
+// (services/executor/model/llama_config.h). Any text is accepted or
 // refused with the codes their headers list, never a crash or an exception; an accepted
 // config gives a spec that validates, and a Llama config whose heads divide as its header
 // promises. Seeds: tests/services/executor/fuzz/model_config/ (real models' config.json).
@@ -14,7 +14,7 @@
 
 #include "absl/status/status.h"
 #include "common/sizing/model_config.h"
-#include "services/executor/llama_config.h"
+#include "services/executor/model/llama_config.h"
 #include "tests/support/fuzz_target.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {

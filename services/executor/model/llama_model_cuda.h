@@ -18,7 +18,7 @@
 //                         reference, within fp32 rounding of the CPU (the device sums in
 //                         another order and fuses multiply-adds), not bit for bit.
 // The CPU forward is the reference both are tested against, with a tolerance per weight
-// dtype (tests/services/executor/llama_model_cuda_test.cc, label gpu: checked by those tests,
+// dtype (tests/services/executor/model/llama_model_cuda_test.cc, label gpu: checked by those tests,
 // which need a device; docs/executor.md).
 //
 // Every call runs on one stream owned by the object; with 16-bit weights cuBLAS runs on a
@@ -40,7 +40,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/copy_blocks.h"
-#include "services/executor/llama_model.h"
+#include "services/executor/model/llama_model.h"
 
 namespace kvcm::executor {
 

@@ -41,7 +41,7 @@
 #include "common/memory/pool_layout.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "services/executor/llama_model.h"
+#include "services/executor/model/llama_model.h"
 
 namespace kvcm::executor {
 namespace {

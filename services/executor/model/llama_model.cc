@@ -1,4 +1,4 @@
-#include "services/executor/llama_model.h"
+#include "services/executor/model/llama_model.h"
 
 #include <algorithm>
 #include <cmath>
@@ -22,6 +22,7 @@
 #include "kernels/paged_kv.h"
 #include "kernels/write_kv.h"
 #include "services/executor/kv_groups.h"
+#include "services/executor/model/architecture.h"
 
 namespace kvcm::executor {
 namespace {
@@ -384,9 +385,10 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& 
     KVCM_ASSIGN_OR_RETURN(const std::unique_ptr<GgufFile> file, GgufFile::Open(path));
     KVCM_ASSIGN_OR_RETURN(LlamaConfig config, LlamaConfigFromGguf(*file));
     KVCM_ASSIGN_OR_RETURN(const std::string arch, file->GetString("general.architecture"));
+    const Architecture* family = FindGgufArchitecture(arch);  // LlamaConfigFromGguf found it
     const LlamaConfig& c = config;
-    return LoadWeights(std::move(config), GgufSource(*file, c, /*unpermute=*/arch == "llama"),
-                       options);
+    return LoadWeights(std::move(config),
+                       GgufSource(*file, c, /*unpermute=*/family->gguf_interleaved_rope), options);
   }
   KVCM_ASSIGN_OR_RETURN(LlamaConfig config, LoadLlamaConfig(path + "/config.json"));
   KVCM_ASSIGN_OR_RETURN(const std::unique_ptr<SafetensorsFolder> shards,

@@ -1,4 +1,4 @@
-#include "services/executor/sampler.h"
+#include "services/executor/model/sampler.h"
 
 #include <algorithm>
 #include <cmath>

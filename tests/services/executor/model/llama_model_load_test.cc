@@ -12,7 +12,7 @@
 #include "common/safetensors/safetensors.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "services/executor/llama_model.h"
+#include "services/executor/model/llama_model.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/subprocess.h"
 #include "tools/make_tiny_model/tiny_model.h"

@@ -23,8 +23,8 @@
 #include "common/tokenizer/tokenizer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "services/executor/llama_model.h"
-#include "services/executor/sampler.h"
+#include "services/executor/model/llama_model.h"
+#include "services/executor/model/sampler.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/subprocess.h"
 

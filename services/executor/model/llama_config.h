@@ -8,8 +8,10 @@
 //                            Qwen2ForCausalLM, Qwen3ForCausalLM or Gemma3ForCausalLM; when
 //                            absent, "model_type" llama, mistral, qwen2, qwen3 or gemma3_text;
 //                            GGUF general.architecture llama (Llama 2/3, SmolLM, Mistral),
-//                            qwen2 (bias on q/k/v) or qwen3 (dense Qwen3: per-head q/k norm,
-//                            no bias)
+//                            qwen2 (bias on q/k/v), qwen3 (dense Qwen3: per-head q/k norm,
+//                            no bias) or gemma3; the families are architecture.h's table,
+//                            each one's differences in its own file (llama.cc, qwen.cc,
+//                            gemma3.cc)
 //   Gemma 3 (text)           q/k norm, norms computed as x_normed * (1 + w), embeddings
 //                            scaled by sqrt(hidden_size), norms after attention and the MLP,
 //                            attention scale query_pre_attn_scalar ** -0.5 (default 256),
@@ -49,13 +51,12 @@
 //                     final_logit_softcapping non-null, use_bidirectional_attention true, a
 //                     hidden_activation other than gelu_pytorch_tanh, a rope_parameters
 //                     layer type other than full_attention and sliding_attention, or
-//                     rope_scaling beside a per-layer-type rope_parameters; GGUF gemma3
-//                     files; rope scaling of another type (dynamic, yarn,
-//                     longrope, ...); mlp_bias true; hidden_act other than "silu"; a Llama
-//                     sliding_window shorter than max_position_embeddings; a layer type
-//                     other than full or sliding attention; GGUF:
-//                     ARCH.attention.sliding_window, a rope_freqs.weight tensor (Llama
-//                     3.1's per-frequency RoPE factors)
+//                     rope_scaling beside a per-layer-type rope_parameters; rope scaling
+//                     of another type (dynamic, yarn, longrope, ...); mlp_bias true;
+//                     hidden_act other than "silu"; a Llama sliding_window shorter than
+//                     max_position_embeddings; a layer type other than full or sliding
+//                     attention; GGUF: ARCH.attention.sliding_window (but gemma3's), a
+//                     rope_freqs.weight tensor (Llama 3.1's per-frequency RoPE factors)
 //   INVALID_ARGUMENT  a required key missing, an odd head_dim, a scaling without what its
 //                     type needs; and ModelConfig's refusals (malformed JSON or metadata, a
 //                     value of the wrong type or out of range)

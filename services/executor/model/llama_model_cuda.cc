@@ -4,7 +4,7 @@
 // and, for 16-bit weights, cuBLAS's cublasGemmEx, all on one stream. Compiled only when
 // KVCM_CUDA_ENABLED (llama_model_cuda_stub.cc otherwise).
 
-#include "services/executor/llama_model_cuda.h"
+#include "services/executor/model/llama_model_cuda.h"
 
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
@@ -29,7 +29,7 @@
 #include "kernels/paged_attention.h"
 #include "kernels/paged_kv.h"
 #include "kernels/write_kv.h"
-#include "services/executor/llama_model_cuda_kernels.h"
+#include "services/executor/model/llama_model_cuda_kernels.h"
 
 namespace kvcm::executor {
 namespace {

@@ -3,7 +3,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/base/check.h"
 #include "common/base/status_macros.h"
-#include "services/executor/llama_model_cuda.h"
+#include "services/executor/model/llama_model_cuda.h"
 
 namespace kvcm::executor {
 

@@ -53,8 +53,8 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "services/executor/kv_groups.h"
-#include "services/executor/llama_model.h"
-#include "services/executor/llama_model_cuda.h"
+#include "services/executor/model/llama_model.h"
+#include "services/executor/model/llama_model_cuda.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/subprocess.h"
 
@@ -309,7 +309,7 @@ TEST(TransformersModelsGgufTest, Qwen3GgufGivesTransformersLogits) {
   EXPECT_LE(worst, kTolerance);
 }
 
-// A gemma3 GGUF file is read as Gemma 3 (tests/services/executor/real_model_test.cc runs a
+// A gemma3 GGUF file is read as Gemma 3 (tests/services/executor/model/real_model_test.cc runs a
 // real one), never as another architecture: the Qwen3 tensors written as gemma3 lack Gemma's
 // sandwich norms, and the load names the first one missing (llama.cpp's name for
 // post_attention_layernorm with sandwich norms, not Llama's ffn_norm).

@@ -40,7 +40,7 @@
 // the biases' effect, the refused weight dtype) skips with "no CUDA device: ..."; with
 // KVCM_REQUIRE_GPU=1 (scripts/gpu-check.sh sets it) they fail instead.
 
-#include "services/executor/llama_model_cuda.h"
+#include "services/executor/model/llama_model_cuda.h"
 
 #include <algorithm>
 #include <cmath>
@@ -64,8 +64,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/copy_blocks.h"
-#include "services/executor/llama_model.h"
-#include "services/executor/sampler.h"
+#include "services/executor/model/llama_model.h"
+#include "services/executor/model/sampler.h"
 #include "tests/services/executor/executor_test_util.h"
 #include "tests/support/gpu_test.h"
 #include "tests/support/status_matchers.h"

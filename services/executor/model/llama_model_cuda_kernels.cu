@@ -12,7 +12,7 @@
 
 #include "common/base/dtype.h"
 #include "kernels/cuda_check.h"
-#include "services/executor/llama_model_cuda_kernels.h"
+#include "services/executor/model/llama_model_cuda_kernels.h"
 
 namespace kvcm::executor::llama_cuda {
 namespace {

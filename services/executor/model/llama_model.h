@@ -45,7 +45,7 @@
 #include "common/memory/pool_view.h"
 #include "common/sizing/kv_cache_spec.h"
 #include "kernels/matmul_cpu.h"
-#include "services/executor/llama_config.h"
+#include "services/executor/model/llama_config.h"
 
 namespace kvcm::executor {
 

@@ -1,4 +1,4 @@
-#include "services/executor/llama_config.h"
+#include "services/executor/model/llama_config.h"
 
 #include <cmath>
 #include <string>
