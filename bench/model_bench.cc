@@ -4,8 +4,8 @@
 // prompt tokens/s), then TG decode steps of the B sequences (S_TG, generated tokens/s).
 //
 //   build/bench/model_bench [--model smollm2|gemma3-270m] [--threads 2] [--pp 128] [--tg 32]
-//                           [--busy-rounds 3] [--matmul int8|fp32] [--llama-batched-bench PATH]
-//                           # PATH: scripts/build-llama-cpp.sh
+//                           [--busy-rounds 3] [--matmul int8|int8x2|fp32] [--llama-batched-bench
+//                           PATH] # PATH: scripts/build-llama-cpp.sh
 //
 // --model gemma3-270m (scripts/get-model.sh gemma3-270m) is the window model: with --pp past
 // 512, its window layers attend to the last 512 positions only, in both engines.
@@ -228,7 +228,7 @@ int Main(int argc, char** argv) {
   options.num_threads = threads;
   const std::string matmul = bench::FlagString(argc, argv, "--matmul", "int8");
   if (!kernels::ParseMatMulPath(matmul, &options.matmul)) {
-    std::printf("--matmul must be int8 or fp32, got %s\n", matmul.c_str());
+    std::printf("--matmul must be int8, int8x2 or fp32, got %s\n", matmul.c_str());
     return 1;
   }
   absl::StatusOr<std::unique_ptr<executor::LlamaModel>> model =

@@ -33,14 +33,20 @@
 //                 code_offset * qsum), AVX2 (vpmaddubsw + vpmaddwd; 8-bit codes through the
 //                 sign trick, so no int16 sum saturates) and portable C++ (std::fma); register
 //                 tiles up to 4 rows of x by 32 columns of y. fp32 matrices take MatMul.
+//                 With `residual` (the int8x2 path) each group's rounding residual
+//                 r = x - q * d is quantized again, to codes q' with d' = d / 254
+//                 (QuantizeResiduals), and a second pass over the same weights continues
+//                 every output's chain with q' and d': x is then carried to within d / 508
+//                 (about 15 bits per group instead of 8) for twice the integer work.
 //
 // Determinism: in MatMul every y[i][j] is one chain of multiply-adds over k = 0 .. cols - 1 in
 // order, from 0, fused (FMA) on AVX2 and AVX-512 and unfused in the portable code. It does
 // not depend on m, on which other rows x holds, on the thread count, nor on AVX2 vs AVX-512
 // (the same bits); the portable code differs from those in rounding only. In MatMulInt8 a
 // row is quantized on its own, the integer sums are exact and every y[i][j] is the same
-// chain of two FMAs per group in group order on every ISA (portable, AVX2, VNNI): the same
-// bits whatever m, the other rows, the threads or the ISA.
+// chain of two FMAs per group in group order on every ISA (portable, AVX2, VNNI), then the
+// residual's groups in order: the same bits whatever m, the other rows, the threads or the
+// ISA.
 //
 // Thread safety: a WeightMatrix is immutable after construction; MatMul and MatMulInt8 may
 // run concurrently (their parallel loops take turns on the kernels' thread pool).
@@ -131,10 +137,11 @@ void MatMul(const float* x, int64_t m, const WeightMatrix& w, float* y, int32_t 
 
 // Which path a caller (LlamaModel) multiplies its coded matrices on.
 enum class MatMulPath : uint8_t {
-  kInt8,  // MatMulInt8 (fp32 matrices still take MatMul)
-  kFp32,  // MatMul, the reference
+  kInt8,    // MatMulInt8 (fp32 matrices still take MatMul)
+  kFp32,    // MatMul, the reference
+  kInt8x2,  // MatMulInt8 with residual = true
 };
-std::string_view MatMulPathName(MatMulPath path);  // "int8", "fp32"
+std::string_view MatMulPathName(MatMulPath path);  // "int8", "fp32", "int8x2"
 bool ParseMatMulPath(std::string_view name, MatMulPath* path);
 
 // Rows of activations quantized to 8 bits per group of `group` columns, as MatMulInt8
@@ -153,6 +160,11 @@ struct QuantizedRows {
 // *out = x[m][cols] quantized (on the calling thread, ActiveCpuIsa()'s loops, which all give
 // the same codes). REQUIRES: cols % group == 0.
 void QuantizeRows(const float* x, int64_t m, int64_t cols, int64_t group, QuantizedRows* out);
+// *out = the residuals of q = QuantizeRows(x): per element r = x - float(code) * d (two fp32
+// roundings), quantized with the group's d' = d / 254 (out->scales) to
+// codes = clamp(round_to_nearest_even(r * (1 / d')), -127, 127) (1 / d' is 0 for d' = 0),
+// with sums and scaled sums as QuantizeRows's. On the calling thread, one loop for every ISA.
+void QuantizeResiduals(const float* x, const QuantizedRows& q, QuantizedRows* out);
 
 // One product of a MatMulInt8 call: y[m][w->rows()] = x . W^T.
 struct MatMulOutput {
@@ -163,13 +175,14 @@ struct MatMulOutput {
 // y = x[m][cols] . W^T for each output (all of the same cols; y not aliasing x), on the
 // integer path for coded matrices (x quantized once per group size and shared by them, and
 // one parallel loop for all of them: q, k and v, or gate and up, take one) and MatMul for
-// fp32 ones. Up to num_threads threads of CpuThreadPool::Default() (<= 0: all). m may be 0.
+// fp32 ones; with `residual`, a second pass multiplies the residuals' codes (see above). Up
+// to num_threads threads of CpuThreadPool::Default() (<= 0: all). m may be 0.
 void MatMulInt8(const float* x, int64_t m, std::span<const MatMulOutput> outputs,
-                int32_t num_threads);
+                int32_t num_threads, bool residual = false);
 inline void MatMulInt8(const float* x, int64_t m, const WeightMatrix& w, float* y,
-                       int32_t num_threads) {
+                       int32_t num_threads, bool residual = false) {
   const MatMulOutput output{&w, y};
-  MatMulInt8(x, m, std::span<const MatMulOutput>(&output, 1), num_threads);
+  MatMulInt8(x, m, std::span<const MatMulOutput>(&output, 1), num_threads, residual);
 }
 
 }  // namespace kvcm::kernels

@@ -28,6 +28,7 @@ using matmul_internal::kLanes;
 using matmul_internal::kScaleBytes;
 constexpr int kUnitPanels = 4;  // panels (64 outputs) one work item takes
 constexpr int64_t kMaxGroup = 32;
+constexpr float kResidualSteps = 254.0f;  // a residual code's step: the code's step / this
 
 // Finishes one group of a row: the codes' sum and the scaled sum.
 void FinishGroup(float d, int32_t sum, float* scale, int32_t* sums, float* scaled_sum) {
@@ -64,6 +65,28 @@ void QuantizeRow(const float* x, int64_t cols, int64_t group, int8_t* codes, flo
 
 }  // namespace portable
 
+// The residual of one row (QuantizeResiduals): one implementation for every ISA, so the
+// same codes everywhere (compiled with -ffp-contract=off, the product and the difference
+// round separately whether or not the compiler vectorizes them).
+void QuantizeResidualRow(const float* x, int64_t cols, int64_t group, const int8_t* codes,
+                         const float* scales, int8_t* out_codes, float* out_scales,
+                         int32_t* out_sums, float* out_scaled_sums) {
+  for (int64_t g = 0; g < cols / group; ++g) {
+    const float d = scales[g] / kResidualSteps;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    int32_t sum = 0;
+    for (int64_t j = g * group; j < (g + 1) * group; ++j) {
+      const float residual = x[j] - static_cast<float>(codes[j]) * scales[g];
+      // |residual| <= scales[g] / 2 up to the roundings of x / d, so the code is within
+      // +-127 already; the clamp only guards the last ulp.
+      const auto q = std::clamp(static_cast<int32_t>(std::nearbyint(residual * id)), -127, 127);
+      out_codes[j] = static_cast<int8_t>(q);
+      sum += q;
+    }
+    FinishGroup(d, sum, &out_scales[g], &out_sums[g], &out_scaled_sums[g]);
+  }
+}
+
 // The arguments of one work item: `rows` rows of quantized x against np (1 .. 4) panels.
 struct UnitArgs {
   const uint8_t* panels[kUnitPanels];
@@ -80,6 +103,8 @@ struct UnitArgs {
   float* y;  // y[0][0] of the unit, row stride ldy
   int64_t ldy;
   int64_t valid;  // outputs of the unit that exist (<= 16 np)
+  // Whether y holds partial sums to continue (the residual pass) rather than nothing yet.
+  bool accumulate = false;
 };
 
 namespace portable {
@@ -90,7 +115,7 @@ void Unit(const UnitArgs& a, bool four, int64_t group, bool bias) {
     for (int64_t o = 0; o < a.valid; ++o) {
       const uint8_t* panel = a.panels[o / kLanes];
       const int64_t l = o % kLanes;
-      float acc = 0.0f;
+      float acc = a.accumulate ? a.y[r * a.ldy + o] : 0.0f;
       for (int64_t g = 0; g < a.groups; ++g) {
         const uint8_t* gp = panel + g * a.group_bytes;
         const uint8_t* codes = gp + kScaleBytes;
@@ -166,7 +191,16 @@ template <bool kFour, int G, bool kBias, int R>
 void Tile(const UnitArgs& a, const uint8_t* panel, int64_t r0, float* y, int64_t valid) {
   __m256 acc[R][2];
   KVCM_UNROLL
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    if (a.accumulate) {
+      alignas(32) float t[16] = {};
+      std::memcpy(t, y + r * a.ldy, static_cast<size_t>(valid) * sizeof(float));
+      acc[r][0] = _mm256_load_ps(t);
+      acc[r][1] = _mm256_load_ps(t + 8);
+    } else {
+      acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    }
+  }
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   const __m256i ones = _mm256_set1_epi16(1);
@@ -313,7 +347,10 @@ void Tile(const UnitArgs& a, const uint8_t* const* panels, int64_t r0, float* y,
     const int64_t n = std::clamp<int64_t>(valid - p * kLanes, 0, kLanes);
     masks[p] = static_cast<__mmask16>((1u << n) - 1);
     KVCM_UNROLL
-    for (int r = 0; r < R; ++r) acc[r][p] = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      acc[r][p] = a.accumulate ? _mm512_maskz_loadu_ps(masks[p], y + r * a.ldy + p * kLanes)
+                               : _mm512_setzero_ps();
+    }
   }
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < a.groups; ++g) {
@@ -486,6 +523,17 @@ void QuantizeRange(QuantizeFn fn, const float* x, int64_t r0, int64_t r1, Quanti
   }
 }
 
+void QuantizeResidualRange(const float* x, const QuantizedRows& q, int64_t r0, int64_t r1,
+                           QuantizedRows* out) {
+  const int64_t groups = q.cols / q.group;
+  for (int64_t r = r0; r < r1; ++r) {
+    QuantizeResidualRow(x + r * q.cols, q.cols, q.group, q.codes.data() + r * q.cols,
+                        q.scales.data() + r * groups, out->codes.data() + r * q.cols,
+                        out->scales.data() + r * groups, out->sums.data() + r * groups,
+                        out->scaled_sums.data() + r * groups);
+  }
+}
+
 void Resize(int64_t m, int64_t cols, int64_t group, QuantizedRows* q) {
   q->rows = m;
   q->cols = cols;
@@ -518,27 +566,35 @@ int RunFp32Outputs(const float* x, int64_t m, std::span<const MatMulOutput> outp
   return num_coded;
 }
 
-// Quantizes the m rows of x into q, on this thread unless x is big.
+// Quantizes the m rows of x into q (and their residuals into residual, unless it is null),
+// on this thread unless x is big.
 void QuantizeAllRows(QuantizeFn quantize, const float* x, int64_t m, QuantizedRows* q,
-                     CpuThreadPool& pool, int32_t threads) {
+                     QuantizedRows* residual, CpuThreadPool& pool, int32_t threads) {
   const int64_t k = q->cols;
   constexpr int64_t kRowsPerTask = 64;
+  auto rows = [&](int64_t r0, int64_t r1) {
+    QuantizeRange(quantize, x, r0, r1, q);
+    if (residual != nullptr) QuantizeResidualRange(x, *q, r0, r1, residual);
+  };
   if (m * k < (int64_t{1} << 18) || threads <= 1) {
-    QuantizeRange(quantize, x, 0, m, q);
+    rows(0, m);
   } else {
     pool.ParallelFor((m + kRowsPerTask - 1) / kRowsPerTask, threads, [&](int64_t task) {
-      QuantizeRange(quantize, x, task * kRowsPerTask, std::min(m, (task + 1) * kRowsPerTask), q);
+      rows(task * kRowsPerTask, std::min(m, (task + 1) * kRowsPerTask));
     });
   }
 }
 
 // x (m rows of k columns) quantized once per group size of the coded outputs (32 and 16 at
-// most); for_output[i] is the one coded[i] takes. Thread-local: the buffers are reused from
-// call to call without allocating.
+// most); for_output[i] is the one coded[i] takes, and residual_for_output[i] its residual
+// (with `residual` only). Thread-local: the buffers are reused from call to call without
+// allocating.
 void QuantizeForOutputs(QuantizeFn quantize, const float* x, int64_t m, int64_t k,
-                        const MatMulOutput* coded, int num_coded, CpuThreadPool& pool,
-                        int32_t threads, const QuantizedRows** for_output) {
+                        const MatMulOutput* coded, int num_coded, bool residual,
+                        CpuThreadPool& pool, int32_t threads, const QuantizedRows** for_output,
+                        const QuantizedRows** residual_for_output) {
   thread_local QuantizedRows quantized[2];
+  thread_local QuantizedRows residuals[2];
   for (int slot = 0; slot < 2; ++slot) {
     const int64_t group = slot == 0 ? 32 : 16;
     bool needed = false;
@@ -546,12 +602,14 @@ void QuantizeForOutputs(QuantizeFn quantize, const float* x, int64_t m, int64_t 
       if (coded[i].w->group() == group) {
         needed = true;
         for_output[i] = &quantized[slot];
+        residual_for_output[i] = residual ? &residuals[slot] : nullptr;
       }
     }
     if (!needed) continue;
     QuantizedRows* q = &quantized[slot];
     Resize(m, k, group, q);
-    QuantizeAllRows(quantize, x, m, q, pool, threads);
+    if (residual) Resize(m, k, group, &residuals[slot]);
+    QuantizeAllRows(quantize, x, m, q, residual ? &residuals[slot] : nullptr, pool, threads);
   }
 }
 
@@ -596,6 +654,8 @@ std::string_view MatMulPathName(MatMulPath path) {
   switch (path) {
     case MatMulPath::kInt8:
       return "int8";
+    case MatMulPath::kInt8x2:
+      return "int8x2";
     case MatMulPath::kFp32:
       return "fp32";
   }
@@ -603,7 +663,7 @@ std::string_view MatMulPathName(MatMulPath path) {
 }
 
 bool ParseMatMulPath(std::string_view name, MatMulPath* path) {
-  for (MatMulPath candidate : {MatMulPath::kInt8, MatMulPath::kFp32}) {
+  for (MatMulPath candidate : {MatMulPath::kInt8, MatMulPath::kInt8x2, MatMulPath::kFp32}) {
     if (name == MatMulPathName(candidate)) {
       *path = candidate;
       return true;
@@ -623,8 +683,17 @@ void QuantizeRows(const float* x, int64_t m, int64_t cols, int64_t group, Quanti
   QuantizeRange(QuantizeFor(ActiveVariant()), x, 0, m, out);
 }
 
+void QuantizeResiduals(const float* x, const QuantizedRows& q, QuantizedRows* out) {
+  Resize(q.rows, q.cols, q.group, out);
+  out->codes.resize(static_cast<size_t>(q.rows * q.cols));
+  out->scales.resize(static_cast<size_t>(q.rows * (q.cols / q.group)));
+  out->sums.resize(out->scales.size());
+  out->scaled_sums.resize(out->scales.size());
+  QuantizeResidualRange(x, q, 0, q.rows, out);
+}
+
 void MatMulInt8(const float* x, int64_t m, std::span<const MatMulOutput> outputs,
-                int32_t num_threads) {
+                int32_t num_threads, bool residual) {
   if (m <= 0) return;
   // fp32 matrices: the fp32 path; the coded ones share the quantized x below.
   KVCM_CHECK(outputs.size() <= kMaxOutputs) << outputs.size();
@@ -639,7 +708,9 @@ void MatMulInt8(const float* x, int64_t m, std::span<const MatMulOutput> outputs
   const int32_t threads =
       num_threads <= 0 ? pool.max_threads() : std::min(num_threads, pool.max_threads());
   const QuantizedRows* for_output[kMaxOutputs];
-  QuantizeForOutputs(QuantizeFor(variant), x, m, k, coded, num_coded, pool, threads, for_output);
+  const QuantizedRows* residual_for_output[kMaxOutputs];
+  QuantizeForOutputs(QuantizeFor(variant), x, m, k, coded, num_coded, residual, pool, threads,
+                     for_output, residual_for_output);
 
   // Work items: units of 4 panels of every output, in order.
   int64_t first_unit[kMaxOutputs + 1];
@@ -667,6 +738,12 @@ void MatMulInt8(const float* x, int64_t m, std::span<const MatMulOutput> outputs
         const WeightMatrix& w = *coded[i].w;
         const int64_t p0 = (unit - first_unit[i]) * kUnitPanels;
         RunUnit(unit_fns[i], UnitAt(w, *for_output[i], coded[i].y, p0, r0, rows), w);
+        if (residual) {
+          // The same weights again (in L1 now), continuing each output's chain.
+          UnitArgs rest = UnitAt(w, *residual_for_output[i], coded[i].y, p0, r0, rows);
+          rest.accumulate = true;
+          RunUnit(unit_fns[i], rest, w);
+        }
       }
     }
   };

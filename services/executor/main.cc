@@ -70,8 +70,10 @@ ABSL_FLAG(int32_t, threads, 0,
 ABSL_FLAG(std::string, matmul, "int8",
           "On a shm pool: how the quantized weight matrices multiply. int8 (default): the "
           "activations quantized to 8 bits per group, integer dot products (as llama.cpp); "
-          "fp32: the weights dequantized, fp32 products (the reference, closer to "
-          "transformers' logits, slower). fp32 matrices take fp32 either way.");
+          "int8x2: the same products on the 8-bit codes and again on their rounding "
+          "residuals (about 15 bits per group: transformers' greedy tokens on the reference "
+          "prompts, slower than int8, faster than fp32); fp32: the weights dequantized, fp32 "
+          "products (the reference, slowest). fp32 matrices take fp32 either way.");
 ABSL_FLAG(std::string, metrics_address, "127.0.0.1:9401",
           "HOST:PORT serving /metrics (port 0 picks a free one; it is logged).");
 ABSL_FLAG(int32_t, call_timeout_ms, 2000,
@@ -118,8 +120,8 @@ absl::Status CheckFlags() {
   }
   kernels::MatMulPath matmul_path;
   if (!kernels::ParseMatMulPath(absl::GetFlag(FLAGS_matmul), &matmul_path)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--matmul must be int8 or fp32, got \"", absl::GetFlag(FLAGS_matmul), "\""));
+    return absl::InvalidArgumentError(absl::StrCat("--matmul must be int8, int8x2 or fp32, got \"",
+                                                   absl::GetFlag(FLAGS_matmul), "\""));
   }
   const absl::StatusOr<DType> dtype = ParseDType(absl::GetFlag(FLAGS_cuda_weight_dtype));
   if (!dtype.ok() ||

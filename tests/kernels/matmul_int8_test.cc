@@ -11,8 +11,13 @@
 //       |y8 - y32| <= sum_g (d_g / 2) (1 + 2^-20) sum_{k in g} |w_k|  + both paths' rounding
 //     (MatMul's test bound 1e-5 sum |x_k w_k|, the line above for MatMulInt8);
 //   - y does not depend on m, on the other rows, nor on the threads.
+// All of it again with the residual pass (the int8x2 path): QuantizeResiduals gives the codes
+// its definition names, the exact reference adds the residual's terms, and x is carried to
+// within d' / 2 = d / 508 plus the roundings of r = x - code * d (2^-24 (|x| + d) each), so
+//   |y - y32| <= sum_k |w_k| (d'_g / 2 (1 + 2^-20) + 2^-23 (|x_k| + d_g))  + the roundings.
 // Fixed seeds, printed.
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <iostream>
@@ -67,10 +72,10 @@ std::string IsaLabel(CpuIsa isa) {
 }
 
 std::vector<float> RunInt8(const std::vector<float>& x, int64_t m, const WeightMatrix& w,
-                           CpuIsa isa, int32_t threads) {
+                           CpuIsa isa, int32_t threads, bool residual) {
   SetCpuIsaForTest(isa);
   std::vector<float> y(static_cast<size_t>(m * w.rows()), -12345.0f);
-  MatMulInt8(x.data(), m, w, y.data(), threads);
+  MatMulInt8(x.data(), m, w, y.data(), threads, residual);
   SetCpuIsaForTest(BestCpuIsa());
   return y;
 }
@@ -130,14 +135,22 @@ std::vector<std::vector<Group>> AllGroups(const WeightMatrix& w) {
   return out;
 }
 
+// x quantized as MatMulInt8 multiplies it: the codes, then (with `residual`) their residuals.
+std::vector<QuantizedRows> Passes(const std::vector<float>& x, int64_t m, const WeightMatrix& w,
+                                  bool residual) {
+  std::vector<QuantizedRows> passes(residual ? 2 : 1);
+  QuantizeRows(x.data(), m, w.cols(), w.group(), &passes[0]);
+  if (residual) QuantizeResiduals(x.data(), passes[0], &passes[1]);
+  return passes;
+}
+
 // y against the exact float64 value of the integer path's sum, from the same quantized
 // activations, within the rounding bound of the file comment. Returns the worst
 // |y - ref| / bound.
 double CheckAgainstExact(const std::vector<float>& x, int64_t m, const WeightMatrix& w,
-                         const std::vector<std::vector<Group>>& groups,
+                         const std::vector<std::vector<Group>>& groups, bool residual,
                          const std::vector<float>& y) {
-  QuantizedRows q;
-  QuantizeRows(x.data(), m, w.cols(), w.group(), &q);
+  const std::vector<QuantizedRows> passes = Passes(x, m, w, residual);
   const int64_t ng = w.cols() / w.group();
   double worst = 0;
   for (int64_t i = 0; i < m; ++i) {
@@ -145,23 +158,25 @@ double CheckAgainstExact(const std::vector<float>& x, int64_t m, const WeightMat
       double ref = 0;
       double magnitude = 0;
       int terms = 0;
-      for (int64_t g = 0; g < ng; ++g) {
-        const Group& grp = groups[static_cast<size_t>(o)][static_cast<size_t>(g)];
-        int64_t isum = 0;
-        for (int64_t j = 0; j < w.group(); ++j) {
-          isum += int64_t{grp.codes[static_cast<size_t>(j)]} *
-                  q.codes[static_cast<size_t>(i * w.cols() + g * w.group() + j)];
-        }
-        const double d = q.scales[static_cast<size_t>(i * ng + g)];
-        const double t1 = static_cast<double>(isum) * grp.scale * d;
-        const double t2 = double{grp.bias} * d * q.sums[static_cast<size_t>(i * ng + g)];
-        ref += t1;
-        magnitude += std::abs(t1);
-        ++terms;
-        if (w.has_bias()) {
-          ref += t2;
-          magnitude += std::abs(t2);
+      for (const QuantizedRows& q : passes) {
+        for (int64_t g = 0; g < ng; ++g) {
+          const Group& grp = groups[static_cast<size_t>(o)][static_cast<size_t>(g)];
+          int64_t isum = 0;
+          for (int64_t j = 0; j < w.group(); ++j) {
+            isum += int64_t{grp.codes[static_cast<size_t>(j)]} *
+                    q.codes[static_cast<size_t>(i * w.cols() + g * w.group() + j)];
+          }
+          const double d = q.scales[static_cast<size_t>(i * ng + g)];
+          const double t1 = static_cast<double>(isum) * grp.scale * d;
+          const double t2 = double{grp.bias} * d * q.sums[static_cast<size_t>(i * ng + g)];
+          ref += t1;
+          magnitude += std::abs(t1);
           ++terms;
+          if (w.has_bias()) {
+            ref += t2;
+            magnitude += std::abs(t2);
+            ++terms;
+          }
         }
       }
       const double bound = (terms + 2) * kUnit * magnitude * 1.01 + 1e-30;
@@ -178,10 +193,11 @@ double CheckAgainstExact(const std::vector<float>& x, int64_t m, const WeightMat
 // y8 against MatMul's y32 within the bound of the file comment; returns the worst
 // |y8 - y32| / bound.
 double CheckAgainstFp32(const std::vector<float>& x, int64_t m, const WeightMatrix& w,
-                        const std::vector<float>& y8, const std::vector<float>& y32) {
+                        bool residual, const std::vector<float>& y8,
+                        const std::vector<float>& y32) {
   const std::vector<float> wf = w.Dequantize();
-  QuantizedRows q;
-  QuantizeRows(x.data(), m, w.cols(), w.group(), &q);
+  const std::vector<QuantizedRows> passes = Passes(x, m, w, residual);
+  const QuantizedRows& q = passes[0];
   const int64_t k = w.cols();
   const int64_t ng = k / w.group();
   double worst = 0;
@@ -190,19 +206,22 @@ double CheckAgainstFp32(const std::vector<float>& x, int64_t m, const WeightMatr
       double step = 0;
       double magnitude = 0;
       for (int64_t g = 0; g < ng; ++g) {
-        double wsum = 0;
+        const size_t gi = static_cast<size_t>(i * ng + g);
+        const double d = q.scales[gi];
+        const double half_step = (residual ? passes[1].scales[gi] : d) / 2.0;
         for (int64_t j = 0; j < w.group(); ++j) {
           const double wk = wf[static_cast<size_t>(o * k + g * w.group() + j)];
           const double xk = x[static_cast<size_t>(i * k + g * w.group() + j)];
-          wsum += std::abs(wk);
           magnitude += std::abs(wk * xk);
+          const double carried = residual ? 0x1p-23 * (std::abs(xk) + d) : 0.0;
+          step += std::abs(wk) * (half_step * (1 + 1.0 / (1 << 20)) + carried);
         }
-        step += q.scales[static_cast<size_t>(i * ng + g)] / 2.0 * (1 + 1.0 / (1 << 20)) * wsum;
       }
       // MatMul's bound, and the integer path's rounding: at most 2 per group, relative to
       // terms no larger than |w| (|x| + d / 2).
-      const double bound =
-          step + 1e-5 * magnitude + (2 * ng + 2) * kUnit * 1.01 * (magnitude + step) + 1e-30;
+      const double bound = step + 1e-5 * magnitude +
+                           (2 * ng * (residual ? 2 : 1) + 2) * kUnit * 1.01 * (magnitude + step) +
+                           1e-30;
       const double err = std::abs(double{y8[static_cast<size_t>(i * w.rows() + o)]} -
                                   y32[static_cast<size_t>(i * w.rows() + o)]);
       EXPECT_LE(err, bound) << "y[" << i << "][" << o << "]: int8 "
@@ -261,14 +280,59 @@ TEST(QuantizeRowsTest, CodesFollowTheirDefinitionOnEveryIsa) {
   }
 }
 
+TEST(QuantizeRowsTest, ResidualsFollowTheirDefinition) {
+  std::cout << "seed " << kSeed << std::endl;
+  for (const int64_t group : {16, 32}) {
+    const int64_t m = 5;
+    const int64_t cols = 1088;
+    const std::vector<float> x = RandomActivations(m * cols, kSeed + 5);
+    QuantizedRows q;
+    QuantizeRows(x.data(), m, cols, group, &q);
+    QuantizedRows r;
+    QuantizeResiduals(x.data(), q, &r);
+    ASSERT_EQ(r.rows, m);
+    ASSERT_EQ(r.cols, cols);
+    ASSERT_EQ(r.group, group);
+    double worst = 0;  // |x - d code - d' residual code| / d'
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t g = 0; g < cols / group; ++g) {
+        const size_t gi = static_cast<size_t>(i * (cols / group) + g);
+        const float d = q.scales[gi];
+        const float dr = d / 254.0f;
+        ASSERT_EQ(r.scales[gi], dr);
+        const float id = dr != 0.0f ? 1.0f / dr : 0.0f;
+        int32_t sum = 0;
+        for (int64_t j = 0; j < group; ++j) {
+          const size_t at = static_cast<size_t>(i * cols + g * group + j);
+          const float residual = x[at] - static_cast<float>(q.codes[at]) * d;
+          const int expected =
+              std::clamp(static_cast<int>(std::nearbyint(residual * id)), -127, 127);
+          ASSERT_EQ(r.codes[at], expected) << "x " << x[at] << " d " << d;
+          sum += r.codes[at];
+          const double left = double{x[at]} - double{d} * q.codes[at] - double{dr} * r.codes[at];
+          ASSERT_LE(std::abs(left), dr * (0.5 + 1e-5) + 0x1p-23 * (std::abs(x[at]) + d) + 1e-30)
+              << "x " << x[at] << " d " << d << " codes " << int{q.codes[at]} << ", "
+              << int{r.codes[at]};
+          if (dr > 0) worst = std::max(worst, std::abs(left) / dr);
+        }
+        ASSERT_EQ(r.sums[gi], sum);
+        ASSERT_EQ(r.scaled_sums[gi], dr * static_cast<float>(sum));
+      }
+    }
+    std::cout << "group " << group << ": worst |x - d code - d' residual| / d' " << worst
+              << std::endl;
+    EXPECT_GT(worst, 0.4);  // the bound is not loose: rounding leaves close to half a step
+  }
+}
+
 class MatMulInt8Test : public ::testing::TestWithParam<GgmlType> {};
 
 TEST_P(MatMulInt8Test, EveryIsaMatchesTheExactSumAndTheFp32Path) {
   const GgmlType type = GetParam();
   std::cout << "type " << GgmlTypeName(type) << " seed " << kSeed << ", best ISA "
             << IsaLabel(BestCpuIsa()) << std::endl;
-  double worst_exact = 0;
-  double worst_fp32 = 0;
+  double worst_exact[2] = {0, 0};
+  double worst_fp32[2] = {0, 0};
   // Odd row counts (a partial panel, a partial unit of 4 panels); 352 columns are 11 groups
   // of 32 (not for the K-quants, whose rows are 256-element blocks).
   for (const auto& [rows, cols] :
@@ -281,29 +345,38 @@ TEST_P(MatMulInt8Test, EveryIsaMatchesTheExactSumAndTheFp32Path) {
     const std::vector<std::vector<Group>> groups = AllGroups(*w);
     const int64_t max_m = 33;
     const std::vector<float> x = RandomActivations(max_m * cols, kSeed + 2);
-    // All 33 rows at once, on the best ISA and all threads: the reference bits.
-    const std::vector<float> all = RunInt8(x, max_m, *w, BestCpuIsa(), 0);
-    worst_exact = std::max(worst_exact, CheckAgainstExact(x, max_m, *w, groups, all));
-    worst_fp32 = std::max(worst_fp32, CheckAgainstFp32(x, max_m, *w, all, RunFp32(x, max_m, *w)));
-    for (const int64_t m : {0, 1, 2, 3, 5, 6, 7, 8, 33}) {
-      for (const int64_t begin : {int64_t{0}, max_m - m}) {
-        const std::vector<float> part(x.begin() + begin * cols, x.begin() + (begin + m) * cols);
-        const std::vector<float> expected(all.begin() + begin * rows,
-                                          all.begin() + (begin + m) * rows);
-        for (const CpuIsa isa : kIsas) {
-          if (!Supported(isa)) continue;
-          for (const int32_t threads : {1, 2}) {
-            SCOPED_TRACE(testing::Message()
-                         << rows << " x " << cols << ", m " << m << " from row " << begin << ", "
-                         << IsaLabel(isa) << ", " << threads << " thread(s)");
-            EXPECT_TRUE(SameBits(RunInt8(part, m, *w, isa, threads), expected));
+    const std::vector<float> y32 = RunFp32(x, max_m, *w);
+    for (const bool residual : {false, true}) {
+      // All 33 rows at once, on the best ISA and all threads: the reference bits.
+      const std::vector<float> all = RunInt8(x, max_m, *w, BestCpuIsa(), 0, residual);
+      worst_exact[residual] =
+          std::max(worst_exact[residual], CheckAgainstExact(x, max_m, *w, groups, residual, all));
+      worst_fp32[residual] =
+          std::max(worst_fp32[residual], CheckAgainstFp32(x, max_m, *w, residual, all, y32));
+      for (const int64_t m : {0, 1, 2, 3, 5, 6, 7, 8, 33}) {
+        for (const int64_t begin : {int64_t{0}, max_m - m}) {
+          const std::vector<float> part(x.begin() + begin * cols, x.begin() + (begin + m) * cols);
+          const std::vector<float> expected(all.begin() + begin * rows,
+                                            all.begin() + (begin + m) * rows);
+          for (const CpuIsa isa : kIsas) {
+            if (!Supported(isa)) continue;
+            for (const int32_t threads : {1, 2}) {
+              SCOPED_TRACE(testing::Message()
+                           << rows << " x " << cols << ", m " << m << " from row " << begin << ", "
+                           << IsaLabel(isa) << ", " << threads << " thread(s)"
+                           << (residual ? ", residual" : ""));
+              EXPECT_TRUE(SameBits(RunInt8(part, m, *w, isa, threads, residual), expected));
+            }
           }
         }
       }
     }
   }
-  std::cout << "worst |y - exact| / bound " << worst_exact << ", worst |y8 - y32| / bound "
-            << worst_fp32 << std::endl;
+  for (const bool residual : {false, true}) {
+    std::cout << (residual ? "int8x2" : "int8") << ": worst |y - exact| / bound "
+              << worst_exact[residual] << ", worst |y8 - y32| / bound " << worst_fp32[residual]
+              << std::endl;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Types, MatMulInt8Test, ::testing::ValuesIn(kCodedTypes),
@@ -328,18 +401,20 @@ TEST(MatMulInt8Test, SeveralOutputsShareOneCallAndFp32MatricesTakeMatMul) {
     ys[i].assign(static_cast<size_t>(9 * ws[i].rows()), -1.0f);
     outputs.push_back({&ws[i], ys[i].data()});
   }
-  MatMulInt8(x.data(), 9, outputs, 2);
-  for (size_t i = 0; i < ws.size(); ++i) {
-    SCOPED_TRACE(i);
-    const std::vector<float> alone = ws[i].format() == WeightMatrix::Format::kFloat32
-                                         ? RunFp32(x, 9, ws[i])
-                                         : RunInt8(x, 9, ws[i], BestCpuIsa(), 1);
-    EXPECT_TRUE(SameBits(ys[i], alone));
+  for (const bool residual : {false, true}) {
+    MatMulInt8(x.data(), 9, outputs, 2, residual);
+    for (size_t i = 0; i < ws.size(); ++i) {
+      SCOPED_TRACE(testing::Message() << i << (residual ? ", residual" : ""));
+      const std::vector<float> alone = ws[i].format() == WeightMatrix::Format::kFloat32
+                                           ? RunFp32(x, 9, ws[i])
+                                           : RunInt8(x, 9, ws[i], BestCpuIsa(), 1, residual);
+      EXPECT_TRUE(SameBits(ys[i], alone));
+    }
   }
 }
 
 TEST(MatMulPathTest, NamesRoundTrip) {
-  for (const MatMulPath path : {MatMulPath::kInt8, MatMulPath::kFp32}) {
+  for (const MatMulPath path : {MatMulPath::kInt8, MatMulPath::kInt8x2, MatMulPath::kFp32}) {
     MatMulPath parsed = path == MatMulPath::kInt8 ? MatMulPath::kFp32 : MatMulPath::kInt8;
     EXPECT_TRUE(ParseMatMulPath(MatMulPathName(path), &parsed));
     EXPECT_EQ(parsed, path);

@@ -475,8 +475,8 @@ void LlamaModel::MatMul(const float* x, int64_t rows, int64_t in, const kernels:
                         int64_t out, float* y) const {
   KVCM_CHECK(w.rows() == out && w.cols() == in)
       << w.rows() << "x" << w.cols() << " != " << out << "x" << in;
-  if (matmul_ == kernels::MatMulPath::kInt8) {
-    kernels::MatMulInt8(x, rows, w, y, num_threads_);
+  if (matmul_ != kernels::MatMulPath::kFp32) {
+    kernels::MatMulInt8(x, rows, w, y, num_threads_, matmul_ == kernels::MatMulPath::kInt8x2);
   } else {
     kernels::MatMul(x, rows, w, y, num_threads_);
   }
@@ -487,10 +487,10 @@ void LlamaModel::MatMuls(const float* x, int64_t rows, int64_t in,
   for (const kernels::MatMulOutput& o : outputs) {
     KVCM_CHECK(o.w->cols() == in) << o.w->cols() << " != " << in;
   }
-  if (matmul_ == kernels::MatMulPath::kInt8) {
+  if (matmul_ != kernels::MatMulPath::kFp32) {
     kernels::MatMulInt8(x, rows,
                         std::span<const kernels::MatMulOutput>(outputs.begin(), outputs.size()),
-                        num_threads_);
+                        num_threads_, matmul_ == kernels::MatMulPath::kInt8x2);
     return;
   }
   for (const kernels::MatMulOutput& o : outputs) kernels::MatMul(x, rows, *o.w, o.y, num_threads_);
