@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <random>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -102,6 +103,74 @@ TEST(SamplerTest, TemperatureDistributionSanity) {
     EXPECT_LT(top_k.Sample(logits, i), 2);
     EXPECT_LT(top_p.Sample(logits, i), 2);
   }
+}
+
+// Sample (candidates by buckets, or a linear-time top-k selection) draws the token
+// SampleBySorting (the definition: every candidate sorted) draws, over rows of every shape a
+// model gives: spread and flat, ties, -inf and NaN entries, a +inf top, the vocabulary's size,
+// and every kind of top_k and top_p. The mass of the rows below spans many buckets, so draws
+// cross bucket boundaries and land deep in the tail.
+TEST(SamplerTest, SampleDrawsWhatSortingDraws) {
+  const uint32_t seed = 20261207;
+  std::printf("seed %u\n", seed);
+  std::mt19937 rng(seed);
+  struct Row {
+    const char* what;
+    std::vector<float> logits;
+  };
+  std::vector<Row> rows;
+  auto normal_row = [&](const char* what, size_t n, float spread) {
+    std::normal_distribution<float> normal(0.0f, spread);
+    Row row{what, std::vector<float>(n)};
+    for (float& l : row.logits) l = normal(rng);
+    return row;
+  };
+  rows.push_back(normal_row("one token", 1, 1.0f));
+  rows.push_back(normal_row("two tokens", 2, 1.0f));
+  rows.push_back(normal_row("small", 17, 2.0f));
+  rows.push_back(normal_row("vocabulary, model-like", 49152, 3.0f));
+  rows.push_back(normal_row("vocabulary, flat", 49152, 0.05f));
+  rows.push_back(normal_row("wide", 4096, 12.0f));
+  {
+    Row ties = normal_row("ties", 3000, 2.0f);
+    for (float& l : ties.logits) l = std::round(l * 2.0f) / 2.0f;  // steps of 0.5: many ties
+    rows.push_back(std::move(ties));
+  }
+  {
+    Row holes = normal_row("-inf and NaN entries", 2000, 2.0f);
+    for (size_t i = 0; i < holes.logits.size(); i += 7) holes.logits[i] = -INFINITY;
+    for (size_t i = 3; i < holes.logits.size(); i += 11) holes.logits[i] = NAN;
+    rows.push_back(std::move(holes));
+  }
+  {
+    Row inf = normal_row("+inf at the top", 100, 2.0f);
+    inf.logits[40] = inf.logits[60] = INFINITY;
+    rows.push_back(std::move(inf));
+  }
+  rows.push_back(Row{"all -inf", std::vector<float>(50, -INFINITY)});
+  rows.push_back(Row{"all equal", std::vector<float>(300, 1.5f)});
+
+  int64_t draws = 0;
+  for (const Row& row : rows) {
+    const auto n = static_cast<int32_t>(row.logits.size());
+    for (const float temperature : {0.05f, 0.7f, 1.0f, 3.0f}) {
+      for (const float top_p : {1.0f, 0.95f, 0.5f, 1e-6f}) {
+        for (const int32_t top_k : {0, 1, 3, 50, n - 1, n, n + 1}) {
+          if (top_k < 0) continue;
+          // The vocabulary's rows: the kinds of top_k once each (their reference sorts 49,152).
+          if (n > 10000 && top_k != 0 && top_k != 3 && top_k != n + 1) continue;
+          const Sampler sampler = Make(temperature, top_p, top_k, /*seed=*/draws);
+          const int64_t indices = n > 10000 ? 2 : n > 1000 ? 10 : 40;
+          for (int64_t index = 0; index < indices; ++index, ++draws) {
+            ASSERT_EQ(sampler.Sample(row.logits, index), sampler.SampleBySorting(row.logits, index))
+                << row.what << ": temperature " << temperature << ", top_p " << top_p << ", top_k "
+                << top_k << ", token " << index;
+          }
+        }
+      }
+    }
+  }
+  std::printf("%lld draws\n", static_cast<long long>(draws));
 }
 
 TEST(SamplerTest, InvalidParamsAreNamed) {
