@@ -88,12 +88,14 @@ int BucketOf(double d) {
 
 int32_t Sampler::Sample(std::span<const float> logits, int64_t token_index) const {
   KVCM_CHECK(!logits.empty());
-  const int32_t top = Greedy(logits);
-  if (params_.temperature == 0.0f || params_.top_k == 1) return top;
-  // All -inf, or +inf at the top: the first in order, as the definition's draw gives.
-  if (!std::isfinite(Sanitize(logits[static_cast<size_t>(top)]))) return top;
+  if (params_.temperature == 0.0f || params_.top_k == 1) return Greedy(logits);
   const int32_t n = static_cast<int32_t>(logits.size());
-  if (params_.top_k == 0 || params_.top_k >= n) return SampleAll(logits, top, token_index);
+  if (params_.top_k == 0 || params_.top_k >= n) {
+    const int32_t top = Greedy(logits);
+    // All -inf, or +inf at the top: the first in order, as the definition's draw gives.
+    if (!std::isfinite(Sanitize(logits[static_cast<size_t>(top)]))) return top;
+    return SampleAll(logits, top, token_index);
+  }
   // The k first in order (the order is total, so they are the definition's k): a heap of k
   // for a small k (most tokens fall below its top at one comparison), else selected in
   // linear time and then sorted.
@@ -177,7 +179,7 @@ int32_t Sampler::SampleAll(std::span<const float> logits, int32_t top, int64_t t
     const double d = distance(i);
     const int b = BucketOf(d);
     bucket_of[i] = static_cast<uint16_t>(b);
-    mass[static_cast<size_t>(b)] += std::exp(-d);
+    mass[static_cast<size_t>(b)] += d < 746 ? std::exp(-d) : 0.0;  // exp(-746) is 0 already
     ++count[static_cast<size_t>(b)];
   }
   double total = 0;
