@@ -81,9 +81,9 @@ std::string Dashed(std::string_view name) {
 const char* TargetName(Target target) {
   switch (target) {
     case Target::kCacheManager:
-      return "cache manager";
+      return "the cache manager";
     case Target::kRouter:
-      return "router";
+      return "the router";
     case Target::kExecutor:
       return "each executor";
   }
@@ -347,7 +347,7 @@ given bare, --flag, or as --noflag):
         names.push_back(absl::StrCat("--", std::string(r.flag), r.boolean ? "[bool]" : ""));
       }
     }
-    absl::StrAppend(&usage, "  to the ", TargetName(target), ": ", absl::StrJoin(names, " "), "\n");
+    absl::StrAppend(&usage, "  to ", TargetName(target), ": ", absl::StrJoin(names, " "), "\n");
   }
   absl::StrAppend(&usage, "Without a pool size (--num-blocks, --pool-bytes, --memory-fraction) ",
                   "the pool gets --pool-bytes=", kDefaultPoolBytes, ".\n");
