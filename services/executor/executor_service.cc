@@ -12,6 +12,7 @@
 #include "common/base/monotonic_clock.h"
 #include "common/base/status_macros.h"
 #include "kernels/copy_blocks.h"
+#include "kernels/cpu_thread_pool.h"
 #include "services/executor/kv_groups.h"
 #include "services/executor/model/sampler.h"
 
@@ -601,6 +602,28 @@ absl::StatusOr<StepResult> ExecutorService::RunStep(const StepBatch& step) {
   }
   KVCM_CHECK(logits_.size() >= rows * vocab || step.seqs.empty())
       << logits_.size() << " logits for " << rows << " rows";
+  // Each sequence's own rows of logits: every new token's with input_logprobs, else the last.
+  auto own_rows_of = [](const SeqWork& s) -> size_t {
+    return s.input_logprobs ? s.tokens.size() : 1;
+  };
+  // The sampled tokens first, on the model's threads: a draw reads only its own row, so the
+  // tokens are the same on any number of threads (a draw is a pass over the vocabulary).
+  std::vector<size_t> sampled;
+  std::vector<size_t> last_rows(step.seqs.size());
+  for (size_t i = 0, first_row = 0; i < step.seqs.size(); ++i) {
+    first_row += own_rows_of(step.seqs[i]);
+    last_rows[i] = first_row - 1;
+    if (step.seqs[i].sample) sampled.push_back(i);
+  }
+  std::vector<absl::StatusOr<ChosenToken>> chosen(step.seqs.size());
+  kernels::CpuThreadPool::Default().ParallelFor(
+      static_cast<int64_t>(sampled.size()), model_->host().num_threads(), [&](int64_t task) {
+        const size_t i = sampled[static_cast<size_t>(task)];
+        const SeqWork& s = step.seqs[i];
+        const int64_t index = s.sample_index >= 0 ? s.sample_index : s.context_len;
+        chosen[i] = ChooseToken(std::span(logits_.data() + last_rows[i] * vocab, vocab), s, index,
+                                end_ids_);
+      });
   size_t row = 0;  // the sequence's first row of logits
   for (size_t i = 0; i < step.seqs.size(); ++i) {
     const SeqWork& s = step.seqs[i];
@@ -610,7 +633,7 @@ absl::StatusOr<StepResult> ExecutorService::RunStep(const StepBatch& step) {
     } else {
       report.decode_tokens += new_tokens;
     }
-    const size_t own_rows = s.input_logprobs ? s.tokens.size() : 1;
+    const size_t own_rows = own_rows_of(s);
     const std::span<const float> last(logits_.data() + (row + own_rows - 1) * vocab, vocab);
     SeqResult outcome;
     outcome.seq = s.seq;
@@ -624,19 +647,18 @@ absl::StatusOr<StepResult> ExecutorService::RunStep(const StepBatch& step) {
       if (s.score_next >= 0) outcome.input_logprobs.push_back(LogprobOf(last, s.score_next));
     }
     if (s.sample) {
-      const int64_t index = s.sample_index >= 0 ? s.sample_index : s.context_len;
-      absl::StatusOr<ChosenToken> chosen = ChooseToken(last, s, index, end_ids_);
-      if (chosen.ok()) {
-        outcome.token = chosen->token;
-        outcome.logprob = chosen->logprob;
-        for (const TokenLogprob& top : chosen->top) {
+      absl::StatusOr<ChosenToken>& token = chosen[i];
+      if (token.ok()) {
+        outcome.token = token->token;
+        outcome.logprob = token->logprob;
+        for (const TokenLogprob& top : token->top) {
           outcome.top_ids.push_back(top.token);
           outcome.top_logprobs.push_back(top.logprob);
         }
-        outcome.fork_tokens = std::move(chosen->fork_tokens);
-        outcome.fork_logprobs = std::move(chosen->fork_logprobs);
+        outcome.fork_tokens = std::move(token->fork_tokens);
+        outcome.fork_logprobs = std::move(token->fork_logprobs);
       } else {
-        outcome.status = chosen.status();
+        outcome.status = token.status();
       }
     }
     report.results.push_back(std::move(outcome));

@@ -200,6 +200,8 @@ class LlamaModel {
 
   const LlamaConfig& config() const { return config_; }
   const LlamaWeights& weights() const { return weights_; }
+  // Threads of the kernels' pool its parallel loops use, the caller included.
+  int32_t num_threads() const { return num_threads_; }
   // RoPE inverse frequencies, [head_dim / 2], rope_scaling applied: the full-attention
   // layers' (every layer's unless config().local_rope).
   const std::vector<double>& inv_freq() const { return inv_freq_; }
