@@ -21,10 +21,9 @@
 // each token in a bucket by its distance below the top logit (1/8 of a nat each, scaled
 // logits; everything 40 nats down in one last bucket) and sums each bucket's probability; the
 // nucleus cut and the draw then each find the bucket they fall in from the buckets' sums and
-// sort only that bucket's tokens. Bucket by bucket is the sorted
-// order, so the token drawn is the definition's; only the order of the sums differs (a draw
-// within their rounding, about 1e-12 of the total, of a boundary between two tokens may go
-// the other way).
+// sort only that bucket's tokens. Bucket by bucket is the sorted order, so the token drawn is
+// the definition's; only the order of the sums differs (a draw within their rounding, about
+// 1e-12 of the total, of a boundary between two tokens may go the other way).
 //
 // Thread safety: Sampler is immutable; Sample is const.
 
